@@ -1,0 +1,7 @@
+"""``python -m trionserve`` runs the server."""
+
+import sys
+
+from trionserve.cli import main
+
+sys.exit(main())

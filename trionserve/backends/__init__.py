@@ -1,0 +1,1 @@
+"""Model runtimes: each turns a version directory into instances that execute batches."""

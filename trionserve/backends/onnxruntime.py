@@ -1,0 +1,238 @@
+"""ONNX Runtime backend: platform ``onnxruntime_onnx`` / backend ``onnxruntime``.
+
+One ``InferenceSession`` per instance. KIND_GPU instances use the CUDA execution
+provider when onnxruntime-gpu is installed and a GPU is visible; otherwise loading
+such an instance fails with a reason that says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.core import datatypes
+from trionserve.core.batching import (
+    build_response,
+    gather_inputs,
+    split_outputs,
+    wanted_outputs,
+)
+from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
+from trionserve.core.types import InferenceRequest
+
+# ONNX tensor element types (onnxruntime's type strings) -> Triton config datatypes.
+_ORT_TYPES = {
+    "tensor(bool)": "TYPE_BOOL",
+    "tensor(uint8)": "TYPE_UINT8",
+    "tensor(uint16)": "TYPE_UINT16",
+    "tensor(uint32)": "TYPE_UINT32",
+    "tensor(uint64)": "TYPE_UINT64",
+    "tensor(int8)": "TYPE_INT8",
+    "tensor(int16)": "TYPE_INT16",
+    "tensor(int32)": "TYPE_INT32",
+    "tensor(int64)": "TYPE_INT64",
+    "tensor(float16)": "TYPE_FP16",
+    "tensor(float)": "TYPE_FP32",
+    "tensor(double)": "TYPE_FP64",
+    "tensor(string)": "TYPE_STRING",
+    "tensor(bfloat16)": "TYPE_BF16",
+}
+
+
+# Triton's default when auto-complete finds a model that can batch.
+DEFAULT_MAX_BATCH_SIZE = 4
+
+
+def _ort():
+    import onnxruntime
+
+    return onnxruntime
+
+
+def _dims(shape) -> list[int]:
+    """ONNX shapes use strings or None for symbolic dimensions; Triton uses -1."""
+    return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
+
+
+def _config_parameter(config, key: str) -> str | None:
+    if key in config.parameters:
+        return config.parameters[key].string_value
+    return None
+
+
+class OnnxRuntimeBackend:
+    name = "onnxruntime"
+
+    def default_model_filename(self) -> str:
+        return "model.onnx"
+
+    def auto_complete_config(
+        self, config, model_path: Path, max_batch_size_set: bool
+    ) -> None:
+        """Fill max_batch_size, inputs and outputs from the ONNX graph.
+
+        Only what config.pbtxt leaves out is filled: a config that lists inputs keeps
+        them, with missing dims or data types taken from the model. Like Triton, a
+        model whose every tensor has a variable leading dimension gets
+        max_batch_size 4 unless the config set max_batch_size itself.
+        """
+        session = _ort().InferenceSession(
+            str(model_path), providers=["CPUExecutionProvider"]
+        )
+        graph_inputs = session.get_inputs()
+        graph_outputs = session.get_outputs()
+        # A leading symbolic dimension on every tensor means the model batches.
+        can_batch = all(
+            len(t.shape) > 0 and _dims(t.shape)[0] == -1
+            for t in (*graph_inputs, *graph_outputs)
+        )
+        has_dims = any(e.dims for e in (*config.input, *config.output))
+        if not max_batch_size_set and can_batch and not has_dims:
+            config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+        skip = 1 if config.max_batch_size > 0 else 0
+        self._complete_tensors(config.input, graph_inputs, skip)
+        self._complete_tensors(config.output, graph_outputs, skip)
+
+    @staticmethod
+    def _complete_tensors(entries, graph_tensors, skip: int) -> None:
+        known = {e.name: e for e in entries}
+        for t in graph_tensors:
+            entry = known.get(t.name)
+            if entry is None:
+                if known:
+                    continue  # the config chose its own subset of tensors
+                entry = entries.add()
+                entry.name = t.name
+            if entry.data_type == 0 and t.type in _ORT_TYPES:
+                entry.data_type = _config_data_type(_ORT_TYPES[t.type])
+            if not entry.dims and not entry.HasField("reshape"):
+                dims = _dims(t.shape)[skip:]
+                entry.dims.extend(dims if dims else [1])
+
+    def load(self, context: ModelContext) -> "OnnxModel":
+        filename = context.config.default_model_filename or self.default_model_filename()
+        path = context.version_dir / filename
+        if not path.exists():
+            raise Unavailable(
+                f"model file '{filename}' not found in version {context.version} "
+                f"of model '{context.name}' ({context.version_dir.name}/)"
+            )
+        return OnnxModel(context, path)
+
+
+def _config_data_type(name: str) -> int:
+    from trionserve.repository.model_config_pb2 import DataType
+
+    return DataType.Value(name)
+
+
+class OnnxModel:
+    """A loaded ONNX model: the file and config that every instance shares."""
+
+    def __init__(self, context: ModelContext, path: Path) -> None:
+        self.context = context
+        self.path = path
+
+    def create_instance(self, spec: InstanceSpec) -> "OnnxInstance":
+        ort = _ort()
+        config = self.context.config
+        options = ort.SessionOptions()
+        intra = _config_parameter(config, "intra_op_thread_count")
+        inter = _config_parameter(config, "inter_op_thread_count")
+        if intra:
+            options.intra_op_num_threads = int(intra)
+        if inter:
+            options.inter_op_num_threads = int(inter)
+        providers: list = ["CPUExecutionProvider"]
+        if spec.kind == "KIND_GPU":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise Unavailable(
+                    f"instance '{spec.name}' of model '{self.context.name}' is KIND_GPU "
+                    "but onnxruntime has no CUDA execution provider "
+                    "(install the 'gpu' extra on a host with a GPU)"
+                )
+            providers = [
+                ("CUDAExecutionProvider", {"device_id": spec.device_id}),
+                "CPUExecutionProvider",
+            ]
+        session = ort.InferenceSession(str(self.path), options, providers=providers)
+        return OnnxInstance(self.context, spec, session)
+
+    def unload(self) -> None:
+        pass
+
+
+class OnnxInstance:
+    """One InferenceSession; executes one batch at a time (its executor guarantees it)."""
+
+    def __init__(self, context: ModelContext, spec: InstanceSpec, session) -> None:
+        config = context.config
+        self.spec = spec
+        self.model_name = context.name
+        self.model_version = str(context.version)
+        self._session = session
+        self._string_inputs = {
+            i.name for i in session.get_inputs() if i.type == "tensor(string)"
+        }
+        graph_outputs = {o.name for o in session.get_outputs()}
+        self._output_datatypes = {
+            o.name: datatypes.BY_CONFIG[_data_type_name(o.data_type)].wire
+            for o in config.output
+        }
+        missing = [name for name in self._output_datatypes if name not in graph_outputs]
+        if missing:
+            raise InvalidArgument(
+                f"model '{context.name}' config lists output(s) {missing} that the ONNX "
+                f"graph does not produce; it produces {sorted(graph_outputs)}"
+            )
+        self._input_reshape = {
+            i.name: tuple(i.reshape.shape) for i in config.input if i.HasField("reshape")
+        }
+        self._output_reshape = {
+            o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
+        }
+
+    def execute(self, requests: list[InferenceRequest]) -> list:
+        feeds = gather_inputs(requests, self._input_reshape)
+        for name in self._string_inputs.intersection(feeds):
+            feeds[name] = _to_str_array(feeds[name])
+        names = wanted_outputs(requests, list(self._output_datatypes))
+        try:
+            results = self._session.run(names, feeds)
+        except Exception as exc:  # onnxruntime raises its own exception types
+            error: TritonError = InternalError(
+                f"onnxruntime execute failure for model '{self.model_name}': {exc}"
+            )
+            return [error] * len(requests)
+        outputs = dict(zip(names, results))
+        return [
+            build_response(
+                request,
+                self.model_name,
+                self.model_version,
+                per_request,
+                self._output_datatypes,
+                self._output_reshape,
+            )
+            for request, per_request in zip(requests, split_outputs(outputs, requests))
+        ]
+
+    def close(self) -> None:
+        self._session = None
+
+
+def _data_type_name(value: int) -> str:
+    from trionserve.repository.model_config_pb2 import DataType
+
+    return DataType.Name(value)
+
+
+def _to_str_array(array: np.ndarray) -> np.ndarray:
+    """onnxruntime string tensors want str elements; our BYTES tensors hold bytes."""
+    flat = [
+        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+        for v in array.reshape(-1)
+    ]
+    return np.array(flat, dtype=object).reshape(array.shape)

@@ -1,0 +1,152 @@
+"""Command line: Triton's flag names mapped onto ServerOptions, then trio.run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import trio
+
+from trionserve import __version__
+from trionserve.actors.watcher import ControlMode
+from trionserve.core.errors import TritonError
+from trionserve.observability.logging import configure_logging
+from trionserve.server import Server, ServerOptions, StartupError
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {port}")
+    return port
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="trionserve",
+        description="A Triton-compatible inference server on Trio.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--version", action="version", version=f"trionserve {__version__}")
+    add = p.add_argument
+    add("--model-repository", "--model-store", dest="model_repositories", action="append",
+        type=Path, metavar="PATH", help="model repository directory (repeatable)")
+    add("--model-control-mode", choices=[m.value for m in ControlMode], default="none",
+        type=str.lower, help="none | explicit | poll (default none)")
+    add("--repository-poll-secs", type=_non_negative_float, default=15.0,
+        help="seconds between repository polls in poll mode (default 15)")
+    add("--load-model", dest="load_models", action="append", default=[], metavar="NAME",
+        help="model to load at startup in explicit mode (repeatable; '*' = all)")
+    add("--strict-model-config", type=_bool, default=False, metavar="BOOL",
+        help="require complete config.pbtxt files: no auto-complete (default false)")
+    add("--disable-auto-complete-config", action="store_true",
+        help="do not auto-complete configurations from model files")
+    add("--allow-http", type=_bool, default=True, metavar="BOOL")
+    add("--http-address", default="0.0.0.0")
+    add("--http-port", type=_port, default=8000)
+    add("--allow-grpc", type=_bool, default=True, metavar="BOOL",
+        help="serve the gRPC API (the gRPC frontend is not built yet; accepted)")
+    add("--grpc-address", default="0.0.0.0")
+    add("--grpc-port", type=_port, default=8001)
+    add("--allow-metrics", type=_bool, default=True, metavar="BOOL",
+        help="serve Prometheus metrics (the metrics endpoint is not built yet; accepted)")
+    add("--metrics-port", type=_port, default=8002)
+    add("--model-load-thread-count", type=_positive_int, default=4,
+        help="models loaded concurrently (default 4)")
+    add("--exit-timeout-secs", type=_non_negative_float, default=30.0,
+        help="seconds to finish in-flight requests at shutdown (default 30)")
+    add("--exit-on-error", type=_bool, default=True, metavar="BOOL",
+        help="exit if a model fails to load at startup (default true)")
+    add("--log-verbose", type=int, default=0, metavar="LEVEL",
+        help="verbose logging level; > 0 logs every request")
+    add("--log-format", choices=["console", "json"], default="console")
+    add("--id", dest="server_id", default="trionserve", help="server identifier")
+    return p
+
+
+def options_from_args(argv: list[str] | None = None) -> ServerOptions:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.model_repositories:
+        parser.error("--model-repository must be specified")
+    mode = ControlMode(args.model_control_mode)
+    if "*" in args.load_models and len(args.load_models) > 1:
+        parser.error("--load-model='*' cannot be combined with other model names")
+    if args.load_models and mode is not ControlMode.EXPLICIT:
+        parser.error("--load-model requires --model-control-mode=explicit")
+    return ServerOptions(
+        model_repositories=args.model_repositories,
+        model_control_mode=mode,
+        repository_poll_secs=args.repository_poll_secs,
+        load_models=args.load_models,
+        strict_model_config=args.strict_model_config,
+        disable_auto_complete_config=args.disable_auto_complete_config,
+        allow_http=args.allow_http,
+        http_address=args.http_address,
+        http_port=args.http_port,
+        allow_grpc=args.allow_grpc,
+        grpc_address=args.grpc_address,
+        grpc_port=args.grpc_port,
+        allow_metrics=args.allow_metrics,
+        metrics_port=args.metrics_port,
+        model_load_thread_count=args.model_load_thread_count,
+        exit_timeout_secs=args.exit_timeout_secs,
+        exit_on_error=args.exit_on_error,
+        log_verbose=args.log_verbose,
+        log_format=args.log_format,
+        server_id=args.server_id,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = options_from_args(argv)
+    configure_logging(options.log_format, options.log_verbose)
+    try:
+        server = Server(options)
+        trio.run(server.serve)
+    except (StartupError, TritonError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

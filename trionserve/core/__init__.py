@@ -1,0 +1,1 @@
+"""Plain data shared by every layer: requests, responses, tensors, datatypes, errors."""

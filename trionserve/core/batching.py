@@ -1,0 +1,87 @@
+"""Turning a batch of requests into framework inputs and framework outputs back into
+per-request responses.
+
+Inputs of several requests are concatenated along the batch dimension with one copy;
+a batch of one request is passed through untouched. Outputs are sliced back to each
+request as views, without copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+
+
+def gather_inputs(
+    requests: Sequence[InferenceRequest],
+    reshape: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, np.ndarray]:
+    """Framework inputs for a batch; ``reshape`` maps an input to its per-item shape."""
+    first = requests[0]
+    batched = first.batch_size > 0
+    arrays: dict[str, np.ndarray] = {}
+    for name, tensor in first.inputs.items():
+        if len(requests) == 1:
+            array = tensor.data
+        else:
+            array = np.concatenate([r.inputs[name].data for r in requests], axis=0)
+        if reshape and name in reshape:
+            target = reshape[name]
+            array = array.reshape(((array.shape[0],) + target) if batched else target)
+        arrays[name] = array
+    return arrays
+
+
+def split_outputs(
+    outputs: Mapping[str, np.ndarray], requests: Sequence[InferenceRequest]
+) -> list[dict[str, np.ndarray]]:
+    """Slice batched outputs back to each request (views, no copies)."""
+    if len(requests) == 1:
+        return [dict(outputs)]
+    per_request: list[dict[str, np.ndarray]] = []
+    start = 0
+    for request in requests:
+        stop = start + request.batch_size
+        per_request.append({name: array[start:stop] for name, array in outputs.items()})
+        start = stop
+    return per_request
+
+
+def wanted_outputs(
+    requests: Sequence[InferenceRequest], model_outputs: Sequence[str]
+) -> list[str]:
+    """The outputs any request of the batch asked for, in the model's order."""
+    wanted: set[str] = set()
+    for request in requests:
+        if request.requested_outputs is None:
+            return list(model_outputs)
+        wanted.update(o.name for o in request.requested_outputs)
+    return [name for name in model_outputs if name in wanted]
+
+
+def build_response(
+    request: InferenceRequest,
+    model_name: str,
+    model_version: str,
+    outputs: Mapping[str, np.ndarray],
+    output_datatypes: Mapping[str, str],
+    output_reshape: Mapping[str, tuple[int, ...]] | None = None,
+) -> InferenceResponse:
+    """A response holding the outputs this request asked for, in the order it asked."""
+    if request.requested_outputs is None:
+        names = [name for name in output_datatypes if name in outputs]
+    else:
+        names = [o.name for o in request.requested_outputs]
+    tensors = []
+    for name in names:
+        array = outputs[name]
+        if output_reshape and name in output_reshape:
+            target = output_reshape[name]
+            array = array.reshape(
+                ((array.shape[0],) + target) if request.batch_size > 0 else target
+            )
+        tensors.append(Tensor(name, output_datatypes[name], array))
+    return InferenceResponse(model_name, model_version, request.id, tensors)

@@ -1,0 +1,153 @@
+"""Checking a request against a model's inputs and outputs before it is queued.
+
+Errors name the model, the tensor and what was expected, with Triton's wording, so
+clients written against Triton see the same messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trionserve.core import datatypes
+from trionserve.core.errors import InvalidArgument
+from trionserve.core.types import InferenceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: str  # wire name
+    dims: tuple[int, ...]  # per-item dims as the client sees them (-1 = any)
+    optional: bool = False
+    allow_ragged_batch: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignature:
+    """The tensors of one model version, as requests must match them."""
+
+    name: str
+    max_batch_size: int
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+
+    @classmethod
+    def from_config(cls, config) -> "ModelSignature":
+        def spec(entry, is_input: bool) -> TensorSpec:
+            return TensorSpec(
+                name=entry.name,
+                datatype=datatypes.BY_CONFIG[_type_name(entry.data_type)].wire,
+                dims=tuple(entry.dims),
+                optional=is_input and entry.optional,
+                allow_ragged_batch=is_input and entry.allow_ragged_batch,
+            )
+
+        return cls(
+            name=config.name,
+            max_batch_size=config.max_batch_size,
+            inputs={i.name: spec(i, True) for i in config.input},
+            outputs={o.name: spec(o, False) for o in config.output},
+        )
+
+    def full_shape(self, spec: TensorSpec) -> list[int]:
+        """The shape shown in metadata: with a -1 batch dimension when batching."""
+        return ([-1] if self.max_batch_size > 0 else []) + list(spec.dims)
+
+
+def _type_name(value: int) -> str:
+    from trionserve.repository.model_config_pb2 import DataType
+
+    return DataType.Name(value)
+
+
+def _fmt(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def validate_request(request: InferenceRequest, signature: ModelSignature) -> None:
+    """Check inputs and requested outputs; set ``request.batch_size``.
+
+    Raises InvalidArgument naming the first problem found.
+    """
+    model = signature.name
+    inputs = request.inputs
+    for name in inputs:
+        if name not in signature.inputs:
+            raise InvalidArgument(
+                f"unexpected inference input '{name}' for model '{model}'"
+            )
+    missing = [
+        n for n, s in signature.inputs.items() if not s.optional and n not in inputs
+    ]
+    if missing:
+        required = sum(1 for s in signature.inputs.values() if not s.optional)
+        raise InvalidArgument(
+            f"expected {required} inputs but got {len(inputs)} inputs for model "
+            f"'{model}'. Got input(s) {list(inputs)}, but missing required input(s) "
+            f"{missing}. Please provide all required input(s)."
+        )
+
+    batched = signature.max_batch_size > 0
+    batch_size = 0
+    for name, tensor in inputs.items():
+        spec = signature.inputs[name]
+        if tensor.datatype != spec.datatype:
+            raise InvalidArgument(
+                f"inference input '{name}' data-type is '{tensor.datatype}', but "
+                f"model '{model}' expects '{spec.datatype}'"
+            )
+        shape = tensor.data.shape
+        item_shape = shape
+        if batched:
+            if len(shape) == 0:
+                raise InvalidArgument(
+                    f"input '{name}' for model '{model}' has no batch dimension; "
+                    f"expected shape {_fmt(signature.full_shape(spec))}"
+                )
+            this_batch = shape[0]
+            if batch_size == 0:
+                batch_size = this_batch
+            elif this_batch != batch_size and not spec.allow_ragged_batch:
+                raise InvalidArgument(
+                    f"input '{name}' batch size {this_batch} does not match other "
+                    f"inputs' batch size {batch_size} for model '{model}'"
+                )
+            item_shape = shape[1:]
+        if not spec.allow_ragged_batch and not _matches(item_shape, spec.dims):
+            raise InvalidArgument(
+                f"unexpected shape for input '{name}' for model '{model}'. Expected "
+                f"{_fmt(signature.full_shape(spec))}, got {_fmt(shape)}"
+            )
+
+    if batched:
+        if batch_size < 1:
+            raise InvalidArgument(
+                f"inference request batch-size must be >= 1 for '{model}', got "
+                f"{batch_size}"
+            )
+        if batch_size > signature.max_batch_size:
+            raise InvalidArgument(
+                f"inference request batch-size must be <= {signature.max_batch_size} "
+                f"for '{model}', got {batch_size}"
+            )
+    request.batch_size = batch_size
+
+    if request.requested_outputs is not None:
+        seen: set[str] = set()
+        for output in request.requested_outputs:
+            if output.name not in signature.outputs:
+                raise InvalidArgument(
+                    f"unexpected inference output '{output.name}' for model '{model}'"
+                )
+            if output.name in seen:
+                raise InvalidArgument(
+                    f"output '{output.name}' requested more than once for model "
+                    f"'{model}'"
+                )
+            seen.add(output.name)
+
+
+def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    if len(shape) != len(dims):
+        return False
+    return all(d == -1 or d == s for s, d in zip(shape, dims))

@@ -1,0 +1,1 @@
+"""Metrics, statistics, logging and tracing."""

@@ -1,0 +1,323 @@
+"""The HTTP/REST frontend: KServe v2 endpoints with Triton's extensions.
+
+Two ASGI apps behind one dispatcher: ``POST .../infer`` is handled by a lean raw
+ASGI handler (Quart's per-request machinery would cost more than the inference of
+a small model), everything else by a quart-trio app. Both only decode, call the
+DataPlane and encode.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import zlib
+
+import structlog
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
+from trionserve.dataplane import DataPlane
+from trionserve.protocol import http_codec
+from trionserve.repository.config import model_config_to_json
+
+log = structlog.get_logger(__name__)
+
+HTTP_STATUS = {
+    Status.INVALID_ARGUMENT: 400,
+    Status.NOT_FOUND: 404,
+    Status.UNAVAILABLE: 503,
+    Status.INTERNAL: 500,
+    Status.UNIMPLEMENTED: 501,
+    Status.ALREADY_EXISTS: 409,
+    Status.CANCELLED: 499,
+    Status.DEADLINE_EXCEEDED: 504,
+}
+
+_INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
+_JSON = [(b"content-type", b"application/json")]
+
+
+def error_status(error: TritonError) -> int:
+    return HTTP_STATUS.get(error.status, 500)
+
+
+def _decompress(body: bytes, encoding: str) -> bytes:
+    try:
+        if encoding == "gzip":
+            return gzip.decompress(body)
+        if encoding == "deflate":
+            return zlib.decompress(body)
+    except (OSError, zlib.error) as exc:
+        raise InvalidArgument(f"failed to decompress the {encoding} request body: {exc}")
+    raise InvalidArgument(f"unsupported Content-Encoding '{encoding}'")
+
+
+def _compress(body: bytes, accept_encoding: str) -> tuple[bytes, bytes | None]:
+    accepted = {part.split(";")[0].strip() for part in accept_encoding.split(",")}
+    if "gzip" in accepted:
+        return gzip.compress(body, compresslevel=1), b"gzip"
+    if "deflate" in accepted:
+        return zlib.compress(body, 1), b"deflate"
+    return body, None
+
+
+class _Disconnected(Exception):
+    """The client went away before its request body arrived."""
+
+
+class InferHandler:
+    """Raw ASGI handler for ``POST /v2/models/{name}[/versions/{v}]/infer``."""
+
+    def __init__(self, dataplane: DataPlane, verbose: bool = False) -> None:
+        self.dataplane = dataplane
+        self.verbose = verbose
+
+    async def __call__(self, scope, receive, send, match: re.Match) -> None:
+        header_length = None
+        content_encoding = None
+        accept_encoding = None
+        for key, value in scope["headers"]:
+            if key == b"inference-header-content-length":
+                header_length = value
+            elif key == b"content-encoding":
+                content_encoding = value.decode("latin-1").strip().lower()
+            elif key == b"accept-encoding":
+                accept_encoding = value.decode("latin-1")
+        try:
+            body = await self._read_body(receive)
+            if content_encoding and content_encoding != "identity":
+                body = _decompress(body, content_encoding)
+            if header_length is not None:
+                try:
+                    header_length = int(header_length)
+                except ValueError:
+                    raise InvalidArgument(
+                        "Inference-Header-Content-Length must be an integer, got "
+                        f"{header_length.decode('latin-1')!r}"
+                    ) from None
+            version = http_codec.parse_model_version(match.group(2) or "")
+            infer_request = http_codec.decode_infer_request(
+                body, header_length, match.group(1), version
+            )
+            if self.verbose:
+                log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
+            response = await self.dataplane.infer(infer_request)
+            chunks, json_length = http_codec.encode_infer_response(response, infer_request)
+        except _Disconnected:
+            return
+        except TritonError as error:
+            await self._send_error(send, error)
+            return
+        except Exception as exc:  # a bug must not take the connection task down
+            log.exception("infer handler failed")
+            await self._send_error(send, as_triton_error(exc, "internal error"))
+            return
+
+        if json_length is None:
+            headers = list(_JSON)
+        else:
+            headers = [
+                (b"content-type", b"application/octet-stream"),
+                (b"inference-header-content-length", str(json_length).encode()),
+            ]
+        total = sum(len(c) for c in chunks)
+        if accept_encoding and "identity" != accept_encoding.strip():
+            payload, encoding = _compress(b"".join(chunks), accept_encoding)
+            if encoding is not None:
+                chunks, total = [payload], len(payload)
+                headers.append((b"content-encoding", encoding))
+        headers.append((b"content-length", str(total).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        # One join: h11 wants bytes, and one write beats several small ones.
+        await send({"type": "http.response.body", "body": b"".join(chunks)})
+
+    @staticmethod
+    async def _read_body(receive) -> bytes:
+        message = await receive()
+        body = message.get("body", b"")
+        if not message.get("more_body", False):
+            return body
+        parts = [body]
+        while message.get("more_body", False):
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            parts.append(message.get("body", b""))
+        return b"".join(parts)
+
+    @staticmethod
+    async def _send_error(send, error: TritonError) -> None:
+        body = http_codec.encode_error(error.message)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": error_status(error),
+                "headers": _JSON + [(b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def _json(payload, status: int = 200) -> Response:
+    return Response(
+        json.dumps(payload, separators=(",", ":")), status=status, content_type="application/json"
+    )
+
+
+def _error(error: TritonError) -> Response:
+    return Response(
+        http_codec.encode_error(error.message),
+        status=error_status(error),
+        content_type="application/json",
+    )
+
+
+def build_api_app(dataplane: DataPlane) -> QuartTrio:
+    """The quart-trio app for every endpoint except infer."""
+    app = QuartTrio("trionserve")
+    app.config["MAX_CONTENT_LENGTH"] = None
+    app.config["BODY_TIMEOUT"] = None
+    app.config["RESPONSE_TIMEOUT"] = None
+
+    @app.errorhandler(TritonError)
+    async def triton_error(error: TritonError):
+        return _error(error)
+
+    @app.errorhandler(404)
+    async def not_found(_error):
+        return _json({"error": f"Not Found: {request.method} {request.path}"}, 404)
+
+    @app.errorhandler(405)
+    async def not_allowed(_error):
+        return _json(
+            {"error": f"method {request.method} is not allowed for {request.path}"}, 405
+        )
+
+    def status_only(ok: bool) -> Response:
+        return Response(b"", status=200 if ok else 400)
+
+    @app.get("/v2/health/live")
+    async def health_live():
+        return status_only(dataplane.live())
+
+    @app.get("/v2/health/ready")
+    async def health_ready():
+        return status_only(dataplane.ready())
+
+    @app.get("/v2")
+    async def server_metadata():
+        return _json(dataplane.server_metadata())
+
+    def version_of(version: str | None) -> int | None:
+        return http_codec.parse_model_version(version or "")
+
+    @app.get("/v2/models/<name>")
+    @app.get("/v2/models/<name>/versions/<version>")
+    async def model_metadata(name: str, version: str | None = None):
+        return _json(dataplane.model_metadata(name, version_of(version)))
+
+    @app.get("/v2/models/<name>/ready")
+    @app.get("/v2/models/<name>/versions/<version>/ready")
+    async def model_ready(name: str, version: str | None = None):
+        return status_only(dataplane.model_ready(name, version_of(version)))
+
+    @app.get("/v2/models/<name>/config")
+    @app.get("/v2/models/<name>/versions/<version>/config")
+    async def model_config(name: str, version: str | None = None):
+        return _json(model_config_to_json(dataplane.model_config(name, version_of(version))))
+
+    async def json_body() -> dict:
+        raw = await request.get_data()
+        if not raw:
+            return {}
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return body
+
+    @app.post("/v2/repository/index")
+    async def repository_index():
+        body = await json_body()
+        ready = body.get("ready", False)
+        if not isinstance(ready, bool):
+            raise InvalidArgument("'ready' in the repository index request must be a boolean")
+        return _json(dataplane.repository_index(ready_only=ready))
+
+    @app.post("/v2/repository/models/<name>/load")
+    async def repository_load(name: str):
+        body = await json_body()
+        parameters = body.get("parameters", {}) or {}
+        config = parameters.get("config")
+        if config is not None and not isinstance(config, str):
+            raise InvalidArgument("load parameter 'config' must be a JSON string")
+        await dataplane.load_model(name, config)
+        return Response(b"", status=200)
+
+    @app.post("/v2/repository/models/<name>/unload")
+    async def repository_unload(name: str):
+        await json_body()
+        await dataplane.unload_model(name)
+        return Response(b"", status=200)
+
+    return app
+
+
+class HttpFrontend:
+    """ASGI dispatcher: infer to the lean handler, everything else to Quart."""
+
+    def __init__(self, dataplane: DataPlane, verbose: bool = False) -> None:
+        self.infer = InferHandler(dataplane, verbose)
+        self.api = build_api_app(dataplane)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            match = _INFER_PATH.match(scope["path"])
+            if match is not None:
+                await self.infer(scope, receive, send, match)
+                return
+        await self.api(scope, receive, send)
+
+
+def hypercorn_config(address: str, port: int, graceful_timeout: float) -> HypercornConfig:
+    config = HypercornConfig()
+    host = f"[{address}]" if ":" in address else address
+    config.bind = [f"{host}:{port}"]
+    # Load generators keep connections open for millions of requests; hypercorn's
+    # defaults (1,000 requests, 5 s idle) would show up as client socket errors.
+    config.keep_alive_max_requests = 2**62
+    config.keep_alive_timeout = 3600
+    config.graceful_timeout = graceful_timeout
+    config.backlog = 1024
+    config.accesslog = None
+    config.errorlog = None
+    config.h11_max_incomplete_size = 1024 * 1024
+    return config
+
+
+async def serve_http(
+    dataplane: DataPlane,
+    address: str,
+    port: int,
+    shutdown: trio.Event,
+    graceful_timeout: float,
+    verbose: bool = False,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve HTTP until ``shutdown`` is set, then drain for ``graceful_timeout``."""
+    config = hypercorn_config(address, port, graceful_timeout)
+    await hypercorn_serve(
+        HttpFrontend(dataplane, verbose),
+        config,
+        shutdown_trigger=shutdown.wait,
+        task_status=task_status,
+        mode="asgi",
+    )

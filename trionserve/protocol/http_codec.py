@@ -1,0 +1,669 @@
+"""Sans-I/O codec of the KServe v2 / Triton HTTP/REST inference protocol.
+
+Pure functions over bytes: an infer request body (JSON, optionally followed by the
+binary tensor extension's raw tensor bytes) becomes an :class:`InferenceRequest`, and
+an :class:`InferenceResponse` becomes a list of body chunks. No sockets, no event loop.
+
+Binary input tensors are ``np.frombuffer`` views of the request body (read-only when
+the body is ``bytes``); binary output tensors are memoryviews of the output arrays, so
+tensor data is never copied on either path except for BYTES tensors, which have no
+fixed-size layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any
+
+import numpy as np
+
+from trionserve.core.datatypes import BY_WIRE, DataType
+from trionserve.core.errors import InvalidArgument, Unimplemented
+from trionserve.core.types import (
+    InferenceRequest,
+    InferenceResponse,
+    RequestedOutput,
+    Tensor,
+)
+
+__all__ = [
+    "decode_infer_request",
+    "encode_infer_response",
+    "encode_error",
+    "parse_model_version",
+    "serialize_bytes_tensor",
+    "deserialize_bytes_tensor",
+]
+
+_U32 = struct.Struct("<I")
+_UINT64_MAX = 2**64 - 1
+_INT64_MAX = 2**63 - 1
+
+# Wire tensors are little-endian; on a little-endian host these equal the native dtypes.
+_WIRE_DTYPE: dict[str, np.dtype] = {
+    d.wire: d.numpy.newbyteorder("<") for d in BY_WIRE.values() if d.itemsize
+}
+_INT_WIRES = frozenset(
+    d.wire for d in BY_WIRE.values() if d.numpy.kind in "iu" and d.wire != "BF16"
+)
+_FLOAT_WIRES = frozenset(("FP16", "FP32", "FP64"))
+_IINFO = {w: np.iinfo(BY_WIRE[w].numpy) for w in _INT_WIRES}
+
+_JSON_SEPARATORS = (",", ":")
+
+
+def _dumps(obj: Any) -> bytes:
+    # ensure_ascii (the default) keeps len(str) == len(bytes) for the header length.
+    return json.dumps(obj, separators=_JSON_SEPARATORS).encode()
+
+
+def _fmt_shape(shape: Any) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+# --------------------------------------------------------------------------- BYTES
+
+
+def serialize_bytes_tensor(array: np.ndarray) -> bytes:
+    """Serialize a BYTES tensor: each element, in row-major order, as a 4-byte
+    little-endian length followed by its bytes. ``str`` elements are UTF-8 encoded."""
+    items = np.asarray(array).reshape(-1).tolist()
+    pack = _U32.pack
+    parts: list[bytes] = []
+    append = parts.append
+    for item in items:
+        if type(item) is not bytes:
+            item = _element_bytes(item)
+        append(pack(len(item)))
+        append(item)
+    return b"".join(parts)
+
+
+def _element_bytes(item: Any) -> bytes:
+    if isinstance(item, str):
+        return item.encode("utf-8")
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        return bytes(item)
+    # Same leniency as tritonclient: anything else goes by its string form.
+    return str(item).encode("utf-8")
+
+
+def deserialize_bytes_tensor(
+    buffer: bytes | bytearray | memoryview, count: int | None, what: str
+) -> np.ndarray:
+    """Parse length-prefixed BYTES elements into a 1-D object array of ``bytes``.
+
+    ``count`` is the number of elements the shape promises (None: as many as the
+    buffer holds); ``what`` names the tensor in error messages, e.g. "input 'X'".
+    """
+    if not isinstance(buffer, bytes):
+        buffer = memoryview(buffer).cast("B")
+    return _read_bytes_elements(buffer, 0, len(buffer), count, what)
+
+
+def _read_bytes_elements(
+    buf: bytes | memoryview, start: int, end: int, count: int | None, what: str
+) -> np.ndarray:
+    items: list[bytes] = []
+    append = items.append
+    unpack = _U32.unpack_from
+    offset = start
+    while offset < end:
+        if end - offset < 4:
+            raise InvalidArgument(
+                f"malformed BYTES data for {what}: element {len(items)} needs a 4-byte "
+                f"length prefix, got {end - offset} bytes"
+            )
+        (length,) = unpack(buf, offset)
+        offset += 4
+        stop = offset + length
+        if stop > end:
+            raise InvalidArgument(
+                f"malformed BYTES data for {what}: element {len(items)} has length "
+                f"{length}, got only {end - offset} bytes"
+            )
+        append(bytes(buf[offset:stop]))
+        offset = stop
+    if count is not None and len(items) != count:
+        raise InvalidArgument(
+            f"unexpected number of BYTES elements for {what}: expected {count}, "
+            f"got {len(items)}"
+        )
+    out = np.empty(len(items), dtype=np.object_)
+    out[:] = items
+    return out
+
+
+# ------------------------------------------------------------------------- request
+
+
+def parse_model_version(text: str) -> int | None:
+    """The model version of a URL path segment: "" -> None (the model's policy
+    decides), a positive integer -> int."""
+    if text == "":
+        return None
+    if text.isascii() and text.isdigit() and len(text) <= 19:
+        version = int(text)
+        if 0 < version <= _INT64_MAX:
+            return version
+    raise InvalidArgument(
+        f"invalid model version '{text}': expected a positive integer"
+    )
+
+
+def decode_infer_request(
+    body: bytes,
+    header_length: int | None,
+    model_name: str,
+    model_version: int | None,
+) -> InferenceRequest:
+    """Decode an infer request body.
+
+    ``header_length`` is the ``Inference-Header-Content-Length`` header's value (None
+    when absent: the whole body is JSON). Raises InvalidArgument for any malformed
+    request, Unimplemented for shared-memory inputs and outputs.
+    """
+    size = len(body)
+    if header_length is None:
+        header = body
+        header_end = size
+    else:
+        if type(header_length) is not int or header_length < 0:
+            raise InvalidArgument(
+                "invalid Inference-Header-Content-Length: expected a non-negative "
+                f"integer, got {header_length!r}"
+            )
+        if header_length > size:
+            raise InvalidArgument(
+                f"invalid Inference-Header-Content-Length: {header_length} is larger "
+                f"than the request body ({size} bytes)"
+            )
+        header = body if header_length == size else body[:header_length]
+        header_end = header_length
+    if not isinstance(header, (bytes, bytearray)):
+        header = bytes(header)
+
+    try:
+        doc = json.loads(header)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
+    if type(doc) is not dict:
+        raise InvalidArgument(
+            "failed to parse the request JSON: expected an object, got "
+            f"{_json_kind(doc)}"
+        )
+
+    request_id = doc.get("id")
+    if request_id is None:
+        request_id = ""
+    elif type(request_id) is not str:
+        raise InvalidArgument(
+            f"invalid request 'id': expected a string, got {_json_kind(request_id)}"
+        )
+
+    request = InferenceRequest(model_name, model_version, id=request_id)
+    params = doc.get("parameters")
+    if params is not None:
+        _apply_request_parameters(request, params)
+
+    request.inputs = _decode_inputs(
+        doc.get("inputs"), body, header_end, size, header_length is not None
+    )
+
+    outputs = doc.get("outputs")
+    if outputs is not None:
+        request.requested_outputs = _decode_outputs(outputs)
+    return request
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if type(value) is bool:
+        return "a boolean"
+    if type(value) is int:
+        return "an integer"
+    if type(value) is float:
+        return "a number"
+    if type(value) is str:
+        return "a string"
+    if type(value) is list:
+        return "an array"
+    if type(value) is dict:
+        return "an object"
+    return type(value).__name__
+
+
+def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
+    if type(params) is not dict:
+        raise InvalidArgument(
+            "invalid request 'parameters': expected an object, "
+            f"got {_json_kind(params)}"
+        )
+    custom = request.parameters
+    for key, value in params.items():
+        if key == "sequence_id":
+            if type(value) is str:
+                request.sequence_id = value
+            elif type(value) is int and 0 <= value <= _UINT64_MAX:
+                request.sequence_id = value
+            else:
+                raise InvalidArgument(
+                    "invalid parameter 'sequence_id': expected an unsigned integer "
+                    f"or a string, got {json.dumps(value)}"
+                )
+        elif key == "sequence_start" or key == "sequence_end":
+            if type(value) is not bool:
+                raise InvalidArgument(
+                    f"invalid parameter '{key}': expected a boolean, "
+                    f"got {json.dumps(value)}"
+                )
+            setattr(request, key, value)
+        elif key == "priority":
+            request.priority = _unsigned_parameter(key, value)
+        elif key == "timeout":
+            request.timeout_us = _unsigned_parameter(key, value)
+        elif key == "binary_data_output":
+            if type(value) is not bool:
+                raise InvalidArgument(
+                    "invalid parameter 'binary_data_output': expected a boolean, "
+                    f"got {json.dumps(value)}"
+                )
+            custom[key] = value
+        else:
+            # Same value types as gRPC's InferParameter, so both frontends agree.
+            if type(value) not in (str, int, float, bool):
+                raise InvalidArgument(
+                    f"invalid parameter '{key}': expected a string, integer, number "
+                    f"or boolean, got {_json_kind(value)}"
+                )
+            custom[key] = value
+
+
+def _unsigned_parameter(key: str, value: Any) -> int:
+    if type(value) is not int or not 0 <= value <= _UINT64_MAX:
+        raise InvalidArgument(
+            f"invalid parameter '{key}': expected a non-negative integer, "
+            f"got {json.dumps(value)}"
+        )
+    return value
+
+
+def _decode_inputs(
+    inputs: Any, body: bytes, offset: int, size: int, has_header: bool
+) -> dict[str, Tensor]:
+    if type(inputs) is not list:
+        if inputs is None:
+            raise InvalidArgument("invalid request: missing 'inputs'")
+        raise InvalidArgument(
+            f"invalid request 'inputs': expected an array, got {_json_kind(inputs)}"
+        )
+    tensors: dict[str, Tensor] = {}
+    for index, spec in enumerate(inputs):
+        if type(spec) is not dict:
+            raise InvalidArgument(
+                f"invalid input at index {index}: expected an object, "
+                f"got {_json_kind(spec)}"
+            )
+        name = spec.get("name")
+        if type(name) is not str:
+            raise InvalidArgument(
+                f"invalid input at index {index}: 'name' must be a string, "
+                f"got {_json_kind(name)}"
+            )
+        if name in tensors:
+            raise InvalidArgument(f"duplicate input '{name}' in the request")
+
+        datatype = spec.get("datatype")
+        dt = BY_WIRE.get(datatype) if type(datatype) is str else None
+        if dt is None:
+            raise InvalidArgument(
+                f"invalid datatype for input '{name}': expected one of "
+                f"{', '.join(BY_WIRE)}, got {json.dumps(datatype)}"
+            )
+
+        shape = spec.get("shape")
+        if type(shape) is not list or not all(
+            type(d) is int and d >= 0 for d in shape
+        ):
+            raise InvalidArgument(
+                f"invalid shape for input '{name}': expected an array of "
+                f"non-negative integers, got {json.dumps(shape)}"
+            )
+        count = math.prod(shape)
+
+        params = spec.get("parameters")
+        binary_size = None
+        if params is not None:
+            if type(params) is not dict:
+                raise InvalidArgument(
+                    f"invalid parameters for input '{name}': expected an object, "
+                    f"got {_json_kind(params)}"
+                )
+            if "shared_memory_region" in params:
+                raise Unimplemented(
+                    f"shared memory is not supported yet (input '{name}' uses region "
+                    f"{json.dumps(params['shared_memory_region'])})"
+                )
+            binary_size = params.get("binary_data_size")
+
+        if binary_size is not None:
+            if type(binary_size) is not int or binary_size < 0:
+                raise InvalidArgument(
+                    f"invalid 'binary_data_size' for input '{name}': expected a "
+                    f"non-negative integer, got {json.dumps(binary_size)}"
+                )
+            if spec.get("data") is not None:
+                raise InvalidArgument(
+                    f"input '{name}' has both 'data' and 'binary_data_size'; "
+                    "expected exactly one"
+                )
+            end = offset + binary_size
+            if end > size:
+                hint = (
+                    ""
+                    if has_header
+                    else " (binary data needs the Inference-Header-Content-Length"
+                    " header)"
+                )
+                raise InvalidArgument(
+                    f"missing binary data for input '{name}': expected "
+                    f"{binary_size} bytes, got {size - offset}{hint}"
+                )
+            data = _binary_to_array(name, dt, shape, count, body, offset, binary_size)
+            offset = end
+        else:
+            data = _json_to_array(name, dt, shape, count, spec.get("data"))
+        tensors[name] = Tensor(name, dt.wire, data)
+
+    if offset != size:
+        raise InvalidArgument(
+            f"unexpected binary data in the request: {size - offset} bytes after the "
+            "last binary input are not claimed by any input's 'binary_data_size'"
+        )
+    return tensors
+
+
+def _binary_to_array(
+    name: str,
+    dt: DataType,
+    shape: list[int],
+    count: int,
+    body: bytes,
+    offset: int,
+    nbytes: int,
+) -> np.ndarray:
+    if dt.itemsize == 0:  # BYTES
+        what = f"input '{name}' with shape {_fmt_shape(shape)}"
+        return _read_bytes_elements(body, offset, offset + nbytes, count, what).reshape(
+            shape
+        )
+    expected = count * dt.itemsize
+    if nbytes != expected:
+        raise InvalidArgument(
+            f"unexpected byte size for input '{name}': expected {expected} bytes for "
+            f"shape {_fmt_shape(shape)} of {dt.wire}, got {nbytes}"
+        )
+    if count == 0:
+        return np.empty(shape, dtype=dt.numpy)
+    return np.frombuffer(
+        body, dtype=_WIRE_DTYPE[dt.wire], count=count, offset=offset
+    ).reshape(shape)
+
+
+def _json_to_array(
+    name: str, dt: DataType, shape: list[int], count: int, data: Any
+) -> np.ndarray:
+    wire = dt.wire
+    if data is None:
+        raise InvalidArgument(
+            f"missing data for input '{name}': expected 'data' or a "
+            "'binary_data_size' parameter"
+        )
+    if type(data) is not list:
+        raise InvalidArgument(
+            f"invalid 'data' for input '{name}': expected an array, "
+            f"got {_json_kind(data)}"
+        )
+    if wire == "BF16":
+        raise InvalidArgument(
+            f"invalid data for input '{name}': BF16 data must use the binary tensor "
+            "extension (binary_data_size), not JSON"
+        )
+    flat = _flatten(data)
+    _check_count(name, shape, count, len(flat))
+    # One C-level pass over the element types; the Python loops below run only to
+    # name the offending element of a request that is already known to be bad.
+    types = set(map(type, flat))
+    if wire == "BYTES":
+        if not types <= _STR_TYPES:
+            _bad_element(name, wire, "strings", flat, _STR_TYPES)
+        out = np.empty(len(flat), dtype=np.object_)
+        out[:] = [item.encode("utf-8") for item in flat]
+        return out.reshape(shape)
+    if wire == "BOOL":
+        if not types <= _BOOL_TYPES:
+            _bad_element(name, wire, "true or false", flat, _BOOL_TYPES)
+    elif wire in _FLOAT_WIRES:
+        if not types <= _NUMBER_TYPES:
+            _bad_element(name, wire, "numbers", flat, _NUMBER_TYPES)
+    elif not types <= _INT_TYPES:
+        _bad_element(name, wire, "integers", flat, _INT_TYPES)
+    try:
+        return np.array(flat, dtype=dt.numpy).reshape(shape)
+    except OverflowError:
+        _out_of_range(name, wire, flat)
+        raise  # pragma: no cover - numpy overflowed on an in-range value
+
+
+def _out_of_range(name: str, wire: str, flat: list) -> None:
+    if wire in _FLOAT_WIRES:
+        for i, item in enumerate(flat):
+            try:
+                float(item)
+            except OverflowError:
+                raise InvalidArgument(
+                    f"value out of range for input '{name}': element {i} is {item}, "
+                    f"too large for {wire}"
+                ) from None
+        return
+    info = _IINFO[wire]
+    lo, hi = int(info.min), int(info.max)
+    for i, item in enumerate(flat):
+        if not lo <= item <= hi:
+            raise InvalidArgument(
+                f"value out of range for input '{name}': element {i} is {item}, "
+                f"expected {wire} in [{lo}, {hi}]"
+            )
+
+
+_STR_TYPES = frozenset((str,))
+_BOOL_TYPES = frozenset((bool,))
+_INT_TYPES = frozenset((int,))
+_NUMBER_TYPES = frozenset((int, float))
+
+
+def _flatten(data: list) -> list:
+    if list not in set(map(type, data)):
+        return data
+    flat: list = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if type(item) is list:
+                stack.append(iter(item))
+                break
+            flat.append(item)
+        else:
+            stack.pop()
+    return flat
+
+
+def _check_count(name: str, shape: list[int], expected: int, got: int) -> None:
+    if got != expected:
+        raise InvalidArgument(
+            f"unexpected number of elements for input '{name}': expected {expected} "
+            f"for shape {_fmt_shape(shape)}, got {got}"
+        )
+
+
+def _bad_element(
+    name: str, wire: str, expected: str, flat: list, allowed: frozenset
+) -> None:
+    for index, item in enumerate(flat):
+        if type(item) not in allowed:
+            raise InvalidArgument(
+                f"invalid data for input '{name}': {wire} data must be {expected}, "
+                f"got {json.dumps(item)} at element {index}"
+            )
+
+
+def _decode_outputs(outputs: Any) -> list[RequestedOutput]:
+    if type(outputs) is not list:
+        raise InvalidArgument(
+            f"invalid request 'outputs': expected an array, got {_json_kind(outputs)}"
+        )
+    requested: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for index, spec in enumerate(outputs):
+        if type(spec) is not dict:
+            raise InvalidArgument(
+                f"invalid output at index {index}: expected an object, "
+                f"got {_json_kind(spec)}"
+            )
+        name = spec.get("name")
+        if type(name) is not str:
+            raise InvalidArgument(
+                f"invalid output at index {index}: 'name' must be a string, "
+                f"got {_json_kind(name)}"
+            )
+        if name in seen:
+            raise InvalidArgument(f"duplicate output '{name}' in the request")
+        seen.add(name)
+        params = spec.get("parameters")
+        if params is None:
+            params = {}
+        elif type(params) is not dict:
+            raise InvalidArgument(
+                f"invalid parameters for output '{name}': expected an object, "
+                f"got {_json_kind(params)}"
+            )
+        else:
+            if "shared_memory_region" in params:
+                raise Unimplemented(
+                    f"shared memory is not supported yet (output '{name}' uses region "
+                    f"{json.dumps(params['shared_memory_region'])})"
+                )
+            binary = params.get("binary_data")
+            if binary is not None and type(binary) is not bool:
+                raise InvalidArgument(
+                    f"invalid 'binary_data' for output '{name}': expected a boolean, "
+                    f"got {json.dumps(binary)}"
+                )
+            classes = params.get("classification")
+            if classes is not None and (type(classes) is not int or classes < 0):
+                raise InvalidArgument(
+                    f"invalid 'classification' for output '{name}': expected a "
+                    f"non-negative integer, got {json.dumps(classes)}"
+                )
+            params = dict(params)
+        requested.append(RequestedOutput(name, params))
+    return requested
+
+
+# ------------------------------------------------------------------------ response
+
+
+def encode_infer_response(
+    response: InferenceResponse, request: InferenceRequest
+) -> tuple[list[bytes | memoryview], int | None]:
+    """Encode a response body as chunks to write in order, plus the JSON header length
+    when any output is binary (for ``Inference-Header-Content-Length``), else None."""
+    default_binary = request.parameters.get("binary_data_output") is True
+    per_output: dict[str, bool] = {}
+    if request.requested_outputs:
+        for out in request.requested_outputs:
+            flag = out.parameters.get("binary_data")
+            if flag is not None:
+                per_output[out.name] = flag is True
+
+    chunks: list[bytes | memoryview] = [b""]
+    any_binary = False
+    outputs_json = []
+    for tensor in response.outputs:
+        wire = tensor.datatype
+        binary = per_output.get(tensor.name, default_binary)
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": wire,
+            "shape": list(tensor.data.shape),
+        }
+        if binary:
+            any_binary = True
+            chunk = _binary_output(wire, tensor.data)
+            entry["parameters"] = {"binary_data_size": len(chunk)}
+            if len(chunk):
+                chunks.append(chunk)
+        else:
+            entry["data"] = _json_output(wire, tensor.data)
+        outputs_json.append(entry)
+
+    doc: dict[str, Any] = {
+        "model_name": response.model_name,
+        "model_version": response.model_version,
+    }
+    response_id = response.id or request.id
+    if response_id:
+        doc["id"] = response_id
+    if response.parameters:
+        doc["parameters"] = response.parameters
+    doc["outputs"] = outputs_json
+    header = _dumps(doc)
+    chunks[0] = header
+    return chunks, (len(header) if any_binary else None)
+
+
+def _binary_output(wire: str, data: np.ndarray) -> bytes | memoryview:
+    if wire == "BYTES":
+        return serialize_bytes_tensor(data)
+    dtype = _WIRE_DTYPE.get(wire)
+    if dtype is None:
+        raise InvalidArgument(f"invalid datatype '{wire}' for an output")
+    if data.dtype != dtype:
+        if wire == "BF16" and data.dtype.name == "bfloat16":
+            data = data.view(np.uint16)
+        else:
+            data = data.astype(dtype)
+    data = np.ascontiguousarray(data)
+    if data.size == 0:
+        return b""
+    return data.reshape(-1).view(np.uint8).data
+
+
+def _json_output(wire: str, data: np.ndarray) -> list:
+    flat = data.reshape(-1)
+    if wire == "BYTES":
+        return [
+            x.decode("utf-8", errors="replace")
+            if isinstance(x, (bytes, bytearray))
+            else str(x)
+            for x in flat.tolist()
+        ]
+    if wire == "BF16":
+        if data.dtype.name == "bfloat16":
+            return flat.astype(np.float32).tolist()
+        # BF16 travels as its uint16 bits: the high half of a float32.
+        return (flat.astype(np.uint32) << 16).view(np.float32).tolist()
+    if wire == "BOOL" and data.dtype != np.bool_:
+        flat = flat.astype(np.bool_)
+    return flat.tolist()
+
+
+# -------------------------------------------------------------------------- errors
+
+
+def encode_error(message: str) -> bytes:
+    """The body of an error response: ``{"error": "<message>"}``."""
+    return _dumps({"error": message})

@@ -1,0 +1,148 @@
+"""The root actor: wires the runtime and the frontends under one nursery.
+
+Startup: registry, then the watcher's startup loads, then the frontends; the server
+reports ready once the frontends listen. Shutdown (SIGINT/SIGTERM or ``shutdown``):
+the frontends stop accepting and finish in-flight requests within
+``exit_timeout_secs``, then every model drains and unloads, then every task ends.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import trio
+
+from trionserve import __version__
+from trionserve.actors.registry import ModelRegistry
+from trionserve.actors.watcher import ControlMode, RepositoryWatcher
+from trionserve.dataplane import DataPlane
+from trionserve.protocol.http import serve_http
+from trionserve.repository.repository import ModelRepository
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ServerOptions:
+    """Every server setting, named after Triton's command-line flags."""
+
+    model_repositories: list[Path] = field(default_factory=list)
+    model_control_mode: ControlMode = ControlMode.NONE
+    repository_poll_secs: float = 15.0
+    load_models: list[str] = field(default_factory=list)
+    strict_model_config: bool = False
+    disable_auto_complete_config: bool = False
+    allow_http: bool = True
+    http_address: str = "0.0.0.0"
+    http_port: int = 8000
+    allow_grpc: bool = True
+    grpc_address: str = "0.0.0.0"
+    grpc_port: int = 8001
+    allow_metrics: bool = True
+    metrics_port: int = 8002
+    model_load_thread_count: int = 4
+    exit_timeout_secs: float = 30.0
+    exit_on_error: bool = True
+    log_verbose: int = 0
+    log_format: str = "console"
+    server_id: str = "trionserve"
+
+    @property
+    def autocomplete(self) -> bool:
+        return not (self.strict_model_config or self.disable_auto_complete_config)
+
+
+class StartupError(Exception):
+    """The server could not start as asked (with --exit-on-error)."""
+
+
+class Server:
+    """Root of the actor tree; ``shutdown`` may be called from any Trio task."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.repository = ModelRepository(options.model_repositories)
+        self.registry = ModelRegistry(
+            self.repository,
+            autocomplete=options.autocomplete,
+            load_concurrency=options.model_load_thread_count,
+            drain_timeout=options.exit_timeout_secs,
+        )
+        self.watcher = RepositoryWatcher(
+            self.registry,
+            options.model_control_mode,
+            options.load_models,
+            options.repository_poll_secs,
+        )
+        self.dataplane = DataPlane(
+            self.registry, options.model_control_mode, options.server_id
+        )
+        self._shutdown = trio.Event()
+
+    def shutdown(self) -> None:
+        self._shutdown.set()
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        options = self.options
+        log.info(
+            "server starting",
+            version=__version__,
+            repositories=[str(p) for p in options.model_repositories],
+            mode=options.model_control_mode.value,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            await nursery.start(self.registry.run)
+            await nursery.start(self.watcher.run)
+            if self.watcher.startup_errors and options.exit_on_error:
+                await self._unload_all()
+                nursery.cancel_scope.cancel()
+                raise StartupError(
+                    "failed to load all models: "
+                    + "; ".join(
+                        f"{name}: {reason}"
+                        for name, reason in sorted(self.watcher.startup_errors.items())
+                    )
+                )
+            async with trio.open_nursery() as frontends:
+                if options.allow_http:
+                    binds = await frontends.start(
+                        serve_http,
+                        self.dataplane,
+                        options.http_address,
+                        options.http_port,
+                        self._shutdown,
+                        options.exit_timeout_secs,
+                        options.log_verbose > 0,
+                    )
+                    log.info("HTTP service started", listening=binds)
+                self.dataplane.started = True
+                log.info("server ready", models=sorted(self.registry.entries()))
+                task_status.started()
+                await self._shutdown.wait()
+                self.dataplane.stopping = True
+                log.info("server stopping: draining in-flight requests")
+            await self._unload_all()
+            log.info("server stopped")
+            nursery.cancel_scope.cancel()
+
+    async def _unload_all(self) -> None:
+        with trio.move_on_after(self.options.exit_timeout_secs) as scope:
+            await self.registry.unload_all()
+        if scope.cancelled_caught:
+            log.warning("models did not unload within the exit timeout")
+
+    async def _watch_signals(self, everything: trio.CancelScope) -> None:
+        """First signal: graceful shutdown. Second signal: stop at once."""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self._shutdown.is_set() or not self.dataplane.started:
+                    log.warning("stopping now", signal=signal.Signals(signum).name)
+                    self._shutdown.set()
+                    everything.cancel()
+                    return
+                log.info("shutdown requested", signal=signal.Signals(signum).name)
+                self._shutdown.set()
