@@ -8,13 +8,15 @@ encodes the :class:`InferenceResponse`.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import trio
 
-from trionserve.core.errors import TritonError
+from trionserve.core.errors import InternalError, TritonError
 
 
 @dataclass(slots=True)
@@ -48,12 +50,18 @@ class InferenceResponse:
 
 
 class InferenceRequest:
-    """One inference request and the place its single final outcome is delivered.
+    """One inference request and the place its responses are delivered.
 
     The request is created by a frontend on the Trio thread and answered on the Trio
-    thread; backends running in worker threads return results to the executor, which
-    answers. ``respond`` and ``fail`` are idempotent in the sense that only the first
-    outcome counts, so a racing cancellation can never produce two answers.
+    thread (backends in worker threads or stub processes hand their results to the
+    executor, which answers). A request ends with exactly one final outcome:
+    ``respond`` (one response, final), ``fail`` (an error, final), or for decoupled
+    models any number of ``send(response, final=False)`` followed by a final
+    ``send``. Anything delivered after the final outcome is ignored and reported by
+    the ``False`` return value, so a racing cancellation never produces two answers.
+
+    Consumers use ``wait`` (exactly one response expected) or ``stream`` (every
+    response, for decoupled models and gRPC streams).
     """
 
     __slots__ = (
@@ -71,9 +79,10 @@ class InferenceRequest:
         "batch_size",
         "arrival_time",
         "cancelled",
-        "_done",
-        "_response",
+        "_responses",
+        "_final",
         "_error",
+        "_wakeup",
     )
 
     def __init__(
@@ -108,37 +117,76 @@ class InferenceRequest:
         self.arrival_time = 0.0
         # Set when the client went away; schedulers drop cancelled requests.
         self.cancelled = False
-        self._done = trio.Event()
-        self._response: InferenceResponse | None = None
+        # Responses delivered and not yet consumed. Its length is bounded by what
+        # the model produces for one request; the consumer drains it as it goes.
+        self._responses: deque[InferenceResponse] = deque()
+        self._final = False
         self._error: TritonError | None = None
+        self._wakeup = trio.Event()
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        """True once the final outcome was delivered."""
+        return self._final
 
-    def respond(self, response: InferenceResponse) -> bool:
-        """Deliver the final response; returns False if an outcome was already set."""
-        if self._done.is_set():
+    def send(self, response: InferenceResponse | None, *, final: bool) -> bool:
+        """Deliver a response (or, with ``final``, possibly none: just the end)."""
+        if self._final:
             return False
-        self._response = response
-        self._done.set()
+        if response is not None:
+            self._responses.append(response)
+        self._final = final
+        self._wakeup.set()
         return True
 
+    def respond(self, response: InferenceResponse) -> bool:
+        """Deliver the one final response of a non-decoupled request."""
+        return self.send(response, final=True)
+
     def fail(self, error: TritonError) -> bool:
-        """Deliver the final error; returns False if an outcome was already set."""
-        if self._done.is_set():
+        """Deliver the final error; responses already sent stay delivered."""
+        if self._final:
             return False
         self._error = error
-        self._done.set()
+        self._final = True
+        self._wakeup.set()
         return True
 
     async def wait(self) -> InferenceResponse:
-        """Wait for the outcome: the response, or the error raised."""
-        await self._done.wait()
+        """Wait for the outcome of a request that has exactly one response."""
+        while not self._final:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
         if self._error is not None:
             raise self._error
-        assert self._response is not None
-        return self._response
+        if len(self._responses) != 1:
+            raise InternalError(
+                f"model '{self.model_name}' produced {len(self._responses)} responses "
+                "for a request that expects exactly one"
+            )
+        return self._responses.popleft()
+
+    async def stream(self) -> AsyncIterator[tuple[InferenceResponse | None, bool]]:
+        """Yield ``(response, final)`` pairs until the final one; raise a final error.
+
+        A final pair may carry ``None`` when the model ended the request without a
+        last response (decoupled models' final flag).
+        """
+        while True:
+            while not self._responses and not self._final:
+                await self._wakeup.wait()
+                self._wakeup = trio.Event()
+            if self._responses:
+                response = self._responses.popleft()
+                last = self._final and not self._responses and self._error is None
+                yield response, last
+                if last:
+                    return
+                continue
+            if self._error is not None:
+                raise self._error
+            yield None, True
+            return
 
     def __repr__(self) -> str:
         return (
