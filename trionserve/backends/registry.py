@@ -2,24 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from trionserve.backends.base import Backend
 from trionserve.core.errors import Unavailable
 
-# platform or backend name -> factory; later backends register here.
-_FACTORIES: dict[str, str] = {
-    "onnxruntime_onnx": "onnxruntime",
-    "onnxruntime": "onnxruntime",
+
+def _onnxruntime() -> Backend:
+    from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+
+    return OnnxRuntimeBackend()
+
+
+# backend or platform name -> factory. Factories import their framework lazily, so
+# a server without torch or tensorrt starts and reports those models UNAVAILABLE.
+_FACTORIES: dict[str, Callable[[], Backend]] = {
+    "onnxruntime": _onnxruntime,
+    "onnxruntime_onnx": _onnxruntime,
 }
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Make ``backend: "<name>"`` (or ``platform``) load through ``factory``."""
+    _FACTORIES[name] = factory
 
 
 def backend_for(config) -> Backend:
     """The backend for a normalised config, or Unavailable naming what is missing."""
-    key = config.backend or config.platform
-    kind = _FACTORIES.get(key)
-    if kind == "onnxruntime":
-        from trionserve.backends.onnxruntime import OnnxRuntimeBackend
-
-        return OnnxRuntimeBackend()
+    for key in (config.backend, config.platform):
+        factory = _FACTORIES.get(key) if key else None
+        if factory is not None:
+            return factory()
     raise Unavailable(
         f"model '{config.name}': backend '{config.backend}' / platform "
         f"'{config.platform}' is not supported by this server"
