@@ -8,6 +8,7 @@ the codec to the exact wire format of the official client.
 from __future__ import annotations
 
 import json
+import os
 
 import ml_dtypes
 import numpy as np
@@ -620,22 +621,80 @@ def test_parameters_not_an_object():
         decode(json_body({"parameters": [1], "inputs": []}))
 
 
-def test_shared_memory_input_is_unimplemented():
+def test_shared_memory_without_manager_is_unimplemented():
     inp = httpclient.InferInput("INPUT0", [1, 16], "INT32")
     inp.set_shared_memory("region0", 64)
     body, header_length = client_body([inp])
-    with expect_error(Status.UNIMPLEMENTED, "shared memory is not supported", "INPUT0"):
+    with expect_error(Status.UNIMPLEMENTED, "shared memory is not enabled", "INPUT0"):
         decode(body, header_length)
-
-
-def test_shared_memory_output_is_unimplemented():
     out = httpclient.InferRequestedOutput("OUT0")
     out.set_shared_memory("region1", 64)
     body, header_length = client_body(
         [make_input("X", np.zeros(1, np.int32), "INT32")], outputs=[out]
     )
-    with expect_error(Status.UNIMPLEMENTED, "shared memory is not supported", "OUT0"):
+    with expect_error(Status.UNIMPLEMENTED, "shared memory is not enabled", "OUT0"):
         decode(body, header_length)
+
+
+@pytest.fixture
+def shm_region():
+    """A real POSIX shared memory region made with tritonclient's own utilities."""
+    import tritonclient.utils.shared_memory as shm
+
+    key = f"/trionserve_codec_{os.getpid()}"
+    handle = shm.create_shared_memory_region("codec", key, 256)
+    try:
+        yield shm, handle, key
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_shared_memory_input_and_output(shm_region):
+    from trionserve.core.shared_memory import SystemSharedMemory
+
+    shm, handle, key = shm_region
+    data = np.arange(16, dtype=np.int32).reshape(1, 16)
+    shm.set_shared_memory_region(handle, [data])
+    manager = SystemSharedMemory()
+    manager.register("region", key, 0, 256)
+
+    inp = httpclient.InferInput("INPUT0", [1, 16], "INT32")
+    inp.set_shared_memory("region", 64)
+    out = httpclient.InferRequestedOutput("OUT0")
+    out.set_shared_memory("region", 64, offset=128)
+    body, header_length = client_body([inp], outputs=[out])
+    request = decode_infer_request(body, header_length, "m", None, manager)
+    np.testing.assert_array_equal(request.inputs["INPUT0"].data, data)
+
+    response = InferenceResponse("m", "1", outputs=[Tensor("OUT0", "INT32", data * 3)])
+    chunks, json_length = encode_infer_response(response, request, manager)
+    assert json_length is None  # no binary chunks: the output went to shared memory
+    doc = json.loads(b"".join(chunks))
+    assert doc["outputs"][0]["parameters"] == {
+        "shared_memory_region": "region",
+        "shared_memory_byte_size": 64,
+        "shared_memory_offset": 128,
+    }
+    written = shm.get_contents_as_numpy(handle, np.int32, [1, 16], offset=128)
+    np.testing.assert_array_equal(written, data * 3)
+
+
+def test_shared_memory_bounds_are_checked(shm_region):
+    from trionserve.core.shared_memory import SystemSharedMemory
+
+    _, _, key = shm_region
+    manager = SystemSharedMemory()
+    manager.register("small", key, 0, 32)
+    inp = httpclient.InferInput("INPUT0", [1, 16], "INT32")
+    inp.set_shared_memory("small", 64)
+    body, header_length = client_body([inp])
+    with expect_error(INVALID, "out of bounds", "'small'", "INPUT0"):
+        decode_infer_request(body, header_length, "m", None, manager)
+    inp = httpclient.InferInput("INPUT0", [1, 16], "INT32")
+    inp.set_shared_memory("nope", 64)
+    body, header_length = client_body([inp])
+    with expect_error(INVALID, "'nope' is not registered"):
+        decode_infer_request(body, header_length, "m", None, manager)
 
 
 def test_duplicate_output_names():

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allow-metrics", type=_bool, default=True, metavar="BOOL",
         help="serve Prometheus metrics (the metrics endpoint is not built yet; accepted)")
     add("--metrics-port", type=_port, default=8002)
+    add("--allow-client-shm", type=_bool, default=False, metavar="BOOL",
+        help="let clients register system shared memory regions (default false)")
     add("--model-load-thread-count", type=_positive_int, default=4,
         help="models loaded concurrently (default 4)")
     add("--exit-timeout-secs", type=_non_negative_float, default=30.0,
@@ -126,6 +128,7 @@ def options_from_args(argv: list[str] | None = None) -> ServerOptions:
         allow_metrics=args.allow_metrics,
         metrics_port=args.metrics_port,
         model_load_thread_count=args.model_load_thread_count,
+        allow_client_shm=args.allow_client_shm,
         exit_timeout_secs=args.exit_timeout_secs,
         exit_on_error=args.exit_on_error,
         log_verbose=args.log_verbose,

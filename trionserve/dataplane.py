@@ -14,6 +14,7 @@ from trionserve.actors.model import ModelVersion
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
 
@@ -36,11 +37,18 @@ class DataPlane:
     """
 
     def __init__(
-        self, registry: ModelRegistry, control_mode: ControlMode, server_id: str = "trionserve"
+        self,
+        registry: ModelRegistry,
+        control_mode: ControlMode,
+        server_id: str = "trionserve",
+        *,
+        allow_client_shm: bool = False,
     ) -> None:
         self.registry = registry
         self.control_mode = control_mode
         self.server_id = server_id
+        # Client shared memory is opt-in, as in Triton (--allow-client-shm).
+        self.shared_memory = SystemSharedMemory() if allow_client_shm else None
         self.started = False
         self.stopping = False
 
@@ -53,7 +61,19 @@ class DataPlane:
         return self.started and not self.stopping and self.registry.all_ready()
 
     def server_metadata(self) -> dict:
-        return {"name": self.server_id, "version": __version__, "extensions": EXTENSIONS}
+        extensions = list(EXTENSIONS)
+        if self.shared_memory is not None:
+            extensions.append("system_shared_memory")
+        return {"name": self.server_id, "version": __version__, "extensions": extensions}
+
+    def client_shared_memory(self) -> SystemSharedMemory:
+        """The registered regions, or the error saying client shared memory is off."""
+        if self.shared_memory is None:
+            raise Unavailable(
+                "client shared memory is disabled; start the server with "
+                "--allow-client-shm=true to register shared memory regions"
+            )
+        return self.shared_memory
 
     def model_ready(self, name: str, version: int | None) -> bool:
         try:

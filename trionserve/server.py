@@ -44,6 +44,7 @@ class ServerOptions:
     allow_metrics: bool = True
     metrics_port: int = 8002
     model_load_thread_count: int = 4
+    allow_client_shm: bool = False
     exit_timeout_secs: float = 30.0
     exit_on_error: bool = True
     log_verbose: int = 0
@@ -78,7 +79,10 @@ class Server:
             options.repository_poll_secs,
         )
         self.dataplane = DataPlane(
-            self.registry, options.model_control_mode, options.server_id
+            self.registry,
+            options.model_control_mode,
+            options.server_id,
+            allow_client_shm=options.allow_client_shm,
         )
         self._shutdown = trio.Event()
 

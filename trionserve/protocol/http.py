@@ -101,13 +101,16 @@ class InferHandler:
                         f"{header_length.decode('latin-1')!r}"
                     ) from None
             version = http_codec.parse_model_version(match.group(2) or "")
+            shared_memory = self.dataplane.shared_memory
             infer_request = http_codec.decode_infer_request(
-                body, header_length, match.group(1), version
+                body, header_length, match.group(1), version, shared_memory
             )
             if self.verbose:
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
             response = await self.dataplane.infer(infer_request)
-            chunks, json_length = http_codec.encode_infer_response(response, infer_request)
+            chunks, json_length = http_codec.encode_infer_response(
+                response, infer_request, shared_memory
+            )
         except _Disconnected:
             return
         except TritonError as error:
@@ -267,7 +270,45 @@ def build_api_app(dataplane: DataPlane) -> QuartTrio:
         await dataplane.unload_model(name)
         return Response(b"", status=200)
 
+    add_shared_memory_routes(app, dataplane, json_body)
     return app
+
+
+def add_shared_memory_routes(app: QuartTrio, dataplane: DataPlane, json_body) -> None:
+    """The system shared memory extension's register / unregister / status routes."""
+
+    def non_negative_int(body: dict, key: str, default: int | None = None) -> int:
+        value = body.get(key, default)
+        if type(value) is not int or value < 0:
+            raise InvalidArgument(
+                f"'{key}' in the shared memory register request must be a "
+                f"non-negative integer, got {json.dumps(value)}"
+            )
+        return value
+
+    @app.get("/v2/systemsharedmemory/status")
+    @app.get("/v2/systemsharedmemory/region/<name>/status")
+    async def system_shm_status(name: str | None = None):
+        if dataplane.shared_memory is None:
+            return _json([])
+        return _json(dataplane.shared_memory.status(name))
+
+    @app.post("/v2/systemsharedmemory/region/<name>/register")
+    async def system_shm_register(name: str):
+        body = await json_body()
+        key = body.get("key")
+        if type(key) is not str or not key:
+            raise InvalidArgument("'key' in the shared memory register request must be a string")
+        dataplane.client_shared_memory().register(
+            name, key, non_negative_int(body, "offset", 0), non_negative_int(body, "byte_size")
+        )
+        return Response(b"", status=200)
+
+    @app.post("/v2/systemsharedmemory/unregister")
+    @app.post("/v2/systemsharedmemory/region/<name>/unregister")
+    async def system_shm_unregister(name: str | None = None):
+        dataplane.client_shared_memory().unregister(name)
+        return Response(b"", status=200)
 
 
 class HttpFrontend:

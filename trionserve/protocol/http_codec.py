@@ -21,6 +21,7 @@ import numpy as np
 
 from trionserve.core.datatypes import BY_WIRE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
+from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.types import (
     InferenceRequest,
     InferenceResponse,
@@ -158,12 +159,14 @@ def decode_infer_request(
     header_length: int | None,
     model_name: str,
     model_version: int | None,
+    shared_memory: SystemSharedMemory | None = None,
 ) -> InferenceRequest:
     """Decode an infer request body.
 
     ``header_length`` is the ``Inference-Header-Content-Length`` header's value (None
-    when absent: the whole body is JSON). Raises InvalidArgument for any malformed
-    request, Unimplemented for shared-memory inputs and outputs.
+    when absent: the whole body is JSON). Inputs naming a ``shared_memory_region`` are
+    views of that region of ``shared_memory``. Raises InvalidArgument for any
+    malformed request, Unimplemented for shared memory when ``shared_memory`` is None.
     """
     size = len(body)
     if header_length is None:
@@ -209,13 +212,33 @@ def decode_infer_request(
         _apply_request_parameters(request, params)
 
     request.inputs = _decode_inputs(
-        doc.get("inputs"), body, header_end, size, header_length is not None
+        doc.get("inputs"), body, header_end, size, header_length is not None, shared_memory
     )
 
     outputs = doc.get("outputs")
     if outputs is not None:
-        request.requested_outputs = _decode_outputs(outputs)
+        request.requested_outputs = _decode_outputs(outputs, shared_memory)
     return request
+
+
+def shared_memory_window(params: dict, what: str) -> tuple[str, int, int]:
+    """The (region, offset, byte_size) an input or output names; checks the types."""
+    region = params.get("shared_memory_region")
+    offset = params.get("shared_memory_offset", 0)
+    byte_size = params.get("shared_memory_byte_size")
+    if type(region) is not str or not region:
+        raise InvalidArgument(f"{what}: 'shared_memory_region' must be a non-empty string")
+    if type(byte_size) is not int or byte_size < 0:
+        raise InvalidArgument(
+            f"{what}: 'shared_memory_byte_size' must be a non-negative integer, got "
+            f"{json.dumps(byte_size)}"
+        )
+    if type(offset) is not int or offset < 0:
+        raise InvalidArgument(
+            f"{what}: 'shared_memory_offset' must be a non-negative integer, got "
+            f"{json.dumps(offset)}"
+        )
+    return region, offset, byte_size
 
 
 def _json_kind(value: Any) -> str:
@@ -292,7 +315,12 @@ def _unsigned_parameter(key: str, value: Any) -> int:
 
 
 def _decode_inputs(
-    inputs: Any, body: bytes, offset: int, size: int, has_header: bool
+    inputs: Any,
+    body: bytes,
+    offset: int,
+    size: int,
+    has_header: bool,
+    shared_memory: SystemSharedMemory | None,
 ) -> dict[str, Tensor]:
     if type(inputs) is not list:
         if inputs is None:
@@ -343,10 +371,17 @@ def _decode_inputs(
                     f"got {_json_kind(params)}"
                 )
             if "shared_memory_region" in params:
-                raise Unimplemented(
-                    f"shared memory is not supported yet (input '{name}' uses region "
-                    f"{json.dumps(params['shared_memory_region'])})"
-                )
+                if shared_memory is None:
+                    raise Unimplemented(
+                        f"shared memory is not enabled (input '{name}' uses region "
+                        f"{json.dumps(params['shared_memory_region'])})"
+                    )
+                what = f"input '{name}'"
+                region, at, nbytes = shared_memory_window(params, what)
+                view = shared_memory.view(region, at, nbytes, what)
+                data = _binary_to_array(name, dt, shape, count, view, 0, nbytes)
+                tensors[name] = Tensor(name, dt.wire, data)
+                continue
             binary_size = params.get("binary_data_size")
 
         if binary_size is not None:
@@ -520,7 +555,9 @@ def _bad_element(
             )
 
 
-def _decode_outputs(outputs: Any) -> list[RequestedOutput]:
+def _decode_outputs(
+    outputs: Any, shared_memory: SystemSharedMemory | None
+) -> list[RequestedOutput]:
     if type(outputs) is not list:
         raise InvalidArgument(
             f"invalid request 'outputs': expected an array, got {_json_kind(outputs)}"
@@ -552,10 +589,14 @@ def _decode_outputs(outputs: Any) -> list[RequestedOutput]:
             )
         else:
             if "shared_memory_region" in params:
-                raise Unimplemented(
-                    f"shared memory is not supported yet (output '{name}' uses region "
-                    f"{json.dumps(params['shared_memory_region'])})"
-                )
+                if shared_memory is None:
+                    raise Unimplemented(
+                        f"shared memory is not enabled (output '{name}' uses region "
+                        f"{json.dumps(params['shared_memory_region'])})"
+                    )
+                what = f"output '{name}'"
+                region, at, nbytes = shared_memory_window(params, what)
+                shared_memory.view(region, at, nbytes, what)  # checks bounds now
             binary = params.get("binary_data")
             if binary is not None and type(binary) is not bool:
                 raise InvalidArgument(
@@ -577,17 +618,25 @@ def _decode_outputs(outputs: Any) -> list[RequestedOutput]:
 
 
 def encode_infer_response(
-    response: InferenceResponse, request: InferenceRequest
+    response: InferenceResponse,
+    request: InferenceRequest,
+    shared_memory: SystemSharedMemory | None = None,
 ) -> tuple[list[bytes | memoryview], int | None]:
     """Encode a response body as chunks to write in order, plus the JSON header length
-    when any output is binary (for ``Inference-Header-Content-Length``), else None."""
+    when any output is binary (for ``Inference-Header-Content-Length``), else None.
+
+    Outputs requested into a shared memory region are written there and described
+    by their region parameters instead of data."""
     default_binary = request.parameters.get("binary_data_output") is True
     per_output: dict[str, bool] = {}
+    in_shm: dict[str, dict] = {}
     if request.requested_outputs:
         for out in request.requested_outputs:
             flag = out.parameters.get("binary_data")
             if flag is not None:
                 per_output[out.name] = flag is True
+            if "shared_memory_region" in out.parameters:
+                in_shm[out.name] = out.parameters
 
     chunks: list[bytes | memoryview] = [b""]
     any_binary = False
@@ -600,7 +649,20 @@ def encode_infer_response(
             "datatype": wire,
             "shape": list(tensor.data.shape),
         }
-        if binary:
+        shm_params = in_shm.get(tensor.name)
+        if shm_params is not None and shared_memory is not None:
+            what = f"output '{tensor.name}'"
+            region, at, nbytes = shared_memory_window(shm_params, what)
+            written = shared_memory.write(
+                region, at, nbytes, _binary_output(wire, tensor.data), what
+            )
+            entry["parameters"] = {
+                "shared_memory_region": region,
+                "shared_memory_byte_size": written,
+            }
+            if at:
+                entry["parameters"]["shared_memory_offset"] = at
+        elif binary:
             any_binary = True
             chunk = _binary_output(wire, tensor.data)
             entry["parameters"] = {"binary_data_size": len(chunk)}
