@@ -6,6 +6,8 @@ validation, scheduling, waiting for the outcome, cancellation — happens here o
 
 from __future__ import annotations
 
+import weakref
+
 import structlog
 import trio
 
@@ -14,6 +16,7 @@ from trionserve.actors.model import ModelVersion
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from trionserve.core.classification import classify, read_labels
 from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
@@ -21,6 +24,7 @@ from trionserve.core.validation import validate_request
 log = structlog.get_logger(__name__)
 
 EXTENSIONS = [
+    "classification",
     "binary_tensor_data",
     "parameters",
     "model_configuration",
@@ -49,6 +53,10 @@ class DataPlane:
         self.server_id = server_id
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
         self.shared_memory = SystemSharedMemory() if allow_client_shm else None
+        # Label files of the classification extension, read once per model version.
+        self._label_cache: weakref.WeakKeyDictionary[ModelVersion, dict] = (
+            weakref.WeakKeyDictionary()
+        )
         self.started = False
         self.stopping = False
 
@@ -142,12 +150,45 @@ class DataPlane:
         model.begin_request()
         try:
             await model.infer(request)
-            return await request.wait()
+            response = await request.wait()
         except trio.Cancelled:
             request.cancelled = True
             raise
         finally:
             model.end_request()
+        if request.requested_outputs is not None:
+            for output in request.requested_outputs:
+                if output.parameters.get("classification"):
+                    await self._classify(model, request, response)
+                    break
+        return response
 
+    async def _classify(
+        self, model: ModelVersion, request: InferenceRequest, response: InferenceResponse
+    ) -> None:
+        """Apply the classification extension to the outputs that asked for it."""
+        wanted = {
+            o.name: int(o.parameters["classification"])
+            for o in request.requested_outputs or ()
+            if o.parameters.get("classification")
+        }
+        batched = model.signature.max_batch_size > 0
+        for index, tensor in enumerate(response.outputs):
+            k = wanted.get(tensor.name)
+            if k:
+                labels = await self._labels(model, tensor.name)
+                response.outputs[index] = classify(tensor, k, labels, batched)
 
-__all__ = ["DataPlane", "EXTENSIONS", "InvalidArgument", "NotFound"]
+    async def _labels(self, model: ModelVersion, output: str) -> list[str] | None:
+        cache = self._label_cache.setdefault(model, {})
+        if output not in cache:
+            filename = next(
+                (o.label_filename for o in model.config.output if o.name == output), ""
+            )
+            cache[output] = (
+                await trio.to_thread.run_sync(read_labels, model.model_dir / filename)
+                if filename
+                else None
+            )
+        return cache[output]
+
