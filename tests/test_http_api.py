@@ -298,3 +298,21 @@ def test_concurrent_requests_all_answered(server):
         assert result.get_response()["id"] == str(i)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), 2 * i))
     client.close()
+
+
+def test_logging_settings_round_trip(http_client):
+    settings = http_client.get_log_settings()
+    assert settings["log_info"] is True
+    assert settings["log_verbose_level"] == 0
+    updated = http_client.update_log_settings({"log_verbose_level": 1, "log_warning": False})
+    assert updated["log_verbose_level"] == 1
+    assert updated["log_warning"] is False
+    assert http_client.get_log_settings() == updated
+    expect_error(
+        lambda: http_client.update_log_settings({"log_verbose_level": -2}),
+        "'log_verbose_level' must be a non-negative integer",
+        400,
+    )
+    expect_error(lambda: http_client.update_log_settings({"log_colour": 1}), "unknown log setting")
+    restored = http_client.update_log_settings({"log_verbose_level": 0, "log_warning": True})
+    assert restored == settings

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from trionserve import __version__
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
 from trionserve.observability.logging import configure_logging
+from trionserve.protocol.grpc_service import GrpcOptions
 from trionserve.server import Server, ServerOptions, StartupError
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -81,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=_port, default=8000)
     add("--allow-grpc", type=_bool, default=True, metavar="BOOL",
-        help="serve the gRPC API (the gRPC frontend is not built yet; accepted)")
+        help="serve the gRPC API (default true)")
     add("--grpc-address", default="0.0.0.0")
     add("--grpc-port", type=_port, default=8001)
+    _add_grpc_flags(add)
     add("--allow-metrics", type=_bool, default=True, metavar="BOOL",
         help="serve Prometheus metrics (the metrics endpoint is not built yet; accepted)")
     add("--metrics-port", type=_port, default=8002)
@@ -100,6 +103,62 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-format", choices=["console", "json"], default="console")
     add("--id", dest="server_id", default="trionserve", help="server identifier")
     return p
+
+
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"invalid regular expression {text!r}: {exc}") from None
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _add_grpc_flags(add) -> None:
+    """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
+    add("--grpc-header-forward-pattern", type=_regex, metavar="REGEX",
+        help="forward request headers matching REGEX to the model as parameters")
+    add("--grpc-infer-allocation-pool-size", type=_non_negative_int, default=8,
+        metavar="N", help="accepted for compatibility; responses are built per call")
+    add("--grpc-infer-response-compression-level", default="none",
+        choices=["none", "low", "med", "high"], type=str.lower,
+        help="gzip level for responses to clients that accept it (default none)")
+    add("--grpc-keepalive-time", type=_non_negative_int, default=7_200_000, metavar="MS",
+        help="ping a client after MS milliseconds (default 7200000)")
+    add("--grpc-keepalive-timeout", type=_non_negative_int, default=20_000, metavar="MS",
+        help="close a connection whose ping is not answered in MS ms (default 20000)")
+    add("--grpc-keepalive-permit-without-calls", type=_bool, default=False, metavar="BOOL",
+        help="send keepalive pings also on connections without calls (default false)")
+    for flag, default in (("--grpc-http2-max-pings-without-data", 2),
+                          ("--grpc-http2-min-recv-ping-interval-without-data", 300_000),
+                          ("--grpc-http2-max-ping-strikes", 2)):
+        add(flag, type=_non_negative_int, default=default, metavar="N",
+            help="accepted for compatibility; client pings are not policed")
+
+
+def _grpc_options(args) -> GrpcOptions:
+    return GrpcOptions(
+        header_forward_pattern=args.grpc_header_forward_pattern,
+        infer_allocation_pool_size=args.grpc_infer_allocation_pool_size,
+        infer_response_compression_level=args.grpc_infer_response_compression_level,
+        keepalive_time_ms=args.grpc_keepalive_time,
+        keepalive_timeout_ms=args.grpc_keepalive_timeout,
+        keepalive_permit_without_calls=args.grpc_keepalive_permit_without_calls,
+        http2_max_pings_without_data=args.grpc_http2_max_pings_without_data,
+        http2_min_recv_ping_interval_without_data_ms=(
+            args.grpc_http2_min_recv_ping_interval_without_data
+        ),
+        http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
+    )
 
 
 def options_from_args(argv: list[str] | None = None) -> ServerOptions:
@@ -125,6 +184,7 @@ def options_from_args(argv: list[str] | None = None) -> ServerOptions:
         allow_grpc=args.allow_grpc,
         grpc_address=args.grpc_address,
         grpc_port=args.grpc_port,
+        grpc=_grpc_options(args),
         allow_metrics=args.allow_metrics,
         metrics_port=args.metrics_port,
         model_load_thread_count=args.model_load_thread_count,

@@ -20,15 +20,18 @@ from trionserve.core.classification import classify, read_labels
 from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
+from trionserve.repository.repository import duplicate_reason
 
 log = structlog.get_logger(__name__)
 
 EXTENSIONS = [
     "classification",
+    "logging",
     "binary_tensor_data",
     "parameters",
     "model_configuration",
     "model_repository",
+    "model_repository(unload_dependents)",
 ]
 
 
@@ -49,6 +52,8 @@ class DataPlane:
         allow_client_shm: bool = False,
     ) -> None:
         self.registry = registry
+        # Models that call other models (BLS) send their requests through here.
+        registry.inference = self
         self.control_mode = control_mode
         self.server_id = server_id
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
@@ -117,29 +122,59 @@ class DataPlane:
     # -- repository -------------------------------------------------------------
 
     def repository_index(self, ready_only: bool = False) -> list[dict]:
-        known = {row["name"] for row in self.registry.index()}
+        """Every model in the repositories or known to the registry, as Triton lists it.
+
+        Models loaded (or once tried) list each version with state and reason; a
+        model never loaded lists only its name; a name found in several
+        repositories is UNAVAILABLE with that reason unless a version is serving.
+        """
         rows = self.registry.index()
-        # Models present in the repository but never loaded are listed too.
-        for name in sorted(set(self.registry.repository.scan()) - known):
-            rows.append({"name": name})
+        scan = self.registry.repository.scan()
+        listed = {row["name"] for row in rows}
+        serving = {row["name"] for row in rows if row["state"] == "READY"}
+        rows = [r for r in rows if r["name"] not in scan.duplicates or r["name"] in serving]
+        for name, dirs in scan.duplicates.items():
+            if name not in serving:
+                reason = duplicate_reason(name, dirs)
+                rows.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": reason})
+        rows.extend({"name": name} for name in scan if name not in listed)
         if ready_only:
             rows = [r for r in rows if r.get("state") == "READY"]
-        return sorted(rows, key=lambda r: (r["name"], r.get("version", "")))
+        return sorted(rows, key=_index_order)
 
-    async def load_model(self, name: str, config_override: str | None = None) -> None:
+    def _check_model_control(self) -> None:
+        if self.control_mode is ControlMode.POLL:
+            raise Unavailable(
+                "explicit model load / unload is not allowed if polling is enabled: in "
+                "model control mode POLL the server follows the model repository; "
+                "change the repository, or start the server with "
+                "--model-control-mode=explicit"
+            )
         if self.control_mode is not ControlMode.EXPLICIT:
             raise Unavailable(
-                f"explicit model load / unload is not allowed if polling is enabled"
-                if self.control_mode is ControlMode.POLL
-                else "explicit model load / unload is not allowed in model control "
+                "explicit model load / unload is not allowed in model control "
                 "mode NONE; start the server with --model-control-mode=explicit"
             )
-        await self.registry.load(name, config_override)
 
-    async def unload_model(self, name: str) -> None:
-        if self.control_mode is not ControlMode.EXPLICIT:
-            await self.load_model(name)  # raises the mode error
-        await self.registry.unload(name)
+    async def load_model(
+        self,
+        name: str,
+        config_override: str | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> None:
+        """Load or reload a model (EXPLICIT mode only).
+
+        ``config_override`` is the model configuration as JSON; ``files`` maps
+        ``file:<version>/<filename>`` to file contents and, with the
+        configuration, replaces the model directory.
+        """
+        self._check_model_control()
+        await self.registry.load(name, config_override, files=files or None)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        """Unload a model (EXPLICIT mode only); in-flight requests finish first."""
+        self._check_model_control()
+        await self.registry.unload(name, unload_dependents=unload_dependents)
 
     # -- inference ---------------------------------------------------------------
 
@@ -162,6 +197,32 @@ class DataPlane:
                     await self._classify(model, request, response)
                     break
         return response
+
+    async def infer_stream(self, request: InferenceRequest, deliver) -> None:
+        """Route, validate and queue one request, then ``await deliver(response,
+        final)`` for each of its responses in order (``response`` is None when a
+        decoupled model ends the request without one); raises the request's error.
+
+        For gRPC streams and decoupled models. If ``deliver`` raises or the caller is
+        cancelled, the request is flagged cancelled so its remaining work is dropped.
+        """
+        model = self.registry.route(request.model_name, request.model_version)
+        validate_request(request, model.signature)
+        classify = request.requested_outputs is not None and any(
+            o.parameters.get("classification") for o in request.requested_outputs
+        )
+        model.begin_request()
+        try:
+            await model.infer(request)
+            async for response, final in request.stream():
+                if classify and response is not None:
+                    await self._classify(model, request, response)
+                await deliver(response, final)
+        except BaseException:
+            request.cancelled = True
+            raise
+        finally:
+            model.end_request()
 
     async def _classify(
         self, model: ModelVersion, request: InferenceRequest, response: InferenceResponse
@@ -192,3 +253,9 @@ class DataPlane:
             )
         return cache[output]
 
+
+
+def _index_order(row: dict) -> tuple:
+    """Repository index order: by name, then numerically by version."""
+    version = row.get("version", "")
+    return (row["name"], int(version) if version.isdigit() else -1)

@@ -19,6 +19,7 @@ from trionserve import __version__
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.dataplane import DataPlane
+from trionserve.protocol.grpc_service import GrpcOptions, serve_grpc
 from trionserve.protocol.http import serve_http
 from trionserve.repository.repository import ModelRepository
 
@@ -41,6 +42,7 @@ class ServerOptions:
     allow_grpc: bool = True
     grpc_address: str = "0.0.0.0"
     grpc_port: int = 8001
+    grpc: GrpcOptions = field(default_factory=GrpcOptions)
     allow_metrics: bool = True
     metrics_port: int = 8002
     model_load_thread_count: int = 4
@@ -123,6 +125,18 @@ class Server:
                         options.log_verbose > 0,
                     )
                     log.info("HTTP service started", listening=binds)
+                if options.allow_grpc:
+                    binds = await frontends.start(
+                        serve_grpc,
+                        self.dataplane,
+                        options.grpc_address,
+                        options.grpc_port,
+                        self._shutdown,
+                        options.exit_timeout_secs,
+                        options.grpc,
+                        options.log_verbose > 0,
+                    )
+                    log.info("GRPC service started", listening=binds)
                 self.dataplane.started = True
                 log.info("server ready", models=sorted(self.registry.entries()))
                 task_status.started()

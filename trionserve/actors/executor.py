@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 import trio
 
-from trionserve.backends.base import BackendInstance, InstanceSpec
-from trionserve.core.errors import InternalError, TritonError, Unavailable
+from trionserve.actors.scheduler import BatchOutlet, Outcome
+from trionserve.backends.base import AsyncBackendInstance, BackendInstance, InstanceSpec
+from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 
 log = structlog.get_logger(__name__)
 
@@ -15,74 +19,186 @@ log = structlog.get_logger(__name__)
 class InstanceExecutor:
     """Owns one backend instance and runs its batches in a worker thread.
 
-    Inbox: the model's shared channel of batches (lists of requests); whichever
-    executor is idle takes the next batch. Guarantees: every request of a batch it
-    took gets exactly one outcome — the backend's result, an error for that batch
-    only when the backend raises, or an error when the executor is cancelled. The
-    backend instance is never called from two threads at once.
+    Inbox: its scheduler's outlet; the executor asks for the next batch only when it
+    is idle, so two executors of one model run two batches at once. Guarantees:
+    every request of a batch it took gets exactly one outcome — the backend's
+    result, an error for that batch only when the backend raises, ``Cancelled`` for
+    a request whose client went away before execution, or an error when the
+    executor is cancelled — and the outcomes go back through the outlet exactly once
+    per batch. The backend instance is never called from two threads at once.
+
+    Each batch is recorded in the model's statistics: queue time, compute time
+    (split into input / infer / output when the backend instance reports
+    ``compute_times``, see :class:`~trionserve.observability.statistics.ComputeTimes`),
+    batch size, success or failure.
     """
 
     def __init__(
         self,
         spec: InstanceSpec,
-        instance: BackendInstance,
-        batches: trio.MemoryReceiveChannel[list[InferenceRequest]],
+        instance: BackendInstance | AsyncBackendInstance,
+        outlet: BatchOutlet,
+        statistics: ModelStatistics | None = None,
     ) -> None:
         self.spec = spec
         self.instance = instance
-        self._batches = batches
+        self.finished = trio.Event()
+        self._outlet = outlet
+        self._statistics = statistics
         self._limiter = trio.CapacityLimiter(1)
+        self._async = isinstance(instance, AsyncBackendInstance)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with self._batches:
+        if self._async:
+            # A process-backed instance serves its process in a child task; if it
+            # gives up, its error ends this executor (and the model).
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.instance.run)
+                await self._serve(task_status)
+                nursery.cancel_scope.cancel()
+            return
+        await self._serve(task_status)
+
+    async def _serve(self, task_status) -> None:
+        outlet = self._outlet
+        try:
             task_status.started()
-            async for batch in self._batches:
+            while True:
+                try:
+                    batch = await outlet.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    return
                 await self._execute(batch)
+        finally:
+            outlet.close()
+            self.finished.set()
+
+    def stop(self) -> None:
+        """Take no more batches; a batch in progress finishes and is delivered."""
+        self._outlet.close()
 
     async def _execute(self, batch: list[InferenceRequest]) -> None:
-        live = [r for r in batch if not r.cancelled and not r.done]
+        outlet = self._outlet
+        live = batch
+        for request in batch:
+            if request.cancelled or request.done:
+                live = self._drop_finished(batch)
+                break
         if not live:
+            outlet.complete(live, ())
             return
+        start = trio.current_time()
         try:
-            results = await trio.to_thread.run_sync(
-                self.instance.execute, live, limiter=self._limiter
-            )
+            if self._async:
+                results = await self.instance.execute_async(live)
+                if results is None:
+                    # Decoupled: the instance answers each request as it goes.
+                    outlet.complete(live, ())
+                    return
+            else:
+                results = await trio.to_thread.run_sync(
+                    self.instance.execute, live, limiter=self._limiter
+                )
         except Exception as exc:
             log.exception("backend execute raised", instance=self.spec.name)
             error = InternalError(
                 f"instance '{self.spec.name}' failed to execute the batch: "
                 f"{type(exc).__name__}: {exc}"
             )
-            for request in live:
-                request.fail(error)
+            self._record_failures(live, FailureReason.BACKEND)
+            outlet.complete(live, [error] * len(live))
             return
         except BaseException:
             # Cancelled (unload deadline or shutdown) once the thread has returned:
             # the batch's results are dropped, so its requests are answered here.
             stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
-            for request in live:
-                request.fail(stopped)
+            self._record_failures(live, FailureReason.OTHER)
+            outlet.complete(live, [stopped] * len(live))
             raise
-        self._deliver(live, results)
+        end = trio.current_time()
+        outcomes = self._outcomes(live, results)
+        if self._statistics is not None:
+            self._record(live, outcomes, start, end)
+        outlet.complete(live, outcomes)
 
-    def _deliver(self, requests: list[InferenceRequest], results: list) -> None:
-        if len(results) != len(requests):
-            error = InternalError(
-                f"instance '{self.spec.name}' returned {len(results)} responses for "
-                f"{len(requests)} requests"
-            )
-            for request in requests:
-                request.fail(error)
-            return
-        for request, result in zip(requests, results):
-            if isinstance(result, InferenceResponse):
-                request.respond(result)
-            elif isinstance(result, TritonError):
-                request.fail(result)
-            else:
+    def _drop_finished(self, batch: list[InferenceRequest]) -> list[InferenceRequest]:
+        """The requests of a batch still worth executing; the cancelled are answered."""
+        live = []
+        for request in batch:
+            if request.done:
+                continue
+            if request.cancelled:
                 request.fail(
-                    InternalError(
-                        f"instance '{self.spec.name}' returned {type(result).__name__} "
-                        "instead of a response"
+                    Cancelled(
+                        f"request '{request.id}' for model '{request.model_name}' was "
+                        "cancelled before it executed"
                     )
                 )
+                self._record_failures([request], FailureReason.CANCELED)
+                continue
+            live.append(request)
+        return live
+
+    def _outcomes(self, requests: list[InferenceRequest], results) -> Sequence[Outcome]:
+        """The backend's results checked: one response or error per request."""
+        if not isinstance(results, list) or len(results) != len(requests):
+            count = len(results) if isinstance(results, list) else type(results).__name__
+            error = InternalError(
+                f"instance '{self.spec.name}' returned {count} responses for "
+                f"{len(requests)} requests"
+            )
+            return [error] * len(requests)
+        for index, result in enumerate(results):
+            if not isinstance(result, (InferenceResponse, TritonError)):
+                results[index] = InternalError(
+                    f"instance '{self.spec.name}' returned {type(result).__name__} "
+                    "instead of a response"
+                )
+        return results
+
+    def _record(
+        self,
+        requests: list[InferenceRequest],
+        outcomes: Sequence[Outcome],
+        start: float,
+        end: float,
+    ) -> None:
+        statistics = self._statistics
+        assert statistics is not None
+        total_ns = to_ns(end - start)
+        times = getattr(self.instance, "compute_times", None)
+        if times is not None:
+            input_ns, output_ns = times.input_ns, times.output_ns
+            infer_ns = max(0, total_ns - input_ns - output_ns)
+        else:
+            input_ns = output_ns = 0
+            infer_ns = total_ns
+        batch_size = 0
+        succeeded = False
+        for request, outcome in zip(requests, outcomes):
+            size = request.batch_size or 1
+            batch_size += size
+            arrival = request.arrival_time
+            if isinstance(outcome, InferenceResponse):
+                succeeded = True
+                statistics.record_success(
+                    size,
+                    to_ns(end - arrival),
+                    to_ns(start - arrival),
+                    input_ns,
+                    infer_ns,
+                    output_ns,
+                )
+            else:
+                statistics.record_failure(to_ns(end - arrival), FailureReason.BACKEND)
+        if succeeded:
+            statistics.record_execution(batch_size, input_ns, infer_ns, output_ns, end)
+
+    def _record_failures(
+        self, requests: list[InferenceRequest], reason: FailureReason
+    ) -> None:
+        if self._statistics is None:
+            return
+        now = trio.current_time()
+        for request in requests:
+            self._statistics.record_failure(to_ns(now - request.arrival_time), reason)

@@ -9,17 +9,15 @@ import structlog
 import trio
 
 from trionserve.actors.executor import InstanceExecutor
-from trionserve.actors.scheduler import DefaultScheduler, Scheduler
-from trionserve.backends.base import Backend, InstanceSpec, ModelContext
+from trionserve.actors.scheduler import Scheduler, create_scheduler
+from trionserve.backends.base import Backend, InferenceService, InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.types import InferenceRequest
 from trionserve.core.validation import ModelSignature
+from trionserve.observability.statistics import ModelStatistics
 
 log = structlog.get_logger(__name__)
-
-# Bound of each model's batch queue: requests beyond it wait in submit().
-QUEUE_CAPACITY = 1024
 
 
 class ModelState(enum.Enum):
@@ -37,14 +35,19 @@ def resolve_instance_kinds(config, gpus: int) -> None:
 
 
 def instance_specs(config, gpus: int) -> list[InstanceSpec]:
-    """One spec per instance from instance_group, named like Triton's instances."""
+    """One spec per instance from instance_group, named like Triton's instances.
+
+    Instance ``c`` of a group is ``<group name>_<c>``; a KIND_GPU group has that
+    instance on each of its GPUs (all GPUs when it lists none), as in Triton.
+    KIND_AUTO is KIND_GPU when a GPU exists, else KIND_CPU.
+    """
     specs: list[InstanceSpec] = []
     for index, group in enumerate(config.instance_group):
         group_name = group.name or f"{config.name}_{index}"
         kind = type(group).Kind.Name(group.kind)
-        count = group.count or 1
         if kind == "KIND_AUTO":
             kind = "KIND_GPU" if gpus > 0 else "KIND_CPU"
+        devices = [0]
         if kind == "KIND_GPU":
             if gpus == 0:
                 raise Unavailable(
@@ -58,24 +61,21 @@ def instance_specs(config, gpus: int) -> list[InstanceSpec]:
                     f"instance group '{group_name}' of model '{config.name}' names "
                     f"GPU(s) {bad} but this host has {gpus}"
                 )
+        for c in range(group.count or 1):
             for device in devices:
-                for i in range(count):
-                    n = len([s for s in specs if s.group == group_name])
-                    specs.append(InstanceSpec(f"{group_name}_{n}", group_name, kind, device))
-        else:
-            for i in range(count):
-                specs.append(InstanceSpec(f"{group_name}_{i}", group_name, kind, 0))
+                specs.append(InstanceSpec(f"{group_name}_{c}", group_name, kind, device))
     return specs
 
 
 class ModelVersion:
     """One version of one model: loads it, serves it, drains and unloads it.
 
-    Children (in its own nursery): the scheduler and one InstanceExecutor per
+    Children (in its own nursery): the scheduler (default, or the dynamic batcher
+    when the config has ``dynamic_batching``) and one InstanceExecutor per
     instance. Guarantees: a request accepted by ``submit`` gets exactly one outcome;
     on unload, new requests are refused, in-flight ones are given ``drain_timeout``
     seconds to finish, and whatever remains is answered with an error before the
-    backend is released.
+    backend is released. ``statistics`` counts what happened to its requests.
     """
 
     def __init__(
@@ -87,6 +87,7 @@ class ModelVersion:
         backend: Backend,
         load_limiter: trio.CapacityLimiter,
         drain_timeout: float = 30.0,
+        inference: InferenceService | None = None,
     ) -> None:
         self.name = name
         self.version = version
@@ -99,8 +100,14 @@ class ModelVersion:
         self.stopped = trio.Event()
         self._load_limiter = load_limiter
         self._drain_timeout = drain_timeout
+        # Given to the backend, for models that call other models (BLS).
+        self.inference = inference
+        self.statistics = ModelStatistics(name, version)
         self._scheduler: Scheduler | None = None
         self._executors: list[InstanceExecutor] = []
+        self._loaded = None
+        self._instances: list = []  # backend instances created and not yet closed
+        self._nursery: trio.Nursery | None = None
         self._unload_requested = trio.Event()
         self._inflight = 0
         self._idle = trio.Event()
@@ -125,17 +132,15 @@ class ModelVersion:
             self._set_unavailable(as_triton_error(exc, "failed to load").message)
             self.stopped.set()
             raise
-        batch_send, batch_recv = trio.open_memory_channel[list[InferenceRequest]](
-            QUEUE_CAPACITY
-        )
+        self._loaded = loaded
+        self._instances = [instance for _, instance in instances]
         try:
+            scheduler = self._scheduler = create_scheduler(self.config, self.statistics)
             async with trio.open_nursery() as nursery:
-                self._scheduler = DefaultScheduler(batch_send)
-                await nursery.start(self._scheduler.run)
+                self._nursery = nursery
+                await nursery.start(scheduler.run)
                 for spec, instance in instances:
-                    executor = InstanceExecutor(spec, instance, batch_recv.clone())
-                    self._executors.append(executor)
-                    await nursery.start(executor.run)
+                    await self._start_executor(spec, instance)
                 self.state = ModelState.READY
                 self._log_state(
                     "ready",
@@ -147,13 +152,19 @@ class ModelVersion:
                 await self._drain()
                 nursery.cancel_scope.cancel()
         except Exception as exc:
-            # A bug in this model's actors: contained to this model.
+            # A bug in this model's actors, or an instance that gave up (a stub
+            # process failing again and again): contained to this model.
             log.exception("model version failed", model=self.name, version=self.version)
-            self._set_unavailable(f"internal error: {as_triton_error(exc).message}")
+            self._set_unavailable(_failure_reason(exc))
         finally:
-            self._fail_queued(batch_recv, batch_send)
+            self._nursery = None
+            if self._scheduler is not None:
+                self._scheduler.abort(
+                    Unavailable(f"model '{self.name}' version {self.version} was unloaded")
+                )
+            instances, self._instances = self._instances, []
             with trio.CancelScope(shield=True):
-                await self._release(loaded, [i for _, i in instances])
+                await self._release(loaded, instances)
             if self.state is not ModelState.UNAVAILABLE:
                 self._set_unavailable("unloaded")
             self.stopped.set()
@@ -166,6 +177,7 @@ class ModelVersion:
             self.config,
             self.model_dir,
             self.model_dir / str(self.version),
+            inference=self.inference,
         )
         specs = instance_specs(self.config, gpu_count())
         async with self._load_limiter:
@@ -210,18 +222,12 @@ class ModelVersion:
                 inflight=self._inflight,
             )
 
-    def _fail_queued(self, receive: trio.MemoryReceiveChannel, send) -> None:
-        """Answer every request still queued once the executors are gone."""
-        send.close()
-        error = Unavailable(f"model '{self.name}' version {self.version} was unloaded")
-        while True:
-            try:
-                batch = receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            for request in batch:
-                request.fail(error)
-        receive.close()
+    async def _start_executor(self, spec: InstanceSpec, instance) -> InstanceExecutor:
+        assert self._scheduler is not None and self._nursery is not None
+        executor = InstanceExecutor(spec, instance, self._scheduler.outlet(), self.statistics)
+        self._executors.append(executor)
+        await self._nursery.start(executor.run)
+        return executor
 
     def _set_unavailable(self, reason: str) -> None:
         self.state = ModelState.UNAVAILABLE
@@ -233,15 +239,21 @@ class ModelVersion:
 
     # -- used by the registry and the data plane -----------------------------
 
+    @property
+    def instances(self) -> list[InstanceSpec]:
+        """The instances serving now, in the order they were started."""
+        return [executor.spec for executor in self._executors]
+
     def request_unload(self) -> None:
         self._unload_requested.set()
 
     async def infer(self, request: InferenceRequest) -> None:
         """Queue a validated request; its outcome arrives on the request itself."""
         if self.state is not ModelState.READY or self._scheduler is None:
+            reason = f": {self.reason}" if self.reason else ""
             raise Unavailable(
                 f"model '{self.name}' version {self.version} is not ready "
-                f"({self.state.value})"
+                f"({self.state.value}{reason})"
             )
         try:
             await self._scheduler.submit(request)
@@ -259,3 +271,68 @@ class ModelVersion:
         self._inflight -= 1
         if self._inflight == 0:
             self._idle.set()
+
+    async def set_instance_groups(self, config) -> None:
+        """Match the running instances to ``config``'s instance groups, without a reload.
+
+        Only the instance groups may differ from the loaded configuration. New
+        instances are created (in worker threads) and start taking batches before
+        any instance goes away; a removed instance finishes the batch it holds,
+        then is closed. Raises, changing nothing, if an instance cannot be created.
+        """
+        if self.state is not ModelState.READY or self._nursery is None:
+            raise Unavailable(
+                f"model '{self.name}' version {self.version} is not ready "
+                f"({self.state.value}); its instances cannot be changed"
+            )
+        wanted = instance_specs(config, gpu_count())
+        current = {executor.spec: executor for executor in self._executors}
+        added = [spec for spec in wanted if spec not in current]
+        removed = [e for spec, e in current.items() if spec not in set(wanted)]
+        created: list = []
+        async with self._load_limiter:
+            try:
+                for spec in added:
+                    created.append(
+                        await trio.to_thread.run_sync(self._loaded.create_instance, spec)
+                    )
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(_close_all, created, self.name)
+                raise
+        for spec, instance in zip(added, created):
+            self._instances.append(instance)
+            await self._start_executor(spec, instance)
+        for executor in removed:
+            self._executors.remove(executor)
+            executor.stop()
+        self.config = config
+        self._log_state(
+            "instances changed",
+            added=[s.name for s in added],
+            removed=[e.spec.name for e in removed],
+            instances=len(self._executors),
+        )
+        for executor in removed:
+            await executor.finished.wait()
+            if executor.instance in self._instances:  # else the unload released it
+                self._instances.remove(executor.instance)
+                await trio.to_thread.run_sync(_close_all, [executor.instance], self.name)
+
+
+def _failure_reason(exc: BaseException) -> str:
+    """Why a serving model version failed: a TritonError's own message (through the
+    nurseries' exception groups), else an internal error."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, TritonError):
+        return exc.message
+    return f"internal error: {as_triton_error(exc).message}"
+
+
+def _close_all(instances: list, model: str) -> None:
+    for instance in instances:
+        try:
+            instance.close()
+        except Exception:
+            log.exception("instance close failed", model=model)

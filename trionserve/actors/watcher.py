@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import enum
+from functools import partial
 
 import structlog
 import trio
 
 from trionserve.actors.registry import ModelRegistry
-from trionserve.core.errors import TritonError
+from trionserve.core.errors import InvalidArgument, TritonError
+from trionserve.repository.snapshot import Duplicate, ModelSnapshot, snapshot_repository
 
 log = structlog.get_logger(__name__)
+
+# A model still changing after this many polls is reported again.
+PENDING_REPORT_EVERY = 10
 
 
 class ControlMode(enum.Enum):
@@ -20,13 +25,21 @@ class ControlMode(enum.Enum):
 
 
 class RepositoryWatcher:
-    """Loads the startup model set and, per mode, follows the repository.
+    """Loads the startup model set and, in POLL mode, follows the repository.
 
     NONE: load every model at start, then ignore the repository. EXPLICIT: load the
-    ``startup_models`` (``*`` for all), then only API calls change what is loaded.
-    POLL: load every model at start, then follow the repository. ``run`` reports
-    started once the startup loads have finished, successful or not; the startup
-    failures are kept in ``startup_errors``.
+    ``startup_models`` (``*`` alone for all), then only API calls change what is
+    loaded. POLL: load every model at start, then every ``poll_interval`` seconds
+    snapshot each model directory and act on what changed: a new model loads, a
+    removed one unloads (its in-flight requests finish), a changed one reloads
+    only what its change needs. A change is acted on once two consecutive polls
+    agree on it, so a model still being copied is never loaded half-written; one
+    that keeps changing is logged as pending.
+
+    ``run`` reports started once the startup loads have finished, successful or
+    not; their failures are kept in ``startup_errors``. Children: one task per
+    model action (so a slow or stuck load never stops polling or other models).
+    A failed action is logged and the next change of that model is acted on.
     """
 
     def __init__(
@@ -38,28 +51,114 @@ class RepositoryWatcher:
     ) -> None:
         self.registry = registry
         self.mode = mode
-        self.startup_models = startup_models or []
+        self.startup_models = list(startup_models or [])
+        if "*" in self.startup_models and len(self.startup_models) > 1:
+            raise InvalidArgument(
+                "wildcard model name '*' must be the only startup model if given at all"
+            )
         self.poll_interval = poll_interval
         self.startup_errors: dict[str, str] = {}
+        # POLL state: the snapshot acted on last, the previous poll's, and the
+        # number of consecutive polls a change has been seen unsettled.
+        self._applied: dict[str, ModelSnapshot | Duplicate] = {}
+        self._previous: dict[str, ModelSnapshot | Duplicate] = {}
+        self._pending: dict[str, int] = {}
+        self._busy: set[str] = set()
+        self.polls = 0
 
-    def _startup_names(self) -> list[str]:
-        everything = sorted(self.registry.repository.scan())
+    def _startup_names(self, everything: list[str]) -> list[str]:
         if self.mode is ControlMode.EXPLICIT and "*" not in self.startup_models:
-            return list(self.startup_models)
+            return list(dict.fromkeys(self.startup_models))
         return everything
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        names = self._startup_names()
+        snapshots = await trio.to_thread.run_sync(snapshot_repository, self.registry.repository)
+        everything = sorted(n for n, s in snapshots.items() if not isinstance(s, Duplicate))
+        for name, snapshot in snapshots.items():
+            if isinstance(snapshot, Duplicate):
+                log.error("model not loaded", model=name, reason=str(snapshot))
+        names = self._startup_names(everything)
         log.info("loading startup models", mode=self.mode.value, models=names)
         async with trio.open_nursery() as nursery:
             for name in names:
                 nursery.start_soon(self._load_at_startup, name)
+        self._applied = dict(snapshots)
+        self._previous = dict(snapshots)
         task_status.started()
-        # POLL follows the repository in its own issue; NONE and EXPLICIT idle here.
-        await trio.sleep_forever()
+        if self.mode is not ControlMode.POLL or self.poll_interval <= 0:
+            await trio.sleep_forever()
+        async with trio.open_nursery() as actions:
+            while True:
+                await trio.sleep(self.poll_interval)
+                await self.poll(actions)
 
     async def _load_at_startup(self, name: str) -> None:
         try:
-            await self.registry.load(name)
+            await self.registry.load(name, reason="startup")
         except TritonError as exc:
             self.startup_errors[name] = exc.message
+
+    async def poll_once(self) -> None:
+        """One poll, returning once the actions it started have finished."""
+        async with trio.open_nursery() as actions:
+            await self.poll(actions)
+
+    async def poll(self, actions: trio.Nursery) -> None:
+        """Take one snapshot of the repository and start the actions it settles."""
+        try:
+            current = await trio.to_thread.run_sync(
+                snapshot_repository, self.registry.repository
+            )
+        except TritonError as exc:
+            log.error("model repository poll failed", reason=exc.message)
+            return
+        self.polls += 1
+        for name in sorted(set(current) | set(self._applied) | set(self._previous)):
+            snapshot = current.get(name)
+            if snapshot == self._applied.get(name):
+                self._settled(name)
+                continue
+            if name in self._busy:
+                continue  # acted on once the action in progress has ended
+            if snapshot != self._previous.get(name):
+                self._report_pending(name)
+                continue
+            self._settled(name)
+            if snapshot is None:
+                self._applied.pop(name, None)
+            else:
+                self._applied[name] = snapshot
+            self._busy.add(name)
+            actions.start_soon(partial(self._act, name, snapshot))
+        self._previous = current
+
+    def _settled(self, name: str) -> None:
+        if self._pending.pop(name, 0) >= 2:
+            log.info("model change settled", model=name)
+
+    def _report_pending(self, name: str) -> None:
+        count = self._pending.get(name, 0) + 1
+        self._pending[name] = count
+        if count == 2 or count % PENDING_REPORT_EVERY == 0:
+            log.warning(
+                "model change pending: its files are still changing",
+                model=name,
+                polls=count,
+            )
+
+    async def _act(self, name: str, snapshot: ModelSnapshot | Duplicate | None) -> None:
+        try:
+            if snapshot is None:
+                await self.registry.unload(name, reason="removed from the model repository")
+            elif isinstance(snapshot, Duplicate):
+                log.error("model not loaded", model=name, reason=str(snapshot))
+                await self.registry.unload(name, reason=str(snapshot))
+            else:
+                await self.registry.load(name, reason="changed in the model repository")
+        except TritonError as exc:
+            # Logged by the registry and shown in the index; POLL goes on.
+            log.debug("repository change not applied", model=name, reason=exc.message)
+        except Exception:
+            log.exception("repository change failed", model=name)
+        finally:
+            self._busy.discard(name)

@@ -3,20 +3,43 @@
 A :class:`Backend` knows one kind of model file. The registry asks it to auto-complete
 a configuration and to load a version directory into a :class:`LoadedModel`; the
 loaded model creates one :class:`BackendInstance` per configured instance. Every
-method here is blocking and is called from a worker thread, never on the Trio loop.
+method here is blocking and is called from a worker thread, never on the Trio loop,
+except those of :class:`AsyncBackendInstance` (instances whose work happens in
+another process), which its executor calls on the Trio thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import trio
 
 from trionserve.core.errors import TritonError
 from trionserve.core.types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
     from trionserve.repository.model_config_pb2 import ModelConfig
+
+
+class InferenceService(Protocol):
+    """What a backend may call back into: the server's one inference path.
+
+    Called on the Trio thread; the DataPlane implements it. ``infer`` routes,
+    validates, queues and awaits a request with one response; ``infer_stream``
+    does the same for a decoupled model, awaiting ``deliver(response, final)``
+    for each of its responses.
+    """
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
+
+    async def infer_stream(
+        self,
+        request: InferenceRequest,
+        deliver: Callable[[InferenceResponse | None, bool], Awaitable[None]],
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +51,8 @@ class ModelContext:
     config: "ModelConfig"
     model_dir: Path  # <repository>/<model>
     version_dir: Path  # <repository>/<model>/<version>
+    # The server's inference path, for models that call other models (BLS).
+    inference: "InferenceService | None" = None
 
     @property
     def repository(self) -> Path:
@@ -55,8 +80,27 @@ class BackendInstance(Protocol):
         """Release the instance's resources."""
 
 
+@runtime_checkable
+class AsyncBackendInstance(Protocol):
+    """An instance whose work happens outside the server process (a stub process).
+
+    Its executor starts ``run`` as a child task for the instance's lifetime (it
+    reads the process's messages and restarts it; raising from it ends the model)
+    and awaits ``execute_async`` on the Trio thread instead of calling ``execute``
+    in a worker thread. ``execute_async`` returns one response or error per
+    request, or None when it answers the requests itself as their responses
+    arrive (decoupled models). ``close`` stays blocking, called after ``run``.
+    """
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None: ...
+
+    async def execute_async(self, requests: list[InferenceRequest]) -> ExecuteResult | None: ...
+
+    def close(self) -> None: ...
+
+
 class LoadedModel(Protocol):
-    def create_instance(self, spec: InstanceSpec) -> BackendInstance: ...
+    def create_instance(self, spec: InstanceSpec) -> BackendInstance | AsyncBackendInstance: ...
 
     def unload(self) -> None: ...
 

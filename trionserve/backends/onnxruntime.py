@@ -1,17 +1,21 @@
 """ONNX Runtime backend: platform ``onnxruntime_onnx`` / backend ``onnxruntime``.
 
 One ``InferenceSession`` per instance. KIND_GPU instances use the CUDA execution
-provider when onnxruntime-gpu is installed and a GPU is visible; otherwise loading
-such an instance fails with a reason that says so.
+provider on their GPU when onnxruntime-gpu is installed and a GPU is visible
+(otherwise loading such an instance fails with a reason that says so), with the
+TensorRT provider in front when the config's ``optimization`` asks for it; see
+:mod:`trionserve.backends.onnxruntime_providers`.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.onnxruntime_providers import execution_providers
 from trionserve.core import datatypes
 from trionserve.core.batching import (
     build_response,
@@ -21,6 +25,7 @@ from trionserve.core.batching import (
 )
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
+from trionserve.observability.statistics import ComputeTimes
 
 # ONNX tensor element types (onnxruntime's type strings) -> Triton config datatypes.
 _ORT_TYPES = {
@@ -145,18 +150,7 @@ class OnnxModel:
             options.intra_op_num_threads = int(intra)
         if inter:
             options.inter_op_num_threads = int(inter)
-        providers: list = ["CPUExecutionProvider"]
-        if spec.kind == "KIND_GPU":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise Unavailable(
-                    f"instance '{spec.name}' of model '{self.context.name}' is KIND_GPU "
-                    "but onnxruntime has no CUDA execution provider "
-                    "(install the 'gpu' extra on a host with a GPU)"
-                )
-            providers = [
-                ("CUDAExecutionProvider", {"device_id": spec.device_id}),
-                "CPUExecutionProvider",
-            ]
+        providers = execution_providers(config, spec, ort.get_available_providers())
         session = ort.InferenceSession(str(self.path), options, providers=providers)
         return OnnxInstance(self.context, spec, session)
 
@@ -193,12 +187,18 @@ class OnnxInstance:
         self._output_reshape = {
             o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
         }
+        self._ragged = frozenset(i.name for i in config.input if i.allow_ragged_batch)
+        # Set after each execute; the executor reads it for the statistics.
+        self.compute_times: ComputeTimes | None = None
 
     def execute(self, requests: list[InferenceRequest]) -> list:
-        feeds = gather_inputs(requests, self._input_reshape)
+        started = time.perf_counter_ns()
+        self.compute_times = None
+        feeds = gather_inputs(requests, self._input_reshape, self._ragged)
         for name in self._string_inputs.intersection(feeds):
             feeds[name] = _to_str_array(feeds[name])
         names = wanted_outputs(requests, list(self._output_datatypes))
+        inputs_ready = time.perf_counter_ns()
         try:
             results = self._session.run(names, feeds)
         except Exception as exc:  # onnxruntime raises its own exception types
@@ -206,8 +206,9 @@ class OnnxInstance:
                 f"onnxruntime execute failure for model '{self.model_name}': {exc}"
             )
             return [error] * len(requests)
+        inferred = time.perf_counter_ns()
         outputs = dict(zip(names, results))
-        return [
+        responses = [
             build_response(
                 request,
                 self.model_name,
@@ -218,6 +219,10 @@ class OnnxInstance:
             )
             for request, per_request in zip(requests, split_outputs(outputs, requests))
         ]
+        self.compute_times = ComputeTimes(
+            inputs_ready - started, inferred - inputs_ready, time.perf_counter_ns() - inferred
+        )
+        return responses
 
     def close(self) -> None:
         self._session = None

@@ -14,11 +14,34 @@ def _onnxruntime() -> Backend:
     return OnnxRuntimeBackend()
 
 
+def _pytorch() -> Backend:
+    from trionserve.backends.pytorch import PyTorchBackend
+
+    return PyTorchBackend()
+
+
+def _tensorrt() -> Backend:
+    from trionserve.backends.tensorrt import TensorRTBackend
+
+    return TensorRTBackend()
+
+
+def _python() -> Backend:
+    from trionserve.backends.python.backend import PythonBackend
+
+    return PythonBackend()
+
+
 # backend or platform name -> factory. Factories import their framework lazily, so
 # a server without torch or tensorrt starts and reports those models UNAVAILABLE.
 _FACTORIES: dict[str, Callable[[], Backend]] = {
     "onnxruntime": _onnxruntime,
     "onnxruntime_onnx": _onnxruntime,
+    "pytorch": _pytorch,
+    "pytorch_libtorch": _pytorch,
+    "tensorrt": _tensorrt,
+    "tensorrt_plan": _tensorrt,
+    "python": _python,
 }
 
 

@@ -2,13 +2,15 @@
 per-request responses.
 
 Inputs of several requests are concatenated along the batch dimension with one copy;
-a batch of one request is passed through untouched. Outputs are sliced back to each
-request as views, without copies.
+a batch of one request is passed through untouched. Ragged inputs
+(``allow_ragged_batch``) are concatenated flat, into the one-dimensional tensor
+Triton's backends give such models. Outputs are sliced back to each request as
+views, without copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -18,12 +20,22 @@ from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 def gather_inputs(
     requests: Sequence[InferenceRequest],
     reshape: Mapping[str, tuple[int, ...]] | None = None,
+    ragged: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
-    """Framework inputs for a batch; ``reshape`` maps an input to its per-item shape."""
+    """Framework inputs for a batch.
+
+    ``reshape`` maps an input to its per-item shape; inputs named in ``ragged`` are
+    flattened and concatenated into one dimension (their shapes may differ between
+    requests).
+    """
     first = requests[0]
     batched = first.batch_size > 0
     arrays: dict[str, np.ndarray] = {}
     for name, tensor in first.inputs.items():
+        if name in ragged:
+            parts = [r.inputs[name].data.reshape(-1) for r in requests]
+            arrays[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            continue
         if len(requests) == 1:
             array = tensor.data
         else:

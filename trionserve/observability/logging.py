@@ -1,30 +1,130 @@
-"""structlog setup: console or JSON lines on stderr, one event per line."""
+"""structlog setup, and the log settings the logging extension changes at run time.
+
+Events are rendered one per line (console or JSON) to stderr or to ``log_file``.
+Which levels pass is decided per event from :data:`SETTINGS`, so ``POST
+/v2/logging`` takes effect at once for every logger, cached or not.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import asdict, dataclass
+from typing import IO, Any
 
 import structlog
 
+from trionserve.core.errors import InvalidArgument
 
-def configure_logging(fmt: str = "console", verbose: int = 0) -> None:
-    """Configure structlog; verbose > 0 enables request-level debug events."""
-    level = logging.DEBUG if verbose > 0 else logging.INFO
-    renderer = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
+# Triton's names for its two text formats both map to our console renderer.
+_FORMATS = {"default": "console", "ISO8601": "console", "console": "console", "json": "json"}
+
+
+@dataclass
+class LogSettings:
+    """Triton's log settings: the fields of the logging extension."""
+
+    log_file: str = ""
+    log_info: bool = True
+    log_warning: bool = True
+    log_error: bool = True
+    log_verbose_level: int = 0
+    log_format: str = "console"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+SETTINGS = LogSettings()
+_stream: IO[str] = sys.stderr
+_renderers: dict[str, Any] = {}
+
+
+def _level_filter(_logger, method_name: str, event_dict):
+    if method_name == "debug":
+        allowed = SETTINGS.log_verbose_level > 0
+    elif method_name == "info":
+        allowed = SETTINGS.log_info
+    elif method_name == "warning":
+        allowed = SETTINGS.log_warning
+    else:  # error, exception, critical
+        allowed = SETTINGS.log_error
+    if not allowed:
+        raise structlog.DropEvent
+    return event_dict
+
+
+def _render(logger, method_name: str, event_dict):
+    return _renderers[SETTINGS.log_format](logger, method_name, event_dict)
+
+
+class _LineWriter:
+    """A structlog logger that writes each rendered line to the current stream."""
+
+    def msg(self, message: str) -> None:
+        _stream.write(message + "\n")
+        _stream.flush()
+
+    debug = info = warning = warn = error = critical = exception = fatal = log = msg
+
+
+def verbose() -> bool:
+    return SETTINGS.log_verbose_level > 0
+
+
+def configure_logging(fmt: str = "console", verbose_level: int = 0) -> None:
+    """Configure structlog once at start; later changes go through update_settings."""
+    _renderers["console"] = structlog.dev.ConsoleRenderer(colors=False)
+    _renderers["json"] = structlog.processors.JSONRenderer()
+    update_settings({"log_format": fmt, "log_verbose_level": verbose_level})
     structlog.configure(
         processors=[
+            _level_filter,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            renderer,
+            _render,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        logger_factory=lambda *args: _LineWriter(),
         cache_logger_on_first_use=True,
     )
+
+
+def update_settings(changes: dict[str, Any]) -> dict[str, Any]:
+    """Apply a logging-extension request; returns the settings now in force.
+
+    Every value is checked before any is applied, so a bad request changes nothing.
+    """
+    global _stream
+    checked: dict[str, Any] = {}
+    for key, value in changes.items():
+        if key in ("log_info", "log_warning", "log_error"):
+            if type(value) is not bool:
+                raise InvalidArgument(f"log setting '{key}' must be a boolean, got {value!r}")
+        elif key == "log_verbose_level":
+            if type(value) is not int or value < 0:
+                raise InvalidArgument(
+                    f"log setting 'log_verbose_level' must be a non-negative integer, got {value!r}"
+                )
+        elif key == "log_format":
+            if value not in _FORMATS:
+                raise InvalidArgument(
+                    f"log setting 'log_format' must be one of {sorted(_FORMATS)}, got {value!r}"
+                )
+            value = _FORMATS[value]
+        elif key == "log_file":
+            if type(value) is not str:
+                raise InvalidArgument(f"log setting 'log_file' must be a string, got {value!r}")
+        else:
+            raise InvalidArgument(f"unknown log setting '{key}'")
+        checked[key] = value
+    if "log_file" in checked and checked["log_file"] != SETTINGS.log_file:
+        new_stream = open(checked["log_file"], "a") if checked["log_file"] else sys.stderr
+        old, _stream = _stream, new_stream
+        if old is not sys.stderr:
+            old.close()
+    for key, value in checked.items():
+        setattr(SETTINGS, key, value)
+    return SETTINGS.as_dict()

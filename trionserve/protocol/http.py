@@ -8,6 +8,8 @@ DataPlane and encode.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import gzip
 import json
 import re
@@ -22,8 +24,12 @@ from quart_trio import QuartTrio
 
 from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
 from trionserve.dataplane import DataPlane
+from trionserve.observability.logging import update_settings, verbose
+from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
+from trionserve.observability.statistics import select_statistics
 from trionserve.protocol import http_codec
 from trionserve.repository.config import model_config_to_json
+from trionserve.repository.overrides import FILE_PREFIX
 
 log = structlog.get_logger(__name__)
 
@@ -105,7 +111,7 @@ class InferHandler:
             infer_request = http_codec.decode_infer_request(
                 body, header_length, match.group(1), version, shared_memory
             )
-            if self.verbose:
+            if verbose():
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
             response = await self.dataplane.infer(infer_request)
             chunks, json_length = http_codec.encode_infer_response(
@@ -180,6 +186,42 @@ def _error(error: TritonError) -> Response:
     )
 
 
+def _parameters(body: dict, action: str) -> dict:
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise InvalidArgument(f"'parameters' of the {action} request must be a JSON object")
+    return parameters
+
+
+def load_parameters(body: dict) -> tuple[str | None, dict[str, bytes]]:
+    """The ``config`` and ``file:<path>`` parameters of a repository load request."""
+    parameters = _parameters(body, "load")
+    config = parameters.get("config")
+    if isinstance(config, dict):
+        config = json.dumps(config)
+    elif config is not None and not isinstance(config, str):
+        raise InvalidArgument("load parameter 'config' must be a JSON string")
+    files: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        if not key.startswith(FILE_PREFIX):
+            continue
+        if not isinstance(value, str):
+            raise InvalidArgument(f"load parameter '{key}' must be a base64 string")
+        try:
+            files[key] = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidArgument(f"load parameter '{key}' is not valid base64") from None
+    return config, files
+
+
+def unload_parameters(body: dict) -> bool:
+    """The ``unload_dependents`` parameter of a repository unload request."""
+    value = _parameters(body, "unload").get("unload_dependents", False)
+    if not isinstance(value, bool):
+        raise InvalidArgument("unload parameter 'unload_dependents' must be a boolean")
+    return value
+
+
 def build_api_app(dataplane: DataPlane) -> QuartTrio:
     """The quart-trio app for every endpoint except infer."""
     app = QuartTrio("trionserve")
@@ -229,6 +271,13 @@ def build_api_app(dataplane: DataPlane) -> QuartTrio:
     async def model_ready(name: str, version: str | None = None):
         return status_only(dataplane.model_ready(name, version_of(version)))
 
+    @app.get("/v2/models/stats")
+    @app.get("/v2/models/<name>/stats")
+    @app.get("/v2/models/<name>/versions/<version>/stats")
+    async def model_statistics(name: str | None = None, version: str | None = None):
+        selected = select_statistics(dataplane.registry, name, version_of(version))
+        return _json({"model_stats": [stats.as_json() for stats in selected]})
+
     @app.get("/v2/models/<name>/config")
     @app.get("/v2/models/<name>/versions/<version>/config")
     async def model_config(name: str, version: str | None = None):
@@ -256,19 +305,23 @@ def build_api_app(dataplane: DataPlane) -> QuartTrio:
 
     @app.post("/v2/repository/models/<name>/load")
     async def repository_load(name: str):
-        body = await json_body()
-        parameters = body.get("parameters", {}) or {}
-        config = parameters.get("config")
-        if config is not None and not isinstance(config, str):
-            raise InvalidArgument("load parameter 'config' must be a JSON string")
-        await dataplane.load_model(name, config)
+        config, files = load_parameters(await json_body())
+        await dataplane.load_model(name, config, files=files)
         return Response(b"", status=200)
 
     @app.post("/v2/repository/models/<name>/unload")
     async def repository_unload(name: str):
-        await json_body()
-        await dataplane.unload_model(name)
+        unload_dependents = unload_parameters(await json_body())
+        await dataplane.unload_model(name, unload_dependents=unload_dependents)
         return Response(b"", status=200)
+
+    @app.get("/v2/logging")
+    async def get_log_settings():
+        return _json(LOG_SETTINGS.as_dict())
+
+    @app.post("/v2/logging")
+    async def set_log_settings():
+        return _json(update_settings(await json_body()))
 
     add_shared_memory_routes(app, dataplane, json_body)
     return app

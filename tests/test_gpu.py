@@ -1,0 +1,411 @@
+"""GPU paths: TensorRT plans, ONNX Runtime on CUDA (and its TensorRT provider),
+PyTorch on CUDA. Tests that need a GPU or a GPU library skip with the reason; the
+config handling around them is unit-tested here on any host."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import trio
+import tritonclient.http as httpclient
+from google.protobuf import text_format
+from onnx import TensorProto, helper
+
+from tests.serverproc import ServerProcess
+from trionserve.backends import tensorrt as trt_backend
+from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.gpu import gpu_count
+from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+from trionserve.backends.onnxruntime_providers import execution_providers
+from trionserve.core.errors import InvalidArgument, Unavailable
+from trionserve.repository.model_config_pb2 import TYPE_FP32, ModelConfig
+from trionserve.server import Server, ServerOptions
+
+GPUS = gpu_count()
+ORT_PROVIDERS = onnxruntime.get_available_providers()
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+needs_gpu = pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU is visible on this host")
+needs_tensorrt = pytest.mark.skipif(
+    not has("tensorrt") or not (has("cupy") or has("torch")),
+    reason="tensorrt, and cupy or torch for GPU buffers, are not installed",
+)
+needs_ort_cuda = pytest.mark.skipif(
+    "CUDAExecutionProvider" not in ORT_PROVIDERS,
+    reason="onnxruntime has no CUDA execution provider (onnxruntime-gpu not installed)",
+)
+needs_ort_tensorrt = pytest.mark.skipif(
+    "TensorrtExecutionProvider" not in ORT_PROVIDERS,
+    reason="onnxruntime has no TensorRT execution provider",
+)
+needs_torch = pytest.mark.skipif(not has("torch"), reason="torch is not installed")
+
+
+def add_sub_onnx() -> bytes:
+    """OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1 over FP32 [batch, 16]."""
+
+    def fp32(name: str):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 16])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+            helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"]),
+        ],
+        "add_sub",
+        [fp32("INPUT0"), fp32("INPUT1")],
+        [fp32("OUTPUT0"), fp32("OUTPUT1")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model.SerializeToString()
+
+
+def parse_config(text: str) -> ModelConfig:
+    return text_format.Parse(text, ModelConfig())
+
+
+def write(repository, name: str, filename: str, content: bytes, config: str) -> None:
+    version = repository / name / "1"
+    version.mkdir(parents=True)
+    (version / filename).write_bytes(content)
+    (repository / name / "config.pbtxt").write_text(config)
+
+
+def check_add_sub(client, model: str) -> None:
+    for batch in (1, 8):
+        rng = np.random.default_rng(batch)
+        a = rng.standard_normal((batch, 16), dtype=np.float32)
+        b = rng.standard_normal((batch, 16), dtype=np.float32)
+        inputs = [
+            httpclient.InferInput("INPUT0", [batch, 16], "FP32"),
+            httpclient.InferInput("INPUT1", [batch, 16], "FP32"),
+        ]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        result = client.infer(model, inputs)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT0"), a + b, rtol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT1"), a - b, rtol=1e-5)
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start a real server on tmp_path once the test has written its models."""
+    started = []
+
+    def start() -> httpclient.InferenceServerClient:
+        proc = ServerProcess(tmp_path)
+        started.append(proc)
+        proc.wait_ready(timeout=300)  # TensorRT builds engines at load
+        return httpclient.InferenceServerClient(proc.http_url, network_timeout=300)
+
+    yield start
+    for proc in started:
+        try:
+            assert proc.stop() == 0, proc.output()
+        finally:
+            proc.close()
+
+
+# -- ONNX Runtime execution accelerators (no GPU needed) -----------------------------
+
+GPU_SPEC = InstanceSpec("m_0_0", "m_0", "KIND_GPU", 1)
+CPU_SPEC = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)
+ALL_PROVIDERS = [
+    "TensorrtExecutionProvider",
+    "CUDAExecutionProvider",
+    "OpenVINOExecutionProvider",
+    "CPUExecutionProvider",
+]
+
+
+def test_tensorrt_and_cuda_accelerators_map_to_provider_options():
+    config = parse_config(
+        """
+        name: "m"
+        parameters { key: "cudnn_conv_algo_search" value: { string_value: "1" } }
+        optimization { execution_accelerators {
+          gpu_execution_accelerator [
+            { name: "tensorrt"
+              parameters { key: "precision_mode" value: "FP16" }
+              parameters { key: "max_workspace_size_bytes" value: "1073741824" }
+              parameters { key: "trt_engine_cache_enable" value: "true" } },
+            { name: "cuda"
+              parameters { key: "use_ep_level_unified_stream" value: "1" } }
+          ]
+          cpu_execution_accelerator [ { name: "openvino" } ]
+        } }
+        """
+    )
+    providers = execution_providers(config, GPU_SPEC, ALL_PROVIDERS)
+    assert providers == [
+        (
+            "TensorrtExecutionProvider",
+            {
+                "trt_fp16_enable": "1",
+                "trt_max_workspace_size": "1073741824",
+                "trt_engine_cache_enable": "1",
+                "device_id": "1",
+            },
+        ),
+        (
+            "CUDAExecutionProvider",
+            {
+                "cudnn_conv_algo_search": "HEURISTIC",
+                "use_ep_level_unified_stream": "1",
+                "device_id": "1",
+            },
+        ),
+        ("OpenVINOExecutionProvider", {"device_type": "CPU"}),
+        "CPUExecutionProvider",
+    ]
+    # KIND_CPU instances use only the CPU accelerators, as in Triton.
+    assert execution_providers(config, CPU_SPEC, ALL_PROVIDERS) == [
+        ("OpenVINOExecutionProvider", {"device_type": "CPU"}),
+        "CPUExecutionProvider",
+    ]
+
+
+@pytest.mark.parametrize(
+    "accelerators, error, message",
+    [
+        ('gpu_execution_accelerator [ { name: "tensorrt" parameters { key: "bogus" '
+         'value: "1" } } ]', InvalidArgument, "unknown parameter 'bogus'"),
+        ('gpu_execution_accelerator [ { name: "tensorrt" parameters { key: '
+         '"precision_mode" value: "FP8" } } ]', InvalidArgument, "precision mode 'FP8'"),
+        ('gpu_execution_accelerator [ { name: "tensorrt" parameters { key: '
+         '"trt_dla_core" value: "x" } } ]', InvalidArgument, "must be an integer"),
+        ('gpu_execution_accelerator [ { name: "rocm" } ]', InvalidArgument,
+         "unknown Execution Accelerator 'rocm'"),
+        ('cpu_execution_accelerator [ { name: "dnnl" } ]', InvalidArgument,
+         "unknown Execution Accelerator 'dnnl'"),
+    ],
+)
+def test_bad_accelerator_settings_are_rejected(accelerators, error, message):
+    config = parse_config(
+        f'name: "m" optimization {{ execution_accelerators {{ {accelerators} }} }}'
+    )
+    with pytest.raises(error, match=message):
+        execution_providers(config, GPU_SPEC, ALL_PROVIDERS)
+
+
+def test_missing_providers_are_named():
+    config = parse_config(
+        'name: "m" optimization { execution_accelerators { gpu_execution_accelerator '
+        '[ { name: "tensorrt" } ] } }'
+    )
+    with pytest.raises(Unavailable, match="no CUDA execution provider"):
+        execution_providers(config, GPU_SPEC, ["CPUExecutionProvider"])
+    cuda_only = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    with pytest.raises(Unavailable, match="no TensorRT execution provider"):
+        execution_providers(config, GPU_SPEC, cuda_only)
+
+
+@pytest.mark.skipif(
+    "OpenVINOExecutionProvider" in ORT_PROVIDERS, reason="this onnxruntime has OpenVINO"
+)
+def test_openvino_without_the_provider_fails_the_instance(tmp_path):
+    write(tmp_path, "m", "model.onnx", add_sub_onnx(), "")
+    config = parse_config(
+        'name: "m" platform: "onnxruntime_onnx" optimization { execution_accelerators '
+        '{ cpu_execution_accelerator [ { name: "openvino" } ] } }'
+    )
+    context = ModelContext("m", 1, config, tmp_path / "m", tmp_path / "m" / "1")
+    loaded = OnnxRuntimeBackend().load(context)
+    with pytest.raises(Unavailable, match="no OpenVINO execution provider"):
+        loaded.create_instance(CPU_SPEC)
+
+
+# -- TensorRT auto-complete from the engine (a stand-in engine, no GPU needed) ---------
+
+
+class FakeEngine:
+    """Answers the ICudaEngine calls the backend makes, for two inputs, one output."""
+
+    class _Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    def __init__(self, shape: tuple[int, ...], max_batch: int) -> None:
+        self.shapes = {"INPUT0": shape, "INPUT1": shape, "OUTPUT0": shape}
+        self.max_batch = max_batch
+        self.num_io_tensors = 3
+        self.num_optimization_profiles = 1
+
+    def get_tensor_name(self, index: int) -> str:
+        return list(self.shapes)[index]
+
+    def get_tensor_mode(self, name: str):
+        return self._Named("INPUT" if name.startswith("INPUT") else "OUTPUT")
+
+    def get_tensor_shape(self, name: str):
+        return self.shapes[name]
+
+    def get_tensor_dtype(self, name: str):
+        return self._Named("FLOAT")
+
+    def is_shape_inference_io(self, name: str) -> bool:
+        return False
+
+    def get_tensor_profile_shape(self, name: str, profile: int):
+        shape = self.shapes[name]
+        return [(1, *shape[1:]), (1, *shape[1:]), (self.max_batch, *shape[1:])]
+
+
+def test_tensorrt_auto_complete_reads_the_engine():
+    config = parse_config('name: "plan" platform: "tensorrt_plan"')
+    tensors = trt_backend.engine_tensors(FakeEngine((-1, 16), 8))
+    trt_backend.complete_config(config, tensors, max_batch_size_set=False)
+    assert config.max_batch_size == 8
+    assert [(i.name, list(i.dims)) for i in config.input] == [
+        ("INPUT0", [16]),
+        ("INPUT1", [16]),
+    ]
+    assert [o.name for o in config.output] == ["OUTPUT0"]
+    assert config.output[0].data_type == TYPE_FP32
+    assert config.HasField("dynamic_batching")  # Triton enables it for batching engines
+
+    fixed = parse_config('name: "plan" platform: "tensorrt_plan"')
+    trt_backend.complete_config(
+        fixed, trt_backend.engine_tensors(FakeEngine((4, 16), 8)), max_batch_size_set=False
+    )
+    assert fixed.max_batch_size == 0
+    assert list(fixed.input[0].dims) == [4, 16]
+    assert not fixed.HasField("dynamic_batching")
+
+    too_big = parse_config('name: "plan" platform: "tensorrt_plan" max_batch_size: 16')
+    with pytest.raises(InvalidArgument, match="only supports max-batch 8"):
+        trt_backend.complete_config(too_big, tensors, max_batch_size_set=True)
+
+
+@pytest.mark.skipif(
+    not trt_backend.missing_requirements(), reason="this host can run TensorRT plans"
+)
+async def test_tensorrt_plan_is_unavailable_without_gpu_or_tensorrt(tmp_path):
+    write(tmp_path, "plan", "model.plan", b"not an engine", 'platform: "tensorrt_plan"')
+    options = ServerOptions(
+        model_repositories=[tmp_path],
+        allow_http=False,
+        allow_grpc=False,
+        allow_metrics=False,
+        exit_on_error=False,
+    )
+    server = Server(options)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        rows = [r for r in server.registry.index() if r["name"] == "plan"]
+        server.shutdown()
+    assert rows and all(r["state"] == "UNAVAILABLE" for r in rows)
+    for missing in trt_backend.missing_requirements():
+        assert missing in rows[0]["reason"]
+
+
+# -- on a GPU --------------------------------------------------------------------------
+
+
+def build_engine(onnx_bytes: bytes) -> bytes:
+    import tensorrt as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
+    parser = trt.OnnxParser(network, logger)
+    assert parser.parse(onnx_bytes), [parser.get_error(i) for i in range(parser.num_errors)]
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    for name in ("INPUT0", "INPUT1"):
+        profile.set_shape(name, (1, 16), (4, 16), (8, 16))
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    assert plan is not None, "TensorRT could not build the engine"
+    return bytes(plan)
+
+
+@needs_tensorrt
+@needs_gpu
+def test_tensorrt_plan_serves_add_sub(tmp_path, serve):
+    plan = build_engine(add_sub_onnx())
+    write(tmp_path, "plan", "model.plan", plan, 'platform: "tensorrt_plan"')
+    client = serve()
+    config = client.get_model_config("plan")
+    assert config["max_batch_size"] == 8  # auto-completed from the engine's profile
+    assert [i["name"] for i in config["input"]] == ["INPUT0", "INPUT1"]
+    check_add_sub(client, "plan")
+
+
+@needs_ort_cuda
+@needs_gpu
+def test_onnxruntime_kind_gpu_uses_cuda(tmp_path, serve):
+    write(
+        tmp_path,
+        "ort_gpu",
+        "model.onnx",
+        add_sub_onnx(),
+        'platform: "onnxruntime_onnx" max_batch_size: 8 '
+        "instance_group [ { kind: KIND_GPU count: 1 } ]",
+    )
+    client = serve()
+    config = client.get_model_config("ort_gpu")
+    assert config["instance_group"][0]["kind"] == "KIND_GPU"
+    check_add_sub(client, "ort_gpu")
+
+
+@needs_ort_tensorrt
+@needs_gpu
+def test_onnxruntime_tensorrt_accelerator(tmp_path, serve):
+    write(
+        tmp_path,
+        "ort_trt",
+        "model.onnx",
+        add_sub_onnx(),
+        'platform: "onnxruntime_onnx" max_batch_size: 8 '
+        "instance_group [ { kind: KIND_GPU count: 1 } ] "
+        "optimization { execution_accelerators { gpu_execution_accelerator [ "
+        '{ name: "tensorrt" parameters { key: "precision_mode" value: "FP32" } } ] } }',
+    )
+    check_add_sub(serve(), "ort_trt")
+
+
+@needs_torch
+@needs_gpu
+def test_pytorch_kind_gpu(tmp_path, serve):
+    import torch
+
+    from tests.test_pytorch_backend import AddMul
+
+    module = AddMul()
+    version = tmp_path / "pt_gpu" / "1"
+    version.mkdir(parents=True)
+    torch.jit.script(module).save(str(version / "model.pt"))
+    (tmp_path / "pt_gpu" / "config.pbtxt").write_text(
+        'platform: "pytorch_libtorch" max_batch_size: 8 '
+        "instance_group [ { kind: KIND_GPU count: 1 } ] "
+        'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] }, '
+        '{ name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] } ] '
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] }, '
+        '{ name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] } ]'
+    )
+    client = serve()
+    for batch in (1, 8):
+        x = np.random.default_rng(batch).standard_normal((batch, 16), dtype=np.float32)
+        y = np.full((batch, 16), 0.5, dtype=np.float32)
+        inputs = [
+            httpclient.InferInput("INPUT__0", [batch, 16], "FP32"),
+            httpclient.InferInput("INPUT__1", [batch, 16], "FP32"),
+        ]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(y)
+        result = client.infer("pt_gpu", inputs)
+        with torch.inference_mode():
+            want0, want1 = module(torch.from_numpy(x), torch.from_numpy(y))
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), want0.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), want1.numpy(), rtol=1e-5)

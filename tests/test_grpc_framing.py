@@ -1,0 +1,77 @@
+"""gRPC message framing with byte strings: prefixes, split deliveries, limits."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import pytest
+from grpclib.metadata import decode_grpc_message
+
+from trionserve.protocol.grpc_framing import (
+    MessageReader,
+    prefix,
+    status_headers,
+)
+from trionserve.protocol.grpc_transport import GRPCError, Status
+
+
+def framed(message: bytes, compressed: bool = False) -> bytes:
+    return prefix(len(message), compressed) + message
+
+
+def test_prefix():
+    assert prefix(0) == b"\x00\x00\x00\x00\x00"
+    assert prefix(258, compressed=True) == b"\x01\x00\x00\x01\x02"
+
+
+def test_messages_split_anywhere_come_out_whole():
+    messages = [b"", b"a", b"hello" * 1000, bytes(range(256))]
+    wire = b"".join(framed(m) for m in messages)
+    for step in (1, 2, 5, 7, 4096, len(wire)):
+        reader = MessageReader()
+        got = []
+        for i in range(0, len(wire), step):
+            got.extend(reader.feed(wire[i : i + step]))
+        assert got == messages, step
+
+
+def test_compressed_messages():
+    text = b"x" * 10_000
+    gzipped = MessageReader(b"gzip").feed(framed(gzip.compress(text), compressed=True))
+    deflated = MessageReader(b"deflate").feed(framed(zlib.compress(text), compressed=True))
+    assert gzipped == deflated == [text]
+    # Messages without the flag are not decompressed, whatever the encoding.
+    assert MessageReader(b"gzip").feed(framed(b"plain")) == [b"plain"]
+
+
+@pytest.mark.parametrize(
+    "reader,wire,status,fragment",
+    [
+        (MessageReader(max_size=10), framed(b"x" * 11), Status.RESOURCE_EXHAUSTED,
+         "received message larger than max (11 vs. 10)"),
+        (MessageReader(max_size=10), prefix(2**31), Status.RESOURCE_EXHAUSTED,
+         "larger than max"),
+        (MessageReader(b"gzip", max_size=100), framed(gzip.compress(b"y" * 101), True),
+         Status.RESOURCE_EXHAUSTED, "decompressed message larger than max (100)"),
+        (MessageReader(), framed(b"zz", compressed=True), Status.INTERNAL,
+         "compressed message received without a grpc-encoding"),
+        (MessageReader(b"gzip"), framed(b"not gzip", compressed=True), Status.INTERNAL,
+         "failed to decompress a gzip message"),
+    ],
+)
+def test_bad_messages(reader, wire, status, fragment):
+    with pytest.raises(GRPCError) as info:
+        reader.feed(wire)
+    assert info.value.status is status
+    assert fragment in info.value.message
+
+
+def test_status_headers():
+    assert status_headers(Status.OK, None) == [(b"grpc-status", b"0")]
+    headers = dict(status_headers(Status.INVALID_ARGUMENT, "bad 'x': 100% ünïcode\n"))
+    assert headers[b"grpc-status"] == b"3"
+    assert headers[b"grpc-message"].isascii()
+    assert decode_grpc_message(headers[b"grpc-message"].decode()) == "bad 'x': 100% ünïcode\n"
+    # An error always says something.
+    assert dict(status_headers(Status.INTERNAL, ""))[b"grpc-message"] == b"INTERNAL"

@@ -1,0 +1,438 @@
+"""The gRPC transport (HTTP/2 with h2 on Trio sockets) with toy handlers.
+
+Clients: grpcio (the C-core gRPC client that tritonclient uses) for ordinary calls,
+and a raw h2 client for what grpcio will not do on demand: send a compressed frame
+without an encoding, drop the socket, watch GOAWAY frames and pings.
+"""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import struct
+from contextlib import asynccontextmanager
+
+import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import pytest
+import trio
+import trio.testing
+from grpclib.metadata import decode_grpc_message
+
+from trionserve.protocol.grpc_transport import (
+    GRPCError,
+    GrpcCall,
+    GrpcTransport,
+    Method,
+    Status,
+    TransportOptions,
+)
+
+
+class Handlers:
+    """Toy methods; each records what happened to it."""
+
+    def __init__(self) -> None:
+        self.entered = trio.Event()
+        self.release = trio.Event()
+        self.cancelled: list[str] = []
+
+    async def echo(self, call: GrpcCall) -> None:
+        message = await call.receive()
+        assert await call.receive() is None
+        await call.send(message)
+
+    async def metadata(self, call: GrpcCall) -> None:
+        await call.receive()
+        await call.send(call.metadata.get("x-key", "").encode())
+
+    async def wait(self, call: GrpcCall) -> None:
+        self.entered.set()
+        try:
+            await self.release.wait()
+        except trio.Cancelled:
+            self.cancelled.append(call.method)
+            raise
+        await call.send(b"released")
+
+    async def fail(self, call: GrpcCall) -> None:
+        raise GRPCError(Status.NOT_FOUND, "não há ✓ 100%\nend")
+
+    async def crash(self, call: GrpcCall) -> None:
+        raise RuntimeError("boom")
+
+    async def chat(self, call: GrpcCall) -> None:
+        while (message := await call.receive()) is not None:
+            await call.send(message.upper())
+        if call.draining:
+            raise GRPCError(Status.UNAVAILABLE, "shutting down")
+
+    def methods(self) -> dict[str, Method]:
+        return {
+            "/t.T/Echo": Method(self.echo),
+            "/t.T/Metadata": Method(self.metadata),
+            "/t.T/Wait": Method(self.wait),
+            "/t.T/Fail": Method(self.fail),
+            "/t.T/Crash": Method(self.crash),
+            "/t.T/Chat": Method(self.chat, client_streaming=True),
+        }
+
+
+@asynccontextmanager
+async def serving(handlers: Handlers, **options):
+    """Serve the toy methods on a free loopback port; yields (port, shutdown event)."""
+    shutdown = trio.Event()
+    transport = GrpcTransport(handlers.methods(), TransportOptions(**options))
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(transport.serve, "127.0.0.1", 0, shutdown, 10.0)
+        yield bound[0][1], shutdown
+        shutdown.set()
+
+
+def frame(message: bytes, compressed: bool = False) -> bytes:
+    return struct.pack(">BI", int(compressed), len(message)) + message
+
+
+class GoAway:
+    """A GOAWAY frame the server sent (kept away from h2, which would stop at it)."""
+
+    def __init__(self, payload: bytes) -> None:
+        last, self.error_code = struct.unpack(">II", payload[:8])
+        self.last_stream_id = last & 0x7FFFFFFF
+
+
+class RawClient:
+    """A minimal HTTP/2 gRPC client: sends requests, collects the server's events.
+
+    GOAWAY frames are taken out of the byte stream before h2 sees them, because h2
+    refuses every frame after one, and a draining server keeps answering.
+    """
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
+        self.events: list = []
+        self.data: dict[int, bytes] = {}
+        self.closed = False
+        self._buffer = b""
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, port: int):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        client = cls(stream)
+        client.h2.initiate_connection()
+        await client.flush()
+        try:
+            yield client
+        finally:
+            await stream.aclose()
+
+    async def flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            await self.stream.send_all(data)
+
+    async def call(self, path: str, body: bytes | None = b"", headers=(), end: bool = True) -> int:
+        stream_id = self.h2.get_next_available_stream_id()
+        self.h2.send_headers(
+            stream_id,
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":authority", b"test"),
+                (b":path", path.encode()),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+                *headers,
+            ],
+            end_stream=body is None and end,
+        )
+        if body is not None:
+            self.h2.send_data(stream_id, body, end_stream=end)
+        await self.flush()
+        return stream_id
+
+    def _frames(self, data: bytes) -> bytes:
+        """Whole frames for h2, minus GOAWAYs (recorded as GoAway events)."""
+        self._buffer += data
+        out = []
+        while len(self._buffer) >= 9:
+            length = int.from_bytes(self._buffer[:3], "big")
+            if len(self._buffer) < 9 + length:
+                break
+            raw, self._buffer = self._buffer[: 9 + length], self._buffer[9 + length :]
+            if raw[3] == 0x7:
+                self.events.append(GoAway(raw[9:]))
+            else:
+                out.append(raw)
+        return b"".join(out)
+
+    async def until(self, done) -> None:
+        """Read until ``done(self)`` is true or the server closes the connection."""
+        with trio.fail_after(10):
+            while not done(self) and not self.closed:
+                data = await self.stream.receive_some(65536)
+                if not data:
+                    self.closed = True
+                    break
+                for event in self.h2.receive_data(self._frames(data)):
+                    self.events.append(event)
+                    if isinstance(event, h2.events.DataReceived):
+                        self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
+                        self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                await self.flush()
+
+    def ended(self, stream_id: int) -> bool:
+        return any(
+            isinstance(e, (h2.events.StreamEnded, h2.events.StreamReset))
+            and e.stream_id == stream_id
+            for e in self.events
+        )
+
+    def headers(self, stream_id: int) -> dict[bytes, bytes]:
+        """Every header and trailer the server sent on a stream."""
+        fields: dict[bytes, bytes] = {}
+        for e in self.events:
+            if isinstance(e, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                if e.stream_id == stream_id:
+                    fields.update(e.headers)
+        return fields
+
+    def status(self, stream_id: int) -> tuple[int, str]:
+        fields = self.headers(stream_id)
+        message = decode_grpc_message(fields.get(b"grpc-message", b"").decode())
+        return int(fields[b"grpc-status"]), message
+
+    def of(self, kind) -> list:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def grpcio_call(port: int, path: str, payload: bytes, **kwargs):
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        return channel.unary_unary(path)(payload, **kwargs)
+
+
+# ------------------------------------------------------------------ ordinary calls
+
+
+async def test_unary_calls_with_grpcio_including_large_messages():
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        assert await trio.to_thread.run_sync(grpcio_call, port, "/t.T/Echo", b"hi") == b"hi"
+        big = bytes(range(256)) * (20 * 4096)  # 20 MiB: many windows' worth each way
+        assert await trio.to_thread.run_sync(grpcio_call, port, "/t.T/Echo", big) == big
+        answer = await trio.to_thread.run_sync(
+            lambda: grpcio_call(port, "/t.T/Metadata", b"", metadata=[("x-key", "value-1")])
+        )
+        assert answer == b"value-1"
+
+
+async def test_error_statuses_carry_an_encoded_grpc_message():
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            failed = await client.call("/t.T/Fail", frame(b""))
+            crashed = await client.call("/t.T/Crash", frame(b""))
+            missing = await client.call("/t.T/Nope", frame(b""))
+            await client.until(lambda c: all(c.ended(s) for s in (failed, crashed, missing)))
+            assert client.status(failed) == (Status.NOT_FOUND.value, "não há ✓ 100%\nend")
+            assert client.headers(failed)[b"grpc-message"].isascii()
+            assert client.status(crashed) == (
+                Status.INTERNAL.value,
+                "internal error: RuntimeError: boom",
+            )
+            assert client.status(missing) == (
+                Status.UNIMPLEMENTED.value,
+                "Method not found: /t.T/Nope",
+            )
+        with pytest.raises(grpc.RpcError) as info:
+            await trio.to_thread.run_sync(grpcio_call, port, "/t.T/Fail", b"")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert info.value.details() == "não há ✓ 100%\nend"
+
+
+async def test_client_streaming_call_and_many_streams_on_one_connection():
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            chats = []
+            for i in range(20):
+                chats.append(await client.call("/t.T/Chat", frame(b"a%d" % i) + frame(b"b"), end=False))
+            for stream_id in chats:
+                client.h2.send_data(stream_id, frame(b"c"), end_stream=True)
+            await client.flush()
+            await client.until(lambda c: all(c.ended(s) for s in chats))
+            for i, stream_id in enumerate(chats):
+                assert client.status(stream_id) == (0, "")
+                assert client.data[stream_id] == frame(b"A%d" % i) + frame(b"B") + frame(b"C")
+
+
+# ------------------------------------------------------------------- cancellation
+
+
+async def test_client_reset_cancels_the_handler_and_the_connection_goes_on():
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            waiting = await client.call("/t.T/Wait", frame(b""))
+            await handlers.entered.wait()
+            client.h2.reset_stream(waiting, h2.errors.ErrorCodes.CANCEL)
+            await client.flush()
+            echo = await client.call("/t.T/Echo", frame(b"still here"))
+            await client.until(lambda c: c.ended(echo))
+            assert handlers.cancelled == ["/t.T/Wait"]
+            assert client.data[echo] == frame(b"still here")
+
+
+async def test_dropped_connection_cancels_its_handlers():
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            await client.call("/t.T/Wait", frame(b""))
+            await handlers.entered.wait()
+            # An abortive close (RST): the server must neither hang nor crash.
+            client.stream.socket.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+        with trio.fail_after(10):
+            while not handlers.cancelled:
+                await trio.sleep(0.01)
+        assert handlers.cancelled == ["/t.T/Wait"]
+        assert await trio.to_thread.run_sync(grpcio_call, port, "/t.T/Echo", b"ok") == b"ok"
+
+
+async def test_grpc_timeout_cancels_the_handler_with_deadline_exceeded():
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            stream_id = await client.call(
+                "/t.T/Wait", frame(b""), headers=[(b"grpc-timeout", b"50m")]
+            )
+            await client.until(lambda c: c.ended(stream_id))
+            assert client.status(stream_id) == (Status.DEADLINE_EXCEEDED.value, "Deadline Exceeded")
+            assert handlers.cancelled == ["/t.T/Wait"]
+
+
+# ---------------------------------------------------------- messages and headers
+
+
+async def test_request_message_rules():
+    handlers = Handlers()
+    async with serving(handlers, max_message_size=1000) as (port, _):
+        async with RawClient.connect(port) as client:
+            sneaky = await client.call("/t.T/Echo", frame(b"x", compressed=True))
+            odd = await client.call(
+                "/t.T/Echo", frame(b"x"), headers=[(b"grpc-encoding", b"snappy")]
+            )
+            large = await client.call("/t.T/Echo", frame(b"x" * 1001))
+            zipped = await client.call(
+                "/t.T/Echo",
+                frame(gzip.compress(b"y" * 1000), compressed=True),
+                headers=[(b"grpc-encoding", b"gzip")],
+            )
+            bomb = await client.call(
+                "/t.T/Echo",
+                frame(gzip.compress(b"z" * 100_000), compressed=True),
+                headers=[(b"grpc-encoding", b"gzip")],
+            )
+            await client.until(lambda c: all(c.ended(s) for s in (sneaky, odd, large, zipped, bomb)))
+            assert client.status(sneaky)[0] == Status.INTERNAL.value
+            assert client.status(odd) == (
+                Status.UNIMPLEMENTED.value,
+                "grpc-encoding 'snappy' is not supported; supported: identity, deflate, gzip",
+            )
+            assert b"gzip" in client.headers(odd)[b"grpc-accept-encoding"]
+            assert client.status(large) == (
+                Status.RESOURCE_EXHAUSTED.value,
+                "received message larger than max (1001 vs. 1000)",
+            )
+            assert client.data[zipped] == frame(b"y" * 1000)
+            assert client.status(bomb)[0] == Status.RESOURCE_EXHAUSTED.value
+
+
+async def test_requests_that_are_not_grpc():
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            base = [(b":scheme", b"http"), (b":authority", b"t"), (b":path", b"/t.T/Echo")]
+            get = client.h2.get_next_available_stream_id()
+            client.h2.send_headers(get, [(b":method", b"GET"), *base], end_stream=True)
+            json = client.h2.get_next_available_stream_id()
+            client.h2.send_headers(
+                json,
+                [(b":method", b"POST"), *base, (b"content-type", b"application/json")],
+                end_stream=True,
+            )
+            await client.flush()
+            await client.until(lambda c: c.ended(get) and c.ended(json))
+            assert client.headers(get)[b":status"] == b"405"
+            assert client.headers(json)[b":status"] == b"415"
+
+
+async def test_responses_compressed_when_asked_and_accepted():
+    handlers = Handlers()
+    async with serving(handlers, response_compression_level=6) as (port, _):
+        async with RawClient.connect(port) as client:
+            stream_id = await client.call(
+                "/t.T/Echo", frame(b"a" * 5000), headers=[(b"grpc-accept-encoding", b"gzip")]
+            )
+            await client.until(lambda c: c.ended(stream_id))
+            assert client.headers(stream_id)[b"grpc-encoding"] == b"gzip"
+            body = client.data[stream_id]
+            assert body[0] == 1 and len(body) < 200
+            assert gzip.decompress(body[5:]) == b"a" * 5000
+        answer = await trio.to_thread.run_sync(grpcio_call, port, "/t.T/Echo", b"b" * 5000)
+        assert answer == b"b" * 5000
+
+
+async def test_keepalive_pings_the_client():
+    handlers = Handlers()
+    options = dict(keepalive_time=0.05, keepalive_timeout=5, keepalive_permit_without_calls=True)
+    async with serving(handlers, **options) as (port, _):
+        async with RawClient.connect(port) as client:
+            await client.until(lambda c: c.of(h2.events.PingReceived))
+            assert client.of(h2.events.PingReceived)[0].ping_data == b"keepaliv"
+
+
+# ------------------------------------------------------------------------- drain
+
+
+async def test_shutdown_drains_with_goaway_refusing_new_streams():
+    handlers = Handlers()
+    async with serving(handlers) as (port, shutdown):
+        async with RawClient.connect(port) as client:
+            waiting = await client.call("/t.T/Wait", frame(b""))
+            chat = await client.call("/t.T/Chat", frame(b"x"), end=False)
+            await handlers.entered.wait()
+            shutdown.set()
+            # Two GOAWAYs: "stop soon" (largest id, with a ping), then the last id.
+            await client.until(lambda c: len(c.of(GoAway)) == 2)
+            first, second = client.of(GoAway)
+            assert (first.last_stream_id, first.error_code) == (2**31 - 1, 0)
+            assert (second.last_stream_id, second.error_code) == (chat, 0)
+            assert client.of(h2.events.PingReceived)
+            # A stream the client opens anyway is refused, not served.
+            late = await client.call("/t.T/Echo", frame(b"late"))
+            await client.until(lambda c: c.ended(late) and c.ended(chat))
+            refused = [e for e in client.of(h2.events.StreamReset) if e.stream_id == late]
+            assert refused[0].error_code == h2.errors.ErrorCodes.REFUSED_STREAM
+            # The streaming call stops reading and ends cleanly...
+            assert client.status(chat) == (Status.UNAVAILABLE.value, "shutting down")
+            assert client.data[chat] == frame(b"X")
+            # ...the unary call in flight is still served...
+            assert not client.ended(waiting)
+            handlers.release.set()
+            await client.until(lambda c: c.ended(waiting))
+            assert client.status(waiting) == (0, "")
+            assert client.data[waiting] == frame(b"released")
+            # ...and then the server says goodbye and closes.
+            await client.until(lambda c: c.closed)
+            assert len(client.of(GoAway)) == 3
+        assert handlers.cancelled == []

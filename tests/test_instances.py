@@ -1,0 +1,252 @@
+"""Instance groups: several instances execute at once; groups, names, kinds, counts.
+
+The server runs in-process (so a test backend can be registered) and is driven
+through HTTP with the official tritonclient, in worker threads. The test backend's
+instances block in ``execute`` until the test lets them go, so concurrency is
+observed with events, not timing.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.http as httpclient
+
+from tests.serverproc import free_port
+from trionserve.actors.model import instance_specs
+from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.gpu import gpu_count
+from trionserve.backends.registry import register_backend
+from trionserve.core.batching import build_response, gather_inputs, split_outputs
+from trionserve.repository import model_config_pb2 as mc
+from trionserve.server import Server, ServerOptions
+
+BACKEND = "test_instances_gate"
+
+
+class Gate:
+    """Executions of one model: how many are inside ``execute``, and a release."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+        self.names: list[str] = []
+
+
+GATES: dict[str, Gate] = {}
+
+
+class _Instance:
+    def __init__(self, context: ModelContext, spec: InstanceSpec) -> None:
+        self.model = context.name
+        self.spec = spec
+
+    def execute(self, requests):
+        gate = GATES[self.model]
+        gate.names.append(self.spec.name)
+        gate.entered.release()
+        gate.release.wait(timeout=30)
+        outputs = {"OUTPUT0": gather_inputs(requests)["INPUT0"]}
+        return [
+            build_response(r, self.model, "1", out, {"OUTPUT0": "FP32"})
+            for r, out in zip(requests, split_outputs(outputs, requests))
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+class _Model:
+    def __init__(self, context: ModelContext) -> None:
+        self.context = context
+
+    def create_instance(self, spec: InstanceSpec) -> _Instance:
+        return _Instance(self.context, spec)
+
+    def unload(self) -> None:
+        pass
+
+
+class GateBackend:
+    name = BACKEND
+
+    def default_model_filename(self) -> str:
+        return "model.txt"
+
+    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+        pass
+
+    def load(self, context: ModelContext) -> _Model:
+        return _Model(context)
+
+
+register_backend(BACKEND, GateBackend)
+
+
+def write_model(repository: Path, name: str, extra: str) -> None:
+    (repository / name / "1").mkdir(parents=True)
+    (repository / name / "1" / "model.txt").write_text("test model\n")
+    (repository / name / "config.pbtxt").write_text(
+        f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 8\n'
+        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+        f"{extra}\n"
+    )
+    GATES[name] = Gate()
+
+
+@pytest.fixture
+def repository(tmp_path):
+    yield tmp_path
+    for gate in GATES.values():
+        gate.release.set()  # never leave a worker thread blocked
+    GATES.clear()
+
+
+def options(repository, **overrides) -> ServerOptions:
+    values = dict(
+        model_repositories=[repository],
+        http_address="127.0.0.1",
+        http_port=free_port(),
+        allow_grpc=False,
+        allow_metrics=False,
+        exit_timeout_secs=10.0,
+    )
+    values.update(overrides)
+    return ServerOptions(**values)
+
+
+def http_infer(port: int, model: str, value: float) -> np.ndarray:
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=60)
+    try:
+        data = np.full((1, 4), value, dtype=np.float32)
+        infer_input = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        infer_input.set_data_from_numpy(data)
+        return client.infer(model, [infer_input]).as_numpy("OUTPUT0")
+    finally:
+        client.close()
+
+
+async def entered(gate: Gate, count: int) -> bool:
+    """True when ``count`` executions are inside execute at once (10 s at most)."""
+    def wait() -> bool:
+        return all(gate.entered.acquire(timeout=10) for _ in range(count))
+
+    return await trio.to_thread.run_sync(wait)
+
+
+@pytest.mark.parametrize("batching", ["", "dynamic_batching { }"], ids=["default", "dynamic"])
+async def test_two_instances_execute_two_batches_at_once(repository, batching):
+    write_model(repository, "pair", f"instance_group [ {{ count: 2 kind: KIND_CPU }} ]\n{batching}")
+    gate = GATES["pair"]
+    server = Server(options(repository))
+    port = server.options.http_port
+    results: dict[float, np.ndarray] = {}
+
+    async def client(value: float) -> None:
+        results[value] = await trio.to_thread.run_sync(http_infer, port, "pair", value)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with trio.open_nursery() as clients:
+            for value in (1.0, 2.0, 3.0):
+                clients.start_soon(client, value)
+            # Two executions inside the backend, neither released yet: both
+            # instances are running a batch at the same time.
+            assert await entered(gate, 2)
+            assert sorted(set(gate.names)) == ["pair_0_0", "pair_0_1"]
+            gate.release.set()
+        server.shutdown()
+    for value in (1.0, 2.0, 3.0):
+        np.testing.assert_array_equal(results[value], np.full((1, 4), value))
+
+
+async def test_several_groups_are_named_like_triton(repository):
+    write_model(
+        repository,
+        "groups",
+        """instance_group [
+            { count: 2 kind: KIND_CPU },
+            { name: "extra" count: 1 kind: KIND_CPU },
+            { count: 1 kind: KIND_AUTO }
+        ]""",
+    )
+    server = Server(options(repository, allow_http=False))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        model = server.registry.route("groups", None)
+        names = [(spec.name, spec.kind) for spec in model.instances]
+        server.shutdown()
+    expected_auto = "KIND_GPU" if gpu_count() else "KIND_CPU"
+    assert names[:3] == [
+        ("groups_0_0", "KIND_CPU"), ("groups_0_1", "KIND_CPU"), ("extra_0", "KIND_CPU"),
+    ]
+    assert [kind for name, kind in names[3:]] == [expected_auto] * max(1, gpu_count())
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="this host has a GPU")
+async def test_kind_gpu_without_a_gpu_is_a_load_error(repository):
+    write_model(repository, "needs_gpu", "instance_group [ { kind: KIND_GPU } ]")
+    server = Server(options(repository, allow_http=False, exit_on_error=False))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        rows = [r for r in server.registry.index() if r["name"] == "needs_gpu"]
+        server.shutdown()
+    assert rows and all(r["state"] == "UNAVAILABLE" for r in rows)
+    assert "KIND_GPU but no GPU is available" in rows[0]["reason"]
+
+
+def group(kind: str, count: int, gpus=()) -> mc.ModelConfig:
+    config = mc.ModelConfig(name="m")
+    config.instance_group.add(name="m_0", kind=mc.ModelInstanceGroup.Kind.Value(kind),
+                              count=count, gpus=list(gpus))
+    return config
+
+
+def test_instance_specs_per_gpu_and_auto():
+    specs = instance_specs(group("KIND_GPU", 2, gpus=[0, 1]), gpus=2)
+    assert [(s.name, s.device_id) for s in specs] == [
+        ("m_0_0", 0), ("m_0_0", 1), ("m_0_1", 0), ("m_0_1", 1),
+    ]
+    assert [s.kind for s in instance_specs(group("KIND_AUTO", 1), gpus=0)] == ["KIND_CPU"]
+    assert [(s.kind, s.device_id) for s in instance_specs(group("KIND_AUTO", 1), gpus=2)] == [
+        ("KIND_GPU", 0), ("KIND_GPU", 1),
+    ]
+    with pytest.raises(Exception, match="names GPU"):
+        instance_specs(group("KIND_GPU", 1, gpus=[3]), gpus=2)
+
+
+async def test_instance_count_changes_without_a_reload(repository):
+    write_model(repository, "grow", "instance_group [ { count: 1 kind: KIND_CPU } ]")
+    gate = GATES["grow"]
+    server = Server(options(repository))
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        model = server.registry.route("grow", None)
+        config = mc.ModelConfig()
+        config.CopyFrom(model.config)
+        config.instance_group[0].count = 2
+        await model.set_instance_groups(config)
+        assert [s.name for s in model.instances] == ["grow_0_0", "grow_0_1"]
+        assert model.config.instance_group[0].count == 2
+        assert server.registry.route("grow", None) is model  # the same loaded version
+
+        async with trio.open_nursery() as clients:
+            for value in (1.0, 2.0):
+                clients.start_soon(trio.to_thread.run_sync, http_infer, port, "grow", value)
+            assert await entered(gate, 2)  # the new instance takes work
+            gate.release.set()
+
+        config.instance_group[0].count = 1
+        await model.set_instance_groups(config)
+        assert [s.name for s in model.instances] == ["grow_0_0"]
+        np.testing.assert_array_equal(
+            await trio.to_thread.run_sync(http_infer, port, "grow", 5.0), np.full((1, 4), 5.0)
+        )
+        server.shutdown()
+

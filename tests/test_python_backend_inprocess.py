@@ -1,0 +1,170 @@
+"""The Python backend inside an in-process server: decoupled responses through the
+DataPlane, and a stub process killed from outside while it executes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import textwrap
+
+import numpy as np
+import pytest
+import trio
+
+from tests.serverproc import free_port
+from trionserve.core.errors import TritonError
+from trionserve.core.types import InferenceRequest, Tensor
+from trionserve.server import Server, ServerOptions
+
+STREAM_CONFIG = """
+name: "stream"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Sends N responses from execute itself, then ends the stream; for N < 0 it sends
+# one response and then an error.
+STREAM_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(abs(n)):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("I", np.array([i], np.int32))]))
+            if n < 0:
+                error = pb_utils.TritonError("stream broke on purpose")
+                sender.send(pb_utils.InferenceResponse(error=error),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+WAIT_CONFIG = """
+name: "wait"
+backend: "python"
+max_batch_size: 0
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+parameters { key: "MARKER" value: { string_value: "%s" } }
+"""
+
+# Writes its pid to the marker file, then waits (for N == 1) until killed.
+WAIT_MODEL = """
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marker = json.loads(args["model_config"])["parameters"]["MARKER"]["string_value"]
+
+    def execute(self, requests):
+        n = pb_utils.get_input_tensor_by_name(requests[0], "N").as_numpy()
+        if n[0] == 1:
+            with open(self.marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("N", n.copy())])]
+"""
+
+
+@pytest.fixture
+def repository(tmp_path):
+    for name, config, model in (
+        ("stream", STREAM_CONFIG, STREAM_MODEL),
+        ("wait", WAIT_CONFIG % (tmp_path / "marker"), WAIT_MODEL),
+    ):
+        (tmp_path / "models" / name / "1").mkdir(parents=True)
+        (tmp_path / "models" / name / "config.pbtxt").write_text(config)
+        (tmp_path / "models" / name / "1" / "model.py").write_text(textwrap.dedent(model))
+    return tmp_path
+
+
+def request(model: str, n: int) -> InferenceRequest:
+    data = np.array([n], dtype=np.int32)
+    return InferenceRequest(model, inputs={"N": Tensor("N", "INT32", data)})
+
+
+async def start(nursery, repository) -> Server:
+    options = ServerOptions(
+        model_repositories=[repository / "models"],
+        http_address="127.0.0.1",
+        http_port=free_port(),
+        allow_grpc=False,
+        allow_metrics=False,
+        exit_timeout_secs=20.0,
+    )
+    server = Server(options)
+    await nursery.start(server.serve)
+    return server
+
+
+async def collect(server: Server, model: str, n: int) -> list:
+    """The values received; asserts that only the last delivery is final (a last
+    response and the final flag may arrive as one delivery or as two)."""
+    received = []
+
+    async def deliver(response, final: bool) -> None:
+        value = None if response is None else int(response.outputs[0].data[0])
+        received.append((value, final))
+
+    await server.dataplane.infer_stream(request(model, n), deliver)
+    finals = [final for _, final in received]
+    assert finals[-1] and not any(finals[:-1])
+    return [value for value, _ in received if value is not None]
+
+
+async def test_decoupled_responses_stream_through_the_dataplane(repository):
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, repository)
+        assert await collect(server, "stream", 3) == [0, 1, 2]
+        assert await collect(server, "stream", 0) == []
+        assert await collect(server, "stream", 50) == list(range(50))
+        received = []
+
+        async def deliver(response, final: bool) -> None:
+            received.append(int(response.outputs[0].data[0]))
+
+        with pytest.raises(TritonError, match="stream broke on purpose"):
+            await server.dataplane.infer_stream(request("stream", -2), deliver)
+        assert received == [0, 1]
+        server.shutdown()
+
+
+async def test_a_stub_killed_by_a_signal_fails_its_request_and_restarts(repository):
+    marker = repository / "marker"
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, repository)
+        outcome = {}
+
+        async def infer() -> None:
+            try:
+                await server.dataplane.infer(request("wait", 1))
+            except TritonError as exc:
+                outcome["error"] = exc
+
+        nursery.start_soon(infer)
+        with trio.fail_after(30):
+            while not marker.exists() or not marker.read_text():
+                await trio.sleep(0.01)  # the stub writes its pid once it executes
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        with trio.fail_after(30):
+            while "error" not in outcome:
+                await trio.sleep(0.01)
+        assert "instance 'wait_0'" in outcome["error"].message
+        assert "was killed by signal SIGKILL while executing" in outcome["error"].message
+        response = await server.dataplane.infer(request("wait", 5))
+        assert response.outputs[0].data.tolist() == [5]
+        server.shutdown()

@@ -1,0 +1,293 @@
+"""The PyTorch backend: TorchScript models made here, served by a real server and
+checked with tritonclient against torch's own outputs; the server without torch."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from tests.serverproc import ServerProcess
+from trionserve.backends import pytorch
+from trionserve.core.errors import InvalidArgument
+from trionserve.server import Server, ServerOptions
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
+
+if HAS_TORCH:
+    from typing import Dict
+
+    import torch
+
+    class AddMul(torch.nn.Module):
+        """Two inputs, two outputs: addressed as INPUT__<i> / OUTPUT__<i>."""
+
+        def forward(self, x, y):
+            return x + 2 * y, x * y - 1
+
+    class ScaleShift(torch.nn.Module):
+        """Inputs addressed by forward()'s argument names."""
+
+        def forward(self, offset, values):
+            return values * 3.0 + offset.to(values.dtype), values.sum(dim=1, keepdim=True)
+
+    class DictModel(torch.nn.Module):
+        """A Dict[str, Tensor] in, a Dict[str, Tensor] out."""
+
+        def forward(self, inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+            a, b = inputs["a"], inputs["b"]
+            return {"product": a * b, "maximum": torch.maximum(a, b)}
+
+
+def tensor(name: str, data_type: str, dims: str) -> str:
+    return f'{{ name: "{name}" data_type: {data_type} dims: [ {dims} ] }}'
+
+
+def config(name: str, inputs: list[str], outputs: list[str], extra: str = "") -> str:
+    return (
+        f'name: "{name}"\nplatform: "pytorch_libtorch"\nmax_batch_size: 8\n'
+        f"input [ {', '.join(inputs)} ]\noutput [ {', '.join(outputs)} ]\n{extra}"
+    )
+
+
+def write_model(repository, name: str, module, config_text: str) -> None:
+    version = repository / name / "1"
+    version.mkdir(parents=True)
+    (repository / name / "config.pbtxt").write_text(config_text)
+    if module is not None:
+        torch.jit.script(module).save(str(version / "model.pt"))
+    else:
+        (version / "model.pt").write_bytes(b"not loaded")
+
+
+MODELS = {
+    # Outputs listed out of order: OUTPUT__<i> picks the tuple element, not the order.
+    "pt_addmul": lambda: config(
+        "pt_addmul",
+        [tensor("INPUT__0", "TYPE_FP32", "16"), tensor("INPUT__1", "TYPE_FP32", "16")],
+        [tensor("OUTPUT__1", "TYPE_FP32", "16"), tensor("OUTPUT__0", "TYPE_FP32", "16")],
+    ),
+    # Inputs listed in the reverse of forward()'s order: matched by argument name.
+    "pt_named": lambda: config(
+        "pt_named",
+        [tensor("values", "TYPE_FP32", "4"), tensor("offset", "TYPE_INT32", "4")],
+        [tensor("scaled", "TYPE_FP32", "4"), tensor("total", "TYPE_FP32", "1")],
+    ),
+    "pt_dict": lambda: config(
+        "pt_dict",
+        [tensor("a", "TYPE_INT64", "3"), tensor("b", "TYPE_INT64", "3")],
+        [tensor("maximum", "TYPE_INT64", "3"), tensor("product", "TYPE_INT64", "3")],
+    ),
+    "pt_bytes": lambda: config(
+        "pt_bytes",
+        [tensor("INPUT__0", "TYPE_STRING", "16"), tensor("INPUT__1", "TYPE_FP32", "16")],
+        [tensor("OUTPUT__0", "TYPE_FP32", "16"), tensor("OUTPUT__1", "TYPE_FP32", "16")],
+    ),
+    "pt_no_io": lambda: 'name: "pt_no_io"\nplatform: "pytorch_libtorch"\n',
+}
+
+
+@pytest.fixture(scope="module")
+def modules():
+    if not HAS_TORCH:
+        pytest.skip("torch is not installed")
+    return {
+        "pt_addmul": AddMul(),
+        "pt_named": ScaleShift(),
+        "pt_dict": DictModel(),
+        "pt_bytes": AddMul(),
+        "pt_no_io": AddMul(),
+    }
+
+
+@pytest.fixture(scope="module")
+def torch_server(tmp_path_factory, modules):
+    repository = tmp_path_factory.mktemp("pytorch_repository")
+    for name, make_config in MODELS.items():
+        write_model(repository, name, modules[name], make_config())
+    proc = ServerProcess(repository, args=["--exit-on-error=false"])
+    try:
+        proc.wait_ready()
+        client = httpclient.InferenceServerClient(proc.http_url)
+        yield client
+        client.close()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+
+
+def expected(module, *args):
+    with torch.inference_mode():
+        result = module(*(torch.from_numpy(a) for a in args))
+    if isinstance(result, dict):
+        return {k: v.numpy() for k, v in result.items()}
+    return [t.numpy() for t in result]
+
+
+def infer(client, model: str, arrays: dict[str, tuple[str, np.ndarray]], outputs=None):
+    inputs = []
+    for name, (datatype, array) in arrays.items():
+        item = httpclient.InferInput(name, list(array.shape), datatype)
+        item.set_data_from_numpy(array)
+        inputs.append(item)
+    requested = [httpclient.InferRequestedOutput(o) for o in outputs] if outputs else None
+    return client.infer(model, inputs, outputs=requested)
+
+
+@needs_torch
+@pytest.mark.parametrize("batch", [1, 8])
+def test_index_named_tensors_match_torch(torch_server, modules, batch):
+    rng = np.random.default_rng(batch)
+    x = rng.standard_normal((batch, 16), dtype=np.float32)
+    y = rng.standard_normal((batch, 16), dtype=np.float32)
+    result = infer(torch_server, "pt_addmul", {"INPUT__0": ("FP32", x), "INPUT__1": ("FP32", y)})
+    out0, out1 = expected(modules["pt_addmul"], x, y)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), out0, rtol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), out1, rtol=1e-6)
+    assert result.as_numpy("OUTPUT__0").shape == (batch, 16)
+
+
+@needs_torch
+@pytest.mark.parametrize("batch", [1, 8])
+def test_forward_argument_names_match_torch(torch_server, modules, batch):
+    rng = np.random.default_rng(10 + batch)
+    values = rng.standard_normal((batch, 4), dtype=np.float32)
+    offset = rng.integers(-5, 5, (batch, 4), dtype=np.int32)
+    result = infer(
+        torch_server, "pt_named", {"values": ("FP32", values), "offset": ("INT32", offset)}
+    )
+    scaled, total = expected(modules["pt_named"], offset, values)
+    np.testing.assert_allclose(result.as_numpy("scaled"), scaled, rtol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("total"), total, rtol=1e-5)
+
+
+@needs_torch
+@pytest.mark.parametrize("batch", [1, 8])
+def test_dict_input_and_output_match_torch(torch_server, modules, batch):
+    rng = np.random.default_rng(20 + batch)
+    a = rng.integers(-100, 100, (batch, 3), dtype=np.int64)
+    b = rng.integers(-100, 100, (batch, 3), dtype=np.int64)
+    result = infer(torch_server, "pt_dict", {"a": ("INT64", a), "b": ("INT64", b)})
+    with torch.inference_mode():
+        want = modules["pt_dict"]({"a": torch.from_numpy(a), "b": torch.from_numpy(b)})
+    np.testing.assert_array_equal(result.as_numpy("product"), want["product"].numpy())
+    np.testing.assert_array_equal(result.as_numpy("maximum"), want["maximum"].numpy())
+
+
+@needs_torch
+def test_requested_output_only(torch_server):
+    x = np.ones((2, 16), dtype=np.float32)
+    result = infer(
+        torch_server,
+        "pt_addmul",
+        {"INPUT__0": ("FP32", x), "INPUT__1": ("FP32", 2 * x)},
+        outputs=["OUTPUT__1"],
+    )
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), np.ones((2, 16)))
+    assert result.as_numpy("OUTPUT__0") is None
+
+
+@needs_torch
+def test_metadata_and_config_are_not_auto_completed(torch_server):
+    metadata = torch_server.get_model_metadata("pt_addmul")
+    assert metadata["platform"] == "pytorch_libtorch"
+    assert [i["name"] for i in metadata["inputs"]] == ["INPUT__0", "INPUT__1"]
+    assert metadata["inputs"][0]["shape"] == [-1, 16]
+    config = torch_server.get_model_config("pt_addmul")
+    assert config["backend"] == "pytorch"
+    assert [o["name"] for o in config["output"]] == ["OUTPUT__1", "OUTPUT__0"]
+
+
+@needs_torch
+def test_unservable_configs_are_unavailable_with_reasons(torch_server):
+    rows = {row["name"]: row for row in torch_server.get_model_repository_index()}
+    assert rows["pt_bytes"]["state"] == "UNAVAILABLE"
+    assert "BYTES" in rows["pt_bytes"]["reason"]
+    assert "INPUT__0" in rows["pt_bytes"]["reason"]
+    # TorchScript records no tensor metadata: like Triton, nothing is auto-completed.
+    assert rows["pt_no_io"]["state"] == "UNAVAILABLE"
+    assert "list them in config.pbtxt (no input was given)" in rows["pt_no_io"]["reason"]
+    with pytest.raises(InferenceServerException):
+        infer(torch_server, "pt_bytes", {"INPUT__1": ("FP32", np.ones((1, 16), np.float32))})
+    assert torch_server.is_model_ready("pt_addmul")
+
+
+# -- Triton's naming rules, unit-tested -----------------------------------------------
+
+
+def test_name_index_follows_triton():
+    assert pytorch.name_index("INPUT__0") == 0
+    assert pytorch.name_index("OUTPUT__12") == 12
+    assert pytorch.name_index("INPUT0") is None
+    assert pytorch.name_index("my__input__0") is None  # digits must follow the first "__"
+    assert pytorch.name_index("INPUT__") is None
+
+
+def test_bind_inputs_conventions():
+    args = [("x", "TensorType"), ("y", "TensorType")]
+    by_name = pytorch.bind_inputs("m", ["y", "x"], args)
+    assert by_name.positions == {"y": 1, "x": 0}
+    by_index = pytorch.bind_inputs("m", ["IN__1", "IN__0"], args)
+    assert by_index.positions == {"IN__1": 1, "IN__0": 0}
+    in_order = pytorch.bind_inputs("m", ["b", "a"], args)
+    assert in_order.positions == {"b": 0, "a": 1}
+    as_dict = pytorch.bind_inputs("m", ["a", "b", "c"], [("inputs", "DictType")])
+    assert as_dict.as_dict
+    with pytest.raises(InvalidArgument, match="configuration expects 1 inputs, model provides 2"):
+        pytorch.bind_inputs("m", ["x"], args)
+    with pytest.raises(InvalidArgument, match="Tensor arguments"):
+        pytorch.bind_inputs("m", ["x", "s"], [("x", "TensorType"), ("s", "ListType")])
+    assert pytorch.bind_outputs("m", ["OUT__1", "OUT__0"]) == {"OUT__1": 1, "OUT__0": 0}
+    assert pytorch.bind_outputs("m", ["b", "a"]) == {"b": 0, "a": 1}
+
+
+@needs_torch
+def test_cpu_inputs_are_shared_with_numpy_unless_read_only(tmp_path, modules):
+    from trionserve.backends.base import InstanceSpec, ModelContext
+    from trionserve.repository.config import read_model_config
+
+    write_model(tmp_path, "pt_addmul", modules["pt_addmul"], MODELS["pt_addmul"]())
+    model_config, _ = read_model_config(tmp_path / "pt_addmul")
+    context = ModelContext(
+        "pt_addmul", 1, model_config, tmp_path / "pt_addmul", tmp_path / "pt_addmul" / "1"
+    )
+    loaded = pytorch.PyTorchBackend().load(context)
+    instance = loaded.create_instance(InstanceSpec("pt_addmul_0", "pt_addmul", "KIND_CPU", 0))
+    writable = np.ones((2, 16), dtype=np.float32)
+    assert instance._to_tensor("INPUT__0", writable).data_ptr() == writable.ctypes.data
+    body = np.frombuffer(bytes(128), dtype=np.float32).reshape(2, 16)  # read-only view
+    assert instance._to_tensor("INPUT__0", body).data_ptr() != body.ctypes.data
+    instance.close()
+
+
+# -- a server without torch ------------------------------------------------------------
+
+
+async def test_without_torch_the_model_is_unavailable(tmp_path, monkeypatch):
+    """Simulates a missing torch in-process: the lazy import raises ImportError."""
+
+    def no_torch():
+        raise ModuleNotFoundError("No module named 'torch'")
+
+    monkeypatch.setattr(pytorch, "_import_torch", no_torch)
+    write_model(tmp_path, "pt_addmul", None, MODELS["pt_addmul"]())
+    options = ServerOptions(
+        model_repositories=[tmp_path],
+        allow_http=False,
+        allow_grpc=False,
+        allow_metrics=False,
+        exit_on_error=False,
+    )
+    server = Server(options)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        rows = server.registry.index()
+        server.shutdown()
+    [row] = [r for r in rows if r["name"] == "pt_addmul"]
+    assert row["state"] == "UNAVAILABLE"
+    assert "torch, which is not installed" in row["reason"]

@@ -1,0 +1,565 @@
+"""DynamicBatchScheduler: Triton's dynamic batcher as one Trio actor.
+
+Requests wait in per-priority-level queues; whenever an executor is idle the
+batcher forms the best batch the queue allows, with the rules of Triton's
+``DynamicBatchScheduler::GetDynamicBatch``:
+
+- requests are taken in priority order (level 1 first), within a level oldest
+  first, and requests delayed by a DELAY timeout after the level's others;
+- a batch grows while its total batch size stays within ``max_batch_size`` and the
+  next request's shapes match (inputs with a variable shape must be equal unless
+  ``allow_ragged_batch``; shape tensors must hold the same values; with optional
+  inputs, the same inputs must be present); it never skips a request to find a
+  better fit, so requests of one level leave in order;
+- reaching a ``preferred_batch_size`` marks a candidate; so does the request that
+  would take the batch past the largest preferred size. The largest candidate is
+  sent unless the oldest request of the batch has waited
+  ``max_queue_delay_microseconds``, in which case everything gathered is sent; with
+  no candidate the batch is sent when it can grow no more, when the delay has
+  passed, or at once when the delay is 0; otherwise the batcher waits for more
+  requests until the delay passes.
+
+Batches are formed only when an executor asks for one, so under load requests
+accumulate while every instance is busy even with a delay of 0, exactly as in
+Triton.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Sequence
+
+import trio
+
+from trionserve.actors.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
+from trionserve.core.errors import Cancelled, TritonError, Unavailable
+from trionserve.core.types import InferenceRequest
+from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+
+# Entry states. An entry leaves its deque lazily (when it reaches the front or the
+# deque is compacted); its state says whether it still counts.
+_QUEUED = 0
+_DELAYED = 1
+_GONE = 2
+
+_DELAY_ACTION = 1  # ModelQueuePolicy.TimeoutAction.DELAY
+
+
+class _Entry:
+    __slots__ = ("request", "level", "size", "state")
+
+    def __init__(self, request: InferenceRequest, level: int, size: int) -> None:
+        self.request = request
+        self.level = level
+        self.size = size
+        self.state = _QUEUED
+
+
+class _Level:
+    """One priority level's queue policy and its two queues."""
+
+    __slots__ = (
+        "number",
+        "delay_on_timeout",
+        "timeout_us",
+        "allow_override",
+        "max_queue_size",
+        "queue",
+        "delayed",
+        "count",
+    )
+
+    def __init__(self, number: int, policy) -> None:
+        self.number = number
+        self.delay_on_timeout = policy.timeout_action == _DELAY_ACTION
+        self.timeout_us = policy.default_timeout_microseconds
+        self.allow_override = policy.allow_timeout_override
+        self.max_queue_size = policy.max_queue_size
+        self.queue: deque[_Entry] = deque()  # state _QUEUED entries, oldest first
+        self.delayed: deque[_Entry] = deque()  # state _DELAYED entries
+        self.count = 0  # entries still queued or delayed
+
+    def timeout_for(self, request: InferenceRequest) -> int:
+        """The request's queue timeout in microseconds (0: none).
+
+        A request may shorten the default timeout when the policy allows overrides
+        (and, with no default timeout, set one), never lengthen it.
+        """
+        timeout = self.timeout_us
+        override = request.timeout_us
+        if self.allow_override and override and (timeout == 0 or override < timeout):
+            timeout = override
+        return timeout
+
+    def trim(self) -> None:
+        """Drop entries that left the queues from the fronts; compact if needed."""
+        queue, delayed = self.queue, self.delayed
+        while queue and queue[0].state != _QUEUED:
+            queue.popleft()
+        while delayed and delayed[0].state != _DELAYED:
+            delayed.popleft()
+        if len(queue) + len(delayed) > 2 * self.count + 64:
+            self.queue = deque(e for e in queue if e.state == _QUEUED)
+            self.delayed = deque(e for e in delayed if e.state == _DELAYED)
+
+    def entries(self):
+        """Live entries in the order they are batched."""
+        for entry in self.queue:
+            if entry.state == _QUEUED:
+                yield entry
+        for entry in self.delayed:
+            if entry.state == _DELAYED:
+                yield entry
+
+
+class _Outlet:
+    """One executor's mailbox at the batcher.
+
+    ``receive`` registers the executor as idle (once) and waits for the batch the
+    batcher forms for it; ``complete`` hands the outcomes back for (ordered)
+    delivery; ``close`` withdraws the executor and gives back a batch it was sent
+    but never took, so no request is lost when an executor stops.
+    """
+
+    __slots__ = ("_batcher", "_send", "_receive", "_ticket", "_posted", "closed")
+
+    def __init__(self, batcher: DynamicBatchScheduler) -> None:
+        self._batcher = batcher
+        self._send, self._receive = trio.open_memory_channel[
+            tuple[list[InferenceRequest], int | None]
+        ](1)
+        self._ticket: int | None = None
+        self._posted = False
+        self.closed = False
+
+    async def receive(self) -> list[InferenceRequest]:
+        if self.closed:
+            raise trio.ClosedResourceError
+        if not self._posted:
+            self._posted = True
+            self._batcher._outlet_ready(self)
+        requests, ticket = await self._receive.receive()
+        self._posted = False
+        self._ticket = ticket
+        return requests
+
+    def complete(self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None:
+        ticket, self._ticket = self._ticket, None
+        self._batcher._complete(ticket, requests, outcomes)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            untaken = self._receive.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            untaken = None
+        self._send.close()
+        self._receive.close()
+        self._batcher._outlet_gone(self, untaken)
+
+    def put(self, requests: list[InferenceRequest], ticket: int | None) -> None:
+        self._send.send_nowait((requests, ticket))
+
+    def finish(self) -> None:
+        """No more batches: the executor ends after the one it holds, if any."""
+        self._send.close()
+
+
+class DynamicBatchScheduler:
+    """Owns the queues of a model with ``dynamic_batching`` and forms its batches.
+
+    Inbox: ``submit`` (synchronous admission: a full level rejects at once with
+    UNAVAILABLE "Exceeds maximum queue size"; with no ``max_queue_size`` the queue
+    holds at most ``capacity`` requests and submit waits for room) and the outlets
+    of its executors. These are plain methods called on the Trio thread, each
+    finishing without a checkpoint, so the batcher's state has one writer at a time.
+    Its one task waits for work, an idle executor, the batching delay or the next
+    queue timeout, all on Trio's clock.
+
+    Guarantees: each queued request leaves exactly once — in a batch, rejected when
+    its queue timeout expires (UNAVAILABLE "Request timeout expired"), answered
+    ``Cancelled`` when its client went away, or answered by ``abort`` at unload.
+    With ``preserve_ordering``, outcomes are delivered in the order batches were
+    formed, whatever order the instances finish in.
+    """
+
+    def __init__(
+        self,
+        config,
+        statistics: ModelStatistics | None = None,
+        *,
+        capacity: int = QUEUE_CAPACITY,
+    ) -> None:
+        batching = config.dynamic_batching
+        self.model_name = config.name
+        self._statistics = statistics
+        self._capacity = capacity
+        self._max_batch = max(1, config.max_batch_size)
+        preferred = sorted(set(batching.preferred_batch_size))
+        self._preferred = frozenset(preferred)
+        self._max_preferred = preferred[-1] if preferred else self._max_batch
+        self._delay = batching.max_queue_delay_microseconds / 1e6
+        self._preserve_ordering = batching.preserve_ordering
+        self._priority_levels = batching.priority_levels
+        self._default_level = batching.default_priority_level if self._priority_levels else 0
+        self._default_policy = batching.default_queue_policy
+        self._policies = dict(batching.priority_queue_policy)
+
+        # What makes two requests batchable (Triton's enforce_equal_shape_tensors).
+        self._skip = 1 if config.max_batch_size > 0 else 0
+        self._equal_shape = tuple(
+            i.name
+            for i in config.input
+            if not i.is_shape_tensor and not i.allow_ragged_batch and -1 in i.dims
+        )
+        self._equal_value = tuple(i.name for i in config.input if i.is_shape_tensor)
+        self._has_optional = any(i.optional for i in config.input)
+        self._check_shapes = bool(self._equal_shape or self._equal_value or self._has_optional)
+
+        self._levels: dict[int, _Level] = {}
+        self._order: list[int] = []  # level numbers, highest priority first
+        self._queued = 0
+        self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._sequence = itertools.count()
+        self._ready: deque[_Outlet] = deque()
+        self._outlets: set[_Outlet] = set()
+        self._wakeup = trio.Event()
+        self._space = trio.Event()
+        self._closed = False
+        self._finished = False
+        # preserve_ordering: tickets in formation order, outcomes held until due.
+        self._next_ticket = 0
+        self._next_delivery = 0
+        self._held: dict[int, tuple[Sequence[InferenceRequest], Sequence[Outcome]]] = {}
+
+    # -- the actor ---------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            wake_at = self._step(trio.current_time())
+            if wake_at is None:
+                return
+            self._wakeup = trio.Event()
+            with trio.move_on_at(wake_at):
+                await self._wakeup.wait()
+
+    def _step(self, now: float) -> float | None:
+        """Expire, dispatch what can go; return when to look again (None: done)."""
+        self._expire(now)
+        wake_at = math.inf
+        ready = self._ready
+        while ready and self._queued:
+            entries, wait_until = self._form(now)
+            if entries is None:
+                wake_at = wait_until
+                break
+            self._dispatch(ready.popleft(), entries)
+        if self._closed and not self._queued:
+            self._finish()
+            return None
+        return min(wake_at, self._next_deadline())
+
+    # -- admission -------------------------------------------------------------------
+
+    async def submit(self, request: InferenceRequest) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError
+        now = trio.current_time()
+        request.arrival_time = now
+        level = self._level_for(request.priority)
+        if level.max_queue_size and level.count >= level.max_queue_size:
+            self._purge_cancelled(level)
+            if level.count >= level.max_queue_size:
+                self._record_failure(request, now, FailureReason.REJECTED)
+                prefix = f"[request id: {request.id}] " if request.id else ""
+                raise Unavailable(
+                    f"{prefix}Exceeds maximum queue size: model '{self.model_name}' "
+                    f"already queues {level.count} requests"
+                    + (f" at priority level {level.number}" if level.number else "")
+                    + f" (max_queue_size {level.max_queue_size})"
+                )
+        while self._queued >= self._capacity:
+            for other in self._levels.values():
+                self._purge_cancelled(other)
+            if self._queued < self._capacity:
+                break
+            await self._space.wait()
+            if self._closed:
+                raise trio.ClosedResourceError
+            now = trio.current_time()
+        entry = _Entry(request, level.number, request.batch_size or 1)
+        level.queue.append(entry)
+        level.count += 1
+        self._queued += 1
+        timeout_us = level.timeout_for(request)
+        if timeout_us:
+            deadline = now + timeout_us / 1e6
+            heapq.heappush(self._deadlines, (deadline, next(self._sequence), entry))
+        self._wakeup.set()
+
+    def _level_for(self, priority: int) -> _Level:
+        """Triton's rule: priority 0 or beyond the levels means the default level."""
+        levels = self._priority_levels
+        if not levels:
+            number = 0
+        elif priority == 0 or priority > levels:
+            number = self._default_level
+        else:
+            number = priority
+        level = self._levels.get(number)
+        if level is None:
+            policy = self._policies.get(number, self._default_policy)
+            level = self._levels[number] = _Level(number, policy)
+            bisect.insort(self._order, number)
+        return level
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting in the queues (cancelled ones not yet noticed included)."""
+        return self._queued
+
+    # -- timeouts and cancellation -----------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        heap = self._deadlines
+        rejected = False
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)[2]
+            if entry.state != _QUEUED:
+                continue
+            level = self._levels[entry.level]
+            if level.delay_on_timeout:
+                entry.state = _DELAYED
+                level.delayed.append(entry)
+            else:
+                self._remove(entry, level)
+                request = entry.request
+                request.fail(
+                    Unavailable(
+                        "Request timeout expired: request "
+                        + (f"'{request.id}' " if request.id else "")
+                        + f"waited {to_ns(now - request.arrival_time) // 1000} us in the "
+                        f"queue of model '{self.model_name}' (timeout "
+                        f"{level.timeout_for(request)} us)"
+                    )
+                )
+                self._record_failure(request, now, FailureReason.REJECTED)
+                rejected = True
+            level.trim()
+        if len(heap) > 2 * self._queued + 64:
+            self._deadlines = [item for item in heap if item[2].state == _QUEUED]
+            heapq.heapify(self._deadlines)
+        if rejected:
+            self._signal_space()
+
+    def _next_deadline(self) -> float:
+        heap = self._deadlines
+        while heap and heap[0][2].state != _QUEUED:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf
+
+    def _purge_cancelled(self, level: _Level) -> None:
+        """Answer and drop the level's requests whose clients went away."""
+        now = None
+        for entry in list(level.entries()):
+            if entry.request.cancelled:
+                now = now if now is not None else trio.current_time()
+                self._drop_cancelled(entry, level, now)
+        if now is not None:
+            level.trim()
+
+    def _drop_cancelled(self, entry: _Entry, level: _Level, now: float) -> None:
+        self._remove(entry, level)
+        request = entry.request
+        request.fail(
+            Cancelled(
+                f"request '{request.id}' for model '{self.model_name}' was cancelled "
+                "while queued"
+            )
+        )
+        self._record_failure(request, now, FailureReason.CANCELED)
+
+    def _remove(self, entry: _Entry, level: _Level) -> None:
+        entry.state = _GONE
+        level.count -= 1
+        self._queued -= 1
+
+    # -- batch formation -------------------------------------------------------------
+
+    def _form(self, now: float) -> tuple[list[_Entry] | None, float]:
+        """The batch to send now, or None and the time to look again."""
+        pending: list[_Entry] = []
+        size = 0
+        best: int | None = None  # number of entries in the best candidate
+        send_now = False
+        key = None
+        dropped: list[_Level] = []
+        max_batch, max_preferred, preferred = self._max_batch, self._max_preferred, self._preferred
+        for number in self._order:
+            level = self._levels[number]
+            if not level.count:
+                continue
+            for entry in level.entries():
+                request = entry.request
+                if request.cancelled or request.done:
+                    if request.done:
+                        self._remove(entry, level)
+                    else:
+                        self._drop_cancelled(entry, level, now)
+                    dropped.append(level)
+                    continue
+                n = entry.size
+                if not pending:
+                    if self._check_shapes:
+                        key = self._shape_key(request)
+                else:
+                    if size + n > max_preferred and best is None:
+                        best = len(pending)
+                    if size + n > max_batch:
+                        send_now = True
+                        break
+                    if self._check_shapes and self._shape_key(request) != key:
+                        send_now = True
+                        break
+                pending.append(entry)
+                size += n
+                if size in preferred:
+                    best = len(pending)
+            if send_now:
+                break
+        for level in dropped:
+            level.trim()
+        if not pending:
+            return None, math.inf
+
+        oldest = min(entry.request.arrival_time for entry in pending)
+        delay = self._delay
+        delay_exceeded = delay > 0 and now - oldest >= delay
+        if best is not None and not delay_exceeded:
+            return pending[:best], now
+        if send_now or size >= max_preferred or delay_exceeded or delay == 0:
+            return pending, now
+        return None, oldest + delay
+
+    def _shape_key(self, request: InferenceRequest) -> tuple:
+        inputs = request.inputs
+        key: list = [tuple(sorted(inputs))] if self._has_optional else []
+        skip = self._skip
+        for name in self._equal_shape:
+            tensor = inputs.get(name)
+            key.append(None if tensor is None else tensor.data.shape[skip:])
+        for name in self._equal_value:
+            tensor = inputs.get(name)
+            key.append(None if tensor is None else tensor.data.tobytes())
+        return tuple(key)
+
+    def _dispatch(self, outlet: _Outlet, entries: list[_Entry]) -> None:
+        requests = []
+        levels = set()
+        for entry in entries:
+            level = self._levels[entry.level]
+            self._remove(entry, level)
+            levels.add(level)
+            requests.append(entry.request)
+        for level in levels:
+            level.trim()
+        ticket = None
+        if self._preserve_ordering:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+        outlet.put(requests, ticket)
+        self._signal_space()
+
+    def _signal_space(self) -> None:
+        if self._queued < self._capacity or self._closed:
+            self._space.set()
+            self._space = trio.Event()
+
+    # -- executors ------------------------------------------------------------------
+
+    def outlet(self) -> BatchOutlet:
+        outlet = _Outlet(self)
+        self._outlets.add(outlet)
+        if self._finished:
+            outlet.finish()
+        return outlet
+
+    def _outlet_ready(self, outlet: _Outlet) -> None:
+        self._ready.append(outlet)
+        self._wakeup.set()
+
+    def _outlet_gone(self, outlet: _Outlet, untaken) -> None:
+        self._outlets.discard(outlet)
+        try:
+            self._ready.remove(outlet)
+        except ValueError:
+            pass
+        if untaken is not None:
+            self._give_back(*untaken)
+
+    def _give_back(self, requests: list[InferenceRequest], ticket: int | None) -> None:
+        """Requeue a batch an executor never took, at the front of its levels."""
+        for request in reversed(requests):
+            level = self._level_for(request.priority)
+            entry = _Entry(request, level.number, request.batch_size or 1)
+            level.queue.appendleft(entry)
+            level.count += 1
+            self._queued += 1
+        if ticket is not None:
+            self._complete(ticket, (), ())
+        self._wakeup.set()
+
+    def _complete(
+        self,
+        ticket: int | None,
+        requests: Sequence[InferenceRequest],
+        outcomes: Sequence[Outcome],
+    ) -> None:
+        if ticket is None:
+            deliver_outcomes(requests, outcomes)
+            return
+        held = self._held
+        held[ticket] = (requests, outcomes)
+        while self._next_delivery in held:
+            due_requests, due_outcomes = held.pop(self._next_delivery)
+            self._next_delivery += 1
+            deliver_outcomes(due_requests, due_outcomes)
+
+    def _finish(self) -> None:
+        self._finished = True
+        for outlet in self._outlets:
+            outlet.finish()
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+        self._signal_space()
+
+    def abort(self, error: TritonError) -> None:
+        self.close()
+        now = trio.current_time()
+        for number in self._order:
+            level = self._levels[number]
+            for entry in list(level.entries()):
+                self._remove(entry, level)
+                entry.request.fail(error)
+                self._record_failure(entry.request, now, FailureReason.OTHER)
+            level.queue.clear()
+            level.delayed.clear()
+        self._deadlines.clear()
+        # Outcomes held for an earlier batch that will never complete: deliver them.
+        for ticket in sorted(self._held):
+            deliver_outcomes(*self._held.pop(ticket))
+
+    def _record_failure(self, request: InferenceRequest, now: float, reason: FailureReason) -> None:
+        if self._statistics is not None:
+            self._statistics.record_failure(to_ns(now - request.arrival_time), reason)

@@ -1,0 +1,156 @@
+"""What the ModelRegistry keeps per model, and how a model's configuration is prepared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import trio
+
+from trionserve.actors.model import ModelVersion, resolve_instance_kinds
+from trionserve.backends.gpu import gpu_count
+from trionserve.backends.registry import backend_for
+from trionserve.core.errors import TritonError, Unavailable
+from trionserve.repository.changes import LoadedSource
+from trionserve.repository.config import (
+    infer_platform,
+    normalize_model_config,
+    read_model_config,
+    validate_model_config,
+)
+from trionserve.repository.versions import list_versions, select_versions
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    config: object
+    backend: object
+    versions: list[int]
+
+
+def prepare_model(model_dir: Path, autocomplete: bool, override_json: str | None):
+    """Read, complete and validate a model's config; blocking, run in a thread."""
+    config, max_batch_size_set = read_model_config(model_dir, override_json)
+    infer_platform(config, model_dir)
+    backend = backend_for(config)
+    versions = select_versions(config, list_versions(model_dir))
+    if autocomplete:
+        filename = config.default_model_filename or backend.default_model_filename()
+        model_path = model_dir / str(max(versions)) / filename
+        if model_path.exists():
+            backend.auto_complete_config(config, model_path, max_batch_size_set)
+    normalize_model_config(config)
+    resolve_instance_kinds(config, gpu_count())
+    validate_model_config(config)
+    return PreparedModel(config, backend, versions)
+
+
+def composing_models(config) -> list[str]:
+    """The models an ensemble's steps call, in first-use order."""
+    names: list[str] = []
+    for step in config.ensemble_scheduling.step:
+        if step.model_name not in names:
+            names.append(step.model_name)
+    return names
+
+
+class Operation:
+    """One queued or running load or unload of one model; callers await ``done``."""
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.explicit = False
+        self.done = trio.Event()
+        self.error: TritonError | None = None
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """What the registry knows of one model name; changed only under ``lock``.
+
+    A version number is in at most one of ``serving`` and ``loading`` at a time
+    (a reload's new version is in ``loading`` while the old one serves); retired
+    versions stay in ``draining`` until they have unloaded.
+    """
+
+    name: str
+    serving: dict[int, ModelVersion] = field(default_factory=dict)  # READY, routed
+    loading: dict[int, ModelVersion] = field(default_factory=dict)
+    draining: set[ModelVersion] = field(default_factory=set)  # UNLOADING
+    unavailable: dict[int, str] = field(default_factory=dict)  # version -> reason
+    # The latest error of a load of this model; shown until a load succeeds.
+    reason: str = ""
+    # True while a version the policy wants is not serving (Triton's readiness).
+    failed: bool = False
+    explicit: bool = False  # loaded by name, not only as an ensemble's composing model
+    dependencies: frozenset[str] = frozenset()
+    source: LoadedSource | None = None
+    lock: trio.Lock = field(default_factory=trio.Lock)
+    operations: list[Operation] = field(default_factory=list)
+
+    @property
+    def versions(self) -> dict[int, ModelVersion]:
+        """The versions serving requests, by number."""
+        return self.serving
+
+    def is_empty(self) -> bool:
+        return not (
+            self.serving or self.loading or self.draining or self.unavailable
+            or self.reason or self.operations
+        )
+
+    def index_rows(self) -> list[dict]:
+        """The repository index rows of this model: one per version it knows."""
+        draining = {v.version for v in self.draining}
+        numbers = set(self.serving) | set(self.loading) | draining | set(self.unavailable)
+        if not numbers:
+            return [_row(self.name, "", "UNAVAILABLE", self.reason)] if self.reason else []
+        rows = []
+        for number in sorted(numbers):
+            if number in self.serving:
+                # A failed reload's reason shows beside the version still serving.
+                rows.append(_row(self.name, number, "READY", self.reason))
+            elif number in self.loading:
+                rows.append(_row(self.name, number, "LOADING", ""))
+            elif number in draining:
+                rows.append(_row(self.name, number, "UNLOADING", ""))
+            else:
+                rows.append(_row(self.name, number, "UNAVAILABLE", self.unavailable[number]))
+        return rows
+
+
+def _row(name: str, version, state: str, reason: str) -> dict:
+    return {"name": name, "version": str(version), "state": state, "reason": reason}
+
+
+def load_error(name: str, errors: dict[int, TritonError]) -> TritonError:
+    detail = "; ".join(f"version {n}: {e.message}" for n, e in sorted(errors.items()))
+    return Unavailable(f"failed to load '{name}': {detail}")
+
+
+class TransitionLog:
+    """One structured log line per state transition of a model version.
+
+    Each line has model, version, from, to, reason and duration_s: how long the
+    version spent in the state it leaves.
+    """
+
+    def __init__(self) -> None:
+        self._entered: dict[ModelVersion, float] = {}
+
+    def __call__(self, version: ModelVersion, before: str, after: str, reason: str) -> None:
+        now = trio.current_time()
+        entered = self._entered.pop(version, None)
+        if after != "UNAVAILABLE":
+            self._entered[version] = now
+        log.info(
+            "model state",
+            model=version.name,
+            version=version.version,
+            reason=reason,
+            duration_s=0.0 if entered is None else round(now - entered, 3),
+            **{"from": before, "to": after},
+        )

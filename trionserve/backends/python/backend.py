@@ -1,0 +1,147 @@
+"""The ``backend: "python"`` Backend: Triton Python models (``model.py``).
+
+Auto-complete runs the model class's static ``auto_complete_config`` in a
+short-lived stub; loading checks the model file and its parameters; each instance
+is a stub process started (and ``initialize``-d) by :meth:`PythonModel.create_instance`.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.python.instance import PythonInstance
+from trionserve.backends.python.process import StubProcess
+from trionserve.backends.python.settings import StubSettings
+from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
+
+MODEL_FILENAME = "model.py"
+
+
+def may_auto_complete(model_path: Path) -> bool:
+    """False only when model.py plainly has no ``auto_complete_config``.
+
+    That is: ``TritonPythonModel`` is a class with no bases and no decorators, and
+    the name ``auto_complete_config`` appears nowhere in the file. Anything else
+    (or a file that does not parse) is left to a stub to find out, so the check
+    only saves a process start for the common model.
+    """
+    try:
+        source = model_path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    if "auto_complete_config" in source:
+        return True
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TritonPythonModel":
+            return bool(node.bases or node.keywords or node.decorator_list)
+    return True
+
+
+def _model_config_json(config) -> str:
+    from trionserve.repository.config import model_config_to_json
+
+    return json.dumps(model_config_to_json(config))
+
+
+class PythonBackend:
+    name = "python"
+
+    def default_model_filename(self) -> str:
+        return MODEL_FILENAME
+
+    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+        """Let the model's ``auto_complete_config`` complete ``config`` in place."""
+        from trionserve.repository.config import model_config_from_json
+
+        settings = StubSettings.from_config(config)
+        if not may_auto_complete(model_path):
+            return
+        stub = StubProcess(f"model '{config.name}'", settings)
+        try:
+            answer = stub.request(
+                {
+                    "op": "auto_complete",
+                    "model_file": str(model_path),
+                    "model_name": config.name,
+                    "config": _model_config_json(config),
+                },
+                "auto_completed",
+                settings.stub_timeout,
+                "auto_complete_config",
+            )
+        finally:
+            stub.stop(finalize=False)
+        try:
+            completed = model_config_from_json(json.loads(answer["config"]))
+        except TritonError as exc:
+            raise InvalidArgument(
+                f"model '{config.name}': auto_complete_config returned an invalid "
+                f"configuration: {exc.message}"
+            ) from None
+        config.CopyFrom(completed)
+
+    def load(self, context: ModelContext) -> "PythonModel":
+        filename = context.config.default_model_filename or MODEL_FILENAME
+        path = context.version_dir / filename
+        if not path.is_file():
+            raise Unavailable(
+                f"model file '{filename}' not found in version {context.version} of "
+                f"model '{context.name}' ({context.version_dir.name}/)"
+            )
+        return PythonModel(context, path, StubSettings.from_config(context.config))
+
+
+class PythonModel:
+    """A loaded Python model: the file, its settings and the config JSON it is given."""
+
+    def __init__(self, context: ModelContext, path: Path, settings: StubSettings) -> None:
+        self.context = context
+        self.path = path
+        self.settings = settings
+        self._config_json = _model_config_json(context.config)
+
+    def start_stub(self, spec: InstanceSpec) -> StubProcess:
+        """Start a stub for ``spec`` and run the model's ``initialize`` (blocking)."""
+        context = self.context
+        label = f"model '{context.name}' instance '{spec.name}'"
+        stub = StubProcess(label, self.settings)
+        args = {
+            "model_config": self._config_json,
+            "model_instance_kind": spec.kind.removeprefix("KIND_"),
+            "model_instance_name": spec.name,
+            "model_instance_device_id": str(spec.device_id),
+            "model_repository": str(context.model_dir),
+            "model_version": str(context.version),
+            "model_name": context.name,
+        }
+        try:
+            stub.request(
+                {
+                    "op": "initialize",
+                    "args": args,
+                    "model_file": str(self.path),
+                    "model_name": context.name,
+                    "instance": spec.name,
+                    "decoupled": context.config.model_transaction_policy.decoupled,
+                },
+                "initialized",
+                self.settings.initialize_timeout,
+                "initialize",
+            )
+        except BaseException:
+            stub.stop(finalize=False)
+            raise
+        return stub
+
+    def create_instance(self, spec: InstanceSpec) -> PythonInstance:
+        stub = self.start_stub(spec)
+        return PythonInstance(
+            self.context, spec, self.settings, lambda: self.start_stub(spec), stub
+        )
+
+    def unload(self) -> None:
+        pass

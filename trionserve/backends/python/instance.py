@@ -1,0 +1,374 @@
+"""PythonInstance: one instance of a Python model, served by its stub process.
+
+It is an async backend instance (see ``AsyncBackendInstance`` in
+:mod:`trionserve.backends.base`): its executor runs :meth:`PythonInstance.run` as
+a child task and awaits :meth:`PythonInstance.execute_async` on the Trio thread,
+so nothing blocks a worker thread while the stub computes, and responses that a
+decoupled model sends after ``execute`` returned still reach their requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+import trio
+
+from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
+from trionserve.backends.python.messages import (
+    bls_request,
+    error_message,
+    read_response,
+    release_outputs,
+    request_message,
+    response_message,
+)
+from trionserve.backends.python.process import StubProcess, TrioChannel, log_stub_line
+from trionserve.backends.python.settings import StubSettings
+from trionserve.core.errors import (
+    DeadlineExceeded,
+    InternalError,
+    TritonError,
+    Unavailable,
+    as_triton_error,
+)
+from trionserve.core.types import InferenceRequest
+
+log = structlog.get_logger(__name__)
+
+# What sending to a stub raises once it is gone.
+_GONE = (OSError, trio.ClosedResourceError, trio.BrokenResourceError)
+# Restart delays: 0.1 s after the first failure, doubling, at most 5 s.
+BACKOFF_SECONDS = 0.1
+BACKOFF_CAP_SECONDS = 5.0
+
+
+@dataclass(eq=False)
+class _Call:
+    """One execute sent to the stub; ``results`` is what execute_async returns."""
+
+    requests: list[InferenceRequest]
+    keys: list[int]
+    done: trio.Event = field(default_factory=trio.Event)
+    results: ExecuteResult | None = None
+
+
+@dataclass(eq=False)
+class _Open:
+    """A request the stub has and has not finished; its input blocks."""
+
+    request: InferenceRequest
+    blocks: list
+    cancel_sent: bool = False
+
+
+class PythonInstance:
+    """One model instance in a stub process, restarted when the process fails.
+
+    Owns the current :class:`StubProcess` and, while it lives, the tasks that serve
+    it: the reader of its messages and one task per BLS request it made.
+    Guarantees: every request handed to ``execute_async`` gets one final outcome —
+    its response(s), or an error naming how the stub failed (crash, signal,
+    ``os._exit``, a hang past ``execute-timeout-seconds``). A failed stub is
+    replaced after a backoff; after more than ``stub-max-restarts`` failures in a
+    row ``run`` raises Unavailable with the reason, which makes the model
+    UNAVAILABLE. On cancellation the stub keeps running until ``close``
+    finalizes it.
+    """
+
+    def __init__(
+        self,
+        context: ModelContext,
+        spec: InstanceSpec,
+        settings: StubSettings,
+        start_stub: Callable[[], StubProcess],
+        stub: StubProcess,
+    ) -> None:
+        config = context.config
+        self.spec = spec
+        self.model_name = context.name
+        self.model_version = str(context.version)
+        self.label = f"model '{context.name}' instance '{spec.name}'"
+        self._inference = getattr(context, "inference", None)
+        self._decoupled = config.model_transaction_policy.decoupled
+        self._output_names = [o.name for o in config.output]
+        self._settings = settings
+        self._start_stub = start_stub
+        self._stub: StubProcess | None = stub
+        self._channel: TrioChannel | None = None
+        self._nursery: trio.Nursery | None = None
+        self._ready = trio.Event()
+        self._fatal: TritonError | None = None
+        self._hang: str | None = None
+        self._failures = 0
+        self._calls: dict[int, _Call] = {}
+        self._open: dict[int, _Open] = {}
+        self._bls_scopes: dict[int, trio.CancelScope] = {}
+        self._ids = itertools.count(1)
+
+    @property
+    def pid(self) -> int | None:
+        """The stub's process id (for tests and logs)."""
+        return self._stub.pid if self._stub is not None else None
+
+    # -- the actor -----------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        assert self._stub is not None
+        task_status.started()
+        while True:
+            how = await self._serve(self._stub)
+            error = InternalError(f"{self.label}: the stub process {how}")
+            log.error("stub process failed", source=self.label, reason=how)
+            self._fail_everything(error)
+            self._stub = None
+            await self._restart(how)
+
+    async def _serve(self, stub: StubProcess) -> str:
+        """Serve one stub until it is gone; how it ended."""
+        channel = TrioChannel(stub)
+        self._hang = None
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery, self._channel = nursery, channel
+                self._ready.set()
+                await self._read(channel)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._channel = None
+            self._ready = trio.Event()
+            channel.close()
+        how = await trio.to_thread.run_sync(stub.wait_exit)
+        stub.close()
+        if self._hang is not None:
+            return self._hang
+        return how + (" while executing" if self._calls else "")
+
+    async def _restart(self, how: str) -> None:
+        """Start a new stub after a backoff; raise once too many failed in a row."""
+
+        def start() -> None:
+            # Kept on self at once, so that ``close`` ends it if we are cancelled.
+            self._stub = self._start_stub()
+
+        while True:
+            self._failures += 1
+            if self._failures > self._settings.max_restarts:
+                self._fatal = Unavailable(
+                    f"{self.label}: the stub process failed {self._failures} times in a "
+                    f"row; not restarting it (last: the stub process {how})"
+                )
+                self._ready.set()  # executes waiting for a stub fail with the reason
+                raise self._fatal
+            delay = min(BACKOFF_CAP_SECONDS, BACKOFF_SECONDS * 2 ** (self._failures - 1))
+            log.warning("restarting stub process", source=self.label, in_s=delay)
+            await trio.sleep(delay)
+            try:
+                await trio.to_thread.run_sync(start)
+            except TritonError as exc:
+                how = f"could not be restarted: {exc.message}"
+                continue
+            log.info("stub process restarted", source=self.label, pid=self.pid)
+            return
+
+    def _fail_everything(self, error: TritonError) -> None:
+        for call in self._calls.values():
+            call.results = None if self._decoupled else [error] * len(call.requests)
+            call.done.set()
+        self._calls.clear()
+        for entry in self._open.values():
+            entry.request.fail(error)
+        self._open.clear()
+
+    # -- execute ---------------------------------------------------------------------
+
+    async def execute_async(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
+        """Run one batch in the stub.
+
+        Returns one response or error per request, or None when the requests are
+        answered as the model sends their responses (decoupled models, and
+        models that answer through response senders).
+        """
+        while self._channel is None:
+            if self._fatal is not None:
+                raise self._fatal
+            await self._ready.wait()
+            if self._fatal is not None:
+                raise self._fatal
+        channel = self._channel
+        entries, keys = [], []
+        for request in requests:
+            key = next(self._ids)
+            entry, blocks = request_message(key, request, channel.endpoint, self._output_names)
+            entries.append(entry)
+            keys.append(key)
+            self._open[key] = _Open(request, blocks)
+        call_id = next(self._ids)
+        call = _Call(requests, keys)
+        self._calls[call_id] = call
+        try:
+            await channel.send({"op": "execute", "id": call_id, "requests": entries})
+        except _GONE:
+            pass  # the stub is gone; the reader fails this call
+        timeout = self._settings.execute_timeout
+        with trio.move_on_after(timeout if timeout > 0 else float("inf")) as scope:
+            await call.done.wait()
+        if scope.cancelled_caught and self._stub is not None:
+            self._hang = (
+                f"did not return from execute within {timeout:g}s "
+                "(execute-timeout-seconds) and was killed"
+            )
+            self._stub.kill()
+            await call.done.wait()
+        return call.results
+
+    # -- the stub's messages -------------------------------------------------------------
+
+    async def _read(self, channel: TrioChannel) -> None:
+        while True:
+            message = await channel.receive()
+            if message is None:
+                return
+            op = message["op"]
+            if op == "executed":
+                self._executed(message)
+            elif op == "response":
+                self._response(channel, message)
+            elif op == "bls":
+                assert self._nursery is not None
+                self._nursery.start_soon(self._bls, channel, message)
+            elif op == "bls_cancel":
+                scope = self._bls_scopes.get(message["call"])
+                if scope is not None:
+                    scope.cancel()
+            elif op == "log":
+                log_stub_line(self.label, message["level"], message["message"])
+            if channel.endpoint.should_flush():
+                self._send_soon(channel, {"op": "free"})
+
+    def _send_soon(self, channel: TrioChannel, message: dict) -> None:
+        async def send() -> None:
+            try:
+                await channel.send(message)
+            except _GONE:
+                pass  # the stub is gone; the reader will notice
+
+        assert self._nursery is not None
+        self._nursery.start_soon(send)
+
+    def _close_open(self, key: int) -> None:
+        entry = self._open.pop(key, None)
+        if entry is not None and self._stub is not None:
+            self._stub.endpoint.arena.free(entry.blocks)
+
+    def _executed(self, message: dict) -> None:
+        self._failures = 0
+        call = self._calls.pop(message["id"], None)
+        responses = message["responses"]
+        if call is None:
+            for encoded in responses or ():
+                release_outputs(encoded, self._stub.endpoint)
+            return
+        if message["error"] is not None:
+            error = InternalError(message["error"])
+            for key, request in zip(call.keys, call.requests):
+                self._close_open(key)
+                if self._decoupled:
+                    request.fail(error)
+            call.results = None if self._decoupled else [error] * len(call.requests)
+        elif responses is not None:
+            endpoint = self._stub.endpoint
+            results = []
+            for key, request, encoded in zip(call.keys, call.requests, responses):
+                self._close_open(key)
+                results.append(read_response(encoded, endpoint, request, self.model_version))
+            call.results = results
+        call.done.set()
+
+    def _response(self, channel: TrioChannel, message: dict) -> None:
+        key, encoded, final = message["key"], message["response"], message["final"]
+        entry = self._open.get(key)
+        if entry is None:
+            release_outputs(encoded, channel.endpoint)
+            return
+        request = entry.request
+        if encoded is not None:
+            outcome = read_response(encoded, channel.endpoint, request, self.model_version)
+            if isinstance(outcome, TritonError):
+                # An error ends the request: InferenceRequest has no non-final errors.
+                request.fail(outcome)
+            else:
+                request.send(outcome, final=final)
+        elif final:
+            request.send(None, final=True)
+        if final:
+            self._close_open(key)
+        elif (request.done or request.cancelled) and not entry.cancel_sent:
+            # Tell the model, so that its sender's is_cancelled() says so.
+            entry.cancel_sent = True
+            self._send_soon(channel, {"op": "cancel", "keys": [key]})
+
+    async def _bls(self, channel: TrioChannel, message: dict) -> None:
+        call = message["call"]
+        decoupled = message["decoupled"]
+        timeout_us = message["timeout"]
+        sent_final = False
+
+        async def reply(encoded: dict | None, final: bool) -> None:
+            nonlocal sent_final
+            sent_final = final
+            await channel.send(
+                {"op": "bls_response", "call": call, "response": encoded, "final": final}
+            )
+
+        try:
+            request = bls_request(message, channel.endpoint)
+            if self._inference is None:
+                raise Unavailable(
+                    f"{self.label}: BLS requests are not available: the server gave "
+                    "this backend no inference service"
+                )
+            with trio.CancelScope() as scope:
+                self._bls_scopes[call] = scope
+                if timeout_us > 0:
+                    scope.deadline = trio.current_time() + timeout_us / 1e6
+                if decoupled:
+
+                    async def deliver(response, final: bool) -> None:
+                        encoded = None if response is None else response_message(
+                            response, channel.endpoint
+                        )
+                        await reply(encoded, final)
+
+                    await self._inference.infer_stream(request, deliver)
+                else:
+                    response = await self._inference.infer(request)
+                    await reply(response_message(response, channel.endpoint), True)
+            if scope.cancelled_caught and not sent_final:
+                error = (
+                    DeadlineExceeded("Request timeout expired")
+                    if timeout_us > 0 and trio.current_time() >= scope.deadline
+                    else TritonError("BLS request was cancelled")
+                )
+                await reply(error_message(error), True)
+        except _GONE:
+            pass  # the stub is gone
+        except Exception as exc:
+            if not sent_final:
+                try:
+                    await reply(error_message(as_triton_error(exc)), True)
+                except _GONE:
+                    pass
+        finally:
+            self._bls_scopes.pop(call, None)
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Finalize the model and end the stub (blocking; after ``run`` ended)."""
+        stub, self._stub = self._stub, None
+        if stub is not None:
+            # A stub still busy in execute (hung) could not finalize: end it.
+            stub.stop(finalize=not self._calls)

@@ -1,0 +1,229 @@
+"""One stub process as the server sees it: start it, talk to it, stop it.
+
+A :class:`StubProcess` is a child Python process running :mod:`.stub`, one end of a
+Unix socket pair, and the two shared-memory arenas (the server's, which the stub
+reads; and a view of the stub's). Its blocking methods run in worker threads
+(start-up, auto-complete, finalize); while an instance serves, the same socket is
+used from the Trio loop through :class:`TrioChannel`.
+
+Stubs run with ``PYTHONDONTWRITEBYTECODE=1``, so importing ``model.py`` never
+writes into the model repository, and with ``-P``, so the server's working
+directory is not on their import path.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+import structlog
+import trio
+
+import trionserve
+from trionserve.backends.python.settings import StubSettings
+from trionserve.backends.python.shm import Arena, ArenaView
+from trionserve.backends.python.wire import (
+    ANCILLARY_SIZE,
+    RECEIVE_SIZE,
+    BlockingChannel,
+    Endpoint,
+    ancillary_for,
+    fds_from_ancillary,
+)
+from trionserve.core.errors import TritonError, Unavailable
+
+log = structlog.get_logger(__name__)
+
+# The stub's bootstrap: find trionserve even when it runs from a source checkout.
+_PACKAGE_ROOT = str(Path(trionserve.__file__).resolve().parent.parent)
+_BOOT = (
+    "import sys; sys.path.append(sys.argv.pop(1)); "
+    "from trionserve.backends.python.stub import main; main()"
+)
+# How long a stub that was asked to stop may take to exit before it is killed.
+EXIT_GRACE_SECONDS = 5.0
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "is still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with code {returncode}"
+
+
+def log_stub_line(label: str, level: str, message: str) -> None:
+    """A ``pb_utils.Logger`` line from a stub, in the server's log."""
+    method = {"WARNING": log.warning, "ERROR": log.error, "VERBOSE": log.debug}.get(
+        level, log.info
+    )
+    method(message, source=label)
+
+
+class StubProcess:
+    """A started stub process; ``label`` names the model and instance in errors."""
+
+    def __init__(self, label: str, settings: StubSettings) -> None:
+        self.label = label
+        self.settings = settings
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        command = [
+            sys.executable,
+            "-P",
+            "-c",
+            _BOOT,
+            _PACKAGE_ROOT,
+            str(child.fileno()),
+            str(settings.shm_default_byte_size),
+            str(settings.shm_growth_byte_size),
+        ]
+        # No bytecode written next to model.py; print() in a model shows at once.
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+        try:
+            self.process = subprocess.Popen(command, pass_fds=(child.fileno(),), env=env)
+        except OSError as exc:
+            parent.close()
+            raise Unavailable(f"{label}: cannot start a stub process: {exc}") from None
+        finally:
+            child.close()
+        self.sock = parent
+        self.endpoint = Endpoint(
+            Arena(settings.shm_default_byte_size, settings.shm_growth_byte_size),
+            ArenaView(),
+            settings.shm_default_byte_size // 4,
+        )
+        self.channel = BlockingChannel(parent, self.endpoint)
+        self._closed = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def request(self, message: dict, reply: str, timeout: float, what: str) -> dict:
+        """Send ``message`` and block until the stub answers ``reply``.
+
+        Log lines sent meanwhile are logged; an ``error`` answer, a timeout or the
+        stub's death raise Unavailable naming ``what`` was being done.
+        """
+        self.sock.settimeout(timeout)
+        try:
+            self.channel.send(message)
+            while True:
+                answer = self.channel.receive()
+                if answer is None:
+                    raise Unavailable(
+                        f"{self.label}: the stub process {self.wait_exit()} during {what}"
+                    )
+                op = answer["op"]
+                if op == reply:
+                    return answer
+                if op == "error":
+                    raise Unavailable(f"{self.label}: {what} failed: {answer['message']}")
+                if op == "log":
+                    log_stub_line(self.label, answer["level"], answer["message"])
+        except TimeoutError:
+            raise Unavailable(
+                f"{self.label}: the stub process did not finish {what} within "
+                f"{timeout:g}s"
+            ) from None
+        except OSError as exc:
+            raise Unavailable(
+                f"{self.label}: lost the stub process during {what}: {exc}"
+            ) from None
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
+    def wait_exit(self, timeout: float = EXIT_GRACE_SECONDS) -> str:
+        """Wait for the process to end (killing it after ``timeout``); how it ended."""
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        return describe_exit(self.process.returncode)
+
+    def stop(self, finalize: bool) -> None:
+        """Finalize the model if asked and possible, then end the process (blocking)."""
+        if self._closed:
+            return
+        try:
+            if finalize and self.process.poll() is None:
+                answer = self.request(
+                    {"op": "finalize"}, "finalized", self.settings.stub_timeout, "finalize"
+                )
+                if answer.get("error"):
+                    log.warning("finalize raised", source=self.label, error=answer["error"])
+        except TritonError as exc:
+            log.warning("finalize failed", source=self.label, error=exc.message)
+        finally:
+            if not finalize:
+                self.kill()
+            self.wait_exit()
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.sock.close()
+        self.endpoint.close()
+
+
+class TrioChannel:
+    """A stub's connection on the Trio loop: ``send`` from any task, ``receive``
+    from one reader task. ``receive`` returns None once the stub is gone."""
+
+    def __init__(self, stub: StubProcess) -> None:
+        self._stub = stub
+        self.endpoint = stub.endpoint
+        # A duplicate descriptor, so the blocking socket stays usable afterwards.
+        self._sock = trio.socket.from_stdlib_socket(stub.sock.dup())
+        self._send_lock = trio.StrictFIFOLock()
+        self._pending: deque[dict] = deque()
+
+    async def send(self, message: dict) -> None:
+        async with self._send_lock:
+            data, fds = self.endpoint.outgoing(message)
+            view = memoryview(data)
+            ancillary = ancillary_for(fds)
+            started = False
+            try:
+                while view:
+                    sent = await self._sock.sendmsg([view], ancillary)
+                    started, ancillary = True, []
+                    view = view[sent:]
+            except BaseException:
+                if started and view:
+                    # Half a message is in the socket: the stream cannot be used
+                    # again, so the stub goes, and is restarted.
+                    self._stub.kill()
+                raise
+
+    async def receive(self) -> dict | None:
+        while not self._pending:
+            try:
+                data, ancdata, _, _ = await self._sock.recvmsg(RECEIVE_SIZE, ANCILLARY_SIZE)
+            except OSError:
+                return None
+            fds = fds_from_ancillary(ancdata)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                return None
+            self.endpoint.feed(data, fds)
+            self._pending.extend(self.endpoint.messages())
+        return self._pending.popleft()
+
+    def close(self) -> None:
+        self._sock.close()

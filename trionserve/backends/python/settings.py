@@ -1,0 +1,79 @@
+"""The Python backend's settings, read from a model's config.pbtxt ``parameters``.
+
+Triton takes the shared-memory sizes and the stub timeout as ``--backend-config=
+python,<key>=<value>``; here the same keys are model parameters, next to the
+model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``, ``EXECUTION_ENV_PATH``):
+
+- ``shm-default-byte-size`` (1 MiB), ``shm-growth-byte-size`` (1 MiB): each
+  direction's shared-memory arena, per instance;
+- ``stub-timeout-seconds`` (30): how long a stub may take to answer
+  auto-complete, and to finalize;
+- ``initialize-timeout-seconds`` (600): how long a stub may take to start and
+  run ``initialize``;
+- ``execute-timeout-seconds`` (0, no limit): an ``execute`` running longer is
+  treated as a hang: the stub is killed, its requests fail, and it restarts;
+- ``stub-max-restarts`` (5): consecutive failures (crash, hang, failed restart)
+  tolerated before the model becomes UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from trionserve.core.errors import InvalidArgument, Unavailable
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StubSettings:
+    shm_default_byte_size: int = _MIB
+    shm_growth_byte_size: int = _MIB
+    stub_timeout: float = 30.0
+    initialize_timeout: float = 600.0
+    execute_timeout: float = 0.0
+    max_restarts: int = 5
+
+    @classmethod
+    def from_config(cls, config) -> "StubSettings":
+        """The settings of one model; raises naming the model and the parameter."""
+        name = config.name
+        parameters = {key: value.string_value for key, value in config.parameters.items()}
+        if parameters.get("EXECUTION_ENV_PATH"):
+            raise Unavailable(
+                f"model '{name}': parameter EXECUTION_ENV_PATH is not supported: "
+                "trionserve runs Python models with the server's own interpreter "
+                f"(Python {sys.version_info.major}.{sys.version_info.minor}); install "
+                "the model's dependencies into the server's environment instead"
+            )
+        force_cpu = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS", "yes").lower()
+        if force_cpu not in ("yes", "no", "true", "false", "1", "0", "on", "off"):
+            raise InvalidArgument(
+                f"model '{name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' "
+                f"or 'no', got '{parameters['FORCE_CPU_ONLY_INPUT_TENSORS']}'"
+            )
+
+        def number(key: str, default, kind, minimum):
+            text = parameters.get(key)
+            if text is None or text == "":
+                return default
+            try:
+                value = kind(text)
+            except ValueError:
+                value = None
+            if value is None or value < minimum:
+                raise InvalidArgument(
+                    f"model '{name}': parameter '{key}' must be a number >= {minimum}, "
+                    f"got '{text}'"
+                )
+            return value
+
+        return cls(
+            shm_default_byte_size=number("shm-default-byte-size", _MIB, int, 4096),
+            shm_growth_byte_size=number("shm-growth-byte-size", _MIB, int, 4096),
+            stub_timeout=number("stub-timeout-seconds", 30.0, float, 1),
+            initialize_timeout=number("initialize-timeout-seconds", 600.0, float, 1),
+            execute_timeout=number("execute-timeout-seconds", 0.0, float, 0),
+            max_restarts=number("stub-max-restarts", 5, int, 0),
+        )

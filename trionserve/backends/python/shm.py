@@ -1,0 +1,242 @@
+"""Shared-memory arenas: where tensors cross between the server and a stub process.
+
+Each direction has its own :class:`Arena`, owned by the process that writes into
+it: it allocates a block, copies the tensor's bytes in, and names the block in a
+control message as a tensor reference ``(name, datatype, shape, segment, offset,
+nbytes)``. The reader maps the writer's segments into an :class:`ArenaView` (their
+memfds travel over the control socket) and reads the block: as a view, or copied
+out. When it no longer needs a block it says so, and the writer frees it.
+
+An arena starts with one segment of ``default_size`` bytes and adds segments of at
+least ``growth_size`` bytes when a tensor does not fit, like Triton's
+``shm-default-byte-size`` and ``shm-growth-byte-size``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import struct
+import tempfile
+import threading
+from collections.abc import Iterable
+
+import numpy as np
+
+from trionserve.core.datatypes import BY_WIRE
+
+ALIGNMENT = 64
+# (segment id, offset, size): an allocated block.
+Block = tuple[int, int, int]
+# (name, wire datatype, shape, segment id, offset, nbytes); segment -1 for 0 bytes.
+TensorRef = tuple[str, str, tuple[int, ...], int, int, int]
+
+
+def _memfd(size: int) -> int:
+    """An anonymous shared-memory file of ``size`` bytes (a memfd where available)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("trionserve-python-backend", os.MFD_CLOEXEC)
+    else:  # pragma: no cover - non-Linux fallback: an unlinked temporary file
+        handle = tempfile.TemporaryFile()
+        fd = os.dup(handle.fileno())
+        handle.close()
+    os.ftruncate(fd, size)
+    return fd
+
+
+class _Segment:
+    __slots__ = ("id", "size", "fd", "map", "free")
+
+    def __init__(self, segment_id: int, size: int) -> None:
+        self.id = segment_id
+        self.size = size
+        self.fd = _memfd(size)
+        self.map = mmap.mmap(self.fd, size)
+        # Free ranges as sorted (offset, size), coalesced.
+        self.free: list[tuple[int, int]] = [(0, size)]
+
+    def allocate(self, size: int) -> int | None:
+        for index, (offset, length) in enumerate(self.free):
+            if length >= size:
+                if length == size:
+                    del self.free[index]
+                else:
+                    self.free[index] = (offset + size, length - size)
+                return offset
+        return None
+
+    def release(self, offset: int, size: int) -> None:
+        index = bisect.bisect_left(self.free, (offset, 0))
+        if index > 0:
+            before_offset, before_size = self.free[index - 1]
+            if before_offset + before_size == offset:
+                index -= 1
+                offset, size = before_offset, before_size + size
+                del self.free[index]
+        if index < len(self.free):
+            after_offset, after_size = self.free[index]
+            if offset + size == after_offset:
+                size += after_size
+                del self.free[index]
+        self.free.insert(index, (offset, size))
+
+
+class Arena:
+    """The writing side: the segments this process created and their allocator.
+
+    Thread-safe: a stub allocates from its model's threads and frees from its
+    reader thread. New segments are kept until :meth:`take_announcements` hands
+    them to the next outgoing message, which carries their file descriptors.
+    """
+
+    def __init__(self, default_size: int, growth_size: int) -> None:
+        self._growth = max(ALIGNMENT, growth_size)
+        self._lock = threading.Lock()
+        self._segments: list[_Segment] = []
+        self._unannounced: list[_Segment] = []
+        self._add_segment(max(ALIGNMENT, default_size))
+
+    def _add_segment(self, size: int) -> _Segment:
+        segment = _Segment(len(self._segments), size)
+        self._segments.append(segment)
+        self._unannounced.append(segment)
+        return segment
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self._segments)
+
+    def allocate(self, nbytes: int) -> Block:
+        size = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
+        with self._lock:
+            for segment in self._segments:
+                offset = segment.allocate(size)
+                if offset is not None:
+                    return segment.id, offset, size
+            segment = self._add_segment(max(size, self._growth))
+            offset = segment.allocate(size)
+            assert offset is not None
+            return segment.id, offset, size
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        with self._lock:
+            for segment_id, offset, size in blocks:
+                self._segments[segment_id].release(offset, size)
+
+    def in_use(self) -> int:
+        """Bytes allocated and not yet freed."""
+        with self._lock:
+            return sum(s.size - sum(n for _, n in s.free) for s in self._segments)
+
+    def take_announcements(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """Segments the peer has not seen yet, as ``[(id, size)]`` and their fds."""
+        with self._lock:
+            new, self._unannounced = self._unannounced, []
+        return [(s.id, s.size) for s in new], [s.fd for s in new]
+
+    def write(self, name: str, datatype: str, array: np.ndarray) -> tuple[TensorRef, Block | None]:
+        """Copy one tensor into a new block; returns its reference and the block."""
+        if datatype == "BYTES":
+            payload = serialize_bytes(array)
+            nbytes = len(payload)
+        else:
+            payload = None
+            nbytes = array.nbytes
+        shape = tuple(int(d) for d in array.shape)
+        if nbytes == 0:
+            return (name, datatype, shape, -1, 0, 0), None
+        block = self.allocate(nbytes)
+        segment_id, offset, _ = block
+        buffer = self._segments[segment_id].map
+        if payload is not None:
+            buffer[offset : offset + nbytes] = payload
+        else:
+            target = np.ndarray(array.shape, array.dtype, buffer=buffer, offset=offset)
+            np.copyto(target, array, casting="no")
+        return (name, datatype, shape, segment_id, offset, nbytes), block
+
+    def close(self) -> None:
+        for segment in self._segments:
+            try:
+                segment.map.close()
+            except BufferError:  # a view is still alive; the OS frees it at exit
+                pass
+            os.close(segment.fd)
+        self._segments = []
+
+
+class ArenaView:
+    """The reading side: the peer's segments, mapped as they are announced."""
+
+    def __init__(self) -> None:
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def add(self, segments: list[tuple[int, int]], fds: list[int]) -> None:
+        for (segment_id, size), fd in zip(segments, fds, strict=True):
+            try:
+                self._maps[segment_id] = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+
+    def array(self, ref: TensorRef, copy: bool) -> np.ndarray:
+        """The tensor a reference names: a view into shared memory, or a copy."""
+        _, datatype, shape, segment_id, offset, nbytes = ref
+        dtype = BY_WIRE[datatype].numpy
+        if nbytes == 0:
+            return np.empty(shape, dtype=dtype)
+        buffer = self._maps[segment_id]
+        if datatype == "BYTES":
+            raw = memoryview(buffer)[offset : offset + nbytes]
+            try:
+                return deserialize_bytes(raw).reshape(shape)
+            finally:
+                raw.release()
+        view = np.ndarray(shape, dtype, buffer=buffer, offset=offset)
+        return view.copy() if copy else view
+
+    def close(self) -> None:
+        for buffer in self._maps.values():
+            try:
+                buffer.close()
+            except BufferError:  # a model still holds an input view
+                pass
+        self._maps = {}
+
+
+def block_of(ref: TensorRef) -> Block | None:
+    """The block a reference occupies, as the writer allocated it."""
+    _, _, _, segment_id, offset, nbytes = ref
+    if nbytes == 0:
+        return None
+    return segment_id, offset, -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+_LENGTH = struct.Struct("<I")
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """BYTES elements as Triton lays them out: 4-byte length, then the bytes."""
+    parts = []
+    for item in array.reshape(-1):
+        if isinstance(item, str):
+            item = item.encode("utf-8")
+        elif not isinstance(item, (bytes, bytearray)):
+            item = str(item).encode("utf-8")
+        parts.append(_LENGTH.pack(len(item)))
+        parts.append(item)
+    return b"".join(parts)
+
+
+def deserialize_bytes(buffer) -> np.ndarray:
+    """The flat object array of ``bytes`` that :func:`serialize_bytes` wrote."""
+    items = []
+    offset, end = 0, len(buffer)
+    while offset < end:
+        (length,) = _LENGTH.unpack_from(buffer, offset)
+        offset += 4
+        items.append(bytes(buffer[offset : offset + length]))
+        offset += length
+    result = np.empty(len(items), dtype=np.object_)
+    result[:] = items
+    return result

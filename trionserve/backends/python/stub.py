@@ -1,0 +1,382 @@
+"""The stub process: runs one instance of a Python model (``model.py``) for the server.
+
+Started by the server with one end of a Unix socket (see :mod:`.process`). The
+first message says what to do: ``auto_complete`` (call the model class's static
+``auto_complete_config`` and exit) or ``initialize`` (load the model, call
+``initialize(args)``, then serve).
+
+Threads while serving: the main thread runs the model's ``execute`` and
+``finalize``, one call at a time; a reader thread takes the server's messages as
+they come (execute and finalize jobs, BLS results, cancellations) and ends the
+process when the server goes away; the model's own threads may send decoupled
+responses or make BLS calls at any time; an asyncio loop thread runs
+``async def execute`` coroutines.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from trionserve.backends.python.shm import Arena, ArenaView, block_of
+from trionserve.backends.python.wire import BlockingChannel, Endpoint
+
+STUBPATH = Path(__file__).resolve().parent / "stubpath"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` and where in the model's code it was raised."""
+    text = f"{type(exc).__name__}: {exc}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" (at {Path(last.filename).name}:{last.lineno} in {last.name})"
+    return text
+
+
+def import_model(message: dict):
+    """Import model.py as Triton's stub does: ``<version>.model``, with the model
+    directory (and the version directory) on the import path."""
+    model_file = Path(message["model_file"])
+    version_dir = model_file.parent
+    sys.path.insert(0, str(STUBPATH))
+    sys.path.append(str(version_dir))
+    sys.path.append(str(version_dir.parent))
+    return importlib.import_module(f"{version_dir.name}.{model_file.stem}")
+
+
+class _BLSCall:
+    """A BLS request in flight: its responses arrive from the reader thread."""
+
+    def __init__(self, runtime: "StubRuntime", call_id: int) -> None:
+        self.runtime = runtime
+        self.id = call_id
+        self.responses: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = False
+
+    def next_response(self):
+        if self.finished:
+            raise StopIteration
+        response, final = self.responses.get()
+        if final:
+            self.finished = True
+            if response is None:
+                response = self.runtime.pb.InferenceResponse([])
+        return response
+
+    def cancel(self) -> None:
+        if not self.finished:
+            self.runtime.channel.send({"op": "bls_cancel", "call": self.id})
+
+
+class StubRuntime:
+    """The model instance and everything the stub does on its behalf."""
+
+    def __init__(self, channel: BlockingChannel, message: dict) -> None:
+        self.channel = channel
+        self.arena = channel.endpoint.arena
+        self.view = channel.endpoint.view
+        self.instance_name: str = message["instance"]
+        self.model_name: str = message["model_name"]
+        self.decoupled: bool = message["decoupled"]
+        self.model_dir = str(Path(message["model_file"]).parent)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: dict[int, _BLSCall] = {}
+        self._call_ids = itertools.count(1)
+        self._cancelled: set[int] = set()
+        self._loop = None  # an asyncio loop, started for the first coroutine
+        self._serving = False
+        module = import_model(message)
+        import triton_python_backend_utils as pb
+
+        self.pb = pb
+        pb._runtime = self
+        self.model = module.TritonPythonModel()
+
+    # -- main thread ------------------------------------------------------------------
+
+    def serve(self, args: dict) -> None:
+        initialize = getattr(self.model, "initialize", None)
+        try:
+            if initialize is not None:
+                initialize(args)
+        except BaseException as exc:
+            self.channel.send({"op": "error", "message": describe_exception(exc)})
+            return
+        self._serving = True
+        threading.Thread(target=self._read, name="stub-reader", daemon=True).start()
+        self.channel.send({"op": "initialized"})
+        while True:
+            job = self._jobs.get()
+            if job["op"] == "finalize":
+                self._finalize()
+                return
+            self._execute(job)
+
+    def _finalize(self) -> None:
+        finalize = getattr(self.model, "finalize", None)
+        error = None
+        try:
+            if finalize is not None:
+                finalize()
+        except BaseException as exc:
+            error = describe_exception(exc)
+        self.channel.send({"op": "finalized", "error": error})
+
+    def _execute(self, job: dict) -> None:
+        pb = self.pb
+        requests = [self._incoming(r) for r in job["requests"]]
+        reply: dict = {"op": "executed", "id": job["id"], "responses": None, "error": None}
+        try:
+            result = self.model.execute(requests)
+            if inspect.isawaitable(result):
+                if self.decoupled:
+                    self._run_in_background(result, requests)
+                    result = None
+                else:
+                    result = self._run_coroutine(result).result()
+            if result is not None:
+                if self.decoupled:
+                    raise pb.TritonModelException(
+                        f"Python model '{self.model_name}' is using the decoupled mode "
+                        "and the execute function must return None."
+                    )
+                reply["responses"] = self._encode_all(requests, result)
+        except BaseException as exc:
+            reply["error"] = (
+                f"Failed to process the request(s) for model instance "
+                f"'{self.instance_name}', message: {describe_exception(exc)}"
+            )
+            for request in requests:
+                request._sender._close()
+        self.channel.send(reply)
+
+    def _incoming(self, message: dict):
+        pb = self.pb
+        inputs = [pb.Tensor._wrap(ref[0], ref[1], self.view.array(ref, copy=False))
+                  for ref in message["inputs"]]
+        request = pb.InferenceRequest(
+            request_id=message["id"],
+            correlation_id=message["correlation_id"],
+            inputs=inputs,
+            requested_output_names=message["outputs"],
+            model_name=self.model_name,
+            flags=message["flags"],
+        )
+        request._parameters = message["parameters"]
+        request._key = message["key"]
+        request._sender = pb.InferenceResponseSender(message["key"])
+        if message["cancelled"]:
+            self._cancelled.add(message["key"])
+        return request
+
+    def _encode_all(self, requests, result) -> list:
+        pb = self.pb
+        if not isinstance(result, list):
+            raise pb.TritonModelException(
+                f"Expected a list in the execute return, found type '{type(result)}'."
+            )
+        if len(result) != len(requests):
+            raise pb.TritonModelException(
+                f"Number of InferenceResponse objects do not match the number of "
+                f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
+                f"and InferenceResponse(s) size is:{len(result)}\n"
+            )
+        encoded = []
+        for response in result:
+            if not isinstance(response, pb.InferenceResponse):
+                raise pb.TritonModelException(
+                    "Expected an 'InferenceResponse' object in the execute function "
+                    f"return list, found type '{type(response)}'."
+                )
+            encoded.append(self.encode_response(response))
+        return encoded
+
+    def encode_response(self, response) -> dict:
+        """A response as a message; its tensors are written to shared memory."""
+        error = response.error()
+        if error is not None:
+            return {"outputs": [], "error": (error.code(), error.message()), "parameters": "{}"}
+        refs = []
+        for tensor in response.output_tensors():
+            ref, _ = self.arena.write(tensor.name(), tensor._datatype, tensor._host_array())
+            refs.append(ref)
+        return {"outputs": refs, "error": None, "parameters": response.parameters()}
+
+    # -- asyncio ------------------------------------------------------------------
+
+    def _run_coroutine(self, coroutine):
+        """Schedule a coroutine on the stub's asyncio loop; a concurrent future."""
+        import asyncio  # only models with ``async def execute`` pay for it
+
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="stub-asyncio", daemon=True).start()
+            self._loop = loop
+        return asyncio.run_coroutine_threadsafe(_awaited(coroutine), self._loop)
+
+    def _run_in_background(self, coroutine, requests) -> None:
+        """A decoupled ``async def execute``: requests still open when it fails get the error."""
+        future = self._run_coroutine(coroutine)
+
+        def finished(done) -> None:
+            exc = done.exception()
+            if exc is None:
+                return
+            message = (
+                f"Failed to process the request(s) for model instance "
+                f"'{self.instance_name}', message: {describe_exception(exc)}"
+            )
+            for request in requests:
+                sender = request._sender
+                if not sender._closed:
+                    sender._close()
+                    response = self.pb.InferenceResponse(error=self.pb.TritonError(message))
+                    self.send_response(request._key, response, True)
+
+        future.add_done_callback(finished)
+
+    # -- called from pb_utils, on any thread ------------------------------------------
+
+    def send_response(self, key: int, response, final: bool) -> None:
+        encoded = None if response is None else self.encode_response(response)
+        self.channel.send({"op": "response", "key": key, "response": encoded, "final": final})
+
+    def is_cancelled(self, key: int) -> bool:
+        return key in self._cancelled
+
+    def log(self, level: str, message: str) -> None:
+        self.channel.send({"op": "log", "level": level, "message": message})
+
+    def bls(self, request, decoupled: bool):
+        if not self._serving:
+            raise self.pb.TritonModelException(
+                "BLS requests can only be made from execute, not from initialize"
+            )
+        call = _BLSCall(self, next(self._call_ids))
+        refs = [
+            self.arena.write(t.name(), t._datatype, t._host_array())[0] for t in request.inputs()
+        ]
+        self._calls[call.id] = call
+        self.channel.send(
+            {
+                "op": "bls",
+                "call": call.id,
+                "decoupled": decoupled,
+                "model_name": request.model_name(),
+                "model_version": request.model_version(),
+                "id": request.request_id(),
+                "correlation_id": request.correlation_id(),
+                "flags": request.flags(),
+                "timeout": request.timeout(),
+                "parameters": request.parameters(),
+                "inputs": refs,
+                "outputs": list(request.requested_output_names()),
+            }
+        )
+        if decoupled:
+            return self.pb.ResponseIterator(call)
+        return call.next_response()
+
+    # -- reader thread ----------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            message = self.channel.receive()
+            if message is None:
+                # The server went away: nothing is left to serve.
+                os._exit(0)
+            op = message["op"]
+            if op in ("execute", "finalize"):
+                self._jobs.put(message)
+            elif op == "bls_response":
+                self._bls_response(message)
+            elif op == "cancel":
+                self._cancelled.update(message["keys"])
+
+    def _bls_response(self, message: dict) -> None:
+        pb = self.pb
+        call = self._calls.get(message["call"])
+        encoded = message["response"]
+        response = None
+        if encoded is not None:
+            tensors = []
+            for ref in encoded["outputs"]:
+                array = self.view.array(ref, copy=True)
+                tensors.append(pb.Tensor._wrap(ref[0], ref[1], array))
+            self.channel.endpoint.release(block_of(ref) for ref in encoded["outputs"])
+            error = None
+            if encoded["error"] is not None:
+                code, text = encoded["error"]
+                error = pb.TritonError(text, code)
+            response = pb.InferenceResponse(tensors, error)
+            response._parameters = encoded["parameters"]
+        if self.channel.endpoint.should_flush():
+            self.channel.flush_releases()
+        if message["final"]:
+            self._calls.pop(message["call"], None)
+        if call is not None:
+            call.responses.put((response, message["final"]))
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _auto_complete(channel: BlockingChannel, message: dict) -> None:
+    try:
+        module = import_model(message)
+        import triton_python_backend_utils as pb
+
+        config = pb.ModelConfig(message["config"])
+        model_class = module.TritonPythonModel
+        if hasattr(model_class, "auto_complete_config"):
+            config = model_class.auto_complete_config(config)
+            if not isinstance(config, pb.ModelConfig):
+                raise TypeError(
+                    f"auto_complete_config function in model '{message['model_name']}' "
+                    "must return a valid pb.ModelConfig object."
+                )
+        channel.send({"op": "auto_completed", "config": json.dumps(config.as_dict())})
+    except BaseException as exc:
+        channel.send({"op": "error", "message": describe_exception(exc)})
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv if argv is None else argv
+    # The server decides when a stub ends; a terminal's Ctrl+C is for the server.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=int(argv[1]))
+    default_size, growth_size = int(argv[2]), int(argv[3])
+    arena = Arena(default_size, growth_size)
+    channel = BlockingChannel(sock, Endpoint(arena, ArenaView(), default_size // 4))
+    message = channel.receive()
+    if message is None:
+        return
+    if message["op"] == "auto_complete":
+        _auto_complete(channel, message)
+        return
+    try:
+        runtime = StubRuntime(channel, message)
+    except BaseException as exc:
+        channel.send({"op": "error", "message": describe_exception(exc)})
+        return
+    runtime.serve(message["args"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Threads the model started must not keep a finalized stub alive.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

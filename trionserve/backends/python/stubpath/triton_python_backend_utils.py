@@ -1,0 +1,722 @@
+"""triton_python_backend_utils as trionserve's stub provides it to ``model.py``.
+
+The API of Triton's Python backend module of the same name: tensors, requests,
+responses, response senders for decoupled models, BLS (``InferenceRequest.exec``
+and ``async_exec``), errors, the logger, the auto-complete ``ModelConfig`` and the
+helper functions. Calls that reach the server (BLS, responses sent through a
+sender, log lines) go through the stub runtime installed in ``_runtime``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+
+import numpy as np
+
+# Set by the stub process to its runtime (see trionserve.backends.python.stub).
+_runtime = None
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+TRITONSERVER_MEMORY_GPU = 1
+TRITONSERVER_MEMORY_CPU = 2
+
+TRITON_STRING_TO_NUMPY = {
+    "TYPE_BOOL": bool,
+    "TYPE_UINT8": np.uint8,
+    "TYPE_UINT16": np.uint16,
+    "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64,
+    "TYPE_INT8": np.int8,
+    "TYPE_INT16": np.int16,
+    "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64,
+    "TYPE_FP16": np.float16,
+    "TYPE_FP32": np.float32,
+    "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+
+# TRITONSERVER_DataType codes, their wire names and numpy types.
+_TYPES = [
+    (1, "BOOL", np.bool_),
+    (2, "UINT8", np.uint8),
+    (3, "UINT16", np.uint16),
+    (4, "UINT32", np.uint32),
+    (5, "UINT64", np.uint64),
+    (6, "INT8", np.int8),
+    (7, "INT16", np.int16),
+    (8, "INT32", np.int32),
+    (9, "INT64", np.int64),
+    (10, "FP16", np.float16),
+    (11, "FP32", np.float32),
+    (12, "FP64", np.float64),
+    (13, "BYTES", np.object_),
+    (14, "BF16", np.uint16),
+]
+_CODE_TO_WIRE = {code: wire for code, wire, _ in _TYPES}
+_WIRE_TO_CODE = {wire: code for code, wire, _ in _TYPES}
+_CODE_TO_NUMPY = {code: numpy for code, _, numpy in _TYPES}
+
+
+def triton_to_numpy_type(data_type):
+    return _CODE_TO_NUMPY.get(data_type)
+
+
+def numpy_to_triton_type(data_type):
+    if data_type in (np.object_, np.bytes_) or data_type is bytes:
+        return 13
+    try:
+        dtype = np.dtype(data_type)
+    except TypeError:
+        return None
+    if dtype.kind in ("O", "S", "U"):
+        return 13
+    for code, wire, numpy in _TYPES:
+        if wire != "BF16" and dtype == np.dtype(numpy):
+            return code
+    return None
+
+
+def triton_string_to_numpy(triton_type_string):
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def serialize_byte_tensor(input_tensor):
+    """BYTES elements flattened as 4-byte little-endian length + bytes, C order."""
+    if input_tensor.size == 0:
+        return ()
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
+        return None
+    parts = []
+    for item in input_tensor.reshape(-1, order="C"):
+        if not isinstance(item, bytes):
+            item = str(item).encode("utf-8")
+        parts.append(struct.pack("<I", len(item)))
+        parts.append(item)
+    return b"".join(parts)
+
+
+def deserialize_bytes_tensor(encoded_tensor):
+    """The 1-D object array of bytes that serialize_byte_tensor encoded."""
+    items = []
+    offset = 0
+    while offset < len(encoded_tensor):
+        (length,) = struct.unpack_from("<I", encoded_tensor, offset)
+        offset += 4
+        items.append(bytes(encoded_tensor[offset : offset + length]))
+        offset += length
+    return np.array(items, dtype=np.object_)
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+class TritonError(Exception):
+    """An error for one response; ``code`` is one of the class constants."""
+
+    UNKNOWN = 0
+    INTERNAL = 1
+    NOT_FOUND = 2
+    INVALID_ARG = 3
+    UNAVAILABLE = 4
+    UNSUPPORTED = 5
+    ALREADY_EXISTS = 6
+    CANCELLED = 7
+
+    def __init__(self, message, code=INTERNAL):
+        if message is None:
+            raise TypeError("TritonError needs a message")
+        super().__init__(message)
+        self._message = str(message)
+        self._code = int(code)
+
+    def message(self):
+        return self._message
+
+    def code(self):
+        return self._code
+
+    def __str__(self):
+        return self._message
+
+
+class TritonModelException(Exception):
+    """Raised by models (and by this module) to fail initialize, execute or finalize."""
+
+    def __init__(self, msg=None):
+        super().__init__(msg)
+        self._msg = msg
+
+    def message(self):
+        return self._msg
+
+    def __str__(self):
+        return "" if self._msg is None else str(self._msg)
+
+
+# -- tensors ------------------------------------------------------------------------
+
+
+class Tensor:
+    """A named tensor: a numpy array in CPU memory, or a DLPack object on a GPU."""
+
+    def __init__(self, name, numpy_array, *_legacy):
+        if not isinstance(name, str):
+            raise TritonModelException("Tensor name must be a string")
+        array = np.asarray(numpy_array)
+        if array.dtype.kind in ("U", "S"):
+            # Triton asks for np.object_; bytes and str elements mean the same here.
+            array = array.astype(np.object_)
+        if array.dtype.kind == "V":
+            raise TritonModelException(
+                "Tensor dtype used for numpy_array is not supported by Python "
+                "backend. Please use np.object_ instead."
+            )
+        code = numpy_to_triton_type(array.dtype)
+        if code is None:
+            raise TritonModelException(f"numpy dtype {array.dtype} has no Triton data type")
+        self._name = name
+        self._array = array
+        self._device_object = None
+        self._datatype = _CODE_TO_WIRE[code]
+
+    @classmethod
+    def _wrap(cls, name, datatype, array):
+        """A tensor that keeps the wire datatype it arrived with (BF16, BYTES)."""
+        tensor = cls.__new__(cls)
+        tensor._name = name
+        tensor._array = array
+        tensor._device_object = None
+        tensor._datatype = datatype
+        return tensor
+
+    def name(self):
+        return self._name
+
+    def triton_dtype(self):
+        return _WIRE_TO_CODE[self._datatype]
+
+    def shape(self):
+        source = self._array if self._device_object is None else self._device_object
+        return [int(d) for d in source.shape]
+
+    def is_cpu(self):
+        return self._device_object is None
+
+    def as_numpy(self):
+        if self._device_object is not None:
+            raise TritonModelException(
+                "Tensor is stored in GPU and cannot be converted to NumPy."
+            )
+        return self._array
+
+    def to_dlpack(self):
+        return self.__dlpack__()
+
+    def __dlpack__(self, stream=None):
+        if self._device_object is not None:
+            if stream is None:
+                return self._device_object.__dlpack__()
+            return self._device_object.__dlpack__(stream=stream)
+        if self._array.dtype == np.object_:
+            raise TritonModelException("BYTES tensors cannot be exported with DLPack")
+        return self._array.__dlpack__()
+
+    def __dlpack_device__(self):
+        if self._device_object is not None:
+            return self._device_object.__dlpack_device__()
+        return (1, 0)  # kDLCPU
+
+    @staticmethod
+    def from_dlpack(name, dlpack_object):
+        """A tensor from a DLPack capsule or an object with ``__dlpack__``."""
+        source = dlpack_object
+        if not hasattr(source, "__dlpack__"):
+            try:  # a capsule of CPU memory: numpy takes it without copying
+                array = np.from_dlpack(_CpuCapsule(source))
+                return Tensor._wrap(name, _CODE_TO_WIRE[numpy_to_triton_type(array.dtype)], array)
+            except (BufferError, RuntimeError, TypeError):
+                source = _device_capsule_owner(source)
+        device_type = source.__dlpack_device__()[0]
+        if device_type in (1, 3):  # kDLCPU, kDLCUDAHost
+            array = np.from_dlpack(source)
+            return Tensor._wrap(name, _CODE_TO_WIRE[numpy_to_triton_type(array.dtype)], array)
+        tensor = Tensor._wrap(name, _device_datatype(source), None)
+        tensor._device_object = source
+        return tensor
+
+    def _host_array(self):
+        """The data in CPU memory, for sending to the server."""
+        if self._device_object is None:
+            return self._array
+        source = self._device_object
+        if hasattr(source, "cpu"):  # torch
+            return source.cpu().numpy()
+        if hasattr(source, "get"):  # cupy
+            return source.get()
+        return np.from_dlpack(source, device="cpu", copy=True)
+
+    def __repr__(self):
+        return f"Tensor({self._name!r}, {self._datatype}, shape={self.shape()})"
+
+
+class _CpuCapsule:
+    """A raw DLPack capsule presented to numpy as CPU memory (numpy checks it)."""
+
+    def __init__(self, capsule):
+        self._capsule = capsule
+
+    def __dlpack__(self, stream=None, **_):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def _device_capsule_owner(capsule):
+    """A raw DLPack capsule of device memory, imported through torch."""
+    try:
+        import torch.utils.dlpack
+    except ImportError:
+        raise TritonModelException(
+            "a DLPack capsule of GPU memory needs torch to be imported"
+        ) from None
+    return torch.utils.dlpack.from_dlpack(capsule)
+
+
+def _device_datatype(source):
+    dtype = getattr(source, "dtype", None)
+    name = str(dtype).replace("torch.", "")
+    if name == "bfloat16":
+        return "BF16"
+    code = numpy_to_triton_type(np.dtype(name)) if name else None
+    if code is None:
+        raise TritonModelException(f"unsupported DLPack tensor dtype {dtype}")
+    return _CODE_TO_WIRE[code]
+
+
+# -- requests and responses ------------------------------------------------------------
+
+
+class PreferredMemory:
+    def __init__(self, preferred_memory_type, preferred_device_id=0):
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
+class InferenceTrace:
+    def get_context(self):
+        return None
+
+
+_REQUIRED = object()
+
+
+def _parameters_json(parameters, what):
+    if parameters is None:
+        return "{}"
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"{what} parameters must be a dictionary")
+    for key, value in parameters.items():
+        if not isinstance(key, str) or not isinstance(value, (bool, int, str)):
+            raise TritonModelException(
+                f"{what} parameters must map str to bool, int or str; got {key!r}: "
+                f"{type(value).__name__}"
+            )
+    return json.dumps(parameters)
+
+
+class InferenceRequest:
+    """A request: one the model received, or a BLS request it builds and executes."""
+
+    def __init__(
+        self,
+        request_id="",
+        correlation_id=0,
+        inputs=_REQUIRED,
+        requested_output_names=_REQUIRED,
+        model_name=_REQUIRED,
+        model_version=-1,
+        flags=0,
+        timeout=0,
+        preferred_memory=None,
+        trace=None,
+        parameters=None,
+    ):
+        missing = [
+            name
+            for name, value in (
+                ("inputs", inputs),
+                ("requested_output_names", requested_output_names),
+                ("model_name", model_name),
+            )
+            if value is _REQUIRED
+        ]
+        if missing:
+            raise TypeError(f"InferenceRequest() missing required argument(s): {missing}")
+        if not isinstance(correlation_id, (int, str)):
+            raise TritonModelException("Correlation ID must be integer or string")
+        for tensor in inputs:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException("inputs must be a list of pb_utils.Tensor")
+        self._request_id = request_id
+        self._correlation_id = correlation_id
+        self._inputs = list(inputs)
+        self._requested_output_names = list(requested_output_names)
+        self._model_name = model_name
+        self._model_version = int(model_version)
+        self._flags = int(flags)
+        self._timeout = int(timeout)
+        self._parameters = _parameters_json(parameters, "request")
+        self._preferred_memory = preferred_memory
+        self._trace = trace or InferenceTrace()
+        self._key = None  # set for requests the model received
+        self._sender = None
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+
+    def inputs(self):
+        return self._inputs
+
+    def request_id(self):
+        return self._request_id
+
+    def correlation_id(self):
+        return self._correlation_id
+
+    def flags(self):
+        return self._flags
+
+    def set_flags(self, flags):
+        self._flags = int(flags)
+
+    def timeout(self):
+        return self._timeout
+
+    def parameters(self):
+        return self._parameters
+
+    def trace(self):
+        return self._trace
+
+    def model_name(self):
+        return self._model_name
+
+    def model_version(self):
+        return self._model_version
+
+    def requested_output_names(self):
+        return self._requested_output_names
+
+    def get_response_sender(self):
+        if self._sender is None:
+            raise TritonModelException(
+                "a response sender exists only for requests the model received"
+            )
+        return self._sender
+
+    def is_cancelled(self):
+        return self._key is not None and _runtime is not None and _runtime.is_cancelled(self._key)
+
+    def set_release_flags(self, flags):
+        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            raise TritonModelException(
+                "request rescheduling (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not "
+                "supported by trionserve"
+            )
+        self._release_flags = flags
+
+    def exec(self, decoupled=False):
+        """Run this request on another model and wait: a response, or an iterator
+        of responses with ``decoupled=True``."""
+        if _runtime is None:
+            raise TritonModelException("BLS requests can only be executed in a stub process")
+        return _runtime.bls(self, bool(decoupled))
+
+    def async_exec(self, decoupled=False):
+        """Like :meth:`exec`, as an awaitable for ``async def execute``."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(None, self.exec, decoupled)
+
+
+class InferenceResponse:
+    """Output tensors, or an error, for one request."""
+
+    def __init__(self, output_tensors=None, error=None, parameters=None):
+        if output_tensors is None:
+            output_tensors = []
+        if not isinstance(output_tensors, list):
+            raise TritonModelException('"output_tensors" must be a list.')
+        for tensor in output_tensors:
+            if not isinstance(tensor, Tensor):
+                raise TritonModelException("output_tensors must hold pb_utils.Tensor objects")
+        if error is not None and not isinstance(error, TritonError):
+            error = TritonError(str(error))
+        self._output_tensors = output_tensors
+        self._error = error
+        self._parameters = _parameters_json(parameters, "response")
+
+    def output_tensors(self):
+        return self._output_tensors
+
+    def has_error(self):
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+    def parameters(self):
+        return self._parameters
+
+
+class InferenceResponseSender:
+    """Sends a request's responses at any time, from any thread (decoupled models)."""
+
+    def __init__(self, key):
+        self._key = key
+        self._closed = False
+
+    def send(self, response=None, flags=0):
+        if self._closed:
+            raise TritonModelException(
+                "Unable to send response. Response sender has been closed."
+            )
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        if response is None and not final:
+            raise TritonModelException(
+                "Inference Response object must be provided when the response flags "
+                "is set to zero."
+            )
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException("send() takes a pb_utils.InferenceResponse")
+        if final:
+            self._closed = True
+        _runtime.send_response(self._key, response, final)
+
+    def is_cancelled(self):
+        return _runtime is not None and _runtime.is_cancelled(self._key)
+
+    def _close(self):
+        self._closed = True
+
+
+class ResponseIterator:
+    """The responses of a decoupled BLS request, as they arrive."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._call.next_response()
+
+    def cancel(self):
+        self._call.cancel()
+
+
+# -- logging -------------------------------------------------------------------------
+
+
+class Logger:
+    """Log lines that appear in the server's log, tagged with the model instance."""
+
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    VERBOSE = "VERBOSE"
+
+    @staticmethod
+    def log(message, level=INFO):
+        if _runtime is None:
+            print(f"[{level}] {message}", file=sys.stderr, flush=True)
+        else:
+            _runtime.log(str(level), str(message))
+
+    @staticmethod
+    def log_info(message):
+        Logger.log(message, Logger.INFO)
+
+    @staticmethod
+    def log_warn(message):
+        Logger.log(message, Logger.WARNING)
+
+    @staticmethod
+    def log_error(message):
+        Logger.log(message, Logger.ERROR)
+
+    @staticmethod
+    def log_verbose(message):
+        Logger.log(message, Logger.VERBOSE)
+
+
+# -- model configuration -------------------------------------------------------------------
+
+
+def get_input_tensor_by_name(inference_request, name):
+    for tensor in inference_request.inputs():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_output_tensor_by_name(inference_response, name):
+    for tensor in inference_response.output_tensors():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+def get_input_config_by_name(model_config, name):
+    for entry in model_config.get("input", []):
+        if entry["name"] == name:
+            return entry
+    return None
+
+
+def get_output_config_by_name(model_config, name):
+    for entry in model_config.get("output", []):
+        if entry["name"] == name:
+            return entry
+    return None
+
+
+def using_decoupled_model_transaction_policy(model_config):
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def get_model_dir():
+    """The directory model.py was loaded from (its version directory)."""
+    if _runtime is None:
+        raise TritonModelException("get_model_dir() is only available in a stub process")
+    return _runtime.model_dir
+
+
+def _unsupported(feature):
+    def call(*_args, **_kwargs):
+        raise TritonModelException(f"{feature} is not supported by trionserve yet")
+
+    call.__name__ = feature
+    return call
+
+
+load_model = _unsupported("load_model")
+unload_model = _unsupported("unload_model")
+is_model_ready = _unsupported("is_model_ready")
+MetricFamily = _unsupported("MetricFamily (custom metrics)")
+
+
+class ModelConfig:
+    """The configuration ``auto_complete_config`` may complete.
+
+    Only max_batch_size, inputs, outputs, dynamic batching and the transaction
+    policy can be set; a value that contradicts config.pbtxt raises ValueError.
+    """
+
+    _INPUT_PROPERTIES = ("name", "data_type", "dims", "optional")
+    _OUTPUT_PROPERTIES = ("name", "data_type", "dims")
+
+    def __init__(self, model_config):
+        self._model_config = json.loads(model_config)
+        self._model_config.setdefault("input", [])
+        self._model_config.setdefault("output", [])
+        self._model_config.setdefault("max_batch_size", 0)
+
+    def as_dict(self):
+        return self._model_config
+
+    @property
+    def _name(self):
+        return self._model_config.get("name", "")
+
+    def set_max_batch_size(self, max_batch_size):
+        current = self._model_config.get("max_batch_size", 0)
+        if current > max_batch_size:
+            raise ValueError(
+                f"configuration specified max_batch_size {current}, but in "
+                f"auto-complete-config function for model '{self._name}' specified "
+                f"max_batch_size {max_batch_size}"
+            )
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self):
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if self._model_config.get(other):
+                raise ValueError(
+                    f"Configuration specified scheduling_choice as '{other}', but "
+                    f"auto-complete-config function for model '{self._name}' tries to "
+                    "set scheduling_choice as 'dynamic_batching'"
+                )
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def add_input(self, input):
+        self._add("input", input, self._INPUT_PROPERTIES)
+
+    def add_output(self, output):
+        self._add("output", output, self._OUTPUT_PROPERTIES)
+
+    def _add(self, kind, tensor, allowed):
+        label = f"{kind} '{tensor.get('name', '')}'"
+        where = f"in auto-complete-config function for model '{self._name}'"
+        extra = [key for key in tensor if key not in allowed]
+        if extra:
+            raise ValueError(
+                f"{label} {where} contains property other than "
+                f"{', '.join(repr(a) for a in allowed)}: {extra}"
+            )
+        for key in allowed[:3]:
+            if key not in tensor:
+                raise ValueError(f"{label} {where} is missing '{key}' property.")
+        for current in self._model_config[kind]:
+            if current.get("name") != tensor["name"]:
+                continue
+            current_type = current.get("data_type", "TYPE_INVALID")
+            if current_type not in ("TYPE_INVALID", tensor["data_type"]):
+                raise ValueError(
+                    f"unable to load model '{self._name}', configuration expects "
+                    f"datatype {current_type} for {kind} '{tensor['name']}', model "
+                    f"provides {tensor['data_type']}"
+                )
+            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
+                raise ValueError(
+                    f"model '{self._name}', tensor '{tensor['name']}': the model "
+                    f"expects dims {list(tensor['dims'])} but the model configuration "
+                    f"specifies dims {list(current['dims'])}"
+                )
+            if "optional" in tensor and "optional" in current and bool(
+                current["optional"]
+            ) != bool(tensor["optional"]):
+                raise ValueError(
+                    f"model '{self._name}', tensor '{tensor['name']}': the model "
+                    f"expects optional {tensor['optional']} but the model "
+                    f"configuration specifies optional {current['optional']}"
+                )
+            current.update(tensor)
+            return
+        self._model_config[kind].append(dict(tensor))
+
+    def set_model_transaction_policy(self, transaction_policy_dict):
+        extra = [key for key in transaction_policy_dict if key != "decoupled"]
+        if extra:
+            raise ValueError(
+                "model transaction property in auto-complete-config function for model "
+                f"'{self._name}' contains property other than 'decoupled'."
+            )
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        if "decoupled" in transaction_policy_dict:
+            wanted = bool(transaction_policy_dict["decoupled"])
+            if "decoupled" in policy and bool(policy["decoupled"]) != wanted:
+                raise ValueError(
+                    "trying to change decoupled property in auto-complete-config for "
+                    f"model '{self._name}', which is already set to "
+                    f"'{policy['decoupled']}'."
+                )
+            policy["decoupled"] = wanted

@@ -1,0 +1,398 @@
+"""PyTorch backend: platform ``pytorch_libtorch`` / backend ``pytorch`` (TorchScript).
+
+One ``torch.jit.load``-ed module per instance, on the CPU or on ``cuda:<device_id>``
+for KIND_GPU instances. Tensors are matched to ``forward()`` the way Triton's
+pytorch backend matches them:
+
+- inputs: a forward taking a single ``Dict[str, Tensor]`` gets every input in one
+  dict keyed by config name; otherwise, when every config input name is a forward
+  argument name, by that name; else, when every name is ``<name>__<index>``
+  (``INPUT__0``), by that index; else in config order. The config lists exactly
+  as many inputs as forward takes.
+- outputs: a returned Tensor is output 0, a returned tuple is indexed by
+  ``<name>__<index>`` (``OUTPUT__0``) when every output follows that convention,
+  else by config order; a returned ``Dict[str, Tensor]`` is read by config name
+  (Triton rejects dict outputs from TorchScript; they are accepted here).
+
+TorchScript carries no reliable tensor metadata, so like Triton this backend does not
+auto-complete: config.pbtxt lists every input and output. torch is optional; without
+it a pytorch model is UNAVAILABLE with a reason that says so.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.core import datatypes
+from trionserve.core.batching import (
+    build_response,
+    gather_inputs,
+    split_outputs,
+    wanted_outputs,
+)
+from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
+from trionserve.core.types import InferenceRequest
+
+log = structlog.get_logger(__name__)
+
+# Config data types the backend can carry, as torch dtype attribute names. Like
+# Triton's, it has no unsigned types above 8 bits; BYTES would need List[str].
+_TORCH_DTYPES = {
+    "TYPE_BOOL": "bool",
+    "TYPE_UINT8": "uint8",
+    "TYPE_INT8": "int8",
+    "TYPE_INT16": "int16",
+    "TYPE_INT32": "int32",
+    "TYPE_INT64": "int64",
+    "TYPE_FP16": "float16",
+    "TYPE_FP32": "float32",
+    "TYPE_FP64": "float64",
+    "TYPE_BF16": "bfloat16",
+}
+_INDEX_DELIMITER = "__"
+
+
+def _import_torch():
+    import torch
+
+    return torch
+
+
+def _torch():
+    """torch, or Unavailable naming the missing package (torch is an optional extra)."""
+    try:
+        return _import_torch()
+    except ImportError as exc:
+        raise Unavailable(
+            f"the PyTorch backend needs torch, which is not installed "
+            f"(install the 'torch' extra): {exc}"
+        ) from None
+
+
+# -- Triton's naming conventions (pure: unit-testable without torch) ------------------
+
+
+def name_index(name: str) -> int | None:
+    """The index of a ``<name>__<index>`` tensor name, else None (Triton's rule:
+    everything after the first ``__`` must be digits)."""
+    head, sep, tail = name.partition(_INDEX_DELIMITER)
+    if not sep or not tail.isdigit():
+        return None
+    return int(tail)
+
+
+@dataclass(frozen=True, slots=True)
+class InputBinding:
+    """How config inputs become forward() arguments."""
+
+    as_dict: bool  # forward takes one Dict[str, Tensor] holding every input
+    positions: dict[str, int]  # config input name -> argument position
+
+
+def bind_inputs(
+    model: str, config_inputs: list[str], arguments: list[tuple[str, str]]
+) -> InputBinding:
+    """Match config inputs to forward's ``(name, type kind)`` arguments (self excluded)."""
+    if not config_inputs:
+        raise InvalidArgument(
+            f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
+            "inputs; list them in config.pbtxt (no input was given)"
+        )
+    if len(arguments) == 1 and arguments[0][1] == "DictType":
+        return InputBinding(True, {name: i for i, name in enumerate(config_inputs)})
+    for arg_name, kind in arguments:
+        if kind != "TensorType":
+            raise InvalidArgument(
+                f"model '{model}': forward() argument '{arg_name}' is a {kind}; the "
+                "PyTorch backend supports Tensor arguments or a single "
+                "Dict(str, Tensor) argument"
+            )
+    if len(arguments) != len(config_inputs):
+        raise InvalidArgument(
+            f"unable to load model '{model}', configuration expects "
+            f"{len(config_inputs)} inputs, model provides {len(arguments)}"
+        )
+    names = [a for a, _ in arguments]
+    if all(name in names for name in config_inputs):
+        return InputBinding(False, {name: names.index(name) for name in config_inputs})
+    indices = [name_index(name) for name in config_inputs]
+    if all(i is not None for i in indices):
+        if sorted(indices) != list(range(len(arguments))):
+            raise InvalidArgument(
+                f"model '{model}': input indices {sorted(indices)} do not match "
+                f"forward()'s {len(arguments)} arguments"
+            )
+        return InputBinding(False, dict(zip(config_inputs, indices)))
+    return InputBinding(False, {name: i for i, name in enumerate(config_inputs)})
+
+
+def bind_outputs(model: str, config_outputs: list[str]) -> dict[str, int]:
+    """Config output name -> position in the returned tuple."""
+    if not config_outputs:
+        raise InvalidArgument(
+            f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
+            "outputs; list them in config.pbtxt (no output was given)"
+        )
+    indices = [name_index(name) for name in config_outputs]
+    if all(i is not None for i in indices):
+        return dict(zip(config_outputs, indices))
+    return {name: i for i, name in enumerate(config_outputs)}
+
+
+def _type_name(value: int) -> str:
+    from trionserve.repository.model_config_pb2 import DataType
+
+    return DataType.Name(value)
+
+
+def _check_data_types(model: str, kind: str, entries) -> None:
+    for entry in entries:
+        type_name = _type_name(entry.data_type)
+        if type_name == "TYPE_STRING":
+            raise InvalidArgument(
+                f"model '{model}': {kind} '{entry.name}' is TYPE_STRING; the PyTorch "
+                "backend does not support BYTES tensors"
+            )
+        if type_name not in _TORCH_DTYPES:
+            raise InvalidArgument(
+                f"unsupported datatype {type_name} for {kind} '{entry.name}' for "
+                f"model '{model}'"
+            )
+
+
+# -- the backend ------------------------------------------------------------------------
+
+
+class PyTorchBackend:
+    name = "pytorch"
+
+    def default_model_filename(self) -> str:
+        return "model.pt"
+
+    def auto_complete_config(
+        self, config, model_path: Path, max_batch_size_set: bool
+    ) -> None:
+        """Nothing to fill: TorchScript does not record its tensors (as in Triton)."""
+        if not config.input or not config.output:
+            log.warning(
+                "skipping model configuration auto-complete: not supported for the "
+                "pytorch backend",
+                model=config.name,
+            )
+
+    def load(self, context: ModelContext) -> "TorchScriptModel":
+        _torch()  # a server without torch reports the model UNAVAILABLE, with why
+        config = context.config
+        filename = config.default_model_filename or self.default_model_filename()
+        path = context.version_dir / filename
+        if not path.is_file():
+            raise Unavailable(
+                f"model file '{filename}' not found in version {context.version} "
+                f"of model '{context.name}' ({context.version_dir.name}/)"
+            )
+        if not config.input:
+            bind_inputs(context.name, [], [])  # raises: the config must list inputs
+        bind_outputs(context.name, [o.name for o in config.output])
+        _check_data_types(context.name, "input", config.input)
+        _check_data_types(context.name, "output", config.output)
+        return TorchScriptModel(context, path)
+
+
+def _parameter(config, key: str, default: bool) -> bool:
+    if key not in config.parameters:
+        return default
+    return config.parameters[key].string_value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class TorchScriptModel:
+    """A TorchScript file and its config; each instance loads its own module."""
+
+    def __init__(self, context: ModelContext, path: Path) -> None:
+        self.context = context
+        self.path = path
+
+    def create_instance(self, spec: InstanceSpec) -> "TorchScriptInstance":
+        torch = _torch()
+        if spec.kind == "KIND_GPU":
+            if not torch.cuda.is_available():
+                raise Unavailable(
+                    f"instance '{spec.name}' of model '{self.context.name}' is KIND_GPU "
+                    "but this torch cannot use CUDA (a CPU-only build of torch?)"
+                )
+            device = torch.device("cuda", spec.device_id)
+        elif spec.kind == "KIND_MODEL":
+            device = None  # the module keeps the devices it was saved with
+        else:
+            device = torch.device("cpu")
+        try:
+            module = torch.jit.load(str(self.path), map_location=device)
+        except Exception as exc:  # torch raises RuntimeError and friends
+            raise InvalidArgument(
+                f"failed to load TorchScript model '{self.context.name}' from "
+                f"{self.context.version_dir.name}/{self.path.name}: {exc}"
+            ) from None
+        module.eval()
+        return TorchScriptInstance(self.context, spec, torch, module, device)
+
+    def unload(self) -> None:
+        pass
+
+
+class TorchScriptInstance:
+    """One TorchScript module on one device; executes one batch at a time."""
+
+    def __init__(self, context: ModelContext, spec: InstanceSpec, torch, module, device):
+        config = context.config
+        self.spec = spec
+        self.model_name = context.name
+        self.model_version = str(context.version)
+        self._torch = torch
+        self._module = module
+        # KIND_MODEL: inputs start on the CPU and the module moves them itself.
+        self._device = device if device is not None else torch.device("cpu")
+        arguments = [
+            (a.name, a.type.kind())
+            for a in module.forward.schema.arguments
+            if a.type.kind() != "ClassType"  # self
+        ]
+        self._inputs = bind_inputs(context.name, [i.name for i in config.input], arguments)
+        self._outputs = bind_outputs(context.name, [o.name for o in config.output])
+        self._bf16_inputs = {
+            i.name for i in config.input if _type_name(i.data_type) == "TYPE_BF16"
+        }
+        self._output_types = {o.name: _type_name(o.data_type) for o in config.output}
+        self._output_datatypes = {
+            name: datatypes.BY_CONFIG[t].wire for name, t in self._output_types.items()
+        }
+        self._input_reshape = {
+            i.name: tuple(i.reshape.shape) for i in config.input if i.HasField("reshape")
+        }
+        self._output_reshape = {
+            o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
+        }
+        self._batched = config.max_batch_size > 0
+        self._inference_mode = _parameter(config, "INFERENCE_MODE", True)
+        self._optimized = not _parameter(config, "DISABLE_OPTIMIZED_EXECUTION", False)
+
+    def execute(self, requests: list[InferenceRequest]) -> list:
+        torch = self._torch
+        arrays = gather_inputs(requests, self._input_reshape)
+        names = wanted_outputs(requests, list(self._output_datatypes))
+        grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
+        # New tensors a model creates on "cuda" land on this instance's GPU.
+        on_device = (
+            torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
+        )
+        try:
+            with grad_mode, on_device, torch.jit.optimized_execution(self._optimized):
+                result = self._forward(arrays)
+                outputs = {name: self._to_numpy(name, result) for name in names}
+            if self._batched and len(requests) > 1:
+                self._check_batch(outputs, sum(r.batch_size for r in requests))
+        except TritonError as error:
+            return [error] * len(requests)
+        except Exception as exc:  # TorchScript raises its own exception types
+            error = InternalError(
+                f"PyTorch execute failure for model '{self.model_name}': {exc}"
+            )
+            return [error] * len(requests)
+        return [
+            build_response(
+                request,
+                self.model_name,
+                self.model_version,
+                per_request,
+                self._output_datatypes,
+                self._output_reshape,
+            )
+            for request, per_request in zip(requests, split_outputs(outputs, requests))
+        ]
+
+    def _forward(self, arrays: dict[str, np.ndarray]):
+        tensors = {name: self._to_tensor(name, array) for name, array in arrays.items()}
+        if self._inputs.as_dict:
+            return self._module(tensors)
+        missing = [name for name in self._inputs.positions if name not in tensors]
+        if missing:
+            raise InvalidArgument(
+                f"model '{self.model_name}' needs input(s) {missing}: every forward() "
+                "argument must be given"
+            )
+        args = [None] * len(self._inputs.positions)
+        for name, position in self._inputs.positions.items():
+            args[position] = tensors[name]
+        return self._module(*args)
+
+    def _to_tensor(self, name: str, array: np.ndarray):
+        torch = self._torch
+        # torch has no read-only tensors, and a model may write its inputs in place:
+        # arrays viewing an immutable request body (read-only) are copied, writable
+        # ones (batched concatenations, shared memory) are shared without a copy.
+        if not array.flags.writeable or any(s < 0 for s in array.strides):
+            array = np.array(array)
+        tensor = torch.from_numpy(array)
+        if name in self._bf16_inputs:  # BF16 travels as uint16 bits
+            tensor = tensor.view(torch.bfloat16)
+        if self._device.type != "cpu":
+            tensor = tensor.to(self._device)
+        return tensor
+
+    def _to_numpy(self, name: str, result) -> np.ndarray:
+        tensor = self._select(name, result)
+        torch = self._torch
+        if not isinstance(tensor, torch.Tensor):
+            raise InternalError(
+                f"output '{name}' of model '{self.model_name}' is a "
+                f"{type(tensor).__name__}, not a Tensor"
+            )
+        expected = self._output_types[name]
+        if tensor.dtype != getattr(torch, _TORCH_DTYPES[expected]):
+            raise InternalError(
+                f"configuration expects datatype {expected} for output '{name}' of "
+                f"model '{self.model_name}', model provides {tensor.dtype}"
+            )
+        # On the CPU .numpy() shares the tensor's memory: no copy.
+        tensor = tensor.detach().cpu()
+        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits
+            return tensor.view(torch.int16).numpy().view(np.uint16)
+        return tensor.numpy()
+
+    def _select(self, name: str, result):
+        if isinstance(result, dict):
+            if name not in result:
+                raise InternalError(
+                    f"model '{self.model_name}' returned a dict without output "
+                    f"'{name}'; it has {sorted(result)}"
+                )
+            return result[name]
+        if isinstance(result, self._torch.Tensor):
+            result = (result,)
+        if not isinstance(result, (tuple, list)):
+            raise InternalError(
+                f"model '{self.model_name}' returned a {type(result).__name__}; "
+                "expected a Tensor, a tuple of Tensors or a Dict[str, Tensor]"
+            )
+        position = self._outputs[name]
+        if position >= len(result):
+            raise InternalError(
+                f"model '{self.model_name}' returned {len(result)} output(s); output "
+                f"'{name}' is at index {position}"
+            )
+        return result[position]
+
+    def _check_batch(self, outputs: dict[str, np.ndarray], total: int) -> None:
+        for name, array in outputs.items():
+            if array.ndim == 0 or array.shape[0] != total:
+                raise InternalError(
+                    f"output '{name}' of model '{self.model_name}' has shape "
+                    f"{list(array.shape)}; a batch of {total} needs {total} rows"
+                )
+
+    def close(self) -> None:
+        self._module = None

@@ -1,0 +1,236 @@
+"""Per-model-version inference statistics, as Triton's statistics extension reports them.
+
+One :class:`ModelStatistics` per loaded model version counts what happened to its
+requests and batches. The runtime records into it (the executor after each batch,
+the schedulers when they reject, time out or drop a request); readers take the
+plain counters: the statistics endpoints through :meth:`ModelStatistics.as_json`,
+and Prometheus collectors, which read the same attributes at scrape time. Every
+write happens on the Trio thread, so no lock is needed; every duration comes from
+Trio's clock, so simulations on a virtual clock record virtual durations.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import trio
+
+NS_PER_S = 1_000_000_000
+
+
+class FailureReason(enum.Enum):
+    """Why a request failed, with the labels of Triton's failure metric."""
+
+    REJECTED = "REJECTED"  # queue full, or its queue timeout expired
+    CANCELED = "CANCELED"  # the client went away
+    BACKEND = "BACKEND"  # the backend answered with an error or raised
+    OTHER = "OTHER"  # anything else (unload, shutdown)
+
+
+class ComputeTimes(NamedTuple):
+    """How a backend split one batch's execution, in nanoseconds of its own clock.
+
+    A backend instance may set ``compute_times`` to one of these at the end of each
+    ``execute``; the executor then reports compute_input and compute_output as
+    given and compute_infer as the rest of the time it measured. Backends that do
+    not set it have the whole execution counted as compute_infer.
+    """
+
+    input_ns: int
+    infer_ns: int
+    output_ns: int
+
+
+@dataclass(slots=True)
+class Duration:
+    """A count and a cumulative duration, Triton's ``StatisticDuration``."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, ns: int) -> None:
+        self.count += 1
+        self.ns += ns
+
+    def as_json(self) -> dict:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass(slots=True)
+class BatchStatistics:
+    """Executions of one batch size: each phase counted once per batch."""
+
+    batch_size: int
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+    def as_json(self) -> dict:
+        return {
+            "batch_size": self.batch_size,
+            "compute_input": self.compute_input.as_json(),
+            "compute_infer": self.compute_infer.as_json(),
+            "compute_output": self.compute_output.as_json(),
+        }
+
+
+class ModelStatistics:
+    """The counters of one model version, with the meaning Triton gives them.
+
+    - ``success``: requests answered with a response; duration from arrival to the
+      end of their batch. ``queue`` and ``compute_*`` are counted for the same
+      requests: time queued, and their batch's phases (once per request).
+    - ``fail``: requests answered with an error, for any ``FailureReason``
+      (``failures`` keeps the count per reason).
+    - ``inference_count``: batch sizes of successful requests summed;
+      ``execution_count``: batches the backend executed; ``batch_stats``: the
+      executions per batch size.
+    - ``last_inference``: wall-clock milliseconds of the last execution.
+    """
+
+    __slots__ = (
+        "name",
+        "version",
+        "success",
+        "fail",
+        "queue",
+        "compute_input",
+        "compute_infer",
+        "compute_output",
+        "cache_hit",
+        "cache_miss",
+        "inference_count",
+        "execution_count",
+        "failures",
+        "batch_stats",
+        "_last_execution",
+        "_wall_offset",
+    )
+
+    def __init__(self, name: str, version: int) -> None:
+        self.name = name
+        self.version = version
+        self.success = Duration()
+        self.fail = Duration()
+        self.queue = Duration()
+        self.compute_input = Duration()
+        self.compute_infer = Duration()
+        self.compute_output = Duration()
+        self.cache_hit = Duration()
+        self.cache_miss = Duration()
+        self.inference_count = 0
+        self.execution_count = 0
+        self.failures: dict[FailureReason, int] = {reason: 0 for reason in FailureReason}
+        self.batch_stats: dict[int, BatchStatistics] = {}
+        self._last_execution: float | None = None
+        # Trio's clock has an arbitrary origin; this maps it to the wall clock once,
+        # so recording never reads the wall clock.
+        self._wall_offset = time.time() - trio.current_time()
+
+    # -- recording (the runtime) ------------------------------------------------
+
+    def record_execution(
+        self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, end: float
+    ) -> None:
+        """One batch executed by the backend; ``end`` is Trio's clock at its end."""
+        self.execution_count += 1
+        self._last_execution = end
+        stats = self.batch_stats.get(batch_size)
+        if stats is None:
+            stats = self.batch_stats[batch_size] = BatchStatistics(batch_size)
+        stats.compute_input.add(input_ns)
+        stats.compute_infer.add(infer_ns)
+        stats.compute_output.add(output_ns)
+
+    def record_success(
+        self,
+        batch_size: int,
+        request_ns: int,
+        queue_ns: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+    ) -> None:
+        """One request answered with a response."""
+        self.inference_count += batch_size
+        self.success.add(request_ns)
+        self.queue.add(queue_ns)
+        self.compute_input.add(input_ns)
+        self.compute_infer.add(infer_ns)
+        self.compute_output.add(output_ns)
+
+    def record_failure(self, request_ns: int, reason: FailureReason) -> None:
+        """One request answered with an error."""
+        self.fail.add(request_ns)
+        self.failures[reason] += 1
+
+    # -- reading (frontends, metrics) ---------------------------------------------
+
+    @property
+    def last_inference(self) -> int:
+        """Milliseconds since the epoch of the last execution; 0 before the first."""
+        if self._last_execution is None:
+            return 0
+        return int((self._last_execution + self._wall_offset) * 1000)
+
+    def as_json(self) -> dict:
+        """This version's entry of Triton's ``model_stats`` list (HTTP JSON shape)."""
+        return {
+            "name": self.name,
+            "version": str(self.version),
+            "last_inference": self.last_inference,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": self.success.as_json(),
+                "fail": self.fail.as_json(),
+                "queue": self.queue.as_json(),
+                "compute_input": self.compute_input.as_json(),
+                "compute_infer": self.compute_infer.as_json(),
+                "compute_output": self.compute_output.as_json(),
+                "cache_hit": self.cache_hit.as_json(),
+                "cache_miss": self.cache_miss.as_json(),
+            },
+            "response_stats": {},
+            "batch_stats": [
+                self.batch_stats[size].as_json() for size in sorted(self.batch_stats)
+            ],
+            "memory_usage": [],
+        }
+
+
+def to_ns(seconds: float) -> int:
+    """Trio clock seconds to integer nanoseconds, never negative."""
+    return max(0, int(seconds * NS_PER_S))
+
+
+def select_statistics(registry, name: str | None, version: int | None) -> list[ModelStatistics]:
+    """The statistics a request for ``name``/``version`` covers, like Triton.
+
+    No name: every READY version of every model. A name alone: every READY version
+    of that model. Name and version: that version. Unknown names and versions raise
+    the registry's NotFound / Unavailable errors.
+    """
+    if name is None:
+        selected = []
+        for model_name in sorted(registry.entries()):
+            selected.extend(_ready_versions(registry, model_name))
+        return selected
+    if version is not None:
+        return [registry.route(name, version).statistics]
+    registry.route(name, None)  # raises when the model has no READY version
+    return _ready_versions(registry, name)
+
+
+def _ready_versions(registry, name: str) -> list[ModelStatistics]:
+    entry = registry.entries().get(name)
+    if entry is None:
+        return []
+    return [
+        entry.versions[number].statistics
+        for number in sorted(entry.versions)
+        if entry.versions[number].state.value == "READY"
+    ]

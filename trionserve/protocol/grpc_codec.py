@@ -1,0 +1,504 @@
+"""Sans-I/O codec of Triton's gRPC inference messages.
+
+Pure functions: a serialized ``ModelInferRequest`` becomes an
+:class:`InferenceRequest`, and an :class:`InferenceResponse` becomes the serialized
+bytes of a ``ModelInferResponse`` (or of a ``ModelStreamInferResponse``). No
+sockets, no event loop.
+
+Input tensors in ``raw_input_contents`` are ``np.frombuffer`` views of the message's
+bytes; typed ``InferTensorContents`` are accepted too. Outputs always travel in
+``raw_output_contents``, which is written as its own wire fields after the rest of
+the message, so a large output array is handed to the transport as a memoryview
+instead of being copied into a protobuf message first. Error messages match the
+HTTP codec's wherever the two protocols share a concept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from trionserve.core.datatypes import BY_WIRE, DataType
+from trionserve.core.errors import InvalidArgument, Unimplemented
+from trionserve.core.shared_memory import SystemSharedMemory
+from trionserve.core.types import (
+    InferenceRequest,
+    InferenceResponse,
+    RequestedOutput,
+    Tensor,
+)
+from trionserve.protocol import grpc_service_pb2 as pb
+from trionserve.protocol.http_codec import (
+    deserialize_bytes_tensor,
+    parse_model_version,
+    serialize_bytes_tensor,
+    shared_memory_window,
+)
+
+__all__ = [
+    "parse_message",
+    "decode_infer_request",
+    "empty_final_response_enabled",
+    "encode_infer_response",
+    "encode_empty_final_response",
+    "encode_stream_response",
+    "encode_stream_error",
+]
+
+Chunks = list[bytes | memoryview]
+
+_UINT64_MAX = 2**64 - 1
+_INT64_MAX = 2**63 - 1
+
+# Request parameters with a meaning of their own; every other one goes to the backend.
+EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
+FINAL_RESPONSE = "triton_final_response"
+_RESERVED_TRITON_KEYS = (EMPTY_FINAL_RESPONSE,)
+
+_WIRE_DTYPE: dict[str, np.dtype] = {
+    d.wire: d.numpy.newbyteorder("<") for d in BY_WIRE.values() if d.itemsize
+}
+
+# Datatype -> the InferTensorContents field that carries it (FP16 and BF16 have none).
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+# Types narrower than their contents field, whose values must be range-checked.
+_NARROW = {w: np.iinfo(BY_WIRE[w].numpy) for w in ("INT8", "INT16", "UINT8", "UINT16")}
+
+# Wire tags: ModelInferResponse.raw_output_contents (field 6) and
+# ModelStreamInferResponse.infer_response (field 2), both length-delimited.
+_RAW_OUTPUT_TAG = b"\x32"
+_STREAM_RESPONSE_TAG = b"\x12"
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _fmt_shape(shape: Any) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def parse_message(message_type, data: bytes):
+    """Parse one serialized message; a malformed one is the client's error."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError as exc:
+        raise InvalidArgument(
+            f"failed to parse the {message_type.DESCRIPTOR.name} message: {exc}"
+        ) from None
+
+
+# ------------------------------------------------------------------------- request
+
+
+def decode_infer_request(
+    message: pb.ModelInferRequest | bytes, shared_memory: SystemSharedMemory | None = None
+) -> InferenceRequest:
+    """Decode a ModelInferRequest (a message or its serialized bytes).
+
+    Inputs naming a ``shared_memory_region`` are views of that region of
+    ``shared_memory``. Raises InvalidArgument for any malformed request,
+    Unimplemented for shared memory when ``shared_memory`` is None.
+    """
+    if not isinstance(message, pb.ModelInferRequest):
+        message = parse_message(pb.ModelInferRequest, message)
+    version = parse_model_version(message.model_version)
+    request = InferenceRequest(message.model_name, version, id=message.id)
+    if message.parameters:
+        _apply_request_parameters(request, message.parameters)
+    request.inputs = _decode_inputs(message, shared_memory)
+    if message.outputs:
+        request.requested_outputs = _decode_outputs(message.outputs, shared_memory)
+    return request
+
+
+def empty_final_response_enabled(message: pb.ModelInferRequest) -> bool:
+    """Whether the client asked for a final response flag on every stream response."""
+    if EMPTY_FINAL_RESPONSE not in message.parameters:
+        return False
+    param = message.parameters[EMPTY_FINAL_RESPONSE]
+    return param.WhichOneof("parameter_choice") == "bool_param" and param.bool_param
+
+
+def _param_value(key: str, param: pb.InferParameter) -> tuple[str, Any]:
+    kind = param.WhichOneof("parameter_choice")
+    if kind is None:
+        raise InvalidArgument(f"invalid parameter '{key}': no value is set")
+    return kind, getattr(param, kind)
+
+
+def _apply_request_parameters(request: InferenceRequest, params) -> None:
+    custom = request.parameters
+    for key, param in params.items():
+        kind, value = _param_value(key, param)
+        if key == "sequence_id":
+            if kind == "string_param" or (
+                kind in ("int64_param", "uint64_param") and value >= 0
+            ):
+                request.sequence_id = value
+            else:
+                raise InvalidArgument(
+                    "invalid parameter 'sequence_id': expected a non-negative "
+                    f"int64_param, a uint64_param or a string_param, got {kind} "
+                    f"{value!r}"
+                )
+        elif key == "sequence_start" or key == "sequence_end":
+            setattr(request, key, _bool_parameter(key, kind, value))
+        elif key == "priority":
+            request.priority = _unsigned_parameter(key, kind, value)
+        elif key == "timeout":
+            request.timeout_us = _unsigned_parameter(key, kind, value)
+        elif key == "binary_data_output":
+            pass  # an HTTP notion: gRPC outputs are always binary
+        elif key.startswith("triton_"):
+            if key not in _RESERVED_TRITON_KEYS:
+                raise InvalidArgument(
+                    "parameter keys starting with 'triton_' are reserved for Triton "
+                    "usage. Only the following keys starting with 'triton_' are "
+                    f"allowed: {' '.join(_RESERVED_TRITON_KEYS)}"
+                )
+            _bool_parameter(key, kind, value)
+        else:
+            custom[key] = value
+
+
+def _bool_parameter(key: str, kind: str, value: Any) -> bool:
+    if kind != "bool_param":
+        raise InvalidArgument(
+            f"invalid parameter '{key}': expected a bool_param, got {kind} {value!r}"
+        )
+    return value
+
+
+def _unsigned_parameter(key: str, kind: str, value: Any) -> int:
+    if kind not in ("int64_param", "uint64_param") or value < 0:
+        raise InvalidArgument(
+            f"invalid parameter '{key}': expected a non-negative int64_param or a "
+            f"uint64_param, got {kind} {value!r}"
+        )
+    return value
+
+
+def _parameter_dict(params) -> dict[str, Any]:
+    return {key: _param_value(key, param)[1] for key, param in params.items()}
+
+
+def _shared_memory_params(
+    params, what: str, shared_memory: SystemSharedMemory | None
+) -> tuple[str, int, int] | None:
+    """The (region, offset, byte_size) a tensor names, or None if it names none."""
+    if "shared_memory_region" not in params:
+        return None
+    values = _parameter_dict(params)
+    if shared_memory is None:
+        raise Unimplemented(
+            f"shared memory is not enabled ({what} uses region "
+            f"{json.dumps(values['shared_memory_region'])})"
+        )
+    return shared_memory_window(values, what)
+
+
+def _decode_inputs(
+    message: pb.ModelInferRequest, shared_memory: SystemSharedMemory | None
+) -> dict[str, Tensor]:
+    raws = message.raw_input_contents
+    model = message.model_name
+    tensors: dict[str, Tensor] = {}
+    used = 0  # raw_input_contents are taken in order by inputs not in shared memory
+    for spec in message.inputs:
+        name = spec.name
+        if name in tensors:
+            raise InvalidArgument(f"duplicate input '{name}' in the request")
+        dt = BY_WIRE.get(spec.datatype)
+        if dt is None:
+            raise InvalidArgument(
+                f"invalid datatype for input '{name}': expected one of "
+                f"{', '.join(BY_WIRE)}, got {json.dumps(spec.datatype)}"
+            )
+        shape = list(spec.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidArgument(
+                f"invalid shape for input '{name}': expected an array of "
+                f"non-negative integers, got {json.dumps(shape)}"
+            )
+        has_contents = spec.HasField("contents")
+        what = f"input '{name}'"
+        window = (
+            _shared_memory_params(spec.parameters, what, shared_memory)
+            if spec.parameters
+            else None
+        )
+        if window is not None:
+            if has_contents:
+                raise InvalidArgument(
+                    "unexpected 'contents' provided when using shared memory for "
+                    f"input tensor '{name}' for model '{model}'"
+                )
+            region, offset, byte_size = window
+            view = shared_memory.view(region, offset, byte_size, what)  # type: ignore[union-attr]
+            data = _raw_to_array(name, dt, shape, view)
+        elif raws:
+            if has_contents:
+                raise InvalidArgument(
+                    "contents field must not be specified when using "
+                    f"raw_input_contents for '{name}' for model '{model}'"
+                )
+            if used == len(raws):
+                raise InvalidArgument(
+                    f"missing data for input '{name}' for model '{model}': expected "
+                    f"one raw_input_contents entry per input, got {len(raws)}"
+                )
+            data = _raw_to_array(name, dt, shape, raws[used])
+            used += 1
+        elif has_contents:
+            data = _contents_to_array(name, model, dt, shape, spec.contents)
+        else:
+            raise InvalidArgument(
+                f"missing data for input '{name}' for model '{model}': expected "
+                "raw_input_contents or typed contents"
+            )
+        tensors[name] = Tensor(name, dt.wire, data)
+    if used != len(raws):
+        raise InvalidArgument(
+            f"unexpected raw_input_contents for model '{model}': {len(raws)} entries "
+            f"for {used} inputs that take raw data"
+        )
+    return tensors
+
+
+def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: bytes) -> np.ndarray:
+    count = math.prod(shape)
+    if dt.itemsize == 0:  # BYTES
+        what = f"input '{name}' with shape {_fmt_shape(shape)}"
+        return deserialize_bytes_tensor(raw, count, what).reshape(shape)
+    expected = count * dt.itemsize
+    if len(raw) != expected:
+        raise InvalidArgument(
+            f"unexpected byte size for input '{name}': expected {expected} bytes for "
+            f"shape {_fmt_shape(shape)} of {dt.wire}, got {len(raw)}"
+        )
+    if count == 0:
+        return np.empty(shape, dtype=dt.numpy)
+    return np.frombuffer(raw, dtype=_WIRE_DTYPE[dt.wire], count=count).reshape(shape)
+
+
+def _contents_to_array(
+    name: str, model: str, dt: DataType, shape: list[int], contents
+) -> np.ndarray:
+    wire = dt.wire
+    field = _CONTENTS_FIELD.get(wire)
+    if field is None:
+        raise InvalidArgument(
+            f"input '{name}' has datatype {wire}, which has no typed contents field; "
+            "send its data in raw_input_contents"
+        )
+    for descriptor, _ in contents.ListFields():
+        if descriptor.name != field:
+            raise InvalidArgument(
+                f"unexpected explicit tensor data for input '{name}' for model "
+                f"'{model}': got {descriptor.name} for datatype {wire}, expected "
+                f"{field}"
+            )
+    values = getattr(contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidArgument(
+            f"unexpected number of elements for input '{name}': expected {count} "
+            f"for shape {_fmt_shape(shape)}, got {len(values)}"
+        )
+    if wire == "BYTES":
+        out = np.empty(count, dtype=np.object_)
+        out[:] = list(values)
+        return out.reshape(shape)
+    info = _NARROW.get(wire)
+    if info is not None and count:
+        wide = np.asarray(values, dtype=np.int64)
+        bad = np.flatnonzero((wide < info.min) | (wide > info.max))
+        if bad.size:
+            i = int(bad[0])
+            raise InvalidArgument(
+                f"value out of range for input '{name}': element {i} is "
+                f"{int(wide[i])}, expected {wire} in [{int(info.min)}, {int(info.max)}]"
+            )
+        return wide.astype(dt.numpy).reshape(shape)
+    return np.asarray(values, dtype=dt.numpy).reshape(shape)
+
+
+def _decode_outputs(
+    outputs, shared_memory: SystemSharedMemory | None
+) -> list[RequestedOutput]:
+    requested: list[RequestedOutput] = []
+    seen: set[str] = set()
+    for spec in outputs:
+        name = spec.name
+        if name in seen:
+            raise InvalidArgument(f"duplicate output '{name}' in the request")
+        seen.add(name)
+        params: dict[str, Any] = {}
+        if spec.parameters:
+            what = f"output '{name}'"
+            window = _shared_memory_params(spec.parameters, what, shared_memory)
+            if window is not None:
+                shared_memory.view(*window, what)  # type: ignore[union-attr]  # bounds
+            for key, param in spec.parameters.items():
+                kind, value = _param_value(key, param)
+                if key == "binary_data":
+                    continue  # gRPC outputs are always binary
+                if key == "classification" and (
+                    kind not in ("int64_param", "uint64_param") or value < 0
+                ):
+                    raise InvalidArgument(
+                        f"invalid 'classification' for output '{name}': expected a "
+                        f"non-negative int64_param, got {kind} {value!r}"
+                    )
+                params[key] = value
+        requested.append(RequestedOutput(name, params))
+    return requested
+
+
+# ------------------------------------------------------------------------ response
+
+
+def _set_parameter(param: pb.InferParameter, value: Any) -> None:
+    if isinstance(value, bool):
+        param.bool_param = value
+    elif isinstance(value, int):
+        if value > _INT64_MAX:
+            param.uint64_param = value
+        else:
+            param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
+    else:
+        param.string_param = str(value)
+
+
+def _raw_output(wire: str, data: np.ndarray) -> bytes | memoryview:
+    if wire == "BYTES":
+        return serialize_bytes_tensor(data)
+    dtype = _WIRE_DTYPE.get(wire)
+    if dtype is None:
+        raise InvalidArgument(f"invalid datatype '{wire}' for an output")
+    if data.dtype != dtype:
+        if wire == "BF16" and data.dtype.name == "bfloat16":
+            data = data.view(np.uint16)
+        else:
+            data = data.astype(dtype)
+    if data.size == 0:
+        return b""
+    data = np.ascontiguousarray(data)
+    return data.reshape(-1).view(np.uint8).data
+
+
+def encode_infer_response(
+    response: InferenceResponse,
+    request: InferenceRequest,
+    final: bool | None = None,
+    shared_memory: SystemSharedMemory | None = None,
+) -> Chunks:
+    """The serialized ModelInferResponse, as chunks to write in order.
+
+    ``final`` adds the ``triton_final_response`` parameter (streams whose client
+    enabled empty final responses). Outputs requested into a shared memory region
+    are written there, described by their region parameters, and keep an empty
+    ``raw_output_contents`` entry so that entries stay aligned with outputs.
+    """
+    message = pb.ModelInferResponse(
+        model_name=response.model_name,
+        model_version=response.model_version,
+        id=response.id or request.id,
+    )
+    for key, value in response.parameters.items():
+        _set_parameter(message.parameters[key], value)
+    if final is not None:
+        message.parameters[FINAL_RESPONSE].bool_param = final
+    in_shm = {}
+    if shared_memory is not None and request.requested_outputs:
+        in_shm = {
+            o.name: o.parameters
+            for o in request.requested_outputs
+            if "shared_memory_region" in o.parameters
+        }
+    raws = []
+    outputs = message.outputs
+    for tensor in response.outputs:
+        output = outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.data.shape)
+        raw = _raw_output(tensor.datatype, tensor.data)
+        params = in_shm.get(tensor.name)
+        if params is not None:
+            what = f"output '{tensor.name}'"
+            region, offset, byte_size = shared_memory_window(params, what)
+            written = shared_memory.write(region, offset, byte_size, raw, what)  # type: ignore[union-attr]
+            output.parameters["shared_memory_region"].string_param = region
+            output.parameters["shared_memory_byte_size"].int64_param = written
+            if offset:
+                output.parameters["shared_memory_offset"].int64_param = offset
+            raw = b""
+        raws.append(raw)
+    chunks: Chunks = [message.SerializeToString()]
+    for raw in raws:
+        chunks.append(_RAW_OUTPUT_TAG + _varint(len(raw)))
+        if len(raw):
+            chunks.append(raw)
+    return chunks
+
+
+def encode_empty_final_response(
+    request: InferenceRequest, model_version: str = ""
+) -> Chunks:
+    """A response with no outputs that only says "this request is complete"."""
+    message = pb.ModelInferResponse(
+        model_name=request.model_name,
+        model_version=model_version or _version_text(request),
+        id=request.id,
+    )
+    message.parameters[FINAL_RESPONSE].bool_param = True
+    return [message.SerializeToString()]
+
+
+def encode_stream_response(inner: Chunks) -> Chunks:
+    """Wrap a serialized ModelInferResponse as a ModelStreamInferResponse."""
+    size = sum(len(c) for c in inner)
+    return [_STREAM_RESPONSE_TAG + _varint(size), *inner]
+
+
+def encode_stream_error(
+    message: str, request: InferenceRequest | pb.ModelInferRequest | None = None
+) -> bytes:
+    """A ModelStreamInferResponse carrying an error; it names the request when known."""
+    out = pb.ModelStreamInferResponse(error_message=message)
+    if request is not None:
+        response = out.infer_response
+        response.model_name = request.model_name
+        response.id = request.id
+        if isinstance(request, InferenceRequest):
+            response.model_version = _version_text(request)
+        else:
+            response.model_version = request.model_version
+    return out.SerializeToString()
+
+
+def _version_text(request: InferenceRequest) -> str:
+    return "" if request.model_version is None else str(request.model_version)

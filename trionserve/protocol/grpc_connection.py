@@ -1,0 +1,612 @@
+"""One HTTP/2 client connection carrying gRPC calls: the h2 state machine on Trio.
+
+:class:`Connection` owns the h2 state machine and every call on the connection;
+:class:`GrpcCall` is what a method handler sees of one call. Framing of messages
+and statuses is :mod:`trionserve.protocol.grpc_framing`'s; listening, and telling
+connections to drain, is :mod:`trionserve.protocol.grpc_transport`'s.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import structlog
+import trio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.metadata import decode_metadata, decode_timeout
+from hyperframe.frame import GoAwayFrame
+
+from trionserve.protocol import grpc_framing
+from trionserve.protocol.grpc_framing import ACCEPT_ENCODING, ENCODINGS, status_headers
+
+log = structlog.get_logger(__name__)
+
+_MAX_WINDOW = 2**31 - 1
+_DEFAULT_WINDOW = 0xFFFF
+_CONTENT_TYPE = (b"content-type", b"application/grpc")
+_DRAIN_PING = b"drainGA\x00"
+_KEEPALIVE_PING = b"keepaliv"
+# Messages up to this size go out as one joined DATA payload; larger ones are
+# written chunk by chunk from memoryviews, without joining.
+_JOIN_LIMIT = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A handler and whether its client sends a stream of messages."""
+
+    handler: Callable[["GrpcCall"], Awaitable[None]]
+    client_streaming: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TransportOptions:
+    """HTTP/2 and gRPC settings of the transport."""
+
+    # Largest request message accepted (after decompression); None: no limit.
+    max_message_size: int | None = None
+    # Our HTTP/2 receive windows (connection and each stream), in bytes.
+    window_size: int = 16 * 1024 * 1024
+    max_frame_size: int = 1024 * 1024
+    max_concurrent_streams: int = 4096
+    # Server keepalive: ping after this long (seconds; None: never), close the
+    # connection when the ack takes longer than keepalive_timeout.
+    keepalive_time: float | None = 7200.0
+    keepalive_timeout: float = 20.0
+    keepalive_permit_without_calls: bool = False
+    # zlib level for gzip-compressed responses to clients that accept gzip; None:
+    # responses are not compressed.
+    response_compression_level: int | None = None
+    # How long a closing connection waits for the client to close its side, and a
+    # draining one for the ack of its first GOAWAY's ping.
+    linger: float = 1.0
+
+
+class GrpcCall:
+    """One call as its handler sees it.
+
+    ``receive`` returns the next request message (None once the client finished
+    sending, or, for client-streaming methods, once the server drains); ``send``
+    writes one response message, waiting for HTTP/2 flow control, and raises
+    ``trio.BrokenResourceError`` once the stream is gone. The handler ends the call
+    by returning (OK) or raising :class:`GRPCError`.
+    """
+
+    __slots__ = (
+        "method",
+        "metadata",
+        "deadline",
+        "peer",
+        "client_streaming",
+        "_conn",
+        "_stream_id",
+        "_compress",
+        "_reader",
+        "_messages",
+        "_queued_bytes",
+        "_deferred_ack",
+        "_ended",
+        "_reset",
+        "_error",
+        "_wakeup",
+        "_window",
+        "_send_lock",
+        "_headers_sent",
+        "_scope",
+    )
+
+    def __init__(
+        self,
+        conn: "Connection",
+        stream_id: int,
+        method: str,
+        metadata,
+        deadline: float | None,
+        client_streaming: bool,
+        reader: grpc_framing.MessageReader,
+        compress: bool,
+    ) -> None:
+        self.method = method
+        self.metadata = metadata
+        self.deadline = deadline
+        self.peer = conn.peer
+        self.client_streaming = client_streaming
+        self._conn = conn
+        self._stream_id = stream_id
+        self._compress = compress
+        self._reader = reader
+        self._messages: deque[bytes] = deque()
+        self._queued_bytes = 0
+        self._deferred_ack = 0
+        self._ended = False
+        self._reset = False
+        self._error: GRPCError | None = None
+        self._wakeup = trio.Event()
+        self._window = trio.Event()
+        self._send_lock = trio.Lock()
+        self._headers_sent = False
+        self._scope: trio.CancelScope | None = None
+
+    @property
+    def draining(self) -> bool:
+        """True once the server began shutting down."""
+        return self._conn.draining
+
+    async def receive(self) -> bytes | None:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self.client_streaming and self._conn.draining:
+                return None
+            if self._messages:
+                message = self._messages.popleft()
+                self._conn.consumed(self, len(message))
+                return message
+            if self._ended:
+                return None
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+
+    async def send(self, message: bytes | Sequence[bytes | memoryview]) -> None:
+        chunks = [message] if isinstance(message, (bytes, bytearray, memoryview)) else message
+        compressed = self._compress
+        if compressed:
+            level = self._conn.options.response_compression_level or 0
+            chunks = [grpc_framing.compress(b"".join(chunks), level)]
+        size = sum(len(c) for c in chunks)
+        head = grpc_framing.prefix(size, compressed)
+        async with self._send_lock:
+            if self._reset:
+                raise trio.BrokenResourceError("the client reset the stream")
+            try:
+                if not self._headers_sent:
+                    self._conn.send_response_headers(self)
+                if size + 5 <= _JOIN_LIMIT:
+                    await self._conn.send_data(self, [b"".join([head, *chunks])])
+                else:
+                    await self._conn.send_data(self, [head, *chunks])
+            except h2.exceptions.ProtocolError as exc:  # the stream or connection closed
+                raise trio.BrokenResourceError(str(exc)) from exc
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+        self._window.set()
+
+
+class Connection:
+    """One client connection: owns the h2 state machine and every call on it.
+
+    Its nursery holds the writer (the only task that writes to the socket), the
+    keepalive and drain watchers, and one task per call; the reader runs in the
+    nursery's body. Closing the connection cancels every call still running.
+    """
+
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        methods: Mapping[bytes, Method],
+        options: TransportOptions,
+        draining: trio.Event,
+    ) -> None:
+        self.stream = stream
+        self.methods = methods
+        self.options = options
+        self.draining = False
+        self._server_draining = draining
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(
+                client_side=False,
+                header_encoding=None,
+                validate_outbound_headers=False,
+                normalize_outbound_headers=False,
+            )
+        )
+        self.calls: dict[int, GrpcCall] = {}
+        self.peer = _peer_name(stream)
+        self._dirty = trio.Event()
+        self._extra: list[bytes] = []  # raw frames to write after h2's own output
+        self._closing = False
+        self._last_stream_id = _MAX_WINDOW
+        self._ping_acks: dict[bytes, trio.Event] = {}
+        self._nursery: trio.Nursery | None = None
+
+    # -- the actor ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._start_h2()
+                nursery.start_soon(self._writer)
+                nursery.start_soon(self._drain_when, self._server_draining)
+                if self.options.keepalive_time is not None:
+                    nursery.start_soon(self._keepalive)
+                await self._read_loop()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._close_socket()
+
+    def _start_h2(self) -> None:
+        o = self.options
+        window = min(o.window_size, _MAX_WINDOW)
+        # Stream limit and windows apply at once (being generous early is safe);
+        # the frame size must wait for the client's ack, so it goes as an update.
+        self.h2.local_settings = h2.settings.Settings(
+            client=False,
+            initial_values={
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: o.max_concurrent_streams,
+                h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window,
+                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 * 1024,
+            },
+        )
+        self.h2.initiate_connection()
+        self.h2.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: o.max_frame_size})
+        if window > _DEFAULT_WINDOW:
+            self.h2.increment_flow_control_window(window - _DEFAULT_WINDOW)
+        self.flush()
+
+    async def _read_loop(self) -> None:
+        receive = self.stream.receive_some
+        while True:
+            try:
+                data = await receive(256 * 1024)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            try:
+                events = self.h2.receive_data(data)
+            except h2.exceptions.ProtocolError as exc:
+                log.debug("grpc protocol error", peer=self.peer, error=str(exc))
+                self._close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                return
+            for event in events:
+                if self._handle(event):
+                    return
+            self.flush()
+
+    def _handle(self, event) -> bool:
+        """Act on one h2 event; True when the connection is over."""
+        kind = type(event)
+        if kind is h2.events.DataReceived:
+            self._on_data(event)
+        elif kind is h2.events.RequestReceived:
+            self._on_request(event)
+        elif kind is h2.events.StreamEnded:
+            call = self.calls.get(event.stream_id)
+            if call is not None:
+                call._ended = True
+                call._wakeup.set()
+        elif kind is h2.events.StreamReset:
+            call = self.calls.get(event.stream_id)
+            if call is not None:
+                call._reset = True
+                if call._scope is not None:
+                    call._scope.cancel()
+                call._wake()
+        elif kind is h2.events.WindowUpdated or kind is h2.events.RemoteSettingsChanged:
+            for call in self.calls.values():
+                call._window.set()
+        elif kind is h2.events.PingAckReceived:
+            ack = self._ping_acks.pop(event.ping_data, None)
+            if ack is not None:
+                ack.set()
+        elif kind is h2.events.ConnectionTerminated:
+            # The client said goodbye; h2 refuses to send anything after a GOAWAY.
+            return True
+        return False
+
+    # -- requests --------------------------------------------------------------
+
+    def _on_request(self, event: h2.events.RequestReceived) -> None:
+        stream_id = event.stream_id
+        if stream_id > self._last_stream_id:
+            self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            return
+        fields = dict(event.headers)
+        if fields.get(b":method") != b"POST":
+            self._respond_http(stream_id, b"405")
+            return
+        if not fields.get(b"content-type", b"").startswith(b"application/grpc"):
+            self._respond_http(stream_id, b"415")
+            return
+        path = fields.get(b":path", b"")
+        method = self.methods.get(path)
+        if method is None:
+            self._trailers_only(
+                stream_id, Status.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}"
+            )
+            return
+        encoding = fields.get(b"grpc-encoding", b"identity")
+        if encoding not in ENCODINGS:
+            self._trailers_only(
+                stream_id,
+                Status.UNIMPLEMENTED,
+                f"grpc-encoding '{encoding.decode('latin-1')}' is not supported; "
+                "supported: identity, deflate, gzip",
+            )
+            return
+        deadline = None
+        timeout = fields.get(b"grpc-timeout")
+        if timeout is not None:
+            try:
+                deadline = trio.current_time() + decode_timeout(timeout.decode("ascii"))
+            except (ValueError, UnicodeDecodeError):
+                self._trailers_only(
+                    stream_id,
+                    Status.INVALID_ARGUMENT,
+                    f"invalid grpc-timeout header {timeout.decode('latin-1')!r}",
+                )
+                return
+        metadata = decode_metadata(
+            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers]
+        )
+        compress = self.options.response_compression_level is not None and b"gzip" in fields.get(
+            b"grpc-accept-encoding", b""
+        )
+        call = GrpcCall(
+            self,
+            stream_id,
+            path.decode("latin-1"),
+            metadata,
+            deadline,
+            method.client_streaming,
+            grpc_framing.MessageReader(encoding, self.options.max_message_size),
+            compress,
+        )
+        if event.stream_ended is not None:
+            call._ended = True
+        self.calls[stream_id] = call
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_call, call, method.handler)
+
+    def _on_data(self, event: h2.events.DataReceived) -> None:
+        stream_id = event.stream_id
+        flow = event.flow_controlled_length
+        call = self.calls.get(stream_id)
+        if call is None or call._error is not None:
+            # Data for a call that is over: give the window back and drop it.
+            self.h2.acknowledge_received_data(flow, stream_id)
+            return
+        try:
+            messages = call._reader.feed(event.data)
+        except GRPCError as error:
+            call._error = error
+            call._messages.clear()
+            call._wakeup.set()
+            self.h2.acknowledge_received_data(flow, stream_id)
+            return
+        for message in messages:
+            call._messages.append(message)
+            call._queued_bytes += len(message)
+        # Flow control: hold the window back while the handler has a window's worth
+        # of messages it has not taken yet.
+        if call._queued_bytes > self.options.window_size:
+            call._deferred_ack += flow
+        elif flow:
+            self.h2.acknowledge_received_data(flow, stream_id)
+        if event.stream_ended is not None:
+            call._ended = True
+        call._wakeup.set()
+
+    def consumed(self, call: GrpcCall, size: int) -> None:
+        """A handler took a message: release flow control held back for it."""
+        call._queued_bytes -= size
+        if call._deferred_ack and call._queued_bytes <= self.options.window_size:
+            if not call._reset:
+                self.h2.acknowledge_received_data(call._deferred_ack, call._stream_id)
+                self.flush()
+            call._deferred_ack = 0
+
+    # -- calls ---------------------------------------------------------------------
+
+    async def _run_call(self, call: GrpcCall, handler) -> None:
+        status, message = Status.OK, None
+        try:
+            with trio.CancelScope() as scope:
+                call._scope = scope
+                if call.deadline is not None:
+                    scope.deadline = call.deadline
+                try:
+                    await handler(call)
+                except GRPCError as error:
+                    status, message = error.status, error.message
+                except trio.BrokenResourceError:
+                    return  # the stream is gone: nobody to answer
+                except Exception as exc:
+                    log.exception("grpc handler failed", method=call.method)
+                    status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            if call._reset:
+                return
+            if scope.cancelled_caught:
+                status, message = Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
+            self._finish(call, status, message)
+        finally:
+            self.calls.pop(call._stream_id, None)
+            if self.draining and not self.calls:
+                self._close()
+
+    def _finish(self, call: GrpcCall, status: Status, message: str | None) -> None:
+        stream_id = call._stream_id
+        if call._headers_sent:
+            headers = status_headers(status, message)
+        else:  # "trailers only": one HEADERS frame carries the status
+            headers = [(b":status", b"200"), _CONTENT_TYPE, *status_headers(status, message)]
+        try:
+            self.h2.send_headers(stream_id, headers, end_stream=True)
+            if not call._ended:
+                # The client is still sending; tell it to stop.
+                self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.ProtocolError:  # the stream or connection closed meanwhile
+            pass
+        self.flush()
+
+    def send_response_headers(self, call: GrpcCall) -> None:
+        headers = [(b":status", b"200"), _CONTENT_TYPE, ACCEPT_ENCODING]
+        if call._compress:
+            headers.append((b"grpc-encoding", b"gzip"))
+        self.h2.send_headers(call._stream_id, headers)
+        call._headers_sent = True
+
+    async def send_data(self, call: GrpcCall, chunks: list) -> None:
+        h2conn = self.h2
+        stream_id = call._stream_id
+        for chunk in chunks:
+            view = chunk if len(chunk) <= _JOIN_LIMIT else memoryview(chunk)
+            while len(view):
+                window = h2conn.local_flow_control_window(stream_id)
+                if window <= 0:
+                    self.flush()
+                    call._window = trio.Event()
+                    await call._window.wait()
+                    if call._reset:
+                        raise trio.BrokenResourceError("the client reset the stream")
+                    continue
+                size = min(window, h2conn.max_outbound_frame_size, len(view))
+                if size == len(view):
+                    h2conn.send_data(stream_id, view)
+                    break
+                h2conn.send_data(stream_id, view[:size])
+                view = view[size:]
+        self.flush()
+
+    def _trailers_only(self, stream_id: int, status: Status, message: str | None) -> None:
+        headers = [(b":status", b"200"), _CONTENT_TYPE, *status_headers(status, message)]
+        if status is Status.UNIMPLEMENTED:
+            headers.append(ACCEPT_ENCODING)
+        try:
+            self.h2.send_headers(stream_id, headers, end_stream=True)
+        except h2.exceptions.ProtocolError:
+            return
+        self.flush()
+
+    def _respond_http(self, stream_id: int, status: bytes) -> None:
+        self.h2.send_headers(stream_id, [(b":status", status)], end_stream=True)
+        self.flush()
+
+    def _reset_stream(self, stream_id: int, code) -> None:
+        try:
+            self.h2.reset_stream(stream_id, code)
+        except h2.exceptions.ProtocolError:
+            return
+        self.flush()
+
+    # -- writing -----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Ask the writer to send whatever h2 has queued."""
+        self._dirty.set()
+
+    async def _writer(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty = trio.Event()
+            data = self.h2.data_to_send()
+            if self._extra:
+                data += b"".join(self._extra)
+                self._extra.clear()
+            if data:
+                try:
+                    await self.stream.send_all(data)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._cancel()
+                    return
+            if self._closing and not self._dirty.is_set():
+                # Everything up to the final GOAWAY is written.
+                self._cancel()
+                return
+
+    def _cancel(self) -> None:
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    def _close(self, code=h2.errors.ErrorCodes.NO_ERROR) -> None:
+        """Send the final GOAWAY, then end the connection once it is written."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self.h2.close_connection(error_code=code)
+        except h2.exceptions.ProtocolError:
+            pass
+        self.flush()
+
+    async def _close_socket(self) -> None:
+        # Half-close and wait a moment for the client to close too, so that
+        # unread bytes do not turn our close into a reset that loses the answers.
+        if self._closing:
+            with trio.move_on_after(self.options.linger):
+                try:
+                    await self.stream.send_eof()
+                    while await self.stream.receive_some(65536):
+                        pass
+                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                    pass
+        await self.stream.aclose()
+
+    # -- drain and keepalive -------------------------------------------------------
+
+    async def _drain_when(self, event: trio.Event) -> None:
+        await event.wait()
+        if self._closing:
+            return
+        # Step 1: "stop soon" with the largest stream id, and a ping; requests the
+        # client sent before it saw the GOAWAY still arrive before the ping's ack.
+        self._send_goaway(_MAX_WINDOW)
+        ack = self._ping(_DRAIN_PING)
+        with trio.move_on_after(self.options.linger):
+            await ack.wait()
+        # Step 2: the real last stream id; anything later is refused.
+        self._last_stream_id = self.h2.highest_inbound_stream_id
+        self._send_goaway(self._last_stream_id)
+        self.draining = True
+        for call in self.calls.values():
+            call._wakeup.set()
+        if not self.calls:
+            self._close()
+
+    def _send_goaway(self, last_stream_id: int) -> None:
+        # h2's close_connection() would also close its state machine and break the
+        # calls still in flight, so the GOAWAY frame is written beside it.
+        frame = GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
+        self._extra.append(frame.serialize())
+        self.flush()
+
+    def _ping(self, opaque: bytes) -> trio.Event:
+        ack = self._ping_acks[opaque] = trio.Event()
+        self.h2.ping(opaque)
+        self.flush()
+        return ack
+
+    async def _keepalive(self) -> None:
+        o = self.options
+        assert o.keepalive_time is not None
+        while True:
+            await trio.sleep(o.keepalive_time)
+            if not self.calls and not o.keepalive_permit_without_calls:
+                continue
+            ack = self._ping(_KEEPALIVE_PING)
+            with trio.move_on_after(o.keepalive_timeout):
+                await ack.wait()
+                continue
+            log.info("grpc keepalive ping not answered; closing", peer=self.peer)
+            self._cancel()
+            return
+
+
+def _peer_name(stream: trio.SocketStream) -> str:
+    try:
+        host, port, *_ = stream.socket.getpeername()
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+    return f"{host}:{port}"

@@ -1,0 +1,423 @@
+"""The gRPC frontend: inference.GRPCInferenceService's methods on the DataPlane.
+
+Each method decodes its request message, calls the DataPlane and encodes the
+answer; TritonErrors become gRPC statuses with the same message text as over HTTP.
+HTTP/2 is the transport's business (:mod:`trionserve.protocol.grpc_transport`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
+
+import structlog
+import trio
+from google.protobuf.message import Message
+
+from trionserve.core.errors import (
+    InvalidArgument,
+    TritonError,
+    Unimplemented,
+    as_triton_error,
+)
+from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.dataplane import DataPlane
+from trionserve.protocol import grpc_codec
+from trionserve.protocol import grpc_service_pb2 as pb
+from trionserve.protocol.grpc_transport import (
+    GrpcCall,
+    GRPCError,
+    GrpcTransport,
+    Method,
+    Status,
+    TransportOptions,
+)
+from trionserve.protocol.http_codec import parse_model_version
+
+log = structlog.get_logger(__name__)
+
+SERVICE_PATH = "/inference.GRPCInferenceService/"
+
+# Requests of one ModelStreamInfer call being served at once; beyond it the stream
+# is not read (and HTTP/2 flow control holds the client back).
+STREAM_PENDING_LIMIT = 1024
+
+# --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
+COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
+
+# Methods whose feature lands later: they answer UNIMPLEMENTED with this text.
+_NOT_YET = {
+    "ModelStatistics": "model statistics are",
+    "CudaSharedMemoryStatus": "CUDA shared memory is",
+    "CudaSharedMemoryRegister": "CUDA shared memory is",
+    "CudaSharedMemoryUnregister": "CUDA shared memory is",
+    "TraceSetting": "trace settings are",
+    "LogSettings": "log settings are",
+}
+
+
+@dataclass(frozen=True)
+class GrpcOptions:
+    """The gRPC frontend's settings, named after tritonserver's --grpc-* flags."""
+
+    # Request headers whose name matches this regular expression are passed to
+    # the model as request parameters (string values).
+    header_forward_pattern: str | None = None
+    # Triton preallocates this many response objects; here every response is
+    # built for its call, so the value is accepted and has no effect.
+    infer_allocation_pool_size: int = 8
+    infer_response_compression_level: str = "none"
+    keepalive_time_ms: int = 7_200_000
+    keepalive_timeout_ms: int = 20_000
+    keepalive_permit_without_calls: bool = False
+    # Accepted for compatibility; the server does not police client pings.
+    http2_max_pings_without_data: int = 2
+    http2_min_recv_ping_interval_without_data_ms: int = 300_000
+    http2_max_ping_strikes: int = 2
+    # Largest request message accepted; None: no limit (like Triton).
+    max_message_size: int | None = None
+
+    def transport_options(self) -> TransportOptions:
+        return TransportOptions(
+            max_message_size=self.max_message_size,
+            keepalive_time=self.keepalive_time_ms / 1000 if self.keepalive_time_ms > 0 else None,
+            keepalive_timeout=self.keepalive_timeout_ms / 1000,
+            keepalive_permit_without_calls=self.keepalive_permit_without_calls,
+            response_compression_level=COMPRESSION_LEVELS[
+                self.infer_response_compression_level
+            ],
+        )
+
+
+def grpc_error(error: TritonError) -> GRPCError:
+    """A TritonError as a gRPC status: the Status names are the same."""
+    return GRPCError(Status[error.status.name], error.message)
+
+
+class GrpcService:
+    """The methods of inference.GRPCInferenceService, by request path.
+
+    Stateless beyond its settings: every call runs in its own transport task, so a
+    cancelled call cancels exactly its own DataPlane work.
+    """
+
+    def __init__(
+        self, dataplane: DataPlane, options: GrpcOptions | None = None, verbose: bool = False
+    ) -> None:
+        self.dataplane = dataplane
+        self.options = options or GrpcOptions()
+        self.verbose = verbose
+        pattern = self.options.header_forward_pattern
+        self._forward = re.compile(pattern) if pattern else None
+
+    def methods(self) -> dict[str, Method]:
+        unary = self._unary
+        table = {
+            "ServerLive": unary(pb.ServerLiveRequest, self.server_live),
+            "ServerReady": unary(pb.ServerReadyRequest, self.server_ready),
+            "ModelReady": unary(pb.ModelReadyRequest, self.model_ready),
+            "ServerMetadata": unary(pb.ServerMetadataRequest, self.server_metadata),
+            "ModelMetadata": unary(pb.ModelMetadataRequest, self.model_metadata),
+            "ModelConfig": unary(pb.ModelConfigRequest, self.model_config),
+            "ModelInfer": unary(None, self.model_infer),
+            "ModelStreamInfer": Method(self.model_stream_infer, client_streaming=True),
+            "RepositoryIndex": unary(pb.RepositoryIndexRequest, self.repository_index),
+            "RepositoryModelLoad": unary(pb.RepositoryModelLoadRequest, self.repository_load),
+            "RepositoryModelUnload": unary(
+                pb.RepositoryModelUnloadRequest, self.repository_unload
+            ),
+            "SystemSharedMemoryStatus": unary(
+                pb.SystemSharedMemoryStatusRequest, self.system_shm_status
+            ),
+            "SystemSharedMemoryRegister": unary(
+                pb.SystemSharedMemoryRegisterRequest, self.system_shm_register
+            ),
+            "SystemSharedMemoryUnregister": unary(
+                pb.SystemSharedMemoryUnregisterRequest, self.system_shm_unregister
+            ),
+        }
+        for name, feature in _NOT_YET.items():
+            table[name] = Method(partial(self._not_yet, feature))
+        return {SERVICE_PATH + name: method for name, method in table.items()}
+
+    def _unary(self, request_type, handle: Callable[..., Awaitable]) -> Method:
+        async def handler(call: GrpcCall) -> None:
+            data = await call.receive()
+            if data is None or await call.receive() is not None:
+                raise GRPCError(
+                    Status.INTERNAL, f"{call.method} expects exactly one request message"
+                )
+            try:
+                request = data if request_type is None else grpc_codec.parse_message(request_type, data)
+                response = await handle(request, call)
+            except TritonError as error:
+                raise grpc_error(error) from None
+            except GRPCError:
+                raise
+            except Exception as exc:
+                log.exception("grpc method failed", method=call.method)
+                raise grpc_error(as_triton_error(exc, "internal error")) from None
+            if isinstance(response, Message):
+                response = response.SerializeToString()
+            await call.send(response)
+
+        return Method(handler)
+
+    @staticmethod
+    async def _not_yet(feature: str, call: GrpcCall) -> None:
+        name = call.method.rsplit("/", 1)[-1]
+        raise GRPCError(Status.UNIMPLEMENTED, f"{name}: {feature} not supported by trionserve yet")
+
+    # -- health, metadata, configuration ------------------------------------------
+
+    async def server_live(self, request, call) -> Message:
+        return pb.ServerLiveResponse(live=self.dataplane.live())
+
+    async def server_ready(self, request, call) -> Message:
+        return pb.ServerReadyResponse(ready=self.dataplane.ready())
+
+    async def model_ready(self, request: pb.ModelReadyRequest, call) -> Message:
+        version = parse_model_version(request.version)
+        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, version))
+
+    async def server_metadata(self, request, call) -> Message:
+        metadata = self.dataplane.server_metadata()
+        return pb.ServerMetadataResponse(
+            name=metadata["name"], version=metadata["version"], extensions=metadata["extensions"]
+        )
+
+    async def model_metadata(self, request: pb.ModelMetadataRequest, call) -> Message:
+        version = parse_model_version(request.version)
+        metadata = self.dataplane.model_metadata(request.name, version)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=metadata["name"],
+            versions=metadata["versions"],
+            platform=metadata["platform"],
+            inputs=[tensor(**t) for t in metadata["inputs"]],
+            outputs=[tensor(**t) for t in metadata["outputs"]],
+        )
+
+    async def model_config(self, request: pb.ModelConfigRequest, call) -> Message:
+        version = parse_model_version(request.version)
+        return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, version))
+
+    # -- repository ------------------------------------------------------------------
+
+    async def repository_index(self, request: pb.RepositoryIndexRequest, call) -> Message:
+        _no_repository_name(request.repository_name)
+        rows = self.dataplane.repository_index(ready_only=request.ready)
+        index = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(
+            models=[
+                index(
+                    name=row["name"],
+                    version=row.get("version", ""),
+                    state=row.get("state", ""),
+                    reason=row.get("reason", ""),
+                )
+                for row in rows
+            ]
+        )
+
+    async def repository_load(self, request: pb.RepositoryModelLoadRequest, call) -> Message:
+        _no_repository_name(request.repository_name)
+        config = None
+        files: dict[str, bytes] = {}
+        for key, param in request.parameters.items():
+            kind = param.WhichOneof("parameter_choice")
+            if key == "config":
+                if kind != "string_param":
+                    raise InvalidArgument(
+                        f"load parameter 'config' must be a string_param, got {kind}"
+                    )
+                config = param.string_param
+            elif key.startswith("file:"):
+                if kind != "bytes_param":
+                    raise InvalidArgument(
+                        f"load parameter '{key}' must be a bytes_param, got {kind}"
+                    )
+                files[key] = param.bytes_param
+            else:
+                raise InvalidArgument(
+                    f"unexpected load parameter '{key}': expected 'config' or "
+                    "'file:<path>'"
+                )
+        extra = {}
+        if files:
+            if not _accepts(self.dataplane.load_model, "files"):
+                raise Unimplemented("loading a model with file overrides is not supported yet")
+            extra["files"] = files
+        await self.dataplane.load_model(request.model_name, config_override=config, **extra)
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_unload(self, request: pb.RepositoryModelUnloadRequest, call) -> Message:
+        _no_repository_name(request.repository_name)
+        extra = {}
+        for key, param in request.parameters.items():
+            kind = param.WhichOneof("parameter_choice")
+            if key != "unload_dependents":
+                raise InvalidArgument(
+                    f"unexpected unload parameter '{key}': expected 'unload_dependents'"
+                )
+            if kind != "bool_param":
+                raise InvalidArgument(
+                    f"unload parameter 'unload_dependents' must be a bool_param, got {kind}"
+                )
+            if param.bool_param:
+                if not _accepts(self.dataplane.unload_model, "unload_dependents"):
+                    raise Unimplemented("unloading dependents is not supported yet")
+                extra["unload_dependents"] = True
+        await self.dataplane.unload_model(request.model_name, **extra)
+        return pb.RepositoryModelUnloadResponse()
+
+    # -- system shared memory -------------------------------------------------------
+
+    async def system_shm_status(self, request: pb.SystemSharedMemoryStatusRequest, call) -> Message:
+        response = pb.SystemSharedMemoryStatusResponse()
+        if self.dataplane.shared_memory is not None:
+            for region in self.dataplane.shared_memory.status(request.name):
+                response.regions[region["name"]].CopyFrom(
+                    pb.SystemSharedMemoryStatusResponse.RegionStatus(**region)
+                )
+        return response
+
+    async def system_shm_register(
+        self, request: pb.SystemSharedMemoryRegisterRequest, call
+    ) -> Message:
+        self.dataplane.client_shared_memory().register(
+            request.name, request.key, request.offset, request.byte_size
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def system_shm_unregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, call
+    ) -> Message:
+        self.dataplane.client_shared_memory().unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    # -- inference -------------------------------------------------------------------
+
+    async def model_infer(self, data: bytes, call: GrpcCall) -> list:
+        shared_memory = self.dataplane.shared_memory
+        request = grpc_codec.decode_infer_request(data, shared_memory)
+        model = self.dataplane.model(request.model_name, request.model_version)
+        if model.config.model_transaction_policy.decoupled:
+            raise Unimplemented(
+                "ModelInfer RPC doesn't support models with decoupled transaction policy; "
+                "use ModelStreamInfer"
+            )
+        self._forward_headers(call, request)
+        if self.verbose:
+            log.debug("infer request", protocol="grpc", model=request.model_name, id=request.id)
+        response = await self.dataplane.infer(request)
+        return grpc_codec.encode_infer_response(response, request, shared_memory=shared_memory)
+
+    async def model_stream_infer(self, call: GrpcCall) -> None:
+        """Serve every request of the stream concurrently; answer each in turn.
+
+        A request's error is sent as that request's ``error_message`` and the stream
+        goes on. When the client half-closes, the pending requests finish first; when
+        it cancels or goes away, they are cancelled with the call.
+        """
+        pending = trio.Semaphore(STREAM_PENDING_LIMIT)
+        error: GRPCError | None = None
+        async with trio.open_nursery() as nursery:
+            while True:
+                try:
+                    data = await call.receive()
+                except GRPCError as exc:
+                    error = exc
+                    nursery.cancel_scope.cancel()
+                    break
+                if data is None:
+                    break
+                await pending.acquire()
+                nursery.start_soon(self._stream_request, call, data, pending)
+        if error is not None:
+            raise error
+        if call.draining:
+            raise GRPCError(Status.UNAVAILABLE, "the server is shutting down")
+
+    async def _stream_request(self, call: GrpcCall, data: bytes, pending: trio.Semaphore) -> None:
+        message = request = None
+        shared_memory = self.dataplane.shared_memory
+        try:
+            message = grpc_codec.parse_message(pb.ModelInferRequest, data)
+            request = grpc_codec.decode_infer_request(message, shared_memory)
+            empty_final = grpc_codec.empty_final_response_enabled(message)
+            self._forward_headers(call, request)
+            if self.verbose:
+                log.debug("stream infer request", model=request.model_name, id=request.id)
+            version = ""
+
+            async def deliver(response: InferenceResponse | None, final: bool) -> None:
+                nonlocal version
+                if response is None:
+                    if not empty_final:
+                        return
+                    inner = grpc_codec.encode_empty_final_response(request, version)
+                else:
+                    version = response.model_version
+                    flag = final if empty_final else None
+                    inner = grpc_codec.encode_infer_response(
+                        response, request, flag, shared_memory
+                    )
+                await call.send(grpc_codec.encode_stream_response(inner))
+
+            await self.dataplane.infer_stream(request, deliver)
+        except TritonError as error:
+            await self._send_stream_error(call, error.message, request or message)
+        except trio.BrokenResourceError:
+            pass  # the client reset the stream; the call is being cancelled
+        except Exception as exc:
+            log.exception("grpc stream request failed", method=call.method)
+            text = as_triton_error(exc, "internal error").message
+            await self._send_stream_error(call, text, request or message)
+        finally:
+            pending.release()
+
+    @staticmethod
+    async def _send_stream_error(call: GrpcCall, text: str, request) -> None:
+        try:
+            await call.send(grpc_codec.encode_stream_error(text, request))
+        except trio.BrokenResourceError:
+            pass
+
+    def _forward_headers(self, call: GrpcCall, request: InferenceRequest) -> None:
+        if self._forward is None:
+            return
+        for key, value in call.metadata.items():
+            if isinstance(value, str) and self._forward.search(key):
+                request.parameters.setdefault(key, value)
+
+
+def _no_repository_name(name: str) -> None:
+    if name:
+        raise Unimplemented(
+            f"'repository_name' specification is not supported (got '{name}')"
+        )
+
+
+def _accepts(function, keyword: str) -> bool:
+    return keyword in inspect.signature(function).parameters
+
+
+async def serve_grpc(
+    dataplane: DataPlane,
+    address: str,
+    port: int,
+    shutdown: trio.Event,
+    graceful_timeout: float,
+    options: GrpcOptions | None = None,
+    verbose: bool = False,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve gRPC until ``shutdown`` is set, then drain for ``graceful_timeout``."""
+    service = GrpcService(dataplane, options, verbose)
+    transport = GrpcTransport(service.methods(), service.options.transport_options())
+    await transport.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

@@ -1,0 +1,92 @@
+"""The gRPC transport: HTTP/2 with h2 on Trio sockets, behind a small interface.
+
+The gRPC service hands :class:`GrpcTransport` a table of :class:`Method` handlers
+by request path; each handler sees only a :class:`GrpcCall` (request metadata,
+deadline, messages in and out) and ends the call by returning or raising
+:class:`GRPCError`. Everything HTTP/2 stays behind this interface
+(:mod:`~trionserve.protocol.grpc_connection`, :mod:`~trionserve.protocol.grpc_framing`),
+so the transport can be swapped without touching the service.
+
+What it guarantees:
+
+- Each call runs as its own task in its connection's nursery. A client that resets
+  the stream (cancel, its own deadline) or drops the connection cancels that task;
+  a ``grpc-timeout`` that passes cancels it and answers DEADLINE_EXCEEDED.
+- Every non-OK status carries a percent-encoded ``grpc-message``.
+- HTTP/2 flow control with large windows (16 MiB by default); a handler that does
+  not take its messages holds the client back instead of buffering without bound.
+- Shutdown drains: GOAWAY (two-step, so requests already on the wire are not
+  lost), in-flight calls finish, client-streaming calls stop reading (their
+  ``receive`` returns None and ``call.draining`` is true), then each connection
+  closes; after ``graceful_timeout`` whatever is left is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+
+import structlog
+import trio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from trionserve.protocol.grpc_connection import Connection, GrpcCall, Method, TransportOptions
+
+log = structlog.get_logger(__name__)
+
+__all__ = ["GrpcCall", "GrpcTransport", "Method", "TransportOptions", "GRPCError", "Status"]
+
+
+class GrpcTransport:
+    """Listens on one address and serves gRPC calls with the given methods.
+
+    ``serve`` starts listening, reports the bound (host, port) pairs to
+    ``task_status``, and runs until ``shutdown`` is set; then it stops accepting,
+    drains every connection and returns, cancelling whatever is still running
+    after ``graceful_timeout`` seconds. Connections are children of its nursery.
+    """
+
+    def __init__(self, methods: Mapping[str, Method], options: TransportOptions) -> None:
+        self._methods = {path.encode("latin-1"): m for path, m in methods.items()}
+        self._options = options
+
+    async def serve(
+        self,
+        address: str,
+        port: int,
+        shutdown: trio.Event,
+        graceful_timeout: float,
+        *,
+        task_status=trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=address or None, backlog=1024)
+        bound = [listener.socket.getsockname()[:2] for listener in listeners]
+        draining = trio.Event()
+        async with trio.open_nursery() as nursery:
+            accepting = trio.CancelScope()
+            nursery.start_soon(self._accept, accepting, listeners, nursery, draining)
+            task_status.started(bound)
+            await shutdown.wait()
+            accepting.cancel()
+            draining.set()
+            nursery.cancel_scope.deadline = trio.current_time() + graceful_timeout
+
+    async def _accept(self, scope, listeners, nursery, draining) -> None:
+        with scope:
+            await trio.serve_listeners(
+                partial(self._connection, draining=draining),
+                listeners,
+                handler_nursery=nursery,
+            )
+
+    async def _connection(self, stream: trio.SocketStream, draining: trio.Event) -> None:
+        connection = Connection(stream, self._methods, self._options, draining)
+        # Trio reports a peer's reset from inside the connection's nursery as an
+        # ExceptionGroup, hence except*: one broken client must never stop the server.
+        try:
+            await connection.run()
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as group:
+            log.debug("grpc connection lost", peer=connection.peer, error=repr(group))
+        except* Exception:
+            log.exception("grpc connection failed", peer=connection.peer)

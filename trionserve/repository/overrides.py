@@ -1,0 +1,103 @@
+"""Model file overrides of the load API, written to a directory outside the repository.
+
+Triton's load API may carry the whole model: a ``config`` parameter (the model
+configuration as JSON) and ``file:<path>`` parameters (file contents, e.g.
+``file:1/model.onnx``). Like Triton, the files are written to a fresh temporary
+directory, never into a model repository, and the model is loaded from there; the
+directory is removed once no loaded version uses it. Functions here are blocking:
+run them in a worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+
+from google.protobuf import text_format
+
+from trionserve.core.errors import InvalidArgument
+from trionserve.repository.config import CONFIG_FILENAME, read_model_config
+
+FILE_PREFIX = "file:"
+OVERRIDE_DIR_PREFIX = "trionserve-override-"
+
+
+def override_digest(config_json: str | None, files: dict[str, bytes] | None) -> str:
+    """A digest of a load request's overrides: equal digests, equal requests."""
+    digest = hashlib.sha256()
+    digest.update((config_json or "").encode())
+    for key in sorted(files or {}):
+        digest.update(b"\0" + key.encode() + b"\0")
+        digest.update(hashlib.sha256(files[key]).digest())
+    return digest.hexdigest()
+
+
+def _relative_path(key: str, name: str) -> PurePosixPath:
+    if not key.startswith(FILE_PREFIX):
+        raise InvalidArgument(
+            f"failed to load '{name}': file override parameter '{key}' must start "
+            f"with '{FILE_PREFIX}'"
+        )
+    path = PurePosixPath(key[len(FILE_PREFIX) :])
+    if (
+        not path.parts
+        or path.is_absolute()
+        or any(part in ("", ".", "..") for part in path.parts)
+        or "\\" in str(path)
+    ):
+        raise InvalidArgument(
+            f"failed to load '{name}': invalid file override parameter '{key}': the "
+            "path must be relative and stay within the model directory"
+        )
+    if str(path) == CONFIG_FILENAME:
+        raise InvalidArgument(
+            f"failed to load '{name}': '{key}' cannot override the model "
+            "configuration; pass it as the 'config' parameter"
+        )
+    return path
+
+
+def write_override(name: str, config_json: str | None, files: dict[str, bytes]) -> Path:
+    """Write an override model directory and return it (``<tmp>/<name>``).
+
+    The configuration is required (Triton's rule: the files form a whole model
+    directory and config.pbtxt cannot be one of them); it is validated as JSON
+    here and written as config.pbtxt.
+    """
+    if config_json is None:
+        raise InvalidArgument(
+            f"failed to load '{name}': load parameter 'config' must be specified "
+            "for a model file override"
+        )
+    paths = {key: _relative_path(key, name) for key in files}
+    root = Path(tempfile.mkdtemp(prefix=OVERRIDE_DIR_PREFIX))
+    model_dir = root / name
+    try:
+        model_dir.mkdir()
+        config, _ = read_model_config(model_dir, config_json)
+        (model_dir / CONFIG_FILENAME).write_text(text_format.MessageToString(config))
+        for key, relative in paths.items():
+            target = model_dir.joinpath(*relative.parts)
+            if target.parent.exists() and not target.parent.is_dir():
+                raise InvalidArgument(
+                    f"failed to load '{name}': invalid file override parameter "
+                    f"'{key}': '{relative.parent}' is already a file"
+                )
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(files[key])
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return model_dir
+
+
+def is_override_dir(model_dir: Path) -> bool:
+    return Path(model_dir).parent.name.startswith(OVERRIDE_DIR_PREFIX)
+
+
+def remove_override(model_dir: Path) -> None:
+    """Delete an override directory written by :func:`write_override`."""
+    if is_override_dir(model_dir):
+        shutil.rmtree(Path(model_dir).parent, ignore_errors=True)
