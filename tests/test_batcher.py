@@ -417,6 +417,18 @@ async def test_close_drains_the_queue_then_ends_the_executors(autojump_clock):
     assert fake.sizes() == [["0", "1"], ["2", "3"], ["4"]]
 
 
+async def test_close_sends_requests_held_by_the_delay_at_once(autojump_clock):
+    config = make_config("max_queue_delay_microseconds: 10000000")
+    async with trio.open_nursery() as nursery:
+        batcher, fake = await start(nursery, config)
+        await submit_all(batcher, [request("a"), request("b")])
+        await trio.sleep(1)
+        assert fake.batches == []  # waiting up to 10 s for more
+        batcher.close()  # unloading: nothing more will come
+        await fake.next_batch()
+        assert fake.batches == [(pytest.approx(trio.current_time()), ["a", "b"])]
+
+
 async def test_abort_answers_everything_still_queued(autojump_clock):
     config = make_config("max_queue_delay_microseconds: 10000000")
     async with trio.open_nursery() as nursery:

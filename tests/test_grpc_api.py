@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import shutil
@@ -394,15 +395,59 @@ def ready_models(server) -> set[str]:
     return {m.name for m in index.models}
 
 
+def test_statistics_are_those_http_reports(server, grpc_client):
+    a = np.ones((1, 16), dtype=np.int32)
+    for _ in range(3):
+        grpc_client.infer("simple", simple_inputs(a, a))
+    http = httpclient.InferenceServerClient(server.http_url)
+    try:
+        over_http = http.get_inference_statistics("simple")
+    finally:
+        http.close()
+    over_grpc = grpc_client.get_inference_statistics("simple", as_json=True)
+    (stats,) = over_grpc["model_stats"]
+    (expected,) = over_http["model_stats"]
+    assert stats["name"] == "simple" and stats["version"] == "1"
+    assert int(stats["inference_count"]) >= 3
+    assert int(stats["inference_count"]) == expected["inference_count"]
+    assert int(stats["execution_count"]) == expected["execution_count"]
+    success = stats["inference_stats"]["success"]
+    assert int(success["count"]) == expected["inference_stats"]["success"]["count"]
+    assert int(success["ns"]) == expected["inference_stats"]["success"]["ns"]
+    every = grpc_client.get_inference_statistics()
+    assert {"simple", "identity_fp32"} <= {s.name for s in every.model_stats}
+    expect_error(lambda: grpc_client.get_inference_statistics("nope"), "NOT_FOUND")
+
+
+def test_log_settings_round_trip_and_errors_as_over_http(server, grpc_client):
+    before = grpc_client.get_log_settings(as_json=True)["settings"]
+    assert before["log_verbose_level"]["uint32_param"] == 0
+    assert before["log_info"]["bool_param"] is True
+    try:
+        updated = grpc_client.update_log_settings({"log_verbose_level": 1, "log_info": True})
+        assert updated.settings["log_verbose_level"].uint32_param == 1
+        assert grpc_client.get_log_settings().settings["log_verbose_level"].uint32_param == 1
+    finally:
+        grpc_client.update_log_settings({"log_verbose_level": 0})
+    error = expect_error(
+        lambda: grpc_client.update_log_settings({"log_colour": True}), "INVALID_ARGUMENT"
+    )
+    http = httpclient.InferenceServerClient(server.http_url)
+    try:
+        with pytest.raises(InferenceServerException) as http_error:
+            http.update_log_settings({"log_colour": True})
+    finally:
+        http.close()
+    assert error.message() == http_error.value.message() == "unknown log setting 'log_colour'"
+
+
 @pytest.mark.parametrize(
     "call,fragment",
     [
-        (lambda c: c.get_inference_statistics(), "model statistics"),
         (lambda c: c.get_cuda_shared_memory_status(), "CUDA shared memory"),
         (lambda c: c.get_trace_settings(), "trace settings"),
-        (lambda c: c.get_log_settings(), "log settings"),
     ],
-    ids=["statistics", "cuda-shm", "trace", "log"],
+    ids=["cuda-shm", "trace"],
 )
 def test_features_not_built_yet_are_unimplemented(grpc_client, call, fragment):
     error = expect_error(lambda: call(grpc_client), "UNIMPLEMENTED")
@@ -461,6 +506,40 @@ def test_repository_load_and_unload(explicit_server):
 
         error = expect_error(lambda: client.load_model("no_such_model"), "NOT_FOUND")
         assert "no_such_model" in error.message()
+    finally:
+        client.close()
+
+
+def test_repository_load_with_file_overrides(explicit_server):
+    """`file:<version>/<name>` parameters travel as bytes_param over gRPC."""
+    client = grpcclient.InferenceServerClient(grpc_url(explicit_server))
+    try:
+        tensor_spec = {"data_type": "TYPE_FP32", "dims": [-1]}
+        config = {
+            "name": "from_files",
+            "platform": "onnxruntime_onnx",
+            "max_batch_size": 8,
+            "input": [{"name": "INPUT0", **tensor_spec}],
+            "output": [{"name": "OUTPUT0", **tensor_spec}],
+        }
+        model = (EXAMPLES / "identity_fp32" / "1" / "model.onnx").read_bytes()
+        client.load_model(
+            "from_files", config=json.dumps(config), files={"file:1/model.onnx": model}
+        )
+        assert client.is_model_ready("from_files")
+        data = np.arange(5, dtype=np.float32).reshape(1, 5)
+        tensor = grpcclient.InferInput("INPUT0", [1, 5], "FP32")
+        tensor.set_data_from_numpy(data)
+        np.testing.assert_array_equal(
+            client.infer("from_files", [tensor]).as_numpy("OUTPUT0"), data
+        )
+        error = expect_error(
+            lambda: client.load_model("from_files", files={"file:1/model.onnx": model}),
+            "INVALID_ARGUMENT",
+        )
+        assert "'config' must be specified" in error.message()
+        client.unload_model("from_files", unload_dependents=True)
+        assert not client.is_model_ready("from_files")
     finally:
         client.close()
 

@@ -26,8 +26,8 @@ from trionserve.actors import lifecycle as lifecycle_module
 from trionserve.actors import registry as registry_module
 from trionserve.actors import watcher as watcher_module
 from trionserve.actors.watcher import ControlMode
-from trionserve.backends import registry as backends
 from trionserve.core.errors import NotFound, TritonError
+from trionserve.core.types import InferenceRequest, Tensor
 from trionserve.server import Server, ServerOptions
 
 
@@ -316,28 +316,7 @@ ensemble_scheduling { step [
 """
 
 
-class _NoInstances:
-    name = "ensemble"
-
-    def default_model_filename(self) -> str:
-        return ""
-
-    def auto_complete_config(self, config, model_path, max_batch_size_set) -> None:
-        pass
-
-    def load(self, context):
-        class Loaded:
-            def create_instance(self, spec):
-                raise AssertionError("an ensemble has no instances")
-
-            def unload(self) -> None:
-                pass
-
-        return Loaded()
-
-
-async def test_ensemble_loads_its_composing_models_and_unload_dependents(repo, monkeypatch):
-    monkeypatch.setitem(backends._FACTORIES, "ensemble", _NoInstances)
+async def test_ensemble_loads_its_composing_models_and_unload_dependents(repo):
     fake_model(repo, "a")
     fake_model(repo, "b")
     (repo / "ens" / "1").mkdir(parents=True)
@@ -350,6 +329,10 @@ async def test_ensemble_loads_its_composing_models_and_unload_dependents(repo, m
         assert {n: rows(server, n)["1"][0] for n in ("ens", "a", "b")} == {
             "ens": "READY", "a": "READY", "b": "READY",
         }
+        data = np.ones((1, 2), dtype=np.float32)
+        request = InferenceRequest("ens", inputs={"IN": Tensor("IN", "FP32", data)})
+        response = await server.dataplane.infer(request)
+        assert float(response.outputs[0].data[0, 0]) == 3.0  # a and b each add 1
         await server.dataplane.unload_model("ens")  # composing models stay loaded
         assert server.dataplane.model_ready("a", None)
         await server.dataplane.load_model("ens")

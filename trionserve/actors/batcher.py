@@ -444,7 +444,8 @@ class DynamicBatchScheduler:
         delay_exceeded = delay > 0 and now - oldest >= delay
         if best is not None and not delay_exceeded:
             return pending[:best], now
-        if send_now or size >= max_preferred or delay_exceeded or delay == 0:
+        # Once closed (unloading) nothing more will come, so waiting is pointless.
+        if send_now or size >= max_preferred or delay_exceeded or delay == 0 or self._closed:
             return pending, now
         return None, oldest + delay
 

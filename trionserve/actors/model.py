@@ -8,6 +8,7 @@ from pathlib import Path
 import structlog
 import trio
 
+from trionserve.actors.ensemble import EnsembleScheduler
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.scheduler import Scheduler, create_scheduler
 from trionserve.backends.base import Backend, InferenceService, InstanceSpec, ModelContext
@@ -135,7 +136,12 @@ class ModelVersion:
         self._loaded = loaded
         self._instances = [instance for _, instance in instances]
         try:
-            scheduler = self._scheduler = create_scheduler(self.config, self.statistics)
+            if self.config.platform == "ensemble":
+                # No instances: the scheduler sends each step to its composing model.
+                scheduler = EnsembleScheduler(loaded.plan, self.inference, self.statistics)
+            else:
+                scheduler = create_scheduler(self.config, self.statistics)
+            self._scheduler = scheduler
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(scheduler.run)

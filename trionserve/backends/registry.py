@@ -32,6 +32,12 @@ def _python() -> Backend:
     return PythonBackend()
 
 
+def _ensemble() -> Backend:
+    from trionserve.backends.ensemble import EnsembleBackend
+
+    return EnsembleBackend()
+
+
 # backend or platform name -> factory. Factories import their framework lazily, so
 # a server without torch or tensorrt starts and reports those models UNAVAILABLE.
 _FACTORIES: dict[str, Callable[[], Backend]] = {
@@ -42,6 +48,7 @@ _FACTORIES: dict[str, Callable[[], Backend]] = {
     "tensorrt": _tensorrt,
     "tensorrt_plan": _tensorrt,
     "python": _python,
+    "ensemble": _ensemble,
 }
 
 

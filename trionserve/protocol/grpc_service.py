@@ -7,7 +7,6 @@ HTTP/2 is the transport's business (:mod:`trionserve.protocol.grpc_transport`).
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from functools import partial
 
 import structlog
 import trio
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from trionserve.core.errors import (
@@ -25,6 +25,10 @@ from trionserve.core.errors import (
 )
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.dataplane import DataPlane
+from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
+from trionserve.observability.logging import update_settings as update_log_settings
+from trionserve.observability.logging import verbose as verbose_logging
+from trionserve.observability.statistics import select_statistics
 from trionserve.protocol import grpc_codec
 from trionserve.protocol import grpc_service_pb2 as pb
 from trionserve.protocol.grpc_transport import (
@@ -50,12 +54,10 @@ COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
 
 # Methods whose feature lands later: they answer UNIMPLEMENTED with this text.
 _NOT_YET = {
-    "ModelStatistics": "model statistics are",
     "CudaSharedMemoryStatus": "CUDA shared memory is",
     "CudaSharedMemoryRegister": "CUDA shared memory is",
     "CudaSharedMemoryUnregister": "CUDA shared memory is",
     "TraceSetting": "trace settings are",
-    "LogSettings": "log settings are",
 }
 
 
@@ -129,6 +131,8 @@ class GrpcService:
             "RepositoryModelUnload": unary(
                 pb.RepositoryModelUnloadRequest, self.repository_unload
             ),
+            "ModelStatistics": unary(pb.ModelStatisticsRequest, self.model_statistics),
+            "LogSettings": unary(pb.LogSettingsRequest, self.log_settings),
             "SystemSharedMemoryStatus": unary(
                 pb.SystemSharedMemoryStatusRequest, self.system_shm_status
             ),
@@ -205,6 +209,37 @@ class GrpcService:
         version = parse_model_version(request.version)
         return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, version))
 
+    # -- statistics and logging ------------------------------------------------------
+
+    async def model_statistics(self, request: pb.ModelStatisticsRequest, call) -> Message:
+        version = parse_model_version(request.version)
+        selected = select_statistics(self.dataplane.registry, request.name or None, version)
+        return json_format.ParseDict(
+            {"model_stats": [stats.as_json() for stats in selected]},
+            pb.ModelStatisticsResponse(),
+        )
+
+    async def log_settings(self, request: pb.LogSettingsRequest, call) -> Message:
+        current = LOG_SETTINGS.as_dict()
+        if request.settings:
+            changes = {}
+            for key, value in request.settings.items():
+                kind = value.WhichOneof("parameter_choice")
+                if kind is None:
+                    raise InvalidArgument(f"log setting '{key}' has no value")
+                changes[key] = getattr(value, kind)
+            current = update_log_settings(changes)
+        response = pb.LogSettingsResponse()
+        for key, value in current.items():
+            setting = response.settings[key]
+            if isinstance(value, bool):
+                setting.bool_param = value
+            elif isinstance(value, int):
+                setting.uint32_param = value
+            else:
+                setting.string_param = str(value)
+        return response
+
     # -- repository ------------------------------------------------------------------
 
     async def repository_index(self, request: pb.RepositoryIndexRequest, call) -> Message:
@@ -224,6 +259,7 @@ class GrpcService:
         )
 
     async def repository_load(self, request: pb.RepositoryModelLoadRequest, call) -> Message:
+        """Parameters as over HTTP: ``config`` (JSON text) and ``file:<path>`` bytes."""
         _no_repository_name(request.repository_name)
         config = None
         files: dict[str, bytes] = {}
@@ -241,37 +277,25 @@ class GrpcService:
                         f"load parameter '{key}' must be a bytes_param, got {kind}"
                     )
                 files[key] = param.bytes_param
-            else:
-                raise InvalidArgument(
-                    f"unexpected load parameter '{key}': expected 'config' or "
-                    "'file:<path>'"
-                )
-        extra = {}
-        if files:
-            if not _accepts(self.dataplane.load_model, "files"):
-                raise Unimplemented("loading a model with file overrides is not supported yet")
-            extra["files"] = files
-        await self.dataplane.load_model(request.model_name, config_override=config, **extra)
+        await self.dataplane.load_model(
+            request.model_name, config_override=config, files=files or None
+        )
         return pb.RepositoryModelLoadResponse()
 
     async def repository_unload(self, request: pb.RepositoryModelUnloadRequest, call) -> Message:
         _no_repository_name(request.repository_name)
-        extra = {}
-        for key, param in request.parameters.items():
+        unload_dependents = False
+        if "unload_dependents" in request.parameters:
+            param = request.parameters["unload_dependents"]
             kind = param.WhichOneof("parameter_choice")
-            if key != "unload_dependents":
-                raise InvalidArgument(
-                    f"unexpected unload parameter '{key}': expected 'unload_dependents'"
-                )
             if kind != "bool_param":
                 raise InvalidArgument(
                     f"unload parameter 'unload_dependents' must be a bool_param, got {kind}"
                 )
-            if param.bool_param:
-                if not _accepts(self.dataplane.unload_model, "unload_dependents"):
-                    raise Unimplemented("unloading dependents is not supported yet")
-                extra["unload_dependents"] = True
-        await self.dataplane.unload_model(request.model_name, **extra)
+            unload_dependents = param.bool_param
+        await self.dataplane.unload_model(
+            request.model_name, unload_dependents=unload_dependents
+        )
         return pb.RepositoryModelUnloadResponse()
 
     # -- system shared memory -------------------------------------------------------
@@ -311,7 +335,7 @@ class GrpcService:
                 "use ModelStreamInfer"
             )
         self._forward_headers(call, request)
-        if self.verbose:
+        if self.verbose or verbose_logging():
             log.debug("infer request", protocol="grpc", model=request.model_name, id=request.id)
         response = await self.dataplane.infer(request)
         return grpc_codec.encode_infer_response(response, request, shared_memory=shared_memory)
@@ -350,7 +374,7 @@ class GrpcService:
             request = grpc_codec.decode_infer_request(message, shared_memory)
             empty_final = grpc_codec.empty_final_response_enabled(message)
             self._forward_headers(call, request)
-            if self.verbose:
+            if self.verbose or verbose_logging():
                 log.debug("stream infer request", model=request.model_name, id=request.id)
             version = ""
 
@@ -400,10 +424,6 @@ def _no_repository_name(name: str) -> None:
         raise Unimplemented(
             f"'repository_name' specification is not supported (got '{name}')"
         )
-
-
-def _accepts(function, keyword: str) -> bool:
-    return keyword in inspect.signature(function).parameters
 
 
 async def serve_grpc(

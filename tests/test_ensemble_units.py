@@ -1,0 +1,360 @@
+"""The ensemble's plan and scheduler over a stand-in inference path.
+
+Composing models are played by async functions, so the tests see exactly what each
+step was asked and control when it answers: order and concurrency come from
+events on Trio's virtual clock (a step that never gets its event deadlocks the run,
+and the autojump clock turns that into a fast ``fail_after`` failure).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+from google.protobuf import text_format
+
+from trionserve.actors.ensemble import EnsembleScheduler
+from trionserve.backends.ensemble import plan_ensemble
+from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
+from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.validation import ModelSignature
+from trionserve.repository import model_config_pb2 as mc
+
+
+def parse(text: str) -> mc.ModelConfig:
+    return text_format.Parse(text, mc.ModelConfig())
+
+
+def vector_model(name: str, in_type="TYPE_FP32", in_dims="-1", extra="") -> mc.ModelConfig:
+    """A composing model: one vector IN, one FP32 vector OUT."""
+    return parse(
+        f'name: "{name}" backend: "test" max_batch_size: 0 '
+        f'input [ {{ name: "IN" data_type: {in_type} dims: [ {in_dims} ] }} ] '
+        f'output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] }} ] {extra}'
+    )
+
+
+def ensemble_config(steps: list[tuple[str, str, str]], outputs=("OUTPUT",), extra="") -> mc.ModelConfig:
+    """An ensemble with FP32 vector INPUT; ``steps`` are (model, reads, writes)."""
+    step_text = ",".join(
+        f'{{ model_name: "{model}" model_version: -1 '
+        f'input_map {{ key: "IN" value: "{reads}" }} '
+        f'output_map {{ key: "OUT" value: "{writes}" }} }}'
+        for model, reads, writes in steps
+    )
+    output_text = ",".join(
+        f'{{ name: "{name}" data_type: TYPE_FP32 dims: [ -1 ] }}' for name in outputs
+    )
+    return parse(
+        f'name: "ens" platform: "ensemble" max_batch_size: 0 '
+        f'input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] }} ] '
+        f"output [ {output_text} ] "
+        f"ensemble_scheduling {{ step [ {step_text} ] }} {extra}"
+    )
+
+
+class Model:
+    """What the plan reads of a composing model: its config and signature."""
+
+    def __init__(self, config: mc.ModelConfig) -> None:
+        self.config = config
+        self.signature = ModelSignature.from_config(config)
+
+
+class StandIn:
+    """The inference path: routes to models played by ``behaviours[name]``."""
+
+    def __init__(self, behaviours: dict, decoupled: tuple[str, ...] = ()) -> None:
+        self.behaviours = behaviours
+        self.models = {
+            name: Model(vector_model(
+                name,
+                extra="model_transaction_policy { decoupled: true }" if name in decoupled else "",
+            ))
+            for name in behaviours
+        }
+        self.requests: list[InferenceRequest] = []
+
+    def model(self, name: str, version: int | None) -> Model:
+        if name not in self.models:
+            raise NotFound(f"Request for unknown model: '{name}' is not found")
+        return self.models[name]
+
+    async def infer_stream(self, request: InferenceRequest, deliver) -> None:
+        self.requests.append(request)
+        await self.behaviours[request.model_name](request, deliver)
+
+
+def respond(name: str, value: np.ndarray) -> InferenceResponse:
+    return InferenceResponse(name, "1", outputs=[Tensor("OUT", "FP32", value)])
+
+
+def add(amount: float):
+    async def behaviour(request, deliver):
+        await deliver(respond(request.model_name, request.inputs["IN"].data + amount), True)
+
+    return behaviour
+
+
+async def run_ensemble(config, service, request: InferenceRequest) -> list[tuple]:
+    """Serve ``request`` through an EnsembleScheduler: its (response, final) pairs,
+    or the request's error raised."""
+    plan = plan_ensemble(config, 1, service.model)
+    scheduler = EnsembleScheduler(plan, service)
+    received: list[tuple] = []
+    error: TritonError | None = None
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            await scheduler.submit(request)
+            try:
+                async for response, final in request.stream():
+                    received.append((response, final))
+            except TritonError as exc:
+                error = exc
+            nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return received
+
+
+async def only_response(config, service, request: InferenceRequest) -> InferenceResponse:
+    [(response, final)] = await run_ensemble(config, service, request)
+    assert final
+    return response
+
+
+def request_for(value: np.ndarray, **fields) -> InferenceRequest:
+    return InferenceRequest("ens", inputs={"INPUT": Tensor("INPUT", "FP32", value)}, **fields)
+
+
+async def test_tensors_pass_between_steps_as_the_same_arrays(autojump_clock):
+    produced: dict[str, np.ndarray] = {}
+
+    def keep(amount: float):
+        async def behaviour(request, deliver):
+            produced[request.model_name] = out = request.inputs["IN"].data + amount
+            await deliver(respond(request.model_name, out), True)
+
+        return behaviour
+
+    service = StandIn({"a": keep(1), "b": keep(10)})
+    config = ensemble_config([("a", "INPUT", "t"), ("b", "t", "OUTPUT")])
+    client_array = np.array([1.0, 2.0], np.float32)
+    request = request_for(client_array)
+    response = await only_response(config, service, request)
+    step_a, step_b = service.requests
+    assert step_a.inputs["IN"].data is client_array
+    assert step_b.inputs["IN"].data is produced["a"]
+    assert response.outputs[0].name == "OUTPUT"
+    assert response.outputs[0].data is produced["b"]
+    np.testing.assert_array_equal(response.outputs[0].data, [12.0, 13.0])
+
+
+async def test_parallel_branches_run_at_once_and_join(autojump_clock):
+    started = {"left": trio.Event(), "right": trio.Event()}
+    joined_after: list[str] = []
+
+    def branch(name: str, other: str, amount: float):
+        async def behaviour(request, deliver):
+            started[name].set()
+            # Answers only once the other branch has started: run one after the
+            # other, the two would wait for each other until fail_after.
+            await started[other].wait()
+            joined_after.append(name)
+            await deliver(respond(name, request.inputs["IN"].data + amount), True)
+
+        return behaviour
+
+    async def join(request, deliver):
+        await deliver(respond("join", request.inputs["IN"].data * 2), True)
+
+    service = StandIn({"left": branch("left", "right", 1), "right": branch("right", "left", 2),
+                       "join": join})
+    config = ensemble_config(
+        [("left", "INPUT", "L"), ("right", "INPUT", "R"), ("join", "L", "OUTPUT")],
+        outputs=("OUTPUT", "R"),
+    )
+    request = request_for(np.array([1.0], np.float32))
+    response = await only_response(config, service, request)
+    assert sorted(joined_after) == ["left", "right"]
+    assert [r.model_name for r in service.requests][-1] == "join"
+    outputs = {t.name: t.data.tolist() for t in response.outputs}
+    assert outputs == {"OUTPUT": [4.0], "R": [3.0]}
+
+
+async def test_a_step_error_ends_the_request_and_cancels_the_other_steps(autojump_clock):
+    cancelled = trio.Event()
+
+    async def fails(request, deliver):
+        raise InvalidArgument("unexpected shape for input 'IN' for model 'bad'")
+
+    async def slow(request, deliver):
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    service = StandIn({"bad": fails, "slow": slow, "after": add(1)})
+    config = ensemble_config(
+        [("slow", "INPUT", "S"), ("bad", "INPUT", "B"), ("after", "B", "OUTPUT")],
+        outputs=("OUTPUT", "S"),
+    )
+    request = request_for(np.array([1.0], np.float32))
+    with pytest.raises(InvalidArgument) as caught:
+        await run_ensemble(config, service, request)
+    assert caught.value.status is Status.INVALID_ARGUMENT
+    assert "unexpected shape for input 'IN' for model 'bad'" in caught.value.message
+    assert "ensemble 'ens', step 1 (model 'bad')" in caught.value.message
+    assert cancelled.is_set()
+    assert "after" not in [r.model_name for r in service.requests]
+
+
+async def test_each_response_of_a_decoupled_step_runs_the_next_step(autojump_clock):
+    async def repeat(request, deliver):
+        for index in range(3):
+            await deliver(respond("repeat", request.inputs["IN"].data + index), False)
+        await deliver(None, True)
+
+    async def square(request, deliver):
+        await deliver(respond("square", request.inputs["IN"].data ** 2), True)
+
+    service = StandIn({"repeat": repeat, "square": square}, decoupled=("repeat",))
+    config = ensemble_config([("repeat", "INPUT", "r"), ("square", "r", "OUTPUT")])
+    assert plan_ensemble(config, 1, service.model).streaming
+    received = [
+        (None if response is None else response.outputs[0].data.tolist(), final)
+        for response, final in await run_ensemble(config, service, request_for(np.ones(1, np.float32)))
+    ]
+    assert received == [([1.0], False), ([4.0], False), ([9.0], False), (None, True)]
+
+
+async def test_priority_timeout_sequence_and_parameters_reach_every_step(autojump_clock):
+    service = StandIn({"a": add(1), "b": add(1)})
+    config = ensemble_config([("a", "INPUT", "t"), ("b", "t", "OUTPUT")])
+    request = request_for(
+        np.array([1.0], np.float32),
+        id="r7",
+        priority=2,
+        timeout_us=5000,
+        sequence_id=42,
+        sequence_start=True,
+        sequence_end=False,
+        parameters={"custom": "x"},
+    )
+    await only_response(config, service, request)
+    for step in service.requests:
+        assert (step.id, step.priority, step.timeout_us) == ("r7", 2, 5000)
+        assert (step.sequence_id, step.sequence_start, step.sequence_end) == (42, True, False)
+        assert step.parameters == {"custom": "x"}
+        assert [o.name for o in step.requested_outputs] == ["OUT"]
+
+
+async def test_a_request_cancelled_by_its_client_starts_no_further_step(autojump_clock):
+    gate = trio.Event()
+
+    async def first(request, deliver):
+        await gate.wait()
+        await deliver(respond("first", request.inputs["IN"].data), True)
+
+    service = StandIn({"first": first, "second": add(1)})
+    plan = plan_ensemble(ensemble_config([("first", "INPUT", "t"), ("second", "t", "OUTPUT")]),
+                         1, service.model)
+    scheduler = EnsembleScheduler(plan, service)
+    request = request_for(np.array([1.0], np.float32))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        await scheduler.submit(request)
+        await trio.testing.wait_all_tasks_blocked()
+        request.cancelled = True  # what the DataPlane does when the client goes away
+        gate.set()
+        with pytest.raises(TritonError) as caught:
+            await request.wait()
+        nursery.cancel_scope.cancel()
+    assert caught.value.status is Status.CANCELLED
+    assert [r.model_name for r in service.requests] == ["first"]
+
+
+async def test_unload_answers_requests_in_flight(autojump_clock):
+    async def never(request, deliver):
+        await trio.sleep_forever()
+
+    service = StandIn({"never": never})
+    plan = plan_ensemble(ensemble_config([("never", "INPUT", "OUTPUT")]), 1, service.model)
+    scheduler = EnsembleScheduler(plan, service)
+    request = request_for(np.array([1.0], np.float32))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        await scheduler.submit(request)
+        await trio.testing.wait_all_tasks_blocked()
+        scheduler.close()
+        with pytest.raises(trio.ClosedResourceError):
+            await scheduler.submit(request_for(np.array([2.0], np.float32)))
+        nursery.cancel_scope.cancel()
+    scheduler.abort(Unavailable("model 'ens' version 1 was unloaded"))
+    with pytest.raises(Unavailable):
+        await request.wait()
+
+
+# -- the plan: what loading checks against the composing models ---------------------
+
+
+def two_step_service(**overrides) -> StandIn:
+    service = StandIn({"a": add(0), "b": add(0)})
+    for name, config in overrides.items():
+        service.models[name] = Model(config)
+    return service
+
+
+@pytest.mark.parametrize(
+    "override, steps, expected",
+    [
+        (
+            {},
+            [("a", "INPUT", "t"), ("missing", "t", "OUTPUT")],
+            "ensemble 'ens' step 1 (model 'missing'): composing model is not available: "
+            "Request for unknown model: 'missing' is not found",
+        ),
+        (
+            {"b": vector_model("b", in_type="TYPE_INT32")},
+            [("a", "INPUT", "t"), ("b", "t", "OUTPUT")],
+            "ensemble 'ens': data type mismatch for tensor 't': step 0 (model 'a') output "
+            "'OUT' is FP32, but step 1 (model 'b') input 'IN' expects INT32",
+        ),
+        (
+            {"b": vector_model("b", in_dims="2, 2")},
+            [("a", "INPUT", "t"), ("b", "t", "OUTPUT")],
+            "ensemble 'ens': shape mismatch for tensor 't': step 0 (model 'a') output 'OUT' "
+            "has shape [-1], but step 1 (model 'b') input 'IN' expects [2,2]",
+        ),
+    ],
+    ids=["missing-model", "datatype", "shape"],
+)
+def test_plan_names_the_ensemble_step_and_tensor(override, steps, expected):
+    service = two_step_service(**override)
+    with pytest.raises(TritonError) as caught:
+        plan_ensemble(ensemble_config(steps), 1, service.model)
+    assert caught.value.message == expected
+
+
+def test_plan_rejects_names_the_model_does_not_have():
+    service = two_step_service()
+    config = ensemble_config([("a", "INPUT", "OUTPUT")])
+    config.ensemble_scheduling.step[0].input_map["IN0"] = "INPUT"
+    with pytest.raises(InvalidArgument, match="input_map names input 'IN0', which the model "
+                       "does not have; its inputs are \\['IN'\\]"):
+        plan_ensemble(config, 1, service.model)
+    config = ensemble_config([("a", "INPUT", "OUTPUT")])
+    del config.ensemble_scheduling.step[0].input_map["IN"]
+    with pytest.raises(InvalidArgument, match=r"does not map required input\(s\) \['IN'\]"):
+        plan_ensemble(config, 1, service.model)
+
+
+def test_plan_edges():
+    service = StandIn({"a": add(0), "b": add(0), "c": add(0)})
+    config = ensemble_config(
+        [("a", "INPUT", "x"), ("b", "INPUT", "y"), ("c", "x", "OUTPUT")], outputs=("OUTPUT", "y")
+    )
+    plan = plan_ensemble(config, 1, service.model)
+    assert plan.consumers == {-1: (0, 1), 0: (2,), 1: (), 2: ()}
+    assert not plan.streaming

@@ -1,0 +1,65 @@
+"""tritonserver's --grpc-* flags: parsed into GrpcOptions, then transport settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from trionserve.cli import options_from_args
+from trionserve.protocol.grpc_service import GrpcOptions
+
+
+def grpc_options(*flags: str) -> GrpcOptions:
+    return options_from_args(["--model-repository=/nonexistent", *flags]).grpc
+
+
+def test_defaults_are_tritons():
+    options = grpc_options()
+    assert options == GrpcOptions()
+    transport = options.transport_options()
+    assert transport.keepalive_time == 7200.0
+    assert transport.keepalive_timeout == 20.0
+    assert transport.keepalive_permit_without_calls is False
+    assert transport.response_compression_level is None
+    assert transport.max_message_size is None  # unlimited, like Triton
+
+
+def test_flags():
+    options = grpc_options(
+        "--grpc-port=9001",
+        "--grpc-header-forward-pattern=^x-trace",
+        "--grpc-infer-allocation-pool-size=16",
+        "--grpc-infer-response-compression-level=HIGH",
+        "--grpc-keepalive-time=1500",
+        "--grpc-keepalive-timeout=250",
+        "--grpc-keepalive-permit-without-calls=true",
+        "--grpc-http2-max-pings-without-data=0",
+        "--grpc-http2-min-recv-ping-interval-without-data=1000",
+        "--grpc-http2-max-ping-strikes=5",
+    )
+    assert options.header_forward_pattern == "^x-trace"
+    assert options.infer_allocation_pool_size == 16
+    assert options.http2_max_ping_strikes == 5
+    transport = options.transport_options()
+    assert transport.keepalive_time == 1.5
+    assert transport.keepalive_timeout == 0.25
+    assert transport.keepalive_permit_without_calls is True
+    assert transport.response_compression_level == 9
+
+
+def test_keepalive_time_zero_means_no_pings():
+    assert grpc_options("--grpc-keepalive-time=0").transport_options().keepalive_time is None
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [
+        "--grpc-header-forward-pattern=(unclosed",
+        "--grpc-infer-response-compression-level=max",
+        "--grpc-keepalive-time=-1",
+        "--grpc-infer-allocation-pool-size=many",
+    ],
+)
+def test_bad_flags_are_rejected(flag, capsys):
+    with pytest.raises(SystemExit):
+        grpc_options(flag)
+    assert "error" in capsys.readouterr().err

@@ -1,0 +1,231 @@
+"""The ensemble platform at load time: an ensemble's steps checked against its models.
+
+An ensemble (``platform: "ensemble"``) has no model file and no instances; loading
+it means checking its ``ensemble_scheduling`` steps against the composing models
+that serve now and turning them into an :class:`EnsemblePlan`, which the
+:class:`~trionserve.actors.ensemble.EnsembleScheduler` runs. The configuration's
+own structure (each tensor written once, no cycles, inputs and outputs mapped) is
+checked earlier by ``validate_model_config``; here come the checks that need the
+composing models: each exists and is READY, each mapped name is one of its
+tensors, its required inputs are all mapped, and datatypes and shapes agree along
+every edge of the graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
+from trionserve.core.validation import ModelSignature, TensorSpec
+
+ENSEMBLE_INPUTS = -1  # the producer index of the ensemble's own inputs
+
+# Triggers a step may have waiting when max_inflight_requests is 0 (unlimited in
+# Triton): queues here are bounded, so a fast decoupled producer waits instead.
+DEFAULT_MAX_INFLIGHT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step: which model it calls and how its tensors map to the ensemble's."""
+
+    index: int
+    model_name: str
+    model_version: int | None  # None: the latest READY version
+    input_map: dict[str, str]  # model input -> ensemble tensor
+    output_map: dict[str, str]  # model output -> ensemble tensor
+    decoupled: bool
+
+    def __str__(self) -> str:
+        return f"step {self.index} (model '{self.model_name}')"
+
+
+@dataclass(frozen=True, slots=True)
+class EnsemblePlan:
+    """A checked ensemble: its steps and the edges between them.
+
+    ``producers[i]`` are the steps (or ENSEMBLE_INPUTS) whose tensors step ``i``
+    reads; ``consumers[p]`` the steps reading a tensor that ``p`` writes.
+    ``streaming`` is true when a step may answer more than once (a decoupled
+    composing model), so the ensemble answers once per complete set of outputs.
+    """
+
+    name: str
+    version: int
+    steps: tuple[Step, ...]
+    outputs: tuple[str, ...]  # the ensemble's outputs, in config order
+    optional_inputs: frozenset[str]
+    producers: tuple[frozenset[int], ...]
+    consumers: dict[int, tuple[int, ...]]
+    streaming: bool
+    max_inflight: int
+
+
+def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
+    """Check an ensemble against its composing models; raise naming step and tensor.
+
+    ``lookup(name, version)`` returns the READY model version (with ``config`` and
+    ``signature``) or raises the routing error. Call on the Trio thread.
+    """
+    name = config.name
+    own = ModelSignature.from_config(config)
+    # ensemble tensor -> (wire datatype, full shape, who writes it)
+    tensors: dict[str, tuple[str, list[int], str]] = {
+        spec.name: (spec.datatype, own.full_shape(spec), f"ensemble input '{spec.name}'")
+        for spec in own.inputs.values()
+    }
+    writer: dict[str, int] = {t: ENSEMBLE_INPUTS for t in tensors}
+    steps: list[Step] = []
+    signatures: list[ModelSignature] = []
+    for index, entry in enumerate(config.ensemble_scheduling.step):
+        step_version = entry.model_version if entry.model_version > 0 else None
+        where = f"ensemble '{name}' step {index} (model '{entry.model_name}')"
+        try:
+            model = lookup(entry.model_name, step_version)
+        except TritonError as exc:
+            raise Unavailable(
+                f"{where}: composing model is not available: {exc.message}"
+            ) from None
+        signature: ModelSignature = model.signature
+        _check_names(where, entry.input_map, signature.inputs, "input", "input_map")
+        _check_names(where, entry.output_map, signature.outputs, "output", "output_map")
+        unmapped = [
+            n for n, s in signature.inputs.items() if not s.optional and n not in entry.input_map
+        ]
+        if unmapped:
+            raise InvalidArgument(
+                f"{where}: input_map does not map required input(s) {unmapped} of "
+                f"model '{entry.model_name}'"
+            )
+        if config.max_batch_size > signature.max_batch_size > 0:
+            raise InvalidArgument(
+                f"{where}: ensemble max_batch_size {config.max_batch_size} is larger "
+                f"than model '{entry.model_name}' max_batch_size {signature.max_batch_size}"
+            )
+        for output, tensor in entry.output_map.items():
+            spec = signature.outputs[output]
+            tensors[tensor] = (
+                spec.datatype,
+                signature.full_shape(spec),
+                f"step {index} (model '{entry.model_name}') output '{output}'",
+            )
+            writer[tensor] = index
+        steps.append(
+            Step(
+                index,
+                entry.model_name,
+                step_version,
+                dict(entry.input_map),
+                dict(entry.output_map),
+                bool(model.config.model_transaction_policy.decoupled),
+            )
+        )
+        signatures.append(signature)
+
+    for step, signature in zip(steps, signatures):
+        for model_input, tensor in step.input_map.items():
+            spec = signature.inputs[model_input]
+            _check_edge(name, tensor, tensors.get(tensor), spec, signature,
+                        f"{step} input '{model_input}'")
+    for spec in own.outputs.values():
+        _check_edge(name, spec.name, tensors.get(spec.name), spec, own,
+                    f"ensemble output '{spec.name}'")
+
+    producers = tuple(
+        frozenset(writer[t] for t in step.input_map.values()) for step in steps
+    )
+    consumers = {
+        p: tuple(i for i, ps in enumerate(producers) if p in ps)
+        for p in (ENSEMBLE_INPUTS, *range(len(steps)))
+    }
+    return EnsemblePlan(
+        name=name,
+        version=version,
+        steps=tuple(steps),
+        outputs=tuple(own.outputs),
+        optional_inputs=frozenset(s.name for s in own.inputs.values() if s.optional),
+        producers=producers,
+        consumers=consumers,
+        streaming=any(s.decoupled for s in steps)
+        or bool(config.model_transaction_policy.decoupled),
+        max_inflight=config.ensemble_scheduling.max_inflight_requests or DEFAULT_MAX_INFLIGHT,
+    )
+
+
+def _check_names(where: str, mapping, specs: dict, kind: str, field: str) -> None:
+    for model_name in mapping:
+        if model_name not in specs:
+            raise InvalidArgument(
+                f"{where}: {field} names {kind} '{model_name}', which the model does "
+                f"not have; its {kind}s are {sorted(specs)}"
+            )
+
+
+def _check_edge(ensemble: str, tensor: str, written, spec: TensorSpec,
+                signature: ModelSignature, reader: str) -> None:
+    """The tensor as written must have the datatype and a shape ``reader`` accepts."""
+    if written is None:  # structure errors are reported by validate_model_config
+        raise InvalidArgument(f"ensemble '{ensemble}': no step writes tensor '{tensor}'")
+    datatype, shape, source = written
+    if datatype != spec.datatype:
+        raise InvalidArgument(
+            f"ensemble '{ensemble}': data type mismatch for tensor '{tensor}': "
+            f"{source} is {datatype}, but {reader} expects {spec.datatype}"
+        )
+    expected = signature.full_shape(spec)
+    if not _compatible(shape, expected):
+        raise InvalidArgument(
+            f"ensemble '{ensemble}': shape mismatch for tensor '{tensor}': {source} "
+            f"has shape {_fmt(shape)}, but {reader} expects {_fmt(expected)}"
+        )
+
+
+def _compatible(a: list[int], b: list[int]) -> bool:
+    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
+
+
+def _fmt(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+class _EnsembleModel:
+    """The loaded form of an ensemble: its plan. It has no instances."""
+
+    def __init__(self, plan: EnsemblePlan) -> None:
+        self.plan = plan
+
+    def create_instance(self, spec: InstanceSpec):
+        raise InternalError(f"ensemble '{self.plan.name}' has no instances")
+
+    def unload(self) -> None:
+        pass
+
+
+class EnsembleBackend:
+    """Loads ``platform: "ensemble"``: checks the steps, on the Trio thread, against
+    the composing models the server's inference path routes to."""
+
+    name = "ensemble"
+
+    def default_model_filename(self) -> str:
+        return ""
+
+    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+        pass  # an ensemble's tensors are what its config says
+
+    def load(self, context: ModelContext) -> _EnsembleModel:
+        service = context.inference
+        if service is None or not hasattr(service, "model"):
+            raise Unavailable(
+                f"ensemble '{context.name}' cannot be served: this server has no "
+                "inference path to its composing models"
+            )
+        plan = trio.from_thread.run_sync(
+            plan_ensemble, context.config, context.version, service.model
+        )
+        return _EnsembleModel(plan)
