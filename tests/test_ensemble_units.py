@@ -34,7 +34,7 @@ def vector_model(name: str, in_type="TYPE_FP32", in_dims="-1", extra="") -> mc.M
     )
 
 
-def ensemble_config(steps: list[tuple[str, str, str]], outputs=("OUTPUT",), extra="") -> mc.ModelConfig:
+def ensemble_config(steps: list[tuple[str, str, str]], outputs=("OUTPUT",)) -> mc.ModelConfig:
     """An ensemble with FP32 vector INPUT; ``steps`` are (model, reads, writes)."""
     step_text = ",".join(
         f'{{ model_name: "{model}" model_version: -1 '
@@ -49,7 +49,7 @@ def ensemble_config(steps: list[tuple[str, str, str]], outputs=("OUTPUT",), extr
         f'name: "ens" platform: "ensemble" max_batch_size: 0 '
         f'input [ {{ name: "INPUT" data_type: TYPE_FP32 dims: [ -1 ] }} ] '
         f"output [ {output_text} ] "
-        f"ensemble_scheduling {{ step [ {step_text} ] }} {extra}"
+        f"ensemble_scheduling {{ step [ {step_text} ] }}"
     )
 
 
@@ -222,9 +222,10 @@ async def test_each_response_of_a_decoupled_step_runs_the_next_step(autojump_clo
     service = StandIn({"repeat": repeat, "square": square}, decoupled=("repeat",))
     config = ensemble_config([("repeat", "INPUT", "r"), ("square", "r", "OUTPUT")])
     assert plan_ensemble(config, 1, service.model).streaming
+    pairs = await run_ensemble(config, service, request_for(np.ones(1, np.float32)))
     received = [
         (None if response is None else response.outputs[0].data.tolist(), final)
-        for response, final in await run_ensemble(config, service, request_for(np.ones(1, np.float32)))
+        for response, final in pairs
     ]
     assert received == [([1.0], False), ([4.0], False), ([9.0], False), (None, True)]
 

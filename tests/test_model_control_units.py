@@ -135,6 +135,8 @@ def test_write_override_stays_outside_the_repository(tmp_path):
 
     with pytest.raises(InvalidArgument, match="'config' must be specified"):
         write_override("m", None, {"file:1/model.txt": b""})
+    with pytest.raises(InvalidArgument, match="invalid model name"):
+        write_override("..", config, {"file:1/model.txt": b""})
     for bad in ("file:../escape", "file:/abs/x", "file:1/../../x", "1/model.txt"):
         with pytest.raises(InvalidArgument, match="file override parameter"):
             write_override("m", config, {bad: b""})

@@ -10,6 +10,7 @@ import trio
 
 from trionserve.actors.registry import ModelRegistry
 from trionserve.core.errors import InvalidArgument, TritonError
+from trionserve.repository.repository import duplicate_reason
 from trionserve.repository.snapshot import Duplicate, ModelSnapshot, snapshot_repository
 
 log = structlog.get_logger(__name__)
@@ -72,20 +73,22 @@ class RepositoryWatcher:
         return everything
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        snapshots = await trio.to_thread.run_sync(snapshot_repository, self.registry.repository)
-        everything = sorted(n for n, s in snapshots.items() if not isinstance(s, Duplicate))
-        for name, snapshot in snapshots.items():
-            if isinstance(snapshot, Duplicate):
-                log.error("model not loaded", model=name, reason=str(snapshot))
-        names = self._startup_names(everything)
+        polling = self.mode is ControlMode.POLL and self.poll_interval > 0
+        repository = self.registry.repository
+        if self.mode is ControlMode.POLL:  # the first snapshot: what startup loads see
+            snapshots = await trio.to_thread.run_sync(snapshot_repository, repository)
+            self._applied = dict(snapshots)
+            self._previous = dict(snapshots)
+        scan = await trio.to_thread.run_sync(repository.scan)
+        for name, dirs in scan.duplicates.items():
+            log.error("model not loaded", model=name, reason=duplicate_reason(name, dirs))
+        names = self._startup_names(sorted(scan))
         log.info("loading startup models", mode=self.mode.value, models=names)
         async with trio.open_nursery() as nursery:
             for name in names:
                 nursery.start_soon(self._load_at_startup, name)
-        self._applied = dict(snapshots)
-        self._previous = dict(snapshots)
         task_status.started()
-        if self.mode is not ControlMode.POLL or self.poll_interval <= 0:
+        if not polling:
             await trio.sleep_forever()
         async with trio.open_nursery() as actions:
             while True:

@@ -66,6 +66,11 @@ def write_override(name: str, config_json: str | None, files: dict[str, bytes]) 
     directory and config.pbtxt cannot be one of them); it is validated as JSON
     here and written as config.pbtxt.
     """
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise InvalidArgument(
+            f"invalid model name '{name}': a model name must not be empty or contain "
+            "path separators"
+        )
     if config_json is None:
         raise InvalidArgument(
             f"failed to load '{name}': load parameter 'config' must be specified "
