@@ -32,6 +32,8 @@ EXTENSIONS = [
     "model_configuration",
     "model_repository",
     "model_repository(unload_dependents)",
+    "schedule_policy",
+    "statistics",
 ]
 
 
