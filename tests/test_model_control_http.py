@@ -502,3 +502,22 @@ def test_poll_model_deleted_while_requests_run(poll, poll_client):
     for thread in threads:
         thread.join(30)
     assert results == [300_000.0] * 3
+
+
+def test_poll_instance_count_change_does_not_reload(poll, poll_client, tmp_path):
+    """The seed's case: an editor's swap file beside config.pbtxt made Triton fully
+    reload a model whose instance count alone changed."""
+    client = poll_client
+    staging = copy_example(tmp_path, "simple", "scaled")  # moved in whole, below
+    config = staging / "config.pbtxt"
+    config.write_text(config.read_text() + "instance_group [ { kind: KIND_CPU count: 1 } ]\n")
+    model = Path(shutil.move(staging, poll.repository / "scaled"))
+    wait_for(lambda: client.is_model_ready("scaled"), "the model to load")
+    (model / ".config.pbtxt.swp").write_bytes(b"\0" * 4096)
+    config = model / "config.pbtxt"
+    config.write_text(config.read_text().replace("count: 1", "count: 3"))
+    wait_for(lambda: client.get_model_config("scaled")["instance_group"][0]["count"] == 3,
+             "the new instance count")
+    assert ready_transitions(poll, "scaled") == 1  # executors added, no reload
+    assert events(poll, "model instances changed", model="scaled")
+    infer_simple(client, "scaled")

@@ -14,6 +14,7 @@ from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
 from trionserve.observability.logging import configure_logging
 from trionserve.protocol.grpc_service import GrpcOptions
+from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
 from trionserve.server import Server, ServerOptions, StartupError
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -82,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allow-http", type=_bool, default=True, metavar="BOOL")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=_port, default=8000)
+    add("--http-transport", choices=HTTP_TRANSPORTS, default="h11", type=str.lower,
+        help="h11 (HTTP/1.1 directly on Trio sockets, default) or hypercorn")
+    add("--http-max-input-size", type=_non_negative_int, default=0, metavar="BYTES",
+        help="largest HTTP request body accepted, 413 beyond it (default 0: no limit)")
     add("--allow-grpc", type=_bool, default=True, metavar="BOOL",
         help="serve the gRPC API (default true)")
     add("--grpc-address", default="0.0.0.0")
@@ -181,6 +186,9 @@ def options_from_args(argv: list[str] | None = None) -> ServerOptions:
         allow_http=args.allow_http,
         http_address=args.http_address,
         http_port=args.http_port,
+        http=HttpOptions(
+            transport=args.http_transport, max_input_size=args.http_max_input_size or None
+        ),
         allow_grpc=args.allow_grpc,
         grpc_address=args.grpc_address,
         grpc_port=args.grpc_port,

@@ -20,7 +20,7 @@ from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.dataplane import DataPlane
 from trionserve.protocol.grpc_service import GrpcOptions, serve_grpc
-from trionserve.protocol.http import serve_http
+from trionserve.protocol.http import HttpOptions, serve_http
 from trionserve.repository.repository import ModelRepository
 
 log = structlog.get_logger(__name__)
@@ -39,6 +39,7 @@ class ServerOptions:
     allow_http: bool = True
     http_address: str = "0.0.0.0"
     http_port: int = 8000
+    http: HttpOptions = field(default_factory=HttpOptions)
     allow_grpc: bool = True
     grpc_address: str = "0.0.0.0"
     grpc_port: int = 8001
@@ -123,8 +124,11 @@ class Server:
                         self._shutdown,
                         options.exit_timeout_secs,
                         options.log_verbose > 0,
+                        options.http,
                     )
-                    log.info("HTTP service started", listening=binds)
+                    log.info(
+                        "HTTP service started", listening=binds, transport=options.http.transport
+                    )
                 if options.allow_grpc:
                     binds = await frontends.start(
                         serve_grpc,

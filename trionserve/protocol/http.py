@@ -1,9 +1,13 @@
 """The HTTP/REST frontend: KServe v2 endpoints with Triton's extensions.
 
-Two ASGI apps behind one dispatcher: ``POST .../infer`` is handled by a lean raw
-ASGI handler (Quart's per-request machinery would cost more than the inference of
-a small model), everything else by a quart-trio app. Both only decode, call the
-DataPlane and encode.
+``POST .../infer`` is handled by a lean handler (Quart's per-request machinery
+would cost more than the inference of a small model), everything else by a
+quart-trio app. Both only decode, call the DataPlane and encode.
+
+Two transports serve them (``HttpOptions.transport``): by default HTTP/1.1 with
+h11 on Trio sockets (:mod:`trionserve.protocol.http_server`), which calls the
+infer handler directly and Quart through a minimal ASGI adapter; or hypercorn,
+with the whole frontend as one ASGI app.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import gzip
 import json
 import re
 import zlib
+from dataclasses import dataclass
+from functools import partial
 
 import structlog
 import trio
@@ -28,6 +34,7 @@ from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.statistics import select_statistics
 from trionserve.protocol import http_codec
+from trionserve.protocol.http_server import H11Server, HttpServerOptions
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
 
@@ -45,7 +52,8 @@ HTTP_STATUS = {
 }
 
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
-_JSON = [(b"content-type", b"application/json")]
+_JSON_TYPE = (b"content-type", b"application/json")
+_BINARY_TYPE = (b"content-type", b"application/octet-stream")
 
 
 def error_status(error: TritonError) -> int:
@@ -77,17 +85,34 @@ class _Disconnected(Exception):
 
 
 class InferHandler:
-    """Raw ASGI handler for ``POST /v2/models/{name}[/versions/{v}]/infer``."""
+    """``POST /v2/models/{name}[/versions/{v}]/infer``: decode, infer, encode.
+
+    ``handle`` is the whole request -> response step, shared by both transports:
+    the h11 server calls it directly, hypercorn through the ASGI ``__call__``.
+    """
 
     def __init__(self, dataplane: DataPlane, verbose: bool = False) -> None:
         self.dataplane = dataplane
         self.verbose = verbose
 
     async def __call__(self, scope, receive, send, match: re.Match) -> None:
+        try:
+            body = await self._read_body(receive)
+        except _Disconnected:
+            return
+        status, headers, chunks = await self.handle(match, scope["headers"], body)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        # One join: h11 wants bytes, and one write beats several small ones.
+        await send({"type": "http.response.body", "body": b"".join(chunks)})
+
+    async def handle(
+        self, match: re.Match, request_headers, body: bytes
+    ) -> tuple[int, list[tuple[bytes, bytes]], list]:
+        """The response to one infer request: (status, headers, body chunks)."""
         header_length = None
         content_encoding = None
         accept_encoding = None
-        for key, value in scope["headers"]:
+        for key, value in request_headers:
             if key == b"inference-header-content-length":
                 header_length = value
             elif key == b"content-encoding":
@@ -95,7 +120,6 @@ class InferHandler:
             elif key == b"accept-encoding":
                 accept_encoding = value.decode("latin-1")
         try:
-            body = await self._read_body(receive)
             if content_encoding and content_encoding != "identity":
                 body = _decompress(body, content_encoding)
             if header_length is not None:
@@ -117,33 +141,26 @@ class InferHandler:
             chunks, json_length = http_codec.encode_infer_response(
                 response, infer_request, shared_memory
             )
-        except _Disconnected:
-            return
         except TritonError as error:
-            await self._send_error(send, error)
-            return
+            return _error_response(error)
         except Exception as exc:  # a bug must not take the connection task down
             log.exception("infer handler failed")
-            await self._send_error(send, as_triton_error(exc, "internal error"))
-            return
+            return _error_response(as_triton_error(exc, "internal error"))
 
         if json_length is None:
-            headers = list(_JSON)
+            headers = [_JSON_TYPE]
         else:
-            headers = [
-                (b"content-type", b"application/octet-stream"),
-                (b"inference-header-content-length", str(json_length).encode()),
-            ]
-        total = sum(len(c) for c in chunks)
+            headers = [_BINARY_TYPE, (b"inference-header-content-length", b"%d" % json_length)]
+        total = 0
+        for chunk in chunks:
+            total += len(chunk)
         if accept_encoding and "identity" != accept_encoding.strip():
             payload, encoding = _compress(b"".join(chunks), accept_encoding)
             if encoding is not None:
                 chunks, total = [payload], len(payload)
                 headers.append((b"content-encoding", encoding))
-        headers.append((b"content-length", str(total).encode()))
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        # One join: h11 wants bytes, and one write beats several small ones.
-        await send({"type": "http.response.body", "body": b"".join(chunks)})
+        headers.append((b"content-length", b"%d" % total))
+        return 200, headers, chunks
 
     @staticmethod
     async def _read_body(receive) -> bytes:
@@ -159,17 +176,14 @@ class InferHandler:
             parts.append(message.get("body", b""))
         return b"".join(parts)
 
-    @staticmethod
-    async def _send_error(send, error: TritonError) -> None:
-        body = http_codec.encode_error(error.message)
-        await send(
-            {
-                "type": "http.response.start",
-                "status": error_status(error),
-                "headers": _JSON + [(b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+
+def _error_response(error: TritonError) -> tuple[int, list[tuple[bytes, bytes]], list]:
+    body = http_codec.encode_error(error.message)
+    return (
+        error_status(error),
+        [_JSON_TYPE, (b"content-length", b"%d" % len(body))],
+        [body],
+    )
 
 
 def _json(payload, status: int = 200) -> Response:
@@ -365,11 +379,23 @@ def add_shared_memory_routes(app: QuartTrio, dataplane: DataPlane, json_body) ->
 
 
 class HttpFrontend:
-    """ASGI dispatcher: infer to the lean handler, everything else to Quart."""
+    """Infer to the lean handler, everything else to Quart.
+
+    As an ASGI app it dispatches by itself (the hypercorn transport); the h11
+    transport asks ``route`` first and calls the infer handler directly.
+    """
 
     def __init__(self, dataplane: DataPlane, verbose: bool = False) -> None:
         self.infer = InferHandler(dataplane, verbose)
         self.api = build_api_app(dataplane)
+
+    def route(self, method: bytes, path: str):
+        """The direct handler of a request, or None: the ASGI app serves it."""
+        if method == b"POST" and path.endswith("/infer"):
+            match = _INFER_PATH.match(path)
+            if match is not None:
+                return partial(self.infer.handle, match)
+        return None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -378,6 +404,20 @@ class HttpFrontend:
                 await self.infer(scope, receive, send, match)
                 return
         await self.api(scope, receive, send)
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    """The HTTP frontend's settings."""
+
+    # "h11": HTTP/1.1 with h11 directly on Trio sockets (faster); "hypercorn":
+    # hypercorn serving the whole frontend as an ASGI app.
+    transport: str = "h11"
+    # Largest request body accepted (h11 transport), in bytes; None: no limit.
+    max_input_size: int | None = None
+
+
+HTTP_TRANSPORTS = ("h11", "hypercorn")
 
 
 def hypercorn_config(address: str, port: int, graceful_timeout: float) -> HypercornConfig:
@@ -403,15 +443,26 @@ async def serve_http(
     shutdown: trio.Event,
     graceful_timeout: float,
     verbose: bool = False,
+    options: HttpOptions | None = None,
     *,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve HTTP until ``shutdown`` is set, then drain for ``graceful_timeout``."""
-    config = hypercorn_config(address, port, graceful_timeout)
-    await hypercorn_serve(
-        HttpFrontend(dataplane, verbose),
-        config,
-        shutdown_trigger=shutdown.wait,
-        task_status=task_status,
-        mode="asgi",
+    options = options or HttpOptions()
+    frontend = HttpFrontend(dataplane, verbose)
+    if options.transport == "hypercorn":
+        config = hypercorn_config(address, port, graceful_timeout)
+        await hypercorn_serve(
+            frontend,
+            config,
+            shutdown_trigger=shutdown.wait,
+            task_status=task_status,
+            mode="asgi",
+        )
+        return
+    if options.transport != "h11":
+        raise ValueError(f"unknown HTTP transport {options.transport!r}")
+    server = H11Server(
+        frontend, frontend.route, HttpServerOptions(max_request_body=options.max_input_size)
     )
+    await server.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

@@ -241,8 +241,6 @@ class _Connection:
     async def _read_body(self, request: h11.Request) -> bytes:
         """The whole request body; raises _BodyTooLarge past the limit."""
         limit = self.server.options.max_request_body
-        if limit is not None and _content_length(request.headers) > limit:
-            raise _BodyTooLarge
         if self.h11.they_are_waiting_for_100_continue:
             await self._continue()
         parts = []
@@ -289,13 +287,16 @@ class _Connection:
         if "%" in path:
             path = unquote(path)
         handler = self.server.router(request.method, path)
+        limit = self.server.options.max_request_body
         try:
+            if limit is not None and _content_length(request.headers) > limit:
+                raise _BodyTooLarge
             if handler is None:
                 await self._asgi(request, path, raw_path, query)
                 return
             body = await self._read_body(request)
             status, headers, chunks = await handler(request.headers, body)
-        except* _BodyTooLarge:
+        except _BodyTooLarge:
             await self._too_large()
             return
         await self.respond(status, headers, chunks)
@@ -386,16 +387,19 @@ class _Connection:
             "server": server,
             "extensions": {},
         }
+        too_large = False
         try:
             await self.server.app(scope, exchange.receive, exchange.send)
         except* _BodyTooLarge:
-            if not exchange.started:
-                raise _BodyTooLarge from None
-            return
+            too_large = True
+        except* h11.RemoteProtocolError as group:
+            raise _first(group) from None
         except* (trio.BrokenResourceError, trio.ClosedResourceError, _PeerGone):
             raise _PeerGone from None
         except* Exception:
             log.exception("http application failed", method=scope["method"], path=path)
+        if too_large and not exchange.started:
+            raise _BodyTooLarge
         if not exchange.started:
             # The application ended without answering: an internal error.
             await self.respond(500, [(b"content-length", b"0")], ())
@@ -529,6 +533,13 @@ class _Lifespan:
             return
         await self._to_app.send({"type": "lifespan.shutdown"})
         await self._replies.receive()
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first exception of a (possibly nested) exception group."""
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
 
 
 def _content_length(headers: Headers) -> int:
