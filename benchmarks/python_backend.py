@@ -1,11 +1,13 @@
 """Python backend vs ONNX Runtime: HTTP throughput of the same add/sub model.
 
-Usage: python -m benchmarks.python_backend [--duration 5]
+Usage: python -m benchmarks.python_backend [--duration 3] [--rounds 3]
 
 Starts its own trionserve on free loopback ports over a temporary repository with
 the example `simple` (ONNX Runtime) and `add_sub_python` (the same tensors and
 arithmetic as a Triton Python model, in stub processes), both with two instances,
-and measures each at concurrency 1 and 8 with tritonclient.http.aio.
+and measures each at concurrency 1 and 8 with tritonclient.http.aio. The cases
+run interleaved, ``--rounds`` times, and the median of each is reported, so that a
+burst of other load on the host does not land on one case only.
 
 Then a CPU-bound Python model (about 20 ms of pure-Python work per request) with
 one instance and with two, at concurrency 4: with stub processes the second
@@ -103,39 +105,49 @@ def busy_calls(url: str, model: str, clients: list):
     return make
 
 
-async def measure(url: str, duration: float):
-    cases = [
+CASES = [
         ("http simple (onnxruntime)", add_sub_calls, "simple", 1),
         ("http simple (onnxruntime)", add_sub_calls, "simple", 8),
         ("http add_sub_python", add_sub_calls, "add_sub_python", 1),
         ("http add_sub_python", add_sub_calls, "add_sub_python", 8),
         ("busy python, 1 instance", busy_calls, "busy_python_x1", 4),
         ("busy python, 2 instances", busy_calls, "busy_python_x2", 4),
+]
+
+
+async def measure(url: str, duration: float, rounds: int):
+    """Every case once per round; the round whose throughput is the median, per case."""
+    runs: dict[tuple, list] = {}
+    for _ in range(rounds):
+        for label, factory, model, concurrency in CASES:
+            clients: list = []
+            result = await run_load(label, factory(url, model, clients), concurrency, duration)
+            runs.setdefault((label, concurrency), []).append(result)
+            for client in clients:
+                await client.close()
+    return [
+        sorted(results, key=lambda r: r.throughput)[len(results) // 2]
+        for results in runs.values()
     ]
-    results = []
-    for label, factory, model, concurrency in cases:
-        clients: list = []
-        results.append(
-            await run_load(label, factory(url, model, clients), concurrency, duration)
-        )
-        for client in clients:
-            await client.close()
-    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--duration", type=float, default=3.0, help="seconds per run")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="trionserve-bench-") as tmp:
         server = ServerProcess(make_repository(Path(tmp)))
         try:
             server.wait_ready()
-            results = asyncio.run(measure(server.http_url, args.duration))
+            results = asyncio.run(measure(server.http_url, args.duration, args.rounds))
             server.stop()
         finally:
             server.close()
-    print(f"host: {os.cpu_count()} CPUs; {args.duration:g} s per case")
+    print(
+        f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; median of "
+        f"{args.rounds} interleaved runs of {args.duration:g} s per case"
+    )
     print(summary(results))
     by = {(r.label, r.concurrency): r.throughput for r in results}
     for concurrency in (1, 8):

@@ -54,7 +54,27 @@ def identity(name: str, elem_type: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
 
 
+def accumulate() -> onnx.ModelProto:
+    """A stateful accumulator: OUTPUT = INPUT + INPUT_STATE, and the sum becomes the
+    next INPUT_STATE of the sequence (Triton's implicit state, see config.pbtxt)."""
+
+    def tensor(name: str):
+        return helper.make_tensor_value_info(name, TensorProto.INT32, ["batch", 1])
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Add", ["INPUT", "INPUT_STATE"], ["OUTPUT"]),
+            helper.make_node("Identity", ["OUTPUT"], ["OUTPUT_STATE"]),
+        ],
+        "accumulate",
+        [tensor("INPUT"), tensor("INPUT_STATE")],
+        [tensor("OUTPUT"), tensor("OUTPUT_STATE")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+
+
 if __name__ == "__main__":
     save(simple(), "simple")
     save(identity("identity_fp32", TensorProto.FLOAT), "identity_fp32")
     save(identity("identity_bytes", TensorProto.STRING), "identity_bytes")
+    save(accumulate(), "accumulate")

@@ -40,6 +40,18 @@ class Gate:
 
 GATE = Gate()
 
+# Bound on every wait for the backend in tests: a request that never arrives must
+# fail its test, never hang the suite.
+ENTER_TIMEOUT = 60.0
+
+
+async def wait_entered(timeout: float = ENTER_TIMEOUT) -> None:
+    """Wait until one more execution has entered the backend (in a worker thread)."""
+    import trio
+
+    entered = await trio.to_thread.run_sync(GATE.entered.acquire, True, timeout)
+    assert entered, f"no request reached the blocking backend within {timeout} s"
+
 
 class _Instance:
     def __init__(self, context: ModelContext) -> None:
@@ -48,7 +60,7 @@ class _Instance:
 
     def execute(self, requests):
         GATE.entered.release()
-        GATE.release.wait(timeout=60)
+        assert GATE.release.wait(timeout=ENTER_TIMEOUT), "the test never released the gate"
         if GATE.fail_next:
             GATE.fail_next = False
             raise RuntimeError("injected backend failure")

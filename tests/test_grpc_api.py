@@ -445,9 +445,8 @@ def test_log_settings_round_trip_and_errors_as_over_http(server, grpc_client):
     "call,fragment",
     [
         (lambda c: c.get_cuda_shared_memory_status(), "CUDA shared memory"),
-        (lambda c: c.get_trace_settings(), "trace settings"),
     ],
-    ids=["cuda-shm", "trace"],
+    ids=["cuda-shm"],
 )
 def test_features_not_built_yet_are_unimplemented(grpc_client, call, fragment):
     error = expect_error(lambda: call(grpc_client), "UNIMPLEMENTED")

@@ -17,7 +17,7 @@ import trio.testing
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.blocking_backend import GATE, make_model
+from tests.blocking_backend import GATE, wait_entered, make_model
 from tests.serverproc import free_port
 from trionserve.protocol.grpc_service import GrpcOptions
 from trionserve.server import Server, ServerOptions
@@ -34,11 +34,11 @@ class Probe:
             setattr(dataplane, name, self._wrap(getattr(dataplane, name)))
 
     def _wrap(self, inner):
-        async def call(request, *args):
+        async def call(request, *args, **kwargs):
             self.requests[request.id] = request
             self._notify()
             try:
-                return await inner(request, *args)
+                return await inner(request, *args, **kwargs)
             except trio.Cancelled:
                 self.cancelled.append(request.id)
                 self._notify()
@@ -96,10 +96,6 @@ def inputs(value: float):
 
 async def in_thread(fn, *args):
     return await trio.to_thread.run_sync(fn, *args)
-
-
-async def wait_entered() -> None:
-    await in_thread(GATE.entered.acquire)
 
 
 def executions_since() -> int:
@@ -224,7 +220,10 @@ async def test_graceful_shutdown_drains_calls_and_closes_streams(repository):
 
         # No new connections...
         def fresh_call():
-            other = grpcclient.InferenceServerClient(url(server))
+            # Its own subchannel: gRPC would otherwise share the draining connection.
+            other = grpcclient.InferenceServerClient(
+                url(server), channel_args=[("grpc.use_local_subchannel_pool", 1)]
+            )
             try:
                 with pytest.raises(InferenceServerException) as info:
                     other.is_server_live(client_timeout=10)

@@ -32,7 +32,9 @@ class DecoupledDataPlane:
     def _sent(self, request_id: str) -> trio.Event:
         return self.first_sent.setdefault(request_id, trio.Event())
 
-    async def infer_stream(self, request: InferenceRequest, deliver) -> None:
+    async def infer_stream(self, request: InferenceRequest, deliver, *, queued=None) -> None:
+        if queued is not None:
+            queued.set()  # queued at once, as a real model's scheduler takes it
         params = request.parameters
         after = params.get("after")
         if after:

@@ -8,7 +8,7 @@ import trio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.blocking_backend import GATE, make_model
+from tests.blocking_backend import GATE, wait_entered, make_model
 from tests.serverproc import free_port
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
@@ -51,10 +51,6 @@ def http_infer(port: int, value: float):
 def request(value: float) -> InferenceRequest:
     data = np.full((1, 4), value, dtype=np.float32)
     return InferenceRequest("blocking", inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
-
-
-async def wait_entered() -> None:
-    await trio.to_thread.run_sync(GATE.entered.acquire)
 
 
 async def test_graceful_shutdown_finishes_in_flight_requests(repository):

@@ -89,6 +89,26 @@ class TritonPythonModel:
         return responses
 """,
 )
+MODELS["sender"] = (
+    ECHO,
+    """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    \"\"\"Not decoupled, yet answers through response senders (Triton 24.06+).\"\"\"
+
+    def execute(self, requests):
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if value[0] != 1:  # for 1: forget to answer
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", value + 1)]),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+        return None
+""",
+)
 MODELS["crash"] = (ECHO, ECHO_MODEL.format(special="                os._exit(1)"))
 MODELS["hang"] = (
     ECHO + 'parameters { key: "execute-timeout-seconds" value: { string_value: "1" } }\n',
@@ -468,6 +488,13 @@ def test_triton_error_in_a_response_reaches_the_client(client):
         echo(client, "errors", 2)
     assert "value 2 is not allowed" in str(info.value)
     assert info.value.status() == "400"  # INVALID_ARG
+
+
+def test_response_sender_in_a_model_that_is_not_decoupled(client):
+    assert echo(client, "sender", 4).tolist() == [5]
+    with pytest.raises(InferenceServerException) as info:
+        echo(client, "sender", 1)
+    assert "sent no final response for 1 of 1 request(s)" in str(info.value)
 
 
 def test_os_exit_in_execute_fails_the_request_and_the_stub_restarts(client):

@@ -140,6 +140,9 @@ async def test_decoupled_responses_stream_through_the_dataplane(repository):
         with pytest.raises(TritonError, match="stream broke on purpose"):
             await server.dataplane.infer_stream(request("stream", -2), deliver)
         assert received == [0, 1]
+        # Every request's input blocks went back to the server's arena.
+        instance = server.registry.route("stream", None)._executors[0].instance
+        assert instance._stub.endpoint.arena.in_use() == 0
         server.shutdown()
 
 

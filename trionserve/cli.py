@@ -13,8 +13,11 @@ from trionserve import __version__
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
 from trionserve.observability.logging import configure_logging
+from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
+from trionserve.observability.trace import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc_service import GrpcOptions
 from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
+from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
 
 _TRUE = {"true", "1", "yes", "on"}
@@ -69,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"trionserve {__version__}")
     add = p.add_argument
     add("--model-repository", "--model-store", dest="model_repositories", action="append",
-        type=Path, metavar="PATH", help="model repository directory (repeatable)")
+        type=_repository, metavar="PATH",
+        help="model repository: a directory, or s3://, gs://, as:// (repeatable)")
+    add("--model-cache-dir", type=Path, metavar="DIR",
+        help="where object-storage repositories are copied (default: a temporary "
+             "directory removed at exit)")
     add("--model-control-mode", choices=[m.value for m in ControlMode], default="none",
         type=str.lower, help="none | explicit | poll (default none)")
     add("--repository-poll-secs", type=_non_negative_float, default=15.0,
@@ -92,9 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--grpc-address", default="0.0.0.0")
     add("--grpc-port", type=_port, default=8001)
     _add_grpc_flags(add)
-    add("--allow-metrics", type=_bool, default=True, metavar="BOOL",
-        help="serve Prometheus metrics (the metrics endpoint is not built yet; accepted)")
-    add("--metrics-port", type=_port, default=8002)
+    _add_metrics_flags(add)
+    _add_trace_flags(add)
     add("--allow-client-shm", type=_bool, default=False, metavar="BOOL",
         help="let clients register system shared memory regions (default false)")
     add("--model-load-thread-count", type=_positive_int, default=4,
@@ -108,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--log-format", choices=["console", "json"], default="console")
     add("--id", dest="server_id", default="trionserve", help="server identifier")
     return p
+
+
+def _repository(text: str) -> Path | str:
+    """A local repository path, or an object-storage location kept as written."""
+    return text if is_remote(text) else Path(text)
 
 
 def _regex(text: str) -> str:
@@ -150,6 +161,66 @@ def _add_grpc_flags(add) -> None:
             help="accepted for compatibility; client pings are not policed")
 
 
+def _add_metrics_flags(add) -> None:
+    """tritonserver's metrics flags."""
+    add("--allow-metrics", type=_bool, default=True, metavar="BOOL",
+        help="serve Prometheus metrics at /metrics on the metrics port (default true)")
+    add("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL",
+        help="accepted for compatibility; GPU metrics are not collected")
+    add("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL",
+        help="report nv_cpu_utilization and CPU memory (default true)")
+    add("--metrics-address", metavar="ADDRESS",
+        help="metrics address (default: --http-address, or 0.0.0.0 without HTTP)")
+    add("--metrics-port", type=_port, default=8002)
+    add("--metrics-interval-ms", type=_non_negative_float, default=2000.0, metavar="MS",
+        help="how often per-interval metrics (CPU) are sampled (default 2000)")
+    add("--metrics-config", action="append", default=[], metavar="SETTING=VALUE",
+        help="counter_latencies=<bool> (default true), histogram_latencies=<bool> "
+             "(nv_inference_first_response_histogram_ms, default false)")
+
+
+def _add_trace_flags(add) -> None:
+    """tritonserver's trace flags: --trace-config and the deprecated --trace-*."""
+    add("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+        help="level=OFF|TIMESTAMPS|TENSORS, rate=N, count=N, mode=triton|opentelemetry, "
+             "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL, "
+             "opentelemetry,resource=KEY=VALUE (repeatable)")
+    add("--trace-file", help="deprecated: --trace-config triton,file=PATH")
+    add("--trace-level", action="append", default=[],
+        help="deprecated: --trace-config level=LEVEL")
+    add("--trace-rate", type=int, help="deprecated: --trace-config rate=N")
+    add("--trace-count", type=int, help="deprecated: --trace-config count=N")
+    add("--trace-log-frequency", type=int,
+        help="deprecated: --trace-config triton,log-frequency=N")
+
+
+def _metrics_options(parser, args) -> MetricsOptions:
+    try:
+        latencies = parse_metrics_config(args.metrics_config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return MetricsOptions(
+        allow_cpu_metrics=args.allow_cpu_metrics,
+        allow_gpu_metrics=args.allow_gpu_metrics,
+        interval_ms=args.metrics_interval_ms,
+        **latencies,
+    )
+
+
+def _trace_config(parser, args) -> TraceConfig:
+    try:
+        return parse_trace_config(
+            args.trace_config,
+            levels=args.trace_level,
+            rate=args.trace_rate,
+            count=args.trace_count,
+            log_frequency=args.trace_log_frequency,
+            file=args.trace_file,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def _grpc_options(args) -> GrpcOptions:
     return GrpcOptions(
         header_forward_pattern=args.grpc_header_forward_pattern,
@@ -179,6 +250,7 @@ def options_from_args(argv: list[str] | None = None) -> ServerOptions:
     return ServerOptions(
         model_repositories=args.model_repositories,
         model_control_mode=mode,
+        model_cache_dir=args.model_cache_dir,
         repository_poll_secs=args.repository_poll_secs,
         load_models=args.load_models,
         strict_model_config=args.strict_model_config,
@@ -195,6 +267,9 @@ def options_from_args(argv: list[str] | None = None) -> ServerOptions:
         grpc=_grpc_options(args),
         allow_metrics=args.allow_metrics,
         metrics_port=args.metrics_port,
+        metrics_address=args.metrics_address,
+        metrics=_metrics_options(parser, args),
+        trace=_trace_config(parser, args),
         model_load_thread_count=args.model_load_thread_count,
         allow_client_shm=args.allow_client_shm,
         exit_timeout_secs=args.exit_timeout_secs,

@@ -7,6 +7,7 @@ validation, scheduling, waiting for the outcome, cancellation — happens here o
 from __future__ import annotations
 
 import weakref
+from collections.abc import AsyncIterator
 
 import structlog
 import trio
@@ -20,6 +21,9 @@ from trionserve.core.classification import classify, read_labels
 from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
+from trionserve.observability.metrics import observe_first_response
+from trionserve.observability.statistics import FailureReason
+from trionserve.observability.trace import TraceManager
 from trionserve.repository.repository import duplicate_reason
 
 log = structlog.get_logger(__name__)
@@ -34,6 +38,8 @@ EXTENSIONS = [
     "model_repository(unload_dependents)",
     "schedule_policy",
     "statistics",
+    "trace",
+    "generate",
 ]
 
 
@@ -52,6 +58,8 @@ class DataPlane:
         server_id: str = "trionserve",
         *,
         allow_client_shm: bool = False,
+        tracing: TraceManager | None = None,
+        first_response_histogram: bool = False,
     ) -> None:
         self.registry = registry
         # Models that call other models (BLS) send their requests through here.
@@ -64,6 +72,10 @@ class DataPlane:
         self._label_cache: weakref.WeakKeyDictionary[ModelVersion, dict] = (
             weakref.WeakKeyDictionary()
         )
+        # Request tracing; ``tracing.active`` is all an untraced request pays.
+        self.tracing = tracing if tracing is not None else TraceManager()
+        # nv_inference_first_response_histogram_ms is kept only when asked for.
+        self._first_response = first_response_histogram
         self.started = False
         self.stopping = False
 
@@ -180,10 +192,22 @@ class DataPlane:
 
     # -- inference ---------------------------------------------------------------
 
+    def _admit(self, request: InferenceRequest) -> ModelVersion:
+        """Route and validate a request; a request that fails validation is
+        counted as a failure of its model (reason OTHER)."""
+        model = self.registry.route(request.model_name, request.model_version)
+        try:
+            validate_request(request, model.signature)
+        except TritonError:
+            model.statistics.record_failure(0, FailureReason.OTHER)
+            raise
+        return model
+
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         """Route, validate, queue and await one request's single outcome."""
-        model = self.registry.route(request.model_name, request.model_version)
-        validate_request(request, model.signature)
+        model = self._admit(request)
+        trace = self.tracing.start(model, request) if self.tracing.active else None
+        response = None
         model.begin_request()
         try:
             await model.infer(request)
@@ -193,6 +217,10 @@ class DataPlane:
             raise
         finally:
             model.end_request()
+            if trace is not None:
+                self.tracing.finish(trace, model, request, response)
+        if self._first_response:
+            observe_first_response(model, trio.current_time() - request.arrival_time)
         if request.requested_outputs is not None:
             for output in request.requested_outputs:
                 if output.parameters.get("classification"):
@@ -200,23 +228,33 @@ class DataPlane:
                     break
         return response
 
-    async def infer_stream(self, request: InferenceRequest, deliver) -> None:
+    async def infer_stream(
+        self, request: InferenceRequest, deliver, *, queued: trio.Event | None = None
+    ) -> None:
         """Route, validate and queue one request, then ``await deliver(response,
         final)`` for each of its responses in order (``response`` is None when a
         decoupled model ends the request without one); raises the request's error.
 
         For gRPC streams and decoupled models. If ``deliver`` raises or the caller is
         cancelled, the request is flagged cancelled so its remaining work is dropped.
+        ``queued`` is set once the model's scheduler holds the request (a stream
+        waits for it so that a sequence's requests are queued in order).
         """
-        model = self.registry.route(request.model_name, request.model_version)
-        validate_request(request, model.signature)
+        model = self._admit(request)
         classify = request.requested_outputs is not None and any(
             o.parameters.get("classification") for o in request.requested_outputs
         )
+        trace = self.tracing.start(model, request) if self.tracing.active else None
+        first = self._first_response
         model.begin_request()
         try:
             await model.infer(request)
+            if queued is not None:
+                queued.set()
             async for response, final in request.stream():
+                if first and response is not None:
+                    first = False
+                    observe_first_response(model, trio.current_time() - request.arrival_time)
                 if classify and response is not None:
                     await self._classify(model, request, response)
                 await deliver(response, final)
@@ -225,6 +263,53 @@ class DataPlane:
             raise
         finally:
             model.end_request()
+            if trace is not None:
+                self.tracing.finish(trace, model, request)
+
+    async def responses(
+        self, request: InferenceRequest
+    ) -> AsyncIterator[tuple[InferenceResponse | None, bool]]:
+        """Route, validate and queue a request when first iterated, then yield its
+        ``(response, final)`` pairs as :meth:`infer_stream` delivers them.
+
+        For frontends that hand the responses on as a body they stream (HTTP
+        generate_stream). Close it (``aclosing``) when done: a request whose
+        iterator is closed early is flagged cancelled.
+        """
+        model = self._admit(request)
+        trace = self.tracing.start(model, request) if self.tracing.active else None
+        first = self._first_response
+        model.begin_request()
+        try:
+            await model.infer(request)
+            async for response, final in request.stream():
+                if first and response is not None:
+                    first = False
+                    observe_first_response(model, trio.current_time() - request.arrival_time)
+                yield response, final
+        except BaseException:
+            request.cancelled = True
+            raise
+        finally:
+            model.end_request()
+            if trace is not None:
+                self.tracing.finish(trace, model, request)
+
+    # -- trace settings -------------------------------------------------------------
+
+    def trace_settings(
+        self, model_name: str | None, changes: dict[str, list[str] | None] | None = None
+    ) -> dict:
+        """The trace extension: apply ``changes`` (if any) for a model or globally,
+        then return the settings in force there."""
+        if model_name:
+            try:
+                self.registry.route(model_name, None)
+            except TritonError:
+                raise InvalidArgument(f"Request for unknown model : {model_name}") from None
+        if changes is not None:
+            self.tracing.update(model_name or "", changes)
+        return self.tracing.settings(model_name or "")
 
     async def _classify(
         self, model: ModelVersion, request: InferenceRequest, response: InferenceResponse

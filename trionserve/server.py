@@ -19,6 +19,8 @@ from trionserve import __version__
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.dataplane import DataPlane
+from trionserve.observability.metrics import MetricsOptions, serve_metrics
+from trionserve.observability.trace import TraceConfig, TraceManager
 from trionserve.protocol.grpc_service import GrpcOptions, serve_grpc
 from trionserve.protocol.http import HttpOptions, serve_http
 from trionserve.repository.repository import ModelRepository
@@ -30,8 +32,9 @@ log = structlog.get_logger(__name__)
 class ServerOptions:
     """Every server setting, named after Triton's command-line flags."""
 
-    model_repositories: list[Path] = field(default_factory=list)
+    model_repositories: list[Path | str] = field(default_factory=list)  # str: s3:// etc.
     model_control_mode: ControlMode = ControlMode.NONE
+    model_cache_dir: Path | None = None  # where object-storage repositories are copied
     repository_poll_secs: float = 15.0
     load_models: list[str] = field(default_factory=list)
     strict_model_config: bool = False
@@ -46,6 +49,10 @@ class ServerOptions:
     grpc: GrpcOptions = field(default_factory=GrpcOptions)
     allow_metrics: bool = True
     metrics_port: int = 8002
+    # None: --http-address when HTTP is served, else 0.0.0.0 (as Triton).
+    metrics_address: str | None = None
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     model_load_thread_count: int = 4
     allow_client_shm: bool = False
     exit_timeout_secs: float = 30.0
@@ -68,7 +75,11 @@ class Server:
 
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
-        self.repository = ModelRepository(options.model_repositories)
+        self.repository = ModelRepository(
+            options.model_repositories,
+            cache_dir=options.model_cache_dir,
+            refresh_on_find=options.model_control_mode is ControlMode.EXPLICIT,
+        )
         self.registry = ModelRegistry(
             self.repository,
             autocomplete=options.autocomplete,
@@ -86,6 +97,9 @@ class Server:
             options.model_control_mode,
             options.server_id,
             allow_client_shm=options.allow_client_shm,
+            tracing=TraceManager(options.trace),
+            first_response_histogram=options.allow_metrics
+            and options.metrics.histogram_latencies,
         )
         self._shutdown = trio.Event()
 
@@ -102,6 +116,7 @@ class Server:
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            await nursery.start(self.dataplane.tracing.run)
             await nursery.start(self.registry.run)
             await nursery.start(self.watcher.run)
             if self.watcher.startup_errors and options.exit_on_error:
@@ -141,6 +156,16 @@ class Server:
                         options.log_verbose > 0,
                     )
                     log.info("GRPC service started", listening=binds)
+                if options.allow_metrics:
+                    binds = await frontends.start(
+                        serve_metrics,
+                        self.registry,
+                        options.metrics,
+                        self._metrics_address(),
+                        options.metrics_port,
+                        self._shutdown,
+                    )
+                    log.info("Metrics service started", listening=binds)
                 self.dataplane.started = True
                 log.info("server ready", models=sorted(self.registry.entries()))
                 task_status.started()
@@ -148,8 +173,17 @@ class Server:
                 self.dataplane.stopping = True
                 log.info("server stopping: draining in-flight requests")
             await self._unload_all()
+            await self.dataplane.tracing.aclose()
             log.info("server stopped")
             nursery.cancel_scope.cancel()
+
+    def _metrics_address(self) -> str:
+        """Triton's rule: --metrics-address, else the HTTP address when HTTP is
+        served, else all interfaces."""
+        options = self.options
+        if options.metrics_address:
+            return options.metrics_address
+        return options.http_address if options.allow_http else "0.0.0.0"
 
     async def _unload_all(self) -> None:
         with trio.move_on_after(self.options.exit_timeout_secs) as scope:

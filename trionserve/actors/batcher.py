@@ -441,7 +441,10 @@ class DynamicBatchScheduler:
 
         oldest = min(entry.request.arrival_time for entry in pending)
         delay = self._delay
-        delay_exceeded = delay > 0 and now - oldest >= delay
+        # Compared with the same sum the wake-up time below is, so that waking at
+        # that time always finds the delay passed (``now - oldest >= delay`` can be
+        # False there by float rounding, and the batcher would spin without end).
+        delay_exceeded = delay > 0 and now >= oldest + delay
         if best is not None and not delay_exceeded:
             return pending[:best], now
         # Once closed (unloading) nothing more will come, so waiting is pointless.

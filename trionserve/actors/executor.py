@@ -12,8 +12,12 @@ from trionserve.backends.base import AsyncBackendInstance, BackendInstance, Inst
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.observability.trace import record_compute
 
 log = structlog.get_logger(__name__)
+
+# The outcomes of a decoupled batch whose execute returned: all successes.
+_ALL_SUCCEEDED = (None,)
 
 
 class InstanceExecutor:
@@ -92,7 +96,10 @@ class InstanceExecutor:
             if self._async:
                 results = await self.instance.execute_async(live)
                 if results is None:
-                    # Decoupled: the instance answers each request as it goes.
+                    # Decoupled: the instance answers each request as it goes;
+                    # the execution itself succeeded (Triton counts it so).
+                    if self._statistics is not None:
+                        self._record(live, None, start, trio.current_time())
                     outlet.complete(live, ())
                     return
             else:
@@ -159,10 +166,11 @@ class InstanceExecutor:
     def _record(
         self,
         requests: list[InferenceRequest],
-        outcomes: Sequence[Outcome],
+        outcomes: Sequence[Outcome] | None,
         start: float,
         end: float,
     ) -> None:
+        """Record one executed batch; ``outcomes`` None: every request succeeded."""
         statistics = self._statistics
         assert statistics is not None
         total_ns = to_ns(end - start)
@@ -173,13 +181,19 @@ class InstanceExecutor:
         else:
             input_ns = output_ns = 0
             infer_ns = total_ns
+        if statistics.traces:
+            record_compute(statistics.traces, requests, start, end, input_ns, output_ns)
+        if outcomes is None:
+            outcomes = _ALL_SUCCEEDED * len(requests)
         batch_size = 0
         succeeded = False
         for request, outcome in zip(requests, outcomes):
             size = request.batch_size or 1
             batch_size += size
+            if not getattr(request, "collect_stats", True):
+                continue  # a sequence batcher's null request: in the batch size only
             arrival = request.arrival_time
-            if isinstance(outcome, InferenceResponse):
+            if outcome is None or isinstance(outcome, InferenceResponse):
                 succeeded = True
                 statistics.record_success(
                     size,
@@ -201,4 +215,5 @@ class InstanceExecutor:
             return
         now = trio.current_time()
         for request in requests:
-            self._statistics.record_failure(to_ns(now - request.arrival_time), reason)
+            if getattr(request, "collect_stats", True):
+                self._statistics.record_failure(to_ns(now - request.arrival_time), reason)

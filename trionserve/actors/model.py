@@ -11,6 +11,8 @@ import trio
 from trionserve.actors.ensemble import EnsembleScheduler
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.scheduler import Scheduler, create_scheduler
+from trionserve.actors.sequence import SequenceBatchScheduler
+from trionserve.actors.sequence_state import load_sequence_states
 from trionserve.backends.base import Backend, InferenceService, InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
@@ -71,8 +73,9 @@ def instance_specs(config, gpus: int) -> list[InstanceSpec]:
 class ModelVersion:
     """One version of one model: loads it, serves it, drains and unloads it.
 
-    Children (in its own nursery): the scheduler (default, or the dynamic batcher
-    when the config has ``dynamic_batching``) and one InstanceExecutor per
+    Children (in its own nursery): the scheduler (default, the dynamic batcher
+    when the config has ``dynamic_batching``, the sequence batcher with
+    ``sequence_batching``) and one InstanceExecutor per
     instance. Guarantees: a request accepted by ``submit`` gets exactly one outcome;
     on unload, new requests are refused, in-flight ones are given ``drain_timeout``
     seconds to finish, and whatever remains is answered with an error before the
@@ -105,6 +108,7 @@ class ModelVersion:
         self.inference = inference
         self.statistics = ModelStatistics(name, version)
         self._scheduler: Scheduler | None = None
+        self._sequence_states: list = []  # implicit states, read at load
         self._executors: list[InstanceExecutor] = []
         self._loaded = None
         self._instances: list = []  # backend instances created and not yet closed
@@ -139,6 +143,10 @@ class ModelVersion:
             if self.config.platform == "ensemble":
                 # No instances: the scheduler sends each step to its composing model.
                 scheduler = EnsembleScheduler(loaded.plan, self.inference, self.statistics)
+            elif self.config.HasField("sequence_batching"):
+                scheduler = SequenceBatchScheduler(
+                    self.config, self.statistics, states=self._sequence_states
+                )
             else:
                 scheduler = create_scheduler(self.config, self.statistics)
             self._scheduler = scheduler
@@ -187,6 +195,10 @@ class ModelVersion:
         )
         specs = instance_specs(self.config, gpu_count())
         async with self._load_limiter:
+            if self.config.HasField("sequence_batching"):
+                self._sequence_states = await trio.to_thread.run_sync(
+                    load_sequence_states, self.config, self.model_dir
+                )
             loaded = await trio.to_thread.run_sync(self.backend.load, context)
             instances = []
             try:

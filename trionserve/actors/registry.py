@@ -27,7 +27,7 @@ from trionserve.core.errors import (
 from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
 from trionserve.repository.overrides import override_digest, remove_override, write_override
 from trionserve.repository.repository import ModelRepository
-from trionserve.repository.snapshot import snapshot_model
+from trionserve.repository.snapshot import file_changes, snapshot_model
 
 log = structlog.get_logger(__name__)
 
@@ -115,6 +115,7 @@ class ModelRegistry:
         files: dict[str, bytes] | None = None,
         explicit: bool = True,
         reason: str = "load requested",
+        stable_files: bool = False,
         _chain: tuple[str, ...] = (),
     ) -> None:
         """Load or reload a model; raises the reason if it could not be loaded.
@@ -124,6 +125,8 @@ class ModelRegistry:
         Only what changed since the serving versions were loaded is redone (see
         :func:`plan_reload`); a reload loads beside the serving versions and
         switches only if every new version loaded, else they keep serving.
+        With ``stable_files`` (POLL), versions whose files changed while they
+        loaded are discarded instead of served: they may mix old and new files.
         """
         digest = override_digest(override_json, files) if (override_json or files) else ""
         await self._submit(
@@ -131,7 +134,7 @@ class ModelRegistry:
             ("load", digest),
             explicit,
             partial(self._load, override_json=override_json, files=files, digest=digest,
-                    reason=reason, chain=_chain),
+                    reason=reason, chain=_chain, stable_files=stable_files),
         )
 
     async def unload(
@@ -203,7 +206,8 @@ class ModelRegistry:
 
     # -- load ----------------------------------------------------------------------
 
-    async def _load(self, entry, *, override_json, files, digest, reason, chain) -> None:
+    async def _load(self, entry, *, override_json, files, digest, reason, chain,
+                    stable_files=False) -> None:
         name = entry.name
         if files and entry.source is not None and entry.source.override_digest == digest:
             if entry.serving and not entry.failed:
@@ -247,7 +251,8 @@ class ModelRegistry:
             if not plan.update_instances:
                 log.info("model unchanged", model=name, reason=reason)
             return
-        await self._apply(entry, plan, prepared, source, f"{reason}: {plan.reason}")
+        await self._apply(entry, plan, prepared, source, f"{reason}: {plan.reason}",
+                          stable_files)
 
     async def _load_composing_models(self, name: str, config, chain: tuple[str, ...]) -> None:
         """Load an ensemble's composing models first, as Triton does."""
@@ -296,7 +301,8 @@ class ModelRegistry:
                      **{"from": before, "to": [g.count for g in source.config.instance_group]})
         return True
 
-    async def _apply(self, entry, plan: ReloadPlan, prepared, source, reason: str) -> None:
+    async def _apply(self, entry, plan: ReloadPlan, prepared, source, reason: str,
+                     stable_files: bool = False) -> None:
         """Load ``plan.load`` beside the serving versions, then switch and retire."""
         name = entry.name
         extra = {"inference": self.inference} if self.inference is not None else {}
@@ -317,6 +323,8 @@ class ModelRegistry:
             for number, version in new.items():
                 if entry.loading.get(number) is version:
                     del entry.loading[number]
+        if stable_files and len(errors) < len(new):
+            await self._discard_if_changed(entry, new, errors, source)
         loaded = {n: v for n, v in new.items() if n not in errors}
         for number, error in errors.items():
             entry.unavailable[number] = error.message
@@ -346,6 +354,25 @@ class ModelRegistry:
             raise load_error(name, errors)
         entry.reason = ""
         entry.failed = False
+
+    async def _discard_if_changed(self, entry, new: dict, errors: dict, source) -> None:
+        """Retire the new versions if the files they were loaded from changed meanwhile.
+
+        The config was read when the load began and each version's files when its
+        backend loaded it, possibly seconds apart: a copy that began in between
+        would be served torn (found by the simulations' poll_changes scenario).
+        """
+        now = await trio.to_thread.run_sync(snapshot_model, source.model_dir)
+        changes = file_changes(source.snapshot, now)
+        for number, version in new.items():
+            if number in errors:
+                continue
+            if changes.config or changes.shared or number in changes.versions:
+                errors[number] = Unavailable(
+                    "its files changed while it loaded, so it may mix old and new files; "
+                    "it is loaded again once they stop changing"
+                )
+                self._retire(entry, version, "its files changed while it loaded")
 
     async def _start_version(self, entry, version: ModelVersion, errors: dict, reason) -> None:
         assert self._nursery is not None

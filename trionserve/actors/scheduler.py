@@ -15,6 +15,7 @@ import trio
 
 from trionserve.core.errors import TritonError
 from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.observability.statistics import FailureReason, to_ns
 
 # Bound of a model's request queue when its config sets none: requests beyond it
 # wait in submit() (backpressure, cancellable by the client).
@@ -89,8 +90,9 @@ class DefaultScheduler:
     takes the next request, and no task stands between a request and its executor.
     """
 
-    def __init__(self, capacity: int = QUEUE_CAPACITY) -> None:
+    def __init__(self, capacity: int = QUEUE_CAPACITY, statistics=None) -> None:
         self._send, self._receive = trio.open_memory_channel[list[InferenceRequest]](capacity)
+        self._statistics = statistics
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -101,6 +103,12 @@ class DefaultScheduler:
             self._send.send_nowait([request])
         except trio.WouldBlock:
             await self._send.send([request])
+
+    @property
+    def pending(self) -> int:
+        """Requests queued (or waiting for room) and not yet taken by an instance."""
+        statistics = self._send.statistics()
+        return statistics.current_buffer_used + statistics.tasks_waiting_send
 
     def outlet(self) -> BatchOutlet:
         return _ChannelOutlet(self._receive.clone())
@@ -116,7 +124,12 @@ class DefaultScheduler:
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 break
             for request in batch:
-                request.fail(error)
+                # Counted as a failure, as the dynamic batcher counts its aborts
+                # (the simulations found these missing from the statistics).
+                if request.fail(error) and self._statistics is not None:
+                    self._statistics.record_failure(
+                        to_ns(trio.current_time() - request.arrival_time), FailureReason.OTHER
+                    )
         self._receive.close()
 
 
@@ -126,4 +139,4 @@ def create_scheduler(config, statistics) -> Scheduler:
         from trionserve.actors.batcher import DynamicBatchScheduler
 
         return DynamicBatchScheduler(config, statistics)
-    return DefaultScheduler()
+    return DefaultScheduler(statistics=statistics)

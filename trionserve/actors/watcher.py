@@ -97,7 +97,9 @@ class RepositoryWatcher:
 
     async def _load_at_startup(self, name: str) -> None:
         try:
-            await self.registry.load(name, reason="startup")
+            await self.registry.load(
+                name, reason="startup", stable_files=self.mode is ControlMode.POLL
+            )
         except TritonError as exc:
             self.startup_errors[name] = exc.message
 
@@ -109,6 +111,8 @@ class RepositoryWatcher:
     async def poll(self, actions: trio.Nursery) -> None:
         """Take one snapshot of the repository and start the actions it settles."""
         try:
+            # Object-storage repositories: fetch what changed into the local copy first.
+            await trio.to_thread.run_sync(self.registry.repository.refresh)
             current = await trio.to_thread.run_sync(
                 snapshot_repository, self.registry.repository
             )
@@ -157,7 +161,9 @@ class RepositoryWatcher:
                 log.error("model not loaded", model=name, reason=str(snapshot))
                 await self.registry.unload(name, reason=str(snapshot))
             else:
-                await self.registry.load(name, reason="changed in the model repository")
+                await self.registry.load(
+                    name, reason="changed in the model repository", stable_files=True
+                )
         except TritonError as exc:
             # Logged by the registry and shown in the index; POLL goes on.
             log.debug("repository change not applied", model=name, reason=exc.message)

@@ -175,6 +175,12 @@ class OnnxInstance:
             o.name: datatypes.BY_CONFIG[_data_type_name(o.data_type)].wire
             for o in config.output
         }
+        # Implicit state outputs (sequence_batching.state) are produced for the
+        # sequence batcher, which keeps them, whether or not the config lists them.
+        for state in config.sequence_batching.state:
+            self._output_datatypes.setdefault(
+                state.output_name, datatypes.BY_CONFIG[_data_type_name(state.data_type)].wire
+            )
         missing = [name for name in self._output_datatypes if name not in graph_outputs]
         if missing:
             raise InvalidArgument(

@@ -42,10 +42,15 @@ class ModelSignature:
                 allow_ragged_batch=is_input and entry.allow_ragged_batch,
             )
 
+        # The sequence batcher supplies control and implicit state inputs, never
+        # the client, even where auto-complete listed them as inputs.
+        batching = config.sequence_batching
+        supplied = {c.name for c in batching.control_input}
+        supplied.update(s.input_name for s in batching.state)
         return cls(
             name=config.name,
             max_batch_size=config.max_batch_size,
-            inputs={i.name: spec(i, True) for i in config.input},
+            inputs={i.name: spec(i, True) for i in config.input if i.name not in supplied},
             outputs={o.name: spec(o, False) for o in config.output},
         )
 

@@ -106,6 +106,8 @@ class ModelStatistics:
         "execution_count",
         "failures",
         "batch_stats",
+        "traces",
+        "first_response",
         "_last_execution",
         "_wall_offset",
     )
@@ -125,6 +127,12 @@ class ModelStatistics:
         self.execution_count = 0
         self.failures: dict[FailureReason, int] = {reason: 0 for reason in FailureReason}
         self.batch_stats: dict[int, BatchStatistics] = {}
+        # Requests being traced -> their Trace (observability.trace): the executor
+        # adds its compute timestamps to these; empty unless a request is sampled.
+        self.traces: dict = {}
+        # Request-to-first-response histogram (observability.metrics), kept only
+        # when the metrics ask for it (--metrics-config histogram_latencies=true).
+        self.first_response = None
         self._last_execution: float | None = None
         # Trio's clock has an arbitrary origin; this maps it to the wall clock once,
         # so recording never reads the wall clock.

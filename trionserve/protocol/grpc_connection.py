@@ -83,7 +83,8 @@ class GrpcCall:
 
     __slots__ = (
         "method",
-        "metadata",
+        "_headers",
+        "_metadata",
         "deadline",
         "peer",
         "client_streaming",
@@ -109,14 +110,15 @@ class GrpcCall:
         conn: "Connection",
         stream_id: int,
         method: str,
-        metadata,
+        headers: list[tuple[bytes, bytes]],
         deadline: float | None,
         client_streaming: bool,
         reader: grpc_framing.MessageReader,
         compress: bool,
     ) -> None:
         self.method = method
-        self.metadata = metadata
+        self._headers = headers
+        self._metadata = None
         self.deadline = deadline
         self.peer = conn.peer
         self.client_streaming = client_streaming
@@ -135,6 +137,16 @@ class GrpcCall:
         self._send_lock = trio.Lock()
         self._headers_sent = False
         self._scope: trio.CancelScope | None = None
+
+    @property
+    def metadata(self):
+        """The request's metadata (custom headers), decoded on first use: most
+        calls never look at it."""
+        if self._metadata is None:
+            self._metadata = decode_metadata(
+                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._headers]
+            )
+        return self._metadata
 
     @property
     def draining(self) -> bool:
@@ -206,6 +218,10 @@ class Connection:
             h2.config.H2Configuration(
                 client_side=False,
                 header_encoding=None,
+                # Requests are checked where it matters (method, content type,
+                # path, timeout); h2's per-header validation cost more than
+                # decoding the request message.
+                validate_inbound_headers=False,
                 validate_outbound_headers=False,
                 normalize_outbound_headers=False,
             )
@@ -348,9 +364,6 @@ class Connection:
                     f"invalid grpc-timeout header {timeout.decode('latin-1')!r}",
                 )
                 return
-        metadata = decode_metadata(
-            [(k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers]
-        )
         compress = self.options.response_compression_level is not None and b"gzip" in fields.get(
             b"grpc-accept-encoding", b""
         )
@@ -358,7 +371,7 @@ class Connection:
             self,
             stream_id,
             path.decode("latin-1"),
-            metadata,
+            event.headers,
             deadline,
             method.client_streaming,
             grpc_framing.MessageReader(encoding, self.options.max_message_size),

@@ -29,6 +29,7 @@ from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings as update_log_settings
 from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.statistics import select_statistics
+from trionserve.observability.trace import settings_to_grpc
 from trionserve.protocol import grpc_codec
 from trionserve.protocol import grpc_service_pb2 as pb
 from trionserve.protocol.grpc_transport import (
@@ -57,7 +58,6 @@ _NOT_YET = {
     "CudaSharedMemoryStatus": "CUDA shared memory is",
     "CudaSharedMemoryRegister": "CUDA shared memory is",
     "CudaSharedMemoryUnregister": "CUDA shared memory is",
-    "TraceSetting": "trace settings are",
 }
 
 
@@ -133,6 +133,7 @@ class GrpcService:
             ),
             "ModelStatistics": unary(pb.ModelStatisticsRequest, self.model_statistics),
             "LogSettings": unary(pb.LogSettingsRequest, self.log_settings),
+            "TraceSetting": unary(pb.TraceSettingRequest, self.trace_setting),
             "SystemSharedMemoryStatus": unary(
                 pb.SystemSharedMemoryStatusRequest, self.system_shm_status
             ),
@@ -238,6 +239,20 @@ class GrpcService:
                 setting.uint32_param = value
             else:
                 setting.string_param = str(value)
+        return response
+
+    async def trace_setting(self, request: pb.TraceSettingRequest, call) -> Message:
+        """Update (when settings are given) and return the trace settings; an empty
+        value list clears a setting, as in Triton."""
+        changes = None
+        if request.settings:
+            changes = {
+                key: (list(value.value) or None) for key, value in request.settings.items()
+            }
+        current = self.dataplane.trace_settings(request.model_name or None, changes)
+        response = pb.TraceSettingResponse()
+        for key, values in settings_to_grpc(current).items():
+            response.settings[key].value.extend(values)
         return response
 
     # -- repository ------------------------------------------------------------------
@@ -360,13 +375,19 @@ class GrpcService:
                 if data is None:
                     break
                 await pending.acquire()
-                nursery.start_soon(self._stream_request, call, data, pending)
+                queued = trio.Event()
+                nursery.start_soon(self._stream_request, call, data, pending, queued)
+                # Queue the stream's requests in the order they came (as Triton does),
+                # so that the requests of a sequence reach its model in order.
+                await queued.wait()
         if error is not None:
             raise error
         if call.draining:
             raise GRPCError(Status.UNAVAILABLE, "the server is shutting down")
 
-    async def _stream_request(self, call: GrpcCall, data: bytes, pending: trio.Semaphore) -> None:
+    async def _stream_request(
+        self, call: GrpcCall, data: bytes, pending: trio.Semaphore, queued: trio.Event
+    ) -> None:
         message = request = None
         shared_memory = self.dataplane.shared_memory
         try:
@@ -392,16 +413,19 @@ class GrpcService:
                     )
                 await call.send(grpc_codec.encode_stream_response(inner))
 
-            await self.dataplane.infer_stream(request, deliver)
+            await self.dataplane.infer_stream(request, deliver, queued=queued)
         except TritonError as error:
+            queued.set()
             await self._send_stream_error(call, error.message, request or message)
         except trio.BrokenResourceError:
             pass  # the client reset the stream; the call is being cancelled
         except Exception as exc:
+            queued.set()
             log.exception("grpc stream request failed", method=call.method)
             text = as_triton_error(exc, "internal error").message
             await self._send_stream_error(call, text, request or message)
         finally:
+            queued.set()
             pending.release()
 
     @staticmethod

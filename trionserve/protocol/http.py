@@ -18,6 +18,7 @@ import gzip
 import json
 import re
 import zlib
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 
@@ -28,12 +29,20 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
+from trionserve.core.errors import (
+    InternalError,
+    InvalidArgument,
+    Status,
+    TritonError,
+    as_triton_error,
+)
+from trionserve.core.types import InferenceRequest
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.statistics import select_statistics
-from trionserve.protocol import http_codec
+from trionserve.observability.trace import settings_from_json
+from trionserve.protocol import generate_codec, http_codec
 from trionserve.protocol.http_server import H11Server, HttpServerOptions
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
@@ -338,7 +347,87 @@ def build_api_app(dataplane: DataPlane) -> QuartTrio:
         return _json(update_settings(await json_body()))
 
     add_shared_memory_routes(app, dataplane, json_body)
+    add_trace_routes(app, dataplane, json_body)
+    add_generate_routes(app, dataplane)
     return app
+
+
+def add_trace_routes(app: QuartTrio, dataplane: DataPlane, json_body) -> None:
+    """The trace extension: ``GET/POST /v2[/models/{name}]/trace/setting``."""
+
+    @app.get("/v2/trace/setting")
+    @app.get("/v2/models/<name>/trace/setting")
+    async def get_trace_settings(name: str | None = None):
+        return _json(dataplane.trace_settings(name))
+
+    @app.post("/v2/trace/setting")
+    @app.post("/v2/models/<name>/trace/setting")
+    async def set_trace_settings(name: str | None = None):
+        changes = settings_from_json(await json_body())
+        return _json(dataplane.trace_settings(name, changes))
+
+
+def add_generate_routes(app: QuartTrio, dataplane: DataPlane) -> None:
+    """The generate extension: ``POST .../generate`` (one JSON response) and
+    ``.../generate_stream`` (server-sent events, streamed as the model answers).
+
+    Errors before the first response are JSON errors with their status code; an
+    error after the stream started is sent as an error event.
+    """
+
+    async def decode(name: str, version: str | None) -> InferenceRequest:
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            raise InvalidArgument("Unsupported content-encoding, only 'identity' is supported.")
+        number = http_codec.parse_model_version(version or "")
+        model = dataplane.model(name, number)
+        body = await request.get_data()
+        return generate_codec.decode_generate_request(body, name, number, model.signature)
+
+    @app.post("/v2/models/<name>/generate")
+    @app.post("/v2/models/<name>/versions/<version>/generate")
+    async def generate(name: str, version: str | None = None):
+        infer_request = await decode(name, version)
+        responses = []
+        async with aclosing(dataplane.responses(infer_request)) as stream:
+            async for response, _final in stream:
+                if response is not None:
+                    responses.append(response)
+        if len(responses) != 1:
+            raise InternalError(generate_codec.NOT_ONE_RESPONSE)
+        payload = generate_codec.encode_generate_response(responses[0], infer_request.id)
+        return Response(generate_codec.encode_json(payload), content_type="application/json")
+
+    @app.post("/v2/models/<name>/generate_stream")
+    @app.post("/v2/models/<name>/versions/<version>/generate_stream")
+    async def generate_stream(name: str, version: str | None = None):
+        infer_request = await decode(name, version)
+        stream = dataplane.responses(infer_request)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            first = (None, True)
+        request_id = infer_request.id
+
+        async def events():
+            try:
+                response = first[0]
+                if response is not None:
+                    payload = generate_codec.encode_generate_response(response, request_id)
+                    yield generate_codec.encode_event(payload)
+                async for response, _final in stream:
+                    if response is not None:
+                        payload = generate_codec.encode_generate_response(response, request_id)
+                        yield generate_codec.encode_event(payload)
+            except TritonError as error:
+                yield generate_codec.encode_error_event(error.message)
+            except Exception as exc:  # a bug must end this stream only, with an answer
+                log.exception("generate_stream failed", model=name)
+                yield generate_codec.encode_error_event(as_triton_error(exc).message)
+            finally:
+                await stream.aclose()
+
+        return Response(events(), content_type=generate_codec.SSE_CONTENT_TYPE)
 
 
 def add_shared_memory_routes(app: QuartTrio, dataplane: DataPlane, json_body) -> None:

@@ -435,6 +435,7 @@ class _AsgiExchange:
         "_pending",
         "_body_done",
         "_received",
+        "_streamed",
     )
 
     def __init__(self, conn: _Connection, request: h11.Request) -> None:
@@ -446,6 +447,9 @@ class _AsgiExchange:
         self._pending: list = []
         self._body_done = False
         self._received = 0
+        # A response without Content-Length is a stream (server-sent events):
+        # each piece is written as it comes instead of being joined with the next.
+        self._streamed = False
 
     async def receive(self) -> dict:
         if self._body_done:
@@ -478,6 +482,7 @@ class _AsgiExchange:
         if kind == "http.response.start":
             self._status = message["status"]
             self._headers = list(message.get("headers", ()))
+            self._streamed = not any(k.lower() == b"content-length" for k, _ in self._headers)
             return
         if kind != "http.response.body":
             return
@@ -495,7 +500,7 @@ class _AsgiExchange:
         more = message.get("more_body", False)
         if not more:
             pending.append(h11conn.send(h11.EndOfMessage()))
-        if not more or sum(len(p) for p in pending) > _JOIN_LIMIT:
+        if not more or self._streamed or sum(len(p) for p in pending) > _JOIN_LIMIT:
             self._pending = []
             await conn._write(pending)
 

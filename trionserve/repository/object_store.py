@@ -27,12 +27,15 @@ Every method does blocking network and file I/O: run it in a worker thread.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Protocol
@@ -252,7 +255,7 @@ def _local_path(key: str) -> PurePosixPath | None:
     Skipped: keys that would leave the cache (``..``, absolute), empty path
     components, and names the mirror reserves for itself.
     """
-    parts = key.rstrip("/").split("/")
+    parts = key.split("/")
     if not key or any(p in ("", ".", "..") for p in parts) or parts[0].startswith(".trionserve"):
         return None
     return PurePosixPath(*parts)
@@ -307,6 +310,11 @@ class ObjectStoreMirror:
                 ) from None
             try:
                 return self._apply(scope, listing)
+            except OSError as exc:  # the cache's file system: full, read-only, ...
+                raise Unavailable(
+                    f"failed to update the local copy of '{self.location.url}' in "
+                    f"'{self.root}': {exc}"
+                ) from None
             finally:
                 self._write_manifest()
                 shutil.rmtree(self.root / _PARTIAL, ignore_errors=True)
@@ -315,16 +323,14 @@ class ObjectStoreMirror:
         added, updated, removed = [], [], []
         wanted: set[str] = set()
         for info in listing:
+            if info.key.endswith("/") or not info.key:
+                continue  # a "folder" marker: directories exist through their files
             relative = _local_path(info.key)
             if relative is None:
-                if info.key and not info.key.endswith("/"):
-                    log.warning("object skipped: its key cannot be a file name",
-                                repository=self.location.url, key=info.key)
+                log.warning("object skipped: its key cannot be a file name",
+                            repository=self.location.url, key=info.key)
                 continue
             target = self.root / relative
-            if info.key.endswith("/"):  # a "folder" marker object
-                target.mkdir(parents=True, exist_ok=True)
-                continue
             key = str(relative)
             wanted.add(key)
             if self._manifest.get(key) == (info.etag, info.size) and _size(target) == info.size:
@@ -415,3 +421,34 @@ def _reason(exc: Exception) -> str:
         error = response["Error"]
         return f"{error.get('Code', '')}: {error.get('Message', '')}".strip(": ")
     return str(exc) or type(exc).__name__
+
+
+def open_mirrors(
+    paths: Iterable[Path | str], cache_dir: Path | str | None = None
+) -> tuple[list[Path | str], list[ObjectStoreMirror]]:
+    """Replace each object-storage location in ``paths`` by a synced local copy.
+
+    Returns the paths, in order, with each location replaced by its copy's
+    directory, and the mirrors that keep the copies. Copies live in ``cache_dir``
+    (one subdirectory per location, kept across restarts), or without one in a
+    temporary directory removed when the process exits. Raises Unavailable when a
+    location cannot be read, InvalidArgument when it cannot be parsed.
+    """
+    paths = list(paths)
+    mirrors: list[ObjectStoreMirror] = []
+    if not any(is_remote(p) for p in paths):
+        return paths, mirrors
+    if cache_dir is None:
+        cache_dir = tempfile.mkdtemp(prefix="trionserve-model-cache-")
+        atexit.register(shutil.rmtree, cache_dir, ignore_errors=True)
+    result: list[Path | str] = []
+    for path in paths:
+        if not is_remote(path):
+            result.append(path)
+            continue
+        location = parse_location(str(path))
+        mirror = ObjectStoreMirror(location, Path(cache_dir) / cache_name(location))
+        mirror.sync()
+        mirrors.append(mirror)
+        result.append(mirror.root)
+    return result, mirrors

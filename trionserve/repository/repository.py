@@ -2,8 +2,10 @@
 
 Layout: ``<repository>/<model>/config.pbtxt`` and ``<repository>/<model>/<version>/``.
 A model is any non-hidden subdirectory of a repository (``__pycache__`` excepted);
-files beside the models are ignored. All methods do blocking file-system calls:
-run them in a worker thread.
+files beside the models are ignored. A repository may also be an s3://, gs:// or
+as:// location, served from a local copy (see object_store.py). All methods do
+blocking file-system (and, for object storage, network) calls: run them in a
+worker thread.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trionserve.core.errors import InvalidArgument, NotFound, Unavailable
+from trionserve.repository.object_store import open_mirrors
 
 
 def _is_model_name(name: str) -> bool:
@@ -46,7 +49,17 @@ class ModelRepository:
     return a name that is hidden, ``__pycache__`` or contains a path separator.
     """
 
-    def __init__(self, paths: Iterable[Path | str]) -> None:
+    def __init__(
+        self,
+        paths: Iterable[Path | str],
+        *,
+        cache_dir: Path | str | None = None,
+        refresh_on_find: bool = False,
+    ) -> None:
+        # s3://, gs:// and as:// locations are mirrored into local directories
+        # (object_store.py); everything else here sees only local paths.
+        paths, self.mirrors = open_mirrors(paths, cache_dir)
+        self.refresh_on_find = refresh_on_find
         self.paths: list[Path] = [Path(p) for p in paths]
         if not self.paths:
             raise InvalidArgument("at least one model repository path is required")
@@ -55,6 +68,11 @@ class ModelRepository:
                 raise InvalidArgument(f"model repository path '{path}' does not exist")
             if not path.is_dir():
                 raise InvalidArgument(f"model repository path '{path}' is not a directory")
+
+    def refresh(self) -> None:
+        """Bring the local copies of object-storage repositories up to date."""
+        for mirror in self.mirrors:
+            mirror.sync()
 
     def scan(self) -> RepositoryScan:
         """Every model in every repository; see :class:`RepositoryScan` for duplicates."""
@@ -82,6 +100,9 @@ class ModelRepository:
         not_found = NotFound(f"model '{name}' is not found in the model repository")
         if not _is_model_name(name) or any(c in name for c in "/\\\0"):
             raise not_found
+        if self.refresh_on_find:  # EXPLICIT mode: a load fetches the model's latest files
+            for mirror in self.mirrors:
+                mirror.sync(name)
         dirs = [repo / name for repo in self.paths if (repo / name).is_dir()]
         if not dirs:
             raise not_found

@@ -152,6 +152,15 @@ class StubRuntime:
                         "and the execute function must return None."
                     )
                 reply["responses"] = self._encode_all(requests, result)
+            elif not self.decoupled:
+                unanswered = sum(1 for r in requests if not r._sender._closed)
+                if unanswered:
+                    raise pb.TritonModelException(
+                        f"execute returned None but sent no final response for "
+                        f"{unanswered} of {len(requests)} request(s); a model that is "
+                        "not decoupled returns a list of responses, or sends each "
+                        "request's response with TRITONSERVER_RESPONSE_COMPLETE_FINAL"
+                    )
         except BaseException as exc:
             reply["error"] = (
                 f"Failed to process the request(s) for model instance "
@@ -192,14 +201,21 @@ class StubRuntime:
                 f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
                 f"and InferenceResponse(s) size is:{len(result)}\n"
             )
-        encoded = []
-        for response in result:
-            if not isinstance(response, pb.InferenceResponse):
-                raise pb.TritonModelException(
-                    "Expected an 'InferenceResponse' object in the execute function "
-                    f"return list, found type '{type(response)}'."
-                )
-            encoded.append(self.encode_response(response))
+        encoded: list[dict] = []
+        try:
+            for response in result:
+                if not isinstance(response, pb.InferenceResponse):
+                    raise pb.TritonModelException(
+                        "Expected an 'InferenceResponse' object in the execute function "
+                        f"return list, found type '{type(response)}'."
+                    )
+                encoded.append(self.encode_response(response))
+        except BaseException:
+            # Nothing is sent: the blocks already written go back to the arena.
+            self.arena.free(
+                block_of(ref) for e in encoded for ref in e["outputs"] if ref[5]
+            )
+            raise
         return encoded
 
     def encode_response(self, response) -> dict:

@@ -1,0 +1,366 @@
+"""The same load matrix against several servers in one run, printed as one table.
+
+Every point (workload x concurrency) runs against each server in turn, for
+``rounds`` rounds with the order rotated each round, so slow drifts of a noisy
+machine hit every server alike; the table gives throughput with its ratio to the
+reference server (the first), p50/p99 latency, the server's CPU time per
+inference (its whole process tree, from /proc) and the MB/s of large tensors.
+The peak RSS of each server's process tree closes the table.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.loadgen import ClientPool, LoadResult, Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "model_repository"
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# --------------------------------------------------------------- process trees
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, ()))
+    return pids
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User + system CPU seconds of the given processes."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICKS
+
+
+def peak_rss_mb(pids: Iterable[int]) -> float:
+    """Sum of the processes' peak resident set sizes (VmHWM), in MB."""
+    total_kb = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        total_kb += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return total_kb / 1024
+
+
+# --------------------------------------------------------------------- servers
+
+
+@dataclass
+class Target:
+    """A running server under test.
+
+    ``models`` maps a workload kind ("simple", "identity") to the model name this
+    server serves it under; ``unsupported`` maps workload names it cannot serve
+    to why (shown in the table instead of figures).
+    """
+
+    label: str
+    pid: int
+    http_url: str | None = None
+    grpc_url: str | None = None
+    models: dict[str, str] = field(default_factory=dict)
+    unsupported: dict[str, str] = field(default_factory=dict)
+
+    def url(self, workload: Workload) -> str | None:
+        return self.http_url if workload.protocol == "http" else self.grpc_url
+
+    def why_not(self, workload: Workload) -> str | None:
+        if self.url(workload) is None:
+            return f"no {workload.protocol}"
+        return self.unsupported.get(workload.name)
+
+    def adapt(self, workload: Workload) -> Workload:
+        model = self.models.get(workload.kind)
+        if model is None or model == workload.model:
+            return workload
+        return Workload(
+            workload.name, workload.protocol, workload.kind, model, workload.binary, workload.elements
+        )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server started as a subprocess, its output in a temporary log file."""
+
+    def __init__(self, label: str, command: list[str], env: dict | None = None, cwd=None) -> None:
+        self.label = label
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{label}-", suffix=".log")
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, **(env or {})),
+            cwd=cwd,
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def output(self, tail: int = 4000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-tail:]
+
+    def wait_http(self, url: str, path: str, timeout: float) -> None:
+        """Wait until GET ``path`` answers 200 (or raise with the server's log)."""
+        import http.client
+
+        host, port = url.rsplit(":", 1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.label} exited with {self.process.returncode}:\n{self.output()}"
+                )
+            connection = http.client.HTTPConnection(host, int(port), timeout=2)
+            try:
+                connection.request("GET", path)
+                if connection.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            finally:
+                connection.close()
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.label} did not become ready in {timeout:g} s:\n{self.output()}")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it if it lingers."""
+        import signal
+
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # stragglers of its group
+        except ProcessLookupError:
+            pass
+        if self.process.poll() is None:
+            self.process.wait()
+        self.log.close()
+
+
+def start_trionserve(
+    label: str,
+    repository: Path = EXAMPLES,
+    args: Iterable[str] = (),
+    tree: Path | None = None,
+    ready_timeout: float = 120.0,
+) -> tuple[ServerProcess, Target]:
+    """trionserve on free loopback ports; ``tree``: run it from another source tree
+    (e.g. a ``git worktree`` of an older commit) instead of the installed one."""
+    http_port, grpc_port = free_port(), free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "trionserve",
+        f"--model-repository={repository}",
+        "--http-address=127.0.0.1",
+        f"--http-port={http_port}",
+        "--grpc-address=127.0.0.1",
+        f"--grpc-port={grpc_port}",
+        "--allow-metrics=false",
+        *args,
+    ]
+    env = {"PYTHONUNBUFFERED": "1"}
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
+    server = ServerProcess(label, command, env, cwd=tree or ROOT)
+    http_url = f"127.0.0.1:{http_port}"
+    try:
+        server.wait_http(http_url, "/v2/health/ready", ready_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server, Target(label, server.pid, http_url, f"127.0.0.1:{grpc_port}")
+
+
+# ---------------------------------------------------------------------- the run
+
+
+@dataclass
+class Cell:
+    """One server's figures at one point, summed over rounds."""
+
+    requests: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    cpu: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    first_error: str = ""
+    skipped: str = ""
+
+    def add(self, result: LoadResult) -> None:
+        self.requests += result.requests
+        self.errors += result.errors
+        self.seconds += result.seconds
+        self.cpu += result.extra or 0.0
+        self.latencies_ms.extend(result.latencies_ms)
+        self.first_error = self.first_error or result.first_error
+
+    @property
+    def throughput(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    def percentile(self, p: float) -> float:
+        if not self.latencies_ms:
+            return float("nan")
+        ordered = sorted(self.latencies_ms)
+        return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
+
+
+def _cpu_window(pid: int):
+    def sample(start_at: float, stop_at: float) -> float:
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        pids = tree_pids(pid)
+        before = cpu_seconds(pids)
+        time.sleep(max(0.0, stop_at - time.monotonic()))
+        return cpu_seconds(pids) - before
+
+    return sample
+
+
+def run_matrix(
+    targets: list[Target],
+    workloads: list[Workload],
+    concurrencies: list[int],
+    duration: float,
+    warmup: float = 1.0,
+    rounds: int = 1,
+    client_processes: int | None = None,
+    max_requests: int = 1_000_000,
+    log=print,
+) -> dict[tuple[str, int, str], Cell]:
+    """Run every point against every target; returns (workload, concurrency,
+    target label) -> Cell."""
+    cells: dict[tuple[str, int, str], Cell] = {}
+    with ClientPool(client_processes) as pool:
+        for workload in workloads:
+            for concurrency in concurrencies:
+                order = list(targets)
+                for round_index in range(rounds):
+                    shift = round_index % len(order)
+                    for target in order[shift:] + order[:shift]:
+                        cell = cells.setdefault((workload.name, concurrency, target.label), Cell())
+                        why = target.why_not(workload)
+                        if why:
+                            cell.skipped = why
+                            continue
+                        result = pool.run(
+                            target.adapt(workload),
+                            target.url(workload),
+                            concurrency,
+                            duration,
+                            warmup,
+                            max_requests,
+                            on_window=_cpu_window(target.pid),
+                        )
+                        cell.add(result)
+                        log(
+                            f"  {workload.name:<20} c={concurrency:<3} {target.label:<16} "
+                            f"{result.throughput:9.1f} infer/s  errors {result.errors}"
+                            + (f"  ({result.first_error})" if result.first_error else ""),
+                        )
+    return cells
+
+
+def format_table(
+    targets: list[Target],
+    workloads: list[Workload],
+    concurrencies: list[int],
+    cells: dict[tuple[str, int, str], Cell],
+    peak_rss: dict[str, float] | None = None,
+) -> str:
+    """One table: a row per point and server, ratios to the first server."""
+    reference = targets[0].label
+    lines = [
+        f"{'workload':<20} {'c':>3}  {'server':<16} {'infer/s':>9} {'x ' + reference:>14} "
+        f"{'MB/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'cpu ms/inf':>10} {'errors':>6}"
+    ]
+    lines.append("-" * len(lines[0]))
+    for workload in workloads:
+        for concurrency in concurrencies:
+            ref = cells.get((workload.name, concurrency, reference))
+            ref_rate = ref.throughput if ref is not None else 0.0
+            for target in targets:
+                cell = cells.get((workload.name, concurrency, target.label))
+                if cell is None:
+                    continue
+                head = f"{workload.name:<20} {concurrency:>3}  {target.label:<16}"
+                if cell.skipped and not cell.requests:
+                    lines.append(f"{head} {'-':>9}   ({cell.skipped})")
+                    continue
+                rate = cell.throughput
+                ratio = f"{rate / ref_rate:.2f}x" if ref_rate else "-"
+                mbs = rate * workload.request_bytes / 1e6 if workload.kind == "identity" else None
+                cpu = cell.cpu / cell.requests * 1000 if cell.requests else float("nan")
+                lines.append(
+                    f"{head} {rate:9.1f} {ratio:>14} "
+                    f"{(f'{mbs:.0f}' if mbs is not None else ''):>7} "
+                    f"{cell.percentile(50):7.2f} {cell.percentile(99):7.2f} {cpu:10.3f} "
+                    f"{cell.errors:>6}"
+                )
+                if cell.errors and cell.first_error:
+                    lines.append(f"{'':<26}first error: {cell.first_error[:150]}")
+    if peak_rss:
+        lines.append("")
+        lines.append(
+            "peak RSS of each server's process tree: "
+            + ", ".join(f"{label} {mb:.0f} MB" for label, mb in peak_rss.items())
+        )
+    return "\n".join(lines)
+
+
+def peak_rss_of(targets: list[Target]) -> dict[str, float]:
+    return {t.label: peak_rss_mb(tree_pids(t.pid)) for t in targets}

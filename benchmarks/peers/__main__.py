@@ -1,0 +1,126 @@
+"""trionserve side by side with Triton, KServe and MLServer: one run, one table.
+
+Usage:
+    python -m benchmarks.peers [--peers triton,kserve,mlserver] [--duration 5]
+        [--rounds 1] [--concurrency 1,4,16] [--workloads ...] [--python-backend]
+        [--venv-root DIR] [--install-timeout 900] [--install-only]
+
+Installs each peer into its own virtual environment under ``--venv-root``
+(default ``~/.cache/trionserve-benchmarks/peers``; reused by later runs), starts
+trionserve and every peer that installed on free loopback ports, all at once,
+and runs the same matrix against each in turn (benchmarks/matrix.py): `simple`
+over HTTP binary, HTTP JSON and gRPC at each concurrency, and the 4 MB identity
+over HTTP binary and gRPC. The table gives ratios to trionserve. A peer that
+cannot be installed or started is reported and skipped.
+
+``--python-backend`` adds trionserve serving the very Python-backend models
+Triton serves (the like-for-like row; trionserve's default `simple` is ONNX).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+from benchmarks.loadgen import standard_workloads
+from benchmarks.matrix import format_table, peak_rss_of, run_matrix, start_trionserve
+from benchmarks.peers.common import PeerUnavailable, default_venv_root
+from benchmarks.peers.kserve import KServe
+from benchmarks.peers.mlserver import MLServer
+from benchmarks.peers.triton import Triton, write_repository
+
+PEERS = {peer.name: peer for peer in (Triton, KServe, MLServer)}
+DEFAULT_WORKLOADS = (
+    "simple http binary,simple http json,simple grpc,identity 4MB http,identity 4MB grpc"
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per point")
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
+    parser.add_argument("--client-processes", type=int, default=None)
+    parser.add_argument("--python-backend", action="store_true",
+                        help="also run trionserve on the Python-backend models")
+    parser.add_argument("--venv-root", type=Path, default=default_venv_root())
+    parser.add_argument("--install-timeout", type=float, default=900.0,
+                        help="seconds allowed for each peer's pip install")
+    parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument("--install-only", action="store_true")
+    args = parser.parse_args()
+
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    if not 0 < args.duration <= 120 or not all(0 < c <= 128 for c in concurrencies):
+        raise SystemExit("--duration must be in (0, 120] and each concurrency in 1..128")
+    known = standard_workloads()
+    try:
+        workloads = [known[name.strip()] for name in args.workloads.split(",")]
+    except KeyError as exc:
+        raise SystemExit(f"unknown workload {exc}; known: {', '.join(known)}") from None
+    try:
+        peers = [PEERS[name.strip()](args.venv_root, args.install_timeout)
+                 for name in args.peers.split(",") if name.strip()]
+    except KeyError as exc:
+        raise SystemExit(f"unknown peer {exc}; known: {', '.join(PEERS)}") from None
+
+    skipped: dict[str, str] = {}
+    installed = []
+    for peer in peers:
+        try:
+            peer.install(log=lambda line: print(line, flush=True))
+            installed.append(peer)
+        except PeerUnavailable as exc:
+            skipped[peer.name] = f"not installed: {exc}"
+            print(f"[{peer.name}] skipped: {exc}", flush=True)
+    if args.install_only:
+        return
+
+    running = []
+    with tempfile.TemporaryDirectory(prefix="trionserve-peers-") as tmp:
+        try:
+            server, target = start_trionserve("trionserve")
+            running.append((server, target))
+            if args.python_backend:
+                repository = write_repository(Path(tmp) / "trionserve-py")
+                server, target = start_trionserve("trionserve-py", repository=repository)
+                running.append((server, target))
+            for peer in installed:
+                workdir = Path(tmp) / peer.name
+                workdir.mkdir()
+                try:
+                    started = peer.start(workdir, args.ready_timeout)
+                except PeerUnavailable as exc:
+                    skipped[peer.name] = f"did not start: {exc}"[:300]
+                    print(f"[{peer.name}] skipped: {exc}"[:2000], flush=True)
+                    continue
+                running.append((started.process, started.target))
+            targets = [target for _, target in running]
+            print(f"host: {os.cpu_count()} CPUs; {args.duration:g} s x {args.rounds} round(s) "
+                  f"per point; servers: {', '.join(t.label for t in targets)}", flush=True)
+            cells = run_matrix(
+                targets, workloads, concurrencies, args.duration, args.warmup, args.rounds,
+                args.client_processes, log=lambda line: print(line, flush=True),
+            )
+            rss = peak_rss_of(targets)
+        finally:
+            for process, _ in running:
+                process.stop()
+    print()
+    for peer in peers:
+        print(f"{peer.name:<10} {peer.description}")
+    print()
+    print(format_table(targets, workloads, concurrencies, cells, rss))
+    for name, why in skipped.items():
+        print(f"{name}: {why}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Virtual time for the real runtime: blocking calls run inline, scheduling is seeded.
+
+Worker threads do not advance a ``MockClock``: while the loop waits on a thread, an
+autojumping clock leaps to the next deadline, so a run would depend on how fast
+the machine is. Inside :func:`virtual_runtime`, ``trio.to_thread.run_sync`` runs
+its function on the Trio thread instead, after a virtual delay that the function's
+owner may declare with a ``virtual_seconds(method_name, args)`` method (the
+simulated backend does, for loading and executing). Like a real worker thread,
+the call cannot be interrupted once it has started.
+
+Trio shuffles each batch of runnable tasks with a module-level random generator;
+seeding it (and sorting each batch first, as Trio does under Hypothesis) makes the
+task interleaving a function of the seed, so a seed replays a run exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import trio
+import trio._core._run as _trio_run
+
+
+async def inline_run_sync(sync_fn, *args, limiter=None, **_options):
+    """``trio.to_thread.run_sync`` on the Trio thread, on the virtual clock."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    holder = limiter if limiter is not None else contextlib.nullcontext()
+    async with holder:
+        owner = getattr(sync_fn, "__self__", None)
+        declare = getattr(owner, "virtual_seconds", None)
+        seconds = declare(sync_fn.__name__, args) if declare is not None else 0.0
+        # A thread that has started cannot be interrupted: neither can this call.
+        with trio.CancelScope(shield=True):
+            if seconds > 0:
+                await trio.sleep(seconds)
+            result = sync_fn(*args)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+    return result
+
+
+@contextlib.contextmanager
+def virtual_runtime(seed: int) -> Iterator[None]:
+    """Inline worker threads and seeded scheduling for the runs made inside."""
+    saved_run_sync = trio.to_thread.run_sync
+    saved_flag = _trio_run._ALLOW_DETERMINISTIC_SCHEDULING
+    saved_state = _trio_run._r.getstate()
+    trio.to_thread.run_sync = inline_run_sync
+    _trio_run._ALLOW_DETERMINISTIC_SCHEDULING = True
+    _trio_run._r.seed(seed)
+    try:
+        yield
+    finally:
+        trio.to_thread.run_sync = saved_run_sync
+        _trio_run._ALLOW_DETERMINISTIC_SCHEDULING = saved_flag
+        _trio_run._r.setstate(saved_state)
+
+
+@contextlib.contextmanager
+def seeded_scheduling(seed: int) -> Iterator[None]:
+    """Seeded scheduling only, for runs that use real threads and processes."""
+    saved_flag = _trio_run._ALLOW_DETERMINISTIC_SCHEDULING
+    saved_state = _trio_run._r.getstate()
+    _trio_run._ALLOW_DETERMINISTIC_SCHEDULING = True
+    _trio_run._r.seed(seed)
+    try:
+        yield
+    finally:
+        _trio_run._ALLOW_DETERMINISTIC_SCHEDULING = saved_flag
+        _trio_run._r.setstate(saved_state)

@@ -1,0 +1,297 @@
+"""Prometheus metrics: scraped from a real server and parsed with prometheus-client.
+
+Counters must move by exactly what was sent (successes and failures apart), agree
+with the statistics extension, and the pending count must show queued requests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from tests.serverproc import EXAMPLES, ServerProcess
+from trionserve.observability.metrics import (
+    FirstResponseHistogram,
+    parse_metrics_config,
+)
+
+# -- units --------------------------------------------------------------------------------
+
+
+def test_metrics_config_settings():
+    assert parse_metrics_config([]) == {}
+    assert parse_metrics_config(["histogram_latencies=true", "counter_latencies=false"]) == {
+        "histogram_latencies": True,
+        "counter_latencies": False,
+    }
+    assert parse_metrics_config(["summary_latencies=false", "summary_quantiles=0.5:0.05"]) == {}
+    for bad in ("histogram_latencies", "histogram_latencies=maybe", "nope=1",
+                "summary_latencies=true"):
+        with pytest.raises(ValueError):
+            parse_metrics_config([bad])
+
+
+def test_first_response_histogram_buckets_are_cumulative():
+    histogram = FirstResponseHistogram([500, 100])
+    for ms in (1, 100, 101, 700):
+        histogram.observe(ms)
+    assert histogram.buckets() == [("100", 2), ("500", 3), ("+Inf", 4)]
+    assert histogram.count == 4 and histogram.sum == 902
+
+
+# -- end to end ----------------------------------------------------------------------------
+
+GATED_CONFIG = """
+name: "gated"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU, count: 1 } ]
+parameters { key: "gate" value: { string_value: "%s" } }
+"""
+
+# Waits until the gate file exists; IN < 0 fails the request in the backend.
+GATED_MODEL = """
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.gate = config["parameters"]["gate"]["string_value"]
+
+    def execute(self, requests):
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            if value[0] < 0:
+                raise ValueError("negative input")
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", value * 2)]))
+        return responses
+"""
+
+DECOUPLED_CONFIG = """
+name: "repeat"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+"""
+
+DECOUPLED_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            count = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+            sender = request.get_response_sender()
+            for index in range(count):
+                sender.send(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("OUT", np.array([index], np.int32))
+                ]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+@pytest.fixture(scope="module")
+def gate(tmp_path_factory):
+    return tmp_path_factory.mktemp("gate") / "open"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, gate):
+    root = tmp_path_factory.mktemp("metrics_models")
+    for name, config, source in (
+        ("gated", GATED_CONFIG % gate, GATED_MODEL),
+        ("repeat", DECOUPLED_CONFIG, DECOUPLED_MODEL),
+    ):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(config)
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
+    proc = ServerProcess(
+        root, EXAMPLES, args=["--metrics-config=histogram_latencies=true", "--metrics-interval-ms=50"]
+    )
+    try:
+        proc.wait_ready(path="/v2/health/ready")  # every frontend listens
+        yield proc
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+
+
+@pytest.fixture
+def client(server):
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8)
+    yield client
+    client.close()
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """Every sample of /metrics as {(name, sorted labels): value}."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+    connection.request("GET", "/metrics")
+    response = connection.getresponse()
+    assert response.status == 200
+    samples = {}
+    for family in text_string_to_metric_families(response.read().decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples, name: str, model: str, **labels) -> float:
+    key = (name, tuple(sorted({"model": model, "version": "1", **labels}.items())))
+    return samples[key]
+
+
+def simple_inputs(rows: int = 16):
+    a = np.arange(rows, dtype=np.int32).reshape(1, rows)
+    inputs = [httpclient.InferInput("INPUT0", [1, rows], "INT32"),
+              httpclient.InferInput("INPUT1", [1, rows], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a)
+    return inputs
+
+
+def gated_input(value: int):
+    infer_input = httpclient.InferInput("IN", [1], "INT32")
+    infer_input.set_data_from_numpy(np.array([value], np.int32))
+    return [infer_input]
+
+
+def test_counters_move_by_exactly_what_was_sent(server, client):
+    before = scrape(server)
+    for _ in range(5):
+        client.infer("simple", simple_inputs())
+    for _ in range(3):
+        with pytest.raises(InferenceServerException, match="unexpected shape"):
+            client.infer("simple", simple_inputs(rows=8))
+    after = scrape(server)
+
+    def moved(name, **labels):
+        return value(after, name, "simple", **labels) - value(before, name, "simple", **labels)
+
+    assert moved("nv_inference_request_success") == 5
+    assert moved("nv_inference_count") == 5
+    assert moved("nv_inference_exec_count") == 5
+    # Requests that fail validation are failures of the model (reason OTHER).
+    assert moved("nv_inference_request_failure", reason="OTHER") == 3
+    for reason in ("REJECTED", "CANCELED", "BACKEND"):
+        assert moved("nv_inference_request_failure", reason=reason) == 0
+    assert moved("nv_inference_request_duration_us") > 0
+    assert moved("nv_inference_compute_infer_duration_us") > 0
+    assert moved("nv_inference_queue_duration_us") >= 0
+    # The counters are the statistics extension's, never a second count.
+    stats = client.get_inference_statistics("simple")["model_stats"][0]["inference_stats"]
+    assert value(after, "nv_inference_request_success", "simple") == stats["success"]["count"]
+    assert value(after, "nv_inference_request_failure", "simple", reason="OTHER") == (
+        stats["fail"]["count"]
+    )
+    assert value(after, "nv_inference_queue_duration_us", "simple") == stats["queue"]["ns"] // 1000
+
+
+def test_pending_count_and_backend_failures(server, client, gate):
+    """With the only instance held by the gate, one request executes and the
+    others wait in the queue: the pending count shows them."""
+    before = scrape(server)
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client.infer, "gated", gated_input(v)) for v in (1, 2, 3, -1)]
+        deadline = time.monotonic() + 30
+        while value(scrape(server), "nv_inference_pending_request_count", "gated") != 3:
+            assert time.monotonic() < deadline, "the queued requests never showed as pending"
+            time.sleep(0.02)
+        gate.touch()
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(int(future.result().as_numpy("OUT")[0]))
+            except InferenceServerException as exc:
+                outcomes.append(str(exc))
+    assert outcomes[:3] == [2, 4, 6]
+    assert "negative input" in outcomes[3]
+    after = scrape(server)
+    assert value(after, "nv_inference_pending_request_count", "gated") == 0
+    succeeded = value(after, "nv_inference_request_success", "gated") - value(
+        before, "nv_inference_request_success", "gated"
+    )
+    failed = value(after, "nv_inference_request_failure", "gated", reason="BACKEND") - value(
+        before, "nv_inference_request_failure", "gated", reason="BACKEND"
+    )
+    assert (succeeded, failed) == (3, 1)
+    queued = value(after, "nv_inference_queue_duration_us", "gated") - value(
+        before, "nv_inference_queue_duration_us", "gated"
+    )
+    assert queued > 0  # three requests waited behind the gate
+
+
+def test_first_response_histogram_for_a_decoupled_model(server):
+    import tritonclient.grpc as grpcclient
+
+    before = scrape(server)
+    results = []
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    client.start_stream(callback=lambda result, error: results.append(error or result))
+    try:
+        for count in (2, 3):
+            infer_input = grpcclient.InferInput("IN", [1], "INT32")
+            infer_input.set_data_from_numpy(np.array([count], np.int32))
+            client.async_stream_infer("repeat", [infer_input])
+    finally:
+        client.stop_stream()
+        client.close()
+    assert len(results) == 5 and not any(isinstance(r, Exception) for r in results)
+    after = scrape(server)
+    name = "nv_inference_first_response_histogram_ms"
+    # One observation per request (its first response), not per response.
+    assert value(after, name + "_count", "repeat") - value(before, name + "_count", "repeat") == 2
+    assert value(after, name + "_bucket", "repeat", le="+Inf") == value(after, name + "_count", "repeat")
+    assert value(after, name + "_sum", "repeat") > value(before, name + "_sum", "repeat")
+    # The decoupled executions count as successes too.
+    assert value(after, "nv_inference_request_success", "repeat") - value(
+        before, "nv_inference_request_success", "repeat"
+    ) == 2
+
+
+def test_process_and_cpu_metrics_and_other_paths(server):
+    samples = scrape(server)
+    names = {name for name, _ in samples}
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= names
+    assert {"nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes"} <= names
+    assert 0 < samples[("nv_cpu_memory_used_bytes", ())] <= samples[("nv_cpu_memory_total_bytes", ())]
+    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+    connection.request("GET", "/v2/health/ready")
+    response = connection.getresponse()
+    assert response.status == 404
+    assert "error" in json.loads(response.read())
+
+
+def test_metrics_text_uses_tritons_names(server):
+    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    assert 'nv_inference_request_success{model="simple",version="1"} ' in text
+    assert 'nv_inference_request_failure{model="simple",reason="BACKEND",version="1"} ' in text
+    assert "nv_inference_request_success_total" not in text

@@ -1,0 +1,229 @@
+"""The fault-injection simulations: a fast sweep of every scenario, and proof that each
+invariant check fails when the runtime is broken on purpose.
+
+The sweep runs each scenario for its ``fast_seeds`` seeds on the virtual clock (the
+Python stub scenario on the real one). A failing seed is reported with the command
+that replays it. The deliberate-break tests patch one runtime behaviour at a time
+(a backend that drops a response, a scheduler that answers twice, ...) and assert
+that the matching invariant reports it, so the checks cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from simulations import invariants
+from simulations.__main__ import main as cli
+from simulations.backend import SERVING, AsyncSimInstance
+from simulations.harness import COMPLETES, run_seed
+from simulations.probes import QUEUE_BOUNDS
+from simulations.scenario import SCENARIOS
+from simulations.sweep import SweepTotals, failure_report, scenarios_named, sweep
+from trionserve.actors import batcher as batcher_module
+from trionserve.actors import scheduler as scheduler_module
+from trionserve.actors.executor import InstanceExecutor
+from trionserve.actors.registry import ModelRegistry
+from trionserve.actors.watcher import ControlMode, RepositoryWatcher
+from trionserve.repository.snapshot import snapshot_repository
+
+ALL = [scenario.name for scenario in scenarios_named(["all"])]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=None)
+def fast_sweep(name: str) -> SweepTotals:
+    totals = SweepTotals(name)
+    scenario = SCENARIOS[name]
+    for result, seconds in sweep(scenario, range(scenario.fast_seeds)):
+        totals.add(result, seconds)
+    return totals
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_fast_sweep(name):
+    totals = fast_sweep(name)
+    assert not totals.failures, "\n\n".join(failure_report(r) for r in totals.failures)
+    assert totals.requests > 0
+
+
+def test_clients_cancel_at_every_point_of_a_request():
+    phases = fast_sweep("client_cancellation").cancel_phases
+    assert {"queued", "batched", "executing", "responding"} <= set(phases), phases
+
+
+def test_a_seed_replays_exactly_in_another_process():
+    scenario = SCENARIOS["shutdown_midway"]
+    first, second = run_seed(scenario, 7), run_seed(scenario, 7)
+    assert first.digest == second.digest
+    code = ("from simulations.harness import run_seed; from simulations.sweep import "
+            "scenarios_named; print(run_seed(scenarios_named(['shutdown_midway'])[0], 7).digest)")
+    env = dict(os.environ, PYTHONHASHSEED="4242", PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.split()
+    assert out[-1] == first.digest
+
+
+# -- deliberate breaks ------------------------------------------------------------------
+
+
+def variant(name: str, tweak=None, **scenario_changes):
+    """A registered scenario with its setup changed by ``tweak(setup)``."""
+    base = SCENARIOS[name]
+
+    def setup(world):
+        result = base.setup(world)
+        if tweak is not None:
+            tweak(result)
+        return result
+
+    return dataclasses.replace(base, name=f"{name}-broken", setup=setup, **scenario_changes)
+
+
+def violations_of(scenario, invariant: str, seeds=range(5)) -> list:
+    """The violations of ``invariant`` in the first seed that has any."""
+    for seed in seeds:
+        found = [v for v in run_seed(scenario, seed).violations if v.invariant == invariant]
+        if found:
+            return found
+    return []
+
+
+def test_a_backend_that_drops_a_response_is_caught():
+    def drop(setup):
+        setup.faults.p_drop = 0.3
+        setup.models = [m.evolve(kind="async") for m in setup.models]
+
+    found = violations_of(variant("backend_exception", drop), invariants.ONE_OUTCOME)
+    assert any("never got an outcome" in v.detail for v in found), found
+    assert violations_of(variant("backend_exception", drop), invariants.NOTHING_LOST)
+
+
+def test_a_scheduler_that_answers_twice_is_caught(monkeypatch):
+    deliver = scheduler_module.deliver_outcomes
+
+    def twice(requests, outcomes):
+        deliver(requests, outcomes)
+        deliver(requests, outcomes)
+
+    monkeypatch.setattr(scheduler_module, "deliver_outcomes", twice)
+    found = violations_of(SCENARIOS["backend_exception"], invariants.ONE_OUTCOME)
+    assert any("2 final outcomes" in v.detail for v in found), found
+
+
+def test_a_task_left_behind_after_shutdown_is_caught(monkeypatch):
+    run = AsyncSimInstance.run
+
+    async def leaky(self, *, task_status=trio.TASK_STATUS_IGNORED):
+        trio.lowlevel.spawn_system_task(trio.sleep_forever)
+        await run(self, task_status=task_status)
+
+    monkeypatch.setattr(AsyncSimInstance, "run", leaky)
+    scenario = variant("backend_exception",
+                       lambda s: setattr(s, "models", [m.evolve(kind="async") for m in s.models]))
+    assert violations_of(scenario, invariants.NO_LEAKS)
+
+
+def test_a_queue_past_its_bound_is_caught(monkeypatch):
+    level_init = batcher_module._Level.__init__
+
+    def unbounded(self, number, policy):
+        level_init(self, number, policy)
+        self.max_queue_size = 0  # the batcher forgets max_queue_size
+
+    monkeypatch.setattr(batcher_module._Level, "__init__", unbounded)
+    found = violations_of(SCENARIOS["queue_overflow"], QUEUE_BOUNDS)
+    assert any("its bound is" in v.detail for v in found), found
+
+
+def test_routing_to_a_version_still_loading_is_caught(monkeypatch):
+    start_version = ModelRegistry._start_version
+
+    async def route_early(self, entry, version, errors, reason):
+        entry.serving[version.version] = version  # switched before it loaded
+        self._switch(entry.name)
+        await start_version(self, entry, version, errors, reason)
+
+    monkeypatch.setattr(ModelRegistry, "_start_version", route_early)
+
+    def explicit(setup):
+        setup.mode = ControlMode.EXPLICIT
+        setup.faults.load_seconds = (0.2, 0.5)
+
+    found = violations_of(variant("reload_under_load", explicit), SERVING)
+    assert any("has not finished loading" in v.detail for v in found), found
+
+
+def test_loading_a_half_written_model_is_caught(monkeypatch):
+    poll = RepositoryWatcher.poll
+
+    async def eager(self, actions):
+        # The watcher acts on a change the first time it sees it.
+        self._previous = dict(snapshot_repository(self.registry.repository))
+        await poll(self, actions)
+
+    monkeypatch.setattr(RepositoryWatcher, "poll", eager)
+    found = violations_of(SCENARIOS["poll_changes"], SERVING, seeds=range(10))
+    assert any("not fully written" in v.detail for v in found), found
+
+
+def test_statistics_that_miss_failures_are_caught(monkeypatch):
+    monkeypatch.setattr(InstanceExecutor, "_record_failures", lambda self, requests, reason: None)
+    found = violations_of(SCENARIOS["backend_exception"], invariants.STATISTICS)
+    assert any("BACKEND: counted" in v.detail for v in found), found
+
+
+def test_responses_delivered_to_the_wrong_requests_are_caught(monkeypatch):
+    deliver = batcher_module.deliver_outcomes
+    monkeypatch.setattr(batcher_module, "deliver_outcomes",
+                        lambda requests, outcomes: deliver(requests, list(outcomes)[::-1]))
+    found = violations_of(SCENARIOS["backend_exception"], invariants.NOTHING_LOST)
+    assert any("another request's" in v.detail for v in found), found
+
+
+def test_a_reload_that_unloads_first_is_caught(monkeypatch):
+    apply = ModelRegistry._apply
+
+    async def unload_first(self, entry, plan, *args):
+        for number in plan.unload:
+            version = entry.serving.pop(number, None)
+            if version is not None:
+                self._switch(entry.name)
+                self._retire(entry, version, "unloaded before its replacement loaded")
+        await apply(self, entry, plan, *args)
+
+    monkeypatch.setattr(ModelRegistry, "_apply", unload_first)
+    found = violations_of(variant("reload_under_load"), invariants.NO_FAILURES)
+    assert found
+
+
+def test_a_livelock_ends_the_run_with_a_violation(monkeypatch):
+    async def spin(self, requests):
+        while True:
+            await trio.lowlevel.checkpoint()
+
+    monkeypatch.setattr(AsyncSimInstance, "execute_async", spin)
+    scenario = variant("backend_exception",
+                       lambda s: setattr(s, "models", [m.evolve(kind="async") for m in s.models]))
+    found = violations_of(scenario, COMPLETES, seeds=range(1))
+    assert any("livelock" in v.detail for v in found), found
+
+
+def test_a_failing_scenario_prints_its_seed_and_replay_command(monkeypatch, capsys):
+    def drop(setup):
+        setup.faults.p_drop = 0.5
+        setup.models = [m.evolve(kind="async") for m in setup.models]
+
+    broken = variant("backend_exception", drop)
+    monkeypatch.setitem(SCENARIOS, broken.name, broken)
+    assert cli(["run", broken.name, "--seed", "3", "--log-lines", "0"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {broken.name} seed 3" in out
+    assert f"replay: python -m simulations run {broken.name} --seed 3" in out

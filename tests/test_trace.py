@@ -1,0 +1,348 @@
+"""The trace extension: settings semantics, sampling, trace files, and the
+HTTP / gRPC settings endpoints and trace file contents on a real server."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from trionserve.core.errors import InvalidArgument, Unimplemented
+from trionserve.observability.trace import (
+    TraceConfig,
+    TraceManager,
+    parse_trace_config,
+    settings_from_json,
+)
+from tests.serverproc import ServerProcess
+
+ORDER = (
+    "REQUEST_START",
+    "QUEUE_START",
+    "COMPUTE_START",
+    "COMPUTE_INPUT_END",
+    "COMPUTE_OUTPUT_START",
+    "COMPUTE_END",
+    "REQUEST_END",
+)
+
+# -- command line ---------------------------------------------------------------------------
+
+
+def test_trace_config_flags_as_triton_spells_them():
+    config = parse_trace_config(
+        [
+            "triton,file=/tmp/t.json",
+            "triton,log-frequency=50",
+            "rate=100",
+            "level=TIMESTAMPS",
+            "level=TENSORS",
+            "count=10",
+        ]
+    )
+    assert config == TraceConfig(
+        level=frozenset({"TIMESTAMPS", "TENSORS"}),
+        rate=100,
+        count=10,
+        log_frequency=50,
+        file="/tmp/t.json",
+    )
+    # The deprecated flags, overridden by --trace-config; OFF anywhere disables.
+    old = parse_trace_config(["rate=5"], levels=["TIMESTAMPS"], rate=9, file="/tmp/x")
+    assert (old.rate, old.level, old.file) == (5, frozenset({"TIMESTAMPS"}), "/tmp/x")
+    assert parse_trace_config(["level=TIMESTAMPS", "level=OFF"]).level == frozenset()
+    otel = parse_trace_config(["mode=opentelemetry", "opentelemetry,url=http://c:4318/v1/traces",
+                               "opentelemetry,resource=service.name=me"])
+    assert otel.mode == "opentelemetry"
+    assert dict(otel.opentelemetry) == {"url": "http://c:4318/v1/traces",
+                                        "resource": "service.name=me"}
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ["level=LOUD", "rate=-1", "count=-2", "mode=zipkin", "zipkin,url=x", ",rate=1", "rate",
+     "triton,log-frequency=x", "speed=1"],
+)
+def test_bad_trace_config_is_refused(setting):
+    with pytest.raises(ValueError):
+        parse_trace_config([setting])
+
+
+# -- settings semantics -------------------------------------------------------------------------
+
+
+def manager(**kwargs) -> TraceManager:
+    return TraceManager(TraceConfig(file="/tmp/unused-trace.json", **kwargs))
+
+
+def test_model_settings_follow_the_global_setting_for_what_they_do_not_name():
+    tracing = manager()
+    assert tracing.settings() == {
+        "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
+        "log_frequency": "0", "trace_file": "/tmp/unused-trace.json", "trace_mode": "triton",
+    }
+    assert not tracing.active
+    tracing.update("m", {"trace_rate": ["5"]})
+    assert tracing.settings("m")["trace_rate"] == "5"
+    assert tracing.settings("m")["trace_level"] == ["OFF"]
+    assert not tracing.active
+    tracing.update("", {"trace_level": ["TIMESTAMPS"], "trace_rate": ["2"]})
+    assert tracing.active
+    # The model keeps its own rate and follows the new global level.
+    assert tracing.settings("m")["trace_level"] == ["TIMESTAMPS"]
+    assert tracing.settings("m")["trace_rate"] == "5"
+    assert tracing.settings("other")["trace_rate"] == "2"
+    # Clearing the model's rate: the global rate again.
+    tracing.update("m", {"trace_rate": None})
+    assert tracing.settings("m")["trace_rate"] == "2"
+    tracing.update("", {"trace_level": ["OFF"]})
+    assert not tracing.active
+
+
+def test_invalid_updates_change_nothing():
+    tracing = TraceManager()  # no trace file
+    with pytest.raises(InvalidArgument, match="trace file name is not given"):
+        tracing.update("", {"trace_level": ["TIMESTAMPS"]})
+    with pytest.raises(Unimplemented, match="can not be updated through network"):
+        tracing.update("", {"trace_file": ["/tmp/elsewhere"]})
+    tracing = manager()
+    with pytest.raises(InvalidArgument, match="only one trace level 'OFF'"):
+        tracing.update("", {"trace_level": ["OFF", "TIMESTAMPS"]})
+    with pytest.raises(InvalidArgument, match="Unable to parse 'trace_rate'"):
+        tracing.update("", {"trace_rate": ["fast"]})
+    with pytest.raises(InvalidArgument, match="out of range"):
+        tracing.update("", {"trace_count": ["-2"]})
+    with pytest.raises(InvalidArgument, match="sample rate must be non-zero"):
+        tracing.update("", {"trace_level": ["TIMESTAMPS"], "trace_rate": ["0"]})
+    assert tracing.settings()["trace_level"] == ["OFF"]
+    assert settings_from_json({"trace_rate": 3, "trace_level": ["TIMESTAMPS"], "x": None}) == {
+        "trace_rate": ["3"], "trace_level": ["TIMESTAMPS"], "x": None,
+    }
+    with pytest.raises(InvalidArgument):
+        settings_from_json({"trace_rate": {"a": 1}})
+
+
+class _Model:
+    """What the trace manager needs of a model version."""
+
+    def __init__(self, name: str = "m") -> None:
+        from trionserve.observability.statistics import ModelStatistics
+
+        self.name, self.version = name, 1
+        self.statistics = ModelStatistics(name, 1)
+
+
+class _Request:
+    def __init__(self, id: str = "") -> None:
+        self.id, self.inputs, self.arrival_time = id, {}, 0.0
+
+
+async def test_sampling_rate_count_and_log_frequency_files(tmp_path):
+    path = tmp_path / "trace.json"
+    tracing = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=2, count=3, log_frequency=2,
+                    file=str(path))
+    )
+    model = _Model()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tracing.run)
+        sampled = []
+        for index in range(10):
+            request = _Request(f"r{index}")
+            trace = tracing.start(model, request) if tracing.active else None
+            if trace is not None:
+                sampled.append(request.id)
+                request.arrival_time = trio.current_time()
+                tracing.finish(trace, model, request)
+        await tracing.aclose()
+        nursery.cancel_scope.cancel()
+    # Every 2nd request, 3 in all; then tracing stops by itself.
+    assert sampled == ["r1", "r3", "r5"]
+    assert not tracing.active
+    assert tracing.settings()["trace_count"] == "0"
+    first = json.loads((tmp_path / "trace.json.0").read_text())
+    second = json.loads((tmp_path / "trace.json.1").read_text())
+    assert [o["request_id"] for o in first if "model_name" in o] == ["r1", "r3"]
+    assert [o["request_id"] for o in second if "model_name" in o] == ["r5"]
+    assert not path.exists()  # everything went to the indexed files
+
+
+async def test_without_log_frequency_traces_are_written_at_shutdown(tmp_path):
+    path = tmp_path / "trace.json"
+    tracing = TraceManager(TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, file=str(path)))
+    model = _Model()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tracing.run)
+        for index in range(3):
+            request = _Request(f"r{index}")
+            tracing.finish(tracing.start(model, request), model, request)
+        assert not path.exists()
+        await tracing.aclose()
+        nursery.cancel_scope.cancel()
+    objects = json.loads(path.read_text())
+    assert [o["id"] for o in objects if "model_name" in o] == [1, 2, 3]
+    assert model.statistics.traces == {}
+
+
+# -- end to end -----------------------------------------------------------------------------------
+
+
+def read_traces(paths: list[Path]) -> dict[int, dict]:
+    """Traces by id from Triton-format trace files: head and ordered timestamps."""
+    traces: dict[int, dict] = {}
+    for path in paths:
+        for entry in json.loads(path.read_text()):
+            trace = traces.setdefault(entry["id"], {"timestamps": []})
+            if "model_name" in entry:
+                trace.update(entry)
+            else:
+                trace["timestamps"] += [(t["name"], t["ns"]) for t in entry.get("timestamps", [])]
+    return traces
+
+
+def wait_for(paths: list[Path], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() and p.read_text().endswith("]") for p in paths):
+        assert time.monotonic() < deadline, f"trace files never written: {paths}"
+        time.sleep(0.02)
+
+
+def infer_simple(client, request_id: str):
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+              httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a)
+    return client.infer("simple", inputs, request_id=request_id)
+
+
+def test_trace_settings_and_trace_files_on_a_server(tmp_path):
+    trace_file = tmp_path / "trace.json"
+    proc = ServerProcess(args=[f"--trace-config=triton,file={trace_file}",
+                               "--trace-config=level=OFF", "--allow-metrics=false"])
+    try:
+        proc.wait_ready(path="/v2/health/ready")
+        http = httpclient.InferenceServerClient(proc.http_url)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
+
+        assert http.get_trace_settings() == {
+            "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
+            "log_frequency": "0", "trace_file": str(trace_file), "trace_mode": "triton",
+        }
+        updated = http.update_trace_settings(
+            settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "2"}
+        )
+        assert (updated["trace_level"], updated["trace_rate"], updated["log_frequency"]) == (
+            ["TIMESTAMPS"], "1", "2"
+        )
+        # A model setting over gRPC: its own count, the rest from the global setting.
+        grpc.update_trace_settings(model_name="simple", settings={"trace_count": "4"})
+        model = http.get_trace_settings(model_name="simple")
+        assert (model["trace_count"], model["trace_rate"], model["trace_level"]) == (
+            "4", "1", ["TIMESTAMPS"]
+        )
+        over_grpc = grpc.get_trace_settings(model_name="simple", as_json=True)["settings"]
+        assert {k: v["value"] for k, v in over_grpc.items()} == {
+            k: (v if isinstance(v, list) else [v]) for k, v in model.items()
+        }
+        assert http.get_trace_settings()["trace_count"] == "-1"
+        with pytest.raises(InferenceServerException, match="can not be updated"):
+            http.update_trace_settings(settings={"trace_file": str(tmp_path / "other.json")})
+        with pytest.raises(InferenceServerException, match="unknown model"):
+            http.get_trace_settings(model_name="nope")
+
+        for index in range(5):  # the 5th is beyond the model's trace count
+            infer_simple(http, f"req-{index}")
+        files = [tmp_path / "trace.json.0", tmp_path / "trace.json.1"]
+        wait_for(files)
+        traces = read_traces(files)
+        assert sorted(t["request_id"] for t in traces.values()) == [f"req-{i}" for i in range(4)]
+        for trace in traces.values():
+            assert (trace["model_name"], trace["model_version"]) == ("simple", 1)
+            names = [name for name, _ in trace["timestamps"]]
+            assert names == list(ORDER)
+            stamps = [ns for _, ns in trace["timestamps"]]
+            assert stamps == sorted(stamps), trace
+        assert http.get_trace_settings(model_name="simple")["trace_count"] == "0"
+
+        # Clearing the model's count (gRPC: no values) makes it follow the global
+        # setting again; with log_frequency 0 its traces go to the main file at exit.
+        grpc.update_trace_settings(model_name="simple", settings={"trace_count": None})
+        http.update_trace_settings(settings={"log_frequency": "0"})
+        assert http.get_trace_settings(model_name="simple")["trace_count"] == "-1"
+        infer_simple(http, "last")
+        http.update_trace_settings(settings={"trace_level": ["OFF"]})
+        infer_simple(http, "untraced")
+        http.close()
+        grpc.close()
+        assert proc.stop() == 0, proc.output()
+        main = read_traces([trace_file])
+        assert [t["request_id"] for t in main.values()] == ["last"]
+        assert max(main) > max(traces)  # trace ids keep increasing
+    finally:
+        proc.close()
+    # --allow-metrics=false: nothing listens on the metrics port.
+    import socket
+
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", proc.metrics_port), timeout=2).close()
+
+
+async def test_opentelemetry_mode_exports_spans():
+    """Mode opentelemetry (only where the SDK is installed): one trace becomes the
+    InferRequest, model and compute spans, with the timestamps as events."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, mode="opentelemetry"),
+        span_processor=SimpleSpanProcessor(exporter),
+    )
+    assert tracing.active  # no trace file needed in this mode
+    assert tracing.settings()["trace_mode"] == "opentelemetry"
+    model = _Model("simple")
+    request = _Request("otel-1")
+    trace = tracing.start(model, request)
+    request.arrival_time = trio.current_time()
+    trace.compute(trio.current_time(), trio.current_time(), 0, 0)
+    tracing.finish(trace, model, request)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"InferRequest", "simple", "compute"}
+    assert spans["simple"].attributes["triton.request_id"] == "otel-1"
+    assert spans["simple"].parent.span_id == spans["InferRequest"].context.span_id
+    assert spans["compute"].parent.span_id == spans["simple"].context.span_id
+    assert [e.name for e in spans["compute"].events] == list(ORDER[2:6])
+    assert [e.name for e in spans["simple"].events] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+
+
+async def test_tensors_level_records_inputs_and_outputs():
+    from trionserve.core.types import InferenceResponse, Tensor
+
+    tracing = manager(level=frozenset({"TENSORS"}), rate=1)
+    model = _Model()
+    request = _Request("t")
+    request.inputs = {
+        "X": Tensor("X", "INT32", np.array([[1, 2, 3]], np.int32)),
+        "S": Tensor("S", "BYTES", np.array([b"a", b"b"], dtype=np.object_)),
+    }
+    trace = tracing.start(model, request)
+    response = InferenceResponse("m", "1", "t", [Tensor("Y", "FP32", np.array([0.5], np.float32))])
+    tracing.finish(trace, model, request, response)
+    objects = json.loads("[" + trace.setting.buffer[0] + "]")
+    tensors = [(o["activity"], o["tensor"]) for o in objects if "activity" in o]
+    assert tensors == [
+        ("TENSOR_QUEUE_INPUT", {"name": "X", "data": "1,2,3", "shape": "1,3", "dtype": "INT32"}),
+        ("TENSOR_QUEUE_INPUT", {"name": "S", "data": '"a","b"', "shape": "2", "dtype": "BYTES"}),
+        ("TENSOR_BACKEND_OUTPUT", {"name": "Y", "data": "0.5", "shape": "1", "dtype": "FP32"}),
+    ]
+    assert objects[0] == {"id": trace.id, "model_name": "m", "model_version": 1, "request_id": "t"}
+    assert not any("timestamps" in o for o in objects)  # TENSORS alone: no timestamps

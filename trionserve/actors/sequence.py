@@ -1,0 +1,721 @@
+"""SequenceBatchScheduler: Triton's sequence batcher for stateful models, as one Trio actor.
+
+Every request of a sequence (the requests sharing a correlation id, from START to
+END) runs on the instance its sequence is bound to, one at a time and in arrival
+order. Each instance has sequence slots: ``max_batch_size`` of them (1 without
+batching) with the ``direct`` strategy, ``max_candidate_sequences`` with
+``oldest``. A START takes the free slot with the lowest index, spreading sequences
+over instances; when every slot is taken the sequence waits in the backlog, and
+the slot an ended or idle-released sequence leaves goes to the oldest backlogged
+sequence.
+
+- ``direct``: a batch holds, for every slot up to the highest one with a request
+  ready, that slot's next request, or a null request (zeros, READY false) for an
+  empty slot, so each sequence keeps its batch position. With
+  ``max_queue_delay_microseconds`` and ``minimum_slot_utilization`` set, the batch
+  waits for enough ready slots until the oldest ready request has waited the delay.
+- ``oldest``: a batch holds the oldest next requests of the instance's candidate
+  sequences, at most one per sequence, formed like the dynamic batcher's
+  (``preferred_batch_size``, ``max_queue_delay_microseconds``).
+
+Each request reaches the model with the control inputs of
+``sequence_batching.control_input`` (START, END, READY, CORRID) and the implicit
+state tensors of its sequence (see :mod:`trionserve.actors.sequence_state`); the
+state outputs are kept for the next request and are returned to the client only
+when the configuration lists them as outputs and the client asks for them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence as Seq
+
+import numpy as np
+import trio
+
+from trionserve.actors.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome
+from trionserve.actors.sequence_state import (
+    CorrelationId,
+    Sequence,
+    SequenceStateManager,
+    StateSpec,
+    backlog_timeout_error,
+    describe,
+)
+from trionserve.core import datatypes
+from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
+from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+
+_FLAG_KINDS = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY")
+
+
+class NullRequest(InferenceRequest):
+    """The filler of an empty batch slot: zero inputs, READY false. Its outcome is
+    dropped and, as in Triton, it is not counted in the request statistics."""
+
+    __slots__ = ()
+    collect_stats = False
+
+
+class SequenceControls:
+    """The control tensors a model asks for in ``sequence_batching.control_input``."""
+
+    def __init__(self, config) -> None:
+        from trionserve.repository.model_config_pb2 import DataType, ModelSequenceBatching
+
+        kind_name = ModelSequenceBatching.Control.Kind.Name
+        self._shape = (1, 1) if config.max_batch_size > 0 else (1,)
+        # (kind, tensor name, wire datatype, (false array, true array))
+        self._flags: list[tuple[str, str, str, tuple[np.ndarray, np.ndarray]]] = []
+        self._corrid: tuple[str, datatypes.DataType] | None = None
+        for control_input in config.sequence_batching.control_input:
+            for control in control_input.control:
+                kind = kind_name(control.kind)
+                if kind not in _FLAG_KINDS:
+                    data_type = datatypes.BY_CONFIG[DataType.Name(control.data_type)]
+                    self._corrid = (control_input.name, data_type)
+                    continue
+                if control.int32_false_true:
+                    wire, values = "INT32", control.int32_false_true
+                elif control.fp32_false_true:
+                    wire, values = "FP32", control.fp32_false_true
+                else:
+                    wire, values = "BOOL", control.bool_false_true
+                dtype = datatypes.BY_WIRE[wire].numpy
+                arrays = tuple(_constant(np.full(self._shape, v, dtype=dtype)) for v in values[:2])
+                self._flags.append((kind, control_input.name, wire, arrays))
+
+    def check(self, correlation_id: CorrelationId, model: str) -> None:
+        """Refuse a correlation id the CORRID control's datatype cannot carry."""
+        if self._corrid is None or correlation_id == 0:
+            return
+        name, data_type = self._corrid
+        if data_type.wire == "BYTES":
+            return
+        where = (
+            f"model '{model}' feeds correlation IDs to its CONTROL_SEQUENCE_CORRID input "
+            f"'{name}' as {data_type.config}"
+        )
+        if isinstance(correlation_id, str):
+            raise InvalidArgument(
+                f"inference request for sequence '{correlation_id}' has a string "
+                f"correlation ID, but {where}; use an integer correlation ID"
+            )
+        info = np.iinfo(data_type.numpy)
+        if not info.min <= correlation_id <= info.max:
+            raise InvalidArgument(
+                f"correlation ID {correlation_id} does not fit: {where} "
+                f"({info.min}..{info.max})"
+            )
+
+    def tensors(
+        self, *, start: bool, end: bool, ready: bool, correlation_id: CorrelationId | None
+    ) -> dict[str, Tensor]:
+        flags = {
+            "CONTROL_SEQUENCE_START": start,
+            "CONTROL_SEQUENCE_END": end,
+            "CONTROL_SEQUENCE_READY": ready,
+        }
+        tensors = {}
+        for kind, name, wire, arrays in self._flags:
+            tensors[name] = Tensor(name, wire, arrays[flags[kind]])
+        if self._corrid is not None:
+            name, data_type = self._corrid
+            if data_type.wire == "BYTES":
+                value = b"" if correlation_id is None else describe(correlation_id).encode()
+                array = np.empty(self._shape, dtype=object)
+                array.fill(value)
+            else:
+                array = np.full(self._shape, correlation_id or 0, dtype=data_type.numpy)
+            tensors[name] = Tensor(name, data_type.wire, array)
+        return tensors
+
+
+def _constant(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
+
+
+def _zeros_like(array: np.ndarray) -> np.ndarray:
+    if array.dtype == np.object_:
+        zeros = np.empty(array.shape, dtype=object)
+        zeros.fill(b"")
+        return zeros
+    return np.zeros_like(array)
+
+
+class _Row:
+    """One batch position: a sequence's request, or a null request (no sequence).
+
+    ``inputs`` and ``outputs`` are the request's own, given back when it completes.
+    """
+
+    __slots__ = ("request", "sequence", "inputs", "outputs")
+
+    def __init__(self, request, sequence, inputs, outputs) -> None:
+        self.request = request
+        self.sequence = sequence
+        self.inputs = inputs
+        self.outputs = outputs
+
+
+class _Instance:
+    """One executor as the scheduler sees it: its sequence slots and its mailbox."""
+
+    __slots__ = ("number", "slots", "outlet", "waiting", "rows", "alive")
+
+    def __init__(self, number: int, slot_count: int) -> None:
+        self.number = number
+        self.slots: list[Sequence | None] = [None] * slot_count
+        self.outlet: _Outlet | None = None
+        self.waiting = False  # its executor waits for a batch
+        self.rows: list[_Row] = []  # the batch it holds
+        self.alive = True
+
+
+class _Outlet:
+    """One executor's end: ``receive`` says it is idle and waits for its batch;
+    ``close`` withdraws it and gives back a batch it was sent but never took."""
+
+    __slots__ = ("_scheduler", "_instance", "_send", "_receive", "_posted", "closed")
+
+    def __init__(self, scheduler: SequenceBatchScheduler, instance: _Instance) -> None:
+        self._scheduler = scheduler
+        self._instance = instance
+        self._send, self._receive = trio.open_memory_channel[list[InferenceRequest]](1)
+        self._posted = False
+        self.closed = False
+
+    async def receive(self) -> list[InferenceRequest]:
+        if self.closed:
+            raise trio.ClosedResourceError
+        if not self._posted:
+            self._posted = True
+            self._scheduler._outlet_ready(self._instance)
+        batch = await self._receive.receive()
+        self._posted = False
+        return batch
+
+    def complete(self, requests: Seq[InferenceRequest], outcomes: Seq[Outcome]) -> None:
+        self._scheduler._complete(self._instance, requests, outcomes)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._receive.receive_nowait()
+            untaken = True
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            untaken = False
+        self._send.close()
+        self._receive.close()
+        self._scheduler._outlet_gone(self._instance, untaken)
+
+    def put(self, batch: list[InferenceRequest]) -> None:
+        self._send.send_nowait(batch)
+
+    def finish(self) -> None:
+        self._send.close()
+
+
+class SequenceBatchScheduler:
+    """Owns the sequence slots, the backlog and the queued requests of a model with
+    ``sequence_batching``; its child, the :class:`SequenceStateManager`, owns the
+    sequences, their state and their idle release.
+
+    Inbox: ``submit`` (synchronous: admits the request into its sequence or raises
+    INVALID_ARGUMENT; with ``capacity`` requests queued it raises UNAVAILABLE rather
+    than wait, so a stream carrying several sequences never blocks on one) and the
+    outlets of its executors; plain methods on the Trio thread that never
+    checkpoint. Its task forms a batch whenever an executor is idle and work is
+    ready, and wakes for batching delays and backlog timeouts on Trio's clock.
+
+    Guarantees: each accepted request gets exactly one outcome; a sequence's
+    requests execute in order, one at a time, on one instance (when an instance is
+    removed its sequences move, with their state, to another); a sequence waiting
+    in the backlog whose request has a ``timeout`` gives up with UNAVAILABLE when
+    it expires; a cancelled request is answered CANCELLED and skipped, its
+    sequence going on with the state it had. On ``abort`` every queued request is
+    answered with the error and all state is dropped.
+    """
+
+    def __init__(
+        self,
+        config,
+        statistics: ModelStatistics | None = None,
+        *,
+        states: Iterable[StateSpec] = (),
+        capacity: int = QUEUE_CAPACITY,
+    ) -> None:
+        batching = config.sequence_batching
+        self.model_name = config.name
+        self._statistics = statistics
+        self._capacity = capacity
+        self._max_batch = max(1, config.max_batch_size)
+        self._skip = 1 if config.max_batch_size > 0 else 0
+        self._oldest = batching.HasField("oldest")
+        if self._oldest:
+            oldest = batching.oldest
+            self._slot_count = oldest.max_candidate_sequences or self._max_batch
+            preferred = sorted(set(oldest.preferred_batch_size))
+            self._preferred = preferred
+            self._max_preferred = preferred[-1] if preferred else self._max_batch
+            self._delay = oldest.max_queue_delay_microseconds / 1e6
+            self._min_utilization = 0.0
+        else:
+            self._slot_count = self._max_batch
+            self._delay = batching.direct.max_queue_delay_microseconds / 1e6
+            self._min_utilization = batching.direct.minimum_slot_utilization
+        self._controls = SequenceControls(config)
+        self._states = SequenceStateManager(config.name, config, list(states), self._on_release)
+        self._state_outputs = [s.output_name for s in self._states.states]
+        self._variable_state = any(-1 in s.dims for s in batching.state)
+        self._ragged = frozenset(i.name for i in config.input if i.allow_ragged_batch)
+
+        self._instances: list[_Instance] = []
+        self._numbers = itertools.count()
+        self._free: list[tuple[int, int, _Instance]] = []  # (slot, instance number, instance)
+        self._backlog: deque[Sequence] = deque()
+        self._backlog_deadlines: list[tuple[float, int, Sequence]] = []
+        self._counter = itertools.count()
+        self._queued = 0
+        self._wakeup = trio.Event()
+        self._closed = False
+        self._finished = False
+
+    @property
+    def pending(self) -> int:
+        """Requests queued and not yet batched."""
+        return self._queued
+
+    @property
+    def sequences(self) -> SequenceStateManager:
+        return self._states
+
+    # -- the actor -------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._states.run)
+            task_status.started()
+            while True:
+                wake_at = self._step(trio.current_time())
+                if wake_at is None:
+                    break
+                self._wakeup = trio.Event()
+                with trio.move_on_at(wake_at):
+                    await self._wakeup.wait()
+            nursery.cancel_scope.cancel()
+
+    def _step(self, now: float) -> float | None:
+        """Expire backlog timeouts, batch for every idle instance; when to look again."""
+        self._expire_backlog(now)
+        wake_at = math.inf
+        for instance in self._instances:
+            if instance.waiting and not instance.rows:
+                form = self._form_oldest if self._oldest else self._form_direct
+                rows, at = form(instance, now)
+                if rows:
+                    self._dispatch(instance, rows)
+                else:
+                    wake_at = min(wake_at, at)
+        if self._closed and not self._queued:
+            self._finished = True
+            for instance in self._instances:
+                if instance.outlet is not None:
+                    instance.outlet.finish()
+            return None
+        heap = self._backlog_deadlines
+        return min(wake_at, heap[0][0] if heap else math.inf)
+
+    # -- admission -------------------------------------------------------------------
+
+    async def submit(self, request: InferenceRequest) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError
+        now = trio.current_time()
+        request.arrival_time = now
+        self._controls.check(request.sequence_id, self.model_name)
+        if self._queued >= self._capacity:
+            self._purge_backlog(now)
+        if self._queued >= self._capacity:
+            self._record_failure(request, now, FailureReason.REJECTED)
+            raise Unavailable(
+                f"Exceeds maximum queue size: model '{self.model_name}' already queues "
+                f"{self._queued} requests of its sequences (max {self._capacity})"
+            )
+        sequence = self._states.admit(request, now)
+        sequence.queue.append(request)
+        self._queued += 1
+        if request.sequence_start:
+            self._place(sequence)
+        if request.timeout_us and sequence.instance is None:
+            deadline = now + request.timeout_us / 1e6
+            if deadline < sequence.backlog_deadline:
+                sequence.backlog_deadline = deadline
+                heapq.heappush(self._backlog_deadlines, (deadline, next(self._counter), sequence))
+        self._wakeup.set()
+
+    # -- slots and backlog -----------------------------------------------------------
+
+    def _place(self, sequence: Sequence) -> None:
+        """Bind a new sequence to the lowest free slot, or queue it in the backlog."""
+        free = self._pop_free()
+        if free is None:
+            self._backlog.append(sequence)
+        else:
+            self._bind(sequence, *free)
+
+    def _pop_free(self) -> tuple[_Instance, int] | None:
+        heap = self._free
+        while heap:
+            slot, _, instance = heapq.heappop(heap)
+            if instance.alive and instance.slots[slot] is None:
+                return instance, slot
+        return None
+
+    def _bind(self, sequence: Sequence, instance: _Instance, slot: int) -> None:
+        instance.slots[slot] = sequence
+        sequence.instance = instance
+        sequence.slot = slot
+        sequence.backlog_deadline = math.inf
+
+    def _free_slot(self, sequence: Sequence) -> None:
+        """The sequence leaves its slot; the oldest backlogged sequence takes it."""
+        instance = sequence.instance
+        sequence.instance = None
+        if instance is None or instance.slots[sequence.slot] is not sequence:
+            return
+        instance.slots[sequence.slot] = None
+        if instance.alive:
+            heapq.heappush(self._free, (sequence.slot, instance.number, instance))
+        self._fill_from_backlog()
+
+    def _fill_from_backlog(self) -> None:
+        backlog = self._backlog
+        self._wakeup.set()
+        while backlog:
+            if backlog[0].released:
+                backlog.popleft()
+                continue
+            free = self._pop_free()
+            if free is None:
+                return
+            self._bind(backlog.popleft(), *free)
+
+    def _on_release(self, sequence: Sequence) -> None:
+        """The state manager released a sequence (idle, or expired in the backlog)."""
+        self._free_slot(sequence)
+        self._wakeup.set()
+
+    def _expire_backlog(self, now: float) -> None:
+        heap = self._backlog_deadlines
+        expired = False
+        while heap and heap[0][0] <= now:
+            deadline, _, sequence = heapq.heappop(heap)
+            if sequence.instance is not None or sequence.released:
+                continue
+            if deadline != sequence.backlog_deadline:
+                continue
+            error = backlog_timeout_error(self.model_name, sequence)
+            self._drop_backlogged(sequence, error, now, FailureReason.REJECTED)
+            self._states.release(sequence, "timed out waiting in the backlog")
+            expired = True
+        if expired:
+            self._backlog = deque(s for s in self._backlog if not s.released)
+
+    def _purge_backlog(self, now: float) -> None:
+        """Drop backlogged sequences whose every queued request was cancelled."""
+        purged = False
+        for sequence in self._backlog:
+            if sequence.released or not sequence.queue:
+                continue
+            if all(request.cancelled or request.done for request in sequence.queue):
+                error = Cancelled(
+                    f"sequence {describe(sequence.id)} of model '{self.model_name}' was "
+                    "cancelled while waiting in the backlog"
+                )
+                self._drop_backlogged(sequence, error, now, FailureReason.CANCELED)
+                self._states.release(sequence, "was cancelled while waiting in the backlog")
+                purged = True
+        if purged:
+            self._backlog = deque(s for s in self._backlog if not s.released)
+
+    def _drop_backlogged(self, sequence: Sequence, error, now: float, reason) -> None:
+        for request in sequence.queue:
+            if request.fail(error):
+                self._record_failure(request, now, reason)
+        self._queued -= len(sequence.queue)
+        sequence.pending -= len(sequence.queue)
+        sequence.queue.clear()
+
+    # -- batch formation -------------------------------------------------------------
+
+    def _head(self, sequence: Sequence, now: float) -> InferenceRequest | None:
+        """The sequence's next request; cancelled ones are answered and skipped."""
+        queue = sequence.queue
+        while queue:
+            request = queue[0]
+            if not (request.cancelled or request.done):
+                return request
+            queue.popleft()
+            self._queued -= 1
+            if request.fail(
+                Cancelled(
+                    f"request '{request.id}' of sequence {describe(sequence.id)} for "
+                    f"model '{self.model_name}' was cancelled while queued"
+                )
+            ):
+                self._record_failure(request, now, FailureReason.CANCELED)
+            if request.sequence_end:
+                self._free_slot(sequence)
+                self._states.finish(sequence)
+            self._states.request_done(sequence, now)
+        return None
+
+    def _form_direct(self, instance: _Instance, now: float):
+        ready: dict[int, tuple[Sequence, InferenceRequest]] = {}
+        for slot, sequence in enumerate(instance.slots):
+            if sequence is not None:
+                request = self._head(sequence, now)
+                if request is not None:
+                    ready[slot] = (sequence, request)
+        if not ready:
+            return None, math.inf
+        if self._delay > 0 and self._min_utilization > 0 and not self._closed:
+            earliest = min(request.arrival_time for _, request in ready.values())
+            utilization = len(ready) / self._slot_count
+            # ``now < earliest + delay``, not ``now - earliest < delay``: the same sum
+            # as the wake-up time, so waking then never finds the delay unpassed by
+            # float rounding (which made the batcher spin; found by the simulations).
+            if now < earliest + self._delay and utilization < self._min_utilization:
+                return None, earliest + self._delay
+        key = None
+        rows: list[_Row | None] = []
+        for slot in range(max(ready) + 1):
+            entry = ready.get(slot)
+            if entry is not None:
+                sequence, request = entry
+                this_key = self._shape_key(request, sequence)
+                if key is None:
+                    key = this_key
+                if this_key == key:
+                    rows.append(self._take(sequence))
+                    continue
+            rows.append(None)  # empty, or a shape that cannot join: a null request
+        representative = next(row.request for row in rows if row is not None)
+        return [row or self._null_row(representative, now) for row in rows], now
+
+    def _form_oldest(self, instance: _Instance, now: float):
+        heads = []
+        for sequence in instance.slots:
+            if sequence is not None:
+                request = self._head(sequence, now)
+                if request is not None:
+                    heads.append((request.arrival_time, sequence, request))
+        if not heads:
+            return None, math.inf
+        heads.sort(key=lambda head: head[0])
+        oldest = heads[0][0]
+        key = self._shape_key(heads[0][2], heads[0][1])
+        heads = [h for h in heads if self._shape_key(h[2], h[1]) == key][: self._max_batch]
+        count = len(heads)
+        best = max((size for size in self._preferred if size <= count), default=0)
+        # Compared with the wake-up time's own sum (see _form_direct).
+        delay_exceeded = self._delay > 0 and now >= oldest + self._delay
+        if best and not delay_exceeded:
+            heads = heads[:best]
+        elif not (
+            self._delay == 0 or delay_exceeded or count >= self._max_preferred or self._closed
+        ):
+            return None, oldest + self._delay
+        return [self._take(sequence) for _, sequence, _ in heads], now
+
+    def _shape_key(self, request: InferenceRequest, sequence: Sequence) -> tuple:
+        """What must be equal for two requests to share a batch."""
+        skip = self._skip
+        key = tuple(
+            sorted(
+                (name, tensor.data.shape[skip:])
+                for name, tensor in request.inputs.items()
+                if name not in self._ragged
+            )
+        )
+        if self._variable_state:
+            state = None if request.sequence_start else sequence.state
+            if state is not None:
+                key += tuple(array.shape for array in state.values())
+        return key
+
+    def _take(self, sequence: Sequence) -> _Row:
+        """Pop the sequence's next request with its control and state inputs added."""
+        request = sequence.queue.popleft()
+        self._queued -= 1
+        own_inputs, own_outputs = request.inputs, request.requested_outputs
+        inputs = dict(own_inputs)
+        inputs.update(
+            self._controls.tensors(
+                start=request.sequence_start,
+                end=request.sequence_end,
+                ready=True,
+                correlation_id=sequence.id,
+            )
+        )
+        inputs.update(self._states.state_inputs(sequence, request.sequence_start))
+        request.inputs = inputs
+        if own_outputs is not None and self._state_outputs:
+            asked = {output.name for output in own_outputs}
+            request.requested_outputs = own_outputs + [
+                RequestedOutput(name) for name in self._state_outputs if name not in asked
+            ]
+        if request.sequence_end:
+            # As in Triton the slot is free for the next sequence at once; that
+            # sequence's first batch on this instance runs after this one.
+            self._free_slot(sequence)
+        return _Row(request, sequence, own_inputs, own_outputs)
+
+    def _null_row(self, representative: InferenceRequest, now: float) -> _Row:
+        inputs = {
+            name: Tensor(name, tensor.datatype, _zeros_like(tensor.data))
+            for name, tensor in representative.inputs.items()
+        }
+        inputs.update(
+            self._controls.tensors(start=False, end=False, ready=False, correlation_id=None)
+        )
+        null = NullRequest(
+            self.model_name,
+            representative.model_version,
+            inputs=inputs,
+            requested_outputs=representative.requested_outputs,
+        )
+        null.batch_size = representative.batch_size
+        null.arrival_time = now
+        return _Row(null, None, None, None)
+
+    def _dispatch(self, instance: _Instance, rows: list[_Row]) -> None:
+        instance.waiting = False
+        instance.rows = rows
+        assert instance.outlet is not None
+        instance.outlet.put([row.request for row in rows])
+
+    # -- executors -------------------------------------------------------------------
+
+    def outlet(self) -> BatchOutlet:
+        instance = _Instance(next(self._numbers), self._slot_count)
+        outlet = _Outlet(self, instance)
+        instance.outlet = outlet
+        self._instances.append(instance)
+        for slot in range(self._slot_count):
+            heapq.heappush(self._free, (slot, instance.number, instance))
+        if self._finished:
+            outlet.finish()
+        self._fill_from_backlog()
+        return outlet
+
+    def _outlet_ready(self, instance: _Instance) -> None:
+        instance.waiting = True
+        self._wakeup.set()
+
+    def _complete(
+        self,
+        instance: _Instance,
+        requests: Seq[InferenceRequest],
+        outcomes: Seq[Outcome],
+    ) -> None:
+        """Outcomes of the instance's batch: keep state, answer, free finished slots.
+
+        ``requests`` may be fewer than the batch: the executor answers requests
+        cancelled before execution itself.
+        """
+        rows, instance.rows = instance.rows, []
+        results = {id(request): outcome for request, outcome in zip(requests, outcomes)}
+        now = trio.current_time()
+        for row in rows:
+            sequence = row.sequence
+            if sequence is None:
+                continue
+            request = row.request
+            request.inputs, request.requested_outputs = row.inputs, row.outputs
+            outcome = results.get(id(request))
+            if isinstance(outcome, InferenceResponse):
+                error = self._states.store_state(sequence, request, outcome, row.outputs)
+                if error is not None:
+                    outcome = error
+            if isinstance(outcome, InferenceResponse):
+                request.respond(outcome)
+            elif outcome is not None:
+                request.fail(outcome)
+            if request.sequence_end:
+                self._states.finish(sequence)
+            self._states.request_done(sequence, now)
+        if not instance.alive:
+            self._evict(instance)
+        self._wakeup.set()
+
+    def _outlet_gone(self, instance: _Instance, untaken: bool) -> None:
+        instance.alive = False
+        instance.waiting = False
+        if instance in self._instances:
+            self._instances.remove(instance)
+        if untaken:
+            rows, instance.rows = instance.rows, []
+            self._give_back(rows)
+        if not instance.rows:
+            self._evict(instance)
+        self._wakeup.set()
+
+    def _give_back(self, rows: list[_Row]) -> None:
+        """Requeue a batch an executor never took, each request first in its sequence."""
+        homeless = []
+        for row in reversed(rows):
+            sequence = row.sequence
+            if sequence is None:
+                continue
+            request = row.request
+            request.inputs, request.requested_outputs = row.inputs, row.outputs
+            sequence.queue.appendleft(request)
+            self._queued += 1
+            if sequence.instance is None and not sequence.released:
+                homeless.append(sequence)  # its END freed the slot at dispatch
+        self._backlog.extendleft(homeless)
+
+    def _evict(self, instance: _Instance) -> None:
+        """Move a removed instance's sequences to the front of the backlog."""
+        moved = []
+        for slot, sequence in enumerate(instance.slots):
+            if sequence is not None:
+                instance.slots[slot] = None
+                sequence.instance = None
+                moved.append(sequence)
+        self._backlog.extendleft(reversed(moved))
+        self._fill_from_backlog()
+
+    # -- shutdown --------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    def abort(self, error: TritonError) -> None:
+        self.close()
+        now = trio.current_time()
+        sequences = [s for i in self._instances for s in i.slots if s is not None]
+        sequences.extend(self._backlog)
+        for sequence in sequences:
+            for request in sequence.queue:
+                if request.fail(error):
+                    self._record_failure(request, now, FailureReason.OTHER)
+            sequence.queue.clear()
+        self._backlog.clear()
+        self._backlog_deadlines.clear()
+        self._queued = 0
+        self._states.clear()
+
+    def _record_failure(self, request: InferenceRequest, now: float, reason: FailureReason) -> None:
+        if self._statistics is not None:
+            self._statistics.record_failure(to_ns(now - request.arrival_time), reason)

@@ -1,0 +1,428 @@
+"""Prometheus metrics with Triton's names, served on the metrics port at ``/metrics``.
+
+The per-model metrics are not counted a second time on the request path: a
+:class:`ModelMetricsCollector` reads each loaded version's
+:class:`~trionserve.observability.statistics.ModelStatistics` (the same counters the
+statistics extension reports) when Prometheus scrapes, so the two never disagree.
+What has no counter there is read from its owner at scrape time too (pending
+requests from the scheduler) or, for the per-interval metrics Triton has (CPU
+utilization and memory), sampled every ``--metrics-interval-ms`` by a task in the
+metrics server's nursery. Exposition is prometheus-client's.
+
+Triton's counters are named without the ``_total`` suffix that prometheus-client
+adds to every metric it types as a counter, and dashboards query the exact names
+(``nv_inference_request_success``), so they are exposed untyped under those names.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import structlog
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+from prometheus_client import CollectorRegistry, ProcessCollector, make_asgi_app
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from trionserve.observability.statistics import FailureReason, ModelStatistics
+
+log = structlog.get_logger(__name__)
+
+# Triton's default buckets of nv_inference_first_response_histogram_ms.
+FIRST_RESPONSE_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
+FIRST_RESPONSE_FAMILY = "nv_inference_first_response_histogram_ms"
+
+
+@dataclass(frozen=True)
+class MetricsOptions:
+    """What the metrics endpoint reports, named after tritonserver's flags (whether
+    and where it listens are ServerOptions' allow_metrics / metrics_port /
+    metrics_address)."""
+
+    allow_cpu_metrics: bool = True
+    # Accepted for compatibility: GPU metrics (DCGM) are not collected.
+    allow_gpu_metrics: bool = True
+    # How often the per-interval metrics (CPU) are sampled.
+    interval_ms: float = 2000.0
+    # --metrics-config: latency counters on, first-response histogram off (Triton's defaults).
+    counter_latencies: bool = True
+    histogram_latencies: bool = False
+
+
+def parse_metrics_config(settings: Sequence[str]) -> dict[str, bool]:
+    """``--metrics-config key=value`` settings as MetricsOptions fields.
+
+    Raises ValueError for a malformed setting. Summary latencies are not
+    available (prometheus-client's summaries compute no quantiles); asking for
+    them is an error rather than a silent no-op.
+    """
+    fields: dict[str, bool] = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value:
+            raise ValueError(
+                f"--metrics-config option format is '<setting>=<value>', got '{setting}'"
+            )
+        if key in ("counter_latencies", "histogram_latencies", "summary_latencies"):
+            lowered = value.lower()
+            if lowered not in ("true", "false"):
+                raise ValueError(f"--metrics-config {key} must be true or false, got '{value}'")
+            if key == "summary_latencies":
+                if lowered == "true":
+                    raise ValueError(
+                        "--metrics-config summary_latencies=true is not supported; "
+                        "use the latency counters or histogram_latencies=true"
+                    )
+                continue
+            fields[key] = lowered == "true"
+        elif key == "summary_quantiles":
+            continue  # only meaningful with summaries, which are refused above
+        else:
+            raise ValueError(f"unknown --metrics-config setting '{key}'")
+    return fields
+
+
+# -- first response histogram ------------------------------------------------------
+
+
+class FirstResponseHistogram:
+    """Cumulative buckets of request-to-first-response times, in milliseconds."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(sorted(bounds))
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, ms)] += 1
+        self.sum += ms
+        self.count += 1
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative (le, count) pairs, as prometheus-client's histograms take them."""
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts):
+            total += n
+            out.append(("+Inf" if bound == float("inf") else _le(bound), total))
+        return out
+
+
+def _le(bound: float) -> str:
+    return str(int(bound)) if bound == int(bound) else repr(bound)
+
+
+def first_response_buckets(config) -> tuple[float, ...]:
+    """The model's buckets for the histogram: ``model_metrics`` in its config may
+    override Triton's defaults."""
+    for control in config.model_metrics.metric_control:
+        if control.metric_identifier.family == FIRST_RESPONSE_FAMILY:
+            buckets = tuple(control.histogram_options.buckets)
+            if buckets:
+                return buckets
+    return FIRST_RESPONSE_BUCKETS_MS
+
+
+def observe_first_response(model, seconds: float) -> None:
+    """Record one request's time to its first response on its model version."""
+    statistics: ModelStatistics = model.statistics
+    histogram = statistics.first_response
+    if histogram is None:
+        histogram = statistics.first_response = FirstResponseHistogram(
+            first_response_buckets(model.config)
+        )
+    histogram.observe(seconds * 1000.0)
+
+
+# -- collectors ----------------------------------------------------------------------
+
+_COUNTERS = (
+    # (name, help, value of a ModelStatistics)
+    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
+     lambda s: s.success.count),
+    ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
+     lambda s: s.inference_count),
+    ("nv_inference_exec_count",
+     "Number of model executions performed (does not include cached requests)",
+     lambda s: s.execution_count),
+)
+_LATENCY_COUNTERS = (
+    ("nv_inference_request_duration_us",
+     "Cumulative inference request duration in microseconds (includes cached requests)",
+     lambda s: s.success.ns // 1000),
+    ("nv_inference_queue_duration_us",
+     "Cumulative inference queuing duration in microseconds (includes cached requests)",
+     lambda s: s.queue.ns // 1000),
+    ("nv_inference_compute_input_duration_us",
+     "Cumulative compute input duration in microseconds (does not include cached requests)",
+     lambda s: s.compute_input.ns // 1000),
+    ("nv_inference_compute_infer_duration_us",
+     "Cumulative compute inference duration in microseconds (does not include cached "
+     "requests)",
+     lambda s: s.compute_infer.ns // 1000),
+    ("nv_inference_compute_output_duration_us",
+     "Cumulative inference compute output duration in microseconds (does not include "
+     "cached requests)",
+     lambda s: s.compute_output.ns // 1000),
+)
+
+
+def _untyped(name: str, documentation: str) -> Metric:
+    return Metric(name, documentation, "unknown")
+
+
+class ModelMetricsCollector:
+    """Triton's per-model metrics, read from the loaded versions at scrape time.
+
+    Runs in the scraping task, on the Trio thread that owns the statistics, so
+    the values of one scrape are consistent with each other.
+    """
+
+    def __init__(self, registry, options: MetricsOptions) -> None:
+        self._registry = registry
+        self._options = options
+
+    def _versions(self) -> list:
+        versions = []
+        for name in sorted(self._registry.entries()):
+            entry = self._registry.entries()[name]
+            for number in sorted(entry.versions):
+                version = entry.versions[number]
+                if version.state.value in ("READY", "UNLOADING"):
+                    versions.append(version)
+        return versions
+
+    def collect(self) -> Iterable[Metric]:
+        versions = self._versions()
+        for name, documentation, value in _COUNTERS:
+            yield _family(name, documentation, value, versions)
+        failure = _untyped(
+            "nv_inference_request_failure", "Number of failed inference requests, all batch sizes"
+        )
+        for version in versions:
+            labels = _labels(version)
+            for reason in FailureReason:
+                failure.add_sample(
+                    failure.name,
+                    {**labels, "reason": reason.value},
+                    version.statistics.failures[reason],
+                )
+        yield failure
+        if self._options.counter_latencies:
+            for name, documentation, value in _LATENCY_COUNTERS:
+                yield _family(name, documentation, value, versions)
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "Instantaneous number of pending requests awaiting execution per-model.",
+            labels=("model", "version"),
+        )
+        for version in versions:
+            pending.add_metric((version.name, str(version.version)), pending_requests(version))
+        yield pending
+        if self._options.histogram_latencies:
+            histogram = HistogramMetricFamily(
+                FIRST_RESPONSE_FAMILY,
+                "Duration from request to first response in milliseconds",
+                labels=("model", "version"),
+            )
+            for version in versions:
+                observed = version.statistics.first_response
+                if observed is None:
+                    observed = FirstResponseHistogram(first_response_buckets(version.config))
+                histogram.add_metric(
+                    (version.name, str(version.version)), observed.buckets(), observed.sum
+                )
+            yield histogram
+
+
+def pending_requests(version) -> int:
+    """Requests queued for a model version and not yet taken by an instance.
+
+    The scheduler owns its queue; schedulers without one (ensembles, which hand
+    each step to its composing model at once) have none pending, as in Triton.
+    """
+    scheduler = getattr(version, "_scheduler", None)
+    return getattr(scheduler, "pending", 0) if scheduler is not None else 0
+
+
+def _labels(version) -> dict[str, str]:
+    return {"model": version.name, "version": str(version.version)}
+
+
+def _family(name: str, documentation: str, value, versions) -> Metric:
+    metric = _untyped(name, documentation)
+    for version in versions:
+        metric.add_sample(name, _labels(version), value(version.statistics))
+    return metric
+
+
+class CpuMetricsCollector:
+    """Triton's CPU metrics, sampled from /proc every metrics interval.
+
+    ``nv_cpu_utilization`` is the share of CPU time not idle across all cores
+    between the last two samples; memory is system-wide (MemTotal, and
+    MemTotal - MemAvailable as used). Where /proc is missing nothing is reported.
+    """
+
+    def __init__(self, proc: str = "/proc") -> None:
+        self._proc = proc
+        self._last_ticks: tuple[int, int] | None = None
+        self.utilization: float | None = None
+        self.memory_total: int | None = None
+        self.memory_used: int | None = None
+
+    def sample(self) -> None:
+        # /proc files live in memory: reading them does not block the loop.
+        try:
+            busy, total = _cpu_ticks(os.path.join(self._proc, "stat"))
+            memory = _meminfo(os.path.join(self._proc, "meminfo"))
+        except (OSError, ValueError, KeyError):
+            return
+        if self._last_ticks is not None:
+            last_busy, last_total = self._last_ticks
+            elapsed = total - last_total
+            self.utilization = (busy - last_busy) / elapsed if elapsed > 0 else 0.0
+        self._last_ticks = (busy, total)
+        self.memory_total = memory["MemTotal"]
+        self.memory_used = memory["MemTotal"] - memory["MemAvailable"]
+
+    async def run(
+        self, interval: float, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Sample now and every ``interval`` seconds until ``stop`` is set."""
+        self.sample()
+        task_status.started()
+        while True:
+            with trio.move_on_after(interval):
+                await stop.wait()
+            if stop.is_set():
+                return
+            self.sample()
+
+    def collect(self) -> Iterable[Metric]:
+        if self.utilization is not None:
+            yield GaugeMetricFamily(
+                "nv_cpu_utilization", "CPU utilization rate [0.0 - 1.0]", value=self.utilization
+            )
+        if self.memory_total is not None:
+            yield GaugeMetricFamily(
+                "nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes",
+                value=self.memory_total,
+            )
+            yield GaugeMetricFamily(
+                "nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes",
+                value=self.memory_used,
+            )
+
+
+def _cpu_ticks(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest time is inside user)
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+def _meminfo(path: str) -> dict[str, int]:
+    values = {}
+    with open(path, "rb") as f:
+        for line in f:
+            key, _, rest = line.partition(b":")
+            parts = rest.split()
+            if parts:
+                values[key.decode()] = int(parts[0]) * 1024
+    return values
+
+
+# -- the endpoint -------------------------------------------------------------------
+
+
+def build_metrics_registry(
+    registry, options: MetricsOptions, cpu: CpuMetricsCollector | None = None
+) -> CollectorRegistry:
+    """A registry of this server's collectors (not prometheus-client's global one, so
+    several servers in one process do not mix)."""
+    metrics = CollectorRegistry(auto_describe=False)
+    metrics.register(ModelMetricsCollector(registry, options))
+    if cpu is not None:
+        metrics.register(cpu)
+    ProcessCollector(registry=metrics)
+    return metrics
+
+
+def metrics_app(metrics: CollectorRegistry):
+    """ASGI app: prometheus-client's exposition at ``GET /metrics``, 404 elsewhere."""
+    exposition = make_asgi_app(metrics)
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
+            await exposition(scope, receive, send)
+            return
+        body = b'{"error":"Not Found: the metrics endpoint is /metrics"}'
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 404,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(body)),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    return app
+
+
+async def serve_metrics(
+    registry,
+    options: MetricsOptions,
+    address: str,
+    port: int,
+    shutdown: trio.Event,
+    *,
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``/metrics`` until ``shutdown`` is set.
+
+    Children (its own nursery): hypercorn's Trio server and, when CPU metrics are
+    on, the CPU sampler; both end when ``shutdown`` is set. Reports the bound
+    addresses to ``task_status``.
+    """
+    cpu = CpuMetricsCollector() if options.allow_cpu_metrics else None
+    app = metrics_app(build_metrics_registry(registry, options, cpu))
+    config = HypercornConfig()
+    host = f"[{address}]" if ":" in address else address
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 1.0
+    async with trio.open_nursery() as nursery:
+        if cpu is not None:
+            interval = max(options.interval_ms, 1.0) / 1000.0
+            await nursery.start(cpu.run, interval, shutdown)
+        binds = await nursery.start(
+            partial(
+                hypercorn_serve, app, config, shutdown_trigger=shutdown.wait, mode="asgi"
+            )
+        )
+        task_status.started(binds)
