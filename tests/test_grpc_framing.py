@@ -75,3 +75,17 @@ def test_status_headers():
     assert decode_grpc_message(headers[b"grpc-message"].decode()) == "bad 'x': 100% ünïcode\n"
     # An error always says something.
     assert dict(status_headers(Status.INTERNAL, ""))[b"grpc-message"] == b"INTERNAL"
+
+
+def test_data_frame_repr_reads_only_the_first_bytes():
+    """h2 formats every received frame for its trace log; the transport makes a
+    DATA frame's repr read only what it shows (same text as hyperframe's)."""
+    from hyperframe.frame import DataFrame
+
+    import trionserve.protocol.grpc_connection  # noqa: F401  (installs the repr)
+
+    assert repr(DataFrame(1, b"\x01" * 1_000_000)) == (
+        "DataFrame(stream_id=1, flags=[]): <hex:01010101010101010101...>"
+    )
+    assert repr(DataFrame(3, b"ab")) == "DataFrame(stream_id=3, flags=[]): <hex:6162>"
+    assert repr(DataFrame(3, b"")) == "DataFrame(stream_id=3, flags=[]): None"

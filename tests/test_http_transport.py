@@ -48,6 +48,11 @@ class App:
                 await send({"type": message["type"] + ".complete"})
                 if message["type"] == "lifespan.shutdown":
                     return
+        if scope["path"] == "/ignore":  # answers without reading the body
+            await send({"type": "http.response.start", "status": 404,
+                        "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
         body = b""
         while True:
             message = await receive()
@@ -242,6 +247,10 @@ async def test_asgi_fallback_head_and_errors(served):
     assert (await client.response(b"GET"))[0] == 500
     await client.send_raw(b"GET /asgi%20x HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (await client.response(b"GET"))[2] == b"GET /asgi x  0"
+    # A body the application did not read is skipped: the connection goes on.
+    await client.send_raw(post("/ignore", b"unread") + post("/echo", b"next"))
+    assert (await client.response())[0] == 404
+    assert (await client.response())[2] == b"next"
 
 
 async def test_graceful_shutdown(served):

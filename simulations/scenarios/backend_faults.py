@@ -29,6 +29,7 @@ def _exception_setup(world) -> Setup:
     "execute raises mid-batch, or answers single requests with errors; the executor "
     "keeps serving and only the batch's requests fail",
     setup=_exception_setup,
+    fast_seeds=30,
 )
 async def backend_exception(world) -> None:
     rng = world.random("clients")
@@ -66,6 +67,7 @@ async def _recover(world, stop) -> None:
     "an instance's task dies mid-batch: that batch's requests fail, the model becomes "
     "UNAVAILABLE (contained to it), and an explicit reload brings it back",
     setup=_crash_setup,
+    fast_seeds=40,
 )
 async def instance_crash(world) -> None:
     stop = trio.Event()
@@ -100,6 +102,7 @@ def _hang_setup(world) -> Setup:
     "batches hang past every limit; clients give up, queues back up, and shutdown "
     "still ends on time, answering whatever was stuck",
     setup=_hang_setup,
+    fast_seeds=40,
 )
 async def backend_hang(world) -> None:
     await steady_load(world, ["plain", "batched"], duration=0.5, mean_gap=0.003,

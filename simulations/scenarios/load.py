@@ -52,6 +52,7 @@ def check_reaches_bound(world) -> None:
     "are rejected at once, queue timeouts reject or delay, nothing else fails",
     setup=_overflow_setup,
     checks=(check_reaches_bound,),
+    fast_seeds=60,
 )
 async def queue_overflow(world) -> None:
     rng = world.random("clients")
@@ -123,7 +124,7 @@ def _cancellation_setup(world) -> Setup:
     "clients give up at instants that coincide with batching delays, execution starts "
     "and ends: cancellation at every point (queued, batched, executing, responding)",
     setup=_cancellation_setup,
-    fast_seeds=30,
+    fast_seeds=40,
 )
 async def client_cancellation(world) -> None:
     await steady_load(world, ["threaded", "awaited", "pooled"], duration=0.15, mean_gap=0.001,

@@ -141,6 +141,7 @@ def check_accepted_succeed(world) -> None:
     "errors, and every accepted request drains to its result",
     setup=_unload_setup,
     checks=(check_accepted_succeed,),
+    fast_seeds=20,
 )
 async def unload_under_load(world) -> None:
     rng = world.random("script")

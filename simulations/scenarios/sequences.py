@@ -87,6 +87,7 @@ def check_idle_exact(world) -> None:
     "requests race the idle reaper, clients cancel, shutdown may cut sequences short",
     setup=_setup,
     checks=(check_idle_exact,),
+    fast_seeds=60,
 )
 async def sequence_idle(world) -> None:
     rng = world.random("clients")

@@ -52,6 +52,7 @@ async def _operate(world, rng) -> None:
     "shutdown arrives in the middle of load, backend faults, hangs, crashes, client "
     "cancellations and repository changes: it ends in time and answers everyone",
     setup=_setup,
+    fast_seeds=30,
 )
 async def shutdown_midway(world) -> None:
     rng = world.random("script")

@@ -23,6 +23,7 @@ import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.metadata import decode_metadata, decode_timeout
+from hyperframe import frame as hyperframe_frame
 from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol import grpc_framing
@@ -38,6 +39,20 @@ _KEEPALIVE_PING = b"keepaliv"
 # Messages up to this size go out as one joined DATA payload; larger ones are
 # written chunk by chunk from memoryviews, without joining.
 _JOIN_LIMIT = 64 * 1024
+
+
+def _data_frame_repr(frame) -> str:
+    # The text hyperframe gives (hex of the first bytes, cut to 20 characters),
+    # from those first bytes only.
+    return hyperframe_frame._raw_data_repr(bytes(memoryview(frame.data)[:11]))
+
+
+# h2 formats repr(frame) for a trace log of every frame it receives, even with
+# logging off, and hyperframe's repr of a DATA frame re-serializes and hex-encodes
+# the whole payload before cutting it to 20 characters: for megabyte messages
+# that cost more than the rest of the receive path. Same text, from 11 bytes.
+if hasattr(hyperframe_frame, "_raw_data_repr"):
+    hyperframe_frame.DataFrame._body_repr = _data_frame_repr
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,7 +76,8 @@ class MessageReader:
             if stop > end:
                 self._needed = stop - offset
                 break
-            message = bytes(source[offset + 5 : stop])
+            # One copy, out of a view (slicing the bytearray would copy twice).
+            message = bytes(memoryview(source)[offset + 5 : stop])
             if source[offset]:
                 message = self._decompress(message)
             messages.append(message)
@@ -88,7 +89,7 @@ class MessageReader:
             if offset:
                 del buffer[:offset]
         elif offset < end:
-            self._buffer = bytearray(source[offset:])
+            self._buffer = bytearray(memoryview(source)[offset:])
         return messages
 
     def _decompress(self, message: bytes) -> bytes:

@@ -187,11 +187,11 @@ class _Connection:
                 if type(event) is not h11.Request:
                     return  # closed by the client, idle timeout, or draining
                 await self._serve(event)
+                if conn.our_state is not h11.DONE:
+                    return  # Connection: close, or a response that could not finish
                 if conn.their_state is h11.SEND_BODY:
                     await self._discard_body()
-                if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                    return  # Connection: close, or a response that could not finish
-                if self.server.draining:
+                if conn.their_state is not h11.DONE or self.server.draining:
                     return
                 conn.start_next_cycle()
         except h11.RemoteProtocolError as exc:
