@@ -17,12 +17,7 @@ import numpy as np
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.onnxruntime_providers import execution_providers
 from trionserve.core import datatypes
-from trionserve.core.batching import (
-    build_response,
-    gather_inputs,
-    split_outputs,
-    wanted_outputs,
-)
+from trionserve.core.batching import build_responses, gather_inputs, wanted_outputs
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
@@ -214,17 +209,14 @@ class OnnxInstance:
             return [error] * len(requests)
         inferred = time.perf_counter_ns()
         outputs = dict(zip(names, results))
-        responses = [
-            build_response(
-                request,
-                self.model_name,
-                self.model_version,
-                per_request,
-                self._output_datatypes,
-                self._output_reshape,
-            )
-            for request, per_request in zip(requests, split_outputs(outputs, requests))
-        ]
+        responses = build_responses(
+            requests,
+            self.model_name,
+            self.model_version,
+            outputs,
+            self._output_datatypes,
+            self._output_reshape,
+        )
         self.compute_times = ComputeTimes(
             inputs_ready - started, inferred - inputs_ready, time.perf_counter_ns() - inferred
         )

@@ -30,12 +30,7 @@ import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.core import datatypes
-from trionserve.core.batching import (
-    build_response,
-    gather_inputs,
-    split_outputs,
-    wanted_outputs,
-)
+from trionserve.core.batching import build_responses, gather_inputs, wanted_outputs
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 
@@ -302,17 +297,14 @@ class TorchScriptInstance:
                 f"PyTorch execute failure for model '{self.model_name}': {exc}"
             )
             return [error] * len(requests)
-        return [
-            build_response(
-                request,
-                self.model_name,
-                self.model_version,
-                per_request,
-                self._output_datatypes,
-                self._output_reshape,
-            )
-            for request, per_request in zip(requests, split_outputs(outputs, requests))
-        ]
+        return build_responses(
+            requests,
+            self.model_name,
+            self.model_version,
+            outputs,
+            self._output_datatypes,
+            self._output_reshape,
+        )
 
     def _forward(self, arrays: dict[str, np.ndarray]):
         tensors = {name: self._to_tensor(name, array) for name, array in arrays.items()}

@@ -23,12 +23,7 @@ from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.cuda_buffers import device_buffers
 from trionserve.backends.gpu import gpu_count
 from trionserve.core import datatypes
-from trionserve.core.batching import (
-    build_response,
-    gather_inputs,
-    split_outputs,
-    wanted_outputs,
-)
+from trionserve.core.batching import build_responses, gather_inputs, wanted_outputs
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 
@@ -319,17 +314,14 @@ class TensorRTInstance:
                 f"TensorRT execute failure for model '{self.model_name}': {exc}"
             )
             return [error] * len(requests)
-        return [
-            build_response(
-                request,
-                self.model_name,
-                self.model_version,
-                per_request,
-                self._output_datatypes,
-                self._output_reshape,
-            )
-            for request, per_request in zip(requests, split_outputs(outputs, requests))
-        ]
+        return build_responses(
+            requests,
+            self.model_name,
+            self.model_version,
+            outputs,
+            self._output_datatypes,
+            self._output_reshape,
+        )
 
     def _run(self, arrays: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
         context, buffers, stream = self._context, self._buffers, self._stream

@@ -97,3 +97,20 @@ def build_response(
             )
         tensors.append(Tensor(name, output_datatypes[name], array))
     return InferenceResponse(model_name, model_version, request.id, tensors)
+
+
+def build_responses(
+    requests: Sequence[InferenceRequest],
+    model_name: str,
+    model_version: str,
+    outputs: Mapping[str, np.ndarray],
+    output_datatypes: Mapping[str, str],
+    output_reshape: Mapping[str, tuple[int, ...]] | None = None,
+) -> list[InferenceResponse]:
+    """One response per request from a batch's outputs, sliced back to each request."""
+    return [
+        build_response(
+            request, model_name, model_version, per_request, output_datatypes, output_reshape
+        )
+        for request, per_request in zip(requests, split_outputs(outputs, requests))
+    ]
