@@ -151,3 +151,23 @@ async def test_unload_answers_queued_requests(repository, autojump_clock):
         # The executing request's result was produced, so it is delivered; the
         # queued one never ran and is answered with an error.
         assert sorted(outcomes) == [(1.0, "ok"), (2.0, "UNAVAILABLE")]
+
+
+async def test_shutdown_unloads_ensembles_before_their_composing_models():
+    """An ensemble's in-flight requests still need its steps' models at shutdown."""
+    from tests.serverproc import EXAMPLES
+
+    server = Server(options(EXAMPLES, allow_http=False))
+    order: list[str] = []
+    unload = server.registry.unload
+
+    async def recording_unload(name, **kwargs):
+        order.append(name)
+        await unload(name, **kwargs)
+
+    server.registry.unload = recording_unload
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        server.shutdown()
+    assert order.index("simple_ensemble") < order.index("simple")
+    assert set(order) >= {"simple", "simple_ensemble", "identity_fp32"}

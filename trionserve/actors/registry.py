@@ -160,10 +160,24 @@ class ModelRegistry:
         )
 
     async def unload_all(self) -> None:
-        """Unload every model concurrently, each draining its in-flight requests."""
-        async with trio.open_nursery() as nursery:
-            for name in list(self._entries):
-                nursery.start_soon(partial(self.unload, name, reason="server shutdown"))
+        """Unload every model, each draining its in-flight requests.
+
+        Models unload concurrently in waves: an ensemble goes before the models its
+        steps call, so its in-flight requests can still run their later steps.
+        """
+        remaining = set(self._entries)
+        while remaining:
+            needed = {
+                dependency
+                for name in remaining
+                for dependency in self._entries[name].dependencies
+                if dependency != name
+            }
+            wave = (remaining - needed) or remaining  # a cycle cannot block shutdown
+            async with trio.open_nursery() as nursery:
+                for name in sorted(wave):
+                    nursery.start_soon(partial(self.unload, name, reason="server shutdown"))
+            remaining -= wave
 
     async def _submit(self, name: str, key: tuple, explicit: bool, work) -> None:
         assert self._nursery is not None, "registry is not running"
