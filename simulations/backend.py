@@ -190,8 +190,10 @@ class AsyncSimInstance(_SimInstance):
             # Deliberately broken: answer all but the first request directly and
             # tell the executor they were answered (the decoupled path).
             for request, result in list(zip(requests, results))[1:]:
-                request.send(result, final=True) if isinstance(result, InferenceResponse) \
-                    else request.fail(result)
+                if isinstance(result, InferenceResponse):
+                    request.respond(result)
+                else:
+                    request.fail(result)
             return None
         return results
 
@@ -204,12 +206,13 @@ class ThreadSimInstance(_SimInstance):
         self._next: Execution | None = None
 
     def virtual_seconds(self, method: str, args) -> float:
+        """How long ``execute`` takes: the batch starts here (the thread shim asks
+        just before the call), so its fate is drawn and recorded now."""
         if method != "execute":
             return 0.0
         self._next = self._begin(args[0])
-        seconds = self._next.fate.seconds
-        return self.model.world.setup.faults.thread_hang_seconds if seconds == float("inf") \
-            else seconds
+        fate = self._next.fate
+        return self.model.world.setup.faults.thread_hang_seconds if fate.hang else fate.seconds
 
     def execute(self, requests):
         execution, self._next = self._next, None

@@ -227,3 +227,144 @@ def test_a_failing_scenario_prints_its_seed_and_replay_command(monkeypatch, caps
     out = capsys.readouterr().out
     assert f"FAIL {broken.name} seed 3" in out
     assert f"replay: python -m simulations run {broken.name} --seed 3" in out
+
+
+# -- regressions: runtime bugs the simulations found ---------------------------------------
+
+
+class _StepLimit(trio.abc.Instrument):
+    """Cancels ``scope`` after ``limit`` task steps: a livelock becomes a failure
+    instead of a test that never ends (virtual time does not pass while it spins)."""
+
+    def __init__(self, scope: trio.CancelScope, limit: int = 50_000) -> None:
+        self.scope, self.limit, self.steps = scope, limit, 0
+
+    def after_task_step(self, task) -> None:
+        self.steps += 1
+        if self.steps == self.limit:
+            self.scope.cancel()
+
+
+def _config(text: str):
+    from google.protobuf import text_format
+
+    from trionserve.repository import model_config_pb2 as mc
+    from trionserve.repository.config import normalize_model_config
+
+    config = text_format.Parse(
+        'name: "m" max_batch_size: 4 '
+        'input [ { name: "INPUT0" data_type: TYPE_INT64 dims: [ 1 ] } ] '
+        'output [ { name: "OUTPUT0" data_type: TYPE_INT64 dims: [ 1 ] } ] ' + text,
+        mc.ModelConfig(),
+    )
+    normalize_model_config(config)
+    return config
+
+
+async def _batch_time(scheduler, request, submit_at: float) -> float:
+    """When an idle executor gets ``request``, submitted at ``submit_at``."""
+    from trionserve.core.types import InferenceResponse
+
+    with trio.CancelScope() as guard:
+        limit = _StepLimit(guard)
+        trio.lowlevel.add_instrument(limit)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(scheduler.run)
+                outlet = scheduler.outlet()
+                await trio.sleep(submit_at)
+                await scheduler.submit(request)
+                batch = await outlet.receive()
+                taken = trio.current_time()
+                outlet.complete(batch, [InferenceResponse("m", "1")] * len(batch))
+                nursery.cancel_scope.cancel()
+        finally:
+            trio.lowlevel.remove_instrument(limit)
+    assert not guard.cancelled_caught, "the scheduler spun without letting time pass"
+    return taken
+
+
+def _request(**fields):
+    import numpy as np
+
+    from trionserve.core.types import InferenceRequest, Tensor
+
+    request = InferenceRequest("m", inputs={"INPUT0": Tensor(
+        "INPUT0", "INT64", np.zeros((1, 1), dtype=np.int64))}, **fields)
+    request.batch_size = 1
+    return request
+
+
+# 0.0035 s + 0.002 s - 0.0035 s < 0.002 s in floats: waking at the delay's end used to
+# find the delay not yet passed, forever.
+SUBMIT_AT, DELAY = 0.0035, 0.002
+
+
+async def test_regression_dynamic_batcher_sends_when_its_delay_ends(autojump_clock):
+    from trionserve.actors.batcher import DynamicBatchScheduler
+
+    scheduler = DynamicBatchScheduler(_config(
+        f"dynamic_batching {{ max_queue_delay_microseconds: {int(DELAY * 1e6)} }}"))
+    taken = await _batch_time(scheduler, _request(), SUBMIT_AT)
+    assert taken == pytest.approx(SUBMIT_AT + DELAY)
+
+
+async def test_regression_sequence_batcher_sends_when_its_delay_ends(autojump_clock):
+    from trionserve.actors.sequence import SequenceBatchScheduler
+
+    scheduler = SequenceBatchScheduler(_config(
+        "sequence_batching { oldest { max_candidate_sequences: 4 "
+        f"max_queue_delay_microseconds: {int(DELAY * 1e6)} }} }}"))
+    request = _request(sequence_id=1, sequence_start=True)
+    taken = await _batch_time(scheduler, request, SUBMIT_AT)
+    assert taken == pytest.approx(SUBMIT_AT + DELAY)
+
+
+async def test_regression_default_scheduler_counts_the_requests_it_aborts():
+    from trionserve.core.errors import Unavailable
+    from trionserve.observability.statistics import FailureReason, ModelStatistics
+
+    statistics = ModelStatistics("m", 1)
+    scheduler = scheduler_module.DefaultScheduler(statistics=statistics)
+    request = _request()
+    await scheduler.submit(request)
+    scheduler.abort(Unavailable("model 'm' version 1 was unloaded"))
+    assert request.done
+    assert statistics.fail.count == 1
+    assert statistics.failures[FailureReason.OTHER] == 1
+
+
+def test_regression_poll_never_serves_files_changed_during_their_load():
+    """A redeploy that starts while POLL is loading the previous one: the version
+    loaded from the mix of old config and new files is discarded, not served."""
+    from simulations.scenario import Scenario
+    from simulations.scenarios.common import loading, settle, verify_converged
+
+    base = SCENARIOS["poll_changes"]
+
+    def setup(world):
+        result = base.setup(world)
+        result.faults.load_seconds = (1.0, 1.0)
+        return result
+
+    async def script(world):
+        from simulations.clients import steady_load, wait_for
+
+        stop = trio.Event()
+        world.activity.start_soon(functools.partial(
+            steady_load, world, ["plain"], duration=1e9, mean_gap=0.05,
+            rng=world.random("clients"), stop=stop,
+        ))
+        writer = world.writer
+        await writer.write(writer.revise("plain"), max_gap=world.setup.poll_secs)
+        assert await wait_for(lambda: loading(world, "plain"), limit=10.0)
+        await writer.write(writer.revise("plain"), max_gap=0.1)  # while it loads
+        await settle(world, polls=3, load_limit=30.0)
+        stop.set()
+        await verify_converged(world)
+
+    scenario = Scenario("poll_redeploy_during_load", "", setup, script)
+    for seed in range(3):
+        result = run_seed(scenario, seed)
+        assert result.ok, failure_report(result)
+        assert result.summary["versions"] >= 3  # startup, the discarded load, the reload

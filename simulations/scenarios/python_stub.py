@@ -1,6 +1,7 @@
-"""A Python-backend stub process killed with SIGKILL mid-execution, through the real
-restart path. Real processes: this scenario runs on the real clock with bounded
-waits, so a seed fixes its plan (requests, kill moments), not its exact timing."""
+"""A Python-backend stub process killed with SIGKILL mid-execution, or hung past its
+``execute-timeout-seconds``, through the real restart path. Real processes: this
+scenario runs on the real clock with bounded waits, so a seed fixes its plan
+(requests, kill moments), not its exact timing."""
 
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ output [
   {{ name: "PID" data_type: TYPE_INT64 dims: [ 1 ] }}
 ]
 instance_group [ {{ kind: KIND_CPU count: {instances} }} ]
+parameters {{ key: "execute-timeout-seconds" value {{ string_value: "1" }} }}
 {batching}
 """
 
 # Echoes INPUT0 (so a client can tell its response), reports the stub's pid, and
-# takes 20-60 ms per request, so that a kill lands while requests execute.
+# takes 20-60 ms per request, so that a kill lands while requests execute; a
+# request of batch size 3 hangs (until execute-timeout-seconds kills the stub).
 MODEL = """
 import os
 import time
@@ -43,6 +46,8 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             values = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            if values.shape[0] == 3:
+                time.sleep(3600)
             time.sleep(0.02 + (int(values.ravel()[0]) // 1000 % 5) * 0.01)
             pid = np.full(values.shape, os.getpid(), dtype=np.int64)
             responses.append(pb_utils.InferenceResponse(
@@ -72,29 +77,35 @@ def _pids(world) -> list[int]:
 
 @scenario(
     "python_stub_kill",
-    "SIGKILL a Python model's stub process while it executes (real processes, real "
-    "clock): its requests fail, the stub restarts, the model keeps serving",
+    "SIGKILL a Python model's stub process while it executes, or hang it past "
+    "execute-timeout-seconds (real processes, real clock): its requests fail, the "
+    "stub restarts, the model keeps serving",
     setup=_setup,
     fast_seeds=2,
     real_time=True,
 )
 async def python_stub_kill(world) -> None:
     rng = world.random("script")
-    kills = rng.randint(1, 2)
-    for _ in range(kills):
+    for _ in range(rng.randint(1, 2)):
+        hang = rng.random() < 0.3
         for _ in range(rng.randint(6, 12)):
             spawn(world, "stub", batch=rng.randint(1, 2))
             await trio.sleep(rng.uniform(0.0, 0.02))
-        await trio.sleep(rng.uniform(0.0, 0.05))
-        if not await wait_for(lambda: _pids(world), limit=20.0):
-            world.violate(RESTARTS, "no request succeeded before the kill")
-            return
-        os.kill(_pids(world)[-1], signal.SIGKILL)
-        world.notes["kills"] = world.notes.get("kills", 0) + 1
+        if hang:
+            spawn(world, "stub", batch=3)
+        else:
+            await trio.sleep(rng.uniform(0.0, 0.05))
+            if not await wait_for(lambda: _pids(world), limit=20.0):
+                world.violate(RESTARTS, "no request succeeded before the kill")
+                return
+            os.kill(_pids(world)[-1], signal.SIGKILL)
+        what = "hangs" if hang else "kills"
+        world.notes[what] = world.notes.get(what, 0) + 1
         await wait_for(lambda: all(r.client for r in world.records), limit=20.0)
-    killed = [r for r in world.records if r.client == "error"
-              and "killed by signal SIGKILL" in r.client_value.message]
-    world.notes["failed_by_kill"] = len(killed)
+    world.notes["failed_by_stub"] = sum(
+        r.client == "error" and "the stub process" in r.client_value.message
+        for r in world.records
+    )
     with trio.move_on_after(30.0):
         record = await infer(world, "stub")
         if record.client != "response":

@@ -8,6 +8,7 @@ connections to drain, is :mod:`trionserve.protocol.grpc_transport`'s.
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import numpy as np
 import structlog
 import trio
 from grpclib.const import Status
@@ -53,6 +55,52 @@ def _data_frame_repr(frame) -> str:
 # that cost more than the rest of the receive path. Same text, from 11 bytes.
 if hasattr(hyperframe_frame, "_raw_data_repr"):
     hyperframe_frame.DataFrame._body_repr = _data_frame_repr
+
+
+_FRAME_HEADER = struct.Struct(">HBBBL")
+_DATA_FRAME = 0x0
+_END_STREAM = 0x1
+
+
+class _H2Connection(h2.connection.H2Connection):
+    """h2's state machine, with large DATA payloads written from their own buffers.
+
+    h2 serializes every frame into one bytearray and hands out a copy of it: a
+    4 MB message would be copied four times before the socket. A payload passed
+    to ``send_data`` as a uint8 array (a view of the message) skips that: h2 still
+    does the stream state and flow-control accounting, and the frame goes out as
+    its 9-byte header and the view, in order with h2's other output. Read the
+    output with ``buffers_to_send``.
+    """
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self._buffers: list = []
+
+    def _prepare_for_sending(self, frames) -> None:
+        for frame in frames:
+            if type(frame) is hyperframe_frame.DataFrame and type(frame.data) is np.ndarray:
+                pending = self.data_to_send()
+                if pending:
+                    self._buffers.append(pending)
+                size = frame.body_len = len(frame.data)  # never padded: we pass no pad_length
+                flags = _END_STREAM if "END_STREAM" in frame.flags else 0
+                self._buffers.append(
+                    _FRAME_HEADER.pack(
+                        (size >> 8) & 0xFFFF, size & 0xFF, _DATA_FRAME, flags, frame.stream_id
+                    )
+                )
+                self._buffers.append(frame.data)
+            else:
+                super()._prepare_for_sending([frame])
+
+    def buffers_to_send(self) -> list:
+        """Everything to write, in order: bytes, and payload views."""
+        buffers, self._buffers = self._buffers, []
+        tail = self.data_to_send()
+        if tail:
+            buffers.append(tail)
+        return buffers
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +277,7 @@ class Connection:
         self.options = options
         self.draining = False
         self._server_draining = draining
-        self.h2 = h2.connection.H2Connection(
+        self.h2 = _H2Connection(
             h2.config.H2Configuration(
                 client_side=False,
                 header_encoding=None,
@@ -490,7 +538,8 @@ class Connection:
         h2conn = self.h2
         stream_id = call._stream_id
         for chunk in chunks:
-            view = chunk if len(chunk) <= _JOIN_LIMIT else memoryview(chunk)
+            # Large chunks go as uint8 views, written without copies (_H2Connection).
+            view = chunk if len(chunk) <= _JOIN_LIMIT else np.frombuffer(chunk, np.uint8)
             while len(view):
                 window = h2conn.local_flow_control_window(stream_id)
                 if window <= 0:
@@ -539,16 +588,16 @@ class Connection:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            data = self.h2.data_to_send()
+            buffers = self.h2.buffers_to_send()
             if self._extra:
-                data += b"".join(self._extra)
+                buffers.extend(self._extra)
                 self._extra.clear()
-            if data:
-                try:
+            try:
+                for data in _coalesce(buffers):
                     await self.stream.send_all(data)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    self._cancel()
-                    return
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._cancel()
+                return
             if self._closing and not self._dirty.is_set():
                 # Everything up to the final GOAWAY is written.
                 self._cancel()
@@ -630,6 +679,25 @@ class Connection:
             log.info("grpc keepalive ping not answered; closing", peer=self.peer)
             self._cancel()
             return
+
+
+def _coalesce(buffers: list) -> list:
+    """The buffers with each run of small ones joined: few writes, no large copies."""
+    if len(buffers) <= 1:
+        return buffers
+    out: list = []
+    run: list = []
+    for buffer in buffers:
+        if len(buffer) > _JOIN_LIMIT:
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(buffer)
+        else:
+            run.append(buffer)
+    if run:
+        out.append(b"".join(run))
+    return out
 
 
 def _peer_name(stream: trio.SocketStream) -> str:
