@@ -41,6 +41,10 @@ _ORT_TYPES = {
 }
 
 
+# A CPU batch whose last execution took at most this long runs inline on the
+# event loop instead of paying a worker-thread hop that costs more than it does.
+INLINE_BUDGET_NS = 150_000
+
 # Triton's default when auto-complete finds a model that can batch.
 DEFAULT_MAX_BATCH_SIZE = 4
 
@@ -191,6 +195,10 @@ class OnnxInstance:
         self._ragged = frozenset(i.name for i in config.input if i.allow_ragged_batch)
         # Set after each execute; the executor reads it for the statistics.
         self.compute_times: ComputeTimes | None = None
+        # CPU sessions may run tiny batches on the event loop (see InstanceExecutor);
+        # GPU sessions always go to a worker thread.
+        on_cpu = session.get_providers()[:1] == ["CPUExecutionProvider"]
+        self.inline_budget_ns = INLINE_BUDGET_NS if on_cpu else 0
 
     def execute(self, requests: list[InferenceRequest]) -> list:
         started = time.perf_counter_ns()
