@@ -441,18 +441,6 @@ def test_log_settings_round_trip_and_errors_as_over_http(server, grpc_client):
     assert error.message() == http_error.value.message() == "unknown log setting 'log_colour'"
 
 
-@pytest.mark.parametrize(
-    "call,fragment",
-    [
-        (lambda c: c.get_cuda_shared_memory_status(), "CUDA shared memory"),
-    ],
-    ids=["cuda-shm"],
-)
-def test_features_not_built_yet_are_unimplemented(grpc_client, call, fragment):
-    error = expect_error(lambda: call(grpc_client), "UNIMPLEMENTED")
-    assert fragment in error.message() and "not supported" in error.message()
-
-
 def test_shared_memory_needs_allow_client_shm(grpc_client):
     assert grpc_client.get_system_shared_memory_status().regions == {}
     error = expect_error(

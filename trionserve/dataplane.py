@@ -16,8 +16,19 @@ from trionserve import __version__
 from trionserve.actors.model import ModelVersion
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode
-from trionserve.core.errors import InvalidArgument, NotFound, TritonError, Unavailable
+from trionserve.core.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    TritonError,
+    Unavailable,
+)
 from trionserve.core.classification import classify, read_labels
+from trionserve.core.cuda_shared_memory import (
+    CudaSharedMemory,
+    SharedMemoryResolver,
+    cuda_unavailable_reason,
+)
 from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
@@ -68,6 +79,15 @@ class DataPlane:
         self.server_id = server_id
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
         self.shared_memory = SystemSharedMemory() if allow_client_shm else None
+        self.cuda_shared_memory = (
+            CudaSharedMemory(self.shared_memory) if self.shared_memory is not None else None
+        )
+        # What the codecs look request regions up in (system or CUDA, one namespace).
+        self.shm_resolver = (
+            SharedMemoryResolver(self.shared_memory, self.cuda_shared_memory)
+            if self.shared_memory is not None
+            else None
+        )
         # Label files of the classification extension, read once per model version.
         self._label_cache: weakref.WeakKeyDictionary[ModelVersion, dict] = (
             weakref.WeakKeyDictionary()
@@ -91,6 +111,8 @@ class DataPlane:
         extensions = list(EXTENSIONS)
         if self.shared_memory is not None:
             extensions.append("system_shared_memory")
+            if cuda_unavailable_reason() is None:
+                extensions.append("cuda_shared_memory")
         return {"name": self.server_id, "version": __version__, "extensions": extensions}
 
     def client_shared_memory(self) -> SystemSharedMemory:
@@ -101,6 +123,18 @@ class DataPlane:
                 "--allow-client-shm=true to register shared memory regions"
             )
         return self.shared_memory
+
+    def client_system_shared_memory(self, name: str) -> SystemSharedMemory:
+        """The system registry, refusing a ``name`` already used by a CUDA region."""
+        shared_memory = self.client_shared_memory()
+        if self.cuda_shared_memory is not None and name in self.cuda_shared_memory:
+            raise AlreadyExists(f"shared memory region '{name}' is already registered")
+        return shared_memory
+
+    def client_cuda_shared_memory(self) -> CudaSharedMemory:
+        """The CUDA registry, or the error saying client shared memory is off."""
+        self.client_shared_memory()
+        return self.cuda_shared_memory  # type: ignore[return-value]
 
     def model_ready(self, name: str, version: int | None) -> bool:
         try:

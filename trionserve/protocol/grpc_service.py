@@ -54,11 +54,7 @@ STREAM_PENDING_LIMIT = 1024
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
 
 # Methods whose feature lands later: they answer UNIMPLEMENTED with this text.
-_NOT_YET = {
-    "CudaSharedMemoryStatus": "CUDA shared memory is",
-    "CudaSharedMemoryRegister": "CUDA shared memory is",
-    "CudaSharedMemoryUnregister": "CUDA shared memory is",
-}
+_NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -142,6 +138,15 @@ class GrpcService:
             ),
             "SystemSharedMemoryUnregister": unary(
                 pb.SystemSharedMemoryUnregisterRequest, self.system_shm_unregister
+            ),
+            "CudaSharedMemoryStatus": unary(
+                pb.CudaSharedMemoryStatusRequest, self.cuda_shm_status
+            ),
+            "CudaSharedMemoryRegister": unary(
+                pb.CudaSharedMemoryRegisterRequest, self.cuda_shm_register
+            ),
+            "CudaSharedMemoryUnregister": unary(
+                pb.CudaSharedMemoryUnregisterRequest, self.cuda_shm_unregister
             ),
         }
         for name, feature in _NOT_YET.items():
@@ -327,7 +332,7 @@ class GrpcService:
     async def system_shm_register(
         self, request: pb.SystemSharedMemoryRegisterRequest, call
     ) -> Message:
-        self.dataplane.client_shared_memory().register(
+        self.dataplane.client_system_shared_memory(request.name).register(
             request.name, request.key, request.offset, request.byte_size
         )
         return pb.SystemSharedMemoryRegisterResponse()
@@ -338,10 +343,33 @@ class GrpcService:
         self.dataplane.client_shared_memory().unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
+    # -- CUDA shared memory ---------------------------------------------------------
+
+    async def cuda_shm_status(self, request: pb.CudaSharedMemoryStatusRequest, call) -> Message:
+        response = pb.CudaSharedMemoryStatusResponse()
+        if self.dataplane.cuda_shared_memory is not None:
+            for region in self.dataplane.cuda_shared_memory.status(request.name):
+                response.regions[region["name"]].CopyFrom(
+                    pb.CudaSharedMemoryStatusResponse.RegionStatus(**region)
+                )
+        return response
+
+    async def cuda_shm_register(self, request: pb.CudaSharedMemoryRegisterRequest, call) -> Message:
+        self.dataplane.client_cuda_shared_memory().register(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    async def cuda_shm_unregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, call
+    ) -> Message:
+        self.dataplane.client_cuda_shared_memory().unregister(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
+
     # -- inference -------------------------------------------------------------------
 
     async def model_infer(self, data: bytes, call: GrpcCall) -> list:
-        shared_memory = self.dataplane.shared_memory
+        shared_memory = self.dataplane.shm_resolver
         request = grpc_codec.decode_infer_request(data, shared_memory)
         model = self.dataplane.model(request.model_name, request.model_version)
         if model.config.model_transaction_policy.decoupled:
@@ -389,7 +417,7 @@ class GrpcService:
         self, call: GrpcCall, data: bytes, pending: trio.Semaphore, queued: trio.Event
     ) -> None:
         message = request = None
-        shared_memory = self.dataplane.shared_memory
+        shared_memory = self.dataplane.shm_resolver
         try:
             message = grpc_codec.parse_message(pb.ModelInferRequest, data)
             request = grpc_codec.decode_infer_request(message, shared_memory)

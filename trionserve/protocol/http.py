@@ -29,6 +29,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from trionserve.core.cuda_shared_memory import decode_raw_handle
 from trionserve.core.errors import (
     InternalError,
     InvalidArgument,
@@ -140,7 +141,7 @@ class InferHandler:
                         f"{header_length.decode('latin-1')!r}"
                     ) from None
             version = http_codec.parse_model_version(match.group(2) or "")
-            shared_memory = self.dataplane.shared_memory
+            shared_memory = self.dataplane.shm_resolver
             infer_request = http_codec.decode_infer_request(
                 body, header_length, match.group(1), version, shared_memory
             )
@@ -431,7 +432,7 @@ def add_generate_routes(app: QuartTrio, dataplane: DataPlane) -> None:
 
 
 def add_shared_memory_routes(app: QuartTrio, dataplane: DataPlane, json_body) -> None:
-    """The system shared memory extension's register / unregister / status routes."""
+    """The system and CUDA shared memory extensions' register / unregister / status routes."""
 
     def non_negative_int(body: dict, key: str, default: int | None = None) -> int:
         value = body.get(key, default)
@@ -455,7 +456,7 @@ def add_shared_memory_routes(app: QuartTrio, dataplane: DataPlane, json_body) ->
         key = body.get("key")
         if type(key) is not str or not key:
             raise InvalidArgument("'key' in the shared memory register request must be a string")
-        dataplane.client_shared_memory().register(
+        dataplane.client_system_shared_memory(name).register(
             name, key, non_negative_int(body, "offset", 0), non_negative_int(body, "byte_size")
         )
         return Response(b"", status=200)
@@ -464,6 +465,30 @@ def add_shared_memory_routes(app: QuartTrio, dataplane: DataPlane, json_body) ->
     @app.post("/v2/systemsharedmemory/region/<name>/unregister")
     async def system_shm_unregister(name: str | None = None):
         dataplane.client_shared_memory().unregister(name)
+        return Response(b"", status=200)
+
+    @app.get("/v2/cudasharedmemory/status")
+    @app.get("/v2/cudasharedmemory/region/<name>/status")
+    async def cuda_shm_status(name: str | None = None):
+        if dataplane.cuda_shared_memory is None:
+            return _json([])
+        return _json(dataplane.cuda_shared_memory.status(name))
+
+    @app.post("/v2/cudasharedmemory/region/<name>/register")
+    async def cuda_shm_register(name: str):
+        body = await json_body()
+        cuda = dataplane.client_cuda_shared_memory()
+        raw_handle = decode_raw_handle(body.get("raw_handle"))
+        cuda.register(
+            name, raw_handle, non_negative_int(body, "device_id", 0),
+            non_negative_int(body, "byte_size"),
+        )
+        return Response(b"", status=200)
+
+    @app.post("/v2/cudasharedmemory/unregister")
+    @app.post("/v2/cudasharedmemory/region/<name>/unregister")
+    async def cuda_shm_unregister(name: str | None = None):
+        dataplane.client_cuda_shared_memory().unregister(name)
         return Response(b"", status=200)
 
 

@@ -1,0 +1,230 @@
+"""CUDA shared memory regions registered by clients.
+
+Triton's CUDA shared memory extension: a client allocates device memory, exports
+it as a CUDA IPC handle (``cudaIpcGetMemHandle``), and registers it by name with
+its device id and size. Requests then name the region instead of sending bytes.
+
+The handle is opened lazily, on the first request that touches the region, with
+cupy (``cupy.cuda.runtime.ipcOpenMemHandle``). cupy is imported only inside
+functions: a host without cupy or a GPU still runs, and registering a region
+answers UNAVAILABLE naming what is missing.
+
+Region names share one namespace with system shared memory regions (Triton's
+rule), and :class:`SharedMemoryResolver` is the one place a request's region name
+is looked up. Simplest correct approach: an input in a CUDA region is copied
+device->host into a numpy array, and an output is copied host->device, both
+synchronously on the caller's thread, so no request keeps a device pointer after
+the call returns and unregistering can close the handle at once.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+from dataclasses import dataclass, field
+
+from trionserve.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+
+# sizeof(cudaIpcMemHandle_t)
+CUDA_IPC_HANDLE_SIZE = 64
+
+# cudaMemcpyKind
+_HOST_TO_DEVICE = 1
+_DEVICE_TO_HOST = 2
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_unavailable_reason() -> str | None:
+    """None when cupy and a CUDA device are usable, else what is missing."""
+    try:
+        import cupy  # noqa: PLC0415
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        return f"cupy is not installed or cannot be imported ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return f"no usable CUDA device ({exc})"
+    if count < 1:
+        return "no CUDA device is visible"
+    return None
+
+
+def decode_raw_handle(value) -> bytes:
+    """The IPC handle bytes from an HTTP register body's ``raw_handle``.
+
+    tritonclient sends ``{"raw_handle": {"b64": "<base64 of the 64-byte handle>"}}``.
+    """
+    if not isinstance(value, dict) or not isinstance(value.get("b64"), str):
+        raise InvalidArgument(
+            "'raw_handle' in the CUDA shared memory register request must be "
+            '{"b64": "<base64 string>"}'
+        )
+    try:
+        raw = base64.b64decode(value["b64"], validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(
+            "'raw_handle.b64' in the CUDA shared memory register request is not valid base64"
+        ) from None
+    return check_raw_handle(raw)
+
+
+def check_raw_handle(raw: bytes) -> bytes:
+    if len(raw) != CUDA_IPC_HANDLE_SIZE:
+        raise InvalidArgument(
+            f"a CUDA IPC handle is {CUDA_IPC_HANDLE_SIZE} bytes, got {len(raw)}"
+        )
+    return bytes(raw)
+
+
+@dataclass(slots=True)
+class CudaRegion:
+    name: str
+    raw_handle: bytes
+    device_id: int
+    byte_size: int
+    pointer: int | None = field(default=None)
+
+    def status(self) -> dict:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+    def open(self) -> int:
+        if self.pointer is None:
+            import cupy  # noqa: PLC0415
+
+            try:
+                with cupy.cuda.Device(self.device_id):
+                    self.pointer = cupy.cuda.runtime.ipcOpenMemHandle(self.raw_handle)
+            except Exception as exc:
+                raise InvalidArgument(
+                    f"unable to open CUDA IPC handle of shared memory region "
+                    f"'{self.name}' on device {self.device_id}: {exc}"
+                ) from None
+        return self.pointer
+
+    def close(self) -> None:
+        if self.pointer is not None:
+            import cupy  # noqa: PLC0415
+
+            try:
+                with cupy.cuda.Device(self.device_id):
+                    cupy.cuda.runtime.ipcCloseMemHandle(self.pointer)
+            except Exception:
+                pass  # the exporting process may be gone; nothing left to free
+            self.pointer = None
+
+
+class CudaSharedMemory:
+    """The registered CUDA regions, by name. Used on the Trio thread only.
+
+    ``system`` is the system shared memory registry: a name may be registered in
+    one of the two only.
+    """
+
+    def __init__(self, system=None) -> None:
+        self._regions: dict[str, CudaRegion] = {}
+        self._system = system
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._regions
+
+    def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise Unavailable(f"CUDA shared memory is unavailable on this server: {reason}")
+        if not name:
+            raise InvalidArgument("a shared memory region needs a name")
+        if name in self._regions or (
+            self._system is not None and name in {r["name"] for r in self._system.status()}
+        ):
+            raise AlreadyExists(f"shared memory region '{name}' is already registered")
+        if device_id < 0 or byte_size < 0:
+            raise InvalidArgument(
+                f"CUDA shared memory region '{name}': device_id and byte_size must be "
+                f">= 0, got device_id {device_id}, byte_size {byte_size}"
+            )
+        self._regions[name] = CudaRegion(name, check_raw_handle(raw_handle), device_id, byte_size)
+
+    def unregister(self, name: str | None = None) -> None:
+        """Unregister one region, or every region when ``name`` is None or empty."""
+        if not name:
+            for region in self._regions.values():
+                region.close()
+            self._regions.clear()
+            return
+        region = self._regions.pop(name, None)
+        if region is None:
+            raise NotFound(f"CUDA shared memory region '{name}' is not registered")
+        region.close()
+
+    def status(self, name: str | None = None) -> list[dict]:
+        if not name:
+            return [r.status() for r in self._regions.values()]
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"CUDA shared memory region '{name}' is not registered")
+        return [region.status()]
+
+    def _window(self, name: str, offset: int, byte_size: int, what: str) -> tuple[CudaRegion, int]:
+        region = self._regions.get(name)
+        if region is None:
+            raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
+        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+            raise InvalidArgument(
+                f"{what}: offset {offset} + byte size {byte_size} is out of bounds of "
+                f"CUDA shared memory region '{name}' ({region.byte_size} bytes)"
+            )
+        return region, offset
+
+    def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
+        """A host copy of ``byte_size`` bytes of a region (device->host)."""
+        import cupy  # noqa: PLC0415
+        import numpy  # noqa: PLC0415
+
+        region, start = self._window(name, offset, byte_size, what)
+        host = numpy.empty(byte_size, dtype=numpy.uint8)
+        if byte_size:
+            pointer = region.open()
+            with cupy.cuda.Device(region.device_id):
+                cupy.cuda.runtime.memcpy(
+                    host.ctypes.data, pointer + start, byte_size, _DEVICE_TO_HOST
+                )
+        return memoryview(host)
+
+    def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
+        """Copy ``data`` host->device into a region window; returns its size."""
+        import cupy  # noqa: PLC0415
+        import numpy  # noqa: PLC0415
+
+        payload = memoryview(data).cast("B")
+        if payload.nbytes > byte_size:
+            raise InvalidArgument(
+                f"{what}: {payload.nbytes} bytes do not fit in the {byte_size} bytes "
+                f"given for shared memory region '{name}'"
+            )
+        region, start = self._window(name, offset, byte_size, what)
+        if payload.nbytes:
+            host = numpy.frombuffer(payload, dtype=numpy.uint8)
+            pointer = region.open()
+            with cupy.cuda.Device(region.device_id):
+                cupy.cuda.runtime.memcpy(
+                    pointer + start, host.ctypes.data, payload.nbytes, _HOST_TO_DEVICE
+                )
+        return payload.nbytes
+
+
+class SharedMemoryResolver:
+    """The one lookup of a request's ``shared_memory_region``: CUDA or system."""
+
+    def __init__(self, system, cuda: CudaSharedMemory) -> None:
+        self.system = system
+        self.cuda = cuda
+
+    def _of(self, name: str):
+        return self.cuda if name in self.cuda else self.system
+
+    def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
+        return self._of(name).view(name, offset, byte_size, what)
+
+    def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
+        return self._of(name).write(name, offset, byte_size, data, what)
