@@ -25,6 +25,7 @@ class DecoupledDataPlane:
     sent before this one starts."""
 
     shared_memory = None
+    shm_resolver = None
 
     def __init__(self) -> None:
         self.first_sent: dict[str, trio.Event] = {}

@@ -607,6 +607,7 @@ class QueueingDataPlane:
     routing take a varying number of checkpoints first, as real ones may."""
 
     shared_memory = None
+    shm_resolver = None
 
     def __init__(self) -> None:
         self.order: list[str] = []

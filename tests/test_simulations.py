@@ -2,10 +2,11 @@
 invariant check fails when the runtime is broken on purpose.
 
 The sweep runs each scenario for its ``fast_seeds`` seeds on the virtual clock (the
-Python stub scenario on the real one). A failing seed is reported with the command
-that replays it. The deliberate-break tests patch one runtime behaviour at a time
-(a backend that drops a response, a scheduler that answers twice, ...) and assert
-that the matching invariant reports it, so the checks cannot pass vacuously.
+Python stub and real HTTP/gRPC frontend scenarios on the real one). A failing seed is
+reported with the command that replays it. The deliberate-break tests patch one runtime
+behaviour at a time (a backend that drops a response, a scheduler that answers twice,
+...) and assert that the matching invariant reports it, so the checks cannot pass
+vacuously.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def test_fast_sweep(name):
 def test_clients_cancel_at_every_point_of_a_request():
     phases = fast_sweep("client_cancellation").cancel_phases
     assert {"queued", "batched", "executing", "responding"} <= set(phases), phases
+
+
+def test_http_clients_disconnect_mid_request():
+    totals = fast_sweep("http_frontend_faults")
+    assert totals.cancel_phases, "no client disconnected while its request was in flight"
 
 
 def test_a_seed_replays_exactly_in_another_process():

@@ -2,6 +2,8 @@
 
 from simulations.scenarios import (  # noqa: F401
     backend_faults,
+    grpc_frontend,
+    http_frontend,
     load,
     python_stub,
     repository_changes,
