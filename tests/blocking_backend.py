@@ -9,9 +9,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.registry import register_backend
-from trionserve.core.batching import build_response, gather_inputs, split_outputs
+from trionserve.backends.base import ModelContext
+from tests.fake_backend import echo_responses, register_instance_backend
 
 BACKEND = "test_blocking"
 
@@ -64,38 +63,10 @@ class _Instance:
         if GATE.fail_next:
             GATE.fail_next = False
             raise RuntimeError("injected backend failure")
-        outputs = {"OUTPUT0": gather_inputs(requests)["INPUT0"]}
-        return [
-            build_response(r, self.name, self.version, out, {"OUTPUT0": "FP32"})
-            for r, out in zip(requests, split_outputs(outputs, requests))
-        ]
+        return echo_responses(requests, self.name, self.version)
 
     def close(self) -> None:
         pass
-
-
-class _Model:
-    def __init__(self, context: ModelContext) -> None:
-        self.context = context
-
-    def create_instance(self, spec: InstanceSpec) -> _Instance:
-        return _Instance(self.context)
-
-    def unload(self) -> None:
-        pass
-
-
-class BlockingBackend:
-    name = BACKEND
-
-    def default_model_filename(self) -> str:
-        return "model.txt"
-
-    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
-        pass
-
-    def load(self, context: ModelContext) -> _Model:
-        return _Model(context)
 
 
 def make_model(repository: Path, name: str) -> Path:
@@ -106,4 +77,4 @@ def make_model(repository: Path, name: str) -> Path:
     return model_dir
 
 
-register_backend(BACKEND, BlockingBackend)
+register_instance_backend(BACKEND, lambda context, spec: _Instance(context))

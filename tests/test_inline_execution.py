@@ -7,10 +7,9 @@ import threading
 import numpy as np
 import trio
 
+from tests.fake_backend import echo_responses, register_instance_backend
 from tests.serverproc import free_port
-from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.registry import register_backend
-from trionserve.core.batching import build_responses, gather_inputs
+from trionserve.backends.base import ModelContext
 from trionserve.core.types import InferenceRequest, Tensor
 from trionserve.observability.statistics import ComputeTimes
 from trionserve.server import Server, ServerOptions
@@ -29,38 +28,13 @@ class _Instance:
     def execute(self, requests):
         THREADS.append(threading.current_thread() is threading.main_thread())
         self.compute_times = ComputeTimes(0, COST_NS[0], 0)
-        outputs = {"OUTPUT0": gather_inputs(requests)["INPUT0"]}
-        return build_responses(requests, self.name, self.version, outputs, {"OUTPUT0": "FP32"})
+        return echo_responses(requests, self.name, self.version)
 
     def close(self) -> None:
         pass
 
 
-class _Model:
-    def __init__(self, context):
-        self.context = context
-
-    def create_instance(self, spec: InstanceSpec):
-        return _Instance(self.context)
-
-    def unload(self):
-        pass
-
-
-class InlineBackend:
-    name = "test_inline"
-
-    def default_model_filename(self):
-        return "model.txt"
-
-    def auto_complete_config(self, config, model_path, max_batch_size_set):
-        pass
-
-    def load(self, context):
-        return _Model(context)
-
-
-register_backend("test_inline", InlineBackend)
+register_instance_backend("test_inline", lambda context, spec: _Instance(context))
 
 
 async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):

@@ -16,12 +16,11 @@ import pytest
 import trio
 import tritonclient.http as httpclient
 
+from tests.fake_backend import echo_responses, register_instance_backend
 from tests.serverproc import free_port
 from trionserve.actors.model import instance_specs
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
-from trionserve.backends.registry import register_backend
-from trionserve.core.batching import build_response, gather_inputs, split_outputs
 from trionserve.repository import model_config_pb2 as mc
 from trionserve.server import Server, ServerOptions
 
@@ -50,41 +49,13 @@ class _Instance:
         gate.names.append(self.spec.name)
         gate.entered.release()
         gate.release.wait(timeout=30)
-        outputs = {"OUTPUT0": gather_inputs(requests)["INPUT0"]}
-        return [
-            build_response(r, self.model, "1", out, {"OUTPUT0": "FP32"})
-            for r, out in zip(requests, split_outputs(outputs, requests))
-        ]
+        return echo_responses(requests, self.model, "1")
 
     def close(self) -> None:
         pass
 
 
-class _Model:
-    def __init__(self, context: ModelContext) -> None:
-        self.context = context
-
-    def create_instance(self, spec: InstanceSpec) -> _Instance:
-        return _Instance(self.context, spec)
-
-    def unload(self) -> None:
-        pass
-
-
-class GateBackend:
-    name = BACKEND
-
-    def default_model_filename(self) -> str:
-        return "model.txt"
-
-    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
-        pass
-
-    def load(self, context: ModelContext) -> _Model:
-        return _Model(context)
-
-
-register_backend(BACKEND, GateBackend)
+register_instance_backend(BACKEND, _Instance)
 
 
 def write_model(repository: Path, name: str, extra: str) -> None:
