@@ -221,3 +221,28 @@ async def test_instance_count_changes_without_a_reload(repository):
         )
         server.shutdown()
 
+
+
+def test_kind_auto_stays_on_cpu_for_a_backend_without_gpu_support(monkeypatch):
+    """A GPU host with the CPU build of onnxruntime: KIND_AUTO is KIND_CPU (as
+    Triton resolves it for a backend built without GPU support), so the example
+    repository still loads; a backend that can use the GPU gets KIND_GPU."""
+    import onnxruntime
+
+    from trionserve.actors import lifecycle
+    from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+
+    monkeypatch.setattr(lifecycle, "gpu_count", lambda: 2)
+    simple = Path(__file__).parent.parent / "examples" / "model_repository" / "simple"
+
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert OnnxRuntimeBackend().can_use_gpu() is False
+    prepared = lifecycle.prepare_model(simple, autocomplete=True, override_json=None)
+    assert [g.kind for g in prepared.config.instance_group] == [mc.ModelInstanceGroup.KIND_CPU]
+
+    monkeypatch.setattr(
+        onnxruntime, "get_available_providers",
+        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"],
+    )
+    prepared = lifecycle.prepare_model(simple, autocomplete=True, override_json=None)
+    assert [g.kind for g in prepared.config.instance_group] == [mc.ModelInstanceGroup.KIND_GPU]

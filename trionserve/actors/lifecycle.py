@@ -9,6 +9,7 @@ import structlog
 import trio
 
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
+from trionserve.backends.base import backend_can_use_gpu
 from trionserve.backends.gpu import gpu_count
 from trionserve.backends.registry import backend_for
 from trionserve.core.errors import TritonError, Unavailable
@@ -43,7 +44,7 @@ def prepare_model(model_dir: Path, autocomplete: bool, override_json: str | None
         if model_path.exists():
             backend.auto_complete_config(config, model_path, max_batch_size_set)
     normalize_model_config(config)
-    resolve_instance_kinds(config, gpu_count())
+    resolve_instance_kinds(config, gpu_count() if backend_can_use_gpu(backend) else 0)
     validate_model_config(config)
     return PreparedModel(config, backend, versions)
 

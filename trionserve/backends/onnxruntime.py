@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.onnxruntime_providers import execution_providers
+from trionserve.backends.onnxruntime_providers import CUDA, TENSORRT, execution_providers
 from trionserve.core import datatypes
 from trionserve.core.batching import build_responses, gather_inputs, wanted_outputs
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
@@ -71,6 +71,12 @@ class OnnxRuntimeBackend:
 
     def default_model_filename(self) -> str:
         return "model.onnx"
+
+    def can_use_gpu(self) -> bool:
+        """Only an onnxruntime build with a CUDA or TensorRT provider (onnxruntime-gpu)."""
+        import onnxruntime as ort
+
+        return bool({CUDA, TENSORRT} & set(ort.get_available_providers()))
 
     def auto_complete_config(
         self, config, model_path: Path, max_batch_size_set: bool

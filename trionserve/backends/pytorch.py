@@ -170,6 +170,12 @@ class PyTorchBackend:
     def default_model_filename(self) -> str:
         return "model.pt"
 
+    def can_use_gpu(self) -> bool:
+        """Only a CUDA build of torch that sees a device."""
+        import torch
+
+        return bool(torch.cuda.is_available())
+
     def auto_complete_config(
         self, config, model_path: Path, max_batch_size_set: bool
     ) -> None:
