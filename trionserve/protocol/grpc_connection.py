@@ -132,6 +132,8 @@ class TransportOptions:
     # How long a closing connection waits for the client to close its side, and a
     # draining one for the ack of its first GOAWAY's ping.
     linger: float = 1.0
+    # Bind with SO_REUSEPORT: worker processes share the port (--workers).
+    reuse_port: bool = False
 
 
 class GrpcCall:

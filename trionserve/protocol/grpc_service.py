@@ -77,6 +77,10 @@ class GrpcOptions:
     http2_max_ping_strikes: int = 2
     # Largest request message accepted; None: no limit (like Triton).
     max_message_size: int | None = None
+    # Bind with SO_REUSEPORT so that worker processes share the port (--workers);
+    # a transport on grpcio maps it to the "grpc.so_reuseport" option (grpcio's
+    # default is on: it must be set to 0 when this is false).
+    reuse_port: bool = False
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
@@ -87,6 +91,7 @@ class GrpcOptions:
             response_compression_level=COMPRESSION_LEVELS[
                 self.infer_response_compression_level
             ],
+            reuse_port=self.reuse_port,
         )
 
 

@@ -32,6 +32,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from trionserve.protocol.grpc_connection import Connection, GrpcCall, Method, TransportOptions
+from trionserve.protocol.listeners import open_tcp_listeners
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +61,9 @@ class GrpcTransport:
         *,
         task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=address or None, backlog=1024)
+        listeners = await open_tcp_listeners(
+            port, host=address or None, backlog=1024, reuse_port=self._options.reuse_port
+        )
         bound = [listener.socket.getsockname()[:2] for listener in listeners]
         draining = trio.Event()
         async with trio.open_nursery() as nursery:

@@ -45,6 +45,7 @@ from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace import settings_from_json
 from trionserve.protocol import generate_codec, http_codec
 from trionserve.protocol.http_server import H11Server, HttpServerOptions
+from trionserve.protocol.listeners import reuse_port_binds
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
 
@@ -529,6 +530,8 @@ class HttpOptions:
     transport: str = "h11"
     # Largest request body accepted (h11 transport), in bytes; None: no limit.
     max_input_size: int | None = None
+    # Bind with SO_REUSEPORT: worker processes share the port (--workers).
+    reuse_port: bool = False
 
 
 HTTP_TRANSPORTS = ("h11", "hypercorn")
@@ -566,6 +569,8 @@ async def serve_http(
     frontend = HttpFrontend(dataplane, verbose)
     if options.transport == "hypercorn":
         config = hypercorn_config(address, port, graceful_timeout)
+        if options.reuse_port:
+            config.bind = reuse_port_binds(address, port)
         await hypercorn_serve(
             frontend,
             config,
@@ -577,6 +582,10 @@ async def serve_http(
     if options.transport != "h11":
         raise ValueError(f"unknown HTTP transport {options.transport!r}")
     server = H11Server(
-        frontend, frontend.route, HttpServerOptions(max_request_body=options.max_input_size)
+        frontend,
+        frontend.route,
+        HttpServerOptions(
+            max_request_body=options.max_input_size, reuse_port=options.reuse_port
+        ),
     )
     await server.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

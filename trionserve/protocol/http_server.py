@@ -37,6 +37,8 @@ import h11
 import structlog
 import trio
 
+from trionserve.protocol.listeners import open_tcp_listeners
+
 log = structlog.get_logger(__name__)
 
 __all__ = ["DirectHandler", "DirectResponse", "H11Server", "HttpServerOptions", "Router"]
@@ -71,6 +73,8 @@ class HttpServerOptions:
     # Bytes asked of the socket per read.
     receive_size: int = 256 * 1024
     backlog: int = 1024
+    # Bind with SO_REUSEPORT: worker processes share the port (--workers).
+    reuse_port: bool = False
     # How long a closing connection waits for the client to close its side, so
     # that unread request bytes do not turn our close into a reset.
     linger: float = 1.0
@@ -110,8 +114,11 @@ class H11Server:
         *,
         task_status=trio.TASK_STATUS_IGNORED,
     ) -> None:
-        listeners = await trio.open_tcp_listeners(
-            port, host=address or None, backlog=self.options.backlog
+        listeners = await open_tcp_listeners(
+            port,
+            host=address or None,
+            backlog=self.options.backlog,
+            reuse_port=self.options.reuse_port,
         )
         bound = [listener.socket.getsockname()[:2] for listener in listeners]
         async with trio.open_nursery() as nursery:
