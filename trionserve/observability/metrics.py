@@ -29,6 +29,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import CollectorRegistry, ProcessCollector, make_asgi_app
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from trionserve.observability.custom_metrics import CUSTOM_METRICS
 from trionserve.observability.statistics import FailureReason, ModelStatistics
 
 log = structlog.get_logger(__name__)
@@ -353,6 +354,8 @@ def build_metrics_registry(
     several servers in one process do not mix)."""
     metrics = CollectorRegistry(auto_describe=False)
     metrics.register(ModelMetricsCollector(registry, options))
+    # Families that Python-backend models define (pb_utils.MetricFamily).
+    metrics.register(CUSTOM_METRICS)
     if cpu is not None:
         metrics.register(cpu)
     ProcessCollector(registry=metrics)

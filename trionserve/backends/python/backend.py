@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.python.control import ModelControl
 from trionserve.backends.python.instance import PythonInstance
 from trionserve.backends.python.process import StubProcess
 from trionserve.backends.python.settings import StubSettings
@@ -108,7 +109,7 @@ class PythonModel:
         """Start a stub for ``spec`` and run the model's ``initialize`` (blocking)."""
         context = self.context
         label = f"model '{context.name}' instance '{spec.name}'"
-        stub = StubProcess(label, self.settings)
+        stub = StubProcess(label, self.settings, ModelControl(context.inference, context.name))
         args = {
             "model_config": self._config_json,
             "model_instance_kind": spec.kind.removeprefix("KIND_"),

@@ -35,6 +35,7 @@ from trionserve.core.errors import (
     as_triton_error,
 )
 from trionserve.core.types import InferenceRequest
+from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 log = structlog.get_logger(__name__)
 
@@ -245,8 +246,27 @@ class PythonInstance:
                     scope.cancel()
             elif op == "log":
                 log_stub_line(self.label, message["level"], message["message"])
+            elif op == "control":
+                assert self._nursery is not None
+                self._nursery.start_soon(self._control, channel, message)
+            elif op == "metric":
+                reply = CUSTOM_METRICS.handle(channel.metrics_owner, message)
+                if reply is not None:
+                    self._send_soon(channel, reply)
             if channel.endpoint.should_flush():
                 self._send_soon(channel, {"op": "free"})
+
+    async def _control(self, channel: TrioChannel, message: dict) -> None:
+        """A model loading API call from ``execute``: answered when it is done."""
+        if channel.control is None:
+            reply = {"op": "control_reply", "call": message["call"], "result": None,
+                     "error": "the model loading API is not available here"}
+        else:
+            reply = await channel.control.handle(message)
+        try:
+            await channel.send(reply)
+        except _GONE:
+            pass  # the stub is gone
 
     def _send_soon(self, channel: TrioChannel, message: dict) -> None:
         async def send() -> None:

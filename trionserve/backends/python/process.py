@@ -13,6 +13,7 @@ directory is not on their import path.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ import structlog
 import trio
 
 import trionserve
+from trionserve.backends.python.control import ModelControl
 from trionserve.backends.python.settings import StubSettings
 from trionserve.backends.python.shm import Arena, ArenaView
 from trionserve.backends.python.wire import (
@@ -36,6 +38,7 @@ from trionserve.backends.python.wire import (
     fds_from_ancillary,
 )
 from trionserve.core.errors import TritonError, Unavailable
+from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +48,8 @@ _BOOT = (
     "import sys; sys.path.append(sys.argv.pop(1)); "
     "from trionserve.backends.python.stub import main; main()"
 )
+_OWNERS = itertools.count(1)
+
 # How long a stub that was asked to stop may take to exit before it is killed.
 EXIT_GRACE_SECONDS = 5.0
 
@@ -72,9 +77,13 @@ def log_stub_line(label: str, level: str, message: str) -> None:
 class StubProcess:
     """A started stub process; ``label`` names the model and instance in errors."""
 
-    def __init__(self, label: str, settings: StubSettings) -> None:
+    def __init__(
+        self, label: str, settings: StubSettings, control: ModelControl | None = None
+    ) -> None:
         self.label = label
         self.settings = settings
+        # Answers the model loading API (pb_utils.load_model & co), if offered.
+        self.control = control
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = [
             sys.executable,
@@ -103,6 +112,8 @@ class StubProcess:
         )
         self.channel = BlockingChannel(parent, self.endpoint)
         self._closed = False
+        # The custom metrics this stub's model defines are held in its name.
+        self.metrics_owner = next(_OWNERS)
 
     @property
     def pid(self) -> int:
@@ -130,6 +141,12 @@ class StubProcess:
                     raise Unavailable(f"{self.label}: {what} failed: {answer['message']}")
                 if op == "log":
                     log_stub_line(self.label, answer["level"], answer["message"])
+                elif op == "metric":
+                    metric_reply = CUSTOM_METRICS.handle(self.metrics_owner, answer)
+                    if metric_reply is not None:
+                        self.channel.send(metric_reply)
+                elif op == "control":
+                    self.channel.send(self._control_blocking(answer))
         except TimeoutError:
             raise Unavailable(
                 f"{self.label}: the stub process did not finish {what} within "
@@ -139,6 +156,14 @@ class StubProcess:
             raise Unavailable(
                 f"{self.label}: lost the stub process during {what}: {exc}"
             ) from None
+
+    def _control_blocking(self, message: dict) -> dict:
+        if self.control is None:
+            return {
+                "op": "control_reply", "call": message["call"], "result": None,
+                "error": "the model loading API is not available here",
+            }
+        return self.control.handle_blocking(message)
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -176,6 +201,7 @@ class StubProcess:
         if self._closed:
             return
         self._closed = True
+        CUSTOM_METRICS.release(self.metrics_owner)
         self.sock.close()
         self.endpoint.close()
 
@@ -187,6 +213,8 @@ class TrioChannel:
     def __init__(self, stub: StubProcess) -> None:
         self._stub = stub
         self.endpoint = stub.endpoint
+        self.metrics_owner = stub.metrics_owner
+        self.control = stub.control
         # A duplicate descriptor, so the blocking socket stays usable afterwards.
         self._sock = trio.socket.from_stdlib_socket(stub.sock.dup())
         self._send_lock = trio.StrictFIFOLock()

@@ -93,6 +93,7 @@ class StubRuntime:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[int, _BLSCall] = {}
         self._call_ids = itertools.count(1)
+        self._waits: dict[int, queue.SimpleQueue] = {}
         self._cancelled: set[int] = set()
         self._loop = None  # an asyncio loop, started for the first coroutine
         self._serving = False
@@ -274,6 +275,47 @@ class StubRuntime:
     def log(self, level: str, message: str) -> None:
         self.channel.send({"op": "log", "level": level, "message": message})
 
+    def metric(self, action: str, fields: dict):
+        """A custom-metric operation; the server's answer, or its error raised."""
+        return self._ask({"op": "metric", "action": action, **fields}, "metric_reply")
+
+    def control(self, action: str, fields: dict):
+        """A model loading API call; the server's answer, or its error raised."""
+        return self._ask({"op": "control", "action": action, **fields}, "control_reply")
+
+    def _ask(self, message: dict, reply_op: str):
+        """Send ``message`` and wait for the server's reply to it.
+
+        Before the reader thread runs (while the model is constructed and
+        initialized) the reply is read here, and anything else is dispatched.
+        """
+        call = next(self._call_ids)
+        message["call"] = call
+        if self._serving:
+            waiter: queue.SimpleQueue = queue.SimpleQueue()
+            self._waits[call] = waiter
+            self.channel.send(message)
+            reply = waiter.get()
+        else:
+            self.channel.send(message)
+            while True:
+                reply = self.channel.receive()
+                if reply is None:
+                    os._exit(0)  # the server went away
+                if reply["op"] == reply_op and reply["call"] == call:
+                    break
+                self._dispatch(reply)
+        if reply["error"] is not None:
+            raise self.pb.TritonModelException(reply["error"])
+        return reply["result"]
+
+    def metric_release(self, action: str, fields: dict) -> None:
+        """A family or metric object was deleted; no answer is awaited."""
+        try:
+            self.channel.send({"op": "metric", "action": action, "call": None, **fields})
+        except OSError:
+            pass  # the server is gone, and its references with it
+
     def bls(self, request, decoupled: bool):
         if not self._serving:
             raise self.pb.TritonModelException(
@@ -312,13 +354,20 @@ class StubRuntime:
             if message is None:
                 # The server went away: nothing is left to serve.
                 os._exit(0)
-            op = message["op"]
-            if op in ("execute", "finalize"):
-                self._jobs.put(message)
-            elif op == "bls_response":
-                self._bls_response(message)
-            elif op == "cancel":
-                self._cancelled.update(message["keys"])
+            self._dispatch(message)
+
+    def _dispatch(self, message: dict) -> None:
+        op = message["op"]
+        if op in ("execute", "finalize"):
+            self._jobs.put(message)
+        elif op == "bls_response":
+            self._bls_response(message)
+        elif op in ("metric_reply", "control_reply"):
+            waiter = self._waits.pop(message["call"], None)
+            if waiter is not None:
+                waiter.put(message)
+        elif op == "cancel":
+            self._cancelled.update(message["keys"])
 
     def _bls_response(self, message: dict) -> None:
         pb = self.pb

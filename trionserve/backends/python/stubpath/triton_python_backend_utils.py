@@ -608,10 +608,99 @@ def _unsupported(feature):
     return call
 
 
-load_model = _unsupported("load_model")
-unload_model = _unsupported("unload_model")
-is_model_ready = _unsupported("is_model_ready")
-MetricFamily = _unsupported("MetricFamily (custom metrics)")
+def _control(action, **fields):
+    if _runtime is None:
+        raise TritonModelException(
+            "the model loading API is only available in a stub process"
+        )
+    return _runtime.control(action, fields)
+
+
+def load_model(model_name, config="", files=None):
+    """Load or reload ``model_name`` (the server must be in EXPLICIT mode).
+
+    ``config`` is a model configuration as JSON; ``files`` maps
+    ``"file:<version>/<name>"`` to the file's bytes, as in the load API.
+    """
+    _control("load", name=model_name, config=config, files=dict(files or {}))
+
+
+def unload_model(model_name, unload_dependents=False):
+    """Unload ``model_name`` (the server must be in EXPLICIT mode)."""
+    _control("unload", name=model_name, unload_dependents=bool(unload_dependents))
+
+
+def is_model_ready(model_name, model_version=""):
+    """Whether ``model_name`` (that version, or any) is ready to serve."""
+    return _control("ready", name=model_name, version=str(model_version))
+
+
+def _metric_call(action, **fields):
+    """One custom-metric operation, answered by the server (raises its error)."""
+    if _runtime is None:
+        raise TritonModelException("custom metrics are only available in a stub process")
+    return _runtime.metric(action, fields)
+
+
+class MetricFamily:
+    """A family of custom metrics, exposed on the server's metrics endpoint.
+
+    A name already in use gives that family when the kind matches, and raises
+    when it does not. The family lives while this object (or another with the
+    same name) does.
+    """
+
+    COUNTER = 0
+    GAUGE = 1
+    HISTOGRAM = 2
+
+    def __init__(self, name, description, kind):
+        self._id = None
+        self._name = name
+        self._kind = kind
+        self._id = _metric_call(
+            "family_create", name=name, description=description, kind=kind
+        )
+
+    def Metric(self, labels=None, buckets=None):  # noqa: N802 - Triton's name
+        """The metric of this family with these labels (created when new)."""
+        return Metric(self, labels, buckets)
+
+    def __del__(self):
+        if self._id is not None and _runtime is not None:
+            _runtime.metric_release("family_delete", {"family": self._id})
+
+
+class Metric:
+    """One metric (one set of labels) of a :class:`MetricFamily`."""
+
+    def __init__(self, family, labels=None, buckets=None):
+        self._key = None
+        self._family = family._id
+        if buckets is not None:
+            buckets = [float(b) for b in buckets]
+        self._key = _metric_call(
+            "metric_create", family=family._id, labels=labels or {}, buckets=buckets
+        )
+
+    def _update(self, action, value=0.0):
+        return _metric_call(action, family=self._family, labels=self._key, value=value)
+
+    def increment(self, value):
+        self._update("increment", value)
+
+    def set(self, value):
+        self._update("set", value)
+
+    def observe(self, value):
+        self._update("observe", value)
+
+    def value(self):
+        return self._update("value")
+
+    def __del__(self):
+        if self._key is not None and _runtime is not None:
+            _runtime.metric_release("metric_delete", {"family": self._family, "labels": self._key})
 
 
 class ModelConfig:
