@@ -580,7 +580,8 @@ def test_load_failures_name_the_cause(client):
     assert "RuntimeError: cannot find the weights" in rows["bad_initialize"]["reason"]
     assert "initialize" in rows["bad_initialize"]["reason"]
     assert rows["conda_env"]["state"] == "UNAVAILABLE"
-    assert "EXECUTION_ENV_PATH is not supported" in rows["conda_env"]["reason"]
+    assert "EXECUTION_ENV_PATH 'env.tar.gz'" in rows["conda_env"]["reason"]
+    assert "does not exist" in rows["conda_env"]["reason"]
     assert not client.is_model_ready("bad_initialize")
 
 

@@ -7,13 +7,14 @@ import json
 import socket
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from trionserve.backends.python.backend import may_auto_complete
 from trionserve.backends.python.messages import error_from_code, error_message
-from trionserve.backends.python.settings import StubSettings
+from trionserve.backends.python.settings import StubSettings, settings_for
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.stub import STUBPATH
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
@@ -106,8 +107,9 @@ def test_settings_from_parameters():
         StubSettings.from_config(config)
     config = ModelConfig(name="m")
     config.parameters["EXECUTION_ENV_PATH"].string_value = "$$TRITON_MODEL_DIRECTORY/env.tgz"
-    with pytest.raises(Unavailable, match="EXECUTION_ENV_PATH is not supported"):
-        StubSettings.from_config(config)
+    assert StubSettings.from_config(config).execution_env.endswith("/env.tgz")
+    with pytest.raises(Unavailable, match=r"EXECUTION_ENV_PATH .*/m/env.tgz does not exist"):
+        settings_for(config, Path("/nonexistent/m"))
     config = ModelConfig(name="m")
     config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "maybe"
     with pytest.raises(InvalidArgument, match="FORCE_CPU_ONLY_INPUT_TENSORS"):

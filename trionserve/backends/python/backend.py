@@ -15,7 +15,7 @@ from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.python.control import ModelControl
 from trionserve.backends.python.instance import PythonInstance
 from trionserve.backends.python.process import StubProcess
-from trionserve.backends.python.settings import StubSettings
+from trionserve.backends.python.settings import StubSettings, settings_for
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 
 MODEL_FILENAME = "model.py"
@@ -58,9 +58,10 @@ class PythonBackend:
         """Let the model's ``auto_complete_config`` complete ``config`` in place."""
         from trionserve.repository.config import model_config_from_json
 
-        settings = StubSettings.from_config(config)
         if not may_auto_complete(model_path):
+            StubSettings.from_config(config)  # its parameters are still checked
             return
+        settings = settings_for(config, model_path.parent.parent)
         stub = StubProcess(f"model '{config.name}'", settings)
         try:
             answer = stub.request(
@@ -93,7 +94,7 @@ class PythonBackend:
                 f"model file '{filename}' not found in version {context.version} of "
                 f"model '{context.name}' ({context.version_dir.name}/)"
             )
-        return PythonModel(context, path, StubSettings.from_config(context.config))
+        return PythonModel(context, path, settings_for(context.config, context.model_dir))
 
 
 class PythonModel:

@@ -27,6 +27,7 @@ import trio
 
 import trionserve
 from trionserve.backends.python.control import ModelControl
+from trionserve.backends.python.environment import package_shim
 from trionserve.backends.python.settings import StubSettings
 from trionserve.backends.python.shm import Arena, ArenaView
 from trionserve.backends.python.wire import (
@@ -85,18 +86,21 @@ class StubProcess:
         # Answers the model loading API (pb_utils.load_model & co), if offered.
         self.control = control
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        environment = settings.environment
         command = [
-            sys.executable,
+            sys.executable if environment is None else str(environment.python),
             "-P",
             "-c",
             _BOOT,
-            _PACKAGE_ROOT,
+            _PACKAGE_ROOT if environment is None else package_shim(),
             str(child.fileno()),
             str(settings.shm_default_byte_size),
             str(settings.shm_growth_byte_size),
         ]
         # No bytecode written next to model.py; print() in a model shows at once.
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+        if environment is not None:
+            env = environment.variables(env)
         try:
             self.process = subprocess.Popen(command, pass_fds=(child.fileno(),), env=env)
         except OSError as exc:

@@ -13,15 +13,18 @@ model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``, ``EXECUTION_ENV_PATH``):
 - ``execute-timeout-seconds`` (0, no limit): an ``execute`` running longer is
   treated as a hang: the stub is killed, its requests fail, and it restarts;
 - ``stub-max-restarts`` (5): consecutive failures (crash, hang, failed restart)
-  tolerated before the model becomes UNAVAILABLE.
+  tolerated before the model becomes UNAVAILABLE;
+- ``EXECUTION_ENV_PATH``: the model's own Python environment (see
+  :mod:`.environment`).
 """
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from trionserve.core.errors import InvalidArgument, Unavailable
+from trionserve.backends.python.environment import ExecutionEnvironment, resolve
+from trionserve.core.errors import InvalidArgument
 
 _MIB = 1 << 20
 
@@ -34,19 +37,15 @@ class StubSettings:
     initialize_timeout: float = 600.0
     execute_timeout: float = 0.0
     max_restarts: int = 5
+    # EXECUTION_ENV_PATH as written; ``environment`` once resolved for a model.
+    execution_env: str = ""
+    environment: "ExecutionEnvironment | None" = None
 
     @classmethod
     def from_config(cls, config) -> "StubSettings":
         """The settings of one model; raises naming the model and the parameter."""
         name = config.name
         parameters = {key: value.string_value for key, value in config.parameters.items()}
-        if parameters.get("EXECUTION_ENV_PATH"):
-            raise Unavailable(
-                f"model '{name}': parameter EXECUTION_ENV_PATH is not supported: "
-                "trionserve runs Python models with the server's own interpreter "
-                f"(Python {sys.version_info.major}.{sys.version_info.minor}); install "
-                "the model's dependencies into the server's environment instead"
-            )
         force_cpu = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS", "yes").lower()
         if force_cpu not in ("yes", "no", "true", "false", "1", "0", "on", "off"):
             raise InvalidArgument(
@@ -76,4 +75,15 @@ class StubSettings:
             initialize_timeout=number("initialize-timeout-seconds", 600.0, float, 1),
             execute_timeout=number("execute-timeout-seconds", 0.0, float, 0),
             max_restarts=number("stub-max-restarts", 5, int, 0),
+            execution_env=parameters.get("EXECUTION_ENV_PATH", ""),
         )
+
+
+def settings_for(config, model_dir: Path) -> StubSettings:
+    """A model's settings with its EXECUTION_ENV_PATH resolved (blocking: an
+    archive is unpacked the first time)."""
+    settings = StubSettings.from_config(config)
+    if not settings.execution_env:
+        return settings
+    environment = resolve(settings.execution_env, model_dir, config.name)
+    return replace(settings, environment=environment)
