@@ -25,7 +25,9 @@ def free_port() -> int:
 class ServerProcess:
     """A trionserve subprocess; ``stop`` sends SIGTERM and returns the exit code."""
 
-    def __init__(self, *repositories: Path, args: list[str] | None = None) -> None:
+    def __init__(
+        self, *repositories: Path, args: list[str] | None = None, workers: int | None = None
+    ) -> None:
         self.http_port = free_port()
         self.grpc_port = free_port()
         self.metrics_port = free_port()
@@ -43,6 +45,7 @@ class ServerProcess:
             f"--metrics-port={self.metrics_port}",
             "--exit-timeout-secs=10",
             *(args or []),
+            *([f"--workers={workers}"] if workers is not None else []),
         ]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(

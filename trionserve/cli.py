@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
+import structlog
 import trio
 
 from trionserve import __version__
@@ -19,6 +21,7 @@ from trionserve.protocol.grpc_service import GrpcOptions
 from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
+from trionserve.workers import add_worker_flags, run_supervisor, serve_worker, worker_conflicts
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -122,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="verbose logging level; > 0 logs every request")
     add("--log-format", choices=["console", "json"], default="console")
     add("--id", dest="server_id", default="trionserve", help="server identifier")
+    add_worker_flags(add)
     return p
 
 
@@ -237,8 +241,16 @@ def _grpc_options(args) -> GrpcOptions:
 
 
 def options_from_args(argv: list[str] | None = None) -> ServerOptions:
+    return _parse(argv)[0]
+
+
+def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for problem in worker_conflicts(args):
+        parser.error(problem)
+    # Worker processes of --workers N share the HTTP and gRPC ports.
+    reuse_port = args.worker_index is not None
     if not args.model_repositories:
         parser.error("--model-repository must be specified")
     mode = ControlMode(args.model_control_mode)
@@ -258,12 +270,14 @@ def options_from_args(argv: list[str] | None = None) -> ServerOptions:
         http_address=args.http_address,
         http_port=args.http_port,
         http=HttpOptions(
-            transport=args.http_transport, max_input_size=args.http_max_input_size or None
+            transport=args.http_transport,
+            max_input_size=args.http_max_input_size or None,
+            reuse_port=reuse_port,
         ),
         allow_grpc=args.allow_grpc,
         grpc_address=args.grpc_address,
         grpc_port=args.grpc_port,
-        grpc=_grpc_options(args),
+        grpc=replace(_grpc_options(args), reuse_port=reuse_port),
         allow_metrics=args.allow_metrics,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
@@ -276,15 +290,22 @@ def options_from_args(argv: list[str] | None = None) -> ServerOptions:
         log_verbose=args.log_verbose,
         log_format=args.log_format,
         server_id=args.server_id,
-    )
+    ), args
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = options_from_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options, args = _parse(argv)
     configure_logging(options.log_format, options.log_verbose)
+    if args.workers > 1 and args.worker_index is None:
+        return run_supervisor(options, args.workers, argv)
     try:
         server = Server(options)
-        trio.run(server.serve)
+        if args.worker_index is None:
+            trio.run(server.serve)
+        else:
+            structlog.contextvars.bind_contextvars(worker=args.worker_index)
+            trio.run(serve_worker, server, args.worker_index, args.worker_ready_fd)
     except (StartupError, TritonError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,413 @@
+"""``--workers N``: a supervisor process and N trionserve worker processes sharing ports.
+
+The supervisor starts N copies of ``python -m trionserve`` with the same arguments
+plus hidden worker flags. Each worker is a complete server (its own event loop,
+models, schedulers) that binds the HTTP and gRPC ports with ``SO_REUSEPORT``
+(:mod:`trionserve.protocol.listeners`), so the kernel spreads incoming
+connections across the workers; a connection, and every request on it, stays on
+the worker that accepted it.
+
+What the supervisor owns and guarantees:
+
+- Metrics: it serves the metrics port itself. Each worker serves its own metrics
+  on a private loopback port chosen by the supervisor; a scrape fetches every
+  ready worker's exposition and merges them
+  (:mod:`trionserve.observability.aggregate`), plus ``trionserve_workers_ready``
+  and ``trionserve_worker_restarts``.
+- Readiness: a worker is ready when its frontends listen and its models are
+  loaded (it reports this through a pipe). Health endpoints are each worker's own:
+  a probe's connection lands on one worker and reports that worker's state.
+- Restarts: a worker that exits unexpectedly is started again after a backoff
+  that doubles with each consecutive failure (0.5 s up to 30 s). A worker that
+  fails before becoming ready in the first start, or ``MAX_STARTUP_FAILURES``
+  times in a row later, stops the whole server with an error: the same
+  configuration would fail the same way again.
+- Shutdown: SIGTERM or SIGINT is forwarded to every worker, which drains as a
+  single server does; a second signal is forwarded too (workers stop at once).
+  The supervisor exits 0 when every worker exited 0, else 1. Workers run in their
+  own session, so a terminal's Ctrl-C reaches them once, through the supervisor;
+  a worker whose supervisor vanished (SIGKILL) shuts itself down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+from functools import partial
+
+import structlog
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from trionserve.actors.watcher import ControlMode
+from trionserve.observability.aggregate import StaticCollector, merge_expositions
+from trionserve.observability.metrics import metrics_app
+
+log = structlog.get_logger(__name__)
+
+RESTART_BACKOFF_FIRST = 0.5
+RESTART_BACKOFF_MAX = 30.0
+# A worker that served this long before exiting starts its backoff afresh.
+STABLE_SECS = 60.0
+MAX_STARTUP_FAILURES = 3
+SCRAPE_TIMEOUT_SECS = 5.0
+# How often a worker checks that its supervisor is still there.
+ORPHAN_CHECK_SECS = 1.0
+
+
+# -- command line -------------------------------------------------------------------
+
+
+def parse_workers(text: str) -> int:
+    """``--workers``: a positive integer, or ``auto`` for the number of CPUs."""
+    if text.strip().lower() == "auto":
+        return os.cpu_count() or 1
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of workers or 'auto', got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1 worker, got {value}")
+    return value
+
+
+def add_worker_flags(add) -> None:
+    add("--workers", type=parse_workers, default=1, metavar="N|auto",
+        help="server processes sharing the HTTP and gRPC ports with SO_REUSEPORT "
+             "(default 1; auto: one per CPU)")
+    # Set by the supervisor on the processes it starts; not for users.
+    add("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    add("--worker-ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def worker_conflicts(args: argparse.Namespace) -> list[str]:
+    """Why these settings cannot run as several workers (empty: they can)."""
+    if args.workers <= 1:
+        return []
+    problems = []
+    if ControlMode(args.model_control_mode) is ControlMode.EXPLICIT:
+        problems.append(
+            "--model-control-mode=explicit cannot be used with --workers > 1: a load "
+            "or unload request reaches only the one worker process its connection "
+            "lands on; use --model-control-mode=poll or none"
+        )
+    if args.allow_client_shm:
+        problems.append(
+            "--allow-client-shm=true cannot be used with --workers > 1: a shared-memory "
+            "region is registered in the one worker process its request lands on, and "
+            "requests on other connections would not find it"
+        )
+    for flag, allowed, port in (("--http-port", args.allow_http, args.http_port),
+                                ("--grpc-port", args.allow_grpc, args.grpc_port)):
+        if allowed and port == 0:
+            problems.append(
+                f"{flag}=0 cannot be used with --workers > 1: each worker would "
+                "listen on a different port"
+            )
+    return problems
+
+
+# -- the worker side ----------------------------------------------------------------
+
+
+class _WorkerStatus:
+    """The task status given to ``Server.serve`` in a worker: ``started`` runs
+    ``on_ready`` and tells the supervisor, through the pipe it passed, that this
+    worker is ready."""
+
+    def __init__(self, fd: int | None, on_ready) -> None:
+        self._fd = fd
+        self._on_ready = on_ready
+
+    def started(self, value=None) -> None:
+        self._on_ready()
+        if self._fd is not None:
+            os.write(self._fd, b"ready\n")
+            os.close(self._fd)
+
+
+async def serve_worker(server, index: int, ready_fd: int | None) -> None:
+    """Run ``server`` as worker ``index``: readiness through ``ready_fd``; shut down
+    gracefully if the supervisor goes away."""
+    parent = os.getppid()
+    if ready_fd is not None:
+        os.set_inheritable(ready_fd, False)  # not into Python-backend stub processes
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_follow_parent, server, parent)
+            on_ready = partial(warn_sequence_models, server.registry) if index == 0 else _nothing
+            try:
+                await server.serve(task_status=_WorkerStatus(ready_fd, on_ready))
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # Only serve() can fail here: give the caller its exception, as without workers.
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+
+
+def _nothing() -> None:
+    pass
+
+
+async def _follow_parent(server, parent: int) -> None:
+    while os.getppid() == parent:
+        await trio.sleep(ORPHAN_CHECK_SECS)
+    log.warning("supervisor process is gone: shutting down")
+    server.shutdown()
+
+
+def warn_sequence_models(registry) -> None:
+    """Log which loaded models keep sequence state in one worker."""
+    names = []
+    for name in sorted(registry.entries()):
+        try:
+            version = registry.route(name, None)
+        except Exception:
+            continue
+        if version.config.HasField("sequence_batching"):
+            names.append(name)
+    if names:
+        log.warning(
+            "sequence models with --workers > 1: each sequence's state lives in the "
+            "worker that received its START; send all its requests over one "
+            "connection (one gRPC client or stream, one keep-alive HTTP connection)",
+            models=names,
+        )
+
+
+# -- the supervisor -----------------------------------------------------------------
+
+
+@dataclass
+class WorkerSlot:
+    """One worker position: its current process and its history."""
+
+    index: int
+    process: trio.Process | None = None
+    metrics_port: int | None = None
+    ready: bool = False
+    ever_ready: bool = False
+    startup_failures: int = 0
+    crashes: int = 0  # consecutive unexpected exits after readiness
+    restarts: int = 0
+    exit_code: int | None = None
+
+
+@dataclass
+class SupervisorPlan:
+    """What the supervisor runs: the worker command line and where it serves metrics."""
+
+    count: int
+    argv: list[str]  # the user's arguments, given to every worker
+    metrics_bind: tuple[str, int] | None  # None: --allow-metrics=false
+    python: list[str] = field(default_factory=lambda: [sys.executable, "-m", "trionserve"])
+
+
+class Supervisor:
+    """Owns the worker processes (one :class:`WorkerSlot` each) and the metrics
+    endpoint; ``run`` returns the exit code once every worker has exited."""
+
+    def __init__(self, plan: SupervisorPlan) -> None:
+        self.plan = plan
+        self.slots = [WorkerSlot(i) for i in range(plan.count)]
+        self._stopping = trio.Event()
+        self._failure: str | None = None
+        self._signals = 0
+        self._collector = StaticCollector()
+
+    async def run(self) -> int:
+        log.info("supervisor starting", workers=self.plan.count, pid=os.getpid())
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_signals)
+            if self.plan.metrics_bind is not None:
+                binds = await nursery.start(self._serve_metrics)
+                log.info("Metrics service started", listening=binds, workers=self.plan.count)
+            async with trio.open_nursery() as workers:
+                for slot in self.slots:
+                    workers.start_soon(self._supervise, slot)
+            # Every worker has exited: the signal watcher and metrics end with them.
+            nursery.cancel_scope.cancel()
+        if self._failure is not None:
+            log.error("supervisor stopped", reason=self._failure)
+            return 1
+        codes = {slot.index: slot.exit_code for slot in self.slots}
+        ok = all(code == 0 for code in codes.values())
+        log.info("supervisor stopped", exit_codes=codes)
+        return 0 if ok else 1
+
+    # -- workers ----------------------------------------------------------------
+
+    async def _supervise(self, slot: WorkerSlot) -> None:
+        """Start, watch and restart one worker until the supervisor stops."""
+        while not self._stopping.is_set():
+            started_at = trio.current_time()
+            ready, code = await self._run_worker(slot)
+            slot.exit_code = code
+            if self._stopping.is_set():
+                return
+            if not ready:
+                slot.startup_failures += 1
+                if not slot.ever_ready or slot.startup_failures >= MAX_STARTUP_FAILURES:
+                    self._fail(
+                        f"worker {slot.index} exited with {code} before it was ready "
+                        f"({slot.startup_failures} time(s) in a row)"
+                    )
+                    return
+                delay = _backoff(slot.startup_failures)
+            else:
+                if trio.current_time() - started_at >= STABLE_SECS:
+                    slot.crashes = 0
+                slot.crashes += 1
+                delay = _backoff(slot.crashes)
+            log.warning(
+                "worker exited unexpectedly",
+                worker=slot.index, exit_code=code, restart_in_secs=delay,
+            )
+            with trio.move_on_after(delay):
+                await self._stopping.wait()
+            slot.restarts += 1
+
+    async def _run_worker(self, slot: WorkerSlot) -> tuple[bool, int]:
+        """One process of ``slot`` from start to exit: (became ready, exit code)."""
+        slot.metrics_port = _free_loopback_port() if self.plan.metrics_bind else None
+        read_fd, write_fd = os.pipe()
+        command = [*self.plan.python, *self.plan.argv,
+                   f"--worker-index={slot.index}", f"--worker-ready-fd={write_fd}"]
+        if slot.metrics_port is not None:
+            command += ["--metrics-address=127.0.0.1", f"--metrics-port={slot.metrics_port}"]
+        try:
+            process = await trio.lowlevel.open_process(
+                command, pass_fds=(write_fd,), start_new_session=True
+            )
+        finally:
+            os.close(write_fd)
+        slot.process = process
+        log.info("worker started", worker=slot.index, pid=process.pid)
+        if self._stopping.is_set():
+            process.send_signal(signal.SIGTERM)
+        ready = False
+        async with trio.lowlevel.FdStream(read_fd) as pipe:
+            if await pipe.receive_some(64):
+                ready = True
+        if ready:
+            slot.ready = slot.ever_ready = True
+            slot.startup_failures = 0
+            log.info("worker ready", worker=slot.index, pid=process.pid,
+                     metrics=f"127.0.0.1:{slot.metrics_port}" if slot.metrics_port else None)
+            if all(s.ready for s in self.slots):
+                log.info("all workers ready", workers=len(self.slots))
+        try:
+            code = await process.wait()
+        finally:
+            slot.ready = False
+            slot.process = None
+        return ready, code
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            log.error("stopping all workers", reason=reason)
+        self._stop(signal.SIGTERM)
+
+    def _stop(self, signum: int) -> None:
+        self._stopping.set()
+        for slot in self.slots:
+            if slot.process is not None and slot.process.returncode is None:
+                slot.process.send_signal(signum)
+
+    async def _watch_signals(self) -> None:
+        """Forward SIGINT / SIGTERM to every worker (the second one too)."""
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                log.info("shutdown requested; forwarding to workers", signal=name)
+                self._stop(signum)
+
+    # -- metrics ----------------------------------------------------------------
+
+    async def _serve_metrics(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the merged metrics until cancelled."""
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self._collector)
+        exposition = metrics_app(registry)
+
+        async def app(scope, receive, send) -> None:
+            if scope["type"] == "http" and scope["path"] == "/metrics":
+                await self._refresh_metrics()
+            await exposition(scope, receive, send)
+
+        address, port = self.plan.metrics_bind
+        config = HypercornConfig()
+        config.bind = [f"[{address}]:{port}" if ":" in address else f"{address}:{port}"]
+        config.accesslog = None
+        config.errorlog = None
+        config.graceful_timeout = 1.0
+        await hypercorn_serve(app, config, mode="asgi", task_status=task_status)
+
+    async def _refresh_metrics(self) -> None:
+        """Fetch every ready worker's exposition, concurrently, and merge them."""
+        ports = [(s.index, s.metrics_port) for s in self.slots if s.ready and s.metrics_port]
+        texts: dict[int, str] = {}
+
+        async def fetch(index: int, port: int) -> None:
+            try:
+                texts[index] = await trio.to_thread.run_sync(_get_metrics, port)
+            except OSError as exc:
+                log.warning("worker metrics unavailable", worker=index, error=str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for index, port in ports:
+                nursery.start_soon(fetch, index, port)
+        families = merge_expositions([texts[i] for i in sorted(texts)])
+        ready = GaugeMetricFamily(
+            "trionserve_workers_ready", "Worker processes ready to serve (--workers)"
+        )
+        ready.add_metric([], sum(s.ready for s in self.slots))
+        restarts = CounterMetricFamily(
+            "trionserve_worker_restarts",
+            "Worker processes started again after exiting unexpectedly",
+        )
+        restarts.add_metric([], sum(s.restarts for s in self.slots))
+        self._collector.families = [*families, ready, restarts]
+
+
+def _get_metrics(port: int) -> str:
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_SECS) as response:
+        return response.read().decode("utf-8")
+
+
+def _backoff(failures: int) -> float:
+    return min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_FIRST * 2 ** max(failures - 1, 0))
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics_bind(options) -> tuple[str, int] | None:
+    """Where the supervisor serves metrics: Triton's rule, as ``Server`` applies it."""
+    if not options.allow_metrics:
+        return None
+    address = options.metrics_address or (options.http_address if options.allow_http
+                                          else "0.0.0.0")
+    return address, options.metrics_port
+
+
+def run_supervisor(options, count: int, argv: list[str]) -> int:
+    plan = SupervisorPlan(count=count, argv=list(argv), metrics_bind=metrics_bind(options))
+    return trio.run(Supervisor(plan).run)
