@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     parser.add_argument("--client-processes", type=int, default=None)
+    parser.add_argument("--trionserve-flags", default="", metavar="FLAGS",
+                        help="extra trionserve flags, e.g. \"--workers 2\"")
     parser.add_argument("--python-backend", action="store_true",
                         help="also run trionserve on the Python-backend models")
     parser.add_argument("--venv-root", type=Path, default=default_venv_root())
@@ -86,11 +89,14 @@ def main() -> None:
     running = []
     with tempfile.TemporaryDirectory(prefix="trionserve-peers-") as tmp:
         try:
-            server, target = start_trionserve("trionserve")
+            flags = shlex.split(args.trionserve_flags)
+            server, target = start_trionserve("trionserve", args=flags)
             running.append((server, target))
             if args.python_backend:
                 repository = write_repository(Path(tmp) / "trionserve-py")
-                server, target = start_trionserve("trionserve-py", repository=repository)
+                server, target = start_trionserve(
+                    "trionserve-py", repository=repository, args=flags
+                )
                 running.append((server, target))
             for peer in installed:
                 workdir = Path(tmp) / peer.name
