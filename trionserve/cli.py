@@ -249,8 +249,12 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
     args = parser.parse_args(argv)
     for problem in worker_conflicts(args):
         parser.error(problem)
-    # Worker processes of --workers N share the HTTP and gRPC ports.
+    # Worker processes of --workers N share the HTTP and gRPC ports, and write
+    # trace files of their own.
     reuse_port = args.worker_index is not None
+    trace = _trace_config(parser, args)
+    if reuse_port and trace.file:
+        trace = replace(trace, file=f"{trace.file}.worker{args.worker_index}")
     if not args.model_repositories:
         parser.error("--model-repository must be specified")
     mode = ControlMode(args.model_control_mode)
@@ -282,7 +286,7 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         metrics=_metrics_options(parser, args),
-        trace=_trace_config(parser, args),
+        trace=trace,
         model_load_thread_count=args.model_load_thread_count,
         allow_client_shm=args.allow_client_shm,
         exit_timeout_secs=args.exit_timeout_secs,
