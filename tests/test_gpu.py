@@ -409,3 +409,67 @@ def test_pytorch_kind_gpu(tmp_path, serve):
             want0, want1 = module(torch.from_numpy(x), torch.from_numpy(y))
         np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), want0.numpy(), rtol=1e-5)
         np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), want1.numpy(), rtol=1e-5)
+
+
+def scrape(proc: ServerProcess) -> dict:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def metrics_server(*args: str) -> ServerProcess:
+    proc = ServerProcess(args=["--metrics-interval-ms=100", *args])
+    try:
+        proc.wait_ready()
+    except BaseException:
+        proc.close()
+        raise
+    return proc
+
+
+@needs_gpu
+@pytest.mark.skipif(not has("pynvml"), reason="NVML (nvidia-ml-py) is not installed")
+def test_gpu_metrics_report_every_gpu():
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        expected = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            expected[uuid] = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+    finally:
+        pynvml.nvmlShutdown()
+    proc = metrics_server()
+    try:
+        families = scrape(proc)
+    finally:
+        assert proc.stop() == 0, proc.output()
+        proc.close()
+    totals = {s.labels["gpu_uuid"]: s.value for s in families["nv_gpu_memory_total_bytes"].samples}
+    assert totals == expected
+    for name in ("nv_gpu_memory_used_bytes", "nv_gpu_utilization"):
+        samples = families[name].samples
+        assert {s.labels["gpu_uuid"] for s in samples} == set(expected)
+    for sample in families["nv_gpu_utilization"].samples:
+        assert 0.0 <= sample.value <= 1.0
+    for sample in families["nv_gpu_memory_used_bytes"].samples:
+        assert 0 < sample.value <= expected[sample.labels["gpu_uuid"]]
+
+
+def test_gpu_metrics_can_be_turned_off():
+    proc = metrics_server("--allow-gpu-metrics=false")
+    try:
+        families = scrape(proc)
+    finally:
+        assert proc.stop() == 0, proc.output()
+        proc.close()
+    assert "nv_cpu_utilization" in families or "nv_inference_count" in families
+    assert not [name for name in families if name.startswith("nv_gpu_")]

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, make_asgi_app
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
+from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.statistics import FailureReason, ModelStatistics
 
 log = structlog.get_logger(__name__)
@@ -348,7 +349,10 @@ def _meminfo(path: str) -> dict[str, int]:
 
 
 def build_metrics_registry(
-    registry, options: MetricsOptions, cpu: CpuMetricsCollector | None = None
+    registry,
+    options: MetricsOptions,
+    cpu: CpuMetricsCollector | None = None,
+    gpu: GpuMetricsCollector | None = None,
 ) -> CollectorRegistry:
     """A registry of this server's collectors (not prometheus-client's global one, so
     several servers in one process do not mix)."""
@@ -358,6 +362,8 @@ def build_metrics_registry(
     metrics.register(CUSTOM_METRICS)
     if cpu is not None:
         metrics.register(cpu)
+    if gpu is not None:
+        metrics.register(gpu)
     ProcessCollector(registry=metrics)
     return metrics
 
@@ -407,12 +413,13 @@ async def serve_metrics(
 ) -> None:
     """Serve ``/metrics`` until ``shutdown`` is set.
 
-    Children (its own nursery): hypercorn's Trio server and, when CPU metrics are
-    on, the CPU sampler; both end when ``shutdown`` is set. Reports the bound
+    Children (its own nursery): hypercorn's Trio server and, when CPU / GPU
+    metrics are on, their samplers; all end when ``shutdown`` is set. Reports the bound
     addresses to ``task_status``.
     """
     cpu = CpuMetricsCollector() if options.allow_cpu_metrics else None
-    app = metrics_app(build_metrics_registry(registry, options, cpu))
+    gpu = GpuMetricsCollector.create() if options.allow_gpu_metrics else None
+    app = metrics_app(build_metrics_registry(registry, options, cpu, gpu))
     config = HypercornConfig()
     host = f"[{address}]" if ":" in address else address
     config.bind = [f"{host}:{port}"]
@@ -420,9 +427,11 @@ async def serve_metrics(
     config.errorlog = None
     config.graceful_timeout = 1.0
     async with trio.open_nursery() as nursery:
+        interval = max(options.interval_ms, 1.0) / 1000.0
         if cpu is not None:
-            interval = max(options.interval_ms, 1.0) / 1000.0
             await nursery.start(cpu.run, interval, shutdown)
+        if gpu is not None:
+            await nursery.start(gpu.run, interval, shutdown)
         binds = await nursery.start(
             partial(
                 hypercorn_serve, app, config, shutdown_trigger=shutdown.wait, mode="asgi"
