@@ -17,7 +17,7 @@ from trionserve.core.errors import TritonError
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace import TraceConfig, parse_trace_config
-from trionserve.protocol.grpc_service import GrpcOptions
+from trionserve.protocol.grpc_service import GRPC_TRANSPORTS, GrpcOptions
 from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
@@ -144,6 +144,9 @@ def _regex(text: str) -> str:
 
 def _add_grpc_flags(add) -> None:
     """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
+    add("--grpc-transport", choices=GRPC_TRANSPORTS, type=str.lower,
+        help="h2 (HTTP/2 in Python on Trio sockets) or grpcio (grpcio's C-core "
+        "server); default h2, or $TRIONSERVE_GRPC_TRANSPORT")
     add("--grpc-header-forward-pattern", type=_regex, metavar="REGEX",
         help="forward request headers matching REGEX to the model as parameters")
     add("--grpc-infer-allocation-pool-size", type=_non_negative_int, default=8,
@@ -161,7 +164,8 @@ def _add_grpc_flags(add) -> None:
                           ("--grpc-http2-min-recv-ping-interval-without-data", 300_000),
                           ("--grpc-http2-max-ping-strikes", 2)):
         add(flag, type=_non_negative_int, default=default, metavar="N",
-            help="accepted for compatibility; client pings are not policed")
+            help="client ping policy, enforced by --grpc-transport=grpcio (the h2 "
+            "transport accepts it and does not police pings)")
 
 
 def _add_metrics_flags(add) -> None:
@@ -237,6 +241,7 @@ def _grpc_options(args) -> GrpcOptions:
             args.grpc_http2_min_recv_ping_interval_without_data
         ),
         http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
+        **({"transport": args.grpc_transport} if args.grpc_transport else {}),
     )
 
 

@@ -2,14 +2,18 @@
 
 Each method decodes its request message, calls the DataPlane and encodes the
 answer; TritonErrors become gRPC statuses with the same message text as over HTTP.
-HTTP/2 is the transport's business (:mod:`trionserve.protocol.grpc_transport`).
+HTTP/2 is the transport's business: h2 on Trio sockets
+(:mod:`trionserve.protocol.grpc_transport`) or grpcio's C-core server
+(:mod:`trionserve.protocol.grpc_grpcio`), chosen by ``--grpc-transport``; both
+offer the same Method table and call interface.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import structlog
@@ -53,6 +57,22 @@ STREAM_PENDING_LIMIT = 1024
 # --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
 
+# --grpc-transport choices. TRIONSERVE_GRPC_TRANSPORT sets the default, so that a
+# test run can exercise the other transport without changing every server it starts.
+GRPC_TRANSPORTS = ("h2", "grpcio")
+DEFAULT_GRPC_TRANSPORT = "h2"
+
+
+def default_grpc_transport() -> str:
+    transport = os.environ.get("TRIONSERVE_GRPC_TRANSPORT") or DEFAULT_GRPC_TRANSPORT
+    if transport not in GRPC_TRANSPORTS:
+        raise ValueError(
+            f"TRIONSERVE_GRPC_TRANSPORT must be one of {', '.join(GRPC_TRANSPORTS)}, "
+            f"got {transport!r}"
+        )
+    return transport
+
+
 # Methods whose feature lands later: they answer UNIMPLEMENTED with this text.
 _NOT_YET: dict[str, str] = {}
 
@@ -71,7 +91,8 @@ class GrpcOptions:
     keepalive_time_ms: int = 7_200_000
     keepalive_timeout_ms: int = 20_000
     keepalive_permit_without_calls: bool = False
-    # Accepted for compatibility; the server does not police client pings.
+    # Client ping policing: grpcio enforces them (as Triton does); the h2
+    # transport accepts them and does not police pings.
     http2_max_pings_without_data: int = 2
     http2_min_recv_ping_interval_without_data_ms: int = 300_000
     http2_max_ping_strikes: int = 2
@@ -81,6 +102,8 @@ class GrpcOptions:
     # a transport on grpcio maps it to the "grpc.so_reuseport" option (grpcio's
     # default is on: it must be set to 0 when this is false).
     reuse_port: bool = False
+    # "h2": h2 on Trio sockets; "grpcio": grpcio's C-core server (--grpc-transport).
+    transport: str = field(default_factory=default_grpc_transport)
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
@@ -93,6 +116,17 @@ class GrpcOptions:
             ],
             reuse_port=self.reuse_port,
         )
+
+    def grpcio_arguments(self) -> list[tuple[str, int]]:
+        """The ping policy as grpcio server arguments (Triton passes the same)."""
+        return [
+            ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
+            (
+                "grpc.http2.min_ping_interval_without_data_ms",
+                self.http2_min_recv_ping_interval_without_data_ms,
+            ),
+            ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
+        ]
 
 
 def grpc_error(error: TritonError) -> GRPCError:
@@ -496,5 +530,13 @@ async def serve_grpc(
 ) -> None:
     """Serve gRPC until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     service = GrpcService(dataplane, options, verbose)
-    transport = GrpcTransport(service.methods(), service.options.transport_options())
+    options = service.options
+    if options.transport == "grpcio":
+        from trionserve.protocol.grpc_grpcio import GrpcioTransport
+
+        transport = GrpcioTransport(
+            service.methods(), options.transport_options(), options.grpcio_arguments()
+        )
+    else:
+        transport = GrpcTransport(service.methods(), options.transport_options())
     await transport.serve(address, port, shutdown, graceful_timeout, task_status=task_status)
