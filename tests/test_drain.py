@@ -2,17 +2,27 @@
 
 A real server serves a slow Python model to HTTP and gRPC tritonclient threads.
 While requests execute, the test sends SIGTERM and checks, through the public
-surface only: readiness turns false at once; the requests the server had
-accepted finish with their results; requests sent after that get UNAVAILABLE or
-find the port closed; no call hangs or ends without a clear outcome; the server
-exits 0. The model records every request it starts executing, so "accepted"
-is observed, not guessed: every request that reached the model must have been
-answered with its result.
+surface only: readiness turns false at once (503) while liveness stays 200; the
+requests the server had accepted finish with their results; requests sent after
+that get UNAVAILABLE (the listeners keep accepting during the drain, so a new
+client gets a clean answer, not a refused connection); no call hangs or ends
+without a clear outcome; the server exits 0. The model records every request it
+starts executing, so "accepted" is observed, not guessed: every request that
+reached the model must have been answered with its result.
+
+The sequence tests serve the example ``accumulate`` model (a running sum kept as
+implicit state) beside ``simple``: sequences open at SIGTERM go on to their END
+over HTTP (on a new connection too), gRPC unary calls and a gRPC stream, while new
+requests and new sequences are refused; the server exits 0 once the last sequence
+ended, or once an abandoned one is released for being idle; a sequence that never
+ends is cut by --exit-timeout-secs, and the server then exits 1, as Triton does.
 """
 
 from __future__ import annotations
 
 import http.client
+import queue
+import shutil
 import signal
 import textwrap
 import threading
@@ -24,7 +34,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import EXAMPLES, ServerProcess
 
 DELAY = 0.6  # seconds each request spends in the model
 EXIT_TIMEOUT = 20  # --exit-timeout-secs: far above what the drain needs
@@ -134,16 +144,20 @@ def worker(client, infer, base: int, outcomes: Outcomes, stop: threading.Event) 
         client.close()
 
 
-def ready_status(port: int) -> int | None:
-    """HTTP status of /v2/health/ready on a new connection; None if refused."""
+def health_status(port: int, kind: str = "ready") -> int | None:
+    """HTTP status of /v2/health/<kind> on a new connection; None if refused."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
-        connection.request("GET", "/v2/health/ready")
+        connection.request("GET", f"/v2/health/{kind}")
         return connection.getresponse().status
     except OSError:
         return None
     finally:
         connection.close()
+
+
+def ready_status(port: int) -> int | None:
+    return health_status(port, "ready")
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -196,7 +210,8 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         # Readiness turns false at once, while the drain is still going on.
         wait_for(lambda: ready_status(server.http_port) != 200, 2.0, "readiness to flip")
         flipped = time.monotonic()
-        # A new client is turned away with a clear answer.
+        # A new client is turned away with a clear answer (UNAVAILABLE while the
+        # drain lasts; the sequence tests below hold the drain open to see it).
         late = Outcomes()
         worker(http_client(server.http_port), infer_http, 900_000, late, threading.Event())
         assert not late.ok and not late.other, (late.ok, late.other)
@@ -225,3 +240,195 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     finished = set(outcomes.ok) | set(outcomes.unavailable) | set(outcomes.refused)
     assert finished == outcomes.sent
     assert outcomes.unavailable or outcomes.refused, "the drain turned nobody away"
+
+
+# -- sequences through the drain ---------------------------------------------------
+
+
+def sequence_repository(tmp_path, idle_us: int):
+    """``accumulate`` (with ``idle_us`` as its max_sequence_idle_microseconds) and
+    ``simple``, copied from the example repository."""
+    repository = tmp_path / "repository"
+    for name in ("accumulate", "simple"):
+        shutil.copytree(EXAMPLES / name, repository / name)
+    config = repository / "accumulate" / "config.pbtxt"
+    text = config.read_text()
+    assert "max_sequence_idle_microseconds: 5000000" in text
+    config.write_text(
+        text.replace(
+            "max_sequence_idle_microseconds: 5000000",
+            f"max_sequence_idle_microseconds: {idle_us}",
+        )
+    )
+    return repository
+
+
+def accumulate_input(module, value: int):
+    tensor = module.InferInput("INPUT", [1, 1], "INT32")
+    tensor.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+    return [tensor]
+
+
+def simple_inputs(module):
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        tensor = module.InferInput(name, [1, 16], "INT32")
+        tensor.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
+        inputs.append(tensor)
+    return inputs
+
+
+def total(result) -> int:
+    return int(result.as_numpy("OUTPUT")[0][0])
+
+
+def refused(call) -> InferenceServerException:
+    """The error of a call the draining server must refuse with UNAVAILABLE."""
+    try:
+        call()
+    except InferenceServerException as exc:
+        assert str(exc.status()) in ("StatusCode.UNAVAILABLE", "503"), exc
+        assert "server is shutting down" in exc.message(), exc
+        return exc
+    raise AssertionError("the draining server accepted a new request")
+
+
+def sigterm_and_wait_not_ready(server: ServerProcess) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    wait_for(lambda: ready_status(server.http_port) != 200, 5.0, "readiness to flip")
+
+
+def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path):
+    repository = sequence_repository(tmp_path, idle_us=60_000_000)
+    server = ServerProcess(repository, args=["--exit-timeout-secs=60"])
+    stream_results: queue.Queue = queue.Queue()
+    try:
+        server.wait_ready(path="/v2/health/ready")
+        http = http_client(server.http_port)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        grpc.start_stream(callback=lambda result, error: stream_results.put((result, error)))
+
+        def streamed(value: int, **flags) -> int:
+            grpc.async_stream_infer(
+                "accumulate", accumulate_input(grpcclient, value), **flags
+            )
+            result, error = stream_results.get(timeout=30)
+            assert error is None, error
+            return total(result)
+
+        # Three sequences open before SIGTERM: over HTTP, gRPC unary and a gRPC stream.
+        assert total(http.infer("accumulate", accumulate_input(httpclient, 1),
+                                sequence_id=101, sequence_start=True)) == 1
+        assert total(grpc.infer("accumulate", accumulate_input(grpcclient, 10),
+                                sequence_id=102, sequence_start=True)) == 10
+        assert streamed(100, sequence_id=103, sequence_start=True) == 100
+
+        sigterm_and_wait_not_ready(server)
+        # Not ready (503, as Triton while it exits), still live, on both protocols.
+        assert ready_status(server.http_port) == 503
+        assert health_status(server.http_port, "live") == 200
+        assert grpc.is_server_live() and not grpc.is_server_ready()
+        # Metadata and statistics keep answering.
+        assert grpc.get_model_metadata("accumulate").name == "accumulate"
+        assert http.get_inference_statistics("accumulate")["model_stats"]
+
+        # New requests are refused, on open connections and on new ones alike...
+        refused(lambda: http.infer("simple", simple_inputs(httpclient)))
+        refused(lambda: grpc.infer("simple", simple_inputs(grpcclient)))
+        late_http = http_client(server.http_port)
+        refused(lambda: late_http.infer("simple", simple_inputs(httpclient)))
+        # ...and so are new sequences, on every path.
+        refused(lambda: http.infer("accumulate", accumulate_input(httpclient, 1),
+                                   sequence_id=201, sequence_start=True))
+        refused(lambda: grpc.infer("accumulate", accumulate_input(grpcclient, 1),
+                                   sequence_id=202, sequence_start=True))
+        grpc.async_stream_infer("accumulate", accumulate_input(grpcclient, 1),
+                                sequence_id=203, sequence_start=True)
+        result, error = stream_results.get(timeout=30)
+        assert result is None and "server is shutting down" in error.message(), error
+        # A request for a sequence that was never open is refused too.
+        refused(lambda: http.infer("accumulate", accumulate_input(httpclient, 1),
+                                   sequence_id=204))
+
+        # The open sequences go on, each with its own state; a client that
+        # reconnects (a new HTTP connection) reaches its sequence too.
+        assert total(late_http.infer("accumulate", accumulate_input(httpclient, 2),
+                                     sequence_id=101)) == 3
+        assert total(grpc.infer("accumulate", accumulate_input(grpcclient, 20),
+                                sequence_id=102)) == 30
+        assert streamed(200, sequence_id=103) == 300
+        # END closes each sequence; the drain waits for the last one.
+        assert total(http.infer("accumulate", accumulate_input(httpclient, 3),
+                                sequence_id=101, sequence_end=True)) == 6
+        assert total(grpc.infer("accumulate", accumulate_input(grpcclient, 30),
+                                sequence_id=102, sequence_end=True)) == 60
+        assert server.process.poll() is None, "the server left before the last END"
+        # After its END a sequence is closed: its id cannot continue it.
+        refused(lambda: grpc.infer("accumulate", accumulate_input(grpcclient, 1),
+                                   sequence_id=102))
+        assert streamed(300, sequence_id=103, sequence_end=True) == 600
+
+        # Nothing in flight, no sequence open: the server closes and exits 0.
+        code = server.wait_exit(timeout=60)
+        assert code == 0, server.output()
+        # The stream still open at the close is ended UNAVAILABLE, not reset.
+        result, error = stream_results.get(timeout=30)
+        assert result is None and error.status() == "StatusCode.UNAVAILABLE", error
+        grpc.stop_stream()
+        grpc.close()
+        http.close()
+        late_http.close()
+        log = server.output()
+    finally:
+        server.close()
+    assert "drained" in log and "Exit timeout expired" not in log, log
+
+
+def test_an_abandoned_sequence_ends_the_drain_when_it_goes_idle(tmp_path):
+    repository = sequence_repository(tmp_path, idle_us=1_000_000)
+    server = ServerProcess(repository, args=["--exit-timeout-secs=60"])
+    try:
+        server.wait_ready(path="/v2/health/ready")
+        http = http_client(server.http_port)
+        http.infer("accumulate", accumulate_input(httpclient, 1),
+                   sequence_id=7, sequence_start=True)
+        http.close()
+        signalled = time.monotonic()
+        sigterm_and_wait_not_ready(server)
+        # The client never comes back: max_sequence_idle_microseconds (1 s)
+        # releases the sequence, and the drain ends long before the exit timeout.
+        code = server.wait_exit(timeout=60)
+        took = time.monotonic() - signalled
+        log = server.output()
+    finally:
+        server.close()
+    assert code == 0, log
+    assert took < 30, f"the drain took {took:.1f} s"
+    assert "drained" in log, log
+
+
+def test_exit_timeout_bounds_a_sequence_that_never_ends(tmp_path):
+    exit_timeout = 2
+    repository = sequence_repository(tmp_path, idle_us=600_000_000)
+    server = ServerProcess(repository, args=[f"--exit-timeout-secs={exit_timeout}"])
+    try:
+        server.wait_ready(path="/v2/health/ready")
+        http = http_client(server.http_port)
+        http.infer("accumulate", accumulate_input(httpclient, 1),
+                   sequence_id=9, sequence_start=True)
+        signalled = time.monotonic()
+        sigterm_and_wait_not_ready(server)
+        # The sequence holds the drain open: its requests are still served...
+        assert total(http.infer("accumulate", accumulate_input(httpclient, 2),
+                                sequence_id=9)) == 3
+        http.close()
+        # ...until the exit timeout, when the server stops anyway and, as Triton
+        # ("Exit timeout expired. Exiting immediately."), exits 1.
+        code = server.wait_exit(timeout=60)
+        took = time.monotonic() - signalled
+        log = server.output()
+    finally:
+        server.close()
+    assert code == 1, log
+    assert exit_timeout - 0.5 <= took < exit_timeout + 20, took
+    assert "Exit timeout expired" in log and "open_sequences=1" in log, log

@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
-    return 0
+    # 1 when the drain at shutdown did not finish (as Triton's exit timeout).
+    return server.exit_code
 
 
 if __name__ == "__main__":

@@ -54,12 +54,34 @@ EXTENSIONS = [
 ]
 
 
+class ShuttingDown(Unavailable):
+    """A new request refused because the server is draining for shutdown."""
+
+
 class DataPlane:
     """Serves health, metadata, configuration, repository and inference calls.
 
     It owns no tasks: each call runs in the caller's task, so a client that goes
     away cancels exactly its own work. A cancelled request is flagged so that the
     scheduler drops it if it has not started, and its result is discarded if it has.
+
+    The drain contract, the same for every transport. ``begin_drain`` (the server
+    calls it on the first SIGTERM/SIGINT) turns readiness false at once; liveness
+    stays true until the process exits. From then on the DataPlane decides, in one
+    place (``_admit``), which inference requests it still takes: a request that
+    continues a sequence open in its model's sequence batcher (same model, same
+    correlation id, no START flag) runs as usual, and its END closes the sequence;
+    every other request, a new sequence's START included, is refused with
+    :class:`ShuttingDown` (UNAVAILABLE, "server is shutting down"). Requests made by
+    models themselves (BLS calls, ensemble steps) belong to a request already taken
+    and are never refused. Health, metadata, configuration and statistics keep
+    answering. ``await wait_drained()`` returns once the drain began and nothing is
+    left: no inference request in flight and no sequence open (a sequence its
+    client abandoned ends through ``max_sequence_idle_microseconds`` as usual). A
+    transport keeps listening and serving until then, so that a client gets a clean
+    UNAVAILABLE instead of a refused connection and an open sequence can still
+    reach its END; after that it closes its connections (bounded by the exit
+    timeout). The caller bounds the wait: ``wait_drained`` has no deadline itself.
     """
 
     def __init__(
@@ -73,8 +95,6 @@ class DataPlane:
         first_response_histogram: bool = False,
     ) -> None:
         self.registry = registry
-        # Models that call other models (BLS) send their requests through here.
-        registry.inference = self
         self.control_mode = control_mode
         self.server_id = server_id
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
@@ -97,15 +117,114 @@ class DataPlane:
         # nv_inference_first_response_histogram_ms is kept only when asked for.
         self._first_response = first_response_histogram
         self.started = False
-        self.stopping = False
+        self.draining = False
+        # Inference requests between admission and their last response, and the
+        # models that were sent sequence requests: what a drain waits for.
+        self._inflight = 0
+        self._settled = trio.Event()  # replaced while requests are in flight
+        self._settled.set()
+        self._sequence_models: weakref.WeakSet[ModelVersion] = weakref.WeakSet()
+        # Models call other models (BLS, ensemble steps) through this view.
+        registry.inference = _ModelCalls(self)
 
     # -- health and metadata --------------------------------------------------
 
     def live(self) -> bool:
-        return not self.stopping
+        # Live until the process exits, draining included: a liveness probe must
+        # never restart a server that is finishing its work.
+        return True
 
     def ready(self) -> bool:
-        return self.started and not self.stopping and self.registry.all_ready()
+        return self.started and not self.draining and self.registry.all_ready()
+
+    # -- drain --------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Readiness false, new requests refused (see the class docstring)."""
+        if not self.draining:
+            self.draining = True
+            log.info(
+                "draining: new requests are refused",
+                inflight=self._inflight,
+                open_sequences=self.open_sequences(),
+            )
+
+    def open_sequences(self) -> int:
+        """Sequences in progress in the models' sequence batchers."""
+        count = 0
+        for model in list(self._sequence_models):
+            sequences = model.sequences
+            if sequences is not None:
+                count += len(sequences.open)
+        return count
+
+    @property
+    def inflight(self) -> int:
+        """Inference requests admitted and not yet finished."""
+        return self._inflight
+
+    def drained(self) -> bool:
+        """True once draining, with nothing in flight and no sequence open."""
+        return self.draining and self._inflight == 0 and self.open_sequences() == 0
+
+    async def wait_drained(self) -> None:
+        """Return once :meth:`drained` is true (it checks, then waits for whichever
+        of in-flight requests and open sequences is not done, and checks again)."""
+        while True:
+            if not self.draining:
+                raise RuntimeError("wait_drained() before begin_drain()")
+            if self._inflight:
+                await self._settled.wait()
+                continue
+            waiting = next(
+                (
+                    model.sequences
+                    for model in list(self._sequence_models)
+                    if model.sequences is not None and model.sequences.open
+                ),
+                None,
+            )
+            if waiting is None:
+                return
+            await waiting.wait_none_open()
+
+    def _refuse_while_draining(self, request: InferenceRequest, model: ModelVersion) -> None:
+        """Refuse a request during the drain unless it continues an open sequence."""
+        sequences = model.sequences
+        correlation_id = request.sequence_id
+        if (
+            sequences is not None
+            and not request.sequence_start
+            and correlation_id not in (0, "")
+            and sequences.is_open(correlation_id, trio.current_time())
+        ):
+            return
+        # Not counted in the model's statistics: like a request refused because
+        # its model is not ready, it never reached the model.
+        what = (
+            "a new sequence"
+            if sequences is not None and request.sequence_start
+            else "new requests"
+        )
+        raise ShuttingDown(
+            f"server is shutting down: request for model '{request.model_name}' refused; "
+            f"the server takes no {what} while it finishes the requests and sequences "
+            "in progress; send it to another replica"
+        )
+
+    def _begin(self, model: ModelVersion, request: InferenceRequest) -> None:
+        model.begin_request()
+        if self._inflight == 0:
+            self._settled = trio.Event()
+        self._inflight += 1
+        if request.sequence_id not in (0, "") and model.sequences is not None:
+            self._sequence_models.add(model)
+
+    def _end(self, model: ModelVersion) -> None:
+        model.end_request()
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._settled.set()
 
     def server_metadata(self) -> dict:
         extensions = list(EXTENSIONS)
@@ -226,10 +345,14 @@ class DataPlane:
 
     # -- inference ---------------------------------------------------------------
 
-    def _admit(self, request: InferenceRequest) -> ModelVersion:
+    def _admit(self, request: InferenceRequest, internal: bool = False) -> ModelVersion:
         """Route and validate a request; a request that fails validation is
-        counted as a failure of its model (reason OTHER)."""
+        counted as a failure of its model (reason OTHER). While draining, refuse
+        what the drain does not take (see the class docstring); ``internal``: a
+        request made by a model on behalf of one already taken."""
         model = self.registry.route(request.model_name, request.model_version)
+        if self.draining and not internal:
+            self._refuse_while_draining(request, model)
         try:
             validate_request(request, model.signature)
         except TritonError:
@@ -237,12 +360,14 @@ class DataPlane:
             raise
         return model
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+    async def infer(
+        self, request: InferenceRequest, *, internal: bool = False
+    ) -> InferenceResponse:
         """Route, validate, queue and await one request's single outcome."""
-        model = self._admit(request)
+        model = self._admit(request, internal)
         trace = self.tracing.start(model, request) if self.tracing.active else None
         response = None
-        model.begin_request()
+        self._begin(model, request)
         try:
             await model.infer(request)
             response = await request.wait()
@@ -250,7 +375,7 @@ class DataPlane:
             request.cancelled = True
             raise
         finally:
-            model.end_request()
+            self._end(model)
             if trace is not None:
                 self.tracing.finish(trace, model, request, response)
         if self._first_response:
@@ -263,7 +388,12 @@ class DataPlane:
         return response
 
     async def infer_stream(
-        self, request: InferenceRequest, deliver, *, queued: trio.Event | None = None
+        self,
+        request: InferenceRequest,
+        deliver,
+        *,
+        queued: trio.Event | None = None,
+        internal: bool = False,
     ) -> None:
         """Route, validate and queue one request, then ``await deliver(response,
         final)`` for each of its responses in order (``response`` is None when a
@@ -274,13 +404,13 @@ class DataPlane:
         ``queued`` is set once the model's scheduler holds the request (a stream
         waits for it so that a sequence's requests are queued in order).
         """
-        model = self._admit(request)
+        model = self._admit(request, internal)
         classify = request.requested_outputs is not None and any(
             o.parameters.get("classification") for o in request.requested_outputs
         )
         trace = self.tracing.start(model, request) if self.tracing.active else None
         first = self._first_response
-        model.begin_request()
+        self._begin(model, request)
         try:
             await model.infer(request)
             if queued is not None:
@@ -296,7 +426,7 @@ class DataPlane:
             request.cancelled = True
             raise
         finally:
-            model.end_request()
+            self._end(model)
             if trace is not None:
                 self.tracing.finish(trace, model, request)
 
@@ -313,7 +443,7 @@ class DataPlane:
         model = self._admit(request)
         trace = self.tracing.start(model, request) if self.tracing.active else None
         first = self._first_response
-        model.begin_request()
+        self._begin(model, request)
         try:
             await model.infer(request)
             async for response, final in request.stream():
@@ -325,7 +455,7 @@ class DataPlane:
             request.cancelled = True
             raise
         finally:
-            model.end_request()
+            self._end(model)
             if trace is not None:
                 self.tracing.finish(trace, model, request)
 
@@ -374,6 +504,38 @@ class DataPlane:
             )
         return cache[output]
 
+
+class _ModelCalls:
+    """The DataPlane as models see it (BLS calls and model control, ensemble steps).
+
+    Their inference requests belong to a request the server already took, so a
+    drain never refuses them; everything else is the DataPlane's own.
+    """
+
+    __slots__ = ("_dataplane",)
+
+    def __init__(self, dataplane: DataPlane) -> None:
+        self._dataplane = dataplane
+
+    def __getattr__(self, name: str):
+        return getattr(self._dataplane, name)
+
+    async def infer(self, request: InferenceRequest) -> InferenceResponse:
+        return await self._dataplane.infer(request, internal=True)
+
+    async def infer_stream(self, request: InferenceRequest, deliver, **options) -> None:
+        await self._dataplane.infer_stream(request, deliver, internal=True, **options)
+
+    # The model loading API of Python models (pb_utils.load_model & co).
+
+    def model_ready(self, name: str, version: int | None) -> bool:
+        return self._dataplane.model_ready(name, version)
+
+    async def load_model(self, name: str, config_override=None, files=None) -> None:
+        await self._dataplane.load_model(name, config_override, files)
+
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None:
+        await self._dataplane.unload_model(name, unload_dependents)
 
 
 def _index_order(row: dict) -> tuple:

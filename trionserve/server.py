@@ -1,13 +1,20 @@
 """The root actor: wires the runtime and the frontends under one nursery.
 
 Startup: registry, then the watcher's startup loads, then the frontends; the server
-reports ready once the frontends listen. Shutdown (SIGINT/SIGTERM or ``shutdown``):
-the frontends stop accepting and finish in-flight requests within
-``exit_timeout_secs``, then every model drains and unloads, then every task ends.
+reports ready once the frontends listen. Shutdown (the first SIGINT/SIGTERM, or
+``shutdown``) is a drain, as Triton does it: readiness turns false at once; the
+frontends keep listening and serving, the DataPlane refusing every new request with
+UNAVAILABLE except those that continue a sequence already open; once nothing is in
+flight and no sequence is open, or ``exit_timeout_secs`` after the signal, the
+frontends close their connections, every model unloads, and every task ends. The
+exit code is 0 after a complete drain and 1 when the exit timeout cut it short
+(Triton's "Exit timeout expired. Exiting immediately."). A second signal stops at
+once.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +33,10 @@ from trionserve.protocol.http import HttpOptions, serve_http
 from trionserve.repository.repository import ModelRepository
 
 log = structlog.get_logger(__name__)
+
+# When the drain ends late (or the exit timeout cut it short), the frontends still
+# get this long to send their last answers, GOAWAYs and closes.
+CLOSE_GRACE_SECS = 1.0
 
 
 @dataclass
@@ -71,7 +82,11 @@ class StartupError(Exception):
 
 
 class Server:
-    """Root of the actor tree; ``shutdown`` may be called from any Trio task."""
+    """Root of the actor tree; ``shutdown`` may be called from any Trio task.
+
+    ``exit_code`` says how ``serve`` ended: 0, or 1 when the drain did not finish
+    (the exit timeout passed, or a second signal stopped the server at once).
+    """
 
     def __init__(self, options: ServerOptions) -> None:
         self.options = options
@@ -101,10 +116,19 @@ class Server:
             first_response_histogram=options.allow_metrics
             and options.metrics.histogram_latencies,
         )
+        # Set by ``shutdown``: the drain begins.
         self._shutdown = trio.Event()
+        # Given to the frontends: set once the drain is over, and they close.
+        self._close_frontends = trio.Event()
+        self._drain_deadline = math.inf
+        self.exit_code = 0
 
     def shutdown(self) -> None:
-        self._shutdown.set()
+        """Begin the graceful drain (see the module docstring)."""
+        if not self._shutdown.is_set():
+            self._drain_deadline = trio.current_time() + self.options.exit_timeout_secs
+            self.dataplane.begin_drain()
+            self._shutdown.set()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         options = self.options
@@ -136,7 +160,7 @@ class Server:
                         self.dataplane,
                         options.http_address,
                         options.http_port,
-                        self._shutdown,
+                        self._close_frontends,
                         options.exit_timeout_secs,
                         options.log_verbose > 0,
                         options.http,
@@ -150,7 +174,7 @@ class Server:
                         self.dataplane,
                         options.grpc_address,
                         options.grpc_port,
-                        self._shutdown,
+                        self._close_frontends,
                         options.exit_timeout_secs,
                         options.grpc,
                         options.log_verbose > 0,
@@ -163,19 +187,44 @@ class Server:
                         options.metrics,
                         self._metrics_address(),
                         options.metrics_port,
-                        self._shutdown,
+                        self._close_frontends,
                     )
                     log.info("Metrics service started", listening=binds)
                 self.dataplane.started = True
                 log.info("server ready", models=sorted(self.registry.entries()))
                 task_status.started()
                 await self._shutdown.wait()
-                self.dataplane.stopping = True
-                log.info("server stopping: draining in-flight requests")
-            await self._unload_all()
+                await self._drain()
+                self._close_frontends.set()
+                frontends.cancel_scope.deadline = max(
+                    self._drain_deadline, trio.current_time() + CLOSE_GRACE_SECS
+                )
+            await self._unload_all(max(0.0, self._drain_deadline - trio.current_time()))
             await self.dataplane.tracing.aclose()
-            log.info("server stopped")
+            log.info("server stopped", exit_code=self.exit_code)
             nursery.cancel_scope.cancel()
+
+    async def _drain(self) -> None:
+        """Wait, until the exit timeout, for the requests in flight and the open
+        sequences to finish; the frontends serve meanwhile."""
+        dataplane = self.dataplane
+        log.info(
+            "server stopping: draining",
+            inflight=dataplane.inflight,
+            open_sequences=dataplane.open_sequences(),
+            exit_timeout_secs=self.options.exit_timeout_secs,
+        )
+        with trio.move_on_at(self._drain_deadline):
+            await dataplane.wait_drained()
+            log.info("drained: no request in flight, no sequence open")
+            return
+        self.exit_code = 1
+        log.error(
+            "Exit timeout expired. Exiting immediately.",
+            inflight=dataplane.inflight,
+            open_sequences=dataplane.open_sequences(),
+            exit_timeout_secs=self.options.exit_timeout_secs,
+        )
 
     def _metrics_address(self) -> str:
         """Triton's rule: --metrics-address, else the HTTP address when HTTP is
@@ -185,8 +234,12 @@ class Server:
             return options.metrics_address
         return options.http_address if options.allow_http else "0.0.0.0"
 
-    async def _unload_all(self) -> None:
-        with trio.move_on_after(self.options.exit_timeout_secs) as scope:
+    async def _unload_all(self, timeout: float | None = None) -> None:
+        """Unload every model within ``timeout`` (default: the exit timeout); what
+        is left then is cancelled, and still releases its backend."""
+        if timeout is None:
+            timeout = self.options.exit_timeout_secs
+        with trio.move_on_after(timeout) as scope:
             await self.registry.unload_all()
         if scope.cancelled_caught:
             log.warning("models did not unload within the exit timeout")
@@ -197,8 +250,10 @@ class Server:
             async for signum in signals:
                 if self._shutdown.is_set() or not self.dataplane.started:
                     log.warning("stopping now", signal=signal.Signals(signum).name)
-                    self._shutdown.set()
+                    if self._shutdown.is_set() and not self.dataplane.drained():
+                        self.exit_code = 1
+                    self.shutdown()
                     everything.cancel()
                     return
                 log.info("shutdown requested", signal=signal.Signals(signum).name)
-                self._shutdown.set()
+                self.shutdown()

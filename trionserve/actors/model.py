@@ -12,7 +12,7 @@ from trionserve.actors.ensemble import EnsembleScheduler
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.scheduler import Scheduler, create_scheduler
 from trionserve.actors.sequence import SequenceBatchScheduler
-from trionserve.actors.sequence_state import load_sequence_states
+from trionserve.actors.sequence_state import SequenceStateManager, load_sequence_states
 from trionserve.backends.base import Backend, InferenceService, InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
@@ -261,6 +261,12 @@ class ModelVersion:
     def instances(self) -> list[InstanceSpec]:
         """The instances serving now, in the order they were started."""
         return [executor.spec for executor in self._executors]
+
+    @property
+    def sequences(self) -> SequenceStateManager | None:
+        """The open sequences of a model with ``sequence_batching``; None otherwise."""
+        scheduler = self._scheduler
+        return scheduler.sequences if isinstance(scheduler, SequenceBatchScheduler) else None
 
     def request_unload(self) -> None:
         self._unload_requested.set()

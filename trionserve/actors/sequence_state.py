@@ -239,6 +239,9 @@ class SequenceStateManager:
         self._listed_outputs = frozenset(o.name for o in config.output)
         self._on_release = on_release
         self.open: dict[CorrelationId, Sequence] = {}
+        # Set while no sequence is open: what a server draining for shutdown waits for.
+        self._none_open = trio.Event()
+        self._none_open.set()
         self._released: OrderedDict[CorrelationId, str] = OrderedDict()
         self._deadlines: list[tuple[float, int, Sequence]] = []
         self._counter = itertools.count()
@@ -277,6 +280,8 @@ class SequenceStateManager:
             self._released.pop(correlation_id, None)
             sequence = Sequence(correlation_id)
             self.open[correlation_id] = sequence
+            if self._none_open.is_set():
+                self._none_open = trio.Event()
         elif sequence is None:
             reason = self._released.get(correlation_id)
             raise InvalidArgument(
@@ -288,6 +293,7 @@ class SequenceStateManager:
             # A later START with this id begins a new sequence; this one finishes.
             sequence.open = False
             del self.open[correlation_id]
+            self._check_none_open()
         sequence.pending += 1
         sequence.idle_deadline = None
         return sequence
@@ -328,6 +334,7 @@ class SequenceStateManager:
                 self._released[sequence.id] = reason
                 while len(self._released) > RELEASED_MEMORY:
                     self._released.popitem(last=False)
+                self._check_none_open()
         self._on_release(sequence)
 
     def finish(self, sequence: Sequence) -> None:
@@ -341,6 +348,25 @@ class SequenceStateManager:
             sequence.state = None
         self.open.clear()
         self._deadlines.clear()
+        self._none_open.set()
+
+    # -- open sequences, for a draining server ----------------------------------------
+
+    def is_open(self, correlation_id: CorrelationId, now: float) -> bool:
+        """Whether a sequence with this correlation id is in progress: started, not
+        ended, and not idle past ``max_sequence_idle_microseconds`` at ``now``."""
+        sequence = self.open.get(correlation_id)
+        if sequence is None:
+            return False
+        return sequence.idle_deadline is None or now < sequence.idle_deadline
+
+    async def wait_none_open(self) -> None:
+        """Return once no sequence is open (each ended, or was released when idle)."""
+        await self._none_open.wait()
+
+    def _check_none_open(self) -> None:
+        if not self.open:
+            self._none_open.set()
 
     # -- implicit state ---------------------------------------------------------------
 

@@ -312,7 +312,10 @@ class Connection:
                 if self.options.keepalive_time is not None:
                     nursery.start_soon(self._keepalive)
                 await self._read_loop()
-                nursery.cancel_scope.cancel()
+                if not self._closing:
+                    nursery.cancel_scope.cancel()
+                # Closing: the writer ends the connection once everything up to the
+                # final GOAWAY is written (see _close).
         finally:
             with trio.CancelScope(shield=True):
                 await self._close_socket()
@@ -337,6 +340,15 @@ class Connection:
         self.flush()
 
     async def _read_loop(self) -> None:
+        """Feed what the client sends to h2 and act on the events, until the client
+        goes away or says goodbye.
+
+        Once the connection is closing (the final GOAWAY is queued), h2's state
+        machine is CLOSED and would call any frame a protocol error, yet the client
+        may still send some (a PING, a WINDOW_UPDATE for an answer it is reading):
+        they are read and dropped, so that nothing the client sends can end the
+        connection before the writer has written the last answers and the GOAWAY.
+        """
         receive = self.stream.receive_some
         while True:
             try:
@@ -345,12 +357,14 @@ class Connection:
                 return
             if not data:
                 return
+            if self._closing:
+                continue
             try:
                 events = self.h2.receive_data(data)
             except h2.exceptions.ProtocolError as exc:
                 log.debug("grpc protocol error", peer=self.peer, error=str(exc))
                 self._close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
-                return
+                continue
             for event in events:
                 if self._handle(event):
                     return
@@ -610,7 +624,11 @@ class Connection:
             self._nursery.cancel_scope.cancel()
 
     def _close(self, code=h2.errors.ErrorCodes.NO_ERROR) -> None:
-        """Send the final GOAWAY, then end the connection once it is written."""
+        """Send the final GOAWAY, then end the connection once it is written.
+
+        Everything queued before it (the last calls' answers) goes out first; a
+        client that does not read them is given ``keepalive_timeout`` seconds.
+        """
         if self._closing:
             return
         self._closing = True
@@ -618,6 +636,11 @@ class Connection:
             self.h2.close_connection(error_code=code)
         except h2.exceptions.ProtocolError:
             pass
+        if self._nursery is not None:
+            scope = self._nursery.cancel_scope
+            scope.deadline = min(
+                scope.deadline, trio.current_time() + self.options.keepalive_timeout
+            )
         self.flush()
 
     async def _close_socket(self) -> None:

@@ -38,7 +38,7 @@ from trionserve.core.errors import (
     as_triton_error,
 )
 from trionserve.core.types import InferenceRequest
-from trionserve.dataplane import DataPlane
+from trionserve.dataplane import DataPlane, ShuttingDown
 from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.statistics import select_statistics
@@ -64,6 +64,9 @@ HTTP_STATUS = {
 
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _JSON_TYPE = (b"content-type", b"application/json")
+# On a request refused because the server is draining: the client should take its
+# next request elsewhere (another replica), so the connection is not kept.
+_CLOSE = (b"connection", b"close")
 _BINARY_TYPE = (b"content-type", b"application/octet-stream")
 
 
@@ -190,11 +193,10 @@ class InferHandler:
 
 def _error_response(error: TritonError) -> tuple[int, list[tuple[bytes, bytes]], list]:
     body = http_codec.encode_error(error.message)
-    return (
-        error_status(error),
-        [_JSON_TYPE, (b"content-length", b"%d" % len(body))],
-        [body],
-    )
+    headers = [_JSON_TYPE, (b"content-length", b"%d" % len(body))]
+    if isinstance(error, ShuttingDown):
+        headers.append(_CLOSE)
+    return error_status(error), headers, [body]
 
 
 def _json(payload, status: int = 200) -> Response:
@@ -204,11 +206,14 @@ def _json(payload, status: int = 200) -> Response:
 
 
 def _error(error: TritonError) -> Response:
-    return Response(
+    response = Response(
         http_codec.encode_error(error.message),
         status=error_status(error),
         content_type="application/json",
     )
+    if isinstance(error, ShuttingDown):
+        response.headers["Connection"] = "close"
+    return response
 
 
 def _parameters(body: dict, action: str) -> dict:
@@ -277,6 +282,9 @@ def build_api_app(dataplane: DataPlane) -> QuartTrio:
 
     @app.get("/v2/health/ready")
     async def health_ready():
+        if dataplane.draining:
+            # As Triton while it exits: 503 with the reason.
+            return _json({"error": "server is shutting down"}, 503)
         return status_only(dataplane.ready())
 
     @app.get("/v2")
