@@ -13,7 +13,14 @@ from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.scheduler import Scheduler, create_scheduler
 from trionserve.actors.sequence import SequenceBatchScheduler
 from trionserve.actors.sequence_state import SequenceStateManager, load_sequence_states
-from trionserve.backends.base import Backend, InferenceService, InstanceSpec, ModelContext
+from trionserve.actors.warmup import WarmupSample, check_results, warmup_samples
+from trionserve.backends.base import (
+    AsyncBackendInstance,
+    Backend,
+    InferenceService,
+    InstanceSpec,
+    ModelContext,
+)
 from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.types import InferenceRequest
@@ -109,6 +116,7 @@ class ModelVersion:
         self.statistics = ModelStatistics(name, version)
         self._scheduler: Scheduler | None = None
         self._sequence_states: list = []  # implicit states, read at load
+        self._warmup: list[WarmupSample] = []  # model_warmup samples, read at load
         self._executors: list[InstanceExecutor] = []
         self._loaded = None
         self._instances: list = []  # backend instances created and not yet closed
@@ -139,6 +147,7 @@ class ModelVersion:
             raise
         self._loaded = loaded
         self._instances = [instance for _, instance in instances]
+        started = False
         try:
             if self.config.platform == "ensemble":
                 # No instances: the scheduler sends each step to its composing model.
@@ -155,6 +164,7 @@ class ModelVersion:
                 await nursery.start(scheduler.run)
                 for spec, instance in instances:
                     await self._start_executor(spec, instance)
+                await self._warm_up(instances)
                 self.state = ModelState.READY
                 self._log_state(
                     "ready",
@@ -162,10 +172,16 @@ class ModelVersion:
                     duration_s=round(trio.current_time() - started_at, 3),
                 )
                 task_status.started()
+                started = True
                 await self._unload_requested.wait()
                 await self._drain()
                 nursery.cancel_scope.cancel()
         except Exception as exc:
+            if not started:
+                # Warmup failed (or an instance died before READY): a load failure.
+                reason = _failure_reason(exc)
+                self._set_unavailable(reason)
+                raise Unavailable(reason) from None
             # A bug in this model's actors, or an instance that gave up (a stub
             # process failing again and again): contained to this model.
             log.exception("model version failed", model=self.name, version=self.version)
@@ -195,6 +211,9 @@ class ModelVersion:
         )
         specs = instance_specs(self.config, gpu_count())
         async with self._load_limiter:
+            self._warmup = await trio.to_thread.run_sync(
+                warmup_samples, self.config, self.model_dir
+            )
             if self.config.HasField("sequence_batching"):
                 self._sequence_states = await trio.to_thread.run_sync(
                     load_sequence_states, self.config, self.model_dir
@@ -210,6 +229,30 @@ class ModelVersion:
                     await self._release(loaded, [i for _, i in instances])
                 raise
         return loaded, instances
+
+    async def _warm_up(self, instances) -> None:
+        """Every instance runs every warmup sample before READY (see warmup.py)."""
+        for spec, instance in instances:
+            for sample in self._warmup:
+                label = (
+                    f"model '{self.name}' version {self.version}: warmup sample "
+                    f"'{sample.name}' on instance '{spec.name}'"
+                )
+                for _ in range(max(1, sample.count)):
+                    batch = sample.requests(self.name, self.version)
+                    try:
+                        if isinstance(instance, AsyncBackendInstance):
+                            results = await instance.execute_async(batch)
+                        else:
+                            results = await trio.to_thread.run_sync(instance.execute, batch)
+                    except TritonError:
+                        raise
+                    except Exception as exc:
+                        raise Unavailable(f"{label} failed: {type(exc).__name__}: {exc}") from exc
+                    check_results(label, results)
+            if self._warmup:
+                log.info("model warmed up", model=self.name, version=self.version,
+                         instance=spec.name, samples=len(self._warmup))
 
     async def _release(self, loaded, instances) -> None:
         def release() -> None:
@@ -324,9 +367,22 @@ class ModelVersion:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_close_all, created, self.name)
                 raise
-        for spec, instance in zip(added, created):
+        pairs = list(zip(added, created))
+        try:
+            # New instances are warmed up before they take batches; a stub-backed
+            # one needs its executor running first and serialises its executes.
+            await self._warm_up([p for p in pairs if not isinstance(p[1], AsyncBackendInstance)])
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_close_all, created, self.name)
+            raise
+        for spec, instance in pairs:
             self._instances.append(instance)
             await self._start_executor(spec, instance)
+        try:
+            await self._warm_up([p for p in pairs if isinstance(p[1], AsyncBackendInstance)])
+        except TritonError as exc:
+            log.warning("warmup of a new instance failed", model=self.name, reason=exc.message)
         for executor in removed:
             self._executors.remove(executor)
             executor.stop()
