@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
@@ -298,9 +299,23 @@ def sigterm_and_wait_not_ready(server: ServerProcess) -> None:
     wait_for(lambda: ready_status(server.http_port) != 200, 5.0, "readiness to flip")
 
 
-def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path):
+@pytest.mark.parametrize(
+    "transports",
+    [("h11", "h2"), ("hypercorn", "grpcio")],
+    ids=lambda t: "-".join(t),
+)
+def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path, transports):
+    """The drain is the DataPlane's: every HTTP and gRPC transport serves it alike."""
+    http_transport, grpc_transport = transports
     repository = sequence_repository(tmp_path, idle_us=60_000_000)
-    server = ServerProcess(repository, args=["--exit-timeout-secs=60"])
+    server = ServerProcess(
+        repository,
+        args=[
+            "--exit-timeout-secs=60",
+            f"--http-transport={http_transport}",
+            f"--grpc-transport={grpc_transport}",
+        ],
+    )
     stream_results: queue.Queue = queue.Queue()
     try:
         server.wait_ready(path="/v2/health/ready")
@@ -432,3 +447,24 @@ def test_exit_timeout_bounds_a_sequence_that_never_ends(tmp_path):
     assert code == 1, log
     assert exit_timeout - 0.5 <= took < exit_timeout + 20, took
     assert "Exit timeout expired" in log and "open_sequences=1" in log, log
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    repository = sequence_repository(tmp_path, idle_us=600_000_000)
+    server = ServerProcess(repository, args=["--exit-timeout-secs=600"])
+    try:
+        server.wait_ready(path="/v2/health/ready")
+        http = http_client(server.http_port)
+        http.infer("accumulate", accumulate_input(httpclient, 1),
+                   sequence_id=5, sequence_start=True)
+        http.close()
+        sigterm_and_wait_not_ready(server)
+        # The open sequence would hold the drain for ten minutes; a second
+        # signal ends it now, and the exit code says the drain did not finish.
+        server.process.send_signal(signal.SIGTERM)
+        code = server.wait_exit(timeout=60)
+        log = server.output()
+    finally:
+        server.close()
+    assert code == 1, log
+    assert "stopping now" in log, log

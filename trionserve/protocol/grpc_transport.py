@@ -15,10 +15,14 @@ What it guarantees:
 - Every non-OK status carries a percent-encoded ``grpc-message``.
 - HTTP/2 flow control with large windows (16 MiB by default); a handler that does
   not take its messages holds the client back instead of buffering without bound.
-- Shutdown drains: GOAWAY (two-step, so requests already on the wire are not
-  lost), in-flight calls finish, client-streaming calls stop reading (their
-  ``receive`` returns None and ``call.draining`` is true), then each connection
-  closes; after ``graceful_timeout`` whatever is left is cancelled.
+- Shutdown (``shutdown`` set: the server sets it once its drain is over, see
+  :class:`~trionserve.dataplane.DataPlane`; until then the transport serves as
+  usual, and the DataPlane answers new requests UNAVAILABLE) closes: GOAWAY
+  (two-step, so requests already on the wire are not lost), in-flight calls
+  finish, client-streaming calls stop reading (their ``receive`` returns None and
+  ``call.draining`` is true), then each connection closes once everything up to
+  its final GOAWAY is written; after ``graceful_timeout`` whatever is left is
+  cancelled.
 """
 
 from __future__ import annotations

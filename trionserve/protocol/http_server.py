@@ -20,7 +20,9 @@ What it guarantees:
 - Malformed requests get h11's suggested status (400, 431, ...) with a JSON error.
 - A client that resets or drops its connection ends that connection only: Trio
   raises resets inside nurseries as ExceptionGroups, hence ``except*``.
-- Shutdown: the listeners close at once (new connections are refused), idle
+- Shutdown (``shutdown`` set: the server sets it once its drain is over, see
+  :class:`~trionserve.dataplane.DataPlane`; until then this server serves as
+  usual): the listeners close at once (new connections are refused), idle
   keep-alive connections close, requests in flight finish and are answered with
   ``Connection: close``; after ``graceful_timeout`` whatever is left is cancelled.
 """
