@@ -66,10 +66,10 @@ async def test_graceful_shutdown_finishes_in_flight_requests(repository):
         nursery.start_soon(client)
         await wait_entered()  # the request is executing in the backend
         server.shutdown()
-        # Let the server act on the shutdown: HTTP stops accepting and waits for the
-        # in-flight request, which is still blocked in the backend.
+        # Let the server act on the shutdown: it drains (HTTP keeps serving) and
+        # waits for the in-flight request, which is still blocked in the backend.
         await trio.testing.wait_all_tasks_blocked()
-        assert server.dataplane.stopping
+        assert server.dataplane.draining
         assert not server.dataplane.ready()
         assert "output" not in results
         GATE.release.set()
