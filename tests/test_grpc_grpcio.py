@@ -170,6 +170,20 @@ async def test_responses_compressed_for_clients_that_accept_it():
     assert "grpc.default_compression_algorithm" not in dict(grpcio_arguments(TransportOptions()))
 
 
+def test_grpc_transport_flag(monkeypatch):
+    from trionserve.cli import options_from_args
+
+    def transport(*flags: str) -> str:
+        return options_from_args(["--model-repository=/nonexistent", *flags]).grpc.transport
+
+    monkeypatch.delenv("TRIONSERVE_GRPC_TRANSPORT", raising=False)
+    assert transport() == "grpcio"
+    assert transport("--grpc-transport=h2") == "h2"
+    monkeypatch.setenv("TRIONSERVE_GRPC_TRANSPORT", "h2")
+    assert transport() == "h2"
+    assert transport("--grpc-transport=grpcio") == "grpcio"
+
+
 def test_options_map_onto_grpcio_arguments():
     options = TransportOptions(
         max_message_size=1234,
