@@ -468,3 +468,67 @@ def test_a_second_signal_stops_at_once(tmp_path):
         server.close()
     assert code == 1, log
     assert "stopping now" in log, log
+
+
+# -- requests models make on behalf of an accepted request --------------------------
+
+ENSEMBLE = """
+name: "chain"
+platform: "ensemble"
+max_batch_size: 8
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ]
+ensemble_scheduling { step [
+  { model_name: "blocking" model_version: -1
+    input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "mid" } },
+  { model_name: "blocking" model_version: -1
+    input_map { key: "INPUT0" value: "mid" } output_map { key: "OUTPUT0" value: "OUT" } }
+] }
+"""
+
+
+async def test_ensemble_steps_of_an_accepted_request_run_during_the_drain(tmp_path):
+    """An ensemble's second step is submitted after the drain began: it belongs to
+    a request already taken, so it runs (BLS calls go the same way); a new request
+    for the step's model from outside is refused."""
+    import trio
+    import trio.testing
+
+    from tests.blocking_backend import GATE, make_model, wait_entered
+    from trionserve.core.errors import Unavailable
+    from trionserve.core.types import InferenceRequest, Tensor
+    from trionserve.server import Server, ServerOptions
+
+    GATE.reset()
+    make_model(tmp_path, "blocking")
+    (tmp_path / "chain" / "1").mkdir(parents=True)
+    (tmp_path / "chain" / "config.pbtxt").write_text(ENSEMBLE)
+    server = Server(ServerOptions(
+        model_repositories=[tmp_path], allow_http=False, allow_grpc=False,
+        allow_metrics=False, exit_timeout_secs=30.0,
+    ))
+
+    def request(model: str, name: str, value: float) -> InferenceRequest:
+        data = np.full((1, 4), value, dtype=np.float32)
+        return InferenceRequest(model, inputs={name: Tensor(name, "FP32", data)})
+
+    results: dict[str, object] = {}
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+
+            async def chain() -> None:
+                results["chain"] = await server.dataplane.infer(request("chain", "IN", 3.0))
+
+            nursery.start_soon(chain)
+            await wait_entered()  # step one executes
+            server.shutdown()
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.dataplane.draining and not server.dataplane.drained()
+            with pytest.raises(Unavailable, match="server is shutting down"):
+                await server.dataplane.infer(request("blocking", "INPUT0", 1.0))
+            GATE.release.set()  # step one answers; step two is submitted and runs
+    finally:
+        GATE.release.set()
+    np.testing.assert_array_equal(results["chain"].outputs[0].data, np.full((1, 4), 3.0))
+    assert server.exit_code == 0
