@@ -224,7 +224,6 @@ class Supervisor:
         self.slots = [WorkerSlot(i) for i in range(plan.count)]
         self._stopping = trio.Event()
         self._failure: str | None = None
-        self._signals = 0
         self._collector = StaticCollector()
 
     async def run(self) -> int:
