@@ -245,6 +245,8 @@ def test_merge_expositions_sums_per_process_figures_only():
             f'nv_inference_count{{model="other",version="1"}} 1\n'
             "# TYPE nv_cpu_utilization gauge\n"
             f"nv_cpu_utilization {utilization}\n"
+            "# TYPE nv_gpu_utilization gauge\n"
+            f'nv_gpu_utilization{{gpu_uuid="GPU-0"}} {utilization}\n'
             "# TYPE process_start_time_seconds gauge\n"
             f"process_start_time_seconds {started}\n"
             "# TYPE nv_inference_first_response_histogram_ms histogram\n"
@@ -262,6 +264,7 @@ def test_merge_expositions_sums_per_process_figures_only():
     assert values[("nv_inference_count", (("model", "simple"), ("version", "1")))] == 12
     assert values[("nv_inference_count", (("model", "other"), ("version", "1")))] == 2
     assert values[("nv_cpu_utilization", ())] == 0.5  # the machine's, not summed
+    assert values[("nv_gpu_utilization", (("gpu_uuid", "GPU-0"),))] == 0.5
     assert values[("process_start_time_seconds", ())] == 90.0
     bucket = ("nv_inference_first_response_histogram_ms_bucket",
               (("le", "+Inf"), ("model", "simple")))

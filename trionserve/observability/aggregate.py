@@ -13,9 +13,12 @@ How samples of the same name and labels combine:
   descriptors of all workers together);
 - taken from one worker (the lowest-numbered that answered): machine-wide gauges
   that every worker measures for the same machine or device — ``nv_cpu_*``
-  (utilization, memory) and, should they be collected, the per-GPU ``nv_gpu_*``
-  and ``nv_energy_*`` families; summing them would count the machine N times;
+  (utilization, memory) and the per-GPU ``nv_gpu_*`` and ``nv_energy_consumption``
+  families; summing them would count the machine N times;
 - ``process_start_time_seconds``: the earliest; ``process_max_fds``: the largest.
+
+Families defined by models (Python-backend custom metrics) are summed like the
+rest: each worker runs its own instances of the model.
 
 A worker that restarts starts its counters from zero, so the sums drop by what
 that worker had counted: to Prometheus' ``rate()`` and ``increase()`` this reads
