@@ -130,10 +130,10 @@ class _WorkerStatus:
         self._on_ready = on_ready
 
     def started(self, value=None) -> None:
-        self._on_ready()
         if self._fd is not None:
             os.write(self._fd, b"ready\n")
             os.close(self._fd)
+        self._on_ready()
 
 
 async def serve_worker(server, index: int, ready_fd: int | None) -> None:
@@ -290,6 +290,9 @@ class Supervisor:
             process = await trio.lowlevel.open_process(
                 command, pass_fds=(write_fd,), start_new_session=True
             )
+        except BaseException:
+            os.close(read_fd)
+            raise
         finally:
             os.close(write_fd)
         slot.process = process
