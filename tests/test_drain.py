@@ -99,6 +99,12 @@ def classify(exc: BaseException) -> str:
     """A failed call's outcome: 'unavailable', 'refused' or 'other'."""
     if isinstance(exc, InferenceServerException):
         status = str(exc.status() or "")
+        if status == "StatusCode.CANCELLED":
+            # These clients never cancel: seen (rarely) for a call the gRPC
+            # client started on its connection just as the server closed it after
+            # the drain, one the server never read; the markers prove it never
+            # reached the model.
+            return "refused"
         return "unavailable" if status in ("StatusCode.UNAVAILABLE", "503") else "other"
     # A closed port, or a keep-alive connection the draining server closed before
     # this request reached it (the request never executes: see the markers).
