@@ -14,6 +14,7 @@ import trio
 from trionserve import __version__
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
+from trionserve.core.response_cache import parse_cache_config
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace import TraceConfig, parse_trace_config
@@ -21,7 +22,12 @@ from trionserve.protocol.grpc_service import GRPC_TRANSPORTS, GrpcOptions
 from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
-from trionserve.workers import add_worker_flags, run_supervisor, serve_worker, worker_conflicts
+from trionserve.workers import (
+    add_worker_flags,
+    run_supervisor,
+    serve_worker,
+    worker_conflicts,
+)
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -115,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trace_flags(add)
     add("--allow-client-shm", type=_bool, default=False, metavar="BOOL",
         help="let clients register system shared memory regions (default false)")
+    add("--cache-config", action="append", default=[], metavar="local,size=BYTES",
+        help="response cache for models with response_cache enabled (repeatable)")
+    add("--response-cache-byte-size", type=_non_negative_int, default=None, metavar="BYTES",
+        help="deprecated: --cache-config local,size=BYTES")
     add("--model-load-thread-count", type=_positive_int, default=4,
         help="models loaded concurrently (default 4)")
     add("--exit-timeout-secs", type=_non_negative_float, default=30.0,
@@ -262,6 +272,10 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         trace = replace(trace, file=f"{trace.file}.worker{args.worker_index}")
     if not args.model_repositories:
         parser.error("--model-repository must be specified")
+    try:
+        cache_bytes = parse_cache_config(args.cache_config, args.response_cache_byte_size)
+    except TritonError as exc:
+        parser.error(exc.message)
     mode = ControlMode(args.model_control_mode)
     if "*" in args.load_models and len(args.load_models) > 1:
         parser.error("--load-model='*' cannot be combined with other model names")
@@ -294,6 +308,7 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         trace=trace,
         model_load_thread_count=args.model_load_thread_count,
         allow_client_shm=args.allow_client_shm,
+        response_cache_bytes=cache_bytes,
         exit_timeout_secs=args.exit_timeout_secs,
         exit_on_error=args.exit_on_error,
         log_verbose=args.log_verbose,

@@ -16,24 +16,24 @@ from trionserve import __version__
 from trionserve.actors.model import ModelVersion
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode
-from trionserve.core.errors import (
-    AlreadyExists,
-    InvalidArgument,
-    NotFound,
-    TritonError,
-    Unavailable,
-)
 from trionserve.core.classification import classify, read_labels
 from trionserve.core.cuda_shared_memory import (
     CudaSharedMemory,
     SharedMemoryResolver,
     cuda_unavailable_reason,
 )
+from trionserve.core.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    TritonError,
+    Unavailable,
+)
+from trionserve.core.response_cache import ResponseCache
 from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
 from trionserve.observability.metrics import observe_first_response
-from trionserve.observability.statistics import FailureReason
+from trionserve.observability.statistics import FailureReason, to_ns
 from trionserve.observability.trace import TraceManager
 from trionserve.repository.repository import duplicate_reason
 
@@ -93,6 +93,7 @@ class DataPlane:
         allow_client_shm: bool = False,
         tracing: TraceManager | None = None,
         first_response_histogram: bool = False,
+        response_cache: ResponseCache | None = None,
     ) -> None:
         self.registry = registry
         self.control_mode = control_mode
@@ -112,6 +113,8 @@ class DataPlane:
         self._label_cache: weakref.WeakKeyDictionary[ModelVersion, dict] = (
             weakref.WeakKeyDictionary()
         )
+        # Responses of models with response_cache enabled (--cache-config).
+        self.response_cache = response_cache
         # Request tracing; ``tracing.active`` is all an untraced request pays.
         self.tracing = tracing if tracing is not None else TraceManager()
         # nv_inference_first_response_histogram_ms is kept only when asked for.
@@ -365,6 +368,39 @@ class DataPlane:
     ) -> InferenceResponse:
         """Route, validate, queue and await one request's single outcome."""
         model = self._admit(request, internal)
+        cache = self.response_cache
+        if cache is not None and model.config.response_cache.enable:
+            return await self._infer_cached(cache, model, request)
+        return await self._infer_admitted(model, request)
+
+    async def _infer_cached(
+        self, cache: ResponseCache, model: ModelVersion, request: InferenceRequest
+    ) -> InferenceResponse:
+        """A hit is answered from the cache; a miss runs and stores a success.
+        Statistics as Triton keeps them: a hit is a success with its lookup time
+        and no inference; a miss counts its lookup and insert time."""
+        started = trio.current_time()
+        key = cache.key(model.name, model.version, request)
+        response = cache.lookup(key, request, str(model.version))
+        looked_up = trio.current_time()
+        if response is not None:
+            model.statistics.record_cache_hit(
+                to_ns(looked_up - request.arrival_time), to_ns(looked_up - started)
+            )
+            return response
+        lookup_ns = to_ns(looked_up - started)
+        try:
+            response = await self._infer_admitted(model, request)
+            inserting = trio.current_time()
+            cache.insert(key, response)
+            lookup_ns += to_ns(trio.current_time() - inserting)
+        finally:
+            model.statistics.record_cache_miss(lookup_ns)
+        return response
+
+    async def _infer_admitted(
+        self, model: ModelVersion, request: InferenceRequest
+    ) -> InferenceResponse:
         trace = self.tracing.start(model, request) if self.tracing.active else None
         response = None
         self._begin(model, request)

@@ -25,6 +25,7 @@ import trio
 from trionserve import __version__
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
+from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
 from trionserve.observability.trace import TraceConfig, TraceManager
@@ -66,6 +67,7 @@ class ServerOptions:
     trace: TraceConfig = field(default_factory=TraceConfig)
     model_load_thread_count: int = 4
     allow_client_shm: bool = False
+    response_cache_bytes: int = 0  # --cache-config local,size=N; 0: no cache
     exit_timeout_secs: float = 30.0
     exit_on_error: bool = True
     log_verbose: int = 0
@@ -112,6 +114,9 @@ class Server:
             options.model_control_mode,
             options.server_id,
             allow_client_shm=options.allow_client_shm,
+            response_cache=ResponseCache(options.response_cache_bytes)
+            if options.response_cache_bytes
+            else None,
             tracing=TraceManager(options.trace),
             first_response_histogram=options.allow_metrics
             and options.metrics.histogram_latencies,

@@ -176,6 +176,20 @@ _LATENCY_COUNTERS = (
      lambda s: s.compute_output.ns // 1000),
 )
 
+# Reported for models with response_cache enabled.
+_CACHE_COUNTERS = (
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model",
+     lambda s: s.cache_hit.count),
+    ("nv_cache_num_misses_per_model", "Number of cache misses per model",
+     lambda s: s.cache_miss.count),
+    ("nv_cache_hit_duration_per_model",
+     "Total cache hit duration per model, in microseconds",
+     lambda s: s.cache_hit.ns // 1000),
+    ("nv_cache_miss_duration_per_model",
+     "Total cache miss (lookup and insert) duration per model, in microseconds",
+     lambda s: s.cache_miss.ns // 1000),
+)
+
 
 def _untyped(name: str, documentation: str) -> Metric:
     return Metric(name, documentation, "unknown")
@@ -221,6 +235,10 @@ class ModelMetricsCollector:
         if self._options.counter_latencies:
             for name, documentation, value in _LATENCY_COUNTERS:
                 yield _family(name, documentation, value, versions)
+        cached = [v for v in versions if v.config.response_cache.enable]
+        if cached:
+            for name, documentation, value in _CACHE_COUNTERS:
+                yield _family(name, documentation, value, cached)
         pending = GaugeMetricFamily(
             "nv_inference_pending_request_count",
             "Instantaneous number of pending requests awaiting execution per-model.",

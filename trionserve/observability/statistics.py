@@ -170,6 +170,15 @@ class ModelStatistics:
         self.compute_infer.add(infer_ns)
         self.compute_output.add(output_ns)
 
+    def record_cache_hit(self, request_ns: int, lookup_ns: int) -> None:
+        """A request answered from the response cache: a success, not an inference."""
+        self.success.add(request_ns)
+        self.cache_hit.add(lookup_ns)
+
+    def record_cache_miss(self, lookup_ns: int) -> None:
+        """A cache lookup that missed; ``lookup_ns`` covers the lookup and the insert."""
+        self.cache_miss.add(lookup_ns)
+
     def record_failure(self, request_ns: int, reason: FailureReason) -> None:
         """One request answered with an error."""
         self.fail.add(request_ns)

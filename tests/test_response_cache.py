@@ -1,0 +1,207 @@
+"""The response cache (``--cache-config local,size=N`` with ``response_cache``):
+identical requests are answered from memory over HTTP and gRPC, with Triton's
+statistics and metrics; the cache itself, on its own."""
+
+from __future__ import annotations
+
+import textwrap
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
+
+from tests.serverproc import ServerProcess
+from trionserve.core.errors import InvalidArgument
+from trionserve.core.response_cache import ResponseCache, parse_cache_config
+from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+# Answers X + executions so far: a response from the cache shows an old count.
+COUNTER = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.executions = 0
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            self.executions += 1
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            if x[0] < 0:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError("negative input")))
+                continue
+            out = np.array([self.executions], dtype=np.int64)
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("COUNT", out), pb_utils.Tensor("Y", x * 2)]))
+        return responses
+'''
+
+CONFIG = """
+name: "{name}"
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_INT32 dims: [ 2 ] }} ]
+output [
+  {{ name: "COUNT" data_type: TYPE_INT64 dims: [ 1 ] }},
+  {{ name: "Y" data_type: TYPE_INT32 dims: [ 2 ] }}
+]
+response_cache {{ enable: {enable} }}
+"""
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    for name, enable in (("cached", "true"), ("uncached", "false")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, enable=enable))
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(COUNTER))
+    return root
+
+
+def serve(repository, *args):
+    proc = ServerProcess(repository, args=list(args))
+    try:
+        proc.wait_ready()
+    except BaseException:
+        proc.close()
+        raise
+    return proc
+
+
+@pytest.fixture(scope="module")
+def server(repository):
+    proc = serve(repository, "--cache-config", "local,size=1048576")
+    yield proc
+    assert proc.stop() == 0, proc.output()
+    proc.close()
+
+
+def call(client, module, model: str, values) -> tuple[int, list[int]]:
+    x = module.InferInput("X", [2], "INT32")
+    x.set_data_from_numpy(np.array(values, dtype=np.int32))
+    result = client.infer(model, [x])
+    return int(result.as_numpy("COUNT")[0]), result.as_numpy("Y").tolist()
+
+
+def stats(client, model: str) -> dict:
+    return client.get_inference_statistics(model)["model_stats"][0]
+
+
+def test_identical_requests_are_answered_from_the_cache(server):
+    http = httpclient.InferenceServerClient(server.http_url)
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        assert call(http, httpclient, "cached", [1, 2]) == (1, [2, 4])
+        assert call(http, httpclient, "cached", [1, 2]) == (1, [2, 4])  # hit
+        assert call(grpc, grpcclient, "cached", [1, 2]) == (1, [2, 4])  # hit, over gRPC
+        assert call(http, httpclient, "cached", [3, 4]) == (2, [6, 8])  # other input
+        # Errors are not cached: the model runs each time.
+        for _ in range(2):
+            with pytest.raises(InferenceServerException, match="negative input"):
+                call(http, httpclient, "cached", [-1, 0])
+        # A model without response_cache always runs.
+        assert call(http, httpclient, "uncached", [1, 2]) == (1, [2, 4])
+        assert call(http, httpclient, "uncached", [1, 2]) == (2, [2, 4])
+        cached = stats(http, "cached")
+    finally:
+        http.close()
+        grpc.close()
+    inference = cached["inference_stats"]
+    assert inference["cache_hit"]["count"] == 2
+    assert inference["cache_miss"]["count"] == 4
+    assert inference["success"]["count"] == 4  # hits are successes
+    assert cached["inference_count"] == 2  # ... but not inferences
+    assert inference["fail"]["count"] == 2
+
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    (hits,) = families["nv_cache_num_hits_per_model"].samples
+    assert (hits.labels["model"], hits.value) == ("cached", 2)
+    (misses,) = families["nv_cache_num_misses_per_model"].samples
+    assert misses.value == 4
+
+
+def test_without_a_cache_config_nothing_is_cached(repository):
+    proc = serve(repository)
+    client = httpclient.InferenceServerClient(proc.http_url)
+    try:
+        assert call(client, httpclient, "cached", [1, 2])[0] == 1
+        assert call(client, httpclient, "cached", [1, 2])[0] == 2
+        assert stats(client, "cached")["inference_stats"]["cache_hit"]["count"] == 0
+    finally:
+        client.close()
+        assert proc.stop() == 0, proc.output()
+        proc.close()
+
+
+# -- the cache on its own ----------------------------------------------------------------
+
+
+def request(values, *, outputs=None, parameters=None, datatype="INT32") -> InferenceRequest:
+    data = np.array(values, dtype=np.int32 if datatype == "INT32" else np.uint32)
+    return InferenceRequest(
+        "m", 1, inputs={"X": Tensor("X", datatype, data)},
+        requested_outputs=[RequestedOutput(o) for o in outputs] if outputs else None,
+        parameters=parameters or {},
+    )
+
+
+def test_the_key_covers_what_changes_the_answer():
+    key = ResponseCache.key
+    base = key("m", 1, request([1, 2]))
+    assert key("m", 1, request([1, 2])) == base
+    assert key("m", 1, request([1, 2], parameters={"binary_data_output": True})) == base
+    different = [
+        key("m", 2, request([1, 2])),
+        key("n", 1, request([1, 2])),
+        key("m", 1, request([1, 3])),
+        key("m", 1, request([[1, 2]])),
+        key("m", 1, request([1, 2], datatype="UINT32")),
+        key("m", 1, request([1, 2], outputs=["Y"])),
+        key("m", 1, request([1, 2], parameters={"temperature": 0.5})),
+    ]
+    assert base not in different and len(set(different)) == len(different)
+
+
+def response(nbytes: int) -> InferenceResponse:
+    return InferenceResponse("m", "1", "", [Tensor("Y", "UINT8", np.zeros(nbytes, np.uint8))])
+
+
+def test_least_recently_used_entries_make_room():
+    cache = ResponseCache(3000)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    for k in keys:
+        cache.insert(k, response(900))
+    assert len(cache) == 3
+    assert cache.lookup(keys[0], request([1]), "1") is not None  # now most recent
+    cache.insert(b"\x09" * 32, response(900))
+    assert cache.lookup(keys[1], request([1]), "1") is None  # evicted
+    assert cache.lookup(keys[0], request([1]), "1") is not None
+    assert cache.evictions == 1 and cache.used <= 3000
+    cache.insert(b"\x0a" * 32, response(5000))  # larger than the cache: not kept
+    assert cache.lookup(b"\x0a" * 32, request([1]), "1") is None
+    hit = cache.lookup(keys[0], request([1]), "1")
+    assert hit.outputs[0].data.flags.writeable is False
+
+
+def test_cache_config_parsing():
+    assert parse_cache_config([], None) == 0
+    assert parse_cache_config(["local,size=1024"], None) == 1024
+    assert parse_cache_config([], 2048) == 2048
+    for bad, message in (
+        (["redis,size=1"], "only the 'local' cache"),
+        (["local,bytes=1"], "unknown setting 'bytes'"),
+        (["local,size=lots"], "size must be a number"),
+    ):
+        with pytest.raises(InvalidArgument, match=message):
+            parse_cache_config(bad, None)
