@@ -159,6 +159,17 @@ class Server:
                     )
                 )
             async with trio.open_nursery() as frontends:
+                # Metrics first: by the time HTTP answers, /metrics does too.
+                if options.allow_metrics:
+                    binds = await frontends.start(
+                        serve_metrics,
+                        self.registry,
+                        options.metrics,
+                        self._metrics_address(),
+                        options.metrics_port,
+                        self._close_frontends,
+                    )
+                    log.info("Metrics service started", listening=binds)
                 if options.allow_http:
                     binds = await frontends.start(
                         serve_http,
@@ -185,16 +196,6 @@ class Server:
                         options.log_verbose > 0,
                     )
                     log.info("GRPC service started", listening=binds)
-                if options.allow_metrics:
-                    binds = await frontends.start(
-                        serve_metrics,
-                        self.registry,
-                        options.metrics,
-                        self._metrics_address(),
-                        options.metrics_port,
-                        self._close_frontends,
-                    )
-                    log.info("Metrics service started", listening=binds)
                 self.dataplane.started = True
                 log.info("server ready", models=sorted(self.registry.entries()))
                 task_status.started()
