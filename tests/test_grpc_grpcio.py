@@ -177,11 +177,11 @@ def test_grpc_transport_flag(monkeypatch):
         return options_from_args(["--model-repository=/nonexistent", *flags]).grpc.transport
 
     monkeypatch.delenv("TRIONSERVE_GRPC_TRANSPORT", raising=False)
-    assert transport() == "grpcio"
-    assert transport("--grpc-transport=h2") == "h2"
-    monkeypatch.setenv("TRIONSERVE_GRPC_TRANSPORT", "h2")
     assert transport() == "h2"
     assert transport("--grpc-transport=grpcio") == "grpcio"
+    monkeypatch.setenv("TRIONSERVE_GRPC_TRANSPORT", "grpcio")
+    assert transport() == "grpcio"
+    assert transport("--grpc-transport=h2") == "h2"
 
 
 def test_options_map_onto_grpcio_arguments():

@@ -155,8 +155,8 @@ def _regex(text: str) -> str:
 def _add_grpc_flags(add) -> None:
     """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
     add("--grpc-transport", choices=GRPC_TRANSPORTS, type=str.lower,
-        help="grpcio (grpcio's C-core server, the default) or h2 (HTTP/2 in "
-        "Python on Trio sockets); $TRIONSERVE_GRPC_TRANSPORT sets the default")
+        help="h2 (HTTP/2 in Python on Trio sockets, the default) or grpcio "
+        "(grpcio's C-core server, faster); $TRIONSERVE_GRPC_TRANSPORT sets the default")
     add("--grpc-header-forward-pattern", type=_regex, metavar="REGEX",
         help="forward request headers matching REGEX to the model as parameters")
     add("--grpc-infer-allocation-pool-size", type=_non_negative_int, default=8,
