@@ -304,11 +304,35 @@ class _Connection:
                 await self._asgi(request, path, raw_path, query)
                 return
             body = await self._read_body(request)
-            status, headers, chunks = await handler(request.headers, body)
+            status, headers, chunks = await self._run_handler(handler, request.headers, body)
         except _BodyTooLarge:
             await self._too_large()
             return
         await self.respond(status, headers, chunks)
+
+    async def _run_handler(self, handler, headers, body: bytes):
+        """The handler's answer; a client that hangs up meanwhile cancels it, so
+        its request leaves the queue (or its result is dropped), as DESIGN §3 says."""
+        answer = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_peer, nursery.cancel_scope)
+            answer = await handler(headers, body)
+            nursery.cancel_scope.cancel()
+        if answer is None:
+            raise _PeerGone
+        return answer
+
+    async def _watch_peer(self, handling: trio.CancelScope) -> None:
+        """Wait for the client's next bytes while its request is handled: end of
+        stream (or a reset) cancels the handling; pipelined bytes are kept for h11
+        and end the watch."""
+        try:
+            data = await self.stream.receive_some(self.server.options.receive_size)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            data = b""
+        self.h11.receive_data(data)
+        if not data:
+            handling.cancel()
 
     async def respond(
         self, status: int, headers: list[tuple[bytes, bytes]], chunks: Sequence[bytes | memoryview]

@@ -1,0 +1,92 @@
+"""A client that hangs up over HTTP cancels its request (DESIGN §3): a queued
+request leaves the queue without executing, a running one has its result
+dropped. In-process server, real sockets, events instead of timing."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.http as httpclient
+
+from tests.blocking_backend import GATE, make_model, wait_entered
+from tests.serverproc import free_port
+from tests.test_grpc_cancellation import Probe, executions_since, in_thread
+from trionserve.protocol.http import HttpOptions
+from trionserve.server import Server, ServerOptions
+
+BODY = json.dumps(
+    {
+        "id": "{id}",
+        "inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}],
+    }
+)
+
+
+@pytest.fixture
+def repository(tmp_path):
+    GATE.reset()
+    make_model(tmp_path, "blocking")
+    yield tmp_path
+    GATE.release.set()  # never leave a worker thread blocked
+
+
+def make_server(repository, transport: str) -> Server:
+    return Server(
+        ServerOptions(
+            model_repositories=[repository],
+            http_address="127.0.0.1",
+            http_port=free_port(),
+            http=HttpOptions(transport=transport),
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=20.0,
+        )
+    )
+
+
+def send_infer(port: int, request_id: str) -> socket.socket:
+    """Send one infer request on a raw socket and leave it waiting for the answer."""
+    body = BODY.replace("{id}", request_id).encode()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(
+        b"POST /v2/models/blocking/infer HTTP/1.1\r\nHost: test\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    return sock
+
+
+@pytest.mark.parametrize("transport", ["h11"])  # hypercorn keeps running it
+async def test_hanging_up_cancels_queued_and_running_requests(repository, transport):
+    server = make_server(repository, transport)
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        probe = Probe(server.dataplane)
+        running = await in_thread(send_infer, port, "running")
+        await wait_entered()  # "running" executes; "queued" waits behind it
+        queued = await in_thread(send_infer, port, "queued")
+        await probe.arrived("queued")
+        queued.close()
+        await probe.cancelled_all("queued")
+        assert probe.requests["queued"].cancelled
+        running.close()
+        await probe.cancelled_all("running")
+
+        GATE.release.set()
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        tensor = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.full((1, 4), 3.0, dtype=np.float32))
+        later = await in_thread(lambda: client.infer("blocking", [tensor]))
+        np.testing.assert_array_equal(later.as_numpy("OUTPUT0"), np.full((1, 4), 3.0))
+        client.close()
+        assert executions_since() == 1  # the later request only: "queued" never ran
+        stats = server.dataplane.model("blocking", None).statistics
+        # "running" did execute (its answer was dropped) and the later one: two
+        # successes; "queued" neither succeeded nor failed in the model.
+        assert stats.success.count == 2
+        server.shutdown()
