@@ -36,7 +36,7 @@ def test_flags():
         "--grpc-http2-min-recv-ping-interval-without-data=1000",
         "--grpc-http2-max-ping-strikes=5",
     )
-    assert options.header_forward_pattern == "^x-trace"
+    assert options.header_forward_pattern == "(?i)^x-trace"  # case-insensitive, as Triton
     assert options.infer_allocation_pool_size == 16
     assert options.http2_max_ping_strikes == 5
     transport = options.transport_options()

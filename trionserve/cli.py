@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from dataclasses import replace
@@ -13,12 +14,14 @@ import trio
 
 from trionserve import __version__
 from trionserve.actors.watcher import ControlMode
+from trionserve.backends.backend_config import parse_backend_config
+from trionserve.cli_compat import add_compat_flags, compat_notes
 from trionserve.core.errors import TritonError
 from trionserve.core.response_cache import parse_cache_config
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace import TraceConfig, parse_trace_config
-from trionserve.protocol.grpc_service import GRPC_TRANSPORTS, GrpcOptions
+from trionserve.protocol.grpc_service import GRPC_TRANSPORTS, GrpcOptions, GrpcSsl
 from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
@@ -28,6 +31,8 @@ from trionserve.workers import (
     serve_worker,
     worker_conflicts,
 )
+
+log = structlog.get_logger(__name__)
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -105,6 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="require complete config.pbtxt files: no auto-complete (default false)")
     add("--disable-auto-complete-config", action="store_true",
         help="do not auto-complete configurations from model files")
+    add("--strict-readiness", type=_bool, default=True, metavar="BOOL",
+        help="ready only when every model is ready (default true); false: ready "
+             "once the server started, whatever the models' state")
+    add("--model-config-name", type=_config_name, metavar="NAME",
+        help="read <model>/configs/NAME.pbtxt where it exists, else config.pbtxt")
+    add("--backend-config", action="append", default=[], metavar="BACKEND,SETTING=VALUE",
+        help="python,shm-default-byte-size=N, shm-growth-byte-size=N, "
+             "stub-timeout-seconds=N, ...: defaults of every Python model (its own "
+             "parameters win); other backends' settings are accepted without effect")
     add("--allow-http", type=_bool, default=True, metavar="BOOL")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=_port, default=8000)
@@ -112,11 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="h11 (HTTP/1.1 directly on Trio sockets, default) or hypercorn")
     add("--http-max-input-size", type=_non_negative_int, default=0, metavar="BYTES",
         help="largest HTTP request body accepted, 413 beyond it (default 0: no limit)")
+    add("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
+        help="bind the HTTP port with SO_REUSEPORT (default false)")
+    add("--http-header-forward-pattern", type=_header_pattern, metavar="REGEX",
+        help="forward infer request headers matching REGEX (case-insensitive; "
+             "(?-i) prefix: case-sensitive) to the model as parameters")
     add("--allow-grpc", type=_bool, default=True, metavar="BOOL",
         help="serve the gRPC API (default true)")
     add("--grpc-address", default="0.0.0.0")
     add("--grpc-port", type=_port, default=8001)
+    add("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
+        help="bind the gRPC port with SO_REUSEPORT (default false)")
     _add_grpc_flags(add)
+    _add_grpc_ssl_flags(add)
     _add_metrics_flags(add)
     _add_trace_flags(add)
     add("--allow-client-shm", type=_bool, default=False, metavar="BOOL",
@@ -133,9 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit if a model fails to load at startup (default true)")
     add("--log-verbose", type=int, default=0, metavar="LEVEL",
         help="verbose logging level; > 0 logs every request")
-    add("--log-format", choices=["console", "json"], default="console")
+    add("--log-format", choices=["console", "json", "default", "ISO8601"],
+        default="console", help="console (default; Triton's 'default' and 'ISO8601' "
+        "name it too) or json")
+    for level in ("info", "warning", "error"):
+        add(f"--log-{level}", type=_bool, default=True, metavar="BOOL",
+            help=f"log {level}-level events (default true)")
+    add("--log-file", default="", metavar="PATH",
+        help="append the log to PATH instead of stderr")
     add("--id", dest="server_id", default="trionserve", help="server identifier")
     add_worker_flags(add)
+    add_compat_flags(add, _bool)
     return p
 
 
@@ -152,17 +182,39 @@ def _regex(text: str) -> str:
     return text
 
 
+def _header_pattern(text: str) -> str:
+    """A header-forwarding pattern as Triton applies it: case-insensitive (header
+    names are), unless it begins with ``(?-i)``."""
+    if text.startswith("(?-i)"):
+        return _regex(text[len("(?-i)"):])
+    return _regex("(?i)" + text)
+
+
+def _compression_level(text: str) -> str:
+    level = text.lower()
+    return "med" if level == "medium" else level  # Triton spells it "medium"
+
+
+def _config_name(text: str) -> str:
+    if not text or any(c.isspace() for c in text) or "/" in text or text in (".", ".."):
+        raise argparse.ArgumentTypeError(
+            f"expected a configuration name without spaces or '/', got {text!r}"
+        )
+    return text
+
+
 def _add_grpc_flags(add) -> None:
     """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
     add("--grpc-transport", choices=GRPC_TRANSPORTS, type=str.lower,
         help="h2 (HTTP/2 in Python on Trio sockets, the default) or grpcio "
         "(grpcio's C-core server, faster); $TRIONSERVE_GRPC_TRANSPORT sets the default")
-    add("--grpc-header-forward-pattern", type=_regex, metavar="REGEX",
-        help="forward request headers matching REGEX to the model as parameters")
+    add("--grpc-header-forward-pattern", type=_header_pattern, metavar="REGEX",
+        help="forward request headers matching REGEX (case-insensitive; (?-i) "
+             "prefix: case-sensitive) to the model as parameters")
     add("--grpc-infer-allocation-pool-size", type=_non_negative_int, default=8,
         metavar="N", help="accepted for compatibility; responses are built per call")
     add("--grpc-infer-response-compression-level", default="none",
-        choices=["none", "low", "med", "high"], type=str.lower,
+        choices=["none", "low", "med", "high"], type=_compression_level,
         help="gzip level for responses to clients that accept it (default none)")
     add("--grpc-keepalive-time", type=_non_negative_int, default=7_200_000, metavar="MS",
         help="ping a client after MS milliseconds (default 7200000)")
@@ -176,6 +228,51 @@ def _add_grpc_flags(add) -> None:
         add(flag, type=_non_negative_int, default=default, metavar="N",
             help="client ping policy, enforced by --grpc-transport=grpcio (the h2 "
             "transport accepts it and does not police pings)")
+
+
+def _add_grpc_ssl_flags(add) -> None:
+    """tritonserver's gRPC TLS and connection-age flags (grpcio transport)."""
+    add("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL",
+        help="serve gRPC over TLS with --grpc-server-cert and --grpc-server-key "
+             "(grpcio transport, chosen when --grpc-transport is not given)")
+    add("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL",
+        help="TLS requiring client certificates signed by --grpc-root-cert; implies "
+             "--grpc-use-ssl")
+    add("--grpc-server-cert", metavar="PEM", help="the server's certificate (PEM file)")
+    add("--grpc-server-key", metavar="PEM", help="the server's private key (PEM file)")
+    add("--grpc-root-cert", metavar="PEM",
+        help="the CA certificate client certificates must chain to (PEM file)")
+    add("--grpc-max-connection-age", type=_non_negative_int, metavar="MS",
+        help="close connections older than MS milliseconds (grpcio transport)")
+    add("--grpc-max-connection-age-grace", type=_non_negative_int, metavar="MS",
+        help="time calls get to finish once a connection reached its age (grpcio)")
+
+
+def _grpc_ssl(parser, args) -> GrpcSsl | None:
+    """--grpc-use-ssl(-mutual) as a GrpcSsl; the PEM files must be readable now."""
+    if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
+        return None
+    files = [("--grpc-server-cert", args.grpc_server_cert),
+             ("--grpc-server-key", args.grpc_server_key)]
+    if args.grpc_use_ssl_mutual:
+        files.append(("--grpc-root-cert", args.grpc_root_cert))
+    elif args.grpc_root_cert:
+        files.append(("--grpc-root-cert", args.grpc_root_cert))
+    for flag, path in files:
+        if not path:
+            parser.error(f"--grpc-use-ssl{'-mutual' if args.grpc_use_ssl_mutual else ''} "
+                         f"requires {flag}")
+        if not os.access(path, os.R_OK) or not Path(path).is_file():
+            parser.error(f"{flag}: cannot read '{path}'")
+    if args.grpc_transport == "h2":
+        parser.error("--grpc-use-ssl requires --grpc-transport=grpcio: the h2 transport "
+                     "serves plaintext only")
+    return GrpcSsl(
+        server_cert=args.grpc_server_cert,
+        server_key=args.grpc_server_key,
+        root_cert=args.grpc_root_cert or None,
+        mutual=args.grpc_use_ssl_mutual,
+    )
 
 
 def _add_metrics_flags(add) -> None:
@@ -238,8 +335,15 @@ def _trace_config(parser, args) -> TraceConfig:
         parser.error(str(exc))
 
 
-def _grpc_options(args) -> GrpcOptions:
+def _grpc_options(parser, args) -> GrpcOptions:
+    ssl = _grpc_ssl(parser, args)
+    transport = args.grpc_transport
+    if ssl is not None:
+        transport = "grpcio"  # the transport that does TLS; h2 was refused above
     return GrpcOptions(
+        ssl=ssl,
+        max_connection_age_ms=args.grpc_max_connection_age,
+        max_connection_age_grace_ms=args.grpc_max_connection_age_grace,
         header_forward_pattern=args.grpc_header_forward_pattern,
         infer_allocation_pool_size=args.grpc_infer_allocation_pool_size,
         infer_response_compression_level=args.grpc_infer_response_compression_level,
@@ -251,7 +355,7 @@ def _grpc_options(args) -> GrpcOptions:
             args.grpc_http2_min_recv_ping_interval_without_data
         ),
         http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
-        **({"transport": args.grpc_transport} if args.grpc_transport else {}),
+        **({"transport": transport} if transport else {}),
     )
 
 
@@ -281,6 +385,19 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         parser.error("--load-model='*' cannot be combined with other model names")
     if args.load_models and mode is not ControlMode.EXPLICIT:
         parser.error("--load-model requires --model-control-mode=explicit")
+    try:
+        backend_config = parse_backend_config(args.backend_config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # Flags for what trionserve does not have: refused here, or noted at start.
+    args.compat_notes = compat_notes(parser, args)
+    grpc = replace(_grpc_options(parser, args), reuse_port=reuse_port or args.reuse_grpc_port)
+    if grpc.transport == "h2" and args.grpc_max_connection_age is not None:
+        args.compat_notes.append(
+            "--grpc-max-connection-age has no effect with --grpc-transport=h2"
+        )
+    if grpc.ssl is not None and args.grpc_transport is None:
+        args.compat_notes.append("gRPC transport: grpcio, the one that serves TLS")
     return ServerOptions(
         model_repositories=args.model_repositories,
         model_control_mode=mode,
@@ -289,18 +406,22 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         load_models=args.load_models,
         strict_model_config=args.strict_model_config,
         disable_auto_complete_config=args.disable_auto_complete_config,
+        strict_readiness=args.strict_readiness,
+        model_config_name=args.model_config_name,
+        backend_config=backend_config,
         allow_http=args.allow_http,
         http_address=args.http_address,
         http_port=args.http_port,
         http=HttpOptions(
             transport=args.http_transport,
             max_input_size=args.http_max_input_size or None,
-            reuse_port=reuse_port,
+            reuse_port=reuse_port or args.reuse_http_port,
+            header_forward_pattern=args.http_header_forward_pattern,
         ),
         allow_grpc=args.allow_grpc,
         grpc_address=args.grpc_address,
         grpc_port=args.grpc_port,
-        grpc=replace(_grpc_options(args), reuse_port=reuse_port),
+        grpc=grpc,
         allow_metrics=args.allow_metrics,
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
@@ -312,7 +433,11 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         exit_timeout_secs=args.exit_timeout_secs,
         exit_on_error=args.exit_on_error,
         log_verbose=args.log_verbose,
-        log_format=args.log_format,
+        log_format="json" if args.log_format == "json" else "console",
+        log_file=args.log_file,
+        log_info=args.log_info,
+        log_warning=args.log_warning,
+        log_error=args.log_error,
         server_id=args.server_id,
     ), args
 
@@ -320,7 +445,22 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     options, args = _parse(argv)
-    configure_logging(options.log_format, options.log_verbose)
+    try:
+        configure_logging(
+            options.log_format,
+            options.log_verbose,
+            log_file=options.log_file,
+            log_info=options.log_info,
+            log_warning=options.log_warning,
+            log_error=options.log_error,
+        )
+    except OSError as exc:
+        print(f"error: --log-file: cannot open '{options.log_file}': {exc.strerror}",
+              file=sys.stderr)
+        return 1
+    if args.worker_index is None:  # workers would repeat them
+        for note in args.compat_notes:
+            log.info(note)
     if args.workers > 1 and args.worker_index is None:
         return run_supervisor(options, args.workers, argv)
     try:

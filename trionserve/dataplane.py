@@ -94,8 +94,12 @@ class DataPlane:
         tracing: TraceManager | None = None,
         first_response_histogram: bool = False,
         response_cache: ResponseCache | None = None,
+        strict_readiness: bool = True,
     ) -> None:
         self.registry = registry
+        # --strict-readiness: ready needs every model ready (true), or only a
+        # started server that is not draining (false).
+        self.strict_readiness = strict_readiness
         self.control_mode = control_mode
         self.server_id = server_id
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
@@ -138,7 +142,9 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        return self.started and not self.draining and self.registry.all_ready()
+        if not self.started or self.draining:
+            return False
+        return self.registry.all_ready() if self.strict_readiness else True
 
     # -- drain --------------------------------------------------------------------
 

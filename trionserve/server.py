@@ -25,6 +25,7 @@ import trio
 from trionserve import __version__
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
+from trionserve.backends.backend_config import BackendConfig, apply_backend_config
 from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
@@ -51,6 +52,10 @@ class ServerOptions:
     load_models: list[str] = field(default_factory=list)
     strict_model_config: bool = False
     disable_auto_complete_config: bool = False
+    strict_readiness: bool = True  # ready only when every model is
+    model_config_name: str | None = None  # configs/<name>.pbtxt where it exists
+    # --backend-config: backend ("" for all) -> setting -> value
+    backend_config: BackendConfig = field(default_factory=dict)
     allow_http: bool = True
     http_address: str = "0.0.0.0"
     http_port: int = 8000
@@ -72,6 +77,10 @@ class ServerOptions:
     exit_on_error: bool = True
     log_verbose: int = 0
     log_format: str = "console"
+    log_file: str = ""  # "": stderr
+    log_info: bool = True
+    log_warning: bool = True
+    log_error: bool = True
     server_id: str = "trionserve"
 
     @property
@@ -96,7 +105,10 @@ class Server:
             options.model_repositories,
             cache_dir=options.model_cache_dir,
             refresh_on_find=options.model_control_mode is ControlMode.EXPLICIT,
+            config_name=options.model_config_name,
         )
+        # Process-wide, as Triton's backends read it once: set before any load.
+        apply_backend_config(options.backend_config)
         self.registry = ModelRegistry(
             self.repository,
             autocomplete=options.autocomplete,
@@ -120,6 +132,7 @@ class Server:
             tracing=TraceManager(options.trace),
             first_response_histogram=options.allow_metrics
             and options.metrics.histogram_latencies,
+            strict_readiness=options.strict_readiness,
         )
         # Set by ``shutdown``: the drain begins.
         self._shutdown = trio.Event()

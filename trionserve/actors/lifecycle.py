@@ -32,9 +32,17 @@ class PreparedModel:
     versions: list[int]
 
 
-def prepare_model(model_dir: Path, autocomplete: bool, override_json: str | None):
-    """Read, complete and validate a model's config; blocking, run in a thread."""
-    config, max_batch_size_set = read_model_config(model_dir, override_json)
+def prepare_model(
+    model_dir: Path,
+    autocomplete: bool,
+    override_json: str | None,
+    config_name: str | None = None,
+):
+    """Read, complete and validate a model's config; blocking, run in a thread.
+
+    ``config_name``: --model-config-name (read ``configs/<name>.pbtxt`` if present).
+    """
+    config, max_batch_size_set = read_model_config(model_dir, override_json, config_name)
     infer_platform(config, model_dir)
     backend = backend_for(config)
     versions = select_versions(config, list_versions(model_dir))

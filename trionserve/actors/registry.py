@@ -239,7 +239,11 @@ class ModelRegistry:
                 config_json = override_json
             snapshot = await trio.to_thread.run_sync(snapshot_model, model_dir)
             prepared = await trio.to_thread.run_sync(
-                prepare_model, model_dir, self.autocomplete, config_json
+                prepare_model,
+                model_dir,
+                self.autocomplete,
+                config_json,
+                self.repository.config_name,
             )
             await self._load_composing_models(name, prepared.config, chain)
         except Exception as exc:

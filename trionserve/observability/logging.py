@@ -72,11 +72,32 @@ def verbose() -> bool:
     return SETTINGS.log_verbose_level > 0
 
 
-def configure_logging(fmt: str = "console", verbose_level: int = 0) -> None:
-    """Configure structlog once at start; later changes go through update_settings."""
+def configure_logging(
+    fmt: str = "console",
+    verbose_level: int = 0,
+    *,
+    log_file: str = "",
+    log_info: bool = True,
+    log_warning: bool = True,
+    log_error: bool = True,
+) -> None:
+    """Configure structlog once at start; later changes go through update_settings.
+
+    The keywords are tritonserver's ``--log-file`` (append to this file instead of
+    stderr) and ``--log-info``, ``--log-warning``, ``--log-error``.
+    """
     _renderers["console"] = structlog.dev.ConsoleRenderer(colors=False)
     _renderers["json"] = structlog.processors.JSONRenderer()
-    update_settings({"log_format": fmt, "log_verbose_level": verbose_level})
+    update_settings(
+        {
+            "log_format": fmt,
+            "log_verbose_level": verbose_level,
+            "log_file": log_file,
+            "log_info": log_info,
+            "log_warning": log_warning,
+            "log_error": log_error,
+        }
+    )
     structlog.configure(
         processors=[
             _level_filter,

@@ -52,7 +52,7 @@ from trionserve.protocol.grpc_connection import Method, TransportOptions
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["GrpcioCall", "GrpcioTransport", "grpcio_arguments"]
+__all__ = ["GrpcioCall", "GrpcioTransport", "grpcio_arguments", "server_credentials"]
 
 # grpcio runs each call's Python side in one of these threads; a unary call holds
 # one while Trio serves it, a streaming call for as long as it lasts. Idle threads
@@ -88,6 +88,28 @@ def grpcio_arguments(options: TransportOptions, extra: Sequence[tuple[str, objec
         arguments.append(("grpc.default_compression_algorithm", grpc.Compression.Gzip.value))
     arguments.extend(extra)
     return arguments
+
+
+def server_credentials(ssl) -> grpc.ServerCredentials:
+    """grpcio's TLS credentials from a GrpcSsl's PEM files (blocking: reads them),
+    as Triton builds them: the server's key and certificate, and for mutual TLS the
+    root certificate that client certificates must chain to."""
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            with open(path, "rb") as file:
+                return file.read()
+        except OSError as exc:
+            raise OSError(
+                f"gRPC SSL: cannot read the {what} '{path}': {exc.strerror}"
+            ) from None
+
+    key = read(ssl.server_key, "server key (--grpc-server-key)")
+    cert = read(ssl.server_cert, "server certificate (--grpc-server-cert)")
+    root = read(ssl.root_cert, "root certificate (--grpc-root-cert)") if ssl.root_cert else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=root, require_client_auth=ssl.mutual
+    )
 
 
 class GrpcioCall:
@@ -269,8 +291,11 @@ class GrpcioTransport:
         methods: Mapping[str, Method],
         options: TransportOptions,
         extra_arguments: Sequence[tuple[str, object]] = (),
+        *,
+        ssl=None,
     ) -> None:
         self._methods = dict(methods)
+        self._ssl = ssl  # a GrpcSsl: serve TLS (--grpc-use-ssl)
         self._options = options
         self._arguments = grpcio_arguments(options, extra_arguments)
         self.draining = False
@@ -293,7 +318,11 @@ class GrpcioTransport:
         host = address or "0.0.0.0"
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound_port = server.add_insecure_port(target)
+            if self._ssl is None:
+                bound_port = server.add_insecure_port(target)
+            else:
+                credentials = await trio.to_thread.run_sync(server_credentials, self._ssl)
+                bound_port = server.add_secure_port(target, credentials)
         except RuntimeError as exc:
             raise OSError(f"gRPC: cannot listen on {target}: {exc}") from None
         if not bound_port:

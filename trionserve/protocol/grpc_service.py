@@ -83,6 +83,20 @@ _NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
+class GrpcSsl:
+    """TLS for the gRPC endpoint (--grpc-use-ssl, --grpc-use-ssl-mutual): PEM files.
+
+    Served by the grpcio transport only; ``mutual`` requires and verifies a
+    client certificate signed by ``root_cert``.
+    """
+
+    server_cert: str
+    server_key: str
+    root_cert: str | None = None
+    mutual: bool = False
+
+
+@dataclass(frozen=True)
 class GrpcOptions:
     """The gRPC frontend's settings, named after tritonserver's --grpc-* flags."""
 
@@ -109,6 +123,12 @@ class GrpcOptions:
     reuse_port: bool = False
     # "h2": h2 on Trio sockets; "grpcio": grpcio's C-core server (--grpc-transport).
     transport: str = field(default_factory=default_grpc_transport)
+    # TLS (grpcio transport only); None: plaintext.
+    ssl: GrpcSsl | None = None
+    # --grpc-max-connection-age(-grace): grpcio closes connections older than
+    # this (load balancers then spread clients anew); None: never.
+    max_connection_age_ms: int | None = None
+    max_connection_age_grace_ms: int | None = None
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
@@ -131,6 +151,13 @@ class GrpcOptions:
                 self.http2_min_recv_ping_interval_without_data_ms,
             ),
             ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
+        ] + [
+            (name, value)
+            for name, value in (
+                ("grpc.max_connection_age_ms", self.max_connection_age_ms),
+                ("grpc.max_connection_age_grace_ms", self.max_connection_age_grace_ms),
+            )
+            if value is not None
         ]
 
 
@@ -540,8 +567,15 @@ async def serve_grpc(
         from trionserve.protocol.grpc_grpcio import GrpcioTransport
 
         transport = GrpcioTransport(
-            service.methods(), options.transport_options(), options.grpcio_arguments()
+            service.methods(),
+            options.transport_options(),
+            options.grpcio_arguments(),
+            ssl=options.ssl,
         )
     else:
+        if options.ssl is not None:
+            raise ValueError(
+                "gRPC over SSL/TLS needs the grpcio transport (--grpc-transport=grpcio)"
+            )
         transport = GrpcTransport(service.methods(), options.transport_options())
     await transport.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

@@ -105,9 +105,13 @@ class InferHandler:
     the h11 server calls it directly, hypercorn through the ASGI ``__call__``.
     """
 
-    def __init__(self, dataplane: DataPlane, verbose: bool = False) -> None:
+    def __init__(
+        self, dataplane: DataPlane, verbose: bool = False, forward_headers: str | None = None
+    ) -> None:
         self.dataplane = dataplane
         self.verbose = verbose
+        # --http-header-forward-pattern: matching headers become request parameters.
+        self._forward = re.compile(forward_headers) if forward_headers else None
 
     async def __call__(self, scope, receive, send, match: re.Match) -> None:
         try:
@@ -149,6 +153,8 @@ class InferHandler:
             infer_request = http_codec.decode_infer_request(
                 body, header_length, match.group(1), version, shared_memory
             )
+            if self._forward is not None:
+                self._forward_headers(request_headers, infer_request)
             if verbose():
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
             response = await self.dataplane.infer(infer_request)
@@ -175,6 +181,14 @@ class InferHandler:
                 headers.append((b"content-encoding", encoding))
         headers.append((b"content-length", b"%d" % total))
         return 200, headers, chunks
+
+    def _forward_headers(self, request_headers, request: InferenceRequest) -> None:
+        """Headers whose name matches the pattern, as string parameters (a parameter
+        the request sets itself wins, as over gRPC)."""
+        for key, value in request_headers:
+            name = key.decode("latin-1")
+            if self._forward.search(name):
+                request.parameters.setdefault(name, value.decode("latin-1"))
 
     @staticmethod
     async def _read_body(receive) -> bytes:
@@ -508,8 +522,10 @@ class HttpFrontend:
     transport asks ``route`` first and calls the infer handler directly.
     """
 
-    def __init__(self, dataplane: DataPlane, verbose: bool = False) -> None:
-        self.infer = InferHandler(dataplane, verbose)
+    def __init__(
+        self, dataplane: DataPlane, verbose: bool = False, forward_headers: str | None = None
+    ) -> None:
+        self.infer = InferHandler(dataplane, verbose, forward_headers)
         self.api = build_api_app(dataplane)
 
     def route(self, method: bytes, path: str):
@@ -538,8 +554,12 @@ class HttpOptions:
     transport: str = "h11"
     # Largest request body accepted (h11 transport), in bytes; None: no limit.
     max_input_size: int | None = None
-    # Bind with SO_REUSEPORT: worker processes share the port (--workers).
+    # Bind with SO_REUSEPORT: worker processes share the port (--workers,
+    # --reuse-http-port).
     reuse_port: bool = False
+    # Headers of infer requests whose name matches this regular expression reach
+    # the model as request parameters (--http-header-forward-pattern).
+    header_forward_pattern: str | None = None
 
 
 HTTP_TRANSPORTS = ("h11", "hypercorn")
@@ -574,7 +594,7 @@ async def serve_http(
 ) -> None:
     """Serve HTTP until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     options = options or HttpOptions()
-    frontend = HttpFrontend(dataplane, verbose)
+    frontend = HttpFrontend(dataplane, verbose, options.header_forward_pattern)
     if options.transport == "hypercorn":
         config = hypercorn_config(address, port, graceful_timeout)
         if options.reuse_port:

@@ -22,6 +22,8 @@ from trionserve.repository.versions import list_versions
 ModelConfig = mc.ModelConfig
 
 CONFIG_FILENAME = "config.pbtxt"
+# --model-config-name NAME reads <model>/configs/NAME.pbtxt where it exists.
+CUSTOM_CONFIGS_DIR = "configs"
 ENSEMBLE_PLATFORM = "ensemble"
 
 # Platform -> the backend that serves it (Triton's GetBackendTypeFromPlatform).
@@ -64,10 +66,22 @@ WILDCARD_DIM = -1
 # -- reading ------------------------------------------------------------------------
 
 
+def config_file(model_dir: Path, config_name: str | None = None) -> str:
+    """The model's config file, relative to its directory: Triton's rule for
+    ``--model-config-name NAME`` is ``configs/NAME.pbtxt`` when that file exists,
+    else ``config.pbtxt``."""
+    if config_name:
+        custom = f"{CUSTOM_CONFIGS_DIR}/{config_name}.pbtxt"
+        if (Path(model_dir) / custom).is_file():
+            return custom
+    return CONFIG_FILENAME
+
+
 def read_model_config(
-    model_dir: Path, override_json: str | None = None
+    model_dir: Path, override_json: str | None = None, config_name: str | None = None
 ) -> tuple[ModelConfig, bool]:
-    """Parse ``<model_dir>/config.pbtxt``, or ``override_json`` when given.
+    """Parse the model's config file (see :func:`config_file`), or ``override_json``
+    when given.
 
     ``override_json`` is the JSON config of Triton's load API; it replaces the file.
     A missing config.pbtxt gives an empty config (auto-complete may fill it). The
@@ -81,8 +95,8 @@ def read_model_config(
         source = "the config override"
         config, max_batch_size_set = _parse_override(override_json, dir_name)
     else:
-        source = CONFIG_FILENAME
-        path = model_dir / CONFIG_FILENAME
+        source = config_file(model_dir, config_name)
+        path = model_dir / source
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -90,9 +104,9 @@ def read_model_config(
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise InvalidArgument(
-                f"model '{dir_name}': cannot read {dir_name}/{CONFIG_FILENAME}: {reason}"
+                f"model '{dir_name}': cannot read {dir_name}/{source}: {reason}"
             ) from None
-        context = f"model '{dir_name}': failed to parse {dir_name}/{CONFIG_FILENAME}"
+        context = f"model '{dir_name}': failed to parse {dir_name}/{source}"
         config = _parse_text(text, context)
         max_batch_size_set = _text_names_max_batch_size(text)
 

@@ -55,7 +55,10 @@ class ModelRepository:
         *,
         cache_dir: Path | str | None = None,
         refresh_on_find: bool = False,
+        config_name: str | None = None,
     ) -> None:
+        # --model-config-name: models read configs/<name>.pbtxt where it exists.
+        self.config_name = config_name
         # s3://, gs:// and as:// locations are mirrored into local directories
         # (object_store.py); everything else here sees only local paths.
         paths, self.mirrors = open_mirrors(paths, cache_dir)

@@ -2,8 +2,9 @@
 
 A snapshot lists every file under a model directory by relative path with its size
 and modification time, every directory by relative path, and a hash of
-config.pbtxt (an edit that keeps the size within the file system's mtime
-granularity would otherwise go unseen). Files that are not part of a model are left
+config.pbtxt and of the ``configs/*.pbtxt`` that ``--model-config-name`` picks
+from (an edit that keeps the size within the file system's mtime granularity
+would otherwise go unseen). Files that are not part of a model are left
 out, so that they never cause a reload: hidden files, ``__pycache__`` (a Python
 model's bytecode cache), and editor swap and backup files (``.config.pbtxt.swp``,
 ``config.pbtxt~``, ``#config.pbtxt#``, vim's ``4913`` probe). Directories carry no
@@ -20,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from trionserve.repository.config import CONFIG_FILENAME
+from trionserve.repository.config import CONFIG_FILENAME, CUSTOM_CONFIGS_DIR
 from trionserve.repository.repository import ModelRepository, duplicate_reason
 
 _VERSION_NAME = re.compile(r"[1-9][0-9]*")
@@ -58,7 +59,7 @@ class ModelSnapshot:
 class FileChanges:
     """Which parts of a model directory differ between two snapshots."""
 
-    config: bool  # config.pbtxt
+    config: bool  # config.pbtxt, configs/
     shared: bool  # anything outside config.pbtxt and the version directories
     versions: frozenset[int]  # version directories with any difference
 
@@ -104,14 +105,29 @@ def snapshot_model(model_dir: Path) -> ModelSnapshot | None:
                 continue  # deleted between listing and stat
 
     walk(model_dir, "")
-    return ModelSnapshot(tuple(sorted(entries)), _hash_file(model_dir / CONFIG_FILENAME))
+    return ModelSnapshot(tuple(sorted(entries)), _hash_configs(model_dir, entries))
 
 
-def _hash_file(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
+def _hash_configs(model_dir: Path, entries: list[tuple[str, int, int]]) -> str | None:
+    """One hash of config.pbtxt and configs/*.pbtxt; None when there is none."""
+    names = [
+        path
+        for path, size, _mtime in entries
+        if size != DIRECTORY
+        and (
+            path == CONFIG_FILENAME
+            or (path.startswith(CUSTOM_CONFIGS_DIR + "/") and path.endswith(".pbtxt"))
+        )
+    ]
+    digest = hashlib.sha256()
+    for name in sorted(names):
+        try:
+            content = (model_dir / name).read_bytes()
+        except OSError:
+            continue  # deleted since the walk: the next poll sees it
+        digest.update(b"%s\0%d\0" % (name.encode(), len(content)))
+        digest.update(content)
+    return digest.hexdigest() if names else None
 
 
 def file_changes(old: ModelSnapshot | None, new: ModelSnapshot | None) -> FileChanges:
@@ -125,7 +141,7 @@ def file_changes(old: ModelSnapshot | None, new: ModelSnapshot | None) -> FileCh
         if before.get(path) == after.get(path):
             continue
         top = path.split("/", 1)[0]
-        if top == CONFIG_FILENAME:
+        if top in (CONFIG_FILENAME, CUSTOM_CONFIGS_DIR):
             config = True
         elif _VERSION_NAME.fullmatch(top):
             versions.add(int(top))

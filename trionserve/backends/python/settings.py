@@ -1,8 +1,11 @@
-"""The Python backend's settings, read from a model's config.pbtxt ``parameters``.
+"""The Python backend's settings: ``--backend-config=python,<key>=<value>`` defaults,
+overridden by a model's config.pbtxt ``parameters``.
 
 Triton takes the shared-memory sizes and the stub timeout as ``--backend-config=
-python,<key>=<value>``; here the same keys are model parameters, next to the
-model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``, ``EXECUTION_ENV_PATH``):
+python,<key>=<value>`` for the whole server; here those are the server-wide
+defaults (:func:`set_backend_defaults`) and the same keys may also be model
+parameters, which win, next to the model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``,
+``EXECUTION_ENV_PATH``):
 
 - ``shm-default-byte-size`` (1 MiB), ``shm-growth-byte-size`` (1 MiB): each
   direction's shared-memory arena, per instance;
@@ -27,6 +30,53 @@ from trionserve.backends.python.environment import ExecutionEnvironment, resolve
 from trionserve.core.errors import InvalidArgument
 
 _MIB = 1 << 20
+
+# key -> (default, type, minimum): the settings --backend-config may also set.
+_NUMBERS = {
+    "shm-default-byte-size": (_MIB, int, 4096),
+    "shm-growth-byte-size": (_MIB, int, 4096),
+    "stub-timeout-seconds": (30.0, float, 1),
+    "initialize-timeout-seconds": (600.0, float, 1),
+    "execute-timeout-seconds": (0.0, float, 0),
+    "stub-max-restarts": (5, int, 0),
+}
+# Triton's Python backend settings that configure what this one does not have
+# (its message queue, shared-memory region names, its own thread pool).
+NO_EFFECT_KEYS = ("shm-message-queue-size", "shm-region-prefix-name", "thread-pool-size")
+
+# --backend-config=python,<key>=<value>, for every model of this server process.
+_backend_defaults: dict[str, str] = {}
+
+
+def _number(key: str, text: str, where: str):
+    _default, kind, minimum = _NUMBERS[key]
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise InvalidArgument(f"{where} must be a number >= {minimum}, got '{text}'")
+    return value
+
+
+def set_backend_defaults(settings: dict[str, str]) -> list[str]:
+    """Install ``--backend-config=python,...`` settings as every model's defaults.
+
+    Values are checked here (InvalidArgument naming the flag); returns the keys
+    that have no effect here, known (:data:`NO_EFFECT_KEYS`) or not, for the
+    caller to report. Replaces any earlier defaults.
+    """
+    defaults: dict[str, str] = {}
+    ignored: list[str] = []
+    for key, text in settings.items():
+        if key in _NUMBERS:
+            _number(key, text, f"--backend-config=python,{key}")
+            defaults[key] = text
+        else:
+            ignored.append(key)
+    _backend_defaults.clear()
+    _backend_defaults.update(defaults)
+    return ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,28 +103,20 @@ class StubSettings:
                 f"or 'no', got '{parameters['FORCE_CPU_ONLY_INPUT_TENSORS']}'"
             )
 
-        def number(key: str, default, kind, minimum):
+        def number(key: str):
             text = parameters.get(key)
-            if text is None or text == "":
-                return default
-            try:
-                value = kind(text)
-            except ValueError:
-                value = None
-            if value is None or value < minimum:
-                raise InvalidArgument(
-                    f"model '{name}': parameter '{key}' must be a number >= {minimum}, "
-                    f"got '{text}'"
-                )
-            return value
+            if text:
+                return _number(key, text, f"model '{name}': parameter '{key}'")
+            text = _backend_defaults.get(key)  # checked when it was set
+            return _NUMBERS[key][1](text) if text else _NUMBERS[key][0]
 
         return cls(
-            shm_default_byte_size=number("shm-default-byte-size", _MIB, int, 4096),
-            shm_growth_byte_size=number("shm-growth-byte-size", _MIB, int, 4096),
-            stub_timeout=number("stub-timeout-seconds", 30.0, float, 1),
-            initialize_timeout=number("initialize-timeout-seconds", 600.0, float, 1),
-            execute_timeout=number("execute-timeout-seconds", 0.0, float, 0),
-            max_restarts=number("stub-max-restarts", 5, int, 0),
+            shm_default_byte_size=number("shm-default-byte-size"),
+            shm_growth_byte_size=number("shm-growth-byte-size"),
+            stub_timeout=number("stub-timeout-seconds"),
+            initialize_timeout=number("initialize-timeout-seconds"),
+            execute_timeout=number("execute-timeout-seconds"),
+            max_restarts=number("stub-max-restarts"),
             execution_env=parameters.get("EXECUTION_ENV_PATH", ""),
         )
 

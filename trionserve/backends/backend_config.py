@@ -1,0 +1,72 @@
+"""``--backend-config=<backend>,<key>=<value>``: tritonserver's backend settings here.
+
+Triton hands each backend the settings named for it (and those given without a
+backend name) when the backend first loads. Here:
+
+- ``python``: ``shm-default-byte-size``, ``shm-growth-byte-size``,
+  ``stub-timeout-seconds`` (and trionserve's ``initialize-timeout-seconds``,
+  ``execute-timeout-seconds``, ``stub-max-restarts``) become the defaults of
+  every Python model; a model's own ``parameters`` override them. A bad value is
+  an error naming the flag.
+- Every other setting (onnxruntime's thread counts, tensorrt's plugins, the global
+  ``default-max-batch-size``, keys of backends this server does not have) is
+  accepted and reported in one log line each as having no effect, as a Triton
+  backend ignores keys it does not read.
+"""
+
+from __future__ import annotations
+
+import structlog
+
+from trionserve.backends.python import settings as python_settings
+from trionserve.core.errors import InvalidArgument
+
+log = structlog.get_logger(__name__)
+
+# backend name ("" for settings given without one) -> key -> value
+BackendConfig = dict[str, dict[str, str]]
+
+
+def parse_backend_config(values: list[str]) -> BackendConfig:
+    """Triton's format, ``<backend>,<key>=<value>`` or ``<key>=<value>``; a
+    repeated key keeps its last value. Raises ValueError quoting the bad one."""
+    config: BackendConfig = {}
+    for text in values:
+        comma = text.find(",")
+        equals = text.find("=", comma + 1)
+        if comma == 0:
+            raise ValueError(
+                "no backend specified: --backend-config format is "
+                f"<backend name>,<setting>=<value> or <setting>=<value>, got '{text}'"
+            )
+        backend = text[:comma] if comma > 0 else ""
+        key, value = text[comma + 1 : equals], text[equals + 1 :]
+        if equals < 0 or not key or not value:
+            raise ValueError(
+                "--backend-config format is <backend name>,<setting>=<value>, "
+                f"got '{text}'"
+            )
+        config.setdefault(backend, {})[key] = value
+    return config
+
+
+def apply_backend_config(config: BackendConfig) -> None:
+    """Install the settings this server honours (replacing earlier ones), and log
+    one line for each that has no effect. Raises InvalidArgument for a bad value."""
+    try:
+        ignored = python_settings.set_backend_defaults(config.get("python", {}))
+    except InvalidArgument:
+        python_settings.set_backend_defaults({})
+        raise
+    for key in ignored:
+        _no_effect("python", key, config["python"][key])
+    for backend, settings in config.items():
+        if backend == "python":
+            continue
+        for key, value in settings.items():
+            _no_effect(backend, key, value)
+
+
+def _no_effect(backend: str, key: str, value: str) -> None:
+    flag = f"--backend-config={backend + ',' if backend else ''}{key}={value}"
+    log.info(f"{flag} has no effect in trionserve", flag="--backend-config")
