@@ -57,6 +57,9 @@ Router = Callable[[bytes, str], DirectHandler | None]
 # larger bodies are written chunk by chunk from their buffers, without joining.
 _JOIN_LIMIT = 64 * 1024
 _CLOSE = (b"connection", b"close")
+# A request handled for longer than this gets a watcher on its socket, so that a
+# client hanging up cancels it (shorter ones finish before a watcher would help).
+SLOW_REQUEST_SECS = 0.05
 _JSON = (b"content-type", b"application/json")
 # accept() errors that mean "out of resources for now", as trio.serve_listeners has.
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
@@ -106,6 +109,8 @@ class H11Server:
         self.draining = False
         # Connections waiting for their next request: closed when draining starts.
         self._idle: set[_Connection] = set()
+        # Connections handling a request, and when it started.
+        self._handling: dict[_Connection, float] = {}
 
     async def serve(
         self,
@@ -126,6 +131,7 @@ class H11Server:
         async with trio.open_nursery() as nursery:
             lifespan = _Lifespan(self.app)
             await nursery.start(lifespan.run)
+            nursery.start_soon(self._watch_slow_requests, nursery)
             async with trio.open_nursery() as connections:
                 accepting = trio.CancelScope()
                 for listener in listeners:
@@ -140,6 +146,17 @@ class H11Server:
             with trio.move_on_after(graceful_timeout):
                 await lifespan.shutdown()
             nursery.cancel_scope.cancel()
+
+    async def _watch_slow_requests(self, nursery: trio.Nursery) -> None:
+        """Every ``SLOW_REQUEST_SECS``, give each request handled for longer a
+        watcher on its socket, so a client that hangs up cancels it. One timer per
+        server instead of one watcher per request keeps fast requests cheap."""
+        while True:
+            await trio.sleep(SLOW_REQUEST_SECS)
+            cutoff = trio.current_time() - SLOW_REQUEST_SECS
+            for connection, started in list(self._handling.items()):
+                if started <= cutoff and connection._watch is None:
+                    connection.watch_peer(nursery)
 
     def _drain(self) -> None:
         self.draining = True
@@ -176,7 +193,10 @@ class H11Server:
 class _Connection:
     """One client connection: owns its socket and its h11 state machine."""
 
-    __slots__ = ("server", "stream", "h11", "_idle_scope", "_addresses", "_request_method")
+    __slots__ = (
+        "server", "stream", "h11", "_idle_scope", "_addresses", "_request_method",
+        "_handling", "_watch",
+    )
 
     def __init__(self, server: H11Server, stream: trio.SocketStream) -> None:
         self.server = server
@@ -187,6 +207,9 @@ class _Connection:
         self._idle_scope: trio.CancelScope | None = None
         self._addresses: tuple | None = None
         self._request_method = b""
+        # The request being handled, and the watcher of a slow one's socket.
+        self._handling: trio.CancelScope | None = None
+        self._watch: tuple[trio.CancelScope, trio.Event] | None = None
 
     async def run(self) -> None:
         conn = self.h11
@@ -311,28 +334,50 @@ class _Connection:
         await self.respond(status, headers, chunks)
 
     async def _run_handler(self, handler, headers, body: bytes):
-        """The handler's answer; a client that hangs up meanwhile cancels it, so
-        its request leaves the queue (or its result is dropped), as DESIGN §3 says."""
-        answer = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_peer, nursery.cancel_scope)
-            answer = await handler(headers, body)
-            nursery.cancel_scope.cancel()
-        if answer is None:
+        """The handler's answer. A client that hangs up meanwhile cancels it, so
+        its request leaves the queue (or its result is dropped), as DESIGN §3
+        says: requests still running after ``SLOW_REQUEST_SECS`` get a watcher on
+        their socket (see :meth:`H11Server._watch_slow_requests`); fast ones pay
+        nothing for it."""
+        server = self.server
+        handling = self._handling = trio.CancelScope()
+        server._handling[self] = trio.current_time()
+        try:
+            with handling:
+                answer = await handler(headers, body)
+        finally:
+            del server._handling[self]
+            self._handling = None
+            watch, self._watch = self._watch, None
+            if watch is not None:
+                scope, done = watch
+                scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await done.wait()  # the socket is ours again
+        if handling.cancelled_caught:
             raise _PeerGone
         return answer
 
-    async def _watch_peer(self, handling: trio.CancelScope) -> None:
-        """Wait for the client's next bytes while its request is handled: end of
-        stream (or a reset) cancels the handling; pipelined bytes are kept for h11
-        and end the watch."""
+    def watch_peer(self, nursery: trio.Nursery) -> None:
+        """Start watching the socket while a slow request is handled."""
+        watch = (trio.CancelScope(), trio.Event())
+        self._watch = watch
+        nursery.start_soon(self._watch_peer, *watch)
+
+    async def _watch_peer(self, scope: trio.CancelScope, done: trio.Event) -> None:
+        """End of stream (or a reset) cancels the handling; pipelined bytes are
+        kept for h11 and end the watch."""
         try:
-            data = await self.stream.receive_some(self.server.options.receive_size)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            data = b""
-        self.h11.receive_data(data)
-        if not data:
-            handling.cancel()
+            with scope:
+                try:
+                    data = await self.stream.receive_some(self.server.options.receive_size)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    data = b""
+                self.h11.receive_data(data)
+                if not data and self._handling is not None:
+                    self._handling.cancel()
+        finally:
+            done.set()
 
     async def respond(
         self, status: int, headers: list[tuple[bytes, bytes]], chunks: Sequence[bytes | memoryview]
