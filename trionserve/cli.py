@@ -211,8 +211,8 @@ def _add_grpc_flags(add) -> None:
     add("--grpc-header-forward-pattern", type=_header_pattern, metavar="REGEX",
         help="forward request headers matching REGEX (case-insensitive; (?-i) "
              "prefix: case-sensitive) to the model as parameters")
-    add("--grpc-infer-allocation-pool-size", type=_non_negative_int, default=8,
-        metavar="N", help="accepted for compatibility; responses are built per call")
+    add("--grpc-infer-allocation-pool-size", type=_non_negative_int, metavar="N",
+        help="accepted, no effect: responses are built for each call")
     add("--grpc-infer-response-compression-level", default="none",
         choices=["none", "low", "med", "high"], type=_compression_level,
         help="gzip level for responses to clients that accept it (default none)")
@@ -345,7 +345,8 @@ def _grpc_options(parser, args) -> GrpcOptions:
         max_connection_age_ms=args.grpc_max_connection_age,
         max_connection_age_grace_ms=args.grpc_max_connection_age_grace,
         header_forward_pattern=args.grpc_header_forward_pattern,
-        infer_allocation_pool_size=args.grpc_infer_allocation_pool_size,
+        **({"infer_allocation_pool_size": args.grpc_infer_allocation_pool_size}
+           if args.grpc_infer_allocation_pool_size is not None else {}),
         infer_response_compression_level=args.grpc_infer_response_compression_level,
         keepalive_time_ms=args.grpc_keepalive_time,
         keepalive_timeout_ms=args.grpc_keepalive_timeout,
@@ -395,6 +396,11 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
     if grpc.transport == "h2" and args.grpc_max_connection_age is not None:
         args.compat_notes.append(
             "--grpc-max-connection-age has no effect with --grpc-transport=h2"
+        )
+    if args.grpc_infer_allocation_pool_size is not None:
+        args.compat_notes.append(
+            f"--grpc-infer-allocation-pool-size={args.grpc_infer_allocation_pool_size} has "
+            "no effect in trionserve: gRPC responses are built for each call"
         )
     if grpc.ssl is not None and args.grpc_transport is None:
         args.compat_notes.append("gRPC transport: grpcio, the one that serves TLS")
