@@ -150,6 +150,9 @@ def standard_workloads(identity_model: str = "identity_fp32") -> dict[str, Workl
         Workload("simple http binary", "http", "simple", "simple"),
         Workload("simple http json", "http", "simple", "simple", binary=False),
         Workload("simple grpc", "grpc", "simple", "simple"),
+        # The same model behind the dynamic batcher (each server's own batching).
+        Workload("simple batched http binary", "http", "simple", "simple_batched"),
+        Workload("simple batched grpc", "grpc", "simple", "simple_batched"),
         Workload("identity 4MB http", "http", "identity", identity_model, elements=1_000_000),
         Workload("identity 4MB grpc", "grpc", "identity", identity_model, elements=1_000_000),
     ]

@@ -324,8 +324,9 @@ def format_table(
 ) -> str:
     """One table: a row per point and server, ratios to the first server."""
     reference = targets[0].label
+    width = max([20, *(len(w.name) for w in workloads)])
     lines = [
-        f"{'workload':<20} {'c':>3}  {'server':<16} {'infer/s':>9} {'x ' + reference:>14} "
+        f"{'workload':<{width}} {'c':>3}  {'server':<16} {'infer/s':>9} {'x ' + reference:>14} "
         f"{'MB/s':>7} {'p50 ms':>7} {'p99 ms':>7} {'cpu ms/inf':>10} {'errors':>6}"
     ]
     lines.append("-" * len(lines[0]))
@@ -337,7 +338,7 @@ def format_table(
                 cell = cells.get((workload.name, concurrency, target.label))
                 if cell is None:
                     continue
-                head = f"{workload.name:<20} {concurrency:>3}  {target.label:<16}"
+                head = f"{workload.name:<{width}} {concurrency:>3}  {target.label:<16}"
                 if cell.skipped and not cell.requests:
                     lines.append(f"{head} {'-':>9}   ({cell.skipped})")
                     continue

@@ -9,8 +9,9 @@ Installs each peer into its own virtual environment under ``--venv-root``
 (default ``~/.cache/trionserve-benchmarks/peers``; reused by later runs), starts
 trionserve and every peer that installed on free loopback ports, all at once,
 and runs the same matrix against each in turn (benchmarks/matrix.py): `simple`
-over HTTP binary, HTTP JSON and gRPC at each concurrency, and the 4 MB identity
-over HTTP binary and gRPC. The table gives ratios to trionserve. A peer that
+over HTTP binary, HTTP JSON and gRPC at each concurrency, the same model behind
+each server's dynamic batcher (`simple batched`; KServe's ModelServer has none),
+and the 4 MB identity over HTTP binary and gRPC. The table gives ratios to trionserve. A peer that
 cannot be installed or started is reported and skipped.
 
 ``--python-backend`` adds trionserve serving the very Python-backend models
@@ -22,20 +23,35 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import tempfile
 from pathlib import Path
 
 from benchmarks.loadgen import standard_workloads
-from benchmarks.matrix import format_table, peak_rss_of, run_matrix, start_trionserve
-from benchmarks.peers.common import PeerUnavailable, default_venv_root
+from benchmarks.matrix import EXAMPLES, format_table, peak_rss_of, run_matrix, start_trionserve
+from benchmarks.peers.common import BATCHING, PeerUnavailable, default_venv_root
 from benchmarks.peers.kserve import KServe
 from benchmarks.peers.mlserver import MLServer
 from benchmarks.peers.triton import Triton, write_repository
 
 PEERS = {peer.name: peer for peer in (Triton, KServe, MLServer)}
 DEFAULT_WORKLOADS = (
-    "simple http binary,simple http json,simple grpc,identity 4MB http,identity 4MB grpc"
+    "simple http binary,simple http json,simple grpc,simple batched http binary,"
+    "simple batched grpc,identity 4MB http,identity 4MB grpc"
 )
+
+
+def trionserve_repository(root: Path) -> Path:
+    """The example repository plus ``simple_batched``: `simple` behind the same
+    dynamic batcher the peers get."""
+    repository = root / "trionserve"
+    shutil.copytree(EXAMPLES, repository)
+    batched = repository / "simple_batched"
+    shutil.copytree(EXAMPLES / "simple", batched)
+    config = (batched / "config.pbtxt").read_text()
+    config = config.replace('name: "simple"', 'name: "simple_batched"')
+    (batched / "config.pbtxt").write_text(config + BATCHING + "\n")
+    return repository
 
 
 def main() -> None:
@@ -90,7 +106,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trionserve-peers-") as tmp:
         try:
             flags = shlex.split(args.trionserve_flags)
-            server, target = start_trionserve("trionserve", args=flags)
+            server, target = start_trionserve(
+                "trionserve", repository=trionserve_repository(Path(tmp)), args=flags
+            )
             running.append((server, target))
             if args.python_backend:
                 repository = write_repository(Path(tmp) / "trionserve-py")

@@ -18,6 +18,10 @@ from benchmarks.matrix import ServerProcess, Target, free_port
 # [-1, 16], at most 8 per batch) and `identity_fp32` (FP32 [-1, -1] echoed).
 SIMPLE_SHAPE = 16
 MAX_BATCH = 8
+# The batched model's dynamic batcher (trionserve and Triton alike); MLServer's
+# adaptive batching gets the same size and delay.
+BATCHING = "dynamic_batching { max_queue_delay_microseconds: 500 }"
+BATCH_DELAY_SECONDS = 0.0005
 
 
 class PeerUnavailable(Exception):

@@ -67,5 +67,9 @@ class KServe(Peer):
         http_port, grpc_port, _ = ports()
         command = [str(self.python), str(script), str(http_port), str(grpc_port)]
         return self._launch(
-            command, http_port, grpc_port, "/v2/health/live", ready_timeout, cwd=workdir
+            command, http_port, grpc_port, "/v2/health/live", ready_timeout, cwd=workdir,
+            unsupported={
+                "simple batched http binary": "no server-side batching in kserve.ModelServer",
+                "simple batched grpc": "no server-side batching in kserve.ModelServer",
+            },
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.peers.common import Peer, Running, ports
+from benchmarks.peers.common import BATCH_DELAY_SECONDS, MAX_BATCH, Peer, Running, ports
 
 RUNTIME = '''
 from mlserver import MLModel
@@ -65,10 +65,20 @@ class MLServer(Peer):
             "metrics_port": metrics_port,
         }
         (root / "settings.json").write_text(json.dumps(settings))
-        for name, runtime in (("simple", "SimpleRuntime"), ("identity_fp32", "IdentityRuntime")):
+        models = {
+            "simple": {"implementation": "runtime.SimpleRuntime"},
+            # MLServer's adaptive batching: its dynamic batcher.
+            "simple_batched": {
+                "implementation": "runtime.SimpleRuntime",
+                "max_batch_size": MAX_BATCH,
+                "max_batch_time": BATCH_DELAY_SECONDS,
+            },
+            "identity_fp32": {"implementation": "runtime.IdentityRuntime"},
+        }
+        for name, settings in models.items():
             (root / name).mkdir()
             (root / name / "model-settings.json").write_text(
-                json.dumps({"name": name, "implementation": f"runtime.{runtime}"})
+                json.dumps({"name": name, **settings})
             )
         command = [str(self.venv / "bin" / "mlserver"), "start", str(root)]
         return self._launch(
@@ -80,6 +90,7 @@ class MLServer(Peer):
             cwd=root,
             unsupported={
                 "simple http binary": "no binary tensor extension",
+                "simple batched http binary": "no binary tensor extension",
                 "identity 4MB http": "no binary tensor extension",
             },
         )

@@ -1,7 +1,8 @@
 """NVIDIA Triton Inference Server: the ``tritonserver`` binary bundled in PyPI's
 ``nvidia-pytriton`` (Triton 2.5x, Python backend only, runs on CPU), serving
-Python-backend models: the example ``add_sub_python`` model.py as ``simple`` and
-an identity model.py as ``identity_fp32``."""
+Python-backend models: the example ``add_sub_python`` model.py as ``simple`` (and
+as ``simple_batched``, behind the dynamic batcher) and an identity model.py as
+``identity_fp32``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.matrix import EXAMPLES
-from benchmarks.peers.common import MAX_BATCH, Peer, PeerUnavailable, Running, ports
+from benchmarks.peers.common import BATCHING, MAX_BATCH, Peer, PeerUnavailable, Running, ports
 
 SIMPLE_CONFIG = f"""
 name: "simple"
@@ -57,6 +58,12 @@ def write_repository(root: Path) -> Path:
     (simple / "1").mkdir(parents=True)
     (simple / "config.pbtxt").write_text(SIMPLE_CONFIG)
     shutil.copy(EXAMPLES / "add_sub_python" / "1" / "model.py", simple / "1" / "model.py")
+    batched = repository / "simple_batched"
+    (batched / "1").mkdir(parents=True)
+    (batched / "config.pbtxt").write_text(
+        SIMPLE_CONFIG.replace('name: "simple"', 'name: "simple_batched"') + BATCHING + "\n"
+    )
+    shutil.copy(EXAMPLES / "add_sub_python" / "1" / "model.py", batched / "1" / "model.py")
     identity = repository / "identity_fp32"
     (identity / "1").mkdir(parents=True)
     (identity / "config.pbtxt").write_text(IDENTITY_CONFIG)
