@@ -19,6 +19,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
 import numpy as np
 import structlog
 import trio
@@ -36,6 +37,11 @@ log = structlog.get_logger(__name__)
 _MAX_WINDOW = 2**31 - 1
 _DEFAULT_WINDOW = 0xFFFF
 _CONTENT_TYPE = (b"content-type", b"application/grpc")
+_RESPONSE_HEADERS = [(b":status", b"200"), _CONTENT_TYPE, ACCEPT_ENCODING]
+_GZIP_RESPONSE_HEADERS = [*_RESPONSE_HEADERS, (b"grpc-encoding", b"gzip")]
+_OK_TRAILERS = status_headers(Status.OK, None)
+# What nearly every call sends: HPACK-encoded once per connection (_CachingEncoder).
+_CONSTANT_HEADERS = (_RESPONSE_HEADERS, _GZIP_RESPONSE_HEADERS, _OK_TRAILERS)
 _DRAIN_PING = b"drainGA\x00"
 _KEEPALIVE_PING = b"keepaliv"
 # Messages up to this size go out as one joined DATA payload; larger ones are
@@ -62,6 +68,35 @@ _DATA_FRAME = 0x0
 _END_STREAM = 0x1
 
 
+class _CachingEncoder(hpack.Encoder):
+    """h2's HPACK encoder, with the blocks of constant header lists encoded once.
+
+    Every successful call answers with the same response headers and the same
+    trailers; HPACK-encoding them per call cost more than the rest of sending
+    them. The cached blocks use only the static table and literals that are never
+    indexed, so they are valid whatever the dynamic table holds and leave it as
+    it is. A pending table size update goes out with h2's own encoding first.
+    """
+
+    def __init__(self, constant: Sequence[Sequence[tuple[bytes, bytes]]]) -> None:
+        super().__init__()
+        self._blocks = {tuple(headers): _state_free_block(headers) for headers in constant}
+
+    def encode(self, headers, huffman: bool = True) -> bytes:
+        if not self.header_table.resized:
+            block = self._blocks.get(tuple(headers))
+            if block is not None:
+                return block
+        return super().encode(headers, huffman)
+
+
+def _state_free_block(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    encoder = hpack.Encoder()
+    block = encoder.encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in headers])
+    assert not encoder.header_table.dynamic_entries  # only the static table is used
+    return block
+
+
 class _H2Connection(h2.connection.H2Connection):
     """h2's state machine, with large DATA payloads written from their own buffers.
 
@@ -75,6 +110,7 @@ class _H2Connection(h2.connection.H2Connection):
 
     def __init__(self, config: h2.config.H2Configuration) -> None:
         super().__init__(config)
+        self.encoder = _CachingEncoder(_CONSTANT_HEADERS)
         self._buffers: list = []
 
     def _prepare_for_sending(self, frames) -> None:
@@ -93,6 +129,9 @@ class _H2Connection(h2.connection.H2Connection):
                 self._buffers.append(frame.data)
             else:
                 super()._prepare_for_sending([frame])
+
+    def has_output(self) -> bool:
+        return bool(self._buffers or self._data_to_send)
 
     def buffers_to_send(self) -> list:
         """Everything to write, in order: bytes, and payload views."""
@@ -253,6 +292,10 @@ class GrpcCall:
                     await self._conn.send_data(self, [head, *chunks])
             except h2.exceptions.ProtocolError as exc:  # the stream or connection closed
                 raise trio.BrokenResourceError(str(exc)) from exc
+        if self.client_streaming:
+            self._conn.flush()
+        # A unary call's answer goes out with its trailers, written by the call's
+        # task as it ends (Connection._run_call): no wakeup of the writer.
 
     def _wake(self) -> None:
         self._wakeup.set()
@@ -262,9 +305,10 @@ class GrpcCall:
 class Connection:
     """One client connection: owns the h2 state machine and every call on it.
 
-    Its nursery holds the writer (the only task that writes to the socket), the
-    keepalive and drain watchers, and one task per call; the reader runs in the
-    nursery's body. Closing the connection cancels every call still running.
+    Its nursery holds the writer, the keepalive and drain watchers, and one task
+    per call; the reader runs in the nursery's body. One task at a time writes to
+    the socket: the writer, or a unary call's task writing its own answer when the
+    writer is idle. Closing the connection cancels every call still running.
     """
 
     def __init__(
@@ -294,6 +338,7 @@ class Connection:
         self.calls: dict[int, GrpcCall] = {}
         self.peer = _peer_name(stream)
         self._dirty = trio.Event()
+        self._writing = False  # a task is in _write_pending
         self._extra: list[bytes] = []  # raw frames to write after h2's own output
         self._closing = False
         self._last_stream_id = _MAX_WINDOW
@@ -408,21 +453,34 @@ class Connection:
         if stream_id > self._last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
-        fields = dict(event.headers)
-        if fields.get(b":method") != b"POST":
+        http_method = content_type = path = encoding = timeout = accept = None
+        for name, value in event.headers:
+            if name == b":path":
+                path = value
+            elif name == b":method":
+                http_method = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = value
+            elif name == b"grpc-encoding":
+                encoding = value
+            elif name == b"grpc-accept-encoding":
+                accept = value
+        if http_method != b"POST":
             self._respond_http(stream_id, b"405")
             return
-        if not fields.get(b"content-type", b"").startswith(b"application/grpc"):
+        if content_type is None or not content_type.startswith(b"application/grpc"):
             self._respond_http(stream_id, b"415")
             return
-        path = fields.get(b":path", b"")
+        path = path or b""
         method = self.methods.get(path)
         if method is None:
             self._trailers_only(
                 stream_id, Status.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}"
             )
             return
-        encoding = fields.get(b"grpc-encoding", b"identity")
+        encoding = encoding or b"identity"
         if encoding not in ENCODINGS:
             self._trailers_only(
                 stream_id,
@@ -432,7 +490,6 @@ class Connection:
             )
             return
         deadline = None
-        timeout = fields.get(b"grpc-timeout")
         if timeout is not None:
             try:
                 deadline = trio.current_time() + decode_timeout(timeout.decode("ascii"))
@@ -443,8 +500,10 @@ class Connection:
                     f"invalid grpc-timeout header {timeout.decode('latin-1')!r}",
                 )
                 return
-        compress = self.options.response_compression_level is not None and b"gzip" in fields.get(
-            b"grpc-accept-encoding", b""
+        compress = (
+            self.options.response_compression_level is not None
+            and accept is not None
+            and b"gzip" in accept
         )
         call = GrpcCall(
             self,
@@ -503,35 +562,43 @@ class Connection:
     # -- calls ---------------------------------------------------------------------
 
     async def _run_call(self, call: GrpcCall, handler) -> None:
-        status, message = Status.OK, None
         try:
-            with trio.CancelScope() as scope:
-                call._scope = scope
-                if call.deadline is not None:
-                    scope.deadline = call.deadline
-                try:
-                    await handler(call)
-                except GRPCError as error:
-                    status, message = error.status, error.message
-                except trio.BrokenResourceError:
-                    return  # the stream is gone: nobody to answer
-                except Exception as exc:
-                    log.exception("grpc handler failed", method=call.method)
-                    status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-            if call._reset:
-                return
-            if scope.cancelled_caught:
-                status, message = Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
-            self._finish(call, status, message)
+            outcome = await self._outcome(call, handler)
+            if outcome is not None:
+                self._finish(call, *outcome)
         finally:
             self.calls.pop(call._stream_id, None)
             if self.draining and not self.calls:
                 self._close()
+        await self._write_now()
+
+    async def _outcome(self, call: GrpcCall, handler) -> tuple[Status, str | None] | None:
+        """Run the handler under the call's deadline: the status to end the call
+        with, or None when there is nobody left to answer."""
+        status, message = Status.OK, None
+        with trio.CancelScope() as scope:
+            call._scope = scope
+            if call.deadline is not None:
+                scope.deadline = call.deadline
+            try:
+                await handler(call)
+            except GRPCError as error:
+                status, message = error.status, error.message
+            except trio.BrokenResourceError:
+                return None  # the stream is gone: nobody to answer
+            except Exception as exc:
+                log.exception("grpc handler failed", method=call.method)
+                status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        if call._reset:
+            return None
+        if scope.cancelled_caught:
+            status, message = Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        return status, message
 
     def _finish(self, call: GrpcCall, status: Status, message: str | None) -> None:
         stream_id = call._stream_id
         if call._headers_sent:
-            headers = status_headers(status, message)
+            headers = _OK_TRAILERS if status is Status.OK else status_headers(status, message)
         else:  # "trailers only": one HEADERS frame carries the status
             headers = [(b":status", b"200"), _CONTENT_TYPE, *status_headers(status, message)]
         try:
@@ -541,12 +608,9 @@ class Connection:
                 self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
         except h2.exceptions.ProtocolError:  # the stream or connection closed meanwhile
             pass
-        self.flush()
 
     def send_response_headers(self, call: GrpcCall) -> None:
-        headers = [(b":status", b"200"), _CONTENT_TYPE, ACCEPT_ENCODING]
-        if call._compress:
-            headers.append((b"grpc-encoding", b"gzip"))
+        headers = _GZIP_RESPONSE_HEADERS if call._compress else _RESPONSE_HEADERS
         self.h2.send_headers(call._stream_id, headers)
         call._headers_sent = True
 
@@ -571,7 +635,6 @@ class Connection:
                     break
                 h2conn.send_data(stream_id, view[:size])
                 view = view[size:]
-        self.flush()
 
     def _trailers_only(self, stream_id: int, status: Status, message: str | None) -> None:
         headers = [(b":status", b"200"), _CONTENT_TYPE, *status_headers(status, message)]
@@ -597,27 +660,54 @@ class Connection:
     # -- writing -----------------------------------------------------------------
 
     def flush(self) -> None:
-        """Ask the writer to send whatever h2 has queued."""
-        self._dirty.set()
+        """Ask the writer to send whatever h2 has queued, if anything."""
+        if self.h2.has_output() or self._extra:
+            self._dirty.set()
 
     async def _writer(self) -> None:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            buffers = self.h2.buffers_to_send()
-            if self._extra:
-                buffers.extend(self._extra)
-                self._extra.clear()
-            try:
-                for data in _coalesce(buffers):
-                    await self.stream.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self._cancel()
-                return
-            if self._closing and not self._dirty.is_set():
+            if not self._writing:  # else the task writing now writes this too
+                try:
+                    await self._write_pending()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    self._cancel()
+                    return
+            if self._closing and not self._writing:
                 # Everything up to the final GOAWAY is written.
                 self._cancel()
                 return
+
+    async def _write_now(self) -> None:
+        """Write what h2 has queued from the calling task, unless another task is
+        writing (it writes this too, before it stops): a call's answer goes out
+        without a wakeup of the writer."""
+        if self._writing:
+            return
+        try:
+            await self._write_pending()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._cancel()
+            return
+        if self._closing:
+            self._dirty.set()  # the writer ends the connection
+
+    async def _write_pending(self) -> None:
+        """Write everything queued, until nothing is left."""
+        self._writing = True
+        try:
+            while True:
+                buffers = self.h2.buffers_to_send()
+                if self._extra:
+                    buffers.extend(self._extra)
+                    self._extra.clear()
+                if not buffers:
+                    return
+                for data in _coalesce(buffers):
+                    await self.stream.send_all(data)
+        finally:
+            self._writing = False
 
     def _cancel(self) -> None:
         if self._nursery is not None:
