@@ -61,6 +61,9 @@ _CLOSE = (b"connection", b"close")
 # client hanging up cancels it (shorter ones finish before a watcher would help).
 SLOW_REQUEST_SECS = 0.05
 _JSON = (b"content-type", b"application/json")
+# Response heads kept for reuse (H11Server.response_head); the cache starts over
+# when full.
+_HEAD_CACHE_SIZE = 256
 # accept() errors that mean "out of resources for now", as trio.serve_listeners has.
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
@@ -111,6 +114,7 @@ class H11Server:
         self._idle: set[_Connection] = set()
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
+        self._heads: dict[tuple, h11.Response] = {}
 
     async def serve(
         self,
@@ -157,6 +161,19 @@ class H11Server:
             for connection, started in list(self._handling.items()):
                 if started <= cutoff and connection._watch is None:
                     connection.watch_peer(nursery)
+
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
+        """The h11 Response event of this status and these headers. h11 validates
+        every header of a new event, and most answers repeat an earlier one's head
+        (one model's answers have the same types and lengths): events are
+        immutable, so they are built once and reused."""
+        key = (status, *headers)
+        head = self._heads.get(key)
+        if head is None:
+            if len(self._heads) >= _HEAD_CACHE_SIZE:
+                self._heads.clear()
+            head = self._heads[key] = h11.Response(status_code=status, headers=headers)
+        return head
 
     def _drain(self) -> None:
         self.draining = True
@@ -386,7 +403,7 @@ class _Connection:
         conn = self.h11
         if self.server.draining:
             headers.append(_CLOSE)
-        out = [conn.send(h11.Response(status_code=status, headers=headers))]
+        out = [conn.send(self.server.response_head(status, headers))]
         if self._request_method != b"HEAD":
             size = 0
             for chunk in chunks:
