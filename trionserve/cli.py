@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
              "once the server started, whatever the models' state")
     add("--model-config-name", type=_config_name, metavar="NAME",
         help="read <model>/configs/NAME.pbtxt where it exists, else config.pbtxt")
+    add("--backend-directory", type=Path, default=None, metavar="DIR",
+        help="where Python-based backends live: DIR/<backend>/model.py serves every "
+             "model with backend: \"<backend>\" (default /opt/tritonserver/backends)")
     add("--backend-config", action="append", default=[], metavar="BACKEND,SETTING=VALUE",
         help="python,shm-default-byte-size=N, shm-growth-byte-size=N, "
              "stub-timeout-seconds=N, ...: defaults of every Python model (its own "
@@ -415,6 +418,7 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         strict_readiness=args.strict_readiness,
         model_config_name=args.model_config_name,
         backend_config=backend_config,
+        backend_directory=args.backend_directory,
         allow_http=args.allow_http,
         http_address=args.http_address,
         http_port=args.http_port,

@@ -28,7 +28,6 @@ _NO_EFFECT = {
     "--buffer-manager-thread-count": "tensor copies run in the request's own task",
     "--host-policy": "there are no host policies (NUMA placement, CPU pinning)",
     "--model-load-gpu-limit": "GPU memory is not checked before a load",
-    "--backend-directory": "backends are Python modules, not shared libraries",
     "--repoagent-directory": "repository agents are not supported",
     "--cache-directory": "the response cache is built in (--cache-config local,...)",
     "--model-load-retry-count": "a model that fails to load is not retried",

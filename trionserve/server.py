@@ -26,6 +26,7 @@ from trionserve import __version__
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig, apply_backend_config
+from trionserve.backends.registry import set_backend_directories
 from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
@@ -56,6 +57,8 @@ class ServerOptions:
     model_config_name: str | None = None  # configs/<name>.pbtxt where it exists
     # --backend-config: backend ("" for all) -> setting -> value
     backend_config: BackendConfig = field(default_factory=dict)
+    # --backend-directory: where Python-based backends are looked for
+    backend_directory: Path | None = None
     allow_http: bool = True
     http_address: str = "0.0.0.0"
     http_port: int = 8000
@@ -109,6 +112,8 @@ class Server:
         )
         # Process-wide, as Triton's backends read it once: set before any load.
         apply_backend_config(options.backend_config)
+        if options.backend_directory is not None:
+            set_backend_directories([options.backend_directory])
         self.registry = ModelRegistry(
             self.repository,
             autocomplete=options.autocomplete,

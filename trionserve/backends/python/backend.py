@@ -49,7 +49,14 @@ def _model_config_json(config) -> str:
 
 
 class PythonBackend:
+    """``backend: "python"``: each model version's own model.py. With
+    ``model_file``, a Python-based backend: every model naming that backend runs
+    the one ``<backend directory>/<name>/model.py`` (Triton's layout)."""
+
     name = "python"
+
+    def __init__(self, model_file: Path | None = None) -> None:
+        self.model_file = model_file
 
     def default_model_filename(self) -> str:
         return MODEL_FILENAME
@@ -57,6 +64,9 @@ class PythonBackend:
     def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
         """Let the model's ``auto_complete_config`` complete ``config`` in place."""
         from trionserve.repository.config import model_config_from_json
+
+        if self.model_file is not None:
+            model_path = self.model_file
 
         if not may_auto_complete(model_path):
             StubSettings.from_config(config)  # its parameters are still checked
@@ -87,6 +97,10 @@ class PythonBackend:
         config.CopyFrom(completed)
 
     def load(self, context: ModelContext) -> "PythonModel":
+        if self.model_file is not None:
+            return PythonModel(
+                context, self.model_file, settings_for(context.config, context.model_dir)
+            )
         filename = context.config.default_model_filename or MODEL_FILENAME
         path = context.version_dir / filename
         if not path.is_file():
