@@ -116,6 +116,12 @@ class _H2Connection(h2.connection.H2Connection):
     def _prepare_for_sending(self, frames) -> None:
         for frame in frames:
             if type(frame) is hyperframe_frame.DataFrame and type(frame.data) is np.ndarray:
+                break
+        else:  # no payload views: h2's own serialization
+            super()._prepare_for_sending(frames)
+            return
+        for frame in frames:
+            if type(frame) is hyperframe_frame.DataFrame and type(frame.data) is np.ndarray:
                 pending = self.data_to_send()
                 if pending:
                     self._buffers.append(pending)
@@ -181,8 +187,9 @@ class GrpcCall:
     ``receive`` returns the next request message (None once the client finished
     sending, or, for client-streaming methods, once the server drains); ``send``
     writes one response message, waiting for HTTP/2 flow control, and raises
-    ``trio.BrokenResourceError`` once the stream is gone. The handler ends the call
-    by returning (OK) or raising :class:`GRPCError`.
+    ``trio.BrokenResourceError`` once the stream is gone. A unary call's messages
+    are sent by one task; a client-streaming call's may come from several at once.
+    The handler ends the call by returning (OK) or raising :class:`GRPCError`.
     """
 
     __slots__ = (
@@ -238,7 +245,9 @@ class GrpcCall:
         self._error: GRPCError | None = None
         self._wakeup = trio.Event()
         self._window = trio.Event()
-        self._send_lock = trio.Lock()
+        # Streaming calls' responses come from several tasks at once; a unary
+        # call has one sender (its handler) and needs no lock.
+        self._send_lock = trio.Lock() if client_streaming else None
         self._headers_sent = False
         self._scope: trio.CancelScope | None = None
 
@@ -280,22 +289,27 @@ class GrpcCall:
             chunks = [grpc_framing.compress(b"".join(chunks), level)]
         size = sum(len(c) for c in chunks)
         head = grpc_framing.prefix(size, compressed)
+        if self._send_lock is None:
+            await self._send_message(head, chunks, size)
+            # The answer goes out with the trailers, written by the call's task as
+            # it ends (Connection._run_call): no wakeup of the writer.
+            return
         async with self._send_lock:
-            if self._reset:
-                raise trio.BrokenResourceError("the client reset the stream")
-            try:
-                if not self._headers_sent:
-                    self._conn.send_response_headers(self)
-                if size + 5 <= _JOIN_LIMIT:
-                    await self._conn.send_data(self, [b"".join([head, *chunks])])
-                else:
-                    await self._conn.send_data(self, [head, *chunks])
-            except h2.exceptions.ProtocolError as exc:  # the stream or connection closed
-                raise trio.BrokenResourceError(str(exc)) from exc
-        if self.client_streaming:
-            self._conn.flush()
-        # A unary call's answer goes out with its trailers, written by the call's
-        # task as it ends (Connection._run_call): no wakeup of the writer.
+            await self._send_message(head, chunks, size)
+        self._conn.flush()
+
+    async def _send_message(self, head: bytes, chunks: Sequence, size: int) -> None:
+        if self._reset:
+            raise trio.BrokenResourceError("the client reset the stream")
+        try:
+            if not self._headers_sent:
+                self._conn.send_response_headers(self)
+            if size + 5 <= _JOIN_LIMIT:
+                await self._conn.send_data(self, [b"".join([head, *chunks])])
+            else:
+                await self._conn.send_data(self, [head, *chunks])
+        except h2.exceptions.ProtocolError as exc:  # the stream or connection closed
+            raise trio.BrokenResourceError(str(exc)) from exc
 
     def _wake(self) -> None:
         self._wakeup.set()
