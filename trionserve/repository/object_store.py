@@ -19,8 +19,9 @@ Locations, spelled as Triton spells them:
   credentials at all, requests go unsigned (public buckets).
 - ``gs://bucket/prefix``: google-cloud-storage's default credentials
   (``GOOGLE_APPLICATION_CREDENTIALS``, workload identity), else anonymous.
-- ``as://account/container/prefix``: ``AZURE_STORAGE_KEY`` for the account (or
-  ``AZURE_STORAGE_CONNECTION_STRING``), else anonymous.
+- ``as://account/container/prefix``: ``AZURE_STORAGE_KEY`` for the account, or
+  ``AZURE_STORAGE_CONNECTION_STRING`` for it (which also names the endpoint, as
+  for Azurite), else anonymous.
 
 Every method does blocking network and file I/O: run it in a worker thread.
 """
@@ -199,17 +200,31 @@ class AzureStore:
 
     def __init__(self, location: RemoteLocation) -> None:
         try:
-            from azure.storage.blob import BlobServiceClient
+            from azure.storage.blob import BlobServiceClient, ExponentialRetry
         except ImportError:
             raise _missing("azure-storage-blob", "azure", "as") from None
         self.location = location
+        # The SDK's default backoff (15 s, then powers of 3) spends about 80 s
+        # before reporting an unreachable endpoint, at start-up and at each poll;
+        # this one still retries three times, within about 15 s.
+        retry = ExponentialRetry(initial_backoff=0, increment_base=2, retry_total=3,
+                                 random_jitter_range=1)
         connection = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
         if connection:
-            service = BlobServiceClient.from_connection_string(connection)
+            # The string also names the endpoint (Azurite, sovereign clouds, custom domains).
+            service = BlobServiceClient.from_connection_string(connection, retry_policy=retry)
+            account = getattr(service.credential, "account_name", None)
+            if account and account != location.account:
+                raise InvalidArgument(
+                    f"model repository '{location.url}' names storage account "
+                    f"'{location.account}', but AZURE_STORAGE_CONNECTION_STRING is for "
+                    f"account '{account}'"
+                )
         else:
             service = BlobServiceClient(
                 f"https://{location.account}.blob.core.windows.net",
                 credential=os.environ.get("AZURE_STORAGE_KEY") or None,
+                retry_policy=retry,
             )
         self.container = service.get_container_client(location.bucket)
 
@@ -217,12 +232,24 @@ class AzureStore:
         base = self.location.prefix
         return [
             ObjectInfo(blob.name[len(base):], blob.etag or "", blob.size or 0)
-            for blob in self.container.list_blobs(name_starts_with=base + prefix)
+            for blob in self.container.list_blobs(name_starts_with=base + prefix,
+                                                  include=["metadata"])
+            if not _is_directory(blob)
         ]
 
     def download(self, key: str, destination: Path) -> None:
         with open(destination, "wb") as out:
             self.container.download_blob(self.location.prefix + key).readinto(out)
+
+
+def _is_directory(blob) -> bool:
+    """Whether a listed blob is a directory of an account with a hierarchical namespace.
+
+    Data Lake Gen2 accounts list each directory as an empty blob named like the
+    directory (no trailing slash) with ``hdi_isfolder=true`` metadata; written as a
+    file, it would stand where the directory's files must go.
+    """
+    return not blob.size and (blob.metadata or {}).get("hdi_isfolder", "").lower() == "true"
 
 
 def open_store(location: RemoteLocation) -> ObjectStore:
@@ -302,7 +329,7 @@ class ObjectStoreMirror:
         with self._lock:
             try:
                 listing = self.store.list(scope)
-            except Unavailable:
+            except (Unavailable, InvalidArgument):
                 raise
             except Exception as exc:
                 raise Unavailable(
@@ -420,6 +447,11 @@ def _reason(exc: Exception) -> str:
     if isinstance(response, dict) and "Error" in response:
         error = response["Error"]
         return f"{error.get('Code', '')}: {error.get('Message', '')}".strip(": ")
+    code = getattr(exc, "error_code", None)  # azure-core's HttpResponseError
+    if code is not None:
+        # Its text goes on with a request id, a time and the XML body: keep the first line.
+        message = (getattr(exc, "message", None) or str(exc)).split("\n", 1)[0]
+        return f"{getattr(code, 'value', code)}: {message}"
     return str(exc) or type(exc).__name__
 
 
