@@ -43,6 +43,13 @@ def test_decode_raw_handle_as_tritonclient_sends_it():
     assert decode_raw_handle({"b64": HANDLE_B64}) == HANDLE
 
 
+def test_decode_raw_handle_in_lines_as_the_cpp_client_sends_it():
+    # tritonclient's C++ client (perf_analyzer) breaks base64 into 72-column lines.
+    lines = "\n".join(HANDLE_B64[i:i + 72] for i in range(0, len(HANDLE_B64), 72)) + "\n"
+    assert "\n" in lines.strip()
+    assert decode_raw_handle({"b64": lines}) == HANDLE
+
+
 @pytest.mark.parametrize(
     "value,fragment",
     [

@@ -670,11 +670,8 @@ def test_shared_memory_input_and_output(shm_region):
     chunks, json_length = encode_infer_response(response, request, manager)
     assert json_length is None  # no binary chunks: the output went to shared memory
     doc = json.loads(b"".join(chunks))
-    assert doc["outputs"][0]["parameters"] == {
-        "shared_memory_region": "region",
-        "shared_memory_byte_size": 64,
-        "shared_memory_offset": 128,
-    }
+    # As Triton: no data and no parameters (clients would read binary_data_size).
+    assert doc["outputs"][0] == {"name": "OUT0", "datatype": "INT32", "shape": [1, 16]}
     written = shm.get_contents_as_numpy(handle, np.int32, [1, 16], offset=128)
     np.testing.assert_array_equal(written, data * 3)
 

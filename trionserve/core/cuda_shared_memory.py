@@ -61,7 +61,9 @@ def decode_raw_handle(value) -> bytes:
             '{"b64": "<base64 string>"}'
         )
     try:
-        raw = base64.b64decode(value["b64"], validate=True)
+        # tritonclient's C++ client (and perf_analyzer) breaks its base64 into
+        # lines, as Triton's decoder allows.
+        raw = base64.b64decode("".join(value["b64"].split()), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidArgument(
             "'raw_handle.b64' in the CUDA shared memory register request is not valid base64"

@@ -626,7 +626,7 @@ def encode_infer_response(
     when any output is binary (for ``Inference-Header-Content-Length``), else None.
 
     Outputs requested into a shared memory region are written there and described
-    by their region parameters instead of data."""
+    by name, datatype and shape only, as Triton does."""
     default_binary = request.parameters.get("binary_data_output") is True
     per_output: dict[str, bool] = {}
     in_shm: dict[str, dict] = {}
@@ -653,15 +653,10 @@ def encode_infer_response(
         if shm_params is not None and shared_memory is not None:
             what = f"output '{tensor.name}'"
             region, at, nbytes = shared_memory_window(shm_params, what)
-            written = shared_memory.write(
-                region, at, nbytes, _binary_output(wire, tensor.data), what
-            )
-            entry["parameters"] = {
-                "shared_memory_region": region,
-                "shared_memory_byte_size": written,
-            }
-            if at:
-                entry["parameters"]["shared_memory_offset"] = at
+            shared_memory.write(region, at, nbytes, _binary_output(wire, tensor.data), what)
+            # As Triton: name, datatype and shape only. Clients read an output's
+            # "parameters" as the binary tensor extension's (tritonclient's C++
+            # client, hence perf_analyzer, requires binary_data_size there).
         elif binary:
             any_binary = True
             chunk = _binary_output(wire, tensor.data)
