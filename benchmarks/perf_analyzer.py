@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from benchmarks.matrix import start_trionserve
 
@@ -55,7 +56,9 @@ CASES: dict[str, tuple[str, str, list[str], bool]] = {
         True,
     ),
     "grpc sequence": ("grpc", "accumulate", ["--sequence-length", "4"], False),
-    "grpc bytes": ("grpc", "identity_bytes", ["--string-length", "32"], False),
+    "grpc bytes": (
+        "grpc", "identity_bytes", ["--string-length", "32", "--shape", "INPUT0:8"], False
+    ),
 }
 _POINT = re.compile(
     r"Concurrency: (\d+), throughput: ([\d.]+) infer/sec, latency (\d+) usec"
@@ -82,18 +85,21 @@ def has_gpu() -> bool:
 
 
 def run_case(binary: str, case: str, http_url: str, grpc_url: str, concurrency: str,
-             interval_ms: int, timeout: float) -> Outcome:
+             interval_ms: int, timeout: float, extra_args: list[str],
+             log_dir: Path | None) -> Outcome:
     protocol, model, extra, _ = CASES[case]
     command = [
         binary, "-m", model, "-i", protocol, "-u", http_url if protocol == "http" else grpc_url,
         "--concurrency-range", concurrency, "--measurement-interval", str(interval_ms),
-        "--percentile", "99", *extra,
+        "--percentile", "99", *extra, *extra_args,
     ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return Outcome(case, None, [], [], f"timed out after {timeout:g} s")
     output = done.stdout + done.stderr
+    if log_dir is not None:
+        (log_dir / (case.replace(" ", "_") + ".log")).write_text(" ".join(command) + "\n" + output)
     points = [(int(c), float(t), int(lat)) for c, t, lat in _POINT.findall(output)]
     p99 = [int(v) for v in _P99.findall(output)]
     error = ""
@@ -114,6 +120,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated")
     parser.add_argument("--flags", default="", help="extra trionserve flags")
+    parser.add_argument("--pa-args", default="", help="extra perf_analyzer arguments")
+    parser.add_argument("--log-dir", type=Path, help="keep each case's full output here")
     args = parser.parse_args()
     if not args.perf_analyzer:
         raise SystemExit("no perf_analyzer on PATH: pip install perf-analyzer, or pass "
@@ -132,7 +140,8 @@ def main() -> None:
                 outcomes.append(Outcome(case, None, [], [], "skipped: no GPU / cupy here"))
                 continue
             outcome = run_case(args.perf_analyzer, case, target.http_url, target.grpc_url,
-                               args.concurrency, args.interval_ms, args.timeout)
+                               args.concurrency, args.interval_ms, args.timeout,
+                               shlex.split(args.pa_args), args.log_dir)
             print(f"{case:<18} exit {outcome.returncode} {outcome.points} {outcome.error}",
                   flush=True)
             outcomes.append(outcome)
