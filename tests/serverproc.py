@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import signal
@@ -106,3 +107,40 @@ class ServerProcess:
         self.kill()
         self.log.close()
         os.unlink(self.log.name)
+
+
+@contextlib.contextmanager
+def serving(*repositories: Path, args: list[str] | None = None):
+    """A started server for a ``with`` block; it must then stop cleanly (exit 0)."""
+    proc = ServerProcess(*repositories, args=args)
+    try:
+        proc.wait_ready()
+        yield proc
+        code = proc.stop()
+        assert code == 0, f"trionserve exited with {code}:\n{proc.output()}"
+    finally:
+        proc.close()
+
+
+@contextlib.contextmanager
+def http_client(proc: ServerProcess):
+    """tritonclient's HTTP client for ``proc``, closed at the end of the block."""
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(proc.http_url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def scrape_metrics(proc: ServerProcess) -> dict:
+    """The server's /metrics, parsed: family name -> prometheus_client family."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}

@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from google.protobuf import text_format
 from onnx import TensorProto, helper
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import EXAMPLES, ServerProcess, scrape_metrics, serving
 from trionserve.backends import tensorrt as trt_backend
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
@@ -411,27 +411,6 @@ def test_pytorch_kind_gpu(tmp_path, serve):
         np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), want1.numpy(), rtol=1e-5)
 
 
-def scrape(proc: ServerProcess) -> dict:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {family.name: family for family in text_string_to_metric_families(text)}
-
-
-def metrics_server(*args: str) -> ServerProcess:
-    proc = ServerProcess(args=["--metrics-interval-ms=100", *args])
-    try:
-        proc.wait_ready()
-    except BaseException:
-        proc.close()
-        raise
-    return proc
-
-
 @needs_gpu
 @pytest.mark.skipif(not has("pynvml"), reason="NVML (nvidia-ml-py) is not installed")
 def test_gpu_metrics_report_every_gpu():
@@ -447,12 +426,8 @@ def test_gpu_metrics_report_every_gpu():
             expected[uuid] = pynvml.nvmlDeviceGetMemoryInfo(handle).total
     finally:
         pynvml.nvmlShutdown()
-    proc = metrics_server()
-    try:
-        families = scrape(proc)
-    finally:
-        assert proc.stop() == 0, proc.output()
-        proc.close()
+    with serving(EXAMPLES, args=["--metrics-interval-ms=100"]) as proc:
+        families = scrape_metrics(proc)
     totals = {s.labels["gpu_uuid"]: s.value for s in families["nv_gpu_memory_total_bytes"].samples}
     assert totals == expected
     for name in ("nv_gpu_memory_used_bytes", "nv_gpu_utilization"):
@@ -465,11 +440,7 @@ def test_gpu_metrics_report_every_gpu():
 
 
 def test_gpu_metrics_can_be_turned_off():
-    proc = metrics_server("--allow-gpu-metrics=false")
-    try:
-        families = scrape(proc)
-    finally:
-        assert proc.stop() == 0, proc.output()
-        proc.close()
+    with serving(EXAMPLES, args=["--allow-gpu-metrics=false"]) as proc:
+        families = scrape_metrics(proc)
     assert "nv_cpu_utilization" in families or "nv_inference_count" in families
     assert not [name for name in families if name.startswith("nv_gpu_")]

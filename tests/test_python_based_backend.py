@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import http_client, serving
 
 BACKEND = '''
 import json
@@ -52,18 +52,9 @@ def client(tmp_path_factory):
         )
     (repository / "unknown" / "1").mkdir(parents=True)
     (repository / "unknown" / "config.pbtxt").write_text('backend: "nowhere"\n')
-    proc = ServerProcess(
-        repository,
-        args=[f"--backend-directory={root / 'backends'}", "--exit-on-error=false"],
-    )
-    try:
-        proc.wait_ready()
-        client = httpclient.InferenceServerClient(proc.http_url)
+    args = [f"--backend-directory={root / 'backends'}", "--exit-on-error=false"]
+    with serving(repository, args=args) as proc, http_client(proc) as client:
         yield client
-        client.close()
-        assert proc.stop() == 0, proc.output()
-    finally:
-        proc.close()
 
 
 @pytest.mark.parametrize(("model", "scale"), [("double", 2.0), ("triple", 3.0)])

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import textwrap
-import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import scrape_metrics, serving
 from trionserve.observability.custom_metrics import (
     COUNTER,
     FAMILY_GONE,
@@ -129,22 +127,9 @@ def server(tmp_path_factory):
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(CONFIG)
     (model / "1" / "model.py").write_text(textwrap.dedent(MODEL))
-    proc = ServerProcess(
-        repository, args=["--model-control-mode=explicit", "--load-model=metrics_model"]
-    )
-    try:
-        proc.wait_ready()
+    args = ["--model-control-mode=explicit", "--load-model=metrics_model"]
+    with serving(repository, args=args) as proc:
         yield proc
-        assert proc.stop() == 0, proc.output()
-    finally:
-        proc.close()
-
-
-def scrape(server) -> dict[str, list]:
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {family.name: family for family in text_string_to_metric_families(text)}
 
 
 def infer(client, value: float) -> tuple[dict, float]:
@@ -162,7 +147,7 @@ def test_counter_gauge_and_histogram_reach_the_metrics_endpoint(server):
     finally:
         client.close()
     assert count == 3.0
-    families = scrape(server)
+    families = scrape_metrics(server)
     labels = {"model": "metrics_model"}
 
     (requests,) = families["custom_requests"].samples
@@ -211,16 +196,16 @@ def test_unloading_the_model_removes_its_families(server):
     client = httpclient.InferenceServerClient(server.http_url)
     try:
         infer(client, 2.0)
-        assert "custom_requests" in scrape(server)
+        assert "custom_requests" in scrape_metrics(server)
         client.unload_model("metrics_model")
-        assert "custom_requests" not in scrape(server)
+        assert "custom_requests" not in scrape_metrics(server)
         client.load_model("metrics_model")
         _, count = infer(client, 2.0)
     finally:
         client.close()
     # A new stub starts its metrics afresh.
     assert count == 1.0
-    (requests,) = scrape(server)["custom_requests"].samples
+    (requests,) = scrape_metrics(server)["custom_requests"].samples
     assert requests.value == 1.0
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import http_client, serving
 
 MODEL = '''
 import json
@@ -81,15 +81,8 @@ def repository(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(repository):
-    proc = ServerProcess(repository, args=["--exit-on-error=false"])
-    try:
-        proc.wait_ready()
-        client = httpclient.InferenceServerClient(proc.http_url)
+    with serving(repository, args=["--exit-on-error=false"]) as proc, http_client(proc) as client:
         yield client
-        client.close()
-        assert proc.stop() == 0, proc.output()
-    finally:
-        proc.close()
 
 
 def report(client, model: str) -> dict:

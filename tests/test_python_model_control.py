@@ -12,7 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import http_client, serving
 
 TARGET = '''
 import numpy as np
@@ -104,16 +104,6 @@ def make_repository(root):
     return root
 
 
-def start(repository, *args):
-    proc = ServerProcess(repository, args=list(args))
-    try:
-        proc.wait_ready()
-    except BaseException:
-        proc.close()
-        raise
-    return proc
-
-
 def report(client, action: str) -> dict:
     inputs = [httpclient.InferInput("ACTION", [1], "BYTES")]
     inputs[0].set_data_from_numpy(np.array([action.encode()], dtype=np.object_))
@@ -129,14 +119,9 @@ def double(client, value: int) -> int:
 @pytest.fixture(scope="module")
 def explicit(tmp_path_factory):
     repository = make_repository(tmp_path_factory.mktemp("loader_explicit"))
-    proc = start(repository, "--model-control-mode=explicit", "--load-model=loader")
-    client = httpclient.InferenceServerClient(proc.http_url)
-    try:
+    args = ["--model-control-mode=explicit", "--load-model=loader"]
+    with serving(repository, args=args) as proc, http_client(proc) as client:
         yield client
-        client.close()
-        assert proc.stop() == 0, proc.output()
-    finally:
-        proc.close()
 
 
 def test_a_model_loads_another_in_initialize(explicit):
@@ -164,14 +149,9 @@ def test_a_model_cannot_unload_itself_and_versions_are_checked(explicit):
 
 
 def test_loading_needs_explicit_mode(tmp_path):
-    proc = start(make_repository(tmp_path), "--model-control-mode=none")
-    client = httpclient.InferenceServerClient(proc.http_url)
-    try:
+    args = ["--model-control-mode=none"]
+    with serving(make_repository(tmp_path), args=args) as proc, http_client(proc) as client:
         startup = report(client, "none")
         assert "explicit" in startup["startup"].lower()
         assert startup["ready"] is False
         assert not client.is_model_ready("target")
-    finally:
-        client.close()
-        assert proc.stop() == 0, proc.output()
-        proc.close()

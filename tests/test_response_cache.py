@@ -5,16 +5,14 @@ statistics and metrics; the cache itself, on its own."""
 from __future__ import annotations
 
 import textwrap
-import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import http_client, scrape_metrics, serving
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.response_cache import ResponseCache, parse_cache_config
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
@@ -67,22 +65,10 @@ def repository(tmp_path_factory):
     return root
 
 
-def serve(repository, *args):
-    proc = ServerProcess(repository, args=list(args))
-    try:
-        proc.wait_ready()
-    except BaseException:
-        proc.close()
-        raise
-    return proc
-
-
 @pytest.fixture(scope="module")
 def server(repository):
-    proc = serve(repository, "--cache-config", "local,size=1048576")
-    yield proc
-    assert proc.stop() == 0, proc.output()
-    proc.close()
+    with serving(repository, args=["--cache-config", "local,size=1048576"]) as proc:
+        yield proc
 
 
 def call(client, module, model: str, values) -> tuple[int, list[int]]:
@@ -122,9 +108,7 @@ def test_identical_requests_are_answered_from_the_cache(server):
     assert cached["inference_count"] == 2  # ... but not inferences
     assert inference["fail"]["count"] == 2
 
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+    families = scrape_metrics(server)
     (hits,) = families["nv_cache_num_hits_per_model"].samples
     assert (hits.labels["model"], hits.value) == ("cached", 2)
     (misses,) = families["nv_cache_num_misses_per_model"].samples
@@ -132,16 +116,10 @@ def test_identical_requests_are_answered_from_the_cache(server):
 
 
 def test_without_a_cache_config_nothing_is_cached(repository):
-    proc = serve(repository)
-    client = httpclient.InferenceServerClient(proc.http_url)
-    try:
+    with serving(repository) as proc, http_client(proc) as client:
         assert call(client, httpclient, "cached", [1, 2])[0] == 1
         assert call(client, httpclient, "cached", [1, 2])[0] == 2
         assert stats(client, "cached")["inference_stats"]["cache_hit"]["count"] == 0
-    finally:
-        client.close()
-        assert proc.stop() == 0, proc.output()
-        proc.close()
 
 
 # -- the cache on its own ----------------------------------------------------------------

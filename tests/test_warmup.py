@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.serverproc import ServerProcess
+from tests.serverproc import http_client, serving
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 
@@ -109,15 +109,8 @@ def served(tmp_path_factory):
     missing = recorder(root, "no_file", ZERO_AND_FILE)
     (missing / "warmup" / "x.bin").unlink()
     assert bad.exists()
-    proc = ServerProcess(root, args=["--exit-on-error=false"])
-    try:
-        proc.wait_ready()
-        client = httpclient.InferenceServerClient(proc.http_url)
+    with serving(root, args=["--exit-on-error=false"]) as proc, http_client(proc) as client:
         yield client
-        client.close()
-        assert proc.stop() == 0, proc.output()
-    finally:
-        proc.close()
 
 
 def test_every_sample_runs_before_ready(served):
