@@ -745,7 +745,7 @@ class Connection:
             scope.deadline = min(
                 scope.deadline, trio.current_time() + self.options.keepalive_timeout
             )
-        self.flush()
+        self._dirty.set()  # even with nothing queued: the writer ends the connection
 
     async def _close_socket(self) -> None:
         # Half-close and wait a moment for the client to close too, so that
