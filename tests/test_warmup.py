@@ -108,6 +108,7 @@ def served(tmp_path_factory):
     bad = recorder(root, "too_big", ZERO_AND_FILE.replace("batch_size: 2", "batch_size: 5"))
     missing = recorder(root, "no_file", ZERO_AND_FILE)
     (missing / "warmup" / "x.bin").unlink()
+    recorder(root, "escape", ZERO_AND_FILE.replace('"x.bin"', '"../config.pbtxt"'))
     assert bad.exists()
     with serving(root, args=["--exit-on-error=false"]) as proc, http_client(proc) as client:
         yield client
@@ -143,4 +144,6 @@ def test_failures_are_load_errors_with_the_cause(served):
     assert "batch_size 5 exceeds max_batch_size 4" in rows["too_big"]["reason"]
     assert rows["no_file"]["state"] == "UNAVAILABLE"
     assert "cannot read warmup/x.bin" in rows["no_file"]["reason"]
+    assert rows["escape"]["state"] == "UNAVAILABLE"
+    assert "must name a file in the model's warmup/ directory" in rows["escape"]["reason"]
     assert served.is_model_ready("recorder")

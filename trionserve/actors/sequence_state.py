@@ -24,6 +24,7 @@ import trio
 
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, Unavailable
+from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 
 CorrelationId = int | str
@@ -79,7 +80,7 @@ def load_sequence_states(config, model_dir: Path) -> list[StateSpec]:
             # Triton leaves the first input state uninitialized, with 1 for every
             # variable dimension; zeros make that deterministic.
             shape = tuple(1 if d == -1 else d for d in state.dims)
-            initial = _zeros(shape, datatype.numpy)
+            initial = zeros(shape, datatype)
         initial.setflags(write=False)
         specs.append(StateSpec(state.input_name, state.output_name, datatype.wire, initial))
     return specs
@@ -106,57 +107,9 @@ def _initial_value(state, initial, datatype, model_dir: Path, where: str) -> np.
             )
     shape = tuple(initial.dims)
     if initial.WhichOneof("state_data") == "zero_data":
-        return _zeros(shape, datatype.numpy)
-    folder = (model_dir / INITIAL_STATE_FOLDER).resolve()
-    path = (folder / initial.data_file).resolve()
-    if folder not in path.parents:
-        raise InvalidArgument(
-            f"{where}: initial_state data_file '{initial.data_file}' must name a file in "
-            f"the model's {INITIAL_STATE_FOLDER}/ directory"
-        )
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise InvalidArgument(
-            f"{where}: cannot read initial_state data_file "
-            f"'{INITIAL_STATE_FOLDER}/{initial.data_file}': {exc.strerror or exc}"
-        ) from None
-    count = math.prod(shape)
-    if datatype.wire == "BYTES":
-        return _parse_bytes(data, count, where).reshape(shape)
-    needed = count * datatype.itemsize
-    if len(data) < needed:
-        raise InvalidArgument(
-            f"{where}: initial_state expects {needed} bytes, but the data provided from "
-            f"'{initial.data_file}' only has {len(data)} bytes"
-        )
-    return np.frombuffer(data[:needed], dtype=datatype.numpy).reshape(shape).copy()
-
-
-def _parse_bytes(data: bytes, count: int, where: str) -> np.ndarray:
-    """Triton's serialized BYTES: each element a 4-byte little-endian length, then data."""
-    items: list[bytes] = []
-    offset = 0
-    while len(items) < count:
-        if offset + 4 > len(data):
-            raise InvalidArgument(
-                f"{where}: initial_state data_file holds {len(items)} BYTES elements, "
-                f"expected {count}"
-            )
-        size = int.from_bytes(data[offset : offset + 4], "little")
-        items.append(data[offset + 4 : offset + 4 + size])
-        offset += 4 + size
-    array = np.empty(count, dtype=object)
-    array[:] = items
-    return array
-
-
-def _zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    if dtype == np.object_:
-        array = np.empty(shape, dtype=object)
-        array.fill(b"")
-        return array
-    return np.zeros(shape, dtype=dtype)
+        return zeros(shape, datatype)
+    data = read_model_file(model_dir, INITIAL_STATE_FOLDER, initial.data_file, where)
+    return tensor_from_bytes(datatype, data, shape, where)
 
 
 def _type_name(value: int) -> str:

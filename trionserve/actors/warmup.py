@@ -12,7 +12,6 @@ model's statistics.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +19,11 @@ import numpy as np
 
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
+from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, Tensor
 from trionserve.repository.model_config_pb2 import DataType
+
+WARMUP_FOLDER = "warmup"
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,25 +77,16 @@ def _tensor(label: str, name: str, sample, config, model_dir: Path) -> Tensor:
     dims = list(sample.dims)
     if any(d < 0 for d in dims):
         raise InvalidArgument(f"{label}: input '{name}' needs fixed dims, got {dims}")
-    shape = ([1] if config.max_batch_size else []) + dims
-    count = int(np.prod(shape, dtype=np.int64))
+    shape = tuple(([1] if config.max_batch_size else []) + dims)
     source = sample.WhichOneof("input_data_type")
     if source == "zero_data" or source is None:
-        data = np.full(shape, b"", dtype=np.object_) if kind.wire == "BYTES" else np.zeros(
-            shape, dtype=kind.numpy
-        )
+        data = zeros(shape, kind)
     elif source == "random_data":
         data = _random(kind, shape)
     else:
-        path = model_dir / "warmup" / sample.input_data_file
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            raise InvalidArgument(
-                f"{label}: input '{name}': cannot read warmup/{sample.input_data_file}: "
-                f"{exc.strerror or exc}"
-            ) from None
-        data = _from_file(label, name, kind, raw, shape, count)
+        where = f"{label}: input '{name}'"
+        raw = read_model_file(model_dir, WARMUP_FOLDER, sample.input_data_file, where)
+        data = tensor_from_bytes(kind, raw, shape, where)
     return Tensor(name, kind.wire, data)
 
 
@@ -110,30 +103,6 @@ def _random(kind: datatypes.DataType, shape: list[int]) -> np.ndarray:
         return rng.integers(max(info.min, -128), min(info.max, 127), size=shape,
                             endpoint=True).astype(kind.numpy)
     return rng.random(size=shape).astype(kind.numpy)
-
-
-def _from_file(label, name, kind, raw: bytes, shape, count: int) -> np.ndarray:
-    if kind.wire == "BYTES":
-        elements, offset = [], 0
-        while offset < len(raw) and len(elements) < count:
-            if offset + 4 > len(raw):
-                break
-            (length,) = struct.unpack_from("<I", raw, offset)
-            elements.append(raw[offset + 4: offset + 4 + length])
-            offset += 4 + length
-        if len(elements) != count or offset > len(raw):
-            raise InvalidArgument(
-                f"{label}: input '{name}': the file holds {len(elements)} length-prefixed "
-                f"elements, the shape {shape} needs {count}"
-            )
-        return np.array(elements, dtype=np.object_).reshape(shape)
-    expected = count * kind.itemsize
-    if len(raw) < expected:
-        raise InvalidArgument(
-            f"{label}: input '{name}': the file has {len(raw)} bytes, the shape {shape} "
-            f"of {kind.wire} needs {expected}"
-        )
-    return np.frombuffer(raw[:expected], dtype=kind.numpy).reshape(shape).copy()
 
 
 def check_results(label: str, results) -> None:
