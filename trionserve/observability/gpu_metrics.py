@@ -18,6 +18,8 @@ import structlog
 import trio
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from trionserve.observability.sampling import sample_every
+
 log = structlog.get_logger(__name__)
 
 # name -> (help, sample field)
@@ -112,14 +114,9 @@ class GpuMetricsCollector:
     ) -> None:
         """Sample now and every ``interval`` seconds until ``stop`` is set."""
         try:
-            await trio.to_thread.run_sync(self.sample)
-            task_status.started()
-            while True:
-                with trio.move_on_after(interval):
-                    await stop.wait()
-                if stop.is_set():
-                    return
-                await trio.to_thread.run_sync(self.sample)
+            await sample_every(
+                lambda: trio.to_thread.run_sync(self.sample), interval, stop, task_status
+            )
         finally:
             try:
                 self._nvml.nvmlShutdown()

@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
+from trionserve.observability.sampling import sample_every
 from trionserve.observability.statistics import FailureReason, ModelStatistics
 
 log = structlog.get_logger(__name__)
@@ -318,14 +319,11 @@ class CpuMetricsCollector:
         self, interval: float, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED
     ) -> None:
         """Sample now and every ``interval`` seconds until ``stop`` is set."""
-        self.sample()
-        task_status.started()
-        while True:
-            with trio.move_on_after(interval):
-                await stop.wait()
-            if stop.is_set():
-                return
+
+        async def sample() -> None:
             self.sample()
+
+        await sample_every(sample, interval, stop, task_status)
 
     def collect(self) -> Iterable[Metric]:
         if self.utilization is not None:
