@@ -133,12 +133,7 @@ class CustomMetrics:
             self._metric_refs[ref] -= 1
             if self._metric_refs[ref] == 0:
                 del self._metric_refs[ref]
-            family = self._by_id.get(family_id)
-            series = family.series.get(labels) if family is not None else None
-            if series is not None:
-                series.refs -= 1
-                if series.refs <= 0:
-                    del family.series[labels]
+            self._unref_series(family_id, labels, 1)
 
     def update(self, family_id: int, labels: tuple, action: str, amount: float) -> float | None:
         """``increment``, ``set``, ``observe`` or ``value`` on one metric."""
@@ -182,13 +177,7 @@ class CustomMetrics:
         """An owner (a stub process) is gone: drop every reference it held."""
         with self._lock:
             for ref in [r for r in self._metric_refs if r[0] == owner]:
-                count = self._metric_refs.pop(ref)
-                family = self._by_id.get(ref[1])
-                series = family.series.get(ref[2]) if family is not None else None
-                if series is not None:
-                    series.refs -= count
-                    if series.refs <= 0:
-                        del family.series[ref[2]]
+                self._unref_series(ref[1], ref[2], self._metric_refs.pop(ref))
             for family in list(self._families.values()):
                 family.refs.pop(owner, None)
                 if not family.refs:
@@ -269,6 +258,15 @@ class CustomMetrics:
         if family is None:
             raise MetricError(FAMILY_GONE)
         return family
+
+    def _unref_series(self, family_id: int, labels: tuple, count: int) -> None:
+        """Drop ``count`` references to a metric; the last one removes it."""
+        family = self._by_id.get(family_id)
+        series = family.series.get(labels) if family is not None else None
+        if series is not None:
+            series.refs -= count
+            if series.refs <= 0:
+                del family.series[labels]
 
     def _drop(self, family: _Family) -> None:
         del self._families[family.name]
