@@ -442,5 +442,18 @@ def test_gpu_metrics_report_every_gpu():
 def test_gpu_metrics_can_be_turned_off():
     with serving(EXAMPLES, args=["--allow-gpu-metrics=false"]) as proc:
         families = scrape_metrics(proc)
-    assert "nv_cpu_utilization" in families or "nv_inference_count" in families
+        log = proc.output()
+    assert "nv_inference_count" in families
     assert not [name for name in families if name.startswith("nv_gpu_")]
+    # Turned off, NVML is not even looked for (on a host without it the default
+    # logs why there are no GPU metrics: see the next test).
+    assert "GPU metrics off" not in log
+
+
+@pytest.mark.skipif(GPUS > 0 and has("pynvml"), reason="this host has GPU metrics")
+def test_without_nvml_or_a_gpu_the_log_says_why():
+    with serving(EXAMPLES) as proc:
+        families = scrape_metrics(proc)
+        log = proc.output()
+    assert not [name for name in families if name.startswith("nv_gpu_")]
+    assert "GPU metrics off" in log
