@@ -9,7 +9,7 @@ encodes the :class:`InferenceResponse`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,9 +78,11 @@ class InferenceRequest:
         "sequence_end",
         "batch_size",
         "arrival_time",
-        "cancelled",
+        "_cancelled",
+        "_on_cancel",
         "_responses",
         "_final",
+        "_empty_final",
         "_error",
         "_wakeup",
     )
@@ -116,13 +118,40 @@ class InferenceRequest:
         self.batch_size = 0
         self.arrival_time = 0.0
         # Set when the client went away; schedulers drop cancelled requests.
-        self.cancelled = False
+        self._cancelled = False
+        self._on_cancel: Callable[[], None] | None = None
         # Responses delivered and not yet consumed. Its length is bounded by what
         # the model produces for one request; the consumer drains it as it goes.
         self._responses: deque[InferenceResponse] = deque()
         self._final = False
+        # The final outcome came as a flag after the last response, not with it.
+        self._empty_final = False
         self._error: TritonError | None = None
         self._wakeup = trio.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the client went away (or the caller cancelled the request)."""
+        return self._cancelled
+
+    @cancelled.setter
+    def cancelled(self, value: bool) -> None:
+        if value and not self._cancelled:
+            self._cancelled = True
+            callback, self._on_cancel = self._on_cancel, None
+            if callback is not None:
+                callback()
+        else:
+            self._cancelled = bool(value)
+
+    def on_cancel(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` (on the Trio thread, once) when the request is
+        cancelled: at once if it already is. A backend uses it to tell the model
+        without waiting; ``None`` removes it."""
+        if callback is not None and self._cancelled:
+            callback()
+            return
+        self._on_cancel = callback
 
     @property
     def done(self) -> bool:
@@ -135,6 +164,8 @@ class InferenceRequest:
             return False
         if response is not None:
             self._responses.append(response)
+        elif final:
+            self._empty_final = True
         self._final = final
         self._wakeup.set()
         return True
@@ -169,8 +200,9 @@ class InferenceRequest:
     async def stream(self) -> AsyncIterator[tuple[InferenceResponse | None, bool]]:
         """Yield ``(response, final)`` pairs until the final one; raise a final error.
 
-        A final pair may carry ``None`` when the model ended the request without a
-        last response (decoupled models' final flag).
+        A final pair carries ``None`` exactly when the model ended the request
+        without a last response (decoupled models' final flag sent on its own):
+        the pairs are what the model sent, whatever the timing of its sends.
         """
         while True:
             while not self._responses and not self._final:
@@ -178,7 +210,12 @@ class InferenceRequest:
                 self._wakeup = trio.Event()
             if self._responses:
                 response = self._responses.popleft()
-                last = self._final and not self._responses and self._error is None
+                last = (
+                    self._final
+                    and not self._responses
+                    and self._error is None
+                    and not self._empty_final
+                )
                 yield response, last
                 if last:
                     return

@@ -9,9 +9,11 @@ decoupled model sends after ``execute`` returned still reach their requests.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import structlog
 import trio
@@ -34,7 +36,7 @@ from trionserve.core.errors import (
     Unavailable,
     as_triton_error,
 )
-from trionserve.core.types import InferenceRequest
+from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 log = structlog.get_logger(__name__)
@@ -106,7 +108,7 @@ class PythonInstance:
         self._failures = 0
         self._calls: dict[int, _Call] = {}
         self._open: dict[int, _Open] = {}
-        self._bls_scopes: dict[int, trio.CancelScope] = {}
+        self._bls_requests: dict[int, InferenceRequest] = {}
         self._ids = itertools.count(1)
 
     @property
@@ -121,7 +123,13 @@ class PythonInstance:
         task_status.started()
         while True:
             how = await self._serve(self._stub)
-            error = InternalError(f"{self.label}: the stub process {how}")
+            # Triton's wording (python_be.cc RespondErrorToAllRequests, and
+            # stub_launcher.cc), then how the stub ended.
+            name = self.spec.name
+            error = InternalError(
+                f"Failed to process the request(s) for model instance '{name}', message: "
+                f"Stub process '{name}' is not healthy: the stub process {how}"
+            )
             log.error("stub process failed", source=self.label, reason=how)
             self._fail_everything(error)
             self._stub = None
@@ -205,7 +213,8 @@ class PythonInstance:
             entry, blocks = request_message(key, request, channel.endpoint, self._output_names)
             entries.append(entry)
             keys.append(key)
-            self._open[key] = _Open(request, blocks)
+            self._open[key] = _Open(request, blocks, cancel_sent=request.cancelled)
+            request.on_cancel(functools.partial(self._forward_cancel, key))
         call_id = next(self._ids)
         call = _Call(requests, keys)
         self._calls[call_id] = call
@@ -241,9 +250,7 @@ class PythonInstance:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._bls, channel, message)
             elif op == "bls_cancel":
-                scope = self._bls_scopes.get(message["call"])
-                if scope is not None:
-                    scope.cancel()
+                self._bls_cancel(message["call"])
             elif op == "log":
                 log_stub_line(self.label, message["level"], message["message"])
             elif op == "control":
@@ -280,8 +287,21 @@ class PythonInstance:
 
     def _close_open(self, key: int) -> None:
         entry = self._open.pop(key, None)
-        if entry is not None and self._stub is not None:
+        if entry is None:
+            return
+        entry.request.on_cancel(None)
+        if self._stub is not None:
             self._stub.endpoint.arena.free(entry.blocks)
+
+    def _forward_cancel(self, key: int) -> None:
+        """The client cancelled a request the stub has: its model's
+        ``is_cancelled()`` turns true now, not at the model's next response."""
+        entry = self._open.get(key)
+        channel = self._channel
+        if entry is None or entry.cancel_sent or channel is None:
+            return
+        entry.cancel_sent = True
+        self._send_soon(channel, {"op": "cancel", "keys": [key]})
 
     def _executed(self, message: dict) -> None:
         self._failures = 0
@@ -300,14 +320,23 @@ class PythonInstance:
             call.results = None if self._decoupled else [error] * len(call.requests)
         elif responses is not None:
             endpoint = self._stub.endpoint
-            results = []
+            outcomes: list[InferenceResponse | TritonError | None] = []
             for key, request, encoded in zip(call.keys, call.requests, responses):
+                if encoded is None:
+                    outcomes.append(None)  # answered through its response sender
+                    continue
                 self._close_open(key)
-                results.append(read_response(encoded, endpoint, request, self.model_version))
-            call.results = results
+                outcomes.append(read_response(encoded, endpoint, request, self.model_version))
+            if any(outcome is None for outcome in outcomes):
+                for request, outcome in zip(call.requests, outcomes):
+                    if outcome is not None:
+                        self._deliver(request, outcome)
+            else:
+                call.results = cast(ExecuteResult, outcomes)
         call.done.set()
 
     def _response(self, channel: TrioChannel, message: dict) -> None:
+        """A response (or the final flag) a model sent through a response sender."""
         key, encoded, final = message["key"], message["response"], message["final"]
         entry = self._open.get(key)
         if entry is None:
@@ -316,21 +345,43 @@ class PythonInstance:
         request = entry.request
         if encoded is not None:
             outcome = read_response(encoded, channel.endpoint, request, self.model_version)
-            if isinstance(outcome, TritonError):
-                # An error ends the request: InferenceRequest has no non-final errors.
-                request.fail(outcome)
-            else:
-                request.send(outcome, final=final)
+            # A model that is not decoupled has one response (Triton's sender refuses
+            # a second), so it is the final outcome whatever the flag.
+            self._deliver(request, outcome, final or not self._decoupled)
         elif final:
-            request.send(None, final=True)
+            if self._decoupled:
+                request.send(None, final=True)
+            else:
+                request.fail(InternalError(
+                    "Unable to send response. Non-decoupled model cannot send complete "
+                    "final before sending a response."
+                ))
+        if not final and request.done:
+            # Answered already (a failure, or a model that is not decoupled): the
+            # model's is_cancelled() says so, and what it still sends is dropped.
+            self._forward_cancel(key)
+            final = True
         if final:
             self._close_open(key)
-        elif (request.done or request.cancelled) and not entry.cancel_sent:
-            # Tell the model, so that its sender's is_cancelled() says so.
-            entry.cancel_sent = True
-            self._send_soon(channel, {"op": "cancel", "keys": [key]})
+
+    @staticmethod
+    def _deliver(request: InferenceRequest, outcome, final: bool = True) -> None:
+        if isinstance(outcome, TritonError):
+            # An error ends the request: InferenceRequest has no non-final errors.
+            request.fail(outcome)
+        else:
+            request.send(outcome, final=final)
 
     async def _bls(self, channel: TrioChannel, message: dict) -> None:
+        """One BLS request of the model: run it, send its responses to the stub.
+
+        The stub's iterator gets every response in order, and the final one
+        always (an empty final response when the called model ended with the flag
+        alone), so a model waiting on the iterator is never left waiting.
+        ``ResponseIterator.cancel()`` cancels the called request as a client
+        would: that model's ``is_cancelled()`` turns true, its responses still
+        arrive, and one not yet executed ends with a CANCELLED error.
+        """
         call = message["call"]
         decoupled = message["decoupled"]
         timeout_us = message["timeout"]
@@ -338,10 +389,12 @@ class PythonInstance:
 
         async def reply(encoded: dict | None, final: bool) -> None:
             nonlocal sent_final
+            # Never cut short: half a message would end the stub.
+            with trio.CancelScope(shield=True):
+                await channel.send(
+                    {"op": "bls_response", "call": call, "response": encoded, "final": final}
+                )
             sent_final = final
-            await channel.send(
-                {"op": "bls_response", "call": call, "response": encoded, "final": final}
-            )
 
         try:
             request = bls_request(message, channel.endpoint)
@@ -350,8 +403,8 @@ class PythonInstance:
                     f"{self.label}: BLS requests are not available: the server gave "
                     "this backend no inference service"
                 )
+            self._bls_requests[call] = request
             with trio.CancelScope() as scope:
-                self._bls_scopes[call] = scope
                 if timeout_us > 0:
                     scope.deadline = trio.current_time() + timeout_us / 1e6
                 if decoupled:
@@ -367,12 +420,7 @@ class PythonInstance:
                     response = await self._inference.infer(request)
                     await reply(response_message(response, channel.endpoint), True)
             if scope.cancelled_caught and not sent_final:
-                error = (
-                    DeadlineExceeded("Request timeout expired")
-                    if timeout_us > 0 and trio.current_time() >= scope.deadline
-                    else TritonError("BLS request was cancelled")
-                )
-                await reply(error_message(error), True)
+                await reply(error_message(DeadlineExceeded("Request timeout expired")), True)
         except _GONE:
             pass  # the stub is gone
         except Exception as exc:
@@ -382,7 +430,13 @@ class PythonInstance:
                 except _GONE:
                     pass
         finally:
-            self._bls_scopes.pop(call, None)
+            self._bls_requests.pop(call, None)
+
+    def _bls_cancel(self, call: int) -> None:
+        """``ResponseIterator.cancel()``: cancel the called request (pb_bls_cancel)."""
+        request = self._bls_requests.get(call)
+        if request is not None:
+            request.cancelled = True
 
     # -- shutdown --------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ import socket
 import sys
 import threading
 import traceback
+import weakref
 from pathlib import Path
 
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
@@ -95,6 +96,10 @@ class StubRuntime:
         self._call_ids = itertools.count(1)
         self._waits: dict[int, queue.SimpleQueue] = {}
         self._cancelled: set[int] = set()
+        # Requests the model still has to answer through their response senders;
+        # a sender released while its request is here ends up in ``_released``.
+        self._unanswered: set[int] = set()
+        self._released: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = None  # an asyncio loop, started for the first coroutine
         self._serving = False
         module = import_model(message)
@@ -116,6 +121,9 @@ class StubRuntime:
             return
         self._serving = True
         threading.Thread(target=self._read, name="stub-reader", daemon=True).start()
+        threading.Thread(
+            target=self._answer_released, name="stub-released", daemon=True
+        ).start()
         self.channel.send({"op": "initialized"})
         while True:
             job = self._jobs.get()
@@ -142,6 +150,7 @@ class StubRuntime:
             result = self.model.execute(requests)
             if inspect.isawaitable(result):
                 if self.decoupled:
+                    # As Triton: not awaited; its requests end as it sends.
                     self._run_in_background(result, requests)
                     result = None
                 else:
@@ -149,27 +158,30 @@ class StubRuntime:
             if result is not None:
                 if self.decoupled:
                     raise pb.TritonModelException(
-                        f"Python model '{self.model_name}' is using the decoupled mode "
+                        f"Python model '{self.instance_name}' is using the decoupled mode "
                         "and the execute function must return None."
                     )
                 reply["responses"] = self._encode_all(requests, result)
-            elif not self.decoupled:
-                unanswered = sum(1 for r in requests if not r._sender._closed)
-                if unanswered:
-                    raise pb.TritonModelException(
-                        f"execute returned None but sent no final response for "
-                        f"{unanswered} of {len(requests)} request(s); a model that is "
-                        "not decoupled returns a list of responses, or sends each "
-                        "request's response with TRITONSERVER_RESPONSE_COMPLETE_FINAL"
-                    )
+                for request, encoded in zip(requests, reply["responses"]):
+                    if encoded is not None:
+                        request._sender._close()
+                        self._unanswered.discard(request._key)
+            # None: each request is answered through its response sender, now or
+            # later, from any thread (Triton allows it for every model).
         except BaseException as exc:
-            reply["error"] = (
-                f"Failed to process the request(s) for model instance "
-                f"'{self.instance_name}', message: {describe_exception(exc)}"
-            )
+            reply["error"] = self.execute_error(exc)
+            # As Triton: the requests end with the error, their senders close.
             for request in requests:
                 request._sender._close()
+                self._unanswered.discard(request._key)
         self.channel.send(reply)
+
+    def execute_error(self, exc: BaseException) -> str:
+        """Triton's wording for an exception raised by ``execute`` (pb_stub.cc)."""
+        return (
+            f"Failed to process the request(s) for model '{self.instance_name}', "
+            f"message: {describe_exception(exc)}"
+        )
 
     def _incoming(self, message: dict):
         pb = self.pb
@@ -185,12 +197,37 @@ class StubRuntime:
         )
         request._parameters = message["parameters"]
         request._key = message["key"]
-        request._sender = pb.InferenceResponseSender(message["key"])
+        key = message["key"]
+        request._sender = pb.InferenceResponseSender(key, self.decoupled)
+        self._unanswered.add(key)
+        weakref.finalize(request._sender, self._sender_released, key)
         if message["cancelled"]:
-            self._cancelled.add(message["key"])
+            self._cancelled.add(key)
         return request
 
+    def _sender_released(self, key: int) -> None:
+        """A request's sender is gone (garbage): nothing can answer it any more.
+        Runs wherever the collector runs, so it only queues."""
+        self._cancelled.discard(key)
+        if key in self._unanswered:
+            self._released.put(key)
+
+    def _answer_released(self) -> None:
+        """End the requests whose senders the model let go without their final
+        response, so that their clients are answered (a thread of its own)."""
+        while True:
+            key = self._released.get()
+            if key in self._unanswered:
+                error = self.pb.TritonError(
+                    "the model released the request without sending its final response "
+                    "(a response returned from execute, or one sent with "
+                    "TRITONSERVER_RESPONSE_COMPLETE_FINAL)"
+                )
+                self.send_response(key, self.pb.InferenceResponse(error=error), True)
+
     def _encode_all(self, requests, result) -> list:
+        """The returned responses as messages; None where the model answers (or
+        answered) the request through its response sender."""
         pb = self.pb
         if not isinstance(result, list):
             raise pb.TritonModelException(
@@ -202,9 +239,12 @@ class StubRuntime:
                 f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
                 f"and InferenceResponse(s) size is:{len(result)}\n"
             )
-        encoded: list[dict] = []
+        encoded: list[dict | None] = []
         try:
             for response in result:
+                if response is None:
+                    encoded.append(None)
+                    continue
                 if not isinstance(response, pb.InferenceResponse):
                     raise pb.TritonModelException(
                         "Expected an 'InferenceResponse' object in the execute function "
@@ -214,7 +254,7 @@ class StubRuntime:
         except BaseException:
             # Nothing is sent: the blocks already written go back to the arena.
             self.arena.free(
-                block_of(ref) for e in encoded for ref in e["outputs"] if ref[5]
+                block_of(ref) for e in encoded if e is not None for ref in e["outputs"] if ref[5]
             )
             raise
         return encoded
@@ -250,22 +290,20 @@ class StubRuntime:
             exc = done.exception()
             if exc is None:
                 return
-            message = (
-                f"Failed to process the request(s) for model instance "
-                f"'{self.instance_name}', message: {describe_exception(exc)}"
-            )
+            # As Triton (pb_stub.cc, BackgroundFutureDone): the exception is logged,
+            # even when every request already had its final response.
+            self.log("ERROR", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+            message = self.execute_error(exc)
             for request in requests:
-                sender = request._sender
-                if not sender._closed:
-                    sender._close()
-                    response = self.pb.InferenceResponse(error=self.pb.TritonError(message))
-                    self.send_response(request._key, response, True)
+                request._sender._end_with_error(message)
 
         future.add_done_callback(finished)
 
     # -- called from pb_utils, on any thread ------------------------------------------
 
     def send_response(self, key: int, response, final: bool) -> None:
+        if final:
+            self._unanswered.discard(key)
         encoded = None if response is None else self.encode_response(response)
         self.channel.send({"op": "response", "key": key, "response": encoded, "final": final})
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import threading
 
 import numpy as np
 
@@ -167,8 +168,7 @@ class Tensor:
     """A named tensor: a numpy array in CPU memory, or a DLPack object on a GPU."""
 
     def __init__(self, name, numpy_array, *_legacy):
-        if not isinstance(name, str):
-            raise TritonModelException("Tensor name must be a string")
+        name = _text(name, "Tensor name")
         array = np.asarray(numpy_array)
         if array.dtype.kind in ("U", "S"):
             # Triton asks for np.object_; bytes and str elements mean the same here.
@@ -318,6 +318,19 @@ class InferenceTrace:
 _REQUIRED = object()
 
 
+def _text(value, what):
+    """A string argument as Triton's C++ side takes it: ``str``, or ``bytes`` as UTF-8
+    (a name read from a BYTES tensor is ``bytes``)."""
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise TritonModelException(f"{what} must be valid UTF-8, got {value!r}") from None
+    raise TritonModelException(f"{what} must be a str or bytes, not {type(value).__name__}")
+
+
 def _parameters_json(parameters, what):
     if parameters is None:
         return "{}"
@@ -360,16 +373,20 @@ class InferenceRequest:
         ]
         if missing:
             raise TypeError(f"InferenceRequest() missing required argument(s): {missing}")
+        if isinstance(correlation_id, (bytes, bytearray)):
+            correlation_id = _text(correlation_id, "correlation_id")
         if not isinstance(correlation_id, (int, str)):
             raise TritonModelException("Correlation ID must be integer or string")
         for tensor in inputs:
             if not isinstance(tensor, Tensor):
                 raise TritonModelException("inputs must be a list of pb_utils.Tensor")
-        self._request_id = request_id
+        self._request_id = _text(request_id, "request_id")
         self._correlation_id = correlation_id
         self._inputs = list(inputs)
-        self._requested_output_names = list(requested_output_names)
-        self._model_name = model_name
+        self._requested_output_names = [
+            _text(name, "requested_output_names") for name in requested_output_names
+        ]
+        self._model_name = _text(model_name, "model_name")
         self._model_version = int(model_version)
         self._flags = int(flags)
         self._timeout = int(timeout)
@@ -477,17 +494,23 @@ class InferenceResponse:
 
 
 class InferenceResponseSender:
-    """Sends a request's responses at any time, from any thread (decoupled models)."""
+    """Sends a request's responses at any time, from any thread.
 
-    def __init__(self, key):
+    As Triton's ResponseSender: a decoupled model sends any number of responses
+    and then the final flag; a model that is not decoupled sends exactly one
+    response (the final flag with it or after it). Breaking that rule raises
+    Triton's error in the model; a final flag sent before any response also ends
+    the request with that error, so its client is answered.
+    """
+
+    def __init__(self, key, decoupled=True):
         self._key = key
+        self._decoupled = decoupled
+        self._lock = threading.Lock()
+        self._sent = 0
         self._closed = False
 
     def send(self, response=None, flags=0):
-        if self._closed:
-            raise TritonModelException(
-                "Unable to send response. Response sender has been closed."
-            )
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if response is None and not final:
             raise TritonModelException(
@@ -496,15 +519,48 @@ class InferenceResponseSender:
             )
         if response is not None and not isinstance(response, InferenceResponse):
             raise TritonModelException("send() takes a pb_utils.InferenceResponse")
-        if final:
-            self._closed = True
-        _runtime.send_response(self._key, response, final)
+        with self._lock:
+            if not self._decoupled:
+                if response is not None and self._sent > 0:
+                    raise TritonModelException(
+                        "Unable to send response. Non-decoupled model cannot send more "
+                        "than one response."
+                    )
+                if response is None and self._sent == 0 and not self._closed:
+                    message = (
+                        "Unable to send response. Non-decoupled model cannot send "
+                        "complete final before sending a response."
+                    )
+                    self._closed = True
+                    _runtime.send_response(
+                        self._key, InferenceResponse(error=TritonError(message)), True
+                    )
+                    raise TritonModelException(message)
+            if self._closed:
+                raise TritonModelException(
+                    "Unable to send response. Response sender has been closed."
+                )
+            if final:
+                self._closed = True
+            self._sent += 1
+            # Sent under the lock: one request's messages keep their order.
+            _runtime.send_response(self._key, response, final)
 
     def is_cancelled(self):
         return _runtime is not None and _runtime.is_cancelled(self._key)
 
     def _close(self):
-        self._closed = True
+        with self._lock:
+            self._closed = True
+
+    def _end_with_error(self, message):
+        """Close the sender, ending its request with ``message`` if still open."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            _runtime.send_response(self._key, InferenceResponse(error=TritonError(message)), True)
+            return True
 
 
 class ResponseIterator:
@@ -622,17 +678,22 @@ def load_model(model_name, config="", files=None):
     ``config`` is a model configuration as JSON; ``files`` maps
     ``"file:<version>/<name>"`` to the file's bytes, as in the load API.
     """
-    _control("load", name=model_name, config=config, files=dict(files or {}))
+    files = {_text(key, "files key"): value for key, value in dict(files or {}).items()}
+    _control("load", name=_text(model_name, "model_name"), config=_text(config, "config"),
+             files=files)
 
 
 def unload_model(model_name, unload_dependents=False):
     """Unload ``model_name`` (the server must be in EXPLICIT mode)."""
-    _control("unload", name=model_name, unload_dependents=bool(unload_dependents))
+    _control("unload", name=_text(model_name, "model_name"),
+             unload_dependents=bool(unload_dependents))
 
 
 def is_model_ready(model_name, model_version=""):
     """Whether ``model_name`` (that version, or any) is ready to serve."""
-    return _control("ready", name=model_name, version=str(model_version))
+    if isinstance(model_version, (bytes, bytearray)):
+        model_version = _text(model_version, "model_version")
+    return _control("ready", name=_text(model_name, "model_name"), version=str(model_version))
 
 
 def _metric_call(action, **fields):
