@@ -5,7 +5,7 @@
 # Needs grpcio-tools. Run from anywhere; it works from the repository root.
 #
 # The generated modules are post-processed to register their descriptors in
-# trionserve.protocol.protopool.POOL instead of protobuf's default pool, so
+# trionserve._generated.protopool.POOL instead of protobuf's default pool, so
 # they can coexist with tritonclient's identically named inference.* messages.
 set -euo pipefail
 
@@ -13,8 +13,8 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
 
 PROTOS=(
-  trionserve/repository/model_config.proto
-  trionserve/protocol/grpc_service.proto
+  trionserve/_generated/model_config.proto
+  trionserve/_generated/grpc_service.proto
 )
 
 "$PYTHON" -m grpc_tools.protoc -I. --python_out=. --pyi_out=. "${PROTOS[@]}"
@@ -29,7 +29,7 @@ REWRITES = [
     (
         "from google.protobuf.internal import builder as _builder\n",
         "from google.protobuf.internal import builder as _builder\n"
-        "from trionserve.protocol.protopool import POOL, build_top_descriptors_and_messages\n",
+        "from trionserve._generated.protopool import POOL, build_top_descriptors_and_messages\n",
     ),
 ]
 

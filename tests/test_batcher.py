@@ -17,7 +17,7 @@ from trionserve.actors.batcher import DynamicBatchScheduler
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import FailureReason, ModelStatistics
-from trionserve.repository import model_config_pb2 as mc
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import normalize_model_config
 
 

@@ -23,7 +23,7 @@ from trionserve.backends.backend_config import apply_backend_config, parse_backe
 from trionserve.backends.python.settings import StubSettings
 from trionserve.cli import options_from_args
 from trionserve.core.errors import InvalidArgument
-from trionserve.repository import model_config_pb2 as mc
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import read_model_config
 from trionserve.repository.snapshot import file_changes, snapshot_model
 

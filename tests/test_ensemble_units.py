@@ -18,7 +18,7 @@ from trionserve.backends.ensemble import plan_ensemble
 from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
-from trionserve.repository import model_config_pb2 as mc
+from trionserve._generated import model_config_pb2 as mc
 
 
 def parse(text: str) -> mc.ModelConfig:

@@ -22,7 +22,7 @@ from trionserve.backends.gpu import gpu_count
 from trionserve.backends.onnxruntime import OnnxRuntimeBackend
 from trionserve.backends.onnxruntime_providers import execution_providers
 from trionserve.core.errors import InvalidArgument, Unavailable
-from trionserve.repository.model_config_pb2 import TYPE_FP32, ModelConfig
+from trionserve._generated.model_config_pb2 import TYPE_FP32, ModelConfig
 from trionserve.server import Server, ServerOptions
 
 GPUS = gpu_count()

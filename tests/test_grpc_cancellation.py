@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.blocking_backend import GATE, wait_entered, make_model
 from tests.serverproc import free_port
-from trionserve.protocol.grpc_service import GrpcOptions
+from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.server import Server, ServerOptions
 
 

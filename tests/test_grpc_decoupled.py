@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 
 from trionserve.core.errors import InternalError
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
-from trionserve.protocol.grpc_service import serve_grpc
+from trionserve.protocol.grpc.service import serve_grpc
 
 
 class DecoupledDataPlane:

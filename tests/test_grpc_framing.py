@@ -8,12 +8,12 @@ import zlib
 import pytest
 from grpclib.metadata import decode_grpc_message
 
-from trionserve.protocol.grpc_framing import (
+from trionserve.protocol.grpc.framing import (
     MessageReader,
     prefix,
     status_headers,
 )
-from trionserve.protocol.grpc_transport import GRPCError, Status
+from trionserve.protocol.grpc.transport import GRPCError, Status
 
 
 def framed(message: bytes, compressed: bool = False) -> bytes:
@@ -82,7 +82,7 @@ def test_data_frame_repr_reads_only_the_first_bytes():
     DATA frame's repr read only what it shows (same text as hyperframe's)."""
     from hyperframe.frame import DataFrame
 
-    import trionserve.protocol.grpc_connection  # noqa: F401  (installs the repr)
+    import trionserve.protocol.grpc.connection  # noqa: F401  (installs the repr)
 
     assert repr(DataFrame(1, b"\x01" * 1_000_000)) == (
         "DataFrame(stream_id=1, flags=[]): <hex:01010101010101010101...>"

@@ -19,8 +19,8 @@ import trio
 import trio.testing
 
 from tests.test_grpc_transport import Handlers
-from trionserve.protocol.grpc_grpcio import GrpcioTransport, grpcio_arguments
-from trionserve.protocol.grpc_transport import TransportOptions
+from trionserve.protocol.grpc.grpcio import GrpcioTransport, grpcio_arguments
+from trionserve.protocol.grpc.transport import TransportOptions
 
 
 @asynccontextmanager

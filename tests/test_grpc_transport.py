@@ -22,7 +22,7 @@ import trio
 import trio.testing
 from grpclib.metadata import decode_grpc_message
 
-from trionserve.protocol.grpc_transport import (
+from trionserve.protocol.grpc.transport import (
     GRPCError,
     GrpcCall,
     GrpcTransport,

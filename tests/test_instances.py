@@ -21,7 +21,7 @@ from tests.serverproc import free_port
 from trionserve.actors.model import instance_specs
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
-from trionserve.repository import model_config_pb2 as mc
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.server import Server, ServerOptions
 
 BACKEND = "test_instances_gate"

@@ -7,7 +7,7 @@ values.  The service definition is compared method by method, and a few
 cross-library wire round trips check byte-for-byte compatibility.
 
 Both libraries define ``inference.*`` messages; ours live in a private
-descriptor pool (``trionserve.protocol.protopool``), so importing both here in
+descriptor pool (``trionserve._generated.protopool``), so importing both here in
 one process is itself part of what is tested.
 """
 
@@ -24,9 +24,9 @@ import tritonclient.grpc  # noqa: F401  (registers Triton's protos in the defaul
 from tritonclient.grpc import model_config_pb2 as triton_mc
 from tritonclient.grpc import service_pb2 as triton_sv
 
-from trionserve.protocol import grpc_service_pb2 as our_sv
-from trionserve.protocol.protopool import POOL
-from trionserve.repository import model_config_pb2 as our_mc
+from trionserve._generated import grpc_service_pb2 as our_sv
+from trionserve._generated.protopool import POOL
+from trionserve._generated import model_config_pb2 as our_mc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -395,8 +395,8 @@ def test_statistics_round_trip():
 def test_import_order_independent(first):
     """Both libraries' messages coexist in a fresh interpreter, in either import order."""
     a = "import tritonclient.grpc"
-    b = ("from trionserve.protocol import grpc_service_pb2\n"
-         "from trionserve.repository import model_config_pb2")
+    b = ("from trionserve._generated import grpc_service_pb2\n"
+         "from trionserve._generated import model_config_pb2")
     body = (a + "\n" + b) if first == "tritonclient" else (b + "\n" + a)
     code = body + (
         "\nimport tritonclient.grpc.model_config_pb2 as t\n"

@@ -586,7 +586,7 @@ def test_load_failures_name_the_cause(client):
 
 
 def test_decoupled_model_streams_over_grpc(server):
-    pytest.importorskip("trionserve.protocol.grpc_service")
+    pytest.importorskip("trionserve.protocol.grpc.service")
     import tritonclient.grpc as grpcclient
 
     responses: queue.Queue = queue.Queue()

@@ -19,7 +19,7 @@ from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.stub import STUBPATH
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
 from trionserve.core.errors import InvalidArgument, NotFound, Status, Unavailable
-from trionserve.repository.model_config_pb2 import ModelConfig
+from trionserve._generated.model_config_pb2 import ModelConfig
 
 sys.path.insert(0, str(STUBPATH))
 import triton_python_backend_utils as pb_utils  # noqa: E402

@@ -15,7 +15,7 @@ import pytest
 from google.protobuf import text_format
 
 from trionserve.core.errors import InvalidArgument, NotFound, Unavailable
-from trionserve.repository import model_config_pb2 as mc
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import (
     infer_platform,
     model_config_from_json,

@@ -23,7 +23,7 @@ from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import ModelStatistics
-from trionserve.repository import model_config_pb2 as mc
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import normalize_model_config
 
 GIVE_UP = 60  # virtual seconds after which a wait counts as a hang
@@ -621,8 +621,8 @@ class QueueingDataPlane:
 
 
 async def test_a_grpc_stream_queues_its_requests_in_the_order_they_came():
-    from trionserve.protocol import grpc_service_pb2 as pb
-    from trionserve.protocol.grpc_service import GrpcService
+    from trionserve._generated import grpc_service_pb2 as pb
+    from trionserve.protocol.grpc.service import GrpcService
 
     ids = [str(i) for i in range(40)]
     call = StreamCall([pb.ModelInferRequest(model_name="acc", id=i).SerializeToString()

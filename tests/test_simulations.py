@@ -254,7 +254,7 @@ class _StepLimit(trio.abc.Instrument):
 def _config(text: str):
     from google.protobuf import text_format
 
-    from trionserve.repository import model_config_pb2 as mc
+    from trionserve._generated import model_config_pb2 as mc
     from trionserve.repository.config import normalize_model_config
 
     config = text_format.Parse(

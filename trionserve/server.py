@@ -31,7 +31,7 @@ from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
 from trionserve.observability.trace import TraceConfig, TraceManager
-from trionserve.protocol.grpc_service import GrpcOptions, serve_grpc
+from trionserve.protocol.grpc.service import GrpcOptions, serve_grpc
 from trionserve.protocol.http import HttpOptions, serve_http
 from trionserve.repository.repository import ModelRepository
 

@@ -19,7 +19,7 @@ from simulations.scenarios.http_frontend import (
 )
 from simulations.world import RequestRecord
 from trionserve.core.errors import Unavailable
-from trionserve.protocol.grpc_service import serve_grpc
+from trionserve.protocol.grpc.service import serve_grpc
 
 
 def _call(port: int, record: RequestRecord) -> tuple:

@@ -65,7 +65,7 @@ class SequenceControls:
     """The control tensors a model asks for in ``sequence_batching.control_input``."""
 
     def __init__(self, config) -> None:
-        from trionserve.repository.model_config_pb2 import DataType, ModelSequenceBatching
+        from trionserve._generated.model_config_pb2 import DataType, ModelSequenceBatching
 
         kind_name = ModelSequenceBatching.Control.Kind.Name
         self._shape = (1, 1) if config.max_batch_size > 0 else (1,)

@@ -113,7 +113,7 @@ def _initial_value(state, initial, datatype, model_dir: Path, where: str) -> np.
 
 
 def _type_name(value: int) -> str:
-    from trionserve.repository.model_config_pb2 import DataType
+    from trionserve._generated.model_config_pb2 import DataType
 
     return DataType.Name(value)
 

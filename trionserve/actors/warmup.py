@@ -21,7 +21,7 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, Tensor
-from trionserve.repository.model_config_pb2 import DataType
+from trionserve._generated.model_config_pb2 import DataType
 
 WARMUP_FOLDER = "warmup"
 

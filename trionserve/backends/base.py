@@ -21,7 +21,7 @@ from trionserve.core.errors import TritonError
 from trionserve.core.types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
-    from trionserve.repository.model_config_pb2 import ModelConfig
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 
 class InferenceService(Protocol):

@@ -133,7 +133,7 @@ class OnnxRuntimeBackend:
 
 
 def _config_data_type(name: str) -> int:
-    from trionserve.repository.model_config_pb2 import DataType
+    from trionserve._generated.model_config_pb2 import DataType
 
     return DataType.Value(name)
 
@@ -241,7 +241,7 @@ class OnnxInstance:
 
 
 def _data_type_name(value: int) -> str:
-    from trionserve.repository.model_config_pb2 import DataType
+    from trionserve._generated.model_config_pb2 import DataType
 
     return DataType.Name(value)
 

@@ -141,7 +141,7 @@ def bind_outputs(model: str, config_outputs: list[str]) -> dict[str, int]:
 
 
 def _type_name(value: int) -> str:
-    from trionserve.repository.model_config_pb2 import DataType
+    from trionserve._generated.model_config_pb2 import DataType
 
     return DataType.Name(value)
 

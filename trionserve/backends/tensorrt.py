@@ -118,7 +118,7 @@ def _engine_max_batch(tensors: list[EngineTensor]) -> int:
 
 def complete_config(config, tensors: list[EngineTensor], max_batch_size_set: bool) -> None:
     """Fill max_batch_size, inputs and outputs from the engine, like Triton."""
-    from trionserve.repository import model_config_pb2 as mc
+    from trionserve._generated import model_config_pb2 as mc
 
     by_name = {t.name: t for t in tensors}
     engine_max = _engine_max_batch(tensors)
@@ -180,7 +180,7 @@ def complete_config(config, tensors: list[EngineTensor], max_batch_size_set: boo
 
 
 def _type_name(value: int) -> str:
-    from trionserve.repository.model_config_pb2 import DataType
+    from trionserve._generated.model_config_pb2 import DataType
 
     return DataType.Name(value)
 

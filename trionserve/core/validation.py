@@ -60,7 +60,7 @@ class ModelSignature:
 
 
 def _type_name(value: int) -> str:
-    from trionserve.repository.model_config_pb2 import DataType
+    from trionserve._generated.model_config_pb2 import DataType
 
     return DataType.Name(value)
 

@@ -16,7 +16,7 @@ from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
 from trionserve.core.errors import InvalidArgument, Unavailable
-from trionserve.repository import model_config_pb2 as mc
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.versions import list_versions
 
 ModelConfig = mc.ModelConfig

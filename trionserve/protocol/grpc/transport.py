@@ -4,7 +4,7 @@ The gRPC service hands :class:`GrpcTransport` a table of :class:`Method` handler
 by request path; each handler sees only a :class:`GrpcCall` (request metadata,
 deadline, messages in and out) and ends the call by returning or raising
 :class:`GRPCError`. Everything HTTP/2 stays behind this interface
-(:mod:`~trionserve.protocol.grpc_connection`, :mod:`~trionserve.protocol.grpc_framing`),
+(:mod:`~trionserve.protocol.grpc.connection`, :mod:`~trionserve.protocol.grpc.framing`),
 so the transport can be swapped without touching the service.
 
 What it guarantees:
@@ -35,7 +35,7 @@ import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
-from trionserve.protocol.grpc_connection import Connection, GrpcCall, Method, TransportOptions
+from trionserve.protocol.grpc.connection import Connection, GrpcCall, Method, TransportOptions
 from trionserve.protocol.listeners import open_tcp_listeners
 
 log = structlog.get_logger(__name__)

@@ -31,7 +31,7 @@ from trionserve.core.types import (
     RequestedOutput,
     Tensor,
 )
-from trionserve.protocol import grpc_service_pb2 as pb
+from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.protocol.http_codec import (
     deserialize_bytes_tensor,
     parse_model_version,

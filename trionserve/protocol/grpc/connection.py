@@ -2,8 +2,8 @@
 
 :class:`Connection` owns the h2 state machine and every call on the connection;
 :class:`GrpcCall` is what a method handler sees of one call. Framing of messages
-and statuses is :mod:`trionserve.protocol.grpc_framing`'s; listening, and telling
-connections to drain, is :mod:`trionserve.protocol.grpc_transport`'s.
+and statuses is :mod:`trionserve.protocol.grpc.framing`'s; listening, and telling
+connections to drain, is :mod:`trionserve.protocol.grpc.transport`'s.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from grpclib.metadata import decode_metadata, decode_timeout
 from hyperframe import frame as hyperframe_frame
 from hyperframe.frame import GoAwayFrame
 
-from trionserve.protocol import grpc_framing
-from trionserve.protocol.grpc_framing import ACCEPT_ENCODING, ENCODINGS, status_headers
+from trionserve.protocol.grpc import framing as grpc_framing
+from trionserve.protocol.grpc.framing import ACCEPT_ENCODING, ENCODINGS, status_headers
 
 log = structlog.get_logger(__name__)
 

@@ -3,8 +3,8 @@
 Each method decodes its request message, calls the DataPlane and encodes the
 answer; TritonErrors become gRPC statuses with the same message text as over HTTP.
 HTTP/2 is the transport's business: h2 on Trio sockets
-(:mod:`trionserve.protocol.grpc_transport`) or grpcio's C-core server
-(:mod:`trionserve.protocol.grpc_grpcio`), chosen by ``--grpc-transport``; both
+(:mod:`trionserve.protocol.grpc.transport`) or grpcio's C-core server
+(:mod:`trionserve.protocol.grpc.grpcio`), chosen by ``--grpc-transport``; both
 offer the same Method table and call interface.
 """
 
@@ -34,9 +34,9 @@ from trionserve.observability.logging import update_settings as update_log_setti
 from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace import settings_to_grpc
-from trionserve.protocol import grpc_codec
-from trionserve.protocol import grpc_service_pb2 as pb
-from trionserve.protocol.grpc_transport import (
+from trionserve.protocol.grpc import codec as grpc_codec
+from trionserve._generated import grpc_service_pb2 as pb
+from trionserve.protocol.grpc.transport import (
     GrpcCall,
     GRPCError,
     GrpcTransport,
@@ -564,7 +564,7 @@ async def serve_grpc(
     service = GrpcService(dataplane, options, verbose)
     options = service.options
     if options.transport == "grpcio":
-        from trionserve.protocol.grpc_grpcio import GrpcioTransport
+        from trionserve.protocol.grpc.grpcio import GrpcioTransport
 
         transport = GrpcioTransport(
             service.methods(),

@@ -3,9 +3,9 @@
 grpcio does HTTP/2, framing, flow control, keepalive and compression in C; its
 sync server runs each call's Python side in a worker thread. Trio keeps owning
 everything else: every call's handler runs as a Trio task in this transport's
-nursery, exactly as on the h2 transport (:mod:`~trionserve.protocol.grpc_transport`),
+nursery, exactly as on the h2 transport (:mod:`~trionserve.protocol.grpc.transport`),
 and sees a :class:`GrpcioCall` with the same surface as
-:class:`~trionserve.protocol.grpc_connection.GrpcCall`. Messages stay bytes on
+:class:`~trionserve.protocol.grpc.connection.GrpcCall`. Messages stay bytes on
 both sides, so the service's own codec parses and builds the protobufs.
 
 The hand-offs between the two worlds:
@@ -48,7 +48,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from multidict import MultiDict
 
-from trionserve.protocol.grpc_connection import Method, TransportOptions
+from trionserve.protocol.grpc.connection import Method, TransportOptions
 
 log = structlog.get_logger(__name__)
 
@@ -114,7 +114,7 @@ def server_credentials(ssl) -> grpc.ServerCredentials:
 
 class GrpcioCall:
     """One call as its handler sees it: the same surface as the h2 transport's
-    :class:`~trionserve.protocol.grpc_connection.GrpcCall`.
+    :class:`~trionserve.protocol.grpc.connection.GrpcCall`.
 
     ``receive`` returns the next request message (None once the client finished
     sending, or, for client-streaming methods, once the server drains); ``send``
