@@ -574,3 +574,71 @@ def test_execute_errors_name_the_model_instance_as_triton_does(client):
     ), info.value.message()
 
 
+
+
+# -- 5. shutdown with open requests and stuck stubs --------------------------------------
+
+# Decoupled: holds its request open for ever (never sends the final flag).
+HOLD_OPEN = """
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.held = []
+
+    def execute(self, requests):
+        self.held.extend(requests)
+        pb_utils.Logger.log_info("hold_open: holding a request")
+        return None
+
+    def finalize(self):
+        threading.Event().wait()
+"""
+
+# Never returns from execute, and never finalizes.
+STUCK = """
+import threading
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        pb_utils.Logger.log_info("stuck: in execute")
+        threading.Event().wait()
+
+    def finalize(self):
+        threading.Event().wait()
+"""
+
+
+def test_shutdown_honours_the_exit_timeout_with_open_requests_and_stuck_stubs(tmp_path):
+    for name, config, source in (
+        ("hold_open", DECOUPLED_ECHO, HOLD_OPEN),
+        ("stuck", ECHO, STUCK),
+    ):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.py").write_text(textwrap.dedent(source))
+        (tmp_path / name / "config.pbtxt").write_text(
+            f'name: "{name}"\nbackend: "python"\n' + config
+        )
+    proc = ServerProcess(tmp_path, args=["--exit-timeout-secs=2"])
+    stream = None
+    try:
+        proc.wait_ready()
+        stream = Stream(proc)
+        stream.send("hold_open", 1)
+        stream.send("stuck", 1)
+        wait_for_log(proc, "hold_open: holding a request")
+        wait_for_log(proc, "stuck: in execute")
+        # hold_open's finalize never returns: the stub timeout (30 s) would hold
+        # the process well past the exit timeout (2 s).
+        assert proc.stop(timeout=20) == 1, proc.output()
+        assert "Exit timeout expired" in proc.output()
+    finally:
+        if stream is not None:
+            stream.close()
+        proc.close()

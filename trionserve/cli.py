@@ -441,6 +441,7 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         allow_client_shm=args.allow_client_shm,
         response_cache_bytes=cache_bytes,
         exit_timeout_secs=args.exit_timeout_secs,
+        exit_process=True,
         exit_on_error=args.exit_on_error,
         log_verbose=args.log_verbose,
         log_format="json" if args.log_format == "json" else "console",

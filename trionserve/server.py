@@ -14,8 +14,12 @@ once.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import signal
+import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,6 +89,10 @@ class ServerOptions:
     log_warning: bool = True
     log_error: bool = True
     server_id: str = "trionserve"
+    # The command line's server owns its process: once the exit timeout has passed,
+    # work that still holds it (a stub's finalize, a backend's release) is cut and
+    # the process exits. False when serving inside another program.
+    exit_process: bool = False
 
     @property
     def autocomplete(self) -> bool:
@@ -226,6 +234,7 @@ class Server:
             await self._unload_all(max(0.0, self._drain_deadline - trio.current_time()))
             await self.dataplane.tracing.aclose()
             log.info("server stopped", exit_code=self.exit_code)
+            self._exit_process_soon()
             nursery.cancel_scope.cancel()
 
     async def _drain(self) -> None:
@@ -266,7 +275,29 @@ class Server:
         with trio.move_on_after(timeout) as scope:
             await self.registry.unload_all()
         if scope.cancelled_caught:
+            self.exit_code = 1
             log.warning("models did not unload within the exit timeout")
+
+    def _exit_process_soon(self) -> None:
+        """With ``exit_process``: if what is left (model releases running in threads,
+        which cancellation cannot stop) still holds the process CLOSE_GRACE_SECS
+        from now, exit it (code 1), as Triton does once its exit timeout expired."""
+        if not self.options.exit_process:
+            return
+
+        def exit_now() -> None:
+            log.error(
+                "Exit timeout expired. Exiting immediately.",
+                left="model releases still running (a model's finalize, a stub process)",
+            )
+            sys.stdout.flush()
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(1)
+
+        timer = threading.Timer(CLOSE_GRACE_SECS, exit_now)
+        timer.daemon = True
+        timer.start()
 
     async def _watch_signals(self, everything: trio.CancelScope) -> None:
         """First signal: graceful shutdown. Second signal: stop at once."""
@@ -277,6 +308,7 @@ class Server:
                     if self._shutdown.is_set() and not self.dataplane.drained():
                         self.exit_code = 1
                     self.shutdown()
+                    self._exit_process_soon()
                     everything.cancel()
                     return
                 log.info("shutdown requested", signal=signal.Signals(signum).name)
