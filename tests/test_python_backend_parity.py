@@ -27,8 +27,6 @@ from tests.serverproc import EXAMPLES, ServerProcess
 from tests.test_python_backend import ECHO, i32_inputs
 from tests.test_python_backend import MODELS as BASE_MODELS
 
-pytest.importorskip("trionserve.protocol.grpc.service")
-
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 B = np.full((1, 16), 3, dtype=np.int32)
 
