@@ -557,13 +557,14 @@ def test_an_exception_after_the_final_response_is_logged(server):
     assert "RuntimeError" in output
 
 
-def test_execute_errors_name_the_model_instance_as_triton_does(client):
+def test_execute_errors_name_the_model_instance_as_triton_does(client, server):
     with pytest.raises(InferenceServerException) as info:
         echo(client, "sender_rules", 6)
     assert str(info.value.message()).startswith(
         "Failed to process the request(s) for model 'sender_rules_0_0', message: "
     ), info.value.message()
     assert "six is not served" in info.value.message()
+    wait_for_log(server, "six is not served")  # and logged, as Triton's stub does
     with pytest.raises(InferenceServerException) as info:
         echo(client, "crash", 1)
     assert info.value.message().startswith(

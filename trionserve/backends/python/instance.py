@@ -312,6 +312,8 @@ class PythonInstance:
                 release_outputs(encoded, self._stub.endpoint)
             return
         if message["error"] is not None:
+            # Logged as Triton's stub logs it (pb_stub.cc ProcessRequests).
+            log.error("execute raised", source=self.label, error=message["error"])
             error = InternalError(message["error"])
             for key, request in zip(call.keys, call.requests):
                 self._close_open(key)

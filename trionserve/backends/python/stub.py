@@ -8,9 +8,10 @@ first message says what to do: ``auto_complete`` (call the model class's static
 Threads while serving: the main thread runs the model's ``execute`` and
 ``finalize``, one call at a time; a reader thread takes the server's messages as
 they come (execute and finalize jobs, BLS results, cancellations) and ends the
-process when the server goes away; the model's own threads may send decoupled
-responses or make BLS calls at any time; an asyncio loop thread runs
-``async def execute`` coroutines.
+process when the server goes away; the model's own threads may send responses
+or make BLS calls at any time; an asyncio loop thread runs ``async def execute``
+coroutines; a last thread ends the requests whose response senders the model
+released without their final response (so every request is answered).
 """
 
 from __future__ import annotations
