@@ -6,7 +6,7 @@ import gzip
 import zlib
 
 import pytest
-from grpclib.metadata import decode_grpc_message
+from trionserve.protocol.grpc.status import decode_grpc_message
 
 from trionserve.protocol.grpc.framing import (
     MessageReader,

@@ -20,7 +20,7 @@ import h2.events
 import pytest
 import trio
 import trio.testing
-from grpclib.metadata import decode_grpc_message
+from trionserve.protocol.grpc.status import decode_grpc_message
 
 from trionserve.protocol.grpc.transport import (
     GRPCError,
@@ -47,7 +47,7 @@ class Handlers:
 
     async def metadata(self, call: GrpcCall) -> None:
         await call.receive()
-        await call.send(call.metadata.get("x-key", "").encode())
+        await call.send(dict(call.metadata).get("x-key", "").encode())
 
     async def wait(self, call: GrpcCall) -> None:
         self.entered.set()

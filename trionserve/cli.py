@@ -21,7 +21,7 @@ from trionserve.core.response_cache import parse_cache_config
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace import TraceConfig, parse_trace_config
-from trionserve.protocol.grpc.service import GRPC_TRANSPORTS, GrpcOptions, GrpcSsl
+from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
 from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
@@ -208,9 +208,6 @@ def _config_name(text: str) -> str:
 
 def _add_grpc_flags(add) -> None:
     """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
-    add("--grpc-transport", choices=GRPC_TRANSPORTS, type=str.lower,
-        help="h2 (HTTP/2 in Python on Trio sockets, the default) or grpcio "
-        "(grpcio's C-core server, faster); $TRIONSERVE_GRPC_TRANSPORT sets the default")
     add("--grpc-header-forward-pattern", type=_header_pattern, metavar="REGEX",
         help="forward request headers matching REGEX (case-insensitive; (?-i) "
              "prefix: case-sensitive) to the model as parameters")
@@ -229,15 +226,14 @@ def _add_grpc_flags(add) -> None:
                           ("--grpc-http2-min-recv-ping-interval-without-data", 300_000),
                           ("--grpc-http2-max-ping-strikes", 2)):
         add(flag, type=_non_negative_int, default=default, metavar="N",
-            help="client ping policy, enforced by --grpc-transport=grpcio (the h2 "
-            "transport accepts it and does not police pings)")
+            help="client ping policy: accepted, not policed")
 
 
 def _add_grpc_ssl_flags(add) -> None:
-    """tritonserver's gRPC TLS and connection-age flags (grpcio transport)."""
+    """tritonserver's gRPC TLS and connection-age flags."""
     add("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL",
         help="serve gRPC over TLS with --grpc-server-cert and --grpc-server-key "
-             "(grpcio transport, chosen when --grpc-transport is not given)")
+             "(PEM files)")
     add("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL",
         help="TLS requiring client certificates signed by --grpc-root-cert; implies "
              "--grpc-use-ssl")
@@ -246,9 +242,9 @@ def _add_grpc_ssl_flags(add) -> None:
     add("--grpc-root-cert", metavar="PEM",
         help="the CA certificate client certificates must chain to (PEM file)")
     add("--grpc-max-connection-age", type=_non_negative_int, metavar="MS",
-        help="close connections older than MS milliseconds (grpcio transport)")
+        help="accepted, no effect: connections are not closed by age")
     add("--grpc-max-connection-age-grace", type=_non_negative_int, metavar="MS",
-        help="time calls get to finish once a connection reached its age (grpcio)")
+        help="accepted, no effect (see --grpc-max-connection-age)")
 
 
 def _grpc_ssl(parser, args) -> GrpcSsl | None:
@@ -267,9 +263,6 @@ def _grpc_ssl(parser, args) -> GrpcSsl | None:
                          f"requires {flag}")
         if not os.access(path, os.R_OK) or not Path(path).is_file():
             parser.error(f"{flag}: cannot read '{path}'")
-    if args.grpc_transport == "h2":
-        parser.error("--grpc-use-ssl requires --grpc-transport=grpcio: the h2 transport "
-                     "serves plaintext only")
     return GrpcSsl(
         server_cert=args.grpc_server_cert,
         server_key=args.grpc_server_key,
@@ -339,14 +332,8 @@ def _trace_config(parser, args) -> TraceConfig:
 
 
 def _grpc_options(parser, args) -> GrpcOptions:
-    ssl = _grpc_ssl(parser, args)
-    transport = args.grpc_transport
-    if ssl is not None:
-        transport = "grpcio"  # the transport that does TLS; h2 was refused above
     return GrpcOptions(
-        ssl=ssl,
-        max_connection_age_ms=args.grpc_max_connection_age,
-        max_connection_age_grace_ms=args.grpc_max_connection_age_grace,
+        ssl=_grpc_ssl(parser, args),
         header_forward_pattern=args.grpc_header_forward_pattern,
         **({"infer_allocation_pool_size": args.grpc_infer_allocation_pool_size}
            if args.grpc_infer_allocation_pool_size is not None else {}),
@@ -359,7 +346,6 @@ def _grpc_options(parser, args) -> GrpcOptions:
             args.grpc_http2_min_recv_ping_interval_without_data
         ),
         http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
-        **({"transport": transport} if transport else {}),
     )
 
 
@@ -396,17 +382,16 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
     # Flags for what trionserve does not have: refused here, or noted at start.
     args.compat_notes = compat_notes(parser, args)
     grpc = replace(_grpc_options(parser, args), reuse_port=reuse_port or args.reuse_grpc_port)
-    if grpc.transport == "h2" and args.grpc_max_connection_age is not None:
+    if args.grpc_max_connection_age is not None:
         args.compat_notes.append(
-            "--grpc-max-connection-age has no effect with --grpc-transport=h2"
+            "--grpc-max-connection-age has no effect in trionserve: connections are "
+            "not closed by age"
         )
     if args.grpc_infer_allocation_pool_size is not None:
         args.compat_notes.append(
             f"--grpc-infer-allocation-pool-size={args.grpc_infer_allocation_pool_size} has "
             "no effect in trionserve: gRPC responses are built for each call"
         )
-    if grpc.ssl is not None and args.grpc_transport is None:
-        args.compat_notes.append("gRPC transport: grpcio, the one that serves TLS")
     return ServerOptions(
         model_repositories=args.model_repositories,
         model_control_mode=mode,

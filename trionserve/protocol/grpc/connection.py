@@ -23,14 +23,12 @@ import hpack
 import numpy as np
 import structlog
 import trio
-from grpclib.const import Status
-from grpclib.exceptions import GRPCError
-from grpclib.metadata import decode_metadata, decode_timeout
 from hyperframe import frame as hyperframe_frame
 from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc.framing import ACCEPT_ENCODING, ENCODINGS, status_headers
+from trionserve.protocol.grpc.status import GRPCError, Status, decode_metadata, decode_timeout
 
 log = structlog.get_logger(__name__)
 
@@ -177,6 +175,8 @@ class TransportOptions:
     # How long a closing connection waits for the client to close its side, and a
     # draining one for the ack of its first GOAWAY's ping.
     linger: float = 1.0
+    # Seconds a TLS client gets to complete its handshake.
+    handshake_timeout: float = 10.0
     # Bind with SO_REUSEPORT: worker processes share the port (--workers).
     reuse_port: bool = False
 
@@ -327,7 +327,7 @@ class Connection:
 
     def __init__(
         self,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         methods: Mapping[bytes, Method],
         options: TransportOptions,
         draining: trio.Event,
@@ -753,7 +753,9 @@ class Connection:
         if self._closing:
             with trio.move_on_after(self.options.linger):
                 try:
-                    await self.stream.send_eof()
+                    # A TLS stream cannot half-close: the client closes on the GOAWAY.
+                    if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                        await self.stream.send_eof()
                     while await self.stream.receive_some(65536):
                         pass
                 except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
@@ -829,9 +831,11 @@ def _coalesce(buffers: list) -> list:
     return out
 
 
-def _peer_name(stream: trio.SocketStream) -> str:
+def _peer_name(stream: trio.abc.Stream) -> str:
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
     try:
-        host, port, *_ = stream.socket.getpeername()
+        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
     except (OSError, ValueError, AttributeError):
         return "unknown"
     return f"{host}:{port}"

@@ -11,9 +11,7 @@ from __future__ import annotations
 import gzip
 import zlib
 
-from grpclib.const import Status
-from grpclib.exceptions import GRPCError
-from grpclib.metadata import encode_grpc_message
+from trionserve.protocol.grpc.status import GRPCError, Status, encode_grpc_message
 
 # The length prefix is 32 bits: the most any message can be.
 MAX_MESSAGE_SIZE = 2**32 - 1

@@ -2,18 +2,16 @@
 
 Each method decodes its request message, calls the DataPlane and encodes the
 answer; TritonErrors become gRPC statuses with the same message text as over HTTP.
-HTTP/2 is the transport's business: h2 on Trio sockets
-(:mod:`trionserve.protocol.grpc.transport`) or grpcio's C-core server
-(:mod:`trionserve.protocol.grpc.grpcio`), chosen by ``--grpc-transport``; both
-offer the same Method table and call interface.
+HTTP/2 (and TLS) is the transport's business: h2 on Trio sockets
+(:mod:`trionserve.protocol.grpc.transport`), behind a Method table and a call
+interface.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import structlog
@@ -43,6 +41,7 @@ from trionserve.protocol.grpc.transport import (
     Method,
     Status,
     TransportOptions,
+    server_ssl_context,
 )
 from trionserve.protocol.http_codec import parse_model_version
 
@@ -57,27 +56,6 @@ STREAM_PENDING_LIMIT = 1024
 # --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
 
-# --grpc-transport choices. grpcio serves 1.4-1.9x the calls of h2 side by side
-# (benchmarks/README.md) but stays opt-in: a call that reaches grpcio's C-core in
-# the instant its server stops is answered CANCELLED (about 1 run in 10 of
-# tests/test_drain.py::test_sigterm_drains_in_flight_requests), where h2's
-# two-step GOAWAY answers it. TRIONSERVE_GRPC_TRANSPORT sets the default, so that
-# a test run can exercise the other transport without changing every server it
-# starts.
-GRPC_TRANSPORTS = ("h2", "grpcio")
-DEFAULT_GRPC_TRANSPORT = "h2"
-
-
-def default_grpc_transport() -> str:
-    transport = os.environ.get("TRIONSERVE_GRPC_TRANSPORT") or DEFAULT_GRPC_TRANSPORT
-    if transport not in GRPC_TRANSPORTS:
-        raise ValueError(
-            f"TRIONSERVE_GRPC_TRANSPORT must be one of {', '.join(GRPC_TRANSPORTS)}, "
-            f"got {transport!r}"
-        )
-    return transport
-
-
 # Methods whose feature lands later: they answer UNIMPLEMENTED with this text.
 _NOT_YET: dict[str, str] = {}
 
@@ -86,8 +64,7 @@ _NOT_YET: dict[str, str] = {}
 class GrpcSsl:
     """TLS for the gRPC endpoint (--grpc-use-ssl, --grpc-use-ssl-mutual): PEM files.
 
-    Served by the grpcio transport only; ``mutual`` requires and verifies a
-    client certificate signed by ``root_cert``.
+    ``mutual`` requires and verifies a client certificate signed by ``root_cert``.
     """
 
     server_cert: str
@@ -110,25 +87,17 @@ class GrpcOptions:
     keepalive_time_ms: int = 7_200_000
     keepalive_timeout_ms: int = 20_000
     keepalive_permit_without_calls: bool = False
-    # Client ping policing: grpcio enforces them (as Triton does); the h2
-    # transport accepts them and does not police pings.
+    # Client ping policy (Triton passes these to grpcio): accepted; the h2
+    # transport does not police pings.
     http2_max_pings_without_data: int = 2
     http2_min_recv_ping_interval_without_data_ms: int = 300_000
     http2_max_ping_strikes: int = 2
     # Largest request message accepted; None: no limit (like Triton).
     max_message_size: int | None = None
-    # Bind with SO_REUSEPORT so that worker processes share the port (--workers);
-    # a transport on grpcio maps it to the "grpc.so_reuseport" option (grpcio's
-    # default is on: it must be set to 0 when this is false).
+    # Bind with SO_REUSEPORT so that worker processes share the port (--workers).
     reuse_port: bool = False
-    # "h2": h2 on Trio sockets; "grpcio": grpcio's C-core server (--grpc-transport).
-    transport: str = field(default_factory=default_grpc_transport)
-    # TLS (grpcio transport only); None: plaintext.
+    # TLS; None: plaintext.
     ssl: GrpcSsl | None = None
-    # --grpc-max-connection-age(-grace): grpcio closes connections older than
-    # this (load balancers then spread clients anew); None: never.
-    max_connection_age_ms: int | None = None
-    max_connection_age_grace_ms: int | None = None
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
@@ -141,24 +110,6 @@ class GrpcOptions:
             ],
             reuse_port=self.reuse_port,
         )
-
-    def grpcio_arguments(self) -> list[tuple[str, int]]:
-        """The ping policy as grpcio server arguments (Triton passes the same)."""
-        return [
-            ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
-            (
-                "grpc.http2.min_ping_interval_without_data_ms",
-                self.http2_min_recv_ping_interval_without_data_ms,
-            ),
-            ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes),
-        ] + [
-            (name, value)
-            for name, value in (
-                ("grpc.max_connection_age_ms", self.max_connection_age_ms),
-                ("grpc.max_connection_age_grace_ms", self.max_connection_age_grace_ms),
-            )
-            if value is not None
-        ]
 
 
 def grpc_error(error: TritonError) -> GRPCError:
@@ -537,7 +488,7 @@ class GrpcService:
     def _forward_headers(self, call: GrpcCall, request: InferenceRequest) -> None:
         if self._forward is None:
             return
-        for key, value in call.metadata.items():
+        for key, value in call.metadata:
             if isinstance(value, str) and self._forward.search(key):
                 request.parameters.setdefault(key, value)
 
@@ -563,19 +514,14 @@ async def serve_grpc(
     """Serve gRPC until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     service = GrpcService(dataplane, options, verbose)
     options = service.options
-    if options.transport == "grpcio":
-        from trionserve.protocol.grpc.grpcio import GrpcioTransport
-
-        transport = GrpcioTransport(
-            service.methods(),
-            options.transport_options(),
-            options.grpcio_arguments(),
-            ssl=options.ssl,
-        )
-    else:
-        if options.ssl is not None:
-            raise ValueError(
-                "gRPC over SSL/TLS needs the grpcio transport (--grpc-transport=grpcio)"
-            )
-        transport = GrpcTransport(service.methods(), options.transport_options())
+    transport = GrpcTransport(
+        service.methods(),
+        options.transport_options(),
+        ssl_context=None if options.ssl is None else server_ssl_context(
+            options.ssl.server_cert,
+            options.ssl.server_key,
+            options.ssl.root_cert,
+            mutual=options.ssl.mutual,
+        ),
+    )
     await transport.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

@@ -13,6 +13,8 @@ What it guarantees:
   the stream (cancel, its own deadline) or drops the connection cancels that task;
   a ``grpc-timeout`` that passes cancels it and answers DEADLINE_EXCEEDED.
 - Every non-OK status carries a percent-encoded ``grpc-message``.
+- TLS when given an ``ssl.SSLContext`` (ALPN ``h2``, as gRPC clients require); a
+  connection whose handshake does not finish within ``handshake_timeout`` is closed.
 - HTTP/2 flow control with large windows (16 MiB by default); a handler that does
   not take its messages holds the client back instead of buffering without bound.
 - Shutdown (``shutdown`` set: the server sets it once its drain is over, see
@@ -27,20 +29,43 @@ What it guarantees:
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
 from functools import partial
 
 import structlog
 import trio
-from grpclib.const import Status
-from grpclib.exceptions import GRPCError
 
 from trionserve.protocol.grpc.connection import Connection, GrpcCall, Method, TransportOptions
+from trionserve.protocol.grpc.status import GRPCError, Status
 from trionserve.protocol.listeners import open_tcp_listeners
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["GrpcCall", "GrpcTransport", "Method", "TransportOptions", "GRPCError", "Status"]
+__all__ = [
+    "GrpcCall",
+    "GrpcTransport",
+    "Method",
+    "TransportOptions",
+    "GRPCError",
+    "Status",
+    "server_ssl_context",
+]
+
+
+def server_ssl_context(
+    cert_file: str, key_file: str, root_cert_file: str | None = None, *, mutual: bool = False
+) -> ssl.SSLContext:
+    """A server TLS context for gRPC: TLS 1.2 or later, ALPN ``h2``; with ``mutual``,
+    client certificates are required and must chain to ``root_cert_file``."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert_file, key_file)
+    if root_cert_file is not None:
+        context.load_verify_locations(root_cert_file)
+    context.verify_mode = ssl.CERT_REQUIRED if mutual else ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    return context
 
 
 class GrpcTransport:
@@ -52,9 +77,15 @@ class GrpcTransport:
     after ``graceful_timeout`` seconds. Connections are children of its nursery.
     """
 
-    def __init__(self, methods: Mapping[str, Method], options: TransportOptions) -> None:
+    def __init__(
+        self,
+        methods: Mapping[str, Method],
+        options: TransportOptions,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._methods = {path.encode("latin-1"): m for path, m in methods.items()}
         self._options = options
+        self._ssl_context = ssl_context
 
     async def serve(
         self,
@@ -87,7 +118,22 @@ class GrpcTransport:
                 handler_nursery=nursery,
             )
 
-    async def _connection(self, stream: trio.SocketStream, draining: trio.Event) -> None:
+    async def _connection(self, socket_stream: trio.SocketStream, draining: trio.Event) -> None:
+        stream: trio.abc.Stream = socket_stream
+        if self._ssl_context is not None:
+            tls = trio.SSLStream(socket_stream, self._ssl_context, server_side=True)
+            with trio.move_on_after(self._options.handshake_timeout) as handshake:
+                try:
+                    await tls.do_handshake()
+                except trio.BrokenResourceError as exc:  # not TLS, no client certificate...
+                    log.debug("grpc TLS handshake failed", error=repr(exc.__cause__ or exc))
+                    await trio.aclose_forcefully(socket_stream)
+                    return
+            if handshake.cancelled_caught:
+                log.debug("grpc TLS handshake timed out")
+                await trio.aclose_forcefully(socket_stream)
+                return
+            stream = tls
         connection = Connection(stream, self._methods, self._options, draining)
         # Trio reports a peer's reset from inside the connection's nursery as an
         # ExceptionGroup, hence except*: one broken client must never stop the server.
