@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.core.datatypes import BY_WIRE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
 from trionserve.core.shared_memory import SystemSharedMemory
@@ -31,7 +32,6 @@ from trionserve.core.types import (
     RequestedOutput,
     Tensor,
 )
-from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.protocol.http_codec import (
     deserialize_bytes_tensor,
     parse_model_version,

@@ -19,6 +19,7 @@ import trio
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.core.errors import (
     InvalidArgument,
     TritonError,
@@ -33,7 +34,6 @@ from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
-from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.protocol.grpc.transport import (
     GrpcCall,
     GRPCError,

@@ -36,7 +36,12 @@ from functools import partial
 import structlog
 import trio
 
-from trionserve.protocol.grpc.connection import Connection, GrpcCall, Method, TransportOptions
+from trionserve.protocol.grpc.connection import (
+    Connection,
+    GrpcCall,
+    Method,
+    TransportOptions,
+)
 from trionserve.protocol.grpc.status import GRPCError, Status
 from trionserve.protocol.listeners import open_tcp_listeners
 

@@ -1,0 +1,130 @@
+"""Where trionserve leans on private parts of h2, hpack and hyperframe: only here.
+
+Each use below goes past a library's public API for speed on the gRPC hot path,
+and each is checked by ``tests/test_upstream_internals.py``, which fails when an
+upstream release changes what it relies on; pyproject.toml bounds these
+libraries below their next minor release until that test passes on it.
+
+- hyperframe: ``DataFrame._body_repr`` replaced, using ``frame._raw_data_repr``.
+- hpack: ``Encoder.header_table.resized`` and ``.dynamic_entries`` read.
+- h2: ``H2Connection._prepare_for_sending`` overridden and ``_data_to_send`` read
+  (large DATA payloads written from their own buffers); ``encoder`` replaced.
+
+protobuf's private symbol database (``builder._sym_db``) is used in one place
+too: :mod:`trionserve._generated.protopool`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import h2.config
+import h2.connection
+import hpack
+import numpy as np
+from hyperframe import frame as hyperframe_frame
+
+__all__ = ["CachingEncoder", "H2Connection"]
+
+
+def _data_frame_repr(frame) -> str:
+    # The text hyperframe gives (hex of the first bytes, cut to 20 characters),
+    # from those first bytes only.
+    return hyperframe_frame._raw_data_repr(bytes(memoryview(frame.data)[:11]))
+
+
+# h2 formats repr(frame) for a trace log of every frame it receives, even with
+# logging off, and hyperframe's repr of a DATA frame re-serializes and hex-encodes
+# the whole payload before cutting it to 20 characters: for megabyte messages
+# that cost more than the rest of the receive path. Same text, from 11 bytes.
+hyperframe_frame.DataFrame._body_repr = _data_frame_repr
+
+
+_FRAME_HEADER = struct.Struct(">HBBBL")
+_DATA_FRAME = 0x0
+_END_STREAM = 0x1
+
+
+class CachingEncoder(hpack.Encoder):
+    """h2's HPACK encoder, with the blocks of constant header lists encoded once.
+
+    Every successful call answers with the same response headers and the same
+    trailers; HPACK-encoding them per call cost more than the rest of sending
+    them. The cached blocks use only the static table and literals that are never
+    indexed, so they are valid whatever the dynamic table holds and leave it as
+    it is. A pending table size update goes out with h2's own encoding first.
+    """
+
+    def __init__(self, constant: Sequence[Sequence[tuple[bytes, bytes]]]) -> None:
+        super().__init__()
+        self._blocks = {tuple(headers): _state_free_block(headers) for headers in constant}
+
+    def encode(self, headers, huffman: bool = True) -> bytes:
+        if not self.header_table.resized:
+            block = self._blocks.get(tuple(headers))
+            if block is not None:
+                return block
+        return super().encode(headers, huffman)
+
+
+def _state_free_block(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    encoder = hpack.Encoder()
+    block = encoder.encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in headers])
+    assert not encoder.header_table.dynamic_entries  # only the static table is used
+    return block
+
+
+class H2Connection(h2.connection.H2Connection):
+    """h2's state machine, with large DATA payloads written from their own buffers.
+
+    h2 serializes every frame into one bytearray and hands out a copy of it: a
+    4 MB message would be copied four times before the socket. A payload passed
+    to ``send_data`` as a uint8 array (a view of the message) skips that: h2 still
+    does the stream state and flow-control accounting, and the frame goes out as
+    its 9-byte header and the view, in order with h2's other output. Read the
+    output with ``buffers_to_send``.
+    """
+
+    def __init__(
+        self,
+        constant_headers: Sequence[Sequence[tuple[bytes, bytes]]],
+        config: h2.config.H2Configuration,
+    ) -> None:
+        super().__init__(config)
+        self.encoder = CachingEncoder(constant_headers)
+        self._buffers: list = []
+
+    def _prepare_for_sending(self, frames) -> None:
+        for frame in frames:
+            if type(frame) is hyperframe_frame.DataFrame and type(frame.data) is np.ndarray:
+                break
+        else:  # no payload views: h2's own serialization
+            super()._prepare_for_sending(frames)
+            return
+        for frame in frames:
+            if type(frame) is hyperframe_frame.DataFrame and type(frame.data) is np.ndarray:
+                pending = self.data_to_send()
+                if pending:
+                    self._buffers.append(pending)
+                size = frame.body_len = len(frame.data)  # never padded: we pass no pad_length
+                flags = _END_STREAM if "END_STREAM" in frame.flags else 0
+                self._buffers.append(
+                    _FRAME_HEADER.pack(
+                        (size >> 8) & 0xFFFF, size & 0xFF, _DATA_FRAME, flags, frame.stream_id
+                    )
+                )
+                self._buffers.append(frame.data)
+            else:
+                super()._prepare_for_sending([frame])
+
+    def has_output(self) -> bool:
+        return bool(self._buffers or self._data_to_send)
+
+    def buffers_to_send(self) -> list:
+        """Everything to write, in order: bytes, and payload views."""
+        buffers, self._buffers = self._buffers, []
+        tail = self.data_to_send()
+        if tail:
+            buffers.append(tail)
+        return buffers
