@@ -272,6 +272,7 @@ class TritonPythonModel:
 
     def respond(self, request):
         sender = request.get_response_sender()
+        pb_utils.Logger.log_info("barrier_child: waiting")
         try:
             self.barrier.wait()
             value = 1
@@ -313,6 +314,32 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(
                 [pb_utils.Tensor("OUTPUT0", np.array([total], np.int32))]))
         return responses
+""",
+)
+
+# Decoupled async execute: one decoupled BLS call per request, iterated as
+# upstream's models do (synchronously, in the coroutine).
+MODELS["bls_async_stream"] = (
+    DECOUPLED_ECHO,
+    """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        for request in requests:
+            call = pb_utils.InferenceRequest(
+                model_name="barrier_child", requested_output_names=["OUTPUT0"],
+                inputs=[pb_utils.get_input_tensor_by_name(request, "INPUT0")],
+            )
+            iterator = await call.async_exec(decoupled=True)
+            sender = request.get_response_sender()
+            for response in iterator:
+                out = pb_utils.get_output_tensor_by_name(response, "OUTPUT0")
+                if out is not None:
+                    sender.send(pb_utils.InferenceResponse([out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
 """,
 )
 
@@ -519,8 +546,28 @@ def test_the_empty_final_response_always_reaches_the_iterator(client):
     assert counts == [4] * 30  # three responses and the empty final one, every time
 
 
-def test_async_exec_of_decoupled_calls_overlap(client):
+def test_async_exec_of_decoupled_calls_overlap(client, server):
     assert echo(client, "bls_gather", 1) == [3]
+    # Three requests, three executes of an async decoupled model: the later ones'
+    # BLS calls are made while the first waits for its first response
+    # (barrier_child answers all three at once).
+    stream = Stream(server)
+    try:
+        waiting = server.output().count("barrier_child: waiting")
+        stream.send("bls_async_stream", 1)
+        # The first call waits in barrier_child before the other two are sent.
+        deadline = time.monotonic() + 30
+        while server.output().count("barrier_child: waiting") == waiting:
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.05)
+        stream.send("bls_async_stream", 1)
+        stream.send("bls_async_stream", 1)
+        for _ in range(3):
+            result, error = stream.next()
+            assert error is None, error
+            assert result.as_numpy("OUTPUT0").tolist() == [1]
+    finally:
+        stream.close()
 
 
 # -- 4. cancellation reaches the model at once -------------------------------------------------

@@ -65,11 +65,21 @@ class _BLSCall:
         self.id = call_id
         self.responses: queue.SimpleQueue = queue.SimpleQueue()
         self.finished = False
+        self._first: tuple | None = None
+
+    def wait_first(self) -> None:
+        """Block until the first response is here, as Triton's ``exec(decoupled=
+        True)`` does: ``async_exec`` then waits in its executor thread, not in the
+        event loop when the model iterates."""
+        self._first = self.responses.get()
 
     def next_response(self):
         if self.finished:
             raise StopIteration
-        response, final = self.responses.get()
+        if self._first is not None:
+            (response, final), self._first = self._first, None
+        else:
+            response, final = self.responses.get()
         if final:
             self.finished = True
             if response is None:
@@ -382,6 +392,7 @@ class StubRuntime:
             }
         )
         if decoupled:
+            call.wait_first()
             return self.pb.ResponseIterator(call)
         return call.next_response()
 
