@@ -432,3 +432,5 @@ def test_stream_error_names_the_request():
     assert message.error_message == "it broke"
     assert message.infer_response.id == "bad-1"
     assert message.infer_response.model_name == "simple"
+    # The error ends the request (Triton's stream handler flags it too).
+    assert message.infer_response.parameters["triton_final_response"].bool_param is True

@@ -108,7 +108,7 @@ async def test_many_responses_per_request():
     received = await run_stream(
         [{"value": 10.0, "request_id": "a", "parameters": {"count": 3, "end": "last"}}]
     )
-    assert summary(received) == [("a", 10.0, None), ("a", 11.0, None), ("a", 12.0, None)]
+    assert summary(received) == [("a", 10.0, False), ("a", 11.0, False), ("a", 12.0, True)]
 
 
 async def test_final_flags_and_empty_final_response_when_enabled():
@@ -127,14 +127,14 @@ async def test_final_flags_and_empty_final_response_when_enabled():
     assert last == [("last", 5.0, False), ("last", 6.0, True)]
     empty = [r for r, e in received if r.get_response().id == "bare"][-1].get_response()
     assert len(empty.outputs) == 0 and empty.model_name == "decoupled"
-    assert empty.model_version == "1"
+    assert empty.model_version == ""  # the request's, as in Triton
 
 
 async def test_bare_final_flag_is_not_sent_unless_asked():
     received = await run_stream(
         [{"value": 1.0, "request_id": "b", "parameters": {"count": 1, "end": "bare"}}]
     )
-    assert summary(received) == [("b", 1.0, None)]
+    assert summary(received) == [("b", 1.0, False)]
 
 
 async def test_error_after_some_responses_does_not_end_the_stream():
@@ -145,9 +145,9 @@ async def test_error_after_some_responses_does_not_end_the_stream():
         ]
     )
     got = summary(received)
-    assert [r for r in got if r[0] == "x"] == [("x", 1.0, None), ("x", 2.0, None)]
+    assert [r for r in got if r[0] == "x"] == [("x", 1.0, False), ("x", 2.0, False)]
     assert ("error", "model gave up on 'x' after 2 responses") in got
-    assert ("y", 7.0, None) in got
+    assert ("y", 7.0, True) in got
 
 
 async def test_responses_in_the_order_the_model_produces_them():

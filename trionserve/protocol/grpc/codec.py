@@ -245,17 +245,19 @@ def _decode_inputs(
             )
         has_contents = spec.HasField("contents")
         what = f"input '{name}'"
+        if has_contents and "shared_memory_region" in spec.parameters:
+            # Checked first: the request is wrong whatever the region (Triton's
+            # src/grpc/infer_handler.cc, same wording).
+            raise InvalidArgument(
+                "unexpected 'content' provided when using shared memory for "
+                f"input tensor '{name}' for model '{model}'"
+            )
         window = (
             _shared_memory_params(spec.parameters, what, shared_memory)
             if spec.parameters
             else None
         )
         if window is not None:
-            if has_contents:
-                raise InvalidArgument(
-                    "unexpected 'contents' provided when using shared memory for "
-                    f"input tensor '{name}' for model '{model}'"
-                )
             region, offset, byte_size = window
             view = shared_memory.view(region, offset, byte_size, what)  # type: ignore[union-attr]
             data = _raw_to_array(name, dt, shape, view)
@@ -420,8 +422,8 @@ def encode_infer_response(
 ) -> Chunks:
     """The serialized ModelInferResponse, as chunks to write in order.
 
-    ``final`` adds the ``triton_final_response`` parameter (streams whose client
-    enabled empty final responses). Outputs requested into a shared memory region
+    ``final`` adds the ``triton_final_response`` parameter (every response on a
+    stream carries it). Outputs requested into a shared memory region
     are written there, described by their region parameters, and keep an empty
     ``raw_output_contents`` entry so that entries stay aligned with outputs.
     """
@@ -465,13 +467,12 @@ def encode_infer_response(
     return chunks
 
 
-def encode_empty_final_response(
-    request: InferenceRequest, model_version: str = ""
-) -> Chunks:
-    """A response with no outputs that only says "this request is complete"."""
+def encode_empty_final_response(request: InferenceRequest) -> Chunks:
+    """A response with no outputs that only says "this request is complete"; it
+    names the request's model, version (as requested) and id, as Triton's does."""
     message = pb.ModelInferResponse(
         model_name=request.model_name,
-        model_version=model_version or _version_text(request),
+        model_version=_version_text(request),
         id=request.id,
     )
     message.parameters[FINAL_RESPONSE].bool_param = True
@@ -487,12 +488,14 @@ def encode_stream_response(inner: Chunks) -> Chunks:
 def encode_stream_error(
     message: str, request: InferenceRequest | pb.ModelInferRequest | None = None
 ) -> bytes:
-    """A ModelStreamInferResponse carrying an error; it names the request when known."""
+    """A ModelStreamInferResponse carrying an error, which ends its request; it
+    names the request when known, with ``triton_final_response`` true."""
     out = pb.ModelStreamInferResponse(error_message=message)
     if request is not None:
         response = out.infer_response
         response.model_name = request.model_name
         response.id = request.id
+        response.parameters[FINAL_RESPONSE].bool_param = True
         if isinstance(request, InferenceRequest):
             response.model_version = _version_text(request)
         else:

@@ -249,6 +249,11 @@ class GrpcService:
 
     async def log_settings(self, request: pb.LogSettingsRequest, call) -> Message:
         current = LOG_SETTINGS.as_dict()
+        if "log_file" in request.settings:
+            # Writing the log to a path a client names would let any client create
+            # or append to files (CVE-2024-0087); Triton refuses it the same way
+            # (src/grpc/grpc_server.cc, LogSettings).
+            raise Unimplemented("log file location can not be updated through network protocol")
         if request.settings:
             changes = {}
             for key, value in request.settings.items():
@@ -447,19 +452,19 @@ class GrpcService:
             self._forward_headers(call, request)
             if self.verbose or verbose_logging():
                 log.debug("stream infer request", model=request.model_name, id=request.id)
-            version = ""
 
+            # Every response says whether it is the request's last
+            # (triton_final_response), asked or not; a bare final flag becomes an
+            # empty response only for clients that enabled those (Triton's
+            # src/grpc/stream_infer_handler.cc, the response-complete callback).
             async def deliver(response: InferenceResponse | None, final: bool) -> None:
-                nonlocal version
                 if response is None:
                     if not empty_final:
                         return
-                    inner = grpc_codec.encode_empty_final_response(request, version)
+                    inner = grpc_codec.encode_empty_final_response(request)
                 else:
-                    version = response.model_version
-                    flag = final if empty_final else None
                     inner = grpc_codec.encode_infer_response(
-                        response, request, flag, shared_memory
+                        response, request, final, shared_memory
                     )
                 await call.send(grpc_codec.encode_stream_response(inner))
 
