@@ -14,7 +14,7 @@ from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature, TensorSpec
-from trionserve.protocol import generate_codec
+from trionserve.protocol.http import generate as generate_codec
 
 # -- the mapping ------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ import tritonclient.http as httpclient
 from tests.blocking_backend import GATE, make_model, wait_entered
 from tests.serverproc import free_port
 from tests.test_grpc_cancellation import Probe, executions_since, in_thread
-from trionserve.protocol.http import HttpOptions
+from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import Server, ServerOptions
 
 BODY = json.dumps(

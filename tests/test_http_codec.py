@@ -22,7 +22,7 @@ from trionserve.core.types import (
     RequestedOutput,
     Tensor,
 )
-from trionserve.protocol.http_codec import (
+from trionserve.protocol.http.codec import (
     decode_infer_request,
     deserialize_bytes_tensor,
     encode_error,

@@ -13,7 +13,7 @@ import trio
 import tritonclient.http as httpclient
 
 from tests.serverproc import ServerProcess
-from trionserve.protocol.http_server import H11Server, HttpServerOptions
+from trionserve.protocol.http.transport import H11Server, HttpServerOptions
 
 
 class App:

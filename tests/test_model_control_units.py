@@ -11,7 +11,7 @@ import pytest
 from tests.test_model_control_support import fake_model
 from trionserve.actors.lifecycle import prepare_model
 from trionserve.core.errors import InvalidArgument
-from trionserve.protocol.http import load_parameters, unload_parameters
+from trionserve.protocol.http.frontend import load_parameters, unload_parameters
 from trionserve.repository.changes import ConfigChange, LoadedSource, config_changes, plan_reload
 from trionserve.repository.overrides import is_override_dir, remove_override, write_override
 from trionserve.repository.repository import ModelRepository

@@ -22,7 +22,7 @@ from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
-from trionserve.protocol.http import HTTP_TRANSPORTS, HttpOptions
+from trionserve.protocol.http.frontend import HTTP_TRANSPORTS, HttpOptions
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
 from trionserve.workers import (

@@ -36,7 +36,7 @@ from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
 from trionserve.observability.trace import TraceConfig, TraceManager
 from trionserve.protocol.grpc.service import GrpcOptions, serve_grpc
-from trionserve.protocol.http import HttpOptions, serve_http
+from trionserve.protocol.http.frontend import HttpOptions, serve_http
 from trionserve.repository.repository import ModelRepository
 
 log = structlog.get_logger(__name__)

@@ -26,7 +26,7 @@ from simulations.scenarios.common import two_models
 from simulations.world import RequestRecord, TrackedRequest
 from trionserve.core.errors import TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
-from trionserve.protocol.http import HttpOptions, serve_http
+from trionserve.protocol.http.frontend import HttpOptions, serve_http
 
 WIRE = "every answered request gets exactly one outcome on the wire"
 SERVES = "the frontend keeps serving after clients disconnect"

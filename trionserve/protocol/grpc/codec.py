@@ -32,7 +32,7 @@ from trionserve.core.types import (
     RequestedOutput,
     Tensor,
 )
-from trionserve.protocol.http_codec import (
+from trionserve.protocol.http.codec import (
     deserialize_bytes_tensor,
     parse_model_version,
     serialize_bytes_tensor,

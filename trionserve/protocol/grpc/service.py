@@ -43,7 +43,7 @@ from trionserve.protocol.grpc.transport import (
     TransportOptions,
     server_ssl_context,
 )
-from trionserve.protocol.http_codec import parse_model_version
+from trionserve.protocol.http.codec import parse_model_version
 
 log = structlog.get_logger(__name__)
 

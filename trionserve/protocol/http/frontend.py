@@ -5,7 +5,7 @@ would cost more than the inference of a small model), everything else by a
 quart-trio app. Both only decode, call the DataPlane and encode.
 
 Two transports serve them (``HttpOptions.transport``): by default HTTP/1.1 with
-h11 on Trio sockets (:mod:`trionserve.protocol.http_server`), which calls the
+h11 on Trio sockets (:mod:`trionserve.protocol.http.transport`), which calls the
 infer handler directly and Quart through a minimal ASGI adapter; or hypercorn,
 with the whole frontend as one ASGI app.
 """
@@ -43,8 +43,8 @@ from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace import settings_from_json
-from trionserve.protocol import generate_codec, http_codec
-from trionserve.protocol.http_server import H11Server, HttpServerOptions
+from trionserve.protocol.http import codec as http_codec, generate as generate_codec
+from trionserve.protocol.http.transport import H11Server, HttpServerOptions
 from trionserve.protocol.listeners import reuse_port_binds
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX

@@ -31,7 +31,7 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
-from trionserve.protocol.http_codec import _json_output, _json_to_array
+from trionserve.protocol.http.codec import _json_output, _json_to_array
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 NOT_ONE_RESPONSE = (
