@@ -595,6 +595,8 @@ class Logger:
         if _runtime is None:
             print(f"[{level}] {message}", file=sys.stderr, flush=True)
         else:
+            if isinstance(message, (bytes, bytearray)):
+                message = bytes(message).decode("utf-8", "replace")
             _runtime.log(str(level), str(message))
 
     @staticmethod
