@@ -20,7 +20,22 @@ def test_defaults_are_tritons():
     assert transport.keepalive_timeout == 20.0
     assert transport.keepalive_permit_without_calls is False
     assert transport.response_compression_level is None
-    assert transport.max_message_size is None  # unlimited, like Triton
+    # Limits of ours (Triton has none): 64 MiB messages, as its HTTP body limit.
+    assert transport.max_message_size == 64 * 1024 * 1024
+    assert transport.max_concurrent_streams == 1024
+    assert transport.max_connection_buffer == 256 * 1024 * 1024
+
+
+def test_limit_flags():
+    options = grpc_options(
+        "--grpc-max-message-size=1048576",
+        "--grpc-max-concurrent-streams=8",
+        "--grpc-max-connection-buffer=2097152",
+    )
+    transport = options.transport_options()
+    assert transport.max_message_size == 1048576
+    assert transport.max_concurrent_streams == 8
+    assert transport.max_connection_buffer == 2097152
 
 
 def test_flags():

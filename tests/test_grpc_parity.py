@@ -175,3 +175,26 @@ def test_contents_and_shared_memory_on_one_input_is_invalid(server):
             stub.ModelInfer(request, timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "INPUT0" in info.value.details() and "shared memory" in info.value.details()
+
+
+# -- message size limits (issue 18 items 4 and 5) -------------------------------------
+
+
+def test_a_gzip_message_past_the_default_limit_is_resource_exhausted(server):
+    """64 MiB and 1 KiB of zeros, gzip-compressed to about 65 KiB on the wire: the
+    server stops decompressing at the limit instead of inflating it."""
+    request = service_pb2.ModelInferRequest(model_name="simple")
+    request.raw_input_contents.append(bytes(64 * 1024 * 1024 + 1024))
+    with grpc.insecure_channel(
+        f"127.0.0.1:{server.grpc_port}", compression=grpc.Compression.Gzip
+    ) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(request, timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max (67108864)" in info.value.details()
+    assert "--grpc-max-message-size" in info.value.details()
+    # The server goes on serving.
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    assert client.infer("simple", simple_inputs()).as_numpy("OUTPUT0").tolist()[0][0] == 2
+    client.close()

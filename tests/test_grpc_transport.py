@@ -17,6 +17,7 @@ import h2.config
 import h2.connection
 import h2.errors
 import h2.events
+import h2.settings
 import pytest
 import trio
 import trio.testing
@@ -351,7 +352,7 @@ async def test_request_message_rules():
             assert b"gzip" in client.headers(odd)[b"grpc-accept-encoding"]
             assert client.status(large) == (
                 Status.RESOURCE_EXHAUSTED.value,
-                "received message larger than max (1001 vs. 1000)",
+                "received message larger than max (1001 vs. 1000); see --grpc-max-message-size",
             )
             assert client.data[zipped] == frame(b"y" * 1000)
             assert client.status(bomb)[0] == Status.RESOURCE_EXHAUSTED.value
@@ -436,3 +437,54 @@ async def test_shutdown_drains_with_goaway_refusing_new_streams():
             await client.until(lambda c: c.closed)
             assert len(client.of(GoAway)) == 3
         assert handlers.cancelled == []
+
+
+class Fanout:
+    """A streaming method that answers each message from a task of its own (as the
+    ModelStreamInfer service does), with a large response; it counts the messages
+    it took."""
+
+    RESPONSE = b"r" * (256 * 1024)
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    async def __call__(self, call: GrpcCall) -> None:
+        async with trio.open_nursery() as nursery:
+            while await call.receive() is not None:
+                self.taken += 1
+                nursery.start_soon(call.send, self.RESPONSE)
+                await trio.lowlevel.checkpoint()  # the answer starts before the next
+
+
+async def test_a_client_that_reads_no_responses_holds_the_connection_back():
+    """Responses waiting for a window the client never grants count against the
+    connection's buffer: past it no message is taken, and the client's window
+    runs out instead of the server's memory (issue 18 item 6)."""
+    fanout = Fanout()
+    handlers = Handlers()
+    methods = {**handlers.methods(), "/t.T/Fanout": Method(fanout, client_streaming=True)}
+    shutdown = trio.Event()
+    limit = 1024 * 1024
+    transport = GrpcTransport(methods, TransportOptions(max_connection_buffer=limit))
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(transport.serve, "127.0.0.1", 0, shutdown, 10.0)
+        async with RawClient.connect(bound[0][1]) as client:
+            # A window of 0: the server can send headers but no response data.
+            client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+            stream = await client.call("/t.T/Fanout", frame(b"q" * 64), end=False)
+            for _ in range(39):
+                client.h2.send_data(stream, frame(b"q" * 64))
+            await client.flush()
+            await trio.testing.wait_all_tasks_blocked()
+            held = limit // len(Fanout.RESPONSE) + 1  # the answer that crossed the limit
+            assert fanout.taken == held
+            # Granting the window lets everything through.
+            client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**24})
+            client.h2.end_stream(stream)
+            await client.flush()
+            await client.until(lambda c: c.ended(stream))
+            assert fanout.taken == 40
+            assert client.status(stream) == (Status.OK.value, "")
+            assert len(client.data[stream]) == 40 * (5 + len(Fanout.RESPONSE))
+        shutdown.set()

@@ -208,6 +208,16 @@ def _config_name(text: str) -> str:
 
 def _add_grpc_flags(add) -> None:
     """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
+    add("--grpc-max-message-size", type=_int_at_least(1024), default=64 * 1024 * 1024,
+        metavar="BYTES", help="largest request message, after decompression; larger "
+        "ones get RESOURCE_EXHAUSTED (default 67108864, as --http-max-input-size)")
+    add("--grpc-max-concurrent-streams", type=_positive_int, default=1024, metavar="N",
+        help="calls one connection may have open at once; clients queue the rest "
+        "(default 1024)")
+    add("--grpc-max-connection-buffer", type=_int_at_least(1024 * 1024),
+        default=256 * 1024 * 1024, metavar="BYTES",
+        help="bytes one connection may hold for requests not yet taken and responses "
+        "the client has not read; past it the client is held back (default 268435456)")
     add("--grpc-header-forward-pattern", type=_header_pattern, metavar="REGEX",
         help="forward request headers matching REGEX (case-insensitive; (?-i) "
              "prefix: case-sensitive) to the model as parameters")
@@ -332,8 +342,14 @@ def _trace_config(parser, args) -> TraceConfig:
 
 
 def _grpc_options(parser, args) -> GrpcOptions:
+    if args.grpc_max_message_size >= 2**32:
+        parser.error("--grpc-max-message-size: expected less than 4 GiB (2**32), "
+                     f"got {args.grpc_max_message_size}")
     return GrpcOptions(
         ssl=_grpc_ssl(parser, args),
+        max_message_size=args.grpc_max_message_size,
+        max_concurrent_streams=args.grpc_max_concurrent_streams,
+        max_connection_buffer=args.grpc_max_connection_buffer,
         header_forward_pattern=args.grpc_header_forward_pattern,
         **({"infer_allocation_pool_size": args.grpc_infer_allocation_pool_size}
            if args.grpc_infer_allocation_pool_size is not None else {}),

@@ -62,12 +62,18 @@ class Method:
 class TransportOptions:
     """HTTP/2 and gRPC settings of the transport."""
 
-    # Largest request message accepted (after decompression); None: no limit.
-    max_message_size: int | None = None
+    # Largest request message accepted (after decompression); None: the most
+    # the 32-bit length prefix can say.
+    max_message_size: int | None = 64 * 1024 * 1024
     # Our HTTP/2 receive windows (connection and each stream), in bytes.
     window_size: int = 16 * 1024 * 1024
     max_frame_size: int = 1024 * 1024
-    max_concurrent_streams: int = 4096
+    max_concurrent_streams: int = 1024
+    # Bytes one connection may hold for its calls: request messages not taken
+    # yet (whole or partial) and responses waiting for the client's flow-control
+    # window. Past it, the client's window is held back (one partial message
+    # still completes, so no call waits on another) and no new message is taken.
+    max_connection_buffer: int = 256 * 1024 * 1024
     # Server keepalive: ping after this long (seconds; None: never), close the
     # connection when the ack takes longer than keepalive_timeout.
     keepalive_time: float | None = 7200.0
@@ -109,6 +115,7 @@ class GrpcCall:
         "_reader",
         "_messages",
         "_queued_bytes",
+        "_partial_bytes",
         "_deferred_ack",
         "_ended",
         "_reset",
@@ -143,6 +150,7 @@ class GrpcCall:
         self._reader = reader
         self._messages: deque[bytes] = deque()
         self._queued_bytes = 0
+        self._partial_bytes = 0  # of an unfinished message, in the reader
         self._deferred_ack = 0
         self._ended = False
         self._reset = False
@@ -177,6 +185,10 @@ class GrpcCall:
             if self.client_streaming and self._conn.draining:
                 return None
             if self._messages:
+                # Responses the client does not take hold new requests back.
+                await self._conn.wait_for_room()
+                if self._reset or self._error is not None:
+                    continue
                 message = self._messages.popleft()
                 self._conn.consumed(self, len(message))
                 return message
@@ -193,14 +205,19 @@ class GrpcCall:
             chunks = [grpc_framing.compress(b"".join(chunks), level)]
         size = sum(len(c) for c in chunks)
         head = grpc_framing.prefix(size, compressed)
-        if self._send_lock is None:
-            await self._send_message(head, chunks, size)
-            # The answer goes out with the trailers, written by the call's task as
-            # it ends (Connection._run_call): no wakeup of the writer.
-            return
-        async with self._send_lock:
-            await self._send_message(head, chunks, size)
-        self._conn.flush()
+        conn = self._conn
+        conn.hold(size)
+        try:
+            if self._send_lock is None:
+                await self._send_message(head, chunks, size)
+                # The answer goes out with the trailers, written by the call's task
+                # as it ends (Connection._run_call): no wakeup of the writer.
+                return
+            async with self._send_lock:
+                await self._send_message(head, chunks, size)
+        finally:
+            conn.hold(-size)
+        conn.flush()
 
     async def _send_message(self, head: bytes, chunks: Sequence, size: int) -> None:
         if self._reset:
@@ -255,6 +272,13 @@ class Connection:
             )
         )
         self.calls: dict[int, GrpcCall] = {}
+        # Bytes held for the calls (see TransportOptions.max_connection_buffer),
+        # the calls whose window is held back for it, and an event set while
+        # there is room again.
+        self.held = 0
+        self._held_back: set[GrpcCall] = set()
+        self._room = trio.Event()
+        self._room.set()
         self.peer = _peer_name(stream)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
@@ -448,21 +472,32 @@ class Connection:
             # Data for a call that is over: give the window back and drop it.
             self.h2.acknowledge_received_data(flow, stream_id)
             return
+        reader = call._reader
         try:
-            messages = call._reader.feed(event.data)
+            messages = reader.feed(event.data)
         except GRPCError as error:
             call._error = error
+            self.hold(-call._queued_bytes - call._partial_bytes)
             call._messages.clear()
+            call._queued_bytes = call._partial_bytes = 0
             call._wakeup.set()
             self.h2.acknowledge_received_data(flow, stream_id)
             return
+        added = reader.buffered - call._partial_bytes
+        call._partial_bytes = reader.buffered
         for message in messages:
             call._messages.append(message)
             call._queued_bytes += len(message)
+            added += len(message)
+        self.hold(added)
         # Flow control: hold the window back while the handler has a window's worth
-        # of messages it has not taken yet.
-        if call._queued_bytes > self.options.window_size:
+        # of messages it has not taken yet, or while the connection holds too much
+        # (except for the oldest unfinished message, so that one always completes).
+        if call._queued_bytes > self.options.window_size or (
+            self.held > self.options.max_connection_buffer and not self._leads(call)
+        ):
             call._deferred_ack += flow
+            self._held_back.add(call)
         elif flow:
             self.h2.acknowledge_received_data(flow, stream_id)
         if event.stream_ended is not None:
@@ -472,11 +507,46 @@ class Connection:
     def consumed(self, call: GrpcCall, size: int) -> None:
         """A handler took a message: release flow control held back for it."""
         call._queued_bytes -= size
-        if call._deferred_ack and call._queued_bytes <= self.options.window_size:
-            if not call._reset:
-                self.h2.acknowledge_received_data(call._deferred_ack, call._stream_id)
-                self.flush()
+        self.hold(-size)
+
+    def hold(self, size: int) -> None:
+        """Count ``size`` more bytes held for the calls (negative: fewer); below the
+        limit again, give back the flow-control window held back."""
+        self.held += size
+        if self.held > self.options.max_connection_buffer:
+            if self._room.is_set():
+                self._room = trio.Event()
+            return
+        self._room.set()
+        if not self._held_back:
+            return
+        window = self.options.window_size
+        released = [c for c in self._held_back if c._queued_bytes <= window]
+        for call in released:
+            self._held_back.discard(call)
+            if call._deferred_ack and not call._reset and call._stream_id in self.calls:
+                try:
+                    self.h2.acknowledge_received_data(call._deferred_ack, call._stream_id)
+                except h2.exceptions.ProtocolError:  # the stream closed meanwhile
+                    pass
             call._deferred_ack = 0
+        if released:
+            self.flush()
+
+    async def wait_for_room(self) -> None:
+        """Wait while the connection holds more than its buffer limit."""
+        while not self._room.is_set():
+            await self._room.wait()
+
+    def _leads(self, call: GrpcCall) -> bool:
+        """Whether ``call`` has the oldest unfinished message of the connection."""
+        if not call._partial_bytes:
+            return False
+        return all(
+            other._stream_id >= call._stream_id
+            for other in self.calls.values()
+            if other._partial_bytes
+        )
 
     # -- calls ---------------------------------------------------------------------
 
@@ -487,6 +557,11 @@ class Connection:
                 self._finish(call, *outcome)
         finally:
             self.calls.pop(call._stream_id, None)
+            self._held_back.discard(call)
+            left = call._queued_bytes + call._partial_bytes
+            if left:
+                call._queued_bytes = call._partial_bytes = 0
+                self.hold(-left)
             if self.draining and not self.calls:
                 self._close()
         await self._write_now()

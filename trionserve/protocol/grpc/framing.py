@@ -52,6 +52,11 @@ class MessageReader:
         self._buffer = bytearray()
         self._needed = 5  # bytes the buffer must hold before the next message can end
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of an unfinished message held until the rest arrives."""
+        return len(self._buffer)
+
     def feed(self, data: bytes) -> list[bytes]:
         buffer = self._buffer
         if buffer:
@@ -68,7 +73,8 @@ class MessageReader:
             if size > self._max_size:
                 raise GRPCError(
                     Status.RESOURCE_EXHAUSTED,
-                    f"received message larger than max ({size} vs. {self._max_size})",
+                    f"received message larger than max ({size} vs. {self._max_size}); "
+                    "see --grpc-max-message-size",
                 )
             stop = offset + 5 + size
             if stop > end:
@@ -107,6 +113,7 @@ class MessageReader:
         if len(out) > self._max_size or decompressor.unconsumed_tail:
             raise GRPCError(
                 Status.RESOURCE_EXHAUSTED,
-                f"decompressed message larger than max ({self._max_size})",
+                f"decompressed message larger than max ({self._max_size}); "
+                "see --grpc-max-message-size",
             )
         return out

@@ -92,8 +92,17 @@ class GrpcOptions:
     http2_max_pings_without_data: int = 2
     http2_min_recv_ping_interval_without_data_ms: int = 300_000
     http2_max_ping_strikes: int = 2
-    # Largest request message accepted; None: no limit (like Triton).
-    max_message_size: int | None = None
+    # Largest request message accepted, after decompression (--grpc-max-message-size).
+    # Triton lets grpcio take up to 2 GiB - 1; 64 MiB is Triton's HTTP body limit
+    # (--http-max-input-size), so a tensor that fits one protocol fits the other,
+    # and one message cannot make the server buffer gigabytes.
+    max_message_size: int = 64 * 1024 * 1024
+    # HTTP/2 streams (calls) one connection may have open at once; clients queue
+    # the rest (--grpc-max-concurrent-streams).
+    max_concurrent_streams: int = 1024
+    # Bytes one connection may hold: requests not taken yet and responses the
+    # client has not granted window for (--grpc-max-connection-buffer).
+    max_connection_buffer: int = 256 * 1024 * 1024
     # Bind with SO_REUSEPORT so that worker processes share the port (--workers).
     reuse_port: bool = False
     # TLS; None: plaintext.
@@ -102,6 +111,8 @@ class GrpcOptions:
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
             max_message_size=self.max_message_size,
+            max_concurrent_streams=self.max_concurrent_streams,
+            max_connection_buffer=self.max_connection_buffer,
             keepalive_time=self.keepalive_time_ms / 1000 if self.keepalive_time_ms > 0 else None,
             keepalive_timeout=self.keepalive_timeout_ms / 1000,
             keepalive_permit_without_calls=self.keepalive_permit_without_calls,
