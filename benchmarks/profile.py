@@ -3,7 +3,7 @@
 Usage:
     pip install py-spy
     python -m benchmarks.profile [--workload "simple http binary"] [--concurrency 4]
-        [--duration 10] [--flags "--http-transport=hypercorn"] [--top 40] [--svg out.svg]
+        [--duration 10] [--flags "--log-verbose=1"] [--top 40] [--svg out.svg]
 
 Starts trionserve on free loopback ports, puts it under closed-loop load from
 client processes, samples it with ``py-spy record`` (all threads, idle samples

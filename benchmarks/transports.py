@@ -1,4 +1,4 @@
-"""trionserve against itself: HTTP transports (h11, hypercorn), gRPC, other source trees.
+"""trionserve against itself: HTTP, gRPC, other flags, other source trees.
 
 Usage:
     python -m benchmarks.transports [--duration 5] [--rounds 2] [--concurrency 1,4,16]
@@ -6,8 +6,8 @@ Usage:
 
 Starts one trionserve per variant on free loopback ports, all at once, and runs
 the same matrix against each in turn (see benchmarks/matrix.py), so the ratios
-compare like with like on a noisy machine. Default variants: the h11 transport
-(the default) and hypercorn (``--http-transport=hypercorn``). ``--tree
+compare like with like on a noisy machine. Default variant: trionserve with its
+default flags. ``--tree
 LABEL=PATH`` adds trionserve run from another source tree with its default
 flags, e.g. a ``git worktree`` of an older commit for before/after figures;
 ``--variant LABEL=FLAGS`` adds one with other flags.
@@ -56,8 +56,7 @@ def main() -> None:
 
     variants: list[tuple[str, list[str], Path | None]] = []
     if not args.no_defaults:
-        variants += [("h11", ["--http-transport=h11"], None),
-                     ("hypercorn", ["--http-transport=hypercorn"], None)]
+        variants += [("default", [], None)]
     for spec in args.variant:
         label, _, flags = spec.partition("=")
         variants.append((label, shlex.split(flags), None))

@@ -305,20 +305,13 @@ def sigterm_and_wait_not_ready(server: ServerProcess) -> None:
     wait_for(lambda: ready_status(server.http_port) != 200, 5.0, "readiness to flip")
 
 
-@pytest.mark.parametrize(
-    "transports",
-    [("h11", "h2"), ("hypercorn", "h2")],
-    ids=lambda t: "-".join(t),
-)
-def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path, transports):
-    """The drain is the DataPlane's: every HTTP and gRPC transport serves it alike."""
-    http_transport, _ = transports
+def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path):
+    """The drain is the DataPlane's: HTTP and gRPC serve it alike."""
     repository = sequence_repository(tmp_path, idle_us=60_000_000)
     server = ServerProcess(
         repository,
         args=[
             "--exit-timeout-secs=60",
-            f"--http-transport={http_transport}",
         ],
     )
     stream_results: queue.Queue = queue.Queue()

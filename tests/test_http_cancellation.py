@@ -34,13 +34,13 @@ def repository(tmp_path):
     GATE.release.set()  # never leave a worker thread blocked
 
 
-def make_server(repository, transport: str) -> Server:
+def make_server(repository) -> Server:
     return Server(
         ServerOptions(
             model_repositories=[repository],
             http_address="127.0.0.1",
             http_port=free_port(),
-            http=HttpOptions(transport=transport),
+            http=HttpOptions(),
             allow_grpc=False,
             allow_metrics=False,
             exit_timeout_secs=20.0,
@@ -60,9 +60,8 @@ def send_infer(port: int, request_id: str) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("transport", ["h11"])  # hypercorn keeps running it
-async def test_hanging_up_cancels_queued_and_running_requests(repository, transport):
-    server = make_server(repository, transport)
+async def test_hanging_up_cancels_queued_and_running_requests(repository):
+    server = make_server(repository)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)

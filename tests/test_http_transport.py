@@ -1,71 +1,67 @@
 """The h11 HTTP/1.1 transport on raw sockets: keep-alive, pipelining, 100-continue,
-chunked bodies, body limits, bad requests, resets, graceful shutdown, ASGI fallback."""
+chunked bodies, body limits, bad requests, resets, graceful shutdown, HEAD,
+unknown paths, handler failures, streamed answers."""
 
 from __future__ import annotations
 
 import socket
 import struct
+from functools import partial
 
 import h11
-import numpy as np
 import pytest
 import trio
-import tritonclient.http as httpclient
 
-from tests.serverproc import ServerProcess
 from trionserve.protocol.http.transport import H11Server, HttpServerOptions
 
 
 class App:
-    """A direct route ``POST /echo`` (answers with the body it got) and a tiny ASGI
-    app for everything else; ``/slow`` waits for ``release``."""
+    """A router: ``POST /echo`` answers with the body it got, ``/info`` with
+    "METHOD PATH BODY-LENGTH" (201), ``/ignore`` with 404 without looking at the
+    body, ``/boom`` raises, ``/stream`` streams three chunks, ``/slow`` waits for
+    ``release``; any other path is unknown (None)."""
 
     def __init__(self) -> None:
         self.release = trio.Event()
         self.entered = trio.Event()
         self.bodies: list[bytes] = []
+        self.stream_closed = trio.Event()
 
     def route(self, method: bytes, path: str):
         if method == b"POST" and path == "/echo":
             return self.echo
-        if path == "/slow":
-            return self.slow
-        return None
+        if path.startswith("/info"):
+            return partial(self.info, method, path)
+        return {"/slow": self.slow, "/ignore": self.ignore, "/boom": self.boom,
+                "/stream": self.stream}.get(path)
 
     async def echo(self, headers, body: bytes):
         self.bodies.append(body)
         return 200, [(b"content-length", b"%d" % len(body))], [body]
 
+    async def info(self, method: bytes, path: str, headers, body: bytes):
+        payload = f"{method.decode()} {path} {len(body)}".encode()
+        return 201, [(b"content-length", b"%d" % len(payload))], [payload]
+
+    async def ignore(self, headers, body: bytes):
+        return 404, [(b"content-length", b"0")], ()
+
+    async def boom(self, headers, body: bytes):
+        raise RuntimeError("handler bug")
+
+    async def stream(self, headers, body: bytes):
+        async def chunks():
+            try:
+                for piece in (b"a", b"bb", b"ccc"):
+                    yield piece
+            finally:
+                self.stream_closed.set()
+        return 200, [(b"content-type", b"text/plain")], chunks()
+
     async def slow(self, headers, body: bytes):
         self.entered.set()
         await self.release.wait()
         return 200, [(b"content-length", b"4")], [b"done"]
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                await send({"type": message["type"] + ".complete"})
-                if message["type"] == "lifespan.shutdown":
-                    return
-        if scope["path"] == "/ignore":  # answers without reading the body
-            await send({"type": "http.response.start", "status": 404,
-                        "headers": [(b"content-length", b"0")]})
-            await send({"type": "http.response.body", "body": b""})
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        if scope["path"] == "/boom":
-            raise RuntimeError("application bug")
-        text = f"{scope['method']} {scope['path']} {scope['query_string'].decode()} {len(body)}"
-        payload = text.encode()
-        await send({"type": "http.response.start", "status": 201,
-                    "headers": [(b"content-length", b"%d" % len(payload))]})
-        await send({"type": "http.response.body", "body": payload})
 
 
 class Client:
@@ -130,7 +126,7 @@ def post(path: str, body: bytes, extra: str = "") -> bytes:
 async def served(nursery):
     """(app, port, shutdown event, finished event) of a server on a free port."""
     app = App()
-    server = H11Server(app, app.route, HttpServerOptions(max_request_body=1000, linger=0.5))
+    server = H11Server(app.route, HttpServerOptions(max_request_body=1000, linger=0.5))
     shutdown, finished = trio.Event(), trio.Event()
 
     async def run(task_status=trio.TASK_STATUS_IGNORED):
@@ -159,10 +155,10 @@ async def test_pipelined_requests_are_answered_in_order(served):
     _, port, _, _ = served
     client = await Client.connect(port)
     await client.send_raw(post("/echo", b"first") + post("/echo", b"second")
-                          + b"GET /asgi?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+                          + b"GET /info?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
     assert (await client.response())[2] == b"first"
     assert (await client.response())[2] == b"second"
-    assert await client.response(b"GET") == (201, {"content-length": "15"}, b"GET /asgi x=1 0")
+    assert await client.response(b"GET") == (201, {"content-length": "11"}, b"GET /info 0")
 
 
 async def test_expect_100_continue(served):
@@ -184,14 +180,13 @@ async def test_chunked_request_body(served):
     await client.send_raw(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                           b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
     assert (await client.response())[::2] == (200, b"hello world")
-    # And through the ASGI adapter.
-    await client.send_raw(b"PUT /asgi HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    await client.send_raw(b"PUT /info HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                           b"3\r\nabc\r\n0\r\n\r\n")
-    assert (await client.response())[2] == b"PUT /asgi  3"
+    assert (await client.response())[2] == b"PUT /info 3"
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-@pytest.mark.parametrize("path", ["/echo", "/asgi"])
+@pytest.mark.parametrize("path", ["/echo", "/info"])
 async def test_body_over_the_limit_is_413(served, chunked, path):
     _, port, _, _ = served
     client = await Client.connect(port)
@@ -237,20 +232,37 @@ async def test_peer_reset_does_not_stop_the_server(served):
     assert (await client.response())[2] == b"alive"
 
 
-async def test_asgi_fallback_head_and_errors(served):
+async def test_head_unknown_paths_and_handler_errors(served):
     _, port, _, _ = served
     client = await Client.connect(port)
-    await client.send_raw(b"HEAD /asgi HTTP/1.1\r\nHost: x\r\n\r\n")
+    await client.send_raw(b"HEAD /info HTTP/1.1\r\nHost: x\r\n\r\n")
     status, headers, body = await client.response(b"HEAD")
-    assert (status, headers["content-length"], body) == (201, "13", b"")
-    await client.send_raw(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert (await client.response(b"GET"))[0] == 500
-    await client.send_raw(b"GET /asgi%20x HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert (await client.response(b"GET"))[2] == b"GET /asgi x  0"
-    # A body the application did not read is skipped: the connection goes on.
+    assert (status, headers["content-length"], body) == (201, "12", b"")
+    await client.send_raw(b"GET /info%20x HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await client.response(b"GET"))[2] == b"GET /info x 0"
+    # A body the handler did not look at is read anyway: the connection goes on.
     await client.send_raw(post("/ignore", b"unread") + post("/echo", b"next"))
     assert (await client.response())[0] == 404
     assert (await client.response())[2] == b"next"
+    # A handler that raises: a JSON 500, and the server goes on.
+    await client.send_raw(b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, _, body = await client.response(b"GET")
+    assert (status, body) == (500, b'{"error":"internal error"}')
+    client = await Client.connect(port)
+    await client.send_raw(b"GET /nothing HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await client.response(b"GET"))[::2] == (404, b'{"error":"Not Found: GET /nothing"}')
+
+
+async def test_streamed_answer_is_chunked(served):
+    app, port, _, _ = served
+    client = await Client.connect(port)
+    await client.send_raw(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+    status, headers, body = await client.response(b"GET")
+    assert (status, headers["transfer-encoding"], body) == (200, "chunked", b"abbccc")
+    assert app.stream_closed.is_set()
+    # The connection stays usable.
+    await client.send_raw(post("/echo", b"after"))
+    assert (await client.response())[2] == b"after"
 
 
 async def test_graceful_shutdown(served):
@@ -273,23 +285,3 @@ async def test_graceful_shutdown(served):
     assert (status, headers["connection"], body) == (200, "close", b"done")
     with trio.fail_after(10):
         await finished.wait()
-
-
-def test_hypercorn_transport_flag():
-    """--http-transport=hypercorn serves the same API."""
-    server = ServerProcess(args=["--http-transport=hypercorn", "--allow-grpc=false"])
-    try:
-        server.wait_ready()
-        client = httpclient.InferenceServerClient(server.http_url)
-        a = np.arange(16, dtype=np.int32).reshape(1, 16)
-        inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-                  httpclient.InferInput("INPUT1", [1, 16], "INT32")]
-        inputs[0].set_data_from_numpy(a)
-        inputs[1].set_data_from_numpy(a)
-        np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), 2 * a)
-        assert server.status("/v2/nothing") == 404
-        client.close()
-        assert server.stop() == 0
-        assert "transport=hypercorn" in server.output()
-    finally:
-        server.close()

@@ -22,7 +22,7 @@ from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
-from trionserve.protocol.http.frontend import HTTP_TRANSPORTS, HttpOptions
+from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
 from trionserve.workers import (
@@ -125,8 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allow-http", type=_bool, default=True, metavar="BOOL")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=_port, default=8000)
-    add("--http-transport", choices=HTTP_TRANSPORTS, default="h11", type=str.lower,
-        help="h11 (HTTP/1.1 directly on Trio sockets, default) or hypercorn")
     add("--http-max-input-size", type=_non_negative_int, default=0, metavar="BYTES",
         help="largest HTTP request body accepted, 413 beyond it (default 0: no limit)")
     add("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
@@ -424,7 +422,6 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         http_address=args.http_address,
         http_port=args.http_port,
         http=HttpOptions(
-            transport=args.http_transport,
             max_input_size=args.http_max_input_size or None,
             reuse_port=reuse_port or args.reuse_http_port,
             header_forward_pattern=args.http_header_forward_pattern,

@@ -207,9 +207,7 @@ class Server:
                         options.log_verbose > 0,
                         options.http,
                     )
-                    log.info(
-                        "HTTP service started", listening=binds, transport=options.http.transport
-                    )
+                    log.info("HTTP service started", listening=binds)
                 if options.allow_grpc:
                     binds = await frontends.start(
                         serve_grpc,

@@ -44,12 +44,11 @@ import structlog
 import trio
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from trionserve.actors.watcher import ControlMode
 from trionserve.observability.aggregate import StaticCollector, merge_expositions
-from trionserve.observability.metrics import metrics_app
+from trionserve.observability.metrics import metrics_router
+from trionserve.protocol.http.transport import H11Server, HttpServerOptions
 
 log = structlog.get_logger(__name__)
 
@@ -343,20 +342,10 @@ class Supervisor:
         """Serve the merged metrics until cancelled."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self._collector)
-        exposition = metrics_app(registry)
-
-        async def app(scope, receive, send) -> None:
-            if scope["type"] == "http" and scope["path"] == "/metrics":
-                await self._refresh_metrics()
-            await exposition(scope, receive, send)
-
+        server = H11Server(metrics_router(registry, self._refresh_metrics), HttpServerOptions())
         address, port = self.plan.metrics_bind
-        config = HypercornConfig()
-        config.bind = [f"[{address}]:{port}" if ":" in address else f"{address}:{port}"]
-        config.accesslog = None
-        config.errorlog = None
-        config.graceful_timeout = 1.0
-        await hypercorn_serve(app, config, mode="asgi", task_status=task_status)
+        # Never set: the supervisor's nursery cancels this server once the workers exit.
+        await server.serve(address, port, trio.Event(), 1.0, task_status=task_status)
 
     async def _refresh_metrics(self) -> None:
         """Fetch every ready worker's exposition, concurrently, and merge them."""

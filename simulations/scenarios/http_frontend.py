@@ -200,8 +200,7 @@ def check_wire(world) -> None:
     real_time=True,
 )
 async def http_frontend_faults(world) -> None:
-    await drive_frontend(world, functools.partial(serve_http, options=HttpOptions(
-        transport="h11")), _client)
+    await drive_frontend(world, functools.partial(serve_http, options=HttpOptions()), _client)
 
 
 async def drive_frontend(world, serve, client) -> None:

@@ -18,21 +18,20 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import structlog
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from prometheus_client import CollectorRegistry, ProcessCollector, make_asgi_app
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.sampling import sample_every
 from trionserve.observability.statistics import FailureReason, ModelStatistics
+from trionserve.protocol.http.transport import H11Server, Handler, Headers, HttpServerOptions
 
 log = structlog.get_logger(__name__)
 
@@ -384,38 +383,40 @@ def build_metrics_registry(
     return metrics
 
 
-def metrics_app(metrics: CollectorRegistry):
-    """ASGI app: prometheus-client's exposition at ``GET /metrics``, 404 elsewhere."""
-    exposition = make_asgi_app(metrics)
+_NOT_FOUND = b'{"error":"Not Found: the metrics endpoint is /metrics"}'
 
-    async def app(scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
-            await exposition(scope, receive, send)
-            return
-        body = b'{"error":"Not Found: the metrics endpoint is /metrics"}'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 404,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", b"%d" % len(body)),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
 
-    return app
+def metrics_router(
+    metrics: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
+) -> Callable[[bytes, str], Handler]:
+    """The h11 transport's router for the metrics port: prometheus-client's
+    exposition (its text or OpenMetrics format, as the ``Accept`` header asks) at
+    ``GET /metrics``, a JSON 404 elsewhere. ``refresh`` runs before each scrape
+    (the workers supervisor fetches its workers' metrics there)."""
+
+    async def exposition(headers: Headers, body: bytes):
+        if refresh is not None:
+            await refresh()
+        accept = next((v.decode("latin-1") for k, v in headers if k == b"accept"), None)
+        encoder, content_type = choose_encoder(accept)
+        data = encoder(metrics)
+        return 200, [
+            (b"content-type", content_type.encode()),
+            (b"content-length", b"%d" % len(data)),
+        ], [data]
+
+    async def not_found(headers: Headers, body: bytes):
+        return 404, [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % len(_NOT_FOUND)),
+        ], [_NOT_FOUND]
+
+    def route(method: bytes, path: str) -> Handler:
+        if path == "/metrics" and method in (b"GET", b"HEAD"):
+            return exposition
+        return not_found
+
+    return route
 
 
 async def serve_metrics(
@@ -429,28 +430,21 @@ async def serve_metrics(
 ) -> None:
     """Serve ``/metrics`` until ``shutdown`` is set.
 
-    Children (its own nursery): hypercorn's Trio server and, when CPU / GPU
+    Children (its own nursery): the h11 server and, when CPU / GPU
     metrics are on, their samplers; all end when ``shutdown`` is set. Reports the bound
     addresses to ``task_status``.
     """
     cpu = CpuMetricsCollector() if options.allow_cpu_metrics else None
     gpu = GpuMetricsCollector.create() if options.allow_gpu_metrics else None
-    app = metrics_app(build_metrics_registry(registry, options, cpu, gpu))
-    config = HypercornConfig()
-    host = f"[{address}]" if ":" in address else address
-    config.bind = [f"{host}:{port}"]
-    config.accesslog = None
-    config.errorlog = None
-    config.graceful_timeout = 1.0
+    server = H11Server(
+        metrics_router(build_metrics_registry(registry, options, cpu, gpu)),
+        HttpServerOptions(),
+    )
     async with trio.open_nursery() as nursery:
         interval = max(options.interval_ms, 1.0) / 1000.0
         if cpu is not None:
             await nursery.start(cpu.run, interval, shutdown)
         if gpu is not None:
             await nursery.start(gpu.run, interval, shutdown)
-        binds = await nursery.start(
-            partial(
-                hypercorn_serve, app, config, shutdown_trigger=shutdown.wait, mode="asgi"
-            )
-        )
+        binds = await nursery.start(server.serve, address, port, shutdown, 1.0)
         task_status.started(binds)

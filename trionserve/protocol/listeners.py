@@ -17,7 +17,7 @@ import sys
 
 import trio
 
-__all__ = ["open_tcp_listeners", "reuse_port_binds", "REUSE_PORT_SUPPORTED"]
+__all__ = ["open_tcp_listeners", "REUSE_PORT_SUPPORTED"]
 
 REUSE_PORT_SUPPORTED = hasattr(socket, "SO_REUSEPORT")
 
@@ -40,15 +40,6 @@ async def open_tcp_listeners(
             listener.socket.close()
         raise
     return listeners
-
-
-def reuse_port_binds(host: str | None, port: int) -> list[str]:
-    """hypercorn ``bind`` entries (``fd://N``) for sockets bound with SO_REUSEPORT.
-
-    hypercorn sets the option only for its own multi-worker mode, so the sockets
-    are bound here and handed over by descriptor; hypercorn owns (and closes) them.
-    """
-    return [f"fd://{sock.detach()}" for sock in _bound_sockets(host, port)]
 
 
 def _bound_sockets(host: str | None, port: int) -> list[socket.socket]:

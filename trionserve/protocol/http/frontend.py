@@ -1,13 +1,11 @@
 """The HTTP/REST frontend: KServe v2 endpoints with Triton's extensions.
 
-``POST .../infer`` is handled by a lean handler (Quart's per-request machinery
-would cost more than the inference of a small model), everything else by a
-quart-trio app. Both only decode, call the DataPlane and encode.
-
-Two transports serve them (``HttpOptions.transport``): by default HTTP/1.1 with
-h11 on Trio sockets (:mod:`trionserve.protocol.http.transport`), which calls the
-infer handler directly and Quart through a minimal ASGI adapter; or hypercorn,
-with the whole frontend as one ASGI app.
+One route table (:data:`ROUTES`: method, path pattern, handler) serves every
+endpoint on the h11 transport (:mod:`trionserve.protocol.http.transport`).
+Handlers only decode, call the DataPlane and encode; a TritonError they raise
+becomes its status code with a JSON ``{"error": ...}`` body, any other exception
+a 500 with the same shape (logged), and an unknown path a 404 / a known path
+with another method a 405, as JSON too.
 """
 
 from __future__ import annotations
@@ -19,15 +17,12 @@ import json
 import re
 import zlib
 from contextlib import aclosing
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
 import structlog
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
-from quart import Response, request
-from quart_trio import QuartTrio
 
 from trionserve.core.cuda_shared_memory import decode_raw_handle
 from trionserve.core.errors import (
@@ -44,8 +39,7 @@ from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace import settings_from_json
 from trionserve.protocol.http import codec as http_codec, generate as generate_codec
-from trionserve.protocol.http.transport import H11Server, HttpServerOptions
-from trionserve.protocol.listeners import reuse_port_binds
+from trionserve.protocol.http.transport import H11Server, Headers, HttpServerOptions, Response
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
 
@@ -94,15 +88,13 @@ def _compress(body: bytes, accept_encoding: str) -> tuple[bytes, bytes | None]:
     return body, None
 
 
-class _Disconnected(Exception):
-    """The client went away before its request body arrived."""
-
 
 class InferHandler:
     """``POST /v2/models/{name}[/versions/{v}]/infer``: decode, infer, encode.
 
-    ``handle`` is the whole request -> response step, shared by both transports:
-    the h11 server calls it directly, hypercorn through the ASGI ``__call__``.
+    ``handle`` is the whole request -> response step; the route table binds the
+    path's match to it. It is the hot path: no per-request objects beyond the
+    codec's.
     """
 
     def __init__(
@@ -112,16 +104,6 @@ class InferHandler:
         self.verbose = verbose
         # --http-header-forward-pattern: matching headers become request parameters.
         self._forward = re.compile(forward_headers) if forward_headers else None
-
-    async def __call__(self, scope, receive, send, match: re.Match) -> None:
-        try:
-            body = await self._read_body(receive)
-        except _Disconnected:
-            return
-        status, headers, chunks = await self.handle(match, scope["headers"], body)
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        # One join: h11 wants bytes, and one write beats several small ones.
-        await send({"type": "http.response.body", "body": b"".join(chunks)})
 
     async def handle(
         self, match: re.Match, request_headers, body: bytes
@@ -190,20 +172,6 @@ class InferHandler:
             if self._forward.search(name):
                 request.parameters.setdefault(name, value.decode("latin-1"))
 
-    @staticmethod
-    async def _read_body(receive) -> bytes:
-        message = await receive()
-        body = message.get("body", b"")
-        if not message.get("more_body", False):
-            return body
-        parts = [body]
-        while message.get("more_body", False):
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Disconnected
-            parts.append(message.get("body", b""))
-        return b"".join(parts)
-
 
 def _error_response(error: TritonError) -> tuple[int, list[tuple[bytes, bytes]], list]:
     body = http_codec.encode_error(error.message)
@@ -212,22 +180,6 @@ def _error_response(error: TritonError) -> tuple[int, list[tuple[bytes, bytes]],
         headers.append(_CLOSE)
     return error_status(error), headers, [body]
 
-
-def _json(payload, status: int = 200) -> Response:
-    return Response(
-        json.dumps(payload, separators=(",", ":")), status=status, content_type="application/json"
-    )
-
-
-def _error(error: TritonError) -> Response:
-    response = Response(
-        http_codec.encode_error(error.message),
-        status=error_status(error),
-        content_type="application/json",
-    )
-    if isinstance(error, ShuttingDown):
-        response.headers["Connection"] = "close"
-    return response
 
 
 def _parameters(body: dict, action: str) -> dict:
@@ -266,293 +218,333 @@ def unload_parameters(body: dict) -> bool:
     return value
 
 
-def build_api_app(dataplane: DataPlane) -> QuartTrio:
-    """The quart-trio app for every endpoint except infer."""
-    app = QuartTrio("trionserve")
-    app.config["MAX_CONTENT_LENGTH"] = None
-    app.config["BODY_TIMEOUT"] = None
-    app.config["RESPONSE_TIMEOUT"] = None
 
-    @app.errorhandler(TritonError)
-    async def triton_error(error: TritonError):
-        return _error(error)
 
-    @app.errorhandler(404)
-    async def not_found(_error):
-        return _json({"error": f"Not Found: {request.method} {request.path}"}, 404)
+# -- response helpers ----------------------------------------------------------
 
-    @app.errorhandler(405)
-    async def not_allowed(_error):
-        return _json(
-            {"error": f"method {request.method} is not allowed for {request.path}"}, 405
+_EMPTY_OK: Response = (200, [(b"content-length", b"0")], ())
+
+
+def _empty(ok: bool = True) -> Response:
+    """No body: 200, or 400 for a health / readiness check that says no."""
+    if ok:
+        return 200, [(b"content-length", b"0")], ()
+    return 400, [(b"content-length", b"0")], ()
+
+
+def _json(payload, status: int = 200) -> Response:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return status, [_JSON_TYPE, (b"content-length", b"%d" % len(body))], [body]
+
+
+def json_body(body: bytes) -> dict:
+    """A control-plane request body: a JSON object ({} when empty)."""
+    if not body:
+        return {}
+    try:
+        doc = json.loads(body)
+    except RecursionError:
+        raise InvalidArgument("failed to parse the request JSON: nested too deeply") from None
+    except ValueError as exc:
+        raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("the request body must be a JSON object")
+    return doc
+
+
+def _version(match: re.Match) -> int | None:
+    return http_codec.parse_model_version(match.groupdict().get("version") or "")
+
+
+def _header(headers: Headers, name: bytes) -> str:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+def _non_negative_int(body: dict, key: str, default: int | None = None) -> int:
+    value = body.get(key, default)
+    if type(value) is not int or value < 0:
+        raise InvalidArgument(
+            f"'{key}' in the shared memory register request must be a "
+            f"non-negative integer, got {json.dumps(value)}"
         )
+    return value
 
-    def status_only(ok: bool) -> Response:
-        return Response(b"", status=200 if ok else 400)
 
-    @app.get("/v2/health/live")
-    async def health_live():
-        return status_only(dataplane.live())
+# A handler of the route table: the frontend, the path's match, the request's
+# headers and body -> the response.
+RouteHandler = Callable[["HttpFrontend", re.Match, Headers, bytes], Awaitable[Response]]
 
-    @app.get("/v2/health/ready")
-    async def health_ready():
-        if dataplane.draining:
+
+class HttpFrontend:
+    """The route table's handlers over one DataPlane, and the router the h11
+    transport asks for each request (:meth:`route`)."""
+
+    def __init__(
+        self, dataplane: DataPlane, verbose: bool = False, forward_headers: str | None = None
+    ) -> None:
+        self.dataplane = dataplane
+        self.infer = InferHandler(dataplane, verbose, forward_headers)
+
+    def route(self, method: bytes, path: str):
+        """The handler of a request: infer first (the hot path), then the table;
+        a path the table knows with another method gets 405, any other 404."""
+        if method == b"POST" and path.endswith("/infer"):
+            match = _INFER_PATH.match(path)
+            if match is not None:
+                return partial(self.infer.handle, match)
+        if method == b"HEAD":
+            method = b"GET"
+        known_path = False
+        for route_method, pattern, handler in ROUTES:
+            match = pattern.match(path)
+            if match is None:
+                continue
+            if route_method == method:
+                return partial(self._guarded, handler, match)
+            known_path = True
+        if known_path:
+            message = f"method {method.decode('latin-1')} is not allowed for {path}"
+            return partial(_answer, _json({"error": message}, 405))
+        return partial(_answer, _json({"error": f"Not Found: {method.decode('latin-1')} {path}"}, 404))
+
+    async def _guarded(
+        self, handler: RouteHandler, match: re.Match, headers: Headers, body: bytes
+    ) -> Response:
+        try:
+            return await handler(self, match, headers, body)
+        except TritonError as error:
+            return _error_response(error)
+        except Exception as exc:  # a bug must not take the connection task down
+            log.exception("http handler failed", handler=handler.__name__)
+            return _error_response(as_triton_error(exc, "internal error"))
+
+    # -- health and metadata -----------------------------------------------------
+
+    async def health_live(self, match, headers, body) -> Response:
+        return _empty(self.dataplane.live())
+
+    async def health_ready(self, match, headers, body) -> Response:
+        if self.dataplane.draining:
             # As Triton while it exits: 503 with the reason.
             return _json({"error": "server is shutting down"}, 503)
-        return status_only(dataplane.ready())
+        return _empty(self.dataplane.ready())
 
-    @app.get("/v2")
-    async def server_metadata():
-        return _json(dataplane.server_metadata())
+    async def server_metadata(self, match, headers, body) -> Response:
+        return _json(self.dataplane.server_metadata())
 
-    def version_of(version: str | None) -> int | None:
-        return http_codec.parse_model_version(version or "")
+    async def model_metadata(self, match, headers, body) -> Response:
+        return _json(self.dataplane.model_metadata(match["name"], _version(match)))
 
-    @app.get("/v2/models/<name>")
-    @app.get("/v2/models/<name>/versions/<version>")
-    async def model_metadata(name: str, version: str | None = None):
-        return _json(dataplane.model_metadata(name, version_of(version)))
+    async def model_ready(self, match, headers, body) -> Response:
+        return _empty(self.dataplane.model_ready(match["name"], _version(match)))
 
-    @app.get("/v2/models/<name>/ready")
-    @app.get("/v2/models/<name>/versions/<version>/ready")
-    async def model_ready(name: str, version: str | None = None):
-        return status_only(dataplane.model_ready(name, version_of(version)))
+    async def model_config(self, match, headers, body) -> Response:
+        config = self.dataplane.model_config(match["name"], _version(match))
+        return _json(model_config_to_json(config))
 
-    @app.get("/v2/models/stats")
-    @app.get("/v2/models/<name>/stats")
-    @app.get("/v2/models/<name>/versions/<version>/stats")
-    async def model_statistics(name: str | None = None, version: str | None = None):
-        selected = select_statistics(dataplane.registry, name, version_of(version))
+    async def model_statistics(self, match, headers, body) -> Response:
+        name = match.groupdict().get("name")
+        selected = select_statistics(self.dataplane.registry, name, _version(match))
         return _json({"model_stats": [stats.as_json() for stats in selected]})
 
-    @app.get("/v2/models/<name>/config")
-    @app.get("/v2/models/<name>/versions/<version>/config")
-    async def model_config(name: str, version: str | None = None):
-        return _json(model_config_to_json(dataplane.model_config(name, version_of(version))))
+    # -- model repository ----------------------------------------------------------
 
-    async def json_body() -> dict:
-        raw = await request.get_data()
-        if not raw:
-            return {}
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidArgument("the request body must be a JSON object")
-        return body
-
-    @app.post("/v2/repository/index")
-    async def repository_index():
-        body = await json_body()
-        ready = body.get("ready", False)
+    async def repository_index(self, match, headers, body) -> Response:
+        ready = json_body(body).get("ready", False)
         if not isinstance(ready, bool):
             raise InvalidArgument("'ready' in the repository index request must be a boolean")
-        return _json(dataplane.repository_index(ready_only=ready))
+        return _json(self.dataplane.repository_index(ready_only=ready))
 
-    @app.post("/v2/repository/models/<name>/load")
-    async def repository_load(name: str):
-        config, files = load_parameters(await json_body())
-        await dataplane.load_model(name, config, files=files)
-        return Response(b"", status=200)
+    async def repository_load(self, match, headers, body) -> Response:
+        config, files = load_parameters(json_body(body))
+        await self.dataplane.load_model(match["name"], config, files=files)
+        return _EMPTY_OK
 
-    @app.post("/v2/repository/models/<name>/unload")
-    async def repository_unload(name: str):
-        unload_dependents = unload_parameters(await json_body())
-        await dataplane.unload_model(name, unload_dependents=unload_dependents)
-        return Response(b"", status=200)
+    async def repository_unload(self, match, headers, body) -> Response:
+        unload_dependents = unload_parameters(json_body(body))
+        await self.dataplane.unload_model(match["name"], unload_dependents=unload_dependents)
+        return _EMPTY_OK
 
-    @app.get("/v2/logging")
-    async def get_log_settings():
+    # -- logging and trace settings -----------------------------------------------
+
+    async def get_log_settings(self, match, headers, body) -> Response:
         return _json(LOG_SETTINGS.as_dict())
 
-    @app.post("/v2/logging")
-    async def set_log_settings():
-        return _json(update_settings(await json_body()))
+    async def set_log_settings(self, match, headers, body) -> Response:
+        return _json(update_settings(json_body(body)))
 
-    add_shared_memory_routes(app, dataplane, json_body)
-    add_trace_routes(app, dataplane, json_body)
-    add_generate_routes(app, dataplane)
-    return app
+    async def get_trace_settings(self, match, headers, body) -> Response:
+        return _json(self.dataplane.trace_settings(match.groupdict().get("name")))
 
+    async def set_trace_settings(self, match, headers, body) -> Response:
+        changes = settings_from_json(json_body(body))
+        return _json(self.dataplane.trace_settings(match.groupdict().get("name"), changes))
 
-def add_trace_routes(app: QuartTrio, dataplane: DataPlane, json_body) -> None:
-    """The trace extension: ``GET/POST /v2[/models/{name}]/trace/setting``."""
+    # -- shared memory ---------------------------------------------------------------
 
-    @app.get("/v2/trace/setting")
-    @app.get("/v2/models/<name>/trace/setting")
-    async def get_trace_settings(name: str | None = None):
-        return _json(dataplane.trace_settings(name))
+    async def system_shm_status(self, match, headers, body) -> Response:
+        if self.dataplane.shared_memory is None:
+            return _json([])
+        return _json(self.dataplane.shared_memory.status(match.groupdict().get("name")))
 
-    @app.post("/v2/trace/setting")
-    @app.post("/v2/models/<name>/trace/setting")
-    async def set_trace_settings(name: str | None = None):
-        changes = settings_from_json(await json_body())
-        return _json(dataplane.trace_settings(name, changes))
+    async def system_shm_register(self, match, headers, body) -> Response:
+        request = json_body(body)
+        name = match["name"]
+        key = request.get("key")
+        if type(key) is not str or not key:
+            raise InvalidArgument("'key' in the shared memory register request must be a string")
+        self.dataplane.client_system_shared_memory(name).register(
+            name, key, _non_negative_int(request, "offset", 0),
+            _non_negative_int(request, "byte_size"),
+        )
+        return _EMPTY_OK
 
+    async def system_shm_unregister(self, match, headers, body) -> Response:
+        self.dataplane.client_shared_memory().unregister(match.groupdict().get("name"))
+        return _EMPTY_OK
 
-def add_generate_routes(app: QuartTrio, dataplane: DataPlane) -> None:
-    """The generate extension: ``POST .../generate`` (one JSON response) and
-    ``.../generate_stream`` (server-sent events, streamed as the model answers).
+    async def cuda_shm_status(self, match, headers, body) -> Response:
+        if self.dataplane.cuda_shared_memory is None:
+            return _json([])
+        return _json(self.dataplane.cuda_shared_memory.status(match.groupdict().get("name")))
 
-    Errors before the first response are JSON errors with their status code; an
-    error after the stream started is sent as an error event.
-    """
+    async def cuda_shm_register(self, match, headers, body) -> Response:
+        request = json_body(body)
+        cuda = self.dataplane.client_cuda_shared_memory()
+        raw_handle = decode_raw_handle(request.get("raw_handle"))
+        cuda.register(
+            match["name"], raw_handle, _non_negative_int(request, "device_id", 0),
+            _non_negative_int(request, "byte_size"),
+        )
+        return _EMPTY_OK
 
-    async def decode(name: str, version: str | None) -> InferenceRequest:
-        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    async def cuda_shm_unregister(self, match, headers, body) -> Response:
+        self.dataplane.client_cuda_shared_memory().unregister(match.groupdict().get("name"))
+        return _EMPTY_OK
+
+    # -- generate extension ------------------------------------------------------------
+    # ``.../generate``: one JSON response; ``.../generate_stream``: server-sent
+    # events, streamed as the model answers. Errors before the first response are
+    # JSON errors with their status code; an error after the stream started is
+    # sent as an error event.
+
+    def _generate_request(self, match: re.Match, headers: Headers, body: bytes):
+        encoding = _header(headers, b"content-encoding").strip().lower()
         if encoding not in ("", "identity"):
             raise InvalidArgument("Unsupported content-encoding, only 'identity' is supported.")
-        number = http_codec.parse_model_version(version or "")
-        model = dataplane.model(name, number)
-        body = await request.get_data()
+        name, number = match["name"], _version(match)
+        model = self.dataplane.model(name, number)
         return generate_codec.decode_generate_request(body, name, number, model.signature)
 
-    @app.post("/v2/models/<name>/generate")
-    @app.post("/v2/models/<name>/versions/<version>/generate")
-    async def generate(name: str, version: str | None = None):
-        infer_request = await decode(name, version)
+    async def generate(self, match, headers, body) -> Response:
+        infer_request = self._generate_request(match, headers, body)
         responses = []
-        async with aclosing(dataplane.responses(infer_request)) as stream:
+        async with aclosing(self.dataplane.responses(infer_request)) as stream:
             async for response, _final in stream:
                 if response is not None:
                     responses.append(response)
         if len(responses) != 1:
             raise InternalError(generate_codec.NOT_ONE_RESPONSE)
         payload = generate_codec.encode_generate_response(responses[0], infer_request.id)
-        return Response(generate_codec.encode_json(payload), content_type="application/json")
+        data = generate_codec.encode_json(payload)
+        return 200, [_JSON_TYPE, (b"content-length", b"%d" % len(data))], [data]
 
-    @app.post("/v2/models/<name>/generate_stream")
-    @app.post("/v2/models/<name>/versions/<version>/generate_stream")
-    async def generate_stream(name: str, version: str | None = None):
-        infer_request = await decode(name, version)
-        stream = dataplane.responses(infer_request)
+    async def generate_stream(self, match, headers, body) -> Response:
+        infer_request = self._generate_request(match, headers, body)
+        stream = self.dataplane.responses(infer_request)
         try:
             first = await anext(stream)
         except StopAsyncIteration:
             first = (None, True)
-        request_id = infer_request.id
-
-        async def events():
-            try:
-                response = first[0]
-                if response is not None:
-                    payload = generate_codec.encode_generate_response(response, request_id)
-                    yield generate_codec.encode_event(payload)
-                async for response, _final in stream:
-                    if response is not None:
-                        payload = generate_codec.encode_generate_response(response, request_id)
-                        yield generate_codec.encode_event(payload)
-            except TritonError as error:
-                yield generate_codec.encode_error_event(error.message)
-            except Exception as exc:  # a bug must end this stream only, with an answer
-                log.exception("generate_stream failed", model=name)
-                yield generate_codec.encode_error_event(as_triton_error(exc).message)
-            finally:
-                await stream.aclose()
-
-        return Response(events(), content_type=generate_codec.SSE_CONTENT_TYPE)
+        except BaseException:
+            await stream.aclose()
+            raise
+        content_type = (b"content-type", generate_codec.SSE_CONTENT_TYPE.encode())
+        return 200, [content_type], _events(stream, first[0], infer_request.id, match["name"])
 
 
-def add_shared_memory_routes(app: QuartTrio, dataplane: DataPlane, json_body) -> None:
-    """The system and CUDA shared memory extensions' register / unregister / status routes."""
-
-    def non_negative_int(body: dict, key: str, default: int | None = None) -> int:
-        value = body.get(key, default)
-        if type(value) is not int or value < 0:
-            raise InvalidArgument(
-                f"'{key}' in the shared memory register request must be a "
-                f"non-negative integer, got {json.dumps(value)}"
+async def _events(stream, first, request_id, model: str):
+    """The server-sent events of a generate_stream answer; closes ``stream``."""
+    try:
+        if first is not None:
+            yield generate_codec.encode_event(
+                generate_codec.encode_generate_response(first, request_id)
             )
-        return value
-
-    @app.get("/v2/systemsharedmemory/status")
-    @app.get("/v2/systemsharedmemory/region/<name>/status")
-    async def system_shm_status(name: str | None = None):
-        if dataplane.shared_memory is None:
-            return _json([])
-        return _json(dataplane.shared_memory.status(name))
-
-    @app.post("/v2/systemsharedmemory/region/<name>/register")
-    async def system_shm_register(name: str):
-        body = await json_body()
-        key = body.get("key")
-        if type(key) is not str or not key:
-            raise InvalidArgument("'key' in the shared memory register request must be a string")
-        dataplane.client_system_shared_memory(name).register(
-            name, key, non_negative_int(body, "offset", 0), non_negative_int(body, "byte_size")
-        )
-        return Response(b"", status=200)
-
-    @app.post("/v2/systemsharedmemory/unregister")
-    @app.post("/v2/systemsharedmemory/region/<name>/unregister")
-    async def system_shm_unregister(name: str | None = None):
-        dataplane.client_shared_memory().unregister(name)
-        return Response(b"", status=200)
-
-    @app.get("/v2/cudasharedmemory/status")
-    @app.get("/v2/cudasharedmemory/region/<name>/status")
-    async def cuda_shm_status(name: str | None = None):
-        if dataplane.cuda_shared_memory is None:
-            return _json([])
-        return _json(dataplane.cuda_shared_memory.status(name))
-
-    @app.post("/v2/cudasharedmemory/region/<name>/register")
-    async def cuda_shm_register(name: str):
-        body = await json_body()
-        cuda = dataplane.client_cuda_shared_memory()
-        raw_handle = decode_raw_handle(body.get("raw_handle"))
-        cuda.register(
-            name, raw_handle, non_negative_int(body, "device_id", 0),
-            non_negative_int(body, "byte_size"),
-        )
-        return Response(b"", status=200)
-
-    @app.post("/v2/cudasharedmemory/unregister")
-    @app.post("/v2/cudasharedmemory/region/<name>/unregister")
-    async def cuda_shm_unregister(name: str | None = None):
-        dataplane.client_cuda_shared_memory().unregister(name)
-        return Response(b"", status=200)
+        async for response, _final in stream:
+            if response is not None:
+                yield generate_codec.encode_event(
+                    generate_codec.encode_generate_response(response, request_id)
+                )
+    except TritonError as error:
+        yield generate_codec.encode_error_event(error.message)
+    except Exception as exc:  # a bug must end this stream only, with an answer
+        log.exception("generate_stream failed", model=model)
+        yield generate_codec.encode_error_event(as_triton_error(exc).message)
+    finally:
+        await stream.aclose()
 
 
-class HttpFrontend:
-    """Infer to the lean handler, everything else to Quart.
+async def _answer(response: Response, headers: Headers, body: bytes) -> Response:
+    return response
 
-    As an ASGI app it dispatches by itself (the hypercorn transport); the h11
-    transport asks ``route`` first and calls the infer handler directly.
-    """
 
-    def __init__(
-        self, dataplane: DataPlane, verbose: bool = False, forward_headers: str | None = None
-    ) -> None:
-        self.infer = InferHandler(dataplane, verbose, forward_headers)
-        self.api = build_api_app(dataplane)
+def _path(pattern: str) -> re.Pattern:
+    """A route's path: ``{name}`` and ``{version}`` stand for one path segment."""
+    return re.compile(
+        "^" + pattern.replace("{name}", "(?P<name>[^/]+)").replace("{version}", "(?P<version>[^/]*)")
+        + "$"
+    )
 
-    def route(self, method: bytes, path: str):
-        """The direct handler of a request, or None: the ASGI app serves it."""
-        if method == b"POST" and path.endswith("/infer"):
-            match = _INFER_PATH.match(path)
-            if match is not None:
-                return partial(self.infer.handle, match)
-        return None
 
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            match = _INFER_PATH.match(scope["path"])
-            if match is not None:
-                await self.infer(scope, receive, send, match)
-                return
-        await self.api(scope, receive, send)
+def _routes(method: bytes, handler: RouteHandler, *paths: str):
+    return [(method, _path(path), handler) for path in paths]
+
+
+_MODEL = "/v2/models/{name}"
+_VERSION = "/v2/models/{name}/versions/{version}"
+F = HttpFrontend
+# (method, path pattern, handler): every endpoint but infer, which route() finds first.
+ROUTES: list[tuple[bytes, re.Pattern, RouteHandler]] = [
+    *_routes(b"GET", F.health_live, "/v2/health/live"),
+    *_routes(b"GET", F.health_ready, "/v2/health/ready"),
+    *_routes(b"GET", F.server_metadata, "/v2"),
+    *_routes(b"GET", F.model_statistics, "/v2/models/stats", f"{_MODEL}/stats",
+             f"{_VERSION}/stats"),
+    *_routes(b"GET", F.model_metadata, _MODEL, _VERSION),
+    *_routes(b"GET", F.model_ready, f"{_MODEL}/ready", f"{_VERSION}/ready"),
+    *_routes(b"GET", F.model_config, f"{_MODEL}/config", f"{_VERSION}/config"),
+    *_routes(b"POST", F.generate, f"{_MODEL}/generate", f"{_VERSION}/generate"),
+    *_routes(b"POST", F.generate_stream, f"{_MODEL}/generate_stream",
+             f"{_VERSION}/generate_stream"),
+    *_routes(b"POST", F.repository_index, "/v2/repository/index"),
+    *_routes(b"POST", F.repository_load, "/v2/repository/models/{name}/load"),
+    *_routes(b"POST", F.repository_unload, "/v2/repository/models/{name}/unload"),
+    *_routes(b"GET", F.get_log_settings, "/v2/logging"),
+    *_routes(b"POST", F.set_log_settings, "/v2/logging"),
+    *_routes(b"GET", F.get_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),
+    *_routes(b"POST", F.set_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),
+    *_routes(b"GET", F.system_shm_status, "/v2/systemsharedmemory/status",
+             "/v2/systemsharedmemory/region/{name}/status"),
+    *_routes(b"POST", F.system_shm_register, "/v2/systemsharedmemory/region/{name}/register"),
+    *_routes(b"POST", F.system_shm_unregister, "/v2/systemsharedmemory/unregister",
+             "/v2/systemsharedmemory/region/{name}/unregister"),
+    *_routes(b"GET", F.cuda_shm_status, "/v2/cudasharedmemory/status",
+             "/v2/cudasharedmemory/region/{name}/status"),
+    *_routes(b"POST", F.cuda_shm_register, "/v2/cudasharedmemory/region/{name}/register"),
+    *_routes(b"POST", F.cuda_shm_unregister, "/v2/cudasharedmemory/unregister",
+             "/v2/cudasharedmemory/region/{name}/unregister"),
+]
+del F
 
 
 @dataclass(frozen=True)
 class HttpOptions:
     """The HTTP frontend's settings."""
 
-    # "h11": HTTP/1.1 with h11 directly on Trio sockets (faster); "hypercorn":
-    # hypercorn serving the whole frontend as an ASGI app.
-    transport: str = "h11"
-    # Largest request body accepted (h11 transport), in bytes; None: no limit.
+    # Largest request body accepted, in bytes; None: no limit.
     max_input_size: int | None = None
     # Bind with SO_REUSEPORT: worker processes share the port (--workers,
     # --reuse-http-port).
@@ -560,25 +552,6 @@ class HttpOptions:
     # Headers of infer requests whose name matches this regular expression reach
     # the model as request parameters (--http-header-forward-pattern).
     header_forward_pattern: str | None = None
-
-
-HTTP_TRANSPORTS = ("h11", "hypercorn")
-
-
-def hypercorn_config(address: str, port: int, graceful_timeout: float) -> HypercornConfig:
-    config = HypercornConfig()
-    host = f"[{address}]" if ":" in address else address
-    config.bind = [f"{host}:{port}"]
-    # Load generators keep connections open for millions of requests; hypercorn's
-    # defaults (1,000 requests, 5 s idle) would show up as client socket errors.
-    config.keep_alive_max_requests = 2**62
-    config.keep_alive_timeout = 3600
-    config.graceful_timeout = graceful_timeout
-    config.backlog = 1024
-    config.accesslog = None
-    config.errorlog = None
-    config.h11_max_incomplete_size = 1024 * 1024
-    return config
 
 
 async def serve_http(
@@ -595,22 +568,7 @@ async def serve_http(
     """Serve HTTP until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     options = options or HttpOptions()
     frontend = HttpFrontend(dataplane, verbose, options.header_forward_pattern)
-    if options.transport == "hypercorn":
-        config = hypercorn_config(address, port, graceful_timeout)
-        if options.reuse_port:
-            config.bind = reuse_port_binds(address, port)
-        await hypercorn_serve(
-            frontend,
-            config,
-            shutdown_trigger=shutdown.wait,
-            task_status=task_status,
-            mode="asgi",
-        )
-        return
-    if options.transport != "h11":
-        raise ValueError(f"unknown HTTP transport {options.transport!r}")
     server = H11Server(
-        frontend,
         frontend.route,
         HttpServerOptions(
             max_request_body=options.max_input_size, reuse_port=options.reuse_port

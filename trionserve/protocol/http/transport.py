@@ -1,14 +1,13 @@
 """HTTP/1.1 with h11 on Trio sockets: the connection loop of the HTTP frontend.
 
 h11 parses requests and frames responses; this module only reads and writes the
-sockets around it. Each request goes one of two ways:
-
-- a *direct route* (the frontend's ``route(method, path)`` returns a handler): the
-  whole body is read, the handler gets the headers and the body and returns
-  ``(status, headers, body chunks)``, and the answer is written with as few
-  writes as possible. This is the inference path: no ASGI in between.
-- everything else goes to an ASGI application through a minimal ASGI adapter
-  (HTTP scopes and the lifespan protocol, which is all quart-trio needs).
+sockets around it. Every request goes to the handler that the router
+(``router(method, path)``) picks: the whole body is read, the handler gets the
+headers and the body and returns ``(status, headers, body)``, and the answer is
+written with as few writes as possible. The body is a sequence of chunks (the
+headers carry its content-length), or an async iterator of chunks, written as
+they come with chunked transfer encoding (server-sent events). A router that
+returns None gets a 404 with a JSON error.
 
 What it guarantees:
 
@@ -17,7 +16,8 @@ What it guarantees:
 - ``Expect: 100-continue`` is answered when the body is about to be read; chunked
   request bodies are accepted; a body larger than ``max_request_body`` (no limit
   by default) is answered with 413 and the connection closed.
-- Malformed requests get h11's suggested status (400, 431, ...) with a JSON error.
+- Malformed requests get h11's suggested status (400, 431, ...) with a JSON error;
+  a handler that raises gets a JSON 500 (and its connection closed), logged.
 - A client that resets or drops its connection ends that connection only: Trio
   raises resets inside nurseries as ExceptionGroups, hence ``except*``.
 - Shutdown (``shutdown`` set: the server sets it once its drain is over, see
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import errno
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -43,15 +43,18 @@ from trionserve.protocol.listeners import open_tcp_listeners
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["DirectHandler", "DirectResponse", "H11Server", "HttpServerOptions", "Router"]
+__all__ = ["Handler", "H11Server", "HttpServerOptions", "Response", "Router"]
 
 Headers = Sequence[tuple[bytes, bytes]]
-# What a direct handler returns: status, response headers, body chunks in order.
-DirectResponse = tuple[int, list[tuple[bytes, bytes]], Sequence[bytes | memoryview]]
-# A direct handler gets the request headers (lower-case names) and the whole body.
-DirectHandler = Callable[[Headers, bytes], Awaitable[DirectResponse]]
-# Picks the direct handler of a request, or None for the ASGI application.
-Router = Callable[[bytes, str], DirectHandler | None]
+# What a handler returns: status, response headers, and the body: chunks in order
+# (the headers carry the content-length), or an async iterator of chunks streamed
+# as they come (no content-length; chunked transfer encoding).
+Body = Sequence[bytes | memoryview] | AsyncIterator[bytes]
+Response = tuple[int, list[tuple[bytes, bytes]], Body]
+# A handler gets the request headers (lower-case names) and the whole body.
+Handler = Callable[[Headers, bytes], Awaitable[Response]]
+# Picks the handler of a request; None: 404.
+Router = Callable[[bytes, str], Handler | None]
 
 # Responses up to this size are joined with their head and written at once;
 # larger bodies are written chunk by chunk from their buffers, without joining.
@@ -61,6 +64,9 @@ _CLOSE = (b"connection", b"close")
 # client hanging up cancels it (shorter ones finish before a watcher would help).
 SLOW_REQUEST_SECS = 0.05
 _JSON = (b"content-type", b"application/json")
+_INTERNAL_BODY = b'{"error":"internal error"}'
+_INTERNAL_ERROR = (500, [_JSON, (b"content-length", b"%d" % len(_INTERNAL_BODY)), _CLOSE],
+                   [_INTERNAL_BODY])
 # Response heads kept for reuse (H11Server.response_head); the cache starts over
 # when full.
 _HEAD_CACHE_SIZE = 256
@@ -97,16 +103,14 @@ class _BodyTooLarge(Exception):
 
 
 class H11Server:
-    """Serves HTTP/1.1 on one address: direct routes first, then the ASGI app.
+    """Serves HTTP/1.1 on one address, each request by the handler its router picks.
 
-    ``serve`` runs the app's lifespan startup, listens, reports the bound (host,
-    port) pairs to ``task_status`` and serves until ``shutdown`` is set; then it
-    drains (see the module docstring) and runs the lifespan shutdown.
+    ``serve`` listens, reports the bound (host, port) pairs to ``task_status`` and
+    serves until ``shutdown`` is set; then it drains (see the module docstring).
     Connections are children of its nursery.
     """
 
-    def __init__(self, app, router: Router, options: HttpServerOptions | None = None) -> None:
-        self.app = app
+    def __init__(self, router: Router, options: HttpServerOptions | None = None) -> None:
         self.router = router
         self.options = options or HttpServerOptions()
         self.draining = False
@@ -133,8 +137,6 @@ class H11Server:
         )
         bound = [listener.socket.getsockname()[:2] for listener in listeners]
         async with trio.open_nursery() as nursery:
-            lifespan = _Lifespan(self.app)
-            await nursery.start(lifespan.run)
             nursery.start_soon(self._watch_slow_requests, nursery)
             async with trio.open_nursery() as connections:
                 accepting = trio.CancelScope()
@@ -147,8 +149,6 @@ class H11Server:
                     await listener.aclose()
                 self._drain()
                 connections.cancel_scope.deadline = trio.current_time() + graceful_timeout
-            with trio.move_on_after(graceful_timeout):
-                await lifespan.shutdown()
             nursery.cancel_scope.cancel()
 
     async def _watch_slow_requests(self, nursery: trio.Nursery) -> None:
@@ -211,7 +211,7 @@ class _Connection:
     """One client connection: owns its socket and its h11 state machine."""
 
     __slots__ = (
-        "server", "stream", "h11", "_idle_scope", "_addresses", "_request_method",
+        "server", "stream", "h11", "_idle_scope", "_request_method",
         "_handling", "_watch",
     )
 
@@ -222,7 +222,6 @@ class _Connection:
             h11.SERVER, max_incomplete_event_size=server.options.max_header_size
         )
         self._idle_scope: trio.CancelScope | None = None
-        self._addresses: tuple | None = None
         self._request_method = b""
         # The request being handled, and the watcher of a slow one's socket.
         self._handling: trio.CancelScope | None = None
@@ -330,7 +329,7 @@ class _Connection:
     async def _serve(self, request: h11.Request) -> None:
         self._request_method = request.method
         target = request.target
-        raw_path, _, query = target.partition(b"?")
+        raw_path = target.partition(b"?")[0]
         # h11 accepts only visible ASCII in the target.
         path = raw_path.decode("ascii")
         if "%" in path:
@@ -341,7 +340,7 @@ class _Connection:
             if limit is not None and _content_length(request.headers) > limit:
                 raise _BodyTooLarge
             if handler is None:
-                await self._asgi(request, path, raw_path, query)
+                await self._error_response(404, f"Not Found: {request.method.decode()} {path}")
                 return
             body = await self._read_body(request)
             status, headers, chunks = await self._run_handler(handler, request.headers, body)
@@ -361,7 +360,11 @@ class _Connection:
         server._handling[self] = trio.current_time()
         try:
             with handling:
-                answer = await handler(headers, body)
+                try:
+                    answer = await handler(headers, body)
+                except Exception:  # a handler bug: this request fails, the server goes on
+                    log.exception("http handler failed")
+                    answer = _INTERNAL_ERROR
         finally:
             del server._handling[self]
             self._handling = None
@@ -399,10 +402,14 @@ class _Connection:
     async def respond(
         self, status: int, headers: list[tuple[bytes, bytes]], chunks: Sequence[bytes | memoryview]
     ) -> None:
-        """Write one whole response (headers must carry its content-length)."""
+        """Write one whole response (headers must carry its content-length), or
+        stream one whose body is an async iterator."""
         conn = self.h11
         if self.server.draining:
-            headers.append(_CLOSE)
+            headers = [*headers, _CLOSE]  # handlers may share their header lists
+        if hasattr(chunks, "__aiter__"):
+            await self._stream(h11.Response(status_code=status, headers=headers), chunks)
+            return
         out = [conn.send(self.server.response_head(status, headers))]
         if self._request_method != b"HEAD":
             size = 0
@@ -419,6 +426,22 @@ class _Connection:
                     out.extend(conn.send_with_data_passthrough(h11.Data(data=chunk)))
         out.append(conn.send(h11.EndOfMessage()))
         await self._write(out)
+
+    async def _stream(self, head: h11.Response, chunks: AsyncIterator[bytes]) -> None:
+        """Write the head, then each chunk as the iterator yields it; the iterator
+        is closed however this ends (a client gone mid-stream included)."""
+        conn = self.h11
+        try:
+            await self.stream.send_all(conn.send(head))
+            async for chunk in chunks:
+                if chunk and self._request_method != b"HEAD":
+                    await self.stream.send_all(conn.send(h11.Data(data=chunk)))
+            await self.stream.send_all(conn.send(h11.EndOfMessage()))
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                with trio.CancelScope(shield=True):
+                    await aclose()
 
     async def _write(self, pieces: list) -> None:
         """Write pieces in order, joining runs of small ones."""
@@ -460,47 +483,6 @@ class _Connection:
             return
         await self.stream.send_all(head + data + tail)
 
-    # -- ASGI ------------------------------------------------------------------
-
-    async def _asgi(self, request: h11.Request, path: str, raw_path: bytes, query: bytes) -> None:
-        exchange = _AsgiExchange(self, request)
-        if self._addresses is None:
-            self._addresses = _addresses(self.stream)
-        client, server = self._addresses
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": request.http_version.decode("ascii"),
-            "method": request.method.decode("ascii"),
-            "scheme": "http",
-            "path": path,
-            "raw_path": raw_path,
-            "query_string": query,
-            "root_path": "",
-            "headers": list(request.headers),
-            "client": client,
-            "server": server,
-            "extensions": {},
-        }
-        too_large = False
-        try:
-            await self.server.app(scope, exchange.receive, exchange.send)
-        except* _BodyTooLarge:
-            too_large = True
-        except* h11.RemoteProtocolError as group:
-            raise _first(group) from None
-        except* (trio.BrokenResourceError, trio.ClosedResourceError, _PeerGone):
-            raise _PeerGone from None
-        except* Exception:
-            log.exception("http application failed", method=scope["method"], path=path)
-        if too_large and not exchange.started:
-            raise _BodyTooLarge
-        if not exchange.started:
-            # The application ended without answering: an internal error.
-            await self.respond(500, [(b"content-length", b"0")], ())
-        # A response started but not finished leaves h11 in SEND_BODY: the
-        # connection loop closes the connection.
-
     # -- closing ---------------------------------------------------------------
 
     async def _close(self) -> None:
@@ -518,142 +500,8 @@ class _Connection:
         await stream.aclose()
 
 
-class _AsgiExchange:
-    """The ASGI ``receive`` and ``send`` of one request on one connection."""
-
-    __slots__ = (
-        "conn",
-        "request",
-        "started",
-        "_status",
-        "_headers",
-        "_pending",
-        "_body_done",
-        "_received",
-        "_streamed",
-    )
-
-    def __init__(self, conn: _Connection, request: h11.Request) -> None:
-        self.conn = conn
-        self.request = request
-        self.started = False
-        self._status = 200
-        self._headers: list = []
-        self._pending: list = []
-        self._body_done = False
-        self._received = 0
-        # A response without Content-Length is a stream (server-sent events):
-        # each piece is written as it comes instead of being joined with the next.
-        self._streamed = False
-
-    async def receive(self) -> dict:
-        if self._body_done:
-            # Nothing more comes from the client until the response is sent;
-            # the application cancels this wait once it has answered.
-            await trio.sleep_forever()
-        conn = self.conn
-        h11conn = conn.h11
-        if h11conn.their_state is not h11.SEND_BODY:
-            self._body_done = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        if h11conn.they_are_waiting_for_100_continue:
-            await conn._continue()
-        event = await conn._next_event()
-        kind = type(event)
-        if kind is h11.Data:
-            limit = conn.server.options.max_request_body
-            self._received += len(event.data)
-            if limit is not None and self._received > limit:
-                raise _BodyTooLarge
-            return {"type": "http.request", "body": bytes(event.data), "more_body": True}
-        if kind is h11.EndOfMessage:
-            self._body_done = True
-            return {"type": "http.request", "body": b"", "more_body": False}
-        return {"type": "http.disconnect"}
-
-    async def send(self, message: dict) -> None:
-        kind = message["type"]
-        conn = self.conn
-        if kind == "http.response.start":
-            self._status = message["status"]
-            self._headers = list(message.get("headers", ()))
-            self._streamed = not any(k.lower() == b"content-length" for k, _ in self._headers)
-            return
-        if kind != "http.response.body":
-            return
-        h11conn = conn.h11
-        pending = self._pending
-        if not self.started:
-            headers = self._headers
-            if conn.server.draining:
-                headers.append(_CLOSE)
-            pending.append(h11conn.send(h11.Response(status_code=self._status, headers=headers)))
-            self.started = True
-        body = message.get("body", b"")
-        if body and conn._request_method != b"HEAD":
-            pending.extend(h11conn.send_with_data_passthrough(h11.Data(data=body)))
-        more = message.get("more_body", False)
-        if not more:
-            pending.append(h11conn.send(h11.EndOfMessage()))
-        if not more or self._streamed or sum(len(p) for p in pending) > _JOIN_LIMIT:
-            self._pending = []
-            await conn._write(pending)
-
-
-class _Lifespan:
-    """Runs the ASGI application's lifespan protocol (startup, then shutdown)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self._to_app, self._app_inbox = trio.open_memory_channel[dict](1)
-        self._from_app, self._replies = trio.open_memory_channel[dict](1)
-        self._supported = True
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._app)
-            await self._to_app.send({"type": "lifespan.startup"})
-            reply = await self._replies.receive()
-            if reply["type"] == "lifespan.startup.failed":
-                raise RuntimeError(f"HTTP application failed to start: {reply.get('message')}")
-            task_status.started()
-
-    async def _app(self) -> None:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
-        try:
-            await self.app(scope, self._app_inbox.receive, self._from_app.send)
-        except* Exception:
-            # An application without lifespan support: serve without it.
-            log.debug("http application has no lifespan support")
-            self._supported = False
-            await self._from_app.send({"type": "lifespan.unsupported"})
-
-    async def shutdown(self) -> None:
-        if not self._supported:
-            return
-        await self._to_app.send({"type": "lifespan.shutdown"})
-        await self._replies.receive()
-
-
-def _first(group: BaseExceptionGroup) -> BaseException:
-    """The first exception of a (possibly nested) exception group."""
-    while isinstance(group, BaseExceptionGroup):
-        group = group.exceptions[0]
-    return group
-
-
 def _content_length(headers: Headers) -> int:
     for name, value in headers:
         if name == b"content-length":
             return int(value)
     return 0
-
-
-def _addresses(stream: trio.SocketStream) -> tuple:
-    """The (client, server) addresses of an ASGI scope."""
-    try:
-        client = tuple(stream.socket.getpeername()[:2])
-        server = tuple(stream.socket.getsockname()[:2])
-    except (OSError, AttributeError):
-        return None, None
-    return client, server
