@@ -300,6 +300,28 @@ def test_concurrent_requests_all_answered(server):
     client.close()
 
 
+def test_log_file_cannot_be_changed_over_http(server, http_client, tmp_path):
+    """As Triton since CVE-2024-0087 (http_server.cc HandleLogging): a log_file
+    setting is refused with 501 and nothing is opened; null is ignored."""
+    target = tmp_path / "written-by-a-client.log"
+    before = http_client.get_log_settings()
+    expect_error(
+        lambda: http_client.update_log_settings({"log_file": str(target)}),
+        "log file location can not be updated through network protocol",
+        501,
+    )
+    assert not target.exists()
+    assert http_client.get_log_settings() == before
+    assert http_client.update_log_settings({"log_file": None, "log_info": None}) == before
+
+
+@pytest.mark.parametrize("body", [b"{nope", b"[1]", b"<html>", b'{"log_info": "yes"}'])
+def test_bad_log_settings_get_a_json_400(server, body):
+    status, answer = raw_post(server, "/v2/logging", body, {"Content-Type": "text/html"})
+    assert status == 400
+    assert set(json.loads(answer)) == {"error"}
+
+
 def test_logging_settings_round_trip(http_client):
     settings = http_client.get_log_settings()
     assert settings["log_info"] is True

@@ -14,9 +14,10 @@ from typing import IO, Any
 
 import structlog
 
-from trionserve.core.errors import InvalidArgument
+from trionserve.core.errors import InvalidArgument, Unimplemented
 
 # Triton's names for its two text formats both map to our console renderer.
+_KEYS = ("log_info", "log_warning", "log_error", "log_verbose_level", "log_format", "log_file")
 _FORMATS = {"default": "console", "ISO8601": "console", "console": "console", "json": "json"}
 
 
@@ -96,7 +97,8 @@ def configure_logging(
             "log_info": log_info,
             "log_warning": log_warning,
             "log_error": log_error,
-        }
+        },
+        network=False,
     )
     structlog.configure(
         processors=[
@@ -113,14 +115,22 @@ def configure_logging(
     )
 
 
-def update_settings(changes: dict[str, Any]) -> dict[str, Any]:
+def update_settings(changes: dict[str, Any], *, network: bool = True) -> dict[str, Any]:
     """Apply a logging-extension request; returns the settings now in force.
 
     Every value is checked before any is applied, so a bad request changes nothing.
+    A null value leaves its setting as it is. A request from the network
+    (``network``) cannot set ``log_file``: as Triton since CVE-2024-0087, that is
+    Unimplemented (501 / UNIMPLEMENTED), so a client cannot make the server append
+    to a file of its choosing; only ``--log-file`` at start sets it.
     """
     global _stream
     checked: dict[str, Any] = {}
     for key, value in changes.items():
+        if value is None and key in _KEYS:
+            continue
+        if key == "log_file" and network:
+            raise Unimplemented("log file location can not be updated through network protocol")
         if key in ("log_info", "log_warning", "log_error"):
             if type(value) is not bool:
                 raise InvalidArgument(f"log setting '{key}' must be a boolean, got {value!r}")
