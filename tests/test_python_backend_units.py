@@ -204,3 +204,37 @@ def test_requests_responses_and_errors_validate_their_arguments():
     assert response.error().message() == "nope"
     with pytest.raises(pb_utils.TritonModelException, match="stub process"):
         request.exec()
+
+
+# -- InferenceRequest: what backends hand over, as they sent it ------------------------
+
+
+async def test_a_final_flag_after_the_last_response_is_streamed_on_its_own():
+    from trionserve.core.types import InferenceRequest, InferenceResponse
+
+    request = InferenceRequest("m")
+    last = InferenceResponse("m", "1", "", [], {})
+    # Both arrive before the consumer wakes: the stream must not merge them.
+    request.send(last, final=False)
+    request.send(None, final=True)
+    pairs = [pair async for pair in request.stream()]
+    assert pairs == [(last, False), (None, True)]
+
+    request = InferenceRequest("m")
+    request.send(last, final=True)
+    assert [pair async for pair in request.stream()] == [(last, True)]
+
+
+def test_on_cancel_runs_once_when_the_request_is_cancelled():
+    from trionserve.core.types import InferenceRequest
+
+    calls: list[str] = []
+    request = InferenceRequest("m")
+    request.on_cancel(lambda: calls.append("first"))
+    request.on_cancel(None)  # removed: never called
+    request.on_cancel(lambda: calls.append("second"))
+    request.cancelled = True
+    request.cancelled = True
+    assert calls == ["second"]
+    request.on_cancel(lambda: calls.append("late"))  # already cancelled: at once
+    assert calls == ["second", "late"]
