@@ -453,8 +453,11 @@ class Fanout:
         async with trio.open_nursery() as nursery:
             while await call.receive() is not None:
                 self.taken += 1
-                nursery.start_soon(call.send, self.RESPONSE)
-                await trio.lowlevel.checkpoint()  # the answer starts before the next
+                await nursery.start(self._answer, call)  # started before the next
+
+    async def _answer(self, call: GrpcCall, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await call.send(self.RESPONSE)
 
 
 async def test_a_client_that_reads_no_responses_holds_the_connection_back():
@@ -488,3 +491,47 @@ async def test_a_client_that_reads_no_responses_holds_the_connection_back():
             assert client.status(stream) == (Status.OK.value, "")
             assert len(client.data[stream]) == 40 * (5 + len(Fanout.RESPONSE))
         shutdown.set()
+
+
+async def send_respecting_windows(
+    client: RawClient, stream_id: int, data: bytes, end: bool, wait: bool = True
+) -> bytes:
+    """Send ``data`` on a stream as the server's flow-control windows allow, waiting
+    for more window (or, with ``wait`` false, returning what did not fit)."""
+    view = memoryview(data)
+    while len(view):
+        window = min(client.h2.local_flow_control_window(stream_id),
+                     client.h2.max_outbound_frame_size)
+        if window <= 0:
+            if not wait:
+                break
+            await client.until(lambda c: c.h2.local_flow_control_window(stream_id) > 0)
+            continue
+        chunk, view = view[:window], view[window:]
+        client.h2.send_data(stream_id, bytes(chunk), end_stream=end and not len(view))
+        await client.flush()
+    return bytes(view)
+
+
+async def test_unfinished_messages_past_the_connection_buffer_all_complete():
+    """Two large messages arriving interleaved, together past the connection's
+    buffer: the oldest goes on (the connection window is given back for it) while
+    the other waits, then the other; neither call waits for ever."""
+    limit = 1024 * 1024
+    options = dict(max_connection_buffer=limit, window_size=limit, max_message_size=8 * limit)
+    async with serving(Handlers(), **options) as (port, _):
+        async with RawClient.connect(port) as client:
+            first = frame(b"a" * (4 * limit))
+            second = frame(b"b" * (4 * limit))
+            a = await client.call("/t.T/Echo", None, end=False)
+            b = await client.call("/t.T/Echo", None, end=False)
+            await send_respecting_windows(client, a, first[: 2 * limit], end=False)
+            # b takes what its window allows, and the server holds b's window back.
+            rest = await send_respecting_windows(client, b, second, end=True, wait=False)
+            assert len(rest) >= len(second) - limit
+            await send_respecting_windows(client, a, first[2 * limit :], end=True)
+            await send_respecting_windows(client, b, rest, end=True)
+            await client.until(lambda c: c.ended(a) and c.ended(b))
+            assert client.status(a) == (Status.OK.value, "")
+            assert client.status(b) == (Status.OK.value, "")
+            assert client.data[a] == first and client.data[b] == second

@@ -71,8 +71,9 @@ class TransportOptions:
     max_concurrent_streams: int = 1024
     # Bytes one connection may hold for its calls: request messages not taken
     # yet (whole or partial) and responses waiting for the client's flow-control
-    # window. Past it, the client's window is held back (one partial message
-    # still completes, so no call waits on another) and no new message is taken.
+    # window. Past it, the streams' windows are held back except the one of the
+    # oldest unfinished message (so it completes and no call waits on another);
+    # while the waiting responses alone are past it, no call takes a new message.
     max_connection_buffer: int = 256 * 1024 * 1024
     # Server keepalive: ping after this long (seconds; None: never), close the
     # connection when the ack takes longer than keepalive_timeout.
@@ -117,6 +118,7 @@ class GrpcCall:
         "_queued_bytes",
         "_partial_bytes",
         "_deferred_ack",
+        "_deferred_stream",
         "_ended",
         "_reset",
         "_error",
@@ -151,7 +153,8 @@ class GrpcCall:
         self._messages: deque[bytes] = deque()
         self._queued_bytes = 0
         self._partial_bytes = 0  # of an unfinished message, in the reader
-        self._deferred_ack = 0
+        self._deferred_ack = 0  # bytes whose stream and connection window is held back
+        self._deferred_stream = 0  # bytes whose stream window only is held back
         self._ended = False
         self._reset = False
         self._error: GRPCError | None = None
@@ -206,7 +209,7 @@ class GrpcCall:
         size = sum(len(c) for c in chunks)
         head = grpc_framing.prefix(size, compressed)
         conn = self._conn
-        conn.hold(size)
+        conn.hold_unsent(size)
         try:
             if self._send_lock is None:
                 await self._send_message(head, chunks, size)
@@ -216,7 +219,7 @@ class GrpcCall:
             async with self._send_lock:
                 await self._send_message(head, chunks, size)
         finally:
-            conn.hold(-size)
+            conn.hold_unsent(-size)
         conn.flush()
 
     async def _send_message(self, head: bytes, chunks: Sequence, size: int) -> None:
@@ -276,6 +279,7 @@ class Connection:
         # the calls whose window is held back for it, and an event set while
         # there is room again.
         self.held = 0
+        self.unsent = 0  # of those, responses waiting for the client's window
         self._held_back: set[GrpcCall] = set()
         self._room = trio.Event()
         self._room.set()
@@ -491,13 +495,17 @@ class Connection:
             added += len(message)
         self.hold(added)
         # Flow control: hold the window back while the handler has a window's worth
-        # of messages it has not taken yet, or while the connection holds too much
-        # (except for the oldest unfinished message, so that one always completes).
-        if call._queued_bytes > self.options.window_size or (
-            self.held > self.options.max_connection_buffer and not self._leads(call)
-        ):
+        # of messages it has not taken yet. While the connection holds too much,
+        # hold back the stream windows of all but the oldest unfinished message,
+        # and give the connection window back so that one can always complete.
+        if call._queued_bytes > self.options.window_size:
             call._deferred_ack += flow
             self._held_back.add(call)
+        elif self.held > self.options.max_connection_buffer and not self._leads(call):
+            if flow:
+                call._deferred_stream += flow
+                self.h2.increment_flow_control_window(flow)
+                self._held_back.add(call)
         elif flow:
             self.h2.acknowledge_received_data(flow, stream_id)
         if event.stream_ended is not None:
@@ -509,32 +517,49 @@ class Connection:
         call._queued_bytes -= size
         self.hold(-size)
 
+    def hold_unsent(self, size: int) -> None:
+        """Count ``size`` more bytes of responses waiting to be sent (negative:
+        fewer); while they are over the limit, no call takes a new message."""
+        self.unsent += size
+        if self.unsent > self.options.max_connection_buffer:
+            if self._room.is_set():
+                self._room = trio.Event()
+        else:
+            self._room.set()
+        self.hold(size)
+
     def hold(self, size: int) -> None:
         """Count ``size`` more bytes held for the calls (negative: fewer); below the
         limit again, give back the flow-control window held back."""
         self.held += size
-        if self.held > self.options.max_connection_buffer:
-            if self._room.is_set():
-                self._room = trio.Event()
-            return
-        self._room.set()
-        if not self._held_back:
+        over = self.held > self.options.max_connection_buffer
+        if not self._held_back or (size > 0 and over):
             return
         window = self.options.window_size
-        released = [c for c in self._held_back if c._queued_bytes <= window]
+        if over:  # only the oldest unfinished message may go on
+            released = [
+                c for c in self._held_back if c._queued_bytes <= window and self._leads(c)
+            ]
+        else:
+            released = [c for c in self._held_back if c._queued_bytes <= window]
         for call in released:
             self._held_back.discard(call)
-            if call._deferred_ack and not call._reset and call._stream_id in self.calls:
+            if not call._reset and call._stream_id in self.calls:
                 try:
-                    self.h2.acknowledge_received_data(call._deferred_ack, call._stream_id)
+                    if call._deferred_ack:
+                        self.h2.acknowledge_received_data(call._deferred_ack, call._stream_id)
+                    if call._deferred_stream:
+                        self.h2.increment_flow_control_window(
+                            call._deferred_stream, call._stream_id
+                        )
                 except h2.exceptions.ProtocolError:  # the stream closed meanwhile
                     pass
-            call._deferred_ack = 0
+            call._deferred_ack = call._deferred_stream = 0
         if released:
             self.flush()
 
     async def wait_for_room(self) -> None:
-        """Wait while the connection holds more than its buffer limit."""
+        """Wait while the connection's unsent responses are over its buffer limit."""
         while not self._room.is_set():
             await self._room.wait()
 
