@@ -153,6 +153,8 @@ class Server:
         self._close_frontends = trio.Event()
         self._drain_deadline = math.inf
         self.exit_code = 0
+        # With ``exit_process``: ends the process if serve has not ended in time.
+        self._exit_timer: threading.Timer | None = None
 
     def shutdown(self) -> None:
         """Begin the graceful drain (see the module docstring)."""
@@ -162,6 +164,14 @@ class Server:
             self._shutdown.set()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._serve(task_status)
+        finally:
+            # Everything ended in time: the process exits as main() decides.
+            if self._exit_timer is not None:
+                self._exit_timer.cancel()
+
+    async def _serve(self, task_status) -> None:
         options = self.options
         log.info(
             "server starting",
@@ -293,9 +303,10 @@ class Server:
             logging.shutdown()
             os._exit(1)
 
-        timer = threading.Timer(CLOSE_GRACE_SECS, exit_now)
-        timer.daemon = True
-        timer.start()
+        if self._exit_timer is None:
+            self._exit_timer = threading.Timer(CLOSE_GRACE_SECS, exit_now)
+            self._exit_timer.daemon = True
+            self._exit_timer.start()
 
     async def _watch_signals(self, everything: trio.CancelScope) -> None:
         """First signal: graceful shutdown. Second signal: stop at once."""
