@@ -22,6 +22,7 @@ import numpy as np
 from trionserve.core.datatypes import BY_WIRE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
 from trionserve.core.shared_memory import SystemSharedMemory
+from trionserve.core.validation import ModelSignature
 from trionserve.core.types import (
     InferenceRequest,
     InferenceResponse,
@@ -218,6 +219,57 @@ def decode_infer_request(
     outputs = doc.get("outputs")
     if outputs is not None:
         request.requested_outputs = _decode_outputs(outputs, shared_memory)
+    return request
+
+
+def decode_raw_request(
+    body: bytes, model_name: str, model_version: int | None, signature: ModelSignature
+) -> InferenceRequest:
+    """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the whole
+    body is the data of the model's only input. As Triton's core (infer_request.cc,
+    ``Normalize``): the model must have exactly one input; its shape is the
+    configured dims, after a batch dimension of 1 when the model batches, with the
+    one variable dimension (at most one) deduced from the body's size; a BYTES input
+    must have shape [1] and gets the whole body as its one element. Raises
+    InvalidArgument otherwise, naming the model and the input."""
+    if len(signature.inputs) != 1:
+        raise InvalidArgument(
+            "Raw request must only have 1 input (found 1) to be deduced but got "
+            f"{len(signature.inputs)} inputs in '{model_name}' model configuration"
+        )
+    (spec,) = signature.inputs.values()
+    dt = BY_WIRE[spec.datatype]
+    shape = [1] if signature.max_batch_size > 0 else []
+    dynamic_axis = None
+    count = 1
+    for dim in spec.dims:
+        if dim == -1:
+            if dynamic_axis is not None:
+                raise InvalidArgument(
+                    f"The shape of the raw input '{spec.name}' can not be deduced because "
+                    "there are more than one variable-sized dimension"
+                )
+            dynamic_axis = len(shape)
+        else:
+            count *= dim
+        shape.append(dim)
+    size = len(body)
+    if dt.itemsize == 0:  # BYTES
+        if dynamic_axis is not None or count != 1:
+            raise InvalidArgument(
+                f"For BYTE datatype raw input '{spec.name}', the model must have input "
+                "shape [1]"
+            )
+        data = np.empty(1, dtype=object)
+        data[0] = bytes(body)
+        array = data.reshape(shape)
+    else:
+        if dynamic_axis is not None:
+            shape[dynamic_axis] = size // dt.itemsize // count if count else 0
+        total = math.prod(shape)
+        array = _binary_to_array(spec.name, dt, shape, total, body, 0, size)
+    request = InferenceRequest(model_name, model_version)
+    request.inputs = {spec.name: Tensor(spec.name, dt.wire, array)}
     return request
 
 

@@ -132,9 +132,14 @@ class InferHandler:
                     ) from None
             version = http_codec.parse_model_version(match.group(2) or "")
             shared_memory = self.dataplane.shm_resolver
-            infer_request = http_codec.decode_infer_request(
-                body, header_length, match.group(1), version, shared_memory
-            )
+            name = match.group(1)
+            if header_length == 0:  # a raw binary request: the body is the one input
+                signature = self.dataplane.model(name, version).signature
+                infer_request = http_codec.decode_raw_request(body, name, version, signature)
+            else:
+                infer_request = http_codec.decode_infer_request(
+                    body, header_length, name, version, shared_memory
+                )
             if self._forward is not None:
                 self._forward_headers(request_headers, infer_request)
             if verbose():
