@@ -468,14 +468,17 @@ def test_leftover_bytes_after_json_only_header():
 
 
 def test_invalid_binary_data_size():
-    body = _one_input(parameters={"binary_data_size": -4})
+    body = _one_input(data=None, parameters={"binary_data_size": -4})
+    body = body.replace(b'"data":null,', b"").replace(b'"data": null, ', b"")
+    assert b'"data"' not in body
     with expect_error(INVALID, "'binary_data_size' for input 'INPUT0'", "-4"):
         decode(body)
 
 
 def test_both_data_and_binary_data_size():
     header = _one_input(parameters={"binary_data_size": 8})
-    with expect_error(INVALID, "input 'INPUT0'", "both 'data' and 'binary_data_size'"):
+    with expect_error(INVALID, "Input 'INPUT0' must set only one of",
+                      "But set 'data' 'binary_data_size'"):
         decode(header + bytes(8), len(header))
 
 

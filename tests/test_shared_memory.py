@@ -97,3 +97,39 @@ def test_client_shared_memory_is_off_by_default(http_client, regions):
     with pytest.raises(InferenceServerException, match="--allow-client-shm=true"):
         http_client.register_system_shared_memory("r", key, 64)
     assert "system_shared_memory" not in http_client.get_server_metadata()["extensions"]
+
+
+@pytest.mark.parametrize("other", ["data", "binary_data_size"])
+def test_input_with_data_and_shared_memory_is_400(shm_server, regions, other):
+    """As Triton (http_server.cc ValidateInputContentType): an input sets exactly
+    one of 'data', 'binary_data_size', 'shared_memory_region'."""
+    import http.client
+    import json
+
+    client = httpclient.InferenceServerClient(shm_server.http_url)
+    handle, key = regions("trionserve_both", 128)
+    shm.set_shared_memory_region(handle, [np.arange(32, dtype=np.int32)])
+    client.register_system_shared_memory("both_data", key, 128)
+    window = {"shared_memory_region": "both_data", "shared_memory_byte_size": 64}
+    first = {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32", "parameters": window}
+    if other == "data":
+        first["data"] = list(range(16))
+    else:
+        first["parameters"] = {**window, "binary_data_size": 64}
+    second = {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32",
+              "parameters": {**window, "shared_memory_offset": 64}}
+    header = json.dumps({"inputs": [first, second]}).encode()
+    body = header + (b"\0" * 64 if other == "binary_data_size" else b"")
+    connection = http.client.HTTPConnection("127.0.0.1", shm_server.http_port, timeout=30)
+    try:
+        connection.request("POST", "/v2/models/simple/infer", body=body,
+                           headers={"Inference-Header-Content-Length": str(len(header))})
+        response = connection.getresponse()
+        status, answer = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+        client.unregister_system_shared_memory()
+        client.close()
+    assert status == 400, answer
+    assert "Input 'INPUT0' must set only one of" in answer["error"]
+    assert f"But set '{other}' 'shared_memory_region'" in answer["error"]

@@ -422,6 +422,7 @@ def _decode_inputs(
                     f"invalid parameters for input '{name}': expected an object, "
                     f"got {_json_kind(params)}"
                 )
+            _check_one_content(name, spec, params)
             if "shared_memory_region" in params:
                 if shared_memory is None:
                     raise Unimplemented(
@@ -441,11 +442,6 @@ def _decode_inputs(
                 raise InvalidArgument(
                     f"invalid 'binary_data_size' for input '{name}': expected a "
                     f"non-negative integer, got {json.dumps(binary_size)}"
-                )
-            if spec.get("data") is not None:
-                raise InvalidArgument(
-                    f"input '{name}' has both 'data' and 'binary_data_size'; "
-                    "expected exactly one"
                 )
             end = offset + binary_size
             if end > size:
@@ -471,6 +467,27 @@ def _decode_inputs(
             "last binary input are not claimed by any input's 'binary_data_size'"
         )
     return tensors
+
+
+def _check_one_content(name: str, spec: dict, params: dict) -> None:
+    """An input names at most one place its data is: 'data', 'binary_data_size' or
+    'shared_memory_region' (Triton's http_server.cc ValidateInputContentType, with
+    its wording; none at all is reported where the data is looked for)."""
+    fields = [
+        field
+        for field, present in (
+            ("data", "data" in spec),
+            ("binary_data_size", "binary_data_size" in params),
+            ("shared_memory_region", "shared_memory_region" in params),
+        )
+        if present
+    ]
+    if len(fields) > 1:
+        raise InvalidArgument(
+            f"Input '{name}' must set only one of the following fields: 'data', "
+            "'binary_data_size' in 'parameters', 'shared_memory_region' in "
+            "'parameters'. But set " + " ".join(f"'{field}'" for field in fields)
+        )
 
 
 def _binary_to_array(
