@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -103,3 +105,90 @@ def test_raw_binary_request_of_the_wrong_size_is_400(server):
     status, _, body = post(server, "/v2/models/identity_fp32/infer", b"\0" * 7, RAW)
     assert status == 400
     assert "input 'INPUT0'" in json.loads(body)["error"]
+
+
+def exchange(port: int, data: bytes, timeout: float = 20.0) -> bytes:
+    """Send ``data`` on a new connection and read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return answer
+
+
+def test_default_body_limit_is_64_mib(server):
+    """Triton's default --http-max-input-size is 64 MiB (src/common.h,
+    HTTP_DEFAULT_MAX_INPUT_SIZE = 1 << 26); a larger body is refused before it is
+    read, naming the flag."""
+    head = (b"POST /v2/models/count_bytes/infer HTTP/1.1\r\nHost: x\r\n"
+            b"Inference-Header-Content-Length: 0\r\nContent-Length: %d\r\n\r\n" % ((64 << 20) + 1))
+    answer = exchange(server.http_port, head)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+    assert b"67108864 bytes (--http-max-input-size)" in answer
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    """A server with small connection and header-time limits."""
+    proc = ServerProcess(args=["--http-max-connections=3", "--http-header-timeout=1",
+                               "--allow-grpc=false", "--allow-metrics=false"])
+    try:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+
+
+def live(port: int) -> http.client.HTTPConnection:
+    """A keep-alive connection that has been served one request."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    connection.request("GET", "/v2/health/live")
+    response = connection.getresponse()
+    response.read()
+    assert response.status == 200
+    return connection
+
+
+def test_connections_past_the_cap_are_refused_and_the_server_goes_on(guarded_server):
+    port = guarded_server.http_port
+    held = [live(port) for _ in range(3)]
+    try:
+        for _ in range(5):
+            answer = exchange(port, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+            assert b"--http-max-connections" in answer and b"3 open" in answer
+        # The connections being served are untouched.
+        for connection in held:
+            connection.request("GET", "/v2/health/live")
+            assert connection.getresponse().read() == b""
+    finally:
+        for connection in held:
+            connection.close()
+    # Once they are gone, new connections are served again.
+    deadline = time.monotonic() + 20
+    while True:
+        answer = exchange(port, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n"
+                                b"Connection: close\r\n\r\n")
+        if answer.startswith(b"HTTP/1.1 200 ") or time.monotonic() > deadline:
+            break
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+    assert "refusing HTTP connections" in guarded_server.output()
+
+
+def test_a_request_head_that_never_ends_is_timed_out(guarded_server):
+    """Slowloris: a connection that does not complete its request head within
+    --http-header-timeout gets 408 and is closed; others are served meanwhile."""
+    port = guarded_server.http_port
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as slow:
+        slow.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+        live(port).close()
+        answer = b""
+        while chunk := slow.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert b"--http-header-timeout" in answer
+    # A connection that sends nothing at all is closed too.
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as silent:
+        assert silent.recv(65536).startswith(b"HTTP/1.1 408 ")

@@ -4,12 +4,15 @@ unknown paths, handler failures, streamed answers."""
 
 from __future__ import annotations
 
+import errno
 import socket
 import struct
 from functools import partial
 
 import h11
 import pytest
+import structlog
+import structlog.testing
 import trio
 
 from trionserve.protocol.http.transport import H11Server, HttpServerOptions
@@ -285,3 +288,34 @@ async def test_graceful_shutdown(served):
     assert (status, headers["connection"], body) == (200, "close", b"done")
     with trio.fail_after(10):
         await finished.wait()
+
+
+class _FailingListener:
+    """A listener whose accept fails with EMFILE ``failures`` times, then closes."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    async def accept(self):
+        self.calls += 1
+        if self.calls > self.failures:
+            raise trio.ClosedResourceError
+        raise OSError(errno.EMFILE, "Too many open files")
+
+
+async def test_accept_errors_back_off_and_are_logged_rarely(autojump_clock):
+    """Out of descriptors: the accept loop waits between tries instead of spinning,
+    and a minute of failures logs a handful of lines, not one per failure."""
+    server = H11Server(lambda method, path: None)
+    listener = _FailingListener(600)
+    start = trio.current_time()
+    with structlog.testing.capture_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            await server._accept(listener, trio.CancelScope(), nursery)
+    assert listener.calls == 601
+    assert trio.current_time() - start >= 59  # 600 tries, 0.1 s apart
+    lines = [entry for entry in logs if entry["event"] == "http accept failed; retrying"]
+    assert 1 <= len(lines) <= 7
+    # Each line after the first counts the failures it stood for.
+    assert sum(entry["suppressed_since_last"] for entry in lines) >= 490

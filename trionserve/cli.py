@@ -86,6 +86,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="trionserve",
@@ -125,8 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allow-http", type=_bool, default=True, metavar="BOOL")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=_port, default=8000)
-    add("--http-max-input-size", type=_non_negative_int, default=0, metavar="BYTES",
-        help="largest HTTP request body accepted, 413 beyond it (default 0: no limit)")
+    add("--http-max-input-size", type=_positive_int, default=64 * 1024 * 1024, metavar="BYTES",
+        help="largest HTTP request body accepted, after decompression too; 413 beyond "
+             "it (default 67108864: 64 MiB, as Triton)")
+    add("--http-max-connections", type=_positive_int, default=1024, metavar="N",
+        help="HTTP connections served at once; more are answered 503 and closed "
+             "(default 1024)")
+    add("--http-header-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+        help="a connection must send a whole request head within this time of opening "
+             "(or of a later request's first byte), else 408 and closed (default 30)")
     add("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
         help="bind the HTTP port with SO_REUSEPORT (default false)")
     add("--http-header-forward-pattern", type=_header_pattern, metavar="REGEX",
@@ -422,7 +436,9 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         http_address=args.http_address,
         http_port=args.http_port,
         http=HttpOptions(
-            max_input_size=args.http_max_input_size or None,
+            max_input_size=args.http_max_input_size,
+            max_connections=args.http_max_connections,
+            header_timeout=args.http_header_timeout,
             reuse_port=reuse_port or args.reuse_http_port,
             header_forward_pattern=args.http_header_forward_pattern,
         ),

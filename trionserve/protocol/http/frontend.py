@@ -549,8 +549,13 @@ del F
 class HttpOptions:
     """The HTTP frontend's settings."""
 
-    # Largest request body accepted, in bytes; None: no limit.
-    max_input_size: int | None = None
+    # Largest request body accepted, in bytes (after decompression too); None: no
+    # limit. Triton's default: 64 MiB (--http-max-input-size).
+    max_input_size: int | None = 64 << 20
+    # Connections served at once; more are answered 503 (--http-max-connections).
+    max_connections: int | None = 1024
+    # Seconds a connection has to deliver a whole request head (--http-header-timeout).
+    header_timeout: float = 30.0
     # Bind with SO_REUSEPORT: worker processes share the port (--workers,
     # --reuse-http-port).
     reuse_port: bool = False
@@ -576,7 +581,10 @@ async def serve_http(
     server = H11Server(
         frontend.route,
         HttpServerOptions(
-            max_request_body=options.max_input_size, reuse_port=options.reuse_port
+            max_request_body=options.max_input_size,
+            max_connections=options.max_connections,
+            header_timeout=options.header_timeout,
+            reuse_port=options.reuse_port,
         ),
     )
     await server.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

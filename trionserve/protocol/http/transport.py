@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -80,6 +81,14 @@ class HttpServerOptions:
 
     # Largest request body accepted, in bytes; None: no limit.
     max_request_body: int | None = None
+    # The flag that sets max_request_body, named in the 413 answer.
+    max_request_body_flag: str = "--http-max-input-size"
+    # Connections served at once; a connection past it is answered 503 and
+    # closed. None: no cap.
+    max_connections: int | None = None
+    # A connection must deliver a whole request head within this many seconds of
+    # opening, or of the first byte of a later request (slowloris): 408 and closed.
+    header_timeout: float = 30.0
     # Largest request head (request line and headers) h11 buffers.
     max_header_size: int = 1024 * 1024
     # An idle keep-alive connection is closed after this many seconds.
@@ -102,6 +111,31 @@ class _BodyTooLarge(Exception):
     """The request body passed ``max_request_body``."""
 
 
+class _HeaderTimeout(Exception):
+    """A request head did not arrive within ``header_timeout``."""
+
+
+class _RateLimitedLog:
+    """One warning now, then at most one every ``every`` seconds with the number of
+    occurrences in between: a flood (of refused connections, of accept errors)
+    neither fills the log nor costs a line each."""
+
+    def __init__(self, message: str, every: float = 10.0) -> None:
+        self.message = message
+        self.every = every
+        self._next = -math.inf
+        self._suppressed = 0
+
+    def __call__(self, **fields) -> None:
+        now = trio.current_time()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        log.warning(self.message, suppressed_since_last=self._suppressed, **fields)
+        self._suppressed = 0
+        self._next = now + self.every
+
+
 class H11Server:
     """Serves HTTP/1.1 on one address, each request by the handler its router picks.
 
@@ -119,6 +153,9 @@ class H11Server:
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
         self._heads: dict[tuple, h11.Response] = {}
+        self._open = 0  # connections being served
+        self._log_refused = _RateLimitedLog("refusing HTTP connections: at the cap")
+        self._log_accept_error = _RateLimitedLog("http accept failed; retrying")
 
     async def serve(
         self,
@@ -192,10 +229,33 @@ class H11Server:
                 except OSError as exc:
                     if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
                         raise
-                    log.error("http accept failed; retrying", error=str(exc))
+                    # Out of descriptors or memory: wait for connections to end
+                    # instead of spinning on accept.
+                    self._log_accept_error(error=str(exc))
                     await trio.sleep(0.1)
                     continue
+                cap = self.options.max_connections
+                if cap is not None and self._open >= cap:
+                    await self._refuse(stream, cap)
+                    continue
+                self._open += 1
                 nursery.start_soon(self._connection, stream)
+
+    async def _refuse(self, stream: trio.SocketStream, cap: int) -> None:
+        """Answer 503 on a connection past the cap and close it, without reading it
+        (bounded: a client that does not read cannot hold the accept loop)."""
+        self._log_refused(max_connections=cap)
+        answer = _raw_error(
+            503, f"too many connections: {cap} open, the limit of --http-max-connections; "
+            "try again later"
+        )
+        with trio.move_on_after(1.0):
+            try:
+                await stream.send_all(answer)
+                await stream.send_eof()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        await stream.aclose()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         connection = _Connection(self, stream)
@@ -205,6 +265,8 @@ class H11Server:
             log.debug("http connection lost", error=repr(group))
         except* Exception:
             log.exception("http connection failed")
+        finally:
+            self._open -= 1
 
 
 class _Connection:
@@ -212,7 +274,7 @@ class _Connection:
 
     __slots__ = (
         "server", "stream", "h11", "_idle_scope", "_request_method",
-        "_handling", "_watch",
+        "_handling", "_watch", "_served",
     )
 
     def __init__(self, server: H11Server, stream: trio.SocketStream) -> None:
@@ -226,15 +288,17 @@ class _Connection:
         # The request being handled, and the watcher of a slow one's socket.
         self._handling: trio.CancelScope | None = None
         self._watch: tuple[trio.CancelScope, trio.Event] | None = None
+        self._served = 0  # requests answered on this connection
 
     async def run(self) -> None:
         conn = self.h11
         try:
             while True:
-                event = await self._next_event(idle=True)
+                event = await self._next_request()
                 if type(event) is not h11.Request:
                     return  # closed by the client, idle timeout, or draining
                 await self._serve(event)
+                self._served += 1
                 if conn.our_state is not h11.DONE:
                     return  # Connection: close, or a response that could not finish
                 if conn.their_state is h11.SEND_BODY:
@@ -244,6 +308,14 @@ class _Connection:
                 conn.start_next_cycle()
         except h11.RemoteProtocolError as exc:
             await self._protocol_error(exc)
+        except _HeaderTimeout:
+            # No request to answer in h11's eyes: the answer is written as is.
+            timeout = self.server.options.header_timeout
+            with trio.move_on_after(1.0):
+                await self.stream.send_all(_raw_error(
+                    408, f"the request head did not arrive within {timeout:g} s "
+                    "(--http-header-timeout)"
+                ))
         except _PeerGone:
             pass
         finally:
@@ -256,27 +328,47 @@ class _Connection:
 
     # -- reading -------------------------------------------------------------
 
-    async def _next_event(self, idle: bool = False):
-        """The next h11 event, reading as needed. With ``idle`` (between requests)
-        the wait ends with None on draining or the keep-alive timeout."""
+    async def _next_request(self):
+        """The next request's head (an h11 event), or None on draining or the
+        keep-alive timeout. The head must be whole within ``header_timeout`` of
+        the connection opening (first request) or of its first byte (later ones);
+        raises _HeaderTimeout otherwise."""
+        conn = self.h11
+        deadline = None
+        if not self._served:
+            deadline = trio.current_time() + self.server.options.header_timeout
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            if deadline is None and conn.trailing_data[0]:
+                deadline = trio.current_time() + self.server.options.header_timeout
+            data = await self._receive_idle(deadline)
+            if data is None:
+                if deadline is not None and trio.current_time() >= deadline:
+                    raise _HeaderTimeout
+                return None
+            conn.receive_data(data)
+
+    async def _next_event(self):
+        """The next h11 event of the request being read, reading as needed."""
         conn = self.h11
         while True:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
                 return event
-            if idle:
-                data = await self._receive_idle()
-                if data is None:
-                    return None
-            else:
-                data = await self.stream.receive_some(self.server.options.receive_size)
-            conn.receive_data(data)
+            conn.receive_data(await self.stream.receive_some(self.server.options.receive_size))
 
-    async def _receive_idle(self) -> bytes | None:
+    async def _receive_idle(self, deadline: float | None = None) -> bytes | None:
+        """Bytes between requests; None on draining, the keep-alive timeout or
+        ``deadline``."""
         server = self.server
         if server.draining:
             return None
-        with trio.move_on_after(server.options.keep_alive_timeout) as scope:
+        until = trio.current_time() + server.options.keep_alive_timeout
+        if deadline is not None:
+            until = min(until, deadline)
+        with trio.move_on_at(until) as scope:
             self._idle_scope = scope
             server._idle.add(self)
             try:
@@ -460,9 +552,10 @@ class _Connection:
             await self.stream.send_all(b"".join(small))
 
     async def _too_large(self) -> None:
-        limit = self.server.options.max_request_body
+        options = self.server.options
         await self._error_response(
-            413, f"the request body is larger than the limit of {limit} bytes"
+            413, f"the request body is larger than the limit of {options.max_request_body} "
+            f"bytes ({options.max_request_body_flag})"
         )
 
     async def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
@@ -498,6 +591,15 @@ class _Connection:
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     pass
         await stream.aclose()
+
+
+def _raw_error(status: int, message: str) -> bytes:
+    """A whole JSON error response that closes the connection, written without h11
+    (for a connection that has no request h11 could answer)."""
+    body = json.dumps({"error": message}, separators=(",", ":")).encode()
+    reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(status, b"Error")
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
 
 
 def _content_length(headers: Headers) -> int:
