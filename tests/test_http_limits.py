@@ -4,11 +4,13 @@ caps, connection limits, malformed JSON and HTTP framing."""
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import socket
 import textwrap
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -192,3 +194,37 @@ def test_a_request_head_that_never_ends_is_timed_out(guarded_server):
     # A connection that sends nothing at all is closed too.
     with socket.create_connection(("127.0.0.1", port), timeout=20) as silent:
         assert silent.recv(65536).startswith(b"HTTP/1.1 408 ")
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_compressed_body_is_capped_after_decompression(server, encoding):
+    """A small compressed body that inflates past --http-max-input-size (a
+    decompression bomb) is a 400 naming the limit; it is never inflated whole."""
+    bomb = bytes(65 << 20)
+    packed = gzip.compress(bomb, 9) if encoding == "gzip" else zlib.compress(bomb, 9)
+    assert len(packed) < 1 << 20
+    status, _, body = post(server, "/v2/models/count_bytes/infer", packed,
+                           {**RAW, "Content-Encoding": encoding})
+    assert status == 400, body
+    error = json.loads(body)["error"]
+    assert "67108864 bytes" in error and "--http-max-input-size" in error
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_large_compressed_body_within_the_limit_is_served(server, encoding):
+    payload = np.random.default_rng(3).integers(0, 4, 20 << 20, dtype=np.uint8)
+    raw = payload.tobytes()
+    packed = gzip.compress(raw, 1) if encoding == "gzip" else zlib.compress(raw, 1)
+    status, _, body = post(server, "/v2/models/count_bytes/infer", packed,
+                           {**RAW, "Content-Encoding": encoding})
+    assert status == 200, body
+    (output,) = json.loads(body)["outputs"]
+    assert output["data"] == [payload.size, int(payload.sum(dtype=np.int64))]
+
+
+def test_truncated_gzip_body_is_400(server):
+    packed = gzip.compress(b"\1" * 1000)[:-12]
+    status, _, body = post(server, "/v2/models/count_bytes/infer", packed,
+                           {**RAW, "Content-Encoding": "gzip"})
+    assert status == 400
+    assert "gzip" in json.loads(body)["error"]

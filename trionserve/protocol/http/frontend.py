@@ -68,15 +68,49 @@ def error_status(error: TritonError) -> int:
     return HTTP_STATUS.get(error.status, 500)
 
 
-def _decompress(body: bytes, encoding: str) -> bytes:
+# Compressed bodies larger than this are inflated in a worker thread, so that the
+# event loop serves other connections meanwhile.
+INFLATE_IN_THREAD_BYTES = 256 * 1024
+# zlib window bits of each Content-Encoding: gzip's header, zlib's header.
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def decompress(body: bytes, encoding: str, limit: int | None) -> bytes:
+    """``body`` inflated, never past ``limit`` bytes of output: a body that would
+    inflate further is refused having produced at most ``limit + 1`` bytes (a
+    decompression bomb costs no more memory than an honest body at the limit).
+    Concatenated gzip members are inflated in turn. Raises InvalidArgument for an
+    unknown encoding, corrupt or truncated data, or output past the limit."""
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        raise InvalidArgument(f"unsupported Content-Encoding '{encoding}'")
+    parts: list[bytes] = []
+    size = 0
+    rest = body
     try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error) as exc:
-        raise InvalidArgument(f"failed to decompress the {encoding} request body: {exc}")
-    raise InvalidArgument(f"unsupported Content-Encoding '{encoding}'")
+        while True:
+            inflater = zlib.decompressobj(wbits)
+            room = 0 if limit is None else limit - size + 1
+            part = inflater.decompress(rest, room)
+            size += len(part)
+            parts.append(part)
+            if limit is not None and (size > limit or inflater.unconsumed_tail):
+                raise InvalidArgument(
+                    f"the {encoding} request body inflates to more than the limit of "
+                    f"{limit} bytes (--http-max-input-size)"
+                )
+            if not inflater.eof:
+                raise InvalidArgument(
+                    f"failed to decompress the {encoding} request body: it is truncated"
+                )
+            rest = inflater.unused_data
+            if encoding != "gzip" or not rest:
+                break
+    except zlib.error as exc:
+        raise InvalidArgument(
+            f"failed to decompress the {encoding} request body: {exc}"
+        ) from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _compress(body: bytes, accept_encoding: str) -> tuple[bytes, bytes | None]:
@@ -98,10 +132,16 @@ class InferHandler:
     """
 
     def __init__(
-        self, dataplane: DataPlane, verbose: bool = False, forward_headers: str | None = None
+        self,
+        dataplane: DataPlane,
+        verbose: bool = False,
+        forward_headers: str | None = None,
+        max_input_size: int | None = None,
     ) -> None:
         self.dataplane = dataplane
         self.verbose = verbose
+        # The cap on a compressed body's inflated size (--http-max-input-size).
+        self.max_input_size = max_input_size
         # --http-header-forward-pattern: matching headers become request parameters.
         self._forward = re.compile(forward_headers) if forward_headers else None
 
@@ -121,7 +161,13 @@ class InferHandler:
                 accept_encoding = value.decode("latin-1")
         try:
             if content_encoding and content_encoding != "identity":
-                body = _decompress(body, content_encoding)
+                limit = self.max_input_size
+                if len(body) > INFLATE_IN_THREAD_BYTES:
+                    body = await trio.to_thread.run_sync(
+                        decompress, body, content_encoding, limit
+                    )
+                else:
+                    body = decompress(body, content_encoding, limit)
             if header_length is not None:
                 try:
                     header_length = int(header_length)
@@ -288,10 +334,14 @@ class HttpFrontend:
     transport asks for each request (:meth:`route`)."""
 
     def __init__(
-        self, dataplane: DataPlane, verbose: bool = False, forward_headers: str | None = None
+        self,
+        dataplane: DataPlane,
+        verbose: bool = False,
+        forward_headers: str | None = None,
+        max_input_size: int | None = None,
     ) -> None:
         self.dataplane = dataplane
-        self.infer = InferHandler(dataplane, verbose, forward_headers)
+        self.infer = InferHandler(dataplane, verbose, forward_headers, max_input_size)
 
     def route(self, method: bytes, path: str):
         """The handler of a request: infer first (the hot path), then the table;
@@ -577,7 +627,9 @@ async def serve_http(
 ) -> None:
     """Serve HTTP until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     options = options or HttpOptions()
-    frontend = HttpFrontend(dataplane, verbose, options.header_forward_pattern)
+    frontend = HttpFrontend(
+        dataplane, verbose, options.header_forward_pattern, options.max_input_size
+    )
     server = H11Server(
         frontend.route,
         HttpServerOptions(
