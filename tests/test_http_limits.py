@@ -228,3 +228,57 @@ def test_truncated_gzip_body_is_400(server):
                            {**RAW, "Content-Encoding": "gzip"})
     assert status == 400
     assert "gzip" in json.loads(body)["error"]
+
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v2/models/simple/infer", b'{"inputs":' + DEEP + b"}"),
+    ("/v2/models/simple/infer", DEEP),
+    ("/v2/repository/index", b'{"ready":' + DEEP + b"}"),
+    ("/v2/logging", DEEP),
+    ("/v2/models/simple/generate", b'{"INPUT0":' + DEEP + b"}"),
+])
+def test_deeply_nested_json_is_400(server, path, body):
+    status, _, answer = post(server, path, body)
+    assert status == 400, answer[:300]
+    assert "nested too deeply" in json.loads(answer)["error"]
+
+
+def test_non_finite_floats_in_json_outputs_are_written_as_triton_does(server):
+    """Triton's JSON writer (common triton_json.h: rapidjson::kWriteNanAndInfFlag)
+    writes NaN, Infinity and -Infinity; tritonclient reads them back."""
+    import tritonclient.http as httpclient
+
+    values = np.array([[np.nan, np.inf, -np.inf, 1.5]], dtype=np.float32)
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        tensor = httpclient.InferInput("INPUT0", [1, 4], "FP32")
+        tensor.set_data_from_numpy(values)
+        output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)
+        result = client.infer("identity_fp32", [tensor], outputs=[output])
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), values)
+    finally:
+        client.close()
+    header = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 16}}]}).encode()
+    status, _, body = post(server, "/v2/models/identity_fp32/infer", header + values.tobytes(),
+                           {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 200
+    assert b'"data":[NaN,Infinity,-Infinity,1.5]' in body
+
+
+@pytest.mark.parametrize("request_bytes, status", [
+    (b"GET /v2/health/live HTTP/9.9\r\nHost: x\r\n\r\n", b"505"),
+    (b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", b"400"),
+], ids=["http-9.9", "content-length-and-transfer-encoding"])
+def test_ambiguous_or_unknown_http_is_refused_and_closed(server, request_bytes, status):
+    """Refused with a JSON error, and the connection closed (``exchange`` reads
+    until the server closes it): a request that could be framed two ways is how
+    requests are smuggled past a proxy."""
+    answer = exchange(server.http_port, request_bytes + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1
+    assert b'{"error":' in answer

@@ -193,6 +193,8 @@ def decode_infer_request(
         doc = json.loads(header)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
+    except RecursionError:  # Python's parser recurses per level; Triton's iterates
+        raise InvalidArgument("failed to parse the request JSON: nested too deeply") from None
     if type(doc) is not dict:
         raise InvalidArgument(
             "failed to parse the request JSON: expected an object, got "

@@ -48,6 +48,10 @@ def decode_generate_request(
         payload = json.loads(body) if body.strip() else {}
     except ValueError as exc:
         raise InvalidArgument(f"failed to parse the generate request JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidArgument(
+            "failed to parse the generate request JSON: nested too deeply"
+        ) from None
     if not isinstance(payload, dict):
         raise InvalidArgument("the generate request body must be a JSON object")
     request_id = payload.get("id", "")

@@ -426,6 +426,10 @@ class _Connection:
         path = raw_path.decode("ascii")
         if "%" in path:
             path = unquote(path)
+        refusal = _refusal(request)
+        if refusal is not None:
+            await self._error_response(*refusal)
+            return
         handler = self.server.router(request.method, path)
         limit = self.server.options.max_request_body
         try:
@@ -591,6 +595,26 @@ class _Connection:
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     pass
         await stream.aclose()
+
+
+def _refusal(request: h11.Request) -> tuple[int, str] | None:
+    """(status, message) for a request that h11 parses but we must not serve: an
+    HTTP version other than 1.0 / 1.1 (h11 takes any digit.digit), or both
+    Content-Length and Transfer-Encoding, which an intermediary may frame
+    differently than we do (request smuggling; RFC 9112 section 6.1 lets a server
+    refuse it, and the connection must be closed)."""
+    if request.http_version not in (b"1.1", b"1.0"):
+        version = request.http_version.decode("ascii", "replace")
+        return 505, f"HTTP version {version} is not supported; use HTTP/1.1"
+    has_length = has_encoding = False
+    for name, _ in request.headers:
+        if name == b"content-length":
+            has_length = True
+        elif name == b"transfer-encoding":
+            has_encoding = True
+    if has_length and has_encoding:
+        return 400, "a request may not carry both Content-Length and Transfer-Encoding"
+    return None
 
 
 def _raw_error(status: int, message: str) -> bytes:
