@@ -78,3 +78,41 @@ def test_bad_flags_are_rejected(flag, capsys):
     with pytest.raises(SystemExit):
         grpc_options(flag)
     assert "error" in capsys.readouterr().err
+
+
+async def test_stream_budget_bounds_requests_in_flight_by_response_bytes():
+    """A stream admits requests while in flight x largest message fits the bytes
+    limit (issue 18 item 6): large responses leave room for few requests."""
+    import trio
+    import trio.testing
+
+    from trionserve.protocol.grpc.service import StreamBudget
+
+    budget = StreamBudget(count_limit=100, byte_limit=1000)
+    admitted = []
+
+    async def admit(name: str, size: int) -> None:
+        await budget.acquire(size)
+        admitted.append(name)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(5):
+            nursery.start_soon(admit, f"small{i}", 10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(admitted) == 5  # 5 x 10 bytes: plenty of room
+        budget.observe(390)  # a response of 390 bytes: 400 a request with it
+        nursery.start_soon(admit, "next", 10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(admitted) == 5  # 6 x 400 > 1000
+        for _ in range(3):
+            budget.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(admitted) == 5  # 2 in flight: a third would make 3 x 400 > 1000
+        budget.release()
+        await trio.testing.wait_all_tasks_blocked()
+        assert admitted[-1] == "next" and budget.in_flight == 2  # 2 x 400 <= 1000
+        budget.release()
+        budget.release()
+    # One request is always admitted, however large.
+    await budget.acquire(10_000)
+    assert budget.in_flight == 1

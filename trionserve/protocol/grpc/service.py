@@ -53,6 +53,53 @@ SERVICE_PATH = "/inference.GRPCInferenceService/"
 # is not read (and HTTP/2 flow control holds the client back).
 STREAM_PENDING_LIMIT = 1024
 
+
+class StreamBudget:
+    """The requests one ModelStreamInfer call serves at once, bounded by count and
+    by bytes.
+
+    Requests are admitted before their responses exist, and a response waits for
+    its client's flow-control window, so a stream's memory is about its requests in
+    flight times the size of a request and its response. ``acquire`` admits a
+    request while fewer than ``count_limit`` are in flight and ``in flight x
+    (largest request + largest response)`` seen on the stream so far stays within
+    ``byte_limit``; one request is always admitted, however large.
+    """
+
+    __slots__ = ("_count_limit", "_byte_limit", "in_flight", "request", "response", "_changed")
+
+    def __init__(self, count_limit: int, byte_limit: int) -> None:
+        self._count_limit = count_limit
+        self._byte_limit = byte_limit
+        self.in_flight = 0
+        self.request = 0  # the largest request seen, in bytes
+        self.response = 0  # the largest response seen, in bytes
+        self._changed = trio.Event()
+
+    def observe(self, size: int) -> None:
+        """A response of ``size`` bytes is on its way to the client."""
+        if size > self.response:
+            self.response = size
+
+    def _full(self) -> bool:
+        n = self.in_flight
+        if n == 0:
+            return False
+        return n >= self._count_limit or (n + 1) * (self.request + self.response) > self._byte_limit
+
+    async def acquire(self, size: int) -> None:
+        """Wait until a request of ``size`` bytes may be served, and count it."""
+        if size > self.request:
+            self.request = size
+        while self._full():
+            await self._changed.wait()
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self._changed.set()
+        self._changed = trio.Event()
+
 # --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
 
@@ -428,7 +475,7 @@ class GrpcService:
         goes on. When the client half-closes, the pending requests finish first; when
         it cancels or goes away, they are cancelled with the call.
         """
-        pending = trio.Semaphore(STREAM_PENDING_LIMIT)
+        budget = StreamBudget(STREAM_PENDING_LIMIT, self.options.max_connection_buffer)
         error: GRPCError | None = None
         async with trio.open_nursery() as nursery:
             while True:
@@ -440,9 +487,9 @@ class GrpcService:
                     break
                 if data is None:
                     break
-                await pending.acquire()
+                await budget.acquire(len(data))
                 queued = trio.Event()
-                nursery.start_soon(self._stream_request, call, data, pending, queued)
+                nursery.start_soon(self._stream_request, call, data, budget, queued)
                 # Queue the stream's requests in the order they came (as Triton does),
                 # so that the requests of a sequence reach its model in order.
                 await queued.wait()
@@ -452,7 +499,7 @@ class GrpcService:
             raise GRPCError(Status.UNAVAILABLE, "the server is shutting down")
 
     async def _stream_request(
-        self, call: GrpcCall, data: bytes, pending: trio.Semaphore, queued: trio.Event
+        self, call: GrpcCall, data: bytes, budget: StreamBudget, queued: trio.Event
     ) -> None:
         message = request = None
         shared_memory = self.dataplane.shm_resolver
@@ -477,7 +524,9 @@ class GrpcService:
                     inner = grpc_codec.encode_infer_response(
                         response, request, final, shared_memory
                     )
-                await call.send(grpc_codec.encode_stream_response(inner))
+                message = grpc_codec.encode_stream_response(inner)
+                budget.observe(sum(len(c) for c in message))
+                await call.send(message)
 
             await self.dataplane.infer_stream(request, deliver, queued=queued)
         except TritonError as error:
@@ -492,7 +541,7 @@ class GrpcService:
             await self._send_stream_error(call, text, request or message)
         finally:
             queued.set()
-            pending.release()
+            budget.release()
 
     @staticmethod
     async def _send_stream_error(call: GrpcCall, text: str, request) -> None:
