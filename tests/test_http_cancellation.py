@@ -89,3 +89,31 @@ async def test_hanging_up_cancels_queued_and_running_requests(repository):
         # successes; "queued" neither succeeded nor failed in the model.
         assert stats.success.count == 2
         server.shutdown()
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """Everything the server sends on ``sock`` until it closes it."""
+    sock.settimeout(60)
+    answer = b""
+    while chunk := sock.recv(65536):
+        answer += chunk
+    sock.close()
+    return answer
+
+
+async def test_a_request_cut_at_the_exit_timeout_gets_503_before_the_close(repository):
+    """Issue 18 item 8: a request still running when --exit-timeout-secs expires is
+    answered 503 (JSON, Connection: close) before its connection closes."""
+    server = make_server(repository)
+    server.options.exit_timeout_secs = 0.5
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        running = await in_thread(send_infer, port, "running")
+        await wait_entered()
+        server.shutdown()
+        answer = await in_thread(read_answer, running)
+        GATE.release.set()  # the model's thread ends; the server can finish
+    assert answer.startswith(b"HTTP/1.1 503 "), answer[:300]
+    assert b"connection: close" in answer.lower()
+    assert b"--exit-timeout-secs" in answer

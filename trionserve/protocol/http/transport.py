@@ -24,7 +24,9 @@ What it guarantees:
   :class:`~trionserve.dataplane.DataPlane`; until then this server serves as
   usual): the listeners close at once (new connections are refused), idle
   keep-alive connections close, requests in flight finish and are answered with
-  ``Connection: close``; after ``graceful_timeout`` whatever is left is cancelled.
+  ``Connection: close``; after ``graceful_timeout`` whatever is left is cancelled,
+  and a request cut while its handler runs is answered 503 (``Connection: close``)
+  if its socket takes the answer within a second.
 """
 
 from __future__ import annotations
@@ -439,7 +441,11 @@ class _Connection:
                 await self._error_response(404, f"Not Found: {request.method.decode()} {path}")
                 return
             body = await self._read_body(request)
-            status, headers, chunks = await self._run_handler(handler, request.headers, body)
+            try:
+                status, headers, chunks = await self._run_handler(handler, request.headers, body)
+            except trio.Cancelled:
+                await self._cut()
+                raise
         except _BodyTooLarge:
             await self._too_large()
             return
@@ -555,6 +561,19 @@ class _Connection:
         if small:
             await self.stream.send_all(b"".join(small))
 
+    async def _cut(self) -> None:
+        """The server cut this request (its drain ended at the exit timeout): answer
+        503 and close, if the socket takes it within a second."""
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + 1.0
+            try:
+                await self._error_response(
+                    503, "the server is shutting down: the request was still running at "
+                    "the exit timeout (--exit-timeout-secs)"
+                )
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+
     async def _too_large(self) -> None:
         options = self.server.options
         await self._error_response(
@@ -583,18 +602,21 @@ class _Connection:
     # -- closing ---------------------------------------------------------------
 
     async def _close(self) -> None:
+        """Close the socket, whatever happens (cancellation included)."""
         stream = self.stream
-        if self.h11.their_state not in (h11.CLOSED, h11.ERROR):
-            # Half-close and give the client a moment to close its side, so that
-            # request bytes we did not read do not turn our close into a reset.
-            with trio.move_on_after(self.server.options.linger):
-                try:
-                    await stream.send_eof()
-                    while await stream.receive_some(65536):
+        try:
+            if self.h11.their_state not in (h11.CLOSED, h11.ERROR):
+                # Half-close and give the client a moment to close its side, so that
+                # request bytes we did not read do not turn our close into a reset.
+                with trio.move_on_after(self.server.options.linger):
+                    try:
+                        await stream.send_eof()
+                        while await stream.receive_some(65536):
+                            pass
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         pass
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
-        await stream.aclose()
+        finally:
+            await stream.aclose()
 
 
 def _refusal(request: h11.Request) -> tuple[int, str] | None:
