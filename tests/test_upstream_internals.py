@@ -14,8 +14,7 @@ import h2.connection
 import h2.events
 import hpack
 import numpy as np
-from google.protobuf.internal import api_implementation
-from google.protobuf.internal import builder
+from google.protobuf.internal import api_implementation, builder
 from hyperframe import frame as hyperframe_frame
 
 from trionserve.protocol.grpc import upstream

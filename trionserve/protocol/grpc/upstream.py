@@ -38,7 +38,7 @@ def _data_frame_repr(frame) -> str:
 # logging off, and hyperframe's repr of a DATA frame re-serializes and hex-encodes
 # the whole payload before cutting it to 20 characters: for megabyte messages
 # that cost more than the rest of the receive path. Same text, from 11 bytes.
-hyperframe_frame.DataFrame._body_repr = _data_frame_repr
+hyperframe_frame.DataFrame._body_repr = _data_frame_repr  # type: ignore[method-assign,assignment]
 
 
 _FRAME_HEADER = struct.Struct(">HBBBL")
