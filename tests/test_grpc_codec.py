@@ -434,3 +434,17 @@ def test_stream_error_names_the_request():
     assert message.infer_response.model_name == "simple"
     # The error ends the request (Triton's stream handler flags it too).
     assert message.infer_response.parameters["triton_final_response"].bool_param is True
+
+
+def test_the_grpc_codec_does_not_import_the_http_codec():
+    """What both protocols share (BYTES wire format, shared-memory parameters,
+    model versions) lives in trionserve.core (issue 16 item 3)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trionserve.protocol.grpc.codec\n"
+        "print([m for m in sys.modules if m.startswith('trionserve.protocol.http')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -12,6 +12,7 @@ request lets go of it, so a client can never pull memory from under a request.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from dataclasses import dataclass
@@ -133,3 +134,23 @@ class SystemSharedMemory:
         region, start = self._window(name, offset, byte_size, what)
         region.mapping[start : start + payload.nbytes] = payload
         return payload.nbytes
+
+
+def shared_memory_window(params: dict, what: str) -> tuple[str, int, int]:
+    """The (region, offset, byte_size) an input or output names; checks the types."""
+    region = params.get("shared_memory_region")
+    offset = params.get("shared_memory_offset", 0)
+    byte_size = params.get("shared_memory_byte_size")
+    if type(region) is not str or not region:
+        raise InvalidArgument(f"{what}: 'shared_memory_region' must be a non-empty string")
+    if type(byte_size) is not int or byte_size < 0:
+        raise InvalidArgument(
+            f"{what}: 'shared_memory_byte_size' must be a non-negative integer, got "
+            f"{json.dumps(byte_size)}"
+        )
+    if type(offset) is not int or offset < 0:
+        raise InvalidArgument(
+            f"{what}: 'shared_memory_offset' must be a non-negative integer, got "
+            f"{json.dumps(offset)}"
+        )
+    return region, offset, byte_size

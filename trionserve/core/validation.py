@@ -156,3 +156,20 @@ def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
     if len(shape) != len(dims):
         return False
     return all(d == -1 or d == s for s, d in zip(shape, dims))
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def parse_model_version(text: str) -> int | None:
+    """The model version of a URL path segment: "" -> None (the model's policy
+    decides), a positive integer -> int."""
+    if text == "":
+        return None
+    if text.isascii() and text.isdigit() and len(text) <= 19:
+        version = int(text)
+        if 0 < version <= _INT64_MAX:
+            return version
+    raise InvalidArgument(
+        f"invalid model version '{text}': expected a positive integer"
+    )

@@ -23,21 +23,20 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from trionserve._generated import grpc_service_pb2 as pb
+from trionserve.core.bytes_tensor import (
+    deserialize_bytes_tensor,
+    serialize_bytes_tensor,
+)
 from trionserve.core.datatypes import BY_WIRE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
-from trionserve.core.shared_memory import SystemSharedMemory
+from trionserve.core.shared_memory import SystemSharedMemory, shared_memory_window
 from trionserve.core.types import (
     InferenceRequest,
     InferenceResponse,
     RequestedOutput,
     Tensor,
 )
-from trionserve.protocol.http.codec import (
-    deserialize_bytes_tensor,
-    parse_model_version,
-    serialize_bytes_tensor,
-    shared_memory_window,
-)
+from trionserve.core.validation import parse_model_version
 
 __all__ = [
     "parse_message",

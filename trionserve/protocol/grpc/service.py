@@ -27,6 +27,7 @@ from trionserve.core.errors import (
     as_triton_error,
 )
 from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.validation import parse_model_version
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings as update_log_settings
@@ -43,7 +44,6 @@ from trionserve.protocol.grpc.transport import (
     TransportOptions,
     server_ssl_context,
 )
-from trionserve.protocol.http.codec import parse_model_version
 
 log = structlog.get_logger(__name__)
 

@@ -14,21 +14,27 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from typing import Any
 
 import numpy as np
 
+from trionserve.core.bytes_tensor import (
+    deserialize_bytes_tensor,
+    serialize_bytes_tensor,
+)
+from trionserve.core.bytes_tensor import (
+    read_bytes_elements as _read_bytes_elements,
+)
 from trionserve.core.datatypes import BY_WIRE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
-from trionserve.core.shared_memory import SystemSharedMemory
-from trionserve.core.validation import ModelSignature
+from trionserve.core.shared_memory import SystemSharedMemory, shared_memory_window
 from trionserve.core.types import (
     InferenceRequest,
     InferenceResponse,
     RequestedOutput,
     Tensor,
 )
+from trionserve.core.validation import ModelSignature, parse_model_version
 
 __all__ = [
     "decode_infer_request",
@@ -39,9 +45,7 @@ __all__ = [
     "deserialize_bytes_tensor",
 ]
 
-_U32 = struct.Struct("<I")
 _UINT64_MAX = 2**64 - 1
-_INT64_MAX = 2**63 - 1
 
 # Wire tensors are little-endian; on a little-endian host these equal the native dtypes.
 _WIRE_DTYPE: dict[str, np.dtype] = {
@@ -68,91 +72,7 @@ def _fmt_shape(shape: Any) -> str:
 # --------------------------------------------------------------------------- BYTES
 
 
-def serialize_bytes_tensor(array: np.ndarray) -> bytes:
-    """Serialize a BYTES tensor: each element, in row-major order, as a 4-byte
-    little-endian length followed by its bytes. ``str`` elements are UTF-8 encoded."""
-    items = np.asarray(array).reshape(-1).tolist()
-    pack = _U32.pack
-    parts: list[bytes] = []
-    append = parts.append
-    for item in items:
-        if type(item) is not bytes:
-            item = _element_bytes(item)
-        append(pack(len(item)))
-        append(item)
-    return b"".join(parts)
-
-
-def _element_bytes(item: Any) -> bytes:
-    if isinstance(item, str):
-        return item.encode("utf-8")
-    if isinstance(item, (bytes, bytearray, memoryview)):
-        return bytes(item)
-    # Same leniency as tritonclient: anything else goes by its string form.
-    return str(item).encode("utf-8")
-
-
-def deserialize_bytes_tensor(
-    buffer: bytes | bytearray | memoryview, count: int | None, what: str
-) -> np.ndarray:
-    """Parse length-prefixed BYTES elements into a 1-D object array of ``bytes``.
-
-    ``count`` is the number of elements the shape promises (None: as many as the
-    buffer holds); ``what`` names the tensor in error messages, e.g. "input 'X'".
-    """
-    if not isinstance(buffer, bytes):
-        buffer = memoryview(buffer).cast("B")
-    return _read_bytes_elements(buffer, 0, len(buffer), count, what)
-
-
-def _read_bytes_elements(
-    buf: bytes | memoryview, start: int, end: int, count: int | None, what: str
-) -> np.ndarray:
-    items: list[bytes] = []
-    append = items.append
-    unpack = _U32.unpack_from
-    offset = start
-    while offset < end:
-        if end - offset < 4:
-            raise InvalidArgument(
-                f"malformed BYTES data for {what}: element {len(items)} needs a 4-byte "
-                f"length prefix, got {end - offset} bytes"
-            )
-        (length,) = unpack(buf, offset)
-        offset += 4
-        stop = offset + length
-        if stop > end:
-            raise InvalidArgument(
-                f"malformed BYTES data for {what}: element {len(items)} has length "
-                f"{length}, got only {end - offset} bytes"
-            )
-        append(bytes(buf[offset:stop]))
-        offset = stop
-    if count is not None and len(items) != count:
-        raise InvalidArgument(
-            f"unexpected number of BYTES elements for {what}: expected {count}, "
-            f"got {len(items)}"
-        )
-    out = np.empty(len(items), dtype=np.object_)
-    out[:] = items
-    return out
-
-
 # ------------------------------------------------------------------------- request
-
-
-def parse_model_version(text: str) -> int | None:
-    """The model version of a URL path segment: "" -> None (the model's policy
-    decides), a positive integer -> int."""
-    if text == "":
-        return None
-    if text.isascii() and text.isdigit() and len(text) <= 19:
-        version = int(text)
-        if 0 < version <= _INT64_MAX:
-            return version
-    raise InvalidArgument(
-        f"invalid model version '{text}': expected a positive integer"
-    )
 
 
 def decode_infer_request(
@@ -273,26 +193,6 @@ def decode_raw_request(
     request = InferenceRequest(model_name, model_version)
     request.inputs = {spec.name: Tensor(spec.name, dt.wire, array)}
     return request
-
-
-def shared_memory_window(params: dict, what: str) -> tuple[str, int, int]:
-    """The (region, offset, byte_size) an input or output names; checks the types."""
-    region = params.get("shared_memory_region")
-    offset = params.get("shared_memory_offset", 0)
-    byte_size = params.get("shared_memory_byte_size")
-    if type(region) is not str or not region:
-        raise InvalidArgument(f"{what}: 'shared_memory_region' must be a non-empty string")
-    if type(byte_size) is not int or byte_size < 0:
-        raise InvalidArgument(
-            f"{what}: 'shared_memory_byte_size' must be a non-negative integer, got "
-            f"{json.dumps(byte_size)}"
-        )
-    if type(offset) is not int or offset < 0:
-        raise InvalidArgument(
-            f"{what}: 'shared_memory_offset' must be a non-negative integer, got "
-            f"{json.dumps(offset)}"
-        )
-    return region, offset, byte_size
 
 
 def _json_kind(value: Any) -> str:
