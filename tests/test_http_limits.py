@@ -50,7 +50,8 @@ def server(tmp_path_factory):
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(COUNT_BYTES_CONFIG)
     (model / "1" / "model.py").write_text(textwrap.dedent(COUNT_BYTES_MODEL))
-    proc = ServerProcess(EXAMPLES, repository)
+    proc = ServerProcess(EXAMPLES, repository, args=[
+        "--allow-client-shm=true", "--model-control-mode=explicit", "--load-model=*"])
     try:
         proc.wait_ready()
         yield proc
@@ -282,3 +283,31 @@ def test_ambiguous_or_unknown_http_is_refused_and_closed(server, request_bytes, 
     assert answer.startswith(b"HTTP/1.1 " + status), answer[:300]
     assert answer.count(b"HTTP/1.1 ") == 1
     assert b'{"error":' in answer
+
+
+IDENTITY_CONFIG = json.dumps({
+    "name": "identity_fp32", "platform": "onnxruntime_onnx", "max_batch_size": 8,
+    "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+    "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+})
+
+
+@pytest.mark.parametrize("path, request_body, fragment", [
+    ("/v2/systemsharedmemory/region/r/register",
+     {"key": "/trionserve\0x", "offset": 0, "byte_size": 16}, "NUL"),
+    ("/v2/models/identity_fp32/infer",
+     {"inputs": [{"name": "INPUT0", "shape": [0, 2**62], "datatype": "FP32", "data": []}]},
+     "too large"),
+    ("/v2/repository/models/identity_fp32/load",
+     {"parameters": {"config": IDENTITY_CONFIG, "file:1/a\0b": "AAAA"}}, "NUL"),
+    ("/v2/repository/models/identity_fp32/load",
+     {"parameters": {"config": IDENTITY_CONFIG, "file:" + "a/" * 100 + "x": "AAAA"}},
+     "levels"),
+    ("/v2/repository/models/identity_fp32/load",
+     {"parameters": {"config": IDENTITY_CONFIG, "file:" + "a" * 5000: "AAAA"}}, "bytes"),
+], ids=["shm-key-nul", "huge-empty-shape", "file-nul", "file-deep", "file-long"])
+def test_client_mistakes_are_400_not_500(server, path, request_body, fragment):
+    """Issue 18 item 7: what the client got wrong is a 400 naming it."""
+    status, _, answer = post(server, path, json.dumps(request_body).encode())
+    assert status == 400, answer[:300]
+    assert fragment in json.loads(answer)["error"]

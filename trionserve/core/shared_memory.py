@@ -41,6 +41,8 @@ class Region:
 
 def _shm_path(key: str) -> str:
     name = key[1:] if key.startswith("/") else key
+    if "\0" in name:
+        raise InvalidArgument(f"invalid shared memory key {key!r}: it contains a NUL byte")
     if not name or "/" in name or name in (".", ".."):
         raise InvalidArgument(f"invalid shared memory key '{key}'")
     return os.path.join(SHM_DIR, name)

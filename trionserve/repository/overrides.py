@@ -21,6 +21,11 @@ from trionserve.core.errors import InvalidArgument
 from trionserve.repository.config import CONFIG_FILENAME, read_model_config
 
 FILE_PREFIX = "file:"
+# Bounds on a file override's path inside the model directory (Linux allows 4096
+# bytes in a path and 255 in a name; a model directory is rarely more than a few
+# levels deep).
+MAX_OVERRIDE_PATH_BYTES = 1024
+MAX_OVERRIDE_PATH_LEVELS = 32
 OVERRIDE_DIR_PREFIX = "trionserve-override-"
 
 
@@ -40,7 +45,28 @@ def _relative_path(key: str, name: str) -> PurePosixPath:
             f"failed to load '{name}': file override parameter '{key}' must start "
             f"with '{FILE_PREFIX}'"
         )
-    path = PurePosixPath(key[len(FILE_PREFIX) :])
+    text = key[len(FILE_PREFIX) :]
+    if "\0" in text:
+        raise InvalidArgument(
+            f"failed to load '{name}': invalid file override parameter {key!r}: the "
+            "path contains a NUL byte"
+        )
+    if len(text.encode()) > MAX_OVERRIDE_PATH_BYTES:
+        raise InvalidArgument(
+            f"failed to load '{name}': invalid file override parameter: the path is "
+            f"{len(text.encode())} bytes long, more than {MAX_OVERRIDE_PATH_BYTES} bytes"
+        )
+    path = PurePosixPath(text)
+    if len(path.parts) > MAX_OVERRIDE_PATH_LEVELS:
+        raise InvalidArgument(
+            f"failed to load '{name}': invalid file override parameter: the path has "
+            f"{len(path.parts)} levels, more than {MAX_OVERRIDE_PATH_LEVELS} levels"
+        )
+    if any(len(part.encode()) > 255 for part in path.parts):
+        raise InvalidArgument(
+            f"failed to load '{name}': invalid file override parameter: a path part "
+            "is longer than 255 bytes"
+        )
     if (
         not path.parts
         or path.is_absolute()

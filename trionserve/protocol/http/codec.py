@@ -315,6 +315,13 @@ def _decode_inputs(
                 f"non-negative integers, got {json.dumps(shape)}"
             )
         count = math.prod(shape)
+        # numpy refuses a shape whose non-zero dimensions would take more bytes
+        # than it can index (at most 8 bytes an element), even when another
+        # dimension is 0.
+        if math.prod(d for d in shape if d) * 8 > _INT64_MAX:
+            raise InvalidArgument(
+                f"invalid shape for input '{name}': {_fmt_shape(shape)} is too large"
+            )
 
         params = spec.get("parameters")
         binary_size = None
