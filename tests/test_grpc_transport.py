@@ -535,3 +535,35 @@ async def test_unfinished_messages_past_the_connection_buffer_all_complete():
             assert client.status(a) == (Status.OK.value, "")
             assert client.status(b) == (Status.OK.value, "")
             assert client.data[a] == first and client.data[b] == second
+
+
+async def test_connections_past_the_cap_are_closed_and_the_others_served():
+    """--grpc-max-connections (issue 18 item 5): the excess is closed at once."""
+    async with serving(Handlers(), max_connections=1) as (port, _):
+        async with RawClient.connect(port) as first:
+            stream = await first.call("/t.T/Echo", frame(b"one"))
+            await first.until(lambda c: c.ended(stream))
+            async with RawClient.connect(port) as second:
+                await second.until(lambda c: False)  # until the server closes it
+                assert second.closed
+            again = await first.call("/t.T/Echo", frame(b"two"))
+            await first.until(lambda c: c.ended(again))
+            assert first.status(again) == (Status.OK.value, "")
+
+
+async def test_a_connection_that_starts_no_call_is_closed(autojump_clock):
+    """A client that connects and sends nothing (slowloris) is closed after the
+    first-call timeout (virtual time); one that calls in time is kept."""
+    async with serving(Handlers(), first_call_timeout=30.0) as (port, _):
+        async with RawClient.connect(port) as idle, RawClient.connect(port) as busy:
+            stream = await busy.call("/t.T/Echo", frame(b"hi"))
+            await busy.until(lambda c: c.ended(stream))
+            start = trio.current_time()
+            with trio.fail_after(60):
+                while not idle.closed:
+                    data = await idle.stream.receive_some(65536)
+                    idle.closed = not data
+            assert trio.current_time() - start >= 29.0  # not before the timeout
+            again = await busy.call("/t.T/Echo", frame(b"still here"))
+            await busy.until(lambda c: c.ended(again))
+            assert busy.status(again) == (Status.OK.value, "")

@@ -230,6 +230,10 @@ def _add_grpc_flags(add) -> None:
         default=256 * 1024 * 1024, metavar="BYTES",
         help="bytes one connection may hold for requests not yet taken and responses "
         "the client has not read; past it the client is held back (default 268435456)")
+    add("--grpc-max-connections", type=_positive_int, default=1024, metavar="N",
+        help="connections served at once; past it a new one is closed (default 1024)")
+    add("--grpc-first-call-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+        help="close a connection that starts no call within SECONDS of opening (default 30)")
     add("--grpc-header-forward-pattern", type=_header_pattern, metavar="REGEX",
         help="forward request headers matching REGEX (case-insensitive; (?-i) "
              "prefix: case-sensitive) to the model as parameters")
@@ -362,6 +366,8 @@ def _grpc_options(parser, args) -> GrpcOptions:
         max_message_size=args.grpc_max_message_size,
         max_concurrent_streams=args.grpc_max_concurrent_streams,
         max_connection_buffer=args.grpc_max_connection_buffer,
+        max_connections=args.grpc_max_connections,
+        first_call_timeout=args.grpc_first_call_timeout,
         header_forward_pattern=args.grpc_header_forward_pattern,
         **({"infer_allocation_pool_size": args.grpc_infer_allocation_pool_size}
            if args.grpc_infer_allocation_pool_size is not None else {}),

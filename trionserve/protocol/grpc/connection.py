@@ -88,6 +88,11 @@ class TransportOptions:
     linger: float = 1.0
     # Seconds a TLS client gets to complete its handshake.
     handshake_timeout: float = 10.0
+    # Connections served at once; past it a new one is closed at once. None: no cap.
+    max_connections: int | None = 1024
+    # Seconds a new connection gets to send its first call's headers; a client
+    # that connects and sends nothing (slowloris) is closed after it.
+    first_call_timeout: float = 30.0
     # Bind with SO_REUSEPORT: worker processes share the port (--workers).
     reuse_port: bool = False
 
@@ -291,6 +296,7 @@ class Connection:
         self._last_stream_id = _MAX_WINDOW
         self._ping_acks: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
+        self._first_call = trio.Event()
 
     # -- the actor ---------------------------------------------------------------
 
@@ -303,6 +309,7 @@ class Connection:
                 nursery.start_soon(self._drain_when, self._server_draining)
                 if self.options.keepalive_time is not None:
                     nursery.start_soon(self._keepalive)
+                nursery.start_soon(self._first_call_deadline)
                 await self._read_loop()
                 if not self._closing:
                     nursery.cancel_scope.cancel()
@@ -396,6 +403,7 @@ class Connection:
     # -- requests --------------------------------------------------------------
 
     def _on_request(self, event: h2.events.RequestReceived) -> None:
+        self._first_call.set()
         stream_id = event.stream_id
         if stream_id > self._last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
@@ -727,6 +735,17 @@ class Connection:
                     await self.stream.send_all(data)
         finally:
             self._writing = False
+
+    async def _first_call_deadline(self) -> None:
+        with trio.move_on_after(self.options.first_call_timeout):
+            await self._first_call.wait()
+            return
+        log.info(
+            "grpc connection sent no call within the first-call timeout; closing",
+            peer=self.peer,
+            timeout=self.options.first_call_timeout,
+        )
+        self._cancel()
 
     def _cancel(self) -> None:
         if self._nursery is not None:

@@ -150,6 +150,10 @@ class GrpcOptions:
     # Bytes one connection may hold: requests not taken yet and responses the
     # client has not granted window for (--grpc-max-connection-buffer).
     max_connection_buffer: int = 256 * 1024 * 1024
+    # Connections served at once (--grpc-max-connections), and the seconds a new
+    # one gets to start its first call (--grpc-first-call-timeout).
+    max_connections: int = 1024
+    first_call_timeout: float = 30.0
     # Bind with SO_REUSEPORT so that worker processes share the port (--workers).
     reuse_port: bool = False
     # TLS; None: plaintext.
@@ -160,6 +164,8 @@ class GrpcOptions:
             max_message_size=self.max_message_size,
             max_concurrent_streams=self.max_concurrent_streams,
             max_connection_buffer=self.max_connection_buffer,
+            max_connections=self.max_connections,
+            first_call_timeout=self.first_call_timeout,
             keepalive_time=self.keepalive_time_ms / 1000 if self.keepalive_time_ms > 0 else None,
             keepalive_timeout=self.keepalive_timeout_ms / 1000,
             keepalive_permit_without_calls=self.keepalive_permit_without_calls,

@@ -13,6 +13,8 @@ What it guarantees:
   the stream (cancel, its own deadline) or drops the connection cancels that task;
   a ``grpc-timeout`` that passes cancels it and answers DEADLINE_EXCEEDED.
 - Every non-OK status carries a percent-encoded ``grpc-message``.
+- At most ``max_connections`` connections at once (past it a new one is closed at
+  once); a connection that sends no call within ``first_call_timeout`` is closed.
 - TLS when given an ``ssl.SSLContext`` (ALPN ``h2``, as gRPC clients require); a
   connection whose handshake does not finish within ``handshake_timeout`` is closed.
 - HTTP/2 flow control with large windows (16 MiB by default); a handler that does
@@ -91,6 +93,8 @@ class GrpcTransport:
         self._methods = {path.encode("latin-1"): m for path, m in methods.items()}
         self._options = options
         self._ssl_context = ssl_context
+        self.connections = 0  # being served now
+        self._refused_logged_at = -float("inf")
 
     async def serve(
         self,
@@ -124,6 +128,25 @@ class GrpcTransport:
             )
 
     async def _connection(self, socket_stream: trio.SocketStream, draining: trio.Event) -> None:
+        cap = self._options.max_connections
+        if cap is not None and self.connections >= cap:
+            # Refused cheaply: closed at once, logged at most once per 10 s.
+            now = trio.current_time()
+            if now - self._refused_logged_at >= 10.0:
+                self._refused_logged_at = now
+                log.warning("grpc connection refused: --grpc-max-connections reached",
+                            max_connections=cap)
+            await trio.aclose_forcefully(socket_stream)
+            return
+        self.connections += 1
+        try:
+            await self._serve_connection(socket_stream, draining)
+        finally:
+            self.connections -= 1
+
+    async def _serve_connection(
+        self, socket_stream: trio.SocketStream, draining: trio.Event
+    ) -> None:
         stream: trio.abc.Stream = socket_stream
         if self._ssl_context is not None:
             tls = trio.SSLStream(socket_stream, self._ssl_context, server_side=True)
