@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 _UINT64_MAX = 2**64 - 1
+_INT64_MAX = 2**63 - 1
 
 # Wire tensors are little-endian; on a little-endian host these equal the native dtypes.
 _WIRE_DTYPE: dict[str, np.dtype] = {
