@@ -225,6 +225,29 @@ def test_bad_requests_get_clear_errors(http_client):
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
 
 
+def test_triton_parameter_keys_are_reserved(server, http_client):
+    # As Triton's HTTP frontend (src/http_server.cc): no 'triton_' key is a client's,
+    # not even the one gRPC streams accept.
+    ones = [1] * 16
+    for key in ("triton_secret", "triton_enable_empty_final_response"):
+        body = {
+            "parameters": {key: True},
+            "inputs": [
+                {"name": n, "datatype": "INT32", "shape": [1, 16], "data": ones}
+                for n in ("INPUT0", "INPUT1")
+            ],
+        }
+        status, reply = raw_post(server, "/v2/models/simple/infer", json.dumps(body).encode())
+        assert status == 400, reply
+        assert json.loads(reply)["error"] == (
+            "parameter keys starting with 'triton_' are reserved for Triton usage and "
+            "should not be specified."
+        )
+    a = np.ones((1, 16), dtype=np.int32)
+    result = http_client.infer("simple", simple_inputs(a, a), parameters={"tritonish": 1})
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
+
+
 def test_malformed_bodies(server, http_client):
     status, body = raw_post(server, "/v2/models/simple/infer", b"{not json")
     assert status == 400

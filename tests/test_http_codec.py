@@ -612,6 +612,13 @@ def test_reserved_parameter_with_wrong_type(key, value):
         decode(json_body(doc))
 
 
+@pytest.mark.parametrize("key", ["triton_x", "triton_enable_empty_final_response"])
+def test_triton_parameter_keys_are_reserved(key):
+    doc = {"parameters": {key: True}, "inputs": []}
+    with expect_error(INVALID, "parameter keys starting with 'triton_' are reserved"):
+        decode(json_body(doc))
+
+
 @pytest.mark.parametrize("value", [{"a": 1}, [1, 2], None])
 def test_custom_parameter_with_unsupported_type(value):
     doc = {"parameters": {"mine": value}, "inputs": []}

@@ -18,7 +18,7 @@ from trionserve.backends.python.settings import StubSettings, settings_for
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.stub import STUBPATH
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
-from trionserve.core.errors import InvalidArgument, NotFound, Status, Unavailable
+from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
 from trionserve._generated.model_config_pb2 import ModelConfig
 
 sys.path.insert(0, str(STUBPATH))
@@ -181,6 +181,10 @@ def test_tensor_types_and_dlpack():
     assert pb_utils.numpy_to_triton_type(np.bool_) == 1
     encoded = pb_utils.serialize_byte_tensor(np.array([b"ab", b"c"], dtype=object))
     assert pb_utils.deserialize_bytes_tensor(encoded).tolist() == [b"ab", b"c"]
+    # The one BYTES wire format (trionserve.core.bytes_tensor): a malformed buffer is
+    # a clear error, not a silently short tensor.
+    with pytest.raises(TritonError, match="element 0 has length 5, got only 2 bytes"):
+        pb_utils.deserialize_bytes_tensor(b"\x05\x00\x00\x00ab")
 
 
 def test_requests_responses_and_errors_validate_their_arguments():

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from trionserve.core.bytes_tensor import read_bytes_elements, serialize_bytes_tensor
 from trionserve.core.datatypes import BY_WIRE
 
 ALIGNMENT = 64
@@ -138,7 +139,7 @@ class Arena:
     def write(self, name: str, datatype: str, array: np.ndarray) -> tuple[TensorRef, Block | None]:
         """Copy one tensor into a new block; returns its reference and the block."""
         if datatype == "BYTES":
-            payload = serialize_bytes(array)
+            payload = serialize_bytes_tensor(array)
             nbytes = len(payload)
         else:
             payload = None
@@ -189,7 +190,10 @@ class ArenaView:
         if datatype == "BYTES":
             raw = memoryview(buffer)[offset : offset + nbytes]
             try:
-                return deserialize_bytes(raw).reshape(shape)
+                count = int(np.prod(shape, dtype=np.int64))
+                return read_bytes_elements(raw, 0, nbytes, count, f"tensor '{ref[0]}'").reshape(
+                    shape
+                )
             finally:
                 raw.release()
         view = np.ndarray(shape, dtype, buffer=buffer, offset=offset)
@@ -210,33 +214,3 @@ def block_of(ref: TensorRef) -> Block | None:
     if nbytes == 0:
         return None
     return segment_id, offset, -(-nbytes // ALIGNMENT) * ALIGNMENT
-
-
-_LENGTH = struct.Struct("<I")
-
-
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """BYTES elements as Triton lays them out: 4-byte length, then the bytes."""
-    parts = []
-    for item in array.reshape(-1):
-        if isinstance(item, str):
-            item = item.encode("utf-8")
-        elif not isinstance(item, (bytes, bytearray)):
-            item = str(item).encode("utf-8")
-        parts.append(_LENGTH.pack(len(item)))
-        parts.append(item)
-    return b"".join(parts)
-
-
-def deserialize_bytes(buffer) -> np.ndarray:
-    """The flat object array of ``bytes`` that :func:`serialize_bytes` wrote."""
-    items = []
-    offset, end = 0, len(buffer)
-    while offset < end:
-        (length,) = _LENGTH.unpack_from(buffer, offset)
-        offset += 4
-        items.append(bytes(buffer[offset : offset + length]))
-        offset += length
-    result = np.empty(len(items), dtype=np.object_)
-    result[:] = items
-    return result

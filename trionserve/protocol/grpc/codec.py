@@ -23,12 +23,15 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from trionserve._generated import grpc_service_pb2 as pb
-from trionserve.core.bytes_tensor import (
-    deserialize_bytes_tensor,
-    serialize_bytes_tensor,
-)
+from trionserve.core.bytes_tensor import deserialize_bytes_tensor
 from trionserve.core.datatypes import BY_WIRE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
+from trionserve.core.outputs import output_bytes, shared_memory_outputs
+from trionserve.core.parameters import (
+    EMPTY_FINAL_RESPONSE,
+    FINAL_RESPONSE,
+    check_reserved_key,
+)
 from trionserve.core.shared_memory import SystemSharedMemory, shared_memory_window
 from trionserve.core.types import (
     InferenceRequest,
@@ -53,9 +56,7 @@ Chunks = list[bytes | memoryview]
 _UINT64_MAX = 2**64 - 1
 _INT64_MAX = 2**63 - 1
 
-# Request parameters with a meaning of their own; every other one goes to the backend.
-EMPTY_FINAL_RESPONSE = "triton_enable_empty_final_response"
-FINAL_RESPONSE = "triton_final_response"
+# The reserved keys a gRPC request may set (Triton's TRITON_RESERVED_REQUEST_PARAMS).
 _RESERVED_TRITON_KEYS = (EMPTY_FINAL_RESPONSE,)
 
 _WIRE_DTYPE: dict[str, np.dtype] = {
@@ -171,13 +172,7 @@ def _apply_request_parameters(request: InferenceRequest, params) -> None:
             request.timeout_us = _unsigned_parameter(key, kind, value)
         elif key == "binary_data_output":
             pass  # an HTTP notion: gRPC outputs are always binary
-        elif key.startswith("triton_"):
-            if key not in _RESERVED_TRITON_KEYS:
-                raise InvalidArgument(
-                    "parameter keys starting with 'triton_' are reserved for Triton "
-                    "usage. Only the following keys starting with 'triton_' are "
-                    f"allowed: {' '.join(_RESERVED_TRITON_KEYS)}"
-                )
+        elif check_reserved_key(key, _RESERVED_TRITON_KEYS):
             _bool_parameter(key, kind, value)
         else:
             custom[key] = value
@@ -396,22 +391,6 @@ def _set_parameter(param: pb.InferParameter, value: Any) -> None:
         param.string_param = str(value)
 
 
-def _raw_output(wire: str, data: np.ndarray) -> bytes | memoryview:
-    if wire == "BYTES":
-        return serialize_bytes_tensor(data)
-    dtype = _WIRE_DTYPE.get(wire)
-    if dtype is None:
-        raise InvalidArgument(f"invalid datatype '{wire}' for an output")
-    if data.dtype != dtype:
-        if wire == "BF16" and data.dtype.name == "bfloat16":
-            data = data.view(np.uint16)
-        else:
-            data = data.astype(dtype)
-    if data.size == 0:
-        return b""
-    data = np.ascontiguousarray(data)
-    return data.reshape(-1).view(np.uint8).data
-
 
 def encode_infer_response(
     response: InferenceResponse,
@@ -435,18 +414,12 @@ def encode_infer_response(
         _set_parameter(message.parameters[key], value)
     if final is not None:
         message.parameters[FINAL_RESPONSE].bool_param = final
-    in_shm = {}
-    if shared_memory is not None and request.requested_outputs:
-        in_shm = {
-            o.name: o.parameters
-            for o in request.requested_outputs
-            if "shared_memory_region" in o.parameters
-        }
+    in_shm = shared_memory_outputs(request) if shared_memory is not None else {}
     raws = []
     outputs = message.outputs
     for tensor in response.outputs:
         output = outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.data.shape)
-        raw = _raw_output(tensor.datatype, tensor.data)
+        raw = output_bytes(tensor.datatype, tensor.data)
         params = in_shm.get(tensor.name)
         if params is not None:
             what = f"output '{tensor.name}'"

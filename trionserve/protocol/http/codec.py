@@ -27,6 +27,8 @@ from trionserve.core.bytes_tensor import (
 )
 from trionserve.core.datatypes import BY_WIRE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
+from trionserve.core.outputs import output_bytes, shared_memory_outputs
+from trionserve.core.parameters import check_reserved_key
 from trionserve.core.shared_memory import SystemSharedMemory, shared_memory_window
 from trionserve.core.types import (
     InferenceRequest,
@@ -251,6 +253,7 @@ def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
                 )
             custom[key] = value
         else:
+            check_reserved_key(key)
             # Same value types as gRPC's InferParameter, so both frontends agree.
             if type(value) not in (str, int, float, bool):
                 raise InvalidArgument(
@@ -608,14 +611,11 @@ def encode_infer_response(
     by name, datatype and shape only, as Triton does."""
     default_binary = request.parameters.get("binary_data_output") is True
     per_output: dict[str, bool] = {}
-    in_shm: dict[str, dict] = {}
-    if request.requested_outputs:
-        for out in request.requested_outputs:
-            flag = out.parameters.get("binary_data")
-            if flag is not None:
-                per_output[out.name] = flag is True
-            if "shared_memory_region" in out.parameters:
-                in_shm[out.name] = out.parameters
+    for out in request.requested_outputs or ():
+        flag = out.parameters.get("binary_data")
+        if flag is not None:
+            per_output[out.name] = flag is True
+    in_shm = shared_memory_outputs(request)
 
     chunks: list[bytes | memoryview] = [b""]
     any_binary = False
@@ -632,13 +632,13 @@ def encode_infer_response(
         if shm_params is not None and shared_memory is not None:
             what = f"output '{tensor.name}'"
             region, at, nbytes = shared_memory_window(shm_params, what)
-            shared_memory.write(region, at, nbytes, _binary_output(wire, tensor.data), what)
+            shared_memory.write(region, at, nbytes, output_bytes(wire, tensor.data), what)
             # As Triton: name, datatype and shape only. Clients read an output's
             # "parameters" as the binary tensor extension's (tritonclient's C++
             # client, hence perf_analyzer, requires binary_data_size there).
         elif binary:
             any_binary = True
-            chunk = _binary_output(wire, tensor.data)
+            chunk = output_bytes(wire, tensor.data)
             entry["parameters"] = {"binary_data_size": len(chunk)}
             if len(chunk):
                 chunks.append(chunk)
@@ -660,22 +660,6 @@ def encode_infer_response(
     chunks[0] = header
     return chunks, (len(header) if any_binary else None)
 
-
-def _binary_output(wire: str, data: np.ndarray) -> bytes | memoryview:
-    if wire == "BYTES":
-        return serialize_bytes_tensor(data)
-    dtype = _WIRE_DTYPE.get(wire)
-    if dtype is None:
-        raise InvalidArgument(f"invalid datatype '{wire}' for an output")
-    if data.dtype != dtype:
-        if wire == "BF16" and data.dtype.name == "bfloat16":
-            data = data.view(np.uint16)
-        else:
-            data = data.astype(dtype)
-    data = np.ascontiguousarray(data)
-    if data.size == 0:
-        return b""
-    return data.reshape(-1).view(np.uint8).data
 
 
 def _json_output(wire: str, data: np.ndarray) -> list:

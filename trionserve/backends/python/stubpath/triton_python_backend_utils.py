@@ -10,11 +10,16 @@ sender, log lines) go through the stub runtime installed in ``_runtime``.
 from __future__ import annotations
 
 import json
-import struct
 import sys
 import threading
 
 import numpy as np
+
+# The stub runs from the trionserve package (also under a model's own
+# EXECUTION_ENV_PATH, where only the package is put on sys.path), so the one BYTES
+# wire format in trionserve.core (numpy and the standard library only) is here too.
+from trionserve.core.bytes_tensor import deserialize_bytes_tensor as _deserialize_bytes
+from trionserve.core.bytes_tensor import serialize_bytes_tensor
 
 # Set by the stub process to its runtime (see trionserve.backends.python.stub).
 _runtime = None
@@ -94,25 +99,12 @@ def serialize_byte_tensor(input_tensor):
         return ()
     if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
         return None
-    parts = []
-    for item in input_tensor.reshape(-1, order="C"):
-        if not isinstance(item, bytes):
-            item = str(item).encode("utf-8")
-        parts.append(struct.pack("<I", len(item)))
-        parts.append(item)
-    return b"".join(parts)
+    return serialize_bytes_tensor(input_tensor)
 
 
 def deserialize_bytes_tensor(encoded_tensor):
     """The 1-D object array of bytes that serialize_byte_tensor encoded."""
-    items = []
-    offset = 0
-    while offset < len(encoded_tensor):
-        (length,) = struct.unpack_from("<I", encoded_tensor, offset)
-        offset += 4
-        items.append(bytes(encoded_tensor[offset : offset + length]))
-        offset += length
-    return np.array(items, dtype=np.object_)
+    return _deserialize_bytes(encoded_tensor, None, "the encoded BYTES tensor")
 
 
 # -- errors -------------------------------------------------------------------------

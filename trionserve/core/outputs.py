@@ -1,0 +1,52 @@
+"""Output encoding both inference protocols share: a tensor's bytes on the wire and
+the outputs a request asked to receive in shared memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trionserve.core.bytes_tensor import serialize_bytes_tensor
+from trionserve.core.datatypes import BY_WIRE
+from trionserve.core.errors import InvalidArgument
+from trionserve.core.types import InferenceRequest
+
+__all__ = ["output_bytes", "shared_memory_outputs"]
+
+# Wire tensors are little-endian; on a little-endian host these equal the native dtypes.
+_WIRE_DTYPE: dict[str, np.dtype] = {
+    d.wire: d.numpy.newbyteorder("<") for d in BY_WIRE.values() if d.itemsize
+}
+
+
+def output_bytes(wire: str, data: np.ndarray) -> bytes | memoryview:
+    """An output tensor's raw bytes as both protocols carry them: row-major,
+    little-endian, BYTES elements length-prefixed. A contiguous array in its wire
+    dtype is not copied (the result is a memoryview of it)."""
+    if wire == "BYTES":
+        return serialize_bytes_tensor(data)
+    dtype = _WIRE_DTYPE.get(wire)
+    if dtype is None:
+        raise InvalidArgument(f"invalid datatype '{wire}' for an output")
+    if data.dtype != dtype:
+        if wire == "BF16" and data.dtype.name == "bfloat16":
+            data = data.view(np.uint16)
+        else:
+            data = data.astype(dtype)
+    if data.size == 0:
+        return b""
+    data = np.ascontiguousarray(data)
+    return data.reshape(-1).view(np.uint8).data
+
+
+def shared_memory_outputs(request: InferenceRequest) -> dict[str, dict[str, Any]]:
+    """The parameters of each output the request asked to receive in a shared
+    memory region, by output name."""
+    if not request.requested_outputs:
+        return {}
+    return {
+        o.name: o.parameters
+        for o in request.requested_outputs
+        if "shared_memory_region" in o.parameters
+    }
