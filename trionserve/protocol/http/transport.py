@@ -509,7 +509,7 @@ class _Connection:
         conn = self.h11
         if self.server.draining:
             headers = [*headers, _CLOSE]  # handlers may share their header lists
-        if hasattr(chunks, "__aiter__"):
+        if isinstance(chunks, AsyncIterator):
             await self._stream(h11.Response(status_code=status, headers=headers), chunks)
             return
         out = [conn.send(self.server.response_head(status, headers))]
