@@ -609,6 +609,43 @@ def test_decoupled_model_streams_over_grpc(server):
         client.close()
 
 
+def test_decoupled_model_is_refused_by_single_response_infer_on_both_protocols(
+    server, client
+):
+    # Model policy is checked in the DataPlane's admission, so HTTP and gRPC refuse
+    # the same request the same way: UNIMPLEMENTED (HTTP 501) with Triton's words
+    # (src/http_server.cc CheckTransactionPolicy, src/grpc/infer_handler.cc), and
+    # the model never runs.
+    import tritonclient.grpc as grpcclient
+
+    before = client.get_inference_statistics("repeat")["model_stats"][0]
+    infer_input = httpclient.InferInput("IN", [2], "INT32")
+    infer_input.set_data_from_numpy(np.array([1, 2], dtype=np.int32))
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("repeat", [infer_input])
+    assert info.value.status() == "501"
+    assert info.value.message().startswith(
+        "HTTP end point doesn't support models with decoupled transaction policy"
+    ), info.value.message()
+    assert "model 'repeat'" in info.value.message()
+
+    grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        grpc_input = grpcclient.InferInput("IN", [2], "INT32")
+        grpc_input.set_data_from_numpy(np.array([1, 2], dtype=np.int32))
+        with pytest.raises(InferenceServerException) as info:
+            grpc_client.infer("repeat", [grpc_input])
+        assert info.value.status() == "StatusCode.UNIMPLEMENTED"
+        assert info.value.message().startswith(
+            "ModelInfer RPC doesn't support models with decoupled transaction policy"
+        ), info.value.message()
+    finally:
+        grpc_client.close()
+    after = client.get_inference_statistics("repeat")["model_stats"][0]
+    assert after["execution_count"] == before["execution_count"]
+    assert after["inference_stats"]["fail"] == before["inference_stats"]["fail"]
+
+
 def test_stubs_never_write_into_the_repository(server, repository):
     assert echo(httpclient.InferenceServerClient(server.http_url), "errors", 4).tolist() == [40]
     assert not list(repository.rglob("__pycache__"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import structlog
 import trio
@@ -27,6 +28,7 @@ from trionserve.core.errors import (
     InvalidArgument,
     TritonError,
     Unavailable,
+    Unimplemented,
 )
 from trionserve.core.response_cache import ResponseCache
 from trionserve.core.shared_memory import SystemSharedMemory
@@ -34,7 +36,7 @@ from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
 from trionserve.observability.metrics import observe_first_response
 from trionserve.observability.statistics import FailureReason, to_ns
-from trionserve.observability.trace import TraceManager
+from trionserve.observability.trace import Trace, TraceManager
 from trionserve.repository.repository import duplicate_reason
 
 log = structlog.get_logger(__name__)
@@ -354,14 +356,32 @@ class DataPlane:
 
     # -- inference ---------------------------------------------------------------
 
-    def _admit(self, request: InferenceRequest, internal: bool = False) -> ModelVersion:
-        """Route and validate a request; a request that fails validation is
-        counted as a failure of its model (reason OTHER). While draining, refuse
-        what the drain does not take (see the class docstring); ``internal``: a
-        request made by a model on behalf of one already taken."""
+    def _admit(
+        self,
+        request: InferenceRequest,
+        internal: bool = False,
+        single_response: str | None = None,
+    ) -> ModelVersion:
+        """Route and check a request against its model's policy, then validate it.
+
+        A request that fails validation is counted as a failure of its model
+        (reason OTHER). While draining, refuse what the drain does not take (see
+        the class docstring); ``internal``: a request made by a model on behalf of
+        one already taken. ``single_response`` names the endpoint of a caller that
+        takes exactly one response (``infer``): a decoupled model is refused there
+        with UNIMPLEMENTED before it runs, whichever protocol asked, as Triton's
+        frontends do (HTTP: ``src/http_server.cc`` CheckTransactionPolicy; gRPC
+        ModelInfer: ``src/grpc/infer_handler.cc``).
+        """
         model = self.registry.route(request.model_name, request.model_version)
         if self.draining and not internal:
             self._refuse_while_draining(request, model)
+        if single_response is not None and model.config.model_transaction_policy.decoupled:
+            raise Unimplemented(
+                f"{single_response} doesn't support models with decoupled transaction "
+                f"policy (model '{request.model_name}' is decoupled; stream its "
+                "responses: gRPC ModelStreamInfer or HTTP generate_stream)"
+            )
         try:
             validate_request(request, model.signature)
         except TritonError:
@@ -369,11 +389,48 @@ class DataPlane:
             raise
         return model
 
+    @asynccontextmanager
+    async def _lifecycle(
+        self, model: ModelVersion, request: InferenceRequest, queued: trio.Event | None = None
+    ) -> AsyncIterator[_Lifecycle]:
+        """The one lifecycle of an admitted request, for every way of consuming it:
+        trace, count it in flight, queue it at its model, let the caller consume its
+        responses (each passed through :meth:`_Lifecycle.deliverable`), then count it
+        out and finish its trace. A caller that fails or is cancelled before the
+        request's final outcome (a ``deliver`` that raised, a client gone, an
+        iterator closed early) flags it cancelled, so its remaining work is dropped.
+        ``queued`` is set once the model's scheduler holds the request.
+        """
+        run = _Lifecycle(self, model, request)
+        trace = run.trace = self.tracing.start(model, request) if self.tracing.active else None
+        self._begin(model, request)
+        try:
+            await model.infer(request)
+            if queued is not None:
+                queued.set()
+            yield run
+        except BaseException:
+            if not request.done:
+                request.cancelled = True
+            raise
+        finally:
+            self._end(model)
+            if trace is not None:
+                self.tracing.finish(trace, model, request, run.traced)
+
     async def infer(
-        self, request: InferenceRequest, *, internal: bool = False
+        self,
+        request: InferenceRequest,
+        *,
+        internal: bool = False,
+        endpoint: str = "this endpoint",
     ) -> InferenceResponse:
-        """Route, validate, queue and await one request's single outcome."""
-        model = self._admit(request, internal)
+        """Route, validate, queue and await one request's single outcome.
+
+        ``endpoint`` names the caller in the error refusing a decoupled model
+        (Triton's words: "HTTP end point", "ModelInfer RPC"); requests made by
+        models themselves (``internal``) are not checked here."""
+        model = self._admit(request, internal, None if internal else endpoint)
         cache = self.response_cache
         if cache is not None and model.config.response_cache.enable:
             return await self._infer_cached(cache, model, request)
@@ -407,26 +464,13 @@ class DataPlane:
     async def _infer_admitted(
         self, model: ModelVersion, request: InferenceRequest
     ) -> InferenceResponse:
-        trace = self.tracing.start(model, request) if self.tracing.active else None
-        response = None
-        self._begin(model, request)
-        try:
-            await model.infer(request)
+        async with self._lifecycle(model, request) as run:
             response = await request.wait()
-        except trio.Cancelled:
-            request.cancelled = True
-            raise
-        finally:
-            self._end(model)
-            if trace is not None:
-                self.tracing.finish(trace, model, request, response)
-        if self._first_response:
-            observe_first_response(model, trio.current_time() - request.arrival_time)
-        if request.requested_outputs is not None:
-            for output in request.requested_outputs:
-                if output.parameters.get("classification"):
-                    await self._classify(model, request, response)
-                    break
+            if run.trace is not None:  # the backend's outputs, before classification
+                run.traced = InferenceResponse(
+                    response.model_name, response.model_version, outputs=list(response.outputs)
+                )
+            await run.deliverable(response)
         return response
 
     async def infer_stream(
@@ -447,30 +491,10 @@ class DataPlane:
         waits for it so that a sequence's requests are queued in order).
         """
         model = self._admit(request, internal)
-        classify = request.requested_outputs is not None and any(
-            o.parameters.get("classification") for o in request.requested_outputs
-        )
-        trace = self.tracing.start(model, request) if self.tracing.active else None
-        first = self._first_response
-        self._begin(model, request)
-        try:
-            await model.infer(request)
-            if queued is not None:
-                queued.set()
+        async with self._lifecycle(model, request, queued) as run:
             async for response, final in request.stream():
-                if first and response is not None:
-                    first = False
-                    observe_first_response(model, trio.current_time() - request.arrival_time)
-                if classify and response is not None:
-                    await self._classify(model, request, response)
+                await run.deliverable(response)
                 await deliver(response, final)
-        except BaseException:
-            request.cancelled = True
-            raise
-        finally:
-            self._end(model)
-            if trace is not None:
-                self.tracing.finish(trace, model, request)
 
     async def responses(
         self, request: InferenceRequest
@@ -483,23 +507,10 @@ class DataPlane:
         iterator is closed early is flagged cancelled.
         """
         model = self._admit(request)
-        trace = self.tracing.start(model, request) if self.tracing.active else None
-        first = self._first_response
-        self._begin(model, request)
-        try:
-            await model.infer(request)
+        async with self._lifecycle(model, request) as run:
             async for response, final in request.stream():
-                if first and response is not None:
-                    first = False
-                    observe_first_response(model, trio.current_time() - request.arrival_time)
+                await run.deliverable(response)
                 yield response, final
-        except BaseException:
-            request.cancelled = True
-            raise
-        finally:
-            self._end(model)
-            if trace is not None:
-                self.tracing.finish(trace, model, request)
 
     # -- trace settings -------------------------------------------------------------
 
@@ -547,11 +558,46 @@ class DataPlane:
         return cache[output]
 
 
+class _Lifecycle:
+    """One admitted request as :meth:`DataPlane._lifecycle` runs it."""
+
+    __slots__ = ("_classify", "_dataplane", "_first", "model", "request", "trace", "traced")
+
+    def __init__(self, dataplane: DataPlane, model: ModelVersion, request: InferenceRequest):
+        self._dataplane = dataplane
+        self.model = model
+        self.request = request
+        # The request's trace, if traced, and the response whose outputs it
+        # records (a request with one response only).
+        self.trace: Trace | None = None
+        self.traced: InferenceResponse | None = None
+        self._first = dataplane._first_response
+        outputs = request.requested_outputs
+        self._classify = outputs is not None and any(
+            o.parameters.get("classification") for o in outputs
+        )
+
+    async def deliverable(self, response: InferenceResponse | None) -> None:
+        """Make a response ready to hand on: the first one is timed
+        (nv_inference_first_response_histogram_ms), and the classification
+        extension is applied to the outputs that asked for it."""
+        if response is None:
+            return
+        if self._first:
+            self._first = False
+            observe_first_response(
+                self.model, trio.current_time() - self.request.arrival_time
+            )
+        if self._classify:
+            await self._dataplane._classify(self.model, self.request, response)
+
+
 class _ModelCalls:
     """The DataPlane as models see it (BLS calls and model control, ensemble steps).
 
     Their inference requests belong to a request the server already took, so a
-    drain never refuses them; everything else is the DataPlane's own.
+    drain never refuses them. This is all a model may call: each method is wired
+    to the DataPlane explicitly.
     """
 
     __slots__ = ("_dataplane",)
@@ -559,14 +605,15 @@ class _ModelCalls:
     def __init__(self, dataplane: DataPlane) -> None:
         self._dataplane = dataplane
 
-    def __getattr__(self, name: str):
-        return getattr(self._dataplane, name)
-
     async def infer(self, request: InferenceRequest) -> InferenceResponse:
         return await self._dataplane.infer(request, internal=True)
 
     async def infer_stream(self, request: InferenceRequest, deliver, **options) -> None:
         await self._dataplane.infer_stream(request, deliver, internal=True, **options)
+
+    def model(self, name: str, version: int | None) -> ModelVersion:
+        """The READY version a step routes to (ensembles check their steps with it)."""
+        return self._dataplane.model(name, version)
 
     # The model loading API of Python models (pb_utils.load_model & co).
 

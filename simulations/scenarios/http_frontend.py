@@ -53,11 +53,11 @@ def track_frontend_requests(world) -> None:
     dataplane = world.dataplane
     infer = dataplane.infer
 
-    async def tracked_infer(request: InferenceRequest):
+    async def tracked_infer(request: InferenceRequest, **options):
         number = request.id[1:]
         record = world.records[int(number)] if number.isdigit() else None
         if record is None:
-            return await infer(request)
+            return await infer(request, **options)
         tracked = TrackedRequest.__new__(TrackedRequest)
         for slot in InferenceRequest.__slots__:
             if hasattr(request, slot):
@@ -66,7 +66,7 @@ def track_frontend_requests(world) -> None:
         # What the frontend got is the request's caller's view, unless its client
         # hung up first (then it stays "cancelled", as a DataPlane client's would).
         try:
-            response = await infer(tracked)
+            response = await infer(tracked, **options)
         except TritonError as exc:
             if record.client is None:
                 record.client, record.client_value = "error", exc

@@ -17,6 +17,7 @@ from trionserve.actors.lifecycle import (
     prepare_model,
 )
 from trionserve.actors.model import ModelState, ModelVersion
+from trionserve.backends.base import InferenceService
 from trionserve.core.errors import (
     InvalidArgument,
     NotFound,
@@ -65,8 +66,9 @@ class ModelRegistry:
         self._routes: dict[str, tuple[dict[int, ModelVersion], ModelVersion]] = {}
         self._transition = TransitionLog()
         self._nursery: trio.Nursery | None = None
-        # What models that call other models (BLS) are given; set by the server.
-        self.inference = None
+        # What models that call other models (BLS, ensembles) are given: the
+        # DataPlane's model-facing view, set explicitly when the DataPlane is made.
+        self.inference: InferenceService | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

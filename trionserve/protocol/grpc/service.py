@@ -462,16 +462,10 @@ class GrpcService:
     async def model_infer(self, data: bytes, call: GrpcCall) -> list:
         shared_memory = self.dataplane.shm_resolver
         request = grpc_codec.decode_infer_request(data, shared_memory)
-        model = self.dataplane.model(request.model_name, request.model_version)
-        if model.config.model_transaction_policy.decoupled:
-            raise Unimplemented(
-                "ModelInfer RPC doesn't support models with decoupled transaction policy; "
-                "use ModelStreamInfer"
-            )
         self._forward_headers(call, request)
         if self.verbose or verbose_logging():
             log.debug("infer request", protocol="grpc", model=request.model_name, id=request.id)
-        response = await self.dataplane.infer(request)
+        response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
         return grpc_codec.encode_infer_response(response, request, shared_memory=shared_memory)
 
     async def model_stream_infer(self, call: GrpcCall) -> None:

@@ -190,7 +190,7 @@ class InferHandler:
                 self._forward_headers(request_headers, infer_request)
             if verbose():
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
-            response = await self.dataplane.infer(infer_request)
+            response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
             chunks, json_length = http_codec.encode_infer_response(
                 response, infer_request, shared_memory
             )
