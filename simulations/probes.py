@@ -19,11 +19,11 @@ from collections.abc import Iterator
 
 import trio
 
-from trionserve.actors import scheduler as scheduler_module
-from trionserve.actors.batcher import DynamicBatchScheduler
 from trionserve.actors.model import ModelVersion
-from trionserve.actors.scheduler import DefaultScheduler
-from trionserve.actors.sequence import SequenceBatchScheduler
+from trionserve.schedulers.default import DefaultScheduler
+from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
+from trionserve.schedulers.scheduler import QUEUE_CAPACITY
+from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
 
 # The ModelVersion whose task (or child task) is running.
 CURRENT_VERSION: contextvars.ContextVar = contextvars.ContextVar("simulated_version")
@@ -97,16 +97,16 @@ def queue_lengths(version) -> list[tuple[str, int, int]]:
     scheduler = getattr(version, "_scheduler", None)
     if isinstance(scheduler, DynamicBatchScheduler):
         batching = version.config.dynamic_batching
-        rows = [("all levels", scheduler.pending, scheduler_module.QUEUE_CAPACITY)]
+        rows = [("all levels", scheduler.pending, QUEUE_CAPACITY)]
         for number, level in scheduler._levels.items():
             policy = batching.priority_queue_policy.get(number, batching.default_queue_policy)
             rows.append((f"level {number}", level.count, policy.max_queue_size))
         return rows
     if isinstance(scheduler, DefaultScheduler):
         statistics = scheduler._send.statistics()
-        return [("channel", statistics.current_buffer_used, scheduler_module.QUEUE_CAPACITY)]
+        return [("channel", statistics.current_buffer_used, QUEUE_CAPACITY)]
     if isinstance(scheduler, SequenceBatchScheduler):
-        return [("sequences", scheduler.pending, scheduler_module.QUEUE_CAPACITY)]
+        return [("sequences", scheduler.pending, QUEUE_CAPACITY)]
     return []
 
 

@@ -13,13 +13,12 @@ import pytest
 import trio
 from google.protobuf import text_format
 
-from trionserve.actors.batcher import DynamicBatchScheduler
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import FailureReason, ModelStatistics
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import normalize_model_config
-
+from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
 
 # Virtual seconds after which a wait counts as a hang (instant in real time).
 GIVE_UP = 60

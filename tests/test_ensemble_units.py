@@ -13,12 +13,12 @@ import pytest
 import trio
 from google.protobuf import text_format
 
-from trionserve.actors.ensemble import EnsembleScheduler
 from trionserve.backends.ensemble import plan_ensemble
 from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
 from trionserve._generated import model_config_pb2 as mc
+from trionserve.schedulers.ensemble import EnsembleScheduler
 
 
 def parse(text: str) -> mc.ModelConfig:

@@ -17,14 +17,14 @@ import trio
 from google.protobuf import text_format
 
 from trionserve.actors.executor import InstanceExecutor
-from trionserve.actors.sequence import NullRequest, SequenceBatchScheduler
-from trionserve.actors.sequence_state import load_sequence_states
 from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import ModelStatistics
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import normalize_model_config
+from trionserve.schedulers.sequence_batch import NullRequest, SequenceBatchScheduler
+from trionserve.schedulers.sequence_state import load_sequence_states
 
 GIVE_UP = 60  # virtual seconds after which a wait counts as a hang
 

@@ -28,12 +28,12 @@ from simulations.harness import COMPLETES, run_seed
 from simulations.probes import QUEUE_BOUNDS
 from simulations.scenario import SCENARIOS
 from simulations.sweep import SweepTotals, failure_report, scenarios_named, sweep
-from trionserve.actors import batcher as batcher_module
-from trionserve.actors import scheduler as scheduler_module
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.repository.snapshot import snapshot_repository
+from trionserve.schedulers import default as default_module
+from trionserve.schedulers import dynamic_batch as batcher_module
 
 ALL = [scenario.name for scenario in scenarios_named(["all"])]
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,13 +113,13 @@ def test_a_backend_that_drops_a_response_is_caught():
 
 
 def test_a_scheduler_that_answers_twice_is_caught(monkeypatch):
-    deliver = scheduler_module.deliver_outcomes
+    deliver = default_module.deliver_outcomes
 
     def twice(requests, outcomes):
         deliver(requests, outcomes)
         deliver(requests, outcomes)
 
-    monkeypatch.setattr(scheduler_module, "deliver_outcomes", twice)
+    monkeypatch.setattr(default_module, "deliver_outcomes", twice)
     found = violations_of(SCENARIOS["backend_exception"], invariants.ONE_OUTCOME)
     assert any("2 final outcomes" in v.detail for v in found), found
 
@@ -307,7 +307,7 @@ SUBMIT_AT, DELAY = 0.0035, 0.002
 
 
 async def test_regression_dynamic_batcher_sends_when_its_delay_ends(autojump_clock):
-    from trionserve.actors.batcher import DynamicBatchScheduler
+    from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
 
     scheduler = DynamicBatchScheduler(_config(
         f"dynamic_batching {{ max_queue_delay_microseconds: {int(DELAY * 1e6)} }}"))
@@ -316,7 +316,7 @@ async def test_regression_dynamic_batcher_sends_when_its_delay_ends(autojump_clo
 
 
 async def test_regression_sequence_batcher_sends_when_its_delay_ends(autojump_clock):
-    from trionserve.actors.sequence import SequenceBatchScheduler
+    from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
 
     scheduler = SequenceBatchScheduler(_config(
         "sequence_batching { oldest { max_candidate_sequences: 4 "
@@ -331,7 +331,7 @@ async def test_regression_default_scheduler_counts_the_requests_it_aborts():
     from trionserve.observability.statistics import FailureReason, ModelStatistics
 
     statistics = ModelStatistics("m", 1)
-    scheduler = scheduler_module.DefaultScheduler(statistics=statistics)
+    scheduler = default_module.DefaultScheduler(statistics=statistics)
     request = _request()
     await scheduler.submit(request)
     scheduler.abort(Unavailable("model 'm' version 1 was unloaded"))

@@ -9,11 +9,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from trionserve.actors.executor import InstanceExecutor
-from trionserve.actors.scheduler import DefaultScheduler
 from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import InvalidArgument, TritonError
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import ComputeTimes, FailureReason, ModelStatistics
+from trionserve.schedulers.default import DefaultScheduler
 
 DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer",
              "compute_output", "cache_hit", "cache_miss")

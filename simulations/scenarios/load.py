@@ -11,7 +11,7 @@ from simulations.faults import FaultPlan, quantize
 from simulations.repository import Batching, ModelSpec
 from simulations.scenario import Setup, scenario
 from simulations.scenarios.common import KINDS
-from trionserve.actors.scheduler import QUEUE_CAPACITY
+from trionserve.schedulers.scheduler import QUEUE_CAPACITY
 
 REACHES_BOUND = "overload reaches the queue bound (the bound check is exercised)"
 

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 import structlog
 import trio
 
-from trionserve.actors.scheduler import BatchOutlet, Outcome
 from trionserve.backends.base import AsyncBackendInstance, BackendInstance, InstanceSpec
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.observability.trace import record_compute
+from trionserve.schedulers.scheduler import BatchOutlet, Outcome
 
 log = structlog.get_logger(__name__)
 

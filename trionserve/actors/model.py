@@ -8,11 +8,7 @@ from pathlib import Path
 import structlog
 import trio
 
-from trionserve.actors.ensemble import EnsembleScheduler
 from trionserve.actors.executor import InstanceExecutor
-from trionserve.actors.scheduler import Scheduler, create_scheduler
-from trionserve.actors.sequence import SequenceBatchScheduler
-from trionserve.actors.sequence_state import SequenceStateManager, load_sequence_states
 from trionserve.actors.warmup import WarmupSample, check_results, warmup_samples
 from trionserve.backends.base import (
     AsyncBackendInstance,
@@ -26,6 +22,10 @@ from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.types import InferenceRequest
 from trionserve.core.validation import ModelSignature
 from trionserve.observability.statistics import ModelStatistics
+from trionserve.schedulers.factory import create_scheduler
+from trionserve.schedulers.scheduler import Scheduler
+from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
+from trionserve.schedulers.sequence_state import SequenceStateManager, load_sequence_states
 
 log = structlog.get_logger(__name__)
 
@@ -80,10 +80,10 @@ def instance_specs(config, gpus: int) -> list[InstanceSpec]:
 class ModelVersion:
     """One version of one model: loads it, serves it, drains and unloads it.
 
-    Children (in its own nursery): the scheduler (default, the dynamic batcher
-    when the config has ``dynamic_batching``, the sequence batcher with
-    ``sequence_batching``) and one InstanceExecutor per
-    instance. Guarantees: a request accepted by ``submit`` gets exactly one outcome;
+    Children (in its own nursery): the scheduler that
+    :func:`~trionserve.schedulers.factory.create_scheduler` picks from the config
+    (ensemble, sequence batcher, dynamic batcher or default) and one
+    InstanceExecutor per instance. Guarantees: a request accepted by ``submit`` gets exactly one outcome;
     on unload, new requests are refused, in-flight ones are given ``drain_timeout``
     seconds to finish, and whatever remains is answered with an error before the
     backend is released. ``statistics`` counts what happened to its requests.
@@ -149,15 +149,15 @@ class ModelVersion:
         self._instances = [instance for _, instance in instances]
         started = False
         try:
-            if self.config.platform == "ensemble":
-                # No instances: the scheduler sends each step to its composing model.
-                scheduler = EnsembleScheduler(loaded.plan, self.inference, self.statistics)
-            elif self.config.HasField("sequence_batching"):
-                scheduler = SequenceBatchScheduler(
-                    self.config, self.statistics, states=self._sequence_states
-                )
-            else:
-                scheduler = create_scheduler(self.config, self.statistics)
+            # An ensemble's loaded form is its plan (it has no instances).
+            plan = loaded.plan if self.config.platform == "ensemble" else None
+            scheduler = create_scheduler(
+                self.config,
+                self.statistics,
+                plan=plan,
+                inference=self.inference,
+                states=self._sequence_states,
+            )
             self._scheduler = scheduler
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery

@@ -3,7 +3,7 @@
 An ensemble (``platform: "ensemble"``) has no model file and no instances; loading
 it means checking its ``ensemble_scheduling`` steps against the composing models
 that serve now and turning them into an :class:`EnsemblePlan`, which the
-:class:`~trionserve.actors.ensemble.EnsembleScheduler` runs. The configuration's
+:class:`~trionserve.schedulers.ensemble.EnsembleScheduler` runs. The configuration's
 own structure (each tensor written once, no cycles, inputs and outputs mapped) is
 checked earlier by ``validate_model_config``; here come the checks that need the
 composing models: each exists and is READY, each mapped name is one of its

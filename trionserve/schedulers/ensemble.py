@@ -17,7 +17,6 @@ from typing import Protocol
 import structlog
 import trio
 
-from trionserve.actors.scheduler import QUEUE_CAPACITY
 from trionserve.backends.ensemble import ENSEMBLE_INPUTS, EnsemblePlan, Step
 from trionserve.core.errors import (
     Cancelled,
@@ -28,6 +27,7 @@ from trionserve.core.errors import (
 )
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.schedulers.scheduler import QUEUE_CAPACITY
 
 log = structlog.get_logger(__name__)
 

@@ -20,7 +20,7 @@ sequence.
 
 Each request reaches the model with the control inputs of
 ``sequence_batching.control_input`` (START, END, READY, CORRID) and the implicit
-state tensors of its sequence (see :mod:`trionserve.actors.sequence_state`); the
+state tensors of its sequence (see :mod:`trionserve.schedulers.sequence_state`); the
 state outputs are kept for the next request and are returned to the client only
 when the configuration lists them as outputs and the client asks for them.
 """
@@ -31,13 +31,18 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import trio
 
-from trionserve.actors.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome
-from trionserve.actors.sequence_state import (
+from trionserve.core import datatypes
+from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
+from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome
+from trionserve.schedulers.sequence_state import (
     CorrelationId,
     Sequence,
     SequenceStateManager,
@@ -45,10 +50,6 @@ from trionserve.actors.sequence_state import (
     backlog_timeout_error,
     describe,
 )
-from trionserve.core import datatypes
-from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
-from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 
 _FLAG_KINDS = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY")
 

@@ -35,10 +35,10 @@ from collections.abc import Sequence
 
 import trio
 
-from trionserve.actors.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
 
 # Entry states. An entry leaves its deque lazily (when it reaches the front or the
 # deque is compacted); its state says whether it still counts.

@@ -1,0 +1,71 @@
+"""The scheduler interface: how a model version's requests become batches for its
+executors (Triton core's ``Scheduler``).
+
+A scheduler owns the model's request queue. ``submit`` puts one validated request
+in; each executor takes batches through its own :class:`BatchOutlet` and hands the
+outcomes back through it, which lets a scheduler deliver them in order. The
+default, dynamic-batch, sequence-batch and ensemble schedulers implement the same
+interface; :func:`trionserve.schedulers.factory.create_scheduler` picks one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import trio
+
+from trionserve.core.errors import TritonError
+from trionserve.core.types import InferenceRequest, InferenceResponse
+
+# Bound of a model's request queue when its config sets none: requests beyond it
+# wait in submit() (backpressure, cancellable by the client).
+QUEUE_CAPACITY = 1024
+
+Outcome = InferenceResponse | TritonError
+
+
+class BatchOutlet(Protocol):
+    """One executor's end of its scheduler.
+
+    ``receive`` waits for the next batch (raises EndOfChannel or
+    ClosedResourceError when the scheduler has no more work for this executor);
+    ``complete`` is called exactly once per received batch with one outcome per
+    request passed; ``close`` says the executor takes no more batches.
+    """
+
+    async def receive(self) -> list[InferenceRequest]: ...
+
+    def complete(self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Scheduler(Protocol):
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled, or until closed and drained."""
+
+    async def submit(self, request: InferenceRequest) -> None:
+        """Queue a request; waits while the queue is full (backpressure), or raises
+        Unavailable where the configuration says to reject."""
+
+    def outlet(self) -> BatchOutlet:
+        """A new outlet for one executor."""
+
+    def close(self) -> None:
+        """Accept no more requests; executors finish what is queued, then stop."""
+
+    def abort(self, error: TritonError) -> None:
+        """Answer every request still queued with ``error`` (after the executors
+        are gone)."""
+
+
+def deliver_outcomes(
+    requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]
+) -> None:
+    """Answer each request with its outcome, on the Trio thread."""
+    for request, outcome in zip(requests, outcomes):
+        if isinstance(outcome, InferenceResponse):
+            request.respond(outcome)
+        else:
+            request.fail(outcome)
