@@ -14,14 +14,14 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.serverproc import ServerProcess
 from trionserve.core.errors import InvalidArgument, Unimplemented
-from trionserve.observability.trace import (
+from trionserve.observability.trace.manager import TraceManager
+from trionserve.observability.trace.settings import (
     TraceConfig,
-    TraceManager,
     parse_trace_config,
     settings_from_json,
 )
-from tests.serverproc import ServerProcess
 
 ORDER = (
     "REQUEST_START",

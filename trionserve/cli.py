@@ -20,7 +20,7 @@ from trionserve.core.errors import TritonError
 from trionserve.core.response_cache import parse_cache_config
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
-from trionserve.observability.trace import TraceConfig, parse_trace_config
+from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.repository.object_store import is_remote

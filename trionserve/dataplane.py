@@ -36,7 +36,8 @@ from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import validate_request
 from trionserve.observability.metrics import observe_first_response
 from trionserve.observability.statistics import FailureReason, to_ns
-from trionserve.observability.trace import Trace, TraceManager
+from trionserve.observability.trace.manager import TraceManager
+from trionserve.observability.trace.trace_file import Trace
 from trionserve.repository.repository import duplicate_reason
 
 log = structlog.get_logger(__name__)

@@ -34,7 +34,8 @@ from trionserve.backends.registry import set_backend_directories
 from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
-from trionserve.observability.trace import TraceConfig, TraceManager
+from trionserve.observability.trace.manager import TraceManager
+from trionserve.observability.trace.settings import TraceConfig
 from trionserve.protocol.grpc.service import GrpcOptions, serve_grpc
 from trionserve.protocol.http.frontend import HttpOptions, serve_http
 from trionserve.repository.repository import ModelRepository

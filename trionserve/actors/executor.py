@@ -11,7 +11,7 @@ from trionserve.backends.base import AsyncBackendInstance, BackendInstance, Inst
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
-from trionserve.observability.trace import record_compute
+from trionserve.observability.trace.trace_file import record_compute
 from trionserve.schedulers.scheduler import BatchOutlet, Outcome
 
 log = structlog.get_logger(__name__)

@@ -33,7 +33,7 @@ from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings as update_log_settings
 from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.statistics import select_statistics
-from trionserve.observability.trace import settings_to_grpc
+from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc.transport import (
     GrpcCall,

@@ -37,7 +37,7 @@ from trionserve.dataplane import DataPlane, ShuttingDown
 from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.statistics import select_statistics
-from trionserve.observability.trace import settings_from_json
+from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec, generate as generate_codec
 from trionserve.protocol.http.transport import H11Server, Headers, HttpServerOptions, Response
 from trionserve.repository.config import model_config_to_json

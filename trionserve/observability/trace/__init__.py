@@ -1,0 +1,1 @@
+"""Request tracing (Triton's trace extension): settings, the manager, trace files, OpenTelemetry."""

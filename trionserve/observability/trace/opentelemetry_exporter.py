@@ -1,0 +1,97 @@
+"""Trace mode ``opentelemetry``: finished traces exported as OpenTelemetry spans.
+
+Needs the optional OpenTelemetry SDK (the ``otel`` extra); the SDK is imported
+only when this mode is chosen.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from trionserve.core.errors import TritonError
+from trionserve.observability.trace.settings import OTEL_DEFAULTS
+from trionserve.observability.trace.trace_file import Trace, clock_ns
+
+
+class OpenTelemetryExporter:
+    """Spans for finished traces, through the OpenTelemetry SDK's batch processor.
+
+    Each trace becomes a root ``InferRequest`` span, a span named after the model
+    from REQUEST_START to REQUEST_END, and a ``compute`` span, with the
+    timestamps as events and ``triton.*`` attributes, as Triton exports them.
+    Needs ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-http``
+    (or a span processor given for tests).
+    """
+
+    def __init__(self, settings: dict[str, str], processor=None) -> None:
+        try:
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        except ImportError as exc:
+            raise TritonError(
+                "trace mode opentelemetry needs the OpenTelemetry SDK: install "
+                "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http "
+                f"({exc})"
+            ) from None
+        attributes = {"service.name": "triton-inference-server"}
+        for key, value in settings.items():
+            if key == "resource":
+                name, _, val = value.partition("=")
+                attributes[name] = val
+        if processor is None:
+            try:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            except ImportError as exc:
+                raise TritonError(
+                    f"trace mode opentelemetry needs opentelemetry-exporter-otlp-proto-http ({exc})"
+                ) from None
+            merged = {**OTEL_DEFAULTS, **settings}
+            processor = BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=merged["url"]),
+                max_queue_size=int(merged["bsp_max_queue_size"]),
+                schedule_delay_millis=int(merged["bsp_schedule_delay"]),
+                max_export_batch_size=int(merged["bsp_max_export_batch_size"]),
+            )
+        self._provider = TracerProvider(resource=Resource.create(attributes))
+        self._provider.add_span_processor(processor)
+        self._tracer = self._provider.get_tracer("triton-server")
+        # Trio's clock has its own origin; spans carry wall-clock nanoseconds.
+        self._offset: int | None = None
+
+    def export(self, trace: Trace) -> None:
+        from opentelemetry import trace as otel
+
+        if self._offset is None:
+            self._offset = time.time_ns() - clock_ns(trio.current_time())
+        wall = self._offset
+        events = dict(trace.events)
+        start = events.get("REQUEST_START", trace.events[0][1]) + wall
+        end = events.get("REQUEST_END", trace.events[-1][1]) + wall
+        root = self._tracer.start_span("InferRequest", start_time=start)
+        context = otel.set_span_in_context(root)
+        model = self._tracer.start_span(trace.model_name, context=context, start_time=start)
+        model.set_attribute("triton.model_name", trace.model_name)
+        model.set_attribute("triton.model_version", trace.model_version)
+        model.set_attribute("triton.trace_id", trace.id)
+        model.set_attribute("triton.trace_parent_id", 0)
+        if trace.request_id:
+            model.set_attribute("triton.request_id", trace.request_id)
+        compute = None
+        for name, ns in trace.events:
+            if name == "COMPUTE_START":
+                compute = self._tracer.start_span(
+                    "compute", context=otel.set_span_in_context(model), start_time=ns + wall
+                )
+            target = compute if compute is not None and name.startswith("COMPUTE") else model
+            target.add_event(name, timestamp=ns + wall)
+            if name == "COMPUTE_END" and compute is not None:
+                compute.end(end_time=ns + wall)
+                compute = None
+        model.end(end_time=end)
+        root.end(end_time=end)
+
+    def shutdown(self) -> None:
+        self._provider.shutdown()

@@ -1,0 +1,249 @@
+"""A sampled request's :class:`Trace`, Triton's trace files (trace mode ``triton``)
+and the task that writes them.
+
+A trace collects timestamps from Trio's clock, in nanoseconds: REQUEST_START and
+REQUEST_END around the data plane's work, QUEUE_START from the time the scheduler
+took the request, and COMPUTE_START / COMPUTE_INPUT_END / COMPUTE_OUTPUT_START /
+COMPUTE_END from the measurements the executor already takes for the statistics.
+Finished traces are written as Triton writes them: a JSON array of
+``{"id", "model_name", "model_version"}`` and ``{"id", "timestamps": [...]}``
+objects, into ``trace_file`` at shutdown, or with ``log_frequency`` N into
+``trace_file.0``, ``trace_file.1``, ... every N traces (and when ``trace_count``
+runs out). Files are written by :class:`TraceFileWriter`'s task in a worker
+thread, never on the Trio loop.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import structlog
+import trio
+
+from trionserve.observability.trace.settings import TraceSetting
+
+log = structlog.get_logger(__name__)
+
+# Finished chunks waiting for the writer; beyond it a chunk is written in place.
+_WRITE_QUEUE = 256
+
+
+def clock_ns(seconds: float) -> int:
+    """Trio's clock as integer nanoseconds: every trace timestamp is on this clock."""
+    return int(seconds * 1_000_000_000)
+
+
+# -- traces -----------------------------------------------------------------------------
+
+
+class Trace:
+    """The activities of one sampled request, in the order they happened."""
+
+    __slots__ = ("id", "setting", "model_name", "model_version", "request_id", "events", "tensors")
+
+    def __init__(
+        self, id: int, setting: TraceSetting, model_name: str, model_version: int, request_id: str
+    ) -> None:
+        self.id = id
+        self.setting = setting
+        self.model_name = model_name
+        self.model_version = model_version
+        self.request_id = request_id
+        self.events: list[tuple[str, int]] = []
+        self.tensors: list[dict] | None = [] if "TENSORS" in setting.level else None
+
+    def timestamp(self, name: str, ns: int) -> None:
+        self.events.append((name, ns))
+
+    def compute(self, start: float, end: float, input_ns: int, output_ns: int) -> None:
+        """The executor's measurements of the batch this request ran in."""
+        start_ns, end_ns = clock_ns(start), clock_ns(end)
+        self.events += (
+            ("COMPUTE_START", start_ns),
+            ("COMPUTE_INPUT_END", start_ns + input_ns),
+            ("COMPUTE_OUTPUT_START", end_ns - output_ns),
+            ("COMPUTE_END", end_ns),
+        )
+
+    def tensor(self, activity: str, name: str, datatype: str, data: np.ndarray) -> None:
+        if self.tensors is None:
+            return
+        self.tensors.append(
+            {
+                "id": self.id,
+                "activity": activity,
+                "tensor": {
+                    "name": name,
+                    "data": _tensor_text(datatype, data),
+                    "shape": ",".join(str(d) for d in data.shape),
+                    "dtype": datatype,
+                },
+            }
+        )
+
+    def to_json(self) -> str:
+        """This trace as Triton writes it: comma-separated objects of a JSON array."""
+        head: dict = {
+            "id": self.id,
+            "model_name": self.model_name,
+            "model_version": self.model_version,
+        }
+        if self.request_id:
+            head["request_id"] = self.request_id
+        objects = [head]
+        if "TIMESTAMPS" in self.setting.level:
+            objects += (
+                {"id": self.id, "timestamps": [{"name": name, "ns": ns}]}
+                for name, ns in self.events
+            )
+        if self.tensors:
+            objects += self.tensors
+        return ",".join(json.dumps(o, separators=(",", ":")) for o in objects)
+
+
+def _tensor_text(datatype: str, data: np.ndarray) -> str:
+    """Tensor data as Triton's TENSORS traces show it: comma-separated elements."""
+    flat = data.reshape(-1)
+    if datatype == "BYTES":
+        items = (
+            x.decode("utf-8", errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
+            for x in flat.tolist()
+        )
+        return ",".join(f'"{item}"' for item in items)
+    if datatype in ("FP16", "BF16"):
+        return ""  # Triton leaves half-precision data out of traces
+    if datatype == "BOOL":
+        return ",".join("1" if x else "0" for x in flat.tolist())
+    if datatype in ("FP32", "FP64"):
+        return ",".join(f"{x:g}" for x in flat.tolist())
+    return ",".join(str(x) for x in flat.tolist())
+
+
+def record_compute(
+    traces: dict, requests, start: float, end: float, input_ns: int, output_ns: int
+) -> None:
+    """Give the traced requests of one batch the batch's compute timestamps."""
+    for request in requests:
+        trace = traces.get(request)
+        if trace is not None:
+            trace.compute(start, end, input_ns, output_ns)
+
+
+# -- trace files ------------------------------------------------------------------------
+
+
+class TraceFile:
+    """One trace file name: its index for ``log_frequency`` files, and the main file.
+
+    The main file is opened at its first write (``[`` then traces, ``,`` between
+    writes) and closed with ``]`` at shutdown, as Triton does. Its methods run in
+    the writer's worker thread, one at a time, in submission order.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.next_index = 0  # taken on the Trio thread when a chunk is queued
+        self._handle = None
+
+    def write_indexed(self, path: str, text: str) -> None:
+        with open(path, "w") as f:
+            f.write("[" + text + "]")
+
+    def append(self, text: str) -> None:
+        if self._handle is None:
+            self._handle = open(self.name, "w")
+            self._handle.write("[" + text)
+        else:
+            self._handle.write("," + text)
+        self._handle.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.write("]")
+            self._handle.close()
+            self._handle = None
+
+
+def _run_write(function, args) -> None:
+    try:
+        function(*args)
+    except OSError as exc:
+        log.error("failed writing trace file", error=str(exc))
+
+
+class TraceFileWriter:
+    """The trace files by name, and one task (``run``) that writes chunks to them.
+
+    ``write`` queues a chunk (bounded: when the writer is behind, the chunk is
+    written in place, with a warning); the task writes queued chunks in a worker
+    thread, in order. ``write`` and ``file`` run on the Trio thread.
+    """
+
+    def __init__(self) -> None:
+        self._files: dict[str, TraceFile] = {}
+        self._send: trio.MemorySendChannel | None = None
+        self._done = trio.Event()
+
+    def file(self, name: str) -> TraceFile:
+        """The one TraceFile for this name."""
+        file = self._files.get(name)
+        if file is None:
+            file = self._files[name] = TraceFile(name)
+        return file
+
+    def write(self, file: TraceFile, text: str, *, indexed: bool) -> None:
+        """Write a chunk of traces: to the file's next indexed file, or appended
+        to the main file."""
+        if indexed:
+            path = f"{file.name}.{file.next_index}"
+            file.next_index += 1
+            self._submit(file.write_indexed, path, text)
+        else:
+            self._submit(file.append, text)
+
+    def _submit(self, function, *args) -> None:
+        if self._send is not None:
+            try:
+                self._send.send_nowait((function, args))
+                return
+            except trio.WouldBlock:
+                log.warning("trace writer is behind; writing a trace chunk in place")
+            except trio.ClosedResourceError:
+                pass
+        _run_write(function, args)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Write queued chunks in a worker thread until ``aclose``.
+
+        If it is cancelled first, what is queued is written before it ends.
+        """
+        self._send, receive = trio.open_memory_channel(_WRITE_QUEUE)
+        self._done = trio.Event()
+        task_status.started()
+        job = None
+        try:
+            async for job in receive:
+                # Cancellation can only strike before the thread starts the job
+                # (then ``job`` is still set, and is written below).
+                await trio.to_thread.run_sync(_run_write, *job)
+                job = None
+        finally:
+            self._send.close()
+            if job is not None:
+                _run_write(*job)
+            while True:
+                try:
+                    job = receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+                _run_write(*job)
+            self._done.set()
+
+    async def aclose(self) -> None:
+        """Close every trace file (after what is queued), then stop the task."""
+        for file in self._files.values():
+            self._submit(file.close)
+        if self._send is not None:
+            self._send.close()
+            await self._done.wait()
