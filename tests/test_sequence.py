@@ -333,6 +333,36 @@ async def test_a_sequence_with_a_request_in_flight_is_not_idle(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def test_a_start_for_a_sequence_in_progress_restarts_it_after_its_queued_requests(
+    autojump_clock,
+):
+    """Triton's sequence_batch_scheduler.cc: the START joins the sequence's slot,
+    behind the requests it already queued, and runs with the initial state."""
+    async with trio.open_nursery() as nursery:
+        scheduler, [fake] = await start(nursery, make_config(), hold=None)
+        first = request(5, 10, start=True)
+        await scheduler.submit(first)
+        await fake.taken_batches(1)
+        second, restart = request(5, 1), request(5, 100, start=True)
+        await scheduler.submit(second)  # queued while the first executes
+        await scheduler.submit(restart)
+        later = request(5, 2, end=True)
+        await scheduler.submit(later)
+        for index in range(3):
+            fake.releases[index].set()
+            await fake.taken_batches(index + 2)
+        fake.releases[3].set()
+        assert [total(await outcome(r)) for r in (first, second, restart, later)] == [
+            10, 11, 100, 102,
+        ]
+        assert fake.ids() == [["5:10"], ["5:1"], ["5:100"], ["5:2"]]
+        rows = [rows[0] for _, rows in fake.batches]
+        assert [(row["START"], row["STATE"]) for row in rows] == [(1, 0), (0, 10), (1, 0), (0, 100)]
+        # One slot throughout: the restarted sequence kept its place.
+        assert {len(rows) for _, rows in fake.batches} == {1}
+        nursery.cancel_scope.cancel()
+
+
 # -- admission errors ---------------------------------------------------------------------
 
 
@@ -342,8 +372,6 @@ async def test_requests_outside_a_sequence_are_refused_without_disturbing_others
         await infer(scheduler, request(1, 4, start=True))
         with pytest.raises(InvalidArgument, match="must specify the START flag"):
             await scheduler.submit(request(99, 1))
-        with pytest.raises(InvalidArgument, match="already in progress"):
-            await scheduler.submit(request(1, 1, start=True))
         with pytest.raises(InvalidArgument, match="non-zero or non-empty correlation ID"):
             await scheduler.submit(request(0, 1, start=True))
         with pytest.raises(InvalidArgument, match="string correlation ID"):

@@ -182,10 +182,25 @@ def test_requests_outside_a_sequence_are_refused(http):
         add(http, "seq_state", 999, 1)
     with pytest.raises(InferenceServerException, match="non-zero or non-empty correlation"):
         add(http, "seq_state", 0, 1, sequence_start=True)
+
+
+def test_a_start_for_a_sequence_in_progress_restarts_it_with_fresh_state(http, sequence_server):
+    """As Triton: a second START on an open correlation id is no error; the
+    sequence starts over from the initial state (a warning names the conflict)."""
     assert add(http, "seq_state", 300, 1, sequence_start=True) == 1
-    with pytest.raises(InferenceServerException, match="already in progress"):
-        add(http, "seq_state", 300, 1, sequence_start=True)
-    assert add(http, "seq_state", 300, 2, sequence_end=True) == 3
+    assert add(http, "seq_state", 300, 4) == 5
+    assert add(http, "seq_state", 300, 10, sequence_start=True) == 10
+    assert add(http, "seq_state", 300, 2, sequence_end=True) == 12
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{sequence_server.grpc_port}") as grpc:
+        steps = ((3, True, False, 3), (7, True, False, 7), (1, False, True, 8))
+        for value, start, end, expected in steps:
+            infer_input = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+            infer_input.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+            result = grpc.infer("seq_state", [infer_input], sequence_id="restart",
+                                sequence_start=start, sequence_end=end)
+            assert int(result.as_numpy("OUTPUT")[0, 0]) == expected
+    assert ("sequence 300 for model 'seq_state' has a conflict. The previous sequence did not "
+            "end before this sequence start") in sequence_server.output()
 
 
 def test_control_inputs_and_oldest_over_one_grpc_stream(sequence_server):

@@ -350,10 +350,10 @@ class SequenceBatchScheduler:
                 f"Exceeds maximum queue size: model '{self.model_name}' already queues "
                 f"{self._queued} requests of its sequences (max {self._capacity})"
             )
-        sequence = self._states.admit(request, now)
+        sequence, new = self._states.admit(request, now)
         sequence.queue.append(request)
         self._queued += 1
-        if request.sequence_start:
+        if new:
             self._place(sequence)
         if request.timeout_us and sequence.instance is None:
             deadline = now + request.timeout_us / 1e6

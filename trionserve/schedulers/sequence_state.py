@@ -2,8 +2,9 @@
 and their release when idle.
 
 A sequence is the run of requests that share a correlation id, from the request with
-the START flag to the one with the END flag. The manager admits each request into its
-sequence (or refuses it with INVALID_ARGUMENT), keeps the implicit state tensors of
+the START flag to the one with the END flag; a START for a sequence in progress
+restarts it, as in Triton. The manager admits each request into its sequence (or
+refuses it with INVALID_ARGUMENT), keeps the implicit state tensors of
 ``sequence_batching.state`` between the requests of a sequence, and releases a
 sequence that has had no request for ``max_sequence_idle_microseconds``. Time comes
 from Trio's clock only, so idle release runs on a virtual clock in tests.
@@ -20,12 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import structlog
 import trio
 
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, Unavailable
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+
+log = structlog.get_logger(__name__)
 
 CorrelationId = int | str
 
@@ -203,8 +207,14 @@ class SequenceStateManager:
 
     # -- admission ----------------------------------------------------------------
 
-    def admit(self, request: InferenceRequest, now: float) -> Sequence:
-        """The sequence a request belongs to, created on START; raises InvalidArgument."""
+    def admit(self, request: InferenceRequest, now: float) -> tuple[Sequence, bool]:
+        """The sequence a request belongs to, and whether the request began it (a
+        new sequence for the scheduler to place); raises InvalidArgument.
+
+        A START for a sequence already in progress restarts it, as in Triton: the
+        request joins that sequence's queue (same slot, after its queued requests)
+        and, executed with the START flag, gets the initial state.
+        """
         correlation_id = request.sequence_id
         model = self.model_name
         if correlation_id == 0 or correlation_id == "":
@@ -223,15 +233,17 @@ class SequenceStateManager:
                 self.release(sequence, self._idle_reason())
                 sequence = None
         name = describe(correlation_id)
-        if request.sequence_start:
-            if sequence is not None:
-                raise InvalidArgument(
-                    f"inference request for sequence {name} to model '{model}' has the "
-                    f"START flag, but sequence {name} is already in progress; end it "
-                    "with the END flag first or use another correlation ID"
-                )
+        new = False
+        if request.sequence_start and sequence is not None:
+            log.warning(
+                f"sequence {name} for model '{model}' has a conflict. The previous "
+                "sequence did not end before this sequence start. Previous sequence "
+                "will be terminated early."
+            )
+        elif request.sequence_start:
             self._released.pop(correlation_id, None)
             sequence = Sequence(correlation_id)
+            new = True
             self.open[correlation_id] = sequence
             if self._none_open.is_set():
                 self._none_open = trio.Event()
@@ -249,7 +261,7 @@ class SequenceStateManager:
             self._check_none_open()
         sequence.pending += 1
         sequence.idle_deadline = None
-        return sequence
+        return sequence, new
 
     def _idle_reason(self) -> str:
         return (
