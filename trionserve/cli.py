@@ -18,6 +18,7 @@ from trionserve.backends.backend_config import parse_backend_config
 from trionserve.cli_compat import add_compat_flags, compat_notes
 from trionserve.core.errors import TritonError
 from trionserve.core.response_cache import parse_cache_config
+from trionserve.core.types import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
@@ -120,6 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--strict-readiness", type=_bool, default=True, metavar="BOOL",
         help="ready only when every model is ready (default true); false: ready "
              "once the server started, whatever the models' state")
+    add("--max-undelivered-response-bytes", type=_int_at_least(1024 * 1024),
+        default=DEFAULT_UNDELIVERED_RESPONSE_BYTES, metavar="BYTES",
+        help="bytes of one request's responses the server holds before its client "
+             "reads them (a decoupled model streaming to a client that stops "
+             "reading); past it the request is cancelled with RESOURCE_EXHAUSTED "
+             f"(default {DEFAULT_UNDELIVERED_RESPONSE_BYTES})")
     add("--model-config-name", type=_config_name, metavar="NAME",
         help="read <model>/configs/NAME.pbtxt where it exists, else config.pbtxt")
     add("--backend-directory", type=Path, default=None, metavar="DIR",
@@ -435,6 +442,7 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         strict_model_config=args.strict_model_config,
         disable_auto_complete_config=args.disable_auto_complete_config,
         strict_readiness=args.strict_readiness,
+        max_undelivered_response_bytes=args.max_undelivered_response_bytes,
         model_config_name=args.model_config_name,
         backend_config=backend_config,
         backend_directory=args.backend_directory,

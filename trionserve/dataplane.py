@@ -32,7 +32,11 @@ from trionserve.core.errors import (
 )
 from trionserve.core.response_cache import ResponseCache
 from trionserve.core.shared_memory import SystemSharedMemory
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.types import (
+    DEFAULT_UNDELIVERED_RESPONSE_BYTES,
+    InferenceRequest,
+    InferenceResponse,
+)
 from trionserve.core.validation import validate_request
 from trionserve.observability.metrics import observe_first_response
 from trionserve.observability.statistics import FailureReason, to_ns
@@ -98,11 +102,14 @@ class DataPlane:
         first_response_histogram: bool = False,
         response_cache: ResponseCache | None = None,
         strict_readiness: bool = True,
+        undelivered_response_limit: int = DEFAULT_UNDELIVERED_RESPONSE_BYTES,
     ) -> None:
         self.registry = registry
         # --strict-readiness: ready needs every model ready (true), or only a
         # started server that is not draining (false).
         self.strict_readiness = strict_readiness
+        # --max-undelivered-response-bytes, given to every request it admits.
+        self.undelivered_response_limit = undelivered_response_limit
         self.control_mode = control_mode
         self.server_id = server_id
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
@@ -375,6 +382,7 @@ class DataPlane:
         ModelInfer: ``src/grpc/infer_handler.cc``).
         """
         model = self.registry.route(request.model_name, request.model_version)
+        request.undelivered_limit = self.undelivered_response_limit
         if self.draining and not internal:
             self._refuse_while_draining(request, model)
         if single_response is not None and model.config.model_transaction_policy.decoupled:

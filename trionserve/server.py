@@ -32,6 +32,7 @@ from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig, apply_backend_config
 from trionserve.backends.registry import set_backend_directories
 from trionserve.core.response_cache import ResponseCache
+from trionserve.core.types import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
 from trionserve.observability.trace.manager import TraceManager
@@ -59,6 +60,8 @@ class ServerOptions:
     strict_model_config: bool = False
     disable_auto_complete_config: bool = False
     strict_readiness: bool = True  # ready only when every model is
+    # --max-undelivered-response-bytes: one request's responses held for its client
+    max_undelivered_response_bytes: int = DEFAULT_UNDELIVERED_RESPONSE_BYTES
     model_config_name: str | None = None  # configs/<name>.pbtxt where it exists
     # --backend-config: backend ("" for all) -> setting -> value
     backend_config: BackendConfig = field(default_factory=dict)
@@ -147,6 +150,7 @@ class Server:
             first_response_histogram=options.allow_metrics
             and options.metrics.histogram_latencies,
             strict_readiness=options.strict_readiness,
+            undelivered_response_limit=options.max_undelivered_response_bytes,
         )
         # Set by ``shutdown``: the drain begins.
         self._shutdown = trio.Event()

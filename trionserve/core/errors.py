@@ -20,6 +20,7 @@ class Status(enum.Enum):
     ALREADY_EXISTS = "ALREADY_EXISTS"
     CANCELLED = "CANCELLED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 
 
 class TritonError(Exception):
@@ -67,6 +68,12 @@ class Cancelled(TritonError):
 
 class DeadlineExceeded(TritonError):
     status = Status.DEADLINE_EXCEEDED
+
+
+class ResourceExhausted(TritonError):
+    """A bound the server keeps was reached (the message names it and its flag)."""
+
+    status = Status.RESOURCE_EXHAUSTED
 
 
 def as_triton_error(exc: BaseException, context: str = "") -> TritonError:

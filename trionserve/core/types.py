@@ -16,7 +16,26 @@ from typing import Any
 import numpy as np
 import trio
 
-from trionserve.core.errors import InternalError, TritonError
+from trionserve.core.errors import InternalError, ResourceExhausted, TritonError
+
+# --max-undelivered-response-bytes: what one request's responses may hold in the
+# server before its consumer (the client's connection) takes them.
+DEFAULT_UNDELIVERED_RESPONSE_BYTES = 64 * 1024 * 1024
+
+
+def response_nbytes(response: InferenceResponse) -> int:
+    """The bytes a response's output tensors hold (BYTES elements: their lengths)."""
+    total = 0
+    for tensor in response.outputs:
+        data = tensor.data
+        if data.dtype.kind != "O":
+            total += data.nbytes
+        else:
+            total += sum(
+                len(item) if isinstance(item, (bytes, bytearray, str)) else 8
+                for item in data.reshape(-1).tolist()
+            )
+    return total
 
 
 @dataclass(slots=True)
@@ -62,6 +81,16 @@ class InferenceRequest:
 
     Consumers use ``wait`` (exactly one response expected) or ``stream`` (every
     response, for decoupled models and gRPC streams).
+
+    Responses delivered and not yet consumed are bounded by bytes: when a response
+    would take them past ``undelivered_limit`` (the first pending response is
+    always taken, however large), the request fails at once with
+    :class:`ResourceExhausted` naming the bytes held and the flag, and is flagged
+    cancelled so that its model stops; what the model sends after that is
+    ignored. A consumer that never reads (a client that stops reading a decoupled
+    model's stream) thus holds at most ``undelivered_limit`` plus one response.
+    ``undelivered_peak`` is the most bytes the request ever held undelivered (a
+    lone final response, which can pass no bound, is not counted).
     """
 
     __slots__ = (
@@ -85,6 +114,9 @@ class InferenceRequest:
         "_empty_final",
         "_error",
         "_wakeup",
+        "_undelivered",
+        "undelivered_limit",
+        "undelivered_peak",
     )
 
     def __init__(
@@ -122,7 +154,11 @@ class InferenceRequest:
         self._on_cancel: Callable[[], None] | None = None
         # Responses delivered and not yet consumed. Its length is bounded by what
         # the model produces for one request; the consumer drains it as it goes.
-        self._responses: deque[InferenceResponse] = deque()
+        self._responses: deque[tuple[InferenceResponse, int]] = deque()
+        # Bytes of the responses in ``_responses``, their bound and their peak.
+        self._undelivered = 0
+        self.undelivered_limit = DEFAULT_UNDELIVERED_RESPONSE_BYTES
+        self.undelivered_peak = 0
         self._final = False
         # The final outcome came as a flag after the last response, not with it.
         self._empty_final = False
@@ -163,12 +199,35 @@ class InferenceRequest:
         if self._final:
             return False
         if response is not None:
-            self._responses.append(response)
+            held = self._undelivered
+            # A final response with nothing before it held can pass no bound and
+            # nothing follows it: not counted (the one-response path pays nothing).
+            size = response_nbytes(response) if held or not final else 0
+            if held and held + size > self.undelivered_limit:
+                return self._overflow(size)
+            held += size
+            self._undelivered = held
+            self.undelivered_peak = max(self.undelivered_peak, held)
+            self._responses.append((response, size))
         elif final:
             self._empty_final = True
         self._final = final
         self._wakeup.set()
         return True
+
+    def _overflow(self, size: int) -> bool:
+        """A response that would pass the bound: fail the request and stop its model."""
+        self.fail(
+            ResourceExhausted(
+                f"request '{self.id}' for model '{self.model_name}': its responses not "
+                f"yet delivered to the client hold {self._undelivered} bytes and the next "
+                f"one {size} bytes, past the limit of {self.undelivered_limit} bytes "
+                "(--max-undelivered-response-bytes); the client is not reading its "
+                "responses fast enough, so the request was cancelled"
+            )
+        )
+        self.cancelled = True
+        return False
 
     def respond(self, response: InferenceResponse) -> bool:
         """Deliver the one final response of a non-decoupled request."""
@@ -195,7 +254,8 @@ class InferenceRequest:
                 f"model '{self.model_name}' produced {len(self._responses)} responses "
                 "for a request that expects exactly one"
             )
-        return self._responses.popleft()
+        response, self._undelivered = self._responses.popleft()[0], 0
+        return response
 
     async def stream(self) -> AsyncIterator[tuple[InferenceResponse | None, bool]]:
         """Yield ``(response, final)`` pairs until the final one; raise a final error.
@@ -209,7 +269,8 @@ class InferenceRequest:
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
             if self._responses:
-                response = self._responses.popleft()
+                response, size = self._responses.popleft()
+                self._undelivered -= size
                 last = (
                     self._final
                     and not self._responses

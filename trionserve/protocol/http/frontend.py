@@ -54,6 +54,7 @@ HTTP_STATUS = {
     Status.ALREADY_EXISTS: 409,
     Status.CANCELLED: 499,
     Status.DEADLINE_EXCEEDED: 504,
+    Status.RESOURCE_EXHAUSTED: 503,
 }
 
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
