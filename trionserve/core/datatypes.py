@@ -75,11 +75,3 @@ def from_numpy(dtype: np.dtype) -> DataType:
         return _BY_NUMPY[dtype]
     except KeyError:
         raise InvalidArgument(f"numpy dtype {dtype} has no Triton datatype") from None
-
-
-def config_to_wire(config_name: str) -> str:
-    return from_config(config_name).wire
-
-
-def wire_to_config(wire_name: str) -> str:
-    return from_wire(wire_name).config
