@@ -6,13 +6,14 @@ import gzip
 import zlib
 
 import pytest
-from trionserve.protocol.grpc.status import decode_grpc_message
 
 from trionserve.protocol.grpc.framing import (
+    Compressed,
     MessageReader,
     prefix,
     status_headers,
 )
+from trionserve.protocol.grpc.status import decode_grpc_message
 from trionserve.protocol.grpc.transport import GRPCError, Status
 
 
@@ -89,3 +90,15 @@ def test_data_frame_repr_reads_only_the_first_bytes():
     )
     assert repr(DataFrame(3, b"ab")) == "DataFrame(stream_id=3, flags=[]): <hex:6162>"
     assert repr(DataFrame(3, b"")) == "DataFrame(stream_id=3, flags=[]): None"
+
+
+def test_deferred_decompression_returns_compressed_messages_as_is():
+    reader = MessageReader(b"gzip", max_size=100, defer_decompression=True)
+    wire = framed(gzip.compress(b"z" * 50), True) + framed(b"plain")
+    first, second = reader.feed(wire)
+    assert type(first) is Compressed and second == b"plain"
+    assert reader.decompress(first) == b"z" * 50
+    bomb = reader.feed(framed(gzip.compress(b"z" * 101), True))[0]
+    with pytest.raises(GRPCError) as info:
+        reader.decompress(bomb)
+    assert info.value.status is Status.RESOURCE_EXHAUSTED

@@ -567,3 +567,25 @@ async def test_a_connection_that_starts_no_call_is_closed(autojump_clock):
             again = await busy.call("/t.T/Echo", frame(b"still here"))
             await busy.until(lambda c: c.ended(again))
             assert busy.status(again) == (Status.OK.value, "")
+
+
+async def test_large_compressed_messages_are_inflated_off_the_event_loop():
+    """A large gzip message is inflated in a worker thread (issue 18 item 4) and
+    arrives whole; one that inflates past the limit is RESOURCE_EXHAUSTED."""
+    import os
+
+    payload = os.urandom(200_000)  # incompressible: the compressed message is large too
+    async with serving(Handlers(), max_message_size=300_000) as (port, _):
+        async with RawClient.connect(port) as client:
+            gz = [(b"grpc-encoding", b"gzip")]
+            ok = await client.call("/t.T/Echo", None, gz, end=False)
+            await send_respecting_windows(client, ok, frame(gzip.compress(payload), True), True)
+            bomb = await client.call("/t.T/Echo", None, gz, end=False)
+            await send_respecting_windows(
+                client, bomb, frame(gzip.compress(bytes(10**7)), True), True
+            )
+            await client.until(lambda c: c.ended(ok) and c.ended(bomb))
+            assert client.status(ok) == (Status.OK.value, "")
+            assert client.data[ok] == frame(payload)
+            status, message = client.status(bomb)
+            assert status == Status.RESOURCE_EXHAUSTED.value and "300000" in message

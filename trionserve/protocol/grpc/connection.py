@@ -48,6 +48,8 @@ _KEEPALIVE_PING = b"keepaliv"
 # Messages up to this size go out as one joined DATA payload; larger ones are
 # written chunk by chunk from memoryviews, without joining.
 _JOIN_LIMIT = 64 * 1024
+# Compressed messages up to this size are inflated on the event loop.
+_INLINE_DECOMPRESS = 16 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,11 +201,20 @@ class GrpcCall:
                     continue
                 message = self._messages.popleft()
                 self._conn.consumed(self, len(message))
+                if type(message) is grpc_framing.Compressed:
+                    message = await self._decompress(message)
                 return message
             if self._ended:
                 return None
             await self._wakeup.wait()
             self._wakeup = trio.Event()
+
+    async def _decompress(self, message: bytes) -> bytes:
+        # Inflating can take many times the compressed size: large ones run in a
+        # worker thread, so the event loop goes on serving everyone else.
+        if len(message) <= _INLINE_DECOMPRESS:
+            return self._reader.decompress(message)
+        return await trio.to_thread.run_sync(self._reader.decompress, message)
 
     async def send(self, message: bytes | Sequence[bytes | memoryview]) -> None:
         chunks = [message] if isinstance(message, (bytes, bytearray, memoryview)) else message
@@ -467,7 +478,9 @@ class Connection:
             event.headers,
             deadline,
             method.client_streaming,
-            grpc_framing.MessageReader(encoding, self.options.max_message_size),
+            grpc_framing.MessageReader(
+                encoding, self.options.max_message_size, defer_decompression=True
+            ),
             compress,
         )
         if event.stream_ended is not None:

@@ -37,16 +37,31 @@ def status_headers(status: Status, message: str | None) -> list[tuple[bytes, byt
     return headers
 
 
+class Compressed(bytes):
+    """A compressed message, returned as is by a reader that defers decompression."""
+
+    __slots__ = ()
+
+
 class MessageReader:
     """Cuts the messages of one stream out of its DATA bytes, as they arrive.
 
     ``feed`` returns the messages completed by the new bytes (decompressed); a
     message over ``max_size`` or one that cannot be decompressed raises GRPCError.
+    With ``defer_decompression``, compressed messages come back as
+    :class:`Compressed`, for the caller to pass to ``decompress`` where it likes
+    (off the event loop, for large ones).
     """
 
-    __slots__ = ("_encoding", "_max_size", "_buffer", "_needed")
+    __slots__ = ("_encoding", "_max_size", "_buffer", "_needed", "_defer")
 
-    def __init__(self, encoding: bytes = b"identity", max_size: int | None = None) -> None:
+    def __init__(
+        self,
+        encoding: bytes = b"identity",
+        max_size: int | None = None,
+        defer_decompression: bool = False,
+    ) -> None:
+        self._defer = defer_decompression
         self._encoding = encoding
         self._max_size = max_size or MAX_MESSAGE_SIZE
         self._buffer = bytearray()
@@ -83,7 +98,11 @@ class MessageReader:
             # One copy, out of a view (slicing the bytearray would copy twice).
             message = bytes(memoryview(source)[offset + 5 : stop])
             if source[offset]:
-                message = self._decompress(message)
+                if self._encoding == b"identity":
+                    raise GRPCError(
+                        Status.INTERNAL, "compressed message received without a grpc-encoding"
+                    )
+                message = Compressed(message) if self._defer else self.decompress(message)
             messages.append(message)
             offset = stop
         else:
@@ -96,12 +115,9 @@ class MessageReader:
             self._buffer = bytearray(memoryview(source)[offset:])
         return messages
 
-    def _decompress(self, message: bytes) -> bytes:
+    def decompress(self, message: bytes) -> bytes:
+        """Inflate ``message``, never past ``max_size`` (RESOURCE_EXHAUSTED beyond)."""
         encoding = self._encoding
-        if encoding == b"identity":
-            raise GRPCError(
-                Status.INTERNAL, "compressed message received without a grpc-encoding"
-            )
         wbits = 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS
         decompressor = zlib.decompressobj(wbits)
         try:
