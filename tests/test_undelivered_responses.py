@@ -4,7 +4,6 @@ past the bound the request is cancelled with RESOURCE_EXHAUSTED and the model st
 
 from __future__ import annotations
 
-import json
 import queue
 import re
 import textwrap
@@ -34,7 +33,6 @@ parameters { key: "marker" value: { string_value: "%s" } }
 """
 
 MODEL = f"""
-import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -81,7 +79,9 @@ def repository(tmp_path: Path) -> Path:
     return tmp_path / "repo"
 
 
-def test_a_client_that_stops_reading_holds_a_bounded_number_of_bytes(repository, tmp_path):
+def test_a_client_that_stops_reading_holds_a_bounded_number_of_bytes(
+    repository, tmp_path
+):
     limit = 2 * MIB
     marker = tmp_path / "marker"
     args = [
@@ -129,8 +129,12 @@ def test_a_client_that_stops_reading_holds_a_bounded_number_of_bytes(repository,
     # The server's own accounting: what it held for the request when it gave up,
     # within the bound, and the response that would have passed it.
     held, following, bound = map(
-        int, re.search(r"hold (\d+) bytes and the next one (\d+) bytes, past the "
-                       r"limit of (\d+) bytes", message).groups()
+        int,
+        re.search(
+            r"hold (\d+) bytes and the next one (\d+) bytes, past the "
+            r"limit of (\d+) bytes",
+            message,
+        ).groups(),
     )
     assert bound == limit
     assert held <= limit < held + following
@@ -138,3 +142,38 @@ def test_a_client_that_stops_reading_holds_a_bounded_number_of_bytes(repository,
     # Every response the server held was still delivered before the error.
     assert received * CHUNK >= held
     assert received < sent
+
+
+def test_the_bound_in_the_request_itself():
+    import trio
+
+    from trionserve.core.errors import ResourceExhausted
+    from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+
+    def response(nbytes: int) -> InferenceResponse:
+        return InferenceResponse(
+            "m", "1", outputs=[Tensor("OUT", "UINT8", np.zeros(nbytes, np.uint8))]
+        )
+
+    async def main():
+        request = InferenceRequest("m", id="r")
+        request.undelivered_limit = 100
+        cancelled = []
+        request.on_cancel(lambda: cancelled.append(True))
+        assert request.send(response(150), final=False)  # the first is always held
+        stream = request.stream()
+        assert (await anext(stream))[0].outputs[0].data.nbytes == 150  # consumed
+        assert request.send(response(60), final=False)
+        assert request.send(response(40), final=False)  # 100: at the bound
+        assert not request.send(response(1), final=False)  # past it
+        assert cancelled == [True] and request.cancelled and request.done
+        assert request.undelivered_peak == 150
+        assert not request.send(response(1), final=True)  # ignored from now on
+        held = [(await anext(stream))[0].outputs[0].data.nbytes for _ in range(2)]
+        assert held == [60, 40]
+        with pytest.raises(
+            ResourceExhausted, match="hold 100 bytes and the next one 1 bytes"
+        ):
+            await anext(stream)
+
+    trio.run(main)
