@@ -33,6 +33,7 @@ parameters { key: "marker" value: { string_value: "%s" } }
 """
 
 MODEL = f"""
+import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
