@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.batch_tensors import build_responses, gather_inputs
 from trionserve.backends.registry import register_backend
-from trionserve.core.batching import build_responses, gather_inputs
 
 MODEL_FILE = "model.txt"
 

@@ -13,10 +13,10 @@ import pytest
 import trio
 from google.protobuf import text_format
 
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import FailureReason, ModelStatistics
-from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import normalize_model_config
 from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
 
@@ -464,7 +464,7 @@ async def test_executor_that_stops_gives_its_batch_back(autojump_clock):
 
 
 def test_inputs_concatenate_with_one_copy_and_outputs_come_back_as_views():
-    from trionserve.core.batching import gather_inputs, split_outputs
+    from trionserve.backends.batch_tensors import gather_inputs, split_outputs
 
     requests = [request("a", batch=2), request("b", batch=1), request("c", batch=3)]
     for i, r in enumerate(requests):
@@ -483,7 +483,7 @@ def test_inputs_concatenate_with_one_copy_and_outputs_come_back_as_views():
 
 
 def test_ragged_inputs_concatenate_flat():
-    from trionserve.core.batching import gather_inputs
+    from trionserve.backends.batch_tensors import gather_inputs
 
     requests = [request("a", width=3), request("b", batch=2, width=2)]
     requests[0].inputs["INPUT0"].data[:] = 1

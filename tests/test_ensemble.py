@@ -28,8 +28,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
 from trionserve.backends.base import ModelContext
+from trionserve.backends.batch_tensors import build_response
 from trionserve.backends.registry import register_backend
-from trionserve.core.batching import build_response
 from trionserve.core.errors import InvalidArgument
 from trionserve.server import Server, ServerOptions
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.onnxruntime_providers import CUDA, TENSORRT, execution_providers
 from trionserve.core import datatypes
-from trionserve.core.batching import build_responses, gather_inputs, wanted_outputs
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes

@@ -29,8 +29,8 @@ import numpy as np
 import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.core import datatypes
-from trionserve.core.batching import build_responses, gather_inputs, wanted_outputs
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.cuda_buffers import device_buffers
 from trionserve.backends.gpu import gpu_count
 from trionserve.core import datatypes
-from trionserve.core.batching import build_responses, gather_inputs, wanted_outputs
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 

@@ -1,5 +1,7 @@
-"""Turning a batch of requests into framework inputs and framework outputs back into
-per-request responses.
+"""Batch tensors for the framework backends: a batch of requests into framework
+inputs, and framework outputs back into per-request responses (what Triton's
+backend input collector and output responder do). The schedulers decide what a
+batch is; this only moves its tensors.
 
 Inputs of several requests are concatenated along the batch dimension with one copy;
 a batch of one request is passed through untouched. Ragged inputs
