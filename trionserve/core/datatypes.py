@@ -46,6 +46,11 @@ ALL_DATATYPES: tuple[DataType, ...] = (
 
 BY_WIRE: dict[str, DataType] = {d.wire: d for d in ALL_DATATYPES}
 BY_CONFIG: dict[str, DataType] = {d.config: d for d in ALL_DATATYPES}
+# Fixed-size wire datatype -> its numpy dtype on the wire: tensors travel
+# little-endian (on a little-endian host these equal the native dtypes).
+WIRE_DTYPE: dict[str, np.dtype] = {
+    d.wire: d.numpy.newbyteorder("<") for d in ALL_DATATYPES if d.itemsize
+}
 # numpy -> wire name; uint16 maps to UINT16 (BF16 is never inferred from numpy).
 _BY_NUMPY: dict[np.dtype, DataType] = {
     d.numpy: d for d in ALL_DATATYPES if d.wire != "BF16"

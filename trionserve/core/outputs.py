@@ -8,16 +8,11 @@ from typing import Any
 import numpy as np
 
 from trionserve.core.bytes_tensor import serialize_bytes_tensor
-from trionserve.core.datatypes import BY_WIRE
+from trionserve.core.datatypes import WIRE_DTYPE
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import InferenceRequest
 
 __all__ = ["output_bytes", "shared_memory_outputs"]
-
-# Wire tensors are little-endian; on a little-endian host these equal the native dtypes.
-_WIRE_DTYPE: dict[str, np.dtype] = {
-    d.wire: d.numpy.newbyteorder("<") for d in BY_WIRE.values() if d.itemsize
-}
 
 
 def output_bytes(wire: str, data: np.ndarray) -> bytes | memoryview:
@@ -26,7 +21,7 @@ def output_bytes(wire: str, data: np.ndarray) -> bytes | memoryview:
     dtype is not copied (the result is a memoryview of it)."""
     if wire == "BYTES":
         return serialize_bytes_tensor(data)
-    dtype = _WIRE_DTYPE.get(wire)
+    dtype = WIRE_DTYPE.get(wire)
     if dtype is None:
         raise InvalidArgument(f"invalid datatype '{wire}' for an output")
     if data.dtype != dtype:

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.core.bytes_tensor import deserialize_bytes_tensor
-from trionserve.core.datatypes import BY_WIRE, DataType
+from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
 from trionserve.core.outputs import output_bytes, shared_memory_outputs
 from trionserve.core.parameters import (
@@ -58,10 +58,6 @@ _INT64_MAX = 2**63 - 1
 
 # The reserved keys a gRPC request may set (Triton's TRITON_RESERVED_REQUEST_PARAMS).
 _RESERVED_TRITON_KEYS = (EMPTY_FINAL_RESPONSE,)
-
-_WIRE_DTYPE: dict[str, np.dtype] = {
-    d.wire: d.numpy.newbyteorder("<") for d in BY_WIRE.values() if d.itemsize
-}
 
 # Datatype -> the InferTensorContents field that carries it (FP16 and BF16 have none).
 _CONTENTS_FIELD = {
@@ -297,7 +293,7 @@ def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: bytes) -> np.n
         )
     if count == 0:
         return np.empty(shape, dtype=dt.numpy)
-    return np.frombuffer(raw, dtype=_WIRE_DTYPE[dt.wire], count=count).reshape(shape)
+    return np.frombuffer(raw, dtype=WIRE_DTYPE[dt.wire], count=count).reshape(shape)
 
 
 def _contents_to_array(

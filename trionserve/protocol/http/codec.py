@@ -25,7 +25,7 @@ from trionserve.core.bytes_tensor import (
 from trionserve.core.bytes_tensor import (
     read_bytes_elements as _read_bytes_elements,
 )
-from trionserve.core.datatypes import BY_WIRE, DataType
+from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
 from trionserve.core.outputs import output_bytes, shared_memory_outputs
 from trionserve.core.parameters import check_reserved_key
@@ -50,10 +50,6 @@ __all__ = [
 _UINT64_MAX = 2**64 - 1
 _INT64_MAX = 2**63 - 1
 
-# Wire tensors are little-endian; on a little-endian host these equal the native dtypes.
-_WIRE_DTYPE: dict[str, np.dtype] = {
-    d.wire: d.numpy.newbyteorder("<") for d in BY_WIRE.values() if d.itemsize
-}
 _INT_WIRES = frozenset(
     d.wire for d in BY_WIRE.values() if d.numpy.kind in "iu" and d.wire != "BF16"
 )
@@ -426,7 +422,7 @@ def _binary_to_array(
     if count == 0:
         return np.empty(shape, dtype=dt.numpy)
     return np.frombuffer(
-        body, dtype=_WIRE_DTYPE[dt.wire], count=count, offset=offset
+        body, dtype=WIRE_DTYPE[dt.wire], count=count, offset=offset
     ).reshape(shape)
 
 
