@@ -87,8 +87,9 @@ class SequenceControls:
                 else:
                     wire, values = "BOOL", control.bool_false_true
                 dtype = datatypes.BY_WIRE[wire].numpy
-                arrays = tuple(_constant(np.full(self._shape, v, dtype=dtype)) for v in values[:2])
-                self._flags.append((kind, control_input.name, wire, arrays))
+                # The config check makes these exactly two: the false and the true value.
+                false, true = (_constant(np.full(self._shape, v, dtype=dtype)) for v in values)
+                self._flags.append((kind, control_input.name, wire, (false, true)))
 
     def check(self, correlation_id: CorrelationId, model: str) -> None:
         """Refuse a correlation id the CORRID control's datatype cannot carry."""

@@ -16,9 +16,10 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import structlog
@@ -28,6 +29,9 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, Unavailable
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+
+if TYPE_CHECKING:
+    from trionserve.schedulers.sequence_batch import _Instance
 
 log = structlog.get_logger(__name__)
 
@@ -153,7 +157,7 @@ class Sequence:
         self.queue: deque[InferenceRequest] = deque()
         # state input name -> the state fed to the next request; None: initial.
         self.state: dict[str, np.ndarray] | None = None
-        self.instance = None
+        self.instance: _Instance | None = None
         self.slot = -1
         self.pending = 0
         self.open = True
@@ -371,6 +375,7 @@ class SequenceStateManager:
             state[spec.input_name] = np.array(value, copy=True)
         if not sequence.released:
             sequence.state = state
+        wanted: Set[str]
         if client_outputs is None:
             wanted = self._listed_outputs
         else:

@@ -14,6 +14,8 @@ the Triton trace files (:mod:`.trace_file`, mode ``triton``) or, in mode
 
 from __future__ import annotations
 
+from typing import Any
+
 import trio
 
 from trionserve.core.errors import InvalidArgument
@@ -108,7 +110,7 @@ class TraceManager:
         else:
             current = self._global
             fallback = self._default
-        values = {
+        values: dict[str, Any] = {
             "level": fallback.level,
             "rate": fallback.rate,
             "count": fallback.count,

@@ -16,6 +16,7 @@ thread, never on the Trio loop.
 from __future__ import annotations
 
 import json
+from typing import TextIO
 
 import numpy as np
 import structlog
@@ -144,7 +145,7 @@ class TraceFile:
     def __init__(self, name: str) -> None:
         self.name = name
         self.next_index = 0  # taken on the Trio thread when a chunk is queued
-        self._handle = None
+        self._handle: TextIO | None = None
 
     def write_indexed(self, path: str, text: str) -> None:
         with open(path, "w") as f:
