@@ -223,7 +223,10 @@ class PythonInstance:
         except _GONE:
             pass  # the stub is gone; the reader fails this call
         timeout = self._settings.execute_timeout
-        with trio.move_on_after(timeout if timeout > 0 else float("inf")) as scope:
+        if timeout <= 0:
+            await call.done.wait()
+            return call.results
+        with trio.move_on_after(timeout) as scope:
             await call.done.wait()
         if scope.cancelled_caught and self._stub is not None:
             self._hang = (

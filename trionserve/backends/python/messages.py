@@ -44,7 +44,11 @@ def error_from_code(code: int, message: str) -> TritonError:
 
 
 def _json(parameters: dict) -> str:
-    return json.dumps(parameters, default=str)
+    return json.dumps(parameters, default=str) if parameters else "{}"
+
+
+def _parameters(text: str) -> dict:
+    return json.loads(text) if text != "{}" else {}
 
 
 # -- server -> stub -----------------------------------------------------------------
@@ -118,7 +122,7 @@ def read_response(
         else:
             refs = [by_name[o.name] for o in request.requested_outputs if o.name in by_name]
         outputs = [Tensor(ref[0], ref[1], endpoint.view.array(ref, copy=True)) for ref in refs]
-        parameters = json.loads(encoded["parameters"])
+        parameters = _parameters(encoded["parameters"])
         return InferenceResponse(
             request.model_name, model_version, request.id, outputs, parameters
         )

@@ -6,12 +6,18 @@ first message says what to do: ``auto_complete`` (call the model class's static
 ``initialize(args)``, then serve).
 
 Threads while serving: the main thread runs the model's ``execute`` and
-``finalize``, one call at a time; a reader thread takes the server's messages as
-they come (execute and finalize jobs, BLS results, cancellations) and ends the
-process when the server goes away; the model's own threads may send responses
-or make BLS calls at any time; an asyncio loop thread runs ``async def execute``
-coroutines; a last thread ends the requests whose response senders the model
-released without their final response (so every request is answered).
+``finalize``, one call at a time, and in the common case also reads the server's
+messages between calls, so a request costs no cross-thread wake-up. While it
+executes, messages wait in the socket; ``is_cancelled()`` reads them without
+waiting (so a cancel reaches the model at once), and a metric or control call
+from ``execute`` reads until its answer. A reader thread takes over reading for
+good once something must wait for the server while the main thread cannot read:
+a BLS call, or a metric or control call from another thread. A watcher thread
+ends the process as soon as the server goes away (even while ``execute`` runs);
+the model's own threads may send responses at any time; an asyncio loop thread
+runs ``async def execute`` coroutines; a last thread ends the requests whose
+response senders the model released without their final response (so every
+request is answered).
 """
 
 from __future__ import annotations
@@ -22,12 +28,12 @@ import itertools
 import json
 import os
 import queue
+import select
 import signal
 import socket
 import sys
 import threading
 import traceback
-import weakref
 from pathlib import Path
 
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
@@ -113,6 +119,12 @@ class StubRuntime:
         self._released: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = None  # an asyncio loop, started for the first coroutine
         self._serving = False
+        # Whoever reads the socket holds ``_reading``: the main thread between
+        # calls, a poll from is_cancelled(), or the reader thread once started.
+        self._reading = threading.Lock()
+        self._reader_started = False
+        self._reader_lock = threading.Lock()
+        self._main_thread = threading.get_ident()
         module = import_model(message)
         import triton_python_backend_utils as pb
 
@@ -131,17 +143,58 @@ class StubRuntime:
             self.channel.send({"op": "error", "message": describe_exception(exc)})
             return
         self._serving = True
-        threading.Thread(target=self._read, name="stub-reader", daemon=True).start()
         threading.Thread(
             target=self._answer_released, name="stub-released", daemon=True
         ).start()
+        threading.Thread(target=self._watch_server, name="stub-watcher", daemon=True).start()
         self.channel.send({"op": "initialized"})
         while True:
-            job = self._jobs.get()
+            job = self._next_job()
             if job["op"] == "finalize":
                 self._finalize()
                 return
             self._execute(job)
+
+    def _next_job(self) -> dict:
+        """The next execute or finalize: read here until one arrives, unless the
+        reader thread reads (then it queues them)."""
+        jobs = self._jobs
+        while True:
+            try:
+                return jobs.get_nowait()
+            except queue.Empty:
+                pass
+            if self._reader_started:
+                return jobs.get()
+            with self._reading:
+                # A poll may have queued a job meanwhile, or the reader started.
+                if self._reader_started or not jobs.empty():
+                    continue
+                message = self.channel.receive()
+            if message is None:
+                os._exit(0)  # the server went away
+            self._dispatch(message)
+
+    def _watch_server(self) -> None:
+        """End the process once the server closed its end of the socket, even
+        while the main thread is busy in ``execute`` (it is woken by nothing else)."""
+        watcher = select.poll()
+        watcher.register(self.channel.sock.fileno(), getattr(select, "POLLRDHUP", 0))
+        while True:
+            for _, events in watcher.poll():
+                if events & (getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR):
+                    os._exit(0)
+
+    def _start_reader(self) -> None:
+        """From now on the reader thread reads (and queues the jobs): something
+        waits for the server while the main thread may be busy."""
+        if self._reader_started:
+            return
+        with self._reader_lock:
+            if self._reader_started:
+                return
+            self._reader_started = True
+            threading.Thread(target=self._read, name="stub-reader", daemon=True).start()
 
     def _finalize(self) -> None:
         finalize = getattr(self.model, "finalize", None)
@@ -196,29 +249,30 @@ class StubRuntime:
 
     def _incoming(self, message: dict):
         pb = self.pb
-        inputs = [pb.Tensor._wrap(ref[0], ref[1], self.view.array(ref, copy=False))
-                  for ref in message["inputs"]]
-        request = pb.InferenceRequest(
-            request_id=message["id"],
-            correlation_id=message["correlation_id"],
-            inputs=inputs,
-            requested_output_names=message["outputs"],
-            model_name=self.model_name,
-            flags=message["flags"],
-        )
-        request._parameters = message["parameters"]
-        request._key = message["key"]
+        view_array = self.view.array
+        wrap = pb.Tensor._wrap
+        inputs = [wrap(ref[0], ref[1], view_array(ref, copy=False)) for ref in message["inputs"]]
         key = message["key"]
-        request._sender = pb.InferenceResponseSender(key, self.decoupled)
+        request = pb.InferenceRequest._received(
+            key,
+            message["id"],
+            message["correlation_id"],
+            inputs,
+            message["outputs"],
+            self.model_name,
+            message["flags"],
+            message["parameters"],
+            pb.InferenceResponseSender(key, self.decoupled),
+        )
         self._unanswered.add(key)
-        weakref.finalize(request._sender, self._sender_released, key)
         if message["cancelled"]:
             self._cancelled.add(key)
         return request
 
-    def _sender_released(self, key: int) -> None:
-        """A request's sender is gone (garbage): nothing can answer it any more.
-        Runs wherever the collector runs, so it only queues."""
+    def sender_released(self, key: int) -> None:
+        """A request's sender is gone (garbage, ``InferenceResponseSender.__del__``):
+        nothing can answer it any more. Runs wherever the collector runs, so it
+        only queues."""
         self._cancelled.discard(key)
         if key in self._unanswered:
             self._released.put(key)
@@ -319,6 +373,17 @@ class StubRuntime:
         self.channel.send({"op": "response", "key": key, "response": encoded, "final": final})
 
     def is_cancelled(self, key: int) -> bool:
+        """Whether the server said the request is cancelled; reads what the server
+        sent meanwhile, without waiting, unless another thread is reading."""
+        if self._serving and self._reading.acquire(blocking=False):
+            try:
+                messages = self.channel.poll()
+                if messages is None:
+                    os._exit(0)  # the server went away
+                for message in messages:
+                    self._dispatch(message)
+            finally:
+                self._reading.release()
         return key in self._cancelled
 
     def log(self, level: str, message: str) -> None:
@@ -326,34 +391,35 @@ class StubRuntime:
 
     def metric(self, action: str, fields: dict):
         """A custom-metric operation; the server's answer, or its error raised."""
-        return self._ask({"op": "metric", "action": action, **fields}, "metric_reply")
+        return self._ask({"op": "metric", "action": action, **fields})
 
     def control(self, action: str, fields: dict):
         """A model loading API call; the server's answer, or its error raised."""
-        return self._ask({"op": "control", "action": action, **fields}, "control_reply")
+        return self._ask({"op": "control", "action": action, **fields})
 
-    def _ask(self, message: dict, reply_op: str):
+    def _ask(self, message: dict):
         """Send ``message`` and wait for the server's reply to it.
 
-        Before the reader thread runs (while the model is constructed and
-        initialized) the reply is read here, and anything else is dispatched.
+        The main thread reads until the reply is here, dispatching anything else
+        (before serving, and from ``execute`` while it reads); any other thread
+        leaves reading to the reader thread, started if need be.
         """
         call = next(self._call_ids)
         message["call"] = call
-        if self._serving:
-            waiter: queue.SimpleQueue = queue.SimpleQueue()
-            self._waits[call] = waiter
-            self.channel.send(message)
-            reply = waiter.get()
-        else:
-            self.channel.send(message)
-            while True:
-                reply = self.channel.receive()
-                if reply is None:
-                    os._exit(0)  # the server went away
-                if reply["op"] == reply_op and reply["call"] == call:
+        waiter: queue.SimpleQueue = queue.SimpleQueue()
+        self._waits[call] = waiter
+        self.channel.send(message)
+        if threading.get_ident() != self._main_thread:
+            self._start_reader()
+        while waiter.empty() and not self._reader_started:
+            with self._reading:
+                if not waiter.empty() or self._reader_started:
                     break
-                self._dispatch(reply)
+                received = self.channel.receive()
+                if received is None:
+                    os._exit(0)  # the server went away
+                self._dispatch(received)
+        reply = waiter.get()
         if reply["error"] is not None:
             raise self.pb.TritonModelException(reply["error"])
         return reply["result"]
@@ -370,6 +436,7 @@ class StubRuntime:
             raise self.pb.TritonModelException(
                 "BLS requests can only be made from execute, not from initialize"
             )
+        self._start_reader()  # the reply must be read while this thread waits
         call = _BLSCall(self, next(self._call_ids))
         refs = [
             self.arena.write(t.name(), t._datatype, t._host_array())[0] for t in request.inputs()
@@ -400,7 +467,8 @@ class StubRuntime:
 
     def _read(self) -> None:
         while True:
-            message = self.channel.receive()
+            with self._reading:
+                message = self.channel.receive()
             if message is None:
                 # The server went away: nothing is left to serve.
                 os._exit(0)

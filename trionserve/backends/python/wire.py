@@ -166,3 +166,26 @@ class BlockingChannel:
             self.endpoint.feed(data, fds)
             self._pending.extend(self.endpoint.messages())
         return self._pending.popleft()
+
+    def poll(self) -> list[dict] | None:
+        """The messages received so far, without waiting; None once the peer has
+        closed its end. Same rule as ``receive``: one reading thread at a time."""
+        while True:
+            try:
+                data, ancdata, _, _ = self.sock.recvmsg(
+                    RECEIVE_SIZE, ANCILLARY_SIZE, socket.MSG_DONTWAIT
+                )
+            except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionResetError:
+                return None
+            fds = fds_from_ancillary(ancdata)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                return None
+            self.endpoint.feed(data, fds)
+            self._pending.extend(self.endpoint.messages())
+        messages = list(self._pending)
+        self._pending.clear()
+        return messages

@@ -68,6 +68,12 @@ _TYPES = [
 _CODE_TO_WIRE = {code: wire for code, wire, _ in _TYPES}
 _WIRE_TO_CODE = {wire: code for code, wire, _ in _TYPES}
 _CODE_TO_NUMPY = {code: numpy for code, _, numpy in _TYPES}
+# The common answers of numpy_to_triton_type at the cost of a dict look-up: keyed by
+# the numpy scalar types and their (native byte order) dtypes.
+_NUMPY_TO_CODE = {np.object_: 13, np.bytes_: 13, bytes: 13, np.dtype(np.object_): 13}
+for _code, _wire, _numpy in reversed(_TYPES):
+    if _wire not in ("BF16", "BYTES"):
+        _NUMPY_TO_CODE[_numpy] = _NUMPY_TO_CODE[np.dtype(_numpy)] = _code
 
 
 def triton_to_numpy_type(data_type):
@@ -75,6 +81,10 @@ def triton_to_numpy_type(data_type):
 
 
 def numpy_to_triton_type(data_type):
+    try:
+        return _NUMPY_TO_CODE[data_type]
+    except (KeyError, TypeError):
+        pass
     if data_type in (np.object_, np.bytes_) or data_type is bytes:
         return 13
     try:
@@ -160,8 +170,15 @@ class Tensor:
     """A named tensor: a numpy array in CPU memory, or a DLPack object on a GPU."""
 
     def __init__(self, name, numpy_array, *_legacy):
-        name = _text(name, "Tensor name")
-        array = np.asarray(numpy_array)
+        name = name if type(name) is str else _text(name, "Tensor name")
+        array = numpy_array if type(numpy_array) is np.ndarray else np.asarray(numpy_array)
+        code = _NUMPY_TO_CODE.get(array.dtype)
+        if code is not None and code != 13:  # the common case: a numeric array
+            self._name = name
+            self._array = array
+            self._device_object = None
+            self._datatype = _CODE_TO_WIRE[code]
+            return
         if array.dtype.kind in ("U", "S"):
             # Triton asks for np.object_; bytes and str elements mean the same here.
             array = array.astype(np.object_)
@@ -307,6 +324,9 @@ class InferenceTrace:
         return None
 
 
+# The trace of every received request: trionserve gives models no trace context.
+_NO_TRACE = InferenceTrace()
+
 _REQUIRED = object()
 
 
@@ -388,6 +408,27 @@ class InferenceRequest:
         self._key = None  # set for requests the model received
         self._sender = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+
+    @classmethod
+    def _received(cls, key, request_id, correlation_id, inputs, output_names, model_name,
+                  flags, parameters, sender):
+        """A request the model receives, from values the server already checked."""
+        request = cls.__new__(cls)
+        request._request_id = request_id
+        request._correlation_id = correlation_id
+        request._inputs = inputs
+        request._requested_output_names = output_names
+        request._model_name = model_name
+        request._model_version = -1
+        request._flags = flags
+        request._timeout = 0
+        request._parameters = parameters
+        request._preferred_memory = None
+        request._trace = _NO_TRACE
+        request._key = key
+        request._sender = sender
+        request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        return request
 
     def inputs(self):
         return self._inputs
@@ -540,6 +581,12 @@ class InferenceResponseSender:
 
     def is_cancelled(self):
         return _runtime is not None and _runtime.is_cancelled(self._key)
+
+    def __del__(self):
+        # The model let go of the request's sender: if it was not answered, nothing
+        # can answer it any more, so the stub ends it (with an error).
+        if _runtime is not None:
+            _runtime.sender_released(self._key)
 
     def _close(self):
         with self._lock:
