@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
 import trio
 
-from tests.serverproc import free_port
+from tests.serverproc import ServerProcess, free_port
+from trionserve.backends.python.process import TrioChannel
 from trionserve.core.errors import TritonError
 from trionserve.core.types import InferenceRequest, Tensor
 from trionserve.server import Server, ServerOptions
@@ -80,11 +84,73 @@ class TritonPythonModel:
 """
 
 
+BATCH_CONFIG = """
+name: "batch"
+backend: "python"
+max_batch_size: 8
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 30000000 }
+"""
+
+# Answers each request with the number of requests its execute call received.
+BATCH_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        size = np.array([[len(requests)]], np.int32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("N", size)]) for _ in requests]
+"""
+
+
+SPIN_CONFIG = """
+name: "spin"
+backend: "python"
+max_batch_size: 0
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+parameters { key: "MARKER" value: { string_value: "%s" } }
+"""
+
+# In execute itself (the stub's main thread, which does not read the socket while
+# it executes): writes "started" with its pid, then polls is_cancelled() and
+# writes "seen" once it turned true.
+SPIN_MODEL = """
+import json
+import os
+import time
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.marker = json.loads(args["model_config"])["parameters"]["MARKER"]["string_value"]
+
+    def execute(self, requests):
+        with open(self.marker + ".started", "w") as f:
+            f.write(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not requests[0].is_cancelled() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if requests[0].is_cancelled():
+            with open(self.marker + ".seen", "w") as f:
+                f.write("seen")
+        n = pb_utils.get_input_tensor_by_name(requests[0], "N").as_numpy()
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("N", n.copy())])]
+"""
+
+
 @pytest.fixture
 def repository(tmp_path):
     for name, config, model in (
         ("stream", STREAM_CONFIG, STREAM_MODEL),
         ("wait", WAIT_CONFIG % (tmp_path / "marker"), WAIT_MODEL),
+        ("batch", BATCH_CONFIG, BATCH_MODEL),
+        ("spin", SPIN_CONFIG % (tmp_path / "spin"), SPIN_MODEL),
     ):
         (tmp_path / "models" / name / "1").mkdir(parents=True)
         (tmp_path / "models" / name / "config.pbtxt").write_text(config)
@@ -171,3 +237,95 @@ async def test_a_stub_killed_by_a_signal_fails_its_request_and_restarts(reposito
         response = await server.dataplane.infer(request("wait", 5))
         assert response.outputs[0].data.tolist() == [5]
         server.shutdown()
+
+
+async def test_a_dynamic_batch_crosses_to_the_stub_in_one_message(repository, monkeypatch):
+    sent = []
+    original = TrioChannel.send
+
+    async def send(channel, message: dict) -> None:
+        sent.append(message)
+        await original(channel, message)
+
+    monkeypatch.setattr(TrioChannel, "send", send)
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, repository)
+        sizes = []
+
+        async def infer(n: int) -> None:
+            data = np.array([[n]], dtype=np.int32)
+            batched = InferenceRequest("batch", inputs={"N": Tensor("N", "INT32", data)})
+            response = await server.dataplane.infer(batched)
+            sizes.append(int(response.outputs[0].data[0][0]))
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as clients:
+                for n in range(4):
+                    clients.start_soon(infer, n)
+        assert sizes == [4, 4, 4, 4]
+        executes = [message for message in sent if message["op"] == "execute"]
+        assert [len(message["requests"]) for message in executes] == [4]
+        server.shutdown()
+
+
+async def test_a_cancel_reaches_a_model_polling_in_execute(repository):
+    started, seen = repository / "spin.started", repository / "spin.seen"
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, repository)
+        scope = trio.CancelScope()
+
+        async def infer() -> None:
+            with scope:
+                await server.dataplane.infer(request("spin", 1))
+
+        nursery.start_soon(infer)
+        with trio.fail_after(30):
+            while not started.exists():
+                await trio.sleep(0.01)  # the model is in execute
+        scope.cancel()
+        with trio.fail_after(30):
+            while not seen.exists():
+                await trio.sleep(0.01)
+        server.shutdown()
+
+
+def test_a_stub_busy_in_execute_ends_when_its_server_is_killed(repository):
+    started = repository / "marker"  # the wait model sleeps in execute, reading nothing
+    server = ServerProcess(repository / "models")
+    try:
+        server.wait_ready()
+        infer = subprocess.Popen(
+            [sys.executable, "-c", CLIENT % server.http_url],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while not started.exists() or not started.read_text():
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.01)  # the model is in execute
+        stub = int(started.read_text())
+        server.kill()
+        deadline = time.monotonic() + 30
+        while _alive(stub):
+            assert time.monotonic() < deadline, "the stub outlived its server"
+            time.sleep(0.01)
+        infer.kill()
+        infer.wait()
+    finally:
+        server.close()
+
+
+CLIENT = """
+import numpy as np, tritonclient.http as httpclient
+client = httpclient.InferenceServerClient("%s", network_timeout=120)
+n = httpclient.InferInput("N", [1], "INT32")
+n.set_data_from_numpy(np.array([1], np.int32))
+client.infer("wait", [n])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
