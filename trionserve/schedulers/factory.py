@@ -1,8 +1,9 @@
 """create_scheduler: the scheduler a model configuration asks for.
 
-As in Triton core (``TritonModel`` sets the scheduler from the config): an ensemble
-gets the ensemble scheduler, ``sequence_batching`` the sequence batcher,
-``dynamic_batching`` the dynamic batcher, anything else the default scheduler.
+As in Triton core: an ensemble gets the ensemble scheduler (``EnsembleModel::Create``),
+and ``TritonModel::SetConfiguredScheduler`` (backend_model.cc) gives
+``sequence_batching`` the sequence batcher, ``dynamic_batching`` the dynamic batcher,
+anything else the default scheduler.
 """
 
 from __future__ import annotations
