@@ -1,6 +1,7 @@
 """Python backend vs ONNX Runtime: HTTP throughput of the same add/sub model.
 
 Usage: python -m benchmarks.python_backend [--duration 3] [--rounds 3]
+       python -m benchmarks.python_backend --baseline DIR [--chunks 30]
 
 Starts its own trionserve on free loopback ports over a temporary repository with
 the example `simple` (ONNX Runtime) and `add_sub_python` (the same tensors and
@@ -12,6 +13,15 @@ burst of other load on the host does not land on one case only.
 Then a CPU-bound Python model (about 20 ms of pure-Python work per request) with
 one instance and with two, at concurrency 4: with stub processes the second
 instance runs on another core, so the ratio approaches 2 on a host with 2+ cores.
+
+With ``--baseline DIR`` (another checkout of trionserve, e.g. a ``git worktree`` of
+an older commit) it compares instead, side by side in one run: one server from
+this checkout and one from DIR, each serving ``add_sub_python`` and ``simple``,
+called by a synchronous tritonclient.http client at concurrency 1 in alternating
+chunks of 200 requests (so a burst of other load lands on both). It reports the
+median and p90 latency, the throughput, and the CPU time per inference of the
+server and its stub processes together (from /proc, Linux), and the ratio of
+this checkout to the baseline.
 """
 
 from __future__ import annotations
@@ -20,14 +30,18 @@ import argparse
 import asyncio
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import tritonclient.http.aio as aiohttpclient
 
 from benchmarks.loadgen import run_load, summary
-from tests.serverproc import EXAMPLES, ServerProcess
+from tests.serverproc import EXAMPLES, ROOT, ServerProcess, free_port
 
 BUSY_CONFIG = """
 name: "{name}"
@@ -131,11 +145,127 @@ async def measure(url: str, duration: float, rounds: int):
     ]
 
 
+# -- --baseline: this checkout against another, side by side -------------------------
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and its children (the stubs)."""
+    pids = [pid]
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            pids += [int(child) for child in f.read().split()]
+    total = 0
+    for each in pids:
+        try:
+            with open(f"/proc/{each}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _start_checkout(root: Path, repository: Path) -> tuple[subprocess.Popen, str]:
+    """A trionserve started from the checkout at ``root``; its HTTP address."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "trionserve", f"--model-repository={repository}",
+        "--http-address=127.0.0.1", f"--http-port={port}", "--allow-grpc=false",
+        "--allow-metrics=false",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    process = subprocess.Popen(
+        command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    return process, f"127.0.0.1:{port}"
+
+
+def compare(baseline: Path, chunks: int) -> None:
+    import tritonclient.http as httpclient
+
+    checkouts = {"this checkout": ROOT, "baseline": baseline}
+    data = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [
+        httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
+    for infer_input in inputs:
+        infer_input.set_data_from_numpy(data)
+    with tempfile.TemporaryDirectory(prefix="trionserve-bench-") as tmp:
+        for name in ("simple", "add_sub_python"):
+            shutil.copytree(EXAMPLES / name, Path(tmp) / name)
+        servers = {label: _start_checkout(root, Path(tmp)) for label, root in checkouts.items()}
+        clients = {}
+        try:
+            for label, (process, url) in servers.items():
+                client = httpclient.InferenceServerClient(url)
+                clients[label] = client
+                deadline = time.monotonic() + 120
+                while True:
+                    try:
+                        if client.is_model_ready("add_sub_python"):
+                            break
+                    except Exception:  # noqa: BLE001 - not listening yet
+                        pass
+                    if time.monotonic() > deadline or process.poll() is not None:
+                        raise RuntimeError(f"the {label} server did not start")
+                    time.sleep(0.1)
+            rows = []
+            for model in ("add_sub_python", "simple"):
+                latencies: dict[str, list[float]] = {label: [] for label in servers}
+                cpu = dict.fromkeys(servers, 0.0)
+                for label, client in clients.items():
+                    for _ in range(200):
+                        client.infer(model, inputs)  # warm-up
+                for _ in range(chunks):
+                    for label, client in clients.items():
+                        pid = servers[label][0].pid
+                        before = _process_cpu_seconds(pid)
+                        for _ in range(200):
+                            start = time.perf_counter()
+                            client.infer(model, inputs)
+                            latencies[label].append(time.perf_counter() - start)
+                        cpu[label] += _process_cpu_seconds(pid) - before
+                for label, values in latencies.items():
+                    values.sort()
+                    rows.append((
+                        model, label, values[len(values) // 2] * 1e6,
+                        values[9 * len(values) // 10] * 1e6, len(values) / sum(values),
+                        cpu[label] / len(values) * 1e6,
+                    ))
+        finally:
+            for client in clients.values():
+                client.close()
+            for process, _ in servers.values():
+                process.send_signal(signal.SIGTERM)
+                process.wait(60)
+    print(
+        f"host: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; sync "
+        f"tritonclient.http, c=1, {chunks} alternating chunks of 200 requests per server"
+    )
+    print("| model | server | p50 µs | p90 µs | infer/s | CPU µs/infer (server + stubs) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for model, label, p50, p90, rate, cpu_us in rows:
+        print(f"| {model} | {label} | {p50:,.0f} | {p90:,.0f} | {rate:,.0f} | {cpu_us:,.0f} |")
+    by = {(model, label): (p50, rate, cpu_us) for model, label, p50, _, rate, cpu_us in rows}
+    for model in ("add_sub_python", "simple"):
+        new, old = by[(model, "this checkout")], by[(model, "baseline")]
+        print(
+            f"{model}: this checkout / baseline: infer/s {new[1] / old[1]:.2f}x, "
+            f"p50 latency {new[0] / old[0]:.2f}x, CPU per inference {new[2] / old[2]:.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per run")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, help="another checkout to compare with")
+    parser.add_argument("--chunks", type=int, default=30, help="with --baseline")
     args = parser.parse_args()
+    if args.baseline is not None:
+        compare(args.baseline.resolve(), args.chunks)
+        return
     with tempfile.TemporaryDirectory(prefix="trionserve-bench-") as tmp:
         server = ServerProcess(make_repository(Path(tmp)))
         try:
