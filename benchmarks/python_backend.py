@@ -180,6 +180,15 @@ def _start_checkout(root: Path, repository: Path) -> tuple[subprocess.Popen, str
     return process, f"127.0.0.1:{port}"
 
 
+def _ready(client) -> bool:
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        return client.is_model_ready("add_sub_python")
+    except (OSError, InferenceServerException):
+        return False  # not listening yet
+
+
 def compare(baseline: Path, chunks: int) -> None:
     import tritonclient.http as httpclient
 
@@ -201,12 +210,7 @@ def compare(baseline: Path, chunks: int) -> None:
                 client = httpclient.InferenceServerClient(url)
                 clients[label] = client
                 deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        if client.is_model_ready("add_sub_python"):
-                            break
-                    except Exception:  # noqa: BLE001 - not listening yet
-                        pass
+                while not _ready(client):
                     if time.monotonic() > deadline or process.poll() is not None:
                         raise RuntimeError(f"the {label} server did not start")
                     time.sleep(0.1)
