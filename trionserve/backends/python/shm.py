@@ -132,6 +132,8 @@ class Arena:
 
     def take_announcements(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Segments the peer has not seen yet, as ``[(id, size)]`` and their fds."""
+        if not self._unannounced:  # the common case; a writer's own segments are
+            return [], []  # visible to it here, so none is announced late
         with self._lock:
             new, self._unannounced = self._unannounced, []
         return [(s.id, s.size) for s in new], [s.fd for s in new]
@@ -144,7 +146,7 @@ class Arena:
         else:
             payload = None
             nbytes = array.nbytes
-        shape = tuple(int(d) for d in array.shape)
+        shape = array.shape  # a tuple of ints, as marshal takes it
         if nbytes == 0:
             return (name, datatype, shape, -1, 0, 0), None
         block = self.allocate(nbytes)

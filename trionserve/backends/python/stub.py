@@ -212,7 +212,7 @@ class StubRuntime:
         reply: dict = {"op": "executed", "id": job["id"], "responses": None, "error": None}
         try:
             result = self.model.execute(requests)
-            if inspect.isawaitable(result):
+            if type(result) is not list and inspect.isawaitable(result):
                 if self.decoupled:
                     # As Triton: not awaited; its requests end as it sends.
                     self._run_in_background(result, requests)

@@ -92,8 +92,8 @@ class Endpoint:
         segments, fds = self.arena.take_announcements()
         if segments:
             message["segments"] = segments
-        with self._lock:
-            if self._released:
+        if self._released:
+            with self._lock:
                 message["free"] = self._released
                 self._released = []
                 self._released_bytes = 0
