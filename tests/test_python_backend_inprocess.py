@@ -144,6 +144,38 @@ class TritonPythonModel:
 """
 
 
+LONG_STREAM_CONFIG = """
+name: "long_stream"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_UINT8 dims: [ -1 ] } ]
+"""
+
+# Sends N responses of 256 KiB from execute itself, one every 5 ms (a model
+# producing them as it computes): 48 of them are 12 times the stub's 1 MiB arena.
+LONG_STREAM_MODEL = """
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(n):
+                data = np.full(256 * 1024, i % 256, np.uint8)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("I", data)]))
+                time.sleep(0.005)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
 @pytest.fixture
 def repository(tmp_path):
     for name, config, model in (
@@ -151,6 +183,7 @@ def repository(tmp_path):
         ("wait", WAIT_CONFIG % (tmp_path / "marker"), WAIT_MODEL),
         ("batch", BATCH_CONFIG, BATCH_MODEL),
         ("spin", SPIN_CONFIG % (tmp_path / "spin"), SPIN_MODEL),
+        ("long_stream", LONG_STREAM_CONFIG, LONG_STREAM_MODEL),
     ):
         (tmp_path / "models" / name / "1").mkdir(parents=True)
         (tmp_path / "models" / name / "config.pbtxt").write_text(config)
@@ -329,3 +362,21 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def test_a_model_streaming_from_execute_reuses_its_shared_memory(repository):
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, repository)
+        received = []
+
+        async def deliver(response, final: bool) -> None:
+            if response is not None:
+                received.append(int(response.outputs[0].data[0]))
+
+        await server.dataplane.infer_stream(request("long_stream", 48), deliver)
+        assert received == [i % 256 for i in range(48)]
+        # The stub read the server's frees while it streamed, so its arena did
+        # not grow to hold all 12 MiB (a segment per MiB) before execute returned.
+        instance = server.registry.route("long_stream", None)._executors[0].instance
+        assert len(instance._stub.endpoint.view._maps) <= 6
+        server.shutdown()

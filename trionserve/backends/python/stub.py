@@ -367,6 +367,10 @@ class StubRuntime:
     # -- called from pb_utils, on any thread ------------------------------------------
 
     def send_response(self, key: int, response, final: bool) -> None:
+        # What the server sent meanwhile is read first: the blocks it freed go
+        # back to the arena, so a model streaming from execute (which no thread
+        # reads during) reuses its shared memory instead of growing it.
+        self._poll()
         if final:
             self._unanswered.discard(key)
         encoded = None if response is None else self.encode_response(response)
@@ -375,6 +379,12 @@ class StubRuntime:
     def is_cancelled(self, key: int) -> bool:
         """Whether the server said the request is cancelled; reads what the server
         sent meanwhile, without waiting, unless another thread is reading."""
+        self._poll()
+        return key in self._cancelled
+
+    def _poll(self) -> None:
+        """Dispatch the messages the server sent, without waiting; nothing to do
+        when another thread is reading (it dispatches them as they come)."""
         if self._serving and self._reading.acquire(blocking=False):
             try:
                 messages = self.channel.poll()
@@ -384,7 +394,6 @@ class StubRuntime:
                     self._dispatch(message)
             finally:
                 self._reading.release()
-        return key in self._cancelled
 
     def log(self, level: str, message: str) -> None:
         self.channel.send({"op": "log", "level": level, "message": message})
