@@ -39,9 +39,7 @@ def make_repository(root: Path) -> Path:
     shutil.copytree(EXAMPLES / "simple", repository / "simple_dynamic")
     config = (EXAMPLES / "simple" / "config.pbtxt").read_text()
     config = config.replace('name: "simple"', 'name: "simple_dynamic"')
-    (repository / "simple_dynamic" / "config.pbtxt").write_text(
-        config + "dynamic_batching { }\n"
-    )
+    (repository / "simple_dynamic" / "config.pbtxt").write_text(config + "dynamic_batching { }\n")
     return repository
 
 

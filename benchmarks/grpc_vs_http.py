@@ -48,7 +48,10 @@ class Point:
 
 def _inputs(module):
     data = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [
+        module.InferInput("INPUT0", [1, 16], "INT32"),
+        module.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
     for tensor in inputs:
         tensor.set_data_from_numpy(data)
     return inputs
@@ -176,14 +179,20 @@ def print_ratios(points: list[Point]) -> None:
             line += f"   grpc stream/http {by[('grpc stream', concurrency)] / http:5.2f}x"
         print(line)
     for label in ("http", "grpc", "grpc stream"):
-        rates = [by[(label, c)] for c in sorted({p.concurrency for p in points}) if (label, c) in by]
+        rates = [
+            by[(label, c)] for c in sorted({p.concurrency for p in points}) if (label, c) in by
+        ]
         if len(rates) > 1 and rates[0]:
-            print(f"{label:<12} scaling c{max(p.concurrency for p in points)}/c1 "
-                  f"{rates[-1] / rates[0]:5.2f}x")
+            print(
+                f"{label:<12} scaling c{max(p.concurrency for p in points)}/c1 "
+                f"{rates[-1] / rates[0]:5.2f}x"
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per point (default 5)")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring")
     parser.add_argument("--max-requests", type=int, default=200_000, help="cap per point")

@@ -111,7 +111,12 @@ class Target:
         if model is None or model == workload.model:
             return workload
         return Workload(
-            workload.name, workload.protocol, workload.kind, model, workload.binary, workload.elements
+            workload.name,
+            workload.protocol,
+            workload.kind,
+            model,
+            workload.binary,
+            workload.elements,
         )
 
 

@@ -40,32 +40,41 @@ CASES: dict[str, tuple[str, str, list[str], bool]] = {
     "http async": ("http", "simple", ["--async"], False),
     "http batch 8": ("http", "simple", ["-b", "8"], False),
     "http system shm": (
-        "http", "simple", ["--shared-memory", "system", "--output-shared-memory-size", "64"],
+        "http",
+        "simple",
+        ["--shared-memory", "system", "--output-shared-memory-size", "64"],
         False,
     ),
     "grpc": ("grpc", "simple", [], False),
     "grpc async": ("grpc", "simple", ["--async"], False),
     "grpc streaming": ("grpc", "simple", ["--streaming"], False),
     "grpc system shm": (
-        "grpc", "simple", ["--shared-memory", "system", "--output-shared-memory-size", "64"],
+        "grpc",
+        "simple",
+        ["--shared-memory", "system", "--output-shared-memory-size", "64"],
         False,
     ),
     "grpc cuda shm": (
-        "grpc", "simple", ["--shared-memory", "cuda", "--output-shared-memory-size", "64"],
+        "grpc",
+        "simple",
+        ["--shared-memory", "cuda", "--output-shared-memory-size", "64"],
         True,
     ),
     "http cuda shm": (
-        "http", "simple", ["--shared-memory", "cuda", "--output-shared-memory-size", "64"],
+        "http",
+        "simple",
+        ["--shared-memory", "cuda", "--output-shared-memory-size", "64"],
         True,
     ),
     "grpc sequence": ("grpc", "accumulate", ["--sequence-length", "4"], False),
     "grpc bytes": (
-        "grpc", "identity_bytes", ["--string-length", "32", "--shape", "INPUT0:8"], False
+        "grpc",
+        "identity_bytes",
+        ["--string-length", "32", "--shape", "INPUT0:8"],
+        False,
     ),
 }
-_POINT = re.compile(
-    r"Concurrency: (\d+), throughput: ([\d.]+) infer/sec, latency (\d+) usec"
-)
+_POINT = re.compile(r"Concurrency: (\d+), throughput: ([\d.]+) infer/sec, latency (\d+) usec")
 _P99 = re.compile(r"p99 latency: (\d+) usec")
 
 
@@ -87,14 +96,32 @@ def has_gpu() -> bool:
         return False
 
 
-def run_case(binary: str, case: str, http_url: str, grpc_url: str, concurrency: str,
-             interval_ms: int, timeout: float, extra_args: list[str],
-             log_dir: Path | None) -> Outcome:
+def run_case(
+    binary: str,
+    case: str,
+    http_url: str,
+    grpc_url: str,
+    concurrency: str,
+    interval_ms: int,
+    timeout: float,
+    extra_args: list[str],
+    log_dir: Path | None,
+) -> Outcome:
     protocol, model, extra, _ = CASES[case]
     command = [
-        binary, "-m", model, "-i", protocol, "-u", http_url if protocol == "http" else grpc_url,
-        "--concurrency-range", concurrency, "--measurement-interval", str(interval_ms),
-        *extra, *extra_args,
+        binary,
+        "-m",
+        model,
+        "-i",
+        protocol,
+        "-u",
+        http_url if protocol == "http" else grpc_url,
+        "--concurrency-range",
+        concurrency,
+        "--measurement-interval",
+        str(interval_ms),
+        *extra,
+        *extra_args,
     ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -116,8 +143,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--perf-analyzer", default=shutil.which("perf_analyzer"),
-                        help="the perf_analyzer binary (default: on PATH)")
+    parser.add_argument(
+        "--perf-analyzer",
+        default=shutil.which("perf_analyzer"),
+        help="the perf_analyzer binary (default: on PATH)",
+    )
     parser.add_argument("--concurrency", default="1:4:3", help="perf_analyzer's range")
     parser.add_argument("--interval-ms", type=int, default=2000)
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per case")
@@ -127,8 +157,9 @@ def main() -> None:
     parser.add_argument("--log-dir", type=Path, help="keep each case's full output here")
     args = parser.parse_args()
     if not args.perf_analyzer:
-        raise SystemExit("no perf_analyzer on PATH: pip install perf-analyzer, or pass "
-                         "--perf-analyzer PATH")
+        raise SystemExit(
+            "no perf_analyzer on PATH: pip install perf-analyzer, or pass --perf-analyzer PATH"
+        )
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
@@ -142,11 +173,20 @@ def main() -> None:
             if CASES[case][3] and not gpu:
                 outcomes.append(Outcome(case, None, [], [], "skipped: no GPU / cupy here"))
                 continue
-            outcome = run_case(args.perf_analyzer, case, target.http_url, target.grpc_url,
-                               args.concurrency, args.interval_ms, args.timeout,
-                               shlex.split(args.pa_args), args.log_dir)
-            print(f"{case:<18} exit {outcome.returncode} {outcome.points} {outcome.error}",
-                  flush=True)
+            outcome = run_case(
+                args.perf_analyzer,
+                case,
+                target.http_url,
+                target.grpc_url,
+                args.concurrency,
+                args.interval_ms,
+                args.timeout,
+                shlex.split(args.pa_args),
+                args.log_dir,
+            )
+            print(
+                f"{case:<18} exit {outcome.returncode} {outcome.points} {outcome.error}", flush=True
+            )
             outcomes.append(outcome)
     finally:
         server.stop()
@@ -160,8 +200,8 @@ def main() -> None:
         ok = outcome.returncode == 0 and outcome.points
         failed += not ok
         figures = ", ".join(
-            f"c={c}: {rate:.0f}" + (f" ({outcome.p99_us[i] / 1000:.2f})"
-                                     if i < len(outcome.p99_us) else "")
+            f"c={c}: {rate:.0f}"
+            + (f" ({outcome.p99_us[i] / 1000:.2f})" if i < len(outcome.p99_us) else "")
             for i, (c, rate, _) in enumerate(outcome.points)
         )
         print(f"{outcome.case:<18} {'pass' if ok else 'FAIL':<8} {figures or outcome.error}")

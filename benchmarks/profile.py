@@ -66,8 +66,11 @@ def main() -> None:
     parser.add_argument("--flags", default="", help="extra trionserve flags")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--rate", type=int, default=500, help="samples per second")
-    parser.add_argument("--all-threads", action="store_true",
-                        help="sample every running thread, not only the one holding the GIL")
+    parser.add_argument(
+        "--all-threads",
+        action="store_true",
+        help="sample every running thread, not only the one holding the GIL",
+    )
     parser.add_argument("--svg", help="also write a flame graph here")
     args = parser.parse_args()
     if not 0 < args.duration <= 120:
@@ -82,9 +85,20 @@ def main() -> None:
         with ClientPool() as pool, tempfile.TemporaryDirectory() as tmp:
             raw = Path(tmp) / "profile.txt"
             record = [
-                py_spy, "record", "--pid", str(server.pid), "--rate", str(args.rate),
-                "--duration", str(int(args.duration)), "--format", "raw",
-                "--output", str(raw), "--threads", "--nonblocking",
+                py_spy,
+                "record",
+                "--pid",
+                str(server.pid),
+                "--rate",
+                str(args.rate),
+                "--duration",
+                str(int(args.duration)),
+                "--format",
+                "raw",
+                "--output",
+                str(raw),
+                "--threads",
+                "--nonblocking",
                 *([] if args.all_threads else ["--gil"]),
             ]
             recorder = threading.Thread(
@@ -93,20 +107,34 @@ def main() -> None:
                 kwargs={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL},
             )
             recorder.start()
-            result = pool.run(workload, target.url(workload), args.concurrency,
-                              args.duration, warmup=1.0)
+            result = pool.run(
+                workload, target.url(workload), args.concurrency, args.duration, warmup=1.0
+            )
             recorder.join()
             if args.svg:
                 subprocess.run(
-                    [py_spy, "record", "--pid", str(server.pid), "--duration", "5",
-                     "--output", args.svg, "--nonblocking"],
-                    check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    [
+                        py_spy,
+                        "record",
+                        "--pid",
+                        str(server.pid),
+                        "--duration",
+                        "5",
+                        "--output",
+                        args.svg,
+                        "--nonblocking",
+                    ],
+                    check=False,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
                 )
             own, inclusive, total = read_collapsed(raw)
     finally:
         server.stop()
-    print(f"{result.label} c={args.concurrency}: {result.throughput:.1f} infer/s, "
-          f"{total} busy samples")
+    print(
+        f"{result.label} c={args.concurrency}: {result.throughput:.1f} infer/s, "
+        f"{total} busy samples"
+    )
     for title, counter in (("self", own), ("inclusive", inclusive)):
         print(f"\ntop {args.top} by {title} time")
         for frame, n in counter.most_common(args.top):

@@ -52,7 +52,7 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: {count} }} ]
 """
 
-BUSY_MODEL = '''
+BUSY_MODEL = """
 import time
 
 import triton_python_backend_utils as pb_utils
@@ -68,7 +68,7 @@ class TritonPythonModel:
                 pass
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", value)]))
         return responses
-'''
+"""
 
 
 def make_repository(root: Path) -> Path:
@@ -120,12 +120,12 @@ def busy_calls(url: str, model: str, clients: list):
 
 
 CASES = [
-        ("http simple (onnxruntime)", add_sub_calls, "simple", 1),
-        ("http simple (onnxruntime)", add_sub_calls, "simple", 8),
-        ("http add_sub_python", add_sub_calls, "add_sub_python", 1),
-        ("http add_sub_python", add_sub_calls, "add_sub_python", 8),
-        ("busy python, 1 instance", busy_calls, "busy_python_x1", 4),
-        ("busy python, 2 instances", busy_calls, "busy_python_x2", 4),
+    ("http simple (onnxruntime)", add_sub_calls, "simple", 1),
+    ("http simple (onnxruntime)", add_sub_calls, "simple", 8),
+    ("http add_sub_python", add_sub_calls, "add_sub_python", 1),
+    ("http add_sub_python", add_sub_calls, "add_sub_python", 8),
+    ("busy python, 1 instance", busy_calls, "busy_python_x1", 4),
+    ("busy python, 2 instances", busy_calls, "busy_python_x2", 4),
 ]
 
 
@@ -140,8 +140,7 @@ async def measure(url: str, duration: float, rounds: int):
             for client in clients:
                 await client.close()
     return [
-        sorted(results, key=lambda r: r.throughput)[len(results) // 2]
-        for results in runs.values()
+        sorted(results, key=lambda r: r.throughput)[len(results) // 2] for results in runs.values()
     ]
 
 
@@ -169,8 +168,13 @@ def _start_checkout(root: Path, repository: Path) -> tuple[subprocess.Popen, str
     """A trionserve started from the checkout at ``root``; its HTTP address."""
     port = free_port()
     command = [
-        sys.executable, "-m", "trionserve", f"--model-repository={repository}",
-        "--http-address=127.0.0.1", f"--http-port={port}", "--allow-grpc=false",
+        sys.executable,
+        "-m",
+        "trionserve",
+        f"--model-repository={repository}",
+        "--http-address=127.0.0.1",
+        f"--http-port={port}",
+        "--allow-grpc=false",
         "--allow-metrics=false",
     ]
     env = dict(os.environ, PYTHONPATH=str(root))
@@ -232,11 +236,16 @@ def compare(baseline: Path, chunks: int) -> None:
                         cpu[label] += _process_cpu_seconds(pid) - before
                 for label, values in latencies.items():
                     values.sort()
-                    rows.append((
-                        model, label, values[len(values) // 2] * 1e6,
-                        values[9 * len(values) // 10] * 1e6, len(values) / sum(values),
-                        cpu[label] / len(values) * 1e6,
-                    ))
+                    rows.append(
+                        (
+                            model,
+                            label,
+                            values[len(values) // 2] * 1e6,
+                            values[9 * len(values) // 10] * 1e6,
+                            len(values) / sum(values),
+                            cpu[label] / len(values) * 1e6,
+                        )
+                    )
         finally:
             for client in clients.values():
                 client.close()

@@ -23,7 +23,9 @@ from pathlib import Path
 from benchmarks.loadgen import standard_workloads
 from benchmarks.matrix import format_table, peak_rss_of, run_matrix, start_trionserve
 
-DEFAULT_WORKLOADS = "simple http binary,simple http json,simple grpc,identity 4MB http,identity 4MB grpc"
+DEFAULT_WORKLOADS = (
+    "simple http binary,simple http json,simple grpc,identity 4MB http,identity 4MB grpc"
+)
 
 
 def main() -> None:
@@ -35,14 +37,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds per point (default 1)")
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated (default 1,4,16)")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, help="comma-separated names")
-    parser.add_argument("--client-processes", type=int, default=None,
-                        help="load generator processes (default: cores, at most 4)")
-    parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
-                        help="also run trionserve from this source tree")
-    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
-                        help="also run trionserve with these flags")
-    parser.add_argument("--no-defaults", action="store_true",
-                        help="only the --tree and --variant servers")
+    parser.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="load generator processes (default: cores, at most 4)",
+    )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="also run trionserve from this source tree",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="also run trionserve with these flags",
+    )
+    parser.add_argument(
+        "--no-defaults", action="store_true", help="only the --tree and --variant servers"
+    )
     args = parser.parse_args()
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -72,11 +89,20 @@ def main() -> None:
             server, target = start_trionserve(label, args=flags, tree=tree)
             servers.append(server)
             targets.append(target)
-        print(f"host: {os.cpu_count()} CPUs; {args.duration:g} s x {args.rounds} round(s) "
-              f"per point; servers: {', '.join(t.label for t in targets)}", flush=True)
+        print(
+            f"host: {os.cpu_count()} CPUs; {args.duration:g} s x {args.rounds} round(s) "
+            f"per point; servers: {', '.join(t.label for t in targets)}",
+            flush=True,
+        )
         cells = run_matrix(
-            targets, workloads, concurrencies, args.duration, args.warmup, args.rounds,
-            args.client_processes, log=lambda line: print(line, flush=True),
+            targets,
+            workloads,
+            concurrencies,
+            args.duration,
+            args.warmup,
+            args.rounds,
+            args.client_processes,
+            log=lambda line: print(line, flush=True),
         )
         rss = peak_rss_of(targets)
     finally:

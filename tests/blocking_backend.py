@@ -9,8 +9,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from trionserve.backends.base import ModelContext
 from tests.fake_backend import echo_responses, register_instance_backend
+from trionserve.backends.base import ModelContext
 
 BACKEND = "test_blocking"
 

@@ -24,8 +24,9 @@ from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
 GIVE_UP = 60
 
 
-def make_config(batching: str, *, max_batch_size: int = 8, dims: str = "[ 4 ]",
-                ragged: bool = False) -> mc.ModelConfig:
+def make_config(
+    batching: str, *, max_batch_size: int = 8, dims: str = "[ 4 ]", ragged: bool = False
+) -> mc.ModelConfig:
     text = f"""
         name: "m"
         max_batch_size: {max_batch_size}
@@ -39,12 +40,16 @@ def make_config(batching: str, *, max_batch_size: int = 8, dims: str = "[ 4 ]",
     return config
 
 
-def request(id: str, *, batch: int = 1, width: int = 4, priority: int = 0,
-            timeout_us: int = 0) -> InferenceRequest:
+def request(
+    id: str, *, batch: int = 1, width: int = 4, priority: int = 0, timeout_us: int = 0
+) -> InferenceRequest:
     data = np.zeros((batch, width), dtype=np.float32)
     r = InferenceRequest(
-        "m", id=id, inputs={"INPUT0": Tensor("INPUT0", "FP32", data)},
-        priority=priority, timeout_us=timeout_us,
+        "m",
+        id=id,
+        inputs={"INPUT0": Tensor("INPUT0", "FP32", data)},
+        priority=priority,
+        timeout_us=timeout_us,
     )
     r.batch_size = batch  # as validation sets it
     return r
@@ -99,8 +104,15 @@ class Executors:
         return [ids for _, ids in self.batches]
 
 
-async def start(nursery, config, *, executors: int = 1, hold: float | None = 0.0,
-                statistics: ModelStatistics | None = None, capacity: int = 1024):
+async def start(
+    nursery,
+    config,
+    *,
+    executors: int = 1,
+    hold: float | None = 0.0,
+    statistics: ModelStatistics | None = None,
+    capacity: int = 1024,
+):
     batcher = DynamicBatchScheduler(config, statistics, capacity=capacity)
     await nursery.start(batcher.run)
     fake = Executors(batcher, hold)
@@ -208,12 +220,15 @@ async def test_higher_priority_requests_go_first(autojump_clock):
         batcher, fake = await start(nursery, config, hold=None)
         await batcher.submit(request("busy"))
         await fake.next_batch()
-        await submit_all(batcher, [
-            request("low1"),  # priority 0: the default level, 2
-            request("low2", priority=2),
-            request("high", priority=1),
-            request("beyond", priority=7),  # beyond the levels: the default level
-        ])
+        await submit_all(
+            batcher,
+            [
+                request("low1"),  # priority 0: the default level, 2
+                request("low2", priority=2),
+                request("high", priority=1),
+                request("beyond", priority=7),  # beyond the levels: the default level
+            ],
+        )
         for _ in range(2):
             fake.releases[-1].set()
             await fake.next_batch()
@@ -233,7 +248,8 @@ async def test_reject_timeout_answers_the_request_when_it_expires(autojump_clock
         await fake.next_batch()
         t0 = trio.current_time()
         default, shorter, longer = (
-            request("default"), request("shorter", timeout_us=10000),
+            request("default"),
+            request("shorter", timeout_us=10000),
             request("longer", timeout_us=90000),
         )
         await submit_all(batcher, [default, shorter, longer])
@@ -286,9 +302,15 @@ async def test_only_equal_shapes_batch_together(autojump_clock):
         batcher, fake = await start(nursery, config, hold=None)
         await batcher.submit(request("busy"))
         await fake.next_batch()
-        await submit_all(batcher, [
-            request("w4a"), request("w4b"), request("w3", width=3), request("w4c"),
-        ])
+        await submit_all(
+            batcher,
+            [
+                request("w4a"),
+                request("w4b"),
+                request("w3", width=3),
+                request("w4c"),
+            ],
+        )
         for _ in range(3):
             fake.releases[-1].set()
             await fake.next_batch()
@@ -304,9 +326,15 @@ async def test_ragged_inputs_batch_whatever_their_shapes(autojump_clock):
         batcher, fake = await start(nursery, config, hold=None)
         await batcher.submit(request("busy"))
         await fake.next_batch()
-        await submit_all(batcher, [
-            request("w4a"), request("w4b"), request("w3", width=3), request("w4c"),
-        ])
+        await submit_all(
+            batcher,
+            [
+                request("w4a"),
+                request("w4b"),
+                request("w3", width=3),
+                request("w4c"),
+            ],
+        )
         fake.releases[-1].set()
         await fake.next_batch()
         fake.releases[-1].set()
@@ -350,7 +378,11 @@ async def test_full_queue_rejects_at_once(autojump_clock):
         await fake.next_batch()
         await submit_all(batcher, [request("q1"), request("q2")])
         with pytest.raises(Unavailable, match="Exceeds maximum queue size"):
-            await batcher.submit(request("q3", ))
+            await batcher.submit(
+                request(
+                    "q3",
+                )
+            )
         assert batcher.pending == 2
         assert statistics.failures[FailureReason.REJECTED] == 1
         fake.releases[0].set()

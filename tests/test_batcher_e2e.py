@@ -102,8 +102,9 @@ def test_concurrent_requests_are_batched_and_answered_correctly(server):
         jobs = []
         for i in range(16):
             inputs, total, difference = inputs_for(i)
-            jobs.append((i, total, difference,
-                         client.async_infer("batching", inputs, request_id=str(i))))
+            jobs.append(
+                (i, total, difference, client.async_infer("batching", inputs, request_id=str(i)))
+            )
         for i, total, difference, job in jobs:
             result = job.get_result()
             assert result.get_response()["id"] == str(i)

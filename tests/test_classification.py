@@ -51,7 +51,10 @@ def test_classification_over_http(tmp_path):
         for binary in (True, False):
             output = httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary, class_count=3)
             result = client.infer("scores", [infer_input], outputs=[output])
-            values = [v if isinstance(v, bytes) else v.encode() for v in result.as_numpy("OUTPUT0").reshape(-1)]
+            values = [
+                v if isinstance(v, bytes) else v.encode()
+                for v in result.as_numpy("OUTPUT0").reshape(-1)
+            ]
             assert values == [b"0.900000:1:dog", b"0.700000:3:fish", b"0.500000:2:bird"]
             assert result.get_output("OUTPUT0")["datatype"] == "BYTES"
         client.close()

@@ -26,11 +26,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         ([f"--model-repository={EXAMPLES}", "--http-port=99999"], "port must be in 0..65535"),
         ([f"--model-repository={EXAMPLES}", "--model-control-mode=sometimes"], "invalid choice"),
-        ([f"--model-repository={EXAMPLES}", "--strict-model-config=maybe"], "expected true or false"),
+        (
+            [f"--model-repository={EXAMPLES}", "--strict-model-config=maybe"],
+            "expected true or false",
+        ),
         ([], "--model-repository must be specified"),
         (
-            [f"--model-repository={EXAMPLES}", "--model-control-mode=explicit",
-             "--load-model=*", "--load-model=simple"],
+            [
+                f"--model-repository={EXAMPLES}",
+                "--model-control-mode=explicit",
+                "--load-model=*",
+                "--load-model=simple",
+            ],
             "cannot be combined",
         ),
     ],

@@ -19,11 +19,11 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ServerProcess
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.backend_config import apply_backend_config, parse_backend_config
 from trionserve.backends.python.settings import StubSettings
 from trionserve.cli import options_from_args
 from trionserve.core.errors import InvalidArgument
-from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import read_model_config
 from trionserve.repository.snapshot import file_changes, snapshot_model
 
@@ -38,43 +38,88 @@ DEPLOYMENT = (
 # Every flag of tritonserver's command_line_parser.cc (r24.xx-r25.xx) with a value
 # a Triton user would give it; flags refused here are in REFUSED below.
 EVERY_FLAG = [
-    "--id=server", "--exit-timeout-secs=30", "--model-store=/models",
-    "--exit-on-error=true", "--disable-auto-complete-config", "--strict-readiness=true",
-    "--model-control-mode=poll", "--repository-poll-secs=5", "--model-config-name=h100",
-    "--model-load-thread-count=4", "--model-load-retry-count=2",
-    "--model-namespacing=false", "--enable-peer-access=true",
-    "--allow-http=true", "--http-address=0.0.0.0", "--http-port=8000",
-    "--reuse-http-port=false", "--http-header-forward-pattern=^x-", "--http-thread-count=8",
+    "--id=server",
+    "--exit-timeout-secs=30",
+    "--model-store=/models",
+    "--exit-on-error=true",
+    "--disable-auto-complete-config",
+    "--strict-readiness=true",
+    "--model-control-mode=poll",
+    "--repository-poll-secs=5",
+    "--model-config-name=h100",
+    "--model-load-thread-count=4",
+    "--model-load-retry-count=2",
+    "--model-namespacing=false",
+    "--enable-peer-access=true",
+    "--allow-http=true",
+    "--http-address=0.0.0.0",
+    "--http-port=8000",
+    "--reuse-http-port=false",
+    "--http-header-forward-pattern=^x-",
+    "--http-thread-count=8",
     "--http-max-input-size=67108864",
-    "--allow-grpc=true", "--grpc-address=0.0.0.0", "--grpc-port=8001",
-    "--reuse-grpc-port=false", "--grpc-header-forward-pattern=^x-",
-    "--grpc-infer-thread-count=2", "--grpc-infer-allocation-pool-size=8",
-    "--grpc-max-response-pool-size=100", "--grpc-use-ssl=false",
-    "--grpc-use-ssl-mutual=false", "--grpc-infer-response-compression-level=medium",
-    "--grpc-keepalive-time=7200000", "--grpc-keepalive-timeout=20000",
-    "--grpc-keepalive-permit-without-calls=0", "--grpc-http2-max-pings-without-data=2",
+    "--allow-grpc=true",
+    "--grpc-address=0.0.0.0",
+    "--grpc-port=8001",
+    "--reuse-grpc-port=false",
+    "--grpc-header-forward-pattern=^x-",
+    "--grpc-infer-thread-count=2",
+    "--grpc-infer-allocation-pool-size=8",
+    "--grpc-max-response-pool-size=100",
+    "--grpc-use-ssl=false",
+    "--grpc-use-ssl-mutual=false",
+    "--grpc-infer-response-compression-level=medium",
+    "--grpc-keepalive-time=7200000",
+    "--grpc-keepalive-timeout=20000",
+    "--grpc-keepalive-permit-without-calls=0",
+    "--grpc-http2-max-pings-without-data=2",
     "--grpc-http2-min-recv-ping-interval-without-data=300000",
-    "--grpc-http2-max-ping-strikes=2", "--grpc-max-connection-age=60000",
+    "--grpc-http2-max-ping-strikes=2",
+    "--grpc-max-connection-age=60000",
     "--grpc-max-connection-age-grace=5000",
-    "--log-verbose=0", "--log-info=true", "--log-warning=on", "--log-error=yes",
-    "--log-format=ISO8601", "--log-file=/tmp/t.log",
-    "--allow-sagemaker=false", "--sagemaker-port=8080",
-    "--sagemaker-safe-port-range=8081-8090", "--sagemaker-thread-count=8",
-    "--allow-vertex-ai=false", "--vertex-ai-port=8080", "--vertex-ai-thread-count=8",
+    "--log-verbose=0",
+    "--log-info=true",
+    "--log-warning=on",
+    "--log-error=yes",
+    "--log-format=ISO8601",
+    "--log-file=/tmp/t.log",
+    "--allow-sagemaker=false",
+    "--sagemaker-port=8080",
+    "--sagemaker-safe-port-range=8081-8090",
+    "--sagemaker-thread-count=8",
+    "--allow-vertex-ai=false",
+    "--vertex-ai-port=8080",
+    "--vertex-ai-thread-count=8",
     "--vertex-ai-default-model=simple",
-    "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
-    "--metrics-address=0.0.0.0", "--metrics-port=8002", "--metrics-interval-ms=2000",
+    "--allow-metrics=true",
+    "--allow-gpu-metrics=false",
+    "--allow-cpu-metrics=true",
+    "--metrics-address=0.0.0.0",
+    "--metrics-port=8002",
+    "--metrics-interval-ms=2000",
     "--metrics-config=summary_latencies=false",
-    "--trace-config=level=OFF", "--cache-config=local,size=1048576",
-    "--cache-directory=/opt/tritonserver/caches", "--rate-limit=off",
-    "--rate-limit-resource=R1:10:0", "--pinned-memory-pool-byte-size=268435456",
-    "--cuda-memory-pool-byte-size=0:67108864", "--cuda-virtual-address-size=0:1073741824",
-    "--min-supported-compute-capability=6.0", "--buffer-manager-thread-count=0",
-    "--host-policy=gpu_0,numa-node=0", "--model-load-gpu-limit=0:0.8",
-    "--allow-client-shm=false", "--backend-directory=/opt/tritonserver/backends",
-    "--backend-config=tensorflow,version=2", "--repoagent-directory=/opt/tritonserver/repoagents",
-    "--strict-model-config=false", "--trace-file=/tmp/trace.json", "--trace-level=OFF",
-    "--trace-rate=1000", "--trace-count=-1", "--trace-log-frequency=0",
+    "--trace-config=level=OFF",
+    "--cache-config=local,size=1048576",
+    "--cache-directory=/opt/tritonserver/caches",
+    "--rate-limit=off",
+    "--rate-limit-resource=R1:10:0",
+    "--pinned-memory-pool-byte-size=268435456",
+    "--cuda-memory-pool-byte-size=0:67108864",
+    "--cuda-virtual-address-size=0:1073741824",
+    "--min-supported-compute-capability=6.0",
+    "--buffer-manager-thread-count=0",
+    "--host-policy=gpu_0,numa-node=0",
+    "--model-load-gpu-limit=0:0.8",
+    "--allow-client-shm=false",
+    "--backend-directory=/opt/tritonserver/backends",
+    "--backend-config=tensorflow,version=2",
+    "--repoagent-directory=/opt/tritonserver/repoagents",
+    "--strict-model-config=false",
+    "--trace-file=/tmp/trace.json",
+    "--trace-level=OFF",
+    "--trace-rate=1000",
+    "--trace-count=-1",
+    "--trace-log-frequency=0",
 ]
 
 REFUSED = [
@@ -83,8 +128,7 @@ REFUSED = [
     ("--allow-sagemaker=true", "--allow-sagemaker"),
     ("--allow-vertex-ai=1", "--allow-vertex-ai"),
     ("--http-restricted-api=model-repository:admin-key=secret", "--http-restricted-api"),
-    ("--grpc-restricted-protocol=model-repository:admin-key=secret",
-     "--grpc-restricted-protocol"),
+    ("--grpc-restricted-protocol=model-repository:admin-key=secret", "--grpc-restricted-protocol"),
     ("--grpc-infer-thread-count=1", "in the range 2 to 128"),
     ("--backend-config=,shm-default-byte-size=1", "no backend specified"),
     ("--backend-config=python,shm-default-byte-size", "--backend-config format"),
@@ -126,14 +170,29 @@ def test_every_tritonserver_flag_parses():
     assert options.log_format == "console"  # ISO8601 is Triton's text format
 
 
-@pytest.mark.parametrize("spelling, value", [
-    ("true", True), ("1", True), ("on", True), ("yes", True), ("TRUE", True),
-    ("false", False), ("0", False), ("off", False), ("no", False),
-])
+@pytest.mark.parametrize(
+    "spelling, value",
+    [
+        ("true", True),
+        ("1", True),
+        ("on", True),
+        ("yes", True),
+        ("TRUE", True),
+        ("false", False),
+        ("0", False),
+        ("off", False),
+        ("no", False),
+    ],
+)
 def test_boolean_spellings(spelling, value):
     options = options_from_args(
-        [f"--model-repository={EXAMPLES}", f"--strict-readiness={spelling}",
-         "--reuse-http-port", spelling, f"--log-error={spelling}"]
+        [
+            f"--model-repository={EXAMPLES}",
+            f"--strict-readiness={spelling}",
+            "--reuse-http-port",
+            spelling,
+            f"--log-error={spelling}",
+        ]
     )
     assert options.strict_readiness is value
     assert options.http.reuse_port is value
@@ -141,8 +200,9 @@ def test_boolean_spellings(spelling, value):
 
 
 def test_header_pattern_is_case_insensitive_unless_asked():
-    options = options_from_args([f"--model-repository={EXAMPLES}",
-                                 "--http-header-forward-pattern=(?-i)X-Exact"])
+    options = options_from_args(
+        [f"--model-repository={EXAMPLES}", "--http-header-forward-pattern=(?-i)X-Exact"]
+    )
     assert options.http.header_forward_pattern == "X-Exact"
 
 
@@ -166,10 +226,16 @@ def python_config(**parameters: str):
 
 def test_backend_config_sets_python_defaults_that_model_parameters_override():
     try:
-        apply_backend_config(parse_backend_config([
-            "python,shm-default-byte-size=10485760", "python,stub-timeout-seconds=5",
-            "python,shm-message-queue-size=1000", "onnxruntime,intra_op_thread_count=2",
-        ]))
+        apply_backend_config(
+            parse_backend_config(
+                [
+                    "python,shm-default-byte-size=10485760",
+                    "python,stub-timeout-seconds=5",
+                    "python,shm-message-queue-size=1000",
+                    "onnxruntime,intra_op_thread_count=2",
+                ]
+            )
+        )
         settings = StubSettings.from_config(python_config())
         assert settings.shm_default_byte_size == 10485760
         assert settings.stub_timeout == 5.0
@@ -250,9 +316,13 @@ def chosen_config(picked: str) -> str:
 
 
 def compat_repository(root: Path) -> Path:
-    for name, extra in (("params", ""),
-                        ("patient", 'parameters { key: "execute-timeout-seconds" '
-                                    'value: { string_value: "30" } }\n')):
+    for name, extra in (
+        ("params", ""),
+        (
+            "patient",
+            'parameters { key: "execute-timeout-seconds" value: { string_value: "30" } }\n',
+        ),
+    ):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(PARAMS_CONFIG + extra)
         (root / name / "1" / "model.py").write_text(textwrap.dedent(PARAMS_MODEL))
@@ -271,15 +341,25 @@ def compat_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("compat")
     repository = compat_repository(root / "models")
     log_file = root / "server.log"
-    server = ServerProcess(repository, args=[
-        "--exit-on-error=false", "--strict-readiness=false",
-        "--log-info", "true", f"--log-file={log_file}",
-        "--backend-config=python,execute-timeout-seconds=1",
-        "--model-config-name", "h100",
-        "--model-control-mode=poll", "--repository-poll-secs=0.3",
-        "--http-header-forward-pattern=^x-fwd", "--grpc-header-forward-pattern=^x-fwd",
-        "--pinned-memory-pool-byte-size=0", "--http-thread-count=8",
-    ])
+    server = ServerProcess(
+        repository,
+        args=[
+            "--exit-on-error=false",
+            "--strict-readiness=false",
+            "--log-info",
+            "true",
+            f"--log-file={log_file}",
+            "--backend-config=python,execute-timeout-seconds=1",
+            "--model-config-name",
+            "h100",
+            "--model-control-mode=poll",
+            "--repository-poll-secs=0.3",
+            "--http-header-forward-pattern=^x-fwd",
+            "--grpc-header-forward-pattern=^x-fwd",
+            "--pinned-memory-pool-byte-size=0",
+            "--http-thread-count=8",
+        ],
+    )
     try:
         server.wait_ready(path="/v2/health/ready")  # not strict: once gRPC listens
         yield server, repository, log_file
@@ -319,8 +399,11 @@ def test_not_strictly_ready_with_a_failed_model(compat_server):
 
 def test_log_goes_to_the_log_file(compat_server):
     server, _repository, log_file = compat_server
-    text = wait_until(lambda: log_file.exists() and "server ready" in log_file.read_text()
-                      and log_file.read_text())
+    text = wait_until(
+        lambda: (
+            log_file.exists() and "server ready" in log_file.read_text() and log_file.read_text()
+        )
+    )
     assert "--http-thread-count=8 has no effect in trionserve" in text
     assert "--pinned-memory-pool-byte-size=0 has no effect" in text
     assert "server ready" not in server.output()  # not on stderr
@@ -359,16 +442,25 @@ def test_model_config_name_is_used_and_polled(compat_server):
     config = client.get_model_config("chosen")
     assert config["parameters"]["picked"]["string_value"] == "h100"
     write_config(repository / "chosen", "configs/h100.pbtxt", chosen_config("h100, edited"))
-    wait_until(lambda: client.get_model_config("chosen")["parameters"]["picked"]["string_value"]
-               == "h100, edited")
+    wait_until(
+        lambda: (
+            client.get_model_config("chosen")["parameters"]["picked"]["string_value"]
+            == "h100, edited"
+        )
+    )
 
 
 def test_log_info_false_keeps_info_out(tmp_path):
     (tmp_path / "models").mkdir()
     log_file = tmp_path / "quiet.log"
-    server = ServerProcess(tmp_path / "models", args=[
-        f"--log-file={log_file}", "--log-info=false", "--log-warning=false",
-    ])
+    server = ServerProcess(
+        tmp_path / "models",
+        args=[
+            f"--log-file={log_file}",
+            "--log-info=false",
+            "--log-warning=false",
+        ],
+    )
     try:
         server.wait_ready()
         assert server.stop() == 0
@@ -386,10 +478,11 @@ def write_self_signed(directory: Path, name: str = "server", issuer=None):
     """A PEM certificate for 127.0.0.1 and localhost, and its key: self-signed (a
     CA) or, with ``issuer`` (cert path, key path), signed by it."""
     x509 = pytest.importorskip("cryptography.x509")
+    import ipaddress
+
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
-    import ipaddress
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -399,7 +492,7 @@ def write_self_signed(directory: Path, name: str = "server", issuer=None):
         issuer_cert = x509.load_pem_x509_certificate(Path(issuer[0]).read_bytes())
         issuer_name = issuer_cert.subject
         signing_key = serialization.load_pem_private_key(Path(issuer[1]).read_bytes(), None)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -408,18 +501,24 @@ def write_self_signed(directory: Path, name: str = "server", issuer=None):
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        ), critical=False)
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None),
-                       critical=True)
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
         .sign(signing_key, hashes.SHA256())
     )
     cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert_path, key_path
 
 
@@ -439,9 +538,14 @@ def simple_only(root: Path) -> Path:
 
 def test_grpc_over_tls(tmp_path):
     cert, key = write_self_signed(tmp_path)
-    server = ServerProcess(simple_only(tmp_path), args=[
-        "--grpc-use-ssl=true", f"--grpc-server-cert={cert}", f"--grpc-server-key={key}",
-    ])
+    server = ServerProcess(
+        simple_only(tmp_path),
+        args=[
+            "--grpc-use-ssl=true",
+            f"--grpc-server-cert={cert}",
+            f"--grpc-server-key={key}",
+        ],
+    )
     try:
         server.wait_ready(path="/v2/health/ready")  # once gRPC listens too
         url = f"127.0.0.1:{server.grpc_port}"
@@ -459,20 +563,27 @@ def test_grpc_over_tls(tmp_path):
 def test_grpc_over_mutual_tls(tmp_path):
     ca_cert, ca_key = write_self_signed(tmp_path, "ca")
     client_cert, client_key = write_self_signed(tmp_path, "client", issuer=(ca_cert, ca_key))
-    server = ServerProcess(simple_only(tmp_path), args=[
-        "--grpc-use-ssl-mutual=true", f"--grpc-server-cert={ca_cert}",
-        f"--grpc-server-key={ca_key}", f"--grpc-root-cert={ca_cert}",
-    ])
+    server = ServerProcess(
+        simple_only(tmp_path),
+        args=[
+            "--grpc-use-ssl-mutual=true",
+            f"--grpc-server-cert={ca_cert}",
+            f"--grpc-server-key={ca_key}",
+            f"--grpc-root-cert={ca_cert}",
+        ],
+    )
     try:
         server.wait_ready(path="/v2/health/ready")  # once gRPC listens too
         url = f"127.0.0.1:{server.grpc_port}"
         client = grpcclient.InferenceServerClient(
-            url, ssl=True, root_certificates=str(ca_cert),
-            private_key=str(client_key), certificate_chain=str(client_cert),
+            url,
+            ssl=True,
+            root_certificates=str(ca_cert),
+            private_key=str(client_key),
+            certificate_chain=str(client_cert),
         )
         assert client.is_server_ready()
-        anonymous = grpcclient.InferenceServerClient(url, ssl=True,
-                                                     root_certificates=str(ca_cert))
+        anonymous = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(ca_cert))
         with pytest.raises(InferenceServerException):
             anonymous.is_server_live(client_timeout=5)
     finally:

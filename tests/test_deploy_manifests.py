@@ -48,8 +48,9 @@ def documents(directory: Path) -> list[tuple[str, dict]]:
     for path in sorted(directory.glob("*.yaml")):
         for document in yaml.safe_load_all(path.read_text()):
             if document:
-                found.append((f"{path.name}:{document['kind']}/{document['metadata']['name']}",
-                              document))
+                found.append(
+                    (f"{path.name}:{document['kind']}/{document['metadata']['name']}", document)
+                )
     return found
 
 
@@ -77,7 +78,9 @@ def test_the_manifests_exist():
     kinds = {document["kind"] for _, document in K8S_DOCUMENTS}
     assert {"Deployment", "Service", "HorizontalPodAutoscaler", "Ingress"} <= kinds
     assert {document["kind"] for _, document in KSERVE_DOCUMENTS} == {
-        "ServingRuntime", "InferenceService"}
+        "ServingRuntime",
+        "InferenceService",
+    }
 
 
 @pytest.mark.parametrize("version", [OLDEST, NEWEST])
@@ -107,8 +110,12 @@ def k8s(name: str) -> dict:
 
 
 def strict(properties: dict, required: tuple[str, ...] = ()) -> dict:
-    return {"type": "object", "properties": properties, "required": list(required),
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(required),
+        "additionalProperties": False,
+    }
 
 
 def names(text: str, **typed) -> dict:
@@ -121,45 +128,69 @@ def names(text: str, **typed) -> dict:
 
 
 def top(api_version: str, kind: str, spec: dict) -> dict:
-    return strict({"apiVersion": {"const": api_version}, "kind": {"const": kind},
-                   "metadata": k8s("ObjectMeta"), "spec": spec, "status": ANY},
-                  ("apiVersion", "kind", "metadata", "spec"))
+    return strict(
+        {
+            "apiVersion": {"const": api_version},
+            "kind": {"const": kind},
+            "metadata": k8s("ObjectMeta"),
+            "spec": spec,
+            "status": ANY,
+        },
+        ("apiVersion", "kind", "metadata", "spec"),
+    )
 
 
-SERVING_RUNTIME = top("serving.kserve.io/v1alpha1", "ServingRuntime", strict(names(
-    """affinity annotations builtInAdapter containers disabled grpcDataEndpoint
+SERVING_RUNTIME = top(
+    "serving.kserve.io/v1alpha1",
+    "ServingRuntime",
+    strict(
+        names(
+            """affinity annotations builtInAdapter containers disabled grpcDataEndpoint
     grpcEndpoint hostIPC httpDataEndpoint imagePullSecrets labels multiModel
     nodeSelector protocolVersions replicas resourceClaims schedulerName storageHelper
     supportedModelFormats tolerations volumes workerSpec""",
-    annotations=STRING_MAP,
-    labels=STRING_MAP,
-    containers={"type": "array", "minItems": 1, "items": k8s("Container")},
-    protocolVersions={"type": "array",
-                      "items": {"enum": ["v1", "v2", "grpc-v1", "grpc-v2"]}},
-    supportedModelFormats={"type": "array", "items": strict(
-        {"name": STRING, "version": STRING, "autoSelect": BOOLEAN, "priority": INTEGER},
-        ("name",))},
-    multiModel=BOOLEAN,
-    disabled=BOOLEAN,
-), ("containers",)))
+            annotations=STRING_MAP,
+            labels=STRING_MAP,
+            containers={"type": "array", "minItems": 1, "items": k8s("Container")},
+            protocolVersions={
+                "type": "array",
+                "items": {"enum": ["v1", "v2", "grpc-v1", "grpc-v2"]},
+            },
+            supportedModelFormats={
+                "type": "array",
+                "items": strict(
+                    {"name": STRING, "version": STRING, "autoSelect": BOOLEAN, "priority": INTEGER},
+                    ("name",),
+                ),
+            },
+            multiModel=BOOLEAN,
+            disabled=BOOLEAN,
+        ),
+        ("containers",),
+    ),
+)
 
-MODEL_SPEC = strict(names(
-    """args command confidential env envFrom image imagePullPolicy lifecycle
+MODEL_SPEC = strict(
+    names(
+        """args command confidential env envFrom image imagePullPolicy lifecycle
     livenessProbe modelFormat name ports protocolVersion readinessProbe resizePolicy
     resources restartPolicy restartPolicyRules runtime runtimeVersion securityContext
     startupProbe stdin stdinOnce storage storageUri terminationMessagePath
     terminationMessagePolicy tty volumeDevices volumeMounts workingDir""",
-    args={"type": "array", "items": STRING},
-    env={"type": "array", "items": k8s("EnvVar")},
-    modelFormat=strict({"name": STRING, "version": STRING}, ("name",)),
-    protocolVersion={"enum": ["v1", "v2", "grpc-v1", "grpc-v2"]},
-    resources=k8s("ResourceRequirements"),
-    runtime=STRING,
-    storageUri=STRING,
-), ("modelFormat",))
+        args={"type": "array", "items": STRING},
+        env={"type": "array", "items": k8s("EnvVar")},
+        modelFormat=strict({"name": STRING, "version": STRING}, ("name",)),
+        protocolVersion={"enum": ["v1", "v2", "grpc-v1", "grpc-v2"]},
+        resources=k8s("ResourceRequirements"),
+        runtime=STRING,
+        storageUri=STRING,
+    ),
+    ("modelFormat",),
+)
 
-PREDICTOR_SPEC = strict(names(
-    """activeDeadlineSeconds affinity annotations autoScaling
+PREDICTOR_SPEC = strict(
+    names(
+        """activeDeadlineSeconds affinity annotations autoScaling
     automountServiceAccountToken batcher canaryTrafficPercent containerConcurrency
     containers deploymentStrategy dnsConfig dnsPolicy enableServiceLinks
     ephemeralContainers hostAliases hostIPC hostNetwork hostPID hostUsers hostname
@@ -172,37 +203,49 @@ PREDICTOR_SPEC = strict(names(
     shareProcessNamespace sklearn storageContainerName storageUris subdomain
     tensorflow terminationGracePeriodSeconds timeout tolerations
     topologySpreadConstraints triton volumes workerSpec xgboost""",
-    minReplicas={"type": "integer", "minimum": 0},
-    maxReplicas={"type": "integer", "minimum": 0},
-    terminationGracePeriodSeconds=INTEGER,
-    model=MODEL_SPEC,
-))
+        minReplicas={"type": "integer", "minimum": 0},
+        maxReplicas={"type": "integer", "minimum": 0},
+        terminationGracePeriodSeconds=INTEGER,
+        model=MODEL_SPEC,
+    )
+)
 
-INFERENCE_SERVICE = top("serving.kserve.io/v1beta1", "InferenceService", strict(names(
-    "canary explainer predictor tracing transformer", predictor=PREDICTOR_SPEC,
-), ("predictor",)))
+INFERENCE_SERVICE = top(
+    "serving.kserve.io/v1beta1",
+    "InferenceService",
+    strict(
+        names(
+            "canary explainer predictor tracing transformer",
+            predictor=PREDICTOR_SPEC,
+        ),
+        ("predictor",),
+    ),
+)
 
 KSERVE_SCHEMAS = {"ServingRuntime": SERVING_RUNTIME, "InferenceService": INFERENCE_SERVICE}
 
 
 def kserve_validator(kind: str) -> jsonschema.protocols.Validator:
     definitions = k8s_utils.schema_contents(  # NEWEST is a full version, e.g. 1.37.0
-        f"kubernetes-json-schema/v{NEWEST}-local-strict/_definitions.json", NEWEST)
+        f"kubernetes-json-schema/v{NEWEST}-local-strict/_definitions.json", NEWEST
+    )
     registry = Resource.from_contents(definitions) @ Registry()
     return jsonschema.Draft202012Validator(KSERVE_SCHEMAS[kind], registry=registry)
 
 
 @pytest.mark.parametrize("name, document", KSERVE_DOCUMENTS, ids=[n for n, _ in KSERVE_DOCUMENTS])
 def test_kserve_objects_match_kserve_api_types(name, document):
-    errors = sorted(kserve_validator(document["kind"]).iter_errors(document),
-                    key=lambda e: list(e.path))
+    errors = sorted(
+        kserve_validator(document["kind"]).iter_errors(document), key=lambda e: list(e.path)
+    )
     assert not errors, "\n".join(
-        f"{name}: {'.'.join(map(str, e.path))}: {e.message}" for e in errors)
+        f"{name}: {'.'.join(map(str, e.path))}: {e.message}" for e in errors
+    )
 
 
 def test_the_kserve_schema_rejects_what_kserve_would():
     """The structural schema is not vacuous: misspelt and mistyped fields fail."""
-    (_, runtime), = [d for d in KSERVE_DOCUMENTS if d[1]["kind"] == "ServingRuntime"]
+    ((_, runtime),) = [d for d in KSERVE_DOCUMENTS if d[1]["kind"] == "ServingRuntime"]
     bad = yaml.safe_load(yaml.safe_dump(runtime))
     bad["spec"]["protocolVersion"] = ["v2"]  # the field is protocolVersions
     bad["spec"]["containers"][0]["argz"] = []  # unknown Container field
@@ -235,9 +278,9 @@ def _grace_needed(container: dict) -> int:
 
 
 def test_deployment_probes_ports_and_drain():
-    (_, deployment), = [d for d in K8S_DOCUMENTS if d[1]["kind"] == "Deployment"]
+    ((_, deployment),) = [d for d in K8S_DOCUMENTS if d[1]["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]
-    container, = pod["spec"]["containers"]
+    (container,) = pod["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": 8000, "grpc": 8001, "metrics": 8002}
     assert container["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
@@ -251,23 +294,27 @@ def test_deployment_probes_ports_and_drain():
 
 
 def test_inference_service_grace_period_covers_the_drain():
-    (_, runtime), = [d for d in KSERVE_DOCUMENTS if d[1]["kind"] == "ServingRuntime"]
-    (_, service), = [d for d in KSERVE_DOCUMENTS if d[1]["kind"] == "InferenceService"]
-    container, = runtime["spec"]["containers"]
+    ((_, runtime),) = [d for d in KSERVE_DOCUMENTS if d[1]["kind"] == "ServingRuntime"]
+    ((_, service),) = [d for d in KSERVE_DOCUMENTS if d[1]["kind"] == "InferenceService"]
+    (container,) = runtime["spec"]["containers"]
     assert service["spec"]["predictor"]["model"]["runtime"] == runtime["metadata"]["name"]
     assert service["spec"]["predictor"]["terminationGracePeriodSeconds"] >= _grace_needed(container)
     flags = flag_values(container["args"])
     # KServe's conventions: models in /mnt/models, HTTP on 8080, gRPC on 9000.
     assert (flags["--model-repository"], flags["--http-port"], flags["--grpc-port"]) == (
-        "/mnt/models", "8080", "9000")
+        "/mnt/models",
+        "8080",
+        "9000",
+    )
     assert runtime["spec"]["annotations"]["prometheus.kserve.io/port"] == flags["--metrics-port"]
 
 
 def test_services_select_the_pods_and_their_ports():
-    (_, deployment), = [d for d in K8S_DOCUMENTS if d[1]["kind"] == "Deployment"]
+    ((_, deployment),) = [d for d in K8S_DOCUMENTS if d[1]["kind"] == "Deployment"]
     services = {d["metadata"]["name"]: d for _, d in K8S_DOCUMENTS if d["kind"] == "Service"}
-    container_ports = {p["name"] for p in deployment["spec"]["template"]["spec"]
-                       ["containers"][0]["ports"]}
+    container_ports = {
+        p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]
+    }
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     for service in services.values():
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= container_ports
@@ -277,7 +324,7 @@ def test_services_select_the_pods_and_their_ports():
 
 
 def test_autoscaler_metrics_come_from_the_adapter_rules():
-    (_, hpa), = [d for d in K8S_DOCUMENTS if d[1]["kind"] == "HorizontalPodAutoscaler"]
+    ((_, hpa),) = [d for d in K8S_DOCUMENTS if d[1]["kind"] == "HorizontalPodAutoscaler"]
     rules = yaml.safe_load(ADAPTER.read_text())["rules"]["custom"]
     served = {rule["name"]["as"] for rule in rules}
     wanted = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]}

@@ -186,9 +186,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     def entered() -> set[int]:
         return {int(p.name) for p in markers.iterdir()}
 
-    server = ServerProcess(
-        tmp_path / "repository", args=[f"--exit-timeout-secs={EXIT_TIMEOUT}"]
-    )
+    server = ServerProcess(tmp_path / "repository", args=[f"--exit-timeout-secs={EXIT_TIMEOUT}"])
     outcomes = Outcomes()
     stop = threading.Event()
     threads: list[threading.Thread] = []
@@ -201,7 +199,8 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
                 client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
                 infer = infer_grpc
             thread = threading.Thread(
-                target=worker, args=(client, infer, (t + 1) * 1000, outcomes, stop),
+                target=worker,
+                args=(client, infer, (t + 1) * 1000, outcomes, stop),
                 daemon=True,
             )
             thread.start()
@@ -322,18 +321,34 @@ def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path):
         grpc.start_stream(callback=lambda result, error: stream_results.put((result, error)))
 
         def streamed(value: int, **flags) -> int:
-            grpc.async_stream_infer(
-                "accumulate", accumulate_input(grpcclient, value), **flags
-            )
+            grpc.async_stream_infer("accumulate", accumulate_input(grpcclient, value), **flags)
             result, error = stream_results.get(timeout=30)
             assert error is None, error
             return total(result)
 
         # Three sequences open before SIGTERM: over HTTP, gRPC unary and a gRPC stream.
-        assert total(http.infer("accumulate", accumulate_input(httpclient, 1),
-                                sequence_id=101, sequence_start=True)) == 1
-        assert total(grpc.infer("accumulate", accumulate_input(grpcclient, 10),
-                                sequence_id=102, sequence_start=True)) == 10
+        assert (
+            total(
+                http.infer(
+                    "accumulate",
+                    accumulate_input(httpclient, 1),
+                    sequence_id=101,
+                    sequence_start=True,
+                )
+            )
+            == 1
+        )
+        assert (
+            total(
+                grpc.infer(
+                    "accumulate",
+                    accumulate_input(grpcclient, 10),
+                    sequence_id=102,
+                    sequence_start=True,
+                )
+            )
+            == 10
+        )
         assert streamed(100, sequence_id=103, sequence_start=True) == 100
 
         sigterm_and_wait_not_ready(server)
@@ -351,34 +366,60 @@ def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path):
         late_http = http_client(server.http_port)
         refused(lambda: late_http.infer("simple", simple_inputs(httpclient)))
         # ...and so are new sequences, on every path.
-        refused(lambda: http.infer("accumulate", accumulate_input(httpclient, 1),
-                                   sequence_id=201, sequence_start=True))
-        refused(lambda: grpc.infer("accumulate", accumulate_input(grpcclient, 1),
-                                   sequence_id=202, sequence_start=True))
-        grpc.async_stream_infer("accumulate", accumulate_input(grpcclient, 1),
-                                sequence_id=203, sequence_start=True)
+        refused(
+            lambda: http.infer(
+                "accumulate", accumulate_input(httpclient, 1), sequence_id=201, sequence_start=True
+            )
+        )
+        refused(
+            lambda: grpc.infer(
+                "accumulate", accumulate_input(grpcclient, 1), sequence_id=202, sequence_start=True
+            )
+        )
+        grpc.async_stream_infer(
+            "accumulate", accumulate_input(grpcclient, 1), sequence_id=203, sequence_start=True
+        )
         result, error = stream_results.get(timeout=30)
         assert result is None and "server is shutting down" in error.message(), error
         # A request for a sequence that was never open is refused too.
-        refused(lambda: http.infer("accumulate", accumulate_input(httpclient, 1),
-                                   sequence_id=204))
+        refused(lambda: http.infer("accumulate", accumulate_input(httpclient, 1), sequence_id=204))
 
         # The open sequences go on, each with its own state; a client that
         # reconnects (a new HTTP connection) reaches its sequence too.
-        assert total(late_http.infer("accumulate", accumulate_input(httpclient, 2),
-                                     sequence_id=101)) == 3
-        assert total(grpc.infer("accumulate", accumulate_input(grpcclient, 20),
-                                sequence_id=102)) == 30
+        assert (
+            total(late_http.infer("accumulate", accumulate_input(httpclient, 2), sequence_id=101))
+            == 3
+        )
+        assert (
+            total(grpc.infer("accumulate", accumulate_input(grpcclient, 20), sequence_id=102)) == 30
+        )
         assert streamed(200, sequence_id=103) == 300
         # END closes each sequence; the drain waits for the last one.
-        assert total(http.infer("accumulate", accumulate_input(httpclient, 3),
-                                sequence_id=101, sequence_end=True)) == 6
-        assert total(grpc.infer("accumulate", accumulate_input(grpcclient, 30),
-                                sequence_id=102, sequence_end=True)) == 60
+        assert (
+            total(
+                http.infer(
+                    "accumulate",
+                    accumulate_input(httpclient, 3),
+                    sequence_id=101,
+                    sequence_end=True,
+                )
+            )
+            == 6
+        )
+        assert (
+            total(
+                grpc.infer(
+                    "accumulate",
+                    accumulate_input(grpcclient, 30),
+                    sequence_id=102,
+                    sequence_end=True,
+                )
+            )
+            == 60
+        )
         assert server.process.poll() is None, "the server left before the last END"
         # After its END a sequence is closed: its id cannot continue it.
-        refused(lambda: grpc.infer("accumulate", accumulate_input(grpcclient, 1),
-                                   sequence_id=102))
+        refused(lambda: grpc.infer("accumulate", accumulate_input(grpcclient, 1), sequence_id=102))
         assert streamed(300, sequence_id=103, sequence_end=True) == 600
 
         # Nothing in flight, no sequence open: the server closes and exits 0.
@@ -403,8 +444,9 @@ def test_an_abandoned_sequence_ends_the_drain_when_it_goes_idle(tmp_path):
     try:
         server.wait_ready(path="/v2/health/ready")
         http = http_client(server.http_port)
-        http.infer("accumulate", accumulate_input(httpclient, 1),
-                   sequence_id=7, sequence_start=True)
+        http.infer(
+            "accumulate", accumulate_input(httpclient, 1), sequence_id=7, sequence_start=True
+        )
         http.close()
         signalled = time.monotonic()
         sigterm_and_wait_not_ready(server)
@@ -427,13 +469,13 @@ def test_exit_timeout_bounds_a_sequence_that_never_ends(tmp_path):
     try:
         server.wait_ready(path="/v2/health/ready")
         http = http_client(server.http_port)
-        http.infer("accumulate", accumulate_input(httpclient, 1),
-                   sequence_id=9, sequence_start=True)
+        http.infer(
+            "accumulate", accumulate_input(httpclient, 1), sequence_id=9, sequence_start=True
+        )
         signalled = time.monotonic()
         sigterm_and_wait_not_ready(server)
         # The sequence holds the drain open: its requests are still served...
-        assert total(http.infer("accumulate", accumulate_input(httpclient, 2),
-                                sequence_id=9)) == 3
+        assert total(http.infer("accumulate", accumulate_input(httpclient, 2), sequence_id=9)) == 3
         http.close()
         # ...until the exit timeout, when the server stops anyway and, as Triton
         # ("Exit timeout expired. Exiting immediately."), exits 1.
@@ -453,8 +495,9 @@ def test_a_second_signal_stops_at_once(tmp_path):
     try:
         server.wait_ready(path="/v2/health/ready")
         http = http_client(server.http_port)
-        http.infer("accumulate", accumulate_input(httpclient, 1),
-                   sequence_id=5, sequence_start=True)
+        http.infer(
+            "accumulate", accumulate_input(httpclient, 1), sequence_id=5, sequence_start=True
+        )
         http.close()
         sigterm_and_wait_not_ready(server)
         # The open sequence would hold the drain for ten minutes; a second
@@ -501,10 +544,15 @@ async def test_ensemble_steps_of_an_accepted_request_run_during_the_drain(tmp_pa
     make_model(tmp_path, "blocking")
     (tmp_path / "chain" / "1").mkdir(parents=True)
     (tmp_path / "chain" / "config.pbtxt").write_text(ENSEMBLE)
-    server = Server(ServerOptions(
-        model_repositories=[tmp_path], allow_http=False, allow_grpc=False,
-        allow_metrics=False, exit_timeout_secs=30.0,
-    ))
+    server = Server(
+        ServerOptions(
+            model_repositories=[tmp_path],
+            allow_http=False,
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=30.0,
+        )
+    )
 
     def request(model: str, name: str, value: float) -> InferenceRequest:
         data = np.full((1, 4), value, dtype=np.float32)

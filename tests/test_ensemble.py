@@ -34,8 +34,9 @@ from trionserve.core.errors import InvalidArgument
 from trionserve.server import Server, ServerOptions
 
 SIZE = 8  # the classifier's input is SIZE x SIZE
-WEIGHTS = np.array([[1.0, -1.0, 0.5, 0.0], [0.0, 2.0, -1.0, 1.0], [-1.0, 0.5, 1.0, 2.0]],
-                   np.float32)
+WEIGHTS = np.array(
+    [[1.0, -1.0, 0.5, 0.0], [0.0, 2.0, -1.0, 1.0], [-1.0, 0.5, 1.0, 2.0]], np.float32
+)
 BIAS = np.array([0.1, 0.0, -0.1, 0.2], np.float32)
 
 PREPROCESS = """
@@ -130,9 +131,11 @@ class TritonPythonModel:
 
 
 def tensors(kind: str, entries: list[tuple[str, str, str]]) -> str:
-    return f"{kind} [ " + ", ".join(
-        f'{{ name: "{n}" data_type: {t} dims: [ {d} ] }}' for n, t, d in entries
-    ) + " ]"
+    return (
+        f"{kind} [ "
+        + ", ".join(f'{{ name: "{n}" data_type: {t} dims: [ {d} ] }}' for n, t, d in entries)
+        + " ]"
+    )
 
 
 def steps(*entries: tuple[str, dict, dict]) -> str:
@@ -153,15 +156,22 @@ def write(repository: Path, name: str, config: str, model_py: str | None = None)
 
 
 def python_model(repository: Path, name: str, inputs, outputs, source: str, extra="") -> None:
-    config = (f'backend: "python"\nmax_batch_size: 0\n{tensors("input", inputs)}\n'
-              f'{tensors("output", outputs)}\ninstance_group [ {{ kind: KIND_CPU }} ]\n{extra}')
+    config = (
+        f'backend: "python"\nmax_batch_size: 0\n{tensors("input", inputs)}\n'
+        f"{tensors('output', outputs)}\ninstance_group [ {{ kind: KIND_CPU }} ]\n{extra}"
+    )
     write(repository, name, config, source)
 
 
-def ensemble(repository: Path, name: str, inputs, outputs, scheduling: str, extra="",
-             max_batch_size: int = 0) -> None:
-    write(repository, name, f'platform: "ensemble"\nmax_batch_size: {max_batch_size}\n'
-          f'{tensors("input", inputs)}\n{tensors("output", outputs)}\n{scheduling}\n{extra}')
+def ensemble(
+    repository: Path, name: str, inputs, outputs, scheduling: str, extra="", max_batch_size: int = 0
+) -> None:
+    write(
+        repository,
+        name,
+        f'platform: "ensemble"\nmax_batch_size: {max_batch_size}\n'
+        f"{tensors('input', inputs)}\n{tensors('output', outputs)}\n{scheduling}\n{extra}",
+    )
 
 
 def classifier_onnx() -> onnx.ModelProto:
@@ -219,9 +229,14 @@ BROKEN = {
     "bad_missing_model": (
         I32_16,
         OUT_16,
-        steps(("simple", SIMPLE, {"OUTPUT0": "a", "OUTPUT1": "b"}),
-              ("no_such_model", {"INPUT0": "a", "INPUT1": "b"},
-               {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"})),
+        steps(
+            ("simple", SIMPLE, {"OUTPUT0": "a", "OUTPUT1": "b"}),
+            (
+                "no_such_model",
+                {"INPUT0": "a", "INPUT1": "b"},
+                {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"},
+            ),
+        ),
         "'no_such_model'",
     ),
     "bad_datatype": (
@@ -244,39 +259,83 @@ BROKEN = {
 def make_repository(repository: Path) -> None:
     python_model(repository, "preprocess", IMAGE_IN, PIXELS, PREPROCESS)
     python_model(repository, "postprocess", LOGITS, LABELS, POSTPROCESS)
-    python_model(repository, "reject", [("input", "TYPE_FP32", f"-1, 3, {SIZE}, {SIZE}")],
-                 [("logits", "TYPE_FP32", "-1, 4")], REJECT)
-    write(repository, "classifier", 'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n'
-          + tensors("input", [("input", "TYPE_FP32", f"3, {SIZE}, {SIZE}")]) + "\n"
-          + tensors("output", [("logits", "TYPE_FP32", "4")]))
+    python_model(
+        repository,
+        "reject",
+        [("input", "TYPE_FP32", f"-1, 3, {SIZE}, {SIZE}")],
+        [("logits", "TYPE_FP32", "-1, 4")],
+        REJECT,
+    )
+    write(
+        repository,
+        "classifier",
+        'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n'
+        + tensors("input", [("input", "TYPE_FP32", f"3, {SIZE}, {SIZE}")])
+        + "\n"
+        + tensors("output", [("logits", "TYPE_FP32", "4")]),
+    )
     onnx.save(classifier_onnx(), str(repository / "classifier" / "1" / "model.onnx"))
     ensemble(repository, "image_pipeline", IMAGE_IN, LABELS, steps(*PIPELINE))
-    ensemble(repository, "reject_pipeline", IMAGE_IN, LABELS, steps(
-        PIPELINE[0], ("reject", {"input": "pixels"}, {"logits": "logits"}), PIPELINE[2]))
+    ensemble(
+        repository,
+        "reject_pipeline",
+        IMAGE_IN,
+        LABELS,
+        steps(PIPELINE[0], ("reject", {"input": "pixels"}, {"logits": "logits"}), PIPELINE[2]),
+    )
 
     shutil.copytree(EXAMPLES / "simple", repository / "simple")
     # Two branches from the same inputs, joined by a third step.
-    ensemble(repository, "branches", I32_16, OUT_16, steps(
-        ("simple", SIMPLE, {"OUTPUT0": "sum"}),
-        ("simple", {"INPUT0": "INPUT1", "INPUT1": "INPUT0"}, {"OUTPUT1": "reverse_diff"}),
-        ("simple", {"INPUT0": "sum", "INPUT1": "reverse_diff"},
-         {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"}),
-    ), max_batch_size=8)
+    ensemble(
+        repository,
+        "branches",
+        I32_16,
+        OUT_16,
+        steps(
+            ("simple", SIMPLE, {"OUTPUT0": "sum"}),
+            ("simple", {"INPUT0": "INPUT1", "INPUT1": "INPUT0"}, {"OUTPUT1": "reverse_diff"}),
+            (
+                "simple",
+                {"INPUT0": "sum", "INPUT1": "reverse_diff"},
+                {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"},
+            ),
+        ),
+        max_batch_size=8,
+    )
     shutil.copytree(EXAMPLES / "identity_fp32", repository / "identity_fp32")
-    ensemble(repository, "identity_chain", [("INPUT0", "TYPE_FP32", "-1, -1")],
-             [("OUTPUT0", "TYPE_FP32", "-1, -1")], steps(
-                 ("identity_fp32", {"INPUT0": "INPUT0"}, {"OUTPUT0": "x"}),
-                 ("identity_fp32", {"INPUT0": "x"}, {"OUTPUT0": "OUTPUT0"})))
+    ensemble(
+        repository,
+        "identity_chain",
+        [("INPUT0", "TYPE_FP32", "-1, -1")],
+        [("OUTPUT0", "TYPE_FP32", "-1, -1")],
+        steps(
+            ("identity_fp32", {"INPUT0": "INPUT0"}, {"OUTPUT0": "x"}),
+            ("identity_fp32", {"INPUT0": "x"}, {"OUTPUT0": "OUTPUT0"}),
+        ),
+    )
 
-    python_model(repository, "repeat", [("IN", "TYPE_INT32", "-1")], [("OUT", "TYPE_INT32", "1")],
-                 REPEAT, extra="model_transaction_policy { decoupled: true }")
-    python_model(repository, "square", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")],
-                 SQUARE)
-    ensemble(repository, "stream_pipeline", [("VALUES", "TYPE_INT32", "-1")],
-             [("SQUARES", "TYPE_INT32", "1")],
-             steps(("repeat", {"IN": "VALUES"}, {"OUT": "value"}),
-                   ("square", {"IN": "value"}, {"OUT": "SQUARES"})),
-             extra="model_transaction_policy { decoupled: true }")
+    python_model(
+        repository,
+        "repeat",
+        [("IN", "TYPE_INT32", "-1")],
+        [("OUT", "TYPE_INT32", "1")],
+        REPEAT,
+        extra="model_transaction_policy { decoupled: true }",
+    )
+    python_model(
+        repository, "square", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")], SQUARE
+    )
+    ensemble(
+        repository,
+        "stream_pipeline",
+        [("VALUES", "TYPE_INT32", "-1")],
+        [("SQUARES", "TYPE_INT32", "1")],
+        steps(
+            ("repeat", {"IN": "VALUES"}, {"OUT": "value"}),
+            ("square", {"IN": "value"}, {"OUT": "SQUARES"}),
+        ),
+        extra="model_transaction_policy { decoupled: true }",
+    )
 
     for name, (inputs, outputs, scheduling, _) in BROKEN.items():
         ensemble(repository, name, inputs, outputs, scheduling, max_batch_size=8)
@@ -344,8 +403,9 @@ def test_image_pipeline_answers_like_the_client_side_pipeline(client, shape, see
 
 def test_requested_output_only(client):
     image = np.full((4, 4, 3), 200, np.uint8)
-    result = client.infer("image_pipeline", image_input(image),
-                          outputs=[httpclient.InferRequestedOutput("SCORE")])
+    result = client.infer(
+        "image_pipeline", image_input(image), outputs=[httpclient.InferRequestedOutput("SCORE")]
+    )
     assert result.as_numpy("CLASS") is None
     np.testing.assert_allclose(result.as_numpy("SCORE"), expected_labels(image)[1], rtol=1e-5)
 
@@ -356,7 +416,8 @@ def test_statistics_count_the_ensemble_and_each_composing_model(client):
     def successes() -> dict[str, int]:
         return {
             name: client.get_inference_statistics(name)["model_stats"][0]["inference_stats"][
-                "success"]["count"]
+                "success"
+            ]["count"]
             for name in models
         }
 
@@ -369,8 +430,10 @@ def test_statistics_count_the_ensemble_and_each_composing_model(client):
 def test_parallel_branches_join(client):
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
     b = np.full((1, 16), 5, np.int32)
-    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-              httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(b)
     result = client.infer("branches", inputs)
@@ -446,8 +509,10 @@ def test_example_simple_ensemble(http_client):
     server): `simple` twice doubles both inputs."""
     a = np.arange(32, dtype=np.int32).reshape(2, 16)
     b = np.full((2, 16), 3, np.int32)
-    inputs = [httpclient.InferInput("INPUT0", [2, 16], "INT32"),
-              httpclient.InferInput("INPUT1", [2, 16], "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", [2, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [2, 16], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(b)
     result = http_client.infer("simple_ensemble", inputs)
@@ -481,8 +546,9 @@ class _GateInstance:
             return [InvalidArgument(f"{self.name}: refused") for _ in requests]
         gate.release.wait(timeout=30)
         return [
-            build_response(r, self.name, "1", {"OUTPUT0": r.inputs["INPUT0"].data},
-                           {"OUTPUT0": "FP32"})
+            build_response(
+                r, self.name, "1", {"OUTPUT0": r.inputs["INPUT0"].data}, {"OUTPUT0": "FP32"}
+            )
             for r in requests
         ]
 
@@ -522,14 +588,26 @@ FP32_4 = [("INPUT0", "TYPE_FP32", "4")]
 @pytest.fixture
 def fork_repository(tmp_path):
     for name in ("left", "right"):
-        write(tmp_path, name, f'backend: "{GATE_BACKEND}"\nmax_batch_size: 0\n'
-              + tensors("input", FP32_4) + "\n"
-              + tensors("output", [("OUTPUT0", "TYPE_FP32", "4")]))
+        write(
+            tmp_path,
+            name,
+            f'backend: "{GATE_BACKEND}"\nmax_batch_size: 0\n'
+            + tensors("input", FP32_4)
+            + "\n"
+            + tensors("output", [("OUTPUT0", "TYPE_FP32", "4")]),
+        )
         (tmp_path / name / "1" / "model.txt").write_text("gate\n")
         GATES[name] = Gate()
-    ensemble(tmp_path, "fork", FP32_4, [("LEFT", "TYPE_FP32", "4"), ("RIGHT", "TYPE_FP32", "4")],
-             steps(("left", {"INPUT0": "INPUT0"}, {"OUTPUT0": "LEFT"}),
-                   ("right", {"INPUT0": "INPUT0"}, {"OUTPUT0": "RIGHT"})))
+    ensemble(
+        tmp_path,
+        "fork",
+        FP32_4,
+        [("LEFT", "TYPE_FP32", "4"), ("RIGHT", "TYPE_FP32", "4")],
+        steps(
+            ("left", {"INPUT0": "INPUT0"}, {"OUTPUT0": "LEFT"}),
+            ("right", {"INPUT0": "INPUT0"}, {"OUTPUT0": "RIGHT"}),
+        ),
+    )
     yield tmp_path
     for gate in GATES.values():
         gate.release.set()  # never leave a worker thread blocked
@@ -556,9 +634,16 @@ async def in_thread_wait(event: threading.Event) -> bool:
 async def serve_fork(repository: Path, body) -> object:
     """Serve ``repository`` in-process, send one request to 'fork' from a client
     thread and run ``body(answered)`` meanwhile; return the client's outcome."""
-    server = Server(ServerOptions(model_repositories=[repository], http_address="127.0.0.1",
-                                  http_port=free_port(), allow_grpc=False, allow_metrics=False,
-                                  exit_timeout_secs=10.0))
+    server = Server(
+        ServerOptions(
+            model_repositories=[repository],
+            http_address="127.0.0.1",
+            http_port=free_port(),
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=10.0,
+        )
+    )
     port = server.options.http_port
     outcome: list = []
     answered = trio.Event()

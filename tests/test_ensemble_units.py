@@ -13,11 +13,11 @@ import pytest
 import trio
 from google.protobuf import text_format
 
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.ensemble import plan_ensemble
 from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
-from trionserve._generated import model_config_pb2 as mc
 from trionserve.schedulers.ensemble import EnsembleScheduler
 
 
@@ -67,10 +67,14 @@ class StandIn:
     def __init__(self, behaviours: dict, decoupled: tuple[str, ...] = ()) -> None:
         self.behaviours = behaviours
         self.models = {
-            name: Model(vector_model(
-                name,
-                extra="model_transaction_policy { decoupled: true }" if name in decoupled else "",
-            ))
+            name: Model(
+                vector_model(
+                    name,
+                    extra="model_transaction_policy { decoupled: true }"
+                    if name in decoupled
+                    else "",
+                )
+            )
             for name in behaviours
         }
         self.requests: list[InferenceRequest] = []
@@ -169,8 +173,9 @@ async def test_parallel_branches_run_at_once_and_join(autojump_clock):
     async def join(request, deliver):
         await deliver(respond("join", request.inputs["IN"].data * 2), True)
 
-    service = StandIn({"left": branch("left", "right", 1), "right": branch("right", "left", 2),
-                       "join": join})
+    service = StandIn(
+        {"left": branch("left", "right", 1), "right": branch("right", "left", 2), "join": join}
+    )
     config = ensemble_config(
         [("left", "INPUT", "L"), ("right", "INPUT", "R"), ("join", "L", "OUTPUT")],
         outputs=("OUTPUT", "R"),
@@ -259,8 +264,9 @@ async def test_a_request_cancelled_by_its_client_starts_no_further_step(autojump
         await deliver(respond("first", request.inputs["IN"].data), True)
 
     service = StandIn({"first": first, "second": add(1)})
-    plan = plan_ensemble(ensemble_config([("first", "INPUT", "t"), ("second", "t", "OUTPUT")]),
-                         1, service.model)
+    plan = plan_ensemble(
+        ensemble_config([("first", "INPUT", "t"), ("second", "t", "OUTPUT")]), 1, service.model
+    )
     scheduler = EnsembleScheduler(plan, service)
     request = request_for(np.array([1.0], np.float32))
     async with trio.open_nursery() as nursery:
@@ -342,8 +348,11 @@ def test_plan_rejects_names_the_model_does_not_have():
     service = two_step_service()
     config = ensemble_config([("a", "INPUT", "OUTPUT")])
     config.ensemble_scheduling.step[0].input_map["IN0"] = "INPUT"
-    with pytest.raises(InvalidArgument, match="input_map names input 'IN0', which the model "
-                       "does not have; its inputs are \\['IN'\\]"):
+    with pytest.raises(
+        InvalidArgument,
+        match="input_map names input 'IN0', which the model "
+        "does not have; its inputs are \\['IN'\\]",
+    ):
         plan_ensemble(config, 1, service.model)
     config = ensemble_config([("a", "INPUT", "OUTPUT")])
     del config.ensemble_scheduling.step[0].input_map["IN"]

@@ -229,7 +229,9 @@ def test_generate_with_a_string_input(server):
 def test_generate_with_array_inputs_and_a_version(server):
     a = list(range(16))
     response = post(
-        server, "/v2/models/simple/versions/1/generate", {"INPUT0": a, "parameters": {"INPUT1": [1] * 16}}
+        server,
+        "/v2/models/simple/versions/1/generate",
+        {"INPUT0": a, "parameters": {"INPUT1": [1] * 16}},
     )
     assert response.status == 200
     payload = json.loads(response.read())
@@ -242,7 +244,9 @@ def test_errors_before_inference_are_json_errors_with_a_status(server, endpoint)
     missing = post(server, f"/v2/models/nope/{endpoint}", {"INPUT0": "x"})
     assert missing.status == 404
     assert "nope" in json.loads(missing.read())["error"]
-    bad = post(server, f"/v2/models/simple/{endpoint}", {"INPUT0": list(range(16)), "INPUT1": ["x"] * 16})
+    bad = post(
+        server, f"/v2/models/simple/{endpoint}", {"INPUT0": list(range(16)), "INPUT1": ["x"] * 16}
+    )
     assert bad.status == 400
     assert bad.getheader("Content-Type") == "application/json"
     assert "INT32 data must be integers" in json.loads(bad.read())["error"]

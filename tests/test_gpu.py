@@ -16,13 +16,13 @@ from google.protobuf import text_format
 from onnx import TensorProto, helper
 
 from tests.serverproc import EXAMPLES, ServerProcess, scrape_metrics, serving
+from trionserve._generated.model_config_pb2 import TYPE_FP32, ModelConfig
 from trionserve.backends import tensorrt as trt_backend
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
 from trionserve.backends.onnxruntime import OnnxRuntimeBackend
 from trionserve.backends.onnxruntime_providers import execution_providers
 from trionserve.core.errors import InvalidArgument, Unavailable
-from trionserve._generated.model_config_pb2 import TYPE_FP32, ModelConfig
 from trionserve.server import Server, ServerOptions
 
 GPUS = gpu_count()
@@ -178,16 +178,34 @@ def test_tensorrt_and_cuda_accelerators_map_to_provider_options():
 @pytest.mark.parametrize(
     "accelerators, error, message",
     [
-        ('gpu_execution_accelerator [ { name: "tensorrt" parameters { key: "bogus" '
-         'value: "1" } } ]', InvalidArgument, "unknown parameter 'bogus'"),
-        ('gpu_execution_accelerator [ { name: "tensorrt" parameters { key: '
-         '"precision_mode" value: "FP8" } } ]', InvalidArgument, "precision mode 'FP8'"),
-        ('gpu_execution_accelerator [ { name: "tensorrt" parameters { key: '
-         '"trt_dla_core" value: "x" } } ]', InvalidArgument, "must be an integer"),
-        ('gpu_execution_accelerator [ { name: "rocm" } ]', InvalidArgument,
-         "unknown Execution Accelerator 'rocm'"),
-        ('cpu_execution_accelerator [ { name: "dnnl" } ]', InvalidArgument,
-         "unknown Execution Accelerator 'dnnl'"),
+        (
+            'gpu_execution_accelerator [ { name: "tensorrt" parameters { key: "bogus" '
+            'value: "1" } } ]',
+            InvalidArgument,
+            "unknown parameter 'bogus'",
+        ),
+        (
+            'gpu_execution_accelerator [ { name: "tensorrt" parameters { key: '
+            '"precision_mode" value: "FP8" } } ]',
+            InvalidArgument,
+            "precision mode 'FP8'",
+        ),
+        (
+            'gpu_execution_accelerator [ { name: "tensorrt" parameters { key: '
+            '"trt_dla_core" value: "x" } } ]',
+            InvalidArgument,
+            "must be an integer",
+        ),
+        (
+            'gpu_execution_accelerator [ { name: "rocm" } ]',
+            InvalidArgument,
+            "unknown Execution Accelerator 'rocm'",
+        ),
+        (
+            'cpu_execution_accelerator [ { name: "dnnl" } ]',
+            InvalidArgument,
+            "unknown Execution Accelerator 'dnnl'",
+        ),
     ],
 )
 def test_bad_accelerator_settings_are_rejected(accelerators, error, message):

@@ -46,7 +46,10 @@ def simple_inputs(a: np.ndarray, b: np.ndarray, module=grpcclient):
 def expect_error(call, status: str) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as info:
         call()
-    assert info.value.status() == f"StatusCode.{status}", (info.value.status(), info.value.message())
+    assert info.value.status() == f"StatusCode.{status}", (
+        info.value.status(),
+        info.value.message(),
+    )
     return info.value
 
 
@@ -235,15 +238,43 @@ def _bad_cases():
         ("unknown-version", "simple", "3", ok, None, "404", "NOT_FOUND"),
         ("bad-version", "simple", "x1", ok, None, "400", "INVALID_ARGUMENT"),
         ("unexpected-input", "simple", "", extra, None, "400", "INVALID_ARGUMENT"),
-        ("missing-input", "simple", "", lambda m: simple_inputs(a, a, m)[:1], None, "400",
-         "INVALID_ARGUMENT"),
+        (
+            "missing-input",
+            "simple",
+            "",
+            lambda m: simple_inputs(a, a, m)[:1],
+            None,
+            "400",
+            "INVALID_ARGUMENT",
+        ),
         ("wrong-datatype", "simple", "", wrong_type, None, "400", "INVALID_ARGUMENT"),
-        ("wrong-shape", "simple", "", lambda m: simple_inputs(short, short, m), None, "400",
-         "INVALID_ARGUMENT"),
-        ("batch-too-big", "simple", "", lambda m: simple_inputs(big, big, m), None, "400",
-         "INVALID_ARGUMENT"),
-        ("unexpected-output", "simple", "", ok,
-         lambda m: [m.InferRequestedOutput("OUT")], "400", "INVALID_ARGUMENT"),
+        (
+            "wrong-shape",
+            "simple",
+            "",
+            lambda m: simple_inputs(short, short, m),
+            None,
+            "400",
+            "INVALID_ARGUMENT",
+        ),
+        (
+            "batch-too-big",
+            "simple",
+            "",
+            lambda m: simple_inputs(big, big, m),
+            None,
+            "400",
+            "INVALID_ARGUMENT",
+        ),
+        (
+            "unexpected-output",
+            "simple",
+            "",
+            ok,
+            lambda m: [m.InferRequestedOutput("OUT")],
+            "400",
+            "INVALID_ARGUMENT",
+        ),
     ]
 
 
@@ -489,7 +520,9 @@ def test_repository_load_and_unload(explicit_server):
         client.load_model("simple", config=override)
         assert client.get_model_config("simple").config.max_batch_size == 2
         a = np.ones((3, 16), dtype=np.int32)
-        error = expect_error(lambda: client.infer("simple", simple_inputs(a, a)), "INVALID_ARGUMENT")
+        error = expect_error(
+            lambda: client.infer("simple", simple_inputs(a, a)), "INVALID_ARGUMENT"
+        )
         assert "batch-size must be <= 2" in error.message()
 
         error = expect_error(lambda: client.load_model("no_such_model"), "NOT_FOUND")

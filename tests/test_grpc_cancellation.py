@@ -17,7 +17,7 @@ import trio.testing
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.blocking_backend import GATE, wait_entered, make_model
+from tests.blocking_backend import GATE, make_model, wait_entered
 from tests.serverproc import free_port
 from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.server import Server, ServerOptions
@@ -113,9 +113,19 @@ async def test_cancelled_queued_request_never_executes(repository):
         probe = Probe(server.dataplane)
         client = grpcclient.InferenceServerClient(url(server))
         results: queue.Queue = queue.Queue()
-        client.async_infer("blocking", inputs(1.0), lambda result, error: results.put(("a", result, error)), request_id="a")
+        client.async_infer(
+            "blocking",
+            inputs(1.0),
+            lambda result, error: results.put(("a", result, error)),
+            request_id="a",
+        )
         await wait_entered()  # "a" is executing; "b" will queue behind it
-        call_b = client.async_infer("blocking", inputs(2.0), lambda result, error: results.put(("b", result, error)), request_id="b")
+        call_b = client.async_infer(
+            "blocking",
+            inputs(2.0),
+            lambda result, error: results.put(("b", result, error)),
+            request_id="b",
+        )
         await probe.arrived("b")
         call_b.cancel()
         await probe.cancelled_all("b")
@@ -125,7 +135,10 @@ async def test_cancelled_queued_request_never_executes(repository):
         later = await in_thread(lambda: client.infer("blocking", inputs(3.0), request_id="c"))
         np.testing.assert_array_equal(later.as_numpy("OUTPUT0"), np.full((1, 4), 3.0))
         assert executions_since() == 1  # "c" only: "b" left the queue unexecuted
-        answers = {tag: (result, error) for tag, result, error in (results.get(timeout=30), results.get(timeout=30))}
+        answers = {
+            tag: (result, error)
+            for tag, result, error in (results.get(timeout=30), results.get(timeout=30))
+        }
         assert answers["a"][1] is None
         np.testing.assert_array_equal(answers["a"][0].as_numpy("OUTPUT0"), np.full((1, 4), 1.0))
         assert answers["b"][1].status() == "StatusCode.CANCELLED"
@@ -273,7 +286,10 @@ async def test_header_forward_pattern(repository):
         client = grpcclient.InferenceServerClient(url(server))
         await in_thread(
             lambda: client.infer(
-                "blocking", inputs(1.0), request_id="h", headers={"x-trace-id": "t-1", "other": "no"}
+                "blocking",
+                inputs(1.0),
+                request_id="h",
+                headers={"x-trace-id": "t-1", "other": "no"},
             )
         )
         assert probe.requests["h"].parameters == {"x-trace-id": "t-1"}

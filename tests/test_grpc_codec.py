@@ -17,8 +17,8 @@ from tritonclient.grpc import service_pb2 as triton_pb
 
 from trionserve.core.errors import InvalidArgument, TritonError, Unimplemented
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
-from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.grpc import codec as grpc_codec
+from trionserve.protocol.http import codec as http_codec
 
 
 def client_request(
@@ -171,9 +171,7 @@ def test_empty_final_response_flag_is_not_a_model_parameter():
     message = client_request("m", [infer_input("X", np.zeros(1, np.float32), "FP32")])
     assert not grpc_codec.empty_final_response_enabled(message)
     message.parameters["triton_enable_empty_final_response"].bool_param = True
-    ours = grpc_codec.parse_message(
-        grpc_codec.pb.ModelInferRequest, message.SerializeToString()
-    )
+    ours = grpc_codec.parse_message(grpc_codec.pb.ModelInferRequest, message.SerializeToString())
     assert grpc_codec.empty_final_response_enabled(ours)
     assert grpc_codec.decode_infer_request(ours).parameters == {}
 
@@ -181,18 +179,32 @@ def test_empty_final_response_flag_is_not_a_model_parameter():
 @pytest.mark.parametrize(
     "key,setter,fragment",
     [
-        ("sequence_start", lambda p: setattr(p, "int64_param", 1),
-         "invalid parameter 'sequence_start': expected a bool_param, got int64_param 1"),
-        ("priority", lambda p: setattr(p, "int64_param", -1),
-         "invalid parameter 'priority': expected a non-negative int64_param"),
-        ("timeout", lambda p: setattr(p, "string_param", "soon"),
-         "invalid parameter 'timeout'"),
-        ("sequence_id", lambda p: setattr(p, "bool_param", True),
-         "invalid parameter 'sequence_id'"),
-        ("triton_secret", lambda p: setattr(p, "bool_param", True),
-         "parameter keys starting with 'triton_' are reserved"),
-        ("triton_enable_empty_final_response", lambda p: setattr(p, "int64_param", 1),
-         "expected a bool_param"),
+        (
+            "sequence_start",
+            lambda p: setattr(p, "int64_param", 1),
+            "invalid parameter 'sequence_start': expected a bool_param, got int64_param 1",
+        ),
+        (
+            "priority",
+            lambda p: setattr(p, "int64_param", -1),
+            "invalid parameter 'priority': expected a non-negative int64_param",
+        ),
+        ("timeout", lambda p: setattr(p, "string_param", "soon"), "invalid parameter 'timeout'"),
+        (
+            "sequence_id",
+            lambda p: setattr(p, "bool_param", True),
+            "invalid parameter 'sequence_id'",
+        ),
+        (
+            "triton_secret",
+            lambda p: setattr(p, "bool_param", True),
+            "parameter keys starting with 'triton_' are reserved",
+        ),
+        (
+            "triton_enable_empty_final_response",
+            lambda p: setattr(p, "int64_param", 1),
+            "expected a bool_param",
+        ),
     ],
 )
 def test_bad_request_parameters(key, setter, fragment):
@@ -241,14 +253,22 @@ def test_typed_bytes_contents():
 @pytest.mark.parametrize(
     "message,fragment",
     [
-        (typed_request("INT8", [2], "int_contents", [1, 200]),
-         "value out of range for input 'X': element 1 is 200, expected INT8 in [-128, 127]"),
-        (typed_request("INT32", [3], "int_contents", [1, 2]),
-         "unexpected number of elements for input 'X': expected 3 for shape [3], got 2"),
-        (typed_request("INT32", [2], "fp32_contents", [1.0, 2.0]),
-         "got fp32_contents for datatype INT32, expected int_contents"),
-        (typed_request("FP16", [1], "fp32_contents", [1.0]),
-         "input 'X' has datatype FP16, which has no typed contents field"),
+        (
+            typed_request("INT8", [2], "int_contents", [1, 200]),
+            "value out of range for input 'X': element 1 is 200, expected INT8 in [-128, 127]",
+        ),
+        (
+            typed_request("INT32", [3], "int_contents", [1, 2]),
+            "unexpected number of elements for input 'X': expected 3 for shape [3], got 2",
+        ),
+        (
+            typed_request("INT32", [2], "fp32_contents", [1.0, 2.0]),
+            "got fp32_contents for datatype INT32, expected int_contents",
+        ),
+        (
+            typed_request("FP16", [1], "fp32_contents", [1.0]),
+            "input 'X' has datatype FP16, which has no typed contents field",
+        ),
     ],
 )
 def test_bad_typed_contents(message, fragment):
@@ -272,20 +292,34 @@ def raw_message(*specs, raws=()) -> triton_pb.ModelInferRequest:
     "message,fragment",
     [
         (raw_message(("X", "INT31", [1])), "invalid datatype for input 'X': expected one of"),
-        (raw_message(("X", "INT32", [1, -1]), raws=[b""]),
-         "invalid shape for input 'X': expected an array of non-negative integers, got [1, -1]"),
-        (raw_message(("X", "INT32", [1]), ("X", "INT32", [1]), raws=[b"\0" * 4] * 2),
-         "duplicate input 'X' in the request"),
-        (raw_message(("X", "INT32", [1]), raws=[b"\0" * 4, b"\0" * 4]),
-         "unexpected raw_input_contents for model 'simple': 2 entries for 1 inputs"),
-        (raw_message(("X", "INT32", [1]), ("Y", "INT32", [1]), raws=[b"\0" * 4]),
-         "missing data for input 'Y' for model 'simple'"),
-        (raw_message(("X", "INT32", [1])),
-         "missing data for input 'X' for model 'simple': expected raw_input_contents"),
-        (raw_message(("X", "BYTES", [2]), raws=[b"\x01\0\0\0a"]),
-         "unexpected number of BYTES elements for input 'X' with shape [2]: expected 2, got 1"),
-        (raw_message(("X", "BYTES", [1]), raws=[b"\x09\0\0\0a"]),
-         "malformed BYTES data for input 'X' with shape [1]"),
+        (
+            raw_message(("X", "INT32", [1, -1]), raws=[b""]),
+            "invalid shape for input 'X': expected an array of non-negative integers, got [1, -1]",
+        ),
+        (
+            raw_message(("X", "INT32", [1]), ("X", "INT32", [1]), raws=[b"\0" * 4] * 2),
+            "duplicate input 'X' in the request",
+        ),
+        (
+            raw_message(("X", "INT32", [1]), raws=[b"\0" * 4, b"\0" * 4]),
+            "unexpected raw_input_contents for model 'simple': 2 entries for 1 inputs",
+        ),
+        (
+            raw_message(("X", "INT32", [1]), ("Y", "INT32", [1]), raws=[b"\0" * 4]),
+            "missing data for input 'Y' for model 'simple'",
+        ),
+        (
+            raw_message(("X", "INT32", [1])),
+            "missing data for input 'X' for model 'simple': expected raw_input_contents",
+        ),
+        (
+            raw_message(("X", "BYTES", [2]), raws=[b"\x01\0\0\0a"]),
+            "unexpected number of BYTES elements for input 'X' with shape [2]: expected 2, got 1",
+        ),
+        (
+            raw_message(("X", "BYTES", [1]), raws=[b"\x09\0\0\0a"]),
+            "malformed BYTES data for input 'X' with shape [1]",
+        ),
     ],
 )
 def test_malformed_requests(message, fragment):
@@ -317,8 +351,16 @@ def test_raw_byte_size_error_is_the_same_as_over_http():
     message = raw_message(("INPUT0", "INT32", [1, 16]), raws=[b"\0" * 60])
     grpc_error = error_of(lambda: decode(message))
     header = json.dumps(
-        {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16],
-                     "parameters": {"binary_data_size": 60}}]}
+        {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "datatype": "INT32",
+                    "shape": [1, 16],
+                    "parameters": {"binary_data_size": 60},
+                }
+            ]
+        }
     ).encode()
     http_error = error_of(
         lambda: http_codec.decode_infer_request(header + b"\0" * 60, len(header), "simple", None)
@@ -337,9 +379,19 @@ def test_shared_memory_without_client_shm_is_unimplemented_as_over_http():
     error = error_of(lambda: decode(message))
     assert isinstance(error, Unimplemented)
     header = json.dumps(
-        {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16],
-                     "parameters": {"shared_memory_region": "region0",
-                                    "shared_memory_byte_size": 64}}]}
+        {
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "datatype": "INT32",
+                    "shape": [1, 16],
+                    "parameters": {
+                        "shared_memory_region": "region0",
+                        "shared_memory_byte_size": 64,
+                    },
+                }
+            ]
+        }
     ).encode()
     http_error = error_of(lambda: http_codec.decode_infer_request(header, None, "simple", None))
     assert error.message == http_error.message
@@ -365,7 +417,11 @@ def test_response_as_tritonclient_reads_it():
         Tensor("OUTPUT0", "INT32", a),
         Tensor("NAMES", "BYTES", names),
         Tensor("EMPTY", "FP32", np.zeros((0, 4), np.float32)),
-        note="hi", big=2**64 - 1, count=-5, ratio=0.25, ok=True,
+        note="hi",
+        big=2**64 - 1,
+        count=-5,
+        ratio=0.25,
+        ok=True,
     )
     result = client_result(grpc_codec.encode_infer_response(response, request))
     message = result.get_response()

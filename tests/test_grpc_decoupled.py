@@ -114,10 +114,18 @@ async def test_many_responses_per_request():
 async def test_final_flags_and_empty_final_response_when_enabled():
     received = await run_stream(
         [
-            {"value": 1.0, "request_id": "bare", "enable_empty_final_response": True,
-             "parameters": {"count": 2, "end": "bare"}},
-            {"value": 5.0, "request_id": "last", "enable_empty_final_response": True,
-             "parameters": {"count": 2, "end": "last", "after": "bare"}},
+            {
+                "value": 1.0,
+                "request_id": "bare",
+                "enable_empty_final_response": True,
+                "parameters": {"count": 2, "end": "bare"},
+            },
+            {
+                "value": 5.0,
+                "request_id": "last",
+                "enable_empty_final_response": True,
+                "parameters": {"count": 2, "end": "last", "after": "bare"},
+            },
         ]
     )
     got = summary(received)
@@ -141,7 +149,11 @@ async def test_error_after_some_responses_does_not_end_the_stream():
     received = await run_stream(
         [
             {"value": 1.0, "request_id": "x", "parameters": {"count": 2, "end": "error"}},
-            {"value": 7.0, "request_id": "y", "parameters": {"count": 1, "end": "last", "after": "x"}},
+            {
+                "value": 7.0,
+                "request_id": "y",
+                "parameters": {"count": 1, "end": "last", "after": "x"},
+            },
         ]
     )
     got = summary(received)
@@ -154,7 +166,11 @@ async def test_responses_in_the_order_the_model_produces_them():
     """The first request waits for the second's first response: it answers later."""
     received = await run_stream(
         [
-            {"value": 1.0, "request_id": "slow", "parameters": {"count": 1, "end": "last", "after": "fast"}},
+            {
+                "value": 1.0,
+                "request_id": "slow",
+                "parameters": {"count": 1, "end": "last", "after": "fast"},
+            },
             {"value": 2.0, "request_id": "fast", "parameters": {"count": 1, "end": "last"}},
         ]
     )

@@ -49,16 +49,31 @@ def test_compressed_messages():
 @pytest.mark.parametrize(
     "reader,wire,status,fragment",
     [
-        (MessageReader(max_size=10), framed(b"x" * 11), Status.RESOURCE_EXHAUSTED,
-         "received message larger than max (11 vs. 10)"),
-        (MessageReader(max_size=10), prefix(2**31), Status.RESOURCE_EXHAUSTED,
-         "larger than max"),
-        (MessageReader(b"gzip", max_size=100), framed(gzip.compress(b"y" * 101), True),
-         Status.RESOURCE_EXHAUSTED, "decompressed message larger than max (100)"),
-        (MessageReader(), framed(b"zz", compressed=True), Status.INTERNAL,
-         "compressed message received without a grpc-encoding"),
-        (MessageReader(b"gzip"), framed(b"not gzip", compressed=True), Status.INTERNAL,
-         "failed to decompress a gzip message"),
+        (
+            MessageReader(max_size=10),
+            framed(b"x" * 11),
+            Status.RESOURCE_EXHAUSTED,
+            "received message larger than max (11 vs. 10)",
+        ),
+        (MessageReader(max_size=10), prefix(2**31), Status.RESOURCE_EXHAUSTED, "larger than max"),
+        (
+            MessageReader(b"gzip", max_size=100),
+            framed(gzip.compress(b"y" * 101), True),
+            Status.RESOURCE_EXHAUSTED,
+            "decompressed message larger than max (100)",
+        ),
+        (
+            MessageReader(),
+            framed(b"zz", compressed=True),
+            Status.INTERNAL,
+            "compressed message received without a grpc-encoding",
+        ),
+        (
+            MessageReader(b"gzip"),
+            framed(b"not gzip", compressed=True),
+            Status.INTERNAL,
+            "failed to decompress a gzip message",
+        ),
     ],
 )
 def test_bad_messages(reader, wire, status, fragment):

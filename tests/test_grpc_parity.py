@@ -117,10 +117,17 @@ def flags(received) -> list[bool | None]:
 
 @pytest.mark.parametrize("empty_final", [False, True])
 def test_every_stream_response_of_a_plain_model_says_it_is_final(client, empty_final):
-    received = stream(client, [
-        {"model_name": "simple", "inputs": simple_inputs(), "request_id": "p",
-         "enable_empty_final_response": empty_final},
-    ])
+    received = stream(
+        client,
+        [
+            {
+                "model_name": "simple",
+                "inputs": simple_inputs(),
+                "request_id": "p",
+                "enable_empty_final_response": empty_final,
+            },
+        ],
+    )
     assert flags(received) == [True]
 
 
@@ -132,10 +139,17 @@ def test_decoupled_responses_carry_the_flag_without_asking(client):
 
 
 def test_decoupled_n_responses_and_the_final_flag_give_n_plus_one(client):
-    received = stream(client, [
-        {"model_name": "repeat", "inputs": repeat_inputs(3), "request_id": "r",
-         "enable_empty_final_response": True},
-    ])
+    received = stream(
+        client,
+        [
+            {
+                "model_name": "repeat",
+                "inputs": repeat_inputs(3),
+                "request_id": "r",
+                "enable_empty_final_response": True,
+            },
+        ],
+    )
     assert flags(received) == [False, False, False, True]
     empty = received[-1][0].get_response()
     assert (empty.id, empty.model_name, len(empty.outputs)) == ("r", "repeat", 0)
@@ -149,9 +163,7 @@ def test_log_file_cannot_be_set_over_grpc(client, server, tmp_path):
     with pytest.raises(InferenceServerException) as info:
         client.update_log_settings({"log_file": str(target)})
     assert info.value.status() == "StatusCode.UNIMPLEMENTED"
-    assert "log file location can not be updated through network protocol" in (
-        info.value.message()
-    )
+    assert "log file location can not be updated through network protocol" in (info.value.message())
     assert not target.exists()
     # The other settings still change, and log_file is still reported.
     settings = client.update_log_settings({"log_verbose_level": 0}, as_json=True)["settings"]

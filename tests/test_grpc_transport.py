@@ -21,11 +21,11 @@ import h2.settings
 import pytest
 import trio
 import trio.testing
-from trionserve.protocol.grpc.status import decode_grpc_message
 
+from trionserve.protocol.grpc.status import decode_grpc_message
 from trionserve.protocol.grpc.transport import (
-    GRPCError,
     GrpcCall,
+    GRPCError,
     GrpcTransport,
     Method,
     Status,
@@ -185,8 +185,12 @@ class RawClient:
                 for event in self.h2.receive_data(self._frames(data)):
                     self.events.append(event)
                     if isinstance(event, h2.events.DataReceived):
-                        self.data[event.stream_id] = self.data.get(event.stream_id, b"") + event.data
-                        self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                        self.data[event.stream_id] = (
+                            self.data.get(event.stream_id, b"") + event.data
+                        )
+                        self.h2.acknowledge_received_data(
+                            event.flow_controlled_length, event.stream_id
+                        )
                 await self.flush()
 
     def ended(self, stream_id: int) -> bool:
@@ -265,7 +269,9 @@ async def test_client_streaming_call_and_many_streams_on_one_connection():
         async with RawClient.connect(port) as client:
             chats = []
             for i in range(20):
-                chats.append(await client.call("/t.T/Chat", frame(b"a%d" % i) + frame(b"b"), end=False))
+                chats.append(
+                    await client.call("/t.T/Chat", frame(b"a%d" % i) + frame(b"b"), end=False)
+                )
             for stream_id in chats:
                 client.h2.send_data(stream_id, frame(b"c"), end_stream=True)
             await client.flush()
@@ -343,7 +349,9 @@ async def test_request_message_rules():
                 frame(gzip.compress(b"z" * 100_000), compressed=True),
                 headers=[(b"grpc-encoding", b"gzip")],
             )
-            await client.until(lambda c: all(c.ended(s) for s in (sneaky, odd, large, zipped, bomb)))
+            await client.until(
+                lambda c: all(c.ended(s) for s in (sneaky, odd, large, zipped, bomb))
+            )
             assert client.status(sneaky)[0] == Status.INTERNAL.value
             assert client.status(odd) == (
                 Status.UNIMPLEMENTED.value,
@@ -500,8 +508,9 @@ async def send_respecting_windows(
     for more window (or, with ``wait`` false, returning what did not fit)."""
     view = memoryview(data)
     while len(view):
-        window = min(client.h2.local_flow_control_window(stream_id),
-                     client.h2.max_outbound_frame_size)
+        window = min(
+            client.h2.local_flow_control_window(stream_id), client.h2.max_outbound_frame_size
+        )
         if window <= 0:
             if not wait:
                 break

@@ -256,10 +256,18 @@ def test_malformed_bodies(server, http_client):
     header = json.dumps(
         {
             "inputs": [
-                {"name": "INPUT0", "shape": [1, 16], "datatype": "INT32",
-                 "parameters": {"binary_data_size": 64}},
-                {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32",
-                 "parameters": {"binary_data_size": 64}},
+                {
+                    "name": "INPUT0",
+                    "shape": [1, 16],
+                    "datatype": "INT32",
+                    "parameters": {"binary_data_size": 64},
+                },
+                {
+                    "name": "INPUT1",
+                    "shape": [1, 16],
+                    "datatype": "INT32",
+                    "parameters": {"binary_data_size": 64},
+                },
             ]
         }
     ).encode()

@@ -332,9 +332,7 @@ def test_bytearray_and_memoryview_bodies():
     array = np.arange(3, dtype=np.int32)
     body, header_length = client_body([make_input("X", array, "INT32")])
     for variant in (bytearray(body), memoryview(body)):
-        np.testing.assert_array_equal(
-            decode(variant, header_length).inputs["X"].data, array
-        )
+        np.testing.assert_array_equal(decode(variant, header_length).inputs["X"].data, array)
 
 
 # ----------------------------------------------------------------- decode: errors
@@ -477,8 +475,9 @@ def test_invalid_binary_data_size():
 
 def test_both_data_and_binary_data_size():
     header = _one_input(parameters={"binary_data_size": 8})
-    with expect_error(INVALID, "Input 'INPUT0' must set only one of",
-                      "But set 'data' 'binary_data_size'"):
+    with expect_error(
+        INVALID, "Input 'INPUT0' must set only one of", "But set 'data' 'binary_data_size'"
+    ):
         decode(header + bytes(8), len(header))
 
 
@@ -737,15 +736,11 @@ def _request(binary_data_output=None, outputs=None, id=""):
     params = {}
     if binary_data_output is not None:
         params["binary_data_output"] = binary_data_output
-    return InferenceRequest(
-        "m", None, id=id, parameters=params, requested_outputs=outputs
-    )
+    return InferenceRequest("m", None, id=id, parameters=params, requested_outputs=outputs)
 
 
 def _response(*tensors, id="", parameters=None):
-    return InferenceResponse(
-        "m", "1", id=id, outputs=list(tensors), parameters=parameters or {}
-    )
+    return InferenceResponse("m", "1", id=id, outputs=list(tensors), parameters=parameters or {})
 
 
 SAMPLE = {
@@ -753,9 +748,7 @@ SAMPLE = {
     "I": Tensor("I", "INT64", np.array([[-(2**62), 2**62]], dtype=np.int64)),
     "B": Tensor("B", "BOOL", np.array([True, False, True])),
     "H": Tensor("H", "FP16", np.array([0.5, -1.25], dtype=np.float16)),
-    "S": Tensor(
-        "S", "BYTES", np.array([b"abc", "z\u00fcrich".encode(), b""], dtype=np.object_)
-    ),
+    "S": Tensor("S", "BYTES", np.array([b"abc", "z\u00fcrich".encode(), b""], dtype=np.object_)),
     "U": Tensor("U", "UINT8", np.array([[0, 255]], dtype=np.uint8)),
 }
 
@@ -854,9 +847,7 @@ def test_bf16_output(binary):
 
 def test_bytes_json_output_replaces_invalid_utf8_and_accepts_str():
     data = np.array([b"\xffok", "plain"], dtype=np.object_)
-    chunks, header_length = encode_infer_response(
-        _response(Tensor("S", "BYTES", data)), _request()
-    )
+    chunks, header_length = encode_infer_response(_response(Tensor("S", "BYTES", data)), _request())
     assert header_length is None
     assert json.loads(join(chunks))["outputs"][0]["data"] == ["\ufffdok", "plain"]
 
@@ -886,9 +877,7 @@ def test_full_roundtrip_request_to_response():
         request_id="7",
     )
     request = decode(body, header_length)
-    response = InferenceResponse(
-        "m", "1", outputs=list(request.inputs.values())
-    )  # echo model
+    response = InferenceResponse("m", "1", outputs=list(request.inputs.values()))  # echo model
     chunks, out_length = encode_infer_response(response, request)
     result = parse(chunks, out_length)
     np.testing.assert_array_equal(result.as_numpy("A"), a)

@@ -20,28 +20,64 @@ from trionserve.core.validation import ModelSignature, TensorSpec
 from trionserve.protocol.http import codec
 from trionserve.protocol.http.frontend import decompress
 
-DATATYPES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64",
-             "BYTES", "BF16", "FLOAT", "", "int32"]
+DATATYPES = [
+    "BOOL",
+    "UINT8",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+    "BF16",
+    "FLOAT",
+    "",
+    "int32",
+]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
-                    st.floats(allow_nan=True), st.text(max_size=8))
-json_values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-    max_leaves=12)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 # Edge values come up often: 0, the bounds of int32 / int64 indexing, -1.
-dims = st.one_of(st.sampled_from([0, 1, 2, 4, 16, 2**31, 2**62, 2**63, -1]),
-                 st.integers(-2, 2**64))
+dims = st.one_of(st.sampled_from([0, 1, 2, 4, 16, 2**31, 2**62, 2**63, -1]), st.integers(-2, 2**64))
 shapes = st.one_of(st.lists(dims, max_size=4), json_values)
 parameters = st.dictionaries(
-    st.sampled_from(["binary_data_size", "shared_memory_region", "shared_memory_byte_size",
-                     "shared_memory_offset", "binary_data", "classification", "x"]),
-    json_values, max_size=3)
+    st.sampled_from(
+        [
+            "binary_data_size",
+            "shared_memory_region",
+            "shared_memory_byte_size",
+            "shared_memory_offset",
+            "binary_data",
+            "classification",
+            "x",
+        ]
+    ),
+    json_values,
+    max_size=3,
+)
 # Inputs right in every field but the shape and data: they reach the deepest checks.
-plausible_inputs = st.fixed_dictionaries({
-    "name": st.sampled_from(["INPUT0", "INPUT1"]),
-    "datatype": st.sampled_from(["INT32", "FP32", "BYTES", "BOOL", "FP16"]),
-    "shape": st.lists(dims, max_size=3),
-}, optional={"data": st.lists(st.one_of(st.integers(-3, 3), st.text(max_size=2)), max_size=4)})
+plausible_inputs = st.fixed_dictionaries(
+    {
+        "name": st.sampled_from(["INPUT0", "INPUT1"]),
+        "datatype": st.sampled_from(["INT32", "FP32", "BYTES", "BOOL", "FP16"]),
+        "shape": st.lists(dims, max_size=3),
+    },
+    optional={"data": st.lists(st.one_of(st.integers(-3, 3), st.text(max_size=2)), max_size=4)},
+)
 wild_inputs = st.fixed_dictionaries(
     {"name": st.one_of(st.sampled_from(["INPUT0", "INPUT1"]), json_values)},
     optional={
@@ -49,20 +85,42 @@ wild_inputs = st.fixed_dictionaries(
         "datatype": st.one_of(st.sampled_from(DATATYPES), json_values),
         "data": st.one_of(st.lists(scalars, max_size=20), json_values),
         "parameters": st.one_of(parameters, json_values),
-    })
+    },
+)
 inputs = st.one_of(plausible_inputs, wild_inputs)
 requests = st.fixed_dictionaries(
     {"inputs": st.one_of(st.lists(inputs, max_size=3), json_values)},
     optional={
         "id": st.one_of(st.text(max_size=4), json_values),
-        "parameters": st.one_of(st.dictionaries(
-            st.sampled_from(["sequence_id", "sequence_start", "priority", "timeout",
-                             "binary_data_output", "custom"]), scalars, max_size=3),
-            json_values),
-        "outputs": st.one_of(st.lists(st.fixed_dictionaries(
-            {"name": json_values}, optional={"parameters": st.one_of(parameters, json_values)}),
-            max_size=2), json_values),
-    })
+        "parameters": st.one_of(
+            st.dictionaries(
+                st.sampled_from(
+                    [
+                        "sequence_id",
+                        "sequence_start",
+                        "priority",
+                        "timeout",
+                        "binary_data_output",
+                        "custom",
+                    ]
+                ),
+                scalars,
+                max_size=3,
+            ),
+            json_values,
+        ),
+        "outputs": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"name": json_values},
+                    optional={"parameters": st.one_of(parameters, json_values)},
+                ),
+                max_size=2,
+            ),
+            json_values,
+        ),
+    },
+)
 
 
 @st.composite
@@ -79,8 +137,12 @@ def bodies(draw) -> tuple[bytes, int | None]:
 
 # Bodies that once got past the decoder as a 500, kept as regressions.
 KNOWN = [
-    (json.dumps({"inputs": [{"name": "INPUT0", "shape": [0, 2**62], "datatype": "FP32",
-                             "data": []}]}).encode(), None),
+    (
+        json.dumps(
+            {"inputs": [{"name": "INPUT0", "shape": [0, 2**62], "datatype": "FP32", "data": []}]}
+        ).encode(),
+        None,
+    ),
     (b'{"inputs":' + b"[" * 100_000 + b"]" * 100_000 + b"}", None),
 ]
 
@@ -101,8 +163,12 @@ SIGNATURE = ModelSignature("m", 8, {"RAW": TensorSpec("RAW", "FP32", (-1,))}, {}
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=64), st.sampled_from(["FP32", "BYTES", "INT8"]),
-       st.lists(st.integers(-1, 4), max_size=3), st.integers(0, 4))
+@given(
+    st.binary(max_size=64),
+    st.sampled_from(["FP32", "BYTES", "INT8"]),
+    st.lists(st.integers(-1, 4), max_size=3),
+    st.integers(0, 4),
+)
 def test_raw_decoder_answers_with_a_request_or_a_triton_error(body, datatype, dims, batch):
     signature = ModelSignature("m", batch, {"RAW": TensorSpec("RAW", datatype, tuple(dims))}, {})
     try:
@@ -112,10 +178,15 @@ def test_raw_decoder_answers_with_a_request_or_a_triton_error(body, datatype, di
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=256), st.sampled_from(["gzip", "deflate", "br"]),
-       st.booleans(), st.integers(1, 300))
+@given(
+    st.binary(max_size=256),
+    st.sampled_from(["gzip", "deflate", "br"]),
+    st.booleans(),
+    st.integers(1, 300),
+)
 def test_decompress_answers_with_bytes_within_the_limit_or_a_triton_error(
-        data, encoding, compress, limit):
+    data, encoding, compress, limit
+):
     if compress and encoding != "br":
         data = zlib.compress(data) if encoding == "deflate" else __import__("gzip").compress(data)
     try:
@@ -130,8 +201,9 @@ def connection_to(server):
 
     def post(path: str, body: bytes, headers: dict) -> tuple[int, bytes]:
         if not connections:
-            connections.append(http.client.HTTPConnection("127.0.0.1", server.http_port,
-                                                          timeout=30))
+            connections.append(
+                http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=30)
+            )
         connection = connections[0]
         try:
             connection.request("POST", path, body=body, headers=headers)
@@ -146,12 +218,16 @@ def connection_to(server):
         connection.close()
 
 
-@settings(max_examples=120, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(bodies(), st.sampled_from(["simple", "identity_fp32", "simple_ensemble"]))
 @example(KNOWN[0], "identity_fp32")
-def test_server_never_answers_a_fuzzed_infer_with_5xx(server, connection_to, body_and_length,
-                                                      model):
+def test_server_never_answers_a_fuzzed_infer_with_5xx(
+    server, connection_to, body_and_length, model
+):
     body, length = body_and_length
     headers = {} if length is None else {"Inference-Header-Content-Length": str(length)}
     try:

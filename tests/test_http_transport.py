@@ -35,8 +35,12 @@ class App:
             return self.echo
         if path.startswith("/info"):
             return partial(self.info, method, path)
-        return {"/slow": self.slow, "/ignore": self.ignore, "/boom": self.boom,
-                "/stream": self.stream}.get(path)
+        return {
+            "/slow": self.slow,
+            "/ignore": self.ignore,
+            "/boom": self.boom,
+            "/stream": self.stream,
+        }.get(path)
 
     async def echo(self, headers, body: bytes):
         self.bodies.append(body)
@@ -59,6 +63,7 @@ class App:
                     yield piece
             finally:
                 self.stream_closed.set()
+
         return 200, [(b"content-type", b"text/plain")], chunks()
 
     async def slow(self, headers, body: bytes):
@@ -75,7 +80,7 @@ class Client:
         self.h11 = h11.Connection(h11.CLIENT)
 
     @classmethod
-    async def connect(cls, port: int) -> "Client":
+    async def connect(cls, port: int) -> Client:
         return cls(await trio.open_tcp_stream("127.0.0.1", port))
 
     async def send_raw(self, data: bytes) -> None:
@@ -121,8 +126,9 @@ class Client:
 
 
 def post(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
-            ).encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    ).encode() + body
 
 
 @pytest.fixture
@@ -157,8 +163,11 @@ async def test_keep_alive_serves_requests_in_turn(served):
 async def test_pipelined_requests_are_answered_in_order(served):
     _, port, _, _ = served
     client = await Client.connect(port)
-    await client.send_raw(post("/echo", b"first") + post("/echo", b"second")
-                          + b"GET /info?x=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    await client.send_raw(
+        post("/echo", b"first")
+        + post("/echo", b"second")
+        + b"GET /info?x=1 HTTP/1.1\r\nHost: x\r\n\r\n"
+    )
     assert (await client.response())[2] == b"first"
     assert (await client.response())[2] == b"second"
     assert await client.response(b"GET") == (201, {"content-length": "11"}, b"GET /info 0")
@@ -167,8 +176,9 @@ async def test_pipelined_requests_are_answered_in_order(served):
 async def test_expect_100_continue(served):
     _, port, _, _ = served
     client = await Client.connect(port)
-    await client.send_raw(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                          b"Expect: 100-continue\r\n\r\n")
+    await client.send_raw(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n"
+    )
     with trio.fail_after(10):
         interim = await client.stream.receive_some(65536)
     assert interim.startswith(b"HTTP/1.1 100 ")
@@ -180,11 +190,14 @@ async def test_expect_100_continue(served):
 async def test_chunked_request_body(served):
     app, port, _, _ = served
     client = await Client.connect(port)
-    await client.send_raw(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                          b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+    await client.send_raw(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    )
     assert (await client.response())[::2] == (200, b"hello world")
-    await client.send_raw(b"PUT /info HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                          b"3\r\nabc\r\n0\r\n\r\n")
+    await client.send_raw(
+        b"PUT /info HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+    )
     assert (await client.response())[2] == b"PUT /info 3"
 
 
@@ -195,9 +208,12 @@ async def test_body_over_the_limit_is_413(served, chunked, path):
     client = await Client.connect(port)
     body = b"x" * 1001
     if chunked:
-        await client.send_raw(f"POST {path} HTTP/1.1\r\nHost: x\r\n"
-                              "Transfer-Encoding: chunked\r\n\r\n".encode()
-                              + b"3e9\r\n" + body + b"\r\n0\r\n\r\n")
+        await client.send_raw(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            + b"3e9\r\n"
+            + body
+            + b"\r\n0\r\n\r\n"
+        )
     else:
         await client.send_raw(post(path, body))
     status, headers, answer = await client.response()

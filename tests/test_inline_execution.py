@@ -48,8 +48,11 @@ async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):
     )
     server = Server(
         ServerOptions(
-            model_repositories=[tmp_path], allow_http=False, allow_grpc=False,
-            allow_metrics=False, http_port=free_port(),
+            model_repositories=[tmp_path],
+            allow_http=False,
+            allow_grpc=False,
+            allow_metrics=False,
+            http_port=free_port(),
         )
     )
     THREADS.clear()

@@ -18,10 +18,10 @@ import tritonclient.http as httpclient
 
 from tests.fake_backend import echo_responses, register_instance_backend
 from tests.serverproc import free_port
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.actors.model import instance_specs
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.gpu import gpu_count
-from trionserve._generated import model_config_pb2 as mc
 from trionserve.server import Server, ServerOptions
 
 BACKEND = "test_instances_gate"
@@ -104,6 +104,7 @@ def http_infer(port: int, model: str, value: float) -> np.ndarray:
 
 async def entered(gate: Gate, count: int) -> bool:
     """True when ``count`` executions are inside execute at once (10 s at most)."""
+
     def wait() -> bool:
         return all(gate.entered.acquire(timeout=10) for _ in range(count))
 
@@ -154,7 +155,9 @@ async def test_several_groups_are_named_like_triton(repository):
         server.shutdown()
     expected_auto = "KIND_GPU" if gpu_count() else "KIND_CPU"
     assert names[:3] == [
-        ("groups_0_0", "KIND_CPU"), ("groups_0_1", "KIND_CPU"), ("extra_0", "KIND_CPU"),
+        ("groups_0_0", "KIND_CPU"),
+        ("groups_0_1", "KIND_CPU"),
+        ("extra_0", "KIND_CPU"),
     ]
     assert [kind for name, kind in names[3:]] == [expected_auto] * max(1, gpu_count())
 
@@ -173,19 +176,24 @@ async def test_kind_gpu_without_a_gpu_is_a_load_error(repository):
 
 def group(kind: str, count: int, gpus=()) -> mc.ModelConfig:
     config = mc.ModelConfig(name="m")
-    config.instance_group.add(name="m_0", kind=mc.ModelInstanceGroup.Kind.Value(kind),
-                              count=count, gpus=list(gpus))
+    config.instance_group.add(
+        name="m_0", kind=mc.ModelInstanceGroup.Kind.Value(kind), count=count, gpus=list(gpus)
+    )
     return config
 
 
 def test_instance_specs_per_gpu_and_auto():
     specs = instance_specs(group("KIND_GPU", 2, gpus=[0, 1]), gpus=2)
     assert [(s.name, s.device_id) for s in specs] == [
-        ("m_0_0", 0), ("m_0_0", 1), ("m_0_1", 0), ("m_0_1", 1),
+        ("m_0_0", 0),
+        ("m_0_0", 1),
+        ("m_0_1", 0),
+        ("m_0_1", 1),
     ]
     assert [s.kind for s in instance_specs(group("KIND_AUTO", 1), gpus=0)] == ["KIND_CPU"]
     assert [(s.kind, s.device_id) for s in instance_specs(group("KIND_AUTO", 1), gpus=2)] == [
-        ("KIND_GPU", 0), ("KIND_GPU", 1),
+        ("KIND_GPU", 0),
+        ("KIND_GPU", 1),
     ]
     with pytest.raises(Exception, match="names GPU"):
         instance_specs(group("KIND_GPU", 1, gpus=[3]), gpus=2)
@@ -222,7 +230,6 @@ async def test_instance_count_changes_without_a_reload(repository):
         server.shutdown()
 
 
-
 def test_kind_auto_stays_on_cpu_for_a_backend_without_gpu_support(monkeypatch):
     """A GPU host with the CPU build of onnxruntime: KIND_AUTO is KIND_CPU (as
     Triton resolves it for a backend built without GPU support), so the example
@@ -241,7 +248,8 @@ def test_kind_auto_stays_on_cpu_for_a_backend_without_gpu_support(monkeypatch):
     assert [g.kind for g in prepared.config.instance_group] == [mc.ModelInstanceGroup.KIND_CPU]
 
     monkeypatch.setattr(
-        onnxruntime, "get_available_providers",
+        onnxruntime,
+        "get_available_providers",
         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"],
     )
     prepared = lifecycle.prepare_model(simple, autocomplete=True, override_json=None)

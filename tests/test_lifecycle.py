@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import trio
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
-from tests.blocking_backend import GATE, wait_entered, make_model
+from tests.blocking_backend import GATE, make_model, wait_entered
 from tests.serverproc import free_port
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
@@ -125,8 +124,11 @@ async def test_unload_answers_queued_requests(repository, autojump_clock):
 
     Virtual time: the 0.2 s drain deadline passes as soon as every task is blocked.
     """
-    server = Server(options(repository, allow_http=False, exit_timeout_secs=0.2,
-                            model_control_mode=ControlMode.NONE))
+    server = Server(
+        options(
+            repository, allow_http=False, exit_timeout_secs=0.2, model_control_mode=ControlMode.NONE
+        )
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         outcomes: list[str] = []

@@ -34,8 +34,12 @@ def test_metrics_config_settings():
         "counter_latencies": False,
     }
     assert parse_metrics_config(["summary_latencies=false", "summary_quantiles=0.5:0.05"]) == {}
-    for bad in ("histogram_latencies", "histogram_latencies=maybe", "nope=1",
-                "summary_latencies=true"):
+    for bad in (
+        "histogram_latencies",
+        "histogram_latencies=maybe",
+        "nope=1",
+        "summary_latencies=true",
+    ):
         with pytest.raises(ValueError):
             parse_metrics_config([bad])
 
@@ -132,7 +136,9 @@ def server(tmp_path_factory, gate):
         (root / name / "config.pbtxt").write_text(config)
         (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
     proc = ServerProcess(
-        root, EXAMPLES, args=["--metrics-config=histogram_latencies=true", "--metrics-interval-ms=50"]
+        root,
+        EXAMPLES,
+        args=["--metrics-config=histogram_latencies=true", "--metrics-interval-ms=50"],
     )
     try:
         proc.wait_ready(path="/v2/health/ready")  # every frontend listens
@@ -169,8 +175,10 @@ def value(samples, name: str, model: str, **labels) -> float:
 
 def simple_inputs(rows: int = 16):
     a = np.arange(rows, dtype=np.int32).reshape(1, rows)
-    inputs = [httpclient.InferInput("INPUT0", [1, rows], "INT32"),
-              httpclient.InferInput("INPUT1", [1, rows], "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", [1, rows], "INT32"),
+        httpclient.InferInput("INPUT1", [1, rows], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(a)
     return inputs
@@ -207,8 +215,9 @@ def test_counters_move_by_exactly_what_was_sent(server, client):
     # The counters are the statistics extension's, never a second count.
     stats = client.get_inference_statistics("simple")["model_stats"][0]["inference_stats"]
     assert value(after, "nv_inference_request_success", "simple") == stats["success"]["count"]
-    assert value(after, "nv_inference_request_failure", "simple", reason="OTHER") == (
-        stats["fail"]["count"]
+    assert (
+        value(after, "nv_inference_request_failure", "simple", reason="OTHER")
+        == (stats["fail"]["count"])
     )
     assert value(after, "nv_inference_queue_duration_us", "simple") == stats["queue"]["ns"] // 1000
 
@@ -267,12 +276,16 @@ def test_first_response_histogram_for_a_decoupled_model(server):
     name = "nv_inference_first_response_histogram_ms"
     # One observation per request (its first response), not per response.
     assert value(after, name + "_count", "repeat") - value(before, name + "_count", "repeat") == 2
-    assert value(after, name + "_bucket", "repeat", le="+Inf") == value(after, name + "_count", "repeat")
+    assert value(after, name + "_bucket", "repeat", le="+Inf") == value(
+        after, name + "_count", "repeat"
+    )
     assert value(after, name + "_sum", "repeat") > value(before, name + "_sum", "repeat")
     # The decoupled executions count as successes too.
-    assert value(after, "nv_inference_request_success", "repeat") - value(
-        before, "nv_inference_request_success", "repeat"
-    ) == 2
+    assert (
+        value(after, "nv_inference_request_success", "repeat")
+        - value(before, "nv_inference_request_success", "repeat")
+        == 2
+    )
 
 
 def test_process_and_cpu_metrics_and_other_paths(server):
@@ -280,7 +293,9 @@ def test_process_and_cpu_metrics_and_other_paths(server):
     names = {name for name, _ in samples}
     assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= names
     assert {"nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes"} <= names
-    assert 0 < samples[("nv_cpu_memory_used_bytes", ())] <= samples[("nv_cpu_memory_total_bytes", ())]
+    assert (
+        0 < samples[("nv_cpu_memory_used_bytes", ())] <= samples[("nv_cpu_memory_total_bytes", ())]
+    )
     connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
     connection.request("GET", "/v2/health/ready")
     response = connection.getresponse()

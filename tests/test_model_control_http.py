@@ -204,10 +204,15 @@ def explicit(tmp_path_factory):
     copy_example(repo, "identity_fp32")
     copy_example(repo, "simple", "reloaded")
     slow_model(repo, "slow", count=2)
-    server = start(repo, args=[
-        "--model-control-mode=explicit", "--load-model=simple", "--load-model=reloaded",
-        "--log-verbose=1",
-    ])
+    server = start(
+        repo,
+        args=[
+            "--model-control-mode=explicit",
+            "--load-model=simple",
+            "--load-model=reloaded",
+            "--log-verbose=1",
+        ],
+    )
     server.repository = repo
     yield server
     stop(server)
@@ -235,7 +240,6 @@ def test_explicit_loads_only_the_named_models_then_follows_the_api(explicit_clie
     assert (row["state"], row["reason"]) == ("UNAVAILABLE", "unloaded")
     expect_error(lambda: client.load_model("no_such_model"), "no_such_model")
     client.unload_model("no_such_model")  # unloading what is not loaded succeeds
-
 
 
 def test_repository_index_ready_filter(explicit):
@@ -280,11 +284,17 @@ def test_explicit_load_with_file_override(explicit, explicit_client):
     assert not (explicit.repository / "from_files").exists()  # nothing written there
     assert states(client, "from_files") == {"1": "READY"}
 
-    status, reply = post(explicit, "/v2/repository/models/from_files/load",
-                         {"parameters": {"file:1/model.onnx": model}})
+    status, reply = post(
+        explicit,
+        "/v2/repository/models/from_files/load",
+        {"parameters": {"file:1/model.onnx": model}},
+    )
     assert status == 400 and "'config' must be specified" in reply["error"]
-    status, reply = post(explicit, "/v2/repository/models/from_files/load", {
-        "parameters": {"config": json.dumps(config), "file:../../escape": model}})
+    status, reply = post(
+        explicit,
+        "/v2/repository/models/from_files/load",
+        {"parameters": {"config": json.dumps(config), "file:../../escape": model}},
+    )
     assert status == 400 and "stay within the model directory" in reply["error"]
     infer_simple(client, "from_files", 6)  # failed loads leave it serving
     client.unload_model("from_files")
@@ -295,8 +305,11 @@ def test_explicit_concurrent_loads_of_one_model_load_it_once(explicit, explicit_
     """Triton #7018: two concurrent explicit loads of one model loaded it twice."""
     before = ready_transitions(explicit, "identity_fp32")
     threads = [
-        threading.Thread(target=lambda: httpclient.InferenceServerClient(
-            explicit.http_url).load_model("identity_fp32"))
+        threading.Thread(
+            target=lambda: httpclient.InferenceServerClient(explicit.http_url).load_model(
+                "identity_fp32"
+            )
+        )
         for _ in range(4)
     ]
     for thread in threads:
@@ -334,8 +347,10 @@ def test_unload_waits_for_in_flight_requests(explicit, explicit_client):
 
     thread = threading.Thread(target=run)
     thread.start()
-    wait_for(lambda: len(events(explicit, "infer request", model="slow")) > seen,
-             "the request to reach the server")
+    wait_for(
+        lambda: len(events(explicit, "infer request", model="slow")) > seen,
+        "the request to reach the server",
+    )
     client.unload_model("slow")
     finished.append("unload")
     thread.join(30)
@@ -351,9 +366,14 @@ def test_unload_waits_for_in_flight_requests(explicit, explicit_client):
 def poll(tmp_path_factory):
     repo = tmp_path_factory.mktemp("poll")
     copy_example(repo, "simple")
-    server = start(repo, args=[
-        "--model-control-mode=poll", f"--repository-poll-secs={POLL_SECS}", "--log-verbose=1",
-    ])
+    server = start(
+        repo,
+        args=[
+            "--model-control-mode=poll",
+            f"--repository-poll-secs={POLL_SECS}",
+            "--log-verbose=1",
+        ],
+    )
     server.repository = repo
     yield server
     stop(server)
@@ -388,12 +408,16 @@ def test_poll_adds_and_removes_versions(poll, poll_client):
     model = copy_example(poll.repository, "simple", "versioned")
     wait_for(lambda: states(client, "versioned") == {"1": "READY"}, "version 1")
     shutil.copytree(model / "1", model / "2")
-    wait_for(lambda: states(client, "versioned") == {"1": "UNAVAILABLE", "2": "READY"},
-             "version 2 to replace version 1 (latest 1)")
+    wait_for(
+        lambda: states(client, "versioned") == {"1": "UNAVAILABLE", "2": "READY"},
+        "version 2 to replace version 1 (latest 1)",
+    )
     assert infer_simple(client, "versioned").get_response()["model_version"] == "2"
     shutil.rmtree(model / "2")
-    wait_for(lambda: states(client, "versioned") == {"1": "READY", "2": "UNAVAILABLE"},
-             "version 1 to come back")
+    wait_for(
+        lambda: states(client, "versioned") == {"1": "READY", "2": "UNAVAILABLE"},
+        "version 1 to come back",
+    )
     assert infer_simple(client, "versioned").get_response()["model_version"] == "1"
 
 
@@ -413,8 +437,11 @@ def test_poll_label_file_edit_reloads(poll, poll_client):
     client = poll_client
     model = copy_example(poll.repository, "simple", "labelled")
     config = model / "config.pbtxt"
-    config.write_text(config.read_text().replace(
-        'name: "OUTPUT0"', 'name: "OUTPUT0"\n    label_filename: "labels.txt"'))
+    config.write_text(
+        config.read_text().replace(
+            'name: "OUTPUT0"', 'name: "OUTPUT0"\n    label_filename: "labels.txt"'
+        )
+    )
     (model / "labels.txt").write_text("\n".join(f"old{i}" for i in range(16)) + "\n")
     wait_for(lambda: client.is_model_ready("labelled"), "the model to load")
 
@@ -443,7 +470,7 @@ def test_poll_never_loads_a_partially_copied_model(poll, poll_client):
     chunk = max(1, len(source) // 40)
     with open(target / "1" / "model.onnx", "wb") as out:
         for start in range(0, len(source), chunk):
-            out.write(source[start:start + chunk])
+            out.write(source[start : start + chunk])
             out.flush()
             assert states(client, "copying") == {"": ""}  # never loaded, never tried
             time.sleep(0.01)  # a slow copy: several writes between two polls
@@ -461,8 +488,10 @@ def test_poll_broken_new_version_keeps_the_old_one_serving(poll, poll_client):
     (model / "2" / "model.onnx").write_bytes(b"this is not an onnx file")
     # Auto-complete reads the newest version's file, so the whole reload fails: the
     # index gives the reason beside version 1, which keeps serving.
-    rows = wait_for(lambda: [r for r in index_rows(client, "brokenv") if r.get("reason")],
-                    "the reason of the failed reload")
+    rows = wait_for(
+        lambda: [r for r in index_rows(client, "brokenv") if r.get("reason")],
+        "the reason of the failed reload",
+    )
     assert "brokenv/2/model.onnx" in rows[0]["reason"]
     assert states(client, "brokenv")["1"] == "READY"
     assert client.is_server_ready()  # every wanted version of the old set serves
@@ -489,14 +518,17 @@ def test_poll_model_deleted_while_requests_run(poll, poll_client):
     seen = len(events(poll, "infer request", model="slowdel"))
     results: list[float] = []
     threads = [
-        threading.Thread(target=lambda: results.append(
-            slow_infer(poll.http_url, "slowdel", 300_000)))
+        threading.Thread(
+            target=lambda: results.append(slow_infer(poll.http_url, "slowdel", 300_000))
+        )
         for _ in range(3)
     ]
     for thread in threads:
         thread.start()
-    wait_for(lambda: len(events(poll, "infer request", model="slowdel")) >= seen + 3,
-             "the requests to reach the server")
+    wait_for(
+        lambda: len(events(poll, "infer request", model="slowdel")) >= seen + 3,
+        "the requests to reach the server",
+    )
     shutil.rmtree(poll.repository / "slowdel")
     wait_for(lambda: not poll_client.is_model_ready("slowdel"), "the model to unload")
     for thread in threads:
@@ -516,8 +548,10 @@ def test_poll_instance_count_change_does_not_reload(poll, poll_client, tmp_path)
     (model / ".config.pbtxt.swp").write_bytes(b"\0" * 4096)
     config = model / "config.pbtxt"
     config.write_text(config.read_text().replace("count: 1", "count: 3"))
-    wait_for(lambda: client.get_model_config("scaled")["instance_group"][0]["count"] == 3,
-             "the new instance count")
+    wait_for(
+        lambda: client.get_model_config("scaled")["instance_group"][0]["count"] == 3,
+        "the new instance count",
+    )
     assert ready_transitions(poll, "scaled") == 1  # executors added, no reload
     assert events(poll, "model instances changed", model="scaled")
     infer_simple(client, "scaled")

@@ -288,8 +288,11 @@ async def test_instance_count_change_adds_and_removes_executors_without_reload(r
         await nursery.start(server.serve)
         serving = server.registry.route("m", None)
         for count in (3, 2):
-            config.write_text(config.read_text().replace("count: 1", f"count: {count}")
-                              .replace("count: 3", f"count: {count}"))
+            config.write_text(
+                config.read_text()
+                .replace("count: 1", f"count: {count}")
+                .replace("count: 3", f"count: {count}")
+            )
             await server.dataplane.load_model("m")
             assert server.registry.route("m", None) is serving  # not reloaded
             assert controls("m").loads == 1
@@ -327,7 +330,9 @@ async def test_ensemble_loads_its_composing_models_and_unload_dependents(repo):
         await server.dataplane.load_model("b")  # loaded by name: stays
         await server.dataplane.load_model("ens")
         assert {n: rows(server, n)["1"][0] for n in ("ens", "a", "b")} == {
-            "ens": "READY", "a": "READY", "b": "READY",
+            "ens": "READY",
+            "a": "READY",
+            "b": "READY",
         }
         data = np.ones((1, 2), dtype=np.float32)
         request = InferenceRequest("ens", inputs={"IN": Tensor("IN", "FP32", data)})
@@ -354,7 +359,7 @@ async def test_poll_acts_only_on_a_settled_change(repo, events):
         # Copy a model file by file, polling between every step, like a slow `cp -r`.
         steps = [
             lambda: (target / "1").mkdir(parents=True),
-            lambda: (target / "config.pbtxt").write_text("name: \"copied\"\n"),
+            lambda: (target / "config.pbtxt").write_text('name: "copied"\n'),
             lambda: (target / "config.pbtxt").write_text(
                 (repo / "m" / "config.pbtxt").read_text().replace('"m"', '"copied"')
             ),

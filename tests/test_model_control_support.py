@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
 from tests.serverproc import EXAMPLES

@@ -46,7 +46,8 @@ def s3_endpoint(tmp_path_factory):
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=out, stderr=subprocess.STDOUT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 60
@@ -76,8 +77,14 @@ def s3_endpoint(tmp_path_factory):
 @pytest.fixture
 def aws_env(monkeypatch):
     """Credentials for moto in the environment (as a pod would get them)."""
-    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                 "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+    for name in (
+        "AWS_PROFILE",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_SESSION_TOKEN",
+        "AWS_CONFIG_FILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+    ):
         monkeypatch.delenv(name, raising=False)
     for name, value in CREDENTIALS.items():
         monkeypatch.setenv(name, value)
@@ -92,12 +99,14 @@ def bucket(s3_endpoint, aws_env, request):
     return name, client
 
 
-def upload_model(client, bucket: str, prefix: str, model_dir: Path, name: str,
-                 versions=("1",)) -> None:
+def upload_model(
+    client, bucket: str, prefix: str, model_dir: Path, name: str, versions=("1",)
+) -> None:
     client.upload_file(str(model_dir / "config.pbtxt"), bucket, f"{prefix}/{name}/config.pbtxt")
     for version in versions:
-        client.upload_file(str(model_dir / "1" / "model.onnx"), bucket,
-                           f"{prefix}/{name}/{version}/model.onnx")
+        client.upload_file(
+            str(model_dir / "1" / "model.onnx"), bucket, f"{prefix}/{name}/{version}/model.onnx"
+        )
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:
@@ -110,8 +119,10 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 def infer_simple(client, version: str = "") -> np.ndarray:
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-              httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(np.ones_like(a))
     result = client.infer("simple", inputs, model_version=version)
@@ -128,18 +139,27 @@ def infer_simple(client, version: str = "") -> np.ndarray:
         ("s3://bucket/path/to/repo", ("s3", "bucket", "path/to/repo/", None, None)),
         ("s3://bucket", ("s3", "bucket", "", None, None)),
         ("s3://bucket/repo/", ("s3", "bucket", "repo/", None, None)),
-        ("s3://minio.local:9000/bucket/repo",
-         ("s3", "bucket", "repo/", "http://minio.local:9000", None)),
-        ("s3://https://10.0.0.1:443/bucket/a/b",
-         ("s3", "bucket", "a/b/", "https://10.0.0.1:443", None)),
+        (
+            "s3://minio.local:9000/bucket/repo",
+            ("s3", "bucket", "repo/", "http://minio.local:9000", None),
+        ),
+        (
+            "s3://https://10.0.0.1:443/bucket/a/b",
+            ("s3", "bucket", "a/b/", "https://10.0.0.1:443", None),
+        ),
         ("gs://bucket/repo", ("gs", "bucket", "repo/", None, None)),
         ("as://account/container/repo", ("as", "container", "repo/", None, "account")),
     ],
 )
 def test_parse_location_follows_triton(url, expected):
     location = parse_location(url)
-    assert (location.scheme, location.bucket, location.prefix, location.endpoint,
-            location.account) == expected
+    assert (
+        location.scheme,
+        location.bucket,
+        location.prefix,
+        location.endpoint,
+        location.account,
+    ) == expected
     assert is_remote(url)
 
 
@@ -157,16 +177,20 @@ def test_local_paths_are_not_remote():
 
 @pytest.mark.parametrize(
     "url, module, extra",
-    [("s3://127.0.0.1:9/bucket/models", "boto3", "s3"),
-     ("gs://bucket/models", "google.cloud.storage", "gcs"),
-     ("as://account/container/models", "azure.storage.blob", "azure")],
+    [
+        ("s3://127.0.0.1:9/bucket/models", "boto3", "s3"),
+        ("gs://bucket/models", "google.cloud.storage", "gcs"),
+        ("as://account/container/models", "azure.storage.blob", "azure"),
+    ],
 )
 def test_a_missing_client_library_names_the_extra(url, module, extra, monkeypatch, tmp_path):
     # Should an import succeed after all, every endpoint is a closed loopback port.
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
-                       "DefaultEndpointsProtocol=http;AccountName=account;"
-                       "AccountKey=a2V5;BlobEndpoint=http://127.0.0.1:9/account")
+    monkeypatch.setenv(
+        "AZURE_STORAGE_CONNECTION_STRING",
+        "DefaultEndpointsProtocol=http;AccountName=account;"
+        "AccountKey=a2V5;BlobEndpoint=http://127.0.0.1:9/account",
+    )
     # Make the import fail, also where the parent package already holds the module.
     monkeypatch.setitem(sys.modules, module, None)
     parent, _, child = module.rpartition(".")
@@ -192,10 +216,14 @@ def test_mirror_follows_the_bucket_by_etag_and_size(bucket, s3_endpoint, tmp_pat
 
     first = mirror.sync()
     assert sorted(first.added) == [
-        "simple/1/model.onnx", "simple/config.pbtxt", "simple/labels.txt"]
+        "simple/1/model.onnx",
+        "simple/config.pbtxt",
+        "simple/labels.txt",
+    ]
     assert first.models == {"simple"}
     assert (root / "simple" / "1" / "model.onnx").read_bytes() == (
-        SIMPLE / "1" / "model.onnx").read_bytes()
+        SIMPLE / "1" / "model.onnx"
+    ).read_bytes()
     assert not (tmp_path / "escape.txt").exists() and not (root.parent / "escape.txt").exists()
     assert not (root / "simple" / "3").exists()  # an empty version would fail to load
     mtime = (root / "simple" / "1" / "model.onnx").stat().st_mtime_ns
@@ -206,8 +234,9 @@ def test_mirror_follows_the_bucket_by_etag_and_size(bucket, s3_endpoint, tmp_pat
 
     # Same size, new content: the ETag tells.
     client.put_object(Bucket=name, Key="repo/simple/labels.txt", Body=b"c\nd\n")
-    client.put_object(Bucket=name, Key="repo/simple/2/model.onnx",
-                      Body=(SIMPLE / "1" / "model.onnx").read_bytes())
+    client.put_object(
+        Bucket=name, Key="repo/simple/2/model.onnx", Body=(SIMPLE / "1" / "model.onnx").read_bytes()
+    )
     second = mirror.sync()
     assert second.updated == ("simple/labels.txt",)
     assert second.added == ("simple/2/model.onnx",)
@@ -249,8 +278,12 @@ def test_server_serves_and_polls_a_bucket(bucket, s3_endpoint, tmp_path):
     cache = tmp_path / "cache"
     server = ServerProcess(
         f"s3://{s3_endpoint}/{name}/models",
-        args=["--model-control-mode=poll", "--repository-poll-secs=0.3",
-              f"--model-cache-dir={cache}", "--allow-grpc=false"],
+        args=[
+            "--model-control-mode=poll",
+            "--repository-poll-secs=0.3",
+            f"--model-cache-dir={cache}",
+            "--allow-grpc=false",
+        ],
     )
     try:
         server.wait_ready(path="/v2/health/ready")
@@ -296,10 +329,18 @@ def test_explicit_load_fetches_the_model_from_the_bucket(bucket, s3_endpoint):
 
 def test_missing_bucket_stops_startup_with_a_clear_error(s3_endpoint, aws_env):
     result = subprocess.run(
-        [sys.executable, "-m", "trionserve",
-         f"--model-repository=s3://{s3_endpoint}/no-such-bucket/models",
-         "--allow-http=false", "--allow-grpc=false"],
-        capture_output=True, text=True, timeout=60, env=dict(os.environ),
+        [
+            sys.executable,
+            "-m",
+            "trionserve",
+            f"--model-repository=s3://{s3_endpoint}/no-such-bucket/models",
+            "--allow-http=false",
+            "--allow-grpc=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
     )
     assert result.returncode == 1
     assert "no-such-bucket" in result.stderr and "NoSuchBucket" in result.stderr

@@ -34,14 +34,17 @@ blob = pytest.importorskip("azure.storage.blob", reason="needs azure-storage-blo
 AZURITE_VERSION = "3.35.0"  # the newest that declares support for node < 21
 ACCOUNT = "devstoreaccount1"
 # Azurite's documented development key: public, valid only against the emulator.
-ACCOUNT_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq"
-               "/K1SZFPTOtr/KBHBeksoGMGw==")
+ACCOUNT_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
 SIMPLE = EXAMPLES / "simple"
 
 
 def connection_string(endpoint: str, key: str = ACCOUNT_KEY) -> str:
-    return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={key};"
-            f"BlobEndpoint={endpoint}/{ACCOUNT};")
+    return (
+        f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={key};"
+        f"BlobEndpoint={endpoint}/{ACCOUNT};"
+    )
 
 
 def cache_root() -> Path:
@@ -70,13 +73,25 @@ def install_azurite() -> Path:
         staging = Path(tempfile.mkdtemp(prefix=".azurite-install-", dir=prefix.parent))
         try:
             result = subprocess.run(
-                ["npm", "install", "--prefix", str(staging), "--no-audit", "--no-fund",
-                 "--loglevel=error", f"azurite@{AZURITE_VERSION}"],
-                capture_output=True, text=True, timeout=240,
+                [
+                    "npm",
+                    "install",
+                    "--prefix",
+                    str(staging),
+                    "--no-audit",
+                    "--no-fund",
+                    "--loglevel=error",
+                    f"azurite@{AZURITE_VERSION}",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=240,
             )
             if result.returncode != 0:
-                pytest.skip(f"npm install azurite@{AZURITE_VERSION} failed "
-                            f"({result.returncode}): {(result.stderr or result.stdout)[-800:]}")
+                pytest.skip(
+                    f"npm install azurite@{AZURITE_VERSION} failed "
+                    f"({result.returncode}): {(result.stderr or result.stdout)[-800:]}"
+                )
             os.rename(staging, prefix)
         except subprocess.TimeoutExpired:
             pytest.skip(f"npm install azurite@{AZURITE_VERSION} took over 240 s")
@@ -94,9 +109,19 @@ def azurite(tmp_path_factory):
     log = workspace / "azurite.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [str(executable), "--blobHost", "127.0.0.1", "--blobPort", str(port),
-             "--location", str(workspace / "data"), "--skipApiVersionCheck", "--loose"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                str(executable),
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                str(port),
+                "--location",
+                str(workspace / "data"),
+                "--skipApiVersionCheck",
+                "--loose",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 60
@@ -152,9 +177,13 @@ def test_azure_repository_is_mirrored_and_follows_changes(container, tmp_path):
 
     first = mirror.sync()
     assert sorted(first.added) == [
-        "simple/1/model.onnx", "simple/config.pbtxt", "simple/labels.txt"]
+        "simple/1/model.onnx",
+        "simple/config.pbtxt",
+        "simple/labels.txt",
+    ]
     assert (root / "simple" / "1" / "model.onnx").read_bytes() == (
-        SIMPLE / "1" / "model.onnx").read_bytes()
+        SIMPLE / "1" / "model.onnx"
+    ).read_bytes()
     mtime = (root / "simple" / "1" / "model.onnx").stat().st_mtime_ns
 
     # Nothing changed: nothing is downloaded again.
@@ -184,11 +213,9 @@ def test_azure_listing_follows_continuation_pages(container):
     store = AzureStore(parse_location(url(container, "repo")))
     whole = store.list("")
     # Azure pages at 5000 blobs; two per page makes the store follow four markers.
-    store.container.list_blobs = functools.partial(store.container.list_blobs,
-                                                   results_per_page=2)
+    store.container.list_blobs = functools.partial(store.container.list_blobs, results_per_page=2)
     paged = store.list("")
-    assert [(o.key, o.size) for o in paged] == [
-        (f"simple/{v}/model.onnx", v) for v in range(1, 6)]
+    assert [(o.key, o.size) for o in paged] == [(f"simple/{v}/model.onnx", v) for v in range(1, 6)]
     assert paged == whole
     assert all(o.etag for o in paged)
 
@@ -206,7 +233,10 @@ def test_azure_data_lake_directories_are_not_files(container, tmp_path):
     upload(container, "repo/simple/empty.txt", b"")  # an empty file is still a file
     mirror = ObjectStoreMirror(url(container, "repo"), tmp_path / "cache")
     assert sorted(mirror.sync().added) == [
-        "simple/1/model.onnx", "simple/config.pbtxt", "simple/empty.txt"]
+        "simple/1/model.onnx",
+        "simple/config.pbtxt",
+        "simple/empty.txt",
+    ]
     assert (mirror.root / "simple" / "1" / "model.onnx").is_file()
 
 
@@ -221,8 +251,9 @@ def test_missing_container_is_unavailable_with_its_name(azurite, container, tmp_
 
 
 def test_unreachable_endpoint_is_reported_within_seconds(monkeypatch, tmp_path):
-    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string(
-        f"http://127.0.0.1:{free_port()}"))  # nothing listens there
+    monkeypatch.setenv(
+        "AZURE_STORAGE_CONNECTION_STRING", connection_string(f"http://127.0.0.1:{free_port()}")
+    )  # nothing listens there
     mirror = ObjectStoreMirror(f"as://{ACCOUNT}/models/repo", tmp_path / "c")
     started = time.monotonic()
     with pytest.raises(Unavailable, match=f"'as://{ACCOUNT}/models/repo'.*refused"):
@@ -231,11 +262,14 @@ def test_unreachable_endpoint_is_reported_within_seconds(monkeypatch, tmp_path):
 
 
 def test_a_connection_string_for_another_account_is_refused(container, tmp_path):
-    mirror = ObjectStoreMirror(f"as://otheraccount/{container.container_name}/repo",
-                               tmp_path / "c")
-    with pytest.raises(InvalidArgument, match=(
+    mirror = ObjectStoreMirror(f"as://otheraccount/{container.container_name}/repo", tmp_path / "c")
+    with pytest.raises(
+        InvalidArgument,
+        match=(
             f"'as://otheraccount/{container.container_name}/repo' names storage account "
-            f"'otheraccount', but AZURE_STORAGE_CONNECTION_STRING is for account '{ACCOUNT}'")):
+            f"'otheraccount', but AZURE_STORAGE_CONNECTION_STRING is for account '{ACCOUNT}'"
+        ),
+    ):
         mirror.sync()
 
 
@@ -248,8 +282,12 @@ def test_server_serves_and_polls_a_container(container, tmp_path):
     cache = tmp_path / "cache"
     server = ServerProcess(
         url(container, "models"),
-        args=["--model-control-mode=poll", "--repository-poll-secs=0.3",
-              f"--model-cache-dir={cache}", "--allow-grpc=false"],
+        args=[
+            "--model-control-mode=poll",
+            "--repository-poll-secs=0.3",
+            f"--model-cache-dir={cache}",
+            "--allow-grpc=false",
+        ],
     )
     try:
         server.wait_ready(path="/v2/health/ready")
@@ -266,8 +304,11 @@ def test_server_serves_and_polls_a_container(container, tmp_path):
 
         # A changed config is reloaded: pinning version 1 brings it back.
         config = (SIMPLE / "config.pbtxt").read_text()
-        upload(container, "models/simple/config.pbtxt",
-               (config + "version_policy: { specific: { versions: [1] } }\n").encode())
+        upload(
+            container,
+            "models/simple/config.pbtxt",
+            (config + "version_policy: { specific: { versions: [1] } }\n").encode(),
+        )
         wait_for(lambda: http.is_model_ready("simple", "1"), 30, "version 1 to load again")
         wait_for(lambda: not http.is_model_ready("simple", "2"), 30, "version 2 to unload")
         infer_simple(http, "1")
@@ -289,9 +330,18 @@ def start_and_fail(location: str, connection: str) -> subprocess.CompletedProces
     env = dict(os.environ, AZURE_STORAGE_CONNECTION_STRING=connection)
     env.pop("AZURE_STORAGE_KEY", None)
     return subprocess.run(
-        [sys.executable, "-m", "trionserve", f"--model-repository={location}",
-         "--allow-http=false", "--allow-grpc=false"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "trionserve",
+            f"--model-repository={location}",
+            "--allow-http=false",
+            "--allow-grpc=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 

@@ -31,9 +31,17 @@ def emulator(tmp_path_factory):
     log = tmp_path_factory.mktemp("gcs") / "emulator.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1",
-             f"--port={port}", "--in-memory"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "gcp_storage_emulator",
+                "start",
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--in-memory",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     try:
         deadline = time.monotonic() + 60
@@ -61,21 +69,19 @@ def bucket(emulator, monkeypatch, request):
 
 def test_gcs_repository_is_mirrored_and_follows_changes(bucket, tmp_path):
     bucket.blob("repo/simple/config.pbtxt").upload_from_filename(str(SIMPLE / "config.pbtxt"))
-    bucket.blob("repo/simple/1/model.onnx").upload_from_filename(
-        str(SIMPLE / "1" / "model.onnx"))
+    bucket.blob("repo/simple/1/model.onnx").upload_from_filename(str(SIMPLE / "1" / "model.onnx"))
     repository = ModelRepository([f"gs://{bucket.name}/repo"], cache_dir=tmp_path)
     (mirror,) = repository.mirrors
     assert repository.find("simple") == mirror.root / "simple"
     assert (mirror.root / "simple" / "config.pbtxt").read_bytes() == (
-        SIMPLE / "config.pbtxt").read_bytes()
+        SIMPLE / "config.pbtxt"
+    ).read_bytes()
 
     assert not mirror.sync()
-    bucket.blob("repo/simple/2/model.onnx").upload_from_filename(
-        str(SIMPLE / "1" / "model.onnx"))
+    bucket.blob("repo/simple/2/model.onnx").upload_from_filename(str(SIMPLE / "1" / "model.onnx"))
     bucket.blob("repo/simple/1/model.onnx").delete()
     changes = mirror.sync()
-    assert (changes.added, changes.removed) == (
-        ("simple/2/model.onnx",), ("simple/1/model.onnx",))
+    assert (changes.added, changes.removed) == (("simple/2/model.onnx",), ("simple/1/model.onnx",))
     assert sorted(p.name for p in (mirror.root / "simple").iterdir()) == ["2", "config.pbtxt"]
 
 

@@ -18,15 +18,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from google.protobuf import descriptor, json_format, text_format
-
 import tritonclient.grpc  # noqa: F401  (registers Triton's protos in the default pool)
+from google.protobuf import descriptor, json_format, text_format
 from tritonclient.grpc import model_config_pb2 as triton_mc
 from tritonclient.grpc import service_pb2 as triton_sv
 
 from trionserve._generated import grpc_service_pb2 as our_sv
-from trionserve._generated.protopool import POOL
 from trionserve._generated import model_config_pb2 as our_mc
+from trionserve._generated.protopool import POOL
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +64,7 @@ def _walk_enums(file_desc):
 
 
 _TYPE_NAMES = {
-    value: name[len("TYPE_"):].lower()
+    value: name[len("TYPE_") :].lower()
     for name, value in vars(descriptor.FieldDescriptor).items()
     if name.startswith("TYPE_") and isinstance(value, int)
 }
@@ -116,10 +115,14 @@ def _message_mismatches(ours, theirs) -> list[str]:
     our_fields = {f.name: f for f in ours.fields}
     their_fields = {f.name: f for f in theirs.fields}
     for name in their_fields.keys() - our_fields.keys():
-        problems.append(f"{where}: missing field '{name}' (Triton number {their_fields[name].number})")
+        problems.append(
+            f"{where}: missing field '{name}' (Triton number {their_fields[name].number})"
+        )
     for name in our_fields.keys() - their_fields.keys():
         problems.append(f"{where}: extra field '{name}' not in Triton's schema")
-    for name in sorted(our_fields.keys() & their_fields.keys(), key=lambda n: their_fields[n].number):
+    for name in sorted(
+        our_fields.keys() & their_fields.keys(), key=lambda n: their_fields[n].number
+    ):
         a, b = _field_signature(our_fields[name]), _field_signature(their_fields[name])
         for key in a:
             if a[key] != b[key]:
@@ -181,7 +184,10 @@ def test_file_level_properties(ours, theirs):
 def _all_pairs():
     """(kind, full_name) for every message and enum in either side's files."""
     ids = []
-    for ours, theirs in ((our_mc.DESCRIPTOR, triton_mc.DESCRIPTOR), (our_sv.DESCRIPTOR, triton_sv.DESCRIPTOR)):
+    for ours, theirs in (
+        (our_mc.DESCRIPTOR, triton_mc.DESCRIPTOR),
+        (our_sv.DESCRIPTOR, triton_sv.DESCRIPTOR),
+    ):
         for name in sorted(_walk_messages(ours).keys() | _walk_messages(theirs).keys()):
             ids.append(("message", ours.name, name))
         for name in sorted(_walk_enums(ours).keys() | _walk_enums(theirs).keys()):
@@ -189,24 +195,35 @@ def _all_pairs():
     return ids
 
 
-_OUR_FILES = {our_mc.DESCRIPTOR.name: (our_mc.DESCRIPTOR, triton_mc.DESCRIPTOR),
-              our_sv.DESCRIPTOR.name: (our_sv.DESCRIPTOR, triton_sv.DESCRIPTOR)}
+_OUR_FILES = {
+    our_mc.DESCRIPTOR.name: (our_mc.DESCRIPTOR, triton_mc.DESCRIPTOR),
+    our_sv.DESCRIPTOR.name: (our_sv.DESCRIPTOR, triton_sv.DESCRIPTOR),
+}
 
 
-@pytest.mark.parametrize("kind,file_name,full_name", _all_pairs(),
-                         ids=lambda v: v.rsplit("/", 1)[-1] if isinstance(v, str) else v)
+@pytest.mark.parametrize(
+    "kind,file_name,full_name",
+    _all_pairs(),
+    ids=lambda v: v.rsplit("/", 1)[-1] if isinstance(v, str) else v,
+)
 def test_type_matches_triton(kind, file_name, full_name):
     ours_file, theirs_file = _OUR_FILES[file_name]
     walk = _walk_messages if kind == "message" else _walk_enums
     ours = walk(ours_file).get(full_name)
     theirs = walk(theirs_file).get(full_name)
     if theirs is None:
-        pytest.fail(f"{kind} {full_name} is in our {file_name} but not in Triton's {theirs_file.name}",
-                    pytrace=False)
+        pytest.fail(
+            f"{kind} {full_name} is in our {file_name} but not in Triton's {theirs_file.name}",
+            pytrace=False,
+        )
     if ours is None:
-        pytest.fail(f"{kind} {full_name} from Triton's {theirs_file.name} is missing in our {file_name}",
-                    pytrace=False)
-    problems = _message_mismatches(ours, theirs) if kind == "message" else _enum_mismatches(ours, theirs)
+        pytest.fail(
+            f"{kind} {full_name} from Triton's {theirs_file.name} is missing in our {file_name}",
+            pytrace=False,
+        )
+    problems = (
+        _message_mismatches(ours, theirs) if kind == "message" else _enum_mismatches(ours, theirs)
+    )
     _fail_on_first(problems, f"{kind} {full_name}")
 
 
@@ -224,15 +241,24 @@ def test_everything_was_compared():
     """Guard against the walkers silently finding nothing."""
     messages = len(_walk_messages(our_mc.DESCRIPTOR)) + len(_walk_messages(our_sv.DESCRIPTOR))
     enums = len(_walk_enums(our_mc.DESCRIPTOR)) + len(_walk_enums(our_sv.DESCRIPTOR))
-    triton_messages = len(_walk_messages(triton_mc.DESCRIPTOR)) + len(_walk_messages(triton_sv.DESCRIPTOR))
+    triton_messages = len(_walk_messages(triton_mc.DESCRIPTOR)) + len(
+        _walk_messages(triton_sv.DESCRIPTOR)
+    )
     triton_enums = len(_walk_enums(triton_mc.DESCRIPTOR)) + len(_walk_enums(triton_sv.DESCRIPTOR))
     assert messages == triton_messages and messages >= 100, (messages, triton_messages)
     assert enums == triton_enums and enums >= 9, (enums, triton_enums)
-    for name in ("inference.ModelConfig", "inference.ModelSequenceBatching.StrategyOldest",
-                 "inference.ModelInstanceGroup.SecondaryDevice", "inference.ModelMetrics.MetricControl"):
+    for name in (
+        "inference.ModelConfig",
+        "inference.ModelSequenceBatching.StrategyOldest",
+        "inference.ModelInstanceGroup.SecondaryDevice",
+        "inference.ModelMetrics.MetricControl",
+    ):
         assert name in _walk_messages(our_mc.DESCRIPTOR), name
-    for name in ("inference.ModelInferRequest.InferInputTensor", "inference.LogSettingsResponse.SettingValue",
-                 "inference.ModelStatistics.ResponseStatsEntry"):
+    for name in (
+        "inference.ModelInferRequest.InferInputTensor",
+        "inference.LogSettingsResponse.SettingValue",
+        "inference.ModelStatistics.ResponseStatsEntry",
+    ):
         assert name in _walk_messages(our_sv.DESCRIPTOR), name
 
 
@@ -251,16 +277,23 @@ def test_service_matches_triton():
             if getattr(a, attr) != getattr(b, attr):
                 problems.append(f"rpc {name}: {attr} {getattr(a, attr)!r} != {getattr(b, attr)!r}")
         if a.input_type.full_name != b.input_type.full_name:
-            problems.append(f"rpc {name}: input {a.input_type.full_name} != {b.input_type.full_name}")
+            problems.append(
+                f"rpc {name}: input {a.input_type.full_name} != {b.input_type.full_name}"
+            )
         if a.output_type.full_name != b.output_type.full_name:
-            problems.append(f"rpc {name}: output {a.output_type.full_name} != {b.output_type.full_name}")
+            problems.append(
+                f"rpc {name}: output {a.output_type.full_name} != {b.output_type.full_name}"
+            )
         if (a.client_streaming, a.server_streaming) != (b.client_streaming, b.server_streaming):
             problems.append(
                 f"rpc {name}: streaming (client, server) {(a.client_streaming, a.server_streaming)} "
                 f"!= {(b.client_streaming, b.server_streaming)}"
             )
     _fail_on_first(sorted(problems), "service GRPCInferenceService")
-    assert our_methods["ModelStreamInfer"].client_streaming and our_methods["ModelStreamInfer"].server_streaming
+    assert (
+        our_methods["ModelStreamInfer"].client_streaming
+        and our_methods["ModelStreamInfer"].server_streaming
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -282,7 +315,9 @@ def _triton_infer_request() -> triton_sv.ModelInferRequest:
     inp2.contents.fp32_contents.extend([1.5, -2.0])
     out = req.outputs.add(name="OUTPUT0")
     out.parameters["classification"].int64_param = 3
-    req.raw_input_contents.append(b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00\x04\x00\x00\x00")
+    req.raw_input_contents.append(
+        b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00\x04\x00\x00\x00"
+    )
     req.raw_input_contents.append(b"\x03\x00\x00\x00abc\x00\x00\x00\x00")
     return req
 
@@ -365,7 +400,9 @@ def test_config_pbtxt_parses_identically():
     assert ours.WhichOneof("scheduling_choice") == "sequence_batching"
     assert ours.sequence_batching.WhichOneof("strategy_choice") == "oldest"
     assert ours.instance_group[0].kind == our_mc.ModelInstanceGroup.KIND_GPU
-    assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(deterministic=True)
+    assert ours.SerializeToString(deterministic=True) == theirs.SerializeToString(
+        deterministic=True
+    )
     assert json_format.MessageToDict(ours) == json_format.MessageToDict(theirs)
     assert text_format.MessageToString(ours) == text_format.MessageToString(theirs)
     # ModelConfigResponse nests our ModelConfig across the two generated modules
@@ -395,8 +432,10 @@ def test_statistics_round_trip():
 def test_import_order_independent(first):
     """Both libraries' messages coexist in a fresh interpreter, in either import order."""
     a = "import tritonclient.grpc"
-    b = ("from trionserve._generated import grpc_service_pb2\n"
-         "from trionserve._generated import model_config_pb2")
+    b = (
+        "from trionserve._generated import grpc_service_pb2\n"
+        "from trionserve._generated import model_config_pb2"
+    )
     body = (a + "\n" + b) if first == "tritonclient" else (b + "\n" + a)
     code = body + (
         "\nimport tritonclient.grpc.model_config_pb2 as t\n"
@@ -406,6 +445,7 @@ def test_import_order_independent(first):
         "tritonclient.grpc.service_pb2.ModelInferRequest.DESCRIPTOR\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

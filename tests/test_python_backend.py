@@ -421,7 +421,9 @@ def test_add_sub(client):
 def test_large_tensors_grow_shared_memory(client):
     """A full batch, and BYTES tensors beyond the 1 MiB arenas, which then grow."""
     a = np.arange(8 * 16, dtype=np.int32).reshape(8, 16)
-    assert client.infer("add_sub", i32_inputs(a, a)).as_numpy("OUTPUT0").tolist() == (2 * a).tolist()
+    assert (
+        client.infer("add_sub", i32_inputs(a, a)).as_numpy("OUTPUT0").tolist() == (2 * a).tolist()
+    )
     words = np.array([b"a" * 800_000, b"b" * 900_000], dtype=np.object_)
     infer_input = httpclient.InferInput("INPUT0", [2], "BYTES")
     infer_input.set_data_from_numpy(words)
@@ -504,7 +506,9 @@ def test_os_exit_in_execute_fails_the_request_and_the_stub_restarts(client):
     message = str(info.value)
     assert "crash_0_0" in message and "exited with code 1 while executing" in message
     # Other models are untouched, and the next request succeeds once restarted.
-    assert client.infer("add_sub", i32_inputs(A, B)).as_numpy("OUTPUT0").tolist() == (A + B).tolist()
+    assert (
+        client.infer("add_sub", i32_inputs(A, B)).as_numpy("OUTPUT0").tolist() == (A + B).tolist()
+    )
     assert echo(client, "crash", 8).tolist() == [8]
     assert client.is_server_live()
 
@@ -600,18 +604,14 @@ def test_decoupled_model_streams_over_grpc(server):
         while len(received) < 4:
             result, error = responses.get(timeout=30)
             assert error is None, error
-            received.append(
-                (int(result.as_numpy("IDX")[0]), int(result.as_numpy("OUT")[0]))
-            )
+            received.append((int(result.as_numpy("IDX")[0]), int(result.as_numpy("OUT")[0])))
         assert received == [(0, 10), (1, 20), (2, 30), (3, 40)]
     finally:
         client.stop_stream()
         client.close()
 
 
-def test_decoupled_model_is_refused_by_single_response_infer_on_both_protocols(
-    server, client
-):
+def test_decoupled_model_is_refused_by_single_response_infer_on_both_protocols(server, client):
     # Model policy is checked in the DataPlane's admission, so HTTP and gRPC refuse
     # the same request the same way: UNIMPLEMENTED (HTTP 501) with Triton's words
     # (src/http_server.cc CheckTransactionPolicy, src/grpc/infer_handler.cc), and
@@ -650,4 +650,3 @@ def test_stubs_never_write_into_the_repository(server, repository):
     assert echo(httpclient.InferenceServerClient(server.http_url), "errors", 4).tolist() == [40]
     assert not list(repository.rglob("__pycache__"))
     assert not list(repository.rglob("*.pyc"))
-

@@ -329,7 +329,8 @@ def test_a_stub_busy_in_execute_ends_when_its_server_is_killed(repository):
         server.wait_ready()
         infer = subprocess.Popen(
             [sys.executable, "-c", CLIENT % server.http_url],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 30
         while not started.exists() or not started.read_text():

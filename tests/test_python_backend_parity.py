@@ -421,9 +421,7 @@ def server(tmp_path_factory):
     for name, (config, source) in MODELS.items():
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
-        (root / name / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\n' + config
-        )
+        (root / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n' + config)
     proc = ServerProcess(root, args=["--exit-on-error=false"])
     try:
         proc.wait_ready()
@@ -618,8 +616,6 @@ def test_execute_errors_name_the_model_instance_as_triton_does(client, server):
         "Failed to process the request(s) for model instance 'crash_0_0', message: "
         "Stub process 'crash_0_0' is not healthy"
     ), info.value.message()
-
-
 
 
 # -- 5. shutdown with open requests and stuck stubs --------------------------------------

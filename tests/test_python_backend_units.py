@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.python.backend import may_auto_complete
 from trionserve.backends.python.messages import error_from_code, error_message
 from trionserve.backends.python.settings import StubSettings, settings_for
@@ -19,7 +20,6 @@ from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.stub import STUBPATH
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
 from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
-from trionserve._generated.model_config_pb2 import ModelConfig
 
 sys.path.insert(0, str(STUBPATH))
 import triton_python_backend_utils as pb_utils  # noqa: E402

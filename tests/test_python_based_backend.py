@@ -11,7 +11,7 @@ import tritonclient.http as httpclient
 
 from tests.serverproc import http_client, serving
 
-BACKEND = '''
+BACKEND = """
 import json
 
 import numpy as np
@@ -35,7 +35,7 @@ class TritonPythonModel:
                 "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * self.scale)])
             for r in requests
         ]
-'''
+"""
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from trionserve.observability.custom_metrics import (
     MetricError,
 )
 
-MODEL = '''
+MODEL = """
 import json
 
 import numpy as np
@@ -106,7 +106,7 @@ class TritonPythonModel:
                 pb_utils.Tensor("COUNT", np.array([self.requests.value()], np.float64)),
             ]))
         return responses
-'''
+"""
 
 CONFIG = """
 name: "metrics_model"
@@ -158,9 +158,7 @@ def test_counter_gauge_and_histogram_reach_the_metrics_endpoint(server):
 
     histogram = families["custom_value_histogram"]
     assert histogram.type == "histogram"
-    buckets = {
-        s.labels["le"]: s.value for s in histogram.samples if s.name.endswith("_bucket")
-    }
+    buckets = {s.labels["le"]: s.value for s in histogram.samples if s.name.endswith("_bucket")}
     assert buckets == {"0.1": 1, "1": 1, "2.5": 2, "5": 2, "10": 3, "+Inf": 3}
     by_name = {s.name: s.value for s in histogram.samples}
     assert by_name["custom_value_histogram_count"] == 3
@@ -245,17 +243,22 @@ def test_invalid_labels_and_kinds_are_refused():
     metrics.update(histogram, (), "observe", 3)
     (exposed,) = [m for m in metrics.collect() if m.name == "h"]
     assert {s.name: s.value for s in exposed.samples} == {
-        "h_bucket": 1, "h_count": 1, "h_sum": 3.0,
+        "h_bucket": 1,
+        "h_count": 1,
+        "h_sum": 3.0,
     }
 
 
 def test_a_release_message_needs_no_reply():
     metrics = CustomMetrics()
     family = metrics.create_family(5, "r", "d", GAUGE)
-    reply = metrics.handle(5, {"op": "metric", "action": "family_delete", "call": None,
-                               "family": family})
+    reply = metrics.handle(
+        5, {"op": "metric", "action": "family_delete", "call": None, "family": family}
+    )
     assert reply is None
     assert list(metrics.collect()) == []
-    reply = metrics.handle(5, {"op": "metric", "action": "value", "call": 9,
-                               "family": family, "labels": [], "value": 0})
+    reply = metrics.handle(
+        5,
+        {"op": "metric", "action": "value", "call": 9, "family": family, "labels": [], "value": 0},
+    )
     assert reply == {"op": "metric_reply", "call": 9, "error": FAMILY_GONE}

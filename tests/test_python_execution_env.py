@@ -17,7 +17,7 @@ import tritonclient.http as httpclient
 
 from tests.serverproc import http_client, serving
 
-MODEL = '''
+MODEL = """
 import json
 import sys
 
@@ -32,7 +32,7 @@ class TritonPythonModel:
         report = json.dumps({"prefix": sys.prefix, "marker": envmarker.MARKER})
         out = np.array([report.encode()], dtype=np.object_)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("REPORT", out)]) for _ in requests]
-'''
+"""
 
 CONFIG = """
 name: "{name}"

@@ -14,7 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import http_client, serving
 
-TARGET = '''
+TARGET = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -26,7 +26,7 @@ class TritonPythonModel:
                 "OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() * 2)])
             for r in requests
         ]
-'''
+"""
 
 TARGET_CONFIG = {
     "name": "target",
@@ -36,7 +36,7 @@ TARGET_CONFIG = {
     "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}],
 }
 
-LOADER = f'''
+LOADER = f"""
 import json
 
 import numpy as np
@@ -85,7 +85,7 @@ class TritonPythonModel:
             out = np.array([json.dumps(report).encode()], dtype=np.object_)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("REPORT", out)]))
         return responses
-'''
+"""
 
 LOADER_CONFIG = """
 name: "loader"
@@ -129,7 +129,11 @@ def test_a_model_loads_another_in_initialize(explicit):
     assert double(explicit, 21) == 42
     first = report(explicit, "none")
     assert first == {
-        "startup": "loaded", "error": "", "ready": True, "ready_v1": True, "ready_v2": False,
+        "startup": "loaded",
+        "error": "",
+        "ready": True,
+        "ready_v1": True,
+        "ready_v2": False,
     }
 
 

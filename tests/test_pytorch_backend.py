@@ -20,8 +20,6 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed")
 
 if HAS_TORCH:
-    from typing import Dict
-
     import torch
 
     class AddMul(torch.nn.Module):
@@ -39,7 +37,7 @@ if HAS_TORCH:
     class DictModel(torch.nn.Module):
         """A Dict[str, Tensor] in, a Dict[str, Tensor] out."""
 
-        def forward(self, inputs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        def forward(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             a, b = inputs["a"], inputs["b"]
             return {"product": a * b, "maximum": torch.maximum(a, b)}
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from trionserve.core.errors import InvalidArgument, NotFound, Unavailable
 from trionserve._generated import model_config_pb2 as mc
+from trionserve.core.errors import InvalidArgument, NotFound, Unavailable
 from trionserve.repository.config import (
     infer_platform,
     model_config_from_json,
@@ -265,8 +265,10 @@ cc_model_filenames [
     "response_cache": TRT_BASE + "response_cache {\n  enable: true\n}\n",
     # batcher.md: dynamic batcher settings.
     "dynamic_default": TRT_BASE + "  dynamic_batching { }\n",
-    "dynamic_preferred": TRT_BASE + "  dynamic_batching {\n    preferred_batch_size: [ 4, 8 ]\n  }\n",
-    "dynamic_delay": TRT_BASE + "  dynamic_batching {\n    max_queue_delay_microseconds: 100\n  }\n",
+    "dynamic_preferred": TRT_BASE
+    + "  dynamic_batching {\n    preferred_batch_size: [ 4, 8 ]\n  }\n",
+    "dynamic_delay": TRT_BASE
+    + "  dynamic_batching {\n    max_queue_delay_microseconds: 100\n  }\n",
     # batcher.md: priority levels and queue policies (described in its text).
     "dynamic_priorities": TRT_BASE
     + """
@@ -494,7 +496,7 @@ sequence_batching {
 """
     + SEQUENCE_IO,
     # batcher.md: iterative sequences.
-    "iterative_sequence": "backend: \"python\"\nmax_batch_size: 4\n"
+    "iterative_sequence": 'backend: "python"\nmax_batch_size: 4\n'
     + "sequence_batching {\n  iterative_sequence: true\n}\n"
     + SEQUENCE_IO
     + "model_transaction_policy { decoupled: True }\n",
@@ -659,7 +661,9 @@ def test_documented_configs_parse_and_validate(tmp_path, name):
 
 
 def test_documented_configs_keep_their_values(tmp_path):
-    config, _ = load(write_model(tmp_path, "simple_dyna_sequence", DOC_EXAMPLES["simple_dyna_sequence"]))
+    config, _ = load(
+        write_model(tmp_path, "simple_dyna_sequence", DOC_EXAMPLES["simple_dyna_sequence"])
+    )
     batching = config.sequence_batching
     assert batching.max_sequence_idle_microseconds == 10_000_000
     assert batching.oldest.max_candidate_sequences == 1024
@@ -672,9 +676,14 @@ def test_documented_configs_keep_their_values(tmp_path):
     config, _ = load(write_model(tmp_path, "rate_limiter", DOC_EXAMPLES["rate_limiter"]))
     resources = config.instance_group[0].rate_limiter.resources
     # "global" is a Python keyword, hence getattr.
-    assert [(r.name, getattr(r, "global"), r.count) for r in resources] == [("R1", False, 4), ("R2", True, 2)]
+    assert [(r.name, getattr(r, "global"), r.count) for r in resources] == [
+        ("R1", False, 4),
+        ("R2", True, 2),
+    ]
 
-    config, _ = load(write_model(tmp_path, "dynamic_priorities", DOC_EXAMPLES["dynamic_priorities"]))
+    config, _ = load(
+        write_model(tmp_path, "dynamic_priorities", DOC_EXAMPLES["dynamic_priorities"])
+    )
     batching = config.dynamic_batching
     assert batching.default_queue_policy.timeout_action == mc.ModelQueuePolicy.DELAY
     assert batching.priority_queue_policy[1].max_queue_size == 8
@@ -702,7 +711,7 @@ INVALID = {
         "max_batch_size must be >= 0, got -1",
     ),
     "input_without_name": (
-        ONNX_IO + 'input [ { data_type: TYPE_FP32 dims: [ 1 ] } ]',
+        ONNX_IO + "input [ { data_type: TYPE_FP32 dims: [ 1 ] } ]",
         "input 1: name must not be empty",
     ),
     "duplicate_input": (
@@ -734,19 +743,29 @@ INVALID = {
         "input 'A': dims must be integers >= 1",
     ),
     "reshape_count": (
-        ONNX_IO.replace("dims: [ 4 ] } ]\noutput", "dims: [ 4 ] reshape { shape: [ 3 ] } } ]\noutput"),
+        ONNX_IO.replace(
+            "dims: [ 4 ] } ]\noutput", "dims: [ 4 ] reshape { shape: [ 3 ] } } ]\noutput"
+        ),
         "input 'A': dims [4] and reshape [3] have different element counts",
     ),
     "reshape_wildcard_trunks": (
-        ONNX_IO.replace("dims: [ 4 ] } ]\noutput", "dims: [ 2, -1 ] reshape { shape: [ -1, 3 ] } } ]\noutput"),
+        ONNX_IO.replace(
+            "dims: [ 4 ] } ]\noutput", "dims: [ 2, -1 ] reshape { shape: [ -1, 3 ] } } ]\noutput"
+        ),
         "input 'A': dims [2, -1] and reshape [-1, 3] have different element counts",
     ),
     "reshape_wildcard_number": (
-        ONNX_IO.replace("dims: [ 4 ] } ]\noutput", "dims: [ 2, -1 ] reshape { shape: [ 2, -1, -1 ] } } ]\noutput"),
+        ONNX_IO.replace(
+            "dims: [ 4 ] } ]\noutput",
+            "dims: [ 2, -1 ] reshape { shape: [ 2, -1, -1 ] } } ]\noutput",
+        ),
         "different numbers of variable-size dimensions",
     ),
     "reshape_zero": (
-        ONNX_IO.replace('"B" data_type: TYPE_FP32 dims: [ 4 ]', '"B" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 0 ] }'),
+        ONNX_IO.replace(
+            '"B" data_type: TYPE_FP32 dims: [ 4 ]',
+            '"B" data_type: TYPE_FP32 dims: [ 4 ] reshape { shape: [ 0 ] }',
+        ),
         "output 'B': reshape.shape must be integers >= 1",
     ),
     "scalar_reshape_without_batching": (
@@ -756,7 +775,9 @@ INVALID = {
         "input 'A': reshape must not be empty for a model with max_batch_size 0",
     ),
     "format_needs_three_dims": (
-        ONNX_IO.replace("dims: [ 4 ] } ]\noutput", "format: FORMAT_NCHW dims: [ 3, 4 ] } ]\noutput"),
+        ONNX_IO.replace(
+            "dims: [ 4 ] } ]\noutput", "format: FORMAT_NCHW dims: [ 3, 4 ] } ]\noutput"
+        ),
         "input 'A': format FORMAT_NCHW requires 3 dims",
     ),
     "shape_tensor_not_tensorrt": (
@@ -764,7 +785,8 @@ INVALID = {
         "input 'A': is_shape_tensor is only supported for platform 'tensorrt_plan'",
     ),
     "batch_input_unknown_source": (
-        ONNX_IO + 'batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_INT32 source_input: "X" } ]',
+        ONNX_IO
+        + 'batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "N" data_type: TYPE_INT32 source_input: "X" } ]',
         "batch_input 0: unknown source_input 'X'",
     ),
     "instance_count_negative": (
@@ -792,7 +814,8 @@ INVALID = {
         "dynamic_batching.preferred_batch_size 16 exceeds max_batch_size 8",
     ),
     "preferred_without_batching": (
-        ONNX_IO.replace("max_batch_size: 8", "max_batch_size: 0") + "dynamic_batching { preferred_batch_size: [ 4 ] }",
+        ONNX_IO.replace("max_batch_size: 8", "max_batch_size: 0")
+        + "dynamic_batching { preferred_batch_size: [ 4 ] }",
         "dynamic_batching.preferred_batch_size 4 exceeds max_batch_size 0",
     ),
     "preferred_zero": (
@@ -814,7 +837,8 @@ INVALID = {
         "dynamic_batching.priority_queue_policy level 5 is outside [1, 2]",
     ),
     "preserve_ordering_priorities": (
-        ONNX_IO + "dynamic_batching { preserve_ordering: true priority_levels: 2 default_priority_level: 1 }",
+        ONNX_IO
+        + "dynamic_batching { preserve_ordering: true priority_levels: 2 default_priority_level: 1 }",
         "only one priority level is allowed when preserve_ordering is true",
     ),
     "preserve_ordering_delay": (
@@ -828,7 +852,8 @@ INVALID = {
         "sequence_batching.control_input 'S' (CONTROL_SEQUENCE_START): must set one of int32_false_true",
     ),
     "control_three_values": (
-        SEQ_BASE + 'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1, 2 ] } ] } ] }',
+        SEQ_BASE
+        + 'control_input [ { name: "S" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1, 2 ] } ] } ] }',
         "int32_false_true must have exactly 2 entries",
     ),
     "control_two_kinds_of_values": (
@@ -844,7 +869,8 @@ INVALID = {
         "sequence_batching specifies more than one CONTROL_SEQUENCE_START control",
     ),
     "corrid_type": (
-        SEQ_BASE + 'control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ] }',
+        SEQ_BASE
+        + 'control_input [ { name: "C" control [ { kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_FP32 } ] } ] }',
         "sequence_batching.control_input 'C' (CONTROL_SEQUENCE_CORRID): data_type must be TYPE_UINT64",
     ),
     "oldest_preferred": (
@@ -868,7 +894,8 @@ INVALID = {
         "platform 'ensemble' requires ensemble_scheduling",
     ),
     "scheduling_without_ensemble": (
-        ONNX_IO + 'ensemble_scheduling { step [ { model_name: "m" input_map { key: "x" value: "A" } output_map { key: "y" value: "B" } } ] }',
+        ONNX_IO
+        + 'ensemble_scheduling { step [ { model_name: "m" input_map { key: "x" value: "A" } output_map { key: "y" value: "B" } } ] }',
         "ensemble_scheduling is set but platform is 'onnxruntime_onnx', not 'ensemble'",
     ),
 }
@@ -901,7 +928,10 @@ INVALID.update(
             ensemble(step("m", {"x": "IN"}, {"y": "OUT"}), "instance_group [ { count: 1 } ]\n"),
             "instance_group must not be set for an ensemble",
         ),
-        "ensemble_no_steps": (ENSEMBLE_BASE + "ensemble_scheduling { }", "ensemble_scheduling must have at least one step"),
+        "ensemble_no_steps": (
+            ENSEMBLE_BASE + "ensemble_scheduling { }",
+            "ensemble_scheduling must have at least one step",
+        ),
         "ensemble_step_without_model": (
             ensemble('{ input_map { key: "x" value: "IN" } output_map { key: "y" value: "OUT" } }'),
             "ensemble_scheduling step 0: model_name must be set",
@@ -915,17 +945,24 @@ INVALID.update(
             "reads ensemble tensor 'nowhere', which is neither an ensemble input nor written by any step",
         ),
         "ensemble_output_not_written": (
-            ensemble(step("m", {"x": "IN"}, {"y": "other"}) + ", " + step("n", {"x": "other"}, {"y": "OUT2"})),
+            ensemble(
+                step("m", {"x": "IN"}, {"y": "other"})
+                + ", "
+                + step("n", {"x": "other"}, {"y": "OUT2"})
+            ),
             "ensemble output 'OUT' is not written by any step",
         ),
         "ensemble_input_unused": (
             ensemble(step("m", {"x": "IN"}, {"y": "OUT"})).replace(
-                'input [ { name: "IN"', 'input [ { name: "EXTRA" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "IN"'
+                'input [ { name: "IN"',
+                'input [ { name: "EXTRA" data_type: TYPE_FP32 dims: [ 1 ] }, { name: "IN"',
             ),
             "ensemble input 'EXTRA' is not used by any step",
         ),
         "ensemble_tensor_written_twice": (
-            ensemble(step("m", {"x": "IN"}, {"y": "OUT"}) + ", " + step("n", {"x": "IN"}, {"y": "OUT"})),
+            ensemble(
+                step("m", {"x": "IN"}, {"y": "OUT"}) + ", " + step("n", {"x": "IN"}, {"y": "OUT"})
+            ),
             "ensemble_scheduling step 1 (model 'n'): ensemble tensor 'OUT' is already written by step 0",
         ),
         "ensemble_dangling_tensor": (
@@ -958,7 +995,10 @@ def test_invalid_configs_name_model_and_field(tmp_path, case):
 
 def test_valid_reshape_with_wildcards(tmp_path):
     # Triton's own example: [2, 4, -1, 6] -> [8, -1, 1, 6] is a valid reshape.
-    text = ONNX_IO.replace("dims: [ 4 ] } ]\noutput", "dims: [ 2, 4, -1, 6 ] reshape { shape: [ 8, -1, 1, 6 ] } } ]\noutput")
+    text = ONNX_IO.replace(
+        "dims: [ 4 ] } ]\noutput",
+        "dims: [ 2, 4, -1, 6 ] reshape { shape: [ 8, -1, 1, 6 ] } } ]\noutput",
+    )
     load(write_model(tmp_path, "ok", text))
 
 
@@ -973,16 +1013,23 @@ def test_missing_config_gives_empty_config_named_after_directory(tmp_path):
 
 def test_name_must_match_directory(tmp_path):
     model_dir = write_model(tmp_path, "simple", 'name: "other"\n' + ONNX_IO)
-    with pytest.raises(InvalidArgument, match="model name 'other' in config.pbtxt does not match the directory name 'simple'"):
+    with pytest.raises(
+        InvalidArgument,
+        match="model name 'other' in config.pbtxt does not match the directory name 'simple'",
+    ):
         read_model_config(model_dir)
 
 
 def test_parse_error_names_model_file_line_and_column(tmp_path):
-    model_dir = write_model(tmp_path, "broken", 'platform: "onnxruntime_onnx"\n  max_batch_size: "eight"\n')
+    model_dir = write_model(
+        tmp_path, "broken", 'platform: "onnxruntime_onnx"\n  max_batch_size: "eight"\n'
+    )
     with pytest.raises(InvalidArgument) as info:
         read_model_config(model_dir)
     message = info.value.message
-    assert message.startswith("model 'broken': failed to parse broken/config.pbtxt: line 2, column 19: ")
+    assert message.startswith(
+        "model 'broken': failed to parse broken/config.pbtxt: line 2, column 19: "
+    )
     assert "integer" in message
 
 
@@ -999,7 +1046,10 @@ def test_unknown_field_is_a_parse_error(tmp_path):
         ("max_batch_size: 8 # the largest batch\n", True),
         ('platform: "onnxruntime_onnx"\n', False),
         ('# max_batch_size: 8\nplatform: "onnxruntime_onnx"\n', False),
-        ('parameters { key: "max_batch_size" value { string_value: "max_batch_size: 4" } }\n', False),
+        (
+            'parameters { key: "max_batch_size" value { string_value: "max_batch_size: 4" } }\n',
+            False,
+        ),
     ],
 )
 def test_max_batch_size_presence(tmp_path, text, expected):
@@ -1035,7 +1085,10 @@ def test_json_override_replaces_config_file(tmp_path):
         ("[1, 2]", "model 'simple': invalid config override: expected a JSON object"),
         ('{"no_such_field": 1}', "no_such_field"),
         ('{"max_batch_size": "many"}', "model 'simple': invalid config override"),
-        ('{"name": "other"}', "model name 'other' in the config override does not match the directory name 'simple'"),
+        (
+            '{"name": "other"}',
+            "model name 'other' in the config override does not match the directory name 'simple'",
+        ),
     ],
 )
 def test_json_override_errors(tmp_path, override, expected):
@@ -1056,7 +1109,12 @@ def test_json_override_errors(tmp_path, override, expected):
         (["1/model.pt"], "pytorch_libtorch", "pytorch", "model.pt"),
         (["1/model.plan"], "tensorrt_plan", "tensorrt", "model.plan"),
         (["1/model.py"], "", "python", "model.py"),
-        (["1/model.savedmodel/saved_model.pb"], "tensorflow_savedmodel", "tensorflow", "model.savedmodel"),
+        (
+            ["1/model.savedmodel/saved_model.pb"],
+            "tensorflow_savedmodel",
+            "tensorflow",
+            "model.savedmodel",
+        ),
         (["1/model.graphdef"], "tensorflow_graphdef", "tensorflow", "model.graphdef"),
         (["1/notes.txt", "2/model.onnx"], "onnxruntime_onnx", "onnxruntime", "model.onnx"),
     ],
@@ -1065,7 +1123,11 @@ def test_platform_from_model_file(tmp_path, files, platform, backend, filename):
     model_dir = write_model(tmp_path, "m", None, files=files)
     config, _ = read_model_config(model_dir)
     infer_platform(config, model_dir)
-    assert (config.platform, config.backend, config.default_model_filename) == (platform, backend, filename)
+    assert (config.platform, config.backend, config.default_model_filename) == (
+        platform,
+        backend,
+        filename,
+    )
 
 
 @pytest.mark.parametrize(
@@ -1123,7 +1185,9 @@ def test_platform_errors(tmp_path, given, expected):
 
 
 def test_normalize_fills_triton_defaults():
-    config = mc.ModelConfig(name="simple", backend="onnxruntime", platform="onnxruntime_onnx", max_batch_size=8)
+    config = mc.ModelConfig(
+        name="simple", backend="onnxruntime", platform="onnxruntime_onnx", max_batch_size=8
+    )
     config.dynamic_batching.SetInParent()
     normalize_model_config(config)
     assert config.version_policy.WhichOneof("policy_choice") == "latest"
@@ -1162,7 +1226,9 @@ def test_normalize_leaves_ensembles_without_instances(tmp_path):
 
 
 def test_model_config_to_json_uses_numbers_for_64_bit_fields(tmp_path):
-    config, _ = load(write_model(tmp_path, "dynamic_priorities", DOC_EXAMPLES["dynamic_priorities"]))
+    config, _ = load(
+        write_model(tmp_path, "dynamic_priorities", DOC_EXAMPLES["dynamic_priorities"])
+    )
     config.input[0].reshape.shape.extend([4, -1])
     obj = model_config_to_json(config)
     json.dumps(obj)
@@ -1202,7 +1268,10 @@ def test_model_config_to_json_nested_int64(tmp_path):
     state = model_config_to_json(config)["sequence_batching"]["state"][0]
     assert state["dims"] == [-1]
     assert state["initial_state"][0]["dims"] == [1]
-    assert model_config_to_json(config)["sequence_batching"]["max_sequence_idle_microseconds"] == 1_000_000
+    assert (
+        model_config_to_json(config)["sequence_batching"]["max_sequence_idle_microseconds"]
+        == 1_000_000
+    )
 
     config, _ = load(write_model(tmp_path, "model_warmup", DOC_EXAMPLES["model_warmup"]))
     warmup = model_config_to_json(config)["model_warmup"][0]
@@ -1275,7 +1344,11 @@ def test_missing_specific_versions():
     [
         ("", [], "model 'm' has no versions to load: no version directories found"),
         ("all { }", [], "no version directories found"),
-        ("specific { versions: [ 4, 5 ] }", [1, 2], "specific versions [4, 5] have no version directory (found [1, 2])"),
+        (
+            "specific { versions: [ 4, 5 ] }",
+            [1, 2],
+            "specific versions [4, 5] have no version directory (found [1, 2])",
+        ),
         ("latest { }", [1], "latest num_versions is 0"),
     ],
 )
@@ -1316,7 +1389,9 @@ def test_scan_finds_models_and_reports_duplicates(tmp_path):
 
     assert repository.find("simple") == repo_a / "simple"
     assert repository.find("other") == repo_b / "other"
-    with pytest.raises(InvalidArgument, match="model 'shared' appears in multiple model repositories"):
+    with pytest.raises(
+        InvalidArgument, match="model 'shared' appears in multiple model repositories"
+    ):
         repository.find("shared")
     for name in ("missing", ".hidden", "__pycache__", "../a/simple", "", "README.md"):
         with pytest.raises(NotFound, match="is not found in the model repository"):

@@ -18,7 +18,7 @@ from trionserve.core.response_cache import ResponseCache, parse_cache_config
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 # Answers X + executions so far: a response from the cache shows an old count.
-COUNTER = '''
+COUNTER = """
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -40,7 +40,7 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.Tensor("COUNT", out), pb_utils.Tensor("Y", x * 2)]))
         return responses
-'''
+"""
 
 CONFIG = """
 name: "{name}"
@@ -128,7 +128,9 @@ def test_without_a_cache_config_nothing_is_cached(repository):
 def request(values, *, outputs=None, parameters=None, datatype="INT32") -> InferenceRequest:
     data = np.array(values, dtype=np.int32 if datatype == "INT32" else np.uint32)
     return InferenceRequest(
-        "m", 1, inputs={"X": Tensor("X", datatype, data)},
+        "m",
+        1,
+        inputs={"X": Tensor("X", datatype, data)},
         requested_outputs=[RequestedOutput(o) for o in outputs] if outputs else None,
         parameters=parameters or {},
     )

@@ -46,12 +46,17 @@ async def test_an_ensemble_gets_the_ensemble_scheduler_and_needs_its_plan():
     with pytest.raises(InternalError, match="ensemble 'm' needs its plan"):
         create_scheduler(ensemble, ModelStatistics("m", 1))
     plan = EnsemblePlan(
-        name="m", version=1, steps=(), outputs=("OUT",), optional_inputs=frozenset(),
-        producers=(), consumers={}, streaming=False, max_inflight=1,
+        name="m",
+        version=1,
+        steps=(),
+        outputs=("OUT",),
+        optional_inputs=frozenset(),
+        producers=(),
+        consumers={},
+        streaming=False,
+        max_inflight=1,
     )
-    scheduler = create_scheduler(
-        ensemble, ModelStatistics("m", 1), plan=plan, inference=NoSteps()
-    )
+    scheduler = create_scheduler(ensemble, ModelStatistics("m", 1), plan=plan, inference=NoSteps())
     assert type(scheduler) is EnsembleScheduler
     assert scheduler.plan is plan
 

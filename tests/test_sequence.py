@@ -16,12 +16,12 @@ import pytest
 import trio
 from google.protobuf import text_format
 
+from trionserve._generated import model_config_pb2 as mc
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import ModelStatistics
-from trionserve._generated import model_config_pb2 as mc
 from trionserve.repository.config import normalize_model_config
 from trionserve.schedulers.sequence_batch import NullRequest, SequenceBatchScheduler
 from trionserve.schedulers.sequence_state import load_sequence_states
@@ -44,9 +44,15 @@ STATE = """
 ZERO_INITIAL = 'initial_state: { data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "z" }'
 
 
-def make_config(strategy: str = "direct { }", *, max_batch_size: int = 4,
-                idle_us: int = 1_000_000, corrid: str = "TYPE_UINT64",
-                initial: str = ZERO_INITIAL, outputs: str = "") -> mc.ModelConfig:
+def make_config(
+    strategy: str = "direct { }",
+    *,
+    max_batch_size: int = 4,
+    idle_us: int = 1_000_000,
+    corrid: str = "TYPE_UINT64",
+    initial: str = ZERO_INITIAL,
+    outputs: str = "",
+) -> mc.ModelConfig:
     text = f"""
         name: "acc"
         max_batch_size: {max_batch_size}
@@ -64,12 +70,25 @@ def make_config(strategy: str = "direct { }", *, max_batch_size: int = 4,
     return config
 
 
-def request(seq, value: int = 1, *, start: bool = False, end: bool = False,
-            id: str = "", timeout_us: int = 0, outputs=None) -> InferenceRequest:
+def request(
+    seq,
+    value: int = 1,
+    *,
+    start: bool = False,
+    end: bool = False,
+    id: str = "",
+    timeout_us: int = 0,
+    outputs=None,
+) -> InferenceRequest:
     data = np.array([[value]], dtype=np.int32)
     r = InferenceRequest(
-        "acc", id=id or f"{seq}:{value}", inputs={"INPUT": Tensor("INPUT", "INT32", data)},
-        sequence_id=seq, sequence_start=start, sequence_end=end, timeout_us=timeout_us,
+        "acc",
+        id=id or f"{seq}:{value}",
+        inputs={"INPUT": Tensor("INPUT", "INT32", data)},
+        sequence_id=seq,
+        sequence_start=start,
+        sequence_end=end,
+        timeout_us=timeout_us,
         requested_outputs=outputs,
     )
     r.batch_size = 1  # as validation sets it
@@ -146,8 +165,16 @@ class Accumulator:
         return [[row["id"] for row in rows] for _, rows in self.batches]
 
 
-async def start(nursery, config, *, executors: int = 1, hold: float | None = 0.0,
-                capacity: int = 1024, statistics=None, tmp_path=None):
+async def start(
+    nursery,
+    config,
+    *,
+    executors: int = 1,
+    hold: float | None = 0.0,
+    capacity: int = 1024,
+    statistics=None,
+    tmp_path=None,
+):
     states = load_sequence_states(config, tmp_path or Path("."))
     scheduler = SequenceBatchScheduler(config, statistics, states=states, capacity=capacity)
     await nursery.start(scheduler.run)
@@ -205,18 +232,48 @@ async def test_slots_keep_their_batch_position_and_empty_slots_are_not_ready(aut
         assert total(await outcome(c2)) == 10
 
         first, second, third = (rows for _, rows in fake.batches)
-        assert first == [{"id": "11:1", "START": 1, "END": 0.0, "READY": True,
-                          "CORRID": 11, "INPUT": 1, "STATE": 0}]
+        assert first == [
+            {
+                "id": "11:1",
+                "START": 1,
+                "END": 0.0,
+                "READY": True,
+                "CORRID": 11,
+                "INPUT": 1,
+                "STATE": 0,
+            }
+        ]
         assert [r["id"] for r in second] == [None, "22:5", "33:7"]
         assert second[0]["READY"] is False and second[0]["CORRID"] == 0
         assert [r["START"] for r in second] == [0, 1, 1]
         assert third == [
-            {"id": "11:2", "START": 0, "END": 0.0, "READY": True, "CORRID": 11,
-             "INPUT": 2, "STATE": 1},
-            {"id": None, "START": 0, "END": 0.0, "READY": False, "CORRID": 0,
-             "INPUT": 0, "STATE": 0},
-            {"id": "33:3", "START": 0, "END": 1.0, "READY": True, "CORRID": 33,
-             "INPUT": 3, "STATE": 7},
+            {
+                "id": "11:2",
+                "START": 0,
+                "END": 0.0,
+                "READY": True,
+                "CORRID": 11,
+                "INPUT": 2,
+                "STATE": 1,
+            },
+            {
+                "id": None,
+                "START": 0,
+                "END": 0.0,
+                "READY": False,
+                "CORRID": 0,
+                "INPUT": 0,
+                "STATE": 0,
+            },
+            {
+                "id": "33:3",
+                "START": 0,
+                "END": 1.0,
+                "READY": True,
+                "CORRID": 33,
+                "INPUT": 3,
+                "STATE": 7,
+            },
         ]
         nursery.cancel_scope.cancel()
 
@@ -239,8 +296,9 @@ class AccumulatorInstance:
 async def test_null_requests_count_in_the_batch_size_not_as_requests(autojump_clock):
     statistics = ModelStatistics("acc", 1)
     config = make_config()
-    scheduler = SequenceBatchScheduler(config, statistics,
-                                       states=load_sequence_states(config, Path(".")))
+    scheduler = SequenceBatchScheduler(
+        config, statistics, states=load_sequence_states(config, Path("."))
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         spec = InstanceSpec("acc_0_0", "acc_0", "KIND_CPU", 0)
@@ -267,8 +325,9 @@ async def test_sequences_spread_over_instances_and_stay_there(autojump_clock):
         for step in range(2):
             for seq in (1, 2, 3):
                 await infer(scheduler, request(seq, 10))
-        per_instance = [{row["CORRID"] for _, rows in f.batches for row in rows if row["id"]}
-                        for f in fakes]
+        per_instance = [
+            {row["CORRID"] for _, rows in f.batches for row in rows if row["id"]} for f in fakes
+        ]
         # Slot 0 of each instance first, then slot 1: 1 and 3 on one, 2 on the other.
         assert per_instance == [{1, 3}, {2}]
         nursery.cancel_scope.cancel()
@@ -353,7 +412,10 @@ async def test_a_start_for_a_sequence_in_progress_restarts_it_after_its_queued_r
             await fake.taken_batches(index + 2)
         fake.releases[3].set()
         assert [total(await outcome(r)) for r in (first, second, restart, later)] == [
-            10, 11, 100, 102,
+            10,
+            11,
+            100,
+            102,
         ]
         assert fake.ids() == [["5:10"], ["5:1"], ["5:100"], ["5:2"]]
         rows = [rows[0] for _, rows in fake.batches]
@@ -394,16 +456,23 @@ async def test_string_correlation_ids(autojump_clock):
         assert total(await infer(scheduler, request("alpha", 2))) == 3
         assert total(await infer(scheduler, request("beta", 20, end=True))) == 30
         assert [row["CORRID"] for _, rows in fake.batches for row in rows if row["id"]] == [
-            b"alpha", b"beta", b"alpha", b"beta"]
+            b"alpha",
+            b"beta",
+            b"alpha",
+            b"beta",
+        ]
         assert [row["CORRID"] for _, rows in fake.batches for row in rows if not row["id"]] == [
-            b"", b""]  # the null requests beside "beta" in slot 1
+            b"",
+            b"",
+        ]  # the null requests beside "beta" in slot 1
         nursery.cancel_scope.cancel()
 
 
 async def test_a_full_queue_rejects(autojump_clock):
     async with trio.open_nursery() as nursery:
-        scheduler, [fake] = await start(nursery, make_config(max_batch_size=1), hold=None,
-                                        capacity=2)
+        scheduler, [fake] = await start(
+            nursery, make_config(max_batch_size=1), hold=None, capacity=2
+        )
         await scheduler.submit(request(1, 1, start=True))
         await fake.taken_batches(1)  # executing: not queued
         await scheduler.submit(request(1, 2))
@@ -455,7 +524,9 @@ async def test_a_cancelled_request_is_skipped_and_its_sequence_goes_on(autojump_
 async def test_oldest_batches_the_oldest_next_requests_one_per_sequence(autojump_clock):
     config = make_config(
         "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 3 ] "
-        "max_queue_delay_microseconds: 100000 }", max_batch_size=4)
+        "max_queue_delay_microseconds: 100000 }",
+        max_batch_size=4,
+    )
     async with trio.open_nursery() as nursery:
         scheduler, [fake] = await start(nursery, config)
         t0 = trio.current_time()
@@ -539,8 +610,9 @@ async def test_state_outputs_reach_the_client_only_when_listed_and_asked_for(aut
         response = await infer(plain, request(1, 1, start=True))
         assert [t.name for t in response.outputs] == ["OUTPUT"]
         debug, _ = await start(nursery, make_config(outputs=listed))
-        response = await infer(debug, request(1, 1, start=True,
-                                               outputs=[RequestedOutput("OUTPUT")]))
+        response = await infer(
+            debug, request(1, 1, start=True, outputs=[RequestedOutput("OUTPUT")])
+        )
         assert [t.name for t in response.outputs] == ["OUTPUT"]
         asked = request(1, 2, outputs=[RequestedOutput("OUTPUT_STATE")])
         response = await infer(debug, asked)
@@ -568,8 +640,10 @@ async def test_sequences_move_with_their_state_when_an_instance_goes(autojump_cl
 
 
 def test_initial_state_from_a_data_file(tmp_path):
-    initial = ('initial_state: { data_type: TYPE_INT32 dims: [ 1 ] data_file: "hundred" '
-               'name: "from file" }')
+    initial = (
+        'initial_state: { data_type: TYPE_INT32 dims: [ 1 ] data_file: "hundred" '
+        'name: "from file" }'
+    )
     config = make_config(initial=initial)
     (tmp_path / "initial_state").mkdir()
     (tmp_path / "initial_state" / "hundred").write_bytes(np.int32(100).tobytes())
@@ -653,8 +727,9 @@ async def test_a_grpc_stream_queues_its_requests_in_the_order_they_came():
     from trionserve.protocol.grpc.service import GrpcService
 
     ids = [str(i) for i in range(40)]
-    call = StreamCall([pb.ModelInferRequest(model_name="acc", id=i).SerializeToString()
-                       for i in ids])
+    call = StreamCall(
+        [pb.ModelInferRequest(model_name="acc", id=i).SerializeToString() for i in ids]
+    )
     dataplane = QueueingDataPlane()
     await GrpcService(dataplane).model_stream_infer(call)
     assert dataplane.order == ids

@@ -38,18 +38,26 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 """
 
 CONFIGS = {
-    "seq_state": (8, ', { name: "CORRID_OUT" data_type: TYPE_STRING dims: [ 1 ] }', f"""
+    "seq_state": (
+        8,
+        ', { name: "CORRID_OUT" data_type: TYPE_STRING dims: [ 1 ] }',
+        f"""
         direct {{ }}
         control_input [ {{ name: "CORRID" control [
             {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_STRING }} ] }} ]
-        {STATE % ZERO}"""),
-    "seq_control": (8, "", f"""
+        {STATE % ZERO}""",
+    ),
+    "seq_control": (
+        8,
+        "",
+        f"""
         oldest {{ max_candidate_sequences: 4 }}
         control_input [
           {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START fp32_false_true: [ 0, 1 ] }} ] }},
           {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY int32_false_true: [ 0, 1 ] }} ] }}
         ]
-        {STATE % 'data_file: "hundred"'}"""),
+        {STATE % 'data_file: "hundred"'}""",
+    ),
     "seq_one_slot": (1, "", f"direct {{ }}\n{STATE % ZERO}"),
     "seq_idle": (1, "", f"max_sequence_idle_microseconds: 100000\n{STATE % ZERO}"),
 }
@@ -91,8 +99,12 @@ def controlled_accumulator() -> onnx.ModelProto:
         helper.make_node("Add", ["INPUT", "CARRIED"], ["OUTPUT_STATE"]),
         helper.make_node("Mul", ["OUTPUT_STATE", "READY"], ["OUTPUT"]),
     ]
-    inputs = [tensor("INPUT"), tensor("INPUT_STATE"), tensor("START", TensorProto.FLOAT),
-              tensor("READY")]
+    inputs = [
+        tensor("INPUT"),
+        tensor("INPUT_STATE"),
+        tensor("START", TensorProto.FLOAT),
+        tensor("READY"),
+    ]
     return model(nodes, inputs, [tensor("OUTPUT"), tensor("OUTPUT_STATE")], [one])
 
 
@@ -113,9 +125,7 @@ def sequence_server(tmp_path_factory):
             f"{TENSORS % extra_outputs}\nsequence_batching {{\n{batching}\n}}\n"
         )
     (repository / "seq_control" / "initial_state").mkdir()
-    (repository / "seq_control" / "initial_state" / "hundred").write_bytes(
-        np.int32(100).tobytes()
-    )
+    (repository / "seq_control" / "initial_state" / "hundred").write_bytes(np.int32(100).tobytes())
     proc = ServerProcess(repository)
     try:
         proc.wait_ready(path="/v2/health/ready")
@@ -169,8 +179,9 @@ def test_string_correlation_ids_reach_the_model(http):
 
 
 def test_state_outputs_are_not_returned(http):
-    result = http.infer("seq_state", http_inputs(1), sequence_id=200, sequence_start=True,
-                        sequence_end=True)
+    result = http.infer(
+        "seq_state", http_inputs(1), sequence_id=200, sequence_start=True, sequence_end=True
+    )
     names = {output["name"] for output in result.get_response()["outputs"]}
     assert names == {"OUTPUT", "CORRID_OUT"}
     metadata = http.get_model_metadata("seq_control")
@@ -196,11 +207,18 @@ def test_a_start_for_a_sequence_in_progress_restarts_it_with_fresh_state(http, s
         for value, start, end, expected in steps:
             infer_input = grpcclient.InferInput("INPUT", [1, 1], "INT32")
             infer_input.set_data_from_numpy(np.array([[value]], dtype=np.int32))
-            result = grpc.infer("seq_state", [infer_input], sequence_id="restart",
-                                sequence_start=start, sequence_end=end)
+            result = grpc.infer(
+                "seq_state",
+                [infer_input],
+                sequence_id="restart",
+                sequence_start=start,
+                sequence_end=end,
+            )
             assert int(result.as_numpy("OUTPUT")[0, 0]) == expected
-    assert ("sequence 300 for model 'seq_state' has a conflict. The previous sequence did not "
-            "end before this sequence start") in sequence_server.output()
+    assert (
+        "sequence 300 for model 'seq_state' has a conflict. The previous sequence did not "
+        "end before this sequence start"
+    ) in sequence_server.output()
 
 
 def test_control_inputs_and_oldest_over_one_grpc_stream(sequence_server):
@@ -213,8 +231,12 @@ def test_control_inputs_and_oldest_over_one_grpc_stream(sequence_server):
         for step in range(3):
             for seq, values in sequences.items():
                 client.async_stream_infer(
-                    "seq_control", grpc_inputs(values[step]), request_id=f"{seq}/{step}",
-                    sequence_id=seq, sequence_start=step == 0, sequence_end=step == 2,
+                    "seq_control",
+                    grpc_inputs(values[step]),
+                    request_id=f"{seq}/{step}",
+                    sequence_id=seq,
+                    sequence_start=step == 0,
+                    sequence_end=step == 2,
                 )
         got: dict[str, list[int]] = {}
         for _ in range(12):
@@ -239,12 +261,15 @@ def test_stream_errors_do_not_disturb_other_sequences(sequence_server):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{sequence_server.grpc_port}")
     client.start_stream(callback=lambda result, error: results.put((result, error)))
     try:
-        client.async_stream_infer("seq_state", grpc_inputs(4), request_id="a",
-                                  sequence_id=400, sequence_start=True)
-        client.async_stream_infer("seq_state", grpc_inputs(1), request_id="b",
-                                  sequence_id=401)  # never started
-        client.async_stream_infer("seq_state", grpc_inputs(5), request_id="c",
-                                  sequence_id=400, sequence_end=True)
+        client.async_stream_infer(
+            "seq_state", grpc_inputs(4), request_id="a", sequence_id=400, sequence_start=True
+        )
+        client.async_stream_infer(
+            "seq_state", grpc_inputs(1), request_id="b", sequence_id=401
+        )  # never started
+        client.async_stream_infer(
+            "seq_state", grpc_inputs(5), request_id="c", sequence_id=400, sequence_end=True
+        )
         outcomes = [results.get(timeout=30) for _ in range(3)]
     finally:
         client.stop_stream()
@@ -257,12 +282,12 @@ def test_stream_errors_do_not_disturb_other_sequences(sequence_server):
 
 def test_a_sequence_beyond_the_slots_waits_then_runs(http):
     assert add(http, "seq_one_slot", 1, 1, sequence_start=True) == 1
-    waiting = http.async_infer("seq_one_slot", http_inputs(5), sequence_id=2,
-                               sequence_start=True)
+    waiting = http.async_infer("seq_one_slot", http_inputs(5), sequence_id=2, sequence_start=True)
     # While sequence 1 holds the only slot, a backlogged START with a timeout fails.
     with pytest.raises(InferenceServerException, match="timeout of the corresponding sequence"):
-        http.infer("seq_one_slot", http_inputs(1), sequence_id=3, sequence_start=True,
-                   timeout=100_000)
+        http.infer(
+            "seq_one_slot", http_inputs(1), sequence_id=3, sequence_start=True, timeout=100_000
+        )
     assert add(http, "seq_one_slot", 1, 2, sequence_end=True) == 3
     assert int(waiting.get_result().as_numpy("OUTPUT")[0, 0]) == 5
     assert add(http, "seq_one_slot", 2, 1, sequence_end=True) == 6
@@ -281,7 +306,12 @@ def test_the_example_accumulate_model(http_client):
     """examples/model_repository/accumulate, served by the shared example server."""
     totals = []
     for step, value in enumerate([3, 4, 5]):
-        result = http_client.infer("accumulate", http_inputs(value), sequence_id="example",
-                                   sequence_start=step == 0, sequence_end=step == 2)
+        result = http_client.infer(
+            "accumulate",
+            http_inputs(value),
+            sequence_id="example",
+            sequence_start=step == 0,
+            sequence_end=step == 2,
+        )
         totals.append(int(result.as_numpy("OUTPUT")[0, 0]))
     assert totals == [3, 7, 12]

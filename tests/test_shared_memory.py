@@ -68,9 +68,7 @@ def test_infer_with_inputs_and_outputs_in_shared_memory(shm_server, regions):
     result = client.infer("simple", inputs, outputs=outputs)
     # As Triton: an output in shared memory carries no parameters and no data.
     assert set(result.get_output("OUTPUT0")) == {"name", "datatype", "shape"}
-    np.testing.assert_array_equal(
-        shm.get_contents_as_numpy(out_handle, np.int32, [1, 16]), a + b
-    )
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(out_handle, np.int32, [1, 16]), a + b)
     np.testing.assert_array_equal(
         shm.get_contents_as_numpy(out_handle, np.int32, [1, 16], offset=64), a - b
     )
@@ -116,14 +114,22 @@ def test_input_with_data_and_shared_memory_is_400(shm_server, regions, other):
         first["data"] = list(range(16))
     else:
         first["parameters"] = {**window, "binary_data_size": 64}
-    second = {"name": "INPUT1", "shape": [1, 16], "datatype": "INT32",
-              "parameters": {**window, "shared_memory_offset": 64}}
+    second = {
+        "name": "INPUT1",
+        "shape": [1, 16],
+        "datatype": "INT32",
+        "parameters": {**window, "shared_memory_offset": 64},
+    }
     header = json.dumps({"inputs": [first, second]}).encode()
     body = header + (b"\0" * 64 if other == "binary_data_size" else b"")
     connection = http.client.HTTPConnection("127.0.0.1", shm_server.http_port, timeout=30)
     try:
-        connection.request("POST", "/v2/models/simple/infer", body=body,
-                           headers={"Inference-Header-Content-Length": str(len(header))})
+        connection.request(
+            "POST",
+            "/v2/models/simple/infer",
+            body=body,
+            headers={"Inference-Header-Content-Length": str(len(header))},
+        )
         response = connection.getresponse()
         status, answer = response.status, json.loads(response.read())
     finally:

@@ -39,7 +39,7 @@ ALL = [scenario.name for scenario in scenarios_named(["all"])]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fast_sweep(name: str) -> SweepTotals:
     totals = SweepTotals(name)
     scenario = SCENARIOS[name]
@@ -69,11 +69,14 @@ def test_a_seed_replays_exactly_in_another_process():
     scenario = SCENARIOS["shutdown_midway"]
     first, second = run_seed(scenario, 7), run_seed(scenario, 7)
     assert first.digest == second.digest
-    code = ("from simulations.harness import run_seed; from simulations.sweep import "
-            "scenarios_named; print(run_seed(scenarios_named(['shutdown_midway'])[0], 7).digest)")
+    code = (
+        "from simulations.harness import run_seed; from simulations.sweep import "
+        "scenarios_named; print(run_seed(scenarios_named(['shutdown_midway'])[0], 7).digest)"
+    )
     env = dict(os.environ, PYTHONHASHSEED="4242", PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
     assert out[-1] == first.digest
 
 
@@ -132,8 +135,10 @@ def test_a_task_left_behind_after_shutdown_is_caught(monkeypatch):
         await run(self, task_status=task_status)
 
     monkeypatch.setattr(AsyncSimInstance, "run", leaky)
-    scenario = variant("backend_exception",
-                       lambda s: setattr(s, "models", [m.evolve(kind="async") for m in s.models]))
+    scenario = variant(
+        "backend_exception",
+        lambda s: setattr(s, "models", [m.evolve(kind="async") for m in s.models]),
+    )
     assert violations_of(scenario, invariants.NO_LEAKS)
 
 
@@ -188,8 +193,11 @@ def test_statistics_that_miss_failures_are_caught(monkeypatch):
 
 def test_responses_delivered_to_the_wrong_requests_are_caught(monkeypatch):
     deliver = batcher_module.deliver_outcomes
-    monkeypatch.setattr(batcher_module, "deliver_outcomes",
-                        lambda requests, outcomes: deliver(requests, list(outcomes)[::-1]))
+    monkeypatch.setattr(
+        batcher_module,
+        "deliver_outcomes",
+        lambda requests, outcomes: deliver(requests, list(outcomes)[::-1]),
+    )
     found = violations_of(SCENARIOS["backend_exception"], invariants.NOTHING_LOST)
     assert any("another request's" in v.detail for v in found), found
 
@@ -216,8 +224,10 @@ def test_a_livelock_ends_the_run_with_a_violation(monkeypatch):
             await trio.lowlevel.checkpoint()
 
     monkeypatch.setattr(AsyncSimInstance, "execute_async", spin)
-    scenario = variant("backend_exception",
-                       lambda s: setattr(s, "models", [m.evolve(kind="async") for m in s.models]))
+    scenario = variant(
+        "backend_exception",
+        lambda s: setattr(s, "models", [m.evolve(kind="async") for m in s.models]),
+    )
     found = violations_of(scenario, COMPLETES, seeds=range(1))
     assert any("livelock" in v.detail for v in found), found
 
@@ -295,8 +305,11 @@ def _request(**fields):
 
     from trionserve.core.types import InferenceRequest, Tensor
 
-    request = InferenceRequest("m", inputs={"INPUT0": Tensor(
-        "INPUT0", "INT64", np.zeros((1, 1), dtype=np.int64))}, **fields)
+    request = InferenceRequest(
+        "m",
+        inputs={"INPUT0": Tensor("INPUT0", "INT64", np.zeros((1, 1), dtype=np.int64))},
+        **fields,
+    )
     request.batch_size = 1
     return request
 
@@ -309,8 +322,9 @@ SUBMIT_AT, DELAY = 0.0035, 0.002
 async def test_regression_dynamic_batcher_sends_when_its_delay_ends(autojump_clock):
     from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
 
-    scheduler = DynamicBatchScheduler(_config(
-        f"dynamic_batching {{ max_queue_delay_microseconds: {int(DELAY * 1e6)} }}"))
+    scheduler = DynamicBatchScheduler(
+        _config(f"dynamic_batching {{ max_queue_delay_microseconds: {int(DELAY * 1e6)} }}")
+    )
     taken = await _batch_time(scheduler, _request(), SUBMIT_AT)
     assert taken == pytest.approx(SUBMIT_AT + DELAY)
 
@@ -318,9 +332,12 @@ async def test_regression_dynamic_batcher_sends_when_its_delay_ends(autojump_clo
 async def test_regression_sequence_batcher_sends_when_its_delay_ends(autojump_clock):
     from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
 
-    scheduler = SequenceBatchScheduler(_config(
-        "sequence_batching { oldest { max_candidate_sequences: 4 "
-        f"max_queue_delay_microseconds: {int(DELAY * 1e6)} }} }}"))
+    scheduler = SequenceBatchScheduler(
+        _config(
+            "sequence_batching { oldest { max_candidate_sequences: 4 "
+            f"max_queue_delay_microseconds: {int(DELAY * 1e6)} }} }}"
+        )
+    )
     request = _request(sequence_id=1, sequence_start=True)
     taken = await _batch_time(scheduler, request, SUBMIT_AT)
     assert taken == pytest.approx(SUBMIT_AT + DELAY)
@@ -357,10 +374,17 @@ def test_regression_poll_never_serves_files_changed_during_their_load():
         from simulations.clients import steady_load, wait_for
 
         stop = trio.Event()
-        world.activity.start_soon(functools.partial(
-            steady_load, world, ["plain"], duration=1e9, mean_gap=0.05,
-            rng=world.random("clients"), stop=stop,
-        ))
+        world.activity.start_soon(
+            functools.partial(
+                steady_load,
+                world,
+                ["plain"],
+                duration=1e9,
+                mean_gap=0.05,
+                rng=world.random("clients"),
+                stop=stop,
+            )
+        )
         writer = world.writer
         await writer.write(writer.revise("plain"), max_gap=world.setup.poll_secs)
         assert await wait_for(lambda: loading(world, "plain"), limit=10.0)

@@ -15,8 +15,16 @@ from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import ComputeTimes, FailureReason, ModelStatistics
 from trionserve.schedulers.default import DefaultScheduler
 
-DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer",
-             "compute_output", "cache_hit", "cache_miss")
+DURATIONS = (
+    "success",
+    "fail",
+    "queue",
+    "compute_input",
+    "compute_infer",
+    "compute_output",
+    "cache_hit",
+    "cache_miss",
+)
 
 
 class FakeInstance:
@@ -95,19 +103,23 @@ async def test_json_has_triton_shape():
     assert entry["inference_count"] == 4 and entry["execution_count"] == 1
     assert set(entry["inference_stats"]) == set(DURATIONS)
     assert entry["inference_stats"]["compute_infer"] == {"count": 1, "ns": 700}
-    assert entry["batch_stats"] == [{
-        "batch_size": 4,
-        "compute_input": {"count": 1, "ns": 10},
-        "compute_infer": {"count": 1, "ns": 700},
-        "compute_output": {"count": 1, "ns": 20},
-    }]
+    assert entry["batch_stats"] == [
+        {
+            "batch_size": 4,
+            "compute_input": {"count": 1, "ns": 10},
+            "compute_infer": {"count": 1, "ns": 700},
+            "compute_output": {"count": 1, "ns": 20},
+        }
+    ]
     assert ModelStatistics("n", 1).as_json()["last_inference"] == 0
 
 
 def simple_inputs(batch: int):
     a = np.arange(16 * batch, dtype=np.int32).reshape(batch, 16)
-    inputs = [httpclient.InferInput("INPUT0", [batch, 16], "INT32"),
-              httpclient.InferInput("INPUT1", [batch, 16], "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", [batch, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [batch, 16], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(a)
     return inputs

@@ -58,17 +58,33 @@ def test_trace_config_flags_as_triton_spells_them():
     old = parse_trace_config(["rate=5"], levels=["TIMESTAMPS"], rate=9, file="/tmp/x")
     assert (old.rate, old.level, old.file) == (5, frozenset({"TIMESTAMPS"}), "/tmp/x")
     assert parse_trace_config(["level=TIMESTAMPS", "level=OFF"]).level == frozenset()
-    otel = parse_trace_config(["mode=opentelemetry", "opentelemetry,url=http://c:4318/v1/traces",
-                               "opentelemetry,resource=service.name=me"])
+    otel = parse_trace_config(
+        [
+            "mode=opentelemetry",
+            "opentelemetry,url=http://c:4318/v1/traces",
+            "opentelemetry,resource=service.name=me",
+        ]
+    )
     assert otel.mode == "opentelemetry"
-    assert dict(otel.opentelemetry) == {"url": "http://c:4318/v1/traces",
-                                        "resource": "service.name=me"}
+    assert dict(otel.opentelemetry) == {
+        "url": "http://c:4318/v1/traces",
+        "resource": "service.name=me",
+    }
 
 
 @pytest.mark.parametrize(
     "setting",
-    ["level=LOUD", "rate=-1", "count=-2", "mode=zipkin", "zipkin,url=x", ",rate=1", "rate",
-     "triton,log-frequency=x", "speed=1"],
+    [
+        "level=LOUD",
+        "rate=-1",
+        "count=-2",
+        "mode=zipkin",
+        "zipkin,url=x",
+        ",rate=1",
+        "rate",
+        "triton,log-frequency=x",
+        "speed=1",
+    ],
 )
 def test_bad_trace_config_is_refused(setting):
     with pytest.raises(ValueError):
@@ -85,8 +101,12 @@ def manager(**kwargs) -> TraceManager:
 def test_model_settings_follow_the_global_setting_for_what_they_do_not_name():
     tracing = manager()
     assert tracing.settings() == {
-        "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
-        "log_frequency": "0", "trace_file": "/tmp/unused-trace.json", "trace_mode": "triton",
+        "trace_level": ["OFF"],
+        "trace_rate": "1000",
+        "trace_count": "-1",
+        "log_frequency": "0",
+        "trace_file": "/tmp/unused-trace.json",
+        "trace_mode": "triton",
     }
     assert not tracing.active
     tracing.update("m", {"trace_rate": ["5"]})
@@ -123,7 +143,9 @@ def test_invalid_updates_change_nothing():
         tracing.update("", {"trace_level": ["TIMESTAMPS"], "trace_rate": ["0"]})
     assert tracing.settings()["trace_level"] == ["OFF"]
     assert settings_from_json({"trace_rate": 3, "trace_level": ["TIMESTAMPS"], "x": None}) == {
-        "trace_rate": ["3"], "trace_level": ["TIMESTAMPS"], "x": None,
+        "trace_rate": ["3"],
+        "trace_level": ["TIMESTAMPS"],
+        "x": None,
     }
     with pytest.raises(InvalidArgument):
         settings_from_json({"trace_rate": {"a": 1}})
@@ -147,8 +169,9 @@ class _Request:
 async def test_sampling_rate_count_and_log_frequency_files(tmp_path):
     path = tmp_path / "trace.json"
     tracing = TraceManager(
-        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=2, count=3, log_frequency=2,
-                    file=str(path))
+        TraceConfig(
+            level=frozenset({"TIMESTAMPS"}), rate=2, count=3, log_frequency=2, file=str(path)
+        )
     )
     model = _Model()
     async with trio.open_nursery() as nursery:
@@ -216,8 +239,10 @@ def wait_for(paths: list[Path], timeout: float = 30.0) -> None:
 
 def infer_simple(client, request_id: str):
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-              httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [
+        httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
     inputs[0].set_data_from_numpy(a)
     inputs[1].set_data_from_numpy(a)
     return client.infer("simple", inputs, request_id=request_id)
@@ -225,28 +250,41 @@ def infer_simple(client, request_id: str):
 
 def test_trace_settings_and_trace_files_on_a_server(tmp_path):
     trace_file = tmp_path / "trace.json"
-    proc = ServerProcess(args=[f"--trace-config=triton,file={trace_file}",
-                               "--trace-config=level=OFF", "--allow-metrics=false"])
+    proc = ServerProcess(
+        args=[
+            f"--trace-config=triton,file={trace_file}",
+            "--trace-config=level=OFF",
+            "--allow-metrics=false",
+        ]
+    )
     try:
         proc.wait_ready(path="/v2/health/ready")
         http = httpclient.InferenceServerClient(proc.http_url)
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
 
         assert http.get_trace_settings() == {
-            "trace_level": ["OFF"], "trace_rate": "1000", "trace_count": "-1",
-            "log_frequency": "0", "trace_file": str(trace_file), "trace_mode": "triton",
+            "trace_level": ["OFF"],
+            "trace_rate": "1000",
+            "trace_count": "-1",
+            "log_frequency": "0",
+            "trace_file": str(trace_file),
+            "trace_mode": "triton",
         }
         updated = http.update_trace_settings(
             settings={"trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "2"}
         )
         assert (updated["trace_level"], updated["trace_rate"], updated["log_frequency"]) == (
-            ["TIMESTAMPS"], "1", "2"
+            ["TIMESTAMPS"],
+            "1",
+            "2",
         )
         # A model setting over gRPC: its own count, the rest from the global setting.
         grpc.update_trace_settings(model_name="simple", settings={"trace_count": "4"})
         model = http.get_trace_settings(model_name="simple")
         assert (model["trace_count"], model["trace_rate"], model["trace_level"]) == (
-            "4", "1", ["TIMESTAMPS"]
+            "4",
+            "1",
+            ["TIMESTAMPS"],
         )
         over_grpc = grpc.get_trace_settings(model_name="simple", as_json=True)["settings"]
         assert {k: v["value"] for k, v in over_grpc.items()} == {
@@ -321,7 +359,11 @@ async def test_opentelemetry_mode_exports_spans():
     assert spans["simple"].parent.span_id == spans["InferRequest"].context.span_id
     assert spans["compute"].parent.span_id == spans["simple"].context.span_id
     assert [e.name for e in spans["compute"].events] == list(ORDER[2:6])
-    assert [e.name for e in spans["simple"].events] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    assert [e.name for e in spans["simple"].events] == [
+        "REQUEST_START",
+        "QUEUE_START",
+        "REQUEST_END",
+    ]
 
 
 async def test_tensors_level_records_inputs_and_outputs():

@@ -80,9 +80,7 @@ def repository(tmp_path: Path) -> Path:
     return tmp_path / "repo"
 
 
-def test_a_client_that_stops_reading_holds_a_bounded_number_of_bytes(
-    repository, tmp_path
-):
+def test_a_client_that_stops_reading_holds_a_bounded_number_of_bytes(repository, tmp_path):
     limit = 2 * MIB
     marker = tmp_path / "marker"
     args = [
@@ -172,9 +170,7 @@ def test_the_bound_in_the_request_itself():
         assert not request.send(response(1), final=True)  # ignored from now on
         held = [(await anext(stream))[0].outputs[0].data.nbytes for _ in range(2)]
         assert held == [60, 40]
-        with pytest.raises(
-            ResourceExhausted, match="hold 100 bytes and the next one 1 bytes"
-        ):
+        with pytest.raises(ResourceExhausted, match="hold 100 bytes and the next one 1 bytes"):
             await anext(stream)
 
     trio.run(main)

@@ -58,8 +58,9 @@ def _connections():
     server.receive_data(client.data_to_send())
     client.receive_data(b"".join(bytes(b) for b in server.buffers_to_send()))
     server.receive_data(client.data_to_send())
-    client.send_headers(1, [(b":method", b"POST"), (b":scheme", b"http"),
-                            (b":path", b"/x"), (b":authority", b"a")])
+    client.send_headers(
+        1, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/x"), (b":authority", b"a")]
+    )
     server.receive_data(client.data_to_send())
     return server, client
 

@@ -18,7 +18,7 @@ from tests.serverproc import http_client, serving
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 
-RECORDER = '''
+RECORDER = """
 import json
 
 import numpy as np
@@ -40,7 +40,7 @@ class TritonPythonModel:
         self.seen.append(batch)
         report = np.array([json.dumps(self.seen).encode()], dtype=np.object_)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", report)]) for _ in requests]
-'''
+"""
 
 RECORDER_CONFIG = """
 name: "{name}"

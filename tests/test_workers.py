@@ -77,8 +77,10 @@ def _start(repository, *args: str, workers: int = 2) -> ServerProcess:
 
 
 def _inputs(module):
-    inputs = [module.InferInput("INPUT0", [1, 16], "INT32"),
-              module.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs = [
+        module.InferInput("INPUT0", [1, 16], "INT32"),
+        module.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
     for tensor in inputs:
         tensor.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
     return inputs
@@ -179,7 +181,10 @@ def test_a_killed_worker_is_restarted_and_serving_resumes(repository):
 def _run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "trionserve", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -255,17 +260,22 @@ def test_merge_expositions_sums_per_process_figures_only():
             'nv_inference_first_response_histogram_ms_sum{model="simple"} 120\n'
         )
 
-    families = {f.name: f for f in merge_expositions(
-        [exposition(5, 0.5, 100.0), exposition(7, 0.6, 90.0)]
-    )}
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value
-              for f in families.values() for s in f.samples}
+    families = {
+        f.name: f for f in merge_expositions([exposition(5, 0.5, 100.0), exposition(7, 0.6, 90.0)])
+    }
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in families.values()
+        for s in f.samples
+    }
     assert values[("nv_inference_count", (("model", "simple"), ("version", "1")))] == 12
     assert values[("nv_inference_count", (("model", "other"), ("version", "1")))] == 2
     assert values[("nv_cpu_utilization", ())] == 0.5  # the machine's, not summed
     assert values[("nv_gpu_utilization", (("gpu_uuid", "GPU-0"),))] == 0.5
     assert values[("process_start_time_seconds", ())] == 90.0
-    bucket = ("nv_inference_first_response_histogram_ms_bucket",
-              (("le", "+Inf"), ("model", "simple")))
+    bucket = (
+        "nv_inference_first_response_histogram_ms_bucket",
+        (("le", "+Inf"), ("model", "simple")),
+    )
     assert values[bucket] == 6
     assert families["nv_inference_first_response_histogram_ms"].type == "histogram"

@@ -102,89 +102,218 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"trionserve {__version__}")
     add = p.add_argument
-    add("--model-repository", "--model-store", dest="model_repositories", action="append",
-        type=_repository, metavar="PATH",
-        help="model repository: a directory, or s3://, gs://, as:// (repeatable)")
-    add("--model-cache-dir", type=Path, metavar="DIR",
+    add(
+        "--model-repository",
+        "--model-store",
+        dest="model_repositories",
+        action="append",
+        type=_repository,
+        metavar="PATH",
+        help="model repository: a directory, or s3://, gs://, as:// (repeatable)",
+    )
+    add(
+        "--model-cache-dir",
+        type=Path,
+        metavar="DIR",
         help="where object-storage repositories are copied (default: a temporary "
-             "directory removed at exit)")
-    add("--model-control-mode", choices=[m.value for m in ControlMode], default="none",
-        type=str.lower, help="none | explicit | poll (default none)")
-    add("--repository-poll-secs", type=_non_negative_float, default=15.0,
-        help="seconds between repository polls in poll mode (default 15)")
-    add("--load-model", dest="load_models", action="append", default=[], metavar="NAME",
-        help="model to load at startup in explicit mode (repeatable; '*' = all)")
-    add("--strict-model-config", type=_bool, default=False, metavar="BOOL",
-        help="require complete config.pbtxt files: no auto-complete (default false)")
-    add("--disable-auto-complete-config", action="store_true",
-        help="do not auto-complete configurations from model files")
-    add("--strict-readiness", type=_bool, default=True, metavar="BOOL",
+        "directory removed at exit)",
+    )
+    add(
+        "--model-control-mode",
+        choices=[m.value for m in ControlMode],
+        default="none",
+        type=str.lower,
+        help="none | explicit | poll (default none)",
+    )
+    add(
+        "--repository-poll-secs",
+        type=_non_negative_float,
+        default=15.0,
+        help="seconds between repository polls in poll mode (default 15)",
+    )
+    add(
+        "--load-model",
+        dest="load_models",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="model to load at startup in explicit mode (repeatable; '*' = all)",
+    )
+    add(
+        "--strict-model-config",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="require complete config.pbtxt files: no auto-complete (default false)",
+    )
+    add(
+        "--disable-auto-complete-config",
+        action="store_true",
+        help="do not auto-complete configurations from model files",
+    )
+    add(
+        "--strict-readiness",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
         help="ready only when every model is ready (default true); false: ready "
-             "once the server started, whatever the models' state")
-    add("--max-undelivered-response-bytes", type=_int_at_least(1024 * 1024),
-        default=DEFAULT_UNDELIVERED_RESPONSE_BYTES, metavar="BYTES",
+        "once the server started, whatever the models' state",
+    )
+    add(
+        "--max-undelivered-response-bytes",
+        type=_int_at_least(1024 * 1024),
+        default=DEFAULT_UNDELIVERED_RESPONSE_BYTES,
+        metavar="BYTES",
         help="bytes of one request's responses the server holds before its client "
-             "reads them (a decoupled model streaming to a client that stops "
-             "reading); past it the request is cancelled with RESOURCE_EXHAUSTED "
-             f"(default {DEFAULT_UNDELIVERED_RESPONSE_BYTES})")
-    add("--model-config-name", type=_config_name, metavar="NAME",
-        help="read <model>/configs/NAME.pbtxt where it exists, else config.pbtxt")
-    add("--backend-directory", type=Path, default=None, metavar="DIR",
+        "reads them (a decoupled model streaming to a client that stops "
+        "reading); past it the request is cancelled with RESOURCE_EXHAUSTED "
+        f"(default {DEFAULT_UNDELIVERED_RESPONSE_BYTES})",
+    )
+    add(
+        "--model-config-name",
+        type=_config_name,
+        metavar="NAME",
+        help="read <model>/configs/NAME.pbtxt where it exists, else config.pbtxt",
+    )
+    add(
+        "--backend-directory",
+        type=Path,
+        default=None,
+        metavar="DIR",
         help="where Python-based backends live: DIR/<backend>/model.py serves every "
-             "model with backend: \"<backend>\" (default /opt/tritonserver/backends)")
-    add("--backend-config", action="append", default=[], metavar="BACKEND,SETTING=VALUE",
+        'model with backend: "<backend>" (default /opt/tritonserver/backends)',
+    )
+    add(
+        "--backend-config",
+        action="append",
+        default=[],
+        metavar="BACKEND,SETTING=VALUE",
         help="python,shm-default-byte-size=N, shm-growth-byte-size=N, "
-             "stub-timeout-seconds=N, ...: defaults of every Python model (its own "
-             "parameters win); other backends' settings are accepted without effect")
+        "stub-timeout-seconds=N, ...: defaults of every Python model (its own "
+        "parameters win); other backends' settings are accepted without effect",
+    )
     add("--allow-http", type=_bool, default=True, metavar="BOOL")
     add("--http-address", default="0.0.0.0")
     add("--http-port", type=_port, default=8000)
-    add("--http-max-input-size", type=_positive_int, default=64 * 1024 * 1024, metavar="BYTES",
+    add(
+        "--http-max-input-size",
+        type=_positive_int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
         help="largest HTTP request body accepted, after decompression too; 413 beyond "
-             "it (default 67108864: 64 MiB, as Triton)")
-    add("--http-max-connections", type=_positive_int, default=1024, metavar="N",
-        help="HTTP connections served at once; more are answered 503 and closed "
-             "(default 1024)")
-    add("--http-header-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+        "it (default 67108864: 64 MiB, as Triton)",
+    )
+    add(
+        "--http-max-connections",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="HTTP connections served at once; more are answered 503 and closed (default 1024)",
+    )
+    add(
+        "--http-header-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
         help="a connection must send a whole request head within this time of opening "
-             "(or of a later request's first byte), else 408 and closed (default 30)")
-    add("--reuse-http-port", type=_bool, default=False, metavar="BOOL",
-        help="bind the HTTP port with SO_REUSEPORT (default false)")
-    add("--http-header-forward-pattern", type=_header_pattern, metavar="REGEX",
+        "(or of a later request's first byte), else 408 and closed (default 30)",
+    )
+    add(
+        "--reuse-http-port",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="bind the HTTP port with SO_REUSEPORT (default false)",
+    )
+    add(
+        "--http-header-forward-pattern",
+        type=_header_pattern,
+        metavar="REGEX",
         help="forward infer request headers matching REGEX (case-insensitive; "
-             "(?-i) prefix: case-sensitive) to the model as parameters")
-    add("--allow-grpc", type=_bool, default=True, metavar="BOOL",
-        help="serve the gRPC API (default true)")
+        "(?-i) prefix: case-sensitive) to the model as parameters",
+    )
+    add(
+        "--allow-grpc",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="serve the gRPC API (default true)",
+    )
     add("--grpc-address", default="0.0.0.0")
     add("--grpc-port", type=_port, default=8001)
-    add("--reuse-grpc-port", type=_bool, default=False, metavar="BOOL",
-        help="bind the gRPC port with SO_REUSEPORT (default false)")
+    add(
+        "--reuse-grpc-port",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="bind the gRPC port with SO_REUSEPORT (default false)",
+    )
     _add_grpc_flags(add)
     _add_grpc_ssl_flags(add)
     _add_metrics_flags(add)
     _add_trace_flags(add)
-    add("--allow-client-shm", type=_bool, default=False, metavar="BOOL",
-        help="let clients register system shared memory regions (default false)")
-    add("--cache-config", action="append", default=[], metavar="local,size=BYTES",
-        help="response cache for models with response_cache enabled (repeatable)")
-    add("--response-cache-byte-size", type=_non_negative_int, default=None, metavar="BYTES",
-        help="deprecated: --cache-config local,size=BYTES")
-    add("--model-load-thread-count", type=_positive_int, default=4,
-        help="models loaded concurrently (default 4)")
-    add("--exit-timeout-secs", type=_non_negative_float, default=30.0,
-        help="seconds to finish in-flight requests at shutdown (default 30)")
-    add("--exit-on-error", type=_bool, default=True, metavar="BOOL",
-        help="exit if a model fails to load at startup (default true)")
-    add("--log-verbose", type=int, default=0, metavar="LEVEL",
-        help="verbose logging level; > 0 logs every request")
-    add("--log-format", choices=["console", "json", "default", "ISO8601"],
-        default="console", help="console (default; Triton's 'default' and 'ISO8601' "
-        "name it too) or json")
+    add(
+        "--allow-client-shm",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="let clients register system shared memory regions (default false)",
+    )
+    add(
+        "--cache-config",
+        action="append",
+        default=[],
+        metavar="local,size=BYTES",
+        help="response cache for models with response_cache enabled (repeatable)",
+    )
+    add(
+        "--response-cache-byte-size",
+        type=_non_negative_int,
+        default=None,
+        metavar="BYTES",
+        help="deprecated: --cache-config local,size=BYTES",
+    )
+    add(
+        "--model-load-thread-count",
+        type=_positive_int,
+        default=4,
+        help="models loaded concurrently (default 4)",
+    )
+    add(
+        "--exit-timeout-secs",
+        type=_non_negative_float,
+        default=30.0,
+        help="seconds to finish in-flight requests at shutdown (default 30)",
+    )
+    add(
+        "--exit-on-error",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="exit if a model fails to load at startup (default true)",
+    )
+    add(
+        "--log-verbose",
+        type=int,
+        default=0,
+        metavar="LEVEL",
+        help="verbose logging level; > 0 logs every request",
+    )
+    add(
+        "--log-format",
+        choices=["console", "json", "default", "ISO8601"],
+        default="console",
+        help="console (default; Triton's 'default' and 'ISO8601' name it too) or json",
+    )
     for level in ("info", "warning", "error"):
-        add(f"--log-{level}", type=_bool, default=True, metavar="BOOL",
-            help=f"log {level}-level events (default true)")
-    add("--log-file", default="", metavar="PATH",
-        help="append the log to PATH instead of stderr")
+        add(
+            f"--log-{level}",
+            type=_bool,
+            default=True,
+            metavar="BOOL",
+            help=f"log {level}-level events (default true)",
+        )
+    add("--log-file", default="", metavar="PATH", help="append the log to PATH instead of stderr")
     add("--id", dest="server_id", default="trionserve", help="server identifier")
     add_worker_flags(add)
     add_compat_flags(add, _bool)
@@ -208,7 +337,7 @@ def _header_pattern(text: str) -> str:
     """A header-forwarding pattern as Triton applies it: case-insensitive (header
     names are), unless it begins with ``(?-i)``."""
     if text.startswith("(?-i)"):
-        return _regex(text[len("(?-i)"):])
+        return _regex(text[len("(?-i)") :])
     return _regex("(?i)" + text)
 
 
@@ -227,73 +356,152 @@ def _config_name(text: str) -> str:
 
 def _add_grpc_flags(add) -> None:
     """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
-    add("--grpc-max-message-size", type=_int_at_least(1024), default=64 * 1024 * 1024,
-        metavar="BYTES", help="largest request message, after decompression; larger "
-        "ones get RESOURCE_EXHAUSTED (default 67108864, as --http-max-input-size)")
-    add("--grpc-max-concurrent-streams", type=_positive_int, default=1024, metavar="N",
-        help="calls one connection may have open at once; clients queue the rest "
-        "(default 1024)")
-    add("--grpc-max-connection-buffer", type=_int_at_least(1024 * 1024),
-        default=256 * 1024 * 1024, metavar="BYTES",
+    add(
+        "--grpc-max-message-size",
+        type=_int_at_least(1024),
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="largest request message, after decompression; larger "
+        "ones get RESOURCE_EXHAUSTED (default 67108864, as --http-max-input-size)",
+    )
+    add(
+        "--grpc-max-concurrent-streams",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="calls one connection may have open at once; clients queue the rest (default 1024)",
+    )
+    add(
+        "--grpc-max-connection-buffer",
+        type=_int_at_least(1024 * 1024),
+        default=256 * 1024 * 1024,
+        metavar="BYTES",
         help="bytes one connection may hold for requests not yet taken and responses "
-        "the client has not read; past it the client is held back (default 268435456)")
-    add("--grpc-max-connections", type=_positive_int, default=1024, metavar="N",
-        help="connections served at once; past it a new one is closed (default 1024)")
-    add("--grpc-first-call-timeout", type=_positive_float, default=30.0, metavar="SECONDS",
-        help="close a connection that starts no call within SECONDS of opening (default 30)")
-    add("--grpc-header-forward-pattern", type=_header_pattern, metavar="REGEX",
+        "the client has not read; past it the client is held back (default 268435456)",
+    )
+    add(
+        "--grpc-max-connections",
+        type=_positive_int,
+        default=1024,
+        metavar="N",
+        help="connections served at once; past it a new one is closed (default 1024)",
+    )
+    add(
+        "--grpc-first-call-timeout",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close a connection that starts no call within SECONDS of opening (default 30)",
+    )
+    add(
+        "--grpc-header-forward-pattern",
+        type=_header_pattern,
+        metavar="REGEX",
         help="forward request headers matching REGEX (case-insensitive; (?-i) "
-             "prefix: case-sensitive) to the model as parameters")
-    add("--grpc-infer-allocation-pool-size", type=_non_negative_int, metavar="N",
-        help="accepted, no effect: responses are built for each call")
-    add("--grpc-infer-response-compression-level", default="none",
-        choices=["none", "low", "med", "high"], type=_compression_level,
-        help="gzip level for responses to clients that accept it (default none)")
-    add("--grpc-keepalive-time", type=_non_negative_int, default=7_200_000, metavar="MS",
-        help="ping a client after MS milliseconds (default 7200000)")
-    add("--grpc-keepalive-timeout", type=_non_negative_int, default=20_000, metavar="MS",
-        help="close a connection whose ping is not answered in MS ms (default 20000)")
-    add("--grpc-keepalive-permit-without-calls", type=_bool, default=False, metavar="BOOL",
-        help="send keepalive pings also on connections without calls (default false)")
-    for flag, default in (("--grpc-http2-max-pings-without-data", 2),
-                          ("--grpc-http2-min-recv-ping-interval-without-data", 300_000),
-                          ("--grpc-http2-max-ping-strikes", 2)):
-        add(flag, type=_non_negative_int, default=default, metavar="N",
-            help="client ping policy: accepted, not policed")
+        "prefix: case-sensitive) to the model as parameters",
+    )
+    add(
+        "--grpc-infer-allocation-pool-size",
+        type=_non_negative_int,
+        metavar="N",
+        help="accepted, no effect: responses are built for each call",
+    )
+    add(
+        "--grpc-infer-response-compression-level",
+        default="none",
+        choices=["none", "low", "med", "high"],
+        type=_compression_level,
+        help="gzip level for responses to clients that accept it (default none)",
+    )
+    add(
+        "--grpc-keepalive-time",
+        type=_non_negative_int,
+        default=7_200_000,
+        metavar="MS",
+        help="ping a client after MS milliseconds (default 7200000)",
+    )
+    add(
+        "--grpc-keepalive-timeout",
+        type=_non_negative_int,
+        default=20_000,
+        metavar="MS",
+        help="close a connection whose ping is not answered in MS ms (default 20000)",
+    )
+    add(
+        "--grpc-keepalive-permit-without-calls",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="send keepalive pings also on connections without calls (default false)",
+    )
+    for flag, default in (
+        ("--grpc-http2-max-pings-without-data", 2),
+        ("--grpc-http2-min-recv-ping-interval-without-data", 300_000),
+        ("--grpc-http2-max-ping-strikes", 2),
+    ):
+        add(
+            flag,
+            type=_non_negative_int,
+            default=default,
+            metavar="N",
+            help="client ping policy: accepted, not policed",
+        )
 
 
 def _add_grpc_ssl_flags(add) -> None:
     """tritonserver's gRPC TLS and connection-age flags."""
-    add("--grpc-use-ssl", type=_bool, default=False, metavar="BOOL",
-        help="serve gRPC over TLS with --grpc-server-cert and --grpc-server-key "
-             "(PEM files)")
-    add("--grpc-use-ssl-mutual", type=_bool, default=False, metavar="BOOL",
-        help="TLS requiring client certificates signed by --grpc-root-cert; implies "
-             "--grpc-use-ssl")
+    add(
+        "--grpc-use-ssl",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="serve gRPC over TLS with --grpc-server-cert and --grpc-server-key (PEM files)",
+    )
+    add(
+        "--grpc-use-ssl-mutual",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="TLS requiring client certificates signed by --grpc-root-cert; implies --grpc-use-ssl",
+    )
     add("--grpc-server-cert", metavar="PEM", help="the server's certificate (PEM file)")
     add("--grpc-server-key", metavar="PEM", help="the server's private key (PEM file)")
-    add("--grpc-root-cert", metavar="PEM",
-        help="the CA certificate client certificates must chain to (PEM file)")
-    add("--grpc-max-connection-age", type=_non_negative_int, metavar="MS",
-        help="accepted, no effect: connections are not closed by age")
-    add("--grpc-max-connection-age-grace", type=_non_negative_int, metavar="MS",
-        help="accepted, no effect (see --grpc-max-connection-age)")
+    add(
+        "--grpc-root-cert",
+        metavar="PEM",
+        help="the CA certificate client certificates must chain to (PEM file)",
+    )
+    add(
+        "--grpc-max-connection-age",
+        type=_non_negative_int,
+        metavar="MS",
+        help="accepted, no effect: connections are not closed by age",
+    )
+    add(
+        "--grpc-max-connection-age-grace",
+        type=_non_negative_int,
+        metavar="MS",
+        help="accepted, no effect (see --grpc-max-connection-age)",
+    )
 
 
 def _grpc_ssl(parser, args) -> GrpcSsl | None:
     """--grpc-use-ssl(-mutual) as a GrpcSsl; the PEM files must be readable now."""
     if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
         return None
-    files = [("--grpc-server-cert", args.grpc_server_cert),
-             ("--grpc-server-key", args.grpc_server_key)]
+    files = [
+        ("--grpc-server-cert", args.grpc_server_cert),
+        ("--grpc-server-key", args.grpc_server_key),
+    ]
     if args.grpc_use_ssl_mutual:
         files.append(("--grpc-root-cert", args.grpc_root_cert))
     elif args.grpc_root_cert:
         files.append(("--grpc-root-cert", args.grpc_root_cert))
     for flag, path in files:
         if not path:
-            parser.error(f"--grpc-use-ssl{'-mutual' if args.grpc_use_ssl_mutual else ''} "
-                         f"requires {flag}")
+            parser.error(
+                f"--grpc-use-ssl{'-mutual' if args.grpc_use_ssl_mutual else ''} requires {flag}"
+            )
         if not os.access(path, os.R_OK) or not Path(path).is_file():
             parser.error(f"{flag}: cannot read '{path}'")
     return GrpcSsl(
@@ -306,35 +514,66 @@ def _grpc_ssl(parser, args) -> GrpcSsl | None:
 
 def _add_metrics_flags(add) -> None:
     """tritonserver's metrics flags."""
-    add("--allow-metrics", type=_bool, default=True, metavar="BOOL",
-        help="serve Prometheus metrics at /metrics on the metrics port (default true)")
-    add("--allow-gpu-metrics", type=_bool, default=True, metavar="BOOL",
-        help="accepted for compatibility; GPU metrics are not collected")
-    add("--allow-cpu-metrics", type=_bool, default=True, metavar="BOOL",
-        help="report nv_cpu_utilization and CPU memory (default true)")
-    add("--metrics-address", metavar="ADDRESS",
-        help="metrics address (default: --http-address, or 0.0.0.0 without HTTP)")
+    add(
+        "--allow-metrics",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="serve Prometheus metrics at /metrics on the metrics port (default true)",
+    )
+    add(
+        "--allow-gpu-metrics",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="accepted for compatibility; GPU metrics are not collected",
+    )
+    add(
+        "--allow-cpu-metrics",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="report nv_cpu_utilization and CPU memory (default true)",
+    )
+    add(
+        "--metrics-address",
+        metavar="ADDRESS",
+        help="metrics address (default: --http-address, or 0.0.0.0 without HTTP)",
+    )
     add("--metrics-port", type=_port, default=8002)
-    add("--metrics-interval-ms", type=_non_negative_float, default=2000.0, metavar="MS",
-        help="how often per-interval metrics (CPU) are sampled (default 2000)")
-    add("--metrics-config", action="append", default=[], metavar="SETTING=VALUE",
+    add(
+        "--metrics-interval-ms",
+        type=_non_negative_float,
+        default=2000.0,
+        metavar="MS",
+        help="how often per-interval metrics (CPU) are sampled (default 2000)",
+    )
+    add(
+        "--metrics-config",
+        action="append",
+        default=[],
+        metavar="SETTING=VALUE",
         help="counter_latencies=<bool> (default true), histogram_latencies=<bool> "
-             "(nv_inference_first_response_histogram_ms, default false)")
+        "(nv_inference_first_response_histogram_ms, default false)",
+    )
 
 
 def _add_trace_flags(add) -> None:
     """tritonserver's trace flags: --trace-config and the deprecated --trace-*."""
-    add("--trace-config", action="append", default=[], metavar="[MODE,]SETTING=VALUE",
+    add(
+        "--trace-config",
+        action="append",
+        default=[],
+        metavar="[MODE,]SETTING=VALUE",
         help="level=OFF|TIMESTAMPS|TENSORS, rate=N, count=N, mode=triton|opentelemetry, "
-             "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL, "
-             "opentelemetry,resource=KEY=VALUE (repeatable)")
+        "triton,file=PATH, triton,log-frequency=N, opentelemetry,url=URL, "
+        "opentelemetry,resource=KEY=VALUE (repeatable)",
+    )
     add("--trace-file", help="deprecated: --trace-config triton,file=PATH")
-    add("--trace-level", action="append", default=[],
-        help="deprecated: --trace-config level=LEVEL")
+    add("--trace-level", action="append", default=[], help="deprecated: --trace-config level=LEVEL")
     add("--trace-rate", type=int, help="deprecated: --trace-config rate=N")
     add("--trace-count", type=int, help="deprecated: --trace-config count=N")
-    add("--trace-log-frequency", type=int,
-        help="deprecated: --trace-config triton,log-frequency=N")
+    add("--trace-log-frequency", type=int, help="deprecated: --trace-config triton,log-frequency=N")
 
 
 def _metrics_options(parser, args) -> MetricsOptions:
@@ -366,8 +605,10 @@ def _trace_config(parser, args) -> TraceConfig:
 
 def _grpc_options(parser, args) -> GrpcOptions:
     if args.grpc_max_message_size >= 2**32:
-        parser.error("--grpc-max-message-size: expected less than 4 GiB (2**32), "
-                     f"got {args.grpc_max_message_size}")
+        parser.error(
+            "--grpc-max-message-size: expected less than 4 GiB (2**32), "
+            f"got {args.grpc_max_message_size}"
+        )
     return GrpcOptions(
         ssl=_grpc_ssl(parser, args),
         max_message_size=args.grpc_max_message_size,
@@ -376,8 +617,11 @@ def _grpc_options(parser, args) -> GrpcOptions:
         max_connections=args.grpc_max_connections,
         first_call_timeout=args.grpc_first_call_timeout,
         header_forward_pattern=args.grpc_header_forward_pattern,
-        **({"infer_allocation_pool_size": args.grpc_infer_allocation_pool_size}
-           if args.grpc_infer_allocation_pool_size is not None else {}),
+        **(
+            {"infer_allocation_pool_size": args.grpc_infer_allocation_pool_size}
+            if args.grpc_infer_allocation_pool_size is not None
+            else {}
+        ),
         infer_response_compression_level=args.grpc_infer_response_compression_level,
         keepalive_time_ms=args.grpc_keepalive_time,
         keepalive_timeout_ms=args.grpc_keepalive_timeout,
@@ -494,8 +738,9 @@ def main(argv: list[str] | None = None) -> int:
             log_error=options.log_error,
         )
     except OSError as exc:
-        print(f"error: --log-file: cannot open '{options.log_file}': {exc.strerror}",
-              file=sys.stderr)
+        print(
+            f"error: --log-file: cannot open '{options.log_file}': {exc.strerror}", file=sys.stderr
+        )
         return 1
     if args.worker_index is None:  # workers would repeat them
         for note in args.compat_notes:

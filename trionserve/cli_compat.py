@@ -103,9 +103,7 @@ def add_compat_flags(add, boolean) -> None:
         "--model-load-gpu-limit": _pair(r"\d+:[0-9.]+", "<device id>:<fraction>"),
         "--model-load-retry-count": _int_range(0, None),
         "--enable-peer-access": boolean,
-        "--rate-limit-resource": _pair(
-            r"[^:]+:\d+(:\d+)?", "<resource name>:<count>[:<device>]"
-        ),
+        "--rate-limit-resource": _pair(r"[^:]+:\d+(:\d+)?", "<resource name>:<count>[:<device>]"),
         "--sagemaker-port": _int_range(0, 65535),
         "--sagemaker-safe-port-range": _pair(r"\d+-\d+", "<low>-<high>"),
         "--sagemaker-thread-count": _int_range(1, None),
@@ -114,23 +112,48 @@ def add_compat_flags(add, boolean) -> None:
     }
     for flag, reason in _NO_EFFECT.items():
         repeat = {"action": "append"} if flag in _REPEATABLE else {}
-        add(flag, dest=_dest(flag), type=types.get(flag, str), metavar="VALUE",
-            help=f"accepted, no effect: {reason}", **repeat)
+        add(
+            flag,
+            dest=_dest(flag),
+            type=types.get(flag, str),
+            metavar="VALUE",
+            help=f"accepted, no effect: {reason}",
+            **repeat,
+        )
     for flag, reason in _REFUSED.items():
-        add(flag, dest=_dest(flag), action="append", metavar="VALUE",
-            help=f"refused: {reason}")
-    add("--rate-limit", dest="compat_rate_limit", type=str.lower, default="off",
+        add(flag, dest=_dest(flag), action="append", metavar="VALUE", help=f"refused: {reason}")
+    add(
+        "--rate-limit",
+        dest="compat_rate_limit",
+        type=str.lower,
+        default="off",
         choices=["off", "execution_count"],
-        help="off (default); execution_count is refused: there is no rate limiter")
-    add("--model-namespacing", dest="compat_model_namespacing", type=boolean,
-        default=False, metavar="BOOL",
-        help="false (default); true is refused: model names are global")
-    add("--allow-sagemaker", dest="compat_allow_sagemaker", type=boolean,
-        default=False, metavar="BOOL",
-        help="false (default); true is refused: there is no SageMaker endpoint")
-    add("--allow-vertex-ai", dest="compat_allow_vertex_ai", type=boolean,
-        default=False, metavar="BOOL",
-        help="false (default); true is refused: there is no Vertex AI endpoint")
+        help="off (default); execution_count is refused: there is no rate limiter",
+    )
+    add(
+        "--model-namespacing",
+        dest="compat_model_namespacing",
+        type=boolean,
+        default=False,
+        metavar="BOOL",
+        help="false (default); true is refused: model names are global",
+    )
+    add(
+        "--allow-sagemaker",
+        dest="compat_allow_sagemaker",
+        type=boolean,
+        default=False,
+        metavar="BOOL",
+        help="false (default); true is refused: there is no SageMaker endpoint",
+    )
+    add(
+        "--allow-vertex-ai",
+        dest="compat_allow_vertex_ai",
+        type=boolean,
+        default=False,
+        metavar="BOOL",
+        help="false (default); true is refused: there is no Vertex AI endpoint",
+    )
 
 
 def compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
@@ -152,8 +175,10 @@ def compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
         )
     for flag, name in (("--allow-sagemaker", "SageMaker"), ("--allow-vertex-ai", "Vertex AI")):
         if getattr(args, _dest(flag)):
-            parser.error(f"{flag}=true is not supported by trionserve: there is no "
-                         f"{name} endpoint; use the KServe v2 HTTP/gRPC endpoints")
+            parser.error(
+                f"{flag}=true is not supported by trionserve: there is no "
+                f"{name} endpoint; use the KServe v2 HTTP/gRPC endpoints"
+            )
     notes = []
     for flag, reason in _NO_EFFECT.items():
         value = getattr(args, _dest(flag))

@@ -221,9 +221,7 @@ class DataPlane:
         # Not counted in the model's statistics: like a request refused because
         # its model is not ready, it never reached the model.
         what = (
-            "a new sequence"
-            if sequences is not None and request.sequence_start
-            else "new requests"
+            "a new sequence" if sequences is not None and request.sequence_start else "new requests"
         )
         raise ShuttingDown(
             f"server is shutting down: request for model '{request.model_name}' refused; "
@@ -556,9 +554,7 @@ class DataPlane:
     async def _labels(self, model: ModelVersion, output: str) -> list[str] | None:
         cache = self._label_cache.setdefault(model, {})
         if output not in cache:
-            filename = next(
-                (o.label_filename for o in model.config.output if o.name == output), ""
-            )
+            filename = next((o.label_filename for o in model.config.output if o.name == output), "")
             cache[output] = (
                 await trio.to_thread.run_sync(read_labels, model.model_dir / filename)
                 if filename
@@ -594,9 +590,7 @@ class _Lifecycle:
             return
         if self._first:
             self._first = False
-            observe_first_response(
-                self.model, trio.current_time() - self.request.arrival_time
-            )
+            observe_first_response(self.model, trio.current_time() - self.request.arrival_time)
         if self._classify:
             await self._dataplane._classify(self.model, self.request, response)
 

@@ -147,8 +147,7 @@ class Server:
             if options.response_cache_bytes
             else None,
             tracing=TraceManager(options.trace),
-            first_response_histogram=options.allow_metrics
-            and options.metrics.histogram_latencies,
+            first_response_histogram=options.allow_metrics and options.metrics.histogram_latencies,
             strict_readiness=options.strict_readiness,
             undelivered_response_limit=options.max_undelivered_response_bytes,
         )

@@ -81,9 +81,14 @@ def parse_workers(text: str) -> int:
 
 
 def add_worker_flags(add) -> None:
-    add("--workers", type=parse_workers, default=1, metavar="N|auto",
+    add(
+        "--workers",
+        type=parse_workers,
+        default=1,
+        metavar="N|auto",
         help="server processes sharing the HTTP and gRPC ports with SO_REUSEPORT "
-             "(default 1; auto: one per CPU)")
+        "(default 1; auto: one per CPU)",
+    )
     # Set by the supervisor on the processes it starts; not for users.
     add("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     add("--worker-ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -106,8 +111,10 @@ def worker_conflicts(args: argparse.Namespace) -> list[str]:
             "region is registered in the one worker process its request lands on, and "
             "requests on other connections would not find it"
         )
-    for flag, allowed, port in (("--http-port", args.allow_http, args.http_port),
-                                ("--grpc-port", args.allow_grpc, args.grpc_port)):
+    for flag, allowed, port in (
+        ("--http-port", args.allow_http, args.http_port),
+        ("--grpc-port", args.allow_grpc, args.grpc_port),
+    ):
         if allowed and port == 0:
             problems.append(
                 f"{flag}=0 cannot be used with --workers > 1: each worker would "
@@ -271,7 +278,9 @@ class Supervisor:
                 delay = _backoff(slot.crashes)
             log.warning(
                 "worker exited unexpectedly",
-                worker=slot.index, exit_code=code, restart_in_secs=delay,
+                worker=slot.index,
+                exit_code=code,
+                restart_in_secs=delay,
             )
             with trio.move_on_after(delay):
                 await self._stopping.wait()
@@ -281,8 +290,12 @@ class Supervisor:
         """One process of ``slot`` from start to exit: (became ready, exit code)."""
         slot.metrics_port = _free_loopback_port() if self.plan.metrics_bind else None
         read_fd, write_fd = os.pipe()
-        command = [*self.plan.python, *self.plan.argv,
-                   f"--worker-index={slot.index}", f"--worker-ready-fd={write_fd}"]
+        command = [
+            *self.plan.python,
+            *self.plan.argv,
+            f"--worker-index={slot.index}",
+            f"--worker-ready-fd={write_fd}",
+        ]
         if slot.metrics_port is not None:
             command += ["--metrics-address=127.0.0.1", f"--metrics-port={slot.metrics_port}"]
         try:
@@ -305,8 +318,12 @@ class Supervisor:
         if ready:
             slot.ready = slot.ever_ready = True
             slot.startup_failures = 0
-            log.info("worker ready", worker=slot.index, pid=process.pid,
-                     metrics=f"127.0.0.1:{slot.metrics_port}" if slot.metrics_port else None)
+            log.info(
+                "worker ready",
+                worker=slot.index,
+                pid=process.pid,
+                metrics=f"127.0.0.1:{slot.metrics_port}" if slot.metrics_port else None,
+            )
             if all(s.ready for s in self.slots):
                 log.info("all workers ready", workers=len(self.slots))
         try:
@@ -394,8 +411,7 @@ def metrics_bind(options) -> tuple[str, int] | None:
     """Where the supervisor serves metrics: Triton's rule, as ``Server`` applies it."""
     if not options.allow_metrics:
         return None
-    address = options.metrics_address or (options.http_address if options.allow_http
-                                          else "0.0.0.0")
+    address = options.metrics_address or (options.http_address if options.allow_http else "0.0.0.0")
     return address, options.metrics_port
 
 

@@ -65,13 +65,24 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     parser.add_argument("--client-processes", type=int, default=None)
-    parser.add_argument("--trionserve-flags", default="", metavar="FLAGS",
-                        help="extra trionserve flags, e.g. \"--workers 2\"")
-    parser.add_argument("--python-backend", action="store_true",
-                        help="also run trionserve on the Python-backend models")
+    parser.add_argument(
+        "--trionserve-flags",
+        default="",
+        metavar="FLAGS",
+        help='extra trionserve flags, e.g. "--workers 2"',
+    )
+    parser.add_argument(
+        "--python-backend",
+        action="store_true",
+        help="also run trionserve on the Python-backend models",
+    )
     parser.add_argument("--venv-root", type=Path, default=default_venv_root())
-    parser.add_argument("--install-timeout", type=float, default=900.0,
-                        help="seconds allowed for each peer's pip install")
+    parser.add_argument(
+        "--install-timeout",
+        type=float,
+        default=900.0,
+        help="seconds allowed for each peer's pip install",
+    )
     parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--install-only", action="store_true")
     args = parser.parse_args()
@@ -85,8 +96,11 @@ def main() -> None:
     except KeyError as exc:
         raise SystemExit(f"unknown workload {exc}; known: {', '.join(known)}") from None
     try:
-        peers = [PEERS[name.strip()](args.venv_root, args.install_timeout)
-                 for name in args.peers.split(",") if name.strip()]
+        peers = [
+            PEERS[name.strip()](args.venv_root, args.install_timeout)
+            for name in args.peers.split(",")
+            if name.strip()
+        ]
     except KeyError as exc:
         raise SystemExit(f"unknown peer {exc}; known: {', '.join(PEERS)}") from None
 
@@ -127,11 +141,20 @@ def main() -> None:
                     continue
                 running.append((started.process, started.target))
             targets = [target for _, target in running]
-            print(f"host: {os.cpu_count()} CPUs; {args.duration:g} s x {args.rounds} round(s) "
-                  f"per point; servers: {', '.join(t.label for t in targets)}", flush=True)
+            print(
+                f"host: {os.cpu_count()} CPUs; {args.duration:g} s x {args.rounds} round(s) "
+                f"per point; servers: {', '.join(t.label for t in targets)}",
+                flush=True,
+            )
             cells = run_matrix(
-                targets, workloads, concurrencies, args.duration, args.warmup, args.rounds,
-                args.client_processes, log=lambda line: print(line, flush=True),
+                targets,
+                workloads,
+                concurrencies,
+                args.duration,
+                args.warmup,
+                args.rounds,
+                args.client_processes,
+                log=lambda line: print(line, flush=True),
             )
             rss = peak_rss_of(targets)
         finally:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from benchmarks.peers.common import Peer, Running, ports
 
-SERVER = '''
+SERVER = """
 import logging
 import sys
 
@@ -53,7 +53,7 @@ if __name__ == "__main__":
     ModelServer(
         http_port=http_port, grpc_port=grpc_port, workers=1, enable_latency_logging=False
     ).start([Simple(), Identity()])
-'''
+"""
 
 
 class KServe(Peer):
@@ -67,7 +67,12 @@ class KServe(Peer):
         http_port, grpc_port, _ = ports()
         command = [str(self.python), str(script), str(http_port), str(grpc_port)]
         return self._launch(
-            command, http_port, grpc_port, "/v2/health/live", ready_timeout, cwd=workdir,
+            command,
+            http_port,
+            grpc_port,
+            "/v2/health/live",
+            ready_timeout,
+            cwd=workdir,
             unsupported={
                 "simple batched http binary": "no server-side batching in kserve.ModelServer",
                 "simple batched grpc": "no server-side batching in kserve.ModelServer",

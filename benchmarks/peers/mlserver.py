@@ -9,7 +9,7 @@ from pathlib import Path
 
 from benchmarks.peers.common import BATCH_DELAY_SECONDS, MAX_BATCH, Peer, Running, ports
 
-RUNTIME = '''
+RUNTIME = """
 from mlserver import MLModel
 from mlserver.codecs import NumpyCodec
 from mlserver.types import InferenceRequest, InferenceResponse
@@ -43,7 +43,7 @@ class IdentityRuntime(MLModel):
             id=payload.id,
             outputs=[NumpyCodec.encode_output("OUTPUT0", value)],
         )
-'''
+"""
 
 
 class MLServer(Peer):
@@ -77,9 +77,7 @@ class MLServer(Peer):
         }
         for name, settings in models.items():
             (root / name).mkdir()
-            (root / name / "model-settings.json").write_text(
-                json.dumps({"name": name, **settings})
-            )
+            (root / name / "model-settings.json").write_text(json.dumps({"name": name, **settings}))
         command = [str(self.venv / "bin" / "mlserver"), "start", str(root)]
         return self._launch(
             command,

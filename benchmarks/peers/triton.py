@@ -37,7 +37,7 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: 1 }} ]
 """
 
-IDENTITY_MODEL = '''
+IDENTITY_MODEL = """
 import triton_python_backend_utils as pb_utils
 
 
@@ -49,7 +49,7 @@ class TritonPythonModel:
             )
             for r in requests
         ]
-'''
+"""
 
 
 def write_repository(root: Path) -> Path:

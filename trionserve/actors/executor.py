@@ -231,9 +231,7 @@ class InstanceExecutor:
         if succeeded:
             statistics.record_execution(batch_size, input_ns, infer_ns, output_ns, end)
 
-    def _record_failures(
-        self, requests: list[InferenceRequest], reason: FailureReason
-    ) -> None:
+    def _record_failures(self, requests: list[InferenceRequest], reason: FailureReason) -> None:
         if self._statistics is None:
             return
         now = trio.current_time()

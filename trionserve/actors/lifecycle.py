@@ -109,8 +109,12 @@ class ModelEntry:
 
     def is_empty(self) -> bool:
         return not (
-            self.serving or self.loading or self.draining or self.unavailable
-            or self.reason or self.operations
+            self.serving
+            or self.loading
+            or self.draining
+            or self.unavailable
+            or self.reason
+            or self.operations
         )
 
     def index_rows(self) -> list[dict]:

@@ -251,8 +251,13 @@ class ModelVersion:
                         raise Unavailable(f"{label} failed: {type(exc).__name__}: {exc}") from exc
                     check_results(label, results)
             if self._warmup:
-                log.info("model warmed up", model=self.name, version=self.version,
-                         instance=spec.name, samples=len(self._warmup))
+                log.info(
+                    "model warmed up",
+                    model=self.name,
+                    version=self.version,
+                    instance=spec.name,
+                    samples=len(self._warmup),
+                )
 
     async def _release(self, loaded, instances) -> None:
         def release() -> None:
@@ -325,9 +330,7 @@ class ModelVersion:
         try:
             await self._scheduler.submit(request)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise Unavailable(
-                f"model '{self.name}' version {self.version} is unloading"
-            ) from None
+            raise Unavailable(f"model '{self.name}' version {self.version} is unloading") from None
 
     def begin_request(self) -> None:
         if self._inflight == 0:

@@ -87,13 +87,9 @@ class ModelRegistry:
             found = route[0].get(version)
             if found is not None:
                 return found
-            raise NotFound(
-                f"Request for unknown model: '{name}' version {version} is not found"
-            )
+            raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
         if name in self._entries and not self._entries[name].is_empty():
-            raise Unavailable(
-                f"Request for unknown model: '{name}' has no available versions"
-            )
+            raise Unavailable(f"Request for unknown model: '{name}' has no available versions")
         raise NotFound(f"Request for unknown model: '{name}' is not found")
 
     def entries(self) -> dict[str, ModelEntry]:
@@ -135,8 +131,15 @@ class ModelRegistry:
             name,
             ("load", digest),
             explicit,
-            partial(self._load, override_json=override_json, files=files, digest=digest,
-                    reason=reason, chain=_chain, stable_files=stable_files),
+            partial(
+                self._load,
+                override_json=override_json,
+                files=files,
+                digest=digest,
+                reason=reason,
+                chain=_chain,
+                stable_files=stable_files,
+            ),
         )
 
     async def unload(
@@ -222,8 +225,9 @@ class ModelRegistry:
 
     # -- load ----------------------------------------------------------------------
 
-    async def _load(self, entry, *, override_json, files, digest, reason, chain,
-                    stable_files=False) -> None:
+    async def _load(
+        self, entry, *, override_json, files, digest, reason, chain, stable_files=False
+    ) -> None:
         name = entry.name
         if files and entry.source is not None and entry.source.override_digest == digest:
             if entry.serving and not entry.failed:
@@ -261,8 +265,13 @@ class ModelRegistry:
         source = LoadedSource(model_dir, snapshot, prepared.config, digest if files else "")
         plan = plan_reload(entry.source, set(entry.serving), source, prepared.versions)
         if plan.update_instances and not await self._update_instances(entry, plan, source):
-            plan = ReloadPlan((), tuple(prepared.versions), tuple(sorted(entry.serving)), False,
-                              "instance count changed; the instances could not change in place")
+            plan = ReloadPlan(
+                (),
+                tuple(prepared.versions),
+                tuple(sorted(entry.serving)),
+                False,
+                "instance count changed; the instances could not change in place",
+            )
         if not (plan.load or plan.unload):
             entry.source = source
             entry.reason = ""
@@ -271,8 +280,7 @@ class ModelRegistry:
             if not plan.update_instances:
                 log.info("model unchanged", model=name, reason=reason)
             return
-        await self._apply(entry, plan, prepared, source, f"{reason}: {plan.reason}",
-                          stable_files)
+        await self._apply(entry, plan, prepared, source, f"{reason}: {plan.reason}", stable_files)
 
     async def _load_composing_models(self, name: str, config, chain: tuple[str, ...]) -> None:
         """Load an ensemble's composing models first, as Triton does."""
@@ -287,8 +295,12 @@ class ModelRegistry:
 
         async def load_one(step: str) -> None:
             try:
-                await self.load(step, explicit=False, reason=f"composing model of '{name}'",
-                                _chain=(*chain, name))
+                await self.load(
+                    step,
+                    explicit=False,
+                    reason=f"composing model of '{name}'",
+                    _chain=(*chain, name),
+                )
             except TritonError as exc:
                 errors[step] = exc.message
 
@@ -311,25 +323,39 @@ class ModelRegistry:
             try:
                 await setter(source.config)
             except Exception as exc:
-                log.warning("changing instances in place failed; reloading instead",
-                            model=entry.name, version=number,
-                            reason=as_triton_error(exc).message)
+                log.warning(
+                    "changing instances in place failed; reloading instead",
+                    model=entry.name,
+                    version=number,
+                    reason=as_triton_error(exc).message,
+                )
                 return False
-            log.info("model instances changed", model=entry.name, version=number,
-                     reason="instance_group count changed",
-                     duration_s=round(trio.current_time() - started, 3),
-                     **{"from": before, "to": [g.count for g in source.config.instance_group]})
+            log.info(
+                "model instances changed",
+                model=entry.name,
+                version=number,
+                reason="instance_group count changed",
+                duration_s=round(trio.current_time() - started, 3),
+                **{"from": before, "to": [g.count for g in source.config.instance_group]},
+            )
         return True
 
-    async def _apply(self, entry, plan: ReloadPlan, prepared, source, reason: str,
-                     stable_files: bool = False) -> None:
+    async def _apply(
+        self, entry, plan: ReloadPlan, prepared, source, reason: str, stable_files: bool = False
+    ) -> None:
         """Load ``plan.load`` beside the serving versions, then switch and retire."""
         name = entry.name
         extra = {"inference": self.inference} if self.inference is not None else {}
         new = {
             number: ModelVersion(
-                name, number, prepared.config, source.model_dir, prepared.backend,
-                self._load_limiter, self._drain_timeout, **extra,
+                name,
+                number,
+                prepared.config,
+                source.model_dir,
+                prepared.backend,
+                self._load_limiter,
+                self._drain_timeout,
+                **extra,
             )
             for number in plan.load
         }
@@ -357,8 +383,11 @@ class ModelRegistry:
                     self._retire(entry, version, "reload failed")
                 if not loaded:
                     await trio.to_thread.run_sync(remove_override, source.model_dir)
-                log.error("model reload failed; the loaded versions keep serving",
-                          model=name, reason=error.message)
+                log.error(
+                    "model reload failed; the loaded versions keep serving",
+                    model=name,
+                    reason=error.message,
+                )
                 raise error
             entry.failed = True
         retiring = [entry.serving[n] for n in plan.unload if n in entry.serving]
@@ -435,7 +464,8 @@ class ModelRegistry:
 
     async def _remove_override_if_unused(self, entry: ModelEntry, model_dir: Path) -> None:
         in_use = [
-            v for v in (*entry.serving.values(), *entry.loading.values(), *entry.draining)
+            v
+            for v in (*entry.serving.values(), *entry.loading.values(), *entry.draining)
             if v.model_dir == model_dir
         ]
         current = entry.source is not None and entry.source.model_dir == model_dir
@@ -452,8 +482,9 @@ class ModelRegistry:
 
     # -- unload ----------------------------------------------------------------------
 
-    async def _unload(self, entry: ModelEntry, *, wait: bool, unload_dependents: bool,
-                      reason: str) -> None:
+    async def _unload(
+        self, entry: ModelEntry, *, wait: bool, unload_dependents: bool, reason: str
+    ) -> None:
         versions = list(entry.serving.values())
         entry.serving = {}
         self._switch(entry.name)
@@ -465,8 +496,12 @@ class ModelRegistry:
         source, entry.source = entry.source, None
         dependencies, entry.dependencies = entry.dependencies, frozenset()
         if versions:
-            log.info("model unloading", model=entry.name, reason=reason,
-                     versions=[v.version for v in versions])
+            log.info(
+                "model unloading",
+                model=entry.name,
+                reason=reason,
+                versions=[v.version for v in versions],
+            )
         if wait:
             for version in list(entry.draining):
                 await version.stopped.wait()
@@ -475,8 +510,12 @@ class ModelRegistry:
         if unload_dependents:
             for name in sorted(dependencies):
                 if not self._still_needed(name):
-                    await self.unload(name, wait=wait, unload_dependents=True,
-                                      reason=f"composing model of unloaded '{entry.name}'")
+                    await self.unload(
+                        name,
+                        wait=wait,
+                        unload_dependents=True,
+                        reason=f"composing model of unloaded '{entry.name}'",
+                    )
 
     def _still_needed(self, name: str) -> bool:
         """Whether a composing model was loaded by name or serves another model."""

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from trionserve._generated.model_config_pb2 import DataType
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, Tensor
-from trionserve._generated.model_config_pb2 import DataType
 
 WARMUP_FOLDER = "warmup"
 
@@ -50,8 +50,7 @@ def warmup_samples(config, model_dir: Path) -> list[WarmupSample]:
             raise InvalidArgument(f"{label}: batch_size must be at least 1")
         if config.max_batch_size == 0 and warmup.batch_size != 1:
             raise InvalidArgument(
-                f"{label}: batch_size must be 1 for a model that does not batch "
-                "(max_batch_size 0)"
+                f"{label}: batch_size must be 1 for a model that does not batch (max_batch_size 0)"
             )
         if config.max_batch_size and warmup.batch_size > config.max_batch_size:
             raise InvalidArgument(
@@ -63,9 +62,7 @@ def warmup_samples(config, model_dir: Path) -> list[WarmupSample]:
             if name not in inputs:
                 raise InvalidArgument(f"{label}: '{name}' is not an input of the model")
             tensors[name] = _tensor(label, name, sample, config, model_dir)
-        missing = [
-            name for name, i in inputs.items() if not i.optional and name not in tensors
-        ]
+        missing = [name for name, i in inputs.items() if not i.optional and name not in tensors]
         if missing:
             raise InvalidArgument(f"{label}: no data for input(s) {missing}")
         samples.append(WarmupSample(warmup.name, warmup.batch_size, warmup.count, tensors))
@@ -100,8 +97,9 @@ def _random(kind: datatypes.DataType, shape: list[int]) -> np.ndarray:
         return rng.integers(0, 2, size=shape).astype(np.bool_)
     if kind.numpy.kind in "iu":
         info = np.iinfo(kind.numpy)
-        return rng.integers(max(info.min, -128), min(info.max, 127), size=shape,
-                            endpoint=True).astype(kind.numpy)
+        return rng.integers(
+            max(info.min, -128), min(info.max, 127), size=shape, endpoint=True
+        ).astype(kind.numpy)
     return rng.random(size=shape).astype(kind.numpy)
 
 

@@ -113,9 +113,7 @@ class RepositoryWatcher:
         try:
             # Object-storage repositories: fetch what changed into the local copy first.
             await trio.to_thread.run_sync(self.registry.repository.refresh)
-            current = await trio.to_thread.run_sync(
-                snapshot_repository, self.registry.repository
-            )
+            current = await trio.to_thread.run_sync(snapshot_repository, self.registry.repository)
         except TritonError as exc:
             log.error("model repository poll failed", reason=exc.message)
             return

@@ -43,8 +43,7 @@ def parse_backend_config(values: list[str]) -> BackendConfig:
         key, value = text[comma + 1 : equals], text[equals + 1 :]
         if equals < 0 or not key or not value:
             raise ValueError(
-                "--backend-config format is <backend name>,<setting>=<value>, "
-                f"got '{text}'"
+                f"--backend-config format is <backend name>,<setting>=<value>, got '{text}'"
             )
         config.setdefault(backend, {})[key] = value
     return config

@@ -48,11 +48,11 @@ class ModelContext:
 
     name: str
     version: int
-    config: "ModelConfig"
+    config: ModelConfig
     model_dir: Path  # <repository>/<model>
     version_dir: Path  # <repository>/<model>/<version>
     # The server's inference path, for models that call other models (BLS).
-    inference: "InferenceService | None" = None
+    inference: InferenceService | None = None
 
     @property
     def repository(self) -> Path:
@@ -111,7 +111,7 @@ class Backend(Protocol):
     def default_model_filename(self) -> str: ...
 
     def auto_complete_config(
-        self, config: "ModelConfig", model_path: Path, max_batch_size_set: bool
+        self, config: ModelConfig, model_path: Path, max_batch_size_set: bool
     ) -> None:
         """Fill inputs, outputs and max_batch_size that the model file can tell.
 

@@ -64,9 +64,7 @@ def split_outputs(
     return per_request
 
 
-def wanted_outputs(
-    requests: Sequence[InferenceRequest], model_outputs: Sequence[str]
-) -> list[str]:
+def wanted_outputs(requests: Sequence[InferenceRequest], model_outputs: Sequence[str]) -> list[str]:
     """The outputs any request of the batch asked for, in the model's order."""
     wanted: set[str] = set()
     for request in requests:

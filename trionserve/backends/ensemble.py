@@ -88,9 +88,7 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
         try:
             model = lookup(entry.model_name, step_version)
         except TritonError as exc:
-            raise Unavailable(
-                f"{where}: composing model is not available: {exc.message}"
-            ) from None
+            raise Unavailable(f"{where}: composing model is not available: {exc.message}") from None
         signature: ModelSignature = model.signature
         _check_names(where, entry.input_map, signature.inputs, "input", "input_map")
         _check_names(where, entry.output_map, signature.outputs, "output", "output_map")
@@ -130,15 +128,15 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
     for step, signature in zip(steps, signatures):
         for model_input, tensor in step.input_map.items():
             spec = signature.inputs[model_input]
-            _check_edge(name, tensor, tensors.get(tensor), spec, signature,
-                        f"{step} input '{model_input}'")
+            _check_edge(
+                name, tensor, tensors.get(tensor), spec, signature, f"{step} input '{model_input}'"
+            )
     for spec in own.outputs.values():
-        _check_edge(name, spec.name, tensors.get(spec.name), spec, own,
-                    f"ensemble output '{spec.name}'")
+        _check_edge(
+            name, spec.name, tensors.get(spec.name), spec, own, f"ensemble output '{spec.name}'"
+        )
 
-    producers = tuple(
-        frozenset(writer[t] for t in step.input_map.values()) for step in steps
-    )
+    producers = tuple(frozenset(writer[t] for t in step.input_map.values()) for step in steps)
     consumers = {
         p: tuple(i for i, ps in enumerate(producers) if p in ps)
         for p in (ENSEMBLE_INPUTS, *range(len(steps)))
@@ -166,8 +164,9 @@ def _check_names(where: str, mapping, specs: dict, kind: str, field: str) -> Non
             )
 
 
-def _check_edge(ensemble: str, tensor: str, written, spec: TensorSpec,
-                signature: ModelSignature, reader: str) -> None:
+def _check_edge(
+    ensemble: str, tensor: str, written, spec: TensorSpec, signature: ModelSignature, reader: str
+) -> None:
     """The tensor as written must have the datatype and a shape ``reader`` accepts."""
     if written is None:  # structure errors are reported by validate_model_config
         raise InvalidArgument(f"ensemble '{ensemble}': no step writes tensor '{tensor}'")

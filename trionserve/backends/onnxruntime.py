@@ -78,9 +78,7 @@ class OnnxRuntimeBackend:
 
         return bool({CUDA, TENSORRT} & set(ort.get_available_providers()))
 
-    def auto_complete_config(
-        self, config, model_path: Path, max_batch_size_set: bool
-    ) -> None:
+    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
         """Fill max_batch_size, inputs and outputs from the ONNX graph.
 
         Only what config.pbtxt leaves out is filled: a config that lists inputs keeps
@@ -88,15 +86,12 @@ class OnnxRuntimeBackend:
         model whose every tensor has a variable leading dimension gets
         max_batch_size 4 unless the config set max_batch_size itself.
         """
-        session = _ort().InferenceSession(
-            str(model_path), providers=["CPUExecutionProvider"]
-        )
+        session = _ort().InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
         graph_inputs = session.get_inputs()
         graph_outputs = session.get_outputs()
         # A leading symbolic dimension on every tensor means the model batches.
         can_batch = all(
-            len(t.shape) > 0 and _dims(t.shape)[0] == -1
-            for t in (*graph_inputs, *graph_outputs)
+            len(t.shape) > 0 and _dims(t.shape)[0] == -1 for t in (*graph_inputs, *graph_outputs)
         )
         has_dims = any(e.dims for e in (*config.input, *config.output))
         if not max_batch_size_set and can_batch and not has_dims:
@@ -121,7 +116,7 @@ class OnnxRuntimeBackend:
                 dims = _dims(t.shape)[skip:]
                 entry.dims.extend(dims if dims else [1])
 
-    def load(self, context: ModelContext) -> "OnnxModel":
+    def load(self, context: ModelContext) -> OnnxModel:
         filename = context.config.default_model_filename or self.default_model_filename()
         path = context.version_dir / filename
         if not path.exists():
@@ -145,7 +140,7 @@ class OnnxModel:
         self.context = context
         self.path = path
 
-    def create_instance(self, spec: InstanceSpec) -> "OnnxInstance":
+    def create_instance(self, spec: InstanceSpec) -> OnnxInstance:
         ort = _ort()
         config = self.context.config
         options = ort.SessionOptions()
@@ -172,13 +167,10 @@ class OnnxInstance:
         self.model_name = context.name
         self.model_version = str(context.version)
         self._session = session
-        self._string_inputs = {
-            i.name for i in session.get_inputs() if i.type == "tensor(string)"
-        }
+        self._string_inputs = {i.name for i in session.get_inputs() if i.type == "tensor(string)"}
         graph_outputs = {o.name for o in session.get_outputs()}
         self._output_datatypes = {
-            o.name: datatypes.BY_CONFIG[_data_type_name(o.data_type)].wire
-            for o in config.output
+            o.name: datatypes.BY_CONFIG[_data_type_name(o.data_type)].wire for o in config.output
         }
         # Implicit state outputs (sequence_batching.state) are produced for the
         # sequence batcher, which keeps them, whether or not the config lists them.
@@ -249,7 +241,6 @@ def _data_type_name(value: int) -> str:
 def _to_str_array(array: np.ndarray) -> np.ndarray:
     """onnxruntime string tensors want str elements; our BYTES tensors hold bytes."""
     flat = [
-        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-        for v in array.reshape(-1)
+        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)
     ]
     return np.array(flat, dtype=object).reshape(array.shape)

@@ -56,8 +56,12 @@ _TRT_OPTIONS = {
     "trt_ep_context_file_path": ("trt_ep_context_file_path", "str"),
     "trt_ep_context_embed_mode": ("trt_ep_context_embed_mode", "int"),
 }
-_PRECISION_MODES = {"FP32": None, "FP16": "trt_fp16_enable", "BF16": "trt_bf16_enable",
-                    "INT8": "trt_int8_enable"}
+_PRECISION_MODES = {
+    "FP32": None,
+    "FP16": "trt_fp16_enable",
+    "BF16": "trt_bf16_enable",
+    "INT8": "trt_int8_enable",
+}
 _CUDA_BOOL_OPTIONS = ("do_copy_in_default_stream", "use_ep_level_unified_stream")
 # Older model ``parameters`` for the CUDA provider: integer codes -> option values.
 _LEGACY_CUDA_CODES = {
@@ -106,8 +110,7 @@ def _tensorrt_options(model: str, parameters, device_id: int) -> dict[str, str]:
             continue
         if key not in _TRT_OPTIONS:
             raise InvalidArgument(
-                f"model '{model}': unknown parameter '{key}' is provided for "
-                f"{where}"
+                f"model '{model}': unknown parameter '{key}' is provided for {where}"
             )
         option, kind = _TRT_OPTIONS[key]
         if value:
@@ -132,9 +135,7 @@ def _legacy_cuda_options(model: str, parameters) -> dict[str, str]:
     return options
 
 
-def execution_providers(
-    config, spec: InstanceSpec, available: Collection[str]
-) -> list:
+def execution_providers(config, spec: InstanceSpec, available: Collection[str]) -> list:
     """The ``providers`` argument of ``InferenceSession`` for one instance."""
     model = config.name
     accelerators = config.optimization.execution_accelerators

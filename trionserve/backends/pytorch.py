@@ -156,8 +156,7 @@ def _check_data_types(model: str, kind: str, entries) -> None:
             )
         if type_name not in _TORCH_DTYPES:
             raise InvalidArgument(
-                f"unsupported datatype {type_name} for {kind} '{entry.name}' for "
-                f"model '{model}'"
+                f"unsupported datatype {type_name} for {kind} '{entry.name}' for model '{model}'"
             )
 
 
@@ -176,18 +175,15 @@ class PyTorchBackend:
 
         return bool(torch.cuda.is_available())
 
-    def auto_complete_config(
-        self, config, model_path: Path, max_batch_size_set: bool
-    ) -> None:
+    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
         """Nothing to fill: TorchScript does not record its tensors (as in Triton)."""
         if not config.input or not config.output:
             log.warning(
-                "skipping model configuration auto-complete: not supported for the "
-                "pytorch backend",
+                "skipping model configuration auto-complete: not supported for the pytorch backend",
                 model=config.name,
             )
 
-    def load(self, context: ModelContext) -> "TorchScriptModel":
+    def load(self, context: ModelContext) -> TorchScriptModel:
         _torch()  # a server without torch reports the model UNAVAILABLE, with why
         config = context.config
         filename = config.default_model_filename or self.default_model_filename()
@@ -218,7 +214,7 @@ class TorchScriptModel:
         self.context = context
         self.path = path
 
-    def create_instance(self, spec: InstanceSpec) -> "TorchScriptInstance":
+    def create_instance(self, spec: InstanceSpec) -> TorchScriptInstance:
         torch = _torch()
         if spec.kind == "KIND_GPU":
             if not torch.cuda.is_available():
@@ -264,9 +260,7 @@ class TorchScriptInstance:
         ]
         self._inputs = bind_inputs(context.name, [i.name for i in config.input], arguments)
         self._outputs = bind_outputs(context.name, [o.name for o in config.output])
-        self._bf16_inputs = {
-            i.name for i in config.input if _type_name(i.data_type) == "TYPE_BF16"
-        }
+        self._bf16_inputs = {i.name for i in config.input if _type_name(i.data_type) == "TYPE_BF16"}
         self._output_types = {o.name: _type_name(o.data_type) for o in config.output}
         self._output_datatypes = {
             name: datatypes.BY_CONFIG[t].wire for name, t in self._output_types.items()
@@ -299,9 +293,7 @@ class TorchScriptInstance:
         except TritonError as error:
             return [error] * len(requests)
         except Exception as exc:  # TorchScript raises its own exception types
-            error = InternalError(
-                f"PyTorch execute failure for model '{self.model_name}': {exc}"
-            )
+            error = InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
             return [error] * len(requests)
         return build_responses(
             requests,

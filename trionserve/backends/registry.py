@@ -91,8 +91,9 @@ def backend_for(config) -> Backend:
         from trionserve.backends.python.backend import PythonBackend
 
         return PythonBackend(model_file)
-    searched = ", ".join(str(d / (config.backend or "<backend>") / "model.py")
-                         for d in _backend_directories)
+    searched = ", ".join(
+        str(d / (config.backend or "<backend>") / "model.py") for d in _backend_directories
+    )
     raise Unavailable(
         f"model '{config.name}': backend '{config.backend}' / platform "
         f"'{config.platform}' is not supported by this server (nor is there a "

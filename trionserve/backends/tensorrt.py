@@ -191,9 +191,7 @@ class TensorRTBackend:
     def default_model_filename(self) -> str:
         return "model.plan"
 
-    def auto_complete_config(
-        self, config, model_path: Path, max_batch_size_set: bool
-    ) -> None:
+    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
         _require(config.name)
         buffers = device_buffers()
         with buffers.device(0):
@@ -201,7 +199,7 @@ class TensorRTBackend:
             tensors = engine_tensors(engine)
         complete_config(config, tensors, max_batch_size_set)
 
-    def load(self, context: ModelContext) -> "TensorRTModel":
+    def load(self, context: ModelContext) -> TensorRTModel:
         _require(context.name)
         filename = context.config.default_model_filename or self.default_model_filename()
         path = context.version_dir / filename
@@ -220,7 +218,7 @@ class TensorRTModel:
         self.context = context
         self.path = path
 
-    def create_instance(self, spec: InstanceSpec) -> "TensorRTInstance":
+    def create_instance(self, spec: InstanceSpec) -> TensorRTInstance:
         if spec.kind not in ("KIND_GPU", "KIND_MODEL"):
             raise InvalidArgument(
                 f"instance '{spec.name}' of model '{self.context.name}' is {spec.kind}; "
@@ -297,8 +295,7 @@ class TensorRTInstance:
                 )
             if t.is_input and t.name not in {i.name for i in config.input}:
                 raise InvalidArgument(
-                    f"model '{model}': the engine's input '{t.name}' is missing from "
-                    "the config"
+                    f"model '{model}': the engine's input '{t.name}' is missing from the config"
                 )
 
     def execute(self, requests: list[InferenceRequest]) -> list:
@@ -310,9 +307,7 @@ class TensorRTInstance:
         except TritonError as error:
             return [error] * len(requests)
         except Exception as exc:  # CUDA and TensorRT raise their own types
-            error = InternalError(
-                f"TensorRT execute failure for model '{self.model_name}': {exc}"
-            )
+            error = InternalError(f"TensorRT execute failure for model '{self.model_name}': {exc}")
             return [error] * len(requests)
         return build_responses(
             requests,

@@ -82,8 +82,7 @@ def read_bytes_elements(
         offset = stop
     if count is not None and len(items) != count:
         raise InvalidArgument(
-            f"unexpected number of BYTES elements for {what}: expected {count}, "
-            f"got {len(items)}"
+            f"unexpected number of BYTES elements for {what}: expected {count}, got {len(items)}"
         )
     out = np.empty(len(items), dtype=np.object_)
     out[:] = items

@@ -8,9 +8,7 @@ from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import Tensor
 
 
-def classify(
-    tensor: Tensor, k: int, labels: list[str] | None, batched: bool
-) -> Tensor:
+def classify(tensor: Tensor, k: int, labels: list[str] | None, batched: bool) -> Tensor:
     """Replace a numeric output by its ``k`` highest entries, best first.
 
     For a batched model each batch item is classified on its own and the result has

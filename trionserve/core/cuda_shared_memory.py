@@ -73,9 +73,7 @@ def decode_raw_handle(value) -> bytes:
 
 def check_raw_handle(raw: bytes) -> bytes:
     if len(raw) != CUDA_IPC_HANDLE_SIZE:
-        raise InvalidArgument(
-            f"a CUDA IPC handle is {CUDA_IPC_HANDLE_SIZE} bytes, got {len(raw)}"
-        )
+        raise InvalidArgument(f"a CUDA IPC handle is {CUDA_IPC_HANDLE_SIZE} bytes, got {len(raw)}")
     return bytes(raw)
 
 

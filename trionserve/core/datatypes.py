@@ -52,9 +52,7 @@ WIRE_DTYPE: dict[str, np.dtype] = {
     d.wire: d.numpy.newbyteorder("<") for d in ALL_DATATYPES if d.itemsize
 }
 # numpy -> wire name; uint16 maps to UINT16 (BF16 is never inferred from numpy).
-_BY_NUMPY: dict[np.dtype, DataType] = {
-    d.numpy: d for d in ALL_DATATYPES if d.wire != "BF16"
-}
+_BY_NUMPY: dict[np.dtype, DataType] = {d.numpy: d for d in ALL_DATATYPES if d.wire != "BF16"}
 
 
 def from_wire(name: str) -> DataType:

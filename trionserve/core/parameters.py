@@ -34,8 +34,7 @@ def check_reserved_key(key: str, allowed: tuple[str, ...] = ()) -> bool:
     if allowed:
         raise InvalidArgument(
             "parameter keys starting with 'triton_' are reserved for Triton usage. "
-            "Only the following keys starting with 'triton_' are allowed: "
-            + " ".join(allowed)
+            "Only the following keys starting with 'triton_' are allowed: " + " ".join(allowed)
         )
     raise InvalidArgument(
         "parameter keys starting with 'triton_' are reserved for Triton usage and "

@@ -101,8 +101,10 @@ class ResponseCache:
             else:
                 digest.update(np.ascontiguousarray(data).data)
         outputs = request.requested_outputs
-        names = None if outputs is None else sorted(
-            [o.name, _meaningful(o.parameters)] for o in outputs
+        names = (
+            None
+            if outputs is None
+            else sorted([o.name, _meaningful(o.parameters)] for o in outputs)
         )
         parameters = _meaningful(request.parameters)
         digest.update(json.dumps([names, parameters], sort_keys=True, default=str).encode())

@@ -58,9 +58,7 @@ class SystemSharedMemory:
         if not name:
             raise InvalidArgument("a shared memory region needs a name")
         if name in self._regions:
-            raise AlreadyExists(
-                f"shared memory region '{name}' is already registered"
-            )
+            raise AlreadyExists(f"shared memory region '{name}' is already registered")
         if offset < 0 or byte_size < 0:
             raise InvalidArgument(
                 f"shared memory region '{name}': offset and byte_size must be >= 0, "
@@ -110,9 +108,7 @@ class SystemSharedMemory:
     def _window(self, name: str, offset: int, byte_size: int, what: str) -> tuple[Region, int]:
         region = self._regions.get(name)
         if region is None:
-            raise InvalidArgument(
-                f"{what}: shared memory region '{name}' is not registered"
-            )
+            raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
         if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
             raise InvalidArgument(
                 f"{what}: offset {offset} + byte size {byte_size} is out of bounds of "

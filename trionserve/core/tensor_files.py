@@ -23,8 +23,7 @@ def read_model_file(model_dir: Path, folder: str, filename: str, where: str) -> 
     path = (base / filename).resolve()
     if base not in path.parents:
         raise InvalidArgument(
-            f"{where}: data file '{filename}' must name a file in the model's {folder}/ "
-            "directory"
+            f"{where}: data file '{filename}' must name a file in the model's {folder}/ directory"
         )
     try:
         return path.read_bytes()

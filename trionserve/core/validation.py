@@ -32,7 +32,7 @@ class ModelSignature:
     outputs: dict[str, TensorSpec]
 
     @classmethod
-    def from_config(cls, config) -> "ModelSignature":
+    def from_config(cls, config) -> ModelSignature:
         def spec(entry, is_input: bool) -> TensorSpec:
             return TensorSpec(
                 name=entry.name,
@@ -78,12 +78,8 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
     inputs = request.inputs
     for name in inputs:
         if name not in signature.inputs:
-            raise InvalidArgument(
-                f"unexpected inference input '{name}' for model '{model}'"
-            )
-    missing = [
-        n for n, s in signature.inputs.items() if not s.optional and n not in inputs
-    ]
+            raise InvalidArgument(f"unexpected inference input '{name}' for model '{model}'")
+    missing = [n for n, s in signature.inputs.items() if not s.optional and n not in inputs]
     if missing:
         required = sum(1 for s in signature.inputs.values() if not s.optional)
         raise InvalidArgument(
@@ -127,8 +123,7 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
     if batched:
         if batch_size < 1:
             raise InvalidArgument(
-                f"inference request batch-size must be >= 1 for '{model}', got "
-                f"{batch_size}"
+                f"inference request batch-size must be >= 1 for '{model}', got {batch_size}"
             )
         if batch_size > signature.max_batch_size:
             raise InvalidArgument(
@@ -146,8 +141,7 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
                 )
             if output.name in seen:
                 raise InvalidArgument(
-                    f"output '{output.name}' requested more than once for model "
-                    f"'{model}'"
+                    f"output '{output.name}' requested more than once for model '{model}'"
                 )
             seen.add(output.name)
 
@@ -170,6 +164,4 @@ def parse_model_version(text: str) -> int | None:
         version = int(text)
         if 0 < version <= _INT64_MAX:
             return version
-    raise InvalidArgument(
-        f"invalid model version '{text}': expected a positive integer"
-    )
+    raise InvalidArgument(f"invalid model version '{text}': expected a positive integer")

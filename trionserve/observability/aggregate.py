@@ -67,9 +67,7 @@ def merge_expositions(texts: Sequence[str]) -> list[Metric]:
             for sample in family.samples:
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 previous = samples.get(key)
-                samples[key] = sample.value if previous is None else combine(
-                    previous, sample.value
-                )
+                samples[key] = sample.value if previous is None else combine(previous, sample.value)
     for name, family in merged.items():
         for (sample_name, labels), value in values[name].items():
             family.add_sample(sample_name, dict(labels), value)

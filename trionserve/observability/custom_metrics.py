@@ -295,9 +295,7 @@ class CustomMetrics:
             bounds = tuple(float(b) for b in buckets)
         except (TypeError, ValueError):
             raise MetricError(f"metric family '{name}': buckets must be numbers") from None
-        if any(math.isnan(b) for b in bounds) or any(
-            b >= c for b, c in zip(bounds, bounds[1:])
-        ):
+        if any(math.isnan(b) for b in bounds) or any(b >= c for b, c in zip(bounds, bounds[1:])):
             raise MetricError(
                 f"metric family '{name}': bucket bounds must be strictly ascending, "
                 f"got {list(bounds)}"

@@ -29,8 +29,7 @@ _GAUGES = {
     "nv_gpu_memory_used_bytes": ("GPU used memory, in bytes", "memory_used"),
     "nv_gpu_power_usage": ("GPU power usage in watts", "power_usage"),
     "nv_gpu_power_limit": ("GPU power management limit in watts", "power_limit"),
-    "nv_energy_consumption": ("GPU energy consumption in joules since the driver loaded",
-                              "energy"),
+    "nv_energy_consumption": ("GPU energy consumption in joules since the driver loaded", "energy"),
 }
 
 
@@ -54,7 +53,7 @@ class GpuMetricsCollector:
         self.samples: list[GpuSample] = []
 
     @classmethod
-    def create(cls) -> "GpuMetricsCollector | None":
+    def create(cls) -> GpuMetricsCollector | None:
         """A collector, or None (logged) where NVML or GPUs are missing."""
         try:
             import pynvml

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import structlog
 import trio
 from prometheus_client import CollectorRegistry, ProcessCollector
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
 
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
@@ -148,46 +148,69 @@ def observe_first_response(model, seconds: float) -> None:
 
 _COUNTERS = (
     # (name, help, value of a ModelStatistics)
-    ("nv_inference_request_success", "Number of successful inference requests, all batch sizes",
-     lambda s: s.success.count),
-    ("nv_inference_count", "Number of inferences performed (does not include cached requests)",
-     lambda s: s.inference_count),
-    ("nv_inference_exec_count",
-     "Number of model executions performed (does not include cached requests)",
-     lambda s: s.execution_count),
+    (
+        "nv_inference_request_success",
+        "Number of successful inference requests, all batch sizes",
+        lambda s: s.success.count,
+    ),
+    (
+        "nv_inference_count",
+        "Number of inferences performed (does not include cached requests)",
+        lambda s: s.inference_count,
+    ),
+    (
+        "nv_inference_exec_count",
+        "Number of model executions performed (does not include cached requests)",
+        lambda s: s.execution_count,
+    ),
 )
 _LATENCY_COUNTERS = (
-    ("nv_inference_request_duration_us",
-     "Cumulative inference request duration in microseconds (includes cached requests)",
-     lambda s: s.success.ns // 1000),
-    ("nv_inference_queue_duration_us",
-     "Cumulative inference queuing duration in microseconds (includes cached requests)",
-     lambda s: s.queue.ns // 1000),
-    ("nv_inference_compute_input_duration_us",
-     "Cumulative compute input duration in microseconds (does not include cached requests)",
-     lambda s: s.compute_input.ns // 1000),
-    ("nv_inference_compute_infer_duration_us",
-     "Cumulative compute inference duration in microseconds (does not include cached "
-     "requests)",
-     lambda s: s.compute_infer.ns // 1000),
-    ("nv_inference_compute_output_duration_us",
-     "Cumulative inference compute output duration in microseconds (does not include "
-     "cached requests)",
-     lambda s: s.compute_output.ns // 1000),
+    (
+        "nv_inference_request_duration_us",
+        "Cumulative inference request duration in microseconds (includes cached requests)",
+        lambda s: s.success.ns // 1000,
+    ),
+    (
+        "nv_inference_queue_duration_us",
+        "Cumulative inference queuing duration in microseconds (includes cached requests)",
+        lambda s: s.queue.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_input_duration_us",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_input.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_infer_duration_us",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+        lambda s: s.compute_infer.ns // 1000,
+    ),
+    (
+        "nv_inference_compute_output_duration_us",
+        "Cumulative inference compute output duration in microseconds (does not include "
+        "cached requests)",
+        lambda s: s.compute_output.ns // 1000,
+    ),
 )
 
 # Reported for models with response_cache enabled.
 _CACHE_COUNTERS = (
-    ("nv_cache_num_hits_per_model", "Number of cache hits per model",
-     lambda s: s.cache_hit.count),
-    ("nv_cache_num_misses_per_model", "Number of cache misses per model",
-     lambda s: s.cache_miss.count),
-    ("nv_cache_hit_duration_per_model",
-     "Total cache hit duration per model, in microseconds",
-     lambda s: s.cache_hit.ns // 1000),
-    ("nv_cache_miss_duration_per_model",
-     "Total cache miss (lookup and insert) duration per model, in microseconds",
-     lambda s: s.cache_miss.ns // 1000),
+    ("nv_cache_num_hits_per_model", "Number of cache hits per model", lambda s: s.cache_hit.count),
+    (
+        "nv_cache_num_misses_per_model",
+        "Number of cache misses per model",
+        lambda s: s.cache_miss.count,
+    ),
+    (
+        "nv_cache_hit_duration_per_model",
+        "Total cache hit duration per model, in microseconds",
+        lambda s: s.cache_hit.ns // 1000,
+    ),
+    (
+        "nv_cache_miss_duration_per_model",
+        "Total cache miss (lookup and insert) duration per model, in microseconds",
+        lambda s: s.cache_miss.ns // 1000,
+    ),
 )
 
 
@@ -331,11 +354,13 @@ class CpuMetricsCollector:
             )
         if self.memory_total is not None:
             yield GaugeMetricFamily(
-                "nv_cpu_memory_total_bytes", "CPU total memory (RAM), in bytes",
+                "nv_cpu_memory_total_bytes",
+                "CPU total memory (RAM), in bytes",
                 value=self.memory_total,
             )
             yield GaugeMetricFamily(
-                "nv_cpu_memory_used_bytes", "CPU used memory (RAM), in bytes",
+                "nv_cpu_memory_used_bytes",
+                "CPU used memory (RAM), in bytes",
                 value=self.memory_used,
             )
 
@@ -400,16 +425,24 @@ def metrics_router(
         accept = next((v.decode("latin-1") for k, v in headers if k == b"accept"), None)
         encoder, content_type = choose_encoder(accept)
         data = encoder(metrics)
-        return 200, [
-            (b"content-type", content_type.encode()),
-            (b"content-length", b"%d" % len(data)),
-        ], [data]
+        return (
+            200,
+            [
+                (b"content-type", content_type.encode()),
+                (b"content-length", b"%d" % len(data)),
+            ],
+            [data],
+        )
 
     async def not_found(headers: Headers, body: bytes):
-        return 404, [
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(_NOT_FOUND)),
-        ], [_NOT_FOUND]
+        return (
+            404,
+            [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(_NOT_FOUND)),
+            ],
+            [_NOT_FOUND],
+        )
 
     def route(method: bytes, path: str) -> Handler:
         if path == "/metrics" and method in (b"GET", b"HEAD"):

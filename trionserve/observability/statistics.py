@@ -212,9 +212,7 @@ class ModelStatistics:
                 "cache_miss": self.cache_miss.as_json(),
             },
             "response_stats": {},
-            "batch_stats": [
-                self.batch_stats[size].as_json() for size in sorted(self.batch_stats)
-            ],
+            "batch_stats": [self.batch_stats[size].as_json() for size in sorted(self.batch_stats)],
             "memory_usage": [],
         }
 

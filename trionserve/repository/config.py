@@ -15,8 +15,8 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 
-from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve._generated import model_config_pb2 as mc
+from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.repository.versions import list_versions
 
 ModelConfig = mc.ModelConfig
@@ -114,8 +114,7 @@ def read_model_config(
         config.name = dir_name
     elif config.name != dir_name:
         raise InvalidArgument(
-            f"model name '{config.name}' in {source} does not match the directory "
-            f"name '{dir_name}'"
+            f"model name '{config.name}' in {source} does not match the directory name '{dir_name}'"
         )
     return config, max_batch_size_set
 
@@ -304,8 +303,7 @@ def validate_model_config(config: ModelConfig) -> None:
         _validate_ensemble(config, fail)
     if config.model_transaction_policy.decoupled and config.response_cache.enable:
         fail(
-            "response_cache cannot be enabled for a model with a decoupled "
-            "model_transaction_policy"
+            "response_cache cannot be enabled for a model with a decoupled model_transaction_policy"
         )
     for index, control in enumerate(config.model_metrics.metric_control):
         where = f"model_metrics.metric_control {index}"
@@ -491,8 +489,7 @@ def _validate_dynamic_batching(config: ModelConfig, fail) -> None:
         for level in batching.priority_queue_policy:
             if not 1 <= level <= levels:
                 fail(
-                    f"dynamic_batching.priority_queue_policy level {level} is outside "
-                    f"[1, {levels}]"
+                    f"dynamic_batching.priority_queue_policy level {level} is outside [1, {levels}]"
                 )
     if batching.preserve_ordering:
         if levels > 1:

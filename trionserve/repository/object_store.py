@@ -55,8 +55,8 @@ _S3 = re.compile(r"s3://(?:(?P<scheme>https?)://)?(?:(?P<host>[^/:]+):(?P<port>\
 
 def is_remote(location: object) -> bool:
     """Whether a --model-repository value names object storage, not a directory."""
-    return isinstance(location, str) and location.split("://", 1)[0] in SCHEMES and (
-        "://" in location
+    return (
+        isinstance(location, str) and location.split("://", 1)[0] in SCHEMES and ("://" in location)
     )
 
 
@@ -92,9 +92,7 @@ def parse_location(url: str) -> RemoteLocation:
     if scheme == "as":
         account, _, rest = rest.partition("/")
         if not account:
-            raise InvalidArgument(
-                f"model repository '{url}': expected as://account/container/path"
-            )
+            raise InvalidArgument(f"model repository '{url}': expected as://account/container/path")
     bucket, _, prefix = rest.partition("/")
     if not bucket:
         raise InvalidArgument(f"model repository '{url}' names no bucket")
@@ -159,12 +157,13 @@ class S3Store:
         )
         for page in pages:
             for item in page.get("Contents", []):
-                found.append(ObjectInfo(item["Key"][len(base):], item["ETag"], item["Size"]))
+                found.append(ObjectInfo(item["Key"][len(base) :], item["ETag"], item["Size"]))
         return found
 
     def download(self, key: str, destination: Path) -> None:
-        self.client.download_file(self.location.bucket, self.location.prefix + key,
-                                  str(destination))
+        self.client.download_file(
+            self.location.bucket, self.location.prefix + key, str(destination)
+        )
 
 
 class GCSStore:
@@ -187,7 +186,7 @@ class GCSStore:
     def list(self, prefix: str) -> list[ObjectInfo]:
         base = self.location.prefix
         return [
-            ObjectInfo(blob.name[len(base):], blob.etag or blob.md5_hash or "", blob.size or 0)
+            ObjectInfo(blob.name[len(base) :], blob.etag or blob.md5_hash or "", blob.size or 0)
             for blob in self.client.list_blobs(self.bucket, prefix=base + prefix)
         ]
 
@@ -207,8 +206,9 @@ class AzureStore:
         # The SDK's default backoff (15 s, then powers of 3) spends about 80 s
         # before reporting an unreachable endpoint, at start-up and at each poll;
         # this one still retries three times, within about 15 s.
-        retry = ExponentialRetry(initial_backoff=0, increment_base=2, retry_total=3,
-                                 random_jitter_range=1)
+        retry = ExponentialRetry(
+            initial_backoff=0, increment_base=2, retry_total=3, random_jitter_range=1
+        )
         connection = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
         if connection:
             # The string also names the endpoint (Azurite, sovereign clouds, custom domains).
@@ -231,9 +231,10 @@ class AzureStore:
     def list(self, prefix: str) -> list[ObjectInfo]:
         base = self.location.prefix
         return [
-            ObjectInfo(blob.name[len(base):], blob.etag or "", blob.size or 0)
-            for blob in self.container.list_blobs(name_starts_with=base + prefix,
-                                                  include=["metadata"])
+            ObjectInfo(blob.name[len(base) :], blob.etag or "", blob.size or 0)
+            for blob in self.container.list_blobs(
+                name_starts_with=base + prefix, include=["metadata"]
+            )
             if not _is_directory(blob)
         ]
 
@@ -306,10 +307,11 @@ class ObjectStoreMirror:
     the last successful sync made it.
     """
 
-    def __init__(self, location: RemoteLocation | str, root: Path,
-                 store: ObjectStore | None = None) -> None:
-        self.location = location if isinstance(location, RemoteLocation) else (
-            parse_location(location)
+    def __init__(
+        self, location: RemoteLocation | str, root: Path, store: ObjectStore | None = None
+    ) -> None:
+        self.location = (
+            location if isinstance(location, RemoteLocation) else (parse_location(location))
         )
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -354,8 +356,11 @@ class ObjectStoreMirror:
                 continue  # a "folder" marker: directories exist through their files
             relative = _local_path(info.key)
             if relative is None:
-                log.warning("object skipped: its key cannot be a file name",
-                            repository=self.location.url, key=info.key)
+                log.warning(
+                    "object skipped: its key cannot be a file name",
+                    repository=self.location.url,
+                    key=info.key,
+                )
                 continue
             target = self.root / relative
             key = str(relative)
@@ -370,9 +375,14 @@ class ObjectStoreMirror:
             removed.append(key)
         changes = MirrorChanges(tuple(added), tuple(updated), tuple(removed))
         if changes:
-            log.info("model repository synced", repository=self.location.url,
-                     added=len(added), updated=len(updated), removed=len(removed),
-                     models=sorted(changes.models))
+            log.info(
+                "model repository synced",
+                repository=self.location.url,
+                added=len(added),
+                updated=len(updated),
+                removed=len(removed),
+                models=sorted(changes.models),
+            )
         return changes
 
     def _download(self, key: str, target: Path) -> None:
@@ -400,8 +410,9 @@ class ObjectStoreMirror:
             if relative == Path("."):
                 dirnames[:] = [d for d in dirnames if not d.startswith(".trionserve")]
                 filenames = [f for f in filenames if not f.startswith(".trionserve")]
-            files.update(str(relative / name) if str(relative) != "." else name
-                         for name in filenames)
+            files.update(
+                str(relative / name) if str(relative) != "." else name for name in filenames
+            )
         return files
 
     def _remove(self, key: str) -> None:
@@ -427,8 +438,10 @@ class ObjectStoreMirror:
             return {}
 
     def _write_manifest(self) -> None:
-        data = {"url": self.location.url,
-                "objects": {k: list(v) for k, v in sorted(self._manifest.items())}}
+        data = {
+            "url": self.location.url,
+            "objects": {k: list(v) for k, v in sorted(self._manifest.items())},
+        }
         temporary = self.root / (_MANIFEST + ".tmp")
         temporary.write_text(json.dumps(data))
         os.replace(temporary, self.root / _MANIFEST)

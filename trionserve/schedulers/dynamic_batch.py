@@ -380,8 +380,7 @@ class DynamicBatchScheduler:
         request = entry.request
         request.fail(
             Cancelled(
-                f"request '{request.id}' for model '{self.model_name}' was cancelled "
-                "while queued"
+                f"request '{request.id}' for model '{self.model_name}' was cancelled while queued"
             )
         )
         self._record_failure(request, now, FailureReason.CANCELED)

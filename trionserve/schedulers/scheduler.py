@@ -62,9 +62,7 @@ class Scheduler(Protocol):
         are gone)."""
 
 
-def deliver_outcomes(
-    requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]
-) -> None:
+def deliver_outcomes(requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None:
     """Answer each request with its outcome, on the Trio thread."""
     for request, outcome in zip(requests, outcomes):
         if isinstance(outcome, InferenceResponse):

@@ -110,8 +110,7 @@ class SequenceControls:
         info = np.iinfo(data_type.numpy)
         if not info.min <= correlation_id <= info.max:
             raise InvalidArgument(
-                f"correlation ID {correlation_id} does not fit: {where} "
-                f"({info.min}..{info.max})"
+                f"correlation ID {correlation_id} does not fit: {where} ({info.min}..{info.max})"
             )
 
     def tensors(

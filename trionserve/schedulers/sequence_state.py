@@ -381,9 +381,7 @@ class SequenceStateManager:
         else:
             wanted = {output.name for output in client_outputs}
         response.outputs = [
-            t
-            for t in response.outputs
-            if t.name not in self._state_outputs or t.name in wanted
+            t for t in response.outputs if t.name not in self._state_outputs or t.name in wanted
         ]
         return None
 

@@ -96,7 +96,7 @@ class PythonBackend:
             ) from None
         config.CopyFrom(completed)
 
-    def load(self, context: ModelContext) -> "PythonModel":
+    def load(self, context: ModelContext) -> PythonModel:
         if self.model_file is not None:
             return PythonModel(
                 context, self.model_file, settings_for(context.config, context.model_dir)

@@ -38,15 +38,18 @@ class ModelControl:
             # Not a Trio worker thread (a model closed from the loop itself), or
             # the server has stopped: nothing can be loaded any more.
             return _reply(
-                message, None, "the model loading API is not available while the server "
-                "closes this model"
+                message,
+                None,
+                "the model loading API is not available while the server closes this model",
             )
 
     async def _apply(self, message: dict):
         inference = self._inference
         if inference is None:
-            raise Unavailable("the model loading API is not available: the server gave "
-                              "this backend no inference service")
+            raise Unavailable(
+                "the model loading API is not available: the server gave "
+                "this backend no inference service"
+            )
         action, name = message["action"], message["name"]
         if not isinstance(name, str) or not name:
             raise InvalidArgument(f"model_name must be a non-empty string, not {name!r}")
@@ -68,9 +71,7 @@ class ModelControl:
             if not isinstance(files, dict) or not all(
                 isinstance(k, str) and isinstance(v, (bytes, bytearray)) for k, v in files.items()
             ):
-                raise InvalidArgument(
-                    "files must map 'file:<version>/<name>' strings to bytes"
-                )
+                raise InvalidArgument("files must map 'file:<version>/<name>' strings to bytes")
             contents = {key: bytes(value) for key, value in files.items()}
             await inference.load_model(name, config or None, contents)
             return None

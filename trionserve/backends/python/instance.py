@@ -269,8 +269,12 @@ class PythonInstance:
     async def _control(self, channel: TrioChannel, message: dict) -> None:
         """A model loading API call from ``execute``: answered when it is done."""
         if channel.control is None:
-            reply = {"op": "control_reply", "call": message["call"], "result": None,
-                     "error": "the model loading API is not available here"}
+            reply = {
+                "op": "control_reply",
+                "call": message["call"],
+                "result": None,
+                "error": "the model loading API is not available here",
+            }
         else:
             reply = await channel.control.handle(message)
         try:
@@ -357,10 +361,12 @@ class PythonInstance:
             if self._decoupled:
                 request.send(None, final=True)
             else:
-                request.fail(InternalError(
-                    "Unable to send response. Non-decoupled model cannot send complete "
-                    "final before sending a response."
-                ))
+                request.fail(
+                    InternalError(
+                        "Unable to send response. Non-decoupled model cannot send complete "
+                        "final before sending a response."
+                    )
+                )
         if not final and request.done:
             # Answered already (a failure, or a model that is not decoupled): the
             # model's is_cancelled() says so, and what it still sends is dropped.
@@ -415,8 +421,10 @@ class PythonInstance:
                 if decoupled:
 
                     async def deliver(response, final: bool) -> None:
-                        encoded = None if response is None else response_message(
-                            response, channel.endpoint
+                        encoded = (
+                            None
+                            if response is None
+                            else response_message(response, channel.endpoint)
                         )
                         await reply(encoded, final)
 

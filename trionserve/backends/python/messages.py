@@ -123,9 +123,7 @@ def read_response(
             refs = [by_name[o.name] for o in request.requested_outputs if o.name in by_name]
         outputs = [Tensor(ref[0], ref[1], endpoint.view.array(ref, copy=True)) for ref in refs]
         parameters = _parameters(encoded["parameters"])
-        return InferenceResponse(
-            request.model_name, model_version, request.id, outputs, parameters
-        )
+        return InferenceResponse(request.model_name, model_version, request.id, outputs, parameters)
     finally:
         release_outputs(encoded, endpoint)
 

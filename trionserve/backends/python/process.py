@@ -69,9 +69,7 @@ def describe_exit(returncode: int | None) -> str:
 
 def log_stub_line(label: str, level: str, message: str) -> None:
     """A ``pb_utils.Logger`` line from a stub, in the server's log."""
-    method = {"WARNING": log.warning, "ERROR": log.error, "VERBOSE": log.debug}.get(
-        level, log.info
-    )
+    method = {"WARNING": log.warning, "ERROR": log.error, "VERBOSE": log.debug}.get(level, log.info)
     method(message, source=label)
 
 
@@ -153,18 +151,17 @@ class StubProcess:
                     self.channel.send(self._control_blocking(answer))
         except TimeoutError:
             raise Unavailable(
-                f"{self.label}: the stub process did not finish {what} within "
-                f"{timeout:g}s"
+                f"{self.label}: the stub process did not finish {what} within {timeout:g}s"
             ) from None
         except OSError as exc:
-            raise Unavailable(
-                f"{self.label}: lost the stub process during {what}: {exc}"
-            ) from None
+            raise Unavailable(f"{self.label}: lost the stub process during {what}: {exc}") from None
 
     def _control_blocking(self, message: dict) -> dict:
         if self.control is None:
             return {
-                "op": "control_reply", "call": message["call"], "result": None,
+                "op": "control_reply",
+                "call": message["call"],
+                "result": None,
                 "error": "the model loading API is not available here",
             }
         return self.control.handle_blocking(message)

@@ -89,10 +89,10 @@ class StubSettings:
     max_restarts: int = 5
     # EXECUTION_ENV_PATH as written; ``environment`` once resolved for a model.
     execution_env: str = ""
-    environment: "ExecutionEnvironment | None" = None
+    environment: ExecutionEnvironment | None = None
 
     @classmethod
-    def from_config(cls, config) -> "StubSettings":
+    def from_config(cls, config) -> StubSettings:
         """The settings of one model; raises naming the model and the parameter."""
         name = config.name
         parameters = {key: value.string_value for key, value in config.parameters.items()}

@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
-import struct
 import tempfile
 import threading
 from collections.abc import Iterable

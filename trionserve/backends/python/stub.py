@@ -66,7 +66,7 @@ def import_model(message: dict):
 class _BLSCall:
     """A BLS request in flight: its responses arrive from the reader thread."""
 
-    def __init__(self, runtime: "StubRuntime", call_id: int) -> None:
+    def __init__(self, runtime: StubRuntime, call_id: int) -> None:
         self.runtime = runtime
         self.id = call_id
         self.responses: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,9 +143,7 @@ class StubRuntime:
             self.channel.send({"op": "error", "message": describe_exception(exc)})
             return
         self._serving = True
-        threading.Thread(
-            target=self._answer_released, name="stub-released", daemon=True
-        ).start()
+        threading.Thread(target=self._answer_released, name="stub-released", daemon=True).start()
         threading.Thread(target=self._watch_server, name="stub-watcher", daemon=True).start()
         self.channel.send({"op": "initialized"})
         while True:
@@ -357,7 +355,10 @@ class StubRuntime:
                 return
             # As Triton (pb_stub.cc, BackgroundFutureDone): the exception is logged,
             # even when every request already had its final response.
-            self.log("ERROR", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+            self.log(
+                "ERROR",
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(),
+            )
             message = self.execute_error(exc)
             for request in requests:
                 request._sender._end_with_error(message)

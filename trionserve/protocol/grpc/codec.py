@@ -150,9 +150,7 @@ def _apply_request_parameters(request: InferenceRequest, params) -> None:
     for key, param in params.items():
         kind, value = _param_value(key, param)
         if key == "sequence_id":
-            if kind == "string_param" or (
-                kind in ("int64_param", "uint64_param") and value >= 0
-            ):
+            if kind == "string_param" or (kind in ("int64_param", "uint64_param") and value >= 0):
                 request.sequence_id = value
             else:
                 raise InvalidArgument(
@@ -243,9 +241,7 @@ def _decode_inputs(
                 f"input tensor '{name}' for model '{model}'"
             )
         window = (
-            _shared_memory_params(spec.parameters, what, shared_memory)
-            if spec.parameters
-            else None
+            _shared_memory_params(spec.parameters, what, shared_memory) if spec.parameters else None
         )
         if window is not None:
             region, offset, byte_size = window
@@ -338,9 +334,7 @@ def _contents_to_array(
     return np.asarray(values, dtype=dt.numpy).reshape(shape)
 
 
-def _decode_outputs(
-    outputs, shared_memory: SystemSharedMemory | None
-) -> list[RequestedOutput]:
+def _decode_outputs(outputs, shared_memory: SystemSharedMemory | None) -> list[RequestedOutput]:
     requested: list[RequestedOutput] = []
     seen: set[str] = set()
     for spec in outputs:
@@ -385,7 +379,6 @@ def _set_parameter(param: pb.InferParameter, value: Any) -> None:
         param.double_param = value
     else:
         param.string_param = str(value)
-
 
 
 def encode_infer_response(

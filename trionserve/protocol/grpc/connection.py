@@ -56,7 +56,7 @@ _INLINE_DECOMPRESS = 16 * 1024
 class Method:
     """A handler and whether its client sends a stream of messages."""
 
-    handler: Callable[["GrpcCall"], Awaitable[None]]
+    handler: Callable[[GrpcCall], Awaitable[None]]
     client_streaming: bool = False
 
 
@@ -138,7 +138,7 @@ class GrpcCall:
 
     def __init__(
         self,
-        conn: "Connection",
+        conn: Connection,
         stream_id: int,
         method: str,
         headers: list[tuple[bytes, bytes]],
@@ -288,7 +288,7 @@ class Connection:
                 validate_inbound_headers=False,
                 validate_outbound_headers=False,
                 normalize_outbound_headers=False,
-            )
+            ),
         )
         self.calls: dict[int, GrpcCall] = {}
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
@@ -558,9 +558,7 @@ class Connection:
             return
         window = self.options.window_size
         if over:  # only the oldest unfinished message may go on
-            released = [
-                c for c in self._held_back if c._queued_bytes <= window and self._leads(c)
-            ]
+            released = [c for c in self._held_back if c._queued_bytes <= window and self._leads(c)]
         else:
             released = [c for c in self._held_back if c._queued_bytes <= window]
         for call in released:

@@ -100,6 +100,7 @@ class StreamBudget:
         self._changed.set()
         self._changed = trio.Event()
 
+
 # --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
 
@@ -169,9 +170,7 @@ class GrpcOptions:
             keepalive_time=self.keepalive_time_ms / 1000 if self.keepalive_time_ms > 0 else None,
             keepalive_timeout=self.keepalive_timeout_ms / 1000,
             keepalive_permit_without_calls=self.keepalive_permit_without_calls,
-            response_compression_level=COMPRESSION_LEVELS[
-                self.infer_response_compression_level
-            ],
+            response_compression_level=COMPRESSION_LEVELS[self.infer_response_compression_level],
             reuse_port=self.reuse_port,
         )
 
@@ -210,9 +209,7 @@ class GrpcService:
             "ModelStreamInfer": Method(self.model_stream_infer, client_streaming=True),
             "RepositoryIndex": unary(pb.RepositoryIndexRequest, self.repository_index),
             "RepositoryModelLoad": unary(pb.RepositoryModelLoadRequest, self.repository_load),
-            "RepositoryModelUnload": unary(
-                pb.RepositoryModelUnloadRequest, self.repository_unload
-            ),
+            "RepositoryModelUnload": unary(pb.RepositoryModelUnloadRequest, self.repository_unload),
             "ModelStatistics": unary(pb.ModelStatisticsRequest, self.model_statistics),
             "LogSettings": unary(pb.LogSettingsRequest, self.log_settings),
             "TraceSetting": unary(pb.TraceSettingRequest, self.trace_setting),
@@ -225,9 +222,7 @@ class GrpcService:
             "SystemSharedMemoryUnregister": unary(
                 pb.SystemSharedMemoryUnregisterRequest, self.system_shm_unregister
             ),
-            "CudaSharedMemoryStatus": unary(
-                pb.CudaSharedMemoryStatusRequest, self.cuda_shm_status
-            ),
+            "CudaSharedMemoryStatus": unary(pb.CudaSharedMemoryStatusRequest, self.cuda_shm_status),
             "CudaSharedMemoryRegister": unary(
                 pb.CudaSharedMemoryRegisterRequest, self.cuda_shm_register
             ),
@@ -247,7 +242,9 @@ class GrpcService:
                     Status.INTERNAL, f"{call.method} expects exactly one request message"
                 )
             try:
-                request = data if request_type is None else grpc_codec.parse_message(request_type, data)
+                request = (
+                    data if request_type is None else grpc_codec.parse_message(request_type, data)
+                )
                 response = await handle(request, call)
             except TritonError as error:
                 raise grpc_error(error) from None
@@ -342,9 +339,7 @@ class GrpcService:
         value list clears a setting, as in Triton."""
         changes = None
         if request.settings:
-            changes = {
-                key: (list(value.value) or None) for key, value in request.settings.items()
-            }
+            changes = {key: (list(value.value) or None) for key, value in request.settings.items()}
         current = self.dataplane.trace_settings(request.model_name or None, changes)
         response = pb.TraceSettingResponse()
         for key, values in settings_to_grpc(current).items():
@@ -404,9 +399,7 @@ class GrpcService:
                     f"unload parameter 'unload_dependents' must be a bool_param, got {kind}"
                 )
             unload_dependents = param.bool_param
-        await self.dataplane.unload_model(
-            request.model_name, unload_dependents=unload_dependents
-        )
+        await self.dataplane.unload_model(request.model_name, unload_dependents=unload_dependents)
         return pb.RepositoryModelUnloadResponse()
 
     # -- system shared memory -------------------------------------------------------
@@ -560,9 +553,7 @@ class GrpcService:
 
 def _no_repository_name(name: str) -> None:
     if name:
-        raise Unimplemented(
-            f"'repository_name' specification is not supported (got '{name}')"
-        )
+        raise Unimplemented(f"'repository_name' specification is not supported (got '{name}')")
 
 
 async def serve_grpc(
@@ -582,7 +573,9 @@ async def serve_grpc(
     transport = GrpcTransport(
         service.methods(),
         options.transport_options(),
-        ssl_context=None if options.ssl is None else server_ssl_context(
+        ssl_context=None
+        if options.ssl is None
+        else server_ssl_context(
             options.ssl.server_cert,
             options.ssl.server_key,
             options.ssl.root_cert,

@@ -134,8 +134,9 @@ class GrpcTransport:
             now = trio.current_time()
             if now - self._refused_logged_at >= 10.0:
                 self._refused_logged_at = now
-                log.warning("grpc connection refused: --grpc-max-connections reached",
-                            max_connections=cap)
+                log.warning(
+                    "grpc connection refused: --grpc-max-connections reached", max_connections=cap
+                )
             await trio.aclose_forcefully(socket_stream)
             return
         self.connections += 1

@@ -116,8 +116,7 @@ def decode_infer_request(
         raise InvalidArgument("failed to parse the request JSON: nested too deeply") from None
     if type(doc) is not dict:
         raise InvalidArgument(
-            "failed to parse the request JSON: expected an object, got "
-            f"{_json_kind(doc)}"
+            f"failed to parse the request JSON: expected an object, got {_json_kind(doc)}"
         )
 
     request_id = doc.get("id")
@@ -178,8 +177,7 @@ def decode_raw_request(
     if dt.itemsize == 0:  # BYTES
         if dynamic_axis is not None or count != 1:
             raise InvalidArgument(
-                f"For BYTE datatype raw input '{spec.name}', the model must have input "
-                "shape [1]"
+                f"For BYTE datatype raw input '{spec.name}', the model must have input shape [1]"
             )
         data = np.empty(1, dtype=object)
         data[0] = bytes(body)
@@ -215,8 +213,7 @@ def _json_kind(value: Any) -> str:
 def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
     if type(params) is not dict:
         raise InvalidArgument(
-            "invalid request 'parameters': expected an object, "
-            f"got {_json_kind(params)}"
+            f"invalid request 'parameters': expected an object, got {_json_kind(params)}"
         )
     custom = request.parameters
     for key, value in params.items():
@@ -233,8 +230,7 @@ def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
         elif key == "sequence_start" or key == "sequence_end":
             if type(value) is not bool:
                 raise InvalidArgument(
-                    f"invalid parameter '{key}': expected a boolean, "
-                    f"got {json.dumps(value)}"
+                    f"invalid parameter '{key}': expected a boolean, got {json.dumps(value)}"
                 )
             setattr(request, key, value)
         elif key == "priority":
@@ -262,8 +258,7 @@ def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
 def _unsigned_parameter(key: str, value: Any) -> int:
     if type(value) is not int or not 0 <= value <= _UINT64_MAX:
         raise InvalidArgument(
-            f"invalid parameter '{key}': expected a non-negative integer, "
-            f"got {json.dumps(value)}"
+            f"invalid parameter '{key}': expected a non-negative integer, got {json.dumps(value)}"
         )
     return value
 
@@ -286,14 +281,12 @@ def _decode_inputs(
     for index, spec in enumerate(inputs):
         if type(spec) is not dict:
             raise InvalidArgument(
-                f"invalid input at index {index}: expected an object, "
-                f"got {_json_kind(spec)}"
+                f"invalid input at index {index}: expected an object, got {_json_kind(spec)}"
             )
         name = spec.get("name")
         if type(name) is not str:
             raise InvalidArgument(
-                f"invalid input at index {index}: 'name' must be a string, "
-                f"got {_json_kind(name)}"
+                f"invalid input at index {index}: 'name' must be a string, got {_json_kind(name)}"
             )
         if name in tensors:
             raise InvalidArgument(f"duplicate input '{name}' in the request")
@@ -307,9 +300,7 @@ def _decode_inputs(
             )
 
         shape = spec.get("shape")
-        if type(shape) is not list or not all(
-            type(d) is int and d >= 0 for d in shape
-        ):
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
             raise InvalidArgument(
                 f"invalid shape for input '{name}': expected an array of "
                 f"non-negative integers, got {json.dumps(shape)}"
@@ -357,8 +348,7 @@ def _decode_inputs(
                 hint = (
                     ""
                     if has_header
-                    else " (binary data needs the Inference-Header-Content-Length"
-                    " header)"
+                    else " (binary data needs the Inference-Header-Content-Length header)"
                 )
                 raise InvalidArgument(
                     f"missing binary data for input '{name}': expected "
@@ -410,9 +400,7 @@ def _binary_to_array(
 ) -> np.ndarray:
     if dt.itemsize == 0:  # BYTES
         what = f"input '{name}' with shape {_fmt_shape(shape)}"
-        return _read_bytes_elements(body, offset, offset + nbytes, count, what).reshape(
-            shape
-        )
+        return _read_bytes_elements(body, offset, offset + nbytes, count, what).reshape(shape)
     expected = count * dt.itemsize
     if nbytes != expected:
         raise InvalidArgument(
@@ -421,24 +409,18 @@ def _binary_to_array(
         )
     if count == 0:
         return np.empty(shape, dtype=dt.numpy)
-    return np.frombuffer(
-        body, dtype=WIRE_DTYPE[dt.wire], count=count, offset=offset
-    ).reshape(shape)
+    return np.frombuffer(body, dtype=WIRE_DTYPE[dt.wire], count=count, offset=offset).reshape(shape)
 
 
-def _json_to_array(
-    name: str, dt: DataType, shape: list[int], count: int, data: Any
-) -> np.ndarray:
+def _json_to_array(name: str, dt: DataType, shape: list[int], count: int, data: Any) -> np.ndarray:
     wire = dt.wire
     if data is None:
         raise InvalidArgument(
-            f"missing data for input '{name}': expected 'data' or a "
-            "'binary_data_size' parameter"
+            f"missing data for input '{name}': expected 'data' or a 'binary_data_size' parameter"
         )
     if type(data) is not list:
         raise InvalidArgument(
-            f"invalid 'data' for input '{name}': expected an array, "
-            f"got {_json_kind(data)}"
+            f"invalid 'data' for input '{name}': expected an array, got {_json_kind(data)}"
         )
     if wire == "BF16":
         raise InvalidArgument(
@@ -522,9 +504,7 @@ def _check_count(name: str, shape: list[int], expected: int, got: int) -> None:
         )
 
 
-def _bad_element(
-    name: str, wire: str, expected: str, flat: list, allowed: frozenset
-) -> None:
+def _bad_element(name: str, wire: str, expected: str, flat: list, allowed: frozenset) -> None:
     for index, item in enumerate(flat):
         if type(item) not in allowed:
             raise InvalidArgument(
@@ -545,14 +525,12 @@ def _decode_outputs(
     for index, spec in enumerate(outputs):
         if type(spec) is not dict:
             raise InvalidArgument(
-                f"invalid output at index {index}: expected an object, "
-                f"got {_json_kind(spec)}"
+                f"invalid output at index {index}: expected an object, got {_json_kind(spec)}"
             )
         name = spec.get("name")
         if type(name) is not str:
             raise InvalidArgument(
-                f"invalid output at index {index}: 'name' must be a string, "
-                f"got {_json_kind(name)}"
+                f"invalid output at index {index}: 'name' must be a string, got {_json_kind(name)}"
             )
         if name in seen:
             raise InvalidArgument(f"duplicate output '{name}' in the request")
@@ -657,14 +635,11 @@ def encode_infer_response(
     return chunks, (len(header) if any_binary else None)
 
 
-
 def _json_output(wire: str, data: np.ndarray) -> list:
     flat = data.reshape(-1)
     if wire == "BYTES":
         return [
-            x.decode("utf-8", errors="replace")
-            if isinstance(x, (bytes, bytearray))
-            else str(x)
+            x.decode("utf-8", errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
             for x in flat.tolist()
         ]
     if wire == "BF16":

@@ -16,8 +16,8 @@ import gzip
 import json
 import re
 import zlib
-from contextlib import aclosing
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,11 +34,12 @@ from trionserve.core.errors import (
 )
 from trionserve.core.types import InferenceRequest
 from trionserve.dataplane import DataPlane, ShuttingDown
-from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
+from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace.settings import settings_from_json
-from trionserve.protocol.http import codec as http_codec, generate as generate_codec
+from trionserve.protocol.http import codec as http_codec
+from trionserve.protocol.http import generate as generate_codec
 from trionserve.protocol.http.transport import H11Server, Headers, HttpServerOptions, Response
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
@@ -108,9 +109,7 @@ def decompress(body: bytes, encoding: str, limit: int | None) -> bytes:
             if encoding != "gzip" or not rest:
                 break
     except zlib.error as exc:
-        raise InvalidArgument(
-            f"failed to decompress the {encoding} request body: {exc}"
-        ) from None
+        raise InvalidArgument(f"failed to decompress the {encoding} request body: {exc}") from None
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
@@ -121,7 +120,6 @@ def _compress(body: bytes, accept_encoding: str) -> tuple[bytes, bytes | None]:
     if "deflate" in accepted:
         return zlib.compress(body, 1), b"deflate"
     return body, None
-
 
 
 class InferHandler:
@@ -164,9 +162,7 @@ class InferHandler:
             if content_encoding and content_encoding != "identity":
                 limit = self.max_input_size
                 if len(body) > INFLATE_IN_THREAD_BYTES:
-                    body = await trio.to_thread.run_sync(
-                        decompress, body, content_encoding, limit
-                    )
+                    body = await trio.to_thread.run_sync(decompress, body, content_encoding, limit)
                 else:
                     body = decompress(body, content_encoding, limit)
             if header_length is not None:
@@ -233,7 +229,6 @@ def _error_response(error: TritonError) -> tuple[int, list[tuple[bytes, bytes]],
     return error_status(error), headers, [body]
 
 
-
 def _parameters(body: dict, action: str) -> dict:
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
@@ -268,8 +263,6 @@ def unload_parameters(body: dict) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgument("unload parameter 'unload_dependents' must be a boolean")
     return value
-
-
 
 
 # -- response helpers ----------------------------------------------------------
@@ -364,7 +357,9 @@ class HttpFrontend:
         if known_path:
             message = f"method {method.decode('latin-1')} is not allowed for {path}"
             return partial(_answer, _json({"error": message}, 405))
-        return partial(_answer, _json({"error": f"Not Found: {method.decode('latin-1')} {path}"}, 404))
+        return partial(
+            _answer, _json({"error": f"Not Found: {method.decode('latin-1')} {path}"}, 404)
+        )
 
     async def _guarded(
         self, handler: RouteHandler, match: re.Match, headers: Headers, body: bytes
@@ -453,7 +448,9 @@ class HttpFrontend:
         if type(key) is not str or not key:
             raise InvalidArgument("'key' in the shared memory register request must be a string")
         self.dataplane.client_system_shared_memory(name).register(
-            name, key, _non_negative_int(request, "offset", 0),
+            name,
+            key,
+            _non_negative_int(request, "offset", 0),
             _non_negative_int(request, "byte_size"),
         )
         return _EMPTY_OK
@@ -472,7 +469,9 @@ class HttpFrontend:
         cuda = self.dataplane.client_cuda_shared_memory()
         raw_handle = decode_raw_handle(request.get("raw_handle"))
         cuda.register(
-            match["name"], raw_handle, _non_negative_int(request, "device_id", 0),
+            match["name"],
+            raw_handle,
+            _non_negative_int(request, "device_id", 0),
             _non_negative_int(request, "byte_size"),
         )
         return _EMPTY_OK
@@ -550,7 +549,8 @@ async def _answer(response: Response, headers: Headers, body: bytes) -> Response
 def _path(pattern: str) -> re.Pattern:
     """A route's path: ``{name}`` and ``{version}`` stand for one path segment."""
     return re.compile(
-        "^" + pattern.replace("{name}", "(?P<name>[^/]+)").replace("{version}", "(?P<version>[^/]*)")
+        "^"
+        + pattern.replace("{name}", "(?P<name>[^/]+)").replace("{version}", "(?P<version>[^/]*)")
         + "$"
     )
 
@@ -567,14 +567,16 @@ ROUTES: list[tuple[bytes, re.Pattern, RouteHandler]] = [
     *_routes(b"GET", F.health_live, "/v2/health/live"),
     *_routes(b"GET", F.health_ready, "/v2/health/ready"),
     *_routes(b"GET", F.server_metadata, "/v2"),
-    *_routes(b"GET", F.model_statistics, "/v2/models/stats", f"{_MODEL}/stats",
-             f"{_VERSION}/stats"),
+    *_routes(
+        b"GET", F.model_statistics, "/v2/models/stats", f"{_MODEL}/stats", f"{_VERSION}/stats"
+    ),
     *_routes(b"GET", F.model_metadata, _MODEL, _VERSION),
     *_routes(b"GET", F.model_ready, f"{_MODEL}/ready", f"{_VERSION}/ready"),
     *_routes(b"GET", F.model_config, f"{_MODEL}/config", f"{_VERSION}/config"),
     *_routes(b"POST", F.generate, f"{_MODEL}/generate", f"{_VERSION}/generate"),
-    *_routes(b"POST", F.generate_stream, f"{_MODEL}/generate_stream",
-             f"{_VERSION}/generate_stream"),
+    *_routes(
+        b"POST", F.generate_stream, f"{_MODEL}/generate_stream", f"{_VERSION}/generate_stream"
+    ),
     *_routes(b"POST", F.repository_index, "/v2/repository/index"),
     *_routes(b"POST", F.repository_load, "/v2/repository/models/{name}/load"),
     *_routes(b"POST", F.repository_unload, "/v2/repository/models/{name}/unload"),
@@ -582,16 +584,32 @@ ROUTES: list[tuple[bytes, re.Pattern, RouteHandler]] = [
     *_routes(b"POST", F.set_log_settings, "/v2/logging"),
     *_routes(b"GET", F.get_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),
     *_routes(b"POST", F.set_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),
-    *_routes(b"GET", F.system_shm_status, "/v2/systemsharedmemory/status",
-             "/v2/systemsharedmemory/region/{name}/status"),
+    *_routes(
+        b"GET",
+        F.system_shm_status,
+        "/v2/systemsharedmemory/status",
+        "/v2/systemsharedmemory/region/{name}/status",
+    ),
     *_routes(b"POST", F.system_shm_register, "/v2/systemsharedmemory/region/{name}/register"),
-    *_routes(b"POST", F.system_shm_unregister, "/v2/systemsharedmemory/unregister",
-             "/v2/systemsharedmemory/region/{name}/unregister"),
-    *_routes(b"GET", F.cuda_shm_status, "/v2/cudasharedmemory/status",
-             "/v2/cudasharedmemory/region/{name}/status"),
+    *_routes(
+        b"POST",
+        F.system_shm_unregister,
+        "/v2/systemsharedmemory/unregister",
+        "/v2/systemsharedmemory/region/{name}/unregister",
+    ),
+    *_routes(
+        b"GET",
+        F.cuda_shm_status,
+        "/v2/cudasharedmemory/status",
+        "/v2/cudasharedmemory/region/{name}/status",
+    ),
     *_routes(b"POST", F.cuda_shm_register, "/v2/cudasharedmemory/region/{name}/register"),
-    *_routes(b"POST", F.cuda_shm_unregister, "/v2/cudasharedmemory/unregister",
-             "/v2/cudasharedmemory/region/{name}/unregister"),
+    *_routes(
+        b"POST",
+        F.cuda_shm_unregister,
+        "/v2/cudasharedmemory/unregister",
+        "/v2/cudasharedmemory/region/{name}/unregister",
+    ),
 ]
 del F
 

@@ -68,8 +68,11 @@ _CLOSE = (b"connection", b"close")
 SLOW_REQUEST_SECS = 0.05
 _JSON = (b"content-type", b"application/json")
 _INTERNAL_BODY = b'{"error":"internal error"}'
-_INTERNAL_ERROR = (500, [_JSON, (b"content-length", b"%d" % len(_INTERNAL_BODY)), _CLOSE],
-                   [_INTERNAL_BODY])
+_INTERNAL_ERROR = (
+    500,
+    [_JSON, (b"content-length", b"%d" % len(_INTERNAL_BODY)), _CLOSE],
+    [_INTERNAL_BODY],
+)
 # Response heads kept for reuse (H11Server.response_head); the cache starts over
 # when full.
 _HEAD_CACHE_SIZE = 256
@@ -248,8 +251,9 @@ class H11Server:
         (bounded: a client that does not read cannot hold the accept loop)."""
         self._log_refused(max_connections=cap)
         answer = _raw_error(
-            503, f"too many connections: {cap} open, the limit of --http-max-connections; "
-            "try again later"
+            503,
+            f"too many connections: {cap} open, the limit of --http-max-connections; "
+            "try again later",
         )
         with trio.move_on_after(1.0):
             try:
@@ -275,8 +279,14 @@ class _Connection:
     """One client connection: owns its socket and its h11 state machine."""
 
     __slots__ = (
-        "server", "stream", "h11", "_idle_scope", "_request_method",
-        "_handling", "_watch", "_served",
+        "server",
+        "stream",
+        "h11",
+        "_idle_scope",
+        "_request_method",
+        "_handling",
+        "_watch",
+        "_served",
     )
 
     def __init__(self, server: H11Server, stream: trio.SocketStream) -> None:
@@ -314,10 +324,13 @@ class _Connection:
             # No request to answer in h11's eyes: the answer is written as is.
             timeout = self.server.options.header_timeout
             with trio.move_on_after(1.0):
-                await self.stream.send_all(_raw_error(
-                    408, f"the request head did not arrive within {timeout:g} s "
-                    "(--http-header-timeout)"
-                ))
+                await self.stream.send_all(
+                    _raw_error(
+                        408,
+                        f"the request head did not arrive within {timeout:g} s "
+                        "(--http-header-timeout)",
+                    )
+                )
         except _PeerGone:
             pass
         finally:
@@ -568,8 +581,9 @@ class _Connection:
             scope.deadline = trio.current_time() + 1.0
             try:
                 await self._error_response(
-                    503, "the server is shutting down: the request was still running at "
-                    "the exit timeout (--exit-timeout-secs)"
+                    503,
+                    "the server is shutting down: the request was still running at "
+                    "the exit timeout (--exit-timeout-secs)",
                 )
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
@@ -577,8 +591,9 @@ class _Connection:
     async def _too_large(self) -> None:
         options = self.server.options
         await self._error_response(
-            413, f"the request body is larger than the limit of {options.max_request_body} "
-            f"bytes ({options.max_request_body_flag})"
+            413,
+            f"the request body is larger than the limit of {options.max_request_body} "
+            f"bytes ({options.max_request_body_flag})",
         )
 
     async def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
@@ -644,8 +659,10 @@ def _raw_error(status: int, message: str) -> bytes:
     (for a connection that has no request h11 could answer)."""
     body = json.dumps({"error": message}, separators=(",", ":")).encode()
     reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(status, b"Error")
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+    )
 
 
 def _content_length(headers: Headers) -> int:

@@ -220,9 +220,7 @@ class Tensor:
 
     def as_numpy(self):
         if self._device_object is not None:
-            raise TritonModelException(
-                "Tensor is stored in GPU and cannot be converted to NumPy."
-            )
+            raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
         return self._array
 
     def to_dlpack(self):
@@ -410,8 +408,18 @@ class InferenceRequest:
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
-    def _received(cls, key, request_id, correlation_id, inputs, output_names, model_name,
-                  flags, parameters, sender):
+    def _received(
+        cls,
+        key,
+        request_id,
+        correlation_id,
+        inputs,
+        output_names,
+        model_name,
+        flags,
+        parameters,
+        sender,
+    ):
         """A request the model receives, from values the server already checked."""
         request = cls.__new__(cls)
         request._request_id = request_id
@@ -547,8 +555,7 @@ class InferenceResponseSender:
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if response is None and not final:
             raise TritonModelException(
-                "Inference Response object must be provided when the response flags "
-                "is set to zero."
+                "Inference Response object must be provided when the response flags is set to zero."
             )
         if response is not None and not isinstance(response, InferenceResponse):
             raise TritonModelException("send() takes a pb_utils.InferenceResponse")
@@ -707,9 +714,7 @@ def _unsupported(feature):
 
 def _control(action, **fields):
     if _runtime is None:
-        raise TritonModelException(
-            "the model loading API is only available in a stub process"
-        )
+        raise TritonModelException("the model loading API is only available in a stub process")
     return _runtime.control(action, fields)
 
 
@@ -720,14 +725,16 @@ def load_model(model_name, config="", files=None):
     ``"file:<version>/<name>"`` to the file's bytes, as in the load API.
     """
     files = {_text(key, "files key"): value for key, value in dict(files or {}).items()}
-    _control("load", name=_text(model_name, "model_name"), config=_text(config, "config"),
-             files=files)
+    _control(
+        "load", name=_text(model_name, "model_name"), config=_text(config, "config"), files=files
+    )
 
 
 def unload_model(model_name, unload_dependents=False):
     """Unload ``model_name`` (the server must be in EXPLICIT mode)."""
-    _control("unload", name=_text(model_name, "model_name"),
-             unload_dependents=bool(unload_dependents))
+    _control(
+        "unload", name=_text(model_name, "model_name"), unload_dependents=bool(unload_dependents)
+    )
 
 
 def is_model_ready(model_name, model_version=""):
@@ -760,9 +767,7 @@ class MetricFamily:
         self._id = None
         self._name = name
         self._kind = kind
-        self._id = _metric_call(
-            "family_create", name=name, description=description, kind=kind
-        )
+        self._id = _metric_call("family_create", name=name, description=description, kind=kind)
 
     def Metric(self, labels=None, buckets=None):  # noqa: N802 - Triton's name
         """The metric of this family with these labels (created when new)."""
@@ -882,9 +887,11 @@ class ModelConfig:
                     f"expects dims {list(tensor['dims'])} but the model configuration "
                     f"specifies dims {list(current['dims'])}"
                 )
-            if "optional" in tensor and "optional" in current and bool(
-                current["optional"]
-            ) != bool(tensor["optional"]):
+            if (
+                "optional" in tensor
+                and "optional" in current
+                and bool(current["optional"]) != bool(tensor["optional"])
+            ):
                 raise ValueError(
                     f"model '{self._name}', tensor '{tensor['name']}': the model "
                     f"expects optional {tensor['optional']} but the model "
