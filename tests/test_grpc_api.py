@@ -67,10 +67,10 @@ def test_health(grpc_client):
 
 def test_server_metadata(grpc_client):
     metadata = grpc_client.get_server_metadata()
-    assert metadata.name == "trionserve"
+    assert metadata.name == "triton"
     assert metadata.version
     assert "binary_tensor_data" in metadata.extensions
-    assert grpc_client.get_server_metadata(as_json=True)["name"] == "trionserve"
+    assert grpc_client.get_server_metadata(as_json=True)["name"] == "triton"
 
 
 def test_model_metadata(grpc_client):

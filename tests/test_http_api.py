@@ -42,7 +42,7 @@ def test_health(http_client):
 
 def test_server_metadata(http_client):
     metadata = http_client.get_server_metadata()
-    assert metadata["name"] == "trionserve"
+    assert metadata["name"] == "triton"
     assert metadata["version"]
     assert "binary_tensor_data" in metadata["extensions"]
 

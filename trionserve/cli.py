@@ -314,7 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"log {level}-level events (default true)",
         )
     add("--log-file", default="", metavar="PATH", help="append the log to PATH instead of stderr")
-    add("--id", dest="server_id", default="trionserve", help="server identifier")
+    add(
+        "--id",
+        dest="server_id",
+        default="triton",
+        help="server name in server metadata (Triton's default: triton)",
+    )
     add_worker_flags(add)
     add_compat_flags(add, _bool)
     return p

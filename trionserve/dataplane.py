@@ -46,17 +46,20 @@ from trionserve.repository.repository import duplicate_reason
 
 log = structlog.get_logger(__name__)
 
+# Triton's names and order (core src/server.cc, InferenceServer's constructor); the
+# shared-memory ones are added where usable (see server_metadata); "generate" is ours.
 EXTENSIONS = [
     "classification",
-    "logging",
-    "binary_tensor_data",
-    "parameters",
-    "model_configuration",
+    "sequence",
     "model_repository",
     "model_repository(unload_dependents)",
     "schedule_policy",
+    "model_configuration",
+    "binary_tensor_data",
+    "parameters",
     "statistics",
     "trace",
+    "logging",
     "generate",
 ]
 
@@ -95,7 +98,7 @@ class DataPlane:
         self,
         registry: ModelRegistry,
         control_mode: ControlMode,
-        server_id: str = "trionserve",
+        server_id: str = "triton",
         *,
         allow_client_shm: bool = False,
         tracing: TraceManager | None = None,
@@ -244,11 +247,17 @@ class DataPlane:
             self._settled.set()
 
     def server_metadata(self) -> dict:
+        """Name, version and extensions. Triton always lists both shared-memory
+        extensions; here each is listed only where a client can use it: system
+        shared memory with ``--allow-client-shm``, CUDA shared memory when, in
+        addition, cupy and a CUDA device are there."""
         extensions = list(EXTENSIONS)
         if self.shared_memory is not None:
-            extensions.append("system_shared_memory")
+            usable = ["system_shared_memory"]
             if cuda_unavailable_reason() is None:
-                extensions.append("cuda_shared_memory")
+                usable.append("cuda_shared_memory")
+            at = extensions.index("binary_tensor_data")  # where Triton lists them
+            extensions[at:at] = usable
         return {"name": self.server_id, "version": __version__, "extensions": extensions}
 
     def client_shared_memory(self) -> SystemSharedMemory:

@@ -92,7 +92,7 @@ class ServerOptions:
     log_info: bool = True
     log_warning: bool = True
     log_error: bool = True
-    server_id: str = "trionserve"
+    server_id: str = "triton"
     # The command line's server owns its process: once the exit timeout has passed,
     # work that still holds it (a stub's finalize, a backend's release) is cut and
     # the process exits. False when serving inside another program.
