@@ -1,7 +1,13 @@
 """The root actor: wires the runtime and the frontends under one nursery.
 
-Startup: registry, then the watcher's startup loads, then the frontends; the server
-reports ready once the frontends listen. Shutdown (the first SIGINT/SIGTERM, or
+The core (model repository, registry, watcher, DataPlane) runs with or without
+network frontends: the HTTP, gRPC and metrics frontends are optional parts attached
+to the running core, by the options (the command line's server) or later with
+``attach_http`` / ``attach_grpc`` / ``attach_metrics`` (the in-process API,
+:mod:`trionserve.api`). Every frontend calls the one DataPlane.
+
+Startup: registry, then the watcher's startup loads, then the frontends the options
+ask for; the server reports ready once they listen. Shutdown (the first SIGINT/SIGTERM, or
 ``shutdown``) is a drain, as Triton does it: readiness turns false at once; the
 frontends keep listening and serving, the DataPlane refusing every new request with
 UNAVAILABLE except those that continue a sequence already open; once nothing is in
@@ -31,6 +37,7 @@ from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig, apply_backend_config
 from trionserve.backends.registry import set_backend_directories
+from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.response_cache import ResponseCache
 from trionserve.core.types import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.dataplane import DataPlane
@@ -97,14 +104,18 @@ class ServerOptions:
     # work that still holds it (a stub's finalize, a backend's release) is cut and
     # the process exits. False when serving inside another program.
     exit_process: bool = False
+    # SIGINT/SIGTERM start the drain (only possible in the main thread). False when
+    # serving inside another program (trionserve.api), which calls shutdown itself.
+    handle_signals: bool = True
 
     @property
     def autocomplete(self) -> bool:
         return not (self.strict_model_config or self.disable_auto_complete_config)
 
 
-class StartupError(Exception):
-    """The server could not start as asked (with --exit-on-error)."""
+class StartupError(InternalError):
+    """The server could not start as asked (with --exit-on-error): INTERNAL, as
+    Triton's "failed to load all models"."""
 
 
 class Server:
@@ -156,6 +167,8 @@ class Server:
         # Given to the frontends: set once the drain is over, and they close.
         self._close_frontends = trio.Event()
         self._drain_deadline = math.inf
+        # The nursery of the network frontends while the server serves.
+        self._frontends: trio.Nursery | None = None
         self.exit_code = 0
         # With ``exit_process``: ends the process if serve has not ended in time.
         self._exit_timer: threading.Timer | None = None
@@ -184,7 +197,8 @@ class Server:
             mode=options.model_control_mode.value,
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            if options.handle_signals:
+                nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             await nursery.start(self.dataplane.tracing.run)
             await nursery.start(self.registry.run)
             await nursery.start(self.watcher.run)
@@ -199,41 +213,14 @@ class Server:
                     )
                 )
             async with trio.open_nursery() as frontends:
+                self._frontends = frontends
                 # Metrics first: by the time HTTP answers, /metrics does too.
                 if options.allow_metrics:
-                    binds = await frontends.start(
-                        serve_metrics,
-                        self.registry,
-                        options.metrics,
-                        self._metrics_address(),
-                        options.metrics_port,
-                        self._close_frontends,
-                    )
-                    log.info("Metrics service started", listening=binds)
+                    await self.attach_metrics(self._metrics_address(), options.metrics_port)
                 if options.allow_http:
-                    binds = await frontends.start(
-                        serve_http,
-                        self.dataplane,
-                        options.http_address,
-                        options.http_port,
-                        self._close_frontends,
-                        options.exit_timeout_secs,
-                        options.log_verbose > 0,
-                        options.http,
-                    )
-                    log.info("HTTP service started", listening=binds)
+                    await self.attach_http(options.http_address, options.http_port)
                 if options.allow_grpc:
-                    binds = await frontends.start(
-                        serve_grpc,
-                        self.dataplane,
-                        options.grpc_address,
-                        options.grpc_port,
-                        self._close_frontends,
-                        options.exit_timeout_secs,
-                        options.grpc,
-                        options.log_verbose > 0,
-                    )
-                    log.info("GRPC service started", listening=binds)
+                    await self.attach_grpc(options.grpc_address, options.grpc_port)
                 self.dataplane.started = True
                 log.info("server ready", models=sorted(self.registry.entries()))
                 task_status.started()
@@ -243,11 +230,72 @@ class Server:
                 frontends.cancel_scope.deadline = max(
                     self._drain_deadline, trio.current_time() + CLOSE_GRACE_SECS
                 )
+            self._frontends = None
             await self._unload_all(max(0.0, self._drain_deadline - trio.current_time()))
             await self.dataplane.tracing.aclose()
             log.info("server stopped", exit_code=self.exit_code)
             self._exit_process_soon()
             nursery.cancel_scope.cancel()
+
+    # -- frontends ---------------------------------------------------------------
+
+    def _frontend_nursery(self, what: str) -> trio.Nursery:
+        """Where a frontend runs: beside the others, closed with them after the drain."""
+        if self._frontends is None or self._shutdown.is_set():
+            state = "shutting down" if self._shutdown.is_set() else "not started"
+            raise Unavailable(f"cannot attach the {what} frontend: the server is {state}")
+        return self._frontends
+
+    async def attach_http(
+        self, address: str, port: int, options: HttpOptions | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve the HTTP/REST protocol on ``address``:``port`` (0: any free port)
+        from the running core; returns the bound (host, port) pairs. The frontend
+        keeps serving through the drain and closes with the others after it."""
+        binds = await self._frontend_nursery("HTTP").start(
+            serve_http,
+            self.dataplane,
+            address,
+            port,
+            self._close_frontends,
+            self.options.exit_timeout_secs,
+            self.options.log_verbose > 0,
+            options if options is not None else self.options.http,
+        )
+        log.info("HTTP service started", listening=binds)
+        return binds
+
+    async def attach_grpc(
+        self, address: str, port: int, options: GrpcOptions | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve the gRPC protocol from the running core (as :meth:`attach_http`)."""
+        binds = await self._frontend_nursery("GRPC").start(
+            serve_grpc,
+            self.dataplane,
+            address,
+            port,
+            self._close_frontends,
+            self.options.exit_timeout_secs,
+            options if options is not None else self.options.grpc,
+            self.options.log_verbose > 0,
+        )
+        log.info("GRPC service started", listening=binds)
+        return binds
+
+    async def attach_metrics(
+        self, address: str, port: int, options: MetricsOptions | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve Prometheus ``/metrics`` from the running core (as :meth:`attach_http`)."""
+        binds = await self._frontend_nursery("metrics").start(
+            serve_metrics,
+            self.registry,
+            options if options is not None else self.options.metrics,
+            address,
+            port,
+            self._close_frontends,
+        )
+        log.info("Metrics service started", listening=binds)
+        return binds
 
     async def _drain(self) -> None:
         """Wait, until the exit timeout, for the requests in flight and the open

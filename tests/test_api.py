@@ -1,0 +1,470 @@
+"""The in-process API (trionserve.api): no sockets, except the one test that
+attaches an HTTP frontend to a running in-process server."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from trionserve import api
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+
+STREAM_CONFIG = """
+name: "stream"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# N responses, then the final flag alone; for N < 0, one response and an error.
+STREAM_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            n = int(pb_utils.get_input_tensor_by_name(request, "N").as_numpy()[0])
+            sender = request.get_response_sender()
+            for i in range(max(n, 1) if n < 0 else n):
+                out = pb_utils.Tensor("I", np.array([i], np.int32))
+                sender.send(pb_utils.InferenceResponse([out]))
+            if n < 0:
+                error = pb_utils.TritonError("stream broke on purpose")
+                sender.send(pb_utils.InferenceResponse(error=error),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+GATED_CONFIG = """
+name: "gated"
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "GATE" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "I" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Sends 0, then waits for the file named by GATE (then sends 1) or for the
+# request's cancellation; then ends the stream.
+GATED_MODEL = """
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            gate = pb_utils.get_input_tensor_by_name(request, "GATE").as_numpy()[0].decode()
+            sender = request.get_response_sender()
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("I", np.array([0], np.int32))]))
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate) and not sender.is_cancelled():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.002)
+            if os.path.exists(gate):
+                out = pb_utils.Tensor("I", np.array([1], np.int32))
+                sender.send(pb_utils.InferenceResponse([out]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+
+
+def python_model(root: Path, name: str, config: str, model: str) -> None:
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
+    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory) -> Path:
+    """simple (ONNX), add_sub_python, identity_bytes, identity_fp32 from the
+    examples; stream and gated (decoupled Python models)."""
+    root = tmp_path_factory.mktemp("api") / "models"
+    root.mkdir()
+    for name in ("simple", "add_sub_python", "identity_bytes", "identity_fp32"):
+        shutil.copytree(EXAMPLES / name, root / name)
+    python_model(root, "stream", STREAM_CONFIG, STREAM_MODEL)
+    python_model(root, "gated", GATED_CONFIG, GATED_MODEL)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repository):
+    """One blocking in-process server for the module (EXPLICIT: identity_fp32 is
+    left for the load/unload test)."""
+    options = api.Options(
+        model_repository=repository,
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        startup_models=["simple", "add_sub_python", "identity_bytes", "stream", "gated"],
+        exit_timeout=20,
+    )
+    with api.Server(options) as server:
+        yield server
+    assert server.exit_code == 0
+
+
+def pair(n: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    a = np.arange(16 * n, dtype=np.int32).reshape(n, 16)
+    return a, np.full((n, 16), 3, dtype=np.int32)
+
+
+def only(responses) -> api.InferenceResponse:
+    responses = list(responses)
+    assert len(responses) == 1 and responses[0].final
+    return responses[0]
+
+
+def trionserve_threads() -> set[threading.Thread]:
+    """The threads running in-process cores (the module's server's among them)."""
+    return {t for t in threading.enumerate() if t.name == "trionserve-core"}
+
+
+def child_pids() -> set[int]:
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        children = (task / "children").read_text().split()
+        pids.update(int(pid) for pid in children)
+    return pids
+
+
+# -- inference ----------------------------------------------------------------
+
+
+def test_onnx_model_answers_numpy(server):
+    a, b = pair(2)
+    response = only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"], a + b)
+    np.testing.assert_array_equal(response.outputs["OUTPUT1"], a - b)
+    assert response.outputs["OUTPUT0"].dtype == np.int32
+    assert (response.model.name, response.model.version) == ("simple", 1)
+
+
+def test_request_object_and_fields(server):
+    model = server.model("simple", 1)
+    a, b = pair()
+    request = model.create_request(inputs={"INPUT0": a, "INPUT1": b}, request_id="r-7")
+    response = only(model.infer(request))
+    assert response.request_id == "r-7"
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"], a + b)
+
+
+def test_dlpack_and_list_inputs(server):
+    import torch
+
+    a, b = pair()
+    inputs = {"INPUT0": torch.from_numpy(a.copy()), "INPUT1": b}
+    response = only(server.model("simple").infer(inputs=inputs))
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"], a + b)
+    response = only(server.model("identity_bytes").infer(inputs={"INPUT0": [["x", "yz"]]}))
+    assert response.outputs["OUTPUT0"].tolist() == [[b"x", b"yz"]]
+    # A list of ints is INT64, as numpy makes it (and Triton's package): refused by
+    # an INT32 model with the datatypes named.
+    with pytest.raises(api.InvalidArgumentError, match="'INT64'.*expects 'INT32'"):
+        list(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b.tolist()}))
+
+
+def test_python_backend_model(server):
+    a, b = pair(3)
+    response = only(server.model("add_sub_python").infer(inputs={"INPUT0": a, "INPUT1": b}))
+    np.testing.assert_array_equal(response.outputs["OUTPUT1"], a - b)
+
+
+def test_bytes_tensors_from_str_and_bytes(server):
+    model = server.model("identity_bytes")
+    for values in (np.array([["hé", "x"]]), np.array([[b"a\x00b", b""]], dtype=object)):
+        response = only(model.infer(inputs={"INPUT0": values}))
+        out = response.outputs["OUTPUT0"]
+        assert out.dtype == object
+        expected = [v.encode() if isinstance(v, str) else v for v in values.reshape(-1)]
+        assert list(out.reshape(-1)) == expected
+
+
+def test_decoupled_model_streams(server):
+    model = server.model("stream")
+    responses = list(model.infer(inputs={"N": np.array([4], np.int32)}))
+    # Four responses, then the final flag alone: an empty final response (Triton's).
+    assert [int(r.outputs["I"][0]) for r in responses[:4]] == [0, 1, 2, 3]
+    assert [r.final for r in responses] == [False] * 4 + [True]
+    assert responses[-1].outputs == {}
+
+
+def test_decoupled_error_raises_or_is_returned(server):
+    model = server.model("stream")
+    iterator = model.infer(inputs={"N": np.array([-1], np.int32)})
+    assert int(next(iterator).outputs["I"][0]) == 0
+    with pytest.raises(api.TritonError, match="stream broke on purpose"):
+        next(iterator)
+    responses = list(model.infer(inputs={"N": np.array([-1], np.int32)}, raise_on_error=False))
+    assert len(responses) == 2
+    assert responses[-1].final and "stream broke on purpose" in str(responses[-1].error)
+
+
+def test_cancel_ends_a_streaming_request(server, tmp_path):
+    model = server.model("gated")
+    gate = tmp_path / "never"
+    iterator = model.infer(inputs={"GATE": np.array([str(gate)])})
+    assert int(next(iterator).outputs["I"][0]) == 0
+    iterator.cancel()
+    with pytest.raises(api.CancelledError):
+        next(iterator)
+    # The model saw the cancellation and is free again: the next request runs.
+    gate.write_text("open")
+    responses = list(model.infer(inputs={"GATE": np.array([str(gate)])}))
+    assert [int(r.outputs["I"][0]) for r in responses[:2]] == [0, 1]
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def test_errors_carry_triton_exception_types(server):
+    a, b = pair()
+    with pytest.raises(api.NotFoundError, match="nope"):
+        list(server.model("nope").infer(inputs={"INPUT0": a}))
+    with pytest.raises(api.InvalidArgumentError, match="INPUT1"):
+        list(server.model("simple").infer(inputs={"INPUT0": a}))
+    with pytest.raises(api.InvalidArgumentError, match="INPUT0"):
+        list(server.model("simple").infer(inputs={"INPUT0": a.astype(np.float32), "INPUT1": b}))
+    with pytest.raises(api.InvalidArgumentError, match="shape"):
+        list(server.model("simple").infer(inputs={"INPUT0": a[:, :8], "INPUT1": b[:, :8]}))
+    with pytest.raises(api.InvalidArgumentError, match="element 0 is int"):
+        server.model("identity_bytes").infer(inputs={"INPUT0": np.array([[1]], dtype=object)})
+    with pytest.raises(api.InvalidArgumentError, match="reserved"):
+        server.model("simple").infer(inputs={}, parameters={"triton_x": 1})
+    with pytest.raises(api.InvalidArgumentError, match="model version"):
+        server.model("simple", 0)
+    with pytest.raises(api.NotFoundError):
+        server.model("nope").metadata()
+    assert isinstance(api.UnavailableError("x"), api.TritonError)
+    # The server is unharmed.
+    only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+
+
+def test_raise_on_error_false_returns_the_error(server):
+    (response,) = list(server.model("nope").infer(inputs={}, raise_on_error=False))
+    assert isinstance(response.error, api.NotFoundError) and response.final
+
+
+# -- metadata, config, statistics, lifecycle -----------------------------------------
+
+
+def test_server_and_model_metadata(server):
+    assert server.live() and server.ready()
+    assert server.metadata()["name"] == "trionserve"
+    assert "model_repository" in server.metadata()["extensions"]
+    model = server.model("simple")
+    assert model.ready()
+    metadata = model.metadata()
+    assert metadata["versions"] == ["1"]
+    assert [i["name"] for i in metadata["inputs"]] == ["INPUT0", "INPUT1"]
+    assert metadata["inputs"][0]["shape"] == [-1, 16]
+    config = model.config()
+    assert config["max_batch_size"] == 8 and config["input"][0]["data_type"] == "TYPE_INT32"
+    assert server.model("stream").config()["model_transaction_policy"]["decoupled"] is True
+
+
+def test_statistics_count_inferences(server):
+    model = server.model("add_sub_python")
+    before = model.statistics()["model_stats"][0]["inference_count"]
+    a, b = pair(2)
+    only(model.infer(inputs={"INPUT0": a, "INPUT1": b}))
+    stats = model.statistics()["model_stats"]
+    assert [s["name"] for s in stats] == ["add_sub_python"]
+    assert stats[0]["inference_count"] == before + 2
+    assert stats[0]["inference_stats"]["success"]["count"] >= 1
+
+
+def test_models_index(server):
+    models = server.models()
+    assert models[("simple", 1)].state == "READY"
+    assert models["simple"].version == -1
+    assert ("identity_fp32", -1) in models  # in the repository, not loaded
+    assert ("identity_fp32", -1) not in server.models(exclude_not_ready=True)
+    with pytest.raises(KeyError):
+        models["nope"]
+
+
+def test_load_with_config_then_unload(server):
+    model = server.load("identity_fp32")
+    assert model.ready()
+    x = np.linspace(0, 1, 8, dtype=np.float32).reshape(1, 8)
+    response = only(model.infer(inputs={"INPUT0": x}))
+    np.testing.assert_array_equal(response.outputs["OUTPUT0"], x)
+    config = model.config()
+    config["parameters"] = {"note": {"string_value": "reloaded"}}
+    server.load("identity_fp32", config=config)
+    assert model.config()["parameters"]["note"]["string_value"] == "reloaded"
+    server.unload("identity_fp32")
+    assert not model.ready()
+    with pytest.raises(api.UnavailableError):
+        list(model.infer(inputs={"INPUT0": x}))
+    assert server.models()[("identity_fp32", 1)].state == "UNAVAILABLE"
+
+
+def test_load_refused_outside_explicit_mode(repository):
+    with (
+        api.Server(model_repository=repository) as other,
+        pytest.raises(api.UnavailableError, match="explicit"),
+    ):
+        other.unload("simple")
+
+
+def test_startup_failure_raises_and_leaves_no_thread(tmp_path):
+    root = tmp_path / "models"
+    shutil.copytree(EXAMPLES / "simple", root / "simple")
+    (root / "simple" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    threads = trionserve_threads()
+    server = api.Server(model_repository=root)
+    with pytest.raises(api.InternalError, match="failed to load all models"):
+        server.start()
+    assert trionserve_threads() == threads
+    with pytest.raises(api.InvalidArgumentError, match="not started"):
+        server.model("simple")
+
+
+def test_not_ready_in_time(tmp_path):
+    root = tmp_path / "models"
+    shutil.copytree(EXAMPLES / "simple", root / "simple")
+    (root / "simple" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    threads = trionserve_threads()
+    server = api.Server(model_repository=root, exit_on_error=False)
+    with pytest.raises(api.UnavailableError, match="Timeout before ready"):
+        server.start(wait_until_ready=True, timeout=0.2)
+    assert trionserve_threads() == threads
+
+
+# -- shutdown ----------------------------------------------------------------------------
+
+
+def test_stop_drains_in_flight_requests(repository, tmp_path):
+    """stop() refuses new requests at once, lets the one in flight finish, then
+    ends the core's thread and the Python models' stub processes."""
+    children_before = child_pids()
+    threads = trionserve_threads()
+    server = api.Server(
+        model_repository=repository,
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        startup_models=["gated", "simple"],
+    ).start(wait_until_ready=True)
+    assert child_pids() - children_before  # the gated model's stub
+    gate = tmp_path / "gate"
+    iterator = server.model("gated").infer(inputs={"GATE": np.array([str(gate)])})
+    assert int(next(iterator).outputs["I"][0]) == 0
+    stopping = threading.Thread(target=server.stop)
+    stopping.start()
+    while server.ready():  # until stop() has begun the drain
+        pass
+    a, b = pair()
+    with pytest.raises(api.UnavailableError, match="shutting down"):
+        list(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+    gate.write_text("open")
+    rest = list(iterator)
+    assert [int(r.outputs["I"][0]) for r in rest[:1]] == [1] and rest[-1].final
+    stopping.join(30)
+    assert not stopping.is_alive()
+    assert server.exit_code == 0
+    assert trionserve_threads() == threads
+    assert child_pids() <= children_before
+    with pytest.raises(api.InvalidArgumentError, match="not started"):
+        server.ready()
+
+
+# -- Trio-native ---------------------------------------------------------------------------
+
+
+async def test_trio_api_streams_and_drains(repository, tmp_path):
+    gate = tmp_path / "gate"
+    async with api.open_server(
+        model_repository=repository,
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        startup_models=["simple", "stream", "gated"],
+    ) as server:
+        assert server.ready()
+        a, b = pair()
+        responses = [
+            r async for r in server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b})
+        ]
+        np.testing.assert_array_equal(responses[0].outputs["OUTPUT0"], a + b)
+        received = []
+        async for response in server.model("stream").infer(inputs={"N": np.array([3], np.int32)}):
+            if not response.final:
+                received.append(int(response.outputs["I"][0]))
+        assert received == [0, 1, 2]
+        async with server.model("gated").infer(inputs={"GATE": np.array([str(gate)])}) as stream:
+            assert int((await stream.__anext__()).outputs["I"][0]) == 0
+            server.stop()  # the drain begins; this request may finish
+            assert not server.ready()
+            with pytest.raises(api.UnavailableError, match="shutting down"):
+                await server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}).__anext__()
+            gate.write_text("open")
+            rest = [r async for r in stream]
+        assert int(rest[0].outputs["I"][0]) == 1 and rest[-1].final
+    assert server.core.exit_code == 0
+
+
+async def test_trio_api_closing_a_stream_cancels_its_request(repository, tmp_path):
+    async with api.open_server(
+        model_repository=repository,
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        startup_models=["gated"],
+    ) as server:
+        model = server.model("gated")
+        gate = tmp_path / "gate"
+        with trio.fail_after(30):
+            async with model.infer(inputs={"GATE": np.array([str(gate)])}) as stream:
+                await stream.__anext__()
+            # Closed early: the model saw the cancellation and takes the next request.
+            gate.write_text("open")
+            responses = [r async for r in model.infer(inputs={"GATE": np.array([str(gate)])})]
+        assert int(responses[1].outputs["I"][0]) == 1
+        assert model.statistics()["model_stats"][0]["inference_stats"]["success"]["count"] >= 1
+
+
+# -- network frontends on the same core ----------------------------------------------------
+
+
+def test_http_frontend_attached_to_a_running_server(repository):
+    import tritonclient.http as httpclient
+
+    with api.Server(
+        model_repository=repository,
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        startup_models=["simple"],
+    ) as server:
+        a, b = pair()
+        only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+        ((host, port),) = server.attach_http("127.0.0.1", 0)
+        client = httpclient.InferenceServerClient(f"{host}:{port}")
+        try:
+            assert client.is_server_ready()
+            inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            result = client.infer("simple", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+            # One core: the in-process call and the HTTP call count in the same statistics.
+            stats = client.get_inference_statistics("simple")["model_stats"][0]
+            assert stats["inference_stats"]["success"]["count"] == 2
+        finally:
+            client.close()
+    with pytest.raises(ConnectionError):
+        import socket
+
+        socket.create_connection((host, port), timeout=5).close()

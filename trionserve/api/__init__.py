@@ -1,0 +1,67 @@
+"""In-process API: a trionserve server inside a Python program, no network needed.
+
+The shape of Triton's ``tritonserver`` package, for blocking code::
+
+    from trionserve import api
+
+    with api.Server(model_repository="models") as server:
+        for response in server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}):
+            print(response.outputs["OUTPUT0"])
+
+and Trio-native for Trio programs::
+
+    async with api.open_server(model_repository="models") as server:
+        async for response in server.model("simple").infer(inputs={...}):
+            ...
+
+Both run the command line's core (:class:`trionserve.server.Server`: registry,
+DataPlane, drain); HTTP, gRPC and metrics frontends can be attached to it while it
+runs (``attach_http``). See docs/in_process_api.md for how it differs from Triton's.
+"""
+
+from trionserve.api._blocking import Model, ResponseIterator, Server
+from trionserve.api._trio import AsyncModel, AsyncResponseIterator, AsyncServer, open_server
+from trionserve.api._values import (
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    InferenceRequest,
+    InferenceResponse,
+    InternalError,
+    InvalidArgumentError,
+    ModelControlMode,
+    ModelDictionary,
+    NotFoundError,
+    Options,
+    RequestFlag,
+    ResourceExhaustedError,
+    TritonError,
+    UnavailableError,
+    UnsupportedError,
+)
+
+__all__ = [
+    "AlreadyExistsError",
+    "AsyncModel",
+    "AsyncResponseIterator",
+    "AsyncServer",
+    "CancelledError",
+    "DeadlineExceededError",
+    "InferenceRequest",
+    "InferenceResponse",
+    "InternalError",
+    "InvalidArgumentError",
+    "Model",
+    "ModelControlMode",
+    "ModelDictionary",
+    "NotFoundError",
+    "Options",
+    "RequestFlag",
+    "ResourceExhaustedError",
+    "ResponseIterator",
+    "Server",
+    "TritonError",
+    "UnavailableError",
+    "UnsupportedError",
+    "open_server",
+]

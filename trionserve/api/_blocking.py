@@ -1,0 +1,417 @@
+"""The in-process server for ordinary (blocking) Python code, in the shape of
+Triton's ``tritonserver.Server``.
+
+The core runs in a Trio run on a thread of its own (:class:`_LoopThread`); every
+call blocks on that run through ``trio.from_thread``, so any number of threads may
+call at once. Each request's responses are handed over by a task in that run
+through a channel that holds none: what waits for the caller stays in the request
+itself, bounded by bytes as for a network client.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import threading
+import weakref
+from typing import Any, Self
+
+import trio
+
+from trionserve.api._trio import (
+    AsyncModel,
+    AsyncResponseIterator,
+    AsyncServer,
+    new_core,
+    sole_exception,
+)
+from trionserve.api._values import (
+    InferenceRequest,
+    InferenceResponse,
+    InvalidArgumentError,
+    ModelDictionary,
+    Options,
+    UnavailableError,
+    describe_model,
+)
+from trionserve.core.errors import as_triton_error
+from trionserve.protocol.grpc.service import GrpcOptions
+from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.server import Server as Core
+from trionserve.server import ServerOptions
+
+
+class _LoopThread:
+    """One core serving in a Trio run on its own thread.
+
+    Owns the thread, the run and a nursery holding the core and the tasks that
+    hand responses to blocking callers. The run ends when the core's ``serve``
+    ends (after ``stop``'s drain, or a failure); handing tasks still left then
+    (their callers stopped reading) are cancelled, their requests with them.
+    """
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.server = AsyncServer(core)
+        self.token: trio.lowlevel.TrioToken | None = None
+        self._nursery: trio.Nursery | None = None
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        # Daemon: a program that never calls stop() still exits (atexit stops it).
+        self._thread = threading.Thread(
+            target=self._run, args=(started,), name="trionserve-core", daemon=True
+        )
+        self._thread.start()
+        try:
+            started.result()
+        finally:
+            if started.exception() is not None:
+                self._thread.join()
+
+    def _run(self, started: concurrent.futures.Future) -> None:
+        try:
+            trio.run(self._main, started)
+        except BaseException as exc:  # noqa: BLE001 (handed to start(), which raises it)
+            if not started.done():
+                started.set_exception(sole_exception(exc))
+
+    async def _main(self, started: concurrent.futures.Future) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self._serve)
+            self.token = trio.lowlevel.current_trio_token()
+            started.set_result(None)
+
+    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self.core.serve(task_status=task_status)
+        finally:
+            assert self._nursery is not None
+            self._nursery.cancel_scope.cancel()
+
+    def run(self, afn, *args):
+        """``await afn(*args)`` in the core's run; blocks until it returns."""
+        try:
+            return trio.from_thread.run(afn, *args, trio_token=self.token)
+        except trio.RunFinishedError:
+            raise UnavailableError("the in-process server has stopped") from None
+
+    def run_sync(self, fn, *args):
+        """``fn(*args)`` in the core's run (it owns the state ``fn`` reads)."""
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
+        except trio.RunFinishedError:
+            raise UnavailableError("the in-process server has stopped") from None
+
+    def call_soon(self, fn, *args) -> None:
+        """``fn(*args)`` in the core's run, without waiting (from any thread)."""
+        try:
+            self.token.run_sync_soon(fn, *args)  # type: ignore[union-attr]
+        except trio.RunFinishedError:
+            pass
+
+    async def start_handing(self, responses: AsyncResponseIterator):
+        """Start the task that hands ``responses`` over; returns its cancel scope and
+        the receiving end of its channel."""
+        send, receive = trio.open_memory_channel(0)
+        assert self._nursery is not None
+        scope = await self._nursery.start(_hand_over, responses, send)
+        return scope, receive
+
+    def stop(self) -> None:
+        """Drain and stop; returns once the run has ended."""
+        if self._thread.is_alive():
+            try:
+                trio.from_thread.run_sync(self.core.shutdown, trio_token=self.token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+
+class _Raised:
+    """A request's error, handed to the blocking caller to raise in its thread."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+async def _hand_over(
+    responses: AsyncResponseIterator, send: trio.MemorySendChannel, *, task_status
+) -> None:
+    with trio.CancelScope() as scope:
+        task_status.started(scope)
+        async with send:
+            try:
+                async with responses:
+                    async for response in responses:
+                        await send.send(response)
+            except Exception as exc:  # noqa: BLE001 (the request's error; others go on)
+                await send.send(_Raised(as_triton_error(exc, "in-process infer")))
+
+
+class Server:
+    """An in-process server, as Triton's ``tritonserver.Server``.
+
+    ``Server(options)`` or ``Server(**Options fields)``; also takes the command
+    line's :class:`~trionserve.server.ServerOptions` (frontends and all). Use as a
+    context manager (starts, then stops) or call ``start()`` and ``stop()``.
+    """
+
+    def __init__(self, options: Options | ServerOptions | None = None, **kwargs: Any) -> None:
+        if options is None:
+            options = Options(**kwargs)
+        elif kwargs:
+            raise InvalidArgumentError("give either options or keyword arguments, not both")
+        self.options = options
+        self._loop: _LoopThread | None = None
+        self._stop_at_exit = None
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    def start(
+        self,
+        wait_until_ready: bool = False,
+        polling_interval: float = 0.1,
+        timeout: float | None = None,
+    ) -> Server:
+        """Start the core on its own thread and load the startup models; with
+        ``wait_until_ready``, also wait (up to ``timeout`` seconds) for readiness.
+        Raises InternalError when models failed to load (with ``exit_on_error``),
+        UnavailableError when not ready in time, InvalidArgumentError if started."""
+        if self._loop is not None:
+            raise InvalidArgumentError("Server already started")
+        self._loop = _LoopThread(new_core(self.options, {}))
+        self._stop_at_exit = _stopper(weakref.ref(self))
+        atexit.register(self._stop_at_exit)
+        if wait_until_ready:
+            try:
+                self._loop.run(_ready_within, self._loop.server, polling_interval, timeout)
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def stop(self) -> None:
+        """Drain (new requests refused, those in flight finish, up to the exit
+        timeout), unload every model and end the core's thread."""
+        loop = self._require_started()
+        if self._stop_at_exit is not None:
+            atexit.unregister(self._stop_at_exit)
+            self._stop_at_exit = None
+        # Other threads may call meanwhile: new requests get UnavailableError.
+        loop.stop()
+        self._last_exit_code = loop.core.exit_code
+        self._loop = None
+
+    def __enter__(self) -> Self:
+        if self._loop is None:
+            self.start(wait_until_ready=True)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self._loop is not None:
+            self.stop()
+
+    def _require_started(self) -> _LoopThread:
+        loop = self._loop
+        if loop is None:
+            raise InvalidArgumentError("Server not started")
+        return loop
+
+    @property
+    def exit_code(self) -> int:
+        """0 once a stop drained completely; 1 when the exit timeout cut it short."""
+        loop = self._loop
+        return loop.core.exit_code if loop is not None else self._last_exit_code
+
+    _last_exit_code = 0
+
+    # -- health and metadata -------------------------------------------------------
+
+    def live(self) -> bool:
+        return self._require_started().run_sync(lambda server: server.live(), self._server)
+
+    def ready(self) -> bool:
+        return self._require_started().run_sync(lambda server: server.ready(), self._server)
+
+    def metadata(self) -> dict[str, Any]:
+        return self._require_started().run_sync(lambda server: server.metadata(), self._server)
+
+    @property
+    def _server(self) -> AsyncServer:
+        return self._require_started().server
+
+    # -- models --------------------------------------------------------------------
+
+    def model(self, model_name: str, model_version: int = -1) -> Model:
+        loop = self._require_started()
+        return Model(loop, loop.server.model(model_name, model_version))
+
+    def models(self, exclude_not_ready: bool = False) -> ModelDictionary:
+        loop = self._require_started()
+        rows = loop.run_sync(loop.server.dataplane.repository_index, exclude_not_ready)
+        return ModelDictionary(
+            lambda name, version, state, reason: Model(
+                loop, AsyncModel(loop.server, name, version, state, reason)
+            ),
+            rows,
+        )
+
+    def load(
+        self,
+        model_name: str,
+        parameters: dict[str, Any] | None = None,
+        *,
+        config: str | dict | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> Model:
+        """As :meth:`AsyncServer.load`: blocks until the model has loaded."""
+        loop = self._require_started()
+        load = loop.server.load
+        model = loop.run(lambda: load(model_name, parameters, config=config, files=files))
+        return Model(loop, model)
+
+    def unload(
+        self,
+        model: str | Model,
+        unload_dependents: bool = False,
+        wait_until_unloaded: bool = True,
+        polling_interval: float = 0.1,
+        timeout: float | None = None,
+    ) -> None:
+        """As :meth:`AsyncServer.unload`: blocks until in-flight requests finished
+        and the model unloaded (the polling keywords are Triton's, unused)."""
+        loop = self._require_started()
+        name = model if isinstance(model, str) else model.name
+        loop.run(loop.server.unload, name, unload_dependents)
+
+    # -- network frontends -------------------------------------------------------------
+
+    def attach_http(
+        self, address: str = "127.0.0.1", port: int = 8000, options: HttpOptions | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve HTTP/REST from this core (port 0: a free one); the bound addresses."""
+        loop = self._require_started()
+        return loop.run(loop.server.attach_http, address, port, options)
+
+    def attach_grpc(
+        self, address: str = "127.0.0.1", port: int = 8001, options: GrpcOptions | None = None
+    ) -> list[tuple[str, int]]:
+        loop = self._require_started()
+        return loop.run(loop.server.attach_grpc, address, port, options)
+
+    def attach_metrics(self, address: str = "127.0.0.1", port: int = 8002) -> list[tuple[str, int]]:
+        loop = self._require_started()
+        return loop.run(loop.server.attach_metrics, address, port)
+
+
+def _stopper(server_ref: weakref.ref):
+    def stop_at_exit() -> None:
+        server = server_ref()
+        if server is not None and server._loop is not None:
+            server.stop()
+
+    return stop_at_exit
+
+
+async def _ready_within(server: AsyncServer, polling_interval: float, timeout: float | None):
+    with trio.move_on_after(timeout if timeout is not None else float("inf")):
+        await server.wait_until_ready(polling_interval)
+        return
+    raise UnavailableError("Timeout before ready")
+
+
+class Model:
+    """A model of an in-process server, as Triton's ``tritonserver.Model``."""
+
+    def __init__(self, loop: _LoopThread, model: AsyncModel) -> None:
+        self._loop = loop
+        self._model = model
+
+    name = property(lambda self: self._model.name)
+    version = property(lambda self: self._model.version)
+    state = property(lambda self: self._model.state)
+    reason = property(lambda self: self._model.reason)
+
+    def _at_version(self, version: int) -> Model:
+        if version == self.version:
+            return self
+        return Model(self._loop, self._model._at_version(version))
+
+    def create_request(self, **kwargs: Any) -> InferenceRequest:
+        return InferenceRequest(model=self, **kwargs)
+
+    def infer(
+        self,
+        inference_request: InferenceRequest | None = None,
+        raise_on_error: bool = True,
+        **kwargs: Any,
+    ) -> ResponseIterator:
+        """Send a request; iterate its responses (see :meth:`AsyncModel.infer`)."""
+        responses = self._model._infer(self, inference_request, raise_on_error, kwargs)
+        return ResponseIterator(self._loop, responses)
+
+    def metadata(self) -> dict[str, Any]:
+        return self._loop.run_sync(self._model.metadata)
+
+    def ready(self) -> bool:
+        return self._loop.run_sync(self._model.ready)
+
+    def config(self) -> dict[str, Any]:
+        return self._loop.run_sync(self._model.config)
+
+    def statistics(self) -> dict[str, Any]:
+        return self._loop.run_sync(self._model.statistics)
+
+    def __repr__(self) -> str:
+        return describe_model(self.name, self.version, self.state)
+
+
+class ResponseIterator:
+    """The responses of one request, for a blocking caller (see
+    :class:`AsyncResponseIterator`). The request is sent at once. An iterator
+    dropped before its final response cancels its request."""
+
+    def __init__(self, loop: _LoopThread, responses: AsyncResponseIterator) -> None:
+        self._loop = loop
+        self._responses = responses
+        self._complete = False
+        self._scope, self._receive = loop.run(loop.start_handing, responses)
+
+    def __iter__(self) -> ResponseIterator:
+        return self
+
+    def __next__(self) -> InferenceResponse:
+        if self._complete:
+            raise StopIteration
+        try:
+            item = self._loop.run(self._receive.receive)
+        except trio.EndOfChannel:
+            self._complete = True
+            raise StopIteration from None
+        except BaseException:  # the caller interrupted (KeyboardInterrupt), or stopped
+            self._close()
+            raise
+        if isinstance(item, _Raised):
+            self._complete = True
+            raise item.error
+        self._complete = item.final
+        return item
+
+    def cancel(self) -> None:
+        """End the request with CancelledError (Triton's ``cancel``)."""
+        if not self._complete:
+            self._loop.call_soon(self._responses.cancel)
+
+    def _close(self) -> None:
+        self._complete = True
+        self._loop.call_soon(self._scope.cancel)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_complete", True) and self._loop.running:
+            self._close()

@@ -1,0 +1,407 @@
+"""What the in-process API shares between its Trio and its blocking faces: options,
+errors, requests built from Python values, and responses handed back as numpy.
+
+Pure functions and plain data: nothing here touches the event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from trionserve.actors.watcher import ControlMode
+from trionserve.core import errors
+from trionserve.core.datatypes import from_numpy
+from trionserve.core.parameters import check_reserved_key
+from trionserve.core.types import InferenceRequest as CoreRequest
+from trionserve.core.types import InferenceResponse as CoreResponse
+from trionserve.core.types import Tensor
+from trionserve.server import ServerOptions
+
+# Triton's exception names (tritonserver/_c/tritonserver_pybind.cc) for our one
+# hierarchy: the core raises these very classes, so nothing is translated.
+TritonError = errors.TritonError
+InvalidArgumentError = errors.InvalidArgument
+NotFoundError = errors.NotFound
+UnavailableError = errors.Unavailable
+InternalError = errors.InternalError
+UnsupportedError = errors.Unimplemented
+AlreadyExistsError = errors.AlreadyExists
+# Codes Triton's Python package reports as UnknownError; named here.
+CancelledError = errors.Cancelled
+DeadlineExceededError = errors.DeadlineExceeded
+ResourceExhaustedError = errors.ResourceExhausted
+
+ModelControlMode = ControlMode
+
+
+class RequestFlag(enum.IntFlag):
+    """Triton's TRITONSERVER_RequestFlag: a request's place in its sequence."""
+
+    SEQUENCE_START = 1
+    SEQUENCE_END = 2
+
+
+@dataclass
+class Options:
+    """Server settings under the names of Triton's ``tritonserver.Options``.
+
+    A subset: what this server does. Settings it has beyond these (frontend
+    options at start, tracing, client shared memory) are set by passing a
+    :class:`trionserve.server.ServerOptions` instead, the command line's own.
+    """
+
+    model_repository: str | Path | list[str | Path] = field(default_factory=list)
+    server_id: str = "trionserve"
+    model_control_mode: ControlMode = ControlMode.NONE
+    startup_models: list[str] = field(default_factory=list)
+    strict_model_config: bool = False
+    exit_on_error: bool = True
+    strict_readiness: bool = True
+    exit_timeout: float = 30.0  # seconds a stop() waits for the drain
+    model_load_thread_count: int = 4
+    repository_poll_secs: float = 15.0  # with ModelControlMode.POLL
+    # backend name ("" for every backend) -> setting -> value (--backend-config)
+    backend_configuration: dict[str, dict[str, str]] = field(default_factory=dict)
+    backend_directory: str | Path | None = None
+    # {"local": {"size": bytes}}: the response cache (--cache-config)
+    cache_config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Logging is process-wide, as in Triton; each level turns on the ones above it.
+    log_file: str | None = None
+    log_info: bool = False
+    log_warn: bool = False
+    log_error: bool = False
+    log_verbose: int = 0
+    log_format: str = "default"
+
+    def server_options(self) -> ServerOptions:
+        """The same settings as the command line's server takes them, with no
+        network frontend and no signal handling (the host program owns those)."""
+        repositories = self.model_repository
+        if isinstance(repositories, (str, Path)):
+            repositories = [repositories]
+        log_info = self.log_info or self.log_verbose > 0
+        log_warn = self.log_warn or log_info
+        return ServerOptions(
+            model_repositories=list(repositories),
+            model_control_mode=ControlMode(self.model_control_mode),
+            repository_poll_secs=self.repository_poll_secs,
+            load_models=list(self.startup_models),
+            strict_model_config=self.strict_model_config,
+            exit_on_error=self.exit_on_error,
+            strict_readiness=self.strict_readiness,
+            exit_timeout_secs=float(self.exit_timeout),
+            model_load_thread_count=self.model_load_thread_count,
+            backend_config={k: dict(v) for k, v in self.backend_configuration.items()},
+            backend_directory=Path(self.backend_directory) if self.backend_directory else None,
+            response_cache_bytes=_cache_bytes(self.cache_config),
+            log_file=self.log_file or "",
+            log_info=log_info,
+            log_warning=log_warn,
+            log_error=self.log_error or log_warn,
+            log_verbose=self.log_verbose,
+            log_format="json" if self.log_format == "json" else "console",
+            server_id=self.server_id,
+            allow_http=False,
+            allow_grpc=False,
+            allow_metrics=False,
+            handle_signals=False,
+        )
+
+
+def _cache_bytes(cache_config: dict[str, dict[str, Any]]) -> int:
+    unknown = set(cache_config) - {"local"}
+    if unknown:
+        raise InvalidArgumentError(
+            f"cache_config: unknown cache {sorted(unknown)}; this server has the 'local' "
+            "cache only ({'local': {'size': bytes}})"
+        )
+    size = cache_config.get("local", {}).get("size", 0)
+    try:
+        return int(size)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"cache_config: 'local' 'size' must be a number of bytes, got {size!r}"
+        ) from None
+
+
+def server_options(options: Options | ServerOptions | None, kwargs: dict) -> ServerOptions:
+    """``Server(options)`` or ``Server(**kwargs)``, as Triton's Server takes them."""
+    if options is not None and kwargs:
+        raise InvalidArgumentError("give either an Options object or keyword arguments, not both")
+    if options is None:
+        options = Options(**kwargs)
+    if isinstance(options, Options):
+        return options.server_options()
+    if isinstance(options, ServerOptions):
+        return options
+    raise InvalidArgumentError(
+        f"options must be trionserve.api.Options or ServerOptions, got {type(options).__name__}"
+    )
+
+
+def route_version(version: int) -> int | None:
+    """Triton's -1 ("the version policy decides") as the registry's None."""
+    if version == -1:
+        return None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise InvalidArgumentError(
+            f"model version must be -1 or a positive integer, got {version!r}"
+        )
+    return version
+
+
+# -- requests --------------------------------------------------------------------
+
+
+@dataclass
+class InferenceRequest:
+    """An inference request's fields, as Triton's ``tritonserver.InferenceRequest``
+    (``Model.create_request()``, or ``Model.infer``'s keywords).
+
+    ``inputs``: name -> numpy array, object with ``__dlpack__`` (host memory), or
+    anything numpy turns into an array (str/bytes: BYTES). ``flags``:
+    :class:`RequestFlag` for sequences, with ``correlation_id``. ``timeout``: in
+    microseconds, as Triton's.
+    """
+
+    model: Any
+    request_id: str | None = None
+    flags: int = 0
+    correlation_id: int | str | None = None
+    priority: int = 0
+    timeout: int = 0
+    inputs: dict[str, Any] = field(default_factory=dict)
+    parameters: dict[str, str | int | bool | float] = field(default_factory=dict)
+
+
+def build_request(
+    model_name: str,
+    model_version: int,
+    *,
+    inputs: dict[str, Any],
+    parameters: dict[str, Any] | None = None,
+    request_id: str | None = None,
+    flags: int = 0,
+    correlation_id: int | str | None = None,
+    priority: int = 0,
+    timeout: int = 0,
+) -> CoreRequest:
+    """An inference request from Python values, checked as a frontend checks a
+    decoded one (the model's own checks follow in the DataPlane)."""
+    if not isinstance(inputs, dict):
+        raise InvalidArgumentError(
+            f"inputs must be a dict of input name to array, got {type(inputs).__name__}"
+        )
+    if flags & ~(RequestFlag.SEQUENCE_START | RequestFlag.SEQUENCE_END):
+        raise InvalidArgumentError(f"unknown request flags {flags:#x}")
+    for what, value in (("priority", priority), ("timeout", timeout)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(f"{what} must be a non-negative integer, got {value!r}")
+    if correlation_id is not None and (
+        isinstance(correlation_id, bool)
+        or not isinstance(correlation_id, (int, str))
+        or (isinstance(correlation_id, int) and correlation_id < 0)
+    ):
+        raise InvalidArgumentError(
+            f"correlation_id must be a non-negative integer or a string, got {correlation_id!r}"
+        )
+    return CoreRequest(
+        model_name,
+        route_version(model_version),
+        id=request_id or "",
+        inputs={name: input_tensor(name, value) for name, value in inputs.items()},
+        parameters=_parameters(parameters),
+        priority=priority,
+        timeout_us=timeout,
+        sequence_id=correlation_id if correlation_id is not None else 0,
+        sequence_start=bool(flags & RequestFlag.SEQUENCE_START),
+        sequence_end=bool(flags & RequestFlag.SEQUENCE_END),
+    )
+
+
+def _parameters(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """Request parameters: the value types Triton's request takes (string, int,
+    float, bool), no reserved ``triton_`` key."""
+    if parameters is None:
+        return {}
+    checked = {}
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise InvalidArgumentError(f"parameter names are strings, got {key!r}")
+        check_reserved_key(key)
+        if not isinstance(value, (str, int, float, bool)):
+            raise InvalidArgumentError(
+                f"parameter '{key}': expected a string, integer, float or boolean, "
+                f"got {type(value).__name__}"
+            )
+        checked[key] = value
+    return checked
+
+
+def input_tensor(name: str, value: Any) -> Tensor:
+    """One input from a numpy array, an object with ``__dlpack__`` (read on the
+    host), or anything numpy makes an array of; str and bytes arrays are BYTES."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        array = value
+    elif hasattr(value, "__dlpack__"):
+        try:
+            array = np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError, ValueError) as exc:
+            raise InvalidArgumentError(
+                f"input '{name}': cannot read it as a host array through DLPack ({exc}); "
+                "this server takes inputs in CPU memory: copy it to the host first"
+            ) from None
+    else:
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"input '{name}': not an array: {exc}") from None
+    if array.dtype.kind in ("S", "U", "O"):
+        return Tensor(name, "BYTES", _bytes_elements(name, array))
+    try:
+        datatype = from_numpy(array.dtype.newbyteorder("="))
+    except errors.InvalidArgument:
+        raise InvalidArgumentError(
+            f"input '{name}': numpy dtype {array.dtype} has no Triton datatype"
+        ) from None
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return Tensor(name, datatype.wire, np.ascontiguousarray(array))
+
+
+def _bytes_elements(name: str, array: np.ndarray) -> np.ndarray:
+    """A BYTES tensor as the server holds it: an object array of ``bytes``."""
+    flat = array.reshape(-1).tolist()
+    elements = np.empty(len(flat), dtype=object)
+    for index, item in enumerate(flat):
+        if isinstance(item, bytes):
+            elements[index] = item
+        elif isinstance(item, str):
+            elements[index] = item.encode("utf-8")
+        else:
+            raise InvalidArgumentError(
+                f"input '{name}': a BYTES tensor holds bytes or str, element {index} is "
+                f"{type(item).__name__}"
+            )
+    return elements.reshape(array.shape)
+
+
+# -- responses -------------------------------------------------------------------
+
+
+@dataclass
+class InferenceResponse:
+    """One response, as Triton's ``tritonserver.InferenceResponse``, its outputs as
+    numpy arrays (BYTES: object arrays of ``bytes``; BF16: ``uint16`` bit patterns).
+
+    ``final`` is true on the last response of its request; a decoupled model that
+    ends a request without a last response yields one empty final response.
+    ``error`` is set only when the request was made with ``raise_on_error=False``.
+    """
+
+    model: Any  # the Model (or AsyncModel) at the version that answered
+    request_id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    error: TritonError | None = None
+    final: bool = False
+
+
+def response_from(
+    model, request: CoreRequest, response: CoreResponse | None, final: bool
+) -> InferenceResponse:
+    if response is None:
+        return InferenceResponse(model, request.id or None, final=final)
+    version = int(response.model_version) if str(response.model_version).isdigit() else -1
+    return InferenceResponse(
+        model._at_version(version),
+        response.id or request.id or None,
+        dict(response.parameters),
+        {tensor.name: _output_array(tensor.data) for tensor in response.outputs},
+        final=final,
+    )
+
+
+def _output_array(data: np.ndarray) -> np.ndarray:
+    """An output as numpy; BYTES elements always ``bytes`` (a backend may hold str)."""
+    if data.dtype != object:
+        return data
+    flat = data.reshape(-1)
+    if all(isinstance(item, bytes) for item in flat):
+        return data
+    elements = np.empty(len(flat), dtype=object)
+    for index, item in enumerate(flat):
+        elements[index] = item.encode("utf-8") if isinstance(item, str) else bytes(item)
+    return elements.reshape(data.shape)
+
+
+def error_response(model, request: CoreRequest, error: TritonError) -> InferenceResponse:
+    return InferenceResponse(model, request.id or None, error=error, final=True)
+
+
+# -- models ----------------------------------------------------------------------
+
+
+def load_arguments(
+    parameters: dict[str, Any] | None, config: str | dict | None, files: dict[str, bytes] | None
+) -> tuple[str | None, dict[str, bytes]]:
+    """``load``'s override: Triton's ``parameters`` ({"config": JSON, "file:<path>":
+    bytes}), or the ``config`` and ``files`` keywords."""
+    parameters = dict(parameters or {})
+    if config is not None:
+        parameters["config"] = config
+    for path, content in (files or {}).items():
+        key = path if path.startswith("file:") else f"file:{path}"
+        parameters[key] = content
+    config_text = parameters.pop("config", None)
+    if isinstance(config_text, dict):
+        config_text = json.dumps(config_text)
+    elif config_text is not None and not isinstance(config_text, str):
+        raise InvalidArgumentError("load parameter 'config' must be a JSON string or a dict")
+    contents: dict[str, bytes] = {}
+    for key, value in parameters.items():
+        if not key.startswith("file:"):
+            raise InvalidArgumentError(
+                f"unknown load parameter '{key}': expected 'config' or 'file:<version>/<name>'"
+            )
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise InvalidArgumentError(f"load parameter '{key}' must be bytes")
+        contents[key] = bytes(value)
+    return config_text, contents
+
+
+class ModelDictionary(dict):
+    """``models()``: (name, version) -> Model, as Triton's ModelDictionary; a bare
+    name gives the model at version -1."""
+
+    def __init__(self, make_model, rows: list[dict]) -> None:
+        super().__init__()
+        self._make_model = make_model
+        for row in rows:
+            version = row.get("version", "")
+            number = int(version) if str(version).isdigit() else -1
+            model = make_model(row["name"], number, row.get("state"), row.get("reason"))
+            self[(row["name"], number)] = model
+        self._names = {name for name, _ in self}
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            try:
+                return dict.__getitem__(self, key)
+            except KeyError:
+                raise KeyError(f"Unknown Model: {key}") from None
+        if key in self._names:
+            return self._make_model(key, -1, None, None)
+        raise KeyError(f"Unknown Model: {key}")
+
+
+def describe_model(name: str, version: int, state: str | None) -> str:
+    return repr({"name": name, "version": version, "state": state})
