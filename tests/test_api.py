@@ -267,7 +267,7 @@ def test_raise_on_error_false_returns_the_error(server):
 
 def test_server_and_model_metadata(server):
     assert server.live() and server.ready()
-    assert server.metadata()["name"] == "trionserve"
+    assert server.metadata()["name"] == "triton"
     assert "model_repository" in server.metadata()["extensions"]
     model = server.model("simple")
     assert model.ready()

@@ -57,7 +57,7 @@ class Options:
     """
 
     model_repository: str | Path | list[str | Path] = field(default_factory=list)
-    server_id: str = "trionserve"
+    server_id: str = "triton"
     model_control_mode: ControlMode = ControlMode.NONE
     startup_models: list[str] = field(default_factory=list)
     strict_model_config: bool = False
