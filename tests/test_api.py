@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -99,7 +101,7 @@ def repository(tmp_path_factory) -> Path:
     examples; stream and gated (decoupled Python models)."""
     root = tmp_path_factory.mktemp("api") / "models"
     root.mkdir()
-    for name in ("simple", "add_sub_python", "identity_bytes", "identity_fp32"):
+    for name in ("simple", "add_sub_python", "identity_bytes", "identity_fp32", "accumulate"):
         shutil.copytree(EXAMPLES / name, root / name)
     python_model(root, "stream", STREAM_CONFIG, STREAM_MODEL)
     python_model(root, "gated", GATED_CONFIG, GATED_MODEL)
@@ -113,7 +115,14 @@ def server(repository):
     options = api.Options(
         model_repository=repository,
         model_control_mode=api.ModelControlMode.EXPLICIT,
-        startup_models=["simple", "add_sub_python", "identity_bytes", "stream", "gated"],
+        startup_models=[
+            "simple",
+            "add_sub_python",
+            "identity_bytes",
+            "accumulate",
+            "stream",
+            "gated",
+        ],
         exit_timeout=20,
     )
     with api.Server(options) as server:
@@ -229,6 +238,41 @@ def test_cancel_ends_a_streaming_request(server, tmp_path):
     gate.write_text("open")
     responses = list(model.infer(inputs={"GATE": np.array([str(gate)])}))
     assert [int(r.outputs["I"][0]) for r in responses[:2]] == [0, 1]
+
+
+def test_sequence_with_correlation_id_and_flags(server):
+    model = server.model("accumulate")
+    start, end = api.RequestFlag.SEQUENCE_START, api.RequestFlag.SEQUENCE_END
+    sums = []
+    for value, flags in ((3, start), (4, 0), (5, end)):
+        response = only(
+            model.infer(
+                inputs={"INPUT": np.array([[value]], np.int32)}, correlation_id=41, flags=flags
+            )
+        )
+        sums.append(int(response.outputs["OUTPUT"][0, 0]))
+    assert sums == [3, 7, 12]
+
+
+def test_threads_call_at_once(server):
+    """Many threads share the core: every answer is the right one."""
+    failures = []
+
+    def work(offset: int) -> None:
+        model = server.model("simple")
+        for i in range(20):
+            a = np.full((1, 16), offset * 100 + i, np.int32)
+            b = np.ones((1, 16), np.int32)
+            out = only(model.infer(inputs={"INPUT0": a, "INPUT1": b})).outputs["OUTPUT0"]
+            if not np.array_equal(out, a + b):
+                failures.append((offset, i))
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert failures == [] and not any(t.is_alive() for t in threads)
 
 
 # -- errors -------------------------------------------------------------------------
@@ -384,6 +428,43 @@ def test_stop_drains_in_flight_requests(repository, tmp_path):
     assert child_pids() <= children_before
     with pytest.raises(api.InvalidArgumentError, match="not started"):
         server.ready()
+
+
+def test_program_exiting_without_stop_drains_and_leaves_no_process(repository):
+    """A program that never calls stop(): the server stops at interpreter exit,
+    and the Python model's stub process ends with it."""
+    program = textwrap.dedent(
+        f"""
+        import os, sys
+        import numpy as np
+        from trionserve import api
+
+        server = api.Server(model_repository={str(repository)!r},
+                            model_control_mode=api.ModelControlMode.EXPLICIT,
+                            startup_models=["add_sub_python"]).start(wait_until_ready=True)
+        a = np.ones((1, 16), np.int32)
+        (response,) = server.model("add_sub_python").infer(inputs={{"INPUT0": a, "INPUT1": a}})
+        children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
+        for task in os.listdir(f"/proc/{{os.getpid()}}/task"):
+            children += open(f"/proc/{{os.getpid()}}/task/{{task}}/children").read().split()
+        print(int(response.outputs["OUTPUT0"].sum()), " ".join(sorted(set(children))))
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    total, *stubs = result.stdout.split()
+    assert total == "32" and stubs
+    for pid in stubs:
+        assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid), f"stub {pid} left"
+
+
+def _state(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"
 
 
 # -- Trio-native ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import threading
 import weakref
 from typing import Any, Self
 
+import structlog
 import trio
 
 from trionserve.api._trio import (
@@ -39,6 +40,8 @@ from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import Server as Core
 from trionserve.server import ServerOptions
+
+log = structlog.get_logger(__name__)
 
 
 class _LoopThread:
@@ -70,9 +73,11 @@ class _LoopThread:
     def _run(self, started: concurrent.futures.Future) -> None:
         try:
             trio.run(self._main, started)
-        except BaseException as exc:  # noqa: BLE001 (handed to start(), which raises it)
+        except BaseException as exc:  # handed to start(), or logged
             if not started.done():
                 started.set_exception(sole_exception(exc))
+            else:  # calls from now on get UnavailableError; the cause is logged
+                log.error("in-process server failed", exc_info=sole_exception(exc))
 
     async def _main(self, started: concurrent.futures.Future) -> None:
         async with trio.open_nursery() as nursery:
