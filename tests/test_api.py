@@ -3,6 +3,7 @@ attaches an HTTP frontend to a running in-process server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -149,7 +150,10 @@ def trionserve_threads() -> set[threading.Thread]:
 def child_pids() -> set[int]:
     pids: set[int] = set()
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        children = (task / "children").read_text().split()
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:  # a thread that just ended
+            continue
         pids.update(int(pid) for pid in children)
     return pids
 
@@ -226,6 +230,7 @@ def test_decoupled_error_raises_or_is_returned(server):
     assert responses[-1].final and "stream broke on purpose" in str(responses[-1].error)
 
 
+@pytest.mark.timeout(40)  # the gated model gives up waiting after 60 s
 def test_cancel_ends_a_streaming_request(server, tmp_path):
     model = server.model("gated")
     gate = tmp_path / "never"
@@ -273,6 +278,40 @@ def test_threads_call_at_once(server):
     for thread in threads:
         thread.join(60)
     assert failures == [] and not any(t.is_alive() for t in threads)
+
+
+def test_asyncio_async_infer(server, tmp_path):
+    """Triton's async_infer, for asyncio code: streams, raises, and a cancelled
+    asyncio task cancels its request."""
+
+    async def main() -> None:
+        stream = server.model("stream").async_infer(inputs={"N": np.array([3], np.int32)})
+        responses = [r async for r in stream]
+        assert [int(r.outputs["I"][0]) for r in responses[:3]] == [0, 1, 2]
+        assert responses[-1].final
+        with pytest.raises(api.NotFoundError):
+            await server.model("nope").async_infer(inputs={}).__anext__()
+        gate = tmp_path / "gate"
+        gated = server.model("gated")
+        iterator = gated.async_infer(inputs={"GATE": np.array([str(gate)])})
+        assert int((await iterator.__anext__()).outputs["I"][0]) == 0
+        waiting = asyncio.ensure_future(iterator.__anext__())
+        await asyncio.sleep(0)  # one loop turn: the task now waits for the model
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # The model saw the cancellation and takes the next request.
+        gate.write_text("open")
+        follow_up = gated.async_infer(inputs={"GATE": np.array([str(gate)])})
+        # Within the gated model's own 60 s: it was not left waiting.
+        rest = await asyncio.wait_for(_collect(follow_up), 40)
+        assert [int(r.outputs["I"][0]) for r in rest[:2]] == [0, 1]
+
+    asyncio.run(main())
+
+
+async def _collect(responses) -> list:
+    return [r async for r in responses]
 
 
 # -- errors -------------------------------------------------------------------------
@@ -444,9 +483,12 @@ def test_program_exiting_without_stop_drains_and_leaves_no_process(repository):
                             startup_models=["add_sub_python"]).start(wait_until_ready=True)
         a = np.ones((1, 16), np.int32)
         (response,) = server.model("add_sub_python").infer(inputs={{"INPUT0": a, "INPUT1": a}})
-        children = open(f"/proc/{{os.getpid()}}/task/{{os.getpid()}}/children").read().split()
+        children = []
         for task in os.listdir(f"/proc/{{os.getpid()}}/task"):
-            children += open(f"/proc/{{os.getpid()}}/task/{{task}}/children").read().split()
+            try:
+                children += open(f"/proc/{{os.getpid()}}/task/{{task}}/children").read().split()
+            except FileNotFoundError:  # a thread that just ended
+                pass
         print(int(response.outputs["OUTPUT0"].sum()), " ".join(sorted(set(children))))
         """
     )

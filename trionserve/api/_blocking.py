@@ -14,11 +14,13 @@ import atexit
 import concurrent.futures
 import threading
 import weakref
+from contextlib import aclosing
 from typing import Any, Self
 
 import structlog
 import trio
 
+from trionserve.api._asyncio import AsyncioResponseIterator
 from trionserve.api._trio import (
     AsyncModel,
     AsyncResponseIterator,
@@ -32,6 +34,7 @@ from trionserve.api._values import (
     InvalidArgumentError,
     ModelDictionary,
     Options,
+    Raised,
     UnavailableError,
     describe_model,
 )
@@ -114,13 +117,19 @@ class _LoopThread:
         except trio.RunFinishedError:
             pass
 
-    async def start_handing(self, responses: AsyncResponseIterator):
-        """Start the task that hands ``responses`` over; returns its cancel scope and
-        the receiving end of its channel."""
+    async def start_handing(self, items):
+        """Start the task that hands ``items`` (responses, or body chunks) over;
+        returns its cancel scope and the receiving end of its channel, which
+        holds nothing: an item waits in its source until taken."""
         send, receive = trio.open_memory_channel(0)
         assert self._nursery is not None
-        scope = await self._nursery.start(_hand_over, responses, send)
+        scope = await self._nursery.start(_hand_over, items, send)
         return scope, receive
+
+    def start_soon(self, afn, *args) -> None:
+        """Run ``afn(*args)`` as a task of the core's run, from the run's thread."""
+        assert self._nursery is not None
+        self._nursery.start_soon(afn, *args)
 
     def stop(self) -> None:
         """Drain and stop; returns once the run has ended."""
@@ -136,27 +145,19 @@ class _LoopThread:
         return self._thread.is_alive()
 
 
-class _Raised:
-    """A request's error, handed to the blocking caller to raise in its thread."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-async def _hand_over(
-    responses: AsyncResponseIterator, send: trio.MemorySendChannel, *, task_status
-) -> None:
+async def _hand_over(items, send: trio.MemorySendChannel, *, task_status) -> None:
+    """Send each of ``items`` (an async iterator with ``aclose``) as the receiver
+    takes it, then close; its error is sent as :class:`Raised`. Cancelling the
+    scope it reports closes ``items`` (a request: cancelled)."""
     with trio.CancelScope() as scope:
         task_status.started(scope)
         async with send:
             try:
-                async with responses:
-                    async for response in responses:
-                        await send.send(response)
+                async with aclosing(items):
+                    async for item in items:
+                        await send.send(item)
             except Exception as exc:  # noqa: BLE001 (the request's error; others go on)
-                await send.send(_Raised(as_triton_error(exc, "in-process infer")))
+                await send.send(Raised(as_triton_error(exc, "in-process infer")))
 
 
 class Server:
@@ -361,6 +362,17 @@ class Model:
         responses = self._model._infer(self, inference_request, raise_on_error, kwargs)
         return ResponseIterator(self._loop, responses)
 
+    def async_infer(
+        self,
+        inference_request: InferenceRequest | None = None,
+        raise_on_error: bool = True,
+        **kwargs: Any,
+    ) -> AsyncioResponseIterator:
+        """As :meth:`infer`, for ``async for`` in asyncio code (Triton's
+        ``async_infer``): the event loop is never blocked."""
+        responses = self._model._infer(self, inference_request, raise_on_error, kwargs)
+        return AsyncioResponseIterator(self._loop, responses)
+
     def metadata(self) -> dict[str, Any]:
         return self._loop.run_sync(self._model.metadata)
 
@@ -402,7 +414,7 @@ class ResponseIterator:
         except BaseException:  # the caller interrupted (KeyboardInterrupt), or stopped
             self._close()
             raise
-        if isinstance(item, _Raised):
+        if isinstance(item, Raised):
             self._complete = True
             raise item.error
         self._complete = item.final

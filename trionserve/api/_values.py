@@ -315,6 +315,15 @@ class InferenceResponse:
     final: bool = False
 
 
+class Raised:
+    """A request's error, handed from the core's thread to the caller's to raise."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
 def response_from(
     model, request: CoreRequest, response: CoreResponse | None, final: bool
 ) -> InferenceResponse:
