@@ -4,6 +4,7 @@ attaches an HTTP frontend to a running in-process server."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +18,8 @@ import pytest
 import trio
 
 from trionserve import api
+from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.server import ServerOptions
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 
@@ -558,6 +561,60 @@ async def test_trio_api_closing_a_stream_cancels_its_request(repository, tmp_pat
             responses = [r async for r in model.infer(inputs={"GATE": np.array([str(gate)])})]
         assert int(responses[1].outputs["I"][0]) == 1
         assert model.statistics()["model_stats"][0]["inference_stats"]["success"]["count"] >= 1
+
+
+# -- HTTP without a socket ------------------------------------------------------------------
+
+
+def test_http_request_answers_as_the_http_frontend(server):
+    """KServe v2 over http_request: tritonclient's own codec builds the binary
+    request and reads the binary answer; no socket."""
+    import tritonclient.http as httpclient
+
+    ready = server.http_request("GET", "/v2/health/ready")
+    assert (ready.status, ready.body) == (200, b"")
+    a, b = pair()
+    inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT1", binary_data=True)]
+    body, length = httpclient.InferenceServerClient.generate_request_body(inputs, outputs)
+    headers = [("Inference-Header-Content-Length", str(length))]
+    answer = server.http_request("POST", "/v2/models/simple/infer", headers, body)
+    assert answer.status == 200
+    result = httpclient.InferenceServerClient.parse_response_body(
+        answer.body, header_length=int(answer.header("inference-header-content-length"))
+    )
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    # JSON, and errors with the frontend's status codes.
+    request = {"inputs": [{"name": "N", "shape": [1], "datatype": "INT32", "data": [2]}]}
+    missing = server.http_request("POST", "/v2/models/nope/infer", (), json.dumps(request).encode())
+    assert missing.status == 404 and "nope" in json.loads(missing.body)["error"]
+    decoupled = server.http_request("POST", "/v2/models/stream/infer", (), json.dumps(request))
+    assert decoupled.status == 501
+    assert server.http_request("GET", "/v2/nowhere").status == 404
+
+
+def test_http_request_streams_generate_stream(server):
+    answer = server.http_request(
+        "POST", "/v2/models/stream/generate_stream", body=json.dumps({"N": [3]}).encode()
+    )
+    assert answer.status == 200 and answer.header("content-type").startswith("text/event-stream")
+    events = [json.loads(chunk.decode().removeprefix("data: ")) for chunk in answer.stream]
+    assert [event["I"] for event in events] == [0, 1, 2]
+
+
+def test_server_options_and_the_body_limit(repository):
+    options = ServerOptions(
+        model_repositories=[repository],
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        load_models=["simple"],
+        http=HttpOptions(max_input_size=100),
+    )
+    with api.Server(options) as server:
+        assert server.metadata()["name"] == "triton"
+        answer = server.http_request("POST", "/v2/models/simple/infer", body=b"x" * 101)
+        assert answer.status == 413 and "--http-max-input-size" in answer.body.decode()
 
 
 # -- network frontends on the same core ----------------------------------------------------

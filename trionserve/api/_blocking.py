@@ -14,6 +14,7 @@ import atexit
 import concurrent.futures
 import threading
 import weakref
+from collections.abc import Iterable
 from contextlib import aclosing
 from typing import Any, Self
 
@@ -29,6 +30,7 @@ from trionserve.api._trio import (
     sole_exception,
 )
 from trionserve.api._values import (
+    HttpResponse,
     InferenceRequest,
     InferenceResponse,
     InvalidArgumentError,
@@ -311,6 +313,21 @@ class Server:
         loop = self._require_started()
         return loop.run(loop.server.attach_grpc, address, port, options)
 
+    def http_request(
+        self,
+        method: str,
+        path: str,
+        headers: Iterable[tuple[str | bytes, str | bytes]] = (),
+        body: bytes | str = b"",
+    ) -> HttpResponse:
+        """As :meth:`AsyncServer.http_request`; a streamed answer's ``stream`` is
+        an iterator of chunks here (dropping it early ends its request)."""
+        loop = self._require_started()
+        answer = loop.run(loop.server.http_request, method, path, headers, body)
+        if answer.stream is not None:
+            answer.stream = _Chunks(loop, answer.stream)
+        return answer
+
     def attach_metrics(self, address: str = "127.0.0.1", port: int = 8002) -> list[tuple[str, int]]:
         loop = self._require_started()
         return loop.run(loop.server.attach_metrics, address, port)
@@ -389,21 +406,20 @@ class Model:
         return describe_model(self.name, self.version, self.state)
 
 
-class ResponseIterator:
-    """The responses of one request, for a blocking caller (see
-    :class:`AsyncResponseIterator`). The request is sent at once. An iterator
-    dropped before its final response cancels its request."""
+class _Handed:
+    """Items a task in the core's run hands to a blocking caller one at a time
+    (see :meth:`_LoopThread.start_handing`). Dropped or closed before its end, it
+    cancels that task, and so the request behind it."""
 
-    def __init__(self, loop: _LoopThread, responses: AsyncResponseIterator) -> None:
+    def __init__(self, loop: _LoopThread, items) -> None:
         self._loop = loop
-        self._responses = responses
         self._complete = False
-        self._scope, self._receive = loop.run(loop.start_handing, responses)
+        self._scope, self._receive = loop.run(loop.start_handing, items)
 
-    def __iter__(self) -> ResponseIterator:
+    def __iter__(self):
         return self
 
-    def __next__(self) -> InferenceResponse:
+    def _next_item(self):
         if self._complete:
             raise StopIteration
         try:
@@ -412,11 +428,35 @@ class ResponseIterator:
             self._complete = True
             raise StopIteration from None
         except BaseException:  # the caller interrupted (KeyboardInterrupt), or stopped
-            self._close()
+            self.close()
             raise
         if isinstance(item, Raised):
             self._complete = True
             raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop early: what is left is dropped and its request cancelled."""
+        if not self._complete:
+            self._complete = True
+            self._loop.call_soon(self._scope.cancel)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_complete", True) and self._loop.running:
+            self.close()
+
+
+class ResponseIterator(_Handed):
+    """The responses of one request, for a blocking caller (see
+    :class:`AsyncResponseIterator`). The request is sent at once. An iterator
+    dropped (or closed) before its final response cancels its request."""
+
+    def __init__(self, loop: _LoopThread, responses: AsyncResponseIterator) -> None:
+        self._responses = responses
+        super().__init__(loop, responses)
+
+    def __next__(self) -> InferenceResponse:
+        item = self._next_item()
         self._complete = item.final
         return item
 
@@ -425,10 +465,9 @@ class ResponseIterator:
         if not self._complete:
             self._loop.call_soon(self._responses.cancel)
 
-    def _close(self) -> None:
-        self._complete = True
-        self._loop.call_soon(self._scope.cancel)
 
-    def __del__(self) -> None:
-        if not getattr(self, "_complete", True) and self._loop.running:
-            self._close()
+class _Chunks(_Handed):
+    """A streamed HTTP answer's body chunks, for a blocking caller."""
+
+    def __next__(self) -> bytes:
+        return self._next_item()

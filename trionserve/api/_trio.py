@@ -7,14 +7,17 @@ drain. No network frontend runs unless attached.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Self
+from urllib.parse import unquote
 
 import trio
 
 from trionserve.api._values import (
     CancelledError,
+    HttpResponse,
     InferenceRequest,
     InferenceResponse,
     ModelDictionary,
@@ -34,7 +37,7 @@ from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.statistics import select_statistics
 from trionserve.protocol.grpc.service import GrpcOptions
-from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.protocol.http.frontend import HttpFrontend, HttpOptions
 from trionserve.repository.config import model_config_to_json
 from trionserve.server import Server, ServerOptions
 
@@ -96,6 +99,8 @@ class AsyncServer:
     def __init__(self, core: Server) -> None:
         self.core = core
         self.dataplane: DataPlane = core.dataplane
+        # The HTTP frontend's route table, for http_request (made when first used).
+        self._http: HttpFrontend | None = None
 
     # -- health and metadata --------------------------------------------------
 
@@ -178,6 +183,45 @@ class AsyncServer:
     ) -> list[tuple[str, int]]:
         """Serve Prometheus ``/metrics`` for this core (as :meth:`attach_http`)."""
         return await self.core.attach_metrics(address, port)
+
+    async def http_request(
+        self,
+        method: str,
+        path: str,
+        headers: Iterable[tuple[str | bytes, str | bytes]] = (),
+        body: bytes | str = b"",
+    ) -> HttpResponse:
+        """Answer one request of the HTTP/REST protocol (KServe v2 JSON and
+        binary tensors, Triton's extensions) with the HTTP frontend's own route
+        table, without a socket: for a host that receives HTTP itself (a Ray Serve
+        ingress) and hands it on. The body size limit is the HTTP frontend's
+        (``ServerOptions.http.max_input_size``)."""
+        if self._http is None:
+            options = self.core.options
+            self._http = HttpFrontend(
+                self.dataplane,
+                options.log_verbose > 0,
+                options.http.header_forward_pattern,
+                options.http.max_input_size,
+            )
+        if isinstance(body, str):
+            body = body.encode("utf-8")
+        limit = self.core.options.http.max_input_size
+        if limit is not None and len(body) > limit:
+            message = (
+                f"the request body is larger than the limit of {limit} bytes "
+                "(--http-max-input-size)"
+            )
+            payload = json.dumps({"error": message}).encode()
+            return HttpResponse(413, [("content-type", "application/json")], payload)
+        raw_path = path.partition("?")[0]
+        handler = self._http.route(method.upper().encode("ascii"), unquote(raw_path))
+        request_headers = [(_bytes(k).lower(), _bytes(v)) for k, v in headers]
+        status, response_headers, content = await handler(request_headers, bytes(body))
+        text_headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response_headers]
+        if isinstance(content, (list, tuple)):
+            return HttpResponse(status, text_headers, b"".join(content))
+        return HttpResponse(status, text_headers, stream=content)
 
     def stop(self) -> None:
         """Begin the drain now; ``open_server``'s block still waits for its end."""
@@ -325,6 +369,10 @@ class AsyncResponseIterator:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode("latin-1")
 
 
 async def _pairs(dataplane: DataPlane, request: CoreRequest):

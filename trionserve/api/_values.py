@@ -6,6 +6,7 @@ Pure functions and plain data: nothing here touches the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from dataclasses import dataclass, field
@@ -139,7 +140,8 @@ def server_options(options: Options | ServerOptions | None, kwargs: dict) -> Ser
     if isinstance(options, Options):
         return options.server_options()
     if isinstance(options, ServerOptions):
-        return options
+        # Signals belong to the host program (and reach only its main thread).
+        return dataclasses.replace(options, handle_signals=False)
     raise InvalidArgumentError(
         f"options must be trionserve.api.Options or ServerOptions, got {type(options).__name__}"
     )
@@ -354,6 +356,23 @@ def _output_array(data: np.ndarray) -> np.ndarray:
 
 def error_response(model, request: CoreRequest, error: TritonError) -> InferenceResponse:
     return InferenceResponse(model, request.id or None, error=error, final=True)
+
+
+@dataclass
+class HttpResponse:
+    """The answer to :meth:`Server.http_request`: what the HTTP frontend would
+    have written on a socket. A streamed answer (``generate_stream``'s
+    server-sent events) has ``stream``, an iterator of body chunks (async in the
+    Trio API; close it to end the request early), and an empty ``body``."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes = b""
+    stream: Any = None
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((value for key, value in self.headers if key == name), None)
 
 
 # -- models ----------------------------------------------------------------------
