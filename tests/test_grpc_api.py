@@ -525,8 +525,8 @@ def test_repository_load_and_unload(explicit_server):
         )
         assert "batch-size must be <= 2" in error.message()
 
-        error = expect_error(lambda: client.load_model("no_such_model"), "NOT_FOUND")
-        assert "no_such_model" in error.message()
+        error = expect_error(lambda: client.load_model("no_such_model"), "INVALID_ARGUMENT")
+        assert error.message().startswith("failed to load 'no_such_model'")
     finally:
         client.close()
 

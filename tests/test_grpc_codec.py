@@ -339,7 +339,8 @@ def test_invalid_version_and_garbage_bytes():
     message = raw_message(("X", "INT32", [1]), raws=[b"\0" * 4])
     message.model_version = "v1"
     assert error_of(lambda: decode(message)).message == (
-        "invalid model version 'v1': expected a positive integer"
+        "failed to get model version from specified version string 'v1' (details: stol), "
+        "version should be an integral value > 0"
     )
     error = error_of(lambda: grpc_codec.decode_infer_request(b"\xff\xff\xff"))
     assert isinstance(error, InvalidArgument)

@@ -894,14 +894,28 @@ def test_encode_error():
     assert isinstance(body, bytes)
 
 
-@pytest.mark.parametrize("text,expected", [("", None), ("1", 1), ("42", 42)])
+@pytest.mark.parametrize("text,expected", [("", None), ("1", 1), ("42", 42), ("+7", 7)])
 def test_parse_model_version(text, expected):
     assert parse_model_version(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0", "-1", "abc", "1.0", " 1", "+1", "1_0", "\u0661"])
-def test_parse_model_version_rejects(text):
-    with expect_error(INVALID, f"'{text}'", "positive integer"):
+# Triton's words: server src/common.cc, GetModelVersionFromString.
+@pytest.mark.parametrize("text", ["abc", "1.0", " 1", "1_0", "\u0661", "9" * 19, "1" * 5000])
+def test_parse_model_version_rejects_what_is_not_an_integer(text):
+    with expect_error(
+        INVALID,
+        f"failed to get model version from specified version string '{text}' (details: stol), "
+        "version should be an integral value > 0",
+    ):
+        parse_model_version(text)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "-0"])
+def test_parse_model_version_rejects_what_is_not_positive(text):
+    with expect_error(
+        INVALID,
+        f"invalid model version specified '{text}' , version should be an integral value > 0",
+    ):
         parse_model_version(text)
 
 

@@ -1081,10 +1081,10 @@ def test_json_override_replaces_config_file(tmp_path):
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ("{not json", "model 'simple': invalid config override"),
-        ("[1, 2]", "model 'simple': invalid config override: expected a JSON object"),
+        ("{not json", "failed to load 'simple': invalid config override"),
+        ("[1, 2]", "failed to load 'simple': invalid config override: expected a JSON object"),
         ('{"no_such_field": 1}', "no_such_field"),
-        ('{"max_batch_size": "many"}', "model 'simple': invalid config override"),
+        ('{"max_batch_size": "many"}', "failed to load 'simple': invalid config override"),
         (
             '{"name": "other"}',
             "model name 'other' in the config override does not match the directory name 'simple'",

@@ -8,14 +8,89 @@ backends, and the types of the Prometheus counters.
 
 from __future__ import annotations
 
+import http.client
+import json
 import shutil
+import textwrap
+from urllib.parse import quote
 
+import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ServerProcess, serving
 from trionserve.core.cuda_shared_memory import cuda_unavailable_reason
+
+# python_backend's qa/python_models/response_parameters, as a user would write it:
+# the response parameters come as JSON in the request; digit keys become ints.
+RESPONSE_PARAMETERS_MODEL = textwrap.dedent(
+    """
+    import json
+
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            responses = []
+            for request in requests:
+                text = pb_utils.get_input_tensor_by_name(request, "PARAMETERS").as_numpy()[0]
+                out = pb_utils.Tensor("OUTPUT", np.array([text], dtype=np.object_))
+                try:
+                    params = json.loads(text)
+                    if isinstance(params, dict):
+                        params = {int(k) if k.isdigit() else k: v for k, v in params.items()}
+                    response = pb_utils.InferenceResponse([out], parameters=params)
+                except Exception as e:
+                    error = pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)
+                    response = pb_utils.InferenceResponse(error=error)
+                responses.append(response)
+            return responses
+    """
+)
+
+BYTES_IO_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ {{ name: "{input}" data_type: TYPE_STRING dims: [ -1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_STRING dims: [ -1 ] }} ]
+instance_group [ {{ kind: KIND_CPU }} ]
+"""
+
+# Returns its BYTES input unchanged, element by element, checking that each is bytes.
+IDENTITY_BYTES_MODEL = textwrap.dedent(
+    """
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            responses = []
+            for request in requests:
+                data = pb_utils.get_input_tensor_by_name(request, "INPUT").as_numpy()
+                assert all(isinstance(v, bytes) for v in data.reshape(-1)), data
+                out = pb_utils.Tensor("OUTPUT", data)
+                responses.append(pb_utils.InferenceResponse([out]))
+            return responses
+    """
+)
+
+BROKEN_ONNX_CONFIG = """
+backend: "onnxruntime"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+
+
+def python_model(repo, name: str, config: str, source: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    (repo / name / "1" / "model.py").write_text(source)
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +98,24 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("server-parity")
     for name in ("simple", "identity_bytes"):
         shutil.copytree(EXAMPLES / name, repo / name)
+    python_model(
+        repo,
+        "response_parameters",
+        BYTES_IO_CONFIG.format(input="PARAMETERS"),
+        RESPONSE_PARAMETERS_MODEL,
+    )
+    python_model(
+        repo, "identity_bytes_py", BYTES_IO_CONFIG.format(input="INPUT"), IDENTITY_BYTES_MODEL
+    )
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "config.pbtxt").write_text(BROKEN_ONNX_CONFIG)
+    (repo / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    loaded = ("simple", "identity_bytes", "response_parameters", "identity_bytes_py")
     process = ServerProcess(
         repo,
         args=[
             "--model-control-mode=explicit",
-            "--load-model=simple",
-            "--load-model=identity_bytes",
+            *(f"--load-model={name}" for name in loaded),
             "--allow-client-shm=true",
         ],
     )
@@ -41,14 +128,14 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture
-def http(server):
+def http_client(server):
     client = httpclient.InferenceServerClient(server.http_url)
     yield client
     client.close()
 
 
 @pytest.fixture
-def grpc(server):
+def grpc_client(server):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     yield client
     client.close()
@@ -74,14 +161,16 @@ TRITON_EXTENSIONS = [
 ]
 
 
-def test_server_metadata_names_the_server_triton_and_lists_tritons_extensions(http, grpc):
+def test_server_metadata_names_the_server_triton_and_lists_tritons_extensions(
+    http_client, grpc_client
+):
     cuda = cuda_unavailable_reason() is None
     expected = [e for e in TRITON_EXTENSIONS if cuda or e != "cuda_shared_memory"]
     expected.append("generate")  # ours, beside Triton's
-    metadata = http.get_server_metadata()
+    metadata = http_client.get_server_metadata()
     assert metadata["name"] == "triton"
     assert metadata["extensions"] == expected
-    reply = grpc.get_server_metadata()
+    reply = grpc_client.get_server_metadata()
     assert reply.name == "triton"
     assert list(reply.extensions) == expected
 
@@ -99,3 +188,169 @@ def test_id_names_the_server_and_shared_memory_is_listed_only_when_usable(tmp_pa
     # Without --allow-client-shm a client cannot register regions: not listed.
     assert "system_shared_memory" not in metadata["extensions"]
     assert "cuda_shared_memory" not in metadata["extensions"]
+
+
+# -- model-load failures: status and wording (item 11) --------------------------------
+
+
+def post(server, path: str, body: dict | None = None) -> tuple[int, str]:
+    """POST ``path`` (already quoted) with a JSON body; (status, error message)."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    try:
+        connection.request("POST", path, body=json.dumps(body or {}))
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, (json.loads(data).get("error", "") if data else "")
+    finally:
+        connection.close()
+
+
+def grpc_error(call) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    return info.value
+
+
+def test_a_model_not_in_the_repository_fails_to_load_with_400_in_tritons_words(server, grpc_client):
+    # Triton: "failed to load 'unknown_model', failed to poll from model repository"
+    # (qa/L0_lifecycle/lifecycle_test.py matches on it).
+    expected = "failed to load 'nope', failed to poll from model repository"
+    status, message = post(server, "/v2/repository/models/nope/load")
+    assert status == 400 and message.startswith(expected), (status, message)
+    error = grpc_error(lambda: grpc_client.load_model("nope"))
+    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.message().startswith(expected)
+
+
+def test_a_model_that_fails_to_load_gets_400_and_invalid_argument(server, http_client, grpc_client):
+    status, message = post(server, "/v2/repository/models/broken/load")
+    assert status == 400 and message.startswith("failed to load 'broken'"), (status, message)
+    error = grpc_error(lambda: grpc_client.load_model("broken"))
+    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.message().startswith("failed to load 'broken'")
+    (row,) = [r for r in http_client.get_model_repository_index() if r["name"] == "broken"]
+    assert row["state"] == "UNAVAILABLE" and row["reason"].startswith("failed to load 'broken'")
+
+
+def test_an_invalid_config_override_fails_to_load_in_the_same_words(
+    server, http_client, grpc_client
+):
+    expected = "failed to load 'simple': invalid config override"
+    status, message = post(
+        server, "/v2/repository/models/simple/load", {"parameters": {"config": "{not json"}}
+    )
+    assert status == 400 and message.startswith(expected), (status, message)
+    error = grpc_error(lambda: grpc_client.load_model("simple", config='{"max_batch_size": "x"}'))
+    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.message().startswith(expected)
+    assert http_client.is_model_ready("simple")  # a failed reload leaves it serving
+
+
+@pytest.mark.parametrize(
+    ("version", "message"),
+    [
+        (
+            "abc",
+            (
+                "failed to get model version from specified version string 'abc' "
+                "(details: stol), version should be an integral value > 0"
+            ),
+        ),
+        ("-1", "invalid model version specified '-1' , version should be an integral value > 0"),
+    ],
+)
+def test_a_bad_version_string_is_refused_in_tritons_words(
+    http_client, grpc_client, version, message
+):
+    # server src/common.cc, GetModelVersionFromString
+    for client in (http_client, grpc_client):
+        with pytest.raises(InferenceServerException) as info:
+            client.get_model_metadata("simple", model_version=version)
+        assert message in info.value.message()
+        assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ([], "Expect dict, got <class 'list'>"),
+        ({"1": "int key"}, "Expect parameters keys to have type str, found type <class 'int'>"),
+        (
+            {"int": 2, "float": 0.5},
+            "Expect parameters values to have type bool/int/str, found type <class 'float'>",
+        ),
+        (
+            {"null": None},
+            "Expect parameters values to have type bool/int/str, found type <class 'NoneType'>",
+        ),
+    ],
+)
+def test_response_parameter_errors_use_python_backends_words(grpc_client, params, message):
+    # python_backend src/pb_stub.cc PyParametersToJSON; server
+    # qa/L0_backend_python/parameters/response_parameters_test.py checks these.
+    tensor = grpcclient.InferInput("PARAMETERS", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([json.dumps(params)], dtype=np.object_))
+    error = grpc_error(lambda: grpc_client.infer("response_parameters", [tensor]))
+    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert message in error.message()
+
+
+def test_valid_response_parameters_reach_the_client(grpc_client):
+    params = {"bool": True, "str": "Hello World!", "int": 1024}
+    tensor = grpcclient.InferInput("PARAMETERS", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([json.dumps(params)], dtype=np.object_))
+    result = grpc_client.infer("response_parameters", [tensor])
+    got = result.get_response().parameters
+    assert (got["bool"].bool_param, got["str"].string_param, got["int"].int64_param) == (
+        True,
+        "Hello World!",
+        1024,
+    )
+
+
+# -- names that are not a model directory (item 12) -----------------------------------
+
+BAD_NAMES = ["../x", "../../etc", "/etc", "a/b", "a\\b", "a\0b", "..", ".", "", " "]
+
+
+def index_names(http_client) -> list[str]:
+    return sorted(row["name"] for row in http_client.get_model_repository_index())
+
+
+@pytest.mark.parametrize("action", ["load", "unload"])
+def test_names_that_are_no_model_directory_are_refused_and_never_indexed(
+    server, http_client, grpc_client, action
+):
+    before = index_names(http_client)
+    for name in BAD_NAMES:
+        error = grpc_error(lambda name=name: getattr(grpc_client, f"{action}_model")(name))
+        assert error.status() == "StatusCode.INVALID_ARGUMENT", (name, error)
+        assert error.message().startswith(f"failed to {action} '{name}': "), error.message()
+        if name.strip():
+            path = f"/v2/repository/models/{quote(name, safe='')}/{action}"
+            status, message = post(server, path)
+            assert status == 400, (name, status, message)
+            assert message.startswith(f"failed to {action} '{name}': "), message
+    # tritonclient sends the name into the path as given: ../x is still refused, not 404.
+    status, message = post(server, f"/v2/repository/models/../x/{action}")
+    assert status == 400 and "path traversal" in message, (status, message)
+    assert index_names(http_client) == before
+
+
+def test_triton_wording_for_empty_and_traversing_names(grpc_client):
+    # core src/model_repository_manager/model_repository_manager.cc, ValidateModelName
+    assert grpc_error(lambda: grpc_client.load_model("")).message() == (
+        "failed to load '': Model name cannot be empty. Please enter a valid name to deploy."
+    )
+    assert grpc_error(lambda: grpc_client.load_model("../x")).message() == (
+        "failed to load '../x': invalid model name '../x', model name must not contain path "
+        "traversal characters"
+    )
+
+
+def test_failed_loads_of_unknown_names_do_not_grow_the_index(http_client):
+    before = index_names(http_client)
+    for i in range(20):
+        with pytest.raises(InferenceServerException):
+            http_client.load_model(f"missing_{i}")
+    assert index_names(http_client) == before

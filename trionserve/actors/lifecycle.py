@@ -12,7 +12,7 @@ from trionserve.actors.model import ModelVersion, resolve_instance_kinds
 from trionserve.backends.base import backend_can_use_gpu
 from trionserve.backends.gpu import gpu_count
 from trionserve.backends.registry import backend_for
-from trionserve.core.errors import TritonError, Unavailable
+from trionserve.core.errors import InvalidArgument, TritonError
 from trionserve.repository.changes import LoadedSource
 from trionserve.repository.config import (
     infer_platform,
@@ -107,15 +107,14 @@ class ModelEntry:
         """The versions serving requests, by number."""
         return self.serving
 
-    def is_empty(self) -> bool:
-        return not (
-            self.serving
-            or self.loading
-            or self.draining
-            or self.unavailable
-            or self.reason
-            or self.operations
+    def has_state(self) -> bool:
+        """True when the index has something to say about this model."""
+        return bool(
+            self.serving or self.loading or self.draining or self.unavailable or self.reason
         )
+
+    def is_empty(self) -> bool:
+        return not (self.has_state() or self.operations)
 
     def index_rows(self) -> list[dict]:
         """The repository index rows of this model: one per version it knows."""
@@ -143,7 +142,7 @@ def _row(name: str, version, state: str, reason: str) -> dict:
 
 def load_error(name: str, errors: dict[int, TritonError]) -> TritonError:
     detail = "; ".join(f"version {n}: {e.message}" for n, e in sorted(errors.items()))
-    return Unavailable(f"failed to load '{name}': {detail}")
+    return InvalidArgument(f"failed to load '{name}': {detail}")
 
 
 class TransitionLog:

@@ -27,10 +27,25 @@ from trionserve.core.errors import (
 )
 from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
 from trionserve.repository.overrides import override_digest, remove_override, write_override
-from trionserve.repository.repository import ModelRepository
+from trionserve.repository.repository import ModelRepository, check_model_name
 from trionserve.repository.snapshot import file_changes, snapshot_model
 
 log = structlog.get_logger(__name__)
+
+
+class RegistryStopped(Unavailable):
+    """An operation cut short because the server is shutting down."""
+
+
+def load_failure(name: str, error: TritonError) -> TritonError:
+    """A failed load as Triton answers it: INVALID_ARGUMENT (core
+    ``model_repository_manager.cc``, ``LoadUnloadModels``), with a message that
+    starts ``failed to load '<name>'``; a load cut by shutdown stays UNAVAILABLE."""
+    if isinstance(error, RegistryStopped):
+        return error
+    prefix = f"failed to load '{name}'"
+    message = error.message if error.message.startswith(prefix) else f"{prefix}: {error.message}"
+    return InvalidArgument(message)
 
 
 class ModelRegistry:
@@ -126,21 +141,25 @@ class ModelRegistry:
         With ``stable_files`` (POLL), versions whose files changed while they
         loaded are discarded instead of served: they may mix old and new files.
         """
-        digest = override_digest(override_json, files) if (override_json or files) else ""
-        await self._submit(
-            name,
-            ("load", digest),
-            explicit,
-            partial(
-                self._load,
-                override_json=override_json,
-                files=files,
-                digest=digest,
-                reason=reason,
-                chain=_chain,
-                stable_files=stable_files,
-            ),
-        )
+        try:
+            check_model_name(name)  # a name that is no directory never enters the index
+            digest = override_digest(override_json, files) if (override_json or files) else ""
+            await self._submit(
+                name,
+                ("load", digest),
+                explicit,
+                partial(
+                    self._load,
+                    override_json=override_json,
+                    files=files,
+                    digest=digest,
+                    reason=reason,
+                    chain=_chain,
+                    stable_files=stable_files,
+                ),
+            )
+        except TritonError as error:
+            raise load_failure(name, error) from None
 
     async def unload(
         self,
@@ -155,8 +174,12 @@ class ModelRegistry:
         Unloading a model that is not loaded succeeds and does nothing, as in
         Triton. With ``unload_dependents`` the models loaded only as this
         ensemble's composing models, and used by no other loaded model, are
-        unloaded too.
+        unloaded too. A name that could not be a model directory is refused.
         """
+        try:
+            check_model_name(name)
+        except TritonError as error:
+            raise InvalidArgument(f"failed to unload '{name}': {error.message}") from None
         await self._submit(
             name,
             ("unload", unload_dependents, wait),
@@ -215,7 +238,7 @@ class ModelRegistry:
             log.exception("model operation failed", model=entry.name)
             operation.error = as_triton_error(exc, f"model '{entry.name}'")
         except BaseException:
-            operation.error = Unavailable("the server is shutting down")
+            operation.error = RegistryStopped("the server is shutting down")
             raise
         finally:
             entry.operations.remove(operation)
@@ -241,7 +264,7 @@ class ModelRegistry:
                 )
                 config_json = None
             else:
-                model_dir = await trio.to_thread.run_sync(self.repository.find, name)
+                model_dir = await self._find(name)
                 config_json = override_json
             snapshot = await trio.to_thread.run_sync(snapshot_model, model_dir)
             prepared = await trio.to_thread.run_sync(
@@ -256,7 +279,11 @@ class ModelRegistry:
             if files and model_dir is not None:
                 await trio.to_thread.run_sync(remove_override, model_dir)
             error = as_triton_error(exc, f"failed to load '{name}'")
-            if not (isinstance(error, NotFound) and entry.is_empty()):
+            # Remember the failure of a model the repository has, or that has
+            # versions; a name found nowhere (a typo, a failed file override of
+            # a new name) is not listed, as in Triton, so such names cannot grow
+            # the index.
+            if entry.has_state() or (model_dir is not None and not files):
                 entry.reason = error.message
                 entry.failed = entry.failed or not entry.serving
             log.error("model load failed", model=name, reason=error.message)
@@ -281,6 +308,16 @@ class ModelRegistry:
                 log.info("model unchanged", model=name, reason=reason)
             return
         await self._apply(entry, plan, prepared, source, f"{reason}: {plan.reason}", stable_files)
+
+    async def _find(self, name: str) -> Path:
+        """The model's directory; not found in Triton's words (core
+        ``model_repository_manager.cc``, ``LoadUnloadModel``)."""
+        try:
+            return await trio.to_thread.run_sync(self.repository.find, name)
+        except NotFound as exc:
+            raise NotFound(
+                f"failed to load '{name}', failed to poll from model repository: {exc.message}"
+            ) from None
 
     async def _load_composing_models(self, name: str, config, chain: tuple[str, ...]) -> None:
         """Load an ensemble's composing models first, as Triton does."""
@@ -309,7 +346,9 @@ class ModelRegistry:
                 nursery.start_soon(load_one, step)
         if errors:
             detail = "; ".join(f"'{s}': {m}" for s, m in sorted(errors.items()))
-            raise Unavailable(f"failed to load '{name}': composing model(s) failed: {detail}")
+            raise InvalidArgument(
+                f"failed to load '{name}': composing model(s) failed: {detail}"
+            )
 
     async def _update_instances(self, entry: ModelEntry, plan: ReloadPlan, source) -> bool:
         """Give the kept versions the new instance counts without a reload."""

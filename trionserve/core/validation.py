@@ -156,12 +156,23 @@ _INT64_MAX = 2**63 - 1
 
 
 def parse_model_version(text: str) -> int | None:
-    """The model version of a URL path segment: "" -> None (the model's policy
-    decides), a positive integer -> int."""
+    """The model version of a URL path segment or a request field: "" -> None (the
+    model's policy decides), a positive integer -> int. Errors in Triton's words
+    (server ``src/common.cc``, ``GetModelVersionFromString``); unlike Triton's
+    ``std::stol``, trailing characters (``"2x"``) are refused, not dropped."""
     if text == "":
         return None
-    if text.isascii() and text.isdigit() and len(text) <= 19:
-        version = int(text)
-        if 0 < version <= _INT64_MAX:
-            return version
-    raise InvalidArgument(f"invalid model version '{text}': expected a positive integer")
+    digits = text[1:] if text[:1] in "+-" else text
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 19) or (
+        int(text) > _INT64_MAX
+    ):
+        raise InvalidArgument(
+            f"failed to get model version from specified version string '{text}' "
+            "(details: stol), version should be an integral value > 0"
+        )
+    version = int(text)
+    if version <= 0:
+        raise InvalidArgument(
+            f"invalid model version specified '{text}' , version should be an integral value > 0"
+        )
+    return version

@@ -149,7 +149,7 @@ def _text_names_max_batch_size(text: str) -> bool:
 
 
 def _parse_override(override_json: str, dir_name: str) -> tuple[ModelConfig, bool]:
-    context = f"model '{dir_name}': invalid config override"
+    context = f"failed to load '{dir_name}': invalid config override"
     try:
         obj = json.loads(override_json)
     except ValueError as exc:

@@ -22,6 +22,24 @@ def _is_model_name(name: str) -> bool:
     return bool(name) and not name.startswith(".") and name != "__pycache__"
 
 
+def check_model_name(name: str) -> None:
+    """Refuse a name that could not be a model directory, before it is looked up.
+
+    Empty and path-traversing names in Triton's words (core
+    ``model_repository_manager.cc``, ``ValidateModelName``); this also refuses
+    ``.``, backslashes and NUL, which Triton lets through to the file system.
+    """
+    stripped = name.strip()
+    if not stripped:
+        raise InvalidArgument("Model name cannot be empty. Please enter a valid name to deploy.")
+    if stripped in (".", "..") or "/" in name or "\\" in name:
+        raise InvalidArgument(
+            f"invalid model name '{name}', model name must not contain path traversal characters"
+        )
+    if "\0" in name:
+        raise InvalidArgument(f"invalid model name '{name}', model name must not contain NUL")
+
+
 class RepositoryScan(dict[str, Path]):
     """Model name -> model directory for every name found in exactly one repository.
 

@@ -547,10 +547,14 @@ async def _answer(response: Response, headers: Headers, body: bytes) -> Response
 
 
 def _path(pattern: str) -> re.Pattern:
-    """A route's path: ``{name}`` and ``{version}`` stand for one path segment."""
+    """A route's path: ``{name}`` and ``{version}`` stand for one path segment;
+    ``{any_name}`` for one or more, so that a load or unload of ``../x`` reaches
+    the registry and is refused there with a 400 saying why, not a 404."""
     return re.compile(
         "^"
-        + pattern.replace("{name}", "(?P<name>[^/]+)").replace("{version}", "(?P<version>[^/]*)")
+        + pattern.replace("{name}", "(?P<name>[^/]+)")
+        .replace("{any_name}", "(?P<name>.+)")
+        .replace("{version}", "(?P<version>[^/]*)")
         + "$"
     )
 
@@ -578,8 +582,8 @@ ROUTES: list[tuple[bytes, re.Pattern, RouteHandler]] = [
         b"POST", F.generate_stream, f"{_MODEL}/generate_stream", f"{_VERSION}/generate_stream"
     ),
     *_routes(b"POST", F.repository_index, "/v2/repository/index"),
-    *_routes(b"POST", F.repository_load, "/v2/repository/models/{name}/load"),
-    *_routes(b"POST", F.repository_unload, "/v2/repository/models/{name}/unload"),
+    *_routes(b"POST", F.repository_load, "/v2/repository/models/{any_name}/load"),
+    *_routes(b"POST", F.repository_unload, "/v2/repository/models/{any_name}/unload"),
     *_routes(b"GET", F.get_log_settings, "/v2/logging"),
     *_routes(b"POST", F.set_log_settings, "/v2/logging"),
     *_routes(b"GET", F.get_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),

@@ -341,16 +341,21 @@ def _text(value, what):
     raise TritonModelException(f"{what} must be a str or bytes, not {type(value).__name__}")
 
 
-def _parameters_json(parameters, what):
+def _parameters_json(parameters):
+    """Request or response parameters as JSON; errors in python_backend's words
+    (src/pb_stub.cc: PyDefaultArgumentToMutableType, PyParametersToJSON)."""
     if parameters is None:
         return "{}"
     if not isinstance(parameters, dict):
-        raise TritonModelException(f"{what} parameters must be a dictionary")
+        raise TritonModelException(f"Expect dict, got {type(parameters)}")
     for key, value in parameters.items():
-        if not isinstance(key, str) or not isinstance(value, (bool, int, str)):
+        if not isinstance(key, str):
             raise TritonModelException(
-                f"{what} parameters must map str to bool, int or str; got {key!r}: "
-                f"{type(value).__name__}"
+                f"Expect parameters keys to have type str, found type {type(key)}"
+            )
+        if not isinstance(value, (bool, int, str)):
+            raise TritonModelException(
+                f"Expect parameters values to have type bool/int/str, found type {type(value)}"
             )
     return json.dumps(parameters)
 
@@ -400,7 +405,7 @@ class InferenceRequest:
         self._model_version = int(model_version)
         self._flags = int(flags)
         self._timeout = int(timeout)
-        self._parameters = _parameters_json(parameters, "request")
+        self._parameters = _parameters_json(parameters)
         self._preferred_memory = preferred_memory
         self._trace = trace or InferenceTrace()
         self._key = None  # set for requests the model received
@@ -519,7 +524,7 @@ class InferenceResponse:
             error = TritonError(str(error))
         self._output_tensors = output_tensors
         self._error = error
-        self._parameters = _parameters_json(parameters, "response")
+        self._parameters = _parameters_json(parameters)
 
     def output_tensors(self):
         return self._output_tensors
