@@ -37,8 +37,8 @@ RESPONSE_PARAMETERS_MODEL = textwrap.dedent(
         def execute(self, requests):
             responses = []
             for request in requests:
-                text = pb_utils.get_input_tensor_by_name(request, "PARAMETERS").as_numpy()[0]
-                out = pb_utils.Tensor("OUTPUT", np.array([text], dtype=np.object_))
+                text = pb_utils.get_input_tensor_by_name(request, "PARAMETERS").as_numpy()[0][0]
+                out = pb_utils.Tensor("OUTPUT", np.array([[text]], dtype=np.object_))
                 try:
                     params = json.loads(text)
                     if isinstance(params, dict):
@@ -55,8 +55,8 @@ RESPONSE_PARAMETERS_MODEL = textwrap.dedent(
 BYTES_IO_CONFIG = """
 backend: "python"
 max_batch_size: 0
-input [ {{ name: "{input}" data_type: TYPE_STRING dims: [ -1 ] }} ]
-output [ {{ name: "OUTPUT" data_type: TYPE_STRING dims: [ -1 ] }} ]
+input [ {{ name: "{input}" data_type: TYPE_STRING dims: [ -1, -1 ] }} ]
+output [ {{ name: "OUTPUT" data_type: TYPE_STRING dims: [ -1, -1 ] }} ]
 instance_group [ {{ kind: KIND_CPU }} ]
 """
 
@@ -288,8 +288,8 @@ def test_a_bad_version_string_is_refused_in_tritons_words(
 def test_response_parameter_errors_use_python_backends_words(grpc_client, params, message):
     # python_backend src/pb_stub.cc PyParametersToJSON; server
     # qa/L0_backend_python/parameters/response_parameters_test.py checks these.
-    tensor = grpcclient.InferInput("PARAMETERS", [1], "BYTES")
-    tensor.set_data_from_numpy(np.array([json.dumps(params)], dtype=np.object_))
+    tensor = grpcclient.InferInput("PARAMETERS", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[json.dumps(params)]], dtype=np.object_))
     error = grpc_error(lambda: grpc_client.infer("response_parameters", [tensor]))
     assert error.status() == "StatusCode.INVALID_ARGUMENT"
     assert message in error.message()
@@ -297,8 +297,8 @@ def test_response_parameter_errors_use_python_backends_words(grpc_client, params
 
 def test_valid_response_parameters_reach_the_client(grpc_client):
     params = {"bool": True, "str": "Hello World!", "int": 1024}
-    tensor = grpcclient.InferInput("PARAMETERS", [1], "BYTES")
-    tensor.set_data_from_numpy(np.array([json.dumps(params)], dtype=np.object_))
+    tensor = grpcclient.InferInput("PARAMETERS", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[json.dumps(params)]], dtype=np.object_))
     result = grpc_client.infer("response_parameters", [tensor])
     got = result.get_response().parameters
     assert (got["bool"].bool_param, got["str"].string_param, got["int"].int64_param) == (
@@ -354,3 +354,75 @@ def test_failed_loads_of_unknown_names_do_not_grow_the_index(http_client):
         with pytest.raises(InferenceServerException):
             http_client.load_model(f"missing_{i}")
     assert index_names(http_client) == before
+
+
+# -- BYTES tensors keep every byte, or are refused (item 8) ---------------------------
+
+TEXT = [b"\x00\x01binary", "h\u00e9llo \u2713".encode(), b"", b"a\x00b\x00"]
+NOT_UTF8 = b"\x00\x01binary\xff"
+
+
+def bytes_input(module, name: str, values: list[bytes]):
+    tensor = module.InferInput(name, [1, len(values)], "BYTES")
+    tensor.set_data_from_numpy(np.array([values], dtype=np.object_))
+    return tensor
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_utf8_bytes_with_nul_round_trip_through_onnx_runtime(http_client, grpc_client, protocol):
+    client, module = (http_client, httpclient) if protocol == "http" else (grpc_client, grpcclient)
+    result = client.infer("identity_bytes", [bytes_input(module, "INPUT0", TEXT)])
+    assert result.as_numpy("OUTPUT0").tolist() == [TEXT]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bytes_onnx_runtime_would_alter_are_refused_naming_the_input(
+    http_client, grpc_client, protocol
+):
+    client, module = (http_client, httpclient) if protocol == "http" else (grpc_client, grpcclient)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("identity_bytes", [bytes_input(module, "INPUT0", [b"ok", NOT_UTF8])])
+    assert info.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    message = info.value.message()
+    assert "input 'INPUT0' for model 'identity_bytes' is not valid UTF-8" in message
+    assert "(element 1, byte 8)" in message
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_the_python_backend_keeps_every_byte(http_client, grpc_client, protocol):
+    client, module = (http_client, httpclient) if protocol == "http" else (grpc_client, grpcclient)
+    values = [NOT_UTF8, bytes(range(256)), b"", b"\xff\xfe\x00"]
+    result = client.infer("identity_bytes_py", [bytes_input(module, "INPUT", values)])
+    assert result.as_numpy("OUTPUT").tolist() == [values]
+
+
+def test_in_one_onnx_batch_only_the_request_with_bad_bytes_fails():
+    """The refusal is per request: the others in the same batch run."""
+    from trionserve.actors.lifecycle import prepare_model
+    from trionserve.backends.base import InstanceSpec, ModelContext
+    from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+    from trionserve.core.errors import InvalidArgument
+    from trionserve.core.types import InferenceRequest, Tensor
+
+    model_dir = EXAMPLES / "identity_bytes"
+    config = prepare_model(model_dir, True, None).config
+    context = ModelContext("identity_bytes", 1, config, model_dir, model_dir / "1")
+    instance = (
+        OnnxRuntimeBackend()
+        .load(context)
+        .create_instance(InstanceSpec("identity_bytes_0_0", "identity_bytes_0", "KIND_CPU", 0))
+    )
+
+    def request(values):
+        data = np.array([values], dtype=np.object_)
+        tensors = {"INPUT0": Tensor("INPUT0", "BYTES", data)}
+        made = InferenceRequest("identity_bytes", inputs=tensors)
+        made.batch_size = 1  # as validation sets it
+        return made
+
+    results = instance.execute([request([b"a"]), request([NOT_UTF8]), request([b"\x00c"])])
+    # onnxruntime gives str elements back; the frontends encode them as UTF-8.
+    assert results[0].outputs[0].data.tolist() == [["a"]]
+    assert isinstance(results[1], InvalidArgument)
+    assert results[2].outputs[0].data.tolist() == [["\x00c"]]
+    assert instance.execute([request([NOT_UTF8])])[0].status.name == "INVALID_ARGUMENT"

@@ -199,8 +199,43 @@ class OnnxInstance:
         self.inline_budget_ns = INLINE_BUDGET_NS if on_cpu else 0
 
     def execute(self, requests: list[InferenceRequest]) -> list:
-        started = time.perf_counter_ns()
+        """Run one batch; a request with a string input that is not UTF-8 is
+        refused on its own (see :meth:`_non_text_input`), the others run."""
         self.compute_times = None
+        refused = [self._non_text_input(request) for request in requests]
+        if not any(refused):
+            return self._run(requests)
+        kept = [request for request, error in zip(requests, refused) if error is None]
+        results = iter(self._run(kept) if kept else [])
+        return [next(results) if error is None else error for error in refused]
+
+    def _non_text_input(self, request: InferenceRequest) -> TritonError | None:
+        """Why ``request`` cannot run, if a string input holds bytes that are not UTF-8.
+
+        onnxruntime's Python API takes string tensors as Python ``str`` (a ``bytes``
+        element would be passed as its repr, a fixed-width bytes array is cut at
+        the first NUL) and returns them decoded as UTF-8, so other bytes cannot
+        pass through unchanged: such a request is refused rather than altered.
+        """
+        for name in self._string_inputs:
+            tensor = request.inputs.get(name)
+            if tensor is None:
+                continue
+            for index, value in enumerate(tensor.data.reshape(-1)):
+                if not isinstance(value, bytes):
+                    continue
+                try:
+                    value.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return InvalidArgument(
+                        f"input '{name}' for model '{self.model_name}' is not valid UTF-8 "
+                        f"(element {index}, byte {exc.start}): the ONNX Runtime backend "
+                        "passes BYTES tensors to the model as text, and would alter these bytes"
+                    )
+        return None
+
+    def _run(self, requests: list[InferenceRequest]) -> list:
+        started = time.perf_counter_ns()
         feeds = gather_inputs(requests, self._input_reshape, self._ragged)
         for name in self._string_inputs.intersection(feeds):
             feeds[name] = _to_str_array(feeds[name])
@@ -239,8 +274,7 @@ def _data_type_name(value: int) -> str:
 
 
 def _to_str_array(array: np.ndarray) -> np.ndarray:
-    """onnxruntime string tensors want str elements; our BYTES tensors hold bytes."""
-    flat = [
-        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)
-    ]
+    """onnxruntime string tensors want str elements; our BYTES tensors hold bytes
+    (checked to be UTF-8 before: :meth:`OnnxInstance._non_text_input`)."""
+    flat = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array.reshape(-1)]
     return np.array(flat, dtype=object).reshape(array.shape)
