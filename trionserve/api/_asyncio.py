@@ -60,9 +60,9 @@ class AsyncioResponseIterator:
         except UnavailableError:  # the server stopped meanwhile
             self._complete = True
             raise
-        if item is _END:
+        if item is _END:  # before the final response: the core stopped
             self._complete = True
-            raise StopAsyncIteration
+            raise UnavailableError("the in-process server stopped before the request ended")
         if isinstance(item, Raised):
             self._complete = True
             raise item.error
@@ -79,7 +79,7 @@ class AsyncioResponseIterator:
         item: object = UnavailableError("the in-process server stopped")
         try:
             if self._receive is None:
-                self._scope, self._receive = await self._loop.start_handing(self._responses)
+                self._scope, self._receive = self._loop.hand(self._responses)
                 if self._abandoned:
                     self._scope.cancel()
             try:

@@ -16,6 +16,7 @@ import threading
 import weakref
 from collections.abc import Iterable
 from contextlib import aclosing
+from functools import partial
 from typing import Any, Self
 
 import structlog
@@ -119,13 +120,18 @@ class _LoopThread:
         except trio.RunFinishedError:
             pass
 
-    async def start_handing(self, items):
-        """Start the task that hands ``items`` (responses, or body chunks) over;
-        returns its cancel scope and the receiving end of its channel, which
-        holds nothing: an item waits in its source until taken."""
+    def hand(self, items) -> tuple[trio.CancelScope, trio.MemoryReceiveChannel]:
+        """Start (without waiting, from any thread) a task that hands ``items``
+        (responses, or body chunks) over one at a time; returns its cancel scope
+        and the receiving end of its channel, which holds nothing: an item waits
+        in its source until taken. Cancelling the scope, even before the task
+        began, closes ``items``."""
         send, receive = trio.open_memory_channel(0)
-        assert self._nursery is not None
-        scope = await self._nursery.start(_hand_over, items, send)
+        scope = trio.CancelScope()
+        try:
+            self.token.run_sync_soon(self.start_soon, _hand_over, items, send, scope)  # type: ignore[union-attr]
+        except trio.RunFinishedError:
+            raise UnavailableError("the in-process server has stopped") from None
         return scope, receive
 
     def start_soon(self, afn, *args) -> None:
@@ -147,12 +153,11 @@ class _LoopThread:
         return self._thread.is_alive()
 
 
-async def _hand_over(items, send: trio.MemorySendChannel, *, task_status) -> None:
+async def _hand_over(items, send: trio.MemorySendChannel, scope: trio.CancelScope) -> None:
     """Send each of ``items`` (an async iterator with ``aclose``) as the receiver
-    takes it, then close; its error is sent as :class:`Raised`. Cancelling the
-    scope it reports closes ``items`` (a request: cancelled)."""
-    with trio.CancelScope() as scope:
-        task_status.started(scope)
+    takes it, then close; its error is sent as :class:`Raised`. Cancelling
+    ``scope`` closes ``items`` (a request: cancelled)."""
+    with scope:
         async with send:
             try:
                 async with aclosing(items):
@@ -178,6 +183,7 @@ class Server:
         self.options = options
         self._loop: _LoopThread | None = None
         self._stop_at_exit = None
+        self._exit_code = 0
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -213,7 +219,7 @@ class Server:
             self._stop_at_exit = None
         # Other threads may call meanwhile: new requests get UnavailableError.
         loop.stop()
-        self._last_exit_code = loop.core.exit_code
+        self._exit_code = loop.core.exit_code
         self._loop = None
 
     def __enter__(self) -> Self:
@@ -235,24 +241,21 @@ class Server:
     def exit_code(self) -> int:
         """0 once a stop drained completely; 1 when the exit timeout cut it short."""
         loop = self._loop
-        return loop.core.exit_code if loop is not None else self._last_exit_code
-
-    _last_exit_code = 0
+        return loop.core.exit_code if loop is not None else self._exit_code
 
     # -- health and metadata -------------------------------------------------------
 
     def live(self) -> bool:
-        return self._require_started().run_sync(lambda server: server.live(), self._server)
+        loop = self._require_started()
+        return loop.run_sync(loop.server.live)
 
     def ready(self) -> bool:
-        return self._require_started().run_sync(lambda server: server.ready(), self._server)
+        loop = self._require_started()
+        return loop.run_sync(loop.server.ready)
 
     def metadata(self) -> dict[str, Any]:
-        return self._require_started().run_sync(lambda server: server.metadata(), self._server)
-
-    @property
-    def _server(self) -> AsyncServer:
-        return self._require_started().server
+        loop = self._require_started()
+        return loop.run_sync(loop.server.metadata)
 
     # -- models --------------------------------------------------------------------
 
@@ -280,8 +283,9 @@ class Server:
     ) -> Model:
         """As :meth:`AsyncServer.load`: blocks until the model has loaded."""
         loop = self._require_started()
-        load = loop.server.load
-        model = loop.run(lambda: load(model_name, parameters, config=config, files=files))
+        model = loop.run(
+            partial(loop.server.load, model_name, parameters, config=config, files=files)
+        )
         return Model(loop, model)
 
     def unload(
@@ -356,10 +360,22 @@ class Model:
         self._loop = loop
         self._model = model
 
-    name = property(lambda self: self._model.name)
-    version = property(lambda self: self._model.version)
-    state = property(lambda self: self._model.state)
-    reason = property(lambda self: self._model.reason)
+    @property
+    def name(self) -> str:
+        return self._model.name
+
+    @property
+    def version(self) -> int:
+        return self._model.version
+
+    @property
+    def state(self) -> str | None:
+        """The state the repository index gave when this came from ``models()``."""
+        return self._model.state
+
+    @property
+    def reason(self) -> str | None:
+        return self._model.reason
 
     def _at_version(self, version: int) -> Model:
         if version == self.version:
@@ -408,13 +424,13 @@ class Model:
 
 class _Handed:
     """Items a task in the core's run hands to a blocking caller one at a time
-    (see :meth:`_LoopThread.start_handing`). Dropped or closed before its end, it
+    (see :meth:`_LoopThread.hand`). Dropped or closed before its end, it
     cancels that task, and so the request behind it."""
 
     def __init__(self, loop: _LoopThread, items) -> None:
         self._loop = loop
         self._complete = False
-        self._scope, self._receive = loop.run(loop.start_handing, items)
+        self._scope, self._receive = loop.hand(items)
 
     def __iter__(self):
         return self
@@ -426,6 +442,7 @@ class _Handed:
             item = self._loop.run(self._receive.receive)
         except trio.EndOfChannel:
             self._complete = True
+            self._ended()
             raise StopIteration from None
         except BaseException:  # the caller interrupted (KeyboardInterrupt), or stopped
             self.close()
@@ -434,6 +451,9 @@ class _Handed:
             self._complete = True
             raise item.error
         return item
+
+    def _ended(self) -> None:
+        """The items ended (a subclass raises if they ended too soon)."""
 
     def close(self) -> None:
         """Stop early: what is left is dropped and its request cancelled."""
@@ -464,6 +484,10 @@ class ResponseIterator(_Handed):
         """End the request with CancelledError (Triton's ``cancel``)."""
         if not self._complete:
             self._loop.call_soon(self._responses.cancel)
+
+    def _ended(self) -> None:
+        # Before the final response: the core stopped and cancelled the request.
+        raise UnavailableError("the in-process server stopped before the request ended")
 
 
 class _Chunks(_Handed):
