@@ -144,3 +144,12 @@ def scrape_metrics(proc: ServerProcess) -> dict:
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
     return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def wire_name(family, sample) -> str:
+    """A sample's name as the server wrote it: prometheus-client's parser reports the
+    samples of a text-format counter as ``<family>_total``, but Triton's ``nv_*``
+    counters are written without that suffix."""
+    if family.type == "counter" and family.name.startswith("nv_"):
+        return family.name
+    return sample.name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import EXAMPLES, ServerProcess
+from tests.serverproc import EXAMPLES, ServerProcess, wire_name
 from trionserve.observability.metrics import (
     FirstResponseHistogram,
     parse_metrics_config,
@@ -164,7 +165,9 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     samples = {}
     for family in text_string_to_metric_families(response.read().decode()):
         for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+            samples[(wire_name(family, sample), tuple(sorted(sample.labels.items())))] = (
+                sample.value
+            )
     return samples
 
 
@@ -310,3 +313,41 @@ def test_metrics_text_uses_tritons_names(server):
     assert 'nv_inference_request_success{model="simple",version="1"} ' in text
     assert 'nv_inference_request_failure{model="simple",reason="BACKEND",version="1"} ' in text
     assert "nv_inference_request_success_total" not in text
+
+
+# Triton's counter families (core src/metrics.cc, prometheus::BuildCounter) that a
+# server without a response cache or GPUs exposes.
+TRITON_COUNTERS = (
+    "nv_inference_request_success",
+    "nv_inference_request_failure",
+    "nv_inference_count",
+    "nv_inference_exec_count",
+    "nv_inference_request_duration_us",
+    "nv_inference_queue_duration_us",
+    "nv_inference_compute_input_duration_us",
+    "nv_inference_compute_infer_duration_us",
+    "nv_inference_compute_output_duration_us",
+)
+
+
+@pytest.mark.parametrize("accept", [None, "application/openmetrics-text; version=1.0.0"])
+def test_tritons_counters_are_typed_counter_under_tritons_names(server, accept):
+    """What a scraper reading types sees: ``# TYPE <name> counter``, samples ``<name>``."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+    connection.request("GET", "/metrics", headers={"Accept": accept} if accept else {})
+    response = connection.getresponse()
+    text = response.read().decode()
+    # Triton answers in the text format whatever is asked; so do we.
+    assert response.getheader("content-type") == "text/plain; version=0.0.4; charset=utf-8"
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE))
+    for name in TRITON_COUNTERS:
+        assert types.get(name) == "counter", (name, types.get(name))
+        assert re.search(rf'^{name}{{model="simple",.*version="1"}} \d', text, re.MULTILINE), name
+    assert "_total{" not in text.replace("process_cpu_seconds_total", "")
+    assert types["nv_inference_pending_request_count"] == "gauge"
+    assert types["process_cpu_seconds_total"] == "counter"  # prometheus-client's own
+
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in TRITON_COUNTERS:
+        assert families[name].type == "counter", name
+        assert families[name].samples, name

@@ -5,7 +5,9 @@ directly, on the registry."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
+import urllib.request
 
 import numpy as np
 import pytest
@@ -20,6 +22,13 @@ from trionserve.observability.custom_metrics import (
     CustomMetrics,
     MetricError,
 )
+
+
+def metrics_text(server) -> str:
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
 
 MODEL = """
 import json
@@ -152,6 +161,11 @@ def test_counter_gauge_and_histogram_reach_the_metrics_endpoint(server):
 
     (requests,) = families["custom_requests"].samples
     assert (requests.labels, requests.value) == (labels, 3.0)
+    assert families["custom_requests"].type == "counter"
+    text = metrics_text(server)
+    # Typed, under the name the model gave (Triton's), without a _total suffix.
+    assert re.search(r"^# TYPE custom_requests counter$", text, re.MULTILINE)
+    assert re.search(r'^custom_requests\{model="metrics_model"\} 3(\.0)?$', text, re.MULTILINE)
     (last,) = families["custom_last_value"].samples
     assert families["custom_last_value"].type == "gauge"
     assert (last.labels, last.value) == (labels, 6.0)

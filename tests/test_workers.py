@@ -24,8 +24,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serverproc import EXAMPLES, ROOT, ServerProcess
+from tests.serverproc import EXAMPLES, ROOT, ServerProcess, wire_name
 from trionserve.observability.aggregate import merge_expositions
+from trionserve.observability.exposition import exposition_text
 from trionserve.workers import parse_workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,7 +109,7 @@ def _scrape(port: int) -> dict[tuple[str, tuple], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         text = response.read().decode()
     return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        (wire_name(family, sample), tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
@@ -241,16 +242,26 @@ def test_parse_workers():
         parse_workers("0")
 
 
+class StaticCollectorOf:
+    def __init__(self, families) -> None:
+        self.families = list(families)
+
+    def collect(self):
+        return self.families
+
+
 def test_merge_expositions_sums_per_process_figures_only():
     def exposition(count: float, utilization: float, started: float) -> str:
         return (
-            "# TYPE nv_inference_count untyped\n"
+            "# TYPE nv_inference_count counter\n"
             f'nv_inference_count{{model="simple",version="1"}} {count}\n'
             f'nv_inference_count{{model="other",version="1"}} 1\n'
             "# TYPE nv_cpu_utilization gauge\n"
             f"nv_cpu_utilization {utilization}\n"
             "# TYPE nv_gpu_utilization gauge\n"
             f'nv_gpu_utilization{{gpu_uuid="GPU-0"}} {utilization}\n'
+            "# TYPE process_cpu_seconds_total counter\n"
+            f"process_cpu_seconds_total {count}\n"
             "# TYPE process_start_time_seconds gauge\n"
             f"process_start_time_seconds {started}\n"
             "# TYPE nv_inference_first_response_histogram_ms histogram\n"
@@ -279,3 +290,10 @@ def test_merge_expositions_sums_per_process_figures_only():
     )
     assert values[bucket] == 6
     assert families["nv_inference_first_response_histogram_ms"].type == "histogram"
+    # Counters come back under Triton's names, typed, and prometheus-client's own
+    # counters keep their _total.
+    assert values[("process_cpu_seconds_total", ())] == 12
+    text = exposition_text(StaticCollectorOf(families.values())).decode()
+    assert "# TYPE nv_inference_count counter\n" in text
+    assert 'nv_inference_count{model="simple",version="1"} 12.0\n' in text
+    assert "# TYPE process_cpu_seconds_total counter\n" in text

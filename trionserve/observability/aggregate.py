@@ -20,6 +20,13 @@ How samples of the same name and labels combine:
 Families defined by models (Python-backend custom metrics) are summed like the
 rest: each worker runs its own instances of the model.
 
+Counters keep Triton's names: the parser reads a worker's ``nv_x`` counter as
+family ``nv_x`` with samples ``nv_x_total``; every counter family but
+prometheus-client's own ``process_*`` is made a
+:class:`~trionserve.observability.exposition.TritonCounter` again, its samples
+named as the family. (A model's counter whose own name ends in ``_total`` is
+read back without that suffix: the text format does not say which it was.)
+
 A worker that restarts starts its counters from zero, so the sums drop by what
 that worker had counted: to Prometheus' ``rate()`` and ``increase()`` this reads
 as a counter reset.
@@ -31,6 +38,8 @@ from collections.abc import Iterable, Sequence
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from trionserve.observability.exposition import TritonCounter
 
 __all__ = ["merge_expositions", "MACHINE_WIDE_PREFIXES"]
 
@@ -57,15 +66,19 @@ def merge_expositions(texts: Sequence[str]) -> list[Metric]:
     values: dict[str, dict[tuple, float]] = {}
     for text in texts:
         for family in text_string_to_metric_families(text):
+            triton_counter = family.type == "counter" and not family.name.startswith("process_")
             if family.name not in merged:
-                merged[family.name] = Metric(
-                    family.name, family.documentation, family.type, family.unit
+                merged[family.name] = (
+                    TritonCounter(family.name, family.documentation)
+                    if triton_counter
+                    else Metric(family.name, family.documentation, family.type, family.unit)
                 )
                 values[family.name] = {}
             samples = values[family.name]
             combine = _combine(family.name)
             for sample in family.samples:
-                key = (sample.name, tuple(sorted(sample.labels.items())))
+                name = family.name if triton_counter else sample.name
+                key = (name, tuple(sorted(sample.labels.items())))
                 previous = samples.get(key)
                 samples[key] = sample.value if previous is None else combine(previous, sample.value)
     for name, family in merged.items():

@@ -15,8 +15,9 @@ endpoint beside Triton's own ``nv_*`` metrics. The rules are Triton's:
   metric while some reference to it is held, and never longer than its family.
   An operation on a metric whose family is gone is an error.
 
-Counters are exposed untyped, as the ``nv_*`` counters are, so their names stay
-Triton's (the Prometheus client would add ``_total`` to a typed counter).
+Counters are exposed as the ``nv_*`` counters are: typed ``counter`` under the
+name the model gave, without the ``_total`` the Prometheus client would add
+(:mod:`trionserve.observability.exposition`).
 
 Operations come from stub processes as messages (see :meth:`CustomMetrics.handle`)
 on the Trio thread or, while a stub initializes or finalizes, on a worker thread;
@@ -34,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client.core import Metric
+
+from trionserve.observability.exposition import TritonCounter
 
 COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
 _KIND_NAMES = {COUNTER: "counter", GAUGE: "gauge", HISTOGRAM: "histogram"}
@@ -246,7 +249,11 @@ class CustomMetrics:
                     metric.add_sample(f"{name}_count", labels, s.total)
                     metric.add_sample(f"{name}_sum", labels, s.value)
             else:
-                metric = Metric(name, description, "gauge" if kind == GAUGE else "unknown")
+                metric = (
+                    Metric(name, description, "gauge")
+                    if kind == GAUGE
+                    else TritonCounter(name, description)
+                )
                 for s in series:
                     metric.add_sample(name, dict(s.labels), s.value)
             yield metric

@@ -18,6 +18,7 @@ import structlog
 import trio
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from trionserve.observability.exposition import TritonCounter
 from trionserve.observability.sampling import sample_every
 
 log = structlog.get_logger(__name__)
@@ -125,10 +126,16 @@ class GpuMetricsCollector:
     def collect(self) -> Iterable[Metric]:
         samples = self.samples
         for name, (documentation, field) in _GAUGES.items():
-            family = GaugeMetricFamily(name, documentation, labels=["gpu_uuid"])
+            # Triton's energy figure is a counter (core src/metrics.cc), the rest gauges.
+            counter = name == "nv_energy_consumption"
+            family = (
+                TritonCounter(name, documentation)
+                if counter
+                else GaugeMetricFamily(name, documentation, labels=["gpu_uuid"])
+            )
             for sample in samples:
                 value = getattr(sample, field)
                 if value is not None:
-                    family.add_metric([sample.uuid], value)
+                    family.add_sample(name, {"gpu_uuid": sample.uuid}, value)
             if family.samples:
                 yield family

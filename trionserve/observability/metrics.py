@@ -7,11 +7,9 @@ statistics extension reports) when Prometheus scrapes, so the two never disagree
 What has no counter there is read from its owner at scrape time too (pending
 requests from the scheduler) or, for the per-interval metrics Triton has (CPU
 utilization and memory), sampled every ``--metrics-interval-ms`` by a task in the
-metrics server's nursery. Exposition is prometheus-client's.
-
-Triton's counters are named without the ``_total`` suffix that prometheus-client
-adds to every metric it types as a counter, and dashboards query the exact names
-(``nv_inference_request_success``), so they are exposed untyped under those names.
+metrics server's nursery. Exposition is prometheus-client's text format, with
+Triton's counters typed ``counter`` under Triton's names, without the ``_total``
+that prometheus-client would add (see :mod:`trionserve.observability.exposition`).
 """
 
 from __future__ import annotations
@@ -25,9 +23,9 @@ import structlog
 import trio
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import choose_encoder
 
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
+from trionserve.observability.exposition import CONTENT_TYPE, TritonCounter, exposition_text
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.sampling import sample_every
 from trionserve.observability.statistics import FailureReason, ModelStatistics
@@ -214,10 +212,6 @@ _CACHE_COUNTERS = (
 )
 
 
-def _untyped(name: str, documentation: str) -> Metric:
-    return Metric(name, documentation, "unknown")
-
-
 class ModelMetricsCollector:
     """Triton's per-model metrics, read from the loaded versions at scrape time.
 
@@ -243,7 +237,7 @@ class ModelMetricsCollector:
         versions = self._versions()
         for name, documentation, value in _COUNTERS:
             yield _family(name, documentation, value, versions)
-        failure = _untyped(
+        failure = TritonCounter(
             "nv_inference_request_failure", "Number of failed inference requests, all batch sizes"
         )
         for version in versions:
@@ -301,7 +295,7 @@ def _labels(version) -> dict[str, str]:
 
 
 def _family(name: str, documentation: str, value, versions) -> Metric:
-    metric = _untyped(name, documentation)
+    metric = TritonCounter(name, documentation)
     for version in versions:
         metric.add_sample(name, _labels(version), value(version.statistics))
     return metric
@@ -414,21 +408,20 @@ _NOT_FOUND = b'{"error":"Not Found: the metrics endpoint is /metrics"}'
 def metrics_router(
     metrics: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
 ) -> Callable[[bytes, str], Handler]:
-    """The h11 transport's router for the metrics port: prometheus-client's
-    exposition (its text or OpenMetrics format, as the ``Accept`` header asks) at
-    ``GET /metrics``, a JSON 404 elsewhere. ``refresh`` runs before each scrape
-    (the workers supervisor fetches its workers' metrics there)."""
+    """The h11 transport's router for the metrics port: the Prometheus text format
+    (Triton's, whatever the ``Accept`` header asks; see
+    :mod:`trionserve.observability.exposition`) at ``GET /metrics``, a JSON 404
+    elsewhere. ``refresh`` runs before each scrape (the workers supervisor fetches
+    its workers' metrics there)."""
 
     async def exposition(headers: Headers, body: bytes):
         if refresh is not None:
             await refresh()
-        accept = next((v.decode("latin-1") for k, v in headers if k == b"accept"), None)
-        encoder, content_type = choose_encoder(accept)
-        data = encoder(metrics)
+        data = exposition_text(metrics)
         return (
             200,
             [
-                (b"content-type", content_type.encode()),
+                (b"content-type", CONTENT_TYPE.encode()),
                 (b"content-length", b"%d" % len(data)),
             ],
             [data],
