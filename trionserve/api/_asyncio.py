@@ -46,7 +46,7 @@ class AsyncioResponseIterator:
         future = asyncio.get_running_loop().create_future()
         try:
             self._loop.token.run_sync_soon(  # type: ignore[union-attr]
-                self._loop.start_soon, self._fetch, future, asyncio.get_running_loop()
+                self._start_fetch, future, asyncio.get_running_loop()
             )
         except trio.RunFinishedError:
             self._complete = True
@@ -73,6 +73,12 @@ class AsyncioResponseIterator:
         """End the request with CancelledError (Triton's ``cancel``)."""
         if not self._complete:
             self._loop.call_soon(self._responses.cancel)
+
+    def _start_fetch(self, future: asyncio.Future, aloop: asyncio.AbstractEventLoop) -> None:
+        """In the core's run: start fetching, unless the run is ending."""
+        if not self._loop.start_soon(self._fetch, future, aloop):
+            error = UnavailableError("the in-process server stopped")
+            aloop.call_soon_threadsafe(_settle, future, error)
 
     async def _fetch(self, future: asyncio.Future, aloop: asyncio.AbstractEventLoop) -> None:
         """In the core's run: the next item, handed to ``future``'s loop."""

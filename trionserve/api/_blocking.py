@@ -129,15 +129,24 @@ class _LoopThread:
         send, receive = trio.open_memory_channel(0)
         scope = trio.CancelScope()
         try:
-            self.token.run_sync_soon(self.start_soon, _hand_over, items, send, scope)  # type: ignore[union-attr]
+            self.token.run_sync_soon(self._start_handing, items, send, scope)  # type: ignore[union-attr]
         except trio.RunFinishedError:
             raise UnavailableError("the in-process server has stopped") from None
         return scope, receive
 
-    def start_soon(self, afn, *args) -> None:
-        """Run ``afn(*args)`` as a task of the core's run, from the run's thread."""
+    def _start_handing(self, items, send: trio.MemorySendChannel, scope) -> None:
+        if not self.start_soon(_hand_over, items, send, scope):
+            send.close()  # the receiver sees the end, before any final response
+
+    def start_soon(self, afn, *args) -> bool:
+        """Run ``afn(*args)`` as a task of the core's run (from the run's thread);
+        False once the run is ending and starts nothing more."""
         assert self._nursery is not None
-        self._nursery.start_soon(afn, *args)
+        try:
+            self._nursery.start_soon(afn, *args)
+        except RuntimeError:  # "Nursery is closed to new arrivals"
+            return False
+        return True
 
     def stop(self) -> None:
         """Drain and stop; returns once the run has ended."""
