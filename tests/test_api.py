@@ -440,19 +440,28 @@ def test_not_ready_in_time(tmp_path):
 
 
 def test_stop_drains_in_flight_requests(repository, tmp_path):
-    """stop() refuses new requests at once, lets the one in flight finish, then
-    ends the core's thread and the Python models' stub processes."""
+    """stop() refuses new requests at once, lets the one in flight finish and the
+    open sequence go on to its end, then ends the core's thread and the Python
+    models' stub processes."""
     children_before = child_pids()
     threads = trionserve_threads()
     server = api.Server(
         model_repository=repository,
         model_control_mode=api.ModelControlMode.EXPLICIT,
-        startup_models=["gated", "simple"],
+        startup_models=["gated", "simple", "accumulate"],
     ).start(wait_until_ready=True)
     assert child_pids() - children_before  # the gated model's stub
     gate = tmp_path / "gate"
     iterator = server.model("gated").infer(inputs={"GATE": np.array([str(gate)])})
     assert int(next(iterator).outputs["I"][0]) == 0
+    accumulate = server.model("accumulate")
+
+    def add(value: int, **sequence) -> int:
+        inputs = {"INPUT": np.array([[value]], np.int32)}
+        response = only(accumulate.infer(inputs=inputs, correlation_id=5, **sequence))
+        return int(response.outputs["OUTPUT"][0, 0])
+
+    assert add(2, flags=api.RequestFlag.SEQUENCE_START) == 2
     stopping = threading.Thread(target=server.stop)
     stopping.start()
     while server.ready():  # until stop() has begun the drain
@@ -460,9 +469,14 @@ def test_stop_drains_in_flight_requests(repository, tmp_path):
     a, b = pair()
     with pytest.raises(api.UnavailableError, match="shutting down"):
         list(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+    with pytest.raises(api.UnavailableError, match="shutting down"):
+        add(1, flags=api.RequestFlag.SEQUENCE_START)  # a new sequence
+    assert add(3) == 5  # the open sequence goes on
     gate.write_text("open")
     rest = list(iterator)
     assert [int(r.outputs["I"][0]) for r in rest[:1]] == [1] and rest[-1].final
+    assert stopping.is_alive()  # the sequence is still open
+    assert add(4, flags=api.RequestFlag.SEQUENCE_END) == 9
     stopping.join(30)
     assert not stopping.is_alive()
     assert server.exit_code == 0
