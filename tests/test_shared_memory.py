@@ -139,3 +139,100 @@ def test_input_with_data_and_shared_memory_is_400(shm_server, regions, other):
     assert status == 400, answer
     assert "Input 'INPUT0' must set only one of" in answer["error"]
     assert f"But set '{other}' 'shared_memory_region'" in answer["error"]
+
+
+def _simple_shm_io(module, region: str, out_region: str):
+    inputs = [
+        module.InferInput("INPUT0", [1, 16], "INT32"),
+        module.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
+    inputs[0].set_shared_memory(region, 64)
+    inputs[1].set_shared_memory(region, 64, offset=64)
+    outputs = [module.InferRequestedOutput("OUTPUT0"), module.InferRequestedOutput("OUTPUT1")]
+    outputs[0].set_shared_memory(out_region, 64)
+    outputs[1].set_shared_memory(out_region, 64, offset=64)
+    return inputs, outputs
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("cut", ["input", "output"])
+def test_region_truncated_after_registration_is_400_not_a_crash(shm_server, regions, protocol, cut):
+    """A client can truncate a region's file at any time; a mapped byte past the end
+    of its file would kill the server with SIGBUS (issue 18 item 1). The access is
+    refused with a message naming the region, and the server keeps serving."""
+    import tritonclient.grpc as grpcclient
+
+    module = httpclient if protocol == "http" else grpcclient
+    url = shm_server.http_url if protocol == "http" else f"127.0.0.1:{shm_server.grpc_port}"
+    client = module.InferenceServerClient(url)
+    in_handle, in_key = regions(f"trionserve_cut_in_{protocol}_{cut}", 128)
+    out_handle, out_key = regions(f"trionserve_cut_out_{protocol}_{cut}", 128)
+    shm.set_shared_memory_region(in_handle, [np.arange(32, dtype=np.int32)])
+    tag = f"{protocol}_{cut}"
+    client.register_system_shared_memory(f"cut_in_{tag}", in_key, 128)
+    client.register_system_shared_memory(f"cut_out_{tag}", out_key, 128)
+    try:
+        inputs, outputs = _simple_shm_io(module, f"cut_in_{tag}", f"cut_out_{tag}")
+        client.infer("simple", inputs, outputs=outputs)  # whole: it works
+        os.truncate(f"/dev/shm{in_key if cut == 'input' else out_key}", 16)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("simple", inputs, outputs=outputs)
+        region = f"cut_in_{tag}" if cut == "input" else f"cut_out_{tag}"
+        assert f"'{region}' is shorter than registered" in info.value.message()
+        status = info.value.status()
+        assert status in ("400", "StatusCode.INVALID_ARGUMENT"), status
+        # The server is alive and serves the next request.
+        assert client.is_server_live()
+        plain = [
+            module.InferInput("INPUT0", [1, 16], "INT32"),
+            module.InferInput("INPUT1", [1, 16], "INT32"),
+        ]
+        for tensor in plain:
+            tensor.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+        assert client.infer("simple", plain).as_numpy("OUTPUT0").sum() == 32
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+def test_key_that_is_a_symbolic_link_is_refused(shm_server, tmp_path):
+    """shm_open never follows a link: a key linked to another file is refused and
+    that file is never touched (issue 18 item 3)."""
+    target = tmp_path / "victim"
+    target.write_bytes(b"\0" * 128)
+    link = f"/dev/shm/trionserve_link_{os.getpid()}"
+    os.symlink(target, link)
+    client = httpclient.InferenceServerClient(shm_server.http_url)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.register_system_shared_memory("linked", link[len("/dev/shm") :], 128)
+        assert info.value.status() == "400"
+        assert "linked" in info.value.message()
+        assert client.get_system_shared_memory_status() == []
+    finally:
+        os.unlink(link)
+        client.close()
+    assert target.read_bytes() == b"\0" * 128
+
+
+@pytest.mark.parametrize("key", ["../etc/passwd", "/a/b", "//x", "/.."])
+def test_key_outside_dev_shm_is_refused(shm_server, key):
+    client = httpclient.InferenceServerClient(shm_server.http_url)
+    try:
+        with pytest.raises(InferenceServerException, match="invalid shared memory key"):
+            client.register_system_shared_memory("outside", key, 16)
+    finally:
+        client.close()
+
+
+def test_key_that_is_not_a_regular_file_is_refused(shm_server):
+    """A directory or a FIFO in /dev/shm is no shared memory object."""
+    path = f"/dev/shm/trionserve_fifo_{os.getpid()}"
+    os.mkfifo(path)
+    client = httpclient.InferenceServerClient(shm_server.http_url)
+    try:
+        with pytest.raises(InferenceServerException, match="not a shared memory object"):
+            client.register_system_shared_memory("fifo", path[len("/dev/shm") :], 16)
+    finally:
+        os.unlink(path)
+        client.close()

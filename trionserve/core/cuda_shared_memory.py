@@ -176,6 +176,10 @@ class CudaSharedMemory:
             )
         return region, offset
 
+    def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
+        """Refuse now a window out of the region's bounds (an output's, before it runs)."""
+        self._window(name, offset, byte_size, what)
+
     def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
         """A host copy of ``byte_size`` bytes of a region (device->host)."""
         import cupy  # noqa: PLC0415
@@ -222,6 +226,9 @@ class SharedMemoryResolver:
 
     def _of(self, name: str):
         return self.cuda if name in self.cuda else self.system
+
+    def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
+        self._of(name).check(name, offset, byte_size, what)
 
     def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
         return self._of(name).view(name, offset, byte_size, what)

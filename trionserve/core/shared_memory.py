@@ -3,18 +3,22 @@
 Triton's system shared memory extension: a client creates a POSIX shared memory
 object (``shm_open`` key), registers a region of it by name with an offset and a
 size, then names the region in inference requests instead of sending tensor bytes.
-Inputs are read as views of the mapping (no copy); outputs are written into it.
 
-Regions are mapped read-write with ``mmap``. Unregistering drops the registry's
-reference; a mapping still viewed by a request in flight stays valid until that
-request lets go of it, so a client can never pull memory from under a request.
+A region's file belongs to the client, which can truncate it at any time. A byte of
+a mapping past the end of its file faults (SIGBUS, the whole process dies), so
+client regions are never mapped: the server keeps the region's descriptor open and
+copies with ``pread``/``pwrite``, checking the file's size (``fstat`` on that
+descriptor) before each access and the byte count after it. A region cut short is a
+400 naming the region, whenever it was cut. Keys are opened as ``shm_open`` opens
+them: a name directly inside ``/dev/shm``, no symbolic link followed, a regular file
+only, so no key can make the server read or write another file.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
+import stat
 from dataclasses import dataclass
 
 from trionserve.core.errors import AlreadyExists, InvalidArgument, NotFound
@@ -22,13 +26,31 @@ from trionserve.core.errors import AlreadyExists, InvalidArgument, NotFound
 SHM_DIR = "/dev/shm"
 
 
-@dataclass(frozen=True, slots=True)
+#: Flags of ``shm_open(key, O_RDWR)``: no link followed, not inherited by children.
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+
+
+@dataclass(slots=True)
 class Region:
     name: str
     key: str
     offset: int
     byte_size: int
-    mapping: mmap.mmap
+    fd: int
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def check_size(self, end: int, what: str) -> None:
+        """Refuse an access up to file offset ``end`` when the file is shorter now."""
+        size = os.fstat(self.fd).st_size
+        if end > size:
+            raise InvalidArgument(
+                f"{what}: shared memory region '{self.name}' is shorter than registered: "
+                f"key '{self.key}' now has {size} bytes, the access needs {end}"
+            )
 
     def status(self) -> dict:
         return {
@@ -66,36 +88,47 @@ class SystemSharedMemory:
             )
         path = _shm_path(key)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
             raise NotFound(
                 f"unable to open shared memory region '{name}': key '{key}' does not exist"
             ) from None
         except OSError as exc:
+            # ELOOP: the key is a symbolic link, which shm_open never follows.
             raise InvalidArgument(
-                f"unable to open shared memory key '{key}' for region '{name}': {exc}"
+                f"unable to open shared memory key '{key}' for region '{name}': "
+                f"{exc.strerror or exc}"
             ) from None
         try:
-            size = os.fstat(fd).st_size
-            if offset + byte_size > size:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidArgument(
+                    f"unable to open shared memory key '{key}' for region '{name}': "
+                    "not a shared memory object"
+                )
+            if not info.st_size:
+                raise InvalidArgument(f"shared memory key '{key}' is empty")
+            if offset + byte_size > info.st_size:
                 raise InvalidArgument(
                     f"shared memory region '{name}': offset {offset} + byte_size "
-                    f"{byte_size} exceeds the {size} bytes of key '{key}'"
+                    f"{byte_size} exceeds the {info.st_size} bytes of key '{key}'"
                 )
-            mapping = mmap.mmap(fd, size) if size else None
-        finally:
+        except BaseException:
             os.close(fd)
-        if mapping is None:
-            raise InvalidArgument(f"shared memory key '{key}' is empty")
-        self._regions[name] = Region(name, key, offset, byte_size, mapping)
+            raise
+        self._regions[name] = Region(name, key, offset, byte_size, fd)
 
     def unregister(self, name: str | None = None) -> None:
         """Unregister one region, or every region when ``name`` is None or empty."""
         if not name:
-            self._regions.clear()
+            regions, self._regions = self._regions, {}
+            for region in regions.values():
+                region.close()
             return
-        if self._regions.pop(name, None) is None:
+        region = self._regions.pop(name, None)
+        if region is None:
             raise NotFound(f"shared memory region '{name}' is not registered")
+        region.close()
 
     def status(self, name: str | None = None) -> list[dict]:
         if not name:
@@ -116,10 +149,24 @@ class SystemSharedMemory:
             )
         return region, region.offset + offset
 
-    def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
-        """A view of ``byte_size`` bytes of a region, for an input tensor."""
+    def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
+        """Refuse now a window that is out of the region's bounds or past its file's end."""
         region, start = self._window(name, offset, byte_size, what)
-        return memoryview(region.mapping)[start : start + byte_size]
+        region.check_size(start + byte_size, what)
+
+    def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
+        """A copy of ``byte_size`` bytes of a region, for an input tensor."""
+        region, start = self._window(name, offset, byte_size, what)
+        region.check_size(start + byte_size, what)
+        data = bytearray(byte_size)
+        done = 0
+        while done < byte_size:
+            got = os.preadv(region.fd, [memoryview(data)[done:]], start + done)
+            if not got:  # cut short between the size check and the read
+                region.check_size(start + byte_size, what)
+                raise InvalidArgument(f"{what}: shared memory region '{name}' was cut short")
+            done += got
+        return memoryview(data)
 
     def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
         """Copy ``data`` into a region window of ``byte_size`` bytes; returns its size."""
@@ -130,7 +177,12 @@ class SystemSharedMemory:
                 f"given for shared memory region '{name}'"
             )
         region, start = self._window(name, offset, byte_size, what)
-        region.mapping[start : start + payload.nbytes] = payload
+        # Written past a file's end, pwrite grows the file (it never faults); the
+        # check keeps a region cut short an error rather than a silently grown file.
+        region.check_size(start + byte_size, what)
+        done = 0
+        while done < payload.nbytes:
+            done += os.pwrite(region.fd, payload[done:], start + done)
         return payload.nbytes
 
 

@@ -347,7 +347,7 @@ def _decode_outputs(outputs, shared_memory: SystemSharedMemory | None) -> list[R
             what = f"output '{name}'"
             window = _shared_memory_params(spec.parameters, what, shared_memory)
             if window is not None:
-                shared_memory.view(*window, what)  # type: ignore[union-attr]  # bounds
+                shared_memory.check(*window, what)  # type: ignore[union-attr]
             for key, param in spec.parameters.items():
                 kind, value = _param_value(key, param)
                 if key == "binary_data":

@@ -552,7 +552,7 @@ def _decode_outputs(
                     )
                 what = f"output '{name}'"
                 region, at, nbytes = shared_memory_window(params, what)
-                shared_memory.view(region, at, nbytes, what)  # checks bounds now
+                shared_memory.check(region, at, nbytes, what)
             binary = params.get("binary_data")
             if binary is not None and type(binary) is not bool:
                 raise InvalidArgument(
