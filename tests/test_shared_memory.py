@@ -166,7 +166,7 @@ def test_region_truncated_after_registration_is_400_not_a_crash(shm_server, regi
     url = shm_server.http_url if protocol == "http" else f"127.0.0.1:{shm_server.grpc_port}"
     client = module.InferenceServerClient(url)
     in_handle, in_key = regions(f"trionserve_cut_in_{protocol}_{cut}", 128)
-    out_handle, out_key = regions(f"trionserve_cut_out_{protocol}_{cut}", 128)
+    _out_handle, out_key = regions(f"trionserve_cut_out_{protocol}_{cut}", 128)
     shm.set_shared_memory_region(in_handle, [np.arange(32, dtype=np.int32)])
     tag = f"{protocol}_{cut}"
     client.register_system_shared_memory(f"cut_in_{tag}", in_key, 128)

@@ -62,7 +62,7 @@ class Region:
 
 
 def _shm_path(key: str) -> str:
-    name = key[1:] if key.startswith("/") else key
+    name = key.removeprefix("/")
     if "\0" in name:
         raise InvalidArgument(f"invalid shared memory key {key!r}: it contains a NUL byte")
     if not name or "/" in name or name in (".", ".."):
