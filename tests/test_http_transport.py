@@ -1,4 +1,4 @@
-"""The h11 HTTP/1.1 transport on raw sockets: keep-alive, pipelining, 100-continue,
+"""The HTTP/1.1 transport on raw sockets: keep-alive, pipelining, 100-continue,
 chunked bodies, body limits, bad requests, resets, graceful shutdown, HEAD,
 unknown paths, handler failures, streamed answers."""
 
@@ -15,7 +15,7 @@ import structlog
 import structlog.testing
 import trio
 
-from trionserve.protocol.http.transport import H11Server, HttpServerOptions
+from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
 
 
 class App:
@@ -135,7 +135,7 @@ def post(path: str, body: bytes, extra: str = "") -> bytes:
 async def served(nursery):
     """(app, port, shutdown event, finished event) of a server on a free port."""
     app = App()
-    server = H11Server(app.route, HttpServerOptions(max_request_body=1000, linger=0.5))
+    server = HttpServer(app.route, HttpServerOptions(max_request_body=1000, linger=0.5))
     shutdown, finished = trio.Event(), trio.Event()
 
     async def run(task_status=trio.TASK_STATUS_IGNORED):
@@ -188,7 +188,7 @@ async def test_expect_100_continue(served):
 
 
 async def test_chunked_request_body(served):
-    app, port, _, _ = served
+    _, port, _, _ = served
     client = await Client.connect(port)
     await client.send_raw(
         b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -238,10 +238,10 @@ async def test_malformed_request_gets_400_and_server_goes_on(served):
 
 async def test_peer_reset_does_not_stop_the_server(served):
     _, port, _, _ = served
-    for partial in (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc", b"GE"):
+    for fragment in (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nabc", b"GE"):
         sock = trio.socket.socket()
         await sock.connect(("127.0.0.1", port))
-        await sock.send(partial)
+        await sock.send(fragment)
         await trio.sleep(0.05)
         # SO_LINGER 0: close() sends a reset.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -323,7 +323,7 @@ class _FailingListener:
 async def test_accept_errors_back_off_and_are_logged_rarely(autojump_clock):
     """Out of descriptors: the accept loop waits between tries instead of spinning,
     and a minute of failures logs a handful of lines, not one per failure."""
-    server = H11Server(lambda method, path: None)
+    server = HttpServer(lambda method, path: None)
     listener = _FailingListener(600)
     start = trio.current_time()
     with structlog.testing.capture_logs() as logs:
@@ -335,3 +335,38 @@ async def test_accept_errors_back_off_and_are_logged_rarely(autojump_clock):
     assert 1 <= len(lines) <= 7
     # Each line after the first counts the failures it stood for.
     assert sum(entry["suppressed_since_last"] for entry in lines) >= 490
+
+
+async def test_head_over_the_limit_is_431_and_closed(nursery):
+    """A request head past ``max_header_size``, whole or still arriving (one endless
+    header line the parser would buffer), is answered 431 and its connection
+    closed."""
+    server = HttpServer(App().route, HttpServerOptions(max_header_size=1024, linger=0.5))
+    [(_, port)] = await nursery.start(server.serve, "127.0.0.1", 0, trio.Event(), 1.0)
+    for tail in (b"\r\n\r\n", b""):
+        client = await Client.connect(port)
+        await client.send_raw(b"GET /info HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 2000 + tail)
+        status, headers, body = await client.response(b"GET")
+        assert (status, headers["connection"]) == (431, "close")
+        assert b"larger than the limit of 1024 bytes" in body
+        assert await client.closed()
+
+
+async def test_http_1_0_and_upgrade_requests_are_answered_then_closed(served):
+    """An HTTP/1.0 request, or one asking to switch protocols, gets its answer with
+    ``Connection: close`` and nothing after it on the connection is served."""
+    _, port, _, _ = served
+    for request in (
+        b"GET /info HTTP/1.0\r\n\r\n",
+        b"GET /info HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    ):
+        with trio.fail_after(10):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(request + b"GET /info HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = b""
+            while data := await stream.receive_some(65536):
+                answer += data
+        assert answer.startswith(b"HTTP/1.1 201 "), answer
+        assert b"connection: close\r\n" in answer
+        assert answer.count(b"HTTP/1.1 ") == 1
+        assert answer.endswith(b"GET /info 0")

@@ -48,7 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from trionserve.actors.watcher import ControlMode
 from trionserve.observability.aggregate import StaticCollector, merge_expositions
 from trionserve.observability.metrics import metrics_router
-from trionserve.protocol.http.transport import H11Server, HttpServerOptions
+from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
 
 log = structlog.get_logger(__name__)
 
@@ -359,7 +359,7 @@ class Supervisor:
         """Serve the merged metrics until cancelled."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self._collector)
-        server = H11Server(metrics_router(registry, self._refresh_metrics), HttpServerOptions())
+        server = HttpServer(metrics_router(registry, self._refresh_metrics), HttpServerOptions())
         address, port = self.plan.metrics_bind
         # Never set: the supervisor's nursery cancels this server once the workers exit.
         await server.serve(address, port, trio.Event(), 1.0, task_status=task_status)

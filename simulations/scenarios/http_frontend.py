@@ -1,4 +1,4 @@
-"""The real HTTP frontend (h11 transport) on a loopback port, driven through real
+"""The real HTTP frontend (its HTTP/1.1 transport) on a loopback port, driven through real
 sockets: backend exceptions and latency, clients that disconnect mid-request, and a
 shutdown midway. Real sockets: this scenario runs on the real clock with bounded
 waits, so a seed fixes its plan (requests, disconnects, the shutdown moment, the
@@ -191,7 +191,7 @@ def check_wire(world) -> None:
 
 @scenario(
     "http_frontend_faults",
-    "requests through the real HTTP frontend (h11, loopback sockets) while the backend "
+    "requests through the real HTTP frontend (loopback sockets) while the backend "
     "raises and lags, clients disconnect mid-request and the server shuts down midway: "
     "one outcome on the wire per answered request, nothing lost, no task left",
     setup=frontend_setup,

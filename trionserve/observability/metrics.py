@@ -29,7 +29,7 @@ from trionserve.observability.exposition import CONTENT_TYPE, TritonCounter, exp
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.sampling import sample_every
 from trionserve.observability.statistics import FailureReason, ModelStatistics
-from trionserve.protocol.http.transport import H11Server, Handler, Headers, HttpServerOptions
+from trionserve.protocol.http.transport import Handler, Headers, HttpServer, HttpServerOptions
 
 log = structlog.get_logger(__name__)
 
@@ -408,7 +408,7 @@ _NOT_FOUND = b'{"error":"Not Found: the metrics endpoint is /metrics"}'
 def metrics_router(
     metrics: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
 ) -> Callable[[bytes, str], Handler]:
-    """The h11 transport's router for the metrics port: the Prometheus text format
+    """The HTTP transport's router for the metrics port: the Prometheus text format
     (Triton's, whatever the ``Accept`` header asks; see
     :mod:`trionserve.observability.exposition`) at ``GET /metrics``, a JSON 404
     elsewhere. ``refresh`` runs before each scrape (the workers supervisor fetches
@@ -456,13 +456,13 @@ async def serve_metrics(
 ) -> None:
     """Serve ``/metrics`` until ``shutdown`` is set.
 
-    Children (its own nursery): the h11 server and, when CPU / GPU
+    Children (its own nursery): the HTTP server and, when CPU / GPU
     metrics are on, their samplers; all end when ``shutdown`` is set. Reports the bound
     addresses to ``task_status``.
     """
     cpu = CpuMetricsCollector() if options.allow_cpu_metrics else None
     gpu = GpuMetricsCollector.create() if options.allow_gpu_metrics else None
-    server = H11Server(
+    server = HttpServer(
         metrics_router(build_metrics_registry(registry, options, cpu, gpu)),
         HttpServerOptions(),
     )

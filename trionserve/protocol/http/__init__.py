@@ -1,5 +1,5 @@
-"""HTTP/REST frontend: the KServe v2 protocol plus Triton's extensions over h11.
+"""HTTP/REST frontend: the KServe v2 protocol plus Triton's extensions over HTTP/1.1 (httptools).
 
 ``codec`` turns JSON / binary-tensor bodies into core requests and back (pure),
-``generate`` the same for the generate extension, ``transport`` the h11 server on
+``generate`` the same for the generate extension, ``transport`` the HTTP/1.1 server on
 Trio sockets, ``frontend`` the route table and its handlers over the DataPlane."""

@@ -1,7 +1,7 @@
 """The HTTP/REST frontend: KServe v2 endpoints with Triton's extensions.
 
 One route table (:data:`ROUTES`: method, path pattern, handler) serves every
-endpoint on the h11 transport (:mod:`trionserve.protocol.http.transport`).
+endpoint on the HTTP/1.1 transport (:mod:`trionserve.protocol.http.transport`).
 Handlers only decode, call the DataPlane and encode; a TritonError they raise
 becomes its status code with a JSON ``{"error": ...}`` body, any other exception
 a 500 with the same shape (logged), and an unknown path a 404 / a known path
@@ -40,7 +40,7 @@ from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
-from trionserve.protocol.http.transport import H11Server, Headers, HttpServerOptions, Response
+from trionserve.protocol.http.transport import Headers, HttpServer, HttpServerOptions, Response
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
 
@@ -324,7 +324,7 @@ RouteHandler = Callable[["HttpFrontend", re.Match, Headers, bytes], Awaitable[Re
 
 
 class HttpFrontend:
-    """The route table's handlers over one DataPlane, and the router the h11
+    """The route table's handlers over one DataPlane, and the router the HTTP
     transport asks for each request (:meth:`route`)."""
 
     def __init__(
@@ -653,7 +653,7 @@ async def serve_http(
     frontend = HttpFrontend(
         dataplane, verbose, options.header_forward_pattern, options.max_input_size
     )
-    server = H11Server(
+    server = HttpServer(
         frontend.route,
         HttpServerOptions(
             max_request_body=options.max_input_size,

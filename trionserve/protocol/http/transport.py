@@ -1,7 +1,7 @@
-"""HTTP/1.1 with h11 on Trio sockets: the connection loop of the HTTP frontend.
+"""HTTP/1.1 on Trio sockets: the connection loop of the HTTP frontend.
 
-h11 parses requests and frames responses; this module only reads and writes the
-sockets around it. Every request goes to the handler that the router
+httptools (llhttp, the parser of Node.js and uvicorn, in C) parses requests;
+this module reads and writes the sockets around it and frames the responses. Every request goes to the handler that the router
 (``router(method, path)``) picks: the whole body is read, the handler gets the
 headers and the body and returns ``(status, headers, body)``, and the answer is
 written with as few writes as possible. The body is a sequence of chunks (the
@@ -12,11 +12,13 @@ returns None gets a 404 with a JSON error.
 What it guarantees:
 
 - One task per connection; requests on a connection are served one after
-  another (pipelined requests wait in h11's buffer until their turn).
+  another (pipelined requests wait, parsed, until their turn).
 - ``Expect: 100-continue`` is answered when the body is about to be read; chunked
   request bodies are accepted; a body larger than ``max_request_body`` (no limit
   by default) is answered with 413 and the connection closed.
-- Malformed requests get h11's suggested status (400, 431, ...) with a JSON error;
+- Malformed requests get a JSON error (400; 431 for a head larger than
+  ``max_header_size``; 505 for an HTTP version other than 1.0 / 1.1) and their
+  connection closed; HTTP/1.0 connections close after one answer;
   a handler that raises gets a JSON 500 (and its connection closed), logged.
 - A client that resets or drops its connection ends that connection only: Trio
   raises resets inside nurseries as ExceptionGroups, hence ``except*``.
@@ -34,11 +36,13 @@ from __future__ import annotations
 import errno
 import json
 import math
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from http import HTTPStatus
 from urllib.parse import unquote
 
-import h11
+import httptools
 import structlog
 import trio
 
@@ -46,7 +50,7 @@ from trionserve.protocol.listeners import open_tcp_listeners
 
 log = structlog.get_logger(__name__)
 
-__all__ = ["Handler", "H11Server", "HttpServerOptions", "Response", "Router"]
+__all__ = ["Handler", "HttpServer", "HttpServerOptions", "Response", "Router"]
 
 Headers = Sequence[tuple[bytes, bytes]]
 # What a handler returns: status, response headers, and the body: chunks in order
@@ -73,7 +77,7 @@ _INTERNAL_ERROR = (
     [_JSON, (b"content-length", b"%d" % len(_INTERNAL_BODY)), _CLOSE],
     [_INTERNAL_BODY],
 )
-# Response heads kept for reuse (H11Server.response_head); the cache starts over
+# Response heads kept for reuse (HttpServer.response_head); the cache starts over
 # when full.
 _HEAD_CACHE_SIZE = 256
 # accept() errors that mean "out of resources for now", as trio.serve_listeners has.
@@ -82,7 +86,7 @@ _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBU
 
 @dataclass(frozen=True, slots=True)
 class HttpServerOptions:
-    """Settings of the h11 transport."""
+    """Settings of the HTTP/1.1 transport."""
 
     # Largest request body accepted, in bytes; None: no limit.
     max_request_body: int | None = None
@@ -94,7 +98,7 @@ class HttpServerOptions:
     # A connection must deliver a whole request head within this many seconds of
     # opening, or of the first byte of a later request (slowloris): 408 and closed.
     header_timeout: float = 30.0
-    # Largest request head (request line and headers) h11 buffers.
+    # Largest request head (request line and headers) buffered: 431 past it.
     max_header_size: int = 1024 * 1024
     # An idle keep-alive connection is closed after this many seconds.
     keep_alive_timeout: float = 3600.0
@@ -106,6 +110,16 @@ class HttpServerOptions:
     # How long a closing connection waits for the client to close its side, so
     # that unread request bytes do not turn our close into a reset.
     linger: float = 1.0
+
+
+class _ProtocolError(Exception):
+    """A request the parser refused: answered with ``status`` (0: not answered,
+    the connection closes) and closed."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
 
 
 class _PeerGone(Exception):
@@ -141,7 +155,7 @@ class _RateLimitedLog:
         self._next = now + self.every
 
 
-class H11Server:
+class HttpServer:
     """Serves HTTP/1.1 on one address, each request by the handler its router picks.
 
     ``serve`` listens, reports the bound (host, port) pairs to ``task_status`` and
@@ -157,7 +171,7 @@ class H11Server:
         self._idle: set[_Connection] = set()
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
-        self._heads: dict[tuple, h11.Response] = {}
+        self._heads: dict[tuple, bytes] = {}
         self._open = 0  # connections being served
         self._log_refused = _RateLimitedLog("refusing HTTP connections: at the cap")
         self._log_accept_error = _RateLimitedLog("http accept failed; retrying")
@@ -204,17 +218,16 @@ class H11Server:
                 if started <= cutoff and connection._watch is None:
                     connection.watch_peer(nursery)
 
-    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> h11.Response:
-        """The h11 Response event of this status and these headers. h11 validates
-        every header of a new event, and most answers repeat an earlier one's head
-        (one model's answers have the same types and lengths): events are
-        immutable, so they are built once and reused."""
+    def response_head(self, status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The status line and headers of a response, as bytes. Most answers repeat
+        an earlier one's head (one model's answers have the same types and
+        lengths): heads are built once and reused."""
         key = (status, *headers)
         head = self._heads.get(key)
         if head is None:
             if len(self._heads) >= _HEAD_CACHE_SIZE:
                 self._heads.clear()
-            head = self._heads[key] = h11.Response(status_code=status, headers=headers)
+            head = self._heads[key] = _response_head(status, headers)
         return head
 
     def _drain(self) -> None:
@@ -275,53 +288,172 @@ class H11Server:
             self._open -= 1
 
 
-class _Connection:
-    """One client connection: owns its socket and its h11 state machine."""
+class _Request:
+    """One request as the parser delivers it: its head, then its body."""
 
     __slots__ = (
-        "server",
-        "stream",
-        "h11",
-        "_idle_scope",
-        "_request_method",
-        "_handling",
-        "_watch",
-        "_served",
+        "complete",
+        "expects_continue",
+        "head_done",
+        "head_size",
+        "headers",
+        "keep_alive",
+        "method",
+        "parts",
+        "size",
+        "target",
+        "too_large",
+        "version",
     )
 
-    def __init__(self, server: H11Server, stream: trio.SocketStream) -> None:
+    def __init__(self) -> None:
+        self.target = b""
+        self.head_size = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.too_large = False
+        self.complete = False
+
+
+class _Connection:
+    """One client connection: owns its socket and its parser. httptools parses
+    what arrives as it arrives (its callbacks are the ``on_*`` methods): requests
+    whose head has begun wait in ``requests``, the first one being served."""
+
+    __slots__ = (
+        "_answered",
+        "_eof",
+        "_error",
+        "_handling",
+        "_head_bytes",
+        "_idle_scope",
+        "_request_method",
+        "_served",
+        "_watch",
+        "parser",
+        "requests",
+        "server",
+        "stream",
+    )
+
+    def __init__(self, server: HttpServer, stream: trio.SocketStream) -> None:
         self.server = server
         self.stream = stream
-        self.h11 = h11.Connection(
-            h11.SERVER, max_incomplete_event_size=server.options.max_header_size
-        )
+        self.parser = httptools.HttpRequestParser(self)
+        self.requests: deque[_Request] = deque()
+        # Bytes received while a request head was incomplete (bounded by
+        # max_header_size: the parser buffers a partial header line itself).
+        self._head_bytes = 0
+        # What the parser refused: raised once the requests before it are served.
+        self._error: _ProtocolError | None = None
+        self._eof = False  # the client closed its side
         self._idle_scope: trio.CancelScope | None = None
         self._request_method = b""
+        self._answered = False  # the current request's answer has begun
         # The request being handled, and the watcher of a slow one's socket.
         self._handling: trio.CancelScope | None = None
         self._watch: tuple[trio.CancelScope, trio.Event] | None = None
         self._served = 0  # requests answered on this connection
 
+    # -- the parser's callbacks ----------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.requests.append(_Request())
+
+    def on_url(self, url: bytes) -> None:
+        request = self.requests[-1]
+        request.target += url
+        request.head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        request = self.requests[-1]
+        # Lower-case names, values without trailing blanks (RFC 9110 5.5).
+        request.headers.append((name.lower(), value.rstrip(b" \t")))
+        request.head_size += len(name) + len(value) + 4
+
+    def on_headers_complete(self) -> None:
+        request = self.requests[-1]
+        parser = self.parser
+        request.method = parser.get_method()
+        request.version = parser.get_http_version()
+        # HTTP/1.0 connections close after one answer.
+        request.keep_alive = request.version == "1.1" and parser.should_keep_alive()
+        request.expects_continue = request.version == "1.1" and any(
+            name == b"expect" and value.lower() == b"100-continue"
+            for name, value in request.headers
+        )
+        request.head_done = True
+        self._head_bytes = 0
+
+    def on_body(self, data: bytes) -> None:
+        request = self.requests[-1]
+        if request.too_large:
+            return
+        request.size += len(data)
+        limit = self.server.options.max_request_body
+        if limit is not None and request.size > limit:
+            request.too_large = True
+            request.parts.clear()
+            return
+        request.parts.append(data)
+
+    def on_message_complete(self) -> None:
+        self.requests[-1].complete = True
+
+    def _feed(self, data: bytes) -> None:
+        """Parse received bytes; b"": the client closed its side. A refusal of the
+        parser is kept in ``_error``."""
+        if not data:
+            self._eof = True
+            return
+        if self._error is not None:
+            return  # nothing after a refused request is read
+        requests = self.requests
+        in_head = not requests or not requests[-1].head_done
+        if in_head:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # An upgrade request (or CONNECT): answered as any request, then the
+            # connection closes (nothing after it is HTTP/1.1).
+            if requests:
+                requests[-1].keep_alive = False
+            self._error = _ProtocolError(0, "")
+            return
+        except httptools.HttpParserError as exc:
+            self._error = _parser_error(exc)
+            return
+        if (not requests or not requests[-1].head_done) and (
+            self._head_bytes > self.server.options.max_header_size
+        ):
+            self._error = self._too_large_head()
+
+    def _too_large_head(self) -> _ProtocolError:
+        limit = self.server.options.max_header_size
+        return _ProtocolError(431, f"the request head is larger than the limit of {limit} bytes")
+
     async def run(self) -> None:
-        conn = self.h11
+        requests = self.requests
         try:
             while True:
-                event = await self._next_request()
-                if type(event) is not h11.Request:
+                request = await self._next_request()
+                if request is None:
                     return  # closed by the client, idle timeout, or draining
-                await self._serve(event)
+                keep_open = await self._serve(request)
                 self._served += 1
-                if conn.our_state is not h11.DONE:
-                    return  # Connection: close, or a response that could not finish
-                if conn.their_state is h11.SEND_BODY:
-                    await self._discard_body()
-                if conn.their_state is not h11.DONE or self.server.draining:
+                if not keep_open or self.server.draining:
                     return
-                conn.start_next_cycle()
-        except h11.RemoteProtocolError as exc:
-            await self._protocol_error(exc)
+                requests.popleft()
+                self._answered = False
+                self._request_method = b""
+        except _ProtocolError as exc:
+            if exc.status:
+                await self._protocol_error(exc)
         except _HeaderTimeout:
-            # No request to answer in h11's eyes: the answer is written as is.
+            # No request to answer: the answer is written as is.
             timeout = self.server.options.header_timeout
             with trio.move_on_after(1.0):
                 await self.stream.send_all(
@@ -343,36 +475,33 @@ class _Connection:
 
     # -- reading -------------------------------------------------------------
 
-    async def _next_request(self):
-        """The next request's head (an h11 event), or None on draining or the
-        keep-alive timeout. The head must be whole within ``header_timeout`` of
-        the connection opening (first request) or of its first byte (later ones);
-        raises _HeaderTimeout otherwise."""
-        conn = self.h11
+    async def _next_request(self) -> _Request | None:
+        """The next request whose head is whole, or None on the client closing,
+        draining or the keep-alive timeout. The head must be whole within
+        ``header_timeout`` of the connection opening (first request) or of its
+        first byte (later ones); raises _HeaderTimeout otherwise, and
+        _ProtocolError for what the parser refused."""
+        requests = self.requests
         deadline = None
         if not self._served:
             deadline = trio.current_time() + self.server.options.header_timeout
         while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            if deadline is None and conn.trailing_data[0]:
+            if requests and requests[0].head_done:
+                if requests[0].head_size > self.server.options.max_header_size:
+                    raise self._too_large_head()
+                return requests[0]
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                return None
+            if deadline is None and (requests or self._head_bytes):
                 deadline = trio.current_time() + self.server.options.header_timeout
             data = await self._receive_idle(deadline)
             if data is None:
                 if deadline is not None and trio.current_time() >= deadline:
                     raise _HeaderTimeout
                 return None
-            conn.receive_data(data)
-
-    async def _next_event(self):
-        """The next h11 event of the request being read, reading as needed."""
-        conn = self.h11
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            conn.receive_data(await self.stream.receive_some(self.server.options.receive_size))
+            self._feed(data)
 
     async def _receive_idle(self, deadline: float | None = None) -> bytes | None:
         """Bytes between requests; None on draining, the keep-alive timeout or
@@ -393,66 +522,50 @@ class _Connection:
                 self._idle_scope = None
         return None
 
-    async def _read_body(self, request: h11.Request) -> bytes:
+    async def _read_body(self, request: _Request) -> bytes:
         """The whole request body; raises _BodyTooLarge past the limit."""
-        limit = self.server.options.max_request_body
-        if self.h11.they_are_waiting_for_100_continue:
-            await self._continue()
-        parts = []
-        size = 0
-        while True:
-            event = await self._next_event()
-            kind = type(event)
-            if kind is h11.Data:
-                parts.append(event.data)
-                size += len(event.data)
-                if limit is not None and size > limit:
-                    raise _BodyTooLarge
-            elif kind is h11.EndOfMessage:
-                break
-            else:
+        if request.expects_continue and not request.complete and not request.size:
+            await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+        while not request.complete:
+            if request.too_large:
+                raise _BodyTooLarge
+            if self._error is not None:
+                raise self._error
+            if self._eof:
                 raise _PeerGone
+            self._feed(await self.stream.receive_some(self.server.options.receive_size))
+        if request.too_large:
+            raise _BodyTooLarge
+        parts = request.parts
         if len(parts) == 1:
-            return bytes(parts[0])
+            return parts[0]
         return b"".join(parts)
-
-    async def _discard_body(self) -> None:
-        """Read the rest of a body the handler did not want, to keep the
-        connection usable for the next request."""
-        while True:
-            kind = type(await self._next_event())
-            if kind is h11.EndOfMessage:
-                return
-            if kind is not h11.Data:
-                raise _PeerGone
-
-    async def _continue(self) -> None:
-        await self.stream.send_all(
-            self.h11.send(h11.InformationalResponse(status_code=100, headers=[]))
-        )
 
     # -- serving ---------------------------------------------------------------
 
-    async def _serve(self, request: h11.Request) -> None:
-        self._request_method = request.method
-        target = request.target
-        raw_path = target.partition(b"?")[0]
-        # h11 accepts only visible ASCII in the target.
-        path = raw_path.decode("ascii")
+    async def _serve(self, request: _Request) -> bool:
+        """Answer one request; whether the connection stays open for the next."""
+        method = self._request_method = request.method
+        raw_path = request.target.partition(b"?")[0]
+        try:
+            path = raw_path.decode("ascii")
+        except UnicodeDecodeError:
+            await self._error_response(400, "bad request: the request target is not ASCII")
+            return False
         if "%" in path:
             path = unquote(path)
         refusal = _refusal(request)
         if refusal is not None:
             await self._error_response(*refusal)
-            return
-        handler = self.server.router(request.method, path)
+            return False
+        handler = self.server.router(method, path)
         limit = self.server.options.max_request_body
         try:
             if limit is not None and _content_length(request.headers) > limit:
                 raise _BodyTooLarge
             if handler is None:
-                await self._error_response(404, f"Not Found: {request.method.decode()} {path}")
-                return
+                await self._error_response(404, f"Not Found: {method.decode()} {path}")
+                return False
             body = await self._read_body(request)
             try:
                 status, headers, chunks = await self._run_handler(handler, request.headers, body)
@@ -461,14 +574,18 @@ class _Connection:
                 raise
         except _BodyTooLarge:
             await self._too_large()
-            return
-        await self.respond(status, headers, chunks)
+            return False
+        keep_open = request.keep_alive and not self.server.draining and _CLOSE not in headers
+        if not keep_open and _CLOSE not in headers:
+            headers = [*headers, _CLOSE]  # handlers may share their header lists
+        await self.respond(status, headers, chunks, request.version)
+        return keep_open and request.complete
 
     async def _run_handler(self, handler, headers, body: bytes):
         """The handler's answer. A client that hangs up meanwhile cancels it, so
         its request leaves the queue (or its result is dropped), as DESIGN §3
         says: requests still running after ``SLOW_REQUEST_SECS`` get a watcher on
-        their socket (see :meth:`H11Server._watch_slow_requests`); fast ones pay
+        their socket (see :meth:`HttpServer._watch_slow_requests`); fast ones pay
         nothing for it."""
         server = self.server
         handling = self._handling = trio.CancelScope()
@@ -501,57 +618,64 @@ class _Connection:
 
     async def _watch_peer(self, scope: trio.CancelScope, done: trio.Event) -> None:
         """End of stream (or a reset) cancels the handling; pipelined bytes are
-        kept for h11 and end the watch."""
+        parsed (their requests wait their turn) and end the watch."""
         try:
             with scope:
                 try:
                     data = await self.stream.receive_some(self.server.options.receive_size)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
-                self.h11.receive_data(data)
+                self._feed(data)
                 if not data and self._handling is not None:
                     self._handling.cancel()
         finally:
             done.set()
 
     async def respond(
-        self, status: int, headers: list[tuple[bytes, bytes]], chunks: Sequence[bytes | memoryview]
+        self,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        chunks: Body,
+        version: str = "1.1",
     ) -> None:
         """Write one whole response (headers must carry its content-length), or
         stream one whose body is an async iterator."""
-        conn = self.h11
-        if self.server.draining:
-            headers = [*headers, _CLOSE]  # handlers may share their header lists
+        self._answered = True
         if isinstance(chunks, AsyncIterator):
-            await self._stream(h11.Response(status_code=status, headers=headers), chunks)
+            await self._stream(status, headers, chunks, version)
             return
-        out = [conn.send(self.server.response_head(status, headers))]
-        if self._request_method != b"HEAD":
-            size = 0
-            for chunk in chunks:
-                size += len(chunk)
-            if size <= _JOIN_LIMIT:
-                if size:
-                    out.extend(conn.send_with_data_passthrough(h11.Data(data=b"".join(chunks))))
-                out.append(conn.send(h11.EndOfMessage()))
-                await self.stream.send_all(b"".join(out))
-                return
-            for chunk in chunks:
-                if len(chunk):
-                    out.extend(conn.send_with_data_passthrough(h11.Data(data=chunk)))
-        out.append(conn.send(h11.EndOfMessage()))
-        await self._write(out)
+        head = self.server.response_head(status, headers)
+        if self._request_method == b"HEAD":
+            await self.stream.send_all(head)
+            return
+        size = 0
+        for chunk in chunks:
+            size += len(chunk)
+        if size <= _JOIN_LIMIT:
+            await self.stream.send_all(head + b"".join(chunks) if size else head)
+            return
+        await self._write([head, *chunks])
 
-    async def _stream(self, head: h11.Response, chunks: AsyncIterator[bytes]) -> None:
-        """Write the head, then each chunk as the iterator yields it; the iterator
-        is closed however this ends (a client gone mid-stream included)."""
-        conn = self.h11
+    async def _stream(
+        self, status: int, headers: list, chunks: AsyncIterator[bytes], version: str
+    ) -> None:
+        """Write the head, then each chunk as the iterator yields it (chunked
+        transfer encoding; to an HTTP/1.0 client as is, ending with the close);
+        the iterator is closed however this ends (a client gone mid-stream
+        included)."""
+        chunked = version == "1.1"
+        if chunked:
+            headers = [*headers, (b"transfer-encoding", b"chunked")]
+        send = self.stream.send_all
         try:
-            await self.stream.send_all(conn.send(head))
+            await send(self.server.response_head(status, headers))
+            if self._request_method == b"HEAD":
+                return
             async for chunk in chunks:
-                if chunk and self._request_method != b"HEAD":
-                    await self.stream.send_all(conn.send(h11.Data(data=chunk)))
-            await self.stream.send_all(conn.send(h11.EndOfMessage()))
+                if chunk:
+                    await send(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked else chunk)
+            if chunked:
+                await send(b"0\r\n\r\n")
         finally:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
@@ -596,23 +720,20 @@ class _Connection:
             f"bytes ({options.max_request_body_flag})",
         )
 
-    async def _protocol_error(self, exc: h11.RemoteProtocolError) -> None:
-        log.debug("http protocol error", error=str(exc))
-        await self._error_response(exc.error_status_hint, f"bad request: {exc}")
+    async def _protocol_error(self, exc: _ProtocolError) -> None:
+        log.debug("http protocol error", error=exc.message)
+        await self._error_response(exc.status, exc.message)
 
     async def _error_response(self, status: int, message: str) -> None:
         """Answer with a JSON error and close, if nothing was answered yet."""
-        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        if self._answered:
             return
+        self._answered = True
         body = json.dumps({"error": message}, separators=(",", ":")).encode()
-        headers = [_JSON, (b"content-length", str(len(body)).encode()), _CLOSE]
-        try:
-            head = self.h11.send(h11.Response(status_code=status, headers=headers))
-            data = self.h11.send(h11.Data(data=body)) if self._request_method != b"HEAD" else b""
-            tail = self.h11.send(h11.EndOfMessage())
-        except h11.LocalProtocolError:
-            return
-        await self.stream.send_all(head + data + tail)
+        head = self.server.response_head(
+            status, [_JSON, (b"content-length", b"%d" % len(body)), _CLOSE]
+        )
+        await self.stream.send_all(head if self._request_method == b"HEAD" else head + body)
 
     # -- closing ---------------------------------------------------------------
 
@@ -620,7 +741,7 @@ class _Connection:
         """Close the socket, whatever happens (cancellation included)."""
         stream = self.stream
         try:
-            if self.h11.their_state not in (h11.CLOSED, h11.ERROR):
+            if not self._eof:
                 # Half-close and give the client a moment to close its side, so that
                 # request bytes we did not read do not turn our close into a reset.
                 with trio.move_on_after(self.server.options.linger):
@@ -634,35 +755,53 @@ class _Connection:
             await stream.aclose()
 
 
-def _refusal(request: h11.Request) -> tuple[int, str] | None:
-    """(status, message) for a request that h11 parses but we must not serve: an
-    HTTP version other than 1.0 / 1.1 (h11 takes any digit.digit), or both
-    Content-Length and Transfer-Encoding, which an intermediary may frame
-    differently than we do (request smuggling; RFC 9112 section 6.1 lets a server
-    refuse it, and the connection must be closed)."""
-    if request.http_version not in (b"1.1", b"1.0"):
-        version = request.http_version.decode("ascii", "replace")
-        return 505, f"HTTP version {version} is not supported; use HTTP/1.1"
-    has_length = has_encoding = False
-    for name, _ in request.headers:
-        if name == b"content-length":
-            has_length = True
-        elif name == b"transfer-encoding":
-            has_encoding = True
-    if has_length and has_encoding:
-        return 400, "a request may not carry both Content-Length and Transfer-Encoding"
+def _refusal(request: _Request) -> tuple[int, str] | None:
+    """(status, message) for a request that the parser takes but we must not
+    serve: an HTTP version other than 1.0 / 1.1 (llhttp takes 0.9 and 2.0)."""
+    if request.version not in ("1.1", "1.0"):
+        return 505, f"HTTP version {request.version} is not supported; use HTTP/1.1"
     return None
 
 
+def _parser_error(exc: httptools.HttpParserError) -> _ProtocolError:
+    """The answer to a request the parser refused: 505 for an HTTP version it does
+    not know (HTTP/9.9), 400 with our words for both Content-Length and
+    Transfer-Encoding, which an intermediary may frame differently than we do
+    (request smuggling; RFC 9112 section 6.1 lets a server refuse it, and the
+    connection must be closed), 400 with the parser's words otherwise."""
+    reason = str(exc)
+    if reason == "Invalid HTTP version":
+        return _ProtocolError(505, "the HTTP version is not supported; use HTTP/1.1")
+    if "Transfer-Encoding" in reason and "Content-Length" in reason:
+        return _ProtocolError(
+            400, "a request may not carry both Content-Length and Transfer-Encoding"
+        )
+    return _ProtocolError(400, f"bad request: {reason}")
+
+
 def _raw_error(status: int, message: str) -> bytes:
-    """A whole JSON error response that closes the connection, written without h11
-    (for a connection that has no request h11 could answer)."""
+    """A whole JSON error response that closes the connection (for a connection
+    that has no request to answer)."""
     body = json.dumps({"error": message}, separators=(",", ":")).encode()
     reason = {408: b"Request Timeout", 503: b"Service Unavailable"}.get(status, b"Error")
     return (
         b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
         b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
     )
+
+
+def _response_head(status: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        reason = b""
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    for name, value in headers:
+        if b"\r" in name or b"\n" in name or b"\r" in value or b"\n" in value:
+            raise ValueError(f"a response header may not contain CR or LF: {name!r}")
+        lines.append(b"%s: %s\r\n" % (name, value))
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
 
 def _content_length(headers: Headers) -> int:
