@@ -222,7 +222,7 @@ def compare(baseline: Path, chunks: int) -> None:
             for model in ("add_sub_python", "simple"):
                 latencies: dict[str, list[float]] = {label: [] for label in servers}
                 cpu = dict.fromkeys(servers, 0.0)
-                for label, client in clients.items():
+                for client in clients.values():
                     for _ in range(200):
                         client.infer(model, inputs)  # warm-up
                 for _ in range(chunks):

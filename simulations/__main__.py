@@ -14,15 +14,24 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="list the scenarios")
     run = commands.add_parser("run", help="run scenarios over seeds")
-    run.add_argument("scenarios", nargs="*", default=["all"],
-                     help="scenario names, or 'all' (the default)")
+    run.add_argument(
+        "scenarios", nargs="*", default=["all"], help="scenario names, or 'all' (the default)"
+    )
     run.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     run.add_argument("--count", type=int, default=1, help="number of seeds (default 1)")
     run.add_argument("--verbose", action="store_true", help="print each run's summary")
-    run.add_argument("--log-lines", type=int, default=40,
-                     help="server log lines shown for a failing run (default 40)")
-    run.add_argument("--max-failures", type=int, default=5,
-                     help="stop a scenario after this many failing seeds (default 5)")
+    run.add_argument(
+        "--log-lines",
+        type=int,
+        default=40,
+        help="server log lines shown for a failing run (default 40)",
+    )
+    run.add_argument(
+        "--max-failures",
+        type=int,
+        default=5,
+        help="stop a scenario after this many failing seeds (default 5)",
+    )
     args = parser.parse_args(argv)
 
     if args.command == "list":
@@ -40,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         for result, seconds in sweep(scenario, range(args.seed, args.seed + args.count)):
             totals.add(result, seconds)
             if args.verbose:
-                print(f"{scenario.name} seed {result.seed}: "
-                      f"{'ok' if result.ok else 'FAIL'} {json.dumps(result.summary)}")
+                print(
+                    f"{scenario.name} seed {result.seed}: "
+                    f"{'ok' if result.ok else 'FAIL'} {json.dumps(result.summary)}"
+                )
             if not result.ok:
                 print(failure_report(result, log_lines=args.log_lines), flush=True)
                 if len(totals.failures) >= args.max_failures:

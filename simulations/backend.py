@@ -54,7 +54,7 @@ class SimBackend:
             return plan.duration(self.world.random("load"), plan.load_seconds)
         return 0.0
 
-    def load(self, context) -> "SimModel":
+    def load(self, context) -> SimModel:
         world = self.world
         plan = world.setup.faults
         text = (context.version_dir / MODEL_FILE).read_text()
@@ -111,20 +111,33 @@ class _SimInstance:
             world.violate(SERVING, f"{self.label} executed a batch after it was closed")
         if not model.whole and not self._reported:
             self._reported = True
-            world.violate(SERVING, f"{self.label} serves files that were not fully written "
-                                   f"(model, config generation, version, file generation: "
-                                   f"{model.state})")
+            world.violate(
+                SERVING,
+                f"{self.label} serves files that were not fully written "
+                f"(model, config generation, version, file generation: "
+                f"{model.state})",
+            )
         if version is not None and version.state not in (ModelState.READY, ModelState.UNLOADING):
-            world.violate(SERVING, f"{self.label} executed while its version was "
-                                   f"{version.state.value}")
+            world.violate(
+                SERVING, f"{self.label} executed while its version was {version.state.value}"
+            )
         now = trio.current_time()
         records = [world.record_for(r) for r in requests]
         fate = world.setup.faults.batch_fate(
-            world.random("backend"), model.context.name, len(requests),
-            can_crash=isinstance(self, AsyncSimInstance), crashes=world.crashes,
+            world.random("backend"),
+            model.context.name,
+            len(requests),
+            can_crash=isinstance(self, AsyncSimInstance),
+            crashes=world.crashes,
         )
-        execution = Execution(self.label, version, [r for r in records if r is not None],
-                              sum(r.batch_size or 1 for r in requests), now, fate)
+        execution = Execution(
+            self.label,
+            version,
+            [r for r in records if r is not None],
+            sum(r.batch_size or 1 for r in requests),
+            now,
+            fate,
+        )
         world.executions.append(execution)
         for record in execution.records:
             record.begun_at = now
@@ -147,7 +160,9 @@ class _SimInstance:
                 continue
             data = request.inputs["INPUT0"].data.copy()
             response = InferenceResponse(
-                context.name, str(context.version), request.id,
+                context.name,
+                str(context.version),
+                request.id,
                 [Tensor("OUTPUT0", "INT64", data)],
                 {"sim_instance": self.label, "sim_state": self.model.state},
             )

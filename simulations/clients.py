@@ -55,10 +55,15 @@ async def infer(
     world.records.append(record)
     values = np.arange(batch, dtype=np.int64).reshape(batch, 1) + number * 1000
     request = TrackedRequest(
-        model, version, id=f"r{number}",
+        model,
+        version,
+        id=f"r{number}",
         inputs={"INPUT0": Tensor("INPUT0", "INT64", values)},
-        priority=priority, timeout_us=timeout_us,
-        sequence_id=sequence_id, sequence_start=start, sequence_end=end,
+        priority=priority,
+        timeout_us=timeout_us,
+        sequence_id=sequence_id,
+        sequence_start=start,
+        sequence_end=end,
     )
     request.record = record
     with trio.CancelScope() as scope:
@@ -88,8 +93,10 @@ async def _infer_stream(world: World, request):
 
     await world.dataplane.infer_stream(request, deliver)
     if len(delivered) != 1 or not delivered[0][1] or delivered[0][0] is None:
-        world.violate("every request gets exactly one final outcome",
-                      f"{request.record}: its stream delivered {delivered!r}")
+        world.violate(
+            "every request gets exactly one final outcome",
+            f"{request.record}: its stream delivered {delivered!r}",
+        )
     return delivered[-1][0] if delivered else None
 
 

@@ -99,8 +99,11 @@ def _probe_routing(world: World) -> None:
     def checked_route(name: str, version: int | None):
         model = route(name, version)
         if model.state is ModelState.LOADING:
-            world.violate(SERVING, f"the routing table sent a request for '{name}' to "
-                                   f"{model!r}, which has not finished loading")
+            world.violate(
+                SERVING,
+                f"the routing table sent a request for '{name}' to "
+                f"{model!r}, which has not finished loading",
+            )
         return model
 
     registry.route = checked_route
@@ -115,8 +118,9 @@ async def _serve(world: World, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         world.stopped.set()
 
 
-async def _watchdog(world: World, activity: trio.CancelScope, everything: trio.CancelScope,
-                    clients_done: trio.Event) -> None:
+async def _watchdog(
+    world: World, activity: trio.CancelScope, everything: trio.CancelScope, clients_done: trio.Event
+) -> None:
     """End a run that would never end: clients waiting forever after the server
     stopped, or a server that never stops."""
     setup = world.setup
@@ -144,18 +148,20 @@ async def _main(world: World, scenario: Scenario, monitor: Monitor) -> None:
         path = world.repository / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    world.server = Server(ServerOptions(
-        model_repositories=[world.repository],
-        model_control_mode=setup.mode,
-        repository_poll_secs=setup.poll_secs,
-        load_models=list(setup.load_models),
-        allow_http=False,
-        allow_grpc=False,
-        allow_metrics=False,
-        exit_timeout_secs=setup.exit_timeout,
-        exit_on_error=False,
-        model_load_thread_count=setup.load_threads,
-    ))
+    world.server = Server(
+        ServerOptions(
+            model_repositories=[world.repository],
+            model_control_mode=setup.mode,
+            repository_poll_secs=setup.poll_secs,
+            load_models=list(setup.load_models),
+            allow_http=False,
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=setup.exit_timeout,
+            exit_on_error=False,
+            model_load_thread_count=setup.load_threads,
+        )
+    )
     _probe_routing(world)
     clients_done = trio.Event()
     async with trio.open_nursery() as outer:
@@ -166,8 +172,7 @@ async def _main(world: World, scenario: Scenario, monitor: Monitor) -> None:
         with trio.CancelScope() as activity_scope:
             async with trio.open_nursery() as activity:
                 world.activity = activity
-                outer.start_soon(_watchdog, world, activity_scope, outer.cancel_scope,
-                                 clients_done)
+                outer.start_soon(_watchdog, world, activity_scope, outer.cancel_scope, clients_done)
                 await scenario.script(world)
                 world.shutdown()
         clients_done.set()
@@ -203,8 +208,16 @@ def _summary(world: World, started: float) -> dict:
 def _digest(world: World) -> str:
     """A fingerprint of what happened, equal for two runs of the same seed."""
     parts = [
-        (r.number, r.model, r.client, r.cancel_phase, r.finished_at,
-         None if r.outcome is None else r.outcome[0], r.taken_at, r.begun_at)
+        (
+            r.number,
+            r.model,
+            r.client,
+            r.cancel_phase,
+            r.finished_at,
+            None if r.outcome is None else r.outcome[0],
+            r.taken_at,
+            r.begun_at,
+        )
         for r in world.records
     ]
     parts.append(tuple((e.instance, e.started_at, e.batch_size) for e in world.executions))
@@ -233,5 +246,11 @@ def run_seed(scenario: Scenario, seed: int) -> RunResult:
             invariants.check_all(world)
             for check in scenario.checks:
                 check(world)
-        return RunResult(scenario.name, seed, list(world.violations), _summary(world, started),
-                         _digest(world), list(world.log))
+        return RunResult(
+            scenario.name,
+            seed,
+            list(world.violations),
+            _summary(world, started),
+            _digest(world),
+            list(world.log),
+        )

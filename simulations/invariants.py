@@ -47,15 +47,22 @@ def check_outcomes(world: World) -> None:
     tolerate = world.setup.tolerate_repeated_errors
     for record in world.records:
         if record.client is None:
-            world.violate(ONE_OUTCOME, f"{record}: its client never got an outcome "
-                                       f"(submitted at t={record.submitted_at:.4f})")
+            world.violate(
+                ONE_OUTCOME,
+                f"{record}: its client never got an outcome "
+                f"(submitted at t={record.submitted_at:.4f})",
+            )
         attempts = record.attempts
         if record.accepted and not attempts:
-            world.violate(ONE_OUTCOME, f"{record}: accepted by {record.version!r} and never "
-                                       "answered")
+            world.violate(
+                ONE_OUTCOME, f"{record}: accepted by {record.version!r} and never answered"
+            )
         if not record.accepted and attempts:
-            world.violate(ONE_OUTCOME, f"{record}: answered ({describe(attempts[0])}) though "
-                                       f"no version accepted it ({record.refusal!r})")
+            world.violate(
+                ONE_OUTCOME,
+                f"{record}: answered ({describe(attempts[0])}) though "
+                f"no version accepted it ({record.refusal!r})",
+            )
         if len(attempts) > 1:
             repeated_errors = all(kind == "error" for kind, _ in attempts)
             if not (tolerate and repeated_errors):
@@ -64,13 +71,21 @@ def check_outcomes(world: World) -> None:
         outcome = record.outcome
         delivered = outcome is not None and outcome[1] is record.client_value
         if record.client == "response" and not delivered:
-            world.violate(ONE_OUTCOME, f"{record}: the client got a response that is not the "
-                                       f"request's outcome ({describe(outcome)})")
-        if record.client == "error" and record.accepted and (
-            outcome is None or outcome[1] is not record.client_value
+            world.violate(
+                ONE_OUTCOME,
+                f"{record}: the client got a response that is not the "
+                f"request's outcome ({describe(outcome)})",
+            )
+        if (
+            record.client == "error"
+            and record.accepted
+            and (outcome is None or outcome[1] is not record.client_value)
         ):
-            world.violate(ONE_OUTCOME, f"{record}: the client got {record.client_value!r} but "
-                                       f"the request's outcome was {describe(outcome)}")
+            world.violate(
+                ONE_OUTCOME,
+                f"{record}: the client got {record.client_value!r} but "
+                f"the request's outcome was {describe(outcome)}",
+            )
         if record.client == "cancelled" and record.cancel_after is None:
             world.violate(ONE_OUTCOME, f"{record}: cancelled though its client never gave up")
 
@@ -83,22 +98,32 @@ def check_nothing_lost(world: World) -> None:
     for record in world.records:
         outcome = record.outcome
         if record.accepted and outcome is None:
-            world.violate(NOTHING_LOST, f"{record} was accepted by {record.version!r} and "
-                                        "then lost: no response, no error")
+            world.violate(
+                NOTHING_LOST,
+                f"{record} was accepted by {record.version!r} and then lost: no response, no error",
+            )
         if record.produced is not None and (outcome is None or outcome[1] is not record.produced):
-            world.violate(NOTHING_LOST, f"{record}: the backend produced its response, but the "
-                                        f"request ended with {describe(outcome)}")
+            world.violate(
+                NOTHING_LOST,
+                f"{record}: the backend produced its response, but the "
+                f"request ended with {describe(outcome)}",
+            )
         if record.client == "response":
             data = record.client_value.outputs[0].data
             if data.shape != (record.batch_size, 1) or not (data == _expected_values(record)).all():
-                world.violate(NOTHING_LOST, f"{record}: got a response carrying {data.ravel()[:4]}"
-                                            ", which is another request's")
+                world.violate(
+                    NOTHING_LOST,
+                    f"{record}: got a response carrying {data.ravel()[:4]}"
+                    ", which is another request's",
+                )
 
 
 def _expected_statistics(world: World, version) -> dict:
     records = [r for r in world.records if r.version is version]
     expected = {
-        "success": 0, "fail": 0, "inference_count": 0,
+        "success": 0,
+        "fail": 0,
+        "inference_count": 0,
         **{reason.value: 0 for reason in FailureReason},
     }
     for record in records:
@@ -177,8 +202,11 @@ def check_no_failures(world: World) -> None:
         if world.shutdown_at is not None and record.submitted_at >= world.shutdown_at:
             continue
         if record.client != "response":
-            world.violate(NO_FAILURES, f"{record} (t={record.submitted_at:.4f}) ended with "
-                                       f"{record.client}: {record.client_value!r}")
+            world.violate(
+                NO_FAILURES,
+                f"{record} (t={record.submitted_at:.4f}) ended with "
+                f"{record.client}: {record.client_value!r}",
+            )
 
 
 def check_tasks(world: World) -> None:

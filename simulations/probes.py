@@ -148,8 +148,9 @@ class Monitor(trio.abc.Instrument):
                 if length > world.queue_peaks.get(key, -1):
                     world.queue_peaks[key] = length
                     if bound and length > bound:
-                        world.violate(QUEUE_BOUNDS, f"{key} held {length} requests; "
-                                                    f"its bound is {bound}")
+                        world.violate(
+                            QUEUE_BOUNDS, f"{key} held {length} requests; its bound is {bound}"
+                        )
 
     def _watch_livelock(self, task) -> None:
         now = trio.current_time()
@@ -162,6 +163,9 @@ class Monitor(trio.abc.Instrument):
             self._busiest[task.name] = self._busiest.get(task.name, 0) + 1
         if self._steps_at_instant == LIVELOCK_STEPS and self.everything is not None:
             busiest = sorted(self._busiest.items(), key=lambda item: -item[1])[:3]
-            self.world.violate("the run completes", f"livelock: {LIVELOCK_STEPS} task steps at "
-                                                    f"virtual time {now:.4f}; busiest: {busiest}")
+            self.world.violate(
+                "the run completes",
+                f"livelock: {LIVELOCK_STEPS} task steps at "
+                f"virtual time {now:.4f}; busiest: {busiest}",
+            )
             self.everything.cancel()

@@ -49,8 +49,10 @@ class Batching:
         if self.preserve_ordering:
             parts.append("preserve_ordering: true")
         if self.priority_levels:
-            parts.append(f"priority_levels: {self.priority_levels} "
-                         f"default_priority_level: {self.priority_levels}")
+            parts.append(
+                f"priority_levels: {self.priority_levels} "
+                f"default_priority_level: {self.priority_levels}"
+            )
         if policy:
             parts.append("default_queue_policy { " + " ".join(policy) + " }")
         return "dynamic_batching { " + " ".join(parts) + " }"
@@ -67,8 +69,10 @@ class Sequencing:
 
     def text(self) -> str:
         if self.oldest:
-            strategy = (f"oldest {{ max_candidate_sequences: {self.max_candidates} "
-                        f"max_queue_delay_microseconds: {self.delay_us} }}")
+            strategy = (
+                f"oldest {{ max_candidate_sequences: {self.max_candidates} "
+                f"max_queue_delay_microseconds: {self.delay_us} }}"
+            )
         else:
             strategy = "direct { }"
         controls = ", ".join(
@@ -76,8 +80,10 @@ class Sequencing:
             "int32_false_true: [ 0, 1 ] } ] }"
             for name in ("START", "READY")
         )
-        return (f"sequence_batching {{ max_sequence_idle_microseconds: {self.idle_us} "
-                f"{strategy} control_input [ {controls} ] }}")
+        return (
+            f"sequence_batching {{ max_sequence_idle_microseconds: {self.idle_us} "
+            f"{strategy} control_input [ {controls} ] }}"
+        )
 
 
 @dataclass(frozen=True)
@@ -130,7 +136,7 @@ class ModelSpec:
         count = int(self.policy.split()[1]) if self.policy.startswith("latest") else 1
         return tuple(ordered[-count:])
 
-    def evolve(self, **changes) -> "ModelSpec":
+    def evolve(self, **changes) -> ModelSpec:
         return replace(self, **changes)
 
 
@@ -231,8 +237,9 @@ class RepositoryWriter:
             if cut < len(text):
                 await self._pause(max_gap)
 
-    async def write(self, spec: ModelSpec, *, max_gap: float, config: bool = True,
-                    versions=None) -> None:
+    async def write(
+        self, spec: ModelSpec, *, max_gap: float, config: bool = True, versions=None
+    ) -> None:
         """Write ``spec``'s config (if ``config``) and new files for ``versions``
         (default: all of its versions), piece by piece and in random order, never
         pausing ``max_gap`` or longer; then declare the result complete.

@@ -53,13 +53,15 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {}
 
 
-def scenario(name: str, summary: str, *, setup, checks=(), fast_seeds: int = 20,
-             real_time: bool = False):
+def scenario(
+    name: str, summary: str, *, setup, checks=(), fast_seeds: int = 20, real_time: bool = False
+):
     """Register the decorated script as scenario ``name``."""
 
     def register(script):
-        SCENARIOS[name] = Scenario(name, summary, setup, script, tuple(checks), fast_seeds,
-                                   real_time)
+        SCENARIOS[name] = Scenario(
+            name, summary, setup, script, tuple(checks), fast_seeds, real_time
+        )
         return script
 
     return register

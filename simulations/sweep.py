@@ -23,8 +23,7 @@ def scenarios_named(names: Iterable[str]) -> list[Scenario]:
 
 
 def failure_report(result: RunResult, *, log_lines: int = 40) -> str:
-    lines = [f"FAIL {result.scenario} seed {result.seed}: "
-             f"{len(result.violations)} violation(s)"]
+    lines = [f"FAIL {result.scenario} seed {result.seed}: {len(result.violations)} violation(s)"]
     lines += [f"  {v}" for v in result.violations]
     if log_lines and result.log:
         lines.append("  last server log lines:")
@@ -53,8 +52,10 @@ class SweepTotals:
 
     def line(self) -> str:
         state = "ok" if not self.failures else f"{len(self.failures)} FAILED"
-        return (f"{self.scenario:24} {self.seeds:5} seeds  {self.requests:7} requests  "
-                f"{self.seconds:7.1f}s  {state}")
+        return (
+            f"{self.scenario:24} {self.seeds:5} seeds  {self.requests:7} requests  "
+            f"{self.seconds:7.1f}s  {state}"
+        )
 
 
 def sweep(scenario: Scenario, seeds: Iterable[int]) -> Iterator[tuple[RunResult, float]]:

@@ -408,7 +408,9 @@ def test_repository_index_and_control_mode_none(server, grpc_client):
     http = httpclient.InferenceServerClient(server.http_url)
     try:
         for action in ("load_model", "unload_model"):
-            error = expect_error(lambda: getattr(grpc_client, action)("simple"), "UNAVAILABLE")
+            error = expect_error(
+                lambda action=action: getattr(grpc_client, action)("simple"), "UNAVAILABLE"
+            )
             with pytest.raises(InferenceServerException) as http_error:
                 getattr(http, action)("simple")
             assert error.message() == http_error.value.message()

@@ -329,7 +329,7 @@ def test_explicit_reload_under_steady_load_has_no_failed_request(explicit, expli
             explicit_client.load_model("reloaded")
             assert ready_transitions(explicit, "reloaded") == before + i  # a real reload
             ok = load.ok
-            wait_for(lambda: load.ok > ok + 5, "requests after the reload")
+            wait_for(lambda ok=ok: load.ok > ok + 5, "requests after the reload")
     assert load.failures == []
     assert load.ok > 30
 
@@ -505,9 +505,9 @@ def test_poll_reload_under_steady_load_has_no_failed_request(poll, poll_client):
     with SteadyLoad(poll.http_url, "steady") as load:
         for i in range(1, 4):
             touch(model / "1" / "model.onnx")
-            wait_for(lambda: ready_transitions(poll, "steady") == 1 + i, f"reload {i}")
+            wait_for(lambda i=i: ready_transitions(poll, "steady") == 1 + i, f"reload {i}")
             ok = load.ok
-            wait_for(lambda: load.ok > ok + 5, "requests after the reload")
+            wait_for(lambda ok=ok: load.ok > ok + 5, "requests after the reload")
     assert load.failures == []
     assert load.ok > 30
 

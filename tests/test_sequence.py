@@ -322,7 +322,7 @@ async def test_sequences_spread_over_instances_and_stay_there(autojump_clock):
         scheduler, fakes = await start(nursery, make_config(max_batch_size=2), executors=2)
         for seq in (1, 2, 3):
             assert total(await infer(scheduler, request(seq, seq, start=True))) == seq
-        for step in range(2):
+        for _ in range(2):
             for seq in (1, 2, 3):
                 await infer(scheduler, request(seq, 10))
         per_instance = [

@@ -8,6 +8,7 @@ pid and private metrics port ("worker ready"), and each worker's own
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -238,7 +239,7 @@ def test_a_port_held_by_another_server_is_an_error(repository, workers):
 def test_parse_workers():
     assert parse_workers("3") == 3
     assert parse_workers("auto") == (os.cpu_count() or 1)
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError, match="at least 1 worker"):
         parse_workers("0")
 
 

@@ -168,7 +168,8 @@ def _nothing() -> None:
 
 
 async def _follow_parent(server, parent: int) -> None:
-    while os.getppid() == parent:
+    # Another process's end has no event to wait on (no pidfd for a parent).
+    while os.getppid() == parent:  # noqa: ASYNC110
         await trio.sleep(ORPHAN_CHECK_SECS)
     log.warning("supervisor process is gone: shutting down")
     server.shutdown()

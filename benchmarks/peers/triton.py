@@ -45,7 +45,11 @@ class TritonPythonModel:
     def execute(self, requests):
         return [
             pb_utils.InferenceResponse(
-                [pb_utils.Tensor("OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())]
+                [
+                    pb_utils.Tensor(
+                        "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+                    )
+                ]
             )
             for r in requests
         ]

@@ -33,18 +33,35 @@ def _exception_setup(world) -> Setup:
 )
 async def backend_exception(world) -> None:
     rng = world.random("clients")
-    await steady_load(world, ["plain", "batched"], duration=0.3, mean_gap=0.002, rng=rng,
-                      max_batch=2, p_stream=0.3)
+    await steady_load(
+        world,
+        ["plain", "batched"],
+        duration=0.3,
+        mean_gap=0.002,
+        rng=rng,
+        max_batch=2,
+        p_stream=0.3,
+    )
     await trio.sleep(0.1)
 
 
 def _crash_setup(world) -> Setup:
     rng = world.random("setup")
-    faults = FaultPlan(latency=(0.001, 0.005), p_crash=rng.uniform(0.02, 0.08),
-                       max_crashes=rng.randint(1, 3), p_exception=0.05,
-                       load_seconds=(0.0, 0.2))
-    return Setup(two_models(rng, kinds=("async",)), faults, mode=ControlMode.EXPLICIT,
-                 load_models=("*",), exit_timeout=5.0, shutdown_limit=6.0)
+    faults = FaultPlan(
+        latency=(0.001, 0.005),
+        p_crash=rng.uniform(0.02, 0.08),
+        max_crashes=rng.randint(1, 3),
+        p_exception=0.05,
+        load_seconds=(0.0, 0.2),
+    )
+    return Setup(
+        two_models(rng, kinds=("async",)),
+        faults,
+        mode=ControlMode.EXPLICIT,
+        load_models=("*",),
+        exit_timeout=5.0,
+        shutdown_limit=6.0,
+    )
 
 
 async def _recover(world, stop) -> None:
@@ -72,8 +89,14 @@ async def _recover(world, stop) -> None:
 async def instance_crash(world) -> None:
     stop = trio.Event()
     world.activity.start_soon(_recover, world, stop)
-    await steady_load(world, ["plain", "batched"], duration=0.4, mean_gap=0.002,
-                      rng=world.random("clients"), max_batch=2)
+    await steady_load(
+        world,
+        ["plain", "batched"],
+        duration=0.4,
+        mean_gap=0.002,
+        rng=world.random("clients"),
+        max_batch=2,
+    )
     await trio.sleep(0.3)
     stop.set()
     world.setup.faults.p_crash = 0.0
@@ -81,15 +104,19 @@ async def instance_crash(world) -> None:
     for name in ("plain", "batched"):
         record = await infer(world, name)
         if record.client != "response":
-            world.violate(RECOVERS, f"'{name}' did not serve after the crashes: "
-                                    f"{record.client_value!r}")
+            world.violate(
+                RECOVERS, f"'{name}' did not serve after the crashes: {record.client_value!r}"
+            )
 
 
 def _hang_setup(world) -> Setup:
     rng = world.random("setup")
     exit_timeout = quantize(rng.uniform(0.5, 3.0))
-    faults = FaultPlan(latency=(0.001, 0.005), p_hang=rng.uniform(0.02, 0.1),
-                       thread_hang_seconds=quantize(rng.uniform(1.0, 6.0)))
+    faults = FaultPlan(
+        latency=(0.001, 0.005),
+        p_hang=rng.uniform(0.02, 0.1),
+        thread_hang_seconds=quantize(rng.uniform(1.0, 6.0)),
+    )
     models = two_models(rng)
     threads = any(spec.kind == "thread" for spec in models)
     # A worker thread cannot be interrupted: shutdown waits for its hang to end.
@@ -105,8 +132,16 @@ def _hang_setup(world) -> Setup:
     fast_seeds=40,
 )
 async def backend_hang(world) -> None:
-    await steady_load(world, ["plain", "batched"], duration=0.5, mean_gap=0.003,
-                      rng=world.random("clients"), max_batch=2, p_cancel=0.4,
-                      cancel_span=(0.01, 0.3), p_timeout_us=0.2,
-                      timeout_span_us=(1000, 50000))
+    await steady_load(
+        world,
+        ["plain", "batched"],
+        duration=0.5,
+        mean_gap=0.003,
+        rng=world.random("clients"),
+        max_batch=2,
+        p_cancel=0.4,
+        cancel_span=(0.01, 0.3),
+        p_timeout_us=0.2,
+        timeout_span_us=(1000, 50000),
+    )
     await trio.sleep(quantize(world.random("script").uniform(0.0, 0.5)))

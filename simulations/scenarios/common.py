@@ -19,7 +19,10 @@ def two_models(rng: random.Random, *, kinds=KINDS, max_queue_size: int = 0) -> l
     return [
         ModelSpec("plain", kind=rng.choice(kinds), instances=rng.randint(1, 2)),
         ModelSpec(
-            "batched", kind=rng.choice(kinds), instances=rng.randint(1, 2), max_batch_size=8,
+            "batched",
+            kind=rng.choice(kinds),
+            instances=rng.randint(1, 2),
+            max_batch_size=8,
             batching=random_batching(rng, max_queue_size=max_queue_size),
         ),
     ]
@@ -34,8 +37,9 @@ def random_batching(rng: random.Random, *, max_queue_size: int = 0) -> Batching:
     )
 
 
-async def change_repository(world: World, rng: random.Random, *, max_gap: float,
-                            deletions: bool, additions: bool = True) -> tuple[str, str]:
+async def change_repository(
+    world: World, rng: random.Random, *, max_gap: float, deletions: bool, additions: bool = True
+) -> tuple[str, str]:
     """Make one random change to the repository, written in pieces; (what, model).
 
     Without ``deletions`` no change removes a model or the last version of one,
@@ -56,14 +60,19 @@ async def change_repository(world: World, rng: random.Random, *, max_gap: float,
     if action == "add_model" or spec is None:
         name = f"m{len(world.notes.setdefault('added', []))}"
         world.notes["added"].append(name)
-        spec = ModelSpec(name, kind=rng.choice(KINDS), instances=rng.randint(1, 2),
-                         batching=random_batching(rng) if rng.random() < 0.5 else None,
-                         generation=writer.next_generation())
+        spec = ModelSpec(
+            name,
+            kind=rng.choice(KINDS),
+            instances=rng.randint(1, 2),
+            batching=random_batching(rng) if rng.random() < 0.5 else None,
+            generation=writer.next_generation(),
+        )
         await writer.write(spec, max_gap=max_gap)
         return "add_model", name
     if action == "instances":
-        await writer.write(writer.revise(name, instances=rng.randint(1, 3)), max_gap=max_gap,
-                           versions=[])
+        await writer.write(
+            writer.revise(name, instances=rng.randint(1, 3)), max_gap=max_gap, versions=[]
+        )
     elif action == "batching":
         drop = spec.batching is not None and rng.random() < 0.3
         batching = None if drop else random_batching(rng)
@@ -73,8 +82,12 @@ async def change_repository(world: World, rng: random.Random, *, max_gap: float,
         await writer.write(writer.revise(name, policy=policy), max_gap=max_gap, versions=[])
     elif action == "add_version":
         version = max(spec.versions) + 1
-        await writer.write(spec.evolve(versions=(*spec.versions, version)), max_gap=max_gap,
-                           config=False, versions=[version])
+        await writer.write(
+            spec.evolve(versions=(*spec.versions, version)),
+            max_gap=max_gap,
+            config=False,
+            versions=[version],
+        )
     elif action == "redeploy":
         await writer.write(writer.revise(name), max_gap=max_gap)
     elif action == "delete_version":
@@ -107,21 +120,32 @@ async def verify_converged(world: World) -> None:
             expected = (name, spec.generation, version, writer.file_generations[name][version])
             if version not in served:
                 if world.dataplane.model_ready(name, version):
-                    world.violate(CONVERGES, f"'{name}' version {version} is served, but its "
-                                             "version policy excludes it")
+                    world.violate(
+                        CONVERGES,
+                        f"'{name}' version {version} is served, but its version policy excludes it",
+                    )
                 continue
             record = await infer(world, name, version=version)
             if record.client != "response":
-                world.violate(CONVERGES, f"'{name}' version {version} is not served after the "
-                                         f"repository settled: {record.client_value!r}")
+                world.violate(
+                    CONVERGES,
+                    f"'{name}' version {version} is not served after the "
+                    f"repository settled: {record.client_value!r}",
+                )
             elif record.client_value.parameters.get("sim_state") != expected:
-                world.violate(CONVERGES, f"'{name}' version {version} serves "
-                                         f"{record.client_value.parameters.get('sim_state')}; "
-                                         f"the repository holds {expected}")
+                world.violate(
+                    CONVERGES,
+                    f"'{name}' version {version} serves "
+                    f"{record.client_value.parameters.get('sim_state')}; "
+                    f"the repository holds {expected}",
+                )
         record = await infer(world, name)
         if record.client == "response" and record.client_value.model_version != str(max(served)):
-            world.violate(CONVERGES, f"'{name}' defaults to version "
-                                     f"{record.client_value.model_version}, not {max(served)}")
+            world.violate(
+                CONVERGES,
+                f"'{name}' defaults to version "
+                f"{record.client_value.model_version}, not {max(served)}",
+            )
     for name in world.notes.get("added", []) + ["plain", "batched"]:
         if name not in writer.specs and world.dataplane.model_ready(name, None):
             world.violate(CONVERGES, f"'{name}' was deleted from the repository but still serves")
@@ -130,6 +154,7 @@ async def verify_converged(world: World) -> None:
 async def settle(world: World, *, polls: int, load_limit: float) -> None:
     """Wait until POLL has seen the repository unchanged and finished acting on it."""
     await trio.sleep(polls * world.setup.poll_secs)
-    await wait_for(lambda: not any(loading(world, n) for n in world.registry.entries()),
-                   limit=load_limit)
+    await wait_for(
+        lambda: not any(loading(world, n) for n in world.registry.entries()), limit=load_limit
+    )
     await trio.sleep(world.setup.poll_secs)

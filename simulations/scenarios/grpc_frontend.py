@@ -32,8 +32,12 @@ def _call(port: int, record: RequestRecord) -> tuple:
     tensor.set_data_from_numpy(values)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
-        result = client.infer(record.model, [tensor], request_id=f"r{record.number}",
-                              client_timeout=record.cancel_after or WAIT)
+        result = client.infer(
+            record.model,
+            [tensor],
+            request_id=f"r{record.number}",
+            client_timeout=record.cancel_after or WAIT,
+        )
         return ("response", result.as_numpy("OUTPUT0").tolist())
     except InferenceServerException as exc:
         status = str(exc.status())

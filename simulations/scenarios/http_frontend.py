@@ -42,9 +42,15 @@ def frontend_setup(world) -> Setup:
     )
     # Async instances only: thread instances need the virtual clock's thread shim.
     # Execution times on the real clock are not exactly what the backend observed.
-    return Setup(two_models(rng, kinds=("async",)), faults, exit_timeout=5.0,
-                 shutdown_limit=8.0, observes_executions=False, hang_limit=20.0,
-                 run_limit=90.0)
+    return Setup(
+        two_models(rng, kinds=("async",)),
+        faults,
+        exit_timeout=5.0,
+        shutdown_limit=8.0,
+        observes_executions=False,
+        hang_limit=20.0,
+        run_limit=90.0,
+    )
 
 
 def track_frontend_requests(world) -> None:
@@ -85,10 +91,19 @@ def track_frontend_requests(world) -> None:
 
 def _body(record: RequestRecord) -> bytes:
     values = np.arange(record.batch_size, dtype=np.int64) + record.number * 1000
-    return json.dumps({"id": f"r{record.number}", "inputs": [{
-        "name": "INPUT0", "shape": [record.batch_size, 1], "datatype": "INT64",
-        "data": values.tolist(),
-    }]}).encode()
+    return json.dumps(
+        {
+            "id": f"r{record.number}",
+            "inputs": [
+                {
+                    "name": "INPUT0",
+                    "shape": [record.batch_size, 1],
+                    "datatype": "INT64",
+                    "data": values.tolist(),
+                }
+            ],
+        }
+    ).encode()
 
 
 async def _exchange(port: int, record: RequestRecord) -> tuple:
@@ -100,10 +115,20 @@ async def _exchange(port: int, record: RequestRecord) -> tuple:
     client = h11.Connection(h11.CLIENT)
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
-        await stream.send_all(client.send(h11.Request(
-            method="POST", target=f"/v2/models/{record.model}/infer",
-            headers=[("host", "127.0.0.1"), ("content-type", "application/json"),
-                     ("content-length", str(len(body))), ("connection", "close")])))
+        await stream.send_all(
+            client.send(
+                h11.Request(
+                    method="POST",
+                    target=f"/v2/models/{record.model}/infer",
+                    headers=[
+                        ("host", "127.0.0.1"),
+                        ("content-type", "application/json"),
+                        ("content-length", str(len(body))),
+                        ("connection", "close"),
+                    ],
+                )
+            )
+        )
         await stream.send_all(client.send(h11.Data(data=body)))
         await stream.send_all(client.send(h11.EndOfMessage()))
         status, chunks = None, []
@@ -154,11 +179,20 @@ async def _client(world, port: int, record: RequestRecord) -> None:
         record.client_value = Unavailable(f"no answer on the wire: {record.tags['wire']}")
 
 
-def launch(world, client, port: int, model: str, batch: int, cancel_after: float | None,
-           *, late: bool = False) -> RequestRecord:
+def launch(
+    world,
+    client,
+    port: int,
+    model: str,
+    batch: int,
+    cancel_after: float | None,
+    *,
+    late: bool = False,
+) -> RequestRecord:
     number = len(world.records)
-    record = RequestRecord(number, model, trio.current_time(), batch, cancel_after,
-                           tags={"late": late})
+    record = RequestRecord(
+        number, model, trio.current_time(), batch, cancel_after, tags={"late": late}
+    )
     world.records.append(record)
     world.activity.start_soon(client, world, port, record)
     return record
@@ -175,16 +209,23 @@ def check_wire(world) -> None:
         if kind in ("refused", "closed") and not record.tags.get("late"):
             world.violate(WIRE, f"{record}: {kind} before the shutdown: {wire!r}")
         if kind == "closed" and record.accepted:
-            world.violate(WIRE, f"{record}: accepted, then its connection was closed "
-                                "without an answer")
+            world.violate(
+                WIRE, f"{record}: accepted, then its connection was closed without an answer"
+            )
         if kind == "response":
             expected = (np.arange(record.batch_size) + record.number * 1000).tolist()
             if record.client != "response" or sorted(np.ravel(wire[1]).tolist()) != expected:
-                world.violate(WIRE, f"{record}: got {wire[1]!r} on the wire; the request "
-                                    f"ended with {record.client}")
+                world.violate(
+                    WIRE,
+                    f"{record}: got {wire[1]!r} on the wire; the request "
+                    f"ended with {record.client}",
+                )
         if kind == "error" and record.client == "response":
-            world.violate(WIRE, f"{record}: error {wire[1]} {wire[2]!r} on the wire, though "
-                                "the DataPlane answered it")
+            world.violate(
+                WIRE,
+                f"{record}: error {wire[1]} {wire[2]!r} on the wire, though "
+                "the DataPlane answered it",
+            )
     if not any(r.tags.get("wire", ("",))[0] == "response" for r in world.records):
         world.violate(SERVES, "no request succeeded through the frontend")
 
@@ -210,15 +251,20 @@ async def drive_frontend(world, serve, client) -> None:
     down midway through the rest. The plan is drawn before anything runs."""
     rng = world.random("script")
     plan = [
-        (rng.choice(["plain", "batched"]), rng.randint(1, 2),
-         rng.uniform(0.001, 0.02) if rng.random() < 0.25 else None, rng.uniform(0.0, 0.005))
+        (
+            rng.choice(["plain", "batched"]),
+            rng.randint(1, 2),
+            rng.uniform(0.001, 0.02) if rng.random() < 0.25 else None,
+            rng.uniform(0.0, 0.005),
+        )
         for _ in range(rng.randint(30, 60))
     ]
     shutdown_after = rng.randint(len(plan) // 2, len(plan) - 5)
     track_frontend_requests(world)
     stop = trio.Event()
     binds = await world.activity.start(
-        serve, world.dataplane, "127.0.0.1", 0, stop, world.setup.exit_timeout)
+        serve, world.dataplane, "127.0.0.1", 0, stop, world.setup.exit_timeout
+    )
     port = binds[0][1]
     for model, batch, cancel_after, gap in plan[:shutdown_after]:
         launch(world, client, port, model, batch, cancel_after)
@@ -238,7 +284,5 @@ async def drive_frontend(world, serve, client) -> None:
     for model, batch, cancel_after, _ in plan[shutdown_after:][:3]:
         launch(world, client, port, model, batch, cancel_after, late=True)
     await wait_for(lambda: all(r.finished_at is not None for r in world.records), limit=WAIT)
-    world.notes["disconnects"] = sum(r.tags.get("wire") == ("disconnected",)
-                                     for r in world.records)
-    world.notes["wire_errors"] = sum(r.tags.get("wire", ("",))[0] == "error"
-                                     for r in world.records)
+    world.notes["disconnects"] = sum(r.tags.get("wire") == ("disconnected",) for r in world.records)
+    world.notes["wire_errors"] = sum(r.tags.get("wire", ("",))[0] == "error" for r in world.records)

@@ -31,8 +31,15 @@ def _overflow_setup(world) -> Setup:
     )
     if not batching.preserve_ordering and rng.random() < 0.4:
         batching = dataclasses.replace(batching, priority_levels=2)
-    models = [ModelSpec("slow", kind=rng.choice(KINDS), instances=1,
-                        max_batch_size=rng.randint(1, 4), batching=batching)]
+    models = [
+        ModelSpec(
+            "slow",
+            kind=rng.choice(KINDS),
+            instances=1,
+            max_batch_size=rng.randint(1, 4),
+            batching=batching,
+        )
+    ]
     faults = FaultPlan(latency=(0.01, 0.03), p_request_error=0.05)
     return Setup(models, faults, exit_timeout=2.0, shutdown_limit=3.0)
 
@@ -40,8 +47,10 @@ def _overflow_setup(world) -> Setup:
 def check_reaches_bound(world) -> None:
     batching = world.setup.models[0].batching
     bound = batching.max_queue_size
-    peak = max((length for queue, length in world.queue_peaks.items()
-                if queue.startswith("slow/1 level")), default=0)
+    peak = max(
+        (length for queue, length in world.queue_peaks.items() if queue.startswith("slow/1 level")),
+        default=0,
+    )
     if peak != bound:
         world.violate(REACHES_BOUND, f"the queue of 'slow' peaked at {peak}, its bound is {bound}")
 
@@ -73,8 +82,13 @@ def _burst_setup(world) -> Setup:
     rng = world.random("setup")
     models = [
         ModelSpec("plain", kind=rng.choice(KINDS), instances=1, max_batch_size=1),
-        ModelSpec("batched", kind=rng.choice(KINDS), instances=rng.randint(1, 2),
-                  max_batch_size=8, batching=Batching(max_queue_delay_us=1000)),
+        ModelSpec(
+            "batched",
+            kind=rng.choice(KINDS),
+            instances=rng.randint(1, 2),
+            max_batch_size=8,
+            batching=Batching(max_queue_delay_us=1000),
+        ),
     ]
     faults = FaultPlan(latency=(0.0005, 0.002))
     return Setup(models, faults, exit_timeout=30.0, shutdown_limit=31.0)
@@ -83,8 +97,11 @@ def _burst_setup(world) -> Setup:
 def check_backpressure(world) -> None:
     peak = world.queue_peaks.get("plain/1 channel", 0)
     if peak != QUEUE_CAPACITY:
-        world.violate(REACHES_BOUND, f"the queue of 'plain' peaked at {peak}; the burst should "
-                                     f"have filled it to {QUEUE_CAPACITY}")
+        world.violate(
+            REACHES_BOUND,
+            f"the queue of 'plain' peaked at {peak}; the burst should "
+            f"have filled it to {QUEUE_CAPACITY}",
+        )
 
 
 @scenario(
@@ -109,9 +126,15 @@ async def burst(world) -> None:
 def _cancellation_setup(world) -> Setup:
     rng = world.random("setup")
     models = [
-        ModelSpec("threaded", kind="thread", instances=rng.randint(1, 2), max_batch_size=4,
-                  batching=Batching(max_queue_delay_us=rng.choice([1000, 2000]),
-                                    preserve_ordering=rng.random() < 0.5)),
+        ModelSpec(
+            "threaded",
+            kind="thread",
+            instances=rng.randint(1, 2),
+            max_batch_size=4,
+            batching=Batching(
+                max_queue_delay_us=rng.choice([1000, 2000]), preserve_ordering=rng.random() < 0.5
+            ),
+        ),
         ModelSpec("awaited", kind="async", instances=1, max_batch_size=2),
         ModelSpec("pooled", kind="thread", instances=rng.randint(1, 2), max_batch_size=2),
     ]
@@ -127,7 +150,15 @@ def _cancellation_setup(world) -> Setup:
     fast_seeds=40,
 )
 async def client_cancellation(world) -> None:
-    await steady_load(world, ["threaded", "awaited", "pooled"], duration=0.15, mean_gap=0.001,
-                      rng=world.random("clients"), max_batch=2, p_cancel=0.7,
-                      cancel_span=(0.0, 0.008), p_stream=0.3)
+    await steady_load(
+        world,
+        ["threaded", "awaited", "pooled"],
+        duration=0.15,
+        mean_gap=0.001,
+        rng=world.random("clients"),
+        max_batch=2,
+        p_cancel=0.7,
+        cancel_span=(0.0, 0.008),
+        p_stream=0.3,
+    )
     await trio.sleep(0.05)

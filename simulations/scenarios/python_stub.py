@@ -59,20 +59,29 @@ class TritonPythonModel:
 
 def _setup(world) -> Setup:
     rng = world.random("setup")
-    batching = "dynamic_batching { max_queue_delay_microseconds: 2000 }" \
-        if rng.random() < 0.5 else ""
+    batching = (
+        "dynamic_batching { max_queue_delay_microseconds: 2000 }" if rng.random() < 0.5 else ""
+    )
     config = CONFIG.format(instances=rng.randint(1, 2), batching=batching)
     return Setup(
-        [], files={"stub/config.pbtxt": config, "stub/1/model.py": textwrap.dedent(MODEL)},
-        exit_timeout=10.0, shutdown_limit=15.0, tolerate_repeated_errors=True,
-        backend_errors=("the stub process",), observes_executions=False,
-        hang_limit=20.0, run_limit=120.0,
+        [],
+        files={"stub/config.pbtxt": config, "stub/1/model.py": textwrap.dedent(MODEL)},
+        exit_timeout=10.0,
+        shutdown_limit=15.0,
+        tolerate_repeated_errors=True,
+        backend_errors=("the stub process",),
+        observes_executions=False,
+        hang_limit=20.0,
+        run_limit=120.0,
     )
 
 
 def _pids(world) -> list[int]:
-    return [int(r.client_value.outputs[1].data.ravel()[0])
-            for r in world.records if r.client == "response"]
+    return [
+        int(r.client_value.outputs[1].data.ravel()[0])
+        for r in world.records
+        if r.client == "response"
+    ]
 
 
 @scenario(
@@ -103,8 +112,7 @@ async def python_stub_kill(world) -> None:
         world.notes[what] = world.notes.get(what, 0) + 1
         await wait_for(lambda: all(r.client for r in world.records), limit=20.0)
     world.notes["failed_by_stub"] = sum(
-        r.client == "error" and "the stub process" in r.client_value.message
-        for r in world.records
+        r.client == "error" and "the stub process" in r.client_value.message for r in world.records
     )
     with trio.move_on_after(30.0):
         record = await infer(world, "stub")

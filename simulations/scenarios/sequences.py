@@ -24,21 +24,30 @@ def _setup(world) -> Setup:
         max_candidates=rng.randint(max_batch, 4) if oldest else 0,
         delay_us=rng.choice([0, 1000]) if oldest else 0,
     )
-    models = [ModelSpec("seq", kind=rng.choice(KINDS), instances=rng.randint(1, 2),
-                        max_batch_size=max_batch, sequence=sequencing)]
+    models = [
+        ModelSpec(
+            "seq",
+            kind=rng.choice(KINDS),
+            instances=rng.randint(1, 2),
+            max_batch_size=max_batch,
+            sequence=sequencing,
+        )
+    ]
     faults = FaultPlan(latency=(0.0005, 0.003), p_request_error=0.03)
     return Setup(models, faults, exit_timeout=1.0, shutdown_limit=2.0)
 
 
 def _think_time(rng, idle: float) -> float:
     """Often exactly at the idle limit or one quantum either side of it."""
-    return rng.choice([
-        quantize(rng.uniform(0.0, idle / 2)),
-        idle - QUANTUM,
-        idle,
-        idle + QUANTUM,
-        2 * idle,
-    ])
+    return rng.choice(
+        [
+            quantize(rng.uniform(0.0, idle / 2)),
+            idle - QUANTUM,
+            idle,
+            idle + QUANTUM,
+            2 * idle,
+        ]
+    )
 
 
 async def _sequence(world, rng, ids: list[int], length: int, idle: float) -> None:
@@ -56,11 +65,21 @@ async def _sequence(world, rng, ids: list[int], length: int, idle: float) -> Non
                 # The sequence went idle when the previous request was answered.
                 tags["idle_for"] = trio.current_time() - previous.finished_at
             cancel = quantize(rng.uniform(0.0, 0.004)) if rng.random() < 0.15 else None
-            previous = await infer(world, "seq", sequence_id=correlation_id, start=index == 0,
-                                   end=index == length - 1, cancel_after=cancel, tags=tags)
-            if previous.client == "error" and previous.client_value.status.value in (
-                "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE"
-            ) and "[sim]" not in previous.client_value.message:
+            previous = await infer(
+                world,
+                "seq",
+                sequence_id=correlation_id,
+                start=index == 0,
+                end=index == length - 1,
+                cancel_after=cancel,
+                tags=tags,
+            )
+            if (
+                previous.client == "error"
+                and previous.client_value.status.value
+                in ("INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE")
+                and "[sim]" not in previous.client_value.message
+            ):
                 return  # released, or the server is going away
     finally:
         ids.append(correlation_id)
@@ -76,9 +95,12 @@ def check_idle_exact(world) -> None:
             continue
         released = record.client == "error" and RELEASED in record.client_value.message
         if released != (idle_for >= idle - 1e-9):
-            world.violate(IDLE_EXACT, f"{record} came {idle_for * 1e6:.0f} us after its "
-                                      f"sequence went idle (limit {idle * 1e6:.0f} us) and "
-                                      f"was {'refused' if released else 'accepted'}")
+            world.violate(
+                IDLE_EXACT,
+                f"{record} came {idle_for * 1e6:.0f} us after its "
+                f"sequence went idle (limit {idle * 1e6:.0f} us) and "
+                f"was {'refused' if released else 'accepted'}",
+            )
 
 
 @scenario(
@@ -94,8 +116,9 @@ async def sequence_idle(world) -> None:
     idle = world.setup.models[0].sequence.idle_us / 1e6
     ids = list(range(1, 41))
     for number in range(rng.randint(10, 30)):
-        world.activity.start_soon(_sequence, world, world.random(f"sequence {number}"),
-                                  ids, rng.randint(2, 6), idle)
+        world.activity.start_soon(
+            _sequence, world, world.random(f"sequence {number}"), ids, rng.randint(2, 6), idle
+        )
         await trio.sleep(quantize(rng.uniform(0.0, 0.004)))
     if rng.random() < 0.5:
         await trio.sleep(quantize(rng.uniform(0.0, 0.05)))  # shut down mid-sequence

@@ -18,16 +18,28 @@ def _setup(world) -> Setup:
     rng = world.random("setup")
     exit_timeout = quantize(rng.uniform(0.2, 3.0))
     faults = FaultPlan(
-        latency=(0.001, 0.01), p_exception=0.05, p_request_error=0.03, p_hang=0.02,
-        p_crash=0.02, load_seconds=(0.05, 1.0), instance_seconds=(0.0, 0.2),
+        latency=(0.001, 0.01),
+        p_exception=0.05,
+        p_request_error=0.03,
+        p_hang=0.02,
+        p_crash=0.02,
+        load_seconds=(0.05, 1.0),
+        instance_seconds=(0.0, 0.2),
         thread_hang_seconds=quantize(rng.uniform(0.5, 3.0)),
     )
     mode = rng.choice([ControlMode.POLL, ControlMode.EXPLICIT])
     models = two_models(rng, max_queue_size=rng.choice([0, 16]))
     # Work that cannot be interrupted (a worker thread, a load) delays the stop.
     limit = exit_timeout + faults.thread_hang_seconds + 2.0
-    return Setup(models, faults, mode=mode, poll_secs=0.5, load_models=("*",),
-                 exit_timeout=exit_timeout, shutdown_limit=limit)
+    return Setup(
+        models,
+        faults,
+        mode=mode,
+        poll_secs=0.5,
+        load_models=("*",),
+        exit_timeout=exit_timeout,
+        shutdown_limit=limit,
+    )
 
 
 async def _operate(world, rng) -> None:
@@ -35,11 +47,11 @@ async def _operate(world, rng) -> None:
     shutdown is asked for."""
     explicit = world.setup.mode is ControlMode.EXPLICIT
     while world.shutdown_at is None:
-        _, name = await change_repository(world, rng, max_gap=world.setup.poll_secs,
-                                          deletions=True)
+        _, name = await change_repository(world, rng, max_gap=world.setup.poll_secs, deletions=True)
         if explicit and world.shutdown_at is None:
-            call = world.dataplane.unload_model if rng.random() < 0.2 else \
-                world.dataplane.load_model
+            call = (
+                world.dataplane.unload_model if rng.random() < 0.2 else world.dataplane.load_model
+            )
             try:
                 await call(name)
             except TritonError:
@@ -56,11 +68,23 @@ async def _operate(world, rng) -> None:
 )
 async def shutdown_midway(world) -> None:
     rng = world.random("script")
-    world.activity.start_soon(partial(
-        steady_load, world, partial(model_names, world), duration=1e9, mean_gap=0.003,
-        rng=world.random("clients"), max_batch=2, p_cancel=0.2, cancel_span=(0.0, 0.2),
-        p_timeout_us=0.1, timeout_span_us=(1000, 20000), p_stream=0.2, stop=world.stopped,
-    ))
+    world.activity.start_soon(
+        partial(
+            steady_load,
+            world,
+            partial(model_names, world),
+            duration=1e9,
+            mean_gap=0.003,
+            rng=world.random("clients"),
+            max_batch=2,
+            p_cancel=0.2,
+            cancel_span=(0.0, 0.2),
+            p_timeout_us=0.1,
+            timeout_span_us=(1000, 20000),
+            p_stream=0.2,
+            stop=world.stopped,
+        )
+    )
     world.activity.start_soon(_operate, world, world.random("operator"))
     await trio.sleep(quantize(rng.uniform(0.05, 2.0)))
     world.shutdown()

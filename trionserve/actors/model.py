@@ -83,7 +83,8 @@ class ModelVersion:
     Children (in its own nursery): the scheduler that
     :func:`~trionserve.schedulers.factory.create_scheduler` picks from the config
     (ensemble, sequence batcher, dynamic batcher or default) and one
-    InstanceExecutor per instance. Guarantees: a request accepted by ``submit`` gets exactly one outcome;
+    InstanceExecutor per instance. Guarantees: a request accepted by ``submit`` gets
+    exactly one outcome;
     on unload, new requests are refused, in-flight ones are given ``drain_timeout``
     seconds to finish, and whatever remains is answered with an error before the
     backend is released. ``statistics`` counts what happened to its requests.

@@ -346,9 +346,7 @@ class ModelRegistry:
                 nursery.start_soon(load_one, step)
         if errors:
             detail = "; ".join(f"'{s}': {m}" for s, m in sorted(errors.items()))
-            raise InvalidArgument(
-                f"failed to load '{name}': composing model(s) failed: {detail}"
-            )
+            raise InvalidArgument(f"failed to load '{name}': composing model(s) failed: {detail}")
 
     async def _update_instances(self, entry: ModelEntry, plan: ReloadPlan, source) -> bool:
         """Give the kept versions the new instance counts without a reload."""

@@ -116,7 +116,8 @@ class AsyncServer:
     async def wait_until_ready(self, polling_interval: float = 0.1) -> None:
         """Return once the server is ready (every model, with strict readiness);
         bound it with ``trio.fail_after``."""
-        while not self.ready():
+        # Polled, as Triton's wait_until_ready polls: readiness has no event.
+        while not self.ready():  # noqa: ASYNC110
             await trio.sleep(polling_interval)
 
     # -- models ------------------------------------------------------------------

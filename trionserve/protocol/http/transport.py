@@ -1,8 +1,9 @@
 """HTTP/1.1 on Trio sockets: the connection loop of the HTTP frontend.
 
 httptools (llhttp, the parser of Node.js and uvicorn, in C) parses requests;
-this module reads and writes the sockets around it and frames the responses. Every request goes to the handler that the router
-(``router(method, path)``) picks: the whole body is read, the handler gets the
+this module reads and writes the sockets around it and frames the responses.
+Every request goes to the handler that the router (``router(method, path)``)
+picks: the whole body is read, the handler gets the
 headers and the body and returns ``(status, headers, body)``, and the answer is
 written with as few writes as possible. The body is a sequence of chunks (the
 headers carry its content-length), or an async iterator of chunks, written as
