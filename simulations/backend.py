@@ -23,6 +23,7 @@ from simulations.probes import CURRENT_VERSION
 from simulations.repository import MODEL_FILE, parse_model_file
 from simulations.world import Execution, World
 from trionserve.actors.model import ModelState
+from trionserve.backends.base import Backend
 from trionserve.backends.registry import register_backend
 from trionserve.core.errors import InternalError, TritonError, Unavailable
 from trionserve.core.types import InferenceResponse, Tensor
@@ -36,7 +37,7 @@ class SimFault(Exception):
     """An injected failure; its message carries the ``[sim]`` marker."""
 
 
-class SimBackend:
+class SimBackend(Backend):
     name = BACKEND
 
     def __init__(self, world: World) -> None:

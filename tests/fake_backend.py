@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs
 from trionserve.backends.registry import register_backend
 
@@ -28,7 +28,7 @@ class _Model:
         pass
 
 
-class InstanceBackend:
+class InstanceBackend(Backend):
     """A Backend whose instances come from ``make_instance(context, spec)``."""
 
     def __init__(self, name: str, make_instance) -> None:

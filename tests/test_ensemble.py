@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
-from trionserve.backends.base import ModelContext
+from trionserve.backends.base import Backend, ModelContext
 from trionserve.backends.batch_tensors import build_response
 from trionserve.backends.registry import register_backend
 from trionserve.core.errors import InvalidArgument
@@ -567,7 +567,7 @@ class _GateModel:
         pass
 
 
-class GateBackend:
+class GateBackend(Backend):
     name = GATE_BACKEND
 
     def default_model_filename(self) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from tests.serverproc import EXAMPLES
-from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.registry import register_backend
 from trionserve.core.errors import InternalError
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
@@ -111,7 +111,7 @@ class _Model:
             self.controls.unloads += 1
 
 
-class FakeBackend:
+class FakeBackend(Backend):
     name = FAKE
 
     def default_model_filename(self) -> str:

@@ -9,7 +9,6 @@ import structlog
 import trio
 
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
-from trionserve.backends.base import backend_can_use_gpu
 from trionserve.backends.gpu import gpu_count
 from trionserve.backends.registry import backend_for
 from trionserve.core.errors import InvalidArgument, TritonError
@@ -48,13 +47,11 @@ def prepare_model(
     versions = select_versions(config, list_versions(model_dir))
     if autocomplete:
         filename = config.default_model_filename or backend.default_model_filename()
-        model_path = getattr(backend, "model_file", None) or (
-            model_dir / str(max(versions)) / filename
-        )
+        model_path = model_dir / str(max(versions)) / filename
         if model_path.exists():
             backend.auto_complete_config(config, model_path, max_batch_size_set)
     normalize_model_config(config)
-    resolve_instance_kinds(config, gpu_count() if backend_can_use_gpu(backend) else 0)
+    resolve_instance_kinds(config, gpu_count() if backend.can_use_gpu() else 0)
     validate_model_config(config)
     return PreparedModel(config, backend, versions)
 

@@ -121,12 +121,9 @@ class Backend(Protocol):
 
     def load(self, context: ModelContext) -> LoadedModel: ...
 
-    # Optional: ``can_use_gpu() -> bool`` says whether this backend, as installed,
-    # can run an instance on a GPU. KIND_AUTO becomes KIND_GPU only when it can
-    # (Triton's rule for backends built without GPU support); absent means it can.
-
-
-def backend_can_use_gpu(backend: object) -> bool:
-    """Whether KIND_AUTO may resolve to KIND_GPU for this backend."""
-    can_use_gpu = getattr(backend, "can_use_gpu", None)
-    return True if can_use_gpu is None else bool(can_use_gpu())
+    def can_use_gpu(self) -> bool:
+        """Whether this backend, as installed, can run an instance on a GPU:
+        KIND_AUTO becomes KIND_GPU only when it can (Triton's rule for backends
+        built without GPU support). Backends subclass this protocol to inherit
+        this default (they can)."""
+        return True

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import trio
 
-from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.validation import ModelSignature, TensorSpec
 
@@ -205,7 +205,7 @@ class _EnsembleModel:
         pass
 
 
-class EnsembleBackend:
+class EnsembleBackend(Backend):
     """Loads ``platform: "ensemble"``: checks the steps, on the Trio thread, against
     the composing models the server's inference path routes to."""
 

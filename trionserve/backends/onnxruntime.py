@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.onnxruntime_providers import CUDA, TENSORRT, execution_providers
 from trionserve.core import datatypes
@@ -66,7 +66,7 @@ def _config_parameter(config, key: str) -> str | None:
     return None
 
 
-class OnnxRuntimeBackend:
+class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
     def default_model_filename(self) -> str:

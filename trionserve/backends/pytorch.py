@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
@@ -163,16 +163,19 @@ def _check_data_types(model: str, kind: str, entries) -> None:
 # -- the backend ------------------------------------------------------------------------
 
 
-class PyTorchBackend:
+class PyTorchBackend(Backend):
     name = "pytorch"
 
     def default_model_filename(self) -> str:
         return "model.pt"
 
     def can_use_gpu(self) -> bool:
-        """Only a CUDA build of torch that sees a device."""
-        import torch
-
+        """Only a CUDA build of torch that sees a device (no torch: no GPU; loading
+        the model then says torch is missing)."""
+        try:
+            import torch
+        except ImportError:
+            return False
         return bool(torch.cuda.is_available())
 
     def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:

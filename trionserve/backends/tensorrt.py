@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.cuda_buffers import device_buffers
 from trionserve.backends.gpu import gpu_count
@@ -185,7 +185,7 @@ def _type_name(value: int) -> str:
     return DataType.Name(value)
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     name = "tensorrt"
 
     def default_model_filename(self) -> str:

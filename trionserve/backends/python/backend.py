@@ -11,7 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.python.control import ModelControl
 from trionserve.backends.python.instance import PythonInstance
 from trionserve.backends.python.process import StubProcess
@@ -48,7 +48,7 @@ def _model_config_json(config) -> str:
     return json.dumps(model_config_to_json(config))
 
 
-class PythonBackend:
+class PythonBackend(Backend):
     """``backend: "python"``: each model version's own model.py. With
     ``model_file``, a Python-based backend: every model naming that backend runs
     the one ``<backend directory>/<name>/model.py`` (Triton's layout)."""

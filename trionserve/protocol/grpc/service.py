@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 
 import structlog
 import trio
@@ -103,9 +102,6 @@ class StreamBudget:
 
 # --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
-
-# Methods whose feature lands later: they answer UNIMPLEMENTED with this text.
-_NOT_YET: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -230,8 +226,6 @@ class GrpcService:
                 pb.CudaSharedMemoryUnregisterRequest, self.cuda_shm_unregister
             ),
         }
-        for name, feature in _NOT_YET.items():
-            table[name] = Method(partial(self._not_yet, feature))
         return {SERVICE_PATH + name: method for name, method in table.items()}
 
     def _unary(self, request_type, handle: Callable[..., Awaitable]) -> Method:
@@ -258,11 +252,6 @@ class GrpcService:
             await call.send(response)
 
         return Method(handler)
-
-    @staticmethod
-    async def _not_yet(feature: str, call: GrpcCall) -> None:
-        name = call.method.rsplit("/", 1)[-1]
-        raise GRPCError(Status.UNIMPLEMENTED, f"{name}: {feature} not supported by trionserve yet")
 
     # -- health, metadata, configuration ------------------------------------------
 
