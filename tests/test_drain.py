@@ -35,6 +35,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.helpers import wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
 
 DELAY = 0.6  # seconds each request spends in the model
@@ -167,14 +168,6 @@ def ready_status(port: int) -> int | None:
     return health_status(port, "ready")
 
 
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
 def test_sigterm_drains_in_flight_requests(tmp_path):
     markers = tmp_path / "entered"
     markers.mkdir()
@@ -207,14 +200,14 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
             threads.append(thread)
 
         # Steady load: both instances busy, the other threads' requests queued.
-        wait_for(lambda: len(outcomes.ok) >= 2 and len(entered()) >= 4, 60, "steady load")
+        wait_for(lambda: len(outcomes.ok) >= 2 and len(entered()) >= 4, "steady load", 60)
         server.process.send_signal(signal.SIGTERM)
         with outcomes.lock:
             in_flight = entered() - set(outcomes.ok)
         assert in_flight, "the test must signal while requests execute"
 
         # Readiness turns false at once, while the drain is still going on.
-        wait_for(lambda: ready_status(server.http_port) != 200, 2.0, "readiness to flip")
+        wait_for(lambda: ready_status(server.http_port) != 200, "readiness to flip", 2.0)
         flipped = time.monotonic()
         # A new client is turned away with a clear answer (UNAVAILABLE while the
         # drain lasts; the sequence tests below hold the drain open to see it).
@@ -301,7 +294,7 @@ def refused(call) -> InferenceServerException:
 
 def sigterm_and_wait_not_ready(server: ServerProcess) -> None:
     server.process.send_signal(signal.SIGTERM)
-    wait_for(lambda: ready_status(server.http_port) != 200, 5.0, "readiness to flip")
+    wait_for(lambda: ready_status(server.http_port) != 200, "readiness to flip", 5.0)
 
 
 def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path):

@@ -19,6 +19,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from tests.helpers import simple_inputs
 from tests.serverproc import EXAMPLES, ServerProcess
 
 
@@ -33,17 +34,7 @@ def grpc_client(server):
     client.close()
 
 
-def simple_inputs(a: np.ndarray, b: np.ndarray, module=grpcclient):
-    inputs = [
-        module.InferInput("INPUT0", list(a.shape), "INT32"),
-        module.InferInput("INPUT1", list(b.shape), "INT32"),
-    ]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(b)
-    return inputs
-
-
-def expect_error(call, status: str) -> InferenceServerException:
+def expect_status(call, status: str) -> InferenceServerException:
     with pytest.raises(InferenceServerException) as info:
         call()
     assert info.value.status() == f"StatusCode.{status}", (
@@ -84,7 +75,7 @@ def test_model_metadata(grpc_client):
     ]
     assert [t.name for t in metadata.outputs] == ["OUTPUT0", "OUTPUT1"]
     assert grpc_client.get_model_metadata("simple", "1") == metadata
-    expect_error(lambda: grpc_client.get_model_metadata("nope"), "NOT_FOUND")
+    expect_status(lambda: grpc_client.get_model_metadata("nope"), "NOT_FOUND")
 
 
 def test_model_config_is_what_config_pbtxt_says(grpc_client):
@@ -116,7 +107,7 @@ def test_auto_completed_config(grpc_client):
 def test_infer_simple(grpc_client, batch):
     a = np.arange(16 * batch, dtype=np.int32).reshape(batch, 16)
     b = np.full((batch, 16), 3, dtype=np.int32)
-    result = grpc_client.infer("simple", simple_inputs(a, b), request_id="req-7")
+    result = grpc_client.infer("simple", simple_inputs(a, b, grpcclient), request_id="req-7")
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
     response = result.get_response()
@@ -129,7 +120,7 @@ def test_infer_selected_output_and_version(grpc_client):
     a = np.ones((2, 16), dtype=np.int32)
     result = grpc_client.infer(
         "simple",
-        simple_inputs(a, a),
+        simple_inputs(a, a, grpcclient),
         model_version="1",
         outputs=[grpcclient.InferRequestedOutput("OUTPUT1")],
     )
@@ -157,7 +148,9 @@ def test_infer_bytes_identity(grpc_client):
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_infer_compressed_request(grpc_client, algorithm):
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    result = grpc_client.infer("simple", simple_inputs(a, a), compression_algorithm=algorithm)
+    result = grpc_client.infer(
+        "simple", simple_inputs(a, a, grpcclient), compression_algorithm=algorithm
+    )
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
 
 
@@ -192,7 +185,7 @@ def test_concurrent_requests_all_answered(grpc_client):
         a = np.full((1, 16), i, dtype=np.int32)
         grpc_client.async_infer(
             "simple",
-            simple_inputs(a, a),
+            simple_inputs(a, a, grpcclient),
             partial_callback(results, i),
             request_id=str(i),
         )
@@ -297,7 +290,7 @@ def test_bad_input_gets_the_same_error_as_over_http(
             )
     finally:
         http.close()
-    error = expect_error(
+    error = expect_status(
         lambda: grpc_client.infer(
             model,
             make_inputs(grpcclient),
@@ -310,7 +303,9 @@ def test_bad_input_gets_the_same_error_as_over_http(
     assert error.message() == http_info.value.message()
     # The server keeps serving after every bad request.
     a = np.ones((1, 16), dtype=np.int32)
-    assert grpc_client.infer("simple", simple_inputs(a, a)).as_numpy("OUTPUT0") is not None
+    assert (
+        grpc_client.infer("simple", simple_inputs(a, a, grpcclient)).as_numpy("OUTPUT0") is not None
+    )
 
 
 # ------------------------------------------------------------------------ streaming
@@ -323,9 +318,13 @@ def test_stream_several_requests_and_an_error_that_does_not_end_it(grpc_client):
         for i in range(6):
             a = np.full((1, 16), i, dtype=np.int32)
             if i == 3:  # a bad request in the middle of the stream
-                grpc_client.async_stream_infer("nope", simple_inputs(a, a), request_id="bad")
+                grpc_client.async_stream_infer(
+                    "nope", simple_inputs(a, a, grpcclient), request_id="bad"
+                )
             else:
-                grpc_client.async_stream_infer("simple", simple_inputs(a, a), request_id=str(i))
+                grpc_client.async_stream_infer(
+                    "simple", simple_inputs(a, a, grpcclient), request_id=str(i)
+                )
     finally:
         grpc_client.stop_stream()  # half-closes; waits for every response
     got = [responses.get(timeout=30) for _ in range(6)]
@@ -346,7 +345,10 @@ def test_stream_with_empty_final_response_flag(grpc_client):
     a = np.ones((1, 16), dtype=np.int32)
     try:
         grpc_client.async_stream_infer(
-            "simple", simple_inputs(a, a), request_id="f", enable_empty_final_response=True
+            "simple",
+            simple_inputs(a, a, grpcclient),
+            request_id="f",
+            enable_empty_final_response=True,
         )
     finally:
         grpc_client.stop_stream()
@@ -408,7 +410,7 @@ def test_repository_index_and_control_mode_none(server, grpc_client):
     http = httpclient.InferenceServerClient(server.http_url)
     try:
         for action in ("load_model", "unload_model"):
-            error = expect_error(
+            error = expect_status(
                 lambda action=action: getattr(grpc_client, action)("simple"), "UNAVAILABLE"
             )
             with pytest.raises(InferenceServerException) as http_error:
@@ -432,7 +434,7 @@ def ready_models(server) -> set[str]:
 def test_statistics_are_those_http_reports(server, grpc_client):
     a = np.ones((1, 16), dtype=np.int32)
     for _ in range(3):
-        grpc_client.infer("simple", simple_inputs(a, a))
+        grpc_client.infer("simple", simple_inputs(a, a, grpcclient))
     http = httpclient.InferenceServerClient(server.http_url)
     try:
         over_http = http.get_inference_statistics("simple")
@@ -450,7 +452,7 @@ def test_statistics_are_those_http_reports(server, grpc_client):
     assert int(success["ns"]) == expected["inference_stats"]["success"]["ns"]
     every = grpc_client.get_inference_statistics()
     assert {"simple", "identity_fp32"} <= {s.name for s in every.model_stats}
-    expect_error(lambda: grpc_client.get_inference_statistics("nope"), "NOT_FOUND")
+    expect_status(lambda: grpc_client.get_inference_statistics("nope"), "NOT_FOUND")
 
 
 def test_log_settings_round_trip_and_errors_as_over_http(server, grpc_client):
@@ -463,7 +465,7 @@ def test_log_settings_round_trip_and_errors_as_over_http(server, grpc_client):
         assert grpc_client.get_log_settings().settings["log_verbose_level"].uint32_param == 1
     finally:
         grpc_client.update_log_settings({"log_verbose_level": 0})
-    error = expect_error(
+    error = expect_status(
         lambda: grpc_client.update_log_settings({"log_colour": True}), "INVALID_ARGUMENT"
     )
     http = httpclient.InferenceServerClient(server.http_url)
@@ -477,7 +479,7 @@ def test_log_settings_round_trip_and_errors_as_over_http(server, grpc_client):
 
 def test_shared_memory_needs_allow_client_shm(grpc_client):
     assert grpc_client.get_system_shared_memory_status().regions == {}
-    error = expect_error(
+    error = expect_status(
         lambda: grpc_client.register_system_shared_memory("r", "/nope", 64), "UNAVAILABLE"
     )
     assert "--allow-client-shm" in error.message()
@@ -522,12 +524,12 @@ def test_repository_load_and_unload(explicit_server):
         client.load_model("simple", config=override)
         assert client.get_model_config("simple").config.max_batch_size == 2
         a = np.ones((3, 16), dtype=np.int32)
-        error = expect_error(
-            lambda: client.infer("simple", simple_inputs(a, a)), "INVALID_ARGUMENT"
+        error = expect_status(
+            lambda: client.infer("simple", simple_inputs(a, a, grpcclient)), "INVALID_ARGUMENT"
         )
         assert "batch-size must be <= 2" in error.message()
 
-        error = expect_error(lambda: client.load_model("no_such_model"), "INVALID_ARGUMENT")
+        error = expect_status(lambda: client.load_model("no_such_model"), "INVALID_ARGUMENT")
         assert error.message().startswith("failed to load 'no_such_model'")
     finally:
         client.close()
@@ -556,7 +558,7 @@ def test_repository_load_with_file_overrides(explicit_server):
         np.testing.assert_array_equal(
             client.infer("from_files", [tensor]).as_numpy("OUTPUT0"), data
         )
-        error = expect_error(
+        error = expect_status(
             lambda: client.load_model("from_files", files={"file:1/model.onnx": model}),
             "INVALID_ARGUMENT",
         )
@@ -584,7 +586,7 @@ def test_system_shared_memory_over_grpc(explicit_server):
         status = client.get_system_shared_memory_status().regions
         assert status["input_data"].byte_size == 128
         assert status["output_data"].key == keys["out"]
-        expect_error(
+        expect_status(
             lambda: client.register_system_shared_memory("input_data", keys["in"], 128),
             "ALREADY_EXISTS",
         )
@@ -612,7 +614,7 @@ def test_system_shared_memory_over_grpc(explicit_server):
 
         client.unregister_system_shared_memory("input_data")
         assert set(client.get_system_shared_memory_status().regions) == {"output_data"}
-        error = expect_error(lambda: client.infer("simple", inputs), "INVALID_ARGUMENT")
+        error = expect_status(lambda: client.infer("simple", inputs), "INVALID_ARGUMENT")
         assert "shared memory region 'input_data' is not registered" in error.message()
         client.unregister_system_shared_memory()
     finally:

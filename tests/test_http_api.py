@@ -8,17 +8,8 @@ import json
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
-
-def simple_inputs(a: np.ndarray, b: np.ndarray, binary: bool = True):
-    inputs = [
-        httpclient.InferInput("INPUT0", list(a.shape), "INT32"),
-        httpclient.InferInput("INPUT1", list(b.shape), "INT32"),
-    ]
-    inputs[0].set_data_from_numpy(a, binary_data=binary)
-    inputs[1].set_data_from_numpy(b, binary_data=binary)
-    return inputs
+from tests.helpers import expect_error, simple_inputs
 
 
 def raw_post(server, path: str, body: bytes, headers: dict | None = None):
@@ -93,7 +84,7 @@ def test_infer_simple(http_client, binary, batch):
         httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary),
     ]
     result = http_client.infer(
-        "simple", simple_inputs(a, b, binary), outputs=outputs, request_id="req-7"
+        "simple", simple_inputs(a, b, binary=binary), outputs=outputs, request_id="req-7"
     )
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
     np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
@@ -158,15 +149,6 @@ def test_infer_compressed(server, algorithm):
     )
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a * 2)
     client.close()
-
-
-def expect_error(call, fragment: str, status: int | None = None):
-    with pytest.raises(InferenceServerException) as info:
-        call()
-    assert fragment in info.value.message(), info.value.message()
-    if status is not None:
-        assert info.value.status() == str(status), info.value.status()
-    return info.value
 
 
 def test_bad_requests_get_clear_errors(http_client):

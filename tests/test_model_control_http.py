@@ -18,15 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
 
+from tests.helpers import expect_error, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
 from tests.test_model_control_support import (
     copy_example,
     index_rows,
     slow_model,
     states,
-    wait_for,
 )
 
 POLL_SECS = "0.1"
@@ -103,13 +102,6 @@ def post(server: ServerProcess, path: str, body: dict) -> tuple[int, dict]:
         return response.status, (json.loads(data) if data else {})
     finally:
         connection.close()
-
-
-def expect_error(call, fragment: str) -> InferenceServerException:
-    with pytest.raises(InferenceServerException) as info:
-        call()
-    assert fragment in info.value.message(), info.value.message()
-    return info.value
 
 
 class SteadyLoad:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -230,18 +229,6 @@ def slow_model(repository: Path, name: str = "slow", count: int = 1) -> Path:
     (model_dir / "1" / "model.onnx").write_bytes(slow_onnx())
     (model_dir / "config.pbtxt").write_text(SLOW_CONFIG.format(name=name, count=count))
     return model_dir
-
-
-def wait_for(predicate, what: str, timeout: float = 20.0, interval: float = 0.02):
-    """Poll ``predicate`` until it returns a truthy value; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def index_rows(client, name: str) -> list[dict]:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from tests.helpers import wait_for
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.repository.object_store import (
@@ -107,14 +108,6 @@ def upload_model(
         client.upload_file(
             str(model_dir / "1" / "model.onnx"), bucket, f"{prefix}/{name}/{version}/model.onnx"
         )
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def infer_simple(client, version: str = "") -> np.ndarray:
@@ -294,14 +287,14 @@ def test_server_serves_and_polls_a_bucket(bucket, s3_endpoint, tmp_path):
         # A new version appears in the bucket; the default policy (latest 1)
         # serves it in place of version 1.
         client.upload_file(str(SIMPLE / "1" / "model.onnx"), name, "models/simple/2/model.onnx")
-        wait_for(lambda: http.is_model_ready("simple", "2"), 30, "version 2 to load")
+        wait_for(lambda: http.is_model_ready("simple", "2"), "version 2 to load", 30)
         infer_simple(http, "2")
-        wait_for(lambda: not http.is_model_ready("simple", "1"), 30, "version 1 to unload")
+        wait_for(lambda: not http.is_model_ready("simple", "1"), "version 1 to unload", 30)
 
         # A model removed from the bucket is unloaded.
         for key in ("config.pbtxt", "1/model.onnx", "2/model.onnx"):
             client.delete_object(Bucket=name, Key=f"models/simple/{key}")
-        wait_for(lambda: not http.is_model_ready("simple"), 30, "the model to unload")
+        wait_for(lambda: not http.is_model_ready("simple"), "the model to unload", 30)
         http.close()
         assert server.stop() == 0
     finally:

@@ -8,7 +8,6 @@ pointed at it. Skipped only where Ray Serve is not installed
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Self
@@ -24,6 +23,7 @@ import tritonclient.http as httpclient
 from ray import serve
 from tritonclient.utils import InferenceServerException
 
+from tests.helpers import wait_for
 from tests.ray_cluster import RayCluster, free_port
 from trionserve.ray_serve import app
 
@@ -89,14 +89,6 @@ def running_replicas() -> int:
     if status is None:
         return 0
     return status.deployments["trionserve"].replica_states.get("RUNNING", 0)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.2)
 
 
 def simple_inputs(binary: bool = True):
@@ -237,12 +229,12 @@ def test_replica_killed_under_load_loses_no_request(cluster, deploy):
     url = deploy(num_replicas=2, **ONE_PER_NODE)
     victim = min(replicas())
     with Load(url, threads=4) as load:
-        wait_for(lambda: load.snapshot()["ok"] >= 40, 60, "40 answers before the kill")
+        wait_for(lambda: load.snapshot()["ok"] >= 40, "40 answers before the kill", 60)
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         killed_at = load.snapshot()
-        wait_for(lambda: victim not in replicas(), 30, "the killed replica gone")
-        wait_for(lambda: len(replicas()) == 2 and running_replicas() == 2, 90, "a new replica")
-        wait_for(lambda: load.snapshot()["ok"] >= killed_at["ok"] + 40, 60, "40 answers after")
+        wait_for(lambda: victim not in replicas(), "the killed replica gone", 30)
+        wait_for(lambda: len(replicas()) == 2 and running_replicas() == 2, "a new replica", 90)
+        wait_for(lambda: load.snapshot()["ok"] >= killed_at["ok"] + 40, "40 answers after", 60)
     outcomes = load.snapshot()
     failed = {key: count for key, count in outcomes.items() if key != "ok"}
     print(f"outcomes {dict(outcomes)}; errors {load.errors[:5]}")
@@ -272,15 +264,15 @@ def test_autoscaling_one_to_two_replicas_and_back_without_errors(cluster, deploy
     )
     assert running_replicas() == 1
     with Load(url, threads=6) as load:
-        wait_for(lambda: running_replicas() == 2, 90, "scaled up to 2 replicas")
+        wait_for(lambda: running_replicas() == 2, "scaled up to 2 replicas", 90)
         assert len({node for _, node in replicas().values()}) == 2
         scaled_up = load.snapshot()
-        wait_for(lambda: load.snapshot()["ok"] >= scaled_up["ok"] + 40, 60, "answers at 2")
+        wait_for(lambda: load.snapshot()["ok"] >= scaled_up["ok"] + 40, "answers at 2", 60)
     # One caller stays: one replica's target, so the other is taken away while
     # it sends.
     with Load(url, threads=1) as light:
-        wait_for(lambda: running_replicas() == 1 and len(replicas()) == 1, 90, "back to 1")
-        wait_for(lambda: light.snapshot()["ok"] >= 20, 60, "answers at 1")
+        wait_for(lambda: running_replicas() == 1 and len(replicas()) == 1, "back to 1", 90)
+        wait_for(lambda: light.snapshot()["ok"] >= 20, "answers at 1", 60)
     for counted in (load, light):
         outcomes = counted.snapshot()
         assert set(outcomes) == {"ok"}, (dict(outcomes), counted.errors[:5])

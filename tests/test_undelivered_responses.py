@@ -8,13 +8,13 @@ import queue
 import re
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
+from tests.helpers import wait_for
 from tests.serverproc import serving
 
 MIB = 1024 * 1024
@@ -63,14 +63,6 @@ class TritonPythonModel:
 """
 
 
-def wait_for(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
     model = tmp_path / "repo" / "firehose"
@@ -104,7 +96,7 @@ def test_a_client_that_stops_reading_holds_a_bounded_number_of_bytes(repository,
             n.set_data_from_numpy(np.array([COUNT], np.int32))
             client.async_stream_infer("firehose", [n], request_id="slow")
             # The model stops once the server cancels the request.
-            wait_for(marker.exists, "the model to stop sending")
+            wait_for(marker.exists, "the model to stop sending", 60)
             sent = int(marker.read_text())
             reading.set()
             received, error = 0, None
