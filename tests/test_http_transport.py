@@ -323,15 +323,15 @@ class _FailingListener:
 async def test_accept_errors_back_off_and_are_logged_rarely(autojump_clock):
     """Out of descriptors: the accept loop waits between tries instead of spinning,
     and a minute of failures logs a handful of lines, not one per failure."""
-    server = HttpServer(lambda method, path: None)
+    acceptor = HttpServer(lambda method, path: None).acceptor
     listener = _FailingListener(600)
     start = trio.current_time()
     with structlog.testing.capture_logs() as logs:
         async with trio.open_nursery() as nursery:
-            await server._accept(listener, trio.CancelScope(), nursery)
+            await acceptor.accept(listener, nursery)
     assert listener.calls == 601
     assert trio.current_time() - start >= 59  # 600 tries, 0.1 s apart
-    lines = [entry for entry in logs if entry["event"] == "http accept failed; retrying"]
+    lines = [entry for entry in logs if entry["event"] == "HTTP accept failed; retrying"]
     assert 1 <= len(lines) <= 7
     # Each line after the first counts the failures it stood for.
     assert sum(entry["suppressed_since_last"] for entry in lines) >= 490

@@ -8,16 +8,27 @@ port and the kernel spreads incoming connections across them. The kernel only
 lets sockets share a port when all of them set the option and belong to the same
 user, so a reuse-port socket still cannot take over a port held by an ordinary
 server.
+
+:class:`Acceptor` is the accept loop both frontends (HTTP and gRPC) run on their
+listeners: a cap on the connections served at once, the excess refused cheaply,
+and accept failures for want of descriptors or memory waited out instead of
+spun on, each logged at a bounded rate.
 """
 
 from __future__ import annotations
 
+import errno
+import math
 import socket
 import sys
+from collections.abc import Awaitable, Callable, Sequence
 
+import structlog
 import trio
 
-__all__ = ["open_tcp_listeners", "REUSE_PORT_SUPPORTED"]
+__all__ = ["Acceptor", "RateLimitedLog", "open_tcp_listeners", "REUSE_PORT_SUPPORTED"]
+
+log = structlog.get_logger(__name__)
 
 REUSE_PORT_SUPPORTED = hasattr(socket, "SO_REUSEPORT")
 
@@ -66,3 +77,96 @@ def _bound_sockets(host: str | None, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+# accept() errors that mean "out of resources for now", as trio.serve_listeners has.
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+# How long the accept loop waits after such an error before it tries again.
+ACCEPT_RETRY_SECS = 0.1
+
+
+class RateLimitedLog:
+    """One warning now, then at most one every ``every`` seconds with the number of
+    occurrences in between: a flood (of refused connections, of accept errors)
+    neither fills the log nor costs a line each."""
+
+    def __init__(self, message: str, every: float = 10.0) -> None:
+        self.message = message
+        self.every = every
+        self._next = -math.inf
+        self._suppressed = 0
+
+    def __call__(self, **fields: object) -> None:
+        now = trio.current_time()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        log.warning(self.message, suppressed_since_last=self._suppressed, **fields)
+        self._suppressed = 0
+        self._next = now + self.every
+
+
+class Acceptor:
+    """Accepts connections and serves each with ``handle`` in a nursery the caller
+    owns, at most ``max_connections`` at once (None: no cap).
+
+    A connection past the cap goes to ``refuse`` instead (which answers if its
+    protocol can, and closes it) and is logged at a bounded rate naming ``flag``;
+    an accept that fails for want of descriptors or memory is retried after
+    ``ACCEPT_RETRY_SECS``, also logged at a bounded rate, so a flood of either
+    neither spins the event loop nor fills the log. ``open`` counts the
+    connections being served.
+    """
+
+    def __init__(
+        self,
+        protocol: str,
+        handle: Callable[[trio.SocketStream], Awaitable[None]],
+        refuse: Callable[[trio.SocketStream], Awaitable[None]],
+        max_connections: int | None,
+        flag: str,
+    ) -> None:
+        self._handle = handle
+        self._refuse = refuse
+        self.max_connections = max_connections
+        self.open = 0
+        self._log_refused = RateLimitedLog(f"refusing {protocol} connections: at the cap ({flag})")
+        self._log_accept_error = RateLimitedLog(f"{protocol} accept failed; retrying")
+
+    async def serve(
+        self, listeners: Sequence[trio.SocketListener], connections: trio.Nursery
+    ) -> None:
+        """Accept on every listener until cancelled or they close; each connection
+        is served in ``connections``."""
+        async with trio.open_nursery() as accepting:
+            for listener in listeners:
+                accepting.start_soon(self.accept, listener, connections)
+
+    async def accept(self, listener: trio.SocketListener, connections: trio.Nursery) -> None:
+        """The accept loop of one listener: until it closes or this is cancelled."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                # Out of descriptors or memory: wait for connections to end
+                # instead of spinning on accept.
+                self._log_accept_error(error=str(exc))
+                await trio.sleep(ACCEPT_RETRY_SECS)
+                continue
+            cap = self.max_connections
+            if cap is not None and self.open >= cap:
+                self._log_refused(max_connections=cap)
+                await self._refuse(stream)
+                continue
+            self.open += 1
+            connections.start_soon(self._serve, stream)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        try:
+            await self._handle(stream)
+        finally:
+            self.open -= 1

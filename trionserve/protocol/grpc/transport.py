@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Mapping
-from functools import partial
 
 import structlog
 import trio
@@ -45,7 +44,7 @@ from trionserve.protocol.grpc.connection import (
     TransportOptions,
 )
 from trionserve.protocol.grpc.status import GRPCError, Status
-from trionserve.protocol.listeners import open_tcp_listeners
+from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
 
 log = structlog.get_logger(__name__)
 
@@ -93,8 +92,15 @@ class GrpcTransport:
         self._methods = {path.encode("latin-1"): m for path, m in methods.items()}
         self._options = options
         self._ssl_context = ssl_context
-        self.connections = 0  # being served now
-        self._refused_logged_at = -float("inf")
+        self.acceptor = Acceptor(
+            "gRPC",
+            self._connection,
+            trio.aclose_forcefully,  # refused cheaply: closed at once
+            options.max_connections,
+            "--grpc-max-connections",
+        )
+        # Set when the server starts draining: connections send GOAWAY.
+        self._draining = trio.Event()
 
     async def serve(
         self,
@@ -109,41 +115,28 @@ class GrpcTransport:
             port, host=address or None, backlog=1024, reuse_port=self._options.reuse_port
         )
         bound = [listener.socket.getsockname()[:2] for listener in listeners]
-        draining = trio.Event()
         async with trio.open_nursery() as nursery:
             accepting = trio.CancelScope()
-            nursery.start_soon(self._accept, accepting, listeners, nursery, draining)
+            nursery.start_soon(self._accept, accepting, listeners, nursery)
             task_status.started(bound)
             await shutdown.wait()
             accepting.cancel()
-            draining.set()
+            for listener in listeners:
+                await listener.aclose()  # new connections are refused from here
+            self._draining.set()
             nursery.cancel_scope.deadline = trio.current_time() + graceful_timeout
 
-    async def _accept(self, scope, listeners, nursery, draining) -> None:
+    async def _accept(
+        self,
+        scope: trio.CancelScope,
+        listeners: list[trio.SocketListener],
+        nursery: trio.Nursery,
+    ) -> None:
         with scope:
-            await trio.serve_listeners(
-                partial(self._connection, draining=draining),
-                listeners,
-                handler_nursery=nursery,
-            )
+            await self.acceptor.serve(listeners, nursery)
 
-    async def _connection(self, socket_stream: trio.SocketStream, draining: trio.Event) -> None:
-        cap = self._options.max_connections
-        if cap is not None and self.connections >= cap:
-            # Refused cheaply: closed at once, logged at most once per 10 s.
-            now = trio.current_time()
-            if now - self._refused_logged_at >= 10.0:
-                self._refused_logged_at = now
-                log.warning(
-                    "grpc connection refused: --grpc-max-connections reached", max_connections=cap
-                )
-            await trio.aclose_forcefully(socket_stream)
-            return
-        self.connections += 1
-        try:
-            await self._serve_connection(socket_stream, draining)
-        finally:
-            self.connections -= 1
+    async def _connection(self, socket_stream: trio.SocketStream) -> None:
+        await self._serve_connection(socket_stream, self._draining)
 
     async def _serve_connection(
         self, socket_stream: trio.SocketStream, draining: trio.Event

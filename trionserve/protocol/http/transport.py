@@ -34,9 +34,7 @@ What it guarantees:
 
 from __future__ import annotations
 
-import errno
 import json
-import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -47,7 +45,7 @@ import httptools
 import structlog
 import trio
 
-from trionserve.protocol.listeners import open_tcp_listeners
+from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
 
 log = structlog.get_logger(__name__)
 
@@ -81,8 +79,6 @@ _INTERNAL_ERROR = (
 # Response heads kept for reuse (HttpServer.response_head); the cache starts over
 # when full.
 _HEAD_CACHE_SIZE = 256
-# accept() errors that mean "out of resources for now", as trio.serve_listeners has.
-_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,27 +131,6 @@ class _HeaderTimeout(Exception):
     """A request head did not arrive within ``header_timeout``."""
 
 
-class _RateLimitedLog:
-    """One warning now, then at most one every ``every`` seconds with the number of
-    occurrences in between: a flood (of refused connections, of accept errors)
-    neither fills the log nor costs a line each."""
-
-    def __init__(self, message: str, every: float = 10.0) -> None:
-        self.message = message
-        self.every = every
-        self._next = -math.inf
-        self._suppressed = 0
-
-    def __call__(self, **fields) -> None:
-        now = trio.current_time()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        log.warning(self.message, suppressed_since_last=self._suppressed, **fields)
-        self._suppressed = 0
-        self._next = now + self.every
-
-
 class HttpServer:
     """Serves HTTP/1.1 on one address, each request by the handler its router picks.
 
@@ -173,9 +148,13 @@ class HttpServer:
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
         self._heads: dict[tuple, bytes] = {}
-        self._open = 0  # connections being served
-        self._log_refused = _RateLimitedLog("refusing HTTP connections: at the cap")
-        self._log_accept_error = _RateLimitedLog("http accept failed; retrying")
+        self.acceptor = Acceptor(
+            "HTTP",
+            self._connection,
+            self._refuse,
+            self.options.max_connections,
+            "--http-max-connections",
+        )
 
     async def serve(
         self,
@@ -197,8 +176,7 @@ class HttpServer:
             nursery.start_soon(self._watch_slow_requests, nursery)
             async with trio.open_nursery() as connections:
                 accepting = trio.CancelScope()
-                for listener in listeners:
-                    connections.start_soon(self._accept, listener, accepting, connections)
+                connections.start_soon(self._accept, listeners, accepting, connections)
                 task_status.started(bound)
                 await shutdown.wait()
                 accepting.cancel()
@@ -237,33 +215,18 @@ class HttpServer:
             connection.stop_waiting()
 
     async def _accept(
-        self, listener: trio.SocketListener, scope: trio.CancelScope, nursery: trio.Nursery
+        self,
+        listeners: list[trio.SocketListener],
+        scope: trio.CancelScope,
+        connections: trio.Nursery,
     ) -> None:
         with scope:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except trio.ClosedResourceError:
-                    return
-                except OSError as exc:
-                    if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
-                        raise
-                    # Out of descriptors or memory: wait for connections to end
-                    # instead of spinning on accept.
-                    self._log_accept_error(error=str(exc))
-                    await trio.sleep(0.1)
-                    continue
-                cap = self.options.max_connections
-                if cap is not None and self._open >= cap:
-                    await self._refuse(stream, cap)
-                    continue
-                self._open += 1
-                nursery.start_soon(self._connection, stream)
+            await self.acceptor.serve(listeners, connections)
 
-    async def _refuse(self, stream: trio.SocketStream, cap: int) -> None:
+    async def _refuse(self, stream: trio.SocketStream) -> None:
         """Answer 503 on a connection past the cap and close it, without reading it
         (bounded: a client that does not read cannot hold the accept loop)."""
-        self._log_refused(max_connections=cap)
+        cap = self.options.max_connections
         answer = _raw_error(
             503,
             f"too many connections: {cap} open, the limit of --http-max-connections; "
@@ -285,8 +248,6 @@ class HttpServer:
             log.debug("http connection lost", error=repr(group))
         except* Exception:
             log.exception("http connection failed")
-        finally:
-            self._open -= 1
 
 
 class _Request:
