@@ -133,6 +133,38 @@ class Acceptor:
         self._log_refused = RateLimitedLog(f"refusing {protocol} connections: at the cap ({flag})")
         self._log_accept_error = RateLimitedLog(f"{protocol} accept failed; retrying")
 
+    async def serve_until(
+        self,
+        listeners: Sequence[trio.SocketListener],
+        shutdown: trio.Event,
+        graceful_timeout: float,
+        drain: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve connections on ``listeners`` until ``shutdown`` is set (their
+        addresses reported to ``task_status``), then drain: the listeners close
+        (new connections are refused), ``drain()`` tells the protocol (idle
+        connections close, busy ones finish), and whatever is still open after
+        ``graceful_timeout`` seconds is cancelled. Returns when every connection
+        has ended."""
+        bound = [listener.socket.getsockname()[:2] for listener in listeners]
+        async with trio.open_nursery() as connections:
+            accepting = trio.CancelScope()
+
+            async def accept() -> None:
+                with accepting:
+                    await self.serve(listeners, connections)
+
+            connections.start_soon(accept)
+            task_status.started(bound)
+            await shutdown.wait()
+            accepting.cancel()
+            for listener in listeners:
+                await listener.aclose()
+            drain()
+            connections.cancel_scope.deadline = trio.current_time() + graceful_timeout
+
     async def serve(
         self, listeners: Sequence[trio.SocketListener], connections: trio.Nursery
     ) -> None:

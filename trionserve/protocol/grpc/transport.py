@@ -114,26 +114,9 @@ class GrpcTransport:
         listeners = await open_tcp_listeners(
             port, host=address or None, backlog=1024, reuse_port=self._options.reuse_port
         )
-        bound = [listener.socket.getsockname()[:2] for listener in listeners]
-        async with trio.open_nursery() as nursery:
-            accepting = trio.CancelScope()
-            nursery.start_soon(self._accept, accepting, listeners, nursery)
-            task_status.started(bound)
-            await shutdown.wait()
-            accepting.cancel()
-            for listener in listeners:
-                await listener.aclose()  # new connections are refused from here
-            self._draining.set()
-            nursery.cancel_scope.deadline = trio.current_time() + graceful_timeout
-
-    async def _accept(
-        self,
-        scope: trio.CancelScope,
-        listeners: list[trio.SocketListener],
-        nursery: trio.Nursery,
-    ) -> None:
-        with scope:
-            await self.acceptor.serve(listeners, nursery)
+        await self.acceptor.serve_until(
+            listeners, shutdown, graceful_timeout, self._draining.set, task_status=task_status
+        )
 
     async def _connection(self, socket_stream: trio.SocketStream) -> None:
         await self._serve_connection(socket_stream, self._draining)

@@ -171,19 +171,11 @@ class HttpServer:
             backlog=self.options.backlog,
             reuse_port=self.options.reuse_port,
         )
-        bound = [listener.socket.getsockname()[:2] for listener in listeners]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_slow_requests, nursery)
-            async with trio.open_nursery() as connections:
-                accepting = trio.CancelScope()
-                connections.start_soon(self._accept, listeners, accepting, connections)
-                task_status.started(bound)
-                await shutdown.wait()
-                accepting.cancel()
-                for listener in listeners:
-                    await listener.aclose()
-                self._drain()
-                connections.cancel_scope.deadline = trio.current_time() + graceful_timeout
+            await self.acceptor.serve_until(
+                listeners, shutdown, graceful_timeout, self._drain, task_status=task_status
+            )
             nursery.cancel_scope.cancel()
 
     async def _watch_slow_requests(self, nursery: trio.Nursery) -> None:
@@ -213,15 +205,6 @@ class HttpServer:
         self.draining = True
         for connection in list(self._idle):
             connection.stop_waiting()
-
-    async def _accept(
-        self,
-        listeners: list[trio.SocketListener],
-        scope: trio.CancelScope,
-        connections: trio.Nursery,
-    ) -> None:
-        with scope:
-            await self.acceptor.serve(listeners, connections)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         """Answer 503 on a connection past the cap and close it, without reading it
