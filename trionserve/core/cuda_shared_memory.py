@@ -24,7 +24,8 @@ import binascii
 import functools
 from dataclasses import dataclass, field
 
-from trionserve.core.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from trionserve.core.errors import AlreadyExists, InvalidArgument, Unavailable
+from trionserve.core.shared_memory import RegionTable, SystemSharedMemory
 
 # sizeof(cudaIpcMemHandle_t)
 CUDA_IPC_HANDLE_SIZE = 64
@@ -114,19 +115,18 @@ class CudaRegion:
             self.pointer = None
 
 
-class CudaSharedMemory:
+class CudaSharedMemory(RegionTable[CudaRegion]):
     """The registered CUDA regions, by name. Used on the Trio thread only.
 
     ``system`` is the system shared memory registry: a name may be registered in
     one of the two only.
     """
 
-    def __init__(self, system=None) -> None:
-        self._regions: dict[str, CudaRegion] = {}
-        self._system = system
+    kind = "CUDA shared memory"
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._regions
+    def __init__(self, system: SystemSharedMemory | None = None) -> None:
+        super().__init__()
+        self._system = system
 
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         reason = cuda_unavailable_reason()
@@ -145,53 +145,22 @@ class CudaSharedMemory:
             )
         self._regions[name] = CudaRegion(name, check_raw_handle(raw_handle), device_id, byte_size)
 
-    def unregister(self, name: str | None = None) -> None:
-        """Unregister one region, or every region when ``name`` is None or empty."""
-        if not name:
-            for region in self._regions.values():
-                region.close()
-            self._regions.clear()
-            return
-        region = self._regions.pop(name, None)
-        if region is None:
-            raise NotFound(f"CUDA shared memory region '{name}' is not registered")
-        region.close()
-
-    def status(self, name: str | None = None) -> list[dict]:
-        if not name:
-            return [r.status() for r in self._regions.values()]
-        region = self._regions.get(name)
-        if region is None:
-            raise NotFound(f"CUDA shared memory region '{name}' is not registered")
-        return [region.status()]
-
-    def _window(self, name: str, offset: int, byte_size: int, what: str) -> tuple[CudaRegion, int]:
-        region = self._regions.get(name)
-        if region is None:
-            raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-            raise InvalidArgument(
-                f"{what}: offset {offset} + byte size {byte_size} is out of bounds of "
-                f"CUDA shared memory region '{name}' ({region.byte_size} bytes)"
-            )
-        return region, offset
-
     def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
         """Refuse now a window out of the region's bounds (an output's, before it runs)."""
-        self._window(name, offset, byte_size, what)
+        self._region(name, offset, byte_size, what)
 
     def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
         """A host copy of ``byte_size`` bytes of a region (device->host)."""
         import cupy  # noqa: PLC0415
         import numpy  # noqa: PLC0415
 
-        region, start = self._window(name, offset, byte_size, what)
+        region = self._region(name, offset, byte_size, what)
         host = numpy.empty(byte_size, dtype=numpy.uint8)
         if byte_size:
             pointer = region.open()
             with cupy.cuda.Device(region.device_id):
                 cupy.cuda.runtime.memcpy(
-                    host.ctypes.data, pointer + start, byte_size, _DEVICE_TO_HOST
+                    host.ctypes.data, pointer + offset, byte_size, _DEVICE_TO_HOST
                 )
         return memoryview(host)
 
@@ -200,19 +169,14 @@ class CudaSharedMemory:
         import cupy  # noqa: PLC0415
         import numpy  # noqa: PLC0415
 
-        payload = memoryview(data).cast("B")
-        if payload.nbytes > byte_size:
-            raise InvalidArgument(
-                f"{what}: {payload.nbytes} bytes do not fit in the {byte_size} bytes "
-                f"given for shared memory region '{name}'"
-            )
-        region, start = self._window(name, offset, byte_size, what)
+        payload = self._payload(data, byte_size, name, what)
+        region = self._region(name, offset, byte_size, what)
         if payload.nbytes:
             host = numpy.frombuffer(payload, dtype=numpy.uint8)
             pointer = region.open()
             with cupy.cuda.Device(region.device_id):
                 cupy.cuda.runtime.memcpy(
-                    pointer + start, host.ctypes.data, payload.nbytes, _HOST_TO_DEVICE
+                    pointer + offset, host.ctypes.data, payload.nbytes, _HOST_TO_DEVICE
                 )
         return payload.nbytes
 

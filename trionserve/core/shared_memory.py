@@ -20,6 +20,7 @@ import json
 import os
 import stat
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from trionserve.core.errors import AlreadyExists, InvalidArgument, NotFound
 
@@ -70,11 +71,76 @@ def _shm_path(key: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
-class SystemSharedMemory:
-    """The registered regions, by name. Used on the Trio thread only."""
+class _Region(Protocol):
+    name: str
+    byte_size: int
+
+    def status(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+R = TypeVar("R", bound=_Region)
+
+
+class RegionTable(Generic[R]):
+    """Registered regions of one kind (``kind``, as messages name it), by name:
+    what system and CUDA shared memory share. Used on the Trio thread only."""
+
+    kind = "shared memory"
 
     def __init__(self) -> None:
-        self._regions: dict[str, Region] = {}
+        self._regions: dict[str, R] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._regions
+
+    def unregister(self, name: str | None = None) -> None:
+        """Unregister one region, or every region when ``name`` is None or empty."""
+        if not name:
+            regions, self._regions = self._regions, {}
+            for region in regions.values():
+                region.close()
+            return
+        region = self._regions.pop(name, None)
+        if region is None:
+            raise NotFound(f"{self.kind} region '{name}' is not registered")
+        region.close()
+
+    def status(self, name: str | None = None) -> list[dict]:
+        if not name:
+            return [r.status() for r in self._regions.values()]
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"{self.kind} region '{name}' is not registered")
+        return [region.status()]
+
+    def _region(self, name: str, offset: int, byte_size: int, what: str) -> R:
+        """The region ``name``, whose bounds hold ``byte_size`` bytes at ``offset``."""
+        region = self._regions.get(name)
+        if region is None:
+            raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
+        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+            raise InvalidArgument(
+                f"{what}: offset {offset} + byte size {byte_size} is out of bounds of "
+                f"{self.kind} region '{name}' ({region.byte_size} bytes)"
+            )
+        return region
+
+    @staticmethod
+    def _payload(data, byte_size: int, name: str, what: str) -> memoryview:
+        """``data`` as bytes, refused if more than the ``byte_size`` given for it."""
+        payload = memoryview(data).cast("B")
+        if payload.nbytes > byte_size:
+            raise InvalidArgument(
+                f"{what}: {payload.nbytes} bytes do not fit in the {byte_size} bytes "
+                f"given for shared memory region '{name}'"
+            )
+        return payload
+
+
+class SystemSharedMemory(RegionTable[Region]):
+    """The registered regions, by name. Used on the Trio thread only."""
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         if not name:
@@ -118,35 +184,8 @@ class SystemSharedMemory:
             raise
         self._regions[name] = Region(name, key, offset, byte_size, fd)
 
-    def unregister(self, name: str | None = None) -> None:
-        """Unregister one region, or every region when ``name`` is None or empty."""
-        if not name:
-            regions, self._regions = self._regions, {}
-            for region in regions.values():
-                region.close()
-            return
-        region = self._regions.pop(name, None)
-        if region is None:
-            raise NotFound(f"shared memory region '{name}' is not registered")
-        region.close()
-
-    def status(self, name: str | None = None) -> list[dict]:
-        if not name:
-            return [r.status() for r in self._regions.values()]
-        region = self._regions.get(name)
-        if region is None:
-            raise NotFound(f"shared memory region '{name}' is not registered")
-        return [region.status()]
-
     def _window(self, name: str, offset: int, byte_size: int, what: str) -> tuple[Region, int]:
-        region = self._regions.get(name)
-        if region is None:
-            raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
-            raise InvalidArgument(
-                f"{what}: offset {offset} + byte size {byte_size} is out of bounds of "
-                f"shared memory region '{name}' ({region.byte_size} bytes)"
-            )
+        region = self._region(name, offset, byte_size, what)
         return region, region.offset + offset
 
     def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
@@ -170,12 +209,7 @@ class SystemSharedMemory:
 
     def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
         """Copy ``data`` into a region window of ``byte_size`` bytes; returns its size."""
-        payload = memoryview(data).cast("B")
-        if payload.nbytes > byte_size:
-            raise InvalidArgument(
-                f"{what}: {payload.nbytes} bytes do not fit in the {byte_size} bytes "
-                f"given for shared memory region '{name}'"
-            )
+        payload = self._payload(data, byte_size, name, what)
         region, start = self._window(name, offset, byte_size, what)
         # Written past a file's end, pwrite grows the file (it never faults); the
         # check keeps a region cut short an error rather than a silently grown file.
