@@ -1,5 +1,5 @@
 """The in-process API (trionserve.api): no sockets, except the one test that
-attaches an HTTP frontend to a running in-process server."""
+attaches the HTTP, gRPC and metrics frontends to a running in-process server."""
 
 from __future__ import annotations
 
@@ -662,3 +662,42 @@ def test_http_frontend_attached_to_a_running_server(repository):
         import socket
 
         socket.create_connection((host, port), timeout=5).close()
+
+
+def test_grpc_and_metrics_frontends_attached_to_a_running_server(repository):
+    """gRPC and /metrics attached to a core started without them serve the same
+    core (one set of statistics), and close with it."""
+    import urllib.request
+
+    import tritonclient.grpc as grpcclient
+
+    with api.Server(
+        model_repository=repository,
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        startup_models=["simple"],
+    ) as server:
+        a, b = pair()
+        only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+        ((host, port),) = server.attach_grpc("127.0.0.1", 0)
+        ((metrics_host, metrics_port),) = server.attach_metrics("127.0.0.1", 0)
+        client = grpcclient.InferenceServerClient(f"{host}:{port}")
+        try:
+            assert client.is_server_ready()
+            inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+            inputs[0].set_data_from_numpy(a)
+            inputs[1].set_data_from_numpy(b)
+            result = client.infer("simple", inputs)
+            np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+            stats = client.get_inference_statistics("simple", as_json=True)["model_stats"][0]
+            assert int(stats["inference_stats"]["success"]["count"]) == 2
+            url = f"http://{metrics_host}:{metrics_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                text = answer.read().decode()
+            assert 'nv_inference_request_success{model="simple",version="1"} 2' in text
+        finally:
+            client.close()
+    import socket
+
+    for closed in (port, metrics_port):
+        with pytest.raises(ConnectionError):
+            socket.create_connection(("127.0.0.1", closed), timeout=5).close()
