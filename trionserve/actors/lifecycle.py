@@ -47,7 +47,7 @@ def prepare_model(
     versions = select_versions(config, list_versions(model_dir))
     if autocomplete:
         filename = config.default_model_filename or backend.default_model_filename()
-        model_path = model_dir / str(max(versions)) / filename
+        model_path = backend.auto_complete_source(model_dir / str(max(versions)), filename)
         if model_path.exists():
             backend.auto_complete_config(config, model_path, max_batch_size_set)
     normalize_model_config(config)

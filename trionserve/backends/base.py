@@ -121,6 +121,12 @@ class Backend(Protocol):
 
     def load(self, context: ModelContext) -> LoadedModel: ...
 
+    def auto_complete_source(self, version_dir: Path, filename: str) -> Path:
+        """The file auto-completion reads for a model of this backend: the
+        version's model file, unless the backend serves every model from one file
+        of its own (a Python-based backend's ``model.py``)."""
+        return version_dir / filename
+
     def can_use_gpu(self) -> bool:
         """Whether this backend, as installed, can run an instance on a GPU:
         KIND_AUTO becomes KIND_GPU only when it can (Triton's rule for backends

@@ -61,6 +61,9 @@ class PythonBackend(Backend):
     def default_model_filename(self) -> str:
         return MODEL_FILENAME
 
+    def auto_complete_source(self, version_dir: Path, filename: str) -> Path:
+        return self.model_file or version_dir / filename
+
     def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
         """Let the model's ``auto_complete_config`` complete ``config`` in place."""
         from trionserve.repository.config import model_config_from_json
