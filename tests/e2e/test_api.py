@@ -21,7 +21,7 @@ from trionserve import api
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import ServerOptions
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_repository"
 
 STREAM_CONFIG = """
 name: "stream"

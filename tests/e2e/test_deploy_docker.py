@@ -21,7 +21,7 @@ import pytest
 
 from trionserve.cli import options_from_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "Dockerfile.cuda"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 

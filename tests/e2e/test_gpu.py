@@ -398,7 +398,7 @@ def test_onnxruntime_tensorrt_accelerator(tmp_path, serve):
 def test_pytorch_kind_gpu(tmp_path, serve):
     import torch
 
-    from tests.test_pytorch_backend import AddMul
+    from tests.e2e.test_pytorch_backend import AddMul
 
     module = AddMul()
     version = tmp_path / "pt_gpu" / "1"

@@ -13,8 +13,8 @@ import trio
 import tritonclient.http as httpclient
 
 from tests.blocking_backend import GATE, make_model, wait_entered
+from tests.e2e.test_grpc_cancellation import Probe, executions_since, in_thread
 from tests.serverproc import free_port
-from tests.test_grpc_cancellation import Probe, executions_since, in_thread
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import Server, ServerOptions
 

@@ -21,7 +21,7 @@ import tritonclient.http as httpclient
 
 from tests.helpers import expect_error, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
-from tests.test_model_control_support import (
+from tests.unit.test_model_control_support import (
     copy_example,
     index_rows,
     slow_model,

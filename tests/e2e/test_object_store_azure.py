@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 import tritonclient.http as httpclient
 
+from tests.e2e.test_object_store import infer_simple
+from tests.helpers import wait_for
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
-from tests.test_object_store import infer_simple, wait_for
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.repository.object_store import AzureStore, ObjectStoreMirror, parse_location
 
@@ -298,9 +299,9 @@ def test_server_serves_and_polls_a_container(container, tmp_path):
         # A new version appears in the container; the default policy (latest 1)
         # serves it in place of version 1.
         upload(container, "models/simple/2/model.onnx", SIMPLE / "1" / "model.onnx")
-        wait_for(lambda: http.is_model_ready("simple", "2"), 30, "version 2 to load")
+        wait_for(lambda: http.is_model_ready("simple", "2"), "version 2 to load", 30)
         infer_simple(http, "2")
-        wait_for(lambda: not http.is_model_ready("simple", "1"), 30, "version 1 to unload")
+        wait_for(lambda: not http.is_model_ready("simple", "1"), "version 1 to unload", 30)
 
         # A changed config is reloaded: pinning version 1 brings it back.
         config = (SIMPLE / "config.pbtxt").read_text()
@@ -309,8 +310,8 @@ def test_server_serves_and_polls_a_container(container, tmp_path):
             "models/simple/config.pbtxt",
             (config + "version_policy: { specific: { versions: [1] } }\n").encode(),
         )
-        wait_for(lambda: http.is_model_ready("simple", "1"), 30, "version 1 to load again")
-        wait_for(lambda: not http.is_model_ready("simple", "2"), 30, "version 2 to unload")
+        wait_for(lambda: http.is_model_ready("simple", "1"), "version 1 to load again", 30)
+        wait_for(lambda: not http.is_model_ready("simple", "2"), "version 2 to unload", 30)
         infer_simple(http, "1")
         policy = http.get_model_config("simple")["version_policy"]
         assert [int(v) for v in policy["specific"]["versions"]] == [1]
@@ -318,7 +319,7 @@ def test_server_serves_and_polls_a_container(container, tmp_path):
         # A model removed from the container is unloaded.
         for key in ("config.pbtxt", "1/model.onnx", "2/model.onnx"):
             container.delete_blob(f"models/simple/{key}")
-        wait_for(lambda: not http.is_model_ready("simple"), 30, "the model to unload")
+        wait_for(lambda: not http.is_model_ready("simple"), "the model to unload", 30)
         http.close()
         assert server.stop() == 0
     finally:

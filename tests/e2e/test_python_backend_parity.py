@@ -23,9 +23,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.e2e.test_python_backend import ECHO, i32_inputs
+from tests.e2e.test_python_backend import MODELS as BASE_MODELS
 from tests.serverproc import EXAMPLES, ServerProcess
-from tests.test_python_backend import ECHO, i32_inputs
-from tests.test_python_backend import MODELS as BASE_MODELS
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 B = np.full((1, 16), 3, dtype=np.int32)

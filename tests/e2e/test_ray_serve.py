@@ -27,7 +27,7 @@ from tests.helpers import wait_for
 from tests.ray_cluster import RayCluster, free_port
 from trionserve.ray_serve import app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 REPOSITORY = str(ROOT / "examples" / "model_repository")
 EXAMPLE = ROOT / "examples" / "ray_serve" / "serve.yaml"
 APP = "triton"

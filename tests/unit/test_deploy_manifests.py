@@ -35,7 +35,7 @@ import jsonschema  # noqa: E402
 from kubernetes_validate import utils as k8s_utils  # noqa: E402
 from referencing import Registry, Resource  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 KSERVE = ROOT / "deploy" / "kserve"
 ADAPTER = ROOT / "deploy" / "prometheus-adapter" / "values.yaml"

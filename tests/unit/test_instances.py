@@ -240,7 +240,7 @@ def test_kind_auto_stays_on_cpu_for_a_backend_without_gpu_support(monkeypatch):
     from trionserve.backends.onnxruntime import OnnxRuntimeBackend
 
     monkeypatch.setattr(lifecycle, "gpu_count", lambda: 2)
-    simple = Path(__file__).parent.parent / "examples" / "model_repository" / "simple"
+    simple = Path(__file__).resolve().parents[2] / "examples" / "model_repository" / "simple"
 
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
     assert OnnxRuntimeBackend().can_use_gpu() is False

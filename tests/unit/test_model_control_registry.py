@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.test_model_control_support import (
+from tests.unit.test_model_control_support import (
     CONCURRENCY,
     controls,
     fake_model,

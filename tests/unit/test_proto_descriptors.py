@@ -27,7 +27,7 @@ from trionserve._generated import grpc_service_pb2 as our_sv
 from trionserve._generated import model_config_pb2 as our_mc
 from trionserve._generated.protopool import POOL
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 FILE_PAIRS = [
     pytest.param(our_mc.DESCRIPTOR, triton_mc.DESCRIPTOR, id="model_config"),

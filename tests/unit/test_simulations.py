@@ -36,7 +36,7 @@ from trionserve.schedulers import default as default_module
 from trionserve.schedulers import dynamic_batch as batcher_module
 
 ALL = [scenario.name for scenario in scenarios_named(["all"])]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import tritonclient.http as httpclient
 
 from tests.serverproc import http_client, serving
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_repository"
 
 RECORDER = """
 import json

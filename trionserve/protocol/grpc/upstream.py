@@ -1,7 +1,7 @@
 """Where trionserve leans on private parts of h2, hpack and hyperframe: only here.
 
 Each use below goes past a library's public API for speed on the gRPC hot path,
-and each is checked by ``tests/test_upstream_internals.py``, which fails when an
+and each is checked by ``tests/unit/test_upstream_internals.py``, which fails when an
 upstream release changes what it relies on; pyproject.toml bounds these
 libraries below their next minor release until that test passes on it.
 
