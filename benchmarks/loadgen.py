@@ -155,6 +155,9 @@ def standard_workloads(identity_model: str = "identity_fp32") -> dict[str, Workl
         Workload("simple batched grpc", "grpc", "simple", "simple_batched"),
         Workload("identity 4MB http", "http", "identity", identity_model, elements=1_000_000),
         Workload("identity 4MB grpc", "grpc", "identity", identity_model, elements=1_000_000),
+        # simple's tensors from a Python-backend model (a stub process per instance).
+        Workload("add_sub_python http binary", "http", "simple", "add_sub_python"),
+        Workload("add_sub_python grpc", "grpc", "simple", "add_sub_python"),
     ]
     return {w.name: w for w in items}
 

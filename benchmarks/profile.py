@@ -71,6 +71,11 @@ def main() -> None:
         action="store_true",
         help="sample every running thread, not only the one holding the GIL",
     )
+    parser.add_argument(
+        "--subprocesses",
+        action="store_true",
+        help="sample the server's child processes too (Python-backend stubs)",
+    )
     parser.add_argument("--svg", help="also write a flame graph here")
     args = parser.parse_args()
     if not 0 < args.duration <= 120:
@@ -100,6 +105,7 @@ def main() -> None:
                 "--threads",
                 "--nonblocking",
                 *([] if args.all_threads else ["--gil"]),
+                *(["--subprocesses"] if args.subprocesses else []),
             ]
             recorder = threading.Thread(
                 target=subprocess.run,
