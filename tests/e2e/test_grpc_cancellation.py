@@ -316,3 +316,38 @@ async def test_unary_infer_of_a_decoupled_model_is_unimplemented(repository):
         assert executions_since() == 0
         client.close()
         server.shutdown()
+
+
+async def test_a_call_cut_at_the_exit_timeout_gets_unavailable_before_the_close(repository):
+    """Issue 18 item 8, as over HTTP: a unary call and a stream still running when
+    --exit-timeout-secs expires end UNAVAILABLE naming the flag (the status in the
+    call's trailers), not with the connection dropped under them."""
+    server = make_server(repository)
+    server.options.exit_timeout_secs = 0.5
+    results: dict[str, object] = {}
+    client = grpcclient.InferenceServerClient(url(server))
+    streamed: queue.Queue = queue.Queue()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        probe = Probe(server.dataplane)
+
+        async def unary():
+            try:
+                await in_thread(lambda: client.infer("blocking", inputs(1.0), request_id="u"))
+            except InferenceServerException as error:
+                results["unary"] = error
+
+        async with trio.open_nursery() as calls:
+            calls.start_soon(unary)
+            await wait_entered()
+            client.start_stream(callback=lambda result, error: streamed.put((result, error)))
+            client.async_stream_infer("blocking", inputs(2.0), request_id="s")
+            await probe.arrived("u", "s")
+            server.shutdown()
+        _, stream_error = await in_thread(lambda: streamed.get(timeout=30))
+        GATE.release.set()  # the model's thread ends; the server can finish
+    for error in (results["unary"], stream_error):
+        assert error.status() == "StatusCode.UNAVAILABLE", error
+        assert "--exit-timeout-secs" in error.message(), error
+    client.stop_stream()
+    client.close()

@@ -44,6 +44,10 @@ _OK_TRAILERS = status_headers(Status.OK, None)
 # (upstream.CachingEncoder).
 _CONSTANT_HEADERS = (_RESPONSE_HEADERS, _GZIP_RESPONSE_HEADERS, _OK_TRAILERS)
 _DRAIN_PING = b"drainGA\x00"
+_CUT_MESSAGE = (
+    "the server is shutting down: the request was still running at the exit timeout "
+    "(--exit-timeout-secs)"
+)
 _KEEPALIVE_PING = b"keepaliv"
 # Messages up to this size go out as one joined DATA payload; larger ones are
 # written chunk by chunk from memoryviews, without joining.
@@ -302,6 +306,7 @@ class Connection:
         self.peer = _peer_name(stream)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
+        self._written = trio.Event()  # set when that task leaves it
         self._extra: list[bytes] = []  # raw frames to write after h2's own output
         self._closing = False
         self._last_stream_id = _MAX_WINDOW
@@ -599,6 +604,12 @@ class Connection:
             outcome = await self._outcome(call, handler)
             if outcome is not None:
                 self._finish(call, *outcome)
+        except BaseException:
+            # Cancelled (alone or grouped by the handler's nursery): when the server
+            # is draining, that is the exit timeout cutting the call.
+            if self._server_draining.is_set() and not call._reset:
+                await self._cut(call)
+            raise
         finally:
             self.calls.pop(call._stream_id, None)
             self._held_back.discard(call)
@@ -632,6 +643,21 @@ class Connection:
         if scope.cancelled_caught:
             status, message = Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
         return status, message
+
+    async def _cut(self, call: GrpcCall) -> None:
+        """The server cut this call (its drain ended at the exit timeout): end it
+        UNAVAILABLE, if the socket takes the trailers within a second."""
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + 1.0
+            self._finish(call, Status.UNAVAILABLE, _CUT_MESSAGE)
+            # The task writing now may be one being cancelled, which would leave
+            # these trailers unwritten: wait for it, then write them from here.
+            while self._writing:
+                await self._written.wait()
+            try:
+                await self._write_pending()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
 
     def _finish(self, call: GrpcCall, status: Status, message: str | None) -> None:
         stream_id = call._stream_id
@@ -734,6 +760,7 @@ class Connection:
     async def _write_pending(self) -> None:
         """Write everything queued, until nothing is left."""
         self._writing = True
+        self._written = trio.Event()
         try:
             while True:
                 buffers = self.h2.buffers_to_send()
@@ -746,6 +773,7 @@ class Connection:
                     await self.stream.send_all(data)
         finally:
             self._writing = False
+            self._written.set()
 
     async def _first_call_deadline(self) -> None:
         with trio.move_on_after(self.options.first_call_timeout):

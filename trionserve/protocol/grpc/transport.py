@@ -26,7 +26,8 @@ What it guarantees:
   finish, client-streaming calls stop reading (their ``receive`` returns None and
   ``call.draining`` is true), then each connection closes once everything up to
   its final GOAWAY is written; after ``graceful_timeout`` whatever is left is
-  cancelled.
+  cancelled, and a call cut so ends UNAVAILABLE (naming ``--exit-timeout-secs``)
+  if its socket takes the trailers within a second.
 """
 
 from __future__ import annotations
