@@ -37,6 +37,9 @@ class LoadResult:
     latencies_ms: list[float]
     first_error: str = ""
     extra: object = None  # what ClientPool.run's on_window returned
+    # (infer/s, p50 ms, p99 ms) as a load generator of its own reported them
+    # (perf_analyzer), instead of figures from ``latencies_ms``.
+    reported: tuple[float, float, float] | None = None
 
     @property
     def throughput(self) -> float:

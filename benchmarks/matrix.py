@@ -3,13 +3,14 @@
 Every point (workload x concurrency) runs against each server in turn, for
 ``rounds`` rounds with the order rotated each round, so slow drifts of a noisy
 machine hit every server alike; the table gives throughput with its ratio to the
-reference server (the first), p50/p99 latency, the server's CPU time per
+reference server (the first unless named), p50/p99 latency, the server's CPU time per
 inference (its whole process tree, from /proc) and the MB/s of large tensors.
 The peak RSS of each server's process tree closes the table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -24,6 +25,13 @@ from benchmarks.loadgen import ClientPool, LoadResult, Workload
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "model_repository"
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def default_cache() -> Path:
+    """Where benchmarks keep what they download (peers' environments, perf_analyzer,
+    a newer glibc) between runs: outside the repository."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "trionserve-benchmarks"
 
 
 # --------------------------------------------------------------- process trees
@@ -248,6 +256,7 @@ class Cell:
     seconds: float = 0.0
     cpu: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
+    reported: list[tuple[float, float, float]] = field(default_factory=list)
     first_error: str = ""
     skipped: str = ""
 
@@ -257,13 +266,21 @@ class Cell:
         self.seconds += result.seconds
         self.cpu += result.extra or 0.0
         self.latencies_ms.extend(result.latencies_ms)
+        if result.reported is not None:
+            self.reported.append(result.reported)
         self.first_error = self.first_error or result.first_error
 
     @property
     def throughput(self) -> float:
+        if self.reported:  # the load generator's own figures: their mean over rounds
+            return sum(r[0] for r in self.reported) / len(self.reported)
         return self.requests / self.seconds if self.seconds else 0.0
 
     def percentile(self, p: float) -> float:
+        if self.reported and p in (50, 99):
+            column = 1 if p == 50 else 2
+            known = [r[column] for r in self.reported if r[column] == r[column]]  # not NaN
+            return sum(known) / len(known) if known else float("nan")
         if not self.latencies_ms:
             return float("nan")
         ordered = sorted(self.latencies_ms)
@@ -281,6 +298,37 @@ def _cpu_window(pid: int):
     return sample
 
 
+class ClientPoolLoad:
+    """The matrix's default load generator: benchmarks.loadgen's client processes,
+    the server's CPU time sampled over the measured window."""
+
+    def __init__(self, pool: ClientPool) -> None:
+        self.pool = pool
+
+    @staticmethod
+    def unsupported(workload: Workload) -> str | None:
+        return None
+
+    def run(
+        self,
+        target: Target,
+        workload: Workload,
+        concurrency: int,
+        duration: float,
+        warmup: float,
+        max_requests: int,
+    ) -> LoadResult:
+        return self.pool.run(
+            workload,
+            target.url(workload),
+            concurrency,
+            duration,
+            warmup,
+            max_requests,
+            on_window=_cpu_window(target.pid),
+        )
+
+
 def run_matrix(
     targets: list[Target],
     workloads: list[Workload],
@@ -291,11 +339,16 @@ def run_matrix(
     client_processes: int | None = None,
     max_requests: int = 1_000_000,
     log=print,
+    load=None,
 ) -> dict[tuple[str, int, str], Cell]:
     """Run every point against every target; returns (workload, concurrency,
-    target label) -> Cell."""
+    target label) -> Cell. ``load``: the load generator (``run`` one point,
+    ``unsupported`` says why a workload cannot run), by default client processes
+    of benchmarks.loadgen."""
     cells: dict[tuple[str, int, str], Cell] = {}
-    with ClientPool(client_processes) as pool:
+    with contextlib.ExitStack() as stack:
+        if load is None:
+            load = ClientPoolLoad(stack.enter_context(ClientPool(client_processes)))
         for workload in workloads:
             for concurrency in concurrencies:
                 order = list(targets)
@@ -303,23 +356,23 @@ def run_matrix(
                     shift = round_index % len(order)
                     for target in order[shift:] + order[:shift]:
                         cell = cells.setdefault((workload.name, concurrency, target.label), Cell())
-                        why = target.why_not(workload)
+                        why = target.why_not(workload) or load.unsupported(workload)
                         if why:
                             cell.skipped = why
                             continue
-                        result = pool.run(
+                        result = load.run(
+                            target,
                             target.adapt(workload),
-                            target.url(workload),
                             concurrency,
                             duration,
                             warmup,
                             max_requests,
-                            on_window=_cpu_window(target.pid),
                         )
                         cell.add(result)
                         log(
                             f"  {workload.name:<20} c={concurrency:<3} {target.label:<16} "
-                            f"{result.throughput:9.1f} infer/s  errors {result.errors}"
+                            f"{result.reported[0] if result.reported else result.throughput:9.1f}"
+                            f" infer/s  errors {result.errors}"
                             + (f"  ({result.first_error})" if result.first_error else ""),
                         )
     return cells
@@ -331,9 +384,11 @@ def format_table(
     concurrencies: list[int],
     cells: dict[tuple[str, int, str], Cell],
     peak_rss: dict[str, float] | None = None,
+    reference: str | None = None,
 ) -> str:
-    """One table: a row per point and server, ratios to the first server."""
-    reference = targets[0].label
+    """One table: a row per point and server, ratios to ``reference`` (a target's
+    label; the first by default)."""
+    reference = reference or targets[0].label
     width = max([20, *(len(w.name) for w in workloads)])
     lines = [
         f"{'workload':<{width}} {'c':>3}  {'server':<16} {'infer/s':>9} {'x ' + reference:>14} "
@@ -362,8 +417,9 @@ def format_table(
                     f"{cell.percentile(50):7.2f} {cell.percentile(99):7.2f} {cpu:10.3f} "
                     f"{cell.errors:>6}"
                 )
-                if cell.errors and cell.first_error:
-                    lines.append(f"{'':<26}first error: {cell.first_error[:150]}")
+                if cell.first_error:
+                    what = "first error" if cell.errors else "note"
+                    lines.append(f"{'':<26}{what}: {cell.first_error[:150]}")
     if peak_rss:
         lines.append("")
         lines.append(

@@ -2,7 +2,7 @@
 
 Usage:
     python -m benchmarks.perf_analyzer [--perf-analyzer PATH] [--concurrency 1:4:3]
-        [--interval-ms 2000] [--flags "--workers 2"] [--cases http,grpc,...]
+        [--interval-ms 2000] [--flags "--workers 2"] [--cases http,grpc,...] [--cache DIR]
 
 Starts trionserve on the example repository (with client shared memory allowed)
 and runs perf_analyzer once per case, each a way Triton users drive their
@@ -11,9 +11,11 @@ system shared memory, in CUDA shared memory (where a GPU and cupy exist), and a
 sequence model. A case passes when perf_analyzer exits 0 and reports its
 throughput; the table gives infer/s and p99 latency per concurrency.
 
-perf_analyzer comes from PyPI's ``perf-analyzer`` wheel (or Triton's SDK image).
-Its wheels need glibc 2.38 or newer; on an older host point ``--perf-analyzer``
-at a binary that runs there. perf_analyzer asks for the model configuration and
+perf_analyzer is the one on PATH, ``--perf-analyzer PATH``, or else the binary
+of PyPI's ``perf-analyzer`` wheel, downloaded once into ``--cache`` (default
+``~/.cache/trionserve-benchmarks``). Its wheels need glibc 2.38 or newer: on an
+older Debian host it runs through a private loader (benchmarks/newer_glibc.py).
+perf_analyzer asks for the model configuration and
 statistics extensions, and checks the responses' shapes: a case that fails
 prints perf_analyzer's own error. Stability is perf_analyzer's default (average
 latency and throughput within 10% over three windows); ``--pa-args "--percentile
@@ -24,15 +26,27 @@ meets.
 from __future__ import annotations
 
 import argparse
+import csv
+import io
+import json
+import platform
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.matrix import start_trionserve
+from benchmarks import newer_glibc
+from benchmarks.loadgen import LoadResult, Workload
+from benchmarks.matrix import Target, cpu_seconds, default_cache, start_trionserve, tree_pids
+
+# The wheel whose binary is used when none is given (perf_analyzer 2.60, Triton 25.08's SDK).
+WHEEL = "perf-analyzer==2.60.0"
 
 # name -> (protocol, model, extra perf_analyzer arguments, needs a GPU)
 CASES: dict[str, tuple[str, str, list[str], bool]] = {
@@ -76,6 +90,7 @@ CASES: dict[str, tuple[str, str, list[str], bool]] = {
 }
 _POINT = re.compile(r"Concurrency: (\d+), throughput: ([\d.]+) infer/sec, latency (\d+) usec")
 _P99 = re.compile(r"p99 latency: (\d+) usec")
+_WINDOW = re.compile(r"Pass \[\d+\] throughput: ([\d.]+) infer/sec")
 
 
 @dataclass
@@ -85,6 +100,170 @@ class Outcome:
     points: list[tuple[int, float, int]]  # concurrency, infer/s, average latency (us)
     p99_us: list[int]
     error: str = ""
+
+
+class Unavailable(Exception):
+    """perf_analyzer cannot run here; the message says why."""
+
+
+def _from_wheel(cache: Path, log) -> Path:
+    """The binary of PyPI's perf-analyzer wheel, downloaded and unpacked once.
+    pip would pick the wheel's placeholder release on a host older than the
+    wheel's glibc, so the platform is named."""
+    folder = cache / "perf_analyzer"
+    binary = folder / "perf_analyzer" / "bin" / "perf_analyzer"
+    if binary.exists():
+        return binary
+    log(f"downloading {WHEEL} ...")
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+            "--platform", f"manylinux_2_38_{platform.machine()}", "-d", tmp, WHEEL,
+        ]  # fmt: skip
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            raise Unavailable(f"pip download {WHEEL} did not finish in 600 s") from None
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise Unavailable(f"pip download {WHEEL} failed: {done.stderr.strip()[-300:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            wheel.extractall(folder)
+    if not binary.exists():
+        raise Unavailable(f"{wheels[0].name} has no perf_analyzer/bin/perf_analyzer")
+    binary.chmod(0o755)
+    return binary
+
+
+def resolve(binary: str | None, cache: Path, log=print) -> list[str]:
+    """The command that runs perf_analyzer here: ``binary`` (or the one on PATH,
+    or the wheel's), through a private loader when the host's glibc is too old.
+    Raises Unavailable with the reason when it cannot run."""
+    if binary is None:
+        on_path = shutil.which("perf_analyzer")
+        # pip's console script is a Python wrapper around the wheel's binary.
+        binary = on_path if on_path and newer_glibc.is_elf(on_path) else None
+    if binary is None:
+        binary = str(_from_wheel(cache, log))
+    try:
+        missing = newer_glibc.missing_versions([binary])
+        if not missing:
+            return [binary]
+        log(f"perf_analyzer needs {', '.join(missing)}; running it with a private loader")
+        command = [*newer_glibc.PrivateGlibc(cache).prefix(log), binary]
+        still = newer_glibc.missing_versions(command)
+    except newer_glibc.Unavailable as exc:
+        raise Unavailable(f"perf_analyzer needs {', '.join(missing)}, and {exc}") from None
+    if still:
+        raise Unavailable(f"perf_analyzer still misses {', '.join(still)} with the private loader")
+    return command
+
+
+def _inference_count(http_url: str, model: str) -> int:
+    """The server's count of inferences for ``model`` (the statistics extension)."""
+    import http.client
+
+    host, port = http_url.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.request("GET", f"/v2/models/{model}/stats")
+        response = connection.getresponse()
+        body = response.read()
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise RuntimeError(f"statistics of {model}: HTTP {response.status}")
+    return sum(m["inference_count"] for m in json.loads(body)["model_stats"])
+
+
+class PerfAnalyzerLoad:
+    """perf_analyzer as the matrix's load generator (benchmarks.matrix.run_matrix):
+    one perf_analyzer run per point, at one concurrency, windows of ``duration``
+    seconds until three in a row agree within ``stability`` percent or
+    ``max_trials`` windows have run. Throughput and p50/p99 are perf_analyzer's
+    own (its last, stable windows); a point that did not settle reports the mean
+    throughput of its last three windows, no latencies, and says so. The
+    server's CPU time over the whole run is divided by the inferences the server
+    counted in the same span (its statistics extension), so warm-up windows
+    count in both."""
+
+    def __init__(
+        self, command: list[str], max_trials: int = 6, stability: int = 50, extra_args=()
+    ) -> None:
+        self.command = command
+        self.max_trials = max_trials
+        self.stability = stability
+        self.extra_args = list(extra_args)
+
+    @staticmethod
+    def unsupported(workload: Workload) -> str | None:
+        if workload.protocol == "http" and not workload.binary:
+            return "perf_analyzer sends binary tensors"
+        return None
+
+    def run(
+        self,
+        target: Target,
+        workload: Workload,
+        concurrency: int,
+        duration: float,
+        warmup: float,
+        max_requests: int,
+    ) -> LoadResult:
+        url = target.url(workload)
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.csv"
+            command = [
+                *self.command,
+                "-m", workload.model,
+                "-i", workload.protocol,
+                "-u", url,
+                "--concurrency-range", f"{concurrency}:{concurrency}",
+                "--measurement-interval", str(int(duration * 1000)),
+                "--max-trials", str(self.max_trials),
+                "--stability-percentage", str(self.stability),
+                "-v",  # each window's throughput, for a point that does not settle
+                "-f", str(report),
+                *self.extra_args,
+            ]  # fmt: skip
+            if workload.kind == "identity":
+                command += ["--shape", f"INPUT0:{workload.elements}"]
+            pids = tree_pids(target.pid)
+            count_before = _inference_count(target.http_url, workload.model)
+            cpu_before = cpu_seconds(pids)
+            started = time.monotonic()
+            timeout = duration * (self.max_trials + 2) + warmup + 120
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+                output, returncode = done.stdout + done.stderr, done.returncode
+            except subprocess.TimeoutExpired:
+                output, returncode = f"timed out after {timeout:g} s", None
+            seconds = time.monotonic() - started
+            cpu = cpu_seconds(tree_pids(target.pid)) - cpu_before
+            counted = _inference_count(target.http_url, workload.model) - count_before
+            rows = list(csv.DictReader(io.StringIO(report.read_text()))) if report.exists() else []
+        result = LoadResult(workload.name, concurrency, counted, 0, seconds, [], extra=cpu)
+        if returncode != 0 or not rows:
+            windows = [float(rate) for rate in _WINDOW.findall(output)]
+            if "Failed to obtain stable measurement" in output and len(windows) >= 3:
+                nan = float("nan")
+                result.reported = (sum(windows[-3:]) / 3, nan, nan)
+                result.first_error = (
+                    f"not stable within {self.max_trials} windows of {duration:g} s "
+                    f"(-s {self.stability}): the last three windows' mean"
+                )
+                return result
+            lines = [line for line in output.splitlines() if line.strip()]
+            result.errors = 1
+            result.first_error = "perf_analyzer: " + " | ".join(lines[-3:])[:300]
+            return result
+        row = rows[-1]
+        result.reported = (
+            float(row["Inferences/Second"]),
+            float(row["p50 latency"]) / 1000,
+            float(row["p99 latency"]) / 1000,
+        )
+        return result
 
 
 def has_gpu() -> bool:
@@ -97,7 +276,7 @@ def has_gpu() -> bool:
 
 
 def run_case(
-    binary: str,
+    perf_analyzer: list[str],
     case: str,
     http_url: str,
     grpc_url: str,
@@ -109,7 +288,7 @@ def run_case(
 ) -> Outcome:
     protocol, model, extra, _ = CASES[case]
     command = [
-        binary,
+        *perf_analyzer,
         "-m",
         model,
         "-i",
@@ -145,8 +324,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--perf-analyzer",
-        default=shutil.which("perf_analyzer"),
-        help="the perf_analyzer binary (default: on PATH)",
+        help="the perf_analyzer binary (default: on PATH, else PyPI's wheel, into --cache)",
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=default_cache(),
+        help="where PyPI's perf_analyzer and a newer glibc are kept between runs",
     )
     parser.add_argument("--concurrency", default="1:4:3", help="perf_analyzer's range")
     parser.add_argument("--interval-ms", type=int, default=2000)
@@ -156,10 +340,10 @@ def main() -> None:
     parser.add_argument("--pa-args", default="", help="extra perf_analyzer arguments")
     parser.add_argument("--log-dir", type=Path, help="keep each case's full output here")
     args = parser.parse_args()
-    if not args.perf_analyzer:
-        raise SystemExit(
-            "no perf_analyzer on PATH: pip install perf-analyzer, or pass --perf-analyzer PATH"
-        )
+    try:
+        command = resolve(args.perf_analyzer, args.cache)
+    except Unavailable as exc:
+        raise SystemExit(f"perf_analyzer cannot run here: {exc}") from None
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
     if unknown:
@@ -174,7 +358,7 @@ def main() -> None:
                 outcomes.append(Outcome(case, None, [], [], "skipped: no GPU / cupy here"))
                 continue
             outcome = run_case(
-                args.perf_analyzer,
+                command,
                 case,
                 target.http_url,
                 target.grpc_url,

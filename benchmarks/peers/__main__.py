@@ -3,10 +3,11 @@
 Usage:
     python -m benchmarks.peers [--peers triton,kserve,mlserver] [--duration 5]
         [--rounds 1] [--concurrency 1,4,16] [--workloads ...] [--python-backend]
-        [--venv-root DIR] [--install-timeout 900] [--install-only]
+        [--load-generator loadgen|perf_analyzer] [--reference LABEL]
+        [--cache DIR] [--install-timeout 900] [--install-only]
 
-Installs each peer into its own virtual environment under ``--venv-root``
-(default ``~/.cache/trionserve-benchmarks/peers``; reused by later runs), starts
+Installs each peer into its own virtual environment under ``--cache``/peers
+(default ``~/.cache/trionserve-benchmarks``; reused by later runs), starts
 trionserve and every peer that installed on free loopback ports, all at once,
 and runs the same matrix against each in turn (benchmarks/matrix.py): `simple`
 over HTTP binary, HTTP JSON and gRPC at each concurrency, the same model behind
@@ -16,6 +17,12 @@ cannot be installed or started is reported and skipped.
 
 ``--python-backend`` adds trionserve serving the very Python-backend models
 Triton serves (the like-for-like row; trionserve's default `simple` is ONNX).
+
+``--load-generator perf_analyzer`` drives every point with NVIDIA's perf_analyzer
+(benchmarks/perf_analyzer.py: PyPI's wheel, downloaded into the cache, through a
+private loader where the host's glibc is too old) instead of the client processes
+of benchmarks/loadgen.py; where it cannot run, the run says why and goes on with
+loadgen. ``--reference triton`` gives the ratios to Triton.
 """
 
 from __future__ import annotations
@@ -27,9 +34,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from benchmarks import perf_analyzer
 from benchmarks.loadgen import standard_workloads
-from benchmarks.matrix import EXAMPLES, format_table, peak_rss_of, run_matrix, start_trionserve
-from benchmarks.peers.common import BATCHING, PeerUnavailable, default_venv_root
+from benchmarks.matrix import (
+    EXAMPLES,
+    default_cache,
+    format_table,
+    peak_rss_of,
+    run_matrix,
+    start_trionserve,
+)
+from benchmarks.peers.common import BATCHING, PeerUnavailable
 from benchmarks.peers.kserve import KServe
 from benchmarks.peers.mlserver import MLServer
 from benchmarks.peers.triton import Triton, write_repository
@@ -76,7 +91,35 @@ def main() -> None:
         action="store_true",
         help="also run trionserve on the Python-backend models",
     )
-    parser.add_argument("--venv-root", type=Path, default=default_venv_root())
+    parser.add_argument(
+        "--load-generator",
+        choices=("loadgen", "perf_analyzer"),
+        default="loadgen",
+        help="loadgen: tritonclient in client processes; perf_analyzer: NVIDIA's",
+    )
+    parser.add_argument("--perf-analyzer", help="the perf_analyzer binary (default: PyPI's)")
+    parser.add_argument(
+        "--pa-max-trials",
+        type=int,
+        default=6,
+        help="perf_analyzer windows (of --duration s) per point at most",
+    )
+    parser.add_argument(
+        "--pa-stability",
+        type=int,
+        default=50,
+        help="perf_analyzer's --stability-percentage (three windows within it)",
+    )
+    parser.add_argument("--pa-args", default="", help="extra perf_analyzer arguments")
+    parser.add_argument(
+        "--reference", help="label of the server the ratios are to (default: trionserve)"
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=default_cache(),
+        help="downloads kept between runs: peers' environments, perf_analyzer, a newer glibc",
+    )
     parser.add_argument(
         "--install-timeout",
         type=float,
@@ -97,7 +140,7 @@ def main() -> None:
         raise SystemExit(f"unknown workload {exc}; known: {', '.join(known)}") from None
     try:
         peers = [
-            PEERS[name.strip()](args.venv_root, args.install_timeout)
+            PEERS[name.strip()](args.cache / "peers", args.install_timeout)
             for name in args.peers.split(",")
             if name.strip()
         ]
@@ -113,6 +156,19 @@ def main() -> None:
         except PeerUnavailable as exc:
             skipped[peer.name] = f"not installed: {exc}"
             print(f"[{peer.name}] skipped: {exc}", flush=True)
+    load = None
+    if args.load_generator == "perf_analyzer":
+        try:
+            command = perf_analyzer.resolve(
+                args.perf_analyzer, args.cache, log=lambda line: print(line, flush=True)
+            )
+            load = perf_analyzer.PerfAnalyzerLoad(
+                command, args.pa_max_trials, args.pa_stability, shlex.split(args.pa_args)
+            )
+            print(f"load generator: {shlex.join(command)}", flush=True)
+        except perf_analyzer.Unavailable as exc:
+            skipped["perf_analyzer"] = f"did not run ({exc}); the load came from loadgen"
+            print(f"[perf_analyzer] cannot run: {exc}; using loadgen instead", flush=True)
     if args.install_only:
         return
 
@@ -155,6 +211,7 @@ def main() -> None:
                 args.rounds,
                 args.client_processes,
                 log=lambda line: print(line, flush=True),
+                load=load,
             )
             rss = peak_rss_of(targets)
         finally:
@@ -164,7 +221,11 @@ def main() -> None:
     for peer in peers:
         print(f"{peer.name:<10} {peer.description}")
     print()
-    print(format_table(targets, workloads, concurrencies, cells, rss))
+    labels = [t.label for t in targets]
+    if args.reference and args.reference not in labels:
+        print(f"--reference {args.reference} did not run; ratios to {labels[0]}")
+    reference = args.reference if args.reference in labels else None
+    print(format_table(targets, workloads, concurrencies, cells, rss, reference))
     for name, why in skipped.items():
         print(f"{name}: {why}")
 

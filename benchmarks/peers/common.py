@@ -3,7 +3,6 @@ and the models' arithmetic, written out at run time (no peer code is committed).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -26,12 +25,6 @@ BATCH_DELAY_SECONDS = 0.0005
 
 class PeerUnavailable(Exception):
     """The peer cannot run here (its package does not install, or it fails to start)."""
-
-
-def default_venv_root() -> Path:
-    """Where peers' environments live between runs (outside the repository)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "trionserve-benchmarks" / "peers"
 
 
 @dataclass
