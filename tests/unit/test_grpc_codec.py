@@ -312,6 +312,10 @@ def raw_message(*specs, raws=()) -> triton_pb.ModelInferRequest:
             raw_message(("X", "INT32", [1])),
             "missing data for input 'X' for model 'simple': expected raw_input_contents",
         ),
+        (  # numpy: "array is too big", even with a 0 dimension; was INTERNAL
+            raw_message(("X", "FP32", [0, 2**62]), raws=[b""]),
+            "invalid shape for input 'X': [0,4611686018427387904] is too large",
+        ),
         (
             raw_message(("X", "BYTES", [2]), raws=[b"\x01\0\0\0a"]),
             "unexpected number of BYTES elements for input 'X' with shape [2]: expected 2, got 1",

@@ -155,6 +155,19 @@ def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
 _INT64_MAX = 2**63 - 1
 
 
+def check_shape_size(name: str, shape: list[int]) -> None:
+    """Refuse an input shape numpy cannot hold: one whose non-zero dimensions would
+    take more bytes than it can index (at most 8 bytes an element), which numpy
+    refuses even when another dimension is 0 ("array is too big")."""
+    size = 8
+    for d in shape:
+        size *= d or 1
+    if size > _INT64_MAX:
+        raise InvalidArgument(
+            f"invalid shape for input '{name}': [{','.join(map(str, shape))}] is too large"
+        )
+
+
 def parse_model_version(text: str) -> int | None:
     """The model version of a URL path segment or a request field: "" -> None (the
     model's policy decides), a positive integer -> int. Errors in Triton's words

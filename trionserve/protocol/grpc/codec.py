@@ -39,7 +39,7 @@ from trionserve.core.types import (
     RequestedOutput,
     Tensor,
 )
-from trionserve.core.validation import parse_model_version
+from trionserve.core.validation import check_shape_size, parse_model_version
 
 __all__ = [
     "parse_message",
@@ -231,6 +231,7 @@ def _decode_inputs(
                 f"invalid shape for input '{name}': expected an array of "
                 f"non-negative integers, got {json.dumps(shape)}"
             )
+        check_shape_size(name, shape)
         has_contents = spec.HasField("contents")
         what = f"input '{name}'"
         if has_contents and "shared_memory_region" in spec.parameters:

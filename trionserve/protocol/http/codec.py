@@ -36,7 +36,7 @@ from trionserve.core.types import (
     RequestedOutput,
     Tensor,
 )
-from trionserve.core.validation import ModelSignature, parse_model_version
+from trionserve.core.validation import ModelSignature, check_shape_size, parse_model_version
 
 __all__ = [
     "decode_infer_request",
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 _UINT64_MAX = 2**64 - 1
-_INT64_MAX = 2**63 - 1
 
 _INT_WIRES = frozenset(
     d.wire for d in BY_WIRE.values() if d.numpy.kind in "iu" and d.wire != "BF16"
@@ -306,13 +305,7 @@ def _decode_inputs(
                 f"non-negative integers, got {json.dumps(shape)}"
             )
         count = math.prod(shape)
-        # numpy refuses a shape whose non-zero dimensions would take more bytes
-        # than it can index (at most 8 bytes an element), even when another
-        # dimension is 0.
-        if math.prod(d for d in shape if d) * 8 > _INT64_MAX:
-            raise InvalidArgument(
-                f"invalid shape for input '{name}': {_fmt_shape(shape)} is too large"
-            )
+        check_shape_size(name, shape)
 
         params = spec.get("parameters")
         binary_size = None
