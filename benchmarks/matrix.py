@@ -210,15 +210,17 @@ def start_trionserve(
     args: Iterable[str] = (),
     tree: Path | None = None,
     ready_timeout: float = 120.0,
+    python: str | None = None,
 ) -> tuple[ServerProcess, Target]:
     """trionserve on free loopback ports; ``tree``: run it from another source tree
     (e.g. a ``git worktree`` of an older commit) instead of the installed one, with
-    the Python of the tree's own ``.venv`` when it has one (an older tree may need
-    other dependencies)."""
+    ``python``, else the Python of the tree's own ``.venv`` when it has one (an older
+    tree may need other dependencies)."""
     http_port, grpc_port = free_port(), free_port()
-    python = sys.executable
-    if tree is not None and (Path(tree) / ".venv" / "bin" / "python").exists():
-        python = str(Path(tree) / ".venv" / "bin" / "python")
+    if python is None:
+        python = sys.executable
+        if tree is not None and (Path(tree) / ".venv" / "bin" / "python").exists():
+            python = str(Path(tree) / ".venv" / "bin" / "python")
     command = [
         python,
         "-m",
