@@ -4,7 +4,7 @@ Usage:
     python -m benchmarks.peers [--peers triton,kserve,mlserver] [--duration 5]
         [--rounds 1] [--concurrency 1,4,16] [--workloads ...] [--python-backend]
         [--load-generator loadgen|perf_analyzer] [--reference LABEL]
-        [--cache DIR] [--install-timeout 900] [--install-only]
+        [--cache DIR] [--install-timeout 900] [--install-only] [--chart PATH]
 
 Installs each peer into its own virtual environment under ``--cache``/peers
 (default ``~/.cache/trionserve-benchmarks``; reused by later runs), starts
@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import perf_analyzer
+from benchmarks.chart import chart_from_cells
 from benchmarks.loadgen import standard_workloads
 from benchmarks.matrix import (
     EXAMPLES,
@@ -128,6 +129,9 @@ def main() -> None:
     )
     parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--install-only", action="store_true")
+    parser.add_argument(
+        "--chart", type=Path, help="also write the run's infer/s as an SVG bar chart to this file"
+    )
     args = parser.parse_args()
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -226,6 +230,9 @@ def main() -> None:
         print(f"--reference {args.reference} did not run; ratios to {labels[0]}")
     reference = args.reference if args.reference in labels else None
     print(format_table(targets, workloads, concurrencies, cells, rss, reference))
+    if args.chart:
+        args.chart.write_text(chart_from_cells(targets, workloads, concurrencies, cells))
+        print(f"chart: {args.chart}")
     for name, why in skipped.items():
         print(f"{name}: {why}")
 
