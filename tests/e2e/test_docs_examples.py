@@ -1,6 +1,8 @@
 """The documentation's examples run: every ```python block preceded by
 ``<!-- docs-test: run -->`` in README.md and docs/*.md is executed against a real
-trionserve serving the example repository, so the docs cannot drift from the server.
+trionserve serving the example repository, and every ```bash block preceded by
+``<!-- docs-test: shell -->`` is run by bash (failing on the first command that
+fails), so the docs cannot drift from the server.
 
 The examples are written for the default ports (``localhost:8000`` HTTP,
 ``localhost:8001`` gRPC, ``localhost:8002`` metrics); the test's server listens on
@@ -15,8 +17,13 @@ queries is documented on the Observability page and exported by the server.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -25,22 +32,25 @@ from tests.serverproc import ROOT, ServerProcess
 
 MARKER = "<!-- docs-test: run -->"
 _BLOCK = re.compile(re.escape(MARKER) + r"\n```python\n(.*?)\n```", re.DOTALL)
+SHELL_MARKER = "<!-- docs-test: shell -->"
+_SHELL_BLOCK = re.compile(re.escape(SHELL_MARKER) + r"\n```bash\n(.*?)\n```", re.DOTALL)
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 DASHBOARD = ROOT / "docs" / "assets" / "grafana" / "trionserve-dashboard.json"
 
 
-def runnable_blocks() -> list[tuple[str, str]]:
+def runnable_blocks(pattern: re.Pattern = _BLOCK) -> list[tuple[str, str]]:
     """(page:line, source) of every block marked runnable, in document order."""
     blocks = []
     for page in PAGES:
         text = page.read_text()
-        for match in _BLOCK.finditer(text):
+        for match in pattern.finditer(text):
             line = text.count("\n", 0, match.start(1)) + 1
             blocks.append((f"{page.relative_to(ROOT)}:{line}", match.group(1)))
     return blocks
 
 
 BLOCKS = runnable_blocks()
+SHELL_BLOCKS = runnable_blocks(_SHELL_BLOCK)
 
 
 def test_markers_are_all_found():
@@ -49,7 +59,8 @@ def test_markers_are_all_found():
     for page in PAGES:
         text = page.read_text()
         assert text.count(MARKER) == len(_BLOCK.findall(text)), page
-    assert len(BLOCKS) >= 8
+        assert text.count(SHELL_MARKER) == len(_SHELL_BLOCK.findall(text)), page
+    assert len(BLOCKS) >= 8 and len(SHELL_BLOCKS) >= 2
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +98,20 @@ def test_example_runs(docs_server, where, source, monkeypatch):
     monkeypatch.chdir(ROOT)  # examples name examples/model_repository relative to it
     code = compile(_localize(source, docs_server), where, "exec")
     exec(code, {"__name__": "__docs_example__"})
+
+
+@pytest.mark.parametrize("where, source", SHELL_BLOCKS, ids=[where for where, _ in SHELL_BLOCKS])
+def test_shell_example_runs(docs_server, where, source):
+    for command in re.findall(r"(?:^|&&|\|\||;)\s*([A-Za-z][\w.-]*)", source, re.MULTILINE):
+        if command not in ("python", "echo") and shutil.which(command) is None:
+            pytest.skip(f"{command} is not installed")
+    # `python` is the interpreter running the tests, as in an activated environment.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    script = f"set -euo pipefail\n{_localize(source, docs_server)}\n"
+    result = subprocess.run(
+        ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"{where} failed:\n{result.stdout}\n{result.stderr}"
 
 
 def _dashboard_metrics() -> set[str]:
