@@ -490,7 +490,7 @@ def _add_grpc_ssl_flags(add) -> None:
     )
 
 
-def _grpc_ssl(parser, args) -> GrpcSsl | None:
+def _grpc_ssl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GrpcSsl | None:
     """--grpc-use-ssl(-mutual) as a GrpcSsl; the PEM files must be readable now."""
     if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
         return None
@@ -581,7 +581,7 @@ def _add_trace_flags(add) -> None:
     add("--trace-log-frequency", type=int, help="deprecated: --trace-config triton,log-frequency=N")
 
 
-def _metrics_options(parser, args) -> MetricsOptions:
+def _metrics_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> MetricsOptions:
     try:
         latencies = parse_metrics_config(args.metrics_config)
     except ValueError as exc:
@@ -594,7 +594,7 @@ def _metrics_options(parser, args) -> MetricsOptions:
     )
 
 
-def _trace_config(parser, args) -> TraceConfig:
+def _trace_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TraceConfig:
     try:
         return parse_trace_config(
             args.trace_config,
@@ -608,7 +608,7 @@ def _trace_config(parser, args) -> TraceConfig:
         parser.error(str(exc))
 
 
-def _grpc_options(parser, args) -> GrpcOptions:
+def _grpc_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GrpcOptions:
     if args.grpc_max_message_size >= 2**32:
         parser.error(
             "--grpc-max-message-size: expected less than 4 GiB (2**32), "

@@ -7,7 +7,7 @@ validation, scheduling, waiting for the outcome, cancellation — happens here o
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 
 import structlog
@@ -116,16 +116,14 @@ class DataPlane:
         self.control_mode = control_mode
         self.server_id = server_id
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
-        self.shared_memory = SystemSharedMemory() if allow_client_shm else None
-        self.cuda_shared_memory = (
-            CudaSharedMemory(self.shared_memory) if self.shared_memory is not None else None
-        )
+        self.shared_memory: SystemSharedMemory | None = None
+        self.cuda_shared_memory: CudaSharedMemory | None = None
         # What the codecs look request regions up in (system or CUDA, one namespace).
-        self.shm_resolver = (
-            SharedMemoryResolver(self.shared_memory, self.cuda_shared_memory)
-            if self.shared_memory is not None
-            else None
-        )
+        self.shm_resolver: SharedMemoryResolver | None = None
+        if allow_client_shm:
+            self.shared_memory = SystemSharedMemory()
+            self.cuda_shared_memory = CudaSharedMemory(self.shared_memory)
+            self.shm_resolver = SharedMemoryResolver(self.shared_memory, self.cuda_shared_memory)
         # Label files of the classification extension, read once per model version.
         self._label_cache: weakref.WeakKeyDictionary[ModelVersion, dict] = (
             weakref.WeakKeyDictionary()
@@ -278,8 +276,9 @@ class DataPlane:
 
     def client_cuda_shared_memory(self) -> CudaSharedMemory:
         """The CUDA registry, or the error saying client shared memory is off."""
-        self.client_shared_memory()
-        return self.cuda_shared_memory  # type: ignore[return-value]
+        self.client_shared_memory()  # raises when client shared memory is off
+        assert self.cuda_shared_memory is not None  # made with the system registry
+        return self.cuda_shared_memory
 
     def model_ready(self, name: str, version: int | None) -> bool:
         try:
@@ -514,7 +513,7 @@ class DataPlane:
 
     async def responses(
         self, request: InferenceRequest
-    ) -> AsyncIterator[tuple[InferenceResponse | None, bool]]:
+    ) -> AsyncGenerator[tuple[InferenceResponse | None, bool]]:
         """Route, validate and queue a request when first iterated, then yield its
         ``(response, final)`` pairs as :meth:`infer_stream` delivers them.
 

@@ -61,8 +61,9 @@ class TrionserveReplica:
             raise ValueError(
                 f"unknown trionserve option(s) {unknown}: expected some of {sorted(known)}"
             )
-        server_options = api.Options(model_repository=model_repository, **(options or {}))
-        server_options = server_options.server_options()
+        server_options = api.Options(
+            model_repository=model_repository, **(options or {})
+        ).server_options()
         http = replace(server_options.http, max_input_size=max_input_size)
         server_options = replace(server_options, http=http)
         self._max_input_size = max_input_size

@@ -238,7 +238,7 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals)
             if self.plan.metrics_bind is not None:
-                binds = await nursery.start(self._serve_metrics)
+                binds = await nursery.start(self._serve_metrics, self.plan.metrics_bind)
                 log.info("Metrics service started", listening=binds, workers=self.plan.count)
             async with trio.open_nursery() as workers:
                 for slot in self.slots:
@@ -356,12 +356,14 @@ class Supervisor:
 
     # -- metrics ----------------------------------------------------------------
 
-    async def _serve_metrics(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve_metrics(
+        self, bind: tuple[str, int], *, task_status=trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Serve the merged metrics until cancelled."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self._collector)
         server = HttpServer(metrics_router(registry, self._refresh_metrics), HttpServerOptions())
-        address, port = self.plan.metrics_bind
+        address, port = bind
         # Never set: the supervisor's nursery cancels this server once the workers exit.
         await server.serve(address, port, trio.Event(), 1.0, task_status=task_status)
 

@@ -52,7 +52,13 @@ class InstanceExecutor:
         self._outlet = outlet
         self._statistics = statistics
         self._limiter = trio.CapacityLimiter(1)
-        self._async = isinstance(instance, AsyncBackendInstance)
+        # One of the two is set: the instance, as the kind it is.
+        self._async: AsyncBackendInstance | None = None
+        self._sync: BackendInstance | None = None
+        if isinstance(instance, AsyncBackendInstance):
+            self._async = instance
+        else:
+            self._sync = instance
         # Inline execution: a backend may declare that batches whose previous run
         # took at most ``inline_budget_ns`` are cheaper on the event loop than the
         # worker-thread hop (about 30% of the server's CPU for tiny models). The
@@ -61,11 +67,11 @@ class InstanceExecutor:
         self._last_ns = self._inline_budget + 1
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        if self._async:
+        if self._async is not None:
             # A process-backed instance serves its process in a child task; if it
             # gives up, its error ends this executor (and the model).
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.instance.run)
+                await nursery.start(self._async.run)
                 await self._serve(task_status)
                 nursery.cancel_scope.cancel()
             return
@@ -101,8 +107,8 @@ class InstanceExecutor:
             return
         start = trio.current_time()
         try:
-            if self._async:
-                results = await self.instance.execute_async(live)
+            if self._async is not None:
+                results = await self._async.execute_async(live)
                 if results is None:
                     # Decoupled: the instance answers each request as it goes;
                     # the execution itself succeeded (Triton counts it so).
@@ -110,13 +116,16 @@ class InstanceExecutor:
                         self._record(live, None, start, trio.current_time())
                     outlet.complete(live, ())
                     return
-            elif self._runs_inline(live):
-                results = self.instance.execute(live)
-                await trio.lowlevel.checkpoint()
             else:
-                results = await trio.to_thread.run_sync(
-                    self.instance.execute, live, limiter=self._limiter
-                )
+                sync = self._sync
+                assert sync is not None  # set whenever _async is not
+                if self._runs_inline(live):
+                    results = sync.execute(live)
+                    await trio.lowlevel.checkpoint()
+                else:
+                    results = await trio.to_thread.run_sync(
+                        sync.execute, live, limiter=self._limiter
+                    )
             if self._inline_budget:
                 times = getattr(self.instance, "compute_times", None)
                 self._last_ns = sum(times) if times is not None else self._inline_budget + 1
@@ -206,11 +215,12 @@ class InstanceExecutor:
             infer_ns = total_ns
         if statistics.traces:
             record_compute(statistics.traces, requests, start, end, input_ns, output_ns)
-        if outcomes is None:
-            outcomes = _ALL_SUCCEEDED * len(requests)
+        each: Sequence[Outcome | None] = (
+            _ALL_SUCCEEDED * len(requests) if outcomes is None else outcomes
+        )
         batch_size = 0
         succeeded = False
-        for request, outcome in zip(requests, outcomes):
+        for request, outcome in zip(requests, each):
             size = request.batch_size or 1
             batch_size += size
             if not getattr(request, "collect_stats", True):

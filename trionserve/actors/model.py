@@ -15,6 +15,7 @@ from trionserve.backends.base import (
     Backend,
     InferenceService,
     InstanceSpec,
+    LoadedModel,
     ModelContext,
 )
 from trionserve.backends.gpu import gpu_count
@@ -119,7 +120,7 @@ class ModelVersion:
         self._sequence_states: list = []  # implicit states, read at load
         self._warmup: list[WarmupSample] = []  # model_warmup samples, read at load
         self._executors: list[InstanceExecutor] = []
-        self._loaded = None
+        self._loaded: LoadedModel | None = None
         self._instances: list = []  # backend instances created and not yet closed
         self._nursery: trio.Nursery | None = None
         self._unload_requested = trio.Event()
@@ -351,7 +352,8 @@ class ModelVersion:
         any instance goes away; a removed instance finishes the batch it holds,
         then is closed. Raises, changing nothing, if an instance cannot be created.
         """
-        if self.state is not ModelState.READY or self._nursery is None:
+        loaded = self._loaded
+        if self.state is not ModelState.READY or self._nursery is None or loaded is None:
             raise Unavailable(
                 f"model '{self.name}' version {self.version} is not ready "
                 f"({self.state.value}); its instances cannot be changed"
@@ -364,9 +366,7 @@ class ModelVersion:
         async with self._load_limiter:
             try:
                 for spec in added:
-                    created.append(
-                        await trio.to_thread.run_sync(self._loaded.create_instance, spec)
-                    )
+                    created.append(await trio.to_thread.run_sync(loaded.create_instance, spec))
             except BaseException:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_close_all, created, self.name)

@@ -87,7 +87,7 @@ def _tensor(label: str, name: str, sample, config, model_dir: Path) -> Tensor:
     return Tensor(name, kind.wire, data)
 
 
-def _random(kind: datatypes.DataType, shape: list[int]) -> np.ndarray:
+def _random(kind: datatypes.DataType, shape: tuple[int, ...]) -> np.ndarray:
     rng = np.random.default_rng()
     if kind.wire == "BYTES":
         return np.array(

@@ -45,7 +45,7 @@ class AsyncioResponseIterator:
             raise StopAsyncIteration
         future = asyncio.get_running_loop().create_future()
         try:
-            self._loop.token.run_sync_soon(  # type: ignore[union-attr]
+            self._loop.started_token.run_sync_soon(
                 self._start_fetch, future, asyncio.get_running_loop()
             )
         except trio.RunFinishedError:

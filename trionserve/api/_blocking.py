@@ -14,7 +14,7 @@ import atexit
 import concurrent.futures
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import aclosing
 from functools import partial
 from typing import Any, Self
@@ -92,6 +92,12 @@ class _LoopThread:
             self.token = trio.lowlevel.current_trio_token()
             started.set_result(None)
 
+    @property
+    def started_token(self) -> trio.lowlevel.TrioToken:
+        """The run's token; set before ``__init__`` returns (or it raised)."""
+        assert self.token is not None
+        return self.token
+
     async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             await self.core.serve(task_status=task_status)
@@ -116,7 +122,7 @@ class _LoopThread:
     def call_soon(self, fn, *args) -> None:
         """``fn(*args)`` in the core's run, without waiting (from any thread)."""
         try:
-            self.token.run_sync_soon(fn, *args)  # type: ignore[union-attr]
+            self.started_token.run_sync_soon(fn, *args)
         except trio.RunFinishedError:
             pass
 
@@ -129,7 +135,7 @@ class _LoopThread:
         send, receive = trio.open_memory_channel(0)
         scope = trio.CancelScope()
         try:
-            self.token.run_sync_soon(self._start_handing, items, send, scope)  # type: ignore[union-attr]
+            self.started_token.run_sync_soon(self._start_handing, items, send, scope)
         except trio.RunFinishedError:
             raise UnavailableError("the in-process server has stopped") from None
         return scope, receive
@@ -191,7 +197,7 @@ class Server:
             raise InvalidArgumentError("give either options or keyword arguments, not both")
         self.options = options
         self._loop: _LoopThread | None = None
-        self._stop_at_exit = None
+        self._stop_at_exit: Callable[[], None] | None = None
         self._exit_code = 0
 
     # -- lifecycle ----------------------------------------------------------------
@@ -346,7 +352,7 @@ class Server:
         return loop.run(loop.server.attach_metrics, address, port)
 
 
-def _stopper(server_ref: weakref.ref):
+def _stopper(server_ref: weakref.ref) -> Callable[[], None]:
     def stop_at_exit() -> None:
         server = server_ref()
         if server is not None and server._loop is not None:

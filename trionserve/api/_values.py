@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,7 @@ class Options:
     :class:`trionserve.server.ServerOptions` instead, the command line's own.
     """
 
-    model_repository: str | Path | list[str | Path] = field(default_factory=list)
+    model_repository: str | Path | Sequence[str | Path] = field(default_factory=list)
     server_id: str = "triton"
     model_control_mode: ControlMode = ControlMode.NONE
     startup_models: list[str] = field(default_factory=list)

@@ -105,8 +105,9 @@ def _tensorrt_options(model: str, parameters, device_id: int) -> dict[str, str]:
                     f"model '{model}': unsupported precision mode '{value}' is "
                     f"requested; expected one of {list(_PRECISION_MODES)}"
                 )
-            if _PRECISION_MODES[value]:
-                options[_PRECISION_MODES[value]] = "1"
+            flag = _PRECISION_MODES[value]
+            if flag:
+                options[flag] = "1"
             continue
         if key not in _TRT_OPTIONS:
             raise InvalidArgument(

@@ -116,8 +116,8 @@ def bind_inputs(
     names = [a for a, _ in arguments]
     if all(name in names for name in config_inputs):
         return InputBinding(False, {name: names.index(name) for name in config_inputs})
-    indices = [name_index(name) for name in config_inputs]
-    if all(i is not None for i in indices):
+    indices = [i for i in map(name_index, config_inputs) if i is not None]
+    if len(indices) == len(config_inputs):
         if sorted(indices) != list(range(len(arguments))):
             raise InvalidArgument(
                 f"model '{model}': input indices {sorted(indices)} do not match "
@@ -134,8 +134,8 @@ def bind_outputs(model: str, config_outputs: list[str]) -> dict[str, int]:
             f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
             "outputs; list them in config.pbtxt (no output was given)"
         )
-    indices = [name_index(name) for name in config_outputs]
-    if all(i is not None for i in indices):
+    indices = [i for i in map(name_index, config_outputs) if i is not None]
+    if len(indices) == len(config_outputs):
         return dict(zip(config_outputs, indices))
     return {name: i for i, name in enumerate(config_outputs)}
 
@@ -296,8 +296,8 @@ class TorchScriptInstance:
         except TritonError as error:
             return [error] * len(requests)
         except Exception as exc:  # TorchScript raises its own exception types
-            error = InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
-            return [error] * len(requests)
+            failure = InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
+            return [failure] * len(requests)
         return build_responses(
             requests,
             self.model_name,

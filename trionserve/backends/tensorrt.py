@@ -307,8 +307,10 @@ class TensorRTInstance:
         except TritonError as error:
             return [error] * len(requests)
         except Exception as exc:  # CUDA and TensorRT raise their own types
-            error = InternalError(f"TensorRT execute failure for model '{self.model_name}': {exc}")
-            return [error] * len(requests)
+            failure = InternalError(
+                f"TensorRT execute failure for model '{self.model_name}': {exc}"
+            )
+            return [failure] * len(requests)
         return build_responses(
             requests,
             self.model_name,

@@ -33,9 +33,7 @@ def classify(tensor: Tensor, k: int, labels: list[str] | None, batched: bool) ->
             if labels is not None and index < len(labels):
                 text += f":{labels[index]}"
             results[r, c] = text.encode()
-    if not batched:
-        results = results.reshape(count)
-    return Tensor(tensor.name, "BYTES", results)
+    return Tensor(tensor.name, "BYTES", results if batched else results.reshape(count))
 
 
 def read_labels(path) -> list[str]:

@@ -162,7 +162,7 @@ class CudaSharedMemory(RegionTable[CudaRegion]):
                 cupy.cuda.runtime.memcpy(
                     host.ctypes.data, pointer + offset, byte_size, _DEVICE_TO_HOST
                 )
-        return memoryview(host)
+        return host.data
 
     def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
         """Copy ``data`` host->device into a region window; returns its size."""
@@ -184,11 +184,11 @@ class CudaSharedMemory(RegionTable[CudaRegion]):
 class SharedMemoryResolver:
     """The one lookup of a request's ``shared_memory_region``: CUDA or system."""
 
-    def __init__(self, system, cuda: CudaSharedMemory) -> None:
+    def __init__(self, system: SystemSharedMemory, cuda: CudaSharedMemory) -> None:
         self.system = system
         self.cuda = cuda
 
-    def _of(self, name: str):
+    def _of(self, name: str) -> SystemSharedMemory | CudaSharedMemory:
         return self.cuda if name in self.cuda else self.system
 
     def check(self, name: str, offset: int, byte_size: int, what: str) -> None:

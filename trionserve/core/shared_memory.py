@@ -71,6 +71,18 @@ def _shm_path(key: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+class SharedMemory(Protocol):
+    """What the codecs read request inputs from and write outputs to: the system
+    regions alone (SystemSharedMemory), or system and CUDA regions in one namespace
+    (cuda_shared_memory.SharedMemoryResolver)."""
+
+    def check(self, name: str, offset: int, byte_size: int, what: str) -> None: ...
+
+    def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview: ...
+
+    def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int: ...
+
+
 class _Region(Protocol):
     name: str
     byte_size: int
@@ -99,8 +111,8 @@ class RegionTable(Generic[R]):
         """Unregister one region, or every region when ``name`` is None or empty."""
         if not name:
             regions, self._regions = self._regions, {}
-            for region in regions.values():
-                region.close()
+            for each in regions.values():
+                each.close()
             return
         region = self._regions.pop(name, None)
         if region is None:

@@ -201,13 +201,14 @@ class CustomMetrics:
             except (KeyError, TypeError, ValueError):
                 pass  # a malformed release changes nothing
             return None
+        result: int | float | list | None = None  # the deletes answer None
         try:
             if action == "family_create":
                 result = self.create_family(
                     owner, message["name"], message["description"], message["kind"]
                 )
             elif action == "family_delete":
-                result = self.delete_family(owner, message["family"])
+                self.delete_family(owner, message["family"])
             elif action == "metric_create":
                 result = list(
                     self.create_metric(
@@ -215,7 +216,7 @@ class CustomMetrics:
                     )
                 )
             elif action == "metric_delete":
-                result = self.delete_metric(owner, message["family"], _key(message["labels"]))
+                self.delete_metric(owner, message["family"], _key(message["labels"]))
             else:
                 result = self.update(
                     message["family"], _key(message["labels"]), action, message["value"]
@@ -269,7 +270,9 @@ class CustomMetrics:
     def _unref_series(self, family_id: int, labels: tuple, count: int) -> None:
         """Drop ``count`` references to a metric; the last one removes it."""
         family = self._by_id.get(family_id)
-        series = family.series.get(labels) if family is not None else None
+        if family is None:
+            return
+        series = family.series.get(labels)
         if series is not None:
             series.refs -= count
             if series.refs <= 0:

@@ -109,7 +109,8 @@ class FirstResponseHistogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative (le, count) pairs, as prometheus-client's histograms take them."""
-        out, total = [], 0
+        out: list[tuple[str, float]] = []
+        total = 0
         for bound, n in zip((*self.bounds, float("inf")), self.counts):
             total += n
             out.append(("+Inf" if bound == float("inf") else _le(bound), total))

@@ -14,9 +14,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import trio
+
+if TYPE_CHECKING:  # metrics imports this module
+    from trionserve.observability.metrics import FirstResponseHistogram
 
 NS_PER_S = 1_000_000_000
 
@@ -132,7 +135,7 @@ class ModelStatistics:
         self.traces: dict = {}
         # Request-to-first-response histogram (observability.metrics), kept only
         # when the metrics ask for it (--metrics-config histogram_latencies=true).
-        self.first_response = None
+        self.first_response: FirstResponseHistogram | None = None
         self._last_execution: float | None = None
         # Trio's clock has an arbitrary origin; this maps it to the wall clock once,
         # so recording never reads the wall clock.

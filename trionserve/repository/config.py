@@ -10,6 +10,7 @@ normalize -> validate, like Triton.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from google.protobuf import json_format, text_format
@@ -286,7 +287,11 @@ def validate_model_config(config: ModelConfig) -> None:
     if config.max_batch_size < 0:
         fail(f"max_batch_size must be >= 0, got {config.max_batch_size}")
     _validate_version_policy(config, fail)
-    for kind, tensors in (("input", config.input), ("output", config.output)):
+    groups: tuple[tuple[str, Sequence[mc.ModelInput | mc.ModelOutput]], ...] = (
+        ("input", config.input),
+        ("output", config.output),
+    )
+    for kind, tensors in groups:
         seen: set[str] = set()
         for index, io in enumerate(tensors):
             _validate_io(kind, index, io, config, fail)

@@ -36,7 +36,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Protocol
@@ -255,7 +255,11 @@ def _is_directory(blob) -> bool:
 
 def open_store(location: RemoteLocation) -> ObjectStore:
     """The client for a location's storage service."""
-    stores = {"s3": S3Store, "gs": GCSStore, "as": AzureStore}
+    stores: dict[str, Callable[[RemoteLocation], ObjectStore]] = {
+        "s3": S3Store,
+        "gs": GCSStore,
+        "as": AzureStore,
+    }
     return stores[location.scheme](location)
 
 
@@ -349,7 +353,9 @@ class ObjectStoreMirror:
                 shutil.rmtree(self.root / _PARTIAL, ignore_errors=True)
 
     def _apply(self, scope: str, listing: list[ObjectInfo]) -> MirrorChanges:
-        added, updated, removed = [], [], []
+        added: list[str] = []
+        updated: list[str] = []
+        removed: list[str] = []
         wanted: set[str] = set()
         for info in listing:
             if info.key.endswith("/") or not info.key:

@@ -33,9 +33,9 @@ def override_digest(config_json: str | None, files: dict[str, bytes] | None) -> 
     """A digest of a load request's overrides: equal digests, equal requests."""
     digest = hashlib.sha256()
     digest.update((config_json or "").encode())
-    for key in sorted(files or {}):
+    for key, data in sorted((files or {}).items()):
         digest.update(b"\0" + key.encode() + b"\0")
-        digest.update(hashlib.sha256(files[key]).digest())
+        digest.update(hashlib.sha256(data).digest())
     return digest.hexdigest()
 
 

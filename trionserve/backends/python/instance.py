@@ -119,10 +119,11 @@ class PythonInstance:
     # -- the actor -----------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        assert self._stub is not None
         task_status.started()
         while True:
-            how = await self._serve(self._stub)
+            stub = self._stub
+            assert stub is not None  # given at creation, then started by _restart
+            how = await self._serve(stub)
             # Triton's wording (python_be.cc RespondErrorToAllRequests, and
             # stub_launcher.cc), then how the stub ended.
             name = self.spec.name
@@ -311,12 +312,14 @@ class PythonInstance:
         self._send_soon(channel, {"op": "cancel", "keys": [key]})
 
     def _executed(self, message: dict) -> None:
+        stub = self._stub
+        assert stub is not None  # messages come from the stub being served
         self._failures = 0
         call = self._calls.pop(message["id"], None)
         responses = message["responses"]
         if call is None:
             for encoded in responses or ():
-                release_outputs(encoded, self._stub.endpoint)
+                release_outputs(encoded, stub.endpoint)
             return
         if message["error"] is not None:
             # Logged as Triton's stub logs it (pb_stub.cc ProcessRequests).
@@ -328,7 +331,7 @@ class PythonInstance:
                     request.fail(error)
             call.results = None if self._decoupled else [error] * len(call.requests)
         elif responses is not None:
-            endpoint = self._stub.endpoint
+            endpoint = stub.endpoint
             outcomes: list[InferenceResponse | TritonError | None] = []
             for key, request, encoded in zip(call.keys, call.requests, responses):
                 if encoded is None:

@@ -316,9 +316,8 @@ class StubRuntime:
                 encoded.append(self.encode_response(response))
         except BaseException:
             # Nothing is sent: the blocks already written go back to the arena.
-            self.arena.free(
-                block_of(ref) for e in encoded if e is not None for ref in e["outputs"] if ref[5]
-            )
+            blocks = (block_of(ref) for e in encoded if e is not None for ref in e["outputs"])
+            self.arena.free(block for block in blocks if block is not None)
             raise
         return encoded
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.core.bytes_tensor import deserialize_bytes_tensor
@@ -32,7 +32,7 @@ from trionserve.core.parameters import (
     FINAL_RESPONSE,
     check_reserved_key,
 )
-from trionserve.core.shared_memory import SystemSharedMemory, shared_memory_window
+from trionserve.core.shared_memory import SharedMemory, shared_memory_window
 from trionserve.core.types import (
     InferenceRequest,
     InferenceResponse,
@@ -96,7 +96,10 @@ def _fmt_shape(shape: Any) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def parse_message(message_type, data: bytes):
+M = TypeVar("M", bound=Message)
+
+
+def parse_message(message_type: type[M], data: bytes) -> M:
     """Parse one serialized message; a malformed one is the client's error."""
     try:
         return message_type.FromString(data)
@@ -110,7 +113,7 @@ def parse_message(message_type, data: bytes):
 
 
 def decode_infer_request(
-    message: pb.ModelInferRequest | bytes, shared_memory: SystemSharedMemory | None = None
+    message: pb.ModelInferRequest | bytes, shared_memory: SharedMemory | None = None
 ) -> InferenceRequest:
     """Decode a ModelInferRequest (a message or its serialized bytes).
 
@@ -194,9 +197,10 @@ def _parameter_dict(params) -> dict[str, Any]:
 
 
 def _shared_memory_params(
-    params, what: str, shared_memory: SystemSharedMemory | None
-) -> tuple[str, int, int] | None:
-    """The (region, offset, byte_size) a tensor names, or None if it names none."""
+    params, what: str, shared_memory: SharedMemory | None
+) -> tuple[SharedMemory, str, int, int] | None:
+    """The regions to use and the (region, offset, byte_size) a tensor names, or None
+    if it names none."""
     if "shared_memory_region" not in params:
         return None
     values = _parameter_dict(params)
@@ -205,11 +209,11 @@ def _shared_memory_params(
             f"shared memory is not enabled ({what} uses region "
             f"{json.dumps(values['shared_memory_region'])})"
         )
-    return shared_memory_window(values, what)
+    return (shared_memory, *shared_memory_window(values, what))
 
 
 def _decode_inputs(
-    message: pb.ModelInferRequest, shared_memory: SystemSharedMemory | None
+    message: pb.ModelInferRequest, shared_memory: SharedMemory | None
 ) -> dict[str, Tensor]:
     raws = message.raw_input_contents
     model = message.model_name
@@ -245,8 +249,8 @@ def _decode_inputs(
             _shared_memory_params(spec.parameters, what, shared_memory) if spec.parameters else None
         )
         if window is not None:
-            region, offset, byte_size = window
-            view = shared_memory.view(region, offset, byte_size, what)  # type: ignore[union-attr]
+            regions, region, offset, byte_size = window
+            view = regions.view(region, offset, byte_size, what)
             data = _raw_to_array(name, dt, shape, view)
         elif raws:
             if has_contents:
@@ -277,7 +281,7 @@ def _decode_inputs(
     return tensors
 
 
-def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: bytes) -> np.ndarray:
+def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: bytes | memoryview) -> np.ndarray:
     count = math.prod(shape)
     if dt.itemsize == 0:  # BYTES
         what = f"input '{name}' with shape {_fmt_shape(shape)}"
@@ -335,7 +339,7 @@ def _contents_to_array(
     return np.asarray(values, dtype=dt.numpy).reshape(shape)
 
 
-def _decode_outputs(outputs, shared_memory: SystemSharedMemory | None) -> list[RequestedOutput]:
+def _decode_outputs(outputs, shared_memory: SharedMemory | None) -> list[RequestedOutput]:
     requested: list[RequestedOutput] = []
     seen: set[str] = set()
     for spec in outputs:
@@ -348,7 +352,8 @@ def _decode_outputs(outputs, shared_memory: SystemSharedMemory | None) -> list[R
             what = f"output '{name}'"
             window = _shared_memory_params(spec.parameters, what, shared_memory)
             if window is not None:
-                shared_memory.check(*window, what)  # type: ignore[union-attr]
+                regions, region, offset, byte_size = window
+                regions.check(region, offset, byte_size, what)
             for key, param in spec.parameters.items():
                 kind, value = _param_value(key, param)
                 if key == "binary_data":
@@ -386,7 +391,7 @@ def encode_infer_response(
     response: InferenceResponse,
     request: InferenceRequest,
     final: bool | None = None,
-    shared_memory: SystemSharedMemory | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> Chunks:
     """The serialized ModelInferResponse, as chunks to write in order.
 
@@ -411,10 +416,10 @@ def encode_infer_response(
         output = outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.data.shape)
         raw = output_bytes(tensor.datatype, tensor.data)
         params = in_shm.get(tensor.name)
-        if params is not None:
+        if params is not None and shared_memory is not None:  # (in_shm is {} if None)
             what = f"output '{tensor.name}'"
             region, offset, byte_size = shared_memory_window(params, what)
-            written = shared_memory.write(region, offset, byte_size, raw, what)  # type: ignore[union-attr]
+            written = shared_memory.write(region, offset, byte_size, raw, what)
             output.parameters["shared_memory_region"].string_param = region
             output.parameters["shared_memory_byte_size"].int64_param = written
             if offset:

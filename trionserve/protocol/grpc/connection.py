@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import h2.config
 import h2.errors
@@ -694,10 +695,12 @@ class Connection:
                         raise trio.BrokenResourceError("the client reset the stream")
                     continue
                 size = min(window, h2conn.max_outbound_frame_size, len(view))
+                # cast: h2 annotates the data as bytes | memoryview; the uint8 array
+                # views are upstream.H2Connection's own, written from their buffers.
                 if size == len(view):
-                    h2conn.send_data(stream_id, view)
+                    h2conn.send_data(stream_id, cast(memoryview, view))
                     break
-                h2conn.send_data(stream_id, view[:size])
+                h2conn.send_data(stream_id, cast(memoryview, view[:size]))
                 view = view[size:]
 
     def _trailers_only(self, stream_id: int, status: Status, message: str | None) -> None:
@@ -898,6 +901,7 @@ def _peer_name(stream: trio.abc.Stream) -> str:
     if isinstance(stream, trio.SSLStream):
         stream = stream.transport_stream
     try:
+        # Streams without a socket (in-memory ones of tests) raise AttributeError.
         host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
     except (OSError, ValueError, AttributeError):
         return "unknown"

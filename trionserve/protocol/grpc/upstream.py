@@ -38,6 +38,8 @@ def _data_frame_repr(frame) -> str:
 # logging off, and hyperframe's repr of a DATA frame re-serializes and hex-encodes
 # the whole payload before cutting it to 20 characters: for megabyte messages
 # that cost more than the rest of the receive path. Same text, from 11 bytes.
+# The assignment replaces a method on purpose (mypy's method-assign), with a
+# function taking the frame as hyperframe's does.
 hyperframe_frame.DataFrame._body_repr = _data_frame_repr  # type: ignore[method-assign,assignment]
 
 

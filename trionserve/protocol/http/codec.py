@@ -29,7 +29,7 @@ from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
 from trionserve.core.outputs import output_bytes, shared_memory_outputs
 from trionserve.core.parameters import check_reserved_key
-from trionserve.core.shared_memory import SystemSharedMemory, shared_memory_window
+from trionserve.core.shared_memory import SharedMemory, shared_memory_window
 from trionserve.core.types import (
     InferenceRequest,
     InferenceResponse,
@@ -78,7 +78,7 @@ def decode_infer_request(
     header_length: int | None,
     model_name: str,
     model_version: int | None,
-    shared_memory: SystemSharedMemory | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> InferenceRequest:
     """Decode an infer request body.
 
@@ -268,7 +268,7 @@ def _decode_inputs(
     offset: int,
     size: int,
     has_header: bool,
-    shared_memory: SystemSharedMemory | None,
+    shared_memory: SharedMemory | None,
 ) -> dict[str, Tensor]:
     if type(inputs) is not list:
         if inputs is None:
@@ -387,7 +387,7 @@ def _binary_to_array(
     dt: DataType,
     shape: list[int],
     count: int,
-    body: bytes,
+    body: bytes | memoryview,
     offset: int,
     nbytes: int,
 ) -> np.ndarray:
@@ -506,9 +506,7 @@ def _bad_element(name: str, wire: str, expected: str, flat: list, allowed: froze
             )
 
 
-def _decode_outputs(
-    outputs: Any, shared_memory: SystemSharedMemory | None
-) -> list[RequestedOutput]:
+def _decode_outputs(outputs: Any, shared_memory: SharedMemory | None) -> list[RequestedOutput]:
     if type(outputs) is not list:
         raise InvalidArgument(
             f"invalid request 'outputs': expected an array, got {_json_kind(outputs)}"
@@ -569,7 +567,7 @@ def _decode_outputs(
 def encode_infer_response(
     response: InferenceResponse,
     request: InferenceRequest,
-    shared_memory: SystemSharedMemory | None = None,
+    shared_memory: SharedMemory | None = None,
 ) -> tuple[list[bytes | memoryview], int | None]:
     """Encode a response body as chunks to write in order, plus the JSON header length
     when any output is binary (for ``Inference-Header-Content-Length``), else None.

@@ -148,12 +148,13 @@ class InferHandler:
         self, match: re.Match, request_headers, body: bytes
     ) -> tuple[int, list[tuple[bytes, bytes]], list]:
         """The response to one infer request: (status, headers, body chunks)."""
-        header_length = None
+        header_field: bytes | None = None
+        header_length: int | None = None
         content_encoding = None
         accept_encoding = None
         for key, value in request_headers:
             if key == b"inference-header-content-length":
-                header_length = value
+                header_field = value
             elif key == b"content-encoding":
                 content_encoding = value.decode("latin-1").strip().lower()
             elif key == b"accept-encoding":
@@ -165,13 +166,13 @@ class InferHandler:
                     body = await trio.to_thread.run_sync(decompress, body, content_encoding, limit)
                 else:
                     body = decompress(body, content_encoding, limit)
-            if header_length is not None:
+            if header_field is not None:
                 try:
-                    header_length = int(header_length)
+                    header_length = int(header_field)
                 except ValueError:
                     raise InvalidArgument(
                         "Inference-Header-Content-Length must be an integer, got "
-                        f"{header_length.decode('latin-1')!r}"
+                        f"{header_field.decode('latin-1')!r}"
                     ) from None
             version = http_codec.parse_model_version(match.group(2) or "")
             shared_memory = self.dataplane.shm_resolver
@@ -184,7 +185,7 @@ class InferHandler:
                     body, header_length, name, version, shared_memory
                 )
             if self._forward is not None:
-                self._forward_headers(request_headers, infer_request)
+                self._forward_headers(self._forward, request_headers, infer_request)
             if verbose():
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
             response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
@@ -212,12 +213,15 @@ class InferHandler:
         headers.append((b"content-length", b"%d" % total))
         return 200, headers, chunks
 
-    def _forward_headers(self, request_headers, request: InferenceRequest) -> None:
+    @staticmethod
+    def _forward_headers(
+        pattern: re.Pattern[str], request_headers, request: InferenceRequest
+    ) -> None:
         """Headers whose name matches the pattern, as string parameters (a parameter
         the request sets itself wins, as over gRPC)."""
         for key, value in request_headers:
             name = key.decode("latin-1")
-            if self._forward.search(name):
+            if pattern.search(name):
                 request.parameters.setdefault(name, value.decode("latin-1"))
 
 

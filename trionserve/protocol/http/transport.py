@@ -251,6 +251,12 @@ class _Request:
         "version",
     )
 
+    # Set by on_headers_complete, before anything reads them.
+    method: bytes
+    version: str
+    keep_alive: bool
+    expects_continue: bool
+
     def __init__(self) -> None:
         self.target = b""
         self.head_size = 0
