@@ -266,6 +266,54 @@ class PerfAnalyzerLoad:
         return result
 
 
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a matrix run (benchmarks.peers, benchmarks.transports) that
+    choose and tune its load generator."""
+    parser.add_argument(
+        "--load-generator",
+        choices=("loadgen", "perf_analyzer"),
+        default="loadgen",
+        help="loadgen: tritonclient in client processes; perf_analyzer: NVIDIA's",
+    )
+    parser.add_argument("--perf-analyzer", help="the perf_analyzer binary (default: PyPI's)")
+    parser.add_argument(
+        "--pa-max-trials",
+        type=int,
+        default=6,
+        help="perf_analyzer windows (of --duration s) per point at most",
+    )
+    parser.add_argument(
+        "--pa-stability",
+        type=int,
+        default=50,
+        help="perf_analyzer's --stability-percentage (three windows within it)",
+    )
+    parser.add_argument("--pa-args", default="", help="extra perf_analyzer arguments")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=default_cache(),
+        help="downloads kept between runs: peers' environments, perf_analyzer, a newer glibc",
+    )
+
+
+def load_from_arguments(args, log=print) -> tuple[PerfAnalyzerLoad | None, str]:
+    """The load generator the options ask for (None: loadgen's client processes),
+    and why perf_analyzer, when asked for, could not be used ("" otherwise)."""
+    if args.load_generator != "perf_analyzer":
+        return None, ""
+    try:
+        command = resolve(args.perf_analyzer, args.cache, log=log)
+    except Unavailable as exc:
+        log(f"[perf_analyzer] cannot run: {exc}; using loadgen instead")
+        return None, f"did not run ({exc}); the load came from loadgen"
+    log(f"load generator: {shlex.join(command)}")
+    load = PerfAnalyzerLoad(
+        command, args.pa_max_trials, args.pa_stability, shlex.split(args.pa_args)
+    )
+    return load, ""
+
+
 def has_gpu() -> bool:
     try:
         import cupy

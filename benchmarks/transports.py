@@ -3,6 +3,7 @@
 Usage:
     python -m benchmarks.transports [--duration 5] [--rounds 2] [--concurrency 1,4,16]
         [--workloads "simple http binary,simple grpc"] [--tree before=../old-checkout]
+        [--load-generator loadgen|perf_analyzer]
 
 Starts one trionserve per variant on free loopback ports, all at once, and runs
 the same matrix against each in turn (see benchmarks/matrix.py), so the ratios
@@ -10,7 +11,9 @@ compare like with like on a noisy machine. Default variant: trionserve with its
 default flags. ``--tree
 LABEL=PATH`` adds trionserve run from another source tree with its default
 flags, e.g. a ``git worktree`` of an older commit for before/after figures;
-``--variant LABEL=FLAGS`` adds one with other flags.
+``--variant LABEL=FLAGS`` adds one with other flags. ``--load-generator
+perf_analyzer`` loads every point with NVIDIA's perf_analyzer (as in
+benchmarks.peers).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import shlex
 from pathlib import Path
 
+from benchmarks import perf_analyzer
 from benchmarks.loadgen import standard_workloads
 from benchmarks.matrix import format_table, peak_rss_of, run_matrix, start_trionserve
 
@@ -60,6 +64,7 @@ def main() -> None:
     parser.add_argument(
         "--no-defaults", action="store_true", help="only the --tree and --variant servers"
     )
+    perf_analyzer.add_load_arguments(parser)
     args = parser.parse_args()
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -83,6 +88,7 @@ def main() -> None:
     if not variants:
         raise SystemExit("nothing to run")
 
+    load, why = perf_analyzer.load_from_arguments(args, log=lambda line: print(line, flush=True))
     servers, targets = [], []
     try:
         for label, flags, tree in variants:
@@ -103,6 +109,7 @@ def main() -> None:
             args.rounds,
             args.client_processes,
             log=lambda line: print(line, flush=True),
+            load=load,
         )
         rss = peak_rss_of(targets)
     finally:
@@ -110,6 +117,8 @@ def main() -> None:
             server.stop()
     print()
     print(format_table(targets, workloads, concurrencies, cells, rss))
+    if why:
+        print(f"perf_analyzer: {why}")
 
 
 if __name__ == "__main__":

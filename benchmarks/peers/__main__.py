@@ -39,7 +39,6 @@ from benchmarks.chart import chart_from_cells
 from benchmarks.loadgen import standard_workloads
 from benchmarks.matrix import (
     EXAMPLES,
-    default_cache,
     format_table,
     peak_rss_of,
     run_matrix,
@@ -92,34 +91,9 @@ def main() -> None:
         action="store_true",
         help="also run trionserve on the Python-backend models",
     )
-    parser.add_argument(
-        "--load-generator",
-        choices=("loadgen", "perf_analyzer"),
-        default="loadgen",
-        help="loadgen: tritonclient in client processes; perf_analyzer: NVIDIA's",
-    )
-    parser.add_argument("--perf-analyzer", help="the perf_analyzer binary (default: PyPI's)")
-    parser.add_argument(
-        "--pa-max-trials",
-        type=int,
-        default=6,
-        help="perf_analyzer windows (of --duration s) per point at most",
-    )
-    parser.add_argument(
-        "--pa-stability",
-        type=int,
-        default=50,
-        help="perf_analyzer's --stability-percentage (three windows within it)",
-    )
-    parser.add_argument("--pa-args", default="", help="extra perf_analyzer arguments")
+    perf_analyzer.add_load_arguments(parser)
     parser.add_argument(
         "--reference", help="label of the server the ratios are to (default: trionserve)"
-    )
-    parser.add_argument(
-        "--cache",
-        type=Path,
-        default=default_cache(),
-        help="downloads kept between runs: peers' environments, perf_analyzer, a newer glibc",
     )
     parser.add_argument(
         "--install-timeout",
@@ -160,19 +134,9 @@ def main() -> None:
         except PeerUnavailable as exc:
             skipped[peer.name] = f"not installed: {exc}"
             print(f"[{peer.name}] skipped: {exc}", flush=True)
-    load = None
-    if args.load_generator == "perf_analyzer":
-        try:
-            command = perf_analyzer.resolve(
-                args.perf_analyzer, args.cache, log=lambda line: print(line, flush=True)
-            )
-            load = perf_analyzer.PerfAnalyzerLoad(
-                command, args.pa_max_trials, args.pa_stability, shlex.split(args.pa_args)
-            )
-            print(f"load generator: {shlex.join(command)}", flush=True)
-        except perf_analyzer.Unavailable as exc:
-            skipped["perf_analyzer"] = f"did not run ({exc}); the load came from loadgen"
-            print(f"[perf_analyzer] cannot run: {exc}; using loadgen instead", flush=True)
+    load, why = perf_analyzer.load_from_arguments(args, log=lambda line: print(line, flush=True))
+    if why:
+        skipped["perf_analyzer"] = why
     if args.install_only:
         return
 
