@@ -14,6 +14,7 @@ import h2.connection
 import h2.events
 import hpack
 import numpy as np
+import pytest
 from google.protobuf.internal import api_implementation, builder
 from hyperframe import frame as hyperframe_frame
 
@@ -37,6 +38,57 @@ def test_hpack_header_table_attributes():
     assert len(encoder.header_table.dynamic_entries) == 0
     encoder.header_table_size = 1024
     assert encoder.header_table.resized is True
+
+
+def test_hpack_decoder_table_attributes():
+    decoder = hpack.Decoder()
+    table = decoder.header_table
+    assert len(table.dynamic_entries) == 0 and isinstance(table.maxsize, int)
+    assert isinstance(decoder.max_allowed_table_size, int)
+    assert isinstance(decoder.max_header_list_size, int)
+    decoder.decode(hpack.Encoder().encode([(b"x-a", b"1")]))
+    assert list(table.dynamic_entries) == [(b"x-a", b"1")]  # newest first
+
+
+def test_kept_header_lists_follow_the_dynamic_table():
+    encoder, decoder = hpack.Encoder(), upstream.CachingDecoder()
+    decoder.decode(encoder.encode([(b"x-a", b"1")]), raw=True)  # inserted at index 62
+    indexed = encoder.encode([(b"x-a", b"1")])
+    assert indexed == b"\xbe"
+    assert decoder.decode(indexed, raw=True) == [(b"x-a", b"1")]
+    assert decoder.decode(indexed, raw=True) == [(b"x-a", b"1")]  # kept
+    assert (indexed, True) in decoder._kept
+    # A new entry takes index 62: the same block now means the new header.
+    decoder.decode(encoder.encode([(b"x-b", b"2")]), raw=True)
+    assert decoder.decode(indexed, raw=True) == [(b"x-b", b"2")]
+    older = b"\xbf"  # index 63: x-a, moved down
+    assert decoder.decode(older, raw=True) == [(b"x-a", b"1")]
+    # A smaller table evicts x-a without inserting anything: index 63 is gone.
+    decoder.header_table_size = 40
+    assert [bytes(name) for name, _ in decoder.header_table.dynamic_entries] == [b"x-b"]
+    with pytest.raises(hpack.HPACKDecodingError):
+        decoder.decode(older, raw=True)
+    assert decoder.decode(indexed, raw=True) == [(b"x-b", b"2")]
+
+
+def test_only_small_header_lists_are_kept():
+    encoder, decoder = hpack.Encoder(), upstream.CachingDecoder()
+    big = [(b"x-a", b"a" * 2000), (b"x-b", b"b" * 2000)]
+    decoder.decode(encoder.encode(big), raw=True)
+    block = encoder.encode(big + big[:1])  # three indexes: 6 kB of headers
+    assert len(block) == 3 and all(byte & 0x80 for byte in block)
+    assert decoder.decode(block, raw=True) == big + big[:1]
+    assert not decoder._kept
+
+
+def test_h2_connection_decodes_with_the_caching_decoder_and_h2s_limits():
+    config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+    server = upstream.H2Connection([HEADERS], config)
+    plain = h2.connection.H2Connection(config)
+    assert type(server.decoder) is upstream.CachingDecoder
+    assert server.decoder.max_header_list_size == plain.decoder.max_header_list_size
+    assert server.decoder.max_allowed_table_size == plain.decoder.max_allowed_table_size
+    assert "decoder.decode(" in inspect.getsource(h2.connection._decode_headers)
 
 
 def test_cached_header_blocks_decode_to_the_headers():

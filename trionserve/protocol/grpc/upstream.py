@@ -6,9 +6,11 @@ upstream release changes what it relies on; pyproject.toml bounds these
 libraries below their next minor release until that test passes on it.
 
 - hyperframe: ``DataFrame._body_repr`` replaced, using ``frame._raw_data_repr``.
-- hpack: ``Encoder.header_table.resized`` and ``.dynamic_entries`` read.
+- hpack: ``Encoder.header_table.resized`` and ``.dynamic_entries`` read;
+  ``Decoder.header_table.dynamic_entries`` and ``.maxsize`` read.
 - h2: ``H2Connection._prepare_for_sending`` overridden and ``_data_to_send`` read
-  (large DATA payloads written from their own buffers); ``encoder`` replaced.
+  (large DATA payloads written from their own buffers); ``encoder`` and
+  ``decoder`` replaced.
 
 protobuf's private symbol database (``builder._sym_db``) is used in one place
 too: :mod:`trionserve._generated.protopool`.
@@ -25,7 +27,7 @@ import hpack
 import numpy as np
 from hyperframe import frame as hyperframe_frame
 
-__all__ = ["CachingEncoder", "H2Connection"]
+__all__ = ["CachingDecoder", "CachingEncoder", "H2Connection"]
 
 
 def _data_frame_repr(frame) -> str:
@@ -77,6 +79,58 @@ def _state_free_block(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     return block
 
 
+class CachingDecoder(hpack.Decoder):
+    """h2's HPACK decoder, with the header lists of repeated all-indexed blocks kept.
+
+    A gRPC client sends the same request headers on every call; once its encoder
+    has them in the dynamic table, the block is one byte per header, each an
+    index. Decoding such a block reads the table and does not change it, so its
+    header list is the same for as long as the table is: it is kept, keyed by
+    the block, with the table's newest entry, size and limits it was decoded
+    under (an insertion always makes a new newest entry; an eviction without
+    one changes the size). Anything else decodes as hpack decodes it. Bounded:
+    at most ``_BLOCKS`` lists of at most ``_LIST_BYTES`` each (a gRPC client's
+    request headers are a few hundred bytes), each pinning at most one table
+    entry (no larger than the table).
+    """
+
+    _BLOCKS = 16  # all dropped when full
+    _LIST_BYTES = 4096
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kept: dict[tuple[bytes, bool], tuple] = {}
+
+    def decode(self, data, raw: bool = False):
+        table = self.header_table
+        entries = table.dynamic_entries
+        state = (
+            entries[0] if entries else None,
+            len(entries),
+            table.maxsize,
+            self.max_allowed_table_size,
+            self.max_header_list_size,
+        )
+        key = (bytes(data), raw)
+        kept = self._kept.get(key)
+        if kept is not None and _same_state(kept[0], state):
+            return list(kept[1])
+        headers = super().decode(data, raw)
+        # Single-byte indexed fields only (0x80 | index, index 1..126): no literal,
+        # no table size update, no multi-byte index.
+        if key[0] and 0x81 <= min(key[0]) and max(key[0]) <= 0xFE:
+            if sum(len(name) + len(value) for name, value in headers) <= self._LIST_BYTES:
+                if len(self._kept) >= self._BLOCKS:
+                    self._kept.clear()
+                self._kept[key] = (state, tuple(headers))
+        return headers
+
+
+def _same_state(kept: tuple, now: tuple) -> bool:
+    # The newest entry by identity: the kept state holds it, so it stays alive.
+    return kept[0] is now[0] and kept[1:] == now[1:]
+
+
 class H2Connection(h2.connection.H2Connection):
     """h2's state machine, with large DATA payloads written from their own buffers.
 
@@ -95,6 +149,10 @@ class H2Connection(h2.connection.H2Connection):
     ) -> None:
         super().__init__(config)
         self.encoder = CachingEncoder(constant_headers)
+        decoder = CachingDecoder()
+        decoder.max_header_list_size = self.decoder.max_header_list_size
+        decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
+        self.decoder = decoder
         self._buffers: list = []
 
     def _prepare_for_sending(self, frames) -> None:
