@@ -298,6 +298,39 @@ async def test_client_reset_cancels_the_handler_and_the_connection_goes_on():
             assert client.data[echo] == frame(b"still here")
 
 
+@pytest.mark.timeout(20)
+async def test_calls_reset_before_their_handlers_run_end_and_the_connection_goes_on():
+    # HEADERS, the message and RST_STREAM in one read: the calls' tasks start after
+    # the reset. Echo's receive() used to spin on its queued message without a
+    # checkpoint, freezing the event loop (hence the timeout); Wait's handler used
+    # to wait with no cancellation until the connection closed.
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            reset = []
+            for path in (b"/t.T/Echo", b"/t.T/Wait"):
+                stream_id = client.h2.get_next_available_stream_id()
+                client.h2.send_headers(
+                    stream_id,
+                    [
+                        (b":method", b"POST"),
+                        (b":scheme", b"http"),
+                        (b":authority", b"test"),
+                        (b":path", path),
+                        (b"content-type", b"application/grpc"),
+                    ],
+                )
+                client.h2.send_data(stream_id, frame(b"never answered"))
+                client.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+                reset.append(stream_id)
+            await client.flush()
+            echo = await client.call("/t.T/Echo", frame(b"still here"))
+            await client.until(lambda c: c.ended(echo))
+            assert client.data[echo] == frame(b"still here")
+            assert not any(stream_id in client.data for stream_id in reset)
+            assert handlers.cancelled == ["/t.T/Wait"]
+
+
 async def test_dropped_connection_cancels_its_handlers():
     handlers = Handlers()
     async with serving(handlers) as (port, _):

@@ -197,13 +197,15 @@ class GrpcCall:
         while True:
             if self._error is not None:
                 raise self._error
+            if self._reset:
+                raise trio.BrokenResourceError("the client reset the stream")
             if self.client_streaming and self._conn.draining:
                 return None
             if self._messages:
                 # Responses the client does not take hold new requests back.
-                await self._conn.wait_for_room()
+                await self._conn.wait_for_room()  # no checkpoint when there is room
                 if self._reset or self._error is not None:
-                    continue
+                    continue  # raised above
                 message = self._messages.popleft()
                 self._conn.consumed(self, len(message))
                 if type(message) is grpc_framing.Compressed:
@@ -628,6 +630,8 @@ class Connection:
         status, message = Status.OK, None
         with trio.CancelScope() as scope:
             call._scope = scope
+            if call._reset:  # reset before this task started: nobody to answer
+                scope.cancel()
             if call.deadline is not None:
                 scope.deadline = call.deadline
             try:
