@@ -7,7 +7,12 @@ from collections.abc import Sequence
 import structlog
 import trio
 
-from trionserve.backends.base import AsyncBackendInstance, BackendInstance, InstanceSpec
+from trionserve.backends.base import (
+    AsyncBackendInstance,
+    BackendInstance,
+    InstanceSpec,
+    TimedBackendInstance,
+)
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
@@ -63,7 +68,8 @@ class InstanceExecutor:
         # took at most ``inline_budget_ns`` are cheaper on the event loop than the
         # worker-thread hop (about 30% of the server's CPU for tiny models). The
         # first batch always runs in a thread, to measure it.
-        self._inline_budget = getattr(instance, "inline_budget_ns", 0) or 0
+        self._timed = instance if isinstance(instance, TimedBackendInstance) else None
+        self._inline_budget = self._timed.inline_budget_ns if self._timed is not None else 0
         self._last_ns = self._inline_budget + 1
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -127,7 +133,7 @@ class InstanceExecutor:
                         sync.execute, live, limiter=self._limiter
                     )
             if self._inline_budget:
-                times = getattr(self.instance, "compute_times", None)
+                times = self._timed.compute_times if self._timed is not None else None
                 self._last_ns = sum(times) if times is not None else self._inline_budget + 1
         except Exception as exc:
             log.exception("backend execute raised", instance=self.spec.name)
@@ -206,7 +212,7 @@ class InstanceExecutor:
         statistics = self._statistics
         assert statistics is not None
         total_ns = to_ns(end - start)
-        times = getattr(self.instance, "compute_times", None)
+        times = self._timed.compute_times if self._timed is not None else None
         if times is not None:
             input_ns, output_ns = times.input_ns, times.output_ns
             infer_ns = max(0, total_ns - input_ns - output_ns)
@@ -223,7 +229,7 @@ class InstanceExecutor:
         for request, outcome in zip(requests, each):
             size = request.batch_size or 1
             batch_size += size
-            if not getattr(request, "collect_stats", True):
+            if not request.collect_stats:
                 continue  # a sequence batcher's null request: in the batch size only
             arrival = request.arrival_time
             if outcome is None or isinstance(outcome, InferenceResponse):
@@ -246,5 +252,5 @@ class InstanceExecutor:
             return
         now = trio.current_time()
         for request in requests:
-            if getattr(request, "collect_stats", True):
+            if request.collect_stats:
                 self._statistics.record_failure(to_ns(now - request.arrival_time), reason)

@@ -22,6 +22,7 @@ from trionserve.core.types import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve.observability.statistics import ComputeTimes
 
 
 class InferenceService(Protocol):
@@ -78,6 +79,21 @@ class BackendInstance(Protocol):
 
     def close(self) -> None:
         """Release the instance's resources."""
+
+
+@runtime_checkable
+class TimedBackendInstance(BackendInstance, Protocol):
+    """An in-process instance that reports how its batches' time divides, and may
+    be cheap enough to run on the event loop; the executor checks for it once.
+
+    ``compute_times``, set at the end of each ``execute``: its input, infer and
+    output phases (Triton's compute_input / compute_infer / compute_output).
+    ``inline_budget_ns``: a batch whose previous run took at most this long runs
+    on the event loop instead of a worker thread (0: always a thread).
+    """
+
+    compute_times: ComputeTimes | None
+    inline_budget_ns: int
 
 
 @runtime_checkable

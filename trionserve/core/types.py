@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import trio
@@ -92,6 +92,10 @@ class InferenceRequest:
     ``undelivered_peak`` is the most bytes the request ever held undelivered (a
     lone final response, which can pass no bound, is not counted).
     """
+
+    # Whether the request counts in the model's statistics (a sequence batcher's
+    # null filler request does not: schedulers/sequence_batch.NullRequest).
+    collect_stats: ClassVar[bool] = True
 
     __slots__ = (
         "model_name",
