@@ -352,13 +352,10 @@ class ModelRegistry:
         """Give the kept versions the new instance counts without a reload."""
         for number in plan.keep:
             version = entry.serving[number]
-            setter = getattr(version, "set_instance_groups", None)
-            if setter is None:
-                return False
             before = [g.count for g in version.config.instance_group]
             started = trio.current_time()
             try:
-                await setter(source.config)
+                await version.set_instance_groups(source.config)
             except Exception as exc:
                 log.warning(
                     "changing instances in place failed; reloading instead",
