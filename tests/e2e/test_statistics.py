@@ -32,7 +32,6 @@ class FakeInstance:
 
     def __init__(self) -> None:
         self.compute_times: ComputeTimes | None = None
-        self.inline_budget_ns = 0  # a TimedBackendInstance that never runs inline
 
     def execute(self, requests):
         self.compute_times = ComputeTimes(1_000, 5_000, 2_000)

@@ -10,6 +10,7 @@ import trio
 from trionserve.backends.base import (
     AsyncBackendInstance,
     BackendInstance,
+    InlineBackendInstance,
     InstanceSpec,
     TimedBackendInstance,
 )
@@ -69,7 +70,9 @@ class InstanceExecutor:
         # worker-thread hop (about 30% of the server's CPU for tiny models). The
         # first batch always runs in a thread, to measure it.
         self._timed = instance if isinstance(instance, TimedBackendInstance) else None
-        self._inline_budget = self._timed.inline_budget_ns if self._timed is not None else 0
+        self._inline_budget = (
+            instance.inline_budget_ns if isinstance(instance, InlineBackendInstance) else 0
+        )
         self._last_ns = self._inline_budget + 1
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:

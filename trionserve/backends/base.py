@@ -83,16 +83,19 @@ class BackendInstance(Protocol):
 
 @runtime_checkable
 class TimedBackendInstance(BackendInstance, Protocol):
-    """An in-process instance that reports how its batches' time divides, and may
-    be cheap enough to run on the event loop; the executor checks for it once.
-
-    ``compute_times``, set at the end of each ``execute``: its input, infer and
-    output phases (Triton's compute_input / compute_infer / compute_output).
-    ``inline_budget_ns``: a batch whose previous run took at most this long runs
-    on the event loop instead of a worker thread (0: always a thread).
-    """
+    """An in-process instance that reports how its batches' time divides: it sets
+    ``compute_times`` at the end of each ``execute`` (Triton's compute_input /
+    compute_infer / compute_output). The executor checks for it once."""
 
     compute_times: ComputeTimes | None
+
+
+@runtime_checkable
+class InlineBackendInstance(TimedBackendInstance, Protocol):
+    """A timed instance that may be cheap enough to run on the event loop: a batch
+    whose previous run took at most ``inline_budget_ns`` runs there instead of in
+    a worker thread (0: always a thread)."""
+
     inline_budget_ns: int
 
 
