@@ -20,7 +20,14 @@ share the cores as the server and a stub do):
   cross-thread wake-up per request).
 
 The cases run interleaved ``--rounds`` times; the median round trips per second
-of each are reported, and the ratio to ``blocking``.
+of each are reported, and the ratio to ``blocking``. Each case also runs with
+both processes pinned to one core (``sched_setaffinity``, Linux): the difference
+is what waking a process on another core costs on this machine (on a virtual
+machine, an idle virtual CPU is woken by an interrupt through the hypervisor,
+and the code that runs right after the wake-up runs slower), which every
+Python-backend request pays twice, as Triton's stub does. The CPU time of the
+stub side per round trip is reported too (from ``/proc/PID/schedstat``: its
+running time in nanoseconds).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import statistics
 import struct
 import threading
 import time
+from typing import NamedTuple
 
 import numpy as np
 import trio
@@ -63,8 +71,11 @@ def _send_message(sock: socket.socket, body: bytes) -> None:
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
-def _echo_stub(fd: int, shm_fd: int, mode: str) -> None:
+def _echo_stub(fd: int, other_end: int, shm_fd: int, mode: str, cpus: set[int] | None) -> None:
     """The stub side: answer every message until the socket closes."""
+    os.close(other_end)  # inherited: held open, the parent's close would not end this
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     sock = socket.socket(fileno=fd)
     region = mmap.mmap(shm_fd, 4 * _TENSOR_BYTES) if shm_fd >= 0 else None
 
@@ -102,7 +113,9 @@ def _echo_stub(fd: int, shm_fd: int, mode: str) -> None:
         pass
 
 
-def _start_stub(mode: str) -> tuple[socket.socket, multiprocessing.Process, mmap.mmap | None]:
+def _start_stub(
+    mode: str, cpus: set[int] | None
+) -> tuple[socket.socket, multiprocessing.Process, mmap.mmap | None]:
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     shm_fd = -1
     region = None
@@ -111,7 +124,9 @@ def _start_stub(mode: str) -> tuple[socket.socket, multiprocessing.Process, mmap
         os.ftruncate(shm_fd, 4 * _TENSOR_BYTES)
         region = mmap.mmap(shm_fd, 4 * _TENSOR_BYTES)
     context = multiprocessing.get_context("fork")
-    process = context.Process(target=_echo_stub, args=(child.fileno(), shm_fd, mode), daemon=True)
+    process = context.Process(
+        target=_echo_stub, args=(child.fileno(), parent.fileno(), shm_fd, mode, cpus), daemon=True
+    )
     process.start()
     child.close()
     if shm_fd >= 0:
@@ -119,10 +134,28 @@ def _start_stub(mode: str) -> tuple[socket.socket, multiprocessing.Process, mmap
     return parent, process, region
 
 
-def _blocking_rate(seconds: float) -> float:
-    sock, process, _ = _start_stub("blocking")
+def _running_ns(pid: int) -> int:
+    """The CPU time of a process so far (all its threads), from /proc."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+            total += int(stat.read().split()[0])
+    return total
+
+
+class _Rate(NamedTuple):
+    round_trips_per_s: float
+    stub_cpu_us: float  # per round trip
+
+
+def _blocking_rate(seconds: float, cpus: set[int] | None) -> _Rate:
+    sock, process, _ = _start_stub("blocking", cpus)
     body = b"x" * 64
     count = 0
+    _send_message(sock, body)
+    _recv_message(sock)  # the stub is up
+    assert process.pid is not None
+    started = _running_ns(process.pid)
     deadline = time.perf_counter() + seconds
     try:
         while time.perf_counter() < deadline:
@@ -130,17 +163,20 @@ def _blocking_rate(seconds: float) -> float:
                 _send_message(sock, body)
                 _recv_message(sock)
             count += 100
+        stub_ns = _running_ns(process.pid) - started
     finally:
         sock.close()
         process.join(5)
-    return count / seconds
+    return _Rate(count / seconds, stub_ns / count / 1000)
 
 
-def _trio_rate(seconds: float, mode: str) -> float:
+def _trio_rate(seconds: float, mode: str, cpus: set[int] | None) -> _Rate:
     """Round trips per second with the server side on Trio."""
-    stdlib_sock, process, region = _start_stub(mode)
+    stdlib_sock, process, region = _start_stub(mode, cpus)
+    assert process.pid is not None
+    stub_pid = process.pid
 
-    async def drive() -> int:
+    async def drive() -> tuple[int, int]:
         sock = trio.socket.from_stdlib_socket(stdlib_sock)
         buffer = bytearray()
 
@@ -161,6 +197,7 @@ def _trio_rate(seconds: float, mode: str) -> float:
         a = np.arange(16, dtype=np.int32)
         b = np.ones(16, dtype=np.int32)
         count = 0
+        started = -1
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             for _ in range(100):
@@ -178,22 +215,25 @@ def _trio_rate(seconds: float, mode: str) -> float:
                     out = marshal.loads(reply)["out"]
                     np.frombuffer(region, dtype=np.int32, count=16, offset=out[0]).copy()
                     np.frombuffer(region, dtype=np.int32, count=16, offset=out[1]).copy()
+                if started < 0:  # the stub is up (and its reader thread started)
+                    started = _running_ns(stub_pid)
                 count += 1
+        stub_ns = _running_ns(stub_pid) - started
         sock.close()
-        return count
+        return count, stub_ns
 
     try:
-        count = trio.run(drive)
+        count, stub_ns = trio.run(drive)
     finally:
         process.join(5)
-    return count / seconds
+    return _Rate(count / seconds, stub_ns / max(1, count - 1) / 1000)
 
 
 CASES = {
-    "blocking": lambda s: _blocking_rate(s),
-    "trio server": lambda s: _trio_rate(s, "plain"),
-    "+ marshal + shm": lambda s: _trio_rate(s, "shm"),
-    "+ thread handoff": lambda s: _trio_rate(s, "handoff"),
+    "blocking": lambda s, cpus: _blocking_rate(s, cpus),
+    "trio server": lambda s, cpus: _trio_rate(s, "plain", cpus),
+    "+ marshal + shm": lambda s, cpus: _trio_rate(s, "shm", cpus),
+    "+ thread handoff": lambda s, cpus: _trio_rate(s, "handoff", cpus),
 }
 
 
@@ -202,16 +242,33 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    rates: dict[str, list[float]] = {name: [] for name in CASES}
+    everywhere = os.sched_getaffinity(0)
+    one_core = {min(everywhere)}
+    placements = {"any cores": None, "one core": one_core}
+    rates: dict[tuple[str, str], list[_Rate]] = {
+        (name, where): [] for name in CASES for where in placements
+    }
     for _ in range(args.rounds):
         for name, case in CASES.items():
-            rates[name].append(case(args.seconds))
-    floor = statistics.median(rates["blocking"])
-    print("| case | round trips/s | µs per round trip | ratio to blocking |")
-    print("| --- | --- | --- | --- |")
-    for name, values in rates.items():
-        rate = statistics.median(values)
-        print(f"| {name} | {rate:,.0f} | {1e6 / rate:.1f} | {rate / floor:.2f}x |")
+            for where, cpus in placements.items():
+                os.sched_setaffinity(0, cpus or everywhere)
+                try:
+                    rates[name, where].append(case(args.seconds, cpus))
+                finally:
+                    os.sched_setaffinity(0, everywhere)
+    floor = statistics.median(r.round_trips_per_s for r in rates["blocking", "any cores"])
+    print(
+        "| case | processes on | round trips/s | µs per round trip | ratio to blocking "
+        "| stub CPU µs per round trip |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for (name, where), values in rates.items():
+        rate = statistics.median(r.round_trips_per_s for r in values)
+        stub = statistics.median(r.stub_cpu_us for r in values)
+        print(
+            f"| {name} | {where} | {rate:,.0f} | {1e6 / rate:.1f} | {rate / floor:.2f}x "
+            f"| {stub:.1f} |"
+        )
 
 
 if __name__ == "__main__":
