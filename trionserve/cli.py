@@ -758,7 +758,14 @@ def main(argv: list[str] | None = None) -> int:
             trio.run(server.serve)
         else:
             structlog.contextvars.bind_contextvars(worker=args.worker_index)
-            trio.run(serve_worker, server, args.worker_index, args.worker_ready_fd)
+            trio.run(
+                serve_worker,
+                server,
+                args.worker_index,
+                args.worker_ready_fd,
+                args.worker_private_port,
+                args.worker_supervisor_port,
+            )
     except (StartupError, TritonError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

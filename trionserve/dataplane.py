@@ -7,7 +7,7 @@ validation, scheduling, waiting for the outcome, cancellation — happens here o
 from __future__ import annotations
 
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import structlog
@@ -39,12 +39,15 @@ from trionserve.core.types import (
 )
 from trionserve.core.validation import validate_request
 from trionserve.observability.metrics import observe_first_response
-from trionserve.observability.statistics import FailureReason, to_ns
+from trionserve.observability.statistics import FailureReason, select_statistics, to_ns
 from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.trace_file import Trace
 from trionserve.repository.repository import duplicate_reason
 
 log = structlog.get_logger(__name__)
+
+# Statistics of a model name and version (None: all), in the HTTP JSON shape.
+StatisticsSource = Callable[[str | None, int | None], Awaitable[dict]]
 
 # Triton's names and order (core src/server.cc, InferenceServer's constructor); the
 # shared-memory ones are added where usable (see server_metadata); "generate" is ours.
@@ -115,6 +118,8 @@ class DataPlane:
         self.undelivered_response_limit = undelivered_response_limit
         self.control_mode = control_mode
         self.server_id = server_id
+        # Where the statistics extension reads from, when not this server alone.
+        self.statistics_source: StatisticsSource | None = None
         # Client shared memory is opt-in, as in Triton (--allow-client-shm).
         self.shared_memory: SystemSharedMemory | None = None
         self.cuda_shared_memory: CudaSharedMemory | None = None
@@ -526,6 +531,22 @@ class DataPlane:
             async for response, final in request.stream():
                 await run.deliverable(response)
                 yield response, final
+
+    # -- statistics ----------------------------------------------------------------
+
+    async def model_statistics(self, name: str | None, version: int | None) -> dict:
+        """Triton's statistics extension, in its HTTP JSON shape (``model_stats``).
+
+        What this server counted; as a worker of ``--workers``, what every worker
+        counted together (``statistics_source``, set by the worker: a client's
+        connection lands on one worker, and a load generator reading the
+        statistics on another connection must see its requests counted).
+        Unknown models and versions raise here, from this server's registry, the
+        same errors with or without workers."""
+        selected = select_statistics(self.registry, name, version)
+        if self.statistics_source is not None:
+            return await self.statistics_source(name, version)
+        return {"model_stats": [stats.as_json() for stats in selected]}
 
     # -- trace settings -------------------------------------------------------------
 

@@ -14,6 +14,14 @@ What the supervisor owns and guarantees:
   ready worker's exposition and merges them
   (:mod:`trionserve.observability.aggregate`), plus ``trionserve_workers_ready``
   and ``trionserve_worker_restarts``.
+- Statistics: the statistics extension counts every worker's requests, as one
+  server would (a load generator such as perf_analyzer reads them on a
+  connection of its own, which lands on any worker). Each worker serves its own
+  statistics on a private loopback port; a worker asked for statistics checks
+  the model and version in its own registry (so errors are a single server's),
+  then asks the supervisor, on the supervisor's private loopback port, which
+  fetches every ready worker's and adds them up
+  (:func:`trionserve.observability.statistics.merge_model_stats`).
 - Readiness: a worker is ready when its frontends listen and its models are
   loaded (it reports this through a pipe). Health endpoints are each worker's own:
   a probe's connection lands on one worker and reports that worker's state.
@@ -32,6 +40,7 @@ What the supervisor owns and guarantees:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -48,6 +57,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from trionserve.actors.watcher import ControlMode
 from trionserve.observability.aggregate import StaticCollector, merge_expositions
 from trionserve.observability.metrics import metrics_router
+from trionserve.observability.statistics import merge_model_stats, select_statistics
 from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
 
 log = structlog.get_logger(__name__)
@@ -58,6 +68,9 @@ RESTART_BACKOFF_MAX = 30.0
 STABLE_SECS = 60.0
 MAX_STARTUP_FAILURES = 3
 SCRAPE_TIMEOUT_SECS = 5.0
+# The private statistics routes: a worker's own, and every worker's at the supervisor.
+_OWN_STATISTICS = "/worker/statistics"
+_ALL_STATISTICS = "/workers/statistics"
 # How often a worker checks that its supervisor is still there.
 ORPHAN_CHECK_SECS = 1.0
 
@@ -92,6 +105,9 @@ def add_worker_flags(add) -> None:
     # Set by the supervisor on the processes it starts; not for users.
     add("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     add("--worker-ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    # Loopback ports: this worker's private one, and the supervisor's.
+    add("--worker-private-port", type=int, default=None, help=argparse.SUPPRESS)
+    add("--worker-supervisor-port", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def worker_conflicts(args: argparse.Namespace) -> list[str]:
@@ -142,15 +158,29 @@ class _WorkerStatus:
         self._on_ready()
 
 
-async def serve_worker(server, index: int, ready_fd: int | None) -> None:
+async def serve_worker(
+    server,
+    index: int,
+    ready_fd: int | None,
+    private_port: int | None = None,
+    supervisor_port: int | None = None,
+) -> None:
     """Run ``server`` as worker ``index``: readiness through ``ready_fd``; shut down
-    gracefully if the supervisor goes away."""
+    gracefully if the supervisor goes away. Its own statistics are served on the
+    loopback ``private_port``; the statistics it answers come from the supervisor
+    at ``supervisor_port`` (every worker's, added up)."""
     parent = os.getppid()
     if ready_fd is not None:
         os.set_inheritable(ready_fd, False)  # not into Python-backend stub processes
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_follow_parent, server, parent)
+            if private_port is not None:
+                await nursery.start(_serve_private, server.dataplane, private_port)
+            if supervisor_port is not None:
+                server.dataplane.statistics_source = partial(
+                    _all_workers_statistics, server.dataplane, supervisor_port
+                )
             on_ready = partial(warn_sequence_models, server.registry) if index == 0 else _nothing
             try:
                 await server.serve(task_status=_WorkerStatus(ready_fd, on_ready))
@@ -173,6 +203,68 @@ async def _follow_parent(server, parent: int) -> None:
         await trio.sleep(ORPHAN_CHECK_SECS)
     log.warning("supervisor process is gone: shutting down")
     server.shutdown()
+
+
+async def _serve_private(dataplane, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """This worker's own statistics, for the supervisor, on a loopback port."""
+
+    async def own_statistics(headers, body: bytes):
+        name, version = _statistics_query(body)
+        selected = select_statistics(dataplane.registry, name, version)
+        return _json_response(200, {"model_stats": [stats.as_json() for stats in selected]})
+
+    server = HttpServer(_post_route(_OWN_STATISTICS, own_statistics), HttpServerOptions())
+    # Never set: the worker's nursery cancels this server when the worker ends.
+    await server.serve("127.0.0.1", port, trio.Event(), 1.0, task_status=task_status)
+
+
+async def _all_workers_statistics(
+    dataplane, supervisor_port: int, name: str | None, version: int | None
+) -> dict:
+    """Every worker's statistics added up, from the supervisor; this worker's
+    own when the supervisor cannot answer (logged)."""
+    query = json.dumps({"name": name, "version": version}).encode()
+    try:
+        answer = await trio.to_thread.run_sync(_post_json, supervisor_port, _ALL_STATISTICS, query)
+    except (OSError, ValueError) as exc:
+        log.warning("statistics of the other workers unavailable", error=str(exc))
+        selected = select_statistics(dataplane.registry, name, version)
+        return {"model_stats": [stats.as_json() for stats in selected]}
+    return answer
+
+
+def _statistics_query(body: bytes) -> tuple[str | None, int | None]:
+    query = json.loads(body)
+    return query["name"], query["version"]
+
+
+def _post_json(port: int, path: str, body: bytes) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=body,
+        method="POST",
+        headers={"content-type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=SCRAPE_TIMEOUT_SECS) as response:
+        return json.loads(response.read())
+
+
+def _json_response(status: int, value: dict):
+    data = json.dumps(value).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+    return status, headers, [data]
+
+
+def _post_route(path: str, handler):
+    """A router with one handler, for POST ``path``; a JSON 404 elsewhere."""
+
+    async def not_found(headers, body: bytes):
+        return _json_response(404, {"error": "Not Found"})
+
+    def route(method: bytes, request_path: str):
+        return handler if method == b"POST" and request_path == path else not_found
+
+    return route
 
 
 def warn_sequence_models(registry) -> None:
@@ -204,6 +296,7 @@ class WorkerSlot:
     index: int
     process: trio.Process | None = None
     metrics_port: int | None = None
+    private_port: int | None = None  # its own statistics, for the supervisor
     ready: bool = False
     ever_ready: bool = False
     startup_failures: int = 0
@@ -232,11 +325,13 @@ class Supervisor:
         self._stopping = trio.Event()
         self._failure: str | None = None
         self._collector = StaticCollector()
+        self._private_port = 0  # where workers ask for every worker's statistics
 
     async def run(self) -> int:
         log.info("supervisor starting", workers=self.plan.count, pid=os.getpid())
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals)
+            await nursery.start(self._serve_private)
             if self.plan.metrics_bind is not None:
                 binds = await nursery.start(self._serve_metrics, self.plan.metrics_bind)
                 log.info("Metrics service started", listening=binds, workers=self.plan.count)
@@ -290,12 +385,15 @@ class Supervisor:
     async def _run_worker(self, slot: WorkerSlot) -> tuple[bool, int]:
         """One process of ``slot`` from start to exit: (became ready, exit code)."""
         slot.metrics_port = _free_loopback_port() if self.plan.metrics_bind else None
+        slot.private_port = _free_loopback_port()
         read_fd, write_fd = os.pipe()
         command = [
             *self.plan.python,
             *self.plan.argv,
             f"--worker-index={slot.index}",
             f"--worker-ready-fd={write_fd}",
+            f"--worker-private-port={slot.private_port}",
+            f"--worker-supervisor-port={self._private_port}",
         ]
         if slot.metrics_port is not None:
             command += ["--metrics-address=127.0.0.1", f"--metrics-port={slot.metrics_port}"]
@@ -353,6 +451,39 @@ class Supervisor:
                 name = signal.Signals(signum).name
                 log.info("shutdown requested; forwarding to workers", signal=name)
                 self._stop(signum)
+
+    # -- statistics -------------------------------------------------------------
+
+    async def _serve_private(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Every worker's statistics added up, for the workers, on a loopback port."""
+
+        async def all_statistics(headers, body: bytes):
+            query = body.decode()
+            ports = [(s.index, s.private_port) for s in self.slots if s.ready and s.private_port]
+            parts: dict[int, list[dict]] = {}
+
+            async def fetch(index: int, port: int) -> None:
+                try:
+                    answer = await trio.to_thread.run_sync(
+                        _post_json, port, _OWN_STATISTICS, query.encode()
+                    )
+                    parts[index] = answer["model_stats"]
+                except (OSError, ValueError, KeyError) as exc:
+                    # A worker that does not know the model (yet) says so with a 4xx.
+                    log.debug("worker statistics unavailable", worker=index, error=str(exc))
+
+            async with trio.open_nursery() as nursery:
+                for index, port in ports:
+                    nursery.start_soon(fetch, index, port)
+            merged = merge_model_stats([parts[i] for i in sorted(parts)])
+            return _json_response(200, {"model_stats": merged})
+
+        server = HttpServer(_post_route(_ALL_STATISTICS, all_statistics), HttpServerOptions())
+        self._private_port = _free_loopback_port()
+        # Never set: the supervisor's nursery cancels this server once the workers exit.
+        await server.serve(
+            "127.0.0.1", self._private_port, trio.Event(), 1.0, task_status=task_status
+        )
 
     # -- metrics ----------------------------------------------------------------
 

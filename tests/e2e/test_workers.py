@@ -24,6 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ROOT, ServerProcess, wire_name
 from trionserve.observability.aggregate import merge_expositions
@@ -140,6 +141,11 @@ def test_workers_share_the_ports_and_metrics_add_up(repository):
         assert merged[("nv_inference_request_success", SIMPLE_COUNT[1])] == 60
         assert merged[("trionserve_workers_ready", ())] == 2
 
+        # The statistics extension counts both workers' requests too, whichever
+        # worker a client asking for them lands on (perf_analyzer reads them on a
+        # connection of its own at every measurement window).
+        _assert_statistics_count(proc, 60)
+
         # The sequence model is reported once (by worker 0), naming it.
         warnings = [e for e in _events(proc) if "sequence models" in e.get("event", "")]
         assert [(w["worker"], w["models"]) for w in warnings] == [(0, ["accumulate"])]
@@ -147,6 +153,49 @@ def test_workers_share_the_ports_and_metrics_add_up(repository):
         assert proc.stop() == 0, proc.output()[-5000:]
         stopped = {e["worker"] for e in _events(proc) if e.get("event") == "server stopped"}
         assert stopped == {0, 1}
+    finally:
+        proc.close()
+
+
+def _assert_statistics_count(proc: ServerProcess, expected: int) -> None:
+    """Statistics asked on fresh connections, HTTP and gRPC, count ``expected``
+    inferences of `simple`, in one batch_stats entry, whichever worker answers."""
+    for _ in range(4):
+        client = httpclient.InferenceServerClient(proc.http_url)
+        try:
+            (stats,) = client.get_inference_statistics("simple")["model_stats"]
+            everything = client.get_inference_statistics()["model_stats"]
+            with pytest.raises(InferenceServerException, match="unknown model"):
+                client.get_inference_statistics("no_such_model")
+        finally:
+            client.close()
+        assert stats["inference_count"] == stats["execution_count"] == expected
+        assert stats["inference_stats"]["success"]["count"] == expected
+        assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stats["batch_stats"]] == [
+            (1, expected)
+        ]
+        assert [(s["name"], s["version"]) for s in everything] == [
+            ("accumulate", "1"),
+            ("simple", "1"),
+        ]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
+        try:
+            answer = client.get_inference_statistics("simple", as_json=True)
+        finally:
+            client.close()
+        (stats,) = answer["model_stats"]
+        assert int(stats["inference_count"]) == expected
+
+
+def test_statistics_add_up_without_the_metrics_port(repository):
+    """Each worker's own statistics are served on a private port of their own,
+    which does not depend on the metrics port being enabled."""
+    proc = _start(repository, "--allow-metrics=false")
+    try:
+        _wait_for(proc, lambda events: _ready_workers(events, 2), "two ready workers")
+        _infer_on_fresh_connections(proc, http=30, grpc=10)
+        _assert_statistics_count(proc, 40)
+        assert proc.stop() == 0, proc.output()[-5000:]
     finally:
         proc.close()
 

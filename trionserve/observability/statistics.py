@@ -11,8 +11,10 @@ Trio's clock, so simulations on a virtual clock record virtual durations.
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -223,6 +225,66 @@ class ModelStatistics:
 def to_ns(seconds: float) -> int:
     """Trio clock seconds to integer nanoseconds, never negative."""
     return max(0, int(seconds * NS_PER_S))
+
+
+def merge_model_stats(parts: Sequence[Sequence[dict]]) -> list[dict]:
+    """Several servers' ``model_stats`` lists (HTTP JSON shape) as one, the way one
+    server would have counted all their requests (the workers of ``--workers``).
+
+    Entries of the same model name and version are added up: every count and
+    duration summed, ``last_inference`` the latest, ``batch_stats`` summed per
+    batch size, ``response_stats`` per key; ``memory_usage`` entries are kept
+    side by side. The result is ordered by name, then version, as one server
+    orders it.
+    """
+    merged: dict[tuple[str, str], dict] = {}
+    for entries in parts:
+        for entry in entries:
+            key = (entry["name"], entry["version"])
+            if key in merged:
+                _add_entry(merged[key], entry)
+            else:
+                merged[key] = copy.deepcopy(entry)
+    return [merged[key] for key in sorted(merged, key=_order)]
+
+
+def _order(key: tuple[str, str]) -> tuple[str, int, str]:
+    name, version = key
+    return (name, int(version), "") if version.isdigit() else (name, -1, version)
+
+
+def _add_entry(total: dict, entry: dict) -> None:
+    total["last_inference"] = max(total["last_inference"], entry["last_inference"])
+    total["inference_count"] += entry["inference_count"]
+    total["execution_count"] += entry["execution_count"]
+    _add_counts(total["inference_stats"], entry["inference_stats"])
+    for key, stats in entry.get("response_stats", {}).items():
+        if key in total.setdefault("response_stats", {}):
+            _add_counts(total["response_stats"][key], stats)
+        else:
+            total["response_stats"][key] = copy.deepcopy(stats)
+    by_size = {batch["batch_size"]: batch for batch in total["batch_stats"]}
+    for batch in entry["batch_stats"]:
+        if batch["batch_size"] in by_size:
+            _add_counts(by_size[batch["batch_size"]], batch)
+        else:
+            by_size[batch["batch_size"]] = copy.deepcopy(batch)
+    total["batch_stats"] = [by_size[size] for size in sorted(by_size)]
+    total["memory_usage"] = [*total["memory_usage"], *entry["memory_usage"]]
+
+
+def _add_counts(total: dict, more: dict) -> None:
+    """Add the ``{"count", "ns"}`` durations of ``more`` into ``total``."""
+    for name, value in more.items():
+        if name == "batch_size":
+            continue
+        if isinstance(value, dict):
+            if name in total:
+                _add_counts(total[name], value)
+            else:
+                total[name] = copy.deepcopy(value)
+        else:
+            total[name] = total.get(name, 0) + value
 
 
 def select_statistics(registry, name: str | None, version: int | None) -> list[ModelStatistics]:

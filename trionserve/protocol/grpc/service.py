@@ -31,7 +31,6 @@ from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings as update_log_settings
 from trionserve.observability.logging import verbose as verbose_logging
-from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc.transport import (
@@ -291,11 +290,8 @@ class GrpcService:
 
     async def model_statistics(self, request: pb.ModelStatisticsRequest, call) -> Message:
         version = parse_model_version(request.version)
-        selected = select_statistics(self.dataplane.registry, request.name or None, version)
-        return json_format.ParseDict(
-            {"model_stats": [stats.as_json() for stats in selected]},
-            pb.ModelStatisticsResponse(),
-        )
+        statistics = await self.dataplane.model_statistics(request.name or None, version)
+        return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
 
     async def log_settings(self, request: pb.LogSettingsRequest, call) -> Message:
         current = LOG_SETTINGS.as_dict()

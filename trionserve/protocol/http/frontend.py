@@ -36,7 +36,6 @@ from trionserve.core.types import InferenceRequest
 from trionserve.dataplane import DataPlane, ShuttingDown
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings, verbose
-from trionserve.observability.statistics import select_statistics
 from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
@@ -402,8 +401,7 @@ class HttpFrontend:
 
     async def model_statistics(self, match, headers, body) -> Response:
         name = match.groupdict().get("name")
-        selected = select_statistics(self.dataplane.registry, name, _version(match))
-        return _json({"model_stats": [stats.as_json() for stats in selected]})
+        return _json(await self.dataplane.model_statistics(name, _version(match)))
 
     # -- model repository ----------------------------------------------------------
 
