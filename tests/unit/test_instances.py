@@ -125,12 +125,16 @@ async def test_two_instances_execute_two_batches_at_once(repository, batching):
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         async with trio.open_nursery() as clients:
-            for value in (1.0, 2.0, 3.0):
+            # One request at a time until each is inside the backend, so that a
+            # dynamic batcher cannot gather them into one batch: the second
+            # reaches the other instance while the first is still executing.
+            for value in (1.0, 2.0):
                 clients.start_soon(client, value)
+                assert await entered(gate, 1)
             # Two executions inside the backend, neither released yet: both
             # instances are running a batch at the same time.
-            assert await entered(gate, 2)
-            assert sorted(set(gate.names)) == ["pair_0_0", "pair_0_1"]
+            assert sorted(gate.names) == ["pair_0_0", "pair_0_1"]
+            clients.start_soon(client, 3.0)  # queued until an instance is free
             gate.release.set()
         server.shutdown()
     for value in (1.0, 2.0, 3.0):
