@@ -55,9 +55,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from trionserve.actors.watcher import ControlMode
+from trionserve.core.errors import InvalidArgument, TritonError
 from trionserve.observability.aggregate import StaticCollector, merge_expositions
 from trionserve.observability.metrics import metrics_router
 from trionserve.observability.statistics import merge_model_stats, select_statistics
+from trionserve.protocol.http.frontend import error_status
 from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
 
 log = structlog.get_logger(__name__)
@@ -209,8 +211,11 @@ async def _serve_private(dataplane, port: int, *, task_status=trio.TASK_STATUS_I
     """This worker's own statistics, for the supervisor, on a loopback port."""
 
     async def own_statistics(headers, body: bytes):
-        name, version = _statistics_query(body)
-        selected = select_statistics(dataplane.registry, name, version)
+        try:
+            name, version = _statistics_query(body)
+            selected = select_statistics(dataplane.registry, name, version)
+        except TritonError as error:  # a model this worker does not have (yet)
+            return _json_response(error_status(error), {"error": error.message})
         return _json_response(200, {"model_stats": [stats.as_json() for stats in selected]})
 
     server = HttpServer(_post_route(_OWN_STATISTICS, own_statistics), HttpServerOptions())
@@ -234,8 +239,15 @@ async def _all_workers_statistics(
 
 
 def _statistics_query(body: bytes) -> tuple[str | None, int | None]:
-    query = json.loads(body)
-    return query["name"], query["version"]
+    """The model name and version of a private statistics request."""
+    try:
+        query = json.loads(body)
+        name, version = query["name"], query["version"]
+    except (ValueError, TypeError, KeyError):
+        raise InvalidArgument("expected a JSON object with 'name' and 'version'") from None
+    if not (name is None or isinstance(name, str)) or not (version is None or type(version) is int):
+        raise InvalidArgument("'name' must be a string or null, 'version' an integer or null")
+    return name, version
 
 
 def _post_json(port: int, path: str, body: bytes) -> dict:
@@ -458,7 +470,11 @@ class Supervisor:
         """Every worker's statistics added up, for the workers, on a loopback port."""
 
         async def all_statistics(headers, body: bytes):
-            query = body.decode()
+            try:
+                name, version = _statistics_query(body)
+            except TritonError as error:
+                return _json_response(error_status(error), {"error": error.message})
+            query = json.dumps({"name": name, "version": version})
             ports = [(s.index, s.private_port) for s in self.slots if s.ready and s.private_port]
             parts: dict[int, list[dict]] = {}
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import trio
 
+from trionserve.core.errors import InvalidArgument
 from trionserve.observability.statistics import FailureReason, ModelStatistics, merge_model_stats
+from trionserve.workers import _statistics_query
 
 
 def _record(stats: ModelStatistics, batches: list[tuple[int, float]]) -> None:
@@ -73,3 +76,24 @@ def test_the_inputs_are_left_as_they_were():
     merge_model_stats([one, two])
     assert one == before
     assert one[0]["batch_stats"][0]["compute_infer"]["count"] == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"[]",
+        b'{"name": "m"}',
+        b'{"name": 3, "version": null}',
+        b'{"name": "m", "version": "1"}',
+    ],
+)
+def test_a_malformed_private_statistics_query_is_invalid_argument(body):
+    """The workers' private statistics routes answer a bad query with a 4xx, not a 500."""
+    with pytest.raises(InvalidArgument):
+        _statistics_query(body)
+
+
+def test_a_private_statistics_query():
+    assert _statistics_query(b'{"name": "m", "version": 2}') == ("m", 2)
+    assert _statistics_query(b'{"name": null, "version": null}') == (None, None)
