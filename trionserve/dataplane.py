@@ -39,7 +39,12 @@ from trionserve.core.types import (
 )
 from trionserve.core.validation import validate_request
 from trionserve.observability.metrics import observe_first_response
-from trionserve.observability.statistics import FailureReason, select_statistics, to_ns
+from trionserve.observability.statistics import (
+    FailureReason,
+    select_statistics,
+    statistics_json,
+    to_ns,
+)
 from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.trace_file import Trace
 from trionserve.repository.repository import duplicate_reason
@@ -543,10 +548,10 @@ class DataPlane:
         statistics on another connection must see its requests counted).
         Unknown models and versions raise here, from this server's registry, the
         same errors with or without workers."""
-        selected = select_statistics(self.registry, name, version)
-        if self.statistics_source is not None:
-            return await self.statistics_source(name, version)
-        return {"model_stats": [stats.as_json() for stats in selected]}
+        if self.statistics_source is None:
+            return statistics_json(self.registry, name, version)
+        select_statistics(self.registry, name, version)  # raises for what is unknown here
+        return await self.statistics_source(name, version)
 
     # -- trace settings -------------------------------------------------------------
 

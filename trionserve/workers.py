@@ -58,7 +58,7 @@ from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import InvalidArgument, TritonError
 from trionserve.observability.aggregate import StaticCollector, merge_expositions
 from trionserve.observability.metrics import metrics_router
-from trionserve.observability.statistics import merge_model_stats, select_statistics
+from trionserve.observability.statistics import merge_model_stats, statistics_json
 from trionserve.protocol.http.frontend import error_status
 from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
 
@@ -213,10 +213,9 @@ async def _serve_private(dataplane, port: int, *, task_status=trio.TASK_STATUS_I
     async def own_statistics(headers, body: bytes):
         try:
             name, version = _statistics_query(body)
-            selected = select_statistics(dataplane.registry, name, version)
+            return _json_response(200, statistics_json(dataplane.registry, name, version))
         except TritonError as error:  # a model this worker does not have (yet)
             return _json_response(error_status(error), {"error": error.message})
-        return _json_response(200, {"model_stats": [stats.as_json() for stats in selected]})
 
     server = HttpServer(_post_route(_OWN_STATISTICS, own_statistics), HttpServerOptions())
     # Never set: the worker's nursery cancels this server when the worker ends.
@@ -233,8 +232,7 @@ async def _all_workers_statistics(
         answer = await trio.to_thread.run_sync(_post_json, supervisor_port, _ALL_STATISTICS, query)
     except (OSError, ValueError) as exc:
         log.warning("statistics of the other workers unavailable", error=str(exc))
-        selected = select_statistics(dataplane.registry, name, version)
-        return {"model_stats": [stats.as_json() for stats in selected]}
+        return statistics_json(dataplane.registry, name, version)
     return answer
 
 

@@ -97,3 +97,22 @@ def test_a_malformed_private_statistics_query_is_invalid_argument(body):
 def test_a_private_statistics_query():
     assert _statistics_query(b'{"name": "m", "version": 2}') == ("m", 2)
     assert _statistics_query(b'{"name": null, "version": null}') == (None, None)
+
+
+async def test_response_statistics_are_added_per_key():
+    def entry(stats: dict) -> dict:
+        value = ModelStatistics("d", 1).as_json()
+        value["response_stats"] = stats
+        return value
+
+    one = {"0": {"compute_infer": {"count": 1, "ns": 10}, "success": {"count": 1, "ns": 20}}}
+    two = {
+        "0": {"compute_infer": {"count": 2, "ns": 30}, "success": {"count": 2, "ns": 40}},
+        "1": {"success": {"count": 5, "ns": 50}},
+    }
+    (merged,) = merge_model_stats([[entry(one)], [entry(two)]])
+    assert merged["response_stats"] == {
+        "0": {"compute_infer": {"count": 3, "ns": 40}, "success": {"count": 3, "ns": 60}},
+        "1": {"success": {"count": 5, "ns": 50}},
+    }
+    assert two["1"] == {"success": {"count": 5, "ns": 50}}  # inputs untouched

@@ -35,7 +35,7 @@ from trionserve.core.errors import as_triton_error
 from trionserve.core.types import InferenceRequest as CoreRequest
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import configure_logging
-from trionserve.observability.statistics import select_statistics
+from trionserve.observability.statistics import statistics_json
 from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.protocol.http.frontend import HttpFrontend, HttpOptions
 from trionserve.repository.config import model_config_to_json
@@ -305,8 +305,7 @@ class AsyncModel:
 
     def statistics(self) -> dict[str, Any]:
         """``{"model_stats": [...]}`` for this model's READY versions (or version)."""
-        selected = select_statistics(self._server.dataplane.registry, *self._routing)
-        return {"model_stats": [stats.as_json() for stats in selected]}
+        return statistics_json(self._server.dataplane.registry, *self._routing)
 
     def __repr__(self) -> str:
         return describe_model(self.name, self.version, self.state)

@@ -258,11 +258,7 @@ def _add_entry(total: dict, entry: dict) -> None:
     total["inference_count"] += entry["inference_count"]
     total["execution_count"] += entry["execution_count"]
     _add_counts(total["inference_stats"], entry["inference_stats"])
-    for key, stats in entry.get("response_stats", {}).items():
-        if key in total.setdefault("response_stats", {}):
-            _add_counts(total["response_stats"][key], stats)
-        else:
-            total["response_stats"][key] = copy.deepcopy(stats)
+    _add_counts(total["response_stats"], entry["response_stats"])
     by_size = {batch["batch_size"]: batch for batch in total["batch_stats"]}
     for batch in entry["batch_stats"]:
         if batch["batch_size"] in by_size:
@@ -285,6 +281,12 @@ def _add_counts(total: dict, more: dict) -> None:
                 total[name] = copy.deepcopy(value)
         else:
             total[name] = total.get(name, 0) + value
+
+
+def statistics_json(registry, name: str | None, version: int | None) -> dict:
+    """The statistics extension's answer for ``name``/``version`` (HTTP JSON shape);
+    raises as :func:`select_statistics` does."""
+    return {"model_stats": [s.as_json() for s in select_statistics(registry, name, version)]}
 
 
 def select_statistics(registry, name: str | None, version: int | None) -> list[ModelStatistics]:
