@@ -20,6 +20,16 @@ runs (``attach_http``). See docs/in_process_api.md for how it differs from Trito
 """
 
 from trionserve.api._blocking import Model, ResponseIterator, Server
+from trionserve.api._options import (
+    InstanceGroupKind,
+    LogFormat,
+    MetricFormat,
+    ModelControlMode,
+    ModelLoadDeviceLimit,
+    Options,
+    RateLimiterResource,
+    RateLimitMode,
+)
 from trionserve.api._trio import AsyncModel, AsyncResponseIterator, AsyncServer, open_server
 from trionserve.api._values import (
     AlreadyExistsError,
@@ -30,14 +40,13 @@ from trionserve.api._values import (
     InferenceResponse,
     InternalError,
     InvalidArgumentError,
-    ModelControlMode,
     ModelDictionary,
     NotFoundError,
-    Options,
     RequestFlag,
     ResourceExhaustedError,
     TritonError,
     UnavailableError,
+    UnknownError,
     UnsupportedError,
 )
 
@@ -49,21 +58,28 @@ __all__ = [
     "CancelledError",
     "DeadlineExceededError",
     "HttpResponse",
+    "InstanceGroupKind",
     "InferenceRequest",
     "InferenceResponse",
     "InternalError",
     "InvalidArgumentError",
+    "LogFormat",
+    "MetricFormat",
     "Model",
     "ModelControlMode",
     "ModelDictionary",
+    "ModelLoadDeviceLimit",
     "NotFoundError",
     "Options",
+    "RateLimitMode",
+    "RateLimiterResource",
     "RequestFlag",
     "ResourceExhaustedError",
     "ResponseIterator",
     "Server",
     "TritonError",
     "UnavailableError",
+    "UnknownError",
     "UnsupportedError",
     "open_server",
 ]

@@ -23,6 +23,7 @@ import structlog
 import trio
 
 from trionserve.api._asyncio import AsyncioResponseIterator
+from trionserve.api._options import Options
 from trionserve.api._trio import (
     AsyncModel,
     AsyncResponseIterator,
@@ -36,7 +37,6 @@ from trionserve.api._values import (
     InferenceResponse,
     InvalidArgumentError,
     ModelDictionary,
-    Options,
     Raised,
     UnavailableError,
     describe_model,

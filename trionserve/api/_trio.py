@@ -15,13 +15,13 @@ from urllib.parse import unquote
 
 import trio
 
+from trionserve.api._options import Options, server_options
 from trionserve.api._values import (
     CancelledError,
     HttpResponse,
     InferenceRequest,
     InferenceResponse,
     ModelDictionary,
-    Options,
     TritonError,
     build_request,
     describe_model,
@@ -29,7 +29,6 @@ from trionserve.api._values import (
     load_arguments,
     response_from,
     route_version,
-    server_options,
 )
 from trionserve.core.errors import as_triton_error
 from trionserve.core.types import InferenceRequest as CoreRequest

@@ -6,24 +6,19 @@ Pure functions and plain data: nothing here touches the event loop.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trionserve.actors.watcher import ControlMode
 from trionserve.core import errors
 from trionserve.core.datatypes import from_numpy
 from trionserve.core.parameters import check_reserved_key
 from trionserve.core.types import InferenceRequest as CoreRequest
 from trionserve.core.types import InferenceResponse as CoreResponse
 from trionserve.core.types import Tensor
-from trionserve.server import ServerOptions
 
 # Triton's exception names (tritonserver/_c/tritonserver_pybind.cc) for our one
 # hierarchy: the core raises these very classes, so nothing is translated.
@@ -39,7 +34,10 @@ CancelledError = errors.Cancelled
 DeadlineExceededError = errors.DeadlineExceeded
 ResourceExhaustedError = errors.ResourceExhausted
 
-ModelControlMode = ControlMode
+
+class UnknownError(errors.TritonError):
+    """Triton's UnknownError (TRITONSERVER_ERROR_UNKNOWN), for code that catches it;
+    this server raises the specific error instead."""
 
 
 class RequestFlag(enum.IntFlag):
@@ -47,105 +45,6 @@ class RequestFlag(enum.IntFlag):
 
     SEQUENCE_START = 1
     SEQUENCE_END = 2
-
-
-@dataclass
-class Options:
-    """Server settings under the names of Triton's ``tritonserver.Options``.
-
-    A subset: what this server does. Settings it has beyond these (frontend
-    options at start, tracing, client shared memory) are set by passing a
-    :class:`trionserve.server.ServerOptions` instead, the command line's own.
-    """
-
-    model_repository: str | Path | Sequence[str | Path] = field(default_factory=list)
-    server_id: str = "triton"
-    model_control_mode: ControlMode = ControlMode.NONE
-    startup_models: list[str] = field(default_factory=list)
-    strict_model_config: bool = False
-    exit_on_error: bool = True
-    strict_readiness: bool = True
-    exit_timeout: float = 30.0  # seconds a stop() waits for the drain
-    model_load_thread_count: int = 4
-    repository_poll_secs: float = 15.0  # with ModelControlMode.POLL
-    # backend name ("" for every backend) -> setting -> value (--backend-config)
-    backend_configuration: dict[str, dict[str, str]] = field(default_factory=dict)
-    backend_directory: str | Path | None = None
-    # {"local": {"size": bytes}}: the response cache (--cache-config)
-    cache_config: dict[str, dict[str, Any]] = field(default_factory=dict)
-    # Logging is process-wide, as in Triton; each level turns on the ones above it.
-    log_file: str | None = None
-    log_info: bool = False
-    log_warn: bool = False
-    log_error: bool = False
-    log_verbose: int = 0
-    log_format: str = "default"
-
-    def server_options(self) -> ServerOptions:
-        """The same settings as the command line's server takes them, with no
-        network frontend and no signal handling (the host program owns those)."""
-        repositories = self.model_repository
-        if isinstance(repositories, (str, Path)):
-            repositories = [repositories]
-        log_info = self.log_info or self.log_verbose > 0
-        log_warn = self.log_warn or log_info
-        return ServerOptions(
-            model_repositories=list(repositories),
-            model_control_mode=ControlMode(self.model_control_mode),
-            repository_poll_secs=self.repository_poll_secs,
-            load_models=list(self.startup_models),
-            strict_model_config=self.strict_model_config,
-            exit_on_error=self.exit_on_error,
-            strict_readiness=self.strict_readiness,
-            exit_timeout_secs=float(self.exit_timeout),
-            model_load_thread_count=self.model_load_thread_count,
-            backend_config={k: dict(v) for k, v in self.backend_configuration.items()},
-            backend_directory=Path(self.backend_directory) if self.backend_directory else None,
-            response_cache_bytes=_cache_bytes(self.cache_config),
-            log_file=self.log_file or "",
-            log_info=log_info,
-            log_warning=log_warn,
-            log_error=self.log_error or log_warn,
-            log_verbose=self.log_verbose,
-            log_format="json" if self.log_format == "json" else "console",
-            server_id=self.server_id,
-            allow_http=False,
-            allow_grpc=False,
-            allow_metrics=False,
-            handle_signals=False,
-        )
-
-
-def _cache_bytes(cache_config: dict[str, dict[str, Any]]) -> int:
-    unknown = set(cache_config) - {"local"}
-    if unknown:
-        raise InvalidArgumentError(
-            f"cache_config: unknown cache {sorted(unknown)}; this server has the 'local' "
-            "cache only ({'local': {'size': bytes}})"
-        )
-    size = cache_config.get("local", {}).get("size", 0)
-    try:
-        return int(size)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"cache_config: 'local' 'size' must be a number of bytes, got {size!r}"
-        ) from None
-
-
-def server_options(options: Options | ServerOptions | None, kwargs: dict) -> ServerOptions:
-    """``Server(options)`` or ``Server(**kwargs)``, as Triton's Server takes them."""
-    if options is not None and kwargs:
-        raise InvalidArgumentError("give either an Options object or keyword arguments, not both")
-    if options is None:
-        options = Options(**kwargs)
-    if isinstance(options, Options):
-        return options.server_options()
-    if isinstance(options, ServerOptions):
-        # Signals belong to the host program (and reach only its main thread).
-        return dataclasses.replace(options, handle_signals=False)
-    raise InvalidArgumentError(
-        f"options must be trionserve.api.Options or ServerOptions, got {type(options).__name__}"
-    )
 
 
 def route_version(version: int) -> int | None:
