@@ -17,7 +17,8 @@ batcher forms the best batch the queue allows, with the rules of Triton's
   ``max_queue_delay_microseconds``, in which case everything gathered is sent; with
   no candidate the batch is sent when it can grow no more, when the delay has
   passed, or at once when the delay is 0; otherwise the batcher waits for more
-  requests until the delay passes.
+  requests until the delay passes. The delay is kept to the microsecond on the
+  real clock (:mod:`trionserve.schedulers.timer`), not to Trio's millisecond.
 
 Batches are formed only when an executor asks for one, so under load requests
 accumulate while every instance is busy even with a delay of 0, exactly as in
@@ -39,6 +40,7 @@ from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
+from trionserve.schedulers.timer import PreciseWakeup
 
 # Entry states. An entry leaves its deque lazily (when it reaches the front or the
 # deque is compacted); its state says whether it still counts.
@@ -241,14 +243,24 @@ class DynamicBatchScheduler:
     # -- the actor ---------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            wake_at = self._step(trio.current_time())
-            if wake_at is None:
-                return
-            self._wakeup = trio.Event()
-            with trio.move_on_at(wake_at):
-                await self._wakeup.wait()
+        # Trio's timers round up to whole milliseconds; the wake-up keeps
+        # microsecond delays on the real clock (see schedulers/timer.py).
+        timer = PreciseWakeup(self._wake)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(timer.run)
+            task_status.started()
+            while True:
+                wake_at = self._step(trio.current_time())
+                if wake_at is None:
+                    break
+                self._wakeup = trio.Event()
+                timer.arm(wake_at)
+                with trio.move_on_at(wake_at):
+                    await self._wakeup.wait()
+            nursery.cancel_scope.cancel()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
 
     def _step(self, now: float) -> float | None:
         """Expire, dispatch what can go; return when to look again (None: done)."""

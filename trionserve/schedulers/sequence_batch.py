@@ -50,6 +50,7 @@ from trionserve.schedulers.sequence_state import (
     backlog_timeout_error,
     describe,
 )
+from trionserve.schedulers.timer import PreciseWakeup
 
 _FLAG_KINDS = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY")
 
@@ -301,17 +302,25 @@ class SequenceBatchScheduler:
     # -- the actor -------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # Trio's timers round up to whole milliseconds; the wake-up keeps
+        # microsecond delays on the real clock (see schedulers/timer.py).
+        timer = PreciseWakeup(self._wake)
         async with trio.open_nursery() as nursery:
             await nursery.start(self._states.run)
+            await nursery.start(timer.run)
             task_status.started()
             while True:
                 wake_at = self._step(trio.current_time())
                 if wake_at is None:
                     break
                 self._wakeup = trio.Event()
+                timer.arm(wake_at)
                 with trio.move_on_at(wake_at):
                     await self._wakeup.wait()
             nursery.cancel_scope.cancel()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
 
     def _step(self, now: float) -> float | None:
         """Expire backlog timeouts, batch for every idle instance; when to look again."""

@@ -1,0 +1,84 @@
+"""Batching delays on the real clock: microseconds, not Trio's milliseconds.
+
+Trio's timers end ``epoll_wait`` through its timeout, in whole milliseconds, so a
+batcher waiting 200 µs with ``trio.move_on_at`` alone takes about 1.1 ms. These
+tests run on the real clock (``trio.run``, not pytest-trio's virtual one), send a
+request that must wait the whole delay (the batch cannot fill), and take the median
+over many trials, so a loaded machine's outliers do not decide: the median must
+stay well under a millisecond, and no batch may leave before its delay.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import trio
+
+from tests.unit import test_batcher, test_sequence
+from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
+from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
+from trionserve.schedulers.sequence_state import load_sequence_states
+
+DELAY_US = 200
+TRIALS = 41
+# Trio's own timer gives ~1,100 µs; the delay plus a loaded machine's wake-up latency
+# stays far below this.
+MEDIAN_LIMIT_US = 700
+
+
+async def _measure(scheduler, outlet, make_request) -> list[float]:
+    waits = []
+    for trial in range(TRIALS):
+        r = make_request(trial)
+        started = time.perf_counter()
+        await scheduler.submit(r)
+        batch = await outlet.receive()
+        waits.append((time.perf_counter() - started) * 1e6)
+        outlet.complete(batch, [test_batcher.response(b) for b in batch])
+    return waits
+
+
+def test_dynamic_batcher_waits_its_delay_in_microseconds():
+    config = test_batcher.make_config(f"max_queue_delay_microseconds: {DELAY_US}")
+
+    async def main() -> list[float]:
+        scheduler = DynamicBatchScheduler(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            waits = await _measure(
+                scheduler, scheduler.outlet(), lambda i: test_batcher.request(str(i))
+            )
+            nursery.cancel_scope.cancel()
+        return waits
+
+    waits = trio.run(main)
+    assert min(waits) >= DELAY_US, waits
+    assert statistics.median(waits) < MEDIAN_LIMIT_US, sorted(waits)
+
+
+def test_sequence_batcher_waits_its_delay_in_microseconds(tmp_path):
+    config = test_sequence.make_config(
+        "oldest { max_candidate_sequences: 4 preferred_batch_size: [ 3 ] "
+        f"max_queue_delay_microseconds: {DELAY_US} }}"
+    )
+
+    async def main() -> list[float]:
+        states = load_sequence_states(config, tmp_path)
+        scheduler = SequenceBatchScheduler(config, None, states=states)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            outlet = scheduler.outlet()
+            # One single-request sequence per trial: a batch of one of a preferred
+            # three, which leaves only when the delay has passed.
+            waits = await _measure(
+                scheduler,
+                outlet,
+                lambda i: test_sequence.request(i + 1, start=True, end=True),
+            )
+            nursery.cancel_scope.cancel()
+        return waits
+
+    waits = trio.run(main)
+    assert min(waits) >= DELAY_US, waits
+    assert statistics.median(waits) < MEDIAN_LIMIT_US, sorted(waits)
