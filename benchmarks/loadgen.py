@@ -146,6 +146,11 @@ class Workload:
         """Tensor bytes in one request (for MB/s)."""
         return 2 * 16 * 4 if self.kind == "simple" else self.elements * 4
 
+    def make_call(self, url: str) -> tuple[Callable[[], None], Callable[[], None]]:
+        """What :class:`ClientPool` asks of any workload: a call and a close, per thread
+        (benchmarks.served_vs_direct passes workloads of its own)."""
+        return make_call(self, url)
+
 
 def standard_workloads(identity_model: str = "identity_fp32") -> dict[str, Workload]:
     """The matrix's workloads, by name."""
@@ -226,7 +231,7 @@ def make_call(workload: Workload, url: str) -> tuple[Callable[[], None], Callabl
 
 @dataclass
 class _Job:
-    workload: Workload
+    workload: Workload  # or any picklable object with Workload's name and make_call
     url: str
     threads: int
     start_at: float  # time.monotonic(): the same clock in every process on Linux
@@ -251,7 +256,7 @@ def _run_job(job: _Job) -> _JobResult:
         requests = errors = 0
         first_error = ""
         try:
-            call, close = make_call(job.workload, job.url)
+            call, close = job.workload.make_call(job.url)
         except Exception as exc:
             with lock:
                 result.errors += 1
@@ -328,6 +333,11 @@ class ClientPool:
             if not connection.poll(120):
                 raise RuntimeError("a load generator process did not start")
             connection.recv()
+
+    @property
+    def pids(self) -> list[int]:
+        """The client processes' ids (e.g. to read their CPU time)."""
+        return [process.pid for process in self._processes]
 
     def __enter__(self) -> ClientPool:
         return self

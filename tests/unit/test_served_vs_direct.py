@@ -1,0 +1,58 @@
+"""benchmarks.served_vs_direct: the ONNX and TorchScript CNNs it generates are the
+same model, and the statistics it reads are turned into per-request phases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.served_vs_direct import (
+    CLASSES,
+    IMAGE,
+    ModelSpec,
+    direct_runner,
+    stats_delta,
+    write_cnn_onnx,
+    write_cnn_torchscript,
+)
+
+
+def test_onnx_and_torchscript_cnns_agree(tmp_path):
+    pytest.importorskip("onnx")
+    pytest.importorskip("torch")
+    write_cnn_onnx(tmp_path / "model.onnx")
+    write_cnn_torchscript(tmp_path / "model.pt")
+    ort = direct_runner(
+        ModelSpec("cnn_onnx", "onnxruntime", "model.onnx", "INPUT0", "OUTPUT0"),
+        tmp_path / "model.onnx",
+    )
+    torch = direct_runner(
+        ModelSpec("cnn_torch", "torch", "model.pt", "INPUT__0", "OUTPUT__0"),
+        tmp_path / "model.pt",
+    )
+    batch = np.random.default_rng(3).random((2, *IMAGE), dtype=np.float32)
+    a, b = ort(batch), torch(batch)
+    assert a.shape == b.shape == (2, CLASSES)
+    assert np.abs(a).max() > 0
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+
+
+def _stats(executions: int, inferences: int, queue_ns: int, count: int) -> dict:
+    phase = {"count": count, "ns": 0}
+    return {
+        "execution_count": executions,
+        "inference_count": inferences,
+        "inference_stats": {
+            "queue": {"count": count, "ns": queue_ns},
+            "compute_input": phase,
+            "compute_infer": phase,
+            "compute_output": phase,
+        },
+    }
+
+
+def test_stats_delta_is_mean_batch_and_us_per_request():
+    batch, phases = stats_delta(_stats(2, 2, 1000, 2), _stats(5, 14, 61000, 14))
+    assert batch == 4.0  # 12 inferences in 3 executions
+    assert phases["queue"] == 5.0  # 60 us over 12 requests
+    assert phases["compute_infer"] == 0.0
