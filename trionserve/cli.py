@@ -24,6 +24,12 @@ from trionserve.observability.metrics import MetricsOptions, parse_metrics_confi
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
 from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.protocol.restricted import (
+    GRPC_HEADER_PREFIX,
+    RestrictedCategory,
+    RestrictedFeatures,
+    parse_restricted_features,
+)
 from trionserve.repository.object_store import is_remote
 from trionserve.server import Server, ServerOptions, StartupError
 from trionserve.workers import (
@@ -92,6 +98,9 @@ def _positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
     return value
+
+
+_RESTRICTED_GROUPS = ", ".join(c.value for c in RestrictedCategory)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -231,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="REGEX",
         help="forward infer request headers matching REGEX (case-insensitive; "
         "(?-i) prefix: case-sensitive) to the model as parameters",
+    )
+    add(
+        "--http-restricted-api",
+        action="append",
+        default=[],
+        metavar="<API>[,<API>...]:<KEY>=<VALUE>",
+        help="requests to these APIs must carry the header KEY with VALUE, else 403 "
+        f"(repeatable, each API in one flag only); APIs: {_RESTRICTED_GROUPS}",
     )
     add(
         "--allow-grpc",
@@ -404,6 +421,15 @@ def _add_grpc_flags(add) -> None:
         metavar="REGEX",
         help="forward request headers matching REGEX (case-insensitive; (?-i) "
         "prefix: case-sensitive) to the model as parameters",
+    )
+    add(
+        "--grpc-restricted-protocol",
+        action="append",
+        default=[],
+        metavar="<PROTOCOL>[,<PROTOCOL>...]:<KEY>=<VALUE>",
+        help="calls of these protocols must carry the header triton-grpc-protocol-KEY "
+        "with VALUE, else UNAVAILABLE (repeatable, each protocol in one flag only); "
+        f"protocols: {_RESTRICTED_GROUPS}",
     )
     add(
         "--grpc-infer-allocation-pool-size",
@@ -608,6 +634,15 @@ def _trace_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(str(exc))
 
 
+def _restricted(
+    parser: argparse.ArgumentParser, settings: list[str], flag: str, kind: str, prefix: str = ""
+) -> RestrictedFeatures:
+    try:
+        return parse_restricted_features(settings, flag, kind, prefix)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def _grpc_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GrpcOptions:
     if args.grpc_max_message_size >= 2**32:
         parser.error(
@@ -636,6 +671,13 @@ def _grpc_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             args.grpc_http2_min_recv_ping_interval_without_data
         ),
         http2_max_ping_strikes=args.grpc_http2_max_ping_strikes,
+        restricted_protocols=_restricted(
+            parser,
+            args.grpc_restricted_protocol,
+            "--grpc-restricted-protocol",
+            "protocol",
+            GRPC_HEADER_PREFIX,
+        ),
     )
 
 
@@ -704,6 +746,9 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
             header_timeout=args.http_header_timeout,
             reuse_port=reuse_port or args.reuse_http_port,
             header_forward_pattern=args.http_header_forward_pattern,
+            restricted_apis=_restricted(
+                parser, args.http_restricted_api, "--http-restricted-api", "api"
+            ),
         ),
         allow_grpc=args.allow_grpc,
         grpc_address=args.grpc_address,

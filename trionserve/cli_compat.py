@@ -6,8 +6,8 @@ parts of Triton that trionserve has no counterpart for (pinned and CUDA memory
 pools, shared-library directories, thread pools of Triton's HTTP and gRPC servers,
 SageMaker and Vertex AI endpoints, ...). Each given one costs a log line at start
 saying it has no effect. A setting that would change what the user relies on if
-it were ignored (model namespacing, the rate limiter, restricted APIs, a SageMaker
-or Vertex AI endpoint) is refused with an error naming the flag.
+it were ignored (model namespacing, the rate limiter, a SageMaker or Vertex AI
+endpoint) is refused with an error naming the flag.
 """
 
 from __future__ import annotations
@@ -48,14 +48,6 @@ _REPEATABLE = (
     "--model-load-gpu-limit",
     "--rate-limit-resource",
 )
-# Refused whatever their value: ignoring them would leave APIs open that the user
-# meant to restrict.
-_REFUSED = {
-    "--http-restricted-api": "restricting HTTP APIs by header is not supported; "
-    "put an authenticating proxy in front of the endpoint instead",
-    "--grpc-restricted-protocol": "restricting gRPC protocols by header is not "
-    "supported; put an authenticating proxy in front of the endpoint instead",
-}
 
 
 def _dest(flag: str) -> str:
@@ -120,8 +112,6 @@ def add_compat_flags(add, boolean) -> None:
             help=f"accepted, no effect: {reason}",
             **repeat,
         )
-    for flag, reason in _REFUSED.items():
-        add(flag, dest=_dest(flag), action="append", metavar="VALUE", help=f"refused: {reason}")
     add(
         "--rate-limit",
         dest="compat_rate_limit",
@@ -159,9 +149,6 @@ def add_compat_flags(add, boolean) -> None:
 def compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
     """Refuse (``parser.error``) what cannot be honoured; return one note for each
     given flag that has no effect, to be logged once logging is set up."""
-    for flag, reason in _REFUSED.items():
-        if getattr(args, _dest(flag)):
-            parser.error(f"{flag} is not supported by trionserve: {reason}")
     if args.compat_rate_limit == "execution_count":
         parser.error(
             "--rate-limit=execution_count is not supported by trionserve: there is no "

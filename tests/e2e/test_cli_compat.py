@@ -24,6 +24,7 @@ from trionserve.backends.backend_config import apply_backend_config, parse_backe
 from trionserve.backends.python.settings import StubSettings
 from trionserve.cli import options_from_args
 from trionserve.core.errors import InvalidArgument
+from trionserve.protocol.restricted import RestrictedCategory, Restriction
 from trionserve.repository.config import read_model_config
 from trionserve.repository.snapshot import file_changes, snapshot_model
 
@@ -58,11 +59,13 @@ EVERY_FLAG = [
     "--http-header-forward-pattern=^x-",
     "--http-thread-count=8",
     "--http-max-input-size=67108864",
+    "--http-restricted-api=model-repository,trace:admin-key=admin-value",
     "--allow-grpc=true",
     "--grpc-address=0.0.0.0",
     "--grpc-port=8001",
     "--reuse-grpc-port=false",
     "--grpc-header-forward-pattern=^x-",
+    "--grpc-restricted-protocol=inference:infer-key=infer-value",
     "--grpc-infer-thread-count=2",
     "--grpc-infer-allocation-pool-size=8",
     "--grpc-max-response-pool-size=100",
@@ -127,8 +130,8 @@ REFUSED = [
     ("--rate-limit=execution_count", "--rate-limit=execution_count"),
     ("--allow-sagemaker=true", "--allow-sagemaker"),
     ("--allow-vertex-ai=1", "--allow-vertex-ai"),
-    ("--http-restricted-api=model-repository:admin-key=secret", "--http-restricted-api"),
-    ("--grpc-restricted-protocol=model-repository:admin-key=secret", "--grpc-restricted-protocol"),
+    ("--http-restricted-api=model-reposit:k1=v1", "unknown restricted api 'model-reposit'"),
+    ("--grpc-restricted-protocol=health:k1", "--grpc-restricted-protocol option format"),
     ("--grpc-infer-thread-count=1", "in the range 2 to 128"),
     ("--backend-config=,shm-default-byte-size=1", "no backend specified"),
     ("--backend-config=python,shm-default-byte-size", "--backend-config format"),
@@ -167,6 +170,10 @@ def test_every_tritonserver_flag_parses():
     assert options.model_control_mode.value == "poll"
     assert options.grpc.infer_response_compression_level == "med"  # Triton's "medium"
     assert options.http.header_forward_pattern == "(?i)^x-"
+    trace = options.http.restricted_apis.get(RestrictedCategory.TRACE)
+    assert trace == Restriction("admin-key", "admin-value")
+    infer = options.grpc.restricted_protocols.get(RestrictedCategory.INFERENCE)
+    assert infer == Restriction("triton-grpc-protocol-infer-key", "infer-value")
     assert options.log_format == "console"  # ISO8601 is Triton's text format
 
 

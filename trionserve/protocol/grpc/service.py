@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import trio
@@ -42,6 +42,7 @@ from trionserve.protocol.grpc.transport import (
     TransportOptions,
     server_ssl_context,
 )
+from trionserve.protocol.restricted import RestrictedCategory, RestrictedFeatures, Restriction
 
 log = structlog.get_logger(__name__)
 
@@ -154,6 +155,8 @@ class GrpcOptions:
     reuse_port: bool = False
     # TLS; None: plaintext.
     ssl: GrpcSsl | None = None
+    # Protocol groups whose calls must carry a header (--grpc-restricted-protocol).
+    restricted_protocols: RestrictedFeatures = field(default_factory=RestrictedFeatures)
 
     def transport_options(self) -> TransportOptions:
         return TransportOptions(
@@ -225,7 +228,21 @@ class GrpcService:
                 pb.CudaSharedMemoryUnregisterRequest, self.cuda_shm_unregister
             ),
         }
-        return {SERVICE_PATH + name: method for name, method in table.items()}
+        return {
+            SERVICE_PATH + name: self._checked(_METHOD_GROUPS[name], method)
+            for name, method in table.items()
+        }
+
+    def _checked(self, group: RestrictedCategory, method: Method) -> Method:
+        """``method``, behind the header check of its group if the group is
+        restricted: a call without the header and value ends UNAVAILABLE before its
+        request is decoded (a stream before its first request is read), as Triton's
+        (src/grpc/grpc_server.cc CommonCallData::Execute, infer_handler.cc,
+        stream_infer_handler.cc)."""
+        restriction = self.options.restricted_protocols.get(group)
+        if restriction is None:
+            return method
+        return Method(_restricted(restriction, method.handler), method.client_streaming)
 
     def _unary(self, request_type, handle: Callable[..., Awaitable]) -> Method:
         async def handler(call: GrpcCall) -> None:
@@ -534,6 +551,47 @@ class GrpcService:
         for key, value in call.metadata:
             if isinstance(value, str) and self._forward.search(key):
                 request.parameters.setdefault(key, value)
+
+
+# Each method's protocol group (Triton's src/grpc/grpc_server.cc: the
+# RestrictedCategory each CommonCallData is registered with; ModelInfer and
+# ModelStreamInfer are INFERENCE).
+_METHOD_GROUPS = {
+    "ServerLive": RestrictedCategory.HEALTH,
+    "ServerReady": RestrictedCategory.HEALTH,
+    "ModelReady": RestrictedCategory.HEALTH,
+    "ServerMetadata": RestrictedCategory.METADATA,
+    "ModelMetadata": RestrictedCategory.METADATA,
+    "ModelConfig": RestrictedCategory.MODEL_CONFIG,
+    "ModelInfer": RestrictedCategory.INFERENCE,
+    "ModelStreamInfer": RestrictedCategory.INFERENCE,
+    "RepositoryIndex": RestrictedCategory.MODEL_REPOSITORY,
+    "RepositoryModelLoad": RestrictedCategory.MODEL_REPOSITORY,
+    "RepositoryModelUnload": RestrictedCategory.MODEL_REPOSITORY,
+    "ModelStatistics": RestrictedCategory.STATISTICS,
+    "LogSettings": RestrictedCategory.LOGGING,
+    "TraceSetting": RestrictedCategory.TRACE,
+    "SystemSharedMemoryStatus": RestrictedCategory.SHARED_MEMORY,
+    "SystemSharedMemoryRegister": RestrictedCategory.SHARED_MEMORY,
+    "SystemSharedMemoryUnregister": RestrictedCategory.SHARED_MEMORY,
+    "CudaSharedMemoryStatus": RestrictedCategory.SHARED_MEMORY,
+    "CudaSharedMemoryRegister": RestrictedCategory.SHARED_MEMORY,
+    "CudaSharedMemoryUnregister": RestrictedCategory.SHARED_MEMORY,
+}
+
+
+def _restricted(
+    restriction: Restriction, handler: Callable[[GrpcCall], Awaitable[None]]
+) -> Callable[[GrpcCall], Awaitable[None]]:
+    async def checked(call: GrpcCall) -> None:
+        if not restriction.admits_grpc(call.metadata):
+            raise GRPCError(
+                Status.UNAVAILABLE,
+                f"This protocol is restricted, expecting header '{restriction.header}'",
+            )
+        await handler(call)
+
+    return checked
 
 
 def _no_repository_name(name: str) -> None:

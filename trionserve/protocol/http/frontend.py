@@ -1,7 +1,9 @@
 """The HTTP/REST frontend: KServe v2 endpoints with Triton's extensions.
 
-One route table (:data:`ROUTES`: method, path pattern, handler) serves every
-endpoint on the HTTP/1.1 transport (:mod:`trionserve.protocol.http.transport`).
+One route table (:data:`ROUTES`: method, path pattern, API group, handler) serves
+every endpoint on the HTTP/1.1 transport (:mod:`trionserve.protocol.http.transport`);
+an endpoint of a group restricted by ``--http-restricted-api`` answers 403 to a
+request without the group's header.
 Handlers only decode, call the DataPlane and encode; a TritonError they raise
 becomes its status code with a JSON ``{"error": ...}`` body, any other exception
 a 500 with the same shape (logged), and an unknown path a 404 / a known path
@@ -18,7 +20,7 @@ import re
 import zlib
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import structlog
@@ -40,6 +42,7 @@ from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
 from trionserve.protocol.http.transport import Headers, HttpServer, HttpServerOptions, Response
+from trionserve.protocol.restricted import RestrictedCategory, RestrictedFeatures, Restriction
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
 
@@ -328,7 +331,12 @@ RouteHandler = Callable[["HttpFrontend", re.Match, Headers, bytes], Awaitable[Re
 
 class HttpFrontend:
     """The route table's handlers over one DataPlane, and the router the HTTP
-    transport asks for each request (:meth:`route`)."""
+    transport asks for each request (:meth:`route`).
+
+    ``restricted_apis`` (--http-restricted-api): a request to an endpoint of a
+    restricted group without the group's header and value is answered 403 before
+    anything else is looked at, its method included, as Triton does.
+    """
 
     def __init__(
         self,
@@ -336,9 +344,11 @@ class HttpFrontend:
         verbose: bool = False,
         forward_headers: str | None = None,
         max_input_size: int | None = None,
+        restricted_apis: RestrictedFeatures | None = None,
     ) -> None:
         self.dataplane = dataplane
         self.infer = InferHandler(dataplane, verbose, forward_headers, max_input_size)
+        self._restricted = restricted_apis or RestrictedFeatures()
 
     def route(self, method: bytes, path: str):
         """The handler of a request: infer first (the hot path), then the table;
@@ -346,23 +356,33 @@ class HttpFrontend:
         if method == b"POST" and path.endswith("/infer"):
             match = _INFER_PATH.match(path)
             if match is not None:
-                return partial(self.infer.handle, match)
+                return self._checked(
+                    RestrictedCategory.INFERENCE, partial(self.infer.handle, match)
+                )
         if method == b"HEAD":
             method = b"GET"
-        known_path = False
-        for route_method, pattern, handler in ROUTES:
+        known: RestrictedCategory | None = None
+        for route_method, pattern, category, handler in ROUTES:
             match = pattern.match(path)
             if match is None:
                 continue
             if route_method == method:
-                return partial(self._guarded, handler, match)
-            known_path = True
-        if known_path:
+                return self._checked(category, partial(self._guarded, handler, match))
+            if known is None:  # the first route of the path names its group
+                known = category
+        if known is not None:
             message = f"method {method.decode('latin-1')} is not allowed for {path}"
-            return partial(_answer, _json({"error": message}, 405))
+            return self._checked(known, partial(_answer, _json({"error": message}, 405)))
         return partial(
             _answer, _json({"error": f"Not Found: {method.decode('latin-1')} {path}"}, 404)
         )
+
+    def _checked(self, category: RestrictedCategory, handler):
+        """``handler``, behind the header check of its group if the group is restricted."""
+        restriction = self._restricted.get(category) if self._restricted else None
+        if restriction is None:
+            return handler
+        return partial(_restricted, restriction, handler)
 
     async def _guarded(
         self, handler: RouteHandler, match: re.Match, headers: Headers, body: bytes
@@ -548,6 +568,15 @@ async def _answer(response: Response, headers: Headers, body: bytes) -> Response
     return response
 
 
+async def _restricted(restriction: Restriction, handler, headers: Headers, body: bytes) -> Response:
+    """403 with Triton's message unless the headers satisfy the restriction
+    (src/http_server.cc, RespondIfRestricted)."""
+    if restriction.admits_http(headers):
+        return await handler(headers, body)
+    message = f"This API is restricted, expecting header '{restriction.header}'"
+    return _json({"error": message}, 403)
+
+
 def _path(pattern: str) -> re.Pattern:
     """A route's path: ``{name}`` and ``{version}`` stand for one path segment;
     ``{any_name}`` for one or more, so that a load or unload of ``../x`` reaches
@@ -561,63 +590,98 @@ def _path(pattern: str) -> re.Pattern:
     )
 
 
-def _routes(method: bytes, handler: RouteHandler, *paths: str):
-    return [(method, _path(path), handler) for path in paths]
+def _routes(method: bytes, category: RestrictedCategory, handler: RouteHandler, *paths: str):
+    return [(method, _path(path), category, handler) for path in paths]
 
 
 _MODEL = "/v2/models/{name}"
 _VERSION = "/v2/models/{name}/versions/{version}"
 F = HttpFrontend
-# (method, path pattern, handler): every endpoint but infer, which route() finds first.
-ROUTES: list[tuple[bytes, re.Pattern, RouteHandler]] = [
-    *_routes(b"GET", F.health_live, "/v2/health/live"),
-    *_routes(b"GET", F.health_ready, "/v2/health/ready"),
-    *_routes(b"GET", F.server_metadata, "/v2"),
-    *_routes(
-        b"GET", F.model_statistics, "/v2/models/stats", f"{_MODEL}/stats", f"{_VERSION}/stats"
-    ),
-    *_routes(b"GET", F.model_metadata, _MODEL, _VERSION),
-    *_routes(b"GET", F.model_ready, f"{_MODEL}/ready", f"{_VERSION}/ready"),
-    *_routes(b"GET", F.model_config, f"{_MODEL}/config", f"{_VERSION}/config"),
-    *_routes(b"POST", F.generate, f"{_MODEL}/generate", f"{_VERSION}/generate"),
-    *_routes(
-        b"POST", F.generate_stream, f"{_MODEL}/generate_stream", f"{_VERSION}/generate_stream"
-    ),
-    *_routes(b"POST", F.repository_index, "/v2/repository/index"),
-    *_routes(b"POST", F.repository_load, "/v2/repository/models/{any_name}/load"),
-    *_routes(b"POST", F.repository_unload, "/v2/repository/models/{any_name}/unload"),
-    *_routes(b"GET", F.get_log_settings, "/v2/logging"),
-    *_routes(b"POST", F.set_log_settings, "/v2/logging"),
-    *_routes(b"GET", F.get_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),
-    *_routes(b"POST", F.set_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),
+C = RestrictedCategory
+# (method, path pattern, API group, handler): every endpoint but infer, which
+# route() finds first. The groups are Triton's (src/http_server.cc: each handler
+# begins with RETURN_AND_RESPOND_IF_RESTRICTED for its category).
+ROUTES: list[tuple[bytes, re.Pattern, RestrictedCategory, RouteHandler]] = [
+    *_routes(b"GET", C.HEALTH, F.health_live, "/v2/health/live"),
+    *_routes(b"GET", C.HEALTH, F.health_ready, "/v2/health/ready"),
+    *_routes(b"GET", C.METADATA, F.server_metadata, "/v2"),
     *_routes(
         b"GET",
+        C.STATISTICS,
+        F.model_statistics,
+        "/v2/models/stats",
+        f"{_MODEL}/stats",
+        f"{_VERSION}/stats",
+    ),
+    *_routes(b"GET", C.METADATA, F.model_metadata, _MODEL, _VERSION),
+    *_routes(b"GET", C.HEALTH, F.model_ready, f"{_MODEL}/ready", f"{_VERSION}/ready"),
+    *_routes(b"GET", C.MODEL_CONFIG, F.model_config, f"{_MODEL}/config", f"{_VERSION}/config"),
+    *_routes(b"POST", C.INFERENCE, F.generate, f"{_MODEL}/generate", f"{_VERSION}/generate"),
+    *_routes(
+        b"POST",
+        C.INFERENCE,
+        F.generate_stream,
+        f"{_MODEL}/generate_stream",
+        f"{_VERSION}/generate_stream",
+    ),
+    *_routes(b"POST", C.MODEL_REPOSITORY, F.repository_index, "/v2/repository/index"),
+    *_routes(
+        b"POST", C.MODEL_REPOSITORY, F.repository_load, "/v2/repository/models/{any_name}/load"
+    ),
+    *_routes(
+        b"POST",
+        C.MODEL_REPOSITORY,
+        F.repository_unload,
+        "/v2/repository/models/{any_name}/unload",
+    ),
+    *_routes(b"GET", C.LOGGING, F.get_log_settings, "/v2/logging"),
+    *_routes(b"POST", C.LOGGING, F.set_log_settings, "/v2/logging"),
+    *_routes(b"GET", C.TRACE, F.get_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"),
+    *_routes(
+        b"POST", C.TRACE, F.set_trace_settings, "/v2/trace/setting", f"{_MODEL}/trace/setting"
+    ),
+    *_routes(
+        b"GET",
+        C.SHARED_MEMORY,
         F.system_shm_status,
         "/v2/systemsharedmemory/status",
         "/v2/systemsharedmemory/region/{name}/status",
     ),
-    *_routes(b"POST", F.system_shm_register, "/v2/systemsharedmemory/region/{name}/register"),
     *_routes(
         b"POST",
+        C.SHARED_MEMORY,
+        F.system_shm_register,
+        "/v2/systemsharedmemory/region/{name}/register",
+    ),
+    *_routes(
+        b"POST",
+        C.SHARED_MEMORY,
         F.system_shm_unregister,
         "/v2/systemsharedmemory/unregister",
         "/v2/systemsharedmemory/region/{name}/unregister",
     ),
     *_routes(
         b"GET",
+        C.SHARED_MEMORY,
         F.cuda_shm_status,
         "/v2/cudasharedmemory/status",
         "/v2/cudasharedmemory/region/{name}/status",
     ),
-    *_routes(b"POST", F.cuda_shm_register, "/v2/cudasharedmemory/region/{name}/register"),
     *_routes(
         b"POST",
+        C.SHARED_MEMORY,
+        F.cuda_shm_register,
+        "/v2/cudasharedmemory/region/{name}/register",
+    ),
+    *_routes(
+        b"POST",
+        C.SHARED_MEMORY,
         F.cuda_shm_unregister,
         "/v2/cudasharedmemory/unregister",
         "/v2/cudasharedmemory/region/{name}/unregister",
     ),
 ]
-del F
+del F, C
 
 
 @dataclass(frozen=True)
@@ -637,6 +701,8 @@ class HttpOptions:
     # Headers of infer requests whose name matches this regular expression reach
     # the model as request parameters (--http-header-forward-pattern).
     header_forward_pattern: str | None = None
+    # API groups whose requests must carry a header (--http-restricted-api).
+    restricted_apis: RestrictedFeatures = field(default_factory=RestrictedFeatures)
 
 
 async def serve_http(
@@ -653,7 +719,11 @@ async def serve_http(
     """Serve HTTP until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     options = options or HttpOptions()
     frontend = HttpFrontend(
-        dataplane, verbose, options.header_forward_pattern, options.max_input_size
+        dataplane,
+        verbose,
+        options.header_forward_pattern,
+        options.max_input_size,
+        options.restricted_apis,
     )
     server = HttpServer(
         frontend.route,
