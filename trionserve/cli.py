@@ -13,6 +13,7 @@ import structlog
 import trio
 
 from trionserve import __version__
+from trionserve.actors.rate_limiter import RateLimiterResource, RateLimitMode, parse_resource
 from trionserve.actors.watcher import ControlMode
 from trionserve.backends.backend_config import parse_backend_config
 from trionserve.cli_compat import add_compat_flags, compat_notes
@@ -297,6 +298,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="models loaded concurrently (default 4)",
     )
     add(
+        "--rate-limit",
+        type=str.lower,
+        default="off",
+        choices=[mode.value for mode in RateLimitMode],
+        help="off (default): an instance executes as soon as it is free; execution_count: "
+        "instances whose instance group has a rate_limiter block execute once their "
+        "resources are free, in the order of their priority and execution count",
+    )
+    add(
+        "--rate-limit-resource",
+        dest="rate_limit_resources",
+        action="append",
+        default=[],
+        type=_rate_limit_resource,
+        metavar="<name>:<count>[:<device>]",
+        help="copies of a rate-limiter resource (repeatable); without <device> on every "
+        "device; default: the largest count any loaded instance needs",
+    )
+    add(
         "--exit-timeout-secs",
         type=_non_negative_float,
         default=30.0,
@@ -345,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _repository(text: str) -> Path | str:
     """A local repository path, or an object-storage location kept as written."""
     return text if is_remote(text) else Path(text)
+
+
+def _rate_limit_resource(text: str) -> RateLimiterResource:
+    try:
+        return parse_resource(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _regex(text: str) -> str:
@@ -760,6 +787,8 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         metrics=_metrics_options(parser, args),
         trace=trace,
         model_load_thread_count=args.model_load_thread_count,
+        rate_limit=RateLimitMode(args.rate_limit),
+        rate_limit_resources=args.rate_limit_resources,
         allow_client_shm=args.allow_client_shm,
         response_cache_bytes=cache_bytes,
         exit_timeout_secs=args.exit_timeout_secs,

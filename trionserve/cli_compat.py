@@ -6,7 +6,7 @@ parts of Triton that trionserve has no counterpart for (pinned and CUDA memory
 pools, shared-library directories, thread pools of Triton's HTTP and gRPC servers,
 SageMaker and Vertex AI endpoints, ...). Each given one costs a log line at start
 saying it has no effect. A setting that would change what the user relies on if
-it were ignored (model namespacing, the rate limiter, a SageMaker or Vertex AI
+it were ignored (model namespacing, a SageMaker or Vertex AI
 endpoint) is refused with an error naming the flag.
 """
 
@@ -32,7 +32,6 @@ _NO_EFFECT = {
     "--cache-directory": "the response cache is built in (--cache-config local,...)",
     "--model-load-retry-count": "a model that fails to load is not retried",
     "--enable-peer-access": "CUDA peer access is left to the frameworks",
-    "--rate-limit-resource": "the rate limiter is off (--rate-limit=off)",
     "--sagemaker-port": "there is no SageMaker endpoint",
     "--sagemaker-safe-port-range": "there is no SageMaker endpoint",
     "--sagemaker-thread-count": "there is no SageMaker endpoint",
@@ -46,7 +45,6 @@ _REPEATABLE = (
     "--cuda-virtual-address-size",
     "--host-policy",
     "--model-load-gpu-limit",
-    "--rate-limit-resource",
 )
 
 
@@ -95,7 +93,6 @@ def add_compat_flags(add, boolean) -> None:
         "--model-load-gpu-limit": _pair(r"\d+:[0-9.]+", "<device id>:<fraction>"),
         "--model-load-retry-count": _int_range(0, None),
         "--enable-peer-access": boolean,
-        "--rate-limit-resource": _pair(r"[^:]+:\d+(:\d+)?", "<resource name>:<count>[:<device>]"),
         "--sagemaker-port": _int_range(0, 65535),
         "--sagemaker-safe-port-range": _pair(r"\d+-\d+", "<low>-<high>"),
         "--sagemaker-thread-count": _int_range(1, None),
@@ -112,14 +109,6 @@ def add_compat_flags(add, boolean) -> None:
             help=f"accepted, no effect: {reason}",
             **repeat,
         )
-    add(
-        "--rate-limit",
-        dest="compat_rate_limit",
-        type=str.lower,
-        default="off",
-        choices=["off", "execution_count"],
-        help="off (default); execution_count is refused: there is no rate limiter",
-    )
     add(
         "--model-namespacing",
         dest="compat_model_namespacing",
@@ -149,12 +138,6 @@ def add_compat_flags(add, boolean) -> None:
 def compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
     """Refuse (``parser.error``) what cannot be honoured; return one note for each
     given flag that has no effect, to be logged once logging is set up."""
-    if args.compat_rate_limit == "execution_count":
-        parser.error(
-            "--rate-limit=execution_count is not supported by trionserve: there is no "
-            "rate limiter (instances run requests as soon as they are free, as with "
-            "--rate-limit=off)"
-        )
     if args.compat_model_namespacing:
         parser.error(
             "--model-namespacing=true is not supported by trionserve: a model name "

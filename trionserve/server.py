@@ -6,16 +6,16 @@ to the running core, by the options (the command line's server) or later with
 ``attach_http`` / ``attach_grpc`` / ``attach_metrics`` (the in-process API,
 :mod:`trionserve.api`). Every frontend calls the one DataPlane.
 
-Startup: registry, then the watcher's startup loads, then the frontends the options
-ask for; the server reports ready once they listen. Shutdown (the first SIGINT/SIGTERM, or
-``shutdown``) is a drain, as Triton does it: readiness turns false at once; the
-frontends keep listening and serving, the DataPlane refusing every new request with
-UNAVAILABLE except those that continue a sequence already open; once nothing is in
-flight and no sequence is open, or ``exit_timeout_secs`` after the signal, the
-frontends close their connections, every model unloads, and every task ends. The
-exit code is 0 after a complete drain and 1 when the exit timeout cut it short
-(Triton's "Exit timeout expired. Exiting immediately."). A second signal stops at
-once.
+Startup: tracing, the rate limiter, the registry, then the watcher's startup loads,
+then the frontends the options ask for; the server reports ready once they listen.
+Shutdown (the first SIGINT/SIGTERM, or ``shutdown``) is a drain, as Triton does
+it: readiness turns false at once; the frontends keep listening and serving, the
+DataPlane refusing every new request with UNAVAILABLE except those that continue a
+sequence already open; once nothing is in flight and no sequence is open, or
+``exit_timeout_secs`` after the signal, the frontends close their connections,
+every model unloads, and every task ends. The exit code is 0 after a complete
+drain and 1 when the exit timeout cut it short (Triton's "Exit timeout expired.
+Exiting immediately."). A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import structlog
 import trio
 
 from trionserve import __version__
+from trionserve.actors.rate_limiter import RateLimiter, RateLimiterResource, RateLimitMode
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig, apply_backend_config
@@ -89,6 +90,9 @@ class ServerOptions:
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
     trace: TraceConfig = field(default_factory=TraceConfig)
     model_load_thread_count: int = 4
+    # --rate-limit and --rate-limit-resource (see actors/rate_limiter.py)
+    rate_limit: RateLimitMode = RateLimitMode.OFF
+    rate_limit_resources: list[RateLimiterResource] = field(default_factory=list)
     allow_client_shm: bool = False
     response_cache_bytes: int = 0  # --cache-config local,size=N; 0: no cache
     exit_timeout_secs: float = 30.0
@@ -137,11 +141,13 @@ class Server:
         apply_backend_config(options.backend_config)
         if options.backend_directory is not None:
             set_backend_directories([options.backend_directory])
+        self.rate_limiter = RateLimiter(options.rate_limit, options.rate_limit_resources)
         self.registry = ModelRegistry(
             self.repository,
             autocomplete=options.autocomplete,
             load_concurrency=options.model_load_thread_count,
             drain_timeout=options.exit_timeout_secs,
+            rate_limiter=self.rate_limiter if self.rate_limiter.enabled else None,
         )
         self.watcher = RepositoryWatcher(
             self.registry,
@@ -200,6 +206,7 @@ class Server:
             if options.handle_signals:
                 nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             await nursery.start(self.dataplane.tracing.run)
+            await nursery.start(self.rate_limiter.run)
             await nursery.start(self.registry.run)
             await nursery.start(self.watcher.run)
             if self.watcher.startup_errors and options.exit_on_error:

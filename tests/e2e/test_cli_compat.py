@@ -127,7 +127,8 @@ EVERY_FLAG = [
 
 REFUSED = [
     ("--model-namespacing=true", "--model-namespacing"),
-    ("--rate-limit=execution_count", "--rate-limit=execution_count"),
+    ("--rate-limit=sometimes", "--rate-limit"),
+    ("--rate-limit-resource=R1", "--rate-limit-resource option format"),
     ("--allow-sagemaker=true", "--allow-sagemaker"),
     ("--allow-vertex-ai=1", "--allow-vertex-ai"),
     ("--http-restricted-api=model-reposit:k1=v1", "unknown restricted api 'model-reposit'"),

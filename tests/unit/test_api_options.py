@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from trionserve import api
+from trionserve.actors.rate_limiter import RateLimiterResource, RateLimitMode
 from trionserve.actors.watcher import ControlMode
 
 # The fields of Triton's Options (core python/tritonserver/_api/_server.py), in order.
@@ -100,14 +101,30 @@ def test_metrics_fields_reach_the_metrics_options():
     assert not settings.metrics.allow_cpu_metrics and not settings.metrics.allow_gpu_metrics
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("rate_limiter_mode", api.RateLimitMode.EXEC_COUNT),
-        ("rate_limiter_resources", [api.RateLimiterResource("R1", 2, 0)]),
-        ("model_namespacing", True),
-    ],
-)
+def test_rate_limiter_options_reach_the_server():
+    settings = api.Options(
+        "m",
+        rate_limiter_mode=api.RateLimitMode.EXEC_COUNT,
+        rate_limiter_resources=[
+            api.RateLimiterResource("R1", 2, 0),
+            api.RateLimiterResource("R2", 1, -1),
+        ],
+    ).server_options()
+    assert settings.rate_limit is RateLimitMode.EXEC_COUNT
+    assert settings.rate_limit_resources == [
+        RateLimiterResource("R1", 2, 0),
+        RateLimiterResource("R2", 1, -1),
+    ]
+    assert api.Options("m").server_options().rate_limit is RateLimitMode.OFF
+    with pytest.raises(api.InvalidArgumentError, match="Options.rate_limiter_mode"):
+        api.Options("m", rate_limiter_mode=7).server_options()
+    with pytest.raises(api.InvalidArgumentError, match="Options.rate_limiter_resources"):
+        api.Options(
+            "m", rate_limiter_resources=[api.RateLimiterResource("", 2, 0)]
+        ).server_options()
+
+
+@pytest.mark.parametrize(("field", "value"), [("model_namespacing", True)])
 def test_a_feature_this_server_lacks_is_refused_naming_the_field(field, value):
     options = api.Options("m", **{field: value})
     with pytest.raises(api.InvalidArgumentError, match=f"Options.{field}="):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import structlog
 import trio
 
+from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
     BackendInstance,
@@ -43,6 +44,10 @@ class InstanceExecutor:
     (split into input / infer / output when the backend instance reports
     ``compute_times``, see :class:`~trionserve.observability.statistics.ComputeTimes`),
     batch size, success or failure.
+
+    With a rate limiter slot, each batch waits for the instance's resources before
+    it executes and gives them back after (see :mod:`trionserve.actors.rate_limiter`);
+    a batch whose wait fails or is cancelled is answered with an error.
     """
 
     def __init__(
@@ -51,12 +56,16 @@ class InstanceExecutor:
         instance: BackendInstance | AsyncBackendInstance,
         outlet: BatchOutlet,
         statistics: ModelStatistics | None = None,
+        rate_limiter: RateLimiter | None = None,
+        rate_slot: InstanceSlot | None = None,
     ) -> None:
         self.spec = spec
         self.instance = instance
         self.finished = trio.Event()
         self._outlet = outlet
         self._statistics = statistics
+        self._rate_limiter = rate_limiter if rate_slot is not None else None
+        self._rate_slot = rate_slot
         self._limiter = trio.CapacityLimiter(1)
         # One of the two is set: the instance, as the kind it is.
         self._async: AsyncBackendInstance | None = None
@@ -95,7 +104,10 @@ class InstanceExecutor:
                     batch = await outlet.receive()
                 except (trio.EndOfChannel, trio.ClosedResourceError):
                     return
-                await self._execute(batch)
+                if self._rate_limiter is None:
+                    await self._execute(batch)
+                else:
+                    await self._execute_limited(batch)
         finally:
             outlet.close()
             self.finished.set()
@@ -159,6 +171,27 @@ class InstanceExecutor:
         if self._statistics is not None:
             self._record(live, outcomes, start, end)
         outlet.complete(live, outcomes)
+
+    async def _execute_limited(self, batch: list[InferenceRequest]) -> None:
+        """Execute ``batch`` once the rate limiter has given the instance its
+        resources; they go back as soon as the execution ends."""
+        limiter, slot = self._rate_limiter, self._rate_slot
+        assert limiter is not None and slot is not None
+        try:
+            await limiter.acquire(slot)
+        except BaseException as exc:
+            error = exc if isinstance(exc, TritonError) else None
+            live = [request for request in batch if not request.done]
+            stopped = error or Unavailable(f"model instance '{self.spec.name}' was stopped")
+            self._record_failures(live, FailureReason.OTHER)
+            self._outlet.complete(live, [stopped] * len(live))
+            if error is None:
+                raise
+            return
+        try:
+            await self._execute(batch)
+        finally:
+            limiter.release(slot)
 
     def _runs_inline(self, batch: list[InferenceRequest]) -> bool:
         if not self._inline_budget or self._last_ns > self._inline_budget:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 
 import structlog
 import trio
 
 from trionserve.actors.executor import InstanceExecutor
+from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.actors.warmup import WarmupSample, check_results, warmup_samples
 from trionserve.backends.base import (
     AsyncBackendInstance,
@@ -78,6 +80,17 @@ def instance_specs(config, gpus: int) -> list[InstanceSpec]:
     return specs
 
 
+def group_rate_limiters(config) -> dict[str, object | None]:
+    """Each instance group's ``rate_limiter`` message (None where it has none), by
+    the group name :func:`instance_specs` gives its instances."""
+    return {
+        group.name or f"{config.name}_{index}": (
+            group.rate_limiter if group.HasField("rate_limiter") else None
+        )
+        for index, group in enumerate(config.instance_group)
+    }
+
+
 class ModelVersion:
     """One version of one model: loads it, serves it, drains and unloads it.
 
@@ -101,6 +114,7 @@ class ModelVersion:
         load_limiter: trio.CapacityLimiter,
         drain_timeout: float = 30.0,
         inference: InferenceService | None = None,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.name = name
         self.version = version
@@ -120,6 +134,9 @@ class ModelVersion:
         self._sequence_states: list = []  # implicit states, read at load
         self._warmup: list[WarmupSample] = []  # model_warmup samples, read at load
         self._executors: list[InstanceExecutor] = []
+        # Each instance's registration with the rate limiter (None: not limited).
+        self._rate_limiter = rate_limiter
+        self._rate_slots: dict[InstanceSpec, InstanceSlot | None] = {}
         self._loaded: LoadedModel | None = None
         self._instances: list = []  # backend instances created and not yet closed
         self._nursery: trio.Nursery | None = None
@@ -144,6 +161,7 @@ class ModelVersion:
         try:
             loaded, instances = await self._load()
         except BaseException as exc:
+            self._unregister(list(self._rate_slots))
             self._set_unavailable(as_triton_error(exc, "failed to load").message)
             self.stopped.set()
             raise
@@ -197,6 +215,7 @@ class ModelVersion:
             instances, self._instances = self._instances, []
             with trio.CancelScope(shield=True):
                 await self._release(loaded, instances)
+            self._unregister(list(self._rate_slots))
             if self.state is not ModelState.UNAVAILABLE:
                 self._set_unavailable("unloaded")
             self.stopped.set()
@@ -212,6 +231,7 @@ class ModelVersion:
             inference=self.inference,
         )
         specs = instance_specs(self.config, gpu_count())
+        self._register(specs, self.config)
         async with self._load_limiter:
             self._warmup = await trio.to_thread.run_sync(
                 warmup_samples, self.config, self.model_dir
@@ -243,10 +263,11 @@ class ModelVersion:
                 for _ in range(max(1, sample.count)):
                     batch = sample.requests(self.name, self.version)
                     try:
-                        if isinstance(instance, AsyncBackendInstance):
-                            results = await instance.execute_async(batch)
-                        else:
-                            results = await trio.to_thread.run_sync(instance.execute, batch)
+                        async with self._rate_limited(spec):
+                            if isinstance(instance, AsyncBackendInstance):
+                                results = await instance.execute_async(batch)
+                            else:
+                                results = await trio.to_thread.run_sync(instance.execute, batch)
                     except TritonError:
                         raise
                     except Exception as exc:
@@ -292,10 +313,49 @@ class ModelVersion:
 
     async def _start_executor(self, spec: InstanceSpec, instance) -> InstanceExecutor:
         assert self._scheduler is not None and self._nursery is not None
-        executor = InstanceExecutor(spec, instance, self._scheduler.outlet(), self.statistics)
+        executor = InstanceExecutor(
+            spec,
+            instance,
+            self._scheduler.outlet(),
+            self.statistics,
+            rate_limiter=self._rate_limiter,
+            rate_slot=self._rate_slots.get(spec),
+        )
         self._executors.append(executor)
         await self._nursery.start(executor.run)
         return executor
+
+    def _register(self, specs: list[InstanceSpec], config) -> None:
+        """Register instances with the rate limiter before they are created, as
+        Triton does; a resource the server cannot provide fails the load."""
+        limiter = self._rate_limiter
+        if limiter is None:
+            return
+        groups = group_rate_limiters(config)
+        added: list[InstanceSpec] = []
+        try:
+            for spec in specs:
+                self._rate_slots[spec] = limiter.register(
+                    self.name, spec.name, spec.device_id, groups.get(spec.group)
+                )
+                added.append(spec)
+        except BaseException:
+            self._unregister(added)
+            raise
+
+    def _rate_limited(self, spec: InstanceSpec) -> AbstractAsyncContextManager:
+        """Hold ``spec``'s rate-limiter resources (warmup executions wait for them
+        too, as Triton's warmup payloads do)."""
+        slot = self._rate_slots.get(spec)
+        if self._rate_limiter is None or slot is None:
+            return nullcontext()
+        return self._rate_limiter.execution(slot)
+
+    def _unregister(self, specs: list[InstanceSpec]) -> None:
+        for spec in specs:
+            slot = self._rate_slots.pop(spec, None)
+            if self._rate_limiter is not None:
+                self._rate_limiter.unregister(slot)
 
     def _set_unavailable(self, reason: str) -> None:
         self.state = ModelState.UNAVAILABLE
@@ -363,11 +423,13 @@ class ModelVersion:
         added = [spec for spec in wanted if spec not in current]
         removed = [e for spec, e in current.items() if spec not in set(wanted)]
         created: list = []
+        self._register(added, config)
         async with self._load_limiter:
             try:
                 for spec in added:
                     created.append(await trio.to_thread.run_sync(loaded.create_instance, spec))
             except BaseException:
+                self._unregister(added)
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_close_all, created, self.name)
                 raise
@@ -377,6 +439,7 @@ class ModelVersion:
             # one needs its executor running first and serialises its executes.
             await self._warm_up([p for p in pairs if not isinstance(p[1], AsyncBackendInstance)])
         except BaseException:
+            self._unregister(added)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_close_all, created, self.name)
             raise
@@ -399,6 +462,7 @@ class ModelVersion:
         )
         for executor in removed:
             await executor.finished.wait()
+            self._unregister([executor.spec])
             if executor.instance in self._instances:  # else the unload released it
                 self._instances.remove(executor.instance)
                 await trio.to_thread.run_sync(_close_all, [executor.instance], self.name)

@@ -17,6 +17,7 @@ from trionserve.actors.lifecycle import (
     prepare_model,
 )
 from trionserve.actors.model import ModelState, ModelVersion
+from trionserve.actors.rate_limiter import RateLimiter
 from trionserve.backends.base import InferenceService
 from trionserve.core.errors import (
     InvalidArgument,
@@ -71,8 +72,11 @@ class ModelRegistry:
         autocomplete: bool = True,
         load_concurrency: int = 4,
         drain_timeout: float = 30.0,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.repository = repository
+        # The server's rate limiter, given to every ModelVersion (None: unlimited).
+        self.rate_limiter = rate_limiter
         self.autocomplete = autocomplete
         self._load_limiter = trio.CapacityLimiter(max(1, load_concurrency))
         self._drain_timeout = drain_timeout
@@ -379,7 +383,9 @@ class ModelRegistry:
     ) -> None:
         """Load ``plan.load`` beside the serving versions, then switch and retire."""
         name = entry.name
-        extra = {"inference": self.inference} if self.inference is not None else {}
+        extra: dict = {"inference": self.inference} if self.inference is not None else {}
+        if self.rate_limiter is not None:
+            extra["rate_limiter"] = self.rate_limiter
         new = {
             number: ModelVersion(
                 name,

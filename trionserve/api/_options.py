@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from trionserve.actors import rate_limiter
 from trionserve.actors.watcher import ControlMode
 from trionserve.core import errors
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
@@ -101,8 +102,6 @@ _NO_EFFECT = {
 }
 # Fields naming a feature this server does not have (yet): refused unless default.
 _NOT_SUPPORTED = {
-    "rate_limiter_mode": "the rate limiter is not supported",
-    "rate_limiter_resources": "the rate limiter is not supported",
     "model_namespacing": "model namespacing is not supported",
 }
 
@@ -197,6 +196,8 @@ class Options:
             strict_readiness=self.strict_readiness,
             exit_timeout_secs=float(self.exit_timeout),
             model_load_thread_count=self.model_load_thread_count,
+            rate_limit=_rate_limit_mode(self.rate_limiter_mode),
+            rate_limit_resources=_rate_limit_resources(self.rate_limiter_resources),
             backend_config={k: dict(v) for k, v in self.backend_configuration.items()},
             backend_directory=_backend_directory(self.backend_directory),
             response_cache_bytes=_cache_bytes(self.cache_config),
@@ -302,6 +303,41 @@ def _control_mode(value: Any) -> ControlMode:
         f"Options.model_control_mode: expected a ModelControlMode (NONE, POLL, EXPLICIT), "
         f"got {value!r}"
     )
+
+
+def _rate_limit_mode(value: Any) -> rate_limiter.RateLimitMode:
+    if isinstance(value, RateLimitMode):
+        return rate_limiter.RateLimitMode[value.name]
+    if isinstance(value, rate_limiter.RateLimitMode):
+        return value
+    if isinstance(value, str):
+        try:
+            return rate_limiter.RateLimitMode(value.lower())
+        except ValueError:
+            pass
+    raise errors.InvalidArgument(
+        f"Options.rate_limiter_mode: expected a RateLimitMode (OFF, EXEC_COUNT), got {value!r}"
+    )
+
+
+def _rate_limit_resources(value: Any) -> list[rate_limiter.RateLimiterResource]:
+    """Each RateLimiterResource as the server takes it; a device of -1 gives the
+    count to every device (--rate-limit-resource without a device)."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"Options.rate_limiter_resources must be a list, got {value!r}")
+    resources = []
+    for item in value:
+        if not isinstance(item, (RateLimiterResource, rate_limiter.RateLimiterResource)):
+            raise TypeError(
+                f"Options.rate_limiter_resources: expected RateLimiterResource items, got {item!r}"
+            )
+        if not item.name or item.count < 0 or item.device < -1:
+            raise errors.InvalidArgument(
+                f"Options.rate_limiter_resources: {item!r}: expected a name, a count >= 0 "
+                "and a device id (-1: every device)"
+            )
+        resources.append(rate_limiter.RateLimiterResource(item.name, item.count, item.device))
+    return resources
 
 
 def _log_format(value: Any) -> str:
