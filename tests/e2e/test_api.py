@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,11 @@ import pytest
 import trio
 
 from trionserve import api
+
+try:
+    import cupy
+except ImportError:
+    cupy = None
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import ServerOptions
 
@@ -169,7 +175,7 @@ def test_onnx_model_answers_numpy(server):
     response = only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
     np.testing.assert_array_equal(response.outputs["OUTPUT0"], a + b)
     np.testing.assert_array_equal(response.outputs["OUTPUT1"], a - b)
-    assert response.outputs["OUTPUT0"].dtype == np.int32
+    assert np.from_dlpack(response.outputs["OUTPUT0"]).dtype == np.int32
     assert (response.model.name, response.model.version) == ("simple", 1)
 
 
@@ -190,7 +196,7 @@ def test_dlpack_and_list_inputs(server):
     response = only(server.model("simple").infer(inputs=inputs))
     np.testing.assert_array_equal(response.outputs["OUTPUT0"], a + b)
     response = only(server.model("identity_bytes").infer(inputs={"INPUT0": [["x", "yz"]]}))
-    assert response.outputs["OUTPUT0"].tolist() == [[b"x", b"yz"]]
+    assert response.outputs["OUTPUT0"].to_bytes_array().tolist() == [[b"x", b"yz"]]
     # A list of ints is INT64, as numpy makes it (and Triton's package): refused by
     # an INT32 model with the datatypes named.
     with pytest.raises(api.InvalidArgumentError, match="'INT64'.*expects 'INT32'"):
@@ -207,7 +213,7 @@ def test_bytes_tensors_from_str_and_bytes(server):
     model = server.model("identity_bytes")
     for values in (np.array([["hé", "x"]]), np.array([[b"a\x00b", b""]], dtype=object)):
         response = only(model.infer(inputs={"INPUT0": values}))
-        out = response.outputs["OUTPUT0"]
+        out = response.outputs["OUTPUT0"].to_bytes_array()
         assert out.dtype == object
         expected = [v.encode() if isinstance(v, str) else v for v in values.reshape(-1)]
         assert list(out.reshape(-1)) == expected
@@ -217,7 +223,7 @@ def test_decoupled_model_streams(server):
     model = server.model("stream")
     responses = list(model.infer(inputs={"N": np.array([4], np.int32)}))
     # Four responses, then the final flag alone: an empty final response (Triton's).
-    assert [int(r.outputs["I"][0]) for r in responses[:4]] == [0, 1, 2, 3]
+    assert [int(np.from_dlpack(r.outputs["I"])[0]) for r in responses[:4]] == [0, 1, 2, 3]
     assert [r.final for r in responses] == [False] * 4 + [True]
     assert responses[-1].outputs == {}
 
@@ -225,7 +231,7 @@ def test_decoupled_model_streams(server):
 def test_decoupled_error_raises_or_is_returned(server):
     model = server.model("stream")
     iterator = model.infer(inputs={"N": np.array([-1], np.int32)})
-    assert int(next(iterator).outputs["I"][0]) == 0
+    assert int(np.from_dlpack(next(iterator).outputs["I"])[0]) == 0
     with pytest.raises(api.TritonError, match="stream broke on purpose"):
         next(iterator)
     responses = list(model.infer(inputs={"N": np.array([-1], np.int32)}, raise_on_error=False))
@@ -238,14 +244,14 @@ def test_cancel_ends_a_streaming_request(server, tmp_path):
     model = server.model("gated")
     gate = tmp_path / "never"
     iterator = model.infer(inputs={"GATE": np.array([str(gate)])})
-    assert int(next(iterator).outputs["I"][0]) == 0
+    assert int(np.from_dlpack(next(iterator).outputs["I"])[0]) == 0
     iterator.cancel()
     with pytest.raises(api.CancelledError):
         next(iterator)
     # The model saw the cancellation and is free again: the next request runs.
     gate.write_text("open")
     responses = list(model.infer(inputs={"GATE": np.array([str(gate)])}))
-    assert [int(r.outputs["I"][0]) for r in responses[:2]] == [0, 1]
+    assert [int(np.from_dlpack(r.outputs["I"])[0]) for r in responses[:2]] == [0, 1]
 
 
 def test_sequence_with_correlation_id_and_flags(server):
@@ -258,7 +264,7 @@ def test_sequence_with_correlation_id_and_flags(server):
                 inputs={"INPUT": np.array([[value]], np.int32)}, correlation_id=41, flags=flags
             )
         )
-        sums.append(int(response.outputs["OUTPUT"][0, 0]))
+        sums.append(int(np.from_dlpack(response.outputs["OUTPUT"])[0, 0]))
     assert sums == [3, 7, 12]
 
 
@@ -290,14 +296,14 @@ def test_asyncio_async_infer(server, tmp_path):
     async def main() -> None:
         stream = server.model("stream").async_infer(inputs={"N": np.array([3], np.int32)})
         responses = [r async for r in stream]
-        assert [int(r.outputs["I"][0]) for r in responses[:3]] == [0, 1, 2]
+        assert [int(np.from_dlpack(r.outputs["I"])[0]) for r in responses[:3]] == [0, 1, 2]
         assert responses[-1].final
         with pytest.raises(api.NotFoundError):
             await server.model("nope").async_infer(inputs={}).__anext__()
         gate = tmp_path / "gate"
         gated = server.model("gated")
         iterator = gated.async_infer(inputs={"GATE": np.array([str(gate)])})
-        assert int((await iterator.__anext__()).outputs["I"][0]) == 0
+        assert int(np.from_dlpack((await iterator.__anext__()).outputs["I"])[0]) == 0
         waiting = asyncio.ensure_future(iterator.__anext__())
         await asyncio.sleep(0)  # one loop turn: the task now waits for the model
         waiting.cancel()
@@ -308,7 +314,7 @@ def test_asyncio_async_infer(server, tmp_path):
         follow_up = gated.async_infer(inputs={"GATE": np.array([str(gate)])})
         # Within the gated model's own 60 s: it was not left waiting.
         rest = await asyncio.wait_for(_collect(follow_up), 40)
-        assert [int(r.outputs["I"][0]) for r in rest[:2]] == [0, 1]
+        assert [int(np.from_dlpack(r.outputs["I"])[0]) for r in rest[:2]] == [0, 1]
 
     asyncio.run(main())
 
@@ -453,13 +459,13 @@ def test_stop_drains_in_flight_requests(repository, tmp_path):
     assert child_pids() - children_before  # the gated model's stub
     gate = tmp_path / "gate"
     iterator = server.model("gated").infer(inputs={"GATE": np.array([str(gate)])})
-    assert int(next(iterator).outputs["I"][0]) == 0
+    assert int(np.from_dlpack(next(iterator).outputs["I"])[0]) == 0
     accumulate = server.model("accumulate")
 
     def add(value: int, **sequence) -> int:
         inputs = {"INPUT": np.array([[value]], np.int32)}
         response = only(accumulate.infer(inputs=inputs, correlation_id=5, **sequence))
-        return int(response.outputs["OUTPUT"][0, 0])
+        return int(np.from_dlpack(response.outputs["OUTPUT"])[0, 0])
 
     assert add(2, flags=api.RequestFlag.SEQUENCE_START) == 2
     stopping = threading.Thread(target=server.stop)
@@ -474,7 +480,7 @@ def test_stop_drains_in_flight_requests(repository, tmp_path):
     assert add(3) == 5  # the open sequence goes on
     gate.write_text("open")
     rest = list(iterator)
-    assert [int(r.outputs["I"][0]) for r in rest[:1]] == [1] and rest[-1].final
+    assert [int(np.from_dlpack(r.outputs["I"])[0]) for r in rest[:1]] == [1] and rest[-1].final
     assert stopping.is_alive()  # the sequence is still open
     assert add(4, flags=api.RequestFlag.SEQUENCE_END) == 9
     stopping.join(30)
@@ -506,7 +512,8 @@ def test_program_exiting_without_stop_drains_and_leaves_no_process(repository):
                 children += open(f"/proc/{{os.getpid()}}/task/{{task}}/children").read().split()
             except FileNotFoundError:  # a thread that just ended
                 pass
-        print(int(response.outputs["OUTPUT0"].sum()), " ".join(sorted(set(children))))
+        total = int(np.from_dlpack(response.outputs["OUTPUT0"]).sum())
+        print(total, " ".join(sorted(set(children))))
         """
     )
     result = subprocess.run(
@@ -545,17 +552,17 @@ async def test_trio_api_streams_and_drains(repository, tmp_path):
         received = []
         async for response in server.model("stream").infer(inputs={"N": np.array([3], np.int32)}):
             if not response.final:
-                received.append(int(response.outputs["I"][0]))
+                received.append(int(np.from_dlpack(response.outputs["I"])[0]))
         assert received == [0, 1, 2]
         async with server.model("gated").infer(inputs={"GATE": np.array([str(gate)])}) as stream:
-            assert int((await stream.__anext__()).outputs["I"][0]) == 0
+            assert int(np.from_dlpack((await stream.__anext__()).outputs["I"])[0]) == 0
             server.stop()  # the drain begins; this request may finish
             assert not server.ready()
             with pytest.raises(api.UnavailableError, match="shutting down"):
                 await server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}).__anext__()
             gate.write_text("open")
             rest = [r async for r in stream]
-        assert int(rest[0].outputs["I"][0]) == 1 and rest[-1].final
+        assert int(np.from_dlpack(rest[0].outputs["I"])[0]) == 1 and rest[-1].final
     assert server.core.exit_code == 0
 
 
@@ -573,7 +580,7 @@ async def test_trio_api_closing_a_stream_cancels_its_request(repository, tmp_pat
             # Closed early: the model saw the cancellation and takes the next request.
             gate.write_text("open")
             responses = [r async for r in model.infer(inputs={"GATE": np.array([str(gate)])})]
-        assert int(responses[1].outputs["I"][0]) == 1
+        assert int(np.from_dlpack(responses[1].outputs["I"])[0]) == 1
         assert model.statistics()["model_stats"][0]["inference_stats"]["success"]["count"] >= 1
 
 
@@ -701,3 +708,134 @@ def test_grpc_and_metrics_frontends_attached_to_a_running_server(repository):
     for closed in (port, metrics_port):
         with pytest.raises(ConnectionError):
             socket.create_connection(("127.0.0.1", closed), timeout=5).close()
+
+
+# -- Triton's tritonserver names: Tensor outputs, response queues, metrics -----------
+
+
+def test_outputs_are_tensors_read_without_a_copy(server):
+    a, b = pair()
+    response = only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+    out = response.outputs["OUTPUT0"]
+    assert isinstance(out, api.Tensor)
+    assert out.data_type == api.DataType.INT32 and list(out.shape) == [1, 16]
+    assert out.memory_type == api.MemoryType.CPU and out.memory_type_id == 0
+    first, second = np.from_dlpack(out), np.from_dlpack(out)
+    assert first.ctypes.data == second.ctypes.data == out.data_ptr
+    np.testing.assert_array_equal(first, a + b)
+    # A tensor goes back in as an input, and BYTES come back as strings.
+    echoed = only(server.model("simple").infer(inputs={"INPUT0": out, "INPUT1": b}))
+    np.testing.assert_array_equal(np.from_dlpack(echoed.outputs["OUTPUT0"]), a + 2 * b)
+    strings = api.Tensor.from_string_array([["hé", "x"]])
+    text = only(server.model("identity_bytes").infer(inputs={"INPUT0": strings}))
+    assert text.outputs["OUTPUT0"].to_string_array().tolist() == [["hé", "x"]]
+
+
+def test_output_memory_type(server):
+    a, b = pair()
+    for memory in ("cpu", "CPU:0", api.MemoryType.CPU, (api.MemoryType.CPU, 0)):
+        (response,) = server.model("simple").infer(
+            inputs={"INPUT0": a, "INPUT1": b}, output_memory_type=memory
+        )
+        assert response.outputs["OUTPUT0"].memory_type == api.MemoryType.CPU
+    with pytest.raises(api.InvalidArgumentError, match="Memory type unsupported not supported"):
+        server.model("simple").infer(
+            inputs={"INPUT0": a, "INPUT1": b}, output_memory_type="unsupported"
+        )
+
+
+@pytest.mark.skipif(cupy is not None, reason="checks the error when cupy is absent")
+def test_gpu_output_memory_without_cupy_is_an_error_of_the_request(server):
+    a, b = pair()
+    responses = server.model("simple").infer(
+        inputs={"INPUT0": a, "INPUT1": b}, output_memory_type="gpu"
+    )
+    with pytest.raises(api.InvalidArgumentError, match="cupy"):
+        list(responses)
+    only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+
+
+def test_response_queue_gets_responses_without_iterating(server):
+    """Triton's response_queue: every response is put into the queue as it
+    arrives, whether or not the iterator is read; the iterator yields them too."""
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    iterators = [
+        server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}, response_queue=responses)
+        for a, b in (pair(), pair(2))
+    ]
+    got = sorted(
+        (responses.get(timeout=30) for _ in iterators),
+        key=lambda r: len(np.from_dlpack(r.outputs["OUTPUT0"])),
+    )
+    assert [np.from_dlpack(r.outputs["OUTPUT0"]).shape[0] for r in got] == [1, 2]
+    for iterator in iterators:
+        assert only(iterator).final
+    assert responses.empty()
+    # An error is a response in the queue, and raised by the iterator.
+    failing = server.model("nope").infer(inputs={}, response_queue=responses)
+    assert isinstance(responses.get(timeout=30).error, api.NotFoundError)
+    with pytest.raises(api.NotFoundError):
+        list(failing)
+
+
+def test_asyncio_response_queue(server):
+    async def main() -> None:
+        responses: asyncio.Queue = asyncio.Queue()
+        stream = server.model("stream").async_infer(
+            inputs={"N": np.array([2], np.int32)}, response_queue=responses
+        )
+        queued = [await asyncio.wait_for(responses.get(), 30) for _ in range(3)]
+        assert [r.final for r in queued] == [False, False, True]
+        assert [r async for r in stream] == queued
+        assert responses.empty()
+
+    asyncio.run(main())
+
+
+def test_response_queue_is_refused_in_the_trio_api(repository):
+    async def main() -> None:
+        async with api.open_server(
+            model_repository=repository,
+            model_control_mode=api.ModelControlMode.EXPLICIT,
+        ) as trio_server:
+            with pytest.raises(api.InvalidArgumentError, match="response_queue"):
+                trio_server.model("simple").infer(inputs={}, response_queue=queue.SimpleQueue())
+
+    trio.run(main)
+
+
+def test_metrics_are_tritons_prometheus_text(server):
+    a, b = pair()
+    line = 'nv_inference_request_success{model="simple",version="1"}'
+
+    def count() -> float:
+        text = server.metrics()
+        (value,) = [row.split()[-1] for row in text.splitlines() if row.startswith(line)]
+        return float(value)
+
+    before = count()
+    only(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}))
+    assert count() == before + 1
+    assert "# TYPE nv_inference_request_success counter" in server.metrics(
+        api.MetricFormat.PROMETHEUS
+    )
+
+
+def test_model_properties(server):
+    assert server.model("simple").batch_properties() == api.ModelBatchFlag.FIRST_DIM
+    assert server.model("stream").batch_properties() == api.ModelBatchFlag.UNKNOWN
+    assert server.model("stream").transaction_properties() == api.ModelTxnPropertyFlag.DECOUPLED
+    assert server.model("simple").transaction_properties() == api.ModelTxnPropertyFlag.ONE_TO_ONE
+
+
+def test_start_up_errors_are_tritons_exception_types(tmp_path):
+    with pytest.raises(api.InvalidArgumentError, match="not started"):
+        api.Server().ready()
+    with pytest.raises(TypeError, match="server_id"):
+        api.Server(server_id=1).start()
+    with pytest.raises(api.InvalidArgumentError, match="Model repository must be specified"):
+        api.Server(model_repository=None).start()
+    with pytest.raises(api.InternalError, match="failed to stat file"):
+        api.Server(model_repository=tmp_path / "missing").start()
+    with pytest.raises(api.InvalidArgumentError, match="Options.model_namespacing"):
+        api.Server(model_repository=tmp_path, model_namespacing=True).start()

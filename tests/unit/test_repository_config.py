@@ -15,7 +15,7 @@ import pytest
 from google.protobuf import text_format
 
 from trionserve._generated import model_config_pb2 as mc
-from trionserve.core.errors import InvalidArgument, NotFound, Unavailable
+from trionserve.core.errors import InternalError, InvalidArgument, NotFound, Unavailable
 from trionserve.repository.config import (
     infer_platform,
     model_config_from_json,
@@ -1362,7 +1362,8 @@ def test_select_versions_errors(policy, available, expected):
 
 
 def test_repository_paths_must_be_directories(tmp_path):
-    with pytest.raises(InvalidArgument, match="does not exist"):
+    # Triton: INTERNAL "failed to stat file" (core filesystem/implementations/local.h)
+    with pytest.raises(InternalError, match="failed to stat file .*does not exist"):
         ModelRepository([tmp_path / "nope"])
     (tmp_path / "file").write_text("")
     with pytest.raises(InvalidArgument, match="is not a directory"):

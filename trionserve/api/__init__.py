@@ -1,12 +1,13 @@
 """In-process API: a trionserve server inside a Python program, no network needed.
 
-The shape of Triton's ``tritonserver`` package, for blocking code::
+The names of Triton's ``tritonserver`` package, so code written for it runs with
+``import trionserve.api as tritonserver``::
 
     from trionserve import api
 
-    with api.Server(model_repository="models") as server:
-        for response in server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}):
-            print(response.outputs["OUTPUT0"])
+    server = api.Server(model_repository="models").start(wait_until_ready=True)
+    for response in server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": b}):
+        print(numpy.from_dlpack(response.outputs["OUTPUT0"]))
 
 and Trio-native for Trio programs::
 
@@ -24,12 +25,15 @@ from trionserve.api._options import (
     InstanceGroupKind,
     LogFormat,
     MetricFormat,
+    ModelBatchFlag,
     ModelControlMode,
     ModelLoadDeviceLimit,
+    ModelTxnPropertyFlag,
     Options,
     RateLimiterResource,
     RateLimitMode,
 )
+from trionserve.api._tensor import DataType, DLDeviceType, MemoryBuffer, MemoryType, Tensor
 from trionserve.api._trio import AsyncModel, AsyncResponseIterator, AsyncServer, open_server
 from trionserve.api._values import (
     AlreadyExistsError,
@@ -56,19 +60,25 @@ __all__ = [
     "AsyncResponseIterator",
     "AsyncServer",
     "CancelledError",
+    "DLDeviceType",
+    "DataType",
     "DeadlineExceededError",
     "HttpResponse",
-    "InstanceGroupKind",
     "InferenceRequest",
     "InferenceResponse",
+    "InstanceGroupKind",
     "InternalError",
     "InvalidArgumentError",
     "LogFormat",
+    "MemoryBuffer",
+    "MemoryType",
     "MetricFormat",
     "Model",
+    "ModelBatchFlag",
     "ModelControlMode",
     "ModelDictionary",
     "ModelLoadDeviceLimit",
+    "ModelTxnPropertyFlag",
     "NotFoundError",
     "Options",
     "RateLimitMode",
@@ -77,6 +87,7 @@ __all__ = [
     "ResourceExhaustedError",
     "ResponseIterator",
     "Server",
+    "Tensor",
     "TritonError",
     "UnavailableError",
     "UnknownError",

@@ -14,10 +14,17 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trionserve.api._values import InferenceResponse, Raised, UnavailableError
+from trionserve.api._values import (
+    STOPPED,
+    InferenceResponse,
+    InvalidArgumentError,
+    Raised,
+    UnavailableError,
+)
 
 if TYPE_CHECKING:
     from trionserve.api._blocking import _LoopThread
+
 
 _END = object()
 
@@ -36,6 +43,37 @@ class AsyncioResponseIterator:
         self._scope: trio.CancelScope | None = None
         self._receive: trio.MemoryReceiveChannel | None = None
         self._abandoned = False
+        self._own: asyncio.Queue | None = None
+        if responses.response_queue is not None:
+            self._forward_to(responses.response_queue)
+
+    def _forward_to(self, user_queue: asyncio.Queue) -> None:
+        """With a ``response_queue``: send the request now and put every response
+        into that queue and this iterator's own as it arrives (Triton's
+        ``AsyncResponseIterator._continue_fetch``)."""
+        try:
+            aloop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise InvalidArgumentError(
+                "async_infer with a response_queue is called from a running asyncio loop"
+            ) from None
+        own: asyncio.Queue = asyncio.Queue()
+        self._own = own
+        self._raise_on_error = self._responses.raise_on_error
+        self._responses.raise_on_error = False  # an error is a response in the queue
+
+        def both(response) -> None:
+            own.put_nowait(response)
+            if response is not STOPPED:
+                user_queue.put_nowait(response)
+
+        def deliver(response) -> None:
+            try:
+                aloop.call_soon_threadsafe(both, response)
+            except RuntimeError:  # that event loop is closed: no one waits
+                pass
+
+        self._scope = self._loop.forward(self._responses, deliver)
 
     def __aiter__(self) -> AsyncioResponseIterator:
         return self
@@ -43,6 +81,8 @@ class AsyncioResponseIterator:
     async def __anext__(self) -> InferenceResponse:
         if self._complete:
             raise StopAsyncIteration
+        if self._own is not None:
+            return await self._next_queued(self._own)
         future = asyncio.get_running_loop().create_future()
         try:
             self._loop.started_token.run_sync_soon(
@@ -67,6 +107,16 @@ class AsyncioResponseIterator:
             self._complete = True
             raise item.error
         self._complete = item.final
+        return item
+
+    async def _next_queued(self, own: asyncio.Queue) -> InferenceResponse:
+        item = await own.get()
+        if item is STOPPED:
+            self._complete = True
+            raise UnavailableError("the in-process server stopped before the request ended")
+        self._complete = item.final
+        if item.error is not None and self._raise_on_error:
+            raise item.error
         return item
 
     def cancel(self) -> None:
@@ -105,6 +155,8 @@ class AsyncioResponseIterator:
             self._scope.cancel()
 
     def __del__(self) -> None:
+        if getattr(self, "_own", None) is not None:
+            return  # with a response_queue the responses go on into it
         if not getattr(self, "_complete", True) and self._loop.running:
             self._loop.call_soon(self._abandon)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -23,7 +24,7 @@ import structlog
 import trio
 
 from trionserve.api._asyncio import AsyncioResponseIterator
-from trionserve.api._options import Options
+from trionserve.api._options import MetricFormat, ModelBatchFlag, ModelTxnPropertyFlag, Options
 from trionserve.api._trio import (
     AsyncModel,
     AsyncResponseIterator,
@@ -32,6 +33,7 @@ from trionserve.api._trio import (
     sole_exception,
 )
 from trionserve.api._values import (
+    STOPPED,
     HttpResponse,
     InferenceRequest,
     InferenceResponse,
@@ -140,6 +142,24 @@ class _LoopThread:
             raise UnavailableError("the in-process server has stopped") from None
         return scope, receive
 
+    def forward(self, responses, deliver: Callable[[Any], None]) -> trio.CancelScope:
+        """Start (without waiting, from any thread) a task that takes every one of
+        ``responses`` as it comes and passes it to ``deliver`` (in the core's run;
+        it must not block), then ``deliver(STOPPED)`` if they ended before their
+        final response. For ``response_queue``: responses are read ahead, as
+        Triton's. Cancelling the returned scope cancels the request."""
+        scope = trio.CancelScope()
+
+        def start() -> None:
+            if not self.start_soon(_forward, responses, deliver, scope):
+                deliver(STOPPED)
+
+        try:
+            self.started_token.run_sync_soon(start)
+        except trio.RunFinishedError:
+            raise UnavailableError("the in-process server has stopped") from None
+        return scope
+
     def _start_handing(self, items, send: trio.MemorySendChannel, scope) -> None:
         if not self.start_soon(_hand_over, items, send, scope):
             send.close()  # the receiver sees the end, before any final response
@@ -180,6 +200,19 @@ async def _hand_over(items, send: trio.MemorySendChannel, scope: trio.CancelScop
                         await send.send(item)
             except Exception as exc:  # noqa: BLE001 (the request's error; others go on)
                 await send.send(Raised(as_triton_error(exc, "in-process infer")))
+
+
+async def _forward(responses, deliver: Callable[[Any], None], scope: trio.CancelScope) -> None:
+    final = False
+    with scope:
+        try:
+            async with aclosing(responses):
+                async for response in responses:
+                    final = response.final
+                    deliver(response)
+        finally:
+            if not final:
+                deliver(STOPPED)
 
 
 class Server:
@@ -271,6 +304,11 @@ class Server:
     def metadata(self) -> dict[str, Any]:
         loop = self._require_started()
         return loop.run_sync(loop.server.metadata)
+
+    def metrics(self, metric_format: MetricFormat = MetricFormat.PROMETHEUS) -> str:
+        """The metrics in Prometheus' text format (see :meth:`AsyncServer.metrics`)."""
+        loop = self._require_started()
+        return loop.run_sync(loop.server.metrics, metric_format)
 
     # -- models --------------------------------------------------------------------
 
@@ -427,6 +465,12 @@ class Model:
     def ready(self) -> bool:
         return self._loop.run_sync(self._model.ready)
 
+    def batch_properties(self) -> ModelBatchFlag:
+        return self._loop.run_sync(self._model.batch_properties)
+
+    def transaction_properties(self) -> ModelTxnPropertyFlag:
+        return self._loop.run_sync(self._model.transaction_properties)
+
     def config(self) -> dict[str, Any]:
         return self._loop.run_sync(self._model.config)
 
@@ -484,15 +528,50 @@ class _Handed:
 class ResponseIterator(_Handed):
     """The responses of one request, for a blocking caller (see
     :class:`AsyncResponseIterator`). The request is sent at once. An iterator
-    dropped (or closed) before its final response cancels its request."""
+    dropped (or closed) before its final response cancels its request, unless
+    the request has a ``response_queue``: then every response is also put into
+    that queue as it arrives (errors as responses with ``error`` set), read
+    ahead whether this iterator is read or not, as Triton's."""
 
     def __init__(self, loop: _LoopThread, responses: AsyncResponseIterator) -> None:
         self._responses = responses
-        super().__init__(loop, responses)
+        self._user_queue = responses.response_queue
+        if self._user_queue is None:
+            super().__init__(loop, responses)
+            return
+        self._loop = loop
+        self._complete = False
+        self._raise_on_error = responses.raise_on_error
+        responses.raise_on_error = False  # an error is a response in the queue
+        own: queue.SimpleQueue = queue.SimpleQueue()
+        self._own = own
+        user_queue = self._user_queue
+
+        def deliver(response) -> None:
+            own.put(response)
+            if response is not STOPPED:
+                user_queue.put_nowait(response)
+
+        self._scope = loop.forward(responses, deliver)
 
     def __next__(self) -> InferenceResponse:
-        item = self._next_item()
+        if self._user_queue is None:
+            item = self._next_item()
+            self._complete = item.final
+            return item
+        if self._complete:
+            raise StopIteration
+        try:
+            item = self._own.get()
+        except BaseException:  # the caller interrupted (KeyboardInterrupt)
+            self.close()
+            raise
+        if item is STOPPED:
+            self._complete = True
+            self._ended()
         self._complete = item.final
+        if item.error is not None and self._raise_on_error:
+            raise item.error
         return item
 
     def cancel(self) -> None:
@@ -503,6 +582,11 @@ class ResponseIterator(_Handed):
     def _ended(self) -> None:
         # Before the final response: the core stopped and cancelled the request.
         raise UnavailableError("the in-process server stopped before the request ended")
+
+    def __del__(self) -> None:
+        # With a response_queue the responses go on into it: the caller reads there.
+        if getattr(self, "_user_queue", None) is None:
+            super().__del__()
 
 
 class _Chunks(_Handed):

@@ -68,6 +68,20 @@ class MetricFormat(enum.IntEnum):
     PROMETHEUS = 0
 
 
+class ModelBatchFlag(enum.IntFlag):
+    """TRITONSERVER_ModelBatchFlag."""
+
+    UNKNOWN = 1
+    FIRST_DIM = 2
+
+
+class ModelTxnPropertyFlag(enum.IntFlag):
+    """TRITONSERVER_ModelTxnPropertyFlag."""
+
+    ONE_TO_ONE = 1
+    DECOUPLED = 2
+
+
 @dataclass(slots=True)
 class RateLimiterResource:
     """A resource the rate limiter hands out: ``count`` of ``name`` on ``device``."""

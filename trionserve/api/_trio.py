@@ -14,16 +14,25 @@ from typing import Any, Self
 from urllib.parse import unquote
 
 import trio
+from prometheus_client import CollectorRegistry
 
-from trionserve.api._options import Options, server_options
+from trionserve.api._options import (
+    MetricFormat,
+    ModelBatchFlag,
+    ModelTxnPropertyFlag,
+    Options,
+    server_options,
+)
 from trionserve.api._values import (
     CancelledError,
     HttpResponse,
     InferenceRequest,
     InferenceResponse,
+    InvalidArgumentError,
     ModelDictionary,
     TritonError,
     build_request,
+    check_output_memory_type,
     describe_model,
     error_response,
     load_arguments,
@@ -33,7 +42,10 @@ from trionserve.api._values import (
 from trionserve.core.errors import as_triton_error
 from trionserve.core.types import InferenceRequest as CoreRequest
 from trionserve.dataplane import DataPlane
+from trionserve.observability.exposition import exposition_text
+from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.logging import configure_logging
+from trionserve.observability.metrics import CpuMetricsCollector, build_metrics_registry
 from trionserve.observability.statistics import statistics_json
 from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.protocol.http.frontend import HttpFrontend, HttpOptions
@@ -100,6 +112,8 @@ class AsyncServer:
         self.dataplane: DataPlane = core.dataplane
         # The HTTP frontend's route table, for http_request (made when first used).
         self._http: HttpFrontend | None = None
+        # metrics()' collectors (made when first used); CPU sampled at each call.
+        self._metrics: tuple[CollectorRegistry, CpuMetricsCollector | None, Any] | None = None
 
     # -- health and metadata --------------------------------------------------
 
@@ -111,6 +125,27 @@ class AsyncServer:
 
     def metadata(self) -> dict[str, Any]:
         return self.dataplane.server_metadata()
+
+    def metrics(self, metric_format: MetricFormat = MetricFormat.PROMETHEUS) -> str:
+        """The server's metrics in Prometheus' text format, as the metrics
+        endpoint answers them (Triton's ``Server.metrics``): the model counters
+        and, with ``cpu_metrics`` / ``gpu_metrics``, the CPU (utilization between
+        this call and the last) and GPU gauges."""
+        if MetricFormat(metric_format) != MetricFormat.PROMETHEUS:
+            raise InvalidArgumentError(f"unknown metric format {metric_format!r}")
+        if self._metrics is None:
+            options = self.core.options.metrics
+            cpu = CpuMetricsCollector() if options.allow_cpu_metrics else None
+            gpu = GpuMetricsCollector.create() if options.allow_gpu_metrics else None
+            if cpu is not None:
+                cpu.sample()
+            registry = build_metrics_registry(self.core.registry, options, cpu, gpu)
+            self._metrics = (registry, cpu, gpu)
+        registry, cpu, gpu = self._metrics
+        for collector in (cpu, gpu):
+            if collector is not None:
+                collector.sample()
+        return exposition_text(registry).decode("utf-8")
 
     async def wait_until_ready(self, polling_interval: float = 0.1) -> None:
         """Return once the server is ready (every model, with strict readiness);
@@ -267,10 +302,18 @@ class AsyncModel:
     ) -> AsyncResponseIterator:
         """Send a request; iterate its responses with ``async for`` (one for most
         models, a stream for decoupled ones). The keywords are
-        :class:`InferenceRequest`'s: ``inputs`` ({name: numpy array, DLPack object,
-        list}), ``parameters``, ``request_id``, ``flags``, ``correlation_id``,
-        ``priority``, ``timeout`` (microseconds)."""
-        return self._infer(self, inference_request, raise_on_error, kwargs)
+        :class:`InferenceRequest`'s: ``inputs`` ({name: Tensor, numpy array,
+        DLPack object, list}), ``parameters``, ``request_id``, ``flags``,
+        ``correlation_id``, ``priority``, ``timeout`` (microseconds),
+        ``output_memory_type``. (``response_queue`` is the blocking and asyncio
+        faces'; in Trio, iterate in a task of your own and send on a channel.)"""
+        responses = self._infer(self, inference_request, raise_on_error, kwargs)
+        if responses.response_queue is not None:
+            raise InvalidArgumentError(
+                "response_queue is taken by Server.model(...).infer and async_infer; "
+                "in Trio, iterate the responses in a task and send them on a channel"
+            )
+        return responses
 
     def _infer(self, owner, inference_request, raise_on_error: bool, kwargs: dict):
         """The request, its responses made for ``owner`` (this model or the
@@ -279,6 +322,7 @@ class AsyncModel:
             inference_request = InferenceRequest(model=owner, **kwargs)
         elif kwargs:
             raise TypeError("give either an InferenceRequest or its fields as keywords")
+        check_output_memory_type(inference_request.output_memory_type)
         request = build_request(
             self.name,
             self.version,
@@ -290,10 +334,30 @@ class AsyncModel:
             priority=inference_request.priority,
             timeout=inference_request.timeout,
         )
-        return AsyncResponseIterator(self._server.dataplane, owner, request, raise_on_error)
+        return AsyncResponseIterator(
+            self._server.dataplane,
+            owner,
+            request,
+            raise_on_error,
+            inference_request.output_memory_type,
+            inference_request.response_queue,
+        )
 
     def metadata(self) -> dict[str, Any]:
         return self._server.dataplane.model_metadata(*self._routing)
+
+    def batch_properties(self) -> ModelBatchFlag:
+        """FIRST_DIM for a model that batches (max_batch_size > 0), else UNKNOWN
+        (Triton's TRITONSERVER_ServerModelBatchProperties)."""
+        config = self._server.dataplane.model_config(*self._routing)
+        return ModelBatchFlag.FIRST_DIM if config.max_batch_size > 0 else ModelBatchFlag.UNKNOWN
+
+    def transaction_properties(self) -> ModelTxnPropertyFlag:
+        """DECOUPLED or ONE_TO_ONE (TRITONSERVER_ServerModelTransactionProperties)."""
+        config = self._server.dataplane.model_config(*self._routing)
+        if config.model_transaction_policy.decoupled:
+            return ModelTxnPropertyFlag.DECOUPLED
+        return ModelTxnPropertyFlag.ONE_TO_ONE
 
     def ready(self) -> bool:
         return self._server.dataplane.model_ready(*self._routing)
@@ -322,11 +386,19 @@ class AsyncResponseIterator:
     """
 
     def __init__(
-        self, dataplane: DataPlane, owner, request: CoreRequest, raise_on_error: bool
+        self,
+        dataplane: DataPlane,
+        owner,
+        request: CoreRequest,
+        raise_on_error: bool,
+        output_memory_type: Any = None,
+        response_queue: Any = None,
     ) -> None:
         self._owner = owner
         self._request = request
-        self._raise_on_error = raise_on_error
+        self.raise_on_error = raise_on_error
+        self._output_memory_type = output_memory_type
+        self.response_queue = response_queue
         self._pairs = _pairs(dataplane, request)
         self._complete = False
 
@@ -344,13 +416,21 @@ class AsyncResponseIterator:
         except Exception as exc:
             self._complete = True
             error = as_triton_error(exc, f"model '{self._request.model_name}'")
-            if self._raise_on_error:
+            if self.raise_on_error:
                 if error is exc:
                     raise
                 raise error from exc
             return error_response(self._owner, self._request, error)
         self._complete = final
-        return response_from(self._owner, self._request, response, final)
+        try:
+            return response_from(
+                self._owner, self._request, response, final, self._output_memory_type
+            )
+        except TritonError as error:
+            self._complete = True
+            if self.raise_on_error:
+                raise
+            return error_response(self._owner, self._request, error)
 
     def cancel(self) -> None:
         """End the request with CancelledError; its model is told, as when its

@@ -13,12 +13,21 @@ from typing import Any
 
 import numpy as np
 
+from trionserve.api._tensor import (
+    DataType,
+    DLDeviceType,
+    MemoryBuffer,
+    MemoryType,
+    Tensor,
+    parse_device_or_memory_type,
+    serialize_bytes,
+)
 from trionserve.core import errors
 from trionserve.core.datatypes import from_numpy
 from trionserve.core.parameters import check_reserved_key
 from trionserve.core.types import InferenceRequest as CoreRequest
 from trionserve.core.types import InferenceResponse as CoreResponse
-from trionserve.core.types import Tensor
+from trionserve.core.types import Tensor as CoreTensor
 
 # Triton's exception names (tritonserver/_c/tritonserver_pybind.cc) for our one
 # hierarchy: the core raises these very classes, so nothing is translated.
@@ -66,10 +75,15 @@ class InferenceRequest:
     """An inference request's fields, as Triton's ``tritonserver.InferenceRequest``
     (``Model.create_request()``, or ``Model.infer``'s keywords).
 
-    ``inputs``: name -> numpy array, object with ``__dlpack__`` (host memory), or
-    anything numpy turns into an array (str/bytes: BYTES). ``flags``:
-    :class:`RequestFlag` for sequences, with ``correlation_id``. ``timeout``: in
-    microseconds, as Triton's.
+    ``inputs``: name -> :class:`Tensor`, numpy array, object with ``__dlpack__``
+    (host memory), or anything numpy turns into an array (str/bytes: BYTES).
+    ``flags``: :class:`RequestFlag` for sequences, with ``correlation_id``.
+    ``timeout``: in microseconds, as Triton's. ``output_memory_type``: where the
+    outputs are handed back ("cpu", "gpu:0", a MemoryType, a (MemoryType, id)
+    pair); by default where the model left them (host memory here).
+    ``response_queue``: a ``queue.SimpleQueue`` (``infer``) or ``asyncio.Queue``
+    (``async_infer``) that every response is also put into as it arrives, whether
+    or not the iterator is read.
     """
 
     model: Any
@@ -80,6 +94,8 @@ class InferenceRequest:
     timeout: int = 0
     inputs: dict[str, Any] = field(default_factory=dict)
     parameters: dict[str, str | int | bool | float] = field(default_factory=dict)
+    output_memory_type: Any = None
+    response_queue: Any = None
 
 
 def build_request(
@@ -146,13 +162,18 @@ def _parameters(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return checked
 
 
-def input_tensor(name: str, value: Any) -> Tensor:
-    """One input from a numpy array, an object with ``__dlpack__`` (read on the
-    host), or anything numpy makes an array of; str and bytes arrays are BYTES."""
-    if isinstance(value, Tensor):
+def input_tensor(name: str, value: Any) -> CoreTensor:
+    """One input from a :class:`Tensor`, a numpy array, an object with
+    ``__dlpack__`` (read on the host), or anything numpy makes an array of; str
+    and bytes arrays are BYTES."""
+    if isinstance(value, CoreTensor):
         return value
+    if isinstance(value, Tensor):
+        return _from_api_tensor(name, value)
     if isinstance(value, np.ndarray):
         array = value
+    elif _on_gpu(value):  # copied to the host through cupy
+        return _from_api_tensor(name, Tensor.from_dlpack(value))
     elif hasattr(value, "__dlpack__"):
         try:
             array = np.from_dlpack(value)
@@ -167,7 +188,7 @@ def input_tensor(name: str, value: Any) -> Tensor:
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"input '{name}': not an array: {exc}") from None
     if array.dtype.kind in ("S", "U", "O"):
-        return Tensor(name, "BYTES", _bytes_elements(name, array))
+        return CoreTensor(name, "BYTES", _bytes_elements(name, array))
     try:
         datatype = from_numpy(array.dtype.newbyteorder("="))
     except errors.InvalidArgument:
@@ -176,7 +197,25 @@ def input_tensor(name: str, value: Any) -> Tensor:
         ) from None
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
-    return Tensor(name, datatype.wire, np.ascontiguousarray(array))
+    return CoreTensor(name, datatype.wire, np.ascontiguousarray(array))
+
+
+def _on_gpu(value: Any) -> bool:
+    device = getattr(value, "__dlpack_device__", None)
+    return device is not None and int(device()[0]) == DLDeviceType.kDLCUDA
+
+
+def _from_api_tensor(name: str, tensor: Tensor) -> CoreTensor:
+    """An input given as a Tensor, on the host (device memory is copied there:
+    the backends here take host tensors); a view of its memory otherwise."""
+    try:
+        host = tensor.to_host()
+        if host.data_type == DataType.BYTES:
+            return CoreTensor(name, "BYTES", host.to_bytes_array())
+        array = np.asarray(host)
+    except errors.TritonError as exc:
+        raise InvalidArgumentError(f"input '{name}': {exc}") from None
+    return CoreTensor(name, host.data_type.name, array)
 
 
 def _bytes_elements(name: str, array: np.ndarray) -> np.ndarray:
@@ -202,7 +241,8 @@ def _bytes_elements(name: str, array: np.ndarray) -> np.ndarray:
 @dataclass
 class InferenceResponse:
     """One response, as Triton's ``tritonserver.InferenceResponse``, its outputs as
-    numpy arrays (BYTES: object arrays of ``bytes``; BF16: ``uint16`` bit patterns).
+    :class:`Tensor` objects (``numpy.from_dlpack(tensor)`` reads one without a
+    copy; ``to_bytes_array()`` / ``to_string_array()`` a BYTES one).
 
     ``final`` is true on the last response of its request; a decoupled model that
     ends a request without a last response yields one empty final response.
@@ -212,9 +252,14 @@ class InferenceResponse:
     model: Any  # the Model (or AsyncModel) at the version that answered
     request_id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
-    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: dict[str, Tensor] = field(default_factory=dict)
     error: TritonError | None = None
+    classification_label: str | None = None
     final: bool = False
+
+
+# What a response_queue forwarder hands on when responses ended before the final one.
+STOPPED: Any = object()
 
 
 class Raised:
@@ -227,31 +272,63 @@ class Raised:
 
 
 def response_from(
-    model, request: CoreRequest, response: CoreResponse | None, final: bool
+    model,
+    request: CoreRequest,
+    response: CoreResponse | None,
+    final: bool,
+    output_memory_type: Any = None,
 ) -> InferenceResponse:
     if response is None:
         return InferenceResponse(model, request.id or None, final=final)
     version = int(response.model_version) if str(response.model_version).isdigit() else -1
+    outputs = {tensor.name: output_tensor(tensor) for tensor in response.outputs}
+    if output_memory_type is not None:
+        try:
+            outputs = {name: t.to_device(output_memory_type) for name, t in outputs.items()}
+        except errors.TritonError as exc:
+            # Triton's message (_api/_response.py _from_tritonserver_inference_response)
+            raise InvalidArgumentError(
+                f"Memory type {output_memory_type} not supported: {exc}"
+            ) from None
     return InferenceResponse(
         model._at_version(version),
         response.id or request.id or None,
         dict(response.parameters),
-        {tensor.name: _output_array(tensor.data) for tensor in response.outputs},
+        outputs,
         final=final,
     )
 
 
-def _output_array(data: np.ndarray) -> np.ndarray:
-    """An output as numpy; BYTES elements always ``bytes`` (a backend may hold str)."""
-    if data.dtype != object:
-        return data
-    flat = data.reshape(-1)
-    if all(isinstance(item, bytes) for item in flat):
-        return data
-    elements = np.empty(len(flat), dtype=object)
-    for index, item in enumerate(flat):
-        elements[index] = item.encode("utf-8") if isinstance(item, str) else bytes(item)
-    return elements.reshape(data.shape)
+def check_output_memory_type(output_memory_type: Any) -> None:
+    """Refuse an ``output_memory_type`` that names no memory type, before the
+    request is sent."""
+    if output_memory_type is not None:
+        try:
+            parse_device_or_memory_type(output_memory_type)
+        except errors.InvalidArgument as exc:
+            raise InvalidArgumentError(
+                f"Memory type {output_memory_type} not supported: {exc}"
+            ) from None
+
+
+def output_tensor(tensor: CoreTensor) -> Tensor:
+    """An output as a Tensor over the backend's own array (BYTES: serialized as
+    Triton holds them; BF16: its bits)."""
+    data = tensor.data
+    if not isinstance(data, np.ndarray):
+        return Tensor.from_dlpack(data)
+    if tensor.datatype == "BYTES" or data.dtype == object:
+        serialized = serialize_bytes(data)
+        buffer = MemoryBuffer(
+            serialized.ctypes.data, MemoryType.CPU, 0, serialized.nbytes, serialized
+        )
+        return Tensor(DataType.BYTES, list(data.shape), buffer)
+    if not data.flags.writeable:
+        data = data.copy()  # the caller's to change, as Triton's output memory is
+    elif not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    buffer = MemoryBuffer(data.ctypes.data, MemoryType.CPU, 0, data.nbytes, data)
+    return Tensor(DataType[tensor.datatype], list(data.shape), buffer)
 
 
 def error_response(model, request: CoreRequest, error: TritonError) -> InferenceResponse:

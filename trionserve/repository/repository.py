@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from trionserve.core.errors import InvalidArgument, NotFound, Unavailable
+from trionserve.core.errors import InternalError, InvalidArgument, NotFound, Unavailable
 from trionserve.repository.object_store import open_mirrors
 
 
@@ -86,7 +86,11 @@ class ModelRepository:
             raise InvalidArgument("at least one model repository path is required")
         for path in self.paths:
             if not path.exists():
-                raise InvalidArgument(f"model repository path '{path}' does not exist")
+                # INTERNAL, as Triton's IsDirectory on a missing path (core
+                # src/filesystem/implementations/local.h "failed to stat file").
+                raise InternalError(
+                    f"failed to stat file {path}: model repository path '{path}' does not exist"
+                )
             if not path.is_dir():
                 raise InvalidArgument(f"model repository path '{path}' is not a directory")
 
