@@ -837,5 +837,3 @@ def test_start_up_errors_are_tritons_exception_types(tmp_path):
         api.Server(model_repository=None).start()
     with pytest.raises(api.InternalError, match="failed to stat file"):
         api.Server(model_repository=tmp_path / "missing").start()
-    with pytest.raises(api.InvalidArgumentError, match="Options.model_namespacing"):
-        api.Server(model_repository=tmp_path, model_namespacing=True).start()
