@@ -297,6 +297,20 @@ class DataPlane:
             return False
         return True
 
+    async def model_is_ready(self, name: str, version: int | None) -> bool:
+        """The model readiness API: READY, and each of its instances ready now
+        (core server.cc InferenceServer::ModelIsReady, which logs why not)."""
+        try:
+            model = self.registry.route(name, version)
+        except TritonError:
+            return False
+        try:
+            await model.check_ready()
+        except TritonError as exc:
+            log.debug(f"Model '{name}' version {model.version} is not ready: {exc.message}")
+            return False
+        return True
+
     def model(self, name: str, version: int | None) -> ModelVersion:
         return self.registry.route(name, version)
 

@@ -287,7 +287,7 @@ def test_explicit_load_with_file_override(explicit, explicit_client):
         "/v2/repository/models/from_files/load",
         {"parameters": {"config": json.dumps(config), "file:../../escape": model}},
     )
-    assert status == 400 and "stay within the model directory" in reply["error"]
+    assert status == 400 and "must stay within model directory" in reply["error"]
     infer_simple(client, "from_files", 6)  # failed loads leave it serving
     client.unload_model("from_files")
     assert not client.is_model_ready("from_files")

@@ -14,6 +14,7 @@ from tests.serverproc import http_client, serving
 BACKEND = """
 import json
 
+import c_python_backend_utils as c_utils
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -30,9 +31,15 @@ class TritonPythonModel:
         self.scale = float(config["parameters"]["scale"]["string_value"])
 
     def execute(self, requests):
+        parameters = {
+            "model_dir": pb_utils.get_model_dir(),
+            "free_memory": c_utils.shared_memory.free_memory(),
+            "same_tensor": c_utils.Tensor is pb_utils.Tensor,
+        }
         return [
             pb_utils.InferenceResponse([pb_utils.Tensor(
-                "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * self.scale)])
+                "Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * self.scale)],
+                parameters=parameters)
             for r in requests
         ]
 """
@@ -54,6 +61,7 @@ def client(tmp_path_factory):
     (repository / "unknown" / "config.pbtxt").write_text('backend: "nowhere"\n')
     args = [f"--backend-directory={root / 'backends'}", "--exit-on-error=false"]
     with serving(repository, args=args) as proc, http_client(proc) as client:
+        client.repository = repository
         yield client
 
 
@@ -74,3 +82,15 @@ def test_an_unknown_backend_names_where_it_looked(client):
     reason = rows["unknown"]["reason"]
     assert rows["unknown"]["state"] == "UNAVAILABLE"
     assert "backend 'nowhere'" in reason and "nowhere/model.py" in reason
+
+
+def test_the_model_dir_is_the_model_s_version_directory(client):
+    """pb_stub.cc ModelContext::Init: get_model_dir() is the directory of
+    <repository>/<model>/<version>/model.py, for a Python-based backend too (the
+    QA add_sub backend reads its model.json there); c_python_backend_utils is
+    importable, as in Triton's stub."""
+    x = httpclient.InferInput("X", [1], "FP32")
+    x.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    parameters = client.infer("double", [x]).get_response()["parameters"]
+    assert parameters["model_dir"] == str(client.repository / "double" / "1")
+    assert parameters["free_memory"] > 0 and parameters["same_tensor"] is True

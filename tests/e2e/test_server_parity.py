@@ -310,7 +310,7 @@ def test_valid_response_parameters_reach_the_client(grpc_client):
 
 # -- names that are not a model directory (item 12) -----------------------------------
 
-BAD_NAMES = ["../x", "../../etc", "/etc", "a/b", "a\\b", "a\0b", "..", ".", "", " "]
+BAD_NAMES = ["../x", "../../etc", "/etc", "a/b", "a\0b", "..", ".", "", " "]
 
 
 def index_names(http_client) -> list[str]:

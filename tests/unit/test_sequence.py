@@ -665,11 +665,46 @@ def test_default_initial_state_is_zeros_with_one_for_variable_dims(tmp_path):
     assert spec.initial.shape == (1, 2) and not spec.initial.any()
 
 
-def test_iterative_sequence_is_a_clear_load_error(tmp_path):
+async def test_an_iterative_sequence_requeues_rescheduled_requests(autojump_clock):
+    """core sequence_utils.h IterativeSequencer: a request without a correlation id
+    starts a sequence of its own; one handed back (rescheduled) runs again with no
+    START flag, in the same slot, and the sequence ends when it is released."""
     config = make_config()
     config.sequence_batching.iterative_sequence = True
-    with pytest.raises(InvalidArgument, match="iterative_sequence is not supported"):
-        load_sequence_states(config, tmp_path)
+    async with trio.open_nursery() as nursery:
+        scheduler, _ = await start(nursery, config, executors=0)
+        outlet = scheduler.outlet()
+        runs: list[tuple[str, int, int, int]] = []
+
+        async def execute_each_three_times() -> None:
+            seen: dict[str, int] = {}
+            while True:
+                batch = await outlet.receive()
+                outcomes = []
+                for r in batch:
+                    if isinstance(r, NullRequest):
+                        outcomes.append(None)
+                        continue
+                    seen[r.id] = seen.get(r.id, 0) + 1
+                    runs.append((r.id, scalar(r, "START"), scalar(r, "CORRID"), seen[r.id]))
+                    r.rescheduled = seen[r.id] < 3
+                    outcomes.append(None if r.rescheduled else Accumulator.answer(r))
+                outlet.complete(batch, outcomes)
+
+        nursery.start_soon(execute_each_three_times)
+        a, b = request(0, 1, id="a"), request(0, 2, id="b")
+        await scheduler.submit(a)
+        await scheduler.submit(b)
+        assert (a.sequence_id, b.sequence_id) == (1, 2)
+        assert total(await outcome(a)) == 1 and total(await outcome(b)) == 2
+        for name, corrid in (("a", 1), ("b", 2)):
+            mine = [run for run in runs if run[0] == name]
+            assert [run[3] for run in mine] == [1, 2, 3]
+            assert [run[1] for run in mine] == [1, 0, 0]  # START only the first time
+            assert {run[2] for run in mine} == {corrid}
+        assert not scheduler.sequences.open  # released, their slots free
+        assert scheduler.pending == 0
+        nursery.cancel_scope.cancel()
 
 
 async def test_initial_state_from_a_file_feeds_the_first_request(autojump_clock, tmp_path):

@@ -19,6 +19,7 @@ from trionserve.backends.base import (
     InstanceSpec,
     LoadedModel,
     ModelContext,
+    ReadinessCheckedInstance,
 )
 from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
@@ -377,6 +378,17 @@ class ModelVersion:
         """The open sequences of a model with ``sequence_batching``; None otherwise."""
         scheduler = self._scheduler
         return scheduler.sequences if isinstance(scheduler, SequenceBatchScheduler) else None
+
+    async def check_ready(self) -> None:
+        """Raise why a READY version cannot serve now: the first instance whose
+        backend says it is not ready (core backend_model.cc TritonModel::IsReady,
+        asked by the model readiness API, server.cc ModelIsReady)."""
+        if self.state is not ModelState.READY:
+            # Failed or unloading, and not yet out of the registry's routes.
+            raise Unavailable(f"model '{self.name}' version {self.version} is {self.state.value}")
+        for instance in self._instances:
+            if isinstance(instance, ReadinessCheckedInstance):
+                await instance.check_ready()
 
     def request_unload(self) -> None:
         self._unload_requested.set()

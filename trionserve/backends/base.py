@@ -118,6 +118,16 @@ class AsyncBackendInstance(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ReadinessCheckedInstance(Protocol):
+    """An instance that can stop being ready while its model stays loaded (a
+    stub process that died, a model.py whose ``is_ready()`` says no): Triton's
+    ``TRITONBACKEND_ModelInstanceReady``. ``check_ready`` raises the TritonError
+    saying why it is not ready."""
+
+    async def check_ready(self) -> None: ...
+
+
 class LoadedModel(Protocol):
     def create_instance(self, spec: InstanceSpec) -> BackendInstance | AsyncBackendInstance: ...
 

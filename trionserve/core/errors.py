@@ -12,6 +12,7 @@ import enum
 class Status(enum.Enum):
     """Error categories, named after Triton's TRITONSERVER_Error codes."""
 
+    UNKNOWN = "UNKNOWN"
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
     UNAVAILABLE = "UNAVAILABLE"

@@ -111,6 +111,7 @@ class InferenceRequest:
         "sequence_end",
         "batch_size",
         "arrival_time",
+        "rescheduled",
         "_cancelled",
         "_on_cancel",
         "_responses",
@@ -153,6 +154,10 @@ class InferenceRequest:
         # Filled in by validation: 0 for models without a batch dimension.
         self.batch_size = 0
         self.arrival_time = 0.0
+        # Set by a backend whose model released the request with
+        # TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: its scheduler queues it again
+        # (an iterative sequence, core sequence_batch_scheduler/sequence_utils.cc).
+        self.rescheduled = False
         # Set when the client went away; schedulers drop cancelled requests.
         self._cancelled = False
         self._on_cancel: Callable[[], None] | None = None

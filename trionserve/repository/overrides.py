@@ -56,7 +56,11 @@ def _relative_path(key: str, name: str) -> PurePosixPath:
             f"failed to load '{name}': invalid file override parameter: the path is "
             f"{len(text.encode())} bytes long, more than {MAX_OVERRIDE_PATH_BYTES} bytes"
         )
-    path = PurePosixPath(text)
+    # Triton joins the path to the model directory (core filesystem.cc JoinPath:
+    # a leading '/' is dropped, so 'file:/1/model.py' is '1/model.py'), then
+    # normalizes it and refuses what escapes the directory
+    # (model_repository_manager.cc, IsChildPathEscapingParentPath).
+    path = PurePosixPath(text.lstrip("/"))
     if len(path.parts) > MAX_OVERRIDE_PATH_LEVELS:
         raise InvalidArgument(
             f"failed to load '{name}': invalid file override parameter: the path has "
@@ -67,16 +71,21 @@ def _relative_path(key: str, name: str) -> PurePosixPath:
             f"failed to load '{name}': invalid file override parameter: a path part "
             "is longer than 255 bytes"
         )
-    if (
-        not path.parts
-        or path.is_absolute()
-        or any(part in ("", ".", "..") for part in path.parts)
-        or "\\" in str(path)
-    ):
+    parts: list[str] = []
+    for part in path.parts:
+        if part == "..":
+            if not parts:
+                parts = [".."]
+                break
+            parts.pop()
+        elif part != ".":
+            parts.append(part)
+    if not parts or parts[0] == "..":
         raise InvalidArgument(
-            f"failed to load '{name}': invalid file override parameter '{key}': the "
-            "path must be relative and stay within the model directory"
+            f"failed to load '{name}': invalid file override parameter '{key}' with "
+            f"normalized path '{'/'.join(parts)}' must stay within model directory"
         )
+    path = PurePosixPath(*parts)
     if str(path) == CONFIG_FILENAME:
         raise InvalidArgument(
             f"failed to load '{name}': '{key}' cannot override the model "
@@ -92,7 +101,7 @@ def write_override(name: str, config_json: str | None, files: dict[str, bytes]) 
     directory and config.pbtxt cannot be one of them); it is validated as JSON
     here and written as config.pbtxt.
     """
-    if not name.strip() or name in (".", "..") or any(c in name for c in "/\\\0"):
+    if not name.strip() or name in (".", "..") or any(c in name for c in "/\0"):
         raise InvalidArgument(
             f"invalid model name '{name}': a model name must not be empty or contain "
             "path separators"

@@ -27,12 +27,14 @@ def check_model_name(name: str) -> None:
 
     Empty and path-traversing names in Triton's words (core
     ``model_repository_manager.cc``, ``ValidateModelName``); this also refuses
-    ``.``, backslashes and NUL, which Triton lets through to the file system.
+    ``.`` and NUL, which Triton lets through to the file system. A backslash is
+    an ordinary character of a name, as in Triton (a Python model's stub then
+    refuses it: python_backend stub_launcher.cc IsValidIdentifier).
     """
     stripped = name.strip()
     if not stripped:
         raise InvalidArgument("Model name cannot be empty. Please enter a valid name to deploy.")
-    if stripped in (".", "..") or "/" in name or "\\" in name:
+    if stripped in (".", "..") or "/" in name:
         raise InvalidArgument(
             f"invalid model name '{name}', model name must not contain path traversal characters"
         )

@@ -273,6 +273,11 @@ class SequenceBatchScheduler:
             self._slot_count = self._max_batch
             self._delay = batching.direct.max_queue_delay_microseconds / 1e6
             self._min_utilization = batching.direct.minimum_slot_utilization
+        # iterative_sequence: a request without a correlation id starts a sequence
+        # of its own, and the backend may hand it back to be executed again
+        # (core sequence_batch_scheduler/sequence_utils.h IterativeSequencer).
+        self._iterative = batching.iterative_sequence
+        self._iterative_ids = itertools.count(1)
         self._controls = SequenceControls(config)
         self._states = SequenceStateManager(config.name, config, list(states), self._on_release)
         self._state_outputs = [s.output_name for s in self._states.states]
@@ -334,7 +339,9 @@ class SequenceBatchScheduler:
                     self._dispatch(instance, rows)
                 else:
                     wake_at = min(wake_at, at)
-        if self._closed and not self._queued:
+        # A batch of an iterative sequence may still hand requests back.
+        rescheduling = self._iterative and any(instance.rows for instance in self._instances)
+        if self._closed and not self._queued and not rescheduling:
             self._finished = True
             for instance in self._instances:
                 if instance.outlet is not None:
@@ -350,6 +357,14 @@ class SequenceBatchScheduler:
             raise trio.ClosedResourceError
         now = trio.current_time()
         request.arrival_time = now
+        if self._iterative and request.sequence_id in (0, ""):
+            # IterativeSequencer::SetupSequenceRequest: a new sequence, START set;
+            # ids of sequences open now are skipped.
+            sequence_id = next(self._iterative_ids)
+            while sequence_id in self._states.open:
+                sequence_id = next(self._iterative_ids)
+            request.sequence_id = sequence_id
+            request.sequence_start = True
         self._controls.check(request.sequence_id, self.model_name)
         if self._queued >= self._capacity:
             self._purge_backlog(now)
@@ -651,6 +666,9 @@ class SequenceBatchScheduler:
                 continue
             request = row.request
             request.inputs, request.requested_outputs = row.inputs, row.outputs
+            if request.rescheduled:
+                self._requeue(sequence, request)
+                continue
             outcome = results.get(id(request))
             if isinstance(outcome, InferenceResponse):
                 error = self._states.store_state(sequence, request, outcome, row.outputs)
@@ -663,9 +681,29 @@ class SequenceBatchScheduler:
             if request.sequence_end:
                 self._states.finish(sequence)
             self._states.request_done(sequence, now)
+            if self._iterative and not request.sequence_end:
+                # Released without RESCHEDULE: the iteration is over, and so is
+                # its sequence (IterativeSequencer::RescheduleRequest ends it with
+                # a cancelled null END request).
+                self._states.release(sequence, "ended when its request was released")
         if not instance.alive:
             self._evict(instance)
         self._wakeup.set()
+
+    def _requeue(self, sequence: Sequence, request: InferenceRequest) -> None:
+        """A rescheduled request goes to the back of its sequence's queue with no
+        START or END flag (IterativeSequencer::RescheduleRequest); it stays one of
+        the sequence's pending requests."""
+        request.rescheduled = False
+        request.sequence_start = request.sequence_end = False
+        if sequence.released or self._finished:
+            request.fail(
+                Unavailable(f"model '{self.model_name}' could not execute a rescheduled request")
+            )
+            self._states.request_done(sequence, trio.current_time())
+            return
+        sequence.queue.append(request)
+        self._queued += 1
 
     def _outlet_gone(self, instance: _Instance, untaken: bool) -> None:
         instance.alive = False

@@ -58,17 +58,9 @@ def load_sequence_states(config, model_dir: Path) -> list[StateSpec]:
 
     Blocking (reads ``<model>/initial_state/<data_file>``); call it from a worker
     thread while the model loads. Raises InvalidArgument naming the model and the
-    state for a configuration Triton would refuse, and for ``iterative_sequence``,
-    which needs request rescheduling that no trionserve backend offers yet.
+    state for a configuration Triton would refuse.
     """
     batching = config.sequence_batching
-    if batching.iterative_sequence:
-        raise InvalidArgument(
-            f"model '{config.name}': sequence_batching.iterative_sequence is not "
-            "supported: it needs backends that reschedule requests "
-            "(TRITONSERVER_REQUEST_RELEASE_RESCHEDULE), which trionserve does not offer "
-            "yet; remove iterative_sequence or serve the model with Triton"
-        )
     specs: list[StateSpec] = []
     seen: set[str] = set()
     for state in batching.state:

@@ -19,6 +19,16 @@ from trionserve.backends.python.settings import StubSettings, settings_for
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 
 MODEL_FILENAME = "model.py"
+# Characters a stub's name may not contain (python_backend pb_utils.h INVALID_CHARS).
+STUB_NAME_INVALID_CHARS = frozenset(";|&$`<>()[]{}\\\"'*?~#!")
+
+
+def check_stub_name(name: str) -> None:
+    """Refuse a stub named after a model or instance with shell metacharacters,
+    as python_backend does before it starts one (stub_launcher.cc Launch,
+    IsValidIdentifier)."""
+    if not name or not STUB_NAME_INVALID_CHARS.isdisjoint(name):
+        raise InvalidArgument("Invalid stub name: contains invalid characters")
 
 
 def may_auto_complete(model_path: Path) -> bool:
@@ -74,6 +84,7 @@ class PythonBackend(Backend):
         if not may_auto_complete(model_path):
             StubSettings.from_config(config)  # its parameters are still checked
             return
+        check_stub_name(config.name)  # the auto-complete stub is named after the model
         settings = settings_for(config, model_path.parent.parent)
         stub = StubProcess(f"model '{config.name}'", settings)
         try:
@@ -126,6 +137,7 @@ class PythonModel:
     def start_stub(self, spec: InstanceSpec) -> StubProcess:
         """Start a stub for ``spec`` and run the model's ``initialize`` (blocking)."""
         context = self.context
+        check_stub_name(spec.name)
         label = f"model '{context.name}' instance '{spec.name}'"
         stub = StubProcess(label, self.settings, ModelControl(context.inference, context.name))
         args = {
@@ -138,11 +150,12 @@ class PythonModel:
             "model_name": context.name,
         }
         try:
-            stub.request(
+            answer = stub.request(
                 {
                     "op": "initialize",
                     "args": args,
                     "model_file": str(self.path),
+                    "model_dir": str(context.version_dir),
                     "model_name": context.name,
                     "instance": spec.name,
                     "decoupled": context.config.model_transaction_policy.decoupled,
@@ -154,6 +167,7 @@ class PythonModel:
         except BaseException:
             stub.stop(finalize=False)
             raise
+        stub.has_is_ready = answer.get("is_ready", False)
         return stub
 
     def create_instance(self, spec: InstanceSpec) -> PythonInstance:

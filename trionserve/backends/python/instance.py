@@ -32,6 +32,7 @@ from trionserve.backends.python.settings import StubSettings
 from trionserve.core.errors import (
     DeadlineExceeded,
     InternalError,
+    InvalidArgument,
     TritonError,
     Unavailable,
     as_triton_error,
@@ -46,6 +47,19 @@ _GONE = (OSError, trio.ClosedResourceError, trio.BrokenResourceError)
 # Restart delays: 0.1 s after the first failure, doubling, at most 5 s.
 BACKOFF_SECONDS = 0.1
 BACKOFF_CAP_SECONDS = 5.0
+# How long a readiness check waits for the model's is_ready() (python_backend
+# pb_utils.h kUserModelReadinessTimeoutMs).
+READINESS_TIMEOUT_SECONDS = 5.0
+
+
+@dataclass(eq=False)
+class _ReadinessCheck:
+    """A model ``is_ready()`` call in flight; concurrent checks share it."""
+
+    id: int
+    done: trio.Event = field(default_factory=trio.Event)
+    ready: bool = False
+    error: str | None = None
 
 
 @dataclass(eq=False)
@@ -96,6 +110,8 @@ class PythonInstance:
         self.label = f"model '{context.name}' instance '{spec.name}'"
         self._inference = getattr(context, "inference", None)
         self._decoupled = config.model_transaction_policy.decoupled
+        # Only an iterative sequence batcher takes rescheduled requests back.
+        self._reschedulable = config.sequence_batching.iterative_sequence
         self._output_names = [o.name for o in config.output]
         self._settings = settings
         self._start_stub = start_stub
@@ -110,6 +126,11 @@ class PythonInstance:
         self._open: dict[int, _Open] = {}
         self._bls_requests: dict[int, InferenceRequest] = {}
         self._ids = itertools.count(1)
+        self._readiness: _ReadinessCheck | None = None
+        # Set while a stub that died with nothing in flight waits for the next
+        # request to be restarted; that request gets ``_dead``.
+        self._wanted: trio.Event | None = None
+        self._dead: TritonError | None = None
 
     @property
     def pid(self) -> int | None:
@@ -132,8 +153,17 @@ class PythonInstance:
                 f"Stub process '{name}' is not healthy: the stub process {how}"
             )
             log.error("stub process failed", source=self.label, reason=how)
+            busy = bool(self._calls or self._open)
             self._fail_everything(error)
             self._stub = None
+            if not busy:
+                # Nobody was told: the model is not ready (check_ready) until the
+                # next request, which fails with the reason and restarts the stub
+                # (python_backend's restart on the next execute, qa/L0_backend_python
+                # restart; python_be.cc TRITONBACKEND_ModelInstanceReady).
+                self._dead, self._wanted = error, trio.Event()
+                await self._wanted.wait()
+                self._dead = self._wanted = None
             await self._restart(how)
 
     async def _serve(self, stub: StubProcess) -> str:
@@ -150,6 +180,10 @@ class PythonInstance:
             self._channel = None
             self._ready = trio.Event()
             channel.close()
+            check, self._readiness = self._readiness, None
+            if check is not None:
+                check.error = "Stub process is not healthy while waiting for is_ready()"
+                check.done.set()
         how = await trio.to_thread.run_sync(stub.wait_exit)
         stub.close()
         if self._hang is not None:
@@ -204,6 +238,14 @@ class PythonInstance:
         while self._channel is None:
             if self._fatal is not None:
                 raise self._fatal
+            if self._dead is not None and self._wanted is not None:
+                dead = self._dead
+                self._wanted.set()
+                if not self._decoupled:
+                    return [dead] * len(requests)
+                for request in requests:
+                    request.fail(dead)
+                return None
             await self._ready.wait()
             if self._fatal is not None:
                 raise self._fatal
@@ -238,6 +280,42 @@ class PythonInstance:
             await call.done.wait()
         return call.results
 
+    # -- readiness ------------------------------------------------------------------------
+
+    async def check_ready(self) -> None:
+        """Triton's instance readiness (python_be.cc TRITONBACKEND_ModelInstanceReady):
+        the stub must be alive, and a model with ``is_ready()`` must say True within
+        5 s. One call is in flight at a time; checks that come meanwhile wait for
+        its answer (RunUserModelReadinessCheck)."""
+        name = self.spec.name
+        stub, channel = self._stub, self._channel
+        if stub is None or channel is None or stub.process.poll() is not None:
+            raise InternalError(f"Stub process '{name}' is not healthy.")
+        if not stub.has_is_ready:
+            return
+        check = self._readiness
+        if check is None:
+            check = self._readiness = _ReadinessCheck(next(self._ids))
+            try:
+                await channel.send({"op": "is_ready", "id": check.id})
+            except _GONE:
+                pass  # the stub is gone; _serve ends the check
+        with trio.move_on_after(READINESS_TIMEOUT_SECONDS):
+            await check.done.wait()
+        if not check.done.is_set():
+            raise Unavailable("Timed out waiting for user-defined is_ready() response")
+        if check.error is not None:
+            raise InternalError(check.error)
+        if not check.ready:
+            raise Unavailable(f"Model '{name}' is not ready (user-defined check failed).")
+
+    def _ready_state(self, message: dict) -> None:
+        check = self._readiness
+        if check is not None and check.id == message["id"]:
+            self._readiness = None
+            check.ready, check.error = message["ready"], message["error"]
+            check.done.set()
+
     # -- the stub's messages -------------------------------------------------------------
 
     async def _read(self, channel: TrioChannel) -> None:
@@ -257,6 +335,8 @@ class PythonInstance:
                 self._bls_cancel(message["call"])
             elif op == "log":
                 log_stub_line(self.label, message["level"], message["message"])
+            elif op == "ready_state":
+                self._ready_state(message)
             elif op == "control":
                 assert self._nursery is not None
                 self._nursery.start_soon(self._control, channel, message)
@@ -321,6 +401,7 @@ class PythonInstance:
             for encoded in responses or ():
                 release_outputs(encoded, stub.endpoint)
             return
+        rescheduled = set(message["rescheduled"])
         if message["error"] is not None:
             # Logged as Triton's stub logs it (pb_stub.cc ProcessRequests).
             log.error("execute raised", source=self.label, error=message["error"])
@@ -334,6 +415,9 @@ class PythonInstance:
             endpoint = stub.endpoint
             outcomes: list[InferenceResponse | TritonError | None] = []
             for key, request, encoded in zip(call.keys, call.requests, responses):
+                if key in rescheduled:
+                    outcomes.append(self._reschedule(key, request))
+                    continue
                 if encoded is None:
                     outcomes.append(None)  # answered through its response sender
                     continue
@@ -345,7 +429,27 @@ class PythonInstance:
                         self._deliver(request, outcome)
             else:
                 call.results = cast(ExecuteResult, outcomes)
+        else:
+            for key, request in zip(call.keys, call.requests):
+                if key in rescheduled:
+                    refused = self._reschedule(key, request)
+                    if refused is not None:
+                        request.fail(refused)
         call.done.set()
+
+    def _reschedule(self, key: int, request: InferenceRequest) -> TritonError | None:
+        """The model released ``request`` with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+        this execution of it is over, and its scheduler queues it again. A model
+        whose scheduler cannot do that gets Triton's error (core infer_request.cc,
+        the outermost release callback)."""
+        self._close_open(key)
+        if not self._reschedulable:
+            return InvalidArgument(
+                "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while "
+                "the model is not configured to handle such a flag."
+            )
+        request.rescheduled = True
+        return None
 
     def _response(self, channel: TrioChannel, message: dict) -> None:
         """A response (or the final flag) a model sent through a response sender."""

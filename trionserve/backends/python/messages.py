@@ -16,7 +16,7 @@ from trionserve.core.errors import Status, TritonError
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 _STATUS_BY_CODE = {
-    0: Status.INTERNAL,  # UNKNOWN
+    0: Status.UNKNOWN,
     1: Status.INTERNAL,
     2: Status.NOT_FOUND,
     3: Status.INVALID_ARGUMENT,
@@ -26,6 +26,7 @@ _STATUS_BY_CODE = {
     7: Status.CANCELLED,
 }
 _CODE_BY_STATUS = {
+    Status.UNKNOWN: 0,
     Status.INTERNAL: 1,
     Status.NOT_FOUND: 2,
     Status.INVALID_ARGUMENT: 3,

@@ -114,6 +114,8 @@ class StubProcess:
         )
         self.channel = BlockingChannel(parent, self.endpoint)
         self._closed = False
+        # Whether the model defines is_ready() (said when it is initialized).
+        self.has_is_ready = False
         # The custom metrics this stub's model defines are held in its name.
         self.metrics_owner = next(_OWNERS)
 

@@ -107,7 +107,10 @@ class StubRuntime:
         self.instance_name: str = message["instance"]
         self.model_name: str = message["model_name"]
         self.decoupled: bool = message["decoupled"]
-        self.model_dir = str(Path(message["model_file"]).parent)
+        # pb_utils.get_model_dir(): the model's version directory, also for a
+        # Python-based backend whose model.py lives elsewhere (pb_stub.cc
+        # ModelContext::Init: the directory of <repository>/<version>/model.py).
+        self.model_dir: str = message["model_dir"]
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._calls: dict[int, _BLSCall] = {}
         self._call_ids = itertools.count(1)
@@ -145,7 +148,12 @@ class StubRuntime:
         self._serving = True
         threading.Thread(target=self._answer_released, name="stub-released", daemon=True).start()
         threading.Thread(target=self._watch_server, name="stub-watcher", daemon=True).start()
-        self.channel.send({"op": "initialized"})
+        # A model with is_ready() is asked while it executes too (pb_stub.cc runs
+        # the check on its parent-to-stub monitor thread): the reader reads.
+        has_is_ready = hasattr(self.model, "is_ready")
+        if has_is_ready:
+            self._start_reader()
+        self.channel.send({"op": "initialized", "is_ready": has_is_ready})
         while True:
             job = self._next_job()
             if job["op"] == "finalize":
@@ -207,7 +215,13 @@ class StubRuntime:
     def _execute(self, job: dict) -> None:
         pb = self.pb
         requests = [self._incoming(r) for r in job["requests"]]
-        reply: dict = {"op": "executed", "id": job["id"], "responses": None, "error": None}
+        reply: dict = {
+            "op": "executed",
+            "id": job["id"],
+            "responses": None,
+            "error": None,
+            "rescheduled": [],
+        }
         try:
             result = self.model.execute(requests)
             if type(result) is not list and inspect.isawaitable(result):
@@ -223,6 +237,7 @@ class StubRuntime:
                         f"Python model '{self.instance_name}' is using the decoupled mode "
                         "and the execute function must return None."
                     )
+                self._check_rescheduled(requests, result)
                 reply["responses"] = self._encode_all(requests, result)
                 for request, encoded in zip(requests, reply["responses"]):
                     if encoded is not None:
@@ -230,13 +245,35 @@ class StubRuntime:
                         self._unanswered.discard(request._key)
             # None: each request is answered through its response sender, now or
             # later, from any thread (Triton allows it for every model).
+            for request in requests:
+                if request._release_flags & pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                    # Back to the server's queue: this execution's sender is done,
+                    # the next execution gets its own (python_be.cc releases the
+                    # request with the flag once execute returned).
+                    request._sender._close()
+                    self._unanswered.discard(request._key)
+                    reply["rescheduled"].append(request._key)
         except BaseException as exc:
             reply["error"] = self.execute_error(exc)
+            reply["rescheduled"] = []  # python_be.cc: flags back to RELEASE_ALL
             # As Triton: the requests end with the error, their senders close.
             for request in requests:
                 request._sender._close()
                 self._unanswered.discard(request._key)
         self.channel.send(reply)
+
+    def _check_rescheduled(self, requests, result) -> None:
+        """A rescheduled request's entry in the returned list must be None
+        (pb_stub.cc ProcessRequests, Triton's wording and spelling)."""
+        if not isinstance(result, list):
+            return  # _encode_all says what is wrong
+        for request, response in zip(requests, result):
+            flags = request._release_flags
+            if response is not None and flags & self.pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                raise self.pb.TritonModelException(
+                    "Expected a None object in the execute function return list for "
+                    f"reschduled request, found type '{type(response)}'."
+                )
 
     def execute_error(self, exc: BaseException) -> str:
         """Triton's wording for an exception raised by ``execute`` (pb_stub.cc)."""
@@ -495,6 +532,26 @@ class StubRuntime:
                 waiter.put(message)
         elif op == "cancel":
             self._cancelled.update(message["keys"])
+        elif op == "is_ready":
+            threading.Thread(
+                target=self._is_ready, args=(message["id"],), name="stub-is-ready", daemon=True
+            ).start()
+
+    def _is_ready(self, check: int) -> None:
+        """Run the model's ``is_ready()`` and send what it said (pb_stub.cc
+        ProcessUserModelReadinessRequest: a coroutine is run to its end, anything
+        but a bool is an error, an exception means not ready)."""
+        reply: dict = {"op": "ready_state", "id": check, "ready": False, "error": None}
+        try:
+            result = self.model.is_ready()
+            if inspect.iscoroutine(result):
+                result = self._run_coroutine(result).result()
+            if not isinstance(result, bool):
+                raise TypeError("is_ready() must return a boolean value")
+            reply["ready"] = result
+        except BaseException as exc:
+            reply["error"] = describe_exception(exc)
+        self.channel.send(reply)
 
     def _bls_response(self, message: dict) -> None:
         pb = self.pb
@@ -550,6 +607,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[1]))
     default_size, growth_size = int(argv[2]), int(argv[3])
+    # The model sees the argv of python_backend's stub: an interpreter embedded
+    # with no arguments (pb_stub.cc main, ``py::scoped_interpreter guard{}``), whose
+    # sys.argv is [''], so unittest.main() in a model.py parses no stub arguments.
+    sys.argv[:] = [""]
     arena = Arena(default_size, growth_size)
     channel = BlockingChannel(sock, Endpoint(arena, ArenaView(), default_size // 4))
     message = channel.receive()

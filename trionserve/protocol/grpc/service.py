@@ -279,7 +279,8 @@ class GrpcService:
 
     async def model_ready(self, request: pb.ModelReadyRequest, call) -> Message:
         version = parse_model_version(request.version)
-        return pb.ModelReadyResponse(ready=self.dataplane.model_ready(request.name, version))
+        ready = await self.dataplane.model_is_ready(request.name, version)
+        return pb.ModelReadyResponse(ready=ready)
 
     async def server_metadata(self, request, call) -> Message:
         metadata = self.dataplane.server_metadata()
@@ -473,18 +474,27 @@ class GrpcService:
         budget = StreamBudget(STREAM_PENDING_LIMIT, self.options.max_connection_buffer)
         error: GRPCError | None = None
         async with trio.open_nursery() as nursery:
+            on_model_error = None
+            if any(k == "triton_grpc_error" and v == "true" for k, v in call.metadata):
+
+                def on_model_error(model_error: TritonError) -> None:
+                    nonlocal error
+                    if error is None:
+                        error = grpc_error(model_error)
+                        nursery.cancel_scope.cancel()
+
             while True:
                 try:
                     data = await call.receive()
                 except GRPCError as exc:
-                    error = exc
+                    error = error or exc
                     nursery.cancel_scope.cancel()
                     break
                 if data is None:
                     break
                 await budget.acquire(len(data))
                 queued = trio.Event()
-                nursery.start_soon(self._stream_request, call, data, budget, queued)
+                nursery.start_soon(self._stream_request, call, data, budget, queued, on_model_error)
                 # Queue the stream's requests in the order they came (as Triton does),
                 # so that the requests of a sequence reach its model in order.
                 await queued.wait()
@@ -494,8 +504,20 @@ class GrpcService:
             raise GRPCError(Status.UNAVAILABLE, "the server is shutting down")
 
     async def _stream_request(
-        self, call: GrpcCall, data: bytes, budget: StreamBudget, queued: trio.Event
+        self,
+        call: GrpcCall,
+        data: bytes,
+        budget: StreamBudget,
+        queued: trio.Event,
+        on_model_error=None,
     ) -> None:
+        """Serve one request of a stream. ``on_model_error`` is given on a stream
+        opened with the ``triton_grpc_error: true`` header: an error the model
+        answered (the request was queued) ends the whole stream with its status,
+        instead of an ``error_message`` response (server src/grpc/infer_handler.h
+        ExtractStateFromHeaders, stream_infer_handler.cc StreamInferResponseComplete
+        -> WriteGRPCErrorResponse). Errors before the request is queued are still
+        that request's response, as Triton answers errors of its issue step."""
         message = request = None
         shared_memory = self.dataplane.shm_resolver
         try:
@@ -525,6 +547,9 @@ class GrpcService:
 
             await self.dataplane.infer_stream(request, deliver, queued=queued)
         except TritonError as error:
+            if on_model_error is not None and queued.is_set():
+                on_model_error(error)
+                return
             queued.set()
             await self._send_stream_error(call, error.message, request or message)
         except trio.BrokenResourceError:

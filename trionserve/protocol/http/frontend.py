@@ -48,14 +48,17 @@ from trionserve.repository.overrides import FILE_PREFIX
 
 log = structlog.get_logger(__name__)
 
+# Triton's codes have HTTP statuses of their own, the rest are 400 (server
+# src/http_server.cc HttpCodeFromError: "cases that has no direct matching code").
 HTTP_STATUS = {
     Status.INVALID_ARGUMENT: 400,
     Status.NOT_FOUND: 404,
     Status.UNAVAILABLE: 503,
     Status.INTERNAL: 500,
     Status.UNIMPLEMENTED: 501,
-    Status.ALREADY_EXISTS: 409,
-    Status.CANCELLED: 499,
+    Status.UNKNOWN: 400,
+    Status.ALREADY_EXISTS: 400,
+    Status.CANCELLED: 400,
     Status.DEADLINE_EXCEEDED: 504,
     Status.RESOURCE_EXHAUSTED: 503,
 }
@@ -413,7 +416,7 @@ class HttpFrontend:
         return _json(self.dataplane.model_metadata(match["name"], _version(match)))
 
     async def model_ready(self, match, headers, body) -> Response:
-        return _empty(self.dataplane.model_ready(match["name"], _version(match)))
+        return _empty(await self.dataplane.model_is_ready(match["name"], _version(match)))
 
     async def model_config(self, match, headers, body) -> Response:
         config = self.dataplane.model_config(match["name"], _version(match))

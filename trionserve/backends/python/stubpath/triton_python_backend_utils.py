@@ -487,12 +487,10 @@ class InferenceRequest:
         return self._key is not None and _runtime is not None and _runtime.is_cancelled(self._key)
 
     def set_release_flags(self, flags):
-        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-            raise TritonModelException(
-                "request rescheduling (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE) is not "
-                "supported by trionserve"
-            )
-        self._release_flags = flags
+        """TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: once execute returns, the request
+        goes back to its model's queue and is executed again (a model with
+        ``sequence_batching { iterative_sequence: true }``)."""
+        self._release_flags = int(flags)
 
     def exec(self, decoupled=False):
         """Run this request on another model and wait: a response, or an iterator
