@@ -57,7 +57,7 @@ def deserialize_bytes_tensor(
 
 
 def read_bytes_elements(
-    buf: bytes | memoryview, start: int, end: int, count: int | None, what: str
+    buf: bytes | bytearray | memoryview, start: int, end: int, count: int | None, what: str
 ) -> np.ndarray:
     """The BYTES elements in ``buf[start:end]``, as :func:`deserialize_bytes_tensor`."""
     items: list[bytes] = []

@@ -29,7 +29,13 @@ from trionserve.observability.exposition import CONTENT_TYPE, TritonCounter, exp
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.sampling import sample_every
 from trionserve.observability.statistics import FailureReason, ModelStatistics
-from trionserve.protocol.http.transport import Handler, Headers, HttpServer, HttpServerOptions
+from trionserve.protocol.http.transport import (
+    Handler,
+    Headers,
+    HttpServer,
+    HttpServerOptions,
+    RequestBody,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -415,7 +421,7 @@ def metrics_router(
     elsewhere. ``refresh`` runs before each scrape (the workers supervisor fetches
     its workers' metrics there)."""
 
-    async def exposition(headers: Headers, body: bytes):
+    async def exposition(headers: Headers, body: RequestBody):
         if refresh is not None:
             await refresh()
         data = exposition_text(metrics)
@@ -428,7 +434,7 @@ def metrics_router(
             [data],
         )
 
-    async def not_found(headers: Headers, body: bytes):
+    async def not_found(headers: Headers, body: RequestBody):
         return (
             404,
             [

@@ -4,10 +4,10 @@ Pure functions over bytes: an infer request body (JSON, optionally followed by t
 binary tensor extension's raw tensor bytes) becomes an :class:`InferenceRequest`, and
 an :class:`InferenceResponse` becomes a list of body chunks. No sockets, no event loop.
 
-Binary input tensors are ``np.frombuffer`` views of the request body (read-only when
-the body is ``bytes``); binary output tensors are memoryviews of the output arrays, so
-tensor data is never copied on either path except for BYTES tensors, which have no
-fixed-size layout.
+Binary input tensors are ``np.frombuffer`` views of the request body (writable when
+the body is, as the HTTP transport hands it over; read-only when it is ``bytes``);
+binary output tensors are memoryviews of the output arrays, so tensor data is never
+copied on either path except for BYTES tensors, which have no fixed-size layout.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _fmt_shape(shape: Any) -> str:
 
 
 def decode_infer_request(
-    body: bytes,
+    body: bytes | bytearray | memoryview,
     header_length: int | None,
     model_name: str,
     model_version: int | None,
@@ -142,7 +142,10 @@ def decode_infer_request(
 
 
 def decode_raw_request(
-    body: bytes, model_name: str, model_version: int | None, signature: ModelSignature
+    body: bytes | bytearray | memoryview,
+    model_name: str,
+    model_version: int | None,
+    signature: ModelSignature,
 ) -> InferenceRequest:
     """Triton's raw binary request (``Inference-Header-Content-Length: 0``): the whole
     body is the data of the model's only input. As Triton's core (infer_request.cc,
@@ -264,7 +267,7 @@ def _unsigned_parameter(key: str, value: Any) -> int:
 
 def _decode_inputs(
     inputs: Any,
-    body: bytes,
+    body: bytes | bytearray | memoryview,
     offset: int,
     size: int,
     has_header: bool,
@@ -387,7 +390,7 @@ def _binary_to_array(
     dt: DataType,
     shape: list[int],
     count: int,
-    body: bytes | memoryview,
+    body: bytes | bytearray | memoryview,
     offset: int,
     nbytes: int,
 ) -> np.ndarray:

@@ -41,7 +41,13 @@ from trionserve.observability.logging import update_settings, verbose
 from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
-from trionserve.protocol.http.transport import Headers, HttpServer, HttpServerOptions, Response
+from trionserve.protocol.http.transport import (
+    Headers,
+    HttpServer,
+    HttpServerOptions,
+    RequestBody,
+    Response,
+)
 from trionserve.protocol.restricted import RestrictedCategory, RestrictedFeatures, Restriction
 from trionserve.repository.config import model_config_to_json
 from trionserve.repository.overrides import FILE_PREFIX
@@ -82,7 +88,7 @@ INFLATE_IN_THREAD_BYTES = 256 * 1024
 _WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-def decompress(body: bytes, encoding: str, limit: int | None) -> bytes:
+def decompress(body: RequestBody, encoding: str, limit: int | None) -> bytes:
     """``body`` inflated, never past ``limit`` bytes of output: a body that would
     inflate further is refused having produced at most ``limit + 1`` bytes (a
     decompression bomb costs no more memory than an honest body at the limit).
@@ -150,7 +156,7 @@ class InferHandler:
         self._forward = re.compile(forward_headers) if forward_headers else None
 
     async def handle(
-        self, match: re.Match, request_headers, body: bytes
+        self, match: re.Match, request_headers, body: RequestBody
     ) -> tuple[int, list[tuple[bytes, bytes]], list]:
         """The response to one infer request: (status, headers, body chunks)."""
         header_field: bytes | None = None
@@ -291,12 +297,12 @@ def _json(payload, status: int = 200) -> Response:
     return status, [_JSON_TYPE, (b"content-length", b"%d" % len(body))], [body]
 
 
-def json_body(body: bytes) -> dict:
+def json_body(body: RequestBody) -> dict:
     """A control-plane request body: a JSON object ({} when empty)."""
     if not body:
         return {}
     try:
-        doc = json.loads(body)
+        doc = json.loads(body if not isinstance(body, memoryview) else bytes(body))
     except RecursionError:
         raise InvalidArgument("failed to parse the request JSON: nested too deeply") from None
     except ValueError as exc:
@@ -329,7 +335,7 @@ def _non_negative_int(body: dict, key: str, default: int | None = None) -> int:
 
 # A handler of the route table: the frontend, the path's match, the request's
 # headers and body -> the response.
-RouteHandler = Callable[["HttpFrontend", re.Match, Headers, bytes], Awaitable[Response]]
+RouteHandler = Callable[["HttpFrontend", re.Match, Headers, RequestBody], Awaitable[Response]]
 
 
 class HttpFrontend:
@@ -388,7 +394,7 @@ class HttpFrontend:
         return partial(_restricted, restriction, handler)
 
     async def _guarded(
-        self, handler: RouteHandler, match: re.Match, headers: Headers, body: bytes
+        self, handler: RouteHandler, match: re.Match, headers: Headers, body: RequestBody
     ) -> Response:
         try:
             return await handler(self, match, headers, body)
@@ -511,7 +517,7 @@ class HttpFrontend:
     # JSON errors with their status code; an error after the stream started is
     # sent as an error event.
 
-    def _generate_request(self, match: re.Match, headers: Headers, body: bytes):
+    def _generate_request(self, match: re.Match, headers: Headers, body: RequestBody):
         encoding = _header(headers, b"content-encoding").strip().lower()
         if encoding not in ("", "identity"):
             raise InvalidArgument("Unsupported content-encoding, only 'identity' is supported.")
@@ -567,11 +573,13 @@ async def _events(stream, first, request_id, model: str):
         await stream.aclose()
 
 
-async def _answer(response: Response, headers: Headers, body: bytes) -> Response:
+async def _answer(response: Response, headers: Headers, body: RequestBody) -> Response:
     return response
 
 
-async def _restricted(restriction: Restriction, handler, headers: Headers, body: bytes) -> Response:
+async def _restricted(
+    restriction: Restriction, handler, headers: Headers, body: RequestBody
+) -> Response:
     """403 with Triton's message unless the headers satisfy the restriction
     (src/http_server.cc, RespondIfRestricted)."""
     if restriction.admits_http(headers):

@@ -41,9 +41,14 @@ NOT_ONE_RESPONSE = (
 
 
 def decode_generate_request(
-    body: bytes, model_name: str, model_version: int | None, signature: ModelSignature
+    body: bytes | bytearray | memoryview,
+    model_name: str,
+    model_version: int | None,
+    signature: ModelSignature,
 ) -> InferenceRequest:
     """A generate request body as an InferenceRequest for the model ``signature``."""
+    if isinstance(body, memoryview):
+        body = bytes(body)
     try:
         payload = json.loads(body) if body.strip() else {}
     except ValueError as exc:
