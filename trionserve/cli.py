@@ -612,7 +612,10 @@ def _add_metrics_flags(add) -> None:
         default=[],
         metavar="SETTING=VALUE",
         help="counter_latencies=<bool> (default true), histogram_latencies=<bool> "
-        "(nv_inference_first_response_histogram_ms, default false)",
+        "(nv_inference_first_response_histogram_ms, default false), "
+        "summary_latencies=<bool> (nv_inference_*_summary_us, default false), "
+        "summary_quantiles=<q>:<error>[,...] (default "
+        "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,0.999:0.001)",
     )
 
 

@@ -148,6 +148,9 @@ class Server:
             load_concurrency=options.model_load_thread_count,
             drain_timeout=options.exit_timeout_secs,
             rate_limiter=self.rate_limiter if self.rate_limiter.enabled else None,
+            summary_quantiles=options.metrics.summary_quantiles
+            if options.metrics.summary_latencies
+            else None,
         )
         self.watcher = RepositoryWatcher(
             self.registry,
@@ -164,7 +167,7 @@ class Server:
             if options.response_cache_bytes
             else None,
             tracing=TraceManager(options.trace),
-            first_response_histogram=options.allow_metrics and options.metrics.histogram_latencies,
+            first_response_histogram=options.metrics.histogram_latencies,
             strict_readiness=options.strict_readiness,
             undelivered_response_limit=options.max_undelivered_response_bytes,
         )

@@ -34,12 +34,22 @@ def test_metrics_config_settings():
         "histogram_latencies": True,
         "counter_latencies": False,
     }
-    assert parse_metrics_config(["summary_latencies=false", "summary_quantiles=0.5:0.05"]) == {}
+    assert parse_metrics_config(["summary_latencies=true", "summary_quantiles=0.5:0.05"]) == {
+        "summary_latencies": True,
+        "summary_quantiles": ((0.5, 0.05),),
+    }
+    # Read as Triton's std::stod reads them: qa/L0_metrics passes "0.0.1".
+    assert parse_metrics_config(["summary_quantiles=0.1:0.0.1,0.7:0.01"]) == {
+        "summary_quantiles": ((0.1, 0.0), (0.7, 0.01)),
+    }
     for bad in (
         "histogram_latencies",
         "histogram_latencies=maybe",
         "nope=1",
-        "summary_latencies=true",
+        "summary_latencies=yes please",
+        "summary_quantiles=0.5",
+        "summary_quantiles=x:0.1",
+        "summary_quantiles=1:0.1",
     ):
         with pytest.raises(ValueError):
             parse_metrics_config([bad])
@@ -139,7 +149,11 @@ def server(tmp_path_factory, gate):
     proc = ServerProcess(
         root,
         EXAMPLES,
-        args=["--metrics-config=histogram_latencies=true", "--metrics-interval-ms=50"],
+        args=[
+            "--metrics-config=histogram_latencies=true",
+            "--metrics-config=summary_latencies=true",
+            "--metrics-interval-ms=50",
+        ],
     )
     try:
         proc.wait_ready(path="/v2/health/ready")  # every frontend listens
@@ -291,6 +305,66 @@ def test_first_response_histogram_for_a_decoupled_model(server):
     )
 
 
+def test_first_response_histogram_for_a_model_that_is_not_decoupled(server, client):
+    # Triton observes every request's first response, decoupled or not
+    # (core src/infer_response.cc InferenceResponse::UpdateResponseMetrics).
+    name = "nv_inference_first_response_histogram_ms"
+    before = scrape(server)
+    for _ in range(4):
+        client.infer("simple", simple_inputs())
+    after = scrape(server)
+    counted = value(after, name + "_count", "simple") - value(before, name + "_count", "simple")
+    assert counted == 4
+    assert value(after, name + "_bucket", "simple", le="+Inf") == value(
+        after, name + "_count", "simple"
+    )
+
+
+SUMMARIES = (
+    "nv_inference_request_summary_us",
+    "nv_inference_queue_summary_us",
+    "nv_inference_compute_input_summary_us",
+    "nv_inference_compute_infer_summary_us",
+    "nv_inference_compute_output_summary_us",
+)
+TRITON_QUANTILES = ("0.5", "0.9", "0.95", "0.99", "0.999")
+
+
+def test_latency_summaries_with_tritons_quantiles(server, client):
+    before = scrape(server)
+    for _ in range(20):
+        client.infer("simple", simple_inputs())
+    after = scrape(server)
+    for name in SUMMARIES:
+        count = value(after, name + "_count", "simple") - value(before, name + "_count", "simple")
+        assert count == 20, name
+        quantiles = [value(after, name, "simple", quantile=q) for q in TRITON_QUANTILES]
+        assert all(q == q and q >= 0 for q in quantiles), (name, quantiles)  # no NaN
+        assert quantiles == sorted(quantiles), (name, quantiles)
+        # Every observation is at most the sum of all of them.
+        assert quantiles[-1] <= value(after, name + "_sum", "simple"), name
+    # The summaries' sums agree with the counters (each observation is rounded
+    # down to whole microseconds, the counter once).
+    for summary, counter in (
+        ("nv_inference_request_summary_us", "nv_inference_request_duration_us"),
+        ("nv_inference_queue_summary_us", "nv_inference_queue_duration_us"),
+        ("nv_inference_compute_infer_summary_us", "nv_inference_compute_infer_duration_us"),
+    ):
+        total = value(after, counter, "simple")
+        count = value(after, summary + "_count", "simple")
+        assert total - count <= value(after, summary + "_sum", "simple") <= total
+    # The request takes longer than its compute.
+    assert value(after, SUMMARIES[0], "simple", quantile="0.5") >= value(
+        after, SUMMARIES[3], "simple", quantile="0.5"
+    )
+    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    assert "# TYPE nv_inference_request_summary_us summary" in text
+    assert 'nv_inference_request_summary_us{model="simple",quantile="0.999",version="1"}' in text
+    assert "nv_cache_hit_summary_per_model" not in text  # no model has the cache
+
+
 def test_process_and_cpu_metrics_and_other_paths(server):
     samples = scrape(server)
     names = {name for name, _ in samples}
@@ -351,3 +425,41 @@ def test_tritons_counters_are_typed_counter_under_tritons_names(server, accept):
     for name in TRITON_COUNTERS:
         assert families[name].type == "counter", name
         assert families[name].samples, name
+
+
+def test_in_process_summaries_from_metrics_configuration():
+    """Triton's Options.metrics_configuration reaches the summaries, and an attached
+    metrics frontend exports them."""
+    import urllib.request
+
+    from trionserve import api
+
+    settings = {"summary_latencies": "true", "summary_quantiles": "0.5:0.05,0.99:0.001"}
+    with api.Server(
+        model_repository=EXAMPLES,
+        model_control_mode=api.ModelControlMode.EXPLICIT,
+        startup_models=["simple"],
+        metrics_configuration={"": settings},
+    ) as server:
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        for _ in range(3):
+            list(server.model("simple").infer(inputs={"INPUT0": a, "INPUT1": a}))
+        ((host, port),) = server.attach_metrics("127.0.0.1", 0)
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as answer:
+            families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
+    samples = {
+        (s.name, s.labels.get("quantile")): s.value
+        for s in families["nv_inference_request_summary_us"].samples
+    }
+    assert samples[("nv_inference_request_summary_us_count", None)] == 3
+    assert set(samples) == {
+        ("nv_inference_request_summary_us", "0.5"),
+        ("nv_inference_request_summary_us", "0.99"),
+        ("nv_inference_request_summary_us_count", None),
+        ("nv_inference_request_summary_us_sum", None),
+    }
+    assert (
+        0
+        < samples[("nv_inference_request_summary_us", "0.5")]
+        <= samples[("nv_inference_request_summary_us", "0.99")]
+    )

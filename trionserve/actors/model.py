@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.types import InferenceRequest
 from trionserve.core.validation import ModelSignature
+from trionserve.observability.quantiles import Target
 from trionserve.observability.statistics import ModelStatistics
 from trionserve.schedulers.factory import create_scheduler
 from trionserve.schedulers.scheduler import Scheduler
@@ -116,6 +118,7 @@ class ModelVersion:
         drain_timeout: float = 30.0,
         inference: InferenceService | None = None,
         rate_limiter: RateLimiter | None = None,
+        summary_quantiles: Sequence[Target] | None = None,
     ) -> None:
         self.name = name
         self.version = version
@@ -131,6 +134,8 @@ class ModelVersion:
         # Given to the backend, for models that call other models (BLS).
         self.inference = inference
         self.statistics = ModelStatistics(name, version)
+        if summary_quantiles is not None:  # --metrics-config summary_latencies=true
+            self.statistics.enable_summaries(summary_quantiles, config.response_cache.enable)
         self._scheduler: Scheduler | None = None
         self._sequence_states: list = []  # implicit states, read at load
         self._warmup: list[WarmupSample] = []  # model_warmup samples, read at load

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from trionserve.core.errors import (
     Unavailable,
     as_triton_error,
 )
+from trionserve.observability.quantiles import Target
 from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
 from trionserve.repository.overrides import override_digest, remove_override, write_override
 from trionserve.repository.repository import ModelRepository, check_model_name
@@ -73,10 +75,14 @@ class ModelRegistry:
         load_concurrency: int = 4,
         drain_timeout: float = 30.0,
         rate_limiter: RateLimiter | None = None,
+        summary_quantiles: Sequence[Target] | None = None,
     ) -> None:
         self.repository = repository
         # The server's rate limiter, given to every ModelVersion (None: unlimited).
         self.rate_limiter = rate_limiter
+        # Quantiles of the latency summaries every version keeps; None: none kept
+        # (--metrics-config summary_latencies, summary_quantiles).
+        self._summary_quantiles = summary_quantiles
         self.autocomplete = autocomplete
         self._load_limiter = trio.CapacityLimiter(max(1, load_concurrency))
         self._drain_timeout = drain_timeout
@@ -386,6 +392,8 @@ class ModelRegistry:
         extra: dict = {"inference": self.inference} if self.inference is not None else {}
         if self.rate_limiter is not None:
             extra["rate_limiter"] = self.rate_limiter
+        if self._summary_quantiles is not None:
+            extra["summary_quantiles"] = self._summary_quantiles
         new = {
             number: ModelVersion(
                 name,

@@ -15,7 +15,12 @@ How samples of the same name and labels combine:
   that every worker measures for the same machine or device — ``nv_cpu_*``
   (utilization, memory) and the per-GPU ``nv_gpu_*`` and ``nv_energy_consumption``
   families; summing them would count the machine N times;
-- ``process_start_time_seconds``: the earliest; ``process_max_fds``: the largest.
+- ``process_start_time_seconds``: the earliest; ``process_max_fds``: the largest;
+- a summary's quantile samples (``--metrics-config summary_latencies=true``): the
+  largest of the workers' (NaN ignored). Quantiles do not add up; the largest
+  worker's quantile is an upper bound of the quantile of all requests (if no
+  worker has more than a share 1 - q of its requests above it, neither have all
+  of them together). The summaries' ``_count`` and ``_sum`` are summed.
 
 Families defined by models (Python-backend custom metrics) are summed like the
 rest: each worker runs its own instances of the model.
@@ -34,6 +39,7 @@ as a counter reset.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from prometheus_client.metrics_core import Metric
@@ -59,6 +65,14 @@ def _combine(family: str):
     return lambda a, b: a + b
 
 
+def _largest(a: float, b: float) -> float:
+    if math.isnan(a):
+        return b
+    if math.isnan(b):
+        return a
+    return max(a, b)
+
+
 def merge_expositions(texts: Sequence[str]) -> list[Metric]:
     """The families of ``texts`` (expositions in worker order), merged as the module
     docstring says. Families and samples keep the order of first appearance."""
@@ -80,7 +94,12 @@ def merge_expositions(texts: Sequence[str]) -> list[Metric]:
                 name = family.name if triton_counter else sample.name
                 key = (name, tuple(sorted(sample.labels.items())))
                 previous = samples.get(key)
-                samples[key] = sample.value if previous is None else combine(previous, sample.value)
+                if previous is None:
+                    samples[key] = sample.value
+                elif family.type == "summary" and "quantile" in sample.labels:
+                    samples[key] = _largest(previous, sample.value)
+                else:
+                    samples[key] = combine(previous, sample.value)
     for name, family in merged.items():
         for (sample_name, labels), value in values[name].items():
             family.add_sample(sample_name, dict(labels), value)

@@ -18,6 +18,7 @@ import bisect
 import os
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import trio
@@ -27,6 +28,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
 from trionserve.observability.exposition import CONTENT_TYPE, TritonCounter, exposition_text
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
+from trionserve.observability.quantiles import DEFAULT_TARGETS, Target, parse_quantiles
 from trionserve.observability.sampling import sample_every
 from trionserve.observability.statistics import FailureReason, ModelStatistics
 from trionserve.protocol.http.transport import (
@@ -55,19 +57,20 @@ class MetricsOptions:
     allow_gpu_metrics: bool = True
     # How often the per-interval metrics (CPU) are sampled.
     interval_ms: float = 2000.0
-    # --metrics-config: latency counters on, first-response histogram off (Triton's defaults).
+    # --metrics-config: latency counters on, first-response histogram and latency
+    # summaries off (Triton's defaults), the summaries' quantiles Triton's.
     counter_latencies: bool = True
     histogram_latencies: bool = False
+    summary_latencies: bool = False
+    summary_quantiles: tuple[Target, ...] = DEFAULT_TARGETS
 
 
-def parse_metrics_config(settings: Sequence[str]) -> dict[str, bool]:
+def parse_metrics_config(settings: Sequence[str]) -> dict[str, Any]:
     """``--metrics-config key=value`` settings as MetricsOptions fields.
 
-    Raises ValueError for a malformed setting. Summary latencies are not
-    available (prometheus-client's summaries compute no quantiles); asking for
-    them is an error rather than a silent no-op.
+    Raises ValueError for a malformed setting.
     """
-    fields: dict[str, bool] = {}
+    fields: dict[str, Any] = {}
     for setting in settings:
         key, sep, value = setting.partition("=")
         key, value = key.strip(), value.strip()
@@ -79,16 +82,9 @@ def parse_metrics_config(settings: Sequence[str]) -> dict[str, bool]:
             lowered = value.lower()
             if lowered not in ("true", "false"):
                 raise ValueError(f"--metrics-config {key} must be true or false, got '{value}'")
-            if key == "summary_latencies":
-                if lowered == "true":
-                    raise ValueError(
-                        "--metrics-config summary_latencies=true is not supported; "
-                        "use the latency counters or histogram_latencies=true"
-                    )
-                continue
             fields[key] = lowered == "true"
         elif key == "summary_quantiles":
-            continue  # only meaningful with summaries, which are refused above
+            fields[key] = parse_quantiles(value)
         else:
             raise ValueError(f"unknown --metrics-config setting '{key}'")
     return fields
@@ -219,6 +215,71 @@ _CACHE_COUNTERS = (
 )
 
 
+# Triton's summary families (core src/metrics.cc), by the statistics' name of the
+# duration each summarizes (observability.statistics.SUMMARY_DURATIONS).
+_SUMMARIES = (
+    (
+        "nv_inference_request_summary_us",
+        "Summary of inference request duration in microseconds (includes cached requests)",
+        "request_duration",
+    ),
+    (
+        "nv_inference_queue_summary_us",
+        "Summary of inference queuing duration in microseconds (includes cached requests)",
+        "queue_duration",
+    ),
+    (
+        "nv_inference_compute_input_summary_us",
+        "Cumulative compute input duration in microseconds (does not include cached requests)",
+        "compute_input_duration",
+    ),
+    (
+        "nv_inference_compute_infer_summary_us",
+        "Cumulative compute inference duration in microseconds (does not include cached requests)",
+        "compute_infer_duration",
+    ),
+    (
+        "nv_inference_compute_output_summary_us",
+        "Cumulative inference compute output duration in microseconds (does not include "
+        "cached requests)",
+        "compute_output_duration",
+    ),
+    (
+        "nv_cache_hit_summary_per_model",
+        "Summary of cache hit counts/durations per model, in microseconds.",
+        "cache_hit_duration",
+    ),
+    (
+        "nv_cache_miss_summary_per_model",
+        "Summary of cache miss counts/durations per model, in microseconds.",
+        "cache_miss_duration",
+    ),
+)
+
+
+def _summary_families(versions) -> Iterable[Metric]:
+    """Each summary family that some version keeps: per version its quantiles over
+    the window (label ``quantile``), ``_count`` and ``_sum``. A family no version
+    keeps is left out, as prometheus-cpp leaves out a family without metrics."""
+    now = trio.current_time()
+    for name, documentation, duration in _SUMMARIES:
+        family = None
+        for version in versions:
+            summaries = version.statistics.summaries
+            summary = summaries.get(duration) if summaries is not None else None
+            if summary is None:
+                continue
+            if family is None:
+                family = Metric(name, documentation, "summary")
+            labels = _labels(version)
+            for quantile, value in summary.quantiles(now):
+                family.add_sample(name, {**labels, "quantile": str(quantile)}, value)
+            family.add_sample(f"{name}_count", labels, summary.count)
+            family.add_sample(f"{name}_sum", labels, summary.sum)
+        if family is not None:
+            yield family
+
+
 class ModelMetricsCollector:
     """Triton's per-model metrics, read from the loaded versions at scrape time.
 
@@ -285,6 +346,8 @@ class ModelMetricsCollector:
                     (version.name, str(version.version)), observed.buckets(), observed.sum
                 )
             yield histogram
+        if self._options.summary_latencies:
+            yield from _summary_families(versions)
 
 
 def pending_requests(version) -> int:

@@ -20,10 +20,24 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
+from trionserve.observability.quantiles import Summary, Target
+
 if TYPE_CHECKING:  # metrics imports this module
     from trionserve.observability.metrics import FirstResponseHistogram
 
 NS_PER_S = 1_000_000_000
+
+# Triton's summaries of a model (core src/metric_model_reporter.cc
+# InitializeSummaries): request, queue and compute durations; with the response
+# cache, cache hit and miss durations instead of the request's.
+SUMMARY_DURATIONS = (
+    "request_duration",
+    "queue_duration",
+    "compute_input_duration",
+    "compute_infer_duration",
+    "compute_output_duration",
+)
+CACHE_SUMMARY_DURATIONS = ("cache_hit_duration", "cache_miss_duration")
 
 
 class FailureReason(enum.Enum):
@@ -113,6 +127,7 @@ class ModelStatistics:
         "batch_stats",
         "traces",
         "first_response",
+        "summaries",
         "_last_execution",
         "_wall_offset",
     )
@@ -138,10 +153,33 @@ class ModelStatistics:
         # Request-to-first-response histogram (observability.metrics), kept only
         # when the metrics ask for it (--metrics-config histogram_latencies=true).
         self.first_response: FirstResponseHistogram | None = None
+        # Latency summaries by Triton's name (SUMMARY_DURATIONS), in microseconds,
+        # kept only when the metrics ask for them (summary_latencies=true).
+        self.summaries: dict[str, Summary] | None = None
         self._last_execution: float | None = None
         # Trio's clock has an arbitrary origin; this maps it to the wall clock once,
         # so recording never reads the wall clock.
         self._wall_offset = time.time() - trio.current_time()
+
+    def enable_summaries(self, targets: Sequence[Target], cache_enabled: bool) -> None:
+        """Keep Triton's latency summaries with these quantiles from now on. A model
+        with the response cache has no request summary (Triton leaves it out, its
+        FIXME DLIS-4762) and has the cache hit and miss summaries."""
+        names = [n for n in SUMMARY_DURATIONS if not (cache_enabled and n == "request_duration")]
+        if cache_enabled:
+            names += CACHE_SUMMARY_DURATIONS
+        now = trio.current_time()
+        self.summaries = {name: Summary(targets, now) for name in names}
+
+    def _observe(self, durations: Sequence[tuple[str, int]]) -> None:
+        summaries = self.summaries
+        if summaries is None:
+            return
+        now = trio.current_time()
+        for name, ns in durations:
+            summary = summaries.get(name)
+            if summary is not None:
+                summary.observe(ns // 1000, now)
 
     # -- recording (the runtime) ------------------------------------------------
 
@@ -174,15 +212,29 @@ class ModelStatistics:
         self.compute_input.add(input_ns)
         self.compute_infer.add(infer_ns)
         self.compute_output.add(output_ns)
+        if self.summaries is not None:
+            self._observe(
+                (
+                    ("request_duration", request_ns),
+                    ("queue_duration", queue_ns),
+                    ("compute_input_duration", input_ns),
+                    ("compute_infer_duration", infer_ns),
+                    ("compute_output_duration", output_ns),
+                )
+            )
 
     def record_cache_hit(self, request_ns: int, lookup_ns: int) -> None:
         """A request answered from the response cache: a success, not an inference."""
         self.success.add(request_ns)
         self.cache_hit.add(lookup_ns)
+        if self.summaries is not None:
+            self._observe((("cache_hit_duration", lookup_ns),))
 
     def record_cache_miss(self, lookup_ns: int) -> None:
         """A cache lookup that missed; ``lookup_ns`` covers the lookup and the insert."""
         self.cache_miss.add(lookup_ns)
+        if self.summaries is not None:
+            self._observe((("cache_miss_duration", lookup_ns),))
 
     def record_failure(self, request_ns: int, reason: FailureReason) -> None:
         """One request answered with an error."""
