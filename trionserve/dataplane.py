@@ -18,11 +18,7 @@ from trionserve.actors.model import ModelVersion
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.classification import classify, read_labels
-from trionserve.core.cuda_shared_memory import (
-    CudaSharedMemory,
-    SharedMemoryResolver,
-    cuda_unavailable_reason,
-)
+from trionserve.core.cuda_shared_memory import CudaSharedMemory, SharedMemoryResolver
 from trionserve.core.errors import (
     AlreadyExists,
     InvalidArgument,
@@ -63,6 +59,8 @@ EXTENSIONS = [
     "model_repository(unload_dependents)",
     "schedule_policy",
     "model_configuration",
+    "system_shared_memory",
+    "cuda_shared_memory",
     "binary_tensor_data",
     "parameters",
     "statistics",
@@ -255,25 +253,19 @@ class DataPlane:
             self._settled.set()
 
     def server_metadata(self) -> dict:
-        """Name, version and extensions. Triton always lists both shared-memory
-        extensions; here each is listed only where a client can use it: system
-        shared memory with ``--allow-client-shm``, CUDA shared memory when, in
-        addition, cupy and a CUDA device are there."""
-        extensions = list(EXTENSIONS)
-        if self.shared_memory is not None:
-            usable = ["system_shared_memory"]
-            if cuda_unavailable_reason() is None:
-                usable.append("cuda_shared_memory")
-            at = extensions.index("binary_tensor_data")  # where Triton lists them
-            extensions[at:at] = usable
-        return {"name": self.server_id, "version": __version__, "extensions": extensions}
+        """Name, version and extensions. Both shared-memory extensions are always
+        listed, as Triton's core lists them (``src/server.cc``); a registration the
+        server does not allow is refused instead (``client_shared_memory``)."""
+        return {"name": self.server_id, "version": __version__, "extensions": list(EXTENSIONS)}
 
     def client_shared_memory(self) -> SystemSharedMemory:
-        """The registered regions, or the error saying client shared memory is off."""
+        """The registered regions, or Triton's error saying client shared memory is
+        off (UNSUPPORTED: HTTP 501, gRPC UNIMPLEMENTED; ``kClientShmDisabledErrorStr``
+        in its ``src/common.h``)."""
         if self.shared_memory is None:
-            raise Unavailable(
-                "client shared memory is disabled; start the server with "
-                "--allow-client-shm=true to register shared memory regions"
+            raise Unimplemented(
+                "Client shared memory is disabled. Start the server with "
+                "'--allow-client-shm=true' to enable."
             )
         return self.shared_memory
 

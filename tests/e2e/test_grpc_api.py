@@ -480,7 +480,7 @@ def test_log_settings_round_trip_and_errors_as_over_http(server, grpc_client):
 def test_shared_memory_needs_allow_client_shm(grpc_client):
     assert grpc_client.get_system_shared_memory_status().regions == {}
     error = expect_status(
-        lambda: grpc_client.register_system_shared_memory("r", "/nope", 64), "UNAVAILABLE"
+        lambda: grpc_client.register_system_shared_memory("r", "/nope", 64), "UNIMPLEMENTED"
     )
     assert "--allow-client-shm" in error.message()
 
@@ -529,8 +529,9 @@ def test_repository_load_and_unload(explicit_server):
         )
         assert "batch-size must be <= 2" in error.message()
 
-        error = expect_status(lambda: client.load_model("no_such_model"), "INVALID_ARGUMENT")
-        assert error.message().startswith("failed to load 'no_such_model'")
+        error = expect_status(lambda: client.load_model("no_such_model"), "INTERNAL")
+        expected = "failed to load 'no_such_model', failed to poll from model repository"
+        assert error.message().startswith(expected)
     finally:
         client.close()
 
@@ -560,7 +561,7 @@ def test_repository_load_with_file_overrides(explicit_server):
         )
         error = expect_status(
             lambda: client.load_model("from_files", files={"file:1/model.onnx": model}),
-            "INVALID_ARGUMENT",
+            "INTERNAL",  # Triton: "failed to poll from model repository"
         )
         assert "'config' must be specified" in error.message()
         client.unload_model("from_files", unload_dependents=True)

@@ -281,13 +281,16 @@ def test_explicit_load_with_file_override(explicit, explicit_client):
         "/v2/repository/models/from_files/load",
         {"parameters": {"file:1/model.onnx": model}},
     )
-    assert status == 400 and "'config' must be specified" in reply["error"]
+    # Triton: INTERNAL "failed to poll from model repository" (the override is
+    # localized while the model is polled); the reason follows here.
+    assert status == 500 and "failed to poll from model repository" in reply["error"]
+    assert "'config' must be specified" in reply["error"]
     status, reply = post(
         explicit,
         "/v2/repository/models/from_files/load",
         {"parameters": {"config": json.dumps(config), "file:../../escape": model}},
     )
-    assert status == 400 and "must stay within model directory" in reply["error"]
+    assert status == 500 and "must stay within model directory" in reply["error"]
     infer_simple(client, "from_files", 6)  # failed loads leave it serving
     client.unload_model("from_files")
     assert not client.is_model_ready("from_files")

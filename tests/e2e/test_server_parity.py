@@ -21,7 +21,6 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ServerProcess, serving
-from trionserve.core.cuda_shared_memory import cuda_unavailable_reason
 
 # python_backend's qa/python_models/response_parameters, as a user would write it:
 # the response parameters come as JSON in the request; digit keys become ints.
@@ -164,9 +163,7 @@ TRITON_EXTENSIONS = [
 def test_server_metadata_names_the_server_triton_and_lists_tritons_extensions(
     http_client, grpc_client
 ):
-    cuda = cuda_unavailable_reason() is None
-    expected = [e for e in TRITON_EXTENSIONS if cuda or e != "cuda_shared_memory"]
-    expected.append("generate")  # ours, beside Triton's
+    expected = [*TRITON_EXTENSIONS, "generate"]  # generate: ours, beside Triton's
     metadata = http_client.get_server_metadata()
     assert metadata["name"] == "triton"
     assert metadata["extensions"] == expected
@@ -175,19 +172,47 @@ def test_server_metadata_names_the_server_triton_and_lists_tritons_extensions(
     assert list(reply.extensions) == expected
 
 
-def test_id_names_the_server_and_shared_memory_is_listed_only_when_usable(tmp_path):
+SHM_DISABLED = (
+    "Client shared memory is disabled. Start the server with '--allow-client-shm=true' to enable."
+)
+
+
+def test_id_names_the_server_and_shared_memory_is_listed_and_refused(tmp_path):
+    """Without --allow-client-shm both shared-memory extensions are still listed, as
+    Triton's core lists them (src/server.cc); registering is refused with Triton's
+    words and UNSUPPORTED's codes (src/http_server.cc HandleSystemSharedMemory,
+    src/grpc/grpc_server.cc: 501, UNIMPLEMENTED)."""
     shutil.copytree(EXAMPLES / "simple", tmp_path / "simple")
     with serving(tmp_path, args=["--id=edge-7"]) as process:
         client = httpclient.InferenceServerClient(process.http_url)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{process.grpc_port}")
         try:
             metadata = client.get_server_metadata()
+            assert list(grpc.get_server_metadata().extensions) == metadata["extensions"]
+            for register in (
+                lambda: client.register_system_shared_memory("r", "/trionserve_r", 64),
+                lambda: client.register_cuda_shared_memory("r", "AAAA", 0, 64),
+                lambda: client.unregister_system_shared_memory("r"),
+            ):
+                with pytest.raises(InferenceServerException) as info:
+                    register()
+                assert info.value.message() == SHM_DISABLED
+                assert info.value.status() == "501"
+            for register in (
+                lambda: grpc.register_system_shared_memory("r", "/trionserve_r", 64),
+                lambda: grpc.register_cuda_shared_memory("r", b"AAAA", 0, 64),
+            ):
+                with pytest.raises(InferenceServerException) as info:
+                    register()
+                assert info.value.message() == SHM_DISABLED
+                assert info.value.status() == "StatusCode.UNIMPLEMENTED"
         finally:
             client.close()
+            grpc.close()
     assert metadata["name"] == "edge-7"
     assert "sequence" in metadata["extensions"]
-    # Without --allow-client-shm a client cannot register regions: not listed.
-    assert "system_shared_memory" not in metadata["extensions"]
-    assert "cuda_shared_memory" not in metadata["extensions"]
+    assert "system_shared_memory" in metadata["extensions"]
+    assert "cuda_shared_memory" in metadata["extensions"]
 
 
 # -- model-load failures: status and wording (item 11) --------------------------------
@@ -211,15 +236,48 @@ def grpc_error(call) -> InferenceServerException:
     return info.value
 
 
-def test_a_model_not_in_the_repository_fails_to_load_with_400_in_tritons_words(server, grpc_client):
-    # Triton: "failed to load 'unknown_model', failed to poll from model repository"
-    # (qa/L0_lifecycle/lifecycle_test.py matches on it).
+def test_a_model_not_in_the_repository_fails_to_load_with_500_in_tritons_words(server, grpc_client):
+    # Triton: INTERNAL "failed to load 'unknown_model', failed to poll from model
+    # repository" (core model_repository_manager.cc LoadUnloadModel;
+    # qa/L0_lifecycle/lifecycle_test.py matches on it).
     expected = "failed to load 'nope', failed to poll from model repository"
     status, message = post(server, "/v2/repository/models/nope/load")
-    assert status == 400 and message.startswith(expected), (status, message)
+    assert status == 500 and message.startswith(expected), (status, message)
     error = grpc_error(lambda: grpc_client.load_model("nope"))
-    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.status() == "StatusCode.INTERNAL"
     assert error.message().startswith(expected)
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        # A path part longer than NAME_MAX (qa/L0_http http_test.py
+        # test_load_oversized_file_parameter, the client's simple_*_model_control.py).
+        {"file:" + "A" * 256: "YQ==", "config": "{}"},
+        # Files without the config they replace the model directory with
+        # (qa/L0_lifecycle lifecycle_test.py test_file_override).
+        {"file:1/model.onnx": "YQ=="},
+    ],
+    ids=["path-part-too-long", "files-without-config"],
+)
+def test_a_file_override_that_cannot_be_written_is_a_poll_failure(server, grpc_client, parameters):
+    """Triton localizes the override files while it polls the model (core
+    model_repository_manager.cc InitializeModelInfo), so their failure is INTERNAL
+    "failed to poll from model repository"; the server goes on serving."""
+    expected = "failed to load 'identity_bytes', failed to poll from model repository"
+    status, message = post(
+        server, "/v2/repository/models/identity_bytes/load", {"parameters": parameters}
+    )
+    assert status == 500 and message.startswith(expected), (status, message)
+    files = {k: b"a" for k in parameters if k.startswith("file:")}
+    error = grpc_error(
+        lambda: grpc_client.load_model(
+            "identity_bytes", config=parameters.get("config"), files=files
+        )
+    )
+    assert error.status() == "StatusCode.INTERNAL"
+    assert error.message().startswith(expected)
+    assert server.status("/v2/models/identity_bytes/ready") == 200
 
 
 def test_a_model_that_fails_to_load_gets_400_and_invalid_argument(server, http_client, grpc_client):
@@ -232,16 +290,18 @@ def test_a_model_that_fails_to_load_gets_400_and_invalid_argument(server, http_c
     assert row["state"] == "UNAVAILABLE" and row["reason"].startswith("failed to load 'broken'")
 
 
-def test_an_invalid_config_override_fails_to_load_in_the_same_words(
-    server, http_client, grpc_client
-):
-    expected = "failed to load 'simple': invalid config override"
+def test_an_invalid_config_override_is_a_poll_failure(server, http_client, grpc_client):
+    # Triton parses the override while it polls the model (InitializeModelInfo:
+    # "Invalid config override"), so the load answers INTERNAL "failed to poll".
+    expected = (
+        "failed to load 'simple', failed to poll from model repository: invalid config override"
+    )
     status, message = post(
         server, "/v2/repository/models/simple/load", {"parameters": {"config": "{not json"}}
     )
-    assert status == 400 and message.startswith(expected), (status, message)
+    assert status == 500 and message.startswith(expected), (status, message)
     error = grpc_error(lambda: grpc_client.load_model("simple", config='{"max_batch_size": "x"}'))
-    assert error.status() == "StatusCode.INVALID_ARGUMENT"
+    assert error.status() == "StatusCode.INTERNAL"
     assert error.message().startswith(expected)
     assert http_client.is_model_ready("simple")  # a failed reload leaves it serving
 

@@ -46,7 +46,8 @@ def client_body(inputs, **kwargs):
 
 
 def decode(body, header_length=None, model="m", version=None):
-    return decode_infer_request(body, header_length, model, version)
+    request, _ = decode_infer_request(body, header_length, model, version)
+    return request
 
 
 def json_body(doc) -> bytes:
@@ -93,7 +94,7 @@ def test_int32_binary_is_a_view_of_the_body():
     body, header_length = client_body([make_input("INPUT0", array, "INT32")])
     assert header_length is not None
 
-    request = decode(body, header_length, "simple", 3)
+    request, binary_output = decode_infer_request(body, header_length, "simple", 3)
 
     assert request.model_name == "simple" and request.model_version == 3
     tensor = request.inputs["INPUT0"]
@@ -102,9 +103,11 @@ def test_int32_binary_is_a_view_of_the_body():
     np.testing.assert_array_equal(tensor.data, array)
     # No copy: the array views the body's bytes.
     assert np.shares_memory(tensor.data, np.frombuffer(body, dtype=np.uint8))
-    # The client asked for no outputs, so it asks for binary outputs.
+    # The client asked for no outputs, so it asks for binary outputs; how the
+    # response travels is not a parameter the model sees.
     assert request.requested_outputs is None
-    assert request.parameters == {"binary_data_output": True}
+    assert binary_output is True
+    assert request.parameters == {}
 
 
 def test_fp32_json():
@@ -261,7 +264,6 @@ def test_sequence_priority_timeout_and_custom_parameters(sequence_id):
         "my_int": 5,
         "my_bool": False,
         "my_float": 0.5,
-        "binary_data_output": True,
     }
 
 
@@ -672,7 +674,7 @@ def test_shared_memory_input_and_output(shm_region):
     out = httpclient.InferRequestedOutput("OUT0")
     out.set_shared_memory("region", 64, offset=128)
     body, header_length = client_body([inp], outputs=[out])
-    request = decode_infer_request(body, header_length, "m", None, manager)
+    request, _ = decode_infer_request(body, header_length, "m", None, manager)
     np.testing.assert_array_equal(request.inputs["INPUT0"].data, data)
 
     response = InferenceResponse("m", "1", outputs=[Tensor("OUT0", "INT32", data * 3)])
@@ -732,11 +734,8 @@ def as_bytes(array):
     return [x.encode() if isinstance(x, str) else x for x in array.reshape(-1).tolist()]
 
 
-def _request(binary_data_output=None, outputs=None, id=""):
-    params = {}
-    if binary_data_output is not None:
-        params["binary_data_output"] = binary_data_output
-    return InferenceRequest("m", None, id=id, parameters=params, requested_outputs=outputs)
+def _request(outputs=None, id=""):
+    return InferenceRequest("m", None, id=id, requested_outputs=outputs)
 
 
 def _response(*tensors, id="", parameters=None):
@@ -756,7 +755,7 @@ SAMPLE = {
 @pytest.mark.parametrize("binary", [False, True])
 def test_response_roundtrip_through_tritonclient(binary):
     chunks, header_length = encode_infer_response(
-        _response(*SAMPLE.values()), _request(binary_data_output=binary)
+        _response(*SAMPLE.values()), _request(), binary_output=binary
     )
     if binary:
         assert header_length == len(chunks[0])
@@ -779,7 +778,7 @@ def test_response_roundtrip_through_tritonclient(binary):
 def test_binary_chunks_are_views_of_output_arrays():
     data = np.arange(8, dtype=np.float32)
     chunks, header_length = encode_infer_response(
-        _response(Tensor("F", "FP32", data)), _request(binary_data_output=True)
+        _response(Tensor("F", "FP32", data)), _request(), binary_output=True
     )
     assert len(chunks) == 2 and isinstance(chunks[1], memoryview)
     assert np.shares_memory(np.frombuffer(chunks[1], dtype=np.uint8), data)
@@ -797,7 +796,7 @@ def test_per_output_binary_data_overrides_request_default():
     tensors = [SAMPLE["F"], SAMPLE["I"], SAMPLE["S"]]
     for default in (None, True):
         chunks, header_length = encode_infer_response(
-            _response(*tensors), _request(binary_data_output=default, outputs=outputs)
+            _response(*tensors), _request(outputs=outputs), binary_output=bool(default)
         )
         header = json.loads(chunks[0])["outputs"]
         assert "data" in header[0]
@@ -813,7 +812,7 @@ def test_per_output_binary_data_overrides_request_default():
 def test_binary_data_false_everywhere_gives_json_body():
     outputs = [RequestedOutput("F", {"binary_data": False})]
     chunks, header_length = encode_infer_response(
-        _response(SAMPLE["F"]), _request(binary_data_output=True, outputs=outputs)
+        _response(SAMPLE["F"]), _request(outputs=outputs), binary_output=True
     )
     assert header_length is None
     assert json.loads(join(chunks))["outputs"][0]["data"] == pytest.approx(
@@ -827,7 +826,8 @@ def test_non_contiguous_and_empty_outputs(binary):
     empty = np.zeros((0, 5), dtype=np.float64)
     chunks, header_length = encode_infer_response(
         _response(Tensor("T", "INT32", transposed), Tensor("E", "FP64", empty)),
-        _request(binary_data_output=binary),
+        _request(),
+        binary_output=binary,
     )
     result = parse(chunks, header_length)
     np.testing.assert_array_equal(result.as_numpy("T"), transposed)
@@ -839,7 +839,8 @@ def test_bf16_output(binary):
     values = np.array([1.0, -2.5, 0.15625], dtype=ml_dtypes.bfloat16)
     chunks, header_length = encode_infer_response(
         _response(Tensor("BF", "BF16", values.view(np.uint16))),
-        _request(binary_data_output=binary),
+        _request(),
+        binary_output=binary,
     )
     got = parse(chunks, header_length).as_numpy("BF")
     np.testing.assert_array_equal(got.astype(np.float32), values.astype(np.float32))

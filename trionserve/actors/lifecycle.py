@@ -11,7 +11,7 @@ import trio
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
 from trionserve.backends.gpu import gpu_count
 from trionserve.backends.registry import backend_for
-from trionserve.core.errors import InvalidArgument, TritonError
+from trionserve.core.errors import InternalError, InvalidArgument, TritonError, as_triton_error
 from trionserve.repository.changes import LoadedSource
 from trionserve.repository.config import (
     infer_platform,
@@ -22,6 +22,37 @@ from trionserve.repository.config import (
 from trionserve.repository.versions import list_versions, select_versions
 
 log = structlog.get_logger(__name__)
+
+
+class PollFailed(InternalError):
+    """A load that failed before any version could load: the model is in no
+    repository, its file override or its configuration could not be read, or the
+    configuration is invalid. Triton's core answers all of these INTERNAL with
+    "failed to load '<name>', failed to poll from model repository" (core
+    ``model_repository_manager.cc``: ``Poll`` counts a model whose
+    ``InitializeModelInfo`` failed as not polled, and ``LoadUnloadModel`` answers
+    that); here the reason Triton only logs follows the words."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"failed to load '{name}', failed to poll from model repository: {reason}")
+
+
+class BackendLoadError(InvalidArgument):
+    """A load that failed in its backend (INVALID_ARG in Triton's core, ``load
+    failed for model``): here, auto-completing the configuration from the model
+    file, which Triton's backends do when they load the model."""
+
+
+def poll_failure(name: str, exc: BaseException) -> TritonError:
+    """``exc``, raised before the model's versions were loaded, as Triton answers
+    it: PollFailed, except where the backend failed (BackendLoadError)."""
+    error = as_triton_error(exc, f"failed to load '{name}'")
+    if isinstance(error, (PollFailed, BackendLoadError)):
+        return error
+    reason = error.message
+    for prefix in (f"failed to load '{name}': ", f"failed to load '{name}', "):
+        reason = reason.removeprefix(prefix)
+    return PollFailed(name, reason)
 
 
 @dataclass(frozen=True)
@@ -49,7 +80,11 @@ def prepare_model(
         filename = config.default_model_filename or backend.default_model_filename()
         model_path = backend.auto_complete_source(model_dir / str(max(versions)), filename)
         if model_path.exists():
-            backend.auto_complete_config(config, model_path, max_batch_size_set)
+            try:
+                backend.auto_complete_config(config, model_path, max_batch_size_set)
+            except Exception as exc:
+                reason = as_triton_error(exc).message
+                raise BackendLoadError(f"failed to load '{model_dir.name}': {reason}") from exc
     normalize_model_config(config)
     resolve_instance_kinds(config, gpu_count() if backend.can_use_gpu() else 0)
     validate_model_config(config)

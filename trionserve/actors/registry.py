@@ -12,9 +12,11 @@ import trio
 from trionserve.actors.lifecycle import (
     ModelEntry,
     Operation,
+    PollFailed,
     TransitionLog,
     composing_models,
     load_error,
+    poll_failure,
     prepare_model,
 )
 from trionserve.actors.model import ModelState, ModelVersion
@@ -43,8 +45,10 @@ class RegistryStopped(Unavailable):
 def load_failure(name: str, error: TritonError) -> TritonError:
     """A failed load as Triton answers it: INVALID_ARGUMENT (core
     ``model_repository_manager.cc``, ``LoadUnloadModels``), with a message that
-    starts ``failed to load '<name>'``; a load cut by shutdown stays UNAVAILABLE."""
-    if isinstance(error, RegistryStopped):
+    starts ``failed to load '<name>'``; a model that could not be polled stays
+    INTERNAL (``LoadUnloadModel``, PollFailed) and a load cut by shutdown
+    UNAVAILABLE."""
+    if isinstance(error, (RegistryStopped, PollFailed)):
         return error
     prefix = f"failed to load '{name}'"
     message = error.message if error.message.startswith(prefix) else f"{prefix}: {error.message}"
@@ -267,6 +271,7 @@ class ModelRegistry:
                 log.info("model unchanged: same file override", model=name)
                 return
         model_dir: Path | None = None
+        polled = False
         try:
             if files:
                 model_dir = await trio.to_thread.run_sync(
@@ -284,11 +289,15 @@ class ModelRegistry:
                 config_json,
                 self.repository.config_name,
             )
+            polled = True
             await self._load_composing_models(name, prepared.config, chain)
         except Exception as exc:
             if files and model_dir is not None:
                 await trio.to_thread.run_sync(remove_override, model_dir)
-            error = as_triton_error(exc, f"failed to load '{name}'")
+            if polled:
+                error = as_triton_error(exc, f"failed to load '{name}'")
+            else:
+                error = poll_failure(name, exc)
             # Remember the failure of a model the repository has, or that has
             # versions; a name found nowhere (a typo, a failed file override of
             # a new name) is not listed, as in Triton, so such names cannot grow
@@ -325,9 +334,7 @@ class ModelRegistry:
         try:
             return await trio.to_thread.run_sync(self.repository.find, name)
         except NotFound as exc:
-            raise NotFound(
-                f"failed to load '{name}', failed to poll from model repository: {exc.message}"
-            ) from None
+            raise PollFailed(name, exc.message) from None
 
     async def _load_composing_models(self, name: str, config, chain: tuple[str, ...]) -> None:
         """Load an ensemble's composing models first, as Triton does."""

@@ -17,6 +17,7 @@ import numpy as np
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.onnxruntime_providers import CUDA, TENSORRT, execution_providers
+from trionserve.backends.onnxruntime_validation import validate_session
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
@@ -152,6 +153,7 @@ class OnnxModel:
             options.inter_op_num_threads = int(inter)
         providers = execution_providers(config, spec, ort.get_available_providers())
         session = ort.InferenceSession(str(self.path), options, providers=providers)
+        validate_session(config, self.context.name, session)
         return OnnxInstance(self.context, spec, session)
 
     def unload(self) -> None:

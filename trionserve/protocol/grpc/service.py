@@ -25,6 +25,7 @@ from trionserve.core.errors import (
     Unimplemented,
     as_triton_error,
 )
+from trionserve.core.parameters import check_forwarded_header
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import parse_model_version
 from trionserve.dataplane import DataPlane
@@ -575,6 +576,7 @@ class GrpcService:
             return
         for key, value in call.metadata:
             if isinstance(value, str) and self._forward.search(key):
+                check_forwarded_header(key)
                 request.parameters.setdefault(key, value)
 
 

@@ -79,13 +79,18 @@ def decode_infer_request(
     model_name: str,
     model_version: int | None,
     shared_memory: SharedMemory | None = None,
-) -> InferenceRequest:
-    """Decode an infer request body.
+) -> tuple[InferenceRequest, bool]:
+    """Decode an infer request body into the request and whether its outputs default
+    to binary (its ``binary_data_output`` parameter).
 
     ``header_length`` is the ``Inference-Header-Content-Length`` header's value (None
     when absent: the whole body is JSON). Inputs naming a ``shared_memory_region`` are
-    views of that region of ``shared_memory``. Raises InvalidArgument for any
-    malformed request, Unimplemented for shared memory when ``shared_memory`` is None.
+    views of that region of ``shared_memory``. ``binary_data_output`` says how the
+    response travels, so it is not one of the request's parameters (Triton keeps it
+    in the HTTP server's allocator payload, ``src/http_server.cc``
+    ParseJsonTritonParams, and its model never sees it). Raises InvalidArgument for
+    any malformed request, Unimplemented for shared memory when ``shared_memory`` is
+    None.
     """
     size = len(body)
     if header_length is None:
@@ -128,8 +133,9 @@ def decode_infer_request(
 
     request = InferenceRequest(model_name, model_version, id=request_id)
     params = doc.get("parameters")
+    binary_output = False
     if params is not None:
-        _apply_request_parameters(request, params)
+        binary_output = _apply_request_parameters(request, params)
 
     request.inputs = _decode_inputs(
         doc.get("inputs"), body, header_end, size, header_length is not None, shared_memory
@@ -138,7 +144,7 @@ def decode_infer_request(
     outputs = doc.get("outputs")
     if outputs is not None:
         request.requested_outputs = _decode_outputs(outputs, shared_memory)
-    return request
+    return request, binary_output
 
 
 def decode_raw_request(
@@ -212,12 +218,15 @@ def _json_kind(value: Any) -> str:
     return type(value).__name__
 
 
-def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
+def _apply_request_parameters(request: InferenceRequest, params: Any) -> bool:
+    """Set the request's fields and parameters from ``params``; return its
+    ``binary_data_output`` (False when absent)."""
     if type(params) is not dict:
         raise InvalidArgument(
             f"invalid request 'parameters': expected an object, got {_json_kind(params)}"
         )
     custom = request.parameters
+    binary_output = False
     for key, value in params.items():
         if key == "sequence_id":
             if type(value) is str:
@@ -245,7 +254,7 @@ def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
                     "invalid parameter 'binary_data_output': expected a boolean, "
                     f"got {json.dumps(value)}"
                 )
-            custom[key] = value
+            binary_output = value
         else:
             check_reserved_key(key)
             # Same value types as gRPC's InferParameter, so both frontends agree.
@@ -255,6 +264,7 @@ def _apply_request_parameters(request: InferenceRequest, params: Any) -> None:
                     f"or boolean, got {_json_kind(value)}"
                 )
             custom[key] = value
+    return binary_output
 
 
 def _unsigned_parameter(key: str, value: Any) -> int:
@@ -571,13 +581,19 @@ def encode_infer_response(
     response: InferenceResponse,
     request: InferenceRequest,
     shared_memory: SharedMemory | None = None,
+    *,
+    binary_output: bool = False,
 ) -> tuple[list[bytes | memoryview], int | None]:
     """Encode a response body as chunks to write in order, plus the JSON header length
     when any output is binary (for ``Inference-Header-Content-Length``), else None.
 
-    Outputs requested into a shared memory region are written there and described
-    by name, datatype and shape only, as Triton does."""
-    default_binary = request.parameters.get("binary_data_output") is True
+    ``binary_output`` is the request's default for outputs that do not set
+    ``binary_data`` themselves: its ``binary_data_output`` parameter, or True for a
+    raw binary request (Triton's ``src/http_server.cc`` EVBufferToRawInput sets the
+    default output kind to BINARY). Outputs requested into a shared memory region
+    are written there and described by name, datatype and shape only, as Triton
+    does."""
+    default_binary = binary_output
     per_output: dict[str, bool] = {}
     for out in request.requested_outputs or ():
         flag = out.parameters.get("binary_data")

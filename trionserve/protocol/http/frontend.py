@@ -34,6 +34,7 @@ from trionserve.core.errors import (
     TritonError,
     as_triton_error,
 )
+from trionserve.core.parameters import check_forwarded_header
 from trionserve.core.types import InferenceRequest
 from trionserve.dataplane import DataPlane, ShuttingDown
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
@@ -191,8 +192,9 @@ class InferHandler:
             if header_length == 0:  # a raw binary request: the body is the one input
                 signature = self.dataplane.model(name, version).signature
                 infer_request = http_codec.decode_raw_request(body, name, version, signature)
+                binary_output = True  # all its outputs are binary, as in Triton
             else:
-                infer_request = http_codec.decode_infer_request(
+                infer_request, binary_output = http_codec.decode_infer_request(
                     body, header_length, name, version, shared_memory
                 )
             if self._forward is not None:
@@ -201,7 +203,7 @@ class InferHandler:
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
             response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
             chunks, json_length = http_codec.encode_infer_response(
-                response, infer_request, shared_memory
+                response, infer_request, shared_memory, binary_output=binary_output
             )
         except TritonError as error:
             return _error_response(error)
@@ -233,6 +235,7 @@ class InferHandler:
         for key, value in request_headers:
             name = key.decode("latin-1")
             if pattern.search(name):
+                check_forwarded_header(name)
                 request.parameters.setdefault(name, value.decode("latin-1"))
 
 
@@ -370,7 +373,11 @@ class HttpFrontend:
                 )
         if method == b"HEAD":
             method = b"GET"
-        known: RestrictedCategory | None = None
+        # Inference is POST only: another method on its path is 405, as in Triton
+        # (src/http_server.cc HandleInfer answers EVHTP_RES_METHNALLOWED).
+        known: RestrictedCategory | None = (
+            RestrictedCategory.INFERENCE if _INFER_PATH.match(path) is not None else None
+        )
         for route_method, pattern, category, handler in ROUTES:
             match = pattern.match(path)
             if match is None:
@@ -473,12 +480,14 @@ class HttpFrontend:
         return _json(self.dataplane.shared_memory.status(match.groupdict().get("name")))
 
     async def system_shm_register(self, match, headers, body) -> Response:
-        request = json_body(body)
         name = match["name"]
+        # Refused before the body is read when not allowed, as Triton does.
+        shared_memory = self.dataplane.client_system_shared_memory(name)
+        request = json_body(body)
         key = request.get("key")
         if type(key) is not str or not key:
             raise InvalidArgument("'key' in the shared memory register request must be a string")
-        self.dataplane.client_system_shared_memory(name).register(
+        shared_memory.register(
             name,
             key,
             _non_negative_int(request, "offset", 0),
@@ -496,8 +505,8 @@ class HttpFrontend:
         return _json(self.dataplane.cuda_shared_memory.status(match.groupdict().get("name")))
 
     async def cuda_shm_register(self, match, headers, body) -> Response:
-        request = json_body(body)
         cuda = self.dataplane.client_cuda_shared_memory()
+        request = json_body(body)
         raw_handle = decode_raw_handle(request.get("raw_handle"))
         cuda.register(
             match["name"],

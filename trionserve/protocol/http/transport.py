@@ -308,6 +308,10 @@ class _Connection:
         self.server = server
         self.stream = stream
         self.parser = httptools.HttpRequestParser(self)
+        # Content-Length beside Transfer-Encoding: the transfer coding frames the
+        # body (RFC 9112 section 6.3), as Triton's libevhtp does; see
+        # on_headers_complete.
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
         self.requests: deque[_Request] = deque()
         # Bytes received while a request head was incomplete (bounded by
         # max_header_size: the parser buffers a partial header line itself).
@@ -346,6 +350,13 @@ class _Connection:
         request.version = parser.get_http_version()
         # HTTP/1.0 connections close after one answer.
         request.keep_alive = request.version == "1.1" and parser.should_keep_alive()
+        names = [name for name, _ in request.headers]
+        if b"transfer-encoding" in names and b"content-length" in names:
+            # Framed by its transfer coding; the Content-Length is dropped and the
+            # connection closed after the answer, since an intermediary may have
+            # framed it otherwise (RFC 9112 section 6.1, request smuggling).
+            request.headers = [h for h in request.headers if h[0] != b"content-length"]
+            request.keep_alive = False
         request.expects_continue = request.version == "1.1" and any(
             name == b"expect" and value.lower() == b"100-continue"
             for name, value in request.headers
@@ -763,17 +774,10 @@ def _refusal(request: _Request) -> tuple[int, str] | None:
 
 def _parser_error(exc: httptools.HttpParserError) -> _ProtocolError:
     """The answer to a request the parser refused: 505 for an HTTP version it does
-    not know (HTTP/9.9), 400 with our words for both Content-Length and
-    Transfer-Encoding, which an intermediary may frame differently than we do
-    (request smuggling; RFC 9112 section 6.1 lets a server refuse it, and the
-    connection must be closed), 400 with the parser's words otherwise."""
+    not know (HTTP/9.9), 400 with the parser's words otherwise."""
     reason = str(exc)
     if reason == "Invalid HTTP version":
         return _ProtocolError(505, "the HTTP version is not supported; use HTTP/1.1")
-    if "Transfer-Encoding" in reason and "Content-Length" in reason:
-        return _ProtocolError(
-            400, "a request may not carry both Content-Length and Transfer-Encoding"
-        )
     return _ProtocolError(400, f"bad request: {reason}")
 
 
