@@ -307,11 +307,7 @@ class _Connection:
     def __init__(self, server: HttpServer, stream: trio.SocketStream) -> None:
         self.server = server
         self.stream = stream
-        self.parser = httptools.HttpRequestParser(self)
-        # Content-Length beside Transfer-Encoding: the transfer coding frames the
-        # body (RFC 9112 section 6.3), as Triton's libevhtp does; see
-        # on_headers_complete.
-        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        self.parser = self._new_parser()
         self.requests: deque[_Request] = deque()
         # Bytes received while a request head was incomplete (bounded by
         # max_header_size: the parser buffers a partial header line itself).
@@ -548,7 +544,15 @@ class _Connection:
             size += received
         request.size = size
         request.complete = True
-        self.parser = httptools.HttpRequestParser(self)
+        self.parser = self._new_parser()
+
+    def _new_parser(self) -> httptools.HttpRequestParser:
+        parser = httptools.HttpRequestParser(self)
+        # Content-Length beside Transfer-Encoding: the transfer coding frames the
+        # body (RFC 9112 section 6.3), as Triton's libevhtp does; see
+        # on_headers_complete.
+        parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        return parser
 
     # -- serving ---------------------------------------------------------------
 
