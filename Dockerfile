@@ -38,7 +38,9 @@ COPY --from=build /wheels /wheels
 # hadolint ignore=DL3013
 RUN wheel="$(find /wheels -name 'trionserve-*.whl')" \
     && pip install --no-cache-dir "${wheel}[${EXTRAS}]" \
-    && rm -rf /wheels
+    && rm -rf /wheels \
+    && mkdir -p /opt/tritonserver/bin \
+    && ln -s "$(command -v tritonserver)" /opt/tritonserver/bin/tritonserver
 
 USER 1000:1000
 WORKDIR /home/trionserve
@@ -49,5 +51,9 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=2)"]
 # SIGTERM drains: readiness false at once, in-flight requests finish (--exit-timeout-secs).
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["trionserve"]
+# Manifests written for Triton run unchanged: its image runs its arguments as a
+# command (args: ["tritonserver", "--model-store=..."], as its Helm charts pass
+# them), and `tritonserver` (also /opt/tritonserver/bin/tritonserver) is this
+# server; arguments that start with "-" are trionserve's own.
+ENTRYPOINT ["/bin/sh", "-c", "case \"$1\" in -*|'') exec trionserve \"$@\" ;; *) exec \"$@\" ;; esac", "entrypoint"]
 CMD ["--model-repository=/models"]
