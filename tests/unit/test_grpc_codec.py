@@ -509,3 +509,43 @@ def test_the_grpc_codec_does_not_import_the_http_codec():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_large_request_raw_contents_are_writable_views_of_the_message():
+    """In a large message the raw contents are cut out of the wire bytes (no copy
+    by protobuf): each input views the received buffer, writable as it is; the
+    decoded request is the one protobuf's own parse gives, whatever the order of
+    the fields on the wire."""
+    a = np.random.default_rng(0).random((1, 150_528), dtype=np.float32)  # 602 KB
+    b = np.arange(16, dtype=np.int32).reshape(1, 16)
+    message = client_request(
+        "m",
+        [infer_input("A", a, "FP32"), infer_input("B", b, "INT32")],
+        request_id="big",
+        parameters={"key": "value"},
+    )
+    # Raw contents first, then the rest, as a hand-made client might order them.
+    raws = triton_pb.ModelInferRequest()
+    raws.raw_input_contents.extend(message.raw_input_contents)
+    rest = triton_pb.ModelInferRequest()
+    rest.CopyFrom(message)
+    del rest.raw_input_contents[:]
+    for wire in (message.SerializeToString(), raws.SerializeToString() + rest.SerializeToString()):
+        received = np.frombuffer(wire, np.uint8).copy().data  # writable, as the transport's
+        request = grpc_codec.decode_infer_request(received)
+        expected = grpc_codec.decode_infer_request(bytes(wire))
+        assert request.id == expected.id == "big"
+        assert request.parameters == expected.parameters
+        np.testing.assert_array_equal(request.inputs["A"].data, a)
+        np.testing.assert_array_equal(request.inputs["B"].data, b)
+        data = request.inputs["A"].data
+        assert np.shares_memory(data, np.frombuffer(received, np.uint8))
+        assert data.flags.writeable
+    # Bytes stay read-only views; a truncated large message is the same error as ever.
+    assert (
+        not grpc_codec.decode_infer_request(message.SerializeToString())
+        .inputs["A"]
+        .data.flags.writeable
+    )
+    error = error_of(lambda: grpc_codec.decode_infer_request(message.SerializeToString()[:-3]))
+    assert "failed to parse the ModelInferRequest message" in error.message

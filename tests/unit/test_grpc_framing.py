@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import resource
 import zlib
 
 import pytest
@@ -117,3 +118,36 @@ def test_deferred_decompression_returns_compressed_messages_as_is():
     with pytest.raises(GRPCError) as info:
         reader.decompress(bomb)
     assert info.value.status is Status.RESOURCE_EXHAUSTED
+
+
+def test_a_message_in_many_pieces_is_one_writable_buffer():
+    """A message arriving across many DATA payloads is copied once into a buffer of
+    the size its prefix announced; what the reader holds meanwhile is what arrived
+    (the connection's buffer limit counts it), and the message is writable."""
+    message = bytes(range(256)) * 4000  # 1,024,000 bytes
+    wire = framed(message) + framed(b"tail")
+    reader = MessageReader()
+    got = []
+    for i in range(0, len(wire), 16_384):
+        got.extend(reader.feed(wire[i : i + 16_384]))
+        if not got:
+            assert reader.buffered == min(i + 16_384, len(wire))
+    assert got == [message, b"tail"]
+    assert reader.buffered == 0
+    for received in got:
+        assert not memoryview(received).readonly
+    # A message whole in one feed is its own writable copy too.
+    (small,) = MessageReader().feed(framed(b"abc"))
+    assert small == b"abc" and not memoryview(small).readonly
+
+
+def test_an_announced_message_costs_only_what_arrived():
+    """A prefix announcing a large message allocates its buffer without writing
+    it: the memory held grows with the bytes received."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    readers = [MessageReader(max_size=2**30) for _ in range(2)]
+    for reader in readers:
+        assert reader.feed(prefix(128 * 1024 * 1024) + b"x" * 10) == []
+        assert reader.buffered == 15
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 64 * 1024, f"peak RSS grew by {grown_kib} KiB"

@@ -6,7 +6,10 @@ bytes of a ``ModelInferResponse`` (or of a ``ModelStreamInferResponse``). No
 sockets, no event loop.
 
 Input tensors in ``raw_input_contents`` are ``np.frombuffer`` views of the message's
-bytes; typed ``InferTensorContents`` are accepted too. Outputs always travel in
+bytes (writable when the message is, as the transport hands it over): in a large
+message the raw contents are cut out of the wire bytes before protobuf parses the
+rest, since protobuf would copy each of them into a bytes object of its own; typed
+``InferTensorContents`` are accepted too. Outputs always travel in
 ``raw_output_contents``, which is written as its own wire fields after the rest of
 the message, so a large output array is handed to the transport as a memoryview
 instead of being copied into a protobuf message first. Error messages match the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,6 +47,7 @@ from trionserve.core.validation import check_shape_size, parse_model_version
 
 __all__ = [
     "parse_message",
+    "parse_infer_request",
     "decode_infer_request",
     "empty_final_response_enabled",
     "encode_infer_response",
@@ -52,6 +57,14 @@ __all__ = [
 ]
 
 Chunks = list[bytes | memoryview]
+
+# A received message's bytes.
+Wire = bytes | bytearray | memoryview
+# ModelInferRequest.raw_input_contents (grpc_service.proto), length-delimited.
+_RAW_INPUT_CONTENTS_TAG = 7 << 3 | 2
+# Messages from this size on have their raw contents cut out before parsing (below
+# it, protobuf's copies cost less than cutting them out in Python).
+_CUT_RAW_FROM = 64 * 1024
 
 _UINT64_MAX = 2**64 - 1
 _INT64_MAX = 2**63 - 1
@@ -99,10 +112,11 @@ def _fmt_shape(shape: Any) -> str:
 M = TypeVar("M", bound=Message)
 
 
-def parse_message(message_type: type[M], data: bytes) -> M:
+def parse_message(message_type: type[M], data: Wire) -> M:
     """Parse one serialized message; a malformed one is the client's error."""
     try:
-        return message_type.FromString(data)
+        # upb parses any buffer; the stubs say bytes.
+        return message_type.FromString(data)  # type: ignore[arg-type]
     except DecodeError as exc:
         raise InvalidArgument(
             f"failed to parse the {message_type.DESCRIPTOR.name} message: {exc}"
@@ -112,22 +126,94 @@ def parse_message(message_type: type[M], data: bytes) -> M:
 # ------------------------------------------------------------------------- request
 
 
+def _read_varint(data: memoryview, offset: int) -> tuple[int, int]:
+    """The varint at ``offset`` and the offset after it (IndexError past the end)."""
+    value = shift = 0
+    while True:
+        byte = data[offset]
+        offset += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, offset
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _cut_raw_contents(data: memoryview) -> tuple[bytes, list[memoryview]] | None:
+    """The message's wire bytes without its raw_input_contents fields, and those
+    fields' values as views of ``data``, in order; None when the top-level fields
+    do not scan (protobuf then parses the whole message and names the fault)."""
+    raws: list[memoryview] = []
+    rest: list[memoryview] = []
+    kept_from = offset = 0
+    end = len(data)
+    try:
+        while offset < end:
+            start = offset
+            tag, offset = _read_varint(data, offset)
+            wire_type = tag & 7
+            if wire_type == 2:
+                length, offset = _read_varint(data, offset)
+                stop = offset + length
+                if stop > end:
+                    return None
+                if tag == _RAW_INPUT_CONTENTS_TAG:
+                    rest.append(data[kept_from:start])
+                    raws.append(data[offset:stop])
+                    kept_from = stop
+                offset = stop
+            elif wire_type == 0:
+                offset = _read_varint(data, offset)[1]
+            elif wire_type == 1:
+                offset += 8
+            elif wire_type == 5:
+                offset += 4
+            else:
+                return None
+    except (IndexError, ValueError):
+        return None
+    if offset != end:
+        return None
+    rest.append(data[kept_from:end])
+    return b"".join(rest), raws
+
+
+def parse_infer_request(data: Wire) -> tuple[pb.ModelInferRequest, Sequence[Wire]]:
+    """A serialized ModelInferRequest and its raw_input_contents. In a large message
+    the raw contents are views of ``data`` (no copy; writable when ``data`` is), the
+    rest is parsed by protobuf; otherwise protobuf parses it all."""
+    if len(data) >= _CUT_RAW_FROM:
+        cut = _cut_raw_contents(memoryview(data).cast("B"))
+        if cut is not None:
+            rest, raws = cut
+            return parse_message(pb.ModelInferRequest, rest), raws
+    message = parse_message(pb.ModelInferRequest, data)
+    return message, message.raw_input_contents
+
+
 def decode_infer_request(
-    message: pb.ModelInferRequest | bytes, shared_memory: SharedMemory | None = None
+    message: pb.ModelInferRequest | Wire,
+    shared_memory: SharedMemory | None = None,
+    raws: Sequence[Wire] | None = None,
 ) -> InferenceRequest:
-    """Decode a ModelInferRequest (a message or its serialized bytes).
+    """Decode a ModelInferRequest: its serialized bytes, or a message parsed by
+    :func:`parse_infer_request` with the ``raws`` it returned (None: the message's
+    own raw_input_contents).
 
     Inputs naming a ``shared_memory_region`` are views of that region of
     ``shared_memory``. Raises InvalidArgument for any malformed request,
     Unimplemented for shared memory when ``shared_memory`` is None.
     """
     if not isinstance(message, pb.ModelInferRequest):
-        message = parse_message(pb.ModelInferRequest, message)
+        message, raws = parse_infer_request(message)
+    elif raws is None:
+        raws = message.raw_input_contents
     version = parse_model_version(message.model_version)
     request = InferenceRequest(message.model_name, version, id=message.id)
     if message.parameters:
         _apply_request_parameters(request, message.parameters)
-    request.inputs = _decode_inputs(message, shared_memory)
+    request.inputs = _decode_inputs(message, raws, shared_memory)
     if message.outputs:
         request.requested_outputs = _decode_outputs(message.outputs, shared_memory)
     return request
@@ -213,9 +299,8 @@ def _shared_memory_params(
 
 
 def _decode_inputs(
-    message: pb.ModelInferRequest, shared_memory: SharedMemory | None
+    message: pb.ModelInferRequest, raws: Sequence[Wire], shared_memory: SharedMemory | None
 ) -> dict[str, Tensor]:
-    raws = message.raw_input_contents
     model = message.model_name
     tensors: dict[str, Tensor] = {}
     used = 0  # raw_input_contents are taken in order by inputs not in shared memory
@@ -281,7 +366,7 @@ def _decode_inputs(
     return tensors
 
 
-def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: bytes | memoryview) -> np.ndarray:
+def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: Wire) -> np.ndarray:
     count = math.prod(shape)
     if dt.itemsize == 0:  # BYTES
         what = f"input '{name}' with shape {_fmt_shape(shape)}"

@@ -162,7 +162,7 @@ class GrpcCall:
         self._stream_id = stream_id
         self._compress = compress
         self._reader = reader
-        self._messages: deque[bytes] = deque()
+        self._messages: deque[grpc_framing.Message] = deque()
         self._queued_bytes = 0
         self._partial_bytes = 0  # of an unfinished message, in the reader
         self._deferred_ack = 0  # bytes whose stream and connection window is held back
@@ -193,7 +193,7 @@ class GrpcCall:
         """True once the server began shutting down."""
         return self._conn.draining
 
-    async def receive(self) -> bytes | None:
+    async def receive(self) -> grpc_framing.Message | None:
         while True:
             if self._error is not None:
                 raise self._error
@@ -216,7 +216,7 @@ class GrpcCall:
             await self._wakeup.wait()
             self._wakeup = trio.Event()
 
-    async def _decompress(self, message: bytes) -> bytes:
+    async def _decompress(self, message: grpc_framing.Message) -> bytes:
         # Inflating can take many times the compressed size: large ones run in a
         # worker thread, so the event loop goes on serving everyone else.
         if len(message) <= _INLINE_DECOMPRESS:

@@ -11,11 +11,16 @@ from __future__ import annotations
 import gzip
 import zlib
 
+import numpy as np
+
 from trionserve.protocol.grpc.status import GRPCError, Status, encode_grpc_message
 
 # The length prefix is 32 bits: the most any message can be.
 MAX_MESSAGE_SIZE = 2**32 - 1
 ENCODINGS = (b"identity", b"gzip", b"deflate")
+# A received message: a writable buffer of its own (see MessageReader), or the
+# bytes decompression produced.
+Message = bytes | bytearray | memoryview
 ACCEPT_ENCODING = (b"grpc-accept-encoding", b"identity,deflate,gzip")
 
 
@@ -51,9 +56,15 @@ class MessageReader:
     With ``defer_decompression``, compressed messages come back as
     :class:`Compressed`, for the caller to pass to ``decompress`` where it likes
     (off the event loop, for large ones).
+
+    Each message is copied once out of the DATA bytes, into a writable buffer of
+    its own: a bytearray when it arrives whole in one feed, else a memoryview of a
+    buffer of the size its prefix announces, allocated then (its pages committed as
+    bytes arrive, so a prefix announcing a large message costs only what was sent)
+    and filled as the rest comes. Tensors viewing it are writable.
     """
 
-    __slots__ = ("_encoding", "_max_size", "_buffer", "_needed", "_defer")
+    __slots__ = ("_encoding", "_max_size", "_prefix", "_message", "_filled", "_flag", "_defer")
 
     def __init__(
         self,
@@ -64,58 +75,76 @@ class MessageReader:
         self._defer = defer_decompression
         self._encoding = encoding
         self._max_size = max_size or MAX_MESSAGE_SIZE
-        self._buffer = bytearray()
-        self._needed = 5  # bytes the buffer must hold before the next message can end
+        self._prefix = bytearray()  # the next message's prefix, while incomplete
+        self._message: memoryview | None = None  # an unfinished message's buffer
+        self._filled = 0  # bytes of it received
+        self._flag = 0  # its compressed flag
 
     @property
     def buffered(self) -> int:
-        """Bytes of an unfinished message held until the rest arrives."""
-        return len(self._buffer)
+        """Bytes of an unfinished message (its prefix included) received so far."""
+        if self._message is not None:
+            return 5 + self._filled
+        return len(self._prefix)
 
-    def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._buffer
-        if buffer:
-            buffer += data
-            if len(buffer) < self._needed:
-                return []
-            source: bytes | bytearray = buffer
-        else:
-            source = data
-        messages: list[bytes] = []
-        offset, end = 0, len(source)
-        while end - offset >= 5:
-            size = int.from_bytes(source[offset + 1 : offset + 5], "big")
-            if size > self._max_size:
-                raise GRPCError(
-                    Status.RESOURCE_EXHAUSTED,
-                    f"received message larger than max ({size} vs. {self._max_size}); "
-                    "see --grpc-max-message-size",
-                )
-            stop = offset + 5 + size
-            if stop > end:
-                self._needed = stop - offset
-                break
-            # One copy, out of a view (slicing the bytearray would copy twice).
-            message = bytes(memoryview(source)[offset + 5 : stop])
-            if source[offset]:
-                if self._encoding == b"identity":
-                    raise GRPCError(
-                        Status.INTERNAL, "compressed message received without a grpc-encoding"
-                    )
-                message = Compressed(message) if self._defer else self.decompress(message)
-            messages.append(message)
-            offset = stop
-        else:
-            self._needed = 5
-        # Keep the unfinished tail; a partial large message is never copied twice.
-        if source is buffer:
-            if offset:
-                del buffer[:offset]
-        elif offset < end:
-            self._buffer = bytearray(memoryview(source)[offset:])
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        messages: list[Message] = []
+        view = memoryview(data)
+        offset, end = 0, len(view)
+        message = self._message
+        if message is not None:  # the rest of an unfinished message first
+            filled = self._filled
+            take = min(len(message) - filled, end)
+            message[filled : filled + take] = view[:take]
+            offset = take
+            if filled + take < len(message):
+                self._filled = filled + take
+                return messages
+            self._message = None
+            self._filled = 0
+            messages.append(self._finish(self._flag, message))
+        while offset < end:
+            if self._prefix or end - offset < 5:
+                take = min(5 - len(self._prefix), end - offset)
+                self._prefix += view[offset : offset + take]
+                offset += take
+                if len(self._prefix) < 5:
+                    break
+                flag, size = self._read_prefix(self._prefix)
+                self._prefix.clear()
+            else:
+                flag, size = self._read_prefix(view[offset : offset + 5])
+                offset += 5
+            stop = offset + size
+            if stop <= end:  # whole in this feed
+                messages.append(self._finish(flag, bytearray(view[offset:stop])))
+                offset = stop
+                continue
+            message = np.empty(size, np.uint8).data
+            message[: end - offset] = view[offset:end]
+            self._message, self._filled, self._flag = message, end - offset, flag
+            break
         return messages
 
-    def decompress(self, message: bytes) -> bytes:
+    def _read_prefix(self, prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
+        """(compressed flag, size) of a message's prefix, checked."""
+        size = int.from_bytes(prefix[1:5], "big")
+        if size > self._max_size:
+            raise GRPCError(
+                Status.RESOURCE_EXHAUSTED,
+                f"received message larger than max ({size} vs. {self._max_size}); "
+                "see --grpc-max-message-size",
+            )
+        if prefix[0] and self._encoding == b"identity":
+            raise GRPCError(Status.INTERNAL, "compressed message received without a grpc-encoding")
+        return prefix[0], size
+
+    def _finish(self, flag: int, message: bytearray | memoryview) -> Message:
+        if not flag:
+            return message
+        return Compressed(message) if self._defer else self.decompress(message)
+
+    def decompress(self, message: bytes | bytearray | memoryview) -> bytes:
         """Inflate ``message``, never past ``max_size`` (RESOURCE_EXHAUSTED beyond)."""
         encoding = self._encoding
         wbits = 16 + zlib.MAX_WBITS if encoding == b"gzip" else zlib.MAX_WBITS

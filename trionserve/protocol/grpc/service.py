@@ -34,6 +34,7 @@ from trionserve.observability.logging import update_settings as update_log_setti
 from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
+from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc.transport import (
     GrpcCall,
     GRPCError,
@@ -456,7 +457,7 @@ class GrpcService:
 
     # -- inference -------------------------------------------------------------------
 
-    async def model_infer(self, data: bytes, call: GrpcCall) -> list:
+    async def model_infer(self, data: grpc_framing.Message, call: GrpcCall) -> list:
         shared_memory = self.dataplane.shm_resolver
         request = grpc_codec.decode_infer_request(data, shared_memory)
         self._forward_headers(call, request)
@@ -507,7 +508,7 @@ class GrpcService:
     async def _stream_request(
         self,
         call: GrpcCall,
-        data: bytes,
+        data: grpc_framing.Message,
         budget: StreamBudget,
         queued: trio.Event,
         on_model_error=None,
@@ -522,8 +523,8 @@ class GrpcService:
         message = request = None
         shared_memory = self.dataplane.shm_resolver
         try:
-            message = grpc_codec.parse_message(pb.ModelInferRequest, data)
-            request = grpc_codec.decode_infer_request(message, shared_memory)
+            message, raws = grpc_codec.parse_infer_request(data)
+            request = grpc_codec.decode_infer_request(message, shared_memory, raws)
             empty_final = grpc_codec.empty_final_response_enabled(message)
             self._forward_headers(call, request)
             if self.verbose or verbose_logging():
