@@ -5,8 +5,10 @@ autojumping clock leaps to the next deadline, so a run would depend on how fast
 the machine is. Inside :func:`virtual_runtime`, ``trio.to_thread.run_sync`` runs
 its function on the Trio thread instead, after a virtual delay that the function's
 owner may declare with a ``virtual_seconds(method_name, args)`` method (the
-simulated backend does, for loading and executing). Like a real worker thread,
-the call cannot be interrupted once it has started.
+simulated backend does, for loading and executing), and an executor's instance
+thread runs each batch the same way when the executor waits for it
+(:class:`InlineInstanceThread`). Like a real worker thread, the call cannot be
+interrupted once it has started.
 
 Trio shuffles each batch of runnable tasks with a module-level random generator;
 seeding it (and sorting each batch first, as Trio does under Hypothesis) makes the
@@ -20,6 +22,9 @@ from collections.abc import Iterator
 
 import trio
 import trio._core._run as _trio_run
+
+from trionserve.actors import executor as _executor
+from trionserve.actors.instance_thread import Job
 
 
 async def inline_run_sync(sync_fn, *args, limiter=None, **_options):
@@ -39,19 +44,61 @@ async def inline_run_sync(sync_fn, *args, limiter=None, **_options):
     return result
 
 
+class InlineInstanceThread:
+    """An executor's instance thread on the Trio thread: a job runs (through
+    :func:`inline_run_sync`, so on the virtual clock) when it is waited for, in the
+    order the executor waits, which is the order it took the batches."""
+
+    def __init__(self, name: str, instance) -> None:
+        self._instance = instance
+        self._spans: dict[int, tuple[float, float]] = {}
+        self._abandoned = False
+
+    def start(self) -> None:
+        pass
+
+    def submit(self, job: Job) -> None:
+        pass
+
+    async def wait(self, job: Job) -> None:
+        if self._abandoned:
+            job.done.set()  # not started: the executor is stopping
+        if not job.done.is_set():
+            start = trio.current_time()
+            try:
+                job.results = await inline_run_sync(self._instance.execute, job.requests)
+            except Exception as exc:
+                job.error = exc
+            job.times = getattr(self._instance, "compute_times", None)
+            self._spans[id(job)] = (start, trio.current_time())
+            job.done.set()
+
+    def abandon(self) -> None:
+        self._abandoned = True
+
+    def stop(self) -> None:
+        pass
+
+    def span(self, job: Job) -> tuple[float, float]:
+        return self._spans.pop(id(job))
+
+
 @contextlib.contextmanager
 def virtual_runtime(seed: int) -> Iterator[None]:
     """Inline worker threads and seeded scheduling for the runs made inside."""
     saved_run_sync = trio.to_thread.run_sync
+    saved_thread = _executor.InstanceThread
     saved_flag = _trio_run._ALLOW_DETERMINISTIC_SCHEDULING
     saved_state = _trio_run._r.getstate()
     trio.to_thread.run_sync = inline_run_sync
+    _executor.InstanceThread = InlineInstanceThread  # type: ignore[misc,assignment]
     _trio_run._ALLOW_DETERMINISTIC_SCHEDULING = True
     _trio_run._r.seed(seed)
     try:
         yield
     finally:
         trio.to_thread.run_sync = saved_run_sync
+        _executor.InstanceThread = saved_thread  # type: ignore[misc]
         _trio_run._ALLOW_DETERMINISTIC_SCHEDULING = saved_flag
         _trio_run._r.setstate(saved_state)
 

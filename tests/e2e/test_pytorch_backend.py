@@ -34,6 +34,12 @@ if HAS_TORCH:
         def forward(self, offset, values):
             return values * 3.0 + offset.to(values.dtype), values.sum(dim=1, keepdim=True)
 
+    class Identity(torch.nn.Module):
+        """Returns its input itself: the output is a view of the input's memory."""
+
+        def forward(self, x):
+            return x
+
     class DictModel(torch.nn.Module):
         """A Dict[str, Tensor] in, a Dict[str, Tensor] out."""
 
@@ -260,6 +266,50 @@ def test_cpu_inputs_are_shared_with_numpy_unless_read_only(tmp_path, modules):
     assert instance._to_tensor("INPUT__0", writable).data_ptr() == writable.ctypes.data
     body = np.frombuffer(bytes(128), dtype=np.float32).reshape(2, 16)  # read-only view
     assert instance._to_tensor("INPUT__0", body).data_ptr() != body.ctypes.data
+    instance.close()
+
+
+@needs_torch
+def test_outputs_that_alias_an_input_outlive_the_reused_input_buffers(tmp_path):
+    """Batches are gathered into two input buffers used in turn; an output that is a
+    view of its input (a model that returns it) is copied out, or the batch after
+    next would overwrite a response not yet sent."""
+    from trionserve.backends.base import InstanceSpec, ModelContext
+    from trionserve.core.types import InferenceRequest, Tensor
+    from trionserve.repository.config import read_model_config
+
+    text = config(
+        "pt_identity",
+        [tensor("INPUT__0", "TYPE_FP32", "4")],
+        [tensor("OUTPUT__0", "TYPE_FP32", "4")],
+    )
+    write_model(tmp_path, "pt_identity", Identity(), text)
+    model_config, _ = read_model_config(tmp_path / "pt_identity")
+    context = ModelContext(
+        "pt_identity", 1, model_config, tmp_path / "pt_identity", tmp_path / "pt_identity" / "1"
+    )
+    instance = (
+        pytorch.PyTorchBackend()
+        .load(context)
+        .create_instance(InstanceSpec("pt_identity_0", "pt_identity", "KIND_CPU", 0))
+    )
+
+    def batch(value: float) -> list:
+        requests = []
+        for _ in range(2):
+            data = np.full((1, 4), value, dtype=np.float32)
+            r = InferenceRequest(
+                "pt_identity", inputs={"INPUT__0": Tensor("INPUT__0", "FP32", data)}
+            )
+            r.batch_size = 1
+            requests.append(r)
+        return requests
+
+    first = instance.execute(batch(1.0))
+    for value in (2.0, 3.0):  # the second of these reuses the first batch's buffer
+        instance.execute(batch(value))
+    for response in first:
+        np.testing.assert_array_equal(response.outputs[0].data, np.ones((1, 4)))
     instance.close()
 
 

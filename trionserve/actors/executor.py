@@ -1,12 +1,15 @@
-"""InstanceExecutor: one actor per model instance, executing batches one at a time."""
+"""InstanceExecutor: one actor per model instance, running its batches on the
+instance's own thread, the next one taken while the current one computes."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import structlog
 import trio
 
+from trionserve.actors.instance_thread import InstanceThread, Job
 from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
@@ -17,7 +20,12 @@ from trionserve.backends.base import (
 )
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest, InferenceResponse
-from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.observability.statistics import (
+    ComputeTimes,
+    FailureReason,
+    ModelStatistics,
+    to_ns,
+)
 from trionserve.observability.trace.trace_file import record_compute
 from trionserve.schedulers.scheduler import BatchOutlet, Outcome
 
@@ -25,20 +33,34 @@ log = structlog.get_logger(__name__)
 
 # The outcomes of a decoupled batch whose execute returned: all successes.
 _ALL_SUCCEEDED = (None,)
-# Batches with more input bytes than this always run in a worker thread.
+# Batches with more input bytes than this always run in the instance's thread.
 INLINE_MAX_INPUT_BYTES = 64 * 1024
+# Batches of one instance in flight at once: one computing, the next one taken
+# (and staged, by a StagedBackendInstance) meanwhile (Triton's dynamic batcher
+# prefetches two payloads per instance: core src/rate_limiter.cc
+# PayloadSlotAvailable).
+PIPELINE_DEPTH = 2
 
 
 class InstanceExecutor:
-    """Owns one backend instance and runs its batches in a worker thread.
+    """Owns one backend instance and runs its batches.
 
-    Inbox: its scheduler's outlet; the executor asks for the next batch only when it
-    is idle, so two executors of one model run two batches at once. Guarantees:
-    every request of a batch it took gets exactly one outcome — the backend's
-    result, an error for that batch only when the backend raises, ``Cancelled`` for
-    a request whose client went away before execution, or an error when the
-    executor is cancelled — and the outcomes go back through the outlet exactly once
-    per batch. The backend instance is never called from two threads at once.
+    Inbox: its scheduler's outlet. A blocking instance runs on a long-lived thread
+    of its own (:class:`~trionserve.actors.instance_thread.InstanceThread`); the
+    executor takes the next batch while the current one computes, so at most
+    ``PIPELINE_DEPTH`` batches of an instance are in flight and the instance never
+    waits for the event loop between batches. A process-backed instance
+    (``AsyncBackendInstance``) is awaited one batch at a time on the Trio thread.
+    Two executors of one model run two batches at once.
+
+    Guarantees: every request of a batch it took gets exactly one outcome — the
+    backend's result, an error for that batch only when the backend raises,
+    ``Cancelled`` for a request whose client went away before execution, or an
+    error when the executor is cancelled (after the batches the thread was given
+    have finished) — and the outcomes go back through the outlet exactly once per
+    batch, in the order the batches were taken. The backend instance is never
+    called from two threads at once: a batch runs inline on the event loop only
+    while none is in flight on the instance's thread.
 
     Each batch is recorded in the model's statistics: queue time, compute time
     (split into input / infer / output when the backend instance reports
@@ -46,8 +68,9 @@ class InstanceExecutor:
     batch size, success or failure.
 
     With a rate limiter slot, each batch waits for the instance's resources before
-    it executes and gives them back after (see :mod:`trionserve.actors.rate_limiter`);
-    a batch whose wait fails or is cancelled is answered with an error.
+    it executes and gives them back after (see :mod:`trionserve.actors.rate_limiter`),
+    so such an instance has one batch in flight at a time; a batch whose wait
+    fails or is cancelled is answered with an error.
     """
 
     def __init__(
@@ -66,7 +89,8 @@ class InstanceExecutor:
         self._statistics = statistics
         self._rate_limiter = rate_limiter if rate_slot is not None else None
         self._rate_slot = rate_slot
-        self._limiter = trio.CapacityLimiter(1)
+        # Resources are held per execution: with a limiter, one batch at a time.
+        self._depth = 1 if self._rate_limiter is not None else PIPELINE_DEPTH
         # One of the two is set: the instance, as the kind it is.
         self._async: AsyncBackendInstance | None = None
         self._sync: BackendInstance | None = None
@@ -76,8 +100,8 @@ class InstanceExecutor:
             self._sync = instance
         # Inline execution: a backend may declare that batches whose previous run
         # took at most ``inline_budget_ns`` are cheaper on the event loop than the
-        # worker-thread hop (about 30% of the server's CPU for tiny models). The
-        # first batch always runs in a thread, to measure it.
+        # hand-off to its thread (about 30% of the server's CPU for tiny models).
+        # The first batch always runs in the thread, to measure it.
         self._timed = instance if isinstance(instance, TimedBackendInstance) else None
         self._inline_budget = (
             instance.inline_budget_ns if isinstance(instance, InlineBackendInstance) else 0
@@ -85,113 +109,223 @@ class InstanceExecutor:
         self._last_ns = self._inline_budget + 1
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        if self._async is not None:
-            # A process-backed instance serves its process in a child task; if it
-            # gives up, its error ends this executor (and the model).
-            async with trio.open_nursery() as nursery:
-                await nursery.start(self._async.run)
-                await self._serve(task_status)
-                nursery.cancel_scope.cancel()
-            return
-        await self._serve(task_status)
-
-    async def _serve(self, task_status) -> None:
-        outlet = self._outlet
         try:
-            task_status.started()
-            while True:
-                try:
-                    batch = await outlet.receive()
-                except (trio.EndOfChannel, trio.ClosedResourceError):
-                    return
-                if self._rate_limiter is None:
-                    await self._execute(batch)
-                else:
-                    await self._execute_limited(batch)
+            if self._async is not None:
+                # A process-backed instance serves its process in a child task; if
+                # it gives up, its error ends this executor (and the model).
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self._async.run)
+                    await self._serve_async(task_status)
+                    nursery.cancel_scope.cancel()
+            else:
+                await self._serve_threaded(task_status)
         finally:
-            outlet.close()
+            self._outlet.close()
             self.finished.set()
 
     def stop(self) -> None:
-        """Take no more batches; a batch in progress finishes and is delivered."""
+        """Take no more batches; the batches in progress finish and are delivered."""
         self._outlet.close()
 
-    async def _execute(self, batch: list[InferenceRequest]) -> None:
-        outlet = self._outlet
-        live = batch
-        for request in batch:
-            if request.cancelled or request.done:
-                live = self._drop_finished(batch)
-                break
+    # -- blocking instances: the instance's thread ------------------------------------
+
+    async def _serve_threaded(self, task_status) -> None:
+        assert self._sync is not None
+        thread = InstanceThread(self.spec.name, self._sync)
+        thread.start()
+        # Jobs given to the thread, in order, for _deliver; slots bound how many.
+        send, receive = trio.open_memory_channel[Job](math.inf)
+        slots = trio.Semaphore(self._depth)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._deliver, thread, receive, slots)
+                task_status.started()
+                async with send:
+                    await self._feed(thread, send, slots)
+        finally:
+            thread.stop()
+
+    async def _feed(self, thread: InstanceThread, jobs: trio.MemorySendChannel[Job], slots) -> None:
+        """Take batches from the outlet while a slot is free; give them to the thread."""
+        while True:
+            await slots.acquire()
+            try:
+                batch = await self._outlet.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            live = self._live(batch)
+            if live and not await self._acquire_resources(live):
+                slots.release()
+                continue
+            if live and slots.value == self._depth - 1 and self._runs_inline(live):
+                self._execute_inline(live)  # nothing in flight: the thread is idle
+                self._release_resources()
+                slots.release()
+                continue
+            job = Job(live)
+            if live:
+                thread.submit(job)
+            else:
+                job.done.set()
+            jobs.send_nowait(job)
+
+    async def _deliver(self, thread: InstanceThread, jobs, slots) -> None:
+        """Hand each job's outcomes back through the outlet, in the order taken."""
+        job: Job | None = None
+        try:
+            async for job in jobs:
+                await thread.wait(job)
+                done, job = job, None
+                if done.requests:
+                    self._release_resources()
+                self._complete(done, thread)
+                slots.release()
+        except BaseException:
+            # Cancelled (unload deadline or shutdown): the thread finishes the
+            # batch it is running and skips the others, so the instance is idle
+            # before it is closed; their requests are answered here.
+            thread.abandon()
+            with trio.CancelScope(shield=True):
+                await self._stop_jobs(thread, job, jobs)
+            raise
+
+    async def _stop_jobs(self, thread: InstanceThread, job: Job | None, jobs) -> None:
+        """Answer the job being waited for and every later one (the feeder closes
+        the channel as it ends) with UNAVAILABLE, once the thread is done with it."""
+        stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
+        while True:
+            if job is not None:
+                await thread.wait(job)
+                if job.requests:
+                    self._release_resources()
+                self._record_failures(job.requests, FailureReason.OTHER)
+                self._outlet.complete(job.requests, [stopped] * len(job.requests))
+            try:
+                job = await jobs.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+
+    def _complete(self, job: Job, thread: InstanceThread) -> None:
+        live = job.requests
         if not live:
-            outlet.complete(live, ())
+            self._outlet.complete(live, ())
             return
+        if job.error is not None:
+            self._fail(live, job.error)
+            return
+        start, end = thread.span(job)
+        if self._inline_budget:
+            times = job.times
+            self._last_ns = sum(times) if times is not None else self._inline_budget + 1
+        outcomes = self._outcomes(live, job.results)
+        if self._statistics is not None:
+            self._record(live, outcomes, start, end, job.times)
+        self._outlet.complete(live, outcomes)
+
+    def _execute_inline(self, live: list[InferenceRequest]) -> None:
+        sync = self._sync
+        assert sync is not None
         start = trio.current_time()
         try:
-            if self._async is not None:
-                results = await self._async.execute_async(live)
-                if results is None:
-                    # Decoupled: the instance answers each request as it goes;
-                    # the execution itself succeeded (Triton counts it so).
-                    if self._statistics is not None:
-                        self._record(live, None, start, trio.current_time())
-                    outlet.complete(live, ())
-                    return
-            else:
-                sync = self._sync
-                assert sync is not None  # set whenever _async is not
-                if self._runs_inline(live):
-                    results = sync.execute(live)
-                    await trio.lowlevel.checkpoint()
-                else:
-                    results = await trio.to_thread.run_sync(
-                        sync.execute, live, limiter=self._limiter
-                    )
-            if self._inline_budget:
-                times = self._timed.compute_times if self._timed is not None else None
-                self._last_ns = sum(times) if times is not None else self._inline_budget + 1
+            results = sync.execute(live)
         except Exception as exc:
-            log.exception("backend execute raised", instance=self.spec.name)
-            error = InternalError(
-                f"instance '{self.spec.name}' failed to execute the batch: "
-                f"{type(exc).__name__}: {exc}"
-            )
-            self._record_failures(live, FailureReason.BACKEND)
-            outlet.complete(live, [error] * len(live))
+            self._fail(live, exc)
             return
-        except BaseException:
-            # Cancelled (unload deadline or shutdown) once the thread has returned:
-            # the batch's results are dropped, so its requests are answered here.
-            stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
-            self._record_failures(live, FailureReason.OTHER)
-            outlet.complete(live, [stopped] * len(live))
-            raise
         end = trio.current_time()
+        times = self._timed.compute_times if self._timed is not None else None
+        self._last_ns = sum(times) if times is not None else self._inline_budget + 1
         outcomes = self._outcomes(live, results)
         if self._statistics is not None:
-            self._record(live, outcomes, start, end)
-        outlet.complete(live, outcomes)
+            self._record(live, outcomes, start, end, times)
+        self._outlet.complete(live, outcomes)
 
-    async def _execute_limited(self, batch: list[InferenceRequest]) -> None:
-        """Execute ``batch`` once the rate limiter has given the instance its
-        resources; they go back as soon as the execution ends."""
+    # -- process-backed instances: awaited on the Trio thread ----------------------------
+
+    async def _serve_async(self, task_status) -> None:
+        assert self._async is not None
+        outlet = self._outlet
+        task_status.started()
+        while True:
+            try:
+                batch = await outlet.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            live = self._live(batch)
+            if not live:
+                outlet.complete(live, ())
+                continue
+            if not await self._acquire_resources(live):
+                continue
+            start = trio.current_time()
+            try:
+                results = await self._async.execute_async(live)
+            except Exception as exc:
+                self._fail(live, exc)
+                continue
+            except BaseException:
+                # Cancelled (unload deadline or shutdown): answered here.
+                stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
+                self._record_failures(live, FailureReason.OTHER)
+                outlet.complete(live, [stopped] * len(live))
+                raise
+            finally:
+                self._release_resources()
+            end = trio.current_time()
+            if results is None:
+                # Decoupled: the instance answers each request as it goes; the
+                # execution itself succeeded (Triton counts it so).
+                if self._statistics is not None:
+                    self._record(live, None, start, end, None)
+                outlet.complete(live, ())
+                continue
+            outcomes = self._outcomes(live, results)
+            if self._statistics is not None:
+                self._record(live, outcomes, start, end, None)
+            outlet.complete(live, outcomes)
+
+    # -- shared -------------------------------------------------------------------------
+
+    async def _acquire_resources(self, live: list[InferenceRequest]) -> bool:
+        """Wait for the rate limiter to give the instance its resources (True at
+        once without one); False when the wait failed and ``live`` was answered."""
         limiter, slot = self._rate_limiter, self._rate_slot
-        assert limiter is not None and slot is not None
+        if limiter is None or slot is None:
+            return True
         try:
             await limiter.acquire(slot)
         except BaseException as exc:
             error = exc if isinstance(exc, TritonError) else None
-            live = [request for request in batch if not request.done]
+            live = [request for request in live if not request.done]
             stopped = error or Unavailable(f"model instance '{self.spec.name}' was stopped")
             self._record_failures(live, FailureReason.OTHER)
             self._outlet.complete(live, [stopped] * len(live))
             if error is None:
                 raise
-            return
-        try:
-            await self._execute(batch)
-        finally:
-            limiter.release(slot)
+            return False
+        return True
+
+    def _release_resources(self) -> None:
+        if self._rate_limiter is not None and self._rate_slot is not None:
+            self._rate_limiter.release(self._rate_slot)
+
+    def _live(self, batch: list[InferenceRequest]) -> list[InferenceRequest]:
+        for request in batch:
+            if request.cancelled or request.done:
+                return self._drop_finished(batch)
+        return batch
+
+    def _fail(self, live: list[InferenceRequest], exc: Exception) -> None:
+        """The backend raised: every request of the batch gets the error."""
+        log.error(
+            "backend execute raised",
+            instance=self.spec.name,
+            exc_info=(type(exc), exc, exc.__traceback__),
+        )
+        error = InternalError(
+            f"instance '{self.spec.name}' failed to execute the batch: {type(exc).__name__}: {exc}"
+        )
+        self._record_failures(live, FailureReason.BACKEND)
+        self._outlet.complete(live, [error] * len(live))
 
     def _runs_inline(self, batch: list[InferenceRequest]) -> bool:
         if not self._inline_budget or self._last_ns > self._inline_budget:
@@ -243,15 +377,14 @@ class InstanceExecutor:
         outcomes: Sequence[Outcome] | None,
         start: float,
         end: float,
+        times: ComputeTimes | None,
     ) -> None:
         """Record one executed batch; ``outcomes`` None: every request succeeded."""
         statistics = self._statistics
         assert statistics is not None
         total_ns = to_ns(end - start)
-        times = self._timed.compute_times if self._timed is not None else None
         if times is not None:
-            input_ns, output_ns = times.input_ns, times.output_ns
-            infer_ns = max(0, total_ns - input_ns - output_ns)
+            input_ns, infer_ns, output_ns = times
         else:
             input_ns = output_ns = 0
             infer_ns = total_ns
@@ -273,7 +406,7 @@ class InstanceExecutor:
                 statistics.record_success(
                     size,
                     to_ns(end - arrival),
-                    to_ns(start - arrival),
+                    max(0, to_ns(start - arrival)),
                     input_ns,
                     infer_ns,
                     output_ns,

@@ -15,7 +15,12 @@ from pathlib import Path
 import numpy as np
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
-from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
+from trionserve.backends.batch_tensors import (
+    HostBuffers,
+    build_responses,
+    gather_inputs,
+    wanted_outputs,
+)
 from trionserve.backends.onnxruntime_providers import CUDA, TENSORRT, execution_providers
 from trionserve.backends.onnxruntime_validation import validate_session
 from trionserve.core import datatypes
@@ -160,8 +165,38 @@ class OnnxModel:
         pass
 
 
+class _OrtBatch:
+    """One batch between the steps of :class:`OnnxInstance`."""
+
+    __slots__ = (
+        "refused",
+        "kept",
+        "feeds",
+        "names",
+        "results",
+        "error",
+        "started",
+        "staged",
+        "inferred",
+    )
+
+    def __init__(self, refused, kept, feeds, names, started: int, staged: int) -> None:
+        self.refused: list[TritonError | None] = refused
+        self.kept: list[InferenceRequest] = kept
+        self.feeds: dict[str, np.ndarray] = feeds
+        self.names: list[str] = names
+        self.results: list = []
+        self.error: TritonError | None = None
+        self.started, self.staged, self.inferred = started, staged, staged
+
+
 class OnnxInstance:
-    """One InferenceSession; executes one batch at a time (its executor guarantees it)."""
+    """One InferenceSession; executes one batch at a time (its executor guarantees it).
+
+    Its batches run in three steps (``stage``, ``launch``, ``finish``: a
+    :class:`~trionserve.backends.base.StagedBackendInstance`) whose times are
+    Triton's compute_input, compute_infer and compute_output.
+    """
 
     def __init__(self, context: ModelContext, spec: InstanceSpec, session) -> None:
         config = context.config
@@ -199,17 +234,82 @@ class OnnxInstance:
         # GPU sessions always go to a worker thread.
         on_cpu = session.get_providers()[:1] == ["CPUExecutionProvider"]
         self.inline_budget_ns = INLINE_BUDGET_NS if on_cpu else 0
+        # run() returns when the batch is done: nothing to overlap with staging.
+        self.overlaps = False
+        # Two sets of input buffers: a batch staged while the previous one runs
+        # must not overwrite its inputs.
+        self._buffers = (HostBuffers(), HostBuffers())
+        self._slot = 0
 
     def execute(self, requests: list[InferenceRequest]) -> list:
-        """Run one batch; a request with a string input that is not UTF-8 is
-        refused on its own (see :meth:`_non_text_input`), the others run."""
-        self.compute_times = None
+        """Run one batch (the three steps below in a row)."""
+        return self.finish(requests, self.launch(requests, self.stage(requests)))
+
+    def stage(self, requests: list[InferenceRequest]) -> _OrtBatch:
+        """Gather the inputs into this instance's next host buffers (no copy for a
+        batch of one: onnxruntime reads a read-only request body as it is). A
+        request with a string input that is not UTF-8 is refused on its own (see
+        :meth:`_non_text_input`); the others run."""
+        started = time.perf_counter_ns()
         refused = [self._non_text_input(request) for request in requests]
-        if not any(refused):
-            return self._run(requests)
-        kept = [request for request, error in zip(requests, refused) if error is None]
-        results = iter(self._run(kept) if kept else [])
-        return [next(results) if error is None else error for error in refused]
+        kept = (
+            requests
+            if not any(refused)
+            else [request for request, error in zip(requests, refused) if error is None]
+        )
+        self._slot ^= 1
+        feeds: dict[str, np.ndarray] = {}
+        if kept:
+            feeds = gather_inputs(
+                kept, self._input_reshape, self._ragged, buffers=self._buffers[self._slot]
+            )
+            for name in self._string_inputs.intersection(feeds):
+                feeds[name] = _to_str_array(feeds[name])
+        names = wanted_outputs(kept, list(self._output_datatypes)) if kept else []
+        return _OrtBatch(refused, kept, feeds, names, started, time.perf_counter_ns())
+
+    def launch(self, requests: list[InferenceRequest], batch: _OrtBatch) -> _OrtBatch:
+        """Run the session (synchronously: onnxruntime's ``run`` returns when done)."""
+        if batch.kept:
+            try:
+                batch.results = self._session.run(batch.names, batch.feeds)
+            except Exception as exc:  # onnxruntime raises its own exception types
+                batch.error = InternalError(
+                    f"onnxruntime execute failure for model '{self.model_name}': {exc}"
+                )
+        batch.feeds = {}
+        batch.inferred = time.perf_counter_ns()
+        return batch
+
+    def finish(self, requests: list[InferenceRequest], batch: _OrtBatch) -> list:
+        """One response or error per request; ``compute_times`` for the batch."""
+        self.compute_times = None
+        if batch.error is not None:
+            return [batch.error] * len(requests)
+        buffers = self._buffers[0], self._buffers[1]
+        outputs = {}
+        for name, array in zip(batch.names, batch.results):
+            # An output must outlive the input buffer the next batches reuse.
+            if any(b.holds(array) for b in buffers):
+                array = array.copy()
+            outputs[name] = array
+        responses = build_responses(
+            batch.kept,
+            self.model_name,
+            self.model_version,
+            outputs,
+            self._output_datatypes,
+            self._output_reshape,
+        )
+        self.compute_times = ComputeTimes(
+            batch.staged - batch.started,
+            batch.inferred - batch.staged,
+            time.perf_counter_ns() - batch.inferred,
+        )
+        if batch.kept is requests:
+            return responses
+        results = iter(responses)
+        return [next(results) if error is None else error for error in batch.refused]
 
     def _non_text_input(self, request: InferenceRequest) -> TritonError | None:
         """Why ``request`` cannot run, if a string input holds bytes that are not UTF-8.
@@ -235,35 +335,6 @@ class OnnxInstance:
                         "passes BYTES tensors to the model as text, and would alter these bytes"
                     )
         return None
-
-    def _run(self, requests: list[InferenceRequest]) -> list:
-        started = time.perf_counter_ns()
-        feeds = gather_inputs(requests, self._input_reshape, self._ragged)
-        for name in self._string_inputs.intersection(feeds):
-            feeds[name] = _to_str_array(feeds[name])
-        names = wanted_outputs(requests, list(self._output_datatypes))
-        inputs_ready = time.perf_counter_ns()
-        try:
-            results = self._session.run(names, feeds)
-        except Exception as exc:  # onnxruntime raises its own exception types
-            error: TritonError = InternalError(
-                f"onnxruntime execute failure for model '{self.model_name}': {exc}"
-            )
-            return [error] * len(requests)
-        inferred = time.perf_counter_ns()
-        outputs = dict(zip(names, results))
-        responses = build_responses(
-            requests,
-            self.model_name,
-            self.model_version,
-            outputs,
-            self._output_datatypes,
-            self._output_reshape,
-        )
-        self.compute_times = ComputeTimes(
-            inputs_ready - started, inferred - inputs_ready, time.perf_counter_ns() - inferred
-        )
-        return responses
 
     def close(self) -> None:
         self._session = None

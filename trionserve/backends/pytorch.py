@@ -21,18 +21,26 @@ it a pytorch model is UNAVAILABLE with a reason that says so.
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
-from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
+from trionserve.backends.batch_tensors import (
+    HostBuffers,
+    build_responses,
+    gather_inputs,
+    wanted_outputs,
+)
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
+from trionserve.observability.statistics import ComputeTimes
 
 log = structlog.get_logger(__name__)
 
@@ -244,8 +252,51 @@ class TorchScriptModel:
         pass
 
 
+class _TorchBatch:
+    """One batch between the steps of :class:`TorchScriptInstance`."""
+
+    __slots__ = ("names", "tensors", "outputs", "done", "error", "started", "staged", "launched")
+
+    def __init__(self, started: int) -> None:
+        self.names: list[str] = []
+        self.tensors: dict = {}
+        self.outputs: dict = {}
+        self.done: Any = None  # a CUDA event recorded after the outputs' copy to the host
+        self.error: TritonError | None = None
+        self.started = self.staged = self.launched = started
+
+
+class _Both:
+    """Two context managers as one (entered in order, left in reverse)."""
+
+    def __init__(self, first, second) -> None:
+        self._first, self._second = first, second
+
+    def __enter__(self) -> None:
+        self._first.__enter__()
+        self._second.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._second.__exit__(*exc)
+        self._first.__exit__(*exc)
+
+
+def _pinned_bytes(torch):
+    """An allocator of pinned host byte buffers (kept alive by their numpy views)."""
+
+    def allocate(nbytes: int) -> np.ndarray:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+    return allocate
+
+
 class TorchScriptInstance:
-    """One TorchScript module on one device; executes one batch at a time."""
+    """One TorchScript module on one device; executes one batch at a time.
+
+    Its batches run in three steps (``stage``, ``launch``, ``finish``: a
+    :class:`~trionserve.backends.base.StagedBackendInstance`) whose times are
+    Triton's compute_input, compute_infer and compute_output.
+    """
 
     def __init__(self, context: ModelContext, spec: InstanceSpec, torch, module, device):
         config = context.config
@@ -277,28 +328,97 @@ class TorchScriptInstance:
         self._batched = config.max_batch_size > 0
         self._inference_mode = _parameter(config, "INFERENCE_MODE", True)
         self._optimized = not _parameter(config, "DISABLE_OPTIMIZED_EXECUTION", False)
+        # Set after each batch; the executor reads it for the statistics.
+        self.compute_times: ComputeTimes | None = None
+        # On a GPU: the instance's own stream, and pinned host buffers to stage
+        # inputs in; the device computes a batch while the next one is staged.
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
+        self.overlaps = self._stream is not None
+        allocate = _pinned_bytes(torch) if self._stream is not None else None
+        self._buffers = (
+            (HostBuffers(allocate), HostBuffers(allocate))
+            if allocate is not None
+            else (HostBuffers(), HostBuffers())
+        )
+        self._slot = 0
 
     def execute(self, requests: list[InferenceRequest]) -> list:
-        torch = self._torch
-        arrays = gather_inputs(requests, self._input_reshape)
-        names = wanted_outputs(requests, list(self._output_datatypes))
-        grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
-        # New tensors a model creates on "cuda" land on this instance's GPU.
-        on_device = (
-            torch.cuda.device(self._device) if self._device.type == "cuda" else nullcontext()
-        )
+        """Run one batch (the three steps below in a row)."""
+        return self.finish(requests, self.launch(requests, self.stage(requests)))
+
+    def stage(self, requests: list[InferenceRequest]) -> _TorchBatch:
+        """The batch's input tensors on the instance's device.
+
+        On a GPU, the inputs are gathered into this batch's pinned host buffers and
+        copied to the device on the instance's own stream, without waiting. On the
+        CPU a batch of several requests is gathered into reusable host buffers; a
+        single request's writable array is shared with torch as it is.
+        """
+        started = time.perf_counter_ns()
+        batch = _TorchBatch(started)
         try:
-            with grad_mode, on_device, torch.jit.optimized_execution(self._optimized):
-                result = self._forward(arrays)
-                outputs = {name: self._to_numpy(name, result) for name in names}
+            self._slot ^= 1
+            arrays = gather_inputs(
+                requests,
+                self._input_reshape,
+                buffers=self._buffers[self._slot],
+                always_copy=self._stream is not None,
+            )
+            batch.names = wanted_outputs(requests, list(self._output_datatypes))
+            with self._on_device():
+                batch.tensors = {name: self._to_tensor(name, a) for name, a in arrays.items()}
+        except TritonError as error:
+            batch.error = error
+        except Exception as exc:  # torch raises its own exception types
+            batch.error = self._failure(exc)
+        batch.staged = time.perf_counter_ns()
+        return batch
+
+    def launch(self, requests: list[InferenceRequest], batch: _TorchBatch) -> _TorchBatch:
+        """Run forward(); on a GPU, start the outputs' copy back to pinned host
+        memory and return without waiting for the device."""
+        batch.launched = time.perf_counter_ns()
+        if batch.error is not None:
+            return batch
+        torch = self._torch
+        grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
+        try:
+            with grad_mode, self._on_device(), torch.jit.optimized_execution(self._optimized):
+                result = self._forward(batch.tensors)
+                batch.outputs = {name: self._output(name, result) for name in batch.names}
+                if self._stream is not None:
+                    batch.outputs = {
+                        name: tensor.to("cpu", non_blocking=True)
+                        for name, tensor in batch.outputs.items()
+                    }
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+                    batch.done = done
+        except TritonError as error:
+            batch.error = error
+        except Exception as exc:
+            batch.error = self._failure(exc)
+        batch.tensors = {}
+        return batch
+
+    def finish(self, requests: list[InferenceRequest], batch: _TorchBatch) -> list:
+        """Wait for the device, then one response per request; ``compute_times``
+        for the batch (compute_infer runs from forward() to the outputs on the host)."""
+        self.compute_times = None
+        try:
+            if batch.done is not None:
+                batch.done.synchronize()
+            inferred = time.perf_counter_ns()
+            if batch.error is not None:
+                return [batch.error] * len(requests)
+            outputs = {name: self._to_numpy(tensor) for name, tensor in batch.outputs.items()}
             if self._batched and len(requests) > 1:
                 self._check_batch(outputs, sum(r.batch_size for r in requests))
         except TritonError as error:
             return [error] * len(requests)
-        except Exception as exc:  # TorchScript raises its own exception types
-            failure = InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
-            return [failure] * len(requests)
-        return build_responses(
+        except Exception as exc:
+            return [self._failure(exc)] * len(requests)
+        responses = build_responses(
             requests,
             self.model_name,
             self.model_version,
@@ -306,9 +426,25 @@ class TorchScriptInstance:
             self._output_datatypes,
             self._output_reshape,
         )
+        self.compute_times = ComputeTimes(
+            batch.staged - batch.started,
+            inferred - batch.launched,
+            time.perf_counter_ns() - inferred,
+        )
+        return responses
 
-    def _forward(self, arrays: dict[str, np.ndarray]):
-        tensors = {name: self._to_tensor(name, array) for name, array in arrays.items()}
+    def _failure(self, exc: Exception) -> InternalError:
+        return InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
+
+    def _on_device(self):
+        """New tensors a model creates on "cuda" land on this instance's GPU, and
+        its work goes to the instance's own stream."""
+        if self._stream is None:
+            return nullcontext()
+        torch = self._torch
+        return _Both(torch.cuda.device(self._device), torch.cuda.stream(self._stream))
+
+    def _forward(self, tensors: dict):
         if self._inputs.as_dict:
             return self._module(tensors)
         missing = [name for name in self._inputs.positions if name not in tensors]
@@ -325,18 +461,19 @@ class TorchScriptInstance:
     def _to_tensor(self, name: str, array: np.ndarray):
         torch = self._torch
         # torch has no read-only tensors, and a model may write its inputs in place:
-        # arrays viewing an immutable request body (read-only) are copied, writable
-        # ones (batched concatenations, shared memory) are shared without a copy.
+        # a single request's array viewing an immutable request body (read-only) is
+        # copied; writable ones (gathered batches, shared memory) are shared.
         if not array.flags.writeable or any(s < 0 for s in array.strides):
             array = np.array(array)
         tensor = torch.from_numpy(array)
         if name in self._bf16_inputs:  # BF16 travels as uint16 bits
             tensor = tensor.view(torch.bfloat16)
         if self._device.type != "cpu":
-            tensor = tensor.to(self._device)
+            tensor = tensor.to(self._device, non_blocking=True)
         return tensor
 
-    def _to_numpy(self, name: str, result) -> np.ndarray:
+    def _output(self, name: str, result):
+        """The output tensor ``name`` of forward()'s result, its type checked."""
         tensor = self._select(name, result)
         torch = self._torch
         if not isinstance(tensor, torch.Tensor):
@@ -350,11 +487,20 @@ class TorchScriptInstance:
                 f"configuration expects datatype {expected} for output '{name}' of "
                 f"model '{self.model_name}', model provides {tensor.dtype}"
             )
-        # On the CPU .numpy() shares the tensor's memory: no copy.
-        tensor = tensor.detach().cpu()
+        return tensor.detach()
+
+    def _to_numpy(self, tensor) -> np.ndarray:
+        torch = self._torch
+        # On the CPU .numpy() shares the tensor's memory: no copy, unless it is an
+        # input's (a model that returns an input), whose buffer the next batches reuse.
+        tensor = tensor.cpu()
         if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits
-            return tensor.view(torch.int16).numpy().view(np.uint16)
-        return tensor.numpy()
+            array = tensor.view(torch.int16).numpy().view(np.uint16)
+        else:
+            array = tensor.numpy()
+        if self._buffers[0].holds(array) or self._buffers[1].holds(array):
+            array = array.copy()
+        return array
 
     def _select(self, name: str, result):
         if isinstance(result, dict):

@@ -53,9 +53,9 @@ class ComputeTimes(NamedTuple):
     """How a backend split one batch's execution, in nanoseconds of its own clock.
 
     A backend instance may set ``compute_times`` to one of these at the end of each
-    ``execute``; the executor then reports compute_input and compute_output as
-    given and compute_infer as the rest of the time it measured. Backends that do
-    not set it have the whole execution counted as compute_infer.
+    batch; the executor then reports the three phases as given. Backends that do
+    not set it have the whole execution, as the executor measured it, counted as
+    compute_infer.
     """
 
     input_ns: int

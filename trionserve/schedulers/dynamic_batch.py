@@ -123,18 +123,20 @@ class _Outlet:
 
     ``receive`` registers the executor as idle (once) and waits for the batch the
     batcher forms for it; ``complete`` hands the outcomes back for (ordered)
-    delivery; ``close`` withdraws the executor and gives back a batch it was sent
-    but never took, so no request is lost when an executor stops.
+    delivery, one call per batch received, in the order received (an executor may
+    take its next batch before it completes the current one); ``close`` withdraws
+    the executor and gives back a batch it was sent but never took, so no request
+    is lost when an executor stops.
     """
 
-    __slots__ = ("_batcher", "_send", "_receive", "_ticket", "_posted", "closed")
+    __slots__ = ("_batcher", "_send", "_receive", "_tickets", "_posted", "closed")
 
     def __init__(self, batcher: DynamicBatchScheduler) -> None:
         self._batcher = batcher
         self._send, self._receive = trio.open_memory_channel[
             tuple[list[InferenceRequest], int | None]
         ](1)
-        self._ticket: int | None = None
+        self._tickets: deque[int | None] = deque()  # of batches received, not completed
         self._posted = False
         self.closed = False
 
@@ -146,12 +148,11 @@ class _Outlet:
             self._batcher._outlet_ready(self)
         requests, ticket = await self._receive.receive()
         self._posted = False
-        self._ticket = ticket
+        self._tickets.append(ticket)
         return requests
 
     def complete(self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None:
-        ticket, self._ticket = self._ticket, None
-        self._batcher._complete(ticket, requests, outcomes)
+        self._batcher._complete(self._tickets.popleft(), requests, outcomes)
 
     def close(self) -> None:
         if self.closed:

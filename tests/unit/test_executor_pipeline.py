@@ -1,0 +1,222 @@
+"""InstanceExecutor with a blocking instance: one long-lived thread, two batches in flight.
+
+A fake outlet hands out numbered batches and notes when each is taken and
+completed; the backend instance blocks inside ``execute`` until the test lets it
+go (threading events, no sleeps), so the test sees what the executor does while a
+batch computes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import trio
+import trio.testing
+
+from trionserve.actors.executor import PIPELINE_DEPTH, InstanceExecutor
+from trionserve.backends.base import InstanceSpec
+from trionserve.backends.batch_tensors import HostBuffers, gather_inputs
+from trionserve.core.errors import InternalError, Unavailable
+from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.observability.statistics import ComputeTimes, ModelStatistics
+
+SPEC = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)
+
+
+def make_request(index: int) -> InferenceRequest:
+    data = np.full((1, 4), index, dtype=np.float32)
+    r = InferenceRequest("m", id=str(index), inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+    r.batch_size = 1
+    r.arrival_time = trio.current_time()
+    return r
+
+
+class Outlet:
+    """Hands out ``count`` batches of one request; records takes and completions."""
+
+    def __init__(self, count: int) -> None:
+        self.batches = [[make_request(i)] for i in range(count)]
+        self.taken = 0
+        self.completed: list[tuple[list, list]] = []
+        self.changed = trio.Event()
+        self.closed = False
+
+    async def receive(self):
+        await trio.lowlevel.checkpoint()
+        if self.taken == len(self.batches):
+            await self.until(lambda: self.closed)
+        if self.closed:
+            raise trio.EndOfChannel
+        batch = self.batches[self.taken]
+        self.taken += 1
+        self._changed()
+        return batch
+
+    def complete(self, requests, outcomes) -> None:
+        self.completed.append((list(requests), list(outcomes)))
+        for request, outcome in zip(requests, outcomes):
+            if isinstance(outcome, InferenceResponse):
+                request.respond(outcome)
+            else:
+                request.fail(outcome)
+        self._changed()
+
+    def close(self) -> None:
+        self.closed = True
+        self._changed()
+
+    def _changed(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def until(self, predicate) -> None:
+        with trio.fail_after(10):
+            while not predicate():
+                await self.changed.wait()
+
+
+class Blocking:
+    """Each execute waits for its own release; notes the thread it ran on."""
+
+    def __init__(self, fail: set[int] = frozenset()) -> None:
+        self.threads: list[int] = []
+        self.entered = [threading.Event() for _ in range(8)]
+        self.release = [threading.Event() for _ in range(8)]
+        self.running = 0
+        self.overlapped = False
+        self.fail = fail
+        self.closed = False
+
+    def execute(self, requests):
+        index = int(requests[0].id)
+        self.running += 1
+        self.overlapped |= self.running > 1
+        self.threads.append(threading.get_ident())
+        self.entered[index].set()
+        self.release[index].wait(10)
+        self.running -= 1
+        if index in self.fail:
+            raise RuntimeError(f"batch {index} broke")
+        return [InferenceResponse("m", "1", r.id) for r in requests]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def entered(instance: Blocking, index: int) -> None:
+    assert await trio.to_thread.run_sync(instance.entered[index].wait, 10)
+
+
+async def test_the_next_batch_is_taken_while_one_computes_and_no_more():
+    instance, outlet = Blocking(), Outlet(4)
+    executor = InstanceExecutor(SPEC, instance, outlet, ModelStatistics("m", "1"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await entered(instance, 0)
+        # Batch 0 computes: batch 1 is taken meanwhile, batch 2 is not (two in flight).
+        await outlet.until(lambda: outlet.taken == PIPELINE_DEPTH)
+        await trio.testing.wait_all_tasks_blocked()
+        assert outlet.taken == 2 and not outlet.completed
+        instance.release[0].set()
+        await entered(instance, 1)  # straight after 0, from the batch already taken
+        await outlet.until(lambda: len(outlet.completed) == 1 and outlet.taken == 3)
+        for index in (1, 2, 3):
+            instance.release[index].set()
+        await outlet.until(lambda: len(outlet.completed) == 4)
+        executor.stop()
+    ids = [[r.id for r in requests] for requests, _ in outlet.completed]
+    assert ids == [["0"], ["1"], ["2"], ["3"]]  # in the order taken
+    # One long-lived thread, not the event loop's, never two executes at once.
+    assert len(set(instance.threads)) == 1
+    assert instance.threads[0] != threading.get_ident()
+    assert not instance.overlapped
+    assert executor.finished.is_set()
+
+
+async def test_a_failing_batch_fails_alone():
+    instance, outlet = Blocking(fail={1}), Outlet(3)
+    executor = InstanceExecutor(SPEC, instance, outlet)
+    for release in instance.release:
+        release.set()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await outlet.until(lambda: len(outlet.completed) == 3)
+        executor.stop()
+    outcomes = [outcomes[0] for _, outcomes in outlet.completed]
+    assert isinstance(outcomes[0], InferenceResponse)
+    assert isinstance(outcomes[1], InternalError) and "batch 1 broke" in str(outcomes[1])
+    assert isinstance(outcomes[2], InferenceResponse)
+
+
+async def test_cancelled_executor_answers_its_batches_after_the_thread_is_done():
+    instance, outlet = Blocking(), Outlet(3)
+    executor = InstanceExecutor(SPEC, instance, outlet)
+    scope = trio.CancelScope()
+
+    async def run_executor(task_status=trio.TASK_STATUS_IGNORED):
+        with scope:
+            await executor.run(task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_executor)
+        await entered(instance, 0)
+        await outlet.until(lambda: outlet.taken == 2)
+        scope.cancel()
+        # The executor waits (shielded) for the running batch before answering.
+        await trio.testing.wait_all_tasks_blocked()
+        assert not outlet.completed
+        instance.release[0].set()
+    # Batch 0 ran, batch 1 was skipped: both answered "stopped", each once.
+    assert [len(outcomes) for _, outcomes in outlet.completed] == [1, 1]
+    assert all(isinstance(o[0], Unavailable) for _, o in outlet.completed)
+    assert not instance.entered[1].is_set()
+    assert len(instance.threads) == 1
+
+
+class Timed:
+    """Reports its own phases; checks the executor records them as given."""
+
+    def __init__(self) -> None:
+        self.compute_times: ComputeTimes | None = None
+
+    def execute(self, requests):
+        self.compute_times = ComputeTimes(1_000, 2_000, 3_000)
+        return [InferenceResponse("m", "1", r.id) for r in requests]
+
+    def close(self) -> None:
+        pass
+
+
+async def test_the_backends_phases_are_recorded_as_reported():
+    statistics = ModelStatistics("m", "1")
+    outlet = Outlet(2)
+    executor = InstanceExecutor(SPEC, Timed(), outlet, statistics)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await outlet.until(lambda: len(outlet.completed) == 2)
+        executor.stop()
+    assert statistics.compute_input.ns == 2 * 1_000
+    assert statistics.compute_infer.ns == 2 * 2_000
+    assert statistics.compute_output.ns == 2 * 3_000
+
+
+def test_host_buffers_gather_once_and_are_reused():
+    buffers = HostBuffers()
+    requests = []
+    for index in range(3):
+        data = np.full((2, 4), index, dtype=np.float32)
+        r = InferenceRequest("m", inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+        r.batch_size = 2
+        requests.append(r)
+    first = gather_inputs(requests, buffers=buffers)["INPUT0"]
+    np.testing.assert_array_equal(first[:, 0], [0, 0, 1, 1, 2, 2])
+    assert buffers.holds(first)
+    again = gather_inputs(requests[:2], buffers=buffers)["INPUT0"]
+    assert again.shape == (4, 4)
+    assert np.shares_memory(first, again)  # the same memory, no new allocation
+    # A single request is passed through, unless a staging copy is asked for.
+    single = requests[:1]
+    assert gather_inputs(single, buffers=buffers)["INPUT0"] is single[0].inputs["INPUT0"].data
+    staged = gather_inputs(single, buffers=buffers, always_copy=True)["INPUT0"]
+    assert buffers.holds(staged)

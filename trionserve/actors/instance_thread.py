@@ -1,0 +1,164 @@
+"""InstanceThread: the one long-lived thread that runs a backend instance's batches.
+
+A blocking backend instance gets one thread of its own for its lifetime, instead of
+a ``trio.to_thread`` hop (a thread taken from Trio's cache and handed back) per
+batch. Its executor hands it :class:`Job` objects in the order the scheduler formed
+the batches; the thread runs them one after the other, in that order, and sets each
+job's ``done`` event on the Trio thread when its results are in. Only this thread
+ever calls the instance while it runs.
+
+An instance that implements :class:`~trionserve.backends.base.StagedBackendInstance`
+is driven in three steps per batch: ``stage`` (gather the inputs into its reusable
+host buffers and start their copy to the device), ``launch`` (start the
+computation) and ``finish`` (wait for it and build the responses). When its
+``launch`` returns before the device is done (``overlaps``: a GPU instance), the
+thread stages the next batch, if one is waiting, before it finishes the current
+one, so the next batch's gather and copy overlap the current batch's compute. An
+executor gives the thread at most two batches at once (one computing, one being
+staged), so the overlap is bounded.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import trio
+
+from trionserve.backends.base import (
+    BackendInstance,
+    StagedBackendInstance,
+    TimedBackendInstance,
+)
+from trionserve.observability.statistics import ComputeTimes
+
+
+class Job:
+    """One batch on its way through an instance's thread.
+
+    ``results`` (one response or error per request) or ``error`` (the exception
+    the backend raised) is set once ``done`` is; ``started`` and ``ended`` are
+    ``time.perf_counter()`` readings of the thread; ``times`` is how the backend
+    split the batch's time, if it says.
+    """
+
+    __slots__ = ("requests", "results", "error", "started", "ended", "times", "staged", "done")
+
+    def __init__(self, requests: list) -> None:
+        self.requests = requests
+        self.results: list | None = None
+        self.error: Exception | None = None
+        self.started = 0.0
+        self.ended = 0.0
+        self.times: ComputeTimes | None = None
+        self.staged: object = None  # the instance's handle between its steps
+        self.done = trio.Event()
+
+
+_STOP = None
+
+
+class InstanceThread:
+    """Runs one instance's batches, in order, on one thread of its own.
+
+    ``start`` on the Trio thread before the first ``submit``; ``wait(job)`` returns
+    once the job's results are in; ``abandon`` makes the thread skip the jobs it
+    has not started (their results are not wanted: the executor is stopping);
+    ``stop`` lets the thread end after the jobs it was given. ``span(job)`` is when
+    the job ran, on Trio's clock.
+    """
+
+    def __init__(self, name: str, instance: BackendInstance) -> None:
+        self._name = name
+        self._instance = instance
+        self._staged = instance if isinstance(instance, StagedBackendInstance) else None
+        self._overlaps = bool(self._staged is not None and self._staged.overlaps)
+        self._timed = instance if isinstance(instance, TimedBackendInstance) else None
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._abandoned = False
+
+    def start(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        threading.Thread(target=self._work, name=f"instance {self._name}", daemon=True).start()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    async def wait(self, job: Job) -> None:
+        await job.done.wait()
+
+    def abandon(self) -> None:
+        self._abandoned = True
+
+    def stop(self) -> None:
+        self._jobs.put(_STOP)
+
+    def span(self, job: Job) -> tuple[float, float]:
+        """The job's start and end on Trio's clock (the thread reads perf_counter)."""
+        end = trio.current_time() - (time.perf_counter() - job.ended)
+        return end - (job.ended - job.started), end
+
+    # -- on the instance's thread ------------------------------------------------------
+
+    def _work(self) -> None:
+        launched: Job | None = None  # computing on the device, not finished
+        while True:
+            if launched is not None and not (self._overlaps and not self._jobs.empty()):
+                self._finish(launched)
+                launched = None
+                continue
+            job = self._jobs.get()
+            if job is _STOP:
+                if launched is not None:
+                    self._finish(launched)
+                return
+            self._stage(job)  # overlaps the launched batch's compute, if any
+            if launched is not None:
+                self._finish(launched)
+            launched = self._launch(job)
+
+    def _stage(self, job: Job) -> None:
+        job.started = time.perf_counter()
+        if self._abandoned:
+            job.error = RuntimeError("abandoned: the executor stopped before the batch ran")
+            return
+        if self._staged is None:
+            return
+        try:
+            job.staged = self._staged.stage(job.requests)
+        except Exception as exc:
+            job.error = exc
+
+    def _launch(self, job: Job) -> Job | None:
+        """Start the job; the job if it still has to be finished, else None."""
+        if job.error is None:
+            try:
+                if self._staged is not None:
+                    job.staged = self._staged.launch(job.requests, job.staged)
+                    return job
+                job.results = self._instance.execute(job.requests)
+            except Exception as exc:
+                job.error = exc
+        self._report(job)
+        return None
+
+    def _finish(self, job: Job) -> None:
+        assert self._staged is not None  # only staged jobs are launched unfinished
+        try:
+            job.results = self._staged.finish(job.requests, job.staged)
+        except Exception as exc:
+            job.error = exc
+        self._report(job)
+
+    def _report(self, job: Job) -> None:
+        job.ended = time.perf_counter()
+        job.staged = None
+        if self._timed is not None and job.error is None:
+            job.times = self._timed.compute_times
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(job.done.set)
+        except trio.RunFinishedError:
+            pass  # the run ended (the executor was torn down with it)
