@@ -216,7 +216,9 @@ class Tensor:
                 "BF16 tensors cannot be exported through DLPack by this server (numpy has "
                 "no bfloat16); read the bits with numpy.asarray(tensor)"
             )
-        shape = tuple(int(d) for d in self.shape)
+        # From a list: tuple() of a generator over-allocates and shrinks, which
+        # leaves one spare tuple on the interpreter's free list per export.
+        shape = tuple([int(d) for d in self.shape])
         count = int(np.prod(shape, dtype=np.int64))
         if count * dtype.itemsize > self.size:
             raise errors.InvalidArgument(
