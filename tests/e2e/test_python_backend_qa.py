@@ -16,6 +16,7 @@ import queue
 import signal
 import textwrap
 import time
+from pathlib import Path
 from urllib.parse import quote
 
 import numpy as np
@@ -282,6 +283,16 @@ def echo(client, model: str, value: int):
 def test_a_model_sees_the_argv_of_an_embedded_interpreter(client):
     # pb_stub.cc main starts Python with no arguments: sys.argv == [''].
     assert echo(client, "identity", 1).get_response()["parameters"]["argv"] == "['']"
+
+
+def test_a_stub_process_is_found_by_triton_s_stub_name(client):
+    # qa/L0_backend_python/model_readiness finds stubs with
+    # pgrep -f triton_python_backend_stub; Triton's command line ends with the
+    # instance's name.
+    pid = echo(client, "identity", 1).get_response()["parameters"]["pid"]
+    arguments = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert b"triton_python_backend_stub" in arguments
+    assert arguments[-2:] == [b"identity_0_0", b""]
 
 
 def test_unittest_main_in_a_model_parses_no_stub_arguments(client):

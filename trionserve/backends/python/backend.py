@@ -86,7 +86,7 @@ class PythonBackend(Backend):
             return
         check_stub_name(config.name)  # the auto-complete stub is named after the model
         settings = settings_for(config, model_path.parent.parent)
-        stub = StubProcess(f"model '{config.name}'", settings)
+        stub = StubProcess(f"model '{config.name}'", settings, name=config.name)
         try:
             answer = stub.request(
                 {
@@ -139,7 +139,8 @@ class PythonModel:
         context = self.context
         check_stub_name(spec.name)
         label = f"model '{context.name}' instance '{spec.name}'"
-        stub = StubProcess(label, self.settings, ModelControl(context.inference, context.name))
+        control = ModelControl(context.inference, context.name)
+        stub = StubProcess(label, self.settings, control, spec.name)
         args = {
             "model_config": self._config_json,
             "model_instance_kind": spec.kind.removeprefix("KIND_"),

@@ -46,9 +46,14 @@ log = structlog.get_logger(__name__)
 # The stub's bootstrap: find trionserve even when it runs from a source checkout.
 _PACKAGE_ROOT = str(Path(trionserve.__file__).resolve().parent.parent)
 _BOOT = (
-    "import sys; sys.path.append(sys.argv.pop(1)); "
+    "import sys; sys.path.append(sys.argv.pop(2)); "
     "from trionserve.backends.python.stub import main; main()"
 )
+# The first argument names the process as Triton's stub binary is named, so that
+# tools finding stubs by name (pgrep -f triton_python_backend_stub, as Triton's
+# qa/L0_backend_python does) find these; the instance's name comes last, as in
+# Triton's stub command line (stub_launcher.cc).
+STUB_PROCESS_NAME = "triton_python_backend_stub"
 _OWNERS = itertools.count(1)
 
 # How long a stub that was asked to stop may take to exit before it is killed.
@@ -77,7 +82,11 @@ class StubProcess:
     """A started stub process; ``label`` names the model and instance in errors."""
 
     def __init__(
-        self, label: str, settings: StubSettings, control: ModelControl | None = None
+        self,
+        label: str,
+        settings: StubSettings,
+        control: ModelControl | None = None,
+        name: str = "",
     ) -> None:
         self.label = label
         self.settings = settings
@@ -90,10 +99,12 @@ class StubProcess:
             "-P",
             "-c",
             _BOOT,
+            STUB_PROCESS_NAME,
             _PACKAGE_ROOT if environment is None else package_shim(),
             str(child.fileno()),
             str(settings.shm_default_byte_size),
             str(settings.shm_growth_byte_size),
+            name,
         ]
         # No bytecode written next to model.py; print() in a model shows at once.
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")

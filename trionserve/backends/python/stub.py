@@ -605,8 +605,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv if argv is None else argv
     # The server decides when a stub ends; a terminal's Ctrl+C is for the server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sock = socket.socket(fileno=int(argv[1]))
-    default_size, growth_size = int(argv[2]), int(argv[3])
+    # argv: -c, the process's name, the socket, the arena sizes, the stub's name.
+    sock = socket.socket(fileno=int(argv[2]))
+    default_size, growth_size = int(argv[3]), int(argv[4])
     # The model sees the argv of python_backend's stub: an interpreter embedded
     # with no arguments (pb_stub.cc main, ``py::scoped_interpreter guard{}``), whose
     # sys.argv is [''], so unittest.main() in a model.py parses no stub arguments.
