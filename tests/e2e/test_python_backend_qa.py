@@ -89,6 +89,71 @@ class TritonPythonModel:
 """,
 )
 
+# Wrong argument types raise TypeError, as python_backend's pybind11 API raises
+# them (qa/L0_backend_python/argument_validation); list items that are not
+# tensors and DLPack misuse raise TritonModelException.
+MODELS["arguments"] = (
+    IDENTITY,
+    """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+ARRAY = np.zeros([2], np.int32)
+TENSOR = pb_utils.Tensor("INPUT0", ARRAY)
+CASES = [
+    (TypeError, lambda: pb_utils.InferenceRequest(
+        model_name=None, inputs=[TENSOR], requested_output_names=["O"])),
+    (TypeError, lambda: pb_utils.InferenceRequest(
+        model_name="m", inputs=None, requested_output_names=["O"])),
+    (TypeError, lambda: pb_utils.InferenceRequest(
+        model_name="m", inputs=[TENSOR], requested_output_names=[None])),
+    (TypeError, lambda: pb_utils.InferenceRequest(
+        model_name="m", inputs=[TENSOR], requested_output_names=["O"], correlation_id=None)),
+    (TypeError, lambda: pb_utils.InferenceRequest(
+        model_name="m", inputs=[TENSOR], requested_output_names=["O"], request_id=None)),
+    (pb_utils.TritonModelException, lambda: pb_utils.InferenceRequest(
+        model_name="m", inputs=[None], requested_output_names=["O"])),
+    (TypeError, lambda: pb_utils.InferenceResponse(output_tensors=None)),
+    (pb_utils.TritonModelException, lambda: pb_utils.InferenceResponse(output_tensors=[None])),
+    (TypeError, lambda: pb_utils.Tensor(None, ARRAY)),
+    (TypeError, lambda: pb_utils.Tensor("OUTPUT0", None)),
+    (pb_utils.TritonModelException, lambda: pb_utils.Tensor.from_dlpack("OUTPUT0", None)),
+    (pb_utils.TritonModelException, lambda: pb_utils.Tensor.from_dlpack("", None)),
+    (TypeError, lambda: pb_utils.Logger.log("message", None)),
+    (TypeError, lambda: pb_utils.Logger.log("message", 1)),
+    (TypeError, lambda: pb_utils.Logger.log_info(None)),
+]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.wrong = []
+        for number, (expected, call) in enumerate(CASES):
+            try:
+                call()
+            except expected:
+                continue
+            except Exception as exc:
+                self.wrong.append(f"{number}: {type(exc).__name__}")
+            else:
+                self.wrong.append(f"{number}: nothing raised")
+        pb_utils.Logger.log("level unspecified")
+        pb_utils.Logger.log("a warning", pb_utils.Logger.WARNING)
+        pb_utils.InferenceResponse(output_tensors=[])
+        pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            out = pb_utils.Tensor("OUTPUT0", value)
+            responses.append(
+                pb_utils.InferenceResponse([out], parameters={"wrong": ", ".join(self.wrong)})
+            )
+        return responses
+""",
+)
+
 MODELS["error_code"] = (
     """
 max_batch_size: 0
@@ -297,6 +362,10 @@ def test_a_stub_process_is_found_by_triton_s_stub_name(client):
 
 def test_unittest_main_in_a_model_parses_no_stub_arguments(client):
     assert echo(client, "unittest_main", 2).as_numpy("OUTPUT0").tolist() == [2]
+
+
+def test_wrong_argument_types_raise_what_python_backend_raises(client):
+    assert echo(client, "arguments", 1).get_response()["parameters"]["wrong"] == ""
 
 
 # -- error codes ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ sender, log lines) go through the stub runtime installed in ``_runtime``.
 
 from __future__ import annotations
 
+import enum
 import json
 import sys
 import threading
@@ -171,6 +172,8 @@ class Tensor:
 
     def __init__(self, name, numpy_array, *_legacy):
         name = name if type(name) is str else _text(name, "Tensor name")
+        if numpy_array is None:
+            raise TypeError("Tensor() takes a numpy array, not None")
         array = numpy_array if type(numpy_array) is np.ndarray else np.asarray(numpy_array)
         code = _NUMPY_TO_CODE.get(array.dtype)
         if code is not None and code != 13:  # the common case: a numeric array
@@ -243,6 +246,14 @@ class Tensor:
     @staticmethod
     def from_dlpack(name, dlpack_object):
         """A tensor from a DLPack capsule or an object with ``__dlpack__``."""
+        # pb_tensor.cc PbTensor::FromDLPack's checks and words.
+        if name == "":
+            raise TritonModelException("Tensor name cannot be an empty string.")
+        if dlpack_object is None:
+            raise TritonModelException(
+                "Provided tensor is not supported. Tensor must be a DLPack capsule or "
+                "have `__dlpack__` and `__dlpack_device__` attributes"
+            )
         source = dlpack_object
         if not hasattr(source, "__dlpack__"):
             try:  # a capsule of CPU memory: numpy takes it without copying
@@ -338,7 +349,8 @@ def _text(value, what):
             return bytes(value).decode("utf-8")
         except UnicodeDecodeError:
             raise TritonModelException(f"{what} must be valid UTF-8, got {value!r}") from None
-    raise TritonModelException(f"{what} must be a str or bytes, not {type(value).__name__}")
+    # A wrong type is a TypeError, as pybind11 raises it for python_backend's API.
+    raise TypeError(f"{what} must be a str or bytes, not {type(value).__name__}")
 
 
 def _parameters_json(parameters):
@@ -391,7 +403,7 @@ class InferenceRequest:
         if isinstance(correlation_id, (bytes, bytearray)):
             correlation_id = _text(correlation_id, "correlation_id")
         if not isinstance(correlation_id, (int, str)):
-            raise TritonModelException("Correlation ID must be integer or string")
+            raise TypeError("correlation_id must be an integer or a string")
         for tensor in inputs:
             if not isinstance(tensor, Tensor):
                 raise TritonModelException("inputs must be a list of pb_utils.Tensor")
@@ -510,9 +522,11 @@ class InferenceRequest:
 class InferenceResponse:
     """Output tensors, or an error, for one request."""
 
-    def __init__(self, output_tensors=None, error=None, parameters=None):
-        if output_tensors is None:
+    def __init__(self, output_tensors=_REQUIRED, error=None, parameters=None):
+        if output_tensors is _REQUIRED:
             output_tensors = []
+        elif output_tensors is None:
+            raise TypeError("InferenceResponse() takes a list of output tensors, not None")
         if not isinstance(output_tensors, list):
             raise TritonModelException('"output_tensors" must be a list.')
         for tensor in output_tensors:
@@ -631,22 +645,38 @@ class ResponseIterator:
 # -- logging -------------------------------------------------------------------------
 
 
-class Logger:
-    """Log lines that appear in the server's log, tagged with the model instance."""
+class LogLevel(enum.Enum):
+    """Logger levels (pb_stub.cc: the ``Logger.LogLevel`` enum, its values also
+    ``Logger.INFO`` and so on)."""
 
     INFO = "INFO"
     WARNING = "WARNING"
     ERROR = "ERROR"
     VERBOSE = "VERBOSE"
 
+
+class Logger:
+    """Log lines that appear in the server's log, tagged with the model instance."""
+
+    LogLevel = LogLevel
+    INFO = LogLevel.INFO
+    WARNING = LogLevel.WARNING
+    ERROR = LogLevel.ERROR
+    VERBOSE = LogLevel.VERBOSE
+
     @staticmethod
-    def log(message, level=INFO):
+    def log(message, level=LogLevel.INFO):
+        # Argument types as pybind11 checks them: a TypeError otherwise.
+        if not isinstance(level, LogLevel):
+            raise TypeError(f"log level must be a pb_utils.Logger level, not {level!r}")
+        if isinstance(message, (bytes, bytearray)):
+            message = bytes(message).decode("utf-8", "replace")
+        if not isinstance(message, str):
+            raise TypeError(f"log message must be a str, not {type(message).__name__}")
         if _runtime is None:
-            print(f"[{level}] {message}", file=sys.stderr, flush=True)
+            print(f"[{level.value}] {message}", file=sys.stderr, flush=True)
         else:
-            if isinstance(message, (bytes, bytearray)):
-                message = bytes(message).decode("utf-8", "replace")
-            _runtime.log(str(level), str(message))
+            _runtime.log(level.value, message)
 
     @staticmethod
     def log_info(message):
