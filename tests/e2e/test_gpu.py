@@ -429,6 +429,145 @@ def test_pytorch_kind_gpu(tmp_path, serve):
         np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), want1.numpy(), rtol=1e-5)
 
 
+# -- CUDA graphs for PyTorch models (optimization { cuda { graphs: true } }) ----------
+
+PT_GRAPH_CONFIG = (
+    'platform: "pytorch_libtorch" max_batch_size: 8 '
+    "instance_group [ { kind: %s count: 1 } ] "
+    'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] }, '
+    '{ name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] } ] '
+    'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] }, '
+    '{ name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] } ] '
+    "optimization { cuda { graphs: true %s } }"
+)
+
+
+def write_addmul(repository, name: str, config: str):
+    import torch
+
+    from tests.e2e.test_pytorch_backend import AddMul
+
+    module = AddMul()
+    version = repository / name / "1"
+    version.mkdir(parents=True)
+    torch.jit.script(module).save(str(version / "model.pt"))
+    (repository / name / "config.pbtxt").write_text(config)
+    return module
+
+
+def check_addmul(client, model: str, module, batches) -> None:
+    import torch
+
+    for batch in batches:
+        x = np.random.default_rng(batch).standard_normal((batch, 16), dtype=np.float32)
+        y = np.full((batch, 16), 0.25 * batch, dtype=np.float32)
+        inputs = [
+            httpclient.InferInput("INPUT__0", [batch, 16], "FP32"),
+            httpclient.InferInput("INPUT__1", [batch, 16], "FP32"),
+        ]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(y)
+        result = client.infer(model, inputs)
+        with torch.inference_mode():
+            want0, want1 = module(torch.from_numpy(x), torch.from_numpy(y))
+        assert result.as_numpy("OUTPUT__0").shape == (batch, 16)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), want0.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__1"), want1.numpy(), rtol=1e-5)
+
+
+def test_cuda_graph_shapes_follow_the_config():
+    from trionserve.backends.pytorch import GraphShape, cuda_graph_shapes
+
+    def parsed(text: str) -> ModelConfig:
+        config = parse_config(
+            'name: "m" max_batch_size: 8 '
+            'input [ { name: "A" data_type: TYPE_FP32 dims: [ 16 ] }, '
+            '{ name: "B" data_type: TYPE_FP32 dims: [ -1 ] } ] ' + text
+        )
+        return config
+
+    assert cuda_graph_shapes(parsed("")) is None
+    # Without graph_spec: variable dims leave nothing to capture.
+    assert cuda_graph_shapes(parsed("optimization { cuda { graphs: true } }")) == []
+    spec = parsed(
+        "optimization { cuda { graphs: true graph_spec [ "
+        '{ batch_size: 4 input { key: "B" value { dim: [ 32 ] } } '
+        "graph_lower_bound { batch_size: 2 } }, "
+        '{ batch_size: 8 input { key: "B" value { dim: [ 8 ] } } } ] } }'
+    )
+    assert cuda_graph_shapes(spec) == [
+        GraphShape(4, 2, {"A": (16,), "B": (32,)}),
+        GraphShape(8, 8, {"A": (16,), "B": (8,)}),
+    ]
+    missing = parsed("optimization { cuda { graphs: true graph_spec [ { batch_size: 4 } ] } }")
+    with pytest.raises(InvalidArgument, match="input 'B'"):
+        cuda_graph_shapes(missing)
+    fixed = parse_config(
+        'name: "m" max_batch_size: 6 input [ { name: "A" data_type: TYPE_FP32 dims: [ 3 ] } ] '
+        "optimization { cuda { graphs: true } }"
+    )
+    # Powers of two and the largest batch, each serving the sizes above the last.
+    assert [(g.lower, g.batch_size) for g in cuda_graph_shapes(fixed)] == [
+        (1, 1),
+        (2, 2),
+        (3, 4),
+        (5, 6),
+    ]
+
+
+@needs_torch
+def test_cuda_graphs_on_a_cpu_instance_are_ignored_with_a_log_line(tmp_path):
+    module = write_addmul(tmp_path, "pt_graphs_cpu", PT_GRAPH_CONFIG % ("KIND_CPU", ""))
+    proc = ServerProcess(tmp_path)
+    try:
+        proc.wait_ready()
+        client = httpclient.InferenceServerClient(proc.http_url)
+        check_addmul(client, "pt_graphs_cpu", module, (1, 3))
+        assert proc.stop() == 0, proc.output()
+        log = proc.output()
+        assert log.count("optimization.cuda.graphs ignored") == 1, log
+        assert "captured CUDA graph" not in log
+    finally:
+        proc.close()
+
+
+@needs_torch
+@needs_gpu
+def test_pytorch_cuda_graphs_replay_padded_batches(tmp_path):
+    module = write_addmul(tmp_path, "pt_graphs", PT_GRAPH_CONFIG % ("KIND_GPU", ""))
+    proc = ServerProcess(tmp_path)
+    try:
+        proc.wait_ready(timeout=300)
+        client = httpclient.InferenceServerClient(proc.http_url)
+        # 1, 2, 4, 8 captured; 3 pads to 4, 5..7 to 8; each result sliced back.
+        check_addmul(client, "pt_graphs", module, (1, 2, 3, 5, 8, 3, 1))
+        stats = client.get_inference_statistics("pt_graphs")["model_stats"][0]
+        assert int(stats["inference_count"]) == 23
+        assert proc.stop() == 0, proc.output()
+        log = proc.output()
+        assert log.count("captured CUDA graph") == 4, log
+    finally:
+        proc.close()
+
+
+@needs_torch
+@needs_gpu
+def test_pytorch_cuda_graph_spec_with_a_lower_bound(tmp_path):
+    spec = "graph_spec [ { batch_size: 4 graph_lower_bound { batch_size: 2 } } ]"
+    module = write_addmul(tmp_path, "pt_graph_spec", PT_GRAPH_CONFIG % ("KIND_GPU", spec))
+    proc = ServerProcess(tmp_path)
+    try:
+        proc.wait_ready(timeout=300)
+        client = httpclient.InferenceServerClient(proc.http_url)
+        # 2..4 replay the one graph; 1 and 5..8 run without one (qa/L0_cuda_graph's
+        # test_range_fixed_shape asks the same of TensorRT).
+        check_addmul(client, "pt_graph_spec", module, (1, 2, 3, 4, 6))
+        assert proc.stop() == 0, proc.output()
+        assert proc.output().count("captured CUDA graph") == 1
+    finally:
+        proc.close()
+
+
 @needs_gpu
 @pytest.mark.skipif(not has("pynvml"), reason="NVML (nvidia-ml-py) is not installed")
 def test_gpu_metrics_report_every_gpu():

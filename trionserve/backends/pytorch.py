@@ -168,6 +168,71 @@ def _check_data_types(model: str, kind: str, entries) -> None:
             )
 
 
+# -- CUDA graphs (optimization { cuda { graphs: true } }) ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GraphShape:
+    """One CUDA graph to capture: it serves batches of ``lower``..``batch_size``
+    (padded to ``batch_size``; 0 for a model without batching), with these
+    per-item input shapes."""
+
+    batch_size: int
+    lower: int
+    inputs: dict[str, tuple[int, ...]]
+
+
+def cuda_graph_shapes(config) -> list[GraphShape] | None:
+    """The graphs ``optimization.cuda`` asks for, smallest first; None: no graphs.
+
+    With ``graph_spec``, one graph per entry: its ``batch_size``, serving batches
+    down to ``graph_lower_bound.batch_size`` (Triton's TensorRT backend reads the
+    same fields; qa/L0_cuda_graph), its ``input`` shapes where the config's dims
+    are variable. Without, one graph per power of two up to ``max_batch_size`` and
+    ``max_batch_size`` itself, each serving the batches above the one before it,
+    which needs every input's dims fixed in the config.
+    """
+    cuda = config.optimization.cuda
+    if not cuda.graphs:
+        return None
+    fixed = {
+        i.name: tuple(i.reshape.shape if i.HasField("reshape") else i.dims) for i in config.input
+    }
+    if cuda.graph_spec:
+        shapes = []
+        for spec in cuda.graph_spec:
+            inputs = {}
+            for name, dims in fixed.items():
+                given = spec.input.get(name)
+                shape = tuple(given.dim) if given is not None and given.dim else dims
+                if any(d < 0 for d in shape):
+                    raise InvalidArgument(
+                        f"model '{config.name}': optimization.cuda.graph_spec for batch size "
+                        f"{spec.batch_size} needs the shape of input '{name}', whose dims "
+                        f"{list(dims)} are variable"
+                    )
+                inputs[name] = shape
+            lower = spec.batch_size
+            if spec.HasField("graph_lower_bound") and spec.graph_lower_bound.batch_size:
+                lower = min(spec.graph_lower_bound.batch_size, spec.batch_size)
+            shapes.append(GraphShape(spec.batch_size, lower, inputs))
+        return sorted(shapes, key=lambda g: g.batch_size)
+    if any(d < 0 for dims in fixed.values() for d in dims):
+        return []  # variable shapes and no graph_spec: nothing to capture
+    if config.max_batch_size <= 0:
+        return [GraphShape(0, 0, fixed)]
+    sizes, size = [], 1
+    while size < config.max_batch_size:
+        sizes.append(size)
+        size *= 2
+    sizes.append(config.max_batch_size)
+    shapes, previous = [], 0
+    for size in sizes:
+        shapes.append(GraphShape(size, previous + 1, fixed))
+        previous = size
+    return shapes
+
+
 # -- the backend ------------------------------------------------------------------------
 
 
@@ -246,7 +311,18 @@ class TorchScriptModel:
                 f"{self.context.version_dir.name}/{self.path.name}: {exc}"
             ) from None
         module.eval()
-        return TorchScriptInstance(self.context, spec, torch, module, device)
+        instance = TorchScriptInstance(self.context, spec, torch, module, device)
+        shapes = cuda_graph_shapes(self.context.config)
+        if shapes is not None:
+            if instance.on_gpu:
+                instance.capture_graphs(shapes)
+            else:
+                log.info(
+                    "optimization.cuda.graphs ignored: the instance does not run on a GPU",
+                    model=self.context.name,
+                    instance=spec.name,
+                )
+        return instance
 
     def unload(self) -> None:
         pass
@@ -264,6 +340,16 @@ class _TorchBatch:
         self.done: Any = None  # a CUDA event recorded after the outputs' copy to the host
         self.error: TritonError | None = None
         self.started = self.staged = self.launched = started
+
+
+@dataclass(slots=True)
+class _CapturedGraph:
+    """A captured forward(): its shape, the graph, its static inputs and outputs."""
+
+    shape: GraphShape
+    graph: Any
+    inputs: dict
+    outputs: dict
 
 
 class _Both:
@@ -315,6 +401,7 @@ class TorchScriptInstance:
         self._inputs = bind_inputs(context.name, [i.name for i in config.input], arguments)
         self._outputs = bind_outputs(context.name, [o.name for o in config.output])
         self._bf16_inputs = {i.name for i in config.input if _type_name(i.data_type) == "TYPE_BF16"}
+        self._input_types = {i.name: _type_name(i.data_type) for i in config.input}
         self._output_types = {o.name: _type_name(o.data_type) for o in config.output}
         self._output_datatypes = {
             name: datatypes.BY_CONFIG[t].wire for name, t in self._output_types.items()
@@ -341,6 +428,7 @@ class TorchScriptInstance:
             else (HostBuffers(), HostBuffers())
         )
         self._slot = 0
+        self._graphs: list[_CapturedGraph] = []  # smallest batch size first
 
     def execute(self, requests: list[InferenceRequest]) -> list:
         """Run one batch (the three steps below in a row)."""
@@ -384,8 +472,14 @@ class TorchScriptInstance:
         grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
         try:
             with grad_mode, self._on_device(), torch.jit.optimized_execution(self._optimized):
-                result = self._forward(batch.tensors)
-                batch.outputs = {name: self._output(name, result) for name in batch.names}
+                size = sum(r.batch_size for r in requests) if self._batched else 0
+                captured = self._graph_for(size, batch.tensors) if self._graphs else None
+                if captured is not None:
+                    outputs = self._replay(captured, batch.tensors, size)
+                    batch.outputs = {name: outputs[name] for name in batch.names}
+                else:
+                    result = self._forward(batch.tensors)
+                    batch.outputs = {name: self._output(name, result) for name in batch.names}
                 if self._stream is not None:
                     batch.outputs = {
                         name: tensor.to("cpu", non_blocking=True)
@@ -432,6 +526,90 @@ class TorchScriptInstance:
             time.perf_counter_ns() - inferred,
         )
         return responses
+
+    @property
+    def on_gpu(self) -> bool:
+        return self._stream is not None
+
+    def capture_graphs(self, shapes: list[GraphShape]) -> None:
+        """Capture forward() as a CUDA graph per shape, on the instance's stream.
+
+        Each graph has static input tensors that a batch is copied into (padded
+        to the graph's batch size) before a replay, and static outputs that are
+        sliced back to the batch. The graphs share one memory pool, captured
+        largest first. A graph that cannot be captured (a model that syncs with
+        the host, say) is logged and its batches run without one.
+        """
+        torch = self._torch
+        stream = self._stream
+        assert stream is not None  # a GPU instance
+        pool = torch.cuda.graph_pool_handle()
+        grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
+        captured = []
+        for shape in sorted(shapes, key=lambda g: g.batch_size, reverse=True):
+            try:
+                with grad_mode, self._on_device(), torch.jit.optimized_execution(self._optimized):
+                    inputs = {
+                        name: torch.zeros(
+                            ((shape.batch_size,) if self._batched else ()) + dims,
+                            dtype=self._input_dtype(name),
+                            device=self._device,
+                        )
+                        for name, dims in shape.inputs.items()
+                    }
+                    for _ in range(3):  # warm up on the stream before capturing
+                        self._forward(inputs)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        result = self._forward(inputs)
+                    outputs = {name: self._output(name, result) for name in self._outputs}
+            except Exception as exc:
+                log.warning(
+                    "CUDA graph capture failed; batches of this size run without a graph",
+                    model=self.model_name,
+                    instance=self.spec.name,
+                    batch_size=shape.batch_size,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+                continue
+            captured.append(_CapturedGraph(shape, graph, inputs, outputs))
+            log.info(
+                "captured CUDA graph",
+                model=self.model_name,
+                instance=self.spec.name,
+                batch_size=shape.batch_size,
+                serves=f"{shape.lower}..{shape.batch_size}",
+            )
+        self._graphs = sorted(captured, key=lambda g: g.shape.batch_size)
+
+    def _graph_for(self, size: int, tensors: dict) -> _CapturedGraph | None:
+        """The smallest captured graph that serves a batch of ``size`` with these
+        inputs' shapes, if any."""
+        skip = 1 if self._batched else 0
+        for captured in self._graphs:
+            shape = captured.shape
+            if not (shape.lower <= size <= shape.batch_size or shape.batch_size == 0):
+                continue
+            if all(tuple(t.shape[skip:]) == shape.inputs.get(n) for n, t in tensors.items()):
+                return captured
+        return None
+
+    def _replay(self, captured: _CapturedGraph, tensors: dict, size: int) -> dict:
+        """Copy the batch into the graph's inputs, replay it, and the outputs of
+        this batch (views of the graph's static outputs, sliced to ``size``)."""
+        for name, tensor in tensors.items():
+            static = captured.inputs[name]
+            (static[:size] if self._batched else static).copy_(tensor, non_blocking=True)
+        captured.graph.replay()
+        if not self._batched:
+            return dict(captured.outputs)
+        return {name: output[:size] for name, output in captured.outputs.items()}
+
+    def _input_dtype(self, name: str):
+        torch = self._torch
+        config_type = self._input_types[name]
+        return getattr(torch, _TORCH_DTYPES[config_type])
 
     def _failure(self, exc: Exception) -> InternalError:
         return InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")

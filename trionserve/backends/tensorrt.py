@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import structlog
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
@@ -26,6 +27,8 @@ from trionserve.backends.gpu import gpu_count
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
+
+log = structlog.get_logger(__name__)
 
 # TensorRT DataType member names -> Triton config datatypes.
 _TRT_TYPES = {
@@ -223,6 +226,13 @@ class TensorRTModel:
             raise InvalidArgument(
                 f"instance '{spec.name}' of model '{self.context.name}' is {spec.kind}; "
                 "the TensorRT backend supports only KIND_GPU and KIND_MODEL"
+            )
+        if self.context.config.optimization.cuda.graphs:
+            log.info(
+                "optimization.cuda.graphs ignored: this TensorRT backend runs each batch "
+                "with execute_async_v3, without capturing CUDA graphs",
+                model=self.context.name,
+                instance=spec.name,
             )
         buffers = device_buffers()
         with buffers.device(spec.device_id):
