@@ -631,3 +631,32 @@ async def test_large_compressed_messages_are_inflated_off_the_event_loop():
             assert client.data[ok] == frame(payload)
             status, message = client.status(bomb)
             assert status == Status.RESOURCE_EXHAUSTED.value and "300000" in message
+
+
+@pytest.mark.parametrize(
+    "options,window",
+    [({}, 16 * 1024 * 1024), ({"max_connection_buffer": 1024 * 1024}, 1024 * 1024)],
+    ids=["default", "small-buffer"],
+)
+async def test_large_messages_flow_in_the_advertised_windows(options, window):
+    """The server advertises its stream and connection windows and its frame size
+    (never more window than --grpc-max-connection-buffer); a client sending up to
+    them without waiting is within flow control, and a 4 MB message, in frames of
+    the advertised size, comes back whole."""
+    async with serving(Handlers(), **options) as (port, _):
+        async with RawClient.connect(port) as client:
+            await client.until(
+                lambda c: (
+                    c.h2.remote_settings.max_frame_size == 1024 * 1024
+                    and c.h2.outbound_flow_control_window == window
+                )
+            )
+            assert client.h2.remote_settings.initial_window_size == window
+            message = frame(bytes(range(256)) * 16384)  # 4 MiB + 5
+            stream = await client.call("/t.T/Echo", None, end=False)
+            rest = await send_respecting_windows(client, stream, message, end=True, wait=False)
+            assert len(message) - len(rest) == min(len(message), window)
+            await send_respecting_windows(client, stream, rest, end=True)
+            await client.until(lambda c: c.ended(stream))
+            assert client.status(stream) == (Status.OK.value, "")
+            assert client.data[stream] == message

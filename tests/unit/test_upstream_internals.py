@@ -12,6 +12,7 @@ import inspect
 import h2.config
 import h2.connection
 import h2.events
+import h2.frame_buffer
 import hpack
 import numpy as np
 import pytest
@@ -143,3 +144,55 @@ def test_protobuf_symbol_database_hook():
     assert hasattr(builder, "_sym_db")
     assert api_implementation.Type() in ("python", "upb", "cpp")
     assert "_sym_db" in inspect.getsource(builder.BuildTopDescriptorsAndMessages)
+
+
+def test_frame_buffer_internals_still_exist():
+    source = inspect.getsource(h2.frame_buffer.FrameBuffer)
+    for name in ("self._data", "self.max_frame_size", "_validate_frame_length(self"):
+        assert name in source
+    assert "_update_header_buffer(self, f" in source
+    assert "self.incoming_buffer = FrameBuffer(" in inspect.getsource(h2.connection.H2Connection)
+    server, _ = _connections()
+    assert type(server.incoming_buffer) is upstream.FrameBuffer
+
+
+def _frames_of(buffer, wire: bytes, step: int) -> list[tuple]:
+    buffer.max_frame_size = 2**24 - 1
+    seen = []
+    for i in range(0, len(wire), step):
+        buffer.add_data(wire[i : i + step])
+        for frame in buffer:
+            seen.append(
+                (
+                    type(frame).__name__,
+                    frame.stream_id,
+                    sorted(frame.flags),
+                    bytes(frame.serialize()),
+                )
+            )
+    return seen
+
+
+def test_frame_buffer_yields_the_frames_h2s_does():
+    """The same frames as h2's FrameBuffer, however the bytes are split: DATA with
+    and without padding, a header block in CONTINUATION frames, control frames."""
+    headers = hyperframe_frame.HeadersFrame(1, b"\x82\x84\x86", flags=["END_HEADERS"])
+    opening = hyperframe_frame.HeadersFrame(3, b"\x82\x84")
+    continuation = hyperframe_frame.ContinuationFrame(3, b"\x86", flags=["END_HEADERS"])
+    padded = hyperframe_frame.DataFrame(1, b"p" * 1000, flags=["PADDED"], pad_length=17)
+    frames = [
+        hyperframe_frame.SettingsFrame(0, settings={4: 2**20}),
+        headers,
+        hyperframe_frame.DataFrame(1, bytes(range(256)) * 300),
+        opening,
+        continuation,
+        padded,
+        hyperframe_frame.WindowUpdateFrame(0, window_increment=1000),
+        hyperframe_frame.DataFrame(3, b"end", flags=["END_STREAM"]),
+        hyperframe_frame.PingFrame(0, opaque_data=b"12345678"),
+    ]
+    wire = b"".join(f.serialize() for f in frames)
+    for step in (1, 7, 4096, len(wire)):
+        expected = _frames_of(h2.frame_buffer.FrameBuffer(), wire, step)
+        assert _frames_of(upstream.FrameBuffer(), wire, step) == expected, step
+    assert len(expected) == len(frames) - 1  # the continued header block is one frame

@@ -72,8 +72,12 @@ class TransportOptions:
     # Largest request message accepted (after decompression); None: the most
     # the 32-bit length prefix can say.
     max_message_size: int | None = 64 * 1024 * 1024
-    # Our HTTP/2 receive windows (connection and each stream), in bytes.
+    # Our HTTP/2 receive windows (connection and each stream), in bytes, at most
+    # max_connection_buffer. A 4 MB message goes in without waiting for a window
+    # update; tritonclient (grpc-core) advertises 4 MiB windows and frames itself.
     window_size: int = 16 * 1024 * 1024
+    # Largest DATA frame the client may send: large frames mean fewer frames for
+    # h2 to parse, each copied once (upstream.FrameBuffer).
     max_frame_size: int = 1024 * 1024
     max_concurrent_streams: int = 1024
     # Bytes one connection may hold for its calls: request messages not taken
@@ -340,7 +344,9 @@ class Connection:
 
     def _start_h2(self) -> None:
         o = self.options
-        window = min(o.window_size, _MAX_WINDOW)
+        # Never more window than the connection may hold: what the client sends
+        # without waiting stays within the buffer limit.
+        window = min(o.window_size, o.max_connection_buffer, _MAX_WINDOW)
         # Stream limit and windows apply at once (being generous early is safe);
         # the frame size must wait for the client's ack, so it goes as an update.
         self.h2.local_settings = h2.settings.Settings(

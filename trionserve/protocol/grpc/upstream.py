@@ -9,8 +9,10 @@ libraries below their next minor release until that test passes on it.
 - hpack: ``Encoder.header_table.resized`` and ``.dynamic_entries`` read;
   ``Decoder.header_table.dynamic_entries`` and ``.maxsize`` read.
 - h2: ``H2Connection._prepare_for_sending`` overridden and ``_data_to_send`` read
-  (large DATA payloads written from their own buffers); ``encoder`` and
-  ``decoder`` replaced.
+  (large DATA payloads written from their own buffers); ``encoder``, ``decoder``
+  and ``incoming_buffer`` replaced; ``FrameBuffer.__next__`` overridden, reading
+  its ``_data``, ``max_frame_size``, ``_validate_frame_length`` and
+  ``_update_header_buffer``.
 
 protobuf's private symbol database (``builder._sym_db``) is used in one place
 too: :mod:`trionserve._generated.protopool`.
@@ -23,11 +25,13 @@ from collections.abc import Sequence
 
 import h2.config
 import h2.connection
+import h2.exceptions
+import h2.frame_buffer
 import hpack
 import numpy as np
 from hyperframe import frame as hyperframe_frame
 
-__all__ = ["CachingDecoder", "CachingEncoder", "H2Connection"]
+__all__ = ["CachingDecoder", "CachingEncoder", "FrameBuffer", "H2Connection"]
 
 
 def _data_frame_repr(frame) -> str:
@@ -131,6 +135,45 @@ def _same_state(kept: tuple, now: tuple) -> bool:
     return kept[0] is now[0] and kept[1:] == now[1:]
 
 
+class FrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's buffer of received bytes, with each frame's payload copied once.
+
+    h2 cuts each frame out of its buffer as a new bytearray (a copy) and hyperframe
+    copies the payload out of that again (``tobytes``): for megabyte messages that
+    was two copies of every byte on the event loop. Here the frame is parsed from
+    a view of the buffer, so hyperframe's copy is the only one. Every frame type's
+    ``parse_body`` copies or unpacks what it keeps and holds no view, so the buffer
+    can be cut after it.
+    """
+
+    def __next__(self) -> hyperframe_frame.Frame:
+        data = self._data
+        while len(data) >= 9:
+            try:
+                frame, length = hyperframe_frame.Frame.parse_frame_header(memoryview(data)[:9])
+            except (
+                hyperframe_frame.InvalidDataError,
+                hyperframe_frame.InvalidFrameError,
+            ) as err:  # pragma: no cover  (as h2's own)
+                raise h2.exceptions.ProtocolError(
+                    f"Received frame with invalid header: {err!s}"
+                ) from err
+            if len(data) < length + 9:
+                break
+            self._validate_frame_length(length)
+            try:
+                frame.parse_body(memoryview(data)[9 : 9 + length])
+            except hyperframe_frame.InvalidDataError as err:
+                raise h2.exceptions.ProtocolError("Received frame with non-compliant data") from err
+            except hyperframe_frame.InvalidFrameError as err:
+                raise h2.exceptions.FrameDataMissingError("Frame data missing or invalid") from err
+            del data[: 9 + length]
+            complete = self._update_header_buffer(frame)
+            if complete is not None:
+                return complete
+        raise StopIteration
+
+
 class H2Connection(h2.connection.H2Connection):
     """h2's state machine, with large DATA payloads written from their own buffers.
 
@@ -153,6 +196,7 @@ class H2Connection(h2.connection.H2Connection):
         decoder.max_header_list_size = self.decoder.max_header_list_size
         decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
         self.decoder = decoder
+        self.incoming_buffer = FrameBuffer(server=not config.client_side)
         self._buffers: list = []
 
     def _prepare_for_sending(self, frames) -> None:
