@@ -96,8 +96,8 @@ def _probe_routing(world: World) -> None:
     registry = world.registry
     route = registry.route
 
-    def checked_route(name: str, version: int | None):
-        model = route(name, version)
+    def checked_route(name: str, version: int | None, namespace: str | None = None):
+        model = route(name, version, namespace)
         if model.state is ModelState.LOADING:
             world.violate(
                 SERVING,

@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="model repository: a directory, or s3://, gs://, as:// (repeatable)",
     )
     add(
+        "--model-namespacing",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="each model repository is a namespace: models with the same name in "
+        "different repositories are served side by side (default false)",
+    )
+    add(
         "--model-cache-dir",
         type=Path,
         metavar="DIR",
@@ -756,6 +764,7 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         )
     return ServerOptions(
         model_repositories=args.model_repositories,
+        model_namespacing=args.model_namespacing,
         model_control_mode=mode,
         model_cache_dir=args.model_cache_dir,
         repository_poll_secs=args.repository_poll_secs,

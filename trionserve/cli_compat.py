@@ -6,7 +6,7 @@ parts of Triton that trionserve has no counterpart for (pinned and CUDA memory
 pools, shared-library directories, thread pools of Triton's HTTP and gRPC servers,
 SageMaker and Vertex AI endpoints, ...). Each given one costs a log line at start
 saying it has no effect. A setting that would change what the user relies on if
-it were ignored (model namespacing, a SageMaker or Vertex AI
+it were ignored (a SageMaker or Vertex AI
 endpoint) is refused with an error naming the flag.
 """
 
@@ -110,14 +110,6 @@ def add_compat_flags(add, boolean) -> None:
             **repeat,
         )
     add(
-        "--model-namespacing",
-        dest="compat_model_namespacing",
-        type=boolean,
-        default=False,
-        metavar="BOOL",
-        help="false (default); true is refused: model names are global",
-    )
-    add(
         "--allow-sagemaker",
         dest="compat_allow_sagemaker",
         type=boolean,
@@ -138,11 +130,6 @@ def add_compat_flags(add, boolean) -> None:
 def compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
     """Refuse (``parser.error``) what cannot be honoured; return one note for each
     given flag that has no effect, to be logged once logging is set up."""
-    if args.compat_model_namespacing:
-        parser.error(
-            "--model-namespacing=true is not supported by trionserve: a model name "
-            "must be unique across all model repositories"
-        )
     for flag, name in (("--allow-sagemaker", "SageMaker"), ("--allow-vertex-ai", "Vertex AI")):
         if getattr(args, _dest(flag)):
             parser.error(

@@ -43,7 +43,7 @@ from trionserve.observability.statistics import (
 )
 from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.trace_file import Trace
-from trionserve.repository.repository import duplicate_reason
+from trionserve.repository.repository import ModelId, duplicate_reason
 
 log = structlog.get_logger(__name__)
 
@@ -303,13 +303,13 @@ class DataPlane:
             return False
         return True
 
-    def model(self, name: str, version: int | None) -> ModelVersion:
-        return self.registry.route(name, version)
+    def model(self, name: str, version: int | None, namespace: str | None = None) -> ModelVersion:
+        return self.registry.route(name, version, namespace)
 
     def model_metadata(self, name: str, version: int | None) -> dict:
         model = self.registry.route(name, version)
         signature = model.signature
-        ready_versions = self.registry.entries()[name].versions
+        ready_versions = self.registry.entries()[ModelId(model.namespace, name)].versions
         return {
             "name": name,
             "versions": [str(v) for v in sorted(ready_versions)],
@@ -335,20 +335,33 @@ class DataPlane:
         Models loaded (or once tried) list each version with state and reason; a
         model never loaded lists only its name; a name found in several
         repositories is UNAVAILABLE with that reason unless a version is serving.
+        With namespacing each repository's model is listed on its own rows, by
+        namespace and then name, the namespace itself not shown (core
+        ``model_repository_manager.cc``, ``RepositoryIndex``).
         """
-        rows = self.registry.index()
         scan = self.registry.repository.scan()
-        listed = {row["name"] for row in rows}
-        serving = {row["name"] for row in rows if row["state"] == "READY"}
-        rows = [r for r in rows if r["name"] not in scan.duplicates or r["name"] in serving]
+        listed: dict[ModelId, list[dict]] = {}
+        for entry in self.registry.entries().values():
+            rows = entry.index_rows()
+            if rows:
+                listed[entry.model_id] = rows
+        for model_id in scan:
+            listed.setdefault(model_id, [{"name": model_id.name}])
         for name, dirs in scan.duplicates.items():
-            if name not in serving:
+            model_id = ModelId("", name)
+            if not any(row.get("state") == "READY" for row in listed.get(model_id, ())):
                 reason = duplicate_reason(name, dirs)
-                rows.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": reason})
-        rows.extend({"name": name} for name in scan if name not in listed)
+                listed[model_id] = [
+                    {"name": name, "version": "", "state": "UNAVAILABLE", "reason": reason}
+                ]
+        rows = [
+            row
+            for model_id in sorted(listed, key=ModelId.order)
+            for row in sorted(listed[model_id], key=_index_order)
+        ]
         if ready_only:
             rows = [r for r in rows if r.get("state") == "READY"]
-        return sorted(rows, key=_index_order)
+        return rows
 
     def _check_model_control(self) -> None:
         if self.control_mode is ControlMode.POLL:
@@ -403,7 +416,9 @@ class DataPlane:
         frontends do (HTTP: ``src/http_server.cc`` CheckTransactionPolicy; gRPC
         ModelInfer: ``src/grpc/infer_handler.cc``).
         """
-        model = self.registry.route(request.model_name, request.model_version)
+        model = self.registry.route(
+            request.model_name, request.model_version, request.model_namespace
+        )
         request.undelivered_limit = self.undelivered_response_limit
         if self.draining and not internal:
             self._refuse_while_draining(request, model)
@@ -474,7 +489,7 @@ class DataPlane:
         Statistics as Triton keeps them: a hit is a success with its lookup time
         and no inference; a miss counts its lookup and insert time."""
         started = trio.current_time()
-        key = cache.key(model.name, model.version, request)
+        key = cache.key(ModelId(model.namespace, model.name), model.version, request)
         response = cache.lookup(key, request, str(model.version))
         looked_up = trio.current_time()
         if response is not None:
@@ -654,9 +669,9 @@ class _ModelCalls:
     async def infer_stream(self, request: InferenceRequest, deliver, **options) -> None:
         await self._dataplane.infer_stream(request, deliver, internal=True, **options)
 
-    def model(self, name: str, version: int | None) -> ModelVersion:
+    def model(self, name: str, version: int | None, namespace: str | None = None) -> ModelVersion:
         """The READY version a step routes to (ensembles check their steps with it)."""
-        return self._dataplane.model(name, version)
+        return self._dataplane.model(name, version, namespace)
 
     # The model loading API of Python models (pb_utils.load_model & co).
 

@@ -61,6 +61,8 @@ class ServerOptions:
     """Every server setting, named after Triton's command-line flags."""
 
     model_repositories: list[Path | str] = field(default_factory=list)  # str: s3:// etc.
+    # --model-namespacing: each repository is a namespace (same names side by side)
+    model_namespacing: bool = False
     model_control_mode: ControlMode = ControlMode.NONE
     model_cache_dir: Path | None = None  # where object-storage repositories are copied
     repository_poll_secs: float = 15.0
@@ -136,6 +138,7 @@ class Server:
             cache_dir=options.model_cache_dir,
             refresh_on_find=options.model_control_mode is ControlMode.EXPLICIT,
             config_name=options.model_config_name,
+            namespacing=options.model_namespacing,
         )
         # Process-wide, as Triton's backends read it once: set before any load.
         apply_backend_config(options.backend_config)

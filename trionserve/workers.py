@@ -280,13 +280,13 @@ def _post_route(path: str, handler):
 def warn_sequence_models(registry) -> None:
     """Log which loaded models keep sequence state in one worker."""
     names = []
-    for name in sorted(registry.entries()):
+    for entry in sorted(registry.entries().values(), key=lambda e: e.model_id.order()):
         try:
-            version = registry.route(name, None)
+            version = registry.route(entry.name, None, entry.model_id.namespace)
         except Exception:
             continue
         if version.config.HasField("sequence_batching"):
-            names.append(name)
+            names.append(entry.model_id.display)
     if names:
         log.warning(
             "sequence models with --workers > 1: each sequence's state lives in the "

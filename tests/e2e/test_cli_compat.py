@@ -126,7 +126,6 @@ EVERY_FLAG = [
 ]
 
 REFUSED = [
-    ("--model-namespacing=true", "--model-namespacing"),
     ("--rate-limit=sometimes", "--rate-limit"),
     ("--rate-limit-resource=R1", "--rate-limit-resource option format"),
     ("--allow-sagemaker=true", "--allow-sagemaker"),

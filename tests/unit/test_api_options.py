@@ -124,11 +124,9 @@ def test_rate_limiter_options_reach_the_server():
         ).server_options()
 
 
-@pytest.mark.parametrize(("field", "value"), [("model_namespacing", True)])
-def test_a_feature_this_server_lacks_is_refused_naming_the_field(field, value):
-    options = api.Options("m", **{field: value})
-    with pytest.raises(api.InvalidArgumentError, match=f"Options.{field}="):
-        options.server_options()
+def test_model_namespacing_reaches_the_server():
+    assert api.Options("m", model_namespacing=True).server_options().model_namespacing
+    assert not api.Options("m").server_options().model_namespacing
 
 
 @pytest.mark.parametrize(

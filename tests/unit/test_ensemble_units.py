@@ -79,7 +79,7 @@ class StandIn:
         }
         self.requests: list[InferenceRequest] = []
 
-    def model(self, name: str, version: int | None) -> Model:
+    def model(self, name: str, version: int | None, namespace: str | None = None) -> Model:
         if name not in self.models:
             raise NotFound(f"Request for unknown model: '{name}' is not found")
         return self.models[name]

@@ -19,6 +19,7 @@ from trionserve.repository.config import (
     read_model_config,
     validate_model_config,
 )
+from trionserve.repository.repository import ModelId
 from trionserve.repository.versions import list_versions, select_versions
 
 log = structlog.get_logger(__name__)
@@ -100,6 +101,15 @@ def composing_models(config) -> list[str]:
     return names
 
 
+def composing_ids(config) -> frozenset[ModelId]:
+    """The models an ensemble's steps are bound to: each step's name in the
+    namespace the registry resolved it to (``model_namespace``, as Triton's
+    ``ConnectDependencyGraph`` sets it; empty without namespacing)."""
+    return frozenset(
+        ModelId(step.model_namespace, step.model_name) for step in config.ensemble_scheduling.step
+    )
+
+
 class Operation:
     """One queued or running load or unload of one model; callers await ``done``."""
 
@@ -112,14 +122,15 @@ class Operation:
 
 @dataclass(eq=False)
 class ModelEntry:
-    """What the registry knows of one model name; changed only under ``lock``.
+    """What the registry knows of one model (one name, or with namespacing one name
+    in one namespace); changed only under ``lock``.
 
     A version number is in at most one of ``serving`` and ``loading`` at a time
     (a reload's new version is in ``loading`` while the old one serves); retired
     versions stay in ``draining`` until they have unloaded.
     """
 
-    name: str
+    model_id: ModelId
     serving: dict[int, ModelVersion] = field(default_factory=dict)  # READY, routed
     loading: dict[int, ModelVersion] = field(default_factory=dict)
     draining: set[ModelVersion] = field(default_factory=set)  # UNLOADING
@@ -129,10 +140,15 @@ class ModelEntry:
     # True while a version the policy wants is not serving (Triton's readiness).
     failed: bool = False
     explicit: bool = False  # loaded by name, not only as an ensemble's composing model
-    dependencies: frozenset[str] = frozenset()
+    known: bool = False  # in the registry's map of names (Triton's global map)
+    dependencies: frozenset[ModelId] = frozenset()  # the models its ensemble steps call
     source: LoadedSource | None = None
     lock: trio.Lock = field(default_factory=trio.Lock)
     operations: list[Operation] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.model_id.name
 
     @property
     def versions(self) -> dict[int, ModelVersion]:

@@ -119,8 +119,11 @@ class ModelVersion:
         inference: InferenceService | None = None,
         rate_limiter: RateLimiter | None = None,
         summary_quantiles: Sequence[Target] | None = None,
+        namespace: str = "",
     ) -> None:
         self.name = name
+        # --model-namespacing: the repository the model came from ("" without).
+        self.namespace = namespace
         self.version = version
         self.config = config
         self.model_dir = model_dir

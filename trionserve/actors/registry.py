@@ -14,6 +14,7 @@ from trionserve.actors.lifecycle import (
     Operation,
     PollFailed,
     TransitionLog,
+    composing_ids,
     composing_models,
     load_error,
     poll_failure,
@@ -32,7 +33,7 @@ from trionserve.core.errors import (
 from trionserve.observability.quantiles import Target
 from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
 from trionserve.repository.overrides import override_digest, remove_override, write_override
-from trionserve.repository.repository import ModelRepository, check_model_name
+from trionserve.repository.repository import ModelId, ModelRepository, check_model_name
 from trionserve.repository.snapshot import file_changes, snapshot_model
 
 log = structlog.get_logger(__name__)
@@ -55,10 +56,29 @@ def load_failure(name: str, error: TritonError) -> TritonError:
     return InvalidArgument(message)
 
 
+def ambiguity(name: str, count: int) -> InvalidArgument:
+    """A request names a model that several namespaces have (core
+    ``model_repository_manager.cc``, ``FindModelIdentifier``)."""
+    return InvalidArgument(
+        f"There are {count} identifiers of model '{name}' in global map, model "
+        "namespace must be provided to resolve ambiguity."
+    )
+
+
 class ModelRegistry:
     """Owns every ModelVersion (as children of its nursery) and the routing table.
 
-    Inbox: ``load`` and ``unload`` queue an operation per model name; operations on
+    Models are kept by :class:`ModelId`: the name, or with model namespacing
+    (``repository.namespacing``) the name in the namespace of its repository.
+    Requests name a model; with namespacing the name is resolved among the models
+    the registry knows (Triton's global map): one model of that name is used, two
+    or more is an ambiguity error. An ensemble's steps are resolved at load, in
+    the ensemble's own namespace first, else to the one model of that name
+    (Triton's ``ConnectDependencyGraph``), and the step's ``model_namespace``
+    records the choice; when models of a step's name appear or go away, the
+    ensembles whose choice changes are loaded again (rebound).
+
+    Inbox: ``load`` and ``unload`` queue an operation per model; operations on
     one model run one at a time in arrival order, each in a task of the registry's
     nursery (a caller that goes away stops waiting, the operation still finishes),
     and overlapping identical requests share one operation, so a model is never
@@ -90,8 +110,16 @@ class ModelRegistry:
         self.autocomplete = autocomplete
         self._load_limiter = trio.CapacityLimiter(max(1, load_concurrency))
         self._drain_timeout = drain_timeout
+        self._namespacing = repository.namespacing
+        # Keyed by ModelId, which is the name itself without namespacing.
         self._entries: dict[str, ModelEntry] = {}
-        # name -> (READY versions by number, default version)
+        # Triton's global map: name -> the ids of the models known by that name.
+        self._by_name: dict[str, set[ModelId]] = {}
+        # Bumped when the models known by a name change: rebinds queued for one
+        # change share one operation per ensemble.
+        self._generation = 0
+        self._stopping = False
+        # id -> (READY versions by number, default version)
         self._routes: dict[str, tuple[dict[int, ModelVersion], ModelVersion]] = {}
         self._transition = TransitionLog()
         self._nursery: trio.Nursery | None = None
@@ -107,9 +135,31 @@ class ModelRegistry:
 
     # -- queries (synchronous, on the Trio thread) ---------------------------
 
-    def route(self, name: str, version: int | None) -> ModelVersion:
-        """The READY ModelVersion for a request, or the error to answer it with."""
-        route = self._routes.get(name)
+    def identify(self, name: str) -> ModelId:
+        """The one model a request's name means (Triton's ``FindModelIdentifier``):
+        with namespacing, an unknown name and an ambiguous one are errors."""
+        if not self._namespacing:
+            return ModelId("", name)
+        ids = self._by_name.get(name)
+        if not ids:
+            raise InvalidArgument(f"Request for unknown model: '{name}' is not found")
+        if len(ids) > 1:
+            raise ambiguity(name, len(ids))
+        return next(iter(ids))
+
+    def route(self, name: str, version: int | None, namespace: str | None = None) -> ModelVersion:
+        """The READY ModelVersion for a request, or the error to answer it with.
+
+        ``namespace`` (an ensemble step's ``model_namespace``) names the model
+        exactly; without it, the name is resolved as :meth:`identify` says.
+        """
+        if namespace:
+            key: str = ModelId(namespace, name)
+        elif namespace is None and self._namespacing:
+            key = self.identify(name)
+        else:
+            key = name  # equal to ModelId("", name)
+        route = self._routes.get(key)
         if route is not None:
             if version is None:
                 return route[1]
@@ -117,20 +167,34 @@ class ModelRegistry:
             if found is not None:
                 return found
             raise NotFound(f"Request for unknown model: '{name}' version {version} is not found")
-        if name in self._entries and not self._entries[name].is_empty():
+        if key in self._entries and not self._entries[key].is_empty():
             raise Unavailable(f"Request for unknown model: '{name}' has no available versions")
         raise NotFound(f"Request for unknown model: '{name}' is not found")
 
     def entries(self) -> dict[str, ModelEntry]:
+        """Every model the registry knows, by id (by name without namespacing)."""
         return self._entries
+
+    def entry(self, name: str, namespace: str | None = None) -> ModelEntry | None:
+        """The entry of the model a request names (None when unknown)."""
+        try:
+            key = ModelId(namespace, name) if namespace is not None else self.identify(name)
+        except TritonError:
+            return None
+        return self._entries.get(key)
 
     def all_ready(self) -> bool:
         """True when every model has every version its policy wants serving."""
         return not any(e.failed for e in self._entries.values())
 
     def index(self) -> list[dict]:
-        """Every known model and version with state and reason, sorted by name."""
-        return [row for name in sorted(self._entries) for row in self._entries[name].index_rows()]
+        """Every known model and version with state and reason, in Triton's order
+        (by namespace, then name)."""
+        return [
+            row
+            for entry in sorted(self._entries.values(), key=lambda e: e.model_id.order())
+            for row in entry.index_rows()
+        ]
 
     # -- operations --------------------------------------------------------------
 
@@ -147,33 +211,46 @@ class ModelRegistry:
     ) -> None:
         """Load or reload a model; raises the reason if it could not be loaded.
 
-        ``override_json`` replaces config.pbtxt; ``files`` (``file:<path>`` ->
-        contents, with ``override_json`` required) replace the model directory.
-        Only what changed since the serving versions were loaded is redone (see
-        :func:`plan_reload`); a reload loads beside the serving versions and
-        switches only if every new version loaded, else they keep serving.
-        With ``stable_files`` (POLL), versions whose files changed while they
-        loaded are discarded instead of served: they may mix old and new files.
+        ``name`` is a name, or a :class:`ModelId` for one model exactly. With
+        namespacing a name loads every repository's model of that name (Triton's
+        ``Poll`` of a named model); a file override has no namespace, as in
+        Triton. ``override_json`` replaces config.pbtxt; ``files``
+        (``file:<path>`` -> contents, with ``override_json`` required) replace the
+        model directory. Only what changed since the serving versions were loaded
+        is redone (see :func:`plan_reload`); a reload loads beside the serving
+        versions and switches only if every new version loaded, else they keep
+        serving. With ``stable_files`` (POLL), versions whose files changed while
+        they loaded are discarded instead of served: they may mix old and new files.
         """
+        plain = name.name if isinstance(name, ModelId) else name
         try:
-            check_model_name(name)  # a name that is no directory never enters the index
+            check_model_name(plain)  # a name that is no directory never enters the index
             digest = override_digest(override_json, files) if (override_json or files) else ""
-            await self._submit(
-                name,
-                ("load", digest),
-                explicit,
-                partial(
-                    self._load,
-                    override_json=override_json,
-                    files=files,
-                    digest=digest,
-                    reason=reason,
-                    chain=_chain,
-                    stable_files=stable_files,
-                ),
+            if isinstance(name, ModelId) or files or not self._namespacing:
+                ids = [name if isinstance(name, ModelId) else ModelId("", name)]
+            else:
+                ids = sorted(await self._find_all(plain), key=ModelId.order)
+            work = partial(
+                self._load,
+                override_json=override_json,
+                files=files,
+                digest=digest,
+                reason=reason,
+                chain=_chain,
+                stable_files=stable_files,
             )
+            errors = await self._each(ids, ("load", digest), explicit, work)
         except TritonError as error:
-            raise load_failure(name, error) from None
+            raise load_failure(plain, error) from None
+        if errors:
+            # Several namespaces' models of this name: each failure named, as
+            # Triton's LoadUnloadModels lists them.
+            detail = "; ".join(
+                f"load failed for model '{model_id.display}': {errors[model_id].message}"
+                for model_id in ids
+                if model_id in errors
+            )
+            raise load_failure(plain, InvalidArgument(detail))
 
     async def unload(
         self,
@@ -185,21 +262,30 @@ class ModelRegistry:
     ) -> None:
         """Stop routing to a model, drain its in-flight requests and unload it.
 
-        Unloading a model that is not loaded succeeds and does nothing, as in
-        Triton. With ``unload_dependents`` the models loaded only as this
-        ensemble's composing models, and used by no other loaded model, are
-        unloaded too. A name that could not be a model directory is refused.
+        ``name`` is a name (with namespacing: every model known by it, as Triton
+        unloads every identifier of the name) or a :class:`ModelId`. Unloading a
+        model that is not loaded succeeds and does nothing, as in Triton. With
+        ``unload_dependents`` the models loaded only as this ensemble's composing
+        models, and used by no other loaded model, are unloaded too. A name that
+        could not be a model directory is refused.
         """
+        plain = name.name if isinstance(name, ModelId) else name
         try:
-            check_model_name(name)
+            check_model_name(plain)
         except TritonError as error:
-            raise InvalidArgument(f"failed to unload '{name}': {error.message}") from None
-        await self._submit(
-            name,
+            raise InvalidArgument(f"failed to unload '{plain}': {error.message}") from None
+        if isinstance(name, ModelId) or not self._namespacing:
+            ids = [name if isinstance(name, ModelId) else ModelId("", name)]
+        else:
+            ids = sorted(self._by_name.get(name, ()), key=ModelId.order)
+        errors = await self._each(
+            ids,
             ("unload", unload_dependents, wait),
             False,
             partial(self._unload, wait=wait, unload_dependents=unload_dependents, reason=reason),
         )
+        if errors:
+            raise next(iter(errors.values()))
 
     async def unload_all(self) -> None:
         """Unload every model, each draining its in-flight requests.
@@ -207,25 +293,47 @@ class ModelRegistry:
         Models unload concurrently in waves: an ensemble goes before the models its
         steps call, so its in-flight requests can still run their later steps.
         """
-        remaining = set(self._entries)
+        self._stopping = True  # no ensemble is rebound while everything unloads
+        remaining = {entry.model_id for entry in self._entries.values()}
         while remaining:
             needed = {
                 dependency
-                for name in remaining
-                for dependency in self._entries[name].dependencies
-                if dependency != name
+                for model_id in remaining
+                if model_id in self._entries
+                for dependency in self._entries[model_id].dependencies
+                if dependency != model_id
             }
             wave = (remaining - needed) or remaining  # a cycle cannot block shutdown
             async with trio.open_nursery() as nursery:
-                for name in sorted(wave):
-                    nursery.start_soon(partial(self.unload, name, reason="server shutdown"))
+                for model_id in sorted(wave):
+                    nursery.start_soon(partial(self.unload, model_id, reason="server shutdown"))
             remaining -= wave
 
-    async def _submit(self, name: str, key: tuple, explicit: bool, work) -> None:
+    async def _each(
+        self, ids: list[ModelId], key: tuple, explicit: bool, work
+    ) -> dict[ModelId, TritonError]:
+        """Run one operation on each model, concurrently; their errors by model."""
+        if len(ids) == 1:
+            await self._submit(ids[0], key, explicit, work)
+            return {}
+        errors: dict[ModelId, TritonError] = {}
+
+        async def one(model_id: ModelId) -> None:
+            try:
+                await self._submit(model_id, key, explicit, work)
+            except TritonError as error:
+                errors[model_id] = error
+
+        async with trio.open_nursery() as nursery:
+            for model_id in ids:
+                nursery.start_soon(one, model_id)
+        return errors
+
+    async def _submit(self, model_id: ModelId, key: tuple, explicit: bool, work) -> None:
         assert self._nursery is not None, "registry is not running"
-        entry = self._entries.get(name)
+        entry = self._entries.get(model_id)
         if entry is None:
-            entry = self._entries[name] = ModelEntry(name)
+            entry = self._entries[model_id] = ModelEntry(model_id)
         operation = next(
             (op for op in entry.operations if op.key == key and not op.done.is_set()), None
         )
@@ -234,7 +342,7 @@ class ModelRegistry:
             entry.operations.append(operation)
             self._nursery.start_soon(self._run_operation, entry, operation, work)
         elif key[0] == "load":
-            log.info("joining a load of the same model already in progress", model=name)
+            log.info("joining a load of the same model already in progress", model=model_id)
         operation.explicit |= explicit
         await operation.done.wait()
         if operation.error is not None:
@@ -249,7 +357,7 @@ class ModelRegistry:
         except TritonError as error:
             operation.error = error
         except Exception as exc:
-            log.exception("model operation failed", model=entry.name)
+            log.exception("model operation failed", model=entry.model_id)
             operation.error = as_triton_error(exc, f"model '{entry.name}'")
         except BaseException:
             operation.error = RegistryStopped("the server is shutting down")
@@ -257,8 +365,78 @@ class ModelRegistry:
         finally:
             entry.operations.remove(operation)
             operation.done.set()
-            if entry.is_empty() and self._entries.get(entry.name) is entry:
-                del self._entries[entry.name]
+            if entry.is_empty() and self._entries.get(entry.model_id) is entry:
+                del self._entries[entry.model_id]
+                self._set_known(entry, False)
+
+    # -- namespacing: Triton's global map and ensemble step binding -------------------
+
+    def _set_known(self, entry: ModelEntry, known: bool) -> None:
+        """Add a model to Triton's global map or take it out, and rebind the
+        ensembles that changes. A model is known from the moment a load has read
+        its configuration (Triton's ``Poll`` of it succeeded; a failed load of it
+        later leaves it known) until it is unloaded or removed from the
+        repository (``RemoveNode``)."""
+        if entry.known == known:
+            return
+        entry.known = known
+        ids = self._by_name.setdefault(entry.name, set())
+        if known:
+            ids.add(entry.model_id)
+        else:
+            ids.discard(entry.model_id)
+            if not ids:
+                del self._by_name[entry.name]
+        if self._namespacing and not self._stopping:
+            self._rebind_affected(entry.name)
+
+    def _resolve(self, namespace: str, name: str) -> ModelId | None:
+        """The model an ensemble step of ``name`` in ``namespace`` calls: the one in
+        its own namespace, else the only one of that name, else None (Triton's
+        ``DependencyGraph::FindNode`` with fuzzy matching)."""
+        known = self._by_name.get(name, set())
+        preferred = ModelId(namespace, name)
+        if preferred in known:
+            return preferred
+        return next(iter(known)) if len(known) == 1 else None
+
+    def _rebind_affected(self, name: str) -> None:
+        """Load again each serving ensemble whose step ``name`` resolves elsewhere now.
+
+        Triton re-evaluates the downstreams of a node added or removed
+        (``DependencyGraph::AddNodes`` via ``missing_nodes_``, ``RemoveNode``) and
+        reloads them; the reload here is the registry's own, so the ensemble keeps
+        serving its current versions until the rebound ones are READY.
+        """
+        if self._nursery is None:
+            return
+        self._generation += 1
+        for entry in list(self._entries.values()):
+            if not entry.serving or entry.source is None or entry.source.override_digest:
+                continue  # an ensemble from a file override is not read again
+            for bound in entry.dependencies:
+                if bound.name == name and self._resolve(entry.model_id.namespace, name) != bound:
+                    self._nursery.start_soon(self._rebind, entry.model_id, name, self._generation)
+                    break
+
+    async def _rebind(self, model_id: ModelId, name: str, generation: int) -> None:
+        reason = f"the models named '{name}' changed; its ensemble steps are resolved again"
+        try:
+            await self._submit(
+                model_id,
+                ("rebind", generation),
+                False,
+                partial(
+                    self._load,
+                    override_json=None,
+                    files=None,
+                    digest="",
+                    reason=reason,
+                    chain=(),
+                ),
+            )
+        except TritonError as exc:
+            log.warning("ensemble not rebound", model=model_id, reason=exc.message)
 
     # -- load ----------------------------------------------------------------------
 
@@ -279,7 +457,7 @@ class ModelRegistry:
                 )
                 config_json = None
             else:
-                model_dir = await self._find(name)
+                model_dir = await self._find(entry.model_id)
                 config_json = override_json
             snapshot = await trio.to_thread.run_sync(snapshot_model, model_dir)
             prepared = await trio.to_thread.run_sync(
@@ -290,7 +468,8 @@ class ModelRegistry:
                 self.repository.config_name,
             )
             polled = True
-            await self._load_composing_models(name, prepared.config, chain)
+            self._set_known(entry, True)
+            await self._load_composing_models(entry, prepared.config, chain)
         except Exception as exc:
             if files and model_dir is not None:
                 await trio.to_thread.run_sync(remove_override, model_dir)
@@ -322,22 +501,33 @@ class ModelRegistry:
             entry.source = source
             entry.reason = ""
             entry.failed = False
-            entry.dependencies = frozenset(composing_models(prepared.config))
+            entry.dependencies = composing_ids(prepared.config)
             if not plan.update_instances:
                 log.info("model unchanged", model=name, reason=reason)
             return
         await self._apply(entry, plan, prepared, source, f"{reason}: {plan.reason}", stable_files)
 
-    async def _find(self, name: str) -> Path:
+    async def _find(self, model_id: ModelId) -> Path:
         """The model's directory; not found in Triton's words (core
         ``model_repository_manager.cc``, ``LoadUnloadModel``)."""
         try:
-            return await trio.to_thread.run_sync(self.repository.find, name)
+            return await trio.to_thread.run_sync(self.repository.find, model_id)
+        except NotFound as exc:
+            raise PollFailed(model_id.name, exc.message) from None
+
+    async def _find_all(self, name: str) -> dict[ModelId, Path]:
+        """Every repository's model called ``name`` (namespacing)."""
+        try:
+            return await trio.to_thread.run_sync(self.repository.find_all, name)
         except NotFound as exc:
             raise PollFailed(name, exc.message) from None
 
-    async def _load_composing_models(self, name: str, config, chain: tuple[str, ...]) -> None:
-        """Load an ensemble's composing models first, as Triton does."""
+    async def _load_composing_models(
+        self, entry: ModelEntry, config, chain: tuple[str, ...]
+    ) -> None:
+        """Load an ensemble's composing models first, as Triton does, and bind each
+        step to the model it calls (its ``model_namespace``)."""
+        name = entry.name
         steps = composing_models(config)
         for step in steps:
             if step == name or step in chain:
@@ -361,9 +551,36 @@ class ModelRegistry:
         async with trio.open_nursery() as nursery:
             for step in steps:
                 nursery.start_soon(load_one, step)
+        if self._namespacing:
+            self._bind_steps(entry, config, errors)
         if errors:
             detail = "; ".join(f"'{s}': {m}" for s, m in sorted(errors.items()))
             raise InvalidArgument(f"failed to load '{name}': composing model(s) failed: {detail}")
+
+    def _bind_steps(self, entry: ModelEntry, config, errors: dict[str, str]) -> None:
+        """Set each step's ``model_namespace`` to the model it resolves to (Triton's
+        ``ConnectDependencyGraph``); a load error of another namespace's model of
+        the same name is no error of this ensemble."""
+        bound: dict[str, ModelId] = {}
+        missing: list[str] = []
+        for step in composing_models(config):
+            model_id = self._resolve(entry.model_id.namespace, step)
+            if model_id is None:
+                missing.append(step)
+                continue
+            bound[step] = model_id
+            composing = self._entries.get(model_id)
+            if composing is not None and composing.serving:
+                errors.pop(step, None)
+            elif step not in errors:
+                errors[step] = (composing.reason if composing else "") or "it is not loaded"
+        if missing:
+            raise InvalidArgument(
+                f"ensemble {entry.model_id.display} contains models that are not available "
+                f"or ambiguous: {', '.join(missing)}"
+            )
+        for step_config in config.ensemble_scheduling.step:
+            step_config.model_namespace = bound[step_config.model_name].namespace
 
     async def _update_instances(self, entry: ModelEntry, plan: ReloadPlan, source) -> bool:
         """Give the kept versions the new instance counts without a reload."""
@@ -410,6 +627,7 @@ class ModelRegistry:
                 prepared.backend,
                 self._load_limiter,
                 self._drain_timeout,
+                namespace=entry.model_id.namespace,
                 **extra,
             )
             for number in plan.load
@@ -447,13 +665,13 @@ class ModelRegistry:
             entry.failed = True
         retiring = [entry.serving[n] for n in plan.unload if n in entry.serving]
         entry.serving = {**{n: entry.serving[n] for n in plan.keep}, **loaded}
-        self._switch(name)
+        self._switch(entry.model_id)
         for version in retiring:
             self._retire(entry, version, reason)
         for number in entry.serving:
             entry.unavailable.pop(number, None)
         entry.source = source
-        entry.dependencies = frozenset(composing_models(prepared.config))
+        entry.dependencies = composing_ids(prepared.config)
         if errors:
             raise load_error(name, errors)
         entry.reason = ""
@@ -507,7 +725,7 @@ class ModelRegistry:
         if entry.serving.get(number) is version:
             # A failure inside the model's actors while serving: contained here.
             del entry.serving[number]
-            self._switch(entry.name)
+            self._switch(entry.model_id)
             entry.failed = True
             entry.reason = reason
             self._transition(version, "READY", "UNAVAILABLE", reason)
@@ -527,13 +745,13 @@ class ModelRegistry:
         if not in_use and not current:
             await trio.to_thread.run_sync(remove_override, model_dir)
 
-    def _switch(self, name: str) -> None:
-        entry = self._entries.get(name)
+    def _switch(self, model_id: ModelId) -> None:
+        entry = self._entries.get(model_id)
         serving = entry.serving if entry is not None else {}
         if serving:
-            self._routes[name] = (dict(serving), serving[max(serving)])
+            self._routes[model_id] = (dict(serving), serving[max(serving)])
         else:
-            self._routes.pop(name, None)
+            self._routes.pop(model_id, None)
 
     # -- unload ----------------------------------------------------------------------
 
@@ -542,7 +760,8 @@ class ModelRegistry:
     ) -> None:
         versions = list(entry.serving.values())
         entry.serving = {}
-        self._switch(entry.name)
+        self._switch(entry.model_id)
+        self._set_known(entry, False)
         for version in versions:
             self._retire(entry, version, reason)
         entry.failed = False
@@ -563,22 +782,22 @@ class ModelRegistry:
         if source is not None and not versions:
             await self._remove_override_if_unused(entry, source.model_dir)
         if unload_dependents:
-            for name in sorted(dependencies):
-                if not self._still_needed(name):
+            for model_id in sorted(dependencies, key=ModelId.order):
+                if not self._still_needed(model_id):
                     await self.unload(
-                        name,
+                        model_id,
                         wait=wait,
                         unload_dependents=True,
                         reason=f"composing model of unloaded '{entry.name}'",
                     )
 
-    def _still_needed(self, name: str) -> bool:
+    def _still_needed(self, model_id: ModelId) -> bool:
         """Whether a composing model was loaded by name or serves another model."""
-        dependency = self._entries.get(name)
+        dependency = self._entries.get(model_id)
         if dependency is None or dependency.explicit:
             return True
         return any(
-            name in other.dependencies
+            model_id in other.dependencies
             for other in self._entries.values()
-            if other.serving and other.name != name
+            if other.serving and other.model_id != model_id
         )

@@ -10,7 +10,7 @@ import trio
 
 from trionserve.actors.registry import ModelRegistry
 from trionserve.core.errors import InvalidArgument, TritonError
-from trionserve.repository.repository import duplicate_reason
+from trionserve.repository.repository import ModelId, duplicate_reason
 from trionserve.repository.snapshot import Duplicate, ModelSnapshot, snapshot_repository
 
 log = structlog.get_logger(__name__)
@@ -61,8 +61,8 @@ class RepositoryWatcher:
         self.startup_errors: dict[str, str] = {}
         # POLL state: the snapshot acted on last, the previous poll's, and the
         # number of consecutive polls a change has been seen unsettled.
-        self._applied: dict[str, ModelSnapshot | Duplicate] = {}
-        self._previous: dict[str, ModelSnapshot | Duplicate] = {}
+        self._applied: dict[ModelId, ModelSnapshot | Duplicate] = {}
+        self._previous: dict[ModelId, ModelSnapshot | Duplicate] = {}
         self._pending: dict[str, int] = {}
         self._busy: set[str] = set()
         self.polls = 0

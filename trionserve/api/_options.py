@@ -115,9 +115,7 @@ _NO_EFFECT = {
     "host_policies": "there are no host policies (NUMA placement, CPU pinning)",
 }
 # Fields naming a feature this server does not have (yet): refused unless default.
-_NOT_SUPPORTED = {
-    "model_namespacing": "model namespacing is not supported",
-}
+_NOT_SUPPORTED: dict[str, str] = {}
 
 
 @dataclass(slots=True)
@@ -202,6 +200,7 @@ class Options:
         log_warn = self.log_warn or log_info
         return ServerOptions(
             model_repositories=_repositories(self.model_repository),
+            model_namespacing=self.model_namespacing,
             model_control_mode=_control_mode(self.model_control_mode),
             repository_poll_secs=self.repository_poll_secs,
             load_models=list(self.startup_models),

@@ -37,6 +37,9 @@ class Step:
     index: int
     model_name: str
     model_version: int | None  # None: the latest READY version
+    # The namespace the registry bound the step to (``model_namespace``; "" without
+    # namespacing): steps route to exactly that model.
+    model_namespace: str
     input_map: dict[str, str]  # model input -> ensemble tensor
     output_map: dict[str, str]  # model output -> ensemble tensor
     decoupled: bool
@@ -69,8 +72,9 @@ class EnsemblePlan:
 def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
     """Check an ensemble against its composing models; raise naming step and tensor.
 
-    ``lookup(name, version)`` returns the READY model version (with ``config`` and
-    ``signature``) or raises the routing error. Call on the Trio thread.
+    ``lookup(name, version, namespace)`` returns the READY model version (with
+    ``config`` and ``signature``) or raises the routing error. Call on the Trio
+    thread.
     """
     name = config.name
     own = ModelSignature.from_config(config)
@@ -86,7 +90,7 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
         step_version = entry.model_version if entry.model_version > 0 else None
         where = f"ensemble '{name}' step {index} (model '{entry.model_name}')"
         try:
-            model = lookup(entry.model_name, step_version)
+            model = lookup(entry.model_name, step_version, entry.model_namespace)
         except TritonError as exc:
             raise Unavailable(f"{where}: composing model is not available: {exc.message}") from None
         signature: ModelSignature = model.signature
@@ -118,6 +122,7 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
                 index,
                 entry.model_name,
                 step_version,
+                entry.model_namespace,
                 dict(entry.input_map),
                 dict(entry.output_map),
                 bool(model.config.model_transaction_policy.decoupled),

@@ -100,6 +100,7 @@ class InferenceRequest:
     __slots__ = (
         "model_name",
         "model_version",
+        "model_namespace",
         "id",
         "inputs",
         "requested_outputs",
@@ -138,9 +139,13 @@ class InferenceRequest:
         sequence_id: int | str = 0,
         sequence_start: bool = False,
         sequence_end: bool = False,
+        model_namespace: str | None = None,
     ) -> None:
         self.model_name = model_name
         self.model_version = model_version
+        # The namespace that names the model exactly (an ensemble step's, with
+        # --model-namespacing); None: the name is resolved by the registry.
+        self.model_namespace = model_namespace
         self.id = id
         self.inputs: dict[str, Tensor] = inputs if inputs is not None else {}
         # None means "every output of the model".

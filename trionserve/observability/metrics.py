@@ -327,23 +327,27 @@ class ModelMetricsCollector:
         pending = GaugeMetricFamily(
             "nv_inference_pending_request_count",
             "Instantaneous number of pending requests awaiting execution per-model.",
-            labels=("model", "version"),
         )
         for version in versions:
-            pending.add_metric((version.name, str(version.version)), pending_requests(version))
+            pending.add_sample(pending.name, _labels(version), pending_requests(version))
         yield pending
         if self._options.histogram_latencies:
+            namespaced = any(version.namespace for version in versions)
+            names = ("model", "namespace", "version") if namespaced else ("model", "version")
             histogram = HistogramMetricFamily(
                 FIRST_RESPONSE_FAMILY,
                 "Duration from request to first response in milliseconds",
-                labels=("model", "version"),
+                labels=names,
             )
             for version in versions:
                 observed = version.statistics.first_response
                 if observed is None:
                     observed = FirstResponseHistogram(first_response_buckets(version.config))
+                values = _labels(version)  # namespace "" reads in Prometheus as no label
                 histogram.add_metric(
-                    (version.name, str(version.version)), observed.buckets(), observed.sum
+                    [values.get(label, "") for label in names],
+                    observed.buckets(),
+                    observed.sum,
                 )
             yield histogram
         if self._options.summary_latencies:
@@ -361,6 +365,14 @@ def pending_requests(version) -> int:
 
 
 def _labels(version) -> dict[str, str]:
+    """A model version's labels; with namespacing, its namespace too (core
+    ``metric_model_reporter.cc``, ``GetMetricLabels``)."""
+    if version.namespace:
+        return {
+            "model": version.name,
+            "namespace": version.namespace,
+            "version": str(version.version),
+        }
     return {"model": version.name, "version": str(version.version)}
 
 

@@ -350,17 +350,16 @@ def select_statistics(registry, name: str | None, version: int | None) -> list[M
     """
     if name is None:
         selected = []
-        for model_name in sorted(registry.entries()):
-            selected.extend(_ready_versions(registry, model_name))
+        for entry in sorted(registry.entries().values(), key=lambda e: e.model_id.order()):
+            selected.extend(_ready_versions(entry))
         return selected
     if version is not None:
         return [registry.route(name, version).statistics]
-    registry.route(name, None)  # raises when the model has no READY version
-    return _ready_versions(registry, name)
+    model = registry.route(name, None)  # raises when the model has no READY version
+    return _ready_versions(registry.entry(name, model.namespace))
 
 
-def _ready_versions(registry, name: str) -> list[ModelStatistics]:
-    entry = registry.entries().get(name)
+def _ready_versions(entry) -> list[ModelStatistics]:
     if entry is None:
         return []
     return [

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trionserve.repository.config import CONFIG_FILENAME, CUSTOM_CONFIGS_DIR
-from trionserve.repository.repository import ModelRepository, duplicate_reason
+from trionserve.repository.repository import ModelId, ModelRepository, duplicate_reason
 
 _VERSION_NAME = re.compile(r"[1-9][0-9]*")
 _EDITOR_SUFFIXES = (".swp", ".swo", ".swn", ".swx", ".bak", ".orig", ".tmp", "~")
@@ -156,18 +156,19 @@ class Duplicate(str):
 
 def snapshot_repository(
     repository: ModelRepository,
-) -> dict[str, ModelSnapshot | Duplicate]:
-    """A snapshot of every model in every repository, by name.
+) -> dict[ModelId, ModelSnapshot | Duplicate]:
+    """A snapshot of every model in every repository, by :class:`ModelId`.
 
-    A name found in several repositories maps to a :class:`Duplicate` holding the
-    reason it cannot be loaded; equal reasons compare equal across polls.
+    Without namespacing, a name found in several repositories maps to a
+    :class:`Duplicate` holding the reason it cannot be loaded; equal reasons
+    compare equal across polls.
     """
     scan = repository.scan()
-    result: dict[str, ModelSnapshot | Duplicate] = {}
-    for name, model_dir in scan.items():
+    result: dict[ModelId, ModelSnapshot | Duplicate] = {}
+    for model_id, model_dir in scan.items():
         snapshot = snapshot_model(model_dir)
         if snapshot is not None:
-            result[name] = snapshot
+            result[model_id] = snapshot
     for name, dirs in scan.duplicates.items():
-        result[name] = Duplicate(duplicate_reason(name, dirs))
+        result[ModelId("", name)] = Duplicate(duplicate_reason(name, dirs))
     return result

@@ -204,6 +204,7 @@ class EnsembleRun:
         return InferenceRequest(
             step.model_name,
             step.model_version,
+            model_namespace=step.model_namespace,
             id=request.id,
             inputs=inputs,
             requested_outputs=[RequestedOutput(name) for name in step.output_map],
