@@ -175,21 +175,23 @@ def test_per_device_resources_are_counted_per_device_global_ones_across():
 # Two models exclusive on R1 (capacity 1), priorities 1 and 2, each always waiting
 # again right after it executed: (event, expected grant).
 PRIORITY_TABLE = [
-    ("stage A", None),
     ("stage B", None),
-    ("grant", "A"),  # both at 0 executions; A waited first
+    ("stage A", None),
+    ("grant", "A"),  # both at 0 executions: the higher priority first
     ("release A, stage A", None),
     ("grant", "B"),  # A 1*1, B 0*2
     ("release B, stage B", None),
     ("grant", "A"),  # A 1*1 < B 1*2
     ("release A, stage A", None),
-    ("grant", "B"),  # A 2*1 = B 1*2: B waited longer
-    ("release B, stage B", None),
-    ("grant", "A"),  # A 2 < B 4
+    ("grant", "A"),  # A 2*1 = B 1*2: the higher priority
     ("release A, stage A", None),
+    ("grant", "B"),  # A 3 > B 2
+    ("release B, stage B", None),
     ("grant", "A"),  # A 3 < B 4
     ("release A, stage A", None),
-    ("grant", "B"),  # A 4 = B 4: B waited longer
+    ("grant", "A"),  # A 4 = B 4
+    ("release A, stage A", None),
+    ("grant", "B"),  # A 5 > B 4
 ]
 
 
@@ -210,6 +212,23 @@ def test_priority_state_table():
                 queue.stage(slots[name])
             else:
                 queue.release(slots[name])
+
+
+def test_equal_priorities_take_turns_in_arrival_order():
+    table = ResourceTable()
+    a, b = slot("A", {0: {"R1": 1}}), slot("B", {0: {"R1": 1}})
+    table.add(a)
+    table.add(b)
+    queue = WaitQueue(table)
+    queue.stage(b)
+    queue.stage(a)
+    order = []
+    for _ in range(4):
+        (granted,) = queue.grant()
+        order.append(granted.slot.model)
+        queue.release(granted.slot)
+        queue.stage(granted.slot)
+    assert order == ["B", "A", "B", "A"]
 
 
 def test_the_first_waiter_blocks_those_behind_it():
@@ -280,7 +299,7 @@ async def test_actor_grants_in_priority_order_and_never_beyond_the_count(
             await trio.testing.wait_all_tasks_blocked()
             instances.start_soon(instance, b, 3)
         nursery.cancel_scope.cancel()
-    assert order == list("ABABAABAA")
+    assert order == list("ABAABAABA")
     assert limiter.table.allocated == {0: {"R1": 0}}
 
 

@@ -325,3 +325,17 @@ async def test_the_in_process_api_takes_tritons_option_names(repository):
     options.rate_limiter_resources = [api.RateLimiterResource("R1", 4, 0)]
     async with api.open_server(options) as srv:
         assert srv.ready() is True
+
+
+async def test_creating_and_warming_up_an_instance_count_as_executions(repository):
+    # Triton's INIT and WARM_UP payloads pass the rate limiter and count toward an
+    # instance's executions (backend_model_instance.cc InitAndWarmUpModelInstance),
+    # which gives a higher-priority model its head start.
+    write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ] priority: 2')
+    srv = server(repository)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(srv.serve)
+        (slot,) = srv.rate_limiter.table.slots
+        assert slot.executions == 2 and slot.scaled_priority == 4
+        srv.shutdown()
+    assert srv.rate_limiter.table.allocated == {0: {"R1": 0}}

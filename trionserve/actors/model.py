@@ -253,7 +253,8 @@ class ModelVersion:
             instances = []
             try:
                 for spec in specs:
-                    instance = await trio.to_thread.run_sync(loaded.create_instance, spec)
+                    async with self._rate_limited(spec):
+                        instance = await trio.to_thread.run_sync(loaded.create_instance, spec)
                     instances.append((spec, instance))
             except BaseException:
                 with trio.CancelScope(shield=True):
@@ -264,32 +265,35 @@ class ModelVersion:
     async def _warm_up(self, instances) -> None:
         """Every instance runs every warmup sample before READY (see warmup.py)."""
         for spec, instance in instances:
-            for sample in self._warmup:
-                label = (
-                    f"model '{self.name}' version {self.version}: warmup sample "
-                    f"'{sample.name}' on instance '{spec.name}'"
-                )
-                for _ in range(max(1, sample.count)):
-                    batch = sample.requests(self.name, self.version)
-                    try:
-                        async with self._rate_limited(spec):
-                            if isinstance(instance, AsyncBackendInstance):
-                                results = await instance.execute_async(batch)
-                            else:
-                                results = await trio.to_thread.run_sync(instance.execute, batch)
-                    except TritonError:
-                        raise
-                    except Exception as exc:
-                        raise Unavailable(f"{label} failed: {type(exc).__name__}: {exc}") from exc
-                    check_results(label, results)
-            if self._warmup:
-                log.info(
-                    "model warmed up",
-                    model=self.name,
-                    version=self.version,
-                    instance=spec.name,
-                    samples=len(self._warmup),
-                )
+            async with self._rate_limited(spec):
+                await self._warm_up_instance(spec, instance)
+
+    async def _warm_up_instance(self, spec: InstanceSpec, instance) -> None:
+        for sample in self._warmup:
+            label = (
+                f"model '{self.name}' version {self.version}: warmup sample "
+                f"'{sample.name}' on instance '{spec.name}'"
+            )
+            for _ in range(max(1, sample.count)):
+                batch = sample.requests(self.name, self.version)
+                try:
+                    if isinstance(instance, AsyncBackendInstance):
+                        results = await instance.execute_async(batch)
+                    else:
+                        results = await trio.to_thread.run_sync(instance.execute, batch)
+                except TritonError:
+                    raise
+                except Exception as exc:
+                    raise Unavailable(f"{label} failed: {type(exc).__name__}: {exc}") from exc
+                check_results(label, results)
+        if self._warmup:
+            log.info(
+                "model warmed up",
+                model=self.name,
+                version=self.version,
+                instance=spec.name,
+                samples=len(self._warmup),
+            )
 
     async def _release(self, loaded, instances) -> None:
         def release() -> None:
@@ -353,8 +357,9 @@ class ModelVersion:
             raise
 
     def _rate_limited(self, spec: InstanceSpec) -> AbstractAsyncContextManager:
-        """Hold ``spec``'s rate-limiter resources (warmup executions wait for them
-        too, as Triton's warmup payloads do)."""
+        """Hold ``spec``'s rate-limiter resources. Creating an instance and warming it
+        up each take them once and count as an execution, as Triton's INIT and
+        WARM_UP payloads do (backend_model_instance.cc InitAndWarmUpModelInstance)."""
         slot = self._rate_slots.get(spec)
         if self._rate_limiter is None or slot is None:
             return nullcontext()
@@ -447,7 +452,8 @@ class ModelVersion:
         async with self._load_limiter:
             try:
                 for spec in added:
-                    created.append(await trio.to_thread.run_sync(loaded.create_instance, spec))
+                    async with self._rate_limited(spec):
+                        created.append(await trio.to_thread.run_sync(loaded.create_instance, spec))
             except BaseException:
                 self._unregister(added)
                 with trio.CancelScope(shield=True):

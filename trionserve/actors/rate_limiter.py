@@ -7,10 +7,11 @@ once every resource it lists is free, on its device or, for a ``global`` resourc
 across the server; it holds them until the batch has executed. Instances that wait
 are woken in the order of their scaled priority, ``execution count * max(priority,
 1)`` (an instance with priority 2 gets half the executions of one with priority 1),
-then in the order they began to wait. The first instance in that order that cannot
-get its resources blocks the ones behind it, as in Triton, so a large request is
-never starved by small ones. With ``--rate-limit=off`` (the default), and for
-instance groups without a ``rate_limiter`` block, execution is not limited at all.
+on a tie the higher priority first, then in the order they began to wait. The
+first instance in that order that cannot get its resources blocks the ones behind
+it, as in Triton, so a large request is never starved by small ones. With
+``--rate-limit=off`` (the default), and for instance groups without a
+``rate_limiter`` block, execution is not limited at all.
 
 The decisions are made by :class:`ResourceTable` and :class:`WaitQueue`, plain data
 with no I/O; :class:`RateLimiter` is the actor around them.
@@ -238,7 +239,7 @@ class Waiter:
 class WaitQueue:
     """The instances waiting to execute, bounded by MAX_WAITING_PER_INSTANCE each.
 
-    ``grant`` allocates in order (scaled priority, then arrival) for as long as the
+    ``grant`` allocates in order (scaled priority, priority, arrival) for as long as the
     first waiter's resources are free, and returns the waiters it granted.
     """
 
@@ -274,7 +275,7 @@ class WaitQueue:
     def grant(self) -> list[Waiter]:
         granted = []
         while self.waiters:
-            first = min(self.waiters, key=lambda w: (w.slot.scaled_priority, w.order))
+            first = min(self.waiters, key=_grant_order)
             if not self.table.fits(first.slot):
                 break
             self.waiters.remove(first)
@@ -290,6 +291,13 @@ class WaitQueue:
             self.waiters.remove(waiter)
             waiter.error = error
         return evicted
+
+
+def _grant_order(waiter: Waiter) -> tuple[int, int, int]:
+    """Scaled priority (rate_limiter.cc ScaledPriorityComparator); on a tie the
+    higher priority (the smaller number), then the longer wait."""
+    slot = waiter.slot
+    return (slot.scaled_priority, max(slot.priority, 1), waiter.order)
 
 
 class RateLimiter:
@@ -349,6 +357,7 @@ class RateLimiter:
             model, instance, device, config.priority, instance_needs(config, device)
         )
         self.table.add(slot)
+        self._log_resources()
         self._poke()
         return slot
 
@@ -364,6 +373,7 @@ class RateLimiter:
         for waiter in self.queue.evict(slot, error):
             waiter.event.set()
         self.table.remove(slot)
+        self._log_resources()
         self._poke()
 
     # -- execution (the executors) ---------------------------------------------
@@ -398,6 +408,17 @@ class RateLimiter:
             yield
         finally:
             self.release(slot)
+
+    def _log_resources(self) -> None:
+        """The available counts, at verbose level, in Triton's words (rate_limiter.cc
+        ParseAndValidateResources), its tabs and newlines escaped as Triton's log
+        writes them."""
+        lines = ["", "Max Resource Map===>"]
+        for key, counts in sorted(self.table.available.items()):
+            if counts:
+                lines.append(f"\tDevice: {'GLOBAL' if key == GLOBAL_RESOURCE_KEY else key}")
+                lines += [f"\t\tResource: {n}\t Count: {c}" for n, c in sorted(counts.items())]
+        log.debug("\n".join(lines).encode("unicode_escape").decode("ascii"))
 
     def _poke(self) -> None:
         self._wakeup.set()
