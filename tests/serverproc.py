@@ -27,7 +27,11 @@ class ServerProcess:
     """A trionserve subprocess; ``stop`` sends SIGTERM and returns the exit code."""
 
     def __init__(
-        self, *repositories: Path, args: list[str] | None = None, workers: int | None = None
+        self,
+        *repositories: Path,
+        args: list[str] | None = None,
+        workers: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.http_port = free_port()
         self.grpc_port = free_port()
@@ -48,7 +52,7 @@ class ServerProcess:
             *(args or []),
             *([f"--workers={workers}"] if workers is not None else []),
         ]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
         )

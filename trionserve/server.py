@@ -363,6 +363,8 @@ class Server:
                 "Exit timeout expired. Exiting immediately.",
                 left="model releases still running (a model's finalize, a stub process)",
             )
+            # What a file override wrote is not left behind (nothing loads it now).
+            self.registry.remove_overrides()
             sys.stdout.flush()
             sys.stderr.flush()
             logging.shutdown()

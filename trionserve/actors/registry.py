@@ -32,7 +32,12 @@ from trionserve.core.errors import (
 )
 from trionserve.observability.quantiles import Target
 from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
-from trionserve.repository.overrides import override_digest, remove_override, write_override
+from trionserve.repository.overrides import (
+    check_override_request,
+    override_digest,
+    remove_override,
+    write_override,
+)
 from trionserve.repository.repository import ModelId, ModelRepository, check_model_name
 from trionserve.repository.snapshot import file_changes, snapshot_model
 
@@ -123,15 +128,34 @@ class ModelRegistry:
         self._routes: dict[str, tuple[dict[int, ModelVersion], ModelVersion]] = {}
         self._transition = TransitionLog()
         self._nursery: trio.Nursery | None = None
+        # Every override directory written and not yet removed: removed at exit.
+        self._override_dirs: set[Path] = set()
         # What models that call other models (BLS, ensembles) are given: the
         # DataPlane's model-facing view, set explicitly when the DataPlane is made.
         self.inference: InferenceService | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self.remove_overrides()
+
+    def remove_overrides(self) -> None:
+        """Delete every override directory still on disk (at exit: the models
+        loaded from them are unloaded, or the process is about to end)."""
+        for model_dir in list(self._override_dirs):
+            self._remove_override_now(model_dir)
+
+    def _remove_override_now(self, model_dir: Path) -> None:
+        remove_override(model_dir)
+        self._override_dirs.discard(model_dir)
+
+    async def _remove_override(self, model_dir: Path) -> None:
+        await trio.to_thread.run_sync(remove_override, model_dir)
+        self._override_dirs.discard(model_dir)
 
     # -- queries (synchronous, on the Trio thread) ---------------------------
 
@@ -225,6 +249,7 @@ class ModelRegistry:
         plain = name.name if isinstance(name, ModelId) else name
         try:
             check_model_name(plain)  # a name that is no directory never enters the index
+            check_override_request(plain, override_json, files or {})
             digest = override_digest(override_json, files) if (override_json or files) else ""
             if isinstance(name, ModelId) or files or not self._namespacing:
                 ids = [name if isinstance(name, ModelId) else ModelId("", name)]
@@ -455,6 +480,7 @@ class ModelRegistry:
                 model_dir = await trio.to_thread.run_sync(
                     write_override, name, override_json, files
                 )
+                self._override_dirs.add(model_dir)
                 config_json = None
             else:
                 model_dir = await self._find(entry.model_id)
@@ -470,9 +496,12 @@ class ModelRegistry:
             polled = True
             self._set_known(entry, True)
             await self._load_composing_models(entry, prepared.config, chain)
-        except Exception as exc:
+        except BaseException as exc:
             if files and model_dir is not None:
-                await trio.to_thread.run_sync(remove_override, model_dir)
+                # Not awaited: a cancelled load (shutdown) removes it too.
+                self._remove_override_now(model_dir)
+            if not isinstance(exc, Exception):
+                raise
             if polled:
                 error = as_triton_error(exc, f"failed to load '{name}'")
             else:
@@ -655,7 +684,7 @@ class ModelRegistry:
                 for version in loaded.values():
                     self._retire(entry, version, "reload failed")
                 if not loaded:
-                    await trio.to_thread.run_sync(remove_override, source.model_dir)
+                    await self._remove_override(source.model_dir)
                 log.error(
                     "model reload failed; the loaded versions keep serving",
                     model=name,
@@ -663,6 +692,9 @@ class ModelRegistry:
                 )
                 raise error
             entry.failed = True
+            if not loaded:
+                # Nothing was loaded from it: a failed file override leaves nothing.
+                await self._remove_override(source.model_dir)
         retiring = [entry.serving[n] for n in plan.unload if n in entry.serving]
         entry.serving = {**{n: entry.serving[n] for n in plan.keep}, **loaded}
         self._switch(entry.model_id)
@@ -743,7 +775,7 @@ class ModelRegistry:
         ]
         current = entry.source is not None and entry.source.model_dir == model_dir
         if not in_use and not current:
-            await trio.to_thread.run_sync(remove_override, model_dir)
+            await self._remove_override(model_dir)
 
     def _switch(self, model_id: ModelId) -> None:
         entry = self._entries.get(model_id)

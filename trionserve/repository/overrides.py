@@ -27,6 +27,32 @@ FILE_PREFIX = "file:"
 MAX_OVERRIDE_PATH_BYTES = 1024
 MAX_OVERRIDE_PATH_LEVELS = 32
 OVERRIDE_DIR_PREFIX = "trionserve-override-"
+# Files one load request may write (Triton has no such bound: its request size is
+# the only one). Their total size is bounded by the request's own limit
+# (--http-max-input-size, --grpc-max-message-size).
+MAX_OVERRIDE_FILES = 4096
+
+
+def check_override_request(name: str, config_json: str | None, files: dict[str, bytes]) -> None:
+    """Refuse, before anything is written, a load request whose text is no UTF-8
+    (a JSON string can carry a lone surrogate such as ``"\\udcff"``) or that
+    carries more files than :data:`MAX_OVERRIDE_FILES`."""
+    for key, what in (
+        *((key, f"load parameter {ascii(key)}") for key in files),
+        *(((config_json, "load parameter 'config'"),) if config_json is not None else ()),
+    ):
+        try:
+            key.encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(
+                f"failed to load '{name}': {what} is not valid UTF-8: it holds "
+                f"{ascii(exc.object[exc.start : exc.end])} at character {exc.start}"
+            ) from None
+    if len(files) > MAX_OVERRIDE_FILES:
+        raise InvalidArgument(
+            f"failed to load '{name}': {len(files)} file override parameters, more than "
+            f"{MAX_OVERRIDE_FILES} in one load request"
+        )
 
 
 def override_digest(config_json: str | None, files: dict[str, bytes] | None) -> str:
