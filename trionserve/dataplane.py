@@ -372,9 +372,12 @@ class DataPlane:
                 "--model-control-mode=explicit"
             )
         if self.control_mode is not ControlMode.EXPLICIT:
+            # Triton's words in NONE mode too (core model_repository_manager.cc
+            # LoadUnloadModel: model control is disabled in both), then ours.
             raise Unavailable(
-                "explicit model load / unload is not allowed in model control "
-                "mode NONE; start the server with --model-control-mode=explicit"
+                "explicit model load / unload is not allowed if polling is enabled: in "
+                "model control mode NONE the server loads the repository's models at "
+                "start; start the server with --model-control-mode=explicit"
             )
 
     async def load_model(
@@ -543,16 +546,20 @@ class DataPlane:
                 await deliver(response, final)
 
     async def responses(
-        self, request: InferenceRequest
+        self, request: InferenceRequest, admitted: trio.Event | None = None
     ) -> AsyncGenerator[tuple[InferenceResponse | None, bool]]:
         """Route, validate and queue a request when first iterated, then yield its
         ``(response, final)`` pairs as :meth:`infer_stream` delivers them.
 
         For frontends that hand the responses on as a body they stream (HTTP
         generate_stream). Close it (``aclosing``) when done: a request whose
-        iterator is closed early is flagged cancelled.
+        iterator is closed early is flagged cancelled. ``admitted`` is set once
+        the request is routed and valid, so that a caller can tell an error of
+        the request from one its model answered.
         """
         model = self._admit(request)
+        if admitted is not None:
+            admitted.set()
         async with self._lifecycle(model, request) as run:
             async for response, final in request.stream():
                 await run.deliverable(response)

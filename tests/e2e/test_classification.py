@@ -5,10 +5,13 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.core.classification import classify
+from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import Tensor
 
 
@@ -57,7 +60,37 @@ def test_classification_over_http(tmp_path):
             ]
             assert values == [b"0.900000:1:dog", b"0.700000:3:fish", b"0.500000:2:bird"]
             assert result.get_output("OUTPUT0")["datatype"] == "BYTES"
+        # More than a million scores per item: refused with Triton's words
+        # (qa/L0_parameters class_count_test.py test_classification_output_tensor_too_large).
+        big = httpclient.InferInput("INPUT0", [1, 1_000_001], "FP32")
+        big.set_data_from_numpy(np.ones((1, 1_000_001), dtype=np.float32))
+        output = httpclient.InferRequestedOutput("OUTPUT0", class_count=1)
+        with pytest.raises(InferenceServerException) as info:
+            client.infer("scores", [big], outputs=[output])
+        assert info.value.status() == "400"
+        assert "classification output tensor too large" in info.value.message()
         client.close()
         assert server.stop() == 0
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("datatype", ["BYTES", "FP16", "BOOL", "BF16"])
+def test_classify_refuses_what_triton_does_not_classify(datatype):
+    # server src/classification.cc TopkClassifications: its datatype switch.
+    data = np.array([b"a"], dtype=np.object_) if datatype == "BYTES" else np.zeros(3, np.float16)
+    with pytest.raises(
+        InvalidArgument,
+        match=f"class result not available for output due to unsupported type '{datatype}'",
+    ):
+        classify(Tensor("OUT", datatype, data), 1, None, batched=False)
+
+
+def test_classify_refuses_more_than_a_million_elements_per_item():
+    # server src/classification.cc kMaxClassificationElements; qa/L0_parameters
+    # class_count_test.py test_classification_output_tensor_too_large.
+    scores = np.ones((2, 1_000_001), dtype=np.float32)
+    with pytest.raises(InvalidArgument, match="classification output tensor too large"):
+        classify(Tensor("OUT", "FP32", scores), 1, None, batched=True)
+    result = classify(Tensor("OUT", "FP32", scores[:, :1_000_000]), 1, None, batched=True)
+    assert result.data.shape == (2, 1)

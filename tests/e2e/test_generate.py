@@ -73,21 +73,55 @@ def test_shapes_fill_fixed_dims_then_the_innermost_variable_one():
 @pytest.mark.parametrize(
     "body, message",
     [
-        ({"N": "seven"}, "INT32 data must be integers"),
-        ({"N": [1.5]}, "INT32 data must be integers"),
+        # TritonJson's words, as Triton reads a generate input.
+        ({"N": "seven"}, "attempt to access JSON non-signed-integer as signed-integer"),
+        ({"N": [1.5]}, "attempt to access JSON non-signed-integer as signed-integer"),
         ({"N": [[1, 2]]}, "value or a flat array"),
-        ({"TEXT": 3}, "BYTES data must be strings"),
+        ({"TEXT": 3}, "attempt to access JSON non-string as string"),
+        ({"TEXT": {"USER": "a"}}, "attempt to access JSON non-string as string"),
         ({"other": [1, 2]}, "parameter 'other' has invalid type"),
         ({"other": None}, "parameter 'other' has invalid type"),
         ({"parameters": 3}, "Expected JSON object for keyword: 'parameters'"),
         ({"id": 7}, "Unable to parse 'id'"),
-        ({"N": [1], "parameters": {"N": [2]}}, "more than once"),
+        (
+            {"N": [1], "parameters": {"N": [2]}},
+            "Converting keyword: 'parameters': input 'N' already exists in request",
+        ),
+        ({"parameters": {"nested": {"a": 1}}}, "Converting keyword: 'parameters': parameter"),
     ],
 )
 def test_bad_generate_requests_name_the_field(body, message):
     sig = signature(0, TEXT=("BYTES", (1,)), N=("INT32", (-1,)))
     with pytest.raises(InvalidArgument, match=message):
         decode(body, sig)
+
+
+@pytest.mark.parametrize(
+    "body, name",
+    [
+        (b'{"TEXT": "a", "N": [1], "TEXT": "b"}', "TEXT"),
+        (b'{"TEXT": "a", "N": [1], "N": [2], "TEXT": "b"}', "N"),  # the first one named
+    ],
+)
+def test_a_key_given_twice_is_refused_as_an_input_given_twice(body, name):
+    """JSON with duplicate keys (qa/L0_http generate_endpoint_test.py
+    test_duplicate_inputs): Triton's core refuses the second input with its words
+    (infer_request.cc AddOriginalInput); Python's json would keep the last."""
+    sig = signature(0, TEXT=("BYTES", (1,)), N=("INT32", (-1,)))
+    with pytest.raises(InvalidArgument, match=f"input '{name}' already exists in request"):
+        generate_codec.decode_generate_request(body, "m", None, sig)
+
+
+def test_bytes_nested_deeper_than_tritons_cap_is_refused():
+    # server src/common.h HTTP_MAX_JSON_NESTING_DEPTH, JsonBytesArrayByteSize
+    sig = signature(0, TEXT=("BYTES", (-1,)))
+    deep: object = "x"
+    for _ in range(120):
+        deep = [deep]
+    with pytest.raises(
+        InvalidArgument, match=r"JSON nesting depth exceeds maximum allowed limit \(100\)"
+    ):
+        decode({"TEXT": deep}, sig)
 
 
 def test_not_json_is_an_invalid_argument():
@@ -249,7 +283,8 @@ def test_errors_before_inference_are_json_errors_with_a_status(server, endpoint)
     )
     assert bad.status == 400
     assert bad.getheader("Content-Type") == "application/json"
-    assert "INT32 data must be integers" in json.loads(bad.read())["error"]
+    error = json.loads(bad.read())["error"]
+    assert "input 'INPUT1'" in error and "non-signed-integer as signed-integer" in error
     shape = post(server, f"/v2/models/simple/{endpoint}", {"INPUT0": [1, 2], "INPUT1": [1, 2]})
     assert shape.status == 400
     assert "can not convert input" in json.loads(shape.read())["error"]
@@ -281,6 +316,16 @@ def test_generate_stream_sends_an_error_after_the_stream_started_as_an_event(ser
     assert [e.get("TEXT") for e in got[:2]] == ["token-0", "token-1"]
     assert got[2] == {"error": "failed after 2 responses"}
     assert len(got) == 3
+
+
+def test_generate_stream_whose_first_response_is_an_error_answers_its_status(server):
+    """The model's error as the first response sets the HTTP status, and the body is
+    that error as the one event (server src/http_server.cc StartResponse;
+    qa/L0_http generate_endpoint_test.py test_generate_stream_response_error)."""
+    response = post(server, "/v2/models/tokens/generate_stream", {"COUNT": 5, "fail_after": 0})
+    assert response.status == 500
+    assert response.getheader("Content-Type") == "text/event-stream; charset=utf-8"
+    assert events(response) == [{"error": "failed after 0 responses"}]
 
 
 def test_generate_stream_streams_before_the_model_finishes(server, tmp_path):

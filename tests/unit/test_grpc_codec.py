@@ -298,7 +298,7 @@ def raw_message(*specs, raws=()) -> triton_pb.ModelInferRequest:
         ),
         (
             raw_message(("X", "INT32", [1]), ("X", "INT32", [1]), raws=[b"\0" * 4] * 2),
-            "duplicate input 'X' in the request",
+            "input 'X' already exists in request",
         ),
         (
             raw_message(("X", "INT32", [1]), raws=[b"\0" * 4, b"\0" * 4]),

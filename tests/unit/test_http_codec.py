@@ -398,7 +398,7 @@ def test_input_without_name():
 
 def test_duplicate_input_names():
     spec = {"name": "A", "shape": [1], "datatype": "INT32", "data": [1]}
-    with expect_error(INVALID, "duplicate input 'A'"):
+    with expect_error(INVALID, "input 'A' already exists in request"):
         decode(json_body({"inputs": [spec, spec]}))
 
 
@@ -707,7 +707,7 @@ def test_shared_memory_bounds_are_checked(shm_region):
 
 def test_duplicate_output_names():
     doc = {"inputs": [], "outputs": [{"name": "Y"}, {"name": "Y"}]}
-    with expect_error(INVALID, "duplicate output 'Y'"):
+    with expect_error(INVALID, "output 'Y' already exists in request"):
         decode(json_body(doc))
 
 
@@ -937,3 +937,42 @@ def test_bytes_tensor_helpers_match_tritonclient():
 def test_huge_integer_for_a_float_input():
     with expect_error(INVALID, "out of range for input 'INPUT0'", "FP32", "element 0"):
         decode(_one_input(datatype="FP32", data=[2**1100, 1]))
+
+
+@pytest.mark.parametrize("depth, ok", [(99, True), (100, False), (120, False)])
+def test_json_data_nested_as_deep_as_tritons_cap_is_refused(depth, ok):
+    """Triton refuses an input's JSON data nested 100 arrays deep or more
+    (server src/common.h HTTP_MAX_JSON_NESTING_DEPTH, ReadDataFromJsonHelper;
+    qa/L0_http http_test.py test_json_recursion_depth_limit)."""
+    data: object = 7
+    for _ in range(depth):
+        data = [data]
+    doc = {"inputs": [{"name": "X", "shape": [1], "datatype": "INT64", "data": data}]}
+    if ok:
+        assert decode(json_body(doc)).inputs["X"].data.tolist() == [7]
+    else:
+        with expect_error(INVALID, "JSON nesting depth exceeds maximum allowed limit (100)"):
+            decode(json_body(doc))
+
+
+@pytest.mark.parametrize(
+    "shape, fragment",
+    [
+        (
+            [2**4, 2**60 + 2],
+            "shape [16,1152921504606846978] causes total element count to exceed maximum "
+            "size of 9223372036854775807",
+        ),
+        (
+            [2**2, 2**60 + 2],
+            "byte size overflow for input 'INPUT0': element count (4611686018427387912) * "
+            "data type size (4) exceeds maximum allowed size (9223372036854775807)",
+        ),
+    ],
+)
+def test_shapes_that_overflow_are_refused_in_tritons_words(shape, fragment):
+    # server src/http_server.cc ParseJsonTritonIO; qa/L0_http http_test.py
+    # test_buffer_size_overflow.
+    doc = {"inputs": [{"name": "INPUT0", "shape": shape, "datatype": "FP32", "data": [1.0]}]}
+    with expect_error(INVALID, fragment):
+        decode(json_body(doc))

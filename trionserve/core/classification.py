@@ -7,6 +7,14 @@ import numpy as np
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import Tensor
 
+# What Triton classifies, and how much of it (server src/classification.cc
+# TopkClassifications: its datatype switch, kMaxClassificationElements per batch
+# item); other outputs are refused with its words.
+CLASSIFIED_DATATYPES = frozenset(
+    ("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP32", "FP64")
+)
+MAX_CLASSIFICATION_ELEMENTS = 1_000_000
+
 
 def classify(tensor: Tensor, k: int, labels: list[str] | None, batched: bool) -> Tensor:
     """Replace a numeric output by its ``k`` highest entries, best first.
@@ -14,15 +22,23 @@ def classify(tensor: Tensor, k: int, labels: list[str] | None, batched: bool) ->
     For a batched model each batch item is classified on its own and the result has
     shape [batch, k]; otherwise [k]. An entry reads ``"<score>:<index>"`` followed by
     ``":<label>"`` when the output has a label file, with the score formatted as
-    Triton formats it (six decimals).
+    Triton formats it (six decimals). Outputs of a datatype Triton does not
+    classify, or with more than ``MAX_CLASSIFICATION_ELEMENTS`` per batch item, are
+    refused with Triton's words.
     """
     data = tensor.data
-    if data.dtype == np.object_ or tensor.datatype in ("BYTES", "BF16"):
+    if tensor.datatype not in CLASSIFIED_DATATYPES or data.dtype == np.object_:
         raise InvalidArgument(
-            f"classification is not supported for output '{tensor.name}' of datatype "
-            f"{tensor.datatype}"
+            "class result not available for output due to unsupported type "
+            f"'{tensor.datatype}' (output '{tensor.name}')"
         )
     rows = data.reshape(data.shape[0], -1) if batched and data.ndim else data.reshape(1, -1)
+    if rows.shape[1] > MAX_CLASSIFICATION_ELEMENTS:
+        raise InvalidArgument(
+            f"classification output tensor too large (output '{tensor.name}' has "
+            f"{rows.shape[1]} elements per batch item, at most "
+            f"{MAX_CLASSIFICATION_ELEMENTS} are classified)"
+        )
     count = min(k, rows.shape[1])
     results = np.empty((rows.shape[0], count), dtype=np.object_)
     for r, row in enumerate(rows):

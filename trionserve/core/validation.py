@@ -6,6 +6,7 @@ clients written against Triton see the same messages.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from trionserve.core import datatypes
@@ -69,6 +70,11 @@ def _fmt(shape) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
+def _names(names) -> str:
+    """Names as Triton lists them: ``['a','b']``."""
+    return "[" + ",".join(f"'{name}'" for name in names) + "]"
+
+
 def validate_request(request: InferenceRequest, signature: ModelSignature) -> None:
     """Check inputs and requested outputs; set ``request.batch_size``.
 
@@ -81,11 +87,19 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
             raise InvalidArgument(f"unexpected inference input '{name}' for model '{model}'")
     missing = [n for n, s in signature.inputs.items() if not s.optional and n not in inputs]
     if missing:
+        # Triton's words (core infer_request.cc ValidateRequestInputs): a range when
+        # the model has optional inputs.
         required = sum(1 for s in signature.inputs.values() if not s.optional)
+        total = len(signature.inputs)
+        expected = (
+            f"{total} inputs"
+            if total == required
+            else f"number of inputs between {required} and {total}"
+        )
         raise InvalidArgument(
-            f"expected {required} inputs but got {len(inputs)} inputs for model "
-            f"'{model}'. Got input(s) {list(inputs)}, but missing required input(s) "
-            f"{missing}. Please provide all required input(s)."
+            f"expected {expected} but got {len(inputs)} inputs for model "
+            f"'{model}'. Got input(s) {_names(inputs)}, but missing required input(s) "
+            f"{_names(missing)}. Please provide all required input(s)."
         )
 
     batched = signature.max_batch_size > 0
@@ -155,17 +169,30 @@ def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
 _INT64_MAX = 2**63 - 1
 
 
-def check_shape_size(name: str, shape: list[int]) -> None:
-    """Refuse an input shape numpy cannot hold: one whose non-zero dimensions would
-    take more bytes than it can index (at most 8 bytes an element), which numpy
-    refuses even when another dimension is 0 ("array is too big")."""
+def check_shape_size(name: str, shape: list[int], itemsize: int = 0) -> None:
+    """Refuse an input shape no buffer can hold, in Triton's words where Triton
+    refuses it (server src/http_server.cc ParseJsonTritonIO: an element count past
+    INT64_MAX, then element count times ``itemsize`` past it; BYTES, itemsize 0,
+    is sized by its data), and in ours for one numpy cannot hold: non-zero
+    dimensions that would take more bytes than it can index (at most 8 bytes an
+    element), which numpy refuses even when another dimension is 0."""
+    shown = "[" + ",".join(map(str, shape)) + "]"
+    count = math.prod(shape)
+    if count > _INT64_MAX:
+        raise InvalidArgument(
+            f"invalid shape for input '{name}': shape {shown} causes total element count "
+            f"to exceed maximum size of {_INT64_MAX}"
+        )
+    if itemsize > 1 and count * itemsize > _INT64_MAX:
+        raise InvalidArgument(
+            f"byte size overflow for input '{name}': element count ({count}) * data type "
+            f"size ({itemsize}) exceeds maximum allowed size ({_INT64_MAX})"
+        )
     size = 8
     for d in shape:
         size *= d or 1
     if size > _INT64_MAX:
-        raise InvalidArgument(
-            f"invalid shape for input '{name}': [{','.join(map(str, shape))}] is too large"
-        )
+        raise InvalidArgument(f"invalid shape for input '{name}': {shown} is too large")
 
 
 def parse_model_version(text: str) -> int | None:

@@ -307,7 +307,7 @@ def _decode_inputs(
     for spec in message.inputs:
         name = spec.name
         if name in tensors:
-            raise InvalidArgument(f"duplicate input '{name}' in the request")
+            raise InvalidArgument(f"input '{name}' already exists in request")
         dt = BY_WIRE.get(spec.datatype)
         if dt is None:
             raise InvalidArgument(
@@ -320,7 +320,7 @@ def _decode_inputs(
                 f"invalid shape for input '{name}': expected an array of "
                 f"non-negative integers, got {json.dumps(shape)}"
             )
-        check_shape_size(name, shape)
+        check_shape_size(name, shape, dt.itemsize)
         has_contents = spec.HasField("contents")
         what = f"input '{name}'"
         if has_contents and "shared_memory_region" in spec.parameters:
@@ -430,7 +430,7 @@ def _decode_outputs(outputs, shared_memory: SharedMemory | None) -> list[Request
     for spec in outputs:
         name = spec.name
         if name in seen:
-            raise InvalidArgument(f"duplicate output '{name}' in the request")
+            raise InvalidArgument(f"output '{name}' already exists in request")
         seen.add(name)
         params: dict[str, Any] = {}
         if spec.parameters:

@@ -301,7 +301,7 @@ def _decode_inputs(
                 f"invalid input at index {index}: 'name' must be a string, got {_json_kind(name)}"
             )
         if name in tensors:
-            raise InvalidArgument(f"duplicate input '{name}' in the request")
+            raise InvalidArgument(f"input '{name}' already exists in request")
 
         datatype = spec.get("datatype")
         dt = BY_WIRE.get(datatype) if type(datatype) is str else None
@@ -318,7 +318,7 @@ def _decode_inputs(
                 f"non-negative integers, got {json.dumps(shape)}"
             )
         count = math.prod(shape)
-        check_shape_size(name, shape)
+        check_shape_size(name, shape, dt.itemsize)
 
         params = spec.get("parameters")
         binary_size = None
@@ -486,7 +486,15 @@ _INT_TYPES = frozenset((int,))
 _NUMBER_TYPES = frozenset((int, float))
 
 
+# Triton's cap on the nesting of an input's JSON 'data' (src/common.h
+# HTTP_MAX_JSON_NESTING_DEPTH; src/http_server.cc ReadDataFromJsonHelper and
+# JsonBytesArrayByteSize refuse a value at this depth or deeper).
+MAX_JSON_DATA_DEPTH = 100
+
+
 def _flatten(data: list) -> list:
+    """The elements of nested lists in order; InvalidArgument with Triton's words
+    for a value nested ``MAX_JSON_DATA_DEPTH`` levels deep or deeper."""
     if list not in set(map(type, data)):
         return data
     flat: list = []
@@ -494,6 +502,11 @@ def _flatten(data: list) -> list:
     while stack:
         for item in stack[-1]:
             if type(item) is list:
+                # ``item`` is len(stack) levels deep, its elements one more.
+                if item and len(stack) >= MAX_JSON_DATA_DEPTH - 1:
+                    raise InvalidArgument(
+                        f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DATA_DEPTH})"
+                    )
                 stack.append(iter(item))
                 break
             flat.append(item)
@@ -537,7 +550,7 @@ def _decode_outputs(outputs: Any, shared_memory: SharedMemory | None) -> list[Re
                 f"invalid output at index {index}: 'name' must be a string, got {_json_kind(name)}"
             )
         if name in seen:
-            raise InvalidArgument(f"duplicate output '{name}' in the request")
+            raise InvalidArgument(f"output '{name}' already exists in request")
         seen.add(name)
         params = spec.get("parameters")
         if params is None:

@@ -444,7 +444,8 @@ class HttpFrontend:
     async def repository_index(self, match, headers, body) -> Response:
         ready = json_body(body).get("ready", False)
         if not isinstance(ready, bool):
-            raise InvalidArgument("'ready' in the repository index request must be a boolean")
+            # Triton's words (src/http_server.cc HandleRepositoryIndex).
+            raise InvalidArgument("Invalid value for 'ready': expected a boolean")
         return _json(self.dataplane.repository_index(ready_only=ready))
 
     async def repository_load(self, match, headers, body) -> Response:
@@ -549,15 +550,26 @@ class HttpFrontend:
 
     async def generate_stream(self, match, headers, body) -> Response:
         infer_request = self._generate_request(match, headers, body)
-        stream = self.dataplane.responses(infer_request)
+        admitted = trio.Event()
+        stream = self.dataplane.responses(infer_request, admitted)
+        content_type = (b"content-type", generate_codec.SSE_CONTENT_TYPE.encode())
         try:
             first = await anext(stream)
         except StopAsyncIteration:
             first = (None, True)
+        except TritonError as error:
+            await stream.aclose()
+            if not admitted.is_set():
+                raise  # the request's own error: a JSON answer
+            # The model's error as the first response: its status, and the error as
+            # the one event, as Triton answers it (src/http_server.cc
+            # GenerateRequestClass::StartResponse with the response's code).
+            event = generate_codec.encode_error_event(error.message)
+            length = (b"content-length", b"%d" % len(event))
+            return error_status(error), [content_type, length], [event]
         except BaseException:
             await stream.aclose()
             raise
-        content_type = (b"content-type", generate_codec.SSE_CONTENT_TYPE.encode())
         return 200, [content_type], _events(stream, first[0], infer_request.id, match["name"])
 
 

@@ -31,7 +31,7 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
-from trionserve.protocol.http.codec import _json_output, _json_to_array
+from trionserve.protocol.http.codec import _flatten, _json_output, _json_to_array
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 NOT_ONE_RESPONSE = (
@@ -50,28 +50,37 @@ def decode_generate_request(
     if isinstance(body, memoryview):
         body = bytes(body)
     try:
-        payload = json.loads(body) if body.strip() else {}
+        # Objects keep their members in order, duplicates included, so that a key
+        # given twice is refused as Triton's core refuses a second input.
+        payload = json.loads(body, object_pairs_hook=_Members) if body.strip() else _Members()
     except ValueError as exc:
         raise InvalidArgument(f"failed to parse the generate request JSON: {exc}") from None
     except RecursionError:
         raise InvalidArgument(
             "failed to parse the generate request JSON: nested too deeply"
         ) from None
-    if not isinstance(payload, dict):
+    if not isinstance(payload, _Members):
         raise InvalidArgument("the generate request body must be a JSON object")
     request_id = payload.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidArgument("Unable to parse 'id': the request id must be a string")
     inputs: dict[str, Tensor] = {}
     parameters: dict[str, Any] = {}
-    for key, value in payload.items():
+    for key, value in payload.members:
         if key == "id":
             continue
         if key == "parameters" and key not in signature.inputs:
-            if not isinstance(value, dict):
-                raise InvalidArgument("Expected JSON object for keyword: 'parameters'")
-            for nested, nested_value in value.items():
-                _map_field(nested, nested_value, signature, inputs, parameters)
+            # Triton's mapping schema (src/http_server.cc ConvertGenerateRequest).
+            if not isinstance(value, _Members):
+                raise InvalidArgument(
+                    "Expected JSON object for keyword: 'parameters': attempt to access "
+                    "JSON non-object as object"
+                )
+            try:
+                for nested, nested_value in value.members:
+                    _map_field(nested, nested_value, signature, inputs, parameters)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"Converting keyword: 'parameters': {exc.message}") from None
             continue
         _map_field(key, value, signature, inputs, parameters)
     return InferenceRequest(
@@ -81,6 +90,49 @@ def decode_generate_request(
         inputs=inputs,
         parameters=parameters,
     )
+
+
+class _Members(dict):
+    """A JSON object: a dict, with its members in order, duplicates included."""
+
+    def __init__(self, members: list[tuple[str, Any]] | None = None) -> None:
+        self.members = members or []
+        super().__init__(self.members)
+
+
+# TritonJson's words for a value of the wrong JSON type (Triton's common
+# triton_json.h AsString / AsBool / AsInt / AsUInt / AsDouble), by input datatype.
+_STRING = "attempt to access JSON non-string as string"
+_TYPE_ERRORS = {
+    "BOOL": ("attempt to access JSON non-boolean as boolean", (bool,)),
+    "FP16": ("attempt to access JSON non-number as double", (int, float)),
+    "FP32": ("attempt to access JSON non-number as double", (int, float)),
+    "FP64": ("attempt to access JSON non-number as double", (int, float)),
+}
+for _wire in ("INT8", "INT16", "INT32", "INT64"):
+    _TYPE_ERRORS[_wire] = ("attempt to access JSON non-signed-integer as signed-integer", (int,))
+for _wire in ("UINT8", "UINT16", "UINT32", "UINT64"):
+    _TYPE_ERRORS[_wire] = (
+        "attempt to access JSON non-unsigned-integer as unsigned-integer",
+        (int,),
+    )
+
+
+def _check_types(name: str, datatype: str, items: list) -> None:
+    """Refuse an element of the wrong JSON type with TritonJson's words, as Triton
+    reads a generate input (src/http_server.cc ExactMappingInput:
+    JsonBytesArrayByteSize for BYTES, ReadDataFromJson for the others)."""
+    if datatype == "BYTES":
+        if any(type(item) is not str for item in items):
+            raise InvalidArgument(f"Unable to parse JSON bytes array for input '{name}': {_STRING}")
+        return
+    rule = _TYPE_ERRORS.get(datatype)
+    if rule is None:
+        return
+    message, allowed = rule
+    for item in items:
+        if type(item) not in allowed or (datatype.startswith("UINT") and item < 0):
+            raise InvalidArgument(f"invalid data for input '{name}': {message}")
 
 
 def _map_field(
@@ -93,14 +145,15 @@ def _map_field(
     spec = signature.inputs.get(key)
     if spec is None:
         if value is None or isinstance(value, (list, dict)):
+            # src/http_server.cc SetTritonParameterFromJsonParameter
             raise InvalidArgument(
                 f"parameter '{key}' has invalid type. It should be either 'int', "
                 "'bool', or 'string'."
             )
         parameters[key] = value
         return
-    if key in inputs:
-        raise InvalidArgument(f"input '{key}' is given more than once in the generate request")
+    if key in inputs:  # core infer_request.cc AddOriginalInput
+        raise InvalidArgument(f"input '{key}' already exists in request")
     inputs[key] = input_tensor(key, spec.datatype, signature.full_shape(spec), value)
 
 
@@ -108,10 +161,13 @@ def input_tensor(name: str, datatype: str, full_shape: list[int], value: Any) ->
     """One input from a JSON value (a scalar or a flat array) for a model input of
     ``datatype`` whose shape (batch dimension included) is ``full_shape``."""
     items = value if isinstance(value, list) else [value]
-    if any(isinstance(item, (list, dict)) for item in items):
+    if any(isinstance(item, list) for item in items):
+        if datatype == "BYTES":
+            _flatten(items)  # Triton's cap on the nesting depth
         raise InvalidArgument(
             f"input '{name}' in the generate request must be a value or a flat array"
         )
+    _check_types(name, datatype, items)
     shape = fit_shape(name, full_shape, len(items))
     dt = datatypes.from_wire(datatype)
     count = 1
