@@ -237,3 +237,16 @@ def test_key_that_is_not_a_regular_file_is_refused(shm_server):
     finally:
         os.unlink(path)
         client.close()
+
+
+def test_a_key_that_does_not_exist_is_refused_in_tritons_words(shm_server):
+    # server src/shared_memory_manager.cc OpenSharedMemoryRegion (INTERNAL there;
+    # NOT_FOUND here: the client named it); qa/L0_grpc python_grpc_aio_test.py.
+    client = httpclient.InferenceServerClient(shm_server.http_url)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            client.register_system_shared_memory("r", "/trionserve_no_such_key", 64)
+    finally:
+        client.close()
+    assert "Unable to open shared memory region: '/trionserve_no_such_key'" in info.value.message()
+    assert info.value.status() == "404"

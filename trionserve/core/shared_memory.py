@@ -168,8 +168,11 @@ class SystemSharedMemory(RegionTable[Region]):
         try:
             fd = os.open(path, _OPEN_FLAGS)
         except FileNotFoundError:
+            # Triton's words first (server src/shared_memory_manager.cc
+            # OpenSharedMemoryRegion), though as NOT_FOUND: the client named it.
             raise NotFound(
-                f"unable to open shared memory region '{name}': key '{key}' does not exist"
+                f"Unable to open shared memory region: '{key}' (region '{name}'): the key "
+                "does not exist"
             ) from None
         except OSError as exc:
             # ELOOP: the key is a symbolic link, which shm_open never follows.
