@@ -33,6 +33,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from functools import partial
 
 import numpy as np
 import trio
@@ -242,7 +243,9 @@ class SequenceBatchScheduler:
     removed its sequences move, with their state, to another); a sequence waiting
     in the backlog whose request has a ``timeout`` gives up with UNAVAILABLE when
     it expires; a cancelled request is answered CANCELLED and skipped, its
-    sequence going on with the state it had. On ``abort`` every queued request is
+    sequence going on with the state it had, except in the backlog: there a
+    cancelled request (its client gone) gives its whole sequence up at once, so a
+    sequence nobody waits for never takes a slot. On ``abort`` every queued request is
     answered with the error and all state is dropped.
     """
 
@@ -288,6 +291,7 @@ class SequenceBatchScheduler:
         self._numbers = itertools.count()
         self._free: list[tuple[int, int, _Instance]] = []  # (slot, instance number, instance)
         self._backlog: deque[Sequence] = deque()
+        self._released_in_backlog = 0  # cancelled ones not yet removed from it
         self._backlog_deadlines: list[tuple[float, int, Sequence]] = []
         self._counter = itertools.count()
         self._queued = 0
@@ -379,6 +383,9 @@ class SequenceBatchScheduler:
         self._queued += 1
         if new:
             self._place(sequence)
+        if sequence.instance is None:
+            # Backlogged: a client that goes away gives the sequence up at once.
+            request.on_cancel(partial(self._backlogged_request_cancelled, sequence))
         if request.timeout_us and sequence.instance is None:
             deadline = now + request.timeout_us / 1e6
             if deadline < sequence.backlog_deadline:
@@ -404,7 +411,19 @@ class SequenceBatchScheduler:
                 return instance, slot
         return None
 
+    def _pop_free_peek(self) -> tuple[_Instance, int] | None:
+        """The free slot :meth:`_pop_free` would return, left free."""
+        heap = self._free
+        while heap:
+            slot, _, instance = heap[0]
+            if instance.alive and instance.slots[slot] is None:
+                return instance, slot
+            heapq.heappop(heap)
+        return None
+
     def _bind(self, sequence: Sequence, instance: _Instance, slot: int) -> None:
+        for request in sequence.queue:
+            request.on_cancel(None)  # the backend's to set from now on
         instance.slots[slot] = sequence
         sequence.instance = instance
         sequence.slot = slot
@@ -422,16 +441,25 @@ class SequenceBatchScheduler:
         self._fill_from_backlog()
 
     def _fill_from_backlog(self) -> None:
+        """Free slots go to the oldest backlogged sequences. One with a cancelled
+        request (its client gone) never takes a slot: it is answered CANCELLED and
+        released, as Triton's ReleaseSequenceSlot skips a backlogged sequence for
+        which IsAnyRequestCancelled holds (core sequence_batch_scheduler.cc)."""
         backlog = self._backlog
         self._wakeup.set()
         while backlog:
             if backlog[0].released:
                 backlog.popleft()
                 continue
-            free = self._pop_free()
-            if free is None:
+            if self._pop_free_peek() is None:
                 return
-            self._bind(backlog.popleft(), *free)
+            sequence = backlog.popleft()
+            if any(request.cancelled for request in sequence.queue):
+                self._cancel_backlogged(sequence, trio.current_time())
+                continue
+            free = self._pop_free()
+            assert free is not None
+            self._bind(sequence, *free)
 
     def _on_release(self, sequence: Sequence) -> None:
         """The state manager released a sequence (idle, or expired in the backlog)."""
@@ -461,15 +489,31 @@ class SequenceBatchScheduler:
             if sequence.released or not sequence.queue:
                 continue
             if all(request.cancelled or request.done for request in sequence.queue):
-                error = Cancelled(
-                    f"sequence {describe(sequence.id)} of model '{self.model_name}' was "
-                    "cancelled while waiting in the backlog"
-                )
-                self._drop_backlogged(sequence, error, now, FailureReason.CANCELED)
-                self._states.release(sequence, "was cancelled while waiting in the backlog")
+                self._cancel_backlogged(sequence, now)
                 purged = True
         if purged:
             self._backlog = deque(s for s in self._backlog if not s.released)
+
+    def _backlogged_request_cancelled(self, sequence: Sequence) -> None:
+        """A request of a backlogged sequence was cancelled (its client is gone):
+        the sequence leaves the backlog at once, all its requests answered
+        CANCELLED, so it neither takes a slot nor counts against the queue."""
+        if sequence.released or sequence.instance is not None:
+            return
+        self._cancel_backlogged(sequence, trio.current_time())
+        self._released_in_backlog += 1
+        if self._released_in_backlog > len(self._backlog) // 2:
+            self._backlog = deque(s for s in self._backlog if not s.released)
+            self._released_in_backlog = 0
+        self._wakeup.set()
+
+    def _cancel_backlogged(self, sequence: Sequence, now: float) -> None:
+        error = Cancelled(
+            f"sequence {describe(sequence.id)} of model '{self.model_name}' was "
+            "cancelled while waiting in the backlog"
+        )
+        self._drop_backlogged(sequence, error, now, FailureReason.CANCELED)
+        self._states.release(sequence, "was cancelled while waiting in the backlog")
 
     def _drop_backlogged(self, sequence: Sequence, error, now: float, reason) -> None:
         for request in sequence.queue:
