@@ -180,6 +180,11 @@ def test_a_forwarded_header_with_a_reserved_name_is_refused(http_client, grpc_cl
 def test_other_forwarded_headers_reach_the_model(http_client, grpc_client):
     result = http_client.infer("params", [params_input(httpclient)], headers={"x-tenant": "a"})
     assert model_parameters(result)["x-tenant"] == "a"
+    # Whole, trailing blanks included, as Triton's libevhtp hands them on
+    # (qa/L0_parameters parameters_test.py test_headers).
+    value = 'a "quoted" string with a backslash\\ '
+    result = http_client.infer("params", [params_input(httpclient)], headers={"x-text": value})
+    assert model_parameters(result)["x-text"] == value
     result = grpc_client.infer("params", [params_input(grpcclient)], headers={"x-tenant": "b"})
     assert model_parameters(result)["x-tenant"] == "b"
 

@@ -339,3 +339,23 @@ async def test_creating_and_warming_up_an_instance_count_as_executions(repositor
         assert slot.executions == 2 and slot.scaled_priority == 4
         srv.shutdown()
     assert srv.rate_limiter.table.allocated == {0: {"R1": 0}}
+
+
+async def test_a_changed_rate_limiter_replaces_the_instance_without_a_reload(repository):
+    # As Triton compares instance signatures (model_config_utils.cc
+    # EquivalentInInstanceConfig): the instance is replaced in place, the old one
+    # is gone (and its needs with it) when the load returns.
+    write_model(repository, "a", 'resources [ { name: "R1" count: 2 } ]')
+    srv = server(repository)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(srv.serve)
+        version = srv.registry.route("a", None)
+        (before,) = srv.rate_limiter.table.slots
+        config = repository / "a" / "config.pbtxt"
+        config.write_text(config.read_text().replace("count: 2", "count: 8"))
+        await srv.registry.load("a")
+        assert srv.registry.route("a", None) is version  # not reloaded
+        (after,) = srv.rate_limiter.table.slots
+        assert after is not before and not before.registered
+        assert srv.rate_limiter.table.available == {0: {"R1": 8}}
+        srv.shutdown()

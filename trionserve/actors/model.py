@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 
@@ -170,7 +170,7 @@ class ModelVersion:
         try:
             loaded, instances = await self._load()
         except BaseException as exc:
-            self._unregister(list(self._rate_slots))
+            self._unregister(self._rate_slots.pop(spec) for spec in list(self._rate_slots))
             self._set_unavailable(as_triton_error(exc, "failed to load").message)
             self.stopped.set()
             raise
@@ -224,7 +224,7 @@ class ModelVersion:
             instances, self._instances = self._instances, []
             with trio.CancelScope(shield=True):
                 await self._release(loaded, instances)
-            self._unregister(list(self._rate_slots))
+            self._unregister(self._rate_slots.pop(spec) for spec in list(self._rate_slots))
             if self.state is not ModelState.UNAVAILABLE:
                 self._set_unavailable("unloaded")
             self.stopped.set()
@@ -240,7 +240,7 @@ class ModelVersion:
             inference=self.inference,
         )
         specs = instance_specs(self.config, gpu_count())
-        self._register(specs, self.config)
+        self._rate_slots = self._register(specs, self.config)
         async with self._load_limiter:
             self._warmup = await trio.to_thread.run_sync(
                 warmup_samples, self.config, self.model_dir
@@ -262,10 +262,10 @@ class ModelVersion:
                 raise
         return loaded, instances
 
-    async def _warm_up(self, instances) -> None:
+    async def _warm_up(self, instances, slots: dict | None = None) -> None:
         """Every instance runs every warmup sample before READY (see warmup.py)."""
         for spec, instance in instances:
-            async with self._rate_limited(spec):
+            async with self._rate_limited(spec, slots):
                 await self._warm_up_instance(spec, instance)
 
     async def _warm_up_instance(self, spec: InstanceSpec, instance) -> None:
@@ -324,7 +324,9 @@ class ModelVersion:
                 inflight=self._inflight,
             )
 
-    async def _start_executor(self, spec: InstanceSpec, instance) -> InstanceExecutor:
+    async def _start_executor(
+        self, spec: InstanceSpec, instance, slot: InstanceSlot | None = None
+    ) -> InstanceExecutor:
         assert self._scheduler is not None and self._nursery is not None
         executor = InstanceExecutor(
             spec,
@@ -332,43 +334,47 @@ class ModelVersion:
             self._scheduler.outlet(),
             self.statistics,
             rate_limiter=self._rate_limiter,
-            rate_slot=self._rate_slots.get(spec),
+            rate_slot=slot if slot is not None else self._rate_slots.get(spec),
         )
         self._executors.append(executor)
         await self._nursery.start(executor.run)
         return executor
 
-    def _register(self, specs: list[InstanceSpec], config) -> None:
+    def _register(
+        self, specs: list[InstanceSpec], config
+    ) -> dict[InstanceSpec, InstanceSlot | None]:
         """Register instances with the rate limiter before they are created, as
-        Triton does; a resource the server cannot provide fails the load."""
+        Triton does; a resource the server cannot provide fails the load (and
+        registers none of them)."""
         limiter = self._rate_limiter
+        slots: dict[InstanceSpec, InstanceSlot | None] = {}
         if limiter is None:
-            return
+            return slots
         groups = group_rate_limiters(config)
-        added: list[InstanceSpec] = []
         try:
             for spec in specs:
-                self._rate_slots[spec] = limiter.register(
+                slots[spec] = limiter.register(
                     self.name, spec.name, spec.device_id, groups.get(spec.group)
                 )
-                added.append(spec)
         except BaseException:
-            self._unregister(added)
+            self._unregister(slots.values())
             raise
+        return slots
 
-    def _rate_limited(self, spec: InstanceSpec) -> AbstractAsyncContextManager:
+    def _rate_limited(
+        self, spec: InstanceSpec, slots: dict | None = None
+    ) -> AbstractAsyncContextManager:
         """Hold ``spec``'s rate-limiter resources. Creating an instance and warming it
         up each take them once and count as an execution, as Triton's INIT and
         WARM_UP payloads do (backend_model_instance.cc InitAndWarmUpModelInstance)."""
-        slot = self._rate_slots.get(spec)
+        slot = (slots if slots is not None else self._rate_slots).get(spec)
         if self._rate_limiter is None or slot is None:
             return nullcontext()
         return self._rate_limiter.execution(slot)
 
-    def _unregister(self, specs: list[InstanceSpec]) -> None:
-        for spec in specs:
-            slot = self._rate_slots.pop(spec, None)
-            if self._rate_limiter is not None:
+    def _unregister(self, slots: Iterable[InstanceSlot | None]) -> None:
+        if self._rate_limiter is not None:
+            for slot in slots:
                 self._rate_limiter.unregister(slot)
 
     def _set_unavailable(self, reason: str) -> None:
@@ -444,18 +450,23 @@ class ModelVersion:
                 f"({self.state.value}); its instances cannot be changed"
             )
         wanted = instance_specs(config, gpu_count())
+        # An instance whose group changed in more than its name and count (its
+        # rate_limiter) is replaced, as Triton compares instance signatures.
+        changed = _changed_groups(self.config, config)
         current = {executor.spec: executor for executor in self._executors}
-        added = [spec for spec in wanted if spec not in current]
-        removed = [e for spec, e in current.items() if spec not in set(wanted)]
+        added = [spec for spec in wanted if spec not in current or spec.group in changed]
+        removed = [
+            e for spec, e in current.items() if spec not in set(wanted) or spec.group in changed
+        ]
         created: list = []
-        self._register(added, config)
+        slots = self._register(added, config)
         async with self._load_limiter:
             try:
                 for spec in added:
-                    async with self._rate_limited(spec):
+                    async with self._rate_limited(spec, slots):
                         created.append(await trio.to_thread.run_sync(loaded.create_instance, spec))
             except BaseException:
-                self._unregister(added)
+                self._unregister(slots.values())
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_close_all, created, self.name)
                 raise
@@ -463,17 +474,21 @@ class ModelVersion:
         try:
             # New instances are warmed up before they take batches; a stub-backed
             # one needs its executor running first and serialises its executes.
-            await self._warm_up([p for p in pairs if not isinstance(p[1], AsyncBackendInstance)])
+            await self._warm_up(
+                [p for p in pairs if not isinstance(p[1], AsyncBackendInstance)], slots
+            )
         except BaseException:
-            self._unregister(added)
+            self._unregister(slots.values())
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_close_all, created, self.name)
             raise
         for spec, instance in pairs:
             self._instances.append(instance)
-            await self._start_executor(spec, instance)
+            await self._start_executor(spec, instance, slots.get(spec))
+        old_slots = [self._rate_slots.get(e.spec) for e in removed]
+        self._rate_slots.update(slots)
         try:
-            await self._warm_up([p for p in pairs if isinstance(p[1], AsyncBackendInstance)])
+            await self._warm_up([p for p in pairs if isinstance(p[1], AsyncBackendInstance)], slots)
         except TritonError as exc:
             log.warning("warmup of a new instance failed", model=self.name, reason=exc.message)
         for executor in removed:
@@ -486,12 +501,35 @@ class ModelVersion:
             removed=[e.spec.name for e in removed],
             instances=len(self._executors),
         )
-        for executor in removed:
+        for executor, old_slot in zip(removed, old_slots):
             await executor.finished.wait()
-            self._unregister([executor.spec])
+            self._unregister([old_slot])
             if executor.instance in self._instances:  # else the unload released it
                 self._instances.remove(executor.instance)
                 await trio.to_thread.run_sync(_close_all, [executor.instance], self.name)
+
+
+def _changed_groups(old, new) -> set[str]:
+    """Names of the instance groups in both configurations that differ in more than
+    their count (core model_config_utils.cc EquivalentInInstanceConfig ignores the
+    name and the count)."""
+    before = {name: group for name, group in _groups(old)}
+    changed = set()
+    for name, group in _groups(new):
+        if name in before:
+            a, b = type(group)(), type(group)()
+            a.CopyFrom(before[name])
+            b.CopyFrom(group)
+            a.count = b.count = 0
+            a.name = b.name = ""
+            if a != b:
+                changed.add(name)
+    return changed
+
+
+def _groups(config):
+    for index, group in enumerate(config.instance_group):
+        yield group.name or f"{config.name}_{index}", group
 
 
 def _failure_reason(exc: BaseException) -> str:

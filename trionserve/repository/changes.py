@@ -35,10 +35,15 @@ def config_changes(old, new) -> frozenset[ConfigChange]:
         changes.add(ConfigChange.VERSION_POLICY)
         a.ClearField("version_policy")
         b.ClearField("version_policy")
-    if [g.count for g in a.instance_group] != [g.count for g in b.instance_group]:
+    # Counts and rate_limiter blocks are applied to the running instances (an
+    # instance whose rate_limiter changed is replaced), as Triton updates them.
+    if [(g.count, g.rate_limiter) for g in a.instance_group] != [
+        (g.count, g.rate_limiter) for g in b.instance_group
+    ]:
         changes.add(ConfigChange.INSTANCE_COUNT)
         for group in (*a.instance_group, *b.instance_group):
             group.count = 0
+            group.ClearField("rate_limiter")
     if a != b:
         changes.add(ConfigChange.OTHER)
     return frozenset(changes)
