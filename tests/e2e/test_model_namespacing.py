@@ -171,21 +171,47 @@ def test_same_names_in_two_repositories_are_two_models(repos):
 
 def test_poll_resolves_a_removed_composing_model_elsewhere_and_back(repos, tmp_path):
     a, b = repos
-    server = start(a, b, "--model-control-mode=poll", "--repository-poll-secs=0.1")
+    c = tmp_path / "repo_c"
+    ensemble(c, "far", "composing")  # not in repo_c: ambiguous while a and b have it
+    server = ServerProcess(
+        a,
+        b,
+        c,
+        args=[
+            "--model-namespacing=true",
+            "--model-control-mode=poll",
+            "--repository-poll-secs=0.1",
+            "--exit-on-error=false",
+        ],
+    )
     try:
+        server.wait_ready(path="/v2/health/live")
         client = httpclient.InferenceServerClient(server.http_url)
         assert infer(client, "ens_a") == 1.0
+        assert "not available or ambiguous: composing" in reason(client, "far")
         shutil.move(a / "composing", tmp_path / "composing")
         # repo_a's ensemble now calls repo_b's composing model, the only one left,
-        # which a client can call by name again.
+        # which a client can call by name again; the ensemble that could not load
+        # while the name was ambiguous loads.
         wait_for(lambda: adds(client, "ens_a") == 2.0, "ens_a to call repo_b's composing")
         assert infer(client, "composing") == 2.0 and infer(client, "ens_b") == 2.0
+        wait_for(lambda: adds(client, "far") == 2.0, "far to load, calling repo_b's composing")
         shutil.move(tmp_path / "composing", a / "composing")
         wait_for(lambda: adds(client, "ens_a") == 1.0, "ens_a to call its own composing again")
         assert infer(client, "ens_b") == 2.0
         expect_error(lambda: infer(client, "composing"), AMBIGUOUS, 400)
+        # far's step is ambiguous again: it keeps its binding (where Triton unloads
+        # it), and the index says why it was not rebound.
+        wait_for(lambda: "ambiguous" in reason(client, "far"), "far's failed rebinding")
+        assert infer(client, "far") == 2.0
     finally:
         stop(server)
+
+
+def reason(client, name: str) -> str:
+    return " ".join(
+        row.get("reason", "") for row in client.get_model_repository_index() if row["name"] == name
+    )
 
 
 def test_explicit_load_resolves_then_rebinds_and_unloads_by_name(repos, tmp_path):

@@ -141,6 +141,8 @@ class ModelEntry:
     failed: bool = False
     explicit: bool = False  # loaded by name, not only as an ensemble's composing model
     known: bool = False  # in the registry's map of names (Triton's global map)
+    # Ensemble steps that resolved to no model at its last load (namespacing).
+    unresolved: frozenset[str] = frozenset()
     dependencies: frozenset[ModelId] = frozenset()  # the models its ensemble steps call
     source: LoadedSource | None = None
     lock: trio.Lock = field(default_factory=trio.Lock)

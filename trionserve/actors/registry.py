@@ -426,7 +426,9 @@ class ModelRegistry:
         return next(iter(known)) if len(known) == 1 else None
 
     def _rebind_affected(self, name: str) -> None:
-        """Load again each serving ensemble whose step ``name`` resolves elsewhere now.
+        """Load again each serving ensemble whose step ``name`` resolves elsewhere now,
+        and each that failed to load because that step resolved to nothing and now
+        resolves.
 
         Triton re-evaluates the downstreams of a node added or removed
         (``DependencyGraph::AddNodes`` via ``missing_nodes_``, ``RemoveNode``) and
@@ -437,8 +439,14 @@ class ModelRegistry:
             return
         self._generation += 1
         for entry in list(self._entries.values()):
-            if not entry.serving or entry.source is None or entry.source.override_digest:
+            if entry.source is not None and entry.source.override_digest:
                 continue  # an ensemble from a file override is not read again
+            if name in entry.unresolved and entry.known and not entry.serving:
+                if self._resolve(entry.model_id.namespace, name) is not None:
+                    self._nursery.start_soon(self._rebind, entry.model_id, name, self._generation)
+                continue
+            if not entry.serving or entry.source is None:
+                continue
             for bound in entry.dependencies:
                 if bound.name == name and self._resolve(entry.model_id.namespace, name) != bound:
                     self._nursery.start_soon(self._rebind, entry.model_id, name, self._generation)
@@ -603,6 +611,7 @@ class ModelRegistry:
                 errors.pop(step, None)
             elif step not in errors:
                 errors[step] = (composing.reason if composing else "") or "it is not loaded"
+        entry.unresolved = frozenset(missing)
         if missing:
             raise InvalidArgument(
                 f"ensemble {entry.model_id.display} contains models that are not available "
@@ -799,6 +808,7 @@ class ModelRegistry:
         entry.failed = False
         entry.reason = ""
         entry.explicit = False
+        entry.unresolved = frozenset()
         source, entry.source = entry.source, None
         dependencies, entry.dependencies = entry.dependencies, frozenset()
         if versions:
