@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import structlog
 import trio
 
-from trionserve.actors.instance_thread import InstanceThread, Job
+from trionserve.actors.instance_thread import Abandoned, InstanceThread, Job
 from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
@@ -191,15 +191,19 @@ class InstanceExecutor:
 
     async def _stop_jobs(self, thread: InstanceThread, job: Job | None, jobs) -> None:
         """Answer the job being waited for and every later one (the feeder closes
-        the channel as it ends) with UNAVAILABLE, once the thread is done with it."""
+        the channel as it ends), once the thread is done with it: a batch the thread
+        ran gets its results, one it skipped UNAVAILABLE."""
         stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
         while True:
             if job is not None:
                 await thread.wait(job)
                 if job.requests:
                     self._release_resources()
-                self._record_failures(job.requests, FailureReason.OTHER)
-                self._outlet.complete(job.requests, [stopped] * len(job.requests))
+                if job.requests and not isinstance(job.error, Abandoned):
+                    self._complete(job, thread)  # it ran: its results were produced
+                else:
+                    self._record_failures(job.requests, FailureReason.OTHER)
+                    self._outlet.complete(job.requests, [stopped] * len(job.requests))
             try:
                 job = await jobs.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):

@@ -59,6 +59,10 @@ class Job:
 _STOP = None
 
 
+class Abandoned(RuntimeError):
+    """A job the thread skipped: the executor stopped before the batch ran."""
+
+
 class InstanceThread:
     """Runs one instance's batches, in order, on one thread of its own.
 
@@ -122,7 +126,7 @@ class InstanceThread:
     def _stage(self, job: Job) -> None:
         job.started = time.perf_counter()
         if self._abandoned:
-            job.error = RuntimeError("abandoned: the executor stopped before the batch ran")
+            job.error = Abandoned("the executor stopped before the batch ran")
             return
         if self._staged is None:
             return
