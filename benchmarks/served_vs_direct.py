@@ -435,7 +435,7 @@ def _inproc_call(workload: ImageWorkload, data: np.ndarray):
 
     def call() -> None:
         for response in model.infer(inputs=inputs):
-            out = response.outputs[output_name]
+            out = np.from_dlpack(response.outputs[output_name])  # Triton's Tensor
             if out.shape != (1, CLASSES):
                 raise RuntimeError(f"unexpected {output_name}: {out.shape}")
 
