@@ -849,7 +849,6 @@ def main(argv: list[str] | None = None) -> int:
                 server,
                 args.worker_index,
                 args.worker_ready_fd,
-                args.worker_private_port,
                 args.worker_supervisor_port,
             )
     except (StartupError, TritonError) as exc:

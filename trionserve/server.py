@@ -178,6 +178,8 @@ class Server:
         self._shutdown = trio.Event()
         # Given to the frontends: set once the drain is over, and they close.
         self._close_frontends = trio.Event()
+        # Where the metrics frontend listens once attached (port 0 binds any).
+        self.metrics_binds: list[tuple[str, int]] = []
         self._drain_deadline = math.inf
         # The nursery of the network frontends while the server serves.
         self._frontends: trio.Nursery | None = None
@@ -306,8 +308,10 @@ class Server:
             address,
             port,
             self._close_frontends,
+            self.options.http.transport_options(reuse_port=False),
         )
         log.info("Metrics service started", listening=binds)
+        self.metrics_binds = binds
         return binds
 
     async def _drain(self) -> None:

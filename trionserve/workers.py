@@ -9,8 +9,13 @@ the worker that accepted it.
 
 What the supervisor owns and guarantees:
 
+- Listeners: every one (the supervisor's metrics and private ports, each
+  worker's private ports) has the HTTP port's limits (``--http-*`` flags,
+  ``HttpOptions.transport_options``). A worker binds its private ports itself
+  (port 0) and reports them through its readiness pipe, so no other local
+  process can take a port between its choice and its bind.
 - Metrics: it serves the metrics port itself. Each worker serves its own metrics
-  on a private loopback port chosen by the supervisor; a scrape fetches every
+  on a private loopback port; a scrape fetches every
   ready worker's exposition and merges them
   (:mod:`trionserve.observability.aggregate`), plus ``trionserve_workers_ready``
   and ``trionserve_worker_restarts``.
@@ -23,8 +28,9 @@ What the supervisor owns and guarantees:
   fetches every ready worker's and adds them up
   (:func:`trionserve.observability.statistics.merge_model_stats`).
 - Readiness: a worker is ready when its frontends listen and its models are
-  loaded (it reports this through a pipe). Health endpoints are each worker's own:
-  a probe's connection lands on one worker and reports that worker's state.
+  loaded (it reports this, with its private ports, through a pipe). Health
+  endpoints are each worker's own: a probe's connection lands on one worker and
+  reports that worker's state.
 - Restarts: a worker that exits unexpectedly is started again after a backoff
   that doubles with each consecutive failure (0.5 s up to 30 s). A worker that
   fails before becoming ready in the first start, or ``MAX_STARTUP_FAILURES``
@@ -43,7 +49,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import urllib.request
 from dataclasses import dataclass, field
@@ -107,8 +112,8 @@ def add_worker_flags(add) -> None:
     # Set by the supervisor on the processes it starts; not for users.
     add("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     add("--worker-ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    # Loopback ports: this worker's private one, and the supervisor's.
-    add("--worker-private-port", type=int, default=None, help=argparse.SUPPRESS)
+    # The supervisor's private loopback port (each worker binds its own and
+    # reports it through the pipe of --worker-ready-fd).
     add("--worker-supervisor-port", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -147,45 +152,67 @@ def worker_conflicts(args: argparse.Namespace) -> list[str]:
 class _WorkerStatus:
     """The task status given to ``Server.serve`` in a worker: ``started`` runs
     ``on_ready`` and tells the supervisor, through the pipe it passed, that this
-    worker is ready."""
+    worker is ready and on which loopback ports it serves its metrics and its
+    private statistics (``ports()``: one JSON line). The worker binds them itself
+    (port 0), so no other process can take them between a choice and a bind."""
 
-    def __init__(self, fd: int | None, on_ready) -> None:
+    def __init__(self, fd: int | None, on_ready, ports) -> None:
         self._fd = fd
         self._on_ready = on_ready
+        self._ports = ports
 
     def started(self, value=None) -> None:
         if self._fd is not None:
-            os.write(self._fd, b"ready\n")
+            os.write(self._fd, json.dumps(self._ports()).encode() + b"\n")
             os.close(self._fd)
         self._on_ready()
+
+
+def read_ready_line(data: bytes) -> dict[str, int | None] | None:
+    """The ports a worker reported as it became ready; None: it never did."""
+    line = data.split(b"\n", 1)[0]
+    if not line:
+        return None
+    try:
+        ports = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(ports, dict):
+        return None
+    return {k: v for k, v in ports.items() if type(v) is int and 0 < v < 65536}
 
 
 async def serve_worker(
     server,
     index: int,
     ready_fd: int | None,
-    private_port: int | None = None,
     supervisor_port: int | None = None,
 ) -> None:
-    """Run ``server`` as worker ``index``: readiness through ``ready_fd``; shut down
-    gracefully if the supervisor goes away. Its own statistics are served on the
-    loopback ``private_port``; the statistics it answers come from the supervisor
-    at ``supervisor_port`` (every worker's, added up)."""
+    """Run ``server`` as worker ``index``: readiness, with the ports it bound,
+    through ``ready_fd``; shut down gracefully if the supervisor goes away. Its
+    own statistics are served on a loopback port of its own; the statistics it
+    answers come from the supervisor at ``supervisor_port`` (every worker's,
+    added up)."""
     parent = os.getppid()
     if ready_fd is not None:
         os.set_inheritable(ready_fd, False)  # not into Python-backend stub processes
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_follow_parent, server, parent)
-            if private_port is not None:
-                await nursery.start(_serve_private, server.dataplane, private_port)
+            binds = await nursery.start(_serve_private, server)
+            private_port = binds[0][1]
+
+            def ports() -> dict[str, int | None]:
+                metrics = server.metrics_binds[0][1] if server.metrics_binds else None
+                return {"private": private_port, "metrics": metrics}
+
             if supervisor_port is not None:
                 server.dataplane.statistics_source = partial(
                     _all_workers_statistics, server.dataplane, supervisor_port
                 )
             on_ready = partial(warn_sequence_models, server.registry) if index == 0 else _nothing
             try:
-                await server.serve(task_status=_WorkerStatus(ready_fd, on_ready))
+                await server.serve(task_status=_WorkerStatus(ready_fd, on_ready, ports))
             finally:
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -207,8 +234,10 @@ async def _follow_parent(server, parent: int) -> None:
     server.shutdown()
 
 
-async def _serve_private(dataplane, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """This worker's own statistics, for the supervisor, on a loopback port."""
+async def _serve_private(server, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """This worker's own statistics, for the supervisor, on a loopback port it
+    binds (any free one), with the HTTP port's limits."""
+    dataplane = server.dataplane
 
     async def own_statistics(headers, body: bytes):
         try:
@@ -217,9 +246,12 @@ async def _serve_private(dataplane, port: int, *, task_status=trio.TASK_STATUS_I
         except TritonError as error:  # a model this worker does not have (yet)
             return _json_response(error_status(error), {"error": error.message})
 
-    server = HttpServer(_post_route(_OWN_STATISTICS, own_statistics), HttpServerOptions())
+    private = HttpServer(
+        _post_route(_OWN_STATISTICS, own_statistics),
+        server.options.http.transport_options(reuse_port=False),
+    )
     # Never set: the worker's nursery cancels this server when the worker ends.
-    await server.serve("127.0.0.1", port, trio.Event(), 1.0, task_status=task_status)
+    await private.serve("127.0.0.1", 0, trio.Event(), 1.0, task_status=task_status)
 
 
 async def _all_workers_statistics(
@@ -236,10 +268,10 @@ async def _all_workers_statistics(
     return answer
 
 
-def _statistics_query(body: bytes) -> tuple[str | None, int | None]:
+def _statistics_query(body: bytes | bytearray | memoryview) -> tuple[str | None, int | None]:
     """The model name and version of a private statistics request."""
     try:
-        query = json.loads(body)
+        query = json.loads(bytes(body))
         name, version = query["name"], query["version"]
     except (ValueError, TypeError, KeyError):
         raise InvalidArgument("expected a JSON object with 'name' and 'version'") from None
@@ -322,6 +354,8 @@ class SupervisorPlan:
     count: int
     argv: list[str]  # the user's arguments, given to every worker
     metrics_bind: tuple[str, int] | None  # None: --allow-metrics=false
+    # The limits of every listener it serves: the HTTP port's (--http-* flags).
+    http: HttpServerOptions = field(default_factory=HttpServerOptions)
     python: list[str] = field(default_factory=lambda: [sys.executable, "-m", "trionserve"])
 
 
@@ -394,19 +428,17 @@ class Supervisor:
 
     async def _run_worker(self, slot: WorkerSlot) -> tuple[bool, int]:
         """One process of ``slot`` from start to exit: (became ready, exit code)."""
-        slot.metrics_port = _free_loopback_port() if self.plan.metrics_bind else None
-        slot.private_port = _free_loopback_port()
+        slot.metrics_port = slot.private_port = None  # reported once it is ready
         read_fd, write_fd = os.pipe()
         command = [
             *self.plan.python,
             *self.plan.argv,
             f"--worker-index={slot.index}",
             f"--worker-ready-fd={write_fd}",
-            f"--worker-private-port={slot.private_port}",
             f"--worker-supervisor-port={self._private_port}",
         ]
-        if slot.metrics_port is not None:
-            command += ["--metrics-address=127.0.0.1", f"--metrics-port={slot.metrics_port}"]
+        if self.plan.metrics_bind is not None:
+            command += ["--metrics-address=127.0.0.1", "--metrics-port=0"]
         try:
             process = await trio.lowlevel.open_process(
                 command, pass_fds=(write_fd,), start_new_session=True
@@ -420,11 +452,19 @@ class Supervisor:
         log.info("worker started", worker=slot.index, pid=process.pid)
         if self._stopping.is_set():
             process.send_signal(signal.SIGTERM)
-        ready = False
+        ports = None
         async with trio.lowlevel.FdStream(read_fd) as pipe:
-            if await pipe.receive_some(64):
-                ready = True
-        if ready:
+            data = b""
+            while len(data) < 1024 and b"\n" not in data:
+                chunk = await pipe.receive_some(1024)
+                if not chunk:
+                    break
+                data += chunk
+            ports = read_ready_line(data)
+        ready = ports is not None
+        if ports is not None:
+            slot.private_port = ports.get("private")
+            slot.metrics_port = ports.get("metrics") if self.plan.metrics_bind else None
             slot.ready = slot.ever_ready = True
             slot.startup_failures = 0
             log.info(
@@ -432,6 +472,7 @@ class Supervisor:
                 worker=slot.index,
                 pid=process.pid,
                 metrics=f"127.0.0.1:{slot.metrics_port}" if slot.metrics_port else None,
+                statistics=f"127.0.0.1:{slot.private_port}",
             )
             if all(s.ready for s in self.slots):
                 log.info("all workers ready", workers=len(self.slots))
@@ -492,12 +533,17 @@ class Supervisor:
             merged = merge_model_stats([parts[i] for i in sorted(parts)])
             return _json_response(200, {"model_stats": merged})
 
-        server = HttpServer(_post_route(_ALL_STATISTICS, all_statistics), HttpServerOptions())
-        self._private_port = _free_loopback_port()
-        # Never set: the supervisor's nursery cancels this server once the workers exit.
-        await server.serve(
-            "127.0.0.1", self._private_port, trio.Event(), 1.0, task_status=task_status
-        )
+        server = HttpServer(_post_route(_ALL_STATISTICS, all_statistics), self.plan.http)
+
+        async def serve(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            # Never set: the supervisor's nursery cancels it once the workers exit.
+            await server.serve("127.0.0.1", 0, trio.Event(), 1.0, task_status=task_status)
+
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve)
+            self._private_port = binds[0][1]
+            log.info("supervisor statistics service started", listening=binds)
+            task_status.started(binds)
 
     # -- metrics ----------------------------------------------------------------
 
@@ -507,7 +553,7 @@ class Supervisor:
         """Serve the merged metrics until cancelled."""
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self._collector)
-        server = HttpServer(metrics_router(registry, self._refresh_metrics), HttpServerOptions())
+        server = HttpServer(metrics_router(registry, self._refresh_metrics), self.plan.http)
         address, port = bind
         # Never set: the supervisor's nursery cancels this server once the workers exit.
         await server.serve(address, port, trio.Event(), 1.0, task_status=task_status)
@@ -549,12 +595,6 @@ def _backoff(failures: int) -> float:
     return min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_FIRST * 2 ** max(failures - 1, 0))
 
 
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def metrics_bind(options) -> tuple[str, int] | None:
     """Where the supervisor serves metrics: Triton's rule, as ``Server`` applies it."""
     if not options.allow_metrics:
@@ -564,5 +604,10 @@ def metrics_bind(options) -> tuple[str, int] | None:
 
 
 def run_supervisor(options, count: int, argv: list[str]) -> int:
-    plan = SupervisorPlan(count=count, argv=list(argv), metrics_bind=metrics_bind(options))
+    plan = SupervisorPlan(
+        count=count,
+        argv=list(argv),
+        metrics_bind=metrics_bind(options),
+        http=options.http.transport_options(reuse_port=False),
+    )
     return trio.run(Supervisor(plan).run)

@@ -533,10 +533,13 @@ async def serve_metrics(
     address: str,
     port: int,
     shutdown: trio.Event,
+    transport: HttpServerOptions | None = None,
     *,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``/metrics`` until ``shutdown`` is set.
+    """Serve ``/metrics`` until ``shutdown`` is set, with the limits of
+    ``transport`` (the server gives the HTTP port's: see
+    ``HttpOptions.transport_options``).
 
     Children (its own nursery): the HTTP server and, when CPU / GPU
     metrics are on, their samplers; all end when ``shutdown`` is set. Reports the bound
@@ -546,7 +549,7 @@ async def serve_metrics(
     gpu = GpuMetricsCollector.create() if options.allow_gpu_metrics else None
     server = HttpServer(
         metrics_router(build_metrics_registry(registry, options, cpu, gpu)),
-        HttpServerOptions(),
+        transport or HttpServerOptions(),
     )
     async with trio.open_nursery() as nursery:
         interval = max(options.interval_ms, 1.0) / 1000.0

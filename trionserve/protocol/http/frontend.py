@@ -736,6 +736,17 @@ class HttpOptions:
     # API groups whose requests must carry a header (--http-restricted-api).
     restricted_apis: RestrictedFeatures = field(default_factory=RestrictedFeatures)
 
+    def transport_options(self, reuse_port: bool | None = None) -> HttpServerOptions:
+        """The limits of every HTTP listener: the HTTP port's, and also the metrics
+        port's and the private ports of ``--workers`` (one set of limits, set by
+        the ``--http-*`` flags). ``reuse_port`` None: this frontend's own."""
+        return HttpServerOptions(
+            max_request_body=self.max_input_size,
+            max_connections=self.max_connections,
+            header_timeout=self.header_timeout,
+            reuse_port=self.reuse_port if reuse_port is None else reuse_port,
+        )
+
 
 async def serve_http(
     dataplane: DataPlane,
@@ -757,13 +768,5 @@ async def serve_http(
         options.max_input_size,
         options.restricted_apis,
     )
-    server = HttpServer(
-        frontend.route,
-        HttpServerOptions(
-            max_request_body=options.max_input_size,
-            max_connections=options.max_connections,
-            header_timeout=options.header_timeout,
-            reuse_port=options.reuse_port,
-        ),
-    )
+    server = HttpServer(frontend.route, options.transport_options())
     await server.serve(address, port, shutdown, graceful_timeout, task_status=task_status)
