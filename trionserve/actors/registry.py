@@ -466,15 +466,33 @@ class ModelRegistry:
                     digest="",
                     reason=reason,
                     chain=(),
+                    rebind=True,
                 ),
             )
         except TritonError as exc:
             log.warning("ensemble not rebound", model=model_id, reason=exc.message)
 
+    async def _settled(self, name: str) -> None:
+        """Wait until no operation is queued or running on a model known by ``name``
+        (a rebind takes the composing models as they are, without loading them)."""
+        for model_id in list(self._by_name.get(name, ())):
+            entry = self._entries.get(model_id)
+            for operation in list(entry.operations) if entry is not None else ():
+                await operation.done.wait()
+
     # -- load ----------------------------------------------------------------------
 
     async def _load(
-        self, entry, *, override_json, files, digest, reason, chain, stable_files=False
+        self,
+        entry,
+        *,
+        override_json,
+        files,
+        digest,
+        reason,
+        chain,
+        stable_files=False,
+        rebind=False,
     ) -> None:
         name = entry.name
         if files and entry.source is not None and entry.source.override_digest == digest:
@@ -503,7 +521,7 @@ class ModelRegistry:
             )
             polled = True
             self._set_known(entry, True)
-            await self._load_composing_models(entry, prepared.config, chain)
+            await self._load_composing_models(entry, prepared.config, chain, rebind)
         except BaseException as exc:
             if files and model_dir is not None:
                 # Not awaited: a cancelled load (shutdown) removes it too.
@@ -560,10 +578,11 @@ class ModelRegistry:
             raise PollFailed(name, exc.message) from None
 
     async def _load_composing_models(
-        self, entry: ModelEntry, config, chain: tuple[str, ...]
+        self, entry: ModelEntry, config, chain: tuple[str, ...], rebind: bool = False
     ) -> None:
         """Load an ensemble's composing models first, as Triton does, and bind each
-        step to the model it calls (its ``model_namespace``)."""
+        step to the model it calls (its ``model_namespace``). A rebind only waits
+        for the loads and unloads in progress and takes the models as they are."""
         name = entry.name
         steps = composing_models(config)
         for step in steps:
@@ -575,6 +594,9 @@ class ModelRegistry:
         errors: dict[str, str] = {}
 
         async def load_one(step: str) -> None:
+            if rebind:
+                await self._settled(step)
+                return
             try:
                 await self.load(
                     step,
