@@ -335,8 +335,10 @@ class _Connection:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         request = self.requests[-1]
-        # Lower-case names, values without trailing blanks (RFC 9110 5.5).
-        request.headers.append((name.lower(), value.rstrip(b" \t")))
+        # Lower-case names; values as sent (llhttp drops the leading blanks), trailing
+        # blanks kept as Triton's libevhtp keeps them, so that a forwarded header
+        # reaches the model whole (qa/L0_parameters test_headers).
+        request.headers.append((name.lower(), value))
         request.head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
@@ -354,7 +356,7 @@ class _Connection:
             request.headers = [h for h in request.headers if h[0] != b"content-length"]
             request.keep_alive = False
         request.expects_continue = request.version == "1.1" and any(
-            name == b"expect" and value.lower() == b"100-continue"
+            name == b"expect" and value.strip().lower() == b"100-continue"
             for name, value in request.headers
         )
         request.head_done = True
