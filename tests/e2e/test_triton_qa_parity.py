@@ -76,6 +76,20 @@ MISMATCHES = {
 }
 
 
+# An ensemble whose one step calls a model no repository has.
+ENSEMBLE_CONFIG = """
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+ensemble_scheduling { step [ {
+  model_name: "no_such_model" model_version: -1
+  input_map { key: "INPUT0" value: "IN" }
+  output_map { key: "OUTPUT0" value: "OUT" }
+} ] }
+"""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("qa-parity")
@@ -83,6 +97,8 @@ def server(tmp_path_factory):
     (repo / "params" / "config.pbtxt").write_text(PARAMS_CONFIG)
     (repo / "params" / "1" / "model.py").write_text(PARAMS_MODEL)
     shutil.copytree(EXAMPLES / "identity_fp32", repo / "identity_fp32")
+    (repo / "ens_missing_step" / "1").mkdir(parents=True)
+    (repo / "ens_missing_step" / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
     for name in MISMATCHES:
         (repo / name / "1").mkdir(parents=True)
         shutil.copy(EXAMPLES / "identity_fp32" / "1" / "model.onnx", repo / name / "1")
@@ -221,3 +237,18 @@ def test_a_matching_onnx_config_loads_under_strict_config(http_client):
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), data)
     finally:
         http_client.unload_model("no_inputs")
+
+
+def test_an_ensemble_whose_step_is_in_no_repository_is_a_poll_failure(http_client, grpc_client):
+    """Triton polls an ensemble's steps with it (core model_repository_manager.cc
+    PollModels), so a step no repository has fails the ensemble's load INTERNAL
+    "failed to poll from model repository"."""
+    expected = "failed to load 'ens_missing_step', failed to poll from model repository"
+    with pytest.raises(InferenceServerException) as info:
+        http_client.load_model("ens_missing_step")
+    assert info.value.status() == "500"
+    assert info.value.message().startswith(expected)
+    assert "no_such_model" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        grpc_client.load_model("ens_missing_step")
+    assert info.value.status() == "StatusCode.INTERNAL"

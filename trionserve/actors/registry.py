@@ -592,6 +592,7 @@ class ModelRegistry:
                     f"cycle ({' -> '.join((*chain, name, step))})"
                 )
         errors: dict[str, str] = {}
+        not_polled: set[str] = set()
 
         async def load_one(step: str) -> None:
             if rebind:
@@ -606,6 +607,8 @@ class ModelRegistry:
                 )
             except TritonError as exc:
                 errors[step] = exc.message
+                if isinstance(exc, PollFailed):
+                    not_polled.add(step)
 
         async with trio.open_nursery() as nursery:
             for step in steps:
@@ -614,6 +617,11 @@ class ModelRegistry:
             self._bind_steps(entry, config, errors)
         if errors:
             detail = "; ".join(f"'{s}': {m}" for s, m in sorted(errors.items()))
+            if not_polled & set(errors):
+                # Triton polls an ensemble's steps with it (core
+                # model_repository_manager.cc PollModels), so a step that cannot
+                # be polled fails the ensemble's poll: INTERNAL.
+                raise PollFailed(name, f"composing model(s) failed: {detail}")
             raise InvalidArgument(f"failed to load '{name}': composing model(s) failed: {detail}")
 
     def _bind_steps(self, entry: ModelEntry, config, errors: dict[str, str]) -> None:
