@@ -109,9 +109,11 @@ def decompress(body: RequestBody, encoding: str, limit: int | None) -> bytes:
             size += len(part)
             parts.append(part)
             if limit is not None and (size > limit or inflater.unconsumed_tail):
+                # Triton's words (server src/data_compressor.h DecompressData).
                 raise InvalidArgument(
-                    f"the {encoding} request body inflates to more than the limit of "
-                    f"{limit} bytes (--http-max-input-size)"
+                    "Decompressed data size exceeds the maximum allowed value of "
+                    f"{limit} bytes. Use --http-max-input-size to increase the limit. "
+                    f"(the {encoding} request body inflates past it)"
                 )
             if not inflater.eof:
                 raise InvalidArgument(
