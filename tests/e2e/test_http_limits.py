@@ -131,6 +131,32 @@ def exchange(port: int, data: bytes, timeout: float = 20.0) -> bytes:
     return answer
 
 
+@pytest.mark.parametrize("chunks", [65536, 65537])
+def test_chunked_body_in_at_most_65536_chunks(server, chunks):
+    """qa/L0_http/http_request_many_chunks.py: a chunked body in 65,536 non-empty
+    chunks is read (and here refused by the model for its inputs), one in 65,537
+    is a 400 naming the limit, and its connection is closed (server
+    src/http_server.cc kMaxChunkedChunks)."""
+    head = (
+        b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\n"
+        b"Inference-Header-Content-Length: 0\r\nContent-Type: application/octet-stream\r\n"
+        b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
+    answer = exchange(server.http_port, head + b"1\r\nA\r\n" * chunks + b"0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    error = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+    if chunks == 65536:
+        assert error == (
+            "Raw request must only have 1 input (found 1) to be deduced but got 2 "
+            "inputs in 'simple' model configuration"
+        )
+    else:
+        assert error == (
+            "Chunked request body exceeds maximum of 65536 non-empty chunks. "
+            "Send fewer or larger HTTP chunks."
+        )
+
+
 def test_default_body_limit_is_64_mib(server):
     """Triton's default --http-max-input-size is 64 MiB (src/common.h,
     HTTP_DEFAULT_MAX_INPUT_SIZE = 1 << 26); a larger body is refused before it is

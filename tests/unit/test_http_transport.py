@@ -453,3 +453,25 @@ async def test_declared_body_commits_memory_only_as_it_arrives(nursery):
     assert grown_kib < 64 * 1024, f"peak RSS grew by {grown_kib} KiB"
     for client in clients:
         await client.stream.aclose()
+
+
+async def test_chunked_body_is_one_writable_buffer_in_at_most_65536_chunks(nursery):
+    """A chunked body reaches the handler as one writable bytearray of its bytes;
+    a body in more than 65,536 non-empty chunks (Triton's kMaxChunkedChunks) is
+    answered 400 and its connection closed, whatever its size."""
+    app = App()
+    port = await _serve_large(nursery, app, 1 << 20)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    client = await Client.connect(port)
+    await client.send_raw(head + b"1\r\nA\r\n" * 65536 + b"0\r\n\r\n")
+    assert (await client.response())[::2] == (200, b"A" * 65536)
+    (received,) = app.bodies
+    assert isinstance(received, bytearray) and received == b"A" * 65536
+
+    client = await Client.connect(port)
+    await client.send_raw(head + b"1\r\nA\r\n" * 65537 + b"0\r\n\r\n")
+    status, headers, answer = await client.response()
+    assert (status, headers["connection"]) == (400, "close")
+    assert b"exceeds maximum of 65536 non-empty chunks" in answer
+    assert await client.closed()
+    assert len(app.bodies) == 1

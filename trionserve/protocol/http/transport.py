@@ -15,7 +15,8 @@ allocated when its head is parsed (its pages are committed as bytes arrive, not
 up front): what came with the head is copied in from the parser, the rest is read
 from the socket straight into the buffer, with no bytes object per chunk and no
 join. The handler gets a writable memoryview of it, so binary tensors are numpy
-views that no backend needs to copy. A chunked body is joined into a bytearray.
+views that no backend needs to copy. A chunked body is appended to a bytearray as
+it comes, in at most ``MAX_CHUNKED_CHUNKS`` non-empty chunks (Triton's limit).
 
 What it guarantees:
 
@@ -73,6 +74,10 @@ Handler = Callable[[Headers, RequestBody], Awaitable[Response]]
 # Picks the handler of a request; None: 404.
 Router = Callable[[bytes, str], Handler | None]
 
+# A chunked request body in more non-empty chunks than this is refused, as Triton
+# refuses it (server src/http_server.cc kMaxChunkedChunks): each chunk costs the
+# parser's callback whatever its size.
+MAX_CHUNKED_CHUNKS = 1 << 16
 # Responses up to this size are joined with their head and written at once;
 # larger bodies are written chunk by chunk from their buffers, without joining.
 _JOIN_LIMIT = 64 * 1024
@@ -249,14 +254,16 @@ class _Request:
 
     __slots__ = (
         "buffer",
+        "chunked",
+        "chunks",
         "complete",
         "expects_continue",
         "head_done",
         "head_size",
         "headers",
+        "in_chunk",
         "keep_alive",
         "method",
-        "parts",
         "size",
         "target",
         "too_large",
@@ -275,9 +282,11 @@ class _Request:
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_done = False
         # The body: received into ``buffer`` when its length is declared (and within
-        # the limit), else kept as the parser's chunks in ``parts``.
+        # the limit), else (chunked) appended to ``chunked``.
         self.buffer: memoryview | None = None
-        self.parts: list[bytes] = []
+        self.chunked = bytearray()
+        self.chunks = 0  # non-empty chunks of a chunked body
+        self.in_chunk = False  # a chunk header was parsed, its data not counted yet
         self.size = 0
         self.too_large = False
         self.complete = False
@@ -380,9 +389,19 @@ class _Connection:
         limit = self.server.options.max_request_body
         if limit is not None and request.size > limit:
             request.too_large = True
-            request.parts.clear()
+            request.chunked = bytearray()
             return
-        request.parts.append(data)
+        if request.in_chunk:
+            request.in_chunk = False
+            request.chunks += 1
+            if request.chunks > MAX_CHUNKED_CHUNKS:
+                request.too_large = True  # nothing more is kept; _read_body says why
+                request.chunked = bytearray()
+                return
+        request.chunked += data
+
+    def on_chunk_header(self) -> None:
+        self.requests[-1].in_chunk = True
 
     def on_message_complete(self) -> None:
         self.requests[-1].complete = True
@@ -508,12 +527,13 @@ class _Connection:
         return None
 
     async def _read_body(self, request: _Request) -> RequestBody:
-        """The whole request body; raises _BodyTooLarge past the limit."""
+        """The whole request body; raises _BodyTooLarge past the size limit and
+        _ProtocolError past the chunk count."""
         if request.expects_continue and not request.complete and not request.size:
             await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
         while not request.complete:
             if request.too_large:
-                raise _BodyTooLarge
+                raise self._too_large_body(request)
             if self._error is not None:
                 raise self._error
             if self._eof:
@@ -523,10 +543,22 @@ class _Connection:
                 break
             self._feed(await self.stream.receive_some(self.server.options.receive_size))
         if request.too_large:
-            raise _BodyTooLarge
+            raise self._too_large_body(request)
         if request.buffer is not None:
             return request.buffer
-        return bytearray().join(request.parts) if request.parts else b""
+        return request.chunked if request.size else b""
+
+    @staticmethod
+    def _too_large_body(request: _Request) -> Exception:
+        """Why a body is refused: past the size limit (413), or a chunked one in more
+        chunks than Triton takes (400, and the connection closed)."""
+        if request.chunks > MAX_CHUNKED_CHUNKS:
+            return _ProtocolError(
+                400,
+                f"Chunked request body exceeds maximum of {MAX_CHUNKED_CHUNKS} non-empty "
+                "chunks. Send fewer or larger HTTP chunks.",
+            )
+        return _BodyTooLarge()
 
     async def _receive_into(self, request: _Request, buffer: memoryview) -> None:
         """The rest of a body of declared length, read from the socket into its
