@@ -30,6 +30,12 @@ from trionserve.observability.trace.settings import (
 )
 from trionserve.observability.trace.trace_file import Trace, TraceFileWriter, clock_ns
 
+# Finished traces held in memory (all settings together) before they are written:
+# past it they are written at once, not at log_frequency, the count's end or
+# shutdown. A client can turn TENSORS tracing on with count -1 and log_frequency
+# 0, which Triton holds until OFF without a bound.
+MAX_BUFFERED_TRACE_BYTES = 16 << 20
+
 
 class TraceManager:
     """The trace settings of the server, sampling, and the writer of trace files.
@@ -61,6 +67,7 @@ class TraceManager:
         self._follows_global: set[str] = set()
         self._retired: list[TraceSetting] = []
         self._next_id = 1
+        self._buffered_bytes = 0  # finished traces not yet handed to the writer
         self._otel = None
         if config.mode == "opentelemetry":
             self._otel = OpenTelemetryExporter(dict(config.opentelemetry), span_processor)
@@ -199,9 +206,16 @@ class TraceManager:
             if self._otel is not None:
                 self._otel.export(trace)
             return
-        setting.buffer.append(trace.to_json())
+        text = trace.to_json()
+        setting.buffer.append(text)
+        self._buffered_bytes += len(text)
         if setting.log_frequency and len(setting.buffer) >= setting.log_frequency:
             self._save(setting, indexed=True)
+        elif self._buffered_bytes > MAX_BUFFERED_TRACE_BYTES:
+            # Written now rather than held until log_frequency, the count's end
+            # or shutdown: what waits in memory stays bounded.
+            for held in self._settings():
+                self._save(held, indexed=held.log_frequency != 0)
         elif setting.count == 0 and setting.inflight == 0:
             # The last trace this setting will take: write them all now.
             self._save(setting, indexed=True)
@@ -217,8 +231,12 @@ class TraceManager:
 
     # -- writing -------------------------------------------------------------------------
 
+    def _settings(self) -> list[TraceSetting]:
+        return [self._global, *self._models.values(), *self._retired]
+
     def _save(self, setting: TraceSetting, indexed: bool) -> None:
         if setting.buffer:
+            self._buffered_bytes -= sum(len(text) for text in setting.buffer)
             text = ",".join(setting.buffer)
             setting.buffer = []
             self._writer.write(setting.file, text, indexed=indexed)
@@ -229,8 +247,7 @@ class TraceManager:
 
     async def aclose(self) -> None:
         """Write every buffered trace, close the trace files, stop the writer."""
-        settings = [self._global, *self._models.values(), *self._retired]
-        for setting in settings:
+        for setting in self._settings():
             self._save(setting, indexed=setting.log_frequency != 0)
         self._retired.clear()
         await self._writer.aclose()

@@ -10,7 +10,9 @@ Finished traces are written as Triton writes them: a JSON array of
 objects, into ``trace_file`` at shutdown, or with ``log_frequency`` N into
 ``trace_file.0``, ``trace_file.1``, ... every N traces (and when ``trace_count``
 runs out). Files are written by :class:`TraceFileWriter`'s task in a worker
-thread, never on the Trio loop.
+thread, never on the Trio loop. What waits for it is bounded by bytes
+(``MAX_QUEUED_TRACE_BYTES``), and one name has at most ``MAX_TRACE_FILES``
+indexed files; later chunks are appended to the main file.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ log = structlog.get_logger(__name__)
 
 # Finished chunks waiting for the writer; beyond it a chunk is written in place.
 _WRITE_QUEUE = 256
+# Bytes of trace text waiting for the writer; beyond it a chunk is written in
+# place (a client can turn TENSORS tracing on: each trace then holds its tensors
+# as text, about 5 bytes per byte of FP32 data). Triton has no such bound.
+MAX_QUEUED_TRACE_BYTES = 16 << 20
+# Indexed files (``trace_file.N``, log_frequency) one trace file name may have;
+# later chunks are appended to ``trace_file`` itself (a client setting
+# log_frequency 1 would make one file per request). Triton has no such bound.
+MAX_TRACE_FILES = 1000
 
 
 def clock_ns(seconds: float) -> int:
@@ -185,6 +195,7 @@ class TraceFileWriter:
         self._files: dict[str, TraceFile] = {}
         self._send: trio.MemorySendChannel | None = None
         self._done = trio.Event()
+        self._queued_bytes = 0  # text of the chunks waiting for the writer
 
     def file(self, name: str) -> TraceFile:
         """The one TraceFile for this name."""
@@ -196,22 +207,36 @@ class TraceFileWriter:
     def write(self, file: TraceFile, text: str, *, indexed: bool) -> None:
         """Write a chunk of traces: to the file's next indexed file, or appended
         to the main file."""
+        if indexed and file.next_index >= MAX_TRACE_FILES:
+            if file.next_index == MAX_TRACE_FILES:
+                log.warning(
+                    "trace files: the limit of indexed files is reached; later traces "
+                    "are appended to the trace file itself",
+                    file=file.name,
+                    limit=MAX_TRACE_FILES,
+                )
+                file.next_index += 1
+            indexed = False
         if indexed:
             path = f"{file.name}.{file.next_index}"
             file.next_index += 1
-            self._submit(file.write_indexed, path, text)
+            self._submit(file.write_indexed, path, text, size=len(text))
         else:
-            self._submit(file.append, text)
+            self._submit(file.append, text, size=len(text))
 
-    def _submit(self, function, *args) -> None:
+    def _submit(self, function, *args, size: int = 0) -> None:
         if self._send is not None:
-            try:
-                self._send.send_nowait((function, args))
-                return
-            except trio.WouldBlock:
+            if self._queued_bytes + size > MAX_QUEUED_TRACE_BYTES and self._queued_bytes:
                 log.warning("trace writer is behind; writing a trace chunk in place")
-            except trio.ClosedResourceError:
-                pass
+            else:
+                try:
+                    self._send.send_nowait((function, args, size))
+                    self._queued_bytes += size
+                    return
+                except trio.WouldBlock:
+                    log.warning("trace writer is behind; writing a trace chunk in place")
+                except trio.ClosedResourceError:
+                    pass
         _run_write(function, args)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -227,18 +252,20 @@ class TraceFileWriter:
             async for job in receive:
                 # Cancellation can only strike before the thread starts the job
                 # (then ``job`` is still set, and is written below).
-                await trio.to_thread.run_sync(_run_write, *job)
+                await trio.to_thread.run_sync(_run_write, *job[:2])
+                self._queued_bytes -= job[2]
                 job = None
         finally:
             self._send.close()
             if job is not None:
-                _run_write(*job)
+                _run_write(*job[:2])
             while True:
                 try:
                     job = receive.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                     break
-                _run_write(*job)
+                _run_write(*job[:2])
+            self._queued_bytes = 0
             self._done.set()
 
     async def aclose(self) -> None:
