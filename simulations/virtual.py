@@ -24,7 +24,7 @@ import trio
 import trio._core._run as _trio_run
 
 from trionserve.actors import executor as _executor
-from trionserve.actors.instance_thread import Job
+from trionserve.actors.instance_thread import Abandoned, Job
 
 
 async def inline_run_sync(sync_fn, *args, limiter=None, **_options):
@@ -61,8 +61,10 @@ class InlineInstanceThread:
         pass
 
     async def wait(self, job: Job) -> None:
-        if self._abandoned:
-            job.done.set()  # not started: the executor is stopping
+        if self._abandoned and not job.done.is_set():
+            # Not started: the executor is stopping.
+            job.error = Abandoned("the executor stopped before the batch ran")
+            job.done.set()
         if not job.done.is_set():
             start = trio.current_time()
             try:
