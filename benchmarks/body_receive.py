@@ -46,15 +46,17 @@ trio.run(main)
 """
 
 
-def _client(port: int, size: int, stop_at: float, counts) -> None:
+def _client(port: int, size: int, go, stop_at, counts) -> None:
     body = b"\x00" * size
     request = (
         b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size + body
     )
     expected = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
     with socket.create_connection(("127.0.0.1", port)) as conn:
+        counts.put("ready")
+        go.wait()
         done = 0
-        while time.monotonic() < stop_at:
+        while time.monotonic() < stop_at.value:
             conn.sendall(request)
             got = b""
             while len(got) < len(expected):
@@ -99,15 +101,18 @@ def main() -> None:
                 for label, _ in trees[shift:] + trees[:shift]:
                     process, port = servers[label]
                     counts = context.Queue()
-                    stop_at = time.monotonic() + 0.5 + args.duration
+                    go, stop_at = context.Event(), context.Value("d", 0.0)
                     clients = [
-                        context.Process(target=_client, args=(port, args.size, stop_at, counts))
+                        context.Process(target=_client, args=(port, args.size, go, stop_at, counts))
                         for _ in range(concurrency)
                     ]
                     for client in clients:
                         client.start()
-                    time.sleep(0.5)
+                    for _ in clients:  # every client connected, whatever its start took
+                        assert counts.get(timeout=120) == "ready"
                     cpu_before, began = cpu_seconds([process.pid]), time.monotonic()
+                    stop_at.value = began + args.duration
+                    go.set()
                     done = sum(counts.get(timeout=120) for _ in clients)
                     seconds = time.monotonic() - began
                     cpu = cpu_seconds([process.pid]) - cpu_before
