@@ -339,6 +339,26 @@ def test_stream_several_requests_and_an_error_that_does_not_end_it(grpc_client):
         assert result.get_response().parameters["triton_final_response"].bool_param is True
 
 
+def test_stream_of_large_requests_round_trips(grpc_client):
+    """Large requests on a stream (their raw contents cut out of the messages
+    before protobuf parses the rest) come back exactly, each as its request's."""
+    rng = np.random.default_rng(5)
+    sent = {str(i): rng.random((1, 150_528 * (i + 1)), dtype=np.float32) for i in range(3)}
+    responses = queue.Queue()
+    grpc_client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        for key, data in sent.items():
+            infer_input = grpcclient.InferInput("INPUT0", list(data.shape), "FP32")
+            infer_input.set_data_from_numpy(data)
+            grpc_client.async_stream_infer("identity_fp32", [infer_input], request_id=key)
+    finally:
+        grpc_client.stop_stream()
+    got = [responses.get(timeout=30) for _ in sent]
+    assert [error for _, error in got] == [None] * len(sent)
+    for result, _ in got:
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), sent[result.get_response().id])
+
+
 def test_stream_with_empty_final_response_flag(grpc_client):
     responses = queue.Queue()
     grpc_client.start_stream(callback=lambda result, error: responses.put((result, error)))
