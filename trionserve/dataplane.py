@@ -165,6 +165,25 @@ class DataPlane:
             return False
         return self.registry.all_ready() if self.strict_readiness else True
 
+    async def server_is_ready(self) -> bool:
+        """The readiness API: with strict readiness, every version being served
+        must also be ready now (core server.cc InferenceServer::IsReady asks each
+        READY model's instances, e.g. a Python model whose stub died)."""
+        if not self.ready():
+            return False
+        if self.strict_readiness:
+            for model in self.registry.serving():
+                try:
+                    await model.check_ready()
+                except TritonError as exc:
+                    log.debug(
+                        f"Model '{model.name}' version {model.version} is in READY "
+                        "lifecycle state but failed runtime readiness check during "
+                        f"server readiness evaluation: {exc.message}"
+                    )
+                    return False
+        return True
+
     # -- drain --------------------------------------------------------------------
 
     def begin_drain(self) -> None:

@@ -26,7 +26,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.e2e.test_model_control_http import post
-from tests.serverproc import ServerProcess
+from tests.serverproc import ServerProcess, http_client, serving
 
 IDENTITY = """
 max_batch_size: 0
@@ -506,6 +506,32 @@ def test_a_killed_stub_makes_the_model_not_ready_until_the_next_request(
     assert result.as_numpy("OUTPUT0").tolist() == [3]
     assert int(result.get_response()["parameters"]["pid"]) != pid
     assert client.is_model_ready("identity") and grpc_client.is_model_ready("identity")
+
+
+def test_with_strict_readiness_a_dead_stub_makes_the_server_not_ready(tmp_path):
+    # core server.cc InferenceServer::IsReady: strict readiness also asks every
+    # READY model's instances.
+    (tmp_path / "identity" / "1").mkdir(parents=True)
+    (tmp_path / "identity" / "1" / "model.py").write_text(IDENTITY_MODEL)
+    (tmp_path / "identity" / "config.pbtxt").write_text(
+        'name: "identity"\nbackend: "python"\n' + IDENTITY
+    )
+    with serving(tmp_path, args=["--log-verbose=1"]) as proc, http_client(proc) as client:
+        grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
+        try:
+            assert client.is_server_ready() and grpc_client.is_server_ready()
+            pid = int(echo(client, "identity", 1).get_response()["parameters"]["pid"])
+            os.kill(pid, signal.SIGKILL)
+            wait_for_log(proc, "stub process failed")
+            assert not client.is_server_ready()
+            assert not grpc_client.is_server_ready()
+            assert "failed runtime readiness check during server readiness" in proc.output()
+            with pytest.raises(InferenceServerException):
+                echo(client, "identity", 2)  # fails, and restarts the stub
+            assert echo(client, "identity", 3).as_numpy("OUTPUT0").tolist() == [3]
+            assert client.is_server_ready() and grpc_client.is_server_ready()
+        finally:
+            grpc_client.close()
 
 
 @pytest.mark.parametrize(

@@ -207,6 +207,10 @@ class ModelRegistry:
             return None
         return self._entries.get(key)
 
+    def serving(self) -> list[ModelVersion]:
+        """Every version requests are routed to now."""
+        return [version for versions, _ in self._routes.values() for version in versions.values()]
+
     def all_ready(self) -> bool:
         """True when every model has every version its policy wants serving."""
         return not any(e.failed for e in self._entries.values())

@@ -277,7 +277,7 @@ class GrpcService:
         return pb.ServerLiveResponse(live=self.dataplane.live())
 
     async def server_ready(self, request, call) -> Message:
-        return pb.ServerReadyResponse(ready=self.dataplane.ready())
+        return pb.ServerReadyResponse(ready=await self.dataplane.server_is_ready())
 
     async def model_ready(self, request: pb.ModelReadyRequest, call) -> Message:
         version = parse_model_version(request.version)

@@ -422,7 +422,7 @@ class HttpFrontend:
         if self.dataplane.draining:
             # As Triton while it exits: 503 with the reason.
             return _json({"error": "server is shutting down"}, 503)
-        return _empty(self.dataplane.ready())
+        return _empty(await self.dataplane.server_is_ready())
 
     async def server_metadata(self, match, headers, body) -> Response:
         return _json(self.dataplane.server_metadata())
