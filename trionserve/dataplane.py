@@ -492,20 +492,27 @@ class DataPlane:
         *,
         internal: bool = False,
         endpoint: str = "this endpoint",
+        queued: trio.Event | None = None,
     ) -> InferenceResponse:
         """Route, validate, queue and await one request's single outcome.
 
         ``endpoint`` names the caller in the error refusing a decoupled model
         (Triton's words: "HTTP end point", "ModelInfer RPC"); requests made by
-        models themselves (``internal``) are not checked here."""
+        models themselves (``internal``) are not checked here. ``queued`` is set
+        once the model's scheduler holds the request (or the cache answered it):
+        an error raised before is one Triton's ServerInferAsync would return."""
         model = self._admit(request, internal, None if internal else endpoint)
         cache = self.response_cache
         if cache is not None and model.config.response_cache.enable:
-            return await self._infer_cached(cache, model, request)
-        return await self._infer_admitted(model, request)
+            return await self._infer_cached(cache, model, request, queued)
+        return await self._infer_admitted(model, request, queued)
 
     async def _infer_cached(
-        self, cache: ResponseCache, model: ModelVersion, request: InferenceRequest
+        self,
+        cache: ResponseCache,
+        model: ModelVersion,
+        request: InferenceRequest,
+        queued: trio.Event | None = None,
     ) -> InferenceResponse:
         """A hit is answered from the cache; a miss runs and stores a success.
         Statistics as Triton keeps them: a hit is a success with its lookup time
@@ -518,10 +525,12 @@ class DataPlane:
             model.statistics.record_cache_hit(
                 to_ns(looked_up - request.arrival_time), to_ns(looked_up - started)
             )
+            if queued is not None:
+                queued.set()
             return response
         lookup_ns = to_ns(looked_up - started)
         try:
-            response = await self._infer_admitted(model, request)
+            response = await self._infer_admitted(model, request, queued)
             inserting = trio.current_time()
             cache.insert(key, response)
             lookup_ns += to_ns(trio.current_time() - inserting)
@@ -530,9 +539,9 @@ class DataPlane:
         return response
 
     async def _infer_admitted(
-        self, model: ModelVersion, request: InferenceRequest
+        self, model: ModelVersion, request: InferenceRequest, queued: trio.Event | None = None
     ) -> InferenceResponse:
-        async with self._lifecycle(model, request) as run:
+        async with self._lifecycle(model, request, queued) as run:
             response = await request.wait()
             if run.trace is not None:  # the backend's outputs, before classification
                 run.traced = InferenceResponse(
@@ -689,8 +698,8 @@ class _ModelCalls:
     def __init__(self, dataplane: DataPlane) -> None:
         self._dataplane = dataplane
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse:
-        return await self._dataplane.infer(request, internal=True)
+    async def infer(self, request: InferenceRequest, **options) -> InferenceResponse:
+        return await self._dataplane.infer(request, internal=True, **options)
 
     async def infer_stream(self, request: InferenceRequest, deliver, **options) -> None:
         await self._dataplane.infer_stream(request, deliver, internal=True, **options)

@@ -526,14 +526,21 @@ def test_a_stub_failing_again_and_again_makes_the_model_unavailable(client):
         with pytest.raises(InferenceServerException) as info:
             echo(client, "doomed", 1)
         assert "exited with code 3 while executing" in str(info.value)
-    deadline = time.monotonic() + 30
-    while client.is_model_ready("doomed") and time.monotonic() < deadline:
-        time.sleep(0.02)  # the registry takes the failed version out of service
+    # Not ready at once (its stub is gone), then the registry takes the failed
+    # version out of service.
     assert not client.is_model_ready("doomed")
-    row = next(r for r in client.get_model_repository_index() if r["name"] == "doomed")
-    assert row["state"] == "UNAVAILABLE"
-    assert "failed 2 times in a row" in row["reason"]
-    assert "exited with code 3" in row["reason"]
+
+    def row() -> dict:
+        return next(r for r in client.get_model_repository_index() if r["name"] == "doomed")
+
+    deadline = time.monotonic() + 30
+    while row()["state"] != "UNAVAILABLE" and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not client.is_model_ready("doomed")
+    entry = row()
+    assert entry["state"] == "UNAVAILABLE"
+    assert "failed 2 times in a row" in entry["reason"]
+    assert "exited with code 3" in entry["reason"]
     with pytest.raises(InferenceServerException) as info:
         echo(client, "doomed", 5)
     assert info.value.status() == "503"

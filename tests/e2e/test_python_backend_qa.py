@@ -305,6 +305,42 @@ MODELS["reschedule_with_response"] = (
 MODELS["reschedule_not_iterative"] = (IDENTITY, RESCHEDULE_ONCE.replace("{returned}", "None"))
 
 
+# BLS as qa/python_models/bls checks it: an error issuing the request is prefixed
+# as python_backend's request_executor.cc prefixes it; a decoupled response
+# iterator iterated again starts from its first response.
+MODELS["bls_caller"] = (
+    IDENTITY,
+    """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        missing = pb_utils.InferenceRequest(
+            model_name="no_such_model", inputs=[], requested_output_names=[]
+        ).exec()
+        countdown = pb_utils.InferenceRequest(
+            model_name="countdown",
+            inputs=[pb_utils.Tensor("INPUT0", np.array([3], np.int32))],
+            requested_output_names=["OUTPUT0"],
+        ).exec(decoupled=True)
+        first = next(countdown)
+        rounds = [[int(first.output_tensors()[0].as_numpy()[0])]]
+        rounds[0] += [int(r.output_tensors()[0].as_numpy()[0]) for r in countdown]
+        for _ in range(2):
+            rounds.append([int(r.output_tensors()[0].as_numpy()[0]) for r in countdown])
+        parameters = {"missing": missing.error().message(), "rounds": repr(rounds)}
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            out = pb_utils.Tensor("OUTPUT0", value)
+            responses.append(pb_utils.InferenceResponse([out], parameters=parameters))
+        return responses
+""",
+)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("python_qa")
@@ -634,3 +670,15 @@ def test_rescheduling_without_an_iterative_sequence_is_refused(client):
         echo(client, "reschedule_not_iterative", 1)
     assert "while the model is not configured to handle such a flag" in str(info.value)
     assert echo(client, "reschedule_not_iterative", 2).as_numpy("OUTPUT0").tolist() == [20]
+
+
+# -- BLS -----------------------------------------------------------------------------
+
+
+def test_bls_issue_errors_and_response_iterators_as_python_backend(client):
+    parameters = echo(client, "bls_caller", 1).get_response()["parameters"]
+    assert parameters["missing"] == (
+        "Model no_such_model - Error when running inference: "
+        "Request for unknown model: 'no_such_model' is not found"
+    )
+    assert parameters["rounds"] == repr([[2, 1, 0]] * 3)

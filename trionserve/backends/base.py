@@ -31,15 +31,20 @@ class InferenceService(Protocol):
     Called on the Trio thread; the DataPlane implements it. ``infer`` routes,
     validates, queues and awaits a request with one response; ``infer_stream``
     does the same for a decoupled model, awaiting ``deliver(response, final)``
-    for each of its responses.
+    for each of its responses. ``queued`` is set once the model's scheduler holds
+    the request: an error raised before it is one of issuing the request.
     """
 
-    async def infer(self, request: InferenceRequest) -> InferenceResponse: ...
+    async def infer(
+        self, request: InferenceRequest, *, queued: trio.Event | None = None
+    ) -> InferenceResponse: ...
 
     async def infer_stream(
         self,
         request: InferenceRequest,
         deliver: Callable[[InferenceResponse | None, bool], Awaitable[None]],
+        *,
+        queued: trio.Event | None = None,
     ) -> None: ...
 
 

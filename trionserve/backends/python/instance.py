@@ -514,6 +514,7 @@ class PythonInstance:
                 )
             sent_final = final
 
+        queued = trio.Event()
         try:
             request = bls_request(message, channel.endpoint)
             if self._inference is None:
@@ -535,18 +536,28 @@ class PythonInstance:
                         )
                         await reply(encoded, final)
 
-                    await self._inference.infer_stream(request, deliver)
+                    await self._inference.infer_stream(request, deliver, queued=queued)
                 else:
-                    response = await self._inference.infer(request)
+                    response = await self._inference.infer(request, queued=queued)
                     await reply(response_message(response, channel.endpoint), True)
             if scope.cancelled_caught and not sent_final:
                 await reply(error_message(DeadlineExceeded("Request timeout expired")), True)
         except _GONE:
             pass  # the stub is gone
         except Exception as exc:
+            error = as_triton_error(exc)
+            if not queued.is_set():
+                # The request could not be issued (python_backend
+                # request_executor.cc Infer: "Model <name> - Error when running
+                # inference: <the server's error>").
+                error = TritonError(
+                    f"Model {message['model_name']} - Error when running inference: "
+                    f"{error.message}",
+                    error.status,
+                )
             if not sent_final:
                 try:
-                    await reply(error_message(as_triton_error(exc)), True)
+                    await reply(error_message(error), True)
                 except _GONE:
                     pass
         finally:

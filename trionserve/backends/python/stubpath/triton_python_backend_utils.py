@@ -627,16 +627,35 @@ class InferenceResponseSender:
 
 
 class ResponseIterator:
-    """The responses of a decoupled BLS request, as they arrive."""
+    """The responses of a decoupled BLS request, as they arrive.
+
+    As python_backend's (pb_response_iterator.cc): the responses are kept, and
+    once the last one came, iterating again starts from the first.
+    """
 
     def __init__(self, call):
         self._call = call
+        self._responses = []
+        self._index = 0
+        self._finished = False
 
     def __iter__(self):
+        if self._finished and self._index >= len(self._responses):
+            self._index = 0
         return self
 
     def __next__(self):
-        return self._call.next_response()
+        if self._finished:
+            if self._index >= len(self._responses):
+                raise StopIteration
+            self._index += 1
+            return self._responses[self._index - 1]
+        response = self._call.next_response()
+        self._responses.append(response)
+        if self._call.finished:
+            self._finished = True
+            self._index = len(self._responses)
+        return response
 
     def cancel(self):
         self._call.cancel()
