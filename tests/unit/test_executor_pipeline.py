@@ -77,7 +77,11 @@ class Outlet:
 
 
 class Blocking:
-    """Each execute waits for its own release; notes the thread it ran on."""
+    """A device-like staged instance (``overlaps``): each launch waits for its own
+    release; notes the thread it ran on."""
+
+    overlaps = True
+    compute_times = None
 
     def __init__(self, fail: set[int] = frozenset()) -> None:
         self.threads: list[int] = []
@@ -89,6 +93,15 @@ class Blocking:
         self.closed = False
 
     def execute(self, requests):
+        return self.finish(requests, self.launch(requests, self.stage(requests)))
+
+    def stage(self, requests):
+        return None
+
+    def finish(self, requests, launched):
+        return [InferenceResponse("m", "1", r.id) for r in requests]
+
+    def launch(self, requests, staged):
         index = int(requests[0].id)
         self.running += 1
         self.overlapped |= self.running > 1
@@ -98,10 +111,16 @@ class Blocking:
         self.running -= 1
         if index in self.fail:
             raise RuntimeError(f"batch {index} broke")
-        return [InferenceResponse("m", "1", r.id) for r in requests]
+        return None
 
     def close(self) -> None:
         self.closed = True
+
+
+class BlockingCpu(Blocking):
+    """The same as a plain blocking instance, without a device to overlap."""
+
+    overlaps = False
 
 
 async def entered(instance: Blocking, index: int) -> None:
@@ -132,6 +151,24 @@ async def test_the_next_batch_is_taken_while_one_computes_and_no_more():
     assert instance.threads[0] != threading.get_ident()
     assert not instance.overlapped
     assert executor.finished.is_set()
+
+
+async def test_a_cpu_instance_takes_one_batch_at_a_time():
+    """Its thread could not start the next batch sooner; left with the batcher, the
+    next batch goes on gathering requests while this one runs."""
+    instance, outlet = BlockingCpu(), Outlet(2)
+    executor = InstanceExecutor(SPEC, instance, outlet)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await entered(instance, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert outlet.taken == 1
+        instance.release[0].set()
+        await outlet.until(lambda: outlet.taken == 2)
+        instance.release[1].set()
+        await outlet.until(lambda: len(outlet.completed) == 2)
+        executor.stop()
+    assert len(set(instance.threads)) == 1
 
 
 async def test_a_failing_batch_fails_alone():

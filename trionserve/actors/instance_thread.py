@@ -14,8 +14,8 @@ computation) and ``finish`` (wait for it and build the responses). When its
 ``launch`` returns before the device is done (``overlaps``: a GPU instance), the
 thread stages the next batch, if one is waiting, before it finishes the current
 one, so the next batch's gather and copy overlap the current batch's compute. An
-executor gives the thread at most two batches at once (one computing, one being
-staged), so the overlap is bounded.
+executor gives such a thread at most two batches at once (one computing, one
+being staged), so the overlap is bounded.
 """
 
 from __future__ import annotations
