@@ -518,6 +518,30 @@ async def test_a_cancelled_request_is_skipped_and_its_sequence_goes_on(autojump_
         nursery.cancel_scope.cancel()
 
 
+async def test_a_backlogged_sequence_whose_client_went_never_takes_a_slot(autojump_clock):
+    """Core sequence_batch_scheduler.cc ReleaseSequenceSlot: a backlogged sequence
+    with a cancelled request is cancelled whole and skipped. Here it leaves the
+    backlog as soon as the request is cancelled."""
+    async with trio.open_nursery() as nursery:
+        scheduler, [fake] = await start(nursery, make_config(max_batch_size=1, idle_us=60_000_000))
+        assert total(await infer(scheduler, request(1, 1, start=True))) == 1  # holds the slot
+        gone = request(2, 10, start=True)
+        await scheduler.submit(gone)
+        later = request(2, 20)  # a second request of the abandoned sequence
+        await scheduler.submit(later)
+        waiting = request(3, 5, start=True)
+        await scheduler.submit(waiting)
+        assert scheduler.pending == 3
+        gone.cancelled = True
+        assert isinstance(await outcome(gone), Cancelled)
+        assert isinstance(await outcome(later), Cancelled)
+        assert scheduler.pending == 1
+        assert total(await infer(scheduler, request(1, 1, end=True))) == 2  # frees the slot
+        assert total(await outcome(waiting)) == 5  # at once, not after 60 s
+        assert trio.current_time() < 1
+        nursery.cancel_scope.cancel()
+
+
 # -- the oldest strategy -------------------------------------------------------------------
 
 
