@@ -341,6 +341,55 @@ class TritonPythonModel:
 )
 
 
+# BLS outside execute (qa bls_init_error) and from a forked process (qa bls
+# test_multiprocess uses a fork Pool).
+MODELS["bls_places"] = (
+    IDENTITY,
+    """
+import multiprocessing
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call_identity(value):
+    request = pb_utils.InferenceRequest(
+        model_name="identity",
+        inputs=[pb_utils.Tensor("INPUT0", np.array([value], np.int32))],
+        requested_output_names=["OUTPUT0"],
+    )
+    return int(request.exec().output_tensors()[0].as_numpy()[0])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        try:
+            call_identity(1)
+            self.in_initialize = "no error"
+        except pb_utils.TritonModelException as exc:
+            self.in_initialize = str(exc)
+
+    def execute(self, requests):
+        try:
+            with multiprocessing.get_context("fork").Pool(2) as pool:
+                in_child = repr(pool.map(call_identity, [1, 2]))
+        except Exception as exc:
+            in_child = f"{type(exc).__name__}: {exc}"
+        parameters = {
+            "in_initialize": self.in_initialize,
+            "in_child": in_child,
+            "here": call_identity(7),
+        }
+        responses = []
+        for request in requests:
+            value = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
+            out = pb_utils.Tensor("OUTPUT0", value)
+            responses.append(pb_utils.InferenceResponse([out], parameters=parameters))
+        return responses
+""",
+)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("python_qa")
@@ -682,3 +731,12 @@ def test_bls_issue_errors_and_response_iterators_as_python_backend(client):
         "Request for unknown model: 'no_such_model' is not found"
     )
     assert parameters["rounds"] == repr([[2, 1, 0]] * 3)
+
+
+def test_bls_outside_execute_and_from_a_forked_process_fails_at_once(client):
+    parameters = echo(client, "bls_places", 1).get_response()["parameters"]
+    # python_backend's words (infer_request.cc InferRequest::Exec).
+    assert parameters["in_initialize"] == "BLS is only supported during the 'execute' function."
+    # A forked child gets an error instead of waiting forever; the stub still serves.
+    assert "not available in a process forked from the stub" in parameters["in_child"]
+    assert parameters["here"] == 7

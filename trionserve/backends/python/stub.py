@@ -122,6 +122,11 @@ class StubRuntime:
         self._released: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = None  # an asyncio loop, started for the first coroutine
         self._serving = False
+        self._finalizing = False
+        # A process the model forks (multiprocessing's default on Linux) shares
+        # the stub's connection but none of its threads: it must not use it.
+        self._forked = False
+        os.register_at_fork(after_in_child=self._after_fork)
         # Whoever reads the socket holds ``_reading``: the main thread between
         # calls, a poll from is_cancelled(), or the reader thread once started.
         self._reading = threading.Lock()
@@ -203,6 +208,7 @@ class StubRuntime:
             threading.Thread(target=self._read, name="stub-reader", daemon=True).start()
 
     def _finalize(self) -> None:
+        self._finalizing = True
         finalize = getattr(self.model, "finalize", None)
         error = None
         try:
@@ -403,7 +409,22 @@ class StubRuntime:
 
     # -- called from pb_utils, on any thread ------------------------------------------
 
+    def _after_fork(self) -> None:
+        self._forked = True
+
+    def _check_not_forked(self, what: str) -> None:
+        """In a forked child, calls to the server fail at once instead of waiting
+        forever for an answer that goes to the stub process. Triton's stub shares
+        its message queues with such children through shared memory; this one
+        talks to the server over a connection that only its own threads read."""
+        if self._forked:
+            raise self.pb.TritonModelException(
+                f"{what} is not available in a process forked from the stub process "
+                "by trionserve; use threads, or make the calls from the stub process"
+            )
+
     def send_response(self, key: int, response, final: bool) -> None:
+        self._check_not_forked("sending a response")
         # What the server sent meanwhile is read first: the blocks it freed go
         # back to the arena, so a model streaming from execute (which no thread
         # reads during) reuses its shared memory instead of growing it.
@@ -433,6 +454,9 @@ class StubRuntime:
                 self._reading.release()
 
     def log(self, level: str, message: str) -> None:
+        if self._forked:
+            print(f"[{level}] {message}", file=sys.stderr, flush=True)
+            return
         self.channel.send({"op": "log", "level": level, "message": message})
 
     def metric(self, action: str, fields: dict):
@@ -450,6 +474,7 @@ class StubRuntime:
         (before serving, and from ``execute`` while it reads); any other thread
         leaves reading to the reader thread, started if need be.
         """
+        self._check_not_forked(f"pb_utils {message['op']} calls")
         call = next(self._call_ids)
         message["call"] = call
         waiter: queue.SimpleQueue = queue.SimpleQueue()
@@ -478,9 +503,11 @@ class StubRuntime:
             pass  # the server is gone, and its references with it
 
     def bls(self, request, decoupled: bool):
-        if not self._serving:
+        self._check_not_forked("BLS")
+        if not self._serving or self._finalizing:
+            # python_backend's words (infer_request.cc InferRequest::Exec).
             raise self.pb.TritonModelException(
-                "BLS requests can only be made from execute, not from initialize"
+                "BLS is only supported during the 'execute' function."
             )
         self._start_reader()  # the reply must be read while this thread waits
         call = _BLSCall(self, next(self._call_ids))
