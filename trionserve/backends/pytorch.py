@@ -331,12 +331,23 @@ class TorchScriptModel:
 class _TorchBatch:
     """One batch between the steps of :class:`TorchScriptInstance`."""
 
-    __slots__ = ("names", "tensors", "outputs", "done", "error", "started", "staged", "launched")
+    __slots__ = (
+        "names",
+        "tensors",
+        "outputs",
+        "copied",
+        "done",
+        "error",
+        "started",
+        "staged",
+        "launched",
+    )
 
     def __init__(self, started: int) -> None:
         self.names: list[str] = []
         self.tensors: dict = {}
         self.outputs: dict = {}
+        self.copied: Any = None  # a CUDA event recorded after the inputs' copy in
         self.done: Any = None  # a CUDA event recorded after the outputs' copy to the host
         self.error: TritonError | None = None
         self.started = self.staged = self.launched = started
@@ -417,10 +428,13 @@ class TorchScriptInstance:
         self._optimized = not _parameter(config, "DISABLE_OPTIMIZED_EXECUTION", False)
         # Set after each batch; the executor reads it for the statistics.
         self.compute_times: ComputeTimes | None = None
-        # On a GPU: the instance's own stream, and pinned host buffers to stage
-        # inputs in; the device computes a batch while the next one is staged.
-        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
-        self.overlaps = self._stream is not None
+        # On a GPU: the instance's own streams, one computing and one copying
+        # inputs in, and pinned host buffers to stage inputs in: the next batch
+        # is gathered and copied while the device computes the current one.
+        on_gpu = self._device.type == "cuda"
+        self._stream = torch.cuda.Stream(self._device) if on_gpu else None
+        self._copy_stream = torch.cuda.Stream(self._device) if on_gpu else None
+        self.overlaps = on_gpu
         allocate = _pinned_bytes(torch) if self._stream is not None else None
         self._buffers = (
             (HostBuffers(allocate), HostBuffers(allocate))
@@ -438,7 +452,9 @@ class TorchScriptInstance:
         """The batch's input tensors on the instance's device.
 
         On a GPU, the inputs are gathered into this batch's pinned host buffers and
-        copied to the device on the instance's own stream, without waiting. On the
+        copied to the device on the instance's copy stream, without waiting (the
+        compute stream waits for that copy in ``launch``), so the copy overlaps
+        the batch computing before it. On the
         CPU a batch of several requests is gathered into reusable host buffers; a
         single request's writable array is shared with torch as it is.
         """
@@ -453,8 +469,12 @@ class TorchScriptInstance:
                 always_copy=self._stream is not None,
             )
             batch.names = wanted_outputs(requests, list(self._output_datatypes))
-            with self._on_device():
+            with self._on_device(self._copy_stream):
                 batch.tensors = {name: self._to_tensor(name, a) for name, a in arrays.items()}
+                if self._copy_stream is not None:
+                    copied = self._torch.cuda.Event()
+                    copied.record(self._copy_stream)
+                    batch.copied = copied
         except TritonError as error:
             batch.error = error
         except Exception as exc:  # torch raises its own exception types
@@ -472,6 +492,13 @@ class TorchScriptInstance:
         grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
         try:
             with grad_mode, self._on_device(), torch.jit.optimized_execution(self._optimized):
+                if batch.copied is not None:
+                    # The compute stream waits for the inputs' copy; the inputs,
+                    # allocated on the copy stream, are in use on this one too.
+                    assert self._stream is not None
+                    self._stream.wait_event(batch.copied)
+                    for tensor in batch.tensors.values():
+                        tensor.record_stream(self._stream)
                 size = sum(r.batch_size for r in requests) if self._batched else 0
                 captured = self._graph_for(size, batch.tensors) if self._graphs else None
                 if captured is not None:
@@ -614,13 +641,13 @@ class TorchScriptInstance:
     def _failure(self, exc: Exception) -> InternalError:
         return InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
 
-    def _on_device(self):
+    def _on_device(self, stream=None):
         """New tensors a model creates on "cuda" land on this instance's GPU, and
-        its work goes to the instance's own stream."""
+        its work goes to the instance's own stream (``stream``: another of its own)."""
         if self._stream is None:
             return nullcontext()
         torch = self._torch
-        return _Both(torch.cuda.device(self._device), torch.cuda.stream(self._stream))
+        return _Both(torch.cuda.device(self._device), torch.cuda.stream(stream or self._stream))
 
     def _forward(self, tensors: dict):
         if self._inputs.as_dict:
