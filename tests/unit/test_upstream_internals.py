@@ -8,10 +8,12 @@ relies on: then adapt that module and raise the version bound in pyproject.toml.
 from __future__ import annotations
 
 import inspect
+import struct
 
 import h2.config
 import h2.connection
 import h2.events
+import h2.exceptions
 import h2.frame_buffer
 import hpack
 import numpy as np
@@ -151,7 +153,10 @@ def test_frame_buffer_internals_still_exist():
     for name in ("self._data", "self.max_frame_size", "_validate_frame_length(self"):
         assert name in source
     assert "_update_header_buffer(self, f" in source
-    assert "self.incoming_buffer = FrameBuffer(" in inspect.getsource(h2.connection.H2Connection)
+    h2_source = inspect.getsource(h2.connection.H2Connection)
+    assert "self.incoming_buffer = FrameBuffer(" in h2_source
+    # Set on the SETTINGS ack; upstream.H2Connection's property follows it.
+    assert "self.max_inbound_frame_size = setting.new_value" in h2_source
     server, _ = _connections()
     assert type(server.incoming_buffer) is upstream.FrameBuffer
 
@@ -196,3 +201,13 @@ def test_frame_buffer_yields_the_frames_h2s_does():
         expected = _frames_of(h2.frame_buffer.FrameBuffer(), wire, step)
         assert _frames_of(upstream.FrameBuffer(), wire, step) == expected, step
     assert len(expected) == len(frames) - 1  # the continued header block is one frame
+
+
+def test_frame_buffer_refuses_an_oversized_frame_on_its_header():
+    """A frame announced past max_frame_size raises FRAME_SIZE_ERROR as soon as its
+    9-byte header is in, before any of its payload arrives."""
+    buffer = upstream.FrameBuffer()
+    buffer.max_frame_size = 1 << 20
+    buffer.add_data(struct.pack(">HBBBL", 0xFFFF, 0xFF, 0x0, 0, 1))
+    with pytest.raises(h2.exceptions.FrameTooLargeError):
+        next(buffer)

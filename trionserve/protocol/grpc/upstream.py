@@ -12,7 +12,8 @@ libraries below their next minor release until that test passes on it.
   (large DATA payloads written from their own buffers); ``encoder``, ``decoder``
   and ``incoming_buffer`` replaced; ``FrameBuffer.__next__`` overridden, reading
   its ``_data``, ``max_frame_size``, ``_validate_frame_length`` and
-  ``_update_header_buffer``.
+  ``_update_header_buffer``; ``max_inbound_frame_size`` made a property that
+  keeps the frame buffer's limit in step with it.
 
 protobuf's private symbol database (``builder._sym_db``) is used in one place
 too: :mod:`trionserve._generated.protopool`.
@@ -141,7 +142,9 @@ class FrameBuffer(h2.frame_buffer.FrameBuffer):
     h2 cuts each frame out of its buffer as a new bytearray (a copy) and hyperframe
     copies the payload out of that again (``tobytes``): for megabyte messages that
     was two copies of every byte on the event loop. Here the frame is parsed from
-    a view of the buffer, so hyperframe's copy is the only one. Every frame type's
+    a view of the buffer, so hyperframe's copy is the only one. A frame's length
+    is checked against SETTINGS_MAX_FRAME_SIZE as soon as its 9-byte header is
+    in, so an oversized frame is refused before its payload is buffered. Every frame type's
     ``parse_body`` copies or unpacks what it keeps and holds no view, so the buffer
     can be cut after it.
     """
@@ -158,9 +161,12 @@ class FrameBuffer(h2.frame_buffer.FrameBuffer):
                 raise h2.exceptions.ProtocolError(
                     f"Received frame with invalid header: {err!s}"
                 ) from err
+            # Checked on the header, before any payload is waited for: a frame
+            # announced past SETTINGS_MAX_FRAME_SIZE is refused (FRAME_SIZE_ERROR)
+            # instead of buffered whole first, as h2's own FrameBuffer does.
+            self._validate_frame_length(length)
             if len(data) < length + 9:
                 break
-            self._validate_frame_length(length)
             try:
                 frame.parse_body(memoryview(data)[9 : 9 + length])
             except hyperframe_frame.InvalidDataError as err:
@@ -197,7 +203,24 @@ class H2Connection(h2.connection.H2Connection):
         decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
         self.decoder = decoder
         self.incoming_buffer = FrameBuffer(server=not config.client_side)
+        self.incoming_buffer.max_frame_size = self.max_inbound_frame_size
         self._buffers: list = []
+
+    # h2 sets max_inbound_frame_size when the peer acknowledges our SETTINGS, and
+    # copies it into the frame buffer only when the next bytes are received: with
+    # frames checked on their header (FrameBuffer), a large frame right behind the
+    # acknowledgement, in the same bytes, must meet the new limit, so the buffer
+    # follows the setting at once (RFC 9113 section 6.5.3: in effect on the ack).
+    @property
+    def max_inbound_frame_size(self) -> int:
+        return self._max_inbound_frame_size
+
+    @max_inbound_frame_size.setter
+    def max_inbound_frame_size(self, value: int) -> None:
+        self._max_inbound_frame_size = value
+        buffer = getattr(self, "incoming_buffer", None)  # None while h2's __init__ runs
+        if buffer is not None:
+            buffer.max_frame_size = value
 
     def _prepare_for_sending(self, frames) -> None:
         for frame in frames:
