@@ -67,8 +67,13 @@ class InlineInstanceThread:
             job.done.set()
         if not job.done.is_set():
             start = trio.current_time()
+            job.drop_cancelled()
             try:
-                job.results = await inline_run_sync(self._instance.execute, job.requests)
+                job.results = (
+                    await inline_run_sync(self._instance.execute, job.requests)
+                    if job.requests
+                    else []
+                )
             except Exception as exc:
                 job.error = exc
             job.times = getattr(self._instance, "compute_times", None)

@@ -183,7 +183,7 @@ class InstanceExecutor:
             async for job in jobs:
                 await thread.wait(job)
                 done, job = job, None
-                if done.requests:
+                if done.requests or done.cancelled:
                     self._release_resources()
                 self._complete(done, thread)
                 slots.release()
@@ -204,8 +204,9 @@ class InstanceExecutor:
         while True:
             if job is not None:
                 await thread.wait(job)
-                if job.requests:
+                if job.requests or job.cancelled:
                     self._release_resources()
+                self._drop_finished(job.cancelled)
                 if job.requests and not isinstance(job.error, Abandoned):
                     self._complete(job, thread)  # it ran: its results were produced
                 else:
@@ -217,6 +218,7 @@ class InstanceExecutor:
                 return
 
     def _complete(self, job: Job, thread: InstanceThread) -> None:
+        self._drop_finished(job.cancelled)  # cancelled while waiting for the thread
         live = job.requests
         if not live:
             self._outlet.complete(live, ())

@@ -43,10 +43,23 @@ class Job:
     split the batch's time, if it says.
     """
 
-    __slots__ = ("requests", "results", "error", "started", "ended", "times", "staged", "done")
+    __slots__ = (
+        "requests",
+        "cancelled",
+        "results",
+        "error",
+        "started",
+        "ended",
+        "times",
+        "staged",
+        "done",
+    )
 
     def __init__(self, requests: list) -> None:
         self.requests = requests
+        # Requests whose client went away while the batch waited for the thread:
+        # taken out of ``requests`` before it runs, answered by the executor.
+        self.cancelled: list = []
         self.results: list | None = None
         self.error: Exception | None = None
         self.started = 0.0
@@ -54,6 +67,12 @@ class Job:
         self.times: ComputeTimes | None = None
         self.staged: object = None  # the instance's handle between its steps
         self.done = trio.Event()
+
+    def drop_cancelled(self) -> None:
+        """Take the requests cancelled so far out of the batch, before it runs."""
+        if any(request.cancelled for request in self.requests):
+            self.cancelled = [request for request in self.requests if request.cancelled]
+            self.requests = [request for request in self.requests if not request.cancelled]
 
 
 _STOP = None
@@ -128,7 +147,8 @@ class InstanceThread:
         if self._abandoned:
             job.error = Abandoned("the executor stopped before the batch ran")
             return
-        if self._staged is None:
+        job.drop_cancelled()
+        if self._staged is None or not job.requests:
             return
         try:
             job.staged = self._staged.stage(job.requests)
@@ -137,7 +157,9 @@ class InstanceThread:
 
     def _launch(self, job: Job) -> Job | None:
         """Start the job; the job if it still has to be finished, else None."""
-        if job.error is None:
+        if not job.requests:
+            job.results = []  # every request was cancelled: nothing to run
+        elif job.error is None:
             try:
                 if self._staged is not None:
                     job.staged = self._staged.launch(job.requests, job.staged)
