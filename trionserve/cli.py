@@ -234,7 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="a connection must send a whole request head within this time of opening "
-        "(or of a later request's first byte), else 408 and closed (default 30)",
+        "(or of a later request's first byte), and a request body must not pause for "
+        "longer, else 408 and closed (default 30)",
+    )
+    add(
+        "--http-keep-alive-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="an idle keep-alive connection is closed after this time; at "
+        "--http-max-connections the longest idle ones are closed first to make room "
+        "(default 60; not in Triton, whose HTTP server keeps idle connections open)",
     )
     add(
         "--reuse-http-port",
@@ -783,6 +793,7 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
             max_input_size=args.http_max_input_size,
             max_connections=args.http_max_connections,
             header_timeout=args.http_header_timeout,
+            keep_alive_timeout=args.http_keep_alive_timeout,
             reuse_port=reuse_port or args.reuse_http_port,
             header_forward_pattern=args.http_header_forward_pattern,
             restricted_apis=_restricted(

@@ -115,3 +115,131 @@ def test_oversized_frames_on_many_connections_hold_no_memory(server):
         for sock in socks:
             sock.close()
 
+
+# -- finding 2: no client holds every connection slot ------------------------------
+
+HTTP_CAP = 8
+HTTP_LIMITS = [
+    f"--http-max-connections={HTTP_CAP}",
+    "--http-header-timeout=1",
+    "--http-keep-alive-timeout=2",
+]
+LIVE = b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def http_server(tmp_path_factory):
+    repository = tmp_path_factory.mktemp("repository")
+    shutil.copytree(EXAMPLES / "identity_fp32", repository / "identity_fp32")
+    proc = ServerProcess(repository, args=HTTP_LIMITS)
+    try:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """One whole response (head and its content-length body); b"" if the server
+    closed first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def closed_by_server(sock: socket.socket, timeout: float) -> bool:
+    """Whether the server closes ``sock`` within ``timeout`` seconds."""
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def idle_keep_alive(port: int, count: int) -> list[socket.socket]:
+    """``count`` connections that each made one request and now idle."""
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.sendall(LIVE)
+        assert read_response(sock).startswith(b"HTTP/1.1 200"), "not served"
+        socks.append(sock)
+    return socks
+
+
+def test_idle_keep_alive_connections_make_room_for_new_clients(http_server):
+    """With the cap held by connections idle after one request each, a new client
+    is served (before: 503 for as long as they stayed): the longest idle one is
+    closed to make room, and only it."""
+    socks = idle_keep_alive(http_server.http_port, HTTP_CAP)
+    try:
+        with socket.create_connection(("127.0.0.1", http_server.http_port), timeout=5) as new:
+            new.sendall(LIVE)
+            assert read_response(new).startswith(b"HTTP/1.1 200")
+        assert closed_by_server(socks[0], 1)
+        # The others are still open and served.
+        socks[-1].sendall(LIVE)
+        assert read_response(socks[-1]).startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_connections_in_the_middle_of_a_request_are_not_closed_for_room(http_server):
+    """Only idle connections make room: with the cap held by connections in the
+    middle of a request head, a new one is refused 503 as before."""
+    socks = []
+    try:
+        for _ in range(HTTP_CAP):
+            sock = socket.create_connection(("127.0.0.1", http_server.http_port), timeout=5)
+            sock.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+            socks.append(sock)
+        with socket.create_connection(("127.0.0.1", http_server.http_port), timeout=5) as new:
+            assert read_response(new).startswith(b"HTTP/1.1 503")
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(http_server):
+    (sock,) = idle_keep_alive(http_server.http_port, 1)
+    with sock:
+        started = time.monotonic()
+        assert closed_by_server(sock, 5)
+        assert 1.5 < time.monotonic() - started < 4.5  # --http-keep-alive-timeout=2
+
+
+def test_a_body_that_stops_arriving_times_out(http_server):
+    """A request whose body stops half-way is answered 408 naming the flag after
+    --http-header-timeout without a byte of it (before: held until the client
+    left), and its slot is free again."""
+    with socket.create_connection(("127.0.0.1", http_server.http_port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v2/models/identity_fp32/infer HTTP/1.1\r\nhost: x\r\n"
+            b"content-length: 1000\r\n\r\n" + b"{" * 10
+        )
+        started = time.monotonic()
+        answer = read_response(sock)
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert b"--http-header-timeout" in answer
+        assert time.monotonic() - started < 4

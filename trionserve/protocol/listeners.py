@@ -12,7 +12,9 @@ server.
 :class:`Acceptor` is the accept loop both frontends (HTTP and gRPC) run on their
 listeners: a cap on the connections served at once, the excess refused cheaply,
 and accept failures for want of descriptors or memory waited out instead of
-spun on, each logged at a bounded rate.
+spun on, each logged at a bounded rate. At the cap, a protocol that can close
+an idle connection (HTTP keep-alive, gRPC without calls) is asked to close its
+oldest idle one first, so idle connections never keep a new client out.
 """
 
 from __future__ import annotations
@@ -83,6 +85,8 @@ def _bound_sockets(host: str | None, port: int) -> list[socket.socket]:
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 # How long the accept loop waits after such an error before it tries again.
 ACCEPT_RETRY_SECS = 0.1
+# How long the accept loop waits for an idle connection it closed to end.
+EVICT_WAIT_SECS = 1.0
 
 
 class RateLimitedLog:
@@ -110,8 +114,12 @@ class Acceptor:
     """Accepts connections and serves each with ``handle`` in a nursery the caller
     owns, at most ``max_connections`` at once (None: no cap).
 
-    A connection past the cap goes to ``refuse`` instead (which answers if its
-    protocol can, and closes it) and is logged at a bounded rate naming ``flag``;
+    At the cap, ``evict`` (when given) is asked to close the oldest idle
+    connection (it returns False when none is idle) and the new connection is
+    served as soon as that one has ended (within ``EVICT_WAIT_SECS``). A
+    connection past the cap with nothing to evict goes to ``refuse`` instead
+    (which answers if its protocol can, and closes it) and is logged at a bounded
+    rate naming ``flag``;
     an accept that fails for want of descriptors or memory is retried after
     ``ACCEPT_RETRY_SECS``, also logged at a bounded rate, so a flood of either
     neither spins the event loop nor fills the log. ``open`` counts the
@@ -125,11 +133,15 @@ class Acceptor:
         refuse: Callable[[trio.SocketStream], Awaitable[None]],
         max_connections: int | None,
         flag: str,
+        evict: Callable[[], bool] | None = None,
     ) -> None:
         self._handle = handle
         self._refuse = refuse
+        self._evict = evict
         self.max_connections = max_connections
         self.open = 0
+        self.evicted = 0  # idle connections closed to make room
+        self._ended = trio.Event()  # set (and replaced) when a connection ends
         self._log_refused = RateLimitedLog(f"refusing {protocol} connections: at the cap ({flag})")
         self._log_accept_error = RateLimitedLog(f"{protocol} accept failed; retrying")
 
@@ -190,15 +202,31 @@ class Acceptor:
                 await trio.sleep(ACCEPT_RETRY_SECS)
                 continue
             cap = self.max_connections
-            if cap is not None and self.open >= cap:
+            if cap is not None and self.open >= cap and not await self._make_room(cap):
                 self._log_refused(max_connections=cap)
                 await self._refuse(stream)
                 continue
             self.open += 1
             connections.start_soon(self._serve, stream)
 
+    async def _make_room(self, cap: int) -> bool:
+        """Close idle connections, oldest first, until one fewer than ``cap`` is
+        open; False when none is idle (or the closed one takes too long to end)."""
+        if self._evict is None:
+            return False
+        with trio.move_on_after(EVICT_WAIT_SECS):
+            while self.open >= cap:
+                if not self._evict():
+                    return False
+                self.evicted += 1
+                await self._ended.wait()
+            return True
+        return False
+
     async def _serve(self, stream: trio.SocketStream) -> None:
         try:
             await self._handle(stream)
         finally:
             self.open -= 1
+            self._ended.set()
+            self._ended = trio.Event()

@@ -729,6 +729,8 @@ class HttpOptions:
     max_connections: int | None = 1024
     # Seconds a connection has to deliver a whole request head (--http-header-timeout).
     header_timeout: float = 30.0
+    # Seconds an idle keep-alive connection stays open (--http-keep-alive-timeout).
+    keep_alive_timeout: float = 60.0
     # Bind with SO_REUSEPORT: worker processes share the port (--workers,
     # --reuse-http-port).
     reuse_port: bool = False
@@ -746,6 +748,7 @@ class HttpOptions:
             max_request_body=self.max_input_size,
             max_connections=self.max_connections,
             header_timeout=self.header_timeout,
+            keep_alive_timeout=self.keep_alive_timeout,
             reuse_port=self.reuse_port if reuse_port is None else reuse_port,
         )
 

@@ -22,6 +22,11 @@ What it guarantees:
 
 - One task per connection; requests on a connection are served one after
   another (pipelined requests wait, parsed, until their turn).
+- No client holds connections it does not use: a request head must be whole
+  within ``header_timeout``, and a body must not pause for longer (408); an idle
+  keep-alive connection closes after ``keep_alive_timeout``, and at
+  ``max_connections`` the one idle the longest is closed to make room for a new
+  connection (503 only when none is idle).
 - ``Expect: 100-continue`` is answered when the body is about to be read; chunked
   request bodies are accepted; a body larger than ``max_request_body`` (no limit
   by default) is answered with 413 and the connection closed.
@@ -110,11 +115,14 @@ class HttpServerOptions:
     max_connections: int | None = None
     # A connection must deliver a whole request head within this many seconds of
     # opening, or of the first byte of a later request (slowloris): 408 and closed.
+    # A request body must keep arriving too: no byte of it for this long is a 408.
     header_timeout: float = 30.0
     # Largest request head (request line and headers) buffered: 431 past it.
     max_header_size: int = 1024 * 1024
-    # An idle keep-alive connection is closed after this many seconds.
-    keep_alive_timeout: float = 3600.0
+    # An idle keep-alive connection (answered, nothing sent since) is closed after
+    # this many seconds; at the connection cap the oldest idle ones are closed
+    # first to make room for new connections.
+    keep_alive_timeout: float = 60.0
     # Bytes asked of the socket per read.
     receive_size: int = 256 * 1024
     backlog: int = 1024
@@ -143,6 +151,10 @@ class _BodyTooLarge(Exception):
     """The request body passed ``max_request_body``."""
 
 
+class _BodyTimeout(Exception):
+    """No byte of the request body came for ``header_timeout`` seconds."""
+
+
 class _HeaderTimeout(Exception):
     """A request head did not arrive within ``header_timeout``."""
 
@@ -161,6 +173,9 @@ class HttpServer:
         self.draining = False
         # Connections waiting for their next request: closed when draining starts.
         self._idle: set[_Connection] = set()
+        # Of those, the ones answered and sent nothing since (keep-alive idle),
+        # oldest first: closed to make room at the connection cap.
+        self._keep_alive: dict[_Connection, None] = {}
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
         self._heads: dict[tuple, bytes] = {}
@@ -170,6 +185,7 @@ class HttpServer:
             self._refuse,
             self.options.max_connections,
             "--http-max-connections",
+            evict=self._close_oldest_idle,
         )
 
     async def serve(
@@ -216,6 +232,15 @@ class HttpServer:
                 self._heads.clear()
             head = self._heads[key] = _response_head(status, headers)
         return head
+
+    def _close_oldest_idle(self) -> bool:
+        """Close the connection idle the longest between requests (to make room
+        at the cap); False when none is."""
+        for connection in self._keep_alive:
+            del self._keep_alive[connection]
+            connection.stop_waiting()
+            return True
+        return False
 
     def _drain(self) -> None:
         self.draining = True
@@ -304,6 +329,7 @@ class _Connection:
         "_handling",
         "_head_bytes",
         "_idle_scope",
+        "_quiet",
         "_request_method",
         "_served",
         "_watch",
@@ -325,6 +351,8 @@ class _Connection:
         self._error: _ProtocolError | None = None
         self._eof = False  # the client closed its side
         self._idle_scope: trio.CancelScope | None = None
+        # Ended while idle between requests: nothing unread, closed without linger.
+        self._quiet = False
         self._request_method = b""
         self._answered = False  # the current request's answer has begun
         # The request being handled, and the watcher of a slow one's socket.
@@ -516,14 +544,20 @@ class _Connection:
         until = trio.current_time() + server.options.keep_alive_timeout
         if deadline is not None:
             until = min(until, deadline)
+        # Answered and nothing of the next request yet: keep-alive idle.
+        keep_alive = self._served and deadline is None
         with trio.move_on_at(until) as scope:
             self._idle_scope = scope
             server._idle.add(self)
+            if keep_alive:
+                server._keep_alive[self] = None
             try:
                 return await self.stream.receive_some(server.options.receive_size)
             finally:
                 server._idle.discard(self)
+                server._keep_alive.pop(self, None)
                 self._idle_scope = None
+        self._quiet = bool(keep_alive)
         return None
 
     async def _read_body(self, request: _Request) -> RequestBody:
@@ -531,17 +565,24 @@ class _Connection:
         _ProtocolError past the chunk count."""
         if request.expects_continue and not request.complete and not request.size:
             await self.stream.send_all(b"HTTP/1.1 100 Continue\r\n\r\n")
-        while not request.complete:
-            if request.too_large:
-                raise self._too_large_body(request)
-            if self._error is not None:
-                raise self._error
-            if self._eof:
-                raise _PeerGone
-            if request.buffer is not None:
-                await self._receive_into(request, request.buffer)
-                break
-            self._feed(await self.stream.receive_some(self.server.options.receive_size))
+        timeout = self.server.options.header_timeout
+        # A body that stops arriving times out: each read must bring a byte within
+        # header_timeout (the deadline moves on with every read).
+        with trio.move_on_after(timeout) as scope:
+            while not request.complete:
+                if request.too_large:
+                    raise self._too_large_body(request)
+                if self._error is not None:
+                    raise self._error
+                if self._eof:
+                    raise _PeerGone
+                if request.buffer is not None:
+                    await self._receive_into(request, request.buffer, scope)
+                    break
+                self._feed(await self.stream.receive_some(self.server.options.receive_size))
+                scope.deadline = trio.current_time() + timeout
+        if scope.cancelled_caught:
+            raise _BodyTimeout
         if request.too_large:
             raise self._too_large_body(request)
         if request.buffer is not None:
@@ -560,13 +601,17 @@ class _Connection:
             )
         return _BodyTooLarge()
 
-    async def _receive_into(self, request: _Request, buffer: memoryview) -> None:
+    async def _receive_into(
+        self, request: _Request, buffer: memoryview, scope: trio.CancelScope
+    ) -> None:
         """The rest of a body of declared length, read from the socket into its
         buffer, never past its end (a pipelined request after it stays in the
-        socket). The parser, which saw only the body's beginning, is replaced by a
-        fresh one: the next byte on the connection starts a request."""
+        socket); each read moves ``scope``'s deadline on by ``header_timeout``. The
+        parser, which saw only the body's beginning, is replaced by a fresh one:
+        the next byte on the connection starts a request."""
         socket = self.stream.socket
         size, end = request.size, len(buffer)
+        timeout = self.server.options.header_timeout
         while size < end:
             try:
                 received = await socket.recv_into(buffer[size:], end - size)
@@ -576,6 +621,7 @@ class _Connection:
                 self._eof = True
                 raise _PeerGone
             size += received
+            scope.deadline = trio.current_time() + timeout
         request.size = size
         request.complete = True
         self.parser = self._new_parser()
@@ -621,6 +667,13 @@ class _Connection:
                 raise
         except _BodyTooLarge:
             await self._too_large()
+            return False
+        except _BodyTimeout:
+            await self._error_response(
+                408,
+                f"the request body stopped arriving: no byte of it for "
+                f"{self.server.options.header_timeout:g} s (--http-header-timeout)",
+            )
             return False
         keep_open = request.keep_alive and not self.server.draining and _CLOSE not in headers
         if not keep_open and _CLOSE not in headers:
@@ -788,7 +841,7 @@ class _Connection:
         """Close the socket, whatever happens (cancellation included)."""
         stream = self.stream
         try:
-            if not self._eof:
+            if not self._eof and not self._quiet:
                 # Half-close and give the client a moment to close its side, so that
                 # request bytes we did not read do not turn our close into a reset.
                 with trio.move_on_after(self.server.options.linger):
