@@ -219,6 +219,15 @@ def test_connections_in_the_middle_of_a_request_are_not_closed_for_room(http_ser
     finally:
         for sock in socks:
             sock.close()
+    # Their slots are free again once the server has seen them close.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.create_connection(("127.0.0.1", http_server.http_port), timeout=5) as new:
+            new.sendall(LIVE.replace(b"\r\n\r\n", b"\r\nconnection: close\r\n\r\n"))
+            if read_response(new).startswith(b"HTTP/1.1 200"):
+                break
+    else:
+        raise AssertionError("the slots were not freed")
 
 
 def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(http_server):
