@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,7 +33,7 @@ from trionserve.protocol.restricted import (
     parse_restricted_features,
 )
 from trionserve.repository.object_store import is_remote
-from trionserve.server import Server, ServerOptions, StartupError
+from trionserve.server import Server, ServerOptions
 from trionserve.workers import (
     add_worker_flags,
     run_supervisor,
@@ -104,8 +105,16 @@ def _positive_float(text: str) -> float:
 _RESTRICTED_GROUPS = ", ".join(c.value for c in RestrictedCategory)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with tritonserver's usage-error exit code (1, main.cc) and, instead
+    of the whole usage, one error line and where the help is."""
+
+    def error(self, message: str):
+        self.exit(1, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="trionserve",
         description="A Triton-compatible inference server on Trio.",
         allow_abbrev=False,
@@ -210,9 +219,26 @@ def build_parser() -> argparse.ArgumentParser:
         "stub-timeout-seconds=N, ...: defaults of every Python model (its own "
         "parameters win); other backends' settings are accepted without effect",
     )
-    add("--allow-http", type=_bool, default=True, metavar="BOOL")
-    add("--http-address", default="0.0.0.0")
-    add("--http-port", type=_port, default=8000)
+    add(
+        "--allow-http",
+        type=_bool,
+        default=True,
+        metavar="BOOL",
+        help="serve the HTTP/REST API (default true)",
+    )
+    add(
+        "--http-address",
+        default="0.0.0.0",
+        metavar="ADDRESS",
+        help="address the HTTP/REST API listens on (default 0.0.0.0: every interface)",
+    )
+    add(
+        "--http-port",
+        type=_port,
+        default=8000,
+        metavar="PORT",
+        help="port of the HTTP/REST API; 0: any free port (default 8000)",
+    )
     add(
         "--http-max-input-size",
         type=_positive_int,
@@ -275,8 +301,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BOOL",
         help="serve the gRPC API (default true)",
     )
-    add("--grpc-address", default="0.0.0.0")
-    add("--grpc-port", type=_port, default=8001)
+    add(
+        "--grpc-address",
+        default="0.0.0.0",
+        metavar="ADDRESS",
+        help="address the gRPC API listens on (default 0.0.0.0: every interface)",
+    )
+    add(
+        "--grpc-port",
+        type=_port,
+        default=8001,
+        metavar="PORT",
+        help="port of the gRPC API; 0: any free port (default 8001)",
+    )
     add(
         "--reuse-grpc-port",
         type=_bool,
@@ -602,7 +639,9 @@ def _add_metrics_flags(add) -> None:
         type=_bool,
         default=True,
         metavar="BOOL",
-        help="accepted for compatibility; GPU metrics are not collected",
+        help="report each GPU's utilization, memory, power and energy (nv_gpu_*, "
+        "nv_energy_consumption) through NVML, where the gpu extra is installed and a "
+        "GPU is visible (default true)",
     )
     add(
         "--allow-cpu-metrics",
@@ -616,7 +655,13 @@ def _add_metrics_flags(add) -> None:
         metavar="ADDRESS",
         help="metrics address (default: --http-address, or 0.0.0.0 without HTTP)",
     )
-    add("--metrics-port", type=_port, default=8002)
+    add(
+        "--metrics-port",
+        type=_port,
+        default=8002,
+        metavar="PORT",
+        help="port of Prometheus /metrics; 0: any free port (default 8002)",
+    )
     add(
         "--metrics-interval-ms",
         type=_non_negative_float,
@@ -862,13 +907,31 @@ def main(argv: list[str] | None = None) -> int:
                 args.worker_ready_fd,
                 args.worker_supervisor_port,
             )
-    except (StartupError, TritonError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 0
+    except BaseException as exc:
+        error = _triton_error(exc)
+        if error is None:
+            raise
+        # One line; the traceback only when asked for (--log-verbose).
+        if options.log_verbose:
+            traceback.print_exception(exc)
+        print(f"error: {error.message}", file=sys.stderr)
+        return 1
     # 1 when the drain at shutdown did not finish (as Triton's exit timeout).
     return server.exit_code
+
+
+def _triton_error(exc: BaseException) -> TritonError | None:
+    """The error that stopped the server, also from inside Trio's exception groups
+    (a StartupError, a repository that cannot be read); None for anything else."""
+    if isinstance(exc, TritonError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        found = [_triton_error(inner) for inner in exc.exceptions]
+        if len(found) == 1 and found[0] is not None:
+            return found[0]
+    return None
 
 
 if __name__ == "__main__":

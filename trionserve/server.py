@@ -20,12 +20,15 @@ Exiting immediately."). A second signal stops at once.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,8 +123,63 @@ class ServerOptions:
 
 
 class StartupError(InternalError):
-    """The server could not start as asked (with --exit-on-error): INTERNAL, as
-    Triton's "failed to load all models"."""
+    """The server could not start as asked: a frontend's port cannot be bound, or
+    (with --exit-on-error) a model failed to load: INTERNAL, as Triton's "failed to
+    load all models"."""
+
+
+def check_port(service: str, address: str, port: int, flag: str) -> None:
+    """Fail fast, before any model loads, if ``service`` cannot listen on
+    ``address``:``port``: bind a probe socket as the frontend will (SO_REUSEADDR,
+    one socket per address ``address`` resolves to) and close it. ``flag`` is the
+    command-line flag that chose the port (Triton's main.cc logs "failed to start
+    HTTP service" and exits 1; its http_server.cc names "Socket 'address:port'
+    already in use")."""
+    try:
+        infos = socket.getaddrinfo(
+            address or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise StartupError(
+            f"failed to start {service} service: cannot resolve address '{address}': "
+            f"{exc.strerror} ({flag.replace('-port', '-address')})"
+        ) from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                raise _bind_error(service, address, port, flag, exc) from None
+
+
+def _bind_error(service: str, address: str, port: int, flag: str, exc: OSError) -> StartupError:
+    if exc.errno == errno.EADDRINUSE:
+        return StartupError(
+            f"failed to start {service} service: {address}:{port} is already in use ({flag})"
+        )
+    return StartupError(
+        f"failed to start {service} service: cannot listen on {address}:{port}: "
+        f"{exc.strerror or exc} ({flag.replace('-port', '-address')})"
+    )
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OSError a frontend's start raised, also from inside exception groups."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _os_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class Server:
@@ -210,6 +268,10 @@ class Server:
             repositories=[str(p) for p in options.model_repositories],
             mode=options.model_control_mode.value,
         )
+        ports = self._ports()
+        for service, address, port, flag, reuse in ports:
+            if port and not reuse:
+                check_port(service, address, port, flag)
         async with trio.open_nursery() as nursery:
             if options.handle_signals:
                 nursery.start_soon(self._watch_signals, nursery.cancel_scope)
@@ -220,24 +282,35 @@ class Server:
             if self.watcher.startup_errors and options.exit_on_error:
                 await self._unload_all()
                 nursery.cancel_scope.cancel()
+                # Each model's reason is logged (at error) as it failed.
                 raise StartupError(
-                    "failed to load all models: "
-                    + "; ".join(
-                        f"{name}: {reason}"
-                        for name, reason in sorted(self.watcher.startup_errors.items())
-                    )
+                    "failed to load all models: " + ", ".join(sorted(self.watcher.startup_errors))
                 )
             async with trio.open_nursery() as frontends:
                 self._frontends = frontends
-                # Metrics first: by the time HTTP answers, /metrics does too.
-                if options.allow_metrics:
-                    await self.attach_metrics(self._metrics_address(), options.metrics_port)
-                if options.allow_http:
-                    await self.attach_http(options.http_address, options.http_port)
-                if options.allow_grpc:
-                    await self.attach_grpc(options.grpc_address, options.grpc_port)
+                endpoints = []
+                attach: dict[str, Callable[[str, int], Awaitable[list[tuple[str, int]]]]] = {
+                    "HTTP": self.attach_http,
+                    "GRPC": self.attach_grpc,
+                    "Metrics": self.attach_metrics,
+                }
+                for service, address, port, flag, _ in ports:
+                    try:
+                        binds = await attach[service](address, port)
+                    except BaseException as exc:
+                        failure = _os_error(exc)
+                        if failure is None:
+                            raise
+                        # Taken between the check and now: the same one line.
+                        await self._unload_all()
+                        nursery.cancel_scope.cancel()
+                        raise _bind_error(service, address, port, flag, failure) from None
+                    endpoints += [
+                        {"endpoint": service, "address": _address(host, bound)}
+                        for host, bound in binds
+                    ]
                 self.dataplane.started = True
-                log.info("server ready", models=sorted(self.registry.entries()))
+                self._log_overview(endpoints)
                 task_status.started()
                 await self._shutdown.wait()
                 await self._drain()
@@ -251,6 +324,68 @@ class Server:
             log.info("server stopped", exit_code=self.exit_code)
             self._exit_process_soon()
             nursery.cancel_scope.cancel()
+
+    # -- start-up overview ----------------------------------------------------------
+
+    def _ports(self) -> list[tuple[str, str, int, str, bool]]:
+        """(service, address, port, flag, shared port) of each frontend the options
+        ask for, metrics first: by the time HTTP answers, /metrics does too."""
+        options = self.options
+        ports = []
+        if options.allow_metrics:
+            ports.append(
+                ("Metrics", self._metrics_address(), options.metrics_port, "--metrics-port", False)
+            )
+        if options.allow_http:
+            ports.append(
+                (
+                    "HTTP",
+                    options.http_address,
+                    options.http_port,
+                    "--http-port",
+                    options.http.reuse_port,
+                )
+            )
+        if options.allow_grpc:
+            ports.append(
+                (
+                    "GRPC",
+                    options.grpc_address,
+                    options.grpc_port,
+                    "--grpc-port",
+                    options.grpc.reuse_port,
+                )
+            )
+        return ports
+
+    def _log_overview(self, endpoints: list[dict]) -> None:
+        """The start-up overview, as tritonserver's model table: every model version
+        with its state (or why it is not ready), the endpoints with their
+        addresses, then ``server ready`` only when the readiness API says so."""
+        models = [
+            {
+                "model": row["name"],
+                "version": row.get("version", ""),
+                "state": row.get("state", ""),
+                "reason": row.get("reason", ""),
+            }
+            for row in self.registry.index()
+        ]
+        log.info("models", table=models or [{"model": "(none)"}])
+        if endpoints:
+            log.info("endpoints", table=endpoints)
+        if self.dataplane.ready():
+            log.info("server ready", models=len(models))
+            return
+        failed = sorted(
+            {row["model"] for row in models if row["state"] not in ("READY", "")}
+            | set(self.watcher.startup_errors)
+        )
+        log.error(
+            "server started but not ready: models failed to load",
+            failed=failed,
+            hint="see each model's error above; /v2/health/ready answers 400",
+        )
 
     # -- frontends ---------------------------------------------------------------
 
@@ -277,7 +412,7 @@ class Server:
             self.options.log_verbose > 0,
             options if options is not None else self.options.http,
         )
-        log.info("HTTP service started", listening=binds)
+        log.debug("HTTP service started", listening=binds)
         return binds
 
     async def attach_grpc(
@@ -294,7 +429,7 @@ class Server:
             options if options is not None else self.options.grpc,
             self.options.log_verbose > 0,
         )
-        log.info("GRPC service started", listening=binds)
+        log.debug("GRPC service started", listening=binds)
         return binds
 
     async def attach_metrics(
@@ -310,7 +445,7 @@ class Server:
             self._close_frontends,
             self.options.http.transport_options(reuse_port=False),
         )
-        log.info("Metrics service started", listening=binds)
+        log.debug("Metrics service started", listening=binds)
         self.metrics_binds = binds
         return binds
 

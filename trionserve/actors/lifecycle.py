@@ -196,7 +196,9 @@ def load_error(name: str, errors: dict[int, TritonError]) -> TritonError:
 
 
 class TransitionLog:
-    """One structured log line per state transition of a model version.
+    """One structured log line per state transition of a model version, at the
+    verbose level (the model's own "model ready" and the registry's failures and
+    unloads are the info and error lines).
 
     Each line has model, version, from, to, reason and duration_s: how long the
     version spent in the state it leaves.
@@ -210,7 +212,7 @@ class TransitionLog:
         entered = self._entered.pop(version, None)
         if after != "UNAVAILABLE":
             self._entered[version] = now
-        log.info(
+        log.debug(
             "model state",
             model=version.name,
             version=version.version,

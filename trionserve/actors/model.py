@@ -383,7 +383,10 @@ class ModelVersion:
         self._log_state("unavailable", reason=reason)
 
     def _log_state(self, event: str, **fields) -> None:
-        log.info(f"model {event}", model=self.name, version=self.version, **fields)
+        """ "model ready" at info, once per version loaded; the other steps (and a
+        failure, which the registry logs at error) at the verbose level."""
+        level = log.info if event == "ready" else log.debug
+        level(f"model {event}", model=self.name, version=self.version, **fields)
 
     # -- used by the registry and the data plane -----------------------------
 

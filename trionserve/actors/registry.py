@@ -371,7 +371,7 @@ class ModelRegistry:
             entry.operations.append(operation)
             self._nursery.start_soon(self._run_operation, entry, operation, work)
         elif key[0] == "load":
-            log.info("joining a load of the same model already in progress", model=model_id)
+            log.debug("joining a load of the same model already in progress", model=model_id)
         operation.explicit |= explicit
         await operation.done.wait()
         if operation.error is not None:
@@ -735,6 +735,7 @@ class ModelRegistry:
                 )
                 raise error
             entry.failed = True
+            log.error("model load failed", model=name, reason=error.message)
             if not loaded:
                 # Nothing was loaded from it: a failed file override leaves nothing.
                 await self._remove_override(source.model_dir)

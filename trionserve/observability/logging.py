@@ -1,6 +1,8 @@
 """structlog setup, and the log settings the logging extension changes at run time.
 
-Events are rendered one per line (console or JSON) to stderr or to ``log_file``.
+Events are rendered one per line (console or JSON) to stderr or to ``log_file``;
+an event with a ``table`` field (a list of rows) is followed, in the console
+format, by that table drawn in text (the start-up overview).
 Which levels pass is decided per event from :data:`SETTINGS`, so ``POST
 /v2/logging`` takes effect at once for every logger, cached or not.
 """
@@ -56,7 +58,25 @@ def _level_filter(_logger, method_name: str, event_dict):
 
 
 def _render(logger, method_name: str, event_dict):
-    return _renderers[SETTINGS.log_format](logger, method_name, event_dict)
+    table = event_dict.pop("table", None) if SETTINGS.log_format == "console" else None
+    line = _renderers[SETTINGS.log_format](logger, method_name, event_dict)
+    if table:
+        return line + "\n" + format_table(table)
+    return line
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Rows of the same keys as a boxed text table, as tritonserver prints its
+    model and option tables at start-up (the console format's ``table=`` field)."""
+    headers = list(rows[0])
+    cells = [[str(row.get(h, "")) for h in headers] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+
+    def line(values: list[str]) -> str:
+        return "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"
+
+    return "\n".join([rule, line(headers), rule, *(line(r) for r in cells), rule])
 
 
 class _LineWriter:

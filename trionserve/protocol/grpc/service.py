@@ -10,6 +10,7 @@ interface.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -461,10 +462,32 @@ class GrpcService:
         shared_memory = self.dataplane.shm_resolver
         request = grpc_codec.decode_infer_request(data, shared_memory)
         self._forward_headers(call, request)
-        if self.verbose or verbose_logging():
-            log.debug("infer request", protocol="grpc", model=request.model_name, id=request.id)
-        response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
-        return grpc_codec.encode_infer_response(response, request, shared_memory=shared_memory)
+        if not (self.verbose or verbose_logging()):
+            response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
+            return grpc_codec.encode_infer_response(response, request, shared_memory=shared_memory)
+        log.debug("infer request", protocol="GRPC", model=request.model_name, id=request.id)
+        # Verbose: an access-log line once answered (protocol, model, status, latency).
+        started = time.perf_counter()
+        status = "CANCELLED"  # unless it ends otherwise
+        try:
+            response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
+            encoded = grpc_codec.encode_infer_response(
+                response, request, shared_memory=shared_memory
+            )
+            status = "OK"
+            return encoded
+        except TritonError as error:
+            status = error.status.name
+            raise
+        finally:
+            log.debug(
+                "infer response",
+                protocol="GRPC",
+                model=request.model_name,
+                id=request.id,
+                status=status,
+                latency_ms=round((time.perf_counter() - started) * 1000, 3),
+            )
 
     async def model_stream_infer(self, call: GrpcCall) -> None:
         """Serve every request of the stream concurrently; answer each in turn.

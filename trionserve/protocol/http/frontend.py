@@ -17,6 +17,7 @@ import binascii
 import gzip
 import json
 import re
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -161,7 +162,25 @@ class InferHandler:
     async def handle(
         self, match: re.Match, request_headers, body: RequestBody
     ) -> tuple[int, list[tuple[bytes, bytes]], list]:
-        """The response to one infer request: (status, headers, body chunks)."""
+        """The response to one infer request: (status, headers, body chunks); with
+        verbose logging, an access-log line once it is answered (protocol, model,
+        HTTP status, latency)."""
+        if not (self.verbose or verbose()):
+            return await self._handle(match, request_headers, body)
+        started = time.perf_counter()
+        response = await self._handle(match, request_headers, body)
+        log.debug(
+            "infer response",
+            protocol="HTTP",
+            model=match.group(1),
+            status=response[0],
+            latency_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        return response
+
+    async def _handle(
+        self, match: re.Match, request_headers, body: RequestBody
+    ) -> tuple[int, list[tuple[bytes, bytes]], list]:
         header_field: bytes | None = None
         header_length: int | None = None
         content_encoding = None
