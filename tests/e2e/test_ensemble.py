@@ -302,6 +302,15 @@ def make_repository(repository: Path) -> None:
         ),
         max_batch_size=8,
     )
+    # No batch dimension of its own, over a batching model (Triton adds and strips
+    # a batch of 1, core ensemble_scheduler.cc ReshapeTensorDims).
+    ensemble(
+        repository,
+        "unbatched",
+        I32_16,
+        OUT_16,
+        steps(("simple", SIMPLE, {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"})),
+    )
     shutil.copytree(EXAMPLES / "identity_fp32", repository / "identity_fp32")
     ensemble(
         repository,
@@ -341,7 +350,7 @@ def make_repository(repository: Path) -> None:
         ensemble(repository, name, inputs, outputs, scheduling, max_batch_size=8)
 
 
-STARTUP = ["image_pipeline", "reject_pipeline", "branches", "stream_pipeline"]
+STARTUP = ["image_pipeline", "reject_pipeline", "branches", "stream_pipeline", "unbatched"]
 
 
 @pytest.fixture(scope="module")
@@ -502,6 +511,23 @@ def test_unload_dependents_unloads_the_composing_models(client):
     client.unload_model("identity_chain", unload_dependents=True)
     assert not client.is_model_ready("identity_chain")
     assert not client.is_model_ready("identity_fp32")
+
+
+def test_an_ensemble_without_batching_serves_a_batching_step(client):
+    a = np.arange(16, dtype=np.int32)
+    b = np.full(16, 3, np.int32)
+    inputs = [
+        httpclient.InferInput("INPUT0", [16], "INT32"),
+        httpclient.InferInput("INPUT1", [16], "INT32"),
+    ]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    result = client.infer("unbatched", inputs)
+    assert result.as_numpy("OUTPUT0").shape == (16,)  # the step's batch of 1 is gone
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    metadata = client.get_model_metadata("unbatched")
+    assert metadata["inputs"][0]["shape"] == [16]
 
 
 def test_example_simple_ensemble(http_client):

@@ -16,7 +16,7 @@ from google.protobuf import text_format
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.ensemble import plan_ensemble
 from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.core.validation import ModelSignature
 from trionserve.schedulers.ensemble import EnsembleScheduler
 
@@ -84,8 +84,10 @@ class StandIn:
             raise NotFound(f"Request for unknown model: '{name}' is not found")
         return self.models[name]
 
-    async def infer_stream(self, request: InferenceRequest, deliver) -> None:
+    async def infer_stream(self, request: InferenceRequest, deliver, queued=None) -> None:
         self.requests.append(request)
+        if queued is not None:
+            queued.set()
         await self.behaviours[request.model_name](request, deliver)
 
 
@@ -232,7 +234,41 @@ async def test_each_response_of_a_decoupled_step_runs_the_next_step(autojump_clo
         (None if response is None else response.outputs[0].data.tolist(), final)
         for response, final in pairs
     ]
-    assert received == [([1.0], False), ([4.0], False), ([9.0], False), (None, True)]
+    values = [data for data, _ in received if data is not None]
+    assert values == [[1.0], [4.0], [9.0]]
+    # Only the last is final: the last response if nothing was in flight after it
+    # (Triton's EnsembleContext::FinishEnsemble), else a bare final flag once the
+    # decoupled step ends.
+    assert [final for _, final in received] == [False] * (len(received) - 1) + [True]
+
+
+async def test_the_last_response_carries_the_final_flag(autojump_clock):
+    """A client that waits for triton_final_response sees it on the last response
+    when no step is in flight any more, without asking for empty final responses."""
+
+    async def repeat(request, deliver):
+        for index in range(2):
+            await deliver(respond("repeat", request.inputs["IN"].data + index), False)
+        await deliver(None, True)
+
+    gate = trio.Event()
+
+    async def late(request, deliver):
+        if request.inputs["IN"].data[0] == 2.0:
+            await gate.wait()  # answers after the decoupled step ended
+        await deliver(respond("late", request.inputs["IN"].data), True)
+
+    async def opener(request, deliver):
+        await repeat(request, deliver)
+        gate.set()
+
+    service = StandIn({"repeat": opener, "late": late}, decoupled=("repeat",))
+    config = ensemble_config([("repeat", "INPUT", "r"), ("late", "r", "OUTPUT")])
+    pairs = await run_ensemble(config, service, request_for(np.ones(1, np.float32)))
+    assert [(r.outputs[0].data.tolist(), final) for r, final in pairs] == [
+        ([1.0], False),
+        ([2.0], True),
+    ]
 
 
 async def test_priority_timeout_sequence_and_parameters_reach_every_step(autojump_clock):
@@ -301,6 +337,148 @@ async def test_unload_answers_requests_in_flight(autojump_clock):
     scheduler.abort(Unavailable("model 'ens' version 1 was unloaded"))
     with pytest.raises(Unavailable):
         await request.wait()
+
+
+async def test_steps_whose_outputs_nobody_asked_for_do_not_run(autojump_clock):
+    service = StandIn({"left": add(1), "right": add(2), "join": add(0)})
+    config = ensemble_config(
+        [("left", "INPUT", "L"), ("right", "INPUT", "R"), ("join", "R", "J")],
+        outputs=("L", "J"),
+    )
+    request = request_for(np.array([1.0], np.float32), requested_outputs=[RequestedOutput("L")])
+    response = await only_response(config, service, request)
+    # Triton prunes every step that writes no requested output and no input of a
+    # step that runs (EnsembleContext::InitContext).
+    assert [r.model_name for r in service.requests] == ["left"]
+    assert [t.name for t in response.outputs] == ["L"]
+
+
+async def test_responses_carry_the_sequence_flags_of_their_request(autojump_clock):
+    service = StandIn({"a": add(1), "b": add(1)})
+    config = ensemble_config([("a", "INPUT", "t"), ("b", "t", "OUTPUT")])
+    flags = []
+    for start, end in ((True, False), (False, False), (False, True)):
+        request = request_for(
+            np.array([1.0], np.float32), sequence_id=9, sequence_start=start, sequence_end=end
+        )
+        response = await only_response(config, service, request)
+        flags.append(response.parameters)
+    assert flags == [
+        {"sequence_id": 9, "sequence_start": True, "sequence_end": False},
+        {"sequence_id": 9, "sequence_start": False, "sequence_end": False},
+        {"sequence_id": 9, "sequence_start": False, "sequence_end": True},
+    ]
+
+
+async def test_sequence_settings_a_composing_model_returns_carry_on(autojump_clock):
+    async def opens(request, deliver):
+        response = respond("opens", request.inputs["IN"].data)
+        response.parameters = {"sequence_id": 77, "sequence_start": True}
+        await deliver(response, True)
+
+    service = StandIn({"opens": opens, "after": add(1)})
+    config = ensemble_config([("opens", "INPUT", "t"), ("after", "t", "OUTPUT")])
+    response = await only_response(config, service, request_for(np.ones(1, np.float32)))
+    after = service.requests[1]
+    # EnsembleContext::ConsumeResponse: the next step and the response take them.
+    assert (after.sequence_id, after.sequence_start, after.sequence_end) == (77, True, False)
+    assert response.parameters == {"sequence_id": 77, "sequence_start": True, "sequence_end": False}
+
+
+async def test_an_output_a_step_leaves_out_is_left_out_of_the_response(autojump_clock):
+    async def partial_outputs(request, deliver):
+        await deliver(respond("partial", request.inputs["IN"].data), True)
+
+    service = StandIn({"partial": partial_outputs})
+    service.models["partial"] = Model(
+        parse(
+            'name: "partial" backend: "test" max_batch_size: 0 '
+            'input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ] '
+            'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] }, '
+            '{ name: "EXTRA" data_type: TYPE_FP32 dims: [ -1 ] } ]'
+        )
+    )
+    config = ensemble_config([("partial", "INPUT", "OUTPUT")], outputs=("OUTPUT", "SKIPPED"))
+    config.ensemble_scheduling.step[0].output_map["EXTRA"] = "SKIPPED"
+    response = await only_response(config, service, request_for(np.ones(2, np.float32)))
+    assert [t.name for t in response.outputs] == ["OUTPUT"]
+
+
+async def test_runs_of_one_step_overlap(autojump_clock):
+    both = trio.Event()
+    running = []
+
+    async def burst(request, deliver):
+        for index in range(2):
+            await deliver(respond("burst", request.inputs["IN"].data + index), False)
+        await deliver(None, True)
+
+    async def meet(request, deliver):
+        # Each run waits for the other: one at a time, they would never answer.
+        running.append(request)
+        if len(running) == 2:
+            both.set()
+        await both.wait()
+        await deliver(respond("meet", request.inputs["IN"].data), True)
+
+    service = StandIn({"burst": burst, "meet": meet}, decoupled=("burst",))
+    config = ensemble_config([("burst", "INPUT", "b"), ("meet", "b", "OUTPUT")])
+    pairs = await run_ensemble(config, service, request_for(np.zeros(1, np.float32)))
+    assert sorted(r.outputs[0].data.tolist() for r, _ in pairs if r is not None) == [[0.0], [1.0]]
+
+
+async def test_max_inflight_requests_holds_back_the_producer(autojump_clock):
+    """With max_inflight_requests: 1 each step has one run in flight over every
+    request of the ensemble, and a producer's next response waits for a slot of
+    the step it feeds (core ensemble_scheduler.cc StepInflightRequestLimiter)."""
+    delivered: list[int] = []
+    gates: list[trio.Event] = []
+    running = {"burst": 0, "slow": 0}
+    most = {"burst": 0, "slow": 0}
+
+    def enter(name: str) -> None:
+        running[name] += 1
+        most[name] = max(most[name], running[name])
+
+    async def burst(request, deliver):
+        enter("burst")
+        for index in range(3):
+            await deliver(respond("burst", request.inputs["IN"].data + index), False)
+            delivered.append(index)
+        running["burst"] -= 1
+        await deliver(None, True)
+
+    async def slow(request, deliver):
+        enter("slow")
+        gate = trio.Event()
+        gates.append(gate)
+        await gate.wait()
+        running["slow"] -= 1
+        await deliver(respond("slow", request.inputs["IN"].data), True)
+
+    service = StandIn({"burst": burst, "slow": slow}, decoupled=("burst",))
+    config = ensemble_config([("burst", "INPUT", "b"), ("slow", "b", "OUTPUT")])
+    config.ensemble_scheduling.max_inflight_requests = 1
+    plan = plan_ensemble(config, 1, service.model)
+    scheduler = EnsembleScheduler(plan, service)
+    requests = [request_for(np.zeros(1, np.float32)) for _ in range(2)]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        for request in requests:
+            nursery.start_soon(scheduler.submit, request)
+        await trio.testing.wait_all_tasks_blocked()
+        # The first burst handed over one response and waits for a slot of
+        # 'slow' to hand over the next; the second request waits for 'burst'.
+        assert len(gates) == 1 and delivered == [0]
+        while not all(request.done for request in requests):
+            gates[-1].set()
+            await trio.testing.wait_all_tasks_blocked()
+        for request in requests:
+            responses = [r async for r, _ in request.stream() if r is not None]
+            assert len(responses) == 3
+        nursery.cancel_scope.cancel()
+    assert most == {"burst": 1, "slow": 1}
+    assert len(gates) == 6
 
 
 # -- the plan: what loading checks against the composing models ---------------------

@@ -1033,6 +1033,23 @@ def test_parse_error_names_model_file_line_and_column(tmp_path):
     assert "integer" in message
 
 
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("-5", "Expected integer, got: -"),
+        ('"invalid_value"', 'Expected integer, got: "invalid_value"'),
+        ("12345678901", "Integer out of range (12345678901)"),
+    ],
+)
+def test_integer_errors_in_protobufs_cpp_words(tmp_path, value, words):
+    # Triton reads config.pbtxt with protobuf's C++ parser; qa/L0_simple_ensemble
+    # looks for its words (max_inflight_requests is a uint32).
+    text = f"ensemble_scheduling {{\n  max_inflight_requests: {value}\n}}\n"
+    with pytest.raises(InvalidArgument) as info:
+        read_model_config(write_model(tmp_path, "m", text))
+    assert info.value.message.endswith(words)
+
+
 def test_unknown_field_is_a_parse_error(tmp_path):
     with pytest.raises(InvalidArgument, match=r"line 1, column 1: .*no_such_field"):
         read_model_config(write_model(tmp_path, "m", "no_such_field: 1\n"))

@@ -49,12 +49,15 @@ async def test_an_ensemble_gets_the_ensemble_scheduler_and_needs_its_plan():
         name="m",
         version=1,
         steps=(),
+        inputs=("IN",),
         outputs=("OUT",),
+        output_dims={"OUT": (1,)},
+        batching=False,
         optional_inputs=frozenset(),
         producers=(),
         consumers={},
         streaming=False,
-        max_inflight=1,
+        max_inflight_requests=1,
     )
     scheduler = create_scheduler(ensemble, ModelStatistics("m", 1), plan=plan, inference=NoSteps())
     assert type(scheduler) is EnsembleScheduler
@@ -64,5 +67,5 @@ async def test_an_ensemble_gets_the_ensemble_scheduler_and_needs_its_plan():
 class NoSteps:
     """A StepService for an ensemble that is only built here, never run."""
 
-    async def infer_stream(self, request, deliver) -> None:
+    async def infer_stream(self, request, deliver, queued=None) -> None:
         raise AssertionError("no step runs in this test")

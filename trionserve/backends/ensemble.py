@@ -25,8 +25,8 @@ from trionserve.core.validation import ModelSignature, TensorSpec
 
 ENSEMBLE_INPUTS = -1  # the producer index of the ensemble's own inputs
 
-# Triggers a step may have waiting when max_inflight_requests is 0 (unlimited in
-# Triton): queues here are bounded, so a fast decoupled producer waits instead.
+# Runs of one step in flight for one request when max_inflight_requests is 0
+# (unlimited in Triton): bounded here, so a fast decoupled producer waits instead.
 DEFAULT_MAX_INFLIGHT = 64
 
 
@@ -43,6 +43,8 @@ class Step:
     input_map: dict[str, str]  # model input -> ensemble tensor
     output_map: dict[str, str]  # model output -> ensemble tensor
     decoupled: bool
+    batching: bool  # the model has a batch dimension (max_batch_size > 0)
+    input_dims: dict[str, tuple[int, ...]]  # model input -> its dims, batch left out
 
     def __str__(self) -> str:
         return f"step {self.index} (model '{self.model_name}')"
@@ -61,12 +63,15 @@ class EnsemblePlan:
     name: str
     version: int
     steps: tuple[Step, ...]
+    inputs: tuple[str, ...]  # the ensemble's inputs, in config order
     outputs: tuple[str, ...]  # the ensemble's outputs, in config order
+    output_dims: dict[str, tuple[int, ...]]
+    batching: bool  # the ensemble has a batch dimension
     optional_inputs: frozenset[str]
     producers: tuple[frozenset[int], ...]
     consumers: dict[int, tuple[int, ...]]
     streaming: bool
-    max_inflight: int
+    max_inflight_requests: int  # 0: no limit shared by the ensemble's requests
 
 
 def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
@@ -78,9 +83,14 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
     """
     name = config.name
     own = ModelSignature.from_config(config)
-    # ensemble tensor -> (wire datatype, full shape, who writes it)
-    tensors: dict[str, tuple[str, list[int], str]] = {
-        spec.name: (spec.datatype, own.full_shape(spec), f"ensemble input '{spec.name}'")
+    # ensemble tensor -> (wire datatype, dims, full shape, who writes it)
+    tensors: dict[str, tuple[str, tuple[int, ...], list[int], str]] = {
+        spec.name: (
+            spec.datatype,
+            spec.dims,
+            own.full_shape(spec),
+            f"ensemble input '{spec.name}'",
+        )
         for spec in own.inputs.values()
     }
     writer: dict[str, int] = {t: ENSEMBLE_INPUTS for t in tensors}
@@ -113,6 +123,7 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
             spec = signature.outputs[output]
             tensors[tensor] = (
                 spec.datatype,
+                spec.dims,
                 signature.full_shape(spec),
                 f"step {index} (model '{entry.model_name}') output '{output}'",
             )
@@ -126,6 +137,8 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
                 dict(entry.input_map),
                 dict(entry.output_map),
                 bool(model.config.model_transaction_policy.decoupled),
+                signature.max_batch_size > 0,
+                {n: signature.inputs[n].dims for n in entry.input_map},
             )
         )
         signatures.append(signature)
@@ -150,13 +163,16 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
         name=name,
         version=version,
         steps=tuple(steps),
+        inputs=tuple(own.inputs),
         outputs=tuple(own.outputs),
+        output_dims={n: spec.dims for n, spec in own.outputs.items()},
+        batching=own.max_batch_size > 0,
         optional_inputs=frozenset(s.name for s in own.inputs.values() if s.optional),
         producers=producers,
         consumers=consumers,
         streaming=any(s.decoupled for s in steps)
         or bool(config.model_transaction_policy.decoupled),
-        max_inflight=config.ensemble_scheduling.max_inflight_requests or DEFAULT_MAX_INFLIGHT,
+        max_inflight_requests=config.ensemble_scheduling.max_inflight_requests,
     )
 
 
@@ -172,17 +188,20 @@ def _check_names(where: str, mapping, specs: dict, kind: str, field: str) -> Non
 def _check_edge(
     ensemble: str, tensor: str, written, spec: TensorSpec, signature: ModelSignature, reader: str
 ) -> None:
-    """The tensor as written must have the datatype and a shape ``reader`` accepts."""
+    """The tensor as written must have the datatype and a shape ``reader`` accepts:
+    the same dims, or the same full shape (a tensor between a batching and a
+    non-batching model, Triton's ValidateTensorConsistency in
+    core src/ensemble_scheduler/ensemble_utils.cc)."""
     if written is None:  # structure errors are reported by validate_model_config
         raise InvalidArgument(f"ensemble '{ensemble}': no step writes tensor '{tensor}'")
-    datatype, shape, source = written
+    datatype, dims, shape, source = written
     if datatype != spec.datatype:
         raise InvalidArgument(
             f"ensemble '{ensemble}': data type mismatch for tensor '{tensor}': "
             f"{source} is {datatype}, but {reader} expects {spec.datatype}"
         )
     expected = signature.full_shape(spec)
-    if not _compatible(shape, expected):
+    if not _compatible(list(dims), list(spec.dims)) and not _compatible(shape, expected):
         raise InvalidArgument(
             f"ensemble '{ensemble}': shape mismatch for tensor '{tensor}': {source} "
             f"has shape {_fmt(shape)}, but {reader} expects {_fmt(expected)}"

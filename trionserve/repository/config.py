@@ -10,6 +10,7 @@ normalize -> validate, like Triton.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -126,11 +127,29 @@ def _parse_text(text: str, context: str) -> ModelConfig:
     except text_format.ParseError as exc:
         line, column = exc.GetLine(), exc.GetColumn()
         detail = str(exc)
+        detail = _cpp_wording(detail)
         if line is not None:
             # str(exc) starts with "line:column : "; say it in words instead.
             detail = detail.split(" : ", 1)[-1]
             raise InvalidArgument(f"{context}: line {line}, column {column}: {detail}") from None
         raise InvalidArgument(f"{context}: {detail}") from None
+
+
+def _cpp_wording(detail: str) -> str:
+    """protobuf's C++ words for an integer the Python parser refuses, as Triton
+    (which reads config.pbtxt with the C++ parser) reports it: 'Expected integer,
+    got: "x"', 'Expected integer, got: -' (a negative unsigned value) and
+    'Integer out of range (N)'."""
+    match = re.search(r"Couldn't parse integer: (.*)$", detail)
+    if match is not None:
+        return f"{detail[: match.start()]}Expected integer, got: {match.group(1)}"
+    match = re.search(r"Value out of range: (-?)(\d+)$", detail)
+    if match is not None:
+        words = (
+            "Expected integer, got: -" if match.group(1) else f"Integer out of range ({match[2]})"
+        )
+        return detail[: match.start()] + words
+    return detail
 
 
 def _text_names_max_batch_size(text: str) -> bool:
