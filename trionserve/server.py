@@ -57,6 +57,7 @@ log = structlog.get_logger(__name__)
 # When the drain ends late (or the exit timeout cut it short), the frontends still
 # get this long to send their last answers, GOAWAYs and closes.
 CLOSE_GRACE_SECS = 1.0
+_START_ORDER = {"GRPC": 0, "HTTP": 1, "Metrics": 2}
 
 
 @dataclass
@@ -158,7 +159,8 @@ def check_port(service: str, address: str, port: int, flag: str) -> None:
 def _bind_error(service: str, address: str, port: int, flag: str, exc: OSError) -> StartupError:
     if exc.errno == errno.EADDRINUSE:
         return StartupError(
-            f"failed to start {service} service: {address}:{port} is already in use ({flag})"
+            f"failed to start {service} service: Unavailable - Socket '{address}:{port}' "
+            f"already in use ({flag})"
         )
     return StartupError(
         f"failed to start {service} service: cannot listen on {address}:{port}: "
@@ -269,7 +271,8 @@ class Server:
             mode=options.model_control_mode.value,
         )
         ports = self._ports()
-        for service, address, port, flag, reuse in ports:
+        # In tritonserver's order (main.cc StartEndpoints: GRPC, HTTP, Metrics).
+        for service, address, port, flag, reuse in sorted(ports, key=lambda p: _START_ORDER[p[0]]):
             if port and not reuse:
                 check_port(service, address, port, flag)
         async with trio.open_nursery() as nursery:

@@ -50,7 +50,8 @@ def test_a_port_in_use_fails_fast_in_one_line():
         )
     assert result.returncode == 1
     assert result.stderr.splitlines()[-1] == (
-        f"error: failed to start HTTP service: 127.0.0.1:{port} is already in use (--http-port)"
+        "error: failed to start HTTP service: Unavailable - Socket "
+        f"'127.0.0.1:{port}' already in use (--http-port)"
     )
     assert "Traceback" not in result.stderr
     assert "model ready" not in result.stderr  # before any model loads

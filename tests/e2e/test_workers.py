@@ -280,7 +280,7 @@ def test_a_port_held_by_another_server_is_an_error(repository, workers):
         try:
             code = proc.wait_exit(120)
             assert code != 0
-            expected = f"127.0.0.1:{port} is already in use (--http-port)"
+            expected = f"Socket '127.0.0.1:{port}' already in use (--http-port)"
             assert expected in proc.output(), proc.output()[-3000:]
         finally:
             proc.close()
