@@ -480,8 +480,10 @@ def _add_grpc_flags(add) -> None:
         type=_int_at_least(1024 * 1024),
         default=256 * 1024 * 1024,
         metavar="BYTES",
-        help="bytes one connection may hold for requests not yet taken and responses "
-        "the client has not read; past it the client is held back (default 268435456)",
+        help="bytes one connection may hold, all its streams together, for requests not "
+        "yet taken, requests taken and not answered, and responses the client has not "
+        "read; past it no request is taken and the client is held back by flow control "
+        "(default 268435456)",
     )
     add(
         "--grpc-max-connections",

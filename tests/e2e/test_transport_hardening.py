@@ -252,3 +252,133 @@ def test_a_body_that_stops_arriving_times_out(http_server):
         assert answer.startswith(b"HTTP/1.1 408"), answer
         assert b"--http-header-timeout" in answer
         assert time.monotonic() - started < 4
+
+
+# -- finding 1: a gRPC connection's work is bounded by --grpc-max-connection-buffer --
+
+GRPC_BUFFER = 8 << 20  # --grpc-max-connection-buffer, scaled down
+STREAM_INFER = b"/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+@pytest.fixture(scope="module")
+def grpc_server(tmp_path_factory):
+    repository = tmp_path_factory.mktemp("repository")
+    shutil.copytree(EXAMPLES / "identity_fp32", repository / "identity_fp32")
+    proc = ServerProcess(repository, args=[f"--grpc-max-connection-buffer={GRPC_BUFFER}"])
+    try:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+
+
+def stream_request(size: int) -> bytes:
+    """A length-prefixed ModelInferRequest for identity_fp32 of ``size`` bytes of input."""
+    from trionserve._generated import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="identity_fp32")
+    tensor = request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, size // 4])
+    assert tensor.name == "INPUT0"
+    request.raw_input_contents.append(b"\0" * size)
+    body = request.SerializeToString()
+    return b"\0" + len(body).to_bytes(4, "big") + body
+
+
+def inference_count(proc: ServerProcess) -> int:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{proc.http_url}/v2/models/identity_fp32/stats") as answer:
+        stats = json.load(answer)["model_stats"]
+    return sum(int(model["inference_count"]) for model in stats)
+
+
+def flood_without_reading(port: int, streams: int, request: bytes, seconds: float):
+    """Open ``streams`` ModelStreamInfer streams on one connection and send
+    ``request`` on each as fast as the server's windows allow, for ``seconds``,
+    granting no window for the responses (they can never be sent). Returns the
+    open socket (the client stays) and the requests sent."""
+    import h2.config
+    import h2.connection
+    import h2.settings
+
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    ids = [1 + 2 * i for i in range(streams)]
+    for stream_id in ids:
+        conn.send_headers(
+            stream_id,
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", STREAM_INFER),
+                (b":authority", b"x"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            ],
+        )
+    pending = {stream_id: memoryview(request) for stream_id in ids}
+    sent = 0
+    sock.settimeout(0.05)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for stream_id in ids:
+            view = pending[stream_id]
+            room = min(
+                conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size, len(view)
+            )
+            if room > 0:
+                conn.send_data(stream_id, bytes(view[:room]))
+                view = view[room:]
+                if not len(view):
+                    sent += 1
+                    view = memoryview(request)
+                pending[stream_id] = view
+        data = conn.data_to_send()
+        if data:
+            sock.sendall(data)
+        try:
+            received = sock.recv(1 << 20)
+        except TimeoutError:
+            continue
+        if not received:
+            break
+        conn.receive_data(received)  # window updates and settings; no DATA comes
+        data = conn.data_to_send()
+        if data:
+            sock.sendall(data)
+    return sock, sent
+
+
+def test_a_stream_flood_that_reads_nothing_is_held_to_the_connection_buffer(grpc_server):
+    """Eight ModelStreamInfer streams on one connection send 256 KiB requests and
+    grant no window for the responses: the connection accepts only what its
+    --grpc-max-connection-buffer holds (requests being served and responses
+    waiting count against it), then holds the client back; the memory is given
+    back when the client leaves. Before, each stream had the whole budget to
+    itself (8x), and requests taken from the queue no longer counted."""
+    request = stream_request(256 << 10)
+    before_count = inference_count(grpc_server)
+    before = rss_mib(grpc_server)
+    sock, sent = flood_without_reading(grpc_server.grpc_port, 8, request, 4.0)
+    try:
+        accepted = inference_count(grpc_server) - before_count
+        grown = rss_mib(grpc_server) - before
+        # Each accepted request holds its request and its response (256 KiB each).
+        assert accepted * 2 * len(request) <= 2 * GRPC_BUFFER, (accepted, sent)
+        assert grown < 5 * GRPC_BUFFER / (1 << 20), f"the server grew by {grown:.0f} MiB"
+    finally:
+        sock.close()
+    # Given back once the client has left: what stays is the model's warm-up (its
+    # first requests), well under the buffer's worth per accepted request.
+    kept = 2 * GRPC_BUFFER / (1 << 20)
+    deadline = time.monotonic() + 10
+    while rss_mib(grpc_server) - before > kept and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling the RSS of another process: nothing to wait on
+    left = rss_mib(grpc_server) - before
+    assert left <= kept, f"{left:.0f} MiB kept after the client left"

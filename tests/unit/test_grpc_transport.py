@@ -499,12 +499,14 @@ class Fanout:
     async def _answer(self, call: GrpcCall, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         await call.send(self.RESPONSE)
+        call.answered()
 
 
 async def test_a_client_that_reads_no_responses_holds_the_connection_back():
     """Responses waiting for a window the client never grants count against the
-    connection's buffer: past it no message is taken, and the client's window
-    runs out instead of the server's memory (issue 18 item 6)."""
+    connection's buffer, with the messages not answered yet: a message is taken
+    only while it fits beside them, and the client's window runs out instead of
+    the server's memory (issue 18 item 6, issue 31 finding 1)."""
     fanout = Fanout()
     handlers = Handlers()
     methods = {**handlers.methods(), "/t.T/Fanout": Method(fanout, client_streaming=True)}
@@ -521,7 +523,7 @@ async def test_a_client_that_reads_no_responses_holds_the_connection_back():
                 client.h2.send_data(stream, frame(b"q" * 64))
             await client.flush()
             await trio.testing.wait_all_tasks_blocked()
-            held = limit // len(Fanout.RESPONSE) + 1  # the answer that crossed the limit
+            held = limit // len(Fanout.RESPONSE)  # answers and messages within the limit
             assert fanout.taken == held
             # Granting the window lets everything through.
             client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**24})
@@ -531,6 +533,57 @@ async def test_a_client_that_reads_no_responses_holds_the_connection_back():
             assert fanout.taken == 40
             assert client.status(stream) == (Status.OK.value, "")
             assert len(client.data[stream]) == 40 * (5 + len(Fanout.RESPONSE))
+        shutdown.set()
+
+
+class Holding:
+    """A unary method that takes its message and answers only once released,
+    counting the messages taken."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+        self.release = trio.Event()
+
+    async def __call__(self, call: GrpcCall) -> None:
+        message = await call.receive()
+        self.taken += 1
+        await self.release.wait()
+        await call.send(message[:8])
+
+
+async def test_messages_taken_and_not_answered_count_against_the_connection_buffer():
+    """Requests being served count against the connection's buffer until
+    answered (issue 31 finding 1): with calls that take their message and do
+    not answer yet, a connection's calls take only what the buffer holds, across
+    all its streams; the others wait (their windows held back), and all are
+    answered once the first are. Before, a message taken no longer counted, so
+    every call took its own."""
+    holding = Holding()
+    shutdown = trio.Event()
+    limit = 1024 * 1024
+    transport = GrpcTransport(
+        {"/t.T/Hold": Method(holding)}, TransportOptions(max_connection_buffer=limit)
+    )
+    message = frame(b"m" * (256 * 1024 - 5))
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(transport.serve, "127.0.0.1", 0, shutdown, 10.0)
+        async with RawClient.connect(bound[0][1]) as client:
+            streams: list[int] = []
+
+            async def send_all() -> None:  # as the server's windows allow
+                for _ in range(10):
+                    streams.append(await client.call("/t.T/Hold", None, end=False))
+                    await send_respecting_windows(client, streams[-1], message, end=True)
+
+            async with trio.open_nursery() as sending:
+                sending.start_soon(send_all)
+                await trio.testing.wait_all_tasks_blocked()
+                assert holding.taken == limit // len(message)
+                assert len(streams) < 10  # the client is held back
+                holding.release.set()
+            await client.until(lambda c: all(c.ended(s) for s in streams))
+            assert holding.taken == 10
+            assert all(client.status(s) == (Status.OK.value, "") for s in streams)
         shutdown.set()
 
 

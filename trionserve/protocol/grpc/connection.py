@@ -81,10 +81,15 @@ class TransportOptions:
     max_frame_size: int = 1024 * 1024
     max_concurrent_streams: int = 1024
     # Bytes one connection may hold for its calls: request messages not taken
-    # yet (whole or partial) and responses waiting for the client's flow-control
-    # window. Past it, the streams' windows are held back except the one of the
-    # oldest unfinished message (so it completes and no call waits on another);
-    # while the waiting responses alone are past it, no call takes a new message.
+    # yet (whole or partial), messages its handlers took and have not answered
+    # (decoded, queued or executing), and responses waiting for the client's
+    # flow-control window. A handler takes a message only while the answered-not
+    # bytes and the waiting responses leave room for it (one is always taken
+    # when the connection has none). Past the limit the client gets no more
+    # window, connection window included, so it sends nothing more; only the
+    # oldest unfinished message may go on (so it completes and no call waits on
+    # another), and when nothing of the connection's would drain by itself the
+    # connection window is given back for it.
     max_connection_buffer: int = 256 * 1024 * 1024
     # Server keepalive: ping after this long (seconds; None: never), close the
     # connection when the ack takes longer than keepalive_timeout.
@@ -112,7 +117,10 @@ class GrpcCall:
     """One call as its handler sees it.
 
     ``receive`` returns the next request message (None once the client finished
-    sending, or, for client-streaming methods, once the server drains); ``send``
+    sending, or, for client-streaming methods, once the server drains); its bytes
+    count against the connection's buffer until the call ``answered`` them (a
+    client-streaming handler, per request), its first response is sent (a unary
+    call) or it ends; ``send``
     writes one response message, waiting for HTTP/2 flow control, and raises
     ``trio.BrokenResourceError`` once the stream is gone. A unary call's messages
     are sent by one task; a client-streaming call's may come from several at once.
@@ -133,6 +141,8 @@ class GrpcCall:
         "_messages",
         "_queued_bytes",
         "_partial_bytes",
+        "_working_bytes",
+        "_taken",
         "_deferred_ack",
         "_deferred_stream",
         "_ended",
@@ -169,6 +179,8 @@ class GrpcCall:
         self._messages: deque[grpc_framing.Message] = deque()
         self._queued_bytes = 0
         self._partial_bytes = 0  # of an unfinished message, in the reader
+        self._working_bytes = 0  # of messages taken and not answered yet
+        self._taken: deque[int] = deque()  # their sizes, oldest first
         self._deferred_ack = 0  # bytes whose stream and connection window is held back
         self._deferred_stream = 0  # bytes whose stream window only is held back
         self._ended = False
@@ -206,8 +218,9 @@ class GrpcCall:
             if self.client_streaming and self._conn.draining:
                 return None
             if self._messages:
-                # Responses the client does not take hold new requests back.
-                await self._conn.wait_for_room()  # no checkpoint when there is room
+                # Work not answered yet and responses the client does not take
+                # hold new requests back.
+                await self._conn.wait_for_room(len(self._messages[0]))  # no checkpoint with room
                 if self._reset or self._error is not None:
                     continue  # raised above
                 message = self._messages.popleft()
@@ -227,8 +240,19 @@ class GrpcCall:
             return self._reader.decompress(message)
         return await trio.to_thread.run_sync(self._reader.decompress, message)
 
+    def answered(self) -> None:
+        """The handler answered one of the messages it took (a request of a
+        client-streaming call): its bytes (as received, the oldest taken's) no
+        longer count against the connection's buffer."""
+        if self._taken:
+            self._conn.release(self, self._taken.popleft())
+
     async def send(self, message: bytes | Sequence[bytes | memoryview]) -> None:
         chunks = [message] if isinstance(message, (bytes, bytearray, memoryview)) else message
+        if self._send_lock is None and self._taken:
+            # A unary call's answer: its request's bytes are now its response's.
+            self._taken.clear()
+            self._conn.release(self, self._working_bytes)
         compressed = self._compress
         if compressed:
             level = self._conn.options.response_compression_level or 0
@@ -307,9 +331,10 @@ class Connection:
         # there is room again.
         self.held = 0
         self.unsent = 0  # of those, responses waiting for the client's window
+        self.working = 0  # and messages handlers took and have not answered
+        self.peak_held = 0  # the most held at once
         self._held_back: set[GrpcCall] = set()
-        self._room = trio.Event()
-        self._room.set()
+        self._drained = trio.Event()  # set (and replaced) when either goes down
         self.peer = _peer_name(stream)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
@@ -536,10 +561,17 @@ class Connection:
         if call._queued_bytes > self.options.window_size:
             call._deferred_ack += flow
             self._held_back.add(call)
-        elif self.held > self.options.max_connection_buffer and not self._leads(call):
+        elif self.held > self.options.max_connection_buffer and (
+            self.working or self.unsent or not self._leads(call)
+        ):
             if flow:
-                call._deferred_stream += flow
-                self.h2.increment_flow_control_window(flow)
+                if self.working or self.unsent:
+                    # Work in hand drains by itself: the client gets no more
+                    # window, not even for the oldest unfinished message.
+                    call._deferred_ack += flow
+                else:  # only messages: the oldest must be able to complete
+                    call._deferred_stream += flow
+                    self.h2.increment_flow_control_window(flow)
                 self._held_back.add(call)
         elif flow:
             self.h2.acknowledge_received_data(flow, stream_id)
@@ -548,30 +580,46 @@ class Connection:
         call._wakeup.set()
 
     def consumed(self, call: GrpcCall, size: int) -> None:
-        """A handler took a message: release flow control held back for it."""
+        """A handler took a message: it stays held, as work not answered yet;
+        flow control held back for the call's queue may be released."""
         call._queued_bytes -= size
+        call._working_bytes += size
+        call._taken.append(size)
+        self.working += size
+        self.hold(0)
+
+    def release(self, call: GrpcCall, size: int) -> None:
+        """``size`` bytes of the work ``call`` took are answered."""
+        call._working_bytes -= size
+        self.working -= size
+        self._drain_event()
         self.hold(-size)
 
     def hold_unsent(self, size: int) -> None:
         """Count ``size`` more bytes of responses waiting to be sent (negative:
-        fewer); while they are over the limit, no call takes a new message."""
+        fewer); with the work not answered, they hold new messages back."""
         self.unsent += size
-        if self.unsent > self.options.max_connection_buffer:
-            if self._room.is_set():
-                self._room = trio.Event()
-        else:
-            self._room.set()
+        if size < 0:
+            self._drain_event()
         self.hold(size)
+
+    def _drain_event(self) -> None:
+        self._drained.set()
+        self._drained = trio.Event()
 
     def hold(self, size: int) -> None:
         """Count ``size`` more bytes held for the calls (negative: fewer); below the
         limit again, give back the flow-control window held back."""
         self.held += size
+        if self.held > self.peak_held:
+            self.peak_held = self.held
         over = self.held > self.options.max_connection_buffer
         if not self._held_back or (size > 0 and over):
             return
         window = self.options.window_size
-        if over:  # only the oldest unfinished message may go on
+        if over and (self.working or self.unsent):  # work in hand drains first
+            released = []
+        elif over:  # only the oldest unfinished message may go on
             released = [c for c in self._held_back if c._queued_bytes <= window and self._leads(c)]
         else:
             released = [c for c in self._held_back if c._queued_bytes <= window]
@@ -588,13 +636,29 @@ class Connection:
                 except h2.exceptions.ProtocolError:  # the stream closed meanwhile
                     pass
             call._deferred_ack = call._deferred_stream = 0
+        if over and size < 0 and not (self.working or self.unsent):
+            # Nothing of the connection's drains by itself any more, only
+            # messages wait: give the connection window held back, so that the
+            # oldest unfinished message can complete (stream windows stay held).
+            for call in self._held_back:
+                if call._deferred_ack:
+                    try:
+                        self.h2.increment_flow_control_window(call._deferred_ack)
+                    except h2.exceptions.ProtocolError:
+                        continue
+                    call._deferred_stream += call._deferred_ack
+                    call._deferred_ack = 0
+                    released.append(call)  # flushed below; stays held back
         if released:
             self.flush()
 
-    async def wait_for_room(self) -> None:
-        """Wait while the connection's unsent responses are over its buffer limit."""
-        while not self._room.is_set():
-            await self._room.wait()
+    async def wait_for_room(self, size: int) -> None:
+        """Wait until a message of ``size`` bytes fits beside the work not
+        answered and the responses waiting (at once when the connection holds
+        neither)."""
+        limit = self.options.max_connection_buffer
+        while self.working + self.unsent and self.working + self.unsent + size > limit:
+            await self._drained.wait()
 
     def _leads(self, call: GrpcCall) -> bool:
         """Whether ``call`` has the oldest unfinished message of the connection."""
@@ -622,9 +686,13 @@ class Connection:
         finally:
             self.calls.pop(call._stream_id, None)
             self._held_back.discard(call)
-            left = call._queued_bytes + call._partial_bytes
+            call._taken.clear()
+            if call._working_bytes:
+                self.working -= call._working_bytes
+                self._drain_event()
+            left = call._queued_bytes + call._partial_bytes + call._working_bytes
             if left:
-                call._queued_bytes = call._partial_bytes = 0
+                call._queued_bytes = call._partial_bytes = call._working_bytes = 0
                 self.hold(-left)
             if self.draining and not self.calls:
                 self._close()

@@ -587,6 +587,7 @@ class GrpcService:
         finally:
             queued.set()
             budget.release()
+            call.answered()  # its bytes leave the connection's buffer
 
     @staticmethod
     async def _send_stream_error(call: GrpcCall, text: str, request) -> None:

@@ -17,8 +17,14 @@ What it guarantees:
   once); a connection that sends no call within ``first_call_timeout`` is closed.
 - TLS when given an ``ssl.SSLContext`` (ALPN ``h2``, as gRPC clients require); a
   connection whose handshake does not finish within ``handshake_timeout`` is closed.
-- HTTP/2 flow control with large windows (16 MiB by default); a handler that does
-  not take its messages holds the client back instead of buffering without bound.
+- HTTP/2 flow control with large windows (16 MiB by default); a connection holds
+  at most ``max_connection_buffer`` bytes for its calls, all streams together:
+  requests not taken, requests taken and not answered, responses waiting for the
+  client's window. Past it no request is taken and the client gets no more window,
+  so it holds back instead of the server buffering without bound; a connection
+  that held much gives its memory back to the system when it ends.
+- An HTTP/2 frame announced past SETTINGS_MAX_FRAME_SIZE is refused
+  (FRAME_SIZE_ERROR) on its header, before its payload is read.
 - Shutdown (``shutdown`` set: the server sets it once its drain is over, see
   :class:`~trionserve.dataplane.DataPlane`; until then the transport serves as
   usual, and the DataPlane answers new requests UNAVAILABLE) closes: GOAWAY
@@ -45,9 +51,13 @@ from trionserve.protocol.grpc.connection import (
     TransportOptions,
 )
 from trionserve.protocol.grpc.status import GRPCError, Status
-from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
+from trionserve.protocol.listeners import Acceptor, open_tcp_listeners, release_free_memory
 
 log = structlog.get_logger(__name__)
+
+# A connection that held this many bytes for its calls at once gives the memory
+# back to the system when it ends (release_free_memory).
+RELEASE_MEMORY_AFTER = 16 * 1024 * 1024
 
 __all__ = [
     "GrpcCall",
@@ -149,3 +159,6 @@ class GrpcTransport:
             log.debug("grpc connection lost", peer=connection.peer, error=repr(group))
         except* Exception:
             log.exception("grpc connection failed", peer=connection.peer)
+        if connection.peak_held >= RELEASE_MEMORY_AFTER:
+            # What it held is free now: give it back to the system.
+            await trio.to_thread.run_sync(release_free_memory)
