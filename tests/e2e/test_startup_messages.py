@@ -4,6 +4,7 @@ asked for help: one line that names what is wrong, the start-up overview, and
 
 from __future__ import annotations
 
+import queue
 import re
 import shutil
 import socket
@@ -136,6 +137,12 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
             grpc.infer("absent", grpc_inputs)
         except Exception:
             pass
+        answers: queue.Queue = queue.Queue()
+        grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
+        grpc.async_stream_infer("simple", grpc_inputs)
+        result, error = answers.get(timeout=30)
+        assert error is None, error
+        grpc.stop_stream()
         grpc.close()
         assert server.stop() == 0
         output = server.output()
@@ -146,7 +153,12 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
             r"infer response +id=\S* ?latency_ms=[\d.]+ model=simple protocol=GRPC status=OK",
             output,
         )
-        assert re.search(r"model=absent protocol=GRPC status=\w+", output)
+        assert re.search(r"model=absent protocol=GRPC status=NOT_FOUND", output)
+        assert re.search(
+            r"infer response +id=\S* ?latency_ms=[\d.]+ model=simple protocol='GRPC stream' "
+            r"status=OK",
+            output,
+        )
     finally:
         server.close()
 

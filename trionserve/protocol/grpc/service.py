@@ -545,6 +545,8 @@ class GrpcService:
         that request's response, as Triton answers errors of its issue step."""
         message = request = None
         shared_memory = self.dataplane.shm_resolver
+        started = time.perf_counter()
+        status = "CANCELLED"  # unless it ends otherwise
         try:
             message, raws = grpc_codec.parse_infer_request(data)
             request = grpc_codec.decode_infer_request(message, shared_memory, raws)
@@ -571,7 +573,9 @@ class GrpcService:
                 await call.send(message)
 
             await self.dataplane.infer_stream(request, deliver, queued=queued)
+            status = "OK"
         except TritonError as error:
+            status = error.status.name
             if on_model_error is not None and queued.is_set():
                 on_model_error(error)
                 return
@@ -580,6 +584,7 @@ class GrpcService:
         except trio.BrokenResourceError:
             pass  # the client reset the stream; the call is being cancelled
         except Exception as exc:
+            status = "INTERNAL"
             queued.set()
             log.exception("grpc stream request failed", method=call.method)
             text = as_triton_error(exc, "internal error").message
@@ -588,6 +593,15 @@ class GrpcService:
             queued.set()
             budget.release()
             call.answered()  # its bytes leave the connection's buffer
+            if request is not None and (self.verbose or verbose_logging()):
+                log.debug(
+                    "infer response",
+                    protocol="GRPC stream",
+                    model=request.model_name,
+                    id=request.id,
+                    status=status,
+                    latency_ms=round((time.perf_counter() - started) * 1000, 3),
+                )
 
     @staticmethod
     async def _send_stream_error(call: GrpcCall, text: str, request) -> None:
