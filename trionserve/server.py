@@ -146,7 +146,13 @@ def check_port(service: str, address: str, port: int, flag: str) -> None:
             f"{exc.strerror} ({flag.replace('-port', '-address')})"
         ) from None
     for family, kind, proto, _, sockaddr in infos:
-        with socket.socket(family, kind, proto) as probe:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError as exc:
+            if exc.errno == errno.EAFNOSUPPORT:
+                continue  # no IPv6 here: the frontend skips it too (as Trio's listeners)
+            raise _bind_error(service, address, port, flag, exc) from None
+        with probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)

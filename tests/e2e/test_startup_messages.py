@@ -200,3 +200,20 @@ def test_a_python_model_whose_initialize_raises_is_an_error(tmp_path):
     ), result.stderr
     assert not re.search(r"\[info +\] model unavailable", result.stderr)
     assert result.stderr.splitlines()[-1] == "error: failed to load all models: raises"
+
+
+def test_an_address_that_cannot_be_used_names_its_flag():
+    result = run_cli(
+        f"--model-repository={EXAMPLES}",
+        "--http-address=no-such-host.invalid",
+        f"--http-port={free_port()}",
+        "--allow-grpc=false",
+        "--allow-metrics=false",
+    )
+    assert result.returncode == 1
+    last = result.stderr.splitlines()[-1]
+    assert last.startswith(
+        "error: failed to start HTTP service: cannot resolve address 'no-such-host.invalid': "
+    ), result.stderr
+    assert last.endswith("(--http-address)")
+    assert "Traceback" not in result.stderr
