@@ -500,6 +500,15 @@ def _add_grpc_flags(add) -> None:
         help="close a connection that starts no call within SECONDS of opening (default 30)",
     )
     add(
+        "--grpc-idle-timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="SECONDS",
+        help="close (GOAWAY) a connection that has had no call in flight for SECONDS; at "
+        "--grpc-max-connections the longest idle one is closed to make room (default 300; "
+        "not in Triton, whose gRPC server keeps idle connections open)",
+    )
+    add(
         "--grpc-header-forward-pattern",
         type=_header_pattern,
         metavar="REGEX",
@@ -751,6 +760,7 @@ def _grpc_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         max_connection_buffer=args.grpc_max_connection_buffer,
         max_connections=args.grpc_max_connections,
         first_call_timeout=args.grpc_first_call_timeout,
+        idle_timeout=args.grpc_idle_timeout,
         header_forward_pattern=args.grpc_header_forward_pattern,
         **(
             {"infer_allocation_pool_size": args.grpc_infer_allocation_pool_size}

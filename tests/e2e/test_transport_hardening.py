@@ -382,3 +382,78 @@ def test_a_stream_flood_that_reads_nothing_is_held_to_the_connection_buffer(grpc
         time.sleep(0.1)  # polling the RSS of another process: nothing to wait on
     left = rss_mib(grpc_server) - before
     assert left <= kept, f"{left:.0f} MiB kept after the client left"
+
+
+GRPC_CAP = 4
+
+
+@pytest.fixture(scope="module")
+def grpc_capped_server(tmp_path_factory):
+    repository = tmp_path_factory.mktemp("repository")
+    shutil.copytree(EXAMPLES / "identity_fp32", repository / "identity_fp32")
+    proc = ServerProcess(
+        repository, args=[f"--grpc-max-connections={GRPC_CAP}", "--grpc-idle-timeout=2"]
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+
+
+def called_once(port: int) -> socket.socket:
+    """A connection that made one ServerLive call (answered) and now idles."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    conn.initiate_connection()
+    headers = [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", b"/inference.GRPCInferenceService/ServerLive"),
+        (b":authority", b"x"),
+        (b"content-type", b"application/grpc"),
+        (b"te", b"trailers"),
+    ]
+    conn.send_headers(1, headers)
+    conn.send_data(1, b"\0\0\0\0\0", end_stream=True)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(conn.data_to_send())
+    while True:
+        data = sock.recv(65536)
+        assert data, "closed before the call was answered"
+        events = conn.receive_data(data)
+        sock.sendall(conn.data_to_send())
+        if any(isinstance(e, h2.events.StreamEnded) for e in events):
+            return sock
+
+
+def test_idle_grpc_connections_make_room_for_new_clients(grpc_capped_server):
+    """With the cap held by connections idle after one call each, a new client is
+    served (before: closed at once for as long as they stayed): the longest idle
+    one gets GOAWAY and is closed to make room."""
+    import tritonclient.grpc as grpcclient
+
+    socks = [called_once(grpc_capped_server.grpc_port) for _ in range(GRPC_CAP)]
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_capped_server.grpc_port}")
+        try:
+            assert client.is_server_live(client_timeout=5)
+        finally:
+            client.close()
+        assert frames_until_goaway(socks[0], 2) == (1, 0)  # NO_ERROR
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_an_idle_grpc_connection_is_closed_after_the_timeout(grpc_capped_server):
+    with called_once(grpc_capped_server.grpc_port) as sock:
+        started = time.monotonic()
+        assert frames_until_goaway(sock, 5) == (1, 0)
+        assert 1.5 < time.monotonic() - started < 4.5  # --grpc-idle-timeout=2

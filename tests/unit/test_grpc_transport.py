@@ -633,17 +633,52 @@ async def test_unfinished_messages_past_the_connection_buffer_all_complete():
 
 
 async def test_connections_past_the_cap_are_closed_and_the_others_served():
-    """--grpc-max-connections (issue 18 item 5): the excess is closed at once."""
+    """--grpc-max-connections (issue 18 item 5): with every connection busy (a call
+    in flight), the excess is closed at once and the others are served."""
+    handlers = Handlers()
+    async with serving(handlers, max_connections=1) as (port, _):
+        async with RawClient.connect(port) as first:
+            busy = await first.call("/t.T/Wait", frame(b""))
+            await handlers.entered.wait()
+            async with RawClient.connect(port) as second:
+                await second.until(lambda c: False)  # until the server closes it
+                assert second.closed
+            handlers.release.set()
+            await first.until(lambda c: c.ended(busy))
+            again = await first.call("/t.T/Echo", frame(b"two"))
+            await first.until(lambda c: c.ended(again))
+            assert first.status(again) == (Status.OK.value, "")
+
+
+async def test_an_idle_connection_makes_room_at_the_cap():
+    """At the cap, the connection with no call in flight for the longest gets
+    GOAWAY and is closed, and the new one is served (issue 31 finding 2)."""
     async with serving(Handlers(), max_connections=1) as (port, _):
         async with RawClient.connect(port) as first:
             stream = await first.call("/t.T/Echo", frame(b"one"))
             await first.until(lambda c: c.ended(stream))
             async with RawClient.connect(port) as second:
-                await second.until(lambda c: False)  # until the server closes it
-                assert second.closed
-            again = await first.call("/t.T/Echo", frame(b"two"))
-            await first.until(lambda c: c.ended(again))
-            assert first.status(again) == (Status.OK.value, "")
+                again = await second.call("/t.T/Echo", frame(b"two"))
+                await second.until(lambda c: c.ended(again))
+                assert second.status(again) == (Status.OK.value, "")
+            await first.until(lambda c: False)  # until the server closes it
+            assert first.closed
+            assert any(isinstance(e, GoAway) for e in first.events)
+
+
+async def test_a_connection_without_calls_is_closed_after_the_idle_timeout(autojump_clock):
+    """A connection with no call in flight for idle_timeout gets GOAWAY and is
+    closed (virtual time); one whose calls keep coming is kept."""
+    async with serving(Handlers(), idle_timeout=60.0) as (port, _):
+        async with RawClient.connect(port) as idle:
+            stream = await idle.call("/t.T/Echo", frame(b"hi"))
+            await idle.until(lambda c: c.ended(stream))
+            start = trio.current_time()
+            with trio.fail_after(120):
+                while not idle.closed:
+                    data = await idle.stream.receive_some(65536)
+                    idle.closed = not data
+            assert trio.current_time() - start >= 59.0  # not before the timeout
 
 
 async def test_a_connection_that_starts_no_call_is_closed(autojump_clock):

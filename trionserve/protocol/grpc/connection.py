@@ -109,6 +109,10 @@ class TransportOptions:
     # Seconds a new connection gets to send its first call's headers; a client
     # that connects and sends nothing (slowloris) is closed after it.
     first_call_timeout: float = 30.0
+    # Seconds a connection may stay with no call in flight after its first: then
+    # it is closed (GOAWAY). At max_connections the longest idle one is closed to
+    # make room for a new connection. None: never.
+    idle_timeout: float | None = 300.0
     # Bind with SO_REUSEPORT: worker processes share the port (--workers).
     reuse_port: bool = False
 
@@ -306,6 +310,7 @@ class Connection:
         methods: Mapping[bytes, Method],
         options: TransportOptions,
         draining: trio.Event,
+        idle: dict[Connection, None] | None = None,
     ) -> None:
         self.stream = stream
         self.methods = methods
@@ -345,6 +350,12 @@ class Connection:
         self._ping_acks: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._first_call = trio.Event()
+        # The transport's connections without a call in flight (after their
+        # first), longest idle first; and an event set (and replaced) when this
+        # one turns idle or busy.
+        self._idle = idle if idle is not None else {}
+        self._idle_changed = trio.Event()
+        self._quiet = False  # closed while idle: no linger
 
     # -- the actor ---------------------------------------------------------------
 
@@ -358,12 +369,15 @@ class Connection:
                 if self.options.keepalive_time is not None:
                     nursery.start_soon(self._keepalive)
                 nursery.start_soon(self._first_call_deadline)
+                if self.options.idle_timeout is not None:
+                    nursery.start_soon(self._idle_deadline, self.options.idle_timeout)
                 await self._read_loop()
                 if not self._closing:
                     nursery.cancel_scope.cancel()
                 # Closing: the writer ends the connection once everything up to the
                 # final GOAWAY is written (see _close).
         finally:
+            self._idle.pop(self, None)
             with trio.CancelScope(shield=True):
                 await self._close_socket()
 
@@ -525,6 +539,9 @@ class Connection:
         if event.stream_ended is not None:
             call._ended = True
         self.calls[stream_id] = call
+        if len(self.calls) == 1:  # busy again
+            self._idle.pop(self, None)
+            self._changed_idle()
         assert self._nursery is not None
         self._nursery.start_soon(self._run_call, call, method.handler)
 
@@ -685,6 +702,9 @@ class Connection:
             raise
         finally:
             self.calls.pop(call._stream_id, None)
+            if not self.calls and not self._closing:  # idle
+                self._idle[self] = None
+                self._changed_idle()
             self._held_back.discard(call)
             call._taken.clear()
             if call._working_bytes:
@@ -867,6 +887,33 @@ class Connection:
         )
         self._cancel()
 
+    def _changed_idle(self) -> None:
+        self._idle_changed.set()
+        self._idle_changed = trio.Event()
+
+    async def _idle_deadline(self, timeout: float) -> None:
+        """Close the connection once it has had no call in flight for ``timeout``
+        seconds (before its first call, the first-call timeout applies)."""
+        await self._first_call.wait()
+        while True:
+            changed = self._idle_changed
+            if self.calls:
+                await changed.wait()
+                continue
+            with trio.move_on_after(timeout):
+                await changed.wait()
+                continue
+            log.info("grpc connection idle for the idle timeout; closing", peer=self.peer)
+            self.close_idle()
+            return
+
+    def close_idle(self) -> None:
+        """Close the connection, which has no call in flight: GOAWAY, then the
+        socket, without waiting for the client to close its side."""
+        self._idle.pop(self, None)
+        self._quiet = True
+        self._close()
+
     def _cancel(self) -> None:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
@@ -894,7 +941,7 @@ class Connection:
     async def _close_socket(self) -> None:
         # Half-close and wait a moment for the client to close too, so that
         # unread bytes do not turn our close into a reset that loses the answers.
-        if self._closing:
+        if self._closing and not self._quiet:
             with trio.move_on_after(self.options.linger):
                 try:
                     # A TLS stream cannot half-close: the client closes on the GOAWAY.

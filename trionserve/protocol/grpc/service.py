@@ -154,6 +154,8 @@ class GrpcOptions:
     # one gets to start its first call (--grpc-first-call-timeout).
     max_connections: int = 1024
     first_call_timeout: float = 30.0
+    # Seconds a connection may stay without a call in flight (--grpc-idle-timeout).
+    idle_timeout: float = 300.0
     # Bind with SO_REUSEPORT so that worker processes share the port (--workers).
     reuse_port: bool = False
     # TLS; None: plaintext.
@@ -168,6 +170,7 @@ class GrpcOptions:
             max_connection_buffer=self.max_connection_buffer,
             max_connections=self.max_connections,
             first_call_timeout=self.first_call_timeout,
+            idle_timeout=self.idle_timeout,
             keepalive_time=self.keepalive_time_ms / 1000 if self.keepalive_time_ms > 0 else None,
             keepalive_timeout=self.keepalive_timeout_ms / 1000,
             keepalive_permit_without_calls=self.keepalive_permit_without_calls,

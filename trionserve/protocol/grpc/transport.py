@@ -13,8 +13,10 @@ What it guarantees:
   the stream (cancel, its own deadline) or drops the connection cancels that task;
   a ``grpc-timeout`` that passes cancels it and answers DEADLINE_EXCEEDED.
 - Every non-OK status carries a percent-encoded ``grpc-message``.
-- At most ``max_connections`` connections at once (past it a new one is closed at
-  once); a connection that sends no call within ``first_call_timeout`` is closed.
+- At most ``max_connections`` connections at once: past it the connection with no
+  call in flight for the longest is closed to make room (GOAWAY), else the new one
+  is closed at once; a connection that sends no call within ``first_call_timeout``
+  is closed, and one with no call in flight for ``idle_timeout`` is too.
 - TLS when given an ``ssl.SSLContext`` (ALPN ``h2``, as gRPC clients require); a
   connection whose handshake does not finish within ``handshake_timeout`` is closed.
 - HTTP/2 flow control with large windows (16 MiB by default); a connection holds
@@ -109,7 +111,10 @@ class GrpcTransport:
             trio.aclose_forcefully,  # refused cheaply: closed at once
             options.max_connections,
             "--grpc-max-connections",
+            evict=self._close_oldest_idle,
         )
+        # Connections without a call in flight, longest idle first.
+        self._idle: dict[Connection, None] = {}
         # Set when the server starts draining: connections send GOAWAY.
         self._draining = trio.Event()
 
@@ -128,6 +133,14 @@ class GrpcTransport:
         await self.acceptor.serve_until(
             listeners, shutdown, graceful_timeout, self._draining.set, task_status=task_status
         )
+
+    def _close_oldest_idle(self) -> bool:
+        """Close the connection idle the longest (to make room at the cap); False
+        when none is."""
+        for connection in self._idle:
+            connection.close_idle()
+            return True
+        return False
 
     async def _connection(self, socket_stream: trio.SocketStream) -> None:
         await self._serve_connection(socket_stream, self._draining)
@@ -150,7 +163,7 @@ class GrpcTransport:
                 await trio.aclose_forcefully(socket_stream)
                 return
             stream = tls
-        connection = Connection(stream, self._methods, self._options, draining)
+        connection = Connection(stream, self._methods, self._options, draining, self._idle)
         # Trio reports a peer's reset from inside the connection's nursery as an
         # ExceptionGroup, hence except*: one broken client must never stop the server.
         try:
