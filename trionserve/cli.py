@@ -651,7 +651,8 @@ def _add_metrics_flags(add) -> None:
         default=True,
         metavar="BOOL",
         help="report each GPU's utilization, memory, power and energy (nv_gpu_*, "
-        "nv_energy_consumption) through NVML, where the gpu extra is installed and a "
+        "nv_energy_consumption) through NVML, where nvidia-ml-py (the cuda12 or cuda13 "
+        "extra) is installed and a "
         "GPU is visible (default true)",
     )
     add(

@@ -94,13 +94,20 @@ def test_dockerfile_matches_the_project(path):
     assert values(path, "STOPSIGNAL") == ["SIGTERM"]
 
 
-def test_the_gpu_image_installs_the_gpu_extra():
+def test_the_gpu_image_installs_the_cuda12_extra_and_onnxruntime_gpu():
     (extras,) = [
         v.split("=", 1)[1]
         for v in values(ROOT / "Dockerfile.cuda", "ARG")
         if v.startswith("EXTRAS=")
     ]
-    assert "gpu" in extras.split(",")
+    assert "cuda12" in extras.split(",")
+    # onnxruntime-gpu replaces the base dependency onnxruntime (they cannot share
+    # an install), at the same version.
+    run = " ".join(values(ROOT / "Dockerfile.cuda", "RUN"))
+    assert "pip uninstall -y onnxruntime " in run and '"onnxruntime-gpu==${ort}"' in run
+    # No extra brings onnxruntime-gpu beside onnxruntime.
+    for name, requirements in PYPROJECT["project"]["optional-dependencies"].items():
+        assert not any(r.startswith("onnxruntime-gpu") for r in requirements), name
     (base,) = [
         v.split("=", 1)[1]
         for v in values(ROOT / "Dockerfile.cuda", "ARG")

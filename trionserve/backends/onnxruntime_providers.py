@@ -145,8 +145,8 @@ def execution_providers(config, spec: InstanceSpec, available: Collection[str]) 
         if CUDA not in available:
             raise Unavailable(
                 f"instance '{spec.name}' of model '{model}' is KIND_GPU but "
-                "onnxruntime has no CUDA execution provider (install the 'gpu' extra "
-                "on a host with a GPU)"
+                "onnxruntime has no CUDA execution provider (install onnxruntime-gpu in "
+                "place of onnxruntime, on a host with a GPU)"
             )
         cuda_options = _legacy_cuda_options(model, config.parameters)
         for accelerator in accelerators.gpu_execution_accelerator:
