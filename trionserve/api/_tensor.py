@@ -124,7 +124,8 @@ def _cupy():
         import cupy
     except ImportError:
         raise errors.Unimplemented(
-            "GPU memory needs cupy, which is not installed (pip install cupy-cuda12x)"
+            "GPU memory needs cupy, which is not installed (the cuda12 or cuda13 extra: "
+            "cupy-cuda12x or cupy-cuda13x)"
         ) from None
     return cupy
 
