@@ -111,6 +111,13 @@ def test_links_open_pages_from_disk(site: Path):
     index = (site / "index.html").read_text()
     assert 'href="quickstart.html"' in index
     assert not re.search(r'href="quickstart/"', index)
+    # Every link between pages, and every asset, names a file that is there (404.html
+    # is for a web server, which serves it for any path: its links are absolute).
+    for page in sorted(set(site.glob("*.html")) - {site / "404.html"}):
+        for href in re.findall(r'(?:href|src)="([^"#?]+)', page.read_text()):
+            if re.match(r"[a-z]+:", href) or href.startswith("//"):
+                continue
+            assert (page.parent / href).is_file(), f"{page.name} links to {href}, no such file"
 
 
 def test_diagrams_render_offline(site: Path):
