@@ -33,7 +33,7 @@ from trionserve.protocol.restricted import (
     parse_restricted_features,
 )
 from trionserve.repository.object_store import is_remote
-from trionserve.server import Server, ServerOptions
+from trionserve.server import Server, ServerOptions, StartupError
 from trionserve.workers import (
     add_worker_flags,
     run_supervisor,
@@ -929,7 +929,8 @@ def main(argv: list[str] | None = None) -> int:
         # One line; the traceback only when asked for (--log-verbose).
         if options.log_verbose:
             traceback.print_exception(exc)
-        print(f"error: {error.message}", file=sys.stderr)
+        summary = error.summary if isinstance(error, StartupError) else error.message
+        print(f"error: {summary}", file=sys.stderr)
         return 1
     # 1 when the drain at shutdown did not finish (as Triton's exit timeout).
     return server.exit_code

@@ -126,7 +126,15 @@ class ServerOptions:
 class StartupError(InternalError):
     """The server could not start as asked: a frontend's port cannot be bound, or
     (with --exit-on-error) a model failed to load: INTERNAL, as Triton's "failed to
-    load all models"."""
+    load all models".
+
+    ``message`` names each failed model with its reason (what an in-process caller
+    sees); ``summary`` is the one line the command prints after the per-model error
+    lines it has logged already."""
+
+    def __init__(self, message: str, summary: str | None = None) -> None:
+        super().__init__(message)
+        self.summary = summary if summary is not None else message
 
 
 def check_port(service: str, address: str, port: int, flag: str) -> None:
@@ -291,9 +299,13 @@ class Server:
             if self.watcher.startup_errors and options.exit_on_error:
                 await self._unload_all()
                 nursery.cancel_scope.cancel()
-                # Each model's reason is logged (at error) as it failed.
+                # Each model's reason is logged (at error) as it failed: the
+                # command's summary names the models only.
+                failed = sorted(self.watcher.startup_errors.items())
                 raise StartupError(
-                    "failed to load all models: " + ", ".join(sorted(self.watcher.startup_errors))
+                    "failed to load all models: "
+                    + "; ".join(f"{name}: {reason}" for name, reason in failed),
+                    summary="failed to load all models: " + ", ".join(name for name, _ in failed),
                 )
             async with trio.open_nursery() as frontends:
                 self._frontends = frontends
