@@ -39,8 +39,8 @@ from trionserve import __version__
 from trionserve.actors.rate_limiter import RateLimiter, RateLimiterResource, RateLimitMode
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
-from trionserve.backends.backend_config import BackendConfig, apply_backend_config
-from trionserve.backends.registry import set_backend_directories
+from trionserve.backends.backend_config import BackendConfig
+from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.response_cache import ResponseCache
 from trionserve.core.types import DEFAULT_UNDELIVERED_RESPONSE_BYTES
@@ -214,10 +214,12 @@ class Server:
             config_name=options.model_config_name,
             namespacing=options.model_namespacing,
         )
-        # Process-wide, as Triton's backends read it once: set before any load.
-        apply_backend_config(options.backend_config)
-        if options.backend_directory is not None:
-            set_backend_directories([options.backend_directory])
+        # This server's backend settings (Triton's TritonBackendManager, one per
+        # server): every model's backend is made through it.
+        self.backends = BackendManager(
+            options.backend_config,
+            [options.backend_directory] if options.backend_directory is not None else None,
+        )
         self.rate_limiter = RateLimiter(options.rate_limit, options.rate_limit_resources)
         self.registry = ModelRegistry(
             self.repository,
@@ -225,6 +227,7 @@ class Server:
             load_concurrency=options.model_load_thread_count,
             drain_timeout=options.exit_timeout_secs,
             rate_limiter=self.rate_limiter if self.rate_limiter.enabled else None,
+            backends=self.backends,
             summary_quantiles=options.metrics.summary_quantiles
             if options.metrics.summary_latencies
             else None,

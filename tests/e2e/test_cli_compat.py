@@ -20,7 +20,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve._generated import model_config_pb2 as mc
-from trionserve.backends.backend_config import apply_backend_config, parse_backend_config
+from trionserve.backends.backend_config import parse_backend_config
+from trionserve.backends.manager import BackendManager
 from trionserve.backends.python.settings import StubSettings
 from trionserve.cli import options_from_args
 from trionserve.core.errors import InvalidArgument
@@ -232,27 +233,27 @@ def python_config(**parameters: str):
 
 
 def test_backend_config_sets_python_defaults_that_model_parameters_override():
-    try:
-        apply_backend_config(
-            parse_backend_config(
-                [
-                    "python,shm-default-byte-size=10485760",
-                    "python,stub-timeout-seconds=5",
-                    "python,shm-message-queue-size=1000",
-                    "onnxruntime,intra_op_thread_count=2",
-                ]
-            )
+    backends = BackendManager(
+        parse_backend_config(
+            [
+                "python,shm-default-byte-size=10485760",
+                "python,stub-timeout-seconds=5",
+                "python,shm-message-queue-size=1000",
+                "onnxruntime,intra_op_thread_count=2",
+            ]
         )
-        settings = StubSettings.from_config(python_config())
-        assert settings.shm_default_byte_size == 10485760
-        assert settings.stub_timeout == 5.0
-        own = StubSettings.from_config(python_config(**{"shm-default-byte-size": "65536"}))
-        assert own.shm_default_byte_size == 65536 and own.stub_timeout == 5.0
-        with pytest.raises(InvalidArgument, match="--backend-config=python,stub-timeout"):
-            apply_backend_config({"python": {"stub-timeout-seconds": "soon"}})
-    finally:
-        apply_backend_config({})
-    assert StubSettings.from_config(python_config()).shm_default_byte_size == 1 << 20
+    )
+    defaults = backends.settings_for("python")
+    settings = StubSettings.from_config(python_config(), defaults)
+    assert settings.shm_default_byte_size == 10485760
+    assert settings.stub_timeout == 5.0
+    own = StubSettings.from_config(python_config(**{"shm-default-byte-size": "65536"}), defaults)
+    assert own.shm_default_byte_size == 65536 and own.stub_timeout == 5.0
+    with pytest.raises(InvalidArgument, match="--backend-config=python,stub-timeout"):
+        BackendManager({"python": {"stub-timeout-seconds": "soon"}})
+    # Another manager (another server) has its own settings: the defaults here.
+    other = BackendManager().settings_for("python")
+    assert StubSettings.from_config(python_config(), other).shm_default_byte_size == 1 << 20
 
 
 def write_config(model_dir: Path, relative: str, text: str) -> None:

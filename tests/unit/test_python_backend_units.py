@@ -98,22 +98,22 @@ def test_settings_from_parameters():
     config.parameters["execute-timeout-seconds"].string_value = "2.5"
     config.parameters["stub-max-restarts"].string_value = "0"
     config.parameters["shm-default-byte-size"].string_value = "65536"
-    settings = StubSettings.from_config(config)
+    settings = StubSettings.from_config(config, {})
     assert settings.execute_timeout == 2.5
     assert settings.max_restarts == 0
     assert settings.shm_default_byte_size == 65536
     config.parameters["shm-growth-byte-size"].string_value = "lots"
     with pytest.raises(InvalidArgument, match="'shm-growth-byte-size' must be a number"):
-        StubSettings.from_config(config)
+        StubSettings.from_config(config, {})
     config = ModelConfig(name="m")
     config.parameters["EXECUTION_ENV_PATH"].string_value = "$$TRITON_MODEL_DIRECTORY/env.tgz"
-    assert StubSettings.from_config(config).execution_env.endswith("/env.tgz")
+    assert StubSettings.from_config(config, {}).execution_env.endswith("/env.tgz")
     with pytest.raises(Unavailable, match=r"EXECUTION_ENV_PATH .*/m/env.tgz does not exist"):
-        settings_for(config, Path("/nonexistent/m"))
+        settings_for(config, Path("/nonexistent/m"), {})
     config = ModelConfig(name="m")
     config.parameters["FORCE_CPU_ONLY_INPUT_TENSORS"].string_value = "maybe"
     with pytest.raises(InvalidArgument, match="FORCE_CPU_ONLY_INPUT_TENSORS"):
-        StubSettings.from_config(config)
+        StubSettings.from_config(config, {})
 
 
 def test_error_codes_map_both_ways():

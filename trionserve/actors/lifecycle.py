@@ -10,7 +10,7 @@ import trio
 
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
 from trionserve.backends.gpu import gpu_count
-from trionserve.backends.registry import backend_for
+from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, as_triton_error
 from trionserve.repository.changes import LoadedSource
 from trionserve.repository.config import (
@@ -68,14 +68,17 @@ def prepare_model(
     autocomplete: bool,
     override_json: str | None,
     config_name: str | None = None,
+    backends: BackendManager | None = None,
 ):
     """Read, complete and validate a model's config; blocking, run in a thread.
 
     ``config_name``: --model-config-name (read ``configs/<name>.pbtxt`` if present).
+    ``backends``: the server's BackendManager, which makes the model's backend
+    (None: one with no settings, for tools and tests).
     """
     config, max_batch_size_set = read_model_config(model_dir, override_json, config_name)
     infer_platform(config, model_dir)
-    backend = backend_for(config)
+    backend = (backends or BackendManager()).backend_for(config)
     versions = select_versions(config, list_versions(model_dir))
     if autocomplete:
         filename = config.default_model_filename or backend.default_model_filename()

@@ -23,6 +23,7 @@ from trionserve.actors.lifecycle import (
 from trionserve.actors.model import ModelState, ModelVersion
 from trionserve.actors.rate_limiter import RateLimiter
 from trionserve.backends.base import InferenceService
+from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import (
     InvalidArgument,
     NotFound,
@@ -105,8 +106,12 @@ class ModelRegistry:
         drain_timeout: float = 30.0,
         rate_limiter: RateLimiter | None = None,
         summary_quantiles: Sequence[Target] | None = None,
+        backends: BackendManager | None = None,
     ) -> None:
         self.repository = repository
+        # The server's BackendManager: every model's backend is made through it
+        # (None: one with no settings).
+        self.backends = backends if backends is not None else BackendManager()
         # The server's rate limiter, given to every ModelVersion (None: unlimited).
         self.rate_limiter = rate_limiter
         # Quantiles of the latency summaries every version keeps; None: none kept
@@ -522,6 +527,7 @@ class ModelRegistry:
                 self.autocomplete,
                 config_json,
                 self.repository.config_name,
+                self.backends,
             )
             polled = True
             self._set_known(entry, True)

@@ -12,16 +12,12 @@ backend name) when the backend first loads. Here:
   ``default-max-batch-size``, keys of backends this server does not have) is
   accepted and reported in one log line each as having no effect, as a Triton
   backend ignores keys it does not read.
+
+Each server's :class:`~trionserve.backends.manager.BackendManager` holds what it
+was given and configures the backends it creates with it.
 """
 
 from __future__ import annotations
-
-import structlog
-
-from trionserve.backends.python import settings as python_settings
-from trionserve.core.errors import InvalidArgument
-
-log = structlog.get_logger(__name__)
 
 # backend name ("" for settings given without one) -> key -> value
 BackendConfig = dict[str, dict[str, str]]
@@ -47,25 +43,3 @@ def parse_backend_config(values: list[str]) -> BackendConfig:
             )
         config.setdefault(backend, {})[key] = value
     return config
-
-
-def apply_backend_config(config: BackendConfig) -> None:
-    """Install the settings this server honours (replacing earlier ones), and log
-    one line for each that has no effect. Raises InvalidArgument for a bad value."""
-    try:
-        ignored = python_settings.set_backend_defaults(config.get("python", {}))
-    except InvalidArgument:
-        python_settings.set_backend_defaults({})
-        raise
-    for key in ignored:
-        _no_effect("python", key, config["python"][key])
-    for backend, settings in config.items():
-        if backend == "python":
-            continue
-        for key, value in settings.items():
-            _no_effect(backend, key, value)
-
-
-def _no_effect(backend: str, key: str, value: str) -> None:
-    flag = f"--backend-config={backend + ',' if backend else ''}{key}={value}"
-    log.info(f"{flag} has no effect in trionserve", flag="--backend-config")

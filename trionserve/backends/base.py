@@ -10,7 +10,7 @@ another process), which its executor calls on the Trio thread.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -187,6 +187,13 @@ class Backend(Protocol):
         version's model file, unless the backend serves every model from one file
         of its own (a Python-based backend's ``model.py``)."""
         return version_dir / filename
+
+    def configure(self, settings: Mapping[str, str]) -> None:
+        """Take the server's checked ``--backend-config`` settings for this backend,
+        before any other call (the ``BackendManager`` that made it calls this, as
+        Triton hands a backend its configuration when it loads). Backends that read
+        none keep this default."""
+        return None
 
     def can_use_gpu(self) -> bool:
         """Whether this backend, as installed, can run an instance on a GPU:

@@ -1,4 +1,9 @@
-"""Which backend serves a model, from its platform and backend fields."""
+"""The backends this installation has: backend and platform names -> factories.
+
+What is installed is code, the same for every server in the process (as the
+backend libraries on Triton's disk); which of them a server uses, and with what
+settings, is its :class:`~trionserve.backends.manager.BackendManager`'s.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trionserve.backends.base import Backend
-from trionserve.core.errors import Unavailable
 
 
 def _onnxruntime() -> Backend:
@@ -58,44 +62,12 @@ def register_backend(name: str, factory: Callable[[], Backend]) -> None:
     _FACTORIES[name] = factory
 
 
+def factory(name: str) -> Callable[[], Backend] | None:
+    """The factory registered for a backend or platform name, if any."""
+    return _FACTORIES.get(name)
+
+
 # Where Python-based backends live: <directory>/<backend name>/model.py, as in
-# Triton (whose default directory is kept, for images built for Triton).
+# Triton (whose default directory is kept, for images built for Triton). A
+# server's BackendManager holds the directories it looks in.
 DEFAULT_BACKEND_DIRECTORY = Path("/opt/tritonserver/backends")
-_backend_directories: list[Path] = [DEFAULT_BACKEND_DIRECTORY]
-
-
-def set_backend_directories(directories: list[Path]) -> None:
-    """Look for Python-based backends in ``directories`` (``--backend-directory``)."""
-    _backend_directories[:] = [Path(d) for d in directories]
-
-
-def python_based_backend(name: str) -> Path | None:
-    """``<backend directory>/<name>/model.py`` of a Python-based backend, if any."""
-    if not name or "/" in name or name.startswith("."):
-        return None
-    for directory in _backend_directories:
-        model_file = directory / name / "model.py"
-        if model_file.is_file():
-            return model_file
-    return None
-
-
-def backend_for(config) -> Backend:
-    """The backend for a normalised config, or Unavailable naming what is missing."""
-    for key in (config.backend, config.platform):
-        factory = _FACTORIES.get(key) if key else None
-        if factory is not None:
-            return factory()
-    model_file = python_based_backend(config.backend)
-    if model_file is not None:
-        from trionserve.backends.python.backend import PythonBackend
-
-        return PythonBackend(model_file)
-    searched = ", ".join(
-        str(d / (config.backend or "<backend>") / "model.py") for d in _backend_directories
-    )
-    raise Unavailable(
-        f"model '{config.name}': backend '{config.backend}' / platform "
-        f"'{config.platform}' is not supported by this server (nor is there a "
-        f"Python-based backend at {searched or 'no backend directory'})"
-    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
@@ -67,6 +68,11 @@ class PythonBackend(Backend):
 
     def __init__(self, model_file: Path | None = None) -> None:
         self.model_file = model_file
+        # --backend-config=python,... as the server's BackendManager checked it.
+        self._defaults: Mapping[str, str] = {}
+
+    def configure(self, settings: Mapping[str, str]) -> None:
+        self._defaults = dict(settings)
 
     def default_model_filename(self) -> str:
         return MODEL_FILENAME
@@ -82,10 +88,10 @@ class PythonBackend(Backend):
             model_path = self.model_file
 
         if not may_auto_complete(model_path):
-            StubSettings.from_config(config)  # its parameters are still checked
+            StubSettings.from_config(config, self._defaults)  # its parameters are still checked
             return
         check_stub_name(config.name)  # the auto-complete stub is named after the model
-        settings = settings_for(config, model_path.parent.parent)
+        settings = settings_for(config, model_path.parent.parent, self._defaults)
         stub = StubProcess(f"model '{config.name}'", settings, name=config.name)
         try:
             answer = stub.request(
@@ -113,7 +119,9 @@ class PythonBackend(Backend):
     def load(self, context: ModelContext) -> PythonModel:
         if self.model_file is not None:
             return PythonModel(
-                context, self.model_file, settings_for(context.config, context.model_dir)
+                context,
+                self.model_file,
+                settings_for(context.config, context.model_dir, self._defaults),
             )
         filename = context.config.default_model_filename or MODEL_FILENAME
         path = context.version_dir / filename
@@ -122,7 +130,9 @@ class PythonBackend(Backend):
                 f"model file '{filename}' not found in version {context.version} of "
                 f"model '{context.name}' ({context.version_dir.name}/)"
             )
-        return PythonModel(context, path, settings_for(context.config, context.model_dir))
+        return PythonModel(
+            context, path, settings_for(context.config, context.model_dir, self._defaults)
+        )
 
 
 class PythonModel:

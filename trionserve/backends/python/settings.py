@@ -3,7 +3,8 @@ overridden by a model's config.pbtxt ``parameters``.
 
 Triton takes the shared-memory sizes and the stub timeout as ``--backend-config=
 python,<key>=<value>`` for the whole server; here those are the server-wide
-defaults (:func:`set_backend_defaults`) and the same keys may also be model
+defaults (checked by :func:`check_backend_defaults`, held by the server's
+``BackendManager`` and handed to each PythonBackend it makes) and the same keys may also be model
 parameters, which win, next to the model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``,
 ``EXECUTION_ENV_PATH``):
 
@@ -23,6 +24,7 @@ parameters, which win, next to the model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,9 +46,6 @@ _NUMBERS = {
 # (its message queue, shared-memory region names, its own thread pool).
 NO_EFFECT_KEYS = ("shm-message-queue-size", "shm-region-prefix-name", "thread-pool-size")
 
-# --backend-config=python,<key>=<value>, for every model of this server process.
-_backend_defaults: dict[str, str] = {}
-
 
 def _number(key: str, text: str, where: str):
     _default, kind, minimum = _NUMBERS[key]
@@ -59,12 +58,12 @@ def _number(key: str, text: str, where: str):
     return value
 
 
-def set_backend_defaults(settings: dict[str, str]) -> list[str]:
-    """Install ``--backend-config=python,...`` settings as every model's defaults.
+def check_backend_defaults(settings: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Check ``--backend-config=python,...`` settings, every model's defaults.
 
-    Values are checked here (InvalidArgument naming the flag); returns the keys
-    that have no effect here, known (:data:`NO_EFFECT_KEYS`) or not, for the
-    caller to report. Replaces any earlier defaults.
+    Returns the settings this backend reads, checked (InvalidArgument naming the
+    flag for a bad value), and the keys that have no effect here, known
+    (:data:`NO_EFFECT_KEYS`) or not, for the caller to report.
     """
     defaults: dict[str, str] = {}
     ignored: list[str] = []
@@ -74,9 +73,7 @@ def set_backend_defaults(settings: dict[str, str]) -> list[str]:
             defaults[key] = text
         else:
             ignored.append(key)
-    _backend_defaults.clear()
-    _backend_defaults.update(defaults)
-    return ignored
+    return defaults, ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +89,9 @@ class StubSettings:
     environment: ExecutionEnvironment | None = None
 
     @classmethod
-    def from_config(cls, config) -> StubSettings:
-        """The settings of one model; raises naming the model and the parameter."""
+    def from_config(cls, config, defaults: Mapping[str, str]) -> StubSettings:
+        """The settings of one model, its parameters over the server's checked
+        ``defaults``; raises naming the model and the parameter."""
         name = config.name
         parameters = {key: value.string_value for key, value in config.parameters.items()}
         force_cpu = parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS", "yes").lower()
@@ -107,7 +105,7 @@ class StubSettings:
             text = parameters.get(key)
             if text:
                 return _number(key, text, f"model '{name}': parameter '{key}'")
-            text = _backend_defaults.get(key)  # checked when it was set
+            text = defaults.get(key)  # checked when it was set
             return _NUMBERS[key][1](text) if text else _NUMBERS[key][0]
 
         return cls(
@@ -121,10 +119,10 @@ class StubSettings:
         )
 
 
-def settings_for(config, model_dir: Path) -> StubSettings:
+def settings_for(config, model_dir: Path, defaults: Mapping[str, str]) -> StubSettings:
     """A model's settings with its EXECUTION_ENV_PATH resolved (blocking: an
     archive is unpacked the first time)."""
-    settings = StubSettings.from_config(config)
+    settings = StubSettings.from_config(config, defaults)
     if not settings.execution_env:
         return settings
     environment = resolve(settings.execution_env, model_dir, config.name)

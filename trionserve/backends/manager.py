@@ -1,0 +1,101 @@
+"""A server's BackendManager: its ``--backend-config`` and ``--backend-directory``.
+
+Triton's core gives each server one ``TritonBackendManager`` (core
+``src/backend_manager.cc``) that holds the backends it loaded and the settings
+each was configured with. Here each :class:`~trionserve.server.Server` creates one
+and hands it to its ModelRegistry, which resolves every model's backend through
+it; nothing a server is configured with lives in a module global, so two servers
+in one process keep their own settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import structlog
+
+from trionserve.backends import registry
+from trionserve.backends.backend_config import BackendConfig
+from trionserve.backends.base import Backend
+from trionserve.backends.python import settings as python_settings
+from trionserve.core.errors import Unavailable
+
+log = structlog.get_logger(__name__)
+
+
+class BackendManager:
+    """Owns one server's backend settings: ``config`` (``--backend-config``, as
+    given), the checked settings each backend is configured with, and the
+    directories Python-based backends are looked for in. Immutable once made.
+
+    Raises InvalidArgument naming the flag for a bad ``python`` setting; logs one
+    line for each setting that has no effect here (as a Triton backend ignores
+    keys it does not read).
+    """
+
+    def __init__(
+        self,
+        config: BackendConfig | None = None,
+        directories: list[Path] | None = None,
+    ) -> None:
+        self.config: BackendConfig = {
+            backend: dict(values) for backend, values in (config or {}).items()
+        }
+        self.directories: tuple[Path, ...] = tuple(
+            Path(d) for d in (directories or [registry.DEFAULT_BACKEND_DIRECTORY])
+        )
+        python = self.config.get("python", {})
+        python_defaults, ignored = python_settings.check_backend_defaults(python)
+        # backend name -> the checked settings its backends are configured with
+        self._settings: dict[str, dict[str, str]] = {"python": python_defaults}
+        for key in ignored:
+            _no_effect("python", key, python[key])
+        for backend, values in self.config.items():
+            if backend != "python":
+                for key, value in values.items():
+                    _no_effect(backend, key, value)
+
+    def python_based_backend(self, name: str) -> Path | None:
+        """``<backend directory>/<name>/model.py`` of a Python-based backend, if any."""
+        if not name or "/" in name or name.startswith("."):
+            return None
+        for directory in self.directories:
+            model_file = directory / name / "model.py"
+            if model_file.is_file():
+                return model_file
+        return None
+
+    def backend_for(self, config) -> Backend:
+        """The backend for a normalised config, configured with this server's
+        settings, or Unavailable naming what is missing."""
+        for key in (config.backend, config.platform):
+            factory = registry.factory(key) if key else None
+            if factory is not None:
+                return self._configured(factory())
+        model_file = self.python_based_backend(config.backend)
+        if model_file is not None:
+            from trionserve.backends.python.backend import PythonBackend
+
+            return self._configured(PythonBackend(model_file))
+        searched = ", ".join(
+            str(d / (config.backend or "<backend>") / "model.py") for d in self.directories
+        )
+        raise Unavailable(
+            f"model '{config.name}': backend '{config.backend}' / platform "
+            f"'{config.platform}' is not supported by this server (nor is there a "
+            f"Python-based backend at {searched or 'no backend directory'})"
+        )
+
+    def settings_for(self, backend: str) -> Mapping[str, str]:
+        """The checked settings a backend of this name is configured with."""
+        return self._settings.get(backend, {})
+
+    def _configured(self, backend: Backend) -> Backend:
+        backend.configure(self.settings_for(backend.name))
+        return backend
+
+
+def _no_effect(backend: str, key: str, value: str) -> None:
+    flag = f"--backend-config={backend + ',' if backend else ''}{key}={value}"
+    log.info(f"{flag} has no effect in trionserve", flag="--backend-config")
