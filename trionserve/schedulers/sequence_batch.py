@@ -30,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -54,6 +55,14 @@ from trionserve.schedulers.sequence_state import (
 from trionserve.schedulers.timer import PreciseWakeup
 
 _FLAG_KINDS = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY")
+
+
+def _count_from_environment(name: str) -> int:
+    """A count from a testing variable, 0 when unset (``atoi`` in Triton)."""
+    try:
+        return max(0, int(os.environ.get(name, "0")))
+    except ValueError:
+        return 0
 
 
 class NullRequest(InferenceRequest):
@@ -298,6 +307,13 @@ class SequenceBatchScheduler:
         self._wakeup = trio.Event()
         self._closed = False
         self._finished = False
+        # Triton's testing hooks, read from the environment as Triton reads them:
+        # no batch forms until the slots' queues together hold
+        # TRITONSERVER_DELAY_SCHEDULER requests and the backlog holds
+        # TRITONSERVER_BACKLOG_DELAY_SCHEDULER (core sequence_batch_scheduler.cc
+        # Create, DelayScheduler and DirectSequenceBatch::BatcherThread).
+        self._hold_queued = _count_from_environment("TRITONSERVER_DELAY_SCHEDULER")
+        self._hold_backlog = _count_from_environment("TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
 
     @property
     def pending(self) -> int:
@@ -335,8 +351,9 @@ class SequenceBatchScheduler:
         """Expire backlog timeouts, batch for every idle instance; when to look again."""
         self._expire_backlog(now)
         wake_at = math.inf
+        holding = self._holding()
         for instance in self._instances:
-            if instance.waiting and not instance.rows:
+            if instance.waiting and not instance.rows and not holding:
                 form = self._form_oldest if self._oldest else self._form_direct
                 rows, at = form(instance, now)
                 if rows:
@@ -353,6 +370,26 @@ class SequenceBatchScheduler:
             return None
         heap = self._backlog_deadlines
         return min(wake_at, heap[0][0] if heap else math.inf)
+
+    def _holding(self) -> bool:
+        """Whether the testing hooks still hold batching back; once they let go,
+        they never hold again (Triton's batcher thread zeroes its count)."""
+        if not self._hold_queued or self._closed:
+            return False
+        bound = sum(
+            len(sequence.queue)
+            for instance in self._instances
+            for sequence in instance.slots
+            if sequence is not None
+        )
+        if bound < self._hold_queued:
+            return True
+        if self._hold_backlog:
+            backlogged = sum(len(s.queue) for s in self._backlog if not s.released)
+            if backlogged < self._hold_backlog:
+                return True
+        self._hold_queued = 0
+        return False
 
     # -- admission -------------------------------------------------------------------
 
