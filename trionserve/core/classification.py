@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from trionserve.core.errors import InvalidArgument
@@ -52,7 +54,7 @@ def classify(tensor: Tensor, k: int, labels: list[str] | None, batched: bool) ->
     return Tensor(tensor.name, "BYTES", results if batched else results.reshape(count))
 
 
-def read_labels(path) -> list[str]:
+def read_labels(path: str | os.PathLike[str]) -> list[str]:
     """One label per line, as Triton reads label files."""
     with open(path, encoding="utf-8") as f:
         return [line.rstrip("\r\n") for line in f]

@@ -23,9 +23,13 @@ import base64
 import binascii
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from trionserve.core.errors import AlreadyExists, InvalidArgument, Unavailable
 from trionserve.core.shared_memory import RegionTable, SystemSharedMemory
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 # sizeof(cudaIpcMemHandle_t)
 CUDA_IPC_HANDLE_SIZE = 64
@@ -51,7 +55,7 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-def decode_raw_handle(value) -> bytes:
+def decode_raw_handle(value: object) -> bytes:
     """The IPC handle bytes from an HTTP register body's ``raw_handle``.
 
     tritonclient sends ``{"raw_handle": {"b64": "<base64 of the 64-byte handle>"}}``.
@@ -164,7 +168,7 @@ class CudaSharedMemory(RegionTable[CudaRegion]):
                 )
         return host.data
 
-    def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
+    def write(self, name: str, offset: int, byte_size: int, data: Buffer, what: str) -> int:
         """Copy ``data`` host->device into a region window; returns its size."""
         import cupy  # noqa: PLC0415
         import numpy  # noqa: PLC0415
@@ -197,5 +201,5 @@ class SharedMemoryResolver:
     def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
         return self._of(name).view(name, offset, byte_size, what)
 
-    def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
+    def write(self, name: str, offset: int, byte_size: int, data: Buffer, what: str) -> int:
         return self._of(name).write(name, offset, byte_size, data, what)

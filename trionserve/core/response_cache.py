@@ -110,7 +110,9 @@ class ResponseCache:
         digest.update(json.dumps([names, parameters], sort_keys=True, default=str).encode())
         return digest.digest()
 
-    def lookup(self, key: bytes, request: InferenceRequest, model_version: str):
+    def lookup(
+        self, key: bytes, request: InferenceRequest, model_version: str
+    ) -> InferenceResponse | None:
         """The cached response for ``request``, or None."""
         self.lookups += 1
         entry = self._entries.get(key)

@@ -20,9 +20,12 @@ import json
 import os
 import stat
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from trionserve.core.errors import AlreadyExists, InvalidArgument, NotFound
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 SHM_DIR = "/dev/shm"
 
@@ -80,7 +83,7 @@ class SharedMemory(Protocol):
 
     def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview: ...
 
-    def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int: ...
+    def write(self, name: str, offset: int, byte_size: int, data: Buffer, what: str) -> int: ...
 
 
 class _Region(Protocol):
@@ -140,7 +143,7 @@ class RegionTable(Generic[R]):
         return region
 
     @staticmethod
-    def _payload(data, byte_size: int, name: str, what: str) -> memoryview:
+    def _payload(data: Buffer, byte_size: int, name: str, what: str) -> memoryview:
         """``data`` as bytes, refused if more than the ``byte_size`` given for it."""
         payload = memoryview(data).cast("B")
         if payload.nbytes > byte_size:
@@ -222,7 +225,7 @@ class SystemSharedMemory(RegionTable[Region]):
             done += got
         return memoryview(data)
 
-    def write(self, name: str, offset: int, byte_size: int, data, what: str) -> int:
+    def write(self, name: str, offset: int, byte_size: int, data: Buffer, what: str) -> int:
         """Copy ``data`` into a region window of ``byte_size`` bytes; returns its size."""
         payload = self._payload(data, byte_size, name, what)
         region, start = self._window(name, offset, byte_size, what)

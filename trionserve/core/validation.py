@@ -7,11 +7,16 @@ clients written against Triton see the same messages.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.types import InferenceRequest
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelInput, ModelOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +38,14 @@ class ModelSignature:
     outputs: dict[str, TensorSpec]
 
     @classmethod
-    def from_config(cls, config) -> ModelSignature:
-        def spec(entry, is_input: bool) -> TensorSpec:
+    def from_config(cls, config: ModelConfig) -> ModelSignature:
+        def spec(entry: ModelInput | ModelOutput, optional: bool, ragged: bool) -> TensorSpec:
             return TensorSpec(
                 name=entry.name,
                 datatype=datatypes.BY_CONFIG[_type_name(entry.data_type)].wire,
                 dims=tuple(entry.dims),
-                optional=is_input and entry.optional,
-                allow_ragged_batch=is_input and entry.allow_ragged_batch,
+                optional=optional,
+                allow_ragged_batch=ragged,
             )
 
         # The sequence batcher supplies control and implicit state inputs, never
@@ -51,8 +56,12 @@ class ModelSignature:
         return cls(
             name=config.name,
             max_batch_size=config.max_batch_size,
-            inputs={i.name: spec(i, True) for i in config.input if i.name not in supplied},
-            outputs={o.name: spec(o, False) for o in config.output},
+            inputs={
+                i.name: spec(i, i.optional, i.allow_ragged_batch)
+                for i in config.input
+                if i.name not in supplied
+            },
+            outputs={o.name: spec(o, False, False) for o in config.output},
         )
 
     def full_shape(self, spec: TensorSpec) -> list[int]:
@@ -66,11 +75,11 @@ def _type_name(value: int) -> str:
     return DataType.Name(value)
 
 
-def _fmt(shape) -> str:
+def _fmt(shape: Iterable[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _names(names) -> str:
+def _names(names: Iterable[str]) -> str:
     """Names as Triton lists them: ``['a','b']``."""
     return "[" + ",".join(f"'{name}'" for name in names) + "]"
 
