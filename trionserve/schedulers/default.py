@@ -6,7 +6,7 @@ import trio
 
 from trionserve.core.errors import TritonError
 from trionserve.core.types import InferenceRequest
-from trionserve.observability.statistics import FailureReason, to_ns
+from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, deliver_outcomes
 
 
@@ -30,11 +30,13 @@ class DefaultScheduler:
     takes the next request, and no task stands between a request and its executor.
     """
 
-    def __init__(self, capacity: int = QUEUE_CAPACITY, statistics=None) -> None:
+    def __init__(
+        self, capacity: int = QUEUE_CAPACITY, statistics: ModelStatistics | None = None
+    ) -> None:
         self._send, self._receive = trio.open_memory_channel[list[InferenceRequest]](capacity)
         self._statistics = statistics
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
 
     async def submit(self, request: InferenceRequest) -> None:

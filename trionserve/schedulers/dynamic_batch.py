@@ -32,7 +32,8 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -41,6 +42,9 @@ from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
 from trionserve.schedulers.timer import PreciseWakeup
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelQueuePolicy
 
 # Entry states. An entry leaves its deque lazily (when it reaches the front or the
 # deque is compacted); its state says whether it still counts.
@@ -75,7 +79,7 @@ class _Level:
         "count",
     )
 
-    def __init__(self, number: int, policy) -> None:
+    def __init__(self, number: int, policy: ModelQueuePolicy) -> None:
         self.number = number
         self.delay_on_timeout = policy.timeout_action == _DELAY_ACTION
         self.timeout_us = policy.default_timeout_microseconds
@@ -108,7 +112,7 @@ class _Level:
             self.queue = deque(e for e in queue if e.state == _QUEUED)
             self.delayed = deque(e for e in delayed if e.state == _DELAYED)
 
-    def entries(self):
+    def entries(self) -> Iterator[_Entry]:
         """Live entries in the order they are batched."""
         for entry in self.queue:
             if entry.state == _QUEUED:
@@ -194,7 +198,7 @@ class DynamicBatchScheduler:
 
     def __init__(
         self,
-        config,
+        config: ModelConfig,
         statistics: ModelStatistics | None = None,
         *,
         capacity: int = QUEUE_CAPACITY,
@@ -243,7 +247,7 @@ class DynamicBatchScheduler:
 
     # -- the actor ---------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Trio's timers round up to whole milliseconds; the wake-up keeps
         # microsecond delays on the real clock (see schedulers/timer.py).
         timer = PreciseWakeup(self._wake)
@@ -511,7 +515,9 @@ class DynamicBatchScheduler:
         self._ready.append(outlet)
         self._wakeup.set()
 
-    def _outlet_gone(self, outlet: _Outlet, untaken) -> None:
+    def _outlet_gone(
+        self, outlet: _Outlet, untaken: tuple[list[InferenceRequest], int | None] | None
+    ) -> None:
         self._outlets.discard(outlet)
         try:
             self._ready.remove(outlet)

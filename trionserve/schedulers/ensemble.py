@@ -14,9 +14,10 @@ between a batching and a non-batching model).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
+import numpy as np
 import structlog
 import trio
 
@@ -32,7 +33,10 @@ from trionserve.core.errors import (
 from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
-from trionserve.schedulers.scheduler import QUEUE_CAPACITY
+from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet
+
+# A step's sequence settings: (sequence_id, sequence_start, sequence_end).
+SequenceFlags = tuple[int | str, bool, bool]
 
 log = structlog.get_logger(__name__)
 
@@ -85,7 +89,7 @@ class EnsembleScheduler:
         self._nursery: trio.Nursery | None = None
         self._closed = False
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
@@ -128,7 +132,7 @@ class EnsembleScheduler:
             reason = FailureReason.CANCELED if request.cancelled else FailureReason.BACKEND
             self._statistics.record_failure(elapsed, reason)
 
-    def outlet(self):
+    def outlet(self) -> BatchOutlet:
         raise InternalError(f"ensemble '{self.plan.name}' has no instances to feed")
 
     def close(self) -> None:
@@ -148,10 +152,12 @@ class _Entry:
 
     __slots__ = ("tensor", "batch_size", "sequence", "readers")
 
-    def __init__(self, tensor: Tensor | None, batch_size: int, sequence, readers: int) -> None:
+    def __init__(
+        self, tensor: Tensor | None, batch_size: int, sequence: SequenceFlags | None, readers: int
+    ) -> None:
         self.tensor = tensor
         self.batch_size = batch_size
-        self.sequence: tuple[int | str, bool, bool] | None = sequence
+        self.sequence = sequence
         self.readers = readers
 
 
@@ -233,7 +239,9 @@ class EnsembleRun:
             return False
         return request.respond(self.response)
 
-    def _add(self, name: str, tensor: Tensor | None, batch: int, sequence) -> tuple[str, int]:
+    def _add(
+        self, name: str, tensor: Tensor | None, batch: int, sequence: SequenceFlags | None
+    ) -> tuple[str, int]:
         """A new value of tensor ``name``: its (name, iteration)."""
         iteration = self._iterations.get(name, 0)
         self._iterations[name] = iteration + 1
@@ -278,7 +286,7 @@ class EnsembleRun:
         for index, iteration in ready:
             await self._start(self.plan.steps[index], iteration)
 
-    def _complete(self, names, iteration: int) -> bool:
+    def _complete(self, names: Iterable[str], iteration: int) -> bool:
         return all(iteration in self.values.get(name, ()) for name in names)
 
     async def _start(self, step: Step, iteration: int) -> None:
@@ -433,7 +441,7 @@ class EnsembleRun:
             self._nursery.cancel_scope.cancel()
 
 
-def _needed_steps(plan: EnsemblePlan, wanted) -> frozenset[int]:
+def _needed_steps(plan: EnsemblePlan, wanted: Iterable[str]) -> frozenset[int]:
     """The steps a request for ``wanted`` outputs runs: those writing a wanted
     output or an input of a step that runs (Triton prunes the rest,
     EnsembleContext::InitContext)."""
@@ -450,7 +458,7 @@ def _needed_steps(plan: EnsemblePlan, wanted) -> frozenset[int]:
     return frozenset(needed)
 
 
-def _sequence_of(response: InferenceResponse, request: InferenceRequest):
+def _sequence_of(response: InferenceResponse, request: InferenceRequest) -> SequenceFlags:
     """The sequence settings a step's outputs carry on: the step request's, or
     those its model's response sets (parameters sequence_id, sequence_start,
     sequence_end; EnsembleContext::ConsumeResponse)."""
@@ -467,7 +475,9 @@ def _sequence_of(response: InferenceResponse, request: InferenceRequest):
     )
 
 
-def _reshape(data, dims: tuple[int, ...], batching: bool, batch_size: int):
+def _reshape(
+    data: np.ndarray, dims: tuple[int, ...], batching: bool, batch_size: int
+) -> np.ndarray:
     """A tensor made with (or without) a batch dimension, as a model or output
     that has none (or one) takes it (Triton's EnsembleContext::ReshapeTensorDims):
     a batch of 1 dimension is added where the tensor matches the dims as they

@@ -8,6 +8,8 @@ anything else the default scheduler.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from trionserve.backends.ensemble import EnsemblePlan
 from trionserve.core.errors import InternalError
 from trionserve.observability.statistics import ModelStatistics
@@ -18,9 +20,12 @@ from trionserve.schedulers.scheduler import Scheduler
 from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
 from trionserve.schedulers.sequence_state import StateSpec
 
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
+
 
 def create_scheduler(
-    config,
+    config: ModelConfig,
     statistics: ModelStatistics,
     *,
     plan: EnsemblePlan | None = None,

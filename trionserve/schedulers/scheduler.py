@@ -44,7 +44,7 @@ class BatchOutlet(Protocol):
 
 
 class Scheduler(Protocol):
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled, or until closed and drained."""
 
     async def submit(self, request: InferenceRequest) -> None:

@@ -25,6 +25,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import trio
 import trio.testing
@@ -42,7 +43,7 @@ class _Itimerspec(ctypes.Structure):
     _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
 
 
-def _load_timerfd():
+def _load_timerfd() -> tuple[Any, Any] | None:
     """libc's timerfd_create and timerfd_settime, or None where there are none."""
     if not sys.platform.startswith("linux"):
         return None
@@ -79,7 +80,7 @@ class PreciseWakeup:
         self._armed = math.inf
         self._spec = _Itimerspec()
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if _TIMERFD is None or isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
             task_status.started()
             return
