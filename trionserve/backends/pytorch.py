@@ -1,4 +1,5 @@
-"""PyTorch backend: platform ``pytorch_libtorch`` / backend ``pytorch`` (TorchScript).
+"""PyTorch backend: platform ``pytorch_libtorch`` / backend ``pytorch`` (TorchScript);
+platform ``torch_aoti`` (PyTorch 2 ``model.pt2``) is in :mod:`.pytorch2`.
 
 One ``torch.jit.load``-ed module per instance, on the CPU or on ``cuda:<device_id>``
 for KIND_GPU instances. Tensors are matched to ``forward()`` the way Triton's
@@ -25,7 +26,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -41,6 +42,9 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
+
+if TYPE_CHECKING:
+    from trionserve.backends.pytorch2 import Pt2Model
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +63,8 @@ _TORCH_DTYPES = {
     "TYPE_BF16": "bfloat16",
 }
 _INDEX_DELIMITER = "__"
+# Triton's platform for PyTorch 2 (AOTInductor) models; see pytorch2.py.
+PT2_PLATFORM = "torch_aoti"
 
 
 def _import_torch():
@@ -259,7 +265,7 @@ class PyTorchBackend(Backend):
                 model=config.name,
             )
 
-    def load(self, context: ModelContext) -> TorchScriptModel:
+    def load(self, context: ModelContext) -> TorchScriptModel | Pt2Model:
         _torch()  # a server without torch reports the model UNAVAILABLE, with why
         config = context.config
         filename = config.default_model_filename or self.default_model_filename()
@@ -269,11 +275,22 @@ class PyTorchBackend(Backend):
                 f"model file '{filename}' not found in version {context.version} "
                 f"of model '{context.name}' ({context.version_dir.name}/)"
             )
+        _check_data_types(context.name, "input", config.input)
+        _check_data_types(context.name, "output", config.output)
+        if config.platform == PT2_PLATFORM:
+            from trionserve.backends.pytorch2 import Pt2Model, archive_kind
+
+            for kind, entries in (("input", config.input), ("output", config.output)):
+                if not entries:
+                    raise InvalidArgument(
+                        f"model '{context.name}': list the model's {kind}s in "
+                        f"config.pbtxt (no {kind} was given)"
+                    )
+            archive_kind(context.name, path)  # a file that is no PyTorch 2 archive fails here
+            return Pt2Model(context, path)
         if not config.input:
             bind_inputs(context.name, [], [])  # raises: the config must list inputs
         bind_outputs(context.name, [o.name for o in config.output])
-        _check_data_types(context.name, "input", config.input)
-        _check_data_types(context.name, "output", config.output)
         return TorchScriptModel(context, path)
 
 
@@ -404,13 +421,6 @@ class TorchScriptInstance:
         self._module = module
         # KIND_MODEL: inputs start on the CPU and the module moves them itself.
         self._device = device if device is not None else torch.device("cpu")
-        arguments = [
-            (a.name, a.type.kind())
-            for a in module.forward.schema.arguments
-            if a.type.kind() != "ClassType"  # self
-        ]
-        self._inputs = bind_inputs(context.name, [i.name for i in config.input], arguments)
-        self._outputs = bind_outputs(context.name, [o.name for o in config.output])
         self._bf16_inputs = {i.name for i in config.input if _type_name(i.data_type) == "TYPE_BF16"}
         self._input_types = {i.name: _type_name(i.data_type) for i in config.input}
         self._output_types = {o.name: _type_name(o.data_type) for o in config.output}
@@ -423,6 +433,7 @@ class TorchScriptInstance:
         self._output_reshape = {
             o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
         }
+        self._bind(context, module)
         self._batched = config.max_batch_size > 0
         self._inference_mode = _parameter(config, "INFERENCE_MODE", True)
         self._optimized = not _parameter(config, "DISABLE_OPTIMIZED_EXECUTION", False)
@@ -443,6 +454,21 @@ class TorchScriptInstance:
         )
         self._slot = 0
         self._graphs: list[_CapturedGraph] = []  # smallest batch size first
+
+    def _bind(self, context: ModelContext, module) -> None:
+        """Match the config's inputs and outputs to forward()'s arguments and result."""
+        arguments = [
+            (a.name, a.type.kind())
+            for a in module.forward.schema.arguments
+            if a.type.kind() != "ClassType"  # self
+        ]
+        config = context.config
+        self._inputs = bind_inputs(context.name, [i.name for i in config.input], arguments)
+        self._outputs = bind_outputs(context.name, [o.name for o in config.output])
+
+    def _execution(self):
+        """The context forward() runs in (TorchScript's optimized execution flag)."""
+        return self._torch.jit.optimized_execution(self._optimized)
 
     def execute(self, requests: list[InferenceRequest]) -> list:
         """Run one batch (the three steps below in a row)."""
@@ -491,7 +517,7 @@ class TorchScriptInstance:
         torch = self._torch
         grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
         try:
-            with grad_mode, self._on_device(), torch.jit.optimized_execution(self._optimized):
+            with grad_mode, self._on_device(), self._execution():
                 if batch.copied is not None:
                     # The compute stream waits for the inputs' copy; the inputs,
                     # allocated on the copy stream, are in use on this one too.
@@ -575,7 +601,7 @@ class TorchScriptInstance:
         captured = []
         for shape in sorted(shapes, key=lambda g: g.batch_size, reverse=True):
             try:
-                with grad_mode, self._on_device(), torch.jit.optimized_execution(self._optimized):
+                with grad_mode, self._on_device(), self._execution():
                     inputs = {
                         name: torch.zeros(
                             ((shape.batch_size,) if self._batched else ()) + dims,

@@ -50,6 +50,7 @@ _FACTORIES: dict[str, Callable[[], Backend]] = {
     "onnxruntime_onnx": _onnxruntime,
     "pytorch": _pytorch,
     "pytorch_libtorch": _pytorch,
+    "torch_aoti": _pytorch,
     "tensorrt": _tensorrt,
     "tensorrt_plan": _tensorrt,
     "python": _python,
