@@ -754,6 +754,7 @@ class StreamCall:
     def __init__(self, messages: list[bytes]) -> None:
         self._messages = list(reversed(messages))
         self.sent: list[bytes] = []
+        self.answers = 0
 
     async def receive(self) -> bytes | None:
         await trio.lowlevel.checkpoint()
@@ -761,6 +762,10 @@ class StreamCall:
 
     async def send(self, data: bytes) -> None:
         self.sent.append(data)
+
+    def answered(self) -> None:
+        """The handler answered one of the messages it took (the connection's budget)."""
+        self.answers += 1
 
 
 class QueueingDataPlane:
