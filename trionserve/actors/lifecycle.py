@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
@@ -21,6 +22,10 @@ from trionserve.repository.config import (
 )
 from trionserve.repository.repository import ModelId
 from trionserve.repository.versions import list_versions, select_versions
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve.backends.base import Backend
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +63,8 @@ def poll_failure(name: str, exc: BaseException) -> TritonError:
 
 @dataclass(frozen=True)
 class PreparedModel:
-    config: object
-    backend: object
+    config: ModelConfig
+    backend: Backend
     versions: list[int]
 
 
@@ -69,7 +74,7 @@ def prepare_model(
     override_json: str | None,
     config_name: str | None = None,
     backends: BackendManager | None = None,
-):
+) -> PreparedModel:
     """Read, complete and validate a model's config; blocking, run in a thread.
 
     ``config_name``: --model-config-name (read ``configs/<name>.pbtxt`` if present).
@@ -95,7 +100,7 @@ def prepare_model(
     return PreparedModel(config, backend, versions)
 
 
-def composing_models(config) -> list[str]:
+def composing_models(config: ModelConfig) -> list[str]:
     """The models an ensemble's steps call, in first-use order."""
     names: list[str] = []
     for step in config.ensemble_scheduling.step:
@@ -104,7 +109,7 @@ def composing_models(config) -> list[str]:
     return names
 
 
-def composing_ids(config) -> frozenset[ModelId]:
+def composing_ids(config: ModelConfig) -> frozenset[ModelId]:
     """The models an ensemble's steps are bound to: each step's name in the
     namespace the registry resolved it to (``model_namespace``, as Triton's
     ``ConnectDependencyGraph`` sets it; empty without namespacing)."""
@@ -189,7 +194,7 @@ class ModelEntry:
         return rows
 
 
-def _row(name: str, version, state: str, reason: str) -> dict:
+def _row(name: str, version: int | str, state: str, reason: str) -> dict[str, str]:
     return {"name": name, "version": str(version), "state": state, "reason": reason}
 
 

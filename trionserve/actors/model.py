@@ -6,6 +6,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
@@ -28,6 +29,9 @@ from trionserve.core.types import InferenceRequest
 from trionserve.core.validation import ModelSignature
 from trionserve.observability.quantiles import Target
 from trionserve.observability.statistics import ModelStatistics
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelRateLimiter
 from trionserve.schedulers.factory import create_scheduler
 from trionserve.schedulers.scheduler import Scheduler
 from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
@@ -83,7 +87,7 @@ def instance_specs(config, gpus: int) -> list[InstanceSpec]:
     return specs
 
 
-def group_rate_limiters(config) -> dict[str, object | None]:
+def group_rate_limiters(config: ModelConfig) -> dict[str, ModelRateLimiter | None]:
     """Each instance group's ``rate_limiter`` message (None where it has none), by
     the group name :func:`instance_specs` gives its instances."""
     return {

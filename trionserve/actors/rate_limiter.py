@@ -24,11 +24,15 @@ import re
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
 from trionserve.core.errors import InternalError, InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelRateLimiter
 
 log = structlog.get_logger(__name__)
 
@@ -126,7 +130,7 @@ class InstanceSlot:
         return self.executions * max(self.priority, 1)
 
 
-def instance_needs(config, device: int) -> ResourceMap:
+def instance_needs(config: ModelRateLimiter, device: int) -> ResourceMap:
     """The resources of a ``ModelRateLimiter`` message, keyed as Triton keys them."""
     needs: ResourceMap = {}
     for resource in config.resources:
@@ -328,7 +332,7 @@ class RateLimiter:
     def enabled(self) -> bool:
         return self.mode is RateLimitMode.EXEC_COUNT
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
             while True:
@@ -347,7 +351,9 @@ class RateLimiter:
 
     # -- registration (model loads and unloads) --------------------------------
 
-    def register(self, model: str, instance: str, device: int, config) -> InstanceSlot | None:
+    def register(
+        self, model: str, instance: str, device: int, config: ModelRateLimiter | None
+    ) -> InstanceSlot | None:
         """Register one instance with its group's ``rate_limiter`` (None when the
         group has none); returns None when its executions are not limited.
         Raises InvalidArgument when the resources could never let it run."""

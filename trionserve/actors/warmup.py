@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,10 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, Tensor
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelWarmup
+    from trionserve.backends.base import ExecuteResult
 
 WARMUP_FOLDER = "warmup"
 
@@ -40,7 +45,7 @@ class WarmupSample:
         ]
 
 
-def warmup_samples(config, model_dir: Path) -> list[WarmupSample]:
+def warmup_samples(config: ModelConfig, model_dir: Path) -> list[WarmupSample]:
     """The config's warmup samples with their data (blocking: reads files)."""
     samples = []
     inputs = {i.name: i for i in config.input}
@@ -69,7 +74,13 @@ def warmup_samples(config, model_dir: Path) -> list[WarmupSample]:
     return samples
 
 
-def _tensor(label: str, name: str, sample, config, model_dir: Path) -> Tensor:
+def _tensor(
+    label: str,
+    name: str,
+    sample: ModelWarmup.Input,
+    config: ModelConfig,
+    model_dir: Path,
+) -> Tensor:
     kind = datatypes.from_config(DataType.Name(sample.data_type))
     dims = list(sample.dims)
     if any(d < 0 for d in dims):
@@ -103,7 +114,7 @@ def _random(kind: datatypes.DataType, shape: tuple[int, ...]) -> np.ndarray:
     return rng.random(size=shape).astype(kind.numpy)
 
 
-def check_results(label: str, results) -> None:
+def check_results(label: str, results: ExecuteResult | None) -> None:
     """Raise when a warmup execution answered any request with an error."""
     for result in results or ():
         if isinstance(result, TritonError):

@@ -72,7 +72,7 @@ class RepositoryWatcher:
             return list(dict.fromkeys(self.startup_models))
         return everything
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         polling = self.mode is ControlMode.POLL and self.poll_interval > 0
         repository = self.registry.repository
         if self.mode is ControlMode.POLL:  # the first snapshot: what startup loads see
