@@ -752,10 +752,7 @@ class SequenceBatchScheduler:
                 continue
             outcome = results.get(id(request))
             if isinstance(outcome, InferenceResponse):
-                error = self._states.store_state(sequence, request, outcome, row.outputs)
-                if error is not None:
-                    outcome = error
-            if isinstance(outcome, InferenceResponse):
+                self._states.store_state(sequence, request, outcome, row.outputs)
                 request.respond(outcome)
             elif outcome is not None:
                 request.fail(outcome)

@@ -26,7 +26,7 @@ import structlog
 import trio
 
 from trionserve.core import datatypes
-from trionserve.core.errors import InternalError, InvalidArgument, Unavailable
+from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 
@@ -348,20 +348,26 @@ class SequenceStateManager:
         request: InferenceRequest,
         response: InferenceResponse,
         client_outputs: list | None,
-    ) -> InternalError | None:
+    ) -> None:
         """Keep the state outputs of a response for the sequence's next request and
-        take out those the client did not ask for; an error if one is missing."""
+        take out those the client did not ask for.
+
+        A state the model did not produce keeps its value (the initial one after a
+        START): Triton swaps a state in only when the backend updates it (core
+        sequence_state.cc, the update callback of SequenceStates::OutputState), and
+        a Python model that never writes its state output is served."""
         if not self.states:
-            return None
+            return
         produced = {tensor.name: tensor for tensor in response.outputs}
+        previous = None if request.sequence_start else sequence.state
         state: dict[str, np.ndarray] = {}
         for spec in self.states:
             tensor = produced.get(spec.output_name)
             if tensor is None:
-                return InternalError(
-                    f"model '{self.model_name}' did not produce the state output "
-                    f"'{spec.output_name}' for sequence {describe(sequence.id)}"
+                state[spec.input_name] = (
+                    spec.initial if previous is None else previous[spec.input_name]
                 )
+                continue
             value = tensor.data[0] if self._batched and tensor.data.ndim else tensor.data
             # A copy: the response's array is a view of the whole batch's output.
             state[spec.input_name] = np.array(value, copy=True)
@@ -375,7 +381,6 @@ class SequenceStateManager:
         response.outputs = [
             t for t in response.outputs if t.name not in self._state_outputs or t.name in wanted
         ]
-        return None
 
     # -- the idle reaper ----------------------------------------------------------------
 
