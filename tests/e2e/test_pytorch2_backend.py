@@ -177,7 +177,13 @@ def pt2_server(tmp_path_factory):
         ),
         program=single,
     )
-    write(repository, "pt2_sequence", SEQUENCE_CONFIG, program=exported_accumulator())
+    accumulator = exported_accumulator()
+    write(repository, "pt2_sequence", SEQUENCE_CONFIG, program=accumulator)
+    # Triton's qa/L0_torch_aoti negative model: a correlation ID no tensor can carry.
+    bad_corrid = SEQUENCE_CONFIG.replace("pt2_sequence", "pt2_bad_corrid").replace(
+        "data_type: TYPE_INT32", "data_type: TYPE_STRING"
+    )
+    write(repository, "pt2_bad_corrid", bad_corrid, program=accumulator)
     proc = ServerProcess(repository, args=["--exit-on-error=false"])
     try:
         proc.wait_ready()
@@ -261,6 +267,9 @@ def test_broken_archives_fail_to_load_naming_the_file(pt2_server):
     bad_name = rows["pt2_bad_name"]
     assert bad_name["state"] == "UNAVAILABLE"
     assert "input 'ARGS[5]' is none of the model's inputs ['ARGS[0]']" in bad_name["reason"]
+    bad_corrid = rows["pt2_bad_corrid"]
+    assert bad_corrid["state"] == "UNAVAILABLE"
+    assert "sequence_batching tensor 'INPUT__4' is TYPE_STRING" in bad_corrid["reason"]
     assert pt2_server.is_model_ready("pt2_nested")
 
 

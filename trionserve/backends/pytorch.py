@@ -278,7 +278,7 @@ class PyTorchBackend(Backend):
         _check_data_types(context.name, "input", config.input)
         _check_data_types(context.name, "output", config.output)
         if config.platform == PT2_PLATFORM:
-            from trionserve.backends.pytorch2 import Pt2Model, archive_kind
+            from trionserve.backends.pytorch2 import Pt2Model, archive_kind, check_sequence_types
 
             for kind, entries in (("input", config.input), ("output", config.output)):
                 if not entries:
@@ -286,6 +286,7 @@ class PyTorchBackend(Backend):
                         f"model '{context.name}': list the model's {kind}s in "
                         f"config.pbtxt (no {kind} was given)"
                     )
+            check_sequence_types(context.name, config)
             archive_kind(context.name, path)  # a file that is no PyTorch 2 archive fails here
             return Pt2Model(context, path)
         if not config.input:

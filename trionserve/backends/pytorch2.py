@@ -27,7 +27,13 @@ from typing import Any
 import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.pytorch import TorchScriptInstance, _torch, _type_name, name_index
+from trionserve.backends.pytorch import (
+    _TORCH_DTYPES,
+    TorchScriptInstance,
+    _torch,
+    _type_name,
+    name_index,
+)
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument, Unavailable
 
@@ -205,6 +211,17 @@ def sequence_tensors(config) -> tuple[dict[str, str], dict[str, str], dict[str, 
     state_inputs = {s.input_name: _type_name(s.data_type) for s in states}
     state_outputs = {s.output_name: _type_name(s.data_type) for s in states}
     return controls, state_inputs, state_outputs
+
+
+def check_sequence_types(model: str, config) -> None:
+    """Refuse sequence controls or state of a type a torch tensor cannot carry."""
+    for group in sequence_tensors(config):
+        for name, type_name in group.items():
+            if type_name not in _TORCH_DTYPES:
+                raise InvalidArgument(
+                    f"model '{model}': sequence_batching tensor '{name}' is {type_name}; "
+                    "the PyTorch backend does not support it"
+                )
 
 
 # -- the model and its instances ------------------------------------------------------
