@@ -115,7 +115,7 @@ class InstanceExecutor:
         )
         self._last_ns = self._inline_budget + 1
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             if self._async is not None:
                 # A process-backed instance serves its process in a child task; if
@@ -136,7 +136,7 @@ class InstanceExecutor:
 
     # -- blocking instances: the instance's thread ------------------------------------
 
-    async def _serve_threaded(self, task_status) -> None:
+    async def _serve_threaded(self, task_status: trio.TaskStatus[None]) -> None:
         assert self._sync is not None
         thread = InstanceThread(self.spec.name, self._sync)
         thread.start()
@@ -152,7 +152,9 @@ class InstanceExecutor:
         finally:
             thread.stop()
 
-    async def _feed(self, thread: InstanceThread, jobs: trio.MemorySendChannel[Job], slots) -> None:
+    async def _feed(
+        self, thread: InstanceThread, jobs: trio.MemorySendChannel[Job], slots: trio.Semaphore
+    ) -> None:
         """Take batches from the outlet while a slot is free; give them to the thread."""
         while True:
             await slots.acquire()
@@ -176,7 +178,9 @@ class InstanceExecutor:
                 job.done.set()
             jobs.send_nowait(job)
 
-    async def _deliver(self, thread: InstanceThread, jobs, slots) -> None:
+    async def _deliver(
+        self, thread: InstanceThread, jobs: trio.MemoryReceiveChannel[Job], slots: trio.Semaphore
+    ) -> None:
         """Hand each job's outcomes back through the outlet, in the order taken."""
         job: Job | None = None
         try:
@@ -196,7 +200,9 @@ class InstanceExecutor:
                 await self._stop_jobs(thread, job, jobs)
             raise
 
-    async def _stop_jobs(self, thread: InstanceThread, job: Job | None, jobs) -> None:
+    async def _stop_jobs(
+        self, thread: InstanceThread, job: Job | None, jobs: trio.MemoryReceiveChannel[Job]
+    ) -> None:
         """Answer the job being waited for and every later one (the feeder closes
         the channel as it ends), once the thread is done with it: a batch the thread
         ran gets its results, one it skipped UNAVAILABLE."""
@@ -254,7 +260,7 @@ class InstanceExecutor:
 
     # -- process-backed instances: awaited on the Trio thread ----------------------------
 
-    async def _serve_async(self, task_status) -> None:
+    async def _serve_async(self, task_status: trio.TaskStatus[None]) -> None:
         assert self._async is not None
         outlet = self._outlet
         task_status.started()
@@ -367,7 +373,7 @@ class InstanceExecutor:
             live.append(request)
         return live
 
-    def _outcomes(self, requests: list[InferenceRequest], results) -> Sequence[Outcome]:
+    def _outcomes(self, requests: list[InferenceRequest], results: object) -> Sequence[Outcome]:
         """The backend's results checked: one response or error per request."""
         if not isinstance(results, list) or len(results) != len(requests):
             count = len(results) if isinstance(results, list) else type(results).__name__

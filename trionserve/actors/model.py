@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,25 +17,34 @@ from trionserve.actors.warmup import WarmupSample, check_results, warmup_samples
 from trionserve.backends.base import (
     AsyncBackendInstance,
     Backend,
+    BackendInstance,
     InferenceService,
     InstanceSpec,
     LoadedModel,
     ModelContext,
     ReadinessCheckedInstance,
 )
+from trionserve.backends.ensemble import EnsembleModel
 from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.types import InferenceRequest
 from trionserve.core.validation import ModelSignature
 from trionserve.observability.quantiles import Target
 from trionserve.observability.statistics import ModelStatistics
-
-if TYPE_CHECKING:
-    from trionserve._generated.model_config_pb2 import ModelConfig, ModelRateLimiter
 from trionserve.schedulers.factory import create_scheduler
 from trionserve.schedulers.scheduler import Scheduler
 from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
 from trionserve.schedulers.sequence_state import SequenceStateManager, load_sequence_states
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import (
+        ModelConfig,
+        ModelInstanceGroup,
+        ModelRateLimiter,
+    )
+
+# A backend instance, blocking or awaited.
+Instance = BackendInstance | AsyncBackendInstance
 
 log = structlog.get_logger(__name__)
 
@@ -47,14 +56,14 @@ class ModelState(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"
 
 
-def resolve_instance_kinds(config, gpus: int) -> None:
+def resolve_instance_kinds(config: ModelConfig, gpus: int) -> None:
     """KIND_AUTO becomes KIND_GPU when a GPU exists, else KIND_CPU, as in Triton."""
     for group in config.instance_group:
         if group.kind == group.KIND_AUTO:
             group.kind = group.KIND_GPU if gpus > 0 else group.KIND_CPU
 
 
-def instance_specs(config, gpus: int) -> list[InstanceSpec]:
+def instance_specs(config: ModelConfig, gpus: int) -> list[InstanceSpec]:
     """One spec per instance from instance_group, named like Triton's instances.
 
     Instance ``c`` of a group is ``<group name>_<c>``; a KIND_GPU group has that
@@ -115,7 +124,7 @@ class ModelVersion:
         self,
         name: str,
         version: int,
-        config,
+        config: ModelConfig,
         model_dir: Path,
         backend: Backend,
         load_limiter: trio.CapacityLimiter,
@@ -151,7 +160,7 @@ class ModelVersion:
         self._rate_limiter = rate_limiter
         self._rate_slots: dict[InstanceSpec, InstanceSlot | None] = {}
         self._loaded: LoadedModel | None = None
-        self._instances: list = []  # backend instances created and not yet closed
+        self._instances: list[Instance] = []  # backend instances created and not yet closed
         self._nursery: trio.Nursery | None = None
         self._unload_requested = trio.Event()
         self._inflight = 0
@@ -163,7 +172,7 @@ class ModelVersion:
 
     # -- the actor -------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Load, then serve until unload is requested or the parent is cancelled.
 
         A load failure is raised before ``started``, so ``nursery.start`` raises it
@@ -183,7 +192,7 @@ class ModelVersion:
         started = False
         try:
             # An ensemble's loaded form is its plan (it has no instances).
-            plan = loaded.plan if self.config.platform == "ensemble" else None
+            plan = loaded.plan if isinstance(loaded, EnsembleModel) else None
             scheduler = create_scheduler(
                 self.config,
                 self.statistics,
@@ -225,15 +234,15 @@ class ModelVersion:
                 self._scheduler.abort(
                     Unavailable(f"model '{self.name}' version {self.version} was unloaded")
                 )
-            instances, self._instances = self._instances, []
+            released, self._instances = self._instances, []
             with trio.CancelScope(shield=True):
-                await self._release(loaded, instances)
+                await self._release(loaded, released)
             self._unregister(self._rate_slots.pop(spec) for spec in list(self._rate_slots))
             if self.state is not ModelState.UNAVAILABLE:
                 self._set_unavailable("unloaded")
             self.stopped.set()
 
-    async def _load(self):
+    async def _load(self) -> tuple[LoadedModel, list[tuple[InstanceSpec, Instance]]]:
         """Load the model and create its instances in worker threads."""
         context = ModelContext(
             self.name,
@@ -254,7 +263,7 @@ class ModelVersion:
                     load_sequence_states, self.config, self.model_dir
                 )
             loaded = await trio.to_thread.run_sync(self.backend.load, context)
-            instances = []
+            instances: list[tuple[InstanceSpec, Instance]] = []
             try:
                 for spec in specs:
                     async with self._rate_limited(spec):
@@ -266,13 +275,17 @@ class ModelVersion:
                 raise
         return loaded, instances
 
-    async def _warm_up(self, instances, slots: dict | None = None) -> None:
+    async def _warm_up(
+        self,
+        instances: Iterable[tuple[InstanceSpec, Instance]],
+        slots: dict[InstanceSpec, InstanceSlot | None] | None = None,
+    ) -> None:
         """Every instance runs every warmup sample before READY (see warmup.py)."""
         for spec, instance in instances:
             async with self._rate_limited(spec, slots):
                 await self._warm_up_instance(spec, instance)
 
-    async def _warm_up_instance(self, spec: InstanceSpec, instance) -> None:
+    async def _warm_up_instance(self, spec: InstanceSpec, instance: Instance) -> None:
         for sample in self._warmup:
             label = (
                 f"model '{self.name}' version {self.version}: warmup sample "
@@ -299,7 +312,7 @@ class ModelVersion:
                 samples=len(self._warmup),
             )
 
-    async def _release(self, loaded, instances) -> None:
+    async def _release(self, loaded: LoadedModel, instances: Iterable[Instance]) -> None:
         def release() -> None:
             for instance in instances:
                 try:
@@ -329,7 +342,7 @@ class ModelVersion:
             )
 
     async def _start_executor(
-        self, spec: InstanceSpec, instance, slot: InstanceSlot | None = None
+        self, spec: InstanceSpec, instance: Instance, slot: InstanceSlot | None = None
     ) -> InstanceExecutor:
         assert self._scheduler is not None and self._nursery is not None
         executor = InstanceExecutor(
@@ -345,7 +358,7 @@ class ModelVersion:
         return executor
 
     def _register(
-        self, specs: list[InstanceSpec], config
+        self, specs: list[InstanceSpec], config: ModelConfig
     ) -> dict[InstanceSpec, InstanceSlot | None]:
         """Register instances with the rate limiter before they are created, as
         Triton does; a resource the server cannot provide fails the load (and
@@ -386,7 +399,7 @@ class ModelVersion:
         self.reason = reason
         self._log_state("unavailable", reason=reason)
 
-    def _log_state(self, event: str, **fields) -> None:
+    def _log_state(self, event: str, **fields: object) -> None:
         """ "model ready" at info, once per version loaded; the other steps (and a
         failure, which the registry logs at error) at the verbose level."""
         level = log.info if event == "ready" else log.debug
@@ -442,7 +455,7 @@ class ModelVersion:
         if self._inflight == 0:
             self._idle.set()
 
-    async def set_instance_groups(self, config) -> None:
+    async def set_instance_groups(self, config: ModelConfig) -> None:
         """Match the running instances to ``config``'s instance groups, without a reload.
 
         Only the instance groups may differ from the loaded configuration. New
@@ -516,7 +529,7 @@ class ModelVersion:
                 await trio.to_thread.run_sync(_close_all, [executor.instance], self.name)
 
 
-def _changed_groups(old, new) -> set[str]:
+def _changed_groups(old: ModelConfig, new: ModelConfig) -> set[str]:
     """Names of the instance groups in both configurations that differ in more than
     their count (core model_config_utils.cc EquivalentInInstanceConfig ignores the
     name and the count)."""
@@ -534,7 +547,7 @@ def _changed_groups(old, new) -> set[str]:
     return changed
 
 
-def _groups(config):
+def _groups(config: ModelConfig) -> Iterator[tuple[str, ModelInstanceGroup]]:
     for index, group in enumerate(config.instance_group):
         yield group.name or f"{config.name}_{index}", group
 

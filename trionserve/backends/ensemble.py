@@ -216,7 +216,7 @@ def _fmt(shape) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-class _EnsembleModel:
+class EnsembleModel:
     """The loaded form of an ensemble: its plan. It has no instances."""
 
     def __init__(self, plan: EnsemblePlan) -> None:
@@ -241,7 +241,7 @@ class EnsembleBackend(Backend):
     def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
         pass  # an ensemble's tensors are what its config says
 
-    def load(self, context: ModelContext) -> _EnsembleModel:
+    def load(self, context: ModelContext) -> EnsembleModel:
         service = context.inference
         if service is None or not hasattr(service, "model"):
             raise Unavailable(
@@ -251,4 +251,4 @@ class EnsembleBackend(Backend):
         plan = trio.from_thread.run_sync(
             plan_ensemble, context.config, context.version, service.model
         )
-        return _EnsembleModel(plan)
+        return EnsembleModel(plan)
