@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
@@ -13,6 +14,7 @@ from trionserve.actors.lifecycle import (
     ModelEntry,
     Operation,
     PollFailed,
+    PreparedModel,
     TransitionLog,
     composing_ids,
     composing_models,
@@ -42,7 +44,13 @@ from trionserve.repository.overrides import (
 from trionserve.repository.repository import ModelId, ModelRepository, check_model_name
 from trionserve.repository.snapshot import file_changes, snapshot_model
 
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
+
 log = structlog.get_logger(__name__)
+
+# One operation on a model, run under its entry's lock.
+Work = Callable[[ModelEntry], Awaitable[None]]
 
 
 class RegistryStopped(Unavailable):
@@ -139,7 +147,7 @@ class ModelRegistry:
         # DataPlane's model-facing view, set explicitly when the DataPlane is made.
         self.inference: InferenceService | None = None
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -344,7 +352,7 @@ class ModelRegistry:
             remaining -= wave
 
     async def _each(
-        self, ids: list[ModelId], key: tuple, explicit: bool, work
+        self, ids: list[ModelId], key: tuple, explicit: bool, work: Work
     ) -> dict[ModelId, TritonError]:
         """Run one operation on each model, concurrently; their errors by model."""
         if len(ids) == 1:
@@ -363,7 +371,7 @@ class ModelRegistry:
                 nursery.start_soon(one, model_id)
         return errors
 
-    async def _submit(self, model_id: ModelId, key: tuple, explicit: bool, work) -> None:
+    async def _submit(self, model_id: ModelId, key: tuple, explicit: bool, work: Work) -> None:
         assert self._nursery is not None, "registry is not running"
         entry = self._entries.get(model_id)
         if entry is None:
@@ -382,7 +390,7 @@ class ModelRegistry:
         if operation.error is not None:
             raise operation.error
 
-    async def _run_operation(self, entry: ModelEntry, operation: Operation, work) -> None:
+    async def _run_operation(self, entry: ModelEntry, operation: Operation, work: Work) -> None:
         try:
             async with entry.lock:
                 await work(entry)
@@ -493,15 +501,15 @@ class ModelRegistry:
 
     async def _load(
         self,
-        entry,
+        entry: ModelEntry,
         *,
-        override_json,
-        files,
-        digest,
-        reason,
-        chain,
-        stable_files=False,
-        rebind=False,
+        override_json: str | None,
+        files: dict[str, bytes] | None,
+        digest: str,
+        reason: str,
+        chain: tuple[str, ...],
+        stable_files: bool = False,
+        rebind: bool = False,
     ) -> None:
         name = entry.name
         if files and entry.source is not None and entry.source.override_digest == digest:
@@ -588,7 +596,7 @@ class ModelRegistry:
             raise PollFailed(name, exc.message) from None
 
     async def _load_composing_models(
-        self, entry: ModelEntry, config, chain: tuple[str, ...], rebind: bool = False
+        self, entry: ModelEntry, config: ModelConfig, chain: tuple[str, ...], rebind: bool = False
     ) -> None:
         """Load an ensemble's composing models first, as Triton does, and bind each
         step to the model it calls (its ``model_namespace``). A rebind only waits
@@ -634,7 +642,7 @@ class ModelRegistry:
                 raise PollFailed(name, f"composing model(s) failed: {detail}")
             raise InvalidArgument(f"failed to load '{name}': composing model(s) failed: {detail}")
 
-    def _bind_steps(self, entry: ModelEntry, config, errors: dict[str, str]) -> None:
+    def _bind_steps(self, entry: ModelEntry, config: ModelConfig, errors: dict[str, str]) -> None:
         """Set each step's ``model_namespace`` to the model it resolves to (Triton's
         ``ConnectDependencyGraph``); a load error of another namespace's model of
         the same name is no error of this ensemble."""
@@ -660,7 +668,9 @@ class ModelRegistry:
         for step_config in config.ensemble_scheduling.step:
             step_config.model_namespace = bound[step_config.model_name].namespace
 
-    async def _update_instances(self, entry: ModelEntry, plan: ReloadPlan, source) -> bool:
+    async def _update_instances(
+        self, entry: ModelEntry, plan: ReloadPlan, source: LoadedSource
+    ) -> bool:
         """Give the kept versions the new instance counts without a reload."""
         for number in plan.keep:
             version = entry.serving[number]
@@ -687,7 +697,13 @@ class ModelRegistry:
         return True
 
     async def _apply(
-        self, entry, plan: ReloadPlan, prepared, source, reason: str, stable_files: bool = False
+        self,
+        entry: ModelEntry,
+        plan: ReloadPlan,
+        prepared: PreparedModel,
+        source: LoadedSource,
+        reason: str,
+        stable_files: bool = False,
     ) -> None:
         """Load ``plan.load`` beside the serving versions, then switch and retire."""
         name = entry.name
@@ -759,7 +775,9 @@ class ModelRegistry:
         entry.reason = ""
         entry.failed = False
 
-    async def _discard_if_changed(self, entry, new: dict, errors: dict, source) -> None:
+    async def _discard_if_changed(
+        self, entry: ModelEntry, new: dict, errors: dict, source: LoadedSource
+    ) -> None:
         """Retire the new versions if the files they were loaded from changed meanwhile.
 
         The config was read when the load began and each version's files when its
@@ -778,7 +796,9 @@ class ModelRegistry:
                 )
                 self._retire(entry, version, "its files changed while it loaded")
 
-    async def _start_version(self, entry, version: ModelVersion, errors: dict, reason) -> None:
+    async def _start_version(
+        self, entry: ModelEntry, version: ModelVersion, errors: dict, reason: str
+    ) -> None:
         assert self._nursery is not None
         self._transition(version, "UNAVAILABLE", "LOADING", reason)
         try:

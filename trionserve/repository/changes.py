@@ -13,8 +13,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trionserve.repository.snapshot import ModelSnapshot, file_changes
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 
 class ConfigChange(enum.Enum):
@@ -55,7 +59,7 @@ class LoadedSource:
 
     model_dir: Path
     snapshot: ModelSnapshot | None
-    config: object  # the prepared ModelConfig
+    config: ModelConfig  # as prepared
     override_digest: str  # of the load request's config and files; "" for none
 
 
