@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -53,6 +54,9 @@ from trionserve.schedulers.sequence_state import (
     describe,
 )
 from trionserve.schedulers.timer import PreciseWakeup
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 _FLAG_KINDS = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY")
 
@@ -76,7 +80,7 @@ class NullRequest(InferenceRequest):
 class SequenceControls:
     """The control tensors a model asks for in ``sequence_batching.control_input``."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         from trionserve._generated.model_config_pb2 import DataType, ModelSequenceBatching
 
         kind_name = ModelSequenceBatching.Control.Kind.Name
@@ -91,6 +95,7 @@ class SequenceControls:
                     data_type = datatypes.BY_CONFIG[DataType.Name(control.data_type)]
                     self._corrid = (control_input.name, data_type)
                     continue
+                values: Seq[float]
                 if control.int32_false_true:
                     wire, values = "INT32", control.int32_false_true
                 elif control.fp32_false_true:
@@ -168,7 +173,13 @@ class _Row:
 
     __slots__ = ("request", "sequence", "inputs", "outputs")
 
-    def __init__(self, request, sequence, inputs, outputs) -> None:
+    def __init__(
+        self,
+        request: InferenceRequest,
+        sequence: Sequence | None,
+        inputs: dict[str, Tensor],
+        outputs: list[RequestedOutput] | None,
+    ) -> None:
         self.request = request
         self.sequence = sequence
         self.inputs = inputs
@@ -260,7 +271,7 @@ class SequenceBatchScheduler:
 
     def __init__(
         self,
-        config,
+        config: ModelConfig,
         statistics: ModelStatistics | None = None,
         *,
         states: Iterable[StateSpec] = (),
@@ -326,7 +337,7 @@ class SequenceBatchScheduler:
 
     # -- the actor -------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Trio's timers round up to whole milliseconds; the wake-up keeps
         # microsecond delays on the real clock (see schedulers/timer.py).
         timer = PreciseWakeup(self._wake)
@@ -552,7 +563,9 @@ class SequenceBatchScheduler:
         self._drop_backlogged(sequence, error, now, FailureReason.CANCELED)
         self._states.release(sequence, "was cancelled while waiting in the backlog")
 
-    def _drop_backlogged(self, sequence: Sequence, error, now: float, reason) -> None:
+    def _drop_backlogged(
+        self, sequence: Sequence, error: TritonError, now: float, reason: FailureReason
+    ) -> None:
         for request in sequence.queue:
             if request.fail(error):
                 self._record_failure(request, now, reason)
@@ -584,7 +597,7 @@ class SequenceBatchScheduler:
             self._states.request_done(sequence, now)
         return None
 
-    def _form_direct(self, instance: _Instance, now: float):
+    def _form_direct(self, instance: _Instance, now: float) -> tuple[list[_Row] | None, float]:
         ready: dict[int, tuple[Sequence, InferenceRequest]] = {}
         for slot, sequence in enumerate(instance.slots):
             if sequence is not None:
@@ -617,7 +630,7 @@ class SequenceBatchScheduler:
         representative = next(row.request for row in rows if row is not None)
         return [row or self._null_row(representative, now) for row in rows], now
 
-    def _form_oldest(self, instance: _Instance, now: float):
+    def _form_oldest(self, instance: _Instance, now: float) -> tuple[list[_Row] | None, float]:
         heads = []
         for sequence in instance.slots:
             if sequence is not None:
@@ -701,7 +714,7 @@ class SequenceBatchScheduler:
         )
         null.batch_size = representative.batch_size
         null.arrival_time = now
-        return _Row(null, None, None, None)
+        return _Row(null, None, {}, None)
 
     def _dispatch(self, instance: _Instance, rows: list[_Row]) -> None:
         instance.waiting = False

@@ -31,6 +31,7 @@ from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zer
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 
 if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelSequenceBatching
     from trionserve.schedulers.sequence_batch import _Instance
 
 log = structlog.get_logger(__name__)
@@ -53,7 +54,7 @@ class StateSpec:
     initial: np.ndarray  # the value a sequence starts with, without a batch dimension
 
 
-def load_sequence_states(config, model_dir: Path) -> list[StateSpec]:
+def load_sequence_states(config: ModelConfig, model_dir: Path) -> list[StateSpec]:
     """The implicit states of a ``sequence_batching`` model, initial values read.
 
     Blocking (reads ``<model>/initial_state/<data_file>``); call it from a worker
@@ -86,7 +87,13 @@ def load_sequence_states(config, model_dir: Path) -> list[StateSpec]:
     return specs
 
 
-def _initial_value(state, initial, datatype, model_dir: Path, where: str) -> np.ndarray:
+def _initial_value(
+    state: ModelSequenceBatching.State,
+    initial: ModelSequenceBatching.InitialState,
+    datatype: datatypes.DataType,
+    model_dir: Path,
+    where: str,
+) -> np.ndarray:
     if initial.data_type != state.data_type:
         raise InvalidArgument(
             f"{where}: initial_state data_type {_type_name(initial.data_type)} does not "
@@ -179,7 +186,7 @@ class SequenceStateManager:
     def __init__(
         self,
         model_name: str,
-        config,
+        config: ModelConfig,
         states: list[StateSpec],
         on_release: Callable[[Sequence], None],
     ) -> None:
@@ -384,7 +391,7 @@ class SequenceStateManager:
 
     # -- the idle reaper ----------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             now = trio.current_time()
