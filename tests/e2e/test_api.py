@@ -865,3 +865,29 @@ def test_inference_holds_no_memory_per_request(server):
     finally:
         tracemalloc.stop()
     assert grown < 600 * 20, f"{grown} bytes more after 600 requests"
+
+
+async def test_a_failed_load_inside_open_server_raises_its_own_error_alone(tmp_path):
+    # Leaving the block with the error unloads what the load had registered while
+    # the server's nursery is being cancelled; that unload must not start work in
+    # the registry's closed nursery (it did: an ExceptionGroup with "Nursery is
+    # closed to new arrivals" beside the load's error).
+    python_model(
+        tmp_path,
+        "broken",
+        'backend: "python"',
+        textwrap.dedent(
+            """
+            class TritonPythonModel:
+                @staticmethod
+                def auto_complete_config(config):
+                    raise RuntimeError("no configuration here")
+            """
+        ),
+    )
+    options = api.Options(
+        model_repository=tmp_path, model_control_mode=api.ModelControlMode.EXPLICIT
+    )
+    with pytest.raises(api.InvalidArgumentError, match="no configuration here"):
+        async with api.open_server(options) as srv:
+            await srv.load("broken")

@@ -373,6 +373,9 @@ class ModelRegistry:
 
     async def _submit(self, model_id: ModelId, key: tuple, explicit: bool, work: Work) -> None:
         assert self._nursery is not None, "registry is not running"
+        # Cancelled (the server's nursery is being torn down), the registry's own
+        # nursery may be closed already: end here rather than start work there.
+        await trio.lowlevel.checkpoint_if_cancelled()
         entry = self._entries.get(model_id)
         if entry is None:
             entry = self._entries[model_id] = ModelEntry(model_id)
