@@ -103,6 +103,30 @@ class StreamBudget:
         self._changed = trio.Event()
 
 
+class _Turn:
+    """A stream request's place in the order of the stream's answers: ``wait``
+    until the requests before it were answered (when ``ordered``), ``done`` once
+    it was answered or ended without an answer."""
+
+    __slots__ = ("_before", "written", "ordered")
+
+    def __init__(self, before: trio.Event | None) -> None:
+        self._before = before
+        self.written = trio.Event()
+        self.ordered = True  # until its model is known to be decoupled
+
+    async def wait(self) -> None:
+        if self.ordered and self._before is not None:
+            await self._before.wait()
+
+    async def done(self) -> None:
+        """The next request's turn comes after this one's and the ones before it
+        (a request that ended first waits for them, so no answer overtakes)."""
+        if self._before is not None:
+            await self._before.wait()
+        self.written.set()
+
+
 # --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
 
@@ -501,6 +525,7 @@ class GrpcService:
         """
         budget = StreamBudget(STREAM_PENDING_LIMIT, self.options.max_connection_buffer)
         error: GRPCError | None = None
+        turn: _Turn | None = None
         async with trio.open_nursery() as nursery:
             on_model_error = None
             if any(k == "triton_grpc_error" and v == "true" for k, v in call.metadata):
@@ -522,7 +547,10 @@ class GrpcService:
                     break
                 await budget.acquire(len(data))
                 queued = trio.Event()
-                nursery.start_soon(self._stream_request, call, data, budget, queued, on_model_error)
+                turn = _Turn(turn.written if turn is not None else None)
+                nursery.start_soon(
+                    self._stream_request, call, data, budget, queued, on_model_error, turn
+                )
                 # Queue the stream's requests in the order they came (as Triton does),
                 # so that the requests of a sequence reach its model in order.
                 await queued.wait()
@@ -538,6 +566,7 @@ class GrpcService:
         budget: StreamBudget,
         queued: trio.Event,
         on_model_error=None,
+        turn: _Turn | None = None,
     ) -> None:
         """Serve one request of a stream. ``on_model_error`` is given on a stream
         opened with the ``triton_grpc_error: true`` header: an error the model
@@ -545,7 +574,16 @@ class GrpcService:
         instead of an ``error_message`` response (server src/grpc/infer_handler.h
         ExtractStateFromHeaders, stream_infer_handler.cc StreamInferResponseComplete
         -> WriteGRPCErrorResponse). Errors before the request is queued are still
-        that request's response, as Triton answers errors of its issue step."""
+        that request's response, as Triton answers errors of its issue step.
+
+        ``turn`` keeps the stream's answers in request order: the response (or
+        error) of a request to a model that is not decoupled is written only after
+        the requests before it were answered, as Triton writes a stream's
+        non-decoupled responses from the front of its queue (server
+        src/grpc/infer_handler.h WriteResponseIfReady, stream_infer_handler.cc
+        StreamInferResponseComplete); a decoupled model's responses go out as they
+        come."""
+        turn = turn or _Turn(None)
         message = request = None
         shared_memory = self.dataplane.shm_resolver
         started = time.perf_counter()
@@ -553,6 +591,7 @@ class GrpcService:
         try:
             message, raws = grpc_codec.parse_infer_request(data)
             request = grpc_codec.decode_infer_request(message, shared_memory, raws)
+            turn.ordered = not self._decoupled(request)
             empty_final = grpc_codec.empty_final_response_enabled(message)
             self._forward_headers(call, request)
             if self.verbose or verbose_logging():
@@ -573,6 +612,7 @@ class GrpcService:
                     )
                 message = grpc_codec.encode_stream_response(inner)
                 budget.observe(sum(len(c) for c in message))
+                await turn.wait()
                 await call.send(message)
 
             await self.dataplane.infer_stream(request, deliver, queued=queued)
@@ -583,6 +623,7 @@ class GrpcService:
                 on_model_error(error)
                 return
             queued.set()
+            await turn.wait()
             await self._send_stream_error(call, error.message, request or message)
         except trio.BrokenResourceError:
             pass  # the client reset the stream; the call is being cancelled
@@ -591,11 +632,13 @@ class GrpcService:
             queued.set()
             log.exception("grpc stream request failed", method=call.method)
             text = as_triton_error(exc, "internal error").message
+            await turn.wait()
             await self._send_stream_error(call, text, request or message)
         finally:
             queued.set()
             budget.release()
             call.answered()  # its bytes leave the connection's buffer
+            await turn.done()
             if request is not None and (self.verbose or verbose_logging()):
                 log.debug(
                     "infer response",
@@ -605,6 +648,16 @@ class GrpcService:
                     status=status,
                     latency_ms=round((time.perf_counter() - started) * 1000, 3),
                 )
+
+    def _decoupled(self, request: InferenceRequest) -> bool:
+        route = getattr(self.dataplane, "model", None)
+        if route is None:
+            return True  # a data plane without models (a test stand-in): unordered
+        try:
+            model = route(request.model_name, request.model_version, request.model_namespace)
+        except TritonError:
+            return False  # its error is answered in turn
+        return bool(model.config.model_transaction_policy.decoupled)
 
     @staticmethod
     async def _send_stream_error(call: GrpcCall, text: str, request) -> None:
