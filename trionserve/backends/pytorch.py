@@ -301,6 +301,22 @@ def _parameter(config, key: str, default: bool) -> bool:
     return config.parameters[key].string_value.strip().lower() in ("1", "true", "yes", "on")
 
 
+def instance_device(spec: InstanceSpec, model_name: str) -> Any:
+    """The torch device an instance of ``spec`` runs on; None for KIND_MODEL (the
+    model keeps the devices it was saved with)."""
+    torch = _torch()
+    if spec.kind == "KIND_GPU":
+        if not torch.cuda.is_available():
+            raise Unavailable(
+                f"instance '{spec.name}' of model '{model_name}' is KIND_GPU "
+                "but this torch cannot use CUDA (a CPU-only build of torch?)"
+            )
+        return torch.device("cuda", spec.device_id)
+    if spec.kind == "KIND_MODEL":
+        return None
+    return torch.device("cpu")
+
+
 class TorchScriptModel:
     """A TorchScript file and its config; each instance loads its own module."""
 
@@ -310,17 +326,7 @@ class TorchScriptModel:
 
     def create_instance(self, spec: InstanceSpec) -> TorchScriptInstance:
         torch = _torch()
-        if spec.kind == "KIND_GPU":
-            if not torch.cuda.is_available():
-                raise Unavailable(
-                    f"instance '{spec.name}' of model '{self.context.name}' is KIND_GPU "
-                    "but this torch cannot use CUDA (a CPU-only build of torch?)"
-                )
-            device = torch.device("cuda", spec.device_id)
-        elif spec.kind == "KIND_MODEL":
-            device = None  # the module keeps the devices it was saved with
-        else:
-            device = torch.device("cpu")
+        device = instance_device(spec, self.context.name)
         try:
             module = torch.jit.load(str(self.path), map_location=device)
         except Exception as exc:  # torch raises RuntimeError and friends

@@ -32,10 +32,11 @@ from trionserve.backends.pytorch import (
     TorchScriptInstance,
     _torch,
     _type_name,
+    instance_device,
     name_index,
 )
 from trionserve.core import datatypes
-from trionserve.core.errors import InvalidArgument, Unavailable
+from trionserve.core.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
 
@@ -236,17 +237,7 @@ class Pt2Model:
 
     def create_instance(self, spec: InstanceSpec) -> Pt2Instance:
         torch = _torch()
-        if spec.kind == "KIND_GPU":
-            if not torch.cuda.is_available():
-                raise Unavailable(
-                    f"instance '{spec.name}' of model '{self.context.name}' is KIND_GPU "
-                    "but this torch cannot use CUDA (a CPU-only build of torch?)"
-                )
-            device = torch.device("cuda", spec.device_id)
-        elif spec.kind == "KIND_MODEL":
-            device = None
-        else:
-            device = torch.device("cpu")
+        device = instance_device(spec, self.context.name)
         program = load_program(self.context.name, self.path, device)
         log.info(
             "loaded PyTorch 2 model",
