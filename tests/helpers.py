@@ -66,3 +66,15 @@ def expect_error(
         got = str(error.status())
         assert got in (str(status), f"StatusCode.{status}"), got
     return error
+
+
+def decoupled_model(name: str):
+    """What a data-plane stand-in's ``model()`` returns for a decoupled model (the
+    gRPC stream answers its requests as they are ready, in any order)."""
+    from types import SimpleNamespace
+
+    from trionserve._generated import model_config_pb2 as mc
+
+    config = mc.ModelConfig(name=name)
+    config.model_transaction_policy.decoupled = True
+    return SimpleNamespace(config=config)

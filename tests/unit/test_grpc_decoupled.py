@@ -14,6 +14,7 @@ import numpy as np
 import trio
 import tritonclient.grpc as grpcclient
 
+from tests.helpers import decoupled_model
 from trionserve.core.errors import InternalError
 from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 from trionserve.protocol.grpc.service import serve_grpc
@@ -29,6 +30,9 @@ class DecoupledDataPlane:
 
     def __init__(self) -> None:
         self.first_sent: dict[str, trio.Event] = {}
+
+    def model(self, name, version, namespace=None):
+        return decoupled_model(name)
 
     def _sent(self, request_id: str) -> trio.Event:
         return self.first_sent.setdefault(request_id, trio.Event())

@@ -778,6 +778,11 @@ class QueueingDataPlane:
     def __init__(self) -> None:
         self.order: list[str] = []
 
+    def model(self, name, version, namespace=None):
+        from tests.helpers import decoupled_model
+
+        return decoupled_model(name)
+
     async def infer_stream(self, request, deliver, *, queued=None) -> None:
         for _ in range(int(request.id) % 4):
             await trio.lowlevel.checkpoint()

@@ -650,11 +650,10 @@ class GrpcService:
                 )
 
     def _decoupled(self, request: InferenceRequest) -> bool:
-        route = getattr(self.dataplane, "model", None)
-        if route is None:
-            return True  # a data plane without models (a test stand-in): unordered
         try:
-            model = route(request.model_name, request.model_version, request.model_namespace)
+            model = self.dataplane.model(
+                request.model_name, request.model_version, request.model_namespace
+            )
         except TritonError:
             return False  # its error is answered in turn
         return bool(model.config.model_transaction_policy.decoupled)
