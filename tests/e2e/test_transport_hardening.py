@@ -379,25 +379,43 @@ def test_a_stream_flood_that_reads_nothing_is_held_to_the_connection_buffer(grpc
     back when the client leaves. Before, each stream had the whole budget to
     itself (8x), and requests taken from the queue no longer counted."""
     request = stream_request(256 << 10)
-    before_count = inference_count(grpc_server)
-    before = rss_mib(grpc_server)
-    sock, sent = flood_without_reading(grpc_server.grpc_port, 8, request, 4.0)
-    try:
-        accepted = inference_count(grpc_server) - before_count
-        grown = rss_mib(grpc_server) - before
-        # Each accepted request holds its request and its response (256 KiB each).
-        assert accepted * 2 * len(request) <= 2 * GRPC_BUFFER, (accepted, sent)
-        assert grown < 5 * GRPC_BUFFER / (1 << 20), f"the server grew by {grown:.0f} MiB"
-    finally:
-        sock.close()
-    # Given back once the client has left: what stays is the model's warm-up (its
-    # first requests), well under the buffer's worth per accepted request.
-    kept = 2 * GRPC_BUFFER / (1 << 20)
+    kept = []
+    for _client in range(3):
+        before_count = inference_count(grpc_server)
+        before = rss_mib(grpc_server)
+        sock, sent = flood_without_reading(grpc_server.grpc_port, 8, request, 3.0)
+        try:
+            accepted = inference_count(grpc_server) - before_count
+            grown = rss_mib(grpc_server) - before
+            # Each accepted request holds its request and its response (256 KiB each).
+            assert accepted * 2 * len(request) <= 2 * GRPC_BUFFER, (accepted, sent)
+            assert grown < 5 * GRPC_BUFFER / (1 << 20), f"the server grew by {grown:.0f} MiB"
+        finally:
+            sock.close()
+        kept.append(settled_rss_mib(grpc_server))
+    # Given back once each client has left. What the first one leaves behind is the
+    # allocator's (the instance thread's arena, glibc's mmap threshold raised once the
+    # first 256 KiB buffers were freed) and is reused by the next clients; a
+    # connection that kept its buffers would add 2 x 8 MiB per client, 32 MiB over the
+    # two (measured without a leak: 1-6 MiB over the two).
+    added = kept[-1] - kept[0]
+    assert added < 2 * GRPC_BUFFER / (1 << 20), (
+        f"{added:.0f} MiB more kept after the first client {kept}"
+    )
+
+
+def settled_rss_mib(proc: ServerProcess) -> float:
+    """The server's resident memory once it has stopped shrinking (it finishes the
+    requests it had accepted, then drops the connection), at most 10 s on."""
     deadline = time.monotonic() + 10
-    while rss_mib(grpc_server) - before > kept and time.monotonic() < deadline:
-        time.sleep(0.1)  # polling the RSS of another process: nothing to wait on
-    left = rss_mib(grpc_server) - before
-    assert left <= kept, f"{left:.0f} MiB kept after the client left"
+    last = rss_mib(proc)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)  # polling the RSS of another process: nothing to wait on
+        now = rss_mib(proc)
+        if abs(now - last) < 0.25:
+            return now
+        last = now
+    return last
 
 
 def called_once(port: int) -> socket.socket:
