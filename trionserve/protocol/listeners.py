@@ -242,7 +242,7 @@ class Acceptor:
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, or None where the C library has none."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -19,7 +19,7 @@ import json
 import re
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,7 +36,7 @@ from trionserve.core.errors import (
     as_triton_error,
 )
 from trionserve.core.parameters import check_forwarded_header
-from trionserve.core.types import InferenceRequest
+from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.dataplane import DataPlane, ShuttingDown
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings, verbose
@@ -44,6 +44,7 @@ from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
 from trionserve.protocol.http.transport import (
+    Handler,
     Headers,
     HttpServer,
     HttpServerOptions,
@@ -160,8 +161,8 @@ class InferHandler:
         self._forward = re.compile(forward_headers) if forward_headers else None
 
     async def handle(
-        self, match: re.Match, request_headers, body: RequestBody
-    ) -> tuple[int, list[tuple[bytes, bytes]], list]:
+        self, match: re.Match[str], request_headers: Headers, body: RequestBody
+    ) -> Response:
         """The response to one infer request: (status, headers, body chunks); with
         verbose logging, an access-log line once it is answered (protocol, model,
         HTTP status, latency)."""
@@ -179,8 +180,8 @@ class InferHandler:
         return response
 
     async def _handle(
-        self, match: re.Match, request_headers, body: RequestBody
-    ) -> tuple[int, list[tuple[bytes, bytes]], list]:
+        self, match: re.Match[str], request_headers: Headers, body: RequestBody
+    ) -> Response:
         header_field: bytes | None = None
         header_length: int | None = None
         content_encoding = None
@@ -249,7 +250,7 @@ class InferHandler:
 
     @staticmethod
     def _forward_headers(
-        pattern: re.Pattern[str], request_headers, request: InferenceRequest
+        pattern: re.Pattern[str], request_headers: Headers, request: InferenceRequest
     ) -> None:
         """Headers whose name matches the pattern, as string parameters (a parameter
         the request sets itself wins, as over gRPC)."""
@@ -260,7 +261,7 @@ class InferHandler:
                 request.parameters.setdefault(name, value.decode("latin-1"))
 
 
-def _error_response(error: TritonError) -> tuple[int, list[tuple[bytes, bytes]], list]:
+def _error_response(error: TritonError) -> Response:
     body = http_codec.encode_error(error.message)
     headers = [_JSON_TYPE, (b"content-length", b"%d" % len(body))]
     if isinstance(error, ShuttingDown):
@@ -316,7 +317,7 @@ def _empty(ok: bool = True) -> Response:
     return 400, [(b"content-length", b"0")], ()
 
 
-def _json(payload, status: int = 200) -> Response:
+def _json(payload: object, status: int = 200) -> Response:
     body = json.dumps(payload, separators=(",", ":")).encode()
     return status, [_JSON_TYPE, (b"content-length", b"%d" % len(body))], [body]
 
@@ -336,7 +337,7 @@ def json_body(body: RequestBody) -> dict:
     return doc
 
 
-def _version(match: re.Match) -> int | None:
+def _version(match: re.Match[str]) -> int | None:
     return http_codec.parse_model_version(match.groupdict().get("version") or "")
 
 
@@ -359,7 +360,9 @@ def _non_negative_int(body: dict, key: str, default: int | None = None) -> int:
 
 # A handler of the route table: the frontend, the path's match, the request's
 # headers and body -> the response.
-RouteHandler = Callable[["HttpFrontend", re.Match, Headers, RequestBody], Awaitable[Response]]
+RouteHandler = Callable[["HttpFrontend", re.Match[str], Headers, RequestBody], Awaitable[Response]]
+# A row of the route table: method, path pattern, API group, handler.
+Route = tuple[bytes, re.Pattern[str], RestrictedCategory, RouteHandler]
 
 
 class HttpFrontend:
@@ -383,7 +386,7 @@ class HttpFrontend:
         self.infer = InferHandler(dataplane, verbose, forward_headers, max_input_size)
         self._restricted = restricted_apis or RestrictedFeatures()
 
-    def route(self, method: bytes, path: str):
+    def route(self, method: bytes, path: str) -> Handler:
         """The handler of a request: infer first (the hot path), then the table;
         a path the table knows with another method gets 405, any other 404."""
         if method == b"POST" and path.endswith("/infer"):
@@ -414,7 +417,7 @@ class HttpFrontend:
             _answer, _json({"error": f"Not Found: {method.decode('latin-1')} {path}"}, 404)
         )
 
-    def _checked(self, category: RestrictedCategory, handler):
+    def _checked(self, category: RestrictedCategory, handler: Handler) -> Handler:
         """``handler``, behind the header check of its group if the group is restricted."""
         restriction = self._restricted.get(category) if self._restricted else None
         if restriction is None:
@@ -422,7 +425,7 @@ class HttpFrontend:
         return partial(_restricted, restriction, handler)
 
     async def _guarded(
-        self, handler: RouteHandler, match: re.Match, headers: Headers, body: RequestBody
+        self, handler: RouteHandler, match: re.Match[str], headers: Headers, body: RequestBody
     ) -> Response:
         try:
             return await handler(self, match, headers, body)
@@ -434,74 +437,106 @@ class HttpFrontend:
 
     # -- health and metadata -----------------------------------------------------
 
-    async def health_live(self, match, headers, body) -> Response:
+    async def health_live(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         return _empty(self.dataplane.live())
 
-    async def health_ready(self, match, headers, body) -> Response:
+    async def health_ready(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         if self.dataplane.draining:
             # As Triton while it exits: 503 with the reason.
             return _json({"error": "server is shutting down"}, 503)
         return _empty(await self.dataplane.server_is_ready())
 
-    async def server_metadata(self, match, headers, body) -> Response:
+    async def server_metadata(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         return _json(self.dataplane.server_metadata())
 
-    async def model_metadata(self, match, headers, body) -> Response:
+    async def model_metadata(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         return _json(self.dataplane.model_metadata(match["name"], _version(match)))
 
-    async def model_ready(self, match, headers, body) -> Response:
+    async def model_ready(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         return _empty(await self.dataplane.model_is_ready(match["name"], _version(match)))
 
-    async def model_config(self, match, headers, body) -> Response:
+    async def model_config(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         config = self.dataplane.model_config(match["name"], _version(match))
         return _json(model_config_to_json(config))
 
-    async def model_statistics(self, match, headers, body) -> Response:
+    async def model_statistics(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         name = match.groupdict().get("name")
         return _json(await self.dataplane.model_statistics(name, _version(match)))
 
     # -- model repository ----------------------------------------------------------
 
-    async def repository_index(self, match, headers, body) -> Response:
+    async def repository_index(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         ready = json_body(body).get("ready", False)
         if not isinstance(ready, bool):
             # Triton's words (src/http_server.cc HandleRepositoryIndex).
             raise InvalidArgument("Invalid value for 'ready': expected a boolean")
         return _json(self.dataplane.repository_index(ready_only=ready))
 
-    async def repository_load(self, match, headers, body) -> Response:
+    async def repository_load(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         config, files = load_parameters(json_body(body))
         await self.dataplane.load_model(match["name"], config, files=files)
         return _EMPTY_OK
 
-    async def repository_unload(self, match, headers, body) -> Response:
+    async def repository_unload(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         unload_dependents = unload_parameters(json_body(body))
         await self.dataplane.unload_model(match["name"], unload_dependents=unload_dependents)
         return _EMPTY_OK
 
     # -- logging and trace settings -----------------------------------------------
 
-    async def get_log_settings(self, match, headers, body) -> Response:
+    async def get_log_settings(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         return _json(LOG_SETTINGS.as_dict())
 
-    async def set_log_settings(self, match, headers, body) -> Response:
+    async def set_log_settings(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         return _json(update_settings(json_body(body)))
 
-    async def get_trace_settings(self, match, headers, body) -> Response:
+    async def get_trace_settings(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         return _json(self.dataplane.trace_settings(match.groupdict().get("name")))
 
-    async def set_trace_settings(self, match, headers, body) -> Response:
+    async def set_trace_settings(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         changes = settings_from_json(json_body(body))
         return _json(self.dataplane.trace_settings(match.groupdict().get("name"), changes))
 
     # -- shared memory ---------------------------------------------------------------
 
-    async def system_shm_status(self, match, headers, body) -> Response:
+    async def system_shm_status(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         if self.dataplane.shared_memory is None:
             return _json([])
         return _json(self.dataplane.shared_memory.status(match.groupdict().get("name")))
 
-    async def system_shm_register(self, match, headers, body) -> Response:
+    async def system_shm_register(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         name = match["name"]
         # Refused before the body is read when not allowed, as Triton does.
         shared_memory = self.dataplane.client_system_shared_memory(name)
@@ -517,16 +552,22 @@ class HttpFrontend:
         )
         return _EMPTY_OK
 
-    async def system_shm_unregister(self, match, headers, body) -> Response:
+    async def system_shm_unregister(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         self.dataplane.client_shared_memory().unregister(match.groupdict().get("name"))
         return _EMPTY_OK
 
-    async def cuda_shm_status(self, match, headers, body) -> Response:
+    async def cuda_shm_status(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         if self.dataplane.cuda_shared_memory is None:
             return _json([])
         return _json(self.dataplane.cuda_shared_memory.status(match.groupdict().get("name")))
 
-    async def cuda_shm_register(self, match, headers, body) -> Response:
+    async def cuda_shm_register(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         cuda = self.dataplane.client_cuda_shared_memory()
         request = json_body(body)
         raw_handle = decode_raw_handle(request.get("raw_handle"))
@@ -538,7 +579,9 @@ class HttpFrontend:
         )
         return _EMPTY_OK
 
-    async def cuda_shm_unregister(self, match, headers, body) -> Response:
+    async def cuda_shm_unregister(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         self.dataplane.client_cuda_shared_memory().unregister(match.groupdict().get("name"))
         return _EMPTY_OK
 
@@ -548,7 +591,9 @@ class HttpFrontend:
     # JSON errors with their status code; an error after the stream started is
     # sent as an error event.
 
-    def _generate_request(self, match: re.Match, headers: Headers, body: RequestBody):
+    def _generate_request(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> InferenceRequest:
         encoding = _header(headers, b"content-encoding").strip().lower()
         if encoding not in ("", "identity"):
             raise InvalidArgument("Unsupported content-encoding, only 'identity' is supported.")
@@ -556,7 +601,7 @@ class HttpFrontend:
         model = self.dataplane.model(name, number)
         return generate_codec.decode_generate_request(body, name, number, model.signature)
 
-    async def generate(self, match, headers, body) -> Response:
+    async def generate(self, match: re.Match[str], headers: Headers, body: RequestBody) -> Response:
         infer_request = self._generate_request(match, headers, body)
         responses = []
         async with aclosing(self.dataplane.responses(infer_request)) as stream:
@@ -569,7 +614,9 @@ class HttpFrontend:
         data = generate_codec.encode_json(payload)
         return 200, [_JSON_TYPE, (b"content-length", b"%d" % len(data))], [data]
 
-    async def generate_stream(self, match, headers, body) -> Response:
+    async def generate_stream(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         infer_request = self._generate_request(match, headers, body)
         admitted = trio.Event()
         stream = self.dataplane.responses(infer_request, admitted)
@@ -594,7 +641,12 @@ class HttpFrontend:
         return 200, [content_type], _events(stream, first[0], infer_request.id, match["name"])
 
 
-async def _events(stream, first, request_id, model: str):
+async def _events(
+    stream: AsyncGenerator[tuple[InferenceResponse | None, bool]],
+    first: InferenceResponse | None,
+    request_id: str,
+    model: str,
+) -> AsyncIterator[bytes]:
     """The server-sent events of a generate_stream answer; closes ``stream``."""
     try:
         if first is not None:
@@ -620,7 +672,7 @@ async def _answer(response: Response, headers: Headers, body: RequestBody) -> Re
 
 
 async def _restricted(
-    restriction: Restriction, handler, headers: Headers, body: RequestBody
+    restriction: Restriction, handler: Handler, headers: Headers, body: RequestBody
 ) -> Response:
     """403 with Triton's message unless the headers satisfy the restriction
     (src/http_server.cc, RespondIfRestricted)."""
@@ -630,7 +682,7 @@ async def _restricted(
     return _json({"error": message}, 403)
 
 
-def _path(pattern: str) -> re.Pattern:
+def _path(pattern: str) -> re.Pattern[str]:
     """A route's path: ``{name}`` and ``{version}`` stand for one path segment;
     ``{any_name}`` for one or more, so that a load or unload of ``../x`` reaches
     the registry and is refused there with a 400 saying why, not a 404."""
@@ -643,7 +695,9 @@ def _path(pattern: str) -> re.Pattern:
     )
 
 
-def _routes(method: bytes, category: RestrictedCategory, handler: RouteHandler, *paths: str):
+def _routes(
+    method: bytes, category: RestrictedCategory, handler: RouteHandler, *paths: str
+) -> list[Route]:
     return [(method, _path(path), category, handler) for path in paths]
 
 
@@ -654,7 +708,7 @@ C = RestrictedCategory
 # (method, path pattern, API group, handler): every endpoint but infer, which
 # route() finds first. The groups are Triton's (src/http_server.cc: each handler
 # begins with RETURN_AND_RESPOND_IF_RESTRICTED for its category).
-ROUTES: list[tuple[bytes, re.Pattern, RestrictedCategory, RouteHandler]] = [
+ROUTES: list[Route] = [
     *_routes(b"GET", C.HEALTH, F.health_live, "/v2/health/live"),
     *_routes(b"GET", C.HEALTH, F.health_ready, "/v2/health/ready"),
     *_routes(b"GET", C.METADATA, F.server_metadata, "/v2"),
@@ -781,7 +835,7 @@ async def serve_http(
     verbose: bool = False,
     options: HttpOptions | None = None,
     *,
-    task_status=trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve HTTP until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     options = options or HttpOptions()

@@ -195,7 +195,7 @@ class HttpServer:
         shutdown: trio.Event,
         graceful_timeout: float,
         *,
-        task_status=trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         listeners = await open_tcp_listeners(
             port,
@@ -681,7 +681,7 @@ class _Connection:
         await self.respond(status, headers, chunks, request.version)
         return keep_open and request.complete
 
-    async def _run_handler(self, handler, headers, body: RequestBody):
+    async def _run_handler(self, handler: Handler, headers: Headers, body: RequestBody) -> Response:
         """The handler's answer. A client that hangs up meanwhile cancels it, so
         its request leaves the queue (or its result is dropped), as DESIGN §3
         says: requests still running after ``SLOW_REQUEST_SECS`` get a watcher on
