@@ -73,6 +73,28 @@ def _ready_workers(events: list[dict], count: int) -> dict[int, dict] | None:
     return ready if len(ready) == count else None
 
 
+def _listening_ports(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on: its socket inodes (``/proc/PID/fd``)
+    matched against the kernel's table of listening sockets."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 def _start(repository, *args: str, workers: int = 2) -> ServerProcess:
     proc = ServerProcess(repository, args=["--log-format=json", *args], workers=workers)
     proc.wait_ready()
@@ -126,6 +148,13 @@ def test_workers_share_the_ports_and_metrics_add_up(repository):
         ready = _wait_for(proc, lambda events: _ready_workers(events, 2), "two ready workers")
         pids = {event["pid"] for event in ready.values()}
         assert len(pids) == 2 and proc.process.pid not in pids
+        # Each worker reported the private ports it had bound itself: they are
+        # listening sockets of that worker's process, not of the supervisor's.
+        supervisor_ports = _listening_ports(proc.process.pid)
+        for event in ready.values():
+            reported = {int(event[key].rsplit(":", 1)[1]) for key in ("metrics", "statistics")}
+            assert reported <= _listening_ports(event["pid"]), event
+            assert not reported & supervisor_ports, event
 
         _infer_on_fresh_connections(proc, http=40, grpc=20)
 
@@ -212,6 +241,9 @@ def test_a_killed_worker_is_restarted_and_serving_resumes(repository):
             return again if again and again[1]["pid"] != victim else None
 
         ready = _wait_for(proc, restarted, "restarted worker 1")
+        # The new process reported the ports it bound, not its predecessor's.
+        reported = {int(ready[1][key].rsplit(":", 1)[1]) for key in ("metrics", "statistics")}
+        assert reported <= _listening_ports(ready[1]["pid"]), ready[1]
         exits = [e for e in _events(proc) if e.get("event") == "worker exited unexpectedly"]
         assert [(e["worker"], e["exit_code"]) for e in exits] == [(1, -signal.SIGKILL)]
 

@@ -9,7 +9,7 @@ import trio
 
 from trionserve.core.errors import InvalidArgument
 from trionserve.observability.statistics import FailureReason, ModelStatistics, merge_model_stats
-from trionserve.workers import _statistics_query
+from trionserve.workers.statistics import statistics_query
 
 
 def _record(stats: ModelStatistics, batches: list[tuple[int, float]]) -> None:
@@ -91,12 +91,12 @@ def test_the_inputs_are_left_as_they_were():
 def test_a_malformed_private_statistics_query_is_invalid_argument(body):
     """The workers' private statistics routes answer a bad query with a 4xx, not a 500."""
     with pytest.raises(InvalidArgument):
-        _statistics_query(body)
+        statistics_query(body)
 
 
 def test_a_private_statistics_query():
-    assert _statistics_query(b'{"name": "m", "version": 2}') == ("m", 2)
-    assert _statistics_query(b'{"name": null, "version": null}') == (None, None)
+    assert statistics_query(b'{"name": "m", "version": 2}') == ("m", 2)
+    assert statistics_query(b'{"name": null, "version": null}') == (None, None)
 
 
 async def test_response_statistics_are_added_per_key():
