@@ -16,6 +16,11 @@ thread stages the next batch, if one is waiting, before it finishes the current
 one, so the next batch's gather and copy overlap the current batch's compute. An
 executor gives such a thread at most two batches at once (one computing, one
 being staged), so the overlap is bounded.
+
+An instance whose own code must run on one thread from start to end (an
+in-process Python model: ``initialize``, every ``execute``, ``finalize``) also
+hands the thread plain calls with :meth:`InstanceThread.call`, from a worker
+thread, between its jobs.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import trio
 
@@ -98,13 +106,40 @@ class InstanceThread:
         self._staged = instance if isinstance(instance, StagedBackendInstance) else None
         self._overlaps = bool(self._staged is not None and self._staged.overlaps)
         self._timed = instance if isinstance(instance, TimedBackendInstance) else None
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
         self._token: trio.lowlevel.TrioToken | None = None
         self._abandoned = False
+        self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        threading.Thread(target=self._work, name=f"instance {self._name}", daemon=True).start()
+    def start(self, token: trio.lowlevel.TrioToken | None = None) -> None:
+        """Start the thread; on the Trio thread, or anywhere given the run's ``token``."""
+        self._token = token or trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(
+            target=self._work, name=f"instance {self._name}", daemon=True
+        )
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn`` on the instance's thread after the jobs given so far, and
+        return what it returned (or raise what it raised). Blocking: not on the
+        Trio thread. TimeoutError after ``timeout`` seconds (``fn`` still runs)."""
+        future: Future = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._jobs.put(run)
+        return future.result(timeout)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end after ``stop``; whether it ended."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
         self._jobs.put(job)
@@ -137,6 +172,9 @@ class InstanceThread:
                 if launched is not None:
                     self._finish(launched)
                 return
+            if not isinstance(job, Job):
+                job()  # a call (see call): after the batches before it
+                continue
             self._stage(job)  # overlaps the launched batch's compute, if any
             if launched is not None:
                 self._finish(launched)

@@ -2,7 +2,9 @@
 
 Auto-complete runs the model class's static ``auto_complete_config`` in a
 short-lived stub; loading checks the model file and its parameters; each instance
-is a stub process started (and ``initialize``-d) by :meth:`PythonModel.create_instance`.
+is a stub process started (and ``initialize``-d) by :meth:`PythonModel.create_instance`,
+or, for a model with ``EXECUTION_MODE`` ``in_process``, a thread of the server
+(:mod:`.inprocess`), which also runs its auto-complete.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from pathlib import Path
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.python.control import ModelControl
+from trionserve.backends.python.inprocess import InProcessInstance, auto_complete_in_process
 from trionserve.backends.python.instance import PythonInstance
 from trionserve.backends.python.process import StubProcess
-from trionserve.backends.python.settings import StubSettings, settings_for
+from trionserve.backends.python.settings import IN_PROCESS, StubSettings, settings_for
+from trionserve.backends.python.stub import describe_exception
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 
 MODEL_FILENAME = "model.py"
@@ -87,9 +91,32 @@ class PythonBackend(Backend):
         if self.model_file is not None:
             model_path = self.model_file
 
+        mode = StubSettings.from_config(config, self._defaults).execution_mode  # checks them
         if not may_auto_complete(model_path):
-            StubSettings.from_config(config, self._defaults)  # its parameters are still checked
             return
+        if mode == IN_PROCESS:
+            try:
+                answer = {
+                    "config": auto_complete_in_process(
+                        _model_config_json(config), model_path, config.name
+                    )
+                }
+            except Exception as exc:
+                raise Unavailable(
+                    f"model '{config.name}': auto_complete_config failed: {describe_exception(exc)}"
+                ) from None
+        else:
+            answer = self._auto_complete_in_stub(config, model_path)
+        try:
+            completed = model_config_from_json(json.loads(answer["config"]))
+        except TritonError as exc:
+            raise InvalidArgument(
+                f"model '{config.name}': auto_complete_config returned an invalid "
+                f"configuration: {exc.message}"
+            ) from None
+        config.CopyFrom(completed)
+
+    def _auto_complete_in_stub(self, config, model_path: Path) -> dict:
         check_stub_name(config.name)  # the auto-complete stub is named after the model
         settings = settings_for(config, model_path.parent.parent, self._defaults)
         stub = StubProcess(f"model '{config.name}'", settings, name=config.name)
@@ -107,14 +134,7 @@ class PythonBackend(Backend):
             )
         finally:
             stub.stop(finalize=False)
-        try:
-            completed = model_config_from_json(json.loads(answer["config"]))
-        except TritonError as exc:
-            raise InvalidArgument(
-                f"model '{config.name}': auto_complete_config returned an invalid "
-                f"configuration: {exc.message}"
-            ) from None
-        config.CopyFrom(completed)
+        return answer
 
     def load(self, context: ModelContext) -> PythonModel:
         if self.model_file is not None:
@@ -181,7 +201,11 @@ class PythonModel:
         stub.has_is_ready = answer.get("is_ready", False)
         return stub
 
-    def create_instance(self, spec: InstanceSpec) -> PythonInstance:
+    def create_instance(self, spec: InstanceSpec) -> PythonInstance | InProcessInstance:
+        if self.settings.execution_mode == IN_PROCESS:
+            return InProcessInstance(
+                self.context, spec, self.settings, self.path, self._config_json
+            )
         stub = self.start_stub(spec)
         return PythonInstance(
             self.context, spec, self.settings, lambda: self.start_stub(spec), stub

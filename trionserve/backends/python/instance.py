@@ -19,6 +19,7 @@ import structlog
 import trio
 
 from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
+from trionserve.backends.python.bls import Outcome, run_bls
 from trionserve.backends.python.messages import (
     bls_request,
     error_message,
@@ -30,12 +31,10 @@ from trionserve.backends.python.messages import (
 from trionserve.backends.python.process import StubProcess, TrioChannel, log_stub_line
 from trionserve.backends.python.settings import StubSettings
 from trionserve.core.errors import (
-    DeadlineExceeded,
     InternalError,
     InvalidArgument,
     TritonError,
     Unavailable,
-    as_triton_error,
 )
 from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
@@ -501,65 +500,37 @@ class PythonInstance:
         arrive, and one not yet executed ends with a CANCELLED error.
         """
         call = message["call"]
-        decoupled = message["decoupled"]
-        timeout_us = message["timeout"]
-        sent_final = False
+        endpoint = channel.endpoint
 
-        async def reply(encoded: dict | None, final: bool) -> None:
-            nonlocal sent_final
-            # Never cut short: half a message would end the stub.
-            with trio.CancelScope(shield=True):
-                await channel.send(
-                    {"op": "bls_response", "call": call, "response": encoded, "final": final}
-                )
-            sent_final = final
-
-        queued = trio.Event()
-        try:
-            request = bls_request(message, channel.endpoint)
-            if self._inference is None:
-                raise Unavailable(
-                    f"{self.label}: BLS requests are not available: the server gave "
-                    "this backend no inference service"
-                )
+        def build() -> InferenceRequest:
+            request = bls_request(message, endpoint)
             self._bls_requests[call] = request
-            with trio.CancelScope() as scope:
-                if timeout_us > 0:
-                    scope.deadline = trio.current_time() + timeout_us / 1e6
-                if decoupled:
+            return request
 
-                    async def deliver(response, final: bool) -> None:
-                        encoded = (
-                            None
-                            if response is None
-                            else response_message(response, channel.endpoint)
-                        )
-                        await reply(encoded, final)
+        async def reply(outcome: Outcome, final: bool) -> None:
+            if outcome is None:
+                encoded = None
+            elif isinstance(outcome, TritonError):
+                encoded = error_message(outcome)
+            else:
+                encoded = response_message(outcome, endpoint)
+            await channel.send(
+                {"op": "bls_response", "call": call, "response": encoded, "final": final}
+            )
 
-                    await self._inference.infer_stream(request, deliver, queued=queued)
-                else:
-                    response = await self._inference.infer(request, queued=queued)
-                    await reply(response_message(response, channel.endpoint), True)
-            if scope.cancelled_caught and not sent_final:
-                await reply(error_message(DeadlineExceeded("Request timeout expired")), True)
+        try:
+            await run_bls(
+                self._inference,
+                build,
+                decoupled=message["decoupled"],
+                timeout_us=message["timeout"],
+                model_name=message["model_name"],
+                label=self.label,
+                reply=reply,
+                passthrough=_GONE,
+            )
         except _GONE:
             pass  # the stub is gone
-        except Exception as exc:
-            error = as_triton_error(exc)
-            if not queued.is_set():
-                # The request could not be issued (python_backend
-                # request_executor.cc Infer: "Model <name> - Error when running
-                # inference: <the server's error>").
-                error = TritonError(
-                    f"Model {message['model_name']} - Error when running inference: "
-                    f"{error.message}",
-                    error.status,
-                )
-            if not sent_final:
-                try:
-                    await reply(error_message(error), True)
-                except _GONE:
-                    pass
         finally:
             self._bls_requests.pop(call, None)
 

@@ -40,6 +40,11 @@ FLAG_SEQUENCE_START = 1
 FLAG_SEQUENCE_END = 2
 
 
+def code_of(error: TritonError) -> int:
+    """The ``pb_utils.TritonError`` code of a server error."""
+    return _CODE_BY_STATUS.get(error.status, 1)
+
+
 def error_from_code(code: int, message: str) -> TritonError:
     return TritonError(message, _STATUS_BY_CODE.get(code, Status.INTERNAL))
 
@@ -95,7 +100,7 @@ def response_message(response: InferenceResponse, endpoint: Endpoint) -> dict:
 def error_message(error: TritonError) -> dict:
     return {
         "outputs": [],
-        "error": (_CODE_BY_STATUS.get(error.status, 1), error.message),
+        "error": (code_of(error), error.message),
         "parameters": "{}",
     }
 
@@ -138,19 +143,41 @@ def bls_request(message: dict, endpoint: Endpoint) -> InferenceRequest:
         }
     finally:
         endpoint.release(block_of(ref) for ref in message["inputs"])
-    version = message["model_version"]
-    flags = message["flags"]
-    names = message["outputs"]
-    request = InferenceRequest(
+    return called_request(
         message["model_name"],
-        version if version > 0 else None,
-        id=message["id"],
+        message["model_version"],
+        message["id"],
+        message["correlation_id"],
+        message["flags"],
+        message["timeout"],
+        message["parameters"],
+        inputs,
+        message["outputs"],
+    )
+
+
+def called_request(
+    model_name: str,
+    model_version: int,
+    request_id: str,
+    correlation_id: int | str,
+    flags: int,
+    timeout_us: int,
+    parameters: str,
+    inputs: dict[str, Tensor],
+    output_names: list[str],
+) -> InferenceRequest:
+    """The server's request for a ``pb_utils.InferenceRequest`` a model executes:
+    version -1 is the model's latest, no output names ask for every output."""
+    return InferenceRequest(
+        model_name,
+        model_version if model_version > 0 else None,
+        id=request_id,
         inputs=inputs,
-        requested_outputs=[RequestedOutput(n) for n in names] if names else None,
-        parameters=json.loads(message["parameters"]),
-        timeout_us=message["timeout"],
-        sequence_id=message["correlation_id"],
+        requested_outputs=[RequestedOutput(n) for n in output_names] if output_names else None,
+        parameters=_parameters(parameters),
+        timeout_us=timeout_us,
+        sequence_id=correlation_id,
         sequence_start=bool(flags & FLAG_SEQUENCE_START),
         sequence_end=bool(flags & FLAG_SEQUENCE_END),
     )
-    return request

@@ -72,6 +72,11 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
+def new_metrics_owner() -> int:
+    """A new owner of custom metric references (a stub, or an in-process instance)."""
+    return next(_OWNERS)
+
+
 def log_stub_line(label: str, level: str, message: str) -> None:
     """A ``pb_utils.Logger`` line from a stub, in the server's log."""
     method = {"WARNING": log.warning, "ERROR": log.error, "VERBOSE": log.debug}.get(level, log.info)
@@ -128,7 +133,7 @@ class StubProcess:
         # Whether the model defines is_ready() (said when it is initialized).
         self.has_is_ready = False
         # The custom metrics this stub's model defines are held in its name.
-        self.metrics_owner = next(_OWNERS)
+        self.metrics_owner = new_metrics_owner()
 
     @property
     def pid(self) -> int:

@@ -19,7 +19,10 @@ parameters, which win, next to the model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``
 - ``stub-max-restarts`` (5): consecutive failures (crash, hang, failed restart)
   tolerated before the model becomes UNAVAILABLE;
 - ``EXECUTION_ENV_PATH``: the model's own Python environment (see
-  :mod:`.environment`).
+  :mod:`.environment`);
+- ``EXECUTION_MODE``: ``stub`` (the default: a stub process per instance, as
+  Triton) or ``in_process`` (model.py runs on threads of the server, see
+  :mod:`.inprocess`); a model parameter only.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ _NUMBERS = {
     "execute-timeout-seconds": (0.0, float, 0),
     "stub-max-restarts": (5, int, 0),
 }
+# EXECUTION_MODE values: a stub process per instance (Triton's way), or the server's
+# own threads.
+STUB, IN_PROCESS = "stub", "in_process"
+EXECUTION_MODES = (STUB, IN_PROCESS)
 # Triton's Python backend settings that configure what this one does not have
 # (its message queue, shared-memory region names, its own thread pool).
 NO_EFFECT_KEYS = ("shm-message-queue-size", "shm-region-prefix-name", "thread-pool-size")
@@ -87,6 +94,7 @@ class StubSettings:
     # EXECUTION_ENV_PATH as written; ``environment`` once resolved for a model.
     execution_env: str = ""
     environment: ExecutionEnvironment | None = None
+    execution_mode: str = STUB
 
     @classmethod
     def from_config(cls, config, defaults: Mapping[str, str]) -> StubSettings:
@@ -99,6 +107,19 @@ class StubSettings:
             raise InvalidArgument(
                 f"model '{name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' "
                 f"or 'no', got '{parameters['FORCE_CPU_ONLY_INPUT_TENSORS']}'"
+            )
+
+        mode = parameters.get("EXECUTION_MODE", "") or STUB
+        if mode not in EXECUTION_MODES:
+            raise InvalidArgument(
+                f"model '{name}': parameter EXECUTION_MODE must be 'stub' or 'in_process', "
+                f"got '{mode}'"
+            )
+        if mode == IN_PROCESS and parameters.get("EXECUTION_ENV_PATH"):
+            raise InvalidArgument(
+                f"model '{name}': parameter EXECUTION_ENV_PATH cannot be used with "
+                "EXECUTION_MODE 'in_process': an in-process model runs in the server's own "
+                "Python; use EXECUTION_MODE 'stub' for a model with its own environment"
             )
 
         def number(key: str):
@@ -116,6 +137,7 @@ class StubSettings:
             execute_timeout=number("execute-timeout-seconds"),
             max_restarts=number("stub-max-restarts"),
             execution_env=parameters.get("EXECUTION_ENV_PATH", ""),
+            execution_mode=mode,
         )
 
 

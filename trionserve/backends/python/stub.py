@@ -35,6 +35,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import Any
 
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
@@ -97,7 +98,105 @@ class _BLSCall:
             self.runtime.channel.send({"op": "bls_cancel", "call": self.id})
 
 
-class StubRuntime:
+class ModelRuntime:
+    """What running a model's ``execute`` takes wherever it runs (this stub
+    process, or the server's own thread for an in-process model): Triton's
+    checks of what ``execute`` returned, its error wording, and the asyncio loop
+    of ``async def execute`` models.
+
+    A subclass sets ``pb`` (its triton_python_backend_utils), ``instance_name``,
+    ``decoupled`` and ``_loop`` (None), and provides ``log(level, message)``.
+    """
+
+    pb: Any
+    instance_name: str
+    decoupled: bool
+    _loop: Any
+
+    def log(self, level: str, message: str) -> None:
+        raise NotImplementedError
+
+    def _check_rescheduled(self, requests, result) -> None:
+        """A rescheduled request's entry in the returned list must be None
+        (pb_stub.cc ProcessRequests, Triton's wording and spelling)."""
+        if not isinstance(result, list):
+            return  # _encode_all says what is wrong
+        for request, response in zip(requests, result):
+            flags = request._release_flags
+            if response is not None and flags & self.pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                raise self.pb.TritonModelException(
+                    "Expected a None object in the execute function return list for "
+                    f"reschduled request, found type '{type(response)}'."
+                )
+
+    def execute_error(self, exc: BaseException) -> str:
+        """Triton's wording for an exception raised by ``execute`` (pb_stub.cc)."""
+        return (
+            f"Failed to process the request(s) for model '{self.instance_name}', "
+            f"message: {describe_exception(exc)}"
+        )
+
+    def check_returned(self, requests, result) -> None:
+        """What a model that is not decoupled returned from execute must be: one
+        InferenceResponse (or None) per request (pb_stub.cc ProcessRequests)."""
+        pb = self.pb
+        if not isinstance(result, list):
+            raise pb.TritonModelException(
+                f"Expected a list in the execute return, found type '{type(result)}'."
+            )
+        if len(result) != len(requests):
+            raise pb.TritonModelException(
+                f"Number of InferenceResponse objects do not match the number of "
+                f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
+                f"and InferenceResponse(s) size is:{len(result)}\n"
+            )
+        for response in result:
+            if response is not None and not isinstance(response, pb.InferenceResponse):
+                raise pb.TritonModelException(
+                    "Expected an 'InferenceResponse' object in the execute function "
+                    f"return list, found type '{type(response)}'."
+                )
+
+    # -- asyncio ------------------------------------------------------------------
+
+    def _run_coroutine(self, coroutine):
+        """Schedule a coroutine on the stub's asyncio loop; a concurrent future."""
+        import asyncio  # only models with ``async def execute`` pay for it
+
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(
+                target=self._run_loop, args=(loop,), name="stub-asyncio", daemon=True
+            ).start()
+            self._loop = loop
+        return asyncio.run_coroutine_threadsafe(_awaited(coroutine), self._loop)
+
+    def _run_loop(self, loop) -> None:
+        """The asyncio loop's thread."""
+        loop.run_forever()
+
+    def _run_in_background(self, coroutine, requests) -> None:
+        """A decoupled ``async def execute``: requests still open when it fails get the error."""
+        future = self._run_coroutine(coroutine)
+
+        def finished(done) -> None:
+            exc = done.exception()
+            if exc is None:
+                return
+            # As Triton (pb_stub.cc, BackgroundFutureDone): the exception is logged,
+            # even when every request already had its final response.
+            self.log(
+                "ERROR",
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(),
+            )
+            message = self.execute_error(exc)
+            for request in requests:
+                request._sender._end_with_error(message)
+
+        future.add_done_callback(finished)
+
+
+class StubRuntime(ModelRuntime):
     """The model instance and everything the stub does on its behalf."""
 
     def __init__(self, channel: BlockingChannel, message: dict) -> None:
@@ -268,26 +367,6 @@ class StubRuntime:
                 self._unanswered.discard(request._key)
         self.channel.send(reply)
 
-    def _check_rescheduled(self, requests, result) -> None:
-        """A rescheduled request's entry in the returned list must be None
-        (pb_stub.cc ProcessRequests, Triton's wording and spelling)."""
-        if not isinstance(result, list):
-            return  # _encode_all says what is wrong
-        for request, response in zip(requests, result):
-            flags = request._release_flags
-            if response is not None and flags & self.pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-                raise self.pb.TritonModelException(
-                    "Expected a None object in the execute function return list for "
-                    f"reschduled request, found type '{type(response)}'."
-                )
-
-    def execute_error(self, exc: BaseException) -> str:
-        """Triton's wording for an exception raised by ``execute`` (pb_stub.cc)."""
-        return (
-            f"Failed to process the request(s) for model '{self.instance_name}', "
-            f"message: {describe_exception(exc)}"
-        )
-
     def _incoming(self, message: dict):
         pb = self.pb
         view_array = self.view.array
@@ -334,29 +413,11 @@ class StubRuntime:
     def _encode_all(self, requests, result) -> list:
         """The returned responses as messages; None where the model answers (or
         answered) the request through its response sender."""
-        pb = self.pb
-        if not isinstance(result, list):
-            raise pb.TritonModelException(
-                f"Expected a list in the execute return, found type '{type(result)}'."
-            )
-        if len(result) != len(requests):
-            raise pb.TritonModelException(
-                f"Number of InferenceResponse objects do not match the number of "
-                f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, "
-                f"and InferenceResponse(s) size is:{len(result)}\n"
-            )
+        self.check_returned(requests, result)
         encoded: list[dict | None] = []
         try:
             for response in result:
-                if response is None:
-                    encoded.append(None)
-                    continue
-                if not isinstance(response, pb.InferenceResponse):
-                    raise pb.TritonModelException(
-                        "Expected an 'InferenceResponse' object in the execute function "
-                        f"return list, found type '{type(response)}'."
-                    )
-                encoded.append(self.encode_response(response))
+                encoded.append(None if response is None else self.encode_response(response))
         except BaseException:
             # Nothing is sent: the blocks already written go back to the arena.
             blocks = (block_of(ref) for e in encoded if e is not None for ref in e["outputs"])
@@ -374,38 +435,6 @@ class StubRuntime:
             ref, _ = self.arena.write(tensor.name(), tensor._datatype, tensor._host_array())
             refs.append(ref)
         return {"outputs": refs, "error": None, "parameters": response.parameters()}
-
-    # -- asyncio ------------------------------------------------------------------
-
-    def _run_coroutine(self, coroutine):
-        """Schedule a coroutine on the stub's asyncio loop; a concurrent future."""
-        import asyncio  # only models with ``async def execute`` pay for it
-
-        if self._loop is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="stub-asyncio", daemon=True).start()
-            self._loop = loop
-        return asyncio.run_coroutine_threadsafe(_awaited(coroutine), self._loop)
-
-    def _run_in_background(self, coroutine, requests) -> None:
-        """A decoupled ``async def execute``: requests still open when it fails get the error."""
-        future = self._run_coroutine(coroutine)
-
-        def finished(done) -> None:
-            exc = done.exception()
-            if exc is None:
-                return
-            # As Triton (pb_stub.cc, BackgroundFutureDone): the exception is logged,
-            # even when every request already had its final response.
-            self.log(
-                "ERROR",
-                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(),
-            )
-            message = self.execute_error(exc)
-            for request in requests:
-                request._sender._end_with_error(message)
-
-        future.add_done_callback(finished)
 
     # -- called from pb_utils, on any thread ------------------------------------------
 

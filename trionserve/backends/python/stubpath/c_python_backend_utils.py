@@ -29,9 +29,10 @@ class SharedMemory:
     """What pb_stub.cc's ``SharedMemory`` offers models: ``free_memory()``."""
 
     def free_memory(self) -> int:
-        """Bytes of the stub's arena not allocated now."""
+        """Bytes of the stub's arena not allocated now (0 for an in-process model,
+        which has none)."""
         runtime = _pb._runtime
-        if runtime is None:
+        if runtime is None or runtime.arena is None:
             return 0
         arena = runtime.arena
         return arena.size - arena.in_use()

@@ -1,0 +1,230 @@
+"""The Python-backend parity tests in both execution modes (issue 30, item 1).
+
+One real server per mode, ``EXECUTION_MODE`` ``stub`` (the default: a stub process
+per instance) and ``in_process`` (model.py on the server's threads), serving the
+same model.py files: BLS (sync, async, decoupled, cancelled, names as bytes),
+decoupled models and response senders, a client's cancellation reaching the
+model, execute errors and Triton's wording, custom metrics and log lines. The
+tests are those of the Python-backend e2e modules, collected here again with this
+module's ``server``; what only the in-process mode promises (one module namespace
+per model, no stub process, the refused configurations) is tested below them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from google.protobuf import text_format
+from tritonclient.utils import InferenceServerException
+
+from tests.e2e import test_python_backend as base
+from tests.e2e import test_python_backend_parity as parity
+from tests.e2e import test_python_custom_metrics as metrics
+
+# The tests of the Python-backend e2e modules that run here, in both modes.
+from tests.e2e.test_python_backend import (  # noqa: F401
+    test_add_sub,
+    test_auto_complete_config_fills_the_config,
+    test_bls_calls_onnx_and_python_models,
+    test_bls_error_is_a_response_error,
+    test_bls_over_a_decoupled_model,
+    test_decoupled_model_streams_over_grpc,
+    test_execute_raising_fails_the_request_only,
+    test_initialize_args_and_request_fields,
+    test_response_sender_in_a_model_that_is_not_decoupled,
+    test_triton_error_in_a_response_reaches_the_client,
+)
+from tests.e2e.test_python_backend_parity import (  # noqa: F401
+    test_a_client_cancel_reaches_a_model_that_has_not_responded,
+    test_a_final_flag_without_a_response_fails_the_request,
+    test_a_second_response_is_refused_and_the_first_stands,
+    test_an_exception_after_the_final_response_is_logged,
+    test_async_exec_of_decoupled_calls_overlap,
+    test_bls_takes_the_model_name_as_bytes,
+    test_one_response_sent_later_from_another_thread,
+    test_response_iterator_cancel_cancels_the_called_request,
+    test_sender_rules_over_a_grpc_stream,
+    test_the_empty_final_response_always_reaches_the_iterator,
+)
+from tests.e2e.test_python_custom_metrics import (  # noqa: F401
+    test_counter_gauge_and_histogram_reach_the_metrics_endpoint,
+    test_the_rules_hold_inside_the_model,
+)
+from tests.serverproc import EXAMPLES, ServerProcess
+from trionserve._generated.model_config_pb2 import ModelConfig
+from trionserve.backends.python.settings import StubSettings
+from trionserve.core.errors import InvalidArgument
+
+MODES = ["stub", "in_process"]
+
+# Two models that write the same module globals: each must see only its own.
+GLOBALS_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from helper import WHO  # a plain import of a file beside model.py, as a stub allows
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.seen_before = getattr(pb_utils, "WRITTEN_BY", "")
+        pb_utils.WRITTEN_BY = args["model_name"]
+
+    def execute(self, requests):
+        import triton_python_backend_utils as late  # an import inside a function
+
+        text = f"{self.seen_before}|{pb_utils.WRITTEN_BY}|{late.WRITTEN_BY}|{WHO}"
+        out = np.array([text.encode()], dtype=np.object_)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]) for _ in requests]
+"""
+GLOBALS_CONFIG = """
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]
+"""
+
+
+def _mode_parameter(mode: str) -> str:
+    return f'parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{mode}" }} }}\n'
+
+
+def make_repository(root: Path, mode: str) -> Path:
+    shutil.copytree(EXAMPLES / "simple", root / "simple")
+    models: dict[str, tuple[str, str]] = {
+        name: base.MODELS[name]
+        for name in (
+            "errors",
+            "sender",
+            "add_sub",
+            "bls_sync",
+            "bls_async",
+            "repeat",
+            "bls_decoupled",
+            "auto",
+            "introspect",
+        )
+    }
+    models.update(
+        (name, parity.MODELS[name])
+        for name in (
+            "bls_bytes",
+            "sender_rules",
+            "cancel_child",
+            "bls_cancel",
+            "bls_count",
+            "barrier_child",
+            "bls_gather",
+            "bls_async_stream",
+            "poll_cancel",
+            "raise_after_final",
+        )
+    )
+    models["globals_a"] = models["globals_b"] = (GLOBALS_CONFIG, GLOBALS_MODEL)
+    for name, (config, source) in models.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
+        (root / name / "config.pbtxt").write_text(
+            f'name: "{name}"\nbackend: "python"\n' + config + _mode_parameter(mode)
+        )
+    (root / "introspect" / "1" / "helper.py").write_text('GREETING = "hello from helper.py"\n')
+    for name in ("globals_a", "globals_b"):
+        (root / name / "1" / "helper.py").write_text(f"WHO = {name!r}\n")
+    model = root / "metrics_model"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(metrics.CONFIG + _mode_parameter(mode))
+    (model / "1" / "model.py").write_text(textwrap.dedent(metrics.MODEL))
+    return root
+
+
+@pytest.fixture(scope="module", params=MODES)
+def mode(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def repository(tmp_path_factory, mode):
+    return make_repository(tmp_path_factory.mktemp(f"python_{mode}"), mode)
+
+
+@pytest.fixture(scope="module")
+def server(repository):
+    proc = ServerProcess(repository, args=["--exit-on-error=false"])
+    try:
+        proc.wait_ready()
+        yield proc
+        code = proc.stop()
+        assert code == 0, f"server exited with {code}:\n{proc.output()}"
+    finally:
+        proc.close()
+
+
+@pytest.fixture
+def client(server):
+    client = httpclient.InferenceServerClient(server.http_url, network_timeout=120)
+    yield client
+    client.close()
+
+
+# -- what each mode promises of its own -----------------------------------------------
+
+
+def test_each_model_has_its_own_pb_utils_and_helpers(client):
+    """In either mode, model A's writes to pb_utils are not model B's, and each
+    ``import helper`` finds the file beside its own model.py."""
+    for name in ("globals_a", "globals_b"):
+        infer_input = httpclient.InferInput("INPUT0", [1], "INT32")
+        infer_input.set_data_from_numpy(np.array([0], dtype=np.int32))
+        text = client.infer(name, [infer_input]).as_numpy("OUTPUT0")[0].decode()
+        assert text == f"|{name}|{name}|{name}"
+
+
+def test_where_the_model_runs(client, server, mode):
+    infer_input = httpclient.InferInput("INPUT0", [1], "BYTES")
+    infer_input.set_data_from_numpy(np.array([b"where"], dtype=np.object_))
+    report = json.loads(client.infer("introspect", [infer_input]).as_numpy("OUTPUT0")[0])
+    assert (report["pid"] == server.process.pid) == (mode == "in_process"), report["pid"]
+
+
+def test_execute_errors_are_worded_as_triton_words_them(client):
+    with pytest.raises(InferenceServerException) as info:
+        parity.echo(client, "sender_rules", 6)
+    assert str(info.value.message()).startswith(
+        "Failed to process the request(s) for model 'sender_rules_0_0', message: "
+    ), info.value.message()
+    assert "six is not served" in info.value.message()
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+def _settings(parameters: str) -> StubSettings:
+    config = text_format.Parse(f'name: "m"\nbackend: "python"\n{parameters}', ModelConfig())
+    return StubSettings.from_config(config, {})
+
+
+def test_execution_mode_defaults_to_the_stub():
+    assert _settings("").execution_mode == "stub"
+    assert _settings(_mode_parameter("in_process")).execution_mode == "in_process"
+
+
+def test_a_bad_execution_mode_is_named():
+    with pytest.raises(InvalidArgument) as info:
+        _settings(_mode_parameter("threads"))
+    assert info.value.message == (
+        "model 'm': parameter EXECUTION_MODE must be 'stub' or 'in_process', got 'threads'"
+    )
+
+
+def test_an_environment_of_its_own_is_refused_in_process():
+    env = 'parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "env.tar.gz" } }\n'
+    with pytest.raises(InvalidArgument) as info:
+        _settings(env + _mode_parameter("in_process"))
+    assert "EXECUTION_ENV_PATH cannot be used with EXECUTION_MODE 'in_process'" in (
+        info.value.message
+    )
