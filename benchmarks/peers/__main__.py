@@ -16,7 +16,9 @@ and the 4 MB identity over HTTP binary and gRPC. The table gives ratios to trion
 cannot be installed or started is reported and skipped.
 
 ``--python-backend`` adds trionserve serving the very Python-backend models
-Triton serves (the like-for-like row; trionserve's default `simple` is ONNX).
+Triton serves, one instance each as Triton's (the like-for-like row; trionserve's
+default `simple` is ONNX): in stub processes (``trionserve-py``) and in-process
+(``trionserve-inproc``, ``EXECUTION_MODE`` ``in_process``).
 
 ``--load-generator perf_analyzer`` drives every point with NVIDIA's perf_analyzer
 (benchmarks/perf_analyzer.py: PyPI's wheel, downloaded into the cache, through a
@@ -89,7 +91,7 @@ def main() -> None:
     parser.add_argument(
         "--python-backend",
         action="store_true",
-        help="also run trionserve on the Python-backend models",
+        help="also run trionserve on the Python-backend models, in stubs and in-process",
     )
     perf_analyzer.add_load_arguments(parser)
     parser.add_argument(
@@ -152,6 +154,11 @@ def main() -> None:
                 repository = write_repository(Path(tmp) / "trionserve-py")
                 server, target = start_trionserve(
                     "trionserve-py", repository=repository, args=flags
+                )
+                running.append((server, target))
+                repository = write_repository(Path(tmp) / "trionserve-inproc", "in_process")
+                server, target = start_trionserve(
+                    "trionserve-inproc", repository=repository, args=flags
                 )
                 running.append((server, target))
             for peer in installed:

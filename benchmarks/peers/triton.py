@@ -56,21 +56,28 @@ class TritonPythonModel:
 """
 
 
-def write_repository(root: Path) -> Path:
+def write_repository(root: Path, execution_mode: str = "") -> Path:
+    """Triton's models, one instance each; with ``execution_mode`` (trionserve
+    only), every model has that ``EXECUTION_MODE`` parameter (``in_process``)."""
     repository = root / "models"
+    mode = (
+        f'parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{execution_mode}" }} }}\n'
+        if execution_mode
+        else ""
+    )
     simple = repository / "simple"
     (simple / "1").mkdir(parents=True)
-    (simple / "config.pbtxt").write_text(SIMPLE_CONFIG)
+    (simple / "config.pbtxt").write_text(SIMPLE_CONFIG + mode)
     shutil.copy(EXAMPLES / "add_sub_python" / "1" / "model.py", simple / "1" / "model.py")
     batched = repository / "simple_batched"
     (batched / "1").mkdir(parents=True)
     (batched / "config.pbtxt").write_text(
-        SIMPLE_CONFIG.replace('name: "simple"', 'name: "simple_batched"') + BATCHING + "\n"
+        SIMPLE_CONFIG.replace('name: "simple"', 'name: "simple_batched"') + BATCHING + "\n" + mode
     )
     shutil.copy(EXAMPLES / "add_sub_python" / "1" / "model.py", batched / "1" / "model.py")
     identity = repository / "identity_fp32"
     (identity / "1").mkdir(parents=True)
-    (identity / "config.pbtxt").write_text(IDENTITY_CONFIG)
+    (identity / "config.pbtxt").write_text(IDENTITY_CONFIG + mode)
     (identity / "1" / "model.py").write_text(IDENTITY_MODEL)
     return repository
 
