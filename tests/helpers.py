@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
+from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 T = TypeVar("T")
@@ -66,6 +71,58 @@ def expect_error(
         got = str(error.status())
         assert got in (str(status), f"StatusCode.{status}"), got
     return error
+
+
+def metrics_text(port: int) -> str:
+    """The exposition a server (or a worker) serves on ``port``'s /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        return response.read().decode()
+
+
+def metric_samples(port: int) -> dict[tuple[str, tuple], float]:
+    """Every sample of ``port``'s /metrics as {(name as written, sorted labels): value}."""
+    return {
+        (wire_name(family, sample), tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics_text(port))
+        for sample in family.samples
+    }
+
+
+def wire_name(family, sample) -> str:
+    """A sample's name as the server wrote it: prometheus-client's parser reports the
+    samples of a text-format counter as ``<family>_total``, but Triton's ``nv_*``
+    counters are written without that suffix."""
+    if family.type == "counter" and family.name.startswith("nv_"):
+        return family.name
+    return sample.name
+
+
+@contextlib.contextmanager
+def emulator(
+    command: list[str], log: Path, what: str, started: Callable[[], bool]
+) -> Iterator[subprocess.Popen]:
+    """Run ``command``, a cloud service's emulator on loopback, with its output in
+    ``log``, for the block: entered once ``started()`` says it serves (within 60 s,
+    else the test fails with the log), terminated at the end."""
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not started():
+            if process.poll() is not None or time.monotonic() > deadline:
+                code = process.poll()
+                ended = "did not start" if code is None else f"exited with {code}"
+                pytest.fail(f"{what} {ended}:\n{log.read_text()}")
+            time.sleep(0.05)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def decoupled_model(name: str):

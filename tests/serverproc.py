@@ -140,20 +140,9 @@ def http_client(proc: ServerProcess):
 
 def scrape_metrics(proc: ServerProcess) -> dict:
     """The server's /metrics, parsed: family name -> prometheus_client family."""
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
-    url = f"http://127.0.0.1:{proc.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
+    from tests.helpers import metrics_text
+
+    text = metrics_text(proc.metrics_port)
     return {family.name: family for family in text_string_to_metric_families(text)}
-
-
-def wire_name(family, sample) -> str:
-    """A sample's name as the server wrote it: prometheus-client's parser reports the
-    samples of a text-format counter as ``<family>_total``, but Triton's ``nv_*``
-    counters are written without that suffix."""
-    if family.type == "counter" and family.name.startswith("nv_"):
-        return family.name
-    return sample.name

@@ -18,6 +18,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.helpers import simple_inputs
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.backend_config import parse_backend_config
@@ -530,15 +531,6 @@ def write_self_signed(directory: Path, name: str = "server", issuer=None):
     return cert_path, key_path
 
 
-def simple_inputs():
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        tensor = grpcclient.InferInput(name, [1, 16], "INT32")
-        tensor.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
-        inputs.append(tensor)
-    return inputs
-
-
 def simple_only(root: Path) -> Path:
     shutil.copytree(EXAMPLES / "simple", root / "models" / "simple")
     return root / "models"
@@ -559,8 +551,8 @@ def test_grpc_over_tls(tmp_path):
         url = f"127.0.0.1:{server.grpc_port}"
         client = grpcclient.InferenceServerClient(url, ssl=True, root_certificates=str(cert))
         assert client.is_server_live()
-        result = client.infer("simple", simple_inputs())
-        assert result.as_numpy("OUTPUT0").tolist() == [list(range(0, 32, 2))]
+        result = client.infer("simple", simple_inputs(module=grpcclient))
+        assert result.as_numpy("OUTPUT0").tolist() == [list(range(1, 17))]
         plain = grpcclient.InferenceServerClient(url)
         with pytest.raises(InferenceServerException):
             plain.is_server_live(client_timeout=5)

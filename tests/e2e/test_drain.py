@@ -35,7 +35,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import wait_for
+from tests.helpers import simple_inputs, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
 
 DELAY = 0.6  # seconds each request spends in the model
@@ -268,15 +268,6 @@ def accumulate_input(module, value: int):
     return [tensor]
 
 
-def simple_inputs(module):
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        tensor = module.InferInput(name, [1, 16], "INT32")
-        tensor.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
-        inputs.append(tensor)
-    return inputs
-
-
 def total(result) -> int:
     return int(result.as_numpy("OUTPUT")[0][0])
 
@@ -354,10 +345,10 @@ def test_open_sequences_continue_to_their_end_during_the_drain(tmp_path):
         assert http.get_inference_statistics("accumulate")["model_stats"]
 
         # New requests are refused, on open connections and on new ones alike...
-        refused(lambda: http.infer("simple", simple_inputs(httpclient)))
-        refused(lambda: grpc.infer("simple", simple_inputs(grpcclient)))
+        refused(lambda: http.infer("simple", simple_inputs()))
+        refused(lambda: grpc.infer("simple", simple_inputs(module=grpcclient)))
         late_http = http_client(server.http_port)
-        refused(lambda: late_http.infer("simple", simple_inputs(httpclient)))
+        refused(lambda: late_http.infer("simple", simple_inputs()))
         # ...and so are new sequences, on every path.
         refused(
             lambda: http.infer(

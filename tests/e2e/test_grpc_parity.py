@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from tests.helpers import simple_inputs
 from tests.serverproc import EXAMPLES, ServerProcess
 
 REPEAT_MODEL = textwrap.dedent(
@@ -94,15 +95,6 @@ def repeat_inputs(n: int):
     return [tensor]
 
 
-def simple_inputs():
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        tensor = grpcclient.InferInput(name, [1, 16], "INT32")
-        tensor.set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
-        inputs.append(tensor)
-    return inputs
-
-
 def flags(received) -> list[bool | None]:
     out = []
     for result, error in received:
@@ -122,7 +114,7 @@ def test_every_stream_response_of_a_plain_model_says_it_is_final(client, empty_f
         [
             {
                 "model_name": "simple",
-                "inputs": simple_inputs(),
+                "inputs": simple_inputs(np.ones((1, 16), np.int32), module=grpcclient),
                 "request_id": "p",
                 "enable_empty_final_response": empty_final,
             },
@@ -208,5 +200,10 @@ def test_a_gzip_message_past_the_default_limit_is_resource_exhausted(server):
     assert "--grpc-max-message-size" in info.value.details()
     # The server goes on serving.
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-    assert client.infer("simple", simple_inputs()).as_numpy("OUTPUT0").tolist()[0][0] == 2
+    assert (
+        client.infer("simple", simple_inputs(np.ones((1, 16), np.int32), module=grpcclient))
+        .as_numpy("OUTPUT0")
+        .tolist()[0][0]
+        == 2
+    )
     client.close()

@@ -19,7 +19,8 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import EXAMPLES, ServerProcess, wire_name
+from tests.helpers import metric_samples, metrics_text, simple_inputs
+from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.observability.metrics import (
     FirstResponseHistogram,
     parse_metrics_config,
@@ -170,35 +171,9 @@ def client(server):
     client.close()
 
 
-def scrape(server) -> dict[tuple[str, tuple], float]:
-    """Every sample of /metrics as {(name, sorted labels): value}."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
-    connection.request("GET", "/metrics")
-    response = connection.getresponse()
-    assert response.status == 200
-    samples = {}
-    for family in text_string_to_metric_families(response.read().decode()):
-        for sample in family.samples:
-            samples[(wire_name(family, sample), tuple(sorted(sample.labels.items())))] = (
-                sample.value
-            )
-    return samples
-
-
 def value(samples, name: str, model: str, **labels) -> float:
     key = (name, tuple(sorted({"model": model, "version": "1", **labels}.items())))
     return samples[key]
-
-
-def simple_inputs(rows: int = 16):
-    a = np.arange(rows, dtype=np.int32).reshape(1, rows)
-    inputs = [
-        httpclient.InferInput("INPUT0", [1, rows], "INT32"),
-        httpclient.InferInput("INPUT1", [1, rows], "INT32"),
-    ]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(a)
-    return inputs
 
 
 def gated_input(value: int):
@@ -208,13 +183,13 @@ def gated_input(value: int):
 
 
 def test_counters_move_by_exactly_what_was_sent(server, client):
-    before = scrape(server)
+    before = metric_samples(server.metrics_port)
     for _ in range(5):
         client.infer("simple", simple_inputs())
     for _ in range(3):
         with pytest.raises(InferenceServerException, match="unexpected shape"):
-            client.infer("simple", simple_inputs(rows=8))
-    after = scrape(server)
+            client.infer("simple", simple_inputs(np.ones((1, 8), np.int32)))
+    after = metric_samples(server.metrics_port)
 
     def moved(name, **labels):
         return value(after, name, "simple", **labels) - value(before, name, "simple", **labels)
@@ -242,11 +217,16 @@ def test_counters_move_by_exactly_what_was_sent(server, client):
 def test_pending_count_and_backend_failures(server, client, gate):
     """With the only instance held by the gate, one request executes and the
     others wait in the queue: the pending count shows them."""
-    before = scrape(server)
+    before = metric_samples(server.metrics_port)
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(client.infer, "gated", gated_input(v)) for v in (1, 2, 3, -1)]
         deadline = time.monotonic() + 30
-        while value(scrape(server), "nv_inference_pending_request_count", "gated") != 3:
+        while (
+            value(
+                metric_samples(server.metrics_port), "nv_inference_pending_request_count", "gated"
+            )
+            != 3
+        ):
             assert time.monotonic() < deadline, "the queued requests never showed as pending"
             time.sleep(0.02)
         gate.touch()
@@ -258,7 +238,7 @@ def test_pending_count_and_backend_failures(server, client, gate):
                 outcomes.append(str(exc))
     assert outcomes[:3] == [2, 4, 6]
     assert "negative input" in outcomes[3]
-    after = scrape(server)
+    after = metric_samples(server.metrics_port)
     assert value(after, "nv_inference_pending_request_count", "gated") == 0
     succeeded = value(after, "nv_inference_request_success", "gated") - value(
         before, "nv_inference_request_success", "gated"
@@ -276,7 +256,7 @@ def test_pending_count_and_backend_failures(server, client, gate):
 def test_first_response_histogram_for_a_decoupled_model(server):
     import tritonclient.grpc as grpcclient
 
-    before = scrape(server)
+    before = metric_samples(server.metrics_port)
     results = []
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     client.start_stream(callback=lambda result, error: results.append(error or result))
@@ -289,7 +269,7 @@ def test_first_response_histogram_for_a_decoupled_model(server):
         client.stop_stream()
         client.close()
     assert len(results) == 5 and not any(isinstance(r, Exception) for r in results)
-    after = scrape(server)
+    after = metric_samples(server.metrics_port)
     name = "nv_inference_first_response_histogram_ms"
     # One observation per request (its first response), not per response.
     assert value(after, name + "_count", "repeat") - value(before, name + "_count", "repeat") == 2
@@ -309,10 +289,10 @@ def test_first_response_histogram_for_a_model_that_is_not_decoupled(server, clie
     # Triton observes every request's first response, decoupled or not
     # (core src/infer_response.cc InferenceResponse::UpdateResponseMetrics).
     name = "nv_inference_first_response_histogram_ms"
-    before = scrape(server)
+    before = metric_samples(server.metrics_port)
     for _ in range(4):
         client.infer("simple", simple_inputs())
-    after = scrape(server)
+    after = metric_samples(server.metrics_port)
     counted = value(after, name + "_count", "simple") - value(before, name + "_count", "simple")
     assert counted == 4
     assert value(after, name + "_bucket", "simple", le="+Inf") == value(
@@ -331,10 +311,10 @@ TRITON_QUANTILES = ("0.5", "0.9", "0.95", "0.99", "0.999")
 
 
 def test_latency_summaries_with_tritons_quantiles(server, client):
-    before = scrape(server)
+    before = metric_samples(server.metrics_port)
     for _ in range(20):
         client.infer("simple", simple_inputs())
-    after = scrape(server)
+    after = metric_samples(server.metrics_port)
     for name in SUMMARIES:
         count = value(after, name + "_count", "simple") - value(before, name + "_count", "simple")
         assert count == 20, name
@@ -357,16 +337,14 @@ def test_latency_summaries_with_tritons_quantiles(server, client):
     assert value(after, SUMMARIES[0], "simple", quantile="0.5") >= value(
         after, SUMMARIES[3], "simple", quantile="0.5"
     )
-    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
-    connection.request("GET", "/metrics")
-    text = connection.getresponse().read().decode()
+    text = metrics_text(server.metrics_port)
     assert "# TYPE nv_inference_request_summary_us summary" in text
     assert 'nv_inference_request_summary_us{model="simple",quantile="0.999",version="1"}' in text
     assert "nv_cache_hit_summary_per_model" not in text  # no model has the cache
 
 
 def test_process_and_cpu_metrics_and_other_paths(server):
-    samples = scrape(server)
+    samples = metric_samples(server.metrics_port)
     names = {name for name, _ in samples}
     assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= names
     assert {"nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes"} <= names
@@ -381,9 +359,7 @@ def test_process_and_cpu_metrics_and_other_paths(server):
 
 
 def test_metrics_text_uses_tritons_names(server):
-    connection = http.client.HTTPConnection("127.0.0.1", server.metrics_port, timeout=10)
-    connection.request("GET", "/metrics")
-    text = connection.getresponse().read().decode()
+    text = metrics_text(server.metrics_port)
     assert 'nv_inference_request_success{model="simple",version="1"} ' in text
     assert 'nv_inference_request_failure{model="simple",reason="BACKEND",version="1"} ' in text
     assert "nv_inference_request_success_total" not in text

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.helpers import expect_error, wait_for
+from tests.helpers import expect_error, simple_inputs, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
 from tests.unit.test_model_control_support import (
     copy_example,
@@ -65,19 +65,8 @@ def ready_transitions(server: ServerProcess, model: str) -> int:
     return len(events(server, "model state", model=model, to="READY"))
 
 
-def simple_inputs(value: int = 1, batch: int = 1):
-    data = np.full((batch, 16), value, dtype=np.int32)
-    inputs = [
-        httpclient.InferInput("INPUT0", [batch, 16], "INT32"),
-        httpclient.InferInput("INPUT1", [batch, 16], "INT32"),
-    ]
-    inputs[0].set_data_from_numpy(data)
-    inputs[1].set_data_from_numpy(np.ones_like(data))
-    return inputs
-
-
 def infer_simple(client, name: str, value: int = 1):
-    result = client.infer(name, simple_inputs(value))
+    result = client.infer(name, simple_inputs(np.full((1, 16), value, np.int32)))
     np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), np.full((1, 16), value + 1))
     return result
 
@@ -251,11 +240,12 @@ def test_explicit_load_with_a_config_override(explicit_client):
     client.load_model("simple", config=json.dumps(config))
     assert client.get_model_config("simple")["max_batch_size"] == 4
     expect_error(
-        lambda: client.infer("simple", simple_inputs(1, batch=8)), "batch-size must be <= 4"
+        lambda: client.infer("simple", simple_inputs(np.ones((8, 16), np.int32))),
+        "batch-size must be <= 4",
     )
     client.load_model("simple")  # back to config.pbtxt
     assert client.get_model_config("simple")["max_batch_size"] == 8
-    client.infer("simple", simple_inputs(1, batch=8))
+    client.infer("simple", simple_inputs(np.ones((8, 16), np.int32)))
     expect_error(
         lambda: client.load_model("simple", config='{"max_batch_size": "x"}'),
         "invalid config override",
@@ -424,7 +414,8 @@ def test_poll_config_edit_reloads(poll, poll_client):
     config.write_text(config.read_text().replace("max_batch_size: 8", "max_batch_size: 2"))
     wait_for(lambda: client.get_model_config("edited")["max_batch_size"] == 2, "the new config")
     expect_error(
-        lambda: client.infer("edited", simple_inputs(1, batch=4)), "batch-size must be <= 2"
+        lambda: client.infer("edited", simple_inputs(np.ones((4, 16), np.int32))),
+        "batch-size must be <= 2",
     )
 
 
@@ -442,7 +433,7 @@ def test_poll_label_file_edit_reloads(poll, poll_client):
 
     def top_label() -> str:
         data = np.arange(16, dtype=np.int32).reshape(1, 16)
-        inputs = simple_inputs(0)
+        inputs = simple_inputs(np.zeros((1, 16), np.int32))
         inputs[0].set_data_from_numpy(data)
         output = httpclient.InferRequestedOutput("OUTPUT0", class_count=1)
         value = client.infer("labelled", inputs, outputs=[output]).as_numpy("OUTPUT0")

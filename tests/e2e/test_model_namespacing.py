@@ -21,8 +21,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from onnx import TensorProto, helper
 
-from tests.helpers import expect_error, wait_for
-from tests.serverproc import ServerProcess, scrape_metrics, wire_name
+from tests.helpers import expect_error, wait_for, wire_name
+from tests.serverproc import ServerProcess, scrape_metrics
 
 AMBIGUOUS = "model namespace must be provided to resolve ambiguity"
 

@@ -12,14 +12,13 @@ import http.client
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from tests.helpers import wait_for
+from tests.helpers import emulator, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.repository.object_store import (
@@ -44,35 +43,20 @@ def s3_endpoint(tmp_path_factory):
     """A moto S3 server on loopback: its ``host:port``."""
     port = free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"moto_server exited with {process.returncode}:\n{log.read_text()}")
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                connection.request("GET", "/")
-                connection.getresponse().read()
-                connection.close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"moto_server did not start:\n{log.read_text()}")
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
-    finally:
-        process.terminate()
+
+    def answers() -> bool:
         try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/")
+            connection.getresponse().read()
+            connection.close()
+        except OSError:
+            return False
+        return True
+
+    command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+    with emulator(command, log, "moto_server", answers):
+        yield f"127.0.0.1:{port}"
 
 
 @pytest.fixture

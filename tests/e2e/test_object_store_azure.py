@@ -25,7 +25,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from tests.e2e.test_object_store import infer_simple
-from tests.helpers import wait_for
+from tests.helpers import emulator, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.repository.object_store import AzureStore, ObjectStoreMirror, parse_location
@@ -108,36 +108,19 @@ def azurite(tmp_path_factory):
     port = free_port()
     workspace = tmp_path_factory.mktemp("azurite")
     log = workspace / "azurite.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [
-                str(executable),
-                "--blobHost",
-                "127.0.0.1",
-                "--blobPort",
-                str(port),
-                "--location",
-                str(workspace / "data"),
-                "--skipApiVersionCheck",
-                "--loose",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while "successfully listens" not in log.read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"azurite-blob did not start:\n{log.read_text()}")
-            time.sleep(0.05)
+    command = [
+        str(executable),
+        "--blobHost",
+        "127.0.0.1",
+        "--blobPort",
+        str(port),
+        "--location",
+        str(workspace / "data"),
+        "--skipApiVersionCheck",
+        "--loose",
+    ]
+    with emulator(command, log, "azurite-blob", lambda: "successfully listens" in log.read_text()):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture

@@ -6,12 +6,11 @@ finds it through ``STORAGE_EMULATOR_HOST``, the variable Google's clients honour
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import time
 
 import pytest
 
+from tests.helpers import emulator
 from tests.serverproc import EXAMPLES, free_port
 from trionserve.repository.object_store import ObjectStoreMirror
 from trionserve.repository.repository import ModelRepository
@@ -26,42 +25,28 @@ SIMPLE = EXAMPLES / "simple"
 
 
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory):
+def gcs_endpoint(tmp_path_factory):
+    """A gcp-storage-emulator on loopback: its ``http://127.0.0.1:PORT``."""
     port = free_port()
     log = tmp_path_factory.mktemp("gcs") / "emulator.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gcp_storage_emulator",
-                "start",
-                "--host=127.0.0.1",
-                f"--port={port}",
-                "--in-memory",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 60
-        while "All services started" not in log.read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"gcp-storage-emulator did not start:\n{log.read_text()}")
-            time.sleep(0.05)
+    command = [
+        sys.executable,
+        "-m",
+        "gcp_storage_emulator",
+        "start",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--in-memory",
+    ]
+    with emulator(
+        command, log, "gcp-storage-emulator", lambda: "All services started" in log.read_text()
+    ):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 @pytest.fixture
-def bucket(emulator, monkeypatch, request):
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator)
+def bucket(gcs_endpoint, monkeypatch, request):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_endpoint)
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
     client = storage.Client(project="test", credentials=AnonymousCredentials())
     return client.create_bucket(request.node.name.replace("_", "-").lower()[:50])

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import re
 import textwrap
-import urllib.request
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from tests.helpers import metrics_text
 from tests.serverproc import scrape_metrics, serving
 from trionserve.observability.custom_metrics import (
     COUNTER,
@@ -22,13 +22,6 @@ from trionserve.observability.custom_metrics import (
     CustomMetrics,
     MetricError,
 )
-
-
-def metrics_text(server) -> str:
-    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
-
 
 MODEL = """
 import json
@@ -162,7 +155,7 @@ def test_counter_gauge_and_histogram_reach_the_metrics_endpoint(server):
     (requests,) = families["custom_requests"].samples
     assert (requests.labels, requests.value) == (labels, 3.0)
     assert families["custom_requests"].type == "counter"
-    text = metrics_text(server)
+    text = metrics_text(server.metrics_port)
     # Typed, under the name the model gave (Triton's), without a _total suffix.
     assert re.search(r"^# TYPE custom_requests counter$", text, re.MULTILINE)
     assert re.search(r'^custom_requests\{model="metrics_model"\} 3(\.0)?$', text, re.MULTILINE)

@@ -23,7 +23,7 @@ import tritonclient.http as httpclient
 from ray import serve
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import wait_for
+from tests.helpers import simple_inputs, wait_for
 from tests.ray_cluster import RayCluster, free_port
 from trionserve.ray_serve import app
 
@@ -91,17 +91,6 @@ def running_replicas() -> int:
     return status.deployments["trionserve"].replica_states.get("RUNNING", 0)
 
 
-def simple_inputs(binary: bool = True):
-    a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    inputs = [
-        httpclient.InferInput("INPUT0", [1, 16], "INT32"),
-        httpclient.InferInput("INPUT1", [1, 16], "INT32"),
-    ]
-    inputs[0].set_data_from_numpy(a, binary_data=binary)
-    inputs[1].set_data_from_numpy(np.ones_like(a), binary_data=binary)
-    return a, inputs
-
-
 class Load:
     """``threads`` tritonclient callers of ``simple`` until stopped, each
     outcome counted: "ok", the HTTP status of an error answer, or the
@@ -131,7 +120,8 @@ class Load:
             return Counter(self.outcomes)
 
     def _call(self) -> None:
-        a, inputs = simple_inputs()
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = simple_inputs(a)
         client = httpclient.InferenceServerClient(
             self.url, connection_timeout=30.0, network_timeout=30.0
         )
@@ -194,7 +184,8 @@ def test_example_config_serves_tritonclient_from_two_replicas_on_two_nodes(clust
         assert client.is_model_ready("simple")
         assert client.get_model_metadata("simple")["platform"] == "onnxruntime_onnx"
         for binary in (True, False):  # binary tensor extension, then JSON
-            a, inputs = simple_inputs(binary)
+            a = np.arange(16, dtype=np.int32).reshape(1, 16)
+            inputs = simple_inputs(a, binary=binary)
             outputs = [
                 httpclient.InferRequestedOutput(n, binary_data=binary)
                 for n in ("OUTPUT0", "OUTPUT1")
@@ -210,7 +201,7 @@ def test_example_config_serves_tritonclient_from_two_replicas_on_two_nodes(clust
         assert (client.infer("identity_bytes", [bytes_input]).as_numpy("OUTPUT0") == text).all()
         # Errors are the route table's: status and message as the HTTP port's.
         with pytest.raises(InferenceServerException) as refused:
-            client.infer("nosuchmodel", simple_inputs()[1])
+            client.infer("nosuchmodel", simple_inputs())
         assert refused.value.status() == "404" and "nosuchmodel" in refused.value.message()
         big = httpclient.InferInput("INPUT0", [1, 4096], "INT32")
         big.set_data_from_numpy(np.zeros((1, 4096), dtype=np.int32))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import trio
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.helpers import simple_inputs
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import InvalidArgument, TritonError
@@ -114,21 +114,10 @@ async def test_json_has_triton_shape():
     assert ModelStatistics("n", 1).as_json()["last_inference"] == 0
 
 
-def simple_inputs(batch: int):
-    a = np.arange(16 * batch, dtype=np.int32).reshape(batch, 16)
-    inputs = [
-        httpclient.InferInput("INPUT0", [batch, 16], "INT32"),
-        httpclient.InferInput("INPUT1", [batch, 16], "INT32"),
-    ]
-    inputs[0].set_data_from_numpy(a)
-    inputs[1].set_data_from_numpy(a)
-    return inputs
-
-
 def test_statistics_extension_through_tritonclient(http_client):
     before = http_client.get_inference_statistics("simple", "1")["model_stats"][0]
     for batch in (1, 3, 3):
-        http_client.infer("simple", simple_inputs(batch))
+        http_client.infer("simple", simple_inputs(np.ones((batch, 16), np.int32)))
     after = http_client.get_inference_statistics("simple")["model_stats"][0]
     assert after["name"] == "simple" and after["version"] == "1"
 

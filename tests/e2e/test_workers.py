@@ -17,16 +17,14 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import EXAMPLES, ROOT, ServerProcess, wire_name
+from tests.helpers import metric_samples, simple_inputs
+from tests.serverproc import EXAMPLES, ROOT, ServerProcess
 from trionserve.observability.aggregate import merge_expositions
 from trionserve.observability.exposition import exposition_text
 from trionserve.workers import parse_workers
@@ -101,42 +99,22 @@ def _start(repository, *args: str, workers: int = 2) -> ServerProcess:
     return proc
 
 
-def _inputs(module):
-    inputs = [
-        module.InferInput("INPUT0", [1, 16], "INT32"),
-        module.InferInput("INPUT1", [1, 16], "INT32"),
-    ]
-    for tensor in inputs:
-        tensor.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
-    return inputs
-
-
 def _infer_on_fresh_connections(proc: ServerProcess, http: int, grpc: int = 0) -> None:
     """``http`` + ``grpc`` inferences of `simple`, each on a new client (connection)."""
     for _ in range(http):
         client = httpclient.InferenceServerClient(proc.http_url)
         try:
-            result = client.infer("simple", _inputs(httpclient))
-            assert result.as_numpy("OUTPUT0")[0, 3] == 6
+            result = client.infer("simple", simple_inputs())
+            assert result.as_numpy("OUTPUT0")[0, 3] == 4
         finally:
             client.close()
     for _ in range(grpc):
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
         try:
-            result = client.infer("simple", _inputs(grpcclient))
-            assert result.as_numpy("OUTPUT0")[0, 3] == 6
+            result = client.infer("simple", simple_inputs(module=grpcclient))
+            assert result.as_numpy("OUTPUT0")[0, 3] == 4
         finally:
             client.close()
-
-
-def _scrape(port: int) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (wire_name(family, sample), tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 SIMPLE_COUNT = ("nv_inference_count", (("model", "simple"), ("version", "1")))
@@ -159,13 +137,13 @@ def test_workers_share_the_ports_and_metrics_add_up(repository):
         _infer_on_fresh_connections(proc, http=40, grpc=20)
 
         per_worker = {
-            index: _scrape(int(event["metrics"].rsplit(":", 1)[1]))[SIMPLE_COUNT]
+            index: metric_samples(int(event["metrics"].rsplit(":", 1)[1]))[SIMPLE_COUNT]
             for index, event in ready.items()
         }
         # Both workers served some of the fresh connections, and no inference is lost.
         assert all(count > 0 for count in per_worker.values()), per_worker
         assert sum(per_worker.values()) == 60
-        merged = _scrape(proc.metrics_port)
+        merged = metric_samples(proc.metrics_port)
         assert merged[SIMPLE_COUNT] == 60
         assert merged[("nv_inference_request_success", SIMPLE_COUNT[1])] == 60
         assert merged[("trionserve_workers_ready", ())] == 2
@@ -249,11 +227,11 @@ def test_a_killed_worker_is_restarted_and_serving_resumes(repository):
 
         _infer_on_fresh_connections(proc, http=30)
         per_worker = [
-            _scrape(int(event["metrics"].rsplit(":", 1)[1]))[SIMPLE_COUNT]
+            metric_samples(int(event["metrics"].rsplit(":", 1)[1]))[SIMPLE_COUNT]
             for event in ready.values()
         ]
         assert sum(per_worker) == 30 and all(count > 0 for count in per_worker), per_worker
-        merged = _scrape(proc.metrics_port)
+        merged = metric_samples(proc.metrics_port)
         assert merged[("trionserve_worker_restarts_total", ())] == 1
         assert merged[SIMPLE_COUNT] == 30
         assert proc.stop() == 0, proc.output()[-5000:]
