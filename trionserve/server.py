@@ -1,4 +1,5 @@
-"""The root actor: wires the runtime and the frontends under one nursery.
+"""The root actor: wires the runtime and the frontends under one nursery (Triton
+core's ``InferenceServer``, src/server.cc, with the server's frontends).
 
 The core (model repository, registry, watcher, DataPlane) runs with or without
 network frontends: the HTTP, gRPC and metrics frontends are optional parts attached

@@ -1,5 +1,9 @@
 """InstanceExecutor: one actor per model instance, running its batches on the
-instance's own thread, the next one taken while the current one computes."""
+instance's own thread, the next one taken while the current one computes.
+
+Triton core's ``TritonModelInstance`` (src/backend_model_instance.cc) with the
+backend's instance it drives (:class:`~trionserve.backends.base.BackendInstance`,
+Triton's ``TRITONBACKEND_ModelInstance``)."""
 
 from __future__ import annotations
 

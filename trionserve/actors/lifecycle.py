@@ -1,4 +1,11 @@
-"""What the ModelRegistry keeps per model, and how a model's configuration is prepared."""
+"""What the ModelRegistry keeps per model, and how a model's configuration is prepared.
+
+The bookkeeping of Triton core's ``ModelLifeCycle``
+(src/model_repository_manager/model_lifecycle.cc): each model's versions and their
+states (:class:`ModelEntry`: one entry of Triton's ``ModelMap``, a ``VersionMap``
+of ``ModelInfo``), the load or unload in progress (:class:`Operation`) and the log
+of state transitions.
+"""
 
 from __future__ import annotations
 

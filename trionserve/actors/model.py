@@ -1,4 +1,8 @@
-"""ModelVersion: the actor that owns one loaded version of one model."""
+"""ModelVersion: the actor that owns one loaded version of one model.
+
+Triton core's ``Model`` / ``TritonModel`` (src/model.cc, src/backend_model.cc): one
+version's configuration, scheduler, instances and statistics.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""ModelRegistry: the routing table and the lifecycle of every model."""
+"""ModelRegistry: the routing table and the lifecycle of every model.
+
+Triton core's ``ModelRepositoryManager`` and ``ModelLifeCycle``
+(src/model_repository_manager/model_repository_manager.cc, model_lifecycle.cc):
+which models are loaded, in which versions and states, and their loads and
+unloads. Finding the models on disk is :mod:`trionserve.repository`, polling it
+the :class:`~trionserve.actors.watcher.RepositoryWatcher`.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""RepositoryWatcher: turns the model control mode into load and unload commands."""
+"""RepositoryWatcher: turns the model control mode into load and unload commands.
+
+The polling half of Triton core's ``ModelRepositoryManager`` (``PollAndUpdate``,
+src/model_repository_manager/model_repository_manager.cc) and the server's
+``--model-control-mode`` handling (NONE, EXPLICIT, POLL).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The interface between the runtime and a model framework.
+"""The interface between the runtime and a model framework (Triton's backend API,
+``TRITONBACKEND_*``; a :class:`Backend` is core's ``TritonBackend``).
 
 A :class:`Backend` knows one kind of model file. The registry asks it to auto-complete
 a configuration and to load a version directory into a :class:`LoadedModel`; the

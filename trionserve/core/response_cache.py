@@ -1,6 +1,9 @@
 """The response cache (Triton's ``local`` cache): responses of models with
 ``response_cache { enable: true }`` kept in memory and reused for identical requests.
 
+Triton core's ``TritonCacheManager`` and ``TritonCache`` (src/cache_manager.cc) with
+the ``local`` cache implementation, in one :class:`ResponseCache` per server.
+
 Enabled for the server with ``--cache-config local,size=BYTES`` (or Triton's older
 ``--response-cache-byte-size BYTES``). A request's key hashes the model name and
 version, every input (name, datatype, shape, bytes), the outputs it asks for and

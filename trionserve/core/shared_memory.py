@@ -1,6 +1,7 @@
 """System (POSIX) shared memory regions registered by clients.
 
-Triton's system shared memory extension: a client creates a POSIX shared memory
+Triton's system shared memory extension (the server's ``SharedMemoryManager``,
+src/shared_memory_manager.cc): a client creates a POSIX shared memory
 object (``shm_open`` key), registers a region of it by name with an offset and a
 size, then names the region in inference requests instead of sending tensor bytes.
 

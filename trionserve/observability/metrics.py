@@ -1,6 +1,8 @@
 """Prometheus metrics with Triton's names, served on the metrics port at ``/metrics``.
 
-The per-model metrics are not counted a second time on the request path: a
+The per-model metrics (Triton core's ``MetricModelReporter``,
+src/metric_model_reporter.cc; the server-wide ones are its ``Metrics``, src/metrics.cc)
+are not counted a second time on the request path: a
 :class:`ModelMetricsCollector` reads each loaded version's
 :class:`~trionserve.observability.statistics.ModelStatistics` (the same counters the
 statistics extension reports) when Prometheus scrapes, so the two never disagree.

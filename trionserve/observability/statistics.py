@@ -1,6 +1,7 @@
 """Per-model-version inference statistics, as Triton's statistics extension reports them.
 
-One :class:`ModelStatistics` per loaded model version counts what happened to its
+One :class:`ModelStatistics` per loaded model version (Triton core's
+``InferenceStatsAggregator``, src/infer_stats.cc) counts what happened to its
 requests and batches. The runtime records into it (the executor after each batch,
 the schedulers when they reject, time out or drop a request); readers take the
 plain counters: the statistics endpoints through :meth:`ModelStatistics.as_json`,
