@@ -49,14 +49,18 @@ def stop(server: ServerProcess) -> None:
         server.close()
 
 
-def events(server: ServerProcess, event: str, **match) -> list[dict]:
+def events(server: ServerProcess, event: str | None, **match) -> list[dict]:
+    """The server's log records of ``event`` (any event: None) matching ``match``, in
+    log order."""
     found = []
     for line in server.output().splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if record.get("event") == event and all(record.get(k) == v for k, v in match.items()):
+        if event in (None, record.get("event")) and all(
+            record.get(k) == v for k, v in match.items()
+        ):
             found.append(record)
     return found
 
@@ -320,15 +324,16 @@ def test_explicit_reload_under_steady_load_has_no_failed_request(explicit, expli
 
 
 def test_unload_waits_for_in_flight_requests(explicit, explicit_client):
+    """The unload ends (the version becomes UNAVAILABLE) only after the request in
+    flight has its answer. The order is the server's log order: the two answers
+    reach the test's threads in either order once both are sent."""
     client = explicit_client
     client.load_model("slow")
     seen = len(events(explicit, "infer request", model="slow"))
-    finished: list[str] = []
     result: dict[str, float] = {}
 
     def run() -> None:
         result["out"] = slow_infer(explicit.http_url, "slow", 400_000)
-        finished.append("request")
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -337,10 +342,14 @@ def test_unload_waits_for_in_flight_requests(explicit, explicit_client):
         "the request to reach the server",
     )
     client.unload_model("slow")
-    finished.append("unload")
     thread.join(30)
     assert result["out"] == 400_000.0
-    assert finished == ["request", "unload"]
+    order = [
+        (record["event"], record.get("to"))
+        for record in events(explicit, None, model="slow")
+        if record["event"] == "infer response" or record.get("to") == "UNAVAILABLE"
+    ]
+    assert order[-2:] == [("infer response", None), ("model state", "UNAVAILABLE")], order
     assert not client.is_model_ready("slow")
 
 

@@ -22,6 +22,7 @@ from trionserve.observability.trace.settings import (
     parse_trace_config,
     settings_from_json,
 )
+from trionserve.observability.trace.trace_file import TraceFileWriter
 
 ORDER = (
     "REQUEST_START",
@@ -388,3 +389,22 @@ async def test_tensors_level_records_inputs_and_outputs():
     ]
     assert objects[0] == {"id": trace.id, "model_name": "m", "model_version": 1, "request_id": "t"}
     assert not any("timestamps" in o for o in objects)  # TENSORS alone: no timestamps
+
+
+async def test_a_writer_behind_keeps_the_main_trace_file_whole(tmp_path):
+    """More chunks than the writer's queue holds, before it takes any: the rest are
+    written in place while the queued ones wait. The file is closed after every
+    chunk is written (a close written in place would have ended the file before the
+    queued chunks reopened it and truncated it)."""
+    path = tmp_path / "trace.json"
+    writer = TraceFileWriter()
+    file = writer.file(str(path))
+    chunks = 600  # the queue holds 256
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer.run)
+        for index in range(chunks):
+            writer.write(file, json.dumps({"id": index}), indexed=False)
+        await writer.aclose()
+        nursery.cancel_scope.cancel()
+    objects = json.loads(path.read_text())
+    assert sorted(o["id"] for o in objects) == list(range(chunks))

@@ -18,6 +18,7 @@ indexed files; later chunks are appended to the main file.
 from __future__ import annotations
 
 import json
+import threading
 from typing import TextIO
 
 import numpy as np
@@ -149,31 +150,35 @@ class TraceFile:
 
     The main file is opened at its first write (``[`` then traces, ``,`` between
     writes) and closed with ``]`` at shutdown, as Triton does. Its methods run in
-    the writer's worker thread, one at a time, in submission order.
+    the writer's worker thread in submission order, or on the Trio thread when the
+    writer is behind (a chunk written in place): a lock keeps them one at a time.
     """
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.next_index = 0  # taken on the Trio thread when a chunk is queued
         self._handle: TextIO | None = None
+        self._lock = threading.Lock()
 
     def write_indexed(self, path: str, text: str) -> None:
-        with open(path, "w") as f:
+        with self._lock, open(path, "w") as f:
             f.write("[" + text + "]")
 
     def append(self, text: str) -> None:
-        if self._handle is None:
-            self._handle = open(self.name, "w")
-            self._handle.write("[" + text)
-        else:
-            self._handle.write("," + text)
-        self._handle.flush()
+        with self._lock:
+            if self._handle is None:
+                self._handle = open(self.name, "w")
+                self._handle.write("[" + text)
+            else:
+                self._handle.write("," + text)
+            self._handle.flush()
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.write("]")
-            self._handle.close()
-            self._handle = None
+        with self._lock:
+            if self._handle is not None:
+                self._handle.write("]")
+                self._handle.close()
+                self._handle = None
 
 
 def _run_write(function, args) -> None:
@@ -269,9 +274,17 @@ class TraceFileWriter:
             self._done.set()
 
     async def aclose(self) -> None:
-        """Close every trace file (after what is queued), then stop the task."""
-        for file in self._files.values():
-            self._submit(file.close)
+        """Stop the task once what is queued is written, then close every trace file.
+
+        The files are closed after the task has ended, not through its queue: a close
+        written in place while queued chunks wait (the writer behind) would end a file
+        that those chunks then reopen and truncate.
+        """
         if self._send is not None:
             self._send.close()
             await self._done.wait()
+        await trio.to_thread.run_sync(self._close_files)
+
+    def _close_files(self) -> None:
+        for file in self._files.values():
+            _run_write(file.close, ())
