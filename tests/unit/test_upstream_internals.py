@@ -15,10 +15,12 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.frame_buffer
+import h2.stream
 import hpack
 import numpy as np
 import pytest
 from google.protobuf.internal import api_implementation, builder
+from h2.stream import StreamState
 from hyperframe import frame as hyperframe_frame
 
 from trionserve.protocol.grpc import upstream
@@ -26,13 +28,11 @@ from trionserve.protocol.grpc import upstream
 HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
 
-def test_hyperframe_data_repr_is_replaced_with_the_same_text():
-    assert hasattr(hyperframe_frame, "_raw_data_repr")
-    assert hyperframe_frame.DataFrame._body_repr is upstream._data_frame_repr
-    frame = hyperframe_frame.DataFrame(1, data=bytes(range(200)))
-    expected = hyperframe_frame._raw_data_repr(frame.data)
-    assert upstream._data_frame_repr(frame) == expected
-    assert expected in repr(frame)
+def test_hyperframe_frame_repr_is_replaced():
+    assert hyperframe_frame.Frame.__repr__ is upstream._frame_repr
+    assert repr(hyperframe_frame.DataFrame(5, data=bytes(200))) == "DataFrame(stream_id=5)"
+    # h2 still formats each received frame (what the short repr is for).
+    assert "repr(frame)" in inspect.getsource(h2.connection.H2Connection._receive_frame)
 
 
 def test_hpack_header_table_attributes():
@@ -101,10 +101,10 @@ def test_cached_header_blocks_decode_to_the_headers():
     assert hpack.Decoder().decode(block, raw=True) == HEADERS
 
 
-def _connections():
+def _connections(constant=(HEADERS,)):
     """An h2 server and client, past the preface and settings exchange."""
     config = h2.config.H2Configuration(client_side=False, header_encoding=None)
-    server = upstream.H2Connection([HEADERS], config)
+    server = upstream.H2Connection(constant, config)
     client = h2.connection.H2Connection(
         h2.config.H2Configuration(client_side=True, header_encoding=None)
     )
@@ -126,6 +126,51 @@ def test_h2_private_send_path_still_exists():
     assert "self._data_to_send" in source
     # send_data serializes through _prepare_for_sending (our hook sees every frame).
     assert "_prepare_for_sending" in inspect.getsource(h2.connection.H2Connection.send_data)
+
+
+TRAILERS = [(b"grpc-status", b"0")]
+
+
+def test_constant_headers_go_out_as_h2_sends_them():
+    """Response headers and trailers of the constant lists, made once as frames,
+    reach the client as h2's own would and move both sides' state machines alike."""
+    for constant in ((HEADERS, TRAILERS), ()):  # made once, and h2's own path
+        server, client = _connections(constant)
+        assert (server.encoder.constant_block(HEADERS) is None) == (not constant)
+        server.send_headers(1, HEADERS)
+        server.send_data(1, b"\x00\x00\x00\x00\x00")
+        server.send_headers(1, TRAILERS, end_stream=True)
+        events = client.receive_data(b"".join(bytes(b) for b in server.buffers_to_send()))
+        kinds = [type(e).__name__ for e in events]
+        assert kinds == ["ResponseReceived", "DataReceived", "TrailersReceived", "StreamEnded"]
+        assert list(events[0].headers) == HEADERS and list(events[2].headers) == TRAILERS
+        # The client has not ended its side: the server's is closed, as h2 closes it.
+        assert server.streams[1].state_machine.state is StreamState.HALF_CLOSED_LOCAL
+        with pytest.raises(h2.exceptions.ProtocolError):  # refused as h2 refuses it
+            server.send_headers(1, HEADERS)
+
+
+def test_constant_headers_wait_for_a_table_size_update():
+    server, client = _connections()
+    server.encoder.header_table_size = 1024  # an update must go out with the next block
+    assert server.encoder.constant_block(HEADERS) is None
+    server.send_headers(1, HEADERS, end_stream=True)  # h2's own path
+    events = client.receive_data(b"".join(bytes(b) for b in server.buffers_to_send()))
+    assert list(events[0].headers) == HEADERS
+
+
+def test_h2_state_machine_inputs_still_exist():
+    assert h2.connection.ConnectionInputs.SEND_HEADERS
+    assert h2.stream.StreamInputs.SEND_HEADERS and h2.stream.StreamInputs.SEND_END_STREAM
+    server, _ = _connections()
+    assert isinstance(server.streams, dict)
+    assert callable(server.state_machine.process_input)
+    assert callable(server.streams[1].state_machine.process_input)
+    # h2's send_headers gives the state machines these inputs, in this order.
+    source = inspect.getsource(h2.stream.H2Stream.send_headers)
+    assert source.index("StreamInputs.SEND_HEADERS") < source.index("StreamInputs.SEND_END_STREAM")
+    source = inspect.getsource(h2.connection.H2Connection.send_headers)
+    assert "ConnectionInputs.SEND_HEADERS" in source
 
 
 def test_payload_views_go_out_as_h2_would_write_them():

@@ -8,6 +8,7 @@ connections to drain, is :mod:`trionserve.protocol.grpc.transport`'s.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -354,8 +355,11 @@ class Connection:
         # first), longest idle first; and an event set (and replaced) when this
         # one turns idle or busy.
         self._idle = idle if idle is not None else {}
-        self._idle_changed = trio.Event()
+        # The idle timeout's scope: its deadline is set as the connection turns
+        # idle and lifted as it turns busy, so a call wakes no task for it.
+        self._idle_scope: trio.CancelScope | None = None
         self._quiet = False  # closed while idle: no linger
+        self._idle_timeout = math.inf if options.idle_timeout is None else options.idle_timeout
 
     # -- the actor ---------------------------------------------------------------
 
@@ -370,7 +374,7 @@ class Connection:
                     nursery.start_soon(self._keepalive)
                 nursery.start_soon(self._first_call_deadline)
                 if self.options.idle_timeout is not None:
-                    nursery.start_soon(self._idle_deadline, self.options.idle_timeout)
+                    nursery.start_soon(self._idle_deadline)
                 await self._read_loop()
                 if not self._closing:
                     nursery.cancel_scope.cancel()
@@ -541,7 +545,8 @@ class Connection:
         self.calls[stream_id] = call
         if len(self.calls) == 1:  # busy again
             self._idle.pop(self, None)
-            self._changed_idle()
+            if self._idle_scope is not None:
+                self._idle_scope.deadline = math.inf
         assert self._nursery is not None
         self._nursery.start_soon(self._run_call, call, method.handler)
 
@@ -704,7 +709,8 @@ class Connection:
             self.calls.pop(call._stream_id, None)
             if not self.calls and not self._closing:  # idle
                 self._idle[self] = None
-                self._changed_idle()
+                if self._idle_scope is not None:
+                    self._idle_scope.deadline = trio.current_time() + self._idle_timeout
             self._held_back.discard(call)
             call._taken.clear()
             if call._working_bytes:
@@ -887,25 +893,18 @@ class Connection:
         )
         self._cancel()
 
-    def _changed_idle(self) -> None:
-        self._idle_changed.set()
-        self._idle_changed = trio.Event()
-
-    async def _idle_deadline(self, timeout: float) -> None:
-        """Close the connection once it has had no call in flight for ``timeout``
-        seconds (before its first call, the first-call timeout applies)."""
+    async def _idle_deadline(self) -> None:
+        """Close the connection once it has had no call in flight for the idle
+        timeout (before its first call, the first-call timeout applies)."""
         await self._first_call.wait()
-        while True:
-            changed = self._idle_changed
-            if self.calls:
-                await changed.wait()
-                continue
-            with trio.move_on_after(timeout):
-                await changed.wait()
-                continue
-            log.info("grpc connection idle for the idle timeout; closing", peer=self.peer)
-            self.close_idle()
-            return
+        with trio.CancelScope() as scope:
+            if not self.calls:
+                scope.deadline = trio.current_time() + self._idle_timeout
+            self._idle_scope = scope
+            await trio.sleep_forever()
+        self._idle_scope = None
+        log.info("grpc connection idle for the idle timeout; closing", peer=self.peer)
+        self.close_idle()
 
     def close_idle(self) -> None:
         """Close the connection, which has no call in flight: GOAWAY, then the
