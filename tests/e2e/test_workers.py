@@ -84,6 +84,8 @@ def _listening_ports(pid: int) -> set[int]:
             inodes.add(target[len("socket:[") : -1])
     ports = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):  # a kernel without IPv6
+            continue
         with open(table) as rows:
             next(rows)
             for row in rows:
