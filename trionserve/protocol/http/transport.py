@@ -131,6 +131,9 @@ class HttpServerOptions:
     # How long a closing connection waits for the client to close its side, so
     # that unread request bytes do not turn our close into a reset.
     linger: float = 1.0
+    # The body of the transport's own error answers (413, 408, ...) from status and
+    # message; None: {"error": message}. The OpenAI frontend gives OpenAI's shape.
+    error_body: Callable[[int, str], bytes] | None = None
 
 
 class _ProtocolError(Exception):
@@ -829,7 +832,11 @@ class _Connection:
         if self._answered:
             return
         self._answered = True
-        body = json.dumps({"error": message}, separators=(",", ":")).encode()
+        shape = self.server.options.error_body
+        if shape is not None:
+            body = shape(status, message)
+        else:
+            body = json.dumps({"error": message}, separators=(",", ":")).encode()
         head = self.server.response_head(
             status, [_JSON, (b"content-length", b"%d" % len(body)), _CLOSE]
         )
