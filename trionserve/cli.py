@@ -26,6 +26,7 @@ from trionserve.observability.metrics import MetricsOptions, parse_metrics_confi
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
 from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.protocol.openai.frontend import OpenAIOptions, parse_restricted_apis
 from trionserve.protocol.restricted import (
     GRPC_HEADER_PREFIX,
     RestrictedCategory,
@@ -324,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_grpc_flags(add)
     _add_grpc_ssl_flags(add)
     _add_metrics_flags(add)
+    _add_openai_flags(add)
     _add_trace_flags(add)
     add(
         "--allow-client-shm",
@@ -694,6 +696,88 @@ def _add_metrics_flags(add) -> None:
     )
 
 
+def _add_openai_flags(add) -> None:
+    """The OpenAI-compatible API's flags (Triton's python/openai/openai_frontend/main.py)."""
+    add(
+        "--openai-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve the OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, ...) on PORT; 0: any free port (default: not served)",
+    )
+    add(
+        "--openai-address",
+        metavar="ADDRESS",
+        help="address the OpenAI-compatible API listens on (default: --http-address)",
+    )
+    add(
+        "--openai-api-key",
+        metavar="KEY",
+        help="every /v1 endpoint requires the header 'Authorization: Bearer KEY' (401 "
+        "without it); OpenAI clients send it from their api_key",
+    )
+    add(
+        "--openai-restricted-api",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("APIs", "KEY", "VALUE"),
+        help="requests to these APIs (inference, model-repository, metrics, health; "
+        "comma-separated) must carry the header KEY with VALUE, else 401 (repeatable)",
+    )
+    add(
+        "--openai-tokenizer",
+        type=Path,
+        metavar="DIR",
+        help="a folder of Hugging Face tokenizer files whose chat template serves the "
+        "models without one in their own folder (read from disk only)",
+    )
+    add(
+        "--openai-chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a Jinja chat template used for every model instead of its tokenizer's",
+    )
+    add(
+        "--openai-default-max-tokens",
+        type=_positive_int,
+        default=16,
+        metavar="N",
+        help="max_tokens of a request that sets none (default 16, as Triton)",
+    )
+    add(
+        "--openai-backend",
+        choices=["vllm", "tensorrtllm"],
+        default=None,
+        help="the request format (input names) of every model, instead of the one its "
+        "backend implies",
+    )
+
+
+def _openai_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> OpenAIOptions:
+    if args.openai_port is not None and args.workers > 1:
+        parser.error("--openai-port cannot be combined with --workers yet")
+    try:
+        restricted = parse_restricted_apis(args.openai_restricted_api)
+    except ValueError as exc:
+        parser.error(f"--openai-restricted-api: {exc}")
+    for flag, path in (
+        ("--openai-tokenizer", args.openai_tokenizer),
+        ("--openai-chat-template", args.openai_chat_template),
+    ):
+        if path is not None and not path.exists():
+            parser.error(f"{flag}: '{path}' does not exist")
+    return OpenAIOptions(
+        tokenizer=args.openai_tokenizer,
+        chat_template=args.openai_chat_template,
+        default_max_tokens=args.openai_default_max_tokens,
+        backend=args.openai_backend,
+        api_key=args.openai_api_key,
+        restricted_apis=restricted,
+    )
+
+
 def _add_trace_flags(add) -> None:
     """tritonserver's trace flags: --trace-config and the deprecated --trace-*."""
     add(
@@ -866,6 +950,9 @@ def _parse(argv: list[str] | None) -> tuple[ServerOptions, argparse.Namespace]:
         metrics_port=args.metrics_port,
         metrics_address=args.metrics_address,
         metrics=_metrics_options(parser, args),
+        openai_port=args.openai_port,
+        openai_address=args.openai_address,
+        openai=_openai_options(parser, args),
         trace=trace,
         model_load_thread_count=args.model_load_thread_count,
         rate_limit=RateLimitMode(args.rate_limit),

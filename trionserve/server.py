@@ -30,7 +30,7 @@ import socket
 import sys
 import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -51,6 +51,7 @@ from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.settings import TraceConfig
 from trionserve.protocol.grpc.service import GrpcOptions, serve_grpc
 from trionserve.protocol.http.frontend import HttpOptions, serve_http
+from trionserve.protocol.openai.frontend import OpenAIOptions, error_body, serve_openai
 from trionserve.repository.repository import ModelRepository
 
 log = structlog.get_logger(__name__)
@@ -58,7 +59,7 @@ log = structlog.get_logger(__name__)
 # When the drain ends late (or the exit timeout cut it short), the frontends still
 # get this long to send their last answers, GOAWAYs and closes.
 CLOSE_GRACE_SECS = 1.0
-_START_ORDER = {"GRPC": 0, "HTTP": 1, "Metrics": 2}
+_START_ORDER = {"GRPC": 0, "HTTP": 1, "Metrics": 2, "OpenAI": 3}
 
 
 @dataclass
@@ -95,6 +96,11 @@ class ServerOptions:
     # None: --http-address when HTTP is served, else 0.0.0.0 (as Triton).
     metrics_address: str | None = None
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    # The OpenAI-compatible API (--openai-port; None: not served), on
+    # --openai-address (None: --http-address), with the HTTP port's limits.
+    openai_port: int | None = None
+    openai_address: str | None = None
+    openai: OpenAIOptions = field(default_factory=OpenAIOptions)
     trace: TraceConfig = field(default_factory=TraceConfig)
     model_load_thread_count: int = 4
     # --rate-limit and --rate-limit-resource (see actors/rate_limiter.py)
@@ -318,6 +324,7 @@ class Server:
                     "HTTP": self.attach_http,
                     "GRPC": self.attach_grpc,
                     "Metrics": self.attach_metrics,
+                    "OpenAI": self.attach_openai,
                 }
                 for service, address, port, flag, _ in ports:
                     try:
@@ -379,6 +386,16 @@ class Server:
                     options.grpc_port,
                     "--grpc-port",
                     options.grpc.reuse_port,
+                )
+            )
+        if options.openai_port is not None:
+            ports.append(
+                (
+                    "OpenAI",
+                    options.openai_address or options.http_address,
+                    options.openai_port,
+                    "--openai-port",
+                    options.http.reuse_port,
                 )
             )
         return ports
@@ -455,6 +472,27 @@ class Server:
             self.options.log_verbose > 0,
         )
         log.debug("GRPC service started", listening=binds)
+        return binds
+
+    async def attach_openai(
+        self, address: str, port: int, options: OpenAIOptions | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve the OpenAI-compatible API from the running core (as
+        :meth:`attach_http`), with the HTTP port's limits and its errors in
+        OpenAI's shape."""
+        transport = replace(self.options.http.transport_options(), error_body=error_body)
+        binds = await self._frontend_nursery("OpenAI").start(
+            serve_openai,
+            self.dataplane,
+            address,
+            port,
+            self._close_frontends,
+            self.options.exit_timeout_secs,
+            options if options is not None else self.options.openai,
+            transport,
+            self.options.metrics,
+        )
+        log.debug("OpenAI service started", listening=binds)
         return binds
 
     async def attach_metrics(

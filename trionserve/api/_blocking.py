@@ -46,6 +46,7 @@ from trionserve.api._values import (
 from trionserve.core.errors import as_triton_error
 from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.protocol.openai.frontend import OpenAIOptions
 from trionserve.server import Server as Core
 from trionserve.server import ServerOptions
 
@@ -388,6 +389,13 @@ class Server:
     def attach_metrics(self, address: str = "127.0.0.1", port: int = 8002) -> list[tuple[str, int]]:
         loop = self._require_started()
         return loop.run(loop.server.attach_metrics, address, port)
+
+    def attach_openai(
+        self, address: str = "127.0.0.1", port: int = 9000, options: OpenAIOptions | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve the OpenAI-compatible API from this core (port 0: a free one)."""
+        loop = self._require_started()
+        return loop.run(loop.server.attach_openai, address, port, options)
 
 
 def _stopper(server_ref: weakref.ref) -> Callable[[], None]:

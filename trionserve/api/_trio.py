@@ -49,6 +49,7 @@ from trionserve.observability.metrics import CpuMetricsCollector, build_metrics_
 from trionserve.observability.statistics import statistics_json
 from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.protocol.http.frontend import HttpFrontend, HttpOptions
+from trionserve.protocol.openai.frontend import OpenAIOptions
 from trionserve.repository.config import model_config_to_json
 from trionserve.server import Server, ServerOptions
 
@@ -218,6 +219,12 @@ class AsyncServer:
     ) -> list[tuple[str, int]]:
         """Serve Prometheus ``/metrics`` for this core (as :meth:`attach_http`)."""
         return await self.core.attach_metrics(address, port)
+
+    async def attach_openai(
+        self, address: str = "127.0.0.1", port: int = 9000, options: OpenAIOptions | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve the OpenAI-compatible API for this core (as :meth:`attach_http`)."""
+        return await self.core.attach_openai(address, port, options)
 
     async def http_request(
         self,
