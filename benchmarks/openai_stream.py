@@ -193,7 +193,9 @@ def main() -> None:
         direct_round(model, args.max_tokens)
         common = {"max_tokens": args.max_tokens, "temperature": 0.0}
         openai_body = {"model": "tiny_llm", "prompt": PROMPT, "stream": True, **common}
-        generate_body = {"text_input": PROMPT, "stream": True, **common}
+        # The inputs the OpenAI frontend sends (the token counts for usage included).
+        counts = {"return_num_input_tokens": True, "return_num_output_tokens": True}
+        generate_body = {"text_input": PROMPT, "stream": True, **common, **counts}
         runs: dict[str, list] = {"direct": [], "generate_stream": [], "openai": [], "client": []}
         cpu = 0.0
         for _ in range(args.rounds):

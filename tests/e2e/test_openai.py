@@ -342,7 +342,25 @@ def test_embeddings(client):
         client.embeddings.create(model="tiny_llm", input="a")
 
 
-# -- streams: cancellation and concurrency ----------------------------------------------
+# -- streams: errors, cancellation and concurrency -------------------------------------
+
+
+def test_a_model_error_is_the_answer(client, server):
+    """Before the stream: the error with its status; after it began: one error
+    event, then [DONE] (every request gets exactly one outcome)."""
+    with pytest.raises(openai.InternalServerError, match="An Error Occurred"):
+        client.completions.create(model="mock_llm", prompt="fail! now", max_tokens=2)
+    payload = {"model": "mock_llm", "prompt": "fail! now", "max_tokens": 2, "stream": True}
+    status, body = _post(server, "/v1/completions", payload)
+    events = [event for event in body.decode().split("\n\n") if event]
+    assert status == 200 and len(events) == 3, events
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "fail!"
+    error = json.loads(events[1][6:])["error"]
+    assert error["message"] == "An Error Occurred" and error["type"] == "server_error"
+    assert events[2] == "data: [DONE]"
+    with pytest.raises(openai.APIError, match="An Error Occurred"):
+        for _ in client.completions.create(**payload):
+            pass
 
 
 def test_a_client_that_hangs_up_cancels_its_stream(client, server):

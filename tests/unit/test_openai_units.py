@@ -149,3 +149,16 @@ def test_restricted_api_settings():
         parse_restricted_apis([["shm", "k", "v"]])
     with pytest.raises(ValueError, match="can not be specified in multiple config groups"):
         parse_restricted_apis([["metrics", "k", "v"], ["metrics", "k2", "v"]])
+
+
+@pytest.mark.parametrize("text", ["x", "", 'a"b\n%s\u00e9\x00', "100%"])
+@pytest.mark.parametrize("final", [False, True])
+def test_stream_events_from_templates_are_the_encoded_chunks(text, final):
+    answer = engine.Answer('odd%"model')
+    reason = "stop" if final else None
+
+    def event(payload: dict) -> bytes:
+        return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+    assert answer.completion_event(text, final) == event(answer.completion(text, reason, None))
+    assert answer.chat_event(text, final) == event(answer.chat_chunk({"content": text}, reason))

@@ -336,6 +336,10 @@ def check_responses(count: int, last_final: bool) -> None:
         )
 
 
+# Stands for a chunk's text while its event template is made.
+_SENTINEL = "\x00text\x00"
+
+
 class Answer:
     """The identity of one answer: its id, creation time and model name, shared by
     the object or by every chunk of its stream."""
@@ -344,12 +348,39 @@ class Answer:
         self.id = f"{prefix}-{uuid.uuid1()}"
         self.created = int(time.time())
         self.model = model
+        self._templates: dict[tuple[str, bool], bytes] = {}
 
     def completion(
         self, text: str, finish_reason: str | None, usage: dict | None, chunk: bool = False
     ) -> dict[str, Any]:
         choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
         return self._object("text_completion", choices, usage, chunk)
+
+    def completion_event(self, text: str, final: bool) -> bytes:
+        """One streamed completion chunk as a server-sent event: the same bytes as
+        ``completion(text, ...)`` would encode, from a template made once per answer
+        (a stream writes one per token)."""
+        return self._template("completion", final) % json.dumps(text).encode()
+
+    def chat_event(self, text: str, final: bool) -> bytes:
+        """One streamed chat content delta as a server-sent event (as
+        :meth:`completion_event`)."""
+        return self._template("chat", final) % json.dumps(text).encode()
+
+    def _template(self, kind: str, final: bool) -> bytes:
+        key = (kind, final)
+        template = self._templates.get(key)
+        if template is None:
+            reason = "stop" if final else None
+            if kind == "chat":
+                payload = self.chat_chunk({"content": _SENTINEL}, reason)
+            else:
+                payload = self.completion(_SENTINEL, reason, None, chunk=True)
+            encoded = json.dumps(payload, separators=(",", ":")).encode().replace(b"%", b"%%")
+            template = self._templates[key] = (
+                b"data: " + encoded.replace(json.dumps(_SENTINEL).encode(), b"%s") + b"\n\n"
+            )
+        return template
 
     def completion_usage(self, usage: dict) -> dict[str, Any]:
         return self._object("text_completion", [], usage, True)

@@ -398,7 +398,7 @@ class _Events:
     def opening(self) -> list[bytes]:
         return []
 
-    def chunk(self, text: str, final: bool) -> dict:
+    def chunk(self, text: str, final: bool) -> bytes:
         raise NotImplementedError
 
     def usage_chunk(self, usage: dict) -> dict:
@@ -416,7 +416,7 @@ class _Events:
                 response, final = pair
                 if self.include_usage:
                     self.usage.update(response)
-                yield _event(self.chunk(engine.output_text(response), final))
+                yield self.chunk(engine.output_text(response), final)
                 pair = None if final else await anext(stream, None)
             usage = self.usage.final() if self.include_usage else None
             if usage is not None:
@@ -438,8 +438,8 @@ class _CompletionEvents(_Events):
     """``text_completion`` chunks: one per response, ``finish_reason`` on the final
     one (``_streaming_completion_iterator``)."""
 
-    def chunk(self, text: str, final: bool) -> dict:
-        return self.answer.completion(text, "stop" if final else None, None, chunk=True)
+    def chunk(self, text: str, final: bool) -> bytes:
+        return self.answer.completion_event(text, final)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self.answer.completion_usage(usage)
@@ -452,8 +452,8 @@ class _ChatEvents(_Events):
     def opening(self) -> list[bytes]:
         return [_event(self.answer.chat_chunk({"role": "assistant", "content": ""}))]
 
-    def chunk(self, text: str, final: bool) -> dict:
-        return self.answer.chat_chunk({"content": text}, "stop" if final else None)
+    def chunk(self, text: str, final: bool) -> bytes:
+        return self.answer.chat_event(text, final)
 
     def usage_chunk(self, usage: dict) -> dict:
         return self.answer.chat_usage(usage)

@@ -12,6 +12,9 @@
   in the text when the prompt has ``"sampling?"`` in it.
 - ``embedding_request`` (vLLM's JSON): the embedding is
   ``[words, characters, dimensions]`` of its input.
+- A prompt with ``fail!`` in it: the answer's first word (streaming), then the
+  error "An Error Occurred" as the final response (as Triton's mock_llm's
+  ``FAIL_LAST``).
 - A request cancelled mid-stream stops; the counter ``mock_llm_cancelled``
   counts them.
 """
@@ -92,8 +95,16 @@ class TritonPythonModel:
             _value(request, "return_num_output_tokens", False)
         )
         n_in = len(words) if counts else None
+        failure = pb_utils.InferenceResponse(error=pb_utils.TritonError("An Error Occurred"))
         if not _value(request, "stream", False):
+            if "fail!" in prompt:
+                sender.send(failure, flags=final)
+                return
             sender.send(_response(" ".join(answer), n_in, len(answer)), flags=final)
+            return
+        if "fail!" in prompt:
+            sender.send(_response(answer[0], n_in, 1))
+            sender.send(failure, flags=final)
             return
         for index, word in enumerate(answer):
             if sender.is_cancelled():
