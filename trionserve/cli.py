@@ -26,6 +26,7 @@ from trionserve.observability.metrics import MetricsOptions, parse_metrics_confi
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
 from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.protocol.openai.chat import ChatTemplates
 from trionserve.protocol.openai.frontend import OpenAIOptions, parse_restricted_apis
 from trionserve.protocol.restricted import (
     GRPC_HEADER_PREFIX,
@@ -768,6 +769,10 @@ def _openai_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     ):
         if path is not None and not path.exists():
             parser.error(f"{flag}: '{path}' does not exist")
+    try:  # read and compiled now, so that a bad one stops the start with one line
+        ChatTemplates(args.openai_tokenizer, args.openai_chat_template)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     return OpenAIOptions(
         tokenizer=args.openai_tokenizer,
         chat_template=args.openai_chat_template,

@@ -162,3 +162,46 @@ def test_stream_events_from_templates_are_the_encoded_chunks(text, final):
 
     assert answer.completion_event(text, final) == event(answer.completion(text, reason, None))
     assert answer.chat_event(text, final) == event(answer.chat_chunk({"content": text}, reason))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--openai-restricted-api", "shm", "k", "v"], "--openai-restricted-api: Unknown API"),
+        (["--openai-port=9000", "--workers=2"], "--openai-port cannot be combined with"),
+        (["--openai-tokenizer=/nonexistent"], "--openai-tokenizer: '/nonexistent' does not"),
+        (["--openai-tokenizer={tmp}"], "no chat template in it"),
+        (["--openai-chat-template={tmp}/bad.jinja"], "the chat template does not compile"),
+    ],
+)
+def test_openai_flags_refused_at_start(tmp_path, capsys, flags, message):
+    from trionserve.cli import _parse
+
+    (tmp_path / "bad.jinja").write_text("{% for %}")
+    argv = [f"--model-repository={tmp_path}", *(f.format(tmp=tmp_path) for f in flags)]
+    with pytest.raises(SystemExit):
+        _parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_openai_flags_make_the_options(tmp_path):
+    from trionserve.cli import _parse
+
+    options, _ = _parse(
+        [
+            f"--model-repository={tmp_path}",
+            "--openai-port=0",
+            "--openai-api-key=k",
+            f"--openai-tokenizer={TINY}",
+            "--openai-default-max-tokens=5",
+            "--openai-backend=vllm",
+            "--openai-restricted-api",
+            "inference",
+            "X-Key",
+            "v",
+        ]
+    )
+    assert (options.openai_port, options.openai_address) == (0, None)
+    assert options.openai.api_key == "k" and options.openai.tokenizer == TINY
+    assert (options.openai.default_max_tokens, options.openai.backend) == (5, "vllm")
+    assert options.openai.restricted_apis == {"inference": ("x-key", "v")}

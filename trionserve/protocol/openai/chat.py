@@ -154,7 +154,8 @@ class ChatTemplates:
 
     ``tokenizer`` (``--openai-tokenizer``): a folder of tokenizer files for models
     without their own; ``chat_template`` (``--openai-chat-template``): a Jinja
-    file that replaces every tokenizer's template.
+    file that replaces every tokenizer's template. Raises ValueError (or OSError)
+    for a folder without a template or a template that does not compile.
     """
 
     def __init__(self, tokenizer: Path | None = None, chat_template: Path | None = None) -> None:
@@ -166,6 +167,7 @@ class ChatTemplates:
         self._override: str | None = None
         if chat_template is not None:
             self._override = chat_template.read_text(encoding="utf-8")
+            compile_template(self._override, {})  # a template that does not compile fails now
         self._cache: dict[tuple[str, int], Template] = {}
 
     def for_model(self, model_dir: Path | None, version: int) -> Template:
