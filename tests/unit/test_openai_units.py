@@ -205,3 +205,53 @@ def test_openai_flags_make_the_options(tmp_path):
     assert options.openai.api_key == "k" and options.openai.tokenizer == TINY
     assert (options.openai.default_max_tokens, options.openai.backend) == (5, "vllm")
     assert options.openai.restricted_apis == {"inference": ("x-key", "v")}
+
+
+# Triton's frontend tests: test_completions.py / test_chat_completions.py
+# *_invalid_sampling_parameters, each a 422.
+INVALID_SAMPLING = [
+    ("temperature", 2.1),
+    ("temperature", -0.1),
+    ("max_tokens", -1),
+    ("top_p", 1.1),
+    ("frequency_penalty", 3),
+    ("frequency_penalty", -3),
+    ("presence_penalty", 2.1),
+    ("presence_penalty", -2.1),
+    ("min_tokens", -1),
+    ("ignore_eos", 123),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), [*INVALID_SAMPLING, ("max_completion_tokens", -1)])
+def test_invalid_sampling_values_are_422(field, value):
+    messages = [{"role": "user", "content": "hi"}]
+    bodies = [{"model": "m", "messages": messages, field: value}]
+    if field != "max_completion_tokens":
+        bodies.append({"model": "m", "prompt": "p", field: value})
+    for body in bodies:
+        parse = schemas.parse_chat if "messages" in body else schemas.parse_completion
+        with pytest.raises(OpenAIError) as caught:
+            parse(json.dumps(body).encode())
+        assert caught.value.status == 422 and caught.value.param == field
+
+
+@pytest.mark.parametrize(
+    ("messages", "message"),
+    [
+        ([], "List should have at least 1 item after validation, not 0"),
+        ([{}], "'messages[0]'.role: expected one of"),
+        ([{"role": "user"}], "'messages[0]'.content: Field required"),
+    ],
+)
+def test_chat_messages_outside_the_schema(messages, message):
+    with pytest.raises(OpenAIError) as caught:
+        schemas.parse_chat(json.dumps({"model": "m", "messages": messages}).encode())
+    assert caught.value.status == 422 and message in caught.value.message
+
+
+def test_vllm_extensions_reach_the_sampling_parameters():
+    target = engine.Target("llm", VLLM, "vllm", 16)
+    request = engine.generate_request(target, "hi", completion(min_tokens=2, ignore_eos=True))
+    sampling = json.loads(request.inputs["sampling_parameters"].data[0])
+    assert (sampling["min_tokens"], sampling["ignore_eos"]) == (2, True)

@@ -147,6 +147,9 @@ def generate_request(
             sampling["seed"] = request.seed
         if request.stop is not None:
             sampling["stop"] = request.stop
+        for name in ("min_tokens", "ignore_eos"):
+            if getattr(request, name) is not None:
+                sampling[name] = getattr(request, name)
         sampling["max_tokens"] = max_tokens
         inputs.add("sampling_parameters", json.dumps(sampling), asked=False)
         echo_input = target.echo_input

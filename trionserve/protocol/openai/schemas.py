@@ -176,6 +176,9 @@ class Sampling:
     seed: int | None = None
     n: int | None = None
     logit_bias: dict | None = None
+    # vLLM's extensions of the schema (sampling_parameters only)
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
     # Fields a request set, by name (Triton's ``model_fields_set``).
     given: set[str] = field(default_factory=set)
 
@@ -196,8 +199,8 @@ def _sampling(fields: _Fields, target: Sampling) -> None:
     if logit_bias is not None and not isinstance(logit_bias, dict):
         raise unprocessable("'logit_bias': expected an object", "logit_bias")
     target.logit_bias = logit_bias
-    fields.integer("min_tokens", 0)
-    fields.boolean("ignore_eos")
+    target.min_tokens = fields.integer("min_tokens", 0)
+    target.ignore_eos = fields.boolean("ignore_eos")
     fields.string("user")
     target.given = {name for name in fields.doc if fields.doc[name] is not None}
 
@@ -276,6 +279,10 @@ def parse_chat(body: bytes | bytearray | memoryview) -> ChatRequest:
     messages = fields.required("messages")
     if not isinstance(messages, list):
         raise unprocessable("'messages': expected a list of messages", "messages")
+    if not messages:
+        raise unprocessable(
+            "'messages': List should have at least 1 item after validation, not 0", "messages"
+        )
     request.messages = [_message(index, message) for index, message in enumerate(messages)]
     request.max_completion_tokens = fields.integer("max_completion_tokens", 0)
     request.logprobs = fields.boolean("logprobs")
