@@ -54,6 +54,19 @@ INLINE_BUDGET_NS = 150_000
 # Triton's default when auto-complete finds a model that can batch.
 DEFAULT_MAX_BATCH_SIZE = 4
 
+# ONNX Runtime session config keys a model config may set as parameters, and the
+# value each has when it does not. ONNX Runtime's own default is "1": an idle pool
+# thread spins on a core between (and within) runs. In a server those cores are the
+# ones its event loop, its frontends and other instances need: on 2 cores the
+# spinning doubled the CPU per inference of the small CNN and halved its served
+# rate at c=1 (benchmarks/README.md, served_vs_direct), so threads that wait here
+# sleep. Triton's backend leaves ONNX Runtime's default (src/onnxruntime.cc,
+# ModelState::CreateSession sets no spinning entry); set "1" to get it back.
+SESSION_CONFIG_DEFAULTS = {
+    "session.intra_op.allow_spinning": "0",
+    "session.inter_op.allow_spinning": "0",
+}
+
 
 def _ort():
     import onnxruntime
@@ -156,6 +169,14 @@ class OnnxModel:
             options.intra_op_num_threads = int(intra)
         if inter:
             options.inter_op_num_threads = int(inter)
+        for key, default in SESSION_CONFIG_DEFAULTS.items():
+            value = _config_parameter(config, key)
+            if value not in (None, "0", "1"):
+                raise InvalidArgument(
+                    f"model '{self.context.name}' parameter '{key}' must be \"0\" or \"1\", "
+                    f'got "{value}"'
+                )
+            options.add_session_config_entry(key, value or default)
         providers = execution_providers(config, spec, ort.get_available_providers())
         session = ort.InferenceSession(str(self.path), options, providers=providers)
         validate_session(config, self.context.name, session)
