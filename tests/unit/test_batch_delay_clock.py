@@ -10,12 +10,14 @@ stay well under a millisecond, and no batch may leave before its delay.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
 import trio
 
 from tests.unit import test_batcher, test_sequence
+from trionserve.schedulers import dynamic_batch, timer
 from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
 from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
 from trionserve.schedulers.sequence_state import load_sequence_states
@@ -83,3 +85,38 @@ def test_sequence_batcher_waits_its_delay_in_microseconds(tmp_path):
     waits = trio.run(main)
     assert min(waits) >= DELAY_US, waits
     assert statistics.median(waits) < MEDIAN_LIMIT_US, sorted(waits)
+
+
+def test_the_batchers_own_deadline_is_a_fallback_behind_the_wake_up(monkeypatch):
+    """At the instant of its deadline Trio cancels the wait before the timer's task
+    can wake the batcher, and a cancellation (Cancelled raised through the
+    batcher's task) costs the event loop far more than the wake-up: so each wait
+    for a delay is bounded by Trio only ``FALLBACK_SLACK`` after the delay, and the
+    delays are still kept (the timer ends them)."""
+    margins: list[float] = []
+    move_on_at = trio.move_on_at
+
+    def recorded(deadline: float) -> trio.CancelScope:
+        margins.append(deadline - trio.current_time())
+        return move_on_at(deadline)
+
+    monkeypatch.setattr(dynamic_batch.trio, "move_on_at", recorded)
+    config = test_batcher.make_config(f"max_queue_delay_microseconds: {DELAY_US}")
+
+    async def main() -> list[float]:
+        scheduler = DynamicBatchScheduler(config)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            waits = await _measure(
+                scheduler, scheduler.outlet(), lambda i: test_batcher.request(str(i))
+            )
+            nursery.cancel_scope.cancel()
+        return waits
+
+    waits = trio.run(main)
+    assert min(waits) >= DELAY_US, waits
+    assert statistics.median(waits) < MEDIAN_LIMIT_US, sorted(waits)
+    timed = [margin for margin in margins if margin != math.inf]
+    assert len(timed) >= TRIALS  # each trial waited for its delay
+    # (wake time - now) + FALLBACK_SLACK; the wake time may have just passed.
+    assert min(timed) > timer.FALLBACK_SLACK / 2, timed

@@ -259,8 +259,7 @@ class DynamicBatchScheduler:
                 if wake_at is None:
                     break
                 self._wakeup = trio.Event()
-                timer.arm(wake_at)
-                with trio.move_on_at(wake_at):
+                with trio.move_on_at(timer.arm(wake_at)):
                     await self._wakeup.wait()
             nursery.cancel_scope.cancel()
 

@@ -9,11 +9,19 @@ batcher's next deadline; its task waits for the descriptor to become readable,
 which ends the ``epoll_wait`` at that instant, and wakes the batcher. Nothing spins:
 an idle batcher has no timer armed.
 
+The batcher still bounds its wait with ``trio.move_on_at``, at the deadline
+:meth:`PreciseWakeup.arm` returns. With the ``timerfd`` armed that deadline is a
+fallback, ``FALLBACK_SLACK`` later: at the very instant of the timer, Trio would
+look at its own deadlines first (before it runs the timer's task) and cancel the
+wait, and a cancellation (``Cancelled`` raised through the batcher's task and
+caught) cost the event loop a tenth of its time with one request at a time in
+flight (benchmarks/README.md, served_vs_direct).
+
 On a virtual clock (``trio.testing.MockClock``: the simulations, the unit tests)
 and where no ``timerfd`` exists, the wake-up does nothing and the batcher's own
-``trio.move_on_at`` on Trio's clock is the only timer, so virtual time stays exact
-and a seed replays a run. An early or spurious wake-up is harmless: the batcher
-looks at the clock again and goes back to waiting.
+``trio.move_on_at`` at the deadline itself is the only timer, so virtual time
+stays exact and a seed replays a run. An early or spurious wake-up is harmless:
+the batcher looks at the clock again and goes back to waiting.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import trio
 import trio.testing
 
 _CLOCK_MONOTONIC = 1
+# How much later than the timerfd Trio's own deadline for the same wait falls.
+FALLBACK_SLACK = 0.05
 _TFD_NONBLOCK = os.O_NONBLOCK
 _TFD_CLOEXEC = os.O_CLOEXEC
 
@@ -104,16 +114,21 @@ class PreciseWakeup:
             trio.lowlevel.notify_closing(fd)
             os.close(fd)
 
-    def arm(self, deadline: float) -> None:
-        """Wake at ``deadline`` (Trio's clock); ``math.inf`` disarms."""
-        if self._fd < 0 or deadline == self._armed:
-            return
+    def arm(self, deadline: float) -> float:
+        """Wake at ``deadline`` (Trio's clock); ``math.inf`` disarms. Returns the
+        deadline for the caller's own ``trio.move_on_at`` around its wait:
+        ``deadline`` itself where this wake-up does nothing, else a fallback
+        ``FALLBACK_SLACK`` later."""
+        if self._fd < 0:
+            return deadline
+        if deadline == self._armed:
+            return deadline + FALLBACK_SLACK
         self._armed = deadline
         if deadline == math.inf:
             seconds, nanoseconds = 0, 0  # an all-zero it_value disarms the timer
         else:
             # At least 1 ns: zero would disarm the timer instead of firing it.
-            delay_ns = max(int((deadline - trio.current_time()) * 1e9), 1)
+            delay_ns = max(math.ceil((deadline - trio.current_time()) * 1e9), 1)
             seconds, nanoseconds = divmod(delay_ns, 1_000_000_000)
         spec = self._spec
         spec.it_value.tv_sec = seconds
@@ -122,3 +137,4 @@ class PreciseWakeup:
         if _TIMERFD[1](self._fd, 0, ctypes.byref(spec), None) != 0:
             error = ctypes.get_errno() or errno.EINVAL
             raise OSError(error, f"timerfd_settime: {os.strerror(error)}")
+        return deadline + FALLBACK_SLACK
