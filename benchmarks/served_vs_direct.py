@@ -3,7 +3,7 @@
 Usage:
     python -m benchmarks.served_vs_direct [--duration 3] [--warmup 1] [--rounds 1]
         [--concurrency 1,8] [--paths http,grpc,shm,inproc] [--models cnn_onnx,cnn_torch]
-        [--client-processes N] [--gpu auto|off]
+        [--delay-us 500[,0]] [--client-processes N] [--gpu auto|off]
 
 One run, one table. The models are generated at run time into a temporary
 repository:
@@ -12,7 +12,10 @@ repository:
   602 KB a request: Conv 3->32 3x3 + ReLU, Conv 32->32 3x3 stride 2 + ReLU, global
   average pool, MatMul to 1000), as ONNX (written with the ``onnx`` helper) served by
   the ONNX Runtime backend and as TorchScript served by the PyTorch backend (where
-  torch is installed). One instance, ``dynamic_batching`` with a 500 us delay.
+  torch is installed). One instance, ``dynamic_batching`` with a 500 us delay
+  (``--delay-us``; each further delay adds the same model as ``<model>_d<delay>``,
+  so ``--delay-us 500,0`` shows what the delay costs a lone request, which waits
+  it out in full as in Triton's dynamic batcher).
 - on a GPU (lazily; skipped without one): ``resnet50_torch`` (TorchScript, needs
   torchvision; random weights) and ``resnet50_onnx`` on ONNX Runtime's CUDA
   provider (needs onnxruntime-gpu), one KIND_GPU instance, max batch 16, 100 us
@@ -46,12 +49,13 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -201,8 +205,13 @@ def has_gpu() -> bool:
         return False
 
 
-def build_repository(root: Path, wanted: list[str], gpu: bool, log) -> list[ModelSpec]:
-    """Write the wanted models that this machine can run; log why others are left out."""
+def build_repository(
+    root: Path, wanted: list[str], gpu: bool, log, cpu_delays: Sequence[int] = (500,)
+) -> list[ModelSpec]:
+    """Write the wanted models that this machine can run; log why others are left out.
+
+    The CPU models get the first of ``cpu_delays`` as their batch delay (us); each
+    further delay adds a copy named ``<model>_d<delay>``."""
     specs: list[ModelSpec] = []
 
     def add(spec: ModelSpec, write: Callable[[Path], None], delay_us: int) -> None:
@@ -217,14 +226,22 @@ def build_repository(root: Path, wanted: list[str], gpu: bool, log) -> list[Mode
             return
         (directory / "config.pbtxt").write_text(_config(spec, delay_us))
         specs.append(spec)
+        # The same model at the other delays asked for, e.g. cnn_onnx_d0.
+        for other in cpu_delays[1:] if not spec.gpu else ():
+            variant = replace(spec, name=f"{spec.name}_d{other}")
+            shutil.copytree(directory / "1", root / variant.name / "1")
+            (root / variant.name / "config.pbtxt").write_text(_config(variant, other))
+            specs.append(variant)
 
     add(
-        ModelSpec("cnn_onnx", "onnxruntime", "model.onnx", "INPUT0", "OUTPUT0"), write_cnn_onnx, 500
+        ModelSpec("cnn_onnx", "onnxruntime", "model.onnx", "INPUT0", "OUTPUT0"),
+        write_cnn_onnx,
+        cpu_delays[0],
     )
     add(
         ModelSpec("cnn_torch", "torch", "model.pt", "INPUT__0", "OUTPUT__0"),
         write_cnn_torchscript,
-        500,
+        cpu_delays[0],
     )
     if not gpu:
         gpu_models = [n for n in wanted if n.startswith("resnet50")]
@@ -570,6 +587,12 @@ def main() -> None:
         default="cnn_onnx,cnn_torch,resnet50_torch,resnet50_onnx",
         help="models (the resnet50 ones run on a GPU only)",
     )
+    parser.add_argument(
+        "--delay-us",
+        default="500",
+        help="the CPU models' max_queue_delay_microseconds, comma-separated: each delay "
+        "after the first adds <model>_d<delay> (e.g. 500,0)",
+    )
     parser.add_argument("--client-processes", type=int, default=None)
     parser.add_argument("--gpu", choices=("auto", "off"), default="auto")
     parser.add_argument(
@@ -588,7 +611,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="svd-")))
         repository = root / "models"
-        specs = build_repository(repository, args.models.split(","), gpu, log)
+        delays = [int(d) for d in args.delay_us.split(",")]
+        specs = build_repository(repository, args.models.split(","), gpu, log, delays)
         if not specs:
             raise SystemExit("no model to run")
         flags = shlex.split(args.server_flags)
