@@ -175,6 +175,20 @@ def test_streamed_completion_is_the_answer_in_pieces(client):
     assert len(chunks) > 10 and "".join(chunks) == whole
 
 
+def test_completion_stream_usage_chunk(client):
+    """test_completion_streaming_usage_option: one more chunk, with empty choices
+    and the usage of the same request not streamed."""
+    args = dict(model="mock_llm", prompt="a b c", max_tokens=4)
+    whole = client.completions.create(**args)
+    plain = list(client.completions.create(**args, stream=True))
+    counted = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    assert len(counted) == len(plain) + 1 and all(c.usage is None for c in counted[:-1])
+    assert counted[-1].choices == [] and counted[-1].usage == whole.usage
+    assert counted[-1].usage.completion_tokens == 4
+
+
 @pytest.mark.parametrize("stop", ["c", ["zz", "c"]])
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_words_reach_the_model(client, stop, stream):
