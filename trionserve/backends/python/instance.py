@@ -377,7 +377,7 @@ class PythonInstance:
         if entry is None:
             return
         entry.request.on_cancel(None)
-        if self._stub is not None:
+        if entry.blocks and self._stub is not None:
             self._stub.endpoint.arena.free(entry.blocks)
 
     def _forward_cancel(self, key: int) -> None:

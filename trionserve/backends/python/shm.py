@@ -27,10 +27,18 @@ from trionserve.core.bytes_tensor import read_bytes_elements, serialize_bytes_te
 from trionserve.core.datatypes import BY_WIRE
 
 ALIGNMENT = 64
+# Tensors of at most this many bytes travel in the control message itself: no
+# block to allocate, copy into, announce as released and free again, on either
+# side, for the bytes of a small request (an in-process model showed what that
+# bookkeeping costs per call).
+INLINE_MAX_BYTES = 1024
+# Segment ids of references without a block: no bytes, and bytes in the reference.
+EMPTY, INLINE = -1, -2
 # (segment id, offset, size): an allocated block.
 Block = tuple[int, int, int]
-# (name, wire datatype, shape, segment id, offset, nbytes); segment -1 for 0 bytes.
-TensorRef = tuple[str, str, tuple[int, ...], int, int, int]
+# (name, wire datatype, shape, segment id, offset, nbytes); segment EMPTY for 0
+# bytes; segment INLINE: offset 0 and the bytes themselves in place of nbytes.
+TensorRef = tuple[str, str, tuple[int, ...], int, int, "int | bytes"]
 
 
 def _memfd(size: int) -> int:
@@ -138,7 +146,8 @@ class Arena:
         return [(s.id, s.size) for s in new], [s.fd for s in new]
 
     def write(self, name: str, datatype: str, array: np.ndarray) -> tuple[TensorRef, Block | None]:
-        """Copy one tensor into a new block; returns its reference and the block."""
+        """Copy one tensor into a new block; returns its reference and the block
+        (None for a tensor of no bytes or one small enough to go inline)."""
         if datatype == "BYTES":
             payload = serialize_bytes_tensor(array)
             nbytes = len(payload)
@@ -147,7 +156,10 @@ class Arena:
             nbytes = array.nbytes
         shape = array.shape  # a tuple of ints, as marshal takes it
         if nbytes == 0:
-            return (name, datatype, shape, -1, 0, 0), None
+            return (name, datatype, shape, EMPTY, 0, 0), None
+        if nbytes <= INLINE_MAX_BYTES:
+            data = payload if payload is not None else array.tobytes()
+            return (name, datatype, shape, INLINE, 0, data), None
         block = self.allocate(nbytes)
         segment_id, offset, _ = block
         buffer = self._segments[segment_id].map
@@ -185,8 +197,18 @@ class ArenaView:
         """The tensor a reference names: a view into shared memory, or a copy."""
         _, datatype, shape, segment_id, offset, nbytes = ref
         dtype = BY_WIRE[datatype].numpy
+        if segment_id == INLINE:
+            assert isinstance(nbytes, bytes)
+            if datatype == "BYTES":
+                count = int(np.prod(shape, dtype=np.int64))
+                return read_bytes_elements(
+                    nbytes, 0, len(nbytes), count, f"tensor '{ref[0]}'"
+                ).reshape(shape)
+            # Writable, as a view into shared memory is (a model may write its inputs).
+            return np.frombuffer(bytearray(nbytes), dtype).reshape(shape)
         if nbytes == 0:
             return np.empty(shape, dtype=dtype)
+        assert isinstance(nbytes, int)
         buffer = self._maps[segment_id]
         if datatype == "BYTES":
             raw = memoryview(buffer)[offset : offset + nbytes]
@@ -212,6 +234,7 @@ class ArenaView:
 def block_of(ref: TensorRef) -> Block | None:
     """The block a reference occupies, as the writer allocated it."""
     _, _, _, segment_id, offset, nbytes = ref
-    if nbytes == 0:
+    if segment_id < 0:
         return None
+    assert isinstance(nbytes, int)
     return segment_id, offset, -(-nbytes // ALIGNMENT) * ALIGNMENT

@@ -74,11 +74,12 @@ class Endpoint:
     # -- outgoing -----------------------------------------------------------------
 
     def release(self, blocks) -> None:
+        blocks = [block for block in blocks if block is not None]
+        if not blocks:
+            return  # small tensors: they came inline, nothing to give back
         with self._lock:
-            for block in blocks:
-                if block is not None:
-                    self._released.append(block)
-                    self._released_bytes += block[2]
+            self._released.extend(blocks)
+            self._released_bytes += sum(block[2] for block in blocks)
 
     def should_flush(self) -> bool:
         return self._released_bytes >= self._flush_bytes or len(self._released) >= 256
