@@ -17,6 +17,11 @@ one, so the next batch's gather and copy overlap the current batch's compute. An
 executor gives such a thread at most two batches at once (one computing, one
 being staged), so the overlap is bounded.
 
+Jobs reach the thread through a deque and an eventfd "doorbell" rung only when
+the thread sleeps: ringing and sleeping release the GIL during their system call,
+so the Trio thread never holds the GIL while the kernel wakes the instance's
+thread (which would then wait for it).
+
 An instance whose own code must run on one thread from start to end (an
 in-process Python model: ``initialize``, every ``execute``, ``finalize``) also
 hands the thread plain calls with :meth:`InstanceThread.call`, from a worker
@@ -25,9 +30,10 @@ thread, between its jobs.
 
 from __future__ import annotations
 
-import queue
+import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -86,6 +92,34 @@ class Job:
 _STOP = None
 
 
+class _Doorbell:
+    """One thread sleeps until another rings, neither holding the GIL meanwhile
+    (an eventfd; a pipe where there is none)."""
+
+    def __init__(self) -> None:
+        if hasattr(os, "eventfd"):
+            self._read = self._write = os.eventfd(0)
+        else:  # pragma: no cover - not Linux
+            self._read, self._write = os.pipe()
+
+    def ring(self) -> None:
+        if self._read == self._write:
+            os.eventfd_write(self._write, 1)
+        else:  # pragma: no cover - not Linux
+            os.write(self._write, b"\0")
+
+    def wait(self) -> None:
+        if self._read == self._write:
+            os.eventfd_read(self._read)
+        else:  # pragma: no cover - not Linux
+            os.read(self._read, 64)
+
+    def close(self) -> None:
+        os.close(self._read)
+        if self._write != self._read:  # pragma: no cover - not Linux
+            os.close(self._write)
+
+
 class Abandoned(RuntimeError):
     """A job the thread skipped: the executor stopped before the batch ran."""
 
@@ -106,7 +140,15 @@ class InstanceThread:
         self._staged = instance if isinstance(instance, StagedBackendInstance) else None
         self._overlaps = bool(self._staged is not None and self._staged.overlaps)
         self._timed = instance if isinstance(instance, TimedBackendInstance) else None
-        self._jobs: queue.SimpleQueue[Job | Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: deque[Job | Callable[[], None] | None] = deque()
+        # The thread sleeps in a read of an eventfd when it has nothing to do, and
+        # ``_put`` wakes it with a write. Both release the GIL during the system
+        # call: a wake-up through a lock (queue.SimpleQueue) holds the GIL on the
+        # Trio thread while the kernel wakes the other thread, which then waits
+        # for that GIL (most of an in-process Python model's hand-off, measured
+        # with py-spy --gil).
+        self._wake = _Doorbell()
+        self._sleeping = False
         self._token: trio.lowlevel.TrioToken | None = None
         self._abandoned = False
         self._thread: threading.Thread | None = None
@@ -131,7 +173,7 @@ class InstanceThread:
             except BaseException as exc:
                 future.set_exception(exc)
 
-        self._jobs.put(run)
+        self._put(run)
         return future.result(timeout)
 
     def join(self, timeout: float | None = None) -> bool:
@@ -142,7 +184,7 @@ class InstanceThread:
         return not self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+        self._put(job)
 
     async def wait(self, job: Job) -> None:
         await job.done.wait()
@@ -151,7 +193,28 @@ class InstanceThread:
         self._abandoned = True
 
     def stop(self) -> None:
-        self._jobs.put(_STOP)
+        self._put(_STOP)
+
+    def _put(self, item: Job | Callable[[], None] | None) -> None:
+        self._jobs.append(item)
+        # The thread says it sleeps before it looks at the jobs a last time, and
+        # this looks after appending: one of the two sees the other (the GIL
+        # orders them), so a job never waits for a wake-up that does not come.
+        if self._sleeping:
+            self._sleeping = False
+            self._wake.ring()
+
+    def _next(self) -> Job | Callable[[], None] | None:
+        """The next job, sleeping until there is one."""
+        jobs = self._jobs
+        while True:
+            if jobs:
+                return jobs.popleft()
+            self._sleeping = True
+            if jobs:
+                self._sleeping = False
+                continue
+            self._wake.wait()  # a stale ring only makes it look again
 
     def span(self, job: Job) -> tuple[float, float]:
         """The job's start and end on Trio's clock (the thread reads perf_counter)."""
@@ -163,14 +226,15 @@ class InstanceThread:
     def _work(self) -> None:
         launched: Job | None = None  # computing on the device, not finished
         while True:
-            if launched is not None and not (self._overlaps and not self._jobs.empty()):
+            if launched is not None and not (self._overlaps and self._jobs):
                 self._finish(launched)
                 launched = None
                 continue
-            job = self._jobs.get()
+            job = self._next()
             if job is _STOP:
                 if launched is not None:
                     self._finish(launched)
+                self._wake.close()  # nothing rings it any more: it does not sleep again
                 return
             if not isinstance(job, Job):
                 job()  # a call (see call): after the batches before it
