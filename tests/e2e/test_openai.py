@@ -440,3 +440,68 @@ def test_attached_to_an_in_process_server_with_model_control(tmp_path):
             unloaded = local.post("/models/other/unload", cast_to=object, body={})
             assert unloaded == {"status": "success", "model": "other"}
             assert [m.id for m in local.models.list()] == ["mock_llm"]
+
+
+async def test_a_stream_in_flight_finishes_through_the_drain(tmp_path):
+    """The drain contract on the OpenAI port: after shutdown() a stream in flight
+    goes on to its [DONE] while a new request is refused with 503 in OpenAI's
+    shape; then the server exits 0."""
+    import trio
+
+    from trionserve.server import Server, ServerOptions
+
+    shutil.copytree(MODELS / "mock_llm", tmp_path / "mock_slow")
+    config = tmp_path / "mock_slow" / "config.pbtxt"
+    config.write_text(config.read_text().replace('string_value: "0"', 'string_value: "0.02"'))
+    port = free_port()
+    server = Server(
+        ServerOptions(
+            model_repositories=[tmp_path],
+            allow_http=False,
+            allow_grpc=False,
+            allow_metrics=False,
+            openai_port=port,
+            openai_address="127.0.0.1",
+            exit_timeout_secs=20.0,
+            handle_signals=False,
+        )
+    )
+    started = trio.Event()
+    body = json.dumps(
+        {"model": "mock_slow", "prompt": "a b c", "max_tokens": 25, "stream": True}
+    ).encode()
+
+    def stream(first_chunk) -> bytes:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        data = response.read1()
+        trio.from_thread.run_sync(first_chunk.set)
+        while chunk := response.read1():
+            data += chunk
+        connection.close()
+        return data
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        results = []
+
+        async def client():
+            results.append(await trio.to_thread.run_sync(stream, started))
+
+        nursery.start_soon(client)
+        await started.wait()
+        server.shutdown()
+        status, refused = await trio.to_thread.run_sync(
+            lambda: _request(_Port(port), "POST", "/v1/completions", body)
+        )
+        assert status == 503
+        assert json.loads(refused)["error"]["message"].startswith("server is shutting down")
+    events = [event for event in results[0].decode().split("\n\n") if event]
+    assert events[-1] == "data: [DONE]" and len(events) == 27  # 25 words, the final, DONE
+    assert server.exit_code == 0
+
+
+class _Port:
+    def __init__(self, port: int) -> None:
+        self.openai_port = port
