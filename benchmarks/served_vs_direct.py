@@ -34,6 +34,12 @@ For each model and concurrency C, in turn and rotated each round:
 - ``inproc``: ``trionserve.api.Server`` inside a process of its own, C threads
   calling ``model.infer``.
 
+After the rounds at a concurrency C, ``direct bN`` runs the model directly at each
+batch size N the server formed there (its mean batch, rounded) that is not C: a
+closed loop of C clients on one instance forms smaller batches than C (while one
+batch computes, the other clients' requests wait for the next), so ``x formed``
+compares each served row with the framework at the batch the server ran.
+
 Reported per row: infer/s and its ratio to ``direct`` at the same C, p50/p99 of a
 request (of a batch-C call for ``direct``), the batch the server formed (its
 statistics: inferences / executions), the statistics extension's mean phases per
@@ -517,6 +523,7 @@ class Row:
     phases: list[dict[str, float]] = field(default_factory=list)
     gpu: list[float] = field(default_factory=list)
     first_error: str = ""
+    direct_batch: int = 0  # a direct row's batch (0: its concurrency)
 
     def add(self, result: LoadResult, cpu: float) -> None:
         self.requests += result.requests
@@ -544,24 +551,34 @@ def _mean(values: list[float]) -> float:
 
 def format_table(rows: list[Row]) -> str:
     head = (
-        "| model | c | path | infer/s | x direct | p50 ms | p99 ms | batch | queue us "
+        "| model | c | path | infer/s | x direct | x formed | p50 ms | p99 ms | batch | queue us "
         "| input us | infer us | output us | CPU ms/inf | GPU % |"
     )
-    lines = [head, "|" + " --- |" * 3 + " ---: |" * 11]
+    lines = [head, "|" + " --- |" * 3 + " ---: |" * 12]
     direct = {(r.model, r.concurrency): r.rate for r in rows if r.path == "direct"}
+    direct_at = {
+        (r.model, r.concurrency, r.direct_batch or r.concurrency): r.rate
+        for r in rows
+        if r.path.startswith("direct")
+    }
     for r in rows:
+        is_direct = r.path.startswith("direct")
         reference = direct.get((r.model, r.concurrency), 0.0)
-        ratio = f"{r.rate / reference:.2f}x" if reference and r.path != "direct" else ""
+        ratio = f"{r.rate / reference:.2f}x" if reference and not is_direct else ""
         cpu = r.cpu / r.requests * 1000 if r.requests else float("nan")
         phases = {p: _mean([ph[p] for ph in r.phases]) for p in PHASES}
-        batch = float(r.concurrency) if r.path == "direct" else _mean(r.batches)
+        batch = float(r.direct_batch or r.concurrency) if is_direct else _mean(r.batches)
+        formed = 0.0
+        if not is_direct and batch == batch:
+            formed = direct_at.get((r.model, r.concurrency, max(1, round(batch))), 0.0)
+        ratio_formed = f"{r.rate / formed:.2f}x" if formed else ""
 
         def fmt(value: float, spec: str = ".0f") -> str:
             return "-" if value != value else format(value, spec)
 
         gpu = fmt(_mean(r.gpu)) if r.gpu else "-"
         lines.append(
-            f"| {r.model} | {r.concurrency} | {r.path} | {r.rate:,.0f} | {ratio} "
+            f"| {r.model} | {r.concurrency} | {r.path} | {r.rate:,.0f} | {ratio} | {ratio_formed} "
             f"| {r.percentile(50):.2f} | {r.percentile(99):.2f} | {fmt(batch, '.1f')} "
             + " ".join(f"| {fmt(phases[p])}" for p in PHASES)
             + f" | {cpu:.2f} | {gpu} |"
@@ -660,6 +677,26 @@ def main() -> None:
                             f"{row.rate:9.1f} infer/s  errors {row.errors}"
                             + (f" ({row.first_error[:120]})" if row.first_error else "")
                         )
+                # Direct at the batch sizes the server formed, when they differ
+                # from C (after the served points, which tell what they are).
+                formed = {
+                    max(1, round(_mean(row.batches)))
+                    for (name, c, path), row in rows.items()
+                    if name == spec.name and c == concurrency and row.batches
+                    if _mean(row.batches) == _mean(row.batches)
+                }
+                for batch in sorted(formed - {concurrency}):
+                    path = f"direct b{batch}"
+                    row = rows.setdefault(
+                        (spec.name, concurrency, path),
+                        Row(spec.name, concurrency, path, direct_batch=batch),
+                    )
+                    for _ in range(args.rounds):
+                        _point(
+                            row, spec, "direct", runner, target, pool, inproc_pool, inproc_port,
+                            repository, sampler, args,
+                        )  # fmt: skip
+                    log(f"  {spec.name:<15} c={concurrency:<3} {path:<9} {row.rate:9.1f} infer/s")
     print()
     print(format_table(list(rows.values())))
 
@@ -676,7 +713,9 @@ def _point(row, spec, path, runner, target, pool, inproc_pool, inproc_port, repo
             daemon=True,
         )
         watcher.start()
-        result, cpu = run_direct(runner, concurrency, args.duration, args.warmup)
+        result, cpu = run_direct(
+            runner, row.direct_batch or concurrency, args.duration, args.warmup
+        )
         watcher.join()
         row.add(result, cpu)
         if gpu_box and gpu_box[0] is not None:

@@ -10,7 +10,9 @@ from benchmarks.served_vs_direct import (
     CLASSES,
     IMAGE,
     ModelSpec,
+    Row,
     direct_runner,
+    format_table,
     stats_delta,
     write_cnn_onnx,
     write_cnn_torchscript,
@@ -56,3 +58,17 @@ def test_stats_delta_is_mean_batch_and_us_per_request():
     assert batch == 4.0  # 12 inferences in 3 executions
     assert phases["queue"] == 5.0  # 60 us over 12 requests
     assert phases["compute_infer"] == 0.0
+
+
+def test_served_rows_are_compared_with_direct_at_the_batch_the_server_formed():
+    direct = Row("cnn_onnx", 8, "direct", requests=800, seconds=8.0)
+    direct_b4 = Row("cnn_onnx", 8, "direct b4", requests=1600, seconds=8.0, direct_batch=4)
+    http = Row("cnn_onnx", 8, "http", requests=1200, seconds=8.0, batches=[3.9, 4.2])
+    lines = format_table([direct, direct_b4, http]).splitlines()
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
+    assert [row[:6] for row in cells] == [
+        ["cnn_onnx", "8", "direct", "100", "", ""],
+        ["cnn_onnx", "8", "direct b4", "200", "", ""],
+        ["cnn_onnx", "8", "http", "150", "1.50x", "0.75x"],
+    ]
+    assert cells[1][8] == "4.0"  # a direct row's batch is its own
