@@ -86,7 +86,7 @@ async def test_stream_budget_bounds_requests_in_flight_by_response_bytes():
     import trio
     import trio.testing
 
-    from trionserve.protocol.grpc.service import StreamBudget
+    from trionserve.protocol.grpc.streams import StreamBudget
 
     budget = StreamBudget(count_limit=100, byte_limit=1000)
     admitted = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -234,7 +234,9 @@ def _param_value(key: str, param: pb.InferParameter) -> tuple[str, Any]:
     return kind, getattr(param, kind)
 
 
-def _apply_request_parameters(request: InferenceRequest, params) -> None:
+def _apply_request_parameters(
+    request: InferenceRequest, params: Mapping[str, pb.InferParameter]
+) -> None:
     custom = request.parameters
     for key, param in params.items():
         kind, value = _param_value(key, param)
@@ -278,12 +280,12 @@ def _unsigned_parameter(key: str, kind: str, value: Any) -> int:
     return value
 
 
-def _parameter_dict(params) -> dict[str, Any]:
+def _parameter_dict(params: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
     return {key: _param_value(key, param)[1] for key, param in params.items()}
 
 
 def _shared_memory_params(
-    params, what: str, shared_memory: SharedMemory | None
+    params: Mapping[str, pb.InferParameter], what: str, shared_memory: SharedMemory | None
 ) -> tuple[SharedMemory, str, int, int] | None:
     """The regions to use and the (region, offset, byte_size) a tensor names, or None
     if it names none."""
@@ -383,7 +385,7 @@ def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: Wire) -> np.nd
 
 
 def _contents_to_array(
-    name: str, model: str, dt: DataType, shape: list[int], contents
+    name: str, model: str, dt: DataType, shape: list[int], contents: pb.InferTensorContents
 ) -> np.ndarray:
     wire = dt.wire
     field = _CONTENTS_FIELD.get(wire)
@@ -424,7 +426,10 @@ def _contents_to_array(
     return np.asarray(values, dtype=dt.numpy).reshape(shape)
 
 
-def _decode_outputs(outputs, shared_memory: SharedMemory | None) -> list[RequestedOutput]:
+def _decode_outputs(
+    outputs: Iterable[pb.ModelInferRequest.InferRequestedOutputTensor],
+    shared_memory: SharedMemory | None,
+) -> list[RequestedOutput]:
     requested: list[RequestedOutput] = []
     seen: set[str] = set()
     for spec in outputs:

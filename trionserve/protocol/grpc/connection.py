@@ -1,17 +1,19 @@
-"""One HTTP/2 client connection carrying gRPC calls: the h2 state machine on Trio.
+"""One HTTP/2 client connection carrying gRPC calls: the Trio loop around h2.
 
-:class:`Connection` owns the h2 state machine and every call on the connection;
-:class:`GrpcCall` is what a method handler sees of one call. Framing of messages
-and statuses is :mod:`trionserve.protocol.grpc.framing`'s; listening, and telling
-connections to drain, is :mod:`trionserve.protocol.grpc.transport`'s.
+:class:`Connection` reads the socket into h2, turns h2's events into the calls'
+events (:mod:`~trionserve.protocol.grpc.state`: each call's and the connection's
+state machine), applies the flow-control windows its buffer decides
+(:mod:`~trionserve.protocol.grpc.flow`), runs a task per call and writes what h2
+queues. What a handler sees of a call is :mod:`~trionserve.protocol.grpc.call`'s;
+framing of messages and statuses is :mod:`~trionserve.protocol.grpc.framing`'s;
+listening, and telling connections to drain, is
+:mod:`~trionserve.protocol.grpc.transport`'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import h2.config
@@ -26,13 +28,22 @@ from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import upstream
-from trionserve.protocol.grpc.framing import ACCEPT_ENCODING, ENCODINGS, status_headers
-from trionserve.protocol.grpc.status import (
-    GRPCError,
-    Status,
-    decode_metadata,
-    decode_timeout,
+from trionserve.protocol.grpc.call import JOIN_LIMIT, GrpcCall, Method
+from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
+from trionserve.protocol.grpc.framing import ACCEPT_ENCODING, status_headers
+from trionserve.protocol.grpc.options import TransportOptions
+from trionserve.protocol.grpc.request import HttpRefusal, read_request_head
+from trionserve.protocol.grpc.state import (
+    ConnectionState,
+    ConnEvent,
+    Request,
+    RequestEvent,
+    Response,
+    ResponseEvent,
 )
+from trionserve.protocol.grpc.status import GRPCError, Status
+
+__all__ = ["Connection", "GrpcCall", "Method", "TransportOptions"]
 
 log = structlog.get_logger(__name__)
 
@@ -51,249 +62,8 @@ _CUT_MESSAGE = (
     "(--exit-timeout-secs)"
 )
 _KEEPALIVE_PING = b"keepaliv"
-# Messages up to this size go out as one joined DATA payload; larger ones are
-# written chunk by chunk from memoryviews, without joining.
-_JOIN_LIMIT = 64 * 1024
-# Compressed messages up to this size are inflated on the event loop.
-_INLINE_DECOMPRESS = 16 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Method:
-    """A handler and whether its client sends a stream of messages."""
-
-    handler: Callable[[GrpcCall], Awaitable[None]]
-    client_streaming: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TransportOptions:
-    """HTTP/2 and gRPC settings of the transport."""
-
-    # Largest request message accepted (after decompression); None: the most
-    # the 32-bit length prefix can say.
-    max_message_size: int | None = 64 * 1024 * 1024
-    # Our HTTP/2 receive windows (connection and each stream), in bytes, at most
-    # max_connection_buffer. A 4 MB message goes in without waiting for a window
-    # update; tritonclient (grpc-core) advertises 4 MiB windows and frames itself.
-    window_size: int = 16 * 1024 * 1024
-    # Largest DATA frame the client may send: large frames mean fewer frames for
-    # h2 to parse, each copied once (upstream.FrameBuffer).
-    max_frame_size: int = 1024 * 1024
-    max_concurrent_streams: int = 1024
-    # Bytes one connection may hold for its calls: request messages not taken
-    # yet (whole or partial), messages its handlers took and have not answered
-    # (decoded, queued or executing), and responses waiting for the client's
-    # flow-control window. A handler takes a message only while the answered-not
-    # bytes and the waiting responses leave room for it (one is always taken
-    # when the connection has none). Past the limit the client gets no more
-    # window, connection window included, so it sends nothing more; only the
-    # oldest unfinished message may go on (so it completes and no call waits on
-    # another), and when nothing of the connection's would drain by itself the
-    # connection window is given back for it.
-    max_connection_buffer: int = 256 * 1024 * 1024
-    # Server keepalive: ping after this long (seconds; None: never), close the
-    # connection when the ack takes longer than keepalive_timeout.
-    keepalive_time: float | None = 7200.0
-    keepalive_timeout: float = 20.0
-    keepalive_permit_without_calls: bool = False
-    # zlib level for gzip-compressed responses to clients that accept gzip; None:
-    # responses are not compressed.
-    response_compression_level: int | None = None
-    # How long a closing connection waits for the client to close its side, and a
-    # draining one for the ack of its first GOAWAY's ping.
-    linger: float = 1.0
-    # Seconds a TLS client gets to complete its handshake.
-    handshake_timeout: float = 10.0
-    # Connections served at once; past it a new one is closed at once. None: no cap.
-    max_connections: int | None = 1024
-    # Seconds a new connection gets to send its first call's headers; a client
-    # that connects and sends nothing (slowloris) is closed after it.
-    first_call_timeout: float = 30.0
-    # Seconds a connection may stay with no call in flight after its first: then
-    # it is closed (GOAWAY). At max_connections the longest idle one is closed to
-    # make room for a new connection. None: never.
-    idle_timeout: float | None = 300.0
-    # Bind with SO_REUSEPORT: worker processes share the port (--workers).
-    reuse_port: bool = False
-
-
-class GrpcCall:
-    """One call as its handler sees it.
-
-    ``receive`` returns the next request message (None once the client finished
-    sending, or, for client-streaming methods, once the server drains); its bytes
-    count against the connection's buffer until the call ``answered`` them (a
-    client-streaming handler, per request), its first response is sent (a unary
-    call) or it ends; ``send``
-    writes one response message, waiting for HTTP/2 flow control, and raises
-    ``trio.BrokenResourceError`` once the stream is gone. A unary call's messages
-    are sent by one task; a client-streaming call's may come from several at once.
-    The handler ends the call by returning (OK) or raising :class:`GRPCError`.
-    """
-
-    __slots__ = (
-        "method",
-        "_headers",
-        "_metadata",
-        "deadline",
-        "peer",
-        "client_streaming",
-        "_conn",
-        "_stream_id",
-        "_compress",
-        "_reader",
-        "_messages",
-        "_queued_bytes",
-        "_partial_bytes",
-        "_working_bytes",
-        "_taken",
-        "_deferred_ack",
-        "_deferred_stream",
-        "_ended",
-        "_reset",
-        "_error",
-        "_wakeup",
-        "_window",
-        "_send_lock",
-        "_headers_sent",
-        "_scope",
-    )
-
-    def __init__(
-        self,
-        conn: Connection,
-        stream_id: int,
-        method: str,
-        headers: list[tuple[bytes, bytes]],
-        deadline: float | None,
-        client_streaming: bool,
-        reader: grpc_framing.MessageReader,
-        compress: bool,
-    ) -> None:
-        self.method = method
-        self._headers = headers
-        self._metadata = None
-        self.deadline = deadline
-        self.peer = conn.peer
-        self.client_streaming = client_streaming
-        self._conn = conn
-        self._stream_id = stream_id
-        self._compress = compress
-        self._reader = reader
-        self._messages: deque[grpc_framing.Message] = deque()
-        self._queued_bytes = 0
-        self._partial_bytes = 0  # of an unfinished message, in the reader
-        self._working_bytes = 0  # of messages taken and not answered yet
-        self._taken: deque[int] = deque()  # their sizes, oldest first
-        self._deferred_ack = 0  # bytes whose stream and connection window is held back
-        self._deferred_stream = 0  # bytes whose stream window only is held back
-        self._ended = False
-        self._reset = False
-        self._error: GRPCError | None = None
-        self._wakeup = trio.Event()
-        self._window = trio.Event()
-        # Streaming calls' responses come from several tasks at once; a unary
-        # call has one sender (its handler) and needs no lock.
-        self._send_lock = trio.Lock() if client_streaming else None
-        self._headers_sent = False
-        self._scope: trio.CancelScope | None = None
-
-    @property
-    def metadata(self):
-        """The request's metadata (custom headers), decoded on first use: most
-        calls never look at it."""
-        if self._metadata is None:
-            self._metadata = decode_metadata(
-                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._headers]
-            )
-        return self._metadata
-
-    @property
-    def draining(self) -> bool:
-        """True once the server began shutting down."""
-        return self._conn.draining
-
-    async def receive(self) -> grpc_framing.Message | None:
-        while True:
-            if self._error is not None:
-                raise self._error
-            if self._reset:
-                raise trio.BrokenResourceError("the client reset the stream")
-            if self.client_streaming and self._conn.draining:
-                return None
-            if self._messages:
-                # Work not answered yet and responses the client does not take
-                # hold new requests back.
-                await self._conn.wait_for_room(len(self._messages[0]))  # no checkpoint with room
-                if self._reset or self._error is not None:
-                    continue  # raised above
-                message = self._messages.popleft()
-                self._conn.consumed(self, len(message))
-                if type(message) is grpc_framing.Compressed:
-                    message = await self._decompress(message)
-                return message
-            if self._ended:
-                return None
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-
-    async def _decompress(self, message: grpc_framing.Message) -> bytes:
-        # Inflating can take many times the compressed size: large ones run in a
-        # worker thread, so the event loop goes on serving everyone else.
-        if len(message) <= _INLINE_DECOMPRESS:
-            return self._reader.decompress(message)
-        return await trio.to_thread.run_sync(self._reader.decompress, message)
-
-    def answered(self) -> None:
-        """The handler answered one of the messages it took (a request of a
-        client-streaming call): its bytes (as received, the oldest taken's) no
-        longer count against the connection's buffer."""
-        if self._taken:
-            self._conn.release(self, self._taken.popleft())
-
-    async def send(self, message: bytes | Sequence[bytes | memoryview]) -> None:
-        chunks = [message] if isinstance(message, (bytes, bytearray, memoryview)) else message
-        if self._send_lock is None and self._taken:
-            # A unary call's answer: its request's bytes are now its response's.
-            self._taken.clear()
-            self._conn.release(self, self._working_bytes)
-        compressed = self._compress
-        if compressed:
-            level = self._conn.options.response_compression_level or 0
-            chunks = [grpc_framing.compress(b"".join(chunks), level)]
-        size = sum(len(c) for c in chunks)
-        head = grpc_framing.prefix(size, compressed)
-        conn = self._conn
-        conn.hold_unsent(size)
-        try:
-            if self._send_lock is None:
-                await self._send_message(head, chunks, size)
-                # The answer goes out with the trailers, written by the call's task
-                # as it ends (Connection._run_call): no wakeup of the writer.
-                return
-            async with self._send_lock:
-                await self._send_message(head, chunks, size)
-        finally:
-            conn.hold_unsent(-size)
-        conn.flush()
-
-    async def _send_message(self, head: bytes, chunks: Sequence, size: int) -> None:
-        if self._reset:
-            raise trio.BrokenResourceError("the client reset the stream")
-        try:
-            if not self._headers_sent:
-                self._conn.send_response_headers(self)
-            if size + 5 <= _JOIN_LIMIT:
-                await self._conn.send_data(self, [b"".join([head, *chunks])])
-            else:
-                await self._conn.send_data(self, [head, *chunks])
-        except h2.exceptions.ProtocolError as exc:  # the stream or connection closed
-            raise trio.BrokenResourceError(str(exc)) from exc
-
-    def _wake(self) -> None:
-        self._wakeup.set()
-        self._window.set()
+_CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError)
+Handler = Callable[[GrpcCall], Awaitable[None]]
 
 
 class Connection:
@@ -316,7 +86,7 @@ class Connection:
         self.stream = stream
         self.methods = methods
         self.options = options
-        self.draining = False
+        self.state = ConnectionState()
         self._server_draining = draining
         self.h2 = upstream.H2Connection(
             _CONSTANT_HEADERS,
@@ -333,27 +103,21 @@ class Connection:
         )
         self.calls: dict[int, GrpcCall] = {}
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
-        # the calls whose window is held back for it, and an event set while
-        # there is room again.
-        self.held = 0
-        self.unsent = 0  # of those, responses waiting for the client's window
-        self.working = 0  # and messages handlers took and have not answered
-        self.peak_held = 0  # the most held at once
-        self._held_back: set[GrpcCall] = set()
-        self._drained = trio.Event()  # set (and replaced) when either goes down
+        # and an event set (and replaced) when work in hand or responses waiting
+        # go down: there may be room for a message again.
+        self.buffer = ConnectionBuffer(options.max_connection_buffer, options.window_size)
+        self._drained = trio.Event()
         self.peer = _peer_name(stream)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
         self._written = trio.Event()  # set when that task leaves it
         self._extra: list[bytes] = []  # raw frames to write after h2's own output
-        self._closing = False
         self._last_stream_id = _MAX_WINDOW
         self._ping_acks: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self._first_call = trio.Event()
         # The transport's connections without a call in flight (after their
-        # first), longest idle first; and an event set (and replaced) when this
-        # one turns idle or busy.
+        # first), longest idle first.
         self._idle = idle if idle is not None else {}
         # The idle timeout's scope: its deadline is set as the connection turns
         # idle and lifted as it turns busy, so a call wakes no task for it.
@@ -376,7 +140,7 @@ class Connection:
                 if self.options.idle_timeout is not None:
                     nursery.start_soon(self._idle_deadline)
                 await self._read_loop()
-                if not self._closing:
+                if not self.state.closing:
                     nursery.cancel_scope.cancel()
                 # Closing: the writer ends the connection once everything up to the
                 # final GOAWAY is written (see _close).
@@ -420,11 +184,11 @@ class Connection:
         while True:
             try:
                 data = await receive(256 * 1024)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+            except _CLOSED:
                 return
             if not data:
                 return
-            if self._closing:
+            if self.state.closing:
                 continue
             try:
                 events = self.h2.receive_data(data)
@@ -437,30 +201,34 @@ class Connection:
                     return
             self.flush()
 
-    def _handle(self, event) -> bool:
+    def _handle(self, event: h2.events.Event) -> bool:
         """Act on one h2 event; True when the connection is over."""
         kind = type(event)
         if kind is h2.events.DataReceived:
-            self._on_data(event)
+            self._on_data(cast(h2.events.DataReceived, event))
         elif kind is h2.events.RequestReceived:
-            self._on_request(event)
+            self._on_request(cast(h2.events.RequestReceived, event))
         elif kind is h2.events.StreamEnded:
-            call = self.calls.get(event.stream_id)
+            call = self.calls.get(cast(h2.events.StreamEnded, event).stream_id)
             if call is not None:
-                call._ended = True
-                call._wakeup.set()
+                call.state.request_event(RequestEvent.END_STREAM)
+                call.wake()
         elif kind is h2.events.StreamReset:
-            call = self.calls.get(event.stream_id)
+            call = self.calls.get(cast(h2.events.StreamReset, event).stream_id)
             if call is not None:
-                call._reset = True
-                if call._scope is not None:
-                    call._scope.cancel()
-                call._wake()
+                call.state.request_event(RequestEvent.RESET)
+                call.state.response_event(ResponseEvent.ABANDON)
+                # A call whose task has not started yet finds its state reset and
+                # runs under a cancelled scope (_outcome).
+                if call.scope is not None:
+                    call.scope.cancel()
+                call.wake()
+                call.wake_sender()
         elif kind is h2.events.WindowUpdated or kind is h2.events.RemoteSettingsChanged:
             for call in self.calls.values():
-                call._window.set()
+                call.wake_sender()
         elif kind is h2.events.PingAckReceived:
-            ack = self._ping_acks.pop(event.ping_data, None)
+            ack = self._ping_acks.pop(cast(h2.events.PingAckReceived, event).ping_data, None)
             if ack is not None:
                 ack.set()
         elif kind is h2.events.ConnectionTerminated:
@@ -476,72 +244,27 @@ class Connection:
         if stream_id > self._last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
-        http_method = content_type = path = encoding = timeout = accept = None
-        for name, value in event.headers:
-            if name == b":path":
-                path = value
-            elif name == b":method":
-                http_method = value
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"grpc-timeout":
-                timeout = value
-            elif name == b"grpc-encoding":
-                encoding = value
-            elif name == b"grpc-accept-encoding":
-                accept = value
-        if http_method != b"POST":
-            self._respond_http(stream_id, b"405")
+        head = read_request_head(event.headers, self.methods, self.options)
+        if isinstance(head, HttpRefusal):
+            self._respond_http(stream_id, head.status)
             return
-        if content_type is None or not content_type.startswith(b"application/grpc"):
-            self._respond_http(stream_id, b"415")
+        if isinstance(head, GRPCError):
+            self._trailers_only(stream_id, head.status, head.message)
             return
-        path = path or b""
-        method = self.methods.get(path)
-        if method is None:
-            self._trailers_only(
-                stream_id, Status.UNIMPLEMENTED, f"Method not found: {path.decode('latin-1')}"
-            )
-            return
-        encoding = encoding or b"identity"
-        if encoding not in ENCODINGS:
-            self._trailers_only(
-                stream_id,
-                Status.UNIMPLEMENTED,
-                f"grpc-encoding '{encoding.decode('latin-1')}' is not supported; "
-                "supported: identity, deflate, gzip",
-            )
-            return
-        deadline = None
-        if timeout is not None:
-            try:
-                deadline = trio.current_time() + decode_timeout(timeout.decode("ascii"))
-            except (ValueError, UnicodeDecodeError):
-                self._trailers_only(
-                    stream_id,
-                    Status.INVALID_ARGUMENT,
-                    f"invalid grpc-timeout header {timeout.decode('latin-1')!r}",
-                )
-                return
-        compress = (
-            self.options.response_compression_level is not None
-            and accept is not None
-            and b"gzip" in accept
-        )
+        method = head.method
         call = GrpcCall(
             self,
-            stream_id,
-            path.decode("latin-1"),
+            self.buffer.open(stream_id),
+            head.path,
             event.headers,
-            deadline,
+            None if head.timeout is None else trio.current_time() + head.timeout,
             method.client_streaming,
             grpc_framing.MessageReader(
-                encoding, self.options.max_message_size, defer_decompression=True
+                head.encoding, self.options.max_message_size, defer_decompression=True
             ),
-            compress,
+            head.compress,
         )
-        if event.stream_ended is not None:
-            call._ended = True
+        # An END_STREAM on the headers comes as h2's StreamEnded event next.
         self.calls[stream_id] = call
         if len(self.calls) == 1:  # busy again
             self._idle.pop(self, None)
@@ -554,147 +277,84 @@ class Connection:
         stream_id = event.stream_id
         flow = event.flow_controlled_length
         call = self.calls.get(stream_id)
-        if call is None or call._error is not None:
+        if call is None or call.error is not None:
             # Data for a call that is over: give the window back and drop it.
             self.h2.acknowledge_received_data(flow, stream_id)
             return
-        reader = call._reader
+        reader = call.reader
         try:
             messages = reader.feed(event.data)
         except GRPCError as error:
-            call._error = error
-            self.hold(-call._queued_bytes - call._partial_bytes)
-            call._messages.clear()
-            call._queued_bytes = call._partial_bytes = 0
-            call._wakeup.set()
+            call.error = error
+            call.state.request_event(RequestEvent.REFUSE)
+            call.messages.clear()
+            self._give(self.buffer.refused(call.account))
             self.h2.acknowledge_received_data(flow, stream_id)
+            call.wake()
             return
-        added = reader.buffered - call._partial_bytes
-        call._partial_bytes = reader.buffered
-        for message in messages:
-            call._messages.append(message)
-            call._queued_bytes += len(message)
-            added += len(message)
-        self.hold(added)
-        # Flow control: hold the window back while the handler has a window's worth
-        # of messages it has not taken yet. While the connection holds too much,
-        # hold back the stream windows of all but the oldest unfinished message,
-        # and give the connection window back so that one can always complete.
-        if call._queued_bytes > self.options.window_size:
-            call._deferred_ack += flow
-            self._held_back.add(call)
-        elif self.held > self.options.max_connection_buffer and (
-            self.working or self.unsent or not self._leads(call)
-        ):
-            if flow:
-                if self.working or self.unsent:
-                    # Work in hand drains by itself: the client gets no more
-                    # window, not even for the oldest unfinished message.
-                    call._deferred_ack += flow
-                else:  # only messages: the oldest must be able to complete
-                    call._deferred_stream += flow
-                    self.h2.increment_flow_control_window(flow)
-                self._held_back.add(call)
-        elif flow:
-            self.h2.acknowledge_received_data(flow, stream_id)
-        if event.stream_ended is not None:
-            call._ended = True
-        call._wakeup.set()
+        call.messages.extend(messages)
+        self._give(
+            self.buffer.received(call.account, flow, reader.buffered, [len(m) for m in messages])
+        )
+        call.wake()
 
-    def consumed(self, call: GrpcCall, size: int) -> None:
+    # -- the connection's buffer: its decisions applied to h2 ---------------------
+
+    def _give(self, windows: list[Window]) -> None:
+        """Give the client the flow-control windows the buffer let go."""
+        if not windows:
+            return
+        h2conn = self.h2
+        for window in windows:
+            try:
+                if window.connection:
+                    h2conn.increment_flow_control_window(window.connection)
+                call = self.calls.get(window.stream_id)
+                if call is None or call.state.reset:
+                    continue  # the stream is over: its window no longer matters
+                if window.ack:
+                    h2conn.acknowledge_received_data(window.ack, window.stream_id)
+                if window.stream:
+                    h2conn.increment_flow_control_window(window.stream, window.stream_id)
+            except h2.exceptions.ProtocolError:  # the stream closed meanwhile
+                pass
+        self.flush()
+
+    def taken(self, call: GrpcCall, size: int) -> None:
         """A handler took a message: it stays held, as work not answered yet;
         flow control held back for the call's queue may be released."""
-        call._queued_bytes -= size
-        call._working_bytes += size
-        call._taken.append(size)
-        self.working += size
-        self.hold(0)
+        self._give(self.buffer.taken(call.account, size))
 
-    def release(self, call: GrpcCall, size: int) -> None:
-        """``size`` bytes of the work ``call`` took are answered."""
-        call._working_bytes -= size
-        self.working -= size
+    def answered(self, call: GrpcCall) -> None:
+        """The oldest message ``call`` took is answered."""
+        self._give(self.buffer.answered(call.account))
         self._drain_event()
-        self.hold(-size)
 
-    def hold_unsent(self, size: int) -> None:
+    def answered_all(self, call: GrpcCall) -> None:
+        """Everything ``call`` took is answered (a unary call's response)."""
+        if call.account.taken:
+            self._give(self.buffer.answered_all(call.account))
+            self._drain_event()
+
+    def sending(self, size: int) -> None:
         """Count ``size`` more bytes of responses waiting to be sent (negative:
         fewer); with the work not answered, they hold new messages back."""
-        self.unsent += size
+        self._give(self.buffer.sending(size))
         if size < 0:
             self._drain_event()
-        self.hold(size)
 
     def _drain_event(self) -> None:
         self._drained.set()
         self._drained = trio.Event()
 
-    def hold(self, size: int) -> None:
-        """Count ``size`` more bytes held for the calls (negative: fewer); below the
-        limit again, give back the flow-control window held back."""
-        self.held += size
-        if self.held > self.peak_held:
-            self.peak_held = self.held
-        over = self.held > self.options.max_connection_buffer
-        if not self._held_back or (size > 0 and over):
-            return
-        window = self.options.window_size
-        if over and (self.working or self.unsent):  # work in hand drains first
-            released = []
-        elif over:  # only the oldest unfinished message may go on
-            released = [c for c in self._held_back if c._queued_bytes <= window and self._leads(c)]
-        else:
-            released = [c for c in self._held_back if c._queued_bytes <= window]
-        for call in released:
-            self._held_back.discard(call)
-            if not call._reset and call._stream_id in self.calls:
-                try:
-                    if call._deferred_ack:
-                        self.h2.acknowledge_received_data(call._deferred_ack, call._stream_id)
-                    if call._deferred_stream:
-                        self.h2.increment_flow_control_window(
-                            call._deferred_stream, call._stream_id
-                        )
-                except h2.exceptions.ProtocolError:  # the stream closed meanwhile
-                    pass
-            call._deferred_ack = call._deferred_stream = 0
-        if over and size < 0 and not (self.working or self.unsent):
-            # Nothing of the connection's drains by itself any more, only
-            # messages wait: give the connection window held back, so that the
-            # oldest unfinished message can complete (stream windows stay held).
-            for call in self._held_back:
-                if call._deferred_ack:
-                    try:
-                        self.h2.increment_flow_control_window(call._deferred_ack)
-                    except h2.exceptions.ProtocolError:
-                        continue
-                    call._deferred_stream += call._deferred_ack
-                    call._deferred_ack = 0
-                    released.append(call)  # flushed below; stays held back
-        if released:
-            self.flush()
-
     async def wait_for_room(self, size: int) -> None:
-        """Wait until a message of ``size`` bytes fits beside the work not
-        answered and the responses waiting (at once when the connection holds
-        neither)."""
-        limit = self.options.max_connection_buffer
-        while self.working + self.unsent and self.working + self.unsent + size > limit:
+        """Wait until a message of ``size`` bytes may be taken (ConnectionBuffer.has_room)."""
+        while not self.buffer.has_room(size):
             await self._drained.wait()
-
-    def _leads(self, call: GrpcCall) -> bool:
-        """Whether ``call`` has the oldest unfinished message of the connection."""
-        if not call._partial_bytes:
-            return False
-        return all(
-            other._stream_id >= call._stream_id
-            for other in self.calls.values()
-            if other._partial_bytes
-        )
 
     # -- calls ---------------------------------------------------------------------
 
-    async def _run_call(self, call: GrpcCall, handler) -> None:
+    async def _run_call(self, call: GrpcCall, handler: Handler) -> None:
         try:
             outcome = await self._outcome(call, handler)
             if outcome is not None:
@@ -702,35 +362,30 @@ class Connection:
         except BaseException:
             # Cancelled (alone or grouped by the handler's nursery): when the server
             # is draining, that is the exit timeout cutting the call.
-            if self._server_draining.is_set() and not call._reset:
+            if self._server_draining.is_set() and call.state.answerable:
                 await self._cut(call)
             raise
         finally:
-            self.calls.pop(call._stream_id, None)
-            if not self.calls and not self._closing:  # idle
+            self.calls.pop(call.stream_id, None)
+            if not self.calls and not self.state.closing:  # idle
                 self._idle[self] = None
                 if self._idle_scope is not None:
                     self._idle_scope.deadline = trio.current_time() + self._idle_timeout
-            self._held_back.discard(call)
-            call._taken.clear()
-            if call._working_bytes:
-                self.working -= call._working_bytes
+            working = call.account.working
+            self._give(self.buffer.close(call.account))
+            if working:
                 self._drain_event()
-            left = call._queued_bytes + call._partial_bytes + call._working_bytes
-            if left:
-                call._queued_bytes = call._partial_bytes = call._working_bytes = 0
-                self.hold(-left)
-            if self.draining and not self.calls:
+            if self.state.draining and not self.calls:
                 self._close()
         await self._write_now()
 
-    async def _outcome(self, call: GrpcCall, handler) -> tuple[Status, str | None] | None:
+    async def _outcome(self, call: GrpcCall, handler: Handler) -> tuple[Status, str | None] | None:
         """Run the handler under the call's deadline: the status to end the call
         with, or None when there is nobody left to answer."""
         status, message = Status.OK, None
         with trio.CancelScope() as scope:
-            call._scope = scope
-            if call._reset:  # reset before this task started: nobody to answer
+            call.scope = scope
+            if call.state.reset:  # reset before this task started: nobody to answer
                 scope.cancel()
             if call.deadline is not None:
                 scope.deadline = call.deadline
@@ -739,11 +394,13 @@ class Connection:
             except GRPCError as error:
                 status, message = error.status, error.message
             except trio.BrokenResourceError:
-                return None  # the stream is gone: nobody to answer
+                # The stream is gone: nobody to answer.
+                call.state.response_event(ResponseEvent.ABANDON)
+                return None
             except Exception as exc:
                 log.exception("grpc handler failed", method=call.method)
                 status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
-        if call._reset:
+        if not call.state.answerable:
             return None
         if scope.cancelled_caught:
             status, message = Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
@@ -761,41 +418,43 @@ class Connection:
                 await self._written.wait()
             try:
                 await self._write_pending()
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except (*_CLOSED, OSError):
                 pass
 
     def _finish(self, call: GrpcCall, status: Status, message: str | None) -> None:
-        stream_id = call._stream_id
-        if call._headers_sent:
+        """End the call with ``status``: its trailers, or a trailers-only answer."""
+        stream_id = call.stream_id
+        headers: list[tuple[bytes, bytes]]
+        if call.state.response is Response.SENDING:
             headers = _OK_TRAILERS if status is Status.OK else status_headers(status, message)
         else:  # "trailers only": one HEADERS frame carries the status
             headers = [(b":status", b"200"), _CONTENT_TYPE, *status_headers(status, message)]
+        call.state.response_event(ResponseEvent.FINISH)
         try:
             self.h2.send_headers(stream_id, headers, end_stream=True)
-            if not call._ended:
+            if call.state.request is not Request.ENDED:
                 # The client is still sending; tell it to stop.
                 self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
         except h2.exceptions.ProtocolError:  # the stream or connection closed meanwhile
             pass
 
     def send_response_headers(self, call: GrpcCall) -> None:
-        headers = _GZIP_RESPONSE_HEADERS if call._compress else _RESPONSE_HEADERS
-        self.h2.send_headers(call._stream_id, headers)
-        call._headers_sent = True
+        headers = _GZIP_RESPONSE_HEADERS if call.compress else _RESPONSE_HEADERS
+        call.state.response_event(ResponseEvent.HEADERS)
+        self.h2.send_headers(call.stream_id, headers)
 
-    async def send_data(self, call: GrpcCall, chunks: list) -> None:
+    async def send_data(self, call: GrpcCall, chunks: Sequence[bytes | memoryview]) -> None:
         h2conn = self.h2
-        stream_id = call._stream_id
+        stream_id = call.stream_id
         for chunk in chunks:
             # Large chunks go as uint8 views, written without copies (upstream.H2Connection).
-            view = chunk if len(chunk) <= _JOIN_LIMIT else np.frombuffer(chunk, np.uint8)
+            view = chunk if len(chunk) <= JOIN_LIMIT else np.frombuffer(chunk, np.uint8)
             while len(view):
                 window = h2conn.local_flow_control_window(stream_id)
                 if window <= 0:
                     self.flush()
-                    call._window = trio.Event()
-                    await call._window.wait()
-                    if call._reset:
+                    await call.wait_for_window()
+                    if call.state.reset:
                         raise trio.BrokenResourceError("the client reset the stream")
                     continue
                 size = min(window, h2conn.max_outbound_frame_size, len(view))
@@ -821,7 +480,7 @@ class Connection:
         self.h2.send_headers(stream_id, [(b":status", status)], end_stream=True)
         self.flush()
 
-    def _reset_stream(self, stream_id: int, code) -> None:
+    def _reset_stream(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
         try:
             self.h2.reset_stream(stream_id, code)
         except h2.exceptions.ProtocolError:
@@ -842,10 +501,10 @@ class Connection:
             if not self._writing:  # else the task writing now writes this too
                 try:
                     await self._write_pending()
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                except _CLOSED:
                     self._cancel()
                     return
-            if self._closing and not self._writing:
+            if self.state.closing and not self._writing:
                 # Everything up to the final GOAWAY is written.
                 self._cancel()
                 return
@@ -858,10 +517,10 @@ class Connection:
             return
         try:
             await self._write_pending()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
+        except _CLOSED:
             self._cancel()
             return
-        if self._closing:
+        if self.state.closing:
             self._dirty.set()  # the writer ends the connection
 
     async def _write_pending(self) -> None:
@@ -917,15 +576,16 @@ class Connection:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
-    def _close(self, code=h2.errors.ErrorCodes.NO_ERROR) -> None:
+    def _close(self, code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR) -> None:
         """Send the final GOAWAY, then end the connection once it is written.
 
         Everything queued before it (the last calls' answers) goes out first; a
         client that does not read them is given ``keepalive_timeout`` seconds.
+        Closing a closing connection does nothing.
         """
-        if self._closing:
+        if self.state.closing:
             return
-        self._closing = True
+        self.state.event(ConnEvent.CLOSE)
         try:
             self.h2.close_connection(error_code=code)
         except h2.exceptions.ProtocolError:
@@ -940,7 +600,7 @@ class Connection:
     async def _close_socket(self) -> None:
         # Half-close and wait a moment for the client to close too, so that
         # unread bytes do not turn our close into a reset that loses the answers.
-        if self._closing and not self._quiet:
+        if self.state.closing and not self._quiet:
             with trio.move_on_after(self.options.linger):
                 try:
                     # A TLS stream cannot half-close: the client closes on the GOAWAY.
@@ -948,7 +608,7 @@ class Connection:
                         await self.stream.send_eof()
                     while await self.stream.receive_some(65536):
                         pass
-                except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                except (*_CLOSED, trio.BusyResourceError):
                     pass
         await self.stream.aclose()
 
@@ -956,7 +616,7 @@ class Connection:
 
     async def _drain_when(self, event: trio.Event) -> None:
         await event.wait()
-        if self._closing:
+        if self.state.closing:
             return
         # Step 1: "stop soon" with the largest stream id, and a ping; requests the
         # client sent before it saw the GOAWAY still arrive before the ping's ack.
@@ -964,12 +624,14 @@ class Connection:
         ack = self._ping(_DRAIN_PING)
         with trio.move_on_after(self.options.linger):
             await ack.wait()
+        if self.state.closing:  # closed meanwhile (a protocol error, idle)
+            return
         # Step 2: the real last stream id; anything later is refused.
         self._last_stream_id = self.h2.highest_inbound_stream_id
         self._send_goaway(self._last_stream_id)
-        self.draining = True
+        self.state.event(ConnEvent.DRAIN)
         for call in self.calls.values():
-            call._wakeup.set()
+            call.wake()
         if not self.calls:
             self._close()
 
@@ -1009,7 +671,7 @@ def _coalesce(buffers: list) -> list:
     out: list = []
     run: list = []
     for buffer in buffers:
-        if len(buffer) > _JOIN_LIMIT:
+        if len(buffer) > JOIN_LIMIT:
             if run:
                 out.append(b"".join(run))
                 run = []

@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 import trio
@@ -36,6 +37,7 @@ from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import framing as grpc_framing
+from trionserve.protocol.grpc.streams import STREAM_PENDING_LIMIT, StreamBudget, Turn
 from trionserve.protocol.grpc.transport import (
     GrpcCall,
     GRPCError,
@@ -50,82 +52,6 @@ from trionserve.protocol.restricted import RestrictedCategory, RestrictedFeature
 log = structlog.get_logger(__name__)
 
 SERVICE_PATH = "/inference.GRPCInferenceService/"
-
-# Requests of one ModelStreamInfer call being served at once; beyond it the stream
-# is not read (and HTTP/2 flow control holds the client back).
-STREAM_PENDING_LIMIT = 1024
-
-
-class StreamBudget:
-    """The requests one ModelStreamInfer call serves at once, bounded by count and
-    by bytes.
-
-    Requests are admitted before their responses exist, and a response waits for
-    its client's flow-control window, so a stream's memory is about its requests in
-    flight times the size of a request and its response. ``acquire`` admits a
-    request while fewer than ``count_limit`` are in flight and ``in flight x
-    (largest request + largest response)`` seen on the stream so far stays within
-    ``byte_limit``; one request is always admitted, however large.
-    """
-
-    __slots__ = ("_count_limit", "_byte_limit", "in_flight", "request", "response", "_changed")
-
-    def __init__(self, count_limit: int, byte_limit: int) -> None:
-        self._count_limit = count_limit
-        self._byte_limit = byte_limit
-        self.in_flight = 0
-        self.request = 0  # the largest request seen, in bytes
-        self.response = 0  # the largest response seen, in bytes
-        self._changed = trio.Event()
-
-    def observe(self, size: int) -> None:
-        """A response of ``size`` bytes is on its way to the client."""
-        if size > self.response:
-            self.response = size
-
-    def _full(self) -> bool:
-        n = self.in_flight
-        if n == 0:
-            return False
-        return n >= self._count_limit or (n + 1) * (self.request + self.response) > self._byte_limit
-
-    async def acquire(self, size: int) -> None:
-        """Wait until a request of ``size`` bytes may be served, and count it."""
-        if size > self.request:
-            self.request = size
-        while self._full():
-            await self._changed.wait()
-        self.in_flight += 1
-
-    def release(self) -> None:
-        self.in_flight -= 1
-        self._changed.set()
-        self._changed = trio.Event()
-
-
-class _Turn:
-    """A stream request's place in the order of the stream's answers: ``wait``
-    until the requests before it were answered (when ``ordered``), ``done`` once
-    it was answered or ended without an answer."""
-
-    __slots__ = ("_before", "written", "ordered")
-
-    def __init__(self, before: trio.Event | None) -> None:
-        self._before = before
-        self.written = trio.Event()
-        self.ordered = True  # until its model is known to be decoupled
-
-    async def wait(self) -> None:
-        if self.ordered and self._before is not None:
-            await self._before.wait()
-
-    async def done(self) -> None:
-        """The next request's turn comes after this one's and the ones before it
-        (a request that ended first waits for them, so no answer overtakes)."""
-        if self._before is not None:
-            await self._before.wait()
-        self.written.set()
-
 
 # --grpc-infer-response-compression-level -> zlib level (None: uncompressed).
 COMPRESSION_LEVELS = {"none": None, "low": 1, "med": 5, "high": 9}
@@ -274,7 +200,9 @@ class GrpcService:
             return method
         return Method(_restricted(restriction, method.handler), method.client_streaming)
 
-    def _unary(self, request_type, handle: Callable[..., Awaitable]) -> Method:
+    def _unary(
+        self, request_type: type[Message] | None, handle: Callable[..., Awaitable[Any]]
+    ) -> Method:
         async def handler(call: GrpcCall) -> None:
             data = await call.receive()
             if data is None or await call.receive() is not None:
@@ -301,24 +229,24 @@ class GrpcService:
 
     # -- health, metadata, configuration ------------------------------------------
 
-    async def server_live(self, request, call) -> Message:
+    async def server_live(self, request: pb.ServerLiveRequest, call: GrpcCall) -> Message:
         return pb.ServerLiveResponse(live=self.dataplane.live())
 
-    async def server_ready(self, request, call) -> Message:
+    async def server_ready(self, request: pb.ServerReadyRequest, call: GrpcCall) -> Message:
         return pb.ServerReadyResponse(ready=await self.dataplane.server_is_ready())
 
-    async def model_ready(self, request: pb.ModelReadyRequest, call) -> Message:
+    async def model_ready(self, request: pb.ModelReadyRequest, call: GrpcCall) -> Message:
         version = parse_model_version(request.version)
         ready = await self.dataplane.model_is_ready(request.name, version)
         return pb.ModelReadyResponse(ready=ready)
 
-    async def server_metadata(self, request, call) -> Message:
+    async def server_metadata(self, request: pb.ServerMetadataRequest, call: GrpcCall) -> Message:
         metadata = self.dataplane.server_metadata()
         return pb.ServerMetadataResponse(
             name=metadata["name"], version=metadata["version"], extensions=metadata["extensions"]
         )
 
-    async def model_metadata(self, request: pb.ModelMetadataRequest, call) -> Message:
+    async def model_metadata(self, request: pb.ModelMetadataRequest, call: GrpcCall) -> Message:
         version = parse_model_version(request.version)
         metadata = self.dataplane.model_metadata(request.name, version)
         tensor = pb.ModelMetadataResponse.TensorMetadata
@@ -330,18 +258,18 @@ class GrpcService:
             outputs=[tensor(**t) for t in metadata["outputs"]],
         )
 
-    async def model_config(self, request: pb.ModelConfigRequest, call) -> Message:
+    async def model_config(self, request: pb.ModelConfigRequest, call: GrpcCall) -> Message:
         version = parse_model_version(request.version)
         return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, version))
 
     # -- statistics and logging ------------------------------------------------------
 
-    async def model_statistics(self, request: pb.ModelStatisticsRequest, call) -> Message:
+    async def model_statistics(self, request: pb.ModelStatisticsRequest, call: GrpcCall) -> Message:
         version = parse_model_version(request.version)
         statistics = await self.dataplane.model_statistics(request.name or None, version)
         return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
 
-    async def log_settings(self, request: pb.LogSettingsRequest, call) -> Message:
+    async def log_settings(self, request: pb.LogSettingsRequest, call: GrpcCall) -> Message:
         current = LOG_SETTINGS.as_dict()
         if "log_file" in request.settings:
             # Writing the log to a path a client names would let any client create
@@ -367,7 +295,7 @@ class GrpcService:
                 setting.string_param = str(value)
         return response
 
-    async def trace_setting(self, request: pb.TraceSettingRequest, call) -> Message:
+    async def trace_setting(self, request: pb.TraceSettingRequest, call: GrpcCall) -> Message:
         """Update (when settings are given) and return the trace settings; an empty
         value list clears a setting, as in Triton."""
         changes = None
@@ -381,7 +309,7 @@ class GrpcService:
 
     # -- repository ------------------------------------------------------------------
 
-    async def repository_index(self, request: pb.RepositoryIndexRequest, call) -> Message:
+    async def repository_index(self, request: pb.RepositoryIndexRequest, call: GrpcCall) -> Message:
         _no_repository_name(request.repository_name)
         rows = self.dataplane.repository_index(ready_only=request.ready)
         index = pb.RepositoryIndexResponse.ModelIndex
@@ -397,7 +325,9 @@ class GrpcService:
             ]
         )
 
-    async def repository_load(self, request: pb.RepositoryModelLoadRequest, call) -> Message:
+    async def repository_load(
+        self, request: pb.RepositoryModelLoadRequest, call: GrpcCall
+    ) -> Message:
         """Parameters as over HTTP: ``config`` (JSON text) and ``file:<path>`` bytes."""
         _no_repository_name(request.repository_name)
         config = None
@@ -421,7 +351,9 @@ class GrpcService:
         )
         return pb.RepositoryModelLoadResponse()
 
-    async def repository_unload(self, request: pb.RepositoryModelUnloadRequest, call) -> Message:
+    async def repository_unload(
+        self, request: pb.RepositoryModelUnloadRequest, call: GrpcCall
+    ) -> Message:
         _no_repository_name(request.repository_name)
         unload_dependents = False
         if "unload_dependents" in request.parameters:
@@ -437,7 +369,9 @@ class GrpcService:
 
     # -- system shared memory -------------------------------------------------------
 
-    async def system_shm_status(self, request: pb.SystemSharedMemoryStatusRequest, call) -> Message:
+    async def system_shm_status(
+        self, request: pb.SystemSharedMemoryStatusRequest, call: GrpcCall
+    ) -> Message:
         response = pb.SystemSharedMemoryStatusResponse()
         if self.dataplane.shared_memory is not None:
             for region in self.dataplane.shared_memory.status(request.name):
@@ -447,7 +381,7 @@ class GrpcService:
         return response
 
     async def system_shm_register(
-        self, request: pb.SystemSharedMemoryRegisterRequest, call
+        self, request: pb.SystemSharedMemoryRegisterRequest, call: GrpcCall
     ) -> Message:
         self.dataplane.client_system_shared_memory(request.name).register(
             request.name, request.key, request.offset, request.byte_size
@@ -455,14 +389,16 @@ class GrpcService:
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def system_shm_unregister(
-        self, request: pb.SystemSharedMemoryUnregisterRequest, call
+        self, request: pb.SystemSharedMemoryUnregisterRequest, call: GrpcCall
     ) -> Message:
         self.dataplane.client_shared_memory().unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     # -- CUDA shared memory ---------------------------------------------------------
 
-    async def cuda_shm_status(self, request: pb.CudaSharedMemoryStatusRequest, call) -> Message:
+    async def cuda_shm_status(
+        self, request: pb.CudaSharedMemoryStatusRequest, call: GrpcCall
+    ) -> Message:
         response = pb.CudaSharedMemoryStatusResponse()
         if self.dataplane.cuda_shared_memory is not None:
             for region in self.dataplane.cuda_shared_memory.status(request.name):
@@ -471,14 +407,16 @@ class GrpcService:
                 )
         return response
 
-    async def cuda_shm_register(self, request: pb.CudaSharedMemoryRegisterRequest, call) -> Message:
+    async def cuda_shm_register(
+        self, request: pb.CudaSharedMemoryRegisterRequest, call: GrpcCall
+    ) -> Message:
         self.dataplane.client_cuda_shared_memory().register(
             request.name, request.raw_handle, request.device_id, request.byte_size
         )
         return pb.CudaSharedMemoryRegisterResponse()
 
     async def cuda_shm_unregister(
-        self, request: pb.CudaSharedMemoryUnregisterRequest, call
+        self, request: pb.CudaSharedMemoryUnregisterRequest, call: GrpcCall
     ) -> Message:
         self.dataplane.client_cuda_shared_memory().unregister(request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
@@ -525,7 +463,7 @@ class GrpcService:
         """
         budget = StreamBudget(STREAM_PENDING_LIMIT, self.options.max_connection_buffer)
         error: GRPCError | None = None
-        turn: _Turn | None = None
+        turn: Turn | None = None
         async with trio.open_nursery() as nursery:
             on_model_error = None
             if any(k == "triton_grpc_error" and v == "true" for k, v in call.metadata):
@@ -547,7 +485,7 @@ class GrpcService:
                     break
                 await budget.acquire(len(data))
                 queued = trio.Event()
-                turn = _Turn(turn.written if turn is not None else None)
+                turn = Turn(turn.written if turn is not None else None)
                 nursery.start_soon(
                     self._stream_request, call, data, budget, queued, on_model_error, turn
                 )
@@ -565,8 +503,8 @@ class GrpcService:
         data: grpc_framing.Message,
         budget: StreamBudget,
         queued: trio.Event,
-        on_model_error=None,
-        turn: _Turn | None = None,
+        on_model_error: Callable[[TritonError], None] | None = None,
+        turn: Turn | None = None,
     ) -> None:
         """Serve one request of a stream. ``on_model_error`` is given on a stream
         opened with the ``triton_grpc_error: true`` header: an error the model
@@ -583,7 +521,7 @@ class GrpcService:
         src/grpc/infer_handler.h WriteResponseIfReady, stream_infer_handler.cc
         StreamInferResponseComplete); a decoupled model's responses go out as they
         come."""
-        turn = turn or _Turn(None)
+        turn = turn or Turn(None)
         message = request = None
         shared_memory = self.dataplane.shm_resolver
         started = time.perf_counter()
@@ -659,7 +597,9 @@ class GrpcService:
         return bool(model.config.model_transaction_policy.decoupled)
 
     @staticmethod
-    async def _send_stream_error(call: GrpcCall, text: str, request) -> None:
+    async def _send_stream_error(
+        call: GrpcCall, text: str, request: InferenceRequest | pb.ModelInferRequest | None
+    ) -> None:
         try:
             await call.send(grpc_codec.encode_stream_error(text, request))
         except trio.BrokenResourceError:
@@ -729,7 +669,7 @@ async def serve_grpc(
     options: GrpcOptions | None = None,
     verbose: bool = False,
     *,
-    task_status=trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve gRPC until ``shutdown`` is set, then drain for ``graceful_timeout``."""
     service = GrpcService(dataplane, options, verbose)

@@ -4,7 +4,9 @@ The gRPC service hands :class:`GrpcTransport` a table of :class:`Method` handler
 by request path; each handler sees only a :class:`GrpcCall` (request metadata,
 deadline, messages in and out) and ends the call by returning or raising
 :class:`GRPCError`. Everything HTTP/2 stays behind this interface
-(:mod:`~trionserve.protocol.grpc.connection`, :mod:`~trionserve.protocol.grpc.framing`),
+(:mod:`~trionserve.protocol.grpc.connection` and the sans-I/O layers beneath it:
+:mod:`~trionserve.protocol.grpc.state`, :mod:`~trionserve.protocol.grpc.flow`,
+:mod:`~trionserve.protocol.grpc.framing`),
 so the transport can be swapped without touching the service.
 
 What it guarantees:
@@ -46,12 +48,9 @@ from collections.abc import Mapping
 import structlog
 import trio
 
-from trionserve.protocol.grpc.connection import (
-    Connection,
-    GrpcCall,
-    Method,
-    TransportOptions,
-)
+from trionserve.protocol.grpc.call import GrpcCall, Method
+from trionserve.protocol.grpc.connection import Connection
+from trionserve.protocol.grpc.options import TransportOptions
 from trionserve.protocol.grpc.status import GRPCError, Status
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners, release_free_memory
 
@@ -125,7 +124,7 @@ class GrpcTransport:
         shutdown: trio.Event,
         graceful_timeout: float,
         *,
-        task_status=trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         listeners = await open_tcp_listeners(
             port, host=address or None, backlog=1024, reuse_port=self._options.reuse_port
@@ -172,6 +171,6 @@ class GrpcTransport:
             log.debug("grpc connection lost", peer=connection.peer, error=repr(group))
         except* Exception:
             log.exception("grpc connection failed", peer=connection.peer)
-        if connection.peak_held >= RELEASE_MEMORY_AFTER:
+        if connection.buffer.peak >= RELEASE_MEMORY_AFTER:
             # What it held is free now: give it back to the system.
             await trio.to_thread.run_sync(release_free_memory)

@@ -34,7 +34,7 @@ import h2.frame_buffer
 import h2.stream
 import hpack
 import numpy as np
-from hpack.struct import HeaderWeaklyTyped
+from hpack.struct import HeaderTuple, HeaderWeaklyTyped
 from hyperframe import frame as hyperframe_frame
 
 __all__ = ["CachingDecoder", "CachingEncoder", "FrameBuffer", "H2Connection"]
@@ -53,6 +53,14 @@ def _frame_repr(frame: hyperframe_frame.Frame) -> str:
 # The assignment replaces a method on purpose (mypy's method-assign).
 hyperframe_frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
 
+
+# What hpack's Encoder.encode takes.
+_EncoderHeaders = (
+    Iterable[
+        HeaderTuple | tuple[bytes | str, bytes | str] | tuple[bytes | str, bytes | str, bool | None]
+    ]
+    | dict[bytes | str, bytes | str]
+)
 
 _FRAME_HEADER = struct.Struct(">HBBBL")
 _DATA_FRAME = 0x0
@@ -84,13 +92,15 @@ class CachingEncoder(hpack.Encoder):
             return None
         return self._blocks.get(tuple(headers))
 
-    def encode(self, headers, huffman: bool = True) -> bytes:
-        headers = list(headers)  # h2 may pass a generator (normalized headers)
+    def encode(self, headers: _EncoderHeaders, huffman: bool = True) -> bytes:
+        if isinstance(headers, dict):
+            return super().encode(headers, huffman)
+        listed = list(headers)  # h2 may pass a generator (normalized headers)
         if not self.header_table.resized:
-            block = self._blocks.get(tuple(headers))
+            block = self._blocks.get(tuple(listed))
             if block is not None:
                 return block
-        return super().encode(headers, huffman)
+        return super().encode(listed, huffman)
 
 
 def _state_free_block(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
@@ -122,7 +132,7 @@ class CachingDecoder(hpack.Decoder):
         super().__init__()
         self._kept: dict[tuple[bytes, bool], tuple] = {}
 
-    def decode(self, data, raw: bool = False):
+    def decode(self, data: bytes, raw: bool = False) -> Iterable[HeaderTuple]:
         table = self.header_table
         entries = table.dynamic_entries
         state = (
@@ -288,7 +298,7 @@ class H2Connection(h2.connection.H2Connection):
             priority_exclusive,
         )
 
-    def _prepare_for_sending(self, frames) -> None:
+    def _prepare_for_sending(self, frames: list[hyperframe_frame.Frame]) -> None:
         for frame in frames:
             if type(frame) is hyperframe_frame.DataFrame and type(frame.data) is np.ndarray:
                 break

@@ -1,0 +1,228 @@
+"""One gRPC call as its method handler sees it.
+
+A :class:`GrpcCall` carries its request metadata and deadline, takes request
+messages and sends responses; its states are a :class:`~.state.CallState` and its
+bytes an :class:`~.flow.Account` in its connection's buffer. The connection
+(:mod:`~trionserve.protocol.grpc.connection`) feeds it what the client sends and
+writes what it sends.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import h2.exceptions
+import trio
+
+from trionserve.protocol.grpc import framing as grpc_framing
+from trionserve.protocol.grpc.flow import Account
+from trionserve.protocol.grpc.state import CallState, Request, Response, ResponseEvent
+from trionserve.protocol.grpc.status import GRPCError, decode_metadata
+
+if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
+    from trionserve.protocol.grpc.connection import Connection
+
+__all__ = ["GrpcCall", "Method"]
+
+# Messages up to this size go out as one joined DATA payload; larger ones are
+# written chunk by chunk from memoryviews, without joining.
+JOIN_LIMIT = 64 * 1024
+# Compressed messages up to this size are inflated on the event loop.
+_INLINE_DECOMPRESS = 16 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Method:
+    """A handler and whether its client sends a stream of messages."""
+
+    handler: Callable[[GrpcCall], Awaitable[None]]
+    client_streaming: bool = False
+
+
+class GrpcCall:
+    """One call as its handler sees it.
+
+    ``receive`` returns the next request message (None once the client finished
+    sending, or, for client-streaming methods, once the server drains); its bytes
+    count against the connection's buffer until the call ``answered`` them (a
+    client-streaming handler, per request), its first response is sent (a unary
+    call) or it ends; ``send`` writes one response message, waiting for HTTP/2
+    flow control, and raises ``trio.BrokenResourceError`` once the stream is gone.
+    A unary call's messages are sent by one task; a client-streaming call's may
+    come from several at once. The handler ends the call by returning (OK) or
+    raising :class:`GRPCError`.
+    """
+
+    __slots__ = (
+        "method",
+        "_headers",
+        "_metadata",
+        "deadline",
+        "peer",
+        "client_streaming",
+        "state",
+        "account",
+        "error",
+        "scope",
+        "_conn",
+        "stream_id",
+        "compress",
+        "_reader",
+        "messages",
+        "_wakeup",
+        "_window",
+        "_send_lock",
+    )
+
+    def __init__(
+        self,
+        conn: Connection,
+        account: Account,
+        method: str,
+        headers: list[tuple[bytes, bytes]],
+        deadline: float | None,
+        client_streaming: bool,
+        reader: grpc_framing.MessageReader,
+        compress: bool,
+        ended: bool = False,
+    ) -> None:
+        self.method = method
+        self._headers = headers
+        self._metadata: list[tuple[str, str | bytes]] | None = None
+        self.deadline = deadline
+        self.peer = conn.peer
+        self.client_streaming = client_streaming
+        self.state = CallState(ended)
+        self.account = account
+        self.error: GRPCError | None = None  # why a message was refused (Request.FAILED)
+        # The cancel scope its handler runs in, once its task started.
+        self.scope: trio.CancelScope | None = None
+        self._conn = conn
+        self.stream_id = account.stream_id
+        self.compress = compress
+        self._reader = reader
+        self.messages: deque[grpc_framing.Message] = deque()  # received, not taken
+        self._wakeup = trio.Event()
+        self._window = trio.Event()
+        # Streaming calls' responses come from several tasks at once; a unary
+        # call has one sender (its handler) and needs no lock.
+        self._send_lock = trio.Lock() if client_streaming else None
+
+    @property
+    def metadata(self) -> list[tuple[str, str | bytes]]:
+        """The request's metadata (custom headers), decoded on first use: most
+        calls never look at it."""
+        if self._metadata is None:
+            self._metadata = decode_metadata(
+                [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._headers]
+            )
+        return self._metadata
+
+    @property
+    def draining(self) -> bool:
+        """True once the server began shutting down."""
+        return self._conn.state.draining
+
+    @property
+    def reader(self) -> grpc_framing.MessageReader:
+        return self._reader
+
+    async def receive(self) -> grpc_framing.Message | None:
+        state = self.state
+        while True:
+            if self.error is not None:
+                raise self.error
+            if state.reset:
+                raise trio.BrokenResourceError("the client reset the stream")
+            if self.client_streaming and self._conn.state.draining:
+                return None
+            if self.messages:
+                # Work not answered yet and responses the client does not take
+                # hold new requests back.
+                await self._conn.wait_for_room(len(self.messages[0]))  # no checkpoint with room
+                if state.request is Request.RESET or self.error is not None:
+                    continue  # raised above
+                message = self.messages.popleft()
+                self._conn.taken(self, len(message))
+                if type(message) is grpc_framing.Compressed:
+                    message = await self._decompress(message)
+                return message
+            if state.client_done:
+                return None
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+
+    async def _decompress(self, message: grpc_framing.Message) -> bytes:
+        # Inflating can take many times the compressed size: large ones run in a
+        # worker thread, so the event loop goes on serving everyone else.
+        if len(message) <= _INLINE_DECOMPRESS:
+            return self._reader.decompress(message)
+        return await trio.to_thread.run_sync(self._reader.decompress, message)
+
+    def answered(self) -> None:
+        """The handler answered one of the messages it took (a request of a
+        client-streaming call): its bytes (as received, the oldest taken's) no
+        longer count against the connection's buffer."""
+        self._conn.answered(self)
+
+    async def send(self, message: bytes | Sequence[bytes | memoryview]) -> None:
+        chunks: Sequence[bytes | memoryview]
+        if isinstance(message, (bytes, bytearray, memoryview)):
+            chunks = [message]
+        else:
+            chunks = message
+        conn = self._conn
+        if self._send_lock is None:
+            # A unary call's answer: its request's bytes are now its response's.
+            conn.answered_all(self)
+        compressed = self.compress
+        if compressed:
+            level = conn.options.response_compression_level or 0
+            chunks = [grpc_framing.compress(b"".join(chunks), level)]
+        size = sum(len(c) for c in chunks)
+        head = grpc_framing.prefix(size, compressed)
+        conn.sending(size)
+        try:
+            if self._send_lock is None:
+                await self._send_message(head, chunks, size)
+                # The answer goes out with the trailers, written by the call's task
+                # as it ends (Connection._run_call): no wakeup of the writer.
+                return
+            async with self._send_lock:
+                await self._send_message(head, chunks, size)
+        finally:
+            conn.sending(-size)
+        conn.flush()
+
+    async def _send_message(
+        self, head: bytes, chunks: Sequence[bytes | memoryview], size: int
+    ) -> None:
+        if self.state.reset:
+            raise trio.BrokenResourceError("the client reset the stream")
+        try:
+            if self.state.response is Response.IDLE:
+                self._conn.send_response_headers(self)
+            if size + 5 <= JOIN_LIMIT:
+                await self._conn.send_data(self, [b"".join([head, *chunks])])
+            else:
+                await self._conn.send_data(self, [head, *chunks])
+        except h2.exceptions.ProtocolError as exc:  # the stream or connection closed
+            self.state.response_event(ResponseEvent.ABANDON)
+            raise trio.BrokenResourceError(str(exc)) from exc
+
+    async def wait_for_window(self) -> None:
+        """Wait until the client may have given more window (or reset the stream)."""
+        self._window = trio.Event()
+        await self._window.wait()
+
+    def wake(self) -> None:
+        """Something changed for the call's receive (a message, the end, a reset,
+        a drain)."""
+        self._wakeup.set()
+
+    def wake_sender(self) -> None:
+        """The client's window may have grown, or the stream is gone."""
+        self._window.set()

@@ -1,0 +1,191 @@
+"""The states of a gRPC call and of its connection, and the events that move them.
+
+Sans-I/O, as h11's ``_state.py`` and h2's stream state machine: each state moves
+only by the rows of its transition table, and an event a state has no row for is
+a bug in the caller and raises :class:`LocalProtocolError` naming the machine, the
+state and the event (a second final status, a message after the call was
+answered, a reset stream's call ending with a status). The Trio loop
+(:mod:`~trionserve.protocol.grpc.connection`) feeds the events; h2 keeps the
+HTTP/2 stream states beneath these.
+
+A call has two sides:
+
+- the **request** side: what the client sends. Open while it may send more; ended
+  once it half-closed (END_STREAM); failed once a message it sent was refused (too
+  large, not decompressible: nothing after it is read); reset once it reset the
+  stream (RST_STREAM: there is nobody to answer any more).
+- the **response** side: what the server sends. Idle until the first message
+  (its response headers go first), sending after it, answered once the trailers
+  (the status) are queued, abandoned when there is nobody to answer (the stream
+  was reset or closed under the call): an abandoned call ends without a status.
+
+A connection is open, draining (the server is shutting down: the final GOAWAY's
+last stream id is sent, client-streaming calls stop reading), or closing (the
+final GOAWAY is queued: h2 reads nothing more), after a drain or without one.
+
+The states and events are StrEnums: their hash is str's, so the tables are looked
+up at C speed.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "CONNECTION_TRANSITIONS",
+    "REQUEST_TRANSITIONS",
+    "RESPONSE_TRANSITIONS",
+    "CallState",
+    "Conn",
+    "ConnEvent",
+    "ConnectionState",
+    "LocalProtocolError",
+    "Request",
+    "RequestEvent",
+    "Response",
+    "ResponseEvent",
+]
+
+
+class LocalProtocolError(Exception):
+    """An event that the state machine does not allow in the state it is in."""
+
+
+class Request(enum.StrEnum):
+    """What the client sends on the call's stream."""
+
+    OPEN = "OPEN"  # it may send more messages
+    ENDED = "ENDED"  # it half-closed its side
+    FAILED = "FAILED"  # a message it sent was refused: nothing after it is read
+    RESET = "RESET"  # it reset the stream
+
+
+class RequestEvent(enum.StrEnum):
+    END_STREAM = "END_STREAM"  # the client half-closed (h2's StreamEnded)
+    REFUSE = "REFUSE"  # a message was refused (the call's receive raises its error)
+    RESET = "RESET"  # the client reset the stream (h2's StreamReset)
+
+
+class Response(enum.StrEnum):
+    """What the server sends on the call's stream."""
+
+    IDLE = "IDLE"  # nothing sent yet
+    SENDING = "SENDING"  # the response headers are sent: messages follow
+    ANSWERED = "ANSWERED"  # the trailers (the call's status) are queued
+    ABANDONED = "ABANDONED"  # nobody to answer: the call ends without a status
+
+
+class ResponseEvent(enum.StrEnum):
+    HEADERS = "HEADERS"  # the response headers, before the first message
+    FINISH = "FINISH"  # the trailers (or a trailers-only answer)
+    ABANDON = "ABANDON"  # the stream is gone (reset or closed)
+
+
+class Conn(enum.StrEnum):
+    """Where a connection stands."""
+
+    OPEN = "OPEN"
+    DRAINING = "DRAINING"  # the final last stream id is sent; calls in flight finish
+    CLOSING = "CLOSING"  # the final GOAWAY is queued (no drain before it)
+    DRAINED = "DRAINED"  # the final GOAWAY is queued after a drain
+
+
+class ConnEvent(enum.StrEnum):
+    DRAIN = "DRAIN"  # the server shuts down: the second GOAWAY is sent
+    CLOSE = "CLOSE"  # the final GOAWAY is queued (a drain's end, an error, idle)
+
+
+Q, QE = Request, RequestEvent
+REQUEST_TRANSITIONS: dict[Request, dict[RequestEvent, Request]] = {
+    Q.OPEN: {QE.END_STREAM: Q.ENDED, QE.REFUSE: Q.FAILED, QE.RESET: Q.RESET},
+    Q.ENDED: {QE.RESET: Q.RESET},
+    # A refused message's stream may still end or be reset; what follows is dropped.
+    Q.FAILED: {QE.END_STREAM: Q.FAILED, QE.RESET: Q.RESET},
+    Q.RESET: {},
+}
+R, RE = Response, ResponseEvent
+RESPONSE_TRANSITIONS: dict[Response, dict[ResponseEvent, Response]] = {
+    R.IDLE: {RE.HEADERS: R.SENDING, RE.FINISH: R.ANSWERED, RE.ABANDON: R.ABANDONED},
+    R.SENDING: {RE.FINISH: R.ANSWERED, RE.ABANDON: R.ABANDONED},
+    # Answered: the client may still reset the stream before reading the status.
+    R.ANSWERED: {RE.ABANDON: R.ANSWERED},
+    R.ABANDONED: {RE.ABANDON: R.ABANDONED},
+}
+C, CE = Conn, ConnEvent
+CONNECTION_TRANSITIONS: dict[Conn, dict[ConnEvent, Conn]] = {
+    C.OPEN: {CE.DRAIN: C.DRAINING, CE.CLOSE: C.CLOSING},
+    C.DRAINING: {CE.CLOSE: C.DRAINED},
+    C.CLOSING: {},
+    C.DRAINED: {},
+}
+del Q, QE, R, RE, C, CE
+
+
+def _refused(machine: str, state: enum.StrEnum, event: enum.StrEnum) -> LocalProtocolError:
+    return LocalProtocolError(f"{machine}: event {event.name} is not allowed in state {state.name}")
+
+
+class CallState:
+    """The two sides' states of one call, moved only by their tables."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(self, ended: bool = False) -> None:
+        self.request = Request.ENDED if ended else Request.OPEN
+        self.response = Response.IDLE
+
+    def request_event(self, event: RequestEvent) -> None:
+        try:
+            self.request = REQUEST_TRANSITIONS[self.request][event]
+        except KeyError:
+            raise _refused("request side", self.request, event) from None
+
+    def response_event(self, event: ResponseEvent) -> None:
+        try:
+            self.response = RESPONSE_TRANSITIONS[self.response][event]
+        except KeyError:
+            raise _refused("response side", self.response, event) from None
+
+    @property
+    def reset(self) -> bool:
+        """The client reset the stream: nobody to answer."""
+        return self.request is Request.RESET
+
+    @property
+    def answerable(self) -> bool:
+        """The call may still end with a status: not answered, not abandoned."""
+        return self.response is Response.IDLE or self.response is Response.SENDING
+
+    @property
+    def client_done(self) -> bool:
+        """The client sends no more messages that the call will read."""
+        return self.request is not Request.OPEN
+
+    def __repr__(self) -> str:
+        return f"CallState(request={self.request.name}, response={self.response.name})"
+
+
+class ConnectionState:
+    """A connection's state, moved only by its table."""
+
+    __slots__ = ("state",)
+
+    def __init__(self) -> None:
+        self.state = Conn.OPEN
+
+    def event(self, event: ConnEvent) -> None:
+        try:
+            self.state = CONNECTION_TRANSITIONS[self.state][event]
+        except KeyError:
+            raise _refused("connection", self.state, event) from None
+
+    @property
+    def draining(self) -> bool:
+        """The server told the connection to drain: client-streaming calls stop
+        reading."""
+        return self.state is Conn.DRAINING or self.state is Conn.DRAINED
+
+    @property
+    def closing(self) -> bool:
+        """The final GOAWAY is queued: h2 is closed and reads nothing more."""
+        return self.state is Conn.CLOSING or self.state is Conn.DRAINED
