@@ -3,7 +3,8 @@
 Usage:
     python -m benchmarks.served_vs_direct [--duration 3] [--warmup 1] [--rounds 1]
         [--concurrency 1,8] [--paths http,grpc,shm,inproc] [--models cnn_onnx,cnn_torch]
-        [--delay-us 500[,0]] [--client-processes N] [--gpu auto|off]
+        [--delay-us 500[,0]] [--ort-variant NAME:KEY=VALUE[,KEY=VALUE]]
+        [--client-processes N] [--gpu auto|off]
 
 One run, one table. The models are generated at run time into a temporary
 repository:
@@ -15,7 +16,9 @@ repository:
   torch is installed). One instance, ``dynamic_batching`` with a 500 us delay
   (``--delay-us``; each further delay adds the same model as ``<model>_d<delay>``,
   so ``--delay-us 500,0`` shows what the delay costs a lone request, which waits
-  it out in full as in Triton's dynamic batcher).
+  it out in full as in Triton's dynamic batcher; ``--ort-variant
+  spin:session.intra_op.allow_spinning=1`` adds each ONNX Runtime model again as
+  ``<model>_spin`` with those config parameters).
 - on a GPU (lazily; skipped without one): ``resnet50_torch`` (TorchScript, needs
   torchvision; random weights) and ``resnet50_onnx`` on ONNX Runtime's CUDA
   provider (needs onnxruntime-gpu), one KIND_GPU instance, max batch 16, 100 us
@@ -60,7 +63,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -188,10 +191,16 @@ def write_resnet50(torch_path: Path | None, onnx_path: Path | None) -> None:
             )
 
 
-def _config(spec: ModelSpec, delay_us: int) -> str:
+def _config(spec: ModelSpec, delay_us: int, parameters: Mapping[str, str] | None = None) -> str:
     backend = "onnxruntime" if spec.framework == "onnxruntime" else "pytorch"
     kind = "KIND_GPU" if spec.gpu else "KIND_CPU"
-    return f"""name: "{spec.name}"
+    extra = "".join(
+        f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
+        for key, value in (parameters or {}).items()
+    )
+    return (
+        extra
+        + f"""name: "{spec.name}"
 backend: "{backend}"
 max_batch_size: {spec.max_batch}
 input [{{ name: "{spec.input_name}" data_type: TYPE_FP32 dims: [3, 224, 224] }}]
@@ -199,6 +208,7 @@ output [{{ name: "{spec.output_name}" data_type: TYPE_FP32 dims: [{CLASSES}] }}]
 instance_group [{{ count: 1 kind: {kind} }}]
 dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}
 """
+    )
 
 
 def has_gpu() -> bool:
@@ -212,12 +222,19 @@ def has_gpu() -> bool:
 
 
 def build_repository(
-    root: Path, wanted: list[str], gpu: bool, log, cpu_delays: Sequence[int] = (500,)
+    root: Path,
+    wanted: list[str],
+    gpu: bool,
+    log,
+    cpu_delays: Sequence[int] = (500,),
+    ort_variants: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[ModelSpec]:
     """Write the wanted models that this machine can run; log why others are left out.
 
     The CPU models get the first of ``cpu_delays`` as their batch delay (us); each
-    further delay adds a copy named ``<model>_d<delay>``."""
+    further delay adds a copy named ``<model>_d<delay>``. Each of ``ort_variants``
+    (name -> config parameters) adds a copy of every ONNX Runtime model named
+    ``<model>_<name>`` with those parameters."""
     specs: list[ModelSpec] = []
 
     def add(spec: ModelSpec, write: Callable[[Path], None], delay_us: int) -> None:
@@ -232,11 +249,18 @@ def build_repository(
             return
         (directory / "config.pbtxt").write_text(_config(spec, delay_us))
         specs.append(spec)
+        copies: list[tuple[str, int, Mapping[str, str]]] = []
         # The same model at the other delays asked for, e.g. cnn_onnx_d0.
         for other in cpu_delays[1:] if not spec.gpu else ():
-            variant = replace(spec, name=f"{spec.name}_d{other}")
-            shutil.copytree(directory / "1", root / variant.name / "1")
-            (root / variant.name / "config.pbtxt").write_text(_config(variant, other))
+            copies.append((f"{spec.name}_d{other}", other, {}))
+        # ... and with other session parameters, e.g. cnn_onnx_spin.
+        for suffix, parameters in (ort_variants or {}).items():
+            if spec.framework == "onnxruntime":
+                copies.append((f"{spec.name}_{suffix}", delay_us, parameters))
+        for name, delay, parameters in copies:
+            variant = replace(spec, name=name)
+            shutil.copytree(directory / "1", root / name / "1")
+            (root / name / "config.pbtxt").write_text(_config(variant, delay, parameters))
             specs.append(variant)
 
     add(
@@ -610,6 +634,14 @@ def main() -> None:
         help="the CPU models' max_queue_delay_microseconds, comma-separated: each delay "
         "after the first adds <model>_d<delay> (e.g. 500,0)",
     )
+    parser.add_argument(
+        "--ort-variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="add each ONNX Runtime model again as <model>_NAME with these config "
+        "parameters (e.g. spin:session.intra_op.allow_spinning=1); repeatable",
+    )
     parser.add_argument("--client-processes", type=int, default=None)
     parser.add_argument("--gpu", choices=("auto", "off"), default="auto")
     parser.add_argument(
@@ -629,7 +661,11 @@ def main() -> None:
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="svd-")))
         repository = root / "models"
         delays = [int(d) for d in args.delay_us.split(",")]
-        specs = build_repository(repository, args.models.split(","), gpu, log, delays)
+        variants = {}
+        for option in args.ort_variant:
+            name, _, pairs = option.partition(":")
+            variants[name] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
+        specs = build_repository(repository, args.models.split(","), gpu, log, delays, variants)
         if not specs:
             raise SystemExit("no model to run")
         flags = shlex.split(args.server_flags)

@@ -11,6 +11,7 @@ from benchmarks.served_vs_direct import (
     IMAGE,
     ModelSpec,
     Row,
+    build_repository,
     direct_runner,
     format_table,
     stats_delta,
@@ -72,3 +73,22 @@ def test_served_rows_are_compared_with_direct_at_the_batch_the_server_formed():
         ["cnn_onnx", "8", "http", "150", "1.50x", "0.75x"],
     ]
     assert cells[1][8] == "4.0"  # a direct row's batch is its own
+
+
+def test_repository_variants_at_other_delays_and_session_parameters(tmp_path):
+    pytest.importorskip("onnx")
+    specs = build_repository(
+        tmp_path,
+        ["cnn_onnx"],
+        False,
+        print,
+        cpu_delays=(500, 0),
+        ort_variants={"spin": {"session.intra_op.allow_spinning": "1"}},
+    )
+    assert [spec.name for spec in specs] == ["cnn_onnx", "cnn_onnx_d0", "cnn_onnx_spin"]
+    d0 = (tmp_path / "cnn_onnx_d0" / "config.pbtxt").read_text()
+    assert "max_queue_delay_microseconds: 0 " in d0
+    spin = (tmp_path / "cnn_onnx_spin" / "config.pbtxt").read_text()
+    assert 'key: "session.intra_op.allow_spinning" value: { string_value: "1" }' in spin
+    assert "max_queue_delay_microseconds: 500 " in spin
+    assert (tmp_path / "cnn_onnx_spin" / "1" / "model.onnx").exists()
