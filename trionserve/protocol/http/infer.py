@@ -1,0 +1,232 @@
+"""``POST /v2/models/{name}[/versions/{v}]/infer``, the hot path of the HTTP
+frontend: a compressed body inflated (never past --http-max-input-size), the
+request decoded, inferred and its response encoded; TritonErrors answered with
+their HTTP status and a JSON error."""
+
+from __future__ import annotations
+
+import gzip
+import re
+import time
+import zlib
+
+import structlog
+import trio
+
+from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
+from trionserve.core.parameters import check_forwarded_header
+from trionserve.core.types import InferenceRequest
+from trionserve.dataplane import DataPlane, ShuttingDown
+from trionserve.observability.logging import verbose
+from trionserve.protocol.http import codec as http_codec
+from trionserve.protocol.http.h1 import CLOSE, JSON, Headers, RequestBody, Response
+
+log = structlog.get_logger(__name__)
+
+# Triton's codes have HTTP statuses of their own, the rest are 400 (server
+# src/http_server.cc HttpCodeFromError: "cases that has no direct matching code").
+HTTP_STATUS = {
+    Status.INVALID_ARGUMENT: 400,
+    Status.NOT_FOUND: 404,
+    Status.UNAVAILABLE: 503,
+    Status.INTERNAL: 500,
+    Status.UNIMPLEMENTED: 501,
+    Status.UNKNOWN: 400,
+    Status.ALREADY_EXISTS: 400,
+    Status.CANCELLED: 400,
+    Status.DEADLINE_EXCEEDED: 504,
+    Status.RESOURCE_EXHAUSTED: 503,
+}
+
+_BINARY_TYPE = (b"content-type", b"application/octet-stream")
+
+
+def error_status(error: TritonError) -> int:
+    return HTTP_STATUS.get(error.status, 500)
+
+
+# Compressed bodies larger than this are inflated in a worker thread, so that the
+# event loop serves other connections meanwhile.
+INFLATE_IN_THREAD_BYTES = 256 * 1024
+# zlib window bits of each Content-Encoding: gzip's header, zlib's header.
+_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def decompress(body: RequestBody, encoding: str, limit: int | None) -> bytes:
+    """``body`` inflated, never past ``limit`` bytes of output: a body that would
+    inflate further is refused having produced at most ``limit + 1`` bytes (a
+    decompression bomb costs no more memory than an honest body at the limit).
+    Concatenated gzip members are inflated in turn. Raises InvalidArgument for an
+    unknown encoding, corrupt or truncated data, or output past the limit."""
+    wbits = _WBITS.get(encoding)
+    if wbits is None:
+        raise InvalidArgument(f"unsupported Content-Encoding '{encoding}'")
+    parts: list[bytes] = []
+    size = 0
+    rest = body
+    try:
+        while True:
+            inflater = zlib.decompressobj(wbits)
+            room = 0 if limit is None else limit - size + 1
+            part = inflater.decompress(rest, room)
+            size += len(part)
+            parts.append(part)
+            if limit is not None and (size > limit or inflater.unconsumed_tail):
+                # Triton's words (server src/data_compressor.h DecompressData).
+                raise InvalidArgument(
+                    "Decompressed data size exceeds the maximum allowed value of "
+                    f"{limit} bytes. Use --http-max-input-size to increase the limit. "
+                    f"(the {encoding} request body inflates past it)"
+                )
+            if not inflater.eof:
+                raise InvalidArgument(
+                    f"failed to decompress the {encoding} request body: it is truncated"
+                )
+            rest = inflater.unused_data
+            if encoding != "gzip" or not rest:
+                break
+    except zlib.error as exc:
+        raise InvalidArgument(f"failed to decompress the {encoding} request body: {exc}") from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _compress(body: bytes, accept_encoding: str) -> tuple[bytes, bytes | None]:
+    accepted = {part.split(";")[0].strip() for part in accept_encoding.split(",")}
+    if "gzip" in accepted:
+        return gzip.compress(body, compresslevel=1), b"gzip"
+    if "deflate" in accepted:
+        return zlib.compress(body, 1), b"deflate"
+    return body, None
+
+
+class InferHandler:
+    """``POST /v2/models/{name}[/versions/{v}]/infer``: decode, infer, encode.
+
+    ``handle`` is the whole request -> response step; the route table binds the
+    path's match to it. It is the hot path: no per-request objects beyond the
+    codec's.
+    """
+
+    def __init__(
+        self,
+        dataplane: DataPlane,
+        verbose: bool = False,
+        forward_headers: str | None = None,
+        max_input_size: int | None = None,
+    ) -> None:
+        self.dataplane = dataplane
+        self.verbose = verbose
+        # The cap on a compressed body's inflated size (--http-max-input-size).
+        self.max_input_size = max_input_size
+        # --http-header-forward-pattern: matching headers become request parameters.
+        self._forward = re.compile(forward_headers) if forward_headers else None
+
+    async def handle(
+        self, match: re.Match[str], request_headers: Headers, body: RequestBody
+    ) -> Response:
+        """The response to one infer request: (status, headers, body chunks); with
+        verbose logging, an access-log line once it is answered (protocol, model,
+        HTTP status, latency)."""
+        if not (self.verbose or verbose()):
+            return await self._handle(match, request_headers, body)
+        started = time.perf_counter()
+        response = await self._handle(match, request_headers, body)
+        log.debug(
+            "infer response",
+            protocol="HTTP",
+            model=match.group(1),
+            status=response[0],
+            latency_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        return response
+
+    async def _handle(
+        self, match: re.Match[str], request_headers: Headers, body: RequestBody
+    ) -> Response:
+        header_field: bytes | None = None
+        header_length: int | None = None
+        content_encoding = None
+        accept_encoding = None
+        for key, value in request_headers:
+            if key == b"inference-header-content-length":
+                header_field = value
+            elif key == b"content-encoding":
+                content_encoding = value.decode("latin-1").strip().lower()
+            elif key == b"accept-encoding":
+                accept_encoding = value.decode("latin-1")
+        try:
+            if content_encoding and content_encoding != "identity":
+                limit = self.max_input_size
+                if len(body) > INFLATE_IN_THREAD_BYTES:
+                    body = await trio.to_thread.run_sync(decompress, body, content_encoding, limit)
+                else:
+                    body = decompress(body, content_encoding, limit)
+            if header_field is not None:
+                try:
+                    header_length = int(header_field)
+                except ValueError:
+                    raise InvalidArgument(
+                        "Inference-Header-Content-Length must be an integer, got "
+                        f"{header_field.decode('latin-1')!r}"
+                    ) from None
+            version = http_codec.parse_model_version(match.group(2) or "")
+            shared_memory = self.dataplane.shm_resolver
+            name = match.group(1)
+            if header_length == 0:  # a raw binary request: the body is the one input
+                signature = self.dataplane.model(name, version).signature
+                infer_request = http_codec.decode_raw_request(body, name, version, signature)
+                binary_output = True  # all its outputs are binary, as in Triton
+            else:
+                infer_request, binary_output = http_codec.decode_infer_request(
+                    body, header_length, name, version, shared_memory
+                )
+            if self._forward is not None:
+                self._forward_headers(self._forward, request_headers, infer_request)
+            if verbose():
+                log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
+            response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
+            chunks, json_length = http_codec.encode_infer_response(
+                response, infer_request, shared_memory, binary_output=binary_output
+            )
+        except TritonError as error:
+            return error_response(error)
+        except Exception as exc:  # a bug must not take the connection task down
+            log.exception("infer handler failed")
+            return error_response(as_triton_error(exc, "internal error"))
+
+        if json_length is None:
+            headers = [JSON]
+        else:
+            headers = [_BINARY_TYPE, (b"inference-header-content-length", b"%d" % json_length)]
+        total = 0
+        for chunk in chunks:
+            total += len(chunk)
+        if accept_encoding and "identity" != accept_encoding.strip():
+            payload, encoding = _compress(b"".join(chunks), accept_encoding)
+            if encoding is not None:
+                chunks, total = [payload], len(payload)
+                headers.append((b"content-encoding", encoding))
+        headers.append((b"content-length", b"%d" % total))
+        return 200, headers, chunks
+
+    @staticmethod
+    def _forward_headers(
+        pattern: re.Pattern[str], request_headers: Headers, request: InferenceRequest
+    ) -> None:
+        """Headers whose name matches the pattern, as string parameters (a parameter
+        the request sets itself wins, as over gRPC)."""
+        for key, value in request_headers:
+            name = key.decode("latin-1")
+            if pattern.search(name):
+                check_forwarded_header(name)
+                request.parameters.setdefault(name, value.decode("latin-1"))
+
+
+def error_response(error: TritonError) -> Response:
+    body = http_codec.encode_error(error.message)
+    headers = [JSON, (b"content-length", b"%d" % len(body))]
+    if isinstance(error, ShuttingDown):
+        # Refused because the server is draining: the client should take its next
+        # request elsewhere (another replica), so the connection is not kept.
+        headers.append(CLOSE)
+    return error_status(error), headers, [body]
