@@ -4,7 +4,8 @@ One real server per mode, ``EXECUTION_MODE`` ``stub`` (the default: a stub proce
 per instance) and ``in_process`` (model.py on the server's threads), serving the
 same model.py files: BLS (sync, async, decoupled, cancelled, names as bytes),
 decoupled models and response senders, a client's cancellation reaching the
-model, execute errors and Triton's wording, custom metrics and log lines. The
+model, execute errors and Triton's wording, custom metrics and log lines, the
+model's ``is_ready()``, request rescheduling, refused configurations. The
 tests are those of the Python-backend e2e modules, collected here again with this
 module's ``server``; what only the in-process mode promises (one module namespace
 per model, no stub process, the refused configurations) is tested below them.
@@ -25,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.e2e import test_python_backend as base
 from tests.e2e import test_python_backend_parity as parity
+from tests.e2e import test_python_backend_qa as qa
 from tests.e2e import test_python_custom_metrics as metrics
 
 # The tests of the Python-backend e2e modules that run here, in both modes.
@@ -51,6 +53,14 @@ from tests.e2e.test_python_backend_parity import (  # noqa: F401
     test_response_iterator_cancel_cancels_the_called_request,
     test_sender_rules_over_a_grpc_stream,
     test_the_empty_final_response_always_reaches_the_iterator,
+)
+from tests.e2e.test_python_backend_qa import (  # noqa: F401
+    grpc_client,
+    test_a_rescheduled_request_must_return_none,
+    test_a_rescheduled_request_of_a_model_that_is_not_decoupled,
+    test_an_iterative_sequence_executes_a_rescheduled_request_again,
+    test_is_ready_of_the_model_is_consulted,
+    test_rescheduling_without_an_iterative_sequence_is_refused,
 )
 from tests.e2e.test_python_custom_metrics import (  # noqa: F401
     test_counter_gauge_and_histogram_reach_the_metrics_endpoint,
@@ -90,6 +100,15 @@ output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]
 """
 
 
+BAD_CONFIGS = {
+    "bad_mode": ('parameters { key: "EXECUTION_MODE" value: { string_value: "threads" } }\n'),
+    "env_in_process": (
+        'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n'
+        'parameters { key: "EXECUTION_ENV_PATH" value: { string_value: "env.tar.gz" } }\n'
+    ),
+}
+
+
 def _mode_parameter(mode: str) -> str:
     return f'parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{mode}" }} }}\n'
 
@@ -125,6 +144,16 @@ def make_repository(root: Path, mode: str) -> Path:
             "raise_after_final",
         )
     )
+    models.update(
+        (name, qa.MODELS[name])
+        for name in (
+            *qa.READINESS,
+            "countdown",
+            "reschedule_once",
+            "reschedule_with_response",
+            "reschedule_not_iterative",
+        )
+    )
     models["globals_a"] = models["globals_b"] = (GLOBALS_CONFIG, GLOBALS_MODEL)
     for name, (config, source) in models.items():
         (root / name / "1").mkdir(parents=True)
@@ -135,6 +164,15 @@ def make_repository(root: Path, mode: str) -> Path:
     (root / "introspect" / "1" / "helper.py").write_text('GREETING = "hello from helper.py"\n')
     for name in ("globals_a", "globals_b"):
         (root / name / "1" / "helper.py").write_text(f"WHO = {name!r}\n")
+    # Refused configurations: their loads fail, naming why.
+    for name, parameters in BAD_CONFIGS.items():
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").write_text(
+            textwrap.dedent(base.ECHO_MODEL.format(special="                pass"))
+        )
+        (root / name / "config.pbtxt").write_text(
+            f'name: "{name}"\nbackend: "python"\n' + base.ECHO + parameters
+        )
     model = root / "metrics_model"
     (model / "1").mkdir(parents=True)
     (model / "config.pbtxt").write_text(metrics.CONFIG + _mode_parameter(mode))
@@ -201,6 +239,20 @@ def test_execute_errors_are_worded_as_triton_words_them(client):
 
 
 # -- configuration ----------------------------------------------------------------------
+
+
+def test_refused_configurations_fail_the_load_naming_why(client):
+    rows = {row["name"]: row for row in client.get_model_repository_index()}
+    assert rows["bad_mode"]["state"] == "UNAVAILABLE"
+    assert (
+        "parameter EXECUTION_MODE must be 'stub' or 'in_process', got 'threads'"
+        in (rows["bad_mode"]["reason"])
+    )
+    assert rows["env_in_process"]["state"] == "UNAVAILABLE"
+    assert (
+        "EXECUTION_ENV_PATH cannot be used with EXECUTION_MODE 'in_process'"
+        in (rows["env_in_process"]["reason"])
+    )
 
 
 def _settings(parameters: str) -> StubSettings:
