@@ -46,6 +46,7 @@ from trionserve.dataplane import DataPlane
 from trionserve.observability.exposition import CONTENT_TYPE, exposition_text
 from trionserve.observability.metrics import MetricsOptions, build_metrics_registry
 from trionserve.protocol.http.frontend import error_status
+from trionserve.protocol.http.transport import Handler as RequestHandler
 from trionserve.protocol.http.transport import (
     Headers,
     HttpServer,
@@ -167,7 +168,7 @@ class OpenAIFrontend:
 
     # -- routing ----------------------------------------------------------------------
 
-    def route(self, method: bytes, path: str):
+    def route(self, method: bytes, path: str) -> RequestHandler:
         """The handler of a request: 401 first where access is restricted, then
         the route table; 405 for a known path with another method, else 404."""
         name = method.decode("latin-1")
@@ -245,11 +246,15 @@ class OpenAIFrontend:
     def _model_names(self) -> list[str]:
         return sorted({version.name for version in self.dataplane.registry.serving()})
 
-    async def list_models(self, match, headers, body) -> Response:
+    async def list_models(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         data = [self._model_object(name) for name in self._model_names()]
         return _json({"object": "list", "data": data})
 
-    async def retrieve_model(self, match, headers, body) -> Response:
+    async def retrieve_model(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         name = match["name"]
         if name not in self._model_names():
             raise OpenAIError(404, f"Unknown model: {name}", code="model_not_found")
@@ -259,7 +264,9 @@ class OpenAIFrontend:
         if self.dataplane.control_mode is not ControlMode.EXPLICIT:
             raise client_error("Model load/unload requires --model-control-mode=explicit")
 
-    async def load_model(self, match, headers, body) -> Response:
+    async def load_model(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         """Load a model (EXPLICIT control); answers once it is ready (Triton's
         ``TritonLLMEngine.load_model``)."""
         self._check_explicit()
@@ -277,7 +284,9 @@ class OpenAIFrontend:
         self._created[name] = int(time.time())
         return _json(self._model_object(name))
 
-    async def unload_model(self, match, headers, body) -> Response:
+    async def unload_model(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         self._check_explicit()
         name = match["name"]
         if name not in self._model_names():
@@ -288,14 +297,16 @@ class OpenAIFrontend:
 
     # -- observability -------------------------------------------------------------------
 
-    async def health_ready(self, match, headers, body) -> Response:
+    async def health_ready(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         if self.dataplane.draining or not await self.dataplane.server_is_ready():
             return _json(
                 {"detail": "Attached inference engine is not ready for inference requests."}, 400
             )
         return 200, [(b"content-length", b"0")], ()
 
-    async def metrics(self, match, headers, body) -> Response:
+    async def metrics(self, match: re.Match[str], headers: Headers, body: RequestBody) -> Response:
         data = exposition_text(self._metrics)
         content_type = (b"content-type", CONTENT_TYPE.encode())
         return 200, [content_type, (b"content-length", b"%d" % len(data))], [data]
@@ -317,7 +328,9 @@ class OpenAIFrontend:
         )
         return target, model
 
-    async def completions(self, match, headers, body) -> Response:
+    async def completions(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         request = schemas.parse_completion(body)
         target, _ = self._target(request.model)
         prompt = engine.check_completion(request, target)
@@ -328,7 +341,9 @@ class OpenAIFrontend:
         response, usage = await self._collect(infer_request)
         return _json(answer.completion(engine.output_text(response), "stop", usage))
 
-    async def chat_completions(self, match, headers, body) -> Response:
+    async def chat_completions(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         request = schemas.parse_chat(body)
         target, model = self._target(request.model)
         engine.check_chat(request, target)
@@ -340,7 +355,9 @@ class OpenAIFrontend:
         response, usage = await self._collect(infer_request)
         return _json(answer.chat(engine.output_text(response), usage))
 
-    async def embeddings(self, match, headers, body) -> Response:
+    async def embeddings(
+        self, match: re.Match[str], headers: Headers, body: RequestBody
+    ) -> Response:
         request = schemas.parse_embedding(body)
         target, _ = self._target(request.model)
         response, _usage = await self._collect(engine.embedding_request(target, request))
