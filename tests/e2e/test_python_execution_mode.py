@@ -87,9 +87,11 @@ class TritonPythonModel:
         pb_utils.WRITTEN_BY = args["model_name"]
 
     def execute(self, requests):
-        import triton_python_backend_utils as late  # an import inside a function
+        import c_python_backend_utils as c_late  # imports inside a function
+        import triton_python_backend_utils as late
 
-        text = f"{self.seen_before}|{pb_utils.WRITTEN_BY}|{late.WRITTEN_BY}|{WHO}"
+        free = c_late.shared_memory.free_memory()  # no arena in-process: 0
+        text = f"{self.seen_before}|{pb_utils.WRITTEN_BY}|{late.WRITTEN_BY}|{WHO}|{type(free).__name__}"
         out = np.array([text.encode()], dtype=np.object_)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]) for _ in requests]
 """
@@ -219,7 +221,7 @@ def test_each_model_has_its_own_pb_utils_and_helpers(client):
         infer_input = httpclient.InferInput("INPUT0", [1], "INT32")
         infer_input.set_data_from_numpy(np.array([0], dtype=np.int32))
         text = client.infer(name, [infer_input]).as_numpy("OUTPUT0")[0].decode()
-        assert text == f"|{name}|{name}|{name}"
+        assert text == f"|{name}|{name}|{name}|int"
 
 
 def test_where_the_model_runs(client, server, mode):

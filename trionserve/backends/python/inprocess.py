@@ -72,7 +72,7 @@ _RESCHEDULED = object()
 # Model imports change sys.modules and sys.path for a moment: one at a time.
 _IMPORT_LOCK = threading.Lock()
 _PACKAGES = itertools.count(1)
-# The pb_utils module of the model whose code runs on this thread.
+# The pb_utils modules (by name) of the model whose code runs on this thread.
 _bound = threading.local()
 
 
@@ -81,11 +81,11 @@ class _LateImport(types.ModuleType):
     ``import`` inside a function gets the module of the model whose thread runs it."""
 
     def __getattr__(self, name: str) -> Any:
-        module = getattr(_bound, "pb", None)
+        module = getattr(_bound, "modules", {}).get(self.__name__)
         if module is None:
             raise AttributeError(
-                f"{PB_MODULE}.{name}: this thread runs no in-process model; import "
-                f"{PB_MODULE} at the top of model.py, where every model gets its own"
+                f"{self.__name__}.{name}: this thread runs no in-process model; import "
+                f"{self.__name__} at the top of model.py, where every model gets its own"
             )
         return getattr(module, name)
 
@@ -122,7 +122,8 @@ class ModelNamespace:
                 self.pb = _module_from_file(PB_MODULE, STUBPATH / f"{PB_MODULE}.py")
                 setattr(self.pb, "_runtime", runtime)  # noqa: B010 - the module's hook
                 sys.modules[PB_MODULE] = self.pb
-                sys.modules[C_MODULE] = _module_from_file(C_MODULE, STUBPATH / f"{C_MODULE}.py")
+                self.c_pb = _module_from_file(C_MODULE, STUBPATH / f"{C_MODULE}.py")
+                sys.modules[C_MODULE] = self.c_pb
                 package = types.ModuleType(self.package)
                 package.__path__ = [str(version_dir)]
                 sys.modules[self.package] = package
@@ -148,6 +149,10 @@ class ModelNamespace:
             origin = getattr(sys.modules[name], "__file__", None)
             if origin and Path(origin).resolve().is_relative_to(root):
                 del sys.modules[name]
+
+    def bind(self) -> None:
+        """Late imports of the pb_utils modules on this thread get this model's."""
+        _bound.modules = {PB_MODULE: self.pb, C_MODULE: self.c_pb}
 
     def close(self) -> None:
         """Forget the model's package (its module stays with whoever holds it)."""
@@ -249,7 +254,7 @@ class InProcessRuntime(ModelRuntime):
         """Import model.py and run ``initialize(args)``; whether it has ``is_ready``."""
         self.namespace = ModelNamespace(self._model_file, self)
         self.pb = self.namespace.pb
-        _bound.pb = self.pb
+        self.namespace.bind()
         self.model = self.namespace.module.TritonPythonModel()
         initialize = getattr(self.model, "initialize", None)
         if initialize is not None:
@@ -356,13 +361,14 @@ class InProcessRuntime(ModelRuntime):
         finally:
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)
-            _bound.pb = None
+            _bound.modules = {}
 
     def close(self) -> None:
         """Nothing here: :meth:`InProcessInstance.close` runs ``finalize``."""
 
     def _run_loop(self, loop) -> None:
-        _bound.pb = self.pb
+        if self.namespace is not None:
+            self.namespace.bind()
         try:
             loop.run_forever()
         finally:
