@@ -269,6 +269,33 @@ async def test_a_request_cut_at_the_exit_timeout_is_503(nursery):
     status, headers, body = await peer.response()
     assert (status, headers["connection"]) == (503, "close") and b"--exit-timeout-secs" in body
     assert app.cancelled.is_set()
+    assert await peer.closed()  # closed under cancellation too (e45f070)
+
+
+async def test_at_the_cap_the_connection_idle_longest_after_an_answer_makes_room(nursery):
+    """Only connections answered and idle since are evicted, oldest first; one that
+    has not sent its first request is not (646dbcd)."""
+    app = App()
+    server = HttpServer(app.route, HttpServerOptions(linger=0.1))
+    peers = []
+    for _ in range(3):
+        client, served = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.serve_connection, served)
+        peers.append(Peer(client))
+    fresh, older, newer = peers
+    for peer in (older, newer):
+        await peer.send(post("/echo", b"1"))
+        await peer.response()
+        await trio.testing.wait_all_tasks_blocked()
+    assert server._close_oldest_idle()
+    assert await older.closed()
+    await newer.send(post("/echo", b"2"))
+    assert (await newer.response())[2] == b"2"  # still served
+    await trio.testing.wait_all_tasks_blocked()
+    assert server._close_oldest_idle() and await newer.closed()
+    assert not server._close_oldest_idle()  # the fresh one is not idle after an answer
+    await fresh.send(post("/echo", b"3"))
+    assert (await fresh.response())[2] == b"3"
 
 
 async def test_a_client_gone_during_a_slow_request_cancels_it(connect, autojump_clock):
