@@ -15,6 +15,7 @@ from trionserve.observability.statistics import ComputeTimes
 from trionserve.server import Server, ServerOptions
 
 THREADS: list[bool] = []  # per execution: True when it ran on the event loop's thread
+TASKS: list[object] = []  # per execution on the event loop: the Trio task that ran it
 COST_NS = [0]  # what the next execution reports as its own cost
 
 
@@ -27,6 +28,8 @@ class _Instance:
 
     def execute(self, requests):
         THREADS.append(threading.current_thread() is threading.main_thread())
+        if THREADS[-1]:
+            TASKS.append(trio.lowlevel.current_task())
         self.compute_times = ComputeTimes(0, COST_NS[0], 0)
         return echo_responses(requests, self.name, self.version)
 
@@ -37,7 +40,7 @@ class _Instance:
 register_instance_backend("test_inline", lambda context, spec: _Instance(context))
 
 
-async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):
+def _write_model(tmp_path) -> None:
     model = tmp_path / "tiny"
     (model / "1").mkdir(parents=True)
     (model / "1" / "model.txt").write_text("tiny\n")
@@ -46,7 +49,11 @@ async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):
         'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
         'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
     )
-    server = Server(
+
+
+def _server(tmp_path) -> Server:
+    _write_model(tmp_path)
+    return Server(
         ServerOptions(
             model_repositories=[tmp_path],
             allow_http=False,
@@ -55,6 +62,10 @@ async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):
             http_port=free_port(),
         )
     )
+
+
+async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):
+    server = _server(tmp_path)
     THREADS.clear()
 
     async def infer(size: int = 4) -> None:
@@ -75,3 +86,31 @@ async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):
         await infer(size=100_000)  # cheap, but its input is too large to run inline
         server.shutdown()
     assert THREADS == [False, True, True, False, False]
+
+
+async def test_an_idle_instance_runs_a_cheap_request_in_the_submitting_task(tmp_path):
+    """Nothing queued and the instance idle, with nothing in flight: the request
+    runs in the task that submitted it, with no hop to the executor's task."""
+    server = _server(tmp_path)
+    THREADS.clear()
+    TASKS.clear()
+    submitted: list[object] = []
+
+    async def infer() -> None:
+        data = np.ones((1, 4), dtype=np.float32)
+        request = InferenceRequest("tiny", inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+        submitted.append(trio.lowlevel.current_task())
+        response = await server.dataplane.infer(request)
+        np.testing.assert_array_equal(response.outputs[0].data, data)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        COST_NS[0] = 10_000
+        await infer()  # first batch: measured in a thread, through the queue
+        await infer()  # may be taken by the executor's task as it comes back
+        async with trio.open_nursery() as clients:
+            for _ in range(3):
+                clients.start_soon(infer)
+        server.shutdown()
+    assert THREADS == [False, True, True, True, True]
+    assert TASKS[1:] == submitted[2:]

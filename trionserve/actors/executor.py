@@ -160,10 +160,21 @@ class InstanceExecutor:
         self, thread: InstanceThread, jobs: trio.MemorySendChannel[Job], slots: trio.Semaphore
     ) -> None:
         """Take batches from the outlet while a slot is free; give them to the thread."""
+        # A scheduler that can hand a request straight to an idle executor
+        # (DefaultScheduler) is offered _run_direct while nothing is in flight.
+        receive_direct = getattr(self._outlet, "receive_direct", None)
+        if not self._inline_budget or self._rate_limiter is not None:
+            receive_direct = None
         while True:
-            await slots.acquire()
             try:
-                batch = await self._outlet.receive()
+                slots.acquire_nowait()  # no task switch while a slot is free
+            except trio.WouldBlock:
+                await slots.acquire()
+            try:
+                if receive_direct is not None and slots.value == self._depth - 1:
+                    batch = await receive_direct(self._run_direct)
+                else:
+                    batch = await self._outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return
             live = self._live(batch)
@@ -244,6 +255,19 @@ class InstanceExecutor:
         if self._statistics is not None:
             self._record(live, outcomes, start, end, job.times)
         self._outlet.complete(live, outcomes)
+
+    def _run_direct(self, batch: list[InferenceRequest]) -> bool:
+        """Run a batch handed straight over by the scheduler while this executor
+        waits for one with nothing in flight (its thread idle), if it would run
+        inline when taken; False leaves it to the scheduler's queue."""
+        if not self._runs_inline(batch):
+            return False
+        live = self._live(batch)
+        if live:
+            self._execute_inline(live)
+        else:
+            self._outlet.complete(live, ())
+        return True
 
     def _execute_inline(self, live: list[InferenceRequest]) -> None:
         sync = self._sync

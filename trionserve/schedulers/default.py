@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import trio
 
 from trionserve.core.errors import TritonError
@@ -9,16 +11,34 @@ from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, deliver_outcomes
 
+# Runs a batch at once on the event loop, or says no (False) and leaves it alone.
+DirectRun = Callable[[list[InferenceRequest]], bool]
+
 
 class _ChannelOutlet:
     """An outlet over a clone of the shared batch channel: no ordering to keep."""
 
-    __slots__ = ("receive", "close", "complete")
+    __slots__ = ("_channel", "_scheduler", "close", "complete", "receive")
 
-    def __init__(self, channel: trio.MemoryReceiveChannel) -> None:
+    def __init__(self, scheduler: DefaultScheduler, channel: trio.MemoryReceiveChannel) -> None:
+        self._scheduler = scheduler
+        self._channel = channel
         self.receive = channel.receive
         self.close = channel.close
         self.complete = deliver_outcomes
+
+    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
+        """``receive``, offering ``run`` meanwhile: while this executor waits here
+        with nothing queued, ``submit`` may hand a request straight to it."""
+        direct = self._scheduler._direct
+        if self._channel.statistics().current_buffer_used:
+            return await self.receive()  # something is queued: take it in order
+        direct.append(run)
+        try:
+            return await self.receive()
+        finally:
+            if run in direct:
+                direct.remove(run)
 
 
 class DefaultScheduler:
@@ -28,6 +48,13 @@ class DefaultScheduler:
     a burst beyond it waits in ``submit`` (cancellable by the client) instead of
     growing memory without bound. Executors share the channel, so whichever is idle
     takes the next request, and no task stands between a request and its executor.
+
+    A request that finds nothing queued and an executor waiting with nothing in
+    flight is run by that executor at once, in the submitting task, when the
+    executor says it runs that batch inline (see ``receive_direct``): no channel
+    hop and no task switch. As Triton core without dynamic batching hands a
+    request straight to the model's instances, not through a batcher thread
+    (src/dynamic_batch_scheduler.cc Enqueue, ``!dynamic_batching_enabled_``).
     """
 
     def __init__(
@@ -35,16 +62,26 @@ class DefaultScheduler:
     ) -> None:
         self._send, self._receive = trio.open_memory_channel[list[InferenceRequest]](capacity)
         self._statistics = statistics
+        # Executors waiting in receive_direct with nothing in flight, the latest
+        # last. Emptied whenever a batch goes through the channel (one of them
+        # takes it): each offers itself again when it waits next.
+        self._direct: list[DirectRun] = []
+        self._closed = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
 
     async def submit(self, request: InferenceRequest) -> None:
         request.arrival_time = trio.current_time()
+        batch = [request]
+        direct = self._direct
+        if direct and not self._closed and direct[-1](batch):
+            return
+        direct.clear()
         try:
-            self._send.send_nowait([request])
+            self._send.send_nowait(batch)
         except trio.WouldBlock:
-            await self._send.send([request])
+            await self._send.send(batch)
 
     @property
     def pending(self) -> int:
@@ -53,13 +90,15 @@ class DefaultScheduler:
         return statistics.current_buffer_used + statistics.tasks_waiting_send
 
     def outlet(self) -> BatchOutlet:
-        return _ChannelOutlet(self._receive.clone())
+        return _ChannelOutlet(self, self._receive.clone())
 
     def close(self) -> None:
+        self._closed = True
+        self._direct.clear()
         self._send.close()
 
     def abort(self, error: TritonError) -> None:
-        self._send.close()
+        self.close()
         while True:
             try:
                 batch = self._receive.receive_nowait()
