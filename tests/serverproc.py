@@ -23,6 +23,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def held_port() -> socket.socket:
+    """A free loopback port, held by a socket bound with SO_REUSEADDR and never
+    listening. Until it is closed no other bind can take the port (neither a port-0
+    bind nor an explicit one without SO_REUSEADDR), while the server's own listener
+    (SO_REUSEADDR, as Trio's listeners set) binds it and listens. With free_port()
+    alone, another process could take the port between the choice and the server's
+    bind, and the test would talk to that process's server."""
+    hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    hold.bind(("127.0.0.1", 0))
+    return hold
+
+
 class ServerProcess:
     """A trionserve subprocess; ``stop`` sends SIGTERM and returns the exit code."""
 
@@ -33,9 +46,11 @@ class ServerProcess:
         workers: int | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.http_port = free_port()
-        self.grpc_port = free_port()
-        self.metrics_port = free_port()
+        # The ports stay held until close(): see held_port.
+        self._holds = [held_port() for _ in range(3)]
+        self.http_port, self.grpc_port, self.metrics_port = (
+            hold.getsockname()[1] for hold in self._holds
+        )
         self.log = tempfile.NamedTemporaryFile(
             "w+", prefix="trionserve-", suffix=".log", delete=False
         )
@@ -109,6 +124,8 @@ class ServerProcess:
 
     def close(self) -> None:
         self.kill()
+        for hold in self._holds:
+            hold.close()
         self.log.close()
         os.unlink(self.log.name)
 
