@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import trio
+import trio.testing
 
 from tests.fake_backend import echo_responses, register_instance_backend
 from tests.serverproc import free_port
@@ -16,6 +17,9 @@ from trionserve.server import Server, ServerOptions
 
 THREADS: list[bool] = []  # per execution: True when it ran on the event loop's thread
 TASKS: list[object] = []  # per execution on the event loop: the Trio task that ran it
+FIRST: list[float] = []  # per request executed: its input's first element
+STEPS: list[int] = []  # per execution on the event loop: Trio task steps before it
+GATE: list[threading.Event] = []  # if set up: what an execution in a thread waits for
 COST_NS = [0]  # what the next execution reports as its own cost
 
 
@@ -28,13 +32,27 @@ class _Instance:
 
     def execute(self, requests):
         THREADS.append(threading.current_thread() is threading.main_thread())
+        if GATE and not THREADS[-1]:
+            GATE[0].wait(10)
         if THREADS[-1]:
             TASKS.append(trio.lowlevel.current_task())
+            STEPS.append(_STEPS.count)
         self.compute_times = ComputeTimes(0, COST_NS[0], 0)
+        FIRST.extend(float(request.inputs["INPUT0"].data.flat[0]) for request in requests)
         return echo_responses(requests, self.name, self.version)
 
     def close(self) -> None:
         pass
+
+
+class _StepCounter(trio.abc.Instrument):
+    count = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.count += 1
+
+
+_STEPS = _StepCounter()
 
 
 register_instance_backend("test_inline", lambda context, spec: _Instance(context))
@@ -114,3 +132,41 @@ async def test_an_idle_instance_runs_a_cheap_request_in_the_submitting_task(tmp_
         server.shutdown()
     assert THREADS == [False, True, True, True, True]
     assert TASKS[1:] == submitted[2:]
+
+
+async def test_requests_queued_behind_a_batch_in_the_thread_run_after_it_in_order(tmp_path):
+    """The first batch runs in the thread; the three submitted meanwhile wait in
+    the queue and then run inline, in the order they came, in the executor's task,
+    in one task step (no task switch between cheap queued batches)."""
+    server = _server(tmp_path)
+    THREADS.clear()
+    TASKS.clear()
+    FIRST.clear()
+    COST_NS[0] = 10_000
+
+    async def infer(value: float) -> None:
+        data = np.full((1, 4), value, dtype=np.float32)
+        request = InferenceRequest("tiny", inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+        response = await server.dataplane.infer(request)
+        np.testing.assert_array_equal(response.outputs[0].data, data)
+
+    STEPS.clear()
+    gate = threading.Event()
+    GATE.append(gate)
+    trio.lowlevel.add_instrument(_STEPS)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            async with trio.open_nursery() as clients:
+                for value in range(4):
+                    clients.start_soon(infer, float(value))
+                    await trio.testing.wait_all_tasks_blocked()
+                gate.set()  # the thread finishes the first; the queued ones follow
+            server.shutdown()
+    finally:
+        trio.lowlevel.remove_instrument(_STEPS)
+        GATE.clear()
+    assert FIRST == [0.0, 1.0, 2.0, 3.0]
+    assert THREADS == [False, True, True, True]
+    assert len(set(TASKS)) == 1
+    assert len(set(STEPS)) == 1

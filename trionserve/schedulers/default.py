@@ -11,6 +11,11 @@ from trionserve.core.types import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, deliver_outcomes
 
+# Queued batches an executor that runs them inline takes in a row without a task
+# switch (so at most 16 x its inline budget, 2.4 ms for ONNX Runtime's, before the
+# other tasks run again).
+EAGER_BATCHES = 16
+
 # Runs a batch at once on the event loop, or says no (False) and leaves it alone.
 DirectRun = Callable[[list[InferenceRequest]], bool]
 
@@ -18,11 +23,12 @@ DirectRun = Callable[[list[InferenceRequest]], bool]
 class _ChannelOutlet:
     """An outlet over a clone of the shared batch channel: no ordering to keep."""
 
-    __slots__ = ("_channel", "_scheduler", "close", "complete", "receive")
+    __slots__ = ("_channel", "_eager", "_scheduler", "close", "complete", "receive")
 
     def __init__(self, scheduler: DefaultScheduler, channel: trio.MemoryReceiveChannel) -> None:
         self._scheduler = scheduler
         self._channel = channel
+        self._eager = 0  # batches taken in a row without a checkpoint
         self.receive = channel.receive
         self.close = channel.close
         self.complete = deliver_outcomes
@@ -32,7 +38,15 @@ class _ChannelOutlet:
         with nothing queued, ``submit`` may hand a request straight to it."""
         direct = self._scheduler._direct
         if self._channel.statistics().current_buffer_used:
-            return await self.receive()  # something is queued: take it in order
+            # Something is queued: take it in order, without a task switch for up
+            # to EAGER_BATCHES in a row (each runs inline, so is cheap), then let
+            # the other tasks run.
+            if self._eager < EAGER_BATCHES:
+                self._eager += 1
+                return self._channel.receive_nowait()
+            self._eager = 0
+            return await self.receive()
+        self._eager = 0
         direct.append(run)
         try:
             return await self.receive()
