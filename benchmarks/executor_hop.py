@@ -26,7 +26,7 @@ import numpy as np
 import trio
 
 from trionserve.backends.base import InstanceSpec
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.schedulers.default import DefaultScheduler
 
 SPEC = InstanceSpec("hop_0_0", "hop_0", "KIND_CPU", 0)

@@ -28,7 +28,7 @@ import hpack
 import numpy as np
 
 from trionserve._generated import grpc_service_pb2 as pb
-from trionserve.core.types import InferenceResponse, Tensor
+from trionserve.core.inference import InferenceResponse, Tensor
 from trionserve.protocol.grpc import codec, connection, upstream
 
 PATH = b"/inference.GRPCInferenceService/ModelInfer"

@@ -26,7 +26,7 @@ from trionserve.actors.model import ModelState
 from trionserve.backends.base import Backend
 from trionserve.backends.registry import register_backend
 from trionserve.core.errors import InternalError, TritonError, Unavailable
-from trionserve.core.types import InferenceResponse, Tensor
+from trionserve.core.inference import InferenceResponse, Tensor
 
 BACKEND = "sim"
 SERVING = "only fully loaded versions serve"

@@ -11,7 +11,7 @@ import trio
 from simulations.faults import QUANTUM, quantize
 from simulations.world import RequestRecord, TrackedRequest, World
 from trionserve.core.errors import TritonError
-from trionserve.core.types import Tensor
+from trionserve.core.inference import Tensor
 
 
 def phase_of(record: RequestRecord) -> str:

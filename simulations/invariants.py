@@ -11,7 +11,7 @@ import numpy as np
 
 from simulations.world import RequestRecord, World
 from trionserve.core.errors import Cancelled, TritonError
-from trionserve.core.types import InferenceResponse
+from trionserve.core.inference import InferenceResponse
 from trionserve.observability.statistics import FailureReason, to_ns
 
 ONE_OUTCOME = "every request gets exactly one final outcome"

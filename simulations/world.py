@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from trionserve.core.errors import TritonError
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 # At most this many violations are kept per invariant (the first ones matter).
 MAX_VIOLATIONS_PER_INVARIANT = 10

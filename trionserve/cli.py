@@ -19,8 +19,8 @@ from trionserve.actors.watcher import ControlMode
 from trionserve.backends.backend_config import parse_backend_config
 from trionserve.cli_compat import add_compat_flags, compat_notes
 from trionserve.core.errors import TritonError
+from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.core.response_cache import parse_cache_config
-from trionserve.core.types import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config

@@ -26,13 +26,13 @@ from trionserve.core.errors import (
     Unavailable,
     Unimplemented,
 )
-from trionserve.core.response_cache import ResponseCache
-from trionserve.core.shared_memory import SystemSharedMemory
-from trionserve.core.types import (
+from trionserve.core.inference import (
     DEFAULT_UNDELIVERED_RESPONSE_BYTES,
     InferenceRequest,
     InferenceResponse,
 )
+from trionserve.core.response_cache import ResponseCache
+from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.validation import validate_request
 from trionserve.observability.metrics import observe_first_response
 from trionserve.observability.statistics import (

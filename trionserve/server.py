@@ -43,8 +43,8 @@ from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig
 from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import InternalError, Unavailable
+from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.core.response_cache import ResponseCache
-from trionserve.core.types import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions, serve_metrics
 from trionserve.observability.trace.manager import TraceManager

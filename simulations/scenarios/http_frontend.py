@@ -25,7 +25,7 @@ from simulations.scenario import Setup, scenario
 from simulations.scenarios.common import two_models
 from simulations.world import RequestRecord, TrackedRequest
 from trionserve.core.errors import TritonError, Unavailable
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 from trionserve.protocol.http.frontend import HttpOptions, serve_http
 
 WIRE = "every answered request gets exactly one outcome on the wire"

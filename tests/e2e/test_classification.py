@@ -12,7 +12,7 @@ from tritonclient.utils import InferenceServerException
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.core.classification import classify
 from trionserve.core.errors import InvalidArgument
-from trionserve.core.types import Tensor
+from trionserve.core.inference import Tensor
 
 
 def test_classify_batched_with_labels():

@@ -521,7 +521,7 @@ async def test_ensemble_steps_of_an_accepted_request_run_during_the_drain(tmp_pa
 
     from tests.blocking_backend import GATE, make_model, wait_entered
     from trionserve.core.errors import Unavailable
-    from trionserve.core.types import InferenceRequest, Tensor
+    from trionserve.core.inference import InferenceRequest, Tensor
     from trionserve.server import Server, ServerOptions
 
     GATE.reset()

@@ -12,7 +12,7 @@ import pytest
 
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.core.errors import InvalidArgument
-from trionserve.core.types import InferenceResponse, Tensor
+from trionserve.core.inference import InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature, TensorSpec
 from trionserve.protocol.http import generate as generate_codec
 

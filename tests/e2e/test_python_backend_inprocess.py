@@ -17,7 +17,7 @@ import trio
 from tests.serverproc import ServerProcess, free_port
 from trionserve.backends.python.process import TrioChannel
 from trionserve.core.errors import TritonError
-from trionserve.core.types import InferenceRequest, Tensor
+from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.server import Server, ServerOptions
 
 STREAM_CONFIG = """

@@ -275,7 +275,7 @@ def test_outputs_that_alias_an_input_outlive_the_reused_input_buffers(tmp_path):
     view of its input (a model that returns it) is copied out, or the batch after
     next would overwrite a response not yet sent."""
     from trionserve.backends.base import InstanceSpec, ModelContext
-    from trionserve.core.types import InferenceRequest, Tensor
+    from trionserve.core.inference import InferenceRequest, Tensor
     from trionserve.repository.config import read_model_config
 
     text = config(

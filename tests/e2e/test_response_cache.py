@@ -14,8 +14,8 @@ from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import http_client, scrape_metrics, serving
 from trionserve.core.errors import InvalidArgument
+from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.core.response_cache import ResponseCache, parse_cache_config
-from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 # Answers X + executions so far: a response from the cache shows an old count.
 COUNTER = """

@@ -458,11 +458,11 @@ def test_the_python_backend_keeps_every_byte(http_client, grpc_client, protocol)
 
 def test_in_one_onnx_batch_only_the_request_with_bad_bytes_fails():
     """The refusal is per request: the others in the same batch run."""
-    from trionserve.actors.lifecycle import prepare_model
+    from trionserve.actors.registry_entries import prepare_model
     from trionserve.backends.base import InstanceSpec, ModelContext
     from trionserve.backends.onnxruntime import OnnxRuntimeBackend
     from trionserve.core.errors import InvalidArgument
-    from trionserve.core.types import InferenceRequest, Tensor
+    from trionserve.core.inference import InferenceRequest, Tensor
 
     model_dir = EXAMPLES / "identity_bytes"
     config = prepare_model(model_dir, True, None).config

@@ -11,7 +11,7 @@ from tests.helpers import simple_inputs
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import InvalidArgument, TritonError
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import ComputeTimes, FailureReason, ModelStatistics
 from trionserve.schedulers.default import DefaultScheduler
 

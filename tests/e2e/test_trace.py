@@ -368,7 +368,7 @@ async def test_opentelemetry_mode_exports_spans():
 
 
 async def test_tensors_level_records_inputs_and_outputs():
-    from trionserve.core.types import InferenceResponse, Tensor
+    from trionserve.core.inference import InferenceResponse, Tensor
 
     tracing = manager(level=frozenset({"TENSORS"}), rate=1)
     model = _Model()

@@ -139,7 +139,7 @@ def test_the_bound_in_the_request_itself():
     import trio
 
     from trionserve.core.errors import ResourceExhausted
-    from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+    from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
     def response(nbytes: int) -> InferenceResponse:
         return InferenceResponse(

@@ -15,7 +15,7 @@ from google.protobuf import text_format
 
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import FailureReason, ModelStatistics
 from trionserve.repository.config import normalize_model_config
 from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler

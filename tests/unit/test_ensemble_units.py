@@ -16,7 +16,7 @@ from google.protobuf import text_format
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.ensemble import plan_ensemble
 from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.core.validation import ModelSignature
 from trionserve.schedulers.ensemble import EnsembleScheduler
 

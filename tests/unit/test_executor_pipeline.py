@@ -18,7 +18,7 @@ from trionserve.actors.executor import PIPELINE_DEPTH, InstanceExecutor
 from trionserve.backends.base import InstanceSpec
 from trionserve.backends.batch_tensors import HostBuffers, gather_inputs
 from trionserve.core.errors import InternalError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import ComputeTimes, ModelStatistics
 
 SPEC = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)

@@ -16,7 +16,7 @@ from tritonclient.grpc import _utils as triton_utils
 from tritonclient.grpc import service_pb2 as triton_pb
 
 from trionserve.core.errors import InvalidArgument, TritonError, Unimplemented
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.http import codec as http_codec
 

@@ -16,7 +16,7 @@ import tritonclient.grpc as grpcclient
 
 from tests.helpers import decoupled_model
 from trionserve.core.errors import InternalError
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.protocol.grpc.service import serve_grpc
 
 

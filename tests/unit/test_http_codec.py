@@ -16,7 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from trionserve.core.errors import Status, TritonError
-from trionserve.core.types import (
+from trionserve.core.inference import (
     InferenceRequest,
     InferenceResponse,
     RequestedOutput,

@@ -11,7 +11,7 @@ import trio.testing
 from tests.fake_backend import echo_responses, register_instance_backend
 from tests.serverproc import free_port
 from trionserve.backends.base import ModelContext
-from trionserve.core.types import InferenceRequest, Tensor
+from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.observability.statistics import ComputeTimes
 from trionserve.server import Server, ServerOptions
 

@@ -240,15 +240,15 @@ def test_kind_auto_stays_on_cpu_for_a_backend_without_gpu_support(monkeypatch):
     repository still loads; a backend that can use the GPU gets KIND_GPU."""
     import onnxruntime
 
-    from trionserve.actors import lifecycle
+    from trionserve.actors import registry_entries
     from trionserve.backends.onnxruntime import OnnxRuntimeBackend
 
-    monkeypatch.setattr(lifecycle, "gpu_count", lambda: 2)
+    monkeypatch.setattr(registry_entries, "gpu_count", lambda: 2)
     simple = Path(__file__).resolve().parents[2] / "examples" / "model_repository" / "simple"
 
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
     assert OnnxRuntimeBackend().can_use_gpu() is False
-    prepared = lifecycle.prepare_model(simple, autocomplete=True, override_json=None)
+    prepared = registry_entries.prepare_model(simple, autocomplete=True, override_json=None)
     assert [g.kind for g in prepared.config.instance_group] == [mc.ModelInstanceGroup.KIND_CPU]
 
     monkeypatch.setattr(
@@ -256,5 +256,5 @@ def test_kind_auto_stays_on_cpu_for_a_backend_without_gpu_support(monkeypatch):
         "get_available_providers",
         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"],
     )
-    prepared = lifecycle.prepare_model(simple, autocomplete=True, override_json=None)
+    prepared = registry_entries.prepare_model(simple, autocomplete=True, override_json=None)
     assert [g.kind for g in prepared.config.instance_group] == [mc.ModelInstanceGroup.KIND_GPU]

@@ -11,7 +11,7 @@ from tests.blocking_backend import GATE, make_model, wait_entered
 from tests.serverproc import free_port
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
-from trionserve.core.types import InferenceRequest, Tensor
+from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.server import Server, ServerOptions
 
 

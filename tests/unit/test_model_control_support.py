@@ -20,7 +20,7 @@ from tests.serverproc import EXAMPLES
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.registry import register_backend
 from trionserve.core.errors import InternalError
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
 FAKE = "mc_fake"
 FAKE_CONFIG = """

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tests.unit.test_model_control_support import fake_model
-from trionserve.actors.lifecycle import prepare_model
+from trionserve.actors.registry_entries import prepare_model
 from trionserve.core.errors import InvalidArgument
 from trionserve.protocol.http.frontend import load_parameters, unload_parameters
 from trionserve.repository.changes import ConfigChange, LoadedSource, config_changes, plan_reload

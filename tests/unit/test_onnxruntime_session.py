@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trionserve.actors import lifecycle
+from trionserve.actors import registry_entries
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.onnxruntime import OnnxRuntimeBackend
 from trionserve.core.errors import InvalidArgument
@@ -17,7 +17,7 @@ SPINNING = ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning"
 
 
 def _instance(parameters: dict[str, str]):
-    config = lifecycle.prepare_model(SIMPLE, autocomplete=True, override_json=None).config
+    config = registry_entries.prepare_model(SIMPLE, autocomplete=True, override_json=None).config
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     context = ModelContext("simple", 1, config, SIMPLE, SIMPLE / "1")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tests.serverproc import ROOT
-from trionserve.core.types import InferenceResponse, Tensor
+from trionserve.core.inference import InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature, TensorSpec
 from trionserve.protocol.openai import engine, schemas
 from trionserve.protocol.openai.chat import ChatTemplates, default_template

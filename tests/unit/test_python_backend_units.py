@@ -219,7 +219,7 @@ def test_requests_responses_and_errors_validate_their_arguments():
 
 
 async def test_a_final_flag_after_the_last_response_is_streamed_on_its_own():
-    from trionserve.core.types import InferenceRequest, InferenceResponse
+    from trionserve.core.inference import InferenceRequest, InferenceResponse
 
     request = InferenceRequest("m")
     last = InferenceResponse("m", "1", "", [], {})
@@ -235,7 +235,7 @@ async def test_a_final_flag_after_the_last_response_is_streamed_on_its_own():
 
 
 def test_on_cancel_runs_once_when_the_request_is_cancelled():
-    from trionserve.core.types import InferenceRequest
+    from trionserve.core.inference import InferenceRequest
 
     calls: list[str] = []
     request = InferenceRequest("m")

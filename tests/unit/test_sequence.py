@@ -20,7 +20,7 @@ from trionserve._generated import model_config_pb2 as mc
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import ModelStatistics
 from trionserve.repository.config import normalize_model_config
 from trionserve.schedulers.sequence_batch import NullRequest, SequenceBatchScheduler

@@ -279,7 +279,7 @@ def _config(text: str):
 
 async def _batch_time(scheduler, request, submit_at: float) -> float:
     """When an idle executor gets ``request``, submitted at ``submit_at``."""
-    from trionserve.core.types import InferenceResponse
+    from trionserve.core.inference import InferenceResponse
 
     with trio.CancelScope() as guard:
         limit = _StepLimit(guard)
@@ -303,7 +303,7 @@ async def _batch_time(scheduler, request, submit_at: float) -> float:
 def _request(**fields):
     import numpy as np
 
-    from trionserve.core.types import InferenceRequest, Tensor
+    from trionserve.core.inference import InferenceRequest, Tensor
 
     request = InferenceRequest(
         "m",

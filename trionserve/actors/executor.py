@@ -24,7 +24,7 @@ from trionserve.backends.base import (
     TimedBackendInstance,
 )
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import (
     ComputeTimes,
     FailureReason,

@@ -31,7 +31,7 @@ from trionserve.backends.base import (
 from trionserve.backends.ensemble import EnsembleModel
 from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 from trionserve.core.validation import ModelSignature
 from trionserve.observability.quantiles import Target
 from trionserve.observability.statistics import ModelStatistics

@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from trionserve.actors.lifecycle import (
+from trionserve.actors.model import ModelState, ModelVersion
+from trionserve.actors.rate_limiter import RateLimiter
+from trionserve.actors.registry_entries import (
     ModelEntry,
     Operation,
     PollFailed,
@@ -29,8 +31,6 @@ from trionserve.actors.lifecycle import (
     poll_failure,
     prepare_model,
 )
-from trionserve.actors.model import ModelState, ModelVersion
-from trionserve.actors.rate_limiter import RateLimiter
 from trionserve.backends.base import InferenceService
 from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import (

@@ -21,8 +21,8 @@ import numpy as np
 from trionserve._generated.model_config_pb2 import DataType
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
+from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
-from trionserve.core.types import InferenceRequest, Tensor
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig, ModelWarmup

@@ -21,6 +21,20 @@ runs (``attach_http``). See docs/in_process_api.md for how it differs from Trito
 """
 
 from trionserve.api._blocking import Model, ResponseIterator, Server
+from trionserve.api._errors import (
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    TritonError,
+    UnavailableError,
+    UnknownError,
+    UnsupportedError,
+)
+from trionserve.api._models import ModelDictionary
 from trionserve.api._options import (
     InstanceGroupKind,
     LogFormat,
@@ -33,26 +47,10 @@ from trionserve.api._options import (
     RateLimiterResource,
     RateLimitMode,
 )
+from trionserve.api._request import InferenceRequest, RequestFlag
+from trionserve.api._response import HttpResponse, InferenceResponse
 from trionserve.api._tensor import DataType, DLDeviceType, MemoryBuffer, MemoryType, Tensor
 from trionserve.api._trio import AsyncModel, AsyncResponseIterator, AsyncServer, open_server
-from trionserve.api._values import (
-    AlreadyExistsError,
-    CancelledError,
-    DeadlineExceededError,
-    HttpResponse,
-    InferenceRequest,
-    InferenceResponse,
-    InternalError,
-    InvalidArgumentError,
-    ModelDictionary,
-    NotFoundError,
-    RequestFlag,
-    ResourceExhaustedError,
-    TritonError,
-    UnavailableError,
-    UnknownError,
-    UnsupportedError,
-)
 
 __all__ = [
     "AlreadyExistsError",

@@ -14,13 +14,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trionserve.api._values import (
-    STOPPED,
-    InferenceResponse,
-    InvalidArgumentError,
-    Raised,
-    UnavailableError,
-)
+from trionserve.api._errors import InvalidArgumentError, UnavailableError
+from trionserve.api._response import STOPPED, InferenceResponse, Raised
 
 if TYPE_CHECKING:
     from trionserve.api._blocking import _LoopThread

@@ -24,24 +24,17 @@ import structlog
 import trio
 
 from trionserve.api._asyncio import AsyncioResponseIterator
+from trionserve.api._errors import InvalidArgumentError, UnavailableError
+from trionserve.api._models import ModelDictionary, describe_model
 from trionserve.api._options import MetricFormat, ModelBatchFlag, ModelTxnPropertyFlag, Options
+from trionserve.api._request import InferenceRequest
+from trionserve.api._response import STOPPED, HttpResponse, InferenceResponse, Raised
 from trionserve.api._trio import (
     AsyncModel,
     AsyncResponseIterator,
     AsyncServer,
     new_core,
     sole_exception,
-)
-from trionserve.api._values import (
-    STOPPED,
-    HttpResponse,
-    InferenceRequest,
-    InferenceResponse,
-    InvalidArgumentError,
-    ModelDictionary,
-    Raised,
-    UnavailableError,
-    describe_model,
 )
 from trionserve.core.errors import as_triton_error
 from trionserve.protocol.grpc.service import GrpcOptions

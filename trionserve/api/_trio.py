@@ -16,6 +16,8 @@ from urllib.parse import unquote
 import trio
 from prometheus_client import CollectorRegistry
 
+from trionserve.api._errors import CancelledError, InvalidArgumentError, TritonError
+from trionserve.api._models import ModelDictionary, describe_model, load_arguments, route_version
 from trionserve.api._options import (
     MetricFormat,
     ModelBatchFlag,
@@ -23,24 +25,16 @@ from trionserve.api._options import (
     Options,
     server_options,
 )
-from trionserve.api._values import (
-    CancelledError,
+from trionserve.api._request import InferenceRequest, build_request
+from trionserve.api._response import (
     HttpResponse,
-    InferenceRequest,
     InferenceResponse,
-    InvalidArgumentError,
-    ModelDictionary,
-    TritonError,
-    build_request,
     check_output_memory_type,
-    describe_model,
     error_response,
-    load_arguments,
     response_from,
-    route_version,
 )
 from trionserve.core.errors import as_triton_error
-from trionserve.core.types import InferenceRequest as CoreRequest
+from trionserve.core.inference import InferenceRequest as CoreRequest
 from trionserve.dataplane import DataPlane
 from trionserve.observability.exposition import exposition_text
 from trionserve.observability.gpu_metrics import GpuMetricsCollector

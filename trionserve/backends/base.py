@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import trio
 
 from trionserve.core.errors import TritonError
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig

@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
 
 def _host_bytes(nbytes: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from trionserve.backends.onnxruntime_providers import CUDA, TENSORRT, execution_
 from trionserve.backends.onnxruntime_validation import validate_session
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
 
 # ONNX tensor element types (onnxruntime's type strings) -> Triton config datatypes.

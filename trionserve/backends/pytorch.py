@@ -40,7 +40,7 @@ from trionserve.backends.batch_tensors import (
 )
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
 
 if TYPE_CHECKING:

@@ -26,7 +26,7 @@ from trionserve.backends.cuda_buffers import device_buffers
 from trionserve.backends.gpu import gpu_count
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 
 log = structlog.get_logger(__name__)
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from trionserve.core.errors import InvalidArgument
-from trionserve.core.types import Tensor
+from trionserve.core.inference import Tensor
 
 # What Triton classifies, and how much of it (server src/classification.cc
 # TopkClassifications: its datatype switch, kMaxClassificationElements per batch

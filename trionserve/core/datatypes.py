@@ -2,7 +2,7 @@
 
 BYTES tensors are numpy object arrays whose elements are ``bytes``. BF16 has no numpy
 dtype, so BF16 tensors travel as ``uint16`` arrays holding the raw bits; the wire
-datatype of a :class:`~trionserve.core.types.Tensor` tells them apart.
+datatype of a :class:`~trionserve.core.inference.Tensor` tells them apart.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import numpy as np
 from trionserve.core.bytes_tensor import serialize_bytes_tensor
 from trionserve.core.datatypes import WIRE_DTYPE
 from trionserve.core.errors import InvalidArgument
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 
 __all__ = ["output_bytes", "shared_memory_outputs"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from trionserve.core.errors import InvalidArgument
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
 # Request parameters that only say how the answer travels, not what it is.
 _TRANSPORT_PARAMETERS = frozenset(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig, ModelInput, ModelOutput

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import trio
 
 from trionserve.core.errors import TritonError
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, deliver_outcomes
 

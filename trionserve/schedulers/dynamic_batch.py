@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest
+from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
 from trionserve.schedulers.timer import PreciseWakeup

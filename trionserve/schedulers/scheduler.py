@@ -16,7 +16,7 @@ from typing import Protocol
 import trio
 
 from trionserve.core.errors import TritonError
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 # Bound of a model's request queue when its config sets none: requests beyond it
 # wait in submit() (backpressure, cancellable by the client).

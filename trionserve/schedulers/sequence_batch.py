@@ -42,7 +42,7 @@ import trio
 
 from trionserve.core import datatypes
 from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome
 from trionserve.schedulers.sequence_state import (

@@ -27,8 +27,8 @@ import trio
 
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument, Unavailable
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zeros
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig, ModelSequenceBatching

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from trionserve.core.errors import DeadlineExceeded, TritonError, Unavailable, as_triton_error
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 # What run_bls hands its reply function: a response, an error, or None for the
 # final flag alone (a decoupled model that ended without a response).

@@ -53,7 +53,7 @@ from trionserve.core.errors import (
     TritonError,
     Unavailable,
 )
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 log = structlog.get_logger(__name__)

@@ -36,7 +36,7 @@ from trionserve.core.errors import (
     TritonError,
     Unavailable,
 )
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 log = structlog.get_logger(__name__)

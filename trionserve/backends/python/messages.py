@@ -13,7 +13,7 @@ import json
 from trionserve.backends.python.shm import Block, TensorRef, block_of
 from trionserve.backends.python.wire import Endpoint
 from trionserve.core.errors import Status, TritonError
-from trionserve.core.types import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
 _STATUS_BY_CODE = {
     0: Status.UNKNOWN,

@@ -30,6 +30,12 @@ from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.core.bytes_tensor import deserialize_bytes_tensor
 from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
+from trionserve.core.inference import (
+    InferenceRequest,
+    InferenceResponse,
+    RequestedOutput,
+    Tensor,
+)
 from trionserve.core.outputs import output_bytes, shared_memory_outputs
 from trionserve.core.parameters import (
     EMPTY_FINAL_RESPONSE,
@@ -37,12 +43,6 @@ from trionserve.core.parameters import (
     check_reserved_key,
 )
 from trionserve.core.shared_memory import SharedMemory, shared_memory_window
-from trionserve.core.types import (
-    InferenceRequest,
-    InferenceResponse,
-    RequestedOutput,
-    Tensor,
-)
 from trionserve.core.validation import check_shape_size, parse_model_version
 
 __all__ = [

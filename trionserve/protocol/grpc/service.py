@@ -27,8 +27,8 @@ from trionserve.core.errors import (
     Unimplemented,
     as_triton_error,
 )
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.core.parameters import check_forwarded_header
-from trionserve.core.types import InferenceRequest, InferenceResponse
 from trionserve.core.validation import parse_model_version
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS

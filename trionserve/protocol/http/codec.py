@@ -27,15 +27,15 @@ from trionserve.core.bytes_tensor import (
 )
 from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
 from trionserve.core.errors import InvalidArgument, Unimplemented
-from trionserve.core.outputs import output_bytes, shared_memory_outputs
-from trionserve.core.parameters import check_reserved_key
-from trionserve.core.shared_memory import SharedMemory, shared_memory_window
-from trionserve.core.types import (
+from trionserve.core.inference import (
     InferenceRequest,
     InferenceResponse,
     RequestedOutput,
     Tensor,
 )
+from trionserve.core.outputs import output_bytes, shared_memory_outputs
+from trionserve.core.parameters import check_reserved_key
+from trionserve.core.shared_memory import SharedMemory, shared_memory_window
 from trionserve.core.validation import ModelSignature, check_shape_size, parse_model_version
 
 __all__ = [

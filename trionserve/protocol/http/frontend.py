@@ -32,7 +32,7 @@ from trionserve.core.errors import (
     TritonError,
     as_triton_error,
 )
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings

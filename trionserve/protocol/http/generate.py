@@ -29,7 +29,7 @@ import numpy as np
 
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
 from trionserve.protocol.http.codec import _flatten, _json_output, _json_to_array
 

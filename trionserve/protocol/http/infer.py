@@ -14,8 +14,8 @@ import structlog
 import trio
 
 from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
+from trionserve.core.inference import InferenceRequest
 from trionserve.core.parameters import check_forwarded_header
-from trionserve.core.types import InferenceRequest
 from trionserve.dataplane import DataPlane, ShuttingDown
 from trionserve.observability.logging import verbose
 from trionserve.protocol.http import codec as http_codec

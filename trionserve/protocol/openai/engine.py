@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from trionserve.core.errors import TritonError
-from trionserve.core.types import InferenceRequest, InferenceResponse, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
 from trionserve.protocol.http.generate import input_tensor
 from trionserve.protocol.openai.schemas import (

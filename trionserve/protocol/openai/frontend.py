@@ -41,7 +41,7 @@ import trio
 
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import NotFound, TritonError, Unavailable
-from trionserve.core.types import InferenceRequest, InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.dataplane import DataPlane
 from trionserve.observability.exposition import CONTENT_TYPE, exposition_text
 from trionserve.observability.metrics import MetricsOptions, build_metrics_registry
