@@ -16,8 +16,9 @@ from pathlib import Path
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.python.control import ModelControl
-from trionserve.backends.python.inprocess import InProcessInstance, auto_complete_in_process
+from trionserve.backends.python.inprocess import InProcessInstance
 from trionserve.backends.python.instance import PythonInstance
+from trionserve.backends.python.model_namespace import auto_complete_in_process
 from trionserve.backends.python.process import StubProcess
 from trionserve.backends.python.settings import IN_PROCESS, StubSettings, settings_for
 from trionserve.backends.python.stub import describe_exception
