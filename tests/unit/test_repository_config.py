@@ -22,8 +22,8 @@ from trionserve.repository.config import (
     model_config_to_json,
     normalize_model_config,
     read_model_config,
-    validate_model_config,
 )
+from trionserve.repository.config_validation import validate_model_config
 from trionserve.repository.repository import ModelRepository
 from trionserve.repository.versions import list_versions, missing_versions, select_versions
 

@@ -25,8 +25,8 @@ from trionserve.repository.config import (
     infer_platform,
     normalize_model_config,
     read_model_config,
-    validate_model_config,
 )
+from trionserve.repository.config_validation import validate_model_config
 from trionserve.repository.repository import ModelId
 from trionserve.repository.versions import list_versions, select_versions
 
