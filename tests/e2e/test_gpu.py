@@ -476,7 +476,7 @@ def check_addmul(client, model: str, module, batches) -> None:
 
 
 def test_cuda_graph_shapes_follow_the_config():
-    from trionserve.backends.pytorch import GraphShape, cuda_graph_shapes
+    from trionserve.backends.pytorch_graphs import GraphShape, cuda_graph_shapes
 
     def parsed(text: str) -> ModelConfig:
         config = parse_config(

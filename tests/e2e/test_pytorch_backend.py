@@ -12,7 +12,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import ServerProcess
-from trionserve.backends import pytorch
+from trionserve.backends import pytorch, pytorch_naming
 from trionserve.core.errors import InvalidArgument
 from trionserve.server import Server, ServerOptions
 
@@ -225,29 +225,29 @@ def test_unservable_configs_are_unavailable_with_reasons(torch_server):
 
 
 def test_name_index_follows_triton():
-    assert pytorch.name_index("INPUT__0") == 0
-    assert pytorch.name_index("OUTPUT__12") == 12
-    assert pytorch.name_index("INPUT0") is None
-    assert pytorch.name_index("my__input__0") is None  # digits must follow the first "__"
-    assert pytorch.name_index("INPUT__") is None
+    assert pytorch_naming.name_index("INPUT__0") == 0
+    assert pytorch_naming.name_index("OUTPUT__12") == 12
+    assert pytorch_naming.name_index("INPUT0") is None
+    assert pytorch_naming.name_index("my__input__0") is None  # digits must follow the first "__"
+    assert pytorch_naming.name_index("INPUT__") is None
 
 
 def test_bind_inputs_conventions():
     args = [("x", "TensorType"), ("y", "TensorType")]
-    by_name = pytorch.bind_inputs("m", ["y", "x"], args)
+    by_name = pytorch_naming.bind_inputs("m", ["y", "x"], args)
     assert by_name.positions == {"y": 1, "x": 0}
-    by_index = pytorch.bind_inputs("m", ["IN__1", "IN__0"], args)
+    by_index = pytorch_naming.bind_inputs("m", ["IN__1", "IN__0"], args)
     assert by_index.positions == {"IN__1": 1, "IN__0": 0}
-    in_order = pytorch.bind_inputs("m", ["b", "a"], args)
+    in_order = pytorch_naming.bind_inputs("m", ["b", "a"], args)
     assert in_order.positions == {"b": 0, "a": 1}
-    as_dict = pytorch.bind_inputs("m", ["a", "b", "c"], [("inputs", "DictType")])
+    as_dict = pytorch_naming.bind_inputs("m", ["a", "b", "c"], [("inputs", "DictType")])
     assert as_dict.as_dict
     with pytest.raises(InvalidArgument, match="configuration expects 1 inputs, model provides 2"):
-        pytorch.bind_inputs("m", ["x"], args)
+        pytorch_naming.bind_inputs("m", ["x"], args)
     with pytest.raises(InvalidArgument, match="Tensor arguments"):
-        pytorch.bind_inputs("m", ["x", "s"], [("x", "TensorType"), ("s", "ListType")])
-    assert pytorch.bind_outputs("m", ["OUT__1", "OUT__0"]) == {"OUT__1": 1, "OUT__0": 0}
-    assert pytorch.bind_outputs("m", ["b", "a"]) == {"b": 0, "a": 1}
+        pytorch_naming.bind_inputs("m", ["x", "s"], [("x", "TensorType"), ("s", "ListType")])
+    assert pytorch_naming.bind_outputs("m", ["OUT__1", "OUT__0"]) == {"OUT__1": 1, "OUT__0": 0}
+    assert pytorch_naming.bind_outputs("m", ["b", "a"]) == {"b": 0, "a": 1}
 
 
 @needs_torch

@@ -27,14 +27,9 @@ from typing import Any
 import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.pytorch import (
-    _TORCH_DTYPES,
-    TorchScriptInstance,
-    _torch,
-    _type_name,
-    instance_device,
-    name_index,
-)
+from trionserve.backends.pytorch import _torch, instance_device
+from trionserve.backends.pytorch_instance import TorchScriptInstance
+from trionserve.backends.pytorch_naming import TORCH_DTYPES, config_type_name, name_index
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
 
@@ -207,10 +202,10 @@ def sequence_tensors(config) -> tuple[dict[str, str], dict[str, str], dict[str, 
             elif control.bool_false_true:
                 controls[control_input.name] = "TYPE_BOOL"
             else:  # CONTROL_SEQUENCE_CORRID
-                controls[control_input.name] = _type_name(control.data_type)
+                controls[control_input.name] = config_type_name(control.data_type)
     states = config.sequence_batching.state
-    state_inputs = {s.input_name: _type_name(s.data_type) for s in states}
-    state_outputs = {s.output_name: _type_name(s.data_type) for s in states}
+    state_inputs = {s.input_name: config_type_name(s.data_type) for s in states}
+    state_outputs = {s.output_name: config_type_name(s.data_type) for s in states}
     return controls, state_inputs, state_outputs
 
 
@@ -218,7 +213,7 @@ def check_sequence_types(model: str, config) -> None:
     """Refuse sequence controls or state of a type a torch tensor cannot carry."""
     for group in sequence_tensors(config):
         for name, type_name in group.items():
-            if type_name not in _TORCH_DTYPES:
+            if type_name not in TORCH_DTYPES:
                 raise InvalidArgument(
                     f"model '{model}': sequence_batching tensor '{name}' is {type_name}; "
                     "the PyTorch backend does not support it"

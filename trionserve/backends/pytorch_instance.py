@@ -1,0 +1,460 @@
+"""A TorchScript module on one device, executing batches: staging inputs,
+forward() (or a captured CUDA graph's replay), outputs back to the host.
+
+Triton's pytorch backend ``ModelInstanceState`` (``src/libtorch.cc``: Execute,
+SetInputTensors, ReadOutputTensors). Loading the module and choosing its device are
+in :mod:`trionserve.backends.pytorch`, the tensor matching in
+:mod:`trionserve.backends.pytorch_naming`, the graphs' shapes in
+:mod:`trionserve.backends.pytorch_graphs`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import structlog
+
+from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.batch_tensors import (
+    HostBuffers,
+    build_responses,
+    gather_inputs,
+    wanted_outputs,
+)
+from trionserve.backends.pytorch_graphs import CapturedGraph, GraphShape
+from trionserve.backends.pytorch_naming import (
+    TORCH_DTYPES,
+    bind_inputs,
+    bind_outputs,
+    config_type_name,
+)
+from trionserve.core import datatypes
+from trionserve.core.errors import InternalError, InvalidArgument, TritonError
+from trionserve.core.inference import InferenceRequest
+from trionserve.observability.statistics import ComputeTimes
+
+log = structlog.get_logger(__name__)
+
+
+def _parameter(config, key: str, default: bool) -> bool:
+    if key not in config.parameters:
+        return default
+    return config.parameters[key].string_value.strip().lower() in ("1", "true", "yes", "on")
+
+
+class _TorchBatch:
+    """One batch between the steps of :class:`TorchScriptInstance`."""
+
+    __slots__ = (
+        "names",
+        "tensors",
+        "outputs",
+        "copied",
+        "done",
+        "error",
+        "started",
+        "staged",
+        "launched",
+    )
+
+    def __init__(self, started: int) -> None:
+        self.names: list[str] = []
+        self.tensors: dict = {}
+        self.outputs: dict = {}
+        self.copied: Any = None  # a CUDA event recorded after the inputs' copy in
+        self.done: Any = None  # a CUDA event recorded after the outputs' copy to the host
+        self.error: TritonError | None = None
+        self.started = self.staged = self.launched = started
+
+
+class _Both:
+    """Two context managers as one (entered in order, left in reverse)."""
+
+    def __init__(self, first, second) -> None:
+        self._first, self._second = first, second
+
+    def __enter__(self) -> None:
+        self._first.__enter__()
+        self._second.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        self._second.__exit__(*exc)
+        self._first.__exit__(*exc)
+
+
+def _pinned_bytes(torch):
+    """An allocator of pinned host byte buffers (kept alive by their numpy views)."""
+
+    def allocate(nbytes: int) -> np.ndarray:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+    return allocate
+
+
+class TorchScriptInstance:
+    """One TorchScript module on one device; executes one batch at a time.
+
+    Its batches run in three steps (``stage``, ``launch``, ``finish``: a
+    :class:`~trionserve.backends.base.StagedBackendInstance`) whose times are
+    Triton's compute_input, compute_infer and compute_output.
+    """
+
+    def __init__(self, context: ModelContext, spec: InstanceSpec, torch, module, device):
+        config = context.config
+        self.spec = spec
+        self.model_name = context.name
+        self.model_version = str(context.version)
+        self._torch = torch
+        self._module = module
+        # KIND_MODEL: inputs start on the CPU and the module moves them itself.
+        self._device = device if device is not None else torch.device("cpu")
+        self._bf16_inputs = {
+            i.name for i in config.input if config_type_name(i.data_type) == "TYPE_BF16"
+        }
+        self._input_types = {i.name: config_type_name(i.data_type) for i in config.input}
+        self._output_types = {o.name: config_type_name(o.data_type) for o in config.output}
+        self._output_datatypes = {
+            name: datatypes.BY_CONFIG[t].wire for name, t in self._output_types.items()
+        }
+        self._input_reshape = {
+            i.name: tuple(i.reshape.shape) for i in config.input if i.HasField("reshape")
+        }
+        self._output_reshape = {
+            o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
+        }
+        self._bind(context, module)
+        self._batched = config.max_batch_size > 0
+        self._inference_mode = _parameter(config, "INFERENCE_MODE", True)
+        self._optimized = not _parameter(config, "DISABLE_OPTIMIZED_EXECUTION", False)
+        # Set after each batch; the executor reads it for the statistics.
+        self.compute_times: ComputeTimes | None = None
+        # On a GPU: the instance's own streams, one computing and one copying
+        # inputs in, and pinned host buffers to stage inputs in: the next batch
+        # is gathered and copied while the device computes the current one.
+        on_gpu = self._device.type == "cuda"
+        self._stream = torch.cuda.Stream(self._device) if on_gpu else None
+        self._copy_stream = torch.cuda.Stream(self._device) if on_gpu else None
+        self.overlaps = on_gpu
+        allocate = _pinned_bytes(torch) if self._stream is not None else None
+        self._buffers = (
+            (HostBuffers(allocate), HostBuffers(allocate))
+            if allocate is not None
+            else (HostBuffers(), HostBuffers())
+        )
+        self._slot = 0
+        self._graphs: list[CapturedGraph] = []  # smallest batch size first
+
+    def _bind(self, context: ModelContext, module) -> None:
+        """Match the config's inputs and outputs to forward()'s arguments and result."""
+        arguments = [
+            (a.name, a.type.kind())
+            for a in module.forward.schema.arguments
+            if a.type.kind() != "ClassType"  # self
+        ]
+        config = context.config
+        self._inputs = bind_inputs(context.name, [i.name for i in config.input], arguments)
+        self._outputs = bind_outputs(context.name, [o.name for o in config.output])
+
+    def _execution(self):
+        """The context forward() runs in (TorchScript's optimized execution flag)."""
+        return self._torch.jit.optimized_execution(self._optimized)
+
+    def execute(self, requests: list[InferenceRequest]) -> list:
+        """Run one batch (the three steps below in a row)."""
+        return self.finish(requests, self.launch(requests, self.stage(requests)))
+
+    def stage(self, requests: list[InferenceRequest]) -> _TorchBatch:
+        """The batch's input tensors on the instance's device.
+
+        On a GPU, the inputs are gathered into this batch's pinned host buffers and
+        copied to the device on the instance's copy stream, without waiting (the
+        compute stream waits for that copy in ``launch``), so the copy overlaps
+        the batch computing before it. On the
+        CPU a batch of several requests is gathered into reusable host buffers; a
+        single request's writable array is shared with torch as it is.
+        """
+        started = time.perf_counter_ns()
+        batch = _TorchBatch(started)
+        try:
+            self._slot ^= 1
+            arrays = gather_inputs(
+                requests,
+                self._input_reshape,
+                buffers=self._buffers[self._slot],
+                always_copy=self._stream is not None,
+            )
+            batch.names = wanted_outputs(requests, list(self._output_datatypes))
+            with self._on_device(self._copy_stream):
+                batch.tensors = {name: self._to_tensor(name, a) for name, a in arrays.items()}
+                if self._copy_stream is not None:
+                    copied = self._torch.cuda.Event()
+                    copied.record(self._copy_stream)
+                    batch.copied = copied
+        except TritonError as error:
+            batch.error = error
+        except Exception as exc:  # torch raises its own exception types
+            batch.error = self._failure(exc)
+        batch.staged = time.perf_counter_ns()
+        return batch
+
+    def launch(self, requests: list[InferenceRequest], batch: _TorchBatch) -> _TorchBatch:
+        """Run forward(); on a GPU, start the outputs' copy back to pinned host
+        memory and return without waiting for the device."""
+        batch.launched = time.perf_counter_ns()
+        if batch.error is not None:
+            return batch
+        torch = self._torch
+        grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
+        try:
+            with grad_mode, self._on_device(), self._execution():
+                if batch.copied is not None:
+                    # The compute stream waits for the inputs' copy; the inputs,
+                    # allocated on the copy stream, are in use on this one too.
+                    assert self._stream is not None
+                    self._stream.wait_event(batch.copied)
+                    for tensor in batch.tensors.values():
+                        tensor.record_stream(self._stream)
+                size = sum(r.batch_size for r in requests) if self._batched else 0
+                captured = self._graph_for(size, batch.tensors) if self._graphs else None
+                if captured is not None:
+                    outputs = self._replay(captured, batch.tensors, size)
+                    batch.outputs = {name: outputs[name] for name in batch.names}
+                else:
+                    result = self._forward(batch.tensors)
+                    batch.outputs = {name: self._output(name, result) for name in batch.names}
+                if self._stream is not None:
+                    batch.outputs = {
+                        name: tensor.to("cpu", non_blocking=True)
+                        for name, tensor in batch.outputs.items()
+                    }
+                    done = torch.cuda.Event()
+                    done.record(self._stream)
+                    batch.done = done
+        except TritonError as error:
+            batch.error = error
+        except Exception as exc:
+            batch.error = self._failure(exc)
+        batch.tensors = {}
+        return batch
+
+    def finish(self, requests: list[InferenceRequest], batch: _TorchBatch) -> list:
+        """Wait for the device, then one response per request; ``compute_times``
+        for the batch (compute_infer runs from forward() to the outputs on the host)."""
+        self.compute_times = None
+        try:
+            if batch.done is not None:
+                batch.done.synchronize()
+            inferred = time.perf_counter_ns()
+            if batch.error is not None:
+                return [batch.error] * len(requests)
+            outputs = {name: self._to_numpy(tensor) for name, tensor in batch.outputs.items()}
+            if self._batched and len(requests) > 1:
+                self._check_batch(outputs, sum(r.batch_size for r in requests))
+        except TritonError as error:
+            return [error] * len(requests)
+        except Exception as exc:
+            return [self._failure(exc)] * len(requests)
+        responses = build_responses(
+            requests,
+            self.model_name,
+            self.model_version,
+            outputs,
+            self._output_datatypes,
+            self._output_reshape,
+        )
+        self.compute_times = ComputeTimes(
+            batch.staged - batch.started,
+            inferred - batch.launched,
+            time.perf_counter_ns() - inferred,
+        )
+        return responses
+
+    @property
+    def on_gpu(self) -> bool:
+        return self._stream is not None
+
+    def capture_graphs(self, shapes: list[GraphShape]) -> None:
+        """Capture forward() as a CUDA graph per shape, on the instance's stream.
+
+        Each graph has static input tensors that a batch is copied into (padded
+        to the graph's batch size) before a replay, and static outputs that are
+        sliced back to the batch. The graphs share one memory pool, captured
+        largest first. A graph that cannot be captured (a model that syncs with
+        the host, say) is logged and its batches run without one.
+        """
+        torch = self._torch
+        stream = self._stream
+        assert stream is not None  # a GPU instance
+        pool = torch.cuda.graph_pool_handle()
+        grad_mode = torch.inference_mode() if self._inference_mode else torch.no_grad()
+        captured = []
+        for shape in sorted(shapes, key=lambda g: g.batch_size, reverse=True):
+            try:
+                with grad_mode, self._on_device(), self._execution():
+                    inputs = {
+                        name: torch.zeros(
+                            ((shape.batch_size,) if self._batched else ()) + dims,
+                            dtype=self._input_dtype(name),
+                            device=self._device,
+                        )
+                        for name, dims in shape.inputs.items()
+                    }
+                    for _ in range(3):  # warm up on the stream before capturing
+                        self._forward(inputs)
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        result = self._forward(inputs)
+                    outputs = {name: self._output(name, result) for name in self._outputs}
+            except Exception as exc:
+                log.warning(
+                    "CUDA graph capture failed; batches of this size run without a graph",
+                    model=self.model_name,
+                    instance=self.spec.name,
+                    batch_size=shape.batch_size,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+                continue
+            captured.append(CapturedGraph(shape, graph, inputs, outputs))
+            log.info(
+                "captured CUDA graph",
+                model=self.model_name,
+                instance=self.spec.name,
+                batch_size=shape.batch_size,
+                serves=f"{shape.lower}..{shape.batch_size}",
+            )
+        self._graphs = sorted(captured, key=lambda g: g.shape.batch_size)
+
+    def _graph_for(self, size: int, tensors: dict) -> CapturedGraph | None:
+        """The smallest captured graph that serves a batch of ``size`` with these
+        inputs' shapes, if any."""
+        skip = 1 if self._batched else 0
+        for captured in self._graphs:
+            shape = captured.shape
+            if not (shape.lower <= size <= shape.batch_size or shape.batch_size == 0):
+                continue
+            if all(tuple(t.shape[skip:]) == shape.inputs.get(n) for n, t in tensors.items()):
+                return captured
+        return None
+
+    def _replay(self, captured: CapturedGraph, tensors: dict, size: int) -> dict:
+        """Copy the batch into the graph's inputs, replay it, and the outputs of
+        this batch (views of the graph's static outputs, sliced to ``size``)."""
+        for name, tensor in tensors.items():
+            static = captured.inputs[name]
+            (static[:size] if self._batched else static).copy_(tensor, non_blocking=True)
+        captured.graph.replay()
+        if not self._batched:
+            return dict(captured.outputs)
+        return {name: output[:size] for name, output in captured.outputs.items()}
+
+    def _input_dtype(self, name: str):
+        torch = self._torch
+        config_type = self._input_types[name]
+        return getattr(torch, TORCH_DTYPES[config_type])
+
+    def _failure(self, exc: Exception) -> InternalError:
+        return InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
+
+    def _on_device(self, stream=None):
+        """New tensors a model creates on "cuda" land on this instance's GPU, and
+        its work goes to the instance's own stream (``stream``: another of its own)."""
+        if self._stream is None:
+            return nullcontext()
+        torch = self._torch
+        return _Both(torch.cuda.device(self._device), torch.cuda.stream(stream or self._stream))
+
+    def _forward(self, tensors: dict):
+        if self._inputs.as_dict:
+            return self._module(tensors)
+        missing = [name for name in self._inputs.positions if name not in tensors]
+        if missing:
+            raise InvalidArgument(
+                f"model '{self.model_name}' needs input(s) {missing}: every forward() "
+                "argument must be given"
+            )
+        args = [None] * len(self._inputs.positions)
+        for name, position in self._inputs.positions.items():
+            args[position] = tensors[name]
+        return self._module(*args)
+
+    def _to_tensor(self, name: str, array: np.ndarray):
+        torch = self._torch
+        # torch has no read-only tensors, and a model may write its inputs in place:
+        # a single request's array viewing an immutable request body (read-only) is
+        # copied; writable ones (gathered batches, shared memory) are shared.
+        if not array.flags.writeable or any(s < 0 for s in array.strides):
+            array = np.array(array)
+        tensor = torch.from_numpy(array)
+        if name in self._bf16_inputs:  # BF16 travels as uint16 bits
+            tensor = tensor.view(torch.bfloat16)
+        if self._device.type != "cpu":
+            tensor = tensor.to(self._device, non_blocking=True)
+        return tensor
+
+    def _output(self, name: str, result):
+        """The output tensor ``name`` of forward()'s result, its type checked."""
+        tensor = self._select(name, result)
+        torch = self._torch
+        if not isinstance(tensor, torch.Tensor):
+            raise InternalError(
+                f"output '{name}' of model '{self.model_name}' is a "
+                f"{type(tensor).__name__}, not a Tensor"
+            )
+        expected = self._output_types[name]
+        if tensor.dtype != getattr(torch, TORCH_DTYPES[expected]):
+            raise InternalError(
+                f"configuration expects datatype {expected} for output '{name}' of "
+                f"model '{self.model_name}', model provides {tensor.dtype}"
+            )
+        return tensor.detach()
+
+    def _to_numpy(self, tensor) -> np.ndarray:
+        torch = self._torch
+        # On the CPU .numpy() shares the tensor's memory: no copy, unless it is an
+        # input's (a model that returns an input), whose buffer the next batches reuse.
+        tensor = tensor.cpu()
+        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: keep the bits
+            array = tensor.view(torch.int16).numpy().view(np.uint16)
+        else:
+            array = tensor.numpy()
+        if self._buffers[0].holds(array) or self._buffers[1].holds(array):
+            array = array.copy()
+        return array
+
+    def _select(self, name: str, result):
+        if isinstance(result, dict):
+            if name not in result:
+                raise InternalError(
+                    f"model '{self.model_name}' returned a dict without output "
+                    f"'{name}'; it has {sorted(result)}"
+                )
+            return result[name]
+        if isinstance(result, self._torch.Tensor):
+            result = (result,)
+        if not isinstance(result, (tuple, list)):
+            raise InternalError(
+                f"model '{self.model_name}' returned a {type(result).__name__}; "
+                "expected a Tensor, a tuple of Tensors or a Dict[str, Tensor]"
+            )
+        position = self._outputs[name]
+        if position >= len(result):
+            raise InternalError(
+                f"model '{self.model_name}' returned {len(result)} output(s); output "
+                f"'{name}' is at index {position}"
+            )
+        return result[position]
+
+    def _check_batch(self, outputs: dict[str, np.ndarray], total: int) -> None:
+        for name, array in outputs.items():
+            if array.ndim == 0 or array.shape[0] != total:
+                raise InternalError(
+                    f"output '{name}' of model '{self.model_name}' has shape "
+                    f"{list(array.shape)}; a batch of {total} needs {total} rows"
+                )
+
+    def close(self) -> None:
+        self._module = None
