@@ -85,6 +85,9 @@ class TritonPythonModel:
     def initialize(self, args):
         self.seen_before = getattr(pb_utils, "WRITTEN_BY", "")
         pb_utils.WRITTEN_BY = args["model_name"]
+        # Tensor comes from a sibling module of pb_utils: that one is the model's own too.
+        self.tensor_seen_before = getattr(pb_utils.Tensor, "WRITTEN_BY", "")
+        pb_utils.Tensor.WRITTEN_BY = args["model_name"]
 
     def execute(self, requests):
         import c_python_backend_utils as c_late  # imports inside a function
@@ -92,6 +95,7 @@ class TritonPythonModel:
 
         free = c_late.shared_memory.free_memory()  # no arena in-process: 0
         text = f"{self.seen_before}|{pb_utils.WRITTEN_BY}|{late.WRITTEN_BY}|{WHO}|{type(free).__name__}"
+        text += f"|{self.tensor_seen_before}|{late.Tensor.WRITTEN_BY}"
         out = np.array([text.encode()], dtype=np.object_)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]) for _ in requests]
 """
@@ -221,7 +225,7 @@ def test_each_model_has_its_own_pb_utils_and_helpers(client):
         infer_input = httpclient.InferInput("INPUT0", [1], "INT32")
         infer_input.set_data_from_numpy(np.array([0], dtype=np.int32))
         text = client.infer(name, [infer_input]).as_numpy("OUTPUT0")[0].decode()
-        assert text == f"|{name}|{name}|{name}|int"
+        assert text == f"|{name}|{name}|{name}|int||{name}"
 
 
 def test_where_the_model_runs(client, server, mode):

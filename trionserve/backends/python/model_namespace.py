@@ -26,6 +26,14 @@ from trionserve.backends.python.stub import STUBPATH
 
 PB_MODULE = "triton_python_backend_utils"
 C_MODULE = "c_python_backend_utils"
+# The modules PB_MODULE imports its names from (stubpath/), in the order they import
+# each other: loaded anew with it for each instance, so no two models share them.
+PB_SIBLINGS = (
+    "triton_python_backend_errors",
+    "triton_python_backend_dtypes",
+    "triton_python_backend_tensor",
+    "triton_python_backend_config",
+)
 
 # Model imports change sys.modules and sys.path for a moment: one at a time.
 _IMPORT_LOCK = threading.Lock()
@@ -62,11 +70,11 @@ class ModelNamespace:
     model.py is imported as ``<package>.model``, the package being a fresh one
     whose directory is the version directory (Triton imports ``<version>.model``),
     so relative imports work and two models' ``1.model`` never meet. While it is
-    imported, ``triton_python_backend_utils`` and ``c_python_backend_utils`` in
-    ``sys.modules`` are this instance's, and the version and model directories
-    are on ``sys.path`` (as a stub puts them); afterwards the modules imported
-    from those directories are taken out of ``sys.modules`` again, so another
-    model's ``import utils`` finds its own.
+    imported, ``triton_python_backend_utils``, ``c_python_backend_utils`` and the
+    former's sibling modules in ``sys.modules`` are this instance's, and the
+    version and model directories are on ``sys.path`` (as a stub puts them);
+    afterwards the modules imported from those directories are taken out of
+    ``sys.modules`` again, so another model's ``import utils`` finds its own.
     """
 
     def __init__(self, model_file: Path, runtime: Any) -> None:
@@ -74,9 +82,12 @@ class ModelNamespace:
         self.package = f"_trionserve_model_{next(_PACKAGES)}"
         with _IMPORT_LOCK:
             saved = {name: sys.modules.get(name) for name in (PB_MODULE, C_MODULE)}
+            saved_siblings = {name: sys.modules.get(name) for name in PB_SIBLINGS}
             path = list(sys.path)
             before = set(sys.modules)
             try:
+                for name in PB_SIBLINGS:
+                    sys.modules[name] = _module_from_file(name, STUBPATH / f"{name}.py")
                 self.pb = _module_from_file(PB_MODULE, STUBPATH / f"{PB_MODULE}.py")
                 setattr(self.pb, "_runtime", runtime)  # noqa: B010 - the module's hook
                 sys.modules[PB_MODULE] = self.pb
@@ -94,6 +105,11 @@ class ModelNamespace:
                 sys.path[:] = path
                 for name, module in saved.items():
                     sys.modules[name] = module if module is not None else _LateImport(name)
+                for name, module in saved_siblings.items():
+                    if module is None:
+                        sys.modules.pop(name, None)
+                    else:
+                        sys.modules[name] = module
                 self._forget_local_modules(before, version_dir.parent)
 
     def _forget_local_modules(self, before: set[str], model_dir: Path) -> None:

@@ -5,6 +5,14 @@ responses, response senders for decoupled models, BLS (``InferenceRequest.exec``
 and ``async_exec``), errors, the logger, the auto-complete ``ModelConfig`` and the
 helper functions. Calls that reach the server (BLS, responses sent through a
 sender, log lines) go through the stub runtime installed in ``_runtime``.
+
+This module holds what reaches the runtime: requests (BLS included), responses,
+response senders and iterators, the logger, custom metrics and the model loading
+API. What needs no runtime is in its siblings, whose names it re-exports:
+``triton_python_backend_dtypes`` (data types, BYTES tensors),
+``triton_python_backend_errors`` (``TritonError``, ``TritonModelException``),
+``triton_python_backend_tensor`` (``Tensor``, python_backend's ``PbTensor``) and
+``triton_python_backend_config`` (``ModelConfig`` for auto-complete).
 """
 
 from __future__ import annotations
@@ -14,13 +22,27 @@ import json
 import sys
 import threading
 
-import numpy as np
-
-# The stub runs from the trionserve package (also under a model's own
-# EXECUTION_ENV_PATH, where only the package is put on sys.path), so the one BYTES
-# wire format in trionserve.core (numpy and the standard library only) is here too.
-from trionserve.core.bytes_tensor import deserialize_bytes_tensor as _deserialize_bytes
-from trionserve.core.bytes_tensor import serialize_bytes_tensor
+# The module's data types, errors, Tensor and ModelConfig are in sibling modules of
+# stubpath/ (each loaded anew with this one for an in-process model): their names
+# are this module's too.
+from triton_python_backend_config import (  # noqa: F401
+    ModelConfig,
+    get_input_config_by_name,
+    get_output_config_by_name,
+    using_decoupled_model_transaction_policy,
+)
+from triton_python_backend_dtypes import (  # noqa: F401
+    TRITON_STRING_TO_NUMPY,
+    deserialize_bytes_tensor,
+    numpy_to_triton_type,
+    serialize_byte_tensor,
+    serialize_bytes_tensor,
+    triton_string_to_numpy,
+    triton_to_numpy_type,
+)
+from triton_python_backend_errors import TritonError, TritonModelException
+from triton_python_backend_errors import as_text as _text
+from triton_python_backend_tensor import Tensor  # noqa: F401
 
 # Set by the stub process to its runtime (see trionserve.backends.python.stub).
 _runtime = None
@@ -32,291 +54,6 @@ TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
 TRITONSERVER_MEMORY_GPU = 1
 TRITONSERVER_MEMORY_CPU = 2
-
-TRITON_STRING_TO_NUMPY = {
-    "TYPE_BOOL": bool,
-    "TYPE_UINT8": np.uint8,
-    "TYPE_UINT16": np.uint16,
-    "TYPE_UINT32": np.uint32,
-    "TYPE_UINT64": np.uint64,
-    "TYPE_INT8": np.int8,
-    "TYPE_INT16": np.int16,
-    "TYPE_INT32": np.int32,
-    "TYPE_INT64": np.int64,
-    "TYPE_FP16": np.float16,
-    "TYPE_FP32": np.float32,
-    "TYPE_FP64": np.float64,
-    "TYPE_STRING": np.object_,
-}
-
-# TRITONSERVER_DataType codes, their wire names and numpy types.
-_TYPES = [
-    (1, "BOOL", np.bool_),
-    (2, "UINT8", np.uint8),
-    (3, "UINT16", np.uint16),
-    (4, "UINT32", np.uint32),
-    (5, "UINT64", np.uint64),
-    (6, "INT8", np.int8),
-    (7, "INT16", np.int16),
-    (8, "INT32", np.int32),
-    (9, "INT64", np.int64),
-    (10, "FP16", np.float16),
-    (11, "FP32", np.float32),
-    (12, "FP64", np.float64),
-    (13, "BYTES", np.object_),
-    (14, "BF16", np.uint16),
-]
-_CODE_TO_WIRE = {code: wire for code, wire, _ in _TYPES}
-_WIRE_TO_CODE = {wire: code for code, wire, _ in _TYPES}
-_CODE_TO_NUMPY = {code: numpy for code, _, numpy in _TYPES}
-# The common answers of numpy_to_triton_type at the cost of a dict look-up: keyed by
-# the numpy scalar types and their (native byte order) dtypes.
-_NUMPY_TO_CODE = {np.object_: 13, np.bytes_: 13, bytes: 13, np.dtype(np.object_): 13}
-for _code, _wire, _numpy in reversed(_TYPES):
-    if _wire not in ("BF16", "BYTES"):
-        _NUMPY_TO_CODE[_numpy] = _NUMPY_TO_CODE[np.dtype(_numpy)] = _code
-
-
-def triton_to_numpy_type(data_type):
-    return _CODE_TO_NUMPY.get(data_type)
-
-
-def numpy_to_triton_type(data_type):
-    try:
-        return _NUMPY_TO_CODE[data_type]
-    except (KeyError, TypeError):
-        pass
-    if data_type in (np.object_, np.bytes_) or data_type is bytes:
-        return 13
-    try:
-        dtype = np.dtype(data_type)
-    except TypeError:
-        return None
-    if dtype.kind in ("O", "S", "U"):
-        return 13
-    for code, wire, numpy in _TYPES:
-        if wire != "BF16" and dtype == np.dtype(numpy):
-            return code
-    return None
-
-
-def triton_string_to_numpy(triton_type_string):
-    return TRITON_STRING_TO_NUMPY[triton_type_string]
-
-
-def serialize_byte_tensor(input_tensor):
-    """BYTES elements flattened as 4-byte little-endian length + bytes, C order."""
-    if input_tensor.size == 0:
-        return ()
-    if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
-        return None
-    return serialize_bytes_tensor(input_tensor)
-
-
-def deserialize_bytes_tensor(encoded_tensor):
-    """The 1-D object array of bytes that serialize_byte_tensor encoded."""
-    return _deserialize_bytes(encoded_tensor, None, "the encoded BYTES tensor")
-
-
-# -- errors -------------------------------------------------------------------------
-
-
-class TritonError(Exception):
-    """An error for one response; ``code`` is one of the class constants."""
-
-    UNKNOWN = 0
-    INTERNAL = 1
-    NOT_FOUND = 2
-    INVALID_ARG = 3
-    UNAVAILABLE = 4
-    UNSUPPORTED = 5
-    ALREADY_EXISTS = 6
-    CANCELLED = 7
-
-    def __init__(self, message, code=INTERNAL):
-        if message is None:
-            raise TypeError("TritonError needs a message")
-        super().__init__(message)
-        self._message = str(message)
-        self._code = int(code)
-
-    def message(self):
-        return self._message
-
-    def code(self):
-        return self._code
-
-    def __str__(self):
-        return self._message
-
-
-class TritonModelException(Exception):
-    """Raised by models (and by this module) to fail initialize, execute or finalize."""
-
-    def __init__(self, msg=None):
-        super().__init__(msg)
-        self._msg = msg
-
-    def message(self):
-        return self._msg
-
-    def __str__(self):
-        return "" if self._msg is None else str(self._msg)
-
-
-# -- tensors ------------------------------------------------------------------------
-
-
-class Tensor:
-    """A named tensor: a numpy array in CPU memory, or a DLPack object on a GPU."""
-
-    def __init__(self, name, numpy_array, *_legacy):
-        name = name if type(name) is str else _text(name, "Tensor name")
-        if numpy_array is None:
-            raise TypeError("Tensor() takes a numpy array, not None")
-        array = numpy_array if type(numpy_array) is np.ndarray else np.asarray(numpy_array)
-        code = _NUMPY_TO_CODE.get(array.dtype)
-        if code is not None and code != 13:  # the common case: a numeric array
-            self._name = name
-            self._array = array
-            self._device_object = None
-            self._datatype = _CODE_TO_WIRE[code]
-            return
-        if array.dtype.kind in ("U", "S"):
-            # Triton asks for np.object_; bytes and str elements mean the same here.
-            array = array.astype(np.object_)
-        if array.dtype.kind == "V":
-            raise TritonModelException(
-                "Tensor dtype used for numpy_array is not supported by Python "
-                "backend. Please use np.object_ instead."
-            )
-        code = numpy_to_triton_type(array.dtype)
-        if code is None:
-            raise TritonModelException(f"numpy dtype {array.dtype} has no Triton data type")
-        self._name = name
-        self._array = array
-        self._device_object = None
-        self._datatype = _CODE_TO_WIRE[code]
-
-    @classmethod
-    def _wrap(cls, name, datatype, array):
-        """A tensor that keeps the wire datatype it arrived with (BF16, BYTES)."""
-        tensor = cls.__new__(cls)
-        tensor._name = name
-        tensor._array = array
-        tensor._device_object = None
-        tensor._datatype = datatype
-        return tensor
-
-    def name(self):
-        return self._name
-
-    def triton_dtype(self):
-        return _WIRE_TO_CODE[self._datatype]
-
-    def shape(self):
-        source = self._array if self._device_object is None else self._device_object
-        return [int(d) for d in source.shape]
-
-    def is_cpu(self):
-        return self._device_object is None
-
-    def as_numpy(self):
-        if self._device_object is not None:
-            raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
-        return self._array
-
-    def to_dlpack(self):
-        return self.__dlpack__()
-
-    def __dlpack__(self, stream=None):
-        if self._device_object is not None:
-            if stream is None:
-                return self._device_object.__dlpack__()
-            return self._device_object.__dlpack__(stream=stream)
-        if self._array.dtype == np.object_:
-            raise TritonModelException("BYTES tensors cannot be exported with DLPack")
-        return self._array.__dlpack__()
-
-    def __dlpack_device__(self):
-        if self._device_object is not None:
-            return self._device_object.__dlpack_device__()
-        return (1, 0)  # kDLCPU
-
-    @staticmethod
-    def from_dlpack(name, dlpack_object):
-        """A tensor from a DLPack capsule or an object with ``__dlpack__``."""
-        # pb_tensor.cc PbTensor::FromDLPack's checks and words.
-        if name == "":
-            raise TritonModelException("Tensor name cannot be an empty string.")
-        if dlpack_object is None:
-            raise TritonModelException(
-                "Provided tensor is not supported. Tensor must be a DLPack capsule or "
-                "have `__dlpack__` and `__dlpack_device__` attributes"
-            )
-        source = dlpack_object
-        if not hasattr(source, "__dlpack__"):
-            try:  # a capsule of CPU memory: numpy takes it without copying
-                array = np.from_dlpack(_CpuCapsule(source))
-                return Tensor._wrap(name, _CODE_TO_WIRE[numpy_to_triton_type(array.dtype)], array)
-            except (BufferError, RuntimeError, TypeError):
-                source = _device_capsule_owner(source)
-        device_type = source.__dlpack_device__()[0]
-        if device_type in (1, 3):  # kDLCPU, kDLCUDAHost
-            array = np.from_dlpack(source)
-            return Tensor._wrap(name, _CODE_TO_WIRE[numpy_to_triton_type(array.dtype)], array)
-        tensor = Tensor._wrap(name, _device_datatype(source), None)
-        tensor._device_object = source
-        return tensor
-
-    def _host_array(self):
-        """The data in CPU memory, for sending to the server."""
-        if self._device_object is None:
-            return self._array
-        source = self._device_object
-        if hasattr(source, "cpu"):  # torch
-            return source.cpu().numpy()
-        if hasattr(source, "get"):  # cupy
-            return source.get()
-        return np.from_dlpack(source, device="cpu", copy=True)
-
-    def __repr__(self):
-        return f"Tensor({self._name!r}, {self._datatype}, shape={self.shape()})"
-
-
-class _CpuCapsule:
-    """A raw DLPack capsule presented to numpy as CPU memory (numpy checks it)."""
-
-    def __init__(self, capsule):
-        self._capsule = capsule
-
-    def __dlpack__(self, stream=None, **_):
-        return self._capsule
-
-    def __dlpack_device__(self):
-        return (1, 0)
-
-
-def _device_capsule_owner(capsule):
-    """A raw DLPack capsule of device memory, imported through torch."""
-    try:
-        import torch.utils.dlpack
-    except ImportError:
-        raise TritonModelException(
-            "a DLPack capsule of GPU memory needs torch to be imported"
-        ) from None
-    return torch.utils.dlpack.from_dlpack(capsule)
-
-
-def _device_datatype(source):
-    dtype = getattr(source, "dtype", None)
-    name = str(dtype).replace("torch.", "")
-    if name == "bfloat16":
-        return "BF16"
-    code = numpy_to_triton_type(np.dtype(name)) if name else None
-    if code is None:
-        raise TritonModelException(f"unsupported DLPack tensor dtype {dtype}")
-    return _CODE_TO_WIRE[code]
 
 
 # -- requests and responses ------------------------------------------------------------
@@ -337,20 +74,6 @@ class InferenceTrace:
 _NO_TRACE = InferenceTrace()
 
 _REQUIRED = object()
-
-
-def _text(value, what):
-    """A string argument as Triton's C++ side takes it: ``str``, or ``bytes`` as UTF-8
-    (a name read from a BYTES tensor is ``bytes``)."""
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, (bytes, bytearray)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            raise TritonModelException(f"{what} must be valid UTF-8, got {value!r}") from None
-    # A wrong type is a TypeError, as pybind11 raises it for python_backend's API.
-    raise TypeError(f"{what} must be a str or bytes, not {type(value).__name__}")
 
 
 def _parameters_json(parameters):
@@ -731,24 +454,6 @@ def get_output_tensor_by_name(inference_response, name):
     return None
 
 
-def get_input_config_by_name(model_config, name):
-    for entry in model_config.get("input", []):
-        if entry["name"] == name:
-            return entry
-    return None
-
-
-def get_output_config_by_name(model_config, name):
-    for entry in model_config.get("output", []):
-        if entry["name"] == name:
-            return entry
-    return None
-
-
-def using_decoupled_model_transaction_policy(model_config):
-    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
-
-
 def get_model_dir():
     """The directory model.py was loaded from (its version directory)."""
     if _runtime is None:
@@ -778,7 +483,10 @@ def load_model(model_name, config="", files=None):
     """
     files = {_text(key, "files key"): value for key, value in dict(files or {}).items()}
     _control(
-        "load", name=_text(model_name, "model_name"), config=_text(config, "config"), files=files
+        "load",
+        name=_text(model_name, "model_name"),
+        config=_text(config, "config"),
+        files=files,
     )
 
 
@@ -860,113 +568,3 @@ class Metric:
     def __del__(self):
         if self._key is not None and _runtime is not None:
             _runtime.metric_release("metric_delete", {"family": self._family, "labels": self._key})
-
-
-class ModelConfig:
-    """The configuration ``auto_complete_config`` may complete.
-
-    Only max_batch_size, inputs, outputs, dynamic batching and the transaction
-    policy can be set; a value that contradicts config.pbtxt raises ValueError.
-    """
-
-    _INPUT_PROPERTIES = ("name", "data_type", "dims", "optional")
-    _OUTPUT_PROPERTIES = ("name", "data_type", "dims")
-
-    def __init__(self, model_config):
-        self._model_config = json.loads(model_config)
-        self._model_config.setdefault("input", [])
-        self._model_config.setdefault("output", [])
-        self._model_config.setdefault("max_batch_size", 0)
-
-    def as_dict(self):
-        return self._model_config
-
-    @property
-    def _name(self):
-        return self._model_config.get("name", "")
-
-    def set_max_batch_size(self, max_batch_size):
-        current = self._model_config.get("max_batch_size", 0)
-        if current > max_batch_size:
-            raise ValueError(
-                f"configuration specified max_batch_size {current}, but in "
-                f"auto-complete-config function for model '{self._name}' specified "
-                f"max_batch_size {max_batch_size}"
-            )
-        self._model_config["max_batch_size"] = max_batch_size
-
-    def set_dynamic_batching(self):
-        for other in ("sequence_batching", "ensemble_scheduling"):
-            if self._model_config.get(other):
-                raise ValueError(
-                    f"Configuration specified scheduling_choice as '{other}', but "
-                    f"auto-complete-config function for model '{self._name}' tries to "
-                    "set scheduling_choice as 'dynamic_batching'"
-                )
-        self._model_config.setdefault("dynamic_batching", {})
-
-    def add_input(self, input):
-        self._add("input", input, self._INPUT_PROPERTIES)
-
-    def add_output(self, output):
-        self._add("output", output, self._OUTPUT_PROPERTIES)
-
-    def _add(self, kind, tensor, allowed):
-        label = f"{kind} '{tensor.get('name', '')}'"
-        where = f"in auto-complete-config function for model '{self._name}'"
-        extra = [key for key in tensor if key not in allowed]
-        if extra:
-            raise ValueError(
-                f"{label} {where} contains property other than "
-                f"{', '.join(repr(a) for a in allowed)}: {extra}"
-            )
-        for key in allowed[:3]:
-            if key not in tensor:
-                raise ValueError(f"{label} {where} is missing '{key}' property.")
-        for current in self._model_config[kind]:
-            if current.get("name") != tensor["name"]:
-                continue
-            current_type = current.get("data_type", "TYPE_INVALID")
-            if current_type not in ("TYPE_INVALID", tensor["data_type"]):
-                raise ValueError(
-                    f"unable to load model '{self._name}', configuration expects "
-                    f"datatype {current_type} for {kind} '{tensor['name']}', model "
-                    f"provides {tensor['data_type']}"
-                )
-            if current.get("dims") and list(current["dims"]) != list(tensor["dims"]):
-                raise ValueError(
-                    f"model '{self._name}', tensor '{tensor['name']}': the model "
-                    f"expects dims {list(tensor['dims'])} but the model configuration "
-                    f"specifies dims {list(current['dims'])}"
-                )
-            if (
-                "optional" in tensor
-                and "optional" in current
-                and bool(current["optional"]) != bool(tensor["optional"])
-            ):
-                raise ValueError(
-                    f"model '{self._name}', tensor '{tensor['name']}': the model "
-                    f"expects optional {tensor['optional']} but the model "
-                    f"configuration specifies optional {current['optional']}"
-                )
-            current.update(tensor)
-            return
-        self._model_config[kind].append(dict(tensor))
-
-    def set_model_transaction_policy(self, transaction_policy_dict):
-        extra = [key for key in transaction_policy_dict if key != "decoupled"]
-        if extra:
-            raise ValueError(
-                "model transaction property in auto-complete-config function for model "
-                f"'{self._name}' contains property other than 'decoupled'."
-            )
-        policy = self._model_config.setdefault("model_transaction_policy", {})
-        if "decoupled" in transaction_policy_dict:
-            wanted = bool(transaction_policy_dict["decoupled"])
-            if "decoupled" in policy and bool(policy["decoupled"]) != wanted:
-                raise ValueError(
-                    "trying to change decoupled property in auto-complete-config for "
-                    f"model '{self._name}', which is already set to "
-                    f"'{policy['decoupled']}'."
-                )
-            policy["decoupled"] = wanted
