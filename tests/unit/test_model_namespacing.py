@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trionserve.api import Options
-from trionserve.cli import _parse
+from trionserve.cli_options import parse_options
 from trionserve.core.errors import InvalidArgument, NotFound
 from trionserve.repository.repository import ModelId, ModelRepository
 from trionserve.repository.snapshot import Duplicate, snapshot_repository
@@ -63,9 +63,9 @@ def test_namespacing_scans_each_repository_as_a_namespace(tmp_path):
 
 
 def test_the_flag_and_the_in_process_option_reach_the_server_options(tmp_path):
-    options, _ = _parse([f"--model-repository={tmp_path}", "--model-namespacing=true"])
+    options, _ = parse_options([f"--model-repository={tmp_path}", "--model-namespacing=true"])
     assert options.model_namespacing
-    options, _ = _parse([f"--model-repository={tmp_path}"])
+    options, _ = parse_options([f"--model-repository={tmp_path}"])
     assert not options.model_namespacing
     assert (
         Options(model_repository=tmp_path, model_namespacing=True)

@@ -175,19 +175,19 @@ def test_stream_events_from_templates_are_the_encoded_chunks(text, final):
     ],
 )
 def test_openai_flags_refused_at_start(tmp_path, capsys, flags, message):
-    from trionserve.cli import _parse
+    from trionserve.cli_options import parse_options
 
     (tmp_path / "bad.jinja").write_text("{% for %}")
     argv = [f"--model-repository={tmp_path}", *(f.format(tmp=tmp_path) for f in flags)]
     with pytest.raises(SystemExit):
-        _parse(argv)
+        parse_options(argv)
     assert message in capsys.readouterr().err
 
 
 def test_openai_flags_make_the_options(tmp_path):
-    from trionserve.cli import _parse
+    from trionserve.cli_options import parse_options
 
-    options, _ = _parse(
+    options, _ = parse_options(
         [
             f"--model-repository={tmp_path}",
             "--openai-port=0",
