@@ -23,7 +23,8 @@ from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unav
 from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import ModelStatistics
 from trionserve.repository.config import normalize_model_config
-from trionserve.schedulers.sequence_batch import NullRequest, SequenceBatchScheduler
+from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
+from trionserve.schedulers.sequence_controls import NullRequest
 from trionserve.schedulers.sequence_state import load_sequence_states
 
 GIVE_UP = 60  # virtual seconds after which a wait counts as a hang

@@ -94,7 +94,7 @@ class InferenceRequest:
     """
 
     # Whether the request counts in the model's statistics (a sequence batcher's
-    # null filler request does not: schedulers/sequence_batch.NullRequest).
+    # null filler request does not: schedulers/sequence_controls.NullRequest).
     collect_stats: ClassVar[bool] = True
 
     __slots__ = (

@@ -23,6 +23,12 @@ Each request reaches the model with the control inputs of
 state tensors of its sequence (see :mod:`trionserve.schedulers.sequence_state`); the
 state outputs are kept for the next request and are returned to the client only
 when the configuration lists them as outputs and the client asks for them.
+
+Triton core ``sequence_batch_scheduler/sequence_batch_scheduler.cc``
+(SequenceBatchScheduler: slots, backlog, Enqueue, ReleaseSequenceSlot). The
+strategies' choice of a batch is in :mod:`.sequence_strategies`, the control
+tensors and null requests in :mod:`.sequence_controls`, each executor's slots and
+outlet in :mod:`.sequence_slots`.
 """
 
 from __future__ import annotations
@@ -37,28 +43,26 @@ from collections.abc import Sequence as Seq
 from functools import partial
 from typing import TYPE_CHECKING
 
-import numpy as np
 import trio
 
-from trionserve.core import datatypes
-from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
+from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome
+from trionserve.schedulers.sequence_controls import NullRequest, SequenceControls, zeros_like
+from trionserve.schedulers.sequence_slots import Instance, Outlet, Row
 from trionserve.schedulers.sequence_state import (
-    CorrelationId,
     Sequence,
     SequenceStateManager,
     StateSpec,
     backlog_timeout_error,
     describe,
 )
+from trionserve.schedulers.sequence_strategies import DirectStrategy, OldestStrategy
 from trionserve.schedulers.timer import PreciseWakeup
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
-
-_FLAG_KINDS = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQUENCE_READY")
 
 
 def _count_from_environment(name: str) -> int:
@@ -67,183 +71,6 @@ def _count_from_environment(name: str) -> int:
         return max(0, int(os.environ.get(name, "0")))
     except ValueError:
         return 0
-
-
-class NullRequest(InferenceRequest):
-    """The filler of an empty batch slot: zero inputs, READY false. Its outcome is
-    dropped and, as in Triton, it is not counted in the request statistics."""
-
-    __slots__ = ()
-    collect_stats = False
-
-
-class SequenceControls:
-    """The control tensors a model asks for in ``sequence_batching.control_input``."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        from trionserve._generated.model_config_pb2 import DataType, ModelSequenceBatching
-
-        kind_name = ModelSequenceBatching.Control.Kind.Name
-        self._shape = (1, 1) if config.max_batch_size > 0 else (1,)
-        # (kind, tensor name, wire datatype, (false array, true array))
-        self._flags: list[tuple[str, str, str, tuple[np.ndarray, np.ndarray]]] = []
-        self._corrid: tuple[str, datatypes.DataType] | None = None
-        for control_input in config.sequence_batching.control_input:
-            for control in control_input.control:
-                kind = kind_name(control.kind)
-                if kind not in _FLAG_KINDS:
-                    data_type = datatypes.BY_CONFIG[DataType.Name(control.data_type)]
-                    self._corrid = (control_input.name, data_type)
-                    continue
-                values: Seq[float]
-                if control.int32_false_true:
-                    wire, values = "INT32", control.int32_false_true
-                elif control.fp32_false_true:
-                    wire, values = "FP32", control.fp32_false_true
-                else:
-                    wire, values = "BOOL", control.bool_false_true
-                dtype = datatypes.BY_WIRE[wire].numpy
-                # The config check makes these exactly two: the false and the true value.
-                false, true = (_constant(np.full(self._shape, v, dtype=dtype)) for v in values)
-                self._flags.append((kind, control_input.name, wire, (false, true)))
-
-    def check(self, correlation_id: CorrelationId, model: str) -> None:
-        """Refuse a correlation id the CORRID control's datatype cannot carry."""
-        if self._corrid is None or correlation_id == 0:
-            return
-        name, data_type = self._corrid
-        if data_type.wire == "BYTES":
-            return
-        where = (
-            f"model '{model}' feeds correlation IDs to its CONTROL_SEQUENCE_CORRID input "
-            f"'{name}' as {data_type.config}"
-        )
-        if isinstance(correlation_id, str):
-            raise InvalidArgument(
-                f"inference request for sequence '{correlation_id}' has a string "
-                f"correlation ID, but {where}; use an integer correlation ID"
-            )
-        info = np.iinfo(data_type.numpy)
-        if not info.min <= correlation_id <= info.max:
-            raise InvalidArgument(
-                f"correlation ID {correlation_id} does not fit: {where} ({info.min}..{info.max})"
-            )
-
-    def tensors(
-        self, *, start: bool, end: bool, ready: bool, correlation_id: CorrelationId | None
-    ) -> dict[str, Tensor]:
-        flags = {
-            "CONTROL_SEQUENCE_START": start,
-            "CONTROL_SEQUENCE_END": end,
-            "CONTROL_SEQUENCE_READY": ready,
-        }
-        tensors = {}
-        for kind, name, wire, arrays in self._flags:
-            tensors[name] = Tensor(name, wire, arrays[flags[kind]])
-        if self._corrid is not None:
-            name, data_type = self._corrid
-            if data_type.wire == "BYTES":
-                value = b"" if correlation_id is None else describe(correlation_id).encode()
-                array = np.empty(self._shape, dtype=object)
-                array.fill(value)
-            else:
-                array = np.full(self._shape, correlation_id or 0, dtype=data_type.numpy)
-            tensors[name] = Tensor(name, data_type.wire, array)
-        return tensors
-
-
-def _constant(array: np.ndarray) -> np.ndarray:
-    array.setflags(write=False)
-    return array
-
-
-def _zeros_like(array: np.ndarray) -> np.ndarray:
-    if array.dtype == np.object_:
-        zeros = np.empty(array.shape, dtype=object)
-        zeros.fill(b"")
-        return zeros
-    return np.zeros_like(array)
-
-
-class _Row:
-    """One batch position: a sequence's request, or a null request (no sequence).
-
-    ``inputs`` and ``outputs`` are the request's own, given back when it completes.
-    """
-
-    __slots__ = ("request", "sequence", "inputs", "outputs")
-
-    def __init__(
-        self,
-        request: InferenceRequest,
-        sequence: Sequence | None,
-        inputs: dict[str, Tensor],
-        outputs: list[RequestedOutput] | None,
-    ) -> None:
-        self.request = request
-        self.sequence = sequence
-        self.inputs = inputs
-        self.outputs = outputs
-
-
-class _Instance:
-    """One executor as the scheduler sees it: its sequence slots and its mailbox."""
-
-    __slots__ = ("number", "slots", "outlet", "waiting", "rows", "alive")
-
-    def __init__(self, number: int, slot_count: int) -> None:
-        self.number = number
-        self.slots: list[Sequence | None] = [None] * slot_count
-        self.outlet: _Outlet | None = None
-        self.waiting = False  # its executor waits for a batch
-        self.rows: list[_Row] = []  # the batch it holds
-        self.alive = True
-
-
-class _Outlet:
-    """One executor's end: ``receive`` says it is idle and waits for its batch;
-    ``close`` withdraws it and gives back a batch it was sent but never took."""
-
-    __slots__ = ("_scheduler", "_instance", "_send", "_receive", "_posted", "closed")
-
-    def __init__(self, scheduler: SequenceBatchScheduler, instance: _Instance) -> None:
-        self._scheduler = scheduler
-        self._instance = instance
-        self._send, self._receive = trio.open_memory_channel[list[InferenceRequest]](1)
-        self._posted = False
-        self.closed = False
-
-    async def receive(self) -> list[InferenceRequest]:
-        if self.closed:
-            raise trio.ClosedResourceError
-        if not self._posted:
-            self._posted = True
-            self._scheduler._outlet_ready(self._instance)
-        batch = await self._receive.receive()
-        self._posted = False
-        return batch
-
-    def complete(self, requests: Seq[InferenceRequest], outcomes: Seq[Outcome]) -> None:
-        self._scheduler._complete(self._instance, requests, outcomes)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            self._receive.receive_nowait()
-            untaken = True
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            untaken = False
-        self._send.close()
-        self._receive.close()
-        self._scheduler._outlet_gone(self._instance, untaken)
-
-    def put(self, batch: list[InferenceRequest]) -> None:
-        self._send.send_nowait(batch)
-
-    def finish(self) -> None:
-        self._send.close()
 
 
 class SequenceBatchScheduler:
@@ -283,19 +110,12 @@ class SequenceBatchScheduler:
         self._capacity = capacity
         self._max_batch = max(1, config.max_batch_size)
         self._skip = 1 if config.max_batch_size > 0 else 0
-        self._oldest = batching.HasField("oldest")
-        if self._oldest:
-            oldest = batching.oldest
-            self._slot_count = oldest.max_candidate_sequences or self._max_batch
-            preferred = sorted(set(oldest.preferred_batch_size))
-            self._preferred = preferred
-            self._max_preferred = preferred[-1] if preferred else self._max_batch
-            self._delay = oldest.max_queue_delay_microseconds / 1e6
-            self._min_utilization = 0.0
+        self._strategy: DirectStrategy | OldestStrategy
+        if batching.HasField("oldest"):
+            self._strategy = OldestStrategy(batching.oldest, self._max_batch)
         else:
-            self._slot_count = self._max_batch
-            self._delay = batching.direct.max_queue_delay_microseconds / 1e6
-            self._min_utilization = batching.direct.minimum_slot_utilization
+            self._strategy = DirectStrategy(batching.direct, self._max_batch)
+        self._slot_count = self._strategy.slot_count
         # iterative_sequence: a request without a correlation id starts a sequence
         # of its own, and the backend may hand it back to be executed again
         # (core sequence_batch_scheduler/sequence_utils.h IterativeSequencer).
@@ -307,9 +127,9 @@ class SequenceBatchScheduler:
         self._variable_state = any(-1 in s.dims for s in batching.state)
         self._ragged = frozenset(i.name for i in config.input if i.allow_ragged_batch)
 
-        self._instances: list[_Instance] = []
+        self._instances: list[Instance] = []
         self._numbers = itertools.count()
-        self._free: list[tuple[int, int, _Instance]] = []  # (slot, instance number, instance)
+        self._free: list[tuple[int, int, Instance]] = []  # (slot, instance number, instance)
         self._backlog: deque[Sequence] = deque()
         self._released_in_backlog = 0  # cancelled ones not yet removed from it
         self._backlog_deadlines: list[tuple[float, int, Sequence]] = []
@@ -364,8 +184,7 @@ class SequenceBatchScheduler:
         holding = self._holding()
         for instance in self._instances:
             if instance.waiting and not instance.rows and not holding:
-                form = self._form_oldest if self._oldest else self._form_direct
-                rows, at = form(instance, now)
+                rows, at = self._form(instance, now)
                 if rows:
                     self._dispatch(instance, rows)
                 else:
@@ -450,7 +269,7 @@ class SequenceBatchScheduler:
         else:
             self._bind(sequence, *free)
 
-    def _pop_free(self) -> tuple[_Instance, int] | None:
+    def _pop_free(self) -> tuple[Instance, int] | None:
         heap = self._free
         while heap:
             slot, _, instance = heapq.heappop(heap)
@@ -458,7 +277,7 @@ class SequenceBatchScheduler:
                 return instance, slot
         return None
 
-    def _pop_free_peek(self) -> tuple[_Instance, int] | None:
+    def _pop_free_peek(self) -> tuple[Instance, int] | None:
         """The free slot :meth:`_pop_free` would return, left free."""
         heap = self._free
         while heap:
@@ -468,7 +287,7 @@ class SequenceBatchScheduler:
             heapq.heappop(heap)
         return None
 
-    def _bind(self, sequence: Sequence, instance: _Instance, slot: int) -> None:
+    def _bind(self, sequence: Sequence, instance: Instance, slot: int) -> None:
         for request in sequence.queue:
             request.on_cancel(None)  # the backend's to set from now on
         instance.slots[slot] = sequence
@@ -596,7 +415,9 @@ class SequenceBatchScheduler:
             self._states.request_done(sequence, now)
         return None
 
-    def _form_direct(self, instance: _Instance, now: float) -> tuple[list[_Row] | None, float]:
+    def _form(self, instance: Instance, now: float) -> tuple[list[Row] | None, float]:
+        """The instance's next batch as its strategy chooses it; else None and when
+        to look again."""
         ready: dict[int, tuple[Sequence, InferenceRequest]] = {}
         for slot, sequence in enumerate(instance.slots):
             if sequence is not None:
@@ -605,54 +426,12 @@ class SequenceBatchScheduler:
                     ready[slot] = (sequence, request)
         if not ready:
             return None, math.inf
-        if self._delay > 0 and self._min_utilization > 0 and not self._closed:
-            earliest = min(request.arrival_time for _, request in ready.values())
-            utilization = len(ready) / self._slot_count
-            # ``now < earliest + delay``, not ``now - earliest < delay``: the same sum
-            # as the wake-up time, so waking then never finds the delay unpassed by
-            # float rounding (which made the batcher spin; found by the simulations).
-            if now < earliest + self._delay and utilization < self._min_utilization:
-                return None, earliest + self._delay
-        key = None
-        rows: list[_Row | None] = []
-        for slot in range(max(ready) + 1):
-            entry = ready.get(slot)
-            if entry is not None:
-                sequence, request = entry
-                this_key = self._shape_key(request, sequence)
-                if key is None:
-                    key = this_key
-                if this_key == key:
-                    rows.append(self._take(sequence))
-                    continue
-            rows.append(None)  # empty, or a shape that cannot join: a null request
+        chosen, at = self._strategy.choose(ready, self._shape_key, now, self._closed)
+        if chosen is None:
+            return None, at
+        rows = [None if sequence is None else self._take(sequence) for sequence in chosen]
         representative = next(row.request for row in rows if row is not None)
-        return [row or self._null_row(representative, now) for row in rows], now
-
-    def _form_oldest(self, instance: _Instance, now: float) -> tuple[list[_Row] | None, float]:
-        heads = []
-        for sequence in instance.slots:
-            if sequence is not None:
-                request = self._head(sequence, now)
-                if request is not None:
-                    heads.append((request.arrival_time, sequence, request))
-        if not heads:
-            return None, math.inf
-        heads.sort(key=lambda head: head[0])
-        oldest = heads[0][0]
-        key = self._shape_key(heads[0][2], heads[0][1])
-        heads = [h for h in heads if self._shape_key(h[2], h[1]) == key][: self._max_batch]
-        count = len(heads)
-        best = max((size for size in self._preferred if size <= count), default=0)
-        # Compared with the wake-up time's own sum (see _form_direct).
-        delay_exceeded = self._delay > 0 and now >= oldest + self._delay
-        if best and not delay_exceeded:
-            heads = heads[:best]
-        elif not (
-            self._delay == 0 or delay_exceeded or count >= self._max_preferred or self._closed
-        ):
-            return None, oldest + self._delay
-        return [self._take(sequence) for _, sequence, _ in heads], now
+        return [row or self._null_row(representative, now) for row in rows], at
 
     def _shape_key(self, request: InferenceRequest, sequence: Sequence) -> tuple:
         """What must be equal for two requests to share a batch."""
@@ -670,7 +449,7 @@ class SequenceBatchScheduler:
                 key += tuple(array.shape for array in state.values())
         return key
 
-    def _take(self, sequence: Sequence) -> _Row:
+    def _take(self, sequence: Sequence) -> Row:
         """Pop the sequence's next request with its control and state inputs added."""
         request = sequence.queue.popleft()
         self._queued -= 1
@@ -695,11 +474,11 @@ class SequenceBatchScheduler:
             # As in Triton the slot is free for the next sequence at once; that
             # sequence's first batch on this instance runs after this one.
             self._free_slot(sequence)
-        return _Row(request, sequence, own_inputs, own_outputs)
+        return Row(request, sequence, own_inputs, own_outputs)
 
-    def _null_row(self, representative: InferenceRequest, now: float) -> _Row:
+    def _null_row(self, representative: InferenceRequest, now: float) -> Row:
         inputs = {
-            name: Tensor(name, tensor.datatype, _zeros_like(tensor.data))
+            name: Tensor(name, tensor.datatype, zeros_like(tensor.data))
             for name, tensor in representative.inputs.items()
         }
         inputs.update(
@@ -713,9 +492,9 @@ class SequenceBatchScheduler:
         )
         null.batch_size = representative.batch_size
         null.arrival_time = now
-        return _Row(null, None, {}, None)
+        return Row(null, None, {}, None)
 
-    def _dispatch(self, instance: _Instance, rows: list[_Row]) -> None:
+    def _dispatch(self, instance: Instance, rows: list[Row]) -> None:
         instance.waiting = False
         instance.rows = rows
         assert instance.outlet is not None
@@ -724,8 +503,8 @@ class SequenceBatchScheduler:
     # -- executors -------------------------------------------------------------------
 
     def outlet(self) -> BatchOutlet:
-        instance = _Instance(next(self._numbers), self._slot_count)
-        outlet = _Outlet(self, instance)
+        instance = Instance(next(self._numbers), self._slot_count)
+        outlet = Outlet(self, instance)
         instance.outlet = outlet
         self._instances.append(instance)
         for slot in range(self._slot_count):
@@ -735,13 +514,13 @@ class SequenceBatchScheduler:
         self._fill_from_backlog()
         return outlet
 
-    def _outlet_ready(self, instance: _Instance) -> None:
+    def _outlet_ready(self, instance: Instance) -> None:
         instance.waiting = True
         self._wakeup.set()
 
     def _complete(
         self,
-        instance: _Instance,
+        instance: Instance,
         requests: Seq[InferenceRequest],
         outcomes: Seq[Outcome],
     ) -> None:
@@ -795,7 +574,7 @@ class SequenceBatchScheduler:
         sequence.queue.append(request)
         self._queued += 1
 
-    def _outlet_gone(self, instance: _Instance, untaken: bool) -> None:
+    def _outlet_gone(self, instance: Instance, untaken: bool) -> None:
         instance.alive = False
         instance.waiting = False
         if instance in self._instances:
@@ -807,7 +586,7 @@ class SequenceBatchScheduler:
             self._evict(instance)
         self._wakeup.set()
 
-    def _give_back(self, rows: list[_Row]) -> None:
+    def _give_back(self, rows: list[Row]) -> None:
         """Requeue a batch an executor never took, each request first in its sequence."""
         homeless = []
         for row in reversed(rows):
@@ -822,7 +601,7 @@ class SequenceBatchScheduler:
                 homeless.append(sequence)  # its END freed the slot at dispatch
         self._backlog.extendleft(homeless)
 
-    def _evict(self, instance: _Instance) -> None:
+    def _evict(self, instance: Instance) -> None:
         """Move a removed instance's sequences to the front of the backlog."""
         moved = []
         for slot, sequence in enumerate(instance.slots):

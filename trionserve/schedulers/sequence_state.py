@@ -32,7 +32,7 @@ from trionserve.core.tensor_files import read_model_file, tensor_from_bytes, zer
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig, ModelSequenceBatching
-    from trionserve.schedulers.sequence_batch import _Instance
+    from trionserve.schedulers.sequence_slots import Instance
 
 log = structlog.get_logger(__name__)
 
@@ -156,7 +156,7 @@ class Sequence:
         self.queue: deque[InferenceRequest] = deque()
         # state input name -> the state fed to the next request; None: initial.
         self.state: dict[str, np.ndarray] | None = None
-        self.instance: _Instance | None = None
+        self.instance: Instance | None = None
         self.slot = -1
         self.pending = 0
         self.open = True
