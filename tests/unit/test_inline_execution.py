@@ -19,6 +19,7 @@ THREADS: list[bool] = []  # per execution: True when it ran on the event loop's 
 TASKS: list[object] = []  # per execution on the event loop: the Trio task that ran it
 FIRST: list[float] = []  # per request executed: its input's first element
 STEPS: list[int] = []  # per execution on the event loop: Trio task steps before it
+RAN_ON: list[object] = []  # per execution: the instance that ran it
 GATE: list[threading.Event] = []  # if set up: what an execution in a thread waits for
 COST_NS = [0]  # what the next execution reports as its own cost
 
@@ -39,6 +40,7 @@ class _Instance:
             STEPS.append(_STEPS.count)
         self.compute_times = ComputeTimes(0, COST_NS[0], 0)
         FIRST.extend(float(request.inputs["INPUT0"].data.flat[0]) for request in requests)
+        RAN_ON.append(self)
         return echo_responses(requests, self.name, self.version)
 
     def close(self) -> None:
@@ -58,7 +60,7 @@ _STEPS = _StepCounter()
 register_instance_backend("test_inline", lambda context, spec: _Instance(context))
 
 
-def _write_model(tmp_path) -> None:
+def _write_model(tmp_path, instances: int = 1) -> None:
     model = tmp_path / "tiny"
     (model / "1").mkdir(parents=True)
     (model / "1" / "model.txt").write_text("tiny\n")
@@ -66,11 +68,12 @@ def _write_model(tmp_path) -> None:
         'name: "tiny"\nbackend: "test_inline"\nmax_batch_size: 8\n'
         'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
         'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
+        f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]\n"
     )
 
 
-def _server(tmp_path) -> Server:
-    _write_model(tmp_path)
+def _server(tmp_path, instances: int = 1) -> Server:
+    _write_model(tmp_path, instances)
     return Server(
         ServerOptions(
             model_repositories=[tmp_path],
@@ -170,3 +173,29 @@ async def test_requests_queued_behind_a_batch_in_the_thread_run_after_it_in_orde
     assert THREADS == [False, True, True, True]
     assert len(set(TASKS)) == 1
     assert len(set(STEPS)) == 1
+
+
+async def test_a_stopped_executor_takes_no_request_handed_straight_over(tmp_path):
+    """An instance being removed (its executor stopped, not yet out of its wait)
+    runs nothing more: the request goes through the queue to the other one."""
+    server = _server(tmp_path, instances=2)
+    COST_NS[0] = 10_000
+
+    async def infer() -> None:
+        data = np.ones((1, 4), dtype=np.float32)
+        request = InferenceRequest("tiny", inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+        await server.dataplane.infer(request)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        for _ in range(4):  # each instance measured once in its thread, then inline
+            await infer()
+            await trio.testing.wait_all_tasks_blocked()
+        executors = server.registry.route("tiny", None)._executors
+        RAN_ON.clear()
+        await infer()
+        offered = next(e for e in executors if e.instance is RAN_ON[-1])
+        offered.stop()  # in the same step as the next request: still offered
+        await infer()
+        assert RAN_ON[-1] is not offered.instance
+        server.shutdown()

@@ -118,6 +118,8 @@ class InstanceExecutor:
             instance.inline_budget_ns if isinstance(instance, InlineBackendInstance) else 0
         )
         self._last_ns = self._inline_budget + 1
+        # Set by stop(): no batch handed straight over is taken any more.
+        self._stopped = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -136,6 +138,7 @@ class InstanceExecutor:
 
     def stop(self) -> None:
         """Take no more batches; the batches in progress finish and are delivered."""
+        self._stopped = True
         self._outlet.close()
 
     # -- blocking instances: the instance's thread ------------------------------------
@@ -260,7 +263,7 @@ class InstanceExecutor:
         """Run a batch handed straight over by the scheduler while this executor
         waits for one with nothing in flight (its thread idle), if it would run
         inline when taken; False leaves it to the scheduler's queue."""
-        if not self._runs_inline(batch):
+        if self._stopped or not self._runs_inline(batch):
             return False
         live = self._live(batch)
         if live:
