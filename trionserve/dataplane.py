@@ -34,6 +34,7 @@ from trionserve.core.inference import (
 from trionserve.core.response_cache import ResponseCache
 from trionserve.core.shared_memory import SystemSharedMemory
 from trionserve.core.validation import validate_request
+from trionserve.drain import Drain
 from trionserve.observability.metrics import observe_first_response
 from trionserve.observability.statistics import (
     FailureReason,
@@ -70,10 +71,6 @@ EXTENSIONS = [
 ]
 
 
-class ShuttingDown(Unavailable):
-    """A new request refused because the server is draining for shutdown."""
-
-
 class DataPlane:
     """Serves health, metadata, configuration, repository and inference calls.
 
@@ -81,23 +78,9 @@ class DataPlane:
     away cancels exactly its own work. A cancelled request is flagged so that the
     scheduler drops it if it has not started, and its result is discarded if it has.
 
-    The drain contract, the same for every transport. ``begin_drain`` (the server
-    calls it on the first SIGTERM/SIGINT) turns readiness false at once; liveness
-    stays true until the process exits. From then on the DataPlane decides, in one
-    place (``_admit``), which inference requests it still takes: a request that
-    continues a sequence open in its model's sequence batcher (same model, same
-    correlation id, no START flag) runs as usual, and its END closes the sequence;
-    every other request, a new sequence's START included, is refused with
-    :class:`ShuttingDown` (UNAVAILABLE, "server is shutting down"). Requests made by
-    models themselves (BLS calls, ensemble steps) belong to a request already taken
-    and are never refused. Health, metadata, configuration and statistics keep
-    answering. ``await wait_drained()`` returns once the drain began and nothing is
-    left: no inference request in flight and no sequence open (a sequence its
-    client abandoned ends through ``max_sequence_idle_microseconds`` as usual). A
-    transport keeps listening and serving until then, so that a client gets a clean
-    UNAVAILABLE instead of a refused connection and an open sequence can still
-    reach its END; after that it closes its connections (bounded by the exit
-    timeout). The caller bounds the wait: ``wait_drained`` has no deadline itself.
+    The drain before shutdown is its :class:`~trionserve.drain.Drain` (``drain``):
+    every admitted request is counted there, and ``_admit`` asks it what a draining
+    server still takes.
     """
 
     def __init__(
@@ -143,13 +126,8 @@ class DataPlane:
         # nv_inference_first_response_histogram_ms is kept only when asked for.
         self._first_response = first_response_histogram
         self.started = False
-        self.draining = False
-        # Inference requests between admission and their last response, and the
-        # models that were sent sequence requests: what a drain waits for.
-        self._inflight = 0
-        self._settled = trio.Event()  # replaced while requests are in flight
-        self._settled.set()
-        self._sequence_models: weakref.WeakSet[ModelVersion] = weakref.WeakSet()
+        # The drain before shutdown: in-flight requests, open sequences, refusals.
+        self.drain = Drain()
         # Models call other models (BLS, ensemble steps) through this view.
         registry.inference = _ModelCalls(self)
 
@@ -161,7 +139,7 @@ class DataPlane:
         return True
 
     def ready(self) -> bool:
-        if not self.started or self.draining:
+        if not self.started or self.drain.draining:
             return False
         return self.registry.all_ready() if self.strict_readiness else True
 
@@ -183,93 +161,6 @@ class DataPlane:
                     )
                     return False
         return True
-
-    # -- drain --------------------------------------------------------------------
-
-    def begin_drain(self) -> None:
-        """Readiness false, new requests refused (see the class docstring)."""
-        if not self.draining:
-            self.draining = True
-            log.info(
-                "draining: new requests are refused",
-                inflight=self._inflight,
-                open_sequences=self.open_sequences(),
-            )
-
-    def open_sequences(self) -> int:
-        """Sequences in progress in the models' sequence batchers."""
-        count = 0
-        for model in list(self._sequence_models):
-            sequences = model.sequences
-            if sequences is not None:
-                count += len(sequences.open)
-        return count
-
-    @property
-    def inflight(self) -> int:
-        """Inference requests admitted and not yet finished."""
-        return self._inflight
-
-    def drained(self) -> bool:
-        """True once draining, with nothing in flight and no sequence open."""
-        return self.draining and self._inflight == 0 and self.open_sequences() == 0
-
-    async def wait_drained(self) -> None:
-        """Return once :meth:`drained` is true (it checks, then waits for whichever
-        of in-flight requests and open sequences is not done, and checks again)."""
-        while True:
-            if not self.draining:
-                raise RuntimeError("wait_drained() before begin_drain()")
-            if self._inflight:
-                await self._settled.wait()
-                continue
-            waiting = next(
-                (
-                    model.sequences
-                    for model in list(self._sequence_models)
-                    if model.sequences is not None and model.sequences.open
-                ),
-                None,
-            )
-            if waiting is None:
-                return
-            await waiting.wait_none_open()
-
-    def _refuse_while_draining(self, request: InferenceRequest, model: ModelVersion) -> None:
-        """Refuse a request during the drain unless it continues an open sequence."""
-        sequences = model.sequences
-        correlation_id = request.sequence_id
-        if (
-            sequences is not None
-            and not request.sequence_start
-            and correlation_id not in (0, "")
-            and sequences.is_open(correlation_id, trio.current_time())
-        ):
-            return
-        # Not counted in the model's statistics: like a request refused because
-        # its model is not ready, it never reached the model.
-        what = (
-            "a new sequence" if sequences is not None and request.sequence_start else "new requests"
-        )
-        raise ShuttingDown(
-            f"server is shutting down: request for model '{request.model_name}' refused; "
-            f"the server takes no {what} while it finishes the requests and sequences "
-            "in progress; send it to another replica"
-        )
-
-    def _begin(self, model: ModelVersion, request: InferenceRequest) -> None:
-        model.begin_request()
-        if self._inflight == 0:
-            self._settled = trio.Event()
-        self._inflight += 1
-        if request.sequence_id not in (0, "") and model.sequences is not None:
-            self._sequence_models.add(model)
-
-    def _end(self, model: ModelVersion) -> None:
-        model.end_request()
-        self._inflight -= 1
-        if self._inflight == 0:
-            self._settled.set()
 
     def server_metadata(self) -> dict:
         """Name, version and extensions. Both shared-memory extensions are always
@@ -431,7 +322,7 @@ class DataPlane:
 
         A request that fails validation is counted as a failure of its model
         (reason OTHER). While draining, refuse what the drain does not take (see
-        the class docstring); ``internal``: a request made by a model on behalf of
+        :class:`~trionserve.drain.Drain`); ``internal``: a request made by a model on behalf of
         one already taken. ``single_response`` names the endpoint of a caller that
         takes exactly one response (``infer``): a decoupled model is refused there
         with UNIMPLEMENTED before it runs, whichever protocol asked, as Triton's
@@ -442,8 +333,9 @@ class DataPlane:
             request.model_name, request.model_version, request.model_namespace
         )
         request.undelivered_limit = self.undelivered_response_limit
-        if self.draining and not internal:
-            self._refuse_while_draining(request, model)
+        drain = self.drain
+        if drain.draining and not internal:
+            drain.refuse_unless_continuing(request, model)
         if single_response is not None and model.config.model_transaction_policy.decoupled:
             raise Unimplemented(
                 f"{single_response} doesn't support models with decoupled transaction "
@@ -471,7 +363,7 @@ class DataPlane:
         """
         run = _Lifecycle(self, model, request)
         trace = run.trace = self.tracing.start(model, request) if self.tracing.active else None
-        self._begin(model, request)
+        self.drain.request_began(model, request)
         try:
             await model.infer(request)
             if queued is not None:
@@ -482,7 +374,7 @@ class DataPlane:
                 request.cancelled = True
             raise
         finally:
-            self._end(model)
+            self.drain.request_ended(model)
             if trace is not None:
                 self.tracing.finish(trace, model, request, run.traced)
 

@@ -275,7 +275,7 @@ class Server:
         """Begin the graceful drain (see the module docstring)."""
         if not self._shutdown.is_set():
             self._drain_deadline = trio.current_time() + self.options.exit_timeout_secs
-            self.dataplane.begin_drain()
+            self.dataplane.drain.begin()
             self._shutdown.set()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -518,19 +518,19 @@ class Server:
         dataplane = self.dataplane
         log.info(
             "server stopping: draining",
-            inflight=dataplane.inflight,
-            open_sequences=dataplane.open_sequences(),
+            inflight=dataplane.drain.inflight,
+            open_sequences=dataplane.drain.open_sequences(),
             exit_timeout_secs=self.options.exit_timeout_secs,
         )
         with trio.move_on_at(self._drain_deadline):
-            await dataplane.wait_drained()
+            await dataplane.drain.wait_drained()
             log.info("drained: no request in flight, no sequence open")
             return
         self.exit_code = 1
         log.error(
             "Exit timeout expired. Exiting immediately.",
-            inflight=dataplane.inflight,
-            open_sequences=dataplane.open_sequences(),
+            inflight=dataplane.drain.inflight,
+            open_sequences=dataplane.drain.open_sequences(),
             exit_timeout_secs=self.options.exit_timeout_secs,
         )
 
@@ -583,7 +583,7 @@ class Server:
             async for signum in signals:
                 if self._shutdown.is_set() or not self.dataplane.started:
                     log.warning("stopping now", signal=signal.Signals(signum).name)
-                    if self._shutdown.is_set() and not self.dataplane.drained():
+                    if self._shutdown.is_set() and not self.dataplane.drain.drained():
                         self.exit_code = 1
                     self.shutdown()
                     self._exit_process_soon()

@@ -554,7 +554,7 @@ async def test_ensemble_steps_of_an_accepted_request_run_during_the_drain(tmp_pa
             await wait_entered()  # step one executes
             server.shutdown()
             await trio.testing.wait_all_tasks_blocked()
-            assert server.dataplane.draining and not server.dataplane.drained()
+            assert server.dataplane.drain.draining and not server.dataplane.drain.drained()
             with pytest.raises(Unavailable, match="server is shutting down"):
                 await server.dataplane.infer(request("blocking", "INPUT0", 1.0))
             GATE.release.set()  # step one answers; step two is submitted and runs

@@ -68,7 +68,7 @@ async def test_graceful_shutdown_finishes_in_flight_requests(repository):
         # Let the server act on the shutdown: it drains (HTTP keeps serving) and
         # waits for the in-flight request, which is still blocked in the backend.
         await trio.testing.wait_all_tasks_blocked()
-        assert server.dataplane.draining
+        assert server.dataplane.drain.draining
         assert not server.dataplane.ready()
         assert "output" not in results
         GATE.release.set()

@@ -241,7 +241,7 @@ class HttpFrontend:
     async def health_ready(
         self, match: re.Match[str], headers: Headers, body: RequestBody
     ) -> Response:
-        if self.dataplane.draining:
+        if self.dataplane.drain.draining:
             # As Triton while it exits: 503 with the reason.
             return _json({"error": "server is shutting down"}, 503)
         return _empty(await self.dataplane.server_is_ready())

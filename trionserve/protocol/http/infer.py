@@ -16,7 +16,8 @@ import trio
 from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
 from trionserve.core.inference import InferenceRequest
 from trionserve.core.parameters import check_forwarded_header
-from trionserve.dataplane import DataPlane, ShuttingDown
+from trionserve.dataplane import DataPlane
+from trionserve.drain import ShuttingDown
 from trionserve.observability.logging import verbose
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http.h1 import CLOSE, JSON, Headers, RequestBody, Response

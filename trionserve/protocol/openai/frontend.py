@@ -300,7 +300,7 @@ class OpenAIFrontend:
     async def health_ready(
         self, match: re.Match[str], headers: Headers, body: RequestBody
     ) -> Response:
-        if self.dataplane.draining or not await self.dataplane.server_is_ready():
+        if self.dataplane.drain.draining or not await self.dataplane.server_is_ready():
             return _json(
                 {"detail": "Attached inference engine is not ready for inference requests."}, 400
             )
