@@ -129,7 +129,7 @@ class DataPlane:
         # The drain before shutdown: in-flight requests, open sequences, refusals.
         self.drain = Drain()
         # Models call other models (BLS, ensemble steps) through this view.
-        registry.inference = _ModelCalls(self)
+        registry.lifecycle.inference = _ModelCalls(self)
 
     # -- health and metadata --------------------------------------------------
 

@@ -566,7 +566,7 @@ class Server:
                 left="model releases still running (a model's finalize, a stub process)",
             )
             # What a file override wrote is not left behind (nothing loads it now).
-            self.registry.remove_overrides()
+            self.registry.lifecycle.remove_overrides()
             sys.stdout.flush()
             sys.stderr.flush()
             logging.shutdown()

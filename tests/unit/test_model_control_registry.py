@@ -22,8 +22,8 @@ from tests.unit.test_model_control_support import (
     fake_request,
     reset_fake,
 )
+from trionserve.actors import model_lifecycle, registry_entries
 from trionserve.actors import registry as registry_module
-from trionserve.actors import registry_entries
 from trionserve.actors import watcher as watcher_module
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import NotFound, TritonError
@@ -50,6 +50,7 @@ def events(monkeypatch):
         info = warning = error = debug = exception = _record
 
     monkeypatch.setattr(registry_module, "log", Recorder())
+    monkeypatch.setattr(model_lifecycle, "log", Recorder())
     monkeypatch.setattr(registry_entries, "log", Recorder())
     monkeypatch.setattr(watcher_module, "log", Recorder())
     return seen

@@ -282,7 +282,7 @@ async def test_an_unloaded_models_waiter_leaves_without_its_resources(repository
     write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
     write_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
     srv = server(repository)
-    srv.registry._drain_timeout = 0.2
+    srv.registry.lifecycle._drain_timeout = 0.2
     port = srv.options.http_port
     errors: list[BaseException] = []
 

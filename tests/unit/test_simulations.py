@@ -29,7 +29,7 @@ from simulations.probes import QUEUE_BOUNDS
 from simulations.scenario import SCENARIOS
 from simulations.sweep import SweepTotals, failure_report, scenarios_named, sweep
 from trionserve.actors.executor import InstanceExecutor
-from trionserve.actors.registry import ModelRegistry
+from trionserve.actors.model_lifecycle import ModelLifeCycle
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.repository.snapshot import snapshot_repository
 from trionserve.schedulers import default as default_module
@@ -155,14 +155,14 @@ def test_a_queue_past_its_bound_is_caught(monkeypatch):
 
 
 def test_routing_to_a_version_still_loading_is_caught(monkeypatch):
-    start_version = ModelRegistry._start_version
+    start_version = ModelLifeCycle._start_version
 
     async def route_early(self, entry, version, errors, reason):
         entry.serving[version.version] = version  # switched before it loaded
-        self._switch(entry.name)
+        self.switch(entry.name)
         await start_version(self, entry, version, errors, reason)
 
-    monkeypatch.setattr(ModelRegistry, "_start_version", route_early)
+    monkeypatch.setattr(ModelLifeCycle, "_start_version", route_early)
 
     def explicit(setup):
         setup.mode = ControlMode.EXPLICIT
@@ -203,17 +203,17 @@ def test_responses_delivered_to_the_wrong_requests_are_caught(monkeypatch):
 
 
 def test_a_reload_that_unloads_first_is_caught(monkeypatch):
-    apply = ModelRegistry._apply
+    apply = ModelLifeCycle._apply
 
     async def unload_first(self, entry, plan, *args):
         for number in plan.unload:
             version = entry.serving.pop(number, None)
             if version is not None:
-                self._switch(entry.name)
-                self._retire(entry, version, "unloaded before its replacement loaded")
+                self.switch(entry.name)
+                self.retire(entry, version, "unloaded before its replacement loaded")
         await apply(self, entry, plan, *args)
 
-    monkeypatch.setattr(ModelRegistry, "_apply", unload_first)
+    monkeypatch.setattr(ModelLifeCycle, "_apply", unload_first)
     found = violations_of(variant("reload_under_load"), invariants.NO_FAILURES)
     assert found
 

@@ -1,10 +1,15 @@
-"""ModelRegistry: the routing table and the lifecycle of every model.
+"""ModelRegistry: which models are loaded, and the loads and unloads asked of them.
 
-Triton core's ``ModelRepositoryManager`` and ``ModelLifeCycle``
-(src/model_repository_manager/model_repository_manager.cc, model_lifecycle.cc):
-which models are loaded, in which versions and states, and their loads and
-unloads. Finding the models on disk is :mod:`trionserve.repository`, polling it
-the :class:`~trionserve.actors.watcher.RepositoryWatcher`.
+Triton core's ``ModelRepositoryManager``
+(src/model_repository_manager/model_repository_manager.cc): load and unload
+requests queued per model, each model's configuration read (its poll), an
+ensemble's composing models loaded first and its steps bound, and a request's
+model name resolved to a loaded version. Starting, switching and retiring a
+model's versions is the :class:`~trionserve.actors.model_lifecycle.ModelLifeCycle`'s
+(Triton's ``ModelLifeCycle``), the models known by each name the
+:class:`~trionserve.actors.global_map.GlobalMap`'s; finding the models on disk is
+:mod:`trionserve.repository`, polling it the
+:class:`~trionserve.actors.watcher.RepositoryWatcher`.
 """
 
 from __future__ import annotations
@@ -17,21 +22,20 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from trionserve.actors.model import ModelState, ModelVersion
+from trionserve.actors.global_map import GlobalMap
+from trionserve.actors.model import ModelVersion
+from trionserve.actors.model_lifecycle import ModelLifeCycle
 from trionserve.actors.rate_limiter import RateLimiter
 from trionserve.actors.registry_entries import (
     ModelEntry,
     Operation,
     PollFailed,
-    PreparedModel,
-    TransitionLog,
-    composing_ids,
+    RegistryStopped,
     composing_models,
-    load_error,
+    load_failure,
     poll_failure,
     prepare_model,
 )
-from trionserve.backends.base import InferenceService
 from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import (
     InvalidArgument,
@@ -41,15 +45,10 @@ from trionserve.core.errors import (
     as_triton_error,
 )
 from trionserve.observability.quantiles import Target
-from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
-from trionserve.repository.overrides import (
-    check_override_request,
-    override_digest,
-    remove_override,
-    write_override,
-)
+from trionserve.repository.changes import LoadedSource
+from trionserve.repository.overrides import check_override_request, override_digest, write_override
 from trionserve.repository.repository import ModelId, ModelRepository, check_model_name
-from trionserve.repository.snapshot import file_changes, snapshot_model
+from trionserve.repository.snapshot import snapshot_model
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
@@ -60,34 +59,9 @@ log = structlog.get_logger(__name__)
 Work = Callable[[ModelEntry], Awaitable[None]]
 
 
-class RegistryStopped(Unavailable):
-    """An operation cut short because the server is shutting down."""
-
-
-def load_failure(name: str, error: TritonError) -> TritonError:
-    """A failed load as Triton answers it: INVALID_ARGUMENT (core
-    ``model_repository_manager.cc``, ``LoadUnloadModels``), with a message that
-    starts ``failed to load '<name>'``; a model that could not be polled stays
-    INTERNAL (``LoadUnloadModel``, PollFailed) and a load cut by shutdown
-    UNAVAILABLE."""
-    if isinstance(error, (RegistryStopped, PollFailed)):
-        return error
-    prefix = f"failed to load '{name}'"
-    message = error.message if error.message.startswith(prefix) else f"{prefix}: {error.message}"
-    return InvalidArgument(message)
-
-
-def ambiguity(name: str, count: int) -> InvalidArgument:
-    """A request names a model that several namespaces have (core
-    ``model_repository_manager.cc``, ``FindModelIdentifier``)."""
-    return InvalidArgument(
-        f"There are {count} identifiers of model '{name}' in global map, model "
-        "namespace must be provided to resolve ambiguity."
-    )
-
-
 class ModelRegistry:
-    """Owns every ModelVersion (as children of its nursery) and the routing table.
+    """Owns every model: its :class:`ModelLifeCycle` runs every ModelVersion (as
+    children of the registry's nursery) and keeps the routing table.
 
     Models are kept by :class:`ModelId`: the name, or with model namespacing
     (``repository.namespacing``) the name in the namespace of its repository.
@@ -127,69 +101,41 @@ class ModelRegistry:
         # The server's BackendManager: every model's backend is made through it
         # (None: one with no settings).
         self.backends = backends if backends is not None else BackendManager()
-        # The server's rate limiter, given to every ModelVersion (None: unlimited).
-        self.rate_limiter = rate_limiter
-        # Quantiles of the latency summaries every version keeps; None: none kept
-        # (--metrics-config summary_latencies, summary_quantiles).
-        self._summary_quantiles = summary_quantiles
         self.autocomplete = autocomplete
-        self._load_limiter = trio.CapacityLimiter(max(1, load_concurrency))
-        self._drain_timeout = drain_timeout
         self._namespacing = repository.namespacing
         # Keyed by ModelId, which is the name itself without namespacing.
         self._entries: dict[str, ModelEntry] = {}
+        # The models' versions and the routing table (Triton's ModelLifeCycle).
+        self.lifecycle = ModelLifeCycle(
+            self._entries,
+            load_concurrency=load_concurrency,
+            drain_timeout=drain_timeout,
+            rate_limiter=rate_limiter,
+            summary_quantiles=summary_quantiles,
+        )
         # Triton's global map: name -> the ids of the models known by that name.
-        self._by_name: dict[str, set[ModelId]] = {}
+        self.global_map = GlobalMap(repository.namespacing)
         # Bumped when the models known by a name change: rebinds queued for one
         # change share one operation per ensemble.
         self._generation = 0
         self._stopping = False
-        # id -> (READY versions by number, default version)
-        self._routes: dict[str, tuple[dict[int, ModelVersion], ModelVersion]] = {}
-        self._transition = TransitionLog()
         self._nursery: trio.Nursery | None = None
-        # Every override directory written and not yet removed: removed at exit.
-        self._override_dirs: set[Path] = set()
-        # What models that call other models (BLS, ensembles) are given: the
-        # DataPlane's model-facing view, set explicitly when the DataPlane is made.
-        self.inference: InferenceService | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self._nursery = self.lifecycle.nursery = nursery
                 task_status.started()
                 await trio.sleep_forever()
         finally:
-            self.remove_overrides()
-
-    def remove_overrides(self) -> None:
-        """Delete every override directory still on disk (at exit: the models
-        loaded from them are unloaded, or the process is about to end)."""
-        for model_dir in list(self._override_dirs):
-            self._remove_override_now(model_dir)
-
-    def _remove_override_now(self, model_dir: Path) -> None:
-        remove_override(model_dir)
-        self._override_dirs.discard(model_dir)
-
-    async def _remove_override(self, model_dir: Path) -> None:
-        await trio.to_thread.run_sync(remove_override, model_dir)
-        self._override_dirs.discard(model_dir)
+            self.lifecycle.remove_overrides()
 
     # -- queries (synchronous, on the Trio thread) ---------------------------
 
     def identify(self, name: str) -> ModelId:
         """The one model a request's name means (Triton's ``FindModelIdentifier``):
         with namespacing, an unknown name and an ambiguous one are errors."""
-        if not self._namespacing:
-            return ModelId("", name)
-        ids = self._by_name.get(name)
-        if not ids:
-            raise InvalidArgument(f"Request for unknown model: '{name}' is not found")
-        if len(ids) > 1:
-            raise ambiguity(name, len(ids))
-        return next(iter(ids))
+        return self.global_map.identify(name)
 
     def route(self, name: str, version: int | None, namespace: str | None = None) -> ModelVersion:
         """The READY ModelVersion for a request, or the error to answer it with.
@@ -203,7 +149,7 @@ class ModelRegistry:
             key = self.identify(name)
         else:
             key = name  # equal to ModelId("", name)
-        route = self._routes.get(key)
+        route = self.lifecycle.routes.get(key)
         if route is not None:
             if version is None:
                 return route[1]
@@ -229,7 +175,11 @@ class ModelRegistry:
 
     def serving(self) -> list[ModelVersion]:
         """Every version requests are routed to now."""
-        return [version for versions, _ in self._routes.values() for version in versions.values()]
+        return [
+            version
+            for versions, _ in self.lifecycle.routes.values()
+            for version in versions.values()
+        ]
 
     def all_ready(self) -> bool:
         """True when every model has every version its policy wants serving."""
@@ -326,7 +276,7 @@ class ModelRegistry:
         if isinstance(name, ModelId) or not self._namespacing:
             ids = [name if isinstance(name, ModelId) else ModelId("", name)]
         else:
-            ids = sorted(self._by_name.get(name, ()), key=ModelId.order)
+            ids = sorted(self.global_map.ids(name), key=ModelId.order)
         errors = await self._each(
             ids,
             ("unload", unload_dependents, wait),
@@ -432,25 +382,12 @@ class ModelRegistry:
         if entry.known == known:
             return
         entry.known = known
-        ids = self._by_name.setdefault(entry.name, set())
         if known:
-            ids.add(entry.model_id)
+            self.global_map.add(entry.model_id)
         else:
-            ids.discard(entry.model_id)
-            if not ids:
-                del self._by_name[entry.name]
+            self.global_map.discard(entry.model_id)
         if self._namespacing and not self._stopping:
             self._rebind_affected(entry.name)
-
-    def _resolve(self, namespace: str, name: str) -> ModelId | None:
-        """The model an ensemble step of ``name`` in ``namespace`` calls: the one in
-        its own namespace, else the only one of that name, else None (Triton's
-        ``DependencyGraph::FindNode`` with fuzzy matching)."""
-        known = self._by_name.get(name, set())
-        preferred = ModelId(namespace, name)
-        if preferred in known:
-            return preferred
-        return next(iter(known)) if len(known) == 1 else None
 
     def _rebind_affected(self, name: str) -> None:
         """Load again each serving ensemble whose step ``name`` resolves elsewhere now,
@@ -469,13 +406,16 @@ class ModelRegistry:
             if entry.source is not None and entry.source.override_digest:
                 continue  # an ensemble from a file override is not read again
             if name in entry.unresolved and entry.known and not entry.serving:
-                if self._resolve(entry.model_id.namespace, name) is not None:
+                if self.global_map.resolve(entry.model_id.namespace, name) is not None:
                     self._nursery.start_soon(self._rebind, entry.model_id, name, self._generation)
                 continue
             if not entry.serving or entry.source is None:
                 continue
             for bound in entry.dependencies:
-                if bound.name == name and self._resolve(entry.model_id.namespace, name) != bound:
+                if (
+                    bound.name == name
+                    and self.global_map.resolve(entry.model_id.namespace, name) != bound
+                ):
                     self._nursery.start_soon(self._rebind, entry.model_id, name, self._generation)
                     break
 
@@ -502,12 +442,12 @@ class ModelRegistry:
     async def _settled(self, name: str) -> None:
         """Wait until no operation is queued or running on a model known by ``name``
         (a rebind takes the composing models as they are, without loading them)."""
-        for model_id in list(self._by_name.get(name, ())):
+        for model_id in self.global_map.ids(name):
             entry = self._entries.get(model_id)
             for operation in list(entry.operations) if entry is not None else ():
                 await operation.done.wait()
 
-    # -- load ----------------------------------------------------------------------
+    # -- load: a model's poll, its composing models ------------------------------------
 
     async def _load(
         self,
@@ -533,7 +473,7 @@ class ModelRegistry:
                 model_dir = await trio.to_thread.run_sync(
                     write_override, name, override_json, files
                 )
-                self._override_dirs.add(model_dir)
+                self.lifecycle.override_dirs.add(model_dir)
                 config_json = None
             else:
                 model_dir = await self._find(entry.model_id)
@@ -553,7 +493,7 @@ class ModelRegistry:
         except BaseException as exc:
             if files and model_dir is not None:
                 # Not awaited: a cancelled load (shutdown) removes it too.
-                self._remove_override_now(model_dir)
+                self.lifecycle.remove_override_now(model_dir)
             if not isinstance(exc, Exception):
                 raise
             if polled:
@@ -571,24 +511,7 @@ class ModelRegistry:
             raise error from None
 
         source = LoadedSource(model_dir, snapshot, prepared.config, digest if files else "")
-        plan = plan_reload(entry.source, set(entry.serving), source, prepared.versions)
-        if plan.update_instances and not await self._update_instances(entry, plan, source):
-            plan = ReloadPlan(
-                (),
-                tuple(prepared.versions),
-                tuple(sorted(entry.serving)),
-                False,
-                "instance count changed; the instances could not change in place",
-            )
-        if not (plan.load or plan.unload):
-            entry.source = source
-            entry.reason = ""
-            entry.failed = False
-            entry.dependencies = composing_ids(prepared.config)
-            if not plan.update_instances:
-                log.info("model unchanged", model=name, reason=reason)
-            return
-        await self._apply(entry, plan, prepared, source, f"{reason}: {plan.reason}", stable_files)
+        await self.lifecycle.load(entry, source, prepared, reason, stable_files)
 
     async def _find(self, model_id: ModelId) -> Path:
         """The model's directory; not found in Triton's words (core
@@ -642,7 +565,7 @@ class ModelRegistry:
             for step in steps:
                 nursery.start_soon(load_one, step)
         if self._namespacing:
-            self._bind_steps(entry, config, errors)
+            self.global_map.bind_steps(entry, config, errors, self._entries)
         if errors:
             detail = "; ".join(f"'{s}': {m}" for s, m in sorted(errors.items()))
             if not_polled & set(errors):
@@ -652,219 +575,6 @@ class ModelRegistry:
                 raise PollFailed(name, f"composing model(s) failed: {detail}")
             raise InvalidArgument(f"failed to load '{name}': composing model(s) failed: {detail}")
 
-    def _bind_steps(self, entry: ModelEntry, config: ModelConfig, errors: dict[str, str]) -> None:
-        """Set each step's ``model_namespace`` to the model it resolves to (Triton's
-        ``ConnectDependencyGraph``); a load error of another namespace's model of
-        the same name is no error of this ensemble."""
-        bound: dict[str, ModelId] = {}
-        missing: list[str] = []
-        for step in composing_models(config):
-            model_id = self._resolve(entry.model_id.namespace, step)
-            if model_id is None:
-                missing.append(step)
-                continue
-            bound[step] = model_id
-            composing = self._entries.get(model_id)
-            if composing is not None and composing.serving:
-                errors.pop(step, None)
-            elif step not in errors:
-                errors[step] = (composing.reason if composing else "") or "it is not loaded"
-        entry.unresolved = frozenset(missing)
-        if missing:
-            raise InvalidArgument(
-                f"ensemble {entry.model_id.display} contains models that are not available "
-                f"or ambiguous: {', '.join(missing)}"
-            )
-        for step_config in config.ensemble_scheduling.step:
-            step_config.model_namespace = bound[step_config.model_name].namespace
-
-    async def _update_instances(
-        self, entry: ModelEntry, plan: ReloadPlan, source: LoadedSource
-    ) -> bool:
-        """Give the kept versions the new instance counts without a reload."""
-        for number in plan.keep:
-            version = entry.serving[number]
-            before = [g.count for g in version.config.instance_group]
-            started = trio.current_time()
-            try:
-                await version.set_instance_groups(source.config)
-            except Exception as exc:
-                log.warning(
-                    "changing instances in place failed; reloading instead",
-                    model=entry.name,
-                    version=number,
-                    reason=as_triton_error(exc).message,
-                )
-                return False
-            log.info(
-                "model instances changed",
-                model=entry.name,
-                version=number,
-                reason="instance_group count changed",
-                duration_s=round(trio.current_time() - started, 3),
-                **{"from": before, "to": [g.count for g in source.config.instance_group]},
-            )
-        return True
-
-    async def _apply(
-        self,
-        entry: ModelEntry,
-        plan: ReloadPlan,
-        prepared: PreparedModel,
-        source: LoadedSource,
-        reason: str,
-        stable_files: bool = False,
-    ) -> None:
-        """Load ``plan.load`` beside the serving versions, then switch and retire."""
-        name = entry.name
-        extra: dict = {"inference": self.inference} if self.inference is not None else {}
-        if self.rate_limiter is not None:
-            extra["rate_limiter"] = self.rate_limiter
-        if self._summary_quantiles is not None:
-            extra["summary_quantiles"] = self._summary_quantiles
-        new = {
-            number: ModelVersion(
-                name,
-                number,
-                prepared.config,
-                source.model_dir,
-                prepared.backend,
-                self._load_limiter,
-                self._drain_timeout,
-                namespace=entry.model_id.namespace,
-                **extra,
-            )
-            for number in plan.load
-        }
-        entry.loading.update(new)
-        errors: dict[int, TritonError] = {}
-        try:
-            async with trio.open_nursery() as loaders:
-                for version in new.values():
-                    loaders.start_soon(self._start_version, entry, version, errors, reason)
-        finally:
-            for number, version in new.items():
-                if entry.loading.get(number) is version:
-                    del entry.loading[number]
-        if stable_files and len(errors) < len(new):
-            await self._discard_if_changed(entry, new, errors, source)
-        loaded = {n: v for n, v in new.items() if n not in errors}
-        for number, error in errors.items():
-            entry.unavailable[number] = error.message
-        if errors:
-            error = load_error(name, errors)
-            entry.reason = error.message
-            if entry.serving:
-                # A failed reload: the serving versions stay exactly as they were.
-                for version in loaded.values():
-                    self._retire(entry, version, "reload failed")
-                if not loaded:
-                    await self._remove_override(source.model_dir)
-                log.error(
-                    "model reload failed; the loaded versions keep serving",
-                    model=name,
-                    reason=error.message,
-                )
-                raise error
-            entry.failed = True
-            log.error("model load failed", model=name, reason=error.message)
-            if not loaded:
-                # Nothing was loaded from it: a failed file override leaves nothing.
-                await self._remove_override(source.model_dir)
-        retiring = [entry.serving[n] for n in plan.unload if n in entry.serving]
-        entry.serving = {**{n: entry.serving[n] for n in plan.keep}, **loaded}
-        self._switch(entry.model_id)
-        for version in retiring:
-            self._retire(entry, version, reason)
-        for number in entry.serving:
-            entry.unavailable.pop(number, None)
-        entry.source = source
-        entry.dependencies = composing_ids(prepared.config)
-        if errors:
-            raise load_error(name, errors)
-        entry.reason = ""
-        entry.failed = False
-
-    async def _discard_if_changed(
-        self, entry: ModelEntry, new: dict, errors: dict, source: LoadedSource
-    ) -> None:
-        """Retire the new versions if the files they were loaded from changed meanwhile.
-
-        The config was read when the load began and each version's files when its
-        backend loaded it, possibly seconds apart: a copy that began in between
-        would be served torn (found by the simulations' poll_changes scenario).
-        """
-        now = await trio.to_thread.run_sync(snapshot_model, source.model_dir)
-        changes = file_changes(source.snapshot, now)
-        for number, version in new.items():
-            if number in errors:
-                continue
-            if changes.config or changes.shared or number in changes.versions:
-                errors[number] = Unavailable(
-                    "its files changed while it loaded, so it may mix old and new files; "
-                    "it is loaded again once they stop changing"
-                )
-                self._retire(entry, version, "its files changed while it loaded")
-
-    async def _start_version(
-        self, entry: ModelEntry, version: ModelVersion, errors: dict, reason: str
-    ) -> None:
-        assert self._nursery is not None
-        self._transition(version, "UNAVAILABLE", "LOADING", reason)
-        try:
-            await self._nursery.start(version.run)
-        except Exception as exc:
-            error = as_triton_error(exc, "failed to load")
-            errors[version.version] = error
-            self._transition(version, "LOADING", "UNAVAILABLE", error.message)
-            return
-        self._transition(version, "LOADING", "READY", reason)
-        self._nursery.start_soon(self._watch_version, entry, version)
-
-    def _retire(self, entry: ModelEntry, version: ModelVersion, reason: str) -> None:
-        """Unload a version the routing table no longer names, once it has drained."""
-        entry.draining.add(version)
-        if version.state is ModelState.READY:
-            self._transition(version, "READY", "UNLOADING", reason)
-        version.request_unload()
-
-    async def _watch_version(self, entry: ModelEntry, version: ModelVersion) -> None:
-        """Account for a version once it has stopped: retired, or failed while serving."""
-        await version.stopped.wait()
-        number = version.version
-        entry.draining.discard(version)
-        reason = version.reason or "unloaded"
-        if entry.serving.get(number) is version:
-            # A failure inside the model's actors while serving: contained here.
-            del entry.serving[number]
-            self._switch(entry.model_id)
-            entry.failed = True
-            entry.reason = reason
-            self._transition(version, "READY", "UNAVAILABLE", reason)
-        else:
-            self._transition(version, "UNLOADING", "UNAVAILABLE", reason)
-        if number not in entry.serving and number not in entry.loading:
-            entry.unavailable[number] = reason
-        await self._remove_override_if_unused(entry, version.model_dir)
-
-    async def _remove_override_if_unused(self, entry: ModelEntry, model_dir: Path) -> None:
-        in_use = [
-            v
-            for v in (*entry.serving.values(), *entry.loading.values(), *entry.draining)
-            if v.model_dir == model_dir
-        ]
-        current = entry.source is not None and entry.source.model_dir == model_dir
-        if not in_use and not current:
-            await self._remove_override(model_dir)
-
-    def _switch(self, model_id: ModelId) -> None:
-        entry = self._entries.get(model_id)
-        serving = entry.serving if entry is not None else {}
-        if serving:
-            self._routes[model_id] = (dict(serving), serving[max(serving)])
-        else:
-            self._routes.pop(model_id, None)
-
     # -- unload ----------------------------------------------------------------------
 
     async def _unload(
@@ -872,10 +582,10 @@ class ModelRegistry:
     ) -> None:
         versions = list(entry.serving.values())
         entry.serving = {}
-        self._switch(entry.model_id)
+        self.lifecycle.switch(entry.model_id)
         self._set_known(entry, False)
         for version in versions:
-            self._retire(entry, version, reason)
+            self.lifecycle.retire(entry, version, reason)
         entry.failed = False
         entry.reason = ""
         entry.explicit = False
@@ -893,7 +603,7 @@ class ModelRegistry:
             for version in list(entry.draining):
                 await version.stopped.wait()
         if source is not None and not versions:
-            await self._remove_override_if_unused(entry, source.model_dir)
+            await self.lifecycle.remove_override_if_unused(entry, source.model_dir)
         if unload_dependents:
             for model_id in sorted(dependencies, key=ModelId.order):
                 if not self._still_needed(model_id):

@@ -3,8 +3,9 @@
 The bookkeeping of Triton core's ``ModelLifeCycle``
 (src/model_repository_manager/model_lifecycle.cc): each model's versions and their
 states (:class:`ModelEntry`: one entry of Triton's ``ModelMap``, a ``VersionMap``
-of ``ModelInfo``), the load or unload in progress (:class:`Operation`) and the log
-of state transitions.
+of ``ModelInfo``), the load or unload in progress (:class:`Operation`), the log
+of state transitions, and the errors a load or an operation ends in, in Triton's
+words.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ import trio
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
 from trionserve.backends.gpu import gpu_count
 from trionserve.backends.manager import BackendManager
-from trionserve.core.errors import InternalError, InvalidArgument, TritonError, as_triton_error
+from trionserve.core.errors import (
+    InternalError,
+    InvalidArgument,
+    TritonError,
+    Unavailable,
+    as_triton_error,
+)
 from trionserve.repository.changes import LoadedSource
 from trionserve.repository.config import (
     infer_platform,
@@ -66,6 +73,23 @@ def poll_failure(name: str, exc: BaseException) -> TritonError:
     for prefix in (f"failed to load '{name}': ", f"failed to load '{name}', "):
         reason = reason.removeprefix(prefix)
     return PollFailed(name, reason)
+
+
+class RegistryStopped(Unavailable):
+    """An operation cut short because the server is shutting down."""
+
+
+def load_failure(name: str, error: TritonError) -> TritonError:
+    """A failed load as Triton answers it: INVALID_ARGUMENT (core
+    ``model_repository_manager.cc``, ``LoadUnloadModels``), with a message that
+    starts ``failed to load '<name>'``; a model that could not be polled stays
+    INTERNAL (``LoadUnloadModel``, PollFailed) and a load cut by shutdown
+    UNAVAILABLE."""
+    if isinstance(error, (RegistryStopped, PollFailed)):
+        return error
+    prefix = f"failed to load '{name}'"
+    message = error.message if error.message.startswith(prefix) else f"{prefix}: {error.message}"
+    return InvalidArgument(message)
 
 
 @dataclass(frozen=True)
