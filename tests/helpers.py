@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 import urllib.request
@@ -33,6 +34,31 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
         time.sleep(interval)
+
+
+def tcp_sockets(pid: int) -> list[tuple[int, str]]:
+    """The TCP sockets process ``pid`` holds, as (local port, state) with the kernel's
+    state codes ("0A" listening, "01" established, "08" close-wait, ...): its socket
+    inodes (``/proc/PID/fd``) matched against the kernel's tables."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    sockets = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):  # a kernel without IPv6
+            continue
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                if fields[9] in inodes:
+                    sockets.append((int(fields[1].rsplit(":", 1)[1], 16), fields[3]))
+    return sockets
 
 
 def simple_inputs(

@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import metric_samples, simple_inputs
+from tests.helpers import metric_samples, simple_inputs, tcp_sockets
 from tests.serverproc import EXAMPLES, ROOT, ServerProcess
 from trionserve.observability.aggregate import merge_expositions
 from trionserve.observability.exposition import exposition_text
@@ -72,27 +72,8 @@ def _ready_workers(events: list[dict], count: int) -> dict[int, dict] | None:
 
 
 def _listening_ports(pid: int) -> set[int]:
-    """The TCP ports process ``pid`` listens on: its socket inodes (``/proc/PID/fd``)
-    matched against the kernel's table of listening sockets."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if not os.path.exists(table):  # a kernel without IPv6
-            continue
-        with open(table) as rows:
-            next(rows)
-            for row in rows:
-                fields = row.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    """The TCP ports process ``pid`` listens on."""
+    return {port for port, state in tcp_sockets(pid) if state == "0A"}  # 0A: LISTEN
 
 
 def _start(repository, *args: str, workers: int = 2) -> ServerProcess:
