@@ -125,21 +125,8 @@ class InProcessRuntime(ModelRuntime):
         received = [self._received(request) for request in requests]
         outcomes: list = [None] * len(requests)
         try:
-            result = self.model.execute(received)
-            if type(result) is not list and inspect.isawaitable(result):
-                if self.decoupled:
-                    # As Triton: not awaited; its requests end as it sends.
-                    self._run_in_background(result, received)
-                    result = None
-                else:
-                    result = self._run_coroutine(result).result()
+            result = self.call_execute(received)
             if result is not None:
-                if self.decoupled:
-                    raise pb.TritonModelException(
-                        f"Python model '{self.instance_name}' is using the decoupled mode "
-                        "and the execute function must return None."
-                    )
-                self._check_rescheduled(received, result)
                 self.check_returned(received, result)
                 for index, (request, response) in enumerate(zip(received, result)):
                     if response is not None:

@@ -104,11 +104,13 @@ class ModelRuntime:
     checks of what ``execute`` returned, its error wording, and the asyncio loop
     of ``async def execute`` models.
 
-    A subclass sets ``pb`` (its triton_python_backend_utils), ``instance_name``,
-    ``decoupled`` and ``_loop`` (None), and provides ``log(level, message)``.
+    A subclass sets ``pb`` (its triton_python_backend_utils), ``model`` (the
+    TritonPythonModel), ``instance_name``, ``decoupled`` and ``_loop`` (None), and
+    provides ``log(level, message)``.
     """
 
     pb: Any
+    model: Any
     instance_name: str
     decoupled: bool
     _loop: Any
@@ -135,6 +137,27 @@ class ModelRuntime:
             f"Failed to process the request(s) for model '{self.instance_name}', "
             f"message: {describe_exception(exc)}"
         )
+
+    def call_execute(self, requests) -> list | None:
+        """The model's ``execute(requests)``, as pb_stub.cc ProcessRequests calls it:
+        an ``async def execute`` is awaited on the asyncio loop, or for a decoupled
+        model left running (as Triton: its requests end as it sends); a decoupled
+        model must return None. What a model that is not decoupled returned, with
+        rescheduled requests checked (the caller checks the rest)."""
+        result = self.model.execute(requests)
+        if type(result) is not list and inspect.isawaitable(result):
+            if self.decoupled:
+                self._run_in_background(result, requests)
+                return None
+            result = self._run_coroutine(result).result()
+        if result is not None:
+            if self.decoupled:
+                raise self.pb.TritonModelException(
+                    f"Python model '{self.instance_name}' is using the decoupled mode "
+                    "and the execute function must return None."
+                )
+            self._check_rescheduled(requests, result)
+        return result
 
     def check_returned(self, requests, result) -> None:
         """What a model that is not decoupled returned from execute must be: one
@@ -328,21 +351,8 @@ class StubRuntime(ModelRuntime):
             "rescheduled": [],
         }
         try:
-            result = self.model.execute(requests)
-            if type(result) is not list and inspect.isawaitable(result):
-                if self.decoupled:
-                    # As Triton: not awaited; its requests end as it sends.
-                    self._run_in_background(result, requests)
-                    result = None
-                else:
-                    result = self._run_coroutine(result).result()
+            result = self.call_execute(requests)
             if result is not None:
-                if self.decoupled:
-                    raise pb.TritonModelException(
-                        f"Python model '{self.instance_name}' is using the decoupled mode "
-                        "and the execute function must return None."
-                    )
-                self._check_rescheduled(requests, result)
                 reply["responses"] = self._encode_all(requests, result)
                 for request, encoded in zip(requests, reply["responses"]):
                     if encoded is not None:
