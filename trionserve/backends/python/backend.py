@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.python.control import ModelControl
+from trionserve.backends.python.delivery import initialize_args
 from trionserve.backends.python.inprocess import InProcessInstance
 from trionserve.backends.python.instance import PythonInstance
 from trionserve.backends.python.model_namespace import auto_complete_in_process
@@ -172,15 +173,7 @@ class PythonModel:
         label = f"model '{context.name}' instance '{spec.name}'"
         control = ModelControl(context.inference, context.name)
         stub = StubProcess(label, self.settings, control, spec.name)
-        args = {
-            "model_config": self._config_json,
-            "model_instance_kind": spec.kind.removeprefix("KIND_"),
-            "model_instance_name": spec.name,
-            "model_instance_device_id": str(spec.device_id),
-            "model_repository": str(context.model_dir),
-            "model_version": str(context.version),
-            "model_name": context.name,
-        }
+        args = initialize_args(context, spec, self._config_json)
         try:
             answer = stub.request(
                 {

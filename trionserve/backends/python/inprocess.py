@@ -37,6 +37,7 @@ from trionserve.actors.instance_thread import InstanceThread, Job
 from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
 from trionserve.backends.python.bls import Outcome, run_bls
 from trionserve.backends.python.control import ModelControl
+from trionserve.backends.python.delivery import deliver, deliver_sent, initialize_args
 from trionserve.backends.python.inprocess_runtime import (
     RESCHEDULED,
     BLSCall,
@@ -100,15 +101,7 @@ class InProcessInstance:
         self._runtime = InProcessRuntime(self, model_file, str(context.version_dir))
         self._thread = InstanceThread(spec.name, self._runtime)
         self._thread.start(self.token)
-        args = {
-            "model_config": config_json,
-            "model_instance_kind": spec.kind.removeprefix("KIND_"),
-            "model_instance_name": spec.name,
-            "model_instance_device_id": str(spec.device_id),
-            "model_repository": str(context.model_dir),
-            "model_version": str(context.version),
-            "model_name": context.name,
-        }
+        args = initialize_args(context, spec, config_json)
         try:
             self._has_is_ready = self._thread.call(lambda: self._runtime.load(args))
         except BaseException as exc:
@@ -159,7 +152,7 @@ class InProcessInstance:
         if job.cancelled or any(outcome is None for outcome in outcomes):
             for request, outcome in zip(job.requests, outcomes):
                 if outcome is not None:
-                    _deliver(request, outcome)
+                    deliver(request, outcome)
             return None
         return outcomes  # type: ignore[return-value]  # no None in it
 
@@ -204,20 +197,7 @@ class InProcessInstance:
         final: bool,
     ) -> None:
         """A response (or the final flag) the model sent through a response sender."""
-        if outcome is not None:
-            # A model that is not decoupled has one response (its sender refuses a
-            # second), so it is the final outcome whatever the flag.
-            _deliver(request, outcome, final or not self.decoupled)
-        elif final:
-            if self.decoupled:
-                request.send(None, final=True)
-            else:
-                request.fail(
-                    InternalError(
-                        "Unable to send response. Non-decoupled model cannot send complete "
-                        "final before sending a response."
-                    )
-                )
+        deliver_sent(request, outcome, final, self.decoupled)
 
     def released(self, request: InferenceRequest) -> None:
         if not request.done:
@@ -280,10 +260,3 @@ class InProcessInstance:
         namespace = self._runtime.namespace
         if namespace is not None:
             namespace.close()
-
-
-def _deliver(request: InferenceRequest, outcome, final: bool = True) -> None:
-    if isinstance(outcome, TritonError):
-        request.fail(outcome)
-    else:
-        request.send(outcome, final=final)

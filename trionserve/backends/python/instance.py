@@ -20,6 +20,7 @@ import trio
 
 from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
 from trionserve.backends.python.bls import Outcome, run_bls
+from trionserve.backends.python.delivery import deliver, deliver_sent
 from trionserve.backends.python.messages import (
     bls_request,
     error_message,
@@ -425,7 +426,7 @@ class PythonInstance:
             if any(outcome is None for outcome in outcomes):
                 for request, outcome in zip(call.requests, outcomes):
                     if outcome is not None:
-                        self._deliver(request, outcome)
+                        deliver(request, outcome)
             else:
                 call.results = cast(ExecuteResult, outcomes)
         else:
@@ -458,21 +459,12 @@ class PythonInstance:
             release_outputs(encoded, channel.endpoint)
             return
         request = entry.request
-        if encoded is not None:
-            outcome = read_response(encoded, channel.endpoint, request, self.model_version)
-            # A model that is not decoupled has one response (Triton's sender refuses
-            # a second), so it is the final outcome whatever the flag.
-            self._deliver(request, outcome, final or not self._decoupled)
-        elif final:
-            if self._decoupled:
-                request.send(None, final=True)
-            else:
-                request.fail(
-                    InternalError(
-                        "Unable to send response. Non-decoupled model cannot send complete "
-                        "final before sending a response."
-                    )
-                )
+        outcome = (
+            None
+            if encoded is None
+            else read_response(encoded, channel.endpoint, request, self.model_version)
+        )
+        deliver_sent(request, outcome, final, self._decoupled)
         if not final and request.done:
             # Answered already (a failure, or a model that is not decoupled): the
             # model's is_cancelled() says so, and what it still sends is dropped.
@@ -480,14 +472,6 @@ class PythonInstance:
             final = True
         if final:
             self._close_open(key)
-
-    @staticmethod
-    def _deliver(request: InferenceRequest, outcome, final: bool = True) -> None:
-        if isinstance(outcome, TritonError):
-            # An error ends the request: InferenceRequest has no non-final errors.
-            request.fail(outcome)
-        else:
-            request.send(outcome, final=final)
 
     async def _bls(self, channel: TrioChannel, message: dict) -> None:
         """One BLS request of the model: run it, send its responses to the stub.
