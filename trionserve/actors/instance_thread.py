@@ -94,19 +94,27 @@ _STOP = None
 
 class _Doorbell:
     """One thread sleeps until another rings, neither holding the GIL meanwhile
-    (an eventfd; a pipe where there is none)."""
+    (an eventfd; a pipe where there is none). A ring after ``close`` does
+    nothing: a producer that saw the thread asleep may ring just after the thread
+    woke for its last job and closed the bell (the descriptor's number may by then
+    belong to another file)."""
 
     def __init__(self) -> None:
         if hasattr(os, "eventfd"):
             self._read = self._write = os.eventfd(0)
         else:  # pragma: no cover - not Linux
             self._read, self._write = os.pipe()
+        self._lock = threading.Lock()  # ring against close; only taken to ring
+        self._closed = False
 
     def ring(self) -> None:
-        if self._read == self._write:
-            os.eventfd_write(self._write, 1)
-        else:  # pragma: no cover - not Linux
-            os.write(self._write, b"\0")
+        with self._lock:
+            if self._closed:
+                return
+            if self._read == self._write:
+                os.eventfd_write(self._write, 1)
+            else:  # pragma: no cover - not Linux
+                os.write(self._write, b"\0")
 
     def wait(self) -> None:
         if self._read == self._write:
@@ -115,9 +123,11 @@ class _Doorbell:
             os.read(self._read, 64)
 
     def close(self) -> None:
-        os.close(self._read)
-        if self._write != self._read:  # pragma: no cover - not Linux
-            os.close(self._write)
+        with self._lock:
+            self._closed = True
+            os.close(self._read)
+            if self._write != self._read:  # pragma: no cover - not Linux
+                os.close(self._write)
 
 
 class Abandoned(RuntimeError):

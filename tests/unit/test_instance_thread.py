@@ -1,0 +1,47 @@
+"""InstanceThread's hand-off: calls run on the instance's one thread, in order,
+and the doorbell that wakes it survives a ring that comes after it closed."""
+
+from __future__ import annotations
+
+import threading
+
+import trio
+
+from trionserve.actors.instance_thread import InstanceThread, _Doorbell
+
+
+class _Instance:
+    """A backend instance that is never given a batch here (only calls)."""
+
+    def execute(self, requests):  # pragma: no cover - not called
+        raise AssertionError("no batch in this test")
+
+
+def test_a_ring_after_close_does_nothing():
+    """A producer that saw the thread asleep rings just after the thread took its
+    last job and closed the bell: nothing is written (before, a write to the
+    closed descriptor: OSError, or another file if its number was reused)."""
+    bell = _Doorbell()
+    bell.ring()
+    bell.wait()
+    bell.close()
+    bell.ring()
+
+
+async def test_calls_run_in_order_on_the_instance_thread_and_stop_ends_it():
+    thread = InstanceThread("m_0", _Instance())  # type: ignore[arg-type]
+    thread.start()
+    seen: list[tuple[int, str]] = []
+
+    def calls() -> list[str]:
+        return [
+            thread.call(lambda i=i: seen.append((i, threading.current_thread().name)) or str(i))
+            for i in range(50)
+        ]
+
+    answers = await trio.to_thread.run_sync(calls)
+    assert answers == [str(i) for i in range(50)]
+    assert [i for i, _ in seen] == list(range(50))
+    assert {name for _, name in seen} == {"instance m_0"}
+    thread.stop()
+    assert await trio.to_thread.run_sync(thread.join, 10)
