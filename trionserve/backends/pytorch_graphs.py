@@ -79,9 +79,13 @@ def cuda_graph_shapes(config) -> list[GraphShape] | None:
 
 @dataclass(slots=True)
 class CapturedGraph:
-    """A captured forward(): its shape, the graph, its static inputs and outputs."""
+    """A captured forward(): its shape, the graph, its static inputs and outputs
+    (which the next replay overwrites: a batch's outputs are copied out, on the
+    instance's stream, before it replays again). ``batch_major``: every output's
+    first dimension is the batch, so a padded batch's rows can be sliced back."""
 
     shape: GraphShape
     graph: Any
     inputs: dict
     outputs: dict
+    batch_major: bool = True

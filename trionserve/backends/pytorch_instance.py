@@ -10,6 +10,7 @@ in :mod:`trionserve.backends.pytorch`, the tensor matching in
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -37,6 +38,11 @@ from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
 
 log = structlog.get_logger(__name__)
+
+# "Within a process, only one capture may be underway at a time" (torch's CUDA
+# graphs notes): instances of models loading side by side take turns capturing.
+# The CUDA context is the process's, so this lock is too.
+_CAPTURE = threading.Lock()
 
 
 def _parameter(config, key: str, default: bool) -> bool:
@@ -145,6 +151,11 @@ class TorchScriptInstance:
             else (HostBuffers(), HostBuffers())
         )
         self._slot = 0
+        # Per slot, the event recorded after the last copy that read its pinned
+        # buffers: they are written again only once that copy is done. Stream
+        # order does not say so: the copy runs on the copy stream, and a batch
+        # whose forward() failed was never waited for on the host.
+        self._slot_copied: list[Any] = [None, None]
         self._graphs: list[CapturedGraph] = []  # smallest batch size first
 
     def _bind(self, context: ModelContext, module) -> None:
@@ -180,19 +191,27 @@ class TorchScriptInstance:
         batch = _TorchBatch(started)
         try:
             self._slot ^= 1
+            slot = self._slot
+            previous = self._slot_copied[slot]
+            if previous is not None:
+                # The slot's pinned buffers are still read by that copy until it is done.
+                self._slot_copied[slot] = None
+                previous.synchronize()
             arrays = gather_inputs(
                 requests,
                 self._input_reshape,
-                buffers=self._buffers[self._slot],
+                buffers=self._buffers[slot],
                 always_copy=self._stream is not None,
             )
             batch.names = wanted_outputs(requests, list(self._output_datatypes))
             with self._on_device(self._copy_stream):
-                batch.tensors = {name: self._to_tensor(name, a) for name, a in arrays.items()}
-                if self._copy_stream is not None:
-                    copied = self._torch.cuda.Event()
-                    copied.record(self._copy_stream)
-                    batch.copied = copied
+                try:
+                    batch.tensors = {name: self._to_tensor(name, a) for name, a in arrays.items()}
+                finally:  # also after a failed copy: the ones before it were enqueued
+                    if self._copy_stream is not None:
+                        copied = self._torch.cuda.Event()
+                        copied.record(self._copy_stream)
+                        batch.copied = self._slot_copied[slot] = copied
         except TritonError as error:
             batch.error = error
         except Exception as exc:  # torch raises its own exception types
@@ -283,8 +302,20 @@ class TorchScriptInstance:
         to the graph's batch size) before a replay, and static outputs that are
         sliced back to the batch. The graphs share one memory pool, captured
         largest first. A graph that cannot be captured (a model that syncs with
-        the host, say) is logged and its batches run without one.
+        the host, say) is logged and its batches run without one. A graph whose
+        outputs are not batch-major (their first dimension is not the graph's
+        batch size) serves only batches of exactly its size: padding would change
+        such outputs and slicing would cut the wrong dimension.
+
+        Captures run one at a time in the process, in "thread_local" mode: the
+        other instances' threads keep serving meanwhile, and their CUDA calls
+        (a pinned buffer allocated, an event waited for) neither fail nor break
+        this capture, which "global" mode makes them do.
         """
+        with _CAPTURE:
+            self._capture_graphs(shapes)
+
+    def _capture_graphs(self, shapes: list[GraphShape]) -> None:
         torch = self._torch
         stream = self._stream
         assert stream is not None  # a GPU instance
@@ -306,7 +337,9 @@ class TorchScriptInstance:
                         self._forward(inputs)
                     stream.synchronize()
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    with torch.cuda.graph(
+                        graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+                    ):
                         result = self._forward(inputs)
                     outputs = {name: self._output(name, result) for name in self._outputs}
             except Exception as exc:
@@ -318,13 +351,20 @@ class TorchScriptInstance:
                     error=f"{type(exc).__name__}: {exc}",
                 )
                 continue
-            captured.append(CapturedGraph(shape, graph, inputs, outputs))
+            batch_major = not self._batched or all(
+                output.dim() > 0 and output.shape[0] == shape.batch_size
+                for output in outputs.values()
+            )
+            if not batch_major:
+                shape = GraphShape(shape.batch_size, shape.batch_size, shape.inputs)
+            captured.append(CapturedGraph(shape, graph, inputs, outputs, batch_major))
             log.info(
                 "captured CUDA graph",
                 model=self.model_name,
                 instance=self.spec.name,
                 batch_size=shape.batch_size,
                 serves=f"{shape.lower}..{shape.batch_size}",
+                **({} if batch_major else {"why": "outputs are not batch-major: no padding"}),
             )
         self._graphs = sorted(captured, key=lambda g: g.shape.batch_size)
 
@@ -336,6 +376,8 @@ class TorchScriptInstance:
             shape = captured.shape
             if not (shape.lower <= size <= shape.batch_size or shape.batch_size == 0):
                 continue
+            if tensors.keys() != captured.inputs.keys():
+                continue  # an input the graph reads would keep an earlier batch's data
             if all(tuple(t.shape[skip:]) == shape.inputs.get(n) for n, t in tensors.items()):
                 return captured
         return None
@@ -347,8 +389,8 @@ class TorchScriptInstance:
             static = captured.inputs[name]
             (static[:size] if self._batched else static).copy_(tensor, non_blocking=True)
         captured.graph.replay()
-        if not self._batched:
-            return dict(captured.outputs)
+        if not self._batched or not captured.batch_major:
+            return dict(captured.outputs)  # only ever replayed for its own batch size
         return {name: output[:size] for name, output in captured.outputs.items()}
 
     def _input_dtype(self, name: str):

@@ -182,6 +182,11 @@ class CudaSharedMemory(RegionTable[CudaRegion]):
                 cupy.cuda.runtime.memcpy(
                     pointer + offset, host.ctypes.data, payload.nbytes, _HOST_TO_DEVICE
                 )
+                # From pageable memory cudaMemcpy returns once the bytes are staged,
+                # before the DMA to the device is done (CUDA's "API synchronization
+                # behavior"); the client reads the region as soon as it has the
+                # response, so wait for the copy (it went to the default stream).
+                cupy.cuda.runtime.streamSynchronize(0)
         return payload.nbytes
 
 
