@@ -301,3 +301,45 @@ def test_an_output_written_to_cuda_shared_memory_is_on_the_device_before_the_rep
     data = np.arange(4, dtype=np.float32)
     assert regions.write("out", 16, 16, data.tobytes(), "output 'OUTPUT0'") == 16
     assert bytes(cupy.device_memory[16:32]) == data.tobytes()
+
+
+# -- NVML ------------------------------------------------------------------------------
+
+
+class FakeNvml(types.ModuleType):
+    """Two GPUs, as NVML lists them (every GPU of the host)."""
+
+    class NVMLError(Exception):
+        pass
+
+    BUS_IDS = ("00000000:3B:00.0", "00000000:AF:00.0")
+
+    def __init__(self) -> None:
+        super().__init__("pynvml")
+        self.nvmlInit = self.nvmlShutdown = lambda: None
+        self.nvmlDeviceGetCount = lambda: len(self.BUS_IDS)
+        self.nvmlDeviceGetHandleByIndex = lambda index: f"handle{index}"
+        self.nvmlDeviceGetPciInfo = lambda handle: types.SimpleNamespace(
+            busId=self.BUS_IDS[int(handle[-1])].encode()
+        )
+
+
+def test_gpu_metrics_cover_the_gpus_cuda_sees(monkeypatch):
+    """Triton's core (src/metrics.cc) keeps the GPUs whose PCI bus id a CUDA device
+    has; with CUDA_VISIBLE_DEVICES=1 the other GPU is not this server's."""
+    from trionserve.observability.gpu_metrics import GpuMetricsCollector
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
+        runtime=types.SimpleNamespace(
+            getDeviceCount=lambda: 1, deviceGetPCIBusId=lambda index: "0000:AF:00.0"
+        )
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml())
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    collector = GpuMetricsCollector.create()
+    assert collector is not None and collector._handles == ["handle1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    collector = GpuMetricsCollector.create()
+    assert collector is not None and collector._handles == ["handle0", "handle1"]

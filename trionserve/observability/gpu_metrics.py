@@ -1,7 +1,10 @@
 """Triton's GPU metrics, read through NVML (``pip install nvidia-ml-py``, in the
 ``gpu`` extra), imported only when GPU metrics are on.
 
-Per GPU, labelled ``gpu_uuid`` as in Triton: ``nv_gpu_utilization`` (0.0-1.0),
+Per GPU that CUDA sees (Triton's core ``src/metrics.cc`` keeps the GPUs whose PCI
+bus id a CUDA device has: ``CUDA_VISIBLE_DEVICES`` hides the others from its
+metrics too; here the bus ids come from cupy, and without cupy every GPU NVML
+sees is reported), labelled ``gpu_uuid`` as in Triton: ``nv_gpu_utilization`` (0.0-1.0),
 ``nv_gpu_memory_total_bytes``, ``nv_gpu_memory_used_bytes``, ``nv_gpu_power_usage``
 and ``nv_gpu_power_limit`` (watts), ``nv_energy_consumption`` (joules since the
 driver loaded). Sampled every metrics interval on a worker thread (NVML calls
@@ -11,6 +14,7 @@ without a GPU nothing is collected, and the server says so once in its log.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -45,6 +49,39 @@ class GpuSample:
     energy: float | None = None
 
 
+def _bus_id(text: str | bytes) -> tuple[int, str]:
+    """A PCI bus id comparable between CUDA ("0000:3B:00.0") and NVML
+    ("00000000:3B:00.0"): the domain as a number, the rest in lower case."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    domain, _, rest = text.strip().partition(":")
+    return int(domain, 16), rest.lower()
+
+
+def _cuda_bus_ids() -> set[tuple[int, str]] | None:
+    """The PCI bus ids of the devices CUDA sees, where ``CUDA_VISIBLE_DEVICES``
+    narrows them; None: every GPU (unset, or no cupy to ask)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
+        return None
+    try:
+        import cupy
+
+        runtime = cupy.cuda.runtime
+        return {_bus_id(runtime.deviceGetPCIBusId(i)) for i in range(runtime.getDeviceCount())}
+    except ImportError:
+        log.info("GPU metrics: CUDA_VISIBLE_DEVICES is set but without cupy every GPU is reported")
+        return None
+    except Exception:  # no CUDA device (CUDA_VISIBLE_DEVICES empty, say)
+        return set()
+
+
+def _nvml_bus_id(nvml, handle) -> tuple[int, str] | None:
+    try:
+        return _bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId)
+    except nvml.NVMLError:
+        return None
+
+
 class GpuMetricsCollector:
     """NVML's view of every visible GPU; a Prometheus collector."""
 
@@ -68,6 +105,9 @@ class GpuMetricsCollector:
         except pynvml.NVMLError as exc:
             log.info("GPU metrics off: NVML is not usable", reason=str(exc))
             return None
+        visible = _cuda_bus_ids()
+        if visible is not None:
+            handles = [h for h in handles if _nvml_bus_id(pynvml, h) in visible]
         if not handles:
             pynvml.nvmlShutdown()
             log.info("GPU metrics off: no GPU is visible")
