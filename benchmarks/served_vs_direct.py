@@ -4,7 +4,7 @@ Usage:
     python -m benchmarks.served_vs_direct [--duration 3] [--warmup 1] [--rounds 1]
         [--concurrency 1,8] [--paths http,grpc,shm,inproc] [--models cnn_onnx,cnn_torch]
         [--delay-us 500[,0]] [--ort-variant NAME:KEY=VALUE[,KEY=VALUE]]
-        [--client-processes N] [--gpu auto|off]
+        [--client-processes N] [--gpu auto|off] [--graphs]
 
 One run, one table. The models are generated at run time into a temporary
 repository:
@@ -22,14 +22,16 @@ repository:
 - on a GPU (lazily; skipped without one): ``resnet50_torch`` (TorchScript, needs
   torchvision; random weights) and ``resnet50_onnx`` on ONNX Runtime's CUDA
   provider (needs onnxruntime-gpu), one KIND_GPU instance, max batch 16, 100 us
-  delay.
+  delay; ``--graphs`` adds ``resnet50_torch_graphs``, the same TorchScript model
+  with ``optimization { cuda { graphs: true } }``, whose ``direct`` replays a CUDA
+  graph captured per batch size with pinned staging (the framework at its best).
 
 For each model and concurrency C, in turn and rotated each round:
 
 - ``direct``: the same file loaded in its framework in this process
   (``onnxruntime.InferenceSession`` with default options, as the backend makes it;
   ``torch.jit.load`` under ``inference_mode``), one thread calling it on batch C,
-  numpy in and out;
+  numpy in and out (at batch min(C, 16) where C exceeds the models' max batch);
 - ``http``, ``grpc``: tritonclient (client processes of benchmarks.loadgen, C
   closed-loop workers), one request of batch 1 each, binary tensors;
 - ``shm``: HTTP with input and output in system shared memory (a region per worker);
@@ -92,6 +94,7 @@ class ModelSpec:
     output_name: str
     gpu: bool = False
     max_batch: int = 16
+    graphs: bool = False  # optimization { cuda { graphs: true } }
 
 
 def _cnn_weights() -> dict[str, np.ndarray]:
@@ -208,15 +211,25 @@ output [{{ name: "{spec.output_name}" data_type: TYPE_FP32 dims: [{CLASSES}] }}]
 instance_group [{{ count: 1 kind: {kind} }}]
 dynamic_batching {{ max_queue_delay_microseconds: {delay_us} }}
 """
+        + ("optimization { cuda { graphs: true } }\n" if spec.graphs else "")
     )
 
 
 def has_gpu() -> bool:
+    """A CUDA device this process can use (NVML's count, else torch's)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return False
     try:
         import pynvml
 
         pynvml.nvmlInit()
         return pynvml.nvmlDeviceGetCount() > 0
+    except Exception:
+        pass
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
     except Exception:
         return False
 
@@ -228,13 +241,15 @@ def build_repository(
     log,
     cpu_delays: Sequence[int] = (500,),
     ort_variants: Mapping[str, Mapping[str, str]] | None = None,
+    graphs: bool = False,
 ) -> list[ModelSpec]:
     """Write the wanted models that this machine can run; log why others are left out.
 
     The CPU models get the first of ``cpu_delays`` as their batch delay (us); each
     further delay adds a copy named ``<model>_d<delay>``. Each of ``ort_variants``
     (name -> config parameters) adds a copy of every ONNX Runtime model named
-    ``<model>_<name>`` with those parameters."""
+    ``<model>_<name>`` with those parameters. ``graphs`` adds each GPU TorchScript
+    model again as ``<model>_graphs`` with CUDA graphs on."""
     specs: list[ModelSpec] = []
 
     def add(spec: ModelSpec, write: Callable[[Path], None], delay_us: int) -> None:
@@ -249,16 +264,19 @@ def build_repository(
             return
         (directory / "config.pbtxt").write_text(_config(spec, delay_us))
         specs.append(spec)
-        copies: list[tuple[str, int, Mapping[str, str]]] = []
+        copies: list[tuple[ModelSpec, int, Mapping[str, str]]] = []
         # The same model at the other delays asked for, e.g. cnn_onnx_d0.
         for other in cpu_delays[1:] if not spec.gpu else ():
-            copies.append((f"{spec.name}_d{other}", other, {}))
+            copies.append((replace(spec, name=f"{spec.name}_d{other}"), other, {}))
         # ... and with other session parameters, e.g. cnn_onnx_spin.
         for suffix, parameters in (ort_variants or {}).items():
             if spec.framework == "onnxruntime":
-                copies.append((f"{spec.name}_{suffix}", delay_us, parameters))
-        for name, delay, parameters in copies:
-            variant = replace(spec, name=name)
+                copies.append((replace(spec, name=f"{spec.name}_{suffix}"), delay_us, parameters))
+        # ... and with CUDA graphs, e.g. resnet50_torch_graphs.
+        if graphs and spec.gpu and spec.framework == "torch":
+            copies.append((replace(spec, name=f"{spec.name}_graphs", graphs=True), delay_us, {}))
+        for variant, delay, parameters in copies:
+            name = variant.name
             shutil.copytree(directory / "1", root / name / "1")
             (root / name / "config.pbtxt").write_text(_config(variant, delay, parameters))
             specs.append(variant)
@@ -320,12 +338,50 @@ def direct_runner(spec: ModelSpec, path: Path) -> Callable[[np.ndarray], np.ndar
 
     device = torch.device("cuda:0" if spec.gpu else "cpu")
     module = torch.jit.load(str(path), map_location=device).eval()
+    if spec.graphs:
+        return graph_runner(torch, module, device)
 
     def run_torch(batch: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
             return module(torch.from_numpy(batch).to(device)).cpu().numpy()
 
     return run_torch
+
+
+def graph_runner(torch, module, device) -> Callable[[np.ndarray], np.ndarray]:
+    """``module`` captured as a CUDA graph per batch size (on first use), replayed
+    with pinned staging: numpy into a pinned buffer, copied to the graph's static
+    input, replayed, the static output copied to a pinned buffer, then numpy."""
+    stream = torch.cuda.Stream(device)
+    graphs: dict[int, tuple] = {}
+
+    def capture(batch: int) -> tuple:
+        with torch.inference_mode(), torch.cuda.device(device), torch.cuda.stream(stream):
+            static_in = torch.zeros((batch, *IMAGE), device=device)
+            for _ in range(3):
+                module(static_in)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                static_out = module(static_in)
+        pinned_in = torch.empty((batch, *IMAGE), pin_memory=True)
+        pinned_out = torch.empty(tuple(static_out.shape), pin_memory=True)
+        return graph, static_in, static_out, pinned_in, pinned_out
+
+    def run_graph(batch: np.ndarray) -> np.ndarray:
+        size = batch.shape[0]
+        if size not in graphs:
+            graphs[size] = capture(size)
+        graph, static_in, static_out, pinned_in, pinned_out = graphs[size]
+        pinned_in.numpy()[...] = batch
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            static_in.copy_(pinned_in, non_blocking=True)
+            graph.replay()
+            pinned_out.copy_(static_out, non_blocking=True)
+        stream.synchronize()  # the pinned buffers are reused by the next call
+        return pinned_out.numpy().copy()
+
+    return run_graph
 
 
 def run_direct(
@@ -645,12 +701,17 @@ def main() -> None:
     parser.add_argument("--client-processes", type=int, default=None)
     parser.add_argument("--gpu", choices=("auto", "off"), default="auto")
     parser.add_argument(
+        "--graphs",
+        action="store_true",
+        help="on a GPU, add resnet50_torch_graphs (CUDA graphs on) against direct graph replay",
+    )
+    parser.add_argument(
         "--server-flags", default="", help="extra trionserve flags (one string, shell-split)"
     )
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
-    if not all(0 < c <= 16 for c in concurrencies):
-        raise SystemExit("each concurrency must be in 1..16 (the models' max batch)")
+    if not all(0 < c <= 64 for c in concurrencies):
+        raise SystemExit("each concurrency must be in 1..64")
     gpu = args.gpu == "auto" and has_gpu()
     paths = (args.paths or ",".join(CPU_PATHS + (("cuda_shm",) if gpu else ()))).split(",")
     log = lambda line: print(line, flush=True)  # noqa: E731
@@ -665,7 +726,9 @@ def main() -> None:
         for option in args.ort_variant:
             name, _, pairs = option.partition(":")
             variants[name] = dict(pair.split("=", 1) for pair in pairs.split(",") if pair)
-        specs = build_repository(repository, args.models.split(","), gpu, log, delays, variants)
+        specs = build_repository(
+            repository, args.models.split(","), gpu, log, delays, variants, args.graphs
+        )
         if not specs:
             raise SystemExit("no model to run")
         flags = shlex.split(args.server_flags)
@@ -721,7 +784,7 @@ def main() -> None:
                     if name == spec.name and c == concurrency and row.batches
                     if _mean(row.batches) == _mean(row.batches)
                 }
-                for batch in sorted(formed - {concurrency}):
+                for batch in sorted(formed - {min(concurrency, spec.max_batch)}):
                     path = f"direct b{batch}"
                     row = rows.setdefault(
                         (spec.name, concurrency, path),
@@ -749,9 +812,8 @@ def _point(row, spec, path, runner, target, pool, inproc_pool, inproc_port, repo
             daemon=True,
         )
         watcher.start()
-        result, cpu = run_direct(
-            runner, row.direct_batch or concurrency, args.duration, args.warmup
-        )
+        batch = row.direct_batch or min(concurrency, spec.max_batch)
+        result, cpu = run_direct(runner, batch, args.duration, args.warmup)
         watcher.join()
         row.add(result, cpu)
         if gpu_box and gpu_box[0] is not None:

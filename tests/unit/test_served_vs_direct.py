@@ -3,6 +3,8 @@ same model, and the statistics it reads are turned into per-request phases."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from benchmarks.served_vs_direct import (
     IMAGE,
     ModelSpec,
     Row,
+    _config,
     build_repository,
     direct_runner,
     format_table,
@@ -92,3 +95,13 @@ def test_repository_variants_at_other_delays_and_session_parameters(tmp_path):
     assert 'key: "session.intra_op.allow_spinning" value: { string_value: "1" }' in spin
     assert "max_queue_delay_microseconds: 500 " in spin
     assert (tmp_path / "cnn_onnx_spin" / "1" / "model.onnx").exists()
+
+
+def test_the_graphs_variant_asks_for_cuda_graphs():
+    spec = ModelSpec("resnet50_torch", "torch", "model.pt", "INPUT__0", "OUTPUT__0", gpu=True)
+    plain = _config(spec, 100)
+    assert "optimization" not in plain
+    graphs = _config(replace(spec, name="resnet50_torch_graphs", graphs=True), 100)
+    assert graphs.startswith(plain.replace("resnet50_torch", "resnet50_torch_graphs"))
+    assert graphs.endswith("optimization { cuda { graphs: true } }\n")
+    assert "kind: KIND_GPU" in graphs
