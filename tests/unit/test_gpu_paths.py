@@ -251,6 +251,16 @@ def test_padded_batches_replay_and_slice_back(monkeypatch):
         np.testing.assert_array_equal(products, a * b)
 
 
+def test_close_releases_the_graphs_and_pinned_buffers(monkeypatch):
+    instance, _ = gpu_instance(monkeypatch, AddMul(), ADD_MUL)
+    instance.execute(request("add_mul", INPUT__0=np.ones((2, 4), np.float32),
+                             INPUT__1=np.ones((2, 4), np.float32)))  # fmt: skip
+    pinned = instance._buffers
+    instance.close()
+    assert instance._graphs == []
+    assert all(buffers is not old for buffers, old in zip(instance._buffers, pinned))
+
+
 def test_a_graph_is_not_used_for_a_batch_without_one_of_its_inputs(monkeypatch):
     """The missing input's static tensor would hold an earlier batch's data."""
     instance, _ = gpu_instance(monkeypatch, AddMul(), ADD_MUL)

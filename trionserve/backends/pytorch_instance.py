@@ -499,4 +499,13 @@ class TorchScriptInstance:
                 )
 
     def close(self) -> None:
+        """Release the module, and on a GPU the graphs (their memory pool), their
+        static tensors and the pinned buffers, once the instance's streams are
+        done with them, rather than whenever the instance object is collected."""
+        if self._stream is not None and self._copy_stream is not None:
+            self._copy_stream.synchronize()
+            self._stream.synchronize()
         self._module = None
+        self._graphs = []
+        self._buffers = (HostBuffers(), HostBuffers())
+        self._slot_copied = [None, None]
