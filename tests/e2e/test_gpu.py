@@ -614,3 +614,145 @@ def test_without_nvml_or_a_gpu_the_log_says_why():
         log = proc.output()
     assert not [name for name in families if name.startswith("nv_gpu_")]
     assert "GPU metrics off" in log
+
+
+# -- the pipelined GPU executor under load (races show here, if anywhere) --------------
+
+PT_PIPELINE_CONFIG = (
+    'platform: "pytorch_libtorch" max_batch_size: 8 '
+    "instance_group [ { kind: KIND_GPU count: 1 } ] "
+    'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 16 ] }, '
+    '{ name: "INPUT__1" data_type: TYPE_FP32 dims: [ 16 ] } ] '
+    'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 16 ] }, '
+    '{ name: "OUTPUT__1" data_type: TYPE_FP32 dims: [ 16 ] } ] '
+    "dynamic_batching { max_queue_delay_microseconds: 200 } %s"
+)
+
+
+def _addmul_load(url: str, model: str, clients: int, requests: int) -> list[str]:
+    """``clients`` threads each sending ``requests`` requests of its own data; the
+    mismatches and errors seen (AddMul: x + 2y, x * y - 1)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def client_loop(seed: int) -> list[str]:
+        client = httpclient.InferenceServerClient(url, network_timeout=120)
+        problems = []
+        rng = np.random.default_rng(seed)
+        for index in range(requests):
+            rows = 1 + (seed + index) % 3
+            x = rng.standard_normal((rows, 16), dtype=np.float32)
+            y = rng.standard_normal((rows, 16), dtype=np.float32)
+            inputs = [
+                httpclient.InferInput("INPUT__0", [rows, 16], "FP32"),
+                httpclient.InferInput("INPUT__1", [rows, 16], "FP32"),
+            ]
+            inputs[0].set_data_from_numpy(x)
+            inputs[1].set_data_from_numpy(y)
+            try:
+                result = client.infer(model, inputs)
+            except Exception as exc:
+                problems.append(f"client {seed} request {index}: {exc}")
+                continue
+            for name, want in (("OUTPUT__0", x + 2 * y), ("OUTPUT__1", x * y - 1)):
+                got = result.as_numpy(name)
+                if got is None or got.shape != want.shape or not np.allclose(got, want, atol=1e-4):
+                    problems.append(f"client {seed} request {index}: {name} is not its own")
+        client.close()
+        return problems
+
+    with ThreadPoolExecutor(clients) as pool:
+        return [p for problems in pool.map(client_loop, range(clients)) for p in problems]
+
+
+@needs_torch
+@needs_gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_pytorch_gpu_pipelined_batches_answer_each_request_with_its_own_data(tmp_path, graphs):
+    """16 clients of batches of 1-3 rows: batches are formed, staged in the two
+    pinned slots in turn while the one before computes, padded to a graph's size;
+    each response must hold its own request's results."""
+    extra = "optimization { cuda { graphs: true } }" if graphs else ""
+    write_addmul(tmp_path, "pt_pipe", PT_PIPELINE_CONFIG % extra)
+    proc = ServerProcess(tmp_path)
+    try:
+        proc.wait_ready(timeout=300)
+        assert _addmul_load(proc.http_url, "pt_pipe", clients=16, requests=40) == []
+        client = httpclient.InferenceServerClient(proc.http_url)
+        stats = client.get_inference_statistics("pt_pipe")["model_stats"][0]
+        # Batches were formed (fewer executions than requests).
+        assert int(stats["execution_count"]) < 16 * 40
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+
+
+@needs_torch
+@needs_gpu
+def test_pytorch_cuda_graph_of_a_model_reducing_over_the_batch_is_not_padded(tmp_path):
+    import torch
+
+    class SumRows(torch.nn.Module):
+        def forward(self, x):
+            return x.sum(0, keepdim=True)
+
+    version = tmp_path / "pt_sum" / "1"
+    version.mkdir(parents=True)
+    torch.jit.script(SumRows()).save(str(version / "model.pt"))
+    (tmp_path / "pt_sum" / "config.pbtxt").write_text(
+        'platform: "pytorch_libtorch" max_batch_size: 4 '
+        "instance_group [ { kind: KIND_GPU count: 1 } ] "
+        'input [ { name: "INPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ] '
+        'output [ { name: "OUTPUT__0" data_type: TYPE_FP32 dims: [ 4 ] } ] '
+        "optimization { cuda { graphs: true } }"
+    )
+    proc = ServerProcess(tmp_path)
+    try:
+        proc.wait_ready(timeout=300)
+        client = httpclient.InferenceServerClient(proc.http_url)
+        for rows, value in ((4, 5.0), (3, 1.0), (1, 2.0)):
+            tensor = httpclient.InferInput("INPUT__0", [rows, 4], "FP32")
+            tensor.set_data_from_numpy(np.full((rows, 4), value, dtype=np.float32))
+            result = client.infer("pt_sum", [tensor]).as_numpy("OUTPUT__0")
+            np.testing.assert_allclose(result, np.full((1, 4), rows * value))
+        assert proc.stop() == 0, proc.output()
+        assert "outputs are not batch-major" in proc.output()
+    finally:
+        proc.close()
+
+
+@needs_torch
+@needs_gpu
+def test_pytorch_graphs_are_captured_while_another_model_serves(tmp_path):
+    """A model loading with CUDA graphs beside one serving on the same GPU: the
+    serving one's pinned allocations and event waits neither fail nor break the
+    capture (captures are thread-local)."""
+    import threading
+
+    write_addmul(tmp_path, "pt_serving", PT_PIPELINE_CONFIG % "")
+    write_addmul(tmp_path, "pt_loading", PT_GRAPH_CONFIG % ("KIND_GPU", ""))
+    proc = ServerProcess(
+        tmp_path, args=["--model-control-mode=explicit", "--load-model=pt_serving"]
+    )
+    try:
+        proc.wait_ready(timeout=300)
+        problems: list[str] = []
+        done = threading.Event()
+
+        def serve() -> None:
+            while not done.is_set():
+                problems.extend(_addmul_load(proc.http_url, "pt_serving", clients=8, requests=5))
+
+        loader = threading.Thread(target=serve)
+        loader.start()
+        try:
+            client = httpclient.InferenceServerClient(proc.http_url, network_timeout=300)
+            client.load_model("pt_loading")
+        finally:
+            done.set()
+            loader.join()
+        assert problems == []
+        assert proc.output().count("captured CUDA graph") == 4, proc.output()
+        assert "capture failed" not in proc.output()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
