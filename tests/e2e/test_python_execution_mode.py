@@ -1,14 +1,18 @@
-"""The Python-backend parity tests in both execution modes (issue 30, item 1).
+"""The Python-backend parity tests in every execution mode (issue 30, item 1).
 
 One real server per mode, ``EXECUTION_MODE`` ``stub`` (the default: a stub process
-per instance) and ``in_process`` (model.py on the server's threads), serving the
-same model.py files: BLS (sync, async, decoupled, cancelled, names as bytes),
+per instance), ``in_process`` (model.py on the server's threads) and
+``event_loop`` (``in_process`` with ``INPROCESS_EXECUTE_ON`` ``event_loop``:
+execute on the event loop's thread; the models that call other models keep
+their thread there, as that mode asks), serving the same model.py files: BLS (sync, async, decoupled, cancelled, names as bytes),
 decoupled models and response senders, a client's cancellation reaching the
 model, execute errors and Triton's wording, custom metrics and log lines, the
 model's ``is_ready()``, request rescheduling, refused configurations. The
 tests are those of the Python-backend e2e modules, collected here again with this
 module's ``server``; what only the in-process mode promises (one module namespace
-per model, no stub process, the refused configurations) is tested below them.
+per model, no stub process, the refused configurations) and what only the
+``event_loop`` mode promises (where execute runs, the budget, the calls it
+refuses instead of waiting for the loop it blocks) are tested below them.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from tests.e2e.test_python_backend import (  # noqa: F401
     test_triton_error_in_a_response_reaches_the_client,
 )
 from tests.e2e.test_python_backend_parity import (  # noqa: F401
+    Stream,
     test_a_client_cancel_reaches_a_model_that_has_not_responded,
     test_a_final_flag_without_a_response_fails_the_request,
     test_a_second_response_is_refused_and_the_first_stands,
@@ -71,7 +76,7 @@ from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.python.settings import StubSettings
 from trionserve.core.errors import InvalidArgument
 
-MODES = ["stub", "in_process"]
+MODES = ["stub", "in_process", "event_loop"]
 
 # Two models that write the same module globals: each must see only its own.
 GLOBALS_MODEL = """
@@ -117,6 +122,136 @@ BAD_CONFIGS = {
 
 def _mode_parameter(mode: str) -> str:
     return f'parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{mode}" }} }}\n'
+
+
+def _execute_on(where: str) -> str:
+    return f'parameters {{ key: "INPROCESS_EXECUTE_ON" value: {{ string_value: "{where}" }} }}\n'
+
+
+LOOP = _mode_parameter("in_process") + _execute_on("event_loop")
+
+
+def _parameters(mode: str, source: str) -> str:
+    """A model's parameters in ``mode``; in ``event_loop``, a model that calls
+    other models (or has an ``async def execute``) keeps its instance's thread,
+    as the mode's documentation asks of such models."""
+    if mode != "event_loop":
+        return _mode_parameter(mode)
+    if "exec(" in source or "async def execute" in source:
+        return _mode_parameter("in_process") + _execute_on("instance_thread")
+    return LOOP
+
+
+# Where execute ran, and on whose time: INPUT0 is how many ms it sleeps.
+WHERE_MODEL = """
+import json
+import threading
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.local = threading.local()
+        self.local.set_in_initialize = True
+
+    def execute(self, requests):
+        import triton_python_backend_utils as late
+
+        responses = []
+        for request in requests:
+            ms = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            time.sleep(ms / 1000)
+            report = {
+                "thread": threading.current_thread().name,
+                "initialize_thread_local": getattr(self.local, "set_in_initialize", False),
+                "late_import_is_ours": late.Tensor is pb_utils.Tensor,
+            }
+            pb_utils.Logger.log_info(f"where_loop ran on {report['thread']}")
+            out = np.array([json.dumps(report).encode()], dtype=np.object_)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]))
+        return responses
+"""
+WHERE_CONFIG = """
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_STRING dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+"""
+# Calls that would wait for the event loop from an execute running on it; INPUT0
+# picks one: 0 a BLS exec(), 1 a BLS async_exec() on an asyncio loop of this
+# thread, 2 the model loading API, 3 nothing (the model still serves).
+WAITS_MODEL = """
+import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            called = pb_utils.InferenceRequest(
+                model_name="add_sub",
+                inputs=[
+                    pb_utils.Tensor("INPUT0", np.zeros(16, np.int32)),
+                    pb_utils.Tensor("INPUT1", np.zeros(16, np.int32)),
+                ],
+                requested_output_names=["OUTPUT0"],
+            )
+            if value == 0:
+                called.exec()
+            elif value == 1:
+                async def call():
+                    return await called.async_exec()
+
+                asyncio.run(call())
+            elif value == 2:
+                pb_utils.is_model_ready("add_sub")
+            out = np.array([value], np.int32)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]))
+        return responses
+"""
+# A decoupled ``async def execute`` is left running on its asyncio loop: allowed.
+ASYNC_STREAM_MODEL = """
+import asyncio
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        for request in requests:
+            value = int(pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()[0])
+            sender = request.get_response_sender()
+            for index in range(value):
+                await asyncio.sleep(0)
+                out = np.array([index], np.int32)
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", out)]))
+            sender.send(flags=FINAL)
+        return None
+"""
+ASYNC_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        return [pb_utils.InferenceResponse([]) for _ in requests]
+"""
+LOOP_MODELS = {
+    "where_loop": (WHERE_CONFIG, WHERE_MODEL),
+    "waits_loop": (base.ECHO, WAITS_MODEL),
+    "async_stream_loop": (parity.DECOUPLED_ECHO, ASYNC_STREAM_MODEL),
+}
 
 
 def make_repository(root: Path, mode: str) -> Path:
@@ -165,7 +300,19 @@ def make_repository(root: Path, mode: str) -> Path:
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
         (root / name / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\n' + config + _mode_parameter(mode)
+            f'name: "{name}"\nbackend: "python"\n' + config + _parameters(mode, source)
+        )
+    if mode == "event_loop":
+        for name, (config, source) in LOOP_MODELS.items():
+            (root / name / "1").mkdir(parents=True)
+            (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
+            (root / name / "config.pbtxt").write_text(
+                f'name: "{name}"\nbackend: "python"\n' + config + LOOP
+            )
+        (root / "async_loop" / "1").mkdir(parents=True)
+        (root / "async_loop" / "1" / "model.py").write_text(ASYNC_MODEL)
+        (root / "async_loop" / "config.pbtxt").write_text(
+            'name: "async_loop"\nbackend: "python"\n' + base.ECHO + LOOP
         )
     (root / "introspect" / "1" / "helper.py").write_text('GREETING = "hello from helper.py"\n')
     for name in ("globals_a", "globals_b"):
@@ -181,7 +328,7 @@ def make_repository(root: Path, mode: str) -> Path:
         )
     model = root / "metrics_model"
     (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(metrics.CONFIG + _mode_parameter(mode))
+    (model / "config.pbtxt").write_text(metrics.CONFIG + _parameters(mode, metrics.MODEL))
     (model / "1" / "model.py").write_text(textwrap.dedent(metrics.MODEL))
     return root
 
@@ -232,7 +379,7 @@ def test_where_the_model_runs(client, server, mode):
     infer_input = httpclient.InferInput("INPUT0", [1], "BYTES")
     infer_input.set_data_from_numpy(np.array([b"where"], dtype=np.object_))
     report = json.loads(client.infer("introspect", [infer_input]).as_numpy("OUTPUT0")[0])
-    assert (report["pid"] == server.process.pid) == (mode == "in_process"), report["pid"]
+    assert (report["pid"] == server.process.pid) == (mode != "stub"), report["pid"]
 
 
 def test_execute_errors_are_worded_as_triton_words_them(client):
@@ -286,3 +433,102 @@ def test_an_environment_of_its_own_is_refused_in_process():
     assert "EXECUTION_ENV_PATH cannot be used with EXECUTION_MODE 'in_process'" in (
         info.value.message
     )
+
+
+def test_execute_on_must_name_a_place_and_needs_in_process():
+    assert _settings(_mode_parameter("in_process")).execute_on == "instance_thread"
+    assert _settings(LOOP).execute_on == "event_loop"
+    with pytest.raises(InvalidArgument) as info:
+        _settings(_mode_parameter("in_process") + _execute_on("loop"))
+    assert info.value.message == (
+        "model 'm': parameter INPROCESS_EXECUTE_ON must be 'instance_thread' or "
+        "'event_loop', got 'loop'"
+    )
+    with pytest.raises(InvalidArgument) as info:
+        _settings(_execute_on("event_loop"))
+    assert "INPROCESS_EXECUTE_ON 'event_loop' needs EXECUTION_MODE 'in_process', got 'stub'" in (
+        info.value.message
+    )
+
+
+# -- INPROCESS_EXECUTE_ON event_loop ------------------------------------------------------
+
+
+@pytest.fixture
+def loop_client(client, mode):
+    if mode != "event_loop":
+        pytest.skip("a test of INPROCESS_EXECUTE_ON 'event_loop' models")
+    return client
+
+
+def _where(client, ms: int = 0) -> dict:
+    infer_input = httpclient.InferInput("INPUT0", [1], "INT32")
+    infer_input.set_data_from_numpy(np.array([ms], dtype=np.int32))
+    return json.loads(client.infer("where_loop", [infer_input]).as_numpy("OUTPUT0")[0])
+
+
+def test_a_cheap_execute_runs_on_the_event_loop_a_long_one_moves_off_it(loop_client, server):
+    """The first execute runs on the loop; one that took longer than the budget
+    sends the next batch to the instance's thread (where initialize ran), and a
+    cheap execute there brings the batches back to the loop."""
+    instance_thread = "instance where_loop_0_0"
+    first = _where(loop_client)
+    assert first["thread"] != instance_thread, first
+    # Thread-local state set in initialize is the instance thread's, as documented.
+    assert first["initialize_thread_local"] is False
+    assert first["late_import_is_ours"] is True
+    parity.wait_for_log(server, f"where_loop ran on {first['thread']}")
+    long = _where(loop_client, 20)  # 20 ms > the 1 ms budget
+    after_long = _where(loop_client)
+    assert after_long["thread"] == instance_thread, (long, after_long)
+    assert after_long["initialize_thread_local"] is True
+    for _ in range(50):  # a cheap execute on the thread: back to the loop
+        if _where(loop_client)["thread"] != instance_thread:
+            break
+    else:
+        raise AssertionError("the batches did not come back to the event loop")
+
+
+@pytest.mark.parametrize(
+    "value, call", [(0, "exec()"), (1, "async_exec()"), (2, "model loading API")]
+)
+def test_a_call_that_would_wait_for_the_loop_fails_clearly(loop_client, value, call):
+    """From an execute on the event loop, a BLS or model loading call would wait
+    for the loop it blocks: it raises, naming the parameter, and the server goes
+    on serving."""
+    for _ in range(20):
+        try:
+            parity.echo(loop_client, "waits_loop", value)
+        except InferenceServerException as exc:
+            message = exc.message()
+            break
+        # It ran on the instance's thread (an execute before it took over the
+        # budget: asyncio.run may, on a busy machine), where the call may wait.
+    else:
+        raise AssertionError(f"{call} never ran on the event loop")
+    assert "cannot wait on the event loop's thread" in message, (call, message)
+    assert "INPROCESS_EXECUTE_ON 'event_loop'" in message and "'instance_thread'" in message
+    assert parity.echo(loop_client, "waits_loop", 3) == [3]
+
+
+def test_an_async_execute_that_is_not_decoupled_is_refused(loop_client):
+    rows = {row["name"]: row for row in loop_client.get_model_repository_index()}
+    assert rows["async_loop"]["state"] == "UNAVAILABLE"
+    assert (
+        "INPROCESS_EXECUTE_ON 'event_loop' cannot wait for an 'async def execute'"
+        in rows["async_loop"]["reason"]
+    )
+
+
+def test_a_decoupled_async_execute_runs_from_the_loop(loop_client, server):
+    stream = Stream(server)
+    try:
+        stream.send("async_stream_loop", 3)
+        values = []
+        for _ in range(3):
+            result, error = stream.next()
+            assert error is None, error
+            values.append(int(result.as_numpy("OUTPUT0")[0]))
+        assert values == [0, 1, 2]
+    finally:
+        stream.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import json
 import queue
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +96,10 @@ class InProcessRuntime(ModelRuntime):
         self.decoupled = instance.decoupled
         self.label = instance.label
         self._loop = None
+        self._on_event_loop = False  # execute runs on the event loop's thread now
+        self._loop_thread = 0  # that thread's ident
+        # What execute posted from the event loop's thread: run as it returns.
+        self._deferred: list[tuple[Any, tuple]] = []
         self._serving = False
         self._finalizing = False
         # Requests still to be answered through their response senders.
@@ -145,6 +150,52 @@ class InProcessRuntime(ModelRuntime):
                 self._unanswered.discard(request._key)
             raise ExecuteFailed(self.execute_error(exc)) from exc
         return outcomes
+
+    def execute_on_loop(self, requests: list[InferenceRequest]) -> list:
+        """:meth:`execute` on the event loop's thread (INPROCESS_EXECUTE_ON
+        'event_loop'): late pb_utils imports get this model's modules, what
+        would wait for the loop is refused (:meth:`check_can_wait`), and what
+        execute posts from this thread (responses sent, senders let go) runs as
+        it returns, in order, before its results are looked at, as the
+        instance's thread posts them before its job is done."""
+        assert self.namespace is not None
+        self.namespace.bind()
+        self._loop_thread = threading.get_ident()
+        self._on_event_loop = True
+        try:
+            return self.execute(requests)
+        finally:
+            self._on_event_loop = False
+            deferred, self._deferred = self._deferred, []
+            for fn, args in deferred:
+                fn(*args)
+
+    def _await_result(self, coroutine):
+        if self._on_event_loop:
+            close = getattr(coroutine, "close", None)
+            if close is not None:
+                close()  # never awaited: no warning about it
+            raise self.pb.TritonModelException(
+                f"{self.label}: execute returned an awaitable, which parameter "
+                "INPROCESS_EXECUTE_ON 'event_loop' cannot wait for; use 'instance_thread'"
+            )
+        return super()._await_result(coroutine)
+
+    def check_can_wait(self) -> None:
+        """Refuse a call that would make the event loop's thread wait for itself:
+        one from the model's execute running there (a BLS ``exec()``, an
+        ``async_exec()`` on an asyncio loop of that thread, the model loading API)."""
+        try:
+            on_loop = trio.lowlevel.current_trio_token() is self._instance.token
+        except RuntimeError:
+            return  # not a Trio thread
+        if on_loop:
+            raise self.pb.TritonModelException(
+                f"{self.label}: a BLS or model loading call cannot wait on the event "
+                "loop's thread, where this model's execute runs (parameter "
+                "INPROCESS_EXECUTE_ON 'event_loop'); use 'instance_thread' for a model "
+                "that calls other models"
+            )
 
     def _received(self, request: InferenceRequest):
         """The model's view of a request: its tensors as they are (no copy)."""
@@ -220,6 +271,9 @@ class InProcessRuntime(ModelRuntime):
 
     def post(self, fn, *args) -> None:
         """Run ``fn(*args)`` on the Trio thread, in the order posted."""
+        if self._on_event_loop and threading.get_ident() == self._loop_thread:
+            self._deferred.append((fn, args))
+            return
         self._instance.post(fn, *args)
 
     def send_response(self, key: InferenceRequest, response, final: bool) -> None:
@@ -256,6 +310,7 @@ class InProcessRuntime(ModelRuntime):
         )
 
     def control(self, action: str, fields: dict):
+        self.check_can_wait()
         message = {"op": "control", "action": action, "call": 0, **fields}
         try:
             reply = trio.from_thread.run(
@@ -274,6 +329,7 @@ class InProcessRuntime(ModelRuntime):
         if not self._serving or self._finalizing:
             # python_backend's words (infer_request.cc InferRequest::Exec).
             raise pb.TritonModelException("BLS is only supported during the 'execute' function.")
+        self.check_can_wait()
         inputs = {
             t.name(): Tensor(t.name(), t._datatype, t._host_array()) for t in request.inputs()
         }

@@ -22,7 +22,12 @@ parameters, which win, next to the model's own (``FORCE_CPU_ONLY_INPUT_TENSORS``
   :mod:`.environment`);
 - ``EXECUTION_MODE``: ``stub`` (the default: a stub process per instance, as
   Triton) or ``in_process`` (model.py runs on threads of the server, see
-  :mod:`.inprocess`); a model parameter only.
+  :mod:`.inprocess`); a model parameter only;
+- ``INPROCESS_EXECUTE_ON``: where an in-process model's ``execute`` runs:
+  ``instance_thread`` (the default: the instance's own thread) or
+  ``event_loop`` (the server's event-loop thread while its executes stay cheap,
+  see :mod:`.inprocess`); a model parameter only, with EXECUTION_MODE
+  ``in_process``.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ _NUMBERS = {
 # own threads.
 STUB, IN_PROCESS = "stub", "in_process"
 EXECUTION_MODES = (STUB, IN_PROCESS)
+# INPROCESS_EXECUTE_ON values: the instance's own thread, or the event loop's.
+INSTANCE_THREAD, EVENT_LOOP = "instance_thread", "event_loop"
+EXECUTE_ON = (INSTANCE_THREAD, EVENT_LOOP)
 # Triton's Python backend settings that configure what this one does not have
 # (its message queue, shared-memory region names, its own thread pool).
 NO_EFFECT_KEYS = ("shm-message-queue-size", "shm-region-prefix-name", "thread-pool-size")
@@ -95,6 +103,7 @@ class StubSettings:
     execution_env: str = ""
     environment: ExecutionEnvironment | None = None
     execution_mode: str = STUB
+    execute_on: str = INSTANCE_THREAD
 
     @classmethod
     def from_config(cls, config, defaults: Mapping[str, str]) -> StubSettings:
@@ -121,6 +130,18 @@ class StubSettings:
                 "EXECUTION_MODE 'in_process': an in-process model runs in the server's own "
                 "Python; use EXECUTION_MODE 'stub' for a model with its own environment"
             )
+        execute_on = parameters.get("INPROCESS_EXECUTE_ON", "") or INSTANCE_THREAD
+        if execute_on not in EXECUTE_ON:
+            raise InvalidArgument(
+                f"model '{name}': parameter INPROCESS_EXECUTE_ON must be 'instance_thread' "
+                f"or 'event_loop', got '{execute_on}'"
+            )
+        if execute_on != INSTANCE_THREAD and mode != IN_PROCESS:
+            raise InvalidArgument(
+                f"model '{name}': parameter INPROCESS_EXECUTE_ON '{execute_on}' needs "
+                f"EXECUTION_MODE 'in_process', got '{mode}': a stub's execute runs in its "
+                "own process"
+            )
 
         def number(key: str):
             text = parameters.get(key)
@@ -138,6 +159,7 @@ class StubSettings:
             max_restarts=number("stub-max-restarts"),
             execution_env=parameters.get("EXECUTION_ENV_PATH", ""),
             execution_mode=mode,
+            execute_on=execute_on,
         )
 
 

@@ -149,7 +149,7 @@ class ModelRuntime:
             if self.decoupled:
                 self._run_in_background(result, requests)
                 return None
-            result = self._run_coroutine(result).result()
+            result = self._await_result(result)
         if result is not None:
             if self.decoupled:
                 raise self.pb.TritonModelException(
@@ -181,6 +181,15 @@ class ModelRuntime:
                 )
 
     # -- asyncio ------------------------------------------------------------------
+
+    def _await_result(self, coroutine):
+        """What an ``async def execute`` (not decoupled) returned, awaited on the
+        asyncio loop while this thread waits."""
+        return self._run_coroutine(coroutine).result()
+
+    def check_can_wait(self) -> None:
+        """Before a BLS call the calling thread will wait for (``exec``,
+        ``async_exec``): raises where nothing could answer it (a stub: never)."""
 
     def _run_coroutine(self, coroutine):
         """Schedule a coroutine on the stub's asyncio loop; a concurrent future."""

@@ -239,6 +239,8 @@ class InferenceRequest:
         import asyncio
 
         loop = asyncio.get_running_loop()
+        if _runtime is not None:
+            _runtime.check_can_wait()  # this thread's asyncio loop waits for it
         return loop.run_in_executor(None, self.exec, decoupled)
 
 
