@@ -2,13 +2,14 @@
 
 Usage:
     python -m benchmarks.small_requests --tree before=PATH [--duration 3]
-        [--rounds 3] [--concurrency 1,16] [--models simple,add_sub_inproc]
+        [--rounds 3] [--concurrency 1,16] [--models simple,add_sub_inproc,add_sub_loop]
 
 Every server runs from its own source tree (``--tree LABEL=PATH``, e.g. ``git
 archive`` of an older commit unpacked outside the repository; this checkout is
 ``after``) and serves ONNX ``simple`` and Triton's add_sub ``model.py`` as an
-in-process Python model (``add_sub_inproc``, one instance), both add/sub of INT32
-[1,16]. The load is a closed loop of raw keep-alive HTTP/1.1 connections, all on
+in-process Python model (``add_sub_inproc``, one instance; ``add_sub_loop``, the
+same with ``INPROCESS_EXECUTE_ON`` ``event_loop``), all add/sub of INT32 [1,16].
+The load is a closed loop of raw keep-alive HTTP/1.1 connections, all on
 one selector thread of this process, sending one prepared binary-tensor request
 each: it costs far less CPU than tritonclient's clients, so more of the machine's
 two cores is left to the server. Points are interleaved, the order of the servers
@@ -34,10 +35,12 @@ from benchmarks.loop_cpu import thread_cpu_seconds
 from benchmarks.matrix import EXAMPLES, ROOT, cpu_seconds, start_trionserve
 
 _INPROC = 'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n'
+_ON_LOOP = 'parameters { key: "INPROCESS_EXECUTE_ON" value: { string_value: "event_loop" } }\n'
 
 
 def write_repository(root: Path) -> Path:
-    """ONNX ``simple`` and the in-process ``add_sub_inproc``."""
+    """ONNX ``simple``, the in-process ``add_sub_inproc`` and ``add_sub_loop``
+    (the same, its execute on the event loop)."""
     repository = root / "models"
     shutil.copytree(EXAMPLES / "simple", repository / "simple")
     model = repository / "add_sub_inproc"
@@ -45,6 +48,11 @@ def write_repository(root: Path) -> Path:
     config = (model / "config.pbtxt").read_text()
     config = config.replace('name: "add_sub_python"', 'name: "add_sub_inproc"')
     (model / "config.pbtxt").write_text(config.replace("count: 2", "count: 1") + _INPROC)
+    loop = repository / "add_sub_loop"
+    shutil.copytree(model, loop)
+    config = (loop / "config.pbtxt").read_text()
+    config = config.replace('name: "add_sub_inproc"', 'name: "add_sub_loop"')
+    (loop / "config.pbtxt").write_text(config + _ON_LOOP)
     return repository
 
 
@@ -122,7 +130,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=3.0, help="seconds per point")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", default="1,16")
-    parser.add_argument("--models", default="simple,add_sub_inproc")
+    parser.add_argument("--models", default="simple,add_sub_inproc,add_sub_loop")
     args = parser.parse_args()
     trees = [(label, Path(path)) for label, _, path in (t.partition("=") for t in args.tree)]
     trees.append(("after", ROOT))

@@ -18,7 +18,9 @@ cannot be installed or started is reported and skipped.
 ``--python-backend`` adds trionserve serving the very Python-backend models
 Triton serves, one instance each as Triton's (the like-for-like row; trionserve's
 default `simple` is ONNX): in stub processes (``trionserve-py``) and in-process
-(``trionserve-inproc``, ``EXECUTION_MODE`` ``in_process``).
+(``trionserve-inproc``, ``EXECUTION_MODE`` ``in_process``), and in-process with
+execute on the event loop (``trionserve-loop``, ``INPROCESS_EXECUTE_ON``
+``event_loop``).
 
 ``--load-generator perf_analyzer`` drives every point with NVIDIA's perf_analyzer
 (benchmarks/perf_analyzer.py: PyPI's wheel, downloaded into the cache, through a
@@ -159,6 +161,13 @@ def main() -> None:
                 repository = write_repository(Path(tmp) / "trionserve-inproc", "in_process")
                 server, target = start_trionserve(
                     "trionserve-inproc", repository=repository, args=flags
+                )
+                running.append((server, target))
+                repository = write_repository(
+                    Path(tmp) / "trionserve-loop", "in_process", "event_loop"
+                )
+                server, target = start_trionserve(
+                    "trionserve-loop", repository=repository, args=flags
                 )
                 running.append((server, target))
             for peer in installed:

@@ -56,15 +56,19 @@ class TritonPythonModel:
 """
 
 
-def write_repository(root: Path, execution_mode: str = "") -> Path:
+def write_repository(root: Path, execution_mode: str = "", execute_on: str = "") -> Path:
     """Triton's models, one instance each; with ``execution_mode`` (trionserve
-    only), every model has that ``EXECUTION_MODE`` parameter (``in_process``)."""
+    only), every model has that ``EXECUTION_MODE`` parameter (``in_process``),
+    and with ``execute_on`` that ``INPROCESS_EXECUTE_ON`` (``event_loop``)."""
     repository = root / "models"
     mode = (
         f'parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{execution_mode}" }} }}\n'
         if execution_mode
         else ""
     )
+    if execute_on:
+        where = f'{{ string_value: "{execute_on}" }}'
+        mode += f'parameters {{ key: "INPROCESS_EXECUTE_ON" value: {where} }}\n'
     simple = repository / "simple"
     (simple / "1").mkdir(parents=True)
     (simple / "config.pbtxt").write_text(SIMPLE_CONFIG + mode)
