@@ -144,6 +144,50 @@ async def test_body_in_pieces_is_one_writable_buffer_and_the_next_request_waits(
     assert isinstance(first, memoryview) and not first.readonly and bytes(first) == body
 
 
+class Recording(trio.abc.HalfCloseableStream):
+    """A stream that records how many bytes each read asks for."""
+
+    def __init__(self, stream: trio.abc.HalfCloseableStream) -> None:
+        self.stream = stream
+        self.asked: list[int | None] = []
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        self.asked.append(max_bytes)
+        return await self.stream.receive_some(max_bytes)
+
+    async def send_all(self, data) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.stream.send_eof()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def test_a_request_starts_with_a_small_read_and_its_body_goes_to_its_buffer(nursery):
+    """The head is read with head_receive_size (what of the body comes with it goes
+    through the parser, copied); the rest of the body is asked for whole, into its
+    buffer, and a pipelined request after it is served."""
+    app = App()
+    server = HttpServer(app.route, HttpServerOptions(linger=0.1, head_receive_size=1000))
+    client, served = trio.testing.memory_stream_pair()
+    recording = Recording(served)
+    nursery.start_soon(server.serve_connection, recording)
+    peer = Peer(client)
+    body = bytes(range(256)) * 40
+    request = post("/echo", body)
+    await peer.send(request + post("/echo", b"next"))
+    assert (await peer.response())[2] == body
+    assert (await peer.response())[2] == b"next"
+    head = len(request) - len(body)
+    assert recording.asked[:2] == [1000, len(body) - (1000 - head)]
+    assert bytes(app.bodies[0]) == body
+
+
 async def test_expect_100_continue_is_sent_when_the_body_is_read(connect):
     app = App()
     _, peer = connect(app)

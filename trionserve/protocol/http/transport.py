@@ -11,10 +11,11 @@ content-length), or an async iterator of chunks, written as they come with
 chunked transfer encoding (server-sent events). A router that returns None gets
 a 404 with a JSON error.
 
-A body of declared length is read from the socket straight into the buffer the
-protocol allocated for it (``recv_into``, never past its end: a pipelined request
-after it stays in the socket); the handler gets a writable memoryview of it, so
-binary tensors are numpy views that no backend needs to copy.
+A request starts with a read of ``head_receive_size`` (64 KB); the rest of a body
+of declared length is read from the socket straight into the buffer the protocol
+allocated for it (``recv_into``, never past its end: a pipelined request after it
+stays in the socket); the handler gets a writable memoryview of it, so binary
+tensors are numpy views that no backend needs to copy.
 
 What it guarantees:
 
@@ -290,7 +291,7 @@ class _Connection:
             if keep_alive:
                 server._keep_alive[self] = None
             try:
-                return await self.stream.receive_some(server.options.receive_size)
+                return await self.stream.receive_some(server.options.head_receive_size)
             finally:
                 server._idle.discard(self)
                 server._keep_alive.pop(self, None)
