@@ -127,9 +127,12 @@ def main() -> None:
                             )
                             key = (workload.name, concurrency, target.label)
                             cells.setdefault(key, Cell()).add(result)
+                            cpu, loop_cpu = result.extra  # type: ignore[misc]
+                            per = 1000 / result.requests if result.requests else float("nan")
                             print(
                                 f"  {workload.name:<11} c={concurrency:<3} {target.label:<8} "
-                                f"{result.throughput:8.1f} infer/s errors {result.errors}",
+                                f"{result.throughput:8.1f} infer/s  CPU {cpu * per:.3f} "
+                                f"loop {loop_cpu * per:.3f} ms/inf  errors {result.errors}",
                                 flush=True,
                             )
     finally:

@@ -50,8 +50,10 @@ request (of a batch-C call for ``direct``), the batch the server formed (its
 statistics: inferences / executions), the statistics extension's mean phases per
 request (queue, compute_input, compute_infer, compute_output, in us), the CPU time
 per inference (the server's process tree; for ``inproc`` the process that holds
-both the server and its calling threads; for ``direct`` this process) and the
-GPU's mean utilisation over the window (NVML) when one is present.
+both the server and its calling threads; for ``direct`` this process), the load
+generator's CPU time per inference (its client processes: what tritonclient
+costs on the same cores; none for ``direct`` and ``inproc``) and the GPU's mean
+utilisation over the window (NVML) when one is present.
 """
 
 from __future__ import annotations
@@ -598,6 +600,9 @@ class Row:
     seconds: float = 0.0
     errors: int = 0
     cpu: float = 0.0
+    # The load generator's CPU seconds (its client processes), None where it is
+    # not apart from the server (direct, inproc).
+    client_cpu: float | None = None
     latencies_ms: list[float] = field(default_factory=list)
     batches: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)
@@ -605,11 +610,13 @@ class Row:
     first_error: str = ""
     direct_batch: int = 0  # a direct row's batch (0: its concurrency)
 
-    def add(self, result: LoadResult, cpu: float) -> None:
+    def add(self, result: LoadResult, cpu: float, client_cpu: float | None = None) -> None:
         self.requests += result.requests
         self.seconds += result.seconds
         self.errors += result.errors
         self.cpu += cpu
+        if client_cpu is not None:
+            self.client_cpu = (self.client_cpu or 0.0) + client_cpu
         self.latencies_ms.extend(result.latencies_ms)
         self.first_error = self.first_error or result.first_error
 
@@ -632,9 +639,9 @@ def _mean(values: list[float]) -> float:
 def format_table(rows: list[Row]) -> str:
     head = (
         "| model | c | path | infer/s | x direct | x formed | p50 ms | p99 ms | batch | queue us "
-        "| input us | infer us | output us | CPU ms/inf | GPU % |"
+        "| input us | infer us | output us | CPU ms/inf | client CPU ms/inf | GPU % |"
     )
-    lines = [head, "|" + " --- |" * 3 + " ---: |" * 12]
+    lines = [head, "|" + " --- |" * 3 + " ---: |" * 13]
     direct = {(r.model, r.concurrency): r.rate for r in rows if r.path == "direct"}
     direct_at = {
         (r.model, r.concurrency, r.direct_batch or r.concurrency): r.rate
@@ -646,6 +653,11 @@ def format_table(rows: list[Row]) -> str:
         reference = direct.get((r.model, r.concurrency), 0.0)
         ratio = f"{r.rate / reference:.2f}x" if reference and not is_direct else ""
         cpu = r.cpu / r.requests * 1000 if r.requests else float("nan")
+        client = (
+            f"{r.client_cpu / r.requests * 1000:.2f}"
+            if r.client_cpu is not None and r.requests
+            else "-"
+        )
         phases = {p: _mean([ph[p] for ph in r.phases]) for p in PHASES}
         batch = float(r.direct_batch or r.concurrency) if is_direct else _mean(r.batches)
         formed = 0.0
@@ -661,7 +673,7 @@ def format_table(rows: list[Row]) -> str:
             f"| {r.model} | {r.concurrency} | {r.path} | {r.rate:,.0f} | {ratio} | {ratio_formed} "
             f"| {r.percentile(50):.2f} | {r.percentile(99):.2f} | {fmt(batch, '.1f')} "
             + " ".join(f"| {fmt(phases[p])}" for p in PHASES)
-            + f" | {cpu:.2f} | {gpu} |"
+            + f" | {cpu:.2f} | {client} | {gpu} |"
         )
         if r.errors:
             lines.append(f"|   errors: {r.errors}, first: {r.first_error[:150]} |")
@@ -832,17 +844,20 @@ def _point(row, spec, path, runner, target, pool, inproc_pool, inproc_port, repo
         stats_url = target.http_url
     before = model_stats(stats_url, spec.name)
 
-    def window(start_at: float, stop_at: float) -> tuple[float, float | None]:
+    # The load generator's processes, where they are not the server's (inproc).
+    clients = [] if path == "inproc" else chosen.pids
+
+    def window(start_at: float, stop_at: float) -> tuple[float, float, float | None]:
         time.sleep(max(0.0, start_at - time.monotonic()))
-        cpu_before = cpu_seconds(pids)
+        cpu_before, client_before = cpu_seconds(pids), cpu_seconds(clients)
         gpu = sampler.mean_between(start_at, stop_at)
         time.sleep(max(0.0, stop_at - time.monotonic()))
-        return cpu_seconds(pids) - cpu_before, gpu
+        return cpu_seconds(pids) - cpu_before, cpu_seconds(clients) - client_before, gpu
 
     result = chosen.run(workload, url, concurrency, args.duration, args.warmup, on_window=window)
     after = model_stats(stats_url, spec.name)
-    cpu, gpu = result.extra
-    row.add(result, cpu)
+    cpu, client_cpu, gpu = result.extra
+    row.add(result, cpu, client_cpu if clients else None)
     batch, phases = stats_delta(before, after)
     row.batches.append(batch)
     row.phases.append(phases)
