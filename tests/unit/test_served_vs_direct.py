@@ -67,7 +67,9 @@ def test_stats_delta_is_mean_batch_and_us_per_request():
 def test_served_rows_are_compared_with_direct_at_the_batch_the_server_formed():
     direct = Row("cnn_onnx", 8, "direct", requests=800, seconds=8.0)
     direct_b4 = Row("cnn_onnx", 8, "direct b4", requests=1600, seconds=8.0, direct_batch=4)
-    http = Row("cnn_onnx", 8, "http", requests=1200, seconds=8.0, batches=[3.9, 4.2])
+    http = Row(
+        "cnn_onnx", 8, "http", requests=1200, seconds=8.0, batches=[3.9, 4.2], client_cpu=0.6
+    )
     lines = format_table([direct, direct_b4, http]).splitlines()
     cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
     assert [row[:6] for row in cells] == [
@@ -76,6 +78,8 @@ def test_served_rows_are_compared_with_direct_at_the_batch_the_server_formed():
         ["cnn_onnx", "8", "http", "150", "1.50x", "0.75x"],
     ]
     assert cells[1][8] == "4.0"  # a direct row's batch is its own
+    # The load generator's CPU per inference: 0.6 s over 1,200; none for direct.
+    assert [row[14] for row in cells] == ["-", "-", "0.50"]
 
 
 def test_repository_variants_at_other_delays_and_session_parameters(tmp_path):
