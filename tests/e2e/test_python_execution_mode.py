@@ -482,11 +482,17 @@ def test_a_cheap_execute_runs_on_the_event_loop_a_long_one_moves_off_it(loop_cli
     after_long = _where(loop_client)
     assert after_long["thread"] == instance_thread, (long, after_long)
     assert after_long["initialize_thread_local"] is True
+    sent = 3
     for _ in range(50):  # a cheap execute on the thread: back to the loop
+        sent += 1
         if _where(loop_client)["thread"] != instance_thread:
             break
     else:
         raise AssertionError("the batches did not come back to the event loop")
+    # Each counted once, wherever it ran (from the scheduler straight, or queued).
+    (stats,) = loop_client.get_inference_statistics("where_loop")["model_stats"]
+    assert stats["inference_stats"]["success"]["count"] == sent
+    assert stats["execution_count"] == sent
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,8 @@ from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
     BackendInstance,
+    ExecuteResult,
+    InlineAsyncBackendInstance,
     InlineBackendInstance,
     InstanceSpec,
     StagedBackendInstance,
@@ -60,8 +62,12 @@ class InstanceExecutor:
     one computes, so at most ``PIPELINE_DEPTH`` batches are in flight and the
     device never waits for the event loop between batches; a CPU instance takes
     one batch at a time. A process-backed instance
-    (``AsyncBackendInstance``) is awaited one batch at a time on the Trio thread.
-    Two executors of one model run two batches at once.
+    (``AsyncBackendInstance``) is awaited one batch at a time on the Trio thread;
+    one that runs batches on the event loop itself (``InlineAsyncBackendInstance``:
+    an in-process Python model with ``INPROCESS_EXECUTE_ON`` ``event_loop``) is
+    also handed a request straight from the scheduler while it waits with
+    nothing in flight, as an inline instance is. Two executors of one model run
+    two batches at once.
 
     Guarantees: every request of a batch it took gets exactly one outcome — the
     backend's result, an error for that batch only when the backend raises,
@@ -118,6 +124,12 @@ class InstanceExecutor:
             instance.inline_budget_ns if isinstance(instance, InlineBackendInstance) else 0
         )
         self._last_ns = self._inline_budget + 1
+        # An async instance that runs batches on the event loop (in-process Python).
+        self._inline_async = (
+            instance
+            if isinstance(instance, InlineAsyncBackendInstance) and instance.inline
+            else None
+        )
         # Set by stop(): no batch handed straight over is taken any more.
         self._stopped = False
 
@@ -295,9 +307,17 @@ class InstanceExecutor:
         assert self._async is not None
         outlet = self._outlet
         task_status.started()
+        # An instance that runs batches on the event loop is offered the
+        # requests submitted while it waits here (as _feed offers _run_direct).
+        receive_direct = getattr(outlet, "receive_direct", None)
+        if self._inline_async is None or self._rate_limiter is not None:
+            receive_direct = None
         while True:
             try:
-                batch = await outlet.receive()
+                if receive_direct is not None:
+                    batch = await receive_direct(self._run_direct_async)
+                else:
+                    batch = await outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return
             live = self._live(batch)
@@ -320,18 +340,45 @@ class InstanceExecutor:
                 raise
             finally:
                 self._release_resources()
-            end = trio.current_time()
-            if results is None:
-                # Decoupled: the instance answers each request as it goes; the
-                # execution itself succeeded (Triton counts it so).
-                if self._statistics is not None:
-                    self._record(live, None, start, end, None)
-                outlet.complete(live, ())
-                continue
-            outcomes = self._outcomes(live, results)
+            self._executed_async(live, results, start)
+
+    def _executed_async(
+        self, live: list[InferenceRequest], results: ExecuteResult | None, start: float
+    ) -> None:
+        """Record and hand back a batch an async instance executed."""
+        end = trio.current_time()
+        if results is None:
+            # Decoupled: the instance answers each request as it goes; the
+            # execution itself succeeded (Triton counts it so).
             if self._statistics is not None:
-                self._record(live, outcomes, start, end, None)
-            outlet.complete(live, outcomes)
+                self._record(live, None, start, end, None)
+            self._outlet.complete(live, ())
+            return
+        outcomes = self._outcomes(live, results)
+        if self._statistics is not None:
+            self._record(live, outcomes, start, end, None)
+        self._outlet.complete(live, outcomes)
+
+    def _run_direct_async(self, batch: list[InferenceRequest]) -> bool:
+        """``_run_direct`` for an ``InlineAsyncBackendInstance``: run a batch
+        handed straight over while this executor waits with nothing in flight,
+        if the instance runs it on the event loop; False leaves it queued."""
+        instance = self._inline_async
+        assert instance is not None
+        if self._stopped or not instance.runs_inline():
+            return False
+        live = self._live(batch)
+        if not live:
+            self._outlet.complete(live, ())
+            return True
+        start = trio.current_time()
+        try:
+            results = instance.execute_inline(live)
+        except Exception as exc:
+            self._fail(live, exc)
+            return True
+        self._executed_async(live, results, start)
+        return True
 
     # -- shared -------------------------------------------------------------------------
 

@@ -152,6 +152,23 @@ class AsyncBackendInstance(Protocol):
 
 
 @runtime_checkable
+class InlineAsyncBackendInstance(AsyncBackendInstance, Protocol):
+    """An async instance that runs some batches on the event loop without
+    awaiting anything (an in-process Python model with ``INPROCESS_EXECUTE_ON``
+    ``event_loop``): while ``runs_inline()`` says so, its executor lets the
+    scheduler hand it a batch straight over (``execute_inline``: what
+    ``execute_async`` would do, without a task switch), as it does for an
+    :class:`InlineBackendInstance`. ``inline`` says whether it ever does (its
+    configuration asks for it)."""
+
+    inline: bool
+
+    def runs_inline(self) -> bool: ...
+
+    def execute_inline(self, requests: list[InferenceRequest]) -> ExecuteResult | None: ...
+
+
+@runtime_checkable
 class ReadinessCheckedInstance(Protocol):
     """An instance that can stop being ready while its model stays loaded (a
     stub process that died, a model.py whose ``is_ready()`` says no): Triton's

@@ -122,7 +122,7 @@ class InProcessInstance:
         self.metrics_owner = new_metrics_owner()
         self._nursery: trio.Nursery | None = None
         self._has_is_ready = False
-        self._on_loop = settings.execute_on == EVENT_LOOP
+        self.inline = settings.execute_on == EVENT_LOOP  # InlineAsyncBackendInstance
         # How long the previous execute took (the first batch runs on the loop).
         self._last_ns = 0
         self.token = trio.from_thread.run_sync(trio.lowlevel.current_trio_token)
@@ -140,7 +140,7 @@ class InProcessInstance:
                 ) from None
             raise
         if (
-            self._on_loop
+            self.inline
             and not self.decoupled
             and inspect.iscoroutinefunction(self._runtime.model.execute)
         ):
@@ -165,12 +165,25 @@ class InProcessInstance:
 
     async def execute_async(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
         job = Job(requests)
-        if self._on_loop and self._last_ns <= EVENT_LOOP_BUDGET_NS:
+        if self.runs_inline():
             self._execute_here(job)
         else:
             self._thread.submit(job)
             await self._thread.wait(job)
             self._last_ns = int((job.ended - job.started) * 1e9)
+        return self._answer(job)
+
+    def runs_inline(self) -> bool:
+        """Whether the next batch runs on the event loop (``InlineAsyncBackendInstance``)."""
+        return self.inline and self._last_ns <= EVENT_LOOP_BUDGET_NS
+
+    def execute_inline(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
+        """``execute_async`` of a batch while :meth:`runs_inline`, with no await."""
+        job = Job(requests)
+        self._execute_here(job)
+        return self._answer(job)
+
+    def _answer(self, job: Job) -> ExecuteResult | None:
         for request in job.cancelled:  # cancelled while waiting for the thread
             request.fail(
                 Cancelled(
