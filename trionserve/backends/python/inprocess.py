@@ -23,20 +23,22 @@ thread (Triton's ``TritonModelInstance`` of an in-process model).
 With ``parameters { key: "INPROCESS_EXECUTE_ON" value: { string_value:
 "event_loop" } }`` a cheap ``execute`` runs on the event loop's own thread
 instead, with no hand-off to the instance's thread and back (for a small model,
-a quarter to a third of the server's CPU per inference, and at high concurrency
-the two threads' fight for the GIL). The rule is the ONNX Runtime backend's
-inline rule with a Python-sized budget: a batch runs on the loop while the
-instance's previous execute took at most :data:`EVENT_LOOP_BUDGET_NS`, else on
-the instance's thread, so a model whose execute turns long blocks the loop once,
-then runs on its thread until an execute there is cheap again. Unlike ONNX
-Runtime's automatic rule, the first batch runs on the loop too: the model was
-put there on purpose, and what it does there that cannot work (below) then
-fails from its first request, not its second. ``initialize``, ``finalize`` and ``is_ready`` stay
-on the instance's thread. What cannot work on the loop's thread is refused
-clearly: an ``async def execute`` at load (unless the model is decoupled: its
-coroutine is left running on its asyncio loop, as in a stub); a BLS ``exec()``/``async_exec()`` or
-a model loading API call from execute (it would wait for the loop it blocks)
-with a ``TritonModelException`` naming the parameter.
+a quarter to a half of the server's CPU per inference, and at high concurrency
+the two threads' fight for the GIL), and a request submitted while the instance
+is idle runs straight from the scheduler (an ``InlineAsyncBackendInstance``).
+The rule is the ONNX Runtime backend's inline rule with a Python-sized budget: a
+batch runs on the loop while the instance's previous execute took at most
+:data:`EVENT_LOOP_BUDGET_NS`, else on the instance's thread, so a model whose
+execute turns long blocks the loop once, then runs on its thread until an
+execute there is cheap again. Unlike ONNX Runtime's automatic rule, the first
+batch runs on the loop too: the model was put there on purpose, and what it
+does there that cannot work (below) then fails from its first request, not its
+second. ``initialize``, ``finalize`` and ``is_ready`` stay on the instance's
+thread. What cannot work on the loop's thread is refused clearly: an ``async
+def execute`` at load (unless the model is decoupled: its coroutine is left
+running on its asyncio loop, as in a stub); a BLS ``exec()`` / ``async_exec()``
+or a model loading API call from execute (it would wait for the loop it
+blocks), with a ``TritonModelException`` naming the parameter.
 
 What is lost against a stub: a crash (``os._exit``, a segfault in an extension) or
 a leak in model.py is the server's; the GIL is shared with the frontends; there is
