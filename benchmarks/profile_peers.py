@@ -32,7 +32,8 @@ window's CPU per inference (the profilers slow the servers; their shares are
 used, never their rates). Triton's components come from perf alone; trionserve's
 kernel and native-library components come from perf and the rest (the
 interpreter's time) is split by py-spy's shares. Prints one Markdown table per
-point and the per-thread CPU; ``--out`` keeps the raw profiles.
+point and the per-thread CPU; ``--out DIR`` keeps the profiles and the
+measurements, and ``--reanalyze DIR`` prints the tables from them again.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import linecache
 import os
 import re
 import shutil
@@ -53,7 +55,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import perf_analyzer
-from benchmarks.matrix import EXAMPLES, ServerProcess, default_cache, start_trionserve, tree_pids
+from benchmarks.matrix import (
+    EXAMPLES,
+    ROOT,
+    ServerProcess,
+    default_cache,
+    start_trionserve,
+    tree_pids,
+)
 from benchmarks.peers.common import PeerUnavailable
 from benchmarks.peers.triton import Triton, write_repository
 
@@ -330,16 +339,42 @@ FRAMES: list[tuple[re.Pattern[str], str]] = [
         ),
         CORE,
     ),
-    (re.compile(r"\btrio/|outcome/|sniffio/|contextlib|_abc|abc\.py|selectors"), LOOP),
+    # Trio's own frames count for the loop only where no frame above names a
+    # component: the runner between tasks, not a task's checkpoints and sockets.
+    (re.compile(r"\btrio/|outcome/|sniffio/"), LOOP),
 ]
 
 
+_PROTOBUF_CALLS = re.compile(
+    r"\b(FromString|ParseFromString|SerializeToString|MergeFrom|CopyFrom)\("
+)
+_FRAME_LINE = re.compile(r"\((trionserve/[^:()]+\.py):(\d+)\)$")
+
+
+def _calls_protobuf(frame: str) -> bool:
+    """Whether a trionserve frame's current line parses or serializes a protobuf
+    message (the C extension's time shows as that Python line)."""
+    where = _FRAME_LINE.search(frame)
+    if where is None:
+        return False
+    line = linecache.getline(str(ROOT / where.group(1)), int(where.group(2)))
+    return bool(_PROTOBUF_CALLS.search(line))
+
+
 def _frame_component(frames: list[str]) -> str:
+    """The component of the innermost frame that names one, the event loop's only
+    where nothing else is named; protobuf's where the innermost frame is a line
+    that parses or serializes a message."""
+    if frames and _calls_protobuf(frames[-1]):
+        return PROTOBUF
+    loop = False
     for frame in reversed(frames):
         for pattern, component in FRAMES:
             if pattern.search(frame):
-                return component
-    return OTHER
+                if component != LOOP:
+                    return component
+                loop = True
+    return LOOP if loop else OTHER
 
 
 def read_pyspy_raw(text: str) -> Profile:
@@ -381,6 +416,27 @@ class Measured:
     pyspy: Profile = field(default_factory=Profile)
     profiled_us: float = float("nan")  # CPU per inference while perf recorded
     error: str = ""
+    stem: str = ""  # the profiles' file names, without .perf.txt / .pyspy.txt
+
+    RAW = ("server", "point", "stem", "inferences", "seconds", "user", "system", "by_thread",
+           "by_process", "load", "profiled_us", "error")  # fmt: skip
+
+    def raw(self) -> dict:
+        """What /proc and the statistics gave, for --reanalyze."""
+        return {name: getattr(self, name) for name in self.RAW}
+
+    @classmethod
+    def from_raw(cls, raw: dict, folder: Path) -> Measured:
+        """A measurement kept by --out, its profiles read again from ``folder``."""
+        result = cls(**{name: raw[name] for name in cls.RAW})
+        perf_text = folder / f"{result.stem}.perf.txt"
+        if perf_text.exists():
+            interpreted = result.server != "triton"
+            result.perf = read_perf_script(perf_text.read_text(), interpreted)
+        pyspy_raw = folder / f"{result.stem}.pyspy.txt"
+        if pyspy_raw.exists():
+            result.pyspy = read_pyspy_raw(pyspy_raw.read_text())
+        return result
 
     @property
     def cpu_us(self) -> float:
@@ -460,6 +516,7 @@ def measure(
     with tempfile.TemporaryDirectory() as tmp:
         folder = keep or Path(tmp)
         stem = f"{label}-{point.replace(':', '-c')}"
+        result.stem = stem
         if perf:
             data = folder / f"{stem}.perf.data"
             pids = tree_pids(pid)
@@ -624,9 +681,24 @@ def main() -> None:
         "--call-graph", default="fp", help="perf's --call-graph: fp, or dwarf,8192 (slower)"
     )
     parser.add_argument("--no-py-spy", action="store_true")
-    parser.add_argument("--out", type=Path, help="keep the raw profiles and a JSON here")
+    parser.add_argument(
+        "--out", type=Path, help="keep the profiles and the measurements here (--reanalyze)"
+    )
     parser.add_argument("--top", type=int, default=25, help="symbols listed per profile")
+    parser.add_argument(
+        "--reanalyze",
+        type=Path,
+        metavar="DIR",
+        help="print the tables again from what --out DIR kept (no servers, no load)",
+    )
     args = parser.parse_args()
+    if args.reanalyze:
+        kept = json.loads((args.reanalyze / "measurements.json").read_text())
+        again = _merge([Measured.from_raw(raw, args.reanalyze) for raw in kept])
+        names = list(dict.fromkeys(r.server for r in again))
+        print(format_tables(again, names))
+        print(format_symbols(again, args.top))
+        return
     # SIGTERM stops the servers and the load, as ^C does.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -683,28 +755,12 @@ def main() -> None:
         finally:
             for process, *_ in servers.values():
                 process.stop()
+    if args.out:
+        raw = [r.raw() for r in results]
+        (args.out / "measurements.json").write_text(json.dumps(raw, indent=1))
     merged = _merge(results)
     print(format_tables(merged, names))
     print(format_symbols(merged, args.top))
-    if args.out:
-        (args.out / "results.json").write_text(
-            json.dumps(
-                [
-                    {
-                        "server": r.server,
-                        "point": r.point,
-                        "cpu_us": r.cpu_us,
-                        "components": r.components(),
-                        "by_thread_us": {
-                            k: 1e6 * v / max(r.inferences, 1) for k, v in r.by_thread.items()
-                        },
-                        "load": r.load,
-                    }
-                    for r in merged
-                ],
-                indent=1,
-            )
-        )
 
 
 def _merge(results: list[Measured]) -> list[Measured]:
