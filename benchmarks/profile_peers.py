@@ -24,8 +24,8 @@ windows of ``--seconds``:
    share of the GIL holders' samples (the server's and each stub's) by
    component, read from the innermost frame that names one (trionserve's
    modules, h2, protobuf, Trio, the model). Without ``--native`` (whose
-   sampling could not keep up on a loaded machine) a garbage collection counts
-   for the frame that triggered it.
+   sampling could not keep up on a loaded machine); the garbage collector's
+   time comes from perf's samples in ``gc_collect_main``.
 
 A component's CPU per inference is its share of the profile times the clean
 window's CPU per inference (the profilers slow the servers; their shares are
@@ -264,8 +264,8 @@ def read_perf_script(text: str, interpreted: bool) -> Profile:
     system call its chain passes; a user-space one by the first frame, from the
     leaf up, that names a component (a libc frame such as malloc, memcpy or a lock
     goes to its caller), else libc or "other". ``interpreted`` (trionserve and its
-    stubs): every user-space sample but ONNX Runtime's is the interpreter's, to be
-    split by py-spy."""
+    stubs): every user-space sample but ONNX Runtime's and the garbage collector's
+    is the interpreter's, to be split by py-spy."""
     profile = Profile()
     for block in text.split("\n\n"):
         lines = block.strip("\n").splitlines()
@@ -285,6 +285,8 @@ def read_perf_script(text: str, interpreted: bool) -> Profile:
         user = [(s, d) for s, d in chain if not d.startswith("[kernel")]
         if dso.startswith("[kernel"):
             component = _kernel_component(chain)
+        elif interpreted and any("gc_collect" in s for s, _ in user):
+            component = GC  # the collector's C frames: exact here, invisible to py-spy
         elif interpreted:
             component = MODEL if "onnxruntime" in dso else INTERPRETER
         else:
@@ -655,6 +657,8 @@ def format_symbols(results: list[Measured], top: int) -> str:
     for r in results:
         both: collections.Counter[tuple[str, str, str]] = collections.Counter()
         for (component, dso, sym), n in r.perf.symbols.items():
+            if component == INTERPRETER:
+                continue  # py-spy's frames stand for these
             both[(component, dso, sym)] += n * 1_000_000 // max(r.perf.total, 1)
         python_share = r.perf.share(INTERPRETER)
         for (component, dso, sym), n in r.pyspy.symbols.items():
