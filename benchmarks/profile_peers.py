@@ -17,9 +17,11 @@ windows of ``--seconds``:
 1. clean: per-thread CPU (user and system, ``/proc/PID/task/TID/stat``) of the
    server and its stubs, and the inferences the server counted (its statistics
    extension): the CPU per inference, by thread;
-2. ``perf record -g`` of the server's process tree: the share of CPU samples by
-   component, read from the shared object and symbol of each sample (C/C++
-   symbols; the kernel's by the system call it serves);
+2. ``perf record --call-graph`` (``fp``, or ``dwarf,8192`` for whole chains
+   through code built without frame pointers) of the server's process tree:
+   the share of CPU samples by component, read from the shared object and
+   symbol of each sample (C/C++ symbols; the kernel's by the system call it
+   serves);
 3. trionserve only, twice as long: ``py-spy record --gil --subprocesses``: the
    share of the GIL holders' samples (the server's and each stub's) by
    component, read from the innermost frame that names one (trionserve's
@@ -84,7 +86,7 @@ EXECUTOR = "backend executor, thread hand-off"
 IPC_SERVER = "Python backend IPC, server side"
 IPC_STUB = "stub side: IPC, pb_utils objects"
 MODEL = "model execute (model.py / ORT)"
-LOOP = "event loop (Trio run loop)"
+LOOP = "event loop (Trio's runner)"
 GC = "GC"
 LIBC = "libc/libstdc++ (malloc, memcpy, locks)"
 KERNEL_FUTEX = "kernel: futex, eventfd (thread wake-ups)"
@@ -97,7 +99,6 @@ COMPONENTS = [
     HTTP, GRPC, PROTOBUF, HANDLER, CORE, EXECUTOR, IPC_SERVER, IPC_STUB, MODEL, LOOP, GC,
     LIBC, KERNEL_FUTEX, KERNEL_POLL, KERNEL_NET, KERNEL_OTHER, OTHER,
 ]  # fmt: skip
-KERNEL = {KERNEL_FUTEX, KERNEL_POLL, KERNEL_NET, KERNEL_OTHER}
 
 
 # ------------------------------------------------------------------ /proc
@@ -380,8 +381,8 @@ def _frame_component(frames: list[str]) -> str:
 
 
 def read_pyspy_raw(text: str) -> Profile:
-    """py-spy's raw (collapsed) output -> samples by component (every thread and
-    process it saw on a CPU)."""
+    """py-spy's raw (collapsed) output -> samples by component (with ``--gil``:
+    the threads holding their process's GIL, server and stubs alike)."""
     profile = Profile()
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
