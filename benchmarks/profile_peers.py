@@ -2,14 +2,15 @@
 
 Usage:
     python -m benchmarks.profile_peers [--points http:1,http:16,grpc:1,grpc:16]
-        [--servers triton,onnx,inproc,stub] [--seconds 3] [--warmup 2] [--rounds 1]
+        [--servers triton,onnx,inproc,loop,stub] [--seconds 3] [--warmup 2] [--rounds 1]
         [--cache DIR] [--out DIR] [--perf /usr/bin/perf]
 
 Starts Triton (nvidia-pytriton's tritonserver, as benchmarks.peers does: install
 it first with ``python -m benchmarks.peers --peers triton --install-only``) on
 the Python-backend `simple` (add_sub model.py, one instance), and trionserve
-three times: ONNX `simple` (the example repository), the same model.py in-process
-(``EXECUTION_MODE`` ``in_process``) and in a stub process. Each point
+four times: ONNX `simple` (the example repository), the same model.py in-process
+(``EXECUTION_MODE`` ``in_process``) on its instance's thread and on the event
+loop (``INPROCESS_EXECUTE_ON`` ``event_loop``), and in a stub process. Each point
 (protocol:concurrency) loads each server in turn with NVIDIA's perf_analyzer
 (benchmarks/perf_analyzer.py finds it) and, while the load runs, measures three
 windows of ``--seconds``:
@@ -73,6 +74,7 @@ SERVERS = {
     "triton": "Triton, Python `simple`",
     "onnx": "ours, ONNX `simple`",
     "inproc": "ours, in-process `simple`",
+    "loop": "ours, in-process on the event loop",
     "stub": "ours, stub `simple`",
 }
 
@@ -580,9 +582,11 @@ def start_servers(names: list[str], cache: Path, tmp: Path, log: Callable[[str],
             continue
         if name == "onnx":
             repository = EXAMPLES
+        elif name == "stub":
+            repository = write_repository(tmp / name)
         else:
-            mode = "in_process" if name == "inproc" else ""
-            repository = write_repository(tmp / name, mode)
+            execute_on = "event_loop" if name == "loop" else ""
+            repository = write_repository(tmp / name, "in_process", execute_on)
         process, target = start_trionserve(name, repository=repository)
         servers[name] = (process, target.pid, str(target.http_url), str(target.grpc_url))
     return servers
