@@ -976,3 +976,59 @@ def test_shapes_that_overflow_are_refused_in_tritons_words(shape, fragment):
     doc = {"inputs": [{"name": "INPUT0", "shape": shape, "datatype": "FP32", "data": [1.0]}]}
     with expect_error(INVALID, fragment):
         decode(json_body(doc))
+
+
+# ------------------------------------------------------------- repeated headers
+
+
+def test_a_repeated_header_decodes_to_requests_of_their_own():
+    """The parsed header is shared between requests that repeat it: what one
+    request's decoding makes of it (parameters, requested outputs) is its own."""
+    array = np.arange(16, dtype=np.int32).reshape(1, 16)
+    out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+    body, header_length = client_body(
+        [make_input("INPUT0", array, "INT32")], outputs=[out], parameters={"p": "v"}
+    )
+    first, _ = decode_infer_request(bytearray(body), header_length, "simple", None)
+    first.parameters["p"] = "changed"
+    first.requested_outputs[0].parameters["binary_data"] = False
+    second, _ = decode_infer_request(memoryview(bytearray(body)), header_length, "simple", None)
+    assert second.parameters == {"p": "v"}
+    assert second.requested_outputs[0].parameters == {"binary_data": True}
+    np.testing.assert_array_equal(second.inputs["INPUT0"].data, array)
+
+
+def _binary_response(shape, model_version="1", response_id=""):
+    outputs = [
+        Tensor(name, "INT32", np.zeros(shape, dtype=np.int32)) for name in ("OUTPUT0", "OUTPUT1")
+    ]
+    return InferenceResponse("simple", model_version, id=response_id, outputs=outputs)
+
+
+@pytest.mark.parametrize("response_id", ["", "r-1"])
+def test_an_all_binary_response_header_says_what_each_response_holds(response_id):
+    """All-binary headers come from a cache keyed by what they say: responses of
+    other shapes, versions or ids get their own header, the same as one built
+    from scratch."""
+    request = InferenceRequest("simple", None)
+    for shape, version in [((1, 16), "1"), ((2, 3), "1"), ((1, 16), "2"), ((1, 16), "1")]:
+        response = _binary_response(shape, version, response_id)
+        chunks, header_length = encode_infer_response(response, request, binary_output=True)
+        doc = json.loads(bytes(chunks[0]))
+        expected = {"model_name": "simple", "model_version": version}
+        if response_id:
+            expected["id"] = response_id
+        size = 4 * int(np.prod(shape))
+        expected["outputs"] = [
+            {
+                "name": name,
+                "datatype": "INT32",
+                "shape": list(shape),
+                "parameters": {"binary_data_size": size},
+            }
+            for name in ("OUTPUT0", "OUTPUT1")
+        ]
+        assert doc == expected
+        assert header_length == len(chunks[0])
+        result = parse(chunks, header_length)
+        assert result.as_numpy("OUTPUT1").shape == shape

@@ -12,6 +12,7 @@ copied on either path except for BYTES tensors, which have no fixed-size layout.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Any
@@ -58,9 +59,23 @@ _IINFO = {w: np.iinfo(BY_WIRE[w].numpy) for w in _INT_WIRES}
 _JSON_SEPARATORS = (",", ":")
 
 
+# ensure_ascii (the default) keeps len(str) == len(bytes) for the header length.
+_ENCODER = json.JSONEncoder(separators=_JSON_SEPARATORS)
+# JSON headers up to this size are parsed once per distinct header (clients send
+# the same header with every request of a shape: see _parse_header).
+_CACHED_HEADER_BYTES = 4096
+
+
 def _dumps(obj: Any) -> bytes:
-    # ensure_ascii (the default) keeps len(str) == len(bytes) for the header length.
-    return json.dumps(obj, separators=_JSON_SEPARATORS).encode()
+    return _ENCODER.encode(obj).encode()
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_header(header: bytes) -> Any:
+    """A request's JSON header, parsed once per distinct header (a client repeats
+    it with every request of the same shape). What it returns is shared: decoding
+    only reads it."""
+    return json.loads(header)
 
 
 def _fmt_shape(shape: Any) -> str:
@@ -109,11 +124,12 @@ def decode_infer_request(
             )
         header = body if header_length == size else body[:header_length]
         header_end = header_length
-    if not isinstance(header, (bytes, bytearray)):
-        header = bytes(header)
 
     try:
-        doc = json.loads(header)
+        if len(header) <= _CACHED_HEADER_BYTES:
+            doc = _parse_header(bytes(header))  # a key: bytes, never a buffer
+        else:
+            doc = json.loads(header if isinstance(header, (bytes, bytearray)) else bytes(header))
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"failed to parse the request JSON: {exc}") from None
     except RecursionError:  # Python's parser recurses per level; Triton's iterates
@@ -616,15 +632,12 @@ def encode_infer_response(
 
     chunks: list[bytes | memoryview] = [b""]
     any_binary = False
-    outputs_json = []
+    in_json = False
+    outputs: list[_Output] = []
     for tensor in response.outputs:
         wire = tensor.datatype
         binary = per_output.get(tensor.name, default_binary)
-        entry: dict[str, Any] = {
-            "name": tensor.name,
-            "datatype": wire,
-            "shape": list(tensor.data.shape),
-        }
+        shape = tensor.data.shape
         shm_params = in_shm.get(tensor.name)
         if shm_params is not None and shared_memory is not None:
             what = f"output '{tensor.name}'"
@@ -633,29 +646,63 @@ def encode_infer_response(
             # As Triton: name, datatype and shape only. Clients read an output's
             # "parameters" as the binary tensor extension's (tritonclient's C++
             # client, hence perf_analyzer, requires binary_data_size there).
+            outputs.append((tensor.name, wire, shape, None, None))
         elif binary:
             any_binary = True
             chunk = output_bytes(wire, tensor.data)
-            entry["parameters"] = {"binary_data_size": len(chunk)}
+            outputs.append((tensor.name, wire, shape, len(chunk), None))
             if len(chunk):
                 chunks.append(chunk)
         else:
-            entry["data"] = _json_output(wire, tensor.data)
-        outputs_json.append(entry)
+            in_json = True
+            outputs.append((tensor.name, wire, shape, None, _json_output(wire, tensor.data)))
 
-    doc: dict[str, Any] = {
-        "model_name": response.model_name,
-        "model_version": response.model_version,
-    }
-    response_id = response.id or request.id
-    if response_id:
-        doc["id"] = response_id
-    if response.parameters:
-        doc["parameters"] = response.parameters
-    doc["outputs"] = outputs_json
-    header = _dumps(doc)
+    args = (response.model_name, response.model_version, response.id or request.id)
+    if in_json or response.parameters:
+        header = _response_header(*args, response.parameters, outputs)
+    else:  # nothing but names, shapes and sizes: the same header for the same shapes
+        header = _described_response_header(*args, tuple(outputs))
     chunks[0] = header
     return chunks, (len(header) if any_binary else None)
+
+
+# An output as the response's JSON header describes it: name, datatype, shape, and
+# its binary_data_size (binary) or its data (JSON), neither when it is in shared memory.
+_Output = tuple[str, str, tuple[int, ...], int | None, list | None]
+
+
+def _response_header(
+    model_name: str,
+    model_version: str,
+    response_id: str,
+    parameters: dict[str, Any] | None,
+    outputs: list[_Output] | tuple[_Output, ...],
+) -> bytes:
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if response_id:
+        doc["id"] = response_id
+    if parameters:
+        doc["parameters"] = parameters
+    entries = []
+    for name, wire, shape, size, data in outputs:
+        entry: dict[str, Any] = {"name": name, "datatype": wire, "shape": list(shape)}
+        if size is not None:
+            entry["parameters"] = {"binary_data_size": size}
+        elif data is not None:
+            entry["data"] = data
+        entries.append(entry)
+    doc["outputs"] = entries
+    return _dumps(doc)
+
+
+@functools.lru_cache(maxsize=256)
+def _described_response_header(
+    model_name: str, model_version: str, response_id: str, outputs: tuple[_Output, ...]
+) -> bytes:
+    """The JSON header of a response without parameters whose outputs are all
+    binary (or in shared memory), made once per distinct description: a model
+    answering requests of the same shapes answers with the same header."""
+    return _response_header(model_name, model_version, response_id, None, outputs)
 
 
 def _json_output(wire: str, data: np.ndarray) -> list:

@@ -72,6 +72,7 @@ from trionserve.protocol.http.h1 import (
 )
 from trionserve.protocol.http.state import Client
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
+from trionserve.protocol.sockets import send_all
 
 log = structlog.get_logger(__name__)
 
@@ -208,7 +209,16 @@ class _Connection:
     """The Trio side of one client connection: reads bytes into its protocol
     (``h1``), writes what it answers, keeps the deadlines, runs the handlers."""
 
-    __slots__ = ("_handling", "_idle_scope", "_quiet", "h1", "server", "stream", "watch")
+    __slots__ = (
+        "_handling",
+        "_idle_scope",
+        "_peer_gone",
+        "_quiet",
+        "h1",
+        "server",
+        "stream",
+        "watch",
+    )
 
     def __init__(self, server: HttpServer, stream: trio.abc.HalfCloseableStream) -> None:
         self.server = server
@@ -217,19 +227,23 @@ class _Connection:
         self._idle_scope: trio.CancelScope | None = None
         # Ended while keep-alive idle: nothing unread, closed without linger.
         self._quiet = False
-        # The request being handled, and the watcher of a slow one's socket.
-        self._handling: trio.CancelScope | None = None
+        # Whether a request is being handled, and the watcher of a slow one's
+        # socket, which cancels this scope when the client hangs up meanwhile:
+        # one scope for the connection's life, none per request.
+        self._handling = False
+        self._peer_gone = trio.CancelScope()
         self.watch: tuple[trio.CancelScope, trio.Event] | None = None
 
     async def run(self) -> None:
         h1 = self.h1
         try:
-            while True:
-                request = await self._next_request()
-                if request is None:
-                    return  # closed by the client, idle timeout, or draining
-                if not await self._serve(request) or self.server.draining:
-                    return
+            with self._peer_gone:
+                while True:
+                    request = await self._next_request()
+                    if request is None:
+                        return  # closed by the client, idle timeout, or draining
+                    if not await self._serve(request) or self.server.draining:
+                        return
         except ProtocolError as exc:
             if exc.status and h1.answerable:
                 log.debug("http protocol error", error=exc.message)
@@ -355,7 +369,8 @@ class _Connection:
         try:
             status, headers, chunks = await self._run_handler(handler, request.headers, body)
         except trio.Cancelled:
-            await self._cut()
+            if not self._peer_gone.cancel_called:  # else nobody is left to answer
+                await self._cut()
             raise
         return await self.respond(status, headers, chunks)
 
@@ -366,26 +381,22 @@ class _Connection:
         their socket (see :meth:`HttpServer.watch_slow_requests`); fast ones pay
         nothing for it."""
         server = self.server
-        handling = self._handling = trio.CancelScope()
+        self._handling = True
         server._handling[self] = trio.current_time()
         try:
-            with handling:
-                try:
-                    answer = await handler(headers, body)
-                except Exception:  # a handler bug: this request fails, the server goes on
-                    log.exception("http handler failed")
-                    answer = INTERNAL_ERROR
+            answer = await handler(headers, body)
+        except Exception:  # a handler bug: this request fails, the server goes on
+            log.exception("http handler failed")
+            answer = INTERNAL_ERROR
         finally:
             del server._handling[self]
-            self._handling = None
+            self._handling = False
             watch, self.watch = self.watch, None
             if watch is not None:
                 scope, done = watch
                 scope.cancel()
                 with trio.CancelScope(shield=True):
                     await done.wait()  # the socket is ours again
-        if handling.cancelled_caught:
-            raise PeerGone
         return answer
 
     def watch_peer(self, nursery: trio.Nursery) -> None:
@@ -404,8 +415,8 @@ class _Connection:
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     data = b""
                 self.h1.receive_data(data)
-                if not data and self._handling is not None:
-                    self._handling.cancel()
+                if not data and self._handling:
+                    self._peer_gone.cancel()  # the connection ends with the request
         finally:
             done.set()
 
@@ -418,14 +429,16 @@ class _Connection:
             await self._stream(status, headers, chunks)
             return h1.end_response()
         head = h1.start_response(status, headers, self.server.draining, streamed=False)
+        # A small answer is written without a checkpoint when the socket takes it
+        # at once: reading the next request is the connection's next one.
         if h1.head_only:
-            await self.stream.send_all(head)
+            await send_all(self.stream, head)
         else:
             size = 0
             for chunk in chunks:
                 size += len(chunk)
             if size <= _JOIN_LIMIT:
-                await self.stream.send_all(head + b"".join(chunks) if size else head)
+                await send_all(self.stream, head + b"".join(chunks) if size else head)
             else:
                 await self._write([head, *chunks])
         return h1.end_response()
