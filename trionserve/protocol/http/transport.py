@@ -46,6 +46,7 @@ What it guarantees:
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
 
 import structlog
@@ -212,8 +213,8 @@ class _Connection:
     __slots__ = (
         "_handling",
         "_idle_scope",
-        "_peer_gone",
         "_quiet",
+        "_scope",
         "h1",
         "server",
         "stream",
@@ -224,20 +225,24 @@ class _Connection:
         self.server = server
         self.stream = stream
         self.h1 = H1Connection(server.options, server.heads)
+        # The connection's scope, for its whole life: cancelled to end it, by its
+        # deadline (the keep-alive timeout, set only while it waits for the next
+        # request), by the drain or the connection cap while it waits (through
+        # _idle_scope), or by a slow request's watcher when the client hangs up.
+        # No scope per request.
+        self._scope = trio.CancelScope()
+        # The scope to cancel to stop waiting for the next request (while waiting).
         self._idle_scope: trio.CancelScope | None = None
         # Ended while keep-alive idle: nothing unread, closed without linger.
         self._quiet = False
-        # Whether a request is being handled, and the watcher of a slow one's
-        # socket, which cancels this scope when the client hangs up meanwhile:
-        # one scope for the connection's life, none per request.
+        # Whether a request is being handled, and the watcher of a slow one's socket.
         self._handling = False
-        self._peer_gone = trio.CancelScope()
         self.watch: tuple[trio.CancelScope, trio.Event] | None = None
 
     async def run(self) -> None:
         h1 = self.h1
         try:
-            with self._peer_gone:
+            with self._scope:
                 while True:
                     request = await self._next_request()
                     if request is None:
@@ -294,6 +299,8 @@ class _Connection:
         server = self.server
         if server.draining:
             return None
+        if deadline is None:
+            return await self._receive_keep_alive()
         until = trio.current_time() + server.options.keep_alive_timeout
         if deadline is not None:
             until = min(until, deadline)
@@ -312,6 +319,28 @@ class _Connection:
                 self._idle_scope = None
         self._quiet = bool(keep_alive)
         return None
+
+    async def _receive_keep_alive(self) -> bytes | bytearray | None:
+        """The next request's first bytes on a connection that answered one,
+        waited for under the connection's own scope with the keep-alive timeout
+        as its deadline. The timeout, the drain or the connection cap cancels
+        that scope and so ends the connection, quietly (nothing is unread;
+        bytes that came in the same instant go unread with it: None)."""
+        server = self.server
+        scope = self._scope
+        scope.deadline = trio.current_time() + server.options.keep_alive_timeout
+        self._idle_scope = scope
+        server._idle.add(self)
+        server._keep_alive[self] = None
+        try:
+            data = await self.stream.receive_some(server.options.head_receive_size)
+        finally:
+            scope.deadline = math.inf
+            self._idle_scope = None
+            server._idle.discard(self)
+            server._keep_alive.pop(self, None)
+            self._quiet = scope.cancel_called
+        return None if self._quiet else data
 
     async def _read_body(self, request: Request) -> RequestBody:
         """The whole request body; raises what the protocol refuses (413, 400),
@@ -369,7 +398,7 @@ class _Connection:
         try:
             status, headers, chunks = await self._run_handler(handler, request.headers, body)
         except trio.Cancelled:
-            if not self._peer_gone.cancel_called:  # else nobody is left to answer
+            if not self._scope.cancel_called:  # the client hung up: nobody to answer
                 await self._cut()
             raise
         return await self.respond(status, headers, chunks)
@@ -416,7 +445,7 @@ class _Connection:
                     data = b""
                 self.h1.receive_data(data)
                 if not data and self._handling:
-                    self._peer_gone.cancel()  # the connection ends with the request
+                    self._scope.cancel()  # the connection ends with the request
         finally:
             done.set()
 
