@@ -568,9 +568,9 @@ class _GateInstance:
     def execute(self, requests):
         gate = GATES[self.name]
         gate.entered.set()
+        gate.release.wait(timeout=30)
         if gate.fail:
             return [InvalidArgument(f"{self.name}: refused") for _ in requests]
-        gate.release.wait(timeout=30)
         return [
             build_response(
                 r, self.name, "1", {"OUTPUT0": r.inputs["INPUT0"].data}, {"OUTPUT0": "FP32"}
@@ -705,7 +705,11 @@ async def test_a_failing_branch_ends_the_request_while_the_other_still_runs(fork
     GATES["left"].fail = True
 
     async def body(answered):
+        # 'left' refuses only once 'right' is inside its backend: a refusal that came
+        # first could end the request before 'right' had started (nothing to observe).
+        assert await in_thread_wait(GATES["left"].entered)
         assert await in_thread_wait(GATES["right"].entered)
+        GATES["left"].release.set()
         # The client has its answer while 'right' is still blocked in its backend
         # (which lets go by itself only after 30 s).
         with trio.fail_after(10):
