@@ -53,6 +53,9 @@ class Outlet:
         self._changed()
         return batch
 
+    async def receive_direct(self, run):
+        return await self.receive()  # no request is handed straight over
+
     def complete(self, requests, outcomes) -> None:
         self.completed.append((list(requests), list(outcomes)))
         for request, outcome in zip(requests, outcomes):

@@ -175,19 +175,17 @@ class InstanceExecutor:
         self, thread: InstanceThread, jobs: trio.MemorySendChannel[Job], slots: trio.Semaphore
     ) -> None:
         """Take batches from the outlet while a slot is free; give them to the thread."""
-        # A scheduler that can hand a request straight to an idle executor
-        # (DefaultScheduler) is offered _run_direct while nothing is in flight.
-        receive_direct = getattr(self._outlet, "receive_direct", None)
-        if not self._inline_budget or self._rate_limiter is not None:
-            receive_direct = None
+        # While nothing is in flight, the scheduler may hand a request straight
+        # to _run_direct (DefaultScheduler does).
+        direct = bool(self._inline_budget) and self._rate_limiter is None
         while True:
             try:
                 slots.acquire_nowait()  # no task switch while a slot is free
             except trio.WouldBlock:
                 await slots.acquire()
             try:
-                if receive_direct is not None and slots.value == self._depth - 1:
-                    batch = await receive_direct(self._run_direct)
+                if direct and slots.value == self._depth - 1:
+                    batch = await self._outlet.receive_direct(self._run_direct)
                 else:
                     batch = await self._outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
@@ -309,13 +307,11 @@ class InstanceExecutor:
         task_status.started()
         # An instance that runs batches on the event loop is offered the
         # requests submitted while it waits here (as _feed offers _run_direct).
-        receive_direct = getattr(outlet, "receive_direct", None)
-        if self._inline_async is None or self._rate_limiter is not None:
-            receive_direct = None
+        direct = self._inline_async is not None and self._rate_limiter is None
         while True:
             try:
-                if receive_direct is not None:
-                    batch = await receive_direct(self._run_direct_async)
+                if direct:
+                    batch = await outlet.receive_direct(self._run_direct_async)
                 else:
                     batch = await outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import trio
 
 from trionserve.core.errors import TritonError
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
-from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, deliver_outcomes
+from trionserve.schedulers.scheduler import (
+    QUEUE_CAPACITY,
+    BatchOutlet,
+    DirectRun,
+    deliver_outcomes,
+)
 
 # Queued batches an executor that runs them inline takes in a row without a task
 # switch (so at most 16 x its inline budget, 2.4 ms for ONNX Runtime's, before the
 # other tasks run again).
 EAGER_BATCHES = 16
-
-# Runs a batch at once on the event loop, or says no (False) and leaves it alone.
-DirectRun = Callable[[list[InferenceRequest]], bool]
 
 
 class _ChannelOutlet:

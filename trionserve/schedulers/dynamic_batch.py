@@ -40,7 +40,13 @@ import trio
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
-from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
+from trionserve.schedulers.scheduler import (
+    QUEUE_CAPACITY,
+    BatchOutlet,
+    DirectRun,
+    Outcome,
+    deliver_outcomes,
+)
 from trionserve.schedulers.timer import PreciseWakeup
 
 if TYPE_CHECKING:
@@ -154,6 +160,9 @@ class _Outlet:
         self._posted = False
         self._tickets.append(ticket)
         return requests
+
+    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
+        return await self.receive()  # the batcher forms every batch
 
     def complete(self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None:
         self._batcher._complete(self._tickets.popleft(), requests, outcomes)

@@ -10,7 +10,7 @@ interface; :func:`trionserve.schedulers.factory.create_scheduler` picks one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -24,17 +24,26 @@ QUEUE_CAPACITY = 1024
 
 Outcome = InferenceResponse | TritonError
 
+# Runs a batch at once on the event loop, or says no (False) and leaves it alone.
+DirectRun = Callable[[list[InferenceRequest]], bool]
+
 
 class BatchOutlet(Protocol):
     """One executor's end of its scheduler.
 
     ``receive`` waits for the next batch (raises EndOfChannel or
     ClosedResourceError when the scheduler has no more work for this executor);
-    ``complete`` is called exactly once per received batch with one outcome per
-    request passed; ``close`` says the executor takes no more batches.
+    ``receive_direct(run)`` is ``receive`` for an executor that waits with
+    nothing in flight and would run a batch inline: a scheduler that can (the
+    default one) may meanwhile hand a submitted request straight to ``run``
+    instead of queueing it; the batchers just ``receive``. ``complete`` is called
+    exactly once per batch received or run, with one outcome per request
+    passed; ``close`` says the executor takes no more batches.
     """
 
     async def receive(self) -> list[InferenceRequest]: ...
+
+    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]: ...
 
     def complete(
         self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]

@@ -19,7 +19,7 @@ import trio
 from trionserve.core.inference import InferenceRequest, RequestedOutput, Tensor
 
 if TYPE_CHECKING:
-    from trionserve.schedulers.scheduler import Outcome
+    from trionserve.schedulers.scheduler import DirectRun, Outcome
     from trionserve.schedulers.sequence_state import Sequence
 
 
@@ -92,6 +92,9 @@ class Outlet:
         batch = await self._receive.receive()
         self._posted = False
         return batch
+
+    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
+        return await self.receive()  # the scheduler forms every batch
 
     def complete(self, requests: Seq[InferenceRequest], outcomes: Seq[Outcome]) -> None:
         self._scheduler._complete(self._instance, requests, outcomes)
