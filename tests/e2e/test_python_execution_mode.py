@@ -152,6 +152,16 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 
+def _trio_task():
+    # The Trio task running this execute, on the event loop; None elsewhere.
+    import trio
+
+    try:
+        return trio.lowlevel.current_task().name
+    except RuntimeError:
+        return None
+
+
 class TritonPythonModel:
     def initialize(self, args):
         self.local = threading.local()
@@ -166,6 +176,7 @@ class TritonPythonModel:
             time.sleep(ms / 1000)
             report = {
                 "thread": threading.current_thread().name,
+                "task": _trio_task(),
                 "initialize_thread_local": getattr(self.local, "set_in_initialize", False),
                 "late_import_is_ours": late.Tensor is pb_utils.Tensor,
             }
@@ -477,6 +488,9 @@ def test_a_cheap_execute_runs_on_the_event_loop_a_long_one_moves_off_it(loop_cli
     # Thread-local state set in initialize is the instance thread's, as documented.
     assert first["initialize_thread_local"] is False
     assert first["late_import_is_ours"] is True
+    # Idle, the instance took the request straight from the scheduler's submit:
+    # it ran in the task that submitted it, not the executor's own.
+    assert first["task"] is not None and "InstanceExecutor" not in first["task"], first
     parity.wait_for_log(server, f"where_loop ran on {first['thread']}")
     long = _where(loop_client, 20)  # 20 ms > the 1 ms budget
     after_long = _where(loop_client)
