@@ -23,6 +23,7 @@ from trionserve.backends.gpu import gpu_count
 from trionserve.backends.onnxruntime import OnnxRuntimeBackend
 from trionserve.backends.onnxruntime_providers import execution_providers
 from trionserve.core.errors import InvalidArgument, Unavailable
+from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.server import Server, ServerOptions
 
 GPUS = gpu_count()
@@ -360,6 +361,65 @@ def test_tensorrt_plan_serves_add_sub(tmp_path, serve):
     check_add_sub(client, "plan")
 
 
+TRT_GRAPHS = """
+name: "plan" platform: "tensorrt_plan" max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+        { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+         { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+instance_group [ { kind: KIND_GPU count: 1 } ]
+optimization { cuda { graphs: true graph_spec [
+  { batch_size: 4 graph_lower_bound { batch_size: 2 } }, { batch_size: 8 } ] } }
+"""
+
+
+@needs_tensorrt
+@needs_gpu
+def test_tensorrt_cuda_graphs_replay_the_batches_they_serve(tmp_path, monkeypatch):
+    """Graphs of a real engine captured at load; batches 2-4 replay the graph of 4
+    (padded), 8 its own, the others run execute_async_v3; every answer is exact."""
+    write(tmp_path, "plan", "model.plan", build_engine(add_sub_onnx()), TRT_GRAPHS)
+    config = parse_config(TRT_GRAPHS)
+    context = ModelContext("plan", 1, config, tmp_path / "plan", tmp_path / "plan" / "1")
+    model = trt_backend.TensorRTBackend().load(context)
+    instance = model.create_instance(InstanceSpec("plan_0", "plan_0", "KIND_GPU", 0))
+    try:
+        assert [(g.shape.lower, g.shape.batch_size) for g in instance._graphs] == [(2, 4), (8, 8)]
+        launched = []
+        launch = instance._buffers.launch
+        monkeypatch.setattr(
+            instance._buffers, "launch", lambda g, s: (launched.append(g), launch(g, s))
+        )
+        served = {}
+        for rows in (4, 1, 2, 3, 5, 8, 3):
+            rng = np.random.default_rng(rows)
+            a = rng.standard_normal((rows, 16), dtype=np.float32)
+            b = rng.standard_normal((rows, 16), dtype=np.float32)
+            request = InferenceRequest(
+                "plan", inputs={"INPUT0": Tensor("INPUT0", "FP32", a),
+                                "INPUT1": Tensor("INPUT1", "FP32", b)}
+            )  # fmt: skip
+            request.batch_size = rows
+            launched.clear()
+            [response] = instance.execute([request])
+            total, difference = (t.data for t in response.outputs)
+            np.testing.assert_allclose(total, a + b, rtol=1e-5)
+            np.testing.assert_allclose(difference, a - b, rtol=1e-5)
+            by_graph = {id(g.graph): g.shape.batch_size for g in instance._graphs}
+            served[rows] = by_graph[id(launched[0])] if launched else None
+        assert served == {4: 4, 1: None, 2: 4, 3: 4, 5: None, 8: 8}
+    finally:
+        instance.close()
+    assert instance._graphs == []
+
+
+@needs_tensorrt
+@needs_gpu
+def test_tensorrt_cuda_graphs_served(tmp_path, serve):
+    write(tmp_path, "plan", "model.plan", build_engine(add_sub_onnx()), TRT_GRAPHS)
+    check_add_sub(serve(), "plan")
+
+
 @needs_ort_cuda
 @needs_gpu
 def test_onnxruntime_kind_gpu_uses_cuda(tmp_path, serve):
@@ -476,7 +536,7 @@ def check_addmul(client, model: str, module, batches) -> None:
 
 
 def test_cuda_graph_shapes_follow_the_config():
-    from trionserve.backends.pytorch_graphs import GraphShape, cuda_graph_shapes
+    from trionserve.backends.cuda_graphs import GraphShape, cuda_graph_shapes
 
     def parsed(text: str) -> ModelConfig:
         config = parse_config(

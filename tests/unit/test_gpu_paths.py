@@ -19,6 +19,7 @@ import pytest
 from google.protobuf import text_format
 
 from trionserve._generated.model_config_pb2 import ModelConfig
+from trionserve.backends import cuda_graphs
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import HostBuffers
 from trionserve.core import cuda_shared_memory
@@ -27,7 +28,7 @@ from trionserve.core.inference import InferenceRequest, Tensor
 torch = pytest.importorskip("torch")
 
 from trionserve.backends import pytorch_instance  # noqa: E402
-from trionserve.backends.pytorch_graphs import cuda_graph_shapes  # noqa: E402
+from trionserve.backends.cuda_graphs import cuda_graph_shapes  # noqa: E402
 
 
 class FakeEvent:
@@ -82,7 +83,7 @@ class FakeCuda:
         return object()
 
     def graph(self, graph, pool=None, stream=None, capture_error_mode="global"):
-        lock = getattr(pytorch_instance, "_CAPTURE", None)
+        lock = cuda_graphs.CAPTURE_LOCK
         self.captures.append((capture_error_mode, lock is not None and lock.locked()))
         return nullcontext()
 

@@ -1,9 +1,10 @@
 """Device buffers and CUDA streams through cupy, or torch when cupy is missing.
 
 Backends that drive CUDA themselves (TensorRT) need device memory they can hand to
-the framework as a raw address, a stream handle, and copies to and from numpy.
-cupy is preferred: it copies from read-only host memory (a request body) directly.
-Both libraries are imported lazily, on first use.
+the framework as a raw address, a stream handle, copies to and from numpy, and CUDA
+graphs captured from the work put on a stream. cupy is preferred: it copies from
+read-only host memory (a request body) directly. Both libraries are imported
+lazily, on first use.
 """
 
 from __future__ import annotations
@@ -34,12 +35,36 @@ class CupyBuffers:
         buffer = self._cp.empty(tuple(shape), dtype)
         return buffer, buffer.data.ptr
 
+    def upload(self, buffer, array: np.ndarray, stream) -> None:
+        """Copy ``array`` into ``buffer`` (a device buffer of its shape, or a view
+        of one: its leading rows), enqueued on ``stream``."""
+        buffer.set(array, stream=stream)
+
     def to_host(self, buffer, stream) -> np.ndarray:
         """The buffer's contents once ``stream`` has produced them."""
         return buffer.get(stream=stream)
 
     def synchronize(self, stream) -> None:
         stream.synchronize()
+
+    def capture(self, stream, enqueue):
+        """A CUDA graph of the work ``enqueue()`` puts on ``stream``, captured in
+        thread-local mode (other threads' CUDA calls neither fail nor break it);
+        raises when the capture fails, with the stream out of capture mode."""
+        runtime = self._cp.cuda.runtime
+        stream.begin_capture(mode=getattr(runtime, "streamCaptureModeThreadLocal", 1))
+        try:
+            enqueue()
+        except BaseException:
+            try:
+                stream.end_capture()  # ends an invalidated capture too, with an error
+            except Exception:
+                pass
+            raise
+        return stream.end_capture()
+
+    def launch(self, graph, stream) -> None:
+        graph.launch(stream=stream)
 
 
 class TorchBuffers:
@@ -69,12 +94,29 @@ class TorchBuffers:
         tensor = torch.empty(tuple(shape), dtype=torch_dtype, device="cuda")
         return tensor, tensor.data_ptr()
 
+    def upload(self, tensor, array: np.ndarray, stream) -> None:
+        torch = self._torch
+        if not array.flags.writeable:
+            array = array.copy()
+        with torch.cuda.stream(stream):
+            tensor.copy_(torch.from_numpy(array), non_blocking=True)
+
     def to_host(self, tensor, stream) -> np.ndarray:
         stream.synchronize()
         return tensor.cpu().numpy()
 
     def synchronize(self, stream) -> None:
         stream.synchronize()
+
+    def capture(self, stream, enqueue):
+        graph = self._torch.cuda.CUDAGraph()
+        with self._torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            enqueue()
+        return graph
+
+    def launch(self, graph, stream) -> None:
+        with self._torch.cuda.stream(stream):
+            graph.replay()
 
 
 def device_buffers() -> CupyBuffers | TorchBuffers:

@@ -21,7 +21,7 @@ it a pytorch model is UNAVAILABLE with a reason that says so.
 
 This module loads a model and places its instances (Triton's ModelState and
 instance creation in ``src/libtorch.cc``); the matching rules are in
-:mod:`.pytorch_naming`, the CUDA graphs' shapes in :mod:`.pytorch_graphs`, a
+:mod:`.pytorch_naming`, the CUDA graphs' shapes in :mod:`.cuda_graphs`, a
 loaded module's batch execution in :mod:`.pytorch_instance`.
 """
 
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
-from trionserve.backends.pytorch_graphs import cuda_graph_shapes
+from trionserve.backends.cuda_graphs import cuda_graph_shapes
 from trionserve.backends.pytorch_instance import TorchScriptInstance
 from trionserve.backends.pytorch_naming import bind_inputs, bind_outputs, check_data_types
 from trionserve.core.errors import InvalidArgument, Unavailable

@@ -5,12 +5,11 @@ Triton's pytorch backend ``ModelInstanceState`` (``src/libtorch.cc``: Execute,
 SetInputTensors, ReadOutputTensors). Loading the module and choosing its device are
 in :mod:`trionserve.backends.pytorch`, the tensor matching in
 :mod:`trionserve.backends.pytorch_naming`, the graphs' shapes in
-:mod:`trionserve.backends.pytorch_graphs`.
+:mod:`trionserve.backends.cuda_graphs`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -25,7 +24,7 @@ from trionserve.backends.batch_tensors import (
     gather_inputs,
     wanted_outputs,
 )
-from trionserve.backends.pytorch_graphs import CapturedGraph, GraphShape
+from trionserve.backends.cuda_graphs import CAPTURE_LOCK, CapturedGraph, GraphShape
 from trionserve.backends.pytorch_naming import (
     TORCH_DTYPES,
     bind_inputs,
@@ -38,11 +37,6 @@ from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
 
 log = structlog.get_logger(__name__)
-
-# "Within a process, only one capture may be underway at a time" (torch's CUDA
-# graphs notes): instances of models loading side by side take turns capturing.
-# The CUDA context is the process's, so this lock is too.
-_CAPTURE = threading.Lock()
 
 
 def _parameter(config, key: str, default: bool) -> bool:
@@ -312,7 +306,7 @@ class TorchScriptInstance:
         (a pinned buffer allocated, an event waited for) neither fail nor break
         this capture, which "global" mode makes them do.
         """
-        with _CAPTURE:
+        with CAPTURE_LOCK:
             self._capture_graphs(shapes)
 
     def _capture_graphs(self, shapes: list[GraphShape]) -> None:

@@ -5,8 +5,12 @@ the instance's GPU; each instance owns an execution context and a CUDA stream. A
 batch is copied to device buffers (cupy arrays, or torch CUDA tensors when cupy is
 missing), bound by tensor name, run with ``execute_async_v3`` and copied back.
 Auto-complete reads inputs, outputs and the maximum batch size from the engine, as
-Triton's tensorrt backend does. TensorRT needs a GPU: on a host without one, or
-without the tensorrt package, the model is UNAVAILABLE with a reason naming what is
+Triton's tensorrt backend does. ``optimization { cuda { graphs: true } }`` captures
+CUDA graphs of the engine when an instance loads, as Triton's tensorrt backend does
+(src/instance_state.cc: InitializeCudaGraph, BuildCudaGraph): which ones in
+:func:`trionserve.backends.cuda_graphs.tensorrt_graph_shapes`, capture and replay in
+:class:`TensorRTInstance`. TensorRT needs a GPU: on a host without one, or without
+the tensorrt package, the model is UNAVAILABLE with a reason naming what is
 missing. Every CUDA library is imported lazily.
 """
 
@@ -23,6 +27,12 @@ import structlog
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.cuda_buffers import device_buffers
+from trionserve.backends.cuda_graphs import (
+    CAPTURE_LOCK,
+    CapturedGraph,
+    GraphShape,
+    tensorrt_graph_shapes,
+)
 from trionserve.backends.gpu import gpu_count
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
@@ -93,6 +103,7 @@ class EngineTensor:
     data_type: str  # Triton config name, "" when Triton has none
     max_batch: int | None  # optimization profile 0's largest dim 0 (inputs)
     is_shape_tensor: bool
+    opt_shape: tuple[int, ...] | None = None  # profile 0's "opt" shape (inputs)
 
 
 def engine_tensors(engine) -> list[EngineTensor]:
@@ -102,12 +113,17 @@ def engine_tensors(engine) -> list[EngineTensor]:
         is_input = engine.get_tensor_mode(name).name == "INPUT"
         shape = tuple(int(d) for d in engine.get_tensor_shape(name))
         is_shape_tensor = bool(engine.is_shape_inference_io(name))
-        max_batch = None
-        dynamic_batch = shape and shape[0] == -1 and not is_shape_tensor
-        if is_input and dynamic_batch and engine.num_optimization_profiles > 0:
-            max_batch = int(engine.get_tensor_profile_shape(name, 0)[2][0])
+        max_batch, opt_shape = None, shape if is_input else None
+        dynamic = is_input and -1 in shape and not is_shape_tensor
+        if dynamic and engine.num_optimization_profiles > 0:
+            _, opt, largest = engine.get_tensor_profile_shape(name, 0)
+            opt_shape = tuple(int(d) for d in opt)
+            if shape[0] == -1:
+                max_batch = int(largest[0])
         data_type = _TRT_TYPES.get(engine.get_tensor_dtype(name).name, "")
-        tensors.append(EngineTensor(name, is_input, shape, data_type, max_batch, is_shape_tensor))
+        tensors.append(
+            EngineTensor(name, is_input, shape, data_type, max_batch, is_shape_tensor, opt_shape)
+        )
     return tensors
 
 
@@ -227,24 +243,29 @@ class TensorRTModel:
                 f"instance '{spec.name}' of model '{self.context.name}' is {spec.kind}; "
                 "the TensorRT backend supports only KIND_GPU and KIND_MODEL"
             )
-        if self.context.config.optimization.cuda.graphs:
-            log.info(
-                "optimization.cuda.graphs ignored: this TensorRT backend runs each batch "
-                "with execute_async_v3, without capturing CUDA graphs",
-                model=self.context.name,
-                instance=spec.name,
-            )
         buffers = device_buffers()
         with buffers.device(spec.device_id):
             engine = _deserialize(self.context.name, self.path)
-            return TensorRTInstance(self.context, spec, buffers, engine)
+            instance = TensorRTInstance(self.context, spec, buffers, engine)
+            try:
+                shapes = tensorrt_graph_shapes(self.context.config, instance.opt_shapes)
+            except TritonError:
+                instance.close()
+                raise
+            if shapes:
+                instance.capture_graphs(shapes)
+            return instance
 
     def unload(self) -> None:
         pass
 
 
 class TensorRTInstance:
-    """One engine, execution context and CUDA stream on one GPU; one batch at a time."""
+    """One engine, execution context and CUDA stream on one GPU; one batch at a time.
+
+    A batch that a captured CUDA graph serves is copied into the graph's static
+    inputs and the graph replayed; any other runs ``execute_async_v3`` with buffers
+    of its own shapes."""
 
     def __init__(self, context: ModelContext, spec: InstanceSpec, buffers, engine) -> None:
         config = context.config
@@ -268,8 +289,16 @@ class TensorRTInstance:
         self._output_reshape = {
             o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
         }
+        self._batched = config.max_batch_size > 0
+        skip = 1 if self._batched else 0
+        # Per-item shapes at profile 0's "opt" point: the graphs Triton captures
+        # where graph_spec names no input shapes (SetCudaGraphShape).
+        self.opt_shapes = {
+            t.name: tuple((t.opt_shape or t.shape)[skip:]) for t in tensors if t.is_input
+        }
         self._context = engine.create_execution_context()
         self._stream, self._stream_handle = buffers.stream()
+        self._graphs: list[CapturedGraph] = []  # smallest batch size first
 
     def _check(self, config, tensors: list[EngineTensor]) -> None:
         model = self.model_name
@@ -311,9 +340,14 @@ class TensorRTInstance:
     def execute(self, requests: list[InferenceRequest]) -> list:
         arrays = gather_inputs(requests, self._input_reshape)
         names = wanted_outputs(requests, list(self._output_datatypes))
+        size = sum(r.batch_size for r in requests) if self._batched else 0
         try:
             with self._buffers.device(self.spec.device_id):
-                outputs = self._run(arrays, names)
+                captured = self._graph_for(size, arrays) if self._graphs else None
+                if captured is not None:
+                    outputs = self._replay(captured, arrays, size, names)
+                else:
+                    outputs = self._run(arrays, names)
         except TritonError as error:
             return [error] * len(requests)
         except Exception as exc:  # CUDA and TensorRT raise their own types
@@ -357,15 +391,142 @@ class TensorRTInstance:
                 )
             held[name], address = buffers.empty(shape, self._dtypes[name])
             context.set_tensor_address(name, address)
-        if not context.execute_async_v3(self._stream_handle):
-            raise InternalError(
-                f"TensorRT execute failure for model '{self.model_name}': "
-                "execute_async_v3 returned false"
-            )
+        self._enqueue()
         outputs = {name: buffers.to_host(held[name], stream) for name in names}
         buffers.synchronize(stream)
         return outputs
 
+    def _enqueue(self) -> None:
+        if not self._context.execute_async_v3(self._stream_handle):
+            raise InternalError(
+                f"TensorRT execute failure for model '{self.model_name}': "
+                "execute_async_v3 returned false"
+            )
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+
+    def capture_graphs(self, shapes: list[GraphShape]) -> None:
+        """Capture ``execute_async_v3`` as a CUDA graph per shape, on the
+        instance's stream (Triton's BuildCudaGraph). Each graph has static device
+        inputs and outputs at its shapes, bound to the execution context before
+        the capture: a replay reads and writes those addresses. A graph that
+        cannot be captured is logged and its batches run without one, as in
+        Triton. A graph whose outputs are not batch-major serves only batches of
+        exactly its size (padding would change them, slicing would cut the wrong
+        dimension). Captures run one at a time in the process, in thread-local
+        mode (Triton's cudaStreamCaptureModeThreadLocal)."""
+        captured = []
+        with CAPTURE_LOCK, self._buffers.device(self.spec.device_id):
+            for shape in shapes:
+                try:
+                    graph = self._capture(shape)
+                except Exception as exc:
+                    log.warning(
+                        "CUDA graph capture failed; batches of this size run without a graph",
+                        model=self.model_name,
+                        instance=self.spec.name,
+                        batch_size=shape.batch_size,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
+                    continue
+                captured.append(graph)
+                log.info(
+                    "captured CUDA graph",
+                    model=self.model_name,
+                    instance=self.spec.name,
+                    batch_size=graph.shape.batch_size,
+                    serves=f"{graph.shape.lower}..{graph.shape.batch_size}",
+                    **({} if graph.batch_major else {"why": "outputs are not batch-major"}),
+                )
+        self._graphs = sorted(captured, key=lambda g: g.shape.batch_size)
+
+    def _capture(self, shape: GraphShape) -> CapturedGraph:
+        context, buffers, stream = self._context, self._buffers, self._stream
+        missing = [name for name in self._inputs if name not in shape.inputs]
+        if missing:
+            raise InvalidArgument(
+                f"optimization.cuda.graph_spec for batch size {shape.batch_size} gives "
+                f"no shape for input(s) {missing}"
+            )
+        batch = (shape.batch_size,) if self._batched else ()
+        inputs, outputs = {}, {}
+        for name in self._inputs:
+            full = batch + shape.inputs[name]
+            if not context.set_input_shape(name, full):
+                raise InvalidArgument(
+                    f"input '{name}' shape {list(full)} is outside the TensorRT "
+                    "engine's optimization profile"
+                )
+            inputs[name], address = buffers.empty(full, self._dtypes[name])
+            context.set_tensor_address(name, address)
+        for name in self._outputs:
+            dims = tuple(int(d) for d in context.get_tensor_shape(name))
+            if any(d < 0 for d in dims):
+                raise InternalError(f"output '{name}' has a data-dependent shape {list(dims)}")
+            outputs[name], address = buffers.empty(dims, self._dtypes[name])
+            context.set_tensor_address(name, address)
+        # TensorRT defers work that depends on new input shapes to the next
+        # enqueue, which a capture must not record: run once first (TensorRT's
+        # developer guide, "CUDA Graphs"; Triton's BuildCudaGraph enqueues too).
+        self._enqueue()
+        buffers.synchronize(stream)
+        graph = buffers.capture(stream, self._enqueue)
+        batch_major = not self._batched or all(
+            len(output.shape) > 0 and output.shape[0] == shape.batch_size
+            for output in outputs.values()
+        )
+        if not batch_major:
+            shape = GraphShape(shape.batch_size, shape.batch_size, shape.inputs)
+        return CapturedGraph(shape, graph, inputs, outputs, batch_major)
+
+    def _graph_for(self, size: int, arrays: dict[str, np.ndarray]) -> CapturedGraph | None:
+        """The smallest captured graph that serves a batch of ``size`` with these
+        inputs' shapes, if any (Triton's FindClosestCudaGraph: its batch size or
+        between its lower bound and it; here the per-item shapes must be the
+        graph's)."""
+        if any(name not in arrays for name in self._inputs):
+            return None  # the plain path says which input is missing
+        skip = 1 if self._batched else 0
+        for captured in self._graphs:
+            shape = captured.shape
+            if self._batched and not shape.lower <= size <= shape.batch_size:
+                continue
+            if all(
+                arrays[name].shape[skip:] == shape.inputs[name]
+                and (not self._batched or arrays[name].shape[0] == size)
+                for name in self._inputs
+            ):
+                return captured
+        return None
+
+    def _replay(
+        self, captured: CapturedGraph, arrays: dict[str, np.ndarray], size: int, names: list[str]
+    ) -> dict[str, np.ndarray]:
+        """Copy the batch into the graph's leading rows, replay it, and copy back
+        this batch's rows of the outputs. Rows past the batch keep an earlier
+        batch's data (Triton's graphs do not clear them either); a batch-major
+        model's rows do not depend on each other."""
+        buffers, stream = self._buffers, self._stream
+        for name in self._inputs:
+            array = np.ascontiguousarray(arrays[name], dtype=self._dtypes[name])
+            static = captured.inputs[name]
+            buffers.upload(static[:size] if self._batched else static, array, stream)
+        buffers.launch(captured.graph, stream)
+        padded = self._batched and size != captured.shape.batch_size
+        outputs = {
+            name: buffers.to_host(
+                captured.outputs[name][:size] if padded else captured.outputs[name], stream
+            )
+            for name in names
+        }
+        buffers.synchronize(stream)
+        return outputs
+
     def close(self) -> None:
+        """Release the graphs and their buffers, then the context and engine,
+        once the instance's stream is done with them."""
+        if self._graphs:
+            self._buffers.synchronize(self._stream)
+        self._graphs = []
         self._context = None
         self._engine = None
