@@ -404,3 +404,25 @@ def test_close_frees_the_graphs_and_their_buffers(monkeypatch):
     assert instance._graphs == [] and instance._context is None
     assert [ref() for ref in held] == [None] * len(held)
     assert len(device.memory) == 0
+
+
+def test_a_model_without_batching_replays_its_graph_for_the_graphs_shape(monkeypatch):
+    """qa/L0_cuda_graph test_nobatch_fixed_shape / test_nobatch_dynamic_shape: one
+    graph (batch size 0) at the "opt" shape or graph_spec's, other shapes execute."""
+    default = plan_config("", dims="-1, 16")
+    default.max_batch_size = 0
+    instance, _ = load(monkeypatch, default)
+    assert [(g.shape.batch_size, g.shape.inputs["INPUT0"]) for g in instance._graphs] == [
+        (0, (4, 16))
+    ]
+    assert check_add_sub(instance, 4) == 0
+    assert check_add_sub(instance, 3) is None
+    spec = plan_config(
+        'graph_spec [ { batch_size: 0 input { key: "INPUT0" value { dim: [ 2, 16 ] } } '
+        'input { key: "INPUT1" value { dim: [ 2, 16 ] } } } ]',
+        dims="-1, 16",
+    )
+    spec.max_batch_size = 0
+    instance, _ = load(monkeypatch, spec)
+    assert check_add_sub(instance, 2) == 0
+    assert check_add_sub(instance, 4) is None
