@@ -681,6 +681,78 @@ async def test_a_connection_without_calls_is_closed_after_the_idle_timeout(autoj
             assert trio.current_time() - start >= 59.0  # not before the timeout
 
 
+async def test_the_idle_timeout_counts_from_the_last_call_and_never_cuts_one(autojump_clock):
+    """The idle timeout runs from the moment the connection last had no call in
+    flight (virtual time): a call part way through it starts it again, and a call
+    running past it is not cut. Calls do not move the timeout's deadline (it is
+    set again when it passes), so this checks where the close lands."""
+    handlers = Handlers()
+    async with serving(handlers, idle_timeout=60.0) as (port, _):
+        async with RawClient.connect(port) as client:
+            first = await client.call("/t.T/Echo", frame(b"hi"))
+            await client.until(lambda c: c.ended(first))
+            await trio.sleep(40)  # idle 40 s of 60
+            second = await client.call("/t.T/Echo", frame(b"again"))
+            await client.until(lambda c: c.ended(second))
+            await trio.sleep(50)  # past the first call's 60 s, not the second's
+            waiting = await client.call("/t.T/Wait", frame(b""))
+            await handlers.entered.wait()
+            await trio.sleep(100)  # a call in flight past the idle timeout
+            assert not client.closed
+            handlers.release.set()
+            await client.until(lambda c: c.ended(waiting))
+            assert client.status(waiting) == (Status.OK.value, "")
+            idle_from = trio.current_time()
+            with trio.fail_after(120):
+                while not client.closed:
+                    data = await client.stream.receive_some(65536)
+                    client.closed = not data
+            assert 60.0 <= trio.current_time() - idle_from < 61.0
+
+
+class StepCounter(trio.abc.Instrument):
+    """The tasks that ran a step, while counting."""
+
+    def __init__(self) -> None:
+        self.tasks: set = set()
+
+    def before_task_step(self, task) -> None:
+        self.tasks.add(task)
+
+
+async def test_a_window_update_for_one_stream_wakes_only_that_streams_sender():
+    """Responses waiting for flow-control window: a WINDOW_UPDATE for one stream
+    lets that call's response out and wakes no other call's task (before, every
+    update woke every sender on the connection, each to find no window and wait
+    again: work per update in the number of calls in flight)."""
+    async with serving(Handlers()) as (port, _):
+        async with RawClient.connect(port) as client:
+            # A stream window of 0: the server can send headers but no response data.
+            client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+            await client.flush()
+            streams = [await client.call("/t.T/Echo", frame(b"x" * 10)) for _ in range(4)]
+            await client.until(lambda c: len(c.of(h2.events.ResponseReceived)) == 4)
+            await trio.testing.wait_all_tasks_blocked()
+            counter = StepCounter()
+            trio.lowlevel.add_instrument(counter)
+            try:
+                client.h2.increment_flow_control_window(15, stream_id=streams[0])
+                await client.flush()
+                await client.until(lambda c: c.ended(streams[0]))
+                await trio.testing.wait_all_tasks_blocked()
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            calls = [t for t in counter.tasks if "_run_call" in t.name]
+            assert len(calls) == 1, [t.name for t in counter.tasks]
+            assert client.data[streams[0]] == frame(b"x" * 10)
+            assert not any(client.ended(s) for s in streams[1:])
+            for stream in streams[1:]:
+                client.h2.increment_flow_control_window(15, stream_id=stream)
+            await client.flush()
+            await client.until(lambda c: all(c.ended(s) for s in streams))
+            assert all(client.status(s) == (Status.OK.value, "") for s in streams)
+
+
 async def test_a_connection_that_starts_no_call_is_closed(autojump_clock):
     """A client that connects and sends nothing (slowloris) is closed after the
     first-call timeout (virtual time); one that calls in time is kept."""

@@ -105,8 +105,11 @@ class GrpcCall:
         self.compress = compress
         self._reader = reader
         self.messages: deque[grpc_framing.Message] = deque()  # received, not taken
-        self._wakeup = trio.Event()
-        self._window = trio.Event()
+        # Made as a task waits (most calls never wait): receive and send check
+        # what they wait for right before, with no checkpoint between, so a
+        # wake-up that comes before there is anything to set is not needed.
+        self._wakeup: trio.Event | None = None
+        self._window: trio.Event | None = None
         # Streaming calls' responses come from several tasks at once; a unary
         # call has one sender (its handler) and needs no lock.
         self._send_lock = trio.Lock() if client_streaming else None
@@ -152,8 +155,10 @@ class GrpcCall:
                 return message
             if state.client_done:
                 return None
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
+            wakeup = self._wakeup
+            if wakeup is None or wakeup.is_set():
+                wakeup = self._wakeup = trio.Event()
+            await wakeup.wait()
 
     async def _decompress(self, message: grpc_framing.Message) -> bytes:
         # Inflating can take many times the compressed size: large ones run in a
@@ -215,14 +220,18 @@ class GrpcCall:
 
     async def wait_for_window(self) -> None:
         """Wait until the client may have given more window (or reset the stream)."""
-        self._window = trio.Event()
-        await self._window.wait()
+        window = self._window
+        if window is None or window.is_set():
+            window = self._window = trio.Event()
+        await window.wait()
 
     def wake(self) -> None:
         """Something changed for the call's receive (a message, the end, a reset,
         a drain)."""
-        self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     def wake_sender(self) -> None:
         """The client's window may have grown, or the stream is gone."""
-        self._window.set()
+        if self._window is not None:
+            self._window.set()

@@ -103,10 +103,10 @@ class Connection:
         )
         self.calls: dict[int, GrpcCall] = {}
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
-        # and an event set (and replaced) when work in hand or responses waiting
-        # go down: there may be room for a message again.
+        # and the receivers waiting for room, woken when work in hand or
+        # responses waiting go down: there may be room for a message again.
         self.buffer = ConnectionBuffer(options.max_connection_buffer, options.window_size)
-        self._drained = trio.Event()
+        self._room = trio.lowlevel.ParkingLot()
         self.peer = _peer_name(stream)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
@@ -119,9 +119,13 @@ class Connection:
         # The transport's connections without a call in flight (after their
         # first), longest idle first.
         self._idle = idle if idle is not None else {}
-        # The idle timeout's scope: its deadline is set as the connection turns
-        # idle and lifted as it turns busy, so a call wakes no task for it.
+        # The idle timeout's scope, and when the connection last turned idle: the
+        # deadline is set as the connection turns idle with none pending, and
+        # left as it turns busy; when it passes, _idle_deadline closes the
+        # connection if it stayed idle, else sets it again from _idle_since. A
+        # call moves no deadline and wakes no task.
         self._idle_scope: trio.CancelScope | None = None
+        self._idle_since: float | None = None  # set with the first call's end
         self._quiet = False  # closed while idle: no linger
         self._idle_timeout = math.inf if options.idle_timeout is None else options.idle_timeout
 
@@ -224,7 +228,16 @@ class Connection:
                     call.scope.cancel()
                 call.wake()
                 call.wake_sender()
-        elif kind is h2.events.WindowUpdated or kind is h2.events.RemoteSettingsChanged:
+        elif kind is h2.events.WindowUpdated:
+            stream_id = cast(h2.events.WindowUpdated, event).stream_id
+            if stream_id:  # one stream's window
+                call = self.calls.get(stream_id)
+                if call is not None:
+                    call.wake_sender()
+            else:  # the connection's: every sender may go on
+                for call in self.calls.values():
+                    call.wake_sender()
+        elif kind is h2.events.RemoteSettingsChanged:  # the initial window may have grown
             for call in self.calls.values():
                 call.wake_sender()
         elif kind is h2.events.PingAckReceived:
@@ -266,10 +279,8 @@ class Connection:
         )
         # An END_STREAM on the headers comes as h2's StreamEnded event next.
         self.calls[stream_id] = call
-        if len(self.calls) == 1:  # busy again
+        if len(self.calls) == 1:  # busy again (the idle deadline stays: see _idle_deadline)
             self._idle.pop(self, None)
-            if self._idle_scope is not None:
-                self._idle_scope.deadline = math.inf
         assert self._nursery is not None
         self._nursery.start_soon(self._run_call, call, method.handler)
 
@@ -344,13 +355,13 @@ class Connection:
             self._drain_event()
 
     def _drain_event(self) -> None:
-        self._drained.set()
-        self._drained = trio.Event()
+        if self._room:
+            self._room.unpark_all()
 
     async def wait_for_room(self, size: int) -> None:
         """Wait until a message of ``size`` bytes may be taken (ConnectionBuffer.has_room)."""
         while not self.buffer.has_room(size):
-            await self._drained.wait()
+            await self._room.park()
 
     # -- calls ---------------------------------------------------------------------
 
@@ -369,8 +380,10 @@ class Connection:
             self.calls.pop(call.stream_id, None)
             if not self.calls and not self.state.closing:  # idle
                 self._idle[self] = None
-                if self._idle_scope is not None:
-                    self._idle_scope.deadline = trio.current_time() + self._idle_timeout
+                self._idle_since = now = trio.current_time()
+                scope = self._idle_scope
+                if scope is not None and scope.deadline == math.inf:
+                    scope.deadline = now + self._idle_timeout
             working = call.account.working
             self._give(self.buffer.close(call.account))
             if working:
@@ -556,12 +569,19 @@ class Connection:
         """Close the connection once it has had no call in flight for the idle
         timeout (before its first call, the first-call timeout applies)."""
         await self._first_call.wait()
-        with trio.CancelScope() as scope:
-            if not self.calls:
-                scope.deadline = trio.current_time() + self._idle_timeout
-            self._idle_scope = scope
-            await trio.sleep_forever()
-        self._idle_scope = None
+        if self._idle_since is None:  # no call ended yet (or the first was refused)
+            self._idle_since = trio.current_time()
+        while True:
+            with trio.CancelScope() as scope:
+                if not self.calls:
+                    scope.deadline = self._idle_since + self._idle_timeout
+                self._idle_scope = scope
+                await trio.sleep_forever()
+            self._idle_scope = None
+            # The deadline was set as the connection last turned idle, or before:
+            # over only if it has been idle since, for the whole timeout.
+            if not self.calls and trio.current_time() >= self._idle_since + self._idle_timeout:
+                break
         log.info("grpc connection idle for the idle timeout; closing", peer=self.peer)
         self.close_idle()
 
