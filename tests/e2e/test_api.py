@@ -637,7 +637,11 @@ def test_server_options_and_the_body_limit(repository):
     with api.Server(options) as server:
         assert server.metadata()["name"] == "triton"
         answer = server.http_request("POST", "/v2/models/simple/infer", body=b"x" * 101)
-        assert answer.status == 413 and "--http-max-input-size" in answer.body.decode()
+        assert answer.status == 400
+        assert json.loads(answer.body)["error"] == (
+            "request JSON size of 101 bytes exceeds the maximum allowed input size of "
+            "100 bytes. Use --http-max-input-size to increase the limit."
+        )
 
 
 # -- network frontends on the same core ----------------------------------------------------

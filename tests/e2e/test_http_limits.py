@@ -158,17 +158,64 @@ def test_chunked_body_in_at_most_65536_chunks(server, chunks):
         )
 
 
-def test_default_body_limit_is_64_mib(server):
+LIMIT = 64 << 20
+FLAG = "Use --http-max-input-size to increase the limit."
+
+
+@pytest.mark.parametrize(
+    "path, header, message",
+    [
+        (  # the body a raw input (src/http_server.cc EVBufferToRawInput)
+            b"/v2/models/count_bytes/infer",
+            b"Inference-Header-Content-Length: 0\r\n",
+            f"Raw input has a byte_size ({LIMIT + 1} bytes) that exceeds the maximum "
+            f"allowed value of {LIMIT} bytes. {FLAG}",
+        ),
+        (  # the body JSON (EVBufferToJson), on infer and on every other endpoint
+            b"/v2/models/count_bytes/infer",
+            b"",
+            f"request JSON size of {LIMIT + 1} bytes exceeds the maximum allowed input "
+            f"size of {LIMIT} bytes. {FLAG}",
+        ),
+        (
+            b"/v2/repository/models/count_bytes/load",
+            b"",
+            f"request JSON size of {LIMIT + 1} bytes exceeds the maximum allowed input "
+            f"size of {LIMIT} bytes. {FLAG}",
+        ),
+        (  # the JSON header alone over the limit
+            b"/v2/models/count_bytes/versions/1/infer",
+            b"Inference-Header-Content-Length: %d\r\n" % (LIMIT + 1),
+            f"request JSON size of {LIMIT + 1} bytes exceeds the maximum allowed input "
+            f"size of {LIMIT} bytes. {FLAG}",
+        ),
+    ],
+)
+def test_a_body_over_the_default_limit_is_refused_in_tritons_words(server, path, header, message):
     """Triton's default --http-max-input-size is 64 MiB (src/common.h,
-    HTTP_DEFAULT_MAX_INPUT_SIZE = 1 << 26); a larger body is refused before it is
-    read, naming the flag."""
+    HTTP_DEFAULT_MAX_INPUT_SIZE = 1 << 26) and a body over it is a 400 worded by
+    what the body is (src/http_server.cc); here it is refused from the head alone,
+    before any of the body is read."""
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n" % (
+        path,
+        header,
+        LIMIT + 1,
+    )
+    answer = exchange(server.http_port, head)
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:200]
+    assert json.loads(answer.partition(b"\r\n\r\n")[2]) == {"error": message}
+
+
+def test_binary_tensors_past_the_limit_are_413(server):
+    """Triton does not bound binary tensor data; this server bounds every body it
+    buffers: a JSON header within the limit and binary data past it is a 413."""
     head = (
         b"POST /v2/models/count_bytes/infer HTTP/1.1\r\nHost: x\r\n"
-        b"Inference-Header-Content-Length: 0\r\nContent-Length: %d\r\n\r\n" % ((64 << 20) + 1)
+        b"Inference-Header-Content-Length: 200\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1)
     )
     answer = exchange(server.http_port, head)
     assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
-    assert b"67108864 bytes (--http-max-input-size)" in answer
+    assert b"for binary tensor data (--http-max-input-size)" in answer
 
 
 @pytest.fixture(scope="module")

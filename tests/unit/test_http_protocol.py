@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from trionserve.protocol.http.frontend import refuse_large_body
 from trionserve.protocol.http.h1 import (
     MAX_CHUNKED_CHUNKS,
     H1Connection,
@@ -279,6 +280,37 @@ def test_declared_body_over_the_limit_is_413_before_any_of_it_is_read():
     with pytest.raises(ProtocolError) as refused:
         h1.path(request)
     assert refused.value.status == 413
+
+
+def test_the_kserve_port_refuses_a_body_over_the_limit_in_tritons_words():
+    """The HTTP frontend's body_refusal (infer.body_too_large): the same points of
+    refusal, Triton's statuses and words; a chunked body is refused as it passes
+    the limit, its size not known yet."""
+    h1 = connection(max_request_body=4, body_refusal=refuse_large_body)
+    h1.receive_data(
+        b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: 0"
+        b"\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\ndef\r\n"
+    )
+    request = h1.next_request()
+    assert request is not None
+    with pytest.raises(ProtocolError) as refused:
+        h1.body_pending(request)
+    assert (refused.value.status, refused.value.message) == (
+        400,
+        "Raw input has a byte_size (more than 4 bytes) that exceeds the maximum allowed "
+        "value of 4 bytes. Use --http-max-input-size to increase the limit.",
+    )
+    h1 = connection(max_request_body=4, body_refusal=refuse_large_body)
+    h1.receive_data(b"POST /v2/models/m/infer?x=1 HTTP/1.1\r\nContent-Length: 5\r\n\r\n")
+    request = h1.next_request()
+    assert request is not None and request.buffer is None
+    with pytest.raises(ProtocolError) as refused:
+        h1.path(request)
+    assert (refused.value.status, refused.value.message) == (
+        400,
+        "request JSON size of 5 bytes exceeds the maximum allowed input size of 4 bytes. "
+        "Use --http-max-input-size to increase the limit.",
+    )
 
 
 @pytest.mark.parametrize(

@@ -43,6 +43,7 @@ from trionserve.observability.metrics import CpuMetricsCollector, build_metrics_
 from trionserve.observability.statistics import statistics_json
 from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.protocol.http.frontend import HttpFrontend, HttpOptions
+from trionserve.protocol.http.infer import body_too_large
 from trionserve.protocol.openai.frontend import OpenAIOptions
 from trionserve.repository.config import model_config_to_json
 from trionserve.server import Server, ServerOptions
@@ -242,17 +243,14 @@ class AsyncServer:
             )
         if isinstance(body, str):
             body = body.encode("utf-8")
+        request_headers = [(_bytes(k).lower(), _bytes(v)) for k, v in headers]
         limit = self.core.options.http.max_input_size
         if limit is not None and len(body) > limit:
-            message = (
-                f"the request body is larger than the limit of {limit} bytes "
-                "(--http-max-input-size)"
-            )
+            status, message = body_too_large(_bytes(path), request_headers, len(body), limit)
             payload = json.dumps({"error": message}).encode()
-            return HttpResponse(413, [("content-type", "application/json")], payload)
+            return HttpResponse(status, [("content-type", "application/json")], payload)
         raw_path = path.partition("?")[0]
         handler = self._http.route(method.upper().encode("ascii"), unquote(raw_path))
-        request_headers = [(_bytes(k).lower(), _bytes(v)) for k, v in headers]
         status, response_headers, content = await handler(request_headers, bytes(body))
         text_headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response_headers]
         if isinstance(content, (list, tuple)):

@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import structlog
@@ -39,14 +39,14 @@ from trionserve.observability.logging import update_settings
 from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
-from trionserve.protocol.http.h1 import JSON
+from trionserve.protocol.http.h1 import JSON, ProtocolError, Request
 
 # The infer handler and the error mapping, importable from here as before.
 from trionserve.protocol.http.infer import HTTP_STATUS as HTTP_STATUS
 from trionserve.protocol.http.infer import INFLATE_IN_THREAD_BYTES as INFLATE_IN_THREAD_BYTES
 from trionserve.protocol.http.infer import InferHandler as InferHandler
+from trionserve.protocol.http.infer import body_too_large, error_response, error_status
 from trionserve.protocol.http.infer import decompress as decompress
-from trionserve.protocol.http.infer import error_response, error_status
 from trionserve.protocol.http.transport import (
     Handler,
     Headers,
@@ -622,6 +622,11 @@ class HttpOptions:
         )
 
 
+def refuse_large_body(request: Request, size: int | None, limit: int) -> ProtocolError:
+    """A body over --http-max-input-size refused in Triton's words (infer.body_too_large)."""
+    return ProtocolError(*body_too_large(request.target, request.headers, size, limit))
+
+
 async def serve_http(
     dataplane: DataPlane,
     address: str,
@@ -642,5 +647,8 @@ async def serve_http(
         options.max_input_size,
         options.restricted_apis,
     )
-    server = HttpServer(frontend.route, options.transport_options())
+    # A body over the limit refused in Triton's words on this port (the metrics
+    # and OpenAI ports, and the workers' private ones, answer 413).
+    transport = replace(options.transport_options(), body_refusal=refuse_large_body)
+    server = HttpServer(frontend.route, transport)
     await server.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

@@ -21,9 +21,9 @@ chunked body is appended to a bytearray as it comes, in at most
 What it refuses (:class:`ProtocolError`, answered with its status and the
 connection closed): what the parser refuses (400; 505 for an HTTP version it does
 not know or other than 1.0 / 1.1), a head larger than ``max_header_size`` (431), a
-body larger than ``max_request_body`` (413), a chunked body in too many chunks
-(400), a request target that is not ASCII (400). A Content-Length beside
-Transfer-Encoding is dropped (the transfer coding frames the body) and the
+body larger than ``max_request_body`` (413, or ``body_refusal``'s answer), a
+chunked body in too many chunks (400), a request target that is not ASCII (400). A
+Content-Length beside Transfer-Encoding is dropped (the transfer coding frames the body) and the
 connection closed after the answer; an upgrade request is answered, then the
 connection closes; HTTP/1.0 connections close after one answer.
 """
@@ -136,6 +136,11 @@ class HttpServerOptions:
     max_request_body: int | None = None
     # The flag that sets max_request_body, named in the 413 answer.
     max_request_body_flag: str = "--http-max-input-size"
+    # The refusal of a body over max_request_body, from the request's head, the
+    # body's size (None: a chunked body, past the limit and still coming) and the
+    # limit; None: 413 naming max_request_body_flag. The refusal comes before
+    # the body is read (or, chunked, read past the limit) whatever it says.
+    body_refusal: Callable[[Request, int | None, int], ProtocolError] | None = None
     # Connections served at once; a connection past it is answered 503 and
     # closed. None: no cap.
     max_connections: int | None = None
@@ -337,7 +342,7 @@ class H1Connection:
         limit = self.max_request_body
         if limit is not None and request.size > limit:
             request.chunked = bytearray()
-            self._refuse(self._body_too_large())
+            self._refuse(self._body_too_large(request, None))
             raise _Stop
         if request.in_chunk:
             request.in_chunk = False
@@ -425,8 +430,8 @@ class H1Connection:
     def path(self, request: Request) -> str:
         """The request's path, once its head says it may be served: raises for a
         target that is not ASCII (400), an HTTP version other than 1.0 / 1.1 (505;
-        llhttp takes 0.9 and 2.0) and a declared body over the limit (413, before
-        anything of it is read)."""
+        llhttp takes 0.9 and 2.0) and a declared body over the limit (413 or
+        ``body_refusal``'s answer, before anything of it is read)."""
         raw_path = request.target.partition(b"?")[0]
         try:
             path = raw_path.decode("ascii")
@@ -440,7 +445,7 @@ class H1Connection:
             )
         limit = self.max_request_body
         if limit is not None and request.length > limit:
-            raise self._body_too_large()
+            raise self._body_too_large(request, request.length)
         return path
 
     def continue_needed(self, request: Request) -> bool:
@@ -553,7 +558,10 @@ class H1Connection:
         limit = self.max_header_size
         return ProtocolError(431, f"the request head is larger than the limit of {limit} bytes")
 
-    def _body_too_large(self) -> ProtocolError:
+    def _body_too_large(self, request: Request, size: int | None) -> ProtocolError:
+        refusal = self.options.body_refusal
+        if refusal is not None and self.max_request_body is not None:
+            return refusal(request, size, self.max_request_body)
         return ProtocolError(
             413,
             f"the request body is larger than the limit of {self.max_request_body} bytes "

@@ -46,6 +46,55 @@ def error_status(error: TritonError) -> int:
     return HTTP_STATUS.get(error.status, 500)
 
 
+_INFER_TARGET = re.compile(rb"/v2/models/[^/?]+(?:/versions/[^/?]+)?/infer(?:\?|$)")
+
+
+def body_too_large(
+    target: bytes, headers: Headers, size: int | None, limit: int
+) -> tuple[int, str]:
+    """The status and message for a request body over --http-max-input-size, in
+    Triton's words (server src/http_server.cc), though refused before the body is
+    read (Triton reads it whole first); ``size`` None: a chunked body, past the
+    limit and still coming.
+
+    - an infer request with ``Inference-Header-Content-Length: 0``, its body a
+      raw input: 400, "Raw input has a byte_size ..." (EVBufferToRawInput);
+    - an infer request whose JSON header alone is over the limit, or any JSON
+      body (an infer request without the header, every other endpoint): 400,
+      "request JSON size of ..." (EVBufferToJson);
+    - an infer request whose JSON header is within the limit and whose binary
+      tensors take the body past it: 413. Triton does not bound binary tensor
+      data at all (ParseJsonTritonIO appends it as it is); this server bounds
+      every body it buffers.
+    """
+    flag = "Use --http-max-input-size to increase the limit."
+    bytes_ = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+    header: bytes | None = None
+    if _INFER_TARGET.match(target):
+        header = next((v for k, v in headers if k == b"inference-header-content-length"), None)
+    if header is not None:
+        try:
+            json_length = int(header)
+        except ValueError:
+            json_length = -1  # the infer handler refuses it
+        if json_length == 0:
+            return 400, (
+                f"Raw input has a byte_size ({bytes_}) that exceeds the maximum allowed "
+                f"value of {limit} bytes. {flag}"
+            )
+        if 0 <= json_length <= limit:
+            return 413, (
+                f"the request body ({bytes_}) is larger than the limit of {limit} bytes "
+                f"for binary tensor data (--http-max-input-size)"
+            )
+        if json_length > limit:
+            bytes_ = f"{json_length} bytes"
+    return 400, (
+        f"request JSON size of {bytes_} exceeds the maximum allowed input size of "
+        f"{limit} bytes. {flag}"
+    )
+
+
 # Compressed bodies larger than this are inflated in a worker thread, so that the
 # event loop serves other connections meanwhile.
 INFLATE_IN_THREAD_BYTES = 256 * 1024

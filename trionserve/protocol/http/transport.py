@@ -27,8 +27,9 @@ What it guarantees:
   ``max_connections`` the one idle the longest is closed to make room for a new
   connection (503 only when none is idle).
 - ``Expect: 100-continue`` is answered when the body is about to be read; a body
-  larger than ``max_request_body`` (no limit by default) is answered with 413 and
-  the connection closed; what the protocol refuses is answered with its JSON error
+  larger than ``max_request_body`` (no limit by default) is answered with 413 (or
+  ``body_refusal``'s answer: the KServe port's are Triton's) and the connection
+  closed; what the protocol refuses is answered with its JSON error
   and the connection closed (see :mod:`~trionserve.protocol.http.h1`); a handler
   that raises gets a JSON 500 (and its connection closed), logged.
 - A client that resets or drops its connection ends that connection only: Trio
