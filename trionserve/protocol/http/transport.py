@@ -98,6 +98,9 @@ SLOW_REQUEST_SECS = 0.05
 # How long an error answer may take to write before the connection closes anyway.
 _ERROR_WRITE_SECS = 1.0
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+# Where the bytes a closing connection still receives are read and dropped: one
+# buffer for every connection (nothing reads it), so lingering allocates nothing.
+_DISCARD = memoryview(bytearray(64 * 1024))
 
 
 class HttpServer:
@@ -546,7 +549,7 @@ class _Connection:
                 with trio.move_on_after(self.server.options.linger):
                     try:
                         await stream.send_eof()
-                        while await stream.receive_some(65536):
+                        while await self._receive_into(_DISCARD):
                             pass
                     except _GONE:
                         pass
