@@ -18,7 +18,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from trionserve.core.errors import InvalidArgument
+
+log = structlog.get_logger(__name__)
 
 # "Within a process, only one capture may be underway at a time" (torch's CUDA
 # graphs notes): instances of models loading side by side take turns capturing.
@@ -206,3 +210,40 @@ class CapturedGraph:
     inputs: dict
     outputs: dict
     batch_major: bool = True
+
+
+def captured_graph(
+    shape: GraphShape,
+    graph: Any,
+    inputs: dict,
+    outputs: dict,
+    batched: bool,
+    **where: str,
+) -> CapturedGraph:
+    """A graph as captured, logged with ``where`` (model, instance). One whose
+    outputs are not batch-major (their first dimension is not the graph's batch
+    size) serves only batches of exactly its size: padding would change such
+    outputs and slicing would cut the wrong dimension."""
+    batch_major = not batched or all(
+        len(output.shape) > 0 and output.shape[0] == shape.batch_size for output in outputs.values()
+    )
+    if not batch_major:
+        shape = GraphShape(shape.batch_size, shape.batch_size, shape.inputs)
+    log.info(
+        "captured CUDA graph",
+        **where,
+        batch_size=shape.batch_size,
+        serves=f"{shape.lower}..{shape.batch_size}",
+        **({} if batch_major else {"why": "outputs are not batch-major: no padding"}),
+    )
+    return CapturedGraph(shape, graph, inputs, outputs, batch_major)
+
+
+def log_capture_failure(shape: GraphShape, exc: Exception, **where: str) -> None:
+    """A graph that could not be captured: its batches run without one."""
+    log.warning(
+        "CUDA graph capture failed; batches of this size run without a graph",
+        **where,
+        batch_size=shape.batch_size,
+        error=f"{type(exc).__name__}: {exc}",
+    )

@@ -24,7 +24,13 @@ from trionserve.backends.batch_tensors import (
     gather_inputs,
     wanted_outputs,
 )
-from trionserve.backends.cuda_graphs import CAPTURE_LOCK, CapturedGraph, GraphShape
+from trionserve.backends.cuda_graphs import (
+    CAPTURE_LOCK,
+    CapturedGraph,
+    GraphShape,
+    captured_graph,
+    log_capture_failure,
+)
 from trionserve.backends.pytorch_naming import (
     TORCH_DTYPES,
     bind_inputs,
@@ -337,28 +343,18 @@ class TorchScriptInstance:
                         result = self._forward(inputs)
                     outputs = {name: self._output(name, result) for name in self._outputs}
             except Exception as exc:
-                log.warning(
-                    "CUDA graph capture failed; batches of this size run without a graph",
+                log_capture_failure(shape, exc, model=self.model_name, instance=self.spec.name)
+                continue
+            captured.append(
+                captured_graph(
+                    shape,
+                    graph,
+                    inputs,
+                    outputs,
+                    self._batched,
                     model=self.model_name,
                     instance=self.spec.name,
-                    batch_size=shape.batch_size,
-                    error=f"{type(exc).__name__}: {exc}",
                 )
-                continue
-            batch_major = not self._batched or all(
-                output.dim() > 0 and output.shape[0] == shape.batch_size
-                for output in outputs.values()
-            )
-            if not batch_major:
-                shape = GraphShape(shape.batch_size, shape.batch_size, shape.inputs)
-            captured.append(CapturedGraph(shape, graph, inputs, outputs, batch_major))
-            log.info(
-                "captured CUDA graph",
-                model=self.model_name,
-                instance=self.spec.name,
-                batch_size=shape.batch_size,
-                serves=f"{shape.lower}..{shape.batch_size}",
-                **({} if batch_major else {"why": "outputs are not batch-major: no padding"}),
             )
         self._graphs = sorted(captured, key=lambda g: g.shape.batch_size)
 

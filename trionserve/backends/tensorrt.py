@@ -31,6 +31,8 @@ from trionserve.backends.cuda_graphs import (
     CAPTURE_LOCK,
     CapturedGraph,
     GraphShape,
+    captured_graph,
+    log_capture_failure,
     tensorrt_graph_shapes,
 )
 from trionserve.backends.gpu import gpu_count
@@ -419,25 +421,9 @@ class TensorRTInstance:
         with CAPTURE_LOCK, self._buffers.device(self.spec.device_id):
             for shape in shapes:
                 try:
-                    graph = self._capture(shape)
+                    captured.append(self._capture(shape))
                 except Exception as exc:
-                    log.warning(
-                        "CUDA graph capture failed; batches of this size run without a graph",
-                        model=self.model_name,
-                        instance=self.spec.name,
-                        batch_size=shape.batch_size,
-                        error=f"{type(exc).__name__}: {exc}",
-                    )
-                    continue
-                captured.append(graph)
-                log.info(
-                    "captured CUDA graph",
-                    model=self.model_name,
-                    instance=self.spec.name,
-                    batch_size=graph.shape.batch_size,
-                    serves=f"{graph.shape.lower}..{graph.shape.batch_size}",
-                    **({} if graph.batch_major else {"why": "outputs are not batch-major"}),
-                )
+                    log_capture_failure(shape, exc, model=self.model_name, instance=self.spec.name)
         self._graphs = sorted(captured, key=lambda g: g.shape.batch_size)
 
     def _capture(self, shape: GraphShape) -> CapturedGraph:
@@ -471,13 +457,15 @@ class TensorRTInstance:
         self._enqueue()
         buffers.synchronize(stream)
         graph = buffers.capture(stream, self._enqueue)
-        batch_major = not self._batched or all(
-            len(output.shape) > 0 and output.shape[0] == shape.batch_size
-            for output in outputs.values()
+        return captured_graph(
+            shape,
+            graph,
+            inputs,
+            outputs,
+            self._batched,
+            model=self.model_name,
+            instance=self.spec.name,
         )
-        if not batch_major:
-            shape = GraphShape(shape.batch_size, shape.batch_size, shape.inputs)
-        return CapturedGraph(shape, graph, inputs, outputs, batch_major)
 
     def _graph_for(self, size: int, arrays: dict[str, np.ndarray]) -> CapturedGraph | None:
         """The smallest captured graph that serves a batch of ``size`` with these
