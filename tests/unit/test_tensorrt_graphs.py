@@ -20,10 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 from google.protobuf import text_format
 from structlog.testing import capture_logs
 
 from trionserve._generated.model_config_pb2 import ModelConfig
+from trionserve.backends import cuda_graphs
 from trionserve.backends import tensorrt as trt_backend
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.cuda_graphs import GraphShape, tensorrt_graph_shapes
@@ -383,6 +385,11 @@ def test_execute_runs_once_at_a_graphs_shapes_before_its_capture(monkeypatch):
 
 def test_a_graph_that_cannot_be_captured_leaves_its_batches_to_execute(monkeypatch):
     config = plan_config("graph_spec [ { batch_size: 2 }, { batch_size: 4 } ]")
+    # The module's logger is cached with the configuration current at its first
+    # use (cache_logger_on_first_use): after an earlier test's server configured
+    # logging without warnings, capture_logs saw none. A fresh one is first used
+    # inside capture_logs.
+    monkeypatch.setattr(cuda_graphs, "log", structlog.get_logger(cuda_graphs.__name__))
     with capture_logs() as logs:
         instance, _ = load(monkeypatch, config, uncapturable={4})
     [warning] = [entry for entry in logs if entry["log_level"] == "warning"]
