@@ -23,10 +23,7 @@ from trionserve.core.bytes_tensor import (
     deserialize_bytes_tensor,
     serialize_bytes_tensor,
 )
-from trionserve.core.bytes_tensor import (
-    read_bytes_elements as _read_bytes_elements,
-)
-from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
+from trionserve.core.datatypes import BY_WIRE
 from trionserve.core.errors import InvalidArgument, Unimplemented
 from trionserve.core.inference import (
     InferenceRequest,
@@ -38,6 +35,12 @@ from trionserve.core.outputs import output_bytes, shared_memory_outputs
 from trionserve.core.parameters import check_reserved_key
 from trionserve.core.shared_memory import SharedMemory, shared_memory_window
 from trionserve.core.validation import ModelSignature, check_shape_size, parse_model_version
+from trionserve.protocol.http.tensor_data import (
+    binary_to_array,
+    json_kind,
+    json_output,
+    json_to_array,
+)
 
 __all__ = [
     "decode_infer_request",
@@ -49,12 +52,6 @@ __all__ = [
 ]
 
 _UINT64_MAX = 2**64 - 1
-
-_INT_WIRES = frozenset(
-    d.wire for d in BY_WIRE.values() if d.numpy.kind in "iu" and d.wire != "BF16"
-)
-_FLOAT_WIRES = frozenset(("FP16", "FP32", "FP64"))
-_IINFO = {w: np.iinfo(BY_WIRE[w].numpy) for w in _INT_WIRES}
 
 _JSON_SEPARATORS = (",", ":")
 
@@ -76,13 +73,6 @@ def _parse_header(header: bytes) -> Any:
     it with every request of the same shape). What it returns is shared: decoding
     only reads it."""
     return json.loads(header)
-
-
-def _fmt_shape(shape: Any) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
-
-
-# --------------------------------------------------------------------------- BYTES
 
 
 # ------------------------------------------------------------------------- request
@@ -136,7 +126,7 @@ def decode_infer_request(
         raise InvalidArgument("failed to parse the request JSON: nested too deeply") from None
     if type(doc) is not dict:
         raise InvalidArgument(
-            f"failed to parse the request JSON: expected an object, got {_json_kind(doc)}"
+            f"failed to parse the request JSON: expected an object, got {json_kind(doc)}"
         )
 
     request_id = doc.get("id")
@@ -144,7 +134,7 @@ def decode_infer_request(
         request_id = ""
     elif type(request_id) is not str:
         raise InvalidArgument(
-            f"invalid request 'id': expected a string, got {_json_kind(request_id)}"
+            f"invalid request 'id': expected a string, got {json_kind(request_id)}"
         )
 
     request = InferenceRequest(model_name, model_version, id=request_id)
@@ -210,28 +200,10 @@ def decode_raw_request(
         if dynamic_axis is not None:
             shape[dynamic_axis] = size // dt.itemsize // count if count else 0
         total = math.prod(shape)
-        array = _binary_to_array(spec.name, dt, shape, total, body, 0, size)
+        array = binary_to_array(spec.name, dt, shape, total, body, 0, size)
     request = InferenceRequest(model_name, model_version)
     request.inputs = {spec.name: Tensor(spec.name, dt.wire, array)}
     return request
-
-
-def _json_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if type(value) is bool:
-        return "a boolean"
-    if type(value) is int:
-        return "an integer"
-    if type(value) is float:
-        return "a number"
-    if type(value) is str:
-        return "a string"
-    if type(value) is list:
-        return "an array"
-    if type(value) is dict:
-        return "an object"
-    return type(value).__name__
 
 
 def _apply_request_parameters(request: InferenceRequest, params: Any) -> bool:
@@ -239,7 +211,7 @@ def _apply_request_parameters(request: InferenceRequest, params: Any) -> bool:
     ``binary_data_output`` (False when absent)."""
     if type(params) is not dict:
         raise InvalidArgument(
-            f"invalid request 'parameters': expected an object, got {_json_kind(params)}"
+            f"invalid request 'parameters': expected an object, got {json_kind(params)}"
         )
     custom = request.parameters
     binary_output = False
@@ -277,7 +249,7 @@ def _apply_request_parameters(request: InferenceRequest, params: Any) -> bool:
             if type(value) not in (str, int, float, bool):
                 raise InvalidArgument(
                     f"invalid parameter '{key}': expected a string, integer, number "
-                    f"or boolean, got {_json_kind(value)}"
+                    f"or boolean, got {json_kind(value)}"
                 )
             custom[key] = value
     return binary_output
@@ -303,18 +275,18 @@ def _decode_inputs(
         if inputs is None:
             raise InvalidArgument("invalid request: missing 'inputs'")
         raise InvalidArgument(
-            f"invalid request 'inputs': expected an array, got {_json_kind(inputs)}"
+            f"invalid request 'inputs': expected an array, got {json_kind(inputs)}"
         )
     tensors: dict[str, Tensor] = {}
     for index, spec in enumerate(inputs):
         if type(spec) is not dict:
             raise InvalidArgument(
-                f"invalid input at index {index}: expected an object, got {_json_kind(spec)}"
+                f"invalid input at index {index}: expected an object, got {json_kind(spec)}"
             )
         name = spec.get("name")
         if type(name) is not str:
             raise InvalidArgument(
-                f"invalid input at index {index}: 'name' must be a string, got {_json_kind(name)}"
+                f"invalid input at index {index}: 'name' must be a string, got {json_kind(name)}"
             )
         if name in tensors:
             raise InvalidArgument(f"input '{name}' already exists in request")
@@ -342,7 +314,7 @@ def _decode_inputs(
             if type(params) is not dict:
                 raise InvalidArgument(
                     f"invalid parameters for input '{name}': expected an object, "
-                    f"got {_json_kind(params)}"
+                    f"got {json_kind(params)}"
                 )
             _check_one_content(name, spec, params)
             if "shared_memory_region" in params:
@@ -354,7 +326,7 @@ def _decode_inputs(
                 what = f"input '{name}'"
                 region, at, nbytes = shared_memory_window(params, what)
                 view = shared_memory.view(region, at, nbytes, what)
-                data = _binary_to_array(name, dt, shape, count, view, 0, nbytes)
+                data = binary_to_array(name, dt, shape, count, view, 0, nbytes)
                 tensors[name] = Tensor(name, dt.wire, data)
                 continue
             binary_size = params.get("binary_data_size")
@@ -376,10 +348,10 @@ def _decode_inputs(
                     f"missing binary data for input '{name}': expected "
                     f"{binary_size} bytes, got {size - offset}{hint}"
                 )
-            data = _binary_to_array(name, dt, shape, count, body, offset, binary_size)
+            data = binary_to_array(name, dt, shape, count, body, offset, binary_size)
             offset = end
         else:
-            data = _json_to_array(name, dt, shape, count, spec.get("data"))
+            data = json_to_array(name, dt, shape, count, spec.get("data"))
         tensors[name] = Tensor(name, dt.wire, data)
 
     if offset != size:
@@ -411,159 +383,22 @@ def _check_one_content(name: str, spec: dict, params: dict) -> None:
         )
 
 
-def _binary_to_array(
-    name: str,
-    dt: DataType,
-    shape: list[int],
-    count: int,
-    body: bytes | bytearray | memoryview,
-    offset: int,
-    nbytes: int,
-) -> np.ndarray:
-    if dt.itemsize == 0:  # BYTES
-        what = f"input '{name}' with shape {_fmt_shape(shape)}"
-        return _read_bytes_elements(body, offset, offset + nbytes, count, what).reshape(shape)
-    expected = count * dt.itemsize
-    if nbytes != expected:
-        raise InvalidArgument(
-            f"unexpected byte size for input '{name}': expected {expected} bytes for "
-            f"shape {_fmt_shape(shape)} of {dt.wire}, got {nbytes}"
-        )
-    if count == 0:
-        return np.empty(shape, dtype=dt.numpy)
-    return np.frombuffer(body, dtype=WIRE_DTYPE[dt.wire], count=count, offset=offset).reshape(shape)
-
-
-def _json_to_array(name: str, dt: DataType, shape: list[int], count: int, data: Any) -> np.ndarray:
-    wire = dt.wire
-    if data is None:
-        raise InvalidArgument(
-            f"missing data for input '{name}': expected 'data' or a 'binary_data_size' parameter"
-        )
-    if type(data) is not list:
-        raise InvalidArgument(
-            f"invalid 'data' for input '{name}': expected an array, got {_json_kind(data)}"
-        )
-    if wire == "BF16":
-        raise InvalidArgument(
-            f"invalid data for input '{name}': BF16 data must use the binary tensor "
-            "extension (binary_data_size), not JSON"
-        )
-    flat = _flatten(data)
-    _check_count(name, shape, count, len(flat))
-    # One C-level pass over the element types; the Python loops below run only to
-    # name the offending element of a request that is already known to be bad.
-    types = set(map(type, flat))
-    if wire == "BYTES":
-        if not types <= _STR_TYPES:
-            _bad_element(name, wire, "strings", flat, _STR_TYPES)
-        out = np.empty(len(flat), dtype=np.object_)
-        out[:] = [item.encode("utf-8") for item in flat]
-        return out.reshape(shape)
-    if wire == "BOOL":
-        if not types <= _BOOL_TYPES:
-            _bad_element(name, wire, "true or false", flat, _BOOL_TYPES)
-    elif wire in _FLOAT_WIRES:
-        if not types <= _NUMBER_TYPES:
-            _bad_element(name, wire, "numbers", flat, _NUMBER_TYPES)
-    elif not types <= _INT_TYPES:
-        _bad_element(name, wire, "integers", flat, _INT_TYPES)
-    try:
-        return np.array(flat, dtype=dt.numpy).reshape(shape)
-    except OverflowError:
-        _out_of_range(name, wire, flat)
-        raise  # pragma: no cover - numpy overflowed on an in-range value
-
-
-def _out_of_range(name: str, wire: str, flat: list) -> None:
-    if wire in _FLOAT_WIRES:
-        for i, item in enumerate(flat):
-            try:
-                float(item)
-            except OverflowError:
-                raise InvalidArgument(
-                    f"value out of range for input '{name}': element {i} is {item}, "
-                    f"too large for {wire}"
-                ) from None
-        return
-    info = _IINFO[wire]
-    lo, hi = int(info.min), int(info.max)
-    for i, item in enumerate(flat):
-        if not lo <= item <= hi:
-            raise InvalidArgument(
-                f"value out of range for input '{name}': element {i} is {item}, "
-                f"expected {wire} in [{lo}, {hi}]"
-            )
-
-
-_STR_TYPES = frozenset((str,))
-_BOOL_TYPES = frozenset((bool,))
-_INT_TYPES = frozenset((int,))
-_NUMBER_TYPES = frozenset((int, float))
-
-
-# Triton's cap on the nesting of an input's JSON 'data' (src/common.h
-# HTTP_MAX_JSON_NESTING_DEPTH; src/http_server.cc ReadDataFromJsonHelper and
-# JsonBytesArrayByteSize refuse a value at this depth or deeper).
-MAX_JSON_DATA_DEPTH = 100
-
-
-def _flatten(data: list) -> list:
-    """The elements of nested lists in order; InvalidArgument with Triton's words
-    for a value nested ``MAX_JSON_DATA_DEPTH`` levels deep or deeper."""
-    if list not in set(map(type, data)):
-        return data
-    flat: list = []
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if type(item) is list:
-                # ``item`` is len(stack) levels deep, its elements one more.
-                if item and len(stack) >= MAX_JSON_DATA_DEPTH - 1:
-                    raise InvalidArgument(
-                        f"JSON nesting depth exceeds maximum allowed limit ({MAX_JSON_DATA_DEPTH})"
-                    )
-                stack.append(iter(item))
-                break
-            flat.append(item)
-        else:
-            stack.pop()
-    return flat
-
-
-def _check_count(name: str, shape: list[int], expected: int, got: int) -> None:
-    if got != expected:
-        raise InvalidArgument(
-            f"unexpected number of elements for input '{name}': expected {expected} "
-            f"for shape {_fmt_shape(shape)}, got {got}"
-        )
-
-
-def _bad_element(name: str, wire: str, expected: str, flat: list, allowed: frozenset) -> None:
-    for index, item in enumerate(flat):
-        if type(item) not in allowed:
-            raise InvalidArgument(
-                f"invalid data for input '{name}': {wire} data must be {expected}, "
-                f"got {json.dumps(item)} at element {index}"
-            )
-
-
 def _decode_outputs(outputs: Any, shared_memory: SharedMemory | None) -> list[RequestedOutput]:
     if type(outputs) is not list:
         raise InvalidArgument(
-            f"invalid request 'outputs': expected an array, got {_json_kind(outputs)}"
+            f"invalid request 'outputs': expected an array, got {json_kind(outputs)}"
         )
     requested: list[RequestedOutput] = []
     seen: set[str] = set()
     for index, spec in enumerate(outputs):
         if type(spec) is not dict:
             raise InvalidArgument(
-                f"invalid output at index {index}: expected an object, got {_json_kind(spec)}"
+                f"invalid output at index {index}: expected an object, got {json_kind(spec)}"
             )
         name = spec.get("name")
         if type(name) is not str:
             raise InvalidArgument(
-                f"invalid output at index {index}: 'name' must be a string, got {_json_kind(name)}"
+                f"invalid output at index {index}: 'name' must be a string, got {json_kind(name)}"
             )
         if name in seen:
             raise InvalidArgument(f"output '{name}' already exists in request")
@@ -574,7 +409,7 @@ def _decode_outputs(outputs: Any, shared_memory: SharedMemory | None) -> list[Re
         elif type(params) is not dict:
             raise InvalidArgument(
                 f"invalid parameters for output '{name}': expected an object, "
-                f"got {_json_kind(params)}"
+                f"got {json_kind(params)}"
             )
         else:
             if "shared_memory_region" in params:
@@ -655,7 +490,7 @@ def encode_infer_response(
                 chunks.append(chunk)
         else:
             in_json = True
-            outputs.append((tensor.name, wire, shape, None, _json_output(wire, tensor.data)))
+            outputs.append((tensor.name, wire, shape, None, json_output(wire, tensor.data)))
 
     args = (response.model_name, response.model_version, response.id or request.id)
     if in_json or response.parameters:
@@ -703,23 +538,6 @@ def _described_response_header(
     binary (or in shared memory), made once per distinct description: a model
     answering requests of the same shapes answers with the same header."""
     return _response_header(model_name, model_version, response_id, None, outputs)
-
-
-def _json_output(wire: str, data: np.ndarray) -> list:
-    flat = data.reshape(-1)
-    if wire == "BYTES":
-        return [
-            x.decode("utf-8", errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
-            for x in flat.tolist()
-        ]
-    if wire == "BF16":
-        if data.dtype.name == "bfloat16":
-            return flat.astype(np.float32).tolist()
-        # BF16 travels as its uint16 bits: the high half of a float32.
-        return (flat.astype(np.uint32) << 16).view(np.float32).tolist()
-    if wire == "BOOL" and data.dtype != np.bool_:
-        flat = flat.astype(np.bool_)
-    return flat.tolist()
 
 
 # -------------------------------------------------------------------------- errors

@@ -31,7 +31,7 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.core.validation import ModelSignature
-from trionserve.protocol.http.codec import _flatten, _json_output, _json_to_array
+from trionserve.protocol.http.tensor_data import flatten, json_output, json_to_array
 
 SSE_CONTENT_TYPE = "text/event-stream; charset=utf-8"
 NOT_ONE_RESPONSE = (
@@ -163,7 +163,7 @@ def input_tensor(name: str, datatype: str, full_shape: list[int], value: Any) ->
     items = value if isinstance(value, list) else [value]
     if any(isinstance(item, list) for item in items):
         if datatype == "BYTES":
-            _flatten(items)  # Triton's cap on the nesting depth
+            flatten(items)  # Triton's cap on the nesting depth
         raise InvalidArgument(
             f"input '{name}' in the generate request must be a value or a flat array"
         )
@@ -173,7 +173,7 @@ def input_tensor(name: str, datatype: str, full_shape: list[int], value: Any) ->
     count = 1
     for dim in shape:
         count *= dim
-    return Tensor(name, datatype, _json_to_array(name, dt, shape, count, items))
+    return Tensor(name, datatype, json_to_array(name, dt, shape, count, items))
 
 
 def fit_shape(name: str, full_shape: list[int], count: int) -> list[int]:
@@ -216,7 +216,7 @@ def encode_generate_response(response: InferenceResponse, request_id: str = "") 
         if isinstance(value, (bool, int, float, str)):
             out[key] = value
     for tensor in response.outputs:
-        values = _json_output(tensor.datatype, np.asarray(tensor.data))
+        values = json_output(tensor.datatype, np.asarray(tensor.data))
         out[tensor.name] = values[0] if len(values) == 1 else values
     return out
 
