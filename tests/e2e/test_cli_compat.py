@@ -24,7 +24,7 @@ from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.backend_config import parse_backend_config
 from trionserve.backends.manager import BackendManager
 from trionserve.backends.python.settings import StubSettings
-from trionserve.cli_options import options_from_args
+from trionserve.cli.options import options_from_args
 from trionserve.core.errors import InvalidArgument
 from trionserve.protocol.restricted import RestrictedCategory, Restriction
 from trionserve.repository.config import read_model_config

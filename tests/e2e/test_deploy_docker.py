@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.serverproc import EXAMPLES, free_port
-from trionserve.cli_options import options_from_args
+from trionserve.cli.options import options_from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "Dockerfile.cuda"]

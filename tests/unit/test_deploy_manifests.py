@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from trionserve.cli_flags import build_parser
+from trionserve.cli.parser import build_parser
 
 yaml = pytest.importorskip("yaml", reason="manifest validation needs pyyaml (the test extra)")
 kubernetes_validate = pytest.importorskip(

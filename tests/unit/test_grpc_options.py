@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trionserve.cli_options import options_from_args
+from trionserve.cli.options import options_from_args
 from trionserve.protocol.grpc.service import GrpcOptions
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trionserve.api import Options
-from trionserve.cli_options import parse_options
+from trionserve.cli.options import parse_options
 from trionserve.core.errors import InvalidArgument, NotFound
 from trionserve.repository.repository import ModelId, ModelRepository
 from trionserve.repository.snapshot import Duplicate, snapshot_repository

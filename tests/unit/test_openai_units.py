@@ -175,7 +175,7 @@ def test_stream_events_from_templates_are_the_encoded_chunks(text, final):
     ],
 )
 def test_openai_flags_refused_at_start(tmp_path, capsys, flags, message):
-    from trionserve.cli_options import parse_options
+    from trionserve.cli.options import parse_options
 
     (tmp_path / "bad.jinja").write_text("{% for %}")
     argv = [f"--model-repository={tmp_path}", *(f.format(tmp=tmp_path) for f in flags)]
@@ -185,7 +185,7 @@ def test_openai_flags_refused_at_start(tmp_path, capsys, flags, message):
 
 
 def test_openai_flags_make_the_options(tmp_path):
-    from trionserve.cli_options import parse_options
+    from trionserve.cli.options import parse_options
 
     options, _ = parse_options(
         [

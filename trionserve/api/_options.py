@@ -5,7 +5,7 @@ is here with Triton's default, so code written for ``tritonserver`` constructs i
 unchanged. Each field either configures the command line's server
 (:class:`trionserve.server.ServerOptions`), configures a part of Triton this
 server has no counterpart for and is accepted with no effect (as the command line
-accepts the same flags, ``trionserve/cli_compat.py``), or names a feature this
+accepts the same flags, ``trionserve/cli/compat.py``), or names a feature this
 server does not have yet and is refused, naming the field, when set to anything
 but its default.
 """
@@ -101,7 +101,7 @@ class ModelLoadDeviceLimit:
 
 
 # Fields that configure parts of Triton with no counterpart here: accepted with no
-# effect, as the command line's flags for them (cli_compat._NO_EFFECT).
+# effect, as the command line's flags for them (cli.compat._NO_EFFECT).
 _NO_EFFECT = {
     "pinned_memory_pool_size": "there is no pinned memory pool",
     "cuda_memory_pool_sizes": "there is no CUDA memory pool",

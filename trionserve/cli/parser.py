@@ -2,9 +2,9 @@
 
 Triton's ``TritonParser`` (server/src/command_line_parser.cc): the server,
 repository, model-control, HTTP, rate-limiter, cache and logging flags here, the
-gRPC, metrics, OpenAI and trace groups from :mod:`trionserve.cli_flag_groups`,
+gRPC, metrics, OpenAI and trace groups from :mod:`trionserve.cli.flag_groups`,
 the worker flags from :mod:`trionserve.workers` and the flags trionserve accepts
-without effect from :mod:`trionserve.cli_compat`.
+without effect from :mod:`trionserve.cli.compat`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from pathlib import Path
 from trionserve import __version__
 from trionserve.actors.rate_limiter import RateLimitMode
 from trionserve.actors.watcher import ControlMode
-from trionserve.cli_compat import add_compat_flags
-from trionserve.cli_flag_groups import (
+from trionserve.cli.compat import add_compat_flags
+from trionserve.cli.flag_groups import (
     add_grpc_flags,
     add_grpc_ssl_flags,
     add_metrics_flags,
     add_openai_flags,
     add_trace_flags,
 )
-from trionserve.cli_values import (
+from trionserve.cli.values import (
     RESTRICTED_GROUPS,
     boolean,
     config_name,

@@ -13,7 +13,7 @@ import traceback
 import structlog
 import trio
 
-from trionserve.cli_options import parse_options
+from trionserve.cli.options import parse_options
 from trionserve.core.errors import TritonError
 from trionserve.observability.logging import configure_logging
 from trionserve.server import Server, StartupError
@@ -83,7 +83,3 @@ def _triton_error(exc: BaseException) -> TritonError | None:
         if len(found) == 1 and found[0] is not None:
             return found[0]
     return None
-
-
-if __name__ == "__main__":
-    sys.exit(main())

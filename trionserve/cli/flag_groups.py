@@ -1,7 +1,7 @@
 """tritonserver's flags, by group: gRPC, gRPC SSL, metrics, OpenAI frontend and trace.
 
 Triton's ``TritonParser`` (server/src/command_line_parser.cc) declares these in
-groups of its own; :func:`trionserve.cli_flags.build_parser` adds each group
+groups of its own; :func:`trionserve.cli.parser.build_parser` adds each group
 here to the one parser.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trionserve.cli_values import (
+from trionserve.cli.values import (
     RESTRICTED_GROUPS,
     boolean,
     compression_level,

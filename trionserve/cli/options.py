@@ -16,8 +16,8 @@ from pathlib import Path
 from trionserve.actors.rate_limiter import RateLimitMode
 from trionserve.actors.watcher import ControlMode
 from trionserve.backends.backend_config import parse_backend_config
-from trionserve.cli_compat import compat_notes
-from trionserve.cli_flags import build_parser
+from trionserve.cli.compat import compat_notes
+from trionserve.cli.parser import build_parser
 from trionserve.core.errors import TritonError
 from trionserve.core.response_cache import parse_cache_config
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
