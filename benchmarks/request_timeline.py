@@ -48,7 +48,7 @@ _SERVER = r"""
 import atexit, functools, json, os, sys, time
 import trio
 from trionserve import dataplane
-from trionserve.backends import onnxruntime as ort_backend
+from trionserve.backends.onnxruntime import backend as ort_backend
 from trionserve.protocol.http import h1, transport
 
 now = time.monotonic_ns

@@ -17,11 +17,11 @@ from onnx import TensorProto, helper
 
 from tests.serverproc import EXAMPLES, ServerProcess, scrape_metrics, serving
 from trionserve._generated.model_config_pb2 import TYPE_FP32, ModelConfig
-from trionserve.backends import tensorrt as trt_backend
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.gpu import gpu_count
-from trionserve.backends.onnxruntime import OnnxRuntimeBackend
-from trionserve.backends.onnxruntime_providers import execution_providers
+from trionserve.backends.cuda.devices import gpu_count
+from trionserve.backends.onnxruntime.backend import OnnxRuntimeBackend
+from trionserve.backends.onnxruntime.providers import execution_providers
+from trionserve.backends.tensorrt import backend as trt_backend
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.server import Server, ServerOptions
@@ -536,7 +536,7 @@ def check_addmul(client, model: str, module, batches) -> None:
 
 
 def test_cuda_graph_shapes_follow_the_config():
-    from trionserve.backends.cuda_graphs import GraphShape, cuda_graph_shapes
+    from trionserve.backends.cuda.graphs import GraphShape, cuda_graph_shapes
 
     def parsed(text: str) -> ModelConfig:
         config = parse_config(

@@ -12,7 +12,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import ServerProcess
-from trionserve.backends import pytorch, pytorch_naming
+from trionserve.backends.pytorch import backend as pytorch
+from trionserve.backends.pytorch import naming as pytorch_naming
 from trionserve.core.errors import InvalidArgument
 from trionserve.server import Server, ServerOptions
 

@@ -460,7 +460,7 @@ def test_in_one_onnx_batch_only_the_request_with_bad_bytes_fails():
     """The refusal is per request: the others in the same batch run."""
     from trionserve.actors.registry_entries import prepare_model
     from trionserve.backends.base import InstanceSpec, ModelContext
-    from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+    from trionserve.backends.onnxruntime.backend import OnnxRuntimeBackend
     from trionserve.core.errors import InvalidArgument
     from trionserve.core.inference import InferenceRequest, Tensor
 

@@ -19,16 +19,16 @@ import pytest
 from google.protobuf import text_format
 
 from trionserve._generated.model_config_pb2 import ModelConfig
-from trionserve.backends import cuda_graphs
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import HostBuffers
+from trionserve.backends.cuda import graphs as cuda_graphs
 from trionserve.core import cuda_shared_memory
 from trionserve.core.inference import InferenceRequest, Tensor
 
 torch = pytest.importorskip("torch")
 
-from trionserve.backends import pytorch_instance  # noqa: E402
-from trionserve.backends.cuda_graphs import cuda_graph_shapes  # noqa: E402
+from trionserve.backends.cuda.graphs import cuda_graph_shapes  # noqa: E402
+from trionserve.backends.pytorch import instance as pytorch_instance  # noqa: E402
 
 
 class FakeEvent:

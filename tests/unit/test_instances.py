@@ -21,7 +21,7 @@ from tests.serverproc import free_port
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.actors.model import instance_specs
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.gpu import gpu_count
+from trionserve.backends.cuda.devices import gpu_count
 from trionserve.server import Server, ServerOptions
 
 BACKEND = "test_instances_gate"
@@ -241,7 +241,7 @@ def test_kind_auto_stays_on_cpu_for_a_backend_without_gpu_support(monkeypatch):
     import onnxruntime
 
     from trionserve.actors import registry_entries
-    from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+    from trionserve.backends.onnxruntime.backend import OnnxRuntimeBackend
 
     monkeypatch.setattr(registry_entries, "gpu_count", lambda: 2)
     simple = Path(__file__).resolve().parents[2] / "examples" / "model_repository" / "simple"

@@ -9,7 +9,7 @@ import pytest
 
 from trionserve.actors import registry_entries
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+from trionserve.backends.onnxruntime.backend import OnnxRuntimeBackend
 from trionserve.core.errors import InvalidArgument
 
 SIMPLE = Path(__file__).resolve().parents[2] / "examples" / "model_repository" / "simple"

@@ -1,6 +1,6 @@
 """CUDA graphs of the TensorRT backend on a host without a GPU or TensorRT: the
 real instance code around stand-ins for the engine, its execution context and the
-device (trionserve.backends.cuda_buffers' API over numpy).
+device (trionserve.backends.cuda.buffers' API over numpy).
 
 The stand-ins behave as CUDA and TensorRT document: a captured graph records the
 kernels with the tensor addresses and shapes bound at capture and replays exactly
@@ -25,10 +25,10 @@ from google.protobuf import text_format
 from structlog.testing import capture_logs
 
 from trionserve._generated.model_config_pb2 import ModelConfig
-from trionserve.backends import cuda_graphs
-from trionserve.backends import tensorrt as trt_backend
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.cuda_graphs import GraphShape, tensorrt_graph_shapes
+from trionserve.backends.cuda import graphs as cuda_graphs
+from trionserve.backends.cuda.graphs import GraphShape, tensorrt_graph_shapes
+from trionserve.backends.tensorrt import backend as trt_backend
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.inference import InferenceRequest, Tensor
 

@@ -28,8 +28,8 @@ from trionserve.backends.base import (
     ModelContext,
     ReadinessCheckedInstance,
 )
+from trionserve.backends.cuda.devices import gpu_count
 from trionserve.backends.ensemble import EnsembleModel
-from trionserve.backends.gpu import gpu_count
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.inference import InferenceRequest
 from trionserve.core.validation import ModelSignature

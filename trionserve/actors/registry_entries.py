@@ -18,7 +18,7 @@ import structlog
 import trio
 
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
-from trionserve.backends.gpu import gpu_count
+from trionserve.backends.cuda.devices import gpu_count
 from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import (
     InternalError,

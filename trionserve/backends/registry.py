@@ -14,19 +14,19 @@ from trionserve.backends.base import Backend
 
 
 def _onnxruntime() -> Backend:
-    from trionserve.backends.onnxruntime import OnnxRuntimeBackend
+    from trionserve.backends.onnxruntime.backend import OnnxRuntimeBackend
 
     return OnnxRuntimeBackend()
 
 
 def _pytorch() -> Backend:
-    from trionserve.backends.pytorch import PyTorchBackend
+    from trionserve.backends.pytorch.backend import PyTorchBackend
 
     return PyTorchBackend()
 
 
 def _tensorrt() -> Backend:
-    from trionserve.backends.tensorrt import TensorRTBackend
+    from trionserve.backends.tensorrt.backend import TensorRTBackend
 
     return TensorRTBackend()
 

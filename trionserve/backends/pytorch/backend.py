@@ -1,5 +1,5 @@
 """PyTorch backend: platform ``pytorch_libtorch`` / backend ``pytorch`` (TorchScript);
-platform ``torch_aoti`` (PyTorch 2 ``model.pt2``) is in :mod:`.pytorch2`.
+platform ``torch_aoti`` (PyTorch 2 ``model.pt2``) is in :mod:`.torch_aoti`.
 
 One ``torch.jit.load``-ed module per instance, on the CPU or on ``cuda:<device_id>``
 for KIND_GPU instances. Tensors are matched to ``forward()`` the way Triton's
@@ -21,8 +21,8 @@ it a pytorch model is UNAVAILABLE with a reason that says so.
 
 This module loads a model and places its instances (Triton's ModelState and
 instance creation in ``src/libtorch.cc``); the matching rules are in
-:mod:`.pytorch_naming`, the CUDA graphs' shapes in :mod:`.cuda_graphs`, a
-loaded module's batch execution in :mod:`.pytorch_instance`.
+:mod:`.naming`, the CUDA graphs' shapes in :mod:`trionserve.backends.cuda.graphs`, a
+loaded module's batch execution in :mod:`.instance`.
 """
 
 from __future__ import annotations
@@ -33,17 +33,17 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
-from trionserve.backends.cuda_graphs import cuda_graph_shapes
-from trionserve.backends.pytorch_instance import TorchScriptInstance
-from trionserve.backends.pytorch_naming import bind_inputs, bind_outputs, check_data_types
+from trionserve.backends.cuda.graphs import cuda_graph_shapes
+from trionserve.backends.pytorch.instance import TorchScriptInstance
+from trionserve.backends.pytorch.naming import bind_inputs, bind_outputs, check_data_types
 from trionserve.core.errors import InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
-    from trionserve.backends.pytorch2 import Pt2Model
+    from trionserve.backends.pytorch.torch_aoti import Pt2Model
 
 log = structlog.get_logger(__name__)
 
-# Triton's platform for PyTorch 2 (AOTInductor) models; see pytorch2.py.
+# Triton's platform for PyTorch 2 (AOTInductor) models; see torch_aoti.py.
 PT2_PLATFORM = "torch_aoti"
 
 
@@ -103,7 +103,11 @@ class PyTorchBackend(Backend):
         check_data_types(context.name, "input", config.input)
         check_data_types(context.name, "output", config.output)
         if config.platform == PT2_PLATFORM:
-            from trionserve.backends.pytorch2 import Pt2Model, archive_kind, check_sequence_types
+            from trionserve.backends.pytorch.torch_aoti import (
+                Pt2Model,
+                archive_kind,
+                check_sequence_types,
+            )
 
             for kind, entries in (("input", config.input), ("output", config.output)):
                 if not entries:

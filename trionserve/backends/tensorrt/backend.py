@@ -8,7 +8,7 @@ Auto-complete reads inputs, outputs and the maximum batch size from the engine, 
 Triton's tensorrt backend does. ``optimization { cuda { graphs: true } }`` captures
 CUDA graphs of the engine when an instance loads, as Triton's tensorrt backend does
 (src/instance_state.cc: InitializeCudaGraph, BuildCudaGraph): which ones in
-:func:`trionserve.backends.cuda_graphs.tensorrt_graph_shapes`, capture and replay in
+:func:`trionserve.backends.cuda.graphs.tensorrt_graph_shapes`, capture and replay in
 :class:`TensorRTInstance`. TensorRT needs a GPU: on a host without one, or without
 the tensorrt package, the model is UNAVAILABLE with a reason naming what is
 missing. Every CUDA library is imported lazily.
@@ -26,8 +26,9 @@ import structlog
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
-from trionserve.backends.cuda_buffers import device_buffers
-from trionserve.backends.cuda_graphs import (
+from trionserve.backends.cuda.buffers import device_buffers
+from trionserve.backends.cuda.devices import gpu_count
+from trionserve.backends.cuda.graphs import (
     CAPTURE_LOCK,
     CapturedGraph,
     GraphShape,
@@ -35,7 +36,6 @@ from trionserve.backends.cuda_graphs import (
     log_capture_failure,
     tensorrt_graph_shapes,
 )
-from trionserve.backends.gpu import gpu_count
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest

@@ -8,8 +8,9 @@ two backends read ``graph_spec`` the same way; without it they differ:
 batch size with powers of two, :func:`tensorrt_graph_shapes` captures the batch
 sizes Triton's TensorRT backend does, each serving only its own size. A TorchScript
 instance captures and replays them
-(:meth:`trionserve.backends.pytorch_instance.TorchScriptInstance.capture_graphs`),
-a TensorRT instance too (:meth:`trionserve.backends.tensorrt.TensorRTInstance.capture_graphs`).
+(:meth:`trionserve.backends.pytorch.instance.TorchScriptInstance.capture_graphs`),
+a TensorRT instance too
+(:meth:`trionserve.backends.tensorrt.backend.TensorRTInstance.capture_graphs`).
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ forward() (or a captured CUDA graph's replay), outputs back to the host.
 
 Triton's pytorch backend ``ModelInstanceState`` (``src/libtorch.cc``: Execute,
 SetInputTensors, ReadOutputTensors). Loading the module and choosing its device are
-in :mod:`trionserve.backends.pytorch`, the tensor matching in
-:mod:`trionserve.backends.pytorch_naming`, the graphs' shapes in
-:mod:`trionserve.backends.cuda_graphs`.
+in :mod:`trionserve.backends.pytorch.backend`, the tensor matching in
+:mod:`trionserve.backends.pytorch.naming`, the graphs' shapes in
+:mod:`trionserve.backends.cuda.graphs`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from trionserve.backends.batch_tensors import (
     gather_inputs,
     wanted_outputs,
 )
-from trionserve.backends.cuda_graphs import (
+from trionserve.backends.cuda.graphs import (
     CAPTURE_LOCK,
     CapturedGraph,
     GraphShape,
     captured_graph,
     log_capture_failure,
 )
-from trionserve.backends.pytorch_naming import (
+from trionserve.backends.pytorch.naming import (
     TORCH_DTYPES,
     bind_inputs,
     bind_outputs,

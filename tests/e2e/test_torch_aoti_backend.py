@@ -13,7 +13,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from tests.serverproc import ServerProcess
-from trionserve.backends import pytorch2
+from trionserve.backends.pytorch import torch_aoti
 from trionserve.core.errors import InvalidArgument
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -310,19 +310,24 @@ def test_aotinductor_package_matches_torch(tmp_path):
 
 def test_leaf_names_follow_tritons_readme():
     paths = [[0, 0], [0, 1], [0, 2, "keyA"], [1, "kwarg1"]]
-    assert pytorch2.input_names(paths) == ["ARGS[0]", "ARGS[1]", "ARGS[2][keyA]", "KWARGS[kwarg1]"]
-    assert pytorch2.output_names([[]]) == ["RESULT"]
-    assert pytorch2.output_names([["AAA"], ["BBB", 1]]) == ["RESULT[AAA]", "RESULT[BBB][1]"]
+    assert torch_aoti.input_names(paths) == [
+        "ARGS[0]",
+        "ARGS[1]",
+        "ARGS[2][keyA]",
+        "KWARGS[kwarg1]",
+    ]
+    assert torch_aoti.output_names([[]]) == ["RESULT"]
+    assert torch_aoti.output_names([["AAA"], ["BBB", 1]]) == ["RESULT[AAA]", "RESULT[BBB][1]"]
 
 
 def test_bind_leaves_by_name_or_ordinal():
     leaves = ["ARGS[0]", "ARGS[1]", "KWARGS[k]"]
-    bound = pytorch2.bind_leaves("m", "input", ["KWARGS[k]", "INPUT__0", "ARGS[1]"], leaves, True)
+    bound = torch_aoti.bind_leaves("m", "input", ["KWARGS[k]", "INPUT__0", "ARGS[1]"], leaves, True)
     assert bound == {"KWARGS[k]": 2, "INPUT__0": 0, "ARGS[1]": 1}
     with pytest.raises(InvalidArgument, match="model provides 3"):
-        pytorch2.bind_leaves("m", "input", ["ARGS[0]"], leaves, True)
+        torch_aoti.bind_leaves("m", "input", ["ARGS[0]"], leaves, True)
     with pytest.raises(InvalidArgument, match="both name ARGS\\[0\\]"):
-        pytorch2.bind_leaves("m", "input", ["ARGS[0]", "INPUT__0", "ARGS[1]"], leaves, True)
+        torch_aoti.bind_leaves("m", "input", ["ARGS[0]", "INPUT__0", "ARGS[1]"], leaves, True)
     with pytest.raises(InvalidArgument, match="0..2"):
-        pytorch2.bind_leaves("m", "output", ["OUTPUT__3"], leaves, False)
-    assert pytorch2.bind_leaves("m", "output", ["OUTPUT__2"], leaves, False) == {"OUTPUT__2": 2}
+        torch_aoti.bind_leaves("m", "output", ["OUTPUT__3"], leaves, False)
+    assert torch_aoti.bind_leaves("m", "output", ["OUTPUT__2"], leaves, False) == {"OUTPUT__2": 2}

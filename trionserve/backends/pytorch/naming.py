@@ -3,8 +3,8 @@ arguments and results, and the data types it carries (pure: no torch needed).
 
 Triton's pytorch backend (``src/libtorch.cc``: the ``<name>__<index>`` naming
 convention, ModelState's input and output validation) decides these the same way;
-:mod:`trionserve.backends.pytorch` describes the rules, and
-:mod:`trionserve.backends.pytorch2` reuses them for PyTorch 2 models.
+:mod:`trionserve.backends.pytorch.backend` describes the rules, and
+:mod:`trionserve.backends.pytorch.torch_aoti` reuses them for PyTorch 2 models.
 """
 
 from __future__ import annotations

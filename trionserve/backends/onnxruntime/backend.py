@@ -4,7 +4,7 @@ One ``InferenceSession`` per instance. KIND_GPU instances use the CUDA execution
 provider on their GPU when onnxruntime-gpu is installed and a GPU is visible
 (otherwise loading such an instance fails with a reason that says so), with the
 TensorRT provider in front when the config's ``optimization`` asks for it; see
-:mod:`trionserve.backends.onnxruntime_providers`.
+:mod:`trionserve.backends.onnxruntime.providers`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from trionserve.backends.batch_tensors import (
     gather_inputs,
     wanted_outputs,
 )
-from trionserve.backends.onnxruntime_providers import CUDA, TENSORRT, execution_providers
-from trionserve.backends.onnxruntime_validation import validate_session
+from trionserve.backends.onnxruntime.providers import CUDA, TENSORRT, execution_providers
+from trionserve.backends.onnxruntime.validation import validate_session
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest

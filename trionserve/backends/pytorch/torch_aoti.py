@@ -27,9 +27,9 @@ from typing import Any
 import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.pytorch import _torch, instance_device
-from trionserve.backends.pytorch_instance import TorchScriptInstance
-from trionserve.backends.pytorch_naming import TORCH_DTYPES, config_type_name, name_index
+from trionserve.backends.pytorch.backend import _torch, instance_device
+from trionserve.backends.pytorch.instance import TorchScriptInstance
+from trionserve.backends.pytorch.naming import TORCH_DTYPES, config_type_name, name_index
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
 

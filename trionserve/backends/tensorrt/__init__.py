@@ -1,0 +1,1 @@
+"""The TensorRT backend (Triton's tensorrt_backend)."""
