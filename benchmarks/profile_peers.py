@@ -310,7 +310,10 @@ FRAMES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"\((gc|<gc>)\)|gc_collect|collect_generation|\bgc_collect_main"), GC),
     (re.compile(r"model\.py"), MODEL),
     (re.compile(r"onnxruntime|backends/onnxruntime\.py"), MODEL),
-    (re.compile(r"stubpath/|python/stub\.py|python/inprocess_runtime\.py"), IPC_STUB),
+    (
+        re.compile(r"stubpath/|python/stub\.py|python/runtime\.py|python/inprocess_runtime\.py"),
+        IPC_STUB,
+    ),
     (re.compile(r"_pb2|google/protobuf|_generated/|protopool"), PROTOBUF),
     (
         re.compile(

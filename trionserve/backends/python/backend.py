@@ -21,8 +21,8 @@ from trionserve.backends.python.inprocess import InProcessInstance
 from trionserve.backends.python.instance import PythonInstance
 from trionserve.backends.python.model_namespace import auto_complete_in_process
 from trionserve.backends.python.process import StubProcess
+from trionserve.backends.python.runtime import describe_exception
 from trionserve.backends.python.settings import IN_PROCESS, StubSettings, settings_for
-from trionserve.backends.python.stub import describe_exception
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 
 MODEL_FILENAME = "model.py"

@@ -67,8 +67,8 @@ from trionserve.backends.python.inprocess_runtime import (
     InProcessRuntime,
 )
 from trionserve.backends.python.process import new_metrics_owner
+from trionserve.backends.python.runtime import describe_exception
 from trionserve.backends.python.settings import EVENT_LOOP, StubSettings
-from trionserve.backends.python.stub import describe_exception
 from trionserve.core.errors import (
     Cancelled,
     InternalError,

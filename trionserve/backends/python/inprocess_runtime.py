@@ -26,7 +26,7 @@ from trionserve.backends.python.bls import Outcome
 from trionserve.backends.python.messages import called_request, code_of, error_from_code
 from trionserve.backends.python.model_namespace import ModelNamespace, unbind
 from trionserve.backends.python.process import log_stub_line
-from trionserve.backends.python.stub import ModelRuntime, describe_exception
+from trionserve.backends.python.runtime import ModelRuntime, describe_exception
 from trionserve.core.errors import TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
