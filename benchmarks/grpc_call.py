@@ -29,7 +29,7 @@ import numpy as np
 
 from trionserve._generated import grpc_service_pb2 as pb
 from trionserve.core.inference import InferenceResponse, Tensor
-from trionserve.protocol.grpc import codec, connection, upstream
+from trionserve.protocol.grpc import codec, framing, upstream
 
 PATH = b"/inference.GRPCInferenceService/ModelInfer"
 REQUEST_HEADERS = [
@@ -62,7 +62,7 @@ def _client() -> h2.connection.H2Connection:
 
 def _server(keep_headers: bool) -> upstream.H2Connection:
     server = upstream.H2Connection(
-        connection._CONSTANT_HEADERS,
+        framing.CONSTANT_HEADERS,
         h2.config.H2Configuration(
             client_side=False,
             header_encoding=None,
@@ -116,9 +116,9 @@ def calls(count: int, keep_headers: bool = True) -> tuple[float, float, float]:
         chunks = codec.encode_infer_response(response, request)
         t2 = clock()
         body = b"".join(chunks)
-        server.send_headers(stream_id, connection._RESPONSE_HEADERS)
+        server.send_headers(stream_id, framing.RESPONSE_HEADERS)
         server.send_data(stream_id, b"\x00" + len(body).to_bytes(4, "big") + body)
-        server.send_headers(stream_id, connection._OK_TRAILERS, end_stream=True)
+        server.send_headers(stream_id, framing.OK_TRAILERS, end_stream=True)
         outgoing = server.buffers_to_send()
         t3 = clock()
 

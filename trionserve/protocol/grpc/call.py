@@ -19,6 +19,7 @@ import trio
 
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc.flow import Account
+from trionserve.protocol.grpc.framing import JOIN_LIMIT
 from trionserve.protocol.grpc.state import CallState, Request, Response, ResponseEvent
 from trionserve.protocol.grpc.status import GRPCError, decode_metadata
 
@@ -27,9 +28,6 @@ if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
 
 __all__ = ["GrpcCall", "Method"]
 
-# Messages up to this size go out as one joined DATA payload; larger ones are
-# written chunk by chunk from memoryviews, without joining.
-JOIN_LIMIT = 64 * 1024
 # Compressed messages up to this size are inflated on the event loop.
 _INLINE_DECOMPRESS = 16 * 1024
 

@@ -28,9 +28,19 @@ from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import upstream
-from trionserve.protocol.grpc.call import JOIN_LIMIT, GrpcCall, Method
+from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
-from trionserve.protocol.grpc.framing import ACCEPT_ENCODING, status_headers
+from trionserve.protocol.grpc.framing import (
+    ACCEPT_ENCODING,
+    CONSTANT_HEADERS,
+    CONTENT_TYPE,
+    GZIP_RESPONSE_HEADERS,
+    JOIN_LIMIT,
+    OK_TRAILERS,
+    RESPONSE_HEADERS,
+    coalesce,
+    status_headers,
+)
 from trionserve.protocol.grpc.options import TransportOptions
 from trionserve.protocol.grpc.request import HttpRefusal, read_request_head
 from trionserve.protocol.grpc.state import (
@@ -49,13 +59,6 @@ log = structlog.get_logger(__name__)
 
 _MAX_WINDOW = 2**31 - 1
 _DEFAULT_WINDOW = 0xFFFF
-_CONTENT_TYPE = (b"content-type", b"application/grpc")
-_RESPONSE_HEADERS = [(b":status", b"200"), _CONTENT_TYPE, ACCEPT_ENCODING]
-_GZIP_RESPONSE_HEADERS = [*_RESPONSE_HEADERS, (b"grpc-encoding", b"gzip")]
-_OK_TRAILERS = status_headers(Status.OK, None)
-# What nearly every call sends: HPACK-encoded once per connection
-# (upstream.CachingEncoder).
-_CONSTANT_HEADERS = (_RESPONSE_HEADERS, _GZIP_RESPONSE_HEADERS, _OK_TRAILERS)
 _DRAIN_PING = b"drainGA\x00"
 _CUT_MESSAGE = (
     "the server is shutting down: the request was still running at the exit timeout "
@@ -89,7 +92,7 @@ class Connection:
         self.state = ConnectionState()
         self._server_draining = draining
         self.h2 = upstream.H2Connection(
-            _CONSTANT_HEADERS,
+            CONSTANT_HEADERS,
             h2.config.H2Configuration(
                 client_side=False,
                 header_encoding=None,
@@ -439,9 +442,9 @@ class Connection:
         stream_id = call.stream_id
         headers: list[tuple[bytes, bytes]]
         if call.state.response is Response.SENDING:
-            headers = _OK_TRAILERS if status is Status.OK else status_headers(status, message)
+            headers = OK_TRAILERS if status is Status.OK else status_headers(status, message)
         else:  # "trailers only": one HEADERS frame carries the status
-            headers = [(b":status", b"200"), _CONTENT_TYPE, *status_headers(status, message)]
+            headers = [(b":status", b"200"), CONTENT_TYPE, *status_headers(status, message)]
         call.state.response_event(ResponseEvent.FINISH)
         try:
             self.h2.send_headers(stream_id, headers, end_stream=True)
@@ -452,7 +455,7 @@ class Connection:
             pass
 
     def send_response_headers(self, call: GrpcCall) -> None:
-        headers = _GZIP_RESPONSE_HEADERS if call.compress else _RESPONSE_HEADERS
+        headers = GZIP_RESPONSE_HEADERS if call.compress else RESPONSE_HEADERS
         call.state.response_event(ResponseEvent.HEADERS)
         self.h2.send_headers(call.stream_id, headers)
 
@@ -480,7 +483,7 @@ class Connection:
                 view = view[size:]
 
     def _trailers_only(self, stream_id: int, status: Status, message: str | None) -> None:
-        headers = [(b":status", b"200"), _CONTENT_TYPE, *status_headers(status, message)]
+        headers = [(b":status", b"200"), CONTENT_TYPE, *status_headers(status, message)]
         if status is Status.UNIMPLEMENTED:
             headers.append(ACCEPT_ENCODING)
         try:
@@ -548,7 +551,7 @@ class Connection:
                     self._extra.clear()
                 if not buffers:
                     return
-                for data in _coalesce(buffers):
+                for data in coalesce(buffers):
                     await self.stream.send_all(data)
         finally:
             self._writing = False
@@ -682,25 +685,6 @@ class Connection:
             log.info("grpc keepalive ping not answered; closing", peer=self.peer)
             self._cancel()
             return
-
-
-def _coalesce(buffers: list) -> list:
-    """The buffers with each run of small ones joined: few writes, no large copies."""
-    if len(buffers) <= 1:
-        return buffers
-    out: list = []
-    run: list = []
-    for buffer in buffers:
-        if len(buffer) > JOIN_LIMIT:
-            if run:
-                out.append(b"".join(run))
-                run = []
-            out.append(buffer)
-        else:
-            run.append(buffer)
-    if run:
-        out.append(b"".join(run))
-    return out
 
 
 def _peer_name(stream: trio.abc.Stream) -> str:

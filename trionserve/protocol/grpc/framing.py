@@ -3,7 +3,9 @@
 A gRPC message on an HTTP/2 stream is a 1-byte compressed flag, a 4-byte big-endian
 length and the message bytes; a call ends with ``grpc-status`` and, for errors, a
 percent-encoded ``grpc-message``. Pure functions and one small parser, tested with
-byte strings; the connection code around them does the I/O.
+byte strings; the connection code around them does the I/O. Also what a response
+looks like on the wire: its constant headers and trailers, and which of the
+buffers written are joined (:func:`coalesce`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ ENCODINGS = (b"identity", b"gzip", b"deflate")
 # bytes decompression produced.
 Message = bytes | bytearray | memoryview
 ACCEPT_ENCODING = (b"grpc-accept-encoding", b"identity,deflate,gzip")
+# Messages up to this size go out as one joined DATA payload; larger ones are
+# written chunk by chunk from memoryviews, without joining.
+JOIN_LIMIT = 64 * 1024
 
 
 def prefix(size: int, compressed: bool = False) -> bytes:
@@ -40,6 +45,15 @@ def status_headers(status: Status, message: str | None) -> list[tuple[bytes, byt
         text = message or status.name
         headers.append((b"grpc-message", encode_grpc_message(text).encode("ascii")))
     return headers
+
+
+CONTENT_TYPE = (b"content-type", b"application/grpc")
+RESPONSE_HEADERS = [(b":status", b"200"), CONTENT_TYPE, ACCEPT_ENCODING]
+GZIP_RESPONSE_HEADERS = [*RESPONSE_HEADERS, (b"grpc-encoding", b"gzip")]
+OK_TRAILERS = status_headers(Status.OK, None)
+# What nearly every call sends: HPACK-encoded once per connection
+# (upstream.CachingEncoder).
+CONSTANT_HEADERS = (RESPONSE_HEADERS, GZIP_RESPONSE_HEADERS, OK_TRAILERS)
 
 
 class Compressed(bytes):
@@ -162,3 +176,22 @@ class MessageReader:
                 "see --grpc-max-message-size",
             )
         return out
+
+
+def coalesce(buffers: list) -> list:
+    """The buffers with each run of small ones joined: few writes, no large copies."""
+    if len(buffers) <= 1:
+        return buffers
+    out: list = []
+    run: list = []
+    for buffer in buffers:
+        if len(buffer) > JOIN_LIMIT:
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(buffer)
+        else:
+            run.append(buffer)
+    if run:
+        out.append(b"".join(run))
+    return out
