@@ -40,7 +40,7 @@ as a counter reset.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,7 +54,7 @@ _EARLIEST = frozenset({"process_start_time_seconds"})
 _LARGEST = frozenset({"process_max_fds"})
 
 
-def _combine(family: str):
+def _combine(family: str) -> Callable[[float, float], float]:
     """How two values of one sample of ``family`` combine (first worker's, then next)."""
     if family.startswith(MACHINE_WIDE_PREFIXES):
         return lambda first, _: first

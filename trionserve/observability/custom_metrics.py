@@ -33,6 +33,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.core import Metric
 
@@ -112,7 +113,7 @@ class CustomMetrics:
                 self._drop(family)
 
     def create_metric(
-        self, owner: int, family_id: int, labels: dict, buckets: list | None
+        self, owner: int, family_id: int, labels: object, buckets: Iterable[Any] | None
     ) -> tuple:
         key = self._labels(labels)
         with self._lock:
@@ -188,7 +189,7 @@ class CustomMetrics:
 
     # -- the stub's messages -------------------------------------------------------
 
-    def handle(self, owner: int, message: dict) -> dict | None:
+    def handle(self, owner: int, message: dict[str, Any]) -> dict[str, Any] | None:
         """Apply a stub's ``metric`` message; the reply it waits for (None for a
         release, which nobody waits for)."""
         action = message["action"]
@@ -285,7 +286,7 @@ class CustomMetrics:
             del self._metric_refs[ref]
 
     @staticmethod
-    def _labels(labels) -> tuple[tuple[str, str], ...]:
+    def _labels(labels: object) -> tuple[tuple[str, str], ...]:
         if labels is None:
             return ()
         if not isinstance(labels, dict):
@@ -298,7 +299,7 @@ class CustomMetrics:
         return tuple(sorted(labels.items()))
 
     @staticmethod
-    def _bounds(name: str, buckets) -> tuple[float, ...]:
+    def _bounds(name: str, buckets: Iterable[Any] | None) -> tuple[float, ...]:
         if buckets is None:
             raise MetricError(f"metric family '{name}': a histogram metric needs buckets")
         try:
@@ -313,7 +314,7 @@ class CustomMetrics:
         return bounds
 
 
-def _key(labels) -> tuple:
+def _key(labels: Iterable[Iterable[str]]) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(pair) for pair in labels)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
@@ -43,7 +44,7 @@ class _One:
         return [self._family]
 
 
-def exposition_text(collector) -> bytes:
+def exposition_text(collector: Collector) -> bytes:
     """Every family of ``collector`` (a registry) in the Prometheus text format."""
     return b"".join(_family_text(family) for family in collector.collect())
 

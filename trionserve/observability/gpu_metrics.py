@@ -15,8 +15,10 @@ without a GPU nothing is collected, and the server says so once in its log.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TypeVar
 
 import structlog
 import trio
@@ -26,6 +28,10 @@ from trionserve.observability.exposition import TritonCounter
 from trionserve.observability.sampling import sample_every
 
 log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+# An NVML device handle (a ctypes pointer): opaque, only given back to NVML.
+NvmlHandle = object
 
 # name -> (help, sample field)
 _GAUGES = {
@@ -75,7 +81,7 @@ def _cuda_bus_ids() -> set[tuple[int, str]] | None:
         return set()
 
 
-def _nvml_bus_id(nvml, handle) -> tuple[int, str] | None:
+def _nvml_bus_id(nvml: ModuleType, handle: NvmlHandle) -> tuple[int, str] | None:
     try:
         return _bus_id(nvml.nvmlDeviceGetPciInfo(handle).busId)
     except nvml.NVMLError:
@@ -85,7 +91,7 @@ def _nvml_bus_id(nvml, handle) -> tuple[int, str] | None:
 class GpuMetricsCollector:
     """NVML's view of every visible GPU; a Prometheus collector."""
 
-    def __init__(self, nvml, handles: list) -> None:
+    def __init__(self, nvml: ModuleType, handles: list[NvmlHandle]) -> None:
         self._nvml = nvml
         self._handles = handles
         self.samples: list[GpuSample] = []
@@ -121,10 +127,10 @@ class GpuMetricsCollector:
             samples.append(self._read(handle))
         self.samples = samples
 
-    def _read(self, handle) -> GpuSample:
+    def _read(self, handle: NvmlHandle) -> GpuSample:
         nvml = self._nvml
 
-        def read(function, *args):
+        def read(function: Callable[..., _T], *args: object) -> _T | None:
             try:
                 return function(handle, *args)
             except nvml.NVMLError:
@@ -150,7 +156,11 @@ class GpuMetricsCollector:
         return sample
 
     async def run(
-        self, interval: float, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED
+        self,
+        interval: float,
+        stop: trio.Event,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Sample now and every ``interval`` seconds until ``stop`` is set."""
         try:

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 from trionserve.core.errors import InvalidArgument, Unimplemented
 
@@ -43,7 +44,7 @@ _stream: IO[str] = sys.stderr
 _renderers: dict[str, Any] = {}
 
 
-def _level_filter(_logger, method_name: str, event_dict):
+def _level_filter(_logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
     if method_name == "debug":
         allowed = SETTINGS.log_verbose_level > 0
     elif method_name == "info":
@@ -57,7 +58,7 @@ def _level_filter(_logger, method_name: str, event_dict):
     return event_dict
 
 
-def _render(logger, method_name: str, event_dict):
+def _render(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> str:
     table = event_dict.pop("table", None) if SETTINGS.log_format == "console" else None
     line = _renderers[SETTINGS.log_format](logger, method_name, event_dict)
     if table:

@@ -20,7 +20,7 @@ import bisect
 import os
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -32,14 +32,23 @@ from trionserve.observability.exposition import CONTENT_TYPE, TritonCounter, exp
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.quantiles import DEFAULT_TARGETS, Target, parse_quantiles
 from trionserve.observability.sampling import sample_every
-from trionserve.observability.statistics import FailureReason, ModelStatistics
+from trionserve.observability.statistics import (
+    FailureReason,
+    ModelStatistics,
+    ObservedRegistry,
+    ObservedVersion,
+)
 from trionserve.protocol.http.transport import (
     Handler,
     Headers,
     HttpServer,
     HttpServerOptions,
     RequestBody,
+    Response,
 )
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 log = structlog.get_logger(__name__)
 
@@ -125,7 +134,7 @@ def _le(bound: float) -> str:
     return str(int(bound)) if bound == int(bound) else repr(bound)
 
 
-def first_response_buckets(config) -> tuple[float, ...]:
+def first_response_buckets(config: ModelConfig) -> tuple[float, ...]:
     """The model's buckets for the histogram: ``model_metrics`` in its config may
     override Triton's defaults."""
     for control in config.model_metrics.metric_control:
@@ -136,9 +145,9 @@ def first_response_buckets(config) -> tuple[float, ...]:
     return FIRST_RESPONSE_BUCKETS_MS
 
 
-def observe_first_response(model, seconds: float) -> None:
+def observe_first_response(model: ObservedVersion, seconds: float) -> None:
     """Record one request's time to its first response on its model version."""
-    statistics: ModelStatistics = model.statistics
+    statistics = model.statistics
     histogram = statistics.first_response
     if histogram is None:
         histogram = statistics.first_response = FirstResponseHistogram(
@@ -259,7 +268,7 @@ _SUMMARIES = (
 )
 
 
-def _summary_families(versions) -> Iterable[Metric]:
+def _summary_families(versions: Sequence[ObservedVersion]) -> Iterable[Metric]:
     """Each summary family that some version keeps: per version its quantiles over
     the window (label ``quantile``), ``_count`` and ``_sum``. A family no version
     keeps is left out, as prometheus-cpp leaves out a family without metrics."""
@@ -289,11 +298,11 @@ class ModelMetricsCollector:
     the values of one scrape are consistent with each other.
     """
 
-    def __init__(self, registry, options: MetricsOptions) -> None:
+    def __init__(self, registry: ObservedRegistry, options: MetricsOptions) -> None:
         self._registry = registry
         self._options = options
 
-    def _versions(self) -> list:
+    def _versions(self) -> list[ObservedVersion]:
         versions = []
         for name in sorted(self._registry.entries()):
             entry = self._registry.entries()[name]
@@ -356,7 +365,7 @@ class ModelMetricsCollector:
             yield from _summary_families(versions)
 
 
-def pending_requests(version) -> int:
+def pending_requests(version: ObservedVersion) -> int:
     """Requests queued for a model version and not yet taken by an instance.
 
     The scheduler owns its queue; schedulers without one (ensembles, which hand
@@ -366,7 +375,7 @@ def pending_requests(version) -> int:
     return getattr(scheduler, "pending", 0) if scheduler is not None else 0
 
 
-def _labels(version) -> dict[str, str]:
+def _labels(version: ObservedVersion) -> dict[str, str]:
     """A model version's labels; with namespacing, its namespace too (core
     ``metric_model_reporter.cc``, ``GetMetricLabels``)."""
     if version.namespace:
@@ -378,7 +387,12 @@ def _labels(version) -> dict[str, str]:
     return {"model": version.name, "version": str(version.version)}
 
 
-def _family(name: str, documentation: str, value, versions) -> Metric:
+def _family(
+    name: str,
+    documentation: str,
+    value: Callable[[ModelStatistics], int],
+    versions: Sequence[ObservedVersion],
+) -> Metric:
     metric = TritonCounter(name, documentation)
     for version in versions:
         metric.add_sample(name, _labels(version), value(version.statistics))
@@ -416,7 +430,11 @@ class CpuMetricsCollector:
         self.memory_used = memory["MemTotal"] - memory["MemAvailable"]
 
     async def run(
-        self, interval: float, stop: trio.Event, *, task_status=trio.TASK_STATUS_IGNORED
+        self,
+        interval: float,
+        stop: trio.Event,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Sample now and every ``interval`` seconds until ``stop`` is set."""
 
@@ -467,7 +485,7 @@ def _meminfo(path: str) -> dict[str, int]:
 
 
 def build_metrics_registry(
-    registry,
+    registry: ObservedRegistry,
     options: MetricsOptions,
     cpu: CpuMetricsCollector | None = None,
     gpu: GpuMetricsCollector | None = None,
@@ -498,7 +516,7 @@ def metrics_router(
     elsewhere. ``refresh`` runs before each scrape (the workers supervisor fetches
     its workers' metrics there)."""
 
-    async def exposition(headers: Headers, body: RequestBody):
+    async def exposition(headers: Headers, body: RequestBody) -> Response:
         if refresh is not None:
             await refresh()
         data = exposition_text(metrics)
@@ -511,7 +529,7 @@ def metrics_router(
             [data],
         )
 
-    async def not_found(headers: Headers, body: RequestBody):
+    async def not_found(headers: Headers, body: RequestBody) -> Response:
         return (
             404,
             [
@@ -530,14 +548,14 @@ def metrics_router(
 
 
 async def serve_metrics(
-    registry,
+    registry: ObservedRegistry,
     options: MetricsOptions,
     address: str,
     port: int,
     shutdown: trio.Event,
     transport: HttpServerOptions | None = None,
     *,
-    task_status=trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``/metrics`` until ``shutdown`` is set, with the limits of
     ``transport`` (the server gives the HTTP port's: see

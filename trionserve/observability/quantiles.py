@@ -91,7 +91,7 @@ class CKMSQuantiles:
         beyond = np.flatnonzero(rank_before + self._g[1:] + self._delta[1:] > bound)
         return float(values[beyond[0]] if len(beyond) else values[-1])
 
-    def _allowed(self, ranks: np.ndarray, n) -> np.ndarray:
+    def _allowed(self, ranks: np.ndarray, n: int | np.ndarray) -> np.ndarray:
         """How much uncertainty a tuple at each rank may carry (the paper's f(r, n));
         ``n`` is the count, one for all ranks or one per rank."""
         r = ranks.astype(np.float64)

@@ -11,7 +11,7 @@ async def sample_every(
     sample: Callable[[], Awaitable[None]],
     interval: float,
     stop: trio.Event,
-    task_status=trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Sample now, report started, then every ``interval`` seconds until ``stop``."""
     await sample()

@@ -15,16 +15,20 @@ from __future__ import annotations
 import copy
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import trio
 
 from trionserve.observability.quantiles import Summary, Target
 
 if TYPE_CHECKING:  # metrics imports this module
+    from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve.core.inference import InferenceRequest
     from trionserve.observability.metrics import FirstResponseHistogram
+    from trionserve.observability.trace.trace_file import Trace
+    from trionserve.repository.repository import ModelId
 
 NS_PER_S = 1_000_000_000
 
@@ -150,7 +154,7 @@ class ModelStatistics:
         self.batch_stats: dict[int, BatchStatistics] = {}
         # Requests being traced -> their Trace (observability.trace): the executor
         # adds its compute timestamps to these; empty unless a request is sampled.
-        self.traces: dict = {}
+        self.traces: dict[InferenceRequest, Trace] = {}
         # Request-to-first-response histogram (observability.metrics), kept only
         # when the metrics ask for it (--metrics-config histogram_latencies=true).
         self.first_response: FirstResponseHistogram | None = None
@@ -336,13 +340,56 @@ def _add_counts(total: dict, more: dict) -> None:
             total[name] = total.get(name, 0) + value
 
 
-def statistics_json(registry, name: str | None, version: int | None) -> dict:
+# -- what the readers read of the registry ---------------------------------------------
+#
+# The registry and its model versions are actors (trionserve.actors), which record
+# into this package; the statistics endpoints and the metrics collectors read them
+# through these views, so nothing here imports upward.
+
+
+class ObservedVersion(Protocol):
+    """A loaded model version, as its readers see it (actors' ``ModelVersion``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def state(self) -> enum.Enum: ...
+    @property
+    def statistics(self) -> ModelStatistics: ...
+
+
+class ObservedModel(Protocol):
+    """One model's serving versions (actors' ``ModelEntry``)."""
+
+    @property
+    def model_id(self) -> ModelId: ...
+    @property
+    def versions(self) -> Mapping[int, ObservedVersion]: ...
+
+
+class ObservedRegistry(Protocol):
+    """The models a server knows (actors' ``ModelRegistry``)."""
+
+    def entries(self) -> Mapping[str, ObservedModel]: ...
+    def entry(self, name: str, namespace: str | None = None) -> ObservedModel | None: ...
+    def route(self, name: str, version: int | None) -> ObservedVersion: ...
+
+
+def statistics_json(registry: ObservedRegistry, name: str | None, version: int | None) -> dict:
     """The statistics extension's answer for ``name``/``version`` (HTTP JSON shape);
     raises as :func:`select_statistics` does."""
     return {"model_stats": [s.as_json() for s in select_statistics(registry, name, version)]}
 
 
-def select_statistics(registry, name: str | None, version: int | None) -> list[ModelStatistics]:
+def select_statistics(
+    registry: ObservedRegistry, name: str | None, version: int | None
+) -> list[ModelStatistics]:
     """The statistics a request for ``name``/``version`` covers, like Triton.
 
     No name: every READY version of every model. A name alone: every READY version
@@ -350,7 +397,7 @@ def select_statistics(registry, name: str | None, version: int | None) -> list[M
     the registry's NotFound / Unavailable errors.
     """
     if name is None:
-        selected = []
+        selected: list[ModelStatistics] = []
         for entry in sorted(registry.entries().values(), key=lambda e: e.model_id.order()):
             selected.extend(_ready_versions(entry))
         return selected
@@ -360,7 +407,7 @@ def select_statistics(registry, name: str | None, version: int | None) -> list[M
     return _ready_versions(registry.entry(name, model.namespace))
 
 
-def _ready_versions(entry) -> list[ModelStatistics]:
+def _ready_versions(entry: ObservedModel | None) -> list[ModelStatistics]:
     if entry is None:
         return []
     return [

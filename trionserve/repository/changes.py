@@ -27,7 +27,7 @@ class ConfigChange(enum.Enum):
     OTHER = "other fields"
 
 
-def config_changes(old, new) -> frozenset[ConfigChange]:
+def config_changes(old: ModelConfig, new: ModelConfig) -> frozenset[ConfigChange]:
     """How two prepared (completed, normalised) model configurations differ."""
     if old == new:
         return frozenset()

@@ -13,13 +13,20 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format, text_format
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.repository.versions import list_versions
+
+if TYPE_CHECKING:
+    # What a generated message's DESCRIPTOR is typed as: the pure-Python descriptor or
+    # upb's (the one the protobuf runtime serves).
+    from google._upb._message import Descriptor as UpbDescriptor
+    from google._upb._message import FieldDescriptor as UpbFieldDescriptor
 
 ModelConfig = mc.ModelConfig
 
@@ -47,7 +54,9 @@ _BACKEND_PLATFORM = {
 }
 # Model files Triton recognises in a version directory, in the order it checks them:
 # (file name, platform, backend, must be a directory: True / a file: False / either: None)
-_MODEL_FILES = (
+# (file name, platform, backend, whether it must be a directory: None when either)
+_ModelFile = tuple[str, str, str, bool | None]
+_MODEL_FILES: tuple[_ModelFile, ...] = (
     ("model.savedmodel", "tensorflow_savedmodel", "tensorflow", True),
     ("model.graphdef", "tensorflow_graphdef", "tensorflow", False),
     ("model.plan", "tensorrt_plan", "tensorrt", False),
@@ -183,7 +192,7 @@ def model_config_from_json(obj: dict) -> ModelConfig:
     return _config_from_dict(obj, "invalid model configuration")
 
 
-def _config_from_dict(obj, context: str) -> ModelConfig:
+def _config_from_dict(obj: object, context: str) -> ModelConfig:
     if not isinstance(obj, dict):
         raise InvalidArgument(f"{context}: expected a JSON object, got {type(obj).__name__}")
     try:
@@ -267,7 +276,7 @@ def _default_model_filename(platform: str, backend: str) -> str:
     return ""
 
 
-def _identify_model_file(config: ModelConfig, model_dir: Path):
+def _identify_model_file(config: ModelConfig, model_dir: Path) -> _ModelFile | None:
     """The _MODEL_FILES entry that default_model_filename or a version directory names."""
     if config.default_model_filename:
         return _SUFFIX_MODEL_FILE.get(Path(config.default_model_filename).suffix)
@@ -368,7 +377,7 @@ def model_config_to_json(config: ModelConfig) -> dict:
     return obj
 
 
-def _int64_to_numbers(descriptor, obj: dict) -> None:
+def _int64_to_numbers(descriptor: Descriptor | UpbDescriptor, obj: dict[str, Any]) -> None:
     for field in descriptor.fields:
         if field.name not in obj:
             continue
@@ -377,22 +386,14 @@ def _int64_to_numbers(descriptor, obj: dict) -> None:
             value_field = field.message_type.fields_by_name["value"]
             for key, item in value.items():
                 value[key] = _convert(value_field, item)
-        elif _is_repeated(field):
+        elif field.is_repeated:
             obj[field.name] = [_convert(field, item) for item in value]
         else:
             obj[field.name] = _convert(field, value)
 
 
-def _is_repeated(field) -> bool:
-    # ``label`` is deprecated in newer protobuf releases in favour of ``is_repeated``.
-    is_repeated = getattr(field, "is_repeated", None)
-    if is_repeated is not None:
-        return bool(is_repeated() if callable(is_repeated) else is_repeated)
-    return field.label == FieldDescriptor.LABEL_REPEATED
-
-
-def _convert(field, value):
-    if field.type == FieldDescriptor.TYPE_MESSAGE:
+def _convert(field: FieldDescriptor | UpbFieldDescriptor, value: Any) -> Any:
+    if field.message_type is not None:  # FieldDescriptor.TYPE_MESSAGE
         _int64_to_numbers(field.message_type, value)
         return value
     if field.type in _INT64_TYPES:

@@ -11,7 +11,8 @@ empty``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.core.errors import InvalidArgument
@@ -21,6 +22,9 @@ from trionserve.repository.config import (
     ModelConfig,
     check_platform_backend_pair,
 )
+
+# Raises InvalidArgument with the model's name before the message.
+_Fail = Callable[[str], NoReturn]
 
 
 def validate_model_config(config: ModelConfig) -> None:
@@ -35,7 +39,7 @@ def validate_model_config(config: ModelConfig) -> None:
         raise InvalidArgument("model configuration must specify 'name'")
     prefix = f"model '{name}': "
 
-    def fail(message: str):
+    def fail(message: str) -> NoReturn:
         raise InvalidArgument(prefix + message)
 
     _validate_platform(config, fail)
@@ -73,7 +77,7 @@ def validate_model_config(config: ModelConfig) -> None:
             fail(f"{where}: histogram_options.buckets must not be empty")
 
 
-def _validate_platform(config: ModelConfig, fail) -> None:
+def _validate_platform(config: ModelConfig, fail: _Fail) -> None:
     platform, backend = config.platform, config.backend
     if not platform and not backend:
         fail("platform or backend must be set")
@@ -86,7 +90,7 @@ def _validate_platform(config: ModelConfig, fail) -> None:
     check_platform_backend_pair(config.name, platform, backend)
 
 
-def _validate_version_policy(config: ModelConfig, fail) -> None:
+def _validate_version_policy(config: ModelConfig, fail: _Fail) -> None:
     policy = config.version_policy
     which = policy.WhichOneof("policy_choice")
     if which == "latest" and policy.latest.num_versions < 1:
@@ -99,11 +103,11 @@ def _validate_version_policy(config: ModelConfig, fail) -> None:
                 fail(f"version_policy.specific.versions must be positive, got {version}")
 
 
-def _shape_text(shape) -> str:
+def _shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _element_count(shape) -> int:
+def _element_count(shape: Sequence[int]) -> int:
     # As Triton's GetElementCount: -1 with any wildcard, 0 for an empty shape.
     if not shape:
         return 0
@@ -115,7 +119,7 @@ def _element_count(shape) -> int:
     return count
 
 
-def _trunk_counts(shape) -> list[int]:
+def _trunk_counts(shape: Sequence[int]) -> list[int]:
     # Element counts of the runs of fixed dims between wildcards: [2,4,-1,6] -> [8, 6].
     counts, current = [], 1
     for dim in shape:
@@ -128,7 +132,9 @@ def _trunk_counts(shape) -> list[int]:
     return counts
 
 
-def _validate_io(kind: str, index: int, io, config: ModelConfig, fail) -> None:
+def _validate_io(
+    kind: str, index: int, io: mc.ModelInput | mc.ModelOutput, config: ModelConfig, fail: _Fail
+) -> None:
     if not io.name:
         fail(f"{kind} {index}: name must not be empty")
     where = f"{kind} '{io.name}'"
@@ -167,7 +173,11 @@ def _validate_io(kind: str, index: int, io, config: ModelConfig, fail) -> None:
             if dims_trunks != reshape_trunks:
                 fail(f"{mismatch} have different element counts")
     is_tensorrt = config.platform == "tensorrt_plan"
-    if kind == "input" and io.format != mc.ModelInput.FORMAT_NONE and len(io.dims) != 3:
+    if (
+        isinstance(io, mc.ModelInput)
+        and io.format != mc.ModelInput.FORMAT_NONE
+        and len(io.dims) != 3
+    ):
         format_name = mc.ModelInput.Format.Name(io.format)
         fail(f"{where}: format {format_name} requires 3 dims, got {_shape_text(io.dims)}")
     if io.is_shape_tensor and not is_tensorrt:
@@ -179,7 +189,7 @@ def _validate_io(kind: str, index: int, io, config: ModelConfig, fail) -> None:
             fail(f"{where}: is_non_linear_format_io requires 3 dims, got {_shape_text(io.dims)}")
 
 
-def _validate_batch_io(config: ModelConfig, fail) -> None:
+def _validate_batch_io(config: ModelConfig, fail: _Fail) -> None:
     inputs = {io.name for io in config.input}
     outputs = {io.name for io in config.output}
     for index, batch_input in enumerate(config.batch_input):
@@ -209,7 +219,7 @@ def _validate_batch_io(config: ModelConfig, fail) -> None:
             targets.add(target)
 
 
-def _validate_instance_groups(config: ModelConfig, fail) -> None:
+def _validate_instance_groups(config: ModelConfig, fail: _Fail) -> None:
     Kind = mc.ModelInstanceGroup.Kind
     for index, group in enumerate(config.instance_group):
         where = f"instance_group '{group.name}'" if group.name else f"instance_group {index}"
@@ -229,7 +239,7 @@ def _validate_instance_groups(config: ModelConfig, fail) -> None:
                     fail(f"{where}: profile must be a non-negative integer, got '{profile}'")
 
 
-def _validate_dynamic_batching(config: ModelConfig, fail) -> None:
+def _validate_dynamic_batching(config: ModelConfig, fail: _Fail) -> None:
     batching = config.dynamic_batching
     for size in batching.preferred_batch_size:
         if size <= 0:
@@ -271,7 +281,7 @@ _BOOL_CONTROLS = ("CONTROL_SEQUENCE_START", "CONTROL_SEQUENCE_END", "CONTROL_SEQ
 _CORRID_TYPES = (mc.TYPE_UINT64, mc.TYPE_INT64, mc.TYPE_UINT32, mc.TYPE_INT32, mc.TYPE_STRING)
 
 
-def _validate_sequence_batching(config: ModelConfig, fail) -> None:
+def _validate_sequence_batching(config: ModelConfig, fail: _Fail) -> None:
     batching = config.sequence_batching
     Kind = mc.ModelSequenceBatching.Control.Kind
     if config.response_cache.enable:
@@ -351,7 +361,7 @@ def _validate_sequence_batching(config: ModelConfig, fail) -> None:
                 )
 
 
-def _validate_ensemble(config: ModelConfig, fail) -> None:
+def _validate_ensemble(config: ModelConfig, fail: _Fail) -> None:
     if config.platform != ENSEMBLE_PLATFORM:
         fail(f"ensemble_scheduling is set but platform is '{config.platform}', not 'ensemble'")
     if not config.HasField("ensemble_scheduling"):

@@ -39,11 +39,14 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from trionserve.core.errors import InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from azure.storage.blob import BlobProperties
 
 log = structlog.get_logger(__name__)
 
@@ -243,7 +246,7 @@ class AzureStore:
             self.container.download_blob(self.location.prefix + key).readinto(out)
 
 
-def _is_directory(blob) -> bool:
+def _is_directory(blob: BlobProperties) -> bool:
     """Whether a listed blob is a directory of an account with a hierarchical namespace.
 
     Data Lake Gen2 accounts list each directory as an empty blob named like the

@@ -49,7 +49,7 @@ class ModelId(str):
         model_id.name = name
         return model_id
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ModelId], tuple[str, str]]:
         return (ModelId, (self.namespace, self.name))
 
     @property

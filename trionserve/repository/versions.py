@@ -11,8 +11,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trionserve.core.errors import InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 _VERSION_NAME = re.compile(r"[1-9][0-9]*")
 _MAX_VERSION = 2**63 - 1  # versions are int64 on the wire
@@ -35,12 +39,12 @@ def list_versions(model_dir: Path) -> list[int]:
     return sorted(v for v in versions if v <= _MAX_VERSION)
 
 
-def _policy(config) -> str:
+def _policy(config: ModelConfig) -> str:
     # An unset policy means latest { num_versions: 1 }, as in Triton.
     return config.version_policy.WhichOneof("policy_choice") or "latest"
 
 
-def missing_versions(config, available: list[int]) -> list[int]:
+def missing_versions(config: ModelConfig, available: list[int]) -> list[int]:
     """Versions named by a ``specific`` policy that have no version directory.
 
     Triton logs these and loads the versions that do exist; the caller reports them
@@ -52,7 +56,7 @@ def missing_versions(config, available: list[int]) -> list[int]:
     return sorted({v for v in config.version_policy.specific.versions if v not in present})
 
 
-def select_versions(config, available: list[int]) -> list[int]:
+def select_versions(config: ModelConfig, available: list[int]) -> list[int]:
     """The versions to load under the config's version policy, ascending.
 
     ``latest {num_versions: n}`` takes the n numerically greatest versions, ``all``

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from trionserve.actors.watcher import ControlMode
 
@@ -24,7 +25,7 @@ def parse_workers(text: str) -> int:
     return value
 
 
-def add_worker_flags(add) -> None:
+def add_worker_flags(add: Callable[..., argparse.Action]) -> None:
     add(
         "--workers",
         type=parse_workers,

@@ -40,7 +40,7 @@ class MergedMetrics:
         bind: tuple[str, int],
         options: HttpServerOptions,
         *,
-        task_status=trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve the merged metrics on ``bind`` until cancelled."""
         registry = CollectorRegistry(auto_describe=False)

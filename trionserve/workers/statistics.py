@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -21,7 +22,19 @@ import trio
 from trionserve.core.errors import InvalidArgument, TritonError
 from trionserve.observability.statistics import merge_model_stats, statistics_json
 from trionserve.protocol.http.frontend import error_status
-from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
+from trionserve.protocol.http.transport import (
+    Handler,
+    Headers,
+    HttpServer,
+    HttpServerOptions,
+    RequestBody,
+    Response,
+    Router,
+)
+
+if TYPE_CHECKING:
+    from trionserve.dataplane import DataPlane
+    from trionserve.server import Server
 
 log = structlog.get_logger(__name__)
 
@@ -46,12 +59,16 @@ def statistics_query(body: bytes | bytearray | memoryview) -> tuple[str | None, 
 # -- a worker's side ------------------------------------------------------------------
 
 
-async def serve_own_statistics(server, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_own_statistics(
+    server: Server,
+    *,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """``server``'s own statistics, for the supervisor, on a loopback port it binds
     (any free one: ``task_status.started`` gives the binds), until cancelled."""
     dataplane = server.dataplane
 
-    async def own_statistics(headers, body: bytes):
+    async def own_statistics(headers: Headers, body: RequestBody) -> Response:
         try:
             name, version = statistics_query(body)
             return json_response(200, statistics_json(dataplane.registry, name, version))
@@ -67,8 +84,8 @@ async def serve_own_statistics(server, *, task_status=trio.TASK_STATUS_IGNORED) 
 
 
 async def all_workers_statistics(
-    dataplane, supervisor_port: int, name: str | None, version: int | None
-) -> dict:
+    dataplane: DataPlane, supervisor_port: int, name: str | None, version: int | None
+) -> dict[str, Any]:
     """Every worker's statistics added up, from the supervisor; this worker's
     own when the supervisor cannot answer (logged)."""
     query = json.dumps({"name": name, "version": version}).encode()
@@ -87,13 +104,13 @@ async def serve_all_statistics(
     options: HttpServerOptions,
     worker_ports: Callable[[], list[tuple[int, int]]],
     *,
-    task_status=trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Every ready worker's statistics added up, for the workers, on a loopback
     port (any free one: ``task_status.started`` gives the binds), until cancelled.
     ``worker_ports()``: (index, private statistics port) of each ready worker."""
 
-    async def all_statistics(headers, body: bytes):
+    async def all_statistics(headers: Headers, body: RequestBody) -> Response:
         try:
             name, version = statistics_query(body)
         except TritonError as error:
@@ -123,7 +140,7 @@ async def serve_all_statistics(
 # -- the HTTP of both sides -----------------------------------------------------------
 
 
-def _post_json(port: int, path: str, body: bytes) -> dict:
+def _post_json(port: int, path: str, body: bytes) -> Any:
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}{path}",
         data=body,
@@ -134,19 +151,19 @@ def _post_json(port: int, path: str, body: bytes) -> dict:
         return json.loads(response.read())
 
 
-def json_response(status: int, value: dict):
+def json_response(status: int, value: dict[str, Any]) -> Response:
     data = json.dumps(value).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
     return status, headers, [data]
 
 
-def post_route(path: str, handler):
+def post_route(path: str, handler: Handler) -> Router:
     """A router with one handler, for POST ``path``; a JSON 404 elsewhere."""
 
-    async def not_found(headers, body: bytes):
+    async def not_found(headers: Headers, body: RequestBody) -> Response:
         return json_response(404, {"error": "Not Found"})
 
-    def route(method: bytes, request_path: str):
+    def route(method: bytes, request_path: str) -> Handler:
         return handler if method == b"POST" and request_path == path else not_found
 
     return route

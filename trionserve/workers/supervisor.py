@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
@@ -39,6 +40,9 @@ from trionserve.protocol.http.transport import HttpServerOptions
 from trionserve.workers.metrics import MergedMetrics
 from trionserve.workers.readiness import receive_ready
 from trionserve.workers.statistics import serve_all_statistics
+
+if TYPE_CHECKING:
+    from trionserve.server import ServerOptions
 
 log = structlog.get_logger(__name__)
 
@@ -226,7 +230,7 @@ def _backoff(failures: int) -> float:
     return min(RESTART_BACKOFF_MAX, RESTART_BACKOFF_FIRST * 2 ** max(failures - 1, 0))
 
 
-def metrics_bind(options) -> tuple[str, int] | None:
+def metrics_bind(options: ServerOptions) -> tuple[str, int] | None:
     """Where the supervisor serves metrics: Triton's rule, as ``Server`` applies it."""
     if not options.allow_metrics:
         return None
@@ -234,7 +238,7 @@ def metrics_bind(options) -> tuple[str, int] | None:
     return address, options.metrics_port
 
 
-def run_supervisor(options, count: int, argv: list[str]) -> int:
+def run_supervisor(options: ServerOptions, count: int, argv: list[str]) -> int:
     plan = SupervisorPlan(
         count=count,
         argv=list(argv),

@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
 from trionserve.workers.readiness import ReadyReporter, WorkerPorts
 from trionserve.workers.statistics import all_workers_statistics, serve_own_statistics
+
+if TYPE_CHECKING:
+    from trionserve.actors.registry import ModelRegistry
+    from trionserve.server import Server
 
 log = structlog.get_logger(__name__)
 
@@ -36,7 +41,7 @@ ORPHAN_CHECK_SECS = 1.0
 
 
 async def serve_worker(
-    server,
+    server: Server,
     index: int,
     ready_fd: int | None,
     supervisor_port: int | None = None,
@@ -80,7 +85,7 @@ def _nothing() -> None:
     pass
 
 
-async def _follow_parent(server, parent: int) -> None:
+async def _follow_parent(server: Server, parent: int) -> None:
     # Another process's end has no event to wait on (no pidfd for a parent).
     while os.getppid() == parent:  # noqa: ASYNC110
         await trio.sleep(ORPHAN_CHECK_SECS)
@@ -88,7 +93,7 @@ async def _follow_parent(server, parent: int) -> None:
     server.shutdown()
 
 
-def warn_sequence_models(registry) -> None:
+def warn_sequence_models(registry: ModelRegistry) -> None:
     """Log which loaded models keep sequence state in one worker."""
     names = []
     for entry in sorted(registry.entries().values(), key=lambda e: e.model_id.order()):

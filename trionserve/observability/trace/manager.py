@@ -14,7 +14,7 @@ the Triton trace files (:mod:`.trace_file`, mode ``triton``) or, in mode
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -29,6 +29,12 @@ from trionserve.observability.trace.settings import (
     parse_changes,
 )
 from trionserve.observability.trace.trace_file import Trace, TraceFileWriter, clock_ns
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
+
+    from trionserve.core.inference import InferenceRequest, InferenceResponse
+    from trionserve.observability.statistics import ObservedVersion
 
 # Finished traces held in memory (all settings together) before they are written:
 # past it they are written at once, not at log_frequency, the count's end or
@@ -46,7 +52,9 @@ class TraceManager:
     thread. ``aclose`` writes what is buffered and closes the files.
     """
 
-    def __init__(self, config: TraceConfig | None = None, *, span_processor=None) -> None:
+    def __init__(
+        self, config: TraceConfig | None = None, *, span_processor: SpanProcessor | None = None
+    ) -> None:
         """``span_processor``: where opentelemetry mode sends its spans (tests);
         by default an OTLP/HTTP exporter behind a batch processor."""
         config = config or TraceConfig()
@@ -170,7 +178,7 @@ class TraceManager:
 
     # -- sampling (the data plane) ---------------------------------------------------
 
-    def start(self, model, request) -> Trace | None:
+    def start(self, model: ObservedVersion, request: InferenceRequest) -> Trace | None:
         """Sample a request about to be queued; a Trace with REQUEST_START if taken.
 
         Call only when ``active``. The trace is registered on the model version's
@@ -190,7 +198,13 @@ class TraceManager:
         model.statistics.traces[request] = trace
         return trace
 
-    def finish(self, trace: Trace, model, request, response=None) -> None:
+    def finish(
+        self,
+        trace: Trace,
+        model: ObservedVersion,
+        request: InferenceRequest,
+        response: InferenceResponse | None = None,
+    ) -> None:
         """The request has its outcome: REQUEST_END, then the trace is written."""
         model.statistics.traces.pop(request, None)
         end = clock_ns(trio.current_time())
@@ -241,7 +255,7 @@ class TraceManager:
             setting.buffer = []
             self._writer.write(setting.file, text, indexed=indexed)
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The trace-file writer's task, until ``aclose`` (see TraceFileWriter.run)."""
         await self._writer.run(task_status=task_status)
 

@@ -7,12 +7,16 @@ only when this mode is chosen.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import trio
 
 from trionserve.core.errors import TritonError
 from trionserve.observability.trace.settings import OTEL_DEFAULTS
 from trionserve.observability.trace.trace_file import Trace, clock_ns
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
 
 
 class OpenTelemetryExporter:
@@ -25,7 +29,7 @@ class OpenTelemetryExporter:
     (or a span processor given for tests).
     """
 
-    def __init__(self, settings: dict[str, str], processor=None) -> None:
+    def __init__(self, settings: dict[str, str], processor: SpanProcessor | None = None) -> None:
         try:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider

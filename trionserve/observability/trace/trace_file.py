@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import TextIO
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, TextIO, TypeVarTuple
 
 import numpy as np
 import structlog
 import trio
 
 from trionserve.observability.trace.settings import TraceSetting
+
+if TYPE_CHECKING:
+    from trionserve.core.inference import InferenceRequest
+
+_Args = TypeVarTuple("_Args")
+# A chunk for the writer's thread: a write, its arguments and the bytes it holds.
+_Job = tuple[Callable[..., None], tuple[object, ...], int]
 
 log = structlog.get_logger(__name__)
 
@@ -133,7 +141,12 @@ def _tensor_text(datatype: str, data: np.ndarray) -> str:
 
 
 def record_compute(
-    traces: dict, requests, start: float, end: float, input_ns: int, output_ns: int
+    traces: Mapping[InferenceRequest, Trace],
+    requests: Iterable[InferenceRequest],
+    start: float,
+    end: float,
+    input_ns: int,
+    output_ns: int,
 ) -> None:
     """Give the traced requests of one batch the batch's compute timestamps."""
     for request in requests:
@@ -181,7 +194,7 @@ class TraceFile:
                 self._handle = None
 
 
-def _run_write(function, args) -> None:
+def _run_write(function: Callable[[*_Args], None], args: tuple[*_Args]) -> None:
     try:
         function(*args)
     except OSError as exc:
@@ -198,7 +211,7 @@ class TraceFileWriter:
 
     def __init__(self) -> None:
         self._files: dict[str, TraceFile] = {}
-        self._send: trio.MemorySendChannel | None = None
+        self._send: trio.MemorySendChannel[_Job] | None = None
         self._done = trio.Event()
         self._queued_bytes = 0  # text of the chunks waiting for the writer
 
@@ -229,7 +242,7 @@ class TraceFileWriter:
         else:
             self._submit(file.append, text, size=len(text))
 
-    def _submit(self, function, *args, size: int = 0) -> None:
+    def _submit(self, function: Callable[[*_Args], None], *args: *_Args, size: int = 0) -> None:
         if self._send is not None:
             if self._queued_bytes + size > MAX_QUEUED_TRACE_BYTES and self._queued_bytes:
                 log.warning("trace writer is behind; writing a trace chunk in place")
@@ -244,7 +257,7 @@ class TraceFileWriter:
                     pass
         _run_write(function, args)
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Write queued chunks in a worker thread until ``aclose``.
 
         If it is cancelled first, what is queued is written before it ends.
