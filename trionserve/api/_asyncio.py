@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import trio
 
 from trionserve.api._errors import InvalidArgumentError, UnavailableError
-from trionserve.api._response import STOPPED, InferenceResponse, Raised
+from trionserve.api._response import STOPPED, Forwarded, InferenceResponse, Raised
 
 if TYPE_CHECKING:
     from trionserve.api._blocking import _LoopThread
+    from trionserve.api._trio import AsyncResponseIterator
 
 
 _END = object()
@@ -30,7 +31,7 @@ class AsyncioResponseIterator:
     first iterated. An ``__anext__`` that is cancelled (its asyncio task was)
     cancels the request, as ``cancel()`` does."""
 
-    def __init__(self, loop: _LoopThread, responses) -> None:
+    def __init__(self, loop: _LoopThread, responses: AsyncResponseIterator) -> None:
         self._loop = loop
         self._responses = responses
         self._complete = False
@@ -38,7 +39,7 @@ class AsyncioResponseIterator:
         self._scope: trio.CancelScope | None = None
         self._receive: trio.MemoryReceiveChannel | None = None
         self._abandoned = False
-        self._own: asyncio.Queue | None = None
+        self._own: asyncio.Queue[Forwarded] | None = None
         if responses.response_queue is not None:
             self._forward_to(responses.response_queue)
 
@@ -52,17 +53,17 @@ class AsyncioResponseIterator:
             raise InvalidArgumentError(
                 "async_infer with a response_queue is called from a running asyncio loop"
             ) from None
-        own: asyncio.Queue = asyncio.Queue()
+        own: asyncio.Queue[Forwarded] = asyncio.Queue()
         self._own = own
         self._raise_on_error = self._responses.raise_on_error
         self._responses.raise_on_error = False  # an error is a response in the queue
 
-        def both(response) -> None:
+        def both(response: Forwarded) -> None:
             own.put_nowait(response)
             if response is not STOPPED:
                 user_queue.put_nowait(response)
 
-        def deliver(response) -> None:
+        def deliver(response: Forwarded) -> None:
             try:
                 aloop.call_soon_threadsafe(both, response)
             except RuntimeError:  # that event loop is closed: no one waits
@@ -104,7 +105,7 @@ class AsyncioResponseIterator:
         self._complete = item.final
         return item
 
-    async def _next_queued(self, own: asyncio.Queue) -> InferenceResponse:
+    async def _next_queued(self, own: asyncio.Queue[Forwarded]) -> InferenceResponse:
         item = await own.get()
         if item is STOPPED:
             self._complete = True

@@ -15,10 +15,10 @@ import concurrent.futures
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from functools import partial
-from typing import Any, Self
+from typing import Any, Generic, NoReturn, Protocol, Self, TypeVar, TypeVarTuple
 
 import structlog
 import trio
@@ -28,7 +28,7 @@ from trionserve.api._errors import InvalidArgumentError, UnavailableError
 from trionserve.api._models import ModelDictionary, describe_model
 from trionserve.api._options import MetricFormat, ModelBatchFlag, ModelTxnPropertyFlag, Options
 from trionserve.api._request import InferenceRequest
-from trionserve.api._response import STOPPED, HttpResponse, InferenceResponse, Raised
+from trionserve.api._response import STOPPED, Forwarded, HttpResponse, InferenceResponse, Raised
 from trionserve.api._trio import (
     AsyncModel,
     AsyncResponseIterator,
@@ -44,6 +44,17 @@ from trionserve.server import Server as Core
 from trionserve.server import ServerOptions
 
 log = structlog.get_logger(__name__)
+
+_T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
+_Args = TypeVarTuple("_Args")
+
+
+class _ClosableAsyncIterable(AsyncIterable[_T_co], Protocol[_T_co]):
+    """What a handing task takes items from: a request's responses (an async
+    generator, an AsyncResponseIterator) or a streamed body's chunks."""
+
+    def aclose(self) -> Awaitable[object]: ...
 
 
 class _LoopThread:
@@ -94,41 +105,45 @@ class _LoopThread:
         assert self.token is not None
         return self.token
 
-    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _serve(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         try:
             await self.core.serve(task_status=task_status)
         finally:
             assert self._nursery is not None
             self._nursery.cancel_scope.cancel()
 
-    def run(self, afn, *args):
+    def run(self, afn: Callable[[*_Args], Awaitable[_T]], *args: *_Args) -> _T:
         """``await afn(*args)`` in the core's run; blocks until it returns."""
         try:
             return trio.from_thread.run(afn, *args, trio_token=self.token)
         except trio.RunFinishedError:
             raise UnavailableError("the in-process server has stopped") from None
 
-    def run_sync(self, fn, *args):
+    def run_sync(self, fn: Callable[[*_Args], _T], *args: *_Args) -> _T:
         """``fn(*args)`` in the core's run (it owns the state ``fn`` reads)."""
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
         except trio.RunFinishedError:
             raise UnavailableError("the in-process server has stopped") from None
 
-    def call_soon(self, fn, *args) -> None:
+    def call_soon(self, fn: Callable[[*_Args], object], *args: *_Args) -> None:
         """``fn(*args)`` in the core's run, without waiting (from any thread)."""
         try:
             self.started_token.run_sync_soon(fn, *args)
         except trio.RunFinishedError:
             pass
 
-    def hand(self, items) -> tuple[trio.CancelScope, trio.MemoryReceiveChannel]:
+    def hand(
+        self, items: _ClosableAsyncIterable[_T]
+    ) -> tuple[trio.CancelScope, trio.MemoryReceiveChannel[_T | Raised]]:
         """Start (without waiting, from any thread) a task that hands ``items``
         (responses, or body chunks) over one at a time; returns its cancel scope
         and the receiving end of its channel, which holds nothing: an item waits
         in its source until taken. Cancelling the scope, even before the task
         began, closes ``items``."""
-        send, receive = trio.open_memory_channel(0)
+        send, receive = trio.open_memory_channel[_T | Raised](0)
         scope = trio.CancelScope()
         try:
             self.started_token.run_sync_soon(self._start_handing, items, send, scope)
@@ -136,7 +151,9 @@ class _LoopThread:
             raise UnavailableError("the in-process server has stopped") from None
         return scope, receive
 
-    def forward(self, responses, deliver: Callable[[Any], None]) -> trio.CancelScope:
+    def forward(
+        self, responses: AsyncResponseIterator, deliver: Callable[[Forwarded], None]
+    ) -> trio.CancelScope:
         """Start (without waiting, from any thread) a task that takes every one of
         ``responses`` as it comes and passes it to ``deliver`` (in the core's run;
         it must not block), then ``deliver(STOPPED)`` if they ended before their
@@ -154,11 +171,16 @@ class _LoopThread:
             raise UnavailableError("the in-process server has stopped") from None
         return scope
 
-    def _start_handing(self, items, send: trio.MemorySendChannel, scope) -> None:
+    def _start_handing(
+        self,
+        items: _ClosableAsyncIterable[_T],
+        send: trio.MemorySendChannel[_T | Raised],
+        scope: trio.CancelScope,
+    ) -> None:
         if not self.start_soon(_hand_over, items, send, scope):
             send.close()  # the receiver sees the end, before any final response
 
-    def start_soon(self, afn, *args) -> bool:
+    def start_soon(self, afn: Callable[[*_Args], Awaitable[object]], *args: *_Args) -> bool:
         """Run ``afn(*args)`` as a task of the core's run (from the run's thread);
         False once the run is ending and starts nothing more."""
         assert self._nursery is not None
@@ -182,7 +204,11 @@ class _LoopThread:
         return self._thread.is_alive()
 
 
-async def _hand_over(items, send: trio.MemorySendChannel, scope: trio.CancelScope) -> None:
+async def _hand_over(
+    items: _ClosableAsyncIterable[_T],
+    send: trio.MemorySendChannel[_T | Raised],
+    scope: trio.CancelScope,
+) -> None:
     """Send each of ``items`` (an async iterator with ``aclose``) as the receiver
     takes it, then close; its error is sent as :class:`Raised`. Cancelling
     ``scope`` closes ``items`` (a request: cancelled)."""
@@ -196,7 +222,9 @@ async def _hand_over(items, send: trio.MemorySendChannel, scope: trio.CancelScop
                 await send.send(Raised(as_triton_error(exc, "in-process infer")))
 
 
-async def _forward(responses, deliver: Callable[[Any], None], scope: trio.CancelScope) -> None:
+async def _forward(
+    responses: AsyncResponseIterator, deliver: Callable[[Forwarded], None], scope: trio.CancelScope
+) -> None:
     final = False
     with scope:
         try:
@@ -269,7 +297,7 @@ class Server:
             self.start(wait_until_ready=True)
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if self._loop is not None:
             self.stop()
 
@@ -310,7 +338,7 @@ class Server:
         loop = self._require_started()
         return Model(loop, loop.server.model(model_name, model_version))
 
-    def models(self, exclude_not_ready: bool = False) -> ModelDictionary:
+    def models(self, exclude_not_ready: bool = False) -> ModelDictionary[Model]:
         loop = self._require_started()
         rows = loop.run_sync(loop.server.dataplane.repository_index, exclude_not_ready)
         return ModelDictionary(
@@ -400,7 +428,9 @@ def _stopper(server_ref: weakref.ref) -> Callable[[], None]:
     return stop_at_exit
 
 
-async def _ready_within(server: AsyncServer, polling_interval: float, timeout: float | None):
+async def _ready_within(
+    server: AsyncServer, polling_interval: float, timeout: float | None
+) -> None:
     with trio.move_on_after(timeout if timeout is not None else float("inf")):
         await server.wait_until_ready(polling_interval)
         return
@@ -482,20 +512,20 @@ class Model:
         return describe_model(self.name, self.version, self.state)
 
 
-class _Handed:
+class _Handed(Generic[_T]):
     """Items a task in the core's run hands to a blocking caller one at a time
     (see :meth:`_LoopThread.hand`). Dropped or closed before its end, it
     cancels that task, and so the request behind it."""
 
-    def __init__(self, loop: _LoopThread, items) -> None:
+    def __init__(self, loop: _LoopThread, items: _ClosableAsyncIterable[_T]) -> None:
         self._loop = loop
         self._complete = False
         self._scope, self._receive = loop.hand(items)
 
-    def __iter__(self):
+    def __iter__(self) -> Self:
         return self
 
-    def _next_item(self):
+    def _next_item(self) -> _T:
         if self._complete:
             raise StopIteration
         try:
@@ -526,7 +556,7 @@ class _Handed:
             self.close()
 
 
-class ResponseIterator(_Handed):
+class ResponseIterator(_Handed[InferenceResponse]):
     """The responses of one request, for a blocking caller (see
     :class:`AsyncResponseIterator`). The request is sent at once. An iterator
     dropped (or closed) before its final response cancels its request, unless
@@ -544,11 +574,11 @@ class ResponseIterator(_Handed):
         self._complete = False
         self._raise_on_error = responses.raise_on_error
         responses.raise_on_error = False  # an error is a response in the queue
-        own: queue.SimpleQueue = queue.SimpleQueue()
+        own: queue.SimpleQueue[Forwarded] = queue.SimpleQueue()
         self._own = own
         user_queue = self._user_queue
 
-        def deliver(response) -> None:
+        def deliver(response: Forwarded) -> None:
             own.put(response)
             if response is not STOPPED:
                 user_queue.put_nowait(response)
@@ -563,24 +593,24 @@ class ResponseIterator(_Handed):
         if self._complete:
             raise StopIteration
         try:
-            item = self._own.get()
+            queued = self._own.get()
         except BaseException:  # the caller interrupted (KeyboardInterrupt)
             self.close()
             raise
-        if item is STOPPED:
+        if queued is STOPPED:
             self._complete = True
             self._ended()
-        self._complete = item.final
-        if item.error is not None and self._raise_on_error:
-            raise item.error
-        return item
+        self._complete = queued.final
+        if queued.error is not None and self._raise_on_error:
+            raise queued.error
+        return queued
 
     def cancel(self) -> None:
         """End the request with CancelledError (Triton's ``cancel``)."""
         if not self._complete:
             self._loop.call_soon(self._responses.cancel)
 
-    def _ended(self) -> None:
+    def _ended(self) -> NoReturn:
         # Before the final response: the core stopped and cancelled the request.
         raise UnavailableError("the in-process server stopped before the request ended")
 
@@ -590,7 +620,7 @@ class ResponseIterator(_Handed):
             super().__del__()
 
 
-class _Chunks(_Handed):
+class _Chunks(_Handed[bytes]):
     """A streamed HTTP answer's body chunks, for a blocking caller."""
 
     def __next__(self) -> bytes:

@@ -4,7 +4,8 @@ override arguments, and ``models()``'s dictionary."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from trionserve.api._errors import InvalidArgumentError
 
@@ -48,11 +49,18 @@ def load_arguments(
     return config_text, contents
 
 
-class ModelDictionary(dict):
+_M = TypeVar("_M")
+
+
+class ModelDictionary(dict[tuple[str, int], _M]):
     """``models()``: (name, version) -> Model, as Triton's ModelDictionary; a bare
     name gives the model at version -1."""
 
-    def __init__(self, make_model, rows: list[dict]) -> None:
+    def __init__(
+        self,
+        make_model: Callable[[str, int, str | None, str | None], _M],
+        rows: list[dict[str, Any]],
+    ) -> None:
         super().__init__()
         self._make_model = make_model
         for row in rows:
@@ -62,7 +70,7 @@ class ModelDictionary(dict):
             self[(row["name"], number)] = model
         self._names = {name for name, _ in self}
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: tuple[str, int] | str) -> _M:
         if isinstance(key, tuple):
             try:
                 return dict.__getitem__(self, key)

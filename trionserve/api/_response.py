@@ -7,8 +7,9 @@ Pure functions and plain data: nothing here touches the event loop.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal, Protocol, Self
 
 import numpy as np
 
@@ -47,8 +48,25 @@ class InferenceResponse:
     final: bool = False
 
 
+class ResponseModel(Protocol):
+    """The model a response names: an :class:`~trionserve.api.AsyncModel`, or the
+    blocking :class:`~trionserve.api.Model` around one."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def version(self) -> int: ...
+    def _at_version(self, version: int) -> Self: ...
+
+
+class _Stopped(enum.Enum):
+    STOPPED = "stopped"
+
+
 # What a response_queue forwarder hands on when responses ended before the final one.
-STOPPED: Any = object()
+STOPPED: Final = _Stopped.STOPPED
+# What a forwarder delivers: each response, then STOPPED if the final one never came.
+Forwarded = InferenceResponse | Literal[_Stopped.STOPPED]
 
 
 class Raised:
@@ -61,7 +79,7 @@ class Raised:
 
 
 def response_from(
-    model,
+    model: ResponseModel,
     request: CoreRequest,
     response: CoreResponse | None,
     final: bool,
@@ -120,7 +138,9 @@ def output_tensor(tensor: CoreTensor) -> Tensor:
     return Tensor(DataType[tensor.datatype], list(data.shape), buffer)
 
 
-def error_response(model, request: CoreRequest, error: TritonError) -> InferenceResponse:
+def error_response(
+    model: ResponseModel, request: CoreRequest, error: TritonError
+) -> InferenceResponse:
     return InferenceResponse(model, request.id or None, error=error, final=True)
 
 

@@ -16,6 +16,7 @@ import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -118,7 +119,7 @@ def parse_device_or_memory_type(device: Any) -> tuple[MemoryType, int]:
     )
 
 
-def _cupy():
+def _cupy() -> ModuleType:
     """cupy, imported when a GPU tensor is first met; UnsupportedError without it."""
     try:
         import cupy

@@ -8,7 +8,7 @@ drain. No network frontend runs unless attached.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, Self
 from urllib.parse import unquote
@@ -29,12 +29,14 @@ from trionserve.api._request import InferenceRequest, build_request
 from trionserve.api._response import (
     HttpResponse,
     InferenceResponse,
+    ResponseModel,
     check_output_memory_type,
     error_response,
     response_from,
 )
 from trionserve.core.errors import as_triton_error
 from trionserve.core.inference import InferenceRequest as CoreRequest
+from trionserve.core.inference import InferenceResponse as CoreResponse
 from trionserve.dataplane import DataPlane
 from trionserve.observability.exposition import exposition_text
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
@@ -158,7 +160,7 @@ class AsyncServer:
         route_version(model_version)
         return AsyncModel(self, model_name, model_version)
 
-    def models(self, exclude_not_ready: bool = False) -> ModelDictionary:
+    def models(self, exclude_not_ready: bool = False) -> ModelDictionary[AsyncModel]:
         """The repository index: (name, version) -> model with its state and reason."""
         rows = self.dataplane.repository_index(ready_only=exclude_not_ready)
         return ModelDictionary(
@@ -314,7 +316,13 @@ class AsyncModel:
             )
         return responses
 
-    def _infer(self, owner, inference_request, raise_on_error: bool, kwargs: dict):
+    def _infer(
+        self,
+        owner: ResponseModel,
+        inference_request: InferenceRequest | None,
+        raise_on_error: bool,
+        kwargs: dict[str, Any],
+    ) -> AsyncResponseIterator:
         """The request, its responses made for ``owner`` (this model or the
         blocking Model around it)."""
         if inference_request is None:
@@ -387,7 +395,7 @@ class AsyncResponseIterator:
     def __init__(
         self,
         dataplane: DataPlane,
-        owner,
+        owner: ResponseModel,
         request: CoreRequest,
         raise_on_error: bool,
         output_memory_type: Any = None,
@@ -445,7 +453,7 @@ class AsyncResponseIterator:
     async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
 
@@ -453,7 +461,9 @@ def _bytes(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode("latin-1")
 
 
-async def _pairs(dataplane: DataPlane, request: CoreRequest):
+async def _pairs(
+    dataplane: DataPlane, request: CoreRequest
+) -> AsyncGenerator[tuple[CoreResponse | None, bool]]:
     """``(response, final)`` pairs through the DataPlane's own paths: ``infer``
     (one response; the response cache applies) or, for a decoupled model,
     ``responses`` (the stream), so admission, the drain, statistics and tracing
