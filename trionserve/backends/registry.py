@@ -43,6 +43,20 @@ def _ensemble() -> Backend:
     return EnsembleBackend()
 
 
+def _reference(module: str, cls: str) -> Callable[[], Backend]:
+    """A factory for one of Triton's test backends (backends/reference/)."""
+
+    def make() -> Backend:
+        import importlib
+
+        backend: Backend = getattr(
+            importlib.import_module(f"trionserve.backends.reference.{module}"), cls
+        )()
+        return backend
+
+    return make
+
+
 # backend or platform name -> factory. Factories import their framework lazily, so
 # a server without torch or tensorrt starts and reports those models UNAVAILABLE.
 _FACTORIES: dict[str, Callable[[], Backend]] = {
@@ -55,6 +69,15 @@ _FACTORIES: dict[str, Callable[[], Backend]] = {
     "tensorrt_plan": _tensorrt,
     "python": _python,
     "ensemble": _ensemble,
+    # Triton's test and example backends, by the names Triton's QA uses.
+    "identity": _reference("identity", "IdentityBackend"),
+    "repeat": _reference("decoupled", "RepeatBackend"),
+    "square": _reference("decoupled", "SquareBackend"),
+    "minimal": _reference("examples", "MinimalBackend"),
+    "recommended": _reference("examples", "RecommendedBackend"),
+    "sequence": _reference("sequence", "SequenceBackend"),
+    "dyna_sequence": _reference("sequence", "DynaSequenceBackend"),
+    "implicit_state": _reference("sequence", "ImplicitStateBackend"),
 }
 
 
