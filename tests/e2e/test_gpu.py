@@ -22,6 +22,7 @@ from trionserve.backends.cuda.devices import gpu_count
 from trionserve.backends.onnxruntime.backend import OnnxRuntimeBackend
 from trionserve.backends.onnxruntime.providers import execution_providers
 from trionserve.backends.tensorrt import backend as trt_backend
+from trionserve.backends.tensorrt import engine as trt_engine
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.server import Server, ServerOptions
@@ -282,8 +283,8 @@ class FakeEngine:
 
 def test_tensorrt_auto_complete_reads_the_engine():
     config = parse_config('name: "plan" platform: "tensorrt_plan"')
-    tensors = trt_backend.engine_tensors(FakeEngine((-1, 16), 8))
-    trt_backend.complete_config(config, tensors, max_batch_size_set=False)
+    tensors = trt_engine.engine_tensors(FakeEngine((-1, 16), 8))
+    trt_engine.complete_config(config, tensors, max_batch_size_set=False)
     assert config.max_batch_size == 8
     assert [(i.name, list(i.dims)) for i in config.input] == [
         ("INPUT0", [16]),
@@ -294,8 +295,8 @@ def test_tensorrt_auto_complete_reads_the_engine():
     assert config.HasField("dynamic_batching")  # Triton enables it for batching engines
 
     fixed = parse_config('name: "plan" platform: "tensorrt_plan"')
-    trt_backend.complete_config(
-        fixed, trt_backend.engine_tensors(FakeEngine((4, 16), 8)), max_batch_size_set=False
+    trt_engine.complete_config(
+        fixed, trt_engine.engine_tensors(FakeEngine((4, 16), 8)), max_batch_size_set=False
     )
     assert fixed.max_batch_size == 0
     assert list(fixed.input[0].dims) == [4, 16]
@@ -303,11 +304,11 @@ def test_tensorrt_auto_complete_reads_the_engine():
 
     too_big = parse_config('name: "plan" platform: "tensorrt_plan" max_batch_size: 16')
     with pytest.raises(InvalidArgument, match="only supports max-batch 8"):
-        trt_backend.complete_config(too_big, tensors, max_batch_size_set=True)
+        trt_engine.complete_config(too_big, tensors, max_batch_size_set=True)
 
 
 @pytest.mark.skipif(
-    not trt_backend.missing_requirements(), reason="this host can run TensorRT plans"
+    not trt_engine.missing_requirements(), reason="this host can run TensorRT plans"
 )
 async def test_tensorrt_plan_is_unavailable_without_gpu_or_tensorrt(tmp_path):
     write(tmp_path, "plan", "model.plan", b"not an engine", 'platform: "tensorrt_plan"')
@@ -324,7 +325,7 @@ async def test_tensorrt_plan_is_unavailable_without_gpu_or_tensorrt(tmp_path):
         rows = [r for r in server.registry.index() if r["name"] == "plan"]
         server.shutdown()
     assert rows and all(r["state"] == "UNAVAILABLE" for r in rows)
-    for missing in trt_backend.missing_requirements():
+    for missing in trt_engine.missing_requirements():
         assert missing in rows[0]["reason"]
 
 

@@ -205,7 +205,7 @@ def load(monkeypatch, config: ModelConfig, low: int = 16, high: int = 16, uncapt
     engine = FakeEngine(device, low, high)
     engine.uncapturable.update(uncapturable)
     monkeypatch.setattr(trt_backend, "device_buffers", lambda: device)
-    monkeypatch.setattr(trt_backend, "_deserialize", lambda model, path: engine)
+    monkeypatch.setattr(trt_backend, "deserialize", lambda model, path: engine)
     context = ModelContext(config.name, 1, config, Path("plan"), Path("plan/1"))
     model = trt_backend.TensorRTModel(context, Path("plan/1/model.plan"))
     instance = model.create_instance(InstanceSpec("plan_0", "plan_0", "KIND_GPU", 0))

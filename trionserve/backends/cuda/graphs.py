@@ -10,7 +10,7 @@ sizes Triton's TensorRT backend does, each serving only its own size. A TorchScr
 instance captures and replays them
 (:meth:`trionserve.backends.pytorch.instance.TorchScriptInstance.capture_graphs`),
 a TensorRT instance too
-(:meth:`trionserve.backends.tensorrt.backend.TensorRTInstance.capture_graphs`).
+(:meth:`trionserve.backends.tensorrt.instance.TensorRTInstance.capture_graphs`).
 """
 
 from __future__ import annotations

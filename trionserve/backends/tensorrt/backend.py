@@ -16,194 +16,22 @@ missing. Every CUDA library is imported lazily.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import structlog
-
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
-from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.cuda.buffers import device_buffers
-from trionserve.backends.cuda.devices import gpu_count
-from trionserve.backends.cuda.graphs import (
-    CAPTURE_LOCK,
-    CapturedGraph,
-    GraphShape,
-    captured_graph,
-    log_capture_failure,
-    tensorrt_graph_shapes,
+from trionserve.backends.cuda.graphs import tensorrt_graph_shapes
+from trionserve.backends.tensorrt.engine import (
+    complete_config,
+    deserialize,
+    engine_tensors,
+    missing_requirements,
+    require,
 )
-from trionserve.core import datatypes
-from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
-from trionserve.core.inference import InferenceRequest
+from trionserve.backends.tensorrt.instance import TensorRTInstance
+from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 
-log = structlog.get_logger(__name__)
-
-# TensorRT DataType member names -> Triton config datatypes.
-_TRT_TYPES = {
-    "FLOAT": "TYPE_FP32",
-    "HALF": "TYPE_FP16",
-    "BF16": "TYPE_BF16",
-    "INT8": "TYPE_INT8",
-    "INT32": "TYPE_INT32",
-    "INT64": "TYPE_INT64",
-    "BOOL": "TYPE_BOOL",
-    "UINT8": "TYPE_UINT8",
-}
-
-
-def missing_requirements() -> list[str]:
-    """What this host lacks to run TensorRT plans; empty when nothing is missing."""
-    missing = []
-    if gpu_count() == 0:
-        missing.append("no CUDA GPU is visible on this host")
-    if importlib.util.find_spec("tensorrt") is None:
-        missing.append("the tensorrt package is not installed")
-    if importlib.util.find_spec("cupy") is None and importlib.util.find_spec("torch") is None:
-        missing.append("neither cupy nor torch is installed for GPU buffers")
-    return missing
-
-
-def _require(model: str) -> None:
-    missing = missing_requirements()
-    if missing:
-        raise Unavailable(
-            f"model '{model}' (platform tensorrt_plan) cannot run on this host: "
-            + "; ".join(missing)
-        )
-
-
-@functools.cache
-def _runtime():
-    """One TensorRT logger and runtime per process, as TensorRT recommends."""
-    import tensorrt
-
-    return tensorrt.Runtime(tensorrt.Logger(tensorrt.Logger.WARNING))
-
-
-def _deserialize(model: str, path: Path):
-    engine = _runtime().deserialize_cuda_engine(path.read_bytes())
-    if engine is None:
-        raise InvalidArgument(
-            f"model '{model}': TensorRT could not deserialize {path.parent.name}/"
-            f"{path.name} (built by another TensorRT version or for another GPU?)"
-        )
-    return engine
-
-
-# -- what the engine says (duck-typed over ICudaEngine, so testable with a fake) -----
-
-
-@dataclass(frozen=True, slots=True)
-class EngineTensor:
-    name: str
-    is_input: bool
-    shape: tuple[int, ...]  # -1 for dynamic dimensions
-    data_type: str  # Triton config name, "" when Triton has none
-    max_batch: int | None  # optimization profile 0's largest dim 0 (inputs)
-    is_shape_tensor: bool
-    opt_shape: tuple[int, ...] | None = None  # profile 0's "opt" shape (inputs)
-
-
-def engine_tensors(engine) -> list[EngineTensor]:
-    tensors = []
-    for index in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(index)
-        is_input = engine.get_tensor_mode(name).name == "INPUT"
-        shape = tuple(int(d) for d in engine.get_tensor_shape(name))
-        is_shape_tensor = bool(engine.is_shape_inference_io(name))
-        max_batch, opt_shape = None, shape if is_input else None
-        dynamic = is_input and -1 in shape and not is_shape_tensor
-        if dynamic and engine.num_optimization_profiles > 0:
-            _, opt, largest = engine.get_tensor_profile_shape(name, 0)
-            opt_shape = tuple(int(d) for d in opt)
-            if shape[0] == -1:
-                max_batch = int(largest[0])
-        data_type = _TRT_TYPES.get(engine.get_tensor_dtype(name).name, "")
-        tensors.append(
-            EngineTensor(name, is_input, shape, data_type, max_batch, is_shape_tensor, opt_shape)
-        )
-    return tensors
-
-
-def _engine_max_batch(tensors: list[EngineTensor]) -> int:
-    """Largest batch every input allows, or 0 when a tensor has no dynamic dim 0."""
-    if not all(t.shape and t.shape[0] == -1 for t in tensors if not t.is_shape_tensor):
-        return 0
-    limits = [t.max_batch for t in tensors if t.is_input and t.max_batch is not None]
-    return min(limits) if limits else 0
-
-
-def complete_config(config, tensors: list[EngineTensor], max_batch_size_set: bool) -> None:
-    """Fill max_batch_size, inputs and outputs from the engine, like Triton."""
-    from trionserve._generated import model_config_pb2 as mc
-
-    by_name = {t.name: t for t in tensors}
-    engine_max = _engine_max_batch(tensors)
-    # Dims in the config hint at batching: one dimension fewer than the engine's.
-    hints = {
-        len(by_name[e.name].shape) == len(e.dims) + 1
-        for e in (*config.input, *config.output)
-        if e.dims and e.name in by_name and not by_name[e.name].is_shape_tensor
-    }
-    if len(hints) > 1:
-        raise InvalidArgument(
-            f"unable to autofill for '{config.name}', model tensor configurations "
-            "are contradicting each other in terms of whether batching is supported"
-        )
-    if hints == {True} and engine_max == 0:
-        raise InvalidArgument(
-            f"autofill failed for model '{config.name}': model tensor shape "
-            "configuration hints for dynamic batching but the underlying engine "
-            "doesn't support batching"
-        )
-    if hints == {False}:
-        engine_max = 0
-    if not max_batch_size_set:
-        config.max_batch_size = engine_max
-    elif config.max_batch_size > engine_max:
-        raise InvalidArgument(
-            f"autofill failed for model '{config.name}': configuration specified "
-            f"max-batch {config.max_batch_size} but TensorRT engine only supports "
-            f"max-batch {engine_max}"
-        )
-    if (
-        config.max_batch_size > 1
-        and not config.HasField("dynamic_batching")
-        and not config.HasField("sequence_batching")
-    ):
-        config.dynamic_batching.SetInParent()  # Triton turns it on for such engines
-    skip = 1 if config.max_batch_size > 0 else 0
-    for entries, is_input in ((config.input, True), (config.output, False)):
-        known = {e.name: e for e in entries}
-        for t in tensors:
-            if t.is_input != is_input:
-                continue
-            entry = known.get(t.name)
-            if entry is None:
-                if known:
-                    continue  # the config chose its own tensors
-                entry = entries.add(name=t.name)
-            if entry.data_type == mc.TYPE_INVALID and t.data_type:
-                entry.data_type = mc.DataType.Value(t.data_type)
-            if not entry.dims and not entry.HasField("reshape"):
-                dims = list(t.shape[skip:])
-                if not dims:  # dims may not be empty: a scalar is [1] reshaped to []
-                    entry.reshape.SetInParent()
-                    dims = [1]
-                entry.dims.extend(dims)
-
-
-# -- the backend ------------------------------------------------------------------------
-
-
-def _type_name(value: int) -> str:
-    from trionserve._generated.model_config_pb2 import DataType
-
-    return DataType.Name(value)
+__all__ = ["TensorRTBackend", "TensorRTModel", "missing_requirements"]
 
 
 class TensorRTBackend(Backend):
@@ -213,15 +41,15 @@ class TensorRTBackend(Backend):
         return "model.plan"
 
     def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
-        _require(config.name)
+        require(config.name)
         buffers = device_buffers()
         with buffers.device(0):
-            engine = _deserialize(config.name, model_path)
+            engine = deserialize(config.name, model_path)
             tensors = engine_tensors(engine)
         complete_config(config, tensors, max_batch_size_set)
 
     def load(self, context: ModelContext) -> TensorRTModel:
-        _require(context.name)
+        require(context.name)
         filename = context.config.default_model_filename or self.default_model_filename()
         path = context.version_dir / filename
         if not path.is_file():
@@ -247,7 +75,7 @@ class TensorRTModel:
             )
         buffers = device_buffers()
         with buffers.device(spec.device_id):
-            engine = _deserialize(self.context.name, self.path)
+            engine = deserialize(self.context.name, self.path)
             instance = TensorRTInstance(self.context, spec, buffers, engine)
             try:
                 shapes = tensorrt_graph_shapes(self.context.config, instance.opt_shapes)
@@ -260,261 +88,3 @@ class TensorRTModel:
 
     def unload(self) -> None:
         pass
-
-
-class TensorRTInstance:
-    """One engine, execution context and CUDA stream on one GPU; one batch at a time.
-
-    A batch that a captured CUDA graph serves is copied into the graph's static
-    inputs and the graph replayed; any other runs ``execute_async_v3`` with buffers
-    of its own shapes."""
-
-    def __init__(self, context: ModelContext, spec: InstanceSpec, buffers, engine) -> None:
-        config = context.config
-        self.spec = spec
-        self.model_name = context.name
-        self.model_version = str(context.version)
-        self._buffers = buffers
-        self._engine = engine
-        tensors = engine_tensors(engine)
-        self._check(config, tensors)
-        self._inputs = [t.name for t in tensors if t.is_input]
-        self._outputs = [t.name for t in tensors if not t.is_input]
-        # Host dtypes of every engine tensor (BF16 travels as uint16 bits, same size).
-        self._dtypes = {t.name: datatypes.BY_CONFIG[t.data_type].numpy for t in tensors}
-        self._output_datatypes = {
-            o.name: datatypes.BY_CONFIG[_type_name(o.data_type)].wire for o in config.output
-        }
-        self._input_reshape = {
-            i.name: tuple(i.reshape.shape) for i in config.input if i.HasField("reshape")
-        }
-        self._output_reshape = {
-            o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
-        }
-        self._batched = config.max_batch_size > 0
-        skip = 1 if self._batched else 0
-        # Per-item shapes at profile 0's "opt" point: the graphs Triton captures
-        # where graph_spec names no input shapes (SetCudaGraphShape).
-        self.opt_shapes = {
-            t.name: tuple((t.opt_shape or t.shape)[skip:]) for t in tensors if t.is_input
-        }
-        self._context = engine.create_execution_context()
-        self._stream, self._stream_handle = buffers.stream()
-        self._graphs: list[CapturedGraph] = []  # smallest batch size first
-
-    def _check(self, config, tensors: list[EngineTensor]) -> None:
-        model = self.model_name
-        by_name = {t.name: t for t in tensors}
-        for kind, entries, is_input in (
-            ("input", config.input, True),
-            ("output", config.output, False),
-        ):
-            for entry in entries:
-                t = by_name.get(entry.name)
-                if t is None or t.is_input != is_input:
-                    names = sorted(x.name for x in tensors if x.is_input == is_input)
-                    raise InvalidArgument(
-                        f"model '{model}': {kind} '{entry.name}' is not an {kind} of "
-                        f"the TensorRT engine; its {kind}s are {names}"
-                    )
-                expected = _type_name(entry.data_type)
-                if t.data_type != expected:
-                    raise InvalidArgument(
-                        f"model '{model}': {kind} '{entry.name}' is {expected} in the "
-                        f"config but {t.data_type or 'unsupported'} in the engine"
-                    )
-        for t in tensors:
-            if not t.data_type:
-                raise InvalidArgument(
-                    f"model '{model}': tensor '{t.name}' of the TensorRT engine has a "
-                    "datatype that Triton's protocol cannot carry"
-                )
-            if t.is_shape_tensor:
-                raise InvalidArgument(
-                    f"model '{model}': tensor '{t.name}' is a shape tensor, which this "
-                    "TensorRT backend does not support"
-                )
-            if t.is_input and t.name not in {i.name for i in config.input}:
-                raise InvalidArgument(
-                    f"model '{model}': the engine's input '{t.name}' is missing from the config"
-                )
-
-    def execute(self, requests: list[InferenceRequest]) -> list:
-        arrays = gather_inputs(requests, self._input_reshape)
-        names = wanted_outputs(requests, list(self._output_datatypes))
-        size = sum(r.batch_size for r in requests) if self._batched else 0
-        try:
-            with self._buffers.device(self.spec.device_id):
-                captured = self._graph_for(size, arrays) if self._graphs else None
-                if captured is not None:
-                    outputs = self._replay(captured, arrays, size, names)
-                else:
-                    outputs = self._run(arrays, names)
-        except TritonError as error:
-            return [error] * len(requests)
-        except Exception as exc:  # CUDA and TensorRT raise their own types
-            failure = InternalError(
-                f"TensorRT execute failure for model '{self.model_name}': {exc}"
-            )
-            return [failure] * len(requests)
-        return build_responses(
-            requests,
-            self.model_name,
-            self.model_version,
-            outputs,
-            self._output_datatypes,
-            self._output_reshape,
-        )
-
-    def _run(self, arrays: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
-        context, buffers, stream = self._context, self._buffers, self._stream
-        held = {}  # device buffers, kept alive until the stream has finished with them
-        for name in self._inputs:
-            if name not in arrays:
-                raise InvalidArgument(
-                    f"model '{self.model_name}' needs input '{name}': the TensorRT "
-                    "engine has no optional inputs"
-                )
-            array = np.ascontiguousarray(arrays[name], dtype=self._dtypes[name])
-            if not context.set_input_shape(name, array.shape):
-                raise InvalidArgument(
-                    f"input '{name}' of model '{self.model_name}' has shape "
-                    f"{list(array.shape)}, outside the TensorRT engine's optimization "
-                    "profile"
-                )
-            held[name], address = buffers.to_device(array, stream)
-            context.set_tensor_address(name, address)
-        for name in self._outputs:
-            shape = tuple(int(d) for d in context.get_tensor_shape(name))
-            if any(d < 0 for d in shape):
-                raise InternalError(
-                    f"output '{name}' of model '{self.model_name}' has a data-dependent "
-                    f"shape {list(shape)}, which this TensorRT backend does not support"
-                )
-            held[name], address = buffers.empty(shape, self._dtypes[name])
-            context.set_tensor_address(name, address)
-        self._enqueue()
-        outputs = {name: buffers.to_host(held[name], stream) for name in names}
-        buffers.synchronize(stream)
-        return outputs
-
-    def _enqueue(self) -> None:
-        if not self._context.execute_async_v3(self._stream_handle):
-            raise InternalError(
-                f"TensorRT execute failure for model '{self.model_name}': "
-                "execute_async_v3 returned false"
-            )
-
-    # -- CUDA graphs ---------------------------------------------------------------------
-
-    def capture_graphs(self, shapes: list[GraphShape]) -> None:
-        """Capture ``execute_async_v3`` as a CUDA graph per shape, on the
-        instance's stream (Triton's BuildCudaGraph). Each graph has static device
-        inputs and outputs at its shapes, bound to the execution context before
-        the capture: a replay reads and writes those addresses. A graph that
-        cannot be captured is logged and its batches run without one, as in
-        Triton. A graph whose outputs are not batch-major serves only batches of
-        exactly its size (padding would change them, slicing would cut the wrong
-        dimension). Captures run one at a time in the process, in thread-local
-        mode (Triton's cudaStreamCaptureModeThreadLocal)."""
-        captured = []
-        with CAPTURE_LOCK, self._buffers.device(self.spec.device_id):
-            for shape in shapes:
-                try:
-                    captured.append(self._capture(shape))
-                except Exception as exc:
-                    log_capture_failure(shape, exc, model=self.model_name, instance=self.spec.name)
-        self._graphs = sorted(captured, key=lambda g: g.shape.batch_size)
-
-    def _capture(self, shape: GraphShape) -> CapturedGraph:
-        context, buffers, stream = self._context, self._buffers, self._stream
-        missing = [name for name in self._inputs if name not in shape.inputs]
-        if missing:
-            raise InvalidArgument(
-                f"optimization.cuda.graph_spec for batch size {shape.batch_size} gives "
-                f"no shape for input(s) {missing}"
-            )
-        batch = (shape.batch_size,) if self._batched else ()
-        inputs, outputs = {}, {}
-        for name in self._inputs:
-            full = batch + shape.inputs[name]
-            if not context.set_input_shape(name, full):
-                raise InvalidArgument(
-                    f"input '{name}' shape {list(full)} is outside the TensorRT "
-                    "engine's optimization profile"
-                )
-            inputs[name], address = buffers.empty(full, self._dtypes[name])
-            context.set_tensor_address(name, address)
-        for name in self._outputs:
-            dims = tuple(int(d) for d in context.get_tensor_shape(name))
-            if any(d < 0 for d in dims):
-                raise InternalError(f"output '{name}' has a data-dependent shape {list(dims)}")
-            outputs[name], address = buffers.empty(dims, self._dtypes[name])
-            context.set_tensor_address(name, address)
-        # TensorRT defers work that depends on new input shapes to the next
-        # enqueue, which a capture must not record: run once first (TensorRT's
-        # developer guide, "CUDA Graphs"; Triton's BuildCudaGraph enqueues too).
-        self._enqueue()
-        buffers.synchronize(stream)
-        graph = buffers.capture(stream, self._enqueue)
-        return captured_graph(
-            shape,
-            graph,
-            inputs,
-            outputs,
-            self._batched,
-            model=self.model_name,
-            instance=self.spec.name,
-        )
-
-    def _graph_for(self, size: int, arrays: dict[str, np.ndarray]) -> CapturedGraph | None:
-        """The smallest captured graph that serves a batch of ``size`` with these
-        inputs' shapes, if any (Triton's FindClosestCudaGraph: its batch size or
-        between its lower bound and it; here the per-item shapes must be the
-        graph's)."""
-        if any(name not in arrays for name in self._inputs):
-            return None  # the plain path says which input is missing
-        skip = 1 if self._batched else 0
-        for captured in self._graphs:
-            shape = captured.shape
-            if self._batched and not shape.lower <= size <= shape.batch_size:
-                continue
-            if all(
-                arrays[name].shape[skip:] == shape.inputs[name]
-                and (not self._batched or arrays[name].shape[0] == size)
-                for name in self._inputs
-            ):
-                return captured
-        return None
-
-    def _replay(
-        self, captured: CapturedGraph, arrays: dict[str, np.ndarray], size: int, names: list[str]
-    ) -> dict[str, np.ndarray]:
-        """Copy the batch into the graph's leading rows, replay it, and copy back
-        this batch's rows of the outputs. Rows past the batch keep an earlier
-        batch's data (Triton's graphs do not clear them either); a batch-major
-        model's rows do not depend on each other."""
-        buffers, stream = self._buffers, self._stream
-        for name in self._inputs:
-            array = np.ascontiguousarray(arrays[name], dtype=self._dtypes[name])
-            static = captured.inputs[name]
-            buffers.upload(static[:size] if self._batched else static, array, stream)
-        buffers.launch(captured.graph, stream)
-        padded = self._batched and size != captured.shape.batch_size
-        outputs = {
-            name: buffers.to_host(
-                captured.outputs[name][:size] if padded else captured.outputs[name], stream
-            )
-            for name in names
-        }
-        buffers.synchronize(stream)
-        return outputs
-
-    def close(self) -> None:
-        """Release the graphs and their buffers, then the context and engine,
-        once the instance's stream is done with them."""
-        if self._graphs:
-            self._buffers.synchronize(self._stream)
-        self._graphs = []
-        self._context = None
-        self._engine = None
