@@ -13,6 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.serverproc import ServerProcess
 from trionserve.backends.pytorch import backend as pytorch
+from trionserve.backends.pytorch import device as pytorch_device
 from trionserve.backends.pytorch import naming as pytorch_naming
 from trionserve.core.errors import InvalidArgument
 from trionserve.server import Server, ServerOptions
@@ -323,7 +324,7 @@ async def test_without_torch_the_model_is_unavailable(tmp_path, monkeypatch):
     def no_torch():
         raise ModuleNotFoundError("No module named 'torch'")
 
-    monkeypatch.setattr(pytorch, "_import_torch", no_torch)
+    monkeypatch.setattr(pytorch_device, "_import_torch", no_torch)
     write_model(tmp_path, "pt_addmul", None, MODELS["pt_addmul"]())
     options = ServerOptions(
         model_repositories=[tmp_path],

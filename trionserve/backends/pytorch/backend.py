@@ -28,12 +28,13 @@ loaded module's batch execution in :mod:`.instance`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.cuda.graphs import cuda_graph_shapes
+from trionserve.backends.pytorch.device import instance_device, require_torch
 from trionserve.backends.pytorch.instance import TorchScriptInstance
 from trionserve.backends.pytorch.naming import bind_inputs, bind_outputs, check_data_types
 from trionserve.core.errors import InvalidArgument, Unavailable
@@ -45,23 +46,6 @@ log = structlog.get_logger(__name__)
 
 # Triton's platform for PyTorch 2 (AOTInductor) models; see torch_aoti.py.
 PT2_PLATFORM = "torch_aoti"
-
-
-def _import_torch():
-    import torch
-
-    return torch
-
-
-def _torch():
-    """torch, or Unavailable naming the missing package (torch is an optional extra)."""
-    try:
-        return _import_torch()
-    except ImportError as exc:
-        raise Unavailable(
-            f"the PyTorch backend needs torch, which is not installed "
-            f"(install the 'torch' extra): {exc}"
-        ) from None
 
 
 # -- the backend ------------------------------------------------------------------------
@@ -91,7 +75,7 @@ class PyTorchBackend(Backend):
             )
 
     def load(self, context: ModelContext) -> TorchScriptModel | Pt2Model:
-        _torch()  # a server without torch reports the model UNAVAILABLE, with why
+        require_torch()  # a server without torch reports the model UNAVAILABLE, with why
         config = context.config
         filename = config.default_model_filename or self.default_model_filename()
         path = context.version_dir / filename
@@ -124,22 +108,6 @@ class PyTorchBackend(Backend):
         return TorchScriptModel(context, path)
 
 
-def instance_device(spec: InstanceSpec, model_name: str) -> Any:
-    """The torch device an instance of ``spec`` runs on; None for KIND_MODEL (the
-    model keeps the devices it was saved with)."""
-    torch = _torch()
-    if spec.kind == "KIND_GPU":
-        if not torch.cuda.is_available():
-            raise Unavailable(
-                f"instance '{spec.name}' of model '{model_name}' is KIND_GPU "
-                "but this torch cannot use CUDA (a CPU-only build of torch?)"
-            )
-        return torch.device("cuda", spec.device_id)
-    if spec.kind == "KIND_MODEL":
-        return None
-    return torch.device("cpu")
-
-
 class TorchScriptModel:
     """A TorchScript file and its config; each instance loads its own module."""
 
@@ -148,7 +116,7 @@ class TorchScriptModel:
         self.path = path
 
     def create_instance(self, spec: InstanceSpec) -> TorchScriptInstance:
-        torch = _torch()
+        torch = require_torch()
         device = instance_device(spec, self.context.name)
         try:
             module = torch.jit.load(str(self.path), map_location=device)

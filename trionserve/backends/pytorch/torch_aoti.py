@@ -27,7 +27,7 @@ from typing import Any
 import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.pytorch.backend import _torch, instance_device
+from trionserve.backends.pytorch.device import instance_device, require_torch
 from trionserve.backends.pytorch.instance import TorchScriptInstance
 from trionserve.backends.pytorch.naming import TORCH_DTYPES, config_type_name, name_index
 from trionserve.core import datatypes
@@ -138,7 +138,7 @@ def archive_kind(model: str, path: Path) -> str:
 
 def load_program(model: str, path: Path, device) -> Program:
     """Load ``path`` for ``device`` (None: where it was saved)."""
-    _torch()  # torch missing: Unavailable, saying so
+    require_torch()  # torch missing: Unavailable, saying so
     kind = archive_kind(model, path)
     try:
         with _LOAD_LOCK:
@@ -231,7 +231,7 @@ class Pt2Model:
         self.path = path
 
     def create_instance(self, spec: InstanceSpec) -> Pt2Instance:
-        torch = _torch()
+        torch = require_torch()
         device = instance_device(spec, self.context.name)
         program = load_program(self.context.name, self.path, device)
         log.info(
