@@ -7,7 +7,7 @@ import threading
 
 import trio
 
-from trionserve.actors.instance_thread import InstanceThread, _Doorbell
+from trionserve.backends.instance_thread import InstanceThread, _Doorbell
 
 
 class _Instance:

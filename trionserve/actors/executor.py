@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import structlog
 import trio
 
-from trionserve.actors.instance_thread import Abandoned, InstanceThread, Job
 from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
@@ -25,6 +24,7 @@ from trionserve.backends.base import (
     StagedBackendInstance,
     TimedBackendInstance,
 )
+from trionserve.backends.instance_thread import Abandoned, InstanceThread, Job
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import (
@@ -56,7 +56,7 @@ class InstanceExecutor:
     """Owns one backend instance and runs its batches.
 
     Inbox: its scheduler's outlet. A blocking instance runs on a long-lived thread
-    of its own (:class:`~trionserve.actors.instance_thread.InstanceThread`). For
+    of its own (:class:`~trionserve.backends.instance_thread.InstanceThread`). For
     an instance that computes on a device of its own (a ``StagedBackendInstance``
     that ``overlaps``: a GPU), the executor takes the next batch while the current
     one computes, so at most ``PIPELINE_DEPTH`` batches are in flight and the

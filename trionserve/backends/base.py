@@ -109,7 +109,7 @@ class InlineBackendInstance(TimedBackendInstance, Protocol):
 class StagedBackendInstance(TimedBackendInstance, Protocol):
     """A timed instance whose batches run in three steps, so that its thread can
     prepare the next batch while the current one computes (see
-    :mod:`trionserve.actors.instance_thread`); ``execute`` stays for callers that
+    :mod:`trionserve.backends.instance_thread`); ``execute`` stays for callers that
     run one batch (warmup).
 
     ``stage(requests)`` gathers the inputs into the instance's reusable host

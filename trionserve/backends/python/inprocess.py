@@ -2,7 +2,7 @@
 
 Chosen per model with ``parameters { key: "EXECUTION_MODE" value: { string_value:
 "in_process" } }``. Each instance gets one thread of its own (an
-:class:`~trionserve.actors.instance_thread.InstanceThread`) that imports
+:class:`~trionserve.backends.instance_thread.InstanceThread`) that imports
 ``model.py``, runs ``initialize``, every ``execute`` and ``finalize``, one after
 the other, so a model keeps the thread affinity it has in a stub (thread-local
 state, a CUDA device set in ``initialize``). Requests reach the model as
@@ -55,8 +55,8 @@ from pathlib import Path
 import structlog
 import trio
 
-from trionserve.actors.instance_thread import InstanceThread, Job
 from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
+from trionserve.backends.instance_thread import InstanceThread, Job
 from trionserve.backends.python.bls import Outcome, run_bls
 from trionserve.backends.python.control import ModelControl
 from trionserve.backends.python.delivery import deliver, deliver_sent, initialize_args
