@@ -24,7 +24,7 @@ import trio
 import trio._core._run as _trio_run
 
 from trionserve.actors import executor as _executor
-from trionserve.actors.instance_thread import Abandoned, Job
+from trionserve.backends.instance_thread import Abandoned, Job
 
 
 async def inline_run_sync(sync_fn, *args, limiter=None, **_options):

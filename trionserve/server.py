@@ -46,11 +46,12 @@ from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
-from trionserve.observability.metrics import MetricsOptions, serve_metrics
+from trionserve.observability.metrics import MetricsOptions
 from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.settings import TraceConfig
 from trionserve.protocol.grpc.service import GrpcOptions, serve_grpc
 from trionserve.protocol.http.frontend import HttpOptions, serve_http
+from trionserve.protocol.metrics import serve_metrics
 from trionserve.protocol.openai.frontend import OpenAIOptions, error_body, serve_openai
 from trionserve.repository.repository import ModelRepository
 

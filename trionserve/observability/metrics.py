@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from trionserve.observability.custom_metrics import CUSTOM_METRICS
-from trionserve.observability.exposition import CONTENT_TYPE, TritonCounter, exposition_text
+from trionserve.observability.exposition import TritonCounter
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.quantiles import DEFAULT_TARGETS, Target, parse_quantiles
 from trionserve.observability.sampling import sample_every
@@ -37,14 +37,6 @@ from trionserve.observability.statistics import (
     ModelStatistics,
     ObservedRegistry,
     ObservedVersion,
-)
-from trionserve.protocol.http.transport import (
-    Handler,
-    Headers,
-    HttpServer,
-    HttpServerOptions,
-    RequestBody,
-    Response,
 )
 
 if TYPE_CHECKING:
@@ -502,80 +494,3 @@ def build_metrics_registry(
         metrics.register(gpu)
     ProcessCollector(registry=metrics)
     return metrics
-
-
-_NOT_FOUND = b'{"error":"Not Found: the metrics endpoint is /metrics"}'
-
-
-def metrics_router(
-    metrics: CollectorRegistry, refresh: Callable[[], Awaitable[None]] | None = None
-) -> Callable[[bytes, str], Handler]:
-    """The HTTP transport's router for the metrics port: the Prometheus text format
-    (Triton's, whatever the ``Accept`` header asks; see
-    :mod:`trionserve.observability.exposition`) at ``GET /metrics``, a JSON 404
-    elsewhere. ``refresh`` runs before each scrape (the workers supervisor fetches
-    its workers' metrics there)."""
-
-    async def exposition(headers: Headers, body: RequestBody) -> Response:
-        if refresh is not None:
-            await refresh()
-        data = exposition_text(metrics)
-        return (
-            200,
-            [
-                (b"content-type", CONTENT_TYPE.encode()),
-                (b"content-length", b"%d" % len(data)),
-            ],
-            [data],
-        )
-
-    async def not_found(headers: Headers, body: RequestBody) -> Response:
-        return (
-            404,
-            [
-                (b"content-type", b"application/json"),
-                (b"content-length", b"%d" % len(_NOT_FOUND)),
-            ],
-            [_NOT_FOUND],
-        )
-
-    def route(method: bytes, path: str) -> Handler:
-        if path == "/metrics" and method in (b"GET", b"HEAD"):
-            return exposition
-        return not_found
-
-    return route
-
-
-async def serve_metrics(
-    registry: ObservedRegistry,
-    options: MetricsOptions,
-    address: str,
-    port: int,
-    shutdown: trio.Event,
-    transport: HttpServerOptions | None = None,
-    *,
-    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``/metrics`` until ``shutdown`` is set, with the limits of
-    ``transport`` (the server gives the HTTP port's: see
-    ``HttpOptions.transport_options``).
-
-    Children (its own nursery): the HTTP server and, when CPU / GPU
-    metrics are on, their samplers; all end when ``shutdown`` is set. Reports the bound
-    addresses to ``task_status``.
-    """
-    cpu = CpuMetricsCollector() if options.allow_cpu_metrics else None
-    gpu = GpuMetricsCollector.create() if options.allow_gpu_metrics else None
-    server = HttpServer(
-        metrics_router(build_metrics_registry(registry, options, cpu, gpu)),
-        transport or HttpServerOptions(),
-    )
-    async with trio.open_nursery() as nursery:
-        interval = max(options.interval_ms, 1.0) / 1000.0
-        if cpu is not None:
-            await nursery.start(cpu.run, interval, shutdown)
-        if gpu is not None:
-            await nursery.start(gpu.run, interval, shutdown)
-        binds = await nursery.start(server.serve, address, port, shutdown, 1.0)
-        task_status.started(binds)

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from trionserve.observability.aggregate import StaticCollector, merge_expositions
-from trionserve.observability.metrics import metrics_router
 from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
+from trionserve.protocol.metrics import metrics_router
 
 if TYPE_CHECKING:
     from trionserve.workers.supervisor import WorkerSlot
