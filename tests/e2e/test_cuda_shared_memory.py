@@ -146,6 +146,18 @@ def test_grpc_register_without_cuda_is_unavailable(grpc_client):
     assert "cuda_shared_memory" in grpc_client.get_server_metadata().extensions
 
 
+def test_grpc_register_checks_its_arguments_before_cuda(grpc_client):
+    # Triton's qa/L0_grpc python_grpc_aio_test.py test_register_cuda_shared_memory:
+    # an empty name and handle are "invalid args" (INVALID_ARGUMENT) whether or not
+    # the host can open CUDA memory, as Triton's RegisterCUDASharedMemory checks.
+    with pytest.raises(
+        InferenceServerException, match="failed to register shared memory region.*invalid args"
+    ) as info:
+        grpc_client.register_cuda_shared_memory("", b"", 0, 0)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert grpc_client.get_cuda_shared_memory_status().regions == {}
+
+
 def test_http_register_rejects_a_malformed_handle(http_client):
     # The handle is decoded before CUDA is asked for, so this holds on any host.
     with pytest.raises(InferenceServerException, match="64 bytes, got 5"):

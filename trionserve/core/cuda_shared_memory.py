@@ -76,10 +76,20 @@ def decode_raw_handle(value: object) -> bytes:
     return check_raw_handle(raw)
 
 
-def check_raw_handle(raw: bytes) -> bytes:
+def check_raw_handle(raw: bytes, name: str = "") -> bytes:
+    """An IPC handle of the right size, or Triton's refusal of a handle it cannot
+    open (server src/shared_memory_manager.cc OpenCudaIPCRegion: "failed to
+    register shared memory region: invalid args", INVALID_ARG), with the reason."""
     if len(raw) != CUDA_IPC_HANDLE_SIZE:
-        raise InvalidArgument(f"a CUDA IPC handle is {CUDA_IPC_HANDLE_SIZE} bytes, got {len(raw)}")
+        raise InvalidArgument(
+            f"failed to register shared memory region{_named(name)}: invalid args "
+            f"(a CUDA IPC handle is {CUDA_IPC_HANDLE_SIZE} bytes, got {len(raw)})"
+        )
     return bytes(raw)
+
+
+def _named(name: str) -> str:
+    return f" '{name}'" if name else ""
 
 
 @dataclass(slots=True)
@@ -133,21 +143,28 @@ class CudaSharedMemory(RegionTable[CudaRegion]):
         self._system = system
 
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
-        reason = cuda_unavailable_reason()
-        if reason is not None:
-            raise Unavailable(f"CUDA shared memory is unavailable on this server: {reason}")
-        if not name:
-            raise InvalidArgument("a shared memory region needs a name")
+        """Checked in Triton's order (server src/shared_memory_manager.cc
+        RegisterCUDASharedMemory): a name already registered, then the arguments
+        (a handle that cannot be opened is "invalid args"), and only then whether
+        this host can open CUDA memory at all (UNAVAILABLE without cupy or a GPU),
+        so a client sees what is wrong with its request on any host."""
         if name in self._regions or (
             self._system is not None and name in {r["name"] for r in self._system.status()}
         ):
             raise AlreadyExists(f"shared memory region '{name}' is already registered")
+        handle = check_raw_handle(raw_handle, name)
         if device_id < 0 or byte_size < 0:
             raise InvalidArgument(
-                f"CUDA shared memory region '{name}': device_id and byte_size must be "
-                f">= 0, got device_id {device_id}, byte_size {byte_size}"
+                f"failed to register shared memory region{_named(name)}: invalid args "
+                f"(device_id and byte_size must be >= 0, got device_id {device_id}, "
+                f"byte_size {byte_size})"
             )
-        self._regions[name] = CudaRegion(name, check_raw_handle(raw_handle), device_id, byte_size)
+        if not name:
+            raise InvalidArgument("a shared memory region needs a name")
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            raise Unavailable(f"CUDA shared memory is unavailable on this server: {reason}")
+        self._regions[name] = CudaRegion(name, handle, device_id, byte_size)
 
     def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
         """Refuse now a window out of the region's bounds (an output's, before it runs)."""
