@@ -14,9 +14,10 @@ import numpy as np
 import trio
 import trio.testing
 
-from trionserve.actors.executor import PIPELINE_DEPTH, InstanceExecutor
+from trionserve.actors.executor import InstanceExecutor
 from trionserve.backends.base import InstanceSpec
-from trionserve.backends.batch_tensors import HostBuffers, gather_inputs
+from trionserve.backends.batch_tensors import gather_inputs
+from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, HostBuffers
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.statistics import ComputeTimes, ModelStatistics

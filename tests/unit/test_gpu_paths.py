@@ -20,8 +20,8 @@ from google.protobuf import text_format
 
 from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.base import InstanceSpec, ModelContext
-from trionserve.backends.batch_tensors import HostBuffers
 from trionserve.backends.cuda import graphs as cuda_graphs
+from trionserve.backends.cuda.pipeline import HostBuffers
 from trionserve.core import cuda_shared_memory
 from trionserve.core.inference import InferenceRequest, Tensor
 

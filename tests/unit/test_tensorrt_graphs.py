@@ -28,6 +28,7 @@ from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.cuda import graphs as cuda_graphs
 from trionserve.backends.cuda.graphs import GraphShape, tensorrt_graph_shapes
+from trionserve.backends.cuda.pipeline import StagedBackendInstance
 from trionserve.backends.tensorrt import backend as trt_backend
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.inference import InferenceRequest, Tensor
@@ -433,3 +434,45 @@ def test_a_model_without_batching_replays_its_graph_for_the_graphs_shape(monkeyp
     instance, _ = load(monkeypatch, spec)
     assert check_add_sub(instance, 2) == 0
     assert check_add_sub(instance, 4) is None
+
+
+def _request(rows: int, seed: int) -> tuple[InferenceRequest, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((rows, 16), dtype=np.float32)
+    b = rng.standard_normal((rows, 16), dtype=np.float32)
+    request = InferenceRequest(
+        "plan",
+        inputs={"INPUT0": Tensor("INPUT0", "FP32", a), "INPUT1": Tensor("INPUT1", "FP32", b)},
+    )
+    request.batch_size = rows
+    return request, a, b
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_the_next_batch_is_staged_on_the_host_while_the_device_computes(monkeypatch, graphs):
+    """The GPU pipeline (trionserve.backends.cuda.pipeline) drives a TensorRT instance
+    as the instance's thread does: stage the next batch, then finish the current one,
+    then launch the next. Staging touches neither the device nor the execution
+    context the launched batch is bound to, and both batches' outputs are their own
+    (a graph's static outputs are read back before the next batch replays it)."""
+    config = plan_config("")
+    config.optimization.cuda.graphs = graphs
+    instance, device = load(monkeypatch, config)
+    assert isinstance(instance, StagedBackendInstance) and instance.overlaps
+    first, a1, b1 = _request(4, seed=1)
+    second, a2, b2 = _request(4, seed=2)
+
+    launched = instance.launch([first], instance.stage([first]))
+    device_log = list(device.log)
+    staged = instance.stage([second])  # while the first batch computes
+    assert device.log == device_log
+    [one] = instance.finish([first], launched)
+    [two] = instance.finish([second], instance.launch([second], staged))
+
+    for response, a, b in ((one, a1, b1), (two, a2, b2)):
+        total, difference = (t.data for t in response.outputs)
+        np.testing.assert_array_equal(total, a + b)
+        np.testing.assert_array_equal(difference, a - b)
+    assert instance.compute_times is not None
+    replays = sum(g.graph.launches for g in instance._graphs)
+    assert replays == (2 if graphs else 0)

@@ -21,9 +21,9 @@ from trionserve.backends.base import (
     InlineAsyncBackendInstance,
     InlineBackendInstance,
     InstanceSpec,
-    StagedBackendInstance,
     TimedBackendInstance,
 )
+from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, StagedBackendInstance
 from trionserve.backends.instance_thread import Abandoned, InstanceThread, Job
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
@@ -42,14 +42,6 @@ log = structlog.get_logger(__name__)
 _ALL_SUCCEEDED = (None,)
 # Batches with more input bytes than this always run in the instance's thread.
 INLINE_MAX_INPUT_BYTES = 64 * 1024
-# Batches of an instance whose device computes on its own (a GPU: ``overlaps``)
-# in flight at once: one computing, the next one taken and staged meanwhile
-# (Triton's dynamic batcher prefetches two payloads per instance: core
-# src/rate_limiter.cc PayloadSlotAvailable). A CPU instance has one: its thread
-# could not start the next batch any sooner, and the batcher goes on gathering
-# requests into that batch while the current one runs (taken early, batches of
-# the small CNN at c=8 shrank from 3.9 to 2.7 requests and throughput 0.8x).
-PIPELINE_DEPTH = 2
 
 
 class InstanceExecutor:

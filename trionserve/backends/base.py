@@ -106,33 +106,6 @@ class InlineBackendInstance(TimedBackendInstance, Protocol):
 
 
 @runtime_checkable
-class StagedBackendInstance(TimedBackendInstance, Protocol):
-    """A timed instance whose batches run in three steps, so that its thread can
-    prepare the next batch while the current one computes (see
-    :mod:`trionserve.backends.instance_thread`); ``execute`` stays for callers that
-    run one batch (warmup).
-
-    ``stage(requests)`` gathers the inputs into the instance's reusable host
-    buffers (pinned on a GPU) and starts their copy to the device, returning a
-    handle; ``launch(requests, handle)`` starts the computation and returns the
-    handle ``finish(requests, handle)`` takes to wait for it and build one
-    response or error per request, after which ``compute_times`` holds this
-    batch's phases. ``overlaps`` says whether ``launch`` returns before the device
-    is done (a GPU instance): only then is the next batch staged before the
-    current one finishes. Two staged batches may be in flight at once, so
-    ``stage`` must not reuse the buffers of the batch before it.
-    """
-
-    overlaps: bool
-
-    def stage(self, requests: list[InferenceRequest]) -> object: ...
-
-    def launch(self, requests: list[InferenceRequest], staged: object) -> object: ...
-
-    def finish(self, requests: list[InferenceRequest], launched: object) -> ExecuteResult: ...
-
-
-@runtime_checkable
 class AsyncBackendInstance(Protocol):
     """An instance whose work happens outside the server process (a stub process).
 

@@ -4,7 +4,8 @@ backend input collector and output responder do). The schedulers decide what a
 batch is; this only moves its tensors.
 
 Inputs of several requests are gathered along the batch dimension with one copy,
-into an instance's reusable :class:`HostBuffers` where it has them (no allocation
+into an instance's reusable
+:class:`~trionserve.backends.cuda.pipeline.HostBuffers` where it has them (no allocation
 per batch; pinned memory on a GPU), else by concatenation; a batch of one request
 is passed through untouched unless ``always_copy`` asks for it in the buffers.
 Ragged inputs (``allow_ragged_batch``) are concatenated flat, into the
@@ -14,50 +15,12 @@ to each request as views, without copies.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
+from trionserve.backends.cuda.pipeline import HostBuffers
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
-
-
-def _host_bytes(nbytes: int) -> np.ndarray:
-    return np.empty(nbytes, dtype=np.uint8)
-
-
-class HostBuffers:
-    """One reusable host buffer per input, grown to the largest batch seen.
-
-    ``allocate(nbytes)`` makes a byte buffer (pinned host memory for a GPU
-    instance); an array handed out by :meth:`gather` is valid until the next
-    ``gather`` of the same input, so an instance with two batches in flight keeps
-    two of these and alternates.
-    """
-
-    def __init__(self, allocate: Callable[[int], np.ndarray] = _host_bytes) -> None:
-        self._allocate = allocate
-        self._buffers: dict[str, np.ndarray] = {}
-
-    def gather(self, name: str, parts: Sequence[np.ndarray]) -> np.ndarray:
-        """``parts`` concatenated along their first dimension, in this buffer."""
-        first = parts[0]
-        rows = sum(part.shape[0] for part in parts)
-        shape = (rows,) + first.shape[1:]
-        nbytes = rows * int(np.prod(shape[1:], dtype=np.int64)) * first.itemsize
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.nbytes < nbytes:
-            buffer = self._buffers[name] = self._allocate(nbytes)
-        out = buffer[:nbytes].view(first.dtype).reshape(shape)
-        start = 0
-        for part in parts:
-            stop = start + part.shape[0]
-            out[start:stop] = part
-            start = stop
-        return out
-
-    def holds(self, array: np.ndarray) -> bool:
-        """Whether ``array`` may share memory with one of these buffers."""
-        return any(np.may_share_memory(array, buffer) for buffer in self._buffers.values())
 
 
 def gather_inputs(

@@ -7,15 +7,16 @@ the batches; the thread runs them one after the other, in that order, and sets e
 job's ``done`` event on the Trio thread when its results are in. Only this thread
 ever calls the instance while it runs.
 
-An instance that implements :class:`~trionserve.backends.base.StagedBackendInstance`
-is driven in three steps per batch: ``stage`` (gather the inputs into its reusable
-host buffers and start their copy to the device), ``launch`` (start the
-computation) and ``finish`` (wait for it and build the responses). When its
-``launch`` returns before the device is done (``overlaps``: a GPU instance), the
-thread stages the next batch, if one is waiting, before it finishes the current
-one, so the next batch's gather and copy overlap the current batch's compute. An
-executor gives such a thread at most two batches at once (one computing, one
-being staged), so the overlap is bounded.
+An instance that implements
+:class:`~trionserve.backends.cuda.pipeline.StagedBackendInstance` is driven in three
+steps per batch (:class:`~trionserve.backends.cuda.pipeline.Pipeline`): ``stage``
+(gather the inputs into its reusable host buffers and start their copy to the
+device), ``launch`` (start the computation) and ``finish`` (wait for it and build
+the responses). When its ``launch`` returns before the device is done (``overlaps``:
+a GPU instance), the thread stages the next batch, if one is waiting, before it
+finishes the current one, so the next batch's gather and copy overlap the current
+batch's compute. An executor gives such a thread at most two batches at once (one
+computing, one being staged), so the overlap is bounded.
 
 Jobs reach the thread through a deque and an eventfd "doorbell" rung only when
 the thread sleeps: ringing and sleeping release the GIL during their system call,
@@ -40,11 +41,8 @@ from typing import Any
 
 import trio
 
-from trionserve.backends.base import (
-    BackendInstance,
-    StagedBackendInstance,
-    TimedBackendInstance,
-)
+from trionserve.backends.base import BackendInstance, TimedBackendInstance
+from trionserve.backends.cuda.pipeline import Pipeline, StagedBackendInstance
 from trionserve.observability.statistics import ComputeTimes
 
 
@@ -147,8 +145,8 @@ class InstanceThread:
     def __init__(self, name: str, instance: BackendInstance) -> None:
         self._name = name
         self._instance = instance
-        self._staged = instance if isinstance(instance, StagedBackendInstance) else None
-        self._overlaps = bool(self._staged is not None and self._staged.overlaps)
+        self._pipeline = Pipeline(instance) if isinstance(instance, StagedBackendInstance) else None
+        self._overlaps = bool(self._pipeline is not None and self._pipeline.overlaps)
         self._timed = instance if isinstance(instance, TimedBackendInstance) else None
         self._jobs: deque[Job | Callable[[], None] | None] = deque()
         # The thread sleeps in a read of an eventfd when it has nothing to do, and
@@ -260,34 +258,29 @@ class InstanceThread:
             job.error = Abandoned("the executor stopped before the batch ran")
             return
         job.drop_cancelled()
-        if self._staged is None or not job.requests:
-            return
-        try:
-            job.staged = self._staged.stage(job.requests)
-        except Exception as exc:
-            job.error = exc
+        if self._pipeline is not None and job.requests:
+            self._pipeline.stage(job)
 
     def _launch(self, job: Job) -> Job | None:
         """Start the job; the job if it still has to be finished, else None."""
         if not job.requests:
             job.results = []  # every request was cancelled: nothing to run
         elif job.error is None:
-            try:
-                if self._staged is not None:
-                    job.staged = self._staged.launch(job.requests, job.staged)
+            if self._pipeline is not None:
+                self._pipeline.launch(job)
+                if job.error is None:
                     return job
-                job.results = self._instance.execute(job.requests)
-            except Exception as exc:
-                job.error = exc
+            else:
+                try:
+                    job.results = self._instance.execute(job.requests)
+                except Exception as exc:
+                    job.error = exc
         self._report(job)
         return None
 
     def _finish(self, job: Job) -> None:
-        assert self._staged is not None  # only staged jobs are launched unfinished
-        try:
-            job.results = self._staged.finish(job.requests, job.staged)
-        except Exception as exc:
-            job.error = exc
+        assert self._pipeline is not None  # only staged jobs are launched unfinished
+        self._pipeline.finish(job)
         self._report(job)
 
     def _report(self, job: Job) -> None:

@@ -16,11 +16,11 @@ import numpy as np
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import (
-    HostBuffers,
     build_responses,
     gather_inputs,
     wanted_outputs,
 )
+from trionserve.backends.cuda.pipeline import HostBuffers
 from trionserve.backends.onnxruntime.providers import CUDA, TENSORRT, execution_providers
 from trionserve.backends.onnxruntime.validation import validate_session
 from trionserve.core import datatypes
@@ -215,7 +215,7 @@ class OnnxInstance:
     """One InferenceSession; executes one batch at a time (its executor guarantees it).
 
     Its batches run in three steps (``stage``, ``launch``, ``finish``: a
-    :class:`~trionserve.backends.base.StagedBackendInstance`) whose times are
+    :class:`~trionserve.backends.cuda.pipeline.StagedBackendInstance`) whose times are
     Triton's compute_input, compute_infer and compute_output.
     """
 

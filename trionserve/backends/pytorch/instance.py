@@ -19,7 +19,6 @@ import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import (
-    HostBuffers,
     build_responses,
     gather_inputs,
     wanted_outputs,
@@ -31,6 +30,7 @@ from trionserve.backends.cuda.graphs import (
     captured_graph,
     log_capture_failure,
 )
+from trionserve.backends.cuda.pipeline import HostBuffers, pinned_bytes
 from trionserve.backends.pytorch.naming import (
     TORCH_DTYPES,
     bind_inputs,
@@ -91,20 +91,11 @@ class _Both:
         self._first.__exit__(*exc)
 
 
-def _pinned_bytes(torch):
-    """An allocator of pinned host byte buffers (kept alive by their numpy views)."""
-
-    def allocate(nbytes: int) -> np.ndarray:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-
-    return allocate
-
-
 class TorchScriptInstance:
     """One TorchScript module on one device; executes one batch at a time.
 
     Its batches run in three steps (``stage``, ``launch``, ``finish``: a
-    :class:`~trionserve.backends.base.StagedBackendInstance`) whose times are
+    :class:`~trionserve.backends.cuda.pipeline.StagedBackendInstance`) whose times are
     Triton's compute_input, compute_infer and compute_output.
     """
 
@@ -144,7 +135,7 @@ class TorchScriptInstance:
         self._stream = torch.cuda.Stream(self._device) if on_gpu else None
         self._copy_stream = torch.cuda.Stream(self._device) if on_gpu else None
         self.overlaps = on_gpu
-        allocate = _pinned_bytes(torch) if self._stream is not None else None
+        allocate = pinned_bytes(torch) if self._stream is not None else None
         self._buffers = (
             (HostBuffers(allocate), HostBuffers(allocate))
             if allocate is not None

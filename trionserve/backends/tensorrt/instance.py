@@ -5,6 +5,10 @@ src/instance_state.cc)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 import structlog
 
@@ -17,16 +21,38 @@ from trionserve.backends.cuda.graphs import (
     captured_graph,
     log_capture_failure,
 )
+from trionserve.backends.cuda.pipeline import HostBuffers
 from trionserve.backends.tensorrt.engine import EngineTensor, engine_tensors, type_name
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError
 from trionserve.core.inference import InferenceRequest
+from trionserve.observability.statistics import ComputeTimes
 
 log = structlog.get_logger(__name__)
 
 
+@dataclass(slots=True)
+class _TrtBatch:
+    """One batch between ``stage``, ``launch`` and ``finish``."""
+
+    started: int
+    staged: int = 0
+    launched: int = 0
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)
+    size: int = 0
+    graph: CapturedGraph | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+    error: TritonError | None = None
+
+
 class TensorRTInstance:
-    """One engine, execution context and CUDA stream on one GPU; one batch at a time.
+    """One engine, execution context and CUDA stream on one GPU.
+
+    Its batches run in three steps (``stage``, ``launch``, ``finish``: a
+    :class:`~trionserve.backends.cuda.pipeline.StagedBackendInstance` that
+    ``overlaps``), whose times are Triton's compute_input, compute_infer and
+    compute_output: the next batch's inputs are gathered while the device computes.
 
     A batch that a captured CUDA graph serves is copied into the graph's static
     inputs and the graph replayed; any other runs ``execute_async_v3`` with buffers
@@ -64,6 +90,14 @@ class TensorRTInstance:
         self._context = engine.create_execution_context()
         self._stream, self._stream_handle = buffers.stream()
         self._graphs: list[CapturedGraph] = []  # smallest batch size first
+        # The GPU pipeline (trionserve.backends.cuda.pipeline): launch returns
+        # before the device is done, so the next batch is gathered meanwhile, into
+        # the other of two reusable host buffers.
+        self.overlaps = True
+        self.compute_times: ComputeTimes | None = None
+        self._host_buffers = (HostBuffers(), HostBuffers())
+        self._slot = 0
+        self._held: dict[str, Any] = {}
 
     def _check(self, config, tensors: list[EngineTensor]) -> None:
         model = self.model_name
@@ -103,24 +137,81 @@ class TensorRTInstance:
                 )
 
     def execute(self, requests: list[InferenceRequest]) -> list:
-        arrays = gather_inputs(requests, self._input_reshape)
-        names = wanted_outputs(requests, list(self._output_datatypes))
-        size = sum(r.batch_size for r in requests) if self._batched else 0
+        """One batch start to end (warmup, and callers that run one batch)."""
+        return self.finish(requests, self.launch(requests, self.stage(requests)))
+
+    # -- a batch in three steps (the GPU pipeline: trionserve.backends.cuda.pipeline) ----
+
+    def stage(self, requests: list[InferenceRequest]) -> _TrtBatch:
+        """Gather the batch's inputs on the host, into the reusable buffers of its
+        slot (two slots: the batch before this one may still be computing), and
+        pick the captured graph that serves it, if any. Nothing touches the
+        device or the execution context, which the batch before may be using."""
+        batch = _TrtBatch(time.perf_counter_ns())
+        try:
+            buffers = self._host_buffers[self._slot]
+            self._slot ^= 1
+            arrays = gather_inputs(requests, self._input_reshape, buffers=buffers)
+            batch.arrays = {
+                name: np.ascontiguousarray(array, dtype=self._dtypes[name])
+                if name in self._dtypes
+                else array
+                for name, array in arrays.items()
+            }
+            batch.names = wanted_outputs(requests, list(self._output_datatypes))
+            batch.size = sum(r.batch_size for r in requests) if self._batched else 0
+            batch.graph = self._graph_for(batch.size, batch.arrays) if self._graphs else None
+        except TritonError as error:
+            batch.error = error
+        except Exception as exc:
+            batch.error = self._failure(exc)
+        batch.staged = time.perf_counter_ns()
+        return batch
+
+    def launch(self, requests: list[InferenceRequest], batch: _TrtBatch) -> _TrtBatch:
+        """Bind and copy the inputs and start the engine (or replay the batch's
+        graph) on the instance's stream, without waiting for it: the next batch is
+        staged on the host while the device computes this one. The stream orders
+        this batch's copies and kernels after the batch before it."""
+        batch.launched = time.perf_counter_ns()
+        if batch.error is not None:
+            return batch
         try:
             with self._buffers.device(self.spec.device_id):
-                captured = self._graph_for(size, arrays) if self._graphs else None
-                if captured is not None:
-                    outputs = self._replay(captured, arrays, size, names)
+                if batch.graph is not None:
+                    batch.outputs = self._replay(batch.graph, batch.arrays, batch.size, batch.names)
                 else:
-                    outputs = self._run(arrays, names)
+                    batch.outputs = self._run(batch.arrays, batch.names)
+        except TritonError as error:
+            batch.error = error
+        except Exception as exc:
+            batch.error = self._failure(exc)
+        batch.arrays = {}
+        return batch
+
+    def finish(self, requests: list[InferenceRequest], batch: _TrtBatch) -> list:
+        """Wait for the stream, copy the wanted outputs back and build one response
+        per request; ``compute_times`` for the batch (compute_infer from the launch
+        to the outputs on the host, as Triton's tensorrt backend counts it)."""
+        self.compute_times = None
+        if batch.error is not None:
+            return [batch.error] * len(requests)
+        try:
+            with self._buffers.device(self.spec.device_id):
+                stream = self._stream
+                outputs = {
+                    name: self._buffers.to_host(device, stream)
+                    for name, device in batch.outputs.items()
+                }
+                self._buffers.synchronize(stream)
         except TritonError as error:
             return [error] * len(requests)
-        except Exception as exc:  # CUDA and TensorRT raise their own types
-            failure = InternalError(
-                f"TensorRT execute failure for model '{self.model_name}': {exc}"
-            )
-            return [failure] * len(requests)
-        return build_responses(
+        except Exception as exc:
+            return [self._failure(exc)] * len(requests)
+        finally:
+            batch.outputs = {}
+        inferred = time.perf_counter_ns()
+        responses = build_responses(
             requests,
             self.model_name,
             self.model_version,
@@ -128,8 +219,19 @@ class TensorRTInstance:
             self._output_datatypes,
             self._output_reshape,
         )
+        self.compute_times = ComputeTimes(
+            batch.staged - batch.started,
+            inferred - batch.launched,
+            time.perf_counter_ns() - inferred,
+        )
+        return responses
 
-    def _run(self, arrays: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+    def _failure(self, exc: Exception) -> InternalError:
+        # CUDA and TensorRT raise their own types
+        return InternalError(f"TensorRT execute failure for model '{self.model_name}': {exc}")
+
+    def _run(self, arrays: dict[str, np.ndarray], names: list[str]) -> dict[str, Any]:
+        """Enqueue the batch on the stream; the wanted outputs' device buffers."""
         context, buffers, stream = self._context, self._buffers, self._stream
         held = {}  # device buffers, kept alive until the stream has finished with them
         for name in self._inputs:
@@ -138,7 +240,7 @@ class TensorRTInstance:
                     f"model '{self.model_name}' needs input '{name}': the TensorRT "
                     "engine has no optional inputs"
                 )
-            array = np.ascontiguousarray(arrays[name], dtype=self._dtypes[name])
+            array = arrays[name]
             if not context.set_input_shape(name, array.shape):
                 raise InvalidArgument(
                     f"input '{name}' of model '{self.model_name}' has shape "
@@ -157,9 +259,11 @@ class TensorRTInstance:
             held[name], address = buffers.empty(shape, self._dtypes[name])
             context.set_tensor_address(name, address)
         self._enqueue()
-        outputs = {name: buffers.to_host(held[name], stream) for name in names}
-        buffers.synchronize(stream)
-        return outputs
+        # The inputs' device buffers stay alive until the stream is done with them:
+        # they are held by the execution context's bindings until the next batch
+        # binds its own, and by ``held`` through the outputs' batch.
+        self._held = held
+        return {name: held[name] for name in names}
 
     def _enqueue(self) -> None:
         if not self._context.execute_async_v3(self._stream_handle):
@@ -252,26 +356,22 @@ class TensorRTInstance:
 
     def _replay(
         self, captured: CapturedGraph, arrays: dict[str, np.ndarray], size: int, names: list[str]
-    ) -> dict[str, np.ndarray]:
-        """Copy the batch into the graph's leading rows, replay it, and copy back
-        this batch's rows of the outputs. Rows past the batch keep an earlier
-        batch's data (Triton's graphs do not clear them either); a batch-major
+    ) -> dict[str, Any]:
+        """Copy the batch into the graph's leading rows and replay it; this batch's rows of
+        the outputs (device views, read back by ``finish``). Rows past the batch keep an
+        earlier batch's data (Triton's graphs do not clear them either); a batch-major
         model's rows do not depend on each other."""
         buffers, stream = self._buffers, self._stream
         for name in self._inputs:
-            array = np.ascontiguousarray(arrays[name], dtype=self._dtypes[name])
+            array = arrays[name]
             static = captured.inputs[name]
             buffers.upload(static[:size] if self._batched else static, array, stream)
         buffers.launch(captured.graph, stream)
         padded = self._batched and size != captured.shape.batch_size
-        outputs = {
-            name: buffers.to_host(
-                captured.outputs[name][:size] if padded else captured.outputs[name], stream
-            )
+        return {
+            name: captured.outputs[name][:size] if padded else captured.outputs[name]
             for name in names
         }
-        buffers.synchronize(stream)
-        return outputs
 
     def close(self) -> None:
         """Release the graphs and their buffers, then the context and engine,
@@ -279,5 +379,6 @@ class TensorRTInstance:
         if self._graphs:
             self._buffers.synchronize(self._stream)
         self._graphs = []
+        self._held = {}
         self._context = None
         self._engine = None
