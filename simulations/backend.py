@@ -52,7 +52,10 @@ class SimBackend(Backend):
     def virtual_seconds(self, method: str, args) -> float:
         plan = self.world.setup.faults
         if method == "load":
-            return plan.duration(self.world.random("load"), plan.load_seconds)
+            rng = self.world.random("load")
+            if plan.p_slow_load and rng.random() < plan.p_slow_load:
+                return plan.slow_load_seconds
+            return plan.duration(rng, plan.load_seconds)
         return 0.0
 
     def load(self, context) -> SimModel:

@@ -49,6 +49,9 @@ class FaultPlan:
     max_crashes: int = 1
     p_drop: float = 0.0
     p_load_failure: float = 0.0
+    # A load that takes ``slow_load_seconds`` instead (clients give up waiting on it).
+    p_slow_load: float = 0.0
+    slow_load_seconds: float = 0.0
     thread_hang_seconds: float = 30.0
     slow_models: dict[str, float] = field(default_factory=dict)  # name -> latency factor
 

@@ -160,6 +160,7 @@ async def _main(world: World, scenario: Scenario, monitor: Monitor) -> None:
             exit_timeout_secs=setup.exit_timeout,
             exit_on_error=False,
             model_load_thread_count=setup.load_threads,
+            residency=setup.residency,
         )
     )
     _probe_routing(world)

@@ -104,6 +104,7 @@ class ModelSpec:
     versions: tuple[int, ...] = (1,)
     policy: str = ""  # "", "all", or "latest N"
     generation: int = 1
+    parameters: tuple[tuple[str, str], ...] = ()  # more config parameters (key, value)
 
     def config_text(self) -> str:
         dims = "[ 1 ]"
@@ -124,7 +125,11 @@ class ModelSpec:
             lines.append(self.batching.text())
         if self.sequence is not None:
             lines.append(self.sequence.text())
-        for key, value in (("generation", self.generation), ("sim_kind", self.kind)):
+        for key, value in (
+            ("generation", self.generation),
+            ("sim_kind", self.kind),
+            *self.parameters,
+        ):
             lines.append(f'parameters {{ key: "{key}" value {{ string_value: "{value}" }} }}')
         return "\n".join(lines) + "\n"
 

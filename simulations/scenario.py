@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from simulations.faults import FaultPlan
 from simulations.repository import ModelSpec
+from trionserve.actors.residency import ResidencyOptions
 from trionserve.actors.watcher import ControlMode
 
 
@@ -35,6 +36,8 @@ class Setup:
     files: dict[str, str] = field(default_factory=dict)
     backend_errors: tuple[str, ...] = ("[sim]",)
     observes_executions: bool = True
+    # --model-load-on-demand, --model-memory-limit, --model-idle-unload-secs
+    residency: ResidencyOptions = field(default_factory=ResidencyOptions)
     hang_limit: float = 60.0  # seconds a client may still wait after the server stopped
     run_limit: float = 3600.0  # seconds after which the run is stopped
 

@@ -332,6 +332,9 @@ class DataPlane:
         model = self.registry.route(
             request.model_name, request.model_version, request.model_namespace
         )
+        residency = self.registry.residency
+        if residency is not None:
+            residency.touch(model)
         request.undelivered_limit = self.undelivered_response_limit
         drain = self.drain
         if drain.draining and not internal:
@@ -393,6 +396,8 @@ class DataPlane:
         models themselves (``internal``) are not checked here. ``queued`` is set
         once the model's scheduler holds the request (or the cache answered it):
         an error raised before is one Triton's ServerInferAsync would return."""
+        if self.registry.residency is not None:
+            await self.registry.residency.wait_routable(request)
         model = self._admit(request, internal, None if internal else endpoint)
         cache = self.response_cache
         if cache is not None and model.config.response_cache.enable:
@@ -459,6 +464,8 @@ class DataPlane:
         ``queued`` is set once the model's scheduler holds the request (a stream
         waits for it so that a sequence's requests are queued in order).
         """
+        if self.registry.residency is not None:
+            await self.registry.residency.wait_routable(request)
         model = self._admit(request, internal)
         async with self._lifecycle(model, request, queued) as run:
             async for response, final in request.stream():
@@ -477,6 +484,8 @@ class DataPlane:
         the request is routed and valid, so that a caller can tell an error of
         the request from one its model answered.
         """
+        if self.registry.residency is not None:
+            await self.registry.residency.wait_routable(request)
         model = self._admit(request)
         if admitted is not None:
             admitted.set()

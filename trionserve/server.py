@@ -37,8 +37,10 @@ import structlog
 import trio
 
 from trionserve import __version__
+from trionserve.actors.memory_usage import GpuMemory
 from trionserve.actors.rate_limiter import RateLimiter, RateLimiterResource, RateLimitMode
 from trionserve.actors.registry import ModelRegistry
+from trionserve.actors.residency import ResidencyManager, ResidencyOptions
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig
 from trionserve.backends.manager import BackendManager
@@ -104,6 +106,9 @@ class ServerOptions:
     openai: OpenAIOptions = field(default_factory=OpenAIOptions)
     trace: TraceConfig = field(default_factory=TraceConfig)
     model_load_thread_count: int = 4
+    # --model-load-on-demand, --model-memory-limit, --model-idle-unload-secs
+    # (actors/residency.py)
+    residency: ResidencyOptions = field(default_factory=ResidencyOptions)
     # --rate-limit and --rate-limit-resource (see actors/rate_limiter.py)
     rate_limit: RateLimitMode = RateLimitMode.OFF
     rate_limit_resources: list[RateLimiterResource] = field(default_factory=list)
@@ -240,6 +245,7 @@ class Server:
             if options.metrics.summary_latencies
             else None,
         )
+        self.residency = self._residency(options)
         self.watcher = RepositoryWatcher(
             self.registry,
             options.model_control_mode,
@@ -271,6 +277,31 @@ class Server:
         self.exit_code = 0
         # With ``exit_process``: ends the process if serve has not ended in time.
         self._exit_timer: threading.Timer | None = None
+
+    def _residency(self, options: ServerOptions) -> ResidencyManager | None:
+        """The residency policy when one of its flags is set; a start error for
+        settings that cannot work (on demand outside EXPLICIT mode, a budget that
+        names a missing GPU or a fraction of an unknown total)."""
+        residency = options.residency
+        if not residency.enabled:
+            return None
+        if residency.load_on_demand and options.model_control_mode is not ControlMode.EXPLICIT:
+            raise StartupError(
+                "--model-load-on-demand=true needs --model-control-mode=explicit (got "
+                f"{options.model_control_mode.value}): in the other modes every model "
+                "is loaded at start"
+            )
+        gpus = (
+            GpuMemory()
+            if any(limit.device != "host" for limit in residency.memory_limits)
+            else None
+        )
+        try:
+            return ResidencyManager(self.registry, residency, gpus)
+        except ValueError as exc:
+            if gpus is not None:
+                gpus.close()
+            raise StartupError(str(exc)) from None
 
     def shutdown(self) -> None:
         """Begin the graceful drain (see the module docstring)."""
@@ -306,7 +337,11 @@ class Server:
             await nursery.start(self.dataplane.tracing.run)
             await nursery.start(self.rate_limiter.run)
             await nursery.start(self.registry.run)
+            if self.residency is not None:
+                await nursery.start(self.residency.run)
             await nursery.start(self.watcher.run)
+            if self.residency is not None:
+                self.residency.serving()
             if self.watcher.startup_errors and options.exit_on_error:
                 await self._unload_all()
                 nursery.cancel_scope.cancel()

@@ -5,6 +5,7 @@ from simulations.scenarios import (  # noqa: F401
     grpc_frontend,
     http_frontend,
     load,
+    on_demand,
     python_stub,
     repository_changes,
     sequences,

@@ -27,9 +27,13 @@ from simulations.backend import SERVING, AsyncSimInstance
 from simulations.harness import COMPLETES, run_seed
 from simulations.probes import QUEUE_BOUNDS
 from simulations.scenario import SCENARIOS
+from simulations.scenarios import on_demand
 from simulations.sweep import SweepTotals, failure_report, scenarios_named, sweep
+from trionserve.actors import residency as residency_module
+from trionserve.actors import residency_budget as residency_budget_module
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.model_lifecycle import ModelLifeCycle
+from trionserve.actors.residency import ResidencyManager
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.repository.snapshot import snapshot_repository
 from trionserve.schedulers import default as default_module
@@ -398,3 +402,33 @@ def test_regression_poll_never_serves_files_changed_during_their_load():
         result = run_seed(scenario, seed)
         assert result.ok, failure_report(result)
         assert result.summary["versions"] >= 3  # startup, the discarded load, the reload
+
+
+# -- models on demand: each promise of the residency policy, broken on purpose ------------
+
+
+def test_an_eviction_of_a_busy_model_is_caught(monkeypatch):
+    busy = ResidencyManager.busy
+
+    def forgets_requests_in_flight(self, resident):
+        reason = busy(self, resident)
+        return None if reason == "requests in flight" else reason
+
+    monkeypatch.setattr(ResidencyManager, "busy", forgets_requests_in_flight)
+    found = violations_of(SCENARIOS["models_on_demand"], on_demand.NO_BUSY_EVICTION)
+    assert any("requests outstanding" in v.detail for v in found), found
+
+
+def test_charges_over_the_budget_are_caught(monkeypatch):
+    monkeypatch.setattr(residency_budget_module, "over", lambda budgets, used, need: {})
+    monkeypatch.setattr(residency_module, "over", lambda budgets, used, need: {})
+    found = violations_of(SCENARIOS["models_on_demand"], on_demand.WITHIN_BUDGET)
+    assert any("the budget is" in v.detail for v in found), found
+
+
+def test_a_failed_load_retried_at_once_is_caught(monkeypatch):
+    # The policy retries at once; the scenario's check still expects the real backoff.
+    monkeypatch.setattr(residency_module, "RETRY_FIRST_SECS", 0.0)
+    scenario = variant("models_on_demand", lambda s: setattr(s.faults, "p_load_failure", 0.3))
+    found = violations_of(scenario, on_demand.BACKOFF)
+    assert any("after its load failed" in v.detail for v in found), found

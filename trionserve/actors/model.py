@@ -16,6 +16,7 @@ import structlog
 import trio
 
 from trionserve.actors.executor import InstanceExecutor
+from trionserve.actors.memory_usage import trim_heap
 from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.actors.warmup import WarmupSample, check_results, warmup_samples
 from trionserve.backends.base import (
@@ -170,6 +171,8 @@ class ModelVersion:
         self._inflight = 0
         self._idle = trio.Event()
         self._idle.set()
+        # The reason the index shows once it has unloaded (an eviction names its own).
+        self.unloaded_reason = "unloaded"
 
     def __repr__(self) -> str:
         return f"ModelVersion({self.name!r}, {self.version}, {self.state.value})"
@@ -243,7 +246,7 @@ class ModelVersion:
                 await self._release(loaded, released)
             self._unregister(self._rate_slots.pop(spec) for spec in list(self._rate_slots))
             if self.state is not ModelState.UNAVAILABLE:
-                self._set_unavailable("unloaded")
+                self._set_unavailable(self.unloaded_reason)
             self.stopped.set()
 
     async def _load(self) -> tuple[LoadedModel, list[tuple[InstanceSpec, Instance]]]:
@@ -327,6 +330,8 @@ class ModelVersion:
                 loaded.unload()
             except Exception:
                 log.exception("model unload failed", model=self.name)
+            # glibc keeps what the model freed in its arenas until trimmed.
+            trim_heap()
 
         await trio.to_thread.run_sync(release)
 
@@ -448,6 +453,16 @@ class ModelVersion:
             await self._scheduler.submit(request)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise Unavailable(f"model '{self.name}' version {self.version} is unloading") from None
+
+    @property
+    def idle(self) -> trio.Event:
+        """Set while no request is in flight (a new one is made by the next request)."""
+        return self._idle
+
+    @property
+    def inflight(self) -> int:
+        """Requests admitted to this version and not yet finished (queued included)."""
+        return self._inflight
 
     def begin_request(self) -> None:
         if self._inflight == 0:

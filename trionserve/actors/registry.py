@@ -52,6 +52,7 @@ from trionserve.repository.snapshot import snapshot_model
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve.actors.residency import ResidencyManager
 
 log = structlog.get_logger(__name__)
 
@@ -120,6 +121,9 @@ class ModelRegistry:
         self._generation = 0
         self._stopping = False
         self._nursery: trio.Nursery | None = None
+        # The residency policy (models on demand, memory budget), when one is on:
+        # it charges every load (see ``_load``).
+        self.residency: ResidencyManager | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -511,7 +515,26 @@ class ModelRegistry:
             raise error from None
 
         source = LoadedSource(model_dir, snapshot, prepared.config, digest if files else "")
-        await self.lifecycle.load(entry, source, prepared, reason, stable_files)
+        if self.residency is None:
+            await self.lifecycle.load(entry, source, prepared, reason, stable_files)
+            return
+        loading = False
+        try:
+            async with self.residency.charging(entry, prepared.config, model_dir):
+                loading = True
+                await self.lifecycle.load(entry, source, prepared, reason, stable_files)
+                loading = False
+        except TritonError as exc:
+            if loading:
+                raise  # the lifecycle's own failure, recorded and logged there
+            if isinstance(exc, Unavailable):  # abandoned while waiting for room
+                log.info("model load abandoned", model=name, reason=exc.message)
+                raise
+            # No room under the memory budget.
+            entry.reason = exc.message
+            entry.failed = entry.failed or not entry.serving
+            log.error("model load failed", model=name, reason=exc.message)
+            raise
 
     async def _find(self, model_id: ModelId) -> Path:
         """The model's directory; not found in Triton's words (core

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from trionserve.actors.rate_limiter import RateLimitMode
+from trionserve.actors.residency import ResidencyOptions
 from trionserve.actors.watcher import ControlMode
 from trionserve.backends.backend_config import parse_backend_config
 from trionserve.cli.compat import compat_notes
@@ -190,6 +191,8 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         parser.error("--load-model='*' cannot be combined with other model names")
     if args.load_models and mode is not ControlMode.EXPLICIT:
         parser.error("--load-model requires --model-control-mode=explicit")
+    if args.model_load_on_demand and mode is not ControlMode.EXPLICIT:
+        parser.error("--model-load-on-demand=true requires --model-control-mode=explicit")
     try:
         backend_config = parse_backend_config(args.backend_config)
     except ValueError as exc:
@@ -248,6 +251,11 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         openai=openai_options(parser, args),
         trace=trace,
         model_load_thread_count=args.model_load_thread_count,
+        residency=ResidencyOptions(
+            load_on_demand=args.model_load_on_demand,
+            memory_limits=args.model_memory_limit,
+            idle_unload_secs=args.model_idle_unload_secs,
+        ),
         rate_limit=RateLimitMode(args.rate_limit),
         rate_limit_resources=args.rate_limit_resources,
         allow_client_shm=args.allow_client_shm,

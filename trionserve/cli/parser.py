@@ -29,6 +29,7 @@ from trionserve.cli.values import (
     config_name,
     header_pattern,
     int_at_least,
+    memory_limit,
     non_negative_float,
     non_negative_int,
     port_number,
@@ -288,6 +289,31 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=4,
         help="models loaded concurrently (default 4)",
+    )
+    add(
+        "--model-load-on-demand",
+        type=boolean,
+        default=False,
+        help="with --model-control-mode=explicit: an inference request for a model in "
+        "the repository that is not loaded loads it, and waits for it within its own "
+        "timeout (default false)",
+    )
+    add(
+        "--model-memory-limit",
+        type=memory_limit,
+        action="append",
+        default=[],
+        metavar="host:BYTES|gpu:N:BYTES|gpu:N:FRACTION",
+        help="a memory budget for loaded models, repeatable (e.g. host:8GiB, "
+        "gpu:0:20GiB, gpu:0:0.8): a load that does not fit evicts idle models, least "
+        "recently used first",
+    )
+    add(
+        "--model-idle-unload-secs",
+        type=non_negative_float,
+        default=0.0,
+        help="unload a model no request has used for this many seconds (default 0: never); "
+        "models loaded at start-up or pinned stay",
     )
     add(
         "--rate-limit",

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from trionserve.actors.rate_limiter import RateLimiterResource, parse_resource
+from trionserve.actors.residency_budget import MemoryLimit, parse_memory_limit
 from trionserve.protocol.restricted import RestrictedCategory
 from trionserve.repository.object_store import is_remote
 
@@ -26,6 +27,14 @@ def boolean(text: str) -> bool:
     if value in _FALSE:
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def memory_limit(text: str) -> MemoryLimit:
+    """``--model-memory-limit``: ``host:<bytes>`` or ``gpu:<index>:<bytes or fraction>``."""
+    try:
+        return parse_memory_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def port_number(text: str) -> int:

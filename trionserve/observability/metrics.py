@@ -31,6 +31,7 @@ from trionserve.observability.custom_metrics import CUSTOM_METRICS
 from trionserve.observability.exposition import TritonCounter
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.quantiles import DEFAULT_TARGETS, Target, parse_quantiles
+from trionserve.observability.residency_metrics import ResidencyCollector
 from trionserve.observability.sampling import sample_every
 from trionserve.observability.statistics import (
     FailureReason,
@@ -486,6 +487,9 @@ def build_metrics_registry(
     several servers in one process do not mix)."""
     metrics = CollectorRegistry(auto_describe=False)
     metrics.register(ModelMetricsCollector(registry, options))
+    residency = getattr(registry, "residency", None)
+    if residency is not None:  # models on demand, memory budgets
+        metrics.register(ResidencyCollector(residency))
     # Families that Python-backend models define (pb_utils.MetricFamily).
     metrics.register(CUSTOM_METRICS)
     if cpu is not None:
