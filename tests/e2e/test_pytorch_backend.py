@@ -42,6 +42,21 @@ if HAS_TORCH:
         def forward(self, x):
             return x
 
+    class Shout(torch.nn.Module):
+        """BYTES in and out: a List[str] argument and a List[str] result."""
+
+        def forward(self, words: list[str]) -> tuple[list[str], torch.Tensor]:
+            lengths = torch.tensor([len(w) for w in words], dtype=torch.int64)
+            return [w.upper() + "!" for w in words], lengths
+
+    class Accumulate(torch.nn.Module):
+        """A sequence model with implicit state: the data input, the state input and
+        the START / READY controls are forward()'s four arguments."""
+
+        def forward(self, value, state, start, ready):
+            total = value + state * (1 - start)
+            return total, total
+
     class DictModel(torch.nn.Module):
         """A Dict[str, Tensor] in, a Dict[str, Tensor] out."""
 
@@ -95,6 +110,27 @@ MODELS = {
         [tensor("OUTPUT__0", "TYPE_FP32", "16"), tensor("OUTPUT__1", "TYPE_FP32", "16")],
     ),
     "pt_no_io": lambda: 'name: "pt_no_io"\nplatform: "pytorch_libtorch"\n',
+    # Triton's libtorch_nobatch_zero_1_object (qa/common/gen_qa_identity_models.py).
+    "pt_strings": lambda: (
+        'name: "pt_strings"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+        f"input [ {tensor('INPUT__0', 'TYPE_STRING', '-1')} ]\n"
+        f"output [ {tensor('OUTPUT__0', 'TYPE_STRING', '-1')}, "
+        f"{tensor('OUTPUT__1', 'TYPE_INT64', '-1')} ]\n"
+    ),
+    # As qa/common/gen_qa_implicit_models.py's libtorch_nobatch_sequence_int32.
+    "pt_sequence": lambda: (
+        'name: "pt_sequence"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+        "sequence_batching { control_input [\n"
+        '  { name: "START__2" control [ { kind: CONTROL_SEQUENCE_START '
+        "int32_false_true: [ 0, 1 ] } ] },\n"
+        '  { name: "READY__3" control [ { kind: CONTROL_SEQUENCE_READY '
+        "int32_false_true: [ 0, 1 ] } ] } ]\n"
+        '  state [ { input_name: "INPUT_STATE__1" output_name: "OUTPUT_STATE__1" '
+        "data_type: TYPE_INT32 dims: [ 1 ] initial_state: { data_type: TYPE_INT32 "
+        'dims: [ 1 ] zero_data: true name: "zero" } } ] }\n'
+        f"input [ {tensor('INPUT__0', 'TYPE_INT32', '1')} ]\n"
+        f"output [ {tensor('OUTPUT__0', 'TYPE_INT32', '1')} ]\n"
+    ),
 }
 
 
@@ -108,6 +144,8 @@ def modules():
         "pt_dict": DictModel(),
         "pt_bytes": AddMul(),
         "pt_no_io": AddMul(),
+        "pt_strings": Shout(),
+        "pt_sequence": Accumulate(),
     }
 
 
@@ -213,14 +251,44 @@ def test_metadata_and_config_are_not_auto_completed(torch_server):
 def test_unservable_configs_are_unavailable_with_reasons(torch_server):
     rows = {row["name"]: row for row in torch_server.get_model_repository_index()}
     assert rows["pt_bytes"]["state"] == "UNAVAILABLE"
-    assert "BYTES" in rows["pt_bytes"]["reason"]
-    assert "INPUT__0" in rows["pt_bytes"]["reason"]
+    # A BYTES input is a List[str] of one dimension, batch included (Triton's
+    # ValidateInputs); this one is batched with dims [16].
+    assert (
+        "Triton only supports 1 dimensional List of String as input for 'INPUT__0' for "
+        "model 'pt_bytes'" in rows["pt_bytes"]["reason"]
+    )
     # TorchScript records no tensor metadata: like Triton, nothing is auto-completed.
     assert rows["pt_no_io"]["state"] == "UNAVAILABLE"
     assert "list them in config.pbtxt (no input was given)" in rows["pt_no_io"]["reason"]
     with pytest.raises(InferenceServerException):
         infer(torch_server, "pt_bytes", {"INPUT__1": ("FP32", np.ones((1, 16), np.float32))})
     assert torch_server.is_model_ready("pt_addmul")
+
+
+@needs_torch
+def test_bytes_tensors_are_lists_of_strings(torch_server):
+    # TorchScript upper-cases ASCII only and its len() counts bytes: the UTF-8 text
+    # reaches the model as the client sent it.
+    words = np.array([b"abc", "h\u00e9llo".encode(), b""], dtype=object)
+    result = infer(torch_server, "pt_strings", {"INPUT__0": ("BYTES", words)})
+    assert result.as_numpy("OUTPUT__0").tolist() == [b"ABC!", "H\u00e9LLO!".encode(), b"!"]
+    assert result.as_numpy("OUTPUT__1").tolist() == [3, 6, 0]  # len() counts UTF-8 bytes
+    with pytest.raises(InferenceServerException, match="not UTF-8"):
+        infer(torch_server, "pt_strings", {"INPUT__0": ("BYTES", np.array([b"\xff"], object))})
+
+
+@needs_torch
+def test_a_sequence_model_takes_its_controls_and_state_as_arguments(torch_server):
+    def step(value: int, start: bool, end: bool) -> int:
+        inputs = [httpclient.InferInput("INPUT__0", [1], "INT32")]
+        inputs[0].set_data_from_numpy(np.array([value], np.int32))
+        result = torch_server.infer(
+            "pt_sequence", inputs, sequence_id=7, sequence_start=start, sequence_end=end
+        )
+        return int(result.as_numpy("OUTPUT__0")[0])
+
+    assert [step(1, True, False), step(2, False, False), step(3, False, True)] == [1, 3, 6]
+    assert step(5, True, True) == 5  # a new sequence starts from the zero state
 
 
 # -- Triton's naming rules, unit-tested -----------------------------------------------
@@ -246,8 +314,29 @@ def test_bind_inputs_conventions():
     assert as_dict.as_dict
     with pytest.raises(InvalidArgument, match="configuration expects 1 inputs, model provides 2"):
         pytorch_naming.bind_inputs("m", ["x"], args)
-    with pytest.raises(InvalidArgument, match="Tensor arguments"):
-        pytorch_naming.bind_inputs("m", ["x", "s"], [("x", "TensorType"), ("s", "ListType")])
+    with pytest.raises(InvalidArgument, match="Tensor .or List.str.. arguments"):
+        pytorch_naming.bind_inputs("m", ["x", "n"], [("x", "TensorType"), ("n", "IntType")])
+    # A List[str] argument takes a BYTES input.
+    strings = pytorch_naming.bind_inputs("m", ["x", "s"], [("x", "TensorType"), ("s", "ListType")])
+    assert strings.positions == {"x": 0, "s": 1}
+    # A sequence model's controls and states are arguments too (Triton counts them).
+    four = [(n, "TensorType") for n in ("a", "b", "c", "d")]
+    sequence = pytorch_naming.bind_inputs(
+        "m", ["IN__0"], four, controls=["START__2", "READY__3"], states=["STATE__1"]
+    )
+    assert sequence.positions == {"IN__0": 0, "STATE__1": 1, "START__2": 2, "READY__3": 3}
+    with pytest.raises(InvalidArgument, match="configuration expects 4 inputs, model provides 2"):
+        pytorch_naming.bind_inputs(
+            "m", ["IN__0"], args, controls=["START__2", "READY__3"], states=["STATE__1"]
+        )
+    with pytest.raises(InvalidArgument, match="'START' does not follow <name>__<index>"):
+        pytorch_naming.bind_inputs("m", ["IN__0"], args, controls=["START"])
+    with pytest.raises(InvalidArgument, match="state but not all inputs and outputs follow"):
+        pytorch_naming.bind_inputs("m", ["x"], args, states=["STATE__1"])
+    assert pytorch_naming.bind_outputs("m", ["OUT__0"], ["STATE__1"]) == {
+        "OUT__0": 0,
+        "STATE__1": 1,
+    }
     assert pytorch_naming.bind_outputs("m", ["OUT__1", "OUT__0"]) == {"OUT__1": 1, "OUT__0": 0}
     assert pytorch_naming.bind_outputs("m", ["b", "a"]) == {"b": 0, "a": 1}
 

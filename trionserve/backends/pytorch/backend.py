@@ -84,8 +84,17 @@ class PyTorchBackend(Backend):
                 f"model file '{filename}' not found in version {context.version} "
                 f"of model '{context.name}' ({context.version_dir.name}/)"
             )
-        check_data_types(context.name, "input", config.input)
-        check_data_types(context.name, "output", config.output)
+        torchscript = config.platform != PT2_PLATFORM
+        batching = config.max_batch_size > 0
+        for kind, entries in (("input", config.input), ("output", config.output)):
+            check_data_types(context.name, kind, entries, strings=torchscript, batching=batching)
+        if torchscript:
+            check_data_types(
+                context.name,
+                "input state",
+                [_StateEntry(s.input_name, s) for s in config.sequence_batching.state],
+                strings=True,
+            )
         if config.platform == PT2_PLATFORM:
             from trionserve.backends.pytorch.torch_aoti import (
                 Pt2Model,
@@ -104,8 +113,24 @@ class PyTorchBackend(Backend):
             return Pt2Model(context, path)
         if not config.input:
             bind_inputs(context.name, [], [])  # raises: the config must list inputs
-        bind_outputs(context.name, [o.name for o in config.output])
+        bind_outputs(
+            context.name,
+            [o.name for o in config.output],
+            [s.output_name for s in config.sequence_batching.state],
+        )
         return TorchScriptModel(context, path)
+
+
+class _StateEntry:
+    """A ``sequence_batching.state`` entry read as a tensor entry (name, type, dims)."""
+
+    def __init__(self, name: str, state) -> None:
+        self.name = name
+        self.data_type = state.data_type
+        self.dims = list(state.dims)
+
+    def HasField(self, field: str) -> bool:  # noqa: N802 (protobuf's name)
+        return False
 
 
 class TorchScriptModel:

@@ -91,6 +91,30 @@ class _Both:
         self._first.__exit__(*exc)
 
 
+def _string_list(model: str, name: str, array: np.ndarray) -> list[str]:
+    """A BYTES input as TorchScript's List[str], one string per element."""
+    items = []
+    for item in array.reshape(-1).tolist():
+        if isinstance(item, str):
+            items.append(item)
+            continue
+        try:
+            items.append(bytes(item).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise InvalidArgument(
+                f"input '{name}' for model '{model}' holds a string that is not UTF-8; "
+                "a TorchScript List[str] holds text"
+            ) from None
+    return items
+
+
+def _bytes_array(items) -> np.ndarray:
+    """A List[str] output as a BYTES array (one dimension, as Triton reads it)."""
+    array = np.empty(len(items), dtype=object)
+    array[:] = [item.encode("utf-8") if isinstance(item, str) else bytes(item) for item in items]
+    return array
+
+
 class TorchScriptInstance:
     """One TorchScript module on one device; executes one batch at a time.
 
@@ -113,6 +137,14 @@ class TorchScriptInstance:
         }
         self._input_types = {i.name: config_type_name(i.data_type) for i in config.input}
         self._output_types = {o.name: config_type_name(o.data_type) for o in config.output}
+        # Implicit state outputs are produced for the sequence batcher, which keeps
+        # them (and drops those the client did not ask for).
+        for state in config.sequence_batching.state:
+            self._input_types.setdefault(state.input_name, config_type_name(state.data_type))
+            self._output_types.setdefault(state.output_name, config_type_name(state.data_type))
+        # BYTES inputs and outputs are List[str] in TorchScript (Triton's
+        # SetStringInputTensor / SetStringOutputBuffer).
+        self._string_inputs = {n for n, t in self._input_types.items() if t == "TYPE_STRING"}
         self._output_datatypes = {
             name: datatypes.BY_CONFIG[t].wire for name, t in self._output_types.items()
         }
@@ -157,8 +189,17 @@ class TorchScriptInstance:
             if a.type.kind() != "ClassType"  # self
         ]
         config = context.config
-        self._inputs = bind_inputs(context.name, [i.name for i in config.input], arguments)
-        self._outputs = bind_outputs(context.name, [o.name for o in config.output])
+        batching = config.sequence_batching
+        self._inputs = bind_inputs(
+            context.name,
+            [i.name for i in config.input],
+            arguments,
+            controls=[c.name for c in batching.control_input],
+            states=[s.input_name for s in batching.state],
+        )
+        self._outputs = bind_outputs(
+            context.name, [o.name for o in config.output], [s.output_name for s in batching.state]
+        )
 
     def _execution(self):
         """The context forward() runs in (TorchScript's optimized execution flag)."""
@@ -226,9 +267,14 @@ class TorchScriptInstance:
                     assert self._stream is not None
                     self._stream.wait_event(batch.copied)
                     for tensor in batch.tensors.values():
-                        tensor.record_stream(self._stream)
+                        if not isinstance(tensor, list):  # List[str] stays on the host
+                            tensor.record_stream(self._stream)
                 size = sum(r.batch_size for r in requests) if self._batched else 0
-                captured = self._graph_for(size, batch.tensors) if self._graphs else None
+                captured = (
+                    self._graph_for(size, batch.tensors)
+                    if self._graphs and not self._string_inputs
+                    else None
+                )
                 if captured is not None:
                     outputs = self._replay(captured, batch.tensors, size)
                     batch.outputs = {name: outputs[name] for name in batch.names}
@@ -237,7 +283,9 @@ class TorchScriptInstance:
                     batch.outputs = {name: self._output(name, result) for name in batch.names}
                 if self._stream is not None:
                     batch.outputs = {
-                        name: tensor.to("cpu", non_blocking=True)
+                        name: tensor
+                        if isinstance(tensor, np.ndarray)
+                        else tensor.to("cpu", non_blocking=True)
                         for name, tensor in batch.outputs.items()
                     }
                     done = torch.cuda.Event()
@@ -406,6 +454,8 @@ class TorchScriptInstance:
 
     def _to_tensor(self, name: str, array: np.ndarray):
         torch = self._torch
+        if name in self._string_inputs:
+            return _string_list(self.model_name, name, array)
         # torch has no read-only tensors, and a model may write its inputs in place:
         # a single request's array viewing an immutable request body (read-only) is
         # copied; writable ones (gathered batches, shared memory) are shared.
@@ -422,12 +472,21 @@ class TorchScriptInstance:
         """The output tensor ``name`` of forward()'s result, its type checked."""
         tensor = self._select(name, result)
         torch = self._torch
+        expected = self._output_types[name]
+        if expected == "TYPE_STRING":
+            if not isinstance(tensor, (list, tuple)) or not all(
+                isinstance(item, (str, bytes)) for item in tensor
+            ):
+                raise InternalError(
+                    f"output '{name}' of model '{self.model_name}' is TYPE_STRING: "
+                    f"forward() must return a List[str] for it, got {type(tensor).__name__}"
+                )
+            return _bytes_array(tensor)
         if not isinstance(tensor, torch.Tensor):
             raise InternalError(
                 f"output '{name}' of model '{self.model_name}' is a "
                 f"{type(tensor).__name__}, not a Tensor"
             )
-        expected = self._output_types[name]
         if tensor.dtype != getattr(torch, TORCH_DTYPES[expected]):
             raise InternalError(
                 f"configuration expects datatype {expected} for output '{name}' of "
@@ -437,6 +496,8 @@ class TorchScriptInstance:
 
     def _to_numpy(self, tensor) -> np.ndarray:
         torch = self._torch
+        if isinstance(tensor, np.ndarray):  # a BYTES output, already on the host
+            return tensor
         # On the CPU .numpy() shares the tensor's memory: no copy, unless it is an
         # input's (a model that returns an input), whose buffer the next batches reuse.
         tensor = tensor.cpu()

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from trionserve.core.errors import InvalidArgument
 
-# Config data types the backend can carry, as torch dtype attribute names. Like
-# Triton's, it has no unsigned types above 8 bits; BYTES would need List[str].
+# Config data types the backend carries as tensors, as torch dtype attribute names.
+# Like Triton's, it has no unsigned types above 8 bits; BYTES is a List[str].
 TORCH_DTYPES = {
     "TYPE_BOOL": "bool",
     "TYPE_UINT8": "uint8",
@@ -41,51 +41,93 @@ def name_index(name: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class InputBinding:
-    """How config inputs become forward() arguments."""
+    """How config inputs (and a sequence model's controls and states) become
+    forward() arguments."""
 
     as_dict: bool  # forward takes one Dict[str, Tensor] holding every input
-    positions: dict[str, int]  # config input name -> argument position
+    positions: dict[str, int]  # input name -> argument position
+
+
+def _indexed(model: str, name: str, what: str) -> int:
+    index = name_index(name)
+    if index is None:
+        raise InvalidArgument(f"{what} '{name}' does not follow <name>__<index> naming convention.")
+    return index
 
 
 def bind_inputs(
-    model: str, config_inputs: list[str], arguments: list[tuple[str, str]]
+    model: str,
+    config_inputs: list[str],
+    arguments: list[tuple[str, str]],
+    *,
+    controls: list[str] | None = None,
+    states: list[str] | None = None,
 ) -> InputBinding:
-    """Match config inputs to forward's ``(name, type kind)`` arguments (self excluded)."""
+    """Match config inputs to forward's ``(name, type kind)`` arguments (self excluded).
+
+    A sequence model's control inputs (``controls``) and implicit state inputs
+    (``states``) are forward() arguments too, as Triton's pytorch backend counts
+    them (pytorch_backend src/pt/model_instance_state.cc, the instance's
+    constructor: ``expected_input_cnt`` adds one per START/END/READY/CORRID control
+    and one per state): a control is placed by its ``<name>__<index>``
+    (ValidateBooleanSequenceControl / ValidateTypedSequenceControl), a state by the
+    naming convention, which a model with states must follow
+    (GetNamingConvention).
+    """
+    controls = controls or []
+    states = states or []
     if not config_inputs:
         raise InvalidArgument(
             f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
             "inputs; list them in config.pbtxt (no input was given)"
         )
+    control_positions = {name: _indexed(model, name, "input") for name in controls}
+    every = config_inputs + states
     if len(arguments) == 1 and arguments[0][1] == "DictType":
-        return InputBinding(True, {name: i for i, name in enumerate(config_inputs)})
+        positions = {name: i for i, name in enumerate(every)}
+        return InputBinding(True, {**positions, **control_positions})
     for arg_name, kind in arguments:
-        if kind != "TensorType":
+        if kind not in ("TensorType", "ListType"):
             raise InvalidArgument(
                 f"model '{model}': forward() argument '{arg_name}' is a {kind}; the "
-                "PyTorch backend supports Tensor arguments or a single "
+                "PyTorch backend supports Tensor (or List[str]) arguments or a single "
                 "Dict(str, Tensor) argument"
             )
-    if len(arguments) != len(config_inputs):
+    expected = len(config_inputs) + len(controls) + len(states)
+    if len(arguments) != expected:
         raise InvalidArgument(
             f"unable to load model '{model}', configuration expects "
-            f"{len(config_inputs)} inputs, model provides {len(arguments)}"
+            f"{expected} inputs, model provides {len(arguments)}"
         )
     names = [a for a, _ in arguments]
-    if all(name in names for name in config_inputs):
-        return InputBinding(False, {name: names.index(name) for name in config_inputs})
-    indices = [i for i in map(name_index, config_inputs) if i is not None]
-    if len(indices) == len(config_inputs):
-        if sorted(indices) != list(range(len(arguments))):
-            raise InvalidArgument(
-                f"model '{model}': input indices {sorted(indices)} do not match "
-                f"forward()'s {len(arguments)} arguments"
-            )
-        return InputBinding(False, dict(zip(config_inputs, indices)))
-    return InputBinding(False, {name: i for i, name in enumerate(config_inputs)})
+    indices = [name_index(name) for name in config_inputs]
+    if all(name in names for name in config_inputs) and not states:
+        positions = {name: names.index(name) for name in config_inputs}
+    elif all(i is not None for i in indices):
+        positions = {name: _indexed(model, name, "input") for name in every}
+    elif states:
+        raise InvalidArgument(
+            f"PyTorch model '{model}' is using sequence batching with state but not all "
+            "inputs and outputs follow the <name>__<index> naming convention. "
+        )
+    else:
+        positions = {name: i for i, name in enumerate(config_inputs)}
+    positions.update(control_positions)
+    if sorted(positions.values()) != list(range(len(arguments))):
+        raise InvalidArgument(
+            f"model '{model}': input indices {sorted(positions.values())} do not match "
+            f"forward()'s {len(arguments)} arguments"
+        )
+    return InputBinding(False, positions)
 
 
-def bind_outputs(model: str, config_outputs: list[str]) -> dict[str, int]:
-    """Config output name -> position in the returned tuple."""
+def bind_outputs(
+    model: str, config_outputs: list[str], states: list[str] | None = None
+) -> dict[str, int]:
+    """Config output name (and implicit state output name) -> position in the
+    returned tuple; a state output is placed by its ``<name>__<index>``, as
+    ValidateOutputs reads it."""
+    states = states or []
     if not config_outputs:
         raise InvalidArgument(
             f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
@@ -93,8 +135,23 @@ def bind_outputs(model: str, config_outputs: list[str]) -> dict[str, int]:
         )
     indices = [i for i in map(name_index, config_outputs) if i is not None]
     if len(indices) == len(config_outputs):
-        return dict(zip(config_outputs, indices))
-    return {name: i for i, name in enumerate(config_outputs)}
+        positions = dict(zip(config_outputs, indices))
+    elif states:
+        raise InvalidArgument(
+            f"PyTorch model '{model}' is using sequence batching with state but not all "
+            "inputs and outputs follow the <name>__<index> naming convention. "
+        )
+    else:
+        positions = {name: i for i, name in enumerate(config_outputs)}
+    for name in states:
+        index = name_index(name)
+        if index is None:
+            raise InvalidArgument(
+                f"PyTorch model '{model}' is using sequence batching with state but state "
+                f"'{name}' does not follow the <name>__<index> naming convention. "
+            )
+        positions.setdefault(name, index)
+    return positions
 
 
 def config_type_name(value: int) -> str:
@@ -103,14 +160,27 @@ def config_type_name(value: int) -> str:
     return DataType.Name(value)
 
 
-def check_data_types(model: str, kind: str, entries) -> None:
+def check_data_types(
+    model: str, kind: str, entries, *, strings: bool = False, batching: bool = False
+) -> None:
+    """Each tensor's type is one the backend carries. With ``strings`` (TorchScript),
+    TYPE_STRING is a ``List[str]`` of one dimension, batch included, as Triton's
+    ValidateInputs / ValidateOutputs allow it."""
     for entry in entries:
         type_name = config_type_name(entry.data_type)
         if type_name == "TYPE_STRING":
-            raise InvalidArgument(
-                f"model '{model}': {kind} '{entry.name}' is TYPE_STRING; the PyTorch "
-                "backend does not support BYTES tensors"
-            )
+            if not strings:
+                raise InvalidArgument(
+                    f"model '{model}': {kind} '{entry.name}' is TYPE_STRING; PyTorch 2 "
+                    "models do not take BYTES tensors"
+                )
+            dims = list(entry.reshape.shape) if entry.HasField("reshape") else list(entry.dims)
+            if len(dims) + (1 if batching else 0) > 1:
+                raise InvalidArgument(
+                    f"Triton only supports 1 dimensional List of String as {kind} for "
+                    f"'{entry.name}' for model '{model}'"
+                )
+            continue
         if type_name not in TORCH_DTYPES:
             raise InvalidArgument(
                 f"unsupported datatype {type_name} for {kind} '{entry.name}' for model '{model}'"
