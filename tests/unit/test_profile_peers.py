@@ -1,11 +1,11 @@
-"""benchmarks/profile_peers.py: perf and py-spy samples sorted into components,
+"""benchmarks/investigations/profile_peers.py: perf and py-spy samples sorted into components,
 and the components' CPU per inference."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.profile_peers import (
+from benchmarks.investigations.profile_peers import (
     CORE,
     GC,
     HANDLER,

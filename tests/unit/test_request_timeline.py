@@ -1,4 +1,4 @@
-"""benchmarks.request_timeline: the internal functions it wraps still exist, and a
+"""benchmarks.investigations.request_timeline: the internal functions it wraps still exist, and a
 short run gives every step of a request its time."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_a_short_run_times_every_step():
         [
             sys.executable,
             "-m",
-            "benchmarks.request_timeline",
+            "benchmarks.investigations.request_timeline",
             "--requests",
             "20",
             "--skip",
@@ -35,7 +35,7 @@ def test_a_short_run_times_every_step():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     rows = {line.split("|")[1].strip() for line in lines if line.startswith("| ")}
-    from benchmarks.request_timeline import STEPS
+    from benchmarks.investigations.request_timeline import STEPS
 
     # A wrapped function that moved leaves its steps out of the table.
     assert {label for label, _, _ in STEPS} <= rows

@@ -162,7 +162,7 @@ class HttpServerOptions:
     # read straight into its buffer. A body this small or smaller still comes in
     # one read with its head; of a 602 KB body, 64 KB go through the parser
     # instead of 256 KB (the transport's CPU per body 138-144 -> 93-117 us,
-    # benchmarks.body_receive).
+    # benchmarks.investigations.body_receive).
     head_receive_size: int = 64 * 1024
     backlog: int = 1024
     # Bind with SO_REUSEPORT: worker processes share the port (--workers).

@@ -1,7 +1,7 @@
 """The event loop's CPU per small request: this tree against others, one run.
 
 Usage:
-    python -m benchmarks.small_requests --tree before=PATH [--duration 3]
+    python -m benchmarks.investigations.small_requests --tree before=PATH [--duration 3]
         [--rounds 3] [--concurrency 1,16] [--models simple,add_sub_inproc,add_sub_loop]
 
 Every server runs from its own source tree (``--tree LABEL=PATH``, e.g. ``git
@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.loop_cpu import thread_cpu_seconds
+from benchmarks.investigations.loop_cpu import thread_cpu_seconds
 from benchmarks.matrix import EXAMPLES, ROOT, cpu_seconds, start_trionserve
 
 _INPROC = 'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n'

@@ -1,7 +1,7 @@
 """The event loop's CPU share on large requests: this tree against others, one run.
 
 Usage:
-    python -m benchmarks.loop_cpu --tree before=PATH [--duration 4] [--rounds 2]
+    python -m benchmarks.investigations.loop_cpu --tree before=PATH [--duration 4] [--rounds 2]
         [--concurrency 1,16] [--workloads "602KB http,602KB grpc,4MB http,4MB grpc"]
 
 Every server runs from its own source tree (``--tree LABEL=PATH``, e.g. ``git

@@ -1,8 +1,8 @@
 """Where one request's wall time goes: timestamps in the client and the server.
 
 Usage:
-    python -m benchmarks.request_timeline [--requests 2000] [--skip 200] [--delay-us 0]
-        [--direct-runs 1000]
+    python -m benchmarks.investigations.request_timeline [--requests 2000] [--skip 200]
+        [--delay-us 0] [--direct-runs 1000]
 
 Serves ``cnn_onnx`` of benchmarks.served_vs_direct (FP32 [1,3,224,224], 602 KB a
 request, one instance, dynamic batching at ``--delay-us``) and sends it requests

@@ -1,7 +1,7 @@
 """The executor's hand-off to a blocking backend instance and back, measured alone.
 
 Usage:
-    python -m benchmarks.executor_hop [--requests 2000] [--rounds 3] [--tree PATH]
+    python -m benchmarks.investigations.executor_hop [--requests 2000] [--rounds 3] [--tree PATH]
 
 One ``InstanceExecutor`` behind a ``DefaultScheduler``, in this process, with an
 instance whose ``execute`` does nothing but answer (and declares no inline budget,

@@ -1,6 +1,6 @@
 """The gRPC transport's own work for one unary ModelInfer call, without sockets or Trio.
 
-Usage: python -m benchmarks.grpc_call [--calls 20000] [--rounds 7]
+Usage: python -m benchmarks.investigations.grpc_call [--calls 20000] [--rounds 7]
 
 An h2 client connection (as a gRPC client sends it: request headers, indexed by
 HPACK after the first call, and one DATA frame with the message) makes the bytes

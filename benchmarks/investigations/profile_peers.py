@@ -1,7 +1,7 @@
 """Both sides profiled: Triton's Python backend against trionserve, CPU per inference by component.
 
 Usage:
-    python -m benchmarks.profile_peers [--points http:1,http:16,grpc:1,grpc:16]
+    python -m benchmarks.investigations.profile_peers [--points http:1,http:16,grpc:1,grpc:16]
         [--servers triton,onnx,inproc,loop,stub] [--seconds 3] [--warmup 2] [--rounds 1]
         [--cache DIR] [--out DIR] [--perf /usr/bin/perf]
 

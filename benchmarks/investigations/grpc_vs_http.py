@@ -1,6 +1,6 @@
 """`simple` infer/s over HTTP and gRPC, side by side, with tritonclient in threads.
 
-Usage: python -m benchmarks.grpc_vs_http [--duration 5] [--concurrency 1,8]
+Usage: python -m benchmarks.investigations.grpc_vs_http [--duration 5] [--concurrency 1,8]
 
 Each point runs ``concurrency`` threads, each with its own tritonclient client, in a
 closed loop (send one request, wait for its answer, repeat) for ``--duration``

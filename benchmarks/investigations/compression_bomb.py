@@ -2,7 +2,7 @@
 small compressed request that inflates to gigabytes, and the stall of another
 model's requests meanwhile.
 
-Usage: python -m benchmarks.compression_bomb [--http-mib 4] [--grpc-mib 1]
+Usage: python -m benchmarks.investigations.compression_bomb [--http-mib 4] [--grpc-mib 1]
        [--tree PATH] [--python PATH] [--rss-cap-mib 12000]
 
 Serves the example repository with one trionserve on free loopback ports, then,
@@ -21,7 +21,7 @@ another samples the server's resident memory (VmRSS) every 10 ms. Printed per bo
 the answer and how long it took, the server's RSS before and at its peak, and
 ``simple``'s p50 and longest latency during the bomb (its stall). The server is
 killed if its RSS passes ``--rss-cap-mib`` (the figure is then a lower bound).
-``--tree`` / ``--python`` as in benchmarks.rejection_fairness, for a before/after.
+``--tree`` / ``--python`` as in benchmarks.investigations.rejection_fairness, for a before/after.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The floor under a Python-backend call: a bare round trip between two processes.
 
-Usage: python -m benchmarks.ipc_floor [--seconds 2] [--rounds 3]
+Usage: python -m benchmarks.investigations.ipc_floor [--seconds 2] [--rounds 3]
 
 A Python-backend request crosses from the server to its stub process and back.
 Whatever the stub protocol does, it cannot be cheaper than one message each way

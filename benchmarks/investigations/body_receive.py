@@ -1,8 +1,8 @@
 """The HTTP transport's CPU per request body, alone: this tree against others.
 
 Usage:
-    python -m benchmarks.body_receive --tree before=PATH [--size 602112] [--duration 4]
-        [--rounds 3] [--concurrency 1,8]
+    python -m benchmarks.investigations.body_receive --tree before=PATH [--size 602112]
+        [--duration 4] [--rounds 3] [--concurrency 1,8]
 
 Each tree runs only ``trionserve.protocol.http.transport.HttpServer`` in a process
 of its own, with a handler that takes the body, views it as FP32 (as the codec
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from benchmarks.matrix import cpu_seconds
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 _SERVER = """
 import sys, numpy as np, trio

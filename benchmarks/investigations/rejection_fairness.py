@@ -1,7 +1,7 @@
 """Rejection fairness (issue 18 item 9): a flood of requests that one model refuses
 must not delay another model's requests.
 
-Usage: python -m benchmarks.rejection_fairness [--duration 5] [--flooders 3]
+Usage: python -m benchmarks.investigations.rejection_fairness [--duration 5] [--flooders 3]
        [--threads 8] [--protocol http|grpc] [--rounds 2] [--tree PATH] [--python PATH]
        [--profile PATH]
 

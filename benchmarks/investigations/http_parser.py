@@ -1,6 +1,6 @@
 """h11 against httptools on the HTTP/1.1 work of one infer request.
 
-Usage: python -m benchmarks.http_parser [--requests 20000] [--rounds 7]
+Usage: python -m benchmarks.investigations.http_parser [--requests 20000] [--rounds 7]
 
 The same bytes the synchronous ``tritonclient.http`` client sends for the
 ``simple`` model (binary INT32 inputs, binary outputs asked for) are parsed, and a
