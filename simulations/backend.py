@@ -13,9 +13,6 @@ and recorded for the invariant checks.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import trio
 
 from simulations.faults import Fate
@@ -24,13 +21,12 @@ from simulations.repository import MODEL_FILE, parse_model_file
 from simulations.world import Execution, World
 from trionserve.actors.model import ModelState
 from trionserve.backends.base import Backend
-from trionserve.backends.registry import register_backend
-from trionserve.core.errors import InternalError, TritonError, Unavailable
+from trionserve.backends.registry import BackendFactory
+from trionserve.core.errors import InternalError, TritonError
 from trionserve.core.inference import InferenceResponse, Tensor
 
 BACKEND = "sim"
 SERVING = "only fully loaded versions serve"
-_world: World | None = None
 
 
 class SimFault(Exception):
@@ -239,19 +235,6 @@ class ThreadSimInstance(_SimInstance):
         return self._finish(execution, requests)
 
 
-def _factory() -> SimBackend:
-    if _world is None:
-        raise Unavailable("the simulated backend is only available inside a simulation")
-    return SimBackend(_world)
-
-
-@contextlib.contextmanager
-def simulated_backend(world: World) -> Iterator[None]:
-    """Make ``backend: "sim"`` load through this world for the duration."""
-    global _world
-    register_backend(BACKEND, _factory)
-    _world = world
-    try:
-        yield
-    finally:
-        _world = None
+def simulated_backends(world: World) -> dict[str, BackendFactory]:
+    """``backend: "sim"`` through ``world``, for the simulated server's ``backends``."""
+    return {BACKEND: lambda: SimBackend(world)}

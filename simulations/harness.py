@@ -23,7 +23,7 @@ import trio
 import trio.testing
 
 from simulations import invariants
-from simulations.backend import SERVING, simulated_backend
+from simulations.backend import SERVING, simulated_backends
 from simulations.probes import Monitor, runtime_probes
 from simulations.repository import RepositoryWriter
 from simulations.scenario import Scenario
@@ -161,7 +161,8 @@ async def _main(world: World, scenario: Scenario, monitor: Monitor) -> None:
             exit_on_error=False,
             model_load_thread_count=setup.load_threads,
             residency=setup.residency,
-        )
+        ),
+        backends=simulated_backends(world),
     )
     _probe_routing(world)
     clients_done = trio.Event()
@@ -237,7 +238,7 @@ def run_seed(scenario: Scenario, seed: int) -> RunResult:
             runtime, clock = seeded_scheduling(seed), None
         else:
             runtime, clock = virtual_runtime(seed), trio.testing.MockClock(autojump_threshold=0)
-        with runtime, simulated_backend(world), runtime_probes(world), captured_logs(world):
+        with runtime, runtime_probes(world), captured_logs(world):
             try:
                 trio.run(_main, world, scenario, monitor, clock=clock, instruments=[monitor])
                 completed = True

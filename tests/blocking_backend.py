@@ -1,6 +1,6 @@
 """A test backend whose instances block in execute until the test releases them.
 
-Registered as ``backend: "test_blocking"``; it echoes INPUT0 to OUTPUT0. Tests use
+A server given ``BACKENDS`` serves it as ``backend: "test_blocking"``; it echoes INPUT0 to OUTPUT0. Tests use
 its threading events to know, without sleeping, that a request is executing.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from tests.fake_backend import echo_responses, register_instance_backend
+from tests.fake_backend import echo_responses, instance_backend
 from trionserve.backends.base import ModelContext
 
 BACKEND = "test_blocking"
@@ -77,4 +77,5 @@ def make_model(repository: Path, name: str) -> Path:
     return model_dir
 
 
-register_instance_backend(BACKEND, lambda context, spec: _Instance(context))
+# For Server(options, backends=BACKENDS).
+BACKENDS = instance_backend(BACKEND, lambda context, spec: _Instance(context))

@@ -1,7 +1,9 @@
 """Scaffolding for in-process test backends: an instance factory becomes a Backend.
 
-Test backends differ only in what their instances do in ``execute``; loading,
-instance creation and registration are the same, so they live here once.
+Test backends differ only in what their instances do in ``execute``; loading and
+instance creation are the same, so they live here once. A test gives its backends
+to the servers it makes (``Server(options, backends=...)``, through their
+BackendManager): nothing is registered process-wide.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_tensors import build_responses, gather_inputs
-from trionserve.backends.registry import register_backend
+from trionserve.backends.registry import BackendFactory
 
 MODEL_FILE = "model.txt"
 
@@ -45,10 +47,11 @@ class InstanceBackend(Backend):
         return _Model(context, self._make_instance)
 
 
-def register_instance_backend(
+def instance_backend(
     name: str, make_instance: Callable[[ModelContext, InstanceSpec], object]
-) -> None:
-    register_backend(name, lambda: InstanceBackend(name, make_instance))
+) -> dict[str, BackendFactory]:
+    """``backend: "<name>"`` for a server's ``backends``: an InstanceBackend."""
+    return {name: lambda: InstanceBackend(name, make_instance)}
 
 
 def echo_responses(requests, model_name: str, model_version: str) -> list:

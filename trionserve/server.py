@@ -29,7 +29,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -44,6 +44,7 @@ from trionserve.actors.residency import ResidencyManager, ResidencyOptions
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig
 from trionserve.backends.manager import BackendManager
+from trionserve.backends.registry import BackendFactory
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.core.response_cache import ResponseCache
@@ -218,7 +219,11 @@ class Server:
     (the exit timeout passed, or a second signal stopped the server at once).
     """
 
-    def __init__(self, options: ServerOptions) -> None:
+    def __init__(
+        self, options: ServerOptions, *, backends: Mapping[str, BackendFactory] | None = None
+    ) -> None:
+        """``backends``: backends this server has besides the installed ones, by
+        backend or platform name (an embedding program's own; tests' stand-ins)."""
         self.options = options
         self.repository = ModelRepository(
             options.model_repositories,
@@ -232,6 +237,7 @@ class Server:
         self.backends = BackendManager(
             options.backend_config,
             [options.backend_directory] if options.backend_directory is not None else None,
+            backends,
         )
         self.rate_limiter = RateLimiter(options.rate_limit, options.rate_limit_resources)
         self.registry = ModelRegistry(

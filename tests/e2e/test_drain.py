@@ -519,7 +519,7 @@ async def test_ensemble_steps_of_an_accepted_request_run_during_the_drain(tmp_pa
     import trio
     import trio.testing
 
-    from tests.blocking_backend import GATE, make_model, wait_entered
+    from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
     from trionserve.core.errors import Unavailable
     from trionserve.core.inference import InferenceRequest, Tensor
     from trionserve.server import Server, ServerOptions
@@ -535,7 +535,8 @@ async def test_ensemble_steps_of_an_accepted_request_run_during_the_drain(tmp_pa
             allow_grpc=False,
             allow_metrics=False,
             exit_timeout_secs=30.0,
-        )
+        ),
+        backends=BACKENDS,
     )
 
     def request(model: str, name: str, value: float) -> InferenceRequest:

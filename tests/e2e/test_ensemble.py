@@ -29,7 +29,6 @@ from tritonclient.utils import InferenceServerException
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
 from trionserve.backends.base import Backend, ModelContext
 from trionserve.backends.batch_tensors import build_response
-from trionserve.backends.registry import register_backend
 from trionserve.core.errors import InvalidArgument
 from trionserve.server import Server, ServerOptions
 
@@ -606,7 +605,7 @@ class GateBackend(Backend):
         return _GateModel(context)
 
 
-register_backend(GATE_BACKEND, GateBackend)
+BACKENDS = {GATE_BACKEND: GateBackend}
 
 FP32_4 = [("INPUT0", "TYPE_FP32", "4")]
 
@@ -668,7 +667,8 @@ async def serve_fork(repository: Path, body) -> object:
             allow_grpc=False,
             allow_metrics=False,
             exit_timeout_secs=10.0,
-        )
+        ),
+        backends=BACKENDS,
     )
     port = server.options.http_port
     outcome: list = []

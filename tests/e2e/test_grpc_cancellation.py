@@ -17,7 +17,7 @@ import trio.testing
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.blocking_backend import GATE, make_model, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
 from tests.serverproc import free_port
 from trionserve.protocol.grpc.service import GrpcOptions
 from trionserve.server import Server, ServerOptions
@@ -80,7 +80,8 @@ def make_server(repository, **grpc) -> Server:
             allow_metrics=False,
             exit_timeout_secs=20.0,
             grpc=GrpcOptions(**grpc),
-        )
+        ),
+        backends=BACKENDS,
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 import tritonclient.http as httpclient
 
-from tests.blocking_backend import GATE, make_model, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
 from tests.e2e.test_grpc_cancellation import Probe, executions_since, in_thread
 from tests.serverproc import free_port
 from trionserve.protocol.http.frontend import HttpOptions
@@ -44,7 +44,8 @@ def make_server(repository) -> Server:
             allow_grpc=False,
             allow_metrics=False,
             exit_timeout_secs=20.0,
-        )
+        ),
+        backends=BACKENDS,
     )
 
 

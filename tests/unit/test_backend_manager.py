@@ -1,13 +1,16 @@
 """Each server's BackendManager: two servers in one process keep their own
-``--backend-config`` and ``--backend-directory`` (Triton's TritonBackendManager is
-per server, core src/backend_manager.cc)."""
+``--backend-config``, ``--backend-directory``, backends and custom metrics (Triton's
+TritonBackendManager is per server, core src/backend_manager.cc)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fake_backend import instance_backend
 from trionserve import api
 from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.manager import BackendManager
@@ -57,6 +60,77 @@ async def test_two_servers_in_one_process_keep_their_own_backend_config(tmp_path
     ):
         assert (await first.load("m")).config()["max_batch_size"] == 8
         assert (await second.load("m")).config()["max_batch_size"] == 16
+
+
+# Counts its requests in a custom metric family, labelled with the model's name.
+COUNTING_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.family = pb_utils.MetricFamily(
+            name="custom_requests", description="requests seen",
+            kind=pb_utils.MetricFamily.COUNTER,
+        )
+        self.requests = self.family.Metric(labels={"model": args["model_name"]})
+
+    def execute(self, requests):
+        self.requests.increment(len(requests))
+        return [
+            pb_utils.InferenceResponse(
+                [pb_utils.Tensor("OUT", pb_utils.get_input_tensor_by_name(r, "IN").as_numpy())]
+            )
+            for r in requests
+        ]
+"""
+
+COUNTING_CONFIG = """
+backend: "python"
+input [ {{ name: "IN" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] }} ]
+parameters {{ key: "EXECUTION_MODE" value {{ string_value: "{mode}" }} }}
+"""
+
+
+def custom_requests(server: api.AsyncServer) -> dict[str, float]:
+    """custom_requests by model, from the server's own metrics."""
+    return {
+        sample.labels["model"]: sample.value
+        for family in text_string_to_metric_families(server.metrics())
+        if family.name == "custom_requests"
+        for sample in family.samples
+    }
+
+
+@pytest.mark.parametrize("mode", ["stub", "in_process"])
+async def test_two_servers_in_one_process_show_only_their_own_custom_metrics(tmp_path, mode):
+    for name in ("first", "second"):
+        (tmp_path / name / name / "1").mkdir(parents=True)
+        (tmp_path / name / name / "config.pbtxt").write_text(COUNTING_CONFIG.format(mode=mode))
+        (tmp_path / name / name / "1" / "model.py").write_text(COUNTING_MODEL)
+    async with (
+        api.open_server(model_repository=tmp_path / "first") as first,
+        api.open_server(model_repository=tmp_path / "second") as second,
+    ):
+        for server, name, count in ((first, "first", 2), (second, "second", 3)):
+            for _ in range(count):
+                async for _response in server.model(name).infer(
+                    inputs={"IN": np.ones(1, dtype=np.float32)}
+                ):
+                    pass
+        # The same family in both servers, each with its own model's metric only.
+        assert custom_requests(first) == {"first": 2.0}
+        assert custom_requests(second) == {"second": 3.0}
+
+
+def test_backends_given_to_a_manager_are_its_own():
+    config = ModelConfig(name="m", backend="test_own")
+    backends = instance_backend("test_own", lambda context, spec: None)
+    assert BackendManager(backends=backends).backend_for(config).name == "test_own"
+    with pytest.raises(Unavailable, match="backend 'test_own'"):
+        BackendManager().backend_for(config)
 
 
 def test_backend_directories_belong_to_their_manager(tmp_path):

@@ -8,7 +8,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from tests.fake_backend import echo_responses, register_instance_backend
+from tests.fake_backend import echo_responses, instance_backend
 from tests.serverproc import free_port
 from trionserve.backends.base import ModelContext
 from trionserve.core.inference import InferenceRequest, Tensor
@@ -57,7 +57,7 @@ class _StepCounter(trio.abc.Instrument):
 _STEPS = _StepCounter()
 
 
-register_instance_backend("test_inline", lambda context, spec: _Instance(context))
+BACKENDS = instance_backend("test_inline", lambda context, spec: _Instance(context))
 
 
 def _write_model(tmp_path, instances: int = 1) -> None:
@@ -81,7 +81,8 @@ def _server(tmp_path, instances: int = 1) -> Server:
             allow_grpc=False,
             allow_metrics=False,
             http_port=free_port(),
-        )
+        ),
+        backends=BACKENDS,
     )
 
 

@@ -16,7 +16,7 @@ import pytest
 import trio
 import tritonclient.http as httpclient
 
-from tests.fake_backend import echo_responses, register_instance_backend
+from tests.fake_backend import echo_responses, instance_backend
 from tests.serverproc import free_port
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.actors.model import instance_specs
@@ -55,7 +55,7 @@ class _Instance:
         pass
 
 
-register_instance_backend(BACKEND, _Instance)
+BACKENDS = instance_backend(BACKEND, _Instance)
 
 
 def write_model(repository: Path, name: str, extra: str) -> None:
@@ -115,7 +115,7 @@ async def entered(gate: Gate, count: int) -> bool:
 async def test_two_instances_execute_two_batches_at_once(repository, batching):
     write_model(repository, "pair", f"instance_group [ {{ count: 2 kind: KIND_CPU }} ]\n{batching}")
     gate = GATES["pair"]
-    server = Server(options(repository))
+    server = Server(options(repository), backends=BACKENDS)
     port = server.options.http_port
     results: dict[float, np.ndarray] = {}
 
@@ -151,7 +151,7 @@ async def test_several_groups_are_named_like_triton(repository):
             { count: 1 kind: KIND_AUTO }
         ]""",
     )
-    server = Server(options(repository, allow_http=False))
+    server = Server(options(repository, allow_http=False), backends=BACKENDS)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         model = server.registry.route("groups", None)
@@ -169,7 +169,7 @@ async def test_several_groups_are_named_like_triton(repository):
 @pytest.mark.skipif(gpu_count() > 0, reason="this host has a GPU")
 async def test_kind_gpu_without_a_gpu_is_a_load_error(repository):
     write_model(repository, "needs_gpu", "instance_group [ { kind: KIND_GPU } ]")
-    server = Server(options(repository, allow_http=False, exit_on_error=False))
+    server = Server(options(repository, allow_http=False, exit_on_error=False), backends=BACKENDS)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         rows = [r for r in server.registry.index() if r["name"] == "needs_gpu"]
@@ -206,7 +206,7 @@ def test_instance_specs_per_gpu_and_auto():
 async def test_instance_count_changes_without_a_reload(repository):
     write_model(repository, "grow", "instance_group [ { count: 1 kind: KIND_CPU } ]")
     gate = GATES["grow"]
-    server = Server(options(repository))
+    server = Server(options(repository), backends=BACKENDS)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)

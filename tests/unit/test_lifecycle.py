@@ -7,7 +7,7 @@ import pytest
 import trio
 import tritonclient.http as httpclient
 
-from tests.blocking_backend import GATE, make_model, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
 from tests.serverproc import free_port
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import TritonError
@@ -53,7 +53,7 @@ def request(value: float) -> InferenceRequest:
 
 
 async def test_graceful_shutdown_finishes_in_flight_requests(repository):
-    server = Server(options(repository))
+    server = Server(options(repository), backends=BACKENDS)
     port = server.options.http_port
     results: dict[str, object] = {}
 
@@ -77,7 +77,7 @@ async def test_graceful_shutdown_finishes_in_flight_requests(repository):
 
 
 async def test_backend_exception_fails_only_its_batch(repository):
-    server = Server(options(repository, allow_http=False))
+    server = Server(options(repository, allow_http=False), backends=BACKENDS)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         GATE.fail_next = True
@@ -91,7 +91,7 @@ async def test_backend_exception_fails_only_its_batch(repository):
 
 async def test_cancelled_request_is_dropped_and_others_answered(repository):
     """A client that goes away while its request is queued is never executed."""
-    server = Server(options(repository, allow_http=False))
+    server = Server(options(repository, allow_http=False), backends=BACKENDS)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         first, second, third = request(1.0), request(2.0), request(3.0)
@@ -143,7 +143,8 @@ async def test_unload_answers_queued_requests(repository, autojump_clock):
     server = Server(
         options(
             repository, allow_http=False, exit_timeout_secs=0.2, model_control_mode=ControlMode.NONE
-        )
+        ),
+        backends=BACKENDS,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -183,7 +184,7 @@ async def test_shutdown_unloads_ensembles_before_their_composing_models():
     """An ensemble's in-flight requests still need its steps' models at shutdown."""
     from tests.serverproc import EXAMPLES
 
-    server = Server(options(EXAMPLES, allow_http=False))
+    server = Server(options(EXAMPLES, allow_http=False), backends=BACKENDS)
     order: list[str] = []
     unload = server.registry.unload
 

@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 from tests.unit.test_model_control_support import (
+    BACKENDS,
     CONCURRENCY,
     controls,
     fake_model,
@@ -68,7 +69,7 @@ def make_server(repo, mode=ControlMode.EXPLICIT, **overrides) -> Server:
         exit_on_error=False,
     )
     values.update(overrides)
-    return Server(ServerOptions(**values))
+    return Server(ServerOptions(**values), backends=BACKENDS)
 
 
 async def infer(server: Server, name: str, version: int | None = None) -> float:

@@ -18,7 +18,6 @@ from onnx import TensorProto, helper
 
 from tests.serverproc import EXAMPLES
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
-from trionserve.backends.registry import register_backend
 from trionserve.core.errors import InternalError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
@@ -136,7 +135,8 @@ class FakeBackend(Backend):
                 CONCURRENCY["now"] -= 1
 
 
-register_backend(FAKE, FakeBackend)
+# For Server(options, backends=BACKENDS) and BackendManager(backends=BACKENDS).
+BACKENDS = {FAKE: FakeBackend}
 
 
 def fake_model(

@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from tests.unit.test_model_control_support import fake_model
+from tests.unit.test_model_control_support import BACKENDS, fake_model
 from trionserve.actors.registry_entries import prepare_model
+from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import InvalidArgument
 from trionserve.protocol.http.frontend import load_parameters, unload_parameters
 from trionserve.repository.changes import ConfigChange, LoadedSource, config_changes, plan_reload
@@ -77,9 +78,12 @@ def test_snapshot_repository_marks_duplicates(tmp_path):
     assert not isinstance(snapshots["only_one"], Duplicate)
 
 
+FAKE_BACKENDS = BackendManager(backends=BACKENDS)
+
+
 def prepared(tmp_path, name="m", **kwargs):
     model_dir = fake_model(tmp_path, name, **kwargs)
-    return model_dir, prepare_model(model_dir, True, None)
+    return model_dir, prepare_model(model_dir, True, None, backends=FAKE_BACKENDS)
 
 
 def test_config_changes_classifies_instance_count_and_version_policy(tmp_path):
@@ -100,7 +104,7 @@ def test_plan_reload_does_only_what_the_change_needs(tmp_path):
     loaded = LoadedSource(model_dir, snapshot_model(model_dir), first.config, "")
 
     def plan_now():
-        now = prepare_model(model_dir, True, None)
+        now = prepare_model(model_dir, True, None, backends=FAKE_BACKENDS)
         source = LoadedSource(model_dir, snapshot_model(model_dir), now.config, "")
         return plan_reload(loaded, {1, 2}, source, now.versions)
 

@@ -16,7 +16,7 @@ import pytest
 import trio
 import tritonclient.http as httpclient
 
-from tests.fake_backend import echo_responses, register_instance_backend
+from tests.fake_backend import echo_responses, instance_backend
 from tests.serverproc import free_port
 from trionserve.actors.rate_limiter import RateLimiterResource, RateLimitMode
 from trionserve.backends.base import InstanceSpec, ModelContext
@@ -59,15 +59,17 @@ class _Instance:
         pass
 
 
-register_instance_backend(BACKEND, _Instance)
+BACKENDS = instance_backend(BACKEND, _Instance)
 
 
-def write_model(repository: Path, name: str, rate_limiter: str | None) -> None:
+def write_model(
+    repository: Path, name: str, rate_limiter: str | None, backend: str = BACKEND
+) -> None:
     (repository / name / "1").mkdir(parents=True)
     (repository / name / "1" / "model.txt").write_text("test model\n")
     block = f"rate_limiter {{ {rate_limiter} }}" if rate_limiter is not None else ""
     (repository / name / "config.pbtxt").write_text(
-        f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 8\n'
+        f'name: "{name}"\nbackend: "{backend}"\nmax_batch_size: 8\n'
         'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
         'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
         f"instance_group [ {{ count: 1 kind: KIND_CPU {block} }} ]\n"
@@ -96,7 +98,8 @@ def server(repository, mode=RateLimitMode.EXEC_COUNT, resources=()) -> Server:
             exit_timeout_secs=10.0,
             rate_limit=mode,
             rate_limit_resources=list(resources),
-        )
+        ),
+        backends=BACKENDS,
     )
 
 
@@ -313,7 +316,8 @@ async def test_an_unloaded_models_waiter_leaves_without_its_resources(repository
 async def test_the_in_process_api_takes_tritons_option_names(repository):
     from trionserve import api
 
-    write_model(repository, "a", 'resources [ { name: "R1" count: 4 } ]')
+    # The in-process API's servers have the installed backends only: Triton's identity.
+    write_model(repository, "a", 'resources [ { name: "R1" count: 4 } ]', backend="identity")
     options = api.Options(
         model_repository=repository,
         rate_limiter_mode=api.RateLimitMode.EXEC_COUNT,

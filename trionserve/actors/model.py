@@ -34,6 +34,7 @@ from trionserve.backends.ensemble import EnsembleModel
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.inference import InferenceRequest
 from trionserve.core.validation import ModelSignature
+from trionserve.observability.custom_metrics import CustomMetrics
 from trionserve.observability.quantiles import Target
 from trionserve.observability.statistics import ModelStatistics
 from trionserve.schedulers.factory import create_scheduler
@@ -138,6 +139,7 @@ class ModelVersion:
         rate_limiter: RateLimiter | None = None,
         summary_quantiles: Sequence[Target] | None = None,
         namespace: str = "",
+        custom_metrics: CustomMetrics | None = None,
     ) -> None:
         self.name = name
         # --model-namespacing: the repository the model came from ("" without).
@@ -154,6 +156,9 @@ class ModelVersion:
         self._drain_timeout = drain_timeout
         # Given to the backend, for models that call other models (BLS).
         self.inference = inference
+        # Given to the backend: where the model defines its metric families (the
+        # server's; None: a registry of its own, which nothing exposes).
+        self.custom_metrics = custom_metrics if custom_metrics is not None else CustomMetrics()
         self.statistics = ModelStatistics(name, version)
         if summary_quantiles is not None:  # --metrics-config summary_latencies=true
             self.statistics.enable_summaries(summary_quantiles, config.response_cache.enable)
@@ -258,6 +263,7 @@ class ModelVersion:
             self.model_dir,
             self.model_dir / str(self.version),
             inference=self.inference,
+            metrics=self.custom_metrics,
         )
         specs = instance_specs(self.config, gpu_count())
         self._rate_slots = self._register(specs, self.config)

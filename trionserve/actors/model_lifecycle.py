@@ -28,6 +28,7 @@ from trionserve.actors.registry_entries import (
 )
 from trionserve.backends.base import InferenceService
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
+from trionserve.observability.custom_metrics import CustomMetrics
 from trionserve.observability.quantiles import Target
 from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
 from trionserve.repository.overrides import remove_override
@@ -53,8 +54,12 @@ class ModelLifeCycle:
         drain_timeout: float = 30.0,
         rate_limiter: RateLimiter | None = None,
         summary_quantiles: Sequence[Target] | None = None,
+        custom_metrics: CustomMetrics | None = None,
     ) -> None:
         self._entries = entries
+        # The server's custom metrics, given to every model it loads (None: each
+        # model gets a registry of its own).
+        self._custom_metrics = custom_metrics
         # The server's rate limiter, given to every ModelVersion (None: unlimited).
         self.rate_limiter = rate_limiter
         # Quantiles of the latency summaries every version keeps; None: none kept
@@ -165,6 +170,8 @@ class ModelLifeCycle:
             extra["rate_limiter"] = self.rate_limiter
         if self._summary_quantiles is not None:
             extra["summary_quantiles"] = self._summary_quantiles
+        if self._custom_metrics is not None:
+            extra["custom_metrics"] = self._custom_metrics
         new = {
             number: ModelVersion(
                 name,

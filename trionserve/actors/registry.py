@@ -44,6 +44,7 @@ from trionserve.core.errors import (
     Unavailable,
     as_triton_error,
 )
+from trionserve.observability.custom_metrics import CustomMetrics
 from trionserve.observability.quantiles import Target
 from trionserve.repository.changes import LoadedSource
 from trionserve.repository.overrides import check_override_request, override_digest, write_override
@@ -113,6 +114,7 @@ class ModelRegistry:
             drain_timeout=drain_timeout,
             rate_limiter=rate_limiter,
             summary_quantiles=summary_quantiles,
+            custom_metrics=self.backends.custom_metrics,
         )
         # Triton's global map: name -> the ids of the models known by that name.
         self.global_map = GlobalMap(repository.namespacing)
@@ -135,6 +137,11 @@ class ModelRegistry:
             self.lifecycle.remove_overrides()
 
     # -- queries (synchronous, on the Trio thread) ---------------------------
+
+    @property
+    def custom_metrics(self) -> CustomMetrics:
+        """The metric families its models define (its BackendManager's)."""
+        return self.backends.custom_metrics
 
     def identify(self, name: str) -> ModelId:
         """The one model a request's name means (Triton's ``FindModelIdentifier``):

@@ -12,7 +12,7 @@ another process), which its executor calls on the Trio thread.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -20,6 +20,7 @@ import trio
 
 from trionserve.core.errors import TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.observability.custom_metrics import CustomMetrics
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
@@ -60,6 +61,10 @@ class ModelContext:
     version_dir: Path  # <repository>/<model>/<version>
     # The server's inference path, for models that call other models (BLS).
     inference: InferenceService | None = None
+    # The server's custom metrics, where the model defines its metric families
+    # (pb_utils.MetricFamily, the identity backend's counter); a context made
+    # outside a server has a registry of its own, which nothing exposes.
+    metrics: CustomMetrics = field(default_factory=CustomMetrics)
 
     @property
     def repository(self) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -20,14 +21,21 @@ from trionserve.backends.backend_config import BackendConfig
 from trionserve.backends.base import Backend
 from trionserve.backends.python import settings as python_settings
 from trionserve.core.errors import Unavailable
+from trionserve.observability.custom_metrics import CustomMetrics
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 log = structlog.get_logger(__name__)
 
 
 class BackendManager:
-    """Owns one server's backend settings: ``config`` (``--backend-config``, as
-    given), the checked settings each backend is configured with, and the
-    directories Python-based backends are looked for in. Immutable once made.
+    """Owns one server's backends: ``config`` (``--backend-config``, as given), the
+    checked settings each backend is configured with, the directories
+    Python-based backends are looked for in, the backends it has besides the
+    installed ones (``backends``: backend or platform name -> factory, looked up
+    first; an embedding program's or a test's), and ``custom_metrics``, where its
+    models define their metric families. Its settings are immutable once made.
 
     Raises InvalidArgument naming the flag for a bad ``python`` setting; logs one
     line for each setting that has no effect here (as a Triton backend ignores
@@ -38,6 +46,7 @@ class BackendManager:
         self,
         config: BackendConfig | None = None,
         directories: list[Path] | None = None,
+        backends: Mapping[str, registry.BackendFactory] | None = None,
     ) -> None:
         self.config: BackendConfig = {
             backend: dict(values) for backend, values in (config or {}).items()
@@ -45,6 +54,8 @@ class BackendManager:
         self.directories: tuple[Path, ...] = tuple(
             Path(d) for d in (directories or [registry.DEFAULT_BACKEND_DIRECTORY])
         )
+        self._factories = dict(backends or {})
+        self.custom_metrics = CustomMetrics()
         python = self.config.get("python", {})
         python_defaults, ignored = python_settings.check_backend_defaults(python)
         # backend name -> the checked settings its backends are configured with
@@ -66,11 +77,11 @@ class BackendManager:
                 return model_file
         return None
 
-    def backend_for(self, config) -> Backend:
+    def backend_for(self, config: ModelConfig) -> Backend:
         """The backend for a normalised config, configured with this server's
         settings, or Unavailable naming what is missing."""
         for key in (config.backend, config.platform):
-            factory = registry.factory(key) if key else None
+            factory = (self._factories.get(key) or registry.factory(key)) if key else None
             if factory is not None:
                 return self._configured(factory())
         model_file = self.python_based_backend(config.backend)

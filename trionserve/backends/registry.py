@@ -2,7 +2,9 @@
 
 What is installed is code, the same for every server in the process (as the
 backend libraries on Triton's disk); which of them a server uses, and with what
-settings, is its :class:`~trionserve.backends.manager.BackendManager`'s.
+settings, is its :class:`~trionserve.backends.manager.BackendManager`'s, which also
+holds the backends a server has besides these (an embedding program's, a test's):
+nothing adds to this table at run time.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trionserve.backends.base import Backend
+
+# Makes one Backend, configured by the BackendManager that called it.
+BackendFactory = Callable[[], Backend]
 
 
 def _onnxruntime() -> Backend:
@@ -59,7 +64,7 @@ def _reference(module: str, cls: str) -> Callable[[], Backend]:
 
 # backend or platform name -> factory. Factories import their framework lazily, so
 # a server without torch or tensorrt starts and reports those models UNAVAILABLE.
-_FACTORIES: dict[str, Callable[[], Backend]] = {
+_FACTORIES: dict[str, BackendFactory] = {
     "onnxruntime": _onnxruntime,
     "onnxruntime_onnx": _onnxruntime,
     "pytorch": _pytorch,
@@ -81,12 +86,7 @@ _FACTORIES: dict[str, Callable[[], Backend]] = {
 }
 
 
-def register_backend(name: str, factory: Callable[[], Backend]) -> None:
-    """Make ``backend: "<name>"`` (or ``platform``) load through ``factory``."""
-    _FACTORIES[name] = factory
-
-
-def factory(name: str) -> Callable[[], Backend] | None:
+def factory(name: str) -> BackendFactory | None:
     """The factory registered for a backend or platform name, if any."""
     return _FACTORIES.get(name)
 

@@ -22,6 +22,11 @@ name the model gave, without the ``_total`` the Prometheus client would add
 Operations come from stub processes as messages (see :meth:`CustomMetrics.handle`)
 on the Trio thread or, while a stub initializes or finalizes, on a worker thread;
 a lock keeps the registry consistent for both and for a scrape.
+
+Each server has one :class:`CustomMetrics` (its ``BackendManager``'s
+``custom_metrics``): the registry gives it to every model it loads
+(``ModelContext.metrics``) and its metrics endpoint exposes it, so two servers in
+one process show only their own models' metrics.
 """
 
 from __future__ import annotations
@@ -71,14 +76,20 @@ class _Family:
 
 
 class CustomMetrics:
-    """Every custom metric family of this process; also a Prometheus collector."""
+    """Every custom metric family of one server; also a Prometheus collector."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._owners = itertools.count(1)
         self._families: dict[str, _Family] = {}
         self._by_id: dict[int, _Family] = {}
         self._metric_refs: Counter = Counter()  # (owner, family id, labels) -> refs
         self._ids = itertools.count(1)
+
+    def new_owner(self) -> int:
+        """A new holder of references (a stub, an in-process instance, a model):
+        what it holds is dropped at :meth:`release`."""
+        return next(self._owners)
 
     # -- what models do ------------------------------------------------------------
 
@@ -324,7 +335,3 @@ def _copy(series: _Series) -> _Series:
 
 def _le(bound: float) -> str:
     return f"{bound:g}"
-
-
-# The process's registry: stub processes report to it, the metrics endpoint reads it.
-CUSTOM_METRICS = CustomMetrics()

@@ -27,7 +27,6 @@ import trio
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from trionserve.observability.custom_metrics import CUSTOM_METRICS
 from trionserve.observability.exposition import TritonCounter
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.quantiles import DEFAULT_TARGETS, Target, parse_quantiles
@@ -490,8 +489,8 @@ def build_metrics_registry(
     residency = getattr(registry, "residency", None)
     if residency is not None:  # models on demand, memory budgets
         metrics.register(ResidencyCollector(residency))
-    # Families that Python-backend models define (pb_utils.MetricFamily).
-    metrics.register(CUSTOM_METRICS)
+    # Families that this server's models define (pb_utils.MetricFamily).
+    metrics.register(registry.custom_metrics)
     if cpu is not None:
         metrics.register(cpu)
     if gpu is not None:

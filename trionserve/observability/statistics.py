@@ -26,6 +26,7 @@ from trionserve.observability.quantiles import Summary, Target
 if TYPE_CHECKING:  # metrics imports this module
     from trionserve._generated.model_config_pb2 import ModelConfig
     from trionserve.core.inference import InferenceRequest
+    from trionserve.observability.custom_metrics import CustomMetrics
     from trionserve.observability.metrics import FirstResponseHistogram
     from trionserve.observability.trace.trace_file import Trace
     from trionserve.repository.repository import ModelId
@@ -375,6 +376,11 @@ class ObservedModel(Protocol):
 
 class ObservedRegistry(Protocol):
     """The models a server knows (actors' ``ModelRegistry``)."""
+
+    @property
+    def custom_metrics(self) -> CustomMetrics:
+        """The metric families its models define."""
+        ...
 
     def entries(self) -> Mapping[str, ObservedModel]: ...
     def entry(self, name: str, namespace: str | None = None) -> ObservedModel | None: ...

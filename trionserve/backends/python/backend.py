@@ -24,6 +24,7 @@ from trionserve.backends.python.process import StubProcess
 from trionserve.backends.python.runtime import describe_exception
 from trionserve.backends.python.settings import IN_PROCESS, StubSettings, settings_for
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
+from trionserve.observability.custom_metrics import CustomMetrics
 
 MODEL_FILENAME = "model.py"
 # Characters a stub's name may not contain (python_backend pb_utils.h INVALID_CHARS).
@@ -121,7 +122,11 @@ class PythonBackend(Backend):
     def _auto_complete_in_stub(self, config, model_path: Path) -> dict:
         check_stub_name(config.name)  # the auto-complete stub is named after the model
         settings = settings_for(config, model_path.parent.parent, self._defaults)
-        stub = StubProcess(f"model '{config.name}'", settings, name=config.name)
+        # Whatever metric families auto_complete_config defines go when this stub
+        # ends, before the model loads: a registry of its own that nothing exposes.
+        stub = StubProcess(
+            f"model '{config.name}'", settings, name=config.name, metrics=CustomMetrics()
+        )
         try:
             answer = stub.request(
                 {
@@ -172,7 +177,7 @@ class PythonModel:
         check_stub_name(spec.name)
         label = f"model '{context.name}' instance '{spec.name}'"
         control = ModelControl(context.inference, context.name)
-        stub = StubProcess(label, self.settings, control, spec.name)
+        stub = StubProcess(label, self.settings, control, spec.name, metrics=context.metrics)
         args = initialize_args(context, spec, self._config_json)
         try:
             answer = stub.request(

@@ -66,7 +66,6 @@ from trionserve.backends.python.inprocess_runtime import (
     ExecuteFailed,
     InProcessRuntime,
 )
-from trionserve.backends.python.process import new_metrics_owner
 from trionserve.backends.python.runtime import describe_exception
 from trionserve.backends.python.settings import EVENT_LOOP, StubSettings
 from trionserve.core.errors import (
@@ -77,7 +76,6 @@ from trionserve.core.errors import (
     Unavailable,
 )
 from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 log = structlog.get_logger(__name__)
 
@@ -121,7 +119,8 @@ class InProcessInstance:
         self._settings = settings
         self._inference = context.inference
         self.control = ModelControl(context.inference, context.name)
-        self.metrics_owner = new_metrics_owner()
+        self.metrics = context.metrics
+        self.metrics_owner = self.metrics.new_owner()
         self._nursery: trio.Nursery | None = None
         self._has_is_ready = False
         self.inline = settings.execute_on == EVENT_LOOP  # InlineAsyncBackendInstance
@@ -329,7 +328,7 @@ class InProcessInstance:
 
     def _stop_thread(self) -> None:
         self._thread.stop()
-        CUSTOM_METRICS.release(self.metrics_owner)
+        self.metrics.release(self.metrics_owner)
         namespace = self._runtime.namespace
         if namespace is not None:
             namespace.close()

@@ -29,7 +29,6 @@ from trionserve.backends.python.process import log_stub_line
 from trionserve.backends.python.runtime import ModelRuntime, describe_exception
 from trionserve.core.errors import TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
-from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 if TYPE_CHECKING:
     from trionserve.backends.python.inprocess import InProcessInstance
@@ -296,7 +295,7 @@ class InProcessRuntime(ModelRuntime):
         log_stub_line(self.label, level, message)
 
     def metric(self, action: str, fields: dict):
-        reply = CUSTOM_METRICS.handle(
+        reply = self._instance.metrics.handle(
             self._instance.metrics_owner, {"op": "metric", "action": action, "call": 0, **fields}
         )
         assert reply is not None
@@ -305,7 +304,7 @@ class InProcessRuntime(ModelRuntime):
         return reply["result"]
 
     def metric_release(self, action: str, fields: dict) -> None:
-        CUSTOM_METRICS.handle(
+        self._instance.metrics.handle(
             self._instance.metrics_owner, {"op": "metric", "action": action, "call": None, **fields}
         )
 

@@ -38,7 +38,6 @@ from trionserve.core.errors import (
     Unavailable,
 )
 from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.observability.custom_metrics import CUSTOM_METRICS
 
 log = structlog.get_logger(__name__)
 
@@ -341,7 +340,7 @@ class PythonInstance:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._control, channel, message)
             elif op == "metric":
-                reply = CUSTOM_METRICS.handle(channel.metrics_owner, message)
+                reply = channel.metrics.handle(channel.metrics_owner, message)
                 if reply is not None:
                     self._send_soon(channel, reply)
             if channel.endpoint.should_flush():

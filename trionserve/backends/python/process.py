@@ -13,7 +13,6 @@ directory is not on their import path.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import socket
@@ -39,7 +38,7 @@ from trionserve.backends.python.wire import (
     fds_from_ancillary,
 )
 from trionserve.core.errors import TritonError, Unavailable
-from trionserve.observability.custom_metrics import CUSTOM_METRICS
+from trionserve.observability.custom_metrics import CustomMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +53,6 @@ _BOOT = (
 # qa/L0_backend_python does) find these; the instance's name comes last, as in
 # Triton's stub command line (stub_launcher.cc).
 STUB_PROCESS_NAME = "triton_python_backend_stub"
-_OWNERS = itertools.count(1)
 
 # How long a stub that was asked to stop may take to exit before it is killed.
 EXIT_GRACE_SECONDS = 5.0
@@ -72,11 +70,6 @@ def describe_exit(returncode: int | None) -> str:
     return f"exited with code {returncode}"
 
 
-def new_metrics_owner() -> int:
-    """A new owner of custom metric references (a stub, or an in-process instance)."""
-    return next(_OWNERS)
-
-
 def log_stub_line(label: str, level: str, message: str) -> None:
     """A ``pb_utils.Logger`` line from a stub, in the server's log."""
     method = {"WARNING": log.warning, "ERROR": log.error, "VERBOSE": log.debug}.get(level, log.info)
@@ -92,6 +85,8 @@ class StubProcess:
         settings: StubSettings,
         control: ModelControl | None = None,
         name: str = "",
+        *,
+        metrics: CustomMetrics,
     ) -> None:
         self.label = label
         self.settings = settings
@@ -132,8 +127,10 @@ class StubProcess:
         self._closed = False
         # Whether the model defines is_ready() (said when it is initialized).
         self.has_is_ready = False
-        # The custom metrics this stub's model defines are held in its name.
-        self.metrics_owner = new_metrics_owner()
+        # The custom metrics this stub's model defines: the server's registry, and
+        # the references held in this stub's name (released when it closes).
+        self.metrics = metrics
+        self.metrics_owner = metrics.new_owner()
 
     @property
     def pid(self) -> int:
@@ -162,7 +159,7 @@ class StubProcess:
                 if op == "log":
                     log_stub_line(self.label, answer["level"], answer["message"])
                 elif op == "metric":
-                    metric_reply = CUSTOM_METRICS.handle(self.metrics_owner, answer)
+                    metric_reply = self.metrics.handle(self.metrics_owner, answer)
                     if metric_reply is not None:
                         self.channel.send(metric_reply)
                 elif op == "control":
@@ -220,7 +217,7 @@ class StubProcess:
         if self._closed:
             return
         self._closed = True
-        CUSTOM_METRICS.release(self.metrics_owner)
+        self.metrics.release(self.metrics_owner)
         self.sock.close()
         self.endpoint.close()
 
@@ -240,6 +237,7 @@ class TrioChannel:
     def __init__(self, stub: StubProcess) -> None:
         self._stub = stub
         self.endpoint = stub.endpoint
+        self.metrics = stub.metrics
         self.metrics_owner = stub.metrics_owner
         self.control = stub.control
         # A duplicate descriptor, so the blocking socket stays usable afterwards.

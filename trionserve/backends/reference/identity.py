@@ -50,7 +50,7 @@ from trionserve.backends.reference.common import (
 from trionserve.core import datatypes
 from trionserve.core.errors import Unimplemented
 from trionserve.core.inference import InferenceRequest, Tensor
-from trionserve.observability.custom_metrics import COUNTER, CUSTOM_METRICS
+from trionserve.observability.custom_metrics import COUNTER
 
 RESPONSE_PARAMETERS = {
     "param0": "an example string parameter",
@@ -134,9 +134,10 @@ class IdentityBackend(ReferenceBackend):
         if parameter(config, "creation_delay_sec") is not None:
             log.info(f"Creation delay is set to: {creation_delay}")
             time.sleep(creation_delay)  # a worker thread: the load waits, as Triton's
-        owner = -id(context)
-        family = CUSTOM_METRICS.create_family(owner, METRIC_FAMILY, METRIC_DESCRIPTION, COUNTER)
-        labels = CUSTOM_METRICS.create_metric(
+        metrics = context.metrics  # the server's
+        owner = metrics.new_owner()
+        family = metrics.create_family(owner, METRIC_FAMILY, METRIC_DESCRIPTION, COUNTER)
+        labels = metrics.create_metric(
             owner, family, {"model": context.name, "version": str(context.version)}, None
         )
         counter = (family, labels)
@@ -149,8 +150,8 @@ class IdentityBackend(ReferenceBackend):
             return IdentityInstance(context, spec, delay if delay_ms > 0 else 0, optional, counter)
 
         def unload() -> None:
-            CUSTOM_METRICS.delete_metric(owner, family, labels)
-            CUSTOM_METRICS.delete_family(owner, family)
+            metrics.delete_metric(owner, family, labels)
+            metrics.delete_family(owner, family)
 
         return ReferenceModel(make, unload)
 
@@ -215,7 +216,7 @@ class IdentityInstance(ReferenceInstance):
             )
             vlog(f"\trequested_output {output_name}")
             family, labels = self._counter
-            CUSTOM_METRICS.update(family, labels, "increment", size)
+            self.context.metrics.update(family, labels, "increment", size)
             outputs.append(Tensor(output_name, tensor.datatype, tensor.data))
         return self.response(request, outputs, dict(RESPONSE_PARAMETERS))
 
