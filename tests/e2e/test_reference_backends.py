@@ -169,6 +169,17 @@ def test_identity_echoes_each_type_with_triton_parameters(http):
         }
 
 
+def test_bytes_that_are_not_utf8_are_refused_as_json_and_kept_as_binary(http):
+    # qa/L0_string_io string_client_test.py test_unicode_bytes, its HTTP clients.
+    array = np.array([b"\n\xfa\x03\x94", b"ok"], dtype=object)
+    as_json = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=False)]
+    with pytest.raises(InferenceServerException, match="not UTF-8 text") as info:
+        http.infer("identity_bytes", [_input("INPUT0", array, "BYTES")], outputs=as_json)
+    assert info.value.status() == "400"
+    result = http.infer("identity_bytes", [_input("INPUT0", array, "BYTES")])
+    assert result.as_numpy("OUTPUT0").tolist() == array.tolist()
+
+
 def test_identity_batches_and_counts_input_bytes(server, http):
     arrays = [np.arange(4, dtype=np.uint32).reshape(2, 2) + i for i in range(4)]
     pending = [http.async_infer("identity_uint32", [_input("INPUT0", a, "UINT32")]) for a in arrays]

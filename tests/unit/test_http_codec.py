@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from trionserve.core.errors import Status, TritonError
+from trionserve.core.errors import InvalidArgument, Status, TritonError
 from trionserve.core.inference import (
     InferenceRequest,
     InferenceResponse,
@@ -846,11 +846,20 @@ def test_bf16_output(binary):
     np.testing.assert_array_equal(got.astype(np.float32), values.astype(np.float32))
 
 
-def test_bytes_json_output_replaces_invalid_utf8_and_accepts_str():
-    data = np.array([b"\xffok", "plain"], dtype=np.object_)
+def test_bytes_json_output_accepts_str_and_refuses_bytes_that_are_not_utf8():
+    data = np.array(["pl\u00e4in".encode(), "str"], dtype=np.object_)
     chunks, header_length = encode_infer_response(_response(Tensor("S", "BYTES", data)), _request())
     assert header_length is None
-    assert json.loads(join(chunks))["outputs"][0]["data"] == ["\ufffdok", "plain"]
+    assert json.loads(join(chunks))["outputs"][0]["data"] == ["pl\u00e4in", "str"]
+    # qa/L0_string_io string_client_test.py: non-UTF-8 bytes asked for as JSON are
+    # an error the client sees, never text with replacement characters.
+    data = np.array([b"ok", b"\xffok"], dtype=np.object_)
+    with pytest.raises(InvalidArgument, match="output 'S' holds BYTES that are not UTF-8"):
+        encode_infer_response(_response(Tensor("S", "BYTES", data)), _request())
+    chunks, header_length = encode_infer_response(
+        _response(Tensor("S", "BYTES", data)), _request(), binary_output=True
+    )
+    assert parse(chunks, header_length).as_numpy("S").tolist() == [b"ok", b"\xffok"]
 
 
 def test_response_id_and_parameters():

@@ -490,7 +490,9 @@ def encode_infer_response(
                 chunks.append(chunk)
         else:
             in_json = True
-            outputs.append((tensor.name, wire, shape, None, json_output(wire, tensor.data)))
+            outputs.append(
+                (tensor.name, wire, shape, None, json_output(wire, tensor.data, tensor.name))
+            )
 
     args = (response.model_name, response.model_version, response.id or request.id)
     if in_json or response.parameters:

@@ -196,13 +196,34 @@ def _bad_element(name: str, wire: str, expected: str, flat: list, allowed: froze
             )
 
 
-def json_output(wire: str, data: np.ndarray) -> list:
+def json_output(wire: str, data: np.ndarray, name: str | None = None) -> list:
+    """An output's elements as JSON values. BYTES elements are text: for an infer
+    response (``name`` given) an element that is not UTF-8 is refused, naming the
+    output, since JSON cannot carry it (Triton writes such bytes into the JSON
+    unescaped, src/http_server.cc WriteDataToJson, which no JSON parser accepts:
+    tritonclient raises "Failed to encode using UTF-8. Please use
+    binary_data=True"); elsewhere (the generate extension) it is decoded with
+    replacement characters."""
     flat = data.reshape(-1)
     if wire == "BYTES":
-        return [
-            x.decode("utf-8", errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
-            for x in flat.tolist()
-        ]
+        if name is None:
+            return [
+                x.decode("utf-8", errors="replace") if isinstance(x, (bytes, bytearray)) else str(x)
+                for x in flat.tolist()
+            ]
+        values = []
+        for index, x in enumerate(flat.tolist()):
+            if not isinstance(x, (bytes, bytearray)):
+                values.append(str(x))
+                continue
+            try:
+                values.append(x.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise InvalidArgument(
+                    f"output '{name}' holds BYTES that are not UTF-8 text (element {index}), "
+                    "which a JSON response cannot carry; request it with binary_data: true"
+                ) from None
+        return values
     if wire == "BF16":
         if data.dtype.name == "bfloat16":
             return flat.astype(np.float32).tolist()
