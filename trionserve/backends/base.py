@@ -122,7 +122,9 @@ class AsyncBackendInstance(Protocol):
     arrive (decoupled models). ``close`` stays blocking, called after ``run``.
     """
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None: ...
+    async def run(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None: ...
 
     async def execute_async(self, requests: list[InferenceRequest]) -> ExecuteResult | None: ...
 

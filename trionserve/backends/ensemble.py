@@ -13,15 +13,19 @@ every edge of the graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import trio
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.validation import ModelSignature, TensorSpec
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 ENSEMBLE_INPUTS = -1  # the producer index of the ensemble's own inputs
 
@@ -74,7 +78,21 @@ class EnsemblePlan:
     max_inflight_requests: int  # 0: no limit shared by the ensemble's requests
 
 
-def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
+class ComposingModel(Protocol):
+    """A READY composing model version, as the ensemble reads it (actors'
+    ``ModelVersion``)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def signature(self) -> ModelSignature: ...
+
+
+# (name, version or None for the latest READY, namespace) -> the model, or raises.
+Lookup = Callable[[str, int | None, str], ComposingModel]
+
+
+def plan_ensemble(config: ModelConfig, version: int, lookup: Lookup) -> EnsemblePlan:
     """Check an ensemble against its composing models; raise naming step and tensor.
 
     ``lookup(name, version, namespace)`` returns the READY model version (with
@@ -176,7 +194,9 @@ def plan_ensemble(config, version: int, lookup: Callable) -> EnsemblePlan:
     )
 
 
-def _check_names(where: str, mapping, specs: dict, kind: str, field: str) -> None:
+def _check_names(
+    where: str, mapping: Iterable[str], specs: Mapping[str, TensorSpec], kind: str, field: str
+) -> None:
     for model_name in mapping:
         if model_name not in specs:
             raise InvalidArgument(
@@ -186,7 +206,12 @@ def _check_names(where: str, mapping, specs: dict, kind: str, field: str) -> Non
 
 
 def _check_edge(
-    ensemble: str, tensor: str, written, spec: TensorSpec, signature: ModelSignature, reader: str
+    ensemble: str,
+    tensor: str,
+    written: tuple[str, tuple[int, ...], list[int], str] | None,
+    spec: TensorSpec,
+    signature: ModelSignature,
+    reader: str,
 ) -> None:
     """The tensor as written must have the datatype and a shape ``reader`` accepts:
     the same dims, or the same full shape (a tensor between a batching and a
@@ -212,7 +237,7 @@ def _compatible(a: list[int], b: list[int]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
 
 
-def _fmt(shape) -> str:
+def _fmt(shape: Sequence[int]) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
@@ -222,7 +247,7 @@ class EnsembleModel:
     def __init__(self, plan: EnsemblePlan) -> None:
         self.plan = plan
 
-    def create_instance(self, spec: InstanceSpec):
+    def create_instance(self, spec: InstanceSpec) -> NoReturn:
         raise InternalError(f"ensemble '{self.plan.name}' has no instances")
 
     def unload(self) -> None:
@@ -238,7 +263,9 @@ class EnsembleBackend(Backend):
     def default_model_filename(self) -> str:
         return ""
 
-    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+    def auto_complete_config(
+        self, config: ModelConfig, model_path: Path, max_batch_size_set: bool
+    ) -> None:
         pass  # an ensemble's tensors are what its config says
 
     def load(self, context: ModelContext) -> EnsembleModel:

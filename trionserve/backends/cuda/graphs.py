@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import structlog
 
 from trionserve.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelOptimizationPolicy
+
+    GraphSpec: TypeAlias = ModelOptimizationPolicy.Cuda.GraphSpec
 
 log = structlog.get_logger(__name__)
 
@@ -42,12 +47,12 @@ class GraphShape:
     inputs: dict[str, tuple[int, ...]]
 
 
-def _spec_inputs(entry) -> dict[str, tuple[int, ...]]:
+def _spec_inputs(entry: GraphSpec | GraphSpec.LowerBound) -> dict[str, tuple[int, ...]]:
     """A graph_spec's (or its lower bound's) ``input`` shapes, by input name."""
     return {name: tuple(shape.dim) for name, shape in entry.input.items()}
 
 
-def cuda_graph_shapes(config) -> list[GraphShape] | None:
+def cuda_graph_shapes(config: ModelConfig) -> list[GraphShape] | None:
     """The graphs ``optimization.cuda`` asks of a PyTorch model, smallest first;
     None: no graphs.
 
@@ -99,7 +104,7 @@ def cuda_graph_shapes(config) -> list[GraphShape] | None:
     return shapes
 
 
-def _default_tensorrt_batch_sizes(config) -> list[int]:
+def _default_tensorrt_batch_sizes(config: ModelConfig) -> list[int]:
     """The batch sizes Triton's TensorRT backend captures without graph_spec
     (tensorrt_backend src/instance_state.cc, InitializeGraphSpecs): 1 and the
     dynamic batcher's preferred sizes (or the oldest sequence batcher's), else
@@ -119,7 +124,7 @@ def _default_tensorrt_batch_sizes(config) -> list[int]:
     return sorted(size for size in sizes if size <= max_batch)
 
 
-def _check_tensorrt_spec(config, spec) -> None:
+def _check_tensorrt_spec(config: ModelConfig, spec: GraphSpec) -> None:
     """Triton's ValidateGraphSpec: a bad graph_spec fails the load."""
     model, max_batch = config.name, config.max_batch_size
     lower = spec.graph_lower_bound
@@ -162,7 +167,7 @@ def _check_tensorrt_spec(config, spec) -> None:
 
 
 def tensorrt_graph_shapes(
-    config, opt_shapes: dict[str, tuple[int, ...]]
+    config: ModelConfig, opt_shapes: dict[str, tuple[int, ...]]
 ) -> list[GraphShape] | None:
     """The graphs ``optimization.cuda`` asks of a TensorRT model, smallest first;
     None: no graphs. ``opt_shapes``: each engine input's per-item shape at its

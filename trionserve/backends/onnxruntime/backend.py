@@ -10,7 +10,10 @@ TensorRT provider in front when the config's ``optimization`` asks for it; see
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +30,17 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
+
+if TYPE_CHECKING:
+    from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+    from onnxruntime import InferenceSession, NodeArg
+
+    from trionserve._generated.model_config_pb2 import (
+        DataType,
+        ModelConfig,
+        ModelInput,
+        ModelOutput,
+    )
 
 # ONNX tensor element types (onnxruntime's type strings) -> Triton config datatypes.
 _ORT_TYPES = {
@@ -68,18 +82,18 @@ SESSION_CONFIG_DEFAULTS = {
 }
 
 
-def _ort():
+def _ort() -> ModuleType:
     import onnxruntime
 
     return onnxruntime
 
 
-def _dims(shape) -> list[int]:
+def _dims(shape: Sequence[int | str | None]) -> list[int]:
     """ONNX shapes use strings or None for symbolic dimensions; Triton uses -1."""
     return [d if isinstance(d, int) and d >= 0 else -1 for d in shape]
 
 
-def _config_parameter(config, key: str) -> str | None:
+def _config_parameter(config: ModelConfig, key: str) -> str | None:
     if key in config.parameters:
         return config.parameters[key].string_value
     return None
@@ -97,7 +111,9 @@ class OnnxRuntimeBackend(Backend):
 
         return bool({CUDA, TENSORRT} & set(ort.get_available_providers()))
 
-    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+    def auto_complete_config(
+        self, config: ModelConfig, model_path: Path, max_batch_size_set: bool
+    ) -> None:
         """Fill max_batch_size, inputs and outputs from the ONNX graph.
 
         Only what config.pbtxt leaves out is filled: a config that lists inputs keeps
@@ -112,7 +128,8 @@ class OnnxRuntimeBackend(Backend):
         can_batch = all(
             len(t.shape) > 0 and _dims(t.shape)[0] == -1 for t in (*graph_inputs, *graph_outputs)
         )
-        has_dims = any(e.dims for e in (*config.input, *config.output))
+        declared: list[ModelInput | ModelOutput] = [*config.input, *config.output]
+        has_dims = any(e.dims for e in declared)
         if not max_batch_size_set and can_batch and not has_dims:
             config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
         skip = 1 if config.max_batch_size > 0 else 0
@@ -120,7 +137,12 @@ class OnnxRuntimeBackend(Backend):
         self._complete_tensors(config.output, graph_outputs, skip)
 
     @staticmethod
-    def _complete_tensors(entries, graph_tensors, skip: int) -> None:
+    def _complete_tensors(
+        entries: RepeatedCompositeFieldContainer[ModelInput]
+        | RepeatedCompositeFieldContainer[ModelOutput],
+        graph_tensors: Sequence[NodeArg],
+        skip: int,
+    ) -> None:
         known = {e.name: e for e in entries}
         for t in graph_tensors:
             entry = known.get(t.name)
@@ -146,10 +168,11 @@ class OnnxRuntimeBackend(Backend):
         return OnnxModel(context, path)
 
 
-def _config_data_type(name: str) -> int:
+def _config_data_type(name: str) -> DataType:
     from trionserve._generated.model_config_pb2 import DataType
 
-    return DataType.Value(name)
+    # The protobuf stubs type EnumTypeWrapper.Value as int; it is a DataType value.
+    return DataType.Value(name)  # type: ignore[return-value]
 
 
 class OnnxModel:
@@ -201,7 +224,15 @@ class _OrtBatch:
         "inferred",
     )
 
-    def __init__(self, refused, kept, feeds, names, started: int, staged: int) -> None:
+    def __init__(
+        self,
+        refused: list[TritonError | None],
+        kept: list[InferenceRequest],
+        feeds: dict[str, np.ndarray],
+        names: list[str],
+        started: int,
+        staged: int,
+    ) -> None:
         self.refused: list[TritonError | None] = refused
         self.kept: list[InferenceRequest] = kept
         self.feeds: dict[str, np.ndarray] = feeds
@@ -219,7 +250,9 @@ class OnnxInstance:
     Triton's compute_input, compute_infer and compute_output.
     """
 
-    def __init__(self, context: ModelContext, spec: InstanceSpec, session) -> None:
+    def __init__(
+        self, context: ModelContext, spec: InstanceSpec, session: InferenceSession
+    ) -> None:
         config = context.config
         self.spec = spec
         self.model_name = context.name

@@ -12,10 +12,14 @@ comes last. Pure: the available providers are passed in.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelParameter
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -71,6 +75,10 @@ _LEGACY_CUDA_CODES = {
 _LEGACY_CUDA_STRINGS = ("gpu_mem_limit", "do_copy_in_default_stream")
 
 
+# An InferenceSession provider: its name, or its name and options.
+Provider = str | tuple[str, dict[str, str]]
+
+
 def _value(model: str, where: str, key: str, value: str, kind: str) -> str:
     """Validate a parameter value; booleans become "1"/"0" for onnxruntime."""
     text = value.strip()
@@ -95,7 +103,7 @@ def _value(model: str, where: str, key: str, value: str, kind: str) -> str:
     )
 
 
-def _tensorrt_options(model: str, parameters, device_id: int) -> dict[str, str]:
+def _tensorrt_options(model: str, parameters: Mapping[str, str], device_id: int) -> dict[str, str]:
     where = "TensorRT execution accelerator"
     options: dict[str, str] = {}
     for key, value in sorted(parameters.items()):
@@ -120,7 +128,7 @@ def _tensorrt_options(model: str, parameters, device_id: int) -> dict[str, str]:
     return options
 
 
-def _legacy_cuda_options(model: str, parameters) -> dict[str, str]:
+def _legacy_cuda_options(model: str, parameters: Mapping[str, ModelParameter]) -> dict[str, str]:
     options: dict[str, str] = {}
     for key, names in _LEGACY_CUDA_CODES.items():
         if key in parameters:
@@ -136,11 +144,13 @@ def _legacy_cuda_options(model: str, parameters) -> dict[str, str]:
     return options
 
 
-def execution_providers(config, spec: InstanceSpec, available: Collection[str]) -> list:
+def execution_providers(
+    config: ModelConfig, spec: InstanceSpec, available: Collection[str]
+) -> list[Provider]:
     """The ``providers`` argument of ``InferenceSession`` for one instance."""
     model = config.name
     accelerators = config.optimization.execution_accelerators
-    providers: list = []
+    providers: list[Provider] = []
     if spec.kind == "KIND_GPU":
         if CUDA not in available:
             raise Unavailable(

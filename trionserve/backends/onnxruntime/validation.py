@@ -12,7 +12,20 @@ Triton's, in its order, so the first mismatch named is the one Triton names.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
 from trionserve.core.errors import InternalError, InvalidArgument
+
+if TYPE_CHECKING:
+    from onnxruntime import InferenceSession, NodeArg
+
+    from trionserve._generated.model_config_pb2 import (
+        ModelConfig,
+        ModelInput,
+        ModelOutput,
+        ModelSequenceBatching,
+    )
 
 __all__ = ["validate_session"]
 
@@ -49,12 +62,12 @@ class _Tensor:
 
     __slots__ = ("dims", "type")
 
-    def __init__(self, node) -> None:
+    def __init__(self, node: NodeArg) -> None:
         self.type: str = node.type
         self.dims = [d if isinstance(d, int) and d >= 0 else -1 for d in (node.shape or ())]
 
 
-def _shape(dims) -> str:
+def _shape(dims: Sequence[int]) -> str:
     return "[" + ",".join(str(d) for d in dims) + "]"
 
 
@@ -64,7 +77,7 @@ def _type_name(value: int) -> str:
     return DataType.Name(value)
 
 
-def validate_session(config, name: str, session) -> None:
+def validate_session(config: ModelConfig, name: str, session: InferenceSession) -> None:
     """Raise InvalidArgument (or InternalError where Triton's backend says INTERNAL)
     naming the first way ``config`` does not match the ONNX ``session``'s model."""
     inputs = {n.name: _Tensor(n) for n in session.get_inputs()}
@@ -84,6 +97,7 @@ def validate_session(config, name: str, session) -> None:
         )
     inputs.update(initializers)  # overridable initializers may be request inputs
 
+    io: ModelInput | ModelOutput
     for io in config.input:
         if io.optional and config.max_batch_size != 0:
             raise InvalidArgument(
@@ -183,7 +197,13 @@ def _dims_match(model: list[int], dims: list[int], exact: bool) -> bool:
     return all(m == d for m, d in zip(model, dims, strict=True) if exact or m != -1)
 
 
-def _check_sequence_control(config, name: str, batching, kind: str, inputs) -> int:
+def _check_sequence_control(
+    config: ModelConfig,
+    name: str,
+    batching: ModelSequenceBatching,
+    kind: str,
+    inputs: Mapping[str, _Tensor],
+) -> int:
     """1 when the sequence batcher gives the model the ``kind`` control, after
     checking that the model has that input, with dims [1] and its datatype; else 0."""
     for control_input in batching.control_input:
@@ -226,7 +246,7 @@ def _kind_name(kind: int) -> str:
     return ModelSequenceBatching.Control.Kind.Name(kind)
 
 
-def _control_datatype(control) -> str:
+def _control_datatype(control: ModelSequenceBatching.Control) -> str:
     """The control tensor's datatype, as Triton's backend reads it."""
     if control.fp32_false_true:
         return "TYPE_FP32"

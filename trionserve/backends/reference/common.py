@@ -12,7 +12,7 @@ hold still gets its one final outcome.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +58,7 @@ def config_dims(tensor: ModelInput | ModelOutput) -> list[int]:
     return list(tensor.dims)
 
 
-def shape_string(shape) -> str:
+def shape_string(shape: Iterable[int]) -> str:
     """A shape as Triton's backend utilities write it (ShapeToString): ``[1,5]``."""
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
@@ -105,7 +105,7 @@ class ReferenceInstance:
         self.version = str(context.version)
         self._nursery: trio.Nursery | None = None
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Hold the nursery that decoupled responses are sent from."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -118,7 +118,9 @@ class ReferenceInstance:
     async def execute_async(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
         return self.execute(requests)
 
-    def respond_later(self, request: InferenceRequest, responder) -> None:
+    def respond_later(
+        self, request: InferenceRequest, responder: Callable[[], Awaitable[object]]
+    ) -> None:
         """Send a decoupled request's responses from a task of this instance (the
         thread Triton's decoupled backends detach); if the task ends without the
         final outcome (an unload cancelled it), the request is told so."""

@@ -35,6 +35,9 @@ the request with that error, since an InferenceRequest has no non-final errors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 import trio
 
@@ -52,8 +55,18 @@ from trionserve.backends.reference.identity import config_type_name
 from trionserve.core.errors import Cancelled, InvalidArgument, Status, TritonError
 from trionserve.core.inference import InferenceRequest, Tensor
 
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelInput, ModelOutput
 
-def _named(config, tensors, index: int, expected: str, which: str, kind: str) -> None:
+
+def _named(
+    config: ModelConfig,
+    tensors: Sequence[ModelInput] | Sequence[ModelOutput],
+    index: int,
+    expected: str,
+    which: str,
+    kind: str,
+) -> None:
     name = tensors[index].name
     refuse(
         config,
@@ -62,7 +75,7 @@ def _named(config, tensors, index: int, expected: str, which: str, kind: str) ->
     )
 
 
-def _dtype(config, tensor, expected: str) -> None:
+def _dtype(config: ModelConfig, tensor: ModelInput | ModelOutput, expected: str) -> None:
     got = config_type_name(tensor.data_type)
     refuse(
         config,
@@ -107,8 +120,9 @@ class RepeatBackend(ReferenceBackend):
                 list(dims) == [1],
                 f"expected {what} shape to be [1], got {shape_string(dims)}",
             )
+        checked: tuple[ModelInput | ModelOutput, ...] = (ins[0], ins[1], ins[2], outs[0], outs[1])
         for tensor, expected in zip(
-            (ins[0], ins[1], ins[2], outs[0], outs[1]),
+            checked,
             ("INT32", "UINT32", "UINT32", "INT32", "UINT32"),
         ):
             _dtype(config, tensor, expected)
@@ -205,7 +219,7 @@ class SquareParameters:
     """square.cc ModelParameters: delays in nanoseconds and the failing and empty
     responses' counts, each 0 unless its parameter is a number."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         self.infer_delay_ns = self._read(config, "CUSTOM_INFER_DELAY_NS")
         self.output_delay_ns = self._read(config, "CUSTOM_OUTPUT_DELAY_NS")
         self.cancel_delay_ns = self._read(config, "CUSTOM_CANCEL_DELAY_NS")
@@ -213,7 +227,7 @@ class SquareParameters:
         self.empty_count = self._read(config, "CUSTOM_EMPTY_COUNT")
 
     @staticmethod
-    def _read(config, key: str) -> int:
+    def _read(config: ModelConfig, key: str) -> int:
         value = parameter(config, key)
         if value is None:
             return 0

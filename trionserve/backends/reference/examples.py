@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trionserve.backends.base import ExecuteResult, ModelContext
+from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
 from trionserve.backends.reference.common import (
     ReferenceBackend,
     ReferenceInstance,
@@ -115,7 +115,7 @@ class RecommendedBackend(ReferenceBackend):
             f"{shape_string(tensor_in.dims)} and {shape_string(tensor_out.dims)}",
         )
 
-        def make(spec):
+        def make(spec: InstanceSpec) -> _Copy:
             instance = _Copy(context, spec)
             instance.input_name = tensor_in.name
             instance.output_name = tensor_out.name

@@ -27,6 +27,7 @@ backend) is read and ignored; outputs share the inputs' arrays instead of copies
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -48,9 +49,12 @@ from trionserve.backends.reference.common import (
     vlog,
 )
 from trionserve.core import datatypes
-from trionserve.core.errors import Unimplemented
-from trionserve.core.inference import InferenceRequest, Tensor
+from trionserve.core.errors import TritonError, Unimplemented
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.custom_metrics import COUNTER
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 RESPONSE_PARAMETERS = {
     "param0": "an example string parameter",
@@ -63,7 +67,7 @@ METRIC_FAMILY = "input_byte_size_counter"
 METRIC_DESCRIPTION = "Cumulative input byte size of all requests received by the model"
 
 
-def _check(config) -> dict[str, tuple[str, list[int]]]:
+def _check(config: ModelConfig) -> dict[str, tuple[str, list[int]]]:
     """identity.cc ModelState::ValidateModelConfig; the optional inputs' zero
     outputs: index suffix -> (wire datatype, shape with -1 as 1)."""
     refuse(
@@ -184,7 +188,7 @@ class IdentityInstance(ReferenceInstance):
     def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
         return [self._one(index, request) for index, request in enumerate(requests)]
 
-    def _one(self, index: int, request: InferenceRequest):
+    def _one(self, index: int, request: InferenceRequest) -> InferenceResponse | TritonError:
         asked = request.requested_outputs
         vlog(
             f'request {index}: id = "{request.id}", correlation_id = '

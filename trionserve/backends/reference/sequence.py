@@ -38,6 +38,7 @@ memory-kind checks of cases 1 and 2 pass as on a GPU host.
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -53,7 +54,10 @@ from trionserve.backends.reference.common import (
 )
 from trionserve.backends.reference.identity import config_type_name
 from trionserve.core.errors import InvalidArgument, TritonError, Unimplemented
-from trionserve.core.inference import InferenceRequest, Tensor
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 _LEADING_INT = re.compile(r"\s*[+-]?\d+")
 
@@ -80,7 +84,7 @@ def _input(request: InferenceRequest, name: str) -> Tensor:
     return tensor
 
 
-def _check_vector_io(config) -> None:
+def _check_vector_io(config: ModelConfig) -> None:
     """sequence.cc / dyna_sequence.cc: one INT32 vector INPUT, one OUTPUT of its shape."""
     refuse(
         config,
@@ -118,7 +122,7 @@ def _check_vector_io(config) -> None:
     refuse(config, tensor_out.name == "OUTPUT", "model output must be named 'OUTPUT'")
 
 
-def _control_names(config) -> list[str]:
+def _control_names(config: ModelConfig) -> list[str]:
     return [c.name for c in config.sequence_batching.control_input]
 
 
@@ -156,13 +160,15 @@ class _Accumulating(ReferenceInstance):
             raise Unimplemented("unable to execute more than one timestep at a time")
         return tensor.data
 
-    def _answer(self, request: InferenceRequest, values: np.ndarray, total: int):
+    def _answer(
+        self, request: InferenceRequest, values: np.ndarray, total: int
+    ) -> InferenceResponse:
         outputs = []
         if request.requested_outputs is None or request.requested_outputs:
             outputs.append(Tensor("OUTPUT", "INT32", np.full(values.shape, total, np.int32)))
         return self.response(request, outputs)
 
-    def _one(self, slot: int, request: InferenceRequest):
+    def _one(self, slot: int, request: InferenceRequest) -> InferenceResponse | TritonError:
         raise NotImplementedError
 
 
@@ -185,7 +191,7 @@ class SequenceInstance(_Accumulating):
         super().__init__(context, spec, delay_ms)
         self._accumulators = [0] * self._slots
 
-    def _one(self, slot: int, request: InferenceRequest):
+    def _one(self, slot: int, request: InferenceRequest) -> InferenceResponse | TritonError:
         values = self._timestep(request)
         start, ready = _flag(request, "START"), _flag(request, "READY")
         if not ready:
@@ -239,7 +245,7 @@ class DynaSequenceInstance(_Accumulating):
         self._strings = strings
         self._accumulators: dict[int, int] = {}
 
-    def _one(self, slot: int, request: InferenceRequest):
+    def _one(self, slot: int, request: InferenceRequest) -> InferenceResponse | TritonError:
         if self._strings and request.collect_stats:
             _decode_id(request.sequence_id)
         values = self._timestep(request)
@@ -302,7 +308,7 @@ class ImplicitStateInstance(ReferenceInstance):
         if name not in self._state_outputs:
             raise InvalidArgument(f"state '{name}' is not a valid state name.")
 
-    def _one(self, request: InferenceRequest):
+    def _one(self, request: InferenceRequest) -> InferenceResponse | TritonError:
         if _flag(request, "START"):
             self._request_index = 0
         end = _flag(request, "END")

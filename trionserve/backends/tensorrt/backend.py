@@ -17,6 +17,7 @@ missing. Every CUDA library is imported lazily.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.cuda.buffers import device_buffers
@@ -31,6 +32,9 @@ from trionserve.backends.tensorrt.engine import (
 from trionserve.backends.tensorrt.instance import TensorRTInstance
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
+
 __all__ = ["TensorRTBackend", "TensorRTModel", "missing_requirements"]
 
 
@@ -40,7 +44,9 @@ class TensorRTBackend(Backend):
     def default_model_filename(self) -> str:
         return "model.plan"
 
-    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+    def auto_complete_config(
+        self, config: ModelConfig, model_path: Path, max_batch_size_set: bool
+    ) -> None:
         require(config.name)
         buffers = device_buffers()
         with buffers.device(0):

@@ -9,9 +9,20 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trionserve.backends.cuda.devices import gpu_count
 from trionserve.core.errors import InvalidArgument, Unavailable
+
+if TYPE_CHECKING:
+    from tensorrt import ICudaEngine, Runtime
+
+    from trionserve._generated.model_config_pb2 import (
+        DataType,
+        ModelConfig,
+        ModelInput,
+        ModelOutput,
+    )
 
 # TensorRT DataType member names -> Triton config datatypes.
 _TRT_TYPES = {
@@ -48,14 +59,14 @@ def require(model: str) -> None:
 
 
 @functools.cache
-def _runtime():
+def _runtime() -> Runtime:
     """One TensorRT logger and runtime per process, as TensorRT recommends."""
     import tensorrt
 
     return tensorrt.Runtime(tensorrt.Logger(tensorrt.Logger.WARNING))
 
 
-def deserialize(model: str, path: Path):
+def deserialize(model: str, path: Path) -> ICudaEngine:
     engine = _runtime().deserialize_cuda_engine(path.read_bytes())
     if engine is None:
         raise InvalidArgument(
@@ -79,7 +90,7 @@ class EngineTensor:
     opt_shape: tuple[int, ...] | None = None  # profile 0's "opt" shape (inputs)
 
 
-def engine_tensors(engine) -> list[EngineTensor]:
+def engine_tensors(engine: ICudaEngine) -> list[EngineTensor]:
     tensors = []
     for index in range(engine.num_io_tensors):
         name = engine.get_tensor_name(index)
@@ -108,16 +119,19 @@ def _engine_max_batch(tensors: list[EngineTensor]) -> int:
     return min(limits) if limits else 0
 
 
-def complete_config(config, tensors: list[EngineTensor], max_batch_size_set: bool) -> None:
+def complete_config(
+    config: ModelConfig, tensors: list[EngineTensor], max_batch_size_set: bool
+) -> None:
     """Fill max_batch_size, inputs and outputs from the engine, like Triton."""
     from trionserve._generated import model_config_pb2 as mc
 
     by_name = {t.name: t for t in tensors}
     engine_max = _engine_max_batch(tensors)
     # Dims in the config hint at batching: one dimension fewer than the engine's.
+    declared: list[ModelInput | ModelOutput] = [*config.input, *config.output]
     hints = {
         len(by_name[e.name].shape) == len(e.dims) + 1
-        for e in (*config.input, *config.output)
+        for e in declared
         if e.dims and e.name in by_name and not by_name[e.name].is_shape_tensor
     }
     if len(hints) > 1:
@@ -159,7 +173,7 @@ def complete_config(config, tensors: list[EngineTensor], max_batch_size_set: boo
                     continue  # the config chose its own tensors
                 entry = entries.add(name=t.name)
             if entry.data_type == mc.TYPE_INVALID and t.data_type:
-                entry.data_type = mc.DataType.Value(t.data_type)
+                entry.data_type = config_data_type(t.data_type)
             if not entry.dims and not entry.HasField("reshape"):
                 dims = list(t.shape[skip:])
                 if not dims:  # dims may not be empty: a scalar is [1] reshaped to []
@@ -169,6 +183,14 @@ def complete_config(config, tensors: list[EngineTensor], max_batch_size_set: boo
 
 
 # -- the backend ------------------------------------------------------------------------
+
+
+def config_data_type(name: str) -> DataType:
+    """The config's data type for its name (``TYPE_FP32``)."""
+    from trionserve._generated.model_config_pb2 import DataType
+
+    # The protobuf stubs type EnumTypeWrapper.Value as int; it is a DataType value.
+    return DataType.Value(name)  # type: ignore[return-value]
 
 
 def type_name(value: int) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -27,6 +27,12 @@ from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
+
+if TYPE_CHECKING:
+    from tensorrt import ICudaEngine
+
+    from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve.backends.cuda.buffers import DeviceBuffers
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +64,13 @@ class TensorRTInstance:
     inputs and the graph replayed; any other runs ``execute_async_v3`` with buffers
     of its own shapes."""
 
-    def __init__(self, context: ModelContext, spec: InstanceSpec, buffers, engine) -> None:
+    def __init__(
+        self,
+        context: ModelContext,
+        spec: InstanceSpec,
+        buffers: DeviceBuffers,
+        engine: ICudaEngine,
+    ) -> None:
         config = context.config
         self.spec = spec
         self.model_name = context.name
@@ -99,7 +111,7 @@ class TensorRTInstance:
         self._slot = 0
         self._held: dict[str, Any] = {}
 
-    def _check(self, config, tensors: list[EngineTensor]) -> None:
+    def _check(self, config: ModelConfig, tensors: list[EngineTensor]) -> None:
         model = self.model_name
         by_name = {t.name: t for t in tensors}
         for kind, entries, is_input in (
