@@ -396,3 +396,53 @@ async def test_a_head_over_the_limit_is_431_and_closed(connect):
     status, headers, _ = await peer.response()
     assert (status, headers["connection"]) == (431, "close")
     assert await peer.closed()
+
+
+class Writes(trio.abc.HalfCloseableStream):
+    """A stream that records each write the server makes to it."""
+
+    def __init__(self, inner: trio.abc.HalfCloseableStream) -> None:
+        self.inner = inner
+        self.writes: list[bytes] = []
+
+    async def send_all(self, data) -> None:
+        self.writes.append(bytes(data))
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_streamed_answer_s_head_goes_with_its_first_chunk_at_once(nursery):
+    next_chunk = trio.Event()
+
+    async def stream(headers, body):
+        async def chunks():
+            yield b"first"
+            await next_chunk.wait()
+            yield b"second"
+
+        return 200, [(b"content-type", b"text/event-stream")], chunks()
+
+    server = HttpServer(lambda method, path: stream, HttpServerOptions(linger=0.1))
+    client, served = trio.testing.memory_stream_pair()
+    writes = Writes(served)
+    nursery.start_soon(server.serve_connection, writes)
+    await client.send_all(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+    received = b""
+    while not received.endswith(b"5\r\nfirst\r\n"):  # before the second chunk exists
+        received += await client.receive_some(65536)
+    assert len(writes.writes) == 1 and writes.writes[0].startswith(b"HTTP/1.1 200 ")
+    next_chunk.set()
+    while not received.endswith(b"0\r\n\r\n"):
+        received += await client.receive_some(65536)
+    assert writes.writes[1:] == [b"6\r\nsecond\r\n", b"0\r\n\r\n"]

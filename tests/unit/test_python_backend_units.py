@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -247,3 +248,50 @@ def test_on_cancel_runs_once_when_the_request_is_cancelled():
     assert calls == ["second"]
     request.on_cancel(lambda: calls.append("late"))  # already cancelled: at once
     assert calls == ["second", "late"]
+
+
+async def test_a_read_of_several_messages_lets_the_tasks_the_first_woke_run_first():
+    """A stub that sent a burst (a fast model's tokens): the server handles the first
+    message, and the task it woke (the stream writing its first token) runs before
+    the rest are handled; whatever order Trio runs a batch of tasks in (20 rounds)."""
+    import trio
+    import trio.testing
+
+    from trionserve.backends.python.process import TrioChannel
+
+    stub_side, server_side = connected_pair()
+    stub = SimpleNamespace(
+        endpoint=server_side.endpoint,
+        metrics=None,
+        metrics_owner=0,
+        control=None,
+        sock=server_side.sock,
+    )
+    channel = TrioChannel(stub)
+    try:
+        # The first message announces the stub's shared memory (descriptors end a read).
+        stub_side.send({"op": "hello"})
+        assert (await channel.receive())["op"] == "hello"
+        for _ in range(20):
+            for n in range(3):
+                stub_side.send({"op": "token", "n": n})
+            order: list = []
+            woken = trio.Event()
+
+            async def consumer(woken=woken, order=order):
+                await woken.wait()
+                order.append("written")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(consumer)
+                await trio.testing.wait_all_tasks_blocked()
+                for _ in range(3):
+                    message = await channel.receive()
+                    order.append(message["n"])
+                    woken.set()
+            assert order == [0, "written", 1, 2]
+    finally:
+        channel.close()
+        for side in (stub_side, server_side):
+            side.sock.close()
+            side.endpoint.close()

@@ -208,6 +208,13 @@ class InferenceRequest:
         """True once the final outcome was delivered."""
         return self._final
 
+    @property
+    def ready(self) -> bool:
+        """True when :meth:`stream` has its next pair (a response, the end or the
+        error) now, without waiting: a consumer may take it to write several
+        responses at once."""
+        return bool(self._responses) or self._final
+
     def send(self, response: InferenceResponse | None, *, final: bool) -> bool:
         """Deliver a response (or, with ``final``, possibly none: just the end)."""
         if self._final:

@@ -246,6 +246,8 @@ class TrioChannel:
         self._sock = trio.socket.from_stdlib_socket(self._raw)
         self._send_lock = trio.StrictFIFOLock()
         self._pending: deque[dict] = deque()
+        # Messages of the last read are still pending: yield before the next.
+        self._backlog = False
 
     async def send(self, message: dict) -> None:
         if not self._send_lock.locked():
@@ -284,6 +286,15 @@ class TrioChannel:
 
     async def receive(self) -> dict | None:
         pending = self._pending
+        if self._backlog:
+            # The rest of a read that brought several messages: the tasks the
+            # first one woke (a stream's consumer writing its first token) run
+            # before these are handled. Two checkpoints: Trio may run a batch of
+            # ready tasks in either order, the woken ones go no later than the
+            # batch after this one.
+            self._backlog = False
+            await trio.lowlevel.checkpoint()
+            await trio.lowlevel.checkpoint()
         waited = False
         while not pending:
             try:
@@ -306,6 +317,7 @@ class TrioChannel:
                 return None
             self.endpoint.feed(data, fds)
             pending.extend(self.endpoint.messages())
+            self._backlog = len(pending) > 1
         return pending.popleft()
 
     def close(self) -> None:

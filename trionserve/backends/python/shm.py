@@ -15,6 +15,7 @@ least ``growth_size`` bytes when a tensor does not fit, like Triton's
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import os
 import tempfile
@@ -200,7 +201,7 @@ class ArenaView:
         if segment_id == INLINE:
             assert isinstance(nbytes, bytes)
             if datatype == "BYTES":
-                count = int(np.prod(shape, dtype=np.int64))
+                count = math.prod(shape)
                 return read_bytes_elements(
                     nbytes, 0, len(nbytes), count, f"tensor '{ref[0]}'"
                 ).reshape(shape)
@@ -213,7 +214,7 @@ class ArenaView:
         if datatype == "BYTES":
             raw = memoryview(buffer)[offset : offset + nbytes]
             try:
-                count = int(np.prod(shape, dtype=np.int64))
+                count = math.prod(shape)
                 return read_bytes_elements(raw, 0, nbytes, count, f"tensor '{ref[0]}'").reshape(
                     shape
                 )

@@ -482,19 +482,29 @@ class _Connection:
         """Write the head, then each chunk as the iterator yields it (chunked
         transfer encoding; to an HTTP/1.0 client as is, ending with the close);
         the iterator is closed however this ends (a client gone mid-stream
-        included)."""
+        included). The head is written with the first chunk, and a chunk the
+        socket takes at once is written without a checkpoint (the iterator's
+        wait for its next chunk is one)."""
         h1 = self.h1
-        send = self.stream.send_all
+        stream = self.stream
         try:
-            await send(h1.start_response(status, headers, self.server.draining, streamed=True))
+            head = h1.start_response(status, headers, self.server.draining, streamed=True)
             if h1.head_only:
+                await send_all(stream, head)
                 return
             chunked = h1.chunked_response
+            # The head goes out with the first chunk: one write, not two, for the
+            # first event (a streamed answer's body is made once its first
+            # response is there, so its first chunk is not waited for).
+            waiting: bytes = head
             async for chunk in chunks:
                 if chunk:
-                    await send(frame_chunk(chunk) if chunked else chunk)
+                    await send_all(stream, waiting + (frame_chunk(chunk) if chunked else chunk))
+                    waiting = b""
             if chunked:
-                await send(LAST_CHUNK)
+                waiting += LAST_CHUNK
+            if waiting:
+                await send_all(stream, waiting)
         finally:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:

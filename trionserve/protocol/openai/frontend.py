@@ -63,6 +63,9 @@ log = structlog.get_logger(__name__)
 _JSON = (b"content-type", b"application/json")
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 DONE = b"data: [DONE]\n\n"
+# A streamed answer's events that are ready together are written together, up to
+# about this many bytes per write (bounded: one write's buffer).
+COALESCE_BYTES = 64 * 1024
 
 # Triton's groups and the endpoints each covers: method and path prefix
 # (api_restriction.py ENDPOINT_MAPPING).
@@ -387,7 +390,7 @@ class OpenAIFrontend:
         except BaseException:
             await stream.aclose()
             raise
-        return 200, list(_SSE), events.body(stream, first)
+        return 200, list(_SSE), events.body(stream, first, request)
 
 
 async def _answer(response: Response, headers: Headers, body: RequestBody) -> Response:
@@ -421,34 +424,52 @@ class _Events:
     def usage_chunk(self, usage: dict) -> dict:
         raise NotImplementedError
 
-    async def body(self, stream: AsyncIterator[Pair], first: Pair) -> AsyncIterator[bytes]:
+    async def body(
+        self, stream: AsyncIterator[Pair], first: Pair, request: InferenceRequest
+    ) -> AsyncIterator[bytes]:
         """Every event, then ``[DONE]``; an error after the stream began is one
         error event before it. Closes ``stream`` however it ends (a client that
-        hangs up included: its request is cancelled)."""
+        hangs up included: its request is cancelled).
+
+        Events are yielded as soon as they exist, never held back for more: the
+        opening chunk with the first response's, and then each time the next
+        response is not there yet. What is there already (``request.ready``: a
+        model that answers faster than the client is written to) goes with them,
+        up to ``COALESCE_BYTES``, in one write instead of one per token."""
+        parts: list[bytes] = []
+        size = 0
         try:
-            for event in self.opening():
-                yield event
+            parts.extend(self.opening())
             pair: Pair | None = first
             while pair is not None:
                 response, final = pair
                 if self.include_usage:
                     self.usage.update(response)
-                yield self.chunk(engine.output_text(response), final)
-                pair = None if final else await anext(stream, None)
+                chunk = self.chunk(engine.output_text(response), final)
+                parts.append(chunk)
+                if final:
+                    break
+                size += len(chunk)
+                if size >= COALESCE_BYTES or not request.ready:
+                    yield b"".join(parts)
+                    parts.clear()
+                    size = 0
+                pair = await anext(stream, None)
             usage = self.usage.final() if self.include_usage else None
             if usage is not None:
-                yield _event(self.usage_chunk(usage))
+                parts.append(_event(self.usage_chunk(usage)))
         except OpenAIError as error:
-            yield _error_event(error)
+            parts.append(_error_event(error))
         except TritonError as error:
-            yield _error_event(_from_triton(error))
+            parts.append(_error_event(_from_triton(error)))
         except Exception as exc:  # a bug ends this stream only, with an answer
             log.exception("openai stream failed", model=self.answer.model)
-            yield _error_event(OpenAIError(500, f"internal error: {exc}", "server_error"))
+            parts.append(_error_event(OpenAIError(500, f"internal error: {exc}", "server_error")))
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()  # type: ignore[attr-defined]  # an async generator
-        yield DONE
+        parts.append(DONE)
+        yield b"".join(parts)
 
 
 class _CompletionEvents(_Events):
