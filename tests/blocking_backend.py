@@ -10,17 +10,10 @@ import threading
 from pathlib import Path
 
 from tests.fake_backend import echo_responses, instance_backend
+from tests.repository import echo_model
 from trionserve.backends.base import ModelContext
 
 BACKEND = "test_blocking"
-
-CONFIG = """
-name: "{name}"
-backend: "test_blocking"
-max_batch_size: 8
-input [ {{ name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] }} ]
-"""
 
 
 class Gate:
@@ -70,11 +63,7 @@ class _Instance:
 
 
 def make_model(repository: Path, name: str) -> Path:
-    model_dir = repository / name
-    (model_dir / "1").mkdir(parents=True)
-    (model_dir / "1" / "model.txt").write_text("blocking test model\n")
-    (model_dir / "config.pbtxt").write_text(CONFIG.format(name=name))
-    return model_dir
+    return echo_model(repository, name, BACKEND)
 
 
 # For Server(options, backends=BACKENDS).

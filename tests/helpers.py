@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -17,7 +18,22 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from tests.serverproc import ROOT
+
 T = TypeVar("T")
+
+
+def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    """``python -m trionserve ARGS`` from the repository's root, run to its end, with
+    its output captured as text (a command that should fail or print and exit; a
+    server that keeps running is :class:`tests.serverproc.ServerProcess`)."""
+    return subprocess.run(
+        [sys.executable, "-m", "trionserve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def wait_for(

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import trio
 
+from tests.repository import python_model
 from trionserve import api
 
 try:
@@ -99,12 +100,6 @@ class TritonPythonModel:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 """
-
-
-def python_model(root: Path, name: str, config: str, model: str) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "config.pbtxt").write_text(textwrap.dedent(config))
-    (root / name / "1" / "model.py").write_text(textwrap.dedent(model))
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import datetime
 import json
 import shutil
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import simple_inputs
+from tests.helpers import run_cli, simple_inputs
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.backend_config import parse_backend_config
@@ -140,12 +138,6 @@ REFUSED = [
     ("--model-config-name=", "configuration name"),
     ("--grpc-use-ssl=true", "requires --grpc-server-cert"),
 ]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trionserve", *args], capture_output=True, text=True, timeout=60
-    )
 
 
 # -- parsing ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 import tritonclient.http as httpclient
 from onnx import TensorProto, helper, numpy_helper
 
+from tests.repository import write_model
 from tests.serverproc import ServerProcess
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -53,9 +54,7 @@ def heavy_onnx() -> bytes:
 
 
 def write(repository, name: str, filename: str, content: bytes, text: str) -> None:
-    (repository / name / "1").mkdir(parents=True)
-    (repository / name / "1" / filename).write_bytes(content)
-    (repository / name / "config.pbtxt").write_text(text)
+    write_model(repository, name, text, {f"1/{filename}": content})
 
 
 @pytest.fixture(scope="module")

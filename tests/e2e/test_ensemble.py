@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import queue
 import shutil
-import textwrap
 import threading
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import tritonclient.http as httpclient
 from onnx import TensorProto, helper
 from tritonclient.utils import InferenceServerException
 
+from tests.repository import python_model, write_model
 from tests.serverproc import EXAMPLES, ServerProcess, free_port
 from trionserve.backends.base import Backend, ModelContext
 from trionserve.backends.batch_tensors import build_response
@@ -147,19 +147,18 @@ def steps(*entries: tuple[str, dict, dict]) -> str:
     return "ensemble_scheduling { step [ " + ", ".join(text) + " ] }"
 
 
-def write(repository: Path, name: str, config: str, model_py: str | None = None) -> None:
-    (repository / name / "1").mkdir(parents=True)
-    (repository / name / "config.pbtxt").write_text(f'name: "{name}"\n{config}\n')
-    if model_py is not None:
-        (repository / name / "1" / "model.py").write_text(textwrap.dedent(model_py))
+def write(repository: Path, name: str, config: str) -> None:
+    """Model ``name`` with ``config`` after its name, and an empty version 1."""
+    write_model(repository, name, f'name: "{name}"\n{config}\n', versions=[1])
 
 
-def python_model(repository: Path, name: str, inputs, outputs, source: str, extra="") -> None:
+def python_step(repository: Path, name: str, inputs, outputs, source: str, extra="") -> None:
+    """A Python model of ``inputs`` and ``outputs`` ((name, type, dims) each)."""
     config = (
-        f'backend: "python"\nmax_batch_size: 0\n{tensors("input", inputs)}\n'
-        f"{tensors('output', outputs)}\ninstance_group [ {{ kind: KIND_CPU }} ]\n{extra}"
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n{tensors("input", inputs)}\n'
+        f"{tensors('output', outputs)}\ninstance_group [ {{ kind: KIND_CPU }} ]\n{extra}\n"
     )
-    write(repository, name, config, source)
+    python_model(repository, name, config, source)
 
 
 def ensemble(
@@ -256,9 +255,9 @@ BROKEN = {
 
 
 def make_repository(repository: Path) -> None:
-    python_model(repository, "preprocess", IMAGE_IN, PIXELS, PREPROCESS)
-    python_model(repository, "postprocess", LOGITS, LABELS, POSTPROCESS)
-    python_model(
+    python_step(repository, "preprocess", IMAGE_IN, PIXELS, PREPROCESS)
+    python_step(repository, "postprocess", LOGITS, LABELS, POSTPROCESS)
+    python_step(
         repository,
         "reject",
         [("input", "TYPE_FP32", f"-1, 3, {SIZE}, {SIZE}")],
@@ -322,7 +321,7 @@ def make_repository(repository: Path) -> None:
         ),
     )
 
-    python_model(
+    python_step(
         repository,
         "repeat",
         [("IN", "TYPE_INT32", "-1")],
@@ -330,7 +329,7 @@ def make_repository(repository: Path) -> None:
         REPEAT,
         extra="model_transaction_policy { decoupled: true }",
     )
-    python_model(
+    python_step(
         repository, "square", [("IN", "TYPE_INT32", "1")], [("OUT", "TYPE_INT32", "1")], SQUARE
     )
     ensemble(

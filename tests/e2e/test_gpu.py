@@ -15,6 +15,7 @@ import tritonclient.http as httpclient
 from google.protobuf import text_format
 from onnx import TensorProto, helper
 
+from tests.repository import write_model
 from tests.serverproc import EXAMPLES, ServerProcess, scrape_metrics, serving
 from trionserve._generated.model_config_pb2 import TYPE_FP32, ModelConfig
 from trionserve.backends.base import InstanceSpec, ModelContext
@@ -77,10 +78,7 @@ def parse_config(text: str) -> ModelConfig:
 
 
 def write(repository, name: str, filename: str, content: bytes, config: str) -> None:
-    version = repository / name / "1"
-    version.mkdir(parents=True)
-    (version / filename).write_bytes(content)
-    (repository / name / "config.pbtxt").write_text(config)
+    write_model(repository, name, config, {f"1/{filename}": content})
 
 
 def check_add_sub(client, model: str) -> None:

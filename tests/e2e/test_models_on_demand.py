@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -22,8 +20,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.helpers import expect_error, metric_samples, simple_inputs, wait_for
-from tests.serverproc import EXAMPLES, ROOT, ServerProcess
+from tests.helpers import expect_error, metric_samples, run_cli, simple_inputs, wait_for
+from tests.repository import python_model
+from tests.serverproc import EXAMPLES, ServerProcess
 
 MIB = 1 << 20
 
@@ -90,14 +89,12 @@ def simple_copy(repository: Path, name: str, memory: str | None = None, extra: s
     config.write_text(text + extra)
 
 
-def python_model(repository: Path, name: str, source: str, extra: str = "") -> None:
-    target = repository / name
-    (target / "1").mkdir(parents=True)
-    (target / "1" / "model.py").write_text(source)
+def add_sub_model(repository: Path, name: str, source: str, extra: str = "") -> None:
+    """A Python model of ``source`` with add_sub_python's configuration, one instance."""
     config = (EXAMPLES / "add_sub_python" / "config.pbtxt").read_text()
     config = config.replace('name: "add_sub_python"', f'name: "{name}"')
     config = config.replace("count: 2", "count: 1")
-    (target / "config.pbtxt").write_text(config + extra)
+    python_model(repository, name, config + extra, source)
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +112,9 @@ def repository(tmp_path_factory) -> Path:
     simple_copy(root, "simple", "host:1MiB")
     simple_copy(root, "bls_target", "host:1MiB")
     shutil.copytree(EXAMPLES / "simple_ensemble", root / "simple_ensemble")
-    python_model(root, "slow_load", SLOW_LOAD.format(seconds=1), IN_PROCESS)
-    python_model(root, "failing_load", FAILING_LOAD, IN_PROCESS)
-    python_model(root, "bls_caller", BLS, IN_PROCESS)
+    add_sub_model(root, "slow_load", SLOW_LOAD.format(seconds=1), IN_PROCESS)
+    add_sub_model(root, "failing_load", FAILING_LOAD, IN_PROCESS)
+    add_sub_model(root, "bls_caller", BLS, IN_PROCESS)
     return root
 
 
@@ -242,7 +239,7 @@ def test_a_failed_load_answers_every_waiter_once_and_is_not_retried_at_once(serv
 
 
 def test_a_wait_is_bounded_by_the_request_timeout(server, repository):
-    python_model(repository, "slower_load", SLOW_LOAD.format(seconds=2), IN_PROCESS)
+    add_sub_model(repository, "slower_load", SLOW_LOAD.format(seconds=2), IN_PROCESS)
     grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
     expect_error(
         lambda: grpc.infer("slower_load", simple_inputs(module=grpcclient), timeout=200_000),
@@ -307,13 +304,7 @@ def test_a_pinned_model_is_never_evicted(server):
 
 
 def _start_error(repository: Path, *flags: str) -> tuple[int, str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "trionserve", f"--model-repository={repository}", *flags],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_cli(f"--model-repository={repository}", *flags, timeout=120)
     return done.returncode, done.stderr
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import queue
 import shutil
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.repository import python_model
 from tests.serverproc import EXAMPLES, ServerProcess
 
 I32_16 = """
@@ -351,12 +351,8 @@ def make_repository(root: Path, names=None) -> Path:
     shutil.copytree(EXAMPLES / "simple", root / "simple")
     for name in names or MODELS:
         config, source = MODELS[name]
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
-        for filename, text in EXTRA_FILES.get(name, {}).items():
-            (root / name / "1" / filename).write_text(text)
-        header = f'name: "{name}"\nbackend: "python"\n'
-        (root / name / "config.pbtxt").write_text(header + config)
+        files = {f"1/{filename}": text for filename, text in EXTRA_FILES.get(name, {}).items()}
+        python_model(root, name, f'name: "{name}"\nbackend: "python"\n' + config, source, files)
     return root
 
 

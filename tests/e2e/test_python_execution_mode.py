@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +70,7 @@ from tests.e2e.test_python_custom_metrics import (  # noqa: F401
     test_counter_gauge_and_histogram_reach_the_metrics_endpoint,
     test_the_rules_hold_inside_the_model,
 )
+from tests.repository import python_model
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.python.settings import StubSettings
@@ -307,40 +307,31 @@ def make_repository(root: Path, mode: str) -> Path:
         )
     )
     models["globals_a"] = models["globals_b"] = (GLOBALS_CONFIG, GLOBALS_MODEL)
+    helpers = {"introspect": 'GREETING = "hello from helper.py"\n'}
+    helpers |= {name: f"WHO = {name!r}\n" for name in ("globals_a", "globals_b")}
     for name, (config, source) in models.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
-        (root / name / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\n' + config + _parameters(mode, source)
-        )
+        config = f'name: "{name}"\nbackend: "python"\n' + config + _parameters(mode, source)
+        files = {"1/helper.py": helpers[name]} if name in helpers else {}
+        python_model(root, name, config, source, files)
     if mode == "event_loop":
         for name, (config, source) in LOOP_MODELS.items():
-            (root / name / "1").mkdir(parents=True)
-            (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
-            (root / name / "config.pbtxt").write_text(
-                f'name: "{name}"\nbackend: "python"\n' + config + LOOP
-            )
-        (root / "async_loop" / "1").mkdir(parents=True)
-        (root / "async_loop" / "1" / "model.py").write_text(ASYNC_MODEL)
-        (root / "async_loop" / "config.pbtxt").write_text(
-            'name: "async_loop"\nbackend: "python"\n' + base.ECHO + LOOP
+            python_model(root, name, f'name: "{name}"\nbackend: "python"\n' + config + LOOP, source)
+        python_model(
+            root,
+            "async_loop",
+            'name: "async_loop"\nbackend: "python"\n' + base.ECHO + LOOP,
+            ASYNC_MODEL,
         )
-    (root / "introspect" / "1" / "helper.py").write_text('GREETING = "hello from helper.py"\n')
-    for name in ("globals_a", "globals_b"):
-        (root / name / "1" / "helper.py").write_text(f"WHO = {name!r}\n")
     # Refused configurations: their loads fail, naming why.
     for name, parameters in BAD_CONFIGS.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(
-            textwrap.dedent(base.ECHO_MODEL.format(special="                pass"))
+        python_model(
+            root,
+            name,
+            f'name: "{name}"\nbackend: "python"\n' + base.ECHO + parameters,
+            base.ECHO_MODEL.format(special="                pass"),
         )
-        (root / name / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\n' + base.ECHO + parameters
-        )
-    model = root / "metrics_model"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(metrics.CONFIG + _parameters(mode, metrics.MODEL))
-    (model / "1" / "model.py").write_text(textwrap.dedent(metrics.MODEL))
+    config = metrics.CONFIG + _parameters(mode, metrics.MODEL)
+    python_model(root, "metrics_model", config, metrics.MODEL)
     return root
 
 

@@ -5,13 +5,13 @@
 from __future__ import annotations
 
 import json
-import textwrap
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.repository import python_model
 from tests.serverproc import http_client, serving
 
 TARGET = """
@@ -96,14 +96,6 @@ output [ { name: "REPORT" data_type: TYPE_STRING dims: [ 1 ] } ]
 """
 
 
-def make_repository(root):
-    model = root / "loader"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(LOADER_CONFIG)
-    (model / "1" / "model.py").write_text(textwrap.dedent(LOADER))
-    return root
-
-
 def report(client, action: str) -> dict:
     inputs = [httpclient.InferInput("ACTION", [1], "BYTES")]
     inputs[0].set_data_from_numpy(np.array([action.encode()], dtype=np.object_))
@@ -118,7 +110,8 @@ def double(client, value: int) -> int:
 
 @pytest.fixture(scope="module")
 def explicit(tmp_path_factory):
-    repository = make_repository(tmp_path_factory.mktemp("loader_explicit"))
+    repository = tmp_path_factory.mktemp("loader_explicit")
+    python_model(repository, "loader", LOADER_CONFIG, LOADER)
     args = ["--model-control-mode=explicit", "--load-model=loader"]
     with serving(repository, args=args) as proc, http_client(proc) as client:
         yield client
@@ -153,8 +146,9 @@ def test_a_model_cannot_unload_itself_and_versions_are_checked(explicit):
 
 
 def test_loading_needs_explicit_mode(tmp_path):
+    python_model(tmp_path, "loader", LOADER_CONFIG, LOADER)
     args = ["--model-control-mode=none"]
-    with serving(make_repository(tmp_path), args=args) as proc, http_client(proc) as client:
+    with serving(tmp_path, args=args) as proc, http_client(proc) as client:
         startup = report(client, "none")
         assert "explicit" in startup["startup"].lower()
         assert startup["ready"] is False

@@ -11,6 +11,7 @@ import trio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.repository import write_model
 from tests.serverproc import ServerProcess
 from trionserve.backends.pytorch import backend as pytorch
 from trionserve.backends.pytorch import device as pytorch_device
@@ -76,10 +77,10 @@ def config(name: str, inputs: list[str], outputs: list[str], extra: str = "") ->
     )
 
 
-def write_model(repository, name: str, module, config_text: str) -> None:
-    version = repository / name / "1"
-    version.mkdir(parents=True)
-    (repository / name / "config.pbtxt").write_text(config_text)
+def torchscript_model(repository, name: str, module, config_text: str) -> None:
+    """Model ``name``: ``module`` scripted as version 1's model.pt (bytes torch
+    cannot load when None)."""
+    version = write_model(repository, name, config_text, versions=[1]) / "1"
     if module is not None:
         torch.jit.script(module).save(str(version / "model.pt"))
     else:
@@ -153,7 +154,7 @@ def modules():
 def torch_server(tmp_path_factory, modules):
     repository = tmp_path_factory.mktemp("pytorch_repository")
     for name, make_config in MODELS.items():
-        write_model(repository, name, modules[name], make_config())
+        torchscript_model(repository, name, modules[name], make_config())
     proc = ServerProcess(repository, args=["--exit-on-error=false"])
     try:
         proc.wait_ready()
@@ -346,7 +347,7 @@ def test_cpu_inputs_are_shared_with_numpy_unless_read_only(tmp_path, modules):
     from trionserve.backends.base import InstanceSpec, ModelContext
     from trionserve.repository.config import read_model_config
 
-    write_model(tmp_path, "pt_addmul", modules["pt_addmul"], MODELS["pt_addmul"]())
+    torchscript_model(tmp_path, "pt_addmul", modules["pt_addmul"], MODELS["pt_addmul"]())
     model_config, _ = read_model_config(tmp_path / "pt_addmul")
     context = ModelContext(
         "pt_addmul", 1, model_config, tmp_path / "pt_addmul", tmp_path / "pt_addmul" / "1"
@@ -374,7 +375,7 @@ def test_outputs_that_alias_an_input_outlive_the_reused_input_buffers(tmp_path):
         [tensor("INPUT__0", "TYPE_FP32", "4")],
         [tensor("OUTPUT__0", "TYPE_FP32", "4")],
     )
-    write_model(tmp_path, "pt_identity", Identity(), text)
+    torchscript_model(tmp_path, "pt_identity", Identity(), text)
     model_config, _ = read_model_config(tmp_path / "pt_identity")
     context = ModelContext(
         "pt_identity", 1, model_config, tmp_path / "pt_identity", tmp_path / "pt_identity" / "1"
@@ -414,7 +415,7 @@ async def test_without_torch_the_model_is_unavailable(tmp_path, monkeypatch):
         raise ModuleNotFoundError("No module named 'torch'")
 
     monkeypatch.setattr(pytorch_device, "_import_torch", no_torch)
-    write_model(tmp_path, "pt_addmul", None, MODELS["pt_addmul"]())
+    torchscript_model(tmp_path, "pt_addmul", None, MODELS["pt_addmul"]())
     options = ServerOptions(
         model_repositories=[tmp_path],
         allow_http=False,

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from tests.repository import python_model
 from tests.serverproc import ServerProcess, serving
 
 MODEL = textwrap.dedent(
@@ -59,14 +60,16 @@ MODEL = textwrap.dedent(
 )
 
 
-def write_model(root: Path, name: str, rate_limiter: str, counter: Path) -> None:
-    (root / name / "1").mkdir(parents=True)
-    (root / name / "1" / "model.py").write_text(MODEL.format(counter=str(counter)))
-    (root / name / "config.pbtxt").write_text(
+def counting_model(root: Path, name: str, rate_limiter: str, counter: Path) -> None:
+    """A Python model that counts its executions running at once in ``counter``."""
+    python_model(
+        root,
+        name,
         f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
         'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]\n'
-        f"instance_group [ {{ count: 1 kind: KIND_CPU {rate_limiter} }} ]\n"
+        f"instance_group [ {{ count: 1 kind: KIND_CPU {rate_limiter} }} ]\n",
+        MODEL.format(counter=str(counter)),
     )
 
 
@@ -76,8 +79,8 @@ def repository(tmp_path):
     counter.write_text("[0, 0]")
     root = tmp_path / "models"
     limited = 'rate_limiter { resources [ { name: "R1" count: 1 } ] }'
-    write_model(root, "a", limited, counter)
-    write_model(root, "b", limited, counter)
+    counting_model(root, "a", limited, counter)
+    counting_model(root, "b", limited, counter)
     return root, counter
 
 
@@ -116,7 +119,7 @@ def test_models_sharing_a_resource_overlap_only_within_its_count(repository, arg
 def test_a_resource_count_below_a_models_need_fails_the_start(tmp_path):
     # qa/L0_rate_limiter "Case1": the model needs 4, the server was given 1.
     counter = tmp_path / "counter.json"
-    write_model(
+    counting_model(
         tmp_path / "models",
         "a",
         'rate_limiter { resources [ { name: "resource1" count: 4 } ] }',

@@ -24,7 +24,8 @@ from ray import serve
 from tritonclient.utils import InferenceServerException
 
 from tests.helpers import simple_inputs, wait_for
-from tests.ray_cluster import RayCluster, free_port
+from tests.ray_cluster import RayCluster
+from tests.serverproc import free_port
 from trionserve.ray_serve import app
 
 ROOT = Path(__file__).resolve().parents[2]

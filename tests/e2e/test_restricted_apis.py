@@ -13,8 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import queue
-import subprocess
-import sys
 from functools import partial
 
 import pytest
@@ -22,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import expect_error, simple_inputs, wait_for
+from tests.helpers import expect_error, run_cli, simple_inputs, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.protocol.http.frontend import HttpFrontend
 from trionserve.protocol.restricted import RestrictedCategory, parse_restricted_features
@@ -207,24 +205,19 @@ async def test_groups_not_named_stay_open():
     assert status == 405
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trionserve", f"--model-repository={EXAMPLES}", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.mark.parametrize(
     "flag, kind", [("--http-restricted-api", "api"), ("--grpc-restricted-protocol", "protocol")]
 )
 def test_flag_errors_are_tritons(flag, kind):
     # qa/L0_http and qa/L0_grpc test.sh look for these messages in the log.
-    twice = run_cli(f"{flag}=model-repository,health:k1=v1", f"{flag}=metadata,health:k2=v2")
+    twice = run_cli(
+        f"--model-repository={EXAMPLES}",
+        f"{flag}=model-repository,health:k1=v1",
+        f"{flag}=metadata,health:k2=v2",
+    )
     assert twice.returncode != 0
     expected = f"restricted {kind} 'health' can not be specified in multiple config groups"
     assert twice.stderr.count(expected) == 1, twice.stderr
-    unknown = run_cli(f"{flag}=model-reposit,health:k1=v1")
+    unknown = run_cli(f"--model-repository={EXAMPLES}", f"{flag}=model-reposit,health:k1=v1")
     assert unknown.returncode != 0
     assert f"unknown restricted {kind} 'model-reposit'" in unknown.stderr

@@ -20,6 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.repository import python_model, write_model
 from tests.serverproc import EXAMPLES, ServerProcess, serving
 
 # python_backend's qa/python_models/response_parameters, as a user would write it:
@@ -86,12 +87,6 @@ output [ { name: "Y" data_type: TYPE_FP32 dims: [ 1 ] } ]
 """
 
 
-def python_model(repo, name: str, config: str, source: str) -> None:
-    (repo / name / "1").mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(config)
-    (repo / name / "1" / "model.py").write_text(source)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("server-parity")
@@ -106,9 +101,7 @@ def server(tmp_path_factory):
     python_model(
         repo, "identity_bytes_py", BYTES_IO_CONFIG.format(input="INPUT"), IDENTITY_BYTES_MODEL
     )
-    (repo / "broken" / "1").mkdir(parents=True)
-    (repo / "broken" / "config.pbtxt").write_text(BROKEN_ONNX_CONFIG)
-    (repo / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+    write_model(repo, "broken", BROKEN_ONNX_CONFIG, {"1/model.onnx": b"not an onnx file"})
     loaded = ("simple", "identity_bytes", "response_parameters", "identity_bytes_py")
     process = ServerProcess(
         repo,

@@ -8,24 +8,13 @@ import queue
 import re
 import shutil
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.serverproc import EXAMPLES, ROOT, ServerProcess, free_port
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trionserve", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+from tests.helpers import run_cli
+from tests.serverproc import EXAMPLES, ServerProcess, free_port
 
 
 def broken_repository(tmp_path):

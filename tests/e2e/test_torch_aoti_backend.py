@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from tests.repository import write_model
 from tests.serverproc import ServerProcess
 from trionserve.backends.pytorch import torch_aoti
 from trionserve.core.errors import InvalidArgument
@@ -114,9 +115,7 @@ def exported_accumulator():
 
 
 def write(repository, name: str, config_text: str, content: bytes | None = None, program=None):
-    version = repository / name / "1"
-    version.mkdir(parents=True)
-    (repository / name / "config.pbtxt").write_text(config_text)
+    version = write_model(repository, name, config_text, versions=[1]) / "1"
     if program is not None:
         torch.export.save(program, str(version / "model.pt2"))
     else:

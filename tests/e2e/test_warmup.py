@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from tests.repository import python_model
 from tests.serverproc import http_client, serving
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "model_repository"
@@ -84,15 +85,14 @@ model_warmup [ {
 
 
 def recorder(root: Path, name: str, warmup: str, fail: bool = False) -> Path:
-    model = root / name
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(RECORDER_CONFIG.format(name=name, warmup=warmup))
-    (model / "1" / "model.py").write_text(textwrap.dedent(RECORDER).replace("FAIL", str(fail)))
-    (model / "warmup").mkdir()
-    (model / "warmup" / "x.bin").write_bytes(np.array([7, 8, 9], dtype=np.int32).tobytes())
     words = b"".join(struct.pack("<I", len(w)) + w for w in (b"hot", b"tea"))
-    (model / "warmup" / "w.bin").write_bytes(words)
-    return model
+    return python_model(
+        root,
+        name,
+        RECORDER_CONFIG.format(name=name, warmup=warmup),
+        textwrap.dedent(RECORDER).replace("FAIL", str(fail)),
+        {"warmup/x.bin": np.array([7, 8, 9], dtype=np.int32).tobytes(), "warmup/w.bin": words},
+    )
 
 
 @pytest.fixture(scope="module")

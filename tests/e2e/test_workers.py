@@ -14,8 +14,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -23,8 +21,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import metric_samples, simple_inputs, tcp_sockets
-from tests.serverproc import EXAMPLES, ROOT, ServerProcess
+from tests.helpers import metric_samples, run_cli, simple_inputs, tcp_sockets
+from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.observability.aggregate import merge_expositions
 from trionserve.observability.exposition import exposition_text
 from trionserve.workers import parse_workers
@@ -222,16 +220,6 @@ def test_a_killed_worker_is_restarted_and_serving_resumes(repository):
         proc.close()
 
 
-def _run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trionserve", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 @pytest.mark.parametrize(
     "flags, named",
     [
@@ -241,7 +229,7 @@ def _run_cli(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
     ],
 )
 def test_settings_that_cannot_be_shared_are_refused(repository, flags, named):
-    result = _run_cli(f"--model-repository={repository}", "--workers=2", *flags)
+    result = run_cli(f"--model-repository={repository}", "--workers=2", *flags, timeout=120)
     assert result.returncode == 1  # tritonserver main.cc: exit(1)
     assert named in result.stderr and "--workers > 1" in result.stderr, result.stderr
 

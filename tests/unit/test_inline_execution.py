@@ -9,6 +9,7 @@ import trio
 import trio.testing
 
 from tests.fake_backend import echo_responses, instance_backend
+from tests.repository import echo_model
 from tests.serverproc import free_port
 from trionserve.backends.base import ModelContext
 from trionserve.core.inference import InferenceRequest, Tensor
@@ -60,20 +61,13 @@ _STEPS = _StepCounter()
 BACKENDS = instance_backend("test_inline", lambda context, spec: _Instance(context))
 
 
-def _write_model(tmp_path, instances: int = 1) -> None:
-    model = tmp_path / "tiny"
-    (model / "1").mkdir(parents=True)
-    (model / "1" / "model.txt").write_text("tiny\n")
-    (model / "config.pbtxt").write_text(
-        'name: "tiny"\nbackend: "test_inline"\nmax_batch_size: 8\n'
-        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
-        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] } ]\n'
-        f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]\n"
-    )
-
-
 def _server(tmp_path, instances: int = 1) -> Server:
-    _write_model(tmp_path, instances)
+    echo_model(
+        tmp_path,
+        "tiny",
+        "test_inline",
+        f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]",
+    )
     return Server(
         ServerOptions(
             model_repositories=[tmp_path],

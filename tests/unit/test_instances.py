@@ -17,6 +17,7 @@ import trio
 import tritonclient.http as httpclient
 
 from tests.fake_backend import echo_responses, instance_backend
+from tests.repository import echo_model
 from tests.serverproc import free_port
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.actors.model import instance_specs
@@ -58,15 +59,9 @@ class _Instance:
 BACKENDS = instance_backend(BACKEND, _Instance)
 
 
-def write_model(repository: Path, name: str, extra: str) -> None:
-    (repository / name / "1").mkdir(parents=True)
-    (repository / name / "1" / "model.txt").write_text("test model\n")
-    (repository / name / "config.pbtxt").write_text(
-        f'name: "{name}"\nbackend: "{BACKEND}"\nmax_batch_size: 8\n'
-        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        f"{extra}\n"
-    )
+def gated_model(repository: Path, name: str, extra: str) -> None:
+    """Model ``name`` of the gated backend, ``extra`` added to its configuration."""
+    echo_model(repository, name, BACKEND, extra, dims="4")
     GATES[name] = Gate()
 
 
@@ -113,7 +108,7 @@ async def entered(gate: Gate, count: int) -> bool:
 
 @pytest.mark.parametrize("batching", ["", "dynamic_batching { }"], ids=["default", "dynamic"])
 async def test_two_instances_execute_two_batches_at_once(repository, batching):
-    write_model(repository, "pair", f"instance_group [ {{ count: 2 kind: KIND_CPU }} ]\n{batching}")
+    gated_model(repository, "pair", f"instance_group [ {{ count: 2 kind: KIND_CPU }} ]\n{batching}")
     gate = GATES["pair"]
     server = Server(options(repository), backends=BACKENDS)
     port = server.options.http_port
@@ -142,7 +137,7 @@ async def test_two_instances_execute_two_batches_at_once(repository, batching):
 
 
 async def test_several_groups_are_named_like_triton(repository):
-    write_model(
+    gated_model(
         repository,
         "groups",
         """instance_group [
@@ -168,7 +163,7 @@ async def test_several_groups_are_named_like_triton(repository):
 
 @pytest.mark.skipif(gpu_count() > 0, reason="this host has a GPU")
 async def test_kind_gpu_without_a_gpu_is_a_load_error(repository):
-    write_model(repository, "needs_gpu", "instance_group [ { kind: KIND_GPU } ]")
+    gated_model(repository, "needs_gpu", "instance_group [ { kind: KIND_GPU } ]")
     server = Server(options(repository, allow_http=False, exit_on_error=False), backends=BACKENDS)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -204,7 +199,7 @@ def test_instance_specs_per_gpu_and_auto():
 
 
 async def test_instance_count_changes_without_a_reload(repository):
-    write_model(repository, "grow", "instance_group [ { count: 1 kind: KIND_CPU } ]")
+    gated_model(repository, "grow", "instance_group [ { count: 1 kind: KIND_CPU } ]")
     gate = GATES["grow"]
     server = Server(options(repository), backends=BACKENDS)
     port = server.options.http_port

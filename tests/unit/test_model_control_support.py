@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from onnx import TensorProto, helper
 
+from tests.repository import write_model
 from tests.serverproc import EXAMPLES
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.core.errors import InternalError
@@ -224,11 +225,8 @@ def slow_onnx() -> bytes:
 
 
 def slow_model(repository: Path, name: str = "slow", count: int = 1) -> Path:
-    model_dir = repository / name
-    (model_dir / "1").mkdir(parents=True)
-    (model_dir / "1" / "model.onnx").write_bytes(slow_onnx())
-    (model_dir / "config.pbtxt").write_text(SLOW_CONFIG.format(name=name, count=count))
-    return model_dir
+    config = SLOW_CONFIG.format(name=name, count=count)
+    return write_model(repository, name, config, {"1/model.onnx": slow_onnx()})
 
 
 def index_rows(client, name: str) -> list[dict]:

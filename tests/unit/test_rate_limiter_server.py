@@ -17,6 +17,7 @@ import trio
 import tritonclient.http as httpclient
 
 from tests.fake_backend import echo_responses, instance_backend
+from tests.repository import echo_model
 from tests.serverproc import free_port
 from trionserve.actors.rate_limiter import RateLimiterResource, RateLimitMode
 from trionserve.backends.base import InstanceSpec, ModelContext
@@ -62,18 +63,14 @@ class _Instance:
 BACKENDS = instance_backend(BACKEND, _Instance)
 
 
-def write_model(
+def gated_model(
     repository: Path, name: str, rate_limiter: str | None, backend: str = BACKEND
 ) -> None:
-    (repository / name / "1").mkdir(parents=True)
-    (repository / name / "1" / "model.txt").write_text("test model\n")
+    """Model ``name`` of the gated backend (or ``backend``): one instance, with
+    ``rate_limiter``'s settings when given."""
     block = f"rate_limiter {{ {rate_limiter} }}" if rate_limiter is not None else ""
-    (repository / name / "config.pbtxt").write_text(
-        f'name: "{name}"\nbackend: "{backend}"\nmax_batch_size: 8\n'
-        'input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        'output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
-        f"instance_group [ {{ count: 1 kind: KIND_CPU {block} }} ]\n"
-    )
+    group = f"instance_group [ {{ count: 1 kind: KIND_CPU {block} }} ]"
+    echo_model(repository, name, backend, group, dims="4")
     GATES[name] = Gate()
 
 
@@ -141,8 +138,8 @@ def pending(srv: Server, model: str) -> int:
 
 
 async def test_two_models_sharing_a_resource_never_execute_together(repository):
-    write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
-    write_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
     srv = server(repository)
     port = srv.options.http_port
     async with trio.open_nursery() as nursery:
@@ -164,7 +161,7 @@ async def test_two_models_sharing_a_resource_never_execute_together(repository):
 
 async def test_a_count_of_two_lets_two_run_and_holds_the_third(repository):
     for name in ("a", "b", "c"):
-        write_model(repository, name, 'resources [ { name: "R1" count: 1 } ]')
+        gated_model(repository, name, 'resources [ { name: "R1" count: 1 } ]')
     srv = server(repository, resources=[RateLimiterResource("R1", 2)])
     port = srv.options.http_port
     async with trio.open_nursery() as nursery:
@@ -186,9 +183,9 @@ async def test_a_count_of_two_lets_two_run_and_holds_the_third(repository):
 async def test_priorities_share_executions_in_their_ratio(repository):
     # a priority 1, b priority 2 (half of a's executions), both exclusive on R1
     # with the holder; six requests each, all queued before R1 comes free.
-    write_model(repository, "holder", 'resources [ { name: "R1" count: 1 } ]')
-    write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ] priority: 1')
-    write_model(repository, "b", 'resources [ { name: "R1" count: 1 } ] priority: 2')
+    gated_model(repository, "holder", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 1 } ] priority: 1')
+    gated_model(repository, "b", 'resources [ { name: "R1" count: 1 } ] priority: 2')
     srv = server(repository)
     port = srv.options.http_port
     async with trio.open_nursery() as nursery:
@@ -219,9 +216,9 @@ async def test_priorities_share_executions_in_their_ratio(repository):
 
 
 async def test_an_instance_group_without_rate_limiter_is_not_limited(repository):
-    write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
-    write_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
-    write_model(repository, "free", None)
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "free", None)
     srv = server(repository)
     port = srv.options.http_port
     async with trio.open_nursery() as nursery:
@@ -241,8 +238,8 @@ async def test_an_instance_group_without_rate_limiter_is_not_limited(repository)
 
 
 async def test_off_mode_ignores_rate_limiter_blocks(repository):
-    write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
-    write_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
     srv = server(repository, mode=RateLimitMode.OFF, resources=[RateLimiterResource("R1", 1)])
     port = srv.options.http_port
     async with trio.open_nursery() as nursery:
@@ -264,7 +261,7 @@ async def test_a_count_given_for_another_device_counts_only_for_a_global_resourc
     repository, is_global, loads
 ):
     flag = "true" if is_global else "false"
-    write_model(repository, "a", f'resources [ {{ name: "R1" global: {flag} count: 2 }} ]')
+    gated_model(repository, "a", f'resources [ {{ name: "R1" global: {flag} count: 2 }} ]')
     # R1:4 on device 1 only; the CPU instance is on device 0.
     srv = server(repository, resources=[RateLimiterResource("R1", 4, 1)])
     srv.options.exit_on_error = False
@@ -282,8 +279,8 @@ async def test_a_count_given_for_another_device_counts_only_for_a_global_resourc
 async def test_an_unloaded_models_waiter_leaves_without_its_resources(repository):
     # b's request waits for R1 when b unloads; once its drain time is over the
     # waiter leaves, the request is answered, and R1 is a's alone.
-    write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
-    write_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 1 } ]')
+    gated_model(repository, "b", 'resources [ { name: "R1" count: 1 } ]')
     srv = server(repository)
     srv.registry.lifecycle._drain_timeout = 0.2
     port = srv.options.http_port
@@ -317,7 +314,7 @@ async def test_the_in_process_api_takes_tritons_option_names(repository):
     from trionserve import api
 
     # The in-process API's servers have the installed backends only: Triton's identity.
-    write_model(repository, "a", 'resources [ { name: "R1" count: 4 } ]', backend="identity")
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 4 } ]', backend="identity")
     options = api.Options(
         model_repository=repository,
         rate_limiter_mode=api.RateLimitMode.EXEC_COUNT,
@@ -335,7 +332,7 @@ async def test_creating_and_warming_up_an_instance_count_as_executions(repositor
     # Triton's INIT and WARM_UP payloads pass the rate limiter and count toward an
     # instance's executions (backend_model_instance.cc InitAndWarmUpModelInstance),
     # which gives a higher-priority model its head start.
-    write_model(repository, "a", 'resources [ { name: "R1" count: 1 } ] priority: 2')
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 1 } ] priority: 2')
     srv = server(repository)
     async with trio.open_nursery() as nursery:
         await nursery.start(srv.serve)
@@ -349,7 +346,7 @@ async def test_a_changed_rate_limiter_replaces_the_instance_without_a_reload(rep
     # As Triton compares instance signatures (model_config_utils.cc
     # EquivalentInInstanceConfig): the instance is replaced in place, the old one
     # is gone (and its needs with it) when the load returns.
-    write_model(repository, "a", 'resources [ { name: "R1" count: 2 } ]')
+    gated_model(repository, "a", 'resources [ { name: "R1" count: 2 } ]')
     srv = server(repository)
     async with trio.open_nursery() as nursery:
         await nursery.start(srv.serve)

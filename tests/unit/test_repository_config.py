@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
+from tests.repository import write_model
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.core.errors import InternalError, InvalidArgument, NotFound, Unavailable
 from trionserve.repository.config import (
@@ -28,20 +29,6 @@ from trionserve.repository.repository import ModelRepository
 from trionserve.repository.versions import list_versions, missing_versions, select_versions
 
 # -- helpers --------------------------------------------------------------------------
-
-
-def write_model(root: Path, name: str, config: str | None, versions=(), files=()) -> Path:
-    model_dir = root / name
-    model_dir.mkdir(parents=True)
-    if config is not None:
-        (model_dir / "config.pbtxt").write_text(config)
-    for version in versions:
-        (model_dir / str(version)).mkdir()
-    for relative in files:
-        path = model_dir / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"")
-    return model_dir
 
 
 def load(model_dir: Path, override_json: str | None = None):
@@ -1137,7 +1124,7 @@ def test_json_override_errors(tmp_path, override, expected):
     ],
 )
 def test_platform_from_model_file(tmp_path, files, platform, backend, filename):
-    model_dir = write_model(tmp_path, "m", None, files=files)
+    model_dir = write_model(tmp_path, "m", None, files=dict.fromkeys(files, b""))
     config, _ = read_model_config(model_dir)
     infer_platform(config, model_dir)
     assert (config.platform, config.backend, config.default_model_filename) == (
@@ -1171,7 +1158,7 @@ def test_platform_and_backend_imply_each_other(tmp_path, given, expected):
 
 
 def test_tensorflow_backend_platform_from_file(tmp_path):
-    model_dir = write_model(tmp_path, "tf", None, files=["1/model.graphdef"])
+    model_dir = write_model(tmp_path, "tf", None, files={"1/model.graphdef": b""})
     config = mc.ModelConfig(name="tf", backend="tensorflow")
     infer_platform(config, model_dir)
     assert config.platform == "tensorflow_graphdef"
@@ -1192,7 +1179,7 @@ def test_tensorflow_backend_platform_from_file(tmp_path):
     ],
 )
 def test_platform_errors(tmp_path, given, expected):
-    model_dir = write_model(tmp_path, "m", None, files=["1/README"])
+    model_dir = write_model(tmp_path, "m", None, files={"1/README": b""})
     with pytest.raises(InvalidArgument) as info:
         infer_platform(mc.ModelConfig(name="m", **given), model_dir)
     assert expected in info.value.message
@@ -1317,7 +1304,9 @@ def test_list_versions_ignores_non_versions(tmp_path):
         "m",
         None,
         versions=[3, 1, 10, 2],
-        files=["0/x", "01/x", "-1/x", "v4/x", ".5/x", "__pycache__/x", "warmup/x", "7"],
+        files=dict.fromkeys(
+            ["0/x", "01/x", "-1/x", "v4/x", ".5/x", "__pycache__/x", "warmup/x", "7"], b""
+        ),
     )
     assert list_versions(model_dir) == [1, 2, 3, 10]
 
