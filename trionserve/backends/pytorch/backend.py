@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from trionserve._generated.model_config_pb2 import ModelTensorReshape
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.cuda.graphs import cuda_graph_shapes
 from trionserve.backends.pytorch.device import instance_device, require_torch
@@ -40,6 +41,7 @@ from trionserve.backends.pytorch.naming import bind_inputs, bind_outputs, check_
 from trionserve.core.errors import InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelSequenceBatching
     from trionserve.backends.pytorch.torch_aoti import Pt2Model
 
 log = structlog.get_logger(__name__)
@@ -66,7 +68,9 @@ class PyTorchBackend(Backend):
             return False
         return bool(torch.cuda.is_available())
 
-    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+    def auto_complete_config(
+        self, config: ModelConfig, model_path: Path, max_batch_size_set: bool
+    ) -> None:
         """Nothing to fill: TorchScript does not record its tensors (as in Triton)."""
         if not config.input or not config.output:
             log.warning(
@@ -124,10 +128,11 @@ class PyTorchBackend(Backend):
 class _StateEntry:
     """A ``sequence_batching.state`` entry read as a tensor entry (name, type, dims)."""
 
-    def __init__(self, name: str, state) -> None:
+    def __init__(self, name: str, state: ModelSequenceBatching.State) -> None:
         self.name = name
         self.data_type = state.data_type
         self.dims = list(state.dims)
+        self.reshape = ModelTensorReshape()  # none: a state has no reshape
 
     def HasField(self, field: str) -> bool:  # noqa: N802 (protobuf's name)
         return False

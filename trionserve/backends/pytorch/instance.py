@@ -11,8 +11,10 @@ in :mod:`trionserve.backends.pytorch.backend`, the tensor matching in
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
-from typing import Any
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from types import ModuleType, TracebackType
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import structlog
@@ -42,10 +44,18 @@ from trionserve.core.errors import InternalError, InvalidArgument, TritonError
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.statistics import ComputeTimes
 
+if TYPE_CHECKING:
+    import torch
+
+    from trionserve._generated.model_config_pb2 import ModelConfig
+
+    # What forward() is given for one input: a tensor, or a List[str] (TYPE_STRING).
+    TorchInput: TypeAlias = torch.Tensor | list[str]
+
 log = structlog.get_logger(__name__)
 
 
-def _parameter(config, key: str, default: bool) -> bool:
+def _parameter(config: ModelConfig, key: str, default: bool) -> bool:
     if key not in config.parameters:
         return default
     return config.parameters[key].string_value.strip().lower() in ("1", "true", "yes", "on")
@@ -79,16 +89,23 @@ class _TorchBatch:
 class _Both:
     """Two context managers as one (entered in order, left in reverse)."""
 
-    def __init__(self, first, second) -> None:
+    def __init__(
+        self, first: AbstractContextManager[object], second: AbstractContextManager[object]
+    ) -> None:
         self._first, self._second = first, second
 
     def __enter__(self) -> None:
         self._first.__enter__()
         self._second.__enter__()
 
-    def __exit__(self, *exc) -> None:
-        self._second.__exit__(*exc)
-        self._first.__exit__(*exc)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._second.__exit__(exc_type, exc, traceback)
+        self._first.__exit__(exc_type, exc, traceback)
 
 
 def _string_list(model: str, name: str, array: np.ndarray) -> list[str]:
@@ -108,7 +125,7 @@ def _string_list(model: str, name: str, array: np.ndarray) -> list[str]:
     return items
 
 
-def _bytes_array(items) -> np.ndarray:
+def _bytes_array(items: Sequence[str | bytes]) -> np.ndarray:
     """A List[str] output as a BYTES array (one dimension, as Triton reads it)."""
     array = np.empty(len(items), dtype=object)
     array[:] = [item.encode("utf-8") if isinstance(item, str) else bytes(item) for item in items]
@@ -123,7 +140,14 @@ class TorchScriptInstance:
     Triton's compute_input, compute_infer and compute_output.
     """
 
-    def __init__(self, context: ModelContext, spec: InstanceSpec, torch, module, device):
+    def __init__(
+        self,
+        context: ModelContext,
+        spec: InstanceSpec,
+        torch: ModuleType,
+        module: torch.jit.ScriptModule,
+        device: torch.device | None,
+    ) -> None:
         config = context.config
         self.spec = spec
         self.model_name = context.name
@@ -181,7 +205,7 @@ class TorchScriptInstance:
         self._slot_copied: list[Any] = [None, None]
         self._graphs: list[CapturedGraph] = []  # smallest batch size first
 
-    def _bind(self, context: ModelContext, module) -> None:
+    def _bind(self, context: ModelContext, module: torch.jit.ScriptModule) -> None:
         """Match the config's inputs and outputs to forward()'s arguments and result."""
         arguments = [
             (a.name, a.type.kind())
@@ -201,7 +225,7 @@ class TorchScriptInstance:
             context.name, [o.name for o in config.output], [s.output_name for s in batching.state]
         )
 
-    def _execution(self):
+    def _execution(self) -> AbstractContextManager[object]:
         """The context forward() runs in (TorchScript's optimized execution flag)."""
         return self._torch.jit.optimized_execution(self._optimized)
 
@@ -422,7 +446,7 @@ class TorchScriptInstance:
             return dict(captured.outputs)  # only ever replayed for its own batch size
         return {name: output[:size] for name, output in captured.outputs.items()}
 
-    def _input_dtype(self, name: str):
+    def _input_dtype(self, name: str) -> torch.dtype:
         torch = self._torch
         config_type = self._input_types[name]
         return getattr(torch, TORCH_DTYPES[config_type])
@@ -430,7 +454,7 @@ class TorchScriptInstance:
     def _failure(self, exc: Exception) -> InternalError:
         return InternalError(f"PyTorch execute failure for model '{self.model_name}': {exc}")
 
-    def _on_device(self, stream=None):
+    def _on_device(self, stream: torch.cuda.Stream | None = None) -> AbstractContextManager[object]:
         """New tensors a model creates on "cuda" land on this instance's GPU, and
         its work goes to the instance's own stream (``stream``: another of its own)."""
         if self._stream is None:
@@ -438,7 +462,7 @@ class TorchScriptInstance:
         torch = self._torch
         return _Both(torch.cuda.device(self._device), torch.cuda.stream(stream or self._stream))
 
-    def _forward(self, tensors: dict):
+    def _forward(self, tensors: dict[str, TorchInput]) -> object:
         if self._inputs.as_dict:
             return self._module(tensors)
         missing = [name for name in self._inputs.positions if name not in tensors]
@@ -447,12 +471,12 @@ class TorchScriptInstance:
                 f"model '{self.model_name}' needs input(s) {missing}: every forward() "
                 "argument must be given"
             )
-        args = [None] * len(self._inputs.positions)
+        args: list[TorchInput | None] = [None] * len(self._inputs.positions)
         for name, position in self._inputs.positions.items():
             args[position] = tensors[name]
         return self._module(*args)
 
-    def _to_tensor(self, name: str, array: np.ndarray):
+    def _to_tensor(self, name: str, array: np.ndarray) -> TorchInput:
         torch = self._torch
         if name in self._string_inputs:
             return _string_list(self.model_name, name, array)
@@ -468,7 +492,7 @@ class TorchScriptInstance:
             tensor = tensor.to(self._device, non_blocking=True)
         return tensor
 
-    def _output(self, name: str, result):
+    def _output(self, name: str, result: object) -> torch.Tensor | np.ndarray:
         """The output tensor ``name`` of forward()'s result, its type checked."""
         tensor = self._select(name, result)
         torch = self._torch
@@ -494,7 +518,7 @@ class TorchScriptInstance:
             )
         return tensor.detach()
 
-    def _to_numpy(self, tensor) -> np.ndarray:
+    def _to_numpy(self, tensor: torch.Tensor | np.ndarray) -> np.ndarray:
         torch = self._torch
         if isinstance(tensor, np.ndarray):  # a BYTES output, already on the host
             return tensor
@@ -509,7 +533,7 @@ class TorchScriptInstance:
             array = array.copy()
         return array
 
-    def _select(self, name: str, result):
+    def _select(self, name: str, result: object) -> object:
         if isinstance(result, dict):
             if name not in result:
                 raise InternalError(

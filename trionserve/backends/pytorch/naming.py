@@ -9,9 +9,14 @@ convention, ModelState's input and output validation) decides these the same way
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from trionserve.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelTensorReshape
 
 # Config data types the backend carries as tensors, as torch dtype attribute names.
 # Like Triton's, it has no unsigned types above 8 bits; BYTES is a List[str].
@@ -154,6 +159,21 @@ def bind_outputs(
     return positions
 
 
+class ConfigTensor(Protocol):
+    """A tensor of a config as its type is checked: an input, an output, or a
+    sequence state read as one."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def data_type(self) -> int: ...
+    @property
+    def dims(self) -> Sequence[int]: ...
+    @property
+    def reshape(self) -> ModelTensorReshape: ...
+    def HasField(self, field_name: str, /) -> bool: ...  # noqa: N802 (protobuf's name)
+
+
 def config_type_name(value: int) -> str:
     from trionserve._generated.model_config_pb2 import DataType
 
@@ -161,7 +181,12 @@ def config_type_name(value: int) -> str:
 
 
 def check_data_types(
-    model: str, kind: str, entries, *, strings: bool = False, batching: bool = False
+    model: str,
+    kind: str,
+    entries: Iterable[ConfigTensor],
+    *,
+    strings: bool = False,
+    batching: bool = False,
 ) -> None:
     """Each tensor's type is one the backend carries. With ``strings`` (TorchScript),
     TYPE_STRING is a ``List[str]`` of one dimension, batch included, as Triton's

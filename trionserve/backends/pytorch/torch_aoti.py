@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import threading
 import zipfile
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -32,6 +33,13 @@ from trionserve.backends.pytorch.instance import TorchScriptInstance
 from trionserve.backends.pytorch.naming import TORCH_DTYPES, config_type_name, name_index
 from trionserve.core import datatypes
 from trionserve.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils._pytree import TreeSpec
+
+    from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve.backends.pytorch.instance import TorchInput
 
 log = structlog.get_logger(__name__)
 
@@ -136,7 +144,7 @@ def archive_kind(model: str, path: Path) -> str:
     )
 
 
-def load_program(model: str, path: Path, device) -> Program:
+def load_program(model: str, path: Path, device: torch.device | None) -> Program:
     """Load ``path`` for ``device`` (None: where it was saved)."""
     require_torch()  # torch missing: Unavailable, saying so
     kind = archive_kind(model, path)
@@ -150,7 +158,7 @@ def load_program(model: str, path: Path, device) -> Program:
         ) from None
 
 
-def _load(kind: str, path: Path, device) -> Program:
+def _load(kind: str, path: Path, device: torch.device | None) -> Program:
     import torch._inductor
     import torch.export.passes
     import torch.utils._pytree as pytree
@@ -167,7 +175,7 @@ def _load(kind: str, path: Path, device) -> Program:
     return Program(kind, program.module(), spec.in_spec, spec.out_spec)
 
 
-def leaf_paths(model: str, spec) -> list[list[int | str]]:
+def leaf_paths(model: str, spec: TreeSpec) -> list[list[int | str]]:
     """Each leaf's steps into the tree ``spec`` describes (tuple/list index, dict key)."""
     import torch.utils._pytree as pytree
 
@@ -189,7 +197,7 @@ def leaf_paths(model: str, spec) -> list[list[int | str]]:
     return paths
 
 
-def sequence_tensors(config) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+def sequence_tensors(config: ModelConfig) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """The config types of ``sequence_batching``'s control inputs, implicit-state
     inputs and implicit-state outputs, by tensor name."""
     controls: dict[str, str] = {}
@@ -209,7 +217,7 @@ def sequence_tensors(config) -> tuple[dict[str, str], dict[str, str], dict[str, 
     return controls, state_inputs, state_outputs
 
 
-def check_sequence_types(model: str, config) -> None:
+def check_sequence_types(model: str, config: ModelConfig) -> None:
     """Refuse sequence controls or state of a type a torch tensor cannot carry."""
     for group in sequence_tensors(config):
         for name, type_name in group.items():
@@ -251,11 +259,22 @@ class Pt2Instance(TorchScriptInstance):
     stage/launch/finish steps (reusable buffers, streams, CUDA graphs); only how
     tensors meet the call differs."""
 
-    def _bind(self, context: ModelContext, program: Program) -> None:
+    def __init__(
+        self,
+        context: ModelContext,
+        spec: InstanceSpec,
+        torch: ModuleType,
+        program: Program,
+        device: torch.device | None,
+    ) -> None:
+        self._program = program
+        super().__init__(context, spec, torch, program.call, device)
+
+    def _bind(self, context: ModelContext, module: torch.jit.ScriptModule) -> None:
         """Match the config's tensors, with the sequence batcher's control and
         implicit-state tensors (Triton's pt2 ModelInstanceState counts them among
         the model's inputs), to the program's call specification."""
-        self._program = program
+        program = self._program
         controls, state_inputs, state_outputs = sequence_tensors(context.config)
         for name, type_name in {**controls, **state_inputs}.items():
             self._input_types.setdefault(name, type_name)
@@ -272,10 +291,10 @@ class Pt2Instance(TorchScriptInstance):
             context.name, "output", list(self._output_types), outputs, everything=False
         )
 
-    def _execution(self):
+    def _execution(self) -> AbstractContextManager[object]:
         return nullcontext()  # optimized execution is a TorchScript flag
 
-    def _forward(self, tensors: dict):
+    def _forward(self, tensors: dict[str, TorchInput]) -> object:
         import torch.utils._pytree as pytree
 
         missing = [name for name in self._input_positions if name not in tensors]
@@ -289,7 +308,7 @@ class Pt2Instance(TorchScriptInstance):
         args, kwargs = pytree.tree_unflatten(leaves, self._program.in_spec)
         return self._program.call(*args, **kwargs)
 
-    def _select(self, name: str, result):
+    def _select(self, name: str, result: object) -> object:
         import torch.utils._pytree as pytree
 
         leaves = pytree.tree_leaves(result)
