@@ -416,6 +416,36 @@ async def test_body_is_received_into_one_writable_buffer(nursery):
     assert app.bodies[1] == b"next"
 
 
+async def test_a_body_waited_for_whole_still_times_out_only_without_bytes(nursery, mock_clock):
+    """The rest of a declared body is waited for whole (one wake-up), so bytes that
+    come meanwhile do not wake the server: when --http-header-timeout passes they
+    count as a read and the body goes on; a body after which nothing comes gets
+    the 408."""
+    app = App()
+    server = HttpServer(app.route, HttpServerOptions(max_request_body=1 << 20, header_timeout=10))
+    [(_, port)] = await nursery.start(server.serve, "127.0.0.1", 0, trio.Event(), 1.0)
+    body = bytes(range(256)) * 1600  # 409,600 bytes
+    client = await Client.connect(port)
+    request = post("/echo", body)
+    head = len(request) - len(body)
+    await client.send_raw(request[: head + 100_000])
+    await trio.testing.wait_all_tasks_blocked()
+    await client.send_raw(request[head + 100_000 : head + 150_000])  # below the mark
+    await trio.testing.wait_all_tasks_blocked()
+    mock_clock.jump(11)
+    await trio.testing.wait_all_tasks_blocked()
+    await client.send_raw(request[head + 150_000 :])
+    assert await client.response() == (200, {"content-length": str(len(body))}, body)
+    assert bytes(app.bodies[0]) == body
+
+    await client.send_raw(request[: head + 100_000])
+    await trio.testing.wait_all_tasks_blocked()
+    mock_clock.jump(11)
+    status, _, answer = await client.response()
+    assert status == 408, answer
+    assert b"--http-header-timeout" in answer
+
+
 async def test_client_gone_in_the_middle_of_a_body(nursery):
     """A client that closes before its declared body is whole ends its connection
     only: nothing reaches the handler and the server serves the next client."""

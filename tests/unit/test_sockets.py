@@ -1,13 +1,20 @@
-"""protocol.sockets.send_all: what the socket takes at once goes out without a
-checkpoint; the rest, and every failure, through the stream's send_all."""
+"""protocol.sockets: what the socket takes at once goes out without a checkpoint
+(send_all, send_pieces gathered), the rest, and every failure, as the stream's
+send_all; bytes already there are read without one (receive_into), and a reader
+waiting for a whole body wakes once it is whole or the peer ends."""
 
 from __future__ import annotations
 
+import fcntl
+import struct
+import termios
+
+import numpy as np
 import pytest
 import trio
 import trio.testing
 
-from trionserve.protocol.sockets import send_all
+from trionserve.protocol.sockets import receive_into, receive_now, send_all, send_pieces
 
 
 def _stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
@@ -61,3 +68,113 @@ async def test_a_closed_or_abandoned_socket_raises_as_send_all_does():
     await client.aclose()
     with pytest.raises(trio.BrokenResourceError):
         await send_all(server, b"answer")
+
+
+# -- receive_into / send_pieces ------------------------------------------------
+
+
+async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """A loopback TCP connection (SO_RCVLOWAT is TCP's: a socketpair ignores it)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    client = await trio.open_tcp_stream("127.0.0.1", port)
+    server = await listeners[0].accept()
+    await listeners[0].aclose()
+    return server, client
+
+
+def _queued(stream: trio.SocketStream) -> int:
+    """Bytes in the socket's receive queue (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(stream.socket.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
+async def test_bytes_already_there_are_read_without_a_checkpoint():
+    server, client = _stream_pair()
+    await client.send_all(b"body")
+    await trio.testing.wait_all_tasks_blocked()
+    buffer = memoryview(bytearray(16))
+    with trio.testing.assert_no_checkpoints():
+        assert await receive_into(server, buffer, fill=True) == 4
+    assert bytes(buffer[:4]) == b"body"
+
+
+async def test_a_body_in_pieces_wakes_the_reader_once_it_is_whole():
+    server, client = await _tcp_pair()
+    buffer = memoryview(bytearray(300_000))
+    reads: list[int] = []
+
+    async def read() -> None:
+        reads.append(await receive_into(server, buffer, fill=True))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send_all(b"a" * 100_000)
+        # Loopback queues what is sent within the send; a pass of the run loop
+        # (epoll) later the reader still sleeps though a third is there.
+        assert _queued(server) == 100_000
+        await trio.testing.wait_all_tasks_blocked()
+        assert reads == []
+        await client.send_all(b"b" * 200_000)
+    assert reads == [300_000]
+    assert bytes(buffer) == b"a" * 100_000 + b"b" * 200_000
+
+
+async def test_a_reader_waiting_for_a_whole_body_sees_the_peer_end():
+    server, client = await _tcp_pair()
+    buffer = memoryview(bytearray(300_000))
+    async with trio.open_nursery() as nursery:
+        got: list[int] = []
+
+        async def read() -> None:
+            got.append(await receive_into(server, buffer, fill=True))
+            got.append(await receive_into(server, buffer[got[0] :], fill=True))
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send_all(b"x" * 1000)
+        await client.aclose()
+    assert got == [1000, 0]
+
+
+async def test_bytes_below_the_mark_can_be_taken_without_waiting():
+    server, client = await _tcp_pair()
+    buffer = memoryview(bytearray(300_000))
+    assert receive_now(server, buffer) is None
+    await client.send_all(b"x" * 1000)
+    assert _queued(server) == 1000  # loopback queues it within the send
+    assert receive_now(server, buffer) == 1000
+
+
+async def test_pieces_are_written_gathered_in_order_without_a_checkpoint():
+    server, client = _stream_pair()
+    pieces = [b"head|", memoryview(b"json|"), memoryview(bytearray(b"tensor"))]
+    with trio.testing.assert_no_checkpoints():
+        await send_pieces(server, pieces)
+    assert await _read(client, 16) == b"head|json|tensor"
+
+
+async def test_pieces_past_the_socket_buffer_follow_in_order():
+    server, client = _stream_pair()
+    tensor = np.arange(1_000_000, dtype=np.float32)  # 4 MB, a non-byte view
+    pieces = [b"head", memoryview(tensor), b"", b"tail"]
+    async with trio.open_nursery() as nursery:
+        received: list[bytes] = []
+
+        async def read() -> None:
+            received.append(await _read(client, 8 + tensor.nbytes))
+
+        nursery.start_soon(read)
+        await send_pieces(server, pieces)
+    assert received == [b"head" + tensor.tobytes() + b"tail"]
+
+
+async def test_pieces_to_a_closed_or_abandoned_socket_raise_as_send_all_does():
+    server, client = _stream_pair()
+    await server.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await send_pieces(server, [b"head", b"body"])
+    server, client = _stream_pair()
+    await client.aclose()
+    with pytest.raises(trio.BrokenResourceError):
+        await send_pieces(server, [b"head", b"x" * 1_000_000])

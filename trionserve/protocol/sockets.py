@@ -1,4 +1,4 @@
-"""Writing an answer without a trip through the event loop.
+"""Reading a body and writing an answer without a trip through the event loop.
 
 ``trio.SocketStream.send_all`` ends with a checkpoint even when the socket took
 every byte at once, which costs a small request one more pass of Trio's run loop
@@ -14,15 +14,32 @@ concurrent senders. It is not a checkpoint when the socket takes everything;
 the connection's next step, reading the next request, is one. (The gRPC
 connection's writer tried it too: under perf_analyzer it cost more CPU per call
 at c=16 and saved none at c=1, see benchmarks/README.md.)
+
+A large answer goes out the same way, gathered (:func:`send_pieces`: one
+``writev`` of the head and the tensors' views, no join, no copy), and a body of
+declared length comes in straight into its buffer (:func:`receive_into`): a read
+that finds bytes is not a checkpoint either, and a read that finds none waits,
+with ``SO_RCVLOWAT`` set to what the buffer still lacks, until the kernel holds
+that much (or the peer ends): one wake-up for the rest of a body that arrives in
+pieces, where Trio's ``recv_into`` makes a pass of its run loop per read and a
+wake-up per piece.
 """
 
 from __future__ import annotations
 
 import os
+import socket as _socket
+from collections.abc import Sequence
 
 import trio
 
-__all__ = ["send_all", "write_now"]
+__all__ = ["receive_into", "send_all", "send_pieces", "write_now"]
+
+# The kernel caps SO_RCVLOWAT at half the largest receive buffer (tcp_rmem[2]);
+# a request for more than it holds is capped there too, never a wait forever.
+_LOWAT = getattr(_socket, "SO_RCVLOWAT", None)
+# writev's limit on the pieces of one call (IOV_MAX on Linux).
+_IOV_MAX = 1024
 
 
 def write_now(stream: trio.abc.SendStream, data: bytes | bytearray | memoryview) -> int:
@@ -47,3 +64,98 @@ async def send_all(stream: trio.abc.SendStream, data: bytes | bytearray | memory
     written = write_now(stream, data)
     if written < len(data):
         await stream.send_all(memoryview(data)[written:] if written else data)
+
+
+async def receive_into(
+    stream: trio.abc.ReceiveStream, buffer: memoryview, *, fill: bool = False
+) -> int:
+    """Bytes read into ``buffer`` (0: the peer ended its side), waiting only when
+    the socket has none: then for any byte, or with ``fill`` until the socket
+    holds ``len(buffer)`` bytes (the rest of a body), the peer ends or fails,
+    whichever comes first. Not a checkpoint when bytes are there. A stream
+    without a socket of its own reads through its ``receive_some``. Raises
+    BrokenResourceError for a failed read."""
+    socket = getattr(stream, "socket", None)
+    if socket is None:
+        data = await stream.receive_some(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+    received = _read_now(socket, buffer)
+    if received is not None:
+        return received
+    lowered = fill and _LOWAT is not None and len(buffer) > 1
+    if lowered:
+        _set_lowat(socket, len(buffer))
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(socket)
+            received = _read_now(socket, buffer)
+            if received is not None:
+                return received
+    finally:
+        if lowered:
+            _set_lowat(socket, 1)
+
+
+def receive_now(stream: trio.abc.ReceiveStream, buffer: memoryview) -> int | None:
+    """Bytes the stream's socket holds now, read into ``buffer`` without waiting;
+    None when it holds none (or the stream has no socket of its own)."""
+    socket = getattr(stream, "socket", None)
+    return None if socket is None else _read_now(socket, buffer)
+
+
+def _read_now(socket: trio.socket.SocketType, buffer: memoryview) -> int | None:
+    try:
+        return os.readv(socket.fileno(), (buffer,))
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        raise trio.BrokenResourceError(exc) from exc
+
+
+def _set_lowat(socket: trio.socket.SocketType, size: int) -> None:
+    assert _LOWAT is not None
+    try:
+        socket.setsockopt(_socket.SOL_SOCKET, _LOWAT, size)
+    except OSError:
+        pass  # closed meanwhile: the read that follows says so
+
+
+async def send_pieces(
+    stream: trio.abc.SendStream, pieces: Sequence[bytes | bytearray | memoryview]
+) -> None:
+    """Write ``pieces`` in order as one stream of bytes, gathered (``writev``):
+    what the socket takes at once goes out without a checkpoint, the rest as
+    the socket makes room. Pieces are written from their own buffers, never
+    joined. Raises BrokenResourceError (the peer is gone) or
+    ClosedResourceError as ``send_all`` does. The task must be the only one
+    writing to the stream (see the module docstring)."""
+    socket = getattr(stream, "socket", None)
+    if socket is None:
+        for piece in pieces:
+            await stream.send_all(piece)
+        return
+    views = [_byte_view(piece) for piece in pieces if len(piece)]
+    while views:
+        if socket.fileno() < 0:
+            raise trio.ClosedResourceError("the stream was closed")
+        try:
+            written = os.writev(socket.fileno(), views[:_IOV_MAX])
+        except BlockingIOError:
+            written = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(exc) from exc
+        taken = 0
+        while taken < len(views) and written >= views[taken].nbytes:
+            written -= views[taken].nbytes
+            taken += 1
+        del views[:taken]
+        if written:
+            views[0] = views[0][written:]
+        if views:
+            await trio.lowlevel.wait_writable(socket)
+
+
+def _byte_view(piece: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(piece)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -13,9 +13,12 @@ a 404 with a JSON error.
 
 A request starts with a read of ``head_receive_size`` (64 KB); the rest of a body
 of declared length is read from the socket straight into the buffer the protocol
-allocated for it (``recv_into``, never past its end: a pipelined request after it
-stays in the socket); the handler gets a writable memoryview of it, so binary
-tensors are numpy views that no backend needs to copy.
+allocated for it (``readv``, never past its end: a pipelined request after it
+stays in the socket), with one wake-up for all of it where the kernel allows
+(``SO_RCVLOWAT``, see :mod:`trionserve.protocol.sockets`); the handler gets a
+writable memoryview of it, so binary tensors are numpy views that no backend
+needs to copy. A large answer is written gathered from its pieces' own buffers
+(``writev`` of the head and the tensors' views).
 
 What it guarantees:
 
@@ -48,7 +51,7 @@ What it guarantees:
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import structlog
 import trio
@@ -74,7 +77,7 @@ from trionserve.protocol.http.h1 import (
 )
 from trionserve.protocol.http.state import Client
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
-from trionserve.protocol.sockets import send_all
+from trionserve.protocol.sockets import receive_into, receive_now, send_all, send_pieces
 
 log = structlog.get_logger(__name__)
 
@@ -90,8 +93,11 @@ __all__ = [
 ]
 
 # Responses up to this size are joined with their head and written at once;
-# larger bodies are written chunk by chunk from their buffers, without joining.
+# larger bodies are written from their buffers, gathered (writev), without joining.
 _JOIN_LIMIT = 64 * 1024
+# A body read without waiting (its bytes already there) yields to the other
+# tasks after this many bytes, so that a fast client cannot hold the loop.
+_YIELD_BYTES = 4 * 1024 * 1024
 # A request handled for longer than this gets a watcher on its socket, so that a
 # client hanging up cancels it (shorter ones finish before a watcher would help).
 SLOW_REQUEST_SECS = 0.05
@@ -356,37 +362,37 @@ class _Connection:
             await self.stream.send_all(CONTINUE)
         options = self.server.options
         timeout = options.header_timeout
+        stream = self.stream
         # A body that stops arriving times out: each read must bring a byte within
-        # header_timeout (the deadline moves on with every read).
-        with trio.move_on_after(timeout) as scope:
-            while not request.complete:
+        # header_timeout (the deadline moves on with every read). A declared body
+        # is read into its buffer (receive_into) waiting for all it still lacks:
+        # when the deadline passes, what came meanwhile counts as a read.
+        unyielded = 0
+        while not request.complete:
+            with trio.move_on_after(timeout) as scope:
+                while not request.complete:
+                    empty = h1.body_pending(request)
+                    if empty is None:
+                        h1.receive_data(await stream.receive_some(options.receive_size))
+                    else:
+                        received = await receive_into(stream, empty, fill=True)
+                        h1.body_received(request, received)
+                        unyielded += received
+                        if unyielded > _YIELD_BYTES:  # a read that never waits
+                            unyielded = 0  # lets the other connections in now and then
+                            await trio.lowlevel.checkpoint()
+                    scope.deadline = trio.current_time() + timeout
+            if scope.cancelled_caught:
                 empty = h1.body_pending(request)
-                if empty is None:
-                    h1.receive_data(await self.stream.receive_some(options.receive_size))
-                else:
-                    h1.body_received(request, await self._receive_into(empty))
-                scope.deadline = trio.current_time() + timeout
-        if scope.cancelled_caught:
-            raise ProtocolError(
-                408,
-                f"the request body stopped arriving: no byte of it for {timeout:g} s "
-                "(--http-header-timeout)",
-            )
+                late = None if empty is None else receive_now(stream, empty)
+                if not late:
+                    raise ProtocolError(
+                        408,
+                        f"the request body stopped arriving: no byte of it for {timeout:g} s "
+                        "(--http-header-timeout)",
+                    )
+                h1.body_received(request, late)
         return h1.body(request)
-
-    async def _receive_into(self, buffer: memoryview) -> int:
-        """Bytes read into ``buffer`` (0: end of stream): from the socket directly,
-        or through the stream's receive_some where it has no socket."""
-        socket = getattr(self.stream, "socket", None)
-        if socket is None:
-            data = await self.stream.receive_some(len(buffer))
-            buffer[: len(data)] = data
-            return len(data)
-        try:
-            received: int = await socket.recv_into(buffer, len(buffer))
-        except OSError as exc:
-            raise trio.BrokenResourceError(exc) from exc
-        return received
 
     # -- serving ---------------------------------------------------------------
 
@@ -472,8 +478,8 @@ class _Connection:
                 size += len(chunk)
             if size <= _JOIN_LIMIT:
                 await send_all(self.stream, head + b"".join(chunks) if size else head)
-            else:
-                await self._write([head, *chunks])
+            else:  # gathered from the tensors' own buffers, without a join
+                await send_pieces(self.stream, [head, *chunks])
         return h1.end_response()
 
     async def _stream(
@@ -511,20 +517,6 @@ class _Connection:
                 with trio.CancelScope(shield=True):
                     await aclose()
 
-    async def _write(self, pieces: Sequence[bytes | memoryview]) -> None:
-        """Write pieces in order, joining runs of small ones."""
-        small: list[bytes | memoryview] = []
-        for piece in pieces:
-            if len(piece) > _JOIN_LIMIT:
-                if small:
-                    await self.stream.send_all(b"".join(small))
-                    small = []
-                await self.stream.send_all(piece)
-            elif piece:
-                small.append(piece)
-        if small:
-            await self.stream.send_all(b"".join(small))
-
     async def _cut(self) -> None:
         """The server cut this request (its drain ended at the exit timeout): answer
         503 and close, if the socket takes it within a second."""
@@ -559,7 +551,7 @@ class _Connection:
                 with trio.move_on_after(self.server.options.linger):
                     try:
                         await stream.send_eof()
-                        while await self._receive_into(_DISCARD):
+                        while await receive_into(stream, _DISCARD):
                             pass
                     except _GONE:
                         pass
