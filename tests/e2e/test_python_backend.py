@@ -346,6 +346,32 @@ MODELS["conda_env"] = (
 EXTRA_FILES = {"introspect": {"helper.py": 'GREETING = "hello from helper.py"\n'}}
 
 
+MODELS["send_then_raise"] = (
+    """
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+instance_group [ { kind: KIND_CPU } ]
+""",
+    """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            for value in pb_utils.get_input_tensor_by_name(request, "IN").as_numpy():
+                sender.send(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("OUT", np.array([value], np.int32)),
+                ]))
+        raise ValueError("after the responses")
+""",
+)
+
+
 def make_repository(root: Path, names=None) -> Path:
     """A model repository with the named test models (all by default) and `simple`."""
     shutil.copytree(EXAMPLES / "simple", root / "simple")
@@ -590,6 +616,34 @@ def test_load_failures_name_the_cause(client):
     assert "EXECUTION_ENV_PATH 'env.tar.gz'" in rows["conda_env"]["reason"]
     assert "does not exist" in rows["conda_env"]["reason"]
     assert not client.is_model_ready("bad_initialize")
+
+
+def test_responses_sent_before_execute_raised_reach_the_client_before_the_error(server):
+    """A decoupled model sends responses from execute, then raises: the client
+    gets them in order, then the error (the responses go on the stub's socket,
+    the execute's outcome on the lane; the outcome waits for what went first)."""
+    pytest.importorskip("trionserve.protocol.grpc.service")
+    import tritonclient.grpc as grpcclient
+
+    responses: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    try:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        for attempt in range(20):  # each time, the outcome may overtake the responses
+            infer_input = grpcclient.InferInput("IN", [3], "INT32")
+            infer_input.set_data_from_numpy(np.array([10, 20, 30], dtype=np.int32))
+            client.async_stream_infer("send_then_raise", [infer_input], request_id=str(attempt))
+            received = []
+            while True:
+                result, error = responses.get(timeout=30)
+                if error is not None:
+                    break
+                received.append(int(result.as_numpy("OUT")[0]))
+            assert received == [10, 20, 30]
+            assert "after the responses" in str(error)
+    finally:
+        client.stop_stream()
+        client.close()
 
 
 def test_decoupled_model_streams_over_grpc(server):

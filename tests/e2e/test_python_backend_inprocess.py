@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from tests.serverproc import ServerProcess, free_port
+from trionserve.backends.python.lane import Lane, decode
 from trionserve.backends.python.process import TrioChannel
 from trionserve.core.errors import TritonError
 from trionserve.core.inference import InferenceRequest, Tensor
@@ -273,14 +274,23 @@ async def test_a_stub_killed_by_a_signal_fails_its_request_and_restarts(reposito
 
 
 async def test_a_dynamic_batch_crosses_to_the_stub_in_one_message(repository, monkeypatch):
-    sent = []
-    original = TrioChannel.send
+    executes = []  # the number of requests in each execute, on the lane or the socket
+    on_socket = TrioChannel.send
+    on_lane = Lane.post
 
     async def send(channel, message: dict) -> None:
-        sent.append(message)
-        await original(channel, message)
+        if message["op"] == "execute":
+            executes.append(len(message["requests"]))
+        await on_socket(channel, message)
+
+    def post(lane, sequence: int, body: bytes) -> bool:  # the server's posts: stubs are processes
+        posted = on_lane(lane, sequence, body)
+        if posted:
+            executes.append(len(decode(body)[3]))
+        return posted
 
     monkeypatch.setattr(TrioChannel, "send", send)
+    monkeypatch.setattr(Lane, "post", post)
     async with trio.open_nursery() as nursery:
         server = await start(nursery, repository)
         sizes = []
@@ -296,8 +306,7 @@ async def test_a_dynamic_batch_crosses_to_the_stub_in_one_message(repository, mo
                 for n in range(4):
                     clients.start_soon(infer, n)
         assert sizes == [4, 4, 4, 4]
-        executes = [message for message in sent if message["op"] == "execute"]
-        assert [len(message["requests"]) for message in executes] == [4]
+        assert executes == [4]
         server.shutdown()
 
 

@@ -126,7 +126,7 @@ def test_error_codes_map_both_ways():
     assert error_from_code(pb_utils.TritonError.NOT_FOUND, "x").status is Status.NOT_FOUND
     assert error_from_code(pb_utils.TritonError.UNSUPPORTED, "x").status is Status.UNIMPLEMENTED
     assert error_from_code(99, "x").status is Status.INTERNAL
-    assert error_message(NotFound("gone"))["error"] == (pb_utils.TritonError.NOT_FOUND, "gone")
+    assert error_message(NotFound("gone"))[1] == (pb_utils.TritonError.NOT_FOUND, "gone")
 
 
 def test_auto_complete_is_skipped_only_when_model_py_plainly_has_none(tmp_path):
@@ -266,6 +266,7 @@ async def test_a_read_of_several_messages_lets_the_tasks_the_first_woke_run_firs
         metrics_owner=0,
         control=None,
         sock=server_side.sock,
+        lane=None,  # the execute path is not used here
     )
     channel = TrioChannel(stub)
     try:

@@ -21,6 +21,7 @@ import trio
 from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
 from trionserve.backends.python.bls import Outcome, run_bls
 from trionserve.backends.python.delivery import deliver, deliver_sent
+from trionserve.backends.python.lane import encode
 from trionserve.backends.python.messages import (
     bls_request,
     error_message,
@@ -130,6 +131,14 @@ class PythonInstance:
         # request to be restarted; that request gets ``_dead``.
         self._wanted: trio.Event | None = None
         self._dead: TritonError | None = None
+        # The stub's replies on the lane are read by the task waiting for one
+        # (an execute), or by a task of the nursery after that one was cancelled;
+        # ``_pump_scope`` is the scope its wait runs in, cancelled to stop it.
+        self._pumping = False
+        self._pump_scope: trio.CancelScope | None = None
+        # (messages, event): the event is set once the reader has handled that
+        # many of the stub's socket messages (see _pump).
+        self._handed_wait: tuple[int, trio.Event] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -178,6 +187,7 @@ class PythonInstance:
         finally:
             self._channel = None
             self._ready = trio.Event()
+            self._stop_pump()
             channel.close()
             check, self._readiness = self._readiness, None
             if check is not None:
@@ -217,6 +227,7 @@ class PythonInstance:
             return
 
     def _fail_everything(self, error: TritonError) -> None:
+        self._stop_pump()
         for call in self._calls.values():
             call.results = None if self._decoupled else [error] * len(call.requests)
             call.done.set()
@@ -260,16 +271,17 @@ class PythonInstance:
         call_id = next(self._ids)
         call = _Call(requests, keys)
         self._calls[call_id] = call
-        try:
-            await channel.send({"op": "execute", "id": call_id, "requests": entries})
-        except _GONE:
-            pass  # the stub is gone; the reader fails this call
+        if not self._post(channel, call_id, entries):
+            try:
+                await channel.send({"op": "execute", "id": call_id, "requests": entries})
+            except _GONE:
+                pass  # the stub is gone; the reader fails this call
         timeout = self._settings.execute_timeout
         if timeout <= 0:
-            await call.done.wait()
+            await self._await_call(channel, call)
             return call.results
         with trio.move_on_after(timeout) as scope:
-            await call.done.wait()
+            await self._await_call(channel, call)
         if scope.cancelled_caught and self._stub is not None:
             self._hang = (
                 f"did not return from execute within {timeout:g}s "
@@ -278,6 +290,87 @@ class PythonInstance:
             self._stub.kill()
             await call.done.wait()
         return call.results
+
+    # -- the lane ----------------------------------------------------------------------
+
+    def _post(self, channel: TrioChannel, call_id: int, entries: list) -> bool:
+        """Send an execute on the lane: False when it must go on the socket (an
+        input in a segment the stub has not been told of, or too large)."""
+        endpoint = channel.endpoint
+        if endpoint.arena.has_announcements():
+            return False
+        freed = endpoint.take_released()
+        if channel.lane.post(call_id, encode((call_id, endpoint.sent, freed, entries))):
+            return True
+        endpoint.release(freed)  # they go with the socket message instead
+        return False
+
+    async def _await_call(self, channel: TrioChannel, call: _Call) -> None:
+        """Wait for the stub's reply to ``call``, reading the lane from this task
+        (as python_be.cc's instance thread waits on the stub's queue itself), or
+        for the task already reading it."""
+        if self._pumping:
+            await call.done.wait()
+            return
+        self._pumping = True
+        handed_on = False
+        try:
+            await self._pump(channel, call.done.is_set)
+        except BaseException:
+            # Cancelled while the stub still has calls: a task of the instance
+            # reads their replies, so that their blocks and requests are let go.
+            if self._calls and self._nursery is not None and self._channel is channel:
+                self._nursery.start_soon(self._pump_rest, channel)
+                handed_on = True
+            raise
+        finally:
+            if not handed_on:
+                self._pumping = False
+        await call.done.wait()  # set by _fail_everything when the stub went away
+
+    async def _pump_rest(self, channel: TrioChannel) -> None:
+        try:
+            await self._pump(channel, lambda: not self._calls)
+        finally:
+            self._pumping = False
+
+    async def _pump(self, channel: TrioChannel, until: Callable[[], bool]) -> None:
+        """Handle the stub's replies on the lane until ``until()``, or until the
+        stub is gone. A reply is handled only after the messages the stub sent
+        on the socket before it (responses from senders, segments)."""
+        lane = channel.lane
+        calls = self._calls
+        while not until():
+            if self._channel is not channel:
+                return
+            scope = self._pump_scope = trio.CancelScope()
+            with scope:
+                sequence = lane.sequence()
+                reply = lane.take(sequence) if sequence in calls else None
+                if reply is None:
+                    await lane.wait()
+                    continue
+                if channel.handed < reply[1]:
+                    event = trio.Event()
+                    self._handed_wait = (reply[1], event)
+                    try:
+                        await event.wait()
+                    finally:
+                        self._handed_wait = None
+            self._pump_scope = None
+            if scope.cancelled_caught or reply is None:
+                continue
+            call_id, _, freed, error, rescheduled, responses = reply
+            if freed:
+                channel.endpoint.arena.free(freed)
+            self._executed(call_id, error, rescheduled, responses)
+            if channel.endpoint.should_flush():
+                self._send_soon(channel, {"op": "free"})
+
+    def _stop_pump(self) -> None:
+        """Wake the task reading the lane: what it waits for came another way."""
+        if self._pump_scope is not None:
+            self._pump_scope.cancel()
 
     # -- readiness ------------------------------------------------------------------------
 
@@ -319,12 +412,17 @@ class PythonInstance:
 
     async def _read(self, channel: TrioChannel) -> None:
         while True:
+            handed_wait = self._handed_wait
+            if handed_wait is not None and channel.handed >= handed_wait[0]:
+                handed_wait[1].set()
             message = await channel.receive()
             if message is None:
                 return
             op = message["op"]
             if op == "executed":
-                self._executed(message)
+                self._executed(
+                    message["id"], message["error"], message["rescheduled"], message["responses"]
+                )
             elif op == "response":
                 self._response(channel, message)
             elif op == "bls":
@@ -390,21 +488,24 @@ class PythonInstance:
         entry.cancel_sent = True
         self._send_soon(channel, {"op": "cancel", "keys": [key]})
 
-    def _executed(self, message: dict) -> None:
+    def _executed(
+        self, call_id: int, raised: str | None, rescheduled_keys: list[int], responses
+    ) -> None:
+        """The stub's reply to an execute (from the lane or the socket)."""
         stub = self._stub
         assert stub is not None  # messages come from the stub being served
         self._failures = 0
-        call = self._calls.pop(message["id"], None)
-        responses = message["responses"]
+        self._stop_pump()  # a reply that came on the socket: its waiter looks again
+        call = self._calls.pop(call_id, None)
         if call is None:
             for encoded in responses or ():
                 release_outputs(encoded, stub.endpoint)
             return
-        rescheduled = set(message["rescheduled"])
-        if message["error"] is not None:
+        rescheduled = set(rescheduled_keys)
+        if raised is not None:
             # Logged as Triton's stub logs it (pb_stub.cc ProcessRequests).
-            log.error("execute raised", source=self.label, error=message["error"])
-            error = InternalError(message["error"])
+            log.error("execute raised", source=self.label, error=raised)
+            error = InternalError(raised)
             for key, request in zip(call.keys, call.requests):
                 self._close_open(key)
                 if self._decoupled:

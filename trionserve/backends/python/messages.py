@@ -62,12 +62,17 @@ def _parameters(text: str) -> dict:
 
 def request_message(
     key: int, request: InferenceRequest, endpoint: Endpoint, output_names: list[str]
-) -> tuple[dict, list[Block]]:
-    """An execute entry for one request; its inputs are written to shared memory."""
+) -> tuple[tuple, list[Block]]:
+    """An execute entry for one request; its inputs are written to shared memory.
+
+    The entry is positional (the stub's ``StubRuntime._incoming`` reads it):
+    ``(key, id, correlation_id, flags, parameters, inputs, outputs, cancelled)``.
+    """
     refs: list[TensorRef] = []
     blocks: list[Block] = []
+    write = endpoint.arena.write
     for name, tensor in request.inputs.items():
-        ref, block = endpoint.arena.write(name, tensor.datatype, tensor.data)
+        ref, block = write(name, tensor.datatype, tensor.data)
         refs.append(ref)
         if block is not None:
             blocks.append(block)
@@ -78,58 +83,60 @@ def request_message(
         outputs = output_names
     else:
         outputs = [o.name for o in request.requested_outputs]
-    message = {
-        "key": key,
-        "id": request.id,
-        "correlation_id": request.sequence_id,
-        "flags": flags,
-        "parameters": _json(request.parameters),
-        "inputs": refs,
-        "outputs": outputs,
-        "cancelled": request.cancelled,
-    }
-    return message, blocks
+    entry = (
+        key,
+        request.id,
+        request.sequence_id,
+        flags,
+        _json(request.parameters),
+        refs,
+        outputs,
+        request.cancelled,
+    )
+    return entry, blocks
 
 
-def response_message(response: InferenceResponse, endpoint: Endpoint) -> dict:
+# A response as the stub and the server exchange it: (tensor references, error
+# as (code, message) or None, parameters as JSON).
+EncodedResponse = tuple[list, "tuple[int, str] | None", str]
+
+
+def response_message(response: InferenceResponse, endpoint: Endpoint) -> EncodedResponse:
     """A BLS response for the stub; its outputs are written to shared memory."""
     refs = [endpoint.arena.write(t.name, t.datatype, t.data)[0] for t in response.outputs]
-    return {"outputs": refs, "error": None, "parameters": _json(response.parameters)}
+    return (refs, None, _json(response.parameters))
 
 
-def error_message(error: TritonError) -> dict:
-    return {
-        "outputs": [],
-        "error": (code_of(error), error.message),
-        "parameters": "{}",
-    }
+def error_message(error: TritonError) -> EncodedResponse:
+    return ([], (code_of(error), error.message), "{}")
 
 
 # -- stub -> server -----------------------------------------------------------------
 
 
-def release_outputs(encoded: dict | None, endpoint: Endpoint) -> None:
+def release_outputs(encoded: EncodedResponse | None, endpoint: Endpoint) -> None:
     """Give back the blocks of a response that will not be read."""
-    if encoded is not None:
-        endpoint.release(block_of(ref) for ref in encoded["outputs"])
+    if encoded is not None and encoded[0]:
+        endpoint.release(block_of(ref) for ref in encoded[0])
 
 
 def read_response(
-    encoded: dict, endpoint: Endpoint, request: InferenceRequest, model_version: str
+    encoded: EncodedResponse, endpoint: Endpoint, request: InferenceRequest, model_version: str
 ) -> InferenceResponse | TritonError:
     """A model's response to ``request``: the outputs it asked for, copied out."""
     try:
-        if encoded["error"] is not None:
-            code, message = encoded["error"]
-            return error_from_code(code, message)
-        by_name = {ref[0]: ref for ref in encoded["outputs"]}
+        refs_sent, error, parameters = encoded
+        if error is not None:
+            return error_from_code(error[0], error[1])
+        by_name = {ref[0]: ref for ref in refs_sent}
         if request.requested_outputs is None:
             refs = list(by_name.values())
         else:
             refs = [by_name[o.name] for o in request.requested_outputs if o.name in by_name]
         outputs = [Tensor(ref[0], ref[1], endpoint.view.array(ref, copy=True)) for ref in refs]
-        parameters = _parameters(encoded["parameters"])
-        return InferenceResponse(request.model_name, model_version, request.id, outputs, parameters)
+        return InferenceResponse(
+            request.model_name, model_version, request.id, outputs, _parameters(parameters)
+        )
     finally:
         release_outputs(encoded, endpoint)
 

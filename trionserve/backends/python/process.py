@@ -27,6 +27,7 @@ import trio
 import trionserve
 from trionserve.backends.python.control import ModelControl
 from trionserve.backends.python.environment import package_shim
+from trionserve.backends.python.lane import Lane
 from trionserve.backends.python.settings import StubSettings
 from trionserve.backends.python.shm import Arena, ArenaView
 from trionserve.backends.python.wire import (
@@ -93,6 +94,8 @@ class StubProcess:
         # Answers the model loading API (pb_utils.load_model & co), if offered.
         self.control = control
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # The execute path (see .lane); the socket carries the rest.
+        self.lane = Lane.create()
         environment = settings.environment
         command = [
             sys.executable if environment is None else str(environment.python),
@@ -104,6 +107,7 @@ class StubProcess:
             str(child.fileno()),
             str(settings.shm_default_byte_size),
             str(settings.shm_growth_byte_size),
+            self.lane.argument(),
             name,
         ]
         # No bytecode written next to model.py; print() in a model shows at once.
@@ -111,9 +115,12 @@ class StubProcess:
         if environment is not None:
             env = environment.variables(env)
         try:
-            self.process = subprocess.Popen(command, pass_fds=(child.fileno(),), env=env)
+            self.process = subprocess.Popen(
+                command, pass_fds=(child.fileno(), *self.lane.descriptors()), env=env
+            )
         except OSError as exc:
             parent.close()
+            self.lane.close()
             raise Unavailable(f"{label}: cannot start a stub process: {exc}") from None
         finally:
             child.close()
@@ -220,6 +227,7 @@ class StubProcess:
         self.metrics.release(self.metrics_owner)
         self.sock.close()
         self.endpoint.close()
+        self.lane.close()
 
 
 class TrioChannel:
@@ -240,6 +248,10 @@ class TrioChannel:
         self.metrics = stub.metrics
         self.metrics_owner = stub.metrics_owner
         self.control = stub.control
+        self.lane = stub.lane
+        # Messages returned by ``receive`` (and those read while the stub started):
+        # a reply on the lane is handled once this reaches the count it carries.
+        self.handed = stub.endpoint.received
         # A duplicate descriptor, so the blocking socket stays usable afterwards.
         self._raw = stub.sock.dup()
         self._raw.setblocking(False)
@@ -318,6 +330,7 @@ class TrioChannel:
             self.endpoint.feed(data, fds)
             pending.extend(self.endpoint.messages())
             self._backlog = len(pending) > 1
+        self.handed += 1
         return pending.popleft()
 
     def close(self) -> None:

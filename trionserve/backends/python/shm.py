@@ -138,6 +138,11 @@ class Arena:
         with self._lock:
             return sum(s.size - sum(n for _, n in s.free) for s in self._segments)
 
+    def has_announcements(self) -> bool:
+        """Whether a segment is waiting to be announced (a message that refers
+        to it must go on the socket, which carries its descriptor)."""
+        return bool(self._unannounced)
+
     def take_announcements(self) -> tuple[list[tuple[int, int]], list[int]]:
         """Segments the peer has not seen yet, as ``[(id, size)]`` and their fds."""
         if not self._unannounced:  # the common case; a writer's own segments are

@@ -6,13 +6,13 @@ first message says what to do: ``auto_complete`` (call the model class's static
 ``initialize(args)``, then serve).
 
 Threads while serving: the main thread runs the model's ``execute`` and
-``finalize``, one call at a time, and in the common case also reads the server's
-messages between calls, so a request costs no cross-thread wake-up. While it
-executes, messages wait in the socket; ``is_cancelled()`` reads them without
-waiting (so a cancel reaches the model at once), and a metric or control call
-from ``execute`` reads until its answer. A reader thread takes over reading for
-good once something must wait for the server while the main thread cannot read:
-a BLS call, or a metric or control call from another thread. A watcher thread
+``finalize``, one call at a time. An execute and its reply travel on the lane
+(:mod:`.lane`: a slot in shared memory and a doorbell each way), so a request
+costs the main thread one ``read`` of its doorbell and no socket message; the
+main thread blocks on that doorbell between calls. A reader thread reads
+everything else the server sends on the socket (cancellations, BLS responses,
+metric and control replies, finalize, and an execute too large for the lane,
+after which it rings the main thread's doorbell). A watcher thread
 ends the process as soon as the server goes away (even while ``execute`` runs);
 the model's own threads may send responses at any time; an asyncio loop thread
 runs ``async def execute`` coroutines; a last thread ends the requests whose
@@ -35,6 +35,7 @@ import sys
 import threading
 from pathlib import Path
 
+from trionserve.backends.python.lane import Lane, encode
 from trionserve.backends.python.runtime import ModelRuntime, describe_exception
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
@@ -90,8 +91,13 @@ class _BLSCall:
 class StubRuntime(ModelRuntime):
     """The model instance and everything the stub does on its behalf."""
 
-    def __init__(self, channel: BlockingChannel, message: dict) -> None:
+    def __init__(self, channel: BlockingChannel, message: dict, lane: Lane) -> None:
         self.channel = channel
+        self._lane = lane
+        self._last_sequence = 0  # of the last execute taken from the lane
+        # Signalled by the reader thread after each message it handled, while the
+        # main thread waits for it to catch up with an execute from the lane.
+        self._arrived = threading.Condition()
         self.arena = channel.endpoint.arena
         self.view = channel.endpoint.view
         self.instance_name: str = message["instance"]
@@ -143,38 +149,50 @@ class StubRuntime(ModelRuntime):
         self._serving = True
         threading.Thread(target=self._answer_released, name="stub-released", daemon=True).start()
         threading.Thread(target=self._watch_server, name="stub-watcher", daemon=True).start()
-        # A model with is_ready() is asked while it executes too (pb_stub.cc runs
-        # the check on its parent-to-stub monitor thread): the reader reads.
-        has_is_ready = hasattr(self.model, "is_ready")
-        if has_is_ready:
-            self._start_reader()
-        self.channel.send({"op": "initialized", "is_ready": has_is_ready})
+        # The reader reads the socket from now on: executes come on the lane. A
+        # model with is_ready() is asked while it executes too (pb_stub.cc runs
+        # the check on its parent-to-stub monitor thread).
+        self._start_reader()
+        self.channel.send({"op": "initialized", "is_ready": hasattr(self.model, "is_ready")})
         while True:
             job = self._next_job()
-            if job["op"] == "finalize":
+            if isinstance(job, tuple):  # from the lane
+                call_id, sent, freed, entries = job
+                self._catch_up(sent)
+                if freed:
+                    self.arena.free(freed)
+                self._execute(call_id, entries)
+            elif job["op"] == "finalize":
                 self._finalize()
                 return
-            self._execute(job)
+            else:  # an execute that came on the socket
+                self._execute(job["id"], job["requests"])
 
-    def _next_job(self) -> dict:
-        """The next execute or finalize: read here until one arrives, unless the
-        reader thread reads (then it queues them)."""
-        jobs = self._jobs
+    def _next_job(self) -> tuple | dict:
+        """The next execute (from the lane, or queued by the reader) or finalize;
+        blocks on the doorbell until one is there."""
+        lane, jobs = self._lane, self._jobs
         while True:
+            sequence = lane.sequence()
+            if sequence != self._last_sequence and sequence != 0:
+                message = lane.take(sequence)
+                if message is not None:
+                    self._last_sequence = sequence
+                    return message
             try:
                 return jobs.get_nowait()
             except queue.Empty:
                 pass
-            if self._reader_started:
-                return jobs.get()
-            with self._reading:
-                # A poll may have queued a job meanwhile, or the reader started.
-                if self._reader_started or not jobs.empty():
-                    continue
-                message = self.channel.receive()
-            if message is None:
-                os._exit(0)  # the server went away
-            self._dispatch(message)
+            lane.wait_blocking()
+
+    def _catch_up(self, sent: int) -> None:
+        """Wait until the reader has handled the ``sent`` messages the server sent
+        on the socket before this execute (a segment it refers to, a cancel)."""
+        endpoint = self.channel.endpoint
+        if endpoint.received >= sent:
+            return
+        with self._arrived:
+            self._arrived.wait_for(lambda: endpoint.received >= sent)
 
     def _watch_server(self) -> None:
         """End the process once the server closed its end of the socket, even
@@ -208,21 +226,17 @@ class StubRuntime(ModelRuntime):
             error = describe_exception(exc)
         self.channel.send({"op": "finalized", "error": error})
 
-    def _execute(self, job: dict) -> None:
+    def _execute(self, call_id: int, entries: list) -> None:
         pb = self.pb
-        requests = [self._incoming(r) for r in job["requests"]]
-        reply: dict = {
-            "op": "executed",
-            "id": job["id"],
-            "responses": None,
-            "error": None,
-            "rescheduled": [],
-        }
+        requests = [self._incoming(entry) for entry in entries]
+        responses = None
+        error = None
+        rescheduled: list[int] = []
         try:
             result = self.call_execute(requests)
             if result is not None:
-                reply["responses"] = self._encode_all(requests, result)
-                for request, encoded in zip(requests, reply["responses"]):
+                responses = self._encode_all(requests, result)
+                for request, encoded in zip(requests, responses):
                     if encoded is not None:
                         request._sender._close()
                         self._unanswered.discard(request._key)
@@ -235,35 +249,60 @@ class StubRuntime(ModelRuntime):
                     # request with the flag once execute returned).
                     request._sender._close()
                     self._unanswered.discard(request._key)
-                    reply["rescheduled"].append(request._key)
+                    rescheduled.append(request._key)
         except BaseException as exc:
-            reply["error"] = self.execute_error(exc)
-            reply["rescheduled"] = []  # python_be.cc: flags back to RELEASE_ALL
+            error = self.execute_error(exc)
+            rescheduled = []  # python_be.cc: flags back to RELEASE_ALL
             # As Triton: the requests end with the error, their senders close.
             for request in requests:
                 request._sender._close()
                 self._unanswered.discard(request._key)
-        self.channel.send(reply)
+        self._reply(call_id, error, rescheduled, responses)
 
-    def _incoming(self, message: dict):
+    def _reply(self, call_id: int, error, rescheduled: list[int], responses) -> None:
+        """The execute's outcome, all its responses in one message: on the lane,
+        unless it refers to a segment not announced yet or does not fit there;
+        then on the socket, with the doorbell rung all the same (the server waits
+        on it)."""
+        endpoint = self.channel.endpoint
+        sent = self.channel.sent_if_announced()
+        if sent is not None:
+            freed = endpoint.take_released()
+            body = encode((call_id, sent, freed, error, rescheduled, responses))
+            if self._lane.post(call_id, body):
+                return
+            endpoint.release(freed)  # they go with the socket message instead
+        self.channel.send(
+            {
+                "op": "executed",
+                "id": call_id,
+                "error": error,
+                "rescheduled": rescheduled,
+                "responses": responses,
+            }
+        )
+        self._lane.ring()
+
+    def _incoming(self, entry: tuple):
+        """A request of an execute, as :func:`.messages.request_message` wrote it."""
         pb = self.pb
+        key, request_id, correlation_id, flags, parameters, refs, outputs, cancelled = entry
         view_array = self.view.array
         wrap = pb.Tensor._wrap
-        inputs = [wrap(ref[0], ref[1], view_array(ref, copy=False)) for ref in message["inputs"]]
-        key = message["key"]
+        inputs = [wrap(ref[0], ref[1], view_array(ref, copy=False)) for ref in refs]
         request = pb.InferenceRequest._received(
             key,
-            message["id"],
-            message["correlation_id"],
+            request_id,
+            correlation_id,
             inputs,
-            message["outputs"],
+            outputs,
             self.model_name,
-            message["flags"],
-            message["parameters"],
+            flags,
+            parameters,
             pb.InferenceResponseSender(key, self.decoupled),
         )
         self._unanswered.add(key)
-        if message["cancelled"]:
+        if cancelled:
             self._cancelled.add(key)
         return request
 
@@ -292,27 +331,30 @@ class StubRuntime(ModelRuntime):
         """The returned responses as messages; None where the model answers (or
         answered) the request through its response sender."""
         self.check_returned(requests, result)
-        encoded: list[dict | None] = []
+        encoded: list[tuple | None] = []
         try:
             for response in result:
                 encoded.append(None if response is None else self.encode_response(response))
         except BaseException:
             # Nothing is sent: the blocks already written go back to the arena.
-            blocks = (block_of(ref) for e in encoded if e is not None for ref in e["outputs"])
+            blocks = (block_of(ref) for e in encoded if e is not None for ref in e[0])
             self.arena.free(block for block in blocks if block is not None)
             raise
         return encoded
 
-    def encode_response(self, response) -> dict:
-        """A response as a message; its tensors are written to shared memory."""
+    def encode_response(self, response) -> tuple:
+        """A response as ``(tensor references, error, parameters)``
+        (:data:`.messages.EncodedResponse`); its tensors are written to shared
+        memory."""
         error = response.error()
         if error is not None:
-            return {"outputs": [], "error": (error.code(), error.message()), "parameters": "{}"}
-        refs = []
-        for tensor in response.output_tensors():
-            ref, _ = self.arena.write(tensor.name(), tensor._datatype, tensor._host_array())
-            refs.append(ref)
-        return {"outputs": refs, "error": None, "parameters": response.parameters()}
+            return ([], (error.code(), error.message()), "{}")
+        write = self.arena.write
+        refs = [
+            write(tensor.name(), tensor._datatype, tensor._host_array())[0]
+            for tensor in response.output_tensors()
+        ]
+        return (refs, None, response.parameters())
 
     # -- called from pb_utils, on any thread ------------------------------------------
 
@@ -350,7 +392,7 @@ class StubRuntime(ModelRuntime):
     def _poll(self) -> None:
         """Dispatch the messages the server sent, without waiting; nothing to do
         when another thread is reading (it dispatches them as they come)."""
-        if self._serving and self._reading.acquire(blocking=False):
+        if self._serving and not self._reader_started and self._reading.acquire(blocking=False):
             try:
                 messages = self.channel.poll()
                 if messages is None:
@@ -446,6 +488,7 @@ class StubRuntime(ModelRuntime):
     # -- reader thread ----------------------------------------------------------------
 
     def _read(self) -> None:
+        arrived = self._arrived
         while True:
             with self._reading:
                 message = self.channel.receive()
@@ -453,11 +496,14 @@ class StubRuntime(ModelRuntime):
                 # The server went away: nothing is left to serve.
                 os._exit(0)
             self._dispatch(message)
+            with arrived:
+                arrived.notify_all()
 
     def _dispatch(self, message: dict) -> None:
         op = message["op"]
         if op in ("execute", "finalize"):
             self._jobs.put(message)
+            self._lane.ring_self()
         elif op == "bls_response":
             self._bls_response(message)
         elif op in ("metric_reply", "control_reply"):
@@ -493,17 +539,18 @@ class StubRuntime(ModelRuntime):
         encoded = message["response"]
         response = None
         if encoded is not None:
+            refs, sent_error, parameters = encoded
             tensors = []
-            for ref in encoded["outputs"]:
+            for ref in refs:
                 array = self.view.array(ref, copy=True)
                 tensors.append(pb.Tensor._wrap(ref[0], ref[1], array))
-            self.channel.endpoint.release(block_of(ref) for ref in encoded["outputs"])
+            self.channel.endpoint.release(block_of(ref) for ref in refs)
             error = None
-            if encoded["error"] is not None:
-                code, text = encoded["error"]
+            if sent_error is not None:
+                code, text = sent_error
                 error = pb.TritonError(text, code)
             response = pb.InferenceResponse(tensors, error)
-            response._parameters = encoded["parameters"]
+            response._parameters = parameters
         if self.channel.endpoint.should_flush():
             self.channel.flush_releases()
         if message["final"]:
@@ -535,9 +582,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv if argv is None else argv
     # The server decides when a stub ends; a terminal's Ctrl+C is for the server.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # argv: -c, the process's name, the socket, the arena sizes, the stub's name.
+    # argv: -c, the process's name, the socket, the arena sizes, the lane's
+    # descriptors, the stub's name.
     sock = socket.socket(fileno=int(argv[2]))
     default_size, growth_size = int(argv[3]), int(argv[4])
+    lane = Lane.open(argv[5])
     # The model sees the argv of python_backend's stub: an interpreter embedded
     # with no arguments (pb_stub.cc main, ``py::scoped_interpreter guard{}``), whose
     # sys.argv is [''], so unittest.main() in a model.py parses no stub arguments.
@@ -551,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
         _auto_complete(channel, message)
         return
     try:
-        runtime = StubRuntime(channel, message)
+        runtime = StubRuntime(channel, message, lane)
     except BaseException as exc:
         channel.send({"op": "error", "message": describe_exception(exc)})
         return

@@ -70,6 +70,12 @@ class Endpoint:
         self._released: list[Block] = []
         self._released_bytes = 0
         self._lock = threading.Lock()
+        # Messages encoded for the peer, and messages decoded from it: a message
+        # on the lane (:mod:`.lane`) carries its sender's count, and its reader
+        # waits until it has read that many from the socket, so that what went
+        # on the socket first (a response, a new segment) is handled first.
+        self.sent = 0
+        self.received = 0
 
     # -- outgoing -----------------------------------------------------------------
 
@@ -83,6 +89,15 @@ class Endpoint:
 
     def should_flush(self) -> bool:
         return self._released_bytes >= self._flush_bytes or len(self._released) >= 256
+
+    def take_released(self) -> list[Block]:
+        """The peer's blocks this side is done with, for a message on the lane."""
+        if not self._released:
+            return []
+        with self._lock:
+            released, self._released = self._released, []
+            self._released_bytes = 0
+        return released
 
     def outgoing(self, message: dict) -> tuple[bytes, list[int]]:
         """The bytes and fds of ``message`` with this side's bookkeeping added.
@@ -98,6 +113,7 @@ class Endpoint:
                 message["free"] = self._released
                 self._released = []
                 self._released_bytes = 0
+        self.sent += 1
         return encode(message), fds
 
     # -- incoming -----------------------------------------------------------------
@@ -123,6 +139,7 @@ class Endpoint:
             freed = message.pop("free", None)
             if freed:
                 self.arena.free(freed)
+            self.received += 1
             yield message
 
     def close(self) -> None:
@@ -149,6 +166,15 @@ class BlockingChannel:
             sent = self.sock.sendmsg([data], ancillary_for(fds))
             if sent < len(data):
                 self.sock.sendall(memoryview(data)[sent:])
+
+    def sent_if_announced(self) -> int | None:
+        """How many messages went to the peer so far, or None while a segment of
+        this side's arena waits to be announced (a message on the lane must not
+        refer to it: its descriptor travels on the socket)."""
+        with self._send_lock:
+            if self.endpoint.arena.has_announcements():
+                return None
+            return self.endpoint.sent
 
     def flush_releases(self) -> None:
         self.send({"op": "free"})

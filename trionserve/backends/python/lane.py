@@ -1,0 +1,149 @@
+"""The per-call path between the server and a stub: a message slot each way in
+shared memory and an eventfd doorbell each way.
+
+Triton's python_backend moves an execute the same way: the model instance's
+thread pushes the request batch onto the stub's message queue in shared memory
+and waits for the stub's answer on the parent's queue itself, each queue woken
+by its semaphore (python_be.cc ModelInstanceState::ProcessRequests,
+message_queue.h); logs, response senders, BLS and the rest travel on queues of
+their own. Here the rest travels on the stub's Unix socket (:mod:`.wire`), which
+also carries start-up, the arenas' descriptors and liveness (a dead stub closes
+it); only the execute and its reply, one at a time per instance, take the lane:
+
+- ``execute`` (server to stub) and ``executed`` (stub to server) are written into
+  the writer's slot as a fixed header (``sequence``, ``length``) and a body of
+  positional tuples (:func:`encode`: marshal of tuples and scalars, no dicts);
+- the writer rings the reader's doorbell (an ``eventfd``): the stub's main thread
+  blocks in ``read`` on its own, the server waits for its own in Trio;
+- a slot holds one message: the server writes the next execute only after it
+  has read the reply to the last one, so neither side overwrites a message the
+  other has not read. A message too large for its slot goes on the socket.
+
+The header is written last (a sequence of 0 while the body is written), and a
+reader checks the sequence again after copying the body out, so a message is
+read whole or not at all.
+"""
+
+from __future__ import annotations
+
+import marshal
+import mmap
+import os
+import struct
+
+import trio
+
+# Bytes of each direction's slot: an execute of a dynamic batch of small
+# requests (tensors of up to 1 KiB ride inside it) fits many times over.
+SLOT_SIZE = 256 * 1024
+_HEADER = struct.Struct("<QQ")  # sequence (0: being written), body length
+_TO_STUB, _TO_SERVER = 0, SLOT_SIZE
+_RING = (1).to_bytes(8, "little")
+
+
+def encode(message: tuple) -> bytes:
+    return marshal.dumps(message)
+
+
+def decode(body: bytes) -> tuple:
+    return marshal.loads(body)
+
+
+class Lane:
+    """One side of a stub's lane: its slots' mapping and the two doorbells.
+
+    The server creates the lane (:meth:`create`) and passes its three
+    descriptors to the stub (:meth:`descriptors`), which opens its side with
+    :meth:`open`.
+    """
+
+    def __init__(self, memory_fd: int, to_stub: int, to_server: int, server: bool) -> None:
+        self._fds = (memory_fd, to_stub, to_server)
+        self._map = mmap.mmap(memory_fd, 2 * SLOT_SIZE)
+        self._out, self._in = (_TO_STUB, _TO_SERVER) if server else (_TO_SERVER, _TO_STUB)
+        self._bell_out, self._bell_in = (to_stub, to_server) if server else (to_server, to_stub)
+        self._closed = False
+
+    @classmethod
+    def create(cls) -> Lane:
+        memory = os.memfd_create("trionserve-python-stub-lane", os.MFD_CLOEXEC)
+        os.ftruncate(memory, 2 * SLOT_SIZE)
+        to_stub = os.eventfd(0, os.EFD_CLOEXEC)
+        to_server = os.eventfd(0, os.EFD_CLOEXEC)
+        return cls(memory, to_stub, to_server, server=True)
+
+    @classmethod
+    def open(cls, argument: str) -> Lane:
+        """The stub's side, from the argument :meth:`argument` made."""
+        memory, to_stub, to_server = (int(fd) for fd in argument.split(","))
+        return cls(memory, to_stub, to_server, server=False)
+
+    def descriptors(self) -> tuple[int, int, int]:
+        return self._fds
+
+    def argument(self) -> str:
+        return ",".join(str(fd) for fd in self._fds)
+
+    # -- writing -----------------------------------------------------------------
+
+    def post(self, sequence: int, body: bytes) -> bool:
+        """Write a message into this side's slot and ring the peer; False (and
+        nothing written) when it does not fit."""
+        if len(body) > SLOT_SIZE - _HEADER.size:
+            return False
+        memory, at = self._map, self._out
+        _HEADER.pack_into(memory, at, 0, len(body))
+        start = at + _HEADER.size
+        memory[start : start + len(body)] = body
+        _HEADER.pack_into(memory, at, sequence, len(body))
+        os.write(self._bell_out, _RING)
+        return True
+
+    def ring(self) -> None:
+        """Ring the peer's doorbell with nothing new in the slot (a message that
+        went on the socket instead)."""
+        os.write(self._bell_out, _RING)
+
+    def ring_self(self) -> None:
+        """Ring this side's own doorbell (another thread has queued work)."""
+        os.write(self._bell_in, _RING)
+
+    # -- reading -----------------------------------------------------------------
+
+    def sequence(self) -> int:
+        """The sequence of the message in the peer's slot (0: none yet, or
+        being written)."""
+        return _HEADER.unpack_from(self._map, self._in)[0]
+
+    def take(self, sequence: int) -> tuple | None:
+        """The message in the peer's slot if its sequence is ``sequence``."""
+        memory, at = self._map, self._in
+        found, length = _HEADER.unpack_from(memory, at)
+        if found != sequence:
+            return None
+        start = at + _HEADER.size
+        body = memory[start : start + length]
+        if _HEADER.unpack_from(memory, at)[0] != sequence:
+            return None  # overwritten while read: not the message asked for
+        return decode(body)
+
+    def wait_blocking(self) -> None:
+        """Block until this side's doorbell rings (the stub's main thread)."""
+        os.read(self._bell_in, 8)
+
+    async def wait(self) -> None:
+        """Wait in Trio until this side's doorbell rings (the server). Only the
+        task that reads replies waits here, one at a time."""
+        await trio.lowlevel.wait_readable(self._bell_in)
+        os.read(self._bell_in, 8)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._map.close()
+        except BufferError:  # pragma: no cover - nothing keeps views of the slots
+            pass
+        for fd in self._fds:
+            os.close(fd)
