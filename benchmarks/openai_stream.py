@@ -106,7 +106,7 @@ def direct_round(model, max_tokens: int) -> tuple[float, float, int]:
     )
     sender = _Sender()
     start = time.perf_counter()
-    model._generate(request, sender)
+    model.generate(request, sender)
     return _figures(start, sender.times, sender.tokens)
 
 
