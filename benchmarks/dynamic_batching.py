@@ -28,7 +28,8 @@ import tritonclient.http as httpclient
 import tritonclient.http.aio as aiohttpclient
 
 from benchmarks.loadgen import median, run_load, summary
-from tests.serverproc import EXAMPLES, ServerProcess
+from benchmarks.matrix import EXAMPLES
+from trionserve.testing import TrionServe
 
 MODELS = ("simple", "simple_dynamic")
 
@@ -103,7 +104,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="trionserve-bench-") as tmp:
-        server = ServerProcess(make_repository(Path(tmp)))
+        server = TrionServe(make_repository(Path(tmp)))
         try:
             server.wait_ready()
             results, cpu = asyncio.run(

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.loadgen import ClientPool, LoadResult, Workload
+from trionserve.testing import TrionServe
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "model_repository"
@@ -128,82 +126,6 @@ class Target:
         )
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A server started as a subprocess, its output in a temporary log file."""
-
-    def __init__(self, label: str, command: list[str], env: dict | None = None, cwd=None) -> None:
-        self.label = label
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-{label}-", suffix=".log")
-        self.process = subprocess.Popen(
-            command,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=dict(os.environ, **(env or {})),
-            cwd=cwd,
-            start_new_session=True,
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def output(self, tail: int = 4000) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-tail:]
-
-    def wait_http(self, url: str, path: str, timeout: float) -> None:
-        """Wait until GET ``path`` answers 200 (or raise with the server's log)."""
-        import http.client
-
-        host, port = url.rsplit(":", 1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{self.label} exited with {self.process.returncode}:\n{self.output()}"
-                )
-            connection = http.client.HTTPConnection(host, int(port), timeout=2)
-            try:
-                connection.request("GET", path)
-                if connection.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            finally:
-                connection.close()
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.label} did not become ready in {timeout:g} s:\n{self.output()}")
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it if it lingers."""
-        import signal
-
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # stragglers of its group
-        except ProcessLookupError:
-            pass
-        if self.process.poll() is None:
-            self.process.wait()
-        self.log.close()
-
-
 def start_trionserve(
     label: str,
     repository: Path = EXAMPLES,
@@ -211,39 +133,24 @@ def start_trionserve(
     tree: Path | None = None,
     ready_timeout: float = 120.0,
     python: str | None = None,
-) -> tuple[ServerProcess, Target]:
-    """trionserve on free loopback ports; ``tree``: run it from another source tree
-    (e.g. a ``git worktree`` of an older commit) instead of the installed one, with
-    ``python``, else the Python of the tree's own ``.venv`` when it has one (an older
-    tree may need other dependencies)."""
-    http_port, grpc_port = free_port(), free_port()
-    if python is None:
-        python = sys.executable
-        if tree is not None and (Path(tree) / ".venv" / "bin" / "python").exists():
-            python = str(Path(tree) / ".venv" / "bin" / "python")
-    command = [
-        python,
-        "-m",
-        "trionserve",
-        f"--model-repository={repository}",
-        "--http-address=127.0.0.1",
-        f"--http-port={http_port}",
-        "--grpc-address=127.0.0.1",
-        f"--grpc-port={grpc_port}",
-        "--allow-metrics=false",
-        *args,
-    ]
-    env = {"PYTHONUNBUFFERED": "1"}
-    if tree is not None:
-        env["PYTHONPATH"] = str(tree)
-    server = ServerProcess(label, command, env, cwd=tree or ROOT)
-    http_url = f"127.0.0.1:{http_port}"
+) -> tuple[TrionServe, Target]:
+    """trionserve on free loopback ports (trionserve.testing's harness, the tests'
+    too), ready, without its metrics port; ``tree``: run it from another source tree
+    (e.g. a ``git worktree`` of an older commit) instead of this one, with
+    ``python``, else the Python of the tree's own ``.venv`` when it has one."""
+    server = TrionServe(
+        repository,
+        args=["--allow-metrics=false", *args],
+        label=label,
+        tree=tree,
+        python=python,
+    )
     try:
-        server.wait_http(http_url, "/v2/health/ready", ready_timeout)
+        server.wait_http(server.http_url, "/v2/health/ready", ready_timeout)
     except BaseException:
-        server.stop()
+        server.close()
         raise
-    return server, Target(label, server.pid, http_url, f"127.0.0.1:{grpc_port}")
+    return server, Target(label, server.pid, server.http_url, server.grpc_url)
 
 
 # ---------------------------------------------------------------------- the run

@@ -38,8 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.matrix import start_trionserve
-from tests.serverproc import free_port
 from trionserve.actors.memory_usage import process_tree_rss
+from trionserve.testing import free_port
 
 MIB = 1 << 20
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.serverproc import ServerProcess, free_port
+from trionserve.testing import TrionServe, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "examples" / "openai" / "model_repository" / "tiny_llm"
@@ -184,7 +184,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=200)
     args = parser.parse_args()
     port = free_port()
-    proc = ServerProcess(MODEL.parent, args=[f"--openai-port={port}", "--allow-grpc=false"])
+    proc = TrionServe(MODEL.parent, args=[f"--openai-port={port}", "--allow-grpc=false"])
     try:
         proc.wait_ready()
         model = load_direct()

@@ -41,7 +41,8 @@ import numpy as np
 import tritonclient.http.aio as aiohttpclient
 
 from benchmarks.loadgen import run_load, summary
-from tests.serverproc import EXAMPLES, ROOT, ServerProcess, free_port
+from benchmarks.matrix import EXAMPLES, ROOT
+from trionserve.testing import TrionServe, free_port
 
 BUSY_CONFIG = """
 name: "{name}"
@@ -280,7 +281,7 @@ def main() -> None:
         compare(args.baseline.resolve(), args.chunks)
         return
     with tempfile.TemporaryDirectory(prefix="trionserve-bench-") as tmp:
-        server = ServerProcess(make_repository(Path(tmp)))
+        server = TrionServe(make_repository(Path(tmp)))
         try:
             server.wait_ready()
             results = asyncio.run(measure(server.http_url, args.duration, args.rounds))

@@ -22,9 +22,10 @@ import ray
 from ray import serve
 
 from benchmarks.loadgen import ClientPool, LoadResult, standard_workloads
-from tests.ray_cluster import RayCluster, free_port
-from tests.serverproc import EXAMPLES, ServerProcess
+from benchmarks.matrix import EXAMPLES
+from tests.ray_cluster import RayCluster
 from trionserve.ray_serve import app
+from trionserve.testing import TrionServe, free_port
 
 CONCURRENCIES = (1, 8)
 
@@ -50,7 +51,7 @@ def main() -> None:
     workload = standard_workloads()["simple http binary"]
     results: dict[tuple[str, int], list[LoadResult]] = {}
     began = time.monotonic()
-    plain = ServerProcess()
+    plain = TrionServe(EXAMPLES)
     try:
         plain.wait_ready()
         with RayCluster(nodes=2, cpus_per_node=1) as cluster, ClientPool(2) as pool:

@@ -74,7 +74,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.loadgen import ClientPool, LoadResult
-from benchmarks.matrix import cpu_seconds, free_port, start_trionserve, tree_pids
+from benchmarks.matrix import cpu_seconds, start_trionserve, tree_pids
+from trionserve.testing import free_port
 
 IMAGE = (3, 224, 224)
 CLASSES = 1000

@@ -36,8 +36,7 @@ import time
 import zlib
 from pathlib import Path
 
-from benchmarks.matrix import start_trionserve
-from tests.serverproc import EXAMPLES
+from benchmarks.matrix import EXAMPLES, start_trionserve
 
 
 def gzip_of_zeros(compressed_mib: float) -> bytes:

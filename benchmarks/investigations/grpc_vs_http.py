@@ -209,9 +209,10 @@ def main() -> None:
     if args.http_url and args.grpc_url:
         points = measure(check_loopback(args.http_url), check_loopback(args.grpc_url), *options)
     else:
-        from tests.serverproc import ServerProcess
+        from benchmarks.matrix import EXAMPLES
+        from trionserve.testing import TrionServe
 
-        server = ServerProcess()
+        server = TrionServe(EXAMPLES)
         try:
             server.wait_ready()
             points = measure(server.http_url, f"127.0.0.1:{server.grpc_port}", *options)

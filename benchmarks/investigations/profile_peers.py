@@ -61,13 +61,13 @@ from benchmarks import perf_analyzer
 from benchmarks.matrix import (
     EXAMPLES,
     ROOT,
-    ServerProcess,
     default_cache,
     start_trionserve,
     tree_pids,
 )
 from benchmarks.peers.common import PeerUnavailable
 from benchmarks.peers.triton import Triton, write_repository
+from trionserve.testing import ServerProcess
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 SERVERS = {

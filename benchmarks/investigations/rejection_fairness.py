@@ -44,8 +44,7 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks.loadgen import LoadResult
-from benchmarks.matrix import cpu_seconds, start_trionserve, tree_pids
-from tests.serverproc import EXAMPLES
+from benchmarks.matrix import EXAMPLES, cpu_seconds, start_trionserve, tree_pids
 
 FLOODED_CONFIG = """
 name: "flooded"

@@ -39,8 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.matrix import ServerProcess, free_port
 from benchmarks.served_vs_direct import IMAGE, build_repository, direct_runner
+from trionserve.testing import ServerProcess, free_port
 
 # The server: trionserve with timestamps at each step of each request, written as
 # JSON to $TIMELINE_OUT when it exits.

@@ -10,7 +10,8 @@ import venv
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.matrix import ServerProcess, Target, free_port
+from benchmarks.matrix import Target
+from trionserve.testing import ServerProcess, free_port
 
 # The two models every server serves, with the same tensors as trionserve's
 # examples: `simple` (OUTPUT0 = INPUT0 + INPUT1, OUTPUT1 = INPUT0 - INPUT1, INT32
@@ -35,7 +36,10 @@ class Running:
     target: Target
 
     def stop(self) -> None:
-        self.process.stop()
+        try:
+            self.process.stop()
+        finally:
+            self.process.close()
 
 
 class Peer:
@@ -108,7 +112,7 @@ class Peer:
             process.wait_http(http_url, ready_path, ready_timeout)
             self._wait_model(http_url, ready_timeout)
         except RuntimeError as exc:
-            process.stop()
+            process.close()
             raise PeerUnavailable(str(exc)) from None
         target = Target(
             self.name,
