@@ -82,6 +82,13 @@ input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
         { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
          { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]""",
+    "repeat_not_decoupled": """backend: "repeat"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
+        { name: "DELAY" data_type: TYPE_UINT32 dims: [ -1 ] },
+        { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+         { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]""",
     "square_int32": 'backend: "square"\nmax_batch_size: 0\n'
     "model_transaction_policy { decoupled: True }\n" + _io("IN", "OUT", "TYPE_INT32", "1"),
     "square_failing": 'backend: "square"\nmax_batch_size: 0\n'
@@ -253,6 +260,18 @@ def test_repeat_streams_one_response_per_element_then_the_final_flag(stream):
     (error,) = _drain(stream, 1)
     assert isinstance(error, InferenceServerException)
     assert "expected IN and DELAY shape to match, got [3] and [1]" in error.message()
+
+
+def test_a_model_that_is_not_decoupled_gets_the_first_of_several_responses(http):
+    # qa/L0_grpc_state_cleanup test_non_decoupled_streaming_multi_response.
+    inputs = [
+        _input("IN", np.array([100, 101, 102, 103], np.int32), "INT32"),
+        _input("DELAY", np.zeros(4, np.uint32), "UINT32"),
+        _input("WAIT", np.array([0], np.uint32), "UINT32"),
+    ]
+    result = http.infer("repeat_not_decoupled", inputs)
+    assert result.as_numpy("OUT").tolist() == [100]
+    assert result.as_numpy("IDX").tolist() == [0]
 
 
 def test_square_answers_n_times_and_its_simulated_failure_ends_the_request(stream):

@@ -103,6 +103,12 @@ class ReferenceInstance:
         self.context = context
         self.spec = spec
         self.version = str(context.version)
+        # A model that is not decoupled has one response per request: a backend
+        # that sends more (repeat, square) has its first delivered as the final one
+        # and the rest ignored (qa/L0_grpc_state_cleanup
+        # test_non_decoupled_streaming_multi_response: "should return the first
+        # response").
+        self.decoupled = bool(context.config.model_transaction_policy.decoupled)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

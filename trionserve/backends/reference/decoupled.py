@@ -176,7 +176,7 @@ class RepeatInstance(ReferenceInstance):
                             Tensor("IDX", "UINT32", np.array([index], dtype=np.uint32)),
                         ],
                     ),
-                    final=False,
+                    final=not self.decoupled,
                 )
                 log.info(f"sent response {index + 1} of {count}")
             if count == 0:
@@ -291,7 +291,7 @@ class SquareInstance(ReferenceInstance):
                 if result == "fail":
                     request.fail(TritonError("simulated failure", Status.UNKNOWN))
                     return
-                request.send(response, final=False)
+                request.send(response, final=not self.decoupled)
                 log.info(f"sent response {index + 1} of {count}")
             if count == 0:
                 log.info("IN value is zero, no responses sent")
