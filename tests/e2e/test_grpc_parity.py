@@ -18,6 +18,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.helpers import simple_inputs
+from tests.repository import python_model
 from tests.serverproc import EXAMPLES, ServerProcess
 
 REPEAT_MODEL = textwrap.dedent(
@@ -56,9 +57,7 @@ REPEAT_CONFIG = textwrap.dedent(
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("grpc-parity")
     shutil.copytree(EXAMPLES / "simple", root / "simple")
-    (root / "repeat" / "1").mkdir(parents=True)
-    (root / "repeat" / "1" / "model.py").write_text(REPEAT_MODEL)
-    (root / "repeat" / "config.pbtxt").write_text(REPEAT_CONFIG)
+    python_model(root, "repeat", REPEAT_CONFIG, REPEAT_MODEL)
     process = ServerProcess(root)
     try:
         process.wait_ready(path="/v2/models/repeat/ready")

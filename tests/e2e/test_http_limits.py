@@ -8,7 +8,6 @@ import gzip
 import http.client
 import json
 import socket
-import textwrap
 import time
 import zlib
 
@@ -17,6 +16,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from tests.helpers import tcp_sockets, wait_for
+from tests.repository import python_model
 from tests.serverproc import EXAMPLES, ServerProcess
 
 # Sums and counts the bytes of its one UINT8 input (any length): a large input
@@ -48,10 +48,7 @@ output [ { name: "COUNTS", data_type: TYPE_INT64, dims: [ 2 ] } ]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repository = tmp_path_factory.mktemp("repository")
-    model = repository / "count_bytes"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(COUNT_BYTES_CONFIG)
-    (model / "1" / "model.py").write_text(textwrap.dedent(COUNT_BYTES_MODEL))
+    python_model(repository, "count_bytes", COUNT_BYTES_CONFIG, COUNT_BYTES_MODEL)
     proc = ServerProcess(
         EXAMPLES,
         repository,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import queue
 import shutil
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.e2e.test_python_backend import ECHO, i32_inputs
 from tests.e2e.test_python_backend import MODELS as BASE_MODELS
+from tests.repository import python_model
 from tests.serverproc import EXAMPLES, ServerProcess
 
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
@@ -419,9 +419,7 @@ def server(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("parity_models")
     shutil.copytree(EXAMPLES / "simple", root / "simple")
     for name, (config, source) in MODELS.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
-        (root / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n' + config)
+        python_model(root, name, f'name: "{name}"\nbackend: "python"\n' + config, source)
     proc = ServerProcess(root, args=["--exit-on-error=false"])
     try:
         proc.wait_ready()
@@ -662,11 +660,7 @@ def test_shutdown_honours_the_exit_timeout_with_open_requests_and_stuck_stubs(tm
         ("hold_open", DECOUPLED_ECHO, HOLD_OPEN),
         ("stuck", ECHO, STUCK),
     ):
-        (tmp_path / name / "1").mkdir(parents=True)
-        (tmp_path / name / "1" / "model.py").write_text(textwrap.dedent(source))
-        (tmp_path / name / "config.pbtxt").write_text(
-            f'name: "{name}"\nbackend: "python"\n' + config
-        )
+        python_model(tmp_path, name, f'name: "{name}"\nbackend: "python"\n' + config, source)
     proc = ServerProcess(tmp_path, args=["--exit-timeout-secs=2"])
     stream = None
     try:

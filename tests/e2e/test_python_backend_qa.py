@@ -14,7 +14,6 @@ import json
 import os
 import queue
 import signal
-import textwrap
 import time
 from pathlib import Path
 from urllib.parse import quote
@@ -26,6 +25,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.e2e.test_model_control_http import post
+from tests.repository import python_model
 from tests.serverproc import ServerProcess, http_client, serving
 
 IDENTITY = """
@@ -394,9 +394,7 @@ class TritonPythonModel:
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("python_qa")
     for name, (config, source) in MODELS.items():
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "1" / "model.py").write_text(textwrap.dedent(source))
-        (root / name / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "python"\n' + config)
+        python_model(root, name, f'name: "{name}"\nbackend: "python"\n' + config, source)
     args = ["--log-verbose=1", "--strict-readiness=false", "--model-control-mode=explicit"]
     proc = ServerProcess(root, args=[*args, "--load-model=*"])
     try:
@@ -596,10 +594,8 @@ def test_a_killed_stub_makes_the_model_not_ready_until_the_next_request(
 def test_with_strict_readiness_a_dead_stub_makes_the_server_not_ready(tmp_path):
     # core server.cc InferenceServer::IsReady: strict readiness also asks every
     # READY model's instances.
-    (tmp_path / "identity" / "1").mkdir(parents=True)
-    (tmp_path / "identity" / "1" / "model.py").write_text(IDENTITY_MODEL)
-    (tmp_path / "identity" / "config.pbtxt").write_text(
-        'name: "identity"\nbackend: "python"\n' + IDENTITY
+    python_model(
+        tmp_path, "identity", 'name: "identity"\nbackend: "python"\n' + IDENTITY, IDENTITY_MODEL
     )
     with serving(tmp_path, args=["--log-verbose=1"]) as proc, http_client(proc) as client:
         grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from tests.repository import write_model
 from tests.serverproc import http_client, serving
 
 BACKEND = """
@@ -52,13 +53,12 @@ def client(tmp_path_factory):
     (root / "backends" / "scaler" / "model.py").write_text(textwrap.dedent(BACKEND))
     repository = root / "models"
     for name, scale in (("double", 2), ("triple", 3)):
-        (repository / name / "1").mkdir(parents=True)
-        (repository / name / "config.pbtxt").write_text(
+        config = (
             f'backend: "scaler"\nmax_batch_size: 0\n'
             f'parameters {{ key: "scale" value: {{ string_value: "{scale}" }} }}\n'
         )
-    (repository / "unknown" / "1").mkdir(parents=True)
-    (repository / "unknown" / "config.pbtxt").write_text('backend: "nowhere"\n')
+        write_model(repository, name, config, versions=[1])
+    write_model(repository, "unknown", 'backend: "nowhere"\n', versions=[1])
     args = [f"--backend-directory={root / 'backends'}", "--exit-on-error=false"]
     with serving(repository, args=args) as proc, http_client(proc) as client:
         client.repository = repository

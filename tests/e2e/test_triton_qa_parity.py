@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from tests.repository import python_model, write_model
 from tests.serverproc import EXAMPLES, ServerProcess
 
 # OUTPUT0: the request's parameters as JSON, as python_backend's request.parameters().
@@ -93,12 +94,9 @@ ensemble_scheduling { step [ {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("qa-parity")
-    (repo / "params" / "1").mkdir(parents=True)
-    (repo / "params" / "config.pbtxt").write_text(PARAMS_CONFIG)
-    (repo / "params" / "1" / "model.py").write_text(PARAMS_MODEL)
+    python_model(repo, "params", PARAMS_CONFIG, PARAMS_MODEL)
     shutil.copytree(EXAMPLES / "identity_fp32", repo / "identity_fp32")
-    (repo / "ens_missing_step" / "1").mkdir(parents=True)
-    (repo / "ens_missing_step" / "config.pbtxt").write_text(ENSEMBLE_CONFIG)
+    write_model(repo, "ens_missing_step", ENSEMBLE_CONFIG, versions=[1])
     for name in MISMATCHES:
         (repo / name / "1").mkdir(parents=True)
         shutil.copy(EXAMPLES / "identity_fp32" / "1" / "model.onnx", repo / name / "1")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import queue
 import re
-import textwrap
 import threading
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from tests.helpers import wait_for
+from tests.repository import python_model
 from tests.serverproc import serving
 
 MIB = 1024 * 1024
@@ -65,10 +65,7 @@ class TritonPythonModel:
 
 @pytest.fixture
 def repository(tmp_path: Path) -> Path:
-    model = tmp_path / "repo" / "firehose"
-    (model / "1").mkdir(parents=True)
-    (model / "config.pbtxt").write_text(CONFIG % (tmp_path / "marker"))
-    (model / "1" / "model.py").write_text(textwrap.dedent(MODEL))
+    python_model(tmp_path / "repo", "firehose", CONFIG % (tmp_path / "marker"), MODEL)
     return tmp_path / "repo"
 
 
