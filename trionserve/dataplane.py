@@ -396,8 +396,10 @@ class DataPlane:
         models themselves (``internal``) are not checked here. ``queued`` is set
         once the model's scheduler holds the request (or the cache answered it):
         an error raised before is one Triton's ServerInferAsync would return."""
-        if self.registry.residency is not None:
-            await self.registry.residency.wait_routable(request)
+        residency = self.registry.residency
+        if residency is not None and (internal or not self.drain.draining):
+            # A draining server starts no load for a request it will refuse.
+            await residency.wait_routable(request)
         model = self._admit(request, internal, None if internal else endpoint)
         cache = self.response_cache
         if cache is not None and model.config.response_cache.enable:
@@ -464,8 +466,9 @@ class DataPlane:
         ``queued`` is set once the model's scheduler holds the request (a stream
         waits for it so that a sequence's requests are queued in order).
         """
-        if self.registry.residency is not None:
-            await self.registry.residency.wait_routable(request)
+        residency = self.registry.residency
+        if residency is not None and (internal or not self.drain.draining):
+            await residency.wait_routable(request)
         model = self._admit(request, internal)
         async with self._lifecycle(model, request, queued) as run:
             async for response, final in request.stream():
@@ -484,8 +487,9 @@ class DataPlane:
         the request is routed and valid, so that a caller can tell an error of
         the request from one its model answered.
         """
-        if self.registry.residency is not None:
-            await self.registry.residency.wait_routable(request)
+        residency = self.registry.residency
+        if residency is not None and not self.drain.draining:
+            await residency.wait_routable(request)
         model = self._admit(request)
         if admitted is not None:
             admitted.set()

@@ -37,7 +37,7 @@ import structlog
 import trio
 
 from trionserve import __version__
-from trionserve.actors.memory_usage import GpuMemory
+from trionserve.actors.memory_usage import GpuMemory, fix_mmap_threshold
 from trionserve.actors.rate_limiter import RateLimiter, RateLimiterResource, RateLimitMode
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.residency import ResidencyManager, ResidencyOptions
@@ -297,6 +297,7 @@ class Server:
                 f"{options.model_control_mode.value}): in the other modes every model "
                 "is loaded at start"
             )
+        fix_mmap_threshold()  # unloaded models' tensors go back to the system
         gpus = (
             GpuMemory()
             if any(limit.device != "host" for limit in residency.memory_limits)

@@ -93,8 +93,8 @@ def _watched(world: World, manager: ResidencyManager) -> Iterator[None]:
         if used > BUDGET:
             world.violate(WITHIN_BUDGET, f"{when}: {used} bytes charged, the budget is {BUDGET}")
 
-    def admitted(entry, config, charge):
-        original_admitted(entry, config, charge)
+    def admitted(entry, config, charge, *rest):
+        original_admitted(entry, config, charge, *rest)
         within_budget(f"after '{entry.name}' was charged")
 
     async def evict(resident, reason):

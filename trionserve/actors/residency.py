@@ -102,6 +102,7 @@ class Resident:
     pinned: bool = False
     startup: bool = False
     evicting: bool = False
+    measured: bool = False  # the charge was measured (not declared by its config)
 
 
 @dataclass(eq=False)
@@ -150,12 +151,20 @@ class ResidencyManager:
         self._reserved: tuple[ModelId, Charge] | None = None
         # Measured charges of models since unloaded: the estimate of their next load.
         self._measured: dict[ModelId, Charge] = {}
+        # What evicted models were charged and did not give back (a framework's
+        # one-time libraries and thread pools, charged to the first model that
+        # loaded them): it stays charged, so the budget bounds what the server takes.
+        self.retained: Charge = {}
         self._started = False  # loads before are start-up loads
         # Models whose load a request started (they may wait for room).
         self._on_demand: set[ModelId] = set()
         self._abandoned: set[ModelId] = set()  # ... and given up for want of waiters
         # Set when a waiter goes or a model is evicted: room may have changed.
         self._changed = trio.Event()
+        # With a budget, one on-demand load runs at a time, reading its
+        # configuration (an ONNX model's auto-complete builds a session) included:
+        # sixteen cold models read at once took 500 MiB past the budget.
+        self._load_slots = trio.CapacityLimiter(1 if self.budgets else 1_000_000)
         self._nursery: trio.Nursery | None = None
         self._wake = trio.Event()
         self.metrics = ResidencyMetrics()
@@ -202,7 +211,7 @@ class ResidencyManager:
         """What the resident models are charged, by device (a load being measured
         counts with its estimate)."""
         self._prune()
-        charges = [r.charge for r in self.residents.values()]
+        charges = [r.charge for r in self.residents.values()] + [self.retained]
         if self._reserved is not None:
             charges.append(self._reserved[1])
         return total(charges)
@@ -342,7 +351,12 @@ class ResidencyManager:
         target: str = model_id if namespace else name
         self._on_demand.add(model_id)
         try:
-            await self.registry.load(target, reason="requested by an inference request")
+            async with self._load_slots:
+                if not self._waiting.get(model_id):
+                    # Every request that wanted it gave up while it queued.
+                    self._abandoned.add(model_id)
+                    raise _Abandoned(f"model '{name}' was not loaded: no request waits for it")
+                await self.registry.load(target, reason="requested by an inference request")
         except TritonError as error:
             if model_id in self._abandoned:
                 load.error = error  # no request waits: not a failure of the model
@@ -401,6 +415,7 @@ class ResidencyManager:
                 charge = _delta(before, after)
             else:
                 charge = declared
+            measured = declared is None
             if reload:
                 previous = self.residents[model_id].charge
                 charge = {d: max(v, previous.get(d, 0)) for d, v in {**previous, **charge}.items()}
@@ -412,7 +427,7 @@ class ResidencyManager:
                     assert self._nursery is not None
                     self._nursery.start_soon(self._unload_unfit, model_id)
                     raise
-            self._admitted(entry, config, charge)
+            self._admitted(entry, config, charge, measured)
 
     async def _unload_unfit(self, model_id: ModelId) -> None:
         try:
@@ -420,7 +435,9 @@ class ResidencyManager:
         except TritonError as error:
             log.warning("unfit model not unloaded", model=model_id.name, reason=error.message)
 
-    def _admitted(self, entry: ModelEntry, config: ModelConfig, charge: Charge) -> None:
+    def _admitted(
+        self, entry: ModelEntry, config: ModelConfig, charge: Charge, measured: bool = False
+    ) -> None:
         if not entry.serving:
             return
         model_id = entry.model_id
@@ -430,6 +447,7 @@ class ResidencyManager:
                 model_id, charge, trio.current_time(), startup=not self._started
             )
         resident.charge = charge
+        resident.measured = measured
         resident.pinned = is_pinned(config)
         resident.last_used = trio.current_time()
         self._wake.set()
@@ -445,8 +463,9 @@ class ResidencyManager:
         the budget error at once.
         """
         while True:
+            self._prune()  # models unloaded by other means hold no room
             others = [r for m, r in self.residents.items() if m != model_id]
-            used = total([r.charge for r in others])
+            used = total([r.charge for r in others] + [self.retained])
             excess = over(self.budgets, used, need)
             if not excess:
                 return
@@ -463,12 +482,16 @@ class ResidencyManager:
                 await self._evict(victim, f"evicted: least recently used to load '{model_id.name}'")
                 continue
             staying = [r.charge for r in others if reasons[r.model_id] not in _TRANSIENT]
+            staying.append(self.retained)
             if model_id not in self._on_demand or over(self.budgets, total(staying), need):
+                resident = {r.model_id.name: r.charge for r in others}
+                if any(self.retained.values()):
+                    resident["(kept by the server after unloads)"] = self.retained
                 raise budget_error(
                     model_id.name,
                     self.budgets,
                     need,
-                    {r.model_id.name: r.charge for r in others},
+                    resident,
                     {r.model_id.name: why for r in others if (why := reasons[r.model_id])},
                 )
             if not self._waiting.get(model_id):
@@ -520,12 +543,24 @@ class ResidencyManager:
         kind = "idle" if reason.startswith("idle") else "lru"
         key = (model_id.name, kind)
         self.metrics.evictions[key] = self.metrics.evictions.get(key, 0) + 1
+        measure = resident.measured and bool(self.budgets)
+        before = await trio.to_thread.run_sync(usage, self._gpus) if measure else None
         try:
             await self.registry.unload(model_id, reason=reason)
         finally:
             self.residents.pop(model_id, None)
             self._measured[model_id] = resident.charge
             self._changed.set()
+        if before is not None:
+            after = await trio.to_thread.run_sync(_settled_usage, self._gpus)
+            self._account_release(resident.charge, _delta(after, before))
+
+    def _account_release(self, charge: Charge, freed: Charge) -> None:
+        """What an evicted model was charged and did not give back stays charged
+        (``retained``); what it gave back beyond its charge comes off it."""
+        for device, size in charge.items():
+            kept = self.retained.get(device, 0) + size - freed.get(device, 0)
+            self.retained[device] = max(0, kept)
 
     # -- idle unload ------------------------------------------------------------------------
 

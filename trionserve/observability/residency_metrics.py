@@ -102,12 +102,20 @@ class ResidencyCollector:
             "Bytes charged to the loaded models, by device",
             labels=["device"],
         )
+        retained = GaugeMetricFamily(
+            "trionserve_memory_retained_bytes",
+            "Bytes evicted models were charged and the server did not give back (a "
+            "framework's one-time libraries, say): still charged to the budget",
+            labels=["device"],
+        )
         charges = manager.used()
         for device, size in sorted(manager.budgets.items()):
             budget.add_metric([device], size)
             used.add_metric([device], charges.get(device, 0))
+            retained.add_metric([device], manager.retained.get(device, 0))
         yield budget
         yield used
+        yield retained
         wait = HistogramMetricFamily(
             "trionserve_model_load_wait_seconds",
             "Seconds an inference request waited for its model to load",

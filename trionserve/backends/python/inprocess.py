@@ -48,11 +48,10 @@ timeout or restart (a thread cannot be killed).
 
 from __future__ import annotations
 
+import gc
 import inspect
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVarTuple
 
 import structlog
 import trio
@@ -80,8 +79,6 @@ from trionserve.core.errors import (
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 log = structlog.get_logger(__name__)
-
-Args = TypeVarTuple("Args")
 
 # How long a readiness check waits for the model's is_ready() (as a stub's).
 READINESS_TIMEOUT_SECONDS = 5.0
@@ -159,7 +156,7 @@ class InProcessInstance:
 
     # -- the actor -----------------------------------------------------------------
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -263,7 +260,7 @@ class InProcessInstance:
 
     # -- what the model's threads post ---------------------------------------------------
 
-    def post(self, fn: Callable[[*Args], object], *args: *Args) -> None:
+    def post(self, fn, *args) -> None:
         self.token.run_sync_soon(fn, *args)
 
     def deliver_sent(
@@ -336,3 +333,9 @@ class InProcessInstance:
         namespace = self._runtime.namespace
         if namespace is not None:
             namespace.close()
+            # The model's objects live in the server's heap and hold each other
+            # (module, class, instance, pb_utils): without a collection they
+            # outlive the unload until the cyclic collector next runs a full pass,
+            # which a few large arrays never trigger (100 load/unload cycles of a
+            # model holding 20 MiB grew the server by 80 MiB in 5 cycles).
+            gc.collect()

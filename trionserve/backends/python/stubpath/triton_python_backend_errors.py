@@ -22,38 +22,38 @@ class TritonError(Exception):
     ALREADY_EXISTS = 6
     CANCELLED = 7
 
-    def __init__(self, message: object, code: int = INTERNAL) -> None:
+    def __init__(self, message, code=INTERNAL):
         if message is None:
             raise TypeError("TritonError needs a message")
         super().__init__(message)
         self._message = str(message)
         self._code = int(code)
 
-    def message(self) -> str:
+    def message(self):
         return self._message
 
-    def code(self) -> int:
+    def code(self):
         return self._code
 
-    def __str__(self) -> str:
+    def __str__(self):
         return self._message
 
 
 class TritonModelException(Exception):
     """Raised by models (and by this module) to fail initialize, execute or finalize."""
 
-    def __init__(self, msg: object = None) -> None:
+    def __init__(self, msg=None):
         super().__init__(msg)
         self._msg = msg
 
-    def message(self) -> object:
+    def message(self):
         return self._msg
 
-    def __str__(self) -> str:
+    def __str__(self):
         return "" if self._msg is None else str(self._msg)
 
 
-def as_text(value: object, what: str) -> str:
+def as_text(value, what):
     """A string argument as Triton's C++ side takes it: ``str``, or ``bytes`` as UTF-8
     (a name read from a BYTES tensor is ``bytes``)."""
     if isinstance(value, str):

@@ -9,8 +9,6 @@ and no state.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import numpy as np
 from triton_python_backend_dtypes import (
     CODE_TO_WIRE,
@@ -20,23 +18,11 @@ from triton_python_backend_dtypes import (
 )
 from triton_python_backend_errors import TritonModelException, as_text
 
-if TYPE_CHECKING:
-    from typing import Self
-
-    from numpy.typing import ArrayLike
-    from typing_extensions import CapsuleType
-
 
 class Tensor:
     """A named tensor: a numpy array in CPU memory, or a DLPack object on a GPU."""
 
-    _name: str
-    _datatype: str  # the wire name: FP32, BYTES, BF16, ...
-    _array: np.ndarray | None  # None: on a device
-    # What holds a device tensor's memory: a DLPack producer (torch, cupy, ...).
-    _device_object: Any
-
-    def __init__(self, name: str | bytes, numpy_array: ArrayLike, *_legacy: object) -> None:
+    def __init__(self, name, numpy_array, *_legacy):
         name = name if type(name) is str else as_text(name, "Tensor name")
         if numpy_array is None:
             raise TypeError("Tensor() takes a numpy array, not None")
@@ -65,7 +51,7 @@ class Tensor:
         self._datatype = CODE_TO_WIRE[code]
 
     @classmethod
-    def _wrap(cls, name: str, datatype: str, array: np.ndarray | None) -> Self:
+    def _wrap(cls, name, datatype, array):
         """A tensor that keeps the wire datatype it arrived with (BF16, BYTES)."""
         tensor = cls.__new__(cls)
         tensor._name = name
@@ -74,44 +60,43 @@ class Tensor:
         tensor._datatype = datatype
         return tensor
 
-    def name(self) -> str:
+    def name(self):
         return self._name
 
-    def triton_dtype(self) -> int:
+    def triton_dtype(self):
         return WIRE_TO_CODE[self._datatype]
 
-    def shape(self) -> list[int]:
-        source = self._array if self._array is not None else self._device_object
+    def shape(self):
+        source = self._array if self._device_object is None else self._device_object
         return [int(d) for d in source.shape]
 
-    def is_cpu(self) -> bool:
+    def is_cpu(self):
         return self._device_object is None
 
-    def as_numpy(self) -> np.ndarray:
-        if self._array is None:
+    def as_numpy(self):
+        if self._device_object is not None:
             raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
         return self._array
 
-    def to_dlpack(self) -> object:
+    def to_dlpack(self):
         return self.__dlpack__()
 
-    def __dlpack__(self, stream: object = None) -> object:
+    def __dlpack__(self, stream=None):
         if self._device_object is not None:
             if stream is None:
                 return self._device_object.__dlpack__()
             return self._device_object.__dlpack__(stream=stream)
-        assert self._array is not None  # in CPU memory
         if self._array.dtype == np.object_:
             raise TritonModelException("BYTES tensors cannot be exported with DLPack")
         return self._array.__dlpack__()
 
-    def __dlpack_device__(self) -> tuple[int, int]:
+    def __dlpack_device__(self):
         if self._device_object is not None:
             return self._device_object.__dlpack_device__()
         return (1, 0)  # kDLCPU
 
     @staticmethod
-    def from_dlpack(name: str, dlpack_object: Any) -> Tensor:
+    def from_dlpack(name, dlpack_object):
         """A tensor from a DLPack capsule or an object with ``__dlpack__``."""
         # pb_tensor.cc PbTensor::FromDLPack's checks and words.
         if name == "":
@@ -136,9 +121,9 @@ class Tensor:
         tensor._device_object = source
         return tensor
 
-    def _host_array(self) -> np.ndarray:
+    def _host_array(self):
         """The data in CPU memory, for sending to the server."""
-        if self._array is not None:
+        if self._device_object is None:
             return self._array
         source = self._device_object
         if hasattr(source, "cpu"):  # torch
@@ -147,24 +132,24 @@ class Tensor:
             return source.get()
         return np.from_dlpack(source, device="cpu", copy=True)
 
-    def __repr__(self) -> str:
+    def __repr__(self):
         return f"Tensor({self._name!r}, {self._datatype}, shape={self.shape()})"
 
 
 class _CpuCapsule:
     """A raw DLPack capsule presented to numpy as CPU memory (numpy checks it)."""
 
-    def __init__(self, capsule: CapsuleType) -> None:
+    def __init__(self, capsule):
         self._capsule = capsule
 
-    def __dlpack__(self, *, stream: None = None, **_: object) -> CapsuleType:
+    def __dlpack__(self, stream=None, **_):
         return self._capsule
 
-    def __dlpack_device__(self) -> tuple[int, int]:
+    def __dlpack_device__(self):
         return (1, 0)
 
 
-def _device_capsule_owner(capsule: object) -> Any:
+def _device_capsule_owner(capsule):
     """A raw DLPack capsule of device memory, imported through torch."""
     try:
         import torch.utils.dlpack
@@ -175,7 +160,7 @@ def _device_capsule_owner(capsule: object) -> Any:
     return torch.utils.dlpack.from_dlpack(capsule)
 
 
-def _device_datatype(source: object) -> str:
+def _device_datatype(source):
     dtype = getattr(source, "dtype", None)
     name = str(dtype).replace("torch.", "")
     if name == "bfloat16":

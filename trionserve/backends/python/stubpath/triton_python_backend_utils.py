@@ -21,8 +21,6 @@ import enum
 import json
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 # The module's data types, errors, Tensor and ModelConfig are in sibling modules of
 # stubpath/ (each loaded anew with this one for an in-process model): their names
@@ -46,50 +44,8 @@ from triton_python_backend_errors import TritonError, TritonModelException
 from triton_python_backend_errors import as_text as _text
 from triton_python_backend_tensor import Tensor  # noqa: F401
 
-if TYPE_CHECKING:
-    import asyncio
-    from typing import Self
-
-
-class _Runtime(Protocol):
-    """What this module calls on the stub's runtime (the stub process's, or the
-    in-process one). A request's ``key`` is the runtime's own handle for it."""
-
-    model_dir: str
-
-    def is_cancelled(self, key: Any) -> bool: ...
-    def send_response(self, key: Any, response: InferenceResponse | None, final: bool) -> None: ...
-    def sender_released(self, key: Any) -> None: ...
-    def bls(
-        self, request: InferenceRequest, decoupled: bool
-    ) -> InferenceResponse | ResponseIterator: ...
-    def check_can_wait(self) -> None: ...
-    def log(self, level: str, message: str) -> None: ...
-    def metric(self, action: str, fields: dict[str, Any]) -> Any: ...
-    def metric_release(self, action: str, fields: dict[str, Any]) -> None: ...
-    def control(self, action: str, fields: dict[str, Any]) -> Any: ...
-
-
-class _BLSCall(Protocol):
-    """A decoupled BLS request in flight, as its ResponseIterator reads it."""
-
-    finished: bool
-
-    def next_response(self) -> InferenceResponse: ...
-    def cancel(self) -> None: ...
-
-
 # Set by the stub process to its runtime (see trionserve.backends.python.stub).
-_runtime: _Runtime | None = None
-
-
-def _live_runtime() -> _Runtime:
-    """The runtime a response sender sends through (a sender exists only where
-    one is installed)."""
-    if _runtime is None:
-        raise TritonModelException("responses can only be sent in a stub process")
-    return _runtime
-
+_runtime = None
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -104,24 +60,23 @@ TRITONSERVER_MEMORY_CPU = 2
 
 
 class PreferredMemory:
-    def __init__(self, preferred_memory_type: int, preferred_device_id: int = 0) -> None:
+    def __init__(self, preferred_memory_type, preferred_device_id=0):
         self.preferred_memory_type = preferred_memory_type
         self.preferred_device_id = preferred_device_id
 
 
 class InferenceTrace:
-    def get_context(self) -> None:
+    def get_context(self):
         return None
 
 
 # The trace of every received request: trionserve gives models no trace context.
 _NO_TRACE = InferenceTrace()
 
-# The default of the arguments that must be given (a TypeError names those missing).
-_REQUIRED: Any = object()
+_REQUIRED = object()
 
 
-def _parameters_json(parameters: object) -> str:
+def _parameters_json(parameters):
     """Request or response parameters as JSON; errors in python_backend's words
     (src/pb_stub.cc: PyDefaultArgumentToMutableType, PyParametersToJSON)."""
     if parameters is None:
@@ -145,18 +100,18 @@ class InferenceRequest:
 
     def __init__(
         self,
-        request_id: str | bytes = "",
-        correlation_id: int | str | bytes = 0,
-        inputs: Iterable[Tensor] = _REQUIRED,
-        requested_output_names: Iterable[str | bytes] = _REQUIRED,
-        model_name: str | bytes = _REQUIRED,
-        model_version: int = -1,
-        flags: int = 0,
-        timeout: int = 0,
-        preferred_memory: PreferredMemory | None = None,
-        trace: InferenceTrace | None = None,
-        parameters: Mapping[str, bool | int | str] | None = None,
-    ) -> None:
+        request_id="",
+        correlation_id=0,
+        inputs=_REQUIRED,
+        requested_output_names=_REQUIRED,
+        model_name=_REQUIRED,
+        model_version=-1,
+        flags=0,
+        timeout=0,
+        preferred_memory=None,
+        trace=None,
+        parameters=None,
+    ):
         missing = [
             name
             for name, value in (
@@ -188,23 +143,23 @@ class InferenceRequest:
         self._parameters = _parameters_json(parameters)
         self._preferred_memory = preferred_memory
         self._trace = trace or InferenceTrace()
-        self._key: Any = None  # the runtime's handle, for requests the model received
-        self._sender: InferenceResponseSender | None = None
+        self._key = None  # set for requests the model received
+        self._sender = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
     def _received(
         cls,
-        key: Any,
-        request_id: str,
-        correlation_id: int | str,
-        inputs: list[Tensor],
-        output_names: list[str],
-        model_name: str,
-        flags: int,
-        parameters: str,
-        sender: InferenceResponseSender,
-    ) -> Self:
+        key,
+        request_id,
+        correlation_id,
+        inputs,
+        output_names,
+        model_name,
+        flags,
+        parameters,
+        sender,
+    ):
         """A request the model receives, from values the server already checked."""
         request = cls.__new__(cls)
         request._request_id = request_id
@@ -223,65 +178,63 @@ class InferenceRequest:
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
 
-    def inputs(self) -> list[Tensor]:
+    def inputs(self):
         return self._inputs
 
-    def request_id(self) -> str:
+    def request_id(self):
         return self._request_id
 
-    def correlation_id(self) -> int | str:
+    def correlation_id(self):
         return self._correlation_id
 
-    def flags(self) -> int:
+    def flags(self):
         return self._flags
 
-    def set_flags(self, flags: int) -> None:
+    def set_flags(self, flags):
         self._flags = int(flags)
 
-    def timeout(self) -> int:
+    def timeout(self):
         return self._timeout
 
-    def parameters(self) -> str:
+    def parameters(self):
         return self._parameters
 
-    def trace(self) -> InferenceTrace:
+    def trace(self):
         return self._trace
 
-    def model_name(self) -> str:
+    def model_name(self):
         return self._model_name
 
-    def model_version(self) -> int:
+    def model_version(self):
         return self._model_version
 
-    def requested_output_names(self) -> list[str]:
+    def requested_output_names(self):
         return self._requested_output_names
 
-    def get_response_sender(self) -> InferenceResponseSender:
+    def get_response_sender(self):
         if self._sender is None:
             raise TritonModelException(
                 "a response sender exists only for requests the model received"
             )
         return self._sender
 
-    def is_cancelled(self) -> bool:
+    def is_cancelled(self):
         return self._key is not None and _runtime is not None and _runtime.is_cancelled(self._key)
 
-    def set_release_flags(self, flags: int) -> None:
+    def set_release_flags(self, flags):
         """TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: once execute returns, the request
         goes back to its model's queue and is executed again (a model with
         ``sequence_batching { iterative_sequence: true }``)."""
         self._release_flags = int(flags)
 
-    def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
+    def exec(self, decoupled=False):
         """Run this request on another model and wait: a response, or an iterator
         of responses with ``decoupled=True``."""
         if _runtime is None:
             raise TritonModelException("BLS requests can only be executed in a stub process")
         return _runtime.bls(self, bool(decoupled))
 
-    def async_exec(
-        self, decoupled: bool = False
-    ) -> asyncio.Future[InferenceResponse | ResponseIterator]:
+    def async_exec(self, decoupled=False):
         """Like :meth:`exec`, as an awaitable for ``async def execute``."""
         import asyncio
 
@@ -294,12 +247,7 @@ class InferenceRequest:
 class InferenceResponse:
     """Output tensors, or an error, for one request."""
 
-    def __init__(
-        self,
-        output_tensors: list[Tensor] = _REQUIRED,
-        error: TritonError | str | None = None,
-        parameters: Mapping[str, bool | int | str] | None = None,
-    ) -> None:
+    def __init__(self, output_tensors=_REQUIRED, error=None, parameters=None):
         if output_tensors is _REQUIRED:
             output_tensors = []
         elif output_tensors is None:
@@ -315,16 +263,16 @@ class InferenceResponse:
         self._error = error
         self._parameters = _parameters_json(parameters)
 
-    def output_tensors(self) -> list[Tensor]:
+    def output_tensors(self):
         return self._output_tensors
 
-    def has_error(self) -> bool:
+    def has_error(self):
         return self._error is not None
 
-    def error(self) -> TritonError | None:
+    def error(self):
         return self._error
 
-    def parameters(self) -> str:
+    def parameters(self):
         return self._parameters
 
 
@@ -338,14 +286,14 @@ class InferenceResponseSender:
     the request with that error, so its client is answered.
     """
 
-    def __init__(self, key: Any, decoupled: bool = True) -> None:
+    def __init__(self, key, decoupled=True):
         self._key = key
         self._decoupled = decoupled
         self._lock = threading.Lock()
         self._sent = 0
         self._closed = False
 
-    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+    def send(self, response=None, flags=0):
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if response is None and not final:
             raise TritonModelException(
@@ -366,7 +314,7 @@ class InferenceResponseSender:
                         "complete final before sending a response."
                     )
                     self._closed = True
-                    _live_runtime().send_response(
+                    _runtime.send_response(
                         self._key, InferenceResponse(error=TritonError(message)), True
                     )
                     raise TritonModelException(message)
@@ -378,30 +326,28 @@ class InferenceResponseSender:
                 self._closed = True
             self._sent += 1
             # Sent under the lock: one request's messages keep their order.
-            _live_runtime().send_response(self._key, response, final)
+            _runtime.send_response(self._key, response, final)
 
-    def is_cancelled(self) -> bool:
+    def is_cancelled(self):
         return _runtime is not None and _runtime.is_cancelled(self._key)
 
-    def __del__(self) -> None:
+    def __del__(self):
         # The model let go of the request's sender: if it was not answered, nothing
         # can answer it any more, so the stub ends it (with an error).
         if _runtime is not None:
             _runtime.sender_released(self._key)
 
-    def _close(self) -> None:
+    def _close(self):
         with self._lock:
             self._closed = True
 
-    def _end_with_error(self, message: str) -> bool:
+    def _end_with_error(self, message):
         """Close the sender, ending its request with ``message`` if still open."""
         with self._lock:
             if self._closed:
                 return False
             self._closed = True
-            _live_runtime().send_response(
-                self._key, InferenceResponse(error=TritonError(message)), True
-            )
+            _runtime.send_response(self._key, InferenceResponse(error=TritonError(message)), True)
             return True
 
 
@@ -412,18 +358,18 @@ class ResponseIterator:
     once the last one came, iterating again starts from the first.
     """
 
-    def __init__(self, call: _BLSCall) -> None:
+    def __init__(self, call):
         self._call = call
-        self._responses: list[InferenceResponse] = []
+        self._responses = []
         self._index = 0
         self._finished = False
 
-    def __iter__(self) -> Self:
+    def __iter__(self):
         if self._finished and self._index >= len(self._responses):
             self._index = 0
         return self
 
-    def __next__(self) -> InferenceResponse:
+    def __next__(self):
         if self._finished:
             if self._index >= len(self._responses):
                 raise StopIteration
@@ -436,7 +382,7 @@ class ResponseIterator:
             self._index = len(self._responses)
         return response
 
-    def cancel(self) -> None:
+    def cancel(self):
         self._call.cancel()
 
 
@@ -453,10 +399,6 @@ class LogLevel(enum.Enum):
     VERBOSE = "VERBOSE"
 
 
-# Logger's level type (inside Logger, ``LogLevel`` is the class attribute).
-_Level = LogLevel
-
-
 class Logger:
     """Log lines that appear in the server's log, tagged with the model instance."""
 
@@ -467,7 +409,7 @@ class Logger:
     VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message: str | bytes, level: _Level = LogLevel.INFO) -> None:
+    def log(message, level=LogLevel.INFO):
         # Argument types as pybind11 checks them: a TypeError otherwise.
         if not isinstance(level, LogLevel):
             raise TypeError(f"log level must be a pb_utils.Logger level, not {level!r}")
@@ -481,65 +423,61 @@ class Logger:
             _runtime.log(level.value, message)
 
     @staticmethod
-    def log_info(message: str | bytes) -> None:
+    def log_info(message):
         Logger.log(message, Logger.INFO)
 
     @staticmethod
-    def log_warn(message: str | bytes) -> None:
+    def log_warn(message):
         Logger.log(message, Logger.WARNING)
 
     @staticmethod
-    def log_error(message: str | bytes) -> None:
+    def log_error(message):
         Logger.log(message, Logger.ERROR)
 
     @staticmethod
-    def log_verbose(message: str | bytes) -> None:
+    def log_verbose(message):
         Logger.log(message, Logger.VERBOSE)
 
 
 # -- model configuration -------------------------------------------------------------------
 
 
-def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+def get_input_tensor_by_name(inference_request, name):
     for tensor in inference_request.inputs():
         if tensor.name() == name:
             return tensor
     return None
 
 
-def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+def get_output_tensor_by_name(inference_response, name):
     for tensor in inference_response.output_tensors():
         if tensor.name() == name:
             return tensor
     return None
 
 
-def get_model_dir() -> str:
+def get_model_dir():
     """The directory model.py was loaded from (its version directory)."""
     if _runtime is None:
         raise TritonModelException("get_model_dir() is only available in a stub process")
     return _runtime.model_dir
 
 
-def _unsupported(feature: str) -> Callable[..., NoReturn]:
-    def call(*_args: object, **_kwargs: object) -> NoReturn:
+def _unsupported(feature):
+    def call(*_args, **_kwargs):
         raise TritonModelException(f"{feature} is not supported by trionserve yet")
 
     call.__name__ = feature
     return call
 
 
-def _control(action: str, **fields: object) -> Any:
+def _control(action, **fields):
     if _runtime is None:
         raise TritonModelException("the model loading API is only available in a stub process")
     return _runtime.control(action, fields)
 
 
-def load_model(
-    model_name: str | bytes,
-    config: str | bytes = "",
-    files: Mapping[str | bytes, bytes] | None = None,
-) -> None:
+def load_model(model_name, config="", files=None):
     """Load or reload ``model_name`` (the server must be in EXPLICIT mode).
 
     ``config`` is a model configuration as JSON; ``files`` maps
@@ -554,21 +492,21 @@ def load_model(
     )
 
 
-def unload_model(model_name: str | bytes, unload_dependents: bool = False) -> None:
+def unload_model(model_name, unload_dependents=False):
     """Unload ``model_name`` (the server must be in EXPLICIT mode)."""
     _control(
         "unload", name=_text(model_name, "model_name"), unload_dependents=bool(unload_dependents)
     )
 
 
-def is_model_ready(model_name: str | bytes, model_version: str | bytes | int = "") -> bool:
+def is_model_ready(model_name, model_version=""):
     """Whether ``model_name`` (that version, or any) is ready to serve."""
     if isinstance(model_version, (bytes, bytearray)):
         model_version = _text(model_version, "model_version")
     return _control("ready", name=_text(model_name, "model_name"), version=str(model_version))
 
 
-def _metric_call(action: str, **fields: object) -> Any:
+def _metric_call(action, **fields):
     """One custom-metric operation, answered by the server (raises its error)."""
     if _runtime is None:
         raise TritonModelException("custom metrics are only available in a stub process")
@@ -587,19 +525,17 @@ class MetricFamily:
     GAUGE = 1
     HISTOGRAM = 2
 
-    def __init__(self, name: str, description: str, kind: int) -> None:
-        self._id: int | None = None
+    def __init__(self, name, description, kind):
+        self._id = None
         self._name = name
         self._kind = kind
         self._id = _metric_call("family_create", name=name, description=description, kind=kind)
 
-    def Metric(  # noqa: N802 - Triton's name
-        self, labels: Mapping[str, str] | None = None, buckets: Iterable[float] | None = None
-    ) -> Metric:
+    def Metric(self, labels=None, buckets=None):  # noqa: N802 - Triton's name
         """The metric of this family with these labels (created when new)."""
         return Metric(self, labels, buckets)
 
-    def __del__(self) -> None:
+    def __del__(self):
         if self._id is not None and _runtime is not None:
             _runtime.metric_release("family_delete", {"family": self._id})
 
@@ -607,34 +543,30 @@ class MetricFamily:
 class Metric:
     """One metric (one set of labels) of a :class:`MetricFamily`."""
 
-    def __init__(
-        self,
-        family: MetricFamily,
-        labels: Mapping[str, str] | None = None,
-        buckets: Iterable[float] | None = None,
-    ) -> None:
-        self._key: list[list[str]] | None = None
+    def __init__(self, family, labels=None, buckets=None):
+        self._key = None
         self._family = family._id
-        bounds = [float(b) for b in buckets] if buckets is not None else None
+        if buckets is not None:
+            buckets = [float(b) for b in buckets]
         self._key = _metric_call(
-            "metric_create", family=family._id, labels=labels or {}, buckets=bounds
+            "metric_create", family=family._id, labels=labels or {}, buckets=buckets
         )
 
-    def _update(self, action: str, value: float = 0.0) -> Any:
+    def _update(self, action, value=0.0):
         return _metric_call(action, family=self._family, labels=self._key, value=value)
 
-    def increment(self, value: float) -> None:
+    def increment(self, value):
         self._update("increment", value)
 
-    def set(self, value: float) -> None:
+    def set(self, value):
         self._update("set", value)
 
-    def observe(self, value: float) -> None:
+    def observe(self, value):
         self._update("observe", value)
 
-    def value(self) -> float:
+    def value(self):
         return self._update("value")
 
-    def __del__(self) -> None:
+    def __del__(self):
         if self._key is not None and _runtime is not None:
             _runtime.metric_release("metric_delete", {"family": self._family, "labels": self._key})
