@@ -17,15 +17,16 @@ from trionserve.backends.manager import BackendManager
 from trionserve.core.errors import InvalidArgument, Unavailable
 
 # auto_complete_config runs in a stub started with this server's Python settings;
-# the model reports the stub's shared-memory arena size (on the stub's command
-# line before the growth size and the stub's name, as in Triton's stub_launcher.cc)
-# as max_batch_size.
+# the model reports the stub's shared-memory arena size (on the stub's command line,
+# the third argument after the stub's process name: package root, socket, arena size,
+# growth size, lane, name) as max_batch_size.
 ARENA_MODEL = """
 class TritonPythonModel:
     @staticmethod
     def auto_complete_config(config):
         with open("/proc/self/cmdline", "rb") as f:
-            arena_bytes = int(f.read().split(b"\\0")[-4])
+            args = f.read().split(b"\\0")
+        arena_bytes = int(args[args.index(b"triton_python_backend_stub") + 3])
         config.set_max_batch_size(arena_bytes // 4096)
         config.add_input({"name": "IN", "data_type": "TYPE_FP32", "dims": [1]})
         config.add_output({"name": "OUT", "data_type": "TYPE_FP32", "dims": [1]})

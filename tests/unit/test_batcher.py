@@ -522,3 +522,37 @@ def test_ragged_inputs_concatenate_flat():
     requests[1].inputs["INPUT0"].data[:] = 2
     flat = gather_inputs(requests, ragged={"INPUT0"})["INPUT0"]
     assert flat.tolist() == [1, 1, 1, 2, 2, 2, 2]
+
+
+async def test_a_batch_that_can_go_is_taken_the_moment_the_executor_asks(autojump_clock):
+    """An executor that asks for its next batch while one can go gets it formed
+    in its own task, without a pass of the run loop (batches back to back), up
+    to EAGER_BATCHES in a row; one held by the delay still waits for it."""
+    from trionserve.schedulers.dynamic_batch import EAGER_BATCHES
+
+    async with trio.open_nursery() as nursery:
+        batcher = DynamicBatchScheduler(make_config("", max_batch_size=1))
+        await nursery.start(batcher.run)
+        outlet = batcher.outlet()
+        await submit_all(batcher, [request(str(i)) for i in range(EAGER_BATCHES + 1)])
+        for i in range(EAGER_BATCHES):
+            with trio.testing.assert_no_checkpoints():
+                batch = await outlet.receive()
+            assert [r.id for r in batch] == [str(i)]
+            outlet.complete(batch, [response(r) for r in batch])
+        with trio.testing.assert_checkpoints():  # the other tasks' turn
+            batch = await outlet.receive()
+        assert [r.id for r in batch] == [str(EAGER_BATCHES)]
+        outlet.complete(batch, [response(r) for r in batch])
+        outlet.close()
+
+        delayed = DynamicBatchScheduler(make_config("max_queue_delay_microseconds: 1000"))
+        await nursery.start(delayed.run)
+        outlet = delayed.outlet()
+        started = trio.current_time()
+        await delayed.submit(request("late"))
+        batch = await outlet.receive()
+        assert [r.id for r in batch] == ["late"]
+        assert trio.current_time() - started == pytest.approx(0.001, abs=1e-4)
+        outlet.close()
+        nursery.cancel_scope.cancel()

@@ -263,3 +263,60 @@ def test_host_buffers_gather_once_and_are_reused():
     assert gather_inputs(single, buffers=buffers)["INPUT0"] is single[0].inputs["INPUT0"].data
     staged = gather_inputs(single, buffers=buffers, always_copy=True)["INPUT0"]
     assert buffers.holds(staged)
+
+
+class PairsOutlet(Outlet):
+    """Batches of two requests; hands a batch over without a checkpoint when one
+    is there (as the dynamic batcher does when it can form one at once); logs
+    each take."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.batches = [[make_request(i), make_request(i)] for i in range(count)]
+        self.log: list[tuple[str, int]] = []
+
+    async def receive(self):
+        if self.taken == len(self.batches):
+            await self.until(lambda: self.closed)
+        if self.closed:
+            raise trio.EndOfChannel
+        batch = self.batches[self.taken]
+        self.log.append(("taken", self.taken))
+        self.taken += 1
+        self._changed()
+        return batch
+
+
+class Instant:
+    """A CPU instance that answers at once."""
+
+    compute_times = None
+
+    def execute(self, requests):
+        return [InferenceResponse("m", "1", r.id) for r in requests]
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_cpu_instance_takes_its_next_batch_before_the_last_ones_answers_go():
+    """Batches back to back: once a batch of several is done, the next one is
+    taken (and its thread starts it) before the tasks waiting for the done
+    batch's responses run to encode and send them."""
+    outlet = PairsOutlet(8)
+    executor = InstanceExecutor(SPEC, Instant(), outlet)
+
+    async def answered(request: InferenceRequest) -> None:
+        await request.wait()
+        outlet.log.append(("answered", int(request.id)))
+
+    async with trio.open_nursery() as nursery:
+        for batch in outlet.batches:
+            for request in batch:
+                nursery.start_soon(answered, request)
+        await trio.testing.wait_all_tasks_blocked()
+        await nursery.start(executor.run)
+        await outlet.until(lambda: len(outlet.completed) == 8)
+        executor.stop()
+    for index in range(7):
+        assert outlet.log.index(("taken", index + 1)) < outlet.log.index(("answered", index))

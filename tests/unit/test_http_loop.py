@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from trionserve.protocol.http.h1 import LastChunk
 from trionserve.protocol.http.transport import HttpServer, HttpServerOptions
 
 
@@ -446,3 +447,27 @@ async def test_a_streamed_answer_s_head_goes_with_its_first_chunk_at_once(nurser
     while not received.endswith(b"0\r\n\r\n"):
         received += await client.receive_some(65536)
     assert writes.writes[1:] == [b"6\r\nsecond\r\n", b"0\r\n\r\n"]
+
+
+async def test_a_last_chunk_goes_with_the_end_of_the_body_and_ends_it(nursery):
+    closed = trio.Event()
+
+    async def stream(headers, body):
+        async def chunks():
+            try:
+                yield b"first"
+                yield LastChunk(b"last")
+                yield b"never written"
+            finally:
+                closed.set()
+
+        return 200, [(b"content-type", b"text/event-stream")], chunks()
+
+    server = HttpServer(lambda method, path: stream, HttpServerOptions(linger=0.1))
+    client, served = trio.testing.memory_stream_pair()
+    writes = Writes(served)
+    nursery.start_soon(server.serve_connection, writes)
+    peer = Peer(client)
+    await peer.send(b"GET /s HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert (await peer.response(b"GET"))[::2] == (200, b"firstlast")
+    assert writes.writes[1:] == [b"4\r\nlast\r\n0\r\n\r\n"] and closed.is_set()

@@ -12,6 +12,7 @@ import trio
 
 from trionserve.core.errors import InternalError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
+from trionserve.protocol.http.h1 import LastChunk
 from trionserve.protocol.openai import engine, frontend, schemas
 
 CHAT = b'{"model":"llm","messages":[{"role":"user","content":"hi"}],"stream":true}'
@@ -53,7 +54,9 @@ async def test_the_first_token_is_written_at_once_and_ready_tokens_together(auto
         assert contents(await anext(body)) == ["b", "c", "d"]
     request.send(token("e"), final=True)
     with trio.fail_after(1):
-        assert contents(await anext(body)) == ["e", "[DONE]"]
+        last = await anext(body)
+    assert contents(last) == ["e", "[DONE]"]
+    assert type(last) is LastChunk  # the transport ends the body in the same write
 
 
 async def test_a_write_is_bounded_by_bytes(autojump_clock, monkeypatch):

@@ -209,8 +209,13 @@ class InstanceExecutor:
                 done, job = job, None
                 if done.requests or done.cancelled:
                     self._release_resources()
-                self._complete(done, thread)
                 slots.release()
+                if len(done.requests) > 1:
+                    # Batches back to back: the feeder takes the next batch (and
+                    # the thread starts it) before this one's responses are woken
+                    # to be encoded and sent, not after them in the same pass.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                self._complete(done, thread)
         except BaseException:
             # Cancelled (unload deadline or shutdown): the thread finishes the
             # batch it is running and skips the others, so the instance is idle

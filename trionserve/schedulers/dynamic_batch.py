@@ -59,6 +59,9 @@ _DELAYED = 1
 _GONE = 2
 
 _DELAY_ACTION = 1  # ModelQueuePolicy.TimeoutAction.DELAY
+# Batches an executor takes in a row without a checkpoint when each is formed the
+# moment it asks (so at most 16 batches before the other tasks run again).
+EAGER_BATCHES = 16
 
 
 class _Entry:
@@ -139,7 +142,7 @@ class _Outlet:
     is lost when an executor stops.
     """
 
-    __slots__ = ("_batcher", "_send", "_receive", "_tickets", "_posted", "closed")
+    __slots__ = ("_batcher", "_eager", "_send", "_receive", "_tickets", "_posted", "closed")
 
     def __init__(self, batcher: DynamicBatchScheduler) -> None:
         self._batcher = batcher
@@ -148,6 +151,7 @@ class _Outlet:
         ](1)
         self._tickets: deque[int | None] = deque()  # of batches received, not completed
         self._posted = False
+        self._eager = 0  # batches taken in a row without a checkpoint
         self.closed = False
 
     async def receive(self) -> list[InferenceRequest]:
@@ -156,7 +160,16 @@ class _Outlet:
         if not self._posted:
             self._posted = True
             self._batcher._outlet_ready(self)
-        requests, ticket = await self._receive.receive()
+        # A batch formed the moment this executor asked (see _outlet_ready) is
+        # taken without a pass of the run loop, up to EAGER_BATCHES in a row.
+        try:
+            if self._eager >= EAGER_BATCHES:
+                raise trio.WouldBlock
+            requests, ticket = self._receive.receive_nowait()
+            self._eager += 1
+        except trio.WouldBlock:
+            self._eager = 0
+            requests, ticket = await self._receive.receive()
         self._posted = False
         self._tickets.append(ticket)
         return requests
@@ -277,19 +290,23 @@ class DynamicBatchScheduler:
 
     def _step(self, now: float) -> float | None:
         """Expire, dispatch what can go; return when to look again (None: done)."""
-        self._expire(now)
-        wake_at = math.inf
-        ready = self._ready
-        while ready and self._queued:
-            entries, wait_until = self._form(now)
-            if entries is None:
-                wake_at = wait_until
-                break
-            self._dispatch(ready.popleft(), entries)
+        wake_at = self._dispatch_ready(now)
         if self._closed and not self._queued:
             self._finish()
             return None
         return min(wake_at, self._next_deadline())
+
+    def _dispatch_ready(self, now: float) -> float:
+        """Expire, then give each idle executor the batch that can go now; when
+        to look again for the next one (inf: none waits for a delay)."""
+        self._expire(now)
+        ready = self._ready
+        while ready and self._queued:
+            entries, wait_until = self._form(now)
+            if entries is None:
+                return wait_until
+            self._dispatch(ready.popleft(), entries)
+        return math.inf
 
     # -- admission -------------------------------------------------------------------
 
@@ -520,7 +537,14 @@ class DynamicBatchScheduler:
         return outlet
 
     def _outlet_ready(self, outlet: _Outlet) -> None:
+        """An executor asks for its next batch: one that can go now is formed at
+        once, in the executor's task, so that its instance starts it without
+        waiting for this actor's task (nor for the responses of the batch it
+        just finished, woken in the same pass: batches back to back). The
+        actor is woken either way, to look again when the delay ends."""
         self._ready.append(outlet)
+        if self._queued and not self._closed:
+            self._dispatch_ready(trio.current_time())
         self._wakeup.set()
 
     def _outlet_gone(

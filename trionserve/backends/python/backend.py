@@ -13,6 +13,7 @@ import ast
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.python.control import ModelControl
@@ -25,6 +26,9 @@ from trionserve.backends.python.runtime import describe_exception
 from trionserve.backends.python.settings import IN_PROCESS, StubSettings, settings_for
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
 from trionserve.observability.custom_metrics import CustomMetrics
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 MODEL_FILENAME = "model.py"
 # Characters a stub's name may not contain (python_backend pb_utils.h INVALID_CHARS).
@@ -60,7 +64,7 @@ def may_auto_complete(model_path: Path) -> bool:
     return True
 
 
-def _model_config_json(config) -> str:
+def _model_config_json(config: ModelConfig) -> str:
     from trionserve.repository.config import model_config_to_json
 
     return json.dumps(model_config_to_json(config))
@@ -87,7 +91,9 @@ class PythonBackend(Backend):
     def auto_complete_source(self, version_dir: Path, filename: str) -> Path:
         return self.model_file or version_dir / filename
 
-    def auto_complete_config(self, config, model_path: Path, max_batch_size_set: bool) -> None:
+    def auto_complete_config(
+        self, config: ModelConfig, model_path: Path, max_batch_size_set: bool
+    ) -> None:
         """Let the model's ``auto_complete_config`` complete ``config`` in place."""
         from trionserve.repository.config import model_config_from_json
 
@@ -119,7 +125,7 @@ class PythonBackend(Backend):
             ) from None
         config.CopyFrom(completed)
 
-    def _auto_complete_in_stub(self, config, model_path: Path) -> dict:
+    def _auto_complete_in_stub(self, config: ModelConfig, model_path: Path) -> dict[str, Any]:
         check_stub_name(config.name)  # the auto-complete stub is named after the model
         settings = settings_for(config, model_path.parent.parent, self._defaults)
         # Whatever metric families auto_complete_config defines go when this stub

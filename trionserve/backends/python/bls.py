@@ -6,11 +6,15 @@ same error wording."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from trionserve.core.errors import DeadlineExceeded, TritonError, Unavailable, as_triton_error
 from trionserve.core.inference import InferenceRequest, InferenceResponse
+
+if TYPE_CHECKING:
+    from trionserve.backends.base import InferenceService
 
 # What run_bls hands its reply function: a response, an error, or None for the
 # final flag alone (a decoupled model that ended without a response).
@@ -18,7 +22,7 @@ Outcome = InferenceResponse | TritonError | None
 
 
 async def run_bls(
-    inference,
+    inference: InferenceService | None,
     build: Callable[[], InferenceRequest],
     *,
     decoupled: bool,

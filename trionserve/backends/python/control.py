@@ -10,19 +10,36 @@ initializes or finalizes (then the call is carried to the Trio loop).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
 import trio
 
 from trionserve.core.errors import InvalidArgument, TritonError, Unavailable
+
+if TYPE_CHECKING:
+    from trionserve.backends.base import InferenceService
+
+
+@runtime_checkable
+class ModelLoading(Protocol):
+    """The model loading API of the server's inference service (the DataPlane's
+    model-facing view has it)."""
+
+    def model_ready(self, name: str, version: int | None) -> bool: ...
+    async def load_model(
+        self, name: str, config_override: str | None = None, files: dict[str, bytes] | None = None
+    ) -> None: ...
+    async def unload_model(self, name: str, unload_dependents: bool = False) -> None: ...
 
 
 class ModelControl:
     """The model loading API for the stubs of one model."""
 
-    def __init__(self, inference, model_name: str) -> None:
+    def __init__(self, inference: InferenceService | None, model_name: str) -> None:
         self._inference = inference
         self._model_name = model_name
 
-    async def handle(self, message: dict) -> dict:
+    async def handle(self, message: dict[str, Any]) -> dict[str, Any]:
         """A stub's ``control`` message; the reply it waits for."""
         try:
             result = await self._apply(message)
@@ -30,7 +47,7 @@ class ModelControl:
             return _reply(message, None, exc.message)
         return _reply(message, result, None)
 
-    def handle_blocking(self, message: dict) -> dict:
+    def handle_blocking(self, message: dict[str, Any]) -> dict[str, Any]:
         """``handle`` from a worker thread (a stub initializing or finalizing)."""
         try:
             return trio.from_thread.run(self.handle, message)
@@ -43,12 +60,12 @@ class ModelControl:
                 "the model loading API is not available while the server closes this model",
             )
 
-    async def _apply(self, message: dict):
+    async def _apply(self, message: dict[str, Any]) -> bool | None:
         inference = self._inference
-        if inference is None:
+        if not isinstance(inference, ModelLoading):
             raise Unavailable(
                 "the model loading API is not available: the server gave "
-                "this backend no inference service"
+                "this backend no inference service with it"
             )
         action, name = message["action"], message["name"]
         if not isinstance(name, str) or not name:
@@ -81,5 +98,5 @@ class ModelControl:
         raise InvalidArgument(f"unknown model control action {action!r}")
 
 
-def _reply(message: dict, result, error: str | None) -> dict:
+def _reply(message: dict[str, Any], result: bool | None, error: str | None) -> dict[str, Any]:
     return {"op": "control_reply", "call": message["call"], "result": result, "error": error}

@@ -51,7 +51,9 @@ from __future__ import annotations
 import gc
 import inspect
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVarTuple
 
 import structlog
 import trio
@@ -79,6 +81,8 @@ from trionserve.core.errors import (
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 log = structlog.get_logger(__name__)
+
+Args = TypeVarTuple("Args")
 
 # How long a readiness check waits for the model's is_ready() (as a stub's).
 READINESS_TIMEOUT_SECONDS = 5.0
@@ -156,7 +160,7 @@ class InProcessInstance:
 
     # -- the actor -----------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -260,7 +264,7 @@ class InProcessInstance:
 
     # -- what the model's threads post ---------------------------------------------------
 
-    def post(self, fn, *args) -> None:
+    def post(self, fn: Callable[[*Args], object], *args: *Args) -> None:
         self.token.run_sync_soon(fn, *args)
 
     def deliver_sent(

@@ -16,8 +16,9 @@ import inspect
 import json
 import queue
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVarTuple
 
 import structlog
 import trio
@@ -31,9 +32,14 @@ from trionserve.core.errors import TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
 if TYPE_CHECKING:
+    import asyncio
+
     from trionserve.backends.python.inprocess import InProcessInstance
+    from trionserve.backends.python.stubpath import triton_python_backend_utils as pb_utils
 
 log = structlog.get_logger(__name__)
+
+Args = TypeVarTuple("Args")
 
 _FLAG_SEQUENCE_START, _FLAG_SEQUENCE_END = 1, 2
 # An execute's entry for a request released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE.
@@ -60,7 +66,7 @@ class BLSCall:
     def wait_first(self) -> None:
         self._first = self.outcomes.get()
 
-    def next_response(self):
+    def next_response(self) -> pb_utils.InferenceResponse:
         if self.finished:
             raise StopIteration
         if self._first is not None:
@@ -135,17 +141,17 @@ class InProcessRuntime(ModelRuntime):
                 for index, (request, response) in enumerate(zip(received, result)):
                     if response is not None:
                         outcomes[index] = self.outcome(request._key, response)
-                        request._sender._close()
+                        request.get_response_sender()._close()
                         self._unanswered.discard(request._key)
             for index, request in enumerate(received):
                 if request._release_flags & pb.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-                    request._sender._close()
+                    request.get_response_sender()._close()
                     self._unanswered.discard(request._key)
                     outcomes[index] = RESCHEDULED
         except BaseException as exc:
             # As Triton: the requests end with the error, their senders close.
             for request in received:
-                request._sender._close()
+                request.get_response_sender()._close()
                 self._unanswered.discard(request._key)
             raise ExecuteFailed(self.execute_error(exc)) from exc
         return outcomes
@@ -169,7 +175,7 @@ class InProcessRuntime(ModelRuntime):
             for fn, args in deferred:
                 fn(*args)
 
-    def _await_result(self, coroutine):
+    def _await_result(self, coroutine: Awaitable[object]) -> object:
         if self._on_event_loop:
             close = getattr(coroutine, "close", None)
             if close is not None:
@@ -196,7 +202,7 @@ class InProcessRuntime(ModelRuntime):
                 "that calls other models"
             )
 
-    def _received(self, request: InferenceRequest):
+    def _received(self, request: InferenceRequest) -> pb_utils.InferenceRequest:
         """The model's view of a request: its tensors as they are (no copy)."""
         pb = self.pb
         wrap = pb.Tensor._wrap
@@ -224,7 +230,9 @@ class InProcessRuntime(ModelRuntime):
             pb.InferenceResponseSender(request, self.decoupled),
         )
 
-    def outcome(self, request: InferenceRequest, response) -> InferenceResponse | TritonError:
+    def outcome(
+        self, request: InferenceRequest, response: pb_utils.InferenceResponse
+    ) -> InferenceResponse | TritonError:
         """A model's ``pb_utils.InferenceResponse`` as the server's response: the
         outputs the request asked for, as they are (no copy)."""
         error = response.error()
@@ -258,7 +266,7 @@ class InProcessRuntime(ModelRuntime):
     def close(self) -> None:
         """Nothing here: :meth:`InProcessInstance.close` runs ``finalize``."""
 
-    def _run_loop(self, loop) -> None:
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         if self.namespace is not None:
             self.namespace.bind()
         try:
@@ -268,14 +276,16 @@ class InProcessRuntime(ModelRuntime):
 
     # -- called from pb_utils, on any thread ---------------------------------------
 
-    def post(self, fn, *args) -> None:
+    def post(self, fn: Callable[[*Args], object], *args: *Args) -> None:
         """Run ``fn(*args)`` on the Trio thread, in the order posted."""
         if self._on_event_loop and threading.get_ident() == self._loop_thread:
             self._deferred.append((fn, args))
             return
         self._instance.post(fn, *args)
 
-    def send_response(self, key: InferenceRequest, response, final: bool) -> None:
+    def send_response(
+        self, key: InferenceRequest, response: pb_utils.InferenceResponse | None, final: bool
+    ) -> None:
         if final:
             self._unanswered.discard(key)
         outcome = None if response is None else self.outcome(key, response)
@@ -294,7 +304,7 @@ class InProcessRuntime(ModelRuntime):
     def log(self, level: str, message: str) -> None:
         log_stub_line(self.label, level, message)
 
-    def metric(self, action: str, fields: dict):
+    def metric(self, action: str, fields: dict[str, Any]) -> Any:
         reply = self._instance.metrics.handle(
             self._instance.metrics_owner, {"op": "metric", "action": action, "call": 0, **fields}
         )
@@ -308,7 +318,7 @@ class InProcessRuntime(ModelRuntime):
             self._instance.metrics_owner, {"op": "metric", "action": action, "call": None, **fields}
         )
 
-    def control(self, action: str, fields: dict):
+    def control(self, action: str, fields: dict[str, Any]) -> Any:
         self.check_can_wait()
         message = {"op": "control", "action": action, "call": 0, **fields}
         try:
@@ -323,7 +333,9 @@ class InProcessRuntime(ModelRuntime):
             raise self.pb.TritonModelException(reply["error"])
         return reply["result"]
 
-    def bls(self, request, decoupled: bool):
+    def bls(
+        self, request: pb_utils.InferenceRequest, decoupled: bool
+    ) -> pb_utils.InferenceResponse | pb_utils.ResponseIterator:
         pb = self.pb
         if not self._serving or self._finalizing:
             # python_backend's words (infer_request.cc InferRequest::Exec).
@@ -353,7 +365,7 @@ class InProcessRuntime(ModelRuntime):
             return pb.ResponseIterator(call)
         return call.next_response()
 
-    def pb_response(self, outcome: Outcome):
+    def pb_response(self, outcome: Outcome) -> pb_utils.InferenceResponse:
         """A BLS outcome as the model sees it (None: the empty final response)."""
         pb = self.pb
         if outcome is None:

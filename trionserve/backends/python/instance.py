@@ -23,6 +23,7 @@ from trionserve.backends.python.bls import Outcome, run_bls
 from trionserve.backends.python.delivery import deliver, deliver_sent
 from trionserve.backends.python.lane import encode
 from trionserve.backends.python.messages import (
+    EncodedResponse,
     bls_request,
     error_message,
     read_response,
@@ -147,7 +148,7 @@ class PythonInstance:
 
     # -- the actor -----------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             stub = self._stub
@@ -489,7 +490,11 @@ class PythonInstance:
         self._send_soon(channel, {"op": "cancel", "keys": [key]})
 
     def _executed(
-        self, call_id: int, raised: str | None, rescheduled_keys: list[int], responses
+        self,
+        call_id: int,
+        raised: str | None,
+        rescheduled_keys: list[int],
+        responses: list[EncodedResponse | None] | None,
     ) -> None:
         """The stub's reply to an execute (from the lane or the socket)."""
         stub = self._stub

@@ -9,8 +9,18 @@ from __future__ import annotations
 import inspect
 import threading
 import traceback
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
+
+    from trionserve.backends.python.stubpath import triton_python_backend_utils as pb_utils
+
+    # The requests of one execute, as the model gets them.
+    Requests = Sequence[pb_utils.InferenceRequest]
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -43,7 +53,7 @@ class ModelRuntime:
     def log(self, level: str, message: str) -> None:
         raise NotImplementedError
 
-    def _check_rescheduled(self, requests, result) -> None:
+    def _check_rescheduled(self, requests: Requests, result: object) -> None:
         """A rescheduled request's entry in the returned list must be None
         (pb_stub.cc ProcessRequests, Triton's wording and spelling)."""
         if not isinstance(result, list):
@@ -63,7 +73,7 @@ class ModelRuntime:
             f"message: {describe_exception(exc)}"
         )
 
-    def call_execute(self, requests) -> list | None:
+    def call_execute(self, requests: Requests) -> list[pb_utils.InferenceResponse | None] | None:
         """The model's ``execute(requests)``, as pb_stub.cc ProcessRequests calls it:
         an ``async def execute`` is awaited on the asyncio loop, or for a decoupled
         model left running (as Triton: its requests end as it sends); a decoupled
@@ -84,7 +94,7 @@ class ModelRuntime:
             self._check_rescheduled(requests, result)
         return result
 
-    def check_returned(self, requests, result) -> None:
+    def check_returned(self, requests: Requests, result: object) -> None:
         """What a model that is not decoupled returned from execute must be: one
         InferenceResponse (or None) per request (pb_stub.cc ProcessRequests)."""
         pb = self.pb
@@ -107,7 +117,7 @@ class ModelRuntime:
 
     # -- asyncio ------------------------------------------------------------------
 
-    def _await_result(self, coroutine):
+    def _await_result(self, coroutine: Awaitable[object]) -> object:
         """What an ``async def execute`` (not decoupled) returned, awaited on the
         asyncio loop while this thread waits."""
         return self._run_coroutine(coroutine).result()
@@ -116,7 +126,7 @@ class ModelRuntime:
         """Before a BLS call the calling thread will wait for (``exec``,
         ``async_exec``): raises where nothing could answer it (a stub: never)."""
 
-    def _run_coroutine(self, coroutine):
+    def _run_coroutine(self, coroutine: Awaitable[object]) -> concurrent.futures.Future[object]:
         """Schedule a coroutine on the stub's asyncio loop; a concurrent future."""
         import asyncio  # only models with ``async def execute`` pay for it
 
@@ -128,15 +138,15 @@ class ModelRuntime:
             self._loop = loop
         return asyncio.run_coroutine_threadsafe(_awaited(coroutine), self._loop)
 
-    def _run_loop(self, loop) -> None:
+    def _run_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """The asyncio loop's thread."""
         loop.run_forever()
 
-    def _run_in_background(self, coroutine, requests) -> None:
+    def _run_in_background(self, coroutine: Awaitable[object], requests: Requests) -> None:
         """A decoupled ``async def execute``: requests still open when it fails get the error."""
         future = self._run_coroutine(coroutine)
 
-        def finished(done) -> None:
+        def finished(done: concurrent.futures.Future[object]) -> None:
             exc = done.exception()
             if exc is None:
                 return
@@ -148,10 +158,10 @@ class ModelRuntime:
             )
             message = self.execute_error(exc)
             for request in requests:
-                request._sender._end_with_error(message)
+                request.get_response_sender()._end_with_error(message)
 
         future.add_done_callback(finished)
 
 
-async def _awaited(awaitable):
+async def _awaited(awaitable: Awaitable[object]) -> object:
     return await awaitable

@@ -35,9 +35,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from trionserve.backends.python.environment import ExecutionEnvironment, resolve
 from trionserve.core.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 _MIB = 1 << 20
 
@@ -62,7 +66,7 @@ EXECUTE_ON = (INSTANCE_THREAD, EVENT_LOOP)
 NO_EFFECT_KEYS = ("shm-message-queue-size", "shm-region-prefix-name", "thread-pool-size")
 
 
-def _number(key: str, text: str, where: str):
+def _number(key: str, text: str, where: str) -> int | float:
     _default, kind, minimum = _NUMBERS[key]
     try:
         value = kind(text)
@@ -106,7 +110,7 @@ class StubSettings:
     execute_on: str = INSTANCE_THREAD
 
     @classmethod
-    def from_config(cls, config, defaults: Mapping[str, str]) -> StubSettings:
+    def from_config(cls, config: ModelConfig, defaults: Mapping[str, str]) -> StubSettings:
         """The settings of one model, its parameters over the server's checked
         ``defaults``; raises naming the model and the parameter."""
         name = config.name
@@ -143,7 +147,7 @@ class StubSettings:
                 "own process"
             )
 
-        def number(key: str):
+        def number(key: str) -> Any:
             text = parameters.get(key)
             if text:
                 return _number(key, text, f"model '{name}': parameter '{key}'")
@@ -163,7 +167,7 @@ class StubSettings:
         )
 
 
-def settings_for(config, model_dir: Path, defaults: Mapping[str, str]) -> StubSettings:
+def settings_for(config: ModelConfig, model_dir: Path, defaults: Mapping[str, str]) -> StubSettings:
     """A model's settings with its EXECUTION_ENV_PATH resolved (blocking: an
     archive is unpacked the first time)."""
     settings = StubSettings.from_config(config, defaults)

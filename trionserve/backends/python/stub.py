@@ -33,17 +33,24 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from trionserve.backends.python.lane import Lane, encode
 from trionserve.backends.python.runtime import ModelRuntime, describe_exception
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
 
+if TYPE_CHECKING:
+    from trionserve.backends.python.messages import EncodedResponse
+    from trionserve.backends.python.stubpath import triton_python_backend_utils as pb_utils
+
 STUBPATH = Path(__file__).resolve().parent / "stubpath"
 
 
-def import_model(message: dict):
+def import_model(message: dict[str, Any]) -> ModuleType:
     """Import model.py as Triton's stub does: ``<version>.model``, with the model
     directory (and the version directory) on the import path."""
     model_file = Path(message["model_file"])
@@ -70,7 +77,7 @@ class _BLSCall:
         event loop when the model iterates."""
         self._first = self.responses.get()
 
-    def next_response(self):
+    def next_response(self) -> pb_utils.InferenceResponse:
         if self.finished:
             raise StopIteration
         if self._first is not None:
@@ -238,7 +245,7 @@ class StubRuntime(ModelRuntime):
                 responses = self._encode_all(requests, result)
                 for request, encoded in zip(requests, responses):
                     if encoded is not None:
-                        request._sender._close()
+                        request.get_response_sender()._close()
                         self._unanswered.discard(request._key)
             # None: each request is answered through its response sender, now or
             # later, from any thread (Triton allows it for every model).
@@ -247,7 +254,7 @@ class StubRuntime(ModelRuntime):
                     # Back to the server's queue: this execution's sender is done,
                     # the next execution gets its own (python_be.cc releases the
                     # request with the flag once execute returned).
-                    request._sender._close()
+                    request.get_response_sender()._close()
                     self._unanswered.discard(request._key)
                     rescheduled.append(request._key)
         except BaseException as exc:
@@ -255,11 +262,17 @@ class StubRuntime(ModelRuntime):
             rescheduled = []  # python_be.cc: flags back to RELEASE_ALL
             # As Triton: the requests end with the error, their senders close.
             for request in requests:
-                request._sender._close()
+                request.get_response_sender()._close()
                 self._unanswered.discard(request._key)
         self._reply(call_id, error, rescheduled, responses)
 
-    def _reply(self, call_id: int, error, rescheduled: list[int], responses) -> None:
+    def _reply(
+        self,
+        call_id: int,
+        error: str | None,
+        rescheduled: list[int],
+        responses: list[EncodedResponse | None] | None,
+    ) -> None:
         """The execute's outcome, all its responses in one message: on the lane,
         unless it refers to a segment not announced yet or does not fit there;
         then on the socket, with the doorbell rung all the same (the server waits
@@ -283,7 +296,7 @@ class StubRuntime(ModelRuntime):
         )
         self._lane.ring()
 
-    def _incoming(self, entry: tuple):
+    def _incoming(self, entry: tuple[Any, ...]) -> pb_utils.InferenceRequest:
         """A request of an execute, as :func:`.messages.request_message` wrote it."""
         pb = self.pb
         key, request_id, correlation_id, flags, parameters, refs, outputs, cancelled = entry
@@ -327,11 +340,15 @@ class StubRuntime(ModelRuntime):
                 )
                 self.send_response(key, self.pb.InferenceResponse(error=error), True)
 
-    def _encode_all(self, requests, result) -> list:
+    def _encode_all(
+        self,
+        requests: Sequence[pb_utils.InferenceRequest],
+        result: list[pb_utils.InferenceResponse | None],
+    ) -> list[EncodedResponse | None]:
         """The returned responses as messages; None where the model answers (or
         answered) the request through its response sender."""
         self.check_returned(requests, result)
-        encoded: list[tuple | None] = []
+        encoded: list[EncodedResponse | None] = []
         try:
             for response in result:
                 encoded.append(None if response is None else self.encode_response(response))
@@ -342,7 +359,7 @@ class StubRuntime(ModelRuntime):
             raise
         return encoded
 
-    def encode_response(self, response) -> tuple:
+    def encode_response(self, response: pb_utils.InferenceResponse) -> EncodedResponse:
         """A response as ``(tensor references, error, parameters)``
         (:data:`.messages.EncodedResponse`); its tensors are written to shared
         memory."""
@@ -372,7 +389,9 @@ class StubRuntime(ModelRuntime):
                 "by trionserve; use threads, or make the calls from the stub process"
             )
 
-    def send_response(self, key: int, response, final: bool) -> None:
+    def send_response(
+        self, key: int, response: pb_utils.InferenceResponse | None, final: bool
+    ) -> None:
         self._check_not_forked("sending a response")
         # What the server sent meanwhile is read first: the blocks it freed go
         # back to the arena, so a model streaming from execute (which no thread
@@ -408,15 +427,15 @@ class StubRuntime(ModelRuntime):
             return
         self.channel.send({"op": "log", "level": level, "message": message})
 
-    def metric(self, action: str, fields: dict):
+    def metric(self, action: str, fields: dict[str, Any]) -> Any:
         """A custom-metric operation; the server's answer, or its error raised."""
         return self._ask({"op": "metric", "action": action, **fields})
 
-    def control(self, action: str, fields: dict):
+    def control(self, action: str, fields: dict[str, Any]) -> Any:
         """A model loading API call; the server's answer, or its error raised."""
         return self._ask({"op": "control", "action": action, **fields})
 
-    def _ask(self, message: dict):
+    def _ask(self, message: dict[str, Any]) -> Any:
         """Send ``message`` and wait for the server's reply to it.
 
         The main thread reads until the reply is here, dispatching anything else
@@ -451,7 +470,9 @@ class StubRuntime(ModelRuntime):
         except OSError:
             pass  # the server is gone, and its references with it
 
-    def bls(self, request, decoupled: bool):
+    def bls(
+        self, request: pb_utils.InferenceRequest, decoupled: bool
+    ) -> pb_utils.InferenceResponse | pb_utils.ResponseIterator:
         self._check_not_forked("BLS")
         if not self._serving or self._finalizing:
             # python_backend's words (infer_request.cc InferRequest::Exec).

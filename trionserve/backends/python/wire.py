@@ -22,7 +22,7 @@ import socket
 import struct
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from trionserve.backends.python.shm import Arena, ArenaView, Block
 
@@ -38,7 +38,7 @@ def encode(message: dict) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def fds_from_ancillary(ancdata) -> list[int]:
+def fds_from_ancillary(ancdata: Iterable[tuple[int, int, bytes]]) -> list[int]:
     fds: list[int] = []
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -79,13 +79,13 @@ class Endpoint:
 
     # -- outgoing -----------------------------------------------------------------
 
-    def release(self, blocks) -> None:
-        blocks = [block for block in blocks if block is not None]
-        if not blocks:
+    def release(self, blocks: Iterable[Block | None]) -> None:
+        held = [block for block in blocks if block is not None]
+        if not held:
             return  # small tensors: they came inline, nothing to give back
         with self._lock:
-            self._released.extend(blocks)
-            self._released_bytes += sum(block[2] for block in blocks)
+            self._released.extend(held)
+            self._released_bytes += sum(block[2] for block in held)
 
     def should_flush(self) -> bool:
         return self._released_bytes >= self._flush_bytes or len(self._released) >= 256

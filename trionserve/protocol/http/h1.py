@@ -569,6 +569,13 @@ class H1Connection:
         )
 
 
+class LastChunk(bytes):
+    """A streamed body's last chunk: the transport writes the end of the body with
+    it (one write, not two) and takes nothing more from the body."""
+
+    __slots__ = ()
+
+
 def frame_chunk(chunk: bytes) -> bytes:
     """One chunk of a body sent with chunked transfer encoding."""
     return b"%x\r\n%s\r\n" % (len(chunk), chunk)

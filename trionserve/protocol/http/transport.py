@@ -66,6 +66,7 @@ from trionserve.protocol.http.h1 import (
     HeadCache,
     Headers,
     HttpServerOptions,
+    LastChunk,
     PeerGone,
     ProtocolError,
     Request,
@@ -488,9 +489,9 @@ class _Connection:
         """Write the head, then each chunk as the iterator yields it (chunked
         transfer encoding; to an HTTP/1.0 client as is, ending with the close);
         the iterator is closed however this ends (a client gone mid-stream
-        included). The head is written with the first chunk, and a chunk the
-        socket takes at once is written without a checkpoint (the iterator's
-        wait for its next chunk is one)."""
+        included). The head is written with the first chunk, the end of the body
+        with a :class:`LastChunk`, and a chunk the socket takes at once without
+        a checkpoint (the iterator's wait for its next chunk is one)."""
         h1 = self.h1
         stream = self.stream
         try:
@@ -505,7 +506,11 @@ class _Connection:
             waiting: bytes = head
             async for chunk in chunks:
                 if chunk:
-                    await send_all(stream, waiting + (frame_chunk(chunk) if chunked else chunk))
+                    waiting += frame_chunk(chunk) if chunked else chunk
+                if type(chunk) is LastChunk:
+                    break  # the end of the body goes with it
+                if chunk:
+                    await send_all(stream, waiting)
                     waiting = b""
             if chunked:
                 waiting += LAST_CHUNK

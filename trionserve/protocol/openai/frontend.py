@@ -46,6 +46,7 @@ from trionserve.dataplane import DataPlane
 from trionserve.observability.exposition import CONTENT_TYPE, exposition_text
 from trionserve.observability.metrics import MetricsOptions, build_metrics_registry
 from trionserve.protocol.http.frontend import error_status
+from trionserve.protocol.http.h1 import LastChunk
 from trionserve.protocol.http.transport import Handler as RequestHandler
 from trionserve.protocol.http.transport import (
     Headers,
@@ -469,7 +470,7 @@ class _Events:
             with trio.CancelScope(shield=True):
                 await stream.aclose()  # type: ignore[attr-defined]  # an async generator
         parts.append(DONE)
-        yield b"".join(parts)
+        yield LastChunk(b"".join(parts))
 
 
 class _CompletionEvents(_Events):

@@ -11,23 +11,28 @@ these names; it holds no runtime and no state.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
+
+# A configuration, or a part of one, as JSON (model_config_to_json's shape).
+ConfigJson = dict[str, Any]
 
 
-def get_input_config_by_name(model_config, name):
+def get_input_config_by_name(model_config: ConfigJson, name: str) -> ConfigJson | None:
     for entry in model_config.get("input", []):
         if entry["name"] == name:
             return entry
     return None
 
 
-def get_output_config_by_name(model_config, name):
+def get_output_config_by_name(model_config: ConfigJson, name: str) -> ConfigJson | None:
     for entry in model_config.get("output", []):
         if entry["name"] == name:
             return entry
     return None
 
 
-def using_decoupled_model_transaction_policy(model_config):
+def using_decoupled_model_transaction_policy(model_config: ConfigJson) -> bool:
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
 
 
@@ -41,20 +46,20 @@ class ModelConfig:
     _INPUT_PROPERTIES = ("name", "data_type", "dims", "optional")
     _OUTPUT_PROPERTIES = ("name", "data_type", "dims")
 
-    def __init__(self, model_config):
-        self._model_config = json.loads(model_config)
+    def __init__(self, model_config: str) -> None:
+        self._model_config: ConfigJson = json.loads(model_config)
         self._model_config.setdefault("input", [])
         self._model_config.setdefault("output", [])
         self._model_config.setdefault("max_batch_size", 0)
 
-    def as_dict(self):
+    def as_dict(self) -> ConfigJson:
         return self._model_config
 
     @property
-    def _name(self):
+    def _name(self) -> str:
         return self._model_config.get("name", "")
 
-    def set_max_batch_size(self, max_batch_size):
+    def set_max_batch_size(self, max_batch_size: int) -> None:
         current = self._model_config.get("max_batch_size", 0)
         if current > max_batch_size:
             raise ValueError(
@@ -64,7 +69,7 @@ class ModelConfig:
             )
         self._model_config["max_batch_size"] = max_batch_size
 
-    def set_dynamic_batching(self):
+    def set_dynamic_batching(self) -> None:
         for other in ("sequence_batching", "ensemble_scheduling"):
             if self._model_config.get(other):
                 raise ValueError(
@@ -74,13 +79,13 @@ class ModelConfig:
                 )
         self._model_config.setdefault("dynamic_batching", {})
 
-    def add_input(self, input):
+    def add_input(self, input: Mapping[str, Any]) -> None:
         self._add("input", input, self._INPUT_PROPERTIES)
 
-    def add_output(self, output):
+    def add_output(self, output: Mapping[str, Any]) -> None:
         self._add("output", output, self._OUTPUT_PROPERTIES)
 
-    def _add(self, kind, tensor, allowed):
+    def _add(self, kind: str, tensor: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
         label = f"{kind} '{tensor.get('name', '')}'"
         where = f"in auto-complete-config function for model '{self._name}'"
         extra = [key for key in tensor if key not in allowed]
@@ -122,7 +127,7 @@ class ModelConfig:
             return
         self._model_config[kind].append(dict(tensor))
 
-    def set_model_transaction_policy(self, transaction_policy_dict):
+    def set_model_transaction_policy(self, transaction_policy_dict: Mapping[str, Any]) -> None:
         extra = [key for key in transaction_policy_dict if key != "decoupled"]
         if extra:
             raise ValueError(

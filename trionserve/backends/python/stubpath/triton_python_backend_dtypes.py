@@ -12,6 +12,7 @@ runtime and no state.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 # The stub runs from the trionserve package (also under a model's own
 # EXECUTION_ENV_PATH, where only the package is put on sys.path), so the one BYTES
@@ -63,11 +64,11 @@ for _code, _wire, _numpy in reversed(_TYPES):
         NUMPY_TO_CODE[_numpy] = NUMPY_TO_CODE[np.dtype(_numpy)] = _code
 
 
-def triton_to_numpy_type(data_type):
+def triton_to_numpy_type(data_type: int) -> type | None:
     return CODE_TO_NUMPY.get(data_type)
 
 
-def numpy_to_triton_type(data_type):
+def numpy_to_triton_type(data_type: DTypeLike) -> int | None:
     try:
         return NUMPY_TO_CODE[data_type]
     except (KeyError, TypeError):
@@ -86,11 +87,11 @@ def numpy_to_triton_type(data_type):
     return None
 
 
-def triton_string_to_numpy(triton_type_string):
+def triton_string_to_numpy(triton_type_string: str) -> type:
     return TRITON_STRING_TO_NUMPY[triton_type_string]
 
 
-def serialize_byte_tensor(input_tensor):
+def serialize_byte_tensor(input_tensor: np.ndarray) -> bytes | tuple[()] | None:
     """BYTES elements flattened as 4-byte little-endian length + bytes, C order."""
     if input_tensor.size == 0:
         return ()
@@ -99,6 +100,6 @@ def serialize_byte_tensor(input_tensor):
     return serialize_bytes_tensor(input_tensor)
 
 
-def deserialize_bytes_tensor(encoded_tensor):
+def deserialize_bytes_tensor(encoded_tensor: bytes | bytearray | memoryview) -> np.ndarray:
     """The 1-D object array of bytes that serialize_byte_tensor encoded."""
     return _deserialize_bytes(encoded_tensor, None, "the encoded BYTES tensor")

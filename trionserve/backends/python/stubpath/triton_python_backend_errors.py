@@ -22,38 +22,38 @@ class TritonError(Exception):
     ALREADY_EXISTS = 6
     CANCELLED = 7
 
-    def __init__(self, message, code=INTERNAL):
+    def __init__(self, message: object, code: int = INTERNAL) -> None:
         if message is None:
             raise TypeError("TritonError needs a message")
         super().__init__(message)
         self._message = str(message)
         self._code = int(code)
 
-    def message(self):
+    def message(self) -> str:
         return self._message
 
-    def code(self):
+    def code(self) -> int:
         return self._code
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self._message
 
 
 class TritonModelException(Exception):
     """Raised by models (and by this module) to fail initialize, execute or finalize."""
 
-    def __init__(self, msg=None):
+    def __init__(self, msg: object = None) -> None:
         super().__init__(msg)
         self._msg = msg
 
-    def message(self):
+    def message(self) -> object:
         return self._msg
 
-    def __str__(self):
+    def __str__(self) -> str:
         return "" if self._msg is None else str(self._msg)
 
 
-def as_text(value, what):
+def as_text(value: object, what: str) -> str:
     """A string argument as Triton's C++ side takes it: ``str``, or ``bytes`` as UTF-8
     (a name read from a BYTES tensor is ``bytes``)."""
     if isinstance(value, str):

@@ -9,6 +9,8 @@ and no state.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
 from triton_python_backend_dtypes import (
     CODE_TO_WIRE,
@@ -18,11 +20,23 @@ from triton_python_backend_dtypes import (
 )
 from triton_python_backend_errors import TritonModelException, as_text
 
+if TYPE_CHECKING:
+    from typing import Self
+
+    from numpy.typing import ArrayLike
+    from typing_extensions import CapsuleType
+
 
 class Tensor:
     """A named tensor: a numpy array in CPU memory, or a DLPack object on a GPU."""
 
-    def __init__(self, name, numpy_array, *_legacy):
+    _name: str
+    _datatype: str  # the wire name: FP32, BYTES, BF16, ...
+    _array: np.ndarray | None  # None: on a device
+    # What holds a device tensor's memory: a DLPack producer (torch, cupy, ...).
+    _device_object: Any
+
+    def __init__(self, name: str | bytes, numpy_array: ArrayLike, *_legacy: object) -> None:
         name = name if type(name) is str else as_text(name, "Tensor name")
         if numpy_array is None:
             raise TypeError("Tensor() takes a numpy array, not None")
@@ -51,7 +65,7 @@ class Tensor:
         self._datatype = CODE_TO_WIRE[code]
 
     @classmethod
-    def _wrap(cls, name, datatype, array):
+    def _wrap(cls, name: str, datatype: str, array: np.ndarray | None) -> Self:
         """A tensor that keeps the wire datatype it arrived with (BF16, BYTES)."""
         tensor = cls.__new__(cls)
         tensor._name = name
@@ -60,43 +74,44 @@ class Tensor:
         tensor._datatype = datatype
         return tensor
 
-    def name(self):
+    def name(self) -> str:
         return self._name
 
-    def triton_dtype(self):
+    def triton_dtype(self) -> int:
         return WIRE_TO_CODE[self._datatype]
 
-    def shape(self):
-        source = self._array if self._device_object is None else self._device_object
+    def shape(self) -> list[int]:
+        source = self._array if self._array is not None else self._device_object
         return [int(d) for d in source.shape]
 
-    def is_cpu(self):
+    def is_cpu(self) -> bool:
         return self._device_object is None
 
-    def as_numpy(self):
-        if self._device_object is not None:
+    def as_numpy(self) -> np.ndarray:
+        if self._array is None:
             raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
         return self._array
 
-    def to_dlpack(self):
+    def to_dlpack(self) -> object:
         return self.__dlpack__()
 
-    def __dlpack__(self, stream=None):
+    def __dlpack__(self, stream: object = None) -> object:
         if self._device_object is not None:
             if stream is None:
                 return self._device_object.__dlpack__()
             return self._device_object.__dlpack__(stream=stream)
+        assert self._array is not None  # in CPU memory
         if self._array.dtype == np.object_:
             raise TritonModelException("BYTES tensors cannot be exported with DLPack")
         return self._array.__dlpack__()
 
-    def __dlpack_device__(self):
+    def __dlpack_device__(self) -> tuple[int, int]:
         if self._device_object is not None:
             return self._device_object.__dlpack_device__()
         return (1, 0)  # kDLCPU
 
     @staticmethod
-    def from_dlpack(name, dlpack_object):
+    def from_dlpack(name: str, dlpack_object: Any) -> Tensor:
         """A tensor from a DLPack capsule or an object with ``__dlpack__``."""
         # pb_tensor.cc PbTensor::FromDLPack's checks and words.
         if name == "":
@@ -121,9 +136,9 @@ class Tensor:
         tensor._device_object = source
         return tensor
 
-    def _host_array(self):
+    def _host_array(self) -> np.ndarray:
         """The data in CPU memory, for sending to the server."""
-        if self._device_object is None:
+        if self._array is not None:
             return self._array
         source = self._device_object
         if hasattr(source, "cpu"):  # torch
@@ -132,24 +147,24 @@ class Tensor:
             return source.get()
         return np.from_dlpack(source, device="cpu", copy=True)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Tensor({self._name!r}, {self._datatype}, shape={self.shape()})"
 
 
 class _CpuCapsule:
     """A raw DLPack capsule presented to numpy as CPU memory (numpy checks it)."""
 
-    def __init__(self, capsule):
+    def __init__(self, capsule: CapsuleType) -> None:
         self._capsule = capsule
 
-    def __dlpack__(self, stream=None, **_):
+    def __dlpack__(self, *, stream: None = None, **_: object) -> CapsuleType:
         return self._capsule
 
-    def __dlpack_device__(self):
+    def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)
 
 
-def _device_capsule_owner(capsule):
+def _device_capsule_owner(capsule: object) -> Any:
     """A raw DLPack capsule of device memory, imported through torch."""
     try:
         import torch.utils.dlpack
@@ -160,7 +175,7 @@ def _device_capsule_owner(capsule):
     return torch.utils.dlpack.from_dlpack(capsule)
 
 
-def _device_datatype(source):
+def _device_datatype(source: object) -> str:
     dtype = getattr(source, "dtype", None)
     name = str(dtype).replace("torch.", "")
     if name == "bfloat16":

@@ -21,6 +21,8 @@ import enum
 import json
 import sys
 import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 # The module's data types, errors, Tensor and ModelConfig are in sibling modules of
 # stubpath/ (each loaded anew with this one for an in-process model): their names
@@ -44,8 +46,50 @@ from triton_python_backend_errors import TritonError, TritonModelException
 from triton_python_backend_errors import as_text as _text
 from triton_python_backend_tensor import Tensor  # noqa: F401
 
+if TYPE_CHECKING:
+    import asyncio
+    from typing import Self
+
+
+class _Runtime(Protocol):
+    """What this module calls on the stub's runtime (the stub process's, or the
+    in-process one). A request's ``key`` is the runtime's own handle for it."""
+
+    model_dir: str
+
+    def is_cancelled(self, key: Any) -> bool: ...
+    def send_response(self, key: Any, response: InferenceResponse | None, final: bool) -> None: ...
+    def sender_released(self, key: Any) -> None: ...
+    def bls(
+        self, request: InferenceRequest, decoupled: bool
+    ) -> InferenceResponse | ResponseIterator: ...
+    def check_can_wait(self) -> None: ...
+    def log(self, level: str, message: str) -> None: ...
+    def metric(self, action: str, fields: dict[str, Any]) -> Any: ...
+    def metric_release(self, action: str, fields: dict[str, Any]) -> None: ...
+    def control(self, action: str, fields: dict[str, Any]) -> Any: ...
+
+
+class _BLSCall(Protocol):
+    """A decoupled BLS request in flight, as its ResponseIterator reads it."""
+
+    finished: bool
+
+    def next_response(self) -> InferenceResponse: ...
+    def cancel(self) -> None: ...
+
+
 # Set by the stub process to its runtime (see trionserve.backends.python.stub).
-_runtime = None
+_runtime: _Runtime | None = None
+
+
+def _live_runtime() -> _Runtime:
+    """The runtime a response sender sends through (a sender exists only where
+    one is installed)."""
+    if _runtime is None:
+        raise TritonModelException("responses can only be sent in a stub process")
+    return _runtime
+
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -60,23 +104,24 @@ TRITONSERVER_MEMORY_CPU = 2
 
 
 class PreferredMemory:
-    def __init__(self, preferred_memory_type, preferred_device_id=0):
+    def __init__(self, preferred_memory_type: int, preferred_device_id: int = 0) -> None:
         self.preferred_memory_type = preferred_memory_type
         self.preferred_device_id = preferred_device_id
 
 
 class InferenceTrace:
-    def get_context(self):
+    def get_context(self) -> None:
         return None
 
 
 # The trace of every received request: trionserve gives models no trace context.
 _NO_TRACE = InferenceTrace()
 
-_REQUIRED = object()
+# The default of the arguments that must be given (a TypeError names those missing).
+_REQUIRED: Any = object()
 
 
-def _parameters_json(parameters):
+def _parameters_json(parameters: object) -> str:
     """Request or response parameters as JSON; errors in python_backend's words
     (src/pb_stub.cc: PyDefaultArgumentToMutableType, PyParametersToJSON)."""
     if parameters is None:
@@ -100,18 +145,18 @@ class InferenceRequest:
 
     def __init__(
         self,
-        request_id="",
-        correlation_id=0,
-        inputs=_REQUIRED,
-        requested_output_names=_REQUIRED,
-        model_name=_REQUIRED,
-        model_version=-1,
-        flags=0,
-        timeout=0,
-        preferred_memory=None,
-        trace=None,
-        parameters=None,
-    ):
+        request_id: str | bytes = "",
+        correlation_id: int | str | bytes = 0,
+        inputs: Iterable[Tensor] = _REQUIRED,
+        requested_output_names: Iterable[str | bytes] = _REQUIRED,
+        model_name: str | bytes = _REQUIRED,
+        model_version: int = -1,
+        flags: int = 0,
+        timeout: int = 0,
+        preferred_memory: PreferredMemory | None = None,
+        trace: InferenceTrace | None = None,
+        parameters: Mapping[str, bool | int | str] | None = None,
+    ) -> None:
         missing = [
             name
             for name, value in (
@@ -143,23 +188,23 @@ class InferenceRequest:
         self._parameters = _parameters_json(parameters)
         self._preferred_memory = preferred_memory
         self._trace = trace or InferenceTrace()
-        self._key = None  # set for requests the model received
-        self._sender = None
+        self._key: Any = None  # the runtime's handle, for requests the model received
+        self._sender: InferenceResponseSender | None = None
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     @classmethod
     def _received(
         cls,
-        key,
-        request_id,
-        correlation_id,
-        inputs,
-        output_names,
-        model_name,
-        flags,
-        parameters,
-        sender,
-    ):
+        key: Any,
+        request_id: str,
+        correlation_id: int | str,
+        inputs: list[Tensor],
+        output_names: list[str],
+        model_name: str,
+        flags: int,
+        parameters: str,
+        sender: InferenceResponseSender,
+    ) -> Self:
         """A request the model receives, from values the server already checked."""
         request = cls.__new__(cls)
         request._request_id = request_id
@@ -178,63 +223,65 @@ class InferenceRequest:
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         return request
 
-    def inputs(self):
+    def inputs(self) -> list[Tensor]:
         return self._inputs
 
-    def request_id(self):
+    def request_id(self) -> str:
         return self._request_id
 
-    def correlation_id(self):
+    def correlation_id(self) -> int | str:
         return self._correlation_id
 
-    def flags(self):
+    def flags(self) -> int:
         return self._flags
 
-    def set_flags(self, flags):
+    def set_flags(self, flags: int) -> None:
         self._flags = int(flags)
 
-    def timeout(self):
+    def timeout(self) -> int:
         return self._timeout
 
-    def parameters(self):
+    def parameters(self) -> str:
         return self._parameters
 
-    def trace(self):
+    def trace(self) -> InferenceTrace:
         return self._trace
 
-    def model_name(self):
+    def model_name(self) -> str:
         return self._model_name
 
-    def model_version(self):
+    def model_version(self) -> int:
         return self._model_version
 
-    def requested_output_names(self):
+    def requested_output_names(self) -> list[str]:
         return self._requested_output_names
 
-    def get_response_sender(self):
+    def get_response_sender(self) -> InferenceResponseSender:
         if self._sender is None:
             raise TritonModelException(
                 "a response sender exists only for requests the model received"
             )
         return self._sender
 
-    def is_cancelled(self):
+    def is_cancelled(self) -> bool:
         return self._key is not None and _runtime is not None and _runtime.is_cancelled(self._key)
 
-    def set_release_flags(self, flags):
+    def set_release_flags(self, flags: int) -> None:
         """TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: once execute returns, the request
         goes back to its model's queue and is executed again (a model with
         ``sequence_batching { iterative_sequence: true }``)."""
         self._release_flags = int(flags)
 
-    def exec(self, decoupled=False):
+    def exec(self, decoupled: bool = False) -> InferenceResponse | ResponseIterator:
         """Run this request on another model and wait: a response, or an iterator
         of responses with ``decoupled=True``."""
         if _runtime is None:
             raise TritonModelException("BLS requests can only be executed in a stub process")
         return _runtime.bls(self, bool(decoupled))
 
-    def async_exec(self, decoupled=False):
+    def async_exec(
+        self, decoupled: bool = False
+    ) -> asyncio.Future[InferenceResponse | ResponseIterator]:
         """Like :meth:`exec`, as an awaitable for ``async def execute``."""
         import asyncio
 
@@ -247,7 +294,12 @@ class InferenceRequest:
 class InferenceResponse:
     """Output tensors, or an error, for one request."""
 
-    def __init__(self, output_tensors=_REQUIRED, error=None, parameters=None):
+    def __init__(
+        self,
+        output_tensors: list[Tensor] = _REQUIRED,
+        error: TritonError | str | None = None,
+        parameters: Mapping[str, bool | int | str] | None = None,
+    ) -> None:
         if output_tensors is _REQUIRED:
             output_tensors = []
         elif output_tensors is None:
@@ -263,16 +315,16 @@ class InferenceResponse:
         self._error = error
         self._parameters = _parameters_json(parameters)
 
-    def output_tensors(self):
+    def output_tensors(self) -> list[Tensor]:
         return self._output_tensors
 
-    def has_error(self):
+    def has_error(self) -> bool:
         return self._error is not None
 
-    def error(self):
+    def error(self) -> TritonError | None:
         return self._error
 
-    def parameters(self):
+    def parameters(self) -> str:
         return self._parameters
 
 
@@ -286,14 +338,14 @@ class InferenceResponseSender:
     the request with that error, so its client is answered.
     """
 
-    def __init__(self, key, decoupled=True):
+    def __init__(self, key: Any, decoupled: bool = True) -> None:
         self._key = key
         self._decoupled = decoupled
         self._lock = threading.Lock()
         self._sent = 0
         self._closed = False
 
-    def send(self, response=None, flags=0):
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if response is None and not final:
             raise TritonModelException(
@@ -314,7 +366,7 @@ class InferenceResponseSender:
                         "complete final before sending a response."
                     )
                     self._closed = True
-                    _runtime.send_response(
+                    _live_runtime().send_response(
                         self._key, InferenceResponse(error=TritonError(message)), True
                     )
                     raise TritonModelException(message)
@@ -326,28 +378,30 @@ class InferenceResponseSender:
                 self._closed = True
             self._sent += 1
             # Sent under the lock: one request's messages keep their order.
-            _runtime.send_response(self._key, response, final)
+            _live_runtime().send_response(self._key, response, final)
 
-    def is_cancelled(self):
+    def is_cancelled(self) -> bool:
         return _runtime is not None and _runtime.is_cancelled(self._key)
 
-    def __del__(self):
+    def __del__(self) -> None:
         # The model let go of the request's sender: if it was not answered, nothing
         # can answer it any more, so the stub ends it (with an error).
         if _runtime is not None:
             _runtime.sender_released(self._key)
 
-    def _close(self):
+    def _close(self) -> None:
         with self._lock:
             self._closed = True
 
-    def _end_with_error(self, message):
+    def _end_with_error(self, message: str) -> bool:
         """Close the sender, ending its request with ``message`` if still open."""
         with self._lock:
             if self._closed:
                 return False
             self._closed = True
-            _runtime.send_response(self._key, InferenceResponse(error=TritonError(message)), True)
+            _live_runtime().send_response(
+                self._key, InferenceResponse(error=TritonError(message)), True
+            )
             return True
 
 
@@ -358,18 +412,18 @@ class ResponseIterator:
     once the last one came, iterating again starts from the first.
     """
 
-    def __init__(self, call):
+    def __init__(self, call: _BLSCall) -> None:
         self._call = call
-        self._responses = []
+        self._responses: list[InferenceResponse] = []
         self._index = 0
         self._finished = False
 
-    def __iter__(self):
+    def __iter__(self) -> Self:
         if self._finished and self._index >= len(self._responses):
             self._index = 0
         return self
 
-    def __next__(self):
+    def __next__(self) -> InferenceResponse:
         if self._finished:
             if self._index >= len(self._responses):
                 raise StopIteration
@@ -382,7 +436,7 @@ class ResponseIterator:
             self._index = len(self._responses)
         return response
 
-    def cancel(self):
+    def cancel(self) -> None:
         self._call.cancel()
 
 
@@ -399,6 +453,10 @@ class LogLevel(enum.Enum):
     VERBOSE = "VERBOSE"
 
 
+# Logger's level type (inside Logger, ``LogLevel`` is the class attribute).
+_Level = LogLevel
+
+
 class Logger:
     """Log lines that appear in the server's log, tagged with the model instance."""
 
@@ -409,7 +467,7 @@ class Logger:
     VERBOSE = LogLevel.VERBOSE
 
     @staticmethod
-    def log(message, level=LogLevel.INFO):
+    def log(message: str | bytes, level: _Level = LogLevel.INFO) -> None:
         # Argument types as pybind11 checks them: a TypeError otherwise.
         if not isinstance(level, LogLevel):
             raise TypeError(f"log level must be a pb_utils.Logger level, not {level!r}")
@@ -423,61 +481,65 @@ class Logger:
             _runtime.log(level.value, message)
 
     @staticmethod
-    def log_info(message):
+    def log_info(message: str | bytes) -> None:
         Logger.log(message, Logger.INFO)
 
     @staticmethod
-    def log_warn(message):
+    def log_warn(message: str | bytes) -> None:
         Logger.log(message, Logger.WARNING)
 
     @staticmethod
-    def log_error(message):
+    def log_error(message: str | bytes) -> None:
         Logger.log(message, Logger.ERROR)
 
     @staticmethod
-    def log_verbose(message):
+    def log_verbose(message: str | bytes) -> None:
         Logger.log(message, Logger.VERBOSE)
 
 
 # -- model configuration -------------------------------------------------------------------
 
 
-def get_input_tensor_by_name(inference_request, name):
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
     for tensor in inference_request.inputs():
         if tensor.name() == name:
             return tensor
     return None
 
 
-def get_output_tensor_by_name(inference_response, name):
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
     for tensor in inference_response.output_tensors():
         if tensor.name() == name:
             return tensor
     return None
 
 
-def get_model_dir():
+def get_model_dir() -> str:
     """The directory model.py was loaded from (its version directory)."""
     if _runtime is None:
         raise TritonModelException("get_model_dir() is only available in a stub process")
     return _runtime.model_dir
 
 
-def _unsupported(feature):
-    def call(*_args, **_kwargs):
+def _unsupported(feature: str) -> Callable[..., NoReturn]:
+    def call(*_args: object, **_kwargs: object) -> NoReturn:
         raise TritonModelException(f"{feature} is not supported by trionserve yet")
 
     call.__name__ = feature
     return call
 
 
-def _control(action, **fields):
+def _control(action: str, **fields: object) -> Any:
     if _runtime is None:
         raise TritonModelException("the model loading API is only available in a stub process")
     return _runtime.control(action, fields)
 
 
-def load_model(model_name, config="", files=None):
+def load_model(
+    model_name: str | bytes,
+    config: str | bytes = "",
+    files: Mapping[str | bytes, bytes] | None = None,
+) -> None:
     """Load or reload ``model_name`` (the server must be in EXPLICIT mode).
 
     ``config`` is a model configuration as JSON; ``files`` maps
@@ -492,21 +554,21 @@ def load_model(model_name, config="", files=None):
     )
 
 
-def unload_model(model_name, unload_dependents=False):
+def unload_model(model_name: str | bytes, unload_dependents: bool = False) -> None:
     """Unload ``model_name`` (the server must be in EXPLICIT mode)."""
     _control(
         "unload", name=_text(model_name, "model_name"), unload_dependents=bool(unload_dependents)
     )
 
 
-def is_model_ready(model_name, model_version=""):
+def is_model_ready(model_name: str | bytes, model_version: str | bytes | int = "") -> bool:
     """Whether ``model_name`` (that version, or any) is ready to serve."""
     if isinstance(model_version, (bytes, bytearray)):
         model_version = _text(model_version, "model_version")
     return _control("ready", name=_text(model_name, "model_name"), version=str(model_version))
 
 
-def _metric_call(action, **fields):
+def _metric_call(action: str, **fields: object) -> Any:
     """One custom-metric operation, answered by the server (raises its error)."""
     if _runtime is None:
         raise TritonModelException("custom metrics are only available in a stub process")
@@ -525,17 +587,19 @@ class MetricFamily:
     GAUGE = 1
     HISTOGRAM = 2
 
-    def __init__(self, name, description, kind):
-        self._id = None
+    def __init__(self, name: str, description: str, kind: int) -> None:
+        self._id: int | None = None
         self._name = name
         self._kind = kind
         self._id = _metric_call("family_create", name=name, description=description, kind=kind)
 
-    def Metric(self, labels=None, buckets=None):  # noqa: N802 - Triton's name
+    def Metric(  # noqa: N802 - Triton's name
+        self, labels: Mapping[str, str] | None = None, buckets: Iterable[float] | None = None
+    ) -> Metric:
         """The metric of this family with these labels (created when new)."""
         return Metric(self, labels, buckets)
 
-    def __del__(self):
+    def __del__(self) -> None:
         if self._id is not None and _runtime is not None:
             _runtime.metric_release("family_delete", {"family": self._id})
 
@@ -543,30 +607,34 @@ class MetricFamily:
 class Metric:
     """One metric (one set of labels) of a :class:`MetricFamily`."""
 
-    def __init__(self, family, labels=None, buckets=None):
-        self._key = None
+    def __init__(
+        self,
+        family: MetricFamily,
+        labels: Mapping[str, str] | None = None,
+        buckets: Iterable[float] | None = None,
+    ) -> None:
+        self._key: list[list[str]] | None = None
         self._family = family._id
-        if buckets is not None:
-            buckets = [float(b) for b in buckets]
+        bounds = [float(b) for b in buckets] if buckets is not None else None
         self._key = _metric_call(
-            "metric_create", family=family._id, labels=labels or {}, buckets=buckets
+            "metric_create", family=family._id, labels=labels or {}, buckets=bounds
         )
 
-    def _update(self, action, value=0.0):
+    def _update(self, action: str, value: float = 0.0) -> Any:
         return _metric_call(action, family=self._family, labels=self._key, value=value)
 
-    def increment(self, value):
+    def increment(self, value: float) -> None:
         self._update("increment", value)
 
-    def set(self, value):
+    def set(self, value: float) -> None:
         self._update("set", value)
 
-    def observe(self, value):
+    def observe(self, value: float) -> None:
         self._update("observe", value)
 
-    def value(self):
+    def value(self) -> float:
         return self._update("value")
 
-    def __del__(self):
+    def __del__(self) -> None:
         if self._key is not None and _runtime is not None:
             _runtime.metric_release("metric_delete", {"family": self._family, "labels": self._key})

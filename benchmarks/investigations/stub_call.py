@@ -1,8 +1,8 @@
 """A Python-backend call without a frontend: the server's side of the stub IPC,
 the stub and the core, measured by thread and in instructions.
 
-Usage: python -m benchmarks.stub_call [--requests 4000] [--rounds 3]
-       python -m benchmarks.stub_call --baseline DIR [--rounds 3]
+Usage: python -m benchmarks.investigations.stub_call [--requests 4000] [--rounds 3]
+       python -m benchmarks.investigations.stub_call --baseline DIR [--rounds 3]
 
 Starts an in-process server (no HTTP or gRPC port is called) over the example
 ``add_sub_python`` with one instance, and calls ``dataplane.infer`` one request
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
+ROOT = HERE.parents[2]
 CONFIG = ROOT / "examples" / "model_repository" / "add_sub_python"
 
 
@@ -142,7 +142,11 @@ def main() -> None:
     print(f"add_sub_python, one stub, dataplane.infer at c=1, {args.requests} requests per round")
     print("medians over the rounds, per request")
     for name, results in runs.items():
+        rates = ", ".join(f"{r['infer_per_s']:,.0f}" for r in results)
         print(f"\n{name}: {statistics.median(r['infer_per_s'] for r in results):,.0f} infer/s")
+        print(f"  infer/s by round: {rates}")
+        totals = ", ".join(f"{sum(r['cpu_us'].values()):.0f}" for r in results)
+        print(f"  CPU µs per request by round: {totals}")
         keys = sorted({k for r in results for k in r["cpu_us"]})
         for key in keys:
             values = [r["cpu_us"].get(key, 0.0) for r in results]
