@@ -89,6 +89,19 @@ input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
         { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
          { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]""",
+    # As qa/L0_decoupled's simple_repeat: an ensemble over a decoupled step, not
+    # itself declared decoupled.
+    "ens_repeat": """platform: "ensemble"
+max_batch_size: 0
+ensemble_scheduling { step [ { model_name: "repeat_int32" model_version: -1
+  input_map { key: "IN" value: "IN" } input_map { key: "DELAY" value: "DELAY" }
+  input_map { key: "WAIT" value: "WAIT" } output_map { key: "OUT" value: "OUT" }
+  output_map { key: "IDX" value: "IDX" } } ] }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
+        { name: "DELAY" data_type: TYPE_UINT32 dims: [ -1 ] },
+        { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+         { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]""",
     "square_int32": 'backend: "square"\nmax_batch_size: 0\n'
     "model_transaction_policy { decoupled: True }\n" + _io("IN", "OUT", "TYPE_INT32", "1"),
     "square_failing": 'backend: "square"\nmax_batch_size: 0\n'
@@ -272,6 +285,24 @@ def test_a_model_that_is_not_decoupled_gets_the_first_of_several_responses(http)
     result = http.infer("repeat_not_decoupled", inputs)
     assert result.as_numpy("OUT").tolist() == [100]
     assert result.as_numpy("IDX").tolist() == [0]
+
+
+def test_an_ensemble_with_a_decoupled_step_is_decoupled_and_streams_unordered(http, stream):
+    # core ensemble_utils.cc sets such an ensemble decoupled; a gRPC stream then
+    # answers as responses come (qa/L0_decoupled test_response_order).
+    assert http.get_model_config("ens_repeat")["model_transaction_policy"]["decoupled"]
+
+    def inputs(delay_ms: int) -> list:
+        return [
+            _input("IN", np.array([1, 2], np.int32), "INT32", grpcclient),
+            _input("DELAY", np.array([delay_ms, delay_ms], np.uint32), "UINT32", grpcclient),
+            _input("WAIT", np.array([0], np.uint32), "UINT32", grpcclient),
+        ]
+
+    stream.async_stream_infer("ens_repeat", inputs(400), request_id="slow")
+    stream.async_stream_infer("ens_repeat", inputs(1), request_id="fast")
+    order = [r.get_response().id for r in _drain(stream, 4)]
+    assert order[:2] == ["fast", "fast"], order
 
 
 def test_square_answers_n_times_and_its_simulated_failure_ends_the_request(stream):
