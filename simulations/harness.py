@@ -161,6 +161,8 @@ async def _main(world: World, scenario: Scenario, monitor: Monitor) -> None:
             exit_on_error=False,
             model_load_thread_count=setup.load_threads,
             residency=setup.residency,
+            client_buffer_limit=setup.client_buffer_limit,
+            client_buffer_stall_secs=setup.client_buffer_stall_secs,
         ),
         backends=simulated_backends(world),
     )

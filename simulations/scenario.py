@@ -38,6 +38,9 @@ class Setup:
     observes_executions: bool = True
     # --model-load-on-demand, --model-memory-limit, --model-idle-unload-secs
     residency: ResidencyOptions = field(default_factory=ResidencyOptions)
+    # --client-buffer-limit (None: the default) and --client-buffer-stall-secs
+    client_buffer_limit: int | None = None
+    client_buffer_stall_secs: float = 10.0
     hang_limit: float = 60.0  # seconds a client may still wait after the server stopped
     run_limit: float = 3600.0  # seconds after which the run is stopped
 

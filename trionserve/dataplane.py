@@ -18,6 +18,7 @@ from trionserve.actors.model import ModelVersion
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.classification import classify, read_labels
+from trionserve.core.client_budget import ClientBudget
 from trionserve.core.cuda_shared_memory import CudaSharedMemory, SharedMemoryResolver
 from trionserve.core.errors import (
     AlreadyExists,
@@ -95,8 +96,12 @@ class DataPlane:
         response_cache: ResponseCache | None = None,
         strict_readiness: bool = True,
         undelivered_response_limit: int = DEFAULT_UNDELIVERED_RESPONSE_BYTES,
+        budget: ClientBudget | None = None,
     ) -> None:
         self.registry = registry
+        # --client-buffer-limit: the bytes held for clients, every listener's
+        # together; a new request is refused at it (see core/client_budget.py).
+        self.budget = budget if budget is not None else ClientBudget()
         # --strict-readiness: ready needs every model ready (true), or only a
         # started server that is not draining (false).
         self.strict_readiness = strict_readiness
@@ -336,6 +341,9 @@ class DataPlane:
         if residency is not None:
             residency.touch(model)
         request.undelivered_limit = self.undelivered_response_limit
+        budget = request.budget = self.budget
+        if not internal and budget.held >= budget.limit:
+            budget.admit(f"request for model '{request.model_name}'")
         drain = self.drain
         if drain.draining and not internal:
             drain.refuse_unless_continuing(request, model)
@@ -377,6 +385,7 @@ class DataPlane:
                 request.cancelled = True
             raise
         finally:
+            request.discard()
             self.drain.request_ended(model)
             if trace is not None:
                 self.tracing.finish(trace, model, request, run.traced)

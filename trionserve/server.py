@@ -45,6 +45,7 @@ from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.backends.backend_config import BackendConfig
 from trionserve.backends.manager import BackendManager
 from trionserve.backends.registry import BackendFactory
+from trionserve.core.client_budget import DEFAULT_STALL_SECS, ClientBudget
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.core.response_cache import ResponseCache
@@ -82,6 +83,10 @@ class ServerOptions:
     strict_readiness: bool = True  # ready only when every model is
     # --max-undelivered-response-bytes: one request's responses held for its client
     max_undelivered_response_bytes: int = DEFAULT_UNDELIVERED_RESPONSE_BYTES
+    # --client-buffer-limit: the bytes held for clients, all listeners together
+    # (None: a quarter of the host's memory), and --client-buffer-stall-secs
+    client_buffer_limit: int | None = None
+    client_buffer_stall_secs: float = DEFAULT_STALL_SECS
     model_config_name: str | None = None  # configs/<name>.pbtxt where it exists
     # --backend-config: backend ("" for all) -> setting -> value
     backend_config: BackendConfig = field(default_factory=dict)
@@ -270,6 +275,7 @@ class Server:
             first_response_histogram=options.metrics.histogram_latencies,
             strict_readiness=options.strict_readiness,
             undelivered_response_limit=options.max_undelivered_response_bytes,
+            budget=ClientBudget(options.client_buffer_limit, options.client_buffer_stall_secs),
         )
         # Set by ``shutdown``: the drain begins.
         self._shutdown = trio.Event()
@@ -343,6 +349,7 @@ class Server:
                 nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             await nursery.start(self.dataplane.tracing.run)
             await nursery.start(self.rate_limiter.run)
+            await nursery.start(self.dataplane.budget.run)
             await nursery.start(self.registry.run)
             if self.residency is not None:
                 await nursery.start(self.residency.run)
@@ -523,7 +530,11 @@ class Server:
         """Serve the OpenAI-compatible API from the running core (as
         :meth:`attach_http`), with the HTTP port's limits and its errors in
         OpenAI's shape."""
-        transport = replace(self.options.http.transport_options(), error_body=error_body)
+        transport = replace(
+            self.options.http.transport_options(),
+            error_body=error_body,
+            budget=self.dataplane.budget,
+        )
         binds = await self._frontend_nursery("OpenAI").start(
             serve_openai,
             self.dataplane,
@@ -549,7 +560,10 @@ class Server:
             address,
             port,
             self._close_frontends,
-            self.options.http.transport_options(reuse_port=False),
+            replace(
+                self.options.http.transport_options(reuse_port=False),
+                budget=self.dataplane.budget,
+            ),
         )
         log.debug("Metrics service started", listening=binds)
         self.metrics_binds = binds

@@ -2,6 +2,7 @@
 
 from simulations.scenarios import (  # noqa: F401
     backend_faults,
+    client_budget,
     grpc_frontend,
     http_frontend,
     load,

@@ -27,6 +27,7 @@ class DecoupledDataPlane:
 
     shared_memory = None
     shm_resolver = None
+    budget = None
 
     def __init__(self) -> None:
         self.first_sent: dict[str, trio.Event] = {}

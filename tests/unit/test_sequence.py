@@ -775,6 +775,7 @@ class QueueingDataPlane:
 
     shared_memory = None
     shm_resolver = None
+    budget = None
 
     def __init__(self) -> None:
         self.order: list[str] = []

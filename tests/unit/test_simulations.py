@@ -27,7 +27,7 @@ from simulations.backend import SERVING, AsyncSimInstance
 from simulations.harness import COMPLETES, run_seed
 from simulations.probes import QUEUE_BOUNDS
 from simulations.scenario import SCENARIOS
-from simulations.scenarios import on_demand
+from simulations.scenarios import client_budget, on_demand
 from simulations.sweep import SweepTotals, failure_report, scenarios_named, sweep
 from trionserve.actors import residency as residency_module
 from trionserve.actors import residency_budget as residency_budget_module
@@ -35,6 +35,7 @@ from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.model_lifecycle import ModelLifeCycle
 from trionserve.actors.residency import ResidencyManager
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
+from trionserve.core.client_budget import ClientBudget
 from trionserve.repository.snapshot import snapshot_repository
 from trionserve.schedulers import default as default_module
 from trionserve.schedulers import dynamic_batch as batcher_module
@@ -432,3 +433,29 @@ def test_a_failed_load_retried_at_once_is_caught(monkeypatch):
     scenario = variant("models_on_demand", lambda s: setattr(s.faults, "p_load_failure", 0.3))
     found = violations_of(scenario, on_demand.BACKOFF)
     assert any("after its load failed" in v.detail for v in found), found
+
+
+# -- the budget of bytes held for clients, broken on purpose ------------------------------
+
+
+def test_a_pressure_policy_that_never_evicts_is_caught(monkeypatch):
+    monkeypatch.setattr(ClientBudget, "_stalled", lambda self, now: (None, 1.0))
+    found = violations_of(SCENARIOS["client_budget"], client_budget.STALLED_EVICTED)
+    assert any("untouched for longer than" in v.detail for v in found), found
+
+
+def test_producers_that_do_not_wait_are_caught(monkeypatch):
+    monkeypatch.setattr(client_budget.SimulatedStub, "told", lambda self, full: None)
+    found = violations_of(SCENARIOS["client_budget"], client_budget.WITHIN_LIMIT)
+    assert any("limit" in v.detail for v in found), found
+
+
+def test_an_eviction_of_a_reading_client_is_caught(monkeypatch):
+    original = ClientBudget.__init__
+
+    def impatient(self, limit=None, stall_secs=10.0):
+        original(self, limit, 0.05)
+
+    monkeypatch.setattr(ClientBudget, "__init__", impatient)
+    found = violations_of(SCENARIOS["client_budget"], client_budget.STALLED_EVICTED)
+    assert any("though its client read" in v.detail for v in found), found

@@ -221,6 +221,8 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         disable_auto_complete_config=args.disable_auto_complete_config,
         strict_readiness=args.strict_readiness,
         max_undelivered_response_bytes=args.max_undelivered_response_bytes,
+        client_buffer_limit=args.client_buffer_limit,
+        client_buffer_stall_secs=args.client_buffer_stall_secs,
         model_config_name=args.model_config_name,
         backend_config=backend_config,
         backend_directory=args.backend_directory,

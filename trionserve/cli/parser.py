@@ -26,6 +26,7 @@ from trionserve.cli.flag_groups import (
 from trionserve.cli.values import (
     RESTRICTED_GROUPS,
     boolean,
+    byte_size,
     config_name,
     header_pattern,
     int_at_least,
@@ -38,6 +39,7 @@ from trionserve.cli.values import (
     rate_limit_resource,
     repository_location,
 )
+from trionserve.core.client_budget import DEFAULT_STALL_SECS
 from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.workers import add_worker_flags
 
@@ -132,6 +134,26 @@ def build_parser() -> argparse.ArgumentParser:
         "reads them (a decoupled model streaming to a client that stops "
         "reading); past it the request is cancelled with RESOURCE_EXHAUSTED "
         f"(default {DEFAULT_UNDELIVERED_RESPONSE_BYTES})",
+    )
+    add(
+        "--client-buffer-limit",
+        type=byte_size(1024 * 1024),
+        default=None,
+        metavar="BYTES",
+        help="bytes the server holds for clients, every listener and connection "
+        "together: request bodies, responses and stream chunks waiting for slow "
+        "clients, decoupled models' backlogs; at it new requests are refused (HTTP 503, "
+        "gRPC RESOURCE_EXHAUSTED) and streaming models wait; suffixes K, M, G, T "
+        "(default: a quarter of the host's memory)",
+    )
+    add(
+        "--client-buffer-stall-secs",
+        type=positive_float,
+        default=DEFAULT_STALL_SECS,
+        metavar="SECONDS",
+        help="while --client-buffer-limit is reached, a client that has read nothing "
+        "for this long has its stream cancelled, the one holding the most bytes "
+        f"first (default {DEFAULT_STALL_SECS:g})",
     )
     add(
         "--model-config-name",

@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import trio
 
 from trionserve.core.errors import InternalError, ResourceExhausted, TritonError
+
+if TYPE_CHECKING:
+    from trionserve.core.client_budget import ClientBudget
 
 # --max-undelivered-response-bytes: what one request's responses may hold in the
 # server before its consumer (the client's connection) takes them.
@@ -91,6 +94,13 @@ class InferenceRequest:
     model's stream) thus holds at most ``undelivered_limit`` plus one response.
     ``undelivered_peak`` is the most bytes the request ever held undelivered (a
     lone final response, which can pass no bound, is not counted).
+
+    The same bytes are counted in the server's ``budget``
+    (:class:`~trionserve.core.client_budget.ClientBudget`, set at admission),
+    reserved as a response is held and released as it is taken; while it holds
+    any, the request is one of the budget's holders, which the memory-pressure
+    policy may ``evict``: its responses are dropped and it fails with
+    RESOURCE_EXHAUSTED. ``discard`` lets go of what nobody will take any more.
     """
 
     # Whether the request counts in the model's statistics (a sequence batcher's
@@ -123,6 +133,8 @@ class InferenceRequest:
         "_undelivered",
         "undelivered_limit",
         "undelivered_peak",
+        "budget",
+        "last_read",
     )
 
     def __init__(
@@ -173,6 +185,10 @@ class InferenceRequest:
         self._undelivered = 0
         self.undelivered_limit = DEFAULT_UNDELIVERED_RESPONSE_BYTES
         self.undelivered_peak = 0
+        # The server's budget of bytes held for clients (None: not counted), and
+        # when the consumer last took a response (for its pressure policy).
+        self.budget: ClientBudget | None = None
+        self.last_read = 0.0
         self._final = False
         # The final outcome came as a flag after the last response, not with it.
         self._empty_final = False
@@ -226,6 +242,12 @@ class InferenceRequest:
             size = response_nbytes(response) if held or not final else 0
             if held and held + size > self.undelivered_limit:
                 return self._overflow(size)
+            budget = self.budget
+            if size and budget is not None:
+                if not held:
+                    self.last_read = trio.current_time()
+                    budget.hold(self)
+                budget.reserve(size)
             held += size
             self._undelivered = held
             self.undelivered_peak = max(self.undelivered_peak, held)
@@ -249,6 +271,41 @@ class InferenceRequest:
         )
         self.cancelled = True
         return False
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes of the responses delivered and not consumed yet."""
+        return self._undelivered
+
+    def _let_go(self) -> None:
+        """Drop the responses not consumed (nobody will take them) and release
+        their bytes."""
+        held, self._undelivered = self._undelivered, 0
+        self._responses.clear()
+        budget = self.budget
+        if budget is not None and held:
+            budget.release(held)
+            budget.let_go(self)
+
+    def discard(self) -> None:
+        """The consumer is done with the request: what it did not take is dropped."""
+        if self._responses:
+            self._let_go()
+
+    def evict(self, message: str) -> None:
+        """The budget's pressure policy gave up on this request's client (see
+        :mod:`~trionserve.core.client_budget`): its responses not consumed are
+        dropped, it fails with RESOURCE_EXHAUSTED (even when the model had
+        finished), and its model is told to stop."""
+        self._let_go()
+        self._error = ResourceExhausted(
+            f"request '{self.id}' for model '{self.model_name}': {message}; the "
+            "request was cancelled"
+        )
+        self._final = True
+        self._empty_final = False
+        self._wakeup.set()
+        self.cancelled = True
 
     def respond(self, response: InferenceResponse) -> bool:
         """Deliver the one final response of a non-decoupled request."""
@@ -275,7 +332,9 @@ class InferenceRequest:
                 f"model '{self.model_name}' produced {len(self._responses)} responses "
                 "for a request that expects exactly one"
             )
-        response, self._undelivered = self._responses.popleft()[0], 0
+        response, size = self._responses.popleft()
+        if size:
+            self._taken(size)
         return response
 
     async def stream(self) -> AsyncIterator[tuple[InferenceResponse | None, bool]]:
@@ -291,7 +350,8 @@ class InferenceRequest:
                 self._wakeup = trio.Event()
             if self._responses:
                 response, size = self._responses.popleft()
-                self._undelivered -= size
+                if size:
+                    self._taken(size)
                 last = (
                     self._final
                     and not self._responses
@@ -306,6 +366,17 @@ class InferenceRequest:
                 raise self._error
             yield None, True
             return
+
+    def _taken(self, size: int) -> None:
+        """The consumer took a response of ``size`` counted bytes."""
+        held = self._undelivered = self._undelivered - size
+        budget = self.budget
+        if budget is not None:
+            budget.release(size)
+            if held:
+                self.last_read = trio.current_time()
+            else:
+                budget.let_go(self)
 
     def __repr__(self) -> str:
         return (

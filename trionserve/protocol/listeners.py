@@ -19,10 +19,7 @@ oldest idle one first, so idle connections never keep a new client out.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
-import functools
 import math
 import socket
 import sys
@@ -35,7 +32,6 @@ __all__ = [
     "Acceptor",
     "RateLimitedLog",
     "open_tcp_listeners",
-    "release_free_memory",
     "REUSE_PORT_SUPPORTED",
 ]
 
@@ -239,27 +235,3 @@ class Acceptor:
             self.open -= 1
             self._ended.set()
             self._ended = trio.Event()
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None where the C library has none."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-def release_free_memory() -> None:
-    """Give the pages malloc holds free back to the system (glibc's malloc_trim;
-    nothing elsewhere). After a connection that held many buffers ends, its memory
-    is free but stays in the process: megabyte buffers come from malloc's heap
-    once its mmap threshold has risen, and the heap only shrinks from its top.
-    Takes milliseconds on a large heap: call it in a worker thread."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

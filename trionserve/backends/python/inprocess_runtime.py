@@ -186,6 +186,13 @@ class InProcessRuntime(ModelRuntime):
             )
         return super()._await_result(coroutine)
 
+    def _on_loop(self) -> bool:
+        """Whether this is the event loop's thread."""
+        try:
+            return trio.lowlevel.current_trio_token() is self._instance.token
+        except RuntimeError:
+            return False  # not a Trio thread
+
     def check_can_wait(self) -> None:
         """Refuse a call that would make the event loop's thread wait for itself:
         one from the model's execute running there (a BLS ``exec()``, an
@@ -288,6 +295,12 @@ class InProcessRuntime(ModelRuntime):
     ) -> None:
         if final:
             self._unanswered.discard(key)
+        budget = key.budget
+        if budget is not None and budget.full and response is not None and not self._on_loop():
+            # The server's budget of bytes held for clients is full: the model's
+            # thread waits for room (never the event loop's), or until the
+            # request is cancelled (its client gone, or evicted by the budget).
+            budget.wait_for_room_blocking(lambda: key.cancelled or key.done)
         outcome = None if response is None else self.outcome(key, response)
         self.post(self._instance.deliver_sent, key, outcome, final)
 

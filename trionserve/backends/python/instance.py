@@ -33,6 +33,7 @@ from trionserve.backends.python.messages import (
 )
 from trionserve.backends.python.process import StubProcess, TrioChannel, log_stub_line
 from trionserve.backends.python.settings import StubSettings
+from trionserve.core.client_budget import ClientBudget
 from trionserve.core.errors import (
     InternalError,
     InvalidArgument,
@@ -140,6 +141,12 @@ class PythonInstance:
         # (messages, event): the event is set once the reader has handled that
         # many of the stub's socket messages (see _pump).
         self._handed_wait: tuple[int, trio.Event] | None = None
+        # The server's budget of bytes held for clients, once a request brought
+        # it: the stub is told each time it turns full or has room, so that the
+        # model's response senders wait for room (numbered: the latest wins).
+        self._budget: ClientBudget | None = None
+        self._budget_notices = itertools.count(1)
+        self._budget_flipped = False
 
     @property
     def pid(self) -> int | None:
@@ -182,6 +189,8 @@ class PythonInstance:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery, self._channel = nursery, channel
+                if self._budget is not None and self._budget.full:
+                    self._budget_changed(True)
                 self._ready.set()
                 await self._read(channel)
                 nursery.cancel_scope.cancel()
@@ -261,6 +270,9 @@ class PythonInstance:
             if self._fatal is not None:
                 raise self._fatal
         channel = self._channel
+        if self._budget is None and self._decoupled and requests[0].budget is not None:
+            self._budget = requests[0].budget
+            self._budget.subscribe(self._budget_changed)
         entries, keys = [], []
         for request in requests:
             key = next(self._ids)
@@ -444,6 +456,11 @@ class PythonInstance:
                     self._send_soon(channel, reply)
             if channel.endpoint.should_flush():
                 self._send_soon(channel, {"op": "free"})
+            if self._budget_flipped:
+                # The notice goes before the next message is read: a stub that
+                # keeps this loop busy would otherwise never be told.
+                self._budget_flipped = False
+                await trio.lowlevel.checkpoint()
 
     async def _control(self, channel: TrioChannel, message: dict) -> None:
         """A model loading API call from ``execute``: answered when it is done."""
@@ -460,6 +477,15 @@ class PythonInstance:
             await channel.send(reply)
         except _GONE:
             pass  # the stub is gone
+
+    def _budget_changed(self, full: bool) -> None:
+        """Tell the stub that the budget of bytes held for clients turned full
+        (its senders wait) or has room again."""
+        channel = self._channel
+        if channel is not None:
+            notice = next(self._budget_notices)
+            self._send_soon(channel, {"op": "budget", "full": full, "notice": notice})
+            self._budget_flipped = True
 
     def _send_soon(self, channel: TrioChannel, message: dict) -> None:
         async def send() -> None:
@@ -633,6 +659,8 @@ class PythonInstance:
 
     def close(self) -> None:
         """Finalize the model and end the stub (blocking; after ``run`` ended)."""
+        if self._budget is not None:
+            self._budget.unsubscribe(self._budget_changed)
         stub, self._stub = self._stub, None
         if stub is not None:
             # A stub still busy in execute (hung) could not finalize: end it.

@@ -102,6 +102,9 @@ class Arena:
     def __init__(self, default_size: int, growth_size: int) -> None:
         self._growth = max(ALIGNMENT, growth_size)
         self._lock = threading.Lock()
+        # Notified as blocks are freed (a writer waiting for its backlog to drain).
+        self._freed = threading.Condition(self._lock)
+        self._used = 0  # bytes allocated and not yet freed
         self._segments: list[_Segment] = []
         self._unannounced: list[_Segment] = []
         self._add_segment(max(ALIGNMENT, default_size))
@@ -119,6 +122,7 @@ class Arena:
     def allocate(self, nbytes: int) -> Block:
         size = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT
         with self._lock:
+            self._used += size
             for segment in self._segments:
                 offset = segment.allocate(size)
                 if offset is not None:
@@ -132,11 +136,18 @@ class Arena:
         with self._lock:
             for segment_id, offset, size in blocks:
                 self._segments[segment_id].release(offset, size)
+                self._used -= size
+            self._freed.notify_all()
 
     def in_use(self) -> int:
         """Bytes allocated and not yet freed."""
-        with self._lock:
-            return sum(s.size - sum(n for _, n in s.free) for s in self._segments)
+        return self._used
+
+    def wait_freed(self, below: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until fewer than ``below`` bytes are in
+        use; whether they are."""
+        with self._freed:
+            return self._freed.wait_for(lambda: self._used < below, timeout)
 
     def has_announcements(self) -> bool:
         """Whether a segment is waiting to be announced (a message that refers

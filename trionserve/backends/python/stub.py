@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -42,12 +43,17 @@ from trionserve.backends.python.lane import Lane, encode
 from trionserve.backends.python.runtime import ModelRuntime, describe_exception
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
+from trionserve.core.memory import release_free_memory
 
 if TYPE_CHECKING:
     from trionserve.backends.python.messages import EncodedResponse
     from trionserve.backends.python.stubpath import triton_python_backend_utils as pb_utils
 
 STUBPATH = Path(__file__).resolve().parent / "stubpath"
+# A response sender waits while the responses its stub sent and the server has
+# not read yet hold this many bytes of shared memory (at least one always goes):
+# a model that produces faster than the server takes does not grow the stub.
+STUB_BACKLOG_BYTES = 8 * 1024 * 1024
 
 
 def import_model(message: dict[str, Any]) -> ModuleType:
@@ -136,6 +142,14 @@ class StubRuntime(ModelRuntime):
         self._reader_started = False
         self._reader_lock = threading.Lock()
         self._main_thread = threading.get_ident()
+        # Clear while the server's budget of bytes held for clients is full: a
+        # response sender waits for room (or its request's cancellation). The
+        # server numbers its notices; the latest wins.
+        self._budget_room = threading.Event()
+        self._budget_room.set()
+        self._budget_notice = 0
+        self._send_gate = threading.Lock()
+        self._trimmed = 0.0  # when memory was last given back (monotonic)
         module = import_model(message)
         import triton_python_backend_utils as pb
 
@@ -399,8 +413,33 @@ class StubRuntime(ModelRuntime):
         self._poll()
         if final:
             self._unanswered.discard(key)
-        encoded = None if response is None else self.encode_response(response)
+        if response is None:
+            encoded = None
+        else:
+            # One sender at a time checks for room and writes its response: the
+            # senders of several requests do not all pass the check at once.
+            with self._send_gate:
+                if not self._budget_room.is_set() or self.arena.in_use() >= STUB_BACKLOG_BYTES:
+                    self._wait_for_room(key)
+                # Cancelled meanwhile: dropped by the server anyway, not written.
+                encoded = None if key in self._cancelled else self.encode_response(response)
         self.channel.send({"op": "response", "key": key, "response": encoded, "final": final})
+
+    def _wait_for_room(self, key: int) -> None:
+        """Wait (this model thread) until the responses sent and not yet read by
+        the server (its blocks not freed) are under ``STUB_BACKLOG_BYTES`` and
+        the server's budget of bytes held for clients has room, or until the
+        request is cancelled (its client gone, or evicted by the server's
+        pressure policy). The reader thread reads the server's frees and notices
+        meanwhile."""
+        self._start_reader()
+        arena = self.arena
+        while not arena.wait_freed(STUB_BACKLOG_BYTES, 0.05):
+            if key in self._cancelled:
+                return
+        while not self._budget_room.wait(0.05):
+            if key in self._cancelled:
+                return
 
     def is_cancelled(self, key: int) -> bool:
         """Whether the server said the request is cancelled; reads what the server
@@ -533,6 +572,19 @@ class StubRuntime(ModelRuntime):
                 waiter.put(message)
         elif op == "cancel":
             self._cancelled.update(message["keys"])
+        elif op == "budget":
+            if message["notice"] > self._budget_notice:
+                self._budget_notice = message["notice"]
+                if message["full"]:
+                    self._budget_room.clear()
+                else:
+                    self._budget_room.set()
+                    # A burst ended: what it freed goes back to the system, at
+                    # most once a second.
+                    now = time.monotonic()
+                    if now - self._trimmed >= 1.0:
+                        self._trimmed = now
+                        release_free_memory()
         elif op == "is_ready":
             threading.Thread(
                 target=self._is_ready, args=(message["id"],), name="stub-is-ready", daemon=True

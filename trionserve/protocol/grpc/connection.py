@@ -108,7 +108,8 @@ class Connection:
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
         # responses waiting go down: there may be room for a message again.
-        self.buffer = ConnectionBuffer(options.max_connection_buffer, options.window_size)
+        o = options
+        self.buffer = ConnectionBuffer(o.max_connection_buffer, o.window_size, o.budget)
         self._room = trio.lowlevel.ParkingLot()
         self.peer = _peer_name(stream)
         self._dirty = trio.Event()
@@ -153,6 +154,7 @@ class Connection:
                 # final GOAWAY is written (see _close).
         finally:
             self._idle.pop(self, None)
+            self.buffer.let_go()
             with trio.CancelScope(shield=True):
                 await self._close_socket()
 

@@ -22,12 +22,19 @@ The rules:
 - A handler takes a message only while the work not answered and the responses
   waiting leave room for it (one is always taken when the connection holds
   neither: :meth:`ConnectionBuffer.has_room`).
+
+What the buffer holds also counts in the server's budget of bytes held for
+clients (``budget``, :mod:`~trionserve.core.client_budget`), changed as its
+count changes (per frame or message, never per byte); :meth:`ConnectionBuffer.let_go`
+releases whatever is left when the connection ends.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+from trionserve.core.client_budget import ClientBudget
 
 __all__ = ["Account", "ConnectionBuffer", "Window"]
 
@@ -68,10 +75,21 @@ class Account:
 class ConnectionBuffer:
     """The bytes one connection holds for its calls; see the module's rules."""
 
-    __slots__ = ("limit", "window", "held", "unsent", "working", "peak", "_accounts", "_held_back")
+    __slots__ = (
+        "limit",
+        "window",
+        "held",
+        "unsent",
+        "working",
+        "peak",
+        "budget",
+        "_accounts",
+        "_held_back",
+    )
 
-    def __init__(self, limit: int, window: int) -> None:
+    def __init__(self, limit: int, window: int, budget: ClientBudget | None = None) -> None:
         self.limit = limit
+        self.budget = budget
         self.window = window  # a stream's receive window
         self.held = 0
         self.unsent = 0  # of those, responses waiting for the client's window
@@ -162,6 +180,13 @@ class ConnectionBuffer:
         account.queued = account.partial = account.working = 0
         return self.hold(-left) if left else []
 
+    def let_go(self) -> None:
+        """The connection ended: whatever it still counts in the budget is released."""
+        budget, held = self.budget, self.held
+        if budget is not None and held > 0:
+            budget.release(held)
+        self.held = 0
+
     def _leads(self, account: Account) -> bool:
         """Whether ``account`` has the oldest unfinished message of the connection."""
         if not account.partial:
@@ -178,6 +203,12 @@ class ConnectionBuffer:
         self.held += size
         if self.held > self.peak:
             self.peak = self.held
+        budget = self.budget
+        if budget is not None and size:
+            if size > 0:
+                budget.reserve(size)
+            else:
+                budget.release(-size)
         over = self.held > self.limit
         if not self._held_back or (size > 0 and over):
             return []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trionserve.core.client_budget import ClientBudget
+
 __all__ = ["TransportOptions"]
 
 
@@ -57,3 +59,6 @@ class TransportOptions:
     idle_timeout: float | None = 300.0
     # Bind with SO_REUSEPORT: worker processes share the port (--workers).
     reuse_port: bool = False
+    # The server's budget of bytes held for clients (--client-buffer-limit): what
+    # every connection's buffer holds counts in it; None: not counted.
+    budget: ClientBudget | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import structlog
@@ -676,7 +676,7 @@ async def serve_grpc(
     options = service.options
     transport = GrpcTransport(
         service.methods(),
-        options.transport_options(),
+        replace(options.transport_options(), budget=dataplane.budget),
         ssl_context=None
         if options.ssl is None
         else server_ssl_context(

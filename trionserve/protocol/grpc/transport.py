@@ -48,11 +48,12 @@ from collections.abc import Mapping
 import structlog
 import trio
 
+from trionserve.core.memory import release_free_memory
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.connection import Connection
 from trionserve.protocol.grpc.options import TransportOptions
 from trionserve.protocol.grpc.status import GRPCError, Status
-from trionserve.protocol.listeners import Acceptor, open_tcp_listeners, release_free_memory
+from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
 
 log = structlog.get_logger(__name__)
 

@@ -649,6 +649,8 @@ async def serve_http(
     )
     # A body over the limit refused in Triton's words on this port (the metrics
     # and OpenAI ports, and the workers' private ones, answer 413).
-    transport = replace(options.transport_options(), body_refusal=refuse_large_body)
+    transport = replace(
+        options.transport_options(), body_refusal=refuse_large_body, budget=dataplane.budget
+    )
     server = HttpServer(frontend.route, transport)
     await server.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

@@ -40,6 +40,7 @@ from urllib.parse import unquote
 import httptools
 import numpy as np
 
+from trionserve.core.client_budget import ClientBudget
 from trionserve.protocol.http.state import (
     Client,
     ClientEvent,
@@ -173,6 +174,9 @@ class HttpServerOptions:
     # The body of the transport's own error answers (413, 408, ...) from status and
     # message; None: {"error": message}. The OpenAI frontend gives OpenAI's shape.
     error_body: Callable[[int, str], bytes] | None = None
+    # The server's budget of bytes held for clients (--client-buffer-limit), which
+    # large bodies, received and answered, count in; None: not counted.
+    budget: ClientBudget | None = None
 
 
 class Request:

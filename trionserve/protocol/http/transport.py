@@ -39,6 +39,14 @@ What it guarantees:
   raises resets inside nurseries as ExceptionGroups, hence ``except*``. A client
   that hangs up while its request is handled for longer than
   ``SLOW_REQUEST_SECS`` cancels it.
+- Large bodies count in the server's budget of bytes held for clients
+  (``options.budget``, :mod:`~trionserve.core.client_budget`): a request body of
+  declared length over 64 KB from its head until its answer is written (a body
+  that would take the budget past its limit is answered 503 naming
+  ``--client-buffer-limit`` before it is read, and the connection closed), an
+  answer over 64 KB and each stream chunk over 64 KB while it is written. A
+  write waiting for its client is one of the budget's holders: the pressure
+  policy ends the connection of one stalled past ``--client-buffer-stall-secs``.
 - Shutdown (``shutdown`` set: the server sets it once its drain is over, see
   :class:`~trionserve.dataplane.DataPlane`; until then this server serves as
   usual): the listeners close at once (new connections are refused), idle
@@ -51,7 +59,7 @@ What it guarantees:
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import structlog
 import trio
@@ -215,6 +223,21 @@ class HttpServer:
             log.debug("http connection lost", error=repr(group))
         except* Exception:
             log.exception("http connection failed")
+
+
+class _HeldWrite:
+    """A large write waiting for its client: what the budget's pressure policy
+    sees of it (its bytes, since when), and ends (the connection) if it stalls."""
+
+    __slots__ = ("held_bytes", "last_read", "_scope")
+
+    def __init__(self, size: int, scope: trio.CancelScope) -> None:
+        self.held_bytes = size
+        self.last_read = trio.current_time()
+        self._scope = scope
+
+    def evict(self, message: str) -> None:
+        self._scope.cancel()
 
 
 class _Connection:
@@ -405,14 +428,26 @@ class _Connection:
         if handler is None:
             await self._send_error(404, f"Not Found: {request.method.decode()} {path}")
             return False
-        body = await self._read_body(request)
+        # A large body counts in the budget of bytes held for clients from its
+        # head to its answer (a small one pays one comparison).
+        counted = request.length if request.length > _JOIN_LIMIT else 0
+        budget = self.server.options.budget if counted else None
+        if budget is not None:
+            if not budget.has_room(counted):
+                raise ProtocolError(503, budget.refusal("a request body", counted))
+            budget.reserve(counted)
         try:
-            status, headers, chunks = await self._run_handler(handler, request.headers, body)
-        except trio.Cancelled:
-            if not self._scope.cancel_called:  # the client hung up: nobody to answer
-                await self._cut()
-            raise
-        return await self.respond(status, headers, chunks)
+            body = await self._read_body(request)
+            try:
+                status, headers, chunks = await self._run_handler(handler, request.headers, body)
+            except trio.Cancelled:
+                if not self._scope.cancel_called:  # the client hung up: nobody to answer
+                    await self._cut()
+                raise
+            return await self.respond(status, headers, chunks)
+        finally:
+            if budget is not None:
+                budget.release(counted)
 
     async def _run_handler(self, handler: Handler, headers: Headers, body: RequestBody) -> Response:
         """The handler's answer. A client that hangs up meanwhile cancels it, so
@@ -480,7 +515,7 @@ class _Connection:
             if size <= _JOIN_LIMIT:
                 await send_all(self.stream, head + b"".join(chunks) if size else head)
             else:  # gathered from the tensors' own buffers, without a join
-                await send_pieces(self.stream, [head, *chunks])
+                await self._held(size, send_pieces(self.stream, [head, *chunks]))
         return h1.end_response()
 
     async def _stream(
@@ -510,17 +545,40 @@ class _Connection:
                 if type(chunk) is LastChunk:
                     break  # the end of the body goes with it
                 if chunk:
-                    await send_all(stream, waiting)
+                    await self._send_chunk(waiting)
                     waiting = b""
             if chunked:
                 waiting += LAST_CHUNK
             if waiting:
-                await send_all(stream, waiting)
+                await self._send_chunk(waiting)
         finally:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
+
+    async def _send_chunk(self, data: bytes) -> None:
+        """A streamed chunk: over 64 KB, counted in the budget while written."""
+        if len(data) <= _JOIN_LIMIT:
+            await send_all(self.stream, data)
+        else:
+            await self._held(len(data), send_all(self.stream, data))
+
+    async def _held(self, size: int, write: Awaitable[None]) -> None:
+        """Run ``write`` of ``size`` bytes counted in the budget as held for the
+        client, the write one of the budget's holders meanwhile."""
+        budget = self.server.options.budget
+        if budget is None:
+            await write
+            return
+        holder = _HeldWrite(size, self._scope)
+        budget.reserve(size)
+        budget.hold(holder)
+        try:
+            await write
+        finally:
+            budget.let_go(holder)
+            budget.release(size)
 
     async def _cut(self) -> None:
         """The server cut this request (its drain ended at the exit timeout): answer
