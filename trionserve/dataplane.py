@@ -221,6 +221,15 @@ class DataPlane:
     def model(self, name: str, version: int | None, namespace: str | None = None) -> ModelVersion:
         return self.registry.route(name, version, namespace)
 
+    async def load_on_demand(self, name: str, version: int | None) -> None:
+        """With ``--model-load-on-demand``, load a model its metadata or
+        configuration is asked of (perf_analyzer and tritonclient's examples ask
+        before their first request): the answer is the loaded model's, as Triton
+        gives it. Does nothing otherwise, or while draining."""
+        residency = self.registry.residency
+        if residency is not None and residency.options.load_on_demand and not self.drain.draining:
+            await residency.wait_model(name, version)
+
     def model_metadata(self, name: str, version: int | None) -> dict:
         model = self.registry.route(name, version)
         signature = model.signature

@@ -111,6 +111,8 @@ def repository(tmp_path_factory) -> Path:
     )
     simple_copy(root, "simple", "host:1MiB")
     simple_copy(root, "bls_target", "host:1MiB")
+    simple_copy(root, "asked_about", "host:1MiB")
+    simple_copy(root, "configured", "host:1MiB")
     shutil.copytree(EXAMPLES / "simple_ensemble", root / "simple_ensemble")
     add_sub_model(root, "slow_load", SLOW_LOAD.format(seconds=1), IN_PROCESS)
     add_sub_model(root, "failing_load", FAILING_LOAD, IN_PROCESS)
@@ -174,6 +176,19 @@ def test_a_request_loads_its_model_over_http_and_grpc(server):
     check_simple(grpc.infer("bls_target", simple_inputs(module=grpcclient)))
     assert http.is_model_ready("bls_target")
     assert metric(server, "trionserve_model_on_demand_loads_total", model="simple") == 1
+
+
+def test_metadata_and_configuration_of_a_model_not_loaded_load_it(server):
+    # perf_analyzer and tritonclient's examples ask before their first request.
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    metadata = grpc.get_model_metadata("asked_about")
+    assert [t.name for t in metadata.inputs] == ["INPUT0", "INPUT1"]
+    http = httpclient.InferenceServerClient(server.http_url)
+    assert state(http, "asked_about") == ("READY", "")
+    config = http.get_model_config("configured")
+    assert config["name"] == "configured" and config["max_batch_size"] == 8
+    assert state(http, "configured") == ("READY", "")
+    expect_error(lambda: http.get_model_metadata("no_such_model"), "unknown model", 404)
 
 
 def test_an_unknown_model_is_still_not_found(server):

@@ -272,10 +272,18 @@ class ResidencyManager:
         what routing it raises, or the load's error. Returns without a checkpoint
         when the model routes already, so routing and admission that follow see
         the same table."""
+        await self.wait_model(
+            request.model_name, request.model_version, request.model_namespace, request.timeout_us
+        )
+
+    async def wait_model(
+        self, name: str, version: int | None, namespace: str | None = None, timeout_us: int = 0
+    ) -> None:
+        """:meth:`wait_routable` for a model named by a request that is no inference
+        (its metadata or configuration)."""
         registry = self.registry
-        name, namespace = request.model_name, request.model_namespace
         try:
-            registry.route(name, request.model_version, namespace)
+            registry.route(name, version, namespace)
             return
         except TritonError as error:
             refusal = error
@@ -285,7 +293,7 @@ class ResidencyManager:
         if not await self._in_repository(name, namespace):
             raise refusal
         began = trio.current_time()
-        timeout = request.timeout_us / 1e6 if request.timeout_us else math.inf
+        timeout = timeout_us / 1e6 if timeout_us else math.inf
         self._waiting[model_id] = self._waiting.get(model_id, 0) + 1
         try:
             with trio.move_on_after(timeout):
@@ -295,7 +303,7 @@ class ResidencyManager:
                     if load.error is not None:
                         raise load.error
                     try:
-                        registry.route(name, request.model_version, namespace)
+                        registry.route(name, version, namespace)
                     except TritonError:
                         if self._routes(name, namespace):
                             raise
@@ -304,7 +312,7 @@ class ResidencyManager:
                     return
             raise Unavailable(
                 f"Request timeout expired: model '{name}' was still loading after the "
-                f"request's timeout of {request.timeout_us} us"
+                f"request's timeout of {timeout_us} us"
             )
         finally:
             left = self._waiting[model_id] - 1

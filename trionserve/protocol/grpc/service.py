@@ -248,6 +248,7 @@ class GrpcService:
 
     async def model_metadata(self, request: pb.ModelMetadataRequest, call: GrpcCall) -> Message:
         version = parse_model_version(request.version)
+        await self.dataplane.load_on_demand(request.name, version)
         metadata = self.dataplane.model_metadata(request.name, version)
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
@@ -260,6 +261,7 @@ class GrpcService:
 
     async def model_config(self, request: pb.ModelConfigRequest, call: GrpcCall) -> Message:
         version = parse_model_version(request.version)
+        await self.dataplane.load_on_demand(request.name, version)
         return pb.ModelConfigResponse(config=self.dataplane.model_config(request.name, version))
 
     # -- statistics and logging ------------------------------------------------------

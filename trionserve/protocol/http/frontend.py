@@ -254,6 +254,7 @@ class HttpFrontend:
     async def model_metadata(
         self, match: re.Match[str], headers: Headers, body: RequestBody
     ) -> Response:
+        await self.dataplane.load_on_demand(match["name"], _version(match))
         return _json(self.dataplane.model_metadata(match["name"], _version(match)))
 
     async def model_ready(
@@ -264,6 +265,7 @@ class HttpFrontend:
     async def model_config(
         self, match: re.Match[str], headers: Headers, body: RequestBody
     ) -> Response:
+        await self.dataplane.load_on_demand(match["name"], _version(match))
         config = self.dataplane.model_config(match["name"], _version(match))
         return _json(model_config_to_json(config))
 
