@@ -9,6 +9,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -46,6 +47,14 @@ from trionserve.observability.statistics import (
 from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.trace_file import Trace
 from trionserve.repository.repository import ModelId, duplicate_reason
+
+if TYPE_CHECKING:
+    from trionserve._generated.model_config_pb2 import ModelConfig
+
+# How a streamed request's responses reach its frontend: ``await deliver(response,
+# final)`` per response, in order (``response`` None: a decoupled model ended the
+# request without one).
+Deliver = Callable[[InferenceResponse | None, bool], Awaitable[None]]
 
 log = structlog.get_logger(__name__)
 
@@ -248,7 +257,7 @@ class DataPlane:
             ],
         }
 
-    def model_config(self, name: str, version: int | None):
+    def model_config(self, name: str, version: int | None) -> ModelConfig:
         return self.registry.route(name, version).config
 
     # -- repository -------------------------------------------------------------
@@ -470,7 +479,7 @@ class DataPlane:
     async def infer_stream(
         self,
         request: InferenceRequest,
-        deliver,
+        deliver: Deliver,
         *,
         queued: trio.Event | None = None,
         internal: bool = False,
@@ -621,10 +630,12 @@ class _ModelCalls:
     def __init__(self, dataplane: DataPlane) -> None:
         self._dataplane = dataplane
 
-    async def infer(self, request: InferenceRequest, **options) -> InferenceResponse:
+    async def infer(self, request: InferenceRequest, **options: Any) -> InferenceResponse:
         return await self._dataplane.infer(request, internal=True, **options)
 
-    async def infer_stream(self, request: InferenceRequest, deliver, **options) -> None:
+    async def infer_stream(
+        self, request: InferenceRequest, deliver: Deliver, **options: Any
+    ) -> None:
         await self._dataplane.infer_stream(request, deliver, internal=True, **options)
 
     def model(self, name: str, version: int | None, namespace: str | None = None) -> ModelVersion:
@@ -636,7 +647,12 @@ class _ModelCalls:
     def model_ready(self, name: str, version: int | None) -> bool:
         return self._dataplane.model_ready(name, version)
 
-    async def load_model(self, name: str, config_override=None, files=None) -> None:
+    async def load_model(
+        self,
+        name: str,
+        config_override: str | None = None,
+        files: dict[str, bytes] | None = None,
+    ) -> None:
         await self._dataplane.load_model(name, config_override, files)
 
     async def unload_model(self, name: str, unload_dependents: bool = False) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import fields, replace
 from typing import Any
 
@@ -118,7 +119,7 @@ class TrionserveReplica:
                 break
         return b"".join(parts)[: self._max_input_size + 1]
 
-    async def _chunks(self, stream):
+    async def _chunks(self, stream: Iterator[Any]) -> AsyncIterator[Any]:
         """A streamed answer's chunks (``generate_stream``), each taken in a
         thread; leaving early (the client went away) closes the stream, which
         ends its request."""

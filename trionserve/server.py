@@ -323,7 +323,7 @@ class Server:
             self.dataplane.drain.begin()
             self._shutdown.set()
 
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
             await self._serve(task_status)
         finally:
@@ -331,7 +331,7 @@ class Server:
             if self._exit_timer is not None:
                 self._exit_timer.cancel()
 
-    async def _serve(self, task_status) -> None:
+    async def _serve(self, task_status: trio.TaskStatus[None]) -> None:
         options = self.options
         log.info(
             "server starting",

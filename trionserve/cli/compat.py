@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+
+from trionserve.cli.values import AddFlag
 
 # flag -> why it has no effect here
 _NO_EFFECT = {
@@ -52,7 +55,7 @@ def _dest(flag: str) -> str:
     return "compat_" + flag.lstrip("-").replace("-", "_")
 
 
-def _int_range(low: int, high: int | None):
+def _int_range(low: int, high: int | None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -66,7 +69,7 @@ def _int_range(low: int, high: int | None):
     return parse
 
 
-def _pair(pattern: str, form: str):
+def _pair(pattern: str, form: str) -> Callable[[str], str]:
     """A type accepting Triton's ``<a>:<b>``-style values, checked by ``pattern``."""
     compiled = re.compile(pattern)
 
@@ -78,7 +81,7 @@ def _pair(pattern: str, form: str):
     return parse
 
 
-def add_compat_flags(add, boolean) -> None:
+def add_compat_flags(add: AddFlag, boolean: Callable[[str], bool]) -> None:
     """Register the flags of this module; ``boolean`` is the CLI's BOOL type."""
     types = {
         "--http-thread-count": _int_range(1, None),
@@ -127,7 +130,7 @@ def add_compat_flags(add, boolean) -> None:
     )
 
 
-def compat_notes(parser: argparse.ArgumentParser, args) -> list[str]:
+def compat_notes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """Refuse (``parser.error``) what cannot be honoured; return one note for each
     given flag that has no effect, to be logged once logging is set up."""
     for flag, name in (("--allow-sagemaker", "SageMaker"), ("--allow-vertex-ai", "Vertex AI")):

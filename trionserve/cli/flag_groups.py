@@ -11,6 +11,7 @@ from pathlib import Path
 
 from trionserve.cli.values import (
     RESTRICTED_GROUPS,
+    AddFlag,
     boolean,
     compression_level,
     header_pattern,
@@ -23,7 +24,7 @@ from trionserve.cli.values import (
 )
 
 
-def add_grpc_flags(add) -> None:
+def add_grpc_flags(add: AddFlag) -> None:
     """tritonserver's gRPC tuning flags (see GrpcOptions for what each one does)."""
     add(
         "--grpc-max-message-size",
@@ -137,7 +138,7 @@ def add_grpc_flags(add) -> None:
         )
 
 
-def add_grpc_ssl_flags(add) -> None:
+def add_grpc_ssl_flags(add: AddFlag) -> None:
     """tritonserver's gRPC TLS and connection-age flags."""
     add(
         "--grpc-use-ssl",
@@ -174,7 +175,7 @@ def add_grpc_ssl_flags(add) -> None:
     )
 
 
-def add_metrics_flags(add) -> None:
+def add_metrics_flags(add: AddFlag) -> None:
     """tritonserver's metrics flags."""
     add(
         "--allow-metrics",
@@ -232,7 +233,7 @@ def add_metrics_flags(add) -> None:
     )
 
 
-def add_openai_flags(add) -> None:
+def add_openai_flags(add: AddFlag) -> None:
     """The OpenAI-compatible API's flags (Triton's python/openai/openai_frontend/main.py)."""
     add(
         "--openai-port",
@@ -291,7 +292,7 @@ def add_openai_flags(add) -> None:
     )
 
 
-def add_trace_flags(add) -> None:
+def add_trace_flags(add: AddFlag) -> None:
     """tritonserver's trace flags: --trace-config and the deprecated --trace-*."""
     add(
         "--trace-config",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import NoReturn
 
 from trionserve import __version__
 from trionserve.actors.rate_limiter import RateLimitMode
@@ -48,7 +49,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with tritonserver's usage-error exit code (1, main.cc) and, instead
     of the whole usage, one error line and where the help is."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(1, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
 
 

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from trionserve.actors.rate_limiter import RateLimiterResource, parse_resource
 from trionserve.actors.residency_budget import MemoryLimit, parse_memory_limit
 from trionserve.protocol.restricted import RestrictedCategory
 from trionserve.repository.object_store import is_remote
+
+# ``ArgumentParser.add_argument`` (or its argument group's), which the flag groups add to.
+AddFlag = Callable[..., argparse.Action]
 
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
@@ -47,7 +51,7 @@ def port_number(text: str) -> int:
     return port
 
 
-def int_at_least(minimum: int):
+def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer no smaller than ``minimum``."""
 
     def parse(text: str) -> int:
