@@ -310,7 +310,12 @@ class Server:
             else None
         )
         try:
-            return ResidencyManager(self.registry, residency, gpus)
+            return ResidencyManager(
+                self.registry,
+                residency,
+                gpus,
+                may_unload=options.model_control_mode is ControlMode.EXPLICIT,
+            )
         except ValueError as exc:
             if gpus is not None:
                 gpus.close()

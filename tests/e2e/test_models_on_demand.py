@@ -329,6 +329,15 @@ def test_a_budget_that_does_not_parse_is_refused_at_start(repository):
     assert "--model-memory-limit" in stderr and "'lots'" in stderr
     code, stderr = _start_error(repository, "--model-load-on-demand=true")
     assert code == 1 and "--model-control-mode=explicit" in stderr
+    code, stderr = _start_error(
+        repository,
+        "--model-memory-limit=gpu:99:1GiB",
+        "--http-port=0",
+        "--grpc-port=0",
+        "--metrics-port=0",
+    )
+    assert code == 1
+    assert "--model-memory-limit=gpu:99:1GiB: there is no gpu:99 here" in stderr
 
 
 def test_a_start_up_model_that_does_not_fit_stops_the_start(repository):
@@ -374,3 +383,29 @@ def test_idle_models_unload_and_start_up_models_stay(repository):
         code = process.stop()
         process.close()
     assert code == 0, process.output()
+
+
+def test_outside_explicit_mode_a_budget_refuses_and_evicts_nothing(tmp_path):
+    simple_copy(tmp_path, "lru_a", "host:40MiB")
+    process = ServerProcess(
+        tmp_path,
+        args=[
+            "--model-control-mode=poll",
+            "--repository-poll-secs=0.1",
+            "--model-memory-limit=host:100MiB",
+        ],
+    )
+    try:
+        process.wait_ready()
+        http = httpclient.InferenceServerClient(process.http_url)
+        simple_copy(tmp_path, "lru_b", "host:40MiB")  # loaded by POLL after the start
+        wait_for(lambda: state(http, "lru_b")[0] == "READY", "lru_b loaded")
+        simple_copy(tmp_path, "lru_c", "host:40MiB")  # POLL loads it: it does not fit
+        wait_for(lambda: state(http, "lru_c")[0] == "UNAVAILABLE", "lru_c refused")
+        assert "does not fit the memory budget" in state(http, "lru_c")[1]
+        assert "(kept outside explicit mode)" in state(http, "lru_c")[1]
+        assert state(http, "lru_a") == ("READY", "") and state(http, "lru_b") == ("READY", "")
+        check_simple(http.infer("lru_a", simple_inputs()))
+    finally:
+        process.stop()
+        process.close()

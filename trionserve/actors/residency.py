@@ -136,9 +136,18 @@ class ResidencyManager:
     """
 
     def __init__(
-        self, registry: ModelRegistry, options: ResidencyOptions, gpus: GpuMemory | None = None
+        self,
+        registry: ModelRegistry,
+        options: ResidencyOptions,
+        gpus: GpuMemory | None = None,
+        *,
+        may_unload: bool = True,
     ) -> None:
         self.registry = registry
+        # False outside EXPLICIT mode: nothing would load an unloaded model again
+        # (NONE loads once, POLL only on a change), so every model stays, and a
+        # budget only refuses the loads that do not fit.
+        self._may_unload = may_unload
         self.options = options
         self._gpus = gpus
         self.budgets = self._resolve(options.memory_limits)
@@ -221,7 +230,7 @@ class ResidencyManager:
         if resident.pinned:
             return "pinned"
         if resident.startup:
-            return "loaded at start-up"
+            return "loaded at start-up" if self._may_unload else "kept outside explicit mode"
         if resident.evicting:
             return "being evicted"
         model_id = resident.model_id
@@ -452,7 +461,10 @@ class ResidencyManager:
         resident = self.residents.get(model_id)
         if resident is None:
             resident = self.residents[model_id] = Resident(
-                model_id, charge, trio.current_time(), startup=not self._started
+                model_id,
+                charge,
+                trio.current_time(),
+                startup=not (self._started and self._may_unload),
             )
         resident.charge = charge
         resident.measured = measured

@@ -12,7 +12,7 @@ stub processes included) or ``"gpu:<index>"`` (a GPU's used memory).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trionserve.core.errors import InvalidArgument
@@ -65,6 +65,7 @@ class MemoryLimit:
     device: str
     size: int | None = None
     fraction: float | None = None
+    source: str = field(default="", compare=False)  # as the flag was written
 
     def resolve(self, total: int | None) -> int:
         """The budget in bytes; ``total`` is the device's memory (None: unknown)."""
@@ -79,6 +80,8 @@ class MemoryLimit:
         return int(total * self.fraction)
 
     def text(self) -> str:
+        if self.source:
+            return self.source
         value = str(self.size) if self.size is not None else f"{self.fraction:g}"
         return f"{self.device}:{value}"
 
@@ -91,11 +94,11 @@ def parse_memory_limit(text: str) -> MemoryLimit:
         fraction = float(value)
         if not 0 < fraction <= 1:
             raise ValueError(f"a fraction of {device}'s memory must be in (0, 1], got {value!r}")
-        return MemoryLimit(device, fraction=fraction)
+        return MemoryLimit(device, fraction=fraction, source=text.strip())
     size = parse_byte_size(value)
     if size <= 0:
         raise ValueError(f"the budget of {device} must be more than 0 bytes, got {value!r}")
-    return MemoryLimit(device, size=size)
+    return MemoryLimit(device, size=size, source=text.strip())
 
 
 def _split_device(text: str) -> tuple[str, str]:
