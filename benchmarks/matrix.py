@@ -70,6 +70,33 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return total / _TICKS
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """A server's CPU seconds by thread, from /proc: ``loop`` (its main thread,
+    which runs Trio), ``instance`` (the model instances' threads, which name
+    themselves "instance ..."), ``total`` (its whole process tree, threads that
+    have ended included); the rest of ``total`` is its other threads (a
+    framework's own, worker threads) and child processes (stubs)."""
+    split = {"loop": 0.0, "instance": 0.0, "total": cpu_seconds(tree_pids(pid))}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return split
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm = stat[stat.index(b"(") + 1 : stat.rindex(b")")]
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / _TICKS
+        if int(tid) == pid:
+            split["loop"] += seconds
+        elif comm.startswith(b"instance"):
+            split["instance"] += seconds
+    return split
+
+
 def peak_rss_mb(pids: Iterable[int]) -> float:
     """Sum of the processes' peak resident set sizes (VmHWM), in MB."""
     total_kb = 0

@@ -50,7 +50,10 @@ request (of a batch-C call for ``direct``), the batch the server formed (its
 statistics: inferences / executions), the statistics extension's mean phases per
 request (queue, compute_input, compute_infer, compute_output, in us), the CPU time
 per inference (the server's process tree; for ``inproc`` the process that holds
-both the server and its calling threads; for ``direct`` this process), the load
+both the server and its calling threads; for ``direct`` this process) and, for
+the served paths, how much of it ran on the event loop (the server's main
+thread) and on the instance's thread (which calls the framework, as ``direct``
+does; the rest is the framework's own threads and worker threads), the load
 generator's CPU time per inference (its client processes: what tritonclient
 costs on the same cores; none for ``direct`` and ``inproc``) and the GPU's mean
 utilisation over the window (NVML) when one is present.
@@ -74,7 +77,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.loadgen import ClientPool, LoadResult
-from benchmarks.matrix import cpu_seconds, start_trionserve, tree_pids
+from benchmarks.matrix import cpu_seconds, start_trionserve, thread_cpu_seconds, tree_pids
 from trionserve.testing import free_port
 
 IMAGE = (3, 224, 224)
@@ -604,6 +607,10 @@ class Row:
     # The load generator's CPU seconds (its client processes), None where it is
     # not apart from the server (direct, inproc).
     client_cpu: float | None = None
+    # The server's CPU seconds on its event loop and its instances' threads (the
+    # rest of ``cpu`` is its other threads and processes); None for direct, inproc.
+    loop_cpu: float | None = None
+    instance_cpu: float | None = None
     latencies_ms: list[float] = field(default_factory=list)
     batches: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)
@@ -640,9 +647,10 @@ def _mean(values: list[float]) -> float:
 def format_table(rows: list[Row]) -> str:
     head = (
         "| model | c | path | infer/s | x direct | x formed | p50 ms | p99 ms | batch | queue us "
-        "| input us | infer us | output us | CPU ms/inf | client CPU ms/inf | GPU % |"
+        "| input us | infer us | output us | CPU ms/inf | loop ms/inf | instance ms/inf "
+        "| client CPU ms/inf | GPU % |"
     )
-    lines = [head, "|" + " --- |" * 3 + " ---: |" * 13]
+    lines = [head, "|" + " --- |" * 3 + " ---: |" * 15]
     direct = {(r.model, r.concurrency): r.rate for r in rows if r.path == "direct"}
     direct_at = {
         (r.model, r.concurrency, r.direct_batch or r.concurrency): r.rate
@@ -659,6 +667,10 @@ def format_table(rows: list[Row]) -> str:
             if r.client_cpu is not None and r.requests
             else "-"
         )
+        loop, instance = (
+            f"{seconds / r.requests * 1000:.2f}" if seconds is not None and r.requests else "-"
+            for seconds in (r.loop_cpu, r.instance_cpu)
+        )
         phases = {p: _mean([ph[p] for ph in r.phases]) for p in PHASES}
         batch = float(r.direct_batch or r.concurrency) if is_direct else _mean(r.batches)
         formed = 0.0
@@ -674,7 +686,7 @@ def format_table(rows: list[Row]) -> str:
             f"| {r.model} | {r.concurrency} | {r.path} | {r.rate:,.0f} | {ratio} | {ratio_formed} "
             f"| {r.percentile(50):.2f} | {r.percentile(99):.2f} | {fmt(batch, '.1f')} "
             + " ".join(f"| {fmt(phases[p])}" for p in PHASES)
-            + f" | {cpu:.2f} | {client} | {gpu} |"
+            + f" | {cpu:.2f} | {loop} | {instance} | {client} | {gpu} |"
         )
         if r.errors:
             lines.append(f"|   errors: {r.errors}, first: {r.first_error[:150]} |")
@@ -848,17 +860,26 @@ def _point(row, spec, path, runner, target, pool, inproc_pool, inproc_port, repo
     # The load generator's processes, where they are not the server's (inproc).
     clients = [] if path == "inproc" else chosen.pids
 
-    def window(start_at: float, stop_at: float) -> tuple[float, float, float | None]:
+    def window(start_at: float, stop_at: float) -> tuple:
         time.sleep(max(0.0, start_at - time.monotonic()))
         cpu_before, client_before = cpu_seconds(pids), cpu_seconds(clients)
+        threads_before = thread_cpu_seconds(target.pid) if clients else None
         gpu = sampler.mean_between(start_at, stop_at)
         time.sleep(max(0.0, stop_at - time.monotonic()))
-        return cpu_seconds(pids) - cpu_before, cpu_seconds(clients) - client_before, gpu
+        threads = None
+        if threads_before is not None:
+            after = thread_cpu_seconds(target.pid)
+            threads = {k: after[k] - threads_before[k] for k in after}
+        cpu = cpu_seconds(pids) - cpu_before
+        return cpu, cpu_seconds(clients) - client_before, gpu, threads
 
     result = chosen.run(workload, url, concurrency, args.duration, args.warmup, on_window=window)
     after = model_stats(stats_url, spec.name)
-    cpu, client_cpu, gpu = result.extra
+    cpu, client_cpu, gpu, threads = result.extra
     row.add(result, cpu, client_cpu if clients else None)
+    if threads is not None:
+        row.loop_cpu = (row.loop_cpu or 0.0) + threads["loop"]
+        row.instance_cpu = (row.instance_cpu or 0.0) + threads["instance"]
     batch, phases = stats_delta(before, after)
     row.batches.append(batch)
     row.phases.append(phases)

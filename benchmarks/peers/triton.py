@@ -91,6 +91,10 @@ class Triton(Peer):
     packages = ["nvidia-pytriton==0.7.0"]
     description = "Triton (nvidia-pytriton's tritonserver), Python-backend models"
 
+    def write_models(self, workdir: Path) -> Path:
+        """The repository Triton serves (a benchmark of its own adds its models)."""
+        return write_repository(workdir)
+
     def start(self, workdir: Path, ready_timeout: float) -> Running:
         package = self.site_packages() / "pytriton"
         dist = package / "tritonserver"
@@ -102,7 +106,7 @@ class Triton(Peer):
         server = workdir / "tritonserver"
         shutil.copytree(dist, server, ignore=shutil.ignore_patterns("python_backend_stubs"))
         shutil.copy(stub, server / "backends" / "python" / "triton_python_backend_stub")
-        repository = write_repository(workdir)
+        repository = self.write_models(workdir)
         http_port, grpc_port, metrics_port = ports()
         command = [
             str(server / "bin" / "tritonserver"),

@@ -45,3 +45,18 @@ async def test_calls_run_in_order_on_the_instance_thread_and_stop_ends_it():
     assert {name for _, name in seen} == {"instance m_0"}
     thread.stop()
     assert await trio.to_thread.run_sync(thread.join, 10)
+
+
+async def test_the_thread_carries_its_name_where_the_os_shows_it():
+    """/proc/PID/task/TID/comm (top -H, py-spy, per-thread CPU in the benchmarks)
+    names the instance's thread, cut to the OS's 15 bytes."""
+    thread = InstanceThread("model_with_a_long_name_0", _Instance())  # type: ignore[arg-type]
+    thread.start()
+
+    def comm() -> str:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            return f.read().strip()
+
+    assert await trio.to_thread.run_sync(thread.call, comm) == "instance model_"
+    thread.stop()
+    assert await trio.to_thread.run_sync(thread.join, 10)

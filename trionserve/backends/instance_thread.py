@@ -31,7 +31,9 @@ thread, between its jobs.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -126,6 +128,20 @@ class _Doorbell:
             os.close(self._read)
             if self._write != self._read:  # pragma: no cover - not Linux
                 os.close(self._write)
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` where the OS shows it (``top -H``,
+    ``/proc/PID/task/TID/comm``, py-spy; 15 bytes on Linux), so that a profile
+    or a per-thread CPU reading tells an instance's thread from the event loop
+    and a framework's own threads. Nothing where the OS has no such name."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode("utf-8", "replace")[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 class Abandoned(RuntimeError):
@@ -232,6 +248,7 @@ class InstanceThread:
     # -- on the instance's thread ------------------------------------------------------
 
     def _work(self) -> None:
+        name_os_thread(f"instance {self._name}")
         launched: Job | None = None  # computing on the device, not finished
         while True:
             if launched is not None and not (self._overlaps and self._jobs):
