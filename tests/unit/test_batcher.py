@@ -556,3 +556,38 @@ async def test_a_batch_that_can_go_is_taken_the_moment_the_executor_asks(autojum
         assert trio.current_time() - started == pytest.approx(0.001, abs=1e-4)
         outlet.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_an_executor_asking_with_nothing_queued_leaves_the_batcher_asleep(autojump_clock):
+    """Nothing queued, nothing to form: the executor's ask does not wake the
+    batcher's task (a step per batch at c=1); the next submit does, and the
+    executor gets the request."""
+    steps: list[str] = []
+
+    class Steps(trio.abc.Instrument):
+        def after_task_step(self, task) -> None:
+            steps.append(task.name)
+
+    async with trio.open_nursery() as nursery:
+        batcher = DynamicBatchScheduler(make_config(""))
+        await nursery.start(batcher.run)
+        outlet = batcher.outlet()
+        got: list[list[str]] = []
+
+        async def take() -> None:
+            got.append([r.id for r in await outlet.receive()])
+
+        await trio.testing.wait_all_tasks_blocked()
+        instrument = Steps()
+        trio.lowlevel.add_instrument(instrument)
+        try:
+            nursery.start_soon(take)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not [name for name in steps if name.endswith("DynamicBatchScheduler.run")]
+            await batcher.submit(request("one"))
+            await trio.testing.wait_all_tasks_blocked()
+        finally:
+            trio.lowlevel.remove_instrument(instrument)
+        assert got == [["one"]]
+        outlet.close()
+        nursery.cancel_scope.cancel()

@@ -541,11 +541,13 @@ class DynamicBatchScheduler:
         once, in the executor's task, so that its instance starts it without
         waiting for this actor's task (nor for the responses of the batch it
         just finished, woken in the same pass: batches back to back). The
-        actor is woken either way, to look again when the delay ends."""
+        actor is woken for what is left, to look again when the delay ends;
+        with nothing queued it has nothing to look at (a submit wakes it)."""
         self._ready.append(outlet)
         if self._queued and not self._closed:
             self._dispatch_ready(trio.current_time())
-        self._wakeup.set()
+        if self._queued:
+            self._wakeup.set()
 
     def _outlet_gone(
         self, outlet: _Outlet, untaken: tuple[list[InferenceRequest], int | None] | None
