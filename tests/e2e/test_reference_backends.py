@@ -305,6 +305,29 @@ def test_an_ensemble_with_a_decoupled_step_is_decoupled_and_streams_unordered(ht
     assert order[:2] == ["fast", "fast"], order
 
 
+def test_a_failed_ensemble_request_counts_twice_as_other(server, http, stream):
+    # core ensemble_scheduler.cc: RespondIfError and the release each count the
+    # failure, reason OTHER (qa/L0_model_queue test_policy_reject expects it).
+    def failures() -> tuple[int, float]:
+        stats = http.get_inference_statistics("ens_repeat")["model_stats"][0]
+        text = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).text
+        line = 'nv_inference_request_failure{model="ens_repeat",reason="OTHER",version="1"} '
+        other = [float(row[len(line) :]) for row in text.split("\n") if row.startswith(line)]
+        return stats["inference_stats"]["fail"]["count"], other[0] if other else 0.0
+
+    before = failures()
+    mismatched = [
+        _input("IN", np.array([1, 2], np.int32), "INT32", grpcclient),
+        _input("DELAY", np.array([1], np.uint32), "UINT32", grpcclient),
+        _input("WAIT", np.array([0], np.uint32), "UINT32", grpcclient),
+    ]
+    stream.async_stream_infer("ens_repeat", mismatched)
+    (error,) = _drain(stream, 1)
+    assert isinstance(error, InferenceServerException)
+    after = failures()
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2.0)
+
+
 def test_square_answers_n_times_and_its_simulated_failure_ends_the_request(stream):
     stream.async_stream_infer(
         "square_int32", [_input("IN", np.array([3], np.int32), "INT32", grpcclient)]

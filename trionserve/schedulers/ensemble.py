@@ -128,9 +128,20 @@ class EnsembleScheduler:
         elapsed = to_ns(trio.current_time() - request.arrival_time)
         if succeeded:
             self._statistics.record_success(request.batch_size or 1, elapsed, 0, 0, 0, 0)
+        elif request.cancelled:
+            self._statistics.record_failure(elapsed, FailureReason.CANCELED)
         else:
-            reason = FailureReason.CANCELED if request.cancelled else FailureReason.BACKEND
-            self._statistics.record_failure(elapsed, reason)
+            # Triton counts a failed ensemble request twice, both OTHER: when its
+            # error is answered (core ensemble_scheduler.cc EnsembleContext's
+            # RequestTracker::RespondIfError -> InferenceRequest::RespondIfError ->
+            # ReportErrorStatistics(OTHER)) and when the request is released
+            # (RequestTracker::DecrementCounter -> ReportStatisticsWithDuration,
+            # success false -> UpdateFailure(OTHER)); qa/L0_model_queue
+            # test_policy_reject counts on it ("Ensemble failure metrics will
+            # reflect the failure counts of their composing models as well as the
+            # parent model ... and will default to the OTHER reason").
+            self._statistics.record_failure(elapsed, FailureReason.OTHER)
+            self._statistics.record_failure(elapsed, FailureReason.OTHER)
 
     def outlet(self) -> BatchOutlet:
         raise InternalError(f"ensemble '{self.plan.name}' has no instances to feed")
