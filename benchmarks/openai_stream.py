@@ -156,7 +156,9 @@ def raw_round(port: int, path: str, payload: dict, marker: bytes) -> tuple[float
 def _figures(start: float, times: list[float], tokens: int) -> tuple[float, float, int]:
     """(time to first token in s, tokens per second after it, tokens)."""
     ttft = times[0] - start
-    rate = (tokens - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+    elapsed = times[-1] - times[0]
+    # Tokens that came in one read (written together) arrive at once: no rate.
+    rate = (tokens - 1) / elapsed if len(times) > 1 and elapsed > 0 else float("nan")
     return ttft, rate, tokens
 
 
