@@ -37,7 +37,7 @@ import structlog
 import trio
 
 from trionserve import __version__
-from trionserve.actors.memory_usage import GpuMemory, fix_mmap_threshold
+from trionserve.actors.memory_usage import GpuMemory
 from trionserve.actors.rate_limiter import RateLimiter, RateLimiterResource, RateLimitMode
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.residency import ResidencyManager, ResidencyOptions
@@ -48,6 +48,7 @@ from trionserve.backends.registry import BackendFactory
 from trionserve.core.client_budget import DEFAULT_STALL_SECS, ClientBudget
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
+from trionserve.core.memory import fix_mmap_threshold
 from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions

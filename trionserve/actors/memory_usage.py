@@ -1,22 +1,16 @@
-"""What the server's process takes in memory, read from the system, and memory given back.
+"""What the server's process takes in memory, read from the system.
 
 Used to charge a model what its load took (:mod:`trionserve.actors.residency`):
 the resident set of the server's process and of its children (a Python model's
-stub process is one), each GPU's used memory through NVML, and ``malloc_trim``
-after an unload so that glibc returns the arenas it keeps (a model's weights are
-freed, but the heap pages stay mapped until trimmed). Every reading is blocking
-and cheap (``/proc`` lives in memory); NVML is imported lazily and absent without
-a GPU.
+stub process is one) and each GPU's used memory through NVML. Every reading is
+blocking and cheap (``/proc`` lives in memory); NVML is imported lazily and absent
+without a GPU. Memory given back to the system is :mod:`trionserve.core.memory`'s.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from trionserve.actors.residency_budget import HOST, Charge
@@ -137,61 +131,3 @@ def usage(gpus: GpuMemory | None) -> Charge:
     if gpus is not None:
         reading.update(gpus.used())
     return reading
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-# mallopt's parameter number for the mmap threshold (glibc's malloc.h: M_MMAP_THRESHOLD).
-_M_MMAP_THRESHOLD = -3
-# Blocks at least this large are mapped on their own and unmapped when freed.
-MMAP_THRESHOLD = 1 << 20
-
-
-@functools.cache
-def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
-    """Have glibc map every block of ``size`` bytes or more on its own (True if it
-    could), for the whole process: once per process.
-
-    glibc's threshold starts at 128 KiB and rises to the size of each mapped block
-    freed (up to 32 MiB), so after the first unload a model's next tensors come
-    from the heap arenas, where freed they stay: 12 load/unload cycles of a
-    TorchScript model holding 20 MiB grew the server by 40 MiB, 0.2 MiB with the
-    threshold fixed. Fixing it (which also stops its rising) makes every large
-    tensor a mapping the system gets back when the model is unloaded; the price is
-    a mapping and its page faults for each large request buffer, so only servers
-    that load and unload models as they go (the residency flags) fix it.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, size))
-
-
-def trim_heap() -> bool:
-    """Give the heap's free pages back to the system (glibc only); True if it did.
-
-    glibc keeps freed memory in its arenas (one per thread that allocated: a
-    model's load thread is one) until ``malloc_trim`` releases it, which is why an
-    unloaded model can leave its size in the server's RSS.
-    """
-    trim = _malloc_trim()
-    return bool(trim(0)) if trim is not None else False

@@ -16,7 +16,6 @@ import structlog
 import trio
 
 from trionserve.actors.executor import InstanceExecutor
-from trionserve.actors.memory_usage import trim_heap
 from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.actors.warmup import WarmupSample, check_results, warmup_samples
 from trionserve.backends.base import (
@@ -33,6 +32,7 @@ from trionserve.backends.cuda.devices import gpu_count
 from trionserve.backends.ensemble import EnsembleModel
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.core.inference import InferenceRequest
+from trionserve.core.memory import release_free_memory
 from trionserve.core.validation import ModelSignature
 from trionserve.observability.custom_metrics import CustomMetrics
 from trionserve.observability.quantiles import Target
@@ -337,7 +337,7 @@ class ModelVersion:
             except Exception:
                 log.exception("model unload failed", model=self.name)
             # glibc keeps what the model freed in its arenas until trimmed.
-            trim_heap()
+            release_free_memory()
 
         await trio.to_thread.run_sync(release)
 

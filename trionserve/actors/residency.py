@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from trionserve.actors.memory_usage import GpuMemory, host_total, trim_heap, usage
+from trionserve.actors.memory_usage import GpuMemory, host_total, usage
 from trionserve.actors.residency_budget import (
     HOST,
     Charge,
@@ -52,6 +52,7 @@ from trionserve.actors.residency_budget import (
     total,
 )
 from trionserve.core.errors import NotFound, TritonError, Unavailable
+from trionserve.core.memory import release_free_memory
 from trionserve.observability.residency_metrics import ResidencyMetrics
 from trionserve.repository.repository import ModelId
 
@@ -612,7 +613,7 @@ class ResidencyManager:
 def _settled_usage(gpus: GpuMemory | None) -> Charge:
     """What the server takes once a load's temporary buffers (a model file's parsed
     copy, say) are given back: what it keeps is what it is charged."""
-    trim_heap()
+    release_free_memory()
     return usage(gpus)
 
 

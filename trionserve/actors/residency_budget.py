@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trionserve.core.errors import InvalidArgument
+from trionserve.core.sizes import parse_byte_size
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
@@ -28,33 +29,8 @@ MEMORY_PARAMETER = "model_memory"
 # A model whose configuration sets this to true is never evicted nor idle-unloaded.
 PINNED_PARAMETER = "model_pinned"
 
-# Decimal and binary suffixes, as Kubernetes' resource quantities spell them
-# (case-insensitive; "B" optional): 8GiB, 8Gi, 8G, 500MB, 512k.
-_UNITS = {
-    "": 1,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "t": 10**12,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
-
 # A charge: device -> bytes.
 Charge = dict[str, int]
-
-
-def parse_byte_size(text: str) -> int:
-    """Bytes from ``8GiB``, ``8Gi``, ``8G``, ``500MB``, ``1048576``; ValueError naming
-    the text otherwise."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"expected a size in bytes such as 8GiB, 500MB or 1048576, got {text!r}")
-    number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()])
 
 
 @dataclass(frozen=True)

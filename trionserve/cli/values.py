@@ -14,6 +14,7 @@ from pathlib import Path
 
 from trionserve.actors.rate_limiter import RateLimiterResource, parse_resource
 from trionserve.actors.residency_budget import MemoryLimit, parse_memory_limit
+from trionserve.core.sizes import parse_byte_size
 from trionserve.protocol.restricted import RestrictedCategory
 from trionserve.repository.object_store import is_remote
 
@@ -69,24 +70,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
-# Multipliers of byte_size's suffixes (case-insensitive; B, KB and KiB alike are
-# powers of 1024, as memory is counted).
-_BYTE_SUFFIXES = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
-
-def byte_size(minimum: int):
+def byte_size(minimum: int) -> Callable[[str], int]:
     """An argparse type: a number of bytes no smaller than ``minimum``, as an
     integer or with a suffix (``512K``, ``64MiB``, ``1.5G``, ``2TB``: powers of
     1024)."""
 
     def parse(text: str) -> int:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
-        if match is None:
-            raise argparse.ArgumentTypeError(
-                f"expected a number of bytes (an integer, or with a suffix: K, M, G, T), "
-                f"got {text!r}"
-            )
-        value = int(float(match[1]) * _BYTE_SUFFIXES[match[2].lower()])
+        try:
+            value = parse_byte_size(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
         if value < minimum:
             raise argparse.ArgumentTypeError(
                 f"expected at least {minimum} bytes, got {text!r} ({value} bytes)"
