@@ -304,7 +304,11 @@ class Server:
                 f"{options.model_control_mode.value}): in the other modes every model "
                 "is loaded at start"
             )
-        fix_mmap_threshold()  # unloaded models' tensors go back to the system
+        if options.exit_process:
+            # Unloaded models' tensors go back to the system. A setting of the
+            # whole process: only the command line's server, which owns its
+            # process, makes it (not a server inside another program or a test).
+            fix_mmap_threshold()
         gpus = (
             GpuMemory()
             if any(limit.device != "host" for limit in residency.memory_limits)
