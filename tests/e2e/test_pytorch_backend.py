@@ -50,6 +50,12 @@ if HAS_TORCH:
             lengths = torch.tensor([len(w) for w in words], dtype=torch.int64)
             return [w.upper() + "!" for w in words], lengths
 
+    class Words(torch.nn.Module):
+        """One BYTES output: a List[str] result alone (not a tuple of outputs)."""
+
+        def forward(self, words: list[str]) -> list[str]:
+            return [w + w for w in words]
+
     class Accumulate(torch.nn.Module):
         """A sequence model with implicit state: the data input, the state input and
         the START / READY controls are forward()'s four arguments."""
@@ -118,6 +124,11 @@ MODELS = {
         f"output [ {tensor('OUTPUT__0', 'TYPE_STRING', '-1')}, "
         f"{tensor('OUTPUT__1', 'TYPE_INT64', '-1')} ]\n"
     ),
+    "pt_words": lambda: (
+        'name: "pt_words"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
+        f"input [ {tensor('INPUT__0', 'TYPE_STRING', '-1')} ]\n"
+        f"output [ {tensor('OUTPUT__0', 'TYPE_STRING', '-1')} ]\n"
+    ),
     # As qa/common/gen_qa_implicit_models.py's libtorch_nobatch_sequence_int32.
     "pt_sequence": lambda: (
         'name: "pt_sequence"\nplatform: "pytorch_libtorch"\nmax_batch_size: 0\n'
@@ -146,6 +157,7 @@ def modules():
         "pt_bytes": AddMul(),
         "pt_no_io": AddMul(),
         "pt_strings": Shout(),
+        "pt_words": Words(),
         "pt_sequence": Accumulate(),
     }
 
@@ -274,6 +286,9 @@ def test_bytes_tensors_are_lists_of_strings(torch_server):
     result = infer(torch_server, "pt_strings", {"INPUT__0": ("BYTES", words)})
     assert result.as_numpy("OUTPUT__0").tolist() == [b"ABC!", "H\u00e9LLO!".encode(), b"!"]
     assert result.as_numpy("OUTPUT__1").tolist() == [3, 6, 0]  # len() counts UTF-8 bytes
+    # A List[str] result alone is one output (gen_qa_reshape_models' object model).
+    result = infer(torch_server, "pt_words", {"INPUT__0": ("BYTES", words)})
+    assert result.as_numpy("OUTPUT__0").tolist() == [b"abcabc", "h\u00e9llo".encode() * 2, b""]
     with pytest.raises(InferenceServerException, match="not UTF-8"):
         infer(torch_server, "pt_strings", {"INPUT__0": ("BYTES", np.array([b"\xff"], object))})
 

@@ -64,6 +64,20 @@ input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 2 ] },
         { name: "INPUT1" data_type: TYPE_FP32 dims: [ -1, 3 ] optional: true } ]
 output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 2 ] },
          { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ -1, 3 ] } ]""",
+    # As Triton's qa reshape models: the backend sees INPUT0 as [16] and the
+    # output shows its dims.
+    "identity_reshape": """backend: "identity"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4, 4 ] reshape: { shape: [ 16 ] } } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]""",
+    "ens_reshape": """platform: "ensemble"
+max_batch_size: 8
+ensemble_scheduling { step [ { model_name: "identity_reshape_16" model_version: -1
+  input_map { key: "INPUT0" value: "INPUT0" } output_map { key: "OUTPUT0" value: "OUTPUT0" } } ] }
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 2, 8 ] reshape: { shape: [ 16 ] } } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4, 4 ] reshape: { shape: [ 16 ] } } ]""",
+    "identity_reshape_16": 'backend: "identity"\nmax_batch_size: 8\n'
+    + _io("INPUT0", "OUTPUT0", "TYPE_FP32", "16"),
     "identity_bad": 'backend: "identity"\nmax_batch_size: 0\n'
     + _io("INPUT0", "RESULT0", "TYPE_FP32", "1"),
     "repeat_int32": """backend: "repeat"
@@ -216,6 +230,17 @@ def test_identity_batches_and_counts_input_bytes(server, http):
     assert (
         "\tinput INPUT0: datatype = UINT32, shape = [2,2], byte_size = 16, buffer_count = 1" in log
     )
+
+
+def test_reshapes_of_a_model_and_of_an_ensemble(http):
+    data = np.arange(32, dtype=np.float32).reshape(2, 4, 4)
+    result = http.infer("identity_reshape", [_input("INPUT0", data, "FP32")])
+    assert result.as_numpy("OUTPUT0").tolist() == data.reshape(2, 16).tolist()
+    # core ensemble_utils.cc: the ensemble's own tensors meet its steps in their
+    # reshape shape; the response shows the output's dims.
+    data = np.arange(32, dtype=np.float32).reshape(2, 2, 8)
+    result = http.infer("ens_reshape", [_input("INPUT0", data, "FP32")])
+    assert result.as_numpy("OUTPUT0").tolist() == data.reshape(2, 4, 4).tolist()
 
 
 def test_identity_optional_input_gives_zeros_and_a_missing_one_is_refused(http):

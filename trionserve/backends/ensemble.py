@@ -14,7 +14,7 @@ every edge of the graph.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
@@ -76,6 +76,18 @@ class EnsemblePlan:
     consumers: dict[int, tuple[int, ...]]
     streaming: bool
     max_inflight_requests: int  # 0: no limit shared by the ensemble's requests
+    # The ensemble's inputs with a ``reshape``: their shape between the steps.
+    input_reshape: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    # The ensemble's outputs with a ``reshape``: the dims a response shows.
+    output_client_dims: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+def _reshaped(spec: TensorSpec, reshape: Mapping[str, tuple[int, ...]]) -> TensorSpec:
+    if spec.name not in reshape:
+        return spec
+    return TensorSpec(
+        spec.name, spec.datatype, reshape[spec.name], spec.optional, spec.allow_ragged_batch
+    )
 
 
 class ComposingModel(Protocol):
@@ -100,7 +112,22 @@ def plan_ensemble(config: ModelConfig, version: int, lookup: Lookup) -> Ensemble
     thread.
     """
     name = config.name
-    own = ModelSignature.from_config(config)
+    declared = ModelSignature.from_config(config)
+    # The ensemble's own tensors flow between its steps in their ``reshape``
+    # shape when they have one (core ensemble_utils.cc ValidateEnsembleConfig:
+    # ``input.has_reshape() ? input.reshape().shape() : input.dims()``, the same
+    # for outputs); a request's input is reshaped to it and an output back to its
+    # dims (EnsembleContext, core ensemble_scheduler.cc).
+    input_reshape = {i.name: tuple(i.reshape.shape) for i in config.input if i.HasField("reshape")}
+    output_reshape = {
+        o.name: tuple(o.reshape.shape) for o in config.output if o.HasField("reshape")
+    }
+    own = ModelSignature(
+        declared.name,
+        declared.max_batch_size,
+        {n: _reshaped(spec, input_reshape) for n, spec in declared.inputs.items()},
+        {n: _reshaped(spec, output_reshape) for n, spec in declared.outputs.items()},
+    )
     # ensemble tensor -> (wire datatype, dims, full shape, who writes it)
     tensors: dict[str, tuple[str, tuple[int, ...], list[int], str]] = {
         spec.name: (
@@ -184,6 +211,8 @@ def plan_ensemble(config: ModelConfig, version: int, lookup: Lookup) -> Ensemble
         inputs=tuple(own.inputs),
         outputs=tuple(own.outputs),
         output_dims={n: spec.dims for n, spec in own.outputs.items()},
+        input_reshape=input_reshape,
+        output_client_dims={n: declared.outputs[n].dims for n in output_reshape},
         batching=own.max_batch_size > 0,
         optional_inputs=frozenset(s.name for s in own.inputs.values() if s.optional),
         producers=producers,

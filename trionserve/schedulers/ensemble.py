@@ -225,8 +225,13 @@ class EnsembleRun:
         request = self.request
         batch = request.batch_size if self.plan.batching else 0
         updated = []
+        reshape = self.plan.input_reshape
         for name in self.plan.inputs:
             tensor = request.inputs.get(name)  # None: an optional input left out
+            if tensor is not None and name in reshape:
+                tensor = Tensor(
+                    name, tensor.datatype, _to_dims(tensor.data, reshape[name], batch != 0)
+                )
             updated.append(self._add(name, tensor, batch, None))
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -425,6 +430,9 @@ class EnsembleRun:
             data = _reshape(
                 entry.tensor.data, self.plan.output_dims[name], self.plan.batching, entry.batch_size
             )
+            client_dims = self.plan.output_client_dims.get(name)
+            if client_dims is not None:
+                data = _to_dims(data, client_dims, self.plan.batching and data.ndim > 0)
             outputs.append(Tensor(name, entry.tensor.datatype, data))
             if entry.sequence is not None and not parameters:
                 sequence_id, start, end = entry.sequence
@@ -502,6 +510,20 @@ def _reshape(
     elif batch_size == 1 and not _matches(dims, shape):
         return data.reshape(shape[1:])
     return data
+
+
+def _to_dims(data: np.ndarray, dims: tuple[int, ...], batched: bool) -> np.ndarray:
+    """A tensor in the other of its two shapes (``dims`` and ``reshape``), its
+    batch dimension kept; a variable dimension takes what the elements leave
+    (one at most, as numpy infers it). A tensor that does not fit is left as it
+    is, for the step it reaches to refuse with its shape."""
+    target = ((data.shape[0],) if batched and data.ndim else ()) + tuple(dims)
+    if sum(1 for d in target if d == -1) > 1:
+        return data
+    try:
+        return data.reshape(target)
+    except ValueError:
+        return data
 
 
 def _matches(dims: tuple[int, ...], shape: tuple[int, ...]) -> bool:

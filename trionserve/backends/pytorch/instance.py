@@ -541,7 +541,11 @@ class TorchScriptInstance:
                     f"'{name}'; it has {sorted(result)}"
                 )
             return result[name]
-        if isinstance(result, self._torch.Tensor):
+        if isinstance(result, self._torch.Tensor) or (
+            isinstance(result, list) and result and all(isinstance(i, str) for i in result)
+        ):
+            # One output: a Tensor, or a List[str] (a BYTES output, Triton's
+            # ReadOutputTensors reads a list result as one string output).
             result = (result,)
         if not isinstance(result, (tuple, list)):
             raise InternalError(

@@ -173,8 +173,27 @@ class IdentityInstance(ReferenceInstance):
         self._delay_ms = delay_ms
         self._optional = optional
         self._counter = counter
-        self._outputs = [t.name for t in context.config.output]
-        self._batching = context.config.max_batch_size > 0
+        config = context.config
+        self._outputs = [t.name for t in config.output]
+        self._batching = config.max_batch_size > 0
+        # index suffix -> (input dims, input reshape, output reshape, output dims)
+        # for pairs with a reshape: Triton's core hands the backend the input in
+        # its reshape shape and shows the output in its dims (core
+        # infer_request.cc Normalize, infer_response.cc); here the backend does
+        # both, as the other backends of this server do.
+        outputs_by_suffix = {o.name[6:]: o for o in config.output}
+        self._reshapes: dict[str, tuple] = {}
+        for tensor_in in config.input:
+            tensor_out = outputs_by_suffix.get(tensor_in.name[5:])
+            if tensor_out is None:
+                continue
+            if tensor_in.HasField("reshape") or tensor_out.HasField("reshape"):
+                self._reshapes[tensor_in.name[5:]] = (
+                    list(tensor_in.dims),
+                    config_dims(tensor_in),
+                    config_dims(tensor_out),
+                    list(tensor_out.dims),
+                )
 
     async def execute_async(self, requests: list[InferenceRequest]) -> ExecuteResult:
         vlog(
@@ -221,8 +240,33 @@ class IdentityInstance(ReferenceInstance):
             vlog(f"\trequested_output {output_name}")
             family, labels = self._counter
             self.context.metrics.update(family, labels, "increment", size)
-            outputs.append(Tensor(output_name, tensor.datatype, tensor.data))
+            data = tensor.data
+            shapes = self._reshapes.get(suffix)
+            if shapes is not None:
+                data = data.reshape(_through_reshapes(data.shape, self._batching, *shapes))
+            outputs.append(Tensor(output_name, tensor.datatype, data))
         return self.response(request, outputs, dict(RESPONSE_PARAMETERS))
+
+
+def _through_reshapes(
+    shape: tuple[int, ...],
+    batching: bool,
+    in_dims: list[int],
+    in_reshape: list[int],
+    out_reshape: list[int],
+    out_dims: list[int],
+) -> tuple[int, ...]:
+    """The shape an output shows for an input of ``shape``: the input as the
+    backend sees it (its ``reshape``, variable dims filled from the input's in
+    order, core infer_request.cc Normalize), then that shape as the output's dims
+    (variable dims filled from the reshape's, infer_response.cc)."""
+    batch = list(shape[:1]) if batching else []
+    given = list(shape[1:] if batching else shape)
+    variable = [v for d, v in zip(in_dims, given) if d == -1]
+    backend = [variable.pop(0) if d == -1 and variable else d for d in in_reshape]
+    values = [v for d, v in zip(out_reshape, backend) if d == -1]
+    shown = [values.pop(0) if d == -1 and values else d for d in out_dims]
+    return tuple(batch + shown)
 
 
 def _empty_bytes(shape: list[int]) -> np.ndarray:
