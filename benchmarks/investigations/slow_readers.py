@@ -21,7 +21,7 @@ its stubs (VmRSS from /proc) every 50 ms, and another sends ``simple`` over HTTP
 one request at a time; then the clients close, and ``--after`` seconds later the
 memory is read again. Printed: idle RSS, the peak, the RSS after, the server's
 answers to the clients (status lines), ``simple``'s p50 and longest latency and
-its errors. Server flags after ``--`` (e.g. ``--client-buffer-limit=1G``) are
+its errors. Server flags after ``--`` (e.g. ``--client-buffer-limit=1Gi``) are
 passed on.
 """
 

@@ -38,7 +38,7 @@ def test_clients_that_never_read_hold_the_budget_and_no_more(tmp_path):
     repository = write_repository(tmp_path / "repo")
     shutil.copytree(EXAMPLES / "simple", repository / "simple")
     args = [
-        f"--client-buffer-limit={BUDGET // MIB}M",
+        f"--client-buffer-limit={BUDGET // MIB}Mi",
         "--client-buffer-stall-secs=1",
         f"--http-max-input-size={1 << 30}",
     ]

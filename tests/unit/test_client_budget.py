@@ -32,8 +32,8 @@ def streaming_request(budget: ClientBudget, request_id: str) -> InferenceRequest
 def test_byte_sizes_with_suffixes():
     parse = byte_size(1024)
     assert parse("1048576") == 1 << 20
-    assert parse("64M") == parse("64MiB") == parse("64mb") == 64 << 20
-    assert parse("1.5G") == 3 << 29
+    assert parse("64M") == parse("64MiB") == parse("64mi") == parse("64MB") == 64 << 20
+    assert parse("1.5G") == parse("1.5Gi") == 3 << 29
     assert parse("2T") == 2 << 40
     assert parse("4k") == 4096
     for bad in ("", "12X", "-1G", "1.2.3M", "M"):
@@ -88,8 +88,11 @@ def test_a_request_counts_its_undelivered_responses():
         assert budget.held == 300 and request.held_bytes == 300
         stream = request.stream()
         await anext(stream)
-        assert budget.held == 200
-        await anext(stream)
+        # Taken, and still counted while the consumer holds it (encodes, writes).
+        assert budget.held == 300 and request.held_bytes == 200
+        await anext(stream)  # asking for the next puts the first down
+        assert budget.held == 200 and request.held_bytes == 0
+        request.discard()  # the consumer is done
         assert budget.held == 0
         # A lone final response is not counted (the one-response path pays nothing).
         single = streaming_request(budget, "s")
@@ -140,7 +143,7 @@ def test_the_pressure_policy_evicts_the_stalled_request_holding_the_most():
             assert cancelled == []  # nobody stalled for 10 s yet
             await trio.sleep(0.2)
             assert cancelled == ["large"]  # the most, 450 bytes
-            assert budget.held == 260 and not budget.full
+            assert budget.held == 270 and not budget.full  # small 250, read 10 + 10 in hand
             await trio.sleep(60)
             assert cancelled == ["large"]  # room again: nothing more is evicted
             assert budget.evicted == 1

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "together: request bodies, responses and stream chunks waiting for slow "
         "clients, decoupled models' backlogs; at it new requests are refused (HTTP 503, "
         "gRPC RESOURCE_EXHAUSTED) and streaming models wait; suffixes K, M, G, T "
-        "(default: a quarter of the host's memory)",
+        "(powers of 1024; default: a quarter of the host's memory)",
     )
     add(
         "--client-buffer-stall-secs",

@@ -73,8 +73,8 @@ non_negative_int = int_at_least(0)
 
 def byte_size(minimum: int) -> Callable[[str], int]:
     """An argparse type: a number of bytes no smaller than ``minimum``, as an
-    integer or with a suffix (``512K``, ``64MiB``, ``1.5G``, ``2TB``: powers of
-    1024)."""
+    integer or with a suffix (:func:`~trionserve.core.sizes.parse_byte_size`:
+    ``512K``, ``64MiB``, ``1.5G``, ``8Gi``; powers of 1024)."""
 
     def parse(text: str) -> int:
         try:

@@ -135,6 +135,7 @@ class InferenceRequest:
         "undelivered_peak",
         "budget",
         "last_read",
+        "_in_hand",
     )
 
     def __init__(
@@ -189,6 +190,9 @@ class InferenceRequest:
         # when the consumer last took a response (for its pressure policy).
         self.budget: ClientBudget | None = None
         self.last_read = 0.0
+        # The counted bytes of the response a stream consumer took last: still in
+        # its hands (being encoded and written) until it asks for the next one.
+        self._in_hand = 0
         self._final = False
         # The final outcome came as a flag after the last response, not with it.
         self._empty_final = False
@@ -288,9 +292,18 @@ class InferenceRequest:
             budget.let_go(self)
 
     def discard(self) -> None:
-        """The consumer is done with the request: what it did not take is dropped."""
+        """The consumer is done with the request: what it did not take is dropped,
+        and what it took is no longer counted."""
+        if self._in_hand:
+            self._put_down()
         if self._responses:
             self._let_go()
+
+    def _put_down(self) -> None:
+        """The stream consumer is done with the response it took last."""
+        in_hand, self._in_hand = self._in_hand, 0
+        if self.budget is not None:
+            self.budget.release(in_hand)
 
     def evict(self, message: str) -> None:
         """The budget's pressure policy gave up on this request's client (see
@@ -345,13 +358,23 @@ class InferenceRequest:
         the pairs are what the model sent, whatever the timing of its sends.
         """
         while True:
+            if self._in_hand:
+                self._put_down()  # the consumer asks for the next: done with it
             while not self._responses and not self._final:
                 await self._wakeup.wait()
                 self._wakeup = trio.Event()
             if self._responses:
                 response, size = self._responses.popleft()
                 if size:
-                    self._taken(size)
+                    # Still counted in the budget while the consumer holds it.
+                    self._in_hand = size
+                    held = self._undelivered = self._undelivered - size
+                    budget = self.budget
+                    if budget is not None:
+                        if held:
+                            self.last_read = trio.current_time()
+                        else:
+                            budget.let_go(self)
                 last = (
                     self._final
                     and not self._responses

@@ -545,6 +545,9 @@ class _Connection:
                 if type(chunk) is LastChunk:
                     break  # the end of the body goes with it
                 if chunk:
+                    # Written from ``waiting``: the chunk itself is let go, not
+                    # held twice while a slow client takes it.
+                    chunk = b""
                     await self._send_chunk(waiting)
                     waiting = b""
             if chunked:
