@@ -720,6 +720,33 @@ class StepCounter(trio.abc.Instrument):
         self.tasks.add(task)
 
 
+async def test_a_lone_unary_call_answers_in_one_step_of_its_task():
+    """The only call in flight writes its answer without a checkpoint: its task
+    runs once (send_all's checkpoint made it two), and the answer is whole."""
+    steps: list[str] = []
+
+    class Steps(trio.abc.Instrument):
+        def before_task_step(self, task) -> None:
+            steps.append(task.name)
+
+    async with serving(Handlers()) as (port, _):
+        async with RawClient.connect(port) as client:
+            first = await client.call("/t.T/Echo", frame(b"warm"))
+            await client.until(lambda c: c.ended(first))
+            await trio.testing.wait_all_tasks_blocked()
+            instrument = Steps()
+            trio.lowlevel.add_instrument(instrument)
+            try:
+                second = await client.call("/t.T/Echo", frame(b"x" * 300))
+                await client.until(lambda c: c.ended(second))
+                await trio.testing.wait_all_tasks_blocked()
+            finally:
+                trio.lowlevel.remove_instrument(instrument)
+            assert len([name for name in steps if "_run_call" in name]) == 1, steps
+            assert client.data[second] == frame(b"x" * 300)
+            assert client.status(second) == (Status.OK.value, "")
+
+
 async def test_a_window_update_for_one_stream_wakes_only_that_streams_sender():
     """Responses waiting for flow-control window: a WINDOW_UPDATE for one stream
     lets that call's response out and wakes no other call's task (before, every

@@ -187,6 +187,38 @@ def test_payload_views_go_out_as_h2_would_write_them():
     assert headers and list(headers[0].headers) == HEADERS
 
 
+def test_a_whole_data_frame_goes_out_as_h2s_own_send_data_writes_it():
+    """send_whole and h2's send_data: the same bytes on the wire, the same windows
+    and states after; past a window or the frame size it does nothing."""
+    payload = b"\x00\x00\x00\x00\x03abc"
+    ours, _ = _connections()
+    theirs, _ = _connections()
+    for server in (ours, theirs):
+        server.send_headers(1, HEADERS)
+        server.buffers_to_send()
+    assert ours.send_whole(1, payload)
+    theirs.send_data(1, payload)
+    assert ours.buffers_to_send() == theirs.buffers_to_send()
+    for a, b in ((ours, theirs), (ours.streams[1], theirs.streams[1])):
+        assert a.outbound_flow_control_window == b.outbound_flow_control_window
+        assert a.state_machine.state == b.state_machine.state
+    window = ours.local_flow_control_window(1)
+    assert not ours.send_whole(1, b"x" * (window + 1))  # past the window: the caller's
+    assert not ours.send_whole(1, b"x" * (ours.max_outbound_frame_size + 1))
+    assert not ours.send_whole(3, payload)  # no such stream
+    assert ours.local_flow_control_window(1) == window and not ours.has_output()
+    ours.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+    with pytest.raises(h2.exceptions.ProtocolError):  # refused as h2 refuses it
+        ours.send_whole(1, payload)
+    with pytest.raises(h2.exceptions.ProtocolError):
+        theirs.send_headers(1, [(b"grpc-status", b"0")], end_stream=True)
+        theirs.send_data(1, payload)
+    source = inspect.getsource(h2.stream.H2Stream.send_data)
+    assert "StreamInputs.SEND_DATA" in source and "outbound_flow_control_window -=" in source
+    source = inspect.getsource(h2.connection.H2Connection.send_data)
+    assert "ConnectionInputs.SEND_DATA" in source and "outbound_flow_control_window -=" in source
+
+
 def test_protobuf_symbol_database_hook():
     assert hasattr(builder, "_sym_db")
     assert api_implementation.Type() in ("python", "upb", "cpp")

@@ -13,7 +13,9 @@ connection's task is): bytes written here bypass the stream's check for
 concurrent senders. It is not a checkpoint when the socket takes everything;
 the connection's next step, reading the next request, is one. (The gRPC
 connection's writer tried it too: under perf_analyzer it cost more CPU per call
-at c=16 and saved none at c=1, see benchmarks/README.md.)
+at c=16 and saved none at c=1, see benchmarks/README.md. A gRPC call's task
+writes its answer this way only when no other call is in flight: with others,
+``send_all``'s checkpoint lets their answers join the same write.)
 
 A large answer goes out the same way, gathered (:func:`send_pieces`: one
 ``writev`` of the head and the tensors' views, no join, no copy), and a body of
@@ -33,7 +35,7 @@ from collections.abc import Sequence
 
 import trio
 
-__all__ = ["receive_into", "send_all", "send_pieces", "write_now"]
+__all__ = ["peer_name", "receive_into", "send_all", "send_pieces", "write_now"]
 
 # The kernel caps SO_RCVLOWAT at half the largest receive buffer (tcp_rmem[2]);
 # a request for more than it holds is capped there too, never a wait forever.
@@ -159,3 +161,15 @@ async def send_pieces(
 def _byte_view(piece: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(piece)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def peer_name(stream: trio.abc.Stream) -> str:
+    """``host:port`` of the stream's peer (under TLS, its transport's), or "unknown"."""
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    try:
+        # Streams without a socket (in-memory ones of tests) raise AttributeError.
+        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
+    except (OSError, ValueError, AttributeError):
+        return "unknown"
+    return f"{host}:{port}"

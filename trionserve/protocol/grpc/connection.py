@@ -52,6 +52,7 @@ from trionserve.protocol.grpc.state import (
     ResponseEvent,
 )
 from trionserve.protocol.grpc.status import GRPCError, Status
+from trionserve.protocol.sockets import peer_name, send_pieces
 
 __all__ = ["Connection", "GrpcCall", "Method", "TransportOptions"]
 
@@ -111,7 +112,7 @@ class Connection:
         o = options
         self.buffer = ConnectionBuffer(o.max_connection_buffer, o.window_size, o.budget)
         self._room = trio.lowlevel.ParkingLot()
-        self.peer = _peer_name(stream)
+        self.peer = peer_name(stream)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
         self._written = trio.Event()  # set when that task leaves it
@@ -465,6 +466,8 @@ class Connection:
         h2conn = self.h2
         stream_id = call.stream_id
         for chunk in chunks:
+            if type(chunk) is bytes and h2conn.send_whole(stream_id, chunk):
+                continue  # one frame, in the windows: made without h2's frame object
             # Large chunks go as uint8 views, written without copies (upstream.H2Connection).
             view = chunk if len(chunk) <= JOIN_LIMIT else np.frombuffer(chunk, np.uint8)
             while len(view):
@@ -534,15 +537,19 @@ class Connection:
         if self._writing:
             return
         try:
-            await self._write_pending()
+            # The last call in flight writes without a checkpoint (no task step
+            # more); with others in flight, send_all's checkpoint lets their
+            # answers join this write.
+            await self._write_pending(at_once=not self.calls)
         except _CLOSED:
             self._cancel()
             return
         if self.state.closing:
             self._dirty.set()  # the writer ends the connection
 
-    async def _write_pending(self) -> None:
-        """Write everything queued, until nothing is left."""
+    async def _write_pending(self, at_once: bool = False) -> None:
+        """Write everything queued, until nothing is left; ``at_once``: what the
+        socket takes at once without a checkpoint (sockets.send_pieces)."""
         self._writing = True
         self._written = trio.Event()
         try:
@@ -553,6 +560,9 @@ class Connection:
                     self._extra.clear()
                 if not buffers:
                     return
+                if at_once:
+                    await send_pieces(self.stream, buffers)
+                    continue
                 for data in coalesce(buffers):
                     await self.stream.send_all(data)
         finally:
@@ -687,14 +697,3 @@ class Connection:
             log.info("grpc keepalive ping not answered; closing", peer=self.peer)
             self._cancel()
             return
-
-
-def _peer_name(stream: trio.abc.Stream) -> str:
-    if isinstance(stream, trio.SSLStream):
-        stream = stream.transport_stream
-    try:
-        # Streams without a socket (in-memory ones of tests) raise AttributeError.
-        host, port, *_ = stream.socket.getpeername()  # type: ignore[attr-defined]
-    except (OSError, ValueError, AttributeError):
-        return "unknown"
-    return f"{host}:{port}"

@@ -12,7 +12,10 @@ libraries below their next minor release until that test passes on it.
   (large DATA payloads written from their own buffers); ``_data_to_send``
   appended to, ``streams`` read, and the connection's and a stream's
   ``state_machine`` given h2's own inputs (constant HEADERS frames made once);
-  ``encoder``, ``decoder`` and ``incoming_buffer`` replaced;
+  ``encoder``, ``decoder`` and ``incoming_buffer`` replaced; a small DATA
+  frame made without h2's frame object (``send_whole``: the state machines
+  given h2's inputs, the connection's and the stream's
+  ``outbound_flow_control_window`` lowered as h2 lowers them);
   ``FrameBuffer.__next__`` overridden, reading its ``_data``,
   ``max_frame_size``, ``_validate_frame_length`` and ``_update_header_buffer``;
   ``max_inbound_frame_size`` made a property that keeps the frame buffer's
@@ -297,6 +300,38 @@ class H2Connection(h2.connection.H2Connection):
             priority_depends_on,
             priority_exclusive,
         )
+
+    def send_whole(self, stream_id: int, data: bytes) -> bool:
+        """h2's ``send_data(stream_id, data)`` when ``data`` fits the windows and
+        one frame, without h2's frame object: False (nothing done) when it does
+        not fit or the stream is unknown, for the caller to send it in pieces.
+
+        A unary call's answer is one small message: h2 built a DataFrame for it,
+        serialized it, and copied it into its output. Here the state machines
+        and both flow-control windows take what h2's own ``send_data`` gives
+        them (the connection's SEND_DATA, the stream's SEND_DATA, both windows
+        less the size: a closed or reset stream raises as it does for h2) and
+        the frame's header and payload are appended to h2's output, after the
+        HEADERS frame queued before it and before the trailers.
+        """
+        stream = self.streams.get(stream_id)
+        size = len(data)
+        if (
+            stream is None
+            or size > self.max_outbound_frame_size
+            or size > self.outbound_flow_control_window
+            or size > stream.outbound_flow_control_window
+        ):
+            return False
+        self.state_machine.process_input(h2.connection.ConnectionInputs.SEND_DATA)
+        stream.state_machine.process_input(h2.stream.StreamInputs.SEND_DATA)
+        stream.outbound_flow_control_window -= size
+        self.outbound_flow_control_window -= size
+        self._data_to_send += _FRAME_HEADER.pack(
+            (size >> 8) & 0xFFFF, size & 0xFF, _DATA_FRAME, 0, stream_id
+        )
+        self._data_to_send += data
+        return True
 
     def _prepare_for_sending(self, frames: list[hyperframe_frame.Frame]) -> None:
         for frame in frames:
