@@ -409,3 +409,48 @@ def test_outside_explicit_mode_a_budget_refuses_and_evicts_nothing(tmp_path):
     finally:
         process.stop()
         process.close()
+
+
+LOADS_IN_INITIALIZE = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        pb_utils.load_model("{target}")
+
+    def execute(self, requests):
+        return [
+            pb_utils.InferenceRequest(
+                model_name="{target}",
+                requested_output_names=["OUTPUT0", "OUTPUT1"],
+                inputs=request.inputs(),
+            ).exec()
+            for request in requests
+        ]
+"""
+
+
+@pytest.mark.parametrize("mode", ["stub", "in_process"])
+def test_a_model_that_loads_another_in_initialize_loads_under_a_budget(tmp_path, mode):
+    # Its load is measured while its initialize loads the other model: that load
+    # must not wait for the measurement it is part of.
+    simple_copy(tmp_path, "inner", "host:1MiB")
+    extra = IN_PROCESS if mode == "in_process" else ""
+    add_sub_model(tmp_path, "outer", LOADS_IN_INITIALIZE.format(target="inner"), extra)
+    process = ServerProcess(
+        tmp_path,
+        args=[
+            "--model-control-mode=explicit",
+            "--model-load-on-demand=true",
+            "--model-memory-limit=host:1GiB",
+        ],
+    )
+    try:
+        process.wait_ready()
+        http = httpclient.InferenceServerClient(process.http_url, network_timeout=60)
+        check_simple(http.infer("outer", simple_inputs()))
+        assert state(http, "inner") == ("READY", "")
+    finally:
+        process.stop()
+        process.close()

@@ -29,6 +29,7 @@ it gone (and loads it again).
 
 from __future__ import annotations
 
+import contextvars
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -69,6 +70,9 @@ RETRY_FIRST_SECS = 2.0
 RETRY_MAX_SECS = 60.0
 # How often an on-demand load waiting for room looks again without being woken.
 ROOM_RECHECK_SECS = 0.05
+# How long a load waits for another's measurement before it takes itself for part
+# of it (a model whose initialize loads another).
+NESTED_WAIT_SECS = 10.0
 # Why a model cannot be evicted now, but may soon.
 _TRANSIENT = (
     "requests in flight",
@@ -112,6 +116,20 @@ class _Load:
 
     done: trio.Event = field(default_factory=trio.Event)
     error: TritonError | None = None
+
+
+@dataclass(eq=False)
+class _MeasuredLoad:
+    """A load being measured, seen by every task it starts (a context variable
+    copied into them): active until the measurement ends."""
+
+    active: bool = True
+
+
+# The load whose measurement the current task is part of, if any.
+_MEASURED_LOAD: contextvars.ContextVar[_MeasuredLoad] = contextvars.ContextVar(
+    "trionserve_measured_load"
+)
 
 
 class _Abandoned(Unavailable):
@@ -413,39 +431,80 @@ class ResidencyManager:
             yield
             self._admitted(entry, config, declared or {})
             return
-        async with self._measuring:
-            reload = model_id in self.residents
-            estimate = declared if declared is not None else self._measured.get(model_id)
-            if estimate is None:
-                estimate = {HOST: await trio.to_thread.run_sync(_files_size, model_dir)}
-            if not reload:
-                await self._make_room(model_id, estimate)
-            self._reserved = (model_id, estimate)
-            before = (
-                None if declared is not None else await trio.to_thread.run_sync(usage, self._gpus)
-            )
-            try:
+        outer = _MEASURED_LOAD.get(None)
+        nested = outer is not None and outer.active
+        if not nested:
+            # A load measured now may be the one that asked for this (a model
+            # whose initialize loads another: an in-process model's call reaches
+            # here without the context that says so): past a while, it is taken
+            # as such rather than waited for forever.
+            limit = NESTED_WAIT_SECS if self._reserved is not None else math.inf
+            with trio.move_on_after(limit) as waited:
+                await self._measuring.acquire()
+            nested = waited.cancelled_caught
+            if nested:
+                log.warning(
+                    "loading without measuring: another load has been measured for "
+                    f"{limit:g} s (does its model load this one in its initialize?)",
+                    model=entry.name,
+                )
+        if nested:
+            # Loaded by the model whose load is being measured (pb_utils.load_model
+            # in its initialize): waiting for that measurement would wait forever,
+            # and what this load takes is counted in it. Only a declared size is
+            # made room for and charged.
+            if declared is not None and model_id not in self.residents:
+                await self._make_room(model_id, declared)
+            yield
+            self._admitted(entry, config, declared or {})
+            return
+        measuring = _MeasuredLoad()
+        token = _MEASURED_LOAD.set(measuring)  # the load's tasks inherit it
+        try:
+            async with self._load_measured(entry, config, model_dir, declared):
                 yield
-            finally:
-                self._reserved = None
-            if declared is None:
-                after = await trio.to_thread.run_sync(_settled_usage, self._gpus)
-                charge = _delta(before, after)
-            else:
-                charge = declared
-            measured = declared is None
-            if reload:
-                previous = self.residents[model_id].charge
-                charge = {d: max(v, previous.get(d, 0)) for d, v in {**previous, **charge}.items()}
-            else:
-                try:
-                    await self._make_room(model_id, charge)
-                except TritonError:
-                    # Bigger than estimated and no room left: it goes again.
-                    assert self._nursery is not None
-                    self._nursery.start_soon(self._unload_unfit, model_id)
-                    raise
-            self._admitted(entry, config, charge, measured)
+        finally:
+            measuring.active = False
+            _MEASURED_LOAD.reset(token)
+            self._measuring.release()
+
+    @asynccontextmanager
+    async def _load_measured(
+        self, entry: ModelEntry, config: ModelConfig, model_dir: Path, declared: Charge | None
+    ) -> AsyncIterator[None]:
+        """:meth:`charging` with a budget, the caller holding ``_measuring``: room
+        made, the load measured and charged."""
+        model_id = entry.model_id
+        reload = model_id in self.residents
+        estimate = declared if declared is not None else self._measured.get(model_id)
+        if estimate is None:
+            estimate = {HOST: await trio.to_thread.run_sync(_files_size, model_dir)}
+        if not reload:
+            await self._make_room(model_id, estimate)
+        self._reserved = (model_id, estimate)
+        before = None if declared is not None else await trio.to_thread.run_sync(usage, self._gpus)
+        try:
+            yield
+        finally:
+            self._reserved = None
+        if declared is None:
+            after = await trio.to_thread.run_sync(_settled_usage, self._gpus)
+            charge = _delta(before, after)
+        else:
+            charge = declared
+        measured = declared is None
+        if reload:
+            previous = self.residents[model_id].charge
+            charge = {d: max(v, previous.get(d, 0)) for d, v in {**previous, **charge}.items()}
+        else:
+            try:
+                await self._make_room(model_id, charge)
+            except TritonError:
+                # Bigger than estimated and no room left: it goes again.
+                assert self._nursery is not None
+                self._nursery.start_soon(self._unload_unfit, model_id)
+                raise
+        self._admitted(entry, config, charge, measured)
 
     async def _unload_unfit(self, model_id: ModelId) -> None:
         try:
