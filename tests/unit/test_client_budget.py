@@ -43,6 +43,19 @@ def test_byte_sizes_with_suffixes():
         parse("1000")
 
 
+def test_workers_share_the_budget():
+    """With --workers N the budget is the whole server's: each worker holds its Nth."""
+    from trionserve.cli.options import options_from_args
+
+    def limit(*flags: str) -> int | None:
+        return options_from_args(["--model-repository=models", *flags]).client_buffer_limit
+
+    assert limit() is None  # the default, resolved by the budget
+    assert limit("--client-buffer-limit=3G") == 3 << 30
+    assert limit("--client-buffer-limit=3G", "--workers=3", "--worker-index=1") == 1 << 30
+    assert limit("--workers=2", "--worker-index=0") == default_limit() // 2
+
+
 def test_the_default_is_a_quarter_of_the_memory():
     import os
 

@@ -19,6 +19,7 @@ from trionserve.actors.watcher import ControlMode
 from trionserve.backends.backend_config import parse_backend_config
 from trionserve.cli.compat import compat_notes
 from trionserve.cli.parser import build_parser
+from trionserve.core.client_budget import default_limit
 from trionserve.core.errors import TritonError
 from trionserve.core.response_cache import parse_cache_config
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
@@ -165,6 +166,16 @@ def grpc_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> G
     )
 
 
+def client_buffer_limit(args: argparse.Namespace) -> int | None:
+    """--client-buffer-limit (None: the default, a quarter of the host's memory).
+    With --workers N it is the whole server's: each worker process holds at most
+    its Nth."""
+    limit: int | None = args.client_buffer_limit
+    if args.worker_index is not None and args.workers > 1:
+        limit = (limit if limit is not None else default_limit()) // args.workers
+    return limit
+
+
 def options_from_args(argv: list[str] | None = None) -> ServerOptions:
     return parse_options(argv)[0]
 
@@ -221,7 +232,7 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         disable_auto_complete_config=args.disable_auto_complete_config,
         strict_readiness=args.strict_readiness,
         max_undelivered_response_bytes=args.max_undelivered_response_bytes,
-        client_buffer_limit=args.client_buffer_limit,
+        client_buffer_limit=client_buffer_limit(args),
         client_buffer_stall_secs=args.client_buffer_stall_secs,
         model_config_name=args.model_config_name,
         backend_config=backend_config,
