@@ -248,6 +248,8 @@ def test_a_failed_load_answers_every_waiter_once_and_is_not_retried_at_once(serv
         "INVALID_ARGUMENT",
     )
     assert len(log_events(server, "on-demand load failed", model="failing_load")) == 1
+    # A request for a broken model does not make the server unready.
+    assert httpclient.InferenceServerClient(server.http_url).is_server_ready()
     assert (
         metric(server, "trionserve_model_on_demand_load_failures_total", model="failing_load") == 1
     )

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from trionserve.actors.residency_budget import HOST, Charge
+from trionserve.core.memory import release_free_memory
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -131,3 +132,28 @@ def usage(gpus: GpuMemory | None) -> Charge:
     if gpus is not None:
         reading.update(gpus.used())
     return reading
+
+
+def settled_usage(gpus: GpuMemory | None) -> Charge:
+    """What the server takes once a load's temporary buffers (a model file's parsed
+    copy, say) are given back: what it keeps is what it is charged."""
+    release_free_memory()
+    return usage(gpus)
+
+
+def delta(before: Charge | None, after: Charge) -> Charge:
+    """What grew between two readings, by device."""
+    before = before or {}
+    return {d: size - before.get(d, 0) for d, size in after.items() if size > before.get(d, 0)}
+
+
+def files_size(model_dir: Path) -> int:
+    """Bytes of a model's files: the estimate of a first load without a declared size."""
+    size = 0
+    for path in model_dir.rglob("*"):
+        try:
+            if path.is_file():
+                size += path.stat().st_size
+        except OSError:
+            continue
+    return size

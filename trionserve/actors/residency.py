@@ -40,7 +40,14 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
-from trionserve.actors.memory_usage import GpuMemory, host_total, usage
+from trionserve.actors.memory_usage import (
+    GpuMemory,
+    delta,
+    files_size,
+    host_total,
+    settled_usage,
+    usage,
+)
 from trionserve.actors.residency_budget import (
     HOST,
     Charge,
@@ -53,7 +60,6 @@ from trionserve.actors.residency_budget import (
     total,
 )
 from trionserve.core.errors import NotFound, TritonError, Unavailable
-from trionserve.core.memory import release_free_memory
 from trionserve.observability.residency_metrics import ResidencyMetrics
 from trionserve.repository.repository import ModelId
 
@@ -401,6 +407,12 @@ class ResidencyManager:
             backoff = min(previous.backoff * 2, RETRY_MAX_SECS) if previous else RETRY_FIRST_SECS
             self._failures[model_id] = _Failure(error, trio.current_time() + backoff, backoff)
             load.error = error
+            entry = self.registry.entries().get(model_id)
+            if entry is not None and not entry.serving:
+                # A request must not make the server unready (strict readiness
+                # counts failed models): the index, the backoff and the metrics
+                # keep the failure.
+                entry.failed = False
             self.metrics.load_failures[name] = self.metrics.load_failures.get(name, 0) + 1
             log.warning(
                 "on-demand load failed", model=name, reason=error.message, retry_in_s=backoff
@@ -478,7 +490,7 @@ class ResidencyManager:
         reload = model_id in self.residents
         estimate = declared if declared is not None else self._measured.get(model_id)
         if estimate is None:
-            estimate = {HOST: await trio.to_thread.run_sync(_files_size, model_dir)}
+            estimate = {HOST: await trio.to_thread.run_sync(files_size, model_dir)}
         if not reload:
             await self._make_room(model_id, estimate)
         self._reserved = (model_id, estimate)
@@ -488,8 +500,8 @@ class ResidencyManager:
         finally:
             self._reserved = None
         if declared is None:
-            after = await trio.to_thread.run_sync(_settled_usage, self._gpus)
-            charge = _delta(before, after)
+            after = await trio.to_thread.run_sync(settled_usage, self._gpus)
+            charge = delta(before, after)
         else:
             charge = declared
         measured = declared is None
@@ -632,8 +644,8 @@ class ResidencyManager:
             self._measured[model_id] = resident.charge
             self._changed.set()
         if before is not None:
-            after = await trio.to_thread.run_sync(_settled_usage, self._gpus)
-            self._account_release(resident.charge, _delta(after, before))
+            after = await trio.to_thread.run_sync(settled_usage, self._gpus)
+            self._account_release(resident.charge, delta(after, before))
 
     def _account_release(self, charge: Charge, freed: Charge) -> None:
         """What an evicted model was charged and did not give back stays charged
@@ -667,28 +679,3 @@ class ResidencyManager:
             self._wake = trio.Event()
             with trio.move_on_at(next_check):
                 await self._wake.wait()
-
-
-def _settled_usage(gpus: GpuMemory | None) -> Charge:
-    """What the server takes once a load's temporary buffers (a model file's parsed
-    copy, say) are given back: what it keeps is what it is charged."""
-    release_free_memory()
-    return usage(gpus)
-
-
-def _delta(before: Charge | None, after: Charge) -> Charge:
-    """What grew between two readings, by device."""
-    before = before or {}
-    return {d: size - before.get(d, 0) for d, size in after.items() if size > before.get(d, 0)}
-
-
-def _files_size(model_dir: Path) -> int:
-    """Bytes of a model's files: the estimate of a first load without a declared size."""
-    size = 0
-    for path in model_dir.rglob("*"):
-        try:
-            if path.is_file():
-                size += path.stat().st_size
-        except OSError:
-            continue
-    return size
