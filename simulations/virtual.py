@@ -6,7 +6,7 @@ the machine is. Inside :func:`virtual_runtime`, ``trio.to_thread.run_sync`` runs
 its function on the Trio thread instead, after a virtual delay that the function's
 owner may declare with a ``virtual_seconds(method_name, args)`` method (the
 simulated backend does, for loading and executing), and an executor's instance
-thread runs each batch the same way when the executor waits for it
+thread runs each batch it is given the same way, in order, in a task of its own
 (:class:`InlineInstanceThread`). Like a real worker thread, the call cannot be
 interrupted once it has started.
 
@@ -18,6 +18,7 @@ task interleaving a function of the seed, so a seed replays a run exactly.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
 import trio
@@ -45,40 +46,54 @@ async def inline_run_sync(sync_fn, *args, limiter=None, **_options):
 
 
 class InlineInstanceThread:
-    """An executor's instance thread on the Trio thread: a job runs (through
-    :func:`inline_run_sync`, so on the virtual clock) when it is waited for, in the
-    order the executor waits, which is the order it took the batches."""
+    """An executor's instance thread on the Trio thread: the jobs it is given run
+    one after the other, in the order given (through :func:`inline_run_sync`, so
+    on the virtual clock), in a system task of their own, as a thread would
+    run them; each is reported done as the real thread reports it
+    (``Job.finished``)."""
 
     def __init__(self, name: str, instance) -> None:
         self._instance = instance
         self._spans: dict[int, tuple[float, float]] = {}
         self._abandoned = False
+        self._queue: deque[Job] = deque()
+        self._running = False
 
     def start(self) -> None:
         pass
 
     def submit(self, job: Job) -> None:
-        pass
+        self._queue.append(job)
+        if not self._running:
+            self._running = True
+            trio.lowlevel.spawn_system_task(self._run_queued)
+
+    async def _run_queued(self) -> None:
+        try:
+            while self._queue:
+                await self._run(self._queue.popleft())
+        finally:
+            self._running = False
+
+    async def _run(self, job: Job) -> None:
+        if self._abandoned:  # not started: the executor is stopping
+            job.error = Abandoned("the executor stopped before the batch ran")
+            job.finished()
+            return
+        start = trio.current_time()
+        job.drop_cancelled()
+        try:
+            job.results = (
+                await inline_run_sync(self._instance.execute, job.requests) if job.requests else []
+            )
+        except Exception as exc:
+            job.error = exc
+        job.times = getattr(self._instance, "compute_times", None)
+        self._spans[id(job)] = (start, trio.current_time())
+        job.finished()
 
     async def wait(self, job: Job) -> None:
-        if self._abandoned and not job.done.is_set():
-            # Not started: the executor is stopping.
-            job.error = Abandoned("the executor stopped before the batch ran")
-            job.done.set()
-        if not job.done.is_set():
-            start = trio.current_time()
-            job.drop_cancelled()
-            try:
-                job.results = (
-                    await inline_run_sync(self._instance.execute, job.requests)
-                    if job.requests
-                    else []
-                )
-            except Exception as exc:
-                job.error = exc
-            job.times = getattr(self._instance, "compute_times", None)
-            self._spans[id(job)] = (start, trio.current_time())
-            job.done.set()
+        await job.done.wait()
 
     def abandon(self) -> None:
         self._abandoned = True

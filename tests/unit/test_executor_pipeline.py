@@ -320,3 +320,28 @@ async def test_a_cpu_instance_takes_its_next_batch_before_the_last_ones_answers_
         executor.stop()
     for index in range(7):
         assert outlet.log.index(("taken", index + 1)) < outlet.log.index(("answered", index))
+
+
+async def test_delivery_wakes_once_per_batch_when_it_finishes():
+    """The task that hands outcomes back is woken when a batch finishes, not also
+    when the batch is given to the thread: one step per batch (c=1: one step
+    fewer per request)."""
+    steps: list[str] = []
+
+    class Steps(trio.abc.Instrument):
+        def after_task_step(self, task) -> None:
+            steps.append(task.name)
+
+    outlet = Outlet(20)
+    executor = InstanceExecutor(SPEC, Instant(), outlet)
+    instrument = Steps()
+    trio.lowlevel.add_instrument(instrument)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(executor.run)
+            await outlet.until(lambda: len(outlet.completed) == 20)
+            executor.stop()
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+    delivery = [name for name in steps if name.endswith("InstanceExecutor._deliver")]
+    assert 20 <= len(delivery) <= 23, len(delivery)  # one per batch, and its start and end

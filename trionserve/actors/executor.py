@@ -124,6 +124,8 @@ class InstanceExecutor:
         )
         # Set by stop(): no batch handed straight over is taken any more.
         self._stopped = False
+        # Set when a job given to the thread finishes: wakes _deliver.
+        self._delivery = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -160,6 +162,7 @@ class InstanceExecutor:
                 task_status.started()
                 async with send:
                     await self._feed(thread, send, slots)
+                self._wake_delivery()  # the channel is closed: _deliver ends
         finally:
             thread.stop()
 
@@ -191,21 +194,33 @@ class InstanceExecutor:
                 self._release_resources()
                 slots.release()
                 continue
-            job = Job(live)
+            job = Job(live, self._wake_delivery)
+            jobs.send_nowait(job)
             if live:
                 thread.submit(job)
             else:
-                job.done.set()
-            jobs.send_nowait(job)
+                job.finished()
 
     async def _deliver(
         self, thread: InstanceThread, jobs: trio.MemoryReceiveChannel[Job], slots: trio.Semaphore
     ) -> None:
-        """Hand each job's outcomes back through the outlet, in the order taken."""
+        """Hand each job's outcomes back through the outlet, in the order taken.
+
+        Woken when a job finishes (or the feeder ends), not when one is given:
+        one task step per batch, not two."""
         job: Job | None = None
         try:
-            async for job in jobs:
-                await thread.wait(job)
+            while True:
+                try:
+                    job = jobs.receive_nowait()
+                except trio.WouldBlock:
+                    await self._delivery.wait()  # a job finished, or the feeder ended
+                    self._delivery = trio.Event()
+                    continue
+                except trio.EndOfChannel:
+                    return
+                if not job.done.is_set():  # (Event.wait checkpoints even when set)
+                    await thread.wait(job)
                 done, job = job, None
                 if done.requests or done.cancelled:
                     self._release_resources()
@@ -265,6 +280,9 @@ class InstanceExecutor:
         if self._statistics is not None:
             self._record(live, outcomes, start, end, job.times)
         self._outlet.complete(live, outcomes)
+
+    def _wake_delivery(self) -> None:
+        self._delivery.set()
 
     def _run_direct(self, batch: list[InferenceRequest]) -> bool:
         """Run a batch handed straight over by the scheduler while this executor

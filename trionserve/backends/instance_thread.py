@@ -67,9 +67,10 @@ class Job:
         "times",
         "staged",
         "done",
+        "on_done",
     )
 
-    def __init__(self, requests: list) -> None:
+    def __init__(self, requests: list, on_done: Callable[[], None] | None = None) -> None:
         self.requests = requests
         # Requests whose client went away while the batch waited for the thread:
         # taken out of ``requests`` before it runs, answered by the executor.
@@ -81,6 +82,15 @@ class Job:
         self.times: ComputeTimes | None = None
         self.staged: object = None  # the instance's handle between its steps
         self.done = trio.Event()
+        # Called on the Trio thread as ``done`` is set (the executor's delivery
+        # task waits for any job to finish, not for each to be given).
+        self.on_done = on_done
+
+    def finished(self) -> None:
+        """The job is done (on the Trio thread): ``done`` set, ``on_done`` called."""
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done()
 
     def drop_cancelled(self) -> None:
         """Take the requests cancelled so far out of the batch, before it runs."""
@@ -307,6 +317,6 @@ class InstanceThread:
             job.times = self._timed.compute_times
         assert self._token is not None
         try:
-            self._token.run_sync_soon(job.done.set)
+            self._token.run_sync_soon(job.finished)
         except trio.RunFinishedError:
             pass  # the run ended (the executor was torn down with it)
