@@ -34,7 +34,7 @@ def _is_type_checking(test: ast.expr) -> bool:
 def _imports(path: Path, module: str, *, run_time_only: bool) -> Iterator[str]:
     """The modules ``module`` names in its imports (with ``from m import n``, also
     ``m.n``): at import time only (top level, outside ``if TYPE_CHECKING``), or
-    anywhere outside ``if TYPE_CHECKING``."""
+    anywhere (in functions and for the type checker too)."""
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
 
     def names(node: ast.Import | ast.ImportFrom) -> Iterator[str]:
@@ -50,15 +50,8 @@ def _imports(path: Path, module: str, *, run_time_only: bool) -> Iterator[str]:
 
     tree = ast.parse(path.read_text())
     if not run_time_only:
-        hidden = {
-            id(inner)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and _is_type_checking(node.test)
-            for statement in node.body
-            for inner in ast.walk(statement)
-        }
         for node in ast.walk(tree):
-            if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in hidden:
+            if isinstance(node, ast.Import | ast.ImportFrom):
                 yield from names(node)
         return
 

@@ -8,8 +8,8 @@ and per budget, and how long requests waited for a load. Counted by the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -18,8 +18,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-if TYPE_CHECKING:
-    from trionserve.actors.residency import ResidencyManager
+from trionserve.repository.repository import ModelId
 
 # Seconds a request waited for its model to load.
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -49,10 +48,35 @@ class ResidencyMetrics:
         return buckets
 
 
+class _Resident(Protocol):
+    @property
+    def charge(self) -> Mapping[str, int]: ...
+
+
+class ObservedResidency(Protocol):
+    """What the collector reads of a server's residency manager
+    (:class:`~trionserve.actors.residency.ResidencyManager`), so that
+    observability/ imports nothing from actors/ (as ``ObservedRegistry``)."""
+
+    @property
+    def metrics(self) -> ResidencyMetrics: ...
+
+    @property
+    def residents(self) -> Mapping[ModelId, _Resident]: ...
+
+    @property
+    def budgets(self) -> Mapping[str, int]: ...
+
+    @property
+    def retained(self) -> Mapping[str, int]: ...
+
+    def used(self) -> Mapping[str, int]: ...
+
+
 class ResidencyCollector:
     """A prometheus-client collector over one server's residency manager."""
 
-    def __init__(self, manager: ResidencyManager) -> None:
+    def __init__(self, manager: ObservedResidency) -> None:
         self._manager = manager
 
     def collect(self) -> Iterable[Metric]:
