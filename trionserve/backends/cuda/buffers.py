@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
 
@@ -41,6 +41,13 @@ class DeviceBuffers(Protocol):
     def launch(self, graph: Graph, stream: Stream) -> None: ...
 
 
+# cupy's own objects, which cupy does not type (Any): with torch installed, mypy
+# would read the unions above as torch's where cupy's are meant.
+CupyArray: TypeAlias = Any
+CupyStream: TypeAlias = Any
+CupyGraph: TypeAlias = Any
+
+
 class CupyBuffers:
     def __init__(self, cupy: ModuleType) -> None:
         self._cp = cupy
@@ -54,7 +61,7 @@ class CupyBuffers:
         stream = self._cp.cuda.Stream(non_blocking=True)
         return stream, stream.ptr
 
-    def to_device(self, array: np.ndarray, stream: Stream) -> tuple[DeviceArray, int]:
+    def to_device(self, array: np.ndarray, stream: CupyStream) -> tuple[DeviceArray, int]:
         """A device copy of ``array`` (enqueued on ``stream``) and its address."""
         buffer = self._cp.empty(array.shape, array.dtype)
         buffer.set(array, stream=stream)
@@ -64,19 +71,19 @@ class CupyBuffers:
         buffer = self._cp.empty(tuple(shape), dtype)
         return buffer, buffer.data.ptr
 
-    def upload(self, buffer: DeviceArray, array: np.ndarray, stream: Stream) -> None:
+    def upload(self, buffer: CupyArray, array: np.ndarray, stream: CupyStream) -> None:
         """Copy ``array`` into ``buffer`` (a device buffer of its shape, or a view
         of one: its leading rows), enqueued on ``stream``."""
         buffer.set(array, stream=stream)
 
-    def to_host(self, buffer: DeviceArray, stream: Stream) -> np.ndarray:
+    def to_host(self, buffer: CupyArray, stream: CupyStream) -> np.ndarray:
         """The buffer's contents once ``stream`` has produced them."""
         return buffer.get(stream=stream)
 
-    def synchronize(self, stream: Stream) -> None:
+    def synchronize(self, stream: CupyStream) -> None:
         stream.synchronize()
 
-    def capture(self, stream: Stream, enqueue: Callable[[], object]) -> Graph:
+    def capture(self, stream: CupyStream, enqueue: Callable[[], object]) -> Graph:
         """A CUDA graph of the work ``enqueue()`` puts on ``stream``, captured in
         thread-local mode (other threads' CUDA calls neither fail nor break it);
         raises when the capture fails, with the stream out of capture mode."""
@@ -92,7 +99,7 @@ class CupyBuffers:
             raise
         return stream.end_capture()
 
-    def launch(self, graph: Graph, stream: Stream) -> None:
+    def launch(self, graph: CupyGraph, stream: CupyStream) -> None:
         graph.launch(stream=stream)
 
 

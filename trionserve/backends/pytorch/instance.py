@@ -153,7 +153,8 @@ class TorchScriptInstance:
         self.model_name = context.name
         self.model_version = str(context.version)
         self._torch = torch
-        self._module = module
+        # None once closed (a torch.jit.ScriptModule, or torch_aoti's program call).
+        self._module: Any = module
         # KIND_MODEL: inputs start on the CPU and the module moves them itself.
         self._device = device if device is not None else torch.device("cpu")
         self._bf16_inputs = {
@@ -207,9 +208,12 @@ class TorchScriptInstance:
 
     def _bind(self, context: ModelContext, module: torch.jit.ScriptModule) -> None:
         """Match the config's inputs and outputs to forward()'s arguments and result."""
+        # A scripted method carries its TorchScript schema (torch types forward as a
+        # plain callable).
+        forward: Any = module.forward
         arguments = [
             (a.name, a.type.kind())
-            for a in module.forward.schema.arguments
+            for a in forward.schema.arguments
             if a.type.kind() != "ClassType"  # self
         ]
         config = context.config
