@@ -419,27 +419,33 @@ class StubRuntime(ModelRuntime):
             # One sender at a time checks for room and writes its response: the
             # senders of several requests do not all pass the check at once.
             with self._send_gate:
+                room = True
                 if not self._budget_room.is_set() or self.arena.in_use() >= STUB_BACKLOG_BYTES:
-                    self._wait_for_room(key)
-                # Cancelled meanwhile: dropped by the server anyway, not written.
-                encoded = None if key in self._cancelled else self.encode_response(response)
+                    room = self._wait_for_room(key)
+                # A response whose wait for room its request's cancellation ended is
+                # not written (its client is gone). A cancelled request's responses
+                # sent without waiting still go: the server delivers them, as a
+                # model's CANCELLED error after is_cancelled() (a BLS caller's
+                # ResponseIterator.cancel() gets it).
+                encoded = self.encode_response(response) if room else None
         self.channel.send({"op": "response", "key": key, "response": encoded, "final": final})
 
-    def _wait_for_room(self, key: int) -> None:
+    def _wait_for_room(self, key: int) -> bool:
         """Wait (this model thread) until the responses sent and not yet read by
         the server (its blocks not freed) are under ``STUB_BACKLOG_BYTES`` and
         the server's budget of bytes held for clients has room, or until the
         request is cancelled (its client gone, or evicted by the server's
-        pressure policy). The reader thread reads the server's frees and notices
-        meanwhile."""
+        pressure policy): whether there is room (False: cancelled first). The reader
+        thread reads the server's frees and notices meanwhile."""
         self._start_reader()
         arena = self.arena
         while not arena.wait_freed(STUB_BACKLOG_BYTES, 0.05):
             if key in self._cancelled:
-                return
+                return False
         while not self._budget_room.wait(0.05):
             if key in self._cancelled:
-                return
+                return False
+        return True
 
     def is_cancelled(self, key: int) -> bool:
         """Whether the server said the request is cancelled; reads what the server
