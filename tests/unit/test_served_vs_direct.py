@@ -71,7 +71,9 @@ def test_served_rows_are_compared_with_direct_at_the_batch_the_server_formed():
         "cnn_onnx", 8, "http", requests=1200, seconds=8.0, batches=[3.9, 4.2], client_cpu=0.6
     )
     lines = format_table([direct, direct_b4, http]).splitlines()
+    header = [cell.strip() for cell in lines[0].split("|")[1:-1]]
     cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
+    assert all(len(row) == len(header) for row in cells)
     assert [row[:6] for row in cells] == [
         ["cnn_onnx", "8", "direct", "100", "", ""],
         ["cnn_onnx", "8", "direct b4", "200", "", ""],
@@ -79,7 +81,11 @@ def test_served_rows_are_compared_with_direct_at_the_batch_the_server_formed():
     ]
     assert cells[1][8] == "4.0"  # a direct row's batch is its own
     # The load generator's CPU per inference: 0.6 s over 1,200; none for direct.
-    assert [row[14] for row in cells] == ["-", "-", "0.50"]
+    client = header.index("client CPU ms/inf")
+    assert [row[client] for row in cells] == ["-", "-", "0.50"]
+    # No CPU by thread was sampled for these rows.
+    loop = header.index("loop ms/inf")
+    assert [row[loop] for row in cells] == ["-", "-", "-"]
 
 
 def test_repository_variants_at_other_delays_and_session_parameters(tmp_path):
