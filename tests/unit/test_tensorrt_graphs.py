@@ -464,8 +464,17 @@ def test_the_next_batch_is_staged_on_the_host_while_the_device_computes(monkeypa
 
     launched = instance.launch([first], instance.stage([first]))
     device_log = list(device.log)
+    memory = {address: buffer.copy() for address, buffer in device.memory.items()}
+    context = instance._context
+    bound = (dict(context.shapes), dict(context.addresses))
     staged = instance.stage([second])  # while the first batch computes
     assert device.log == device_log
+    # No device buffer made or written (a graph's static inputs included), the
+    # execution context still bound to the first batch.
+    assert set(device.memory.keys()) == set(memory)
+    for address, before in memory.items():
+        np.testing.assert_array_equal(device.memory[address], before)
+    assert (context.shapes, context.addresses) == bound
     [one] = instance.finish([first], launched)
     [two] = instance.finish([second], instance.launch([second], staged))
 
