@@ -40,6 +40,13 @@ def _controls(*names: str, kind: str = "int32_false_true", corrid: str = "") -> 
     return "control_input [ " + ", ".join(entries) + " ]"
 
 
+ADDSUB_IO = """
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+        { name: "INPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] },
+         { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ 16 ] } ]
+"""
+
 IMPLICIT_IO = """
 input [ { name: "INPUT" data_type: TYPE_INT32 dims: [ 1 ] },
         { name: "TEST_CASE" data_type: TYPE_INT32 dims: [ 1 ] } ]
@@ -142,6 +149,14 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
     + "dynamic_batching { max_queue_delay_microseconds: 2000000 preferred_batch_size: [ 2 ] }",
     "recommended": 'backend: "recommended"\nmax_batch_size: 8\n'
     + _io("INPUT", "OUTPUT", "TYPE_FP32", "4, 4"),
+    # backend/examples/model_repos/bls_models: the two models the bls backend
+    # calls are identity models here (a Python and an ONNX model there).
+    "bls_fp32": 'backend: "bls"\nmax_batch_size: 0\n' + ADDSUB_IO,
+    "addsub_python": 'backend: "identity"\nmax_batch_size: 0\n' + ADDSUB_IO,
+    "addsub_onnx": 'backend: "identity"\nmax_batch_size: 0\n' + ADDSUB_IO,
+    "bls_batching": 'backend: "bls"\nmax_batch_size: 4\n' + ADDSUB_IO,
+    "bls_int32": 'backend: "bls"\nmax_batch_size: 0\n'
+    + ADDSUB_IO.replace("TYPE_FP32", "TYPE_INT32", 1),
 }
 
 
@@ -431,3 +446,34 @@ def test_minimal_and_recommended_return_their_input_batched(http):
     array = np.random.default_rng(0).random((2, 4, 4), dtype=np.float32)
     result = http.infer("recommended", [_input("INPUT", array, "FP32")])
     assert result.as_numpy("OUTPUT").tolist() == array.tolist()
+
+
+def test_bls_sends_each_request_to_both_models_and_joins_their_outputs(http):
+    rng = np.random.default_rng(1)
+    a, b = (rng.random(16, dtype=np.float32) for _ in range(2))
+    result = http.infer(
+        "bls_fp32",
+        [_input("INPUT0", a, "FP32"), _input("INPUT1", b, "FP32")],
+        request_id="7",
+    )
+    assert result.get_response()["id"] == "7"
+    # OUTPUT0 is output 0 of addsub_python's response, OUTPUT1 output 1 of
+    # addsub_onnx's (bls.cc ConstructFinalResponse).
+    assert result.as_numpy("OUTPUT0").tolist() == a.tolist()
+    assert result.as_numpy("OUTPUT1").tolist() == b.tolist()
+    for model in ("addsub_python", "addsub_onnx"):
+        stats = http.get_inference_statistics(model)["model_stats"][0]
+        assert stats["inference_count"] == 1
+
+
+def test_bls_refuses_configs_its_example_refuses(http):
+    index = {m["name"]: m for m in http.get_model_repository_index()}
+    assert index["bls_batching"]["state"] == "UNAVAILABLE"
+    assert (
+        "bls backend only supports models with max_batch_size == 0"
+        in (index["bls_batching"]["reason"])
+    )
+    assert index["bls_int32"]["state"] == "UNAVAILABLE"
+    assert (
+        "expected INPUT0 datatype to be TYPE_FP32, got TYPE_INT32" in (index["bls_int32"]["reason"])
+    )

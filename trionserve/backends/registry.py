@@ -83,6 +83,7 @@ _FACTORIES: dict[str, BackendFactory] = {
     "sequence": _reference("sequence", "SequenceBackend"),
     "dyna_sequence": _reference("sequence", "DynaSequenceBackend"),
     "implicit_state": _reference("sequence", "ImplicitStateBackend"),
+    "bls": _reference("bls", "BLSBackend"),
 }
 
 
