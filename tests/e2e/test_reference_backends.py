@@ -1,5 +1,6 @@
 """Triton's test backends (``identity``, ``repeat``, ``square``, ``sequence``,
-``dyna_sequence``, ``implicit_state``, ``minimal``, ``recommended``) through a real
+``dyna_sequence``, ``implicit_state``, ``iterative_sequence``, ``minimal``,
+``recommended``) through a real
 server and the official clients, with the configs Triton's QA gives them
 (server src/test/models, qa/custom_models, qa/L0_implicit_state/models)."""
 
@@ -157,6 +158,14 @@ output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
     "bls_batching": 'backend: "bls"\nmax_batch_size: 4\n' + ADDSUB_IO,
     "bls_int32": 'backend: "bls"\nmax_batch_size: 0\n'
     + ADDSUB_IO.replace("TYPE_FP32", "TYPE_INT32", 1),
+    # qa/L0_iterative_sequence/models/iterative_sequence, and the scheduler its
+    # test_unsupported_dynamic_scheduler gives it.
+    "iterative_sequence": 'backend: "iterative_sequence"\nmax_batch_size: 1\n'
+    "model_transaction_policy { decoupled: True }\n"
+    "sequence_batching { iterative_sequence: true }\n" + _io("INPUT", "OUTPUT", "TYPE_INT32", "1"),
+    "iterative_dynamic": 'backend: "iterative_sequence"\nmax_batch_size: 1\n'
+    "model_transaction_policy { decoupled: True }\n"
+    "dynamic_batching { }\n" + _io("INPUT", "OUTPUT", "TYPE_INT32", "1"),
 }
 
 
@@ -476,4 +485,24 @@ def test_bls_refuses_configs_its_example_refuses(http):
     assert index["bls_int32"]["state"] == "UNAVAILABLE"
     assert (
         "expected INPUT0 datatype to be TYPE_FP32, got TYPE_INT32" in (index["bls_int32"]["reason"])
+    )
+
+
+def test_iterative_sequence_counts_down_one_execution_at_a_time(stream):
+    # server src/test/iterative_sequence: INPUT = 2 gives OUTPUT 1, the request
+    # handed back to the iterative sequence batcher, then OUTPUT 0 as the final
+    # response; under a dynamic batcher the hand-back is refused with core's
+    # infer_request.cc error.
+    inputs = [_input("INPUT", np.array([[2]], np.int32), "INT32", grpcclient)]
+    stream.async_stream_infer("iterative_sequence", inputs)
+    first, last = _drain(stream, 2)
+    assert first.as_numpy("OUTPUT").tolist() == [[1]]
+    assert last.as_numpy("OUTPUT").tolist() == [[0]]
+    assert last.get_response().parameters["triton_final_response"].bool_param
+    stream.async_stream_infer("iterative_dynamic", inputs)
+    (error,) = _drain(stream, 1)
+    assert isinstance(error, InferenceServerException)
+    assert error.message() == (
+        "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the "
+        "model is not configured to handle such a flag."
     )

@@ -1082,10 +1082,26 @@ def test_json_override_replaces_config_file(tmp_path):
     assert max_batch_size_set is False
 
 
+def test_json_override_in_protobufs_legacy_syntax(tmp_path):
+    # Triton reads an override with protobuf's JsonStringToMessage, whose legacy
+    # syntax takes bare-word keys and single-quoted strings
+    # (qa/L0_iterative_sequence test_backlog_fill: `direct: { ... }`).
+    model_dir = write_model(tmp_path, "simple", ONNX_IO)
+    override = (
+        '{"backend": \'onnxruntime\', "sequence_batching": {"iterative_sequence": true, '
+        'direct: {"max_queue_delay_microseconds": 10000000}}, max_batch_size: 2}'
+    )
+    config, max_batch_size_set = read_model_config(model_dir, override)
+    assert config.sequence_batching.direct.max_queue_delay_microseconds == 10000000
+    assert config.sequence_batching.iterative_sequence
+    assert config.max_batch_size == 2 and max_batch_size_set is True
+
+
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
         ("{not json", "failed to load 'simple': invalid config override"),
+        ("{direct: }", "invalid config override: Expecting property name enclosed in double"),
         ("[1, 2]", "failed to load 'simple': invalid config override: expected a JSON object"),
         ('{"no_such_field": 1}', "no_such_field"),
         ('{"max_batch_size": "many"}', "failed to load 'simple': invalid config override"),

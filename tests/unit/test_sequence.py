@@ -732,6 +732,55 @@ async def test_an_iterative_sequence_requeues_rescheduled_requests(autojump_cloc
         nursery.cancel_scope.cancel()
 
 
+async def test_a_request_held_past_the_idle_time_loses_its_iterative_sequence(autojump_clock):
+    """Triton's reaper measures idle time from a sequence's latest enqueue (core
+    sequence_batch_scheduler.cc ReaperThread): a model that holds an iterative
+    sequence's request for longer than max_sequence_idle_microseconds finds the
+    sequence gone when it hands the request back, and the re-enqueue fails with
+    Enqueue's "must specify the START flag" (qa/L0_iterative_sequence
+    test_reschedule_error). Held for less, the request runs again."""
+    config = make_config(idle_us=200_000)
+    config.sequence_batching.iterative_sequence = True
+    async with trio.open_nursery() as nursery:
+        scheduler, _ = await start(nursery, config, executors=0)
+        outlet = scheduler.outlet()
+        hold = {"slow": 0.5, "quick": 0.1}
+        runs: dict[str, int] = {}
+
+        async def hold_then_reschedule_once() -> None:
+            while True:
+                batch = await outlet.receive()
+                requests = [r for r in batch if not isinstance(r, NullRequest)]
+                await trio.sleep(max(hold[r.id] for r in requests))
+                outcomes = []
+                for r in batch:
+                    if isinstance(r, NullRequest):
+                        outcomes.append(None)
+                        continue
+                    runs[r.id] = runs.get(r.id, 0) + 1
+                    r.rescheduled = runs[r.id] == 1
+                    outcomes.append(None if r.rescheduled else Accumulator.answer(r))
+                outlet.complete(batch, outcomes)
+
+        nursery.start_soon(hold_then_reschedule_once)
+        slow = request(0, 1, id="slow")
+        await scheduler.submit(slow)
+        error = await outcome(slow)
+        assert isinstance(error, InvalidArgument)
+        assert (
+            "inference request for sequence 1 to model 'acc' must specify the START flag "
+            "on the first request of the sequence; sequence 1 was released after it was "
+            "idle for more than 200000 us"
+        ) in error.message
+        assert runs["slow"] == 1
+        quick = request(0, 2, id="quick")
+        await scheduler.submit(quick)
+        assert total(await outcome(quick)) == 2 and runs["quick"] == 2
+        assert not scheduler.sequences.open
+        assert scheduler.pending == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_initial_state_from_a_file_feeds_the_first_request(autojump_clock, tmp_path):
     initial = 'initial_state: { data_type: TYPE_INT32 dims: [ 1 ] data_file: "v" name: "v" }'
     (tmp_path / "initial_state").mkdir()

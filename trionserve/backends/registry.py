@@ -84,6 +84,7 @@ _FACTORIES: dict[str, BackendFactory] = {
     "dyna_sequence": _reference("sequence", "DynaSequenceBackend"),
     "implicit_state": _reference("sequence", "ImplicitStateBackend"),
     "bls": _reference("bls", "BLSBackend"),
+    "iterative_sequence": _reference("iterative", "IterativeSequenceBackend"),
 }
 
 

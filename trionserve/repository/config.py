@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyjson5
 from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
@@ -182,9 +183,27 @@ def _parse_override(override_json: str, dir_name: str) -> tuple[ModelConfig, boo
     try:
         obj = json.loads(override_json)
     except ValueError as exc:
-        raise InvalidArgument(f"{context}: {exc}") from None
+        obj = _legacy_json(override_json)
+        if obj is None:
+            raise InvalidArgument(f"{context}: {exc}") from None
     config = _config_from_dict(obj, context)
     return config, ("max_batch_size" in obj or "maxBatchSize" in obj)
+
+
+def _legacy_json(text: str) -> object | None:
+    """An override that is not strict JSON, read as Triton reads every override.
+
+    Triton parses it with protobuf's ``JsonStringToMessage`` (core
+    model_config_utils.cc JsonToModelConfig), whose lexer keeps protobuf's legacy
+    syntax on: object keys may be bare words and strings single-quoted (protobuf
+    json/internal/lexer.cc ParseBareWord, ParseUtf8). Triton's own QA writes such
+    overrides (qa/L0_iterative_sequence test_backlog_fill: ``direct: {...}``).
+    JSON5 is a superset of that syntax; None when the text is not JSON5 either.
+    """
+    try:
+        return pyjson5.decode(text)
+    except (pyjson5.Json5Exception, ValueError):
+        return None
 
 
 def model_config_from_json(obj: dict) -> ModelConfig:

@@ -562,14 +562,26 @@ class SequenceBatchScheduler:
     def _requeue(self, sequence: Sequence, request: InferenceRequest) -> None:
         """A rescheduled request goes to the back of its sequence's queue with no
         START or END flag (IterativeSequencer::RescheduleRequest); it stays one of
-        the sequence's pending requests."""
+        the sequence's pending requests.
+
+        It is enqueued again as a request without START (core sequence_utils.cc
+        RescheduleRequest calls SequenceBatchScheduler::Enqueue), so a sequence
+        released meanwhile (idle for longer than ``max_sequence_idle_microseconds``)
+        fails it with Enqueue's INVALID_ARG "... must specify the START flag on the
+        first request of the sequence" (sequence_batch_scheduler.cc 720-740).
+        """
         request.rescheduled = False
         request.sequence_start = request.sequence_end = False
-        if sequence.released or self._finished:
+        now = trio.current_time()
+        if self._finished:
             request.fail(
                 Unavailable(f"model '{self.model_name}' could not execute a rescheduled request")
             )
-            self._states.request_done(sequence, trio.current_time())
+            self._states.request_done(sequence, now)
+            return
+        if not self._states.requeue(sequence, now):
+            request.fail(self._states.not_started(sequence.id))
+            self._states.request_done(sequence, now)
             return
         sequence.queue.append(request)
         self._queued += 1

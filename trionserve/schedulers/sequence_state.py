@@ -149,6 +149,7 @@ class Sequence:
         "released",
         "idle_deadline",
         "backlog_deadline",
+        "enqueued_at",
     )
 
     def __init__(self, correlation_id: CorrelationId) -> None:
@@ -163,6 +164,7 @@ class Sequence:
         self.released = False
         self.idle_deadline: float | None = None
         self.backlog_deadline = math.inf
+        self.enqueued_at = -math.inf  # when its latest request arrived
 
     def __repr__(self) -> str:
         return f"Sequence({self.id!r}, slot={self.slot}, queued={len(self.queue)})"
@@ -251,12 +253,7 @@ class SequenceStateManager:
             if self._none_open.is_set():
                 self._none_open = trio.Event()
         elif sequence is None:
-            reason = self._released.get(correlation_id)
-            raise InvalidArgument(
-                f"inference request for sequence {name} to model '{model}' must specify "
-                "the START flag on the first request of the sequence"
-                + (f"; sequence {name} {reason}" if reason else "")
-            )
+            raise self.not_started(correlation_id)
         if request.sequence_end:
             # A later START with this id begins a new sequence; this one finishes.
             sequence.open = False
@@ -264,7 +261,40 @@ class SequenceStateManager:
             self._check_none_open()
         sequence.pending += 1
         sequence.idle_deadline = None
+        sequence.enqueued_at = now
         return sequence, new
+
+    def not_started(self, correlation_id: CorrelationId) -> InvalidArgument:
+        """A request without START for a sequence that is not open (core
+        sequence_batch_scheduler.cc Enqueue: INVALID_ARG), with why it was
+        released when it was."""
+        name = describe(correlation_id)
+        reason = self._released.get(correlation_id)
+        return InvalidArgument(
+            f"inference request for sequence {name} to model '{self.model_name}' must "
+            "specify the START flag on the first request of the sequence"
+            + (f"; sequence {name} {reason}" if reason else "")
+        )
+
+    def requeue(self, sequence: Sequence, now: float) -> bool:
+        """An iterative sequence's request handed back by its model enters again;
+        False (the sequence released) when no request entered for longer than
+        ``max_sequence_idle_microseconds``.
+
+        Triton's reaper measures a sequence's idle time from its latest enqueued
+        request, executing or not (core sequence_batch_scheduler.cc ReaperThread,
+        ``correlation_id_timestamps_``), so a model that holds a request longer
+        than that loses the sequence under it and the request's re-enqueue fails.
+        Here the idle clock otherwise starts once nothing is pending; a request
+        coming back from its model is where the two meet.
+        """
+        if sequence.released:
+            return False
+        if now - sequence.enqueued_at >= self._idle:
+            self.release(sequence, self._idle_reason())
+            return False
+        sequence.enqueued_at = now
+        return True
 
     def _idle_reason(self) -> str:
         return (

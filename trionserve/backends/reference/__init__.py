@@ -12,7 +12,9 @@ source defines (each docstring cites the file and lines):
   batched copy of one tensor;
 - ``sequence``, ``dyna_sequence`` and ``implicit_state`` (server
   ``src/test/<name>/src/<name>.cc``): the accumulators the sequence batcher's QA
-  suites check, and the implicit-state API's error paths.
+  suites check, and the implicit-state API's error paths;
+- ``iterative_sequence`` (server ``src/test/iterative_sequence``): a decoupled
+  countdown that hands its request back to an iterative sequence batcher.
 
 Their instances run on the event loop (:class:`~.common.ReferenceInstance`): what
 they compute is a copy or a sum, and their configured delays are Trio sleeps, so
