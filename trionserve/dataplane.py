@@ -458,8 +458,12 @@ class DataPlane:
         try:
             response = await self._infer_admitted(model, request, queued)
             inserting = trio.current_time()
-            cache.insert(key, response)
+            refused = cache.insert(key, response)
             lookup_ns += to_ns(trio.current_time() - inserting)
+            if refused is not None:
+                # core src/dynamic_batch_scheduler.cc / ensemble_scheduler.cc: the
+                # response is answered all the same, the failure is logged.
+                log.error(f"Failed to insert key [{key.hex()}] into response cache: {refused}")
         finally:
             model.statistics.record_cache_miss(lookup_ns)
         return response
@@ -497,6 +501,14 @@ class DataPlane:
         if residency is not None and (internal or not self.drain.draining):
             await residency.wait_routable(request)
         model = self._admit(request, internal)
+        cache = self.response_cache
+        if cache is not None and model.config.response_cache.enable:
+            # A model with the cache is never decoupled (config validation): its
+            # one response is looked up and stored as for infer, whoever asks (a
+            # gRPC stream, an ensemble's step: Triton's schedulers consult the
+            # cache for every request, core src/dynamic_batch_scheduler.cc).
+            await deliver(await self._infer_cached(cache, model, request, queued), True)
+            return
         async with self._lifecycle(model, request, queued) as run:
             async for response, final in request.stream():
                 await run.deliverable(response)

@@ -124,6 +124,20 @@ input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
         { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] } ]
 output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
          { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]""",
+    # qa/L0_response_cache's ensemble_cache_composing_decoupled: decoupled through
+    # its step, so the cache it asks for is refused as for a decoupled model.
+    "ens_repeat_cached": """platform: "ensemble"
+max_batch_size: 0
+response_cache { enable: true }
+ensemble_scheduling { step [ { model_name: "repeat_int32" model_version: -1
+  input_map { key: "IN" value: "IN" } input_map { key: "DELAY" value: "DELAY" }
+  input_map { key: "WAIT" value: "WAIT" } output_map { key: "OUT" value: "OUT" }
+  output_map { key: "IDX" value: "IDX" } } ] }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
+        { name: "DELAY" data_type: TYPE_UINT32 dims: [ -1 ] },
+        { name: "WAIT" data_type: TYPE_UINT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+         { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]""",
     "square_int32": 'backend: "square"\nmax_batch_size: 0\n'
     "model_transaction_policy { decoupled: True }\n" + _io("IN", "OUT", "TYPE_INT32", "1"),
     "square_failing": 'backend: "square"\nmax_batch_size: 0\n'
@@ -286,6 +300,11 @@ def test_a_config_the_backend_refuses_fails_its_load_with_the_reason(http):
     assert (
         "expected output name to follow OUTPUT<index> pattern, got 'RESULT0'"
         in (index["identity_bad"]["reason"])
+    )
+    assert index["ens_repeat_cached"]["state"] == "UNAVAILABLE"
+    assert (
+        "Response Cache does not currently support model ens_repeat_cached with "
+        "'decoupled' transaction policy" in index["ens_repeat_cached"]["reason"]
     )
     assert index["repeat_batched"]["state"] == "UNAVAILABLE"
     assert (

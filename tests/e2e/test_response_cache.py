@@ -55,6 +55,18 @@ response_cache {{ enable: {enable} }}
 """
 
 
+# An ensemble over the cached model: its step requests meet the cache too.
+ENSEMBLE = """
+name: "ens_cached"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "X" data_type: TYPE_INT32 dims: [ 2 ] } ]
+output [ { name: "COUNT" data_type: TYPE_INT64 dims: [ 1 ] } ]
+ensemble_scheduling { step [ { model_name: "cached" model_version: -1
+  input_map { key: "X" value: "X" } output_map { key: "COUNT" value: "COUNT" } } ] }
+"""
+
+
 @pytest.fixture(scope="module")
 def repository(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
@@ -62,6 +74,8 @@ def repository(tmp_path_factory):
         (root / name / "1").mkdir(parents=True)
         (root / name / "config.pbtxt").write_text(CONFIG.format(name=name, enable=enable))
         (root / name / "1" / "model.py").write_text(textwrap.dedent(COUNTER))
+    (root / "ens_cached" / "1").mkdir(parents=True)
+    (root / "ens_cached" / "config.pbtxt").write_text(ENSEMBLE)
     return root
 
 
@@ -113,6 +127,53 @@ def test_identical_requests_are_answered_from_the_cache(server):
     assert (hits.labels["model"], hits.value) == ("cached", 2)
     (misses,) = families["nv_cache_num_misses_per_model"].samples
     assert misses.value == 4
+
+
+def test_ensemble_steps_and_grpc_streams_meet_the_cache(server):
+    """Triton's schedulers consult the cache for every request of a model with
+    it (core src/dynamic_batch_scheduler.cc), an ensemble's step requests and a
+    gRPC stream's among them (qa/L0_response_cache
+    test_ensemble_composing_model_cache_enabled)."""
+    http = httpclient.InferenceServerClient(server.http_url)
+    before = stats(http, "cached")["inference_stats"]
+    x = httpclient.InferInput("X", [2], "INT32")
+    x.set_data_from_numpy(np.array([70, 80], dtype=np.int32))
+    first = http.infer("ens_cached", [x]).as_numpy("COUNT").tolist()
+    assert http.infer("ens_cached", [x]).as_numpy("COUNT").tolist() == first  # from the cache
+    after = stats(http, "cached")["inference_stats"]
+    assert after["cache_miss"]["count"] - before["cache_miss"].get("count", 0) == 1
+    assert after["cache_hit"]["count"] - before["cache_hit"].get("count", 0) == 1
+
+    results: list = []
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    grpc.start_stream(callback=lambda result, error: results.append((result, error)))
+    try:
+        g = grpcclient.InferInput("X", [2], "INT32")
+        g.set_data_from_numpy(np.array([70, 80], dtype=np.int32))
+        # The ensemble's step asked for COUNT alone: the same request.
+        grpc.async_stream_infer("cached", [g], outputs=[grpcclient.InferRequestedOutput("COUNT")])
+    finally:
+        grpc.stop_stream()  # waits for the stream's responses
+        grpc.close()
+    ((result, error),) = results
+    assert error is None and result.as_numpy("COUNT").tolist() == first  # a hit
+    final = stats(http, "cached")["inference_stats"]
+    http.close()
+    assert final["cache_hit"]["count"] == after["cache_hit"]["count"] + 1
+
+
+def test_a_response_larger_than_the_cache_is_answered_and_its_insert_logged(repository):
+    # 2 outputs packed as Triton packs them (core cache_entry.cc): the count (4),
+    # then each output's size (8), name, datatype, shape (each with a 4-byte
+    # length), data size (8) and data: COUNT 8+9+9+12+8+8 = 54, Y 8+5+9+12+8+8 =
+    # 50; 108 bytes in all.
+    with serving(repository, args=["--cache-config", "local,size=107"]) as proc:
+        with http_client(proc) as client:
+            assert call(client, httpclient, "cached", [1, 2]) == (1, [2, 4])
+            assert call(client, httpclient, "cached", [1, 2]) == (2, [2, 4])  # not kept
+        output = proc.output()
+    assert "Failed to insert key [" in output
+    assert "Requested byte_size: 108 is greater than total cache size: 107" in output
 
 
 def test_without_a_cache_config_nothing_is_cached(repository):
@@ -182,6 +243,10 @@ def test_cache_config_parsing():
         (["redis,size=1"], "only the 'local' cache"),
         (["local,bytes=1"], "unknown setting 'bytes'"),
         (["local,size=lots"], "size must be a number"),
+        # Triton's words and order (command_line_parser.cc, core server.cc Init).
+        (["local,size=1", "redis,host=h"], "found multiple cache configurations"),
     ):
         with pytest.raises(InvalidArgument, match=message):
             parse_cache_config(bad, None)
+    with pytest.raises(InvalidArgument, match="Incompatible flags --response-cache-byte-size"):
+        parse_cache_config(["local,size=1"], 1)

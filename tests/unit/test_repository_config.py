@@ -870,11 +870,13 @@ INVALID = {
     ),
     "sequence_with_cache": (
         SEQ_BASE + "}\nresponse_cache { enable: true }",
-        "response_cache cannot be enabled for a model with sequence_batching",
+        "Response Cache does not currently support model bad with sequence batching "
+        "scheduler. Please disable the response cache.",
     ),
     "decoupled_with_cache": (
         ONNX_IO + "model_transaction_policy { decoupled: true }\nresponse_cache { enable: true }",
-        "response_cache cannot be enabled for a model with a decoupled model_transaction_policy",
+        "Response Cache does not currently support model bad with 'decoupled' "
+        "transaction policy. Please disable the response cache.",
     ),
     "ensemble_without_scheduling": (
         ONNX_IO.replace("onnxruntime_onnx", "ensemble"),

@@ -316,4 +316,12 @@ class EnsembleBackend(Backend):
             # (qa/L0_decoupled test_response_order, simple_repeat). An ensemble
             # declared decoupled keeps it here.
             context.config.model_transaction_policy.decoupled = True
+            if context.config.response_cache.enable:
+                # Decoupled now, it meets core's check of a decoupled model with
+                # the cache (model_config_utils.cc ValidateModelConfig, DLIS-3916;
+                # qa/L0_response_cache ensemble_cache_composing_decoupled).
+                raise InvalidArgument(
+                    f"Response Cache does not currently support model {context.name} "
+                    "with 'decoupled' transaction policy. Please disable the response cache."
+                )
         return EnsembleModel(plan)

@@ -44,7 +44,20 @@ _TRANSPORT_PARAMETERS = frozenset(
 
 def parse_cache_config(settings: list[str], byte_size: int | None) -> int:
     """The cache size in bytes from ``--cache-config`` settings (``local,size=N``)
-    and ``--response-cache-byte-size``; 0 when no cache is configured."""
+    and ``--response-cache-byte-size``; 0 when no cache is configured.
+
+    Checked in Triton's order: both flags given is an error (server
+    src/command_line_parser.cc), then settings naming more than one cache (core
+    src/server.cc InferenceServer::Init), then each setting."""
+    if byte_size is not None and settings:
+        raise InvalidArgument(
+            "Error: Incompatible flags --response-cache-byte-size and --cache-config "
+            "both provided. Please provide one or the other."
+        )
+    if len({setting.partition(",")[0] for setting in settings}) > 1:
+        raise InvalidArgument(
+            "found multiple cache configurations, but only a single cache is currently supported"
+        )
     size = byte_size or 0
     for setting in settings:
         kind, _, rest = setting.partition(",")
@@ -132,20 +145,26 @@ class ResponseCache:
             dict(entry.parameters),
         )
 
-    def insert(self, key: bytes, response: InferenceResponse) -> None:
+    def insert(self, key: bytes, response: InferenceResponse) -> str | None:
+        """Keep a response; returns why it was not kept (an entry larger than
+        the whole cache, in the local cache's words: local_cache
+        src/local_cache.cc Allocate), or None."""
         if key in self._entries:
             self._entries.move_to_end(key)
-            return
+            return None
         outputs = [Tensor(t.name, t.datatype, _owned(t.data)) for t in response.outputs]
-        nbytes = sum(_nbytes(t.data) for t in outputs) + len(key)
+        nbytes = entry_byte_size(outputs)
         if nbytes > self.capacity:
-            return
+            return (
+                f"Requested byte_size: {nbytes} is greater than total cache size: {self.capacity}"
+            )
         while self.used + nbytes > self.capacity and self._entries:
             _, evicted = self._entries.popitem(last=False)
             self.used -= evicted.nbytes
             self.evictions += 1
         self._entries[key] = _Entry(outputs, dict(response.parameters), nbytes)
         self.used += nbytes
+        return None
 
     @property
     def utilization(self) -> float:
@@ -164,6 +183,22 @@ def _owned(data: np.ndarray) -> np.ndarray:
 
 
 def _nbytes(data: np.ndarray) -> int:
+    """The bytes of a tensor's data as Triton holds it: BYTES elements each with
+    their 4-byte length."""
     if data.dtype == np.object_:
-        return sum(len(x) if isinstance(x, bytes) else 64 for x in data.flat) + 8 * data.size
+        return sum(
+            4 + (len(x) if isinstance(x, bytes) else len(str(x).encode())) for x in data.flat
+        )
     return data.nbytes
+
+
+def entry_byte_size(outputs: list[Tensor]) -> int:
+    """The bytes a response takes in the cache, counted as Triton packs it (core
+    src/cache_entry.cc SerializeResponse / SerializeResponseOutput): the output
+    count, then per output its packed size, name, datatype and shape each with
+    their length, and its data with its byte size."""
+    total = 4
+    for tensor in outputs:
+        total += 8 + 4 + len(tensor.name.encode()) + 4 + len(tensor.datatype.encode())
+        total += 4 + 8 * tensor.data.ndim + 8 + _nbytes(tensor.data)
+    return total

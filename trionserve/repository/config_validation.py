@@ -66,8 +66,10 @@ def validate_model_config(config: ModelConfig) -> None:
     if config.HasField("ensemble_scheduling") or config.platform == ENSEMBLE_PLATFORM:
         _validate_ensemble(config, fail)
     if config.model_transaction_policy.decoupled and config.response_cache.enable:
+        # core src/model_config_utils.cc ValidateModelConfig (DLIS-3916), its words.
         fail(
-            "response_cache cannot be enabled for a model with a decoupled model_transaction_policy"
+            f"Response Cache does not currently support model {config.name} with "
+            "'decoupled' transaction policy. Please disable the response cache."
         )
     for index, control in enumerate(config.model_metrics.metric_control):
         where = f"model_metrics.metric_control {index}"
@@ -285,7 +287,11 @@ def _validate_sequence_batching(config: ModelConfig, fail: _Fail) -> None:
     batching = config.sequence_batching
     Kind = mc.ModelSequenceBatching.Control.Kind
     if config.response_cache.enable:
-        fail("response_cache cannot be enabled for a model with sequence_batching")
+        # core src/model_config_utils.cc ValidateModelConfig (DLIS-4034), its words.
+        fail(
+            f"Response Cache does not currently support model {config.name} with "
+            "sequence batching scheduler. Please disable the response cache."
+        )
 
     tensors: set[str] = set()
     seen_kinds: set[str] = set()
