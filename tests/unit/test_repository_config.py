@@ -1279,6 +1279,38 @@ def test_model_config_to_json_uses_numbers_for_64_bit_fields(tmp_path):
     assert obj["instance_group"][0]["count"] == 1
 
 
+def test_model_config_to_json_prints_fields_in_the_protos_order(tmp_path):
+    # Triton 2.51's GET .../config for a python model with this batching printed
+    # its keys in model_config.proto's order, defaults in place (protobuf's C++
+    # printer); qa/L0_config_json greps a policy's JSON whole.
+    config, _ = load(
+        write_model(tmp_path, "dynamic_priorities", DOC_EXAMPLES["dynamic_priorities"])
+    )
+    obj = model_config_to_json(config)
+    assert list(obj)[:6] == [
+        "name",
+        "platform",
+        "backend",
+        "runtime",
+        "version_policy",
+        "max_batch_size",
+    ]
+    assert list(obj["input"][0])[:4] == ["name", "data_type", "format", "dims"]
+    assert list(obj["instance_group"][0])[:3] == ["name", "kind", "count"]
+    assert list(obj["dynamic_batching"])[:3] == [
+        "preferred_batch_size",
+        "max_queue_delay_microseconds",
+        "preserve_ordering",
+    ]
+    policy = json.dumps(
+        obj["dynamic_batching"]["priority_queue_policy"]["1"], separators=(",", ":")
+    )
+    assert policy == (
+        '{"timeout_action":"REJECT","default_timeout_microseconds":50000,'
+        '"allow_timeout_override":false,"max_queue_size":8}'
+    )
+
+
 def test_model_config_to_json_nested_int64(tmp_path):
     config, _ = load(write_model(tmp_path, "ensemble_model", DOC_EXAMPLES["ensemble_model"]))
     obj = model_config_to_json(config)

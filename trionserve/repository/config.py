@@ -386,6 +386,12 @@ def model_config_to_json(config: ModelConfig) -> dict:
     Field names as in the proto, fields without presence printed with their
     defaults, and 64-bit integers as JSON numbers (proto3 JSON renders them as
     strings; Triton turns them back into numbers). Map keys stay strings.
+
+    Each message's fields come in the proto's order, as protobuf's C++ printer
+    writes them (Triton's ModelConfigToJson, core model_config_utils.cc); Python's
+    puts the fields left at their default after the others, so that a policy
+    with ``timeout_action: REJECT`` printed it last (qa/L0_config_json greps
+    ``{"timeout_action":"REJECT","default_timeout_microseconds":...}``).
     """
     obj = json_format.MessageToDict(
         config,
@@ -397,10 +403,13 @@ def model_config_to_json(config: ModelConfig) -> dict:
 
 
 def _int64_to_numbers(descriptor: Descriptor | UpbDescriptor, obj: dict[str, Any]) -> None:
+    """64-bit integers as numbers, and the fields in the proto's order."""
+    printed = dict(obj)
+    obj.clear()
     for field in descriptor.fields:
-        if field.name not in obj:
+        if field.name not in printed:
             continue
-        value = obj[field.name]
+        obj[field.name] = value = printed[field.name]
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             value_field = field.message_type.fields_by_name["value"]
             for key, item in value.items():
