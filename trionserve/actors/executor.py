@@ -17,6 +17,7 @@ from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
     BackendInstance,
+    DirectAsyncBackendInstance,
     ExecuteResult,
     InlineAsyncBackendInstance,
     InlineBackendInstance,
@@ -122,6 +123,13 @@ class InstanceExecutor:
             if isinstance(instance, InlineAsyncBackendInstance) and instance.inline
             else None
         )
+        # An async instance that the submitting task may run a batch on and
+        # await (a stub process: see _run_direct_awaited).
+        self._direct_async = instance if isinstance(instance, DirectAsyncBackendInstance) else None
+        # Set while a batch runs in a submitting task; this executor's own task
+        # waits for it before it executes a batch of its own.
+        self._direct_running: trio.Event | None = None
+        self._nursery: trio.Nursery | None = None  # an async instance's
         # Set by stop(): no batch handed straight over is taken any more.
         self._stopped = False
         # Set when a job given to the thread finishes: wakes _deliver.
@@ -133,6 +141,7 @@ class InstanceExecutor:
                 # A process-backed instance serves its process in a child task; if
                 # it gives up, its error ends this executor (and the model).
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     await nursery.start(self._async.run)
                     await self._serve_async(task_status)
                     nursery.cancel_scope.cancel()
@@ -323,14 +332,19 @@ class InstanceExecutor:
         # An instance that runs batches on the event loop is offered the
         # requests submitted while it waits here (as _feed offers _run_direct).
         direct = self._inline_async is not None and self._rate_limiter is None
+        awaited = self._direct_async is not None and self._rate_limiter is None
         while True:
             try:
                 if direct:
                     batch = await outlet.receive_direct(self._run_direct_async)
+                elif awaited:
+                    batch = await outlet.receive_direct_async(self._run_direct_awaited)
                 else:
                     batch = await outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 return
+            while self._direct_running is not None:
+                await self._direct_running.wait()  # one batch at a time
             live = self._live(batch)
             if not live:
                 outlet.complete(live, ())
@@ -390,6 +404,62 @@ class InstanceExecutor:
             return True
         self._executed_async(live, results, start)
         return True
+
+    async def _run_direct_awaited(self, batch: list[InferenceRequest]) -> bool:
+        """Run a batch handed over by the scheduler in the submitting task while
+        this executor waits with nothing in flight, awaiting the instance's
+        answer there (python_be.cc: the instance thread waits on its stub
+        itself); False leaves it to the scheduler's queue."""
+        instance = self._direct_async
+        assert instance is not None
+        if self._stopped or self._direct_running is not None or not instance.runs_direct():
+            return False
+        live = self._live(batch)
+        if not live:
+            self._outlet.complete(live, ())
+            return True
+        running = self._direct_running = trio.Event()
+        start = trio.current_time()
+        settling = False
+        try:
+            results = await instance.execute_async(live)
+        except Exception as exc:
+            self._fail(live, exc)
+            return True
+        except BaseException:
+            # The submitting task was cancelled (its client gone, the server
+            # stopping): the batch is its own request, answered CANCELLED; this
+            # executor takes no other batch until the instance is done with
+            # this one (its stub takes one call at a time).
+            for request in live:
+                request.cancelled = True  # told to the model (is_cancelled)
+            self._record_failures(live, FailureReason.CANCELED)
+            cancelled = Cancelled("the request was cancelled while it executed")
+            self._outlet.complete(live, [cancelled] * len(live))
+            if self._nursery is not None:
+                try:
+                    self._nursery.start_soon(self._settle_direct, instance, running)
+                    settling = True
+                except RuntimeError:  # the executor is ending
+                    pass
+            raise
+        finally:
+            if not settling:
+                self._direct_running = None
+                running.set()
+        self._executed_async(live, results, start)
+        return True
+
+    async def _settle_direct(
+        self, instance: DirectAsyncBackendInstance, running: trio.Event
+    ) -> None:
+        """After a batch run in a submitting task that was cancelled: free this
+        executor once the instance has finished that batch."""
+        try:
+            await instance.wait_idle()
+        finally:
+            self._direct_running = None
+            running.set()
 
     # -- shared -------------------------------------------------------------------------
 

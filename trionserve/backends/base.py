@@ -132,6 +132,22 @@ class AsyncBackendInstance(Protocol):
 
 
 @runtime_checkable
+class DirectAsyncBackendInstance(AsyncBackendInstance, Protocol):
+    """An async instance whose ``execute_async`` may be awaited by the task that
+    submitted the request (a Python model's stub): while ``runs_direct()`` says
+    so (the instance is idle and can start a call without waiting for anything
+    but its answer), its executor offers itself to the scheduler, and the
+    submitting task runs the batch and waits for the answer itself; one task
+    step and one hop each way fewer than through the executor's task."""
+
+    def runs_direct(self) -> bool: ...
+
+    async def wait_idle(self) -> None:
+        """Return once no batch is in flight (one whose awaiting task was
+        cancelled has been answered by the process)."""
+
+
+@runtime_checkable
 class InlineAsyncBackendInstance(AsyncBackendInstance, Protocol):
     """An async instance that runs some batches on the event loop without
     awaiting anything (an in-process Python model with ``INPROCESS_EXECUTE_ON``

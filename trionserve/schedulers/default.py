@@ -11,6 +11,7 @@ from trionserve.schedulers.scheduler import (
     QUEUE_CAPACITY,
     BatchOutlet,
     DirectRun,
+    DirectRunAsync,
     deliver_outcomes,
 )
 
@@ -23,12 +24,15 @@ EAGER_BATCHES = 16
 class _ChannelOutlet:
     """An outlet over a clone of the shared batch channel: no ordering to keep."""
 
-    __slots__ = ("_channel", "_eager", "_scheduler", "close", "complete", "receive")
+    __slots__ = ("_channel", "_eager", "_scheduler", "close", "complete", "offered", "receive")
 
     def __init__(self, scheduler: DefaultScheduler, channel: trio.MemoryReceiveChannel) -> None:
         self._scheduler = scheduler
         self._channel = channel
         self._eager = 0  # batches taken in a row without a checkpoint
+        # The run this outlet's executor offers while it waits in
+        # receive_direct_async (None otherwise).
+        self.offered: DirectRunAsync | None = None
         self.receive = channel.receive
         self.close = channel.close
         self.complete = deliver_outcomes
@@ -54,6 +58,22 @@ class _ChannelOutlet:
             if run in direct:
                 direct.remove(run)
 
+    async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]:
+        """``receive``, offering ``run`` meanwhile: while this executor waits here
+        with nothing queued, ``submit`` may run a request with it in the
+        submitting task (see DefaultScheduler.submit)."""
+        if self._channel.statistics().current_buffer_used:
+            return await self.receive()  # queued: taken in order
+        offers = self._scheduler._direct_async
+        self.offered = run
+        offers.append(self)
+        try:
+            return await self.receive()
+        finally:
+            self.offered = None
+            if self in offers:
+                offers.remove(self)
+
 
 class DefaultScheduler:
     """Each request is its own batch, taken by the next idle instance.
@@ -69,6 +89,13 @@ class DefaultScheduler:
     hop and no task switch. As Triton core without dynamic batching hands a
     request straight to the model's instances, not through a batcher thread
     (src/dynamic_batch_scheduler.cc Enqueue, ``!dynamic_batching_enabled_``).
+    An executor whose instance computes in another process offers itself the
+    same way (``receive_direct_async``): the submitting task sends the request
+    to the process and waits for the answer itself, so a call crosses no
+    executor task (two task steps and a channel hop fewer), as Triton's
+    instance thread waits on its stub itself (python_be.cc ProcessRequests).
+    While one runs so, the next request goes through the channel; the executor
+    offers itself again only after that channel was used, once it looked at it.
     """
 
     def __init__(
@@ -80,6 +107,12 @@ class DefaultScheduler:
         # last. Emptied whenever a batch goes through the channel (one of them
         # takes it): each offers itself again when it waits next.
         self._direct: list[DirectRun] = []
+        # Outlets whose executors wait in receive_direct_async, the latest last,
+        # and how many batches went through the channel so far: an outlet whose
+        # run ended offers itself again only if none did meanwhile (its executor
+        # may have been handed one).
+        self._direct_async: list[_ChannelOutlet] = []
+        self._channelled = 0
         self._closed = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -92,6 +125,20 @@ class DefaultScheduler:
         if direct and not self._closed and direct[-1](batch):
             return
         direct.clear()
+        offers = self._direct_async
+        if offers and not self._closed:
+            outlet = offers.pop()
+            run, channelled = outlet.offered, self._channelled
+            assert run is not None  # set while it is offered
+            try:
+                taken = await run(batch)
+            finally:
+                if outlet.offered is run and channelled == self._channelled and not self._closed:
+                    offers.append(outlet)
+            if taken:
+                return
+        offers.clear()
+        self._channelled += 1
         try:
             self._send.send_nowait(batch)
         except trio.WouldBlock:
@@ -109,6 +156,7 @@ class DefaultScheduler:
     def close(self) -> None:
         self._closed = True
         self._direct.clear()
+        self._direct_async.clear()
         self._send.close()
 
     def abort(self, error: TritonError) -> None:

@@ -44,6 +44,7 @@ from trionserve.schedulers.scheduler import (
     QUEUE_CAPACITY,
     BatchOutlet,
     DirectRun,
+    DirectRunAsync,
     Outcome,
     deliver_outcomes,
 )
@@ -175,6 +176,9 @@ class _Outlet:
         return requests
 
     async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
+        return await self.receive()  # the batcher forms every batch
+
+    async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]:
         return await self.receive()  # the batcher forms every batch
 
     def complete(self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None:

@@ -10,7 +10,7 @@ interface; :func:`trionserve.schedulers.factory.create_scheduler` picks one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import trio
@@ -26,6 +26,9 @@ Outcome = InferenceResponse | TritonError
 
 # Runs a batch at once on the event loop, or says no (False) and leaves it alone.
 DirectRun = Callable[[list[InferenceRequest]], bool]
+# Runs a batch in the submitting task, awaiting its end (an instance in a stub
+# process), or says no (False) and leaves it alone.
+DirectRunAsync = Callable[[list[InferenceRequest]], Awaitable[bool]]
 
 
 class BatchOutlet(Protocol):
@@ -36,7 +39,10 @@ class BatchOutlet(Protocol):
     ``receive_direct(run)`` is ``receive`` for an executor that waits with
     nothing in flight and would run a batch inline: a scheduler that can (the
     default one) may meanwhile hand a submitted request straight to ``run``
-    instead of queueing it; the batchers just ``receive``. ``complete`` is called
+    instead of queueing it; the batchers just ``receive``. ``receive_direct_async``
+    is the same for an executor whose instance computes elsewhere (a stub
+    process): the submitting task runs the batch and waits for it itself, as
+    Triton's model instance thread waits on its stub. ``complete`` is called
     exactly once per batch received or run, with one outcome per request
     passed; ``close`` says the executor takes no more batches.
     """
@@ -44,6 +50,8 @@ class BatchOutlet(Protocol):
     async def receive(self) -> list[InferenceRequest]: ...
 
     async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]: ...
+
+    async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]: ...
 
     def complete(
         self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]

@@ -19,7 +19,7 @@ import trio
 from trionserve.core.inference import InferenceRequest, RequestedOutput, Tensor
 
 if TYPE_CHECKING:
-    from trionserve.schedulers.scheduler import DirectRun, Outcome
+    from trionserve.schedulers.scheduler import DirectRun, DirectRunAsync, Outcome
     from trionserve.schedulers.sequence_state import Sequence
 
 
@@ -94,6 +94,9 @@ class Outlet:
         return batch
 
     async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
+        return await self.receive()  # the scheduler forms every batch
+
+    async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]:
         return await self.receive()  # the scheduler forms every batch
 
     def complete(self, requests: Seq[InferenceRequest], outcomes: Seq[Outcome]) -> None:

@@ -10,11 +10,13 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from trionserve.backends.python.messages import bls_request, error_message, response_message
 from trionserve.core.errors import DeadlineExceeded, TritonError, Unavailable, as_triton_error
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 if TYPE_CHECKING:
     from trionserve.backends.base import InferenceService
+    from trionserve.backends.python.process import TrioChannel
 
 # What run_bls hands its reply function: a response, an error, or None for the
 # final flag alone (a decoupled model that ended without a response).
@@ -80,3 +82,58 @@ async def run_bls(
             )
         if not sent_final:
             await answer(error, True)
+
+
+async def serve_stub_bls(
+    inference: InferenceService | None,
+    channel: TrioChannel,
+    message: dict,
+    in_flight: dict[int, InferenceRequest],
+    label: str,
+    gone: tuple[type[BaseException], ...],
+) -> None:
+    """One BLS request of a stub's model: run it, send its responses to the stub.
+
+    The stub's iterator gets every response in order, and the final one
+    always (an empty final response when the called model ended with the flag
+    alone), so a model waiting on the iterator is never left waiting.
+    ``ResponseIterator.cancel()`` cancels the called request as a client
+    would (the request is in ``in_flight`` meanwhile): that model's
+    ``is_cancelled()`` turns true, its responses still arrive, and one not yet
+    executed ends with a CANCELLED error. ``gone``: what sending to a stub that
+    is gone raises.
+    """
+    call = message["call"]
+    endpoint = channel.endpoint
+
+    def build() -> InferenceRequest:
+        request = bls_request(message, endpoint)
+        in_flight[call] = request
+        return request
+
+    async def reply(outcome: Outcome, final: bool) -> None:
+        if outcome is None:
+            encoded = None
+        elif isinstance(outcome, TritonError):
+            encoded = error_message(outcome)
+        else:
+            encoded = response_message(outcome, endpoint)
+        await channel.send(
+            {"op": "bls_response", "call": call, "response": encoded, "final": final}
+        )
+
+    try:
+        await run_bls(
+            inference,
+            build,
+            decoupled=message["decoupled"],
+            timeout_us=message["timeout"],
+            model_name=message["model_name"],
+            label=label,
+            reply=reply,
+            passthrough=gone,
+        )
+    except gone:
+        pass  # the stub is gone
+    finally:
+        in_flight.pop(call, None)

@@ -19,17 +19,14 @@ import structlog
 import trio
 
 from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
-from trionserve.backends.python.bls import Outcome, run_bls
+from trionserve.backends.python.bls import serve_stub_bls
 from trionserve.backends.python.delivery import deliver, deliver_sent
 from trionserve.backends.python.lane import encode
 from trionserve.backends.python.messages import (
     EncodedResponse,
-    bls_request,
-    error_message,
     read_response,
     release_outputs,
     request_message,
-    response_message,
 )
 from trionserve.backends.python.process import StubProcess, TrioChannel, log_stub_line
 from trionserve.backends.python.settings import StubSettings
@@ -138,6 +135,7 @@ class PythonInstance:
         # ``_pump_scope`` is the scope its wait runs in, cancelled to stop it.
         self._pumping = False
         self._pump_scope: trio.CancelScope | None = None
+        self._quiet: trio.Event | None = None  # set when the reading task stops
         # (messages, event): the event is set once the reader has handled that
         # many of the stub's socket messages (see _pump).
         self._handed_wait: tuple[int, trio.Event] | None = None
@@ -147,6 +145,41 @@ class PythonInstance:
         self._budget: ClientBudget | None = None
         self._budget_notices = itertools.count(1)
         self._budget_flipped = False
+
+    def runs_direct(self) -> bool:
+        """Whether a batch would start at once and only wait for its answer (see
+        DirectAsyncBackendInstance): the stub is up and has no call, and the
+        model is not decoupled (its requests' streams count on the scheduler
+        holding a request before its responses come)."""
+        return (
+            self._channel is not None
+            and not self._calls
+            and not self._pumping
+            and not self._decoupled
+        )
+
+    async def wait_idle(self) -> None:
+        """Until no call is in flight: one whose waiter was cancelled has been
+        answered (its reply read from the lane) or failed."""
+        while self._calls:
+            channel = self._channel
+            if channel is None:
+                return  # no stub: run() fails its calls
+            if self._pumping:
+                quiet = self._quiet = trio.Event()
+                await quiet.wait()
+                continue
+            self._pumping = True
+            try:
+                await self._pump(channel, lambda: not self._calls)
+            finally:
+                self._pumping = False
+
+    def _settled(self) -> None:
+        """The task reading the lane stopped: wake wait_idle."""
+        quiet, self._quiet = self._quiet, None
+        if quiet is not None:
+            quiet.set()
 
     @property
     def pid(self) -> int | None:
@@ -160,7 +193,17 @@ class PythonInstance:
         while True:
             stub = self._stub
             assert stub is not None  # given at creation, then started by _restart
-            how = await self._serve(stub)
+            try:
+                how = await self._serve(stub)
+            except BaseException:
+                # Stopped (unload, shutdown): a call awaited in a shielded task
+                # (DirectAsyncBackendInstance) ends now; they stay in _calls, so
+                # ``close`` kills the busy stub instead of finalizing it.
+                stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
+                for call in self._calls.values():
+                    call.results = [stopped] * len(call.requests)
+                    call.done.set()
+                raise
             # Triton's wording (python_be.cc RespondErrorToAllRequests, and
             # stub_launcher.cc), then how the stub ended.
             name = self.spec.name
@@ -238,6 +281,7 @@ class PythonInstance:
 
     def _fail_everything(self, error: TritonError) -> None:
         self._stop_pump()
+        self._settled()
         for call in self._calls.values():
             call.results = None if self._decoupled else [error] * len(call.requests)
             call.done.set()
@@ -339,13 +383,16 @@ class PythonInstance:
         finally:
             if not handed_on:
                 self._pumping = False
-        await call.done.wait()  # set by _fail_everything when the stub went away
+                self._settled()
+        if not call.done.is_set():
+            await call.done.wait()  # set by _fail_everything when the stub went away
 
     async def _pump_rest(self, channel: TrioChannel) -> None:
         try:
             await self._pump(channel, lambda: not self._calls)
         finally:
             self._pumping = False
+            self._settled()
 
     async def _pump(self, channel: TrioChannel, until: Callable[[], bool]) -> None:
         """Handle the stub's replies on the lane until ``until()``, or until the
@@ -356,23 +403,21 @@ class PythonInstance:
         while not until():
             if self._channel is not channel:
                 return
-            scope = self._pump_scope = trio.CancelScope()
-            with scope:
-                sequence = lane.sequence()
-                reply = lane.take(sequence) if sequence in calls else None
-                if reply is None:
-                    await lane.wait()
-                    continue
-                if channel.handed < reply[1]:
-                    event = trio.Event()
-                    self._handed_wait = (reply[1], event)
-                    try:
-                        await event.wait()
-                    finally:
-                        self._handed_wait = None
-            self._pump_scope = None
-            if scope.cancelled_caught or reply is None:
+            sequence = lane.sequence()
+            reply = lane.take(sequence) if sequence in calls else None
+            if reply is None:
+                # Woken by the stub, or by _stop_pump (ringing this side's bell).
+                await lane.wait()
                 continue
+            if channel.handed < reply[1]:
+                event = trio.Event()
+                self._handed_wait = (reply[1], event)
+                scope = self._pump_scope = trio.CancelScope()
+                with scope:
+                    await event.wait()
+                self._handed_wait = self._pump_scope = None
+                if scope.cancelled_caught:
+                    continue
             call_id, _, freed, error, rescheduled, responses = reply
             if freed:
                 channel.endpoint.arena.free(freed)
@@ -384,6 +429,8 @@ class PythonInstance:
         """Wake the task reading the lane: what it waits for came another way."""
         if self._pump_scope is not None:
             self._pump_scope.cancel()
+        if self._pumping and self._stub is not None:
+            self._stub.lane.ring_self()
 
     # -- readiness ------------------------------------------------------------------------
 
@@ -436,6 +483,7 @@ class PythonInstance:
                 self._executed(
                     message["id"], message["error"], message["rescheduled"], message["responses"]
                 )
+                self._stop_pump()  # its waiter looks again
             elif op == "response":
                 self._response(channel, message)
             elif op == "bls":
@@ -526,7 +574,6 @@ class PythonInstance:
         stub = self._stub
         assert stub is not None  # messages come from the stub being served
         self._failures = 0
-        self._stop_pump()  # a reply that came on the socket: its waiter looks again
         call = self._calls.pop(call_id, None)
         if call is None:
             for encoded in responses or ():
@@ -605,49 +652,10 @@ class PythonInstance:
             self._close_open(key)
 
     async def _bls(self, channel: TrioChannel, message: dict) -> None:
-        """One BLS request of the model: run it, send its responses to the stub.
-
-        The stub's iterator gets every response in order, and the final one
-        always (an empty final response when the called model ended with the flag
-        alone), so a model waiting on the iterator is never left waiting.
-        ``ResponseIterator.cancel()`` cancels the called request as a client
-        would: that model's ``is_cancelled()`` turns true, its responses still
-        arrive, and one not yet executed ends with a CANCELLED error.
-        """
-        call = message["call"]
-        endpoint = channel.endpoint
-
-        def build() -> InferenceRequest:
-            request = bls_request(message, endpoint)
-            self._bls_requests[call] = request
-            return request
-
-        async def reply(outcome: Outcome, final: bool) -> None:
-            if outcome is None:
-                encoded = None
-            elif isinstance(outcome, TritonError):
-                encoded = error_message(outcome)
-            else:
-                encoded = response_message(outcome, endpoint)
-            await channel.send(
-                {"op": "bls_response", "call": call, "response": encoded, "final": final}
-            )
-
-        try:
-            await run_bls(
-                self._inference,
-                build,
-                decoupled=message["decoupled"],
-                timeout_us=message["timeout"],
-                model_name=message["model_name"],
-                label=self.label,
-                reply=reply,
-                passthrough=_GONE,
-            )
-        except _GONE:
-            pass  # the stub is gone
-        finally:
-            self._bls_requests.pop(call, None)
+        """One BLS request of the model (:func:`.bls.serve_stub_bls`)."""
+        await serve_stub_bls(
+            self._inference, channel, message, self._bls_requests, self.label, _GONE
+        )
 
     def _bls_cancel(self, call: int) -> None:
         """``ResponseIterator.cancel()``: cancel the called request (pb_bls_cancel)."""

@@ -105,8 +105,10 @@ class Lane:
         os.write(self._bell_out, _RING)
 
     def ring_self(self) -> None:
-        """Ring this side's own doorbell (another thread has queued work)."""
-        os.write(self._bell_in, _RING)
+        """Ring this side's own doorbell (another thread has queued work, or the
+        server's waiter must look again); nothing once closed."""
+        if not self._closed:
+            os.write(self._bell_in, _RING)
 
     # -- reading -----------------------------------------------------------------
 

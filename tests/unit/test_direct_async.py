@@ -1,0 +1,111 @@
+"""An executor of a stub-process instance offers itself to the default scheduler:
+a request that finds it idle runs in the submitting task, awaited there; one
+that comes while it is busy goes through the channel, and the executor is not
+offered again before it looked at the channel."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from trionserve.core.inference import InferenceRequest
+from trionserve.schedulers.default import DefaultScheduler
+
+
+def _request(name: str) -> InferenceRequest:
+    return InferenceRequest("m", id=name)
+
+
+class _Executor:
+    """Waits in receive_direct_async like InstanceExecutor._serve_async."""
+
+    def __init__(self, scheduler: DefaultScheduler) -> None:
+        self.outlet = scheduler.outlet()
+        self.direct: list[tuple[str, object]] = []  # (request id, task that ran it)
+        self.channel: list[str] = []  # request ids taken from the channel
+        self.refuse = False
+        self.gate: trio.Event | None = None
+
+    async def run_direct(self, batch: list[InferenceRequest]) -> bool:
+        if self.refuse:
+            return False
+        self.direct.append((batch[0].id, trio.lowlevel.current_task()))
+        if self.gate is not None:
+            await self.gate.wait()
+        return True
+
+    async def serve(self) -> None:
+        while True:
+            try:
+                batch = await self.outlet.receive_direct_async(self.run_direct)
+            except trio.EndOfChannel:
+                return
+            self.channel.append(batch[0].id)
+
+
+async def test_an_idle_executor_runs_the_request_in_the_submitting_task():
+    scheduler = DefaultScheduler()
+    executor = _Executor(scheduler)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.serve)
+        await trio.testing.wait_all_tasks_blocked()
+        await scheduler.submit(_request("a"))
+        await scheduler.submit(_request("b"))  # offered again after its run
+        me = trio.lowlevel.current_task()
+        assert executor.direct == [("a", me), ("b", me)]
+        assert executor.channel == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_request_goes_through_the_channel():
+    scheduler = DefaultScheduler()
+    executor = _Executor(scheduler)
+    executor.refuse = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.serve)
+        await trio.testing.wait_all_tasks_blocked()
+        await scheduler.submit(_request("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert executor.direct == []
+        assert executor.channel == ["a"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_request_while_it_runs_one_goes_through_the_channel():
+    scheduler = DefaultScheduler()
+    executor = _Executor(scheduler)
+    executor.gate = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.serve)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(scheduler.submit, _request("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert [name for name, _ in executor.direct] == ["a"]
+        # Busy: the next one is queued (its executor's task has it) ...
+        await scheduler.submit(_request("b"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert executor.channel == ["b"]
+        executor.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        # ... and the run that ended does not offer the executor again: it
+        # offers itself when it waits next (here at once: it took "b").
+        executor.gate = None
+        await scheduler.submit(_request("c"))
+        assert [name for name, _ in executor.direct] == ["a", "c"]
+        assert executor.channel == ["b"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_closed_scheduler_offers_nothing():
+    scheduler = DefaultScheduler()
+    executor = _Executor(scheduler)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.serve)
+        await trio.testing.wait_all_tasks_blocked()
+        scheduler.close()
+        try:
+            await scheduler.submit(_request("a"))
+        except trio.ClosedResourceError:
+            pass
+        assert executor.direct == []
+        nursery.cancel_scope.cancel()
