@@ -34,7 +34,7 @@ from trionserve.core.inference import (
     InferenceResponse,
 )
 from trionserve.core.response_cache import ResponseCache
-from trionserve.core.shared_memory import SystemSharedMemory
+from trionserve.core.shared_memory import RequestRegions, SystemSharedMemory
 from trionserve.core.validation import validate_request
 from trionserve.drain import Drain
 from trionserve.observability.metrics import observe_first_response
@@ -193,11 +193,16 @@ class DataPlane:
             )
         return self.shared_memory
 
+    def request_regions(self) -> RequestRegions | None:
+        """One request's shared memory (None when client shared memory is off): the
+        regions it names stay registered until it is answered and ``release``d."""
+        return None if self.shm_resolver is None else RequestRegions(self.shm_resolver)
+
     def client_system_shared_memory(self, name: str) -> SystemSharedMemory:
         """The system registry, refusing a ``name`` already used by a CUDA region."""
         shared_memory = self.client_shared_memory()
         if self.cuda_shared_memory is not None and name in self.cuda_shared_memory:
-            raise AlreadyExists(f"shared memory region '{name}' is already registered")
+            raise AlreadyExists(f"shared memory region '{name}' already in manager")
         return shared_memory
 
     def client_cuda_shared_memory(self) -> CudaSharedMemory:

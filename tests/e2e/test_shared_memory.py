@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
@@ -88,6 +89,61 @@ def test_infer_with_inputs_and_outputs_in_shared_memory(shm_server, regions):
     client.unregister_system_shared_memory()
     assert client.get_system_shared_memory_status() == []
     client.close()
+
+
+def test_unregistering_a_region_never_registered_succeeds(shm_server, regions):
+    """Triton's SharedMemoryManager::UnregisterHelper (server
+    src/shared_memory_manager.cc) succeeds for a name it does not hold
+    (qa/L0_shared_memory test_unregister_before_register), over HTTP and gRPC."""
+    _, key = regions("trionserve_never", 8)
+    client = httpclient.InferenceServerClient(shm_server.http_url)
+    client.unregister_system_shared_memory()
+    client.register_system_shared_memory("kept", key, 8)
+    client.unregister_system_shared_memory("never_registered")
+    assert [r["name"] for r in client.get_system_shared_memory_status()] == ["kept"]
+    # A second registration of a name: Triton's words (shared_memory_manager.cc
+    # RegisterSystemSharedMemory, qa/L0_shared_memory test_reregister_after_register).
+    with pytest.raises(InferenceServerException, match="region 'kept' already in manager"):
+        client.register_system_shared_memory("kept", key, 8)
+    client.close()
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{shm_server.grpc_port}") as grpc_client:
+        grpc_client.unregister_system_shared_memory("never_registered")
+        grpc_client.unregister_cuda_shared_memory("never_registered")
+        assert set(grpc_client.get_system_shared_memory_status().regions) == {"kept"}
+        grpc_client.unregister_system_shared_memory()
+        assert not grpc_client.get_system_shared_memory_status().regions
+
+
+def test_a_region_larger_than_its_input_is_a_byte_size_mismatch(shm_server, regions):
+    """A region of 128 bytes given for a [1,16] INT32 input: core's words (core
+    src/infer_request.cc ValidateRequestInputs; qa/L0_shared_memory test_too_big_shm)."""
+    in_handle, in_key = regions("trionserve_big", 128)
+    shm.set_shared_memory_region(in_handle, [np.zeros((1, 32), dtype=np.int32)])
+    client = httpclient.InferenceServerClient(shm_server.http_url)
+    client.unregister_system_shared_memory()
+    client.register_system_shared_memory("big", in_key, 128)
+    expected = (
+        "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 64, got 128"
+    )
+    http_inputs = [
+        httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+        httpclient.InferInput("INPUT1", [1, 16], "INT32"),
+    ]
+    http_inputs[0].set_data_from_numpy(np.zeros((1, 16), dtype=np.int32))
+    http_inputs[1].set_shared_memory("big", 128)
+    with pytest.raises(InferenceServerException, match=expected):
+        client.infer("simple", http_inputs)
+    client.close()
+    with grpcclient.InferenceServerClient(f"127.0.0.1:{shm_server.grpc_port}") as grpc_client:
+        grpc_inputs = [
+            grpcclient.InferInput("INPUT0", [1, 16], "INT32"),
+            grpcclient.InferInput("INPUT1", [1, 16], "INT32"),
+        ]
+        grpc_inputs[0].set_data_from_numpy(np.zeros((1, 16), dtype=np.int32))
+        grpc_inputs[1].set_shared_memory("big", 128)
+        with pytest.raises(InferenceServerException, match=expected):
+            grpc_client.infer("simple", grpc_inputs)
+        grpc_client.unregister_system_shared_memory()
 
 
 def test_client_shared_memory_is_off_by_default(http_client, regions):
@@ -216,7 +272,7 @@ def test_key_that_is_a_symbolic_link_is_refused(shm_server, tmp_path):
     assert target.read_bytes() == b"\0" * 128
 
 
-@pytest.mark.parametrize("key", ["../etc/passwd", "/a/b", "//x", "/.."])
+@pytest.mark.parametrize("key", ["../etc/passwd", "/a/b", "//x/", "/.."])
 def test_key_outside_dev_shm_is_refused(shm_server, key):
     client = httpclient.InferenceServerClient(shm_server.http_url)
     try:

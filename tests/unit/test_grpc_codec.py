@@ -372,8 +372,9 @@ def test_raw_byte_size_error_is_the_same_as_over_http():
     )
     assert grpc_error.message == http_error.message
     assert grpc_error.message == (
-        "unexpected byte size for input 'INPUT0': expected 64 bytes for shape [1,16] of "
-        "INT32, got 60"
+        # core src/infer_request.cc ValidateRequestInputs' words (qa/L0_shared_memory)
+        "input byte size mismatch for input 'INPUT0' for model 'simple'. Expected 64, "
+        "got 60 (shape [1,16] of INT32)"
     )
 
 

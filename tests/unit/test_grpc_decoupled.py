@@ -29,6 +29,9 @@ class DecoupledDataPlane:
     shm_resolver = None
     budget = None
 
+    def request_regions(self):
+        return None
+
     def __init__(self) -> None:
         self.first_sent: dict[str, trio.Event] = {}
 

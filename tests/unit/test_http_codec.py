@@ -424,8 +424,8 @@ def test_binary_byte_size_mismatch():
     body = header + bytes(32)
     with expect_error(
         INVALID,
-        "unexpected byte size for input 'INPUT0': expected 64 bytes for shape [1,16] "
-        "of INT32, got 32",
+        "input byte size mismatch for input 'INPUT0' for model 'm'. Expected 64, "
+        "got 32 (shape [1,16] of INT32)",
     ):
         decode(body, len(header))
 

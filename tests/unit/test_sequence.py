@@ -826,6 +826,9 @@ class QueueingDataPlane:
     shm_resolver = None
     budget = None
 
+    def request_regions(self):
+        return None
+
     def __init__(self) -> None:
         self.order: list[str] = []
 

@@ -151,7 +151,7 @@ class CudaSharedMemory(RegionTable[CudaRegion]):
         if name in self._regions or (
             self._system is not None and name in {r["name"] for r in self._system.status()}
         ):
-            raise AlreadyExists(f"shared memory region '{name}' is already registered")
+            raise AlreadyExists(f"shared memory region '{name}' already in manager")
         handle = check_raw_handle(raw_handle, name)
         if device_id < 0 or byte_size < 0:
             raise InvalidArgument(
@@ -216,6 +216,9 @@ class SharedMemoryResolver:
 
     def _of(self, name: str) -> SystemSharedMemory | CudaSharedMemory:
         return self.cuda if name in self.cuda else self.system
+
+    def table_of(self, name: str) -> SystemSharedMemory | CudaSharedMemory:
+        return self._of(name)
 
     def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
         self._of(name).check(name, offset, byte_size, what)

@@ -66,8 +66,33 @@ class Region:
         }
 
 
+#: Keys Triton keeps for the Python backend's own regions (server src/common.h
+#: kTritonSharedMemoryRegionPrefix).
+RESERVED_KEY_PREFIX = "triton_python_backend_shm_region_"
+
+#: SIZE_MAX of a 64-bit server: offsets and byte sizes are size_t in Triton.
+SIZE_MAX = 2**64 - 1
+
+
+def check_key(name: str, key: str) -> None:
+    """Triton's ValidateSharedMemoryKey (server src/common.cc 166-199), its words:
+    a key of slashes only, or one whose name (past its leading slashes) starts with
+    the reserved prefix, is refused before anything else is looked at."""
+    stripped = key.lstrip("/")
+    if not stripped:
+        raise InvalidArgument(
+            f"cannot register shared memory region '{name}' - invalid shm key '{key}'"
+        )
+    if stripped.startswith(RESERVED_KEY_PREFIX):
+        raise InvalidArgument(
+            f"cannot register shared memory region '{name}' with key '{key}' as the key "
+            f"contains the reserved prefix '{RESERVED_KEY_PREFIX}'"
+        )
+
+
 def _shm_path(key: str) -> str:
-    name = key.removeprefix("/")
+    # glibc's shm_open skips every leading slash of a name.
+    name = key.lstrip("/")
     if "\0" in name:
         raise InvalidArgument(f"invalid shared memory key {key!r}: it contains a NUL byte")
     if not name or "/" in name or name in (".", ".."):
@@ -85,6 +110,10 @@ class SharedMemory(Protocol):
     def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview: ...
 
     def write(self, name: str, offset: int, byte_size: int, data: Buffer, what: str) -> int: ...
+
+    def table_of(self, name: str) -> RegionTable:
+        """The table that holds (or would hold) region ``name``."""
+        ...
 
 
 class _Region(Protocol):
@@ -107,21 +136,52 @@ class RegionTable(Generic[R]):
 
     def __init__(self) -> None:
         self._regions: dict[str, R] = {}
+        # Requests in flight that named each region (RequestRegions), and the
+        # regions unregistered while held: they go when their last request ends.
+        self._holds: dict[str, int] = {}
+        self._awaiting: set[str] = set()
 
     def __contains__(self, name: str) -> bool:
         return name in self._regions
 
+    def table_of(self, name: str) -> RegionTable:
+        return self
+
     def unregister(self, name: str | None = None) -> None:
-        """Unregister one region, or every region when ``name`` is None or empty."""
-        if not name:
-            regions, self._regions = self._regions, {}
-            for each in regions.values():
-                each.close()
+        """Unregister one region, or every region when ``name`` is None or empty.
+
+        As Triton's ``SharedMemoryManager::UnregisterHelper`` (server
+        src/shared_memory_manager.cc 676-718): a name that is not registered is no
+        error (qa/L0_shared_memory ``test_unregister_before_register``), and a region
+        that requests in flight named stays registered, and listed, until the last of
+        them ends, then goes without another call (its ``awaiting_unregister_``, the
+        frontends' request destructors, http_server.h ~InferRequestClass;
+        ``TestSharedMemoryUnregister``)."""
+        for each in list(self._regions) if not name else [name]:
+            if each not in self._regions:
+                continue
+            if self._holds.get(each):
+                self._awaiting.add(each)
+            else:
+                self._regions.pop(each).close()
+
+    def hold(self, name: str) -> bool:
+        """Count a request in flight that names region ``name``; False if none is registered."""
+        if name not in self._regions:
+            return False
+        self._holds[name] = self._holds.get(name, 0) + 1
+        return True
+
+    def release(self, name: str) -> None:
+        """The end of a hold; a region unregistered meanwhile goes with its last one."""
+        left = self._holds[name] - 1
+        if left:
+            self._holds[name] = left
             return
-        region = self._regions.pop(name, None)
-        if region is None:
-            raise NotFound(f"{self.kind} region '{name}' is not registered")
-        region.close()
+        del self._holds[name]
+        if name in self._awaiting:
+            self._awaiting.discard(name)
+            self._regions.pop(name).close()
 
     def status(self, name: str | None = None) -> list[dict]:
         if not name:
@@ -136,10 +196,24 @@ class RegionTable(Generic[R]):
         region = self._regions.get(name)
         if region is None:
             raise InvalidArgument(f"{what}: shared memory region '{name}' is not registered")
-        if offset < 0 or byte_size < 0 or offset + byte_size > region.byte_size:
+        # Triton's SharedMemoryManager::GetMemoryInfo, its order and words (server
+        # src/shared_memory_manager.cc 446-498; qa/L0_shared_memory
+        # test_infer_offset_out_of_bound, _byte_size_out_of_bound, _integer_overflow).
+        if offset < 0 or offset >= region.byte_size:
             raise InvalidArgument(
-                f"{what}: offset {offset} + byte size {byte_size} is out of bounds of "
-                f"{self.kind} region '{name}' ({region.byte_size} bytes)"
+                f"Invalid offset for shared memory region: '{name}' ({what}: offset "
+                f"{offset}, {self.kind} region of {region.byte_size} bytes)"
+            )
+        if byte_size < 0 or byte_size > SIZE_MAX - offset:
+            raise InvalidArgument(
+                f"Integer overflow detected: byte_size ({byte_size}) + offset ({offset}) "
+                f"exceeds maximum value ({SIZE_MAX}) for region '{name}' ({what})"
+            )
+        if offset + byte_size > region.byte_size:
+            raise InvalidArgument(
+                f"Invalid offset + byte size for shared memory region: '{name}' ({what}: "
+                f"offset {offset} + byte size {byte_size} is out of bounds of the "
+                f"{region.byte_size} bytes of {self.kind} region '{name}')"
             )
         return region
 
@@ -159,10 +233,16 @@ class SystemSharedMemory(RegionTable[Region]):
     """The registered regions, by name. Used on the Trio thread only."""
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        """Checked in Triton's order (server src/shared_memory_manager.cc
+        RegisterSystemSharedMemory 351-400): the key (check_key), a name already
+        registered ("already in manager"), the key's object, then the window against
+        the object's size ("failed to register shared memory region ...: invalid
+        args", CheckSharedMemoryRegionSize)."""
         if not name:
             raise InvalidArgument("a shared memory region needs a name")
+        check_key(name, key)
         if name in self._regions:
-            raise AlreadyExists(f"shared memory region '{name}' is already registered")
+            raise AlreadyExists(f"shared memory region '{name}' already in manager")
         if offset < 0 or byte_size < 0:
             raise InvalidArgument(
                 f"shared memory region '{name}': offset and byte_size must be >= 0, "
@@ -191,13 +271,14 @@ class SystemSharedMemory(RegionTable[Region]):
                     f"unable to open shared memory key '{key}' for region '{name}': "
                     "not a shared memory object"
                 )
-            if not info.st_size:
-                raise InvalidArgument(f"shared memory key '{key}' is empty")
             if offset + byte_size > info.st_size:
                 raise InvalidArgument(
-                    f"shared memory region '{name}': offset {offset} + byte_size "
-                    f"{byte_size} exceeds the {info.st_size} bytes of key '{key}'"
+                    f"failed to register shared memory region '{name}': invalid args "
+                    f"(offset {offset} + byte_size {byte_size} exceeds the {info.st_size} "
+                    f"bytes of key '{key}')"
                 )
+            if not info.st_size:
+                raise InvalidArgument(f"shared memory key '{key}' is empty")
         except BaseException:
             os.close(fd)
             raise
@@ -237,6 +318,44 @@ class SystemSharedMemory(RegionTable[Region]):
         while done < payload.nbytes:
             done += os.pwrite(region.fd, payload[done:], start + done)
         return payload.nbytes
+
+
+class RequestRegions:
+    """One request's shared memory: what the codecs read inputs from and write
+    outputs to, holding each region the request names (``RegionTable.hold``) from
+    the first time it is named until ``release``, called once the request is
+    answered, as Triton's frontends keep a request's ``SharedMemoryInfo`` until it
+    ends (server src/http_server.cc AddShmRegionInfo, src/grpc/infer_handler.h)."""
+
+    def __init__(self, shared_memory: SharedMemory) -> None:
+        self._shared_memory = shared_memory
+        self._held: dict[str, RegionTable] = {}
+
+    def _hold(self, name: str) -> None:
+        if name not in self._held:
+            table = self._shared_memory.table_of(name)
+            if table.hold(name):
+                self._held[name] = table
+
+    def table_of(self, name: str) -> RegionTable:
+        return self._shared_memory.table_of(name)
+
+    def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
+        self._hold(name)
+        self._shared_memory.check(name, offset, byte_size, what)
+
+    def view(self, name: str, offset: int, byte_size: int, what: str) -> memoryview:
+        self._hold(name)
+        return self._shared_memory.view(name, offset, byte_size, what)
+
+    def write(self, name: str, offset: int, byte_size: int, data: Buffer, what: str) -> int:
+        self._hold(name)
+        return self._shared_memory.write(name, offset, byte_size, data, what)
+
+    def release(self) -> None:
+        held, self._held = self._held, {}
+        for name, table in held.items():
+            table.release(name)
 
 
 def shared_memory_window(params: dict, what: str) -> tuple[str, int, int]:

@@ -204,6 +204,19 @@ def check_shape_size(name: str, shape: list[int], itemsize: int = 0) -> None:
         raise InvalidArgument(f"invalid shape for input '{name}': {shown} is too large")
 
 
+def byte_size_mismatch(
+    name: str, model: str, expected: int, got: int, shape: Iterable[int], wire: str
+) -> str:
+    """Core's words for an input whose bytes do not match its shape (core
+    src/infer_request.cc ValidateRequestInputs 1241-1248: "input byte size mismatch
+    for input 'X' for model 'M'. Expected E, got G"; qa/L0_shared_memory
+    test_too_big_shm), and the shape and datatype that gave E."""
+    return (
+        f"input byte size mismatch for input '{name}' for model '{model}'. "
+        f"Expected {expected}, got {got} (shape {_fmt(shape)} of {wire})"
+    )
+
+
 def parse_model_version(text: str) -> int | None:
     """The model version of a URL path segment or a request field: "" -> None (the
     model's policy decides), a positive integer -> int. Errors in Triton's words

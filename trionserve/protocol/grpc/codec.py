@@ -43,7 +43,11 @@ from trionserve.core.parameters import (
     check_reserved_key,
 )
 from trionserve.core.shared_memory import SharedMemory, shared_memory_window
-from trionserve.core.validation import check_shape_size, parse_model_version
+from trionserve.core.validation import (
+    byte_size_mismatch,
+    check_shape_size,
+    parse_model_version,
+)
 
 __all__ = [
     "parse_message",
@@ -338,7 +342,7 @@ def _decode_inputs(
         if window is not None:
             regions, region, offset, byte_size = window
             view = regions.view(region, offset, byte_size, what)
-            data = _raw_to_array(name, dt, shape, view)
+            data = _raw_to_array(name, model, dt, shape, view)
         elif raws:
             if has_contents:
                 raise InvalidArgument(
@@ -350,7 +354,7 @@ def _decode_inputs(
                     f"missing data for input '{name}' for model '{model}': expected "
                     f"one raw_input_contents entry per input, got {len(raws)}"
                 )
-            data = _raw_to_array(name, dt, shape, raws[used])
+            data = _raw_to_array(name, model, dt, shape, raws[used])
             used += 1
         elif has_contents:
             data = _contents_to_array(name, model, dt, shape, spec.contents)
@@ -368,17 +372,14 @@ def _decode_inputs(
     return tensors
 
 
-def _raw_to_array(name: str, dt: DataType, shape: list[int], raw: Wire) -> np.ndarray:
+def _raw_to_array(name: str, model: str, dt: DataType, shape: list[int], raw: Wire) -> np.ndarray:
     count = math.prod(shape)
     if dt.itemsize == 0:  # BYTES
         what = f"input '{name}' with shape {_fmt_shape(shape)}"
         return deserialize_bytes_tensor(raw, count, what).reshape(shape)
     expected = count * dt.itemsize
     if len(raw) != expected:
-        raise InvalidArgument(
-            f"unexpected byte size for input '{name}': expected {expected} bytes for "
-            f"shape {_fmt_shape(shape)} of {dt.wire}, got {len(raw)}"
-        )
+        raise InvalidArgument(byte_size_mismatch(name, model, expected, len(raw), shape, dt.wire))
     if count == 0:
         return np.empty(shape, dtype=dt.numpy)
     return np.frombuffer(raw, dtype=WIRE_DTYPE[dt.wire], count=count).reshape(shape)

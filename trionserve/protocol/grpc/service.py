@@ -3,8 +3,7 @@
 Each method decodes its request message, calls the DataPlane and encodes the
 answer; TritonErrors become gRPC statuses with the same message text as over HTTP.
 HTTP/2 (and TLS) is the transport's business: h2 on Trio sockets
-(:mod:`trionserve.protocol.grpc.transport`), behind a Method table and a call
-interface.
+(:mod:`trionserve.protocol.grpc.transport`), behind a Method table and a call interface.
 """
 
 from __future__ import annotations
@@ -21,14 +20,10 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from trionserve._generated import grpc_service_pb2 as pb
-from trionserve.core.errors import (
-    InvalidArgument,
-    TritonError,
-    Unimplemented,
-    as_triton_error,
-)
+from trionserve.core.errors import InvalidArgument, TritonError, Unimplemented, as_triton_error
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.core.parameters import check_forwarded_header
+from trionserve.core.shared_memory import RequestRegions
 from trionserve.core.validation import parse_model_version
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
@@ -426,21 +421,28 @@ class GrpcService:
     # -- inference -------------------------------------------------------------------
 
     async def model_infer(self, data: grpc_framing.Message, call: GrpcCall) -> list:
-        shared_memory = self.dataplane.shm_resolver
+        shared_memory = self.dataplane.request_regions()
+        try:
+            return await self._model_infer(data, call, shared_memory)
+        finally:
+            if shared_memory is not None:
+                shared_memory.release()
+
+    async def _model_infer(
+        self, data: grpc_framing.Message, call: GrpcCall, shared_memory: RequestRegions | None
+    ) -> list:
         request = grpc_codec.decode_infer_request(data, shared_memory)
         self._forward_headers(call, request)
         if not (self.verbose or verbose_logging()):
             response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
-            return grpc_codec.encode_infer_response(response, request, shared_memory=shared_memory)
+            return grpc_codec.encode_infer_response(response, request, None, shared_memory)
         log.debug("infer request", protocol="GRPC", model=request.model_name, id=request.id)
         # Verbose: an access-log line once answered (protocol, model, status, latency).
         started = time.perf_counter()
         status = "CANCELLED"  # unless it ends otherwise
         try:
             response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
-            encoded = grpc_codec.encode_infer_response(
-                response, request, shared_memory=shared_memory
-            )
+            encoded = grpc_codec.encode_infer_response(response, request, None, shared_memory)
             status = "OK"
             return encoded
         except TritonError as error:
@@ -525,7 +527,7 @@ class GrpcService:
         come."""
         turn = turn or Turn(None)
         message = request = None
-        shared_memory = self.dataplane.shm_resolver
+        shared_memory = self.dataplane.request_regions()
         started = time.perf_counter()
         status = "CANCELLED"  # unless it ends otherwise
         try:
@@ -575,6 +577,8 @@ class GrpcService:
             await turn.wait()
             await self._send_stream_error(call, text, request or message)
         finally:
+            if shared_memory is not None:
+                shared_memory.release()
             queued.set()
             budget.release()
             call.answered()  # its bytes leave the connection's buffer

@@ -144,7 +144,13 @@ def decode_infer_request(
         binary_output = _apply_request_parameters(request, params)
 
     request.inputs = _decode_inputs(
-        doc.get("inputs"), body, header_end, size, header_length is not None, shared_memory
+        model_name,
+        doc.get("inputs"),
+        body,
+        header_end,
+        size,
+        header_length is not None,
+        shared_memory,
     )
 
     outputs = doc.get("outputs")
@@ -200,7 +206,7 @@ def decode_raw_request(
         if dynamic_axis is not None:
             shape[dynamic_axis] = size // dt.itemsize // count if count else 0
         total = math.prod(shape)
-        array = binary_to_array(spec.name, dt, shape, total, body, 0, size)
+        array = binary_to_array(spec.name, model_name, dt, shape, total, body, 0, size)
     request = InferenceRequest(model_name, model_version)
     request.inputs = {spec.name: Tensor(spec.name, dt.wire, array)}
     return request
@@ -264,6 +270,7 @@ def _unsigned_parameter(key: str, value: Any) -> int:
 
 
 def _decode_inputs(
+    model: str,
     inputs: Any,
     body: bytes | bytearray | memoryview,
     offset: int,
@@ -326,7 +333,7 @@ def _decode_inputs(
                 what = f"input '{name}'"
                 region, at, nbytes = shared_memory_window(params, what)
                 view = shared_memory.view(region, at, nbytes, what)
-                data = binary_to_array(name, dt, shape, count, view, 0, nbytes)
+                data = binary_to_array(name, model, dt, shape, count, view, 0, nbytes)
                 tensors[name] = Tensor(name, dt.wire, data)
                 continue
             binary_size = params.get("binary_data_size")
@@ -348,7 +355,7 @@ def _decode_inputs(
                     f"missing binary data for input '{name}': expected "
                     f"{binary_size} bytes, got {size - offset}{hint}"
                 )
-            data = binary_to_array(name, dt, shape, count, body, offset, binary_size)
+            data = binary_to_array(name, model, dt, shape, count, body, offset, binary_size)
             offset = end
         else:
             data = json_to_array(name, dt, shape, count, spec.get("data"))

@@ -16,6 +16,7 @@ import trio
 from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
 from trionserve.core.inference import InferenceRequest
 from trionserve.core.parameters import check_forwarded_header
+from trionserve.core.shared_memory import RequestRegions
 from trionserve.dataplane import DataPlane
 from trionserve.drain import ShuttingDown
 from trionserve.observability.logging import verbose
@@ -204,6 +205,7 @@ class InferHandler:
                 content_encoding = value.decode("latin-1").strip().lower()
             elif key == b"accept-encoding":
                 accept_encoding = value.decode("latin-1")
+        shared_memory: RequestRegions | None = None
         try:
             if content_encoding and content_encoding != "identity":
                 limit = self.max_input_size
@@ -220,7 +222,7 @@ class InferHandler:
                         f"{header_field.decode('latin-1')!r}"
                     ) from None
             version = http_codec.parse_model_version(match.group(2) or "")
-            shared_memory = self.dataplane.shm_resolver
+            shared_memory = self.dataplane.request_regions()
             name = match.group(1)
             if header_length == 0:  # a raw binary request: the body is the one input
                 signature = self.dataplane.model(name, version).signature
@@ -243,6 +245,9 @@ class InferHandler:
         except Exception as exc:  # a bug must not take the connection task down
             log.exception("infer handler failed")
             return error_response(as_triton_error(exc, "internal error"))
+        finally:
+            if shared_memory is not None:
+                shared_memory.release()
 
         if json_length is None:
             headers = [JSON]

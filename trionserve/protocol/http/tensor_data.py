@@ -17,6 +17,7 @@ import numpy as np
 from trionserve.core.bytes_tensor import read_bytes_elements as _read_bytes_elements
 from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
 from trionserve.core.errors import InvalidArgument
+from trionserve.core.validation import byte_size_mismatch
 
 __all__ = [
     "MAX_JSON_DATA_DEPTH",
@@ -61,6 +62,7 @@ def json_kind(value: Any) -> str:
 
 def binary_to_array(
     name: str,
+    model: str,
     dt: DataType,
     shape: list[int],
     count: int,
@@ -73,10 +75,7 @@ def binary_to_array(
         return _read_bytes_elements(body, offset, offset + nbytes, count, what).reshape(shape)
     expected = count * dt.itemsize
     if nbytes != expected:
-        raise InvalidArgument(
-            f"unexpected byte size for input '{name}': expected {expected} bytes for "
-            f"shape {fmt_shape(shape)} of {dt.wire}, got {nbytes}"
-        )
+        raise InvalidArgument(byte_size_mismatch(name, model, expected, nbytes, shape, dt.wire))
     if count == 0:
         return np.empty(shape, dtype=dt.numpy)
     return np.frombuffer(body, dtype=WIRE_DTYPE[dt.wire], count=count, offset=offset).reshape(shape)
