@@ -133,8 +133,8 @@ REFUSED = [
     ("--http-restricted-api=model-reposit:k1=v1", "unknown restricted api 'model-reposit'"),
     ("--grpc-restricted-protocol=health:k1", "--grpc-restricted-protocol option format"),
     ("--grpc-infer-thread-count=1", "in the range 2 to 128"),
-    ("--backend-config=,shm-default-byte-size=1", "no backend specified"),
-    ("--backend-config=python,shm-default-byte-size", "--backend-config format"),
+    ("--backend-config=,shm-default-byte-size=1", "No backend specified"),
+    ("--backend-config=python,shm-default-byte-size", "--backend-config option format is"),
     ("--model-config-name=", "configuration name"),
     ("--grpc-use-ssl=true", "requires --grpc-server-cert"),
 ]

@@ -149,3 +149,54 @@ def test_a_bad_python_setting_is_refused_naming_the_flag():
     with pytest.raises(InvalidArgument, match="--backend-config=python,stub-max-restarts"):
         BackendManager({"python": {"stub-max-restarts": "-1"}})
     assert BackendManager().settings_for("python") == {}
+
+
+def _batching_onnx() -> bytes:
+    """An ONNX identity whose tensors all have a variable leading dimension."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["IN"], ["OUT"])],
+        "identity",
+        [helper.make_tensor_value_info("IN", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, ["batch", 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    ("given", "max_batch_size", "dynamic"),
+    [
+        ([], 4, True),  # Triton's default, and a dynamic batcher for it
+        (["default-max-batch-size=6"], 6, True),
+        (["default-max-batch-size=7", "onnxruntime,default-max-batch-size=1"], 1, False),
+        (["onnxruntime,default-max-batch-size=0"], 0, False),
+    ],
+)
+def test_default_max_batch_size_is_what_onnx_auto_complete_gives(
+    tmp_path, given, max_batch_size, dynamic
+):
+    # qa/L0_backend_config: onnxruntime.cc AutoCompleteMaxBatch takes the
+    # backend config's default-max-batch-size (global, overridden by the
+    # backend's own: core backend_model.cc ResolveBackendConfigs) and turns on
+    # the dynamic batcher above 1.
+    from tests.repository import write_model
+    from trionserve.actors.registry_entries import prepare_model
+    from trionserve.backends.backend_config import parse_backend_config
+
+    model_dir = write_model(tmp_path, "no_config", None, {"1/model.onnx": _batching_onnx()})
+    manager = BackendManager(parse_backend_config(given))
+    config = prepare_model(model_dir, True, None, backends=manager).config
+    assert config.max_batch_size == max_batch_size
+    assert config.HasField("dynamic_batching") is dynamic
+    declared = 'max_batch_size: 8\nsequence_batching { }\ninput [ { name: "IN" } ]'
+    model_dir = write_model(tmp_path, "sequenced", declared, {"1/model.onnx": _batching_onnx()})
+    config = prepare_model(model_dir, True, None, backends=manager).config
+    assert not config.HasField("dynamic_batching")  # a scheduler named stays alone
+
+
+def test_a_default_max_batch_size_that_is_not_a_number_is_refused():
+    with pytest.raises(InvalidArgument, match="default-max-batch-size=many: expected an integer"):
+        BackendManager({"": {"default-max-batch-size": "many"}})

@@ -8,8 +8,10 @@ backend name) when the backend first loads. Here:
   ``execute-timeout-seconds``, ``stub-max-restarts``) become the defaults of
   every Python model; a model's own ``parameters`` override them. A bad value is
   an error naming the flag.
-- Every other setting (onnxruntime's thread counts, tensorrt's plugins, the global
-  ``default-max-batch-size``, keys of backends this server does not have) is
+- ``default-max-batch-size`` (global or ``onnxruntime,``): the ``max_batch_size``
+  auto-complete gives an ONNX model that can batch (4 by default, as Triton).
+- Every other setting (onnxruntime's thread counts, tensorrt's plugins, keys of
+  backends this server does not have) is
   accepted and reported in one log line each as having no effect, as a Triton
   backend ignores keys it does not read.
 
@@ -30,16 +32,17 @@ def parse_backend_config(values: list[str]) -> BackendConfig:
     for text in values:
         comma = text.find(",")
         equals = text.find("=", comma + 1)
+        # Triton's words (server src/command_line_parser.cc ParseBackendConfigOption).
         if comma == 0:
             raise ValueError(
-                "no backend specified: --backend-config format is "
-                f"<backend name>,<setting>=<value> or <setting>=<value>, got '{text}'"
+                "No backend specified. --backend-config option format is "
+                f"<backend name>,<setting>=<value> or <setting>=<value>. Got {text}"
             )
         backend = text[:comma] if comma > 0 else ""
         key, value = text[comma + 1 : equals], text[equals + 1 :]
         if equals < 0 or not key or not value:
             raise ValueError(
-                f"--backend-config format is <backend name>,<setting>=<value>, got '{text}'"
+                f"--backend-config option format is '<backend name>,<setting>=<value>'. Got {text}"
             )
         config.setdefault(backend, {})[key] = value
     return config

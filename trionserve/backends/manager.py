@@ -20,13 +20,18 @@ from trionserve.backends import registry
 from trionserve.backends.backend_config import BackendConfig
 from trionserve.backends.base import Backend
 from trionserve.backends.python import settings as python_settings
-from trionserve.core.errors import Unavailable
+from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.observability.custom_metrics import CustomMetrics
+from trionserve.observability.logging import verbose
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
 
 log = structlog.get_logger(__name__)
+
+
+# The global backend setting auto-complete reads (Triton's default: 4).
+DEFAULT_MAX_BATCH_SIZE = "default-max-batch-size"
 
 
 class BackendManager:
@@ -65,7 +70,18 @@ class BackendManager:
         for backend, values in self.config.items():
             if backend != "python":
                 for key, value in values.items():
+                    if key == DEFAULT_MAX_BATCH_SIZE and backend in ("", "onnxruntime"):
+                        continue  # read by the onnxruntime backend's auto-complete
                     _no_effect(backend, key, value)
+        # A bad default-max-batch-size fails start-up, as it fails Triton's
+        # onnxruntime backend when it loads (ParseIntValue).
+        for name in ("", "onnxruntime"):
+            given = self.config.get(name, {}).get(DEFAULT_MAX_BATCH_SIZE)
+            if given is not None and not _is_int(given):
+                raise InvalidArgument(
+                    f"--backend-config {name + ',' if name else ''}"
+                    f"{DEFAULT_MAX_BATCH_SIZE}={given}: expected an integer"
+                )
 
     def python_based_backend(self, name: str) -> Path | None:
         """``<backend directory>/<name>/model.py`` of a Python-based backend, if any."""
@@ -99,12 +115,43 @@ class BackendManager:
         )
 
     def settings_for(self, backend: str) -> Mapping[str, str]:
-        """The checked settings a backend of this name is configured with."""
-        return self._settings.get(backend, {})
+        """The checked settings a backend of this name is configured with.
+
+        Every backend but ``python`` gets Triton's resolution (core
+        backend_model.cc ResolveBackendConfigs, SetBackendConfigDefaults): the
+        settings given without a backend name, overridden by its own, and
+        ``default-max-batch-size`` 4 unless one of them set it, each logged at
+        verbose level 1 as Triton logs it for each model it creates.
+        """
+        if backend in self._settings:
+            return self._settings[backend]
+        resolved = dict(self.config.get("", {}))
+        resolved.update(self.config.get(backend, {}))
+        value = resolved.get(DEFAULT_MAX_BATCH_SIZE)
+        if value is not None:
+            vlog(f"Found overwritten default setting: {DEFAULT_MAX_BATCH_SIZE},{value}")
+        else:
+            value = resolved[DEFAULT_MAX_BATCH_SIZE] = "4"
+            vlog(f"Adding default backend config setting: {DEFAULT_MAX_BATCH_SIZE},{value}")
+        return resolved
 
     def _configured(self, backend: Backend) -> Backend:
         backend.configure(self.settings_for(backend.name))
         return backend
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def vlog(message: str) -> None:
+    """A Triton LOG_VERBOSE(1) line."""
+    if verbose():
+        log.debug(message)
 
 
 def _no_effect(backend: str, key: str, value: str) -> None:

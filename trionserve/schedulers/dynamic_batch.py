@@ -35,10 +35,12 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import structlog
 import trio
 
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
+from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import (
     QUEUE_CAPACITY,
@@ -52,6 +54,8 @@ from trionserve.schedulers.timer import PreciseWakeup
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig, ModelQueuePolicy
+
+log = structlog.get_logger(__name__)
 
 # Entry states. An entry leaves its deque lazily (when it reaches the front or the
 # deque is compacted); its state says whether it still counts.
@@ -277,6 +281,9 @@ class DynamicBatchScheduler:
         # Trio's timers round up to whole milliseconds; the wake-up keeps
         # microsecond delays on the real clock (see schedulers/timer.py).
         timer = PreciseWakeup(self._wake)
+        if verbose():
+            # Triton's line (core dynamic_batch_scheduler.cc BatcherThread).
+            log.debug(f"Starting dynamic-batcher thread for {self.model_name} at nice 0...")
         async with trio.open_nursery() as nursery:
             await nursery.start(timer.run)
             task_status.started()

@@ -10,7 +10,7 @@ TensorRT provider in front when the config's ``optimization`` asks for it; see
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -102,6 +102,17 @@ def _config_parameter(config: ModelConfig, key: str) -> str | None:
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
 
+    def __init__(self) -> None:
+        self._default_max_batch_size = DEFAULT_MAX_BATCH_SIZE
+
+    def configure(self, settings: Mapping[str, str]) -> None:
+        """``default-max-batch-size`` (global or ``onnxruntime,``), what
+        auto-complete gives a model that can batch (onnxruntime.cc
+        TRITONBACKEND_Initialize reads it from the backend config's cmdline)."""
+        value = settings.get("default-max-batch-size")
+        if value is not None:
+            self._default_max_batch_size = int(value)
+
     def default_model_filename(self) -> str:
         return "model.onnx"
 
@@ -119,7 +130,11 @@ class OnnxRuntimeBackend(Backend):
         Only what config.pbtxt leaves out is filled: a config that lists inputs keeps
         them, with missing dims or data types taken from the model. Like Triton, a
         model whose every tensor has a variable leading dimension gets
-        max_batch_size 4 unless the config set max_batch_size itself.
+        max_batch_size ``default-max-batch-size`` (4 unless ``--backend-config``
+        sets it; a negative value is 0) unless the config set max_batch_size
+        itself, and such a model batching more than one request at a time gets a
+        dynamic batcher unless the config names a scheduler (onnxruntime.cc
+        ModelState::AutoCompleteMaxBatch).
         """
         session = _ort().InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
         graph_inputs = session.get_inputs()
@@ -131,7 +146,10 @@ class OnnxRuntimeBackend(Backend):
         declared: list[ModelInput | ModelOutput] = [*config.input, *config.output]
         has_dims = any(e.dims for e in declared)
         if not max_batch_size_set and can_batch and not has_dims:
-            config.max_batch_size = DEFAULT_MAX_BATCH_SIZE
+            config.max_batch_size = max(self._default_max_batch_size, 0)
+        scheduled = config.HasField("dynamic_batching") or config.HasField("sequence_batching")
+        if can_batch and config.max_batch_size > 1 and not scheduled:
+            config.dynamic_batching.SetInParent()
         skip = 1 if config.max_batch_size > 0 else 0
         self._complete_tensors(config.input, graph_inputs, skip)
         self._complete_tensors(config.output, graph_outputs, skip)
