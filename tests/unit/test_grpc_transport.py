@@ -720,9 +720,12 @@ class StepCounter(trio.abc.Instrument):
         self.tasks.add(task)
 
 
-async def test_a_lone_unary_call_answers_in_one_step_of_its_task():
-    """The only call in flight writes its answer without a checkpoint: its task
-    runs once (send_all's checkpoint made it two), and the answer is whole."""
+async def test_a_unary_call_answered_at_once_runs_in_one_step_of_the_reader():
+    """A unary call whose request came whole and that is answered without waiting
+    runs in the connection's reader task, with no task of its own, and the reader
+    writes its answer at once: the server runs one task step for it, as an HTTP
+    request does (before: a step of the reader and one of the call's own task,
+    and two before that, with send_all's checkpoint)."""
     steps: list[str] = []
 
     class Steps(trio.abc.Instrument):
@@ -742,9 +745,34 @@ async def test_a_lone_unary_call_answers_in_one_step_of_its_task():
                 await trio.testing.wait_all_tasks_blocked()
             finally:
                 trio.lowlevel.remove_instrument(instrument)
-            assert len([name for name in steps if "_run_call" in name]) == 1, steps
+            server = [name for name in steps if name.startswith("trionserve.")]
+            assert len(server) == 1, steps
+            assert not any("_run_call" in name or "_writer" in name for name in server)
             assert client.data[second] == frame(b"x" * 300)
             assert client.status(second) == (Status.OK.value, "")
+
+
+async def test_a_unary_call_that_waits_keeps_the_reader_task_and_another_reads_on():
+    """A call that runs in the reader's task and then waits keeps that task; a new
+    task reads on: calls after it on the connection are answered meanwhile, and
+    it is answered when it can be."""
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            waiting = await client.call("/t.T/Wait", frame(b""))
+            with trio.fail_after(10):
+                await handlers.entered.wait()
+            echoes = [await client.call("/t.T/Echo", frame(b"e%d" % i)) for i in range(3)]
+            await client.until(lambda c: all(c.ended(s) for s in echoes))
+            assert [client.data[s] for s in echoes] == [frame(b"e%d" % i) for i in range(3)]
+            assert not client.ended(waiting)
+            handlers.release.set()
+            await client.until(lambda c: c.ended(waiting))
+            assert client.data[waiting] == frame(b"released")
+            assert client.status(waiting) == (Status.OK.value, "")
+            after = await client.call("/t.T/Echo", frame(b"after"))
+            await client.until(lambda c: c.ended(after))
+            assert client.data[after] == frame(b"after")
 
 
 async def test_a_window_update_for_one_stream_wakes_only_that_streams_sender():
@@ -769,8 +797,10 @@ async def test_a_window_update_for_one_stream_wakes_only_that_streams_sender():
                 await trio.testing.wait_all_tasks_blocked()
             finally:
                 trio.lowlevel.remove_instrument(counter)
-            calls = [t for t in counter.tasks if "_run_call" in t.name]
-            assert len(calls) == 1, [t.name for t in counter.tasks]
+            # The reader, and the task that holds that call (each waiting call
+            # kept the task it ran in: a task per call either way).
+            server = [t for t in counter.tasks if t.name.startswith("trionserve.")]
+            assert len(server) == 2, [t.name for t in counter.tasks]
             assert client.data[streams[0]] == frame(b"x" * 10)
             assert not any(client.ended(s) for s in streams[1:])
             for stream in streams[1:]:

@@ -12,16 +12,25 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
+import h2.errors
 import h2.exceptions
+import numpy as np
 import trio
 
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc.flow import Account
-from trionserve.protocol.grpc.framing import JOIN_LIMIT
+from trionserve.protocol.grpc.framing import (
+    CONTENT_TYPE,
+    GZIP_RESPONSE_HEADERS,
+    JOIN_LIMIT,
+    OK_TRAILERS,
+    RESPONSE_HEADERS,
+    status_headers,
+)
 from trionserve.protocol.grpc.state import CallState, Request, Response, ResponseEvent
-from trionserve.protocol.grpc.status import GRPCError, decode_metadata
+from trionserve.protocol.grpc.status import GRPCError, Status, decode_metadata
 
 if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
     from trionserve.protocol.grpc.connection import Connection
@@ -207,14 +216,59 @@ class GrpcCall:
             raise trio.BrokenResourceError("the client reset the stream")
         try:
             if self.state.response is Response.IDLE:
-                self._conn.send_response_headers(self)
+                headers = GZIP_RESPONSE_HEADERS if self.compress else RESPONSE_HEADERS
+                self.state.response_event(ResponseEvent.HEADERS)
+                self._conn.h2.send_headers(self.stream_id, headers)
             if size + 5 <= JOIN_LIMIT:
-                await self._conn.send_data(self, [b"".join([head, *chunks])])
+                await self._send_data([b"".join([head, *chunks])])
             else:
-                await self._conn.send_data(self, [head, *chunks])
+                await self._send_data([head, *chunks])
         except h2.exceptions.ProtocolError as exc:  # the stream or connection closed
             self.state.response_event(ResponseEvent.ABANDON)
             raise trio.BrokenResourceError(str(exc)) from exc
+
+    async def _send_data(self, chunks: Sequence[bytes | memoryview]) -> None:
+        h2conn = self._conn.h2
+        stream_id = self.stream_id
+        for chunk in chunks:
+            if type(chunk) is bytes and h2conn.send_whole(stream_id, chunk):
+                continue  # one frame, in the windows: made without h2's frame object
+            # Large chunks go as uint8 views, written without copies (upstream.H2Connection).
+            view = chunk if len(chunk) <= JOIN_LIMIT else np.frombuffer(chunk, np.uint8)
+            while len(view):
+                window = h2conn.local_flow_control_window(stream_id)
+                if window <= 0:
+                    self._conn.flush()
+                    await self.wait_for_window()
+                    if self.state.reset:
+                        raise trio.BrokenResourceError("the client reset the stream")
+                    continue
+                size = min(window, h2conn.max_outbound_frame_size, len(view))
+                # cast: h2 annotates the data as bytes | memoryview; the uint8 array
+                # views are upstream.H2Connection's own, written from their buffers.
+                if size == len(view):
+                    h2conn.send_data(stream_id, cast(memoryview, view))
+                    break
+                h2conn.send_data(stream_id, cast(memoryview, view[:size]))
+                view = view[size:]
+
+    def finish(self, status: Status, message: str | None) -> None:
+        """End the call with ``status``: its trailers, or a trailers-only answer
+        (queued in h2's output: the connection writes it)."""
+        headers: list[tuple[bytes, bytes]]
+        if self.state.response is Response.SENDING:
+            headers = OK_TRAILERS if status is Status.OK else status_headers(status, message)
+        else:  # "trailers only": one HEADERS frame carries the status
+            headers = [(b":status", b"200"), CONTENT_TYPE, *status_headers(status, message)]
+        self.state.response_event(ResponseEvent.FINISH)
+        h2conn = self._conn.h2
+        try:
+            h2conn.send_headers(self.stream_id, headers, end_stream=True)
+            if self.state.request is not Request.ENDED:
+                # The client is still sending; tell it to stop.
+                h2conn.reset_stream(self.stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.ProtocolError:  # the stream or connection closed meanwhile
+            pass
 
     async def wait_for_window(self) -> None:
         """Wait until the client may have given more window (or reset the stream)."""

@@ -3,8 +3,10 @@
 :class:`Connection` reads the socket into h2, turns h2's events into the calls'
 events (:mod:`~trionserve.protocol.grpc.state`: each call's and the connection's
 state machine), applies the flow-control windows its buffer decides
-(:mod:`~trionserve.protocol.grpc.flow`), runs a task per call and writes what h2
-queues. What a handler sees of a call is :mod:`~trionserve.protocol.grpc.call`'s;
+(:mod:`~trionserve.protocol.grpc.flow`), runs the calls and writes what h2
+queues: a unary call whose request came whole runs in the reader's task until
+it would wait (:mod:`~trionserve.protocol.grpc.inline`), any other in a task of
+its own. What a handler sees of a call is :mod:`~trionserve.protocol.grpc.call`'s;
 framing of messages and statuses is :mod:`~trionserve.protocol.grpc.framing`'s;
 listening, and telling connections to drain, is
 :mod:`~trionserve.protocol.grpc.transport`'s.
@@ -13,7 +15,7 @@ listening, and telling connections to drain, is
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import cast
 
 import h2.config
@@ -21,23 +23,18 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import numpy as np
 import structlog
 import trio
 from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol.grpc import framing as grpc_framing
-from trionserve.protocol.grpc import upstream
+from trionserve.protocol.grpc import inline, upstream
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
 from trionserve.protocol.grpc.framing import (
     ACCEPT_ENCODING,
     CONSTANT_HEADERS,
     CONTENT_TYPE,
-    GZIP_RESPONSE_HEADERS,
-    JOIN_LIMIT,
-    OK_TRAILERS,
-    RESPONSE_HEADERS,
     coalesce,
     status_headers,
 )
@@ -46,9 +43,7 @@ from trionserve.protocol.grpc.request import HttpRefusal, read_request_head
 from trionserve.protocol.grpc.state import (
     ConnectionState,
     ConnEvent,
-    Request,
     RequestEvent,
-    Response,
     ResponseEvent,
 )
 from trionserve.protocol.grpc.status import GRPCError, Status
@@ -73,10 +68,12 @@ Handler = Callable[[GrpcCall], Awaitable[None]]
 class Connection:
     """One client connection: owns the h2 state machine and every call on it.
 
-    Its nursery holds the writer, the keepalive and drain watchers, and one task
-    per call; the reader runs in the nursery's body. One task at a time writes to
-    the socket: the writer, or a unary call's task writing its own answer when the
-    writer is idle. Closing the connection cancels every call still running.
+    Its nursery holds the writer, the keepalive and drain watchers, and the
+    calls' tasks; the reader starts in the nursery's body. A unary call whose
+    request came whole runs in the reader's task; one that would wait keeps that
+    task, and a new one reads on (_start_calls). One task at a time writes to the
+    socket: the writer, the reader after a read, or a call's task writing its own
+    answer when the writer is idle. Closing the connection cancels every call.
     """
 
     def __init__(
@@ -106,6 +103,11 @@ class Connection:
             ),
         )
         self.calls: dict[int, GrpcCall] = {}
+        # Calls whose HEADERS came in the read being handled, started after it,
+        # and the call running in the reader's task now (it leaves its answer
+        # to the reader's write after the read).
+        self._starting: list[tuple[GrpcCall, Handler]] = []
+        self._inline: GrpcCall | None = None
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
         # responses waiting go down: there may be room for a message again.
@@ -148,11 +150,7 @@ class Connection:
                 nursery.start_soon(self._first_call_deadline)
                 if self.options.idle_timeout is not None:
                     nursery.start_soon(self._idle_deadline)
-                await self._read_loop()
-                if not self.state.closing:
-                    nursery.cancel_scope.cancel()
-                # Closing: the writer ends the connection once everything up to the
-                # final GOAWAY is written (see _close).
+                await self._read()
         finally:
             self._idle.pop(self, None)
             self.buffer.let_go()
@@ -180,9 +178,18 @@ class Connection:
             self.h2.increment_flow_control_window(window - _DEFAULT_WINDOW)
         self.flush()
 
-    async def _read_loop(self) -> None:
+    async def _read(self) -> None:
+        """Read until the client goes away, then end the connection (closing: the
+        writer ends it once everything up to the final GOAWAY is written, see
+        _close), unless this task stayed with a call and another reads on."""
+        if await self._read_loop():
+            return
+        if not self.state.closing:
+            self._cancel()
+
+    async def _read_loop(self) -> bool:
         """Feed what the client sends to h2 and act on the events, until the client
-        goes away or says goodbye.
+        goes away or says goodbye (False), or a call keeps this task (True).
 
         Once the connection is closing (the final GOAWAY is queued), h2's state
         machine is CLOSED and would call any frame a protocol error, yet the client
@@ -195,9 +202,9 @@ class Connection:
             try:
                 data = await receive(256 * 1024)
             except _CLOSED:
-                return
+                return False
             if not data:
-                return
+                return False
             if self.state.closing:
                 continue
             try:
@@ -208,8 +215,13 @@ class Connection:
                 continue
             for event in events:
                 if self._handle(event):
-                    return
-            self.flush()
+                    for call, handler in self._starting:
+                        self._spawn(call, handler)
+                    return False
+            if not self._starting:
+                self.flush()
+            elif await self._start_calls():
+                return True
 
     def _handle(self, event: h2.events.Event) -> bool:
         """Act on one h2 event; True when the connection is over."""
@@ -265,7 +277,8 @@ class Connection:
             return
         head = read_request_head(event.headers, self.methods, self.options)
         if isinstance(head, HttpRefusal):
-            self._respond_http(stream_id, head.status)
+            self.h2.send_headers(stream_id, [(b":status", head.status)], end_stream=True)
+            self.flush()
             return
         if isinstance(head, GRPCError):
             self._trailers_only(stream_id, head.status, head.message)
@@ -283,12 +296,12 @@ class Connection:
             ),
             head.compress,
         )
-        # An END_STREAM on the headers comes as h2's StreamEnded event next.
+        # An END_STREAM on the headers comes as h2's StreamEnded event next; the
+        # call starts once the read's events are all handled (_start_calls).
         self.calls[stream_id] = call
         if len(self.calls) == 1:  # busy again (the idle deadline stays: see _idle_deadline)
             self._idle.pop(self, None)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._run_call, call, method.handler)
+        self._starting.append((call, method.handler))
 
     def _on_data(self, event: h2.events.DataReceived) -> None:
         stream_id = event.stream_id
@@ -371,11 +384,50 @@ class Connection:
 
     # -- calls ---------------------------------------------------------------------
 
+    async def _start_calls(self) -> bool:
+        """Start the calls whose HEADERS came in the last read, then write what
+        they answered; True when this task stays with a call (a new one reads on).
+
+        A unary call whose request came whole runs here, in the reader's task,
+        until it ends or would wait: most end, answered, written with the read's
+        other output in one write, with no task of their own and no pass of the
+        run loop more (an HTTP request's cost). One that would wait has made this
+        task its own (inline.step) and keeps it; the calls after it get tasks.
+        Any other call runs in a task of its own."""
+        starting, self._starting = self._starting, []
+        for index, (call, handler) in enumerate(starting):
+            if call.client_streaming or not call.state.client_done:
+                self._spawn(call, handler)
+                continue
+            self._inline = call
+            resume = inline.step(self._run_call(call, handler))
+            self._inline = None
+            if resume is not None:
+                rest = starting[index + 1 :]
+                break
+        else:
+            rest = []
+            resume = inline.step(self._write_now(at_once=True))
+            if resume is None:  # all written
+                return False
+        # This task stays with what would wait (a call, or the rest of the write).
+        for call, handler in rest:
+            self._spawn(call, handler)
+        self.flush()
+        assert self._nursery is not None
+        self._nursery.start_soon(self._read)
+        await resume
+        return True
+
+    def _spawn(self, call: GrpcCall, handler: Handler) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_call, call, handler)
+
     async def _run_call(self, call: GrpcCall, handler: Handler) -> None:
         try:
             outcome = await self._outcome(call, handler)
             if outcome is not None:
-                self._finish(call, *outcome)
+                call.finish(*outcome)
         except BaseException:
             # Cancelled (alone or grouped by the handler's nursery): when the server
             # is draining, that is the exit timeout cutting the call.
@@ -396,7 +448,8 @@ class Connection:
                 self._drain_event()
             if self.state.draining and not self.calls:
                 self._close()
-        await self._write_now()
+        if self._inline is not call:  # else the reader writes it after the read
+            await self._write_now()
 
     async def _outcome(self, call: GrpcCall, handler: Handler) -> tuple[Status, str | None] | None:
         """Run the handler under the call's deadline: the status to end the call
@@ -430,7 +483,7 @@ class Connection:
         UNAVAILABLE, if the socket takes the trailers within a second."""
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + 1.0
-            self._finish(call, Status.UNAVAILABLE, _CUT_MESSAGE)
+            call.finish(Status.UNAVAILABLE, _CUT_MESSAGE)
             # The task writing now may be one being cancelled, which would leave
             # these trailers unwritten: wait for it, then write them from here.
             while self._writing:
@@ -440,53 +493,6 @@ class Connection:
             except (*_CLOSED, OSError):
                 pass
 
-    def _finish(self, call: GrpcCall, status: Status, message: str | None) -> None:
-        """End the call with ``status``: its trailers, or a trailers-only answer."""
-        stream_id = call.stream_id
-        headers: list[tuple[bytes, bytes]]
-        if call.state.response is Response.SENDING:
-            headers = OK_TRAILERS if status is Status.OK else status_headers(status, message)
-        else:  # "trailers only": one HEADERS frame carries the status
-            headers = [(b":status", b"200"), CONTENT_TYPE, *status_headers(status, message)]
-        call.state.response_event(ResponseEvent.FINISH)
-        try:
-            self.h2.send_headers(stream_id, headers, end_stream=True)
-            if call.state.request is not Request.ENDED:
-                # The client is still sending; tell it to stop.
-                self.h2.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
-        except h2.exceptions.ProtocolError:  # the stream or connection closed meanwhile
-            pass
-
-    def send_response_headers(self, call: GrpcCall) -> None:
-        headers = GZIP_RESPONSE_HEADERS if call.compress else RESPONSE_HEADERS
-        call.state.response_event(ResponseEvent.HEADERS)
-        self.h2.send_headers(call.stream_id, headers)
-
-    async def send_data(self, call: GrpcCall, chunks: Sequence[bytes | memoryview]) -> None:
-        h2conn = self.h2
-        stream_id = call.stream_id
-        for chunk in chunks:
-            if type(chunk) is bytes and h2conn.send_whole(stream_id, chunk):
-                continue  # one frame, in the windows: made without h2's frame object
-            # Large chunks go as uint8 views, written without copies (upstream.H2Connection).
-            view = chunk if len(chunk) <= JOIN_LIMIT else np.frombuffer(chunk, np.uint8)
-            while len(view):
-                window = h2conn.local_flow_control_window(stream_id)
-                if window <= 0:
-                    self.flush()
-                    await call.wait_for_window()
-                    if call.state.reset:
-                        raise trio.BrokenResourceError("the client reset the stream")
-                    continue
-                size = min(window, h2conn.max_outbound_frame_size, len(view))
-                # cast: h2 annotates the data as bytes | memoryview; the uint8 array
-                # views are upstream.H2Connection's own, written from their buffers.
-                if size == len(view):
-                    h2conn.send_data(stream_id, cast(memoryview, view))
-                    break
-                h2conn.send_data(stream_id, cast(memoryview, view[:size]))
-                view = view[size:]
-
     def _trailers_only(self, stream_id: int, status: Status, message: str | None) -> None:
         headers = [(b":status", b"200"), CONTENT_TYPE, *status_headers(status, message)]
         if status is Status.UNIMPLEMENTED:
@@ -495,10 +501,6 @@ class Connection:
             self.h2.send_headers(stream_id, headers, end_stream=True)
         except h2.exceptions.ProtocolError:
             return
-        self.flush()
-
-    def _respond_http(self, stream_id: int, status: bytes) -> None:
-        self.h2.send_headers(stream_id, [(b":status", status)], end_stream=True)
         self.flush()
 
     def _reset_stream(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
@@ -530,17 +532,15 @@ class Connection:
                 self._cancel()
                 return
 
-    async def _write_now(self) -> None:
+    async def _write_now(self, at_once: bool | None = None) -> None:
         """Write what h2 has queued from the calling task, unless another task is
-        writing (it writes this too, before it stops): a call's answer goes out
-        without a wakeup of the writer."""
+        writing (it writes this too): no wakeup of the writer. ``at_once`` by
+        default for the last call in flight; with others in flight, send_all's
+        checkpoint lets their answers join this write."""
         if self._writing:
             return
         try:
-            # The last call in flight writes without a checkpoint (no task step
-            # more); with others in flight, send_all's checkpoint lets their
-            # answers join this write.
-            await self._write_pending(at_once=not self.calls)
+            await self._write_pending(at_once=not self.calls if at_once is None else at_once)
         except _CLOSED:
             self._cancel()
             return
