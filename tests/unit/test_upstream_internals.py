@@ -22,6 +22,8 @@ import pytest
 from google.protobuf.internal import api_implementation, builder
 from h2.stream import StreamState
 from hyperframe import frame as hyperframe_frame
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trionserve.protocol.grpc import upstream
 
@@ -288,3 +290,87 @@ def test_frame_buffer_refuses_an_oversized_frame_on_its_header():
     buffer.add_data(struct.pack(">HBBBL", 0xFFFF, 0xFF, 0x0, 0, 1))
     with pytest.raises(h2.exceptions.FrameTooLargeError):
         next(buffer)
+
+
+def _header_outcome(parse, header: bytes) -> tuple:
+    """What a frame-header parser makes of ``header``: the frame's class, every
+    attribute (the flags as their names and the names allowed) and the body's
+    length, or the exception's class."""
+    try:
+        frame, length = parse(header)
+    except Exception as exc:
+        return ("raised", type(exc))
+    attributes = dict(vars(frame))
+    flags = attributes.pop("flags")
+    return (
+        type(frame),
+        attributes,
+        sorted(flags),
+        sorted(getattr(flags, "_valid_flags", ())),
+        length,
+    )
+
+
+def test_frame_header_makes_the_frames_hyperframe_makes():
+    """upstream.frame_header against hyperframe's Frame.parse_frame_header on
+    every frame type (and unknown ones), every flag byte, stream ids 0, 1, the
+    largest and one with the reserved bit set, three lengths: the same frames,
+    attribute for attribute, or the same exception. Fails when hyperframe
+    changes what a frame's __init__ or Flags hold."""
+    for kind in [*range(12), 0x42, 0xFF]:
+        for flag_byte in range(256):
+            for stream_id in (0, 1, 2**31 - 1, 2**31 + 5):
+                for length in (0, 16_384, 2**24 - 1):
+                    header = struct.pack(
+                        ">HBBBL", length >> 8, length & 0xFF, kind, flag_byte, stream_id
+                    )
+                    ours = _header_outcome(upstream.frame_header, header)
+                    theirs = _header_outcome(
+                        lambda h: hyperframe_frame.Frame.parse_frame_header(memoryview(h)), header
+                    )
+                    assert ours == theirs, (kind, flag_byte, stream_id, length)
+    # Frames made here are the frames' own: two never share their flags.
+    one, _ = upstream.frame_header(struct.pack(">HBBBL", 0, 0, 0, 1, 1))
+    two, _ = upstream.frame_header(struct.pack(">HBBBL", 0, 0, 0, 1, 1))
+    two.flags.add("PADDED")
+    assert sorted(one.flags) == ["END_STREAM"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([*range(11), 0x42]),
+            st.integers(0, 255),
+            st.sampled_from([0, 1, 3, 2**31 - 1]),
+            st.binary(max_size=40),
+        ),
+        max_size=12,
+    ),
+    st.sampled_from([1, 5, 9, 64, 4096]),
+)
+def test_frame_buffer_matches_h2s_on_any_frames(frames, step):
+    """Differential: any sequence of frames (any type, flags, stream, payload,
+    well formed or not) split into pieces of ``step`` bytes: upstream.FrameBuffer
+    yields what h2's own FrameBuffer yields, frame for frame, attribute for
+    attribute, and raises where it raises (as the same exception class)."""
+    wire = b"".join(
+        struct.pack(">HBBBL", len(body) >> 8, len(body) & 0xFF, kind, flags, sid) + body
+        for kind, flags, sid, body in frames
+    )
+
+    def outcome(buffer) -> list:
+        buffer.max_frame_size = 16_384
+        seen: list = []
+        try:
+            for i in range(0, len(wire), step):
+                buffer.add_data(wire[i : i + step])
+                for frame in buffer:
+                    attributes = dict(vars(frame))
+                    flags = attributes.pop("flags")
+                    seen.append((type(frame), attributes, sorted(flags)))
+        except Exception as exc:
+            seen.append(("raised", type(exc)))
+        return seen
+
+    assert outcome(upstream.FrameBuffer()) == outcome(h2.frame_buffer.FrameBuffer())
