@@ -450,7 +450,7 @@ class DataPlane:
         and no inference; a miss counts its lookup and insert time."""
         started = trio.current_time()
         key = cache.key(ModelId(model.namespace, model.name), model.version, request)
-        response = cache.lookup(key, request, str(model.version))
+        response = await cache.fetch(key, request, str(model.version))
         looked_up = trio.current_time()
         if response is not None:
             model.statistics.record_cache_hit(
@@ -463,7 +463,7 @@ class DataPlane:
         try:
             response = await self._infer_admitted(model, request, queued)
             inserting = trio.current_time()
-            refused = cache.insert(key, response)
+            refused = await cache.store(key, response)
             lookup_ns += to_ns(trio.current_time() - inserting)
             if refused is not None:
                 # core src/dynamic_batch_scheduler.cc / ensemble_scheduler.cc: the

@@ -46,9 +46,10 @@ from trionserve.backends.backend_config import BackendConfig
 from trionserve.backends.manager import BackendManager
 from trionserve.backends.registry import BackendFactory
 from trionserve.core.client_budget import DEFAULT_STALL_SECS, ClientBudget
-from trionserve.core.errors import InternalError, Unavailable
+from trionserve.core.errors import InternalError, TritonError, Unavailable
 from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
 from trionserve.core.memory import fix_mmap_threshold
+from trionserve.core.redis_cache import RedisResponseCache, RedisSettings
 from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions
@@ -121,6 +122,7 @@ class ServerOptions:
     rate_limit_resources: list[RateLimiterResource] = field(default_factory=list)
     allow_client_shm: bool = False
     response_cache_bytes: int = 0  # --cache-config local,size=N; 0: no cache
+    redis_cache: RedisSettings | None = None  # --cache-config redis,...
     exit_timeout_secs: float = 30.0
     exit_on_error: bool = True
     log_verbose: int = 0
@@ -214,6 +216,13 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
+def _response_cache(options: ServerOptions) -> ResponseCache | None:
+    """The one cache of --cache-config (Triton's: core server.cc supports one)."""
+    if options.redis_cache is not None:
+        return RedisResponseCache(options.redis_cache)
+    return ResponseCache(options.response_cache_bytes) if options.response_cache_bytes else None
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -269,9 +278,7 @@ class Server:
             options.model_control_mode,
             options.server_id,
             allow_client_shm=options.allow_client_shm,
-            response_cache=ResponseCache(options.response_cache_bytes)
-            if options.response_cache_bytes
-            else None,
+            response_cache=_response_cache(options),
             tracing=TraceManager(options.trace),
             first_response_histogram=options.metrics.histogram_latencies,
             strict_readiness=options.strict_readiness,
@@ -337,6 +344,8 @@ class Server:
         try:
             await self._serve(task_status)
         finally:
+            if self.dataplane.response_cache is not None:
+                self.dataplane.response_cache.close()
             # Everything ended in time: the process exits as main() decides.
             if self._exit_timer is not None:
                 self._exit_timer.cancel()
@@ -354,6 +363,14 @@ class Server:
         for service, address, port, flag, reuse in sorted(ports, key=lambda p: _START_ORDER[p[0]]):
             if port and not reuse:
                 check_port(service, address, port, flag)
+        cache = self.dataplane.response_cache
+        if cache is not None:
+            # Before any model loads, as core's InferenceServer::Init creates the
+            # cache (a Redis cache it cannot reach stops the server).
+            try:
+                await cache.connect()
+            except TritonError as exc:
+                raise StartupError(exc.message) from None
         async with trio.open_nursery() as nursery:
             if options.handle_signals:
                 nursery.start_soon(self._watch_signals, nursery.cancel_scope)

@@ -4,6 +4,8 @@ statistics and metrics; the cache itself, on its own."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import textwrap
 
 import numpy as np
@@ -12,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import http_client, scrape_metrics, serving
+from tests.serverproc import ServerProcess, free_port, http_client, scrape_metrics, serving
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.core.response_cache import ResponseCache, parse_cache_config
@@ -240,7 +242,7 @@ def test_cache_config_parsing():
     assert parse_cache_config(["local,size=1024"], None) == 1024
     assert parse_cache_config([], 2048) == 2048
     for bad, message in (
-        (["redis,size=1"], "only the 'local' cache"),
+        (["memcached,size=1"], "the caches are 'local' and 'redis'"),
         (["local,bytes=1"], "unknown setting 'bytes'"),
         (["local,size=lots"], "size must be a number"),
         # Triton's words and order (command_line_parser.cc, core server.cc Init).
@@ -250,3 +252,88 @@ def test_cache_config_parsing():
             parse_cache_config(bad, None)
     with pytest.raises(InvalidArgument, match="Incompatible flags --response-cache-byte-size"):
         parse_cache_config(["local,size=1"], 1)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A real redis-server on a free loopback port (skipped where none is
+    installed: it is a system package, e.g. Debian's redis-server)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        for _ in range(500):  # its socket is up within milliseconds
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                proc.wait(0.01) if proc.poll() is not None else None
+        yield port, client
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def _redis_args(port: int, *extra: str) -> list[str]:
+    return [
+        "--cache-config",
+        "redis,host=127.0.0.1",
+        "--cache-config",
+        f"redis,port={port}",
+        *extra,
+    ]
+
+
+def test_the_redis_cache_keeps_responses_in_redis_as_tritons_plugin_does(repository, redis_server):
+    port, client = redis_server
+    with serving(repository, args=_redis_args(port)) as proc, http_client(proc) as http:
+        assert call(http, httpclient, "cached", [5, 6]) == (1, [10, 12])
+        assert call(http, httpclient, "cached", [5, 6]) == (1, [10, 12])  # from Redis
+        inference = stats(http, "cached")["inference_stats"]
+    assert inference["cache_hit"]["count"] == 1 and inference["cache_miss"]["count"] == 1
+    (key,) = client.keys()
+    # The redis_cache plugin's hash (src/cache_api.cc): buffer 0, its size, CPU memory.
+    entry = client.hgetall(key)
+    assert sorted(entry) == [b"0:b", b"0:i", b"0:s", b"0:t"]
+    assert int(entry[b"0:s"]) == len(entry[b"0:b"]) == 108  # core's packing, as above
+    assert (entry[b"0:t"], entry[b"0:i"]) == (b"0", b"0")
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "env", "expected"),
+    [
+        (
+            None,
+            ["redis,port=notaport"],
+            {},
+            "failed to connect to Redis (127.0.0.1:0): Connection refused",
+        ),
+        ("secret", [], {}, "Failed to initialize RedisCache: NOAUTH Authentication required"),
+        ("secret", ["redis,password=wrong"], {}, "Failed to initialize RedisCache: WRONGPASS"),
+        ("secret", [], {"TRITONCACHE_REDIS_PASSWORD": "wrong"}, "WRONGPASS"),
+    ],
+)
+def test_a_redis_cache_the_server_cannot_use_stops_it_with_the_plugins_words(
+    tmp_path, redis_server, setup, args, env, expected
+):
+    port, client = redis_server
+    if setup is not None:
+        client.config_set("requirepass", setup)
+    flags = ["--cache-config", "redis,host=127.0.0.1", "--cache-config", f"redis,port={port}"]
+    for setting in args:
+        flags += ["--cache-config", setting]
+    proc = ServerProcess(tmp_path, args=flags, env=env)
+    try:
+        assert proc.wait_exit(60) == 1
+        assert expected in proc.output()
+    finally:
+        proc.close()

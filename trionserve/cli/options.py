@@ -21,7 +21,8 @@ from trionserve.cli.compat import compat_notes
 from trionserve.cli.parser import build_parser
 from trionserve.core.client_budget import default_limit
 from trionserve.core.errors import TritonError
-from trionserve.core.response_cache import parse_cache_config
+from trionserve.core.redis_cache import RedisSettings
+from trionserve.core.response_cache import parse_cache_config, redis_settings
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
@@ -195,6 +196,8 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         parser.error("--model-repository must be specified")
     try:
         cache_bytes = parse_cache_config(args.cache_config, args.response_cache_byte_size)
+        redis = redis_settings(args.cache_config)
+        redis_cache = RedisSettings.parse(redis) if redis is not None else None
     except TritonError as exc:
         parser.error(exc.message)
     mode = ControlMode(args.model_control_mode)
@@ -273,6 +276,7 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         rate_limit_resources=args.rate_limit_resources,
         allow_client_shm=args.allow_client_shm,
         response_cache_bytes=cache_bytes,
+        redis_cache=redis_cache,
         exit_timeout_secs=args.exit_timeout_secs,
         exit_process=True,
         exit_on_error=args.exit_on_error,

@@ -62,10 +62,10 @@ def parse_cache_config(settings: list[str], byte_size: int | None) -> int:
     for setting in settings:
         kind, _, rest = setting.partition(",")
         key, _, value = rest.partition("=")
+        if kind == "redis":
+            continue  # redis_settings reads them
         if kind != "local":
-            raise InvalidArgument(
-                f"--cache-config '{setting}': only the 'local' cache is available"
-            )
+            raise InvalidArgument(f"--cache-config '{setting}': the caches are 'local' and 'redis'")
         if key != "size":
             raise InvalidArgument(f"--cache-config '{setting}': unknown setting '{key}'")
         try:
@@ -77,6 +77,20 @@ def parse_cache_config(settings: list[str], byte_size: int | None) -> int:
         if size < 0:
             raise InvalidArgument(f"--cache-config '{setting}': size must not be negative")
     return size
+
+
+def redis_settings(settings: list[str]) -> dict[str, str] | None:
+    """The ``redis,<key>=<value>`` settings of ``--cache-config`` as one mapping
+    (Triton's cache_config_settings_["redis"]), or None without any."""
+    values: dict[str, str] = {}
+    found = False
+    for setting in settings:
+        kind, _, rest = setting.partition(",")
+        if kind == "redis":
+            found = True
+            key, _, value = rest.partition("=")
+            values[key] = value
+    return values if found else None
 
 
 @dataclass(slots=True)
@@ -164,6 +178,23 @@ class ResponseCache:
             self.evictions += 1
         self._entries[key] = _Entry(outputs, dict(response.parameters), nbytes)
         self.used += nbytes
+        return None
+
+    # What the DataPlane awaits: the in-memory cache answers at once; the Redis
+    # cache (core/redis_cache.py) overrides these with calls to its server.
+
+    async def fetch(
+        self, key: bytes, request: InferenceRequest, model_version: str
+    ) -> InferenceResponse | None:
+        return self.lookup(key, request, model_version)
+
+    async def store(self, key: bytes, response: InferenceResponse) -> str | None:
+        return self.insert(key, response)
+
+    async def connect(self) -> None:
+        """Reach the cache's storage before any model loads (nothing to reach)."""
+
+    def close(self) -> None:
         return None
 
     @property
