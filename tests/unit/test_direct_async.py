@@ -109,3 +109,27 @@ async def test_a_closed_scheduler_offers_nothing():
             pass
         assert executor.direct == []
         nursery.cancel_scope.cancel()
+
+
+async def test_two_idle_executors_run_two_requests_at_once():
+    """count: 2: two submitting tasks each run their request with an executor of
+    its own, at the same time (no lock shared between the instances)."""
+    scheduler = DefaultScheduler()
+    executors = [_Executor(scheduler), _Executor(scheduler)]
+    gate = trio.Event()
+    for executor in executors:
+        executor.gate = gate
+    async with trio.open_nursery() as nursery:
+        for executor in executors:
+            nursery.start_soon(executor.serve)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(scheduler.submit, _request("a"))
+        nursery.start_soon(scheduler.submit, _request("b"))
+        await trio.testing.wait_all_tasks_blocked()
+        # Both are in their runs before either finished.
+        assert sorted(name for e in executors for name, _ in e.direct) == ["a", "b"]
+        assert all(len(e.direct) == 1 for e in executors)
+        gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert all(e.channel == [] for e in executors)
+        nursery.cancel_scope.cancel()
