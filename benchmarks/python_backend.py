@@ -12,7 +12,9 @@ burst of other load on the host does not land on one case only.
 
 Then a CPU-bound Python model (about 20 ms of pure-Python work per request) with
 one instance and with two, at concurrency 4: with stub processes the second
-instance runs on another core, so the ratio approaches 2 on a host with 2+ cores.
+instance runs on another core, so the ratio approaches 2 on a host with 2+ cores;
+on instance threads of the server (``EXECUTION_MODE`` ``in_process``) the two
+share one GIL, so it stays near 1.
 
 With ``--baseline DIR`` (another checkout of trionserve, e.g. a ``git worktree`` of
 an older commit) it compares instead, side by side in one run: one server from
@@ -53,6 +55,10 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 1 ] }} ]
 instance_group [ {{ kind: KIND_CPU, count: {count} }} ]
 """
 
+# The same model on instance threads of the server (EXECUTION_MODE in_process):
+# one GIL for every instance and the event loop.
+IN_PROCESS = 'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n'
+
 BUSY_MODEL = """
 import time
 
@@ -76,10 +82,11 @@ def make_repository(root: Path) -> Path:
     for name in ("simple", "add_sub_python"):
         shutil.copytree(EXAMPLES / name, root / name)
     for count in (1, 2):
-        name = f"busy_python_x{count}"
-        (root / name / "1").mkdir(parents=True)
-        (root / name / "config.pbtxt").write_text(BUSY_CONFIG.format(name=name, count=count))
-        (root / name / "1" / "model.py").write_text(BUSY_MODEL)
+        for name, mode in ((f"busy_python_x{count}", ""), (f"busy_inproc_x{count}", IN_PROCESS)):
+            (root / name / "1").mkdir(parents=True)
+            config = BUSY_CONFIG.format(name=name, count=count) + mode
+            (root / name / "config.pbtxt").write_text(config)
+            (root / name / "1" / "model.py").write_text(BUSY_MODEL)
     return root
 
 
@@ -127,6 +134,8 @@ CASES = [
     ("http add_sub_python", add_sub_calls, "add_sub_python", 8),
     ("busy python, 1 instance", busy_calls, "busy_python_x1", 4),
     ("busy python, 2 instances", busy_calls, "busy_python_x2", 4),
+    ("busy python in-process, 1 instance", busy_calls, "busy_inproc_x1", 4),
+    ("busy python in-process, 2 instances", busy_calls, "busy_inproc_x2", 4),
 ]
 
 
@@ -301,6 +310,9 @@ def main() -> None:
     one = by[("busy python, 1 instance", 4)]
     two = by[("busy python, 2 instances", 4)]
     print(f"busy python, 2 instances / 1 instance: {two / one:.2f}x")
+    one = by[("busy python in-process, 1 instance", 4)]
+    two = by[("busy python in-process, 2 instances", 4)]
+    print(f"busy python in-process, 2 instances / 1 instance: {two / one:.2f}x")
 
 
 if __name__ == "__main__":

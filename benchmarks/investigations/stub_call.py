@@ -3,6 +3,7 @@ the stub and the core, measured by thread and in instructions.
 
 Usage: python -m benchmarks.investigations.stub_call [--requests 4000] [--rounds 3]
        python -m benchmarks.investigations.stub_call --baseline DIR [--rounds 3]
+       python -m benchmarks.investigations.stub_call --mode event_loop  (or in_process)
 
 Starts an in-process server (no HTTP or gRPC port is called) over the example
 ``add_sub_python`` with one instance, and calls ``dataplane.infer`` one request
@@ -54,7 +55,17 @@ def _children(pid: int) -> list[int]:
     return children
 
 
-def _measure(requests: int, warmup: int) -> dict:
+MODES = {
+    "stub": "",
+    "in_process": 'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n',
+    "event_loop": (
+        'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n'
+        'parameters { key: "INPROCESS_EXECUTE_ON" value: { string_value: "event_loop" } }\n'
+    ),
+}
+
+
+def _measure(requests: int, warmup: int, mode: str = "stub") -> dict:
     """Run in the process of the checkout under test (see main)."""
     import numpy as np
     import trio
@@ -66,7 +77,7 @@ def _measure(requests: int, warmup: int) -> dict:
     model = root / "add_sub_python"
     shutil.copytree(CONFIG, model)
     config = (model / "config.pbtxt").read_text()
-    (model / "config.pbtxt").write_text(config.replace("count: 2", "count: 1"))
+    (model / "config.pbtxt").write_text(config.replace("count: 2", "count: 1") + MODES[mode])
     result: dict = {}
 
     async def run() -> None:
@@ -115,9 +126,9 @@ def _measure(requests: int, warmup: int) -> dict:
     return result
 
 
-def _run_in(tree: Path, requests: int) -> dict:
+def _run_in(tree: Path, requests: int, mode: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
-    command = [sys.executable, str(HERE), "--child", "--requests", str(requests)]
+    command = [sys.executable, str(HERE), "--child", "--requests", str(requests), "--mode", mode]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -127,10 +138,16 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="another checkout to compare with")
+    parser.add_argument(
+        "--mode",
+        choices=sorted(MODES),
+        default="stub",
+        help="where model.py runs: a stub process, an instance thread, the event loop",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_measure(args.requests, 300)))
+        print(json.dumps(_measure(args.requests, 300, args.mode)))
         return
     trees = [("this checkout", ROOT)]
     if args.baseline is not None:
@@ -138,8 +155,11 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
-            runs[name].append(_run_in(tree, args.requests))
-    print(f"add_sub_python, one stub, dataplane.infer at c=1, {args.requests} requests per round")
+            runs[name].append(_run_in(tree, args.requests, args.mode))
+    print(
+        f"add_sub_python ({args.mode}), one instance, dataplane.infer at c=1, "
+        f"{args.requests} requests per round"
+    )
     print("medians over the rounds, per request")
     for name, results in runs.items():
         rates = ", ".join(f"{r['infer_per_s']:,.0f}" for r in results)

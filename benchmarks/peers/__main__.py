@@ -60,9 +60,10 @@ DEFAULT_WORKLOADS = (
 )
 
 
-def trionserve_repository(root: Path) -> Path:
+def trionserve_repository(root: Path, instances: int | None = None) -> Path:
     """The example repository plus ``simple_batched``: `simple` behind the same
-    dynamic batcher the peers get."""
+    dynamic batcher the peers get; with ``instances``, both with that many
+    CPU instances."""
     repository = root / "trionserve"
     shutil.copytree(EXAMPLES, repository)
     batched = repository / "simple_batched"
@@ -70,6 +71,11 @@ def trionserve_repository(root: Path) -> Path:
     config = (batched / "config.pbtxt").read_text()
     config = config.replace('name: "simple"', 'name: "simple_batched"')
     (batched / "config.pbtxt").write_text(config + BATCHING + "\n")
+    if instances is not None:
+        group = f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]\n"
+        for name in ("simple", "simple_batched"):
+            path = repository / name / "config.pbtxt"
+            path.write_text(path.read_text() + group)
     return repository
 
 
@@ -108,6 +114,14 @@ def main() -> None:
     parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--install-only", action="store_true")
     parser.add_argument(
+        "--instances",
+        type=int,
+        default=None,
+        help="instances of each model (Triton's, trionserve's Python-backend ones and "
+        "its ONNX simple); default: one for the Python-backend models, the example's "
+        "own for ONNX",
+    )
+    parser.add_argument(
         "--chart", type=Path, help="also write the run's infer/s as an SVG bar chart to this file"
     )
     args = parser.parse_args()
@@ -138,6 +152,9 @@ def main() -> None:
         except PeerUnavailable as exc:
             skipped[peer.name] = f"not installed: {exc}"
             print(f"[{peer.name}] skipped: {exc}", flush=True)
+    for peer in installed:
+        if isinstance(peer, Triton) and args.instances is not None:
+            peer.instances = args.instances
     load, why = perf_analyzer.load_from_arguments(args, log=lambda line: print(line, flush=True))
     if why:
         skipped["perf_analyzer"] = why
@@ -149,22 +166,27 @@ def main() -> None:
         try:
             flags = shlex.split(args.trionserve_flags)
             server, target = start_trionserve(
-                "trionserve", repository=trionserve_repository(Path(tmp)), args=flags
+                "trionserve",
+                repository=trionserve_repository(Path(tmp), args.instances),
+                args=flags,
             )
             running.append((server, target))
             if args.python_backend:
-                repository = write_repository(Path(tmp) / "trionserve-py")
+                count = args.instances or 1
+                repository = write_repository(Path(tmp) / "trionserve-py", instances=count)
                 server, target = start_trionserve(
                     "trionserve-py", repository=repository, args=flags
                 )
                 running.append((server, target))
-                repository = write_repository(Path(tmp) / "trionserve-inproc", "in_process")
+                repository = write_repository(
+                    Path(tmp) / "trionserve-inproc", "in_process", instances=count
+                )
                 server, target = start_trionserve(
                     "trionserve-inproc", repository=repository, args=flags
                 )
                 running.append((server, target))
                 repository = write_repository(
-                    Path(tmp) / "trionserve-loop", "in_process", "event_loop"
+                    Path(tmp) / "trionserve-loop", "in_process", "event_loop", instances=count
                 )
                 server, target = start_trionserve(
                     "trionserve-loop", repository=repository, args=flags

@@ -56,10 +56,13 @@ class TritonPythonModel:
 """
 
 
-def write_repository(root: Path, execution_mode: str = "", execute_on: str = "") -> Path:
-    """Triton's models, one instance each; with ``execution_mode`` (trionserve
-    only), every model has that ``EXECUTION_MODE`` parameter (``in_process``),
-    and with ``execute_on`` that ``INPROCESS_EXECUTE_ON`` (``event_loop``)."""
+def write_repository(
+    root: Path, execution_mode: str = "", execute_on: str = "", instances: int = 1
+) -> Path:
+    """Triton's models, ``instances`` instances each (one by default); with
+    ``execution_mode`` (trionserve only), every model has that ``EXECUTION_MODE``
+    parameter (``in_process``), and with ``execute_on`` that
+    ``INPROCESS_EXECUTE_ON`` (``event_loop``)."""
     repository = root / "models"
     mode = (
         f'parameters {{ key: "EXECUTION_MODE" value: {{ string_value: "{execution_mode}" }} }}\n'
@@ -83,6 +86,10 @@ def write_repository(root: Path, execution_mode: str = "", execute_on: str = "")
     (identity / "1").mkdir(parents=True)
     (identity / "config.pbtxt").write_text(IDENTITY_CONFIG + mode)
     (identity / "1" / "model.py").write_text(IDENTITY_MODEL)
+    if instances != 1:
+        for config in repository.glob("*/config.pbtxt"):
+            text = config.read_text().replace("count: 1 }", f"count: {instances} }}")
+            config.write_text(text)
     return repository
 
 
@@ -91,9 +98,12 @@ class Triton(Peer):
     packages = ["nvidia-pytriton==0.7.0"]
     description = "Triton (nvidia-pytriton's tritonserver), Python-backend models"
 
+    # Instances of each model (benchmarks.peers --instances).
+    instances = 1
+
     def write_models(self, workdir: Path) -> Path:
         """The repository Triton serves (a benchmark of its own adds its models)."""
-        return write_repository(workdir)
+        return write_repository(workdir, instances=self.instances)
 
     def start(self, workdir: Path, ready_timeout: float) -> Running:
         package = self.site_packages() / "pytriton"
