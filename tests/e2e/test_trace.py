@@ -92,6 +92,57 @@ def test_bad_trace_config_is_refused(setting):
         parse_trace_config([setting])
 
 
+def test_batch_span_processor_settings_come_from_the_environment_and_bad_ones_are_named():
+    # server command_line_parser.cc ProcessOpenTelemetryBatchSpanProcessorArgs:
+    # OTEL_BSP_* fill the bsp_* settings the flags leave out (qa/L0_cmdline_trace).
+    env = {"OTEL_BSP_SCHEDULE_DELAY": "7", "OTEL_BSP_MAX_QUEUE_SIZE": "9"}
+    otel = parse_trace_config(
+        ["mode=opentelemetry", "opentelemetry,bsp_max_queue_size=3"], environ=env
+    )
+    assert dict(otel.opentelemetry) == {"bsp_max_queue_size": "3", "bsp_schedule_delay": "7"}
+    # Outside mode opentelemetry they are not read.
+    assert parse_trace_config([], environ={"OTEL_BSP_SCHEDULE_DELAY": "x"}).opentelemetry == ()
+    with pytest.raises(ValueError, match='^Bad option: "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"'):
+        parse_trace_config(
+            ["mode=opentelemetry"], environ={"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "bad_value"}
+        )
+    with pytest.raises(
+        ValueError, match='^Bad option: "--trace-config opentelemetry,bsp_schedule_delay"'
+    ):
+        parse_trace_config(["mode=opentelemetry", "opentelemetry,bsp_schedule_delay=-1"])
+
+
+def test_the_deprecated_trace_flags_warn_as_tritons_do(capsys):
+    from trionserve.cli.options import trace_config
+    from trionserve.cli.parser import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(
+        [
+            "--model-repository=/m",
+            "--trace-file=/tmp/t.json",
+            "--trace-rate=100",
+            "--trace-level=TIMESTAMPS",
+            "--trace-level=TENSORS",
+            "--trace-count=10",
+            "--trace-log-frequency=50",
+        ]
+    )
+    trace_config(parser, args)
+    err = capsys.readouterr().err
+    for flag, times in (
+        ("--trace-file", 1),
+        ("--trace-rate", 1),
+        ("--trace-level", 2),
+        ("--trace-count", 1),
+        ("--trace-log-frequency", 1),
+    ):
+        assert err.count(f"Warning: '{flag}' has been deprecated") == times
+    args = parser.parse_args(["--model-repository=/m", "--trace-config=rate=5"])
+    trace_config(parser, args)
+    assert capsys.readouterr().err == ""
+
+
 # -- settings semantics -------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -105,7 +106,31 @@ def metrics_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     )
 
 
+# The deprecated --trace-* flags and Triton's warning for each (server
+# command_line_parser.cc, printed to stderr as it parses them).
+_DEPRECATED_TRACE_FLAGS = (
+    ("trace_file", "--trace-file", "--trace-config triton,file=<filepath>"),
+    ("trace_level", "--trace-level", "--trace-config level=<OFF|TIMESTAMPS|TENSORS>"),
+    ("trace_rate", "--trace-rate", "--trace-config rate=<rate value>"),
+    ("trace_count", "--trace-count", "--trace-config count=<count value>"),
+    (
+        "trace_log_frequency",
+        "--trace-log-frequency",
+        "--trace-config triton,log-frequency=<log frequency value>",
+    ),
+)
+
+
 def trace_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TraceConfig:
+    for attribute, flag, replacement in _DEPRECATED_TRACE_FLAGS:
+        given = getattr(args, attribute)
+        # One warning for each time the flag is given (--trace-level repeats).
+        for _ in given if isinstance(given, list) else ([] if given is None else [given]):
+            print(
+                f"Warning: '{flag}' has been deprecated and will be removed in future "
+                f"releases. Please use '{replacement} instead.",
+                file=sys.stderr,
+            )
     try:
         return parse_trace_config(
             args.trace_config,

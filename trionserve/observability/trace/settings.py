@@ -10,7 +10,8 @@ one setting in force (global or per model) with its sampling state;
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,14 @@ def _parse_int(setting: str, value: str, low: int, high: int) -> int:
     return number
 
 
+def _parse_bsp(option: str, setting: str, value: str) -> int:
+    """A BatchSpanProcessor setting, a uint32, refused in Triton's words."""
+    try:
+        return _parse_int(setting, value, 0, _UINT32_MAX)
+    except ValueError as exc:
+        raise ValueError(f"Bad option: {option}.\n{exc}") from None
+
+
 def parse_trace_config(
     settings: Iterable[str],
     *,
@@ -81,11 +90,20 @@ def parse_trace_config(
     count: int | None = None,
     log_frequency: int | None = None,
     file: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> TraceConfig:
     """``--trace-config`` values (``<setting>=<value>`` or ``<mode>,<setting>=<value>``)
     plus the deprecated ``--trace-*`` flags, which ``--trace-config`` overrides.
 
-    Raises ValueError with Triton's wording for malformed values.
+    In mode ``opentelemetry`` a ``bsp_*`` setting the flags leave out is taken
+    from ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_SCHEDULE_DELAY`` or
+    ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` in ``environ`` (the process's by default),
+    as Triton does (server command_line_parser.cc
+    ProcessOpenTelemetryBatchSpanProcessorArgs).
+
+    Raises ValueError with Triton's wording for malformed values: a bad
+    ``bsp_*`` value is 'Bad option: "--trace-config opentelemetry,<setting>"',
+    a bad environment value 'Bad option: "OTEL_BSP_<SETTING>"'.
     """
     chosen: set[str] = set()
     disabled = False
@@ -129,13 +147,21 @@ def parse_trace_config(
             if name not in ("url", "resource") and name not in OTEL_DEFAULTS:
                 raise ValueError(f"unknown opentelemetry trace setting '{name}' in --trace-config")
             if name.startswith("bsp_"):
-                _parse_int(name, value, 0, _UINT32_MAX)
+                _parse_bsp(f'"--trace-config opentelemetry,{name}"', name, value)
             if name == "resource" and "=" not in value:
                 raise ValueError(
                     "--trace-config opentelemetry,resource=<key>=<value> expects a "
                     f"key=value pair, got {value!r}"
                 )
             otel.append((name, value))
+    if mode == "opentelemetry":
+        given = {name for name, _ in otel}
+        env = os.environ if environ is None else environ
+        for name in OTEL_DEFAULTS:
+            variable = "OTEL_" + name.upper()
+            if name.startswith("bsp_") and name not in given and variable in env:
+                _parse_bsp(f'"{variable}"', name, env[variable])
+                otel.append((name, env[variable]))
     level = frozenset() if disabled else frozenset(chosen)
     return TraceConfig(
         level=level,
