@@ -2,11 +2,12 @@
 
 Usage:
     python -m benchmarks.investigations.grpc_http_cpu [--tree LABEL=PATH ...]
-        [--rounds 10] [--calls 300] [--model simple] [--flags "..."]
+        [--rounds 10] [--calls 300] [--model simple] [--repository DIR] [--flags "..."]
 
 Each server (this checkout, or each ``--tree LABEL=PATH``: another source tree,
 e.g. ``git archive`` of an older commit unpacked outside the repository) serves
-the example repository; one tritonclient client per protocol, in this process,
+the example repository (or ``--repository``, whose ``--model`` takes `simple`'s
+tensors); one tritonclient client per protocol, in this process,
 sends ``--calls`` sync ``simple`` requests (INT32 [1,16] twice, as perf_analyzer
 sends them) per round, HTTP (binary tensors) and gRPC alternating, the order of
 protocols and servers swapped every round. Per round, the server's CPU time
@@ -84,6 +85,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--model", default="simple")
+    parser.add_argument(
+        "--repository", type=Path, default=EXAMPLES, help="the model repository served"
+    )
     parser.add_argument("--flags", default="", help="more trionserve flags, space-separated")
     args = parser.parse_args()
     trees: list[tuple[str, Path | None]] = [("this", None)]
@@ -92,7 +96,7 @@ def main() -> None:
     try:
         for label, tree in trees:
             flags = ["--allow-metrics=false", *args.flags.split()]
-            server = TrionServe(EXAMPLES, args=flags, label=label, tree=tree)
+            server = TrionServe(args.repository, args=flags, label=label, tree=tree)
             servers.append(server)
             server.wait_http(server.http_url, f"/v2/models/{args.model}/ready", 120)
         clients = [
