@@ -580,3 +580,26 @@ def test_grpc_over_mutual_tls(tmp_path):
             anonymous.is_server_live(client_timeout=5)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "strict", "warnings"),
+    [
+        ([], False, []),
+        (["--disable-auto-complete-config"], True, []),
+        (["--strict-model-config=true"], True, ["has been deprecated"]),
+        (
+            ["--strict-model-config=false", "--disable-auto-complete-config"],
+            True,
+            ["has been deprecated", "Overriding deprecated '--strict-model-config' from False"],
+        ),
+    ],
+)
+def test_strict_model_config_warns_as_triton_does(capsys, flags, strict, warnings):
+    # qa/L0_model_config cli_messages (server command_line_parser.cc 1380, 1868).
+    options = options_from_args(["--model-repository=/m", *flags])
+    assert options.strict_model_config is strict
+    err = capsys.readouterr().err
+    assert err.count("Warning: ") == len(warnings)
+    for warning in warnings:
+        assert warning in err

@@ -200,3 +200,22 @@ def test_default_max_batch_size_is_what_onnx_auto_complete_gives(
 def test_a_default_max_batch_size_that_is_not_a_number_is_refused():
     with pytest.raises(InvalidArgument, match="default-max-batch-size=many: expected an integer"):
         BackendManager({"": {"default-max-batch-size": "many"}})
+
+
+def test_a_config_without_autofill_is_checked_before_its_versions(tmp_path):
+    # Triton validates the config when it polls the model and looks for versions
+    # only when it loads it (qa/L0_model_config's noautofill_platform models have
+    # no version directory and expect the config's error).
+    from tests.repository import write_model
+    from trionserve.actors.registry_entries import prepare_model
+
+    bad = 'platform: "onnxruntime_onnx"\nmax_batch_size: -1\ninput [ { name: "I" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+    model_dir = write_model(tmp_path, "bad", bad)
+    with pytest.raises(InvalidArgument, match="max_batch_size must be >= 0, got -1"):
+        prepare_model(model_dir, False, None)
+    # With autofill the inputs may come from the model file: no versions it is.
+    with pytest.raises(InvalidArgument, match="has no versions to load"):
+        prepare_model(model_dir, True, None)
+    good = bad.replace("-1", "0") + '\noutput [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]'
+    with pytest.raises(InvalidArgument, match="has no versions to load"):
+        prepare_model(write_model(tmp_path, "good", good), False, None)

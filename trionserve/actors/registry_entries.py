@@ -115,7 +115,17 @@ def prepare_model(
     config, max_batch_size_set = read_model_config(model_dir, override_json, config_name)
     infer_platform(config, model_dir)
     backend = (backends or BackendManager()).backend_for(config)
-    versions = select_versions(config, list_versions(model_dir))
+    try:
+        versions = select_versions(config, list_versions(model_dir))
+    except InvalidArgument as no_versions:
+        # Triton validates a config without autofill when it polls the model
+        # (core model_repository_manager.cc: ValidateModelConfig and
+        # ValidateModelIOConfig) and finds no version to load only after, when it
+        # loads (model_lifecycle.cc): the config's error is the one reported.
+        if not autocomplete:
+            normalize_model_config(config)
+            validate_model_config(config)
+        raise no_versions from None
     if autocomplete:
         filename = config.default_model_filename or backend.default_model_filename()
         model_path = backend.auto_complete_source(model_dir / str(max(versions)), filename)

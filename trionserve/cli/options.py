@@ -121,6 +121,28 @@ _DEPRECATED_TRACE_FLAGS = (
 )
 
 
+def strict_model_config(args: argparse.Namespace) -> bool:
+    """--strict-model-config, with Triton's warnings (server command_line_parser.cc
+    1380-1384 and 1868-1876): the flag is deprecated, and
+    --disable-auto-complete-config makes it true."""
+    given = args.strict_model_config
+    if given is not None:
+        print(
+            "Warning: '--strict-model-config' has been deprecated! Please use "
+            "'--disable-auto-complete-config' instead.",
+            file=sys.stderr,
+        )
+    if args.disable_auto_complete_config:
+        if given is False:
+            print(
+                "Warning: Overriding deprecated '--strict-model-config' from False to True "
+                "in favor of '--disable-auto-complete-config'!",
+                file=sys.stderr,
+            )
+        return True
+    return bool(given)
+
+
 def trace_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TraceConfig:
     for attribute, flag, replacement in _DEPRECATED_TRACE_FLAGS:
         given = getattr(args, attribute)
@@ -256,7 +278,7 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         model_cache_dir=args.model_cache_dir,
         repository_poll_secs=args.repository_poll_secs,
         load_models=args.load_models,
-        strict_model_config=args.strict_model_config,
+        strict_model_config=strict_model_config(args),
         disable_auto_complete_config=args.disable_auto_complete_config,
         strict_readiness=args.strict_readiness,
         max_undelivered_response_bytes=args.max_undelivered_response_bytes,

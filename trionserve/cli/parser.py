@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "--strict-model-config",
         type=boolean,
-        default=False,
+        default=None,  # None: not given (its deprecation warning is for when it is)
         metavar="BOOL",
         help="require complete config.pbtxt files: no auto-complete (default false)",
     )
