@@ -57,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="trionserve",
         description="A Triton-compatible inference server on Trio.",
-        allow_abbrev=False,
+        # A flag may be shortened to any prefix that names one flag, as
+        # tritonserver reads its flags with getopt_long (server
+        # src/command_line_parser.cc): qa/L0_logging starts it with --log-warn.
+        allow_abbrev=True,
     )
     p.add_argument("--version", action="version", version=f"trionserve {__version__}")
     add = p.add_argument

@@ -1,0 +1,23 @@
+"""tritonserver's flags may be shortened as getopt_long allows (server
+src/command_line_parser.cc): to any prefix that names one flag."""
+
+from __future__ import annotations
+
+import pytest
+
+from trionserve.cli.options import parse_options
+
+
+def test_a_flag_shortened_to_a_prefix_of_one_flag_is_that_flag(tmp_path):
+    # qa/L0_logging: --log-warn="false" is --log-warning=false.
+    options, _ = parse_options([f"--model-repository={tmp_path}", "--log-warn=false"])
+    assert options.log_warning is False
+    options, _ = parse_options([f"--model-repo={tmp_path}", "--log-verb=2"])
+    assert options.model_repositories == [tmp_path] and options.log_verbose == 2
+
+
+def test_a_prefix_of_several_flags_is_refused_naming_them(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_options([f"--model-repository={tmp_path}", "--log-"])
+    assert info.value.code == 1
+    assert "ambiguous option: --log-" in capsys.readouterr().err
