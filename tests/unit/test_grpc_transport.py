@@ -754,16 +754,24 @@ async def test_a_unary_call_answered_at_once_runs_in_one_step_of_the_reader():
 
 async def test_a_unary_call_that_waits_keeps_the_reader_task_and_another_reads_on():
     """A call that runs in the reader's task and then waits keeps that task; a new
-    task reads on: calls after it on the connection are answered meanwhile, and
-    it is answered when it can be."""
+    task reads on: calls after it on the connection are answered meanwhile, each
+    in a task of its own (with a call in flight, calls run in tasks, so that
+    calls in flight together reach the scheduler together), and it is answered
+    when it can be."""
     handlers = Handlers()
     async with serving(handlers) as (port, _):
         async with RawClient.connect(port) as client:
             waiting = await client.call("/t.T/Wait", frame(b""))
             with trio.fail_after(10):
                 await handlers.entered.wait()
-            echoes = [await client.call("/t.T/Echo", frame(b"e%d" % i)) for i in range(3)]
-            await client.until(lambda c: all(c.ended(s) for s in echoes))
+            counter = StepCounter()
+            trio.lowlevel.add_instrument(counter)
+            try:
+                echoes = [await client.call("/t.T/Echo", frame(b"e%d" % i)) for i in range(3)]
+                await client.until(lambda c: all(c.ended(s) for s in echoes))
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            assert len([t for t in counter.tasks if "_run_call" in t.name]) == 3
             assert [client.data[s] for s in echoes] == [frame(b"e%d" % i) for i in range(3)]
             assert not client.ended(waiting)
             handlers.release.set()

@@ -388,15 +388,16 @@ class Connection:
         """Start the calls whose HEADERS came in the last read, then write what
         they answered; True when this task stays with a call (a new one reads on).
 
-        A unary call whose request came whole runs here, in the reader's task,
-        until it ends or would wait: most end, answered, written with the read's
-        other output in one write, with no task of their own and no pass of the
-        run loop more (an HTTP request's cost). One that would wait has made this
-        task its own (inline.step) and keeps it; the calls after it get tasks.
-        Any other call runs in a task of its own."""
+        The connection's only call, unary, its request whole, runs here in the
+        reader's task until it ends or would wait, as an HTTP/1.1 request runs in
+        its connection's: most end, answered, written with the read's other
+        output in one write, with no task of their own and no pass of the run
+        loop more. One that would wait has made this task its own (inline.step)
+        and keeps it. Any other call runs in a task of its own: calls in flight
+        together reach the scheduler together, in one pass, and batch."""
         starting, self._starting = self._starting, []
         for index, (call, handler) in enumerate(starting):
-            if call.client_streaming or not call.state.client_done:
+            if call.client_streaming or not call.state.client_done or len(self.calls) > 1:
                 self._spawn(call, handler)
                 continue
             self._inline = call
