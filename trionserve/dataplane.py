@@ -396,7 +396,13 @@ class DataPlane:
         ``queued`` is set once the model's scheduler holds the request.
         """
         run = _Lifecycle(self, model, request)
-        trace = run.trace = self.tracing.start(model, request) if self.tracing.active else None
+        parent = request.parent_trace
+        trace: Trace | None
+        if isinstance(parent, Trace):
+            trace = self.tracing.start_child(model, parent, request)
+        else:
+            trace = self.tracing.start(model, request) if self.tracing.active else None
+        run.trace = request.trace = trace
         self.drain.request_began(model, request)
         try:
             await model.infer(request)
@@ -478,10 +484,6 @@ class DataPlane:
     ) -> InferenceResponse:
         async with self._lifecycle(model, request, queued) as run:
             response = await request.wait()
-            if run.trace is not None:  # the backend's outputs, before classification
-                run.traced = InferenceResponse(
-                    response.model_name, response.model_version, outputs=list(response.outputs)
-                )
             await run.deliverable(response)
         return response
 
@@ -611,8 +613,8 @@ class _Lifecycle:
         self._dataplane = dataplane
         self.model = model
         self.request = request
-        # The request's trace, if traced, and the response whose outputs it
-        # records (a request with one response only).
+        # The request's trace, if traced, and the outputs of its responses that
+        # it records (TENSOR_BACKEND_OUTPUT, before classification).
         self.trace: Trace | None = None
         self.traced: InferenceResponse | None = None
         self._first = dataplane._first_response
@@ -622,11 +624,19 @@ class _Lifecycle:
         )
 
     async def deliverable(self, response: InferenceResponse | None) -> None:
-        """Make a response ready to hand on: the first one is timed
+        """Make a response ready to hand on: a traced request's outputs are kept
+        for its trace, the first one is timed
         (nv_inference_first_response_histogram_ms), and the classification
         extension is applied to the outputs that asked for it."""
         if response is None:
             return
+        if self.trace is not None:  # the backend's outputs, before classification
+            if self.traced is None:
+                self.traced = InferenceResponse(
+                    response.model_name, response.model_version, outputs=list(response.outputs)
+                )
+            else:
+                self.traced.outputs += response.outputs
         if self._first:
             self._first = False
             observe_first_response(self.model, trio.current_time() - self.request.arrival_time)

@@ -207,10 +207,12 @@ class _Model:
     """What the trace manager needs of a model version."""
 
     def __init__(self, name: str = "m") -> None:
+        from trionserve._generated.model_config_pb2 import ModelConfig
         from trionserve.observability.statistics import ModelStatistics
 
         self.name, self.version = name, 1
         self.statistics = ModelStatistics(name, 1)
+        self.config = ModelConfig(name=name, backend="identity")
 
 
 class _Request:
@@ -459,3 +461,47 @@ async def test_a_writer_behind_keeps_the_main_trace_file_whole(tmp_path):
         nursery.cancel_scope.cancel()
     objects = json.loads(path.read_text())
     assert sorted(o["id"] for o in objects) == list(range(chunks))
+
+
+def test_an_ensembles_steps_are_traced_as_its_children(tmp_path):
+    # core InferenceTrace::SpawnChildTrace: each step request of a traced ensemble
+    # request has a trace of its own, the next id, "parent_id" the ensemble's
+    # (qa/L0_cmdline_trace's ensemble cases); backend outputs are traced where a
+    # backend answers, so the ensemble's own trace has none.
+    trace_file = tmp_path / "trace.json"
+    proc = ServerProcess(
+        args=[
+            f"--trace-config=triton,file={trace_file}",
+            "--trace-config=level=TIMESTAMPS",
+            "--trace-config=level=TENSORS",
+            "--trace-config=rate=1",
+        ]
+    )
+    try:
+        proc.wait_ready(path="/v2/health/ready")
+        http = httpclient.InferenceServerClient(proc.http_url)
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        inputs = [httpclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+        for tensor in inputs:
+            tensor.set_data_from_numpy(a)
+        http.infer("simple_ensemble", inputs, request_id="7")
+        http.close()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+    entries = json.loads(trace_file.read_text())
+    heads = sorted((e for e in entries if "model_name" in e), key=lambda e: e["id"])
+    assert heads[0] == {
+        "id": 1,
+        "model_name": "simple_ensemble",
+        "model_version": 1,
+        "request_id": "7",
+    }
+    assert heads[1:] == [
+        {"id": n, "model_name": "simple", "model_version": 1, "request_id": "7", "parent_id": 1}
+        for n in (2, 3)
+    ]
+    outputs = [e["id"] for e in entries if e.get("activity") == "TENSOR_BACKEND_OUTPUT"]
+    inputs_traced = [e["id"] for e in entries if e.get("activity") == "TENSOR_QUEUE_INPUT"]
+    assert sorted(outputs) == [2, 2, 3, 3]
+    assert sorted(inputs_traced) == [1, 1, 2, 2, 3, 3]

@@ -380,7 +380,7 @@ class EnsembleRun:
             )
             inputs[model_input] = Tensor(model_input, entry.tensor.datatype, data)
         sequence_id, start, end = carried or sequence
-        return InferenceRequest(
+        step_request = InferenceRequest(
             step.model_name,
             step.model_version,
             model_namespace=step.model_namespace,
@@ -394,6 +394,9 @@ class EnsembleRun:
             sequence_start=start,
             sequence_end=end,
         )
+        # A traced ensemble request's steps are traced as its children.
+        step_request.parent_trace = request.trace
+        return step_request
 
     async def _deliver(
         self, step: Step, step_request: InferenceRequest, response: InferenceResponse | None

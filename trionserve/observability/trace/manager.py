@@ -189,7 +189,27 @@ class TraceManager:
             return None
         if setting.count == 0:
             self._refresh()
-        trace = Trace(self._next_id, setting, model.name, model.version, request.id)
+        return self._begin(setting, model, request, None)
+
+    def start_child(
+        self, model: ObservedVersion, parent: Trace, request: InferenceRequest
+    ) -> Trace:
+        """The trace of a request an ensemble made for one of its steps while it
+        was traced: taken whatever the sampling, with the parent's setting and the
+        next id, its ``parent_id`` the ensemble request's trace (core
+        InferenceTrace::SpawnChildTrace, ensemble_scheduler.cc)."""
+        setting = parent.setting
+        setting.inflight += 1
+        return self._begin(setting, model, request, parent.id)
+
+    def _begin(
+        self,
+        setting: TraceSetting,
+        model: ObservedVersion,
+        request: InferenceRequest,
+        parent_id: int | None,
+    ) -> Trace:
+        trace = Trace(self._next_id, setting, model.name, model.version, request.id, parent_id)
         self._next_id += 1
         trace.timestamp("REQUEST_START", clock_ns(trio.current_time()))
         if trace.tensors is not None:
@@ -211,7 +231,10 @@ class TraceManager:
         if request.arrival_time:
             trace.events.insert(1, ("QUEUE_START", clock_ns(request.arrival_time)))
         trace.timestamp("REQUEST_END", end)
-        if response is not None and trace.tensors is not None:
+        # Backend outputs are traced where a backend answers (core
+        # infer_response.cc): an ensemble's own trace has none, its steps' do.
+        ensemble = model.config.platform == "ensemble"
+        if response is not None and trace.tensors is not None and not ensemble:
             for tensor in response.outputs:
                 trace.tensor("TENSOR_BACKEND_OUTPUT", tensor.name, tensor.datatype, tensor.data)
         setting = trace.setting

@@ -60,12 +60,29 @@ def clock_ns(seconds: float) -> int:
 class Trace:
     """The activities of one sampled request, in the order they happened."""
 
-    __slots__ = ("id", "setting", "model_name", "model_version", "request_id", "events", "tensors")
+    __slots__ = (
+        "id",
+        "parent_id",
+        "setting",
+        "model_name",
+        "model_version",
+        "request_id",
+        "events",
+        "tensors",
+    )
 
     def __init__(
-        self, id: int, setting: TraceSetting, model_name: str, model_version: int, request_id: str
+        self,
+        id: int,
+        setting: TraceSetting,
+        model_name: str,
+        model_version: int,
+        request_id: str,
+        parent_id: int | None = None,
     ) -> None:
         self.id = id
+        # The trace of the request that made this one (an ensemble's), if any.
+        self.parent_id = parent_id
         self.setting = setting
         self.model_name = model_name
         self.model_version = model_version
@@ -111,6 +128,8 @@ class Trace:
         }
         if self.request_id:
             head["request_id"] = self.request_id
+        if self.parent_id is not None:
+            head["parent_id"] = self.parent_id
         objects = [head]
         if "TIMESTAMPS" in self.setting.level:
             objects += (
