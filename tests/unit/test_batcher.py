@@ -591,3 +591,29 @@ async def test_an_executor_asking_with_nothing_queued_leaves_the_batcher_asleep(
         assert got == [["one"]]
         outlet.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_delay_scheduler_holds_batching_until_that_many_are_queued(
+    autojump_clock, monkeypatch
+):
+    # Triton's testing hook (core dynamic_batch_scheduler.cc BatcherThread), which
+    # qa/L0_batcher's delay tests set: nothing goes until 3 requests are queued,
+    # then they make one batch, and batching never holds again.
+    monkeypatch.setenv("TRITONSERVER_DELAY_SCHEDULER", "3")
+    config = make_config("preferred_batch_size: [ 2, 6 ] max_queue_delay_microseconds: 100000")
+    async with trio.open_nursery() as nursery:
+        batcher, fake = await start(nursery, config)
+        await submit_all(batcher, [request("a"), request("b")])
+        await trio.sleep(10)  # far past the queue delay: still held
+        assert fake.batches == []
+        t0 = trio.current_time()
+        await batcher.submit(request("c"))
+        await fake.next_batch()
+        await trio.sleep(1)
+        # The oldest waited past the delay: everything gathered goes, at once.
+        assert fake.batches[0] == (t0, ["a", "b", "c"])
+        t1 = trio.current_time()
+        await batcher.submit(request("d"))
+        await trio.sleep(1)
+        assert fake.batches[1] == (pytest.approx(t1 + 0.1), ["d"])
+        nursery.cancel_scope.cancel()

@@ -50,6 +50,7 @@ from trionserve.schedulers.scheduler import (
     Outcome,
     deliver_outcomes,
 )
+from trionserve.schedulers.testing_hooks import count_from_environment
 from trionserve.schedulers.timer import PreciseWakeup
 
 if TYPE_CHECKING:
@@ -262,6 +263,10 @@ class DynamicBatchScheduler:
         self._levels: dict[int, _Level] = {}
         self._order: list[int] = []  # level numbers, highest priority first
         self._queued = 0
+        # Triton's testing hook (core dynamic_batch_scheduler.cc BatcherThread):
+        # with TRITONSERVER_DELAY_SCHEDULER=N in the environment no batch forms
+        # until N requests are queued; once they are, batching never holds again.
+        self._hold = count_from_environment("TRITONSERVER_DELAY_SCHEDULER")
         self._deadlines: list[tuple[float, int, _Entry]] = []
         self._sequence = itertools.count()
         self._ready: deque[_Outlet] = deque()
@@ -311,6 +316,15 @@ class DynamicBatchScheduler:
         """Expire, then give each idle executor the batch that can go now; when
         to look again for the next one (inf: none waits for a delay)."""
         self._expire(now)
+        if self._hold and not self._closed:
+            if self._queued < self._hold:
+                if verbose():
+                    log.debug(
+                        f"Delaying batcher thread {self.model_name} until {self._hold} "
+                        f"queued requests, current total = {self._queued}"
+                    )
+                return math.inf  # a submission wakes the batcher
+            self._hold = 0
         ready = self._ready
         while ready and self._queued:
             entries, wait_until = self._form(now)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import os
 from collections import deque
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -59,18 +58,11 @@ from trionserve.schedulers.sequence_state import (
     describe,
 )
 from trionserve.schedulers.sequence_strategies import DirectStrategy, OldestStrategy
+from trionserve.schedulers.testing_hooks import count_from_environment
 from trionserve.schedulers.timer import PreciseWakeup
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
-
-
-def _count_from_environment(name: str) -> int:
-    """A count from a testing variable, 0 when unset (``atoi`` in Triton)."""
-    try:
-        return max(0, int(os.environ.get(name, "0")))
-    except ValueError:
-        return 0
 
 
 class SequenceBatchScheduler:
@@ -143,8 +135,8 @@ class SequenceBatchScheduler:
         # TRITONSERVER_DELAY_SCHEDULER requests and the backlog holds
         # TRITONSERVER_BACKLOG_DELAY_SCHEDULER (core sequence_batch_scheduler.cc
         # Create, DelayScheduler and DirectSequenceBatch::BatcherThread).
-        self._hold_queued = _count_from_environment("TRITONSERVER_DELAY_SCHEDULER")
-        self._hold_backlog = _count_from_environment("TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
+        self._hold_queued = count_from_environment("TRITONSERVER_DELAY_SCHEDULER")
+        self._hold_backlog = count_from_environment("TRITONSERVER_BACKLOG_DELAY_SCHEDULER")
 
     @property
     def pending(self) -> int:
