@@ -8,7 +8,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from trionserve.core.inference import InferenceRequest
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.schedulers.default import DefaultScheduler
 
 
@@ -133,3 +133,102 @@ async def test_two_idle_executors_run_two_requests_at_once():
         await trio.testing.wait_all_tasks_blocked()
         assert all(e.channel == [] for e in executors)
         nursery.cancel_scope.cancel()
+
+
+class _StubLike:
+    """A DirectAsyncBackendInstance whose execute waits for a gate."""
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()
+        self.busy = 0
+        self.executed: list[str] = []
+        self.abandoned: list[str] = []  # waited for by a cancelled task: still running
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+    def runs_direct(self) -> bool:
+        return self.busy == 0
+
+    async def wait_idle(self) -> None:
+        await self.gate.wait()  # the process finishes what it was running
+        self.executed.extend(self.abandoned)
+        self.busy -= len(self.abandoned)
+        self.abandoned.clear()
+
+    async def execute_async(self, requests):
+        self.busy += 1
+        try:
+            await self.gate.wait()
+        except trio.Cancelled:
+            self.abandoned.extend(r.id for r in requests)
+            raise
+        self.busy -= 1
+        self.executed.extend(r.id for r in requests)
+        return [InferenceResponse("m", "1", r.id, []) for r in requests]
+
+    def close(self) -> None:
+        pass
+
+
+def _executor(scheduler: DefaultScheduler, instance: _StubLike):
+    from trionserve.actors.executor import InstanceExecutor
+    from trionserve.backends.base import InstanceSpec
+
+    spec = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)
+    return InstanceExecutor(spec, instance, scheduler.outlet())
+
+
+async def test_a_stopped_executor_lets_the_direct_batch_finish():
+    """stop() (unload, drain) while a batch runs in its submitting task: the
+    batch gets its real answer, then the executor ends."""
+    scheduler = DefaultScheduler()
+    instance = _StubLike()
+    executor = _executor(scheduler, instance)
+    request = _request("a")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(scheduler.submit, request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert instance.busy == 1  # in the submitting task
+        executor.stop()
+        await trio.testing.wait_all_tasks_blocked()
+        assert not executor.finished.is_set()
+        instance.gate.set()
+        await executor.finished.wait()
+    assert instance.executed == ["a"]
+    assert (await request.wait()).id == "a"
+
+
+async def test_a_cancelled_submitter_holds_the_executor_until_the_instance_is_idle():
+    """The submitter gives up while its batch executes: its request is
+    cancelled (the model is told) and answered, and the executor runs the next
+    batch only once the instance finished the first."""
+    scheduler = DefaultScheduler()
+    instance = _StubLike()
+    executor = _executor(scheduler, instance)
+    first, second = _request("a"), _request("b")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await trio.testing.wait_all_tasks_blocked()
+        scope = trio.CancelScope()
+
+        async def submit_first() -> None:
+            with scope:
+                await scheduler.submit(first)
+
+        nursery.start_soon(submit_first)
+        await trio.testing.wait_all_tasks_blocked()
+        scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert first.cancelled and first.done
+        nursery.start_soon(scheduler.submit, second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert instance.busy == 1  # still the first: the second waits
+        instance.gate.set()
+        response = await second.wait()
+        assert response.id == "b"
+        assert instance.executed == ["a", "b"]
+        executor.stop()

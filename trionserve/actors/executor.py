@@ -342,6 +342,10 @@ class InstanceExecutor:
                 else:
                     batch = await outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
+                # Stopped: a batch running in a submitting task finishes first
+                # (its process is needed until it answers).
+                while self._direct_running is not None:
+                    await self._direct_running.wait()
                 return
             while self._direct_running is not None:
                 await self._direct_running.wait()  # one batch at a time
