@@ -196,9 +196,9 @@ class PythonInstance:
             try:
                 how = await self._serve(stub)
             except BaseException:
-                # Stopped (unload, shutdown): a call awaited in a shielded task
-                # (DirectAsyncBackendInstance) ends now; they stay in _calls, so
-                # ``close`` kills the busy stub instead of finalizing it.
+                # Stopped (unload, shutdown): a call awaited in a submitting
+                # task (DirectAsyncBackendInstance) ends now; they stay in
+                # _calls, so ``close`` kills the busy stub instead of finalizing it.
                 stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
                 for call in self._calls.values():
                     call.results = [stopped] * len(call.requests)
@@ -413,9 +413,11 @@ class PythonInstance:
                 event = trio.Event()
                 self._handed_wait = (reply[1], event)
                 scope = self._pump_scope = trio.CancelScope()
-                with scope:
-                    await event.wait()
-                self._handed_wait = self._pump_scope = None
+                try:
+                    with scope:
+                        await event.wait()
+                finally:
+                    self._handed_wait = self._pump_scope = None
                 if scope.cancelled_caught:
                     continue
             call_id, _, freed, error, rescheduled, responses = reply
