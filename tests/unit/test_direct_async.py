@@ -8,7 +8,11 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from trionserve.actors.executor import InstanceExecutor
+from trionserve.backends.base import DirectAsyncBackendInstance, InstanceSpec
+from trionserve.core.errors import Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.observability.statistics import ModelStatistics
 from trionserve.schedulers.default import DefaultScheduler
 
 
@@ -173,8 +177,6 @@ class _StubLike:
 
 
 def _executor(scheduler: DefaultScheduler, instance: _StubLike):
-    from trionserve.actors.executor import InstanceExecutor
-    from trionserve.backends.base import InstanceSpec
 
     spec = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)
     return InstanceExecutor(spec, instance, scheduler.outlet())
@@ -232,3 +234,92 @@ async def test_a_cancelled_submitter_holds_the_executor_until_the_instance_is_id
         assert response.id == "b"
         assert instance.executed == ["a", "b"]
         executor.stop()
+
+
+async def test_a_request_taken_while_one_runs_in_a_submitting_task_stays_pending():
+    """The executor's task takes the next request from the channel while the
+    first runs in its submitter, and waits for that run to end: the request is
+    pending until then (nv_inference_pending_request_count), as in Triton."""
+    scheduler = DefaultScheduler()
+    executor = _Executor(scheduler)
+    executor.gate = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(executor.serve)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(scheduler.submit, _request("a"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert scheduler.pending == 0  # "a" runs
+        await scheduler.submit(_request("b"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert executor.channel == ["b"]  # taken by the executor's task ...
+        assert scheduler.pending == 1  # ... which waits for "a": still pending
+        executor.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert scheduler.pending == 0
+        nursery.cancel_scope.cancel()
+
+
+class _GatedStub:
+    """A DirectAsyncBackendInstance whose calls wait for ``gate`` (a stub busy
+    with a forward)."""
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()
+        self.busy = False
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def execute_async(self, requests):
+        self.busy = True
+        try:
+            await self.gate.wait()
+        finally:
+            self.busy = False
+        return [InferenceResponse(r.model_name, "1", outputs={}) for r in requests]
+
+    def runs_direct(self) -> bool:
+        return not self.busy
+
+    async def wait_idle(self) -> None:
+        await self.gate.wait()
+
+    def close(self) -> None:
+        pass
+
+
+async def test_an_executor_stopped_while_it_holds_a_request_answers_it():
+    """The executor holds "b" while "a" runs in its submitter; stopped then
+    (unload deadline, shutdown), it answers "b" UNAVAILABLE instead of
+    dropping it: every accepted request gets exactly one outcome."""
+    scheduler = DefaultScheduler()
+    instance = _GatedStub()
+    assert isinstance(instance, DirectAsyncBackendInstance)
+    spec = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)
+    executor = InstanceExecutor(spec, instance, scheduler.outlet(), ModelStatistics("m", "1"))
+    executor_scope = trio.CancelScope()
+
+    async def run_executor(task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with executor_scope:
+            await executor.run(task_status=task_status)
+
+    a, b = _request("a"), _request("b")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_executor)
+        nursery.start_soon(scheduler.submit, a)
+        await trio.testing.wait_all_tasks_blocked()
+        assert instance.busy  # "a" runs in its submitting task
+        await scheduler.submit(b)
+        await trio.testing.wait_all_tasks_blocked()
+        assert scheduler.pending == 1  # held by the executor's task
+        executor_scope.cancel()
+        with trio.fail_after(5):
+            try:
+                await b.wait()
+            except Unavailable as error:
+                assert "was stopped" in str(error)
+            else:
+                raise AssertionError("the held request was answered with a response")
+        instance.gate.set()
+        assert isinstance(await a.wait(), InferenceResponse)

@@ -347,8 +347,16 @@ class InstanceExecutor:
                 while self._direct_running is not None:
                     await self._direct_running.wait()
                 return
-            while self._direct_running is not None:
-                await self._direct_running.wait()  # one batch at a time
+            try:
+                while self._direct_running is not None:
+                    await self._direct_running.wait()  # one batch at a time
+            except BaseException:
+                # Cancelled (unload deadline or shutdown) holding a batch taken
+                # while a submitting task ran one: answered here, not lost.
+                stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
+                self._record_failures(batch, FailureReason.OTHER)
+                outlet.complete(batch, [stopped] * len(batch))
+                raise
             live = self._live(batch)
             if not live:
                 outlet.complete(live, ())

@@ -24,7 +24,17 @@ EAGER_BATCHES = 16
 class _ChannelOutlet:
     """An outlet over a clone of the shared batch channel: no ordering to keep."""
 
-    __slots__ = ("_channel", "_eager", "_scheduler", "close", "complete", "offered", "receive")
+    __slots__ = (
+        "_channel",
+        "_eager",
+        "_scheduler",
+        "close",
+        "complete",
+        "held",
+        "in_flight",
+        "offered",
+        "receive",
+    )
 
     def __init__(self, scheduler: DefaultScheduler, channel: trio.MemoryReceiveChannel) -> None:
         self._scheduler = scheduler
@@ -33,6 +43,11 @@ class _ChannelOutlet:
         # The run this outlet's executor offers while it waits in
         # receive_direct_async (None otherwise).
         self.offered: DirectRunAsync | None = None
+        # True while a submitting task runs a batch with this outlet's executor
+        # (see DefaultScheduler.submit), and the requests its executor took from
+        # the channel meanwhile: they wait for that run to end, still pending.
+        self.in_flight = False
+        self.held = 0
         self.receive = channel.receive
         self.close = channel.close
         self.complete = deliver_outcomes
@@ -75,11 +90,18 @@ class _ChannelOutlet:
         self.offered = run
         offers.append(self)
         try:
-            return await self.receive()
+            batch = await self.receive()
         finally:
             self.offered = None
             if self in offers:
                 offers.remove(self)
+        if self.in_flight:
+            # The executor waits for the run in the submitting task to end
+            # before it takes this batch to its instance: pending until then, as
+            # Triton counts a request pending until an instance takes it.
+            self.held += len(batch)
+            self._scheduler._held += len(batch)
+        return batch
 
 
 class DefaultScheduler:
@@ -120,6 +142,9 @@ class DefaultScheduler:
         # may have been handed one).
         self._direct_async: list[_ChannelOutlet] = []
         self._channelled = 0
+        # Requests held by executors until a run in a submitting task ends (see
+        # _ChannelOutlet.receive_direct_async): still pending.
+        self._held = 0
         self._closed = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -137,9 +162,13 @@ class DefaultScheduler:
             outlet = offers.pop()
             run, channelled = outlet.offered, self._channelled
             assert run is not None  # set while it is offered
+            outlet.in_flight = True
             try:
                 taken = await run(batch)
             finally:
+                outlet.in_flight = False
+                self._held -= outlet.held
+                outlet.held = 0
                 if outlet.offered is run and channelled == self._channelled and not self._closed:
                     offers.append(outlet)
             if taken:
@@ -155,7 +184,7 @@ class DefaultScheduler:
     def pending(self) -> int:
         """Requests queued (or waiting for room) and not yet taken by an instance."""
         statistics = self._send.statistics()
-        return statistics.current_buffer_used + statistics.tasks_waiting_send
+        return statistics.current_buffer_used + statistics.tasks_waiting_send + self._held
 
     def outlet(self) -> BatchOutlet:
         return _ChannelOutlet(self, self._receive.clone())
