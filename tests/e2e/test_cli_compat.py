@@ -168,7 +168,7 @@ def test_every_tritonserver_flag_parses():
     assert trace == Restriction("admin-key", "admin-value")
     infer = options.grpc.restricted_protocols.get(RestrictedCategory.INFERENCE)
     assert infer == Restriction("triton-grpc-protocol-infer-key", "infer-value")
-    assert options.log_format == "console"  # ISO8601 is Triton's text format
+    assert options.log_format == "ISO8601"  # Triton's line format (observability/logging.py)
 
 
 @pytest.mark.parametrize(

@@ -328,7 +328,7 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         exit_process=True,
         exit_on_error=args.exit_on_error,
         log_verbose=args.log_verbose,
-        log_format="json" if args.log_format == "json" else "console",
+        log_format=args.log_format,
         log_file=args.log_file,
         log_info=args.log_info,
         log_warning=args.log_warning,

@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-format",
         choices=["console", "json", "default", "ISO8601"],
         default="console",
-        help="console (default; Triton's 'default' and 'ISO8601' name it too) or json",
+        help="console (default), json, or Triton's line formats default and ISO8601",
     )
     for level in ("info", "warning", "error"):
         add(

@@ -1,16 +1,25 @@
 """structlog setup, and the log settings the logging extension changes at run time.
 
-Events are rendered one per line (console or JSON) to stderr or to ``log_file``;
-an event with a ``table`` field (a list of rows) is followed, in the console
-format, by that table drawn in text (the start-up overview).
+Events are rendered one per line to stderr or to ``log_file``: in this server's
+``console`` format (the default) or ``json``, or in Triton's own ``default`` and
+``ISO8601`` formats (triton-inference-server/common ``src/logging.cc``
+LogPreamble: ``I1129 08:41:00.123456 <pid> <file>:<line>] <message>`` and
+``2026-11-29T08:41:00Z I <pid> <file>:<line>] <message>``, UTC; the file and line
+are the Python caller's; the message, with its fields as ``key=value``, is a JSON
+string unless ``TRITON_SERVER_ESCAPE_LOG_MESSAGES=0``, as Triton escapes it). An
+event with a ``table`` field (a list of rows) is followed, in the text formats, by
+that table drawn in text (the start-up overview).
 Which levels pass is decided per event from :data:`SETTINGS`, so ``POST
 /v2/logging`` takes effect at once for every logger, cached or not.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
@@ -19,9 +28,19 @@ from structlog.typing import EventDict, WrappedLogger
 
 from trionserve.core.errors import InvalidArgument, Unimplemented
 
-# Triton's names for its two text formats both map to our console renderer.
 _KEYS = ("log_info", "log_warning", "log_error", "log_verbose_level", "log_format", "log_file")
-_FORMATS = {"default": "console", "ISO8601": "console", "console": "console", "json": "json"}
+# Triton's two line formats, this server's console one and JSON.
+_TRITON_FORMATS = ("default", "ISO8601")
+_FORMATS = {"default": "default", "ISO8601": "ISO8601", "console": "console", "json": "json"}
+# Triton's level letters (common logging.h LEVEL_NAMES); its verbose lines are "I".
+_LETTERS = {"debug": "I", "info": "I", "warning": "W", "warn": "W"}
+_CALLSITE = structlog.processors.CallsiteParameterAdder(
+    {
+        structlog.processors.CallsiteParameter.FILENAME,
+        structlog.processors.CallsiteParameter.LINENO,
+    },
+    additional_ignores=[__name__],
+)
 
 
 @dataclass
@@ -58,8 +77,47 @@ def _level_filter(_logger: WrappedLogger, method_name: str, event_dict: EventDic
     return event_dict
 
 
+def _callsite(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """The caller's file and line, for Triton's formats only (finding them walks
+    the stack, which the other formats do not need)."""
+    if SETTINGS.log_format in _TRITON_FORMATS:
+        return _CALLSITE(logger, method_name, event_dict)
+    return event_dict
+
+
+def _escape() -> bool:
+    """Triton escapes messages unless TRITON_SERVER_ESCAPE_LOG_MESSAGES is "0"
+    (common src/logging.cc Logger::Logger)."""
+    return os.environ.get("TRITON_SERVER_ESCAPE_LOG_MESSAGES") != "0"
+
+
+def _triton_line(_logger: WrappedLogger, method_name: str, event_dict: EventDict) -> str:
+    """One record in Triton's ``default`` or ``ISO8601`` format (LogPreamble,
+    LogTimestamp: UTC; the message as TritonJson::SerializeString writes it)."""
+    now = time.time()
+    stamp = time.gmtime(now)
+    letter = _LETTERS.get(method_name, "E")
+    place = f"{event_dict.pop('filename', 'unknown')}:{event_dict.pop('lineno', 0)}"
+    for key in ("timestamp", "level"):
+        event_dict.pop(key, None)
+    event = str(event_dict.pop("event", ""))
+    trace = event_dict.pop("exception", None)
+    fields = " ".join(f"{key}={value}" for key, value in event_dict.items())
+    message = f"{event} {fields}" if fields else event
+    if trace:
+        message += "\n" + str(trace)
+    if _escape():
+        message = json.dumps(message, ensure_ascii=False)
+    if SETTINGS.log_format == "ISO8601":
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%SZ", stamp) + f" {letter}"
+    else:
+        micros = int((now % 1) * 1_000_000)
+        prefix = letter + time.strftime("%m%d %H:%M:%S", stamp) + f".{micros:06d}"
+    return f"{prefix} {os.getpid()} {place}] {message}"
+
+
 def _render(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> str:
-    table = event_dict.pop("table", None) if SETTINGS.log_format == "console" else None
+    table = event_dict.pop("table", None) if SETTINGS.log_format != "json" else None
     line = _renderers[SETTINGS.log_format](logger, method_name, event_dict)
     if table:
         return line + "\n" + format_table(table)
@@ -110,6 +168,7 @@ def configure_logging(
     """
     _renderers["console"] = structlog.dev.ConsoleRenderer(colors=False)
     _renderers["json"] = structlog.processors.JSONRenderer()
+    _renderers["default"] = _renderers["ISO8601"] = _triton_line
     update_settings(
         {
             "log_format": fmt,
@@ -128,6 +187,7 @@ def configure_logging(
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            _callsite,
             _render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
