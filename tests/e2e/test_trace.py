@@ -466,8 +466,8 @@ async def test_a_writer_behind_keeps_the_main_trace_file_whole(tmp_path):
 def test_an_ensembles_steps_are_traced_as_its_children(tmp_path):
     # core InferenceTrace::SpawnChildTrace: each step request of a traced ensemble
     # request has a trace of its own, the next id, "parent_id" the ensemble's
-    # (qa/L0_cmdline_trace's ensemble cases); backend outputs are traced where a
-    # backend answers, so the ensemble's own trace has none.
+    # (qa/L0_cmdline_trace's ensemble cases); each trace, the ensemble's too,
+    # records its inputs and its response's outputs.
     trace_file = tmp_path / "trace.json"
     proc = ServerProcess(
         args=[
@@ -503,5 +503,5 @@ def test_an_ensembles_steps_are_traced_as_its_children(tmp_path):
     ]
     outputs = [e["id"] for e in entries if e.get("activity") == "TENSOR_BACKEND_OUTPUT"]
     inputs_traced = [e["id"] for e in entries if e.get("activity") == "TENSOR_QUEUE_INPUT"]
-    assert sorted(outputs) == [2, 2, 3, 3]
+    assert sorted(outputs) == [1, 1, 2, 2, 3, 3]
     assert sorted(inputs_traced) == [1, 1, 2, 2, 3, 3]

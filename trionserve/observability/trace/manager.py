@@ -231,10 +231,7 @@ class TraceManager:
         if request.arrival_time:
             trace.events.insert(1, ("QUEUE_START", clock_ns(request.arrival_time)))
         trace.timestamp("REQUEST_END", end)
-        # Backend outputs are traced where a backend answers (core
-        # infer_response.cc): an ensemble's own trace has none, its steps' do.
-        ensemble = model.config.platform == "ensemble"
-        if response is not None and trace.tensors is not None and not ensemble:
+        if response is not None and trace.tensors is not None:
             for tensor in response.outputs:
                 trace.tensor("TENSOR_BACKEND_OUTPUT", tensor.name, tensor.datatype, tensor.data)
         setting = trace.setting
