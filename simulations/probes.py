@@ -67,14 +67,30 @@ def runtime_probes(world) -> Iterator[None]:
 
 
 class _ProbedOutlet:
-    """An executor's outlet that notes when each request's batch was taken."""
+    """An executor's outlet that notes when each request's batch was taken:
+    received, or run or handed over straight from the scheduler."""
 
     def __init__(self, outlet, world) -> None:
         self._outlet = outlet
         self._world = world
 
     async def receive(self):
-        batch = await self._outlet.receive()
+        return self._taken(await self._outlet.receive())
+
+    async def receive_direct(self, run, handover=None):
+        noted = None if handover is None else self._noting(handover)
+        return self._taken(await self._outlet.receive_direct(self._noting(run), noted))
+
+    def _noting(self, run):
+        def noted(batch):
+            if not run(batch):
+                return False
+            self._taken(batch)
+            return True
+
+        return noted
+
+    def _taken(self, batch):
         now = trio.current_time()
         for request in batch:
             record = self._world.record_for(request)

@@ -617,3 +617,105 @@ async def test_delay_scheduler_holds_batching_until_that_many_are_queued(
         await trio.sleep(1)
         assert fake.batches[1] == (pytest.approx(t1 + 0.1), ["d"])
         nursery.cancel_scope.cancel()
+
+
+class _BatcherSteps(trio.abc.Instrument):
+    """Counts the task steps of the batcher's own task."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def after_task_step(self, task) -> None:
+        if task.name.endswith("DynamicBatchScheduler.run"):
+            self.steps += 1
+
+
+async def test_an_idle_executor_taking_hand_overs_gets_the_request_from_submit(autojump_clock):
+    """Without a delay, a submit that finds an executor waiting in receive_direct
+    with a hand-over gives it the batch right there: no step of the batcher's
+    task. Requests that come while it runs gather, and go as one batch when it
+    offers itself again; a submit while it is busy wakes no task either."""
+    async with trio.open_nursery() as nursery:
+        batcher = DynamicBatchScheduler(make_config(""))
+        await nursery.start(batcher.run)
+        outlet = batcher.outlet()
+        handed: list[list[str]] = []
+
+        def handover(batch) -> bool:
+            handed.append([r.id for r in batch])
+            return True
+
+        async def wait() -> None:
+            with pytest.raises((trio.EndOfChannel, trio.ClosedResourceError)):
+                await outlet.receive_direct(lambda batch: False, handover)
+
+        nursery.start_soon(wait)
+        await trio.testing.wait_all_tasks_blocked()
+        steps = _BatcherSteps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            await batcher.submit(request("one"))
+            assert handed == [["one"]]  # before any other task ran
+            await batcher.submit(request("two"))
+            await batcher.submit(request("three"))
+            await trio.testing.wait_all_tasks_blocked()
+            assert handed == [["one"]]  # busy: they wait
+            assert steps.steps == 0
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        outlet.complete([], [])  # "one" answered elsewhere: the ticket goes
+        outlet.offer_again()  # idle again: the two queued go at once, together
+        assert handed == [["one"], ["two", "three"]]
+        outlet.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_hand_over_goes_through_the_channel(autojump_clock):
+    """A hand-over that says no (the executor is stopping, or busy) leaves the
+    batch to the executor's receive, in order."""
+    async with trio.open_nursery() as nursery:
+        batcher = DynamicBatchScheduler(make_config(""))
+        await nursery.start(batcher.run)
+        outlet = batcher.outlet()
+        got: list[list[str]] = []
+
+        async def take() -> None:
+            batch = await outlet.receive_direct(lambda b: False, lambda b: False)
+            got.append([r.id for r in batch])
+
+        nursery.start_soon(take)
+        await trio.testing.wait_all_tasks_blocked()
+        await batcher.submit(request("one"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [["one"]]
+        outlet.close()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_submit_with_every_executor_busy_does_not_wake_the_batcher(autojump_clock):
+    """With every executor busy nothing can be formed: submits leave the
+    batcher's task asleep (as Triton's Enqueue leaves its batcher thread with
+    no payload slot free); the executor's next ask forms the batch of all of
+    them. A request with a queue timeout still wakes it (to expire it)."""
+    async with trio.open_nursery() as nursery:
+        config = make_config("default_queue_policy { allow_timeout_override: true }")
+        batcher, fake = await start(nursery, config, hold=None)
+        await batcher.submit(request("first"))
+        await fake.next_batch()
+        steps = _BatcherSteps()
+        trio.lowlevel.add_instrument(steps)
+        try:
+            for i in range(4):
+                await batcher.submit(request(str(i)))
+            await trio.testing.wait_all_tasks_blocked()
+            assert steps.steps == 0
+            fake.releases[0].set()
+            await fake.next_batch()
+            assert fake.sizes() == [["first"], ["0", "1", "2", "3"]]
+            steps.steps = 0
+            await batcher.submit(request("timed", timeout_us=1000))
+            await trio.testing.wait_all_tasks_blocked()
+            assert steps.steps >= 1
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+        nursery.cancel_scope.cancel()

@@ -54,8 +54,11 @@ class Outlet:
         self._changed()
         return batch
 
-    async def receive_direct(self, run):
+    async def receive_direct(self, run, handover=None):
         return await self.receive()  # no request is handed straight over
+
+    def offer_again(self) -> None:
+        pass
 
     def complete(self, requests, outcomes) -> None:
         self.completed.append((list(requests), list(outcomes)))
@@ -345,3 +348,65 @@ async def test_delivery_wakes_once_per_batch_when_it_finishes():
         trio.lowlevel.remove_instrument(instrument)
     delivery = [name for name in steps if name.endswith("InstanceExecutor._deliver")]
     assert 20 <= len(delivery) <= 23, len(delivery)  # one per batch, and its start and end
+
+
+async def test_the_dynamic_batcher_hands_batches_to_an_idle_cpu_instance_without_a_task():
+    """An idle CPU instance gets its batch from the submitting task (delay 0),
+    and its next one as its thread reports the last, before that one's waiters
+    run: the executor's own tasks (feeder, delivery) and the batcher's take no
+    step for either."""
+    from google.protobuf import text_format
+
+    from trionserve._generated import model_config_pb2 as mc
+    from trionserve.repository.config import normalize_model_config
+    from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
+
+    config = text_format.Parse(
+        'name: "m" max_batch_size: 8 dynamic_batching {} '
+        'input [{ name: "INPUT0" data_type: TYPE_FP32 dims: [4] }] '
+        'output [{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [4] }]',
+        mc.ModelConfig(),
+    )
+    normalize_model_config(config)
+    steps: list[str] = []
+
+    class Steps(trio.abc.Instrument):
+        def after_task_step(self, task) -> None:
+            steps.append(task.name)
+
+    batcher = DynamicBatchScheduler(config)
+    instance = BlockingCpu()
+    executor = InstanceExecutor(SPEC, instance, batcher.outlet(), ModelStatistics("m", "1"))
+    pending_when_answered: list[int] = []
+
+    async def answered(request: InferenceRequest) -> None:
+        await request.wait()
+        pending_when_answered.append(batcher.pending)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(batcher.run)
+        await nursery.start(executor.run)
+        await trio.testing.wait_all_tasks_blocked()
+        instrument = Steps()
+        trio.lowlevel.add_instrument(instrument)
+        try:
+            first = make_request(0)
+            nursery.start_soon(answered, first)
+            await batcher.submit(first)
+            await entered(instance, 0)
+            later = [make_request(1), make_request(2)]
+            for request in later:
+                await batcher.submit(request)  # the instance is busy: they gather
+            instance.release[0].set()
+            await entered(instance, 1)  # both, as one batch, right after
+            instance.release[1].set()
+            for request in later:
+                await request.wait()
+        finally:
+            trio.lowlevel.remove_instrument(instrument)
+        executor.stop()
+        batcher.close()
+    assert not instance.entered[2].is_set()  # 1 and 2 ran as one batch
+    assert pending_when_answered == [0]  # the next batch had left when 0 was answered
+    ours = [n for n in steps if "InstanceExecutor" in n or "DynamicBatchScheduler.run" in n]
+    assert ours == [], ours

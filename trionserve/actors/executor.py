@@ -134,6 +134,14 @@ class InstanceExecutor:
         self._stopped = False
         # Set when a job given to the thread finishes: wakes _deliver.
         self._delivery = trio.Event()
+        # A CPU instance's thread, given batches straight by the scheduler while
+        # the executor's task waits with nothing in flight (see _handover).
+        self._thread: InstanceThread | None = None
+        self._hands_over = self._depth == 1 and self._rate_limiter is None
+        # The batch handed over and running, and how many jobs the feeder gave
+        # the thread that are not delivered yet.
+        self._handed: Job | None = None
+        self._undelivered = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -160,7 +168,7 @@ class InstanceExecutor:
 
     async def _serve_threaded(self, task_status: trio.TaskStatus[None]) -> None:
         assert self._sync is not None
-        thread = InstanceThread(self.spec.name, self._sync)
+        thread = self._thread = InstanceThread(self.spec.name, self._sync)
         thread.start()
         # Jobs given to the thread, in order, for _deliver; slots bound how many.
         send, receive = trio.open_memory_channel[Job](math.inf)
@@ -179,9 +187,9 @@ class InstanceExecutor:
         self, thread: InstanceThread, jobs: trio.MemorySendChannel[Job], slots: trio.Semaphore
     ) -> None:
         """Take batches from the outlet while a slot is free; give them to the thread."""
-        # While nothing is in flight, the scheduler may hand a request straight
-        # to _run_direct (DefaultScheduler does).
-        direct = bool(self._inline_budget) and self._rate_limiter is None
+        # While nothing is in flight, the scheduler may hand a batch straight to
+        # _run_direct (DefaultScheduler does) or _handover (the dynamic batcher).
+        direct = (bool(self._inline_budget) or self._hands_over) and self._rate_limiter is None
         while True:
             try:
                 slots.acquire_nowait()  # no task switch while a slot is free
@@ -189,7 +197,7 @@ class InstanceExecutor:
                 await slots.acquire()
             try:
                 if direct and slots.value == self._depth - 1:
-                    batch = await self._outlet.receive_direct(self._run_direct)
+                    batch = await self._outlet.receive_direct(self._run_direct, self._handover)
                 else:
                     batch = await self._outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
@@ -198,12 +206,14 @@ class InstanceExecutor:
             if live and not await self._acquire_resources(live):
                 slots.release()
                 continue
-            if live and slots.value == self._depth - 1 and self._runs_inline(live):
+            idle = slots.value == self._depth - 1 and self._handed is None
+            if live and idle and self._runs_inline(live):
                 self._execute_inline(live)  # nothing in flight: the thread is idle
                 self._release_resources()
                 slots.release()
                 continue
             job = Job(live, self._wake_delivery)
+            self._undelivered += 1
             jobs.send_nowait(job)
             if live:
                 thread.submit(job)
@@ -227,6 +237,8 @@ class InstanceExecutor:
                     self._delivery = trio.Event()
                     continue
                 except trio.EndOfChannel:
+                    while self._handed is not None:  # delivered as it finishes
+                        await self._handed.done.wait()
                     return
                 if not job.done.is_set():  # (Event.wait checkpoints even when set)
                     await thread.wait(job)
@@ -239,13 +251,18 @@ class InstanceExecutor:
                     # the thread starts it) before this one's responses are woken
                     # to be encoded and sent, not after them in the same pass.
                     await trio.lowlevel.cancel_shielded_checkpoint()
+                self._undelivered -= 1
                 self._complete(done, thread)
         except BaseException:
             # Cancelled (unload deadline or shutdown): the thread finishes the
             # batch it is running and skips the others, so the instance is idle
-            # before it is closed; their requests are answered here.
+            # before it is closed; their requests are answered here (a batch
+            # handed over as it finishes, see _handed_over).
+            self._stopped = True
             thread.abandon()
             with trio.CancelScope(shield=True):
+                while self._handed is not None:
+                    await self._handed.done.wait()
                 await self._stop_jobs(thread, job, jobs)
             raise
 
@@ -292,6 +309,52 @@ class InstanceExecutor:
 
     def _wake_delivery(self) -> None:
         self._delivery.set()
+
+    def _handover(self, batch: list[InferenceRequest]) -> bool:
+        """Give a batch handed straight over by the scheduler (in the task that
+        formed it) to the instance's thread, while this executor's task waits
+        for one with nothing in flight: no pass of the run loop between the
+        batch and the thread, none for the feeder. False (the scheduler queues
+        it for the feeder) when stopped, busy, or a request of it is finished.
+        The batch is delivered by _handed_over as the thread reports it."""
+        thread = self._thread
+        if (
+            not self._hands_over
+            or self._stopped
+            or thread is None
+            or self._handed is not None
+            or self._undelivered
+        ):
+            return False
+        for request in batch:
+            if request.cancelled or request.done:
+                return False  # the feeder answers those
+        job = self._handed = Job(batch, self._handed_over)
+        thread.submit(job)
+        return True
+
+    def _handed_over(self) -> None:
+        """The batch handed over finished (on the Trio thread, in the thread's
+        report): the scheduler is offered this executor again first, so the
+        next batch reaches the thread before this one's waiters run (batches
+        back to back), then its outcomes are delivered."""
+        job, self._handed = self._handed, None
+        assert job is not None and self._thread is not None
+        try:
+            if not self._stopped:
+                self._outlet.offer_again()
+            if isinstance(job.error, Abandoned):  # skipped: the executor is stopping
+                self._drop_finished(job.cancelled)
+                stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
+                self._record_failures(job.requests, FailureReason.OTHER)
+                self._outlet.complete(job.requests, [stopped] * len(job.requests))
+            else:
+                self._complete(job, self._thread)
+        except Exception as exc:  # a bug: this batch fails, not the event loop
+            log.exception("delivering a batch failed", instance=self.spec.name)
+            error = InternalError(f"instance '{self.spec.name}' failed to deliver: {exc!r}")
+            for request in job.requests:
+                request.fail(error)
 
     def _run_direct(self, batch: list[InferenceRequest]) -> bool:
         """Run a batch handed straight over by the scheduler while this executor

@@ -52,9 +52,12 @@ class _ChannelOutlet:
         self.close = channel.close
         self.complete = deliver_outcomes
 
-    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
+    async def receive_direct(
+        self, run: DirectRun, handover: DirectRun | None = None
+    ) -> list[InferenceRequest]:
         """``receive``, offering ``run`` meanwhile: while this executor waits here
-        with nothing queued, ``submit`` may hand a request straight to it."""
+        with nothing queued, ``submit`` may hand a request straight to it (the
+        offer stands until a request goes through the channel)."""
         direct = self._scheduler._direct
         if self._channel.statistics().current_buffer_used:
             # Something is queued: take it in order, without a task switch for up
@@ -102,6 +105,9 @@ class _ChannelOutlet:
             self.held += len(batch)
             self._scheduler._held += len(batch)
         return batch
+
+    def offer_again(self) -> None:
+        pass  # hands nothing over (``run`` runs inline, and its offer stands)
 
 
 class DefaultScheduler:

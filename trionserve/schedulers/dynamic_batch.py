@@ -145,10 +145,25 @@ class _Outlet:
     delivery, one call per batch received, in the order received (an executor may
     take its next batch before it completes the current one); ``close`` withdraws
     the executor and gives back a batch it was sent but never took, so no request
-    is lost when an executor stops.
+    is lost when an executor stops. ``receive_direct`` also offers the
+    executor's ``handover``: while it waits, the batcher gives it a batch by
+    calling that in the task that formed it (a submit, the executor's own
+    ``offer_again`` as its last batch finished, the batcher's task after a
+    delay), so the batch reaches the instance's thread without a pass of the
+    run loop; the executor says when it waits with nothing in flight again
+    (``offer_again``).
     """
 
-    __slots__ = ("_batcher", "_eager", "_send", "_receive", "_tickets", "_posted", "closed")
+    __slots__ = (
+        "_batcher",
+        "_eager",
+        "_handover",
+        "_send",
+        "_receive",
+        "_tickets",
+        "_posted",
+        "closed",
+    )
 
     def __init__(self, batcher: DynamicBatchScheduler) -> None:
         self._batcher = batcher
@@ -158,6 +173,8 @@ class _Outlet:
         self._tickets: deque[int | None] = deque()  # of batches received, not completed
         self._posted = False
         self._eager = 0  # batches taken in a row without a checkpoint
+        # The executor's hand-over while it waits in receive_direct.
+        self._handover: DirectRun | None = None
         self.closed = False
 
     async def receive(self) -> list[InferenceRequest]:
@@ -180,8 +197,20 @@ class _Outlet:
         self._tickets.append(ticket)
         return requests
 
-    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
-        return await self.receive()  # the batcher forms every batch
+    async def receive_direct(
+        self, run: DirectRun, handover: DirectRun | None = None
+    ) -> list[InferenceRequest]:
+        self._handover = handover
+        try:
+            return await self.receive()
+        finally:
+            self._handover = None
+
+    def offer_again(self) -> None:
+        """The executor took a batch through its hand-over and waits with nothing
+        in flight again (still in ``receive_direct``): ready for the next."""
+        if self._posted and not self.closed:
+            self._batcher._outlet_ready(self)
 
     async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]:
         return await self.receive()  # the batcher forms every batch
@@ -369,6 +398,20 @@ class DynamicBatchScheduler:
         if timeout_us:
             deadline = now + timeout_us / 1e6
             heapq.heappush(self._deadlines, (deadline, next(self._sequence), entry))
+        elif not self._ready:
+            # Every executor is busy: nothing can go before one asks (it forms
+            # its batch then, and wakes this actor for the delay), so this
+            # actor is not woken for it, as Triton's Enqueue wakes its batcher
+            # thread only with a payload slot free (core
+            # src/dynamic_batch_scheduler.cc, PayloadSlotAvailable).
+            return
+        elif not self._delay and self._ready[0]._handover is not None:
+            # An idle instance that takes batches straight: without a delay the
+            # batch goes now, from this task, with no pass of the run loop on
+            # the way (what arrives while it runs gathers for the next batch).
+            self._dispatch_ready(now)
+            if not self._queued:
+                return
         self._wakeup.set()
 
     def _level_for(self, priority: int) -> _Level:
@@ -544,7 +587,16 @@ class DynamicBatchScheduler:
         if self._preserve_ordering:
             ticket = self._next_ticket
             self._next_ticket += 1
-        outlet.put(requests, ticket)
+        handover = outlet._handover
+        if handover is not None:
+            # Straight to the instance's thread, in this task; ordered delivery
+            # counts it as received. Refused: it goes through the channel.
+            outlet._tickets.append(ticket)
+            if not handover(requests):
+                outlet._tickets.pop()
+                outlet.put(requests, ticket)
+        else:
+            outlet.put(requests, ticket)
         self._signal_space()
 
     def _signal_space(self) -> None:

@@ -24,7 +24,8 @@ QUEUE_CAPACITY = 1024
 
 Outcome = InferenceResponse | TritonError
 
-# Runs a batch at once on the event loop, or says no (False) and leaves it alone.
+# Runs a batch at once on the event loop or gives it to the instance's thread,
+# or says no (False) and leaves it alone.
 DirectRun = Callable[[list[InferenceRequest]], bool]
 # Runs a batch in the submitting task, awaiting its end (an instance in a stub
 # process), or says no (False) and leaves it alone.
@@ -36,20 +37,31 @@ class BatchOutlet(Protocol):
 
     ``receive`` waits for the next batch (raises EndOfChannel or
     ClosedResourceError when the scheduler has no more work for this executor);
-    ``receive_direct(run)`` is ``receive`` for an executor that waits with
-    nothing in flight and would run a batch inline: a scheduler that can (the
-    default one) may meanwhile hand a submitted request straight to ``run``
-    instead of queueing it; the batchers just ``receive``. ``receive_direct_async``
-    is the same for an executor whose instance computes elsewhere (a stub
-    process): the submitting task runs the batch and waits for it itself, as
-    Triton's model instance thread waits on its stub. ``complete`` is called
-    exactly once per batch received or run, with one outcome per request
-    passed; ``close`` says the executor takes no more batches.
+    ``receive_direct(run, handover)`` is ``receive`` for an executor that waits
+    with nothing in flight: a scheduler that can may meanwhile give a batch
+    straight to one of them, in the task that formed it, instead of queueing it
+    for the executor's task (no channel hop, no task switch): the default one
+    hands a submitted request to ``run`` (which runs it inline), the dynamic
+    batcher each batch it forms to ``handover`` (which gives it to the
+    instance's thread); either returns False to leave the batch to
+    ``receive``. An executor that took a batch through ``handover`` calls
+    ``offer_again`` once it waits with nothing in flight again (its task still
+    waits in ``receive_direct``), so that the scheduler gives it the next batch
+    (the others ignore it). ``receive_direct_async`` is the same for an
+    executor whose instance computes elsewhere (a stub process): the
+    submitting task runs the batch and waits for it itself, as Triton's model
+    instance thread waits on its stub. ``complete`` is called exactly once per
+    batch received, run or handed over, with one outcome per request passed;
+    ``close`` says the executor takes no more batches.
     """
 
     async def receive(self) -> list[InferenceRequest]: ...
 
-    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]: ...
+    async def receive_direct(
+        self, run: DirectRun, handover: DirectRun | None = None
+    ) -> list[InferenceRequest]: ...
+
+    def offer_again(self) -> None: ...
 
     async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]: ...
 

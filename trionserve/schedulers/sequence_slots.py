@@ -93,11 +93,16 @@ class Outlet:
         self._posted = False
         return batch
 
-    async def receive_direct(self, run: DirectRun) -> list[InferenceRequest]:
+    async def receive_direct(
+        self, run: DirectRun, handover: DirectRun | None = None
+    ) -> list[InferenceRequest]:
         return await self.receive()  # the scheduler forms every batch
 
     async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]:
         return await self.receive()  # the scheduler forms every batch
+
+    def offer_again(self) -> None:
+        pass  # never hands a batch over
 
     def complete(self, requests: Seq[InferenceRequest], outcomes: Seq[Outcome]) -> None:
         self._scheduler._complete(self._instance, requests, outcomes)
