@@ -505,3 +505,34 @@ async def test_chunked_body_is_one_writable_buffer_in_at_most_65536_chunks(nurse
     assert b"exceeds maximum of 65536 non-empty chunks" in answer
     assert await client.closed()
     assert len(app.bodies) == 1
+
+
+async def test_a_body_already_there_is_read_without_arming_its_deadline(nursery, monkeypatch):
+    """A declared body whose bytes are all in the socket when its head is parsed
+    (as a client that writes head and body at once sends it over loopback) is
+    read without the body's deadline (no cancel scope: a few microseconds a
+    request); one that is still coming keeps it."""
+    app = App()
+    port = await _serve_large(nursery, app, 1 << 20)
+    armed: list[float] = []
+    move_on_after = trio.move_on_after
+
+    def counted(seconds: float, *args, **kwargs):
+        armed.append(seconds)
+        return move_on_after(seconds, *args, **kwargs)
+
+    monkeypatch.setattr(trio, "move_on_after", counted)
+    client = await Client.connect(port)
+    body = bytes(range(256)) * 400  # 102,400 bytes: past the first 64 KB read
+    timeout = HttpServerOptions().header_timeout
+    for _ in range(3):  # (the first ones may find the connection's window small)
+        before = armed.count(timeout)
+        await client.send_raw(post("/echo", body))
+        assert await client.response() == (200, {"content-length": str(len(body))}, body)
+    assert armed.count(timeout) == before  # the last one: all there, not armed
+    request = post("/echo", body)
+    await client.send_raw(request[: len(request) - 1000])
+    await trio.testing.wait_all_tasks_blocked()
+    await client.send_raw(request[len(request) - 1000 :])
+    assert (await client.response())[2] == body
+    assert armed.count(timeout) == before + 1  # still coming: armed

@@ -6,6 +6,7 @@ waiting for a whole body wakes once it is whole or the peer ends."""
 from __future__ import annotations
 
 import fcntl
+import os
 import struct
 import termios
 
@@ -14,7 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from trionserve.protocol.sockets import receive_into, receive_now, send_all, send_pieces
+from trionserve.protocol.sockets import (
+    receive_after_wait,
+    receive_into,
+    receive_now,
+    send_all,
+    send_pieces,
+)
 
 
 def _stream_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
@@ -178,3 +185,34 @@ async def test_pieces_to_a_closed_or_abandoned_socket_raise_as_send_all_does():
     await client.aclose()
     with pytest.raises(trio.BrokenResourceError):
         await send_pieces(server, [b"head", b"x" * 1_000_000])
+
+
+async def test_a_read_after_a_wait_tries_no_read_before_the_bytes_come(monkeypatch):
+    """The next request's read waits for readability first: no failed read (and
+    no BlockingIOError) before the client sends; then what came, the peer's end
+    as b"", and a closed socket as ClosedResourceError."""
+    server, client = _stream_pair()
+    reads: list[int] = []
+    original = os.read
+
+    def counted(fd: int, size: int) -> bytes:
+        reads.append(fd)
+        return original(fd, size)
+
+    monkeypatch.setattr(os, "read", counted)
+    async with trio.open_nursery() as nursery:
+        got: list[bytes] = []
+
+        async def read() -> None:
+            got.append(await receive_after_wait(server, 1024))
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert reads == []  # waiting, not reading
+        await client.send_all(b"POST / HTTP/1.1\r\n")
+    assert got == [b"POST / HTTP/1.1\r\n"] and len(reads) == 1
+    await client.send_eof()
+    assert await receive_after_wait(server, 1024) == b""
+    await server.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await receive_after_wait(server, 1024)

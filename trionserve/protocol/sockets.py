@@ -35,7 +35,14 @@ from collections.abc import Sequence
 
 import trio
 
-__all__ = ["peer_name", "receive_into", "send_all", "send_pieces", "write_now"]
+__all__ = [
+    "peer_name",
+    "receive_after_wait",
+    "receive_into",
+    "send_all",
+    "send_pieces",
+    "write_now",
+]
 
 # The kernel caps SO_RCVLOWAT at half the largest receive buffer (tcp_rmem[2]);
 # a request for more than it holds is capped there too, never a wait forever.
@@ -97,6 +104,31 @@ async def receive_into(
     finally:
         if lowered:
             _set_lowat(socket, 1)
+
+
+async def receive_after_wait(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | bytearray:
+    """``stream.receive_some(max_bytes)`` for a read that expects to wait (the
+    next request of a keep-alive connection, which a client sends only after
+    it has read the answer): it waits for the socket to be readable first, then
+    reads, where Trio's reads first and waits on EAGAIN (a failed ``recv`` and
+    its exception on every request). A checkpoint either way, as
+    ``receive_some``. Raises BrokenResourceError for a failed read and
+    ClosedResourceError for a closed socket."""
+    socket = getattr(stream, "socket", None)
+    if socket is None:
+        return await stream.receive_some(max_bytes)
+    while True:
+        if socket.fileno() < 0:
+            raise trio.ClosedResourceError("the stream was closed")
+        await trio.lowlevel.wait_readable(socket)
+        try:
+            return os.read(socket.fileno(), max_bytes)
+        except BlockingIOError:
+            continue  # readable, then not (another reader): wait again
+        except OSError as exc:
+            if socket.fileno() < 0:
+                raise trio.ClosedResourceError("the stream was closed") from exc
+            raise trio.BrokenResourceError(exc) from exc
 
 
 def receive_now(stream: trio.abc.ReceiveStream, buffer: memoryview) -> int | None:
