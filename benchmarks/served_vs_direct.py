@@ -29,7 +29,9 @@ repository:
 For each model and concurrency C, in turn and rotated each round:
 
 - ``direct``: the same file loaded in its framework in this process
-  (``onnxruntime.InferenceSession`` with default options, as the backend makes it;
+  (``onnxruntime.InferenceSession`` with the options the backend gives the
+  served model: on the CPU one intra-op thread (``intra_op_thread_count`` "1"
+  in the served config too) and idle threads that sleep;
   ``torch.jit.load`` under ``inference_mode``), one thread calling it on batch C,
   numpy in and out (at batch min(C, 16) where C exceeds the models' max batch);
 - ``http``, ``grpc``: tritonclient (client processes of benchmarks.loadgen, C
@@ -53,7 +55,8 @@ per inference (the server's process tree; for ``inproc`` the process that holds
 both the server and its calling threads; for ``direct`` this process) and, for
 the served paths, how much of it ran on the event loop (the server's main
 thread) and on the instance's thread (which calls the framework, as ``direct``
-does; the rest is the framework's own threads and worker threads), the load
+does; the rest is the framework's own threads and worker threads; for
+``direct``, ``instance`` is the thread that calls the framework), the load
 generator's CPU time per inference (its client processes: what tritonclient
 costs on the same cores; none for ``direct`` and ``inproc``) and the GPU's mean
 utilisation over the window (NVML) when one is present.
@@ -82,6 +85,11 @@ from trionserve.testing import free_port
 
 IMAGE = (3, 224, 224)
 CLASSES = 1000
+# ONNX Runtime on the CPU computes with one intra-op thread on both sides (the
+# served model's config parameter, the direct session's option), with idle
+# threads sleeping as the backend has them: the comparison is of the same work
+# on the same thread count, which two cores can hold.
+ORT_CPU_PARAMETERS = {"intra_op_thread_count": "1"}
 PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
 CPU_PATHS = ("http", "grpc", "shm", "inproc")
 
@@ -203,6 +211,8 @@ def write_resnet50(torch_path: Path | None, onnx_path: Path | None) -> None:
 def _config(spec: ModelSpec, delay_us: int, parameters: Mapping[str, str] | None = None) -> str:
     backend = "onnxruntime" if spec.framework == "onnxruntime" else "pytorch"
     kind = "KIND_GPU" if spec.gpu else "KIND_CPU"
+    if spec.framework == "onnxruntime" and not spec.gpu:
+        parameters = {**ORT_CPU_PARAMETERS, **(parameters or {})}
     extra = "".join(
         f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n'
         for key, value in (parameters or {}).items()
@@ -333,7 +343,12 @@ def direct_runner(spec: ModelSpec, path: Path) -> Callable[[np.ndarray], np.ndar
         import onnxruntime as ort
 
         providers = ["CUDAExecutionProvider"] if spec.gpu else ["CPUExecutionProvider"]
-        session = ort.InferenceSession(str(path), ort.SessionOptions(), providers=providers)
+        options = ort.SessionOptions()
+        if not spec.gpu:  # as the served model: one intra-op thread, idle ones sleep
+            options.intra_op_num_threads = int(ORT_CPU_PARAMETERS["intra_op_thread_count"])
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        session = ort.InferenceSession(str(path), options, providers=providers)
         name = spec.input_name
 
         def run_ort(batch: np.ndarray) -> np.ndarray:
@@ -392,15 +407,16 @@ def graph_runner(torch, module, device) -> Callable[[np.ndarray], np.ndarray]:
 
 def run_direct(
     run: Callable[[np.ndarray], np.ndarray], batch: int, duration: float, warmup: float
-) -> tuple[LoadResult, float]:
+) -> tuple[LoadResult, float, float]:
     """One thread calling ``run`` on batch ``batch``; (result counting inferences,
-    CPU seconds of this process over the window)."""
+    CPU seconds of this process over the window, of which the calling thread's:
+    the rest is the framework's own threads)."""
     data = np.random.default_rng(1).random((batch, *IMAGE), dtype=np.float32)
     end_warmup = time.monotonic() + warmup
     while time.monotonic() < end_warmup:
         run(data)
     latencies: list[float] = []
-    cpu_before = time.process_time()
+    cpu_before, thread_before = time.process_time(), time.thread_time()
     began = time.monotonic()
     stop_at = began + duration
     while time.monotonic() < stop_at:
@@ -410,9 +426,9 @@ def run_direct(
         if out.shape != (batch, CLASSES):
             raise RuntimeError(f"direct run answered shape {out.shape}")
     seconds = time.monotonic() - began
-    cpu = time.process_time() - cpu_before
+    cpu, thread = time.process_time() - cpu_before, time.thread_time() - thread_before
     result = LoadResult("direct", batch, len(latencies) * batch, 0, seconds, latencies)
-    return result, cpu
+    return result, cpu, thread
 
 
 # ------------------------------------------------------------ served workloads
@@ -608,7 +624,8 @@ class Row:
     # not apart from the server (direct, inproc).
     client_cpu: float | None = None
     # The server's CPU seconds on its event loop and its instances' threads (the
-    # rest of ``cpu`` is its other threads and processes); None for direct, inproc.
+    # rest of ``cpu`` is its other threads and processes); for direct, the
+    # calling thread's as ``instance_cpu``; None for inproc.
     loop_cpu: float | None = None
     instance_cpu: float | None = None
     latencies_ms: list[float] = field(default_factory=list)
@@ -838,9 +855,11 @@ def _point(row, spec, path, runner, target, pool, inproc_pool, inproc_port, repo
         )
         watcher.start()
         batch = row.direct_batch or min(concurrency, spec.max_batch)
-        result, cpu = run_direct(runner, batch, args.duration, args.warmup)
+        result, cpu, caller = run_direct(runner, batch, args.duration, args.warmup)
         watcher.join()
         row.add(result, cpu)
+        # The calling thread does what the served instance's thread does.
+        row.instance_cpu = (row.instance_cpu or 0.0) + caller
         if gpu_box and gpu_box[0] is not None:
             row.gpu.append(gpu_box[0])
         return

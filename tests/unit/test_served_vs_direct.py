@@ -115,3 +115,16 @@ def test_the_graphs_variant_asks_for_cuda_graphs():
     assert graphs.startswith(plain.replace("resnet50_torch", "resnet50_torch_graphs"))
     assert graphs.endswith("optimization { cuda { graphs: true } }\n")
     assert "kind: KIND_GPU" in graphs
+
+
+def test_onnx_runtime_on_the_cpu_computes_on_one_thread_on_both_sides():
+    """The served CNN's config asks for one intra-op thread, as the direct session
+    has: the two sides do the same work on the same threads (a GPU model keeps
+    ONNX Runtime's defaults; a variant's parameters add to the one thread)."""
+    cpu = ModelSpec("cnn_onnx", "onnxruntime", "model.onnx", "INPUT0", "OUTPUT0")
+    key = 'key: "intra_op_thread_count" value: { string_value: "1" }'
+    assert key in _config(cpu, 500)
+    assert key in _config(cpu, 500, {"session.intra_op.allow_spinning": "1"})
+    assert key not in _config(replace(cpu, gpu=True), 100)
+    torch = ModelSpec("cnn_torch", "torch", "model.pt", "INPUT__0", "OUTPUT__0")
+    assert "intra_op_thread_count" not in _config(torch, 500)
