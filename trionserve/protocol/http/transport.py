@@ -58,7 +58,6 @@ What it guarantees:
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator, Awaitable
 
 import structlog
@@ -140,8 +139,9 @@ class HttpServer:
         # Connections waiting for their next request: closed when draining starts.
         self._idle: set[_Connection] = set()
         # Of those, the ones answered and sent nothing since (keep-alive idle),
-        # oldest first: closed to make room at the connection cap.
-        self._keep_alive: dict[_Connection, None] = {}
+        # oldest first, and since when: closed to make room at the connection
+        # cap, and by watch_slow_requests once idle for keep_alive_timeout.
+        self._keep_alive: dict[_Connection, float] = {}
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
         self.heads = HeadCache()
@@ -178,11 +178,30 @@ class HttpServer:
 
     async def watch_slow_requests(self, nursery: trio.Nursery) -> None:
         """Every ``SLOW_REQUEST_SECS``, give each request handled for longer a
-        watcher on its socket, so a client that hangs up cancels it. One timer per
-        server instead of one watcher per request keeps fast requests cheap."""
+        watcher on its socket, so a client that hangs up cancels it; and close
+        each keep-alive connection idle for ``keep_alive_timeout``, at that
+        time. One timer per server instead of one watcher or deadline per
+        request keeps fast requests cheap (a deadline moved in and out of Trio's
+        heap twice a request costs about half a pass of its run loop)."""
+        timeout = self.options.keep_alive_timeout
+        next_check = trio.current_time() + SLOW_REQUEST_SECS
         while True:
-            await trio.sleep(SLOW_REQUEST_SECS)
-            cutoff = trio.current_time() - SLOW_REQUEST_SECS
+            # The connection idle the longest comes first (idle since, in order).
+            for since in self._keep_alive.values():
+                await trio.sleep_until(min(next_check, since + timeout))
+                break
+            else:  # none idle: one that goes idle now expires after next_check
+                await trio.sleep_until(next_check)
+            now = trio.current_time()
+            for connection, since in list(self._keep_alive.items()):
+                if since + timeout > now:
+                    break
+                del self._keep_alive[connection]
+                connection.stop_waiting()
+            if now < next_check:
+                continue
+            next_check = now + SLOW_REQUEST_SECS
+            cutoff = now - SLOW_REQUEST_SECS
             for connection, started in list(self._handling.items()):
                 if started <= cutoff and connection.watch is None:
                     connection.watch_peer(nursery)
@@ -350,7 +369,7 @@ class _Connection:
             self._idle_scope = scope
             server._idle.add(self)
             if keep_alive:
-                server._keep_alive[self] = None
+                server._keep_alive[self] = trio.current_time()
             try:
                 return await self.stream.receive_some(server.options.head_receive_size)
             finally:
@@ -362,21 +381,19 @@ class _Connection:
 
     async def _receive_keep_alive(self) -> bytes | bytearray | None:
         """The next request's first bytes on a connection that answered one,
-        waited for under the connection's own scope with the keep-alive timeout
-        as its deadline. The timeout, the drain or the connection cap cancels
-        that scope and so ends the connection, quietly (nothing is unread;
-        bytes that came in the same instant go unread with it: None)."""
+        waited for under the connection's own scope. The keep-alive timeout (the
+        server's watcher, see watch_slow_requests), the drain or the connection
+        cap cancels that scope and so ends the connection, quietly (nothing is
+        unread; bytes that came in the same instant go unread with it: None)."""
         server = self.server
         scope = self._scope
-        scope.deadline = trio.current_time() + server.options.keep_alive_timeout
         self._idle_scope = scope
         server._idle.add(self)
-        server._keep_alive[self] = None
+        server._keep_alive[self] = trio.current_time()
         try:
             # The client sends it once it has read the answer: wait, then read.
             data = await receive_after_wait(self.stream, server.options.head_receive_size)
         finally:
-            scope.deadline = math.inf
             self._idle_scope = None
             server._idle.discard(self)
             server._keep_alive.pop(self, None)
