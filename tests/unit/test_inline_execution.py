@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 
@@ -61,12 +62,12 @@ _STEPS = _StepCounter()
 BACKENDS = instance_backend("test_inline", lambda context, spec: _Instance(context))
 
 
-def _server(tmp_path, instances: int = 1) -> Server:
+def _server(tmp_path, instances: int = 1, batching: str = "") -> Server:
     echo_model(
         tmp_path,
         "tiny",
         "test_inline",
-        f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ]",
+        f"instance_group [ {{ kind: KIND_CPU, count: {instances} }} ] {batching}",
     )
     return Server(
         ServerOptions(
@@ -80,8 +81,11 @@ def _server(tmp_path, instances: int = 1) -> Server:
     )
 
 
-async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path):
-    server = _server(tmp_path)
+@pytest.mark.parametrize("batching", ["", "dynamic_batching { }"])
+async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path, batching):
+    """The same with the dynamic batcher, whose hand-over to an idle instance's
+    thread leaves a batch that runs inline to the executor's feeder."""
+    server = _server(tmp_path, batching=batching)
     THREADS.clear()
 
     async def infer(size: int = 4) -> None:

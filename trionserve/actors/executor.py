@@ -315,8 +315,9 @@ class InstanceExecutor:
         formed it) to the instance's thread, while this executor's task waits
         for one with nothing in flight: no pass of the run loop between the
         batch and the thread, none for the feeder. False (the scheduler queues
-        it for the feeder) when stopped, busy, or a request of it is finished.
-        The batch is delivered by _handed_over as the thread reports it."""
+        it for the feeder) when stopped, busy, a request of it is finished, or
+        it would run inline (the feeder runs it on the loop, cheaper than the
+        thread). The batch is delivered by _handed_over as the thread reports it."""
         thread = self._thread
         if (
             not self._hands_over
@@ -329,6 +330,8 @@ class InstanceExecutor:
         for request in batch:
             if request.cancelled or request.done:
                 return False  # the feeder answers those
+        if self._runs_inline(batch):
+            return False  # cheaper on the loop than the thread: the feeder runs it
         job = self._handed = Job(batch, self._handed_over)
         thread.submit(job)
         return True
