@@ -176,10 +176,11 @@ class _StubLike:
         pass
 
 
-def _executor(scheduler: DefaultScheduler, instance: _StubLike):
-
+def _executor(
+    scheduler: DefaultScheduler, instance: _StubLike, statistics: ModelStatistics | None = None
+):
     spec = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)
-    return InstanceExecutor(spec, instance, scheduler.outlet())
+    return InstanceExecutor(spec, instance, scheduler.outlet(), statistics)
 
 
 async def test_a_stopped_executor_lets_the_direct_batch_finish():
@@ -259,45 +260,14 @@ async def test_a_request_taken_while_one_runs_in_a_submitting_task_stays_pending
         nursery.cancel_scope.cancel()
 
 
-class _GatedStub:
-    """A DirectAsyncBackendInstance whose calls wait for ``gate`` (a stub busy
-    with a forward)."""
-
-    def __init__(self) -> None:
-        self.gate = trio.Event()
-        self.busy = False
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
-
-    async def execute_async(self, requests):
-        self.busy = True
-        try:
-            await self.gate.wait()
-        finally:
-            self.busy = False
-        return [InferenceResponse(r.model_name, "1", outputs={}) for r in requests]
-
-    def runs_direct(self) -> bool:
-        return not self.busy
-
-    async def wait_idle(self) -> None:
-        await self.gate.wait()
-
-    def close(self) -> None:
-        pass
-
-
 async def test_an_executor_stopped_while_it_holds_a_request_answers_it():
     """The executor holds "b" while "a" runs in its submitter; stopped then
     (unload deadline, shutdown), it answers "b" UNAVAILABLE instead of
     dropping it: every accepted request gets exactly one outcome."""
     scheduler = DefaultScheduler()
-    instance = _GatedStub()
+    instance = _StubLike()
     assert isinstance(instance, DirectAsyncBackendInstance)
-    spec = InstanceSpec("m_0_0", "m_0", "KIND_CPU", 0)
-    executor = InstanceExecutor(spec, instance, scheduler.outlet(), ModelStatistics("m", "1"))
+    executor = _executor(scheduler, instance, ModelStatistics("m", "1"))
     executor_scope = trio.CancelScope()
 
     async def run_executor(task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -309,7 +279,7 @@ async def test_an_executor_stopped_while_it_holds_a_request_answers_it():
         await nursery.start(run_executor)
         nursery.start_soon(scheduler.submit, a)
         await trio.testing.wait_all_tasks_blocked()
-        assert instance.busy  # "a" runs in its submitting task
+        assert instance.busy == 1  # "a" runs in its submitting task
         await scheduler.submit(b)
         await trio.testing.wait_all_tasks_blocked()
         assert scheduler.pending == 1  # held by the executor's task

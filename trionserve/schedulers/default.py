@@ -52,23 +52,26 @@ class _ChannelOutlet:
         self.close = channel.close
         self.complete = deliver_outcomes
 
+    async def _receive_queued(self) -> list[InferenceRequest]:
+        """The next queued batch, in order, without a task switch for up to
+        EAGER_BATCHES in a row (each runs inline or waits for its stub anyway),
+        then with one so the other tasks run."""
+        if self._eager < EAGER_BATCHES:
+            self._eager += 1
+            return self._channel.receive_nowait()
+        self._eager = 0
+        return await self.receive()
+
     async def receive_direct(
         self, run: DirectRun, handover: DirectRun | None = None
     ) -> list[InferenceRequest]:
         """``receive``, offering ``run`` meanwhile: while this executor waits here
         with nothing queued, ``submit`` may hand a request straight to it (the
         offer stands until a request goes through the channel)."""
-        direct = self._scheduler._direct
         if self._channel.statistics().current_buffer_used:
-            # Something is queued: take it in order, without a task switch for up
-            # to EAGER_BATCHES in a row (each runs inline, so is cheap), then let
-            # the other tasks run.
-            if self._eager < EAGER_BATCHES:
-                self._eager += 1
-                return self._channel.receive_nowait()
-            self._eager = 0
-            return await self.receive()
+            return await self._receive_queued()
         self._eager = 0
+        direct = self._scheduler._direct
         direct.append(run)
         try:
             return await self.receive()
@@ -81,13 +84,7 @@ class _ChannelOutlet:
         with nothing queued, ``submit`` may run a request with it in the
         submitting task (see DefaultScheduler.submit)."""
         if self._channel.statistics().current_buffer_used:
-            # Queued: taken in order, without a task switch for up to
-            # EAGER_BATCHES in a row (each one waits for its stub anyway).
-            if self._eager < EAGER_BATCHES:
-                self._eager += 1
-                return self._channel.receive_nowait()
-            self._eager = 0
-            return await self.receive()
+            return await self._receive_queued()
         self._eager = 0
         offers = self._scheduler._direct_async
         self.offered = run
