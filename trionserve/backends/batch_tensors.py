@@ -10,7 +10,8 @@ per batch; pinned memory on a GPU), else by concatenation; a batch of one reques
 is passed through untouched unless ``always_copy`` asks for it in the buffers.
 Ragged inputs (``allow_ragged_batch``) are concatenated flat, into the
 one-dimensional tensor Triton's backends give such models. Outputs are sliced back
-to each request as views, without copies.
+to each request as views, without copies; a model's ``batch_output`` tensors are cut
+by its source input's shapes instead (:mod:`trionserve.backends.batch_io`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
+from trionserve.backends.batch_io import BatchTensors, split_batch_outputs
 from trionserve.backends.cuda.pipeline import HostBuffers
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
@@ -63,16 +65,25 @@ def gather_inputs(
 
 
 def split_outputs(
-    outputs: Mapping[str, np.ndarray], requests: Sequence[InferenceRequest]
+    outputs: Mapping[str, np.ndarray],
+    requests: Sequence[InferenceRequest],
+    batch_tensors: BatchTensors | None = None,
 ) -> list[dict[str, np.ndarray]]:
-    """Slice batched outputs back to each request (views, no copies)."""
+    """Slice batched outputs back to each request (views, no copies); batch outputs
+    of ``batch_tensors`` are scattered by their source input's shapes."""
+    scattered = split_batch_outputs(batch_tensors, outputs, requests)
     if len(requests) == 1:
-        return [dict(outputs)]
+        return [{**outputs, **{name: parts[0] for name, parts in scattered.items()}}]
     per_request: list[dict[str, np.ndarray]] = []
     start = 0
-    for request in requests:
+    for index, request in enumerate(requests):
         stop = start + request.batch_size
-        per_request.append({name: array[start:stop] for name, array in outputs.items()})
+        per_request.append(
+            {
+                name: scattered[name][index] if name in scattered else array[start:stop]
+                for name, array in outputs.items()
+            }
+        )
         start = stop
     return per_request
 
@@ -119,11 +130,13 @@ def build_responses(
     outputs: Mapping[str, np.ndarray],
     output_datatypes: Mapping[str, str],
     output_reshape: Mapping[str, tuple[int, ...]] | None = None,
+    batch_tensors: BatchTensors | None = None,
 ) -> list[InferenceResponse]:
-    """One response per request from a batch's outputs, sliced back to each request."""
+    """One response per request from a batch's outputs, sliced back to each request
+    (batch outputs scattered: :func:`split_outputs`)."""
     return [
         build_response(
             request, model_name, model_version, per_request, output_datatypes, output_reshape
         )
-        for request, per_request in zip(requests, split_outputs(outputs, requests))
+        for request, per_request in zip(requests, split_outputs(outputs, requests, batch_tensors))
     ]

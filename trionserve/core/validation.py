@@ -131,13 +131,16 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
             this_batch = shape[0]
             if batch_size == 0:
                 batch_size = this_batch
-            elif this_batch != batch_size and not spec.allow_ragged_batch:
+            elif this_batch != batch_size:
                 raise InvalidArgument(
                     f"input '{name}' batch size {this_batch} does not match other "
                     f"inputs' batch size {batch_size} for model '{model}'"
                 )
             item_shape = shape[1:]
-        if not spec.allow_ragged_batch and not _matches(item_shape, spec.dims):
+        # A ragged input is checked like any other: allow_ragged_batch only lets
+        # requests of different shapes share a batch (core infer_request.cc
+        # ValidateRequestInputs checks batch size and dims whatever it says).
+        if not _matches(item_shape, spec.dims):
             raise InvalidArgument(
                 f"unexpected shape for input '{name}' for model '{model}'. Expected "
                 f"{_fmt(signature.full_shape(spec))}, got {_fmt(shape)}"

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
+from trionserve.backends.batch_io import BatchTensors
 from trionserve.backends.batch_tensors import (
     build_responses,
     gather_inputs,
@@ -300,6 +301,9 @@ class OnnxInstance:
             o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
         }
         self._ragged = frozenset(i.name for i in config.input if i.allow_ragged_batch)
+        # batch_input tensors fed with the inputs, batch_output ones scattered back
+        # (onnxruntime.cc SetInputTensors / ReadOutputTensors).
+        self._batch_tensors = BatchTensors(context.name, config)
         # Set after each execute; the executor reads it for the statistics.
         self.compute_times: ComputeTimes | None = None
         # CPU sessions may run tiny batches on the event loop (see InstanceExecutor);
@@ -331,18 +335,26 @@ class OnnxInstance:
         )
         self._slot ^= 1
         feeds: dict[str, np.ndarray] = {}
+        error: TritonError | None = None
         if kept:
             feeds = gather_inputs(
                 kept, self._input_reshape, self._ragged, buffers=self._buffers[self._slot]
             )
             for name in self._string_inputs.intersection(feeds):
                 feeds[name] = _to_str_array(feeds[name])
+            if self._batch_tensors.inputs:
+                try:
+                    feeds.update(self._batch_tensors.input_tensors(kept))
+                except TritonError as exc:
+                    error = exc
         names = wanted_outputs(kept, list(self._output_datatypes)) if kept else []
-        return _OrtBatch(refused, kept, feeds, names, started, time.perf_counter_ns())
+        batch = _OrtBatch(refused, kept, feeds, names, started, time.perf_counter_ns())
+        batch.error = error
+        return batch
 
     def launch(self, requests: list[InferenceRequest], batch: _OrtBatch) -> _OrtBatch:
         """Run the session (synchronously: onnxruntime's ``run`` returns when done)."""
-        if batch.kept:
+        if batch.kept and batch.error is None:
             try:
                 batch.results = self._session.run(batch.names, batch.feeds)
             except Exception as exc:  # onnxruntime raises its own exception types
@@ -365,14 +377,18 @@ class OnnxInstance:
             if any(b.holds(array) for b in buffers):
                 array = array.copy()
             outputs[name] = array
-        responses = build_responses(
-            batch.kept,
-            self.model_name,
-            self.model_version,
-            outputs,
-            self._output_datatypes,
-            self._output_reshape,
-        )
+        try:
+            responses = build_responses(
+                batch.kept,
+                self.model_name,
+                self.model_version,
+                outputs,
+                self._output_datatypes,
+                self._output_reshape,
+                self._batch_tensors,
+            )
+        except TritonError as error:
+            return [error] * len(requests)
         self.compute_times = ComputeTimes(
             batch.staged - batch.started,
             batch.inferred - batch.staged,

@@ -20,6 +20,7 @@ import numpy as np
 import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.batch_io import BatchTensors
 from trionserve.backends.batch_tensors import (
     build_responses,
     gather_inputs,
@@ -179,6 +180,11 @@ class TorchScriptInstance:
         self._output_reshape = {
             o.name: tuple(o.dims) for o in config.output if o.HasField("reshape")
         }
+        self._ragged = frozenset(i.name for i in config.input if i.allow_ragged_batch)
+        # batch_input tensors given to forward() with the inputs, batch_output ones
+        # scattered back (pytorch_backend src/pt/model_instance_state.cc
+        # SetInputTensors / ReadOutputTensors).
+        self._batch_tensors = BatchTensors(context.name, config)
         self._bind(context, module)
         self._batched = config.max_batch_size > 0
         self._inference_mode = _parameter(config, "INFERENCE_MODE", True)
@@ -224,6 +230,7 @@ class TorchScriptInstance:
             arguments,
             controls=[c.name for c in batching.control_input],
             states=[s.input_name for s in batching.state],
+            batch_inputs=self._batch_tensors.input_names,
         )
         self._outputs = bind_outputs(
             context.name, [o.name for o in config.output], [s.output_name for s in batching.state]
@@ -260,9 +267,12 @@ class TorchScriptInstance:
             arrays = gather_inputs(
                 requests,
                 self._input_reshape,
+                self._ragged,
                 buffers=self._buffers[slot],
                 always_copy=self._stream is not None,
             )
+            if self._batch_tensors.inputs:
+                arrays.update(self._batch_tensors.input_tensors(requests))
             batch.names = wanted_outputs(requests, list(self._output_datatypes))
             with self._on_device(self._copy_stream):
                 try:
@@ -339,18 +349,19 @@ class TorchScriptInstance:
             outputs = {name: self._to_numpy(tensor) for name, tensor in batch.outputs.items()}
             if self._batched and len(requests) > 1:
                 self._check_batch(outputs, sum(r.batch_size for r in requests))
+            responses = build_responses(
+                requests,
+                self.model_name,
+                self.model_version,
+                outputs,
+                self._output_datatypes,
+                self._output_reshape,
+                self._batch_tensors,
+            )
         except TritonError as error:
             return [error] * len(requests)
         except Exception as exc:
             return [self._failure(exc)] * len(requests)
-        responses = build_responses(
-            requests,
-            self.model_name,
-            self.model_version,
-            outputs,
-            self._output_datatypes,
-            self._output_reshape,
-        )
         self.compute_times = ComputeTimes(
             batch.staged - batch.started,
             inferred - batch.launched,
@@ -566,6 +577,8 @@ class TorchScriptInstance:
 
     def _check_batch(self, outputs: dict[str, np.ndarray], total: int) -> None:
         for name, array in outputs.items():
+            if name in self._batch_tensors.outputs:
+                continue  # scattered by its source input's shapes, not by rows
             if array.ndim == 0 or array.shape[0] != total:
                 raise InternalError(
                     f"output '{name}' of model '{self.model_name}' has shape "

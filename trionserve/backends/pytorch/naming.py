@@ -67,6 +67,7 @@ def bind_inputs(
     *,
     controls: list[str] | None = None,
     states: list[str] | None = None,
+    batch_inputs: list[str] | None = None,
 ) -> InputBinding:
     """Match config inputs to forward's ``(name, type kind)`` arguments (self excluded).
 
@@ -78,9 +79,15 @@ def bind_inputs(
     (ValidateBooleanSequenceControl / ValidateTypedSequenceControl), a state by the
     naming convention, which a model with states must follow
     (GetNamingConvention).
+
+    ``batch_inputs`` (the targets of the config's ``batch_input``) are arguments
+    too, placed by the convention the config's inputs chose (AddInputToMap, after
+    ValidateInputs): by argument name, by ``<name>__<index>``, or in config order
+    after the config's inputs.
     """
     controls = controls or []
     states = states or []
+    batch_inputs = batch_inputs or []
     if not config_inputs:
         raise InvalidArgument(
             f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
@@ -89,7 +96,7 @@ def bind_inputs(
     control_positions = {name: _indexed(model, name, "input") for name in controls}
     every = config_inputs + states
     if len(arguments) == 1 and arguments[0][1] == "DictType":
-        positions = {name: i for i, name in enumerate(every)}
+        positions = {name: i for i, name in enumerate(every + batch_inputs)}
         return InputBinding(True, {**positions, **control_positions})
     for arg_name, kind in arguments:
         if kind not in ("TensorType", "ListType"):
@@ -98,7 +105,7 @@ def bind_inputs(
                 "PyTorch backend supports Tensor (or List[str]) arguments or a single "
                 "Dict(str, Tensor) argument"
             )
-    expected = len(config_inputs) + len(controls) + len(states)
+    expected = len(config_inputs) + len(controls) + len(states) + len(batch_inputs)
     if len(arguments) != expected:
         raise InvalidArgument(
             f"unable to load model '{model}', configuration expects "
@@ -107,16 +114,22 @@ def bind_inputs(
     names = [a for a, _ in arguments]
     indices = [name_index(name) for name in config_inputs]
     if all(name in names for name in config_inputs) and not states:
-        positions = {name: names.index(name) for name in config_inputs}
+        unknown = [name for name in batch_inputs if name not in names]
+        if unknown:
+            raise InvalidArgument(
+                f"model '{model}': batch input(s) {unknown} are not arguments of forward(), "
+                f"whose arguments are {names}"
+            )
+        positions = {name: names.index(name) for name in config_inputs + batch_inputs}
     elif all(i is not None for i in indices):
-        positions = {name: _indexed(model, name, "input") for name in every}
+        positions = {name: _indexed(model, name, "input") for name in every + batch_inputs}
     elif states:
         raise InvalidArgument(
             f"PyTorch model '{model}' is using sequence batching with state but not all "
             "inputs and outputs follow the <name>__<index> naming convention. "
         )
     else:
-        positions = {name: i for i, name in enumerate(config_inputs)}
+        positions = {name: i for i, name in enumerate(config_inputs + batch_inputs)}
     positions.update(control_positions)
     if sorted(positions.values()) != list(range(len(arguments))):
         raise InvalidArgument(
