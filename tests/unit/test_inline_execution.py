@@ -108,10 +108,14 @@ async def test_inline_only_while_the_measured_cost_is_within_budget(tmp_path, ba
     assert THREADS == [False, True, True, False, False]
 
 
-async def test_an_idle_instance_runs_a_cheap_request_in_the_submitting_task(tmp_path):
+@pytest.mark.parametrize("batching", ["", "dynamic_batching { }"])
+async def test_an_idle_instance_runs_a_cheap_request_in_the_submitting_task(tmp_path, batching):
     """Nothing queued and the instance idle, with nothing in flight: the request
-    runs in the task that submitted it, with no hop to the executor's task."""
-    server = _server(tmp_path)
+    runs in the task that submitted it, with no hop to the executor's task. With
+    the dynamic batcher too (no delay: it would send that batch at once), so
+    the request is answered before its submit returns (a gRPC call stays in
+    its reader's task)."""
+    server = _server(tmp_path, batching=batching)
     THREADS.clear()
     TASKS.clear()
     submitted: list[object] = []
@@ -198,3 +202,65 @@ async def test_a_stopped_executor_takes_no_request_handed_straight_over(tmp_path
         await infer()
         assert RAN_ON[-1] is not offered.instance
         server.shutdown()
+
+
+async def test_a_grpc_call_to_an_idle_batched_model_runs_in_one_step_of_the_reader(tmp_path):
+    """A unary gRPC ModelInfer to a model with the dynamic batcher (no delay)
+    whose idle instance runs the batch inline: the batch runs in the task that
+    submitted it, the connection's reader, so the call is answered in that one
+    task step, as over HTTP (before: the call waited for the executor's feeder,
+    kept the reader's task, and a new reader task was spawned per call)."""
+    from tests.unit.test_grpc_transport import RawClient, frame
+    from trionserve._generated import grpc_service_pb2 as pb
+
+    echo_model(tmp_path, "tiny", "test_inline", "dynamic_batching { }")
+    server = Server(
+        ServerOptions(
+            model_repositories=[tmp_path],
+            allow_http=False,
+            allow_metrics=False,
+            grpc_address="127.0.0.1",
+            grpc_port=free_port(),
+        ),
+        backends=BACKENDS,
+    )
+    data = np.arange(4, dtype=np.float32).reshape(1, 4)
+    message = pb.ModelInferRequest(model_name="tiny")
+    message.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+    message.raw_input_contents.append(data.tobytes())
+    body = frame(message.SerializeToString())
+    steps: list[str] = []
+
+    class Steps(trio.abc.Instrument):
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            steps.append(task.name)
+
+    THREADS.clear()
+    COST_NS[0] = 10_000
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        async with RawClient.connect(server.options.grpc_port) as client:
+            for _ in range(2):  # the first measured in the thread, the next inline
+                warm = await client.call("/inference.GRPCInferenceService/ModelInfer", body)
+                await client.until(lambda c, s=warm: c.ended(s))
+                await trio.testing.wait_all_tasks_blocked()
+            instrument = Steps()
+            trio.lowlevel.add_instrument(instrument)
+            try:
+                call = await client.call("/inference.GRPCInferenceService/ModelInfer", body)
+                await client.until(lambda c: c.ended(call))
+                await trio.testing.wait_all_tasks_blocked()
+            finally:
+                trio.lowlevel.remove_instrument(instrument)
+            assert client.status(call) == (0, "")
+            response = pb.ModelInferResponse.FromString(client.data[call][5:])
+            assert np.frombuffer(response.raw_output_contents[0], np.float32).tolist() == [
+                0.0,
+                1.0,
+                2.0,
+                3.0,
+            ]
+        server.shutdown()
+    assert THREADS[-1]  # ran inline on the event loop
+    served = [name for name in steps if name.startswith("trionserve.")]
+    assert len(served) == 1, steps

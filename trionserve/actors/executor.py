@@ -142,6 +142,8 @@ class InstanceExecutor:
         # the thread that are not delivered yet.
         self._handed: Job | None = None
         self._undelivered = 0
+        # True while _handover runs a batch inline in the task that formed it.
+        self._inline_handover = False
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -315,9 +317,17 @@ class InstanceExecutor:
         formed it) to the instance's thread, while this executor's task waits
         for one with nothing in flight: no pass of the run loop between the
         batch and the thread, none for the feeder. False (the scheduler queues
-        it for the feeder) when stopped, busy, a request of it is finished, or
-        it would run inline (the feeder runs it on the loop, cheaper than the
-        thread). The batch is delivered by _handed_over as the thread reports it."""
+        it for the feeder) when stopped, busy, or a request of it is finished.
+        The batch is delivered by _handed_over as the thread reports it.
+
+        A batch that would run inline (cheaper on the loop than the thread) is
+        run here, in the task that formed it, as ``_run_direct`` runs a request
+        the default scheduler hands over: a submit that finds the instance idle
+        with no delay to wait (Triton's batcher would send that batch at once)
+        has its answer before ``submit`` returns, with no step of the feeder's
+        task nor of the submitter's wake-up. One formed while such a run
+        delivers (from ``offer_again``) goes through the queue to the feeder:
+        runs never nest."""
         thread = self._thread
         if (
             not self._hands_over
@@ -331,7 +341,15 @@ class InstanceExecutor:
             if request.cancelled or request.done:
                 return False  # the feeder answers those
         if self._runs_inline(batch):
-            return False  # cheaper on the loop than the thread: the feeder runs it
+            if self._inline_handover:
+                return False  # the feeder runs it (no nested run)
+            self._inline_handover = True
+            try:
+                self._execute_inline(batch)
+                self._outlet.offer_again()  # the scheduler's next batch, if one waits
+            finally:
+                self._inline_handover = False
+            return True
         job = self._handed = Job(batch, self._handed_over)
         thread.submit(job)
         return True

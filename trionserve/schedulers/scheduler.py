@@ -43,14 +43,15 @@ class BatchOutlet(Protocol):
     for the executor's task (no channel hop, no task switch): the default one
     hands a submitted request to ``run`` (which runs it inline), the dynamic
     batcher each batch it forms to ``handover`` (which gives it to the
-    instance's thread); either returns False to leave the batch to
-    ``receive``. An executor that took a batch through ``handover`` calls
-    ``offer_again`` once it waits with nothing in flight again (its task still
-    waits in ``receive_direct``), so that the scheduler gives it the next batch
-    (the others ignore it). ``receive_direct_async`` is the same for an
-    executor whose instance computes elsewhere (a stub process): the
-    submitting task runs the batch and waits for it itself, as Triton's model
-    instance thread waits on its stub. ``complete`` is called exactly once per
+    instance's thread, or runs it inline as ``run`` does); either returns
+    False to leave the batch to ``receive``. An executor that took a batch
+    through ``handover`` calls ``offer_again`` once it waits with nothing in
+    flight again (its task still waits in ``receive_direct``), so that the
+    scheduler gives it the next batch (the others ignore it).
+    ``receive_direct_async`` is the same for an executor whose instance
+    computes elsewhere (a stub process): the submitting task runs the batch
+    and waits for it itself, as Triton's model instance thread waits on its
+    stub. ``complete`` is called exactly once per
     batch received, run or handed over, with one outcome per request passed;
     ``close`` says the executor takes no more batches.
     """
