@@ -9,7 +9,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 import trio
@@ -50,6 +50,7 @@ from trionserve.repository.repository import ModelId, duplicate_reason
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve.observability.trace.frontend import FrontendStamps
 
 # How a streamed request's responses reach its frontend: ``await deliver(response,
 # final)`` per response, in order (``response`` None: a decoupled model ended the
@@ -396,12 +397,15 @@ class DataPlane:
         ``queued`` is set once the model's scheduler holds the request.
         """
         run = _Lifecycle(self, model, request)
-        parent = request.parent_trace
+        context = request.trace_context
         trace: Trace | None
-        if isinstance(parent, Trace):
-            trace = self.tracing.start_child(model, parent, request)
-        else:
+        if context is None:
             trace = self.tracing.start(model, request) if self.tracing.active else None
+        elif type(context) is Trace:
+            trace = self.tracing.start_child(model, context, request)
+        else:  # the frontend's timestamps, which go with the trace if it is sampled
+            stamps = cast("FrontendStamps", context)
+            trace = self.tracing.start(model, request, stamps) if self.tracing.active else None
         run.trace = request.trace = trace
         self.drain.request_began(model, request)
         try:
@@ -631,6 +635,8 @@ class _Lifecycle:
         if response is None:
             return
         if self.trace is not None:  # the backend's outputs, before classification
+            if self.trace.frontend is not None:
+                self.trace.frontend.response_complete()
             if self.traced is None:
                 self.traced = InferenceResponse(
                     response.model_name, response.model_version, outputs=list(response.outputs)

@@ -34,6 +34,30 @@ ORDER = (
     "REQUEST_END",
 )
 
+# Triton's order in the trace file: the HTTP frontend writes its RECV pair as it
+# samples the request (before REQUEST_START), INFER_RESPONSE_COMPLETE as the
+# response reaches it and SEND as it replies (server src/http_server.cc
+# StartTrace, InferResponseComplete, ReplyCallback); the gRPC frontend keeps
+# all of its own and adds them as it lets go of the trace, after REQUEST_END
+# (src/grpc/infer_handler.h ClearTraceTimestamps).
+HTTP_ORDER = [
+    "HTTP_RECV_START",
+    "HTTP_RECV_END",
+    *ORDER[:-1],
+    "INFER_RESPONSE_COMPLETE",
+    "REQUEST_END",
+    "HTTP_SEND_START",
+    "HTTP_SEND_END",
+]
+GRPC_ORDER = [
+    *ORDER,
+    "GRPC_WAITREAD_START",
+    "GRPC_WAITREAD_END",
+    "INFER_RESPONSE_COMPLETE",
+    "GRPC_SEND_START",
+    "GRPC_SEND_END",
+]
+
 # -- command line ---------------------------------------------------------------------------
 
 
@@ -359,7 +383,7 @@ def test_trace_settings_and_trace_files_on_a_server(tmp_path):
         for trace in traces.values():
             assert (trace["model_name"], trace["model_version"]) == ("simple", 1)
             names = [name for name, _ in trace["timestamps"]]
-            assert names == list(ORDER)
+            assert names == HTTP_ORDER
             stamps = [ns for _, ns in trace["timestamps"]]
             assert stamps == sorted(stamps), trace
         assert http.get_trace_settings(model_name="simple")["trace_count"] == "0"

@@ -124,7 +124,7 @@ class InferenceRequest:
         "arrival_time",
         "rescheduled",
         "trace",
-        "parent_trace",
+        "trace_context",
         "_cancelled",
         "_on_cancel",
         "_responses",
@@ -178,11 +178,13 @@ class InferenceRequest:
         # TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: its scheduler queues it again
         # (an iterative sequence, core sequence_batch_scheduler/sequence_utils.cc).
         self.rescheduled = False
-        # The request's trace while it is traced (set by the data plane), and the
-        # trace of the request that made it (an ensemble step's), whose child
-        # trace it then gets whatever the sampling (core SpawnChildTrace).
+        # The request's trace while it is traced (set by the data plane), and what
+        # its trace hangs from: the trace of the request that made it (an ensemble
+        # step's), whose child trace it then gets whatever the sampling (core
+        # SpawnChildTrace), or its frontend's timestamps (HTTP_RECV_START ...),
+        # which go with its trace if it is sampled.
         self.trace: object | None = None
-        self.parent_trace: object | None = None
+        self.trace_context: object | None = None
         # Set when the client went away; schedulers drop cancelled requests.
         self._cancelled = False
         self._on_cancel: Callable[[], None] | None = None

@@ -395,7 +395,7 @@ class EnsembleRun:
             sequence_end=end,
         )
         # A traced ensemble request's steps are traced as its children.
-        step_request.parent_trace = request.trace
+        step_request.trace_context = request.trace
         return step_request
 
     async def _deliver(

@@ -7,7 +7,9 @@ the rest; ``null`` (HTTP) or an empty value list (gRPC) clears an override.
 
 Sampling costs an untraced request one attribute check (``TraceManager.active``,
 false whenever no setting could sample). A sampled request gets a
-:class:`~trionserve.observability.trace.trace_file.Trace`. Finished traces go to
+:class:`~trionserve.observability.trace.trace_file.Trace`, with its frontend's
+timestamps when the frontend took them (:mod:`.frontend`); the trace is written
+once the data plane and that frontend are both done with it. Finished traces go to
 the Triton trace files (:mod:`.trace_file`, mode ``triton``) or, in mode
 ``opentelemetry``, to :mod:`.opentelemetry_exporter` as spans.
 """
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from trionserve.core.errors import InvalidArgument
+from trionserve.observability.trace.frontend import FrontendStamps, now_ns
 from trionserve.observability.trace.opentelemetry_exporter import OpenTelemetryExporter
 from trionserve.observability.trace.settings import (
     CLEAR,
@@ -178,18 +181,34 @@ class TraceManager:
 
     # -- sampling (the data plane) ---------------------------------------------------
 
-    def start(self, model: ObservedVersion, request: InferenceRequest) -> Trace | None:
+    def start(
+        self,
+        model: ObservedVersion,
+        request: InferenceRequest,
+        frontend: FrontendStamps | None = None,
+    ) -> Trace | None:
         """Sample a request about to be queued; a Trace with REQUEST_START if taken.
 
         Call only when ``active``. The trace is registered on the model version's
-        statistics so that the executor adds the compute timestamps.
+        statistics so that the executor adds the compute timestamps. With the
+        ``frontend``'s timestamps, the trace is written once the frontend too
+        released it (see :mod:`.frontend`).
         """
         setting = self._models.get(model.name, self._global) if self._models else self._global
         if not setting.take():
             return None
         if setting.count == 0:
             self._refresh()
-        return self._begin(setting, model, request, None)
+        trace = self._begin(setting, model, request, None)
+        if frontend is not None and frontend.attach(trace, self._let_go):
+            trace.frontend = frontend
+            trace.holders += 1
+        return trace
+
+    @staticmethod
+    def now_ns() -> int:
+        """Now on the traces' clock (a frontend's HTTP_RECV_START)."""
+        return now_ns()
 
     def start_child(
         self, model: ObservedVersion, parent: Trace, request: InferenceRequest
@@ -211,7 +230,7 @@ class TraceManager:
     ) -> Trace:
         trace = Trace(self._next_id, setting, model.name, model.version, request.id, parent_id)
         self._next_id += 1
-        trace.timestamp("REQUEST_START", clock_ns(trio.current_time()))
+        trace.timestamp("REQUEST_START", now_ns())
         if trace.tensors is not None:
             for tensor in request.inputs.values():
                 trace.tensor("TENSOR_QUEUE_INPUT", tensor.name, tensor.datatype, tensor.data)
@@ -227,13 +246,21 @@ class TraceManager:
     ) -> None:
         """The request has its outcome: REQUEST_END, then the trace is written."""
         model.statistics.traces.pop(request, None)
-        end = clock_ns(trio.current_time())
+        end = now_ns()
         if request.arrival_time:
             trace.events.insert(1, ("QUEUE_START", clock_ns(request.arrival_time)))
         trace.timestamp("REQUEST_END", end)
         if response is not None and trace.tensors is not None:
             for tensor in response.outputs:
                 trace.tensor("TENSOR_BACKEND_OUTPUT", tensor.name, tensor.datatype, tensor.data)
+        self._let_go(trace)
+
+    def _let_go(self, trace: Trace) -> None:
+        """The data plane or the frontend is done with the trace: written once
+        neither holds it."""
+        trace.holders -= 1
+        if trace.holders:
+            return
         setting = trace.setting
         setting.inflight -= 1
         if setting.mode == "opentelemetry":

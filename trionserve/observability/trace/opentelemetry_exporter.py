@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 class OpenTelemetryExporter:
     """Spans for finished traces, through the OpenTelemetry SDK's batch processor.
 
-    Each trace becomes a root ``InferRequest`` span, a span named after the model
-    from REQUEST_START to REQUEST_END, and a ``compute`` span, with the
-    timestamps as events and ``triton.*`` attributes, as Triton exports them.
+    Each trace becomes a root ``InferRequest`` span (the frontend's timestamps,
+    HTTP_RECV_START ..., its events), a span named after the model from
+    REQUEST_START to REQUEST_END, and a ``compute`` span, with the timestamps as
+    events and ``triton.*`` attributes, as Triton exports them.
     Needs ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-http``
     (or a span processor given for tests).
     """
@@ -74,7 +75,17 @@ class OpenTelemetryExporter:
         events = dict(trace.events)
         start = events.get("REQUEST_START", trace.events[0][1]) + wall
         end = events.get("REQUEST_END", trace.events[-1][1]) + wall
-        root = self._tracer.start_span("InferRequest", start_time=start)
+        # The frontend's timestamps are the root span's events, as Triton's
+        # Trace::CaptureTimestamp adds them (server src/tracer.cc), and it spans them.
+        frontend = trace.frontend
+        stamps = [] if frontend is None else [*frontend.before, *frontend.after]
+        first, last = start, end
+        if stamps:
+            first = min(start, min(ns for _, ns in stamps) + wall)
+            last = max(end, max(ns for _, ns in stamps) + wall)
+        root = self._tracer.start_span("InferRequest", start_time=first)
+        for name, ns in frontend.before if frontend is not None else ():
+            root.add_event(name, timestamp=ns + wall)
         context = otel.set_span_in_context(root)
         model = self._tracer.start_span(trace.model_name, context=context, start_time=start)
         model.set_attribute("triton.model_name", trace.model_name)
@@ -89,13 +100,18 @@ class OpenTelemetryExporter:
                 compute = self._tracer.start_span(
                     "compute", context=otel.set_span_in_context(model), start_time=ns + wall
                 )
+            if name == "INFER_RESPONSE_COMPLETE":  # taken by the frontend
+                root.add_event(name, timestamp=ns + wall)
+                continue
             target = compute if compute is not None and name.startswith("COMPUTE") else model
             target.add_event(name, timestamp=ns + wall)
             if name == "COMPUTE_END" and compute is not None:
                 compute.end(end_time=ns + wall)
                 compute = None
         model.end(end_time=end)
-        root.end(end_time=end)
+        for name, ns in frontend.after if frontend is not None else ():
+            root.add_event(name, timestamp=ns + wall)
+        root.end(end_time=last)
 
     def shutdown(self) -> None:
         self._provider.shutdown()

@@ -4,7 +4,9 @@ and the task that writes them.
 A trace collects timestamps from Trio's clock, in nanoseconds: REQUEST_START and
 REQUEST_END around the data plane's work, QUEUE_START from the time the scheduler
 took the request, and COMPUTE_START / COMPUTE_INPUT_END / COMPUTE_OUTPUT_START /
-COMPUTE_END from the measurements the executor already takes for the statistics.
+COMPUTE_END from the measurements the executor already takes for the statistics;
+the frontend's own (HTTP_RECV_START ..., :mod:`.frontend`) where Triton writes
+them, the HTTP RECV pair ahead of the head, the rest after REQUEST_END.
 Finished traces are written as Triton writes them: a JSON array of
 ``{"id", "model_name", "model_version"}`` and ``{"id", "timestamps": [...]}``
 objects, into ``trace_file`` at shutdown, or with ``log_frequency`` N into
@@ -30,6 +32,7 @@ from trionserve.observability.trace.settings import TraceSetting
 
 if TYPE_CHECKING:
     from trionserve.core.inference import InferenceRequest
+    from trionserve.observability.trace.frontend import FrontendStamps
 
 _Args = TypeVarTuple("_Args")
 # A chunk for the writer's thread: a write, its arguments and the bytes it holds.
@@ -69,6 +72,8 @@ class Trace:
         "request_id",
         "events",
         "tensors",
+        "frontend",
+        "holders",
     )
 
     def __init__(
@@ -89,6 +94,11 @@ class Trace:
         self.request_id = request_id
         self.events: list[tuple[str, int]] = []
         self.tensors: list[dict] | None = [] if "TENSORS" in setting.level else None
+        # The frontend's timestamps (a FrontendStamps) when it took them, and how
+        # many of the data plane and the frontend are not done with the trace:
+        # it is written when none is (Triton: the last reference goes).
+        self.frontend: FrontendStamps | None = None
+        self.holders = 1
 
     def timestamp(self, name: str, ns: int) -> None:
         self.events.append((name, ns))
@@ -130,15 +140,24 @@ class Trace:
             head["request_id"] = self.request_id
         if self.parent_id is not None:
             head["parent_id"] = self.parent_id
-        objects = [head]
-        if "TIMESTAMPS" in self.setting.level:
-            objects += (
-                {"id": self.id, "timestamps": [{"name": name, "ns": ns}]}
-                for name, ns in self.events
-            )
+        timestamps = "TIMESTAMPS" in self.setting.level
+        frontend = self.frontend if timestamps else None
+        # Triton's order: an HTTP frontend's RECV pair ahead of the head (written
+        # as it samples, before REQUEST_START), the frontend's last ones after
+        # REQUEST_END (server src/http_server.cc StartTrace, ReplyCallback;
+        # src/grpc/infer_handler.h ClearTraceTimestamps).
+        objects = [] if frontend is None else self._stamps(frontend.before)
+        objects.append(head)
+        if timestamps:
+            objects += self._stamps(self.events)
+        if frontend is not None:
+            objects += self._stamps(frontend.after)
         if self.tensors:
             objects += self.tensors
         return ",".join(json.dumps(o, separators=(",", ":")) for o in objects)
+
+    def _stamps(self, events: list[tuple[str, int]]) -> list[dict]:
+        return [{"id": self.id, "timestamps": [{"name": name, "ns": ns}]} for name, ns in events]
 
 
 def _tensor_text(datatype: str, data: np.ndarray) -> str:

@@ -33,6 +33,7 @@ from trionserve.protocol.grpc.state import CallState, Request, Response, Respons
 from trionserve.protocol.grpc.status import GRPCError, Status, decode_metadata
 
 if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
+    from trionserve.observability.trace.frontend import FrontendStamps
     from trionserve.protocol.grpc.connection import Connection
 
 __all__ = ["GrpcCall", "Method"]
@@ -82,7 +83,12 @@ class GrpcCall:
         "_wakeup",
         "_window",
         "_send_lock",
+        # Set only on a ModelInfer call that came while tracing was on: its
+        # FrontendStamps (service._unary); unset otherwise (read with getattr).
+        "stamps",
     )
+
+    stamps: FrontendStamps
 
     def __init__(
         self,

@@ -12,7 +12,6 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import structlog
 import trio
@@ -42,6 +41,7 @@ from trionserve.protocol.grpc.transport import (
     TransportOptions,
     server_ssl_context,
 )
+from trionserve.protocol.grpc.unary import grpc_error, unary_method
 from trionserve.protocol.restricted import RestrictedCategory, RestrictedFeatures, Restriction
 
 log = structlog.get_logger(__name__)
@@ -124,11 +124,6 @@ class GrpcOptions:
         )
 
 
-def grpc_error(error: TritonError) -> GRPCError:
-    """A TritonError as a gRPC status: the Status names are the same."""
-    return GRPCError(Status[error.status.name], error.message)
-
-
 class GrpcService:
     """The methods of inference.GRPCInferenceService, by request path.
 
@@ -146,7 +141,7 @@ class GrpcService:
         self._forward = re.compile(pattern) if pattern else None
 
     def methods(self) -> dict[str, Method]:
-        unary = self._unary
+        unary = unary_method
         table = {
             "ServerLive": unary(pb.ServerLiveRequest, self.server_live),
             "ServerReady": unary(pb.ServerReadyRequest, self.server_ready),
@@ -154,7 +149,7 @@ class GrpcService:
             "ServerMetadata": unary(pb.ServerMetadataRequest, self.server_metadata),
             "ModelMetadata": unary(pb.ModelMetadataRequest, self.model_metadata),
             "ModelConfig": unary(pb.ModelConfigRequest, self.model_config),
-            "ModelInfer": unary(None, self.model_infer),
+            "ModelInfer": unary(None, self.model_infer, self.dataplane),
             "ModelStreamInfer": Method(self.model_stream_infer, client_streaming=True),
             "RepositoryIndex": unary(pb.RepositoryIndexRequest, self.repository_index),
             "RepositoryModelLoad": unary(pb.RepositoryModelLoadRequest, self.repository_load),
@@ -194,33 +189,6 @@ class GrpcService:
         if restriction is None:
             return method
         return Method(_restricted(restriction, method.handler), method.client_streaming)
-
-    def _unary(
-        self, request_type: type[Message] | None, handle: Callable[..., Awaitable[Any]]
-    ) -> Method:
-        async def handler(call: GrpcCall) -> None:
-            data = await call.receive()
-            if data is None or await call.receive() is not None:
-                raise GRPCError(
-                    Status.INTERNAL, f"{call.method} expects exactly one request message"
-                )
-            try:
-                request = (
-                    data if request_type is None else grpc_codec.parse_message(request_type, data)
-                )
-                response = await handle(request, call)
-            except TritonError as error:
-                raise grpc_error(error) from None
-            except GRPCError:
-                raise
-            except Exception as exc:
-                log.exception("grpc method failed", method=call.method)
-                raise grpc_error(as_triton_error(exc, "internal error")) from None
-            if isinstance(response, Message):
-                response = response.SerializeToString()
-            await call.send(response)
-
-        return Method(handler)
 
     # -- health, metadata, configuration ------------------------------------------
 
@@ -433,6 +401,8 @@ class GrpcService:
     ) -> list:
         request = grpc_codec.decode_infer_request(data, shared_memory)
         self._forward_headers(call, request)
+        if self.dataplane.tracing.active:  # the call's GRPC_WAITREAD_START ... (_unary)
+            request.trace_context = getattr(call, "stamps", None)
         if not (self.verbose or verbose_logging()):
             response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
             return grpc_codec.encode_infer_response(response, request, None, shared_memory)

@@ -36,6 +36,7 @@ from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import update_settings
+from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
@@ -397,7 +398,10 @@ class HttpFrontend:
             raise InvalidArgument("Unsupported content-encoding, only 'identity' is supported.")
         name, number = match["name"], _version(match)
         model = self.dataplane.model(name, number)
-        return generate_codec.decode_generate_request(body, name, number, model.signature)
+        request = generate_codec.decode_generate_request(body, name, number, model.signature)
+        if self.dataplane.tracing.active:  # HTTP_RECV_START ... (trace.frontend)
+            request.trace_context = HTTP_STAMPS.get()
+        return request
 
     async def generate(self, match: re.Match[str], headers: Headers, body: RequestBody) -> Response:
         infer_request = self._generate_request(match, headers, body)
@@ -652,7 +656,10 @@ async def serve_http(
     # A body over the limit refused in Triton's words on this port (the metrics
     # and OpenAI ports, and the workers' private ones, answer 413).
     transport = replace(
-        options.transport_options(), body_refusal=refuse_large_body, budget=dataplane.budget
+        options.transport_options(),
+        body_refusal=refuse_large_body,
+        budget=dataplane.budget,
+        tracing=dataplane.tracing,
     )
     server = HttpServer(frontend.route, transport)
     await server.serve(address, port, shutdown, graceful_timeout, task_status=task_status)

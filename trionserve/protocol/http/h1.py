@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Protocol
 from urllib.parse import unquote
 
 import httptools
@@ -177,12 +178,34 @@ class HttpServerOptions:
     # The server's budget of bytes held for clients (--client-buffer-limit), which
     # large bodies, received and answered, count in; None: not counted.
     budget: ClientBudget | None = None
+    # The server's tracing: while it is active, each request's start is timed
+    # (Request.began, Triton's HTTP_RECV_START); None: never.
+    tracing: TraceClock | None = None
+
+
+class TraceClock(Protocol):
+    """What the protocol asks of the server's tracing (TraceManager)."""
+
+    active: bool
+
+    def now_ns(self) -> int: ...
+
+
+class _NoTracing:
+    active = False
+
+    def now_ns(self) -> int:
+        return 0
+
+
+_NO_TRACING = _NoTracing()
 
 
 class Request:
     """One request as the parser delivers it: its head, then its body."""
 
     __slots__ = (
+        "began",
         "buffer",
         "chunked",
         "chunks",
@@ -220,6 +243,7 @@ class Request:
         self.in_chunk = False  # a chunk header was parsed, its data not counted yet
         self.size = 0
         self.complete = False
+        self.began = 0  # when its first byte was parsed, in ns, if tracing was on
 
 
 class HeadCache:
@@ -251,6 +275,7 @@ class H1Connection:
         "_head_bytes",
         "_heads",
         "_keep_alive",
+        "_tracing",
         "current",
         "max_header_size",
         "max_request_body",
@@ -268,6 +293,7 @@ class H1Connection:
         self.options = options = options or HttpServerOptions()
         self.max_request_body = options.max_request_body
         self.max_header_size = options.max_header_size
+        self._tracing = options.tracing or _NO_TRACING
         self._heads = heads or HeadCache()
         self.state = ConnectionState()
         self.parser = self._new_parser()
@@ -287,7 +313,10 @@ class H1Connection:
 
     def on_message_begin(self) -> None:
         self.state.client_event(_BEGIN)
-        self.requests.append(Request())
+        request = Request()
+        if self._tracing.active:
+            request.began = self._tracing.now_ns()  # libevhtp's recv_start_ns (frontend.py)
+        self.requests.append(request)
 
     def on_url(self, url: bytes) -> None:
         request = self.requests[-1]

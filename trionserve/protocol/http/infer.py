@@ -20,6 +20,7 @@ from trionserve.core.shared_memory import RequestRegions
 from trionserve.dataplane import DataPlane
 from trionserve.drain import ShuttingDown
 from trionserve.observability.logging import verbose
+from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http.h1 import CLOSE, JSON, Headers, RequestBody, Response
 
@@ -166,6 +167,7 @@ class InferHandler:
         max_input_size: int | None = None,
     ) -> None:
         self.dataplane = dataplane
+        self._tracing = dataplane.tracing
         self.verbose = verbose
         # The cap on a compressed body's inflated size (--http-max-input-size).
         self.max_input_size = max_input_size
@@ -236,6 +238,8 @@ class InferHandler:
                 self._forward_headers(self._forward, request_headers, infer_request)
             if verbose():
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
+            if self._tracing.active:  # the transport's HTTP_RECV_START ... (trace.frontend)
+                infer_request.trace_context = HTTP_STAMPS.get()
             response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
             chunks, json_length = http_codec.encode_infer_response(
                 response, infer_request, shared_memory, binary_output=binary_output

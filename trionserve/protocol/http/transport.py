@@ -63,6 +63,7 @@ from collections.abc import AsyncIterator, Awaitable
 import structlog
 import trio
 
+from trionserve.observability.trace.frontend import HTTP_STAMPS, FrontendStamps, now_ns
 from trionserve.protocol.http.h1 import (
     CONTINUE,
     INTERNAL_ERROR,
@@ -471,6 +472,8 @@ class _Connection:
             budget.reserve(counted)
         try:
             body = await self._read_body(request)
+            if request.began:  # tracing is on: timed as Triton's HTTP frontend times it
+                return await self._serve_traced(handler, request, body)
             try:
                 status, headers, chunks = await self._run_handler(handler, request.headers, body)
             except trio.Cancelled:
@@ -481,6 +484,28 @@ class _Connection:
         finally:
             if budget is not None:
                 budget.release(counted)
+
+    async def _serve_traced(self, handler: Handler, request: Request, body: RequestBody) -> bool:
+        """:meth:`_serve` for a request that came while tracing was on: its
+        HTTP_RECV_START / HTTP_RECV_END / HTTP_SEND_START / HTTP_SEND_END go with
+        its trace, if its handler's inference request is sampled (see
+        :mod:`trionserve.observability.trace.frontend`)."""
+        stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
+        token = HTTP_STAMPS.set(stamps)
+        try:
+            try:
+                status, headers, chunks = await self._run_handler(handler, request.headers, body)
+            except trio.Cancelled:
+                if not self._scope.cancel_called:
+                    await self._cut()
+                raise
+            stamps.stamp("HTTP_SEND_START")
+            kept = await self.respond(status, headers, chunks)
+            stamps.stamp("HTTP_SEND_END")
+            return kept
+        finally:
+            HTTP_STAMPS.reset(token)
+            stamps.release()
 
     async def _run_handler(self, handler: Handler, headers: Headers, body: RequestBody) -> Response:
         """The handler's answer. A client that hangs up meanwhile cancels it, so

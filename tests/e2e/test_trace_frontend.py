@@ -1,0 +1,211 @@
+"""The frontends' trace timestamps (HTTP_RECV_START ... GRPC_SEND_END,
+INFER_RESPONSE_COMPLETE): in the trace file in Triton's order on a real server
+with tritonclient's HTTP and gRPC clients, taken only while tracing is on, and
+a trace written once both the data plane and the frontend are done with it."""
+
+from __future__ import annotations
+
+import json
+from http.client import HTTPConnection
+
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests.e2e.test_trace import GRPC_ORDER, HTTP_ORDER, ORDER, _Model, _Request, manager
+from tests.serverproc import ServerProcess
+from trionserve.observability.trace.frontend import FrontendStamps
+from trionserve.observability.trace.manager import TraceManager
+from trionserve.observability.trace.settings import TraceConfig
+from trionserve.protocol.http.h1 import H1Connection, HttpServerOptions
+
+
+def _infer(module, client, model: str, request_id: str) -> None:
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [module.InferInput(name, [1, 16], "INT32") for name in ("INPUT0", "INPUT1")]
+    for tensor in inputs:
+        tensor.set_data_from_numpy(a)
+    client.infer(model, inputs, request_id=request_id)
+
+
+def _traces(entries: list[dict]) -> dict[int, dict]:
+    """Each trace's head and its timestamps as (name, ns) in file order; where in
+    the file its head came among its timestamps (``head_at``)."""
+    traces: dict[int, dict] = {}
+    for entry in entries:
+        trace = traces.setdefault(entry["id"], {"stamps": []})
+        if "model_name" in entry:
+            trace.update(entry, head_at=len(trace["stamps"]))
+        for stamp in entry.get("timestamps", []):
+            trace["stamps"].append((stamp["name"], stamp["ns"]))
+    return traces
+
+
+def test_trace_files_carry_the_frontends_timestamps_in_tritons_order(tmp_path):
+    trace_file = tmp_path / "trace.json"
+    proc = ServerProcess(
+        args=[
+            f"--trace-config=triton,file={trace_file}",
+            "--trace-config=level=TIMESTAMPS",
+            "--trace-config=rate=3",
+        ]
+    )
+    try:
+        proc.wait_ready(path="/v2/health/ready")
+        http = httpclient.InferenceServerClient(proc.http_url)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
+        # Rate 3: every 3rd request is traced; each trace gets its own
+        # request's stamps, never those of a request that was not sampled.
+        for index in range(6):
+            _infer(httpclient, http, "simple", f"http-{index}")
+            _infer(grpcclient, grpc, "simple", f"grpc-{index}")
+        # An ensemble's steps are traced as its children, with no frontend
+        # stamps of their own (only the request the frontend made has them).
+        http.update_trace_settings(settings={"trace_rate": "1"})
+        _infer(httpclient, http, "simple_ensemble", "ensemble")
+        # The generate extension is traced as infer is (src/http_server.cc
+        # HandleGenerate starts its trace the same way).
+        body = json.dumps({"id": "generate", "INPUT0": "hi"})
+        connection = HTTPConnection("127.0.0.1", proc.http_port, timeout=30)
+        connection.request("POST", "/v2/models/identity_bytes/generate", body)
+        assert connection.getresponse().status == 200
+        connection.close()
+        http.close()
+        grpc.close()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+    traces = _traces(json.loads(trace_file.read_text()))
+    by_request: dict[str, list[dict]] = {}
+    for trace in traces.values():
+        by_request.setdefault(trace["request_id"], []).append(trace)
+    sampled = sorted(r for r in by_request if r not in ("ensemble", "generate"))
+    assert sampled == ["grpc-2", "grpc-5", "http-1", "http-4"]
+    for request_id in sampled:
+        (trace,) = by_request[request_id]
+        names = [name for name, _ in trace["stamps"]]
+        if request_id.startswith("http"):
+            assert names == HTTP_ORDER, trace
+            assert trace["head_at"] == 2  # the head follows the RECV pair
+        else:
+            assert names == GRPC_ORDER, trace
+            assert trace["head_at"] == 0
+        ns = dict(trace["stamps"])
+        prefix = "HTTP_RECV" if request_id.startswith("http") else "GRPC_WAITREAD"
+        send = "HTTP_SEND" if request_id.startswith("http") else "GRPC_SEND"
+        # One clock: the frontend's timestamps frame the data plane's.
+        assert ns[f"{prefix}_START"] <= ns[f"{prefix}_END"] <= ns["REQUEST_START"]
+        assert ns["COMPUTE_END"] <= ns["INFER_RESPONSE_COMPLETE"] <= ns["REQUEST_END"]
+        assert ns["REQUEST_END"] <= ns[f"{send}_START"] <= ns[f"{send}_END"]
+    ensemble = sorted(by_request["ensemble"], key=lambda t: t["id"])
+    assert [t["model_name"] for t in ensemble] == ["simple_ensemble", "simple", "simple"]
+    names = [name for name, _ in ensemble[0]["stamps"]]
+    assert names[:2] == ["HTTP_RECV_START", "HTTP_RECV_END"]
+    assert names[-2:] == ["HTTP_SEND_START", "HTTP_SEND_END"]
+    for child in ensemble[1:]:
+        assert child["parent_id"] == ensemble[0]["id"]
+        assert [name for name, _ in child["stamps"]] == list(ORDER)
+    (generate,) = by_request["generate"]
+    names = [name for name, _ in generate["stamps"]]
+    assert names[:3] == ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START"]
+    assert names[-4:] == ["INFER_RESPONSE_COMPLETE", "REQUEST_END", *HTTP_ORDER[-2:]]
+
+
+def test_requests_are_timed_at_their_start_only_while_tracing_is_on():
+    tracing = manager()
+    h1 = H1Connection(HttpServerOptions(tracing=tracing))
+    request = b"GET /v2/health/ready HTTP/1.1\r\nhost: x\r\n\r\n"
+    h1.receive_data(request)
+    assert h1.requests[-1].began == 0  # OFF: no clock is read
+    tracing.update("", {"trace_level": ["TIMESTAMPS"], "trace_rate": ["1"]})
+    assert tracing.active
+
+    async def timed() -> int:
+        h1.receive_data(request)
+        return h1.requests[-1].began
+
+    assert trio.run(timed) > 0
+
+
+def _frontend_trace(tracing: TraceManager, stamps: FrontendStamps):
+    model, request = _Model(), _Request("r")
+    trace = tracing.start(model, request, stamps)
+    assert trace is not None and trace.frontend is stamps
+    return trace, model, request
+
+
+@pytest.mark.parametrize("frontend_first", [False, True])
+async def test_a_frontends_trace_is_written_once_both_sides_are_done(frontend_first):
+    """As Triton's Trace is written when its last reference goes (src/tracer.cc
+    ~Trace): whichever of the data plane and the frontend finishes last writes it."""
+    tracing = manager(level=frozenset({"TIMESTAMPS"}), rate=1)
+    stamps = FrontendStamps([("HTTP_RECV_START", 1), ("HTTP_RECV_END", 2)])
+    trace, model, request = _frontend_trace(tracing, stamps)
+    buffer = trace.setting.buffer
+    if frontend_first:
+        stamps.release()  # e.g. the client went away: no SEND stamps
+        assert buffer == []
+        tracing.finish(trace, model, request)
+    else:
+        tracing.finish(trace, model, request)
+        assert buffer == []
+        stamps.stamp("HTTP_SEND_START")
+        stamps.release()
+    (text,) = buffer
+    names = [o["timestamps"][0]["name"] for o in json.loads(f"[{text}]") if "timestamps" in o]
+    expected = ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "REQUEST_END"]
+    assert names == expected + ([] if frontend_first else ["HTTP_SEND_START"])
+    stamps.release()  # idempotent: written once
+    assert len(buffer) == 1
+    assert trace.setting.inflight == 0
+
+
+async def test_stamps_go_with_one_trace_only():
+    tracing = manager(level=frozenset({"TIMESTAMPS"}), rate=1)
+    stamps = FrontendStamps(deferred=True)
+    first, model, request = _frontend_trace(tracing, stamps)
+    second = tracing.start(model, _Request("again"), stamps)
+    assert second is not None and second.frontend is None and second.holders == 1
+    released = FrontendStamps()
+    released.release()
+    late = tracing.start(model, _Request("late"), released)
+    assert late is not None and late.frontend is None
+
+
+async def test_opentelemetry_puts_the_frontends_timestamps_on_the_root_span():
+    """Triton's Trace::CaptureTimestamp adds them to the root span (src/tracer.cc);
+    qa/L0_trace opentelemetry_unittest checks the root span has exactly those."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, mode="opentelemetry"),
+        span_processor=SimpleSpanProcessor(exporter),
+    )
+    now = trio.current_time()
+    stamps = FrontendStamps([("HTTP_RECV_START", int(now * 1e9) - 10)])
+    stamps.before.append(("HTTP_RECV_END", int(now * 1e9) - 5))
+    trace, model, request = _frontend_trace(tracing, stamps)
+    request.arrival_time = trio.current_time()
+    trace.compute(trio.current_time(), trio.current_time(), 0, 0)
+    stamps.response_complete()
+    tracing.finish(trace, model, request)
+    assert exporter.get_finished_spans() == ()  # the frontend still holds it
+    stamps.stamp("HTTP_SEND_START")
+    stamps.stamp("HTTP_SEND_END")
+    stamps.release()
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert [e.name for e in spans["InferRequest"].events] == [
+        "HTTP_RECV_START",
+        "HTTP_RECV_END",
+        "INFER_RESPONSE_COMPLETE",
+        "HTTP_SEND_START",
+        "HTTP_SEND_END",
+    ]
+    assert [e.name for e in spans["m"].events] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
+    assert spans["InferRequest"].start_time < spans["m"].start_time
+    assert spans["InferRequest"].end_time >= spans["m"].end_time

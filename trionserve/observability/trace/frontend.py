@@ -1,0 +1,117 @@
+"""The timestamps Triton's frontends add to a trace: HTTP_RECV_START / HTTP_RECV_END /
+HTTP_SEND_START / HTTP_SEND_END, GRPC_WAITREAD_START / GRPC_WAITREAD_END /
+GRPC_SEND_START / GRPC_SEND_END, and INFER_RESPONSE_COMPLETE.
+
+A frontend takes them only while tracing is on (``TraceManager.active``): a
+:class:`FrontendStamps` goes with its request to the data plane
+(``InferenceRequest.trace_context``). If the request is sampled, its trace is
+written only once both the data plane (``TraceManager.finish``) and the frontend
+(:meth:`FrontendStamps.release`) are done with it, as Triton's
+``TraceManager::Trace`` is written when the frontend's last reference to it goes
+(server src/tracer.cc ``Trace::~Trace``), after the answer was sent.
+
+Where Triton takes them, and where these are taken:
+
+- ``HTTP_RECV_START``: libevhtp's parser starting a request (third_party
+  libevhtp/evhtp.c ``htp__request_parse_start_``, ``recv_start_ns``); here the
+  parser's ``on_message_begin`` (protocol/http/h1.py).
+- ``HTTP_RECV_END``: the request parsed whole, before its handler runs
+  (evhtp.c ``htp__request_parse_fini_``); here once its body is read, before
+  the handler (protocol/http/transport.py).
+- ``HTTP_SEND_START`` / ``HTTP_SEND_END``: around ``evhtp_send_reply``, the
+  answer handed to the connection's buffer (evhtp.c ``evhtp_send_reply``,
+  server src/http_server.cc ``InferRequestClass::ReplyCallback``); here around
+  the answer's write. Triton's HTTP frontend writes RECV into the trace as it
+  samples it, before REQUEST_START (http_server.cc ``HTTPAPIServer::StartTrace``),
+  and SEND as it replies, after REQUEST_END.
+- ``GRPC_WAITREAD_START`` / ``GRPC_WAITREAD_END``: around the wait for the
+  call's request message (src/grpc/infer_handler.cc
+  ``ModelInferHandler::StartNewRequest`` / ``Process`` at step START); here
+  from the call's handler starting to wait for its message to its whole message.
+- ``GRPC_SEND_START`` / ``GRPC_SEND_END``: the response handed to gRPC
+  (infer_handler.cc ``InferResponseComplete``, before ``Finish``) and gRPC done
+  with it (``Process`` at step COMPLETE); here around the response's send.
+  Triton's gRPC frontend keeps all of its timestamps aside and adds them when it
+  lets go of the trace (src/grpc/infer_handler.h ``ClearTraceTimestamps``), so
+  they come after REQUEST_END: ``deferred``.
+- ``INFER_RESPONSE_COMPLETE``: the frontend receiving the response
+  (http_server.cc ``InferRequestClass::InferResponseComplete``,
+  infer_handler.cc ``InferResponseComplete``); here the data plane handing the
+  response to the frontend (``_Lifecycle.deliverable``).
+
+Every one of them is on Trio's clock, as the data plane's timestamps are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import TYPE_CHECKING
+
+import trio
+
+from trionserve.observability.trace.trace_file import clock_ns
+
+if TYPE_CHECKING:
+    from trionserve.observability.trace.trace_file import Trace
+
+__all__ = ["HTTP_STAMPS", "FrontendStamps", "now_ns"]
+
+# The stamps of the HTTP request its connection's task is handling, while
+# tracing is on: set by the transport, read by the handlers that make an
+# inference request of it (no other code reads it).
+HTTP_STAMPS: ContextVar[FrontendStamps | None] = ContextVar("trionserve_http_stamps", default=None)
+
+
+def now_ns() -> int:
+    """Now, on the clock of every trace timestamp."""
+    return clock_ns(trio.current_time())
+
+
+class FrontendStamps:
+    """One request's frontend timestamps, and its trace once the data plane sampled it.
+
+    ``before``: written ahead of the trace's first object (HTTP's RECV pair);
+    ``after``: written after REQUEST_END (HTTP's SEND pair; all of gRPC's).
+    """
+
+    __slots__ = ("after", "before", "deferred", "trace", "_let_go", "_released")
+
+    def __init__(self, before: list[tuple[str, int]] | None = None, deferred: bool = False) -> None:
+        self.before = before if before is not None else []
+        self.after: list[tuple[str, int]] = []
+        # gRPC: INFER_RESPONSE_COMPLETE too is kept aside until the end.
+        self.deferred = deferred
+        self.trace: Trace | None = None
+        self._let_go: Callable[[Trace], None] | None = None
+        self._released = False
+
+    def attach(self, trace: Trace, let_go: Callable[[Trace], None]) -> bool:
+        """The data plane sampled the request: the trace waits for ``release``
+        too. False if these stamps already went with a trace, or were released."""
+        if self.trace is not None or self._released:
+            return False
+        self.trace = trace
+        self._let_go = let_go
+        return True
+
+    def stamp(self, name: str) -> None:
+        """Record ``name`` now, after REQUEST_END in the trace."""
+        self.after.append((name, now_ns()))
+
+    def response_complete(self) -> None:
+        """The frontend got a response (INFER_RESPONSE_COMPLETE)."""
+        if self.deferred:
+            self.stamp("INFER_RESPONSE_COMPLETE")
+        elif self.trace is not None:
+            self.trace.timestamp("INFER_RESPONSE_COMPLETE", now_ns())
+
+    def release(self) -> None:
+        """The frontend is done (answered, failed or cancelled): the trace is
+        written once the data plane is done with it too. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        trace, let_go = self.trace, self._let_go
+        if trace is not None and let_go is not None:
+            let_go(trace)
