@@ -126,7 +126,7 @@ class ServerOptions:
     exit_timeout_secs: float = 30.0
     exit_on_error: bool = True
     log_verbose: int = 0
-    log_format: str = "console"
+    log_format: str = "default"
     log_file: str = ""  # "": stderr
     log_info: bool = True
     log_warning: bool = True
@@ -253,6 +253,7 @@ class Server:
             options.backend_config,
             [options.backend_directory] if options.backend_directory is not None else None,
             backends,
+            autocomplete=options.autocomplete,
         )
         self.rate_limiter = RateLimiter(options.rate_limit, options.rate_limit_resources)
         self.registry = ModelRegistry(
@@ -531,7 +532,8 @@ class Server:
             self.options.log_verbose > 0,
             options if options is not None else self.options.http,
         )
-        log.debug("HTTP service started", listening=binds)
+        # Triton's words (server src/http_server.cc:4971), as the next two.
+        log.info("Started HTTPService at " + ", ".join(_address(*b) for b in binds))
         return binds
 
     async def attach_grpc(
@@ -548,7 +550,7 @@ class Server:
             options if options is not None else self.options.grpc,
             self.options.log_verbose > 0,
         )
-        log.debug("GRPC service started", listening=binds)
+        log.info("Started GRPCInferenceService at " + ", ".join(_address(*b) for b in binds))
         return binds
 
     async def attach_openai(
@@ -592,7 +594,7 @@ class Server:
                 budget=self.dataplane.budget,
             ),
         )
-        log.debug("Metrics service started", listening=binds)
+        log.info("Started Metrics Service at " + ", ".join(_address(*b) for b in binds))
         self.metrics_binds = binds
         return binds
 
@@ -600,8 +602,8 @@ class Server:
         """Wait, until the exit timeout, for the requests in flight and the open
         sequences to finish; the frontends serve meanwhile."""
         dataplane = self.dataplane
-        log.info(
-            "server stopping: draining",
+        log.info(  # Triton's words (core src/server.cc:312)
+            "Waiting for in-flight requests to complete.",
             inflight=dataplane.drain.inflight,
             open_sequences=dataplane.drain.open_sequences(),
             exit_timeout_secs=self.options.exit_timeout_secs,

@@ -131,9 +131,10 @@ def test_a_resource_count_below_a_models_need_fails_the_start(tmp_path):
     )
     try:
         assert proc.wait_exit() == 1
+        # In the error record, escaped as Triton escapes a log message.
         assert (
-            'Resource count for "resource1" is limited to 1 which will prevent scheduling of '
-            "one or more model instances, the minimum required count is 4"
+            'Resource count for \\"resource1\\" is limited to 1 which will prevent scheduling '
+            "of one or more model instances, the minimum required count is 4"
         ) in proc.output()
     finally:
         proc.close()

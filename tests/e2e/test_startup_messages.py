@@ -57,8 +57,12 @@ def test_a_failed_model_under_exit_on_error_ends_in_one_summary_line(tmp_path):
     assert result.returncode == 1
     lines = result.stderr.splitlines()
     assert lines[-1] == "error: failed to load all models: broken"
+    # An error record in Triton's default format (its letter, time, pid, file:line).
     assert re.search(
-        r"\[error +\] model load failed +model=broken reason=.*max_batch_size", (result.stderr)
+        r'^E\d{4} [\d:.]+ \d+ registry\.py:\d+\] "model load failed model=broken reason=.*'
+        r"max_batch_size",
+        result.stderr,
+        re.M,
     )
     assert "Traceback" not in result.stderr
     # --log-verbose asks for the traceback too.
@@ -96,7 +100,7 @@ def test_help_shows_the_listening_flags_and_their_defaults():
 
 
 def test_startup_overview_and_ready_only_when_ready(tmp_path):
-    server = ServerProcess(EXAMPLES, args=["--log-verbose=1"])
+    server = ServerProcess(EXAMPLES)
     try:
         server.wait_ready(path="/v2/health/ready")
         output = server.output()
@@ -105,19 +109,23 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
         assert re.search(rf"\| GRPC +\| 127\.0\.0\.1:{server.grpc_port} +\|", output)
         assert "server ready" in output
         # A plain start does not tell of loads joined (ensembles load their steps).
-        info = [line for line in output.splitlines() if "[info" in line]
+        info = [line for line in output.splitlines() if re.match(r"I\d{4} ", line)]
         assert not any("already in progress" in line for line in info)
         assert sum("model ready" in line for line in info) == len(list(EXAMPLES.iterdir()))
         assert not any("model state" in line for line in info)
-        # --log-verbose=1: an access-log line per request, with its outcome.
+        # Verbose level 1 (set at run time): an access-log line per request, with its outcome.
         inputs = [np.arange(16, dtype=np.int32).reshape(1, 16)] * 2
         http = httpclient.InferenceServerClient(server.http_url)
+        assert http.update_log_settings({"log_verbose_level": 1})["log_verbose_level"] == 1
+        # Triton's line format is the default, and the logging extension says so.
+        assert http.get_log_settings()["log_format"] == "default"
         http_inputs = [httpclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in (0, 1)]
         for given, data in zip(http_inputs, inputs):
             given.set_data_from_numpy(data)
         http.infer("simple", http_inputs)
         http.close()
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        assert grpc.get_log_settings().settings["log_format"].string_param == "default"
         grpc_inputs = [grpcclient.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in (0, 1)]
         for given, data in zip(grpc_inputs, inputs):
             given.set_data_from_numpy(data)
@@ -136,18 +144,21 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
         assert server.stop() == 0
         output = server.output()
         assert re.search(
-            r"infer response +latency_ms=[\d.]+ model=simple protocol=HTTP status=200", output
+            r"infer response protocol=HTTP model=simple status=200 latency_ms=[\d.]+", output
         )
         assert re.search(
-            r"infer response +id=\S* ?latency_ms=[\d.]+ model=simple protocol=GRPC status=OK",
+            r"infer response protocol=GRPC model=simple id=\S* status=OK latency_ms=[\d.]+",
             output,
         )
-        assert re.search(r"model=absent protocol=GRPC status=NOT_FOUND", output)
+        assert re.search(r"protocol=GRPC model=absent id=\S* status=NOT_FOUND", output)
         assert re.search(
-            r"infer response +id=\S* ?latency_ms=[\d.]+ model=simple protocol='GRPC stream' "
-            r"status=OK",
+            r"infer response protocol=GRPC stream model=simple id=\S* status=OK latency_ms=[\d.]+",
             output,
         )
+        # Triton's verbose lines: each HTTP request, and a request that failed
+        # (server src/http_server.cc:4857, grpc/infer_handler.cc:1030).
+        assert re.search(r"HTTP request: 2 /v2/models/simple/infer", output)
+        assert "[request id: <id_unknown>] Infer failed: " in output
     finally:
         server.close()
 
@@ -159,8 +170,10 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
         assert "server ready" not in output
         assert re.search(r"\| broken +\| +\| UNAVAILABLE +\| .*max_batch_size", output)
         assert re.search(
-            r"\[error +\] server started but not ready: models failed to load +failed=\['broken'\]",
+            r'^E\d{4} .*\] "server started but not ready: models failed to load '
+            r"failed=\['broken'\]",
             output,
+            re.M,
         )
         assert failed.stop() == 0
     finally:
@@ -185,9 +198,11 @@ def test_a_python_model_whose_initialize_raises_is_an_error(tmp_path):
     )
     assert result.returncode == 1
     assert re.search(
-        r"\[error +\] model load failed +model=raises reason=.*cannot initialize", (result.stderr)
+        r'^E\d{4} .*\] "model load failed model=raises reason=.*cannot initialize',
+        result.stderr,
+        re.M,
     ), result.stderr
-    assert not re.search(r"\[info +\] model unavailable", result.stderr)
+    assert "model unavailable" not in result.stderr + result.stdout
     assert result.stderr.splitlines()[-1] == "error: failed to load all models: raises"
 
 

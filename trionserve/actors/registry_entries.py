@@ -116,7 +116,7 @@ def prepare_model(
     infer_platform(config, model_dir)
     backend = (backends or BackendManager()).backend_for(config)
     try:
-        versions = select_versions(config, list_versions(model_dir))
+        versions = select_versions(config, list_versions(model_dir, warn=True))
     except InvalidArgument as no_versions:
         # Triton validates a config without autofill when it polls the model
         # (core model_repository_manager.cc: ValidateModelConfig and

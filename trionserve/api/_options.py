@@ -354,14 +354,16 @@ def _rate_limit_resources(value: Any) -> list[rate_limiter.RateLimiterResource]:
 
 
 def _log_format(value: Any) -> str:
-    """Triton's DEFAULT and ISO8601 are both the console format here; "json" is
-    this server's structured one."""
-    if isinstance(value, LogFormat) or value in ("default", "ISO8601", "console"):
-        return "console"
-    if value == "json":
-        return "json"
+    """TRITONSERVER_LOG_DEFAULT and ISO8601 are Triton's line formats (common
+    logging.h Logger::LogFormatString names them "default" and "ISO8601");
+    "console" and "json" are this server's structured ones."""
+    if isinstance(value, LogFormat):
+        return "ISO8601" if value == LogFormat.ISO8601 else "default"
+    if value in ("default", "ISO8601", "console", "json"):
+        return str(value)
     raise errors.InvalidArgument(
-        f"Options.log_format: expected a LogFormat (DEFAULT, ISO8601) or 'json', got {value!r}"
+        "Options.log_format: expected a LogFormat (DEFAULT, ISO8601), 'console' or 'json', "
+        f"got {value!r}"
     )
 
 

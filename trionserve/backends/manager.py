@@ -10,6 +10,7 @@ in one process keep their own settings.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,7 +53,11 @@ class BackendManager:
         config: BackendConfig | None = None,
         directories: list[Path] | None = None,
         backends: Mapping[str, registry.BackendFactory] | None = None,
+        *,
+        autocomplete: bool = True,
     ) -> None:
+        self.autocomplete = autocomplete
+        self._announced: set[str] = set()  # backends whose configuration was logged
         self.config: BackendConfig = {
             backend: dict(values) for backend, values in (config or {}).items()
         }
@@ -136,8 +141,38 @@ class BackendManager:
         return resolved
 
     def _configured(self, backend: Backend) -> Backend:
+        if backend.name in _ANNOUNCING and backend.name not in self._announced:
+            self._announced.add(backend.name)
+            log.info("backend configuration:\n" + self.backend_configuration(backend.name))
         backend.configure(self.settings_for(backend.name))
         return backend
+
+    def backend_configuration(self, backend: str) -> str:
+        """The JSON of the settings Triton's core gives a backend when it first
+        loads (TRITONBACKEND_BackendConfig), which its onnxruntime and python
+        backends log as ``backend configuration:`` (onnxruntime_backend
+        src/onnxruntime.cc:2963, python_backend src/python_be.cc:2261): under
+        ``cmdline``, the core's three global settings (core src/tritonserver.cc:2465
+        auto-complete-config, min-compute-capability, backend-directory), those
+        given without a backend name, then the backend's own, in key order
+        (backend_model.cc ResolveBackendConfigs, a std::map), and last
+        ``default-max-batch-size`` 4 unless one set it (SetBackendConfigDefaults);
+        as TRITONSERVER_MessageSerializeToJson writes it, compact."""
+        resolved = {
+            "auto-complete-config": "true" if self.autocomplete else "false",
+            # std::to_string(TRITON_MIN_COMPUTE_CAPABILITY), Triton's default 6.0
+            "min-compute-capability": "6.000000",
+            "backend-directory": str(self.directories[0]),
+            **self.config.get("", {}),
+            **self.config.get(backend, {}),
+        }
+        cmdline = dict(sorted(resolved.items()))
+        cmdline.setdefault(DEFAULT_MAX_BATCH_SIZE, "4")
+        return json.dumps({"cmdline": cmdline}, separators=(",", ":"))
+
+
+# The backends of Triton's that log their configuration when they first load.
+_ANNOUNCING = ("onnxruntime", "python")
 
 
 def _is_int(text: str) -> bool:

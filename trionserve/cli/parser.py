@@ -382,9 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--log-format",
-        choices=["console", "json", "default", "ISO8601"],
-        default="console",
-        help="console (default), json, or Triton's line formats default and ISO8601",
+        choices=["default", "ISO8601", "console", "json"],
+        default="default",
+        help="Triton's line formats default (the default) and ISO8601, or this "
+        "server's structured console and json",
     )
     for level in ("info", "warning", "error"):
         add(

@@ -1,14 +1,17 @@
 """structlog setup, and the log settings the logging extension changes at run time.
 
-Events are rendered one per line to stderr or to ``log_file``: in this server's
-``console`` format (the default) or ``json``, or in Triton's own ``default`` and
-``ISO8601`` formats (triton-inference-server/common ``src/logging.cc``
-LogPreamble: ``I1129 08:41:00.123456 <pid> <file>:<line>] <message>`` and
-``2026-11-29T08:41:00Z I <pid> <file>:<line>] <message>``, UTC; the file and line
-are the Python caller's; the message, with its fields as ``key=value``, is a JSON
-string unless ``TRITON_SERVER_ESCAPE_LOG_MESSAGES=0``, as Triton escapes it). An
-event with a ``table`` field (a list of rows) is followed, in the text formats, by
-that table drawn in text (the start-up overview).
+Events are rendered one per line, in Triton's own ``default`` format (the
+default, as tritonserver's) or its ``ISO8601`` one (triton-inference-server/common
+``src/logging.cc`` LogPreamble: ``I1129 08:41:00.123456 <pid> <file>:<line>]
+<message>`` and ``2026-11-29T08:41:00Z I <pid> <file>:<line>] <message>``, UTC;
+the file and line are the Python caller's; the message, with its fields as
+``key=value``, is a JSON string unless ``TRITON_SERVER_ESCAPE_LOG_MESSAGES=0``, as
+Triton escapes it), or in this server's structured ``console`` and ``json``
+formats. They go where Triton's Logger::Log sends them: to ``log_file`` when one
+is set, else info and verbose lines to stdout and warnings and errors to stderr.
+An event with a ``table`` field (a list of rows) is followed, in the text formats,
+by that table drawn in text (the start-up overview), as LOG_TABLE_INFO writes it
+unescaped.
 Which levels pass is decided per event from :data:`SETTINGS`, so ``POST
 /v2/logging`` takes effect at once for every logger, cached or not.
 """
@@ -29,7 +32,7 @@ from structlog.typing import EventDict, WrappedLogger
 from trionserve.core.errors import InvalidArgument, Unimplemented
 
 _KEYS = ("log_info", "log_warning", "log_error", "log_verbose_level", "log_format", "log_file")
-# Triton's two line formats, this server's console one and JSON.
+# Triton's two line formats (Logger::LogFormatString), this server's console one and JSON.
 _TRITON_FORMATS = ("default", "ISO8601")
 _FORMATS = {"default": "default", "ISO8601": "ISO8601", "console": "console", "json": "json"}
 # Triton's level letters (common logging.h LEVEL_NAMES); its verbose lines are "I".
@@ -52,14 +55,15 @@ class LogSettings:
     log_warning: bool = True
     log_error: bool = True
     log_verbose_level: int = 0
-    log_format: str = "console"
+    log_format: str = "default"
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 SETTINGS = LogSettings()
-_stream: IO[str] = sys.stderr
+# The --log-file stream; None: stdout and stderr by level.
+_file: IO[str] | None = None
 _renderers: dict[str, Any] = {}
 
 
@@ -139,21 +143,67 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 class _LineWriter:
-    """A structlog logger that writes each rendered line to the current stream."""
+    """A structlog logger that writes each rendered line where Triton's
+    Logger::Log does (common src/logging.cc): to the log file when one is set,
+    else info (and verbose) lines to stdout, warnings and errors to stderr."""
 
-    def msg(self, message: str) -> None:
-        _stream.write(message + "\n")
-        _stream.flush()
+    def out(self, message: str) -> None:
+        stream = _file or sys.stdout
+        stream.write(message + "\n")
+        stream.flush()
 
-    debug = info = warning = warn = error = critical = exception = fatal = log = msg
+    def err(self, message: str) -> None:
+        stream = _file or sys.stderr
+        stream.write(message + "\n")
+        stream.flush()
+
+    debug = info = log = msg = out
+    warning = warn = error = critical = exception = fatal = err
 
 
 def verbose() -> bool:
     return SETTINGS.log_verbose_level > 0
 
 
+_log = structlog.get_logger(__name__)
+
+
+def log_infer_failed(request_id: str | None, message: str) -> None:
+    """Triton's verbose line for an inference request answered with an error
+    (server src/http_server.cc:3485 and 3880, grpc/infer_handler.cc:1030,
+    grpc/stream_infer_handler.cc:394: ``[request id: <id>] Infer failed:
+    <message>``). The message is the client's error text as it is, request
+    fields named in it included: escaped with the rest of the line unless
+    TRITON_SERVER_ESCAPE_LOG_MESSAGES=0. Nothing is formatted unless verbose."""
+    if SETTINGS.log_verbose_level > 0:
+        _log.debug(f"[request id: {request_id or '<id_unknown>'}] Infer failed: {message}")
+
+
+# libevhtp's htp_method numbers, which Triton's "HTTP request:" line prints
+# (evhtp parser.h enum htp_method: GET = 0, HEAD, POST, PUT, DELETE, ...).
+_HTP_METHODS = {
+    b"GET": 0,
+    b"HEAD": 1,
+    b"POST": 2,
+    b"PUT": 3,
+    b"DELETE": 4,
+    b"OPTIONS": 8,
+    b"TRACE": 13,
+    b"CONNECT": 14,
+    b"PATCH": 15,
+}
+
+
+def log_http_request(method: bytes, path: str) -> None:
+    """Triton's verbose line for each HTTP request received (server
+    src/http_server.cc:4857 ``HTTP request: <method> <path>``, the method as
+    libevhtp's number; 16, htp_method_UNKNOWN, for any other). Callers check
+    :func:`verbose` first."""
+    _log.debug(f"HTTP request: {_HTP_METHODS.get(method, 16)} {path}")
+
+
 def configure_logging(
-    fmt: str = "console",
+    fmt: str = "default",
     verbose_level: int = 0,
     *,
     log_file: str = "",
@@ -205,7 +255,7 @@ def update_settings(changes: dict[str, Any], *, network: bool = True) -> dict[st
     Unimplemented (501 / UNIMPLEMENTED), so a client cannot make the server append
     to a file of its choosing; only ``--log-file`` at start sets it.
     """
-    global _stream
+    global _file
     checked: dict[str, Any] = {}
     for key, value in changes.items():
         if value is None and key in _KEYS:
@@ -233,9 +283,8 @@ def update_settings(changes: dict[str, Any], *, network: bool = True) -> dict[st
             raise InvalidArgument(f"unknown log setting '{key}'")
         checked[key] = value
     if "log_file" in checked and checked["log_file"] != SETTINGS.log_file:
-        new_stream = open(checked["log_file"], "a") if checked["log_file"] else sys.stderr
-        old, _stream = _stream, new_stream
-        if old is not sys.stderr:
+        old, _file = _file, open(checked["log_file"], "a") if checked["log_file"] else None
+        if old is not None:
             old.close()
     for key, value in checked.items():
         setattr(SETTINGS, key, value)

@@ -4,6 +4,9 @@ A version directory is a subdirectory of the model directory whose name is a
 positive decimal integer without leading zeros (``1``, ``2``, ``10``). Like Triton,
 ``01`` is ignored (Triton warns and skips names with leading zeros), and so is any
 other name (``0``, ``-1``, ``v1``, hidden directories, ``__pycache__``, ``warmup``).
+When a model loads, each ignored directory but Triton's own (``warmup``,
+``initial_state``, ``configs``) is logged as a warning in Triton's words (core
+src/model_repository_manager/model_lifecycle.cc:102 VersionsToLoad).
 """
 
 from __future__ import annotations
@@ -13,30 +16,49 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import structlog
+
 from trionserve.core.errors import InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
 
+log = structlog.get_logger(__name__)
+
 _VERSION_NAME = re.compile(r"[1-9][0-9]*")
+_STOLL = re.compile(r"\s*[+-]?[0-9]")  # what std::stoll reads a number from
 _MAX_VERSION = 2**63 - 1  # versions are int64 on the wire
+# Subdirectories of a model that are not versions (core constants.h kWarmupDataFolder,
+# kInitialStateFolder, kModelConfigFolder).
+_NOT_VERSIONS = ("warmup", "initial_state", "configs")
 
 
-def list_versions(model_dir: Path) -> list[int]:
-    """The version numbers present under ``model_dir``, ascending."""
+def list_versions(model_dir: Path, *, warn: bool = False) -> list[int]:
+    """The version numbers present under ``model_dir``, ascending; with ``warn``,
+    Triton's warning for each other subdirectory."""
     try:
         with os.scandir(model_dir) as entries:
-            versions = [
-                int(entry.name)
-                for entry in entries
-                if _VERSION_NAME.fullmatch(entry.name) and entry.is_dir()
-            ]
+            versions = []
+            for entry in entries:
+                if _VERSION_NAME.fullmatch(entry.name) and entry.is_dir():
+                    versions.append(int(entry.name))
+                elif warn and entry.name not in _NOT_VERSIONS and entry.is_dir():
+                    _ignored(entry.name)
     except OSError as exc:
         raise Unavailable(
             f"model '{Path(model_dir).name}': cannot list its version directories: "
             f"{exc.strerror or exc}"
         ) from None
     return sorted(v for v in versions if v <= _MAX_VERSION)
+
+
+def _ignored(name: str) -> None:
+    if len(name) > 1 and name[0] == "0":
+        log.warning(
+            f"ignore version directory '{name}' which contains leading zeros in its directory name"
+        )
+    elif not _STOLL.match(name):  # "0", "-1", "2x" convert in Triton: not warned of
+        log.warning(f"ignore version directory '{name}' which fails to convert to integral number")
 
 
 def _policy(config: ModelConfig) -> str:

@@ -26,6 +26,7 @@ from trionserve.core.shared_memory import RequestRegions
 from trionserve.core.validation import parse_model_version
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
+from trionserve.observability.logging import log_infer_failed
 from trionserve.observability.logging import update_settings as update_log_settings
 from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.trace.settings import settings_to_grpc
@@ -417,6 +418,7 @@ class GrpcService:
             return encoded
         except TritonError as error:
             status = error.status.name
+            log_infer_failed(request.id, error.message)
             raise
         finally:
             log.debug(
@@ -531,6 +533,7 @@ class GrpcService:
             status = "OK"
         except TritonError as error:
             status = error.status.name
+            log_infer_failed(message.id if message is not None else None, error.message)
             if on_model_error is not None and queued.is_set():
                 on_model_error(error)
                 return

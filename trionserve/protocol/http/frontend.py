@@ -35,7 +35,7 @@ from trionserve.core.errors import (
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.dataplane import DataPlane
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
-from trionserve.observability.logging import update_settings
+from trionserve.observability.logging import log_http_request, update_settings
 from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
@@ -186,6 +186,8 @@ class HttpFrontend:
     def route(self, method: bytes, path: str) -> Handler:
         """The handler of a request: infer first (the hot path), then the table;
         a path the table knows with another method gets 405, any other 404."""
+        if LOG_SETTINGS.log_verbose_level:
+            log_http_request(method, path)
         if method == b"POST" and path.endswith("/infer"):
             match = _INFER_PATH.match(path)
             if match is not None:

@@ -19,7 +19,7 @@ from trionserve.core.parameters import check_forwarded_header
 from trionserve.core.shared_memory import RequestRegions
 from trionserve.dataplane import DataPlane
 from trionserve.drain import ShuttingDown
-from trionserve.observability.logging import verbose
+from trionserve.observability.logging import log_infer_failed, verbose
 from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http.h1 import CLOSE, JSON, Headers, RequestBody, Response
@@ -208,6 +208,7 @@ class InferHandler:
             elif key == b"accept-encoding":
                 accept_encoding = value.decode("latin-1")
         shared_memory: RequestRegions | None = None
+        infer_request: InferenceRequest | None = None
         try:
             if content_encoding and content_encoding != "identity":
                 limit = self.max_input_size
@@ -245,6 +246,7 @@ class InferHandler:
                 response, infer_request, shared_memory, binary_output=binary_output
             )
         except TritonError as error:
+            log_infer_failed(infer_request.id if infer_request else None, error.message)
             return error_response(error)
         except Exception as exc:  # a bug must not take the connection task down
             log.exception("infer handler failed")
