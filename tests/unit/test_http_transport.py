@@ -523,7 +523,7 @@ async def test_a_body_already_there_is_read_without_arming_its_deadline(nursery,
 
     monkeypatch.setattr(trio, "move_on_after", counted)
     client = await Client.connect(port)
-    body = bytes(range(256)) * 400  # 102,400 bytes: past the first 64 KB read
+    body = bytes(range(256)) * 400  # 102,400 bytes: past the first 16 KB read
     timeout = HttpServerOptions().header_timeout
     for _ in range(3):  # (the first ones may find the connection's window small)
         before = armed.count(timeout)

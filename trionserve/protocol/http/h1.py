@@ -161,11 +161,14 @@ class HttpServerOptions:
     # Bytes asked of the socket for the start of a request: its head and what of its
     # body came along, which the parser copies into the body's buffer twice over
     # (httptools hands each piece over as bytes); the rest of a declared body is
-    # read straight into its buffer. A body this small or smaller still comes in
-    # one read with its head; of a 602 KB body, 64 KB go through the parser
-    # instead of 256 KB (the transport's CPU per body 138-144 -> 93-117 us,
-    # benchmarks.investigations.body_receive).
-    head_receive_size: int = 64 * 1024
+    # read straight into its buffer (one more read, without a wait, when it is
+    # there). A request this small or smaller (a small tensor, a 4 KB one with its
+    # JSON header and head) still comes in one read; of a 602 KB body, 16 KB go
+    # through the parser instead of 64 KB: the two copies of the other 48 KB
+    # were 95K of the event loop's 727K instructions per request (callgrind,
+    # benchmarks/README.md; 256 KB -> 64 KB before: the transport's CPU per body
+    # 138-144 -> 93-117 us, benchmarks.investigations.body_receive).
+    head_receive_size: int = 16 * 1024
     backlog: int = 1024
     # Bind with SO_REUSEPORT: worker processes share the port (--workers).
     reuse_port: bool = False

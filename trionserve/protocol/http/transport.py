@@ -11,7 +11,7 @@ content-length), or an async iterator of chunks, written as they come with
 chunked transfer encoding (server-sent events). A router that returns None gets
 a 404 with a JSON error.
 
-A request starts with a read of ``head_receive_size`` (64 KB); the rest of a body
+A request starts with a read of ``head_receive_size`` (16 KB); the rest of a body
 of declared length is read from the socket straight into the buffer the protocol
 allocated for it (``readv``, never past its end: a pipelined request after it
 stays in the socket), with one wake-up for all of it where the kernel allows
