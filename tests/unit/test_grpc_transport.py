@@ -754,10 +754,9 @@ async def test_a_unary_call_answered_at_once_runs_in_one_step_of_the_reader():
 
 async def test_a_unary_call_that_waits_keeps_the_reader_task_and_another_reads_on():
     """A call that runs in the reader's task and then waits keeps that task; a new
-    task reads on: calls after it on the connection are answered meanwhile, each
-    in a task of its own (with a call in flight, calls run in tasks, so that
-    calls in flight together reach the scheduler together), and it is answered
-    when it can be."""
+    task reads on: calls after it on the connection are answered meanwhile, in
+    the new reader's task (answered at once, they need no task of their own),
+    and it is answered when it can be."""
     handlers = Handlers()
     async with serving(handlers) as (port, _):
         async with RawClient.connect(port) as client:
@@ -771,7 +770,7 @@ async def test_a_unary_call_that_waits_keeps_the_reader_task_and_another_reads_o
                 await client.until(lambda c: all(c.ended(s) for s in echoes))
             finally:
                 trio.lowlevel.remove_instrument(counter)
-            assert len([t for t in counter.tasks if "_run_call" in t.name]) == 3
+            assert not [t for t in counter.tasks if "_run_call" in t.name]
             assert [client.data[s] for s in echoes] == [frame(b"e%d" % i) for i in range(3)]
             assert not client.ended(waiting)
             handlers.release.set()
@@ -781,6 +780,69 @@ async def test_a_unary_call_that_waits_keeps_the_reader_task_and_another_reads_o
             after = await client.call("/t.T/Echo", frame(b"after"))
             await client.until(lambda c: c.ended(after))
             assert client.data[after] == frame(b"after")
+
+
+async def test_unary_calls_of_one_read_run_in_order_in_the_reader_until_one_waits():
+    """Unary calls whose requests came whole in one read run one after another in
+    the reader's task, each answered at once, all written in one step (as on a
+    connection multiplexing several clients' calls); the first that would wait
+    keeps that task, and the calls after it run in tasks of their own, answered
+    meanwhile."""
+    handlers = Handlers()
+    steps: list[str] = []
+
+    class Steps(trio.abc.Instrument):
+        def before_task_step(self, task) -> None:
+            steps.append(task.name)
+
+    def queue(client: RawClient, path: str, body: bytes) -> int:
+        stream_id = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(
+            stream_id,
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":authority", b"test"),
+                (b":path", path.encode()),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            ],
+        )
+        client.h2.send_data(stream_id, body, end_stream=True)
+        return stream_id
+
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            warm = await client.call("/t.T/Echo", frame(b"warm"))
+            await client.until(lambda c: c.ended(warm))
+            await trio.testing.wait_all_tasks_blocked()
+            trio.lowlevel.add_instrument(instrument := Steps())
+            try:
+                echoes = [queue(client, "/t.T/Echo", frame(b"e%d" % i)) for i in range(3)]
+                await client.flush()  # one write: one read on the server
+                await client.until(lambda c: all(c.ended(s) for s in echoes))
+                await trio.testing.wait_all_tasks_blocked()
+            finally:
+                trio.lowlevel.remove_instrument(instrument)
+            served = [name for name in steps if name.startswith("trionserve.")]
+            assert len(served) == 1, steps
+            assert [client.data[s] for s in echoes] == [frame(b"e%d" % i) for i in range(3)]
+
+            counter = StepCounter()
+            trio.lowlevel.add_instrument(counter)
+            try:
+                waiting = queue(client, "/t.T/Wait", frame(b""))
+                after = [queue(client, "/t.T/Echo", frame(b"a%d" % i)) for i in range(2)]
+                await client.flush()
+                await client.until(lambda c: all(c.ended(s) for s in after))
+            finally:
+                trio.lowlevel.remove_instrument(counter)
+            assert len([t for t in counter.tasks if "_run_call" in t.name]) == 2
+            assert [client.data[s] for s in after] == [frame(b"a%d" % i) for i in range(2)]
+            assert not client.ended(waiting)
+            handlers.release.set()
+            await client.until(lambda c: c.ended(waiting))
+            assert client.data[waiting] == frame(b"released")
 
 
 async def test_a_window_update_for_one_stream_wakes_only_that_streams_sender():

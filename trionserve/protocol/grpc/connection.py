@@ -388,16 +388,16 @@ class Connection:
         """Start the calls whose HEADERS came in the last read, then write what
         they answered; True when this task stays with a call (a new one reads on).
 
-        The connection's only call, unary, its request whole, runs here in the
-        reader's task until it ends or would wait, as an HTTP/1.1 request runs in
-        its connection's: most end, answered, written with the read's other
-        output in one write, with no task of their own and no pass of the run
-        loop more. One that would wait has made this task its own (inline.step)
-        and keeps it. Any other call runs in a task of its own: calls in flight
-        together reach the scheduler together, in one pass, and batch."""
+        A unary call whose request came whole runs here, in the reader's task
+        and the read's order, until it ends or would wait, as an HTTP/1.1
+        request runs in its connection's: most end, answered (a batch an idle
+        instance runs inline runs in the submitting task), written with the
+        read's other output in one write, with no task of their own and no pass
+        of the run loop more. One that would wait has made this task its own
+        (inline.step) and keeps it; the calls after it, and any other, get tasks."""
         starting, self._starting = self._starting, []
         for index, (call, handler) in enumerate(starting):
-            if call.client_streaming or not call.state.client_done or len(self.calls) > 1:
+            if call.client_streaming or not call.state.client_done:
                 self._spawn(call, handler)
                 continue
             self._inline = call
