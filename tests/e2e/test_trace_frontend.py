@@ -72,6 +72,18 @@ def test_trace_files_carry_the_frontends_timestamps_in_tritons_order(tmp_path):
         connection.request("POST", "/v2/models/identity_bytes/generate", body)
         assert connection.getresponse().status == 200
         connection.close()
+        # A gRPC stream's requests: each with its own GRPC_WAITREAD pair and a
+        # GRPC_SEND pair per response (src/grpc/stream_infer_handler.cc).
+        responses: list = []
+        grpc.start_stream(callback=lambda result, error: responses.append(error or result))
+        a = np.arange(16, dtype=np.int32).reshape(1, 16)
+        for index in range(2):
+            inputs = [grpcclient.InferInput(n, [1, 16], "INT32") for n in ("INPUT0", "INPUT1")]
+            for tensor in inputs:
+                tensor.set_data_from_numpy(a)
+            grpc.async_stream_infer("simple", inputs, request_id=f"stream-{index}")
+        grpc.stop_stream()
+        assert len(responses) == 2 and not any(isinstance(r, Exception) for r in responses)
         http.close()
         grpc.close()
         assert proc.stop() == 0, proc.output()
@@ -81,7 +93,7 @@ def test_trace_files_carry_the_frontends_timestamps_in_tritons_order(tmp_path):
     by_request: dict[str, list[dict]] = {}
     for trace in traces.values():
         by_request.setdefault(trace["request_id"], []).append(trace)
-    sampled = sorted(r for r in by_request if r not in ("ensemble", "generate"))
+    sampled = sorted(r for r in by_request if r.startswith(("http", "grpc")))
     assert sampled == ["grpc-2", "grpc-5", "http-1", "http-4"]
     for request_id in sampled:
         (trace,) = by_request[request_id]
@@ -107,6 +119,13 @@ def test_trace_files_carry_the_frontends_timestamps_in_tritons_order(tmp_path):
     for child in ensemble[1:]:
         assert child["parent_id"] == ensemble[0]["id"]
         assert [name for name, _ in child["stamps"]] == list(ORDER)
+    for request_id in ("stream-0", "stream-1"):
+        (trace,) = by_request[request_id]
+        assert [name for name, _ in trace["stamps"]] == GRPC_ORDER, trace
+        ns = dict(trace["stamps"])
+        assert ns["GRPC_WAITREAD_START"] <= ns["GRPC_WAITREAD_END"] <= ns["REQUEST_START"]
+        # A stream's responses are sent as they come, within the request's life.
+        assert ns["INFER_RESPONSE_COMPLETE"] <= ns["GRPC_SEND_START"] <= ns["GRPC_SEND_END"]
     (generate,) = by_request["generate"]
     names = [name for name, _ in generate["stamps"]]
     assert names[:3] == ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START"]

@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 from tests.helpers import decoupled_model
 from trionserve.core.errors import InternalError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
+from trionserve.observability.trace.manager import TraceManager
 from trionserve.protocol.grpc.service import serve_grpc
 
 
@@ -28,6 +29,7 @@ class DecoupledDataPlane:
     shared_memory = None
     shm_resolver = None
     budget = None
+    tracing = TraceManager()  # tracing off
 
     def request_regions(self):
         return None

@@ -22,6 +22,7 @@ from trionserve.backends.base import InstanceSpec
 from trionserve.core.errors import Cancelled, InvalidArgument, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.statistics import ModelStatistics
+from trionserve.observability.trace.manager import TraceManager
 from trionserve.repository.config import normalize_model_config
 from trionserve.schedulers.sequence_batch import SequenceBatchScheduler
 from trionserve.schedulers.sequence_controls import NullRequest
@@ -825,6 +826,7 @@ class QueueingDataPlane:
     shared_memory = None
     shm_resolver = None
     budget = None
+    tracing = TraceManager()  # tracing off
 
     def request_regions(self):
         return None

@@ -26,11 +26,13 @@ Where Triton takes them, and where these are taken:
   and SEND as it replies, after REQUEST_END.
 - ``GRPC_WAITREAD_START`` / ``GRPC_WAITREAD_END``: around the wait for the
   call's request message (src/grpc/infer_handler.cc
-  ``ModelInferHandler::StartNewRequest`` / ``Process`` at step START); here
-  from the call's handler starting to wait for its message to its whole message.
+  ``ModelInferHandler::StartNewRequest`` / ``Process`` at step START; a
+  stream's next message, src/grpc/stream_infer_handler.cc ``Process`` at READ);
+  here from the handler starting to wait for the message to its whole message.
 - ``GRPC_SEND_START`` / ``GRPC_SEND_END``: the response handed to gRPC
   (infer_handler.cc ``InferResponseComplete``, before ``Finish``) and gRPC done
-  with it (``Process`` at step COMPLETE); here around the response's send.
+  with it (``Process`` at step COMPLETE; a stream's at WRITTEN, per
+  response); here around each response's send.
   Triton's gRPC frontend keeps all of its timestamps aside and adds them when it
   lets go of the trace (src/grpc/infer_handler.h ``ClearTraceTimestamps``), so
   they come after REQUEST_END: ``deferred``.

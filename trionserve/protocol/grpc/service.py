@@ -29,6 +29,7 @@ from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import log_infer_failed
 from trionserve.observability.logging import update_settings as update_log_settings
 from trionserve.observability.logging import verbose as verbose_logging
+from trionserve.observability.trace.frontend import FrontendStamps, now_ns
 from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import framing as grpc_framing
@@ -402,7 +403,7 @@ class GrpcService:
     ) -> list:
         request = grpc_codec.decode_infer_request(data, shared_memory)
         self._forward_headers(call, request)
-        if self.dataplane.tracing.active:  # the call's GRPC_WAITREAD_START ... (_unary)
+        if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
             request.trace_context = getattr(call, "stamps", None)
         if not (self.verbose or verbose_logging()):
             response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
@@ -450,7 +451,11 @@ class GrpcService:
                         error = grpc_error(model_error)
                         nursery.cancel_scope.cancel()
 
+            tracing = self.dataplane.tracing
             while True:
+                # While tracing is on, each request's GRPC_WAITREAD_START / _END
+                # (server src/grpc/stream_infer_handler.cc, Process at READ).
+                waiting = now_ns() if tracing.active else 0
                 try:
                     data = await call.receive()
                 except GRPCError as exc:
@@ -459,11 +464,18 @@ class GrpcService:
                     break
                 if data is None:
                     break
+                stamps = None
+                if waiting:
+                    stamps = FrontendStamps(deferred=True)
+                    stamps.after += (
+                        ("GRPC_WAITREAD_START", waiting),
+                        ("GRPC_WAITREAD_END", now_ns()),
+                    )
                 await budget.acquire(len(data))
                 queued = trio.Event()
                 turn = Turn(turn.written if turn is not None else None)
                 nursery.start_soon(
-                    self._stream_request, call, data, budget, queued, on_model_error, turn
+                    self._stream_request, call, data, budget, queued, on_model_error, turn, stamps
                 )
                 # Queue the stream's requests in the order they came (as Triton does),
                 # so that the requests of a sequence reach its model in order.
@@ -481,6 +493,7 @@ class GrpcService:
         queued: trio.Event,
         on_model_error: Callable[[TritonError], None] | None = None,
         turn: Turn | None = None,
+        stamps: FrontendStamps | None = None,
     ) -> None:
         """Serve one request of a stream. ``on_model_error`` is given on a stream
         opened with the ``triton_grpc_error: true`` header: an error the model
@@ -496,7 +509,8 @@ class GrpcService:
         non-decoupled responses from the front of its queue (server
         src/grpc/infer_handler.h WriteResponseIfReady, stream_infer_handler.cc
         StreamInferResponseComplete); a decoupled model's responses go out as they
-        come."""
+        come. ``stamps``: the request's trace timestamps, while tracing is on
+        (GRPC_SEND_START / GRPC_SEND_END around each response's send)."""
         turn = turn or Turn(None)
         message = request = None
         shared_memory = self.dataplane.request_regions()
@@ -508,6 +522,7 @@ class GrpcService:
             turn.ordered = not self._decoupled(request)
             empty_final = grpc_codec.empty_final_response_enabled(message)
             self._forward_headers(call, request)
+            request.trace_context = stamps
             if self.verbose or verbose_logging():
                 log.debug("stream infer request", model=request.model_name, id=request.id)
 
@@ -527,7 +542,11 @@ class GrpcService:
                 message = grpc_codec.encode_stream_response(inner)
                 budget.observe(sum(len(c) for c in message))
                 await turn.wait()
+                if stamps is not None:
+                    stamps.stamp("GRPC_SEND_START")
                 await call.send(message)
+                if stamps is not None:
+                    stamps.stamp("GRPC_SEND_END")
 
             await self.dataplane.infer_stream(request, deliver, queued=queued)
             status = "OK"
@@ -552,6 +571,8 @@ class GrpcService:
         finally:
             if shared_memory is not None:
                 shared_memory.release()
+            if stamps is not None:
+                stamps.release()
             queued.set()
             budget.release()
             call.answered()  # its bytes leave the connection's buffer
