@@ -2,12 +2,14 @@
 the stub and the core, measured by thread and in instructions.
 
 Usage: python -m benchmarks.investigations.stub_call [--requests 4000] [--rounds 3]
+       [--concurrency 16]
        python -m benchmarks.investigations.stub_call --baseline DIR [--rounds 3]
        python -m benchmarks.investigations.stub_call --mode event_loop  (or in_process)
 
 Starts an in-process server (no HTTP or gRPC port is called) over the example
 ``add_sub_python`` with one instance, and calls ``dataplane.infer`` one request
-at a time (c=1). For each round it reports, per request: the CPU of the server's
+at a time (c=1), or from ``--concurrency`` tasks at once (requests queue while
+the stub is busy). For each round it reports, per request: the CPU of the server's
 event-loop thread and of the stub process (from ``/proc/.../schedstat``, by thread),
 the server's main thread being its event loop, the stub's main thread the one
 that runs ``execute``.
@@ -29,6 +31,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import trio
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
@@ -55,6 +59,31 @@ def _children(pid: int) -> list[int]:
     return children
 
 
+class _Passes(trio.abc.Instrument):
+    """Counts the event loop's task steps and waits for I/O while ``on``: how
+    often the server parked (a stub's reply that came before the server looked
+    for it costs neither), which moves its instructions per call."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.steps = 0
+        self.waits = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps += self.on
+
+    def before_io_wait(self, timeout: float) -> None:
+        self.waits += self.on
+
+
+def _touch(path: str) -> None:
+    Path(path).touch()
+
+
+def _exists(path: str) -> bool:
+    return Path(path).exists()
+
+
 MODES = {
     "stub": "",
     "in_process": 'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n',
@@ -65,10 +94,11 @@ MODES = {
 }
 
 
-def _measure(requests: int, warmup: int, mode: str = "stub") -> dict:
+def _measure(
+    requests: int, warmup: int, mode: str = "stub", concurrency: int = 1, marks: str | None = None
+) -> dict:
     """Run in the process of the checkout under test (see main)."""
     import numpy as np
-    import trio
 
     from trionserve.core.inference import InferenceRequest, Tensor
     from trionserve.server import Server, ServerOptions
@@ -89,22 +119,44 @@ def _measure(requests: int, warmup: int, mode: str = "stub") -> dict:
             allow_metrics=False,
         )
         server = Server(options)
+        passes = _Passes()
+        trio.lowlevel.add_instrument(passes)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             a = np.arange(16, dtype=np.int32).reshape(1, 16)
             inputs = {name: Tensor(name, "INT32", a) for name in ("INPUT0", "INPUT1")}
 
-            async def call(n: int) -> None:
+            async def call_one(n: int) -> None:
                 for _ in range(n):
                     await server.dataplane.infer(InferenceRequest("add_sub_python", inputs=inputs))
 
+            async def call(n: int) -> None:
+                # ``concurrency`` callers at once, ``n`` calls in all: at c > 1
+                # requests queue while the stub is busy.
+                async with trio.open_nursery() as callers:
+                    for index in range(concurrency):
+                        share = n // concurrency + (index < n % concurrency)
+                        callers.start_soon(call_one, share)
+
             await call(warmup)
+            if marks is not None:
+                # Under valgrind --instr-atstart=no: the caller turns counting
+                # on while this waits, so only the measured calls are counted.
+                _touch(f"{marks}.warm")
+                while not _exists(f"{marks}.go"):
+                    await trio.sleep(0.2)
             stubs = _children(os.getpid())
             before = {pid: _ticks(pid) for pid in [os.getpid(), *stubs]}
             wall = time.perf_counter()
+            passes.on = True
             await call(requests)
+            passes.on = False
             wall = time.perf_counter() - wall
             after = {pid: _ticks(pid) for pid in [os.getpid(), *stubs]}
+            if marks is not None:
+                _touch(f"{marks}.done")
+                while not _exists(f"{marks}.stop"):
+                    await trio.sleep(0.2)
             by_thread: dict[str, float] = {}
             for pid, ticks in after.items():
                 side = "server" if pid == os.getpid() else "stub"
@@ -117,6 +169,8 @@ def _measure(requests: int, warmup: int, mode: str = "stub") -> dict:
                 k: v / requests * 1e6 for k, v in sorted(by_thread.items()) if v > 0
             }
             result["infer_per_s"] = requests / wall
+            result["task_steps"] = passes.steps / requests
+            result["io_waits"] = passes.waits / requests
             server.shutdown()
 
     try:
@@ -126,9 +180,10 @@ def _measure(requests: int, warmup: int, mode: str = "stub") -> dict:
     return result
 
 
-def _run_in(tree: Path, requests: int, mode: str) -> dict:
+def _run_in(tree: Path, requests: int, mode: str, concurrency: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, str(HERE), "--child", "--requests", str(requests), "--mode", mode]
+    command += ["--concurrency", str(concurrency)]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -144,10 +199,17 @@ def main() -> None:
         default="stub",
         help="where model.py runs: a stub process, an instance thread, the event loop",
     )
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="callers at once (c=16: requests queue)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    # With --child: PATH.warm is created after the warm-up, the calls start once
+    # PATH.go exists, PATH.done is created after them and the server stops once
+    # PATH.stop exists (for callgrind_control -i on / off around the calls).
+    parser.add_argument("--marks", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_measure(args.requests, 300, args.mode)))
+        print(json.dumps(_measure(args.requests, 300, args.mode, args.concurrency, args.marks)))
         return
     trees = [("this checkout", ROOT)]
     if args.baseline is not None:
@@ -155,9 +217,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
-            runs[name].append(_run_in(tree, args.requests, args.mode))
+            runs[name].append(_run_in(tree, args.requests, args.mode, args.concurrency))
     print(
-        f"add_sub_python ({args.mode}), one instance, dataplane.infer at c=1, "
+        f"add_sub_python ({args.mode}), one instance, dataplane.infer at c={args.concurrency}, "
         f"{args.requests} requests per round"
     )
     print("medians over the rounds, per request")
@@ -173,6 +235,8 @@ def main() -> None:
             print(f"  CPU {key:<28} {statistics.median(values):7.1f} µs")
         total = [sum(r["cpu_us"].values()) for r in results]
         print(f"  CPU {'total':<28} {statistics.median(total):7.1f} µs")
+        steps = ", ".join(f"{r['task_steps']:.2f} / {r['io_waits']:.2f}" for r in results)
+        print(f"  event loop task steps / waits for I/O per call, by round: {steps}")
 
 
 if __name__ == "__main__":

@@ -124,7 +124,15 @@ def main() -> None:
     parser.add_argument(
         "--chart", type=Path, help="also write the run's infer/s as an SVG bar chart to this file"
     )
+    parser.add_argument(
+        "--trionserve-rows",
+        default="trionserve,trionserve-py,trionserve-inproc,trionserve-loop",
+        metavar="LABELS",
+        help="which of trionserve's servers run (comma-separated labels; the last three "
+        "need --python-backend), e.g. trionserve-py for the stub alone against the peers",
+    )
     args = parser.parse_args()
+    rows = {label.strip() for label in args.trionserve_rows.split(",") if label.strip()}
 
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     if not 0 < args.duration <= 120 or not all(0 < c <= 128 for c in concurrencies):
@@ -165,33 +173,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trionserve-peers-") as tmp:
         try:
             flags = shlex.split(args.trionserve_flags)
-            server, target = start_trionserve(
-                "trionserve",
-                repository=trionserve_repository(Path(tmp), args.instances),
-                args=flags,
-            )
-            running.append((server, target))
+            if "trionserve" in rows:
+                server, target = start_trionserve(
+                    "trionserve",
+                    repository=trionserve_repository(Path(tmp), args.instances),
+                    args=flags,
+                )
+                running.append((server, target))
             if args.python_backend:
                 count = args.instances or 1
-                repository = write_repository(Path(tmp) / "trionserve-py", instances=count)
-                server, target = start_trionserve(
-                    "trionserve-py", repository=repository, args=flags
+                # (label, EXECUTION_MODE, INPROCESS_EXECUTE_ON) of each row.
+                modes = (
+                    ("trionserve-py", "", ""),
+                    ("trionserve-inproc", "in_process", ""),
+                    ("trionserve-loop", "in_process", "event_loop"),
                 )
-                running.append((server, target))
-                repository = write_repository(
-                    Path(tmp) / "trionserve-inproc", "in_process", instances=count
-                )
-                server, target = start_trionserve(
-                    "trionserve-inproc", repository=repository, args=flags
-                )
-                running.append((server, target))
-                repository = write_repository(
-                    Path(tmp) / "trionserve-loop", "in_process", "event_loop", instances=count
-                )
-                server, target = start_trionserve(
-                    "trionserve-loop", repository=repository, args=flags
-                )
-                running.append((server, target))
+                for label, mode, execute_on in modes:
+                    if label not in rows:
+                        continue
+                    repository = write_repository(
+                        Path(tmp) / label, mode, execute_on, instances=count
+                    )
+                    server, target = start_trionserve(label, repository=repository, args=flags)
+                    running.append((server, target))
             for peer in installed:
                 workdir = Path(tmp) / peer.name
                 workdir.mkdir()

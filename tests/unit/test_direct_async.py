@@ -293,3 +293,29 @@ async def test_an_executor_stopped_while_it_holds_a_request_answers_it():
                 raise AssertionError("the held request was answered with a response")
         instance.gate.set()
         assert isinstance(await a.wait(), InferenceResponse)
+
+
+async def test_queued_requests_are_taken_in_order_sixteen_without_a_task_switch():
+    """An executor whose stub is busy finds requests queued: it takes them in
+    order, EAGER_BATCHES in a row without a checkpoint, then one with a
+    checkpoint (no offer to the submitters while any is queued)."""
+    from trionserve.schedulers.default import EAGER_BATCHES
+
+    scheduler = DefaultScheduler()
+    for i in range(EAGER_BATCHES + 2):
+        await scheduler.submit(_request(str(i)))  # no executor offered: all queued
+    outlet = scheduler.outlet()
+
+    async def run_direct(batch: list[InferenceRequest]) -> bool:
+        raise AssertionError("offered while requests were queued")
+
+    taken = []
+    with trio.testing.assert_no_checkpoints():
+        for _ in range(EAGER_BATCHES):
+            taken.append((await outlet.receive_direct_async(run_direct))[0].id)
+    with trio.testing.assert_checkpoints():
+        taken.append((await outlet.receive_direct_async(run_direct))[0].id)
+    with trio.testing.assert_no_checkpoints():
+        taken.append((await outlet.receive_direct_async(run_direct))[0].id)
+    assert taken == [str(i) for i in range(EAGER_BATCHES + 2)]
+    assert scheduler.pending == 0

@@ -594,16 +594,20 @@ class PythonInstance:
         elif responses is not None:
             endpoint = stub.endpoint
             outcomes: list[InferenceResponse | TritonError | None] = []
+            sent = False  # a request answered through its response sender
             for key, request, encoded in zip(call.keys, call.requests, responses):
                 if key in rescheduled:
-                    outcomes.append(self._reschedule(key, request))
+                    refused = self._reschedule(key, request)
+                    sent = sent or refused is None
+                    outcomes.append(refused)
                     continue
                 if encoded is None:
-                    outcomes.append(None)  # answered through its response sender
+                    sent = True
+                    outcomes.append(None)
                     continue
                 self._close_open(key)
                 outcomes.append(read_response(encoded, endpoint, request, self.model_version))
-            if any(outcome is None for outcome in outcomes):
+            if sent:
                 for request, outcome in zip(call.requests, outcomes):
                     if outcome is not None:
                         deliver(request, outcome)

@@ -115,9 +115,12 @@ def error_message(error: TritonError) -> EncodedResponse:
 
 
 def release_outputs(encoded: EncodedResponse | None, endpoint: Endpoint) -> None:
-    """Give back the blocks of a response that will not be read."""
-    if encoded is not None and encoded[0]:
-        endpoint.release(block_of(ref) for ref in encoded[0])
+    """Give back the blocks of a response that will not be read (none for the
+    tensors that came inline or empty: small responses skip the bookkeeping)."""
+    if encoded is not None:
+        blocks = [block_of(ref) for ref in encoded[0] if ref[3] >= 0]
+        if blocks:
+            endpoint.release(blocks)
 
 
 def read_response(
@@ -129,11 +132,13 @@ def read_response(
         if error is not None:
             return error_from_code(error[0], error[1])
         by_name = {ref[0]: ref for ref in refs_sent}
-        if request.requested_outputs is None:
+        requested = request.requested_outputs
+        if requested is None:
             refs = list(by_name.values())
         else:
-            refs = [by_name[o.name] for o in request.requested_outputs if o.name in by_name]
-        outputs = [Tensor(ref[0], ref[1], endpoint.view.array(ref, copy=True)) for ref in refs]
+            refs = [by_name[o.name] for o in requested if o.name in by_name]
+        array = endpoint.view.array
+        outputs = [Tensor(ref[0], ref[1], array(ref, copy=True)) for ref in refs]
         return InferenceResponse(
             request.model_name, model_version, request.id, outputs, _parameters(parameters)
         )
