@@ -222,7 +222,7 @@ BROKEN = {
         I32_16,
         OUT_16,
         steps(("simple", SIMPLE, {"OUTPUT0": "OUTPUT0"})),
-        "ensemble output 'OUTPUT1' is not written by any step",
+        "ensemble output 'OUTPUT1' for ensemble bad_unmapped_output' is not used",
     ),
     "bad_missing_model": (
         I32_16,

@@ -211,7 +211,9 @@ def test_a_config_without_autofill_is_checked_before_its_versions(tmp_path):
 
     bad = 'platform: "onnxruntime_onnx"\nmax_batch_size: -1\ninput [ { name: "I" data_type: TYPE_FP32 dims: [ 1 ] } ]'
     model_dir = write_model(tmp_path, "bad", bad)
-    with pytest.raises(InvalidArgument, match="max_batch_size must be >= 0, got -1"):
+    with pytest.raises(
+        InvalidArgument, match="'max_batch_size' must be non-negative value for bad"
+    ):
         prepare_model(model_dir, False, None)
     # With autofill the inputs may come from the model file: no versions it is.
     with pytest.raises(InvalidArgument, match="has no versions to load"):

@@ -4,9 +4,12 @@ Triton's ``ValidateModelConfig`` and ``ValidateModelIOConfig`` with their helper
 (core ``src/model_config_utils.cc``): platform and backend, version policy, inputs
 and outputs (dims, reshape, formats), batch inputs and outputs, instance groups,
 dynamic and sequence batching, ensembles, metric controls. Reading, platform
-inference and normalisation are in :mod:`trionserve.repository.config`. Errors name
-the model and the field, e.g. ``model 'simple': input 'INPUT0': dims must not be
-empty``.
+inference and normalisation are in :mod:`trionserve.repository.config`. Errors are
+Triton's, word for word where Triton has the check (model_config_utils.cc; each names
+the model, e.g. ``model input 'INPUT0' must specify 'dims' for simple``), so that
+what a Triton user greps for (qa/L0_model_config's expected messages) is there;
+the checks Triton does not have name the model and the field in this server's words
+(``model 'simple': ...``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ from trionserve.repository.config import (
 _Fail = Callable[[str], NoReturn]
 
 
+def _triton(message: str) -> NoReturn:
+    """Triton's message for a check it has, as it is (it names the model)."""
+    raise InvalidArgument(message)
+
+
 def validate_model_config(config: ModelConfig) -> None:
     """Raise InvalidArgument naming the model and the field for the first problem found.
 
@@ -44,7 +52,7 @@ def validate_model_config(config: ModelConfig) -> None:
 
     _validate_platform(config, fail)
     if config.max_batch_size < 0:
-        fail(f"max_batch_size must be >= 0, got {config.max_batch_size}")
+        _triton(f"'max_batch_size' must be non-negative value for {name}")
     _validate_version_policy(config, fail)
     groups: tuple[tuple[str, Sequence[mc.ModelInput | mc.ModelOutput]], ...] = (
         ("input", config.input),
@@ -52,8 +60,8 @@ def validate_model_config(config: ModelConfig) -> None:
     )
     for kind, tensors in groups:
         seen: set[str] = set()
-        for index, io in enumerate(tensors):
-            _validate_io(kind, index, io, config, fail)
+        for io in tensors:
+            _validate_io(kind, io, config)
             if io.name in seen:
                 fail(f"{kind} '{io.name}' is declared more than once")
             seen.add(io.name)
@@ -80,15 +88,19 @@ def validate_model_config(config: ModelConfig) -> None:
 
 
 def _validate_platform(config: ModelConfig, fail: _Fail) -> None:
-    platform, backend = config.platform, config.backend
-    if not platform and not backend:
-        fail("platform or backend must be set")
+    # model_config_utils.cc ValidateModelConfig, in its order.
+    name, platform, backend = config.name, config.platform, config.backend
     if platform == ENSEMBLE_PLATFORM:
         if backend:
-            fail(f"an ensemble (platform 'ensemble') must have an empty backend, got '{backend}'")
+            _triton(
+                f"Ensemble model '{name}' must have platform type '{platform}' and empty "
+                "backend type"
+            )
         return
     if not backend:
-        fail(f"unexpected platform '{platform}' with no backend")
+        if not platform:
+            _triton(f"must specify 'platform' or 'backend' for '{name}'")
+        _triton(f"unexpected platform type '{platform}' for {name}")
     check_platform_backend_pair(config.name, platform, backend)
 
 
@@ -134,90 +146,91 @@ def _trunk_counts(shape: Sequence[int]) -> list[int]:
     return counts
 
 
-def _validate_io(
-    kind: str, index: int, io: mc.ModelInput | mc.ModelOutput, config: ModelConfig, fail: _Fail
-) -> None:
+def _validate_io(kind: str, io: mc.ModelInput | mc.ModelOutput, config: ModelConfig) -> None:
+    """Triton's ValidateIOShape, ValidateModelInput / ValidateModelOutput and
+    ValidateNonLinearFormatIO (model_config_utils.cc:296, 1820, 1865, 428), their
+    words with " for <model>" as ValidateModelIOConfig adds it."""
+    suffix = f" for {config.name}"
     if not io.name:
-        fail(f"{kind} {index}: name must not be empty")
-    where = f"{kind} '{io.name}'"
+        _triton(f"model {kind} must specify 'name'{suffix}")
+    where = f"model {kind} '{io.name}'"
     if io.data_type == mc.TYPE_INVALID:
-        fail(f"{where}: data_type must be set")
+        _triton(f"{where} must specify 'data_type'{suffix}")
     if not io.dims:
-        fail(
-            f"{where}: dims must not be empty "
-            "(use dims: [ 1 ] with reshape: { shape: [ ] } for a scalar)"
+        _triton(
+            f"{where} must specify 'dims'{suffix} "
+            "(dims: [ 1 ] with reshape: { shape: [ ] } for a scalar)"
         )
+    if io.HasField("reshape") and not io.reshape.shape and config.max_batch_size == 0:
+        _triton(
+            f"{where} cannot have empty reshape for non-batching model as scalar tensors "
+            f"are not supported{suffix}"
+        )
+    variable = f"{WILDCARD_DIM} to indicate a variable-size dimension{suffix}"
     if any(d < 1 and d != WILDCARD_DIM for d in io.dims):
-        fail(
-            f"{where}: dims must be integers >= 1, or -1 for a variable-size dimension, "
-            f"got {_shape_text(io.dims)}"
-        )
+        _triton(f"{where} dimension must be integer >= 1, or {variable}")
     if io.HasField("reshape"):
         shape = io.reshape.shape
-        if not shape and config.max_batch_size == 0:
-            fail(
-                f"{where}: reshape must not be empty for a model with max_batch_size 0, "
-                "as scalar tensors are not supported"
-            )
         if any(d < 1 and d != WILDCARD_DIM for d in shape):
-            fail(
-                f"{where}: reshape.shape must be integers >= 1, or -1 for a variable-size "
-                f"dimension, got {_shape_text(shape)}"
-            )
+            _triton(f"{where} reshape dimensions must be integer >= 1, or {variable}")
         dims_count, reshape_count = _element_count(io.dims), _element_count(shape)
-        mismatch = f"{where}: dims {_shape_text(io.dims)} and reshape {_shape_text(shape)}"
+        different = f"{where} has different size for dims and reshape{suffix}"
         if dims_count != reshape_count and (reshape_count != 0 or dims_count != 1):
-            fail(f"{mismatch} have different element counts")
+            _triton(different)
         if dims_count == WILDCARD_DIM:
             dims_trunks, reshape_trunks = _trunk_counts(io.dims), _trunk_counts(shape)
             if len(dims_trunks) != len(reshape_trunks):
-                fail(f"{mismatch} have different numbers of variable-size dimensions")
+                _triton(
+                    f"{where} has different number of variable-size dimensions for dims "
+                    f"and reshape{suffix}"
+                )
             if dims_trunks != reshape_trunks:
-                fail(f"{mismatch} have different element counts")
+                _triton(different)
     is_tensorrt = config.platform == "tensorrt_plan"
     if (
         isinstance(io, mc.ModelInput)
         and io.format != mc.ModelInput.FORMAT_NONE
         and len(io.dims) != 3
     ):
-        format_name = mc.ModelInput.Format.Name(io.format)
-        fail(f"{where}: format {format_name} requires 3 dims, got {_shape_text(io.dims)}")
+        _triton(f"model input NHWC/NCHW require 3 dims{suffix}")
     if io.is_shape_tensor and not is_tensorrt:
-        fail(f"{where}: is_shape_tensor is only supported for platform 'tensorrt_plan'")
+        _triton(f"shape tensors are only supported for TensorRT platform{suffix}")
     if io.is_non_linear_format_io:
         if not is_tensorrt:
-            fail(f"{where}: is_non_linear_format_io is only supported for platform 'tensorrt_plan'")
+            _triton(f"Non-linear IO format is only supported for the TensorRT platform{suffix}")
         if len(io.dims) != 3:
-            fail(f"{where}: is_non_linear_format_io requires 3 dims, got {_shape_text(io.dims)}")
+            _triton(f"Non-linear IO format {kind} requires 3 dims{suffix}")
 
 
 def _validate_batch_io(config: ModelConfig, fail: _Fail) -> None:
+    # Triton's ValidateBatchIO (model_config_utils.cc:1341) and its words.
+    suffix = f" for {config.name}"
     inputs = {io.name for io in config.input}
     outputs = {io.name for io in config.output}
-    for index, batch_input in enumerate(config.batch_input):
-        where = f"batch_input {index}"
+    for batch_input in config.batch_input:
         kind = mc.BatchInput.Kind.Name(batch_input.kind)
         if len(batch_input.source_input) != 1:
             count = len(batch_input.source_input)
-            fail(f"{where}: kind {kind} expects 1 source_input, got {count}")
+            _triton(f"batch input kind '{kind}' expects 1 source input, got {count}{suffix}")
         if batch_input.data_type not in (mc.TYPE_INT32, mc.TYPE_FP32):
-            fail(f"{where}: data_type must be TYPE_INT32 or TYPE_FP32")
+            _triton(f"batch input data type must be TYPE_INT32 or TYPE_FP32{suffix}")
         for source in batch_input.source_input:
             if source not in inputs:
-                fail(f"{where}: unknown source_input '{source}'")
-    for index, batch_output in enumerate(config.batch_output):
-        where = f"batch_output {index}"
+                _triton(f"unknown source input name '{source}'{suffix}")
+    for batch_output in config.batch_output:
+        kind = mc.BatchOutput.Kind.Name(batch_output.kind)
         if len(batch_output.source_input) != 1:
-            fail(f"{where}: expects 1 source_input, got {len(batch_output.source_input)}")
+            count = len(batch_output.source_input)
+            _triton(f"batch output kind '{kind}' expects 1 source input, got {count}{suffix}")
         for source in batch_output.source_input:
             if source not in inputs:
-                fail(f"{where}: unknown source_input '{source}'")
+                _triton(f"unknown source input name '{source}'{suffix}")
         targets: set[str] = set()
         for target in batch_output.target_name:
             if target not in outputs:
-                fail(f"{where}: unknown target_name '{target}'")
+                _triton(f"unknown target output name '{target}'{suffix}")
             if target in targets:
-                fail(f"{where}: target_name '{target}' can only be given once")
+                _triton(f"target output name '{target}' can only be specified once{suffix}")
             targets.add(target)
 
 
@@ -229,53 +242,55 @@ def _validate_instance_groups(config: ModelConfig, fail: _Fail) -> None:
             fail(f"{where}: count must be >= 1 (0 or unset means the default), got {group.count}")
         if group.kind not in Kind.values():
             fail(f"{where}: unknown kind {group.kind}")
+        # Triton's ValidateInstanceGroup (model_config_utils.cc:1703), its words.
+        named = f"instance group {group.name or f'{config.name}_{index}'} of model {config.name}"
         if group.kind in (Kind.Value("KIND_CPU"), Kind.Value("KIND_MODEL")) and group.gpus:
-            fail(f"{where}: kind {Kind.Name(group.kind)} must not list gpus")
-        if any(gpu < 0 for gpu in group.gpus):
-            fail(f"{where}: gpus must be non-negative device ids, got {list(group.gpus)}")
+            _triton(f"{named} has kind {Kind.Name(group.kind)} but specifies one or more GPUs")
+        for gpu in group.gpus:
+            if gpu < 0:  # never a device (the GPUs themselves are checked when it loads)
+                _triton(
+                    f"{named} specifies invalid or unsupported gpu id {gpu}. GPUs with at "
+                    "least the minimum required CUDA compute compatibility of 6.000000 are: "
+                )
         if group.profile:
+            on = f"{named} and platform {config.platform}"
             if config.platform != "tensorrt_plan":
-                fail(f"{where}: profile is only supported for platform 'tensorrt_plan'")
+                _triton(f"{on}specifies profile field which is only supported for TensorRT models")
             for profile in group.profile:
                 if not profile.isdigit():
-                    fail(f"{where}: profile must be a non-negative integer, got '{profile}'")
+                    _triton(
+                        f"{on} specifies invalid profile {profile}. The field should contain "
+                        "the string representation of a non-negative integer."
+                    )
 
 
 def _validate_dynamic_batching(config: ModelConfig, fail: _Fail) -> None:
-    batching = config.dynamic_batching
+    # Triton's ValidateModelConfig (model_config_utils.cc:1485-1556), its words.
+    batching, suffix = config.dynamic_batching, f" for {config.name}"
     for size in batching.preferred_batch_size:
         if size <= 0:
-            fail(f"dynamic_batching.preferred_batch_size must be positive, got {size}")
+            _triton(f"dynamic batching preferred size must be positive{suffix}")
         if size > config.max_batch_size:
-            fail(
-                f"dynamic_batching.preferred_batch_size {size} exceeds max_batch_size "
-                f"{config.max_batch_size}"
-            )
+            _triton(f"dynamic batching preferred size must be <= max batch size{suffix}")
     levels = batching.priority_levels
     if levels:
         if not 1 <= batching.default_priority_level <= levels:
-            fail(
-                f"dynamic_batching.default_priority_level must be in [1, {levels}] "
-                f"when priority_levels is {levels}, got {batching.default_priority_level}"
-            )
+            _triton(f"default priority level must be in range [1, {levels}]{suffix}")
         for level in batching.priority_queue_policy:
             if not 1 <= level <= levels:
-                fail(
-                    f"dynamic_batching.priority_queue_policy level {level} is outside [1, {levels}]"
+                _triton(
+                    f"priority queue policy must have priority level in range [1, {levels}]{suffix}"
                 )
     if batching.preserve_ordering:
         if levels > 1:
-            fail(
-                "dynamic_batching: only one priority level is allowed when "
-                "preserve_ordering is true"
-            )
+            _triton(f"Only one priority level is allowed when 'preserve_ordering' is true{suffix}")
         policies = [batching.default_queue_policy, *batching.priority_queue_policy.values()]
         for policy in policies:
             delays = policy.timeout_action == mc.ModelQueuePolicy.DELAY
             if policy.default_timeout_microseconds and delays:
-                fail(
-                    "dynamic_batching: a queue policy cannot use timeout_action DELAY "
-                    "when preserve_ordering is true"
+                _triton(
+                    "Queue policy can not have DELAY as timeout action when "
+                    f"'preserve_ordering' is true{suffix}"
                 )
 
 
@@ -293,59 +308,70 @@ def _validate_sequence_batching(config: ModelConfig, fail: _Fail) -> None:
             "sequence batching scheduler. Please disable the response cache."
         )
 
+    # Triton's Get{Boolean,Typed}SequenceControlProperties and ValidateModelConfig
+    # (model_config_utils.cc:510, 665, 1576-1640), their words.
+    suffix = f" for {config.name}"
     tensors: set[str] = set()
     seen_kinds: set[str] = set()
     for control_input in batching.control_input:
         if not control_input.name:
-            fail("sequence_batching.control_input must have a name")
+            _triton(f"sequence batching control tensor must have a name{suffix}")
         if control_input.name in tensors:
-            fail(f"sequence_batching.control_input '{control_input.name}' is given more than once")
+            _triton(
+                f"sequence batching control tensor '{control_input.name}' is specified for "
+                f"multiple control kinds{suffix}"
+            )
         tensors.add(control_input.name)
         for control in control_input.control:
             kind = Kind.Name(control.kind)
-            where = f"sequence_batching.control_input '{control_input.name}' ({kind})"
             if kind in seen_kinds:
-                fail(f"sequence_batching specifies more than one {kind} control")
+                _triton(f"sequence batching specifies multiple {kind} tensors{suffix}")
             seen_kinds.add(kind)
             given = [
                 field
                 for field in ("int32_false_true", "fp32_false_true", "bool_false_true")
                 if len(getattr(control, field))
             ]
+            fields = "'int32_false_true', 'fp32_false_true'"
             if kind in _BOOL_CONTROLS:
                 if not given:
-                    fail(
-                        f"{where}: must set one of int32_false_true, fp32_false_true "
-                        "or bool_false_true"
+                    _triton(
+                        f"sequence batching must specify either {fields} or 'bool_false_true' "
+                        f"for {kind}{suffix}"
                     )
                 if len(given) > 1:
-                    fail(f"{where}: must set only one of {', '.join(given)}")
+                    _triton(
+                        f"sequence batching specifies more than one from {fields} and "
+                        f"'bool_false_true' for {kind}{suffix}"
+                    )
                 if len(getattr(control, given[0])) != 2:
-                    fail(f"{where}: {given[0]} must have exactly 2 entries")
+                    _triton(
+                        f"sequence batching control '{given[0]}' must have exactly 2 entries "
+                        f"for {kind}{suffix}"
+                    )
             else:
                 if given:
-                    fail(f"{where}: must not set {given[0]}")
+                    _triton(
+                        f"sequence batching must not specify either {fields} or "
+                        f"'bool_false_true' for {kind}{suffix}"
+                    )
                 if control.data_type not in _CORRID_TYPES:
-                    fail(
-                        f"{where}: data_type must be TYPE_UINT64, TYPE_INT64, TYPE_UINT32, "
-                        f"TYPE_INT32 or TYPE_STRING, got {mc.DataType.Name(control.data_type)}"
+                    _triton(
+                        f"unexpected data type for control {kind}{suffix}. Allowed data types "
+                        "are TYPE_UINT64, TYPE_INT64, TYPE_UINT32, TYPE_INT32 and TYPE_STRING"
                     )
 
     if batching.HasField("oldest"):
         for size in batching.oldest.preferred_batch_size:
             if size <= 0:
-                fail(f"sequence_batching.oldest.preferred_batch_size must be positive, got {size}")
+                _triton(f"sequence batching preferred batch size must be positive{suffix}")
             if size > config.max_batch_size:
-                fail(
-                    f"sequence_batching.oldest.preferred_batch_size {size} exceeds "
-                    f"max_batch_size {config.max_batch_size}"
-                )
+                _triton(f"sequence batching preferred batch size must be <= max batch size{suffix}")
     if batching.HasField("direct"):
         utilization = batching.direct.minimum_slot_utilization
         if not 0.0 <= utilization <= 1.0:
-            fail(
-                "sequence_batching.direct.minimum_slot_utilization must be in [0, 1], "
-                f"got {utilization}"
+            _triton(
+                f"sequence batching minimum slot utilization must be in range (0.0, 1.0]{suffix}"
             )
 
     for index, state in enumerate(batching.state):
@@ -368,37 +394,38 @@ def _validate_sequence_batching(config: ModelConfig, fail: _Fail) -> None:
 
 
 def _validate_ensemble(config: ModelConfig, fail: _Fail) -> None:
+    # Triton's ValidateEnsembleSchedulingConfig and ValidateModelConfig
+    # (model_config_utils.cc:113, 1665), their words where Triton has the check.
+    name = config.name
     if config.platform != ENSEMBLE_PLATFORM:
-        fail(f"ensemble_scheduling is set but platform is '{config.platform}', not 'ensemble'")
+        _triton(
+            f"ensemble scheduling cannot be set for model '{name}' whose platform is not ensemble"
+        )
     if not config.HasField("ensemble_scheduling"):
-        fail("platform 'ensemble' requires ensemble_scheduling")
+        _triton(f"ensemble scheduling must be set for ensemble {name} whose platform is ensemble")
     if config.instance_group:
-        fail("instance_group must not be set for an ensemble")
+        _triton(f"instance group should not be specified for ensemble '{name}'")
     if config.HasField("optimization"):
-        fail("optimization must not be set for an ensemble")
+        _triton(f"optimization should not be specified for ensemble '{name}'")
     if config.model_warmup:
-        fail("model_warmup must not be set for an ensemble")
+        _triton(f"model_warmup can not be specified for ensemble '{name}'")
     steps = config.ensemble_scheduling.step
     if not steps:
-        fail("ensemble_scheduling must have at least one step")
+        _triton(f"must specify 'step' for ensemble '{name}'")
 
     inputs = [io.name for io in config.input]
     writer: dict[str, int] = {}  # ensemble tensor -> index of the step that writes it
     readers: dict[str, list[int]] = {}
     for index, step in enumerate(steps):
-        where = f"ensemble_scheduling step {index}"
-        if not step.model_name:
-            fail(f"{where}: model_name must be set")
-        where = f"{where} (model '{step.model_name}')"
-        if not step.input_map:
-            fail(f"{where}: input_map must not be empty")
-        if not step.output_map:
-            fail(f"{where}: output_map must not be empty")
+        where = f"ensemble_scheduling step {index} (model '{step.model_name}')"
+        for field in ("model_name", "input_map", "output_map"):
+            if not getattr(step, field):
+                _triton(f"must specify '{field}' in step {index} of ensemble '{name}'")
         for tensor in step.output_map.values():
             if tensor in writer:
-                fail(
-                    f"{where}: ensemble tensor '{tensor}' is already written by step "
-                    f"{writer[tensor]}"
+                _triton(
+                    f"ensemble tensor '{tensor}' can appear in an output map only once for "
+                    f"ensemble '{name}' step {index}"
                 )
             if tensor in inputs:
                 fail(f"{where}: writes ensemble input '{tensor}'")
@@ -423,13 +450,15 @@ def _validate_ensemble(config: ModelConfig, fail: _Fail) -> None:
                 ready.update(steps[index].output_map.values())
                 pending.discard(index)
                 progress = True
-    for name in inputs:
-        if name not in readers:
-            fail(f"ensemble input '{name}' is not used by any step")
+    for tensor in inputs:
+        if tensor not in readers:  # Triton's words, its stray quote too
+            _triton(f"ensemble input '{tensor}' for ensemble {name}' is not used")
     outputs = {io.name for io in config.output}
-    for name in sorted(outputs):
-        if name not in writer:
-            fail(f"ensemble output '{name}' is not written by any step")
+    for tensor in sorted(outputs):
+        if tensor not in writer and tensor not in readers:
+            _triton(f"ensemble output '{tensor}' for ensemble {name}' is not used")
+        if tensor not in writer:
+            _triton(f"output '{tensor}' for ensemble '{name}' is not written")
     if pending:
         index = min(pending)
         fail(
@@ -438,4 +467,4 @@ def _validate_ensemble(config: ModelConfig, fail: _Fail) -> None:
         )
     for tensor in writer:
         if tensor not in outputs and tensor not in readers:
-            fail(f"ensemble tensor '{tensor}' is written by step {writer[tensor]} but never used")
+            _triton(f"ensemble tensor '{tensor}' is unused in ensemble '{name}'")
