@@ -221,3 +221,25 @@ def test_a_config_without_autofill_is_checked_before_its_versions(tmp_path):
     good = bad.replace("-1", "0") + '\noutput [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]'
     with pytest.raises(InvalidArgument, match="has no versions to load"):
         prepare_model(write_model(tmp_path, "good", good), False, None)
+
+
+def test_a_runtime_names_the_library_the_backend_is_served_with():
+    # Triton looks the runtime up as the backend's library (core backend_model.cc
+    # GetBackendLibraryProperties; qa/L0_model_config special_cases).
+    manager = BackendManager()
+    served = ModelConfig(name="m", backend="identity", runtime="libtriton_identity.so")
+    assert manager.backend_for(served).name == "identity"
+    missing = ModelConfig(name="m", backend="identity", runtime="__invalid_runtime__")
+    with pytest.raises(
+        InvalidArgument, match="unable to find backend library '__invalid_runtime__' for model 'm'"
+    ):
+        manager.backend_for(missing)
+    escaping = ModelConfig(
+        name="m", backend="identity", runtime="../dummy_runtime/libtriton_identity.so"
+    )
+    with pytest.raises(
+        InvalidArgument,
+        match=r"backend library name '\.\./dummy_runtime/libtriton_identity\.so' escapes "
+        "backend directory",
+    ):
+        manager.backend_for(escaping)

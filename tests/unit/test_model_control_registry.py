@@ -397,7 +397,7 @@ async def test_poll_keeps_following_after_a_failed_load(repo):
         config.write_text(good.replace("max_batch_size: 8", "max_batch_size: -3"))
         await two_polls()
         state, reason = rows(server, "m")["1"]
-        assert state == "READY" and "max_batch_size must be >= 0" in reason
+        assert state == "READY" and "'max_batch_size' must be non-negative value" in reason
         assert await infer(server, "m") == 1.0  # the loaded version keeps serving
         config.write_text(good)
         (model / "1" / "model.txt").write_text("2.0\n")

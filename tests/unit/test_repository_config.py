@@ -1189,10 +1189,16 @@ def test_tensorflow_backend_platform_from_file(tmp_path):
     ("given", "expected"),
     [
         ({}, "model 'm': platform or backend must be set in config.pbtxt"),
-        ({"platform": "caffe2_netdef"}, "model 'm': unknown platform 'caffe2_netdef'"),
+        # Triton's words (model_config_utils.cc ValidateModelConfig), as qa/L0_model_config
+        # greps them; default_model_filename names the backend of an unknown platform.
+        ({"platform": "caffe2_netdef"}, "unexpected platform type 'caffe2_netdef' for m"),
         (
             {"platform": "onnxruntime_onnx", "backend": "pytorch"},
-            "model 'm': unexpected 'platform' and 'backend' pair",
+            "unexpected 'platform' and 'backend' pair, got:onnxruntime_onnx, pytorch",
+        ),
+        (
+            {"platform": "onnxruntim", "default_model_filename": "model.onnx"},
+            "unexpected 'platform' and 'backend' pair, got:onnxruntim, onnxruntime",
         ),
         ({"platform": "ensemble", "backend": "python"}, "must have an empty backend"),
     ],

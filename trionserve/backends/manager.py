@@ -11,6 +11,7 @@ in one process keep their own settings.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,6 +102,8 @@ class BackendManager:
     def backend_for(self, config: ModelConfig) -> Backend:
         """The backend for a normalised config, configured with this server's
         settings, or Unavailable naming what is missing."""
+        if config.runtime:
+            self._check_runtime(config)
         for key in (config.backend, config.platform):
             factory = (self._factories.get(key) or registry.factory(key)) if key else None
             if factory is not None:
@@ -117,6 +120,27 @@ class BackendManager:
             f"model '{config.name}': backend '{config.backend}' / platform "
             f"'{config.platform}' is not supported by this server (nor is there a "
             f"Python-based backend at {searched or 'no backend directory'})"
+        )
+
+    def _check_runtime(self, config: ModelConfig) -> None:
+        """A config's ``runtime`` names the backend's library in Triton: here it
+        may name the one this server serves the backend with (``libtriton_<backend>.so``)
+        or ``model.py`` (a Python-based backend); any other is refused as Triton
+        refuses a library it cannot find, or one outside the backend's directory
+        (core src/backend_model.cc:369, :383 GetBackendLibraryProperties)."""
+        runtime, name = config.runtime, config.name
+        if runtime in (f"libtriton_{config.backend}.so", "model.py"):
+            return
+        base = self.directories[0] / config.backend
+        if os.path.isabs(runtime) or ".." in Path(runtime).parts:
+            raise InvalidArgument(
+                f"backend library name '{runtime}' escapes backend directory '{base}', for "
+                f"model '{name}', check model config runtime field"
+            )
+        raise InvalidArgument(
+            f"unable to find backend library '{runtime}' for model '{name}', searched: "
+            f"'{base}' (this server serves backend '{config.backend}' itself: leave runtime "
+            f"empty or name libtriton_{config.backend}.so)"
         )
 
     def settings_for(self, backend: str) -> Mapping[str, str]:

@@ -254,11 +254,16 @@ def infer_platform(config: ModelConfig, model_dir: Path) -> None:
             )
         _, platform, backend, _ = found
     elif not backend:
-        backend = _PLATFORM_BACKEND.get(platform, "")
+        # Triton's AutoCompleteBackendFields: the platform, else default_model_filename
+        # names the backend (model_config_utils.cc:1158); then ValidateModelConfig
+        # refuses an unknown platform in its words (:1448, :1470).
+        backend = _PLATFORM_BACKEND.get(platform, "") or next(
+            (entry[2] for entry in _MODEL_FILES if entry[0] == config.default_model_filename), ""
+        )
         if not backend:
             raise InvalidArgument(
-                f"model '{name}': unknown platform '{platform}'; expected one of "
-                f"{sorted(_PLATFORM_BACKEND) + [ENSEMBLE_PLATFORM]}, or set 'backend'"
+                f"unexpected platform type '{platform}' for {name} (expected one of "
+                f"{sorted(_PLATFORM_BACKEND) + [ENSEMBLE_PLATFORM]}, or set 'backend')"
             )
     elif not platform:
         if backend == "tensorflow":
@@ -282,9 +287,9 @@ def check_platform_backend_pair(name: str, platform: str, backend: str) -> None:
     # A backend Triton knows must match its platform; custom backends take any.
     known = set(_PLATFORM_BACKEND.values())
     if backend in known and _PLATFORM_BACKEND.get(platform) != backend:
+        # Triton's words (model_config_utils.cc ValidateModelConfig).
         raise InvalidArgument(
-            f"model '{name}': unexpected 'platform' and 'backend' pair: platform "
-            f"'{platform}' is not served by backend '{backend}'"
+            f"unexpected 'platform' and 'backend' pair, got:{platform}, {backend}"
         )
 
 
