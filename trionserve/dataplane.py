@@ -45,7 +45,7 @@ from trionserve.observability.statistics import (
     to_ns,
 )
 from trionserve.observability.trace.manager import TraceManager
-from trionserve.observability.trace.trace_file import Trace
+from trionserve.observability.trace.trace_file import NOT_TRACED, Trace
 from trionserve.repository.repository import ModelId, duplicate_reason
 
 if TYPE_CHECKING:
@@ -361,6 +361,8 @@ class DataPlane:
         model = self.registry.route(
             request.model_name, request.model_version, request.model_namespace
         )
+        if internal and request.trace_context is None:
+            request.trace_context = NOT_TRACED  # traced only as a traced request's child
         residency = self.registry.residency
         if residency is not None:
             residency.touch(model)
@@ -398,14 +400,14 @@ class DataPlane:
         """
         run = _Lifecycle(self, model, request)
         context = request.trace_context
-        trace: Trace | None
+        trace: Trace | None = None
         if context is None:
-            trace = self.tracing.start(model, request) if self.tracing.active else None
+            if self.tracing.active:
+                trace = self.tracing.start(model, request)
         elif type(context) is Trace:
             trace = self.tracing.start_child(model, context, request)
-        else:  # the frontend's timestamps, which go with the trace if it is sampled
-            stamps = cast("FrontendStamps", context)
-            trace = self.tracing.start(model, request, stamps) if self.tracing.active else None
+        elif context is not NOT_TRACED and self.tracing.active:  # a frontend's timestamps
+            trace = self.tracing.start(model, request, cast("FrontendStamps", context))
         run.trace = request.trace = trace
         self.drain.request_began(model, request)
         try:

@@ -15,7 +15,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from tests.e2e.test_trace import GRPC_ORDER, HTTP_ORDER, ORDER, _Model, _Request, manager
-from tests.serverproc import ServerProcess
+from tests.repository import python_model, write_model
+from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.observability.trace.frontend import FrontendStamps
 from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.settings import TraceConfig
@@ -228,3 +229,176 @@ async def test_opentelemetry_puts_the_frontends_timestamps_on_the_root_span():
     assert [e.name for e in spans["m"].events] == ["REQUEST_START", "QUEUE_START", "REQUEST_END"]
     assert spans["InferRequest"].start_time < spans["m"].start_time
     assert spans["InferRequest"].end_time >= spans["m"].end_time
+
+
+CUSTOM_IDENTITY = """
+backend: "identity"
+max_batch_size: 1024
+input [{ name: "INPUT0", data_type: TYPE_INT32, dims: [ -1 ] }]
+output [{ name: "OUTPUT0", data_type: TYPE_INT32, dims: [ -1 ] }]
+instance_group [{ kind: KIND_CPU }]
+parameters [
+  { key: "enable_custom_tracing", value: { string_value: "true" } },
+  { key: "nested_span_count", value: { string_value: "2" } }
+]
+"""
+
+
+def test_the_identity_backend_reports_custom_activities(tmp_path):
+    """identity_backend's example of a backend's own trace activities
+    (src/identity.cc enable_custom_tracing; qa/L0_trace "Custom backend tracing")."""
+    write_model(tmp_path / "models", "custom_identity_int32", CUSTOM_IDENTITY, versions=[1])
+    trace_file = tmp_path / "trace.json"
+    proc = ServerProcess(
+        tmp_path / "models",
+        args=[
+            f"--trace-config=triton,file={trace_file}",
+            "--trace-config=level=TIMESTAMPS",
+            "--trace-config=rate=2",
+        ],
+    )
+    try:
+        proc.wait_ready(path="/v2/health/ready")
+        http = httpclient.InferenceServerClient(proc.http_url)
+        for index in range(2):  # the first is not sampled: no activities, no delay
+            tensor = httpclient.InferInput("INPUT0", [1, 1], "INT32")
+            tensor.set_data_from_numpy(np.array([[4]], np.int32))
+            result = http.infer("custom_identity_int32", [tensor], request_id=str(index))
+            assert result.as_numpy("OUTPUT0").tolist() == [[4]]
+        http.close()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+    (trace,) = _traces(json.loads(trace_file.read_text())).values()
+    assert trace["request_id"] == "1"
+    names = [name for name, _ in trace["stamps"]]
+    custom = [name for name in names if name.startswith("CUSTOM")]
+    assert custom == [
+        "CUSTOM_ACTIVITY_START",
+        "CUSTOM_ACTIVITY_END",
+        "CUSTOM_SINGLE_ACTIVITY",
+        "CUSTOM_ACTIVITY0_START",
+        "CUSTOM_SINGLE_ACTIVITY",
+        "CUSTOM_ACTIVITY1_START",
+        "CUSTOM_SINGLE_ACTIVITY",
+        "CUSTOM_ACTIVITY1_END",
+        "CUSTOM_ACTIVITY0_END",
+    ]
+    # Reported during the execution, before the executor's compute timestamps.
+    assert names.index("QUEUE_START") < names.index("CUSTOM_ACTIVITY_START")
+    assert names.index("CUSTOM_ACTIVITY0_END") < names.index("COMPUTE_START")
+    ns = dict(trace["stamps"])
+    assert ns["CUSTOM_ACTIVITY_END"] - ns["CUSTOM_ACTIVITY_START"] >= 100_000_000
+
+
+async def test_opentelemetry_makes_custom_activities_spans():
+    """As Triton's span stack (src/tracer.cc Trace::AddEvent): X_START opens span
+    X under the innermost open span, events go to the innermost, X_END closes it."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, mode="opentelemetry"),
+        span_processor=SimpleSpanProcessor(exporter),
+    )
+    model, request = _Model(), _Request("r")
+    trace = tracing.start(model, request)
+    assert trace is not None
+    now = trace.events[0][1]
+    for offset, name in enumerate(
+        ["CUSTOM_ACTIVITY0_START", "CUSTOM_ACTIVITY1_START", "CUSTOM_SINGLE_ACTIVITY"]
+        + ["CUSTOM_ACTIVITY1_END", "CUSTOM_ACTIVITY0_END"],
+        start=1,
+    ):
+        trace.timestamp(name, now + offset)
+    tracing.finish(trace, model, request)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {"InferRequest", "m", "CUSTOM_ACTIVITY0", "CUSTOM_ACTIVITY1"}
+    outer, inner = spans["CUSTOM_ACTIVITY0"], spans["CUSTOM_ACTIVITY1"]
+    assert outer.parent.span_id == spans["m"].context.span_id
+    assert inner.parent.span_id == outer.context.span_id
+    assert [e.name for e in inner.events] == [
+        "CUSTOM_ACTIVITY1_START",
+        "CUSTOM_SINGLE_ACTIVITY",
+        "CUSTOM_ACTIVITY1_END",
+    ]
+    assert [e.name for e in spans["m"].events] == ["REQUEST_START", "REQUEST_END"]
+
+
+BLS_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [{ name: "INPUT0", data_type: TYPE_INT32, dims: [ 1, 16 ] }]
+output [{ name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1, 16 ] }]
+"""
+BLS_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "INPUT0")
+            inputs = [pb_utils.Tensor("INPUT0", x.as_numpy()), pb_utils.Tensor("INPUT1", x.as_numpy())]
+            # One BLS request with the request's trace (its child), one without.
+            for trace in (request.trace(), None):
+                called = pb_utils.InferenceRequest(
+                    model_name="simple", inputs=inputs, requested_output_names=["OUTPUT0"],
+                    **({"trace": trace} if trace is not None else {}),
+                )
+                out = called.exec()
+                if out.has_error():
+                    raise pb_utils.TritonModelException(out.error().message())
+            y = pb_utils.get_output_tensor_by_name(out, "OUTPUT0")
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", y.as_numpy())]))
+        return responses
+"""
+
+
+@pytest.mark.parametrize("mode", ["stub", "in_process"])
+def test_a_bls_request_given_the_requests_trace_is_traced_as_its_child(tmp_path, mode):
+    """python_backend: ``InferenceRequest(..., trace=request.trace())`` makes the
+    BLS request's trace a child of the calling request's (qa/L0_trace bls_simple:
+    its BLS call to an ensemble, and the ensemble's step, each with parent_id);
+    a request made inside the server is not sampled on its own."""
+    config = BLS_CONFIG
+    if mode == "in_process":
+        config += 'parameters { key: "EXECUTION_MODE" value: { string_value: "in_process" } }\n'
+    python_model(tmp_path / "models", "bls", config, BLS_MODEL)
+    trace_file = tmp_path / "trace.json"
+    proc = ServerProcess(
+        tmp_path / "models",
+        EXAMPLES,
+        args=[
+            f"--trace-config=triton,file={trace_file}",
+            "--trace-config=level=TIMESTAMPS",
+            "--trace-config=rate=2",
+        ],
+    )
+    try:
+        proc.wait_ready(path="/v2/health/ready")
+        http = httpclient.InferenceServerClient(proc.http_url)
+        for index in range(2):
+            tensor = httpclient.InferInput("INPUT0", [1, 16], "INT32")
+            tensor.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
+            result = http.infer("bls", [tensor], request_id=f"bls-{index}")
+            assert result.as_numpy("OUTPUT0").tolist() == [list(range(0, 32, 2))]
+        http.close()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+    heads = sorted(
+        (e for e in json.loads(trace_file.read_text()) if "model_name" in e),
+        key=lambda e: e["id"],
+    )
+    # Rate 2 samples the 2nd request the frontends receive: bls-1. A request a
+    # model makes is never sampled on its own, as in Triton (only its frontends
+    # sample): bls-0's two BLS requests and bls-1's one without its trace are
+    # not traced; bls-1's one given its trace is its child.
+    assert [(h["model_name"], h.get("request_id"), h.get("parent_id")) for h in heads] == [
+        ("bls", "bls-1", None),
+        ("simple", None, heads[0]["id"]),
+    ]

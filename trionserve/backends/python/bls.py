@@ -91,6 +91,7 @@ async def serve_stub_bls(
     in_flight: dict[int, InferenceRequest],
     label: str,
     gone: tuple[type[BaseException], ...],
+    parent_trace: object | None = None,
 ) -> None:
     """One BLS request of a stub's model: run it, send its responses to the stub.
 
@@ -101,13 +102,15 @@ async def serve_stub_bls(
     would (the request is in ``in_flight`` meanwhile): that model's
     ``is_cancelled()`` turns true, its responses still arrive, and one not yet
     executed ends with a CANCELLED error. ``gone``: what sending to a stub that
-    is gone raises.
+    is gone raises. ``parent_trace``: the trace of the request the model got the
+    trace from (``trace=request.trace()``), which this one's is a child of.
     """
     call = message["call"]
     endpoint = channel.endpoint
 
     def build() -> InferenceRequest:
         request = bls_request(message, endpoint)
+        request.trace_context = parent_trace
         in_flight[call] = request
         return request
 

@@ -235,6 +235,7 @@ class InProcessRuntime(ModelRuntime):
             flags,
             parameters,
             pb.InferenceResponseSender(request, self.decoupled),
+            None if request.trace is None else pb.InferenceTrace(request),
         )
 
     def outcome(
@@ -368,6 +369,9 @@ class InProcessRuntime(ModelRuntime):
             inputs,
             list(request.requested_output_names()),
         )
+        parent = request.trace()._key  # the received request, if traced: a child trace
+        if parent is not None:
+            called.trace_context = parent.trace
         call = BLSCall(self, called)
         try:
             self.post(self._instance.start_bls, call, decoupled, request.model_name())

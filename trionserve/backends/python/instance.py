@@ -659,8 +659,16 @@ class PythonInstance:
 
     async def _bls(self, channel: TrioChannel, message: dict) -> None:
         """One BLS request of the model (:func:`.bls.serve_stub_bls`)."""
+        key = message.get("trace")  # the request whose trace it is a child of, if any
+        parent = None if key is None else self._open.get(key)
         await serve_stub_bls(
-            self._inference, channel, message, self._bls_requests, self.label, _GONE
+            self._inference,
+            channel,
+            message,
+            self._bls_requests,
+            self.label,
+            _GONE,
+            None if parent is None else parent.request.trace,
         )
 
     def _bls_cancel(self, call: int) -> None:

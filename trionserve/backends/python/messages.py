@@ -66,7 +66,9 @@ def request_message(
     """An execute entry for one request; its inputs are written to shared memory.
 
     The entry is positional (the stub's ``StubRuntime._incoming`` reads it):
-    ``(key, id, correlation_id, flags, parameters, inputs, outputs, cancelled)``.
+    ``(key, id, correlation_id, flags, parameters, inputs, outputs, cancelled,
+    traced)``; ``traced``: the request has a trace, which the model's BLS
+    requests given ``trace=request.trace()`` are traced as children of.
     """
     refs: list[TensorRef] = []
     blocks: list[Block] = []
@@ -92,6 +94,7 @@ def request_message(
         refs,
         outputs,
         request.cancelled,
+        request.trace is not None,
     )
     return entry, blocks
 

@@ -19,9 +19,17 @@
   Every response carries the parameters ``param0`` "an example string parameter",
   ``param1`` 42, ``param2`` false, ``param3`` 123.123 (1281-1297).
 
-Not reproduced: ``enable_custom_tracing`` (custom trace activities from inside the
-backend) is read and ignored; outputs share the inputs' arrays instead of copies
-(no client can tell: a response is encoded before its request is released).
+- ``enable_custom_tracing`` "true" (identity.cc 396-420, 875-935): for each
+  traced request, before its outputs, the custom activities
+  ``CUSTOM_ACTIVITY_START``, 100 ms later ``CUSTOM_ACTIVITY_END``, then
+  ``CUSTOM_SINGLE_ACTIVITY``; with ``nested_span_count`` N, ``CUSTOM_ACTIVITY<i>_START``
+  for i < N each 100 ms apart (and ``CUSTOM_SINGLE_ACTIVITY`` after those with i
+  a multiple of ``single_activity_frequency``), then their ``_END`` from the
+  innermost out (Triton's TRITONSERVER_InferenceTraceReportActivity: timestamps
+  of the request's trace; spans in trace mode opentelemetry).
+
+Not reproduced: outputs share the inputs' arrays instead of copies (no client can
+tell: a response is encoded before its request is released).
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ from trionserve.core import datatypes
 from trionserve.core.errors import TritonError, Unimplemented
 from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.custom_metrics import COUNTER
+from trionserve.observability.trace.frontend import now_ns
+from trionserve.observability.trace.trace_file import Trace
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
@@ -129,6 +139,12 @@ class IdentityBackend(ReferenceBackend):
         config = context.config
         optional = _check(config)
         delay_ms = int_parameter(config, "execute_delay_ms")
+        tracing: tuple[int, int] | None = None  # (nested span count, single activity frequency)
+        if parameter(config, "enable_custom_tracing") == "true":
+            tracing = (
+                int_parameter(config, "nested_span_count"),
+                int_parameter(config, "single_activity_frequency") or 1,
+            )
         multiplier = (
             int_parameter(config, "instance_wise_delay_multiplier")
             if parameter(config, "execute_delay_ms") is not None
@@ -151,7 +167,9 @@ class IdentityBackend(ReferenceBackend):
             index = created[0]  # ModelState::instance_count_++
             created[0] += 1
             delay = delay_ms * max(multiplier * index if multiplier > 0 else 0, 1)
-            return IdentityInstance(context, spec, delay if delay_ms > 0 else 0, optional, counter)
+            return IdentityInstance(
+                context, spec, delay if delay_ms > 0 else 0, optional, counter, tracing
+            )
 
         def unload() -> None:
             metrics.delete_metric(owner, family, labels)
@@ -168,9 +186,11 @@ class IdentityInstance(ReferenceInstance):
         delay_ms: int,
         optional: dict[str, tuple[str, list[int]]],
         counter: tuple[int, tuple],
+        tracing: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(context, spec)
         self._delay_ms = delay_ms
+        self._tracing = tracing
         self._optional = optional
         self._counter = counter
         config = context.config
@@ -202,7 +222,26 @@ class IdentityInstance(ReferenceInstance):
         )
         if self._delay_ms > 0:
             await trio.sleep(self._delay_ms / 1000)
+        if self._tracing is not None:
+            for request in requests:
+                if isinstance(request.trace, Trace):
+                    await self._custom_activities(request.trace, *self._tracing)
         return self.execute(requests)
+
+    @staticmethod
+    async def _custom_activities(trace: Trace, nested: int, frequency: int) -> None:
+        """identity.cc's example of a backend's custom trace activities (875-935)."""
+        trace.timestamp("CUSTOM_ACTIVITY_START", now_ns())
+        await trio.sleep(0.1)
+        trace.timestamp("CUSTOM_ACTIVITY_END", now_ns())
+        trace.timestamp("CUSTOM_SINGLE_ACTIVITY", now_ns())
+        for count in range(nested):
+            trace.timestamp(f"CUSTOM_ACTIVITY{count}_START", now_ns())
+            await trio.sleep(0.1)
+            if count % frequency == 0:
+                trace.timestamp("CUSTOM_SINGLE_ACTIVITY", now_ns())
+        for count in reversed(range(nested)):
+            trace.timestamp(f"CUSTOM_ACTIVITY{count}_END", now_ns())
 
     def execute(self, requests: list[InferenceRequest]) -> ExecuteResult:
         return [self._one(index, request) for index, request in enumerate(requests)]

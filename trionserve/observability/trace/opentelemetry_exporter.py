@@ -24,8 +24,9 @@ class OpenTelemetryExporter:
 
     Each trace becomes a root ``InferRequest`` span (the frontend's timestamps,
     HTTP_RECV_START ..., its events), a span named after the model from
-    REQUEST_START to REQUEST_END, and a ``compute`` span, with the timestamps as
-    events and ``triton.*`` attributes, as Triton exports them.
+    REQUEST_START to REQUEST_END, a ``compute`` span and a span per custom
+    activity a backend reported (``X_START`` ... ``X_END``), with the timestamps
+    as events and ``triton.*`` attributes, as Triton exports them.
     Needs ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-http``
     (or a span processor given for tests).
     """
@@ -94,20 +95,26 @@ class OpenTelemetryExporter:
         model.set_attribute("triton.trace_parent_id", 0)
         if trace.request_id:
             model.set_attribute("triton.request_id", trace.request_id)
-        compute = None
+        # A stack of spans, as Triton's Trace::AddEvent keeps one (src/tracer.cc):
+        # COMPUTE_START and a backend's custom ``X_START`` open a child span
+        # ("compute", "X") of the innermost one; every timestamp is an event of
+        # the innermost span; COMPUTE_END and ``X_END`` close it.
+        stack = [model]
         for name, ns in trace.events:
-            if name == "COMPUTE_START":
-                compute = self._tracer.start_span(
-                    "compute", context=otel.set_span_in_context(model), start_time=ns + wall
-                )
+            at = ns + wall
             if name == "INFER_RESPONSE_COMPLETE":  # taken by the frontend
-                root.add_event(name, timestamp=ns + wall)
+                root.add_event(name, timestamp=at)
                 continue
-            target = compute if compute is not None and name.startswith("COMPUTE") else model
-            target.add_event(name, timestamp=ns + wall)
-            if name == "COMPUTE_END" and compute is not None:
-                compute.end(end_time=ns + wall)
-                compute = None
+            custom = name.startswith("CUSTOM_")
+            if name == "COMPUTE_START" or (custom and name.endswith("_START")):
+                span_name = "compute" if name == "COMPUTE_START" else name[: -len("_START")]
+                parent = otel.set_span_in_context(stack[-1])
+                stack.append(self._tracer.start_span(span_name, context=parent, start_time=at))
+            stack[-1].add_event(name, timestamp=at)
+            if len(stack) > 1 and (name == "COMPUTE_END" or (custom and name.endswith("_END"))):
+                stack.pop().end(end_time=at)
+        for span in reversed(stack[1:]):  # a span a backend left open
+            span.end(end_time=end)
         model.end(end_time=end)
         for name, ns in frontend.after if frontend is not None else ():
             root.add_event(name, timestamp=ns + wall)

@@ -52,6 +52,20 @@ MAX_QUEUED_TRACE_BYTES = 16 << 20
 MAX_TRACE_FILES = 1000
 
 
+class _NotTraced:
+    def __repr__(self) -> str:
+        return "NOT_TRACED"
+
+
+# The trace_context of a request a model or an ensemble made for a request that
+# is not traced: it is not sampled either. Triton samples only the requests its
+# frontends receive (server src/http_server.cc StartTrace, src/grpc/
+# infer_handler.cc: TraceManager::SampleTrace); a request made inside the server
+# is traced only as the child of a traced one (core ensemble_scheduler.cc,
+# python_backend BLS given ``trace=request.trace()``).
+NOT_TRACED = _NotTraced()
+
+
 def clock_ns(seconds: float) -> int:
     """Trio's clock as integer nanoseconds: every trace timestamp is on this clock."""
     return int(seconds * 1_000_000_000)

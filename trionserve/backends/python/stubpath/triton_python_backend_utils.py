@@ -110,11 +110,19 @@ class PreferredMemory:
 
 
 class InferenceTrace:
+    """A received request's trace (``request.trace()``): a BLS request given it
+    (``InferenceRequest(..., trace=request.trace())``) is traced as the child of
+    that request's trace, as in python_backend (infer_request.cc). ``_key``: the
+    runtime's handle of the request, None when it is not traced."""
+
+    def __init__(self, key: Any = None) -> None:
+        self._key = key
+
     def get_context(self) -> None:
-        return None
+        return None  # no OpenTelemetry context is propagated to models
 
 
-# The trace of every received request: trionserve gives models no trace context.
+# The trace of a received request that is not traced.
 _NO_TRACE = InferenceTrace()
 
 # The default of the arguments that must be given (a TypeError names those missing).
@@ -204,6 +212,7 @@ class InferenceRequest:
         flags: int,
         parameters: str,
         sender: InferenceResponseSender,
+        trace: InferenceTrace | None = None,
     ) -> Self:
         """A request the model receives, from values the server already checked."""
         request = cls.__new__(cls)
@@ -217,7 +226,7 @@ class InferenceRequest:
         request._timeout = 0
         request._parameters = parameters
         request._preferred_memory = None
-        request._trace = _NO_TRACE
+        request._trace = trace or _NO_TRACE
         request._key = key
         request._sender = sender
         request._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
