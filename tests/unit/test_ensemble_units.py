@@ -526,15 +526,26 @@ def test_plan_rejects_names_the_model_does_not_have():
     service = two_step_service()
     config = ensemble_config([("a", "INPUT", "OUTPUT")])
     config.ensemble_scheduling.step[0].input_map["IN0"] = "INPUT"
+    # Triton's words (core ensemble_utils.cc ValidateTensorMapping), the names after.
     with pytest.raises(
         InvalidArgument,
-        match="input_map names input 'IN0', which the model "
-        "does not have; its inputs are \\['IN'\\]",
+        match=r"^in ensemble ens, ensemble tensor INPUT is mapping to non-existing input IN0 "
+        r"in model a \(its inputs: \['IN'\]\)$",
     ):
         plan_ensemble(config, 1, service.model)
     config = ensemble_config([("a", "INPUT", "OUTPUT")])
     del config.ensemble_scheduling.step[0].input_map["IN"]
-    with pytest.raises(InvalidArgument, match=r"does not map required input\(s\) \['IN'\]"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"^in ensemble ens, input IN in model a is not mapped to any ensemble tensors",
+    ):
+        plan_ensemble(config, 1, service.model)
+    config = ensemble_config([("a", "INPUT", "OUTPUT")])
+    config.ensemble_scheduling.step[0].output_map["NOPE"] = "x"
+    with pytest.raises(
+        InvalidArgument,
+        match="^in ensemble ens, ensemble tensor x is mapped from non-existing output NOPE in model a",
+    ):
         plan_ensemble(config, 1, service.model)
 
 
@@ -546,3 +557,17 @@ def test_plan_edges():
     plan = plan_ensemble(config, 1, service.model)
     assert plan.consumers == {-1: (0, 1), 0: (2,), 1: (), 2: ()}
     assert not plan.streaming
+
+
+def test_plan_refuses_a_step_that_batches_less_than_the_ensemble():
+    # Triton's words (core ensemble_utils.cc:296).
+    small = vector_model("a")
+    small.max_batch_size = 2
+    config = ensemble_config([("a", "INPUT", "OUTPUT")])
+    config.max_batch_size = 3
+    with pytest.raises(
+        InvalidArgument,
+        match="^ensemble ens allows maximum batch size 3, but it contains model a which only "
+        "allows maximum batch size to be 2$",
+    ):
+        plan_ensemble(config, 1, two_step_service(a=small).model)

@@ -13,7 +13,7 @@ every edge of the graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Protocol
@@ -149,21 +149,31 @@ def plan_ensemble(config: ModelConfig, version: int, lookup: Lookup) -> Ensemble
         except TritonError as exc:
             raise Unavailable(f"{where}: composing model is not available: {exc.message}") from None
         signature: ModelSignature = model.signature
-        _check_names(where, entry.input_map, signature.inputs, "input", "input_map")
-        _check_names(where, entry.output_map, signature.outputs, "output", "output_map")
+        # Triton's words (core src/ensemble_scheduler/ensemble_utils.cc:296,
+        # ValidateTensorMapping :137, :168, :191), in its order.
+        step_id = (
+            f"{entry.model_namespace}::{entry.model_name}"
+            if entry.model_namespace
+            else (entry.model_name)
+        )
+        if config.max_batch_size > signature.max_batch_size > 0:
+            raise InvalidArgument(
+                f"ensemble {name} allows maximum batch size {config.max_batch_size}, but it "
+                f"contains model {entry.model_name} which only allows maximum batch size to "
+                f"be {signature.max_batch_size}"
+            )
+        _check_names(name, step_id, entry.input_map, signature.inputs, "is mapping to", "input")
         unmapped = [
             n for n, s in signature.inputs.items() if not s.optional and n not in entry.input_map
         ]
         if unmapped:
             raise InvalidArgument(
-                f"{where}: input_map does not map required input(s) {unmapped} of "
-                f"model '{entry.model_name}'"
+                f"in ensemble {name}, input {unmapped[0]} in model {step_id} is not mapped to "
+                f"any ensemble tensors (unmapped: {unmapped})"
             )
-        if config.max_batch_size > signature.max_batch_size > 0:
-            raise InvalidArgument(
-                f"{where}: ensemble max_batch_size {config.max_batch_size} is larger "
-                f"than model '{entry.model_name}' max_batch_size {signature.max_batch_size}"
-            )
+        _check_names(
+            name, entry.model_name, entry.output_map, signature.outputs, "is mapped from", "output"
+        )
         for output, tensor in entry.output_map.items():
             spec = signature.outputs[output]
             tensors[tensor] = (
@@ -224,13 +234,18 @@ def plan_ensemble(config: ModelConfig, version: int, lookup: Lookup) -> Ensemble
 
 
 def _check_names(
-    where: str, mapping: Iterable[str], specs: Mapping[str, TensorSpec], kind: str, field: str
+    ensemble: str,
+    step: str,
+    mapping: Mapping[str, str],
+    specs: Mapping[str, TensorSpec],
+    verb: str,
+    kind: str,
 ) -> None:
-    for model_name in mapping:
+    for model_name, tensor in mapping.items():
         if model_name not in specs:
             raise InvalidArgument(
-                f"{where}: {field} names {kind} '{model_name}', which the model does "
-                f"not have; its {kind}s are {sorted(specs)}"
+                f"in ensemble {ensemble}, ensemble tensor {tensor} {verb} non-existing {kind} "
+                f"{model_name} in model {step} (its {kind}s: {sorted(specs)})"
             )
 
 
