@@ -451,15 +451,10 @@ class DynamicBatchScheduler:
             else:
                 self._remove(entry, level)
                 request = entry.request
-                request.fail(
-                    Unavailable(
-                        "Request timeout expired: request "
-                        + (f"'{request.id}' " if request.id else "")
-                        + f"waited {to_ns(now - request.arrival_time) // 1000} us in the "
-                        f"queue of model '{self.model_name}' (timeout "
-                        f"{level.timeout_for(request)} us)"
-                    )
-                )
+                # Triton's words exactly (core dynamic_batch_scheduler.cc:71,
+                # FinishRejectedCancelledRequests); clients and qa/L0_batcher's
+                # queue_timeout_test compare the message whole.
+                request.fail(Unavailable("Request timeout expired"))
                 self._record_failure(request, now, FailureReason.REJECTED)
                 rejected = True
             level.trim()
