@@ -55,6 +55,7 @@ from trionserve.dataplane import DataPlane
 from trionserve.observability.metrics import MetricsOptions
 from trionserve.observability.trace.manager import TraceManager
 from trionserve.observability.trace.settings import TraceConfig
+from trionserve.options_table import options_rows
 from trionserve.protocol.grpc.service import GrpcOptions, serve_grpc
 from trionserve.protocol.http.frontend import HttpOptions, serve_http
 from trionserve.protocol.metrics import serve_metrics
@@ -492,6 +493,7 @@ class Server:
             for row in self.registry.index()
         ]
         log.info("models", table=models or [{"model": "(none)"}])
+        log.info("options", table=options_rows(self.options))  # Triton's options table
         if endpoints:
             log.info("endpoints", table=endpoints)
         if self.dataplane.ready():

@@ -108,6 +108,13 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
         assert re.search(rf"\| HTTP +\| 127\.0\.0\.1:{server.http_port} +\|", output)
         assert re.search(rf"\| GRPC +\| 127\.0\.0\.1:{server.grpc_port} +\|", output)
         assert "server ready" in output
+        # Triton's options table (core src/tritonserver.cc:2504), this server's values.
+        assert re.search(r"\| server_id +\| triton +\|", output)
+        assert re.search(r"\| model_control_mode +\| MODE_NONE +\|", output)
+        assert re.search(
+            rf"\| model_repository_path\[0\] +\| {re.escape(str(EXAMPLES))} +\|", output
+        )
+        assert re.search(r"\| strict_model_config +\| 0 +\|", output)
         # A plain start does not tell of loads joined (ensembles load their steps).
         info = [line for line in output.splitlines() if re.match(r"I\d{4} ", line)]
         assert not any("already in progress" in line for line in info)
