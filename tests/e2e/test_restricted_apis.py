@@ -22,8 +22,12 @@ from tritonclient.utils import InferenceServerException
 
 from tests.helpers import expect_error, run_cli, simple_inputs, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
+from trionserve.actors.registry import ModelRegistry
+from trionserve.actors.watcher import ControlMode
+from trionserve.dataplane import DataPlane
 from trionserve.protocol.http.frontend import HttpFrontend
 from trionserve.protocol.restricted import RestrictedCategory, parse_restricted_features
+from trionserve.repository.repository import ModelRepository
 
 GROUPS = [c.value for c in RestrictedCategory]
 GRPC_PREFIX = "triton-grpc-protocol-"
@@ -191,12 +195,13 @@ def test_grpc_stream_refused_without_its_header_and_served_with_it(server):
 # -- groups left open, and the flags' errors ------------------------------------------
 
 
-async def test_groups_not_named_stay_open():
-    # Routing only: no handler runs, so no DataPlane is needed.
+async def test_groups_not_named_stay_open(tmp_path):
+    # Routing only: no handler runs; the data plane serves an empty repository.
     restricted = parse_restricted_features(
         ["inference,metadata:k=v"], "--http-restricted-api", "api"
     )
-    frontend = HttpFrontend(None, restricted_apis=restricted)  # type: ignore[arg-type]
+    dataplane = DataPlane(ModelRegistry(ModelRepository([tmp_path])), ControlMode.NONE)
+    frontend = HttpFrontend(dataplane, restricted_apis=restricted)
     refused = frontend.route(b"POST", "/v2/models/simple/infer")
     status, _, body = await refused([(b"other", b"v")], b"")
     assert status == 403 and b"expecting header 'k'" in b"".join(body)
