@@ -308,3 +308,57 @@ def test_item_shape_kinds_need_a_model_that_batches():
     config.max_batch_size = 0
     with pytest.raises(InvalidArgument, match=r"BATCH_ITEM_SHAPE for 'RAGGED' needs a model"):
         BatchTensors("ragged", config)
+
+
+def test_a_pytorch_2_program_gets_batch_inputs_by_name(tmp_path):
+    torch = pytest.importorskip("torch")
+    from trionserve.backends.pytorch.backend import PyTorchBackend
+
+    class Counts(torch.nn.Module):
+        def forward(self, RAGGED: torch.Tensor, COUNTS: torch.Tensor):  # noqa: N803
+            return COUNTS.reshape(-1, 1), RAGGED + 1
+
+    n = torch.export.Dim("n")
+    m = torch.export.Dim("m")
+    program = torch.export.export(
+        Counts(),
+        (torch.zeros(4), torch.zeros(2, dtype=torch.int32)),
+        dynamic_shapes=({0: n}, {0: m}),
+    )
+    (tmp_path / "1").mkdir()
+    torch.export.save(program, str(tmp_path / "1" / "model.pt2"))
+    config = text_format.Parse(
+        """
+        name: "ragged" platform: "torch_aoti" max_batch_size: 4
+        default_model_filename: "model.pt2"
+        input [ { name: "ARGS[0]" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]
+        output [ { name: "RESULT[0]" data_type: TYPE_INT32 dims: [ 1 ] },
+                 { name: "RESULT[1]" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "ARGS[1]"
+                        data_type: TYPE_INT32 source_input: "ARGS[0]" } ]
+        batch_output [ { target_name: "RESULT[1]" kind: BATCH_SCATTER_WITH_INPUT_SHAPE
+                         source_input: "ARGS[0]" } ]
+        """,
+        mc.ModelConfig(),
+    )
+    normalize_model_config(config)
+    context = ModelContext("ragged", 1, config, tmp_path, tmp_path / "1")
+    instance = (
+        PyTorchBackend()
+        .load(context)
+        .create_instance(InstanceSpec("ragged_0_0", "ragged_0", "KIND_CPU", 0))
+    )
+
+    def request(length: int) -> InferenceRequest:
+        data = np.full((1, length), float(length), dtype=np.float32)
+        r = InferenceRequest(
+            "ragged", id=str(length), inputs={"ARGS[0]": Tensor("ARGS[0]", "FP32", data)}
+        )
+        r.batch_size = 1
+        return r
+
+    responses = instance.execute([request(3), request(2)])
+    assert all(isinstance(r, InferenceResponse) for r in responses), responses
+    outs = [{t.name: t.data.tolist() for t in r.outputs} for r in responses]
+    assert [o["RESULT[0]"] for o in outs] == [[[3]], [[2]]]
+    assert [o["RESULT[1]"] for o in outs] == [[[4, 4, 4]], [[3, 3]]]

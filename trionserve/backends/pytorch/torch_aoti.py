@@ -284,8 +284,15 @@ class Pt2Instance(TorchScriptInstance):
                 self._output_datatypes[name] = datatypes.BY_CONFIG[type_name].wire
         inputs = input_names(leaf_paths(context.name, program.in_spec))
         outputs = output_names(leaf_paths(context.name, program.out_spec))
+        # Batch inputs are program inputs too, named like the others (Triton's pt2
+        # instance leaves their mapping disabled, "TODO: FIXME" in
+        # src/pt2/model_instance_state.cc; its TorchScript one maps them).
         self._input_positions = bind_leaves(
-            context.name, "input", list(self._input_types), inputs, everything=True
+            context.name,
+            "input",
+            list(self._input_types) + self._batch_tensors.input_names,
+            inputs,
+            everything=True,
         )
         self._outputs = bind_leaves(
             context.name, "output", list(self._output_types), outputs, everything=False
