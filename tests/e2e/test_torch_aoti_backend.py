@@ -299,7 +299,7 @@ def test_aotinductor_package_matches_torch(tmp_path):
                 np.testing.assert_allclose(result.as_numpy(name), want, rtol=1e-6)
         client.close()
         assert proc.stop() == 0, proc.output()
-        assert "kind='AOTInductor package'" in proc.output()
+        assert "kind=AOTInductor package" in proc.output()
     finally:
         proc.close()
 
