@@ -485,3 +485,37 @@ def test_the_next_batch_is_staged_on_the_host_while_the_device_computes(monkeypa
     assert instance.compute_times is not None
     replays = sum(g.graph.launches for g in instance._graphs)
     assert replays == (2 if graphs else 0)
+
+
+# -- ragged inputs and batch inputs ------------------------------------------------------
+
+
+def test_an_engine_input_a_batch_input_feeds_loads_and_is_built_per_batch(monkeypatch):
+    """INPUT1 is not a request input but the batch input the config builds
+    (BATCH_ELEMENT_COUNT of the ragged INPUT0): the engine's input need not be in
+    the config's inputs, and each batch stages it, in the engine's dtype, beside
+    INPUT0 concatenated flat."""
+    config = text_format.Parse(
+        """
+        name: "plan" platform: "tensorrt_plan" max_batch_size: 8
+        input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ -1 ] allow_ragged_batch: true } ]
+        output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ -1 ] },
+                 { name: "OUTPUT1" data_type: TYPE_FP32 dims: [ -1 ] } ]
+        batch_input [ { kind: BATCH_ELEMENT_COUNT target_name: "INPUT1"
+                        data_type: TYPE_FP32 source_input: "INPUT0" } ]
+        """,
+        ModelConfig(),
+    )
+    instance, _ = load(monkeypatch, config)
+    requests = []
+    for length in (3, 5):
+        data = np.full((1, length), float(length), dtype=np.float32)
+        request = InferenceRequest("plan", inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+        request.batch_size = 1
+        requests.append(request)
+    batch = instance.stage(requests)
+    assert batch.error is None, batch.error
+    assert batch.arrays["INPUT0"].tolist() == [3.0] * 3 + [5.0] * 5
+    assert batch.arrays["INPUT1"].dtype == np.float32
+    assert batch.arrays["INPUT1"].tolist() == [3.0, 5.0]
+    assert batch.graph is None

@@ -13,6 +13,7 @@ import numpy as np
 import structlog
 
 from trionserve.backends.base import InstanceSpec, ModelContext
+from trionserve.backends.batch_io import BatchTensors
 from trionserve.backends.batch_tensors import build_responses, gather_inputs, wanted_outputs
 from trionserve.backends.cuda.graphs import (
     CAPTURE_LOCK,
@@ -77,6 +78,11 @@ class TensorRTInstance:
         self.model_version = str(context.version)
         self._buffers = buffers
         self._engine = engine
+        # Ragged inputs concatenated flat, batch_input tensors bound with the inputs
+        # and batch_output ones scattered back (tensorrt_backend, through the
+        # backend library's BackendInputCollector / BackendOutputResponder).
+        self._ragged = frozenset(i.name for i in config.input if i.allow_ragged_batch)
+        self._batch_tensors = BatchTensors(context.name, config)
         tensors = engine_tensors(engine)
         self._check(config, tensors)
         self._inputs = [t.name for t in tensors if t.is_input]
@@ -143,7 +149,8 @@ class TensorRTInstance:
                     f"model '{model}': tensor '{t.name}' is a shape tensor, which this "
                     "TensorRT backend does not support"
                 )
-            if t.is_input and t.name not in {i.name for i in config.input}:
+            configured = {i.name for i in config.input}.union(self._batch_tensors.input_names)
+            if t.is_input and t.name not in configured:
                 raise InvalidArgument(
                     f"model '{model}': the engine's input '{t.name}' is missing from the config"
                 )
@@ -163,7 +170,9 @@ class TensorRTInstance:
         try:
             buffers = self._host_buffers[self._slot]
             self._slot ^= 1
-            arrays = gather_inputs(requests, self._input_reshape, buffers=buffers)
+            arrays = gather_inputs(requests, self._input_reshape, self._ragged, buffers=buffers)
+            if self._batch_tensors.inputs:
+                arrays.update(self._batch_tensors.input_tensors(requests))
             batch.arrays = {
                 name: np.ascontiguousarray(array, dtype=self._dtypes[name])
                 if name in self._dtypes
@@ -223,14 +232,18 @@ class TensorRTInstance:
         finally:
             batch.outputs = {}
         inferred = time.perf_counter_ns()
-        responses = build_responses(
-            requests,
-            self.model_name,
-            self.model_version,
-            outputs,
-            self._output_datatypes,
-            self._output_reshape,
-        )
+        try:
+            responses = build_responses(
+                requests,
+                self.model_name,
+                self.model_version,
+                outputs,
+                self._output_datatypes,
+                self._output_reshape,
+                self._batch_tensors,
+            )
+        except TritonError as error:
+            return [error] * len(requests)
         self.compute_times = ComputeTimes(
             batch.staged - batch.started,
             inferred - batch.launched,
