@@ -216,7 +216,9 @@ BROKEN = {
             ("simple", {"INPUT0": "INPUT0", "INPUT1": "b"}, {"OUTPUT0": "a", "OUTPUT1": "OUTPUT0"}),
             ("simple", {"INPUT0": "a", "INPUT1": "INPUT0"}, {"OUTPUT0": "b", "OUTPUT1": "unused"}),
         ),
-        "ensemble_scheduling step 0 (model 'simple') can never run: its inputs depend on a cycle",
+        # Triton's words (model_config_utils.cc ValidateEnsembleSchedulingConfig).
+        "output 'OUTPUT0' for ensemble 'bad_cycle' is not written: at least one of its "
+        "depending tensors, ",
     ),
     "bad_unmapped_output": (
         I32_16,

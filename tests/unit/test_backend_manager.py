@@ -215,9 +215,18 @@ def test_a_config_without_autofill_is_checked_before_its_versions(tmp_path):
         InvalidArgument, match="'max_batch_size' must be non-negative value for bad"
     ):
         prepare_model(model_dir, False, None)
-    # With autofill the inputs may come from the model file: no versions it is.
-    with pytest.raises(InvalidArgument, match="has no versions to load"):
+    # With autofill too (ValidateModelConfig runs at poll either way) ...
+    with pytest.raises(
+        InvalidArgument, match="'max_batch_size' must be non-negative value for bad"
+    ):
         prepare_model(model_dir, True, None)
+    # ... but not the inputs' and outputs' checks (ValidateModelIOConfig, only
+    # without autofill: the model file may complete them): no versions it is.
+    zero_dims = write_model(tmp_path, "zero", bad.replace("-1", "0").replace("[ 1 ]", "[ 0 ]"))
+    with pytest.raises(InvalidArgument, match="must be integer >= 1"):
+        prepare_model(zero_dims, False, None)
+    with pytest.raises(InvalidArgument, match="has no versions to load"):
+        prepare_model(zero_dims, True, None)
     good = bad.replace("-1", "0") + '\noutput [ { name: "O" data_type: TYPE_FP32 dims: [ 1 ] } ]'
     with pytest.raises(InvalidArgument, match="has no versions to load"):
         prepare_model(write_model(tmp_path, "good", good), False, None)

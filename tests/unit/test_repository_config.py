@@ -912,7 +912,7 @@ INVALID.update(
     {
         "ensemble_with_backend": (
             ensemble(step("m", {"x": "IN"}, {"y": "OUT"})) + 'backend: "onnxruntime"',
-            "an ensemble (platform 'ensemble') must have an empty backend",
+            "Ensemble model 'bad' must have platform type 'ensemble' and empty backend type",
         ),
         "ensemble_with_instance_group": (
             ensemble(step("m", {"x": "IN"}, {"y": "OUT"}), "instance_group [ { count: 1 } ]\n"),
@@ -932,7 +932,7 @@ INVALID.update(
         ),
         "ensemble_unknown_tensor": (
             ensemble(step("m", {"x": "IN", "z": "nowhere"}, {"y": "OUT"})),
-            "reads ensemble tensor 'nowhere', which is neither an ensemble input nor written by any step",
+            "output 'OUT' for ensemble 'bad' is not written: at least one of its depending tensors, 'nowhere', is not connected",
         ),
         "ensemble_output_not_written": (
             ensemble(
@@ -967,7 +967,7 @@ INVALID.update(
                 + ", "
                 + step("o", {"x": "a"}, {"y": "OUT"})
             ),
-            "ensemble_scheduling step 0 (model 'm') can never run: its inputs depend on a cycle",
+            "output 'OUT' for ensemble 'bad' is not written: at least one of its depending tensors, 'b', is not connected",
         ),
     }
 )
@@ -1200,7 +1200,10 @@ def test_tensorflow_backend_platform_from_file(tmp_path):
             {"platform": "onnxruntim", "default_model_filename": "model.onnx"},
             "unexpected 'platform' and 'backend' pair, got:onnxruntim, onnxruntime",
         ),
-        ({"platform": "ensemble", "backend": "python"}, "must have an empty backend"),
+        (
+            {"platform": "ensemble", "backend": "python"},
+            "Ensemble model 'm' must have platform type 'ensemble' and empty backend type",
+        ),
     ],
 )
 def test_platform_errors(tmp_path, given, expected):

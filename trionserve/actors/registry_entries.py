@@ -118,13 +118,12 @@ def prepare_model(
     try:
         versions = select_versions(config, list_versions(model_dir, warn=True))
     except InvalidArgument as no_versions:
-        # Triton validates a config without autofill when it polls the model
-        # (core model_repository_manager.cc: ValidateModelConfig and
-        # ValidateModelIOConfig) and finds no version to load only after, when it
-        # loads (model_lifecycle.cc): the config's error is the one reported.
-        if not autocomplete:
-            normalize_model_config(config)
-            validate_model_config(config)
+        # Triton validates a config when it polls the model (core
+        # model_repository_manager.cc: ValidateModelConfig, and ValidateModelIOConfig
+        # without autofill) and finds no version to load only after, when it loads
+        # (model_lifecycle.cc): the config's error is the one reported.
+        normalize_model_config(config)
+        validate_model_config(config, io=not autocomplete)
         raise no_versions from None
     if autocomplete:
         filename = config.default_model_filename or backend.default_model_filename()

@@ -238,9 +238,9 @@ def infer_platform(config: ModelConfig, model_dir: Path) -> None:
 
     if platform == ENSEMBLE_PLATFORM:
         if backend:
-            raise InvalidArgument(
-                f"model '{name}': an ensemble (platform 'ensemble') must have an empty "
-                f"backend, got backend '{backend}'"
+            raise InvalidArgument(  # Triton's words (model_config_utils.cc:1458)
+                f"Ensemble model '{name}' must have platform type '{platform}' and empty "
+                "backend type"
             )
         return
 

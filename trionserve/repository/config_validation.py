@@ -35,12 +35,15 @@ def _triton(message: str) -> NoReturn:
     raise InvalidArgument(message)
 
 
-def validate_model_config(config: ModelConfig) -> None:
+def validate_model_config(config: ModelConfig, *, io: bool = True) -> None:
     """Raise InvalidArgument naming the model and the field for the first problem found.
 
     Call after auto-complete and
     :func:`~trionserve.repository.config.normalize_model_config` (Triton validates
-    inputs and outputs only once the backend has filled them in).
+    inputs and outputs only once the backend has filled them in). ``io=False``
+    leaves out the inputs and outputs, as Triton's poll of a model whose config
+    the backend may still complete (core model_repository_manager.cc:
+    ValidateModelConfig, and ValidateModelIOConfig only without autofill).
     """
     name = config.name
     if not name:
@@ -58,14 +61,15 @@ def validate_model_config(config: ModelConfig) -> None:
         ("input", config.input),
         ("output", config.output),
     )
-    for kind, tensors in groups:
+    for kind, tensors in groups if io else ():
         seen: set[str] = set()
-        for io in tensors:
-            _validate_io(kind, io, config)
-            if io.name in seen:
-                fail(f"{kind} '{io.name}' is declared more than once")
-            seen.add(io.name)
-    _validate_batch_io(config, fail)
+        for tensor in tensors:
+            _validate_io(kind, tensor, config)
+            if tensor.name in seen:
+                fail(f"{kind} '{tensor.name}' is declared more than once")
+            seen.add(tensor.name)
+    if io:
+        _validate_batch_io(config, fail)
     _validate_instance_groups(config, fail)
     if config.HasField("dynamic_batching"):
         _validate_dynamic_batching(config, fail)
@@ -432,14 +436,8 @@ def _validate_ensemble(config: ModelConfig, fail: _Fail) -> None:
             writer[tensor] = index
         for tensor in step.input_map.values():
             readers.setdefault(tensor, []).append(index)
-    for tensor, steps_reading in readers.items():
-        if tensor not in writer and tensor not in inputs:
-            fail(
-                f"ensemble_scheduling step {steps_reading[0]} reads ensemble tensor "
-                f"'{tensor}', which is neither an ensemble input nor written by any step"
-            )
-
-    # Data flow: a step can run once every tensor it reads exists.
+    # Data flow, Triton's readiness walk: a step runs once every tensor it reads
+    # exists; a tensor read but never written, or written in a cycle, never does.
     ready = set(inputs)
     pending = set(range(len(steps)))
     progress = True
@@ -457,14 +455,29 @@ def _validate_ensemble(config: ModelConfig, fail: _Fail) -> None:
     for tensor in sorted(outputs):
         if tensor not in writer and tensor not in readers:
             _triton(f"ensemble output '{tensor}' for ensemble {name}' is not used")
-        if tensor not in writer:
-            _triton(f"output '{tensor}' for ensemble '{name}' is not written")
-    if pending:
-        index = min(pending)
-        fail(
-            f"ensemble_scheduling step {index} (model '{steps[index].model_name}') can "
-            "never run: its inputs depend on a cycle"
-        )
-    for tensor in writer:
-        if tensor not in outputs and tensor not in readers:
+        if tensor not in ready:
+            message = f"output '{tensor}' for ensemble '{name}' is not written"
+            cut = _not_connected(tensor, steps, writer, ready)
+            if cut != tensor:
+                message += f": at least one of its depending tensors, '{cut}', is not connected"
+            _triton(message)
+    for tensor in sorted(set(writer) | set(readers)):
+        if tensor not in outputs and (tensor not in ready or tensor not in readers):
             _triton(f"ensemble tensor '{tensor}' is unused in ensemble '{name}'")
+
+
+def _not_connected(
+    tensor: str, steps: Sequence[mc.ModelEnsembling.Step], writer: dict[str, int], ready: set[str]
+) -> str:
+    """The last tensor not ready on the way back from ``tensor`` (Triton's walk over
+    prev_nodes in ValidateEnsembleSchedulingConfig, model_config_utils.cc:246)."""
+    seen: set[str] = set()
+    last = tensor
+    while last in writer:
+        step = steps[writer[last]]
+        behind = [t for t in step.input_map.values() if t not in ready and t not in seen]
+        if not behind:
+            break
+        last = behind[0]
+        seen.add(last)
+    return last
