@@ -27,6 +27,7 @@ try:
     import cupy
 except ImportError:
     cupy = None
+from trionserve.actors.watcher import ControlMode
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import ServerOptions
 
@@ -625,7 +626,7 @@ def test_http_request_streams_generate_stream(server):
 def test_server_options_and_the_body_limit(repository):
     options = ServerOptions(
         model_repositories=[repository],
-        model_control_mode=api.ModelControlMode.EXPLICIT,
+        model_control_mode=ControlMode.EXPLICIT,
         load_models=["simple"],
         http=HttpOptions(max_input_size=100),
     )
