@@ -272,7 +272,11 @@ def test_unservable_configs_are_unavailable_with_reasons(torch_server):
     )
     # TorchScript records no tensor metadata: like Triton, nothing is auto-completed.
     assert rows["pt_no_io"]["state"] == "UNAVAILABLE"
-    assert "list them in config.pbtxt (no input was given)" in rows["pt_no_io"]["reason"]
+    # pytorch_backend's count check (src/pt/model_instance_state.cc:1363), its words.
+    assert (
+        "unable to load model 'pt_no_io', configuration expects 0 inputs, model provides 2"
+        in rows["pt_no_io"]["reason"]
+    )
     with pytest.raises(InferenceServerException):
         infer(torch_server, "pt_bytes", {"INPUT__1": ("FP32", np.ones((1, 16), np.float32))})
     assert torch_server.is_model_ready("pt_addmul")

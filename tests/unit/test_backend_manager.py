@@ -151,15 +151,16 @@ def test_a_bad_python_setting_is_refused_naming_the_flag():
     assert BackendManager().settings_for("python") == {}
 
 
-def _batching_onnx() -> bytes:
-    """An ONNX identity whose tensors all have a variable leading dimension."""
+def _batching_onnx(shape: tuple[str | int, ...] = ("batch", 4)) -> bytes:
+    """An ONNX identity whose tensors have ``shape`` (a variable leading dimension
+    unless told otherwise)."""
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
         [helper.make_node("Identity", ["IN"], ["OUT"])],
         "identity",
-        [helper.make_tensor_value_info("IN", TensorProto.FLOAT, ["batch", 4])],
-        [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("IN", TensorProto.FLOAT, list(shape))],
+        [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, list(shape))],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -195,6 +196,22 @@ def test_default_max_batch_size_is_what_onnx_auto_complete_gives(
     model_dir = write_model(tmp_path, "sequenced", declared, {"1/model.onnx": _batching_onnx()})
     config = prepare_model(model_dir, True, None, backends=manager).config
     assert not config.HasField("dynamic_batching")  # a scheduler named stays alone
+
+
+def test_onnx_auto_complete_refuses_max_batch_size_for_a_model_that_cannot_batch(tmp_path):
+    # qa/L0_model_config autofill_noplatform/onnx/bad_max_batch_size: onnxruntime.cc
+    # AutoCompleteMaxBatch, its words.
+    from tests.repository import write_model
+    from trionserve.actors.registry_entries import prepare_model
+
+    declared = 'max_batch_size: 1\ninput [ { name: "IN" data_type: TYPE_FP32 dims: [ 16 ] } ]'
+    model_dir = write_model(tmp_path, "fixed", declared, {"1/model.onnx": _batching_onnx((16,))})
+    with pytest.raises(InvalidArgument) as info:
+        prepare_model(model_dir, True, None, backends=BackendManager())
+    assert (
+        "autofill failed for model 'fixed': model does not support batching while non-zero "
+        "max_batch_size is specified"
+    ) in info.value.message
 
 
 def test_a_default_max_batch_size_that_is_not_a_number_is_refused():

@@ -244,6 +244,24 @@ def test_torchscript_batch_inputs_are_forward_arguments_by_the_inputs_convention
         bind_inputs("m", ["X"], plain, batch_inputs=["Y", "Z"])
 
 
+def test_torchscript_config_without_inputs_or_outputs_gets_the_backends_words():
+    # qa/L0_model_config autofill_noplatform/pytorch/too_few_{inputs,outputs}:
+    # pytorch_backend src/pt/model_instance_state.cc:1363 and :1494, its words.
+    from trionserve.backends.pytorch.naming import bind_inputs, bind_outputs
+
+    plain = [("a", "TensorType"), ("b", "TensorType")]
+    with pytest.raises(InvalidArgument) as info:
+        bind_inputs("m", [], plain)
+    assert info.value.message == (
+        "unable to load model 'm', configuration expects 0 inputs, model provides 2"
+    )
+    with pytest.raises(InvalidArgument) as info:
+        bind_outputs("m", [])
+    assert info.value.message == (
+        "model 'm': model configuration must contain at least one output, none were specified."
+    )
+
+
 def test_torchscript_instance_gets_ragged_and_batch_inputs_and_scatters(tmp_path):
     torch = pytest.importorskip("torch")
     from trionserve.backends.pytorch.backend import PyTorchBackend

@@ -174,6 +174,35 @@ def test_model_config_completes_and_refuses_contradictions():
         model_config(sequence_batching={"max_sequence_idle_microseconds": 1}).set_dynamic_batching()
 
 
+@pytest.mark.parametrize("kind", ["input", "output"])
+def test_model_config_refuses_malformed_tensors_in_python_backends_words(kind):
+    # qa/L0_model_config autofill_noplatform/python/{input,output}_{missing_name,
+    # wrong_property}: python_backend's messages, word for word.
+    add = getattr(model_config(), f"add_{kind}")
+    allowed = (
+        "'name', 'data_type', 'dims' and 'optional'"
+        if kind == "input"
+        else ("'name', 'data_type' and 'dims'")
+    )
+    with pytest.raises(ValueError) as info:
+        add({"name": "T", "data_type": "TYPE_FP32", "dims": [4], "is_shape_tensor:": True})
+    assert str(info.value) == (
+        f"{kind} 'T' in auto-complete-config function for model 'm' contains property "
+        f"other than {allowed}."
+    )
+    with pytest.raises(ValueError) as info:
+        add({"data_type": "TYPE_FP32", "dims": [4]})
+    assert str(info.value) == (
+        f"{kind} in auto-complete-config function for model 'm' is missing 'name' property."
+    )
+    with pytest.raises(ValueError) as info:
+        add({"name": "T", "dims": [4]})
+    assert str(info.value) == (
+        f"{kind} 'T' in auto-complete-config function for model 'm' is missing "
+        "'data_type' property."
+    )
+
+
 def test_tensor_types_and_dlpack():
     tensor = pb_utils.Tensor("T", np.arange(6, dtype=np.float16).reshape(2, 3))
     assert tensor.name() == "T" and tensor.shape() == [2, 3] and tensor.is_cpu()

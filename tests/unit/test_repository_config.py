@@ -18,6 +18,7 @@ from google.protobuf import text_format
 from tests.repository import write_model
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.core.errors import InternalError, InvalidArgument, NotFound, Unavailable
+from trionserve.observability.metrics import uncustomizable_families
 from trionserve.repository.config import (
     infer_platform,
     model_config_from_json,
@@ -973,6 +974,48 @@ INVALID.update(
 )
 
 
+# qa/L0_model_config/model_metrics/invalid_config: Triton's words (core
+# src/model_config_utils.cc ValidateModelMetrics).
+FAMILY = 'metric_identifier { family: "nv_inference_first_response_histogram_ms" }'
+BUCKETS = "histogram_options { buckets: [ 1, 2, 4, 8 ] }"
+INVALID.update(
+    {
+        f"metrics_{case}": (
+            ONNX_IO + f"model_metrics {{ metric_control [ {{ {control} }} ] }}",
+            expected,
+        )
+        for case, control, expected in (
+            ("no_metric_identifier", BUCKETS, "metric control must specify 'metric_identifier'"),
+            (
+                "no_metric_family",
+                "metric_identifier { } " + BUCKETS,
+                "metric identifier must specify non-empty 'family'",
+            ),
+            (
+                "empty_metric_family",
+                'metric_identifier { family: "" } ' + BUCKETS,
+                "metric identifier must specify non-empty 'family'",
+            ),
+            (
+                "no_histogram_options",
+                FAMILY,
+                "metric control must specify 'histogram_options'",
+            ),
+            (
+                "no_buckets",
+                FAMILY + " histogram_options { }",
+                "histogram options must specify non-empty 'buckets'",
+            ),
+            (
+                "empty_buckets",
+                FAMILY + " histogram_options { buckets: [ ] }",
+                "histogram options must specify non-empty 'buckets'",
+            ),
+        )
+    }
+)
+
+
 @pytest.mark.parametrize("case", sorted(INVALID))
 def test_invalid_configs_name_model_and_field(tmp_path, case):
     text, expected = INVALID[case]
@@ -990,6 +1033,18 @@ def test_valid_reshape_with_wildcards(tmp_path):
         "dims: [ 2, 4, -1, 6 ] reshape { shape: [ 8, -1, 1, 6 ] } } ]\noutput",
     )
     load(write_model(tmp_path, "ok", text))
+
+
+def test_model_metrics_of_any_family_load_and_only_one_is_customizable(tmp_path):
+    # qa/L0_model_config model_metrics/valid_config and valid_config_with_warn: both
+    # load; Triton warns for a family it cannot customise (metric_model_reporter.cc).
+    controls = ", ".join(
+        f'{{ metric_identifier {{ family: "{family}" }} {BUCKETS} }}'
+        for family in ("nv_inference_first_response_histogram_ms", "nv_inference_request_success")
+    )
+    text = ONNX_IO + f"model_metrics {{ metric_control [ {controls} ] }}"
+    config, _ = load(write_model(tmp_path, "ok", text))
+    assert uncustomizable_families(config) == ["nv_inference_request_success"]
 
 
 # -- reading --------------------------------------------------------------------------
@@ -1188,7 +1243,11 @@ def test_tensorflow_backend_platform_from_file(tmp_path):
 @pytest.mark.parametrize(
     ("given", "expected"),
     [
-        ({}, "model 'm': platform or backend must be set in config.pbtxt"),
+        (
+            {},
+            "Invalid model name: Could not determine backend for model 'm' with no backend "
+            "in model configuration. Expected model name of the form 'model.<backend_name>'.",
+        ),
         # Triton's words (model_config_utils.cc ValidateModelConfig), as qa/L0_model_config
         # greps them; default_model_filename names the backend of an unknown platform.
         ({"platform": "caffe2_netdef"}, "unexpected platform type 'caffe2_netdef' for m"),

@@ -29,6 +29,7 @@ from trionserve.actors.registry_entries import (
 from trionserve.backends.base import InferenceService
 from trionserve.core.errors import TritonError, Unavailable, as_triton_error
 from trionserve.observability.custom_metrics import CustomMetrics
+from trionserve.observability.metrics import uncustomizable_families
 from trionserve.observability.quantiles import Target
 from trionserve.repository.changes import LoadedSource, ReloadPlan, plan_reload
 from trionserve.repository.overrides import remove_override
@@ -165,6 +166,12 @@ class ModelLifeCycle:
     ) -> None:
         """Load ``plan.load`` beside the serving versions, then switch and retire."""
         name = entry.name
+        for family in uncustomizable_families(prepared.config):
+            log.warning(
+                f"Metric family '{family}' in 'metric_identifier' is not a customizable "
+                "metric in Triton core.",
+                model=name,
+            )
         extra: dict = {"inference": self.inference} if self.inference is not None else {}
         if self.rate_limiter is not None:
             extra["rate_limiter"] = self.rate_limiter

@@ -137,6 +137,19 @@ def first_response_buckets(config: ModelConfig) -> tuple[float, ...]:
     return FIRST_RESPONSE_BUCKETS_MS
 
 
+def uncustomizable_families(config: ModelConfig) -> list[str]:
+    """The ``model_metrics`` families this server cannot customise: Triton loads the
+    model and warns "Metric family '...' in 'metric_identifier' is not a customizable
+    metric in Triton core." for each (core src/metric_model_reporter.cc
+    MetricReporterConfig::ParseConfig, lines 77-95; only the first-response
+    histogram is customisable there)."""
+    return [
+        control.metric_identifier.family
+        for control in config.model_metrics.metric_control
+        if control.metric_identifier.family != FIRST_RESPONSE_FAMILY
+    ]
+
+
 def observe_first_response(model: ObservedVersion, seconds: float) -> None:
     """Record one request's time to its first response on its model version."""
     statistics = model.statistics

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import pyjson5
 from google.protobuf import json_format, text_format
@@ -246,13 +246,27 @@ def infer_platform(config: ModelConfig, model_dir: Path) -> None:
 
     if not platform and not backend:
         found = _identify_model_file(config, Path(model_dir))
-        if found is None:
+        if found is not None:
+            _, platform, backend, _ = found
+        elif not config.default_model_filename and "." in name:
+            # Triton's custom-backend autofill: 'model.<backend_name>' names the
+            # backend (core src/model_config_utils.cc AutoCompleteBackendFields,
+            # lines 1282-1306).
+            backend = name.split(".", 1)[1]
+            platform = _BACKEND_PLATFORM.get(backend, "")
+            config.default_model_filename = f"model.{backend}"
+        elif config.default_model_filename:
+            _triton_no_platform(name)
+        else:
+            # Triton's words first (model_config_utils.cc:1295), then what was looked for.
             raise InvalidArgument(
-                f"model '{name}': platform or backend must be set in {CONFIG_FILENAME}: "
-                "no known model file (model.onnx, model.pt, model.plan, model.py, "
-                "model.savedmodel, model.graphdef) was found in its version directories"
+                f"Invalid model name: Could not determine backend for model '{name}' with "
+                "no backend in model configuration. Expected model name of the form "
+                f"'model.<backend_name>'. (platform and backend are not set in "
+                f"{CONFIG_FILENAME} and no known model file (model.onnx, model.pt, "
+                "model.plan, model.py, model.savedmodel, model.graphdef) was found in its "
+                "version directories)"
             )
-        _, platform, backend, _ = found
     elif not backend:
         # Triton's AutoCompleteBackendFields: the platform, else default_model_filename
         # names the backend (model_config_utils.cc:1158); then ValidateModelConfig
@@ -281,6 +295,11 @@ def infer_platform(config: ModelConfig, model_dir: Path) -> None:
     config.platform, config.backend = platform, backend
     if not config.default_model_filename:
         config.default_model_filename = _default_model_filename(platform, backend)
+
+
+def _triton_no_platform(name: str) -> NoReturn:
+    # model_config_utils.cc ValidateModelConfig: neither platform nor backend.
+    raise InvalidArgument(f"must specify 'platform' or 'backend' for '{name}'")
 
 
 def check_platform_backend_pair(name: str, platform: str, backend: str) -> None:

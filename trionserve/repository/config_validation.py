@@ -83,12 +83,21 @@ def validate_model_config(config: ModelConfig, *, io: bool = True) -> None:
             f"Response Cache does not currently support model {config.name} with "
             "'decoupled' transaction policy. Please disable the response cache."
         )
-    for index, control in enumerate(config.model_metrics.metric_control):
-        where = f"model_metrics.metric_control {index}"
+    _validate_model_metrics(config, fail)
+
+
+def _validate_model_metrics(config: ModelConfig, fail: _Fail) -> None:
+    # core src/model_config_utils.cc ValidateModelMetrics (lines 455-485), its words
+    # and order; Triton's messages do not name the model, ours put it first.
+    for control in config.model_metrics.metric_control:
+        if not control.HasField("metric_identifier"):
+            fail("metric control must specify 'metric_identifier'")
         if not control.metric_identifier.family:
-            fail(f"{where}: metric_identifier.family must not be empty")
+            fail("metric identifier must specify non-empty 'family'")
+        if not control.HasField("histogram_options"):
+            fail("metric control must specify 'histogram_options'")
         if not control.histogram_options.buckets:
-            fail(f"{where}: histogram_options.buckets must not be empty")
+            fail("histogram options must specify non-empty 'buckets'")
 
 
 def _validate_platform(config: ModelConfig, fail: _Fail) -> None:

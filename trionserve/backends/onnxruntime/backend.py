@@ -148,6 +148,12 @@ class OnnxRuntimeBackend(Backend):
         has_dims = any(e.dims for e in declared)
         if not max_batch_size_set and can_batch and not has_dims:
             config.max_batch_size = max(self._default_max_batch_size, 0)
+        if not can_batch and config.max_batch_size != 0:
+            # onnxruntime_backend src/onnxruntime.cc AutoCompleteMaxBatch:1167, its words.
+            raise InvalidArgument(
+                f"autofill failed for model '{config.name}': model does not support "
+                "batching while non-zero max_batch_size is specified"
+            )
         scheduled = config.HasField("dynamic_batching") or config.HasField("sequence_batching")
         if can_batch and config.max_batch_size > 1 and not scheduled:
             config.dynamic_batching.SetInParent()

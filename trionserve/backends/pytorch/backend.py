@@ -37,7 +37,7 @@ from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.cuda.graphs import cuda_graph_shapes
 from trionserve.backends.pytorch.device import instance_device, require_torch
 from trionserve.backends.pytorch.instance import TorchScriptInstance
-from trionserve.backends.pytorch.naming import bind_inputs, bind_outputs, check_data_types
+from trionserve.backends.pytorch.naming import bind_outputs, check_data_types
 from trionserve.core.errors import InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
@@ -115,13 +115,15 @@ class PyTorchBackend(Backend):
             check_sequence_types(context.name, config)
             archive_kind(context.name, path)  # a file that is no PyTorch 2 archive fails here
             return Pt2Model(context, path)
-        if not config.input:
-            bind_inputs(context.name, [], [])  # raises: the config must list inputs
-        bind_outputs(
-            context.name,
-            [o.name for o in config.output],
-            [s.output_name for s in config.sequence_batching.state],
-        )
+        if config.input:
+            # Without inputs the instance reports first, in the backend's order: its
+            # bind_inputs counts forward()'s arguments against none (pytorch_backend
+            # src/pt/model_instance_state.cc ValidateInputs, then ValidateOutputs).
+            bind_outputs(
+                context.name,
+                [o.name for o in config.output],
+                [s.output_name for s in config.sequence_batching.state],
+            )
         return TorchScriptModel(context, path)
 
 

@@ -88,11 +88,6 @@ def bind_inputs(
     controls = controls or []
     states = states or []
     batch_inputs = batch_inputs or []
-    if not config_inputs:
-        raise InvalidArgument(
-            f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
-            "inputs; list them in config.pbtxt (no input was given)"
-        )
     control_positions = {name: _indexed(model, name, "input") for name in controls}
     every = config_inputs + states
     if len(arguments) == 1 and arguments[0][1] == "DictType":
@@ -147,9 +142,11 @@ def bind_outputs(
     ValidateOutputs reads it."""
     states = states or []
     if not config_outputs:
+        # pytorch_backend src/pt/model_instance_state.cc ValidateOutputs:1494, its
+        # words (the backend cannot read a TorchScript model's outputs).
         raise InvalidArgument(
-            f"model '{model}': the PyTorch backend cannot read a TorchScript model's "
-            "outputs; list them in config.pbtxt (no output was given)"
+            f"model '{model}': model configuration must contain at least one output, "
+            "none were specified."
         )
     indices = [i for i in map(name_index, config_outputs) if i is not None]
     if len(indices) == len(config_outputs):

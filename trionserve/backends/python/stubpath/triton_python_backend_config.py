@@ -86,15 +86,19 @@ class ModelConfig:
         self._add("output", output, self._OUTPUT_PROPERTIES)
 
     def _add(self, kind: str, tensor: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+        # python_backend src/resources/triton_python_backend_utils.py ModelConfig
+        # add_input / add_output (lines 389-413, 488-512): its words, its order.
         label = f"{kind} '{tensor.get('name', '')}'"
         where = f"in auto-complete-config function for model '{self._name}'"
-        extra = [key for key in tensor if key not in allowed]
-        if extra:
+        if any(key not in allowed for key in tensor):
+            quoted = [f"'{a}'" for a in allowed]
             raise ValueError(
                 f"{label} {where} contains property other than "
-                f"{', '.join(repr(a) for a in allowed)}: {extra}"
+                f"{', '.join(quoted[:-1])} and {quoted[-1]}."
             )
-        for key in allowed[:3]:
+        if "name" not in tensor:
+            raise ValueError(f"{kind} {where} is missing 'name' property.")
+        for key in allowed[1:3]:
             if key not in tensor:
                 raise ValueError(f"{label} {where} is missing '{key}' property.")
         for current in self._model_config[kind]:
