@@ -8,8 +8,9 @@ queues: a unary call whose request came whole runs in the reader's task until
 it would wait (:mod:`~trionserve.protocol.grpc.inline`), any other in a task of
 its own. What a handler sees of a call is :mod:`~trionserve.protocol.grpc.call`'s;
 framing of messages and statuses is :mod:`~trionserve.protocol.grpc.framing`'s;
-listening, and telling connections to drain, is
-:mod:`~trionserve.protocol.grpc.transport`'s.
+the connection's deadlines, keepalive pings and drain are
+:mod:`~trionserve.protocol.grpc.lifetime`'s tasks; listening, and telling
+connections to drain, is :mod:`~trionserve.protocol.grpc.transport`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import trio
 from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol.grpc import framing as grpc_framing
-from trionserve.protocol.grpc import inline, upstream
+from trionserve.protocol.grpc import inline, lifetime, upstream
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
 from trionserve.protocol.grpc.framing import (
@@ -53,14 +54,12 @@ __all__ = ["Connection", "GrpcCall", "Method", "TransportOptions"]
 
 log = structlog.get_logger(__name__)
 
-_MAX_WINDOW = 2**31 - 1
+_MAX_WINDOW = lifetime.MAX_STREAM_ID  # also the largest window (2**31 - 1)
 _DEFAULT_WINDOW = 0xFFFF
-_DRAIN_PING = b"drainGA\x00"
 _CUT_MESSAGE = (
     "the server is shutting down: the request was still running at the exit timeout "
     "(--exit-timeout-secs)"
 )
-_KEEPALIVE_PING = b"keepaliv"
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError)
 Handler = Callable[[GrpcCall], Awaitable[None]]
 
@@ -119,22 +118,22 @@ class Connection:
         self._writing = False  # a task is in _write_pending
         self._written = trio.Event()  # set when that task leaves it
         self._extra: list[bytes] = []  # raw frames to write after h2's own output
-        self._last_stream_id = _MAX_WINDOW
+        self.last_stream_id = _MAX_WINDOW
         self._ping_acks: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
-        self._first_call = trio.Event()
+        self.first_call = trio.Event()
         # The transport's connections without a call in flight (after their
         # first), longest idle first.
         self._idle = idle if idle is not None else {}
         # The idle timeout's scope, and when the connection last turned idle: the
         # deadline is set as the connection turns idle with none pending, and
-        # left as it turns busy; when it passes, _idle_deadline closes the
-        # connection if it stayed idle, else sets it again from _idle_since. A
+        # left as it turns busy; when it passes, lifetime.idle_deadline closes the
+        # connection if it stayed idle, else sets it again from idle_since. A
         # call moves no deadline and wakes no task.
-        self._idle_scope: trio.CancelScope | None = None
-        self._idle_since: float | None = None  # set with the first call's end
+        self.idle_scope: trio.CancelScope | None = None
+        self.idle_since: float | None = None  # set with the first call's end
         self._quiet = False  # closed while idle: no linger
-        self._idle_timeout = math.inf if options.idle_timeout is None else options.idle_timeout
+        self.idle_timeout = math.inf if options.idle_timeout is None else options.idle_timeout
 
     # -- the actor ---------------------------------------------------------------
 
@@ -144,12 +143,12 @@ class Connection:
                 self._nursery = nursery
                 self._start_h2()
                 nursery.start_soon(self._writer)
-                nursery.start_soon(self._drain_when, self._server_draining)
+                nursery.start_soon(lifetime.drain_when, self, self._server_draining)
                 if self.options.keepalive_time is not None:
-                    nursery.start_soon(self._keepalive)
-                nursery.start_soon(self._first_call_deadline)
+                    nursery.start_soon(lifetime.keepalive, self)
+                nursery.start_soon(lifetime.first_call_deadline, self)
                 if self.options.idle_timeout is not None:
-                    nursery.start_soon(self._idle_deadline)
+                    nursery.start_soon(lifetime.idle_deadline, self)
                 await self._read()
         finally:
             self._idle.pop(self, None)
@@ -181,11 +180,11 @@ class Connection:
     async def _read(self) -> None:
         """Read until the client goes away, then end the connection (closing: the
         writer ends it once everything up to the final GOAWAY is written, see
-        _close), unless this task stayed with a call and another reads on."""
+        close), unless this task stayed with a call and another reads on."""
         if await self._read_loop():
             return
         if not self.state.closing:
-            self._cancel()
+            self.cancel()
 
     async def _read_loop(self) -> bool:
         """Feed what the client sends to h2 and act on the events, until the client
@@ -211,7 +210,7 @@ class Connection:
                 events = self.h2.receive_data(data)
             except h2.exceptions.ProtocolError as exc:
                 log.debug("grpc protocol error", peer=self.peer, error=str(exc))
-                self._close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                self.close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
                 continue
             for event in events:
                 if self._handle(event):
@@ -270,9 +269,9 @@ class Connection:
     # -- requests --------------------------------------------------------------
 
     def _on_request(self, event: h2.events.RequestReceived) -> None:
-        self._first_call.set()
+        self.first_call.set()
         stream_id = event.stream_id
-        if stream_id > self._last_stream_id:
+        if stream_id > self.last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
         head = read_request_head(event.headers, self.methods, self.options)
@@ -299,7 +298,7 @@ class Connection:
         # An END_STREAM on the headers comes as h2's StreamEnded event next; the
         # call starts once the read's events are all handled (_start_calls).
         self.calls[stream_id] = call
-        if len(self.calls) == 1:  # busy again (the idle deadline stays: see _idle_deadline)
+        if len(self.calls) == 1:  # busy again (the idle deadline stays: lifetime.idle_deadline)
             self._idle.pop(self, None)
         self._starting.append((call, method.handler))
 
@@ -439,16 +438,16 @@ class Connection:
             self.calls.pop(call.stream_id, None)
             if not self.calls and not self.state.closing:  # idle
                 self._idle[self] = None
-                self._idle_since = now = trio.current_time()
-                scope = self._idle_scope
+                self.idle_since = now = trio.current_time()
+                scope = self.idle_scope
                 if scope is not None and scope.deadline == math.inf:
-                    scope.deadline = now + self._idle_timeout
+                    scope.deadline = now + self.idle_timeout
             working = call.account.working
             self._give(self.buffer.close(call.account))
             if working:
                 self._drain_event()
             if self.state.draining and not self.calls:
-                self._close()
+                self.close()
         if self._inline is not call:  # else the reader writes it after the read
             await self._write_now()
 
@@ -526,11 +525,11 @@ class Connection:
                 try:
                     await self._write_pending()
                 except _CLOSED:
-                    self._cancel()
+                    self.cancel()
                     return
             if self.state.closing and not self._writing:
                 # Everything up to the final GOAWAY is written.
-                self._cancel()
+                self.cancel()
                 return
 
     async def _write_now(self, at_once: bool | None = None) -> None:
@@ -543,7 +542,7 @@ class Connection:
         try:
             await self._write_pending(at_once=not self.calls if at_once is None else at_once)
         except _CLOSED:
-            self._cancel()
+            self.cancel()
             return
         if self.state.closing:
             self._dirty.set()  # the writer ends the connection
@@ -570,49 +569,18 @@ class Connection:
             self._writing = False
             self._written.set()
 
-    async def _first_call_deadline(self) -> None:
-        with trio.move_on_after(self.options.first_call_timeout):
-            await self._first_call.wait()
-            return
-        log.info(
-            "grpc connection sent no call within the first-call timeout; closing",
-            peer=self.peer,
-            timeout=self.options.first_call_timeout,
-        )
-        self._cancel()
-
-    async def _idle_deadline(self) -> None:
-        """Close the connection once it has had no call in flight for the idle
-        timeout (before its first call, the first-call timeout applies)."""
-        await self._first_call.wait()
-        if self._idle_since is None:  # no call ended yet (or the first was refused)
-            self._idle_since = trio.current_time()
-        while True:
-            with trio.CancelScope() as scope:
-                if not self.calls:
-                    scope.deadline = self._idle_since + self._idle_timeout
-                self._idle_scope = scope
-                await trio.sleep_forever()
-            self._idle_scope = None
-            # The deadline was set as the connection last turned idle, or before:
-            # over only if it has been idle since, for the whole timeout.
-            if not self.calls and trio.current_time() >= self._idle_since + self._idle_timeout:
-                break
-        log.info("grpc connection idle for the idle timeout; closing", peer=self.peer)
-        self.close_idle()
-
     def close_idle(self) -> None:
         """Close the connection, which has no call in flight: GOAWAY, then the
         socket, without waiting for the client to close its side."""
         self._idle.pop(self, None)
         self._quiet = True
-        self._close()
+        self.close()
 
-    def _cancel(self) -> None:
+    def cancel(self) -> None:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
-    def _close(self, code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR) -> None:
+    def close(self, code: h2.errors.ErrorCodes = h2.errors.ErrorCodes.NO_ERROR) -> None:
         """Send the final GOAWAY, then end the connection once it is written.
 
         Everything queued before it (the last calls' answers) goes out first; a
@@ -648,53 +616,18 @@ class Connection:
                     pass
         await self.stream.aclose()
 
-    # -- drain and keepalive -------------------------------------------------------
+    # -- frames beside h2's: GOAWAY and PING ---------------------------------------
 
-    async def _drain_when(self, event: trio.Event) -> None:
-        await event.wait()
-        if self.state.closing:
-            return
-        # Step 1: "stop soon" with the largest stream id, and a ping; requests the
-        # client sent before it saw the GOAWAY still arrive before the ping's ack.
-        self._send_goaway(_MAX_WINDOW)
-        ack = self._ping(_DRAIN_PING)
-        with trio.move_on_after(self.options.linger):
-            await ack.wait()
-        if self.state.closing:  # closed meanwhile (a protocol error, idle)
-            return
-        # Step 2: the real last stream id; anything later is refused.
-        self._last_stream_id = self.h2.highest_inbound_stream_id
-        self._send_goaway(self._last_stream_id)
-        self.state.event(ConnEvent.DRAIN)
-        for call in self.calls.values():
-            call.wake()
-        if not self.calls:
-            self._close()
-
-    def _send_goaway(self, last_stream_id: int) -> None:
+    def send_goaway(self, last_stream_id: int) -> None:
         # h2's close_connection() would also close its state machine and break the
         # calls still in flight, so the GOAWAY frame is written beside it.
         frame = GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
         self._extra.append(frame.serialize())
         self.flush()
 
-    def _ping(self, opaque: bytes) -> trio.Event:
+    def ping(self, opaque: bytes) -> trio.Event:
+        """Send a PING; the event is set when its ack comes."""
         ack = self._ping_acks[opaque] = trio.Event()
         self.h2.ping(opaque)
         self.flush()
         return ack
-
-    async def _keepalive(self) -> None:
-        o = self.options
-        assert o.keepalive_time is not None
-        while True:
-            await trio.sleep(o.keepalive_time)
-            if not self.calls and not o.keepalive_permit_without_calls:
-                continue
-            ack = self._ping(_KEEPALIVE_PING)
-            with trio.move_on_after(o.keepalive_timeout):
-                await ack.wait()
-                continue
-            log.info("grpc keepalive ping not answered; closing", peer=self.peer)
-            self._cancel()
-            return
