@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import structlog
 import trio
 
+from trionserve.actors.batch_record import record_batch
 from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
@@ -28,19 +29,11 @@ from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, StagedBackendInsta
 from trionserve.backends.instance_thread import Abandoned, InstanceThread, Job
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.observability.statistics import (
-    ComputeTimes,
-    FailureReason,
-    ModelStatistics,
-    to_ns,
-)
-from trionserve.observability.trace.trace_file import record_compute
+from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
 from trionserve.schedulers.scheduler import BatchOutlet, Outcome
 
 log = structlog.get_logger(__name__)
 
-# The outcomes of a decoupled batch whose execute returned: all successes.
-_ALL_SUCCEEDED = (None,)
 # Batches with more input bytes than this always run in the instance's thread.
 INLINE_MAX_INPUT_BYTES = 64 * 1024
 
@@ -306,7 +299,7 @@ class InstanceExecutor:
             self._last_ns = sum(times) if times is not None else self._inline_budget + 1
         outcomes = self._outcomes(live, job.results)
         if self._statistics is not None:
-            self._record(live, outcomes, start, end, job.times)
+            record_batch(self._statistics, live, outcomes, start, end, job.times)
         self._outlet.complete(live, outcomes)
 
     def _wake_delivery(self) -> None:
@@ -404,7 +397,7 @@ class InstanceExecutor:
         self._last_ns = sum(times) if times is not None else self._inline_budget + 1
         outcomes = self._outcomes(live, results)
         if self._statistics is not None:
-            self._record(live, outcomes, start, end, times)
+            record_batch(self._statistics, live, outcomes, start, end, times)
         self._outlet.complete(live, outcomes)
 
     # -- process-backed instances: awaited on the Trio thread ----------------------------
@@ -472,12 +465,12 @@ class InstanceExecutor:
             # Decoupled: the instance answers each request as it goes; the
             # execution itself succeeded (Triton counts it so).
             if self._statistics is not None:
-                self._record(live, None, start, end, None)
+                record_batch(self._statistics, live, None, start, end, None)
             self._outlet.complete(live, ())
             return
         outcomes = self._outcomes(live, results)
         if self._statistics is not None:
-            self._record(live, outcomes, start, end, None)
+            record_batch(self._statistics, live, outcomes, start, end, None)
         self._outlet.complete(live, outcomes)
 
     def _run_direct_async(self, batch: list[InferenceRequest]) -> bool:
@@ -644,51 +637,6 @@ class InstanceExecutor:
                     "instead of a response"
                 )
         return results
-
-    def _record(
-        self,
-        requests: list[InferenceRequest],
-        outcomes: Sequence[Outcome] | None,
-        start: float,
-        end: float,
-        times: ComputeTimes | None,
-    ) -> None:
-        """Record one executed batch; ``outcomes`` None: every request succeeded."""
-        statistics = self._statistics
-        assert statistics is not None
-        total_ns = to_ns(end - start)
-        if times is not None:
-            input_ns, infer_ns, output_ns = times
-        else:
-            input_ns = output_ns = 0
-            infer_ns = total_ns
-        if statistics.traces:
-            record_compute(statistics.traces, requests, start, end, input_ns, output_ns)
-        each: Sequence[Outcome | None] = (
-            _ALL_SUCCEEDED * len(requests) if outcomes is None else outcomes
-        )
-        batch_size = 0
-        succeeded = False
-        for request, outcome in zip(requests, each):
-            size = request.batch_size or 1
-            batch_size += size
-            if not request.collect_stats:
-                continue  # a sequence batcher's null request: in the batch size only
-            arrival = request.arrival_time
-            if outcome is None or isinstance(outcome, InferenceResponse):
-                succeeded = True
-                statistics.record_success(
-                    size,
-                    to_ns(end - arrival),
-                    max(0, to_ns(start - arrival)),
-                    input_ns,
-                    infer_ns,
-                    output_ns,
-                )
-            else:
-                statistics.record_failure(to_ns(end - arrival), FailureReason.BACKEND)
-        if succeeded:
-            statistics.record_execution(batch_size, input_ns, infer_ns, output_ns, end)
 
     def _record_failures(self, requests: list[InferenceRequest], reason: FailureReason) -> None:
         if self._statistics is None:
