@@ -115,3 +115,41 @@ def test_directories_that_are_not_versions_are_warned_of(tmp_path, capsys, loggi
         "\"ignore version directory '01' which contains leading zeros in its directory name\"",
         "\"ignore version directory 'v2' which fails to convert to integral number\"",
     ]
+
+
+@pytest.mark.parametrize("readable", [True, False])
+async def test_cpu_metrics_start_is_logged_as_triton_logs_it(
+    tmp_path, monkeypatch, readable, autojump_clock
+):
+    """core metrics.cc:770 InitializeCpuMetrics: "Collecting CPU metrics" once /proc
+    parses, a warning otherwise; once, not at every sample."""
+    import trio
+
+    from trionserve.observability import metrics
+
+    seen: list[tuple[str, str]] = []
+
+    class Recorder:
+        def info(self, event, **fields):
+            seen.append(("info", event))
+
+        def warning(self, event, **fields):
+            seen.append(("warning", event))
+
+    monkeypatch.setattr(metrics, "log", Recorder())
+    if readable:
+        (tmp_path / "stat").write_text("cpu  10 0 5 100 0 0 0 0 0 0\n")
+        (tmp_path / "meminfo").write_text("MemTotal: 1000 kB\nMemAvailable: 400 kB\n")
+    collector = metrics.CpuMetricsCollector(str(tmp_path))
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(collector.run, 1.0, stop)
+        await trio.sleep(3.5)  # virtual time: three more samples
+        stop.set()
+    if readable:
+        assert seen == [("info", "Collecting CPU metrics")]
+        assert collector.memory_used == 600 * 1024
+    else:
+        assert seen == [
+            ("warning", "error initializing CPU metrics, CPU utilization may not be available")
+        ]

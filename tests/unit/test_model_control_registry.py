@@ -522,3 +522,28 @@ async def test_load_model_star_loads_everything_at_startup(repo):
         server.shutdown()
     with pytest.raises(Exception, match="'\\*' must be the only startup model"):
         make_server(repo, load_models=["*", "a"])
+
+
+async def test_load_and_unload_write_tritons_own_lines(repo, events):
+    """Triton's core writes these at info (model_lifecycle.cc:472, :624, :777,
+    :839); users and their log tooling grep them."""
+    fake_model(repo, "m", {1: 1.0, 2: 2.0}, extra="version_policy: { all: {} }")
+    fake_model(repo, "bad")
+    controls("bad").fail_load = "injected load failure"
+    server = make_server(repo)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        await server.dataplane.load_model("m")
+        with pytest.raises(TritonError):
+            await server.dataplane.load_model("bad")
+        await server.dataplane.unload_model("m")
+        await settle(server, "m")
+        server.shutdown()
+    lines = [e for e, f in events if not f]
+    # Versions load and unload concurrently: each pair in either order.
+    assert sorted(lines[:2]) == ["loading: m:1", "loading: m:2"]
+    assert lines[2:5] == ["successfully loaded 'm'", "loading: bad:1", "failed to load 'bad'"]
+    assert sorted(lines[5:]) == [
+        "successfully unloaded 'm' version 1",
+        "successfully unloaded 'm' version 2",
+    ]

@@ -208,6 +208,10 @@ class ModelLifeCycle:
         loaded = {n: v for n, v in new.items() if n not in errors}
         for number, error in errors.items():
             entry.unavailable[number] = error.message
+        # Triton's line once the load has ended (core model_lifecycle.cc:777 and
+        # :839 OnLoadComplete): any version failing fails the whole load.
+        outcome = "failed to load" if errors else "successfully loaded"
+        log.info(f"{outcome} '{entry.model_id.display}'")
         if errors:
             error = load_error(name, errors)
             entry.reason = error.message
@@ -268,6 +272,9 @@ class ModelLifeCycle:
     ) -> None:
         assert self.nursery is not None
         self._transition(version, "UNAVAILABLE", "LOADING", reason)
+        # Triton's own line as each version begins to load (core
+        # model_lifecycle.cc:472 CreateModel: "loading: <model>:<version>").
+        log.info(f"loading: {entry.model_id.display}:{version.version}")
         try:
             await self.nursery.start(version.run)
         except Exception as exc:
@@ -300,6 +307,9 @@ class ModelLifeCycle:
             self._transition(version, "READY", "UNAVAILABLE", reason)
         else:
             self._transition(version, "UNLOADING", "UNAVAILABLE", reason)
+            # Triton's line once a version's model object is gone (core
+            # model_lifecycle.cc:624, the ModelDeleter of CreateModel).
+            log.info(f"successfully unloaded '{entry.model_id.display}' version {number}")
         if number not in entry.serving and number not in entry.loading:
             entry.unavailable[number] = reason
         await self.remove_override_if_unused(entry, version.model_dir)

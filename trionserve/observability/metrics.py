@@ -441,10 +441,24 @@ class CpuMetricsCollector:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Sample now and every ``interval`` seconds until ``stop`` is set."""
+        """Sample now and every ``interval`` seconds until ``stop`` is set.
+
+        The first sample's outcome is logged as Triton logs it (core metrics.cc:770
+        InitializeCpuMetrics): "Collecting CPU metrics" when /proc could be read."""
+        first = True
 
         async def sample() -> None:
+            nonlocal first
             self.sample()
+            if first:
+                first = False
+                if self.memory_total is not None:
+                    log.info("Collecting CPU metrics")
+                else:
+                    log.warning(
+                        "error initializing CPU metrics, CPU utilization may not be available",
+                        proc=self._proc,
+                    )
 
         await sample_every(sample, interval, stop, task_status)
 
