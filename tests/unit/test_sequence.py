@@ -501,22 +501,34 @@ async def test_a_backlogged_sequence_gives_up_when_its_request_timeout_expires(a
         nursery.cancel_scope.cancel()
 
 
-async def test_a_cancelled_request_is_skipped_and_its_sequence_goes_on(autojump_clock):
+async def test_a_cancelled_queued_request_cancels_its_whole_sequence(autojump_clock):
+    """Core sequence_batch_scheduler.cc:1644-1652 and ReleaseSequenceSlot: a
+    cancelled request at the front of a slot's queue releases the slot and cancels
+    every request queued after it (qa/L0_request_cancellation scheduler_test:
+    "Cancelling any queued request cancels the entire sequence")."""
     async with trio.open_nursery() as nursery:
-        scheduler, [fake] = await start(nursery, make_config(), hold=None)
+        config = make_config(max_batch_size=1, idle_us=60_000_000)
+        scheduler, [fake] = await start(nursery, config, hold=None)
         await scheduler.submit(request(1, 1, start=True))
         await fake.taken_batches(1)
         gone = request(1, 100)
         await scheduler.submit(gone)
         gone.cancelled = True
-        kept = request(1, 2)
-        await scheduler.submit(kept)
+        after = request(1, 2)
+        await scheduler.submit(after)
+        waiting = request(2, 5, start=True)  # backlogged: sequence 1 holds the only slot
+        await scheduler.submit(waiting)
         fake.releases[0].set()
         assert isinstance(await outcome(gone), Cancelled)
-        await fake.taken_batches(2)
+        assert isinstance(await outcome(after), Cancelled)
+        await fake.taken_batches(2)  # the freed slot went to sequence 2 at once
         fake.releases[1].set()
-        assert total(await outcome(kept)) == 3
-        assert fake.ids() == [["1:1"], ["1:2"]]
+        assert total(await outcome(waiting)) == 5
+        assert fake.ids() == [["1:1"], ["2:5"]]
+        refused = await infer(scheduler, request(1, 3))  # sequence 1 is over
+        assert isinstance(refused, InvalidArgument)
+        assert "must specify the START flag" in refused.message
+        assert refused.message.endswith("sequence 1 was cancelled")
         nursery.cancel_scope.cancel()
 
 

@@ -81,10 +81,9 @@ class SequenceBatchScheduler:
     requests execute in order, one at a time, on one instance (when an instance is
     removed its sequences move, with their state, to another); a sequence waiting
     in the backlog whose request has a ``timeout`` gives up with UNAVAILABLE when
-    it expires; a cancelled request is answered CANCELLED and skipped, its
-    sequence going on with the state it had, except in the backlog: there a
-    cancelled request (its client gone) gives its whole sequence up at once, so a
-    sequence nobody waits for never takes a slot. On ``abort`` every queued request is
+    it expires; a cancelled request ends its sequence: every request queued for
+    it is answered CANCELLED and its slot is freed (as in Triton), in the backlog
+    at once, so a sequence nobody waits for never takes a slot. On ``abort`` every queued request is
     answered with the error and all state is dropped.
     """
 
@@ -127,6 +126,7 @@ class SequenceBatchScheduler:
         self._backlog_deadlines: list[tuple[float, int, Sequence]] = []
         self._counter = itertools.count()
         self._queued = 0
+        self._rescan = False  # a slot was freed while batching: look again at once
         self._wakeup = trio.Event()
         self._closed = False
         self._finished = False
@@ -189,6 +189,9 @@ class SequenceBatchScheduler:
                 if instance.outlet is not None:
                     instance.outlet.finish()
             return None
+        if self._rescan:
+            self._rescan = False
+            wake_at = now
         heap = self._backlog_deadlines
         return min(wake_at, heap[0][0] if heap else math.inf)
 
@@ -386,21 +389,28 @@ class SequenceBatchScheduler:
     # -- batch formation -------------------------------------------------------------
 
     def _head(self, sequence: Sequence, now: float) -> InferenceRequest | None:
-        """The sequence's next request; cancelled ones are answered and skipped."""
+        """The sequence's next request. One answered already (done) is skipped; a
+        cancelled one ends its sequence, as in Triton's sequence batcher (core
+        sequence_batch_scheduler.cc:1644-1652: a cancelled request at the front of
+        a slot's queue releases the slot, and ReleaseSequenceSlot :884-908 cancels
+        every request still queued for it and forgets the correlation id)."""
         queue = sequence.queue
         while queue:
             request = queue[0]
-            if not (request.cancelled or request.done):
+            if request.cancelled:
+                error = Cancelled(
+                    f"request '{request.id}' of sequence {describe(sequence.id)} for "
+                    f"model '{self.model_name}' was cancelled while queued, which "
+                    "cancels its sequence"
+                )
+                self._drop_backlogged(sequence, error, now, FailureReason.CANCELED)
+                self._states.release(sequence, "was cancelled")
+                self._rescan = True  # the freed slot may have a sequence to run now
+                return None
+            if not request.done:
                 return request
             queue.popleft()
             self._queued -= 1
-            if request.fail(
-                Cancelled(
-                    f"request '{request.id}' of sequence {describe(sequence.id)} for "
-                    f"model '{self.model_name}' was cancelled while queued"
-                )
-            ):
-                self._record_failure(request, now, FailureReason.CANCELED)
             if request.sequence_end:
                 self._free_slot(sequence)
                 self._states.finish(sequence)
