@@ -298,6 +298,26 @@ async def test_client_reset_cancels_the_handler_and_the_connection_goes_on():
             assert client.data[echo] == frame(b"still here")
 
 
+async def test_a_reset_before_the_answer_is_reported_as_a_cancellation(monkeypatch):
+    """Triton logs a client's cancellation of a call it has not answered yet
+    (server src/grpc/infer_handler.h HandleCancellation); one answered is not."""
+    from trionserve.protocol.grpc import call as call_module
+
+    seen: list[tuple[str, int]] = []
+    monkeypatch.setattr(call_module, "log_grpc_cancellation", lambda *args: seen.append(args))
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            waiting = await client.call("/t.T/Wait", frame(b""))
+            await handlers.entered.wait()
+            client.h2.reset_stream(waiting, h2.errors.ErrorCodes.CANCEL)
+            await client.flush()
+            echo = await client.call("/t.T/Echo", frame(b"answered"))
+            await client.until(lambda c: c.ended(echo))
+            assert handlers.cancelled == ["/t.T/Wait"]
+    assert seen == [("/t.T/Wait", waiting)]
+
+
 @pytest.mark.timeout(20)
 async def test_calls_reset_before_their_handlers_run_end_and_the_connection_goes_on():
     # HEADERS, the message and RST_STREAM in one read: the calls' tasks start after

@@ -17,6 +17,7 @@ from trionserve.backends.manager import BackendManager
 from trionserve.observability.logging import (
     SETTINGS,
     configure_logging,
+    log_grpc_cancellation,
     log_http_request,
     log_infer_failed,
     update_settings,
@@ -73,6 +74,22 @@ def test_tritons_verbose_request_lines_only_when_verbose(capsys, logging_restore
         '"HTTP request: 0 /v2/logging"',
         '"HTTP request: 16 /coffee"',
         "\"[request id: 7] Infer failed: unexpected inference input 'x' for model 'simple'\"",
+    ]
+
+
+def test_tritons_grpc_cancellation_line_for_its_infer_handlers(capsys, logging_restored):
+    """server src/grpc/infer_handler.h:850: only the infer handlers log it."""
+    configure_logging()
+    log_grpc_cancellation("/inference.GRPCInferenceService/ModelInfer", 1)
+    assert capsys.readouterr() == ("", "")
+    update_settings({"log_verbose_level": 1}, network=False)
+    log_grpc_cancellation("/inference.GRPCInferenceService/ModelInfer", 3)
+    log_grpc_cancellation("/inference.GRPCInferenceService/ModelStreamInfer", 5)
+    log_grpc_cancellation("/inference.GRPCInferenceService/ModelMetadata", 7)
+    out, _ = capsys.readouterr()
+    assert [message for _, _, message in records(out)] == [
+        '"Cancellation notification received for ModelInferHandler, context 3"',
+        '"Cancellation notification received for ModelStreamInferHandler, context 5"',
     ]
 
 

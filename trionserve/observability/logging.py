@@ -179,6 +179,26 @@ def log_infer_failed(request_id: str | None, message: str) -> None:
         _log.debug(f"[request id: {request_id or '<id_unknown>'}] Infer failed: {message}")
 
 
+# Triton's gRPC handlers that watch for a client's cancellation; its other
+# methods are CommonHandler's, which log none (server src/grpc/infer_handler.h).
+_CANCEL_HANDLERS = {
+    "/inference.GRPCInferenceService/ModelInfer": "ModelInferHandler",
+    "/inference.GRPCInferenceService/ModelStreamInfer": "ModelStreamInferHandler",
+}
+
+
+def log_grpc_cancellation(method: str, stream_id: int) -> None:
+    """Triton's verbose line when a client cancels an infer call before its
+    answer (server src/grpc/infer_handler.h:850 HandleCancellation:
+    ``Cancellation notification received for <handler>, rpc_ok=<ok>, context
+    <id>, <id> step <step>``): here the context is the call's HTTP/2 stream; the
+    completion-queue fields (``rpc_ok``, its handler's step) do not exist on
+    this stack and are left out."""
+    handler = _CANCEL_HANDLERS.get(method)
+    if handler is not None and SETTINGS.log_verbose_level > 0:
+        _log.debug(f"Cancellation notification received for {handler}, context {stream_id}")
+
+
 # libevhtp's htp_method numbers, which Triton's "HTTP request:" line prints
 # (evhtp parser.h enum htp_method: GET = 0, HEAD, POST, PUT, DELETE, ...).
 _HTP_METHODS = {

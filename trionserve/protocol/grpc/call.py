@@ -19,6 +19,7 @@ import h2.exceptions
 import numpy as np
 import trio
 
+from trionserve.observability.logging import log_grpc_cancellation
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc.flow import Account
 from trionserve.protocol.grpc.framing import (
@@ -29,7 +30,13 @@ from trionserve.protocol.grpc.framing import (
     RESPONSE_HEADERS,
     status_headers,
 )
-from trionserve.protocol.grpc.state import CallState, Request, Response, ResponseEvent
+from trionserve.protocol.grpc.state import (
+    CallState,
+    Request,
+    RequestEvent,
+    Response,
+    ResponseEvent,
+)
 from trionserve.protocol.grpc.status import GRPCError, Status, decode_metadata
 
 if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
@@ -282,6 +289,19 @@ class GrpcCall:
         if window is None or window.is_set():
             window = self._window = trio.Event()
         await window.wait()
+
+    def reset_by_client(self) -> None:
+        """The client reset the stream (cancelled the call): the handler's scope is
+        cancelled; a call whose task has not started yet finds its state reset and
+        runs under a cancelled scope (the connection's ``_outcome``)."""
+        if self.state.response in (Response.IDLE, Response.SENDING):
+            log_grpc_cancellation(self.method, self.stream_id)
+        self.state.request_event(RequestEvent.RESET)
+        self.state.response_event(ResponseEvent.ABANDON)
+        if self.scope is not None:
+            self.scope.cancel()
+        self.wake()
+        self.wake_sender()
 
     def wake(self) -> None:
         """Something changed for the call's receive (a message, the end, a reset,

@@ -237,14 +237,7 @@ class Connection:
         elif kind is h2.events.StreamReset:
             call = self.calls.get(cast(h2.events.StreamReset, event).stream_id)
             if call is not None:
-                call.state.request_event(RequestEvent.RESET)
-                call.state.response_event(ResponseEvent.ABANDON)
-                # A call whose task has not started yet finds its state reset and
-                # runs under a cancelled scope (_outcome).
-                if call.scope is not None:
-                    call.scope.cancel()
-                call.wake()
-                call.wake_sender()
+                call.reset_by_client()
         elif kind is h2.events.WindowUpdated:
             stream_id = cast(h2.events.WindowUpdated, event).stream_id
             if stream_id:  # one stream's window
