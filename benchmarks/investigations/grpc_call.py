@@ -70,6 +70,7 @@ def _server(keep_headers: bool) -> upstream.H2Connection:
             validate_outbound_headers=False,
             normalize_outbound_headers=False,
         ),
+        [PATH],  # the transport holds a unary call's stream apart from h2's
     )
     if not keep_headers:  # hpack's own decoder, for comparison
         plain = hpack.Decoder()

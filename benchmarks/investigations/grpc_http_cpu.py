@@ -3,6 +3,7 @@
 Usage:
     python -m benchmarks.investigations.grpc_http_cpu [--tree LABEL=PATH ...]
         [--rounds 10] [--calls 300] [--model simple] [--repository DIR] [--flags "..."]
+        [--callgrind]
 
 Each server (this checkout, or each ``--tree LABEL=PATH``: another source tree,
 e.g. ``git archive`` of an older commit unpacked outside the repository) serves
@@ -17,13 +18,30 @@ the model inline) and all the others (instance threads, worker threads, and any
 child process such as a Python stub). The medians over rounds of µs per call
 are printed, with the median of the per-round gRPC/HTTP ratios. CPU time, not
 wall time: on a shared machine it moves much less with the load than infer/s.
+
+With ``--callgrind`` each server runs under ``valgrind --tool=callgrind
+--instr-atstart=no --separate-threads=yes`` instead, and the figure is
+instructions per call, which the machine's load does not move: after the
+warm-up, instrumentation is switched on for ``--calls`` calls of each protocol
+(``callgrind_control -i on``, then ``--dump``, then ``-i off``; one round), and
+the dumps' totals are read by thread as above (thread 1 is the event loop).
+Under valgrind a run of the model is slow enough that batches an idle instance
+runs inline on a quiet machine may go to the instance's thread: read the event
+loop's column and the total together.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import re
+import shlex
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +81,84 @@ def cpu_ns(pid: int) -> tuple[int, int]:
     return loop, others
 
 
+def _callgrind_python(directory: Path) -> str:
+    """A launcher that runs this interpreter under callgrind, counting nothing
+    until told to, each thread's counts apart, its dumps in ``directory``."""
+    launcher = directory / "python-callgrind"
+    out = directory / "callgrind.out.%p"
+    launcher.write_text(
+        "#!/bin/sh\n"
+        "exec valgrind --tool=callgrind --instr-atstart=no --separate-threads=yes "
+        f'--callgrind-out-file={shlex.quote(str(out))} {shlex.quote(sys.executable)} "$@"\n'
+    )
+    launcher.chmod(0o755)
+    return str(launcher)
+
+
+def _dumped(directory: Path, pid: int, part: int) -> tuple[int, int]:
+    """(event loop thread, every other thread) instructions of dump ``part``, once
+    valgrind has written it (callgrind_control returns before it has)."""
+    pattern = f"callgrind.out.{pid}.{part}-*"
+    deadline = time.monotonic() + 60
+    while True:
+        counts = {}
+        for path in directory.glob(pattern):
+            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
+            counts[path.name] = int(found.group(1)) if found else None
+        if counts and None not in counts.values():
+            time.sleep(0.5)
+            if len(list(directory.glob(pattern))) == len(counts):
+                break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"callgrind wrote no whole dump {part} for {pid}")
+        time.sleep(0.2)
+    loop = others = 0
+    for name, count in counts.items():
+        assert count is not None
+        if count >= 2**62:  # a thread that ended: its counter wrapped below zero
+            continue
+        if name.endswith("-01"):
+            loop += count
+        else:
+            others += count
+    return loop, others
+
+
+def _control(pid: int, *options: str) -> None:
+    subprocess.run(["callgrind_control", *options, str(pid)], check=True, capture_output=True)
+
+
+def _callgrind(servers: list, clients: list, labels: list[str], args, directory: Path) -> None:
+    print(f"server instructions per call ({args.calls} calls a dump), model {args.model}")
+    print(f"{'tree':<10} {'protocol':<8} {'event loop':>12} {'others':>10} {'total':>12}")
+    totals: dict[tuple[str, str], list[float]] = {}
+    parts = dict.fromkeys(labels, 0)
+    for index in range(args.rounds):
+        for label, server, by_protocol in zip(labels, servers, clients, strict=True):
+            control = functools.partial(_control, server.pid)
+            for protocol in PROTOCOLS[:: 1 if index % 2 == 0 else -1]:
+                client, inputs = by_protocol[protocol]
+                control("-i", "on")
+                for _ in range(args.calls):
+                    client.infer(args.model, inputs)
+                control("-d", protocol)
+                control("-i", "off")
+                parts[label] += 1
+                counted = _dumped(directory, server.pid, parts[label])
+                loop, others = (count / args.calls for count in counted)
+                totals.setdefault((label, protocol), []).append(loop)
+                print(
+                    f"{label:<10} {protocol:<8} {loop:>12,.0f} {others:>10,.0f} "
+                    f"{loop + others:>12,.0f}"
+                )
+    for label in labels:
+        grpc, http = (statistics.median(totals[(label, p)]) for p in ("grpc", "http"))
+        print(
+            f"{label:<10} event loop gRPC/HTTP: {grpc / http:.2f}x "
+            f"(medians {grpc:,.0f} / {http:,.0f})"
+        )
+
+
 def _inputs(module):
     data = np.arange(16, dtype=np.int32).reshape(1, 16)
     inputs = [
@@ -89,16 +185,22 @@ def main() -> None:
         "--repository", type=Path, default=EXAMPLES, help="the model repository served"
     )
     parser.add_argument("--flags", default="", help="more trionserve flags, space-separated")
+    parser.add_argument(
+        "--callgrind", action="store_true", help="instructions per call under callgrind"
+    )
     args = parser.parse_args()
+    scratch = tempfile.TemporaryDirectory(prefix="grpc-http-callgrind-")
+    directory = Path(scratch.name)
+    python = _callgrind_python(directory) if args.callgrind else None
     trees: list[tuple[str, Path | None]] = [("this", None)]
     trees += [(label, Path(path)) for label, path in (t.split("=", 1) for t in args.tree)]
     servers = []
     try:
         for label, tree in trees:
             flags = ["--allow-metrics=false", *args.flags.split()]
-            server = TrionServe(args.repository, args=flags, label=label, tree=tree)
+            server = TrionServe(args.repository, args=flags, label=label, tree=tree, python=python)
             servers.append(server)
-            server.wait_http(server.http_url, f"/v2/models/{args.model}/ready", 120)
+            server.wait_http(server.http_url, f"/v2/models/{args.model}/ready", 900)
         clients = [
             {
                 "http": (httpclient.InferenceServerClient(s.http_url), _inputs(httpclient)),
@@ -110,6 +212,9 @@ def main() -> None:
             for client, inputs in by_protocol.values():
                 for _ in range(200):
                     client.infer(args.model, inputs)
+        if args.callgrind:
+            _callgrind(servers, clients, [label for label, _ in trees], args, directory)
+            return
         # (label, protocol) -> per round [loop µs, others µs]
         rounds: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for index in range(args.rounds):
@@ -132,6 +237,7 @@ def main() -> None:
     finally:
         for server in servers:
             server.close()
+        scratch.cleanup()
     print(
         f"server CPU µs per call, median of {args.rounds} rounds of {args.calls} "
         f"calls, model {args.model}"

@@ -16,6 +16,7 @@ import h2.events
 import h2.exceptions
 import h2.frame_buffer
 import h2.stream
+import h2.windows
 import hpack
 import numpy as np
 import pytest
@@ -374,3 +375,71 @@ def test_frame_buffer_matches_h2s_on_any_frames(frames, step):
         return seen
 
     assert outcome(upstream.FrameBuffer()) == outcome(h2.frame_buffer.FrameBuffer())
+
+
+def test_h2_stream_internals_a_held_unary_stream_becomes():
+    # upstream.H2Connection._promote builds h2's stream as _begin_new_stream does
+    # and sets what the state machine's inputs so far would have set: a new
+    # attribute in either means the promoted stream may not be h2's own.
+    config = h2.config.H2Configuration(client_side=False)
+    stream = h2.stream.H2Stream(1, config=config, inbound_window_size=10, outbound_window_size=20)
+    assert set(vars(stream)) == {
+        "state_machine",
+        "stream_id",
+        "max_outbound_frame_size",
+        "request_method",
+        "outbound_flow_control_window",
+        "_inbound_window_manager",
+        "_expected_content_length",
+        "_actual_content_length",
+        "_authority",
+        "config",
+    }
+    assert set(vars(stream.state_machine)) == {
+        "state",
+        "stream_id",
+        "client",
+        "headers_sent",
+        "trailers_sent",
+        "headers_received",
+        "trailers_received",
+        "stream_closed_by",
+    }
+    assert isinstance(stream._inbound_window_manager, h2.windows.WindowManager)
+    begin = inspect.getsource(h2.connection.H2Connection._begin_new_stream)
+    assert "inbound_window_size=self.local_settings.initial_window_size" in begin
+    assert "outbound_window_size=self.remote_settings.initial_window_size" in begin
+    assert "s.max_outbound_frame_size = self.max_outbound_frame_size" in begin
+    # A request's headers: the only inputs the held stream took from IDLE.
+    received = inspect.getsource(h2.stream.H2StreamStateMachine.request_received)
+    assert "self.client = False" in received and "self.headers_received = True" in received
+
+
+def test_h2_receive_internals_the_unary_path_uses():
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+    assert isinstance(connection._closed_streams, dict)
+    assert isinstance(connection._inbound_flow_control_window_manager, h2.windows.WindowManager)
+    assert connection.highest_inbound_stream_id == 0
+    # h2 decodes a new stream's block as frame.data (a predecoded block is found
+    # by identity), after its max-streams check, before its state machine.
+    headers = inspect.getsource(h2.connection.H2Connection._receive_headers_frame)
+    assert headers.index("open_inbound_streams") < headers.index(
+        "_decode_headers(self.decoder, frame.data)"
+    )
+    assert headers.index("_decode_headers") < headers.index("ConnectionInputs.RECV_HEADERS")
+    assert "def _decode_headers(decoder" in inspect.getsource(h2.connection)
+    for name in (
+        "_receive_frame",
+        "_get_stream_by_id",
+        "_get_or_create_stream",
+        "_flow_control_change_from_settings",
+        "_inbound_flow_control_change_from_settings",
+    ):
+        assert callable(getattr(h2.connection.H2Connection, name))
+    # Every other stream lookup h2 makes goes through those, or through
+    # self.streams in the methods upstream.H2Connection overrides.
+    source = inspect.getsource(h2.connection.H2Connection)
+    # (_begin_new_stream's store, the two lookups, send_data, the window, closed_by)
+    assert source.count("self.streams[stream_id]") == 6
+    close = inspect.getsource(h2.connection.H2Connection._open_streams)
+    assert "self._closed_streams[stream_id] = stream.closed_by" in close

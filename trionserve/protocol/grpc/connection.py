@@ -100,6 +100,9 @@ class Connection:
                 validate_outbound_headers=False,
                 normalize_outbound_headers=False,
             ),
+            # A unary method's streams are held apart while they go the common
+            # way (upstream.H2Connection).
+            (path for path, method in methods.items() if not method.client_streaming),
         )
         self.calls: dict[int, GrpcCall] = {}
         # Calls whose HEADERS came in the read being handled, started after it,

@@ -8,6 +8,14 @@ libraries below their next minor release until that test passes on it.
 - hyperframe: ``Frame.__repr__`` replaced (a short form, for h2's trace log).
 - hpack: ``Encoder.header_table.resized`` and ``.dynamic_entries`` read;
   ``Decoder.header_table.dynamic_entries`` and ``.maxsize`` read.
+- h2, a unary call's stream held apart (``H2Connection.unary``):
+  ``_receive_frame``, ``_get_stream_by_id``, ``_get_or_create_stream``, the two
+  ``_*flow_control_change_from_settings`` overridden and ``_decode_headers``
+  called; ``highest_inbound_stream_id``, ``_closed_streams``, the connection's
+  ``state_machine`` and ``_inbound_flow_control_window_manager`` moved as h2
+  moves them; an ``H2Stream`` made as ``_begin_new_stream`` makes it, with its
+  ``_inbound_window_manager`` and its state machine's ``state``, ``client``,
+  ``headers_received`` and ``headers_sent`` set (``_promote``).
 - h2: ``H2Connection._prepare_for_sending`` overridden and ``_data_to_send`` read
   (large DATA payloads written from their own buffers); ``_data_to_send``
   appended to, ``streams`` read, and the connection's and a stream's
@@ -32,9 +40,11 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import h2.config
 import h2.connection
+import h2.events
 import h2.exceptions
 import h2.frame_buffer
 import h2.stream
@@ -44,7 +54,15 @@ from hpack.struct import HeaderTuple, HeaderWeaklyTyped
 from hyperframe import frame as hyperframe_frame
 from hyperframe.flags import Flags
 
-__all__ = ["CachingDecoder", "CachingEncoder", "FrameBuffer", "H2Connection", "frame_header"]
+from trionserve.protocol.grpc.unarystream import LEFT_TO_H2, UnaryStream
+
+__all__ = [
+    "CachingDecoder",
+    "CachingEncoder",
+    "FrameBuffer",
+    "H2Connection",
+    "frame_header",
+]
 
 
 def _frame_repr(frame: hyperframe_frame.Frame) -> str:
@@ -70,8 +88,17 @@ _EncoderHeaders = (
 )
 
 _FRAME_HEADER = struct.Struct(">HBBBL")
+_WINDOW_UPDATE = struct.Struct(">HBBBLL")
 _DATA_FRAME = 0x0
 _HEADERS_FRAME = 0x1
+_WINDOW_UPDATE_FRAME = 0x8
+_MAX_WINDOW = 2**31 - 1
+_Window = hyperframe_frame.WindowUpdateFrame
+_RECV_HEADERS = h2.connection.ConnectionInputs.RECV_HEADERS
+_RECV_DATA = h2.connection.ConnectionInputs.RECV_DATA
+_RECV_WINDOW_UPDATE = h2.connection.ConnectionInputs.RECV_WINDOW_UPDATE
+_SEND_HEADERS = h2.connection.ConnectionInputs.SEND_HEADERS
+_SEND_DATA = h2.connection.ConnectionInputs.SEND_DATA
 _END_STREAM = 0x1
 _END_HEADERS = 0x4
 
@@ -191,8 +218,16 @@ class CachingDecoder(hpack.Decoder):
     def __init__(self) -> None:
         super().__init__()
         self._kept: dict[tuple[bytes, bool], tuple] = {}
+        # A block already decoded, and its headers: what h2 gets when it decodes
+        # that block next (H2Connection hands it a HEADERS frame it has read).
+        self.predecoded: tuple[object, Iterable] | None = None
 
     def decode(self, data: bytes, raw: bool = False) -> Iterable[HeaderTuple]:
+        predecoded = self.predecoded
+        if predecoded is not None:
+            self.predecoded = None
+            if predecoded[0] is data:
+                return predecoded[1]
         table = self.header_table
         entries = table.dynamic_entries
         state = (
@@ -267,7 +302,8 @@ class FrameBuffer(h2.frame_buffer.FrameBuffer):
 
 
 class H2Connection(h2.connection.H2Connection):
-    """h2's state machine, with large DATA payloads written from their own buffers.
+    """h2's state machine, with large DATA payloads written from their own buffers
+    and a unary call's stream held apart while it goes the common way.
 
     h2 serializes every frame into one bytearray and hands out a copy of it: a
     4 MB message would be copied four times before the socket. A payload passed
@@ -275,16 +311,30 @@ class H2Connection(h2.connection.H2Connection):
     does the stream state and flow-control accounting, and the frame goes out as
     its 9-byte header and the view, in order with h2's other output. Read the
     output with ``buffers_to_send``.
+
+    The stream of a call to one of ``unary_paths`` is held apart as a
+    :class:`~.unarystream.UnaryStream` (in ``unary``), without h2's stream,
+    state machine and frame objects, while it goes the common way: HEADERS
+    (decoded by the same HPACK decoder), DATA and WINDOW_UPDATE in; response
+    headers, one DATA frame within the windows and the OK trailers out, the
+    headers as blocks made once that leave the encoder as it is. It gives h2's
+    events, and moves the connection's state machine, windows, highest stream
+    id and record of closed streams as h2 does. Anything else on it first makes
+    it h2's stream, as h2's would be (``_promote``).
+    tests/unit/test_grpc_unary_stream.py holds it to h2's, frame for frame.
     """
 
     def __init__(
         self,
         constant_headers: Sequence[Sequence[tuple[bytes, bytes]]],
         config: h2.config.H2Configuration,
+        unary_paths: Iterable[bytes] = (),
     ) -> None:
+        self.unary: dict[int, UnaryStream] = {}
+        self.unary_paths = frozenset(unary_paths)
         super().__init__(config)
         self.encoder = self._caching_encoder = CachingEncoder(constant_headers)
-        decoder = CachingDecoder()
+        decoder = self._caching_decoder = CachingDecoder()
         decoder.max_header_list_size = self.decoder.max_header_list_size
         decoder.max_allowed_table_size = self.decoder.max_allowed_table_size
         self.decoder = decoder
@@ -308,6 +358,203 @@ class H2Connection(h2.connection.H2Connection):
         if buffer is not None:
             buffer.max_frame_size = value
 
+    # -- unary streams: in -----------------------------------------------------------
+
+    @property
+    def open_inbound_streams(self) -> int:
+        return super().open_inbound_streams + len(self.unary)
+
+    def _receive_frame(self, frame: hyperframe_frame.Frame) -> list[h2.events.Event]:
+        stream_id = frame.stream_id
+        if stream_id:
+            unary = self.unary.get(stream_id)
+            kind = type(frame)
+            if unary is not None:
+                if kind is hyperframe_frame.DataFrame and not unary.remote_ended:
+                    return self._unary_data(
+                        stream_id, unary, cast(hyperframe_frame.DataFrame, frame)
+                    )
+                delta = getattr(frame, "window_increment", 0)
+                if kind is _Window and unary.outbound + delta <= _MAX_WINDOW:
+                    events = self.state_machine.process_input(_RECV_WINDOW_UPDATE)
+                    unary.outbound += delta
+                    events.append(h2.events.WindowUpdated(stream_id=stream_id, delta=delta))
+                    return events
+                self._promote(stream_id)
+            elif kind is hyperframe_frame.HeadersFrame and self.unary_paths:
+                opened = self._unary_headers(cast(hyperframe_frame.HeadersFrame, frame))
+                if opened is not None:
+                    return opened
+                try:
+                    return super()._receive_frame(frame)
+                finally:
+                    self._caching_decoder.predecoded = None
+        return super()._receive_frame(frame)
+
+    def _unary_headers(self, frame: hyperframe_frame.HeadersFrame) -> list[h2.events.Event] | None:
+        """A new stream's HEADERS: the events h2 would give when the call is to a
+        unary path and goes the common way, else None (h2 takes the frame, and
+        the headers if they were decoded here)."""
+        stream_id = frame.stream_id
+        if (
+            stream_id in self.streams
+            or stream_id % 2 == 0
+            or stream_id <= self.highest_inbound_stream_id
+            or "PRIORITY" in frame.flags
+            # h2's own check, with h2's own cleanup of closed streams
+            or self.open_inbound_streams >= self.local_settings.max_concurrent_streams
+        ):
+            return None
+        headers = h2.connection._decode_headers(self.decoder, frame.data)
+        path = None
+        for name, value in headers:
+            if name == b":path":
+                path = value
+            elif name in LEFT_TO_H2:
+                break
+        else:
+            if path in self.unary_paths:
+                events = self.state_machine.process_input(_RECV_HEADERS)
+                self.highest_inbound_stream_id = stream_id
+                end = "END_STREAM" in frame.flags
+                self.unary[stream_id] = UnaryStream(
+                    self.local_settings.initial_window_size,
+                    self.remote_settings.initial_window_size,
+                    end,
+                )
+                request = h2.events.RequestReceived(stream_id=stream_id, headers=list(headers))
+                events.append(request)
+                if end:
+                    request.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
+                    events.append(ended)
+                return events
+        self._caching_decoder.predecoded = (frame.data, headers)
+        return None
+
+    def _unary_data(
+        self, stream_id: int, unary: UnaryStream, frame: hyperframe_frame.DataFrame
+    ) -> list[h2.events.Event]:
+        # h2's _receive_data_frame and H2Stream.receive_data, in their order.
+        flow = frame.flow_controlled_length
+        events = self.state_machine.process_input(_RECV_DATA)
+        self._inbound_flow_control_window_manager.window_consumed(flow)
+        unary.inbound.window_consumed(flow)
+        data = h2.events.DataReceived(
+            stream_id=stream_id, data=frame.data, flow_controlled_length=flow
+        )
+        events.append(data)
+        if "END_STREAM" in frame.flags:
+            unary.remote_ended = True
+            data.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
+            events.append(ended)
+        return events
+
+    def _promote(self, stream_id: int) -> None:
+        """Make a unary stream h2's, in the state h2's own would be in now
+        (h2's _begin_new_stream, then its state machine's inputs so far)."""
+        unary = self.unary.pop(stream_id)
+        stream = h2.stream.H2Stream(
+            stream_id,
+            config=self.config,
+            inbound_window_size=unary.inbound.max_window_size,
+            outbound_window_size=unary.outbound,
+        )
+        stream.max_outbound_frame_size = self.max_outbound_frame_size
+        stream._inbound_window_manager = unary.inbound
+        machine = stream.state_machine
+        machine.client = False
+        machine.headers_received = True
+        if unary.sending:
+            machine.headers_sent = True
+        machine.state = (
+            h2.stream.StreamState.HALF_CLOSED_REMOTE
+            if unary.remote_ended
+            else h2.stream.StreamState.OPEN
+        )
+        self.streams[stream_id] = stream
+
+    # Every h2 call that looks a stream up finds h2's own.
+    def _get_stream_by_id(self, stream_id: int | None) -> h2.stream.H2Stream:
+        if stream_id in self.unary:
+            self._promote(stream_id)
+        return super()._get_stream_by_id(stream_id)
+
+    def _get_or_create_stream(
+        self, stream_id: int, allowed_ids: h2.connection.AllowedStreamIDs
+    ) -> h2.stream.H2Stream:
+        if stream_id in self.unary:
+            self._promote(stream_id)
+        return super()._get_or_create_stream(stream_id, allowed_ids)
+
+    def increment_flow_control_window(self, increment: int, stream_id: int | None = None) -> None:
+        if stream_id in self.unary:
+            self._promote(stream_id)
+        super().increment_flow_control_window(increment, stream_id)
+
+    def send_data(
+        self,
+        stream_id: int,
+        data: bytes | memoryview,
+        end_stream: bool = False,
+        pad_length: Any = None,
+    ) -> None:
+        if stream_id in self.unary:
+            self._promote(stream_id)
+        super().send_data(stream_id, data, end_stream, pad_length)
+
+    # A new initial window changes every stream's: h2 changes its own.
+    def _flow_control_change_from_settings(self, old_value: int | None, new_value: int) -> None:
+        for stream_id in list(self.unary):
+            self._promote(stream_id)
+        super()._flow_control_change_from_settings(old_value, new_value)
+
+    def _inbound_flow_control_change_from_settings(self, old: int | None, new: int) -> None:
+        for stream_id in list(self.unary):
+            self._promote(stream_id)
+        super()._inbound_flow_control_change_from_settings(old, new)
+
+    def acknowledge_received_data(self, acknowledged_size: int, stream_id: int) -> None:
+        unary = self.unary.get(stream_id)
+        if unary is None or acknowledged_size < 0:
+            super().acknowledge_received_data(acknowledged_size, stream_id)
+            return
+        # h2's: the connection's WINDOW_UPDATE, then the stream's, as its window
+        # managers decide them.
+        increment = self._inbound_flow_control_window_manager.process_bytes(acknowledged_size)
+        if increment:
+            self._data_to_send += _WINDOW_UPDATE.pack(0, 4, _WINDOW_UPDATE_FRAME, 0, 0, increment)
+        increment = unary.inbound.process_bytes(acknowledged_size)
+        if increment:
+            self._data_to_send += _WINDOW_UPDATE.pack(
+                0, 4, _WINDOW_UPDATE_FRAME, 0, stream_id, increment
+            )
+
+    # -- unary streams: out ----------------------------------------------------------
+
+    def _unary_headers_out(
+        self, stream_id: int, unary: UnaryStream, headers: Iterable[HeaderWeaklyTyped], end: bool
+    ) -> bool:
+        """The response headers (``end`` False) or OK trailers (True) of a unary
+        stream whose client has ended, as their constant block: False when not
+        that (the stream is then h2's)."""
+        if unary.remote_ended and unary.sending is end:
+            block = self._caching_encoder.constant_block(headers)
+            size = len(block) if block is not None else 0
+            if block is not None and size <= self.max_outbound_frame_size:
+                self.state_machine.process_input(_SEND_HEADERS)
+                self._data_to_send += _FRAME_HEADER.pack(
+                    size >> 8, size & 0xFF, _HEADERS_FRAME, _END_HEADERS | end, stream_id
+                )
+                self._data_to_send += block
+                if end:  # closed: as h2 records a stream it cleans up
+                    del self.unary[stream_id]
+                    self._closed_streams[stream_id] = h2.stream.StreamClosedBy.SEND_END_STREAM
+                else:
+                    unary.sending = True
+                return True
+        self._promote(stream_id)
+        return False
+
     def send_headers(
         self,
         stream_id: int,
@@ -329,6 +576,9 @@ class H2Connection(h2.connection.H2Connection):
         table size update, or a frame past the peer's frame size, is h2's.
         """
         if priority_weight is None and priority_depends_on is None and priority_exclusive is None:
+            unary = self.unary.get(stream_id)
+            if unary is not None and self._unary_headers_out(stream_id, unary, headers, end_stream):
+                return
             stream = self.streams.get(stream_id)
             block = self._caching_encoder.constant_block(headers)
             if (
@@ -371,8 +621,27 @@ class H2Connection(h2.connection.H2Connection):
         the frame's header and payload are appended to h2's output, after the
         HEADERS frame queued before it and before the trailers.
         """
-        stream = self.streams.get(stream_id)
         size = len(data)
+        unary = self.unary.get(stream_id)
+        if unary is not None:
+            if not unary.sending:
+                self._promote(stream_id)
+            elif (
+                size > self.max_outbound_frame_size
+                or size > self.outbound_flow_control_window
+                or size > unary.outbound
+            ):
+                return False
+            else:
+                self.state_machine.process_input(_SEND_DATA)
+                unary.outbound -= size
+                self.outbound_flow_control_window -= size
+                self._data_to_send += _FRAME_HEADER.pack(
+                    size >> 8, size & 0xFF, _DATA_FRAME, 0, stream_id
+                )
+                self._data_to_send += data
+                return True
+        stream = self.streams.get(stream_id)
         if (
             stream is None
             or size > self.max_outbound_frame_size

@@ -1,0 +1,437 @@
+"""A unary call's stream held apart from h2 (upstream.H2Connection's ``unary``)
+against h2's own stream, frame for frame.
+
+Two server connections, configured as the gRPC transport configures its own, take
+the same bytes from one client and the same calls from the server's side: the
+reference holds every stream as h2 does (no unary paths), the other holds the
+streams of unary paths apart. After every step both must have given the same
+events, written the same bytes (window updates, headers, data, resets, GOAWAY)
+and raised the same errors with the same codes, and be left in the same state
+(stream ids, windows, what h2 records of closed streams). The sequences are those
+a gRPC client sends (whole calls, calls in pieces, several at once, the calls of
+the fuzz tests' messages), and hostile ones: frames on closed or unknown streams,
+window overflows, resets, priorities, padding, CONTINUATION, settings changes
+mid-call, garbage.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
+import h2.exceptions
+import h2.settings
+import hpack
+import pytest
+from hyperframe import frame as hf
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trionserve.protocol.grpc import upstream
+from trionserve.protocol.grpc.framing import (
+    CONSTANT_HEADERS,
+    GZIP_RESPONSE_HEADERS,
+    OK_TRAILERS,
+    RESPONSE_HEADERS,
+)
+
+UNARY = b"/inference.GRPCInferenceService/ModelInfer"
+STREAMING = b"/inference.GRPCInferenceService/ModelStreamInfer"
+PATHS = [UNARY, STREAMING, b"/nope"]
+
+
+def _server(unary: bool) -> upstream.H2Connection:
+    server = upstream.H2Connection(
+        CONSTANT_HEADERS,
+        h2.config.H2Configuration(
+            client_side=False,
+            header_encoding=None,
+            validate_inbound_headers=False,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+        ),
+        [UNARY] if unary else (),
+    )
+    server.local_settings = h2.settings.Settings(
+        client=False,
+        initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 4,
+            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 1000,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 64 * 1024,
+        },
+    )
+    server.initiate_connection()
+    server.update_settings({h2.settings.SettingCodes.MAX_FRAME_SIZE: 32768})
+    server.increment_flow_control_window(5000)
+    return server
+
+
+def _outcome(call):
+    """What one step did: its result or its error (type and HTTP/2 code)."""
+    try:
+        return ("ok", _events(call()))
+    except Exception as exc:  # whatever h2 raises, the other must raise too
+        return ("raised", type(exc).__name__, getattr(exc, "error_code", None))
+
+
+def _events(result):
+    if not isinstance(result, list):
+        return result
+    out = []
+    for event in result:
+        fields = {}
+        for key, value in sorted(vars(event).items()):
+            if isinstance(value, h2.events.Event):
+                value = type(value).__name__
+            elif isinstance(value, list):
+                value = [tuple(v) for v in value]
+            elif isinstance(value, dict):  # settings: ChangedSetting has no ==
+                value = repr(value)
+            fields[key] = value
+        out.append((type(event).__name__, fields))
+    return out
+
+
+def _state(server: upstream.H2Connection, stream_ids) -> tuple:
+    """What h2 holds about the connection and each stream, unary streams as h2's."""
+    window = server._inbound_flow_control_window_manager
+    connection = (
+        server.state_machine.state,
+        server.highest_inbound_stream_id,
+        server.open_inbound_streams,
+        server.outbound_flow_control_window,
+        (window.current_window_size, window._bytes_processed),
+        len(server.decoder.header_table.dynamic_entries),
+    )
+    streams = []
+    for stream_id in stream_ids:
+        closed = server._stream_closed_by(stream_id)
+        held = server.unary.get(stream_id)
+        stream = server.streams.get(stream_id)
+        if held is not None:
+            inbound = (held.inbound.current_window_size, held.inbound._bytes_processed)
+            streams.append(("open", closed, inbound, held.outbound))
+        elif stream is not None:
+            machine = stream.state_machine
+            inbound = stream._inbound_window_manager
+            streams.append(
+                (
+                    "closed" if stream.closed else "open",
+                    closed,
+                    (inbound.current_window_size, inbound._bytes_processed),
+                    stream.outbound_flow_control_window if stream.open else None,
+                    machine.headers_sent if stream.open else None,
+                )
+            )
+        else:
+            streams.append(("gone", closed))
+    return connection, streams
+
+
+def _normalize_states(reference, unary):
+    # h2 cleans a closed stream up only when the next stream opens; the unary
+    # path records it closed at once. Same record, same answers to later frames.
+    def norm(streams):
+        return [s[:2] if s[0] in ("closed", "gone") else s[:4] for s in streams]
+
+    return (reference[0], norm(reference[1])), (unary[0], norm(unary[1]))
+
+
+class Pair:
+    """One client, and both servers fed the same."""
+
+    def __init__(self) -> None:
+        self.reference, self.unary = _server(False), _server(True)
+        self.encoder = hpack.Encoder()
+        self.ids: list[int] = []
+        self.dead = False
+        preface = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
+        preface.initiate_connection()
+        self.feed(preface.data_to_send())
+        # the client acknowledges the servers' settings
+        self.feed(hf.SettingsFrame(0, flags=["ACK"]).serialize())
+
+    def feed(self, data: bytes) -> None:
+        if self.dead:
+            return
+        a = _outcome(lambda: self.reference.receive_data(data))
+        b = _outcome(lambda: self.unary.receive_data(data))
+        assert a == b
+        self.compare()
+        if a[0] == "raised":
+            self.dead = True
+
+    def act(self, name: str, *args) -> None:
+        if self.dead:
+            return
+        a = _outcome(lambda: getattr(self.reference, name)(*args))
+        b = _outcome(lambda: getattr(self.unary, name)(*args))
+        assert a == b, (name, args)
+        self.compare()
+
+    def compare(self) -> None:
+        out_a = b"".join(bytes(b) for b in self.reference.buffers_to_send())
+        out_b = b"".join(bytes(b) for b in self.unary.buffers_to_send())
+        assert out_a == out_b
+        reference, unary = _normalize_states(
+            _state(self.reference, self.ids), _state(self.unary, self.ids)
+        )
+        assert reference == unary
+
+    def headers(self, stream_id: int, path: bytes, end: bool, **extra) -> bytes:
+        headers = [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path),
+            (b":authority", b"localhost"),
+            (b"te", b"trailers"),
+            (b"content-type", b"application/grpc"),
+            *extra.get("more", []),
+        ]
+        if stream_id not in self.ids:
+            self.ids.append(stream_id)
+        frame = hf.HeadersFrame(stream_id, data=self.encoder.encode(headers))
+        frame.flags.add("END_HEADERS")
+        if end:
+            frame.flags.add("END_STREAM")
+        return frame.serialize()
+
+
+def _data(stream_id: int, size: int, end: bool, pad: int = 0) -> bytes:
+    frame = hf.DataFrame(stream_id, data=bytes(size), pad_length=pad)
+    if pad:
+        frame.flags.add("PADDED")
+    if end:
+        frame.flags.add("END_STREAM")
+    return frame.serialize()
+
+
+def _window(stream_id: int, increment: int) -> bytes:
+    return struct.pack(">HBBBLL", 0, 4, 0x8, 0, stream_id, increment)
+
+
+def _answer(pair: Pair, stream_id: int, message: bytes = b"\x00\x00\x00\x00\x02ok") -> None:
+    pair.act("send_headers", stream_id, RESPONSE_HEADERS)
+    sent = _outcome(lambda: pair.reference.send_whole(stream_id, message))
+    assert _outcome(lambda: pair.unary.send_whole(stream_id, message)) == sent
+    if sent == ("ok", False):
+        pair.act("send_data", stream_id, message)
+    pair.compare()
+    pair.act("send_headers", stream_id, OK_TRAILERS, True)
+
+
+def test_a_whole_unary_call_is_held_apart_and_goes_as_h2s_would():
+    pair = Pair()
+    for stream_id in (1, 3, 5, 7, 9):
+        pair.feed(pair.headers(stream_id, UNARY, False) + _data(stream_id, 300, True))
+        assert stream_id in pair.unary.unary and stream_id not in pair.unary.streams
+        pair.act("acknowledge_received_data", 300, stream_id)
+        _answer(pair, stream_id)
+        assert stream_id not in pair.unary.unary  # closed, recorded as h2 records it
+        pair.feed(_window(stream_id, 50) + _window(0, 50))
+    assert not pair.unary.streams
+
+
+def test_window_updates_of_many_calls_go_out_as_h2s():
+    # The connection's window is given back once half of it is processed.
+    pair = Pair()
+    for stream_id in range(1, 100, 2):
+        pair.feed(pair.headers(stream_id, UNARY, False) + _data(stream_id, 600, False))
+        pair.feed(_data(stream_id, 400, True))
+        pair.act("acknowledge_received_data", 600, stream_id)
+        pair.act("acknowledge_received_data", 400, stream_id)
+        _answer(pair, stream_id)
+    assert pair.reference._inbound_flow_control_window_manager._bytes_processed < 50000
+
+
+def test_streaming_and_unknown_paths_stay_h2s():
+    pair = Pair()
+    pair.feed(pair.headers(1, STREAMING, False) + pair.headers(3, b"/nope", True))
+    assert not pair.unary.unary and set(pair.unary.streams) == {1, 3}
+    pair.feed(pair.headers(5, UNARY, False, more=[(b"cookie", b"a"), (b"cookie", b"b")]))
+    assert 5 in pair.unary.streams  # h2 joins cookies: its stream
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        lambda p: p.feed(hf.RstStreamFrame(1, error_code=8).serialize()),
+        lambda p: p.feed(_window(1, 2**31 - 1)),  # overflow: h2 resets the stream
+        lambda p: p.feed(hf.PriorityFrame(1, depends_on=1).serialize()),
+        lambda p: p.feed(hf.PriorityFrame(1, depends_on=0, stream_weight=9).serialize()),
+        lambda p: p.feed(p.headers(1, UNARY, False)),  # trailers without END_STREAM
+        lambda p: p.feed(p.headers(1, UNARY, True)),  # trailers
+        lambda p: p.feed(_data(1, 2000, False)),  # past the stream's window
+        lambda p: p.act("reset_stream", 1, h2.errors.ErrorCodes.CANCEL),
+        lambda p: p.act("increment_flow_control_window", 500, 1),
+        lambda p: p.act("local_flow_control_window", 1),
+        lambda p: p.act("send_headers", 1, [(b":status", b"415")], True),
+        lambda p: p.act("send_headers", 1, OK_TRAILERS, True),
+        lambda p: p.act("send_whole", 1, b"x"),
+        lambda p: p.act("end_stream", 1),
+        lambda p: p.feed(
+            hf.SettingsFrame(0, settings={hf.SettingsFrame.INITIAL_WINDOW_SIZE: 10}).serialize()
+        ),
+        lambda p: p.feed(
+            hf.SettingsFrame(0, settings={hf.SettingsFrame.HEADER_TABLE_SIZE: 0}).serialize()
+        ),
+        lambda p: p.feed(hf.GoAwayFrame(0, last_stream_id=0).serialize()),
+        lambda p: p.act("close_connection"),
+    ],
+)
+@pytest.mark.parametrize("ended", [False, True])
+def test_anything_else_on_a_held_stream_goes_as_on_h2s(after, ended):
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, False) + _data(1, 100, ended))
+    after(pair)
+    # and the call goes on (or fails) the same way on both
+    pair.feed(_data(1, 10, True))
+    pair.act("acknowledge_received_data", 110, 1)
+    _answer(pair, 1)
+    pair.feed(_window(1, 10) + _data(1, 5, False) + hf.RstStreamFrame(1).serialize())
+    pair.feed(pair.headers(3, UNARY, True))
+    _answer(pair, 3)
+
+
+def test_a_response_past_the_window_is_sent_by_h2_in_pieces():
+    pair = Pair()
+    pair.feed(hf.SettingsFrame(0, settings={hf.SettingsFrame.INITIAL_WINDOW_SIZE: 100}).serialize())
+    pair.feed(pair.headers(1, UNARY, True))
+    assert 1 in pair.unary.unary
+    pair.act("send_headers", 1, GZIP_RESPONSE_HEADERS)
+    pair.act("send_whole", 1, bytes(500))  # False on both: past the window
+    pair.act("local_flow_control_window", 1)
+    pair.act("send_data", 1, bytes(100))
+    pair.feed(_window(1, 400))
+    pair.act("send_data", 1, bytes(400))
+    pair.act("send_headers", 1, OK_TRAILERS, True)
+
+
+def test_too_many_streams_and_stream_ids_going_backwards():
+    pair = Pair()
+    for stream_id in (1, 3, 5, 7):
+        pair.feed(pair.headers(stream_id, UNARY, False))
+    pair.feed(pair.headers(9, UNARY, False))  # past MAX_CONCURRENT_STREAMS
+    pair = Pair()
+    pair.feed(pair.headers(5, UNARY, True))
+    pair.feed(pair.headers(3, UNARY, True))  # lower than the highest
+    pair = Pair()
+    pair.feed(pair.headers(2, UNARY, True))  # even: the server's
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, True))
+    _answer(pair, 1)
+    pair.feed(_data(1, 10, False))  # DATA on a stream closed by END_STREAM
+
+
+def test_headers_in_continuations_padding_and_priority():
+    pair = Pair()
+    block = pair.encoder.encode([(b":method", b"POST"), (b":path", UNARY), (b"x-long", b"v" * 300)])
+    pair.ids.append(1)
+    head = hf.HeadersFrame(1, data=block[:10])
+    tail = hf.ContinuationFrame(1, data=block[10:])
+    tail.flags.add("END_HEADERS")
+    pair.feed(head.serialize() + tail.serialize() + _data(1, 40, True, pad=7))
+    assert 1 in pair.unary.unary
+    pair.act("acknowledge_received_data", 48, 1)
+    _answer(pair, 1)
+    pair.ids.append(3)
+    prioritized = hf.HeadersFrame(
+        3,
+        data=pair.encoder.encode([(b":method", b"POST"), (b":path", UNARY)]),
+        depends_on=1,
+        stream_weight=3,
+    )
+    for flag in ("END_HEADERS", "PRIORITY", "END_STREAM"):
+        prioritized.flags.add(flag)
+    pair.feed(prioritized.serialize())
+    _answer(pair, 3)
+
+
+# -- any sequence ------------------------------------------------------------------
+
+stream_ids = st.sampled_from([1, 3, 5, 7, 9, 11, 2, 0x7FFFFFFF])
+client_steps = st.one_of(
+    st.tuples(st.just("headers"), stream_ids, st.sampled_from(PATHS), st.booleans()),
+    st.tuples(
+        st.just("data"),
+        stream_ids,
+        st.integers(0, 1500),
+        st.booleans(),
+        st.sampled_from([0, 0, 3]),
+    ),
+    st.tuples(st.just("window"), st.sampled_from([0, 1, 3, 5]), st.integers(1, 2**31 - 1)),
+    st.tuples(st.just("rst"), stream_ids, st.integers(0, 13)),
+    st.tuples(st.just("priority"), stream_ids, st.sampled_from([0, 1, 3])),
+    st.tuples(st.just("ping"), st.booleans()),
+    st.tuples(
+        st.just("settings"),
+        st.sampled_from([hf.SettingsFrame.INITIAL_WINDOW_SIZE, hf.SettingsFrame.HEADER_TABLE_SIZE]),
+        st.sampled_from([0, 10, 4096, 70000, 2**31]),
+    ),
+    st.tuples(st.just("garbage"), st.binary(min_size=9, max_size=30)),
+)
+server_steps = st.one_of(
+    st.tuples(st.just("answer"), stream_ids, st.integers(0, 800)),
+    st.tuples(st.just("ack"), stream_ids, st.integers(0, 1500)),
+    st.tuples(st.just("reset"), stream_ids),
+    st.tuples(st.just("refuse"), stream_ids),
+    st.tuples(st.just("window"), stream_ids, st.integers(1, 3000)),
+)
+
+
+def _client_bytes(pair: Pair, step: tuple) -> bytes:
+    kind = step[0]
+    if kind == "headers":
+        return pair.headers(step[1], step[2], step[3])
+    if kind == "data":
+        return _data(step[1], step[2], step[3], step[4])
+    if kind == "window":
+        return _window(step[1], step[2])
+    if kind == "rst":
+        return hf.RstStreamFrame(step[1], error_code=step[2]).serialize()
+    if kind == "priority":
+        return hf.PriorityFrame(step[1], depends_on=step[2]).serialize()
+    if kind == "ping":
+        return hf.PingFrame(
+            0, opaque_data=b"12345678", flags=["ACK"] if step[1] else []
+        ).serialize()
+    if kind == "settings":
+        return struct.pack(">HBBBLHL", 0, 6, 0x4, 0, 0, step[1], step[2])
+    return step[1]
+
+
+def _server_step(pair: Pair, step: tuple) -> None:
+    kind, stream_id = step[0], step[1]
+    if kind == "answer":
+        message = b"\x00" + step[2].to_bytes(4, "big") + bytes(step[2])
+        pair.act("send_headers", stream_id, RESPONSE_HEADERS)
+        sent = _outcome(lambda: pair.reference.send_whole(stream_id, message))
+        assert _outcome(lambda: pair.unary.send_whole(stream_id, message)) == sent
+        pair.compare()
+        pair.act("send_headers", stream_id, OK_TRAILERS, True)
+    elif kind == "ack":
+        pair.act("acknowledge_received_data", step[2], stream_id)
+    elif kind == "reset":
+        pair.act("reset_stream", stream_id, h2.errors.ErrorCodes.NO_ERROR)
+    elif kind == "refuse":
+        pair.act("send_headers", stream_id, [(b":status", b"405")], True)
+    else:
+        pair.act("increment_flow_control_window", step[2], stream_id)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(client_steps, server_steps.map(lambda s: ("server", s))), max_size=30))
+def test_any_sequence_goes_as_on_h2s_streams(steps):
+    pair = Pair()
+    for step in steps:
+        if step[0] == "server":
+            _server_step(pair, step[1])
+        else:
+            pair.feed(_client_bytes(pair, step))
+        if pair.dead:
+            break
