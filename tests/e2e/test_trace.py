@@ -444,6 +444,16 @@ async def test_opentelemetry_mode_exports_spans():
     ]
 
 
+def test_a_collector_url_without_a_scheme_is_http():
+    """L0_trace's url=localhost:10000/v1/traces: Triton's exporter (curl) takes it
+    as http; the Python exporter needs the scheme spelled out."""
+    from trionserve.observability.trace.opentelemetry_exporter import otlp_endpoint
+
+    assert otlp_endpoint("localhost:10000/v1/traces") == "http://localhost:10000/v1/traces"
+    assert otlp_endpoint("https://collector:4318/v1/traces") == "https://collector:4318/v1/traces"
+    assert otlp_endpoint("http://localhost:4318/v1/traces") == "http://localhost:4318/v1/traces"
+
+
 async def test_tensors_level_records_inputs_and_outputs():
     from trionserve.core.inference import InferenceResponse, Tensor
 

@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
 
 
+def otlp_endpoint(url: str) -> str:
+    """The collector's URL as Triton's exporter reaches it. Triton hands
+    ``--trace-config opentelemetry,url=`` to opentelemetry-cpp's OTLP/HTTP exporter
+    as it is (server src/tracer.cc:515), whose curl client takes a URL without a
+    scheme as http (L0_trace: ``url=localhost:10000/v1/traces``); the Python
+    exporter's client needs the scheme."""
+    return url if "://" in url else f"http://{url}"
+
+
 class OpenTelemetryExporter:
     """Spans for finished traces, through the OpenTelemetry SDK's batch processor.
 
@@ -56,7 +65,7 @@ class OpenTelemetryExporter:
                 ) from None
             merged = {**OTEL_DEFAULTS, **settings}
             processor = BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=merged["url"]),
+                OTLPSpanExporter(endpoint=otlp_endpoint(merged["url"])),
                 max_queue_size=int(merged["bsp_max_queue_size"]),
                 schedule_delay_millis=int(merged["bsp_schedule_delay"]),
                 max_export_batch_size=int(merged["bsp_max_export_batch_size"]),
