@@ -52,9 +52,8 @@ if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
     from trionserve.observability.trace.frontend import FrontendStamps
 
-# How a streamed request's responses reach its frontend: ``await deliver(response,
-# final)`` per response, in order (``response`` None: a decoupled model ended the
-# request without one).
+# How a streamed request's responses reach its frontend: ``await deliver(response, final)``
+# per response, in order (``response`` None: a decoupled model ended it without one).
 Deliver = Callable[[InferenceResponse | None, bool], Awaitable[None]]
 
 log = structlog.get_logger(__name__)
@@ -415,9 +414,11 @@ class DataPlane:
             if queued is not None:
                 queued.set()
             yield run
-        except BaseException:
+        except BaseException as exc:
             if not request.done:
                 request.cancelled = True
+            elif trace is not None:
+                self.tracing.answered_with_error(trace, exc)
             raise
         finally:
             request.discard()
@@ -516,10 +517,9 @@ class DataPlane:
         model = self._admit(request, internal)
         cache = self.response_cache
         if cache is not None and model.config.response_cache.enable:
-            # A model with the cache is never decoupled (config validation): its
-            # one response is looked up and stored as for infer, whoever asks (a
-            # gRPC stream, an ensemble's step: Triton's schedulers consult the
-            # cache for every request, core src/dynamic_batch_scheduler.cc).
+            # A model with the cache is never decoupled (config validation): its one response
+            # is looked up and stored as for infer, whoever asks (a gRPC stream, an ensemble's
+            # step: Triton's schedulers consult the cache, core src/dynamic_batch_scheduler.cc).
             await deliver(await self._infer_cached(cache, model, request, queued), True)
             return
         async with self._lifecycle(model, request, queued) as run:

@@ -402,3 +402,56 @@ def test_a_bls_request_given_the_requests_trace_is_traced_as_its_child(tmp_path,
         ("bls", "bls-1", None),
         ("simple", None, heads[0]["id"]),
     ]
+
+
+FAILING_CONFIG = """
+name: "failing"
+backend: "python"
+max_batch_size: 0
+input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 1 ] } ]
+"""
+FAILING_MODEL = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        error = pb_utils.TritonError("refused by the model")
+        return [pb_utils.InferenceResponse(error=error) for _ in requests]
+"""
+
+
+def test_an_error_response_has_the_frontends_response_and_send_timestamps(tmp_path):
+    """Triton's frontends take INFER_RESPONSE_COMPLETE and the SEND pair for a
+    model's error response as for any other (server src/http_server.cc
+    InferRequestClass::InferResponseComplete, src/grpc/infer_handler.cc
+    ModelInferHandler::InferResponseComplete and Process at COMPLETE)."""
+    python_model(tmp_path / "models", "failing", FAILING_CONFIG, FAILING_MODEL)
+    trace_file = tmp_path / "trace.json"
+    proc = ServerProcess(
+        tmp_path / "models",
+        args=[
+            f"--trace-config=triton,file={trace_file}",
+            "--trace-config=level=TIMESTAMPS",
+            "--trace-config=rate=1",
+        ],
+    )
+    try:
+        proc.wait_ready(path="/v2/health/ready")
+        http = httpclient.InferenceServerClient(proc.http_url)
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{proc.grpc_port}")
+        for module, client in ((httpclient, http), (grpcclient, grpc)):
+            tensor = module.InferInput("INPUT0", [1], "FP32")
+            tensor.set_data_from_numpy(np.ones(1, dtype=np.float32))
+            with pytest.raises(Exception, match="refused by the model"):
+                client.infer("failing", [tensor], request_id=module.__name__)
+        http.close()
+        grpc.close()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+    traces = {t["request_id"]: t for t in _traces(json.loads(trace_file.read_text())).values()}
+    names = {request_id: [name for name, _ in t["stamps"]] for request_id, t in traces.items()}
+    assert names["tritonclient.http"] == HTTP_ORDER
+    assert names["tritonclient.grpc"] == GRPC_ORDER

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from trionserve.core.errors import InvalidArgument
+from trionserve.core.errors import Cancelled, InvalidArgument, TritonError
 from trionserve.observability.trace.frontend import FrontendStamps, now_ns
 from trionserve.observability.trace.opentelemetry_exporter import OpenTelemetryExporter
 from trionserve.observability.trace.settings import (
@@ -254,6 +254,20 @@ class TraceManager:
             for tensor in response.outputs:
                 trace.tensor("TENSOR_BACKEND_OUTPUT", tensor.name, tensor.datatype, tensor.data)
         self._let_go(trace)
+
+    def answered_with_error(self, trace: Trace, error: BaseException) -> None:
+        """The model answered the request with an error. Triton's frontends take
+        INFER_RESPONSE_COMPLETE for an error response as for any other (server
+        src/http_server.cc InferRequestClass::InferResponseComplete, src/grpc/
+        infer_handler.cc ModelInferHandler::InferResponseComplete); a cancelled
+        request gets no response, so none (infer_handler.cc: a cancelled context
+        skips the response)."""
+        if (
+            trace.frontend is not None
+            and isinstance(error, TritonError)
+            and not isinstance(error, Cancelled)
+        ):
+            trace.frontend.response_complete()
 
     def _let_go(self, trace: Trace) -> None:
         """The data plane or the frontend is done with the trace: written once

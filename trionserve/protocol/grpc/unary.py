@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from google.protobuf.message import Message
 
-from trionserve.core.errors import TritonError, as_triton_error
+from trionserve.core.errors import Cancelled, TritonError, as_triton_error
 from trionserve.observability.trace.frontend import FrontendStamps
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc.call import GrpcCall, Method
@@ -61,6 +61,17 @@ def unary_method(
                 )
                 response = await handle(request, call)
             except TritonError as error:
+                if (
+                    stamps is not None
+                    and stamps.trace is not None
+                    and not isinstance(error, Cancelled)
+                ):
+                    # Triton answers a sampled request's error as any response
+                    # (src/grpc/infer_handler.cc InferResponseComplete: GRPC_SEND_START
+                    # before Finish, GRPC_SEND_END at COMPLETE); here its trailers are
+                    # queued with h2 in the same step as the handler ends.
+                    stamps.stamp("GRPC_SEND_START")
+                    stamps.stamp("GRPC_SEND_END")
                 raise grpc_error(error) from None
             except GRPCError:
                 raise
