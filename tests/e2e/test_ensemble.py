@@ -243,15 +243,16 @@ BROKEN = {
         [("INPUT0", "TYPE_FP32", "16"), ("INPUT1", "TYPE_INT32", "16")],
         OUT_16,
         steps(("simple", SIMPLE, {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"})),
-        "ensemble 'bad_datatype': data type mismatch for tensor 'INPUT0': ensemble input "
-        "'INPUT0' is FP32, but step 0 (model 'simple') input 'INPUT0' expects INT32",
+        # Triton's words (core ensemble_utils.cc ValidateTensorConsistency).
+        "in ensemble bad_datatype, ensemble tensor INPUT0: inconsistent data type: TYPE_FP32 "
+        "is inferred from model bad_datatype while TYPE_INT32 is inferred from model simple",
     ),
     "bad_shape": (
         I32_16,
         [("OUTPUT0", "TYPE_INT32", "8"), ("OUTPUT1", "TYPE_INT32", "16")],
         steps(("simple", SIMPLE, {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"})),
-        "ensemble 'bad_shape': shape mismatch for tensor 'OUTPUT0': step 0 (model 'simple') "
-        "output 'OUTPUT0' has shape [-1,16], but ensemble output 'OUTPUT0' expects [-1,8]",
+        "in ensemble bad_shape, ensemble tensor OUTPUT0: inconsistent shape: [-1,8] is "
+        "inferred from model bad_shape while [-1,16] is inferred from model simple",
     ),
 }
 

@@ -497,20 +497,24 @@ def two_step_service(**overrides) -> StandIn:
         (
             {},
             [("a", "INPUT", "t"), ("missing", "t", "OUTPUT")],
-            "ensemble 'ens' step 1 (model 'missing'): composing model is not available: "
-            "Request for unknown model: 'missing' is not found",
+            # Triton's words (core model_repository_manager.cc CheckNode), the
+            # routing error after.
+            "ensemble 'ens' depends on 'missing' which has no loaded version. "
+            "(Request for unknown model: 'missing' is not found)",
         ),
         (
             {"b": vector_model("b", in_type="TYPE_INT32")},
             [("a", "INPUT", "t"), ("b", "t", "OUTPUT")],
-            "ensemble 'ens': data type mismatch for tensor 't': step 0 (model 'a') output "
-            "'OUT' is FP32, but step 1 (model 'b') input 'IN' expects INT32",
+            # core ensemble_utils.cc ValidateTensorConsistency: the model the
+            # tensor was first inferred from, then the one that disagrees.
+            "in ensemble ens, ensemble tensor t: inconsistent data type: TYPE_FP32 is "
+            "inferred from model a while TYPE_INT32 is inferred from model b",
         ),
         (
             {"b": vector_model("b", in_dims="2, 2")},
             [("a", "INPUT", "t"), ("b", "t", "OUTPUT")],
-            "ensemble 'ens': shape mismatch for tensor 't': step 0 (model 'a') output 'OUT' "
-            "has shape [-1], but step 1 (model 'b') input 'IN' expects [2,2]",
+            "in ensemble ens, ensemble tensor t: inconsistent shape: [-1] is inferred from "
+            "model a while [2,2] is inferred from model b",
         ),
     ],
     ids=["missing-model", "datatype", "shape"],

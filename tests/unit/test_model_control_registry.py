@@ -547,3 +547,61 @@ async def test_load_and_unload_write_tritons_own_lines(repo, events):
         "successfully unloaded 'm' version 1",
         "successfully unloaded 'm' version 2",
     ]
+
+
+def one_step_ensemble(repo, name: str, step: str) -> None:
+    """An ensemble whose one step calls ``step`` (IN -> OUT, as ENSEMBLE_CONFIG)."""
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(
+        f'name: "{name}" platform: "ensemble" max_batch_size: 8 '
+        'input [ { name: "IN" data_type: TYPE_FP32 dims: [ -1 ] } ] '
+        'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ -1 ] } ] '
+        f'ensemble_scheduling {{ step [ {{ model_name: "{step}" model_version: -1 '
+        'input_map { key: "INPUT0" value: "IN" } output_map { key: "OUTPUT0" value: "OUT" } '
+        "} ] }"
+    )
+
+
+async def test_ensembles_calling_each_other_fail_at_startup_without_waiting(repo):
+    """Loaded together at startup, each would wait for the other's load: the
+    cycle is found in their configs first (Triton's CircularDependencyCheck,
+    core model_repository_manager.cc), and both fail in Triton's words."""
+    one_step_ensemble(repo, "up", "down")
+    one_step_ensemble(repo, "down", "up")
+    one_step_ensemble(repo, "self", "self")
+    server = make_server(repo, mode=ControlMode.NONE)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            assert (
+                "circular dependency between ensembles: up -> ... -> down -> up"
+                in (rows(server, "up")[""][1])
+            )
+            assert (
+                "circular dependency between ensembles: down -> ... -> up -> down"
+                in (rows(server, "down")[""][1])
+            )
+            assert (
+                "circular dependency between ensembles: self -> ... -> self -> self"
+                in (rows(server, "self")[""][1])
+            )
+            server.shutdown()
+
+
+async def test_an_ensemble_step_naming_a_model_no_repository_has(repo):
+    fake_model(repo, "a")
+    (repo / "ens" / "1").mkdir(parents=True)
+    config = ENSEMBLE_CONFIG.replace('"b"', '"gone"').replace('"a"', '"absent"')
+    (repo / "ens" / "config.pbtxt").write_text(config)
+    server = make_server(repo)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with pytest.raises(TritonError) as caught:
+            await server.dataplane.load_model("ens")
+        # Triton's words (model_repository_manager.cc ConnectDependencyGraph),
+        # the names sorted; not polled, so INTERNAL as Triton's explicit load.
+        assert caught.value.message == (
+            "failed to load 'ens', failed to poll from model repository: ensemble ens "
+            "contains models that are not available or ambiguous: absent, gone"
+        )
+        server.shutdown()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from trionserve.actors.registry_entries import composing_models
+from trionserve.actors.registry_entries import composing_models, missing_models
 from trionserve.core.errors import InvalidArgument
 from trionserve.repository.repository import ModelId
 
@@ -102,9 +102,6 @@ class GlobalMap:
                 errors[step] = (composing.reason if composing else "") or "it is not loaded"
         entry.unresolved = frozenset(missing)
         if missing:
-            raise InvalidArgument(
-                f"ensemble {entry.model_id.display} contains models that are not available "
-                f"or ambiguous: {', '.join(missing)}"
-            )
+            raise InvalidArgument(missing_models(entry.model_id, missing))
         for step_config in config.ensemble_scheduling.step:
             step_config.model_namespace = bound[step_config.model_name].namespace

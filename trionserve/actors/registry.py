@@ -28,11 +28,15 @@ from trionserve.actors.model_lifecycle import ModelLifeCycle
 from trionserve.actors.rate_limiter import RateLimiter
 from trionserve.actors.registry_entries import (
     ModelEntry,
+    NotInRepository,
     Operation,
     PollFailed,
     RegistryStopped,
+    check_cycle,
     composing_models,
+    cycle_error,
     load_failure,
+    missing_models,
     poll_failure,
     prepare_model,
 )
@@ -47,6 +51,7 @@ from trionserve.core.errors import (
 from trionserve.observability.custom_metrics import CustomMetrics
 from trionserve.observability.quantiles import Target
 from trionserve.repository.changes import LoadedSource
+from trionserve.repository.config import read_model_config
 from trionserve.repository.overrides import check_override_request, override_digest, write_override
 from trionserve.repository.repository import ModelId, ModelRepository, check_model_name
 from trionserve.repository.snapshot import snapshot_model
@@ -549,14 +554,29 @@ class ModelRegistry:
         try:
             return await trio.to_thread.run_sync(self.repository.find, model_id)
         except NotFound as exc:
-            raise PollFailed(model_id.name, exc.message) from None
+            raise NotInRepository(model_id.name, exc.message) from None
 
     async def _find_all(self, name: str) -> dict[ModelId, Path]:
         """Every repository's model called ``name`` (namespacing)."""
         try:
             return await trio.to_thread.run_sync(self.repository.find_all, name)
         except NotFound as exc:
-            raise PollFailed(name, exc.message) from None
+            raise NotInRepository(name, exc.message) from None
+
+    async def _steps_on_disk(self, namespace: str, name: str) -> Sequence[str]:
+        """The models the steps of model ``name`` call, as its repository's config
+        says (none when it is no ensemble, or is not there to read)."""
+        model_id = (
+            self.global_map.resolve(namespace, name) if self._namespacing else ModelId("", name)
+        )
+        try:
+            model_dir = await trio.to_thread.run_sync(self.repository.find, model_id or name)
+            config, _ = await trio.to_thread.run_sync(
+                read_model_config, model_dir, None, self.repository.config_name
+            )
+        except TritonError:
+            return ()
+        return composing_models(config)
 
     async def _load_composing_models(
         self, entry: ModelEntry, config: ModelConfig, chain: tuple[str, ...], rebind: bool = False
@@ -568,12 +588,13 @@ class ModelRegistry:
         steps = composing_models(config)
         for step in steps:
             if step == name or step in chain:
-                raise InvalidArgument(
-                    f"failed to load '{name}': ensemble step model '{step}' makes a "
-                    f"cycle ({' -> '.join((*chain, name, step))})"
-                )
+                raise cycle_error(step, name)
+        # Before any step loads: two ensembles that load each other would each
+        # wait for the other's load.
+        await check_cycle(name, steps, partial(self._steps_on_disk, entry.model_id.namespace))
         errors: dict[str, str] = {}
         not_polled: set[str] = set()
+        missing: set[str] = set()
 
         async def load_one(step: str) -> None:
             if rebind:
@@ -590,12 +611,16 @@ class ModelRegistry:
                 errors[step] = exc.message
                 if isinstance(exc, PollFailed):
                     not_polled.add(step)
+                if isinstance(exc, NotInRepository):
+                    missing.add(step)
 
         async with trio.open_nursery() as nursery:
             for step in steps:
                 nursery.start_soon(load_one, step)
         if self._namespacing:
             self.global_map.bind_steps(entry, config, errors, self._entries)
+        elif missing:
+            raise PollFailed(name, missing_models(entry.model_id, missing))
         if errors:
             detail = "; ".join(f"'{s}': {m}" for s, m in sorted(errors.items()))
             if not_polled & set(errors):

@@ -10,6 +10,7 @@ words.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +56,10 @@ class PollFailed(InternalError):
 
     def __init__(self, name: str, reason: str) -> None:
         super().__init__(f"failed to load '{name}', failed to poll from model repository: {reason}")
+
+
+class NotInRepository(PollFailed):
+    """A poll that found the model in no repository."""
 
 
 class BackendLoadError(InvalidArgument):
@@ -147,6 +152,49 @@ def composing_models(config: ModelConfig) -> list[str]:
         if step.model_name not in names:
             names.append(step.model_name)
     return names
+
+
+def missing_models(ensemble: ModelId, names: Iterable[str]) -> str:
+    """Triton's words for steps naming models no repository has
+    (model_repository_manager.cc:2153, ConnectDependencyGraph: its sorted set)."""
+    return (
+        f"ensemble {ensemble.display} contains models that are not available or ambiguous: "
+        + ", ".join(sorted(set(names)))
+    )
+
+
+def cycle_error(start: str, current: str) -> InvalidArgument:
+    """Triton's words for an ensemble that depends on itself
+    (model_repository_manager.cc:2253, CircularDependencyCheck)."""
+    return InvalidArgument(
+        f"circular dependency between ensembles: {start} -> ... -> {current} -> {start}"
+    )
+
+
+async def check_cycle(
+    start: str, steps: Sequence[str], steps_of: Callable[[str], Awaitable[Sequence[str]]]
+) -> None:
+    """Raise if ``start`` (an ensemble whose steps call ``steps``) is reached again
+    through the steps of its composing ensembles; ``steps_of(name)`` gives the
+    models a model's steps call (none for a model that is no ensemble).
+
+    Triton walks the dependency graph towards the upstream models from each
+    ensemble the graph update touched, before any of them loads
+    (model_repository_manager.cc:2244, CircularDependencyCheck); each model is
+    visited once here, so a cycle that does not pass ``start`` ends the walk
+    (that cycle's own ensembles report it).
+    """
+    seen: set[str] = set()
+
+    async def visit(current: str, upstreams: Sequence[str]) -> None:
+        for upstream in upstreams:
+            if upstream == start:
+                raise cycle_error(start, current)
+            if upstream not in seen:
+                seen.add(upstream)
+                await visit(upstream, await steps_of(upstream))
+
+    await visit(start, steps)
 
 
 def composing_ids(config: ModelConfig) -> frozenset[ModelId]:

@@ -6,14 +6,15 @@ that serve now and turning them into an :class:`EnsemblePlan`, which the
 :class:`~trionserve.schedulers.ensemble.EnsembleScheduler` runs. The configuration's
 own structure (each tensor written once, no cycles, inputs and outputs mapped) is
 checked earlier by ``validate_model_config``; here come the checks that need the
-composing models: each exists and is READY, each mapped name is one of its
-tensors, its required inputs are all mapped, and datatypes and shapes agree along
-every edge of the graph.
+composing models: each exists and has the version a step names, and the steps
+agree with the models' configs (mapped names, data types, shapes, decoupled
+branches: :func:`~trionserve.backends.ensemble_graph.validate_ensemble`, Triton's
+``ValidateEnsembleConfig``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Protocol
@@ -21,11 +22,12 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 import trio
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
+from trionserve.backends.ensemble_graph import validate_ensemble
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.validation import ModelSignature, TensorSpec
 
 if TYPE_CHECKING:
-    from trionserve._generated.model_config_pb2 import ModelConfig
+    from trionserve._generated.model_config_pb2 import ModelConfig, ModelEnsembling
 
 ENSEMBLE_INPUTS = -1  # the producer index of the ensemble's own inputs
 
@@ -128,86 +130,34 @@ def plan_ensemble(config: ModelConfig, version: int, lookup: Lookup) -> Ensemble
         {n: _reshaped(spec, input_reshape) for n, spec in declared.inputs.items()},
         {n: _reshaped(spec, output_reshape) for n, spec in declared.outputs.items()},
     )
-    # ensemble tensor -> (wire datatype, dims, full shape, who writes it)
-    tensors: dict[str, tuple[str, tuple[int, ...], list[int], str]] = {
-        spec.name: (
-            spec.datatype,
-            spec.dims,
-            own.full_shape(spec),
-            f"ensemble input '{spec.name}'",
-        )
-        for spec in own.inputs.values()
-    }
-    writer: dict[str, int] = {t: ENSEMBLE_INPUTS for t in tensors}
+    # Triton checks that each step's model has the versions the step names
+    # (model_repository_manager.cc:1874-1911, CheckNode), then the steps against
+    # the models' completed configs (ensemble_utils.cc ValidateEnsembleConfig).
+    models = [_composing(name, entry, lookup) for entry in config.ensemble_scheduling.step]
+    validate_ensemble(config, [model.config for model in models])
+    writer: dict[str, int] = {spec.name: ENSEMBLE_INPUTS for spec in own.inputs.values()}
     steps: list[Step] = []
-    signatures: list[ModelSignature] = []
-    for index, entry in enumerate(config.ensemble_scheduling.step):
-        step_version = entry.model_version if entry.model_version > 0 else None
-        where = f"ensemble '{name}' step {index} (model '{entry.model_name}')"
-        try:
-            model = lookup(entry.model_name, step_version, entry.model_namespace)
-        except TritonError as exc:
-            raise Unavailable(f"{where}: composing model is not available: {exc.message}") from None
+    for index, (entry, model) in enumerate(zip(config.ensemble_scheduling.step, models)):
         signature: ModelSignature = model.signature
-        # Triton's words (core src/ensemble_scheduler/ensemble_utils.cc:296,
-        # ValidateTensorMapping :137, :168, :191), in its order.
-        step_id = (
-            f"{entry.model_namespace}::{entry.model_name}"
-            if entry.model_namespace
-            else (entry.model_name)
-        )
-        if config.max_batch_size > signature.max_batch_size > 0:
-            raise InvalidArgument(
-                f"ensemble {name} allows maximum batch size {config.max_batch_size}, but it "
-                f"contains model {entry.model_name} which only allows maximum batch size to "
-                f"be {signature.max_batch_size}"
-            )
-        _check_names(name, step_id, entry.input_map, signature.inputs, "is mapping to", "input")
-        unmapped = [
-            n for n, s in signature.inputs.items() if not s.optional and n not in entry.input_map
-        ]
-        if unmapped:
-            raise InvalidArgument(
-                f"in ensemble {name}, input {unmapped[0]} in model {step_id} is not mapped to "
-                f"any ensemble tensors (unmapped: {unmapped})"
-            )
-        _check_names(
-            name, entry.model_name, entry.output_map, signature.outputs, "is mapped from", "output"
-        )
-        for output, tensor in entry.output_map.items():
-            spec = signature.outputs[output]
-            tensors[tensor] = (
-                spec.datatype,
-                spec.dims,
-                signature.full_shape(spec),
-                f"step {index} (model '{entry.model_name}') output '{output}'",
-            )
+        for tensor in entry.output_map.values():
             writer[tensor] = index
         steps.append(
             Step(
                 index,
                 entry.model_name,
-                step_version,
+                entry.model_version if entry.model_version > 0 else None,
                 entry.model_namespace,
                 dict(entry.input_map),
                 dict(entry.output_map),
                 bool(model.config.model_transaction_policy.decoupled),
                 signature.max_batch_size > 0,
-                {n: signature.inputs[n].dims for n in entry.input_map},
+                {n: signature.inputs[n].dims for n in entry.input_map if n in signature.inputs},
             )
         )
-        signatures.append(signature)
-
-    for step, signature in zip(steps, signatures):
-        for model_input, tensor in step.input_map.items():
-            spec = signature.inputs[model_input]
-            _check_edge(
-                name, tensor, tensors.get(tensor), spec, signature, f"{step} input '{model_input}'"
-            )
-    for spec in own.outputs.values():
-        _check_edge(
-            name, spec.name, tensors.get(spec.name), spec, own, f"ensemble output '{spec.name}'"
-        )
+    for step in steps:
+        for tensor in step.input_map.values():
+            if tensor not in writer:  # validate_model_config reports it first
+                raise InvalidArgument(f"ensemble '{name}': no step writes tensor '{tensor}'")
 
     producers = tuple(frozenset(writer[t] for t in step.input_map.values()) for step in steps)
     consumers = {
@@ -233,56 +183,30 @@ def plan_ensemble(config: ModelConfig, version: int, lookup: Lookup) -> Ensemble
     )
 
 
-def _check_names(
-    ensemble: str,
-    step: str,
-    mapping: Mapping[str, str],
-    specs: Mapping[str, TensorSpec],
-    verb: str,
-    kind: str,
-) -> None:
-    for model_name, tensor in mapping.items():
-        if model_name not in specs:
+def _composing(ensemble: str, step: ModelEnsembling.Step, lookup: Lookup) -> ComposingModel:
+    """The model a step calls, or Triton's words for why the ensemble cannot
+    have it (model_repository_manager.cc:1874-1908, CheckNode), the reason after."""
+    version = step.model_version if step.model_version > 0 else None
+    step_id = (
+        f"{step.model_namespace}::{step.model_name}" if step.model_namespace else (step.model_name)
+    )
+    try:
+        return lookup(step.model_name, version, step.model_namespace)
+    except TritonError as exc:
+        reason = exc.message
+    if version is not None:
+        try:
+            lookup(step.model_name, None, step.model_namespace)
+        except TritonError:
+            pass
+        else:
             raise InvalidArgument(
-                f"in ensemble {ensemble}, ensemble tensor {tensor} {verb} non-existing {kind} "
-                f"{model_name} in model {step} (its {kind}s: {sorted(specs)})"
+                f"ensemble '{ensemble}' depends on '{step_id}' whose required version "
+                f"{version} is not loaded. ({reason})"
             )
-
-
-def _check_edge(
-    ensemble: str,
-    tensor: str,
-    written: tuple[str, tuple[int, ...], list[int], str] | None,
-    spec: TensorSpec,
-    signature: ModelSignature,
-    reader: str,
-) -> None:
-    """The tensor as written must have the datatype and a shape ``reader`` accepts:
-    the same dims, or the same full shape (a tensor between a batching and a
-    non-batching model, Triton's ValidateTensorConsistency in
-    core src/ensemble_scheduler/ensemble_utils.cc)."""
-    if written is None:  # structure errors are reported by validate_model_config
-        raise InvalidArgument(f"ensemble '{ensemble}': no step writes tensor '{tensor}'")
-    datatype, dims, shape, source = written
-    if datatype != spec.datatype:
-        raise InvalidArgument(
-            f"ensemble '{ensemble}': data type mismatch for tensor '{tensor}': "
-            f"{source} is {datatype}, but {reader} expects {spec.datatype}"
-        )
-    expected = signature.full_shape(spec)
-    if not _compatible(list(dims), list(spec.dims)) and not _compatible(shape, expected):
-        raise InvalidArgument(
-            f"ensemble '{ensemble}': shape mismatch for tensor '{tensor}': {source} "
-            f"has shape {_fmt(shape)}, but {reader} expects {_fmt(expected)}"
-        )
-
-
-def _compatible(a: list[int], b: list[int]) -> bool:
-    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
-
-
-def _fmt(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
+    raise InvalidArgument(
+        f"ensemble '{ensemble}' depends on '{step_id}' which has no loaded version. ({reason})"
+    )
 
 
 class EnsembleModel:
