@@ -237,7 +237,7 @@ BROKEN = {
                 {"OUTPUT0": "OUTPUT0", "OUTPUT1": "OUTPUT1"},
             ),
         ),
-        "'no_such_model'",
+        "contains models that are not available or ambiguous: no_such_model",
     ),
     "bad_datatype": (
         [("INPUT0", "TYPE_FP32", "16"), ("INPUT1", "TYPE_INT32", "16")],

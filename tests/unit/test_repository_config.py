@@ -1065,6 +1065,25 @@ def test_name_must_match_directory(tmp_path):
         read_model_config(model_dir)
 
 
+def test_a_poll_validates_the_config_before_checking_its_name(tmp_path):
+    """Triton normalizes and validates a polled config, then checks its name
+    (core model_repository_manager.cc InitializeModelInfo): a config that is both
+    invalid and misnamed reports what is invalid; a valid one, the name in
+    Triton's words. Neither needs a version directory (Triton polls first)."""
+    from trionserve.actors.registry_entries import prepare_model
+
+    invalid = 'name: "other" platform: "ensemble" max_batch_size: 8\n' + ONNX_IO.split("\n", 3)[3]
+    with pytest.raises(
+        InvalidArgument, match="^ensemble scheduling must be set for ensemble other"
+    ):
+        prepare_model(write_model(tmp_path, "invalid", invalid), True, None)
+    with pytest.raises(InvalidArgument) as caught:
+        prepare_model(write_model(tmp_path, "valid", 'name: "other"\n' + ONNX_IO), True, None)
+    assert caught.value.message == (
+        "unexpected directory name 'valid' for model 'other', directory name must equal model name"
+    )
+
+
 def test_parse_error_names_model_file_line_and_column(tmp_path):
     model_dir = write_model(
         tmp_path, "broken", 'platform: "onnxruntime_onnx"\n  max_batch_size: "eight"\n'

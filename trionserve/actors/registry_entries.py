@@ -117,8 +117,20 @@ def prepare_model(
     ``backends``: the server's BackendManager, which makes the model's backend
     (None: one with no settings, for tools and tests).
     """
-    config, max_batch_size_set = read_model_config(model_dir, override_json, config_name)
+    config, max_batch_size_set = read_model_config(
+        model_dir, override_json, config_name, check_name=False
+    )
     infer_platform(config, model_dir)
+    if config.name != model_dir.name:
+        # Triton polls a model by normalizing and validating its config, then
+        # checks its name (core model_repository_manager.cc:1680-1711,
+        # InitializeModelInfo): an invalid config's error comes first.
+        normalize_model_config(config)
+        validate_model_config(config, io=not autocomplete)
+        raise InvalidArgument(
+            f"unexpected directory name '{model_dir.name}' for model '{config.name}', "
+            "directory name must equal model name"
+        )
     backend = (backends or BackendManager()).backend_for(config)
     try:
         versions = select_versions(config, list_versions(model_dir, warn=True))

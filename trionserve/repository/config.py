@@ -90,14 +90,19 @@ def config_file(model_dir: Path, config_name: str | None = None) -> str:
 
 
 def read_model_config(
-    model_dir: Path, override_json: str | None = None, config_name: str | None = None
+    model_dir: Path,
+    override_json: str | None = None,
+    config_name: str | None = None,
+    *,
+    check_name: bool = True,
 ) -> tuple[ModelConfig, bool]:
     """Parse the model's config file (see :func:`config_file`), or ``override_json``
     when given.
 
     ``override_json`` is the JSON config of Triton's load API; it replaces the file.
     A missing config.pbtxt gives an empty config (auto-complete may fill it). The
-    name defaults to the directory name and must equal it when given. Returns the
+    name defaults to the directory name and must equal it when given (unless not
+    ``check_name``: the caller checks it, in Triton's order). Returns the
     config and whether ``max_batch_size`` appeared in the source (proto3 cannot tell
     an explicit 0 from an absent field).
     """
@@ -124,7 +129,7 @@ def read_model_config(
 
     if not config.name:
         config.name = dir_name
-    elif config.name != dir_name:
+    elif check_name and config.name != dir_name:
         raise InvalidArgument(
             f"model name '{config.name}' in {source} does not match the directory name '{dir_name}'"
         )
