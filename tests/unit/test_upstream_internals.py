@@ -443,3 +443,13 @@ def test_h2_receive_internals_the_unary_path_uses():
     assert source.count("self.streams[stream_id]") == 6
     close = inspect.getsource(h2.connection.H2Connection._open_streams)
     assert "self._closed_streams[stream_id] = stream.closed_by" in close
+
+
+def test_h2_connection_inputs_the_unary_path_skips_in_server_open():
+    # upstream.H2Connection._moved gives none of these to h2's state machine in
+    # SERVER_OPEN: each is a row there with no action and no move.
+    machine = h2.connection.H2ConnectionStateMachine()
+    open_ = h2.connection.ConnectionState.SERVER_OPEN
+    for name in ("RECV_HEADERS", "RECV_DATA", "RECV_WINDOW_UPDATE", "SEND_HEADERS", "SEND_DATA"):
+        row = machine._transitions[(open_, h2.connection.ConnectionInputs[name])]
+        assert row == (None, open_)

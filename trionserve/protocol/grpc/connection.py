@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from typing import cast
+from typing import Any
 
 import h2.config
 import h2.errors
@@ -119,7 +119,8 @@ class Connection:
         self.peer = peer_name(stream)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
-        self._written = trio.Event()  # set when that task leaves it
+        # Set when that task leaves it; made only for a task that waits for that.
+        self._written: trio.Event | None = None
         self._extra: list[bytes] = []  # raw frames to write after h2's own output
         self.last_stream_id = _MAX_WINDOW
         self._ping_acks: dict[bytes, trio.Event] = {}
@@ -228,21 +229,24 @@ class Connection:
     def _handle(self, event: h2.events.Event) -> bool:
         """Act on one h2 event; True when the connection is over."""
         kind = type(event)
+        # Each branch reads its kind's attributes (typed Any: no cast() call per
+        # event on the hot path).
+        e: Any = event
         if kind is h2.events.DataReceived:
-            self._on_data(cast(h2.events.DataReceived, event))
+            self._on_data(e)
         elif kind is h2.events.RequestReceived:
-            self._on_request(cast(h2.events.RequestReceived, event))
+            self._on_request(e)
         elif kind is h2.events.StreamEnded:
-            call = self.calls.get(cast(h2.events.StreamEnded, event).stream_id)
+            call = self.calls.get(e.stream_id)
             if call is not None:
                 call.state.request_event(RequestEvent.END_STREAM)
                 call.wake()
         elif kind is h2.events.StreamReset:
-            call = self.calls.get(cast(h2.events.StreamReset, event).stream_id)
+            call = self.calls.get(e.stream_id)
             if call is not None:
                 call.reset_by_client()
         elif kind is h2.events.WindowUpdated:
-            stream_id = cast(h2.events.WindowUpdated, event).stream_id
+            stream_id = e.stream_id
             if stream_id:  # one stream's window
                 call = self.calls.get(stream_id)
                 if call is not None:
@@ -254,7 +258,7 @@ class Connection:
             for call in self.calls.values():
                 call.wake_sender()
         elif kind is h2.events.PingAckReceived:
-            ack = self._ping_acks.pop(cast(h2.events.PingAckReceived, event).ping_data, None)
+            ack = self._ping_acks.pop(e.ping_data, None)
             if ack is not None:
                 ack.set()
         elif kind is h2.events.ConnectionTerminated:
@@ -483,6 +487,8 @@ class Connection:
             # The task writing now may be one being cancelled, which would leave
             # these trailers unwritten: wait for it, then write them from here.
             while self._writing:
+                if self._written is None:
+                    self._written = trio.Event()
                 await self._written.wait()
             try:
                 await self._write_pending()
@@ -547,7 +553,6 @@ class Connection:
         """Write everything queued, until nothing is left; ``at_once``: what the
         socket takes at once without a checkpoint (sockets.send_pieces)."""
         self._writing = True
-        self._written = trio.Event()
         try:
             while True:
                 buffers = self.h2.buffers_to_send()
@@ -563,7 +568,9 @@ class Connection:
                     await self.stream.send_all(data)
         finally:
             self._writing = False
-            self._written.set()
+            if self._written is not None:
+                self._written.set()
+                self._written = None
 
     def close_idle(self) -> None:
         """Close the connection, which has no call in flight: GOAWAY, then the

@@ -8,14 +8,12 @@ libraries below their next minor release until that test passes on it.
 - hyperframe: ``Frame.__repr__`` replaced (a short form, for h2's trace log).
 - hpack: ``Encoder.header_table.resized`` and ``.dynamic_entries`` read;
   ``Decoder.header_table.dynamic_entries`` and ``.maxsize`` read.
-- h2, a unary call's stream held apart (``H2Connection.unary``):
-  ``_receive_frame``, ``_get_stream_by_id``, ``_get_or_create_stream``, the two
-  ``_*flow_control_change_from_settings`` overridden and ``_decode_headers``
-  called; ``highest_inbound_stream_id``, ``_closed_streams``, the connection's
-  ``state_machine`` and ``_inbound_flow_control_window_manager`` moved as h2
-  moves them; an ``H2Stream`` made as ``_begin_new_stream`` makes it, with its
-  ``_inbound_window_manager`` and its state machine's ``state``, ``client``,
-  ``headers_received`` and ``headers_sent`` set (``_promote``).
+- h2, a unary call's stream held apart (``H2Connection.unary``): the methods
+  that find streams, ``_receive_frame`` and the initial window's changes
+  overridden; ``_decode_headers`` called; ``highest_inbound_stream_id``,
+  ``_closed_streams``, ``state_machine`` (its table's rows in SERVER_OPEN) and
+  ``_inbound_flow_control_window_manager`` moved as h2 moves them; an
+  ``H2Stream`` made as ``_begin_new_stream`` does, its state set (``_promote``).
 - h2: ``H2Connection._prepare_for_sending`` overridden and ``_data_to_send`` read
   (large DATA payloads written from their own buffers); ``_data_to_send``
   appended to, ``streams`` read, and the connection's and a stream's
@@ -40,7 +38,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -93,12 +91,13 @@ _DATA_FRAME = 0x0
 _HEADERS_FRAME = 0x1
 _WINDOW_UPDATE_FRAME = 0x8
 _MAX_WINDOW = 2**31 - 1
-_Window = hyperframe_frame.WindowUpdateFrame
+_Data, _Window = hyperframe_frame.DataFrame, hyperframe_frame.WindowUpdateFrame
 _RECV_HEADERS = h2.connection.ConnectionInputs.RECV_HEADERS
 _RECV_DATA = h2.connection.ConnectionInputs.RECV_DATA
 _RECV_WINDOW_UPDATE = h2.connection.ConnectionInputs.RECV_WINDOW_UPDATE
 _SEND_HEADERS = h2.connection.ConnectionInputs.SEND_HEADERS
 _SEND_DATA = h2.connection.ConnectionInputs.SEND_DATA
+_SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
 _END_STREAM = 0x1
 _END_HEADERS = 0x4
 
@@ -360,35 +359,45 @@ class H2Connection(h2.connection.H2Connection):
 
     # -- unary streams: in -----------------------------------------------------------
 
+    def _moved(self, given: h2.connection.ConnectionInputs) -> list[h2.events.Event]:
+        # h2's table, for every input given here: in SERVER_OPEN, no action and no move.
+        machine = self.state_machine
+        return [] if machine.state is _SERVER_OPEN else machine.process_input(given)
+
     @property
     def open_inbound_streams(self) -> int:
         return super().open_inbound_streams + len(self.unary)
 
     def _receive_frame(self, frame: hyperframe_frame.Frame) -> list[h2.events.Event]:
-        stream_id = frame.stream_id
-        if stream_id:
-            unary = self.unary.get(stream_id)
-            kind = type(frame)
-            if unary is not None:
-                if kind is hyperframe_frame.DataFrame and not unary.remote_ended:
-                    return self._unary_data(
-                        stream_id, unary, cast(hyperframe_frame.DataFrame, frame)
-                    )
-                delta = getattr(frame, "window_increment", 0)
-                if kind is _Window and unary.outbound + delta <= _MAX_WINDOW:
-                    events = self.state_machine.process_input(_RECV_WINDOW_UPDATE)
-                    unary.outbound += delta
-                    events.append(h2.events.WindowUpdated(stream_id=stream_id, delta=delta))
-                    return events
-                self._promote(stream_id)
-            elif kind is hyperframe_frame.HeadersFrame and self.unary_paths:
-                opened = self._unary_headers(cast(hyperframe_frame.HeadersFrame, frame))
-                if opened is not None:
-                    return opened
-                try:
-                    return super()._receive_frame(frame)
-                finally:
-                    self._caching_decoder.predecoded = None
+        f: Any = frame  # its kind's attributes, without a cast() call per frame
+        stream_id, kind = f.stream_id, type(f)
+        unary = self.unary.get(stream_id) if stream_id else None
+        if unary is not None:
+            if kind is _Data and not unary.remote_ended:
+                return self._unary_data(stream_id, unary, f)
+            if kind is _Window and unary.outbound + f.window_increment <= _MAX_WINDOW:
+                events = self._moved(_RECV_WINDOW_UPDATE)
+                unary.outbound += f.window_increment
+                events.append(
+                    h2.events.WindowUpdated(stream_id=stream_id, delta=f.window_increment)
+                )
+                return events
+            self._promote(stream_id)
+        elif (
+            kind is _Window
+            and stream_id % 2
+            and stream_id <= self.highest_inbound_stream_id
+            and stream_id not in self.streams
+        ):  # a closed stream's (the client's, for an answer it read): h2 drops it
+            return self._moved(_RECV_WINDOW_UPDATE)
+        elif kind is hyperframe_frame.HeadersFrame and stream_id and self.unary_paths:
+            opened = self._unary_headers(f)
+            if opened is not None:
+                return opened
+            try:
+                return super()._receive_frame(frame)
+            finally:
+                self._caching_decoder.predecoded = None
         return super()._receive_frame(frame)
 
     def _unary_headers(self, frame: hyperframe_frame.HeadersFrame) -> list[h2.events.Event] | None:
@@ -414,7 +423,7 @@ class H2Connection(h2.connection.H2Connection):
                 break
         else:
             if path in self.unary_paths:
-                events = self.state_machine.process_input(_RECV_HEADERS)
+                events = self._moved(_RECV_HEADERS)
                 self.highest_inbound_stream_id = stream_id
                 end = "END_STREAM" in frame.flags
                 self.unary[stream_id] = UnaryStream(
@@ -436,7 +445,7 @@ class H2Connection(h2.connection.H2Connection):
     ) -> list[h2.events.Event]:
         # h2's _receive_data_frame and H2Stream.receive_data, in their order.
         flow = frame.flow_controlled_length
-        events = self.state_machine.process_input(_RECV_DATA)
+        events = self._moved(_RECV_DATA)
         self._inbound_flow_control_window_manager.window_consumed(flow)
         unary.inbound.window_consumed(flow)
         data = h2.events.DataReceived(
@@ -466,11 +475,8 @@ class H2Connection(h2.connection.H2Connection):
         machine.headers_received = True
         if unary.sending:
             machine.headers_sent = True
-        machine.state = (
-            h2.stream.StreamState.HALF_CLOSED_REMOTE
-            if unary.remote_ended
-            else h2.stream.StreamState.OPEN
-        )
+        states = h2.stream.StreamState
+        machine.state = states.HALF_CLOSED_REMOTE if unary.remote_ended else states.OPEN
         self.streams[stream_id] = stream
 
     # Every h2 call that looks a stream up finds h2's own.
@@ -491,16 +497,10 @@ class H2Connection(h2.connection.H2Connection):
             self._promote(stream_id)
         super().increment_flow_control_window(increment, stream_id)
 
-    def send_data(
-        self,
-        stream_id: int,
-        data: bytes | memoryview,
-        end_stream: bool = False,
-        pad_length: Any = None,
-    ) -> None:
+    def send_data(self, stream_id: int, *args: Any, **kwargs: Any) -> None:
         if stream_id in self.unary:
             self._promote(stream_id)
-        super().send_data(stream_id, data, end_stream, pad_length)
+        super().send_data(stream_id, *args, **kwargs)
 
     # A new initial window changes every stream's: h2 changes its own.
     def _flow_control_change_from_settings(self, old_value: int | None, new_value: int) -> None:
@@ -541,7 +541,7 @@ class H2Connection(h2.connection.H2Connection):
             block = self._caching_encoder.constant_block(headers)
             size = len(block) if block is not None else 0
             if block is not None and size <= self.max_outbound_frame_size:
-                self.state_machine.process_input(_SEND_HEADERS)
+                self._moved(_SEND_HEADERS)
                 self._data_to_send += _FRAME_HEADER.pack(
                     size >> 8, size & 0xFF, _HEADERS_FRAME, _END_HEADERS | end, stream_id
                 )
@@ -633,7 +633,7 @@ class H2Connection(h2.connection.H2Connection):
             ):
                 return False
             else:
-                self.state_machine.process_input(_SEND_DATA)
+                self._moved(_SEND_DATA)
                 unary.outbound -= size
                 self.outbound_flow_control_window -= size
                 self._data_to_send += _FRAME_HEADER.pack(
