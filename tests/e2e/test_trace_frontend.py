@@ -455,3 +455,48 @@ def test_an_error_response_has_the_frontends_response_and_send_timestamps(tmp_pa
     names = {request_id: [name for name, _ in t["stamps"]] for request_id, t in traces.items()}
     assert names["tritonclient.http"] == HTTP_ORDER
     assert names["tritonclient.grpc"] == GRPC_ORDER
+
+
+def test_generate_stream_has_a_send_pair_per_response(tmp_path):
+    """server src/http_server.cc GenerateRequestClass::SendChunkResponse: each
+    response written as a chunk has its HTTP_SEND_START / HTTP_SEND_END (Triton
+    takes them from libevhtp fields it does not fill for chunks, its own FIXME;
+    here each is the chunk's write)."""
+    import textwrap
+
+    from tests.e2e.test_generate import DECOUPLED_CONFIG, DECOUPLED_MODEL
+
+    root = tmp_path / "models"
+    write_model(
+        root,
+        "tokens",
+        DECOUPLED_CONFIG.format(name="tokens"),
+        {"1/model.py": textwrap.dedent(DECOUPLED_MODEL)},
+    )
+    trace_file = tmp_path / "trace.json"
+    proc = ServerProcess(
+        root,
+        args=[
+            f"--trace-config=triton,file={trace_file}",
+            "--trace-config=level=TIMESTAMPS",
+            "--trace-config=rate=1",
+        ],
+    )
+    try:
+        proc.wait_ready(path="/v2/health/ready")
+        connection = HTTPConnection("127.0.0.1", proc.http_port, timeout=30)
+        body = json.dumps({"COUNT": 3, "id": "stream"})
+        connection.request("POST", "/v2/models/tokens/generate_stream", body)
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.read().count(b"data: ") == 3
+        connection.close()
+        assert proc.stop() == 0, proc.output()
+    finally:
+        proc.close()
+    (trace,) = _traces(json.loads(trace_file.read_text())).values()
+    names = [name for name, _ in trace["stamps"]]
+    assert names.count("HTTP_SEND_START") == names.count("HTTP_SEND_END") == 3
+    assert names.count("INFER_RESPONSE_COMPLETE") == 3
+    sends = [ns for name, ns in trace["stamps"] if name.startswith("HTTP_SEND")]
+    assert sends == sorted(sends)

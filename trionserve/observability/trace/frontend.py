@@ -21,7 +21,9 @@ Where Triton takes them, and where these are taken:
 - ``HTTP_SEND_START`` / ``HTTP_SEND_END``: around ``evhtp_send_reply``, the
   answer handed to the connection's buffer (evhtp.c ``evhtp_send_reply``,
   server src/http_server.cc ``InferRequestClass::ReplyCallback``); here around
-  the answer's write. Triton's HTTP frontend writes RECV into the trace as it
+  the answer's write; a streamed answer (``generate_stream``) has a pair per
+  chunk, into the trace as it is written (http_server.cc
+  ``SendChunkResponse``). Triton's HTTP frontend writes RECV into the trace as it
   samples it, before REQUEST_START (http_server.cc ``HTTPAPIServer::StartTrace``),
   and SEND as it replies, after REQUEST_END.
 - ``GRPC_WAITREAD_START`` / ``GRPC_WAITREAD_END``: around the wait for the
@@ -100,6 +102,16 @@ class FrontendStamps:
     def stamp(self, name: str) -> None:
         """Record ``name`` now, after REQUEST_END in the trace."""
         self.after.append((name, now_ns()))
+
+    def sent_chunk(self, start: int, end: int) -> None:
+        """A chunk of a streamed answer was written (HTTP_SEND_START / _END at
+        ``start`` / ``end``): into the trace as it happens, as Triton's
+        SendChunkResponse captures it (server src/http_server.cc)."""
+        if self.trace is not None:
+            self.trace.timestamp("HTTP_SEND_START", start)
+            self.trace.timestamp("HTTP_SEND_END", end)
+        else:
+            self.after += [("HTTP_SEND_START", start), ("HTTP_SEND_END", end)]
 
     def response_complete(self) -> None:
         """The frontend got a response (INFER_RESPONSE_COMPLETE)."""

@@ -499,6 +499,8 @@ class _Connection:
                 if not self._scope.cancel_called:
                     await self._cut()
                 raise
+            if isinstance(chunks, AsyncIterator):  # a pair per chunk (_stream)
+                return await self.respond(status, headers, chunks)
             stamps.stamp("HTTP_SEND_START")
             kept = await self.respond(status, headers, chunks)
             stamps.stamp("HTTP_SEND_END")
@@ -587,6 +589,7 @@ class _Connection:
         a checkpoint (the iterator's wait for its next chunk is one)."""
         h1 = self.h1
         stream = self.stream
+        stamps = HTTP_STAMPS.get()
         try:
             head = h1.start_response(status, headers, self.server.draining, streamed=True)
             if h1.head_only:
@@ -606,24 +609,31 @@ class _Connection:
                     # Written from ``waiting``: the chunk itself is let go, not
                     # held twice while a slow client takes it.
                     chunk = b""
-                    await self._send_chunk(waiting)
+                    await self._send_chunk(waiting, stamps)
                     waiting = b""
+            last = waiting  # the last chunk's data, if any, goes with the end
             if chunked:
                 waiting += LAST_CHUNK
             if waiting:
-                await self._send_chunk(waiting)
+                await self._send_chunk(waiting, stamps if last else None)
         finally:
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 with trio.CancelScope(shield=True):
                     await aclose()
 
-    async def _send_chunk(self, data: bytes) -> None:
-        """A streamed chunk: over 64 KB, counted in the budget while written."""
+    async def _send_chunk(self, data: bytes, stamps: FrontendStamps | None = None) -> None:
+        """A streamed chunk: over 64 KB, counted in the budget while written. A
+        traced request's chunk has an HTTP_SEND_START / HTTP_SEND_END pair, as
+        Triton's generate_stream writes one per response (server
+        src/http_server.cc GenerateRequestClass::SendChunkResponse)."""
+        start = now_ns() if stamps is not None else 0
         if len(data) <= _JOIN_LIMIT:
             await send_all(self.stream, data)
         else:
             await self._held(len(data), send_all(self.stream, data))
+        if stamps is not None:
+            stamps.sent_chunk(start, now_ns())
 
     async def _held(self, size: int, write: Awaitable[None]) -> None:
         """Run ``write`` of ``size`` bytes counted in the budget as held for the
