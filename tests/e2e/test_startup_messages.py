@@ -10,6 +10,7 @@ import shutil
 import socket
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
@@ -141,6 +142,13 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
             grpc.infer("absent", grpc_inputs)
         except Exception:
             pass
+        # A tensor the server cannot decode (a BYTES element cut short): Triton's
+        # Execute logs it as any failure (grpc/infer_handler.cc:987).
+        malformed = grpcclient.InferInput("INPUT0", [1], "BYTES")
+        malformed.set_data_from_numpy(np.array([b"abc"], dtype=np.object_))
+        malformed._raw_content = b"\x05\x00\x00\x00ab"
+        with pytest.raises(Exception, match="BYTES|byte"):
+            grpc.infer("identity_bytes", [malformed], request_id="cut-short")
         answers: queue.Queue = queue.Queue()
         grpc.start_stream(callback=lambda result, error: answers.put((result, error)))
         grpc.async_stream_infer("simple", grpc_inputs)
@@ -166,6 +174,7 @@ def test_startup_overview_and_ready_only_when_ready(tmp_path):
         # (server src/http_server.cc:4857, grpc/infer_handler.cc:1030).
         assert re.search(r"HTTP request: 2 /v2/models/simple/infer", output)
         assert "[request id: <id_unknown>] Infer failed: " in output
+        assert "[request id: cut-short] Infer failed: " in output
     finally:
         server.close()
 

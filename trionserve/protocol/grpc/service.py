@@ -401,7 +401,12 @@ class GrpcService:
     async def _model_infer(
         self, data: grpc_framing.Message, call: GrpcCall, shared_memory: RequestRegions | None
     ) -> list:
-        request = grpc_codec.decode_infer_request(data, shared_memory)
+        message, raws = grpc_codec.parse_infer_request(data)
+        try:
+            request = grpc_codec.decode_infer_request(message, shared_memory, raws)
+        except TritonError as error:  # Triton's Execute logs it too (infer_handler.cc:987)
+            log_infer_failed(message.id, error.message)
+            raise
         self._forward_headers(call, request)
         if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
             request.trace_context = getattr(call, "stamps", None)
