@@ -14,7 +14,7 @@ from tests.fake_backend import instance_backend
 from trionserve import api
 from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.manager import BackendManager
-from trionserve.core.errors import InvalidArgument, Unavailable
+from trionserve.core.errors import InvalidArgument
 
 # auto_complete_config runs in a stub started with this server's Python settings;
 # the model reports the stub's shared-memory arena size (on the stub's command line,
@@ -130,7 +130,7 @@ def test_backends_given_to_a_manager_are_its_own():
     config = ModelConfig(name="m", backend="test_own")
     backends = instance_backend("test_own", lambda context, spec: None)
     assert BackendManager(backends=backends).backend_for(config).name == "test_own"
-    with pytest.raises(Unavailable, match="backend 'test_own'"):
+    with pytest.raises(InvalidArgument, match="for backend 'test_own'"):
         BackendManager().backend_for(config)
 
 
@@ -141,7 +141,7 @@ def test_backend_directories_belong_to_their_manager(tmp_path):
     there.mkdir()
     config = ModelConfig(name="m", backend="mine")
     assert BackendManager(directories=[here]).backend_for(config).name == "python"
-    with pytest.raises(Unavailable, match="Python-based backend at .*there/mine/model.py"):
+    with pytest.raises(InvalidArgument, match="Python-based backend at .*there/mine/model.py"):
         BackendManager(directories=[there]).backend_for(config)
 
 

@@ -525,7 +525,7 @@ async def test_load_model_star_loads_everything_at_startup(repo):
 
 
 async def test_load_and_unload_write_tritons_own_lines(repo, events):
-    """Triton's core writes these at info (model_lifecycle.cc:472, :624, :777,
+    """Triton's core writes these (model_lifecycle.cc:472, :624, :654, :777,
     :839); users and their log tooling grep them."""
     fake_model(repo, "m", {1: 1.0, 2: 2.0}, extra="version_policy: { all: {} }")
     fake_model(repo, "bad")
@@ -542,8 +542,14 @@ async def test_load_and_unload_write_tritons_own_lines(repo, events):
     lines = [e for e, f in events if not f]
     # Versions load and unload concurrently: each pair in either order.
     assert sorted(lines[:2]) == ["loading: m:1", "loading: m:2"]
-    assert lines[2:5] == ["successfully loaded 'm'", "loading: bad:1", "failed to load 'bad'"]
-    assert sorted(lines[5:]) == [
+    assert lines[2:6] == [
+        "successfully loaded 'm'",
+        "loading: bad:1",
+        # The version's error (:654, an error), then the load's end (:777).
+        "failed to load 'bad' version 1: Internal: injected load failure",
+        "failed to load 'bad'",
+    ]
+    assert sorted(lines[6:]) == [
         "successfully unloaded 'm' version 1",
         "successfully unloaded 'm' version 2",
     ]
@@ -605,3 +611,26 @@ async def test_an_ensemble_step_naming_a_model_no_repository_has(repo):
             "contains models that are not available or ambiguous: absent, gone"
         )
         server.shutdown()
+
+
+async def test_a_backend_that_does_not_exist_fails_each_version_as_triton_logs_it(repo, events):
+    """Triton finds a model's backend when a version loads (core backend_model.cc
+    LocateBackendLibrary), so the model is polled and its versions fail; each
+    failure is logged as core model_lifecycle.cc does, the status code first."""
+    (repo / "odd" / "1").mkdir(parents=True)
+    (repo / "odd" / "config.pbtxt").write_text('backend: "nowhere"\n')
+    server = make_server(repo)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        with pytest.raises(TritonError) as caught:
+            await server.dataplane.load_model("odd")
+        server.shutdown()
+    triton_words = (
+        "unable to find backend library for backend 'nowhere', try specifying runtime on the "
+        "model configuration."
+    )
+    assert triton_words in caught.value.message
+    state, reason = rows(server, "odd")["1"]
+    assert state == "UNAVAILABLE" and reason.startswith(triton_words)
+    failed = [e for e, f in events if e.startswith("failed to load 'odd' version 1: ")]
+    assert failed == [f"failed to load 'odd' version 1: Invalid argument: {reason}"]

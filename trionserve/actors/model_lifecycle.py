@@ -27,7 +27,7 @@ from trionserve.actors.registry_entries import (
     load_error,
 )
 from trionserve.backends.base import InferenceService
-from trionserve.core.errors import TritonError, Unavailable, as_triton_error
+from trionserve.core.errors import TritonError, Unavailable, as_status_string, as_triton_error
 from trionserve.observability.custom_metrics import CustomMetrics
 from trionserve.observability.metrics import uncustomizable_families
 from trionserve.observability.quantiles import Target
@@ -280,6 +280,11 @@ class ModelLifeCycle:
         except Exception as exc:
             error = as_triton_error(exc, "failed to load")
             errors[version.version] = error
+            # Triton's line (core model_lifecycle.cc:654, CreateModel).
+            log.error(
+                f"failed to load '{entry.model_id.display}' version {version.version}: "
+                + as_status_string(error)
+            )
             self._transition(version, "LOADING", "UNAVAILABLE", error.message)
             return
         self._transition(version, "LOADING", "READY", reason)

@@ -20,7 +20,7 @@ import trio
 
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
 from trionserve.backends.cuda.devices import gpu_count
-from trionserve.backends.manager import BackendManager
+from trionserve.backends.manager import BackendManager, BackendNotFound, MissingBackend
 from trionserve.core.errors import (
     InternalError,
     InvalidArgument,
@@ -131,7 +131,10 @@ def prepare_model(
             f"unexpected directory name '{model_dir.name}' for model '{config.name}', "
             "directory name must equal model name"
         )
-    backend = (backends or BackendManager()).backend_for(config)
+    try:
+        backend: Backend = (backends or BackendManager()).backend_for(config)
+    except BackendNotFound as missing:
+        backend = MissingBackend(config.backend, missing)  # its versions fail to load
     try:
         versions = select_versions(config, list_versions(model_dir, warn=True))
     except InvalidArgument as no_versions:

@@ -14,13 +14,13 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
 from trionserve.backends import registry
 from trionserve.backends.backend_config import BackendConfig
-from trionserve.backends.base import Backend
+from trionserve.backends.base import Backend, ModelContext
 from trionserve.backends.python import settings as python_settings
 from trionserve.core.errors import InvalidArgument, Unavailable
 from trionserve.observability.custom_metrics import CustomMetrics
@@ -34,6 +34,41 @@ log = structlog.get_logger(__name__)
 
 # The global backend setting auto-complete reads (Triton's default: 4).
 DEFAULT_MAX_BATCH_SIZE = "default-max-batch-size"
+
+
+class BackendNotFound(InvalidArgument):
+    """No backend of the name a config gives. Triton looks for it only when a
+    version loads (core src/backend_model.cc:441, LocateBackendLibrary): the model
+    is polled, and each version fails with this (see :class:`MissingBackend`)."""
+
+
+class MissingBackend:
+    """The backend of a model whose backend does not exist: it completes
+    nothing, and every version's load fails with the reason, as in Triton."""
+
+    def __init__(self, name: str, error: BackendNotFound) -> None:
+        self.name = name
+        self.error = error
+
+    def default_model_filename(self) -> str:
+        return ""
+
+    def auto_complete_config(
+        self, config: ModelConfig, model_path: Path, max_batch_size_set: bool
+    ) -> None:
+        return None
+
+    def auto_complete_source(self, version_dir: Path, filename: str) -> Path:
+        return version_dir / filename
+
+    def configure(self, settings: Mapping[str, str]) -> None:
+        return None
+
+    def can_use_gpu(self) -> bool:
+        return False
+
+    def load(self, context: ModelContext) -> NoReturn:
+        raise self.error
 
 
 class BackendManager:
@@ -116,6 +151,13 @@ class BackendManager:
         searched = ", ".join(
             str(d / (config.backend or "<backend>") / "model.py") for d in self.directories
         )
+        if config.backend:
+            raise BackendNotFound(
+                f"unable to find backend library for backend '{config.backend}', try "
+                "specifying runtime on the model configuration. (this server serves no "
+                f"backend '{config.backend}', and there is no Python-based backend at "
+                f"{searched or 'no backend directory'})"
+            )
         raise Unavailable(
             f"model '{config.name}': backend '{config.backend}' / platform "
             f"'{config.platform}' is not supported by this server (nor is there a "

@@ -83,3 +83,22 @@ def as_triton_error(exc: BaseException, context: str = "") -> TritonError:
         return exc
     prefix = f"{context}: " if context else ""
     return InternalError(f"{prefix}{type(exc).__name__}: {exc}")
+
+
+# How Triton writes each status code before a message it logs or keeps as a
+# reason (common src/error.cc Error::CodeString, Error::AsString:
+# "<code>: <message>"). Codes Triton's core has no name for are "Unknown".
+_TRITON_CODE_STRINGS = {
+    Status.UNKNOWN: "Unknown",
+    Status.INTERNAL: "Internal",
+    Status.NOT_FOUND: "Not found",
+    Status.INVALID_ARGUMENT: "Invalid argument",
+    Status.UNAVAILABLE: "Unavailable",
+    Status.UNIMPLEMENTED: "Unsupported",
+    Status.ALREADY_EXISTS: "Already exists",
+}
+
+
+def as_status_string(error: TritonError) -> str:
+    """``error`` as Triton's ``Status::AsString`` writes it: ``Invalid argument: ...``."""
+    return f"{_TRITON_CODE_STRINGS.get(error.status, 'Unknown')}: {error.message}"
