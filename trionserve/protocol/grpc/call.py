@@ -207,7 +207,7 @@ class GrpcCall:
         if compressed:
             level = conn.options.response_compression_level or 0
             chunks = [grpc_framing.compress(b"".join(chunks), level)]
-        size = sum(len(c) for c in chunks)
+        size = sum(map(len, chunks))
         head = grpc_framing.prefix(size, compressed)
         conn.sending(size)
         try:

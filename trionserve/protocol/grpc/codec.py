@@ -321,7 +321,7 @@ def _decode_inputs(
                 f"{', '.join(BY_WIRE)}, got {json.dumps(spec.datatype)}"
             )
         shape = list(spec.shape)
-        if any(d < 0 for d in shape):
+        if shape and min(shape) < 0:
             raise InvalidArgument(
                 f"invalid shape for input '{name}': expected an array of "
                 f"non-negative integers, got {json.dumps(shape)}"
@@ -539,7 +539,7 @@ def encode_empty_final_response(request: InferenceRequest) -> Chunks:
 
 def encode_stream_response(inner: Chunks) -> Chunks:
     """Wrap a serialized ModelInferResponse as a ModelStreamInferResponse."""
-    size = sum(len(c) for c in inner)
+    size = sum(map(len, inner))
     return [_STREAM_RESPONSE_TAG + _varint(size), *inner]
 
 

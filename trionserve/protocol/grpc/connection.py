@@ -317,7 +317,8 @@ class Connection:
             call.error = error
             call.state.request_event(RequestEvent.REFUSE)
             call.messages.clear()
-            self._give(self.buffer.refused(call.account))
+            if windows := self.buffer.refused(call.account):
+                self._give(windows)
             self.h2.acknowledge_received_data(flow, stream_id)
             call.wake()
             return
@@ -352,29 +353,32 @@ class Connection:
     def taken(self, call: GrpcCall, size: int) -> None:
         """A handler took a message: it stays held, as work not answered yet;
         flow control held back for the call's queue may be released."""
-        self._give(self.buffer.taken(call.account, size))
+        if windows := self.buffer.taken(call.account, size):
+            self._give(windows)
 
     def answered(self, call: GrpcCall) -> None:
         """The oldest message ``call`` took is answered."""
-        self._give(self.buffer.answered(call.account))
-        self._drain_event()
+        if windows := self.buffer.answered(call.account):
+            self._give(windows)
+        if self._room:  # receivers wait for room: there may be some
+            self._room.unpark_all()
 
     def answered_all(self, call: GrpcCall) -> None:
         """Everything ``call`` took is answered (a unary call's response)."""
         if call.account.taken:
-            self._give(self.buffer.answered_all(call.account))
-            self._drain_event()
+            if windows := self.buffer.answered_all(call.account):
+                self._give(windows)
+            if self._room:  # receivers wait for room: there may be some
+                self._room.unpark_all()
 
     def sending(self, size: int) -> None:
         """Count ``size`` more bytes of responses waiting to be sent (negative:
         fewer); with the work not answered, they hold new messages back."""
-        self._give(self.buffer.sending(size))
+        if windows := self.buffer.sending(size):
+            self._give(windows)
         if size < 0:
-            self._drain_event()
-
-    def _drain_event(self) -> None:
-        if self._room:
-            self._room.unpark_all()
+            if self._room:  # receivers wait for room: there may be some
+                self._room.unpark_all()
 
     async def wait_for_room(self, size: int) -> None:
         """Wait until a message of ``size`` bytes may be taken (ConnectionBuffer.has_room)."""
@@ -443,9 +447,11 @@ class Connection:
                 if scope is not None and scope.deadline == math.inf:
                     scope.deadline = now + self.idle_timeout
             working = call.account.working
-            self._give(self.buffer.close(call.account))
+            if windows := self.buffer.close(call.account):
+                self._give(windows)
             if working:
-                self._drain_event()
+                if self._room:  # receivers wait for room: there may be some
+                    self._room.unpark_all()
             if self.state.draining and not self.calls:
                 self.close()
         if self._inline is not call:  # else the reader writes it after the read

@@ -92,6 +92,7 @@ _HEADERS_FRAME = 0x1
 _WINDOW_UPDATE_FRAME = 0x8
 _MAX_WINDOW = 2**31 - 1
 _Data, _Window = hyperframe_frame.DataFrame, hyperframe_frame.WindowUpdateFrame
+_HEADER_BLOCKS = (hyperframe_frame.HeadersFrame, hyperframe_frame.PushPromiseFrame)
 _RECV_HEADERS = h2.connection.ConnectionInputs.RECV_HEADERS
 _RECV_DATA = h2.connection.ConnectionInputs.RECV_DATA
 _RECV_WINDOW_UPDATE = h2.connection.ConnectionInputs.RECV_WINDOW_UPDATE
@@ -284,7 +285,8 @@ class FrameBuffer(h2.frame_buffer.FrameBuffer):
             # Checked on the header, before any payload is waited for: a frame
             # announced past SETTINGS_MAX_FRAME_SIZE is refused (FRAME_SIZE_ERROR)
             # instead of buffered whole first, as h2's own FrameBuffer does.
-            self._validate_frame_length(length)
+            if length > self.max_frame_size:
+                self._validate_frame_length(length)
             if len(data) < length + 9:
                 break
             try:
@@ -294,6 +296,8 @@ class FrameBuffer(h2.frame_buffer.FrameBuffer):
             except hyperframe_frame.InvalidFrameError as err:
                 raise h2.exceptions.FrameDataMissingError("Frame data missing or invalid") from err
             del data[: 9 + length]
+            if not self._headers_buffer and not isinstance(frame, _HEADER_BLOCKS):
+                return frame  # h2's _update_header_buffer would return it as it is
             complete = self._update_header_buffer(frame)
             if complete is not None:
                 return complete
@@ -409,7 +413,7 @@ class H2Connection(h2.connection.H2Connection):
             stream_id in self.streams
             or stream_id % 2 == 0
             or stream_id <= self.highest_inbound_stream_id
-            or "PRIORITY" in frame.flags
+            or "PRIORITY" in frame.flags._flags
             # h2's own check, with h2's own cleanup of closed streams
             or self.open_inbound_streams >= self.local_settings.max_concurrent_streams
         ):
@@ -425,7 +429,7 @@ class H2Connection(h2.connection.H2Connection):
             if path in self.unary_paths:
                 events = self._moved(_RECV_HEADERS)
                 self.highest_inbound_stream_id = stream_id
-                end = "END_STREAM" in frame.flags
+                end = "END_STREAM" in frame.flags._flags
                 self.unary[stream_id] = UnaryStream(
                     self.local_settings.initial_window_size,
                     self.remote_settings.initial_window_size,
@@ -452,7 +456,7 @@ class H2Connection(h2.connection.H2Connection):
             stream_id=stream_id, data=frame.data, flow_controlled_length=flow
         )
         events.append(data)
-        if "END_STREAM" in frame.flags:
+        if "END_STREAM" in frame.flags._flags:
             unary.remote_ended = True
             data.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
             events.append(ended)
