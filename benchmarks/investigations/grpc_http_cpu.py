@@ -95,22 +95,26 @@ def _callgrind_python(directory: Path) -> str:
     return str(launcher)
 
 
-def _dumped(directory: Path, pid: int, part: int) -> tuple[int, int]:
-    """(event loop thread, every other thread) instructions of dump ``part``, once
-    valgrind has written it (callgrind_control returns before it has)."""
-    pattern = f"callgrind.out.{pid}.{part}-*"
-    deadline = time.monotonic() + 60
+def _dumped(directory: Path, pid: int, label: str) -> tuple[int, int]:
+    """(event loop thread, every other thread) instructions of the dump made with
+    ``label``, once valgrind has written it (callgrind_control returns before it
+    has; dumps are found by their label, as the server may dump on its own)."""
+    trigger = f"desc: Trigger: dump {label}\n".encode()
+    deadline = time.monotonic() + 120
     while True:
         counts = {}
-        for path in directory.glob(pattern):
-            found = re.search(rb"^totals: (\d+)", path.read_bytes(), re.MULTILINE)
-            counts[path.name] = int(found.group(1)) if found else None
+        for path in directory.glob(f"callgrind.out.{pid}.*"):
+            text = path.read_bytes()
+            if trigger in text[:2048]:
+                found = re.search(rb"^totals: (\d+)", text, re.MULTILINE)
+                counts[path.name] = int(found.group(1)) if found else None
         if counts and None not in counts.values():
-            time.sleep(0.5)
-            if len(list(directory.glob(pattern))) == len(counts):
+            time.sleep(0.5)  # every thread's file written
+            names = {p.name for p in directory.glob(f"callgrind.out.{pid}.*")}
+            if all(name in names for name in counts):
                 break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"callgrind wrote no whole dump {part} for {pid}")
+            raise RuntimeError(f"callgrind wrote no whole dump {label} for {pid}")
         time.sleep(0.2)
     loop = others = 0
     for name, count in counts.items():
@@ -132,7 +136,6 @@ def _callgrind(servers: list, clients: list, labels: list[str], args, directory:
     print(f"server instructions per call ({args.calls} calls a dump), model {args.model}")
     print(f"{'tree':<10} {'protocol':<8} {'event loop':>12} {'others':>10} {'total':>12}")
     totals: dict[tuple[str, str], list[float]] = {}
-    parts = dict.fromkeys(labels, 0)
     for index in range(args.rounds):
         for label, server, by_protocol in zip(labels, servers, clients, strict=True):
             control = functools.partial(_control, server.pid)
@@ -141,10 +144,10 @@ def _callgrind(servers: list, clients: list, labels: list[str], args, directory:
                 control("-i", "on")
                 for _ in range(args.calls):
                     client.infer(args.model, inputs)
-                control("-d", protocol)
+                dump = f"{protocol}-{index}"
+                control("-d", dump)
                 control("-i", "off")
-                parts[label] += 1
-                counted = _dumped(directory, server.pid, parts[label])
+                counted = _dumped(directory, server.pid, dump)
                 loop, others = (count / args.calls for count in counted)
                 totals.setdefault((label, protocol), []).append(loop)
                 print(

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import struct
 from contextlib import asynccontextmanager
 
@@ -428,3 +429,35 @@ async def test_a_protocol_error_closes_with_goaway_and_later_frames_are_dropped(
         await client.stream.send_all(struct.pack(">HBBBL", 0, 8, 0x6, 0, 0) + bytes(8))
         await client.until(lambda c: False)
         assert client.closed
+
+
+def test_the_states_kept_as_attributes_follow_every_move():
+    # reset, client_done, answerable (a call's) and draining, closing (a
+    # connection's) are set with each move: they must say what the state says.
+    for start in (False, True):
+        for events in itertools.product(list(RequestEvent), repeat=2):
+            call = CallState(start)
+            for event in events:
+                try:
+                    call.request_event(event)
+                except LocalProtocolError:
+                    pass
+                assert call.reset == (call.request is Request.RESET)
+                assert call.client_done == (call.request is not Request.OPEN)
+    for events in itertools.product(list(ResponseEvent), repeat=2):
+        call = CallState()
+        for event in events:
+            try:
+                call.response_event(event)
+            except LocalProtocolError:
+                pass
+            assert call.answerable == (call.response in (Response.IDLE, Response.SENDING))
+    for events in itertools.product(list(ConnEvent), repeat=2):
+        connection = ConnectionState()
+        for event in events:
+            try:
+                connection.event(event)
+            except LocalProtocolError:
+                pass
+            assert connection.draining == (connection.state in (Conn.DRAINING, Conn.DRAINED))
+            assert connection.closing == (connection.state in (Conn.CLOSING, Conn.DRAINED))

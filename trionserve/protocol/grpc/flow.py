@@ -139,7 +139,8 @@ class ConnectionBuffer:
         account.working += size
         account.taken.append(size)
         self.working += size
-        return self.hold(0)
+        # Held the same: only windows held back for the call's queue may go now.
+        return self.hold(0) if self._held_back else []
 
     def answered(self, account: Account) -> list[Window]:
         """The oldest message the handler took is answered."""

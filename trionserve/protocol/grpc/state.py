@@ -126,66 +126,61 @@ def _refused(machine: str, state: enum.StrEnum, event: enum.StrEnum) -> LocalPro
 
 
 class CallState:
-    """The two sides' states of one call, moved only by their tables."""
+    """The two sides' states of one call, moved only by their tables.
 
-    __slots__ = ("request", "response")
+    What the call's code asks of them on every call (``reset``, ``client_done``,
+    ``answerable``) is kept as attributes, set with each move: read on the hot
+    path, they cost no call."""
+
+    __slots__ = ("request", "response", "reset", "client_done", "answerable")
 
     def __init__(self, ended: bool = False) -> None:
         self.request = Request.ENDED if ended else Request.OPEN
         self.response = Response.IDLE
+        # The client reset the stream: nobody to answer.
+        self.reset = False
+        # The client sends no more messages that the call will read.
+        self.client_done = ended
+        # The call may still end with a status: not answered, not abandoned.
+        self.answerable = True
 
     def request_event(self, event: RequestEvent) -> None:
         try:
-            self.request = REQUEST_TRANSITIONS[self.request][event]
+            request = self.request = REQUEST_TRANSITIONS[self.request][event]
         except KeyError:
             raise _refused("request side", self.request, event) from None
+        self.reset = request is Request.RESET
+        self.client_done = request is not Request.OPEN
 
     def response_event(self, event: ResponseEvent) -> None:
         try:
-            self.response = RESPONSE_TRANSITIONS[self.response][event]
+            response = self.response = RESPONSE_TRANSITIONS[self.response][event]
         except KeyError:
             raise _refused("response side", self.response, event) from None
-
-    @property
-    def reset(self) -> bool:
-        """The client reset the stream: nobody to answer."""
-        return self.request is Request.RESET
-
-    @property
-    def answerable(self) -> bool:
-        """The call may still end with a status: not answered, not abandoned."""
-        return self.response is Response.IDLE or self.response is Response.SENDING
-
-    @property
-    def client_done(self) -> bool:
-        """The client sends no more messages that the call will read."""
-        return self.request is not Request.OPEN
+        self.answerable = response is Response.IDLE or response is Response.SENDING
 
     def __repr__(self) -> str:
         return f"CallState(request={self.request.name}, response={self.response.name})"
 
 
 class ConnectionState:
-    """A connection's state, moved only by its table."""
+    """A connection's state, moved only by its table; ``draining`` and
+    ``closing`` kept as attributes, set with each move."""
 
-    __slots__ = ("state",)
+    __slots__ = ("state", "draining", "closing")
 
     def __init__(self) -> None:
         self.state = Conn.OPEN
+        # The server told the connection to drain: client-streaming calls stop
+        # reading.
+        self.draining = False
+        # The final GOAWAY is queued: h2 is closed and reads nothing more.
+        self.closing = False
 
     def event(self, event: ConnEvent) -> None:
         try:
-            self.state = CONNECTION_TRANSITIONS[self.state][event]
+            state = self.state = CONNECTION_TRANSITIONS[self.state][event]
         except KeyError:
             raise _refused("connection", self.state, event) from None
-
-    @property
-    def draining(self) -> bool:
-        """The server told the connection to drain: client-streaming calls stop
-        reading."""
-        return self.state is Conn.DRAINING or self.state is Conn.DRAINED
-
-    @property
-    def closing(self) -> bool:
-        """The final GOAWAY is queued: h2 is closed and reads nothing more."""
-        return self.state is Conn.CLOSING or self.state is Conn.DRAINED
+        self.draining = state is Conn.DRAINING or state is Conn.DRAINED
+        self.closing = state is Conn.CLOSING or state is Conn.DRAINED
