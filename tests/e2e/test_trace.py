@@ -444,6 +444,48 @@ async def test_opentelemetry_mode_exports_spans():
     ]
 
 
+async def test_opentelemetry_nests_child_traces_under_their_parents_model_span():
+    """server src/tracer.cc Trace::StartSpan: a child trace (an ensemble's step,
+    a BLS request given the request's trace) is a span of its parent's model
+    span and has no InferRequest root of its own (qa/L0_trace
+    opentelemetry_unittest, bls_simple: 6 spans, one root). A child finishing
+    before its parent waits for it; one finishing after finds its span."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    tracing = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, mode="opentelemetry"),
+        span_processor=SimpleSpanProcessor(exporter),
+    )
+    bls, ensemble, simple, late = _Model("bls"), _Model("ens"), _Model("simple"), _Model("late")
+    top = tracing.start(bls, _Request("r"))
+    middle = tracing.start_child(ensemble, top, _Request())
+    leaf = tracing.start_child(simple, middle, _Request())
+    after = tracing.start_child(late, top, _Request())
+    tracing.finish(leaf, simple, _Request())
+    assert exporter.get_finished_spans() == ()  # waits for its parent
+    tracing.finish(middle, ensemble, _Request())
+    tracing.finish(top, bls, _Request())
+    tracing.finish(after, late, _Request())
+    spans = exporter.get_finished_spans()
+    by_id = {span.context.span_id: span.name for span in spans}
+    parents = sorted(
+        (span.name, by_id.get(span.parent.span_id) if span.parent else None) for span in spans
+    )
+    assert parents == [
+        ("InferRequest", None),
+        ("bls", "InferRequest"),
+        ("ens", "bls"),
+        ("late", "bls"),
+        ("simple", "ens"),
+    ]
+    assert {span.attributes["triton.trace_parent_id"] for span in spans if span.name == "ens"} == {
+        top.id
+    }
+
+
 def test_a_collector_url_without_a_scheme_is_http():
     """L0_trace's url=localhost:10000/v1/traces: Triton's exporter (curl) takes it
     as http; the Python exporter needs the scheme spelled out."""

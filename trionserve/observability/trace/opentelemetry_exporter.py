@@ -7,7 +7,8 @@ only when this mode is chosen.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -26,6 +27,11 @@ def otlp_endpoint(url: str) -> str:
     scheme as http (L0_trace: ``url=localhost:10000/v1/traces``); the Python
     exporter's client needs the scheme."""
     return url if "://" in url else f"http://{url}"
+
+
+# Model spans kept for children finishing after their parent, and children
+# waiting for their parent: at most this many each.
+_MAX_KEPT = 4096
 
 
 class OpenTelemetryExporter:
@@ -75,8 +81,32 @@ class OpenTelemetryExporter:
         self._tracer = self._provider.get_tracer("triton-server")
         # Trio's clock has its own origin; spans carry wall-clock nanoseconds.
         self._offset: int | None = None
+        # A child trace (an ensemble's step, a BLS request given the request's
+        # trace) is a span of its parent's model span, as in Triton (server
+        # src/tracer.cc Trace::StartSpan: a child's REQUEST_START span takes its
+        # parent trace's span as parent; only a trace with no parent has the root
+        # InferRequest span). Children usually finish first: they wait for their
+        # parent here; the model spans of exported traces are kept for children
+        # finishing later. Both bounded.
+        self._model_spans: OrderedDict[int, Any] = OrderedDict()
+        self._waiting: dict[int, list[Trace]] = {}
+        self._waiting_count = 0
 
     def export(self, trace: Trace) -> None:
+        from opentelemetry import trace as otel
+
+        parent = trace.parent_id
+        if parent is None:
+            self._export(trace, None)
+        elif parent in self._model_spans:
+            self._export(trace, otel.set_span_in_context(self._model_spans[parent]))
+        elif self._waiting_count < _MAX_KEPT:
+            self._waiting.setdefault(parent, []).append(trace)
+            self._waiting_count += 1
+        else:  # a parent that never came: exported on its own
+            self._export(trace, None)
+
+    def _export(self, trace: Trace, parent: Any) -> None:
         from opentelemetry import trace as otel
 
         if self._offset is None:
@@ -93,15 +123,17 @@ class OpenTelemetryExporter:
         if stamps:
             first = min(start, min(ns for _, ns in stamps) + wall)
             last = max(end, max(ns for _, ns in stamps) + wall)
-        root = self._tracer.start_span("InferRequest", start_time=first)
-        for name, ns in frontend.before if frontend is not None else ():
-            root.add_event(name, timestamp=ns + wall)
-        context = otel.set_span_in_context(root)
-        model = self._tracer.start_span(trace.model_name, context=context, start_time=start)
+        root = None
+        if parent is None:
+            root = self._tracer.start_span("InferRequest", start_time=first)
+            for name, ns in frontend.before if frontend is not None else ():
+                root.add_event(name, timestamp=ns + wall)
+            parent = otel.set_span_in_context(root)
+        model = self._tracer.start_span(trace.model_name, context=parent, start_time=start)
         model.set_attribute("triton.model_name", trace.model_name)
         model.set_attribute("triton.model_version", trace.model_version)
         model.set_attribute("triton.trace_id", trace.id)
-        model.set_attribute("triton.trace_parent_id", 0)
+        model.set_attribute("triton.trace_parent_id", trace.parent_id or 0)
         if trace.request_id:
             model.set_attribute("triton.request_id", trace.request_id)
         # A stack of spans, as Triton's Trace::AddEvent keeps one (src/tracer.cc):
@@ -112,7 +144,8 @@ class OpenTelemetryExporter:
         for name, ns in trace.events:
             at = ns + wall
             if name == "INFER_RESPONSE_COMPLETE":  # taken by the frontend
-                root.add_event(name, timestamp=at)
+                if root is not None:
+                    root.add_event(name, timestamp=at)
                 continue
             custom = name.startswith("CUSTOM_")
             if name == "COMPUTE_START" or (custom and name.endswith("_START")):
@@ -125,9 +158,17 @@ class OpenTelemetryExporter:
         for span in reversed(stack[1:]):  # a span a backend left open
             span.end(end_time=end)
         model.end(end_time=end)
-        for name, ns in frontend.after if frontend is not None else ():
-            root.add_event(name, timestamp=ns + wall)
-        root.end(end_time=last)
+        if root is not None:
+            for name, ns in frontend.after if frontend is not None else ():
+                root.add_event(name, timestamp=ns + wall)
+            root.end(end_time=last)
+        self._model_spans[trace.id] = model
+        if len(self._model_spans) > _MAX_KEPT:
+            self._model_spans.popitem(last=False)
+        children = self._waiting.pop(trace.id, [])
+        self._waiting_count -= len(children)
+        for child in children:
+            self._export(child, otel.set_span_in_context(model))
 
     def shutdown(self) -> None:
         self._provider.shutdown()
