@@ -486,6 +486,32 @@ async def test_opentelemetry_nests_child_traces_under_their_parents_model_span()
     }
 
 
+async def test_every_resource_setting_is_a_resource_attribute():
+    """server src/tracer.cc:517: each opentelemetry,resource=<key>=<value> given
+    (qa/L0_trace gives test.key and service.name) is an attribute of the spans'
+    resource."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    config = parse_trace_config(
+        [
+            "mode=opentelemetry",
+            "level=TIMESTAMPS",
+            "rate=1",
+            "opentelemetry,resource=test.key=test.value",
+            "opentelemetry,resource=service.name=test_triton",
+        ]
+    )
+    tracing = TraceManager(config, span_processor=SimpleSpanProcessor(exporter))
+    model = _Model("simple")
+    tracing.finish(tracing.start(model, _Request("r")), model, _Request("r"))
+    attributes = exporter.get_finished_spans()[0].resource.attributes
+    assert attributes["test.key"] == "test.value"
+    assert attributes["service.name"] == "test_triton"
+
+
 def test_a_collector_url_without_a_scheme_is_http():
     """L0_trace's url=localhost:10000/v1/traces: Triton's exporter (curl) takes it
     as http; the Python exporter needs the scheme spelled out."""

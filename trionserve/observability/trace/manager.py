@@ -81,7 +81,7 @@ class TraceManager:
         self._buffered_bytes = 0  # finished traces not yet handed to the writer
         self._otel = None
         if config.mode == "opentelemetry":
-            self._otel = OpenTelemetryExporter(dict(config.opentelemetry), span_processor)
+            self._otel = OpenTelemetryExporter(config.opentelemetry, span_processor)
         self.active = False
         self._refresh()
 

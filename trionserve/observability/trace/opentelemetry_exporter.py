@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -46,7 +47,12 @@ class OpenTelemetryExporter:
     (or a span processor given for tests).
     """
 
-    def __init__(self, settings: dict[str, str], processor: SpanProcessor | None = None) -> None:
+    def __init__(
+        self, settings: Sequence[tuple[str, str]], processor: SpanProcessor | None = None
+    ) -> None:
+        """``settings``: the ``opentelemetry,<name>=<value>`` pairs in order; every
+        ``resource`` pair is a resource attribute (Triton takes each one given,
+        server src/command_line_parser.cc)."""
         try:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
@@ -58,7 +64,7 @@ class OpenTelemetryExporter:
                 f"({exc})"
             ) from None
         attributes = {"service.name": "triton-inference-server"}
-        for key, value in settings.items():
+        for key, value in settings:
             if key == "resource":
                 name, _, val = value.partition("=")
                 attributes[name] = val
@@ -69,7 +75,7 @@ class OpenTelemetryExporter:
                 raise TritonError(
                     f"trace mode opentelemetry needs opentelemetry-exporter-otlp-proto-http ({exc})"
                 ) from None
-            merged = {**OTEL_DEFAULTS, **settings}
+            merged = {**OTEL_DEFAULTS, **dict(settings)}
             processor = BatchSpanProcessor(
                 OTLPSpanExporter(endpoint=otlp_endpoint(merged["url"])),
                 max_queue_size=int(merged["bsp_max_queue_size"]),
