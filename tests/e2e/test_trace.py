@@ -512,6 +512,42 @@ async def test_every_resource_setting_is_a_resource_attribute():
     assert attributes["service.name"] == "test_triton"
 
 
+async def test_opentelemetry_traces_a_request_under_its_clients_context():
+    """server src/tracer.cc GetTraceStartOptions / SampleTrace: in mode
+    opentelemetry a request whose client sent a valid W3C traceparent is traced
+    whatever the rate and count (rate 0: only those; qa/L0_trace's "OTel WAR"),
+    its InferRequest span a child of the client's span in the client's trace."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from trionserve.observability.trace.frontend import FrontendStamps, valid_traceparent
+
+    given = "00-0af7651916cd43dd8448eb211c12666c-b7ad6b7169242424-01"
+    assert valid_traceparent(given.encode()) == given
+    for bad in ("ff" + given[2:], given.replace("0af7", "zzzz"), "00-" + "0" * 32 + given[35:], ""):
+        assert valid_traceparent(bad) is None
+    exporter = InMemorySpanExporter()
+    tracing = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=0, mode="opentelemetry"),
+        span_processor=SimpleSpanProcessor(exporter),
+    )
+    assert tracing.active  # the frontends look for a context
+    model = _Model("simple")
+    assert tracing.start(model, _Request("plain"), FrontendStamps()) is None
+    stamps = FrontendStamps()
+    stamps.traceparent = valid_traceparent(given)
+    trace = tracing.start(model, _Request("traced"), stamps)
+    assert trace is not None
+    tracing.finish(trace, model, _Request("traced"))
+    stamps.release()
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    root = spans["InferRequest"]
+    assert root.parent is not None and root.parent.span_id == 0xB7AD6B7169242424
+    assert root.context.trace_id == 0x0AF7651916CD43DD8448EB211C12666C
+    assert spans["simple"].parent.span_id == root.context.span_id
+
+
 def test_a_collector_url_without_a_scheme_is_http():
     """L0_trace's url=localhost:10000/v1/traces: Triton's exporter (curl) takes it
     as http; the Python exporter needs the scheme spelled out."""

@@ -48,6 +48,7 @@ Every one of them is on Trio's clock, as the data plane's timestamps are.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
@@ -59,12 +60,28 @@ from trionserve.observability.trace.trace_file import clock_ns
 if TYPE_CHECKING:
     from trionserve.observability.trace.trace_file import Trace
 
-__all__ = ["HTTP_STAMPS", "FrontendStamps", "now_ns"]
+__all__ = ["HTTP_STAMPS", "FrontendStamps", "now_ns", "valid_traceparent"]
 
 # The stamps of the HTTP request its connection's task is handling, while
 # tracing is on: set by the transport, read by the handlers that make an
 # inference request of it (no other code reads it).
 HTTP_STAMPS: ContextVar[FrontendStamps | None] = ContextVar("trionserve_http_stamps", default=None)
+
+
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
+
+
+def valid_traceparent(value: str | bytes | None) -> str | None:
+    """A W3C ``traceparent`` value if it is a valid one (version not ``ff``, trace
+    and parent ids not all zeros), as OpenTelemetry's HttpTraceContext extracts
+    it for Triton's frontends (server src/tracer.cc GetTraceStartOptions)."""
+    if value is None:
+        return None
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    match = _TRACEPARENT.fullmatch(text.strip())
+    if match is None or match[1] == "ff" or not int(match[2], 16) or not int(match[3], 16):
+        return None
+    return match[0]
 
 
 def now_ns() -> int:
@@ -79,11 +96,14 @@ class FrontendStamps:
     ``after``: written after REQUEST_END (HTTP's SEND pair; all of gRPC's).
     """
 
-    __slots__ = ("after", "before", "deferred", "trace", "_let_go", "_released")
+    __slots__ = ("after", "before", "deferred", "trace", "traceparent", "_let_go", "_released")
 
     def __init__(self, before: list[tuple[str, int]] | None = None, deferred: bool = False) -> None:
         self.before = before if before is not None else []
         self.after: list[tuple[str, int]] = []
+        # The client's W3C trace context (its ``traceparent`` header or metadata),
+        # if valid: in mode opentelemetry the request is traced under it.
+        self.traceparent: str | None = None
         # gRPC: INFER_RESPONSE_COMPLETE too is kept aside until the end.
         self.deferred = deferred
         self.trace: Trace | None = None

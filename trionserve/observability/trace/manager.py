@@ -177,7 +177,9 @@ class TraceManager:
             self._retire(current)
 
     def _refresh(self) -> None:
-        self.active = self._global.sampling or any(s.sampling for s in self._models.values())
+        self.active = any(
+            s.sampling or s.propagates for s in (self._global, *self._models.values())
+        )
 
     # -- sampling (the data plane) ---------------------------------------------------
 
@@ -195,7 +197,7 @@ class TraceManager:
         released it (see :mod:`.frontend`).
         """
         setting = self._models.get(model.name, self._global) if self._models else self._global
-        if not setting.take():
+        if not setting.take(frontend is not None and frontend.traceparent is not None):
             return None
         if setting.count == 0:
             self._refresh()

@@ -131,7 +131,17 @@ class OpenTelemetryExporter:
             last = max(end, max(ns for _, ns in stamps) + wall)
         root = None
         if parent is None:
-            root = self._tracer.start_span("InferRequest", start_time=first)
+            # Under the client's trace context, if it sent one (server
+            # src/tracer.cc SampleTrace: the propagated span is the root's parent).
+            client = None
+            if frontend is not None and frontend.traceparent is not None:
+                from opentelemetry.trace.propagation.tracecontext import (
+                    TraceContextTextMapPropagator,
+                )
+
+                carrier = {"traceparent": frontend.traceparent}
+                client = TraceContextTextMapPropagator().extract(carrier)
+            root = self._tracer.start_span("InferRequest", context=client, start_time=first)
             for name, ns in frontend.before if frontend is not None else ():
                 root.add_event(name, timestamp=ns + wall)
             parent = otel.set_span_in_context(root)

@@ -259,15 +259,28 @@ class TraceSetting:
     def sampling(self) -> bool:
         return self.count != 0 and not self.invalid_reason()
 
-    def take(self) -> bool:
-        """Count one request; True when it is to be traced (every ``rate``-th)."""
-        if not self.sampling:
+    @property
+    def propagates(self) -> bool:
+        """Mode opentelemetry with tracing on: a request carrying its client's
+        trace context is traced whatever the rate and count (Triton's
+        workaround, server src/tracer.cc TraceSetting::SampleTrace ``force_sample``:
+        with rate 0 only such requests are traced)."""
+        return self.mode == "opentelemetry" and bool(self.level)
+
+    def take(self, forced: bool = False) -> bool:
+        """Count one request; True when it is to be traced (every ``rate``-th, or
+        ``forced``: it carries a trace context and :attr:`propagates`)."""
+        forced = forced and self.propagates
+        if not (self.sampling or forced):
             return False
-        self.seen += 1
-        if self.seen % self.rate:
+        hit = False
+        if self.rate:
+            self.seen += 1
+            hit = self.seen % self.rate == 0 and self.count != 0
+            if hit and self.count > 0:
+                self.count -= 1
+        if not (hit or forced):
             return False
-        if self.count > 0:
-            self.count -= 1
         self.inflight += 1
         return True
 

@@ -29,7 +29,11 @@ from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import log_infer_failed
 from trionserve.observability.logging import update_settings as update_log_settings
 from trionserve.observability.logging import verbose as verbose_logging
-from trionserve.observability.trace.frontend import FrontendStamps, now_ns
+from trionserve.observability.trace.frontend import (
+    FrontendStamps,
+    now_ns,
+    valid_traceparent,
+)
 from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import framing as grpc_framing
@@ -476,6 +480,7 @@ class GrpcService:
                         ("GRPC_WAITREAD_START", waiting),
                         ("GRPC_WAITREAD_END", now_ns()),
                     )
+                    stamps.traceparent = valid_traceparent(dict(call.metadata).get("traceparent"))
                 await budget.acquire(len(data))
                 queued = trio.Event()
                 turn = Turn(turn.written if turn is not None else None)

@@ -63,7 +63,12 @@ from collections.abc import AsyncIterator, Awaitable
 import structlog
 import trio
 
-from trionserve.observability.trace.frontend import HTTP_STAMPS, FrontendStamps, now_ns
+from trionserve.observability.trace.frontend import (
+    HTTP_STAMPS,
+    FrontendStamps,
+    now_ns,
+    valid_traceparent,
+)
 from trionserve.protocol.http.h1 import (
     CONTINUE,
     INTERNAL_ERROR,
@@ -491,6 +496,7 @@ class _Connection:
         its trace, if its handler's inference request is sampled (see
         :mod:`trionserve.observability.trace.frontend`)."""
         stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
+        stamps.traceparent = valid_traceparent(dict(request.headers).get(b"traceparent"))
         token = HTTP_STAMPS.set(stamps)
         try:
             try:
