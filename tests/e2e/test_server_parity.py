@@ -280,7 +280,10 @@ def test_a_model_that_fails_to_load_gets_400_and_invalid_argument(server, http_c
     assert error.status() == "StatusCode.INVALID_ARGUMENT"
     assert error.message().startswith("failed to load 'broken'")
     (row,) = [r for r in http_client.get_model_repository_index() if r["name"] == "broken"]
-    assert row["state"] == "UNAVAILABLE" and row["reason"].startswith("failed to load 'broken'")
+    # Its config lists inputs and outputs, so the file is first read when the
+    # version loads (Triton's onnxruntime backend skips auto-complete): the
+    # version's reason is the runtime's error.
+    assert row["state"] == "UNAVAILABLE" and "INVALID_PROTOBUF" in row["reason"]
 
 
 def test_an_invalid_config_override_is_a_poll_failure(server, http_client, grpc_client):

@@ -269,3 +269,21 @@ def test_a_runtime_names_the_library_the_backend_is_served_with():
         "backend directory",
     ):
         manager.backend_for(escaping)
+
+
+def test_onnx_auto_complete_leaves_a_config_naming_inputs_and_outputs(tmp_path):
+    # onnxruntime_backend src/onnxruntime.cc AutoCompleteConfig skips a config
+    # with inputs and outputs: no batch size, no dynamic batcher (qa/L0_model_config
+    # autofill_noplatform_success/onnx/cpu_instance); with only inputs, it completes.
+    from tests.repository import write_model
+    from trionserve.actors.registry_entries import prepare_model
+
+    tensors = 'input [ { name: "IN" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+    outputs = 'output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 4 ] } ]\n'
+    files = {"1/model.onnx": _batching_onnx()}
+    both = write_model(tmp_path, "both", "max_batch_size: 8\n" + tensors + outputs, files)
+    config = prepare_model(both, True, None, backends=BackendManager()).config
+    assert config.max_batch_size == 8 and not config.HasField("dynamic_batching")
+    inputs_only = write_model(tmp_path, "inputs_only", "max_batch_size: 8\n" + tensors, files)
+    config = prepare_model(inputs_only, True, None, backends=BackendManager()).config
+    assert config.HasField("dynamic_batching") and [o.name for o in config.output] == ["OUT"]

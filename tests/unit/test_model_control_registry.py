@@ -336,6 +336,11 @@ async def test_ensemble_loads_its_composing_models_and_unload_dependents(repo):
             "a": "READY",
             "b": "READY",
         }
+        # Triton's check of the ensemble sets its transaction policy, present in
+        # its config whether decoupled or not (core ensemble_utils.cc:364).
+        policy = server.dataplane.model_config("ens", None)
+        assert policy.HasField("model_transaction_policy")
+        assert not policy.model_transaction_policy.decoupled
         data = np.ones((1, 2), dtype=np.float32)
         request = InferenceRequest("ens", inputs={"IN": Tensor("IN", "FP32", data)})
         response = await server.dataplane.infer(request)

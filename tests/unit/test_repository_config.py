@@ -1203,7 +1203,9 @@ def test_json_override_errors(tmp_path, override, expected):
     [
         (["1/model.onnx"], "onnxruntime_onnx", "onnxruntime", "model.onnx"),
         (["1/model.onnx/model.onnx"], "onnxruntime_onnx", "onnxruntime", "model.onnx"),
-        (["1/model.pt"], "pytorch_libtorch", "pytorch", "model.pt"),
+        # Triton names no file for a TorchScript model found by its file
+        # (model_config_utils.cc:1222-1253): the backend reads model.pt.
+        (["1/model.pt"], "pytorch_libtorch", "pytorch", ""),
         (["1/model.plan"], "tensorrt_plan", "tensorrt", "model.plan"),
         (["1/model.py"], "", "python", "model.py"),
         (
@@ -1248,6 +1250,22 @@ def test_platform_and_backend_imply_each_other(tmp_path, given, expected):
     config = mc.ModelConfig(name="m", **given)
     infer_platform(config, tmp_path)
     assert (config.platform, config.backend) == expected
+
+
+@pytest.mark.parametrize(
+    ("given", "filename"),
+    [
+        ({"backend": "pytorch"}, "model.pt"),
+        ({"platform": "pytorch_libtorch"}, ""),
+        ({"platform": "pytorch_libtorch", "backend": "pytorch"}, ""),
+        ({"platform": "torch_aoti"}, "model.pt2"),
+    ],
+)
+def test_a_torchscript_file_is_named_only_for_a_backend_without_platform(tmp_path, given, filename):
+    # core model_config_utils.cc:1245-1258 AutoCompleteBackendFields.
+    config = mc.ModelConfig(name="m", **given)
+    infer_platform(config, tmp_path)
+    assert config.default_model_filename == filename
 
 
 def test_tensorflow_backend_platform_from_file(tmp_path):

@@ -246,15 +246,15 @@ class EnsembleBackend(Backend):
         plan = trio.from_thread.run_sync(
             plan_ensemble, context.config, context.version, service.model
         )
+        # An ensemble with a decoupled step is decoupled itself, whatever its
+        # config says (core src/ensemble_scheduler/ensemble_utils.cc:364
+        # ValidateEnsembleConfig: set_decoupled(decouple_label != 0), which also
+        # puts model_transaction_policy in every ensemble's config, as clients
+        # read it): a gRPC stream answers it as responses come instead of in
+        # request order (qa/L0_decoupled test_response_order, simple_repeat). An
+        # ensemble declared decoupled keeps it here.
+        context.config.model_transaction_policy.decoupled = plan.streaming
         if plan.streaming:
-            # An ensemble with a decoupled step is decoupled itself, whatever its
-            # config says (core src/ensemble_scheduler/ensemble_utils.cc
-            # ValidateEnsembleConfig: set_decoupled(decouple_label != 0)): clients
-            # read it from the model's config, and a gRPC stream answers it as
-            # responses come instead of in request order
-            # (qa/L0_decoupled test_response_order, simple_repeat). An ensemble
-            # declared decoupled keeps it here.
-            context.config.model_transaction_policy.decoupled = True
             if context.config.response_cache.enable:
                 # Decoupled now, it meets core's check of a decoupled model with
                 # the cache (model_config_utils.cc ValidateModelConfig, DLIS-3916;

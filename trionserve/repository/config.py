@@ -297,8 +297,15 @@ def infer_platform(config: ModelConfig, model_dir: Path) -> None:
             platform = _BACKEND_PLATFORM.get(backend, "")
 
     check_platform_backend_pair(name, platform, backend)
+    # Triton names a TorchScript model's file only when its config gives the
+    # backend and no platform (core model_config_utils.cc:1245-1253); a platform
+    # given or found from model.pt leaves it empty, as the config it reports
+    # shows (the backend reads model.pt either way).
+    unnamed_torchscript = platform == "pytorch_libtorch" and not (
+        config.backend and not config.platform
+    )
     config.platform, config.backend = platform, backend
-    if not config.default_model_filename:
+    if not config.default_model_filename and not unnamed_torchscript:
         config.default_model_filename = _default_model_filename(platform, backend)
 
 

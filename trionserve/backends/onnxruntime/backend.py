@@ -128,8 +128,10 @@ class OnnxRuntimeBackend(Backend):
     ) -> None:
         """Fill max_batch_size, inputs and outputs from the ONNX graph.
 
-        Only what config.pbtxt leaves out is filled: a config that lists inputs keeps
-        them, with missing dims or data types taken from the model. Like Triton, a
+        Only what config.pbtxt leaves out is filled: a config that lists inputs
+        and outputs is left as it is (Triton's backend skips it); one that lists
+        only inputs keeps them, with missing dims or data types taken from the
+        model. Like Triton, a
         model whose every tensor has a variable leading dimension gets
         max_batch_size ``default-max-batch-size`` (4 unless ``--backend-config``
         sets it; a negative value is 0) unless the config set max_batch_size
@@ -137,6 +139,11 @@ class OnnxRuntimeBackend(Backend):
         dynamic batcher unless the config names a scheduler (onnxruntime.cc
         ModelState::AutoCompleteMaxBatch).
         """
+        if (config.input or config.batch_input) and config.output:
+            # onnxruntime_backend src/onnxruntime.cc:1016 AutoCompleteConfig:
+            # "skipping model configuration auto-complete ... inputs and outputs
+            # already specified": not even the batch size or a dynamic batcher.
+            return
         session = _ort().InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
         graph_inputs = session.get_inputs()
         graph_outputs = session.get_outputs()
