@@ -27,6 +27,7 @@ from trionserve.backends.base import (
 )
 from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, StagedBackendInstance
 from trionserve.backends.instance_thread import Abandoned, InstanceThread, Job
+from trionserve.core.deferred import sweep_deferred
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
@@ -164,6 +165,10 @@ class InstanceExecutor:
     async def _serve_threaded(self, task_status: trio.TaskStatus[None]) -> None:
         assert self._sync is not None
         thread = self._thread = InstanceThread(self.spec.name, self._sync)
+        if self._hands_over:
+            # A scheduler that can tell nothing waits for the instance lets its
+            # thread write a finished batch's answers and defer the report.
+            thread.quiet = getattr(self._outlet, "quiet", None)
         thread.start()
         # Jobs given to the thread, in order, for _deliver; slots bound how many.
         send, receive = trio.open_memory_channel[Job](math.inf)
@@ -254,7 +259,8 @@ class InstanceExecutor:
             # before it is closed; their requests are answered here (a batch
             # handed over as it finishes, see _handed_over).
             self._stopped = True
-            thread.abandon()
+            thread.abandon()  # (a job it defers from now on wakes the loop)
+            sweep_deferred()  # a job whose answers the thread wrote, delivered
             with trio.CancelScope(shield=True):
                 while self._handed is not None:
                     await self._handed.done.wait()

@@ -23,6 +23,17 @@ the thread sleeps: ringing and sleeping release the GIL during their system call
 so the Trio thread never holds the GIL while the kernel wakes the instance's
 thread (which would then wait for it).
 
+A batch whose every request's answer the thread may write itself (an HTTP/1.1
+client waiting on a plain socket, see :mod:`trionserve.protocol.http.answer`),
+finished while nothing else waits for the instance (its scheduler ``quiet``: no
+request queued, no job given to the thread), is answered from this thread, and its
+report does not wake the event loop: the job waits in the run's
+:class:`~trionserve.core.deferred.Deferred` reports until the loop next sweeps them
+(as the client's next request arrives, or at the HTTP server's 50 ms tick), which
+delivers it as the report would have (outcomes, statistics, in-flight counts). At
+c=1 that is one wake-up of the loop per request instead of two
+(benchmarks/README.md, issue 39's fourth round).
+
 An instance whose own code must run on one thread from start to end (an
 in-process Python model: ``initialize``, every ``execute``, ``finalize``) also
 hands the thread plain calls with :meth:`InstanceThread.call`, from a worker
@@ -45,6 +56,8 @@ import trio
 
 from trionserve.backends.base import BackendInstance, TimedBackendInstance
 from trionserve.backends.cuda.pipeline import Pipeline, StagedBackendInstance
+from trionserve.core.deferred import Deferred, deferred_jobs
+from trionserve.core.inference import InferenceResponse
 from trionserve.observability.statistics import ComputeTimes
 
 
@@ -186,10 +199,17 @@ class InstanceThread:
         self._token: trio.lowlevel.TrioToken | None = None
         self._abandoned = False
         self._thread: threading.Thread | None = None
+        # Whether nothing waits for the instance (read on its thread; set by the
+        # executor whose scheduler can tell): a finished job whose answers this
+        # thread writes then defers its report (see Deferred).
+        self.quiet: Callable[[], bool] | None = None
+        self._deferred: Deferred | None = None
 
     def start(self, token: trio.lowlevel.TrioToken | None = None) -> None:
         """Start the thread; on the Trio thread, or anywhere given the run's ``token``."""
         self._token = token or trio.lowlevel.current_trio_token()
+        if token is None:
+            self._deferred = deferred_jobs()
         self._thread = threading.Thread(
             target=self._work, name=f"instance {self._name}", daemon=True
         )
@@ -315,8 +335,41 @@ class InstanceThread:
         job.staged = None
         if self._timed is not None and job.error is None:
             job.times = self._timed.compute_times
+        if self._deferred is not None and self._answered(job, self._deferred):
+            return
         assert self._token is not None
         try:
             self._token.run_sync_soon(job.finished)
         except trio.RunFinishedError:
             pass  # the run ended (the executor was torn down with it)
+
+    def _answered(self, job: Job, deferred: Deferred) -> bool:
+        """Write the job's answers here and defer its report, if every request
+        of it has an armed answer and a response and nothing waits for the
+        instance; False: reported to the loop as usual."""
+        requests, results = job.requests, job.results
+        if (
+            job.error is not None
+            or job.cancelled
+            or not requests
+            or results is None
+            or len(results) != len(requests)
+            or self._jobs
+            or self.quiet is None
+            or not self.quiet()
+        ):
+            return False
+        answers = []
+        for request, result in zip(requests, results):
+            answer = request.answer
+            if answer is None or not answer.armed or not isinstance(result, InferenceResponse):
+                return False
+            answers.append(answer)
+        deferred.append(job)  # before any answer is written (see Deferred)
+        whole = True
+        for answer, request, result in zip(answers, requests, results):
+            if not answer.write(request, result):
+                whole = False
+        if not whole or self._abandoned:
+            deferred.wake()  # the loop writes what is left, or waits for the job: now
+        return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import trio
@@ -39,6 +39,26 @@ def response_nbytes(response: InferenceResponse) -> int:
                 for item in data.reshape(-1).tolist()
             )
     return total
+
+
+class ThreadAnswer(Protocol):
+    """Where a request's one response may be written by the thread that computed
+    it, without the event loop (an HTTP/1.1 connection's, see
+    :mod:`trionserve.protocol.http.answer`). ``armed`` and ``write`` are read and
+    called on that thread: ``write`` answers the client, or declines (False: the
+    event loop answers as usual, once the executor's report reaches it).
+    ``wait`` is the consumer's wait for the outcome (on the Trio thread) while
+    the answer is armed, and ``finalized`` is called on the Trio thread when the
+    request's final outcome is delivered, to end that wait."""
+
+    @property
+    def armed(self) -> bool: ...
+
+    def write(self, request: InferenceRequest, response: InferenceResponse) -> bool: ...
+
+    async def wait(self) -> None: ...
+
+    def finalized(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -138,6 +158,7 @@ class InferenceRequest:
         "budget",
         "last_read",
         "_in_hand",
+        "answer",
     )
 
     def __init__(
@@ -207,6 +228,9 @@ class InferenceRequest:
         self._empty_final = False
         self._error: TritonError | None = None
         self._wakeup = trio.Event()
+        # Set by a frontend whose client's answer the instance's thread may write
+        # (see ThreadAnswer); told of the final outcome, and waited on, by ``wait``.
+        self.answer: ThreadAnswer | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -269,6 +293,8 @@ class InferenceRequest:
             self._empty_final = True
         self._final = final
         self._wakeup.set()
+        if final and self.answer is not None:
+            self.answer.finalized()
         return True
 
     def _overflow(self, size: int) -> bool:
@@ -327,6 +353,8 @@ class InferenceRequest:
         self._final = True
         self._empty_final = False
         self._wakeup.set()
+        if self.answer is not None:
+            self.answer.finalized()
         self.cancelled = True
 
     def respond(self, response: InferenceResponse) -> bool:
@@ -340,10 +368,14 @@ class InferenceRequest:
         self._error = error
         self._final = True
         self._wakeup.set()
+        if self.answer is not None:
+            self.answer.finalized()
         return True
 
     async def wait(self) -> InferenceResponse:
         """Wait for the outcome of a request that has exactly one response."""
+        if self.answer is not None and not self._final:
+            await self.answer.wait()
         while not self._final:
             await self._wakeup.wait()
             self._wakeup = trio.Event()

@@ -340,6 +340,11 @@ class RequestRegions:
     def table_of(self, name: str) -> RegionTable:
         return self._shared_memory.table_of(name)
 
+    @property
+    def held(self) -> bool:
+        """Whether the request named any region (for its inputs or outputs)."""
+        return bool(self._held)
+
     def check(self, name: str, offset: int, byte_size: int, what: str) -> None:
         self._hold(name)
         self._shared_memory.check(name, offset, byte_size, what)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import trio
 
+from trionserve.core.deferred import sweep_deferred
 from trionserve.observability.quantiles import Summary, Target
 
 if TYPE_CHECKING:  # metrics imports this module
@@ -402,6 +403,7 @@ def select_statistics(
     of that model. Name and version: that version. Unknown names and versions raise
     the registry's NotFound / Unavailable errors.
     """
+    sweep_deferred()  # answers written by instances' threads are counted first
     if name is None:
         selected: list[ModelStatistics] = []
         for entry in sorted(registry.entries().values(), key=lambda e: e.model_id.order()):

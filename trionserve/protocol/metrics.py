@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 import trio
 from prometheus_client import CollectorRegistry
 
+from trionserve.core.deferred import sweep_deferred
 from trionserve.observability.exposition import CONTENT_TYPE, exposition_text
 from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.metrics import (
@@ -42,6 +43,7 @@ def metrics_router(
     async def exposition(headers: Headers, body: RequestBody) -> Response:
         if refresh is not None:
             await refresh()
+        sweep_deferred()  # answers written by instances' threads are counted first
         data = exposition_text(metrics)
         return (
             200,

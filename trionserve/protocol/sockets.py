@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import trio
 
 __all__ = [
+    "HeldWrite",
     "peer_name",
     "receive_after_wait",
     "receive_into",
@@ -106,17 +107,28 @@ async def receive_into(
             _set_lowat(socket, 1)
 
 
-async def receive_after_wait(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | bytearray:
+async def receive_after_wait(
+    stream: trio.abc.ReceiveStream, max_bytes: int, ready: bool = False
+) -> bytes | bytearray:
     """``stream.receive_some(max_bytes)`` for a read that expects to wait (the
     next request of a keep-alive connection, which a client sends only after
     it has read the answer): it waits for the socket to be readable first, then
     reads, where Trio's reads first and waits on EAGAIN (a failed ``recv`` and
     its exception on every request). A checkpoint either way, as
     ``receive_some``. Raises BrokenResourceError for a failed read and
-    ClosedResourceError for a closed socket."""
+    ClosedResourceError for a closed socket. ``ready``: the socket was just seen
+    readable (by the task waiting for its answer, see http/answer.py): read at
+    once, without a checkpoint when bytes are there."""
     socket = getattr(stream, "socket", None)
     if socket is None:
         return await stream.receive_some(max_bytes)
+    if ready and socket.fileno() >= 0:
+        try:
+            return os.read(socket.fileno(), max_bytes)
+        except BlockingIOError:
+            pass  # (read meanwhile: wait as usual)
+        except OSError as exc:
+            raise trio.BrokenResourceError(exc) from exc
     while True:
         if socket.fileno() < 0:
             raise trio.ClosedResourceError("the stream was closed")
@@ -205,3 +217,19 @@ def peer_name(stream: trio.abc.Stream) -> str:
     except (OSError, ValueError, AttributeError):
         return "unknown"
     return f"{host}:{port}"
+
+
+class HeldWrite:
+    """A large write waiting for its client: what the client budget's pressure
+    policy sees of it (its bytes, since when), and ends (``scope``: the
+    connection) if it stalls (see :mod:`trionserve.core.client_budget`)."""
+
+    __slots__ = ("held_bytes", "last_read", "_scope")
+
+    def __init__(self, size: int, scope: trio.CancelScope) -> None:
+        self.held_bytes = size
+        self.last_read = trio.current_time()
+        self._scope = scope
+
+    def evict(self, message: str) -> None:
+        self._scope.cancel()

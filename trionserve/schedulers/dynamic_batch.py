@@ -230,6 +230,13 @@ class _Outlet:
         self._receive.close()
         self._batcher._outlet_gone(self, untaken)
 
+    def quiet(self) -> bool:
+        """Whether nothing waits for this executor: no request queued at the
+        batcher, outcomes not held for ordering (read on the instance's thread,
+        see :class:`~trionserve.backends.instance_thread.Deferred`)."""
+        batcher = self._batcher
+        return not (self.closed or batcher._queued or batcher._preserve_ordering)
+
     def put(self, requests: list[InferenceRequest], ticket: int | None) -> None:
         self._send.send_nowait((requests, ticket))
 

@@ -14,7 +14,7 @@ import structlog
 import trio
 
 from trionserve.core.errors import InvalidArgument, Status, TritonError, as_triton_error
-from trionserve.core.inference import InferenceRequest
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.core.parameters import check_forwarded_header
 from trionserve.core.shared_memory import RequestRegions
 from trionserve.dataplane import DataPlane
@@ -22,6 +22,12 @@ from trionserve.drain import ShuttingDown
 from trionserve.observability.logging import log_infer_failed, verbose
 from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.protocol.http import codec as http_codec
+from trionserve.protocol.http.answer import (
+    ANSWERED,
+    CONNECTION_ANSWER,
+    DISARMED,
+    ConnectionAnswer,
+)
 from trionserve.protocol.http.h1 import CLOSE, JSON, Headers, RequestBody, Response
 
 log = structlog.get_logger(__name__)
@@ -168,6 +174,8 @@ class InferHandler:
     ) -> None:
         self.dataplane = dataplane
         self._tracing = dataplane.tracing
+        # (nv_inference_first_response_histogram_ms is timed on the loop.)
+        self._first_response = getattr(dataplane, "_first_response", False)
         self.verbose = verbose
         # The cap on a compressed body's inflated size (--http-max-input-size).
         self.max_input_size = max_input_size
@@ -209,6 +217,7 @@ class InferHandler:
                 accept_encoding = value.decode("latin-1")
         shared_memory: RequestRegions | None = None
         infer_request: InferenceRequest | None = None
+        answer: ConnectionAnswer | None = None
         try:
             if content_encoding and content_encoding != "identity":
                 limit = self.max_input_size
@@ -241,34 +250,53 @@ class InferHandler:
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
             if self._tracing.active:  # the transport's HTTP_RECV_START ... (trace.frontend)
                 infer_request.trace_context = HTTP_STAMPS.get()
+            answer = CONNECTION_ANSWER.get()
+            if answer is not None and self._answerable(
+                infer_request, shared_memory, accept_encoding
+            ):
+                answer.arm(infer_request, encode_response, binary_output)
+            else:
+                answer = None
             response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
-            chunks, json_length = http_codec.encode_infer_response(
-                response, infer_request, shared_memory, binary_output=binary_output
+            if answer is not None and answer.settle() != DISARMED:
+                return ANSWERED  # the instance's thread wrote it (or began to)
+            return encode_response(
+                response, infer_request, binary_output, shared_memory, accept_encoding
             )
         except TritonError as error:
+            if answer is not None and answer.settle() != DISARMED:
+                return ANSWERED  # the thread's answer is on the wire: the client has it
             log_infer_failed(infer_request.id if infer_request else None, error.message)
             return error_response(error)
         except Exception as exc:  # a bug must not take the connection task down
+            if answer is not None and answer.settle() != DISARMED:
+                return ANSWERED
             log.exception("infer handler failed")
             return error_response(as_triton_error(exc, "internal error"))
         finally:
+            if answer is not None:
+                answer.settle()  # (cancelled: the thread writes nothing after this)
             if shared_memory is not None:
                 shared_memory.release()
 
-        if json_length is None:
-            headers = [JSON]
-        else:
-            headers = [_BINARY_TYPE, (b"inference-header-content-length", b"%d" % json_length)]
-        total = 0
-        for chunk in chunks:
-            total += len(chunk)
-        if accept_encoding and "identity" != accept_encoding.strip():
-            payload, encoding = _compress(b"".join(chunks), accept_encoding)
-            if encoding is not None:
-                chunks, total = [payload], len(payload)
-                headers.append((b"content-encoding", encoding))
-        headers.append((b"content-length", b"%d" % total))
-        return 200, headers, chunks
+    def _answerable(
+        self,
+        request: InferenceRequest,
+        shared_memory: RequestRegions | None,
+        accept_encoding: str | None,
+    ) -> bool:
+        """Whether the instance's thread may write this request's answer (see
+        :mod:`~trionserve.protocol.http.answer`): nothing but the encoding
+        between the backend's response and the client (no trace, access log,
+        first-response time, classification, compression), no shared memory."""
+        if self._tracing.active or self.verbose or verbose() or self._first_response:
+            return False
+        if accept_encoding and accept_encoding.strip() != "identity":
+            return False
+        if shared_memory is not None and shared_memory.held:
+            return False
+        outputs = request.requested_outputs
+        return outputs is None or not any(o.parameters.get("classification") for o in outputs)
 
     @staticmethod
     def _forward_headers(
@@ -281,6 +309,36 @@ class InferHandler:
             if pattern.search(name):
                 check_forwarded_header(name)
                 request.parameters.setdefault(name, value.decode("latin-1"))
+
+
+def encode_response(
+    response: InferenceResponse,
+    infer_request: InferenceRequest,
+    binary_output: bool,
+    shared_memory: RequestRegions | None = None,
+    accept_encoding: str | None = None,
+) -> Response:
+    """The 200 answer to an infer request: its response encoded (JSON, binary
+    tensors after it), compressed where ``accept_encoding`` asks. Called on the
+    instance's thread too (see :mod:`~trionserve.protocol.http.answer`), with
+    neither shared memory nor compression: nothing here may touch Trio."""
+    chunks, json_length = http_codec.encode_infer_response(
+        response, infer_request, shared_memory, binary_output=binary_output
+    )
+    if json_length is None:
+        headers = [JSON]
+    else:
+        headers = [_BINARY_TYPE, (b"inference-header-content-length", b"%d" % json_length)]
+    total = 0
+    for chunk in chunks:
+        total += len(chunk)
+    if accept_encoding and "identity" != accept_encoding.strip():
+        payload, encoding = _compress(b"".join(chunks), accept_encoding)
+        if encoding is not None:
+            chunks, total = [payload], len(payload)
+            headers.append((b"content-encoding", encoding))
+    headers.append((b"content-length", b"%d" % total))
+    return 200, headers, chunks
 
 
 def error_response(error: TritonError) -> Response:

@@ -63,12 +63,14 @@ from collections.abc import AsyncIterator, Awaitable
 import structlog
 import trio
 
+from trionserve.core.deferred import sweep_deferred
 from trionserve.observability.trace.frontend import (
     HTTP_STAMPS,
     FrontendStamps,
     now_ns,
     valid_traceparent,
 )
+from trionserve.protocol.http import answer as answers
 from trionserve.protocol.http.h1 import (
     CONTINUE,
     INTERNAL_ERROR,
@@ -92,6 +94,7 @@ from trionserve.protocol.http.h1 import (
 from trionserve.protocol.http.state import Client
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
 from trionserve.protocol.sockets import (
+    HeldWrite,
     receive_after_wait,
     receive_into,
     receive_now,
@@ -175,12 +178,15 @@ class HttpServer:
             backlog=self.options.backlog,
             reuse_port=self.options.reuse_port,
         )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.watch_slow_requests, nursery)
-            await self.acceptor.serve_until(
-                listeners, shutdown, graceful_timeout, self.drain, task_status=task_status
-            )
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.watch_slow_requests, nursery)
+                await self.acceptor.serve_until(
+                    listeners, shutdown, graceful_timeout, self.drain, task_status=task_status
+                )
+                nursery.cancel_scope.cancel()
+        finally:
+            sweep_deferred()  # the reports of the answers written last (answer.py)
 
     async def watch_slow_requests(self, nursery: trio.Nursery) -> None:
         """Every ``SLOW_REQUEST_SECS``, give each request handled for longer a
@@ -198,6 +204,7 @@ class HttpServer:
                 break
             else:  # none idle: one that goes idle now expires after next_check
                 await trio.sleep_until(next_check)
+            sweep_deferred()  # answers the instances' threads wrote (see answer.py)
             now = trio.current_time()
             for connection, since in list(self._keep_alive.items()):
                 if since + timeout > now:
@@ -209,7 +216,8 @@ class HttpServer:
             next_check = now + SLOW_REQUEST_SECS
             cutoff = now - SLOW_REQUEST_SECS
             for connection, started in list(self._handling.items()):
-                if started <= cutoff and connection.watch is None:
+                answer = connection.answer  # (one waiting on its socket watches itself)
+                if started <= cutoff and connection.watch is None and not answers.waits(answer):
                     connection.watch_peer(nursery)
 
     def _close_oldest_idle(self) -> bool:
@@ -256,21 +264,6 @@ class HttpServer:
             log.exception("http connection failed")
 
 
-class _HeldWrite:
-    """A large write waiting for its client: what the budget's pressure policy
-    sees of it (its bytes, since when), and ends (the connection) if it stalls."""
-
-    __slots__ = ("held_bytes", "last_read", "_scope")
-
-    def __init__(self, size: int, scope: trio.CancelScope) -> None:
-        self.held_bytes = size
-        self.last_read = trio.current_time()
-        self._scope = scope
-
-    def evict(self, message: str) -> None:
-        self._scope.cancel()
-
-
 class _Connection:
     """The Trio side of one client connection: reads bytes into its protocol
     (``h1``), writes what it answers, keeps the deadlines, runs the handlers."""
@@ -278,6 +271,7 @@ class _Connection:
     __slots__ = (
         "_handling",
         "_idle_scope",
+        "answer",
         "_quiet",
         "_scope",
         "h1",
@@ -290,6 +284,8 @@ class _Connection:
         self.server = server
         self.stream = stream
         self.h1 = H1Connection(server.options, server.heads)
+        # Written by the instance's thread where it can (a plain socket, see answer.py).
+        self.answer = answers.ConnectionAnswer.of(self.h1, stream, lambda: server.draining)
         # The connection's scope, for its whole life: cancelled to end it, by its
         # deadline (the keep-alive timeout, set only while it waits for the next
         # request), by the drain or the connection cap while it waits (through
@@ -306,6 +302,7 @@ class _Connection:
 
     async def run(self) -> None:
         h1 = self.h1
+        answers.CONNECTION_ANSWER.set(self.answer)  # this task's (the infer handler arms it)
         try:
             with self._scope:
                 while True:
@@ -398,7 +395,8 @@ class _Connection:
         server._keep_alive[self] = trio.current_time()
         try:
             # The client sends it once it has read the answer: wait, then read.
-            data = await receive_after_wait(self.stream, server.options.head_receive_size)
+            ready = answers.seen_readable(self.answer)  # no wait for what is there
+            data = await receive_after_wait(self.stream, server.options.head_receive_size, ready)
         finally:
             self._idle_scope = None
             server._idle.discard(self)
@@ -485,6 +483,8 @@ class _Connection:
                 if not self._scope.cancel_called:  # the client hung up: nobody to answer
                     await self._cut()
                 raise
+            if chunks is answers.ANSWERED_BODY and self.answer is not None:  # the thread wrote it
+                return await self.answer.finish(self.stream)
             return await self.respond(status, headers, chunks)
         finally:
             if budget is not None:
@@ -648,7 +648,7 @@ class _Connection:
         if budget is None:
             await write
             return
-        holder = _HeldWrite(size, self._scope)
+        holder = HeldWrite(size, self._scope)
         budget.reserve(size)
         budget.hold(holder)
         try:

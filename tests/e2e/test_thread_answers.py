@@ -1,0 +1,232 @@
+"""HTTP/1.1 answers written by the instance's thread (protocol/http/answer.py,
+core/deferred.py): the client gets the same bytes as from the event loop, every
+request one outcome, statistics and in-flight counts exact, pipelined requests
+in order, a client gone mid-request cancelled, a drain that does not wait for a
+next request. In-process server, real sockets, the blocking test backend's
+events instead of timing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import pytest
+import trio
+
+from tests.blocking_backend import BACKENDS, GATE, wait_entered
+from tests.e2e.test_grpc_cancellation import Probe, in_thread
+from tests.repository import echo_model
+from tests.serverproc import free_port
+from trionserve.protocol.http.answer import ConnectionAnswer
+from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.server import Server, ServerOptions
+
+
+@pytest.fixture
+def repository(tmp_path):
+    GATE.reset()
+    # The dynamic batcher can tell its instance's thread that nothing waits.
+    echo_model(tmp_path, "blocking", "test_blocking", config="dynamic_batching { }")
+    yield tmp_path
+    GATE.release.set()  # never leave a worker thread blocked
+
+
+class Writes(list):
+    """Each ConnectionAnswer.write: (the thread's name, whether it wrote it whole).
+    The client may read an answer before its write returns: ``counted(n)``
+    waits until n writes are recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._recorded = threading.Semaphore(0)
+
+    def record(self, name: str, whole: bool) -> None:
+        self.append((name, whole))
+        self._recorded.release()
+
+    async def counted(self, count: int) -> None:
+        for _ in range(count):
+            assert await in_thread(self._recorded.acquire, True, 30), f"{self} of {count}"
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    calls = Writes()
+    real = ConnectionAnswer.write
+
+    def write(self, request, response):
+        whole = real(self, request, response)
+        calls.record(threading.current_thread().name, whole)
+        return whole
+
+    monkeypatch.setattr(ConnectionAnswer, "write", write)
+    return calls
+
+
+def make_server(repository) -> Server:
+    return Server(
+        ServerOptions(
+            model_repositories=[repository],
+            http_address="127.0.0.1",
+            http_port=free_port(),
+            http=HttpOptions(),
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=20.0,
+        ),
+        backends=BACKENDS,
+    )
+
+
+def infer_bytes(request_id: str, value: float) -> bytes:
+    body = json.dumps(
+        {
+            "id": request_id,
+            "inputs": [
+                {"name": "INPUT0", "shape": [1, 2], "datatype": "FP32", "data": [value, value]}
+            ],
+        }
+    ).encode()
+    return (
+        b"POST /v2/models/blocking/infer HTTP/1.1\r\nHost: test\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
+def read_answer(sock: socket.socket, buffered: bytearray) -> tuple[bytes, dict]:
+    """One HTTP/1.1 answer from ``sock`` (``buffered``: bytes read past the last)."""
+    sock.settimeout(60)
+    while b"\r\n\r\n" not in buffered:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection; read {bytes(buffered)!r}"
+        buffered += chunk
+    head, _, _ = bytes(buffered).partition(b"\r\n\r\n")
+    del buffered[: len(head) + 4]
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if b"content-length" in line.lower()
+    )
+    while len(buffered) < length:
+        buffered += sock.recv(65536)
+    body = bytes(buffered[:length])
+    del buffered[:length]
+    return head, json.loads(body)
+
+
+def exchange(port: int, requests: list[bytes], together: bool = False) -> list[tuple]:
+    """Send each request on one keep-alive connection and read its answer before
+    the next (``together``: all at once, pipelined); the answers in order."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    buffered = bytearray()
+    try:
+        if together:
+            sock.sendall(b"".join(requests))
+            return [read_answer(sock, buffered) for _ in requests]
+        answers = []
+        for request in requests:
+            sock.sendall(request)
+            answers.append(read_answer(sock, buffered))
+        return answers
+    finally:
+        sock.close()
+
+
+def stats_get(port: int) -> dict:
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(b"GET /v2/models/blocking/stats HTTP/1.1\r\nHost: test\r\n\r\n")
+        return read_answer(sock, bytearray())[1]["model_stats"][0]["inference_stats"]
+    finally:
+        sock.close()
+
+
+async def test_keep_alive_answers_come_from_the_instance_thread(repository, writes):
+    GATE.release.set()
+    server = make_server(repository)
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        requests = [infer_bytes(f"r{i}", float(i)) for i in range(3)]
+        answers = await in_thread(exchange, port, requests)
+        for i, (head, body) in enumerate(answers):
+            assert head.startswith(b"HTTP/1.1 200 OK"), head
+            assert body["id"] == f"r{i}"
+            assert body["outputs"][0]["data"] == [float(i), float(i)]
+        await writes.counted(3)
+        assert len(writes) == 3
+        assert all(name.startswith("instance ") and whole for name, whole in writes), writes
+        # The statistics read sweeps the reports the thread left: exact counts.
+        stats = await in_thread(stats_get, port)
+        assert stats["success"]["count"] == 3
+        model = server.dataplane.model("blocking", None)
+        assert model.inflight == 0
+        server.shutdown()
+
+
+async def test_a_drain_does_not_wait_for_the_clients_next_request(repository, writes):
+    # The last answer's report waits for a sweep that no request brings: the
+    # server's tick makes it, so the drain (in-flight count to 0) ends.
+    GATE.release.set()
+    server = make_server(repository)
+    port = server.options.http_port
+    with trio.fail_after(10):  # the tick sweeps every 50 ms
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            sock = await in_thread(socket.create_connection, ("127.0.0.1", port))
+            await in_thread(sock.sendall, infer_bytes("last", 5.0))
+            head, body = await in_thread(read_answer, sock, bytearray())
+            await writes.counted(1)
+            assert body["id"] == "last" and [whole for _, whole in writes] == [True]
+            model = server.dataplane.model("blocking", None)
+            await model.idle.wait()  # swept without a next request
+            assert model.statistics.success.count == 1
+            server.shutdown()
+    sock.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(repository, writes):
+    server = make_server(repository)
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        requests = [infer_bytes("first", 1.0), infer_bytes("second", 2.0)]
+        answering = trio.Event()
+        answers: list = []
+
+        async def client() -> None:
+            answers.extend(await in_thread(exchange, port, requests, True))
+            answering.set()
+
+        nursery.start_soon(client)
+        await wait_entered()  # "first" executes, "second" waits its turn, parsed
+        GATE.release.set()
+        await answering.wait()
+        assert [body["id"] for _, body in answers] == ["first", "second"]
+        assert [body["outputs"][0]["data"] for _, body in answers] == [[1.0, 1.0], [2.0, 2.0]]
+        assert (await in_thread(stats_get, port))["success"]["count"] == 2
+        server.shutdown()
+
+
+async def test_a_client_gone_mid_request_cancels_it(repository, writes):
+    server = make_server(repository)
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        probe = Probe(server.dataplane)
+        sock = await in_thread(socket.create_connection, ("127.0.0.1", port))
+        await in_thread(sock.sendall, infer_bytes("gone", 1.0))
+        await wait_entered()  # it executes on the instance's thread
+        sock.close()  # readable (the end) while armed: the loop takes the answer back
+        await probe.cancelled_all("gone")
+        GATE.release.set()
+        # The thread finds the answer disarmed: nothing is written to a closed
+        # connection; its report reaches the loop, which drops the result.
+        answers = await in_thread(exchange, port, [infer_bytes("next", 2.0)])
+        assert answers[0][1]["id"] == "next"
+        await writes.counted(1)
+        assert [whole for _, whole in writes] == [True], writes  # "next" only
+        stats = await in_thread(stats_get, port)
+        assert stats["success"]["count"] == 2  # "gone" executed, "next": one each
+        server.shutdown()

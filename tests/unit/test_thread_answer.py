@@ -1,0 +1,164 @@
+"""A connection's answer written by the instance's thread
+(trionserve/protocol/http/answer.py) and the reports left for the loop's sweep
+(trionserve/core/deferred.py), on a real socket pair: what the thread writes,
+what it leaves to the loop, and what it declines."""
+
+from __future__ import annotations
+
+import socket
+
+import trio
+import trio.testing
+
+from trionserve.core.deferred import deferred_jobs, sweep_deferred
+from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.observability.statistics import select_statistics
+from trionserve.protocol.http.answer import (
+    ARMED,
+    DISARMED,
+    PARTIAL,
+    THREAD_ANSWER_MAX_BYTES,
+    WRITTEN,
+    ConnectionAnswer,
+)
+from trionserve.protocol.http.h1 import H1Connection
+
+REQUEST = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n"
+
+
+def connection(body_size: int, raises: bool = False):
+    """A server socket, its client, the answer, the request armed, and the
+    answer's expected bytes (an encoder answering ``body_size`` bytes)."""
+    server_sock, client_sock = trio.socket.socketpair()
+    h1 = H1Connection()
+    h1.receive_data(REQUEST)
+    assert h1.next_request() is not None
+    answer = ConnectionAnswer.of(h1, trio.SocketStream(server_sock), lambda: False)
+    assert answer is not None
+    body = bytes(range(256)) * (body_size // 256)
+
+    def encode(response, request, binary_output):
+        if raises:
+            raise RuntimeError("an encoder bug")
+        return 200, [(b"content-length", b"%d" % len(body))], [body]
+
+    request = InferenceRequest("m")
+    answer.arm(request, encode, False)
+    expected = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+    return server_sock, client_sock, answer, request, expected
+
+
+RESPONSE = InferenceResponse("m", "1")
+
+
+async def read_exactly(sock, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = await sock.recv(size - len(data))
+        assert chunk
+        data += chunk
+    return data
+
+
+async def test_the_thread_writes_a_whole_answer():
+    server_sock, client_sock, answer, request, expected = connection(4096)
+    with server_sock, client_sock:
+        assert answer.armed and request.answer is answer
+        assert await trio.to_thread.run_sync(answer.write, request, RESPONSE)
+        assert answer.state == WRITTEN and answer.kept
+        assert await read_exactly(client_sock, len(expected)) == expected
+        assert answer.settle() == WRITTEN and request.answer is None
+        assert await answer.finish(trio.SocketStream(server_sock))  # nothing left to write
+
+
+async def test_what_the_socket_does_not_take_is_written_by_the_loop():
+    server_sock, client_sock, answer, request, expected = connection(60 * 1024)
+    with server_sock, client_sock:
+        server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        client_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        assert not await trio.to_thread.run_sync(answer.write, request, RESPONSE)
+        assert answer.state == PARTIAL
+        assert answer.rest is not None and 0 < len(answer.rest) < len(expected)
+        assert answer.settle() == PARTIAL
+        async with trio.open_nursery() as nursery:
+            received: list[bytes] = []
+
+            async def read() -> None:
+                received.append(await read_exactly(client_sock, len(expected)))
+
+            nursery.start_soon(read)
+            assert await answer.finish(trio.SocketStream(server_sock))
+        assert received == [expected]
+
+
+async def test_the_thread_declines_what_the_loop_must_answer():
+    # Over the size the thread writes, an encoder that raises, an answer the
+    # loop took back (or armed for the next request): nothing is written.
+    for size, raises in ((THREAD_ANSWER_MAX_BYTES + 256, False), (256, True)):
+        server_sock, client_sock, answer, request, _ = connection(size, raises)
+        with server_sock, client_sock:
+            assert not await trio.to_thread.run_sync(answer.write, request, RESPONSE)
+            assert answer.state == DISARMED and answer.rest is None
+            assert answer.settle() == DISARMED
+            assert _nothing_sent(client_sock)
+    server_sock, client_sock, answer, request, _ = connection(256)
+    with server_sock, client_sock:
+        other = InferenceRequest("m")
+        assert not await trio.to_thread.run_sync(answer.write, other, RESPONSE)
+        assert answer.state == ARMED
+        assert answer.settle() == DISARMED  # the loop answers it
+        assert not await trio.to_thread.run_sync(answer.write, request, RESPONSE)
+        assert _nothing_sent(client_sock)
+
+
+def _nothing_sent(sock) -> bool:
+    raw = socket.socket(fileno=sock.fileno())
+    try:
+        raw.recv(1, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True
+    finally:
+        raw.detach()
+    return False
+
+
+async def test_the_wait_ends_with_the_outcome_or_the_socket():
+    server_sock, client_sock, answer, request, _ = connection(256)
+    with server_sock, client_sock:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            assert answer.waiting
+            request.respond(RESPONSE)  # the loop delivered it: the wait ends
+        assert not answer.waiting and answer.state == ARMED
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            await client_sock.send(b"GET")  # bytes before the answer: taken back
+        assert answer.state == DISARMED
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.done = False
+
+    def finished(self) -> None:
+        self.done = True
+
+
+class _NoModels:
+    def entries(self):
+        return {}
+
+
+async def test_reports_are_swept_before_statistics_are_read_and_on_wake():
+    job = _Job()
+    deferred = deferred_jobs()
+    deferred.append(job)
+    assert select_statistics(_NoModels(), None, None) == []  # type: ignore[arg-type]
+    assert job.done
+    woken = _Job()
+    await trio.to_thread.run_sync(lambda: (deferred.append(woken), deferred.wake()))
+    await trio.testing.wait_all_tasks_blocked()
+    assert woken.done
+    sweep_deferred()  # nothing left: a no-op

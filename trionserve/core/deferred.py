@@ -1,0 +1,86 @@
+"""Reports that threads leave for the event loop's next sweep, instead of waking it.
+
+An instance's thread that wrote a batch's answers itself (an HTTP/1.1 client on a
+plain socket, see :mod:`trionserve.protocol.http.answer`) has nothing urgent left
+for the event loop: the batch's report (its outcomes, statistics, in-flight counts)
+can wait until the loop wakes for something else, typically the client's next
+request, which saves the loop a wake-up from its sleep per request (about 0.2 ms of
+cold caches at c=1 on a small machine; benchmarks/README.md, issue 39's fourth
+round). Such a report goes into the run's :class:`Deferred`; the loop delivers
+every one there when it sweeps: a connection woken by its client, a statistics or
+metrics read, the HTTP server's 50 ms tick (so a drain never waits on a client).
+
+A thread appends its job before it writes any of the job's answers, so a consumer
+that sees its answer written finds the job here; when an answer could not be
+written whole (the socket full, the client gone, the answer declined), the thread
+wakes the loop to sweep at once (``wake``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+import trio
+
+
+class Report(Protocol):
+    def finished(self) -> None:
+        """On the Trio thread: the work is done, deliver it."""
+
+
+class Deferred:
+    """The reports of one Trio run that threads left for the event loop's next
+    :meth:`sweep` instead of waking it (see the module docstring)."""
+
+    __slots__ = ("_jobs", "_token")
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._jobs: deque[Report] = deque()
+        self._token = token
+
+    def __bool__(self) -> bool:
+        return bool(self._jobs)
+
+    def append(self, job: Report) -> None:
+        """On a thread: ``job.finished()`` is called at the next sweep."""
+        self._jobs.append(job)
+
+    def wake(self) -> None:
+        """On a thread: the loop sweeps now."""
+        try:
+            self._token.run_sync_soon(self.sweep)
+        except trio.RunFinishedError:
+            pass
+
+    def sweep(self) -> None:
+        """On the Trio thread: report every job deferred so far."""
+        jobs = self._jobs
+        while jobs:
+            jobs.popleft().finished()
+
+
+_DEFERRED: trio.lowlevel.RunVar[Deferred] = trio.lowlevel.RunVar("trionserve_deferred_jobs")
+_NO_DEFERRED = Deferred(None)  # type: ignore[arg-type]  # never swept: always empty
+
+
+def deferred_jobs() -> Deferred:
+    """The current Trio run's deferred jobs (on the Trio thread)."""
+    try:
+        return _DEFERRED.get()
+    except LookupError:
+        deferred = Deferred(trio.lowlevel.current_trio_token())
+        _DEFERRED.set(deferred)
+        return deferred
+
+
+def sweep_deferred() -> None:
+    """Deliver the current run's deferred reports, if any (on the Trio thread;
+    nothing outside a run): before anything that must see every answer written
+    so far counted (a statistics or metrics read, a new request)."""
+    try:
+        deferred = _DEFERRED.get(_NO_DEFERRED)
+    except RuntimeError:  # not in a Trio run
+        return
+    if deferred:
+        deferred.sweep()

@@ -1,0 +1,262 @@
+"""An infer request's answer written by the instance's thread that computed it.
+
+At c=1 the event loop used to wake twice per request: for the request, and for
+the instance thread's report, after which it encoded and wrote the answer; each
+wake-up from a sleep of a few milliseconds costs about 0.2 ms of cold caches on
+a small machine (benchmarks/README.md, issue 39's third and fourth rounds). An
+HTTP/1.1 connection on a plain socket *arms* a :class:`ConnectionAnswer` for
+its infer request when nothing else has to happen between the backend's
+response and its encoding (no compression, tracing, access log,
+classification, shared memory, first-response histogram). The instance's
+thread, once the batch is done and nothing else waits for the instance,
+encodes the answer and writes it with one non-blocking write
+(:meth:`ConnectionAnswer.write`), and leaves its report to the loop's next sweep
+(:class:`~trionserve.backends.instance_thread.Deferred`). The connection's task
+meanwhile waits for its socket, not for the outcome (:meth:`ConnectionAnswer.wait`):
+the client's next request wakes it, it sweeps the deferred reports (statistics,
+in-flight counts, the request's outcome) and goes on to read that request. One
+wake-up of the loop per request.
+
+What holds:
+
+- The thread writes only while the answer is armed, under the answer's lock;
+  the loop disarms it under the same lock before it touches the connection
+  itself (the outcome came another way, the socket became readable: pipelined
+  bytes or the client's end, the task cancelled), so the two never write to the
+  connection at once, and a pipelined request is answered in its turn.
+- A write the socket does not take whole (the send buffer full, the client
+  gone) leaves the rest (:attr:`ConnectionAnswer.rest`) to the loop, which the
+  thread wakes at once; so does an answer the thread declines (over 64 KB, or an
+  encoding that raised: the loop encodes it again and answers its error).
+- The request gets its one final outcome from the executor's report either way
+  (deferred or not), and is counted in flight until then: the HTTP server's
+  50 ms tick sweeps, so a drain never waits for a client's next request.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+
+import trio
+
+from trionserve.core.deferred import sweep_deferred
+from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.protocol.http.h1 import H1Connection, Response
+from trionserve.protocol.sockets import send_all
+
+# States of a connection's answer.
+IDLE = 0  # no request armed
+ARMED = 1  # the instance's thread may write the answer
+WRITTEN = 2  # the thread wrote it whole (``kept``: the connection is kept)
+PARTIAL = 3  # the thread began it: the loop writes ``rest`` (the protocol's state moved on)
+DISARMED = 4  # the loop answers
+WRITING = 5  # the thread writes it (holding the lock)
+
+# Answers larger than this are left to the loop (written gathered from the
+# tensors' buffers and counted in the client budget there).
+THREAD_ANSWER_MAX_BYTES = 64 * 1024
+
+# The answer of the connection whose task runs the handler (set by the
+# transport for a plain socket, None otherwise).
+CONNECTION_ANSWER: ContextVar[ConnectionAnswer | None] = ContextVar(
+    "trionserve_http_answer", default=None
+)
+
+# What the infer handler returns for an answer the thread wrote (or began):
+# the transport finishes it (:meth:`ConnectionAnswer.settle`'s state).
+ANSWERED_BODY: list[bytes] = []
+ANSWERED: Response = (200, [], ANSWERED_BODY)
+
+# Encodes an infer request's response: (status, headers, body chunks).
+Encode = Callable[[InferenceResponse, InferenceRequest, bool], Response]
+
+
+class ConnectionAnswer:
+    """One HTTP/1.1 connection's answer to the infer request it handles, which
+    the instance's thread may write (see the module docstring). The loop arms it
+    (:meth:`arm`), waits (:meth:`wait`), and once the request's outcome is in
+    learns who answered (:meth:`settle`); the thread writes (:meth:`write`)."""
+
+    __slots__ = (
+        "_binary_output",
+        "_draining",
+        "_encode",
+        "_h1",
+        "_lock",
+        "_request",
+        "_scope",
+        "_socket",
+        "kept",
+        "readable",
+        "rest",
+        "state",
+    )
+
+    def __init__(
+        self, h1: H1Connection, socket: trio.socket.SocketType, draining: Callable[[], bool]
+    ) -> None:
+        self._h1 = h1
+        self._socket = socket
+        self._draining = draining
+        self._lock = threading.Lock()
+        self.state = IDLE
+        self.kept = False
+        # The wait ended on the socket readable: the next read need not wait.
+        self.readable = False
+        self.rest: memoryview | None = None
+        self._request: InferenceRequest | None = None
+        self._encode: Encode | None = None
+        self._binary_output = False
+        self._scope: trio.CancelScope | None = None
+
+    @classmethod
+    def of(
+        cls, h1: H1Connection, stream: trio.abc.Stream, draining: Callable[[], bool]
+    ) -> ConnectionAnswer | None:
+        """The answer of a connection on a plain socket (None under TLS or on a
+        stream without a socket of its own: the loop answers there)."""
+        if isinstance(stream, trio.SocketStream):
+            return cls(h1, stream.socket, draining)
+        return None
+
+    # -- on the Trio thread --------------------------------------------------------
+
+    def arm(self, request: InferenceRequest, encode: Encode, binary_output: bool) -> None:
+        """Let the thread that computes ``request`` write its answer, encoded by
+        ``encode``; before the request is submitted."""
+        self._request = request
+        self._encode = encode
+        self._binary_output = binary_output
+        self.rest = None
+        self.state = ARMED
+        request.answer = self
+
+    @property
+    def armed(self) -> bool:
+        return self.state == ARMED
+
+    async def wait(self) -> None:
+        """Wait, while armed, for the socket to be readable or the request's
+        outcome to come (``finalized``), whichever first. Readable: the client's
+        next request after the thread's answer (the deferred reports are swept,
+        which gives the request its outcome), or bytes before it (pipelined) or
+        the client's end: disarmed, the loop answers."""
+        if self.state != ARMED:
+            return
+        scope = self._scope = trio.CancelScope()
+        try:
+            with scope:
+                await trio.lowlevel.wait_readable(self._socket)
+        except BaseException:
+            self._disarm()
+            raise
+        finally:
+            self._scope = None
+        if scope.cancelled_caught:
+            return  # the outcome came
+        self.readable = True
+        self._disarm()
+        sweep_deferred()
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the connection's task waits on the socket (no other task may)."""
+        return self._scope is not None
+
+    def finalized(self) -> None:
+        """The request's final outcome was delivered: the wait ends."""
+        scope = self._scope
+        if scope is not None:
+            scope.cancel()
+
+    async def finish(self, stream: trio.abc.SendStream) -> bool:
+        """After the handler returned ANSWERED, in the connection's task: whether
+        the connection is kept; the rest of an answer the thread began is
+        written here first."""
+        rest, self.rest = self.rest, None
+        if rest is not None:
+            await send_all(stream, rest)
+        return self.kept
+
+    def settle(self) -> int:
+        """Once the request's outcome is in: WRITTEN, PARTIAL (the loop writes
+        ``rest``) or DISARMED (the loop answers); the
+        request lets go of the answer."""
+        state = self.state
+        if state != WRITTEN:  # (written whole: the thread is done with it)
+            with self._lock:  # waits for a write in progress on the thread
+                state = self.state
+                if state == ARMED or state == IDLE:  # (IDLE: settled already)
+                    state = DISARMED
+        self.state = IDLE
+        request, self._request, self._encode = self._request, None, None
+        if request is not None:
+            request.answer = None
+        return state
+
+    def _disarm(self) -> None:
+        if self.state == ARMED:  # (once the thread took it, never armed again)
+            with self._lock:
+                if self.state == ARMED:
+                    self.state = DISARMED
+
+    # -- on the instance's thread ------------------------------------------------------
+
+    def write(self, request: InferenceRequest, response: InferenceResponse) -> bool:
+        """Encode and write ``request``'s answer, if still armed for it: True
+        when the socket took it whole; False leaves it (or its ``rest``) to the
+        loop."""
+        with self._lock:
+            # (The loop may have answered it and armed the next request's.)
+            if self.state != ARMED or self._request is not request:
+                return False
+            encode = self._encode
+            assert encode is not None
+            try:
+                status, headers, chunks = encode(response, request, self._binary_output)
+                if not isinstance(chunks, list):
+                    self.state = DISARMED
+                    return False
+                size = sum(len(chunk) for chunk in chunks)
+                if size > THREAD_ANSWER_MAX_BYTES:
+                    self.state = DISARMED
+                    return False
+                h1 = self._h1
+                head = h1.start_response(status, headers, self._draining(), streamed=False)
+            except Exception:
+                self.state = DISARMED  # the loop encodes it again, and answers its error
+                return False
+            data = head if h1.head_only or not size else head + b"".join(chunks)
+            # The protocol's state moves on before the write, so that the thread
+            # holds the GIL for as little as it can once the client has the answer
+            # (the loop, woken by the client's next request, waits for it).
+            self.kept = h1.end_response()
+            self.state = WRITING
+            try:
+                written = os.write(self._socket.fileno(), data)
+            except OSError:
+                written = 0  # the loop's write raises what it means (a reset)
+            if written == len(data):
+                self.state = WRITTEN
+                return True
+            self.rest = memoryview(data)[written:]
+            self.state = PARTIAL
+            return False
+
+
+def waits(answer: ConnectionAnswer | None) -> bool:
+    """Whether a connection's task waits on its socket for its answer (then no
+    other task may wait on that socket: the slow-request watcher does not)."""
+    return answer is not None and answer.waiting
+
+
+def seen_readable(answer: ConnectionAnswer | None) -> bool:
+    """Whether the connection's socket was seen readable as its answer's wait
+    ended (and nothing read it since): its next read need not wait (once)."""
+    if answer is None or not answer.readable:
+        return False
+    answer.readable = False
+    return True
