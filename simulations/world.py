@@ -74,6 +74,10 @@ class TrackedRequest(InferenceRequest):
             self.record.attempts.append(("response" if response is not None else "end", response))
         return InferenceRequest.send(self, response, final=final)
 
+    def respond(self, response: InferenceResponse) -> bool:
+        self.record.attempts.append(("response", response))
+        return InferenceRequest.respond(self, response)
+
     def fail(self, error: TritonError) -> bool:
         self.record.attempts.append(("error", error))
         return InferenceRequest.fail(self, error)

@@ -37,7 +37,7 @@ from trionserve.core.response_cache import ResponseCache
 from trionserve.core.shared_memory import RequestRegions, SystemSharedMemory
 from trionserve.core.validation import validate_request
 from trionserve.drain import Drain
-from trionserve.observability.metrics import observe_first_response
+from trionserve.lifecycle import Lifecycle
 from trionserve.observability.statistics import (
     FailureReason,
     select_statistics,
@@ -388,16 +388,29 @@ class DataPlane:
     @asynccontextmanager
     async def _lifecycle(
         self, model: ModelVersion, request: InferenceRequest, queued: trio.Event | None = None
-    ) -> AsyncIterator[_Lifecycle]:
+    ) -> AsyncIterator[Lifecycle]:
         """The one lifecycle of an admitted request, for every way of consuming it:
         trace, count it in flight, queue it at its model, let the caller consume its
-        responses (each passed through :meth:`_Lifecycle.deliverable`), then count it
+        responses (each passed through :meth:`Lifecycle.deliverable`), then count it
         out and finish its trace. A caller that fails or is cancelled before the
         request's final outcome (a ``deliver`` that raised, a client gone, an
         iterator closed early) flags it cancelled, so its remaining work is dropped.
         ``queued`` is set once the model's scheduler holds the request.
         """
-        run = _Lifecycle(self, model, request)
+        run = await self._begin(model, request, queued)
+        try:
+            yield run
+        except BaseException as exc:
+            self._failed(run, exc)
+            raise
+        finally:
+            self._end(run)
+
+    async def _begin(
+        self, model: ModelVersion, request: InferenceRequest, queued: trio.Event | None
+    ) -> Lifecycle:
+        """:meth:`_lifecycle` up to the request queued at its model."""
+        run = Lifecycle(model, request, self._first_response, self._classify)
         context = request.trace_context
         trace: Trace | None = None
         if context is None:
@@ -411,20 +424,29 @@ class DataPlane:
         self.drain.request_began(model, request)
         try:
             await model.infer(request)
-            if queued is not None:
-                queued.set()
-            yield run
         except BaseException as exc:
-            if not request.done:
-                request.cancelled = True
-            elif trace is not None:
-                self.tracing.answered_with_error(trace, exc)
+            self._failed(run, exc)
+            self._end(run)
             raise
-        finally:
-            request.discard()
-            self.drain.request_ended(model)
-            if trace is not None:
-                self.tracing.finish(trace, model, request, run.traced)
+        if queued is not None:
+            queued.set()
+        return run
+
+    def _failed(self, run: Lifecycle, exc: BaseException) -> None:
+        """The caller failed or was cancelled: a request without its final outcome
+        is flagged cancelled; a traced one answered with an error says so."""
+        if not run.request.done:
+            run.request.cancelled = True
+        elif run.trace is not None:
+            self.tracing.answered_with_error(run.trace, exc)
+
+    def _end(self, run: Lifecycle) -> None:
+        """:meth:`_lifecycle`'s end: count the request out, finish its trace."""
+        request = run.request
+        request.discard()
+        self.drain.request_ended(run.model)
+        if run.trace is not None:
+            self.tracing.finish(run.trace, run.model, request, run.traced)
 
     async def infer(
         self,
@@ -489,9 +511,16 @@ class DataPlane:
     async def _infer_admitted(
         self, model: ModelVersion, request: InferenceRequest, queued: trio.Event | None = None
     ) -> InferenceResponse:
-        async with self._lifecycle(model, request, queued) as run:
+        # _lifecycle written out: no async generator and context manager per call.
+        run = await self._begin(model, request, queued)
+        try:
             response = await request.wait()
             await run.deliverable(response)
+        except BaseException as exc:
+            self._failed(run, exc)
+            raise
+        finally:
+            self._end(run)
         return response
 
     async def infer_stream(
@@ -608,48 +637,6 @@ class DataPlane:
                 else None
             )
         return cache[output]
-
-
-class _Lifecycle:
-    """One admitted request as :meth:`DataPlane._lifecycle` runs it."""
-
-    __slots__ = ("_classify", "_dataplane", "_first", "model", "request", "trace", "traced")
-
-    def __init__(self, dataplane: DataPlane, model: ModelVersion, request: InferenceRequest):
-        self._dataplane = dataplane
-        self.model = model
-        self.request = request
-        # The request's trace, if traced, and the outputs of its responses that
-        # it records (TENSOR_BACKEND_OUTPUT, before classification).
-        self.trace: Trace | None = None
-        self.traced: InferenceResponse | None = None
-        self._first = dataplane._first_response
-        outputs = request.requested_outputs
-        self._classify = outputs is not None and any(
-            o.parameters.get("classification") for o in outputs
-        )
-
-    async def deliverable(self, response: InferenceResponse | None) -> None:
-        """Make a response ready to hand on: a traced request's outputs are kept
-        for its trace, the first one is timed
-        (nv_inference_first_response_histogram_ms), and the classification
-        extension is applied to the outputs that asked for it."""
-        if response is None:
-            return
-        if self.trace is not None:  # the backend's outputs, before classification
-            if self.trace.frontend is not None:
-                self.trace.frontend.response_complete()
-            if self.traced is None:
-                self.traced = InferenceResponse(
-                    response.model_name, response.model_version, outputs=list(response.outputs)
-                )
-            else:
-                self.traced.outputs += response.outputs
-        if self._first:
-            self._first = False
-            observe_first_response(self.model, trio.current_time() - self.request.arrival_time)
-        if self._classify:
-            await self._dataplane._classify(self.model, self.request, response)
 
 
 class _ModelCalls:

@@ -57,8 +57,8 @@ class Drain:
         # Inference requests between admission and their last response, and the
         # models that were sent sequence requests: what a drain waits for.
         self._inflight = 0
-        self._settled = trio.Event()  # replaced while requests are in flight
-        self._settled.set()
+        # Set once no request is in flight; made when a drain waits for it.
+        self._settled: trio.Event | None = None
         self._sequence_models: weakref.WeakSet[ModelVersion] = weakref.WeakSet()
 
     def begin(self) -> None:
@@ -96,6 +96,8 @@ class Drain:
             if not self.draining:
                 raise RuntimeError("wait_drained() before begin()")
             if self._inflight:
+                if self._settled is None:
+                    self._settled = trio.Event()
                 await self._settled.wait()
                 continue
             waiting = next(
@@ -136,7 +138,7 @@ class Drain:
         """An admitted request is queued at its model: counted there and here."""
         model.begin_request()
         if self._inflight == 0:
-            self._settled = trio.Event()
+            self._settled = None
         self._inflight += 1
         if request.sequence_id not in (0, "") and model.sequences is not None:
             self._sequence_models.add(model)
@@ -145,5 +147,5 @@ class Drain:
         """An admitted request had its last response (or failed)."""
         model.end_request()
         self._inflight -= 1
-        if self._inflight == 0:
+        if self._inflight == 0 and self._settled is not None:
             self._settled.set()

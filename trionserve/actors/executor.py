@@ -444,7 +444,7 @@ class InstanceExecutor:
             if not live:
                 outlet.complete(live, ())
                 continue
-            if not await self._acquire_resources(live):
+            if self._rate_limiter is not None and not await self._acquire_resources(live):
                 continue
             start = trio.current_time()
             try:

@@ -174,8 +174,9 @@ class ModelVersion:
         self._nursery: trio.Nursery | None = None
         self._unload_requested = trio.Event()
         self._inflight = 0
-        self._idle = trio.Event()
-        self._idle.set()
+        # Made when asked for (``idle``): a request that comes and goes with
+        # nobody waiting builds no event.
+        self._idle: trio.Event | None = None
         # The reason the index shows once it has unloaded (an eviction names its own).
         self.unloaded_reason = "unloaded"
 
@@ -347,7 +348,7 @@ class ModelVersion:
         assert self._scheduler is not None
         self._scheduler.close()
         with trio.move_on_after(self._drain_timeout) as scope:
-            await self._idle.wait()
+            await self.idle.wait()
         if scope.cancelled_caught:
             log.warning(
                 "unload deadline passed with requests in flight",
@@ -463,7 +464,12 @@ class ModelVersion:
     @property
     def idle(self) -> trio.Event:
         """Set while no request is in flight (a new one is made by the next request)."""
-        return self._idle
+        idle = self._idle
+        if idle is None:
+            idle = self._idle = trio.Event()
+            if self._inflight == 0:
+                idle.set()
+        return idle
 
     @property
     def inflight(self) -> int:
@@ -472,12 +478,12 @@ class ModelVersion:
 
     def begin_request(self) -> None:
         if self._inflight == 0:
-            self._idle = trio.Event()
+            self._idle = None
         self._inflight += 1
 
     def end_request(self) -> None:
         self._inflight -= 1
-        if self._inflight == 0:
+        if self._inflight == 0 and self._idle is not None:
             self._idle.set()
 
     async def set_instance_groups(self, config: ModelConfig) -> None:

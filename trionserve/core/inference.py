@@ -359,7 +359,18 @@ class InferenceRequest:
 
     def respond(self, response: InferenceResponse) -> bool:
         """Deliver the one final response of a non-decoupled request."""
-        return self.send(response, final=True)
+        if self._final:
+            return False
+        if self._undelivered:
+            # This class's send (a subclass that tracks deliveries sees one: this).
+            return InferenceRequest.send(self, response, final=True)
+        # send() with nothing held: a lone final response is not counted.
+        self._responses.append((response, 0))
+        self._final = True
+        self._wakeup.set()
+        if self.answer is not None:
+            self.answer.finalized()
+        return True
 
     def fail(self, error: TritonError) -> bool:
         """Deliver the final error; responses already sent stay delivered."""
@@ -378,7 +389,8 @@ class InferenceRequest:
             await self.answer.wait()
         while not self._final:
             await self._wakeup.wait()
-            self._wakeup = trio.Event()
+            if not self._final:
+                self._wakeup = trio.Event()
         if self._error is not None:
             raise self._error
         if len(self._responses) != 1:

@@ -91,11 +91,15 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
     """
     model = signature.name
     inputs = request.inputs
-    for name in inputs:
-        if name not in signature.inputs:
-            raise InvalidArgument(f"unexpected inference input '{name}' for model '{model}'")
-    missing = [n for n, s in signature.inputs.items() if not s.optional and n not in inputs]
-    if missing:
+    specs = signature.inputs
+    if not specs.keys() >= inputs.keys():
+        for name in inputs:
+            if name not in specs:
+                raise InvalidArgument(f"unexpected inference input '{name}' for model '{model}'")
+    # Every input given is the model's (above): with as many, none is missing.
+    if len(inputs) != len(specs) and (
+        missing := [n for n, s in specs.items() if not s.optional and n not in inputs]
+    ):
         # Triton's words (core infer_request.cc ValidateRequestInputs): a range when
         # the model has optional inputs.
         required = sum(1 for s in signature.inputs.values() if not s.optional)
@@ -114,7 +118,7 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
     batched = signature.max_batch_size > 0
     batch_size = 0
     for name, tensor in inputs.items():
-        spec = signature.inputs[name]
+        spec = specs[name]
         if tensor.datatype != spec.datatype:
             raise InvalidArgument(
                 f"inference input '{name}' data-type is '{tensor.datatype}', but "
@@ -173,6 +177,8 @@ def validate_request(request: InferenceRequest, signature: ModelSignature) -> No
 
 
 def _matches(shape: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    if shape == dims:
+        return True
     if len(shape) != len(dims):
         return False
     return all(d == -1 or d == s for s, d in zip(shape, dims))

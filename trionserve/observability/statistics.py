@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import trio
 
 from trionserve.core.deferred import sweep_deferred
+from trionserve.core.errors import TritonError
 from trionserve.observability.quantiles import Summary, Target
 
 if TYPE_CHECKING:  # metrics imports this module
@@ -229,6 +230,82 @@ class ModelStatistics:
                     ("compute_output_duration", output_ns),
                 )
             )
+
+    def record_batch(
+        self,
+        requests: Sequence[InferenceRequest],
+        outcomes: Sequence[object] | None,
+        start: float,
+        end: float,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+    ) -> None:
+        """One batch the backend executed from ``start`` to ``end`` (Trio's clock),
+        in one place: each request's success (``record_success``) or failure (an
+        outcome that is a ``TritonError``; ``outcomes`` None: all succeeded), then
+        the execution if any request succeeded (``record_execution``). Written
+        out, as it runs once per batch on the event loop."""
+        batch_size = 0
+        succeeded = False
+        summaries = self.summaries
+        for index, request in enumerate(requests):
+            size = request.batch_size or 1
+            batch_size += size
+            if not request.collect_stats:
+                continue  # a sequence batcher's null request: in the batch size only
+            arrival = request.arrival_time
+            request_ns = int((end - arrival) * NS_PER_S)
+            if request_ns < 0:
+                request_ns = 0
+            if outcomes is not None and isinstance(outcomes[index], TritonError):
+                self.record_failure(request_ns, FailureReason.BACKEND)
+                continue
+            if summaries is not None:
+                self.record_success(
+                    size,
+                    request_ns,
+                    max(0, int((start - arrival) * NS_PER_S)),
+                    input_ns,
+                    infer_ns,
+                    output_ns,
+                )
+            else:
+                queue_ns = int((start - arrival) * NS_PER_S)
+                self.inference_count += size
+                duration = self.success
+                duration.count += 1
+                duration.ns += request_ns
+                duration = self.queue
+                duration.count += 1
+                duration.ns += queue_ns if queue_ns > 0 else 0
+                duration = self.compute_input
+                duration.count += 1
+                duration.ns += input_ns
+                duration = self.compute_infer
+                duration.count += 1
+                duration.ns += infer_ns
+                duration = self.compute_output
+                duration.count += 1
+                duration.ns += output_ns
+            succeeded = True
+        if not succeeded:
+            return
+        # record_execution, written out.
+        self.execution_count += 1
+        self._last_execution = end
+        stats = self.batch_stats.get(batch_size)
+        if stats is None:
+            stats = self.batch_stats[batch_size] = BatchStatistics(batch_size)
+        duration = stats.compute_input
+        duration.count += 1
+        duration.ns += input_ns
+        duration = stats.compute_infer
+        duration.count += 1
+        duration.ns += infer_ns
+        duration = stats.compute_output
+        duration.count += 1
+        duration.ns += output_ns
 
     def record_cache_hit(self, request_ns: int, lookup_ns: int) -> None:
         """A request answered from the response cache: a success, not an inference."""

@@ -13,7 +13,6 @@ import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
 
 import structlog
 import trio
@@ -581,7 +580,7 @@ class PythonInstance:
             for encoded in responses or ():
                 release_outputs(encoded, stub.endpoint)
             return
-        rescheduled = set(rescheduled_keys)
+        rescheduled = set(rescheduled_keys) if rescheduled_keys else ()
         if raised is not None:
             # Logged as Triton's stub logs it (pb_stub.cc ProcessRequests).
             log.error("execute raised", source=self.label, error=raised)
@@ -612,7 +611,7 @@ class PythonInstance:
                     if outcome is not None:
                         deliver(request, outcome)
             else:
-                call.results = cast(ExecuteResult, outcomes)
+                call.results = outcomes  # type: ignore[assignment]  # no None: none sent
         else:
             for key, request in zip(call.keys, call.requests):
                 if key in rescheduled:

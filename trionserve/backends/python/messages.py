@@ -121,32 +121,43 @@ def release_outputs(encoded: EncodedResponse | None, endpoint: Endpoint) -> None
     """Give back the blocks of a response that will not be read (none for the
     tensors that came inline or empty: small responses skip the bookkeeping)."""
     if encoded is not None:
-        blocks = [block_of(ref) for ref in encoded[0] if ref[3] >= 0]
-        if blocks:
-            endpoint.release(blocks)
+        for ref in encoded[0]:
+            if ref[3] >= 0:
+                endpoint.release([block_of(ref) for ref in encoded[0] if ref[3] >= 0])
+                return
 
 
 def read_response(
     encoded: EncodedResponse, endpoint: Endpoint, request: InferenceRequest, model_version: str
 ) -> InferenceResponse | TritonError:
     """A model's response to ``request``: the outputs it asked for, copied out."""
+    refs_sent, error, parameters = encoded
     try:
-        refs_sent, error, parameters = encoded
         if error is not None:
             return error_from_code(error[0], error[1])
-        by_name = {ref[0]: ref for ref in refs_sent}
         requested = request.requested_outputs
-        if requested is None:
-            refs = list(by_name.values())
-        else:
-            refs = [by_name[o.name] for o in requested if o.name in by_name]
         array = endpoint.view.array
+        if requested is None and len(refs_sent) <= 1:
+            refs = refs_sent  # no name to look up or to keep once
+        else:
+            by_name = {ref[0]: ref for ref in refs_sent}
+            if requested is None:
+                refs = list(by_name.values())
+            else:
+                refs = [by_name[o.name] for o in requested if o.name in by_name]
         outputs = [Tensor(ref[0], ref[1], array(ref, copy=True)) for ref in refs]
         return InferenceResponse(
-            request.model_name, model_version, request.id, outputs, _parameters(parameters)
+            request.model_name,
+            model_version,
+            request.id,
+            outputs,
+            _parameters(parameters) if parameters != "{}" else {},
         )
     finally:
-        release_outputs(encoded, endpoint)
+        for ref in refs_sent:
+            if ref[3] >= 0:  # a block to give back (none for inline or empty tensors)
+                endpoint.release([block_of(ref) for ref in refs_sent if ref[3] >= 0])
+                break
 
 
 def bls_request(message: dict, endpoint: Endpoint) -> InferenceRequest:
