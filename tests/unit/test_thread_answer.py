@@ -138,6 +138,23 @@ async def test_the_wait_ends_with_the_outcome_or_the_socket():
         assert answer.state == DISARMED
 
 
+async def test_an_answer_written_before_the_wait_is_swept_at_once(autojump_clock):
+    # The thread may finish and write before the connection's task waits: the
+    # job it deferred is swept as the wait begins (no socket event will come).
+    server_sock, client_sock, answer, request, expected = connection(256)
+    with server_sock, client_sock:
+
+        class _Report:
+            def finished(self) -> None:
+                request.respond(RESPONSE)
+
+        deferred_jobs().append(_Report())  # as the thread does, before its write
+        assert await trio.to_thread.run_sync(answer.write, request, RESPONSE)
+        with trio.fail_after(1):
+            assert await request.wait() is RESPONSE
+        assert await read_exactly(client_sock, len(expected)) == expected
+
+
 class _Job:
     def __init__(self) -> None:
         self.done = False

@@ -143,8 +143,13 @@ class ConnectionAnswer:
         outcome to come (``finalized``), whichever first. Readable: the client's
         next request after the thread's answer (the deferred reports are swept,
         which gives the request its outcome), or bytes before it (pipelined) or
-        the client's end: disarmed, the loop answers."""
-        if self.state != ARMED:
+        the client's end: disarmed, the loop answers. An answer the thread took
+        before this wait began (a fast model) has its job deferred already:
+        swept now, not left for the tick."""
+        state = self.state
+        if state != ARMED:
+            if state != DISARMED:  # the thread took it first: its job is deferred
+                sweep_deferred()
             return
         scope = self._scope = trio.CancelScope()
         try:
