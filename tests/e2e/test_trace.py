@@ -548,6 +548,37 @@ async def test_opentelemetry_traces_a_request_under_its_clients_context():
     assert spans["simple"].parent.span_id == root.context.span_id
 
 
+def test_a_batch_larger_than_the_queue_is_capped_and_drops_are_logged_as_tritons(monkeypatch):
+    """qa/L0_trace starts the server with bsp_max_queue_size=1 (the default
+    batch is 512, which the Python SDK refuses: the server did not start) and
+    greps opentelemetry-cpp's warning for a dropped span."""
+    import logging
+
+    from trionserve.observability.trace import opentelemetry_exporter as otel
+    from trionserve.observability.trace.settings import OTEL_DEFAULTS
+
+    options = otel.batch_options({**OTEL_DEFAULTS, "bsp_max_queue_size": "1"})
+    assert options == {
+        "max_queue_size": 1,
+        "schedule_delay_millis": 5000,
+        "max_export_batch_size": 1,
+    }
+    assert otel.batch_options(dict(OTEL_DEFAULTS))["max_export_batch_size"] == 512
+    seen: list[str] = []
+
+    class Recorder:
+        def warning(self, event, **fields):
+            seen.append(event)
+
+    monkeypatch.setattr(otel, "log", Recorder())
+    otel.report_dropped_spans()
+    otel.report_dropped_spans()  # once
+    sdk = logging.getLogger("opentelemetry.sdk._shared_internal")
+    sdk.warning("Queue full, dropping %s.", "span")
+    sdk.warning("Exception while exporting %s.", "span")
+    assert seen == ["BatchSpanProcessor queue is full - dropping span."]
+
+
 def test_a_collector_url_without_a_scheme_is_http():
     """L0_trace's url=localhost:10000/v1/traces: Triton's exporter (curl) takes it
     as http; the Python exporter needs the scheme spelled out."""

@@ -6,11 +6,13 @@ only when this mode is chosen.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import trio
 
 from trionserve.core.errors import TritonError
@@ -19,6 +21,43 @@ from trionserve.observability.trace.trace_file import Trace, clock_ns
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
+
+log = structlog.get_logger(__name__)
+
+
+class _DroppedSpans(logging.Handler):
+    """The SDK's batch processor dropping a span for a full queue, logged in the
+    words of opentelemetry-cpp's, which Triton's log shows (qa/L0_trace greps
+    ``BatchSpanProcessor queue is full - dropping span.``)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # The SDK's words: "Queue full, dropping span." (1.3x+), "Queue is full,
+        # likely spans will be dropped." (older).
+        if str(record.msg).startswith(("Queue full", "Queue is full")):
+            log.warning("BatchSpanProcessor queue is full - dropping span.")
+
+
+_DROPPED_SPANS = _DroppedSpans()
+
+
+def report_dropped_spans() -> None:
+    """Route the SDK's full-queue warnings through :class:`_DroppedSpans` (once)."""
+    sdk = logging.getLogger("opentelemetry.sdk")
+    if _DROPPED_SPANS not in sdk.handlers:
+        sdk.addHandler(_DROPPED_SPANS)
+
+
+def batch_options(settings: dict[str, str]) -> dict[str, int]:
+    """The batch span processor's arguments from the ``bsp_*`` settings.
+    opentelemetry-cpp takes an export batch larger than the queue (a batch is at
+    most what the queue holds; qa/L0_trace starts Triton with
+    ``bsp_max_queue_size=1``); the Python SDK refuses one, so it is capped."""
+    queue = int(settings["bsp_max_queue_size"])
+    return {
+        "max_queue_size": queue,
+        "schedule_delay_millis": int(settings["bsp_schedule_delay"]),
+        "max_export_batch_size": min(int(settings["bsp_max_export_batch_size"]), queue),
+    }
 
 
 def otlp_endpoint(url: str) -> str:
@@ -76,12 +115,14 @@ class OpenTelemetryExporter:
                     f"trace mode opentelemetry needs opentelemetry-exporter-otlp-proto-http ({exc})"
                 ) from None
             merged = {**OTEL_DEFAULTS, **dict(settings)}
+            options = batch_options(merged)
             processor = BatchSpanProcessor(
                 OTLPSpanExporter(endpoint=otlp_endpoint(merged["url"])),
-                max_queue_size=int(merged["bsp_max_queue_size"]),
-                schedule_delay_millis=int(merged["bsp_schedule_delay"]),
-                max_export_batch_size=int(merged["bsp_max_export_batch_size"]),
+                max_queue_size=options["max_queue_size"],
+                schedule_delay_millis=options["schedule_delay_millis"],
+                max_export_batch_size=options["max_export_batch_size"],
             )
+            report_dropped_spans()
         self._provider = TracerProvider(resource=Resource.create(attributes))
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer("triton-server")
