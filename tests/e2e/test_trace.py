@@ -564,6 +564,11 @@ def test_a_batch_larger_than_the_queue_is_capped_and_drops_are_logged_as_tritons
         "max_export_batch_size": 1,
     }
     assert otel.batch_options(dict(OTEL_DEFAULTS))["max_export_batch_size"] == 512
+    # bsp_schedule_delay=0 (the SDK refuses 0): as soon as it can.
+    assert (
+        otel.batch_options({**OTEL_DEFAULTS, "bsp_schedule_delay": "0"})["schedule_delay_millis"]
+        == 1
+    )
     seen: list[str] = []
 
     class Recorder:

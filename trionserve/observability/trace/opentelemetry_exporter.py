@@ -51,11 +51,13 @@ def batch_options(settings: dict[str, str]) -> dict[str, int]:
     """The batch span processor's arguments from the ``bsp_*`` settings.
     opentelemetry-cpp takes an export batch larger than the queue (a batch is at
     most what the queue holds; qa/L0_trace starts Triton with
-    ``bsp_max_queue_size=1``); the Python SDK refuses one, so it is capped."""
+    ``bsp_max_queue_size=1``); the Python SDK refuses one, so it is capped. A
+    ``bsp_schedule_delay`` of 0 (opentelemetry-cpp: export without waiting;
+    qa/L0_trace gives it) is 1 ms, the SDK's smallest."""
     queue = int(settings["bsp_max_queue_size"])
     return {
         "max_queue_size": queue,
-        "schedule_delay_millis": int(settings["bsp_schedule_delay"]),
+        "schedule_delay_millis": max(int(settings["bsp_schedule_delay"]), 1),
         "max_export_batch_size": min(int(settings["bsp_max_export_batch_size"]), queue),
     }
 
