@@ -15,12 +15,18 @@ import pytest
 
 from trionserve._generated.model_config_pb2 import ModelConfig
 from trionserve.backends.python.backend import may_auto_complete
-from trionserve.backends.python.messages import error_from_code, error_message
+from trionserve.backends.python.messages import (
+    error_from_code,
+    error_message,
+    read_response,
+    request_message,
+)
 from trionserve.backends.python.settings import StubSettings, settings_for
 from trionserve.backends.python.shm import Arena, ArenaView, block_of
 from trionserve.backends.python.stub import STUBPATH
 from trionserve.backends.python.wire import BlockingChannel, Endpoint
 from trionserve.core.errors import InvalidArgument, NotFound, Status, TritonError, Unavailable
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 
 sys.path.insert(0, str(STUBPATH))
 import triton_python_backend_utils as pb_utils  # noqa: E402
@@ -325,3 +331,53 @@ async def test_a_read_of_several_messages_lets_the_tasks_the_first_woke_run_firs
         for side in (stub_side, server_side):
             side.sock.close()
             side.endpoint.close()
+
+
+def test_a_stub_calls_tensors_cross_as_the_arena_writes_and_reads_them():
+    """request_message and read_response take small numeric tensors inline
+    without the arena's calls: the same references as Arena.write, the same
+    arrays (writable, C order) as ArenaView.array."""
+    left, right = connected_pair()
+    try:
+        tensors = {
+            "f32": ("FP32", np.arange(12, dtype=np.float32).reshape(3, 4)[:, ::2]),  # strided
+            "bool": ("BOOL", np.array([True, False, True])),
+            "int32": ("INT32", np.arange(16, dtype=np.int32).reshape(1, 16)),
+            "bytes": ("BYTES", np.array([b"a", b"", "ü".encode(), b"x" * 5000], dtype=object)),
+            "small_bytes": ("BYTES", np.array([b"ab", "ü".encode()], dtype=object)),
+            "empty": ("INT64", np.zeros((0, 3), dtype=np.int64)),
+            "big": ("UINT8", np.full(20_000, 7, dtype=np.uint8)),
+        }
+        request = InferenceRequest(
+            "m", inputs={n: Tensor(n, d, a) for n, (d, a) in tensors.items()}
+        )
+        entry, blocks = request_message(1, request, left.endpoint, [])
+        refs = entry[5]
+        assert len(blocks) == 2  # "bytes" and "big"; the others ride in the message
+        for ref in refs:
+            datatype, array = tensors[ref[0]]
+            written, block = left.endpoint.arena.write(ref[0], datatype, array)
+            if block is None:
+                assert ref == written
+            else:  # another block of the same size
+                assert ref[:3] == written[:3] and ref[5] == written[5]
+                left.endpoint.arena.free([block])
+        left.send({"op": "tensors", "refs": refs})
+        message = right.receive()
+        response = read_response((message["refs"], None, "{}"), right.endpoint, request, "1")
+        assert isinstance(response, InferenceResponse)
+        assert [t.name for t in response.outputs] == list(tensors)
+        for tensor in response.outputs:
+            datatype, expected = tensors[tensor.name]
+            assert tensor.datatype == datatype and tensor.data.dtype == expected.dtype
+            assert tensor.data.shape == expected.shape
+            assert tensor.data.tolist() == expected.tolist()
+            if datatype != "BYTES":
+                assert tensor.data.flags.writeable and tensor.data.flags.c_contiguous
+        right.send({"op": "done"})  # read_response gave the blocks back
+        assert left.receive() == {"op": "done"}
+        assert left.endpoint.arena.in_use() == 0
+    finally:
+        for channel in (left, right):
+            channel.sock.close()
+            channel.endpoint.close()

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 
-from trionserve.backends.python.shm import Block, TensorRef, block_of
+import numpy as np
+
+from trionserve.backends.python.shm import INLINE, INLINE_MAX_BYTES, Block, TensorRef, block_of
 from trionserve.backends.python.wire import Endpoint
+from trionserve.core.datatypes import BY_WIRE
 from trionserve.core.errors import Status, TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 
@@ -74,7 +77,13 @@ def request_message(
     blocks: list[Block] = []
     write = endpoint.arena.write
     for name, tensor in request.inputs.items():
-        ref, block = write(name, tensor.datatype, tensor.data)
+        data, datatype = tensor.data, tensor.datatype
+        if datatype != "BYTES" and 0 < data.nbytes <= INLINE_MAX_BYTES:
+            # Arena.write's inline case written out: a small numeric tensor rides
+            # in the message itself.
+            refs.append((name, datatype, data.shape, INLINE, 0, data.tobytes()))
+            continue
+        ref, block = write(name, datatype, data)
         refs.append(ref)
         if block is not None:
             blocks.append(block)
@@ -145,7 +154,16 @@ def read_response(
                 refs = list(by_name.values())
             else:
                 refs = [by_name[o.name] for o in requested if o.name in by_name]
-        outputs = [Tensor(ref[0], ref[1], array(ref, copy=True)) for ref in refs]
+        outputs = []
+        for ref in refs:
+            name, datatype = ref[0], ref[1]
+            if ref[3] == INLINE and datatype != "BYTES":
+                # ArenaView.array's inline case written out: the array made on a
+                # writable copy of the bytes.
+                data = np.ndarray(ref[2], BY_WIRE[datatype].numpy, bytearray(ref[5]))
+            else:
+                data = array(ref, copy=True)
+            outputs.append(Tensor(name, datatype, data))
         return InferenceResponse(
             request.model_name,
             model_version,
