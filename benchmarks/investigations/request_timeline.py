@@ -49,7 +49,7 @@ import atexit, functools, json, os, sys, time
 import trio
 from trionserve import dataplane
 from trionserve.backends.onnxruntime import backend as ort_backend
-from trionserve.protocol.http import h1, transport
+from trionserve.protocol.http import answer, h1, transport
 
 now = time.monotonic_ns
 current, rows, steps = {}, [], []
@@ -102,6 +102,18 @@ stamp(ort_backend.OnnxInstance, "stage", "s_stage")
 stamp(ort_backend.OnnxInstance, "launch", "s_run", "s_run_end")
 stamp(ort_backend.OnnxInstance, "finish", after="s_finish")
 stamp_async(transport._Connection, "respond", "s_respond", "s_sent", done=True)
+# An answer the instance's thread encodes and writes itself (protocol/http/answer.py)
+# never reaches the connection's respond: stamped where the thread wrote it whole.
+thread_write = answer.ConnectionAnswer.write
+@functools.wraps(thread_write)
+def thread_answer(self, *args, **kwargs):
+    current["s_thread_write"] = now()
+    written = thread_write(self, *args, **kwargs)
+    if written:
+        current["s_sent"] = now()
+        rows.append(dict(current))
+    return written
+answer.ConnectionAnswer.write = thread_answer
 infer = dataplane.DataPlane.infer
 instrumented = []
 async def data_plane_infer(self, *args, **kwargs):
@@ -139,9 +151,22 @@ STEPS = [
     ("back to the event loop, data plane returns", "s_finish", "s_inferred"),
     ("server: encode the response", "s_inferred", "s_respond"),
     ("server: write the response", "s_respond", "s_sent"),
+    ("instance thread: encode and write the answer", "s_thread_write", "s_sent"),
     ("client: receive and parse the response", "s_sent", "c_infer_done"),
     ("client: as_numpy", "c_infer_done", "c_end"),
 ]
+
+# The steps of one way of answering or the other: the event loop encodes and
+# writes the answer, or the instance's thread does (protocol/http/answer.py); a
+# request goes one way, a run may see both.
+ANSWERED_BY = {
+    "loop": {
+        "back to the event loop, data plane returns",
+        "server: encode the response",
+        "server: write the response",
+    },
+    "thread": {"instance thread: encode and write the answer"},
+}
 
 
 def run_client(url: str, requests: int) -> list[dict[str, int]]:
