@@ -138,6 +138,29 @@ async def test_the_wait_ends_with_the_outcome_or_the_socket():
         assert answer.state == DISARMED
 
 
+async def test_a_watched_socket_is_left_to_its_watcher():
+    # A request slow to reach its wait (its model loaded on demand) may find the
+    # slow-request watcher on the socket: the wait leaves it alone and the loop
+    # answers, instead of Trio's BusyResourceError for a second waiter.
+    server_sock, client_sock, _, request, _ = connection(256)
+    with server_sock, client_sock:
+        h1 = H1Connection()
+        h1.receive_data(REQUEST)
+        assert h1.next_request() is not None
+        answer = ConnectionAnswer.of(
+            h1, trio.SocketStream(server_sock), lambda: False, lambda: True
+        )
+        assert answer is not None
+        answer.arm(request, lambda *_: (200, [], [b""]), False)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.lowlevel.wait_readable, server_sock)  # the watcher
+            await trio.testing.wait_all_tasks_blocked()
+            await answer.wait()  # returns at once, disarmed
+            assert answer.state == DISARMED and not answer.waiting
+            assert not answer.write(request, RESPONSE)  # the thread writes nothing
+            nursery.cancel_scope.cancel()
+
+
 async def test_an_answer_written_before_the_wait_is_swept_at_once(autojump_clock):
     # The thread may finish and write before the connection's task waits: the
     # job it deferred is swept as the wait begins (no socket event will come).

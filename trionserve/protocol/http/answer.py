@@ -89,6 +89,7 @@ class ConnectionAnswer:
         "_request",
         "_scope",
         "_socket",
+        "_watched",
         "kept",
         "readable",
         "rest",
@@ -96,11 +97,18 @@ class ConnectionAnswer:
     )
 
     def __init__(
-        self, h1: H1Connection, socket: trio.socket.SocketType, draining: Callable[[], bool]
+        self,
+        h1: H1Connection,
+        socket: trio.socket.SocketType,
+        draining: Callable[[], bool],
+        watched: Callable[[], bool] = lambda: False,
     ) -> None:
         self._h1 = h1
         self._socket = socket
         self._draining = draining
+        # Whether the slow-request watcher holds the socket (transport.py's
+        # watch_peer): then the wait may not wait on it too.
+        self._watched = watched
         self._lock = threading.Lock()
         self.state = IDLE
         self.kept = False
@@ -114,12 +122,16 @@ class ConnectionAnswer:
 
     @classmethod
     def of(
-        cls, h1: H1Connection, stream: trio.abc.Stream, draining: Callable[[], bool]
+        cls,
+        h1: H1Connection,
+        stream: trio.abc.Stream,
+        draining: Callable[[], bool],
+        watched: Callable[[], bool] = lambda: False,
     ) -> ConnectionAnswer | None:
         """The answer of a connection on a plain socket (None under TLS or on a
         stream without a socket of its own: the loop answers there)."""
         if isinstance(stream, trio.SocketStream):
-            return cls(h1, stream.socket, draining)
+            return cls(h1, stream.socket, draining, watched)
         return None
 
     # -- on the Trio thread --------------------------------------------------------
@@ -145,8 +157,14 @@ class ConnectionAnswer:
         which gives the request its outcome), or bytes before it (pipelined) or
         the client's end: disarmed, the loop answers. An answer the thread took
         before this wait began (a fast model) has its job deferred already:
-        swept now, not left for the tick."""
+        swept now, not left for the tick. A request slow to reach its wait (its
+        model loaded on demand, a long admission) may have the slow-request
+        watcher on the socket already: disarmed, the loop answers (one task
+        waits on a socket at a time)."""
         state = self.state
+        if state == ARMED and self._watched():
+            self._disarm()
+            state = self.state
         if state != ARMED:
             if state != DISARMED:  # the thread took it first: its job is deferred
                 sweep_deferred()

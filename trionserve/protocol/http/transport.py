@@ -285,7 +285,8 @@ class _Connection:
         self.stream = stream
         self.h1 = H1Connection(server.options, server.heads)
         # Written by the instance's thread where it can (a plain socket, see answer.py).
-        self.answer = answers.ConnectionAnswer.of(self.h1, stream, lambda: server.draining)
+        watched = lambda: self.watch is not None  # noqa: E731
+        self.answer = answers.ConnectionAnswer.of(self.h1, stream, lambda: server.draining, watched)
         # The connection's scope, for its whole life: cancelled to end it, by its
         # deadline (the keep-alive timeout, set only while it waits for the next
         # request), by the drain or the connection cap while it waits (through
