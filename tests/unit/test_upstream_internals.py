@@ -26,7 +26,7 @@ from hyperframe import frame as hyperframe_frame
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trionserve.protocol.grpc import upstream
+from trionserve.protocol.grpc import hpackcache, upstream
 
 HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
@@ -100,7 +100,7 @@ def test_h2_connection_decodes_with_the_caching_decoder_and_h2s_limits():
 def test_cached_header_blocks_decode_to_the_headers():
     encoder = upstream.CachingEncoder([HEADERS])
     block = encoder.encode(HEADERS)
-    assert block == upstream._state_free_block(HEADERS)
+    assert block == hpackcache._state_free_block(HEADERS)
     assert hpack.Decoder().decode(block, raw=True) == HEADERS
 
 

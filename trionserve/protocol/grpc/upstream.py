@@ -1,4 +1,5 @@
-"""Where trionserve leans on private parts of h2, hpack and hyperframe: only here.
+"""Where trionserve leans on private parts of h2, hpack and hyperframe: only here
+(and in :mod:`~trionserve.protocol.grpc.hpackcache`, its HPACK part).
 
 Each use below goes past a library's public API for speed on the gRPC hot path,
 and each is checked by ``tests/unit/test_upstream_internals.py``, which fails when an
@@ -6,8 +7,9 @@ upstream release changes what it relies on; pyproject.toml bounds these
 libraries below their next minor release until that test passes on it.
 
 - hyperframe: ``Frame.__repr__`` replaced (a short form, for h2's trace log).
-- hpack: ``Encoder.header_table.resized`` and ``.dynamic_entries`` read;
-  ``Decoder.header_table.dynamic_entries`` and ``.maxsize`` read.
+- hpack (:mod:`~trionserve.protocol.grpc.hpackcache`): ``Encoder.header_table.resized``
+  and ``.dynamic_entries`` read; ``Decoder.header_table.dynamic_entries`` and
+  ``.maxsize`` read.
 - h2, a unary call's stream held apart (``H2Connection.unary``): the methods
   that find streams, ``_receive_frame`` and the initial window's changes
   overridden; ``_decode_headers`` called; ``highest_inbound_stream_id``,
@@ -46,12 +48,12 @@ import h2.events
 import h2.exceptions
 import h2.frame_buffer
 import h2.stream
-import hpack
 import numpy as np
-from hpack.struct import HeaderTuple, HeaderWeaklyTyped
+from hpack.struct import HeaderWeaklyTyped
 from hyperframe import frame as hyperframe_frame
 from hyperframe.flags import Flags
 
+from trionserve.protocol.grpc.hpackcache import CachingDecoder, CachingEncoder
 from trionserve.protocol.grpc.unarystream import LEFT_TO_H2, UnaryStream
 
 __all__ = [
@@ -76,14 +78,6 @@ def _frame_repr(frame: hyperframe_frame.Frame) -> str:
 # The assignment replaces a method on purpose (mypy's method-assign).
 hyperframe_frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
 
-
-# What hpack's Encoder.encode takes.
-_EncoderHeaders = (
-    Iterable[
-        HeaderTuple | tuple[bytes | str, bytes | str] | tuple[bytes | str, bytes | str, bool | None]
-    ]
-    | dict[bytes | str, bytes | str]
-)
 
 _FRAME_HEADER = struct.Struct(">HBBBL")
 _WINDOW_UPDATE = struct.Struct(">HBBBLL")
@@ -154,107 +148,6 @@ def frame_header(header: bytes | bytearray | memoryview) -> tuple[hyperframe_fra
     flags._flags = set(by_byte[flag_byte])
     frame.flags = flags
     return frame, (high << 8) + low
-
-
-class CachingEncoder(hpack.Encoder):
-    """h2's HPACK encoder, with the blocks of constant header lists encoded once.
-
-    Every successful call answers with the same response headers and the same
-    trailers; HPACK-encoding them per call cost more than the rest of sending
-    them. The cached blocks use only the static table and literals that are never
-    indexed, so they are valid whatever the dynamic table holds and leave it as
-    it is. A pending table size update goes out with h2's own encoding first.
-    """
-
-    def __init__(self, constant: Sequence[Sequence[tuple[bytes, bytes]]]) -> None:
-        super().__init__()
-        self._blocks: dict[tuple, bytes] = {
-            tuple(headers): _state_free_block(headers) for headers in constant
-        }
-
-    def constant_block(self, headers: Iterable[HeaderWeaklyTyped]) -> bytes | None:
-        """The block of a constant header list, or None (another list, or a
-        table size update pending)."""
-        if self.header_table.resized:
-            return None
-        return self._blocks.get(tuple(headers))
-
-    def encode(self, headers: _EncoderHeaders, huffman: bool = True) -> bytes:
-        if isinstance(headers, dict):
-            return super().encode(headers, huffman)
-        listed = list(headers)  # h2 may pass a generator (normalized headers)
-        if not self.header_table.resized:
-            block = self._blocks.get(tuple(listed))
-            if block is not None:
-                return block
-        return super().encode(listed, huffman)
-
-
-def _state_free_block(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
-    encoder = hpack.Encoder()
-    block = encoder.encode([hpack.NeverIndexedHeaderTuple(k, v) for k, v in headers])
-    assert not encoder.header_table.dynamic_entries  # only the static table is used
-    return block
-
-
-class CachingDecoder(hpack.Decoder):
-    """h2's HPACK decoder, with the header lists of repeated all-indexed blocks kept.
-
-    A gRPC client sends the same request headers on every call; once its encoder
-    has them in the dynamic table, the block is one byte per header, each an
-    index. Decoding such a block reads the table and does not change it, so its
-    header list is the same for as long as the table is: it is kept, keyed by
-    the block, with the table's newest entry, size and limits it was decoded
-    under (an insertion always makes a new newest entry; an eviction without
-    one changes the size). Anything else decodes as hpack decodes it. Bounded:
-    at most ``_BLOCKS`` lists of at most ``_LIST_BYTES`` each (a gRPC client's
-    request headers are a few hundred bytes), each pinning at most one table
-    entry (no larger than the table).
-    """
-
-    _BLOCKS = 16  # all dropped when full
-    _LIST_BYTES = 4096
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._kept: dict[tuple[bytes, bool], tuple] = {}
-        # A block already decoded, and its headers: what h2 gets when it decodes
-        # that block next (H2Connection hands it a HEADERS frame it has read).
-        self.predecoded: tuple[object, Iterable] | None = None
-
-    def decode(self, data: bytes, raw: bool = False) -> Iterable[HeaderTuple]:
-        predecoded = self.predecoded
-        if predecoded is not None:
-            self.predecoded = None
-            if predecoded[0] is data:
-                return predecoded[1]
-        table = self.header_table
-        entries = table.dynamic_entries
-        state = (
-            entries[0] if entries else None,
-            len(entries),
-            table.maxsize,
-            self.max_allowed_table_size,
-            self.max_header_list_size,
-        )
-        key = (bytes(data), raw)
-        kept = self._kept.get(key)
-        if kept is not None and _same_state(kept[0], state):
-            return list(kept[1])
-        headers = super().decode(data, raw)
-        # Single-byte indexed fields only (0x80 | index, index 1..126): no literal,
-        # no table size update, no multi-byte index.
-        if key[0] and 0x81 <= min(key[0]) and max(key[0]) <= 0xFE:
-            if sum(len(name) + len(value) for name, value in headers) <= self._LIST_BYTES:
-                if len(self._kept) >= self._BLOCKS:
-                    self._kept.clear()
-                self._kept[key] = (state, tuple(headers))
-        return headers
-
-
-def _same_state(kept: tuple, now: tuple) -> bool:
-    # The newest entry by identity: the kept state holds it, so it stays alive.
-    return kept[0] is now[0] and kept[1:] == now[1:]
 
 
 class FrameBuffer(h2.frame_buffer.FrameBuffer):
