@@ -86,6 +86,8 @@ def _events(result):
         for key, value in sorted(vars(event).items()):
             if isinstance(value, h2.events.Event):
                 value = type(value).__name__
+            elif isinstance(value, hf.Frame):  # an unknown frame's: as sent
+                value = value.serialize()
             elif isinstance(value, list):
                 value = [tuple(v) for v in value]
             elif isinstance(value, dict):  # settings: ChangedSetting has no ==
@@ -140,11 +142,40 @@ def _normalize_states(reference, unary):
     return (reference[0], norm(reference[1])), (unary[0], norm(unary[1]))
 
 
+def _as_h2_events(items: list) -> list:
+    """What H2Connection.receive gives, its tuples as h2's events."""
+    out = []
+    for item in items:
+        if type(item) is not tuple:
+            out.append(item)
+            continue
+        kind, stream_id = item[0], item[1]
+        if kind == upstream.WINDOW:
+            out.append(h2.events.WindowUpdated(stream_id=stream_id, delta=item[2]))
+            continue
+        if kind == upstream.REQUEST:
+            event = h2.events.RequestReceived(stream_id=stream_id, headers=item[2])
+        else:
+            assert kind == upstream.DATA
+            event = h2.events.DataReceived(
+                stream_id=stream_id, data=bytes(item[2]), flow_controlled_length=len(item[2])
+            )
+        out.append(event)
+        if item[3]:
+            event.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
+            out.append(ended)
+    return out
+
+
 class Pair:
-    """One client, and both servers fed the same."""
+    """One client, and the servers fed the same: h2 (the reference), unary
+    streams held apart through h2's receive_data, and through the transport's
+    own frame loop (receive), the one the connection uses."""
 
     def __init__(self) -> None:
         self.reference, self.unary = _server(False), _server(True)
+        self.fast = _server(True)
+        self.taken = 0  # frames the frame loop took itself, all steps together
         self.encoder = hpack.Encoder()
         self.ids: list[int] = []
         self.dead = False
@@ -162,6 +193,14 @@ class Pair:
         a = _outcome(lambda: self.reference.receive_data(data))
         b = _outcome(lambda: self.unary.receive_data(data))
         assert a == b
+        received = []
+
+        def fast() -> list:
+            received.extend(self.fast.receive(data))
+            return _as_h2_events(received)
+
+        assert _outcome(fast) == a
+        self.taken += sum(type(item) is tuple for item in received)
         self.compare()
         if a[0] == "raised":
             self.dead = True
@@ -172,16 +211,17 @@ class Pair:
         a = _outcome(lambda: getattr(self.reference, name)(*args))
         b = _outcome(lambda: getattr(self.unary, name)(*args))
         assert a == b, (name, args)
+        assert _outcome(lambda: getattr(self.fast, name)(*args)) == a, (name, args)
         self.compare()
 
     def compare(self) -> None:
         out_a = b"".join(bytes(b) for b in self.reference.buffers_to_send())
-        out_b = b"".join(bytes(b) for b in self.unary.buffers_to_send())
-        assert out_a == out_b
-        reference, unary = _normalize_states(
-            _state(self.reference, self.ids), _state(self.unary, self.ids)
-        )
-        assert reference == unary
+        for server in (self.unary, self.fast):
+            assert b"".join(bytes(b) for b in server.buffers_to_send()) == out_a
+            reference, unary = _normalize_states(
+                _state(self.reference, self.ids), _state(server, self.ids)
+            )
+            assert reference == unary
 
     def headers(self, stream_id: int, path: bytes, end: bool, **extra) -> bytes:
         headers = [
@@ -219,6 +259,7 @@ def _answer(pair: Pair, stream_id: int, message: bytes = b"\x00\x00\x00\x00\x02o
     pair.act("send_headers", stream_id, RESPONSE_HEADERS)
     sent = _outcome(lambda: pair.reference.send_whole(stream_id, message))
     assert _outcome(lambda: pair.unary.send_whole(stream_id, message)) == sent
+    assert _outcome(lambda: pair.fast.send_whole(stream_id, message)) == sent
     if sent == ("ok", False):
         pair.act("send_data", stream_id, message)
     pair.compare()
@@ -234,7 +275,12 @@ def test_a_whole_unary_call_is_held_apart_and_goes_as_h2s_would():
         _answer(pair, stream_id)
         assert stream_id not in pair.unary.unary  # closed, recorded as h2 records it
         pair.feed(_window(stream_id, 50) + _window(0, 50))
-    assert not pair.unary.streams
+    assert not pair.unary.streams and not pair.fast.streams
+    # Once the connection is open (h2's SERVER_OPEN, after the first HEADERS,
+    # which h2 takes), every frame went through the frame loop without h2:
+    # HEADERS, DATA and the connection's WINDOW_UPDATE give a tuple each, the
+    # closed stream's WINDOW_UPDATE nothing.
+    assert pair.taken == 1 + 4 * 3
 
 
 def test_window_updates_of_many_calls_go_out_as_h2s():
@@ -412,6 +458,7 @@ def _server_step(pair: Pair, step: tuple) -> None:
         pair.act("send_headers", stream_id, RESPONSE_HEADERS)
         sent = _outcome(lambda: pair.reference.send_whole(stream_id, message))
         assert _outcome(lambda: pair.unary.send_whole(stream_id, message)) == sent
+        assert _outcome(lambda: pair.fast.send_whole(stream_id, message)) == sent
         pair.compare()
         pair.act("send_headers", stream_id, OK_TRAILERS, True)
     elif kind == "ack":
@@ -435,3 +482,103 @@ def test_any_sequence_goes_as_on_h2s_streams(steps):
             pair.feed(_client_bytes(pair, step))
         if pair.dead:
             break
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.lists(client_steps, min_size=1, max_size=5).map(lambda s: ("client", s)),
+            server_steps.map(lambda s: ("server", s)),
+        ),
+        max_size=20,
+    ),
+    st.lists(st.integers(0, 4000), min_size=1, max_size=20),
+)
+def test_frames_read_together_and_cut_anywhere_go_as_on_h2s(steps, cuts):
+    # What one read of the socket brings: several frames at once (the frame
+    # loop takes them one after another, then h2 the rest from the first it
+    # does not take), or a frame cut anywhere (h2 buffers it).
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, True))  # the connection opens (h2's SERVER_OPEN)
+    for index, step in enumerate(steps):
+        if step[0] == "server":
+            _server_step(pair, step[1])
+        else:
+            data = b"".join(_client_bytes(pair, client) for client in step[1])
+            cut = cuts[index % len(cuts)]
+            pair.feed(data[:cut])
+            pair.feed(data[cut:])
+        if pair.dead:
+            break
+
+
+def _prioritized(pair: Pair, stream_id: int) -> bytes:
+    pair.ids.append(stream_id)
+    frame = hf.HeadersFrame(
+        stream_id,
+        data=pair.encoder.encode([(b":method", b"POST"), (b":path", UNARY)]),
+        depends_on=1,
+        stream_weight=3,
+    )
+    frame.flags.add("END_HEADERS")
+    frame.flags.add("PRIORITY")
+    return frame.serialize()
+
+
+def _continued(pair: Pair, stream_id: int) -> bytes:
+    pair.ids.append(stream_id)
+    block = pair.encoder.encode([(b":method", b"POST"), (b":path", UNARY)])
+    head = hf.HeadersFrame(stream_id, data=block[:3])
+    tail = hf.ContinuationFrame(stream_id, data=block[3:])
+    tail.flags.add("END_HEADERS")
+    return head.serialize() + tail.serialize()
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        lambda p: _data(3, 40, True, pad=7),
+        lambda p: _data(3, 40, False, pad=0) + _data(3, 40, True, pad=200),
+        lambda p: _window(0, 2**31 + 5),  # the reserved bit set: hyperframe refuses it
+        lambda p: _window(3, 2**31 + 5),
+        lambda p: _window(0, 0),
+        lambda p: _window(3, 0),
+        lambda p: _window(0, 2**31 - 1),  # past the largest window
+        lambda p: _window(2, 5),  # a stream the client cannot have
+        lambda p: _window(41, 5),  # a stream not opened yet
+        lambda p: struct.pack(">HBBBLL", 0, 5, 0x8, 0, 3, 5) + b"\x00",  # 5 bytes long
+        lambda p: _prioritized(p, 5),
+        lambda p: _continued(p, 5) + _data(5, 10, True),
+        lambda p: p.headers(5, UNARY, True, more=[(b"content-length", b"10")]),
+        lambda p: p.headers(5, STREAMING, False) + _data(5, 10, True),
+        lambda p: (
+            p.headers(5, UNARY, False) + struct.pack(">HBBBL", 0, 0xFF, 0, 0, 5) + b"\x00" * 255
+        ),
+        lambda p: struct.pack(">HBBBL", 1, 0, 0, 1, 3) + bytes(65536),  # past the frame size
+        lambda p: p.headers(5, UNARY, True, more=[(b"x-long", b"v" * 40000)]),  # and whole
+        lambda p: struct.pack(">HBBBL", 0, 3, 0xEE, 0, 0) + b"abc",  # an unknown type
+        lambda p: struct.pack(">HBBBL", 0, 3, 0x1, 0x5, 7) + b"\xff\xff\xff",  # a bad block
+    ],
+)
+def test_frames_the_loop_leaves_to_h2_go_as_on_h2s(frames):
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, True))  # the connection opens (h2's SERVER_OPEN)
+    pair.feed(pair.headers(3, UNARY, False) + frames(pair) + _window(0, 7) + _data(3, 5, True))
+    if not pair.dead:
+        _answer(pair, 1)
+        _answer(pair, 3)
+
+
+def test_data_past_the_connection_window_is_h2s_flow_control_error():
+    # Each stream may take 1000 bytes; calls whose data is never acknowledged
+    # use the connection's window up (65,535 + 5,000) until a stream's window
+    # is larger than what is left of it.
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, True))
+    for stream_id in range(3, 145, 2):
+        pair.feed(pair.headers(stream_id, UNARY, False) + _data(stream_id, 1000, True))
+        if pair.dead:
+            break
+        _answer(pair, stream_id)
+    assert pair.dead

@@ -211,13 +211,24 @@ class Connection:
             if self.state.closing:
                 continue
             try:
-                events = self.h2.receive_data(data)
+                events = self.h2.receive(data)
             except h2.exceptions.ProtocolError as exc:
                 log.debug("grpc protocol error", peer=self.peer, error=str(exc))
                 self.close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
                 continue
             for event in events:
-                if self._handle(event):
+                if type(event) is tuple:  # a frame upstream.H2Connection.receive took
+                    kind, stream_id = event[0], event[1]
+                    if kind == upstream.DATA:
+                        self._on_data(stream_id, event[2], len(event[2]))
+                    elif kind == upstream.REQUEST:
+                        self._on_request(stream_id, event[2])
+                    else:
+                        self._on_window(stream_id)
+                        continue
+                    if event[3]:
+                        self._on_end(stream_id)
+                elif self._handle(event):
                     for call, handler in self._starting:
                         self._spawn(call, handler)
                     return False
@@ -233,27 +244,17 @@ class Connection:
         # event on the hot path).
         e: Any = event
         if kind is h2.events.DataReceived:
-            self._on_data(e)
+            self._on_data(e.stream_id, e.data, e.flow_controlled_length)
         elif kind is h2.events.RequestReceived:
-            self._on_request(e)
+            self._on_request(e.stream_id, e.headers)
         elif kind is h2.events.StreamEnded:
-            call = self.calls.get(e.stream_id)
-            if call is not None:
-                call.state.request_event(RequestEvent.END_STREAM)
-                call.wake()
+            self._on_end(e.stream_id)
         elif kind is h2.events.StreamReset:
             call = self.calls.get(e.stream_id)
             if call is not None:
                 call.reset_by_client()
         elif kind is h2.events.WindowUpdated:
-            stream_id = e.stream_id
-            if stream_id:  # one stream's window
-                call = self.calls.get(stream_id)
-                if call is not None:
-                    call.wake_sender()
-            else:  # the connection's: every sender may go on
-                for call in self.calls.values():
-                    call.wake_sender()
+            self._on_window(e.stream_id)
         elif kind is h2.events.RemoteSettingsChanged:  # the initial window may have grown
             for call in self.calls.values():
                 call.wake_sender()
@@ -268,13 +269,27 @@ class Connection:
 
     # -- requests --------------------------------------------------------------
 
-    def _on_request(self, event: h2.events.RequestReceived) -> None:
+    def _on_window(self, stream_id: int) -> None:
+        if stream_id:  # one stream's window
+            call = self.calls.get(stream_id)
+            if call is not None:
+                call.wake_sender()
+        else:  # the connection's: every sender may go on
+            for call in self.calls.values():
+                call.wake_sender()
+
+    def _on_end(self, stream_id: int) -> None:
+        call = self.calls.get(stream_id)
+        if call is not None:
+            call.state.request_event(RequestEvent.END_STREAM)
+            call.wake()
+
+    def _on_request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.first_call.set()
-        stream_id = event.stream_id
         if stream_id > self.last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
-        head = read_request_head(event.headers, self.methods, self.options)
+        head = read_request_head(headers, self.methods, self.options)
         if isinstance(head, HttpRefusal):
             self.h2.send_headers(stream_id, [(b":status", head.status)], end_stream=True)
             self.flush()
@@ -287,7 +302,7 @@ class Connection:
             self,
             self.buffer.open(stream_id),
             head.path,
-            event.headers,
+            headers,
             None if head.timeout is None else trio.current_time() + head.timeout,
             method.client_streaming,
             grpc_framing.MessageReader(
@@ -295,16 +310,14 @@ class Connection:
             ),
             head.compress,
         )
-        # An END_STREAM on the headers comes as h2's StreamEnded event next; the
+        # An END_STREAM on the headers comes next (_on_end); the
         # call starts once the read's events are all handled (_start_calls).
         self.calls[stream_id] = call
         if len(self.calls) == 1:  # busy again (the idle deadline stays: lifetime.idle_deadline)
             self._idle.pop(self, None)
         self._starting.append((call, method.handler))
 
-    def _on_data(self, event: h2.events.DataReceived) -> None:
-        stream_id = event.stream_id
-        flow = event.flow_controlled_length
+    def _on_data(self, stream_id: int, data: bytes | bytearray, flow: int) -> None:
         call = self.calls.get(stream_id)
         if call is None or call.error is not None:
             # Data for a call that is over: give the window back and drop it.
@@ -312,7 +325,7 @@ class Connection:
             return
         reader = call.reader
         try:
-            messages = reader.feed(event.data)
+            messages = reader.feed(data)
         except GRPCError as error:
             call.error = error
             call.state.request_event(RequestEvent.REFUSE)

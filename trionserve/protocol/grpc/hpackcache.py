@@ -95,7 +95,7 @@ class CachingDecoder(hpack.Decoder):
         predecoded = self.predecoded
         if predecoded is not None:
             self.predecoded = None
-            if predecoded[0] is data:
+            if predecoded[0] is data or predecoded[0] == data:
                 return predecoded[1]
         table = self.header_table
         entries = table.dynamic_entries

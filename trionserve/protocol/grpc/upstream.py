@@ -95,6 +95,12 @@ _SEND_DATA = h2.connection.ConnectionInputs.SEND_DATA
 _SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
 _END_STREAM = 0x1
 _END_HEADERS = 0x4
+_PADDED = 0x8
+_PRIORITY = 0x20
+_INCREMENT = struct.Struct(">L")
+
+# What H2Connection.receive gives for a frame it took from its bytes.
+REQUEST, DATA, WINDOW = 0, 1, 2
 
 
 _IMMUTABLE = (int, bool, bytes, str, float, type(None))
@@ -297,21 +303,20 @@ class H2Connection(h2.connection.H2Connection):
                 self._caching_decoder.predecoded = None
         return super()._receive_frame(frame)
 
-    def _unary_headers(self, frame: hyperframe_frame.HeadersFrame) -> list[h2.events.Event] | None:
-        """A new stream's HEADERS: the events h2 would give when the call is to a
-        unary path and goes the common way, else None (h2 takes the frame, and
+    def _unary_open(self, stream_id: int, end: bool, block: object) -> list | None:
+        """A new stream's HEADERS (without a priority): its headers when the call
+        is to a unary path and goes the common way (the stream is then held
+        apart, moved as h2 would move it), else None (h2 takes the frame, and
         the headers if they were decoded here)."""
-        stream_id = frame.stream_id
         if (
             stream_id in self.streams
             or stream_id % 2 == 0
             or stream_id <= self.highest_inbound_stream_id
-            or "PRIORITY" in frame.flags._flags
             # h2's own check, with h2's own cleanup of closed streams
             or self.open_inbound_streams >= self.local_settings.max_concurrent_streams
         ):
             return None
-        headers = h2.connection._decode_headers(self.decoder, frame.data)
+        headers = h2.connection._decode_headers(self.decoder, block)  # type: ignore[arg-type]
         path = None
         for name, value in headers:
             if name == b":path":
@@ -320,22 +325,116 @@ class H2Connection(h2.connection.H2Connection):
                 break
         else:
             if path in self.unary_paths:
-                events = self._moved(_RECV_HEADERS)
+                self._moved(_RECV_HEADERS)
                 self.highest_inbound_stream_id = stream_id
-                end = "END_STREAM" in frame.flags._flags
                 self.unary[stream_id] = UnaryStream(
                     self.local_settings.initial_window_size,
                     self.remote_settings.initial_window_size,
                     end,
                 )
-                request = h2.events.RequestReceived(stream_id=stream_id, headers=list(headers))
-                events.append(request)
-                if end:
-                    request.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
-                    events.append(ended)
-                return events
-        self._caching_decoder.predecoded = (frame.data, headers)
+                return list(headers)
+        self._caching_decoder.predecoded = (block, headers)
         return None
+
+    def _unary_headers(self, frame: hyperframe_frame.HeadersFrame) -> list[h2.events.Event] | None:
+        """h2's events for a new stream's HEADERS frame held apart (_unary_open)."""
+        flags = frame.flags._flags
+        if "PRIORITY" in flags:
+            return None
+        stream_id = frame.stream_id
+        end = "END_STREAM" in flags
+        headers = self._unary_open(stream_id, end, frame.data)
+        if headers is None:
+            return None
+        request = h2.events.RequestReceived(stream_id=stream_id, headers=headers)
+        if not end:
+            return [request]
+        request.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
+        return [request, ended]
+
+    def receive(self, data: bytes | bytearray) -> list:
+        """``receive_data``, with the frames of unary calls going the common way
+        taken here from their bytes, without h2's frame and event objects.
+
+        Each frame taken gives a tuple: ``(REQUEST, stream_id, headers, ended)``
+        for a new unary call's HEADERS, ``(DATA, stream_id, payload, ended)`` for
+        its DATA (unpadded: the payload is all the flow-controlled bytes),
+        ``(WINDOW, stream_id, increment)`` for a WINDOW_UPDATE of the connection
+        or of a held stream (none for a closed stream's); the state moves as h2's
+        ``receive_data`` moves it (tests/unit/test_grpc_unary_stream.py). The first
+        frame that is anything else (another type, flags, a stream of h2's, a
+        window past its bounds, a frame past SETTINGS_MAX_FRAME_SIZE or not
+        whole) and every byte after it are h2's, its events after the tuples.
+        """
+        buffer: Any = self.incoming_buffer
+        if (
+            buffer._data
+            or buffer._headers_buffer
+            or buffer._preamble_len
+            or self.state_machine.state is not _SERVER_OPEN
+        ):
+            return self.receive_data(data)
+        out: list = []
+        size, pos = len(data), 0
+        held = self.unary
+        limit = self.max_inbound_frame_size
+        while size - pos >= 9:
+            high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data, pos)
+            length = (high << 8) + low
+            start, end = pos + 9, pos + 9 + length
+            if length > limit or end > size:
+                break
+            stream_id &= 0x7FFFFFFF
+            if kind == _DATA_FRAME:
+                unary = held.get(stream_id)
+                if unary is None or unary.remote_ended or flags & _PADDED:
+                    break
+                connection = self._inbound_flow_control_window_manager
+                stream = unary.inbound
+                if length > connection.current_window_size or length > stream.current_window_size:
+                    break  # h2 raises FLOW_CONTROL_ERROR
+                connection.current_window_size -= length
+                stream.current_window_size -= length
+                ended = unary.remote_ended = bool(flags & _END_STREAM)
+                out.append((DATA, stream_id, data[start:end], ended))
+            elif kind == _HEADERS_FRAME:
+                if flags & (_PADDED | _PRIORITY) or not flags & _END_HEADERS:
+                    break
+                ended = bool(flags & _END_STREAM)
+                try:
+                    headers = self._unary_open(stream_id, ended, data[start:end])
+                except h2.exceptions.ProtocolError as exc:  # as h2's receive_data
+                    self._terminate_connection(exc.error_code)
+                    raise
+                if headers is None:
+                    break
+                out.append((REQUEST, stream_id, headers, ended))
+            elif kind == _WINDOW_UPDATE_FRAME and length == 4:
+                increment = _INCREMENT.unpack_from(data, start)[0]
+                if not 0 < increment <= _MAX_WINDOW:
+                    break  # h2 raises PROTOCOL_ERROR
+                if not stream_id:
+                    if self.outbound_flow_control_window + increment > _MAX_WINDOW:
+                        break  # h2 raises FLOW_CONTROL_ERROR
+                    self.outbound_flow_control_window += increment
+                    out.append((WINDOW, 0, increment))
+                elif (unary := held.get(stream_id)) is not None:
+                    if unary.outbound + increment > _MAX_WINDOW:
+                        break  # h2 resets the stream
+                    unary.outbound += increment
+                    out.append((WINDOW, stream_id, increment))
+                elif not (
+                    stream_id % 2
+                    and stream_id <= self.highest_inbound_stream_id
+                    and stream_id not in self.streams
+                ):
+                    break  # a closed stream's (the client's, for an answer it read) is dropped
+            else:
+                break
+            pos = end
+        if pos < size:
+            out.extend(self.receive_data(data[pos:] if pos else data))
+        return out
 
     def _unary_data(
         self, stream_id: int, unary: UnaryStream, frame: hyperframe_frame.DataFrame
