@@ -380,6 +380,40 @@ async def test_grpc_timeout_cancels_the_handler_with_deadline_exceeded():
             assert handlers.cancelled == ["/t.T/Wait"]
 
 
+async def test_calls_answered_at_once_leave_no_deadline_and_one_that_waits_takes_its_own(
+    autojump_clock,
+):
+    """A unary call run in the reader's task without waiting runs in no cancel
+    scope of its own, and its deadline stays with it: the reader reads on past
+    it. One that waits takes the reader task's scope, its deadline with it: it
+    ends DEADLINE_EXCEEDED, and the connection's new reader goes on."""
+    handlers = Handlers()
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            timeout = [(b"grpc-timeout", b"1S")]
+            first = await client.call("/t.T/Echo", frame(b"one"), headers=timeout)
+            await client.until(lambda c: c.ended(first))
+            await trio.sleep(5)  # past the first call's deadline
+            second = await client.call("/t.T/Echo", frame(b"two"), headers=timeout)
+            await client.until(lambda c: c.ended(second))
+            assert [client.data[s] for s in (first, second)] == [frame(b"one"), frame(b"two")]
+            # another call in flight meanwhile: the answer is not written at once
+            # (a checkpoint, which the cancelled task must not reach: the writer writes it)
+            untimed = await client.call("/t.T/Wait", frame(b""))
+            waiting = await client.call("/t.T/Wait", frame(b""), headers=timeout)
+            await client.until(lambda c: c.ended(waiting))
+            assert client.status(waiting) == (Status.DEADLINE_EXCEEDED.value, "Deadline Exceeded")
+            assert handlers.cancelled == ["/t.T/Wait"]
+            handlers.release.set()
+            await client.until(lambda c: c.ended(untimed))
+            assert client.data[untimed] == frame(b"released")
+            await trio.sleep(5)
+            third = await client.call("/t.T/Echo", frame(b"three"), headers=timeout)
+            await client.until(lambda c: c.ended(third))
+            assert client.data[third] == frame(b"three")
+            assert client.status(third) == (Status.OK.value, "")
+
+
 # ---------------------------------------------------------- messages and headers
 
 

@@ -107,9 +107,10 @@ class Connection:
         self.calls: dict[int, GrpcCall] = {}
         # Calls whose HEADERS came in the read being handled, started after it,
         # and the call running in the reader's task now (it leaves its answer
-        # to the reader's write after the read).
+        # to the reader's write after the read), and the reader's cancel scope.
         self._starting: list[tuple[GrpcCall, Handler]] = []
         self._inline: GrpcCall | None = None
+        self._reader_scope: trio.CancelScope | None = None  # the reading task's (_read)
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
         # responses waiting go down: there may be room for a message again.
@@ -184,9 +185,12 @@ class Connection:
     async def _read(self) -> None:
         """Read until the client goes away, then end the connection (closing: the
         writer ends it once everything up to the final GOAWAY is written, see
-        close), unless this task stayed with a call and another reads on."""
-        if await self._read_loop():
-            return
+        close), unless this task stayed with a call and another reads on: then
+        the task's cancel scope is that call's (_start_calls)."""
+        with trio.CancelScope() as scope:
+            self._reader_scope = scope
+            if await self._read_loop():
+                return
         if not self.state.closing:
             self.cancel()
 
@@ -410,16 +414,27 @@ class Connection:
         instance runs inline runs in the submitting task), written with the
         read's other output in one write, with no task of their own and no pass
         of the run loop more. One that would wait has made this task its own
-        (inline.step) and keeps it; the calls after it, and any other, get tasks."""
+        (inline.step) and keeps it; the calls after it, and any other, get tasks.
+
+        A call run here has no cancel scope of its own while it runs without
+        waiting (nothing can cancel it then: neither a reset nor its deadline,
+        which take a pass of the run loop); one that keeps the task takes the
+        task's scope (_read) as its own, its deadline with it. A call reset
+        already runs in a scope of its own, cancelled at once."""
         starting, self._starting = self._starting, []
         for index, (call, handler) in enumerate(starting):
             if call.client_streaming or not call.state.client_done:
                 self._spawn(call, handler)
                 continue
             self._inline = call
-            resume = inline.step(self._run_call(call, handler))
+            kept = None if call.state.reset else self._reader_scope
+            resume = inline.step(self._run_call(call, handler, kept))
             self._inline = None
             if resume is not None:
+                if kept is not None:  # the call keeps this task, and its scope
+                    call.scope = kept
+                    if call.deadline is not None:
+                        kept.deadline = call.deadline
                 rest = starting[index + 1 :]
                 break
         else:
@@ -440,9 +455,11 @@ class Connection:
         assert self._nursery is not None
         self._nursery.start_soon(self._run_call, call, handler)
 
-    async def _run_call(self, call: GrpcCall, handler: Handler) -> None:
+    async def _run_call(
+        self, call: GrpcCall, handler: Handler, kept: trio.CancelScope | None = None
+    ) -> None:
         try:
-            outcome = await self._outcome(call, handler)
+            outcome = await self._outcome(call, handler, kept)
             if outcome is not None:
                 call.finish(*outcome)
         except BaseException:
@@ -467,35 +484,59 @@ class Connection:
                     self._room.unpark_all()
             if self.state.draining and not self.calls:
                 self.close()
-        if self._inline is not call:  # else the reader writes it after the read
+        if self._inline is call:  # the reader writes it after the read
+            return
+        if kept is not None and kept.cancel_called:
+            self.flush()  # this task is cancelled: the writer writes it
+        else:
             await self._write_now()
 
-    async def _outcome(self, call: GrpcCall, handler: Handler) -> tuple[Status, str | None] | None:
+    async def _outcome(
+        self, call: GrpcCall, handler: Handler, kept: trio.CancelScope | None
+    ) -> tuple[Status, str | None] | None:
         """Run the handler under the call's deadline: the status to end the call
-        with, or None when there is nobody left to answer."""
-        status, message = Status.OK, None
-        with trio.CancelScope() as scope:
-            call.scope = scope
-            if call.state.reset:  # reset before this task started: nobody to answer
-                scope.cancel()
-            if call.deadline is not None:
-                scope.deadline = call.deadline
+        with, or None when there is nobody left to answer. ``kept``: the scope
+        the call takes as its own if it keeps the reader's task (_start_calls),
+        its cancellation caught here; else the handler runs in a scope of its own."""
+        if kept is not None:
             try:
-                await handler(call)
-            except GRPCError as error:
-                status, message = error.status, error.message
-            except trio.BrokenResourceError:
-                # The stream is gone: nobody to answer.
-                call.state.response_event(ResponseEvent.ABANDON)
-                return None
-            except Exception as exc:
-                log.exception("grpc handler failed", method=call.method)
-                status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+                status, message = await self._status(call, handler)
+            except trio.Cancelled:
+                if not kept.cancel_called:  # the connection's
+                    raise
+                cancelled = True
+            else:
+                cancelled = False
+        else:
+            with trio.CancelScope() as scope:
+                call.scope = scope
+                if call.state.reset:  # reset before this task started: nobody to answer
+                    scope.cancel()
+                if call.deadline is not None:
+                    scope.deadline = call.deadline
+                status, message = await self._status(call, handler)
+            cancelled = scope.cancelled_caught
         if not call.state.answerable:
             return None
-        if scope.cancelled_caught:
-            status, message = Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        if cancelled:
+            return Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
         return status, message
+
+    @staticmethod
+    async def _status(call: GrpcCall, handler: Handler) -> tuple[Status, str | None]:
+        """Run the handler: the status it ends the call with (a call whose stream
+        is gone is abandoned: nobody to answer)."""
+        try:
+            await handler(call)
+        except GRPCError as error:
+            return error.status, error.message
+        except trio.BrokenResourceError:
+            # The stream is gone: nobody to answer.
+            call.state.response_event(ResponseEvent.ABANDON)
+        except Exception as exc:
+            log.exception("grpc handler failed", method=call.method)
+            return Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        return Status.OK, None
 
     async def _cut(self, call: GrpcCall) -> None:
         """The server cut this call (its drain ended at the exit timeout): end it
