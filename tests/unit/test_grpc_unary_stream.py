@@ -266,13 +266,41 @@ def _answer(pair: Pair, stream_id: int, message: bytes = b"\x00\x00\x00\x00\x02o
     pair.act("send_headers", stream_id, OK_TRAILERS, True)
 
 
+def _answer_at_once(pair: Pair, stream_id: int, message: bytes = b"\x00\x00\x00\x00\x02ok"):
+    """The response headers and the message: ``send_unary`` on the servers that
+    hold unary streams, else (and where it declines) ``send_headers`` then
+    ``send_whole`` or h2's ``send_data``, as GrpcCall.send does; then the OK
+    trailers. How many servers took send_unary."""
+    taken = []
+
+    def answer(server: upstream.H2Connection) -> None:
+        if server is not pair.reference and server.send_unary(stream_id, RESPONSE_HEADERS, message):
+            taken.append(server)
+            return
+        server.send_headers(stream_id, RESPONSE_HEADERS)
+        if not server.send_whole(stream_id, message):
+            server.send_data(stream_id, message)
+
+    if pair.dead:
+        return 0
+    sent = _outcome(lambda: answer(pair.reference))
+    for server in (pair.unary, pair.fast):
+        assert _outcome(lambda: answer(server)) == sent  # noqa: B023
+    pair.compare()
+    pair.act("send_headers", stream_id, OK_TRAILERS, True)
+    return len(taken)
+
+
 def test_a_whole_unary_call_is_held_apart_and_goes_as_h2s_would():
     pair = Pair()
     for stream_id in (1, 3, 5, 7, 9):
         pair.feed(pair.headers(stream_id, UNARY, False) + _data(stream_id, 300, True))
         assert stream_id in pair.unary.unary and stream_id not in pair.unary.streams
         pair.act("acknowledge_received_data", 300, stream_id)
-        _answer(pair, stream_id)
+        if stream_id % 4 == 1:
+            _answer(pair, stream_id)
+        else:
+            assert _answer_at_once(pair, stream_id) == 2  # both held: at once
         assert stream_id not in pair.unary.unary  # closed, recorded as h2 records it
         pair.feed(_window(stream_id, 50) + _window(0, 50))
     assert not pair.unary.streams and not pair.fast.streams
@@ -342,6 +370,37 @@ def test_anything_else_on_a_held_stream_goes_as_on_h2s(after, ended):
     pair.feed(_window(1, 10) + _data(1, 5, False) + hf.RstStreamFrame(1).serialize())
     pair.feed(pair.headers(3, UNARY, True))
     _answer(pair, 3)
+
+
+@pytest.mark.parametrize(
+    "before",
+    [
+        lambda p: None,
+        lambda p: p.feed(
+            hf.SettingsFrame(0, settings={hf.SettingsFrame.INITIAL_WINDOW_SIZE: 100}).serialize()
+        ),
+        lambda p: p.feed(
+            hf.SettingsFrame(0, settings={hf.SettingsFrame.MAX_FRAME_SIZE: 16384}).serialize()
+        ),
+        lambda p: p.feed(
+            hf.SettingsFrame(0, settings={hf.SettingsFrame.HEADER_TABLE_SIZE: 100}).serialize()
+        ),
+        lambda p: p.act("close_connection"),
+        lambda p: p.act("reset_stream", 3, h2.errors.ErrorCodes.CANCEL),
+        lambda p: p.act("send_headers", 3, RESPONSE_HEADERS),
+        lambda p: p.feed(hf.RstStreamFrame(3, error_code=8).serialize()),
+    ],
+)
+@pytest.mark.parametrize("size", [0, 100, 20000])
+def test_an_answer_at_once_goes_as_h2s_headers_and_data(before, size):
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, True))
+    pair.feed(pair.headers(3, UNARY, True))
+    before(pair)
+    message = b"\x00" + size.to_bytes(4, "big") + bytes(size)
+    _answer_at_once(pair, 3, message)
+    _answer_at_once(pair, 1, message)
+    pair.feed(_window(0, 50000) + _window(1, 50000) + _window(3, 50000))
 
 
 def test_a_response_past_the_window_is_sent_by_h2_in_pieces():
@@ -423,6 +482,7 @@ client_steps = st.one_of(
 )
 server_steps = st.one_of(
     st.tuples(st.just("answer"), stream_ids, st.integers(0, 800)),
+    st.tuples(st.just("at_once"), stream_ids, st.integers(0, 800)),
     st.tuples(st.just("ack"), stream_ids, st.integers(0, 1500)),
     st.tuples(st.just("reset"), stream_ids),
     st.tuples(st.just("refuse"), stream_ids),
@@ -461,6 +521,8 @@ def _server_step(pair: Pair, step: tuple) -> None:
         assert _outcome(lambda: pair.fast.send_whole(stream_id, message)) == sent
         pair.compare()
         pair.act("send_headers", stream_id, OK_TRAILERS, True)
+    elif kind == "at_once":
+        _answer_at_once(pair, stream_id, b"\x00" + step[2].to_bytes(4, "big") + bytes(step[2]))
     elif kind == "ack":
         pair.act("acknowledge_received_data", step[2], stream_id)
     elif kind == "reset":
@@ -582,3 +644,16 @@ def test_data_past_the_connection_window_is_h2s_flow_control_error():
             break
         _answer(pair, stream_id)
     assert pair.dead
+
+
+@pytest.mark.parametrize("size", [90, 95, 96, 200])
+def test_an_answer_at_once_past_a_held_streams_window_is_h2s(size):
+    # The client's initial window (100) applies to the streams it opens after it.
+    pair = Pair()
+    pair.feed(hf.SettingsFrame(0, settings={hf.SettingsFrame.INITIAL_WINDOW_SIZE: 100}).serialize())
+    pair.feed(pair.headers(1, UNARY, True))
+    pair.feed(pair.headers(3, UNARY, True))
+    assert 3 in pair.fast.unary
+    message = b"\x00" + size.to_bytes(4, "big") + bytes(size)
+    taken = _answer_at_once(pair, 3, message)
+    assert taken == (2 if size + 5 <= 100 else 0)

@@ -200,10 +200,23 @@ class GrpcCall:
         else:
             chunks = message
         conn = self._conn
+        compressed = self.compress
         if self._send_lock is None:
             # A unary call's answer: its request's bytes are now its response's.
             conn.answered_all(self)
-        compressed = self.compress
+            state = self.state
+            if not compressed and state.response is Response.IDLE and not state.reset:
+                size = sum(map(len, chunks))
+                # Small, in the windows, on a held stream: its headers and the
+                # message written as their frames at once (upstream.send_unary),
+                # never waiting, so never counted as waiting to be sent.
+                if size + 5 <= JOIN_LIMIT and conn.h2.send_unary(
+                    self.stream_id,
+                    RESPONSE_HEADERS,
+                    b"".join([grpc_framing.prefix(size), *chunks]),
+                ):
+                    state.response_event(ResponseEvent.HEADERS)
+                    return
         if compressed:
             level = conn.options.response_compression_level or 0
             chunks = [grpc_framing.compress(b"".join(chunks), level)]

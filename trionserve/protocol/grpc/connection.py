@@ -289,7 +289,8 @@ class Connection:
             call.wake()
 
     def _on_request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
-        self.first_call.set()
+        if self.idle_since is None:  # else it is set
+            self.first_call.set()
         if stream_id > self.last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return

@@ -325,7 +325,8 @@ class H2Connection(h2.connection.H2Connection):
                 break
         else:
             if path in self.unary_paths:
-                self._moved(_RECV_HEADERS)
+                if self.state_machine.state is not _SERVER_OPEN:
+                    self.state_machine.process_input(_RECV_HEADERS)
                 self.highest_inbound_stream_id = stream_id
                 self.unary[stream_id] = UnaryStream(
                     self.local_settings.initial_window_size,
@@ -537,7 +538,8 @@ class H2Connection(h2.connection.H2Connection):
             block = self._caching_encoder.constant_block(headers)
             size = len(block) if block is not None else 0
             if block is not None and size <= self.max_outbound_frame_size:
-                self._moved(_SEND_HEADERS)
+                if self.state_machine.state is not _SERVER_OPEN:
+                    self.state_machine.process_input(_SEND_HEADERS)
                 self._data_to_send += _FRAME_HEADER.pack(
                     size >> 8, size & 0xFF, _HEADERS_FRAME, _END_HEADERS | end, stream_id
                 )
@@ -604,6 +606,45 @@ class H2Connection(h2.connection.H2Connection):
             priority_exclusive,
         )
 
+    def send_unary(
+        self, stream_id: int, headers: Sequence[tuple[bytes, bytes]], data: bytes
+    ) -> bool:
+        """``send_headers(stream_id, headers)`` then ``send_whole(stream_id,
+        data)`` in one: a held unary stream's response headers (a constant list)
+        and its whole answer, when its client has ended, the connection is open
+        and both fit the windows and the frame size; else False, nothing done
+        (the caller sends them those two ways)."""
+        unary = self.unary.get(stream_id)
+        if (
+            unary is None
+            or unary.sending
+            or not unary.remote_ended
+            or self.state_machine.state is not _SERVER_OPEN
+        ):
+            return False
+        block = self._caching_encoder.constant_block(headers)
+        size, limit = len(data), self.max_outbound_frame_size
+        if (
+            block is None
+            or len(block) > limit
+            or size > limit
+            or size > self.outbound_flow_control_window
+            or size > unary.outbound
+        ):
+            return False
+        unary.sending = True
+        unary.outbound -= size
+        self.outbound_flow_control_window -= size
+        out = self._data_to_send
+        length = len(block)
+        out += _FRAME_HEADER.pack(
+            length >> 8, length & 0xFF, _HEADERS_FRAME, _END_HEADERS, stream_id
+        )
+        out += block
+        out += _FRAME_HEADER.pack(size >> 8, size & 0xFF, _DATA_FRAME, 0, stream_id)
+        out += data
+        return True
+
     def send_whole(self, stream_id: int, data: bytes) -> bool:
         """h2's ``send_data(stream_id, data)`` when ``data`` fits the windows and
         one frame, without h2's frame object: False (nothing done) when it does
@@ -629,7 +670,8 @@ class H2Connection(h2.connection.H2Connection):
             ):
                 return False
             else:
-                self._moved(_SEND_DATA)
+                if self.state_machine.state is not _SERVER_OPEN:
+                    self.state_machine.process_input(_SEND_DATA)
                 unary.outbound -= size
                 self.outbound_flow_control_window -= size
                 self._data_to_send += _FRAME_HEADER.pack(
@@ -682,9 +724,11 @@ class H2Connection(h2.connection.H2Connection):
         return bool(self._buffers or self._data_to_send)
 
     def buffers_to_send(self) -> list:
-        """Everything to write, in order: bytes, and payload views."""
+        """Everything to write, in order: bytes, and payload views (h2's output
+        handed on as it is, not copied as ``data_to_send`` copies it)."""
         buffers, self._buffers = self._buffers, []
-        tail = self.data_to_send()
+        tail = self._data_to_send
         if tail:
             buffers.append(tail)
+            self._data_to_send = bytearray()
         return buffers
