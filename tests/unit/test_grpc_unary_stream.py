@@ -657,3 +657,15 @@ def test_an_answer_at_once_past_a_held_streams_window_is_h2s(size):
     message = b"\x00" + size.to_bytes(4, "big") + bytes(size)
     taken = _answer_at_once(pair, 3, message)
     assert taken == (2 if size + 5 <= 100 else 0)
+
+
+def test_a_window_change_of_ours_applies_once_the_client_acknowledges_it():
+    # Streams opened before the client's ack take the window in effect then.
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, True))
+    pair.act("update_settings", {h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 500})
+    pair.feed(pair.headers(3, UNARY, False) + _data(3, 800, False))
+    assert 3 in pair.fast.unary
+    pair.feed(hf.SettingsFrame(0, flags=["ACK"]).serialize())
+    pair.feed(pair.headers(5, UNARY, False) + _data(5, 400, False) + _data(3, 100, True))
+    pair.feed(_data(5, 200, True))  # past the new window

@@ -23,16 +23,16 @@ import pytest
 from google.protobuf.internal import api_implementation, builder
 from h2.stream import StreamState
 from hyperframe import frame as hyperframe_frame
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from trionserve.protocol.grpc import hpackcache, upstream
+from trionserve.protocol.grpc import h2frames, hpackcache, upstream
 
 HEADERS = [(b":status", b"200"), (b"content-type", b"application/grpc")]
 
 
 def test_hyperframe_frame_repr_is_replaced():
-    assert hyperframe_frame.Frame.__repr__ is upstream._frame_repr
+    assert hyperframe_frame.Frame.__repr__ is h2frames._frame_repr
     assert repr(hyperframe_frame.DataFrame(5, data=bytes(200))) == "DataFrame(stream_id=5)"
     # h2 still formats each received frame (what the short repr is for).
     assert "repr(frame)" in inspect.getsource(h2.connection.H2Connection._receive_frame)
@@ -421,7 +421,8 @@ def test_h2_receive_internals_the_unary_path_uses():
     assert isinstance(connection._inbound_flow_control_window_manager, h2.windows.WindowManager)
     assert connection.highest_inbound_stream_id == 0
     # h2 decodes a new stream's block as frame.data (a predecoded block is found
-    # by identity), after its max-streams check, before its state machine.
+    # by identity, or by its bytes when the frame loop decoded it), after its
+    # max-streams check, before its state machine.
     headers = inspect.getsource(h2.connection.H2Connection._receive_headers_frame)
     assert headers.index("open_inbound_streams") < headers.index(
         "_decode_headers(self.decoder, frame.data)"
@@ -453,3 +454,37 @@ def test_h2_connection_inputs_the_unary_path_skips_in_server_open():
     for name in ("RECV_HEADERS", "RECV_DATA", "RECV_WINDOW_UPDATE", "SEND_HEADERS", "SEND_DATA"):
         row = machine._transitions[(open_, h2.connection.ConnectionInputs[name])]
         assert row == (None, open_)
+
+
+def test_h2_settings_store_the_current_value_first():
+    codes = h2.settings.SettingCodes
+    settings = h2.settings.Settings(
+        client=False,
+        initial_values={codes.INITIAL_WINDOW_SIZE: 1000, codes.MAX_CONCURRENT_STREAMS: 4},
+    )
+    for code in (codes.INITIAL_WINDOW_SIZE, codes.MAX_CONCURRENT_STREAMS):
+        assert settings._settings[code][0] == settings[code]
+    settings.update({codes.INITIAL_WINDOW_SIZE: 50})  # in effect once acknowledged
+    assert settings._settings[codes.INITIAL_WINDOW_SIZE][0] == settings.initial_window_size
+    assert settings.initial_window_size == 1000
+    settings.acknowledge()
+    assert settings._settings[codes.INITIAL_WINDOW_SIZE][0] == 50 == settings.initial_window_size
+    remote = h2.settings.Settings(client=True)  # defaults
+    assert remote._settings[codes.INITIAL_WINDOW_SIZE][0] == remote.initial_window_size
+
+
+@settings(max_examples=300, deadline=None)
+@example(100, [(50, 49), (0, 1)])  # half the window processed: exactly at the bound
+@example(100, [(100, 25), (0, 1)])  # an empty window and a quarter of it: past the bound
+@given(
+    st.integers(1, 2**31 - 1),
+    st.lists(st.tuples(st.integers(0, 70000), st.integers(0, 70000)), max_size=30),
+)
+def test_processed_moves_a_window_as_h2s_process_bytes(largest, steps):
+    ours, theirs = h2.windows.WindowManager(largest), h2.windows.WindowManager(largest)
+    for received, processed in steps:
+        if received <= theirs.current_window_size:
+            theirs.window_consumed(received)
+            ours.window_consumed(received)
+        assert upstream._processed(ours, processed) == (theirs.process_bytes(processed) or 0)
+        assert vars(ours) == vars(theirs)

@@ -26,7 +26,6 @@ import h2.exceptions
 import h2.settings
 import structlog
 import trio
-from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import inline, lifetime, upstream
@@ -122,9 +121,9 @@ class Connection:
         self._writing = False  # a task is in _write_pending
         # Set when that task leaves it; made only for a task that waits for that.
         self._written: trio.Event | None = None
-        self._extra: list[bytes] = []  # raw frames to write after h2's own output
+        self.extra_frames: list[bytes] = []  # raw frames to write after h2's own output
         self.last_stream_id = _MAX_WINDOW
-        self._ping_acks: dict[bytes, trio.Event] = {}
+        self.ping_acks: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         self.first_call = trio.Event()
         # The transport's connections without a call in flight (after their
@@ -224,14 +223,13 @@ class Connection:
                 if type(event) is tuple:  # a frame upstream.H2Connection.receive took
                     kind, stream_id = event[0], event[1]
                     if kind == upstream.DATA:
-                        self._on_data(stream_id, event[2], len(event[2]))
+                        self._on_data(stream_id, event[2], len(event[2]), event[3])
                     elif kind == upstream.REQUEST:
                         self._on_request(stream_id, event[2])
+                        if event[3]:
+                            self._on_end(stream_id)
                     else:
                         self._on_window(stream_id)
-                        continue
-                    if event[3]:
-                        self._on_end(stream_id)
                 elif self._handle(event):
                     for call, handler in self._starting:
                         self._spawn(call, handler)
@@ -263,7 +261,7 @@ class Connection:
             for call in self.calls.values():
                 call.wake_sender()
         elif kind is h2.events.PingAckReceived:
-            ack = self._ping_acks.pop(e.ping_data, None)
+            ack = self.ping_acks.pop(e.ping_data, None)
             if ack is not None:
                 ack.set()
         elif kind is h2.events.ConnectionTerminated:
@@ -322,11 +320,16 @@ class Connection:
             self._idle.pop(self, None)
         self._starting.append((call, method.handler))
 
-    def _on_data(self, stream_id: int, data: bytes | bytearray, flow: int) -> None:
+    def _on_data(
+        self, stream_id: int, data: bytes | bytearray, flow: int, ended: bool = False
+    ) -> None:
+        """A DATA frame's payload (``ended``: with END_STREAM, as _on_end)."""
         call = self.calls.get(stream_id)
         if call is None or call.error is not None:
             # Data for a call that is over: give the window back and drop it.
             self.h2.acknowledge_received_data(flow, stream_id)
+            if ended:
+                self._on_end(stream_id)
             return
         reader = call.reader
         try:
@@ -338,12 +341,13 @@ class Connection:
             if windows := self.buffer.refused(call.account):
                 self._give(windows)
             self.h2.acknowledge_received_data(flow, stream_id)
-            call.wake()
-            return
-        call.messages.extend(messages)
-        self._give(
-            self.buffer.received(call.account, flow, reader.buffered, [len(m) for m in messages])
-        )
+        else:
+            call.messages.extend(messages)
+            sizes = list(map(len, messages))
+            if windows := self.buffer.received(call.account, flow, reader.buffered, sizes):
+                self._give(windows)
+        if ended:
+            call.state.request_event(RequestEvent.END_STREAM)
         call.wake()
 
     # -- the connection's buffer: its decisions applied to h2 ---------------------
@@ -577,7 +581,7 @@ class Connection:
 
     def flush(self) -> None:
         """Ask the writer to send whatever h2 has queued, if anything."""
-        if self.h2.has_output() or self._extra:
+        if self.h2.has_output() or self.extra_frames:
             self._dirty.set()
 
     async def _writer(self) -> None:
@@ -617,9 +621,9 @@ class Connection:
         try:
             while True:
                 buffers = self.h2.buffers_to_send()
-                if self._extra:
-                    buffers.extend(self._extra)
-                    self._extra.clear()
+                if self.extra_frames:
+                    buffers.extend(self.extra_frames)
+                    self.extra_frames.clear()
                 if not buffers:
                     return
                 if at_once:
@@ -679,19 +683,3 @@ class Connection:
                 except (*_CLOSED, trio.BusyResourceError):
                     pass
         await self.stream.aclose()
-
-    # -- frames beside h2's: GOAWAY and PING ---------------------------------------
-
-    def send_goaway(self, last_stream_id: int) -> None:
-        # h2's close_connection() would also close its state machine and break the
-        # calls still in flight, so the GOAWAY frame is written beside it.
-        frame = GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
-        self._extra.append(frame.serialize())
-        self.flush()
-
-    def ping(self, opaque: bytes) -> trio.Event:
-        """Send a PING; the event is set when its ack comes."""
-        ack = self._ping_acks[opaque] = trio.Event()
-        self.h2.ping(opaque)
-        self.flush()
-        return ack

@@ -108,7 +108,8 @@ class CachingDecoder(hpack.Decoder):
         )
         key = (bytes(data), raw)
         kept = self._kept.get(key)
-        if kept is not None and _same_state(kept[0], state):
+        # The newest entry by identity: the kept state holds it, so it stays alive.
+        if kept is not None and kept[0][0] is state[0] and kept[0][1:] == state[1:]:
             return list(kept[1])
         headers = super().decode(data, raw)
         # Single-byte indexed fields only (0x80 | index, index 1..126): no literal,
@@ -119,8 +120,3 @@ class CachingDecoder(hpack.Decoder):
                     self._kept.clear()
                 self._kept[key] = (state, tuple(headers))
         return headers
-
-
-def _same_state(kept: tuple, now: tuple) -> bool:
-    # The newest entry by identity: the kept state holds it, so it stays alive.
-    return kept[0] is now[0] and kept[1:] == now[1:]

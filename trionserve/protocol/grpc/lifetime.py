@@ -6,7 +6,8 @@ starts them), watching one thing and ending the connection, or telling it to
 drain, when that thing happens: no call within the first-call timeout, no call
 in flight for the idle timeout, a keepalive ping not answered within its
 timeout, the server shutting down (a GOAWAY with the largest stream id and a
-ping, then, once the ping's ack is in, the real last stream id).
+ping, then, once the ping's ack is in, the real last stream id). The GOAWAY
+and PING frames they send go beside h2's output (send_goaway, ping).
 """
 
 from __future__ import annotations
@@ -15,13 +16,22 @@ from typing import TYPE_CHECKING
 
 import structlog
 import trio
+from hyperframe.frame import GoAwayFrame
 
 from trionserve.protocol.grpc.state import ConnEvent
 
 if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
     from trionserve.protocol.grpc.connection import Connection
 
-__all__ = ["MAX_STREAM_ID", "drain_when", "first_call_deadline", "idle_deadline", "keepalive"]
+__all__ = [
+    "MAX_STREAM_ID",
+    "drain_when",
+    "first_call_deadline",
+    "idle_deadline",
+    "keepalive",
+    "ping",
+    "send_goaway",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -70,15 +80,15 @@ async def drain_when(conn: Connection, event: trio.Event) -> None:
         return
     # Step 1: "stop soon" with the largest stream id, and a ping; requests the
     # client sent before it saw the GOAWAY still arrive before the ping's ack.
-    conn.send_goaway(MAX_STREAM_ID)
-    ack = conn.ping(_DRAIN_PING)
+    send_goaway(conn, MAX_STREAM_ID)
+    ack = ping(conn, _DRAIN_PING)
     with trio.move_on_after(conn.options.linger):
         await ack.wait()
     if conn.state.closing:  # closed meanwhile (a protocol error, idle)
         return
     # Step 2: the real last stream id; anything later is refused.
     conn.last_stream_id = conn.h2.highest_inbound_stream_id
-    conn.send_goaway(conn.last_stream_id)
+    send_goaway(conn, conn.last_stream_id)
     conn.state.event(ConnEvent.DRAIN)
     for call in conn.calls.values():
         call.wake()
@@ -93,10 +103,29 @@ async def keepalive(conn: Connection) -> None:
         await trio.sleep(o.keepalive_time)
         if not conn.calls and not o.keepalive_permit_without_calls:
             continue
-        ack = conn.ping(_KEEPALIVE_PING)
+        ack = ping(conn, _KEEPALIVE_PING)
         with trio.move_on_after(o.keepalive_timeout):
             await ack.wait()
             continue
         log.info("grpc keepalive ping not answered; closing", peer=conn.peer)
         conn.cancel()
         return
+
+
+# -- frames beside h2's: GOAWAY and PING -------------------------------------------
+
+
+def send_goaway(conn: Connection, last_stream_id: int) -> None:
+    # h2's close_connection() would also close its state machine and break the
+    # calls still in flight, so the GOAWAY frame is written beside it.
+    frame = GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
+    conn.extra_frames.append(frame.serialize())
+    conn.flush()
+
+
+def ping(conn: Connection, opaque: bytes) -> trio.Event:
+    """Send a PING; the event is set when its ack comes."""
+    ack = conn.ping_acks[opaque] = trio.Event()
+    conn.h2.ping(opaque)
+    conn.flush()
+    return ack

@@ -1,12 +1,14 @@
 """Where trionserve leans on private parts of h2, hpack and hyperframe: only here
-(and in :mod:`~trionserve.protocol.grpc.hpackcache`, its HPACK part).
+(and in :mod:`~trionserve.protocol.grpc.hpackcache`, its HPACK part, and
+:mod:`~trionserve.protocol.grpc.h2frames`, its frame buffer and frames).
 
 Each use below goes past a library's public API for speed on the gRPC hot path,
 and each is checked by ``tests/unit/test_upstream_internals.py``, which fails when an
 upstream release changes what it relies on; pyproject.toml bounds these
 libraries below their next minor release until that test passes on it.
 
-- hyperframe: ``Frame.__repr__`` replaced (a short form, for h2's trace log).
+- hyperframe (h2frames): ``Frame.__repr__`` replaced (a short form, for h2's
+  trace log).
 - hpack (:mod:`~trionserve.protocol.grpc.hpackcache`): ``Encoder.header_table.resized``
   and ``.dynamic_entries`` read; ``Decoder.header_table.dynamic_entries`` and
   ``.maxsize`` read.
@@ -16,6 +18,10 @@ libraries below their next minor release until that test passes on it.
   ``_closed_streams``, ``state_machine`` (its table's rows in SERVER_OPEN) and
   ``_inbound_flow_control_window_manager`` moved as h2 moves them; an
   ``H2Stream`` made as ``_begin_new_stream`` does, its state set (``_promote``).
+- h2: ``Settings._settings`` read (per code, the current value first) for the
+  initial window and the stream limit; a ``WindowManager``'s
+  ``current_window_size``, ``max_window_size`` and ``_bytes_processed`` moved
+  as its ``process_bytes`` moves them (``_processed``).
 - h2: ``H2Connection._prepare_for_sending`` overridden and ``_data_to_send`` read
   (large DATA payloads written from their own buffers); ``_data_to_send``
   appended to, ``streams`` read, and the connection's and a stream's
@@ -24,7 +30,7 @@ libraries below their next minor release until that test passes on it.
   frame made without h2's frame object (``send_whole``: the state machines
   given h2's inputs, the connection's and the stream's
   ``outbound_flow_control_window`` lowered as h2 lowers them);
-  ``FrameBuffer.__next__`` overridden, reading its ``_data``,
+  (h2frames) ``FrameBuffer.__next__`` overridden, reading its ``_data``,
   ``max_frame_size``, ``_validate_frame_length`` and ``_update_header_buffer``;
   hyperframe's frames made from their header without their ``__init__``
   (``frame_header``: each class's attributes as its ``__init__`` leaves them,
@@ -47,12 +53,14 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.frame_buffer
+import h2.settings
 import h2.stream
+import h2.windows
 import numpy as np
 from hpack.struct import HeaderWeaklyTyped
 from hyperframe import frame as hyperframe_frame
-from hyperframe.flags import Flags
 
+from trionserve.protocol.grpc.h2frames import FrameBuffer, frame_header
 from trionserve.protocol.grpc.hpackcache import CachingDecoder, CachingEncoder
 from trionserve.protocol.grpc.unarystream import LEFT_TO_H2, UnaryStream
 
@@ -65,20 +73,6 @@ __all__ = [
 ]
 
 
-def _frame_repr(frame: hyperframe_frame.Frame) -> str:
-    # The frame's type and stream only: no flags, no payload.
-    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
-
-
-# h2 formats repr(frame) for a trace log of every frame it receives, even with
-# logging off; hyperframe's repr formats the flags and the payload (a DATA
-# frame's re-serialized and hex-encoded whole before it is cut to 20
-# characters): 4 to 5 µs per frame, about 2% of a unary call on the event loop,
-# for a log no one reads. Every frame's repr is its type and stream id instead.
-# The assignment replaces a method on purpose (mypy's method-assign).
-hyperframe_frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
-
-
 _FRAME_HEADER = struct.Struct(">HBBBL")
 _WINDOW_UPDATE = struct.Struct(">HBBBLL")
 _DATA_FRAME = 0x0
@@ -86,7 +80,6 @@ _HEADERS_FRAME = 0x1
 _WINDOW_UPDATE_FRAME = 0x8
 _MAX_WINDOW = 2**31 - 1
 _Data, _Window = hyperframe_frame.DataFrame, hyperframe_frame.WindowUpdateFrame
-_HEADER_BLOCKS = (hyperframe_frame.HeadersFrame, hyperframe_frame.PushPromiseFrame)
 _RECV_HEADERS = h2.connection.ConnectionInputs.RECV_HEADERS
 _RECV_DATA = h2.connection.ConnectionInputs.RECV_DATA
 _RECV_WINDOW_UPDATE = h2.connection.ConnectionInputs.RECV_WINDOW_UPDATE
@@ -99,108 +92,29 @@ _PADDED = 0x8
 _PRIORITY = 0x20
 _INCREMENT = struct.Struct(">L")
 
+# Settings read from h2's Settings._settings (a value per code, the current one
+# first: what its properties return, without two calls each).
+_INITIAL_WINDOW_SIZE = h2.settings.SettingCodes.INITIAL_WINDOW_SIZE
+_MAX_CONCURRENT_STREAMS = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
+
 # What H2Connection.receive gives for a frame it took from its bytes.
 REQUEST, DATA, WINDOW = 0, 1, 2
 
 
-_IMMUTABLE = (int, bool, bytes, str, float, type(None))
-
-
-def _frame_kinds() -> dict[int, tuple]:
-    """Per frame type whose ``__init__`` gives a frame only immutable attributes
-    besides ``stream_id`` and ``flags``: its class, those attributes, its flag
-    names, the names set by each flag byte, and which stream ids it takes."""
-    kinds: dict[int, tuple] = {}
-    for kind, cls in hyperframe_frame.FRAMES.items():
-        assert kind is not None  # only ExtensionFrame has no type
-        association = cls.stream_association
-        # Any stream id __init__ accepts: the defaults do not depend on it.
-        model = cls(stream_id=0 if association == "no-stream" else 1)
-        defaults = {k: v for k, v in vars(model).items() if k not in ("stream_id", "flags")}
-        if not all(type(v) in _IMMUTABLE for v in defaults.values()):
-            continue  # shared defaults must not be (SETTINGS' dict): hyperframe's own
-        named = [(flag.name, flag.bit) for flag in cls.defined_flags]
-        by_byte = [tuple(name for name, bit in named if byte & bit) for byte in range(256)]
-        takes = (association != "has-stream", association != "no-stream")  # (0, another)
-        kinds[kind] = (cls, defaults, {name for name, _ in named}, by_byte, takes)
-    return kinds
-
-
-_KINDS = _frame_kinds()
-
-
-def frame_header(header: bytes | bytearray | memoryview) -> tuple[hyperframe_frame.Frame, int]:
-    """hyperframe's ``Frame.parse_frame_header`` for the 9 bytes at the start of
-    ``header``: the frame (flags set, body not parsed yet) and its body's length.
-
-    hyperframe makes the frame through its class's ``__init__`` chain and adds
-    each flag through ``Flags.add``: about 10 µs a frame, two or three frames a
-    unary call. Here the frame gets the same attributes directly (each class's
-    defaults are taken from a frame its own ``__init__`` made, so they follow
-    hyperframe). A stream id the frame type does not take, or an unknown type,
-    is hyperframe's own (which raises, or makes an ExtensionFrame).
-    """
-    high, low, kind, flag_byte, stream_id = _FRAME_HEADER.unpack_from(header)
-    stream_id &= 0x7FFFFFFF
-    known = _KINDS.get(kind)
-    if known is None or not known[4][stream_id != 0]:
-        return hyperframe_frame.Frame.parse_frame_header(memoryview(header)[:9])
-    cls, defaults, valid, by_byte, _ = known
-    frame = object.__new__(cls)
-    frame.__dict__.update(defaults)
-    frame.stream_id = stream_id
-    flags = object.__new__(Flags)
-    flags._valid_flags = valid
-    flags._flags = set(by_byte[flag_byte])
-    frame.flags = flags
-    return frame, (high << 8) + low
-
-
-class FrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's buffer of received bytes, with each frame's payload copied once.
-
-    h2 cuts each frame out of its buffer as a new bytearray (a copy) and hyperframe
-    copies the payload out of that again (``tobytes``): for megabyte messages that
-    was two copies of every byte on the event loop. Here the frame is parsed from
-    a view of the buffer, so hyperframe's copy is the only one. A frame's length
-    is checked against SETTINGS_MAX_FRAME_SIZE as soon as its 9-byte header is
-    in, so an oversized frame is refused before its payload is buffered. Every frame type's
-    ``parse_body`` copies or unpacks what it keeps and holds no view, so the buffer
-    can be cut after it.
-    """
-
-    def __next__(self) -> hyperframe_frame.Frame:
-        data = self._data
-        while len(data) >= 9:
-            try:
-                frame, length = frame_header(data)
-            except (
-                hyperframe_frame.InvalidDataError,
-                hyperframe_frame.InvalidFrameError,
-            ) as err:  # pragma: no cover  (as h2's own)
-                raise h2.exceptions.ProtocolError(
-                    f"Received frame with invalid header: {err!s}"
-                ) from err
-            # Checked on the header, before any payload is waited for: a frame
-            # announced past SETTINGS_MAX_FRAME_SIZE is refused (FRAME_SIZE_ERROR)
-            # instead of buffered whole first, as h2's own FrameBuffer does.
-            if length > self.max_frame_size:
-                self._validate_frame_length(length)
-            if len(data) < length + 9:
-                break
-            try:
-                frame.parse_body(memoryview(data)[9 : 9 + length])
-            except hyperframe_frame.InvalidDataError as err:
-                raise h2.exceptions.ProtocolError("Received frame with non-compliant data") from err
-            except hyperframe_frame.InvalidFrameError as err:
-                raise h2.exceptions.FrameDataMissingError("Frame data missing or invalid") from err
-            del data[: 9 + length]
-            if not self._headers_buffer and not isinstance(frame, _HEADER_BLOCKS):
-                return frame  # h2's _update_header_buffer would return it as it is
-            complete = self._update_header_buffer(frame)
-            if complete is not None:
-                return complete
-        raise StopIteration
+def _processed(window: h2.windows.WindowManager, size: int) -> int:
+    """h2's ``WindowManager.process_bytes(size)`` (with its _maybe_update_window)
+    in one call: the window increment to send now, 0 for none."""
+    processed = window._bytes_processed + size
+    current, largest = window.current_window_size, window.max_window_size
+    if processed and (
+        (current == 0 and processed > min(1024, largest // 4)) or processed >= largest // 2
+    ):
+        increment = min(processed, largest - current)
+        window._bytes_processed = 0
+        window.current_window_size = current + increment
+        return increment
+    window._bytes_processed = processed
+    return 0
 
 
 class H2Connection(h2.connection.H2Connection):
@@ -308,12 +222,15 @@ class H2Connection(h2.connection.H2Connection):
         is to a unary path and goes the common way (the stream is then held
         apart, moved as h2 would move it), else None (h2 takes the frame, and
         the headers if they were decoded here)."""
+        local = self.local_settings._settings
         if (
             stream_id in self.streams
             or stream_id % 2 == 0
             or stream_id <= self.highest_inbound_stream_id
-            # h2's own check, with h2's own cleanup of closed streams
-            or self.open_inbound_streams >= self.local_settings.max_concurrent_streams
+            # h2's own check, with h2's own cleanup of closed streams (none
+            # without streams of h2's)
+            or (self.open_inbound_streams if self.streams else len(self.unary))
+            >= local[_MAX_CONCURRENT_STREAMS][0]
         ):
             return None
         headers = h2.connection._decode_headers(self.decoder, block)  # type: ignore[arg-type]
@@ -329,8 +246,8 @@ class H2Connection(h2.connection.H2Connection):
                     self.state_machine.process_input(_RECV_HEADERS)
                 self.highest_inbound_stream_id = stream_id
                 self.unary[stream_id] = UnaryStream(
-                    self.local_settings.initial_window_size,
-                    self.remote_settings.initial_window_size,
+                    local[_INITIAL_WINDOW_SIZE][0],
+                    self.remote_settings._settings[_INITIAL_WINDOW_SIZE][0],
                     end,
                 )
                 return list(headers)
@@ -378,7 +295,7 @@ class H2Connection(h2.connection.H2Connection):
         out: list = []
         size, pos = len(data), 0
         held = self.unary
-        limit = self.max_inbound_frame_size
+        limit = self._max_inbound_frame_size
         while size - pos >= 9:
             high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data, pos)
             length = (high << 8) + low
@@ -517,10 +434,10 @@ class H2Connection(h2.connection.H2Connection):
             return
         # h2's: the connection's WINDOW_UPDATE, then the stream's, as its window
         # managers decide them.
-        increment = self._inbound_flow_control_window_manager.process_bytes(acknowledged_size)
+        increment = _processed(self._inbound_flow_control_window_manager, acknowledged_size)
         if increment:
             self._data_to_send += _WINDOW_UPDATE.pack(0, 4, _WINDOW_UPDATE_FRAME, 0, 0, increment)
-        increment = unary.inbound.process_bytes(acknowledged_size)
+        increment = _processed(unary.inbound, acknowledged_size)
         if increment:
             self._data_to_send += _WINDOW_UPDATE.pack(
                 0, 4, _WINDOW_UPDATE_FRAME, 0, stream_id, increment

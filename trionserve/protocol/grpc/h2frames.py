@@ -1,0 +1,138 @@
+"""h2's frame buffer and hyperframe's frames made for the gRPC hot path.
+
+Part of :mod:`~trionserve.protocol.grpc.upstream` (where trionserve leans on the
+private parts of h2, hpack and hyperframe), apart for its size: hyperframe's
+``Frame.__repr__`` replaced; ``FrameBuffer.__next__`` overridden, reading its
+``_data``, ``max_frame_size``, ``_validate_frame_length`` and
+``_update_header_buffer``; hyperframe's frames made from their header without
+their ``__init__`` (``frame_header``). Each is checked by
+``tests/unit/test_upstream_internals.py``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import h2.exceptions
+import h2.frame_buffer
+from hyperframe import frame as hyperframe_frame
+from hyperframe.flags import Flags
+
+__all__ = ["FrameBuffer", "frame_header"]
+
+_FRAME_HEADER = struct.Struct(">HBBBL")
+_HEADER_BLOCKS = (hyperframe_frame.HeadersFrame, hyperframe_frame.PushPromiseFrame)
+
+
+def _frame_repr(frame: hyperframe_frame.Frame) -> str:
+    # The frame's type and stream only: no flags, no payload.
+    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
+
+
+# h2 formats repr(frame) for a trace log of every frame it receives, even with
+# logging off; hyperframe's repr formats the flags and the payload (a DATA
+# frame's re-serialized and hex-encoded whole before it is cut to 20
+# characters): 4 to 5 µs per frame, about 2% of a unary call on the event loop,
+# for a log no one reads. Every frame's repr is its type and stream id instead.
+# The assignment replaces a method on purpose (mypy's method-assign).
+hyperframe_frame.Frame.__repr__ = _frame_repr  # type: ignore[method-assign]
+
+
+_IMMUTABLE = (int, bool, bytes, str, float, type(None))
+
+
+def _frame_kinds() -> dict[int, tuple]:
+    """Per frame type whose ``__init__`` gives a frame only immutable attributes
+    besides ``stream_id`` and ``flags``: its class, those attributes, its flag
+    names, the names set by each flag byte, and which stream ids it takes."""
+    kinds: dict[int, tuple] = {}
+    for kind, cls in hyperframe_frame.FRAMES.items():
+        assert kind is not None  # only ExtensionFrame has no type
+        association = cls.stream_association
+        # Any stream id __init__ accepts: the defaults do not depend on it.
+        model = cls(stream_id=0 if association == "no-stream" else 1)
+        defaults = {k: v for k, v in vars(model).items() if k not in ("stream_id", "flags")}
+        if not all(type(v) in _IMMUTABLE for v in defaults.values()):
+            continue  # shared defaults must not be (SETTINGS' dict): hyperframe's own
+        named = [(flag.name, flag.bit) for flag in cls.defined_flags]
+        by_byte = [tuple(name for name, bit in named if byte & bit) for byte in range(256)]
+        takes = (association != "has-stream", association != "no-stream")  # (0, another)
+        kinds[kind] = (cls, defaults, {name for name, _ in named}, by_byte, takes)
+    return kinds
+
+
+_KINDS = _frame_kinds()
+
+
+def frame_header(header: bytes | bytearray | memoryview) -> tuple[hyperframe_frame.Frame, int]:
+    """hyperframe's ``Frame.parse_frame_header`` for the 9 bytes at the start of
+    ``header``: the frame (flags set, body not parsed yet) and its body's length.
+
+    hyperframe makes the frame through its class's ``__init__`` chain and adds
+    each flag through ``Flags.add``: about 10 µs a frame, two or three frames a
+    unary call. Here the frame gets the same attributes directly (each class's
+    defaults are taken from a frame its own ``__init__`` made, so they follow
+    hyperframe). A stream id the frame type does not take, or an unknown type,
+    is hyperframe's own (which raises, or makes an ExtensionFrame).
+    """
+    high, low, kind, flag_byte, stream_id = _FRAME_HEADER.unpack_from(header)
+    stream_id &= 0x7FFFFFFF
+    known = _KINDS.get(kind)
+    if known is None or not known[4][stream_id != 0]:
+        return hyperframe_frame.Frame.parse_frame_header(memoryview(header)[:9])
+    cls, defaults, valid, by_byte, _ = known
+    frame = object.__new__(cls)
+    frame.__dict__.update(defaults)
+    frame.stream_id = stream_id
+    flags = object.__new__(Flags)
+    flags._valid_flags = valid
+    flags._flags = set(by_byte[flag_byte])
+    frame.flags = flags
+    return frame, (high << 8) + low
+
+
+class FrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's buffer of received bytes, with each frame's payload copied once.
+
+    h2 cuts each frame out of its buffer as a new bytearray (a copy) and hyperframe
+    copies the payload out of that again (``tobytes``): for megabyte messages that
+    was two copies of every byte on the event loop. Here the frame is parsed from
+    a view of the buffer, so hyperframe's copy is the only one. A frame's length
+    is checked against SETTINGS_MAX_FRAME_SIZE as soon as its 9-byte header is
+    in, so an oversized frame is refused before its payload is buffered. Every frame type's
+    ``parse_body`` copies or unpacks what it keeps and holds no view, so the buffer
+    can be cut after it.
+    """
+
+    def __next__(self) -> hyperframe_frame.Frame:
+        data = self._data
+        while len(data) >= 9:
+            try:
+                frame, length = frame_header(data)
+            except (
+                hyperframe_frame.InvalidDataError,
+                hyperframe_frame.InvalidFrameError,
+            ) as err:  # pragma: no cover  (as h2's own)
+                raise h2.exceptions.ProtocolError(
+                    f"Received frame with invalid header: {err!s}"
+                ) from err
+            # Checked on the header, before any payload is waited for: a frame
+            # announced past SETTINGS_MAX_FRAME_SIZE is refused (FRAME_SIZE_ERROR)
+            # instead of buffered whole first, as h2's own FrameBuffer does.
+            if length > self.max_frame_size:
+                self._validate_frame_length(length)
+            if len(data) < length + 9:
+                break
+            try:
+                frame.parse_body(memoryview(data)[9 : 9 + length])
+            except hyperframe_frame.InvalidDataError as err:
+                raise h2.exceptions.ProtocolError("Received frame with non-compliant data") from err
+            except hyperframe_frame.InvalidFrameError as err:
+                raise h2.exceptions.FrameDataMissingError("Frame data missing or invalid") from err
+            del data[: 9 + length]
+            if not self._headers_buffer and not isinstance(frame, _HEADER_BLOCKS):
+                return frame  # h2's _update_header_buffer would return it as it is
+            complete = self._update_header_buffer(frame)
+            if complete is not None:
+                return complete
+        raise StopIteration
