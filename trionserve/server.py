@@ -492,6 +492,8 @@ class Server:
             }
             for row in self.registry.index()
         ]
+        if backends := self.backends.backend_rows():
+            log.info("backends", table=backends)  # core server.cc:667
         log.info("models", table=models or [{"model": "(none)"}])
         log.info("options", table=options_rows(self.options))  # Triton's options table
         if endpoints:

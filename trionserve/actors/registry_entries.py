@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 import trio
+from google.protobuf import text_format
 
 from trionserve.actors.model import ModelVersion, resolve_instance_kinds
 from trionserve.backends.cuda.devices import gpu_count
@@ -28,6 +29,7 @@ from trionserve.core.errors import (
     Unavailable,
     as_triton_error,
 )
+from trionserve.observability.logging import verbose
 from trionserve.repository.changes import LoadedSource
 from trionserve.repository.config import (
     infer_platform,
@@ -121,6 +123,10 @@ def prepare_model(
         model_dir, override_json, config_name, check_name=False
     )
     infer_platform(config, model_dir)
+    if verbose():
+        # core model_config_utils.cc:756 GetNormalizedModelConfig, after the
+        # server-side autofill of platform / backend, before the backend's own.
+        log.debug("Server side auto-completed config: " + text_format.MessageToString(config))
     if config.name != model_dir.name:
         # Triton polls a model by normalizing and validating its config, then
         # checks its name (core model_repository_manager.cc:1680-1711,

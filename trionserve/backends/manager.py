@@ -10,6 +10,7 @@ in one process keep their own settings.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Mapping
@@ -94,6 +95,7 @@ class BackendManager:
     ) -> None:
         self.autocomplete = autocomplete
         self._announced: set[str] = set()  # backends whose configuration was logged
+        self._loaded: dict[str, str] = {}  # backend name -> the file that implements it
         self.config: BackendConfig = {
             backend: dict(values) for backend, values in (config or {}).items()
         }
@@ -147,7 +149,7 @@ class BackendManager:
         if model_file is not None:
             from trionserve.backends.python.backend import PythonBackend
 
-            return self._configured(PythonBackend(model_file))
+            return self._configured(PythonBackend(model_file), model_file)
         searched = ", ".join(
             str(d / (config.backend or "<backend>") / "model.py") for d in self.directories
         )
@@ -206,12 +208,28 @@ class BackendManager:
             vlog(f"Adding default backend config setting: {DEFAULT_MAX_BATCH_SIZE},{value}")
         return resolved
 
-    def _configured(self, backend: Backend) -> Backend:
+    def _configured(self, backend: Backend, path: Path | None = None) -> Backend:
+        if backend.name not in self._loaded:
+            self._loaded[backend.name] = str(path or inspect.getfile(type(backend)))
         if backend.name in _ANNOUNCING and backend.name not in self._announced:
             self._announced.add(backend.name)
+            if backend.name == "onnxruntime":  # onnxruntime.cc:2917, as it first loads
+                log.info("TRITONBACKEND_Initialize: onnxruntime")
             log.info("backend configuration:\n" + self.backend_configuration(backend.name))
         backend.configure(self.settings_for(backend.name))
         return backend
+
+    def backend_rows(self) -> list[dict[str, str]]:
+        """The start-up table of the backends the models loaded so far use, as
+        Triton's server logs it (core src/server.cc:642-667,
+        PrintBackendAndModelSummary, from backend_manager.cc:405 BackendState):
+        each backend's name, where it comes from (Triton: its shared library;
+        here the module that implements it, or a Python-based backend's
+        ``model.py``) and the configuration JSON it was given."""
+        return [
+            {"Backend": name, "Path": path, "Config": self.backend_configuration(name)}
+            for name, path in sorted(self._loaded.items())
+        ]
 
     def backend_configuration(self, backend: str) -> str:
         """The JSON of the settings Triton's core gives a backend when it first

@@ -187,6 +187,19 @@ _CANCEL_HANDLERS = {
 }
 
 
+def log_grpc_state(event: str, method: str, stream_id: int, cancelled: bool = False) -> None:
+    """Triton's verbose-2 lines for the state an infer handler holds for a call
+    (server src/grpc/infer_handler.h:1346 ``StateNew, <id> Step <step>`` and :1354
+    ``StateRelease, <id> Step <step>``), which its QA counts to prove each is
+    released exactly once: here that state is the call's (its HTTP/2 stream's),
+    new when the call's task starts and released when it ends, a stream's once
+    for all its requests. Its step: START when new, then CANCELLED when the
+    client reset the call, else FINISH."""
+    if method in _CANCEL_HANDLERS and SETTINGS.log_verbose_level >= 2:
+        step = "START" if event == "StateNew" else "CANCELLED" if cancelled else "FINISH"
+        _log.debug(f"{event}, {stream_id} Step {step}")
+
+
 def log_grpc_cancellation(method: str, stream_id: int) -> None:
     """Triton's verbose line when a client cancels an infer call before its
     answer (server src/grpc/infer_handler.h:850 HandleCancellation:

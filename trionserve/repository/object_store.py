@@ -151,6 +151,24 @@ class S3Store:
             endpoint_url=location.endpoint,
             config=botocore.config.Config(**options),
         )
+        self._check_bucket()
+
+    def _check_bucket(self) -> None:
+        """Reach the bucket before anything is listed, as Triton's S3 file system
+        does when it is created (core src/filesystem/implementations/s3.h:337-353,
+        CheckClient: a HeadBucket request, INTERNAL "Unable to create S3
+        filesystem client. Check account credentials." when it fails)."""
+        try:
+            self.client.head_bucket(Bucket=self.location.bucket)
+        except Exception as exc:
+            reason = _reason(exc)
+            if reason.startswith("404"):  # a HEAD answer has no body to name it
+                reason = "NoSuchBucket: The specified bucket does not exist"
+            raise Unavailable(
+                f"failed to open model repository '{self.location.url}': unable to create "
+                f"S3 filesystem client, check account credentials: bucket "
+                f"'{self.location.bucket}': {reason}"
+            ) from None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         base = self.location.prefix

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import numpy as np
+import structlog
 
 from trionserve.backends.base import Backend, InstanceSpec, ModelContext
 from trionserve.backends.batch_io import BatchTensors
@@ -30,6 +31,7 @@ from trionserve.backends.onnxruntime.validation import validate_session
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
+from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import ComputeTimes
 
 if TYPE_CHECKING:
@@ -42,6 +44,8 @@ if TYPE_CHECKING:
         ModelInput,
         ModelOutput,
     )
+
+log = structlog.get_logger(__name__)
 
 # ONNX tensor element types (onnxruntime's type strings) -> Triton config datatypes.
 _ORT_TYPES = {
@@ -140,9 +144,12 @@ class OnnxRuntimeBackend(Backend):
         ModelState::AutoCompleteMaxBatch).
         """
         if (config.input or config.batch_input) and config.output:
-            # onnxruntime_backend src/onnxruntime.cc:1016 AutoCompleteConfig:
-            # "skipping model configuration auto-complete ... inputs and outputs
-            # already specified": not even the batch size or a dynamic batcher.
+            # onnxruntime_backend src/onnxruntime.cc:995-1022 AutoCompleteConfig:
+            # not even the batch size or a dynamic batcher, in its words at info.
+            log.info(
+                f"skipping model configuration auto-complete for '{config.name}': "
+                "inputs and outputs already specified"
+            )
             return
         session = _ort().InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
         graph_inputs = session.get_inputs()
@@ -197,6 +204,10 @@ class OnnxRuntimeBackend(Backend):
                 f"model file '{filename}' not found in version {context.version} "
                 f"of model '{context.name}' ({context.version_dir.name}/)"
             )
+        # Triton's onnxruntime backend announces each model and instance it sets
+        # up and tears down at info (src/onnxruntime.cc:3028, :3093, :3145, :3069),
+        # lines a Triton user's log watching reads; written here at the same steps.
+        log.info(f"TRITONBACKEND_ModelInitialize: {context.name} (version {context.version})")
         return OnnxModel(context, path)
 
 
@@ -215,6 +226,11 @@ class OnnxModel:
         self.path = path
 
     def create_instance(self, spec: InstanceSpec) -> OnnxInstance:
+        # TRITONSERVER_InstanceGroupKindString: "CPU", "GPU", "MODEL"
+        kind = spec.kind.removeprefix("KIND_")
+        log.info(
+            f"TRITONBACKEND_ModelInstanceInitialize: {spec.name} ({kind} device {spec.device_id})"
+        )
         ort = _ort()
         config = self.context.config
         options = ort.SessionOptions()
@@ -238,7 +254,7 @@ class OnnxModel:
         return OnnxInstance(self.context, spec, session)
 
     def unload(self) -> None:
-        pass
+        log.info("TRITONBACKEND_ModelFinalize: delete model state")
 
 
 class _OrtBatch:
@@ -340,6 +356,11 @@ class OnnxInstance:
         request with a string input that is not UTF-8 is refused on its own (see
         :meth:`_non_text_input`); the others run."""
         started = time.perf_counter_ns()
+        if verbose():  # onnxruntime.cc:3178 ModelInstanceExecute, at verbose 1
+            log.debug(
+                f"model {self.model_name}, instance {self.spec.name}, "
+                f"executing {len(requests)} requests"
+            )
         refused = [self._non_text_input(request) for request in requests]
         kept = (
             requests
@@ -438,6 +459,8 @@ class OnnxInstance:
         return None
 
     def close(self) -> None:
+        if self._session is not None:
+            log.info("TRITONBACKEND_ModelInstanceFinalize: delete instance state")
         self._session = None
 
 

@@ -27,6 +27,7 @@ import h2.settings
 import structlog
 import trio
 
+from trionserve.observability.logging import log_grpc_state
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import inline, lifetime, upstream
 from trionserve.protocol.grpc.call import GrpcCall, Method
@@ -463,6 +464,7 @@ class Connection:
     async def _run_call(
         self, call: GrpcCall, handler: Handler, kept: trio.CancelScope | None = None
     ) -> None:
+        log_grpc_state("StateNew", call.method, call.stream_id)
         try:
             outcome = await self._outcome(call, handler, kept)
             if outcome is not None:
@@ -474,6 +476,7 @@ class Connection:
                 await self._cut(call)
             raise
         finally:
+            log_grpc_state("StateRelease", call.method, call.stream_id, call.state.reset)
             self.calls.pop(call.stream_id, None)
             if not self.calls and not self.state.closing:  # idle
                 self._idle[self] = None

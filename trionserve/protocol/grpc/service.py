@@ -47,7 +47,7 @@ from trionserve.protocol.grpc.transport import (
     TransportOptions,
     server_ssl_context,
 )
-from trionserve.protocol.grpc.unary import grpc_error, unary_method
+from trionserve.protocol.grpc.unary import DebugDelays, grpc_error, unary_method
 from trionserve.protocol.restricted import RestrictedCategory, RestrictedFeatures, Restriction
 
 log = structlog.get_logger(__name__)
@@ -143,6 +143,7 @@ class GrpcService:
         self.dataplane = dataplane
         self.options = options or GrpcOptions()
         self.verbose = verbose
+        self.delays = DebugDelays.from_environment()  # Triton's debugging delays
         pattern = self.options.header_forward_pattern
         self._forward = re.compile(pattern) if pattern else None
 
@@ -155,7 +156,7 @@ class GrpcService:
             "ServerMetadata": unary(pb.ServerMetadataRequest, self.server_metadata),
             "ModelMetadata": unary(pb.ModelMetadataRequest, self.model_metadata),
             "ModelConfig": unary(pb.ModelConfigRequest, self.model_config),
-            "ModelInfer": unary(None, self.model_infer, self.dataplane),
+            "ModelInfer": unary(None, self.model_infer, self.dataplane, self.delays),
             "ModelStreamInfer": Method(self.model_stream_infer, client_streaming=True),
             "RepositoryIndex": unary(pb.RepositoryIndexRequest, self.repository_index),
             "RepositoryModelLoad": unary(pb.RepositoryModelLoadRequest, self.repository_load),

@@ -1,12 +1,15 @@
-"""The handler of a one-request, one-response gRPC method, and gRPC statuses of
-TritonErrors."""
+"""The handler of a one-request, one-response gRPC method, gRPC statuses of
+TritonErrors, and Triton's gRPC debug delays."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
+import trio
 from google.protobuf.message import Message
 
 from trionserve.core.errors import Cancelled, TritonError, as_triton_error
@@ -18,7 +21,7 @@ from trionserve.protocol.grpc.status import GRPCError, Status
 if TYPE_CHECKING:
     from trionserve.dataplane import DataPlane
 
-__all__ = ["grpc_error", "unary_method"]
+__all__ = ["DebugDelays", "grpc_error", "unary_method"]
 
 log = structlog.get_logger(__name__)
 
@@ -28,10 +31,62 @@ def grpc_error(error: TritonError) -> GRPCError:
     return GRPCError(Status[error.status.name], error.message)
 
 
+@dataclass(frozen=True, slots=True)
+class DebugDelays:
+    """Triton's debugging delays of a ModelInfer call, in milliseconds, from the
+    environment variables its gRPC frontend reads (server src/grpc/infer_handler.h
+    ParseDebugVariable, in release builds too; its QA sets them to hold a call at
+    a step while the client cancels it):
+
+    - ``before_infer``: ``TRITONSERVER_DELAY_GRPC_PROCESS`` (infer_handler.cc:699,
+      Process at START, before the request goes to the model) plus
+      ``TRITONSERVER_DELAY_GRPC_PROCESS_ENTRY`` (taken once here: this stack has no
+      completion-queue steps to enter);
+    - ``before_answer``: ``TRITONSERVER_DELAY_RESPONSE_COMPLETE_EXEC`` (:1065) plus
+      ``TRITONSERVER_DELAY_RESPONSE_COMPLETION`` (:1181), between the model's
+      response and its send.
+
+    Triton's threads sleep; here the call's task waits, so a client that cancels
+    meanwhile ends the call at once. Its other delays (``_GRPC_NOTIFICATION``,
+    ``_GRPC_ENQUEUE``, ``_GRPC_RESPONSE``, ``_GRPC_COMPLETE``) hold the threads
+    that hand its completion-queue events over, which this stack does not have."""
+
+    before_infer: int = 0
+    before_answer: int = 0
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> DebugDelays:
+        def ms(name: str) -> int:
+            text = environ.get(name)
+            if text is None:
+                return 0
+            try:
+                return int(text.strip())
+            except ValueError:  # Triton's words (infer_handler.h ParseDebugVariable)
+                log.error(
+                    f"Unable to parse the debug variable {name}. Value provided: "
+                    f"'{text}' is not a valid integer. Error: stoi"
+                )
+                return 0
+
+        return cls(
+            ms("TRITONSERVER_DELAY_GRPC_PROCESS") + ms("TRITONSERVER_DELAY_GRPC_PROCESS_ENTRY"),
+            ms("TRITONSERVER_DELAY_RESPONSE_COMPLETE_EXEC")
+            + ms("TRITONSERVER_DELAY_RESPONSE_COMPLETION"),
+        )
+
+    @staticmethod
+    async def wait(ms: int, what: str) -> None:
+        if ms > 0:
+            log.info(f"Delaying {what} by {ms} ms...")
+            await trio.sleep(ms / 1000)
+
+
 def unary_method(
     request_type: type[Message] | None,
     handle: Callable[..., Awaitable[Any]],
     traced: DataPlane | None = None,
+    delays: DebugDelays | None = None,
 ) -> Method:
     """A method taking one request message (parsed as ``request_type``; None: the
     raw message) and answering ``await handle(request, call)``.
@@ -40,7 +95,9 @@ def unary_method(
     GRPC_WAITREAD_START / GRPC_WAITREAD_END around the wait for its message and
     GRPC_SEND_START / GRPC_SEND_END around its answer's send, handed to ``handle``
     as ``call.stamps`` (:mod:`trionserve.observability.trace.frontend`).
+    ``delays``: Triton's debugging delays (:class:`DebugDelays`).
     """
+    delays = delays or DebugDelays()
 
     async def handler(call: GrpcCall) -> None:
         stamps = None
@@ -60,7 +117,9 @@ def unary_method(
                 request = (
                     data if request_type is None else grpc_codec.parse_message(request_type, data)
                 )
+                await delays.wait(delays.before_infer, "the Process execution")
                 response = await handle(request, call)
+                await delays.wait(delays.before_answer, "InferResponseComplete")
             except TritonError as error:
                 if (
                     stamps is not None
