@@ -83,6 +83,10 @@ def test_a_bucket_head_refused_names_the_credentials(stand_in, tmp_path):
     endpoint, handler = stand_in
     handler.head_status = 403
     mirror = ObjectStoreMirror(f"s3://{endpoint}/locked/models", tmp_path / "cache")
-    with pytest.raises(Unavailable, match="check account credentials: bucket 'locked': 403"):
+    expected = (
+        "'s3://.*/locked/models': Unable to create S3 filesystem client. Check account "
+        "credentials. Exception: '403' Message: 'Forbidden'"
+    )
+    with pytest.raises(Unavailable, match=expected):
         mirror.sync()
     assert [method for method, _, _ in handler.seen] == ["HEAD"]

@@ -156,18 +156,19 @@ class S3Store:
     def _check_bucket(self) -> None:
         """Reach the bucket before anything is listed, as Triton's S3 file system
         does when it is created (core src/filesystem/implementations/s3.h:337-353,
-        CheckClient: a HeadBucket request, INTERNAL "Unable to create S3
-        filesystem client. Check account credentials." when it fails)."""
+        CheckClient: a HeadBucket request; when it fails, "Unable to create S3
+        filesystem client. Check account credentials. Exception: '<name>'
+        Message: '<message>'", here with the error code and message boto3 gives)."""
         try:
             self.client.head_bucket(Bucket=self.location.bucket)
         except Exception as exc:
-            reason = _reason(exc)
-            if reason.startswith("404"):  # a HEAD answer has no body to name it
-                reason = "NoSuchBucket: The specified bucket does not exist"
+            code, _, message = _reason(exc).partition(": ")
+            if code == "404":  # a HEAD answer has no body to name it
+                code, message = "NoSuchBucket", "The specified bucket does not exist"
             raise Unavailable(
-                f"failed to open model repository '{self.location.url}': unable to create "
-                f"S3 filesystem client, check account credentials: bucket "
-                f"'{self.location.bucket}': {reason}"
+                f"failed to open model repository '{self.location.url}': Unable to create "
+                f"S3 filesystem client. Check account credentials. Exception: '{code}' "
+                f"Message: '{message}'"
             ) from None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
