@@ -6,6 +6,7 @@ validation, scheduling, waiting for the outcome, cancellation — happens here o
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -426,7 +427,7 @@ class DataPlane:
             await model.infer(request)
         except BaseException as exc:
             self._failed(run, exc)
-            self._end(run)
+            self._end(run, queued=False)
             raise
         if queued is not None:
             queued.set()
@@ -440,13 +441,20 @@ class DataPlane:
         elif run.trace is not None:
             self.tracing.answered_with_error(run.trace, exc)
 
-    def _end(self, run: Lifecycle) -> None:
-        """:meth:`_lifecycle`'s end: count the request out, finish its trace."""
+    def _end(self, run: Lifecycle, queued: bool = True) -> None:
+        """:meth:`_lifecycle`'s end: count the request out, finish its trace (that
+        of a queued request its caller gave up on, with its outcome: its model may
+        still run it; Triton's REQUEST_END is at the request's release, core src/
+        infer_request.cc:475-503, after the compute its backend reports)."""
         request = run.request
         request.discard()
         self.drain.request_ended(run.model)
-        if run.trace is not None:
-            self.tracing.finish(run.trace, run.model, request, run.traced)
+        trace = run.trace
+        if trace is not None:
+            if queued and not request.done:
+                request.on_final(functools.partial(self.tracing.finish, trace, run.model, request))
+            else:
+                self.tracing.finish(trace, run.model, request, run.traced)
 
     async def infer(
         self,

@@ -448,8 +448,10 @@ async def test_opentelemetry_nests_child_traces_under_their_parents_model_span()
     """server src/tracer.cc Trace::StartSpan: a child trace (an ensemble's step,
     a BLS request given the request's trace) is a span of its parent's model
     span and has no InferRequest root of its own (qa/L0_trace
-    opentelemetry_unittest, bls_simple: 6 spans, one root). A child finishing
-    before its parent waits for it; one finishing after finds its span."""
+    opentelemetry_unittest, bls_simple: 6 spans, one root). Spans end as their
+    request ends, a child's before its parent's, as Triton's do: qa/L0_trace's
+    ``bsp_schedule_delay=0`` step counts more than one export of a BLS request's
+    spans, which one export of the whole tree at its end would not give."""
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -465,11 +467,17 @@ async def test_opentelemetry_nests_child_traces_under_their_parents_model_span()
     leaf = tracing.start_child(simple, middle, _Request())
     after = tracing.start_child(late, top, _Request())
     tracing.finish(leaf, simple, _Request())
-    assert exporter.get_finished_spans() == ()  # waits for its parent
+    assert [span.name for span in exporter.get_finished_spans()] == ["simple"]
     tracing.finish(middle, ensemble, _Request())
     tracing.finish(top, bls, _Request())
+    assert [span.name for span in exporter.get_finished_spans()][1:] == [
+        "ens",
+        "bls",
+        "InferRequest",
+    ]
     tracing.finish(after, late, _Request())
     spans = exporter.get_finished_spans()
+    assert len({span.context.trace_id for span in spans}) == 1
     by_id = {span.context.span_id: span.name for span in spans}
     parents = sorted(
         (span.name, by_id.get(span.parent.span_id) if span.parent else None) for span in spans
@@ -484,6 +492,48 @@ async def test_opentelemetry_nests_child_traces_under_their_parents_model_span()
     assert {span.attributes["triton.trace_parent_id"] for span in spans if span.name == "ens"} == {
         top.id
     }
+
+
+async def test_opentelemetry_trace_context_is_the_model_spans(tmp_path):
+    """server src/tracer.cc:580-584, :710-730: at REQUEST_START Triton sets the
+    trace's context to its model span's W3C traceparent as JSON, which
+    python_backend hands to the model (``request.trace().get_context()``,
+    src/python_be.cc:292-303); a child's span hangs from that span. In mode
+    triton a trace has no context (qa/L0_trace check_pbe_trace_context)."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from trionserve.observability.trace.frontend import FrontendStamps
+
+    exporter = InMemorySpanExporter()
+    tracing = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, mode="opentelemetry"),
+        span_processor=SimpleSpanProcessor(exporter),
+    )
+    model, step = _Model("bls"), _Model("simple")
+    stamps = FrontendStamps()
+    stamps.traceparent = "00-0af7651916cd43dd8448eb211c12666c-b7ad6b7169242424-01"
+    top = tracing.start(model, _Request("r"), stamps)
+    child = tracing.start_child(step, top, _Request())
+    contexts = [json.loads(trace.context) for trace in (top, child)]
+    assert all(set(context) == {"traceparent"} for context in contexts)
+    version, trace_id, span_id, flags = contexts[0]["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c12666c", "01")
+    assert contexts[1]["traceparent"].split("-")[1] == trace_id
+    tracing.finish(child, step, _Request())
+    tracing.finish(top, model, _Request("r"))
+    stamps.release()
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert f"{spans['bls'].context.span_id:016x}" == span_id
+    assert spans["simple"].parent.span_id == spans["bls"].context.span_id
+    assert f"{spans['simple'].context.span_id:016x}" == contexts[1]["traceparent"].split("-")[2]
+    assert spans["InferRequest"].parent.span_id == 0xB7AD6B7169242424
+    assert spans["bls"].parent.span_id == spans["InferRequest"].context.span_id
+    plain = TraceManager(
+        TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, file=str(tmp_path / "t.json"))
+    )
+    assert plain.start(_Model(), _Request()).context is None
 
 
 async def test_every_resource_setting_is_a_resource_attribute():

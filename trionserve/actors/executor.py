@@ -31,6 +31,7 @@ from trionserve.core.deferred import sweep_deferred
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.observability.trace.trace_file import hold_running, settle_compute
 from trionserve.schedulers.scheduler import BatchOutlet, Outcome
 
 log = structlog.get_logger(__name__)
@@ -528,15 +529,21 @@ class InstanceExecutor:
             # this one (its stub takes one call at a time).
             for request in live:
                 request.cancelled = True  # told to the model (is_cancelled)
+            traces = self._statistics.traces if self._statistics is not None else {}
+            traced = bool(traces) and hold_running(traces, live)
             self._record_failures(live, FailureReason.CANCELED)
             cancelled = Cancelled("the request was cancelled while it executed")
             self._outlet.complete(live, [cancelled] * len(live))
             if self._nursery is not None:
                 try:
-                    self._nursery.start_soon(self._settle_direct, instance, running)
+                    self._nursery.start_soon(
+                        self._settle_direct, instance, running, live if traced else [], start
+                    )
                     settling = True
                 except RuntimeError:  # the executor is ending
                     pass
+            if traced and not settling:
+                settle_compute(traces, live, start, None)
             raise
         finally:
             if not settling:
@@ -546,15 +553,24 @@ class InstanceExecutor:
         return True
 
     async def _settle_direct(
-        self, instance: DirectAsyncBackendInstance, running: trio.Event
+        self,
+        instance: DirectAsyncBackendInstance,
+        running: trio.Event,
+        traced: list[InferenceRequest],
+        start: float,
     ) -> None:
         """After a batch run in a submitting task that was cancelled: free this
-        executor once the instance has finished that batch."""
+        executor once the instance has finished that batch; the ``traced``
+        requests' traces get its compute and end then."""
+        end = None
         try:
             await instance.wait_idle()
+            end = trio.current_time()
         finally:
             self._direct_running = None
             running.set()
+            if traced and self._statistics is not None:
+                settle_compute(self._statistics.traces, traced, start, end)
 
     # -- shared -------------------------------------------------------------------------
 

@@ -159,6 +159,7 @@ class InferenceRequest:
         "last_read",
         "_in_hand",
         "answer",
+        "_on_final",
     )
 
     def __init__(
@@ -231,6 +232,8 @@ class InferenceRequest:
         # Set by a frontend whose client's answer the instance's thread may write
         # (see ThreadAnswer); told of the final outcome, and waited on, by ``wait``.
         self.answer: ThreadAnswer | None = None
+        # Called once with the final outcome (see on_final).
+        self._on_final: Callable[[], None] | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -255,6 +258,20 @@ class InferenceRequest:
             callback()
             return
         self._on_cancel = callback
+
+    def on_final(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the Trio thread, once) when the request gets its
+        final outcome: at once if it has it. The data plane uses it to end the
+        trace of a request its caller gave up on while the model still runs it."""
+        if self._final:
+            callback()
+        else:
+            self._on_final = callback
+
+    def _finalized(self) -> None:
+        callback, self._on_final = self._on_final, None
+        if callback is not None:
+            callback()
 
     @property
     def done(self) -> bool:
@@ -293,8 +310,11 @@ class InferenceRequest:
             self._empty_final = True
         self._final = final
         self._wakeup.set()
-        if final and self.answer is not None:
-            self.answer.finalized()
+        if final:
+            if self.answer is not None:
+                self.answer.finalized()
+            if self._on_final is not None:
+                self._finalized()
         return True
 
     def _overflow(self, size: int) -> bool:
@@ -355,6 +375,8 @@ class InferenceRequest:
         self._wakeup.set()
         if self.answer is not None:
             self.answer.finalized()
+        if self._on_final is not None:
+            self._finalized()
         self.cancelled = True
 
     def respond(self, response: InferenceResponse) -> bool:
@@ -370,6 +392,8 @@ class InferenceRequest:
         self._wakeup.set()
         if self.answer is not None:
             self.answer.finalized()
+        if self._on_final is not None:
+            self._finalized()
         return True
 
     def fail(self, error: TritonError) -> bool:
@@ -381,6 +405,8 @@ class InferenceRequest:
         self._wakeup.set()
         if self.answer is not None:
             self.answer.finalized()
+        if self._on_final is not None:
+            self._finalized()
         return True
 
     async def wait(self) -> InferenceResponse:

@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVarTuple
+from typing import TYPE_CHECKING, Any, TypeVarTuple, cast
 
 import structlog
 import trio
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
     from trionserve.backends.python.inprocess import InProcessInstance
     from trionserve.backends.python.stubpath import triton_python_backend_utils as pb_utils
+    from trionserve.observability.trace.trace_file import Trace
 
 log = structlog.get_logger(__name__)
 
@@ -224,6 +225,7 @@ class InProcessRuntime(ModelRuntime):
             list(self._instance.output_names) if requested is None else [o.name for o in requested]
         )
         parameters = json.dumps(request.parameters, default=str) if request.parameters else "{}"
+        trace = cast("Trace | None", request.trace)
         self._unanswered.add(request)
         return pb.InferenceRequest._received(
             request,
@@ -235,7 +237,7 @@ class InProcessRuntime(ModelRuntime):
             flags,
             parameters,
             pb.InferenceResponseSender(request, self.decoupled),
-            None if request.trace is None else pb.InferenceTrace(request),
+            None if trace is None else pb.InferenceTrace(request, trace.context),
         )
 
     def outcome(

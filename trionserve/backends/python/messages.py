@@ -9,6 +9,7 @@ server-side object ever points into a stub's memory. Error codes are Triton's
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -17,6 +18,9 @@ from trionserve.backends.python.wire import Endpoint
 from trionserve.core.datatypes import BY_WIRE
 from trionserve.core.errors import Status, TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
+
+if TYPE_CHECKING:
+    from trionserve.observability.trace.trace_file import Trace
 
 _STATUS_BY_CODE = {
     0: Status.UNKNOWN,
@@ -103,7 +107,8 @@ def request_message(
         refs,
         outputs,
         request.cancelled,
-        request.trace is not None,
+        # Traced: its trace context ("" for none, mode triton); None: not traced.
+        None if request.trace is None else (cast("Trace", request.trace).context or ""),
     )
     return entry, blocks
 

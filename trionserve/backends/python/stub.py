@@ -311,7 +311,7 @@ class StubRuntime(ModelRuntime):
     def _incoming(self, entry: tuple[Any, ...]) -> pb_utils.InferenceRequest:
         """A request of an execute, as :func:`.messages.request_message` wrote it."""
         pb = self.pb
-        key, request_id, correlation_id, flags, parameters, refs, outputs, cancelled, traced = entry
+        key, request_id, correlation_id, flags, parameters, refs, outputs, cancelled, trace = entry
         view_array = self.view.array
         wrap = pb.Tensor._wrap
         inputs = [wrap(ref[0], ref[1], view_array(ref, copy=False)) for ref in refs]
@@ -325,7 +325,7 @@ class StubRuntime(ModelRuntime):
             flags,
             parameters,
             pb.InferenceResponseSender(key, self.decoupled),
-            pb.InferenceTrace(key) if traced else None,
+            None if trace is None else pb.InferenceTrace(key, trace),
         )
         self._unanswered.add(key)
         if cancelled:

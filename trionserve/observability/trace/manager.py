@@ -16,6 +16,7 @@ the Triton trace files (:mod:`.trace_file`, mode ``triton``) or, in mode
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -201,7 +202,7 @@ class TraceManager:
             return None
         if setting.count == 0:
             self._refresh()
-        trace = self._begin(setting, model, request, None)
+        trace = self._begin(setting, model, request, None, frontend)
         if frontend is not None and frontend.attach(trace, self._let_go):
             trace.frontend = frontend
             trace.holders += 1
@@ -221,18 +222,23 @@ class TraceManager:
         InferenceTrace::SpawnChildTrace, ensemble_scheduler.cc)."""
         setting = parent.setting
         setting.inflight += 1
-        return self._begin(setting, model, request, parent.id)
+        return self._begin(setting, model, request, parent)
 
     def _begin(
         self,
         setting: TraceSetting,
         model: ObservedVersion,
         request: InferenceRequest,
-        parent_id: int | None,
+        parent: Trace | None,
+        frontend: FrontendStamps | None = None,
     ) -> Trace:
+        parent_id = None if parent is None else parent.id
         trace = Trace(self._next_id, setting, model.name, model.version, request.id, parent_id)
         self._next_id += 1
         trace.timestamp("REQUEST_START", now_ns())
+        if self._otel is not None:
+            # Its spans' ids and the trace context its model is handed.
+            self._otel.begin(trace, parent, None if frontend is None else frontend.traceparent)
         if trace.tensors is not None:
             for tensor in request.inputs.values():
                 trace.tensor("TENSOR_QUEUE_INPUT", tensor.name, tensor.datatype, tensor.data)
@@ -246,7 +252,11 @@ class TraceManager:
         request: InferenceRequest,
         response: InferenceResponse | None = None,
     ) -> None:
-        """The request has its outcome: REQUEST_END, then the trace is written."""
+        """The request has its outcome: REQUEST_END, then the trace is written
+        (once its model is done with it, if it still runs it: ``Trace.running``)."""
+        if trace.running:
+            trace.finish_later = functools.partial(self.finish, trace, model, request, response)
+            return
         model.statistics.traces.pop(request, None)
         end = now_ns()
         if request.arrival_time:
@@ -255,6 +265,8 @@ class TraceManager:
         if response is not None and trace.tensors is not None:
             for tensor in response.outputs:
                 trace.tensor("TENSOR_BACKEND_OUTPUT", tensor.name, tensor.datatype, tensor.data)
+        if self._otel is not None:
+            self._otel.end_request(trace)  # the model span ends at REQUEST_END
         self._let_go(trace)
 
     def answered_with_error(self, trace: Trace, error: BaseException) -> None:
@@ -281,7 +293,7 @@ class TraceManager:
         setting.inflight -= 1
         if setting.mode == "opentelemetry":
             if self._otel is not None:
-                self._otel.export(trace)
+                self._otel.end_root(trace)
             return
         text = trace.to_json()
         setting.buffer.append(text)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 import trio
@@ -21,6 +20,7 @@ from trionserve.observability.trace.trace_file import Trace, clock_ns
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
 
 log = structlog.get_logger(__name__)
 
@@ -71,19 +71,63 @@ def otlp_endpoint(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
-# Model spans kept for children finishing after their parent, and children
-# waiting for their parent: at most this many each.
-_MAX_KEPT = 4096
+# The timestamps a frontend takes (:mod:`.frontend`): events of the root
+# InferRequest span, as Triton's Trace::CaptureTimestamp adds them (server
+# src/tracer.cc:370-377), never of the model span.
+_FRONTEND_EVENTS = frozenset(
+    {
+        "HTTP_RECV_START",
+        "HTTP_RECV_END",
+        "HTTP_SEND_START",
+        "HTTP_SEND_END",
+        "GRPC_WAITREAD_START",
+        "GRPC_WAITREAD_END",
+        "GRPC_SEND_START",
+        "GRPC_SEND_END",
+        "INFER_RESPONSE_COMPLETE",
+    }
+)
+
+
+class _GivenIds:
+    """The tracer provider's id generator: the SDK's random ids, except for the
+    spans whose ids a trace was given at REQUEST_START (the root and model spans,
+    see :meth:`OpenTelemetryExporter.begin`), which take them."""
+
+    def __init__(self, random: Any) -> None:
+        self.random = random
+        self.span_id = 0  # the next span's id, if given
+        self.trace_id = 0  # the next root span's trace id, if given
+
+    def generate_span_id(self) -> int:
+        given, self.span_id = self.span_id, 0
+        return given or self.random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        given, self.trace_id = self.trace_id, 0
+        return given or self.random.generate_trace_id()
+
+    def is_trace_id_random(self) -> bool:
+        return False  # a trace id can be the client's
 
 
 class OpenTelemetryExporter:
-    """Spans for finished traces, through the OpenTelemetry SDK's batch processor.
+    """Spans for traces, through the OpenTelemetry SDK's batch processor.
 
     Each trace becomes a root ``InferRequest`` span (the frontend's timestamps,
     HTTP_RECV_START ..., its events), a span named after the model from
     REQUEST_START to REQUEST_END, a ``compute`` span and a span per custom
     activity a backend reported (``X_START`` ... ``X_END``), with the timestamps
     as events and ``triton.*`` attributes, as Triton exports them.
+
+    A trace gets the ids of its spans as it starts (:meth:`begin`), as Triton's
+    tracer starts its model span at REQUEST_START (server src/tracer.cc
+    Trace::StartSpan :556-586): the model is handed their trace context, and a
+    child trace (an ensemble's step, a BLS request given the request's trace)
+    knows its parent span. The model span and its compute and custom spans are
+    ended at REQUEST_END (:meth:`end_request`), the root span once the frontend too
+    is done (:meth:`end_root`; Triton: ``Trace::~Trace``, :348-358), so the batch
+    processor sees them end as Triton's does, not a whole tree at once.
     Needs ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-http``
     (or a span processor given for tests).
     """
@@ -98,6 +142,7 @@ class OpenTelemetryExporter:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
         except ImportError as exc:
             raise TritonError(
                 "trace mode opentelemetry needs the OpenTelemetry SDK: install "
@@ -125,69 +170,61 @@ class OpenTelemetryExporter:
                 max_export_batch_size=options["max_export_batch_size"],
             )
             report_dropped_spans()
-        self._provider = TracerProvider(resource=Resource.create(attributes))
+        self._ids = _GivenIds(RandomIdGenerator())
+        self._provider = TracerProvider(
+            resource=Resource.create(attributes), id_generator=cast("IdGenerator", self._ids)
+        )
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer("triton-server")
         # Trio's clock has its own origin; spans carry wall-clock nanoseconds.
         self._offset: int | None = None
-        # A child trace (an ensemble's step, a BLS request given the request's
-        # trace) is a span of its parent's model span, as in Triton (server
-        # src/tracer.cc Trace::StartSpan: a child's REQUEST_START span takes its
-        # parent trace's span as parent; only a trace with no parent has the root
-        # InferRequest span). Children usually finish first: they wait for their
-        # parent here; the model spans of exported traces are kept for children
-        # finishing later. Both bounded.
-        self._model_spans: OrderedDict[int, Any] = OrderedDict()
-        self._waiting: dict[int, list[Trace]] = {}
-        self._waiting_count = 0
 
-    def export(self, trace: Trace) -> None:
-        from opentelemetry import trace as otel
+    def begin(self, trace: Trace, parent: Trace | None, traceparent: str | None) -> None:
+        """REQUEST_START: the ids of the trace's spans and its trace context.
 
-        parent = trace.parent_id
-        if parent is None:
-            self._export(trace, None)
-        elif parent in self._model_spans:
-            self._export(trace, otel.set_span_in_context(self._model_spans[parent]))
-        elif self._waiting_count < _MAX_KEPT:
-            self._waiting.setdefault(parent, []).append(trace)
-            self._waiting_count += 1
-        else:  # a parent that never came: exported on its own
-            self._export(trace, None)
+        A child trace's model span is a span of its parent's model span in the
+        parent's trace (server src/tracer.cc:556-571: a child's REQUEST_START span
+        takes its parent trace's span as parent); any other trace has its own
+        root InferRequest span, in the client's trace if the client sent a
+        ``traceparent`` (src/tracer.cc SampleTrace :340-350), else a new one.
+        The context is the model span's, as Triton's PrepareTraceContext writes
+        it (src/tracer.cc:710-730): ``{"traceparent":"00-<trace>-<span>-01"}``
+        (every span is sampled: the SDK's default sampler is always on)."""
+        random = self._ids.random
+        span_id = random.generate_span_id()
+        if parent is not None and parent.otel is not None:
+            trace_id, parent_span, root = parent.otel[0], parent.otel[1], 0
+        else:
+            root = parent_span = random.generate_span_id()
+            if traceparent is not None:
+                trace_id = int(traceparent[3:35], 16)
+            else:
+                trace_id = random.generate_trace_id()
+        trace.otel = (trace_id, span_id, parent_span, root)
+        trace.context = f'{{"traceparent":"00-{trace_id:032x}-{span_id:016x}-01"}}'
 
-    def _export(self, trace: Trace, parent: Any) -> None:
-        from opentelemetry import trace as otel
-
+    def _wall(self) -> int:
         if self._offset is None:
             self._offset = time.time_ns() - clock_ns(trio.current_time())
-        wall = self._offset
+        return self._offset
+
+    def end_request(self, trace: Trace) -> None:
+        """REQUEST_END: the model span, with its compute and custom spans."""
+        from opentelemetry import trace as otel
+
+        if trace.otel is None:
+            return
+        trace_id, span_id, parent_span, _ = trace.otel
+        wall = self._wall()
         events = dict(trace.events)
         start = events.get("REQUEST_START", trace.events[0][1]) + wall
         end = events.get("REQUEST_END", trace.events[-1][1]) + wall
-        # The frontend's timestamps are the root span's events, as Triton's
-        # Trace::CaptureTimestamp adds them (server src/tracer.cc), and it spans them.
-        frontend = trace.frontend
-        stamps = [] if frontend is None else [*frontend.before, *frontend.after]
-        first, last = start, end
-        if stamps:
-            first = min(start, min(ns for _, ns in stamps) + wall)
-            last = max(end, max(ns for _, ns in stamps) + wall)
-        root = None
-        if parent is None:
-            # Under the client's trace context, if it sent one (server
-            # src/tracer.cc SampleTrace: the propagated span is the root's parent).
-            client = None
-            if frontend is not None and frontend.traceparent is not None:
-                from opentelemetry.trace.propagation.tracecontext import (
-                    TraceContextTextMapPropagator,
-                )
-
-                carrier = {"traceparent": frontend.traceparent}
-                client = TraceContextTextMapPropagator().extract(carrier)
-            root = self._tracer.start_span("InferRequest", context=client, start_time=first)
-            for name, ns in frontend.before if frontend is not None else ():
-                root.add_event(name, timestamp=ns + wall)
-            parent = otel.set_span_in_context(root)
+        parent = otel.set_span_in_context(
+            otel.NonRecordingSpan(
+                otel.SpanContext(trace_id, parent_span, False, otel.TraceFlags(1))
+            )
+        )
+        self._ids.span_id = span_id
         model = self._tracer.start_span(trace.model_name, context=parent, start_time=start)
         model.set_attribute("triton.model_name", trace.model_name)
         model.set_attribute("triton.model_version", trace.model_version)
@@ -201,11 +238,9 @@ class OpenTelemetryExporter:
         # the innermost span; COMPUTE_END and ``X_END`` close it.
         stack = [model]
         for name, ns in trace.events:
-            at = ns + wall
-            if name == "INFER_RESPONSE_COMPLETE":  # taken by the frontend
-                if root is not None:
-                    root.add_event(name, timestamp=at)
+            if name in _FRONTEND_EVENTS:  # the root span's
                 continue
+            at = ns + wall
             custom = name.startswith("CUSTOM_")
             if name == "COMPUTE_START" or (custom and name.endswith("_START")):
                 span_name = "compute" if name == "COMPUTE_START" else name[: -len("_START")]
@@ -217,17 +252,41 @@ class OpenTelemetryExporter:
         for span in reversed(stack[1:]):  # a span a backend left open
             span.end(end_time=end)
         model.end(end_time=end)
-        if root is not None:
-            for name, ns in frontend.after if frontend is not None else ():
-                root.add_event(name, timestamp=ns + wall)
-            root.end(end_time=last)
-        self._model_spans[trace.id] = model
-        if len(self._model_spans) > _MAX_KEPT:
-            self._model_spans.popitem(last=False)
-        children = self._waiting.pop(trace.id, [])
-        self._waiting_count -= len(children)
-        for child in children:
-            self._export(child, otel.set_span_in_context(model))
+
+    def end_root(self, trace: Trace) -> None:
+        """The frontend and the data plane are done: the root InferRequest span
+        (none for a child trace), with the frontend's timestamps as its events."""
+        if trace.otel is None or not trace.otel[3]:
+            return
+        trace_id, _, _, root_id = trace.otel
+        wall = self._wall()
+        frontend = trace.frontend
+        before = [] if frontend is None else frontend.before
+        after = [] if frontend is None else frontend.after
+        middle = [(name, ns) for name, ns in trace.events if name in _FRONTEND_EVENTS]
+        events = dict(trace.events)
+        first = events.get("REQUEST_START", trace.events[0][1])
+        last = events.get("REQUEST_END", trace.events[-1][1])
+        stamps = [*before, *middle, *after]
+        if stamps:
+            first = min(first, min(ns for _, ns in stamps))
+            last = max(last, max(ns for _, ns in stamps))
+        # Under the client's trace context, if it sent one (server src/tracer.cc
+        # SampleTrace: the propagated span is the root's parent).
+        client = None
+        if frontend is not None and frontend.traceparent is not None:
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+
+            client = TraceContextTextMapPropagator().extract({"traceparent": frontend.traceparent})
+        else:
+            self._ids.trace_id = trace_id
+        self._ids.span_id = root_id
+        root = self._tracer.start_span("InferRequest", context=client, start_time=first + wall)
+        for name, ns in stamps:
+            root.add_event(name, timestamp=ns + wall)
+        root.end(end_time=last + wall)
 
     def shutdown(self) -> None:
         self._provider.shutdown()

@@ -88,6 +88,10 @@ class Trace:
         "tensors",
         "frontend",
         "holders",
+        "context",
+        "otel",
+        "running",
+        "finish_later",
     )
 
     def __init__(
@@ -113,6 +117,19 @@ class Trace:
         # it is written when none is (Triton: the last reference goes).
         self.frontend: FrontendStamps | None = None
         self.holders = 1
+        # The trace context Triton's tracer sets at REQUEST_START in mode
+        # opentelemetry, handed to Python models (``request.trace().get_context()``):
+        # ``{"traceparent":"00-<trace id>-<model span id>-01"}`` (server
+        # src/tracer.cc:580-584, :710-730); None in mode triton. ``otel``: the ids
+        # of its spans, (trace id, model span id, the model span's parent span id,
+        # the root InferRequest span id or 0 for a child trace).
+        self.context: str | None = None
+        self.otel: tuple[int, int, int, int] | None = None
+        # Its model still runs the request, answered already (its caller was
+        # cancelled while it ran the request in the caller's task): the trace's
+        # end waits for the compute (``finish_later``, see settle_compute).
+        self.running = False
+        self.finish_later: Callable[[], None] | None = None
 
     def timestamp(self, name: str, ns: int) -> None:
         self.events.append((name, ns))
@@ -205,6 +222,42 @@ def record_compute(
         trace = traces.get(request)
         if trace is not None:
             trace.compute(start, end, input_ns, output_ns)
+
+
+def hold_running(
+    traces: Mapping[InferenceRequest, Trace], requests: Iterable[InferenceRequest]
+) -> bool:
+    """The requests were answered while their model still runs them: their
+    traces end once it is done (:func:`settle_compute`), as Triton's REQUEST_END
+    comes with the request's release by its backend, after the compute it
+    reports (core src/infer_request.cc:475-503). True if any is traced."""
+    held = False
+    for request in requests:
+        trace = traces.get(request)
+        if trace is not None:
+            trace.running = held = True
+    return held
+
+
+def settle_compute(
+    traces: Mapping[InferenceRequest, Trace],
+    requests: Iterable[InferenceRequest],
+    start: float,
+    end: float | None,
+) -> None:
+    """The model is done with the requests :func:`hold_running` held: their
+    traces get the compute from ``start`` to ``end`` (None: it was not seen to
+    end, none) and end."""
+    for request in requests:
+        trace = traces.get(request)
+        if trace is None or not trace.running:
+            continue
+        trace.running = False
+        if end is not None:
+            trace.compute(start, end, 0, 0)
+        finish, trace.finish_later = trace.finish_later, None
+        if finish is not None:
+            finish()
 
 
 # -- trace files ------------------------------------------------------------------------

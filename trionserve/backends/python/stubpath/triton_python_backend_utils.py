@@ -113,13 +113,22 @@ class InferenceTrace:
     """A received request's trace (``request.trace()``): a BLS request given it
     (``InferenceRequest(..., trace=request.trace())``) is traced as the child of
     that request's trace, as in python_backend (infer_request.cc). ``_key``: the
-    runtime's handle of the request, None when it is not traced."""
+    runtime's handle of the request, None when it is not traced; ``_context``:
+    the trace context the server set (python_backend src/python_be.cc:292-303
+    reads it with TRITONSERVER_InferenceTraceContext)."""
 
-    def __init__(self, key: Any = None) -> None:
+    def __init__(self, key: Any = None, context: str | None = None) -> None:
         self._key = key
+        self._context = context
 
-    def get_context(self) -> None:
-        return None  # no OpenTelemetry context is propagated to models
+    def get_context(self) -> str | None:
+        """The request's trace context as JSON, None without one (python_backend
+        src/pb_stub.cc:1759-1765): in trace mode opentelemetry
+        ``{"traceparent": "00-<trace id>-<span id>-01"}``, the W3C context of the
+        request's span, to hand to a tracer of the model's own (or to a request
+        it sends elsewhere); None when the request is not traced or traced in
+        mode triton."""
+        return self._context or None
 
 
 # The trace of a received request that is not traced.
