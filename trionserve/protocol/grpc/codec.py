@@ -320,7 +320,7 @@ def _decode_inputs(
                 f"invalid datatype for input '{name}': expected one of "
                 f"{', '.join(BY_WIRE)}, got {json.dumps(spec.datatype)}"
             )
-        shape = list(spec.shape)
+        shape = spec.shape[:]  # (list() iterates to an IndexError)
         if shape and min(shape) < 0:
             raise InvalidArgument(
                 f"invalid shape for input '{name}': expected an array of "
