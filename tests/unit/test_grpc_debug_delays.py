@@ -19,7 +19,7 @@ from trionserve.protocol.grpc import call as call_module
 from trionserve.protocol.grpc import connection as connection_module
 from trionserve.protocol.grpc import unary as unary_module
 from trionserve.protocol.grpc.transport import GrpcTransport, Method, TransportOptions
-from trionserve.protocol.grpc.unary import DebugDelays, unary_method
+from trionserve.protocol.grpc.unary import DebugDelays, common_method, unary_method
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -46,6 +46,14 @@ def test_delays_come_from_tritons_variables_and_add_up(monkeypatch):
         "Unable to parse the debug variable TRITONSERVER_DELAY_GRPC_PROCESS. "
         "Value provided: 'soon' is not a valid integer. Error: stoi"
     ]
+    # CommonHandler's, in seconds, read with atoi (grpc_server.cc:2398): no error line.
+    common = "TRITONSERVER_SERVER_DELAY_GRPC_RESPONSE_SEC"
+    assert DebugDelays.from_environment({common: "2"}).common_answer == 2
+    assert DebugDelays.from_environment({common: " 3s"}).common_answer == 3
+    assert DebugDelays.from_environment({common: "x"}).common_answer == 0
+    assert len(errors) == 1
+    both = DebugDelays(before_infer=1, before_answer=2, common_answer=3)
+    assert both.infer() == DebugDelays(1, 2, 0) and both.common() == DebugDelays(0, 0, 3)
 
 
 @asynccontextmanager
@@ -121,3 +129,29 @@ def test_state_lines_only_for_infer_handlers_at_verbose_2(capsys):
         '"StateRelease, 5 Step FINISH"',
         '"StateRelease, 7 Step CANCELLED"',
     ]
+
+
+async def test_the_common_delay_holds_the_answer_after_the_work_is_done():
+    """TRITONSERVER_SERVER_DELAY_GRPC_RESPONSE_SEC: a non-inference call does its
+    work, then waits before its answer (grpc_server.cc:239 WriteResponse), so a
+    client's short deadline ends it DEADLINE_EXCEEDED (L0_client_timeout's
+    non-infer test); without the variable it is answered at once."""
+    done: list[str] = []
+
+    async def handle(request: bytes, call) -> bytes:
+        done.append("registered")
+        return b"ok"
+
+    path = "/inference.GRPCInferenceService/ServerLive"
+    held = DebugDelays(before_infer=5, before_answer=5, common_answer=3600)
+    methods = {path: common_method(held)(None, handle)}
+    async with serving(methods) as port, RawClient.connect(port) as client:
+        call = await client.call(path, frame(b""), headers=[(b"grpc-timeout", b"200m")])
+        await client.until(lambda c: c.ended(call))
+        assert client.status(call)[0] == 4  # DEADLINE_EXCEEDED
+        assert done == ["registered"] and call not in client.data
+    methods[path] = common_method(DebugDelays())(None, handle)
+    async with serving(methods) as port, RawClient.connect(port) as client:
+        call = await client.call(path, frame(b""))
+        await client.until(lambda c: c.ended(call))
+        assert client.status(call)[0] == 0 and client.data[call] == frame(b"ok")

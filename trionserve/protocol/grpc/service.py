@@ -47,7 +47,7 @@ from trionserve.protocol.grpc.transport import (
     TransportOptions,
     server_ssl_context,
 )
-from trionserve.protocol.grpc.unary import DebugDelays, grpc_error, unary_method
+from trionserve.protocol.grpc.unary import DebugDelays, common_method, grpc_error, unary_method
 from trionserve.protocol.restricted import RestrictedCategory, RestrictedFeatures, Restriction
 
 log = structlog.get_logger(__name__)
@@ -148,7 +148,7 @@ class GrpcService:
         self._forward = re.compile(pattern) if pattern else None
 
     def methods(self) -> dict[str, Method]:
-        unary = unary_method
+        unary = common_method(self.delays)
         table = {
             "ServerLive": unary(pb.ServerLiveRequest, self.server_live),
             "ServerReady": unary(pb.ServerReadyRequest, self.server_ready),
@@ -156,7 +156,7 @@ class GrpcService:
             "ServerMetadata": unary(pb.ServerMetadataRequest, self.server_metadata),
             "ModelMetadata": unary(pb.ModelMetadataRequest, self.model_metadata),
             "ModelConfig": unary(pb.ModelConfigRequest, self.model_config),
-            "ModelInfer": unary(None, self.model_infer, self.dataplane, self.delays),
+            "ModelInfer": unary_method(None, self.model_infer, self.dataplane, self.delays.infer()),
             "ModelStreamInfer": Method(self.model_stream_infer, client_streaming=True),
             "RepositoryIndex": unary(pb.RepositoryIndexRequest, self.repository_index),
             "RepositoryModelLoad": unary(pb.RepositoryModelLoadRequest, self.repository_load),

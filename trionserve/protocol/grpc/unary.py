@@ -4,8 +4,10 @@ TritonErrors, and Triton's gRPC debug delays."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -13,6 +15,7 @@ import trio
 from google.protobuf.message import Message
 
 from trionserve.core.errors import Cancelled, TritonError, as_triton_error
+from trionserve.observability.logging import verbose
 from trionserve.observability.trace.frontend import FrontendStamps, valid_traceparent
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc.call import GrpcCall, Method
@@ -21,7 +24,7 @@ from trionserve.protocol.grpc.status import GRPCError, Status
 if TYPE_CHECKING:
     from trionserve.dataplane import DataPlane
 
-__all__ = ["DebugDelays", "grpc_error", "unary_method"]
+__all__ = ["DebugDelays", "common_method", "grpc_error", "unary_method"]
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +49,11 @@ class DebugDelays:
       ``TRITONSERVER_DELAY_RESPONSE_COMPLETION`` (:1181), between the model's
       response and its send.
 
+    And for the other methods (Triton's CommonHandler), ``common_answer``:
+    ``TRITONSERVER_SERVER_DELAY_GRPC_RESPONSE_SEC``, seconds before each answer is
+    written (server src/grpc/grpc_server.cc:2398, read with ``atoi``; applied in
+    CommonCallData::WriteResponse, :239).
+
     Triton's threads sleep; here the call's task waits, so a client that cancels
     meanwhile ends the call at once. Its other delays (``_GRPC_NOTIFICATION``,
     ``_GRPC_ENQUEUE``, ``_GRPC_RESPONSE``, ``_GRPC_COMPLETE``) hold the threads
@@ -53,6 +61,7 @@ class DebugDelays:
 
     before_infer: int = 0
     before_answer: int = 0
+    common_answer: int = 0
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> DebugDelays:
@@ -69,17 +78,43 @@ class DebugDelays:
                 )
                 return 0
 
+        seconds = re.match(r"\s*[+-]?\d+", environ.get(RESPONSE_DELAY, ""))  # atoi
         return cls(
             ms("TRITONSERVER_DELAY_GRPC_PROCESS") + ms("TRITONSERVER_DELAY_GRPC_PROCESS_ENTRY"),
             ms("TRITONSERVER_DELAY_RESPONSE_COMPLETE_EXEC")
             + ms("TRITONSERVER_DELAY_RESPONSE_COMPLETION"),
+            max(0, int(seconds.group())) if seconds else 0,
         )
+
+    def infer(self) -> DebugDelays:
+        """The delays of ModelInfer."""
+        return replace(self, common_answer=0)
+
+    def common(self) -> DebugDelays:
+        """The delays of the other unary methods."""
+        return DebugDelays(common_answer=self.common_answer)
 
     @staticmethod
     async def wait(ms: int, what: str) -> None:
         if ms > 0:
             log.info(f"Delaying {what} by {ms} ms...")
             await trio.sleep(ms / 1000)
+
+    async def before_write(self) -> None:
+        await self.wait(self.before_answer, "InferResponseComplete")
+        if self.common_answer > 0:
+            if verbose():
+                log.debug(f"Delaying the write of the response by {self.common_answer} seconds")
+            await trio.sleep(self.common_answer)
+
+
+# Triton's CommonHandler delay (grpc_server.cc:2398), in seconds.
+RESPONSE_DELAY = "TRITONSERVER_SERVER_DELAY_GRPC_RESPONSE_SEC"
+
+
+def common_method(delays: DebugDelays) -> Callable[..., Method]:
+    """``unary_method`` for the methods other than ModelInfer, with their delay."""
+    return partial(unary_method, delays=delays.common())
 
 
 def unary_method(
@@ -119,7 +154,7 @@ def unary_method(
                 )
                 await delays.wait(delays.before_infer, "the Process execution")
                 response = await handle(request, call)
-                await delays.wait(delays.before_answer, "InferResponseComplete")
+                await delays.before_write()
             except TritonError as error:
                 if (
                     stamps is not None
