@@ -13,11 +13,13 @@ import threading
 
 import pytest
 import trio
+import trio.testing
 
 from tests.blocking_backend import BACKENDS, GATE, wait_entered
 from tests.e2e.test_grpc_cancellation import Probe, in_thread
 from tests.repository import echo_model
 from tests.serverproc import free_port
+from trionserve.protocol.http import transport
 from trionserve.protocol.http.answer import ConnectionAnswer
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import Server, ServerOptions
@@ -230,3 +232,72 @@ async def test_a_client_gone_mid_request_cancels_it(repository, writes):
         stats = await in_thread(stats_get, port)
         assert stats["success"]["count"] == 2  # "gone" executed, "next": one each
         server.shutdown()
+
+
+async def test_with_requests_waiting_the_thread_answers_while_the_next_batch_runs(
+    repository, writes
+):
+    # c>1: "b" and "c" wait at the batcher while "a" executes. As "a" ends the
+    # thread tells the loop the instance is free (the next batch, "b" and "c",
+    # is handed over) and writes "a"'s answer itself; its report waits for a
+    # sweep. Every answer comes from the thread, the counts stay exact.
+    server = make_server(repository)
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        probe = Probe(server.dataplane)
+        answers: dict[str, list] = {}
+
+        async def client(name: str) -> None:
+            answers[name] = await in_thread(exchange, port, [infer_bytes(name, 1.0)])
+
+        nursery.start_soon(client, "a")
+        await wait_entered()  # "a" executes
+        nursery.start_soon(client, "b")
+        nursery.start_soon(client, "c")
+        await probe.arrived("b", "c")
+        await trio.testing.wait_all_tasks_blocked()  # both queued behind "a"
+        assert server.dataplane.model("blocking", None)._scheduler.pending == 2
+        GATE.release.set()
+        await writes.counted(3)
+        assert all(name.startswith("instance ") for name, _ in writes), writes
+        # "a"'s, written while "b" and "c" waited. (One of theirs may be taken
+        # back by a sweep that "a"'s client brings as it closes: the loop
+        # writes it then.)
+        assert writes[0][1], writes
+        stats = await in_thread(stats_get, port)
+        assert stats["success"]["count"] == 3
+        assert sorted(answers) == ["a", "b", "c"]
+        assert all(answers[n][0][1]["id"] == n for n in answers)
+        model = server.dataplane.model("blocking", None)
+        assert model.inflight == 0
+        server.shutdown()
+
+
+async def test_a_request_for_an_instance_whose_report_waits_does_not_wait_for_the_tick(
+    repository, writes, monkeypatch
+):
+    # "a"'s answer is written by the thread and its report waits for a sweep
+    # (its client sends nothing more). "b" comes on another connection: its
+    # submit sweeps first, so the instance takes it at once, not at the next
+    # tick of the server (here never: the tick is pushed out of the test).
+    monkeypatch.setattr(transport, "SLOW_REQUEST_SECS", 3600.0)
+    GATE.release.set()
+    server = make_server(repository)
+    port = server.options.http_port
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            first = await in_thread(socket.create_connection, ("127.0.0.1", port))
+            await in_thread(first.sendall, infer_bytes("a", 1.0))
+            head, body = await in_thread(read_answer, first, bytearray())
+            await writes.counted(1)
+            assert body["id"] == "a"
+            answers = await in_thread(exchange, port, [infer_bytes("b", 2.0)])
+            assert answers[0][1]["id"] == "b"
+            stats = await in_thread(stats_get, port)
+            assert stats["success"]["count"] == 2
+            # "a"'s connection waits for its client (no tick to end the wait
+            # here): its end does.
+            first.close()
+            server.shutdown()

@@ -530,7 +530,7 @@ async def test_a_batch_that_can_go_is_taken_the_moment_the_executor_asks(autojum
     """An executor that asks for its next batch while one can go gets it formed
     in its own task, without a pass of the run loop (batches back to back), up
     to EAGER_BATCHES in a row; one held by the delay still waits for it."""
-    from trionserve.schedulers.dynamic_batch import EAGER_BATCHES
+    from trionserve.schedulers.batcher_outlet import EAGER_BATCHES
 
     async with trio.open_nursery() as nursery:
         batcher = DynamicBatchScheduler(make_config("", max_batch_size=1))

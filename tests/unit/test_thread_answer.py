@@ -20,6 +20,8 @@ from trionserve.protocol.http.answer import (
     THREAD_ANSWER_MAX_BYTES,
     WRITTEN,
     ConnectionAnswer,
+    lingering,
+    sweep,
 )
 from trionserve.protocol.http.h1 import H1Connection
 
@@ -136,6 +138,30 @@ async def test_the_wait_ends_with_the_outcome_or_the_socket():
             await trio.testing.wait_all_tasks_blocked()
             await client_sock.send(b"GET")  # bytes before the answer: taken back
         assert answer.state == DISARMED
+
+
+async def test_a_wait_whose_answer_the_thread_wrote_goes_on_until_the_client_or_the_tick():
+    # The outcome delivered after the thread wrote the answer whole does not end
+    # the wait: the client's next request does (one wake-up, not two), or the
+    # server's tick (answer.sweep) for a client that sends nothing more.
+    for ended_by_client in (True, False):
+        server_sock, client_sock, answer, request, expected = connection(256)
+        with server_sock, client_sock:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer.wait)
+                await trio.testing.wait_all_tasks_blocked()
+                assert await trio.to_thread.run_sync(answer.write, request, RESPONSE)
+                request.respond(RESPONSE)  # the report swept: the outcome is in
+                await trio.testing.wait_all_tasks_blocked()
+                assert answer.waiting and answer in lingering()
+                if ended_by_client:
+                    assert await read_exactly(client_sock, len(expected)) == expected
+                    await client_sock.send(b"POST")  # its next request
+                else:
+                    sweep()  # the tick
+            assert not answer.waiting and answer not in lingering()
+            assert answer.readable is ended_by_client
+            assert answer.settle() == WRITTEN
 
 
 async def test_a_watched_socket_is_left_to_its_watcher():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 import structlog
 import trio
@@ -139,6 +140,10 @@ class InstanceExecutor:
         self._undelivered = 0
         # True while _handover runs a batch inline in the task that formed it.
         self._inline_handover = False
+        # Whether a batch handed over may free the instance before its report
+        # (_handed_free; not with ordered outcomes), and those freed, unreported.
+        self._frees = self._hands_over and not getattr(outlet, "ordered", True)
+        self._freed: set[Job] = set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -238,8 +243,7 @@ class InstanceExecutor:
                     self._delivery = trio.Event()
                     continue
                 except trio.EndOfChannel:
-                    while self._handed is not None:  # delivered as it finishes
-                        await self._handed.done.wait()
+                    await self._handed_delivered()
                     return
                 if not job.done.is_set():  # (Event.wait checkpoints even when set)
                     await thread.wait(job)
@@ -263,10 +267,17 @@ class InstanceExecutor:
             thread.abandon()  # (a job it defers from now on wakes the loop)
             sweep_deferred()  # a job whose answers the thread wrote, delivered
             with trio.CancelScope(shield=True):
-                while self._handed is not None:
-                    await self._handed.done.wait()
+                await self._handed_delivered()
                 await self._stop_jobs(thread, job, jobs)
             raise
+
+    async def _handed_delivered(self) -> None:
+        """Wait until the batches handed over are delivered: those freed, whose
+        reports wait for a sweep, now; the one running as it finishes."""
+        while self._handed is not None or self._freed:
+            sweep_deferred()  # (each freed one was appended before it was freed)
+            if self._handed is not None:
+                await self._handed.done.wait()
 
     async def _stop_jobs(
         self, thread: InstanceThread, job: Job | None, jobs: trio.MemoryReceiveChannel[Job]
@@ -350,20 +361,40 @@ class InstanceExecutor:
             finally:
                 self._inline_handover = False
             return True
-        job = self._handed = Job(batch, self._handed_over)
+        job = self._handed = Job(batch)
+        job.on_done = partial(self._handed_over, job)
+        if self._frees:
+            job.on_free = partial(self._handed_free, job)
         thread.submit(job)
         return True
 
-    def _handed_over(self) -> None:
+    def _handed_free(self, job: Job) -> None:
+        """The instance's thread is done computing the batch handed over and
+        writes its answers itself, its report left for the loop's sweep (see
+        InstanceThread._answered): the scheduler is offered this executor
+        again now, so the next batch starts while the answers are written."""
+        if self._handed is not job:
+            return  # (delivered already: the sweep came first)
+        self._handed = None
+        self._freed.add(job)
+        if self._stopped:
+            sweep_deferred()  # delivered now: _handed_delivered waits for it
+        else:
+            self._outlet.offer_again()
+
+    def _handed_over(self, job: Job) -> None:
         """The batch handed over finished (on the Trio thread, in the thread's
         report): the scheduler is offered this executor again first, so the
         next batch reaches the thread before this one's waiters run (batches
         back to back), then its outcomes are delivered."""
-        job, self._handed = self._handed, None
-        assert job is not None and self._thread is not None
+        assert self._thread is not None
         try:
-            if not self._stopped:
-                self._outlet.offer_again()
+            if self._handed is job:
+                self._handed = None
+                if not self._stopped:
+                    self._outlet.offer_again()
+            else:  # freed before (_handed_free): offered then
+                self._freed.discard(job)
             if isinstance(job.error, Abandoned):  # skipped: the executor is stopping
                 self._drop_finished(job.cancelled)
                 stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")

@@ -81,6 +81,7 @@ class Job:
         "staged",
         "done",
         "on_done",
+        "on_free",
     )
 
     def __init__(self, requests: list, on_done: Callable[[], None] | None = None) -> None:
@@ -98,12 +99,23 @@ class Job:
         # Called on the Trio thread as ``done`` is set (the executor's delivery
         # task waits for any job to finish, not for each to be given).
         self.on_done = on_done
+        # Called on the Trio thread when the instance is done computing the job
+        # while its report waits for the loop's sweep (its answers being written
+        # by the instance's thread, see InstanceThread._answered): the instance
+        # may take its next batch. None: the job's report is never split so.
+        self.on_free: Callable[[], None] | None = None
 
     def finished(self) -> None:
         """The job is done (on the Trio thread): ``done`` set, ``on_done`` called."""
         self.done.set()
         if self.on_done is not None:
             self.on_done()
+
+    def freed(self) -> None:
+        """The instance is done with the job, whose report comes later (on the
+        Trio thread): ``on_free`` called."""
+        if self.on_free is not None:
+            self.on_free()
 
     def drop_cancelled(self) -> None:
         """Take the requests cancelled so far out of the batch, before it runs."""
@@ -345,8 +357,18 @@ class InstanceThread:
 
     def _answered(self, job: Job, deferred: Deferred) -> bool:
         """Write the job's answers here and defer its report, if every request
-        of it has an armed answer and a response and nothing waits for the
-        instance; False: reported to the loop as usual."""
+        of it has an armed answer and a response, and either nothing waits for
+        the instance or the executor can be told the instance is free apart
+        from the report (``on_free``); False: reported to the loop as usual.
+
+        With requests waiting (c>1: the batcher has the next batch), the loop
+        is told first that the instance is free (``Job.freed``, one wake-up as
+        the report's was), so it forms the next batch and hands it over while
+        this thread writes this batch's answers: the next batch is not delayed
+        by them, and, given to a thread that does not sleep yet, needs no ring
+        of the doorbell. The loop then does none of the batch's per-request
+        work (waking each request's task, encoding, writing); the sweep
+        delivers the report as the clients' next requests come."""
         requests, results = job.requests, job.results
         if (
             job.error is not None
@@ -356,8 +378,10 @@ class InstanceThread:
             or len(results) != len(requests)
             or self._jobs
             or self.quiet is None
-            or not self.quiet()
         ):
+            return False
+        busy = not self.quiet()
+        if busy and job.on_free is None:
             return False
         answers = []
         for request, result in zip(requests, results):
@@ -365,7 +389,15 @@ class InstanceThread:
             if answer is None or not answer.armed or not isinstance(result, InferenceResponse):
                 return False
             answers.append(answer)
-        deferred.append(job)  # before any answer is written (see Deferred)
+        deferred.append(job, idle=not busy)  # before any answer is written (see Deferred)
+        # A request submitted as the job was deferred saw no idle job, or this
+        # sees it queued (the GIL orders the two): then the loop is told now.
+        if busy or not self.quiet():
+            assert self._token is not None
+            try:
+                self._token.run_sync_soon(job.freed if job.on_free is not None else deferred.sweep)
+            except trio.RunFinishedError:
+                pass
         whole = True
         for answer, request, result in zip(answers, requests, results):
             if not answer.write(request, result):

@@ -14,6 +14,11 @@ A thread appends its job before it writes any of the job's answers, so a consume
 that sees its answer written finds the job here; when an answer could not be
 written whole (the socket full, the client gone, the answer declined), the thread
 wakes the loop to sweep at once (``wake``).
+
+A job appended ``idle`` holds back its instance: the executor offers it to its
+scheduler again only as the job is delivered. A request submitted meanwhile
+whose instance is not asking for work sweeps first (:func:`sweep_idle`), so it
+does not wait for an unrelated sweep (a request from another client, the tick).
 """
 
 from __future__ import annotations
@@ -33,18 +38,25 @@ class Deferred:
     """The reports of one Trio run that threads left for the event loop's next
     :meth:`sweep` instead of waking it (see the module docstring)."""
 
-    __slots__ = ("_jobs", "_token")
+    __slots__ = ("_jobs", "_token", "idle")
 
     def __init__(self, token: trio.lowlevel.TrioToken) -> None:
         self._jobs: deque[Report] = deque()
         self._token = token
+        # Set (after its append) by a job whose instance waits for its delivery
+        # to take work again; cleared by the sweep before it delivers, so that
+        # it is never clear while such a job waits (at worst set for none).
+        self.idle = False
 
     def __bool__(self) -> bool:
         return bool(self._jobs)
 
-    def append(self, job: Report) -> None:
-        """On a thread: ``job.finished()`` is called at the next sweep."""
+    def append(self, job: Report, idle: bool = False) -> None:
+        """On a thread: ``job.finished()`` is called at the next sweep;
+        ``idle``: its instance takes no work until then."""
         self._jobs.append(job)
+        if idle:
+            self.idle = True
 
     def wake(self) -> None:
         """On a thread: the loop sweeps now."""
@@ -55,6 +67,7 @@ class Deferred:
 
     def sweep(self) -> None:
         """On the Trio thread: report every job deferred so far."""
+        self.idle = False
         jobs = self._jobs
         while jobs:
             jobs.popleft().finished()
@@ -83,4 +96,13 @@ def sweep_deferred() -> None:
     except RuntimeError:  # not in a Trio run
         return
     if deferred:
+        deferred.sweep()
+
+
+def sweep_idle() -> None:
+    """Deliver the current run's deferred reports if one of them holds its
+    instance back (on the Trio thread): before a request waits for an instance
+    that is not asking for work."""
+    deferred = _DEFERRED.get(_NO_DEFERRED)
+    if deferred.idle:
         deferred.sweep()

@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
+from trionserve.core.deferred import sweep_idle
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.schedulers.batcher_outlet import BatcherOutlet
 from trionserve.schedulers.scheduler import (
     QUEUE_CAPACITY,
     BatchOutlet,
-    DirectRun,
-    DirectRunAsync,
     Outcome,
     deliver_outcomes,
 )
@@ -65,9 +65,6 @@ _DELAYED = 1
 _GONE = 2
 
 _DELAY_ACTION = 1  # ModelQueuePolicy.TimeoutAction.DELAY
-# Batches an executor takes in a row without a checkpoint when each is formed the
-# moment it asks (so at most 16 batches before the other tasks run again).
-EAGER_BATCHES = 16
 
 
 class _Entry:
@@ -137,114 +134,6 @@ class _Level:
                 yield entry
 
 
-class _Outlet:
-    """One executor's mailbox at the batcher.
-
-    ``receive`` registers the executor as idle (once) and waits for the batch the
-    batcher forms for it; ``complete`` hands the outcomes back for (ordered)
-    delivery, one call per batch received, in the order received (an executor may
-    take its next batch before it completes the current one); ``close`` withdraws
-    the executor and gives back a batch it was sent but never took, so no request
-    is lost when an executor stops. ``receive_direct`` also offers the
-    executor's ``handover``: while it waits, the batcher gives it a batch by
-    calling that in the task that formed it (a submit, the executor's own
-    ``offer_again`` as its last batch finished, the batcher's task after a
-    delay), so the batch reaches the instance's thread without a pass of the
-    run loop; the executor says when it waits with nothing in flight again
-    (``offer_again``).
-    """
-
-    __slots__ = (
-        "_batcher",
-        "_eager",
-        "_handover",
-        "_send",
-        "_receive",
-        "_tickets",
-        "_posted",
-        "closed",
-    )
-
-    def __init__(self, batcher: DynamicBatchScheduler) -> None:
-        self._batcher = batcher
-        self._send, self._receive = trio.open_memory_channel[
-            tuple[list[InferenceRequest], int | None]
-        ](1)
-        self._tickets: deque[int | None] = deque()  # of batches received, not completed
-        self._posted = False
-        self._eager = 0  # batches taken in a row without a checkpoint
-        # The executor's hand-over while it waits in receive_direct.
-        self._handover: DirectRun | None = None
-        self.closed = False
-
-    async def receive(self) -> list[InferenceRequest]:
-        if self.closed:
-            raise trio.ClosedResourceError
-        if not self._posted:
-            self._posted = True
-            self._batcher._outlet_ready(self)
-        # A batch formed the moment this executor asked (see _outlet_ready) is
-        # taken without a pass of the run loop, up to EAGER_BATCHES in a row.
-        try:
-            if self._eager >= EAGER_BATCHES:
-                raise trio.WouldBlock
-            requests, ticket = self._receive.receive_nowait()
-            self._eager += 1
-        except trio.WouldBlock:
-            self._eager = 0
-            requests, ticket = await self._receive.receive()
-        self._posted = False
-        self._tickets.append(ticket)
-        return requests
-
-    async def receive_direct(
-        self, run: DirectRun, handover: DirectRun | None = None
-    ) -> list[InferenceRequest]:
-        self._handover = handover
-        try:
-            return await self.receive()
-        finally:
-            self._handover = None
-
-    def offer_again(self) -> None:
-        """The executor took a batch through its hand-over and waits with nothing
-        in flight again (still in ``receive_direct``): ready for the next."""
-        if self._posted and not self.closed:
-            self._batcher._outlet_ready(self)
-
-    async def receive_direct_async(self, run: DirectRunAsync) -> list[InferenceRequest]:
-        return await self.receive()  # the batcher forms every batch
-
-    def complete(self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None:
-        self._batcher._complete(self._tickets.popleft(), requests, outcomes)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            untaken = self._receive.receive_nowait()
-        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            untaken = None
-        self._send.close()
-        self._receive.close()
-        self._batcher._outlet_gone(self, untaken)
-
-    def quiet(self) -> bool:
-        """Whether nothing waits for this executor: no request queued at the
-        batcher, outcomes not held for ordering (read on the instance's thread,
-        see :class:`~trionserve.backends.instance_thread.Deferred`)."""
-        batcher = self._batcher
-        return not (self.closed or batcher._queued or batcher._preserve_ordering)
-
-    def put(self, requests: list[InferenceRequest], ticket: int | None) -> None:
-        self._send.send_nowait((requests, ticket))
-
-    def finish(self) -> None:
-        """No more batches: the executor ends after the one it holds, if any."""
-        self._send.close()
-
-
 class DynamicBatchScheduler:
     """Owns the queues of a model with ``dynamic_batching`` and forms its batches.
 
@@ -305,8 +194,8 @@ class DynamicBatchScheduler:
         self._hold = count_from_environment("TRITONSERVER_DELAY_SCHEDULER")
         self._deadlines: list[tuple[float, int, _Entry]] = []
         self._sequence = itertools.count()
-        self._ready: deque[_Outlet] = deque()
-        self._outlets: set[_Outlet] = set()
+        self._ready: deque[BatcherOutlet] = deque()
+        self._outlets: set[BatcherOutlet] = set()
         self._wakeup = trio.Event()
         self._space = trio.Event()
         self._closed = False
@@ -401,6 +290,11 @@ class DynamicBatchScheduler:
         level.queue.append(entry)
         level.count += 1
         self._queued += 1
+        if not self._ready:
+            # An idle instance whose thread wrote its last answers may wait for
+            # their report to be swept before it asks for work (core/deferred.py):
+            # swept now, so that this request does not wait for another sweep.
+            sweep_idle()
         timeout_us = level.timeout_for(request)
         if timeout_us:
             deadline = now + timeout_us / 1e6
@@ -575,7 +469,7 @@ class DynamicBatchScheduler:
             key.append(None if tensor is None else tensor.data.tobytes())
         return tuple(key)
 
-    def _dispatch(self, outlet: _Outlet, entries: list[_Entry]) -> None:
+    def _dispatch(self, outlet: BatcherOutlet, entries: list[_Entry]) -> None:
         requests = []
         levels = set()
         for entry in entries:
@@ -609,13 +503,13 @@ class DynamicBatchScheduler:
     # -- executors ------------------------------------------------------------------
 
     def outlet(self) -> BatchOutlet:
-        outlet = _Outlet(self)
+        outlet = BatcherOutlet(self)
         self._outlets.add(outlet)
         if self._finished:
             outlet.finish()
         return outlet
 
-    def _outlet_ready(self, outlet: _Outlet) -> None:
+    def _outlet_ready(self, outlet: BatcherOutlet) -> None:
         """An executor asks for its next batch: one that can go now is formed at
         once, in the executor's task, so that its instance starts it without
         waiting for this actor's task (nor for the responses of the batch it
@@ -629,7 +523,7 @@ class DynamicBatchScheduler:
             self._wakeup.set()
 
     def _outlet_gone(
-        self, outlet: _Outlet, untaken: tuple[list[InferenceRequest], int | None] | None
+        self, outlet: BatcherOutlet, untaken: tuple[list[InferenceRequest], int | None] | None
     ) -> None:
         self._outlets.discard(outlet)
         try:

@@ -85,6 +85,7 @@ class ConnectionAnswer:
         "_draining",
         "_encode",
         "_h1",
+        "_lingers",
         "_lock",
         "_request",
         "_scope",
@@ -119,6 +120,8 @@ class ConnectionAnswer:
         self._encode: Encode | None = None
         self._binary_output = False
         self._scope: trio.CancelScope | None = None
+        # Waiting on with its outcome delivered (see finalized).
+        self._lingers = False
 
     @classmethod
     def of(
@@ -178,6 +181,9 @@ class ConnectionAnswer:
             raise
         finally:
             self._scope = None
+            if self._lingers:
+                self._lingers = False
+                lingering().discard(self)
         if scope.cancelled_caught:
             return  # the outcome came
         self.readable = True
@@ -190,10 +196,21 @@ class ConnectionAnswer:
         return self._scope is not None
 
     def finalized(self) -> None:
-        """The request's final outcome was delivered: the wait ends."""
+        """The request's final outcome was delivered: the wait ends, unless the
+        thread wrote the answer whole. Then the client's next request (or its
+        end) ends it, as it would end the wait for that request that follows:
+        the connection's task wakes once, not twice (its wait cancelled, then
+        another for the next request); the HTTP server's tick ends the waits
+        left so (:func:`end_lingering`: a drain, an unload, a client that sends
+        nothing more)."""
         scope = self._scope
-        if scope is not None:
-            scope.cancel()
+        if scope is None:
+            return
+        if self.state == WRITTEN and not self._draining():
+            self._lingers = True
+            lingering().add(self)
+            return
+        scope.cancel()
 
     async def finish(self, stream: trio.abc.SendStream) -> bool:
         """After the handler returned ANSWERED, in the connection's task: whether
@@ -268,6 +285,40 @@ class ConnectionAnswer:
             self.rest = memoryview(data)[written:]
             self.state = PARTIAL
             return False
+
+
+# The answers whose waits go on with their outcomes delivered (see finalized),
+# of the current run.
+_LINGERING: trio.lowlevel.RunVar[set[ConnectionAnswer]] = trio.lowlevel.RunVar(
+    "trionserve_http_lingering"
+)
+
+
+def lingering() -> set[ConnectionAnswer]:
+    """The current run's set of waits that go on with their outcomes delivered."""
+    try:
+        return _LINGERING.get()
+    except LookupError:
+        waits: set[ConnectionAnswer] = set()
+        _LINGERING.set(waits)
+        return waits
+
+
+def sweep() -> None:
+    """Deliver the deferred reports, then end every wait that goes on with its
+    outcome delivered (on the Trio thread): the HTTP server's tick and its
+    stop, so that a drain or an unload waits for no client."""
+    sweep_deferred()
+    try:
+        waits = _LINGERING.get()
+    except LookupError:
+        return
+    for answer in waits:
+        answer._lingers = False
+        scope = answer._scope
+        if scope is not None:
+            scope.cancel()
+    waits.clear()
 
 
 def waits(answer: ConnectionAnswer | None) -> bool:

@@ -63,7 +63,6 @@ from collections.abc import AsyncIterator, Awaitable
 import structlog
 import trio
 
-from trionserve.core.deferred import sweep_deferred
 from trionserve.observability.trace.frontend import (
     HTTP_STAMPS,
     FrontendStamps,
@@ -186,7 +185,7 @@ class HttpServer:
                 )
                 nursery.cancel_scope.cancel()
         finally:
-            sweep_deferred()  # the reports of the answers written last (answer.py)
+            answers.sweep()  # the reports of the answers written last (answer.py)
 
     async def watch_slow_requests(self, nursery: trio.Nursery) -> None:
         """Every ``SLOW_REQUEST_SECS``, give each request handled for longer a
@@ -204,7 +203,7 @@ class HttpServer:
                 break
             else:  # none idle: one that goes idle now expires after next_check
                 await trio.sleep_until(next_check)
-            sweep_deferred()  # answers the instances' threads wrote (see answer.py)
+            answers.sweep()  # answers the instances' threads wrote (see answer.py)
             now = trio.current_time()
             for connection, since in list(self._keep_alive.items()):
                 if since + timeout > now:
@@ -233,6 +232,7 @@ class HttpServer:
         """Serve no more requests: idle connections close, requests in flight are
         answered with ``Connection: close``."""
         self.draining = True
+        answers.sweep()  # (the waits of answers the threads wrote end: answer.py)
         for connection in list(self._idle):
             connection.stop_waiting()
 
