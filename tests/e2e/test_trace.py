@@ -513,11 +513,12 @@ async def test_opentelemetry_trace_context_is_the_model_spans(tmp_path):
     )
     model, step = _Model("bls"), _Model("simple")
     stamps = FrontendStamps()
-    stamps.traceparent = "00-0af7651916cd43dd8448eb211c12666c-b7ad6b7169242424-01"
+    stamps.take_context(b"00-0af7651916cd43dd8448eb211c12666c-b7ad6b7169242424-01", b"k=v,a=b")
     top = tracing.start(model, _Request("r"), stamps)
     child = tracing.start_child(step, top, _Request())
     contexts = [json.loads(trace.context) for trace in (top, child)]
-    assert all(set(context) == {"traceparent"} for context in contexts)
+    # The client's tracestate goes with the context (its spans inherit it).
+    assert all(context["tracestate"] == "k=v,a=b" for context in contexts)
     version, trace_id, span_id, flags = contexts[0]["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c12666c", "01")
     assert contexts[1]["traceparent"].split("-")[1] == trace_id
@@ -530,6 +531,21 @@ async def test_opentelemetry_trace_context_is_the_model_spans(tmp_path):
     assert f"{spans['simple'].context.span_id:016x}" == contexts[1]["traceparent"].split("-")[2]
     assert spans["InferRequest"].parent.span_id == 0xB7AD6B7169242424
     assert spans["bls"].parent.span_id == spans["InferRequest"].context.span_id
+    assert {span.context.trace_state.to_header() for span in spans.values()} == {"k=v,a=b"}
+    # A tracestate only with a valid traceparent, dropped past 512 characters;
+    # one that is not W3C's format is left out of the context.
+    valid = "00-0af7651916cd43dd8448eb211c12666c-b7ad6b7169242424-01"
+    for parent, state, kept in (
+        ("00-bad", "k=v", None),
+        (valid, "k=" + "v" * 511, None),
+        (valid, "k=" + "v" * 200, "k=" + "v" * 200),
+    ):
+        stamps = FrontendStamps()
+        stamps.take_context(parent, state)
+        assert stamps.tracestate == kept
+    stamps = FrontendStamps()
+    stamps.take_context(valid, "not a member")
+    assert "tracestate" not in json.loads(tracing.start(model, _Request(), stamps).context)
     plain = TraceManager(
         TraceConfig(level=frozenset({"TIMESTAMPS"}), rate=1, file=str(tmp_path / "t.json"))
     )

@@ -72,9 +72,9 @@ class TritonPythonModel:
 """
 
 
-def _server(repository, monkeypatch, exporter) -> Server:
-    """A server core on ``repository``, tracing every request in mode
-    opentelemetry into ``exporter``."""
+def _server(repository, monkeypatch, exporter, http_port: int | None = None) -> Server:
+    """A server core on ``repository`` (with its HTTP frontend on ``http_port``
+    when given), tracing every request in mode opentelemetry into ``exporter``."""
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
     class _Tracing(trace_manager.TraceManager):
@@ -85,7 +85,9 @@ def _server(repository, monkeypatch, exporter) -> Server:
     return Server(
         ServerOptions(
             model_repositories=[repository],
-            allow_http=False,
+            allow_http=http_port is not None,
+            http_address="127.0.0.1",
+            http_port=http_port or 0,
             allow_grpc=False,
             allow_metrics=False,
             exit_timeout_secs=10.0,
@@ -137,6 +139,40 @@ async def test_a_python_model_is_handed_its_requests_trace_context(tmp_path, mon
     assert f"{spans['outer'].context.span_id:016x}" == span_id
     assert spans["inner"].parent.span_id == spans["outer"].context.span_id
     assert f"{spans['inner'].context.span_id:016x}" == inner["traceparent"].split("-")[2]
+
+
+async def test_the_clients_trace_context_reaches_the_model_over_http(tmp_path, monkeypatch):
+    """server src/tracer.cc GetTraceStartOptions: the HTTP frontend extracts the
+    client's ``traceparent`` and ``tracestate`` (OpenTelemetry's HttpTraceContext);
+    the model's context is in the client's trace, with its tracestate
+    (PrepareTraceContext writes ``tracestate`` when the span has one)."""
+    import tritonclient.http as httpclient
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from trionserve.testing import free_port
+
+    python_model(tmp_path, "inner", CONFIG + IN_PROCESS, INNER)
+    port = free_port()
+    srv = _server(tmp_path, monkeypatch, InMemorySpanExporter(), http_port=port)
+    headers = {
+        "traceparent": "00-0af7651916cd43dd8448eb211c12666c-b7ad6b7169242424-01",
+        "tracestate": "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE",
+    }
+
+    def infer() -> dict:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        tensor = httpclient.InferInput("INPUT0", [1], "INT32")
+        tensor.set_data_from_numpy(np.array([1], np.int32))
+        result = client.infer("inner", [tensor], headers=headers)
+        client.close()
+        return json.loads(result.as_numpy("OUTPUT0")[0])
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(srv.serve)
+        context = await trio.to_thread.run_sync(infer)
+        srv.shutdown()
+    assert context["traceparent"].split("-")[1] == "0af7651916cd43dd8448eb211c12666c"
+    assert context["tracestate"] == headers["tracestate"]
 
 
 # The cancelled request's model: in its execute it tells the test it runs (over

@@ -84,6 +84,11 @@ def valid_traceparent(value: str | bytes | None) -> str | None:
     return match[0]
 
 
+# The most of a client's ``tracestate`` kept: W3C Trace Context asks vendors to
+# propagate at least 512 characters and lets them drop a longer one whole.
+MAX_TRACESTATE = 512
+
+
 def now_ns() -> int:
     """Now, on the clock of every trace timestamp."""
     return clock_ns(trio.current_time())
@@ -96,7 +101,16 @@ class FrontendStamps:
     ``after``: written after REQUEST_END (HTTP's SEND pair; all of gRPC's).
     """
 
-    __slots__ = ("after", "before", "deferred", "trace", "traceparent", "_let_go", "_released")
+    __slots__ = (
+        "after",
+        "before",
+        "deferred",
+        "trace",
+        "traceparent",
+        "tracestate",
+        "_let_go",
+        "_released",
+    )
 
     def __init__(self, before: list[tuple[str, int]] | None = None, deferred: bool = False) -> None:
         self.before = before if before is not None else []
@@ -104,11 +118,25 @@ class FrontendStamps:
         # The client's W3C trace context (its ``traceparent`` header or metadata),
         # if valid: in mode opentelemetry the request is traced under it.
         self.traceparent: str | None = None
+        # Its ``tracestate`` with it, as sent (checked when a span takes it).
+        self.tracestate: str | None = None
         # gRPC: INFER_RESPONSE_COMPLETE too is kept aside until the end.
         self.deferred = deferred
         self.trace: Trace | None = None
         self._let_go: Callable[[Trace], None] | None = None
         self._released = False
+
+    def take_context(self, traceparent: str | bytes | None, tracestate: str | bytes | None) -> None:
+        """The client's W3C trace context (its ``traceparent`` and ``tracestate``
+        headers or metadata), as Triton's frontends extract it with
+        OpenTelemetry's HttpTraceContext (server src/tracer.cc
+        GetTraceStartOptions): a ``tracestate`` only with a valid ``traceparent``,
+        and dropped past MAX_TRACESTATE characters."""
+        self.traceparent = valid_traceparent(traceparent)
+        if self.traceparent is not None and tracestate:
+            text = tracestate.decode("latin-1") if isinstance(tracestate, bytes) else tracestate
+            if len(text) <= MAX_TRACESTATE:
+                self.tracestate = text
 
     def attach(self, trace: Trace, let_go: Callable[[Trace], None]) -> bool:
         """The data plane sampled the request: the trace waits for ``release``

@@ -238,7 +238,7 @@ class TraceManager:
         trace.timestamp("REQUEST_START", now_ns())
         if self._otel is not None:
             # Its spans' ids and the trace context its model is handed.
-            self._otel.begin(trace, parent, None if frontend is None else frontend.traceparent)
+            self._otel.begin(trace, parent, frontend)
         if trace.tensors is not None:
             for tensor in request.inputs.values():
                 trace.tensor("TENSOR_QUEUE_INPUT", tensor.name, tensor.datatype, tensor.data)

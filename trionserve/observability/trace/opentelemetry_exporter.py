@@ -6,6 +6,7 @@ only when this mode is chosen.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -21,6 +22,8 @@ from trionserve.observability.trace.trace_file import Trace, clock_ns
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
     from opentelemetry.sdk.trace.id_generator import IdGenerator
+
+    from trionserve.observability.trace.frontend import FrontendStamps
 
 log = structlog.get_logger(__name__)
 
@@ -179,7 +182,7 @@ class OpenTelemetryExporter:
         # Trio's clock has its own origin; spans carry wall-clock nanoseconds.
         self._offset: int | None = None
 
-    def begin(self, trace: Trace, parent: Trace | None, traceparent: str | None) -> None:
+    def begin(self, trace: Trace, parent: Trace | None, client: FrontendStamps | None) -> None:
         """REQUEST_START: the ids of the trace's spans and its trace context.
 
         A child trace's model span is a span of its parent's model span in the
@@ -189,19 +192,28 @@ class OpenTelemetryExporter:
         ``traceparent`` (src/tracer.cc SampleTrace :340-350), else a new one.
         The context is the model span's, as Triton's PrepareTraceContext writes
         it (src/tracer.cc:710-730): ``{"traceparent":"00-<trace>-<span>-01"}``
-        (every span is sampled: the SDK's default sampler is always on)."""
+        (every span is sampled: the SDK's default sampler is always on), with
+        ``"tracestate"`` when the client sent one (its spans inherit it)."""
+        from opentelemetry.trace.span import TraceState
+
         random = self._ids.random
         span_id = random.generate_span_id()
         if parent is not None and parent.otel is not None:
-            trace_id, parent_span, root = parent.otel[0], parent.otel[1], 0
+            trace_id, parent_span, root, state = (*parent.otel[:2], 0, parent.otel[4])
         else:
             root = parent_span = random.generate_span_id()
-            if traceparent is not None:
-                trace_id = int(traceparent[3:35], 16)
+            state = ""
+            if client is not None and client.traceparent is not None:
+                trace_id = int(client.traceparent[3:35], 16)
+                if client.tracestate:
+                    state = TraceState.from_header([client.tracestate]).to_header()
             else:
                 trace_id = random.generate_trace_id()
-        trace.otel = (trace_id, span_id, parent_span, root)
-        trace.context = f'{{"traceparent":"00-{trace_id:032x}-{span_id:016x}-01"}}'
+        trace.otel = (trace_id, span_id, parent_span, root, state)
+        context = {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
+        if state:
+            context["tracestate"] = state
+        trace.context = json.dumps(context, separators=(",", ":"))
 
     def _wall(self) -> int:
         if self._offset is None:
@@ -214,14 +226,20 @@ class OpenTelemetryExporter:
 
         if trace.otel is None:
             return
-        trace_id, span_id, parent_span, _ = trace.otel
+        trace_id, span_id, parent_span, _, state = trace.otel
         wall = self._wall()
         events = dict(trace.events)
         start = events.get("REQUEST_START", trace.events[0][1]) + wall
         end = events.get("REQUEST_END", trace.events[-1][1]) + wall
         parent = otel.set_span_in_context(
             otel.NonRecordingSpan(
-                otel.SpanContext(trace_id, parent_span, False, otel.TraceFlags(1))
+                otel.SpanContext(
+                    trace_id,
+                    parent_span,
+                    False,
+                    otel.TraceFlags(1),
+                    otel.TraceState.from_header([state]) if state else None,
+                )
             )
         )
         self._ids.span_id = span_id
@@ -258,7 +276,7 @@ class OpenTelemetryExporter:
         (none for a child trace), with the frontend's timestamps as its events."""
         if trace.otel is None or not trace.otel[3]:
             return
-        trace_id, _, _, root_id = trace.otel
+        trace_id, _, _, root_id, _ = trace.otel
         wall = self._wall()
         frontend = trace.frontend
         before = [] if frontend is None else frontend.before
@@ -279,7 +297,10 @@ class OpenTelemetryExporter:
                 TraceContextTextMapPropagator,
             )
 
-            client = TraceContextTextMapPropagator().extract({"traceparent": frontend.traceparent})
+            carrier = {"traceparent": frontend.traceparent}
+            if frontend.tracestate:
+                carrier["tracestate"] = frontend.tracestate
+            client = TraceContextTextMapPropagator().extract(carrier)
         else:
             self._ids.trace_id = trace_id
         self._ids.span_id = root_id

@@ -122,9 +122,10 @@ class Trace:
         # ``{"traceparent":"00-<trace id>-<model span id>-01"}`` (server
         # src/tracer.cc:580-584, :710-730); None in mode triton. ``otel``: the ids
         # of its spans, (trace id, model span id, the model span's parent span id,
-        # the root InferRequest span id or 0 for a child trace).
+        # the root InferRequest span id or 0 for a child trace, the client's
+        # tracestate header or "").
         self.context: str | None = None
-        self.otel: tuple[int, int, int, int] | None = None
+        self.otel: tuple[int, int, int, int, str] | None = None
         # Its model still runs the request, answered already (its caller was
         # cancelled while it ran the request in the caller's task): the trace's
         # end waits for the compute (``finish_later``, see settle_compute).

@@ -32,7 +32,6 @@ from trionserve.observability.logging import verbose as verbose_logging
 from trionserve.observability.trace.frontend import (
     FrontendStamps,
     now_ns,
-    valid_traceparent,
 )
 from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
@@ -481,7 +480,8 @@ class GrpcService:
                         ("GRPC_WAITREAD_START", waiting),
                         ("GRPC_WAITREAD_END", now_ns()),
                     )
-                    stamps.traceparent = valid_traceparent(dict(call.metadata).get("traceparent"))
+                    metadata = dict(call.metadata)
+                    stamps.take_context(metadata.get("traceparent"), metadata.get("tracestate"))
                 await budget.acquire(len(data))
                 queued = trio.Event()
                 turn = Turn(turn.written if turn is not None else None)

@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 
 from trionserve.core.errors import Cancelled, TritonError, as_triton_error
 from trionserve.observability.logging import verbose
-from trionserve.observability.trace.frontend import FrontendStamps, valid_traceparent
+from trionserve.observability.trace.frontend import FrontendStamps
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.status import GRPCError, Status
@@ -139,7 +139,8 @@ def unary_method(
         if traced is not None and traced.tracing.active:
             stamps = call.stamps = FrontendStamps(deferred=True)
             stamps.stamp("GRPC_WAITREAD_START")
-            stamps.traceparent = valid_traceparent(dict(call.metadata).get("traceparent"))
+            metadata = dict(call.metadata)
+            stamps.take_context(metadata.get("traceparent"), metadata.get("tracestate"))
         try:
             data = await call.receive()
             if data is None or await call.receive() is not None:

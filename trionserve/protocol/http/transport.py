@@ -67,7 +67,6 @@ from trionserve.observability.trace.frontend import (
     HTTP_STAMPS,
     FrontendStamps,
     now_ns,
-    valid_traceparent,
 )
 from trionserve.protocol.http import answer as answers
 from trionserve.protocol.http.h1 import (
@@ -497,7 +496,8 @@ class _Connection:
         its trace, if its handler's inference request is sampled (see
         :mod:`trionserve.observability.trace.frontend`)."""
         stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
-        stamps.traceparent = valid_traceparent(dict(request.headers).get(b"traceparent"))
+        received = dict(request.headers)
+        stamps.take_context(received.get(b"traceparent"), received.get(b"tracestate"))
         token = HTTP_STAMPS.set(stamps)
         try:
             try:
