@@ -153,9 +153,11 @@ def unary_method(
                 request = (
                     data if request_type is None else grpc_codec.parse_message(request_type, data)
                 )
-                await delays.wait(delays.before_infer, "the Process execution")
+                if delays.before_infer:  # (no coroutine per call without delays)
+                    await delays.wait(delays.before_infer, "the Process execution")
                 response = await handle(request, call)
-                await delays.before_write()
+                if delays.before_answer or delays.common_answer:
+                    await delays.before_write()
             except TritonError as error:
                 if (
                     stamps is not None
