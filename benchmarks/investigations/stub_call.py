@@ -76,6 +76,16 @@ class _Passes(trio.abc.Instrument):
         self.waits += self.on
 
 
+def _sleeps(pid: int) -> int:
+    """Times the process's main thread slept (voluntary context switches): a stub
+    that finds its next execute waiting does not."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                return int(line.split()[1])
+    return 0
+
+
 def _touch(path: str) -> None:
     Path(path).touch()
 
@@ -95,7 +105,12 @@ MODES = {
 
 
 def _measure(
-    requests: int, warmup: int, mode: str = "stub", concurrency: int = 1, marks: str | None = None
+    requests: int,
+    warmup: int,
+    mode: str = "stub",
+    concurrency: int = 1,
+    marks: str | None = None,
+    spin_us: int = 0,
 ) -> dict:
     """Run in the process of the checkout under test (see main)."""
     import numpy as np
@@ -108,6 +123,19 @@ def _measure(
     shutil.copytree(CONFIG, model)
     config = (model / "config.pbtxt").read_text()
     (model / "config.pbtxt").write_text(config.replace("count: 2", "count: 1") + MODES[mode])
+    if spin_us:
+        # A model that computes: execute holds its thread for spin_us first.
+        code = (model / "1" / "model.py").read_text()
+        spin = (
+            "    def execute(self, requests):\n"
+            "        import time\n"
+            f"        end = time.perf_counter() + {spin_us / 1e6!r}\n"
+            "        while time.perf_counter() < end:\n"
+            "            pass\n"
+        )
+        (model / "1" / "model.py").write_text(
+            code.replace("    def execute(self, requests):\n", spin, 1)
+        )
     result: dict = {}
 
     async def run() -> None:
@@ -147,12 +175,14 @@ def _measure(
                     await trio.sleep(0.2)
             stubs = _children(os.getpid())
             before = {pid: _ticks(pid) for pid in [os.getpid(), *stubs]}
+            slept = sum(_sleeps(pid) for pid in stubs)
             wall = time.perf_counter()
             passes.on = True
             await call(requests)
             passes.on = False
             wall = time.perf_counter() - wall
             after = {pid: _ticks(pid) for pid in [os.getpid(), *stubs]}
+            slept = sum(_sleeps(pid) for pid in stubs) - slept
             if marks is not None:
                 _touch(f"{marks}.done")
                 while not _exists(f"{marks}.stop"):
@@ -169,6 +199,7 @@ def _measure(
                 k: v / requests * 1e6 for k, v in sorted(by_thread.items()) if v > 0
             }
             result["infer_per_s"] = requests / wall
+            result["stub_sleeps"] = slept / requests
             result["task_steps"] = passes.steps / requests
             result["io_waits"] = passes.waits / requests
             server.shutdown()
@@ -180,10 +211,10 @@ def _measure(
     return result
 
 
-def _run_in(tree: Path, requests: int, mode: str, concurrency: int) -> dict:
+def _run_in(tree: Path, requests: int, mode: str, concurrency: int, spin_us: int = 0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, str(HERE), "--child", "--requests", str(requests), "--mode", mode]
-    command += ["--concurrency", str(concurrency)]
+    command += ["--concurrency", str(concurrency), "--spin-us", str(spin_us)]
     done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -202,6 +233,12 @@ def main() -> None:
     parser.add_argument(
         "--concurrency", type=int, default=1, help="callers at once (c=16: requests queue)"
     )
+    parser.add_argument(
+        "--spin-us",
+        type=int,
+        default=0,
+        help="the model's execute first holds the stub's thread this long (a model that computes)",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     # With --child: PATH.warm is created after the warm-up, the calls start once
     # PATH.go exists, PATH.done is created after them and the server stops once
@@ -209,7 +246,8 @@ def main() -> None:
     parser.add_argument("--marks", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_measure(args.requests, 300, args.mode, args.concurrency, args.marks)))
+        result = _measure(args.requests, 300, args.mode, args.concurrency, args.marks, args.spin_us)
+        print(json.dumps(result))
         return
     trees = [("this checkout", ROOT)]
     if args.baseline is not None:
@@ -217,10 +255,13 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, tree in trees:
-            runs[name].append(_run_in(tree, args.requests, args.mode, args.concurrency))
+            runs[name].append(
+                _run_in(tree, args.requests, args.mode, args.concurrency, args.spin_us)
+            )
     print(
         f"add_sub_python ({args.mode}), one instance, dataplane.infer at c={args.concurrency}, "
         f"{args.requests} requests per round"
+        + (f", execute spinning {args.spin_us} µs" if args.spin_us else "")
     )
     print("medians over the rounds, per request")
     for name, results in runs.items():
@@ -237,6 +278,8 @@ def main() -> None:
         print(f"  CPU {'total':<28} {statistics.median(total):7.1f} µs")
         steps = ", ".join(f"{r['task_steps']:.2f} / {r['io_waits']:.2f}" for r in results)
         print(f"  event loop task steps / waits for I/O per call, by round: {steps}")
+        sleeps = ", ".join(f"{r['stub_sleeps']:.2f}" for r in results)
+        print(f"  stub main thread's sleeps per call, by round: {sleeps}")
 
 
 if __name__ == "__main__":

@@ -283,8 +283,8 @@ async def test_a_dynamic_batch_crosses_to_the_stub_in_one_message(repository, mo
             executes.append(len(message["requests"]))
         await on_socket(channel, message)
 
-    def post(lane, sequence: int, body: bytes) -> bool:  # the server's posts: stubs are processes
-        posted = on_lane(lane, sequence, body)
+    def post(lane, body: bytes) -> bool:  # the server's posts: stubs are processes
+        posted = on_lane(lane, body)
         if posted:
             executes.append(len(decode(body)[3]))
         return posted

@@ -9,7 +9,7 @@ import threading
 import pytest
 import trio
 
-from trionserve.backends.python.lane import SLOT_SIZE, Lane, encode
+from trionserve.backends.python.lane import SLOT_SIZE, SLOTS, Lane, encode
 
 
 @pytest.fixture
@@ -22,52 +22,67 @@ def ends():
     stub.close()
 
 
-def test_a_message_crosses_each_way_under_its_sequence(ends):
+def test_a_message_crosses_each_way_under_its_number(ends):
     server, stub = ends
-    assert stub.sequence() == 0 and stub.take(1) is None  # nothing posted yet
+    assert stub.take() is None  # nothing posted yet
     execute = (7, 3, [], [(1, "id", 0, 0, "{}", [], ["OUTPUT0"], False)])
-    assert server.post(7, encode(execute))
+    assert server.post(encode(execute))
     stub.wait_blocking()  # the server rang
-    assert stub.sequence() == 7
-    assert stub.take(6) is None  # not the message asked for
-    assert stub.take(7) == execute
+    assert stub.take() == execute
+    assert stub.take() is None  # taken once
     reply = (7, 0, [], None, [], [([], None, "{}")])
-    assert stub.post(7, encode(reply))
-    assert server.take(7) == reply
-    # Each side reads the other's slot only: the server's own execute is not a reply.
-    assert server.sequence() == 7 and stub.sequence() == 7
+    assert stub.post(encode(reply))
+    # Each side reads the other's slots only: the server's own execute is not a reply.
+    assert server.take() == reply
+    assert server.take() is None
+
+
+def test_messages_posted_ahead_are_taken_in_order_from_the_slots_in_turn(ends):
+    server, stub = ends
+    for round_ in range(3):  # past the end of the slots and round again
+        numbers = [round_ * SLOTS + n for n in range(SLOTS)]
+        for n in numbers:  # the server posts a batch behind the one running
+            assert server.post(encode((n,)))
+        assert [stub.take() for _ in numbers] == [(n,) for n in numbers]
+        assert stub.take() is None
+        for n in numbers:
+            assert stub.post(encode((n, "done")))
+        assert [server.take() for _ in numbers] == [(n, "done") for n in numbers]
+        assert server.take() is None
 
 
 def test_a_message_being_written_is_not_read(ends):
     server, stub = ends
-    server.post(3, encode((3,)))
-    server._map[0:8] = (0).to_bytes(8, "little")  # the writer's header while it writes
-    assert stub.sequence() == 0 and stub.take(3) is None
+    server.post(encode((3,)))
+    at = (1 % SLOTS) * SLOT_SIZE  # the server's first message's slot
+    server._map[at : at + 8] = (0).to_bytes(8, "little")  # its header while it writes
+    assert stub.take() is None
+    server._map[at : at + 8] = (1).to_bytes(8, "little")  # written
+    assert stub.take() == (3,)
 
 
 def test_a_message_too_large_for_the_slot_is_refused_and_nothing_changes(ends):
     server, stub = ends
-    assert server.post(1, encode((1, "small")))
-    stub.wait_blocking()
-    assert not server.post(2, b"x" * SLOT_SIZE)
-    assert stub.take(1) == (1, "small")  # the slot still holds the last message
-    # and the doorbell did not ring for the refused one
+    assert not server.post(b"x" * SLOT_SIZE)
+    # the doorbell did not ring for the refused one, and no number was used
     os.set_blocking(stub._bell_in, False)
     with pytest.raises(BlockingIOError):
         stub.wait_blocking()
+    assert server.post(encode((1, "small")))
+    assert stub.take() == (1, "small")
 
 
 def test_the_server_waits_for_its_doorbell_in_trio(ends):
     server, stub = ends
 
     async def main():
-        assert server.take(9) is None  # nothing posted yet
-        thread = threading.Thread(target=lambda: stub.post(9, encode((9, "done"))))
+        assert server.take() is None  # nothing posted yet
+        thread = threading.Thread(target=lambda: stub.post(encode((9, "done"))))
         thread.start()
         with trio.fail_after(5):
             await server.wait()
         thread.join()
-        assert server.take(9) == (9, "done")
+        assert server.take() == (9, "done")
 
     trio.run(main)
 
@@ -76,4 +91,4 @@ def test_ringing_its_own_doorbell_wakes_the_stub(ends):
     _, stub = ends
     stub.ring_self()  # the reader thread queued an execute that came on the socket
     stub.wait_blocking()
-    assert stub.sequence() == 0  # nothing on the lane
+    assert stub.take() is None  # nothing on the lane

@@ -29,9 +29,9 @@ from simulations.probes import QUEUE_BOUNDS
 from simulations.scenario import SCENARIOS
 from simulations.scenarios import client_budget, on_demand
 from simulations.sweep import SweepTotals, failure_report, scenarios_named, sweep
+from trionserve.actors import executor as executor_module
 from trionserve.actors import residency as residency_module
 from trionserve.actors import residency_budget as residency_budget_module
-from trionserve.actors.executor import InstanceExecutor
 from trionserve.actors.model_lifecycle import ModelLifeCycle
 from trionserve.actors.residency import ResidencyManager
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
@@ -191,7 +191,9 @@ def test_loading_a_half_written_model_is_caught(monkeypatch):
 
 
 def test_statistics_that_miss_failures_are_caught(monkeypatch):
-    monkeypatch.setattr(InstanceExecutor, "_record_failures", lambda self, requests, reason: None)
+    monkeypatch.setattr(
+        executor_module, "record_failures", lambda statistics, requests, reason: None
+    )
     found = violations_of(SCENARIOS["backend_exception"], invariants.STATISTICS)
     assert any("BACKEND: counted" in v.detail for v in found), found
 

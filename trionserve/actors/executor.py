@@ -8,13 +8,18 @@ Triton's ``TRITONBACKEND_ModelInstance``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 from functools import partial
 
 import structlog
 import trio
 
-from trionserve.actors.batch_record import record_batch
+from trionserve.actors.batch_record import (
+    checked_outcomes,
+    drop_finished,
+    record_batch,
+    record_failures,
+)
 from trionserve.actors.rate_limiter import InstanceSlot, RateLimiter
 from trionserve.backends.base import (
     AsyncBackendInstance,
@@ -24,16 +29,17 @@ from trionserve.backends.base import (
     InlineAsyncBackendInstance,
     InlineBackendInstance,
     InstanceSpec,
+    PipelinedAsyncBackendInstance,
     TimedBackendInstance,
 )
 from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, StagedBackendInstance
 from trionserve.backends.instance_thread import Abandoned, InstanceThread, Job
 from trionserve.core.deferred import sweep_deferred
 from trionserve.core.errors import Cancelled, InternalError, TritonError, Unavailable
-from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.core.inference import InferenceRequest
+from trionserve.observability.statistics import FailureReason, ModelStatistics
 from trionserve.observability.trace.trace_file import hold_running, settle_compute
-from trionserve.schedulers.scheduler import BatchOutlet, Outcome
+from trionserve.schedulers.scheduler import BatchOutlet
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +128,15 @@ class InstanceExecutor:
         # An async instance that the submitting task may run a batch on and
         # await (a stub process: see _run_direct_awaited).
         self._direct_async = instance if isinstance(instance, DirectAsyncBackendInstance) else None
+        # The next queued batch, posted behind the one such an instance runs (a
+        # DefaultScheduler's outlet; see PipelinedAsyncBackendInstance).
+        self._pipelined = (
+            instance
+            if isinstance(instance, PipelinedAsyncBackendInstance)
+            and hasattr(outlet, "take_nowait")
+            and rate_limiter is None
+            else None
+        )
         # Set while a batch runs in a submitting task; this executor's own task
         # waits for it before it executes a batch of its own.
         self._direct_running: trio.Event | None = None
@@ -291,11 +306,11 @@ class InstanceExecutor:
                 await thread.wait(job)
                 if job.requests or job.cancelled:
                     self._release_resources()
-                self._drop_finished(job.cancelled)
+                drop_finished(self._statistics, job.cancelled)
                 if job.requests and not isinstance(job.error, Abandoned):
                     self._complete(job, thread)  # it ran: its results were produced
                 else:
-                    self._record_failures(job.requests, FailureReason.OTHER)
+                    record_failures(self._statistics, job.requests, FailureReason.OTHER)
                     self._outlet.complete(job.requests, [stopped] * len(job.requests))
             try:
                 job = await jobs.receive()
@@ -303,7 +318,7 @@ class InstanceExecutor:
                 return
 
     def _complete(self, job: Job, thread: InstanceThread) -> None:
-        self._drop_finished(job.cancelled)  # cancelled while waiting for the thread
+        drop_finished(self._statistics, job.cancelled)  # cancelled while waiting for the thread
         live = job.requests
         if not live:
             self._outlet.complete(live, ())
@@ -315,7 +330,7 @@ class InstanceExecutor:
         if self._inline_budget:
             times = job.times
             self._last_ns = sum(times) if times is not None else self._inline_budget + 1
-        outcomes = self._outcomes(live, job.results)
+        outcomes = checked_outcomes(self.spec.name, live, job.results)
         if self._statistics is not None:
             record_batch(self._statistics, live, outcomes, start, end, job.times)
         self._outlet.complete(live, outcomes)
@@ -396,9 +411,9 @@ class InstanceExecutor:
             else:  # freed before (_handed_free): offered then
                 self._freed.discard(job)
             if isinstance(job.error, Abandoned):  # skipped: the executor is stopping
-                self._drop_finished(job.cancelled)
+                drop_finished(self._statistics, job.cancelled)
                 stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
-                self._record_failures(job.requests, FailureReason.OTHER)
+                record_failures(self._statistics, job.requests, FailureReason.OTHER)
                 self._outlet.complete(job.requests, [stopped] * len(job.requests))
             else:
                 self._complete(job, self._thread)
@@ -433,7 +448,7 @@ class InstanceExecutor:
         end = trio.current_time()
         times = self._timed.compute_times if self._timed is not None else None
         self._last_ns = sum(times) if times is not None else self._inline_budget + 1
-        outcomes = self._outcomes(live, results)
+        outcomes = checked_outcomes(self.spec.name, live, results)
         if self._statistics is not None:
             record_batch(self._statistics, live, outcomes, start, end, times)
         self._outlet.complete(live, outcomes)
@@ -469,7 +484,7 @@ class InstanceExecutor:
                 # Cancelled (unload deadline or shutdown) holding a batch taken
                 # while a submitting task ran one: answered here, not lost.
                 stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
-                self._record_failures(batch, FailureReason.OTHER)
+                record_failures(self._statistics, batch, FailureReason.OTHER)
                 outlet.complete(batch, [stopped] * len(batch))
                 raise
             live = self._live(batch)
@@ -479,20 +494,42 @@ class InstanceExecutor:
             if self._rate_limiter is not None and not await self._acquire_resources(live):
                 continue
             start = trio.current_time()
+            pipelined = self._pipelined
             try:
-                results = await self._async.execute_async(live)
+                if pipelined is not None:
+                    results = await pipelined.execute_ahead(live, self._take_ahead)
+                else:
+                    results = await self._async.execute_async(live)
             except Exception as exc:
                 self._fail(live, exc)
                 continue
             except BaseException:
                 # Cancelled (unload deadline or shutdown): answered here.
                 stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
-                self._record_failures(live, FailureReason.OTHER)
+                record_failures(self._statistics, live, FailureReason.OTHER)
                 outlet.complete(live, [stopped] * len(live))
                 raise
             finally:
                 self._release_resources()
             self._executed_async(live, results, start)
+            if pipelined is not None:
+                await pipelined.settle(self._take_ahead)
+
+    def _take_ahead(self) -> tuple[list[InferenceRequest], Callable] | None:
+        """The batch to post behind the one the instance runs (an ``Ahead``):
+        the next queued, answered through the callback when the stub replies
+        (its compute time counted from when the batch before it was answered:
+        python_be.cc takes its execution start when ProcessRequests begins)."""
+        if self._stopped:
+            return None
+        batch = self._outlet.take_nowait()  # type: ignore[attr-defined]  # see _pipelined
+        if batch is None:
+            return None
+        live = self._live(batch)
+        if not live:
+            self._outlet.complete(live, ())
+            return None
+        return live, partial(self._executed_async, live)
 
     def _executed_async(
         self, live: list[InferenceRequest], results: ExecuteResult | None, start: float
@@ -506,7 +543,7 @@ class InstanceExecutor:
                 record_batch(self._statistics, live, None, start, end, None)
             self._outlet.complete(live, ())
             return
-        outcomes = self._outcomes(live, results)
+        outcomes = checked_outcomes(self.spec.name, live, results)
         if self._statistics is not None:
             record_batch(self._statistics, live, outcomes, start, end, None)
         self._outlet.complete(live, outcomes)
@@ -562,7 +599,7 @@ class InstanceExecutor:
                 request.cancelled = True  # told to the model (is_cancelled)
             traces = self._statistics.traces if self._statistics is not None else {}
             traced = bool(traces) and hold_running(traces, live)
-            self._record_failures(live, FailureReason.CANCELED)
+            record_failures(self._statistics, live, FailureReason.CANCELED)
             cancelled = Cancelled("the request was cancelled while it executed")
             self._outlet.complete(live, [cancelled] * len(live))
             if self._nursery is not None:
@@ -617,7 +654,7 @@ class InstanceExecutor:
             error = exc if isinstance(exc, TritonError) else None
             live = [request for request in live if not request.done]
             stopped = error or Unavailable(f"model instance '{self.spec.name}' was stopped")
-            self._record_failures(live, FailureReason.OTHER)
+            record_failures(self._statistics, live, FailureReason.OTHER)
             self._outlet.complete(live, [stopped] * len(live))
             if error is None:
                 raise
@@ -631,7 +668,7 @@ class InstanceExecutor:
     def _live(self, batch: list[InferenceRequest]) -> list[InferenceRequest]:
         for request in batch:
             if request.cancelled or request.done:
-                return self._drop_finished(batch)
+                return drop_finished(self._statistics, batch)
         return batch
 
     def _fail(self, live: list[InferenceRequest], exc: Exception) -> None:
@@ -644,7 +681,7 @@ class InstanceExecutor:
         error = InternalError(
             f"instance '{self.spec.name}' failed to execute the batch: {type(exc).__name__}: {exc}"
         )
-        self._record_failures(live, FailureReason.BACKEND)
+        record_failures(self._statistics, live, FailureReason.BACKEND)
         self._outlet.complete(live, [error] * len(live))
 
     def _runs_inline(self, batch: list[InferenceRequest]) -> bool:
@@ -655,46 +692,3 @@ class InstanceExecutor:
             for tensor in request.inputs.values():
                 size += tensor.data.nbytes
         return size <= INLINE_MAX_INPUT_BYTES
-
-    def _drop_finished(self, batch: list[InferenceRequest]) -> list[InferenceRequest]:
-        """The requests of a batch still worth executing; the cancelled are answered."""
-        live = []
-        for request in batch:
-            if request.done:
-                continue
-            if request.cancelled:
-                request.fail(
-                    Cancelled(
-                        f"request '{request.id}' for model '{request.model_name}' was "
-                        "cancelled before it executed"
-                    )
-                )
-                self._record_failures([request], FailureReason.CANCELED)
-                continue
-            live.append(request)
-        return live
-
-    def _outcomes(self, requests: list[InferenceRequest], results: object) -> Sequence[Outcome]:
-        """The backend's results checked: one response or error per request."""
-        if not isinstance(results, list) or len(results) != len(requests):
-            count = len(results) if isinstance(results, list) else type(results).__name__
-            error = InternalError(
-                f"instance '{self.spec.name}' returned {count} responses for "
-                f"{len(requests)} requests"
-            )
-            return [error] * len(requests)
-        for index, result in enumerate(results):
-            if not isinstance(result, (InferenceResponse, TritonError)):
-                results[index] = InternalError(
-                    f"instance '{self.spec.name}' returned {type(result).__name__} "
-                    "instead of a response"
-                )
-        return results
-
-    def _record_failures(self, requests: list[InferenceRequest], reason: FailureReason) -> None:
-        if self._statistics is None:
-            return
-        now = trio.current_time()
-        for request in requests:
-            if request.collect_stats:
-                self._statistics.record_failure(to_ns(now - request.arrival_time), reason)

@@ -82,6 +82,12 @@ class InstanceSpec:
 
 
 ExecuteResult = list["InferenceResponse | TritonError"]
+# The next queued batch to post behind the one an instance runs, with what to call
+# with its results and when it started; None when none is queued (see
+# PipelinedAsyncBackendInstance).
+Ahead = Callable[
+    [], "tuple[list[InferenceRequest], Callable[[ExecuteResult | None, float], None]] | None"
+]
 
 
 class BackendInstance(Protocol):
@@ -145,6 +151,23 @@ class DirectAsyncBackendInstance(AsyncBackendInstance, Protocol):
     async def wait_idle(self) -> None:
         """Return once no batch is in flight (one whose awaiting task was
         cancelled has been answered by the process)."""
+
+
+@runtime_checkable
+class PipelinedAsyncBackendInstance(DirectAsyncBackendInstance, Protocol):
+    """A direct async instance that takes the next batch while it runs one (a
+    stub's lane has two slots each way, as python_backend's message queue holds
+    more than one message): while its executor's task awaits a batch, it posts
+    the next queued one from ``ahead`` behind it, so that a busy stub finds
+    work waiting instead of sleeping until the server looks again. Such a batch
+    is answered through its callback; ``settle`` awaits those still in flight
+    (posting more meanwhile)."""
+
+    async def execute_ahead(
+        self, requests: list[InferenceRequest], ahead: Ahead
+    ) -> ExecuteResult | None: ...
+
+    async def settle(self, ahead: Ahead) -> None: ...
 
 
 @runtime_checkable

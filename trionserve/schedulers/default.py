@@ -62,6 +62,14 @@ class _ChannelOutlet:
         self._eager = 0
         return await self.receive()
 
+    def take_nowait(self) -> list[InferenceRequest] | None:
+        """The next queued batch if there is one (taken to be posted behind the
+        batch an instance runs: see PipelinedAsyncBackendInstance)."""
+        try:
+            return self._channel.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+
     async def receive_direct(
         self, run: DirectRun, handover: DirectRun | None = None
     ) -> list[InferenceRequest]:

@@ -12,15 +12,15 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import structlog
 import trio
 
-from trionserve.backends.base import ExecuteResult, InstanceSpec, ModelContext
+from trionserve.backends.base import Ahead, ExecuteResult, InstanceSpec, ModelContext
 from trionserve.backends.python.bls import serve_stub_bls
+from trionserve.backends.python.calls import Call, Open, Readiness
 from trionserve.backends.python.delivery import deliver, deliver_sent
-from trionserve.backends.python.lane import encode
+from trionserve.backends.python.lane import SLOTS, encode
 from trionserve.backends.python.messages import (
     EncodedResponse,
     read_response,
@@ -45,38 +45,6 @@ _GONE = (OSError, trio.ClosedResourceError, trio.BrokenResourceError)
 # Restart delays: 0.1 s after the first failure, doubling, at most 5 s.
 BACKOFF_SECONDS = 0.1
 BACKOFF_CAP_SECONDS = 5.0
-# How long a readiness check waits for the model's is_ready() (python_backend
-# pb_utils.h kUserModelReadinessTimeoutMs).
-READINESS_TIMEOUT_SECONDS = 5.0
-
-
-@dataclass(eq=False)
-class _ReadinessCheck:
-    """A model ``is_ready()`` call in flight; concurrent checks share it."""
-
-    id: int
-    done: trio.Event = field(default_factory=trio.Event)
-    ready: bool = False
-    error: str | None = None
-
-
-@dataclass(eq=False)
-class _Call:
-    """One execute sent to the stub; ``results`` is what execute_async returns."""
-
-    requests: list[InferenceRequest]
-    keys: list[int]
-    done: trio.Event = field(default_factory=trio.Event)
-    results: ExecuteResult | None = None
-
-
-@dataclass(eq=False)
-class _Open:
-    """A request the stub has and has not finished; its input blocks."""
-
-    request: InferenceRequest
-    blocks: list
-    cancel_sent: bool = False
 
 
 class PythonInstance:
@@ -120,11 +88,11 @@ class PythonInstance:
         self._fatal: TritonError | None = None
         self._hang: str | None = None
         self._failures = 0
-        self._calls: dict[int, _Call] = {}
-        self._open: dict[int, _Open] = {}
+        self._calls: dict[int, Call] = {}
+        self._open: dict[int, Open] = {}
         self._bls_requests: dict[int, InferenceRequest] = {}
         self._ids = itertools.count(1)
-        self._readiness: _ReadinessCheck | None = None
+        self._readiness = Readiness()
         # Set while a stub that died with nothing in flight waits for the next
         # request to be restarted; that request gets ``_dead``.
         self._wanted: trio.Event | None = None
@@ -138,6 +106,8 @@ class PythonInstance:
         # (messages, event): the event is set once the reader has handled that
         # many of the stub's socket messages (see _pump).
         self._handed_wait: tuple[int, trio.Event] | None = None
+        # A reply taken from the lane that waits for the socket to catch up.
+        self._held_reply: tuple | None = None
         # The server's budget of bytes held for clients, once a request brought
         # it: the stub is told each time it turns full or has room, so that the
         # model's response senders wait for room (numbered: the latest wins).
@@ -201,7 +171,7 @@ class PythonInstance:
                 stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
                 for call in self._calls.values():
                     call.results = [stopped] * len(call.requests)
-                    call.done.set()
+                    call.finish()
                 raise
             # Triton's wording (python_be.cc RespondErrorToAllRequests, and
             # stub_launcher.cc), then how the stub ended.
@@ -237,14 +207,11 @@ class PythonInstance:
                 await self._read(channel)
                 nursery.cancel_scope.cancel()
         finally:
-            self._channel = None
+            self._channel = self._held_reply = None
             self._ready = trio.Event()
             self._stop_pump()
             channel.close()
-            check, self._readiness = self._readiness, None
-            if check is not None:
-                check.error = "Stub process is not healthy while waiting for is_ready()"
-                check.done.set()
+            self._readiness.stub_gone()
         how = await trio.to_thread.run_sync(stub.wait_exit)
         stub.close()
         if self._hang is not None:
@@ -283,7 +250,7 @@ class PythonInstance:
         self._settled()
         for call in self._calls.values():
             call.results = None if self._decoupled else [error] * len(call.requests)
-            call.done.set()
+            call.finish()
         self._calls.clear()
         for entry in self._open.values():
             entry.request.fail(error)
@@ -291,7 +258,9 @@ class PythonInstance:
 
     # -- execute ---------------------------------------------------------------------
 
-    async def execute_async(self, requests: list[InferenceRequest]) -> ExecuteResult | None:
+    async def execute_async(
+        self, requests: list[InferenceRequest], ahead: Ahead | None = None
+    ) -> ExecuteResult | None:
         """Run one batch in the stub.
 
         Returns one response or error per request, or None when the requests are
@@ -316,28 +285,75 @@ class PythonInstance:
         if self._budget is None and self._decoupled and requests[0].budget is not None:
             self._budget = requests[0].budget
             self._budget.subscribe(self._budget_changed)
+        call, message = self._start(channel, requests)
+        if message is not None:
+            try:
+                await channel.send(message)
+            except _GONE:
+                pass  # the stub is gone; the reader fails this call
+        await self._await_timed(channel, call, ahead)
+        return call.results
+
+    async def execute_ahead(
+        self, requests: list[InferenceRequest], ahead: Ahead
+    ) -> ExecuteResult | None:
+        """:meth:`execute_async`, posting the batches ``ahead`` gives behind the
+        one the stub runs while it waits (see PipelinedAsyncBackendInstance)."""
+        return await self.execute_async(requests, ahead if not self._decoupled else None)
+
+    async def settle(self, ahead: Ahead) -> None:
+        """Await the calls posted ahead, in turn, as :meth:`execute_async` awaits
+        its own (posting more meanwhile), until none is in flight."""
+        while self._calls:
+            channel = self._channel
+            if channel is None:
+                return  # no stub: run() fails its calls
+            await self._await_timed(channel, next(iter(self._calls.values())), ahead)
+
+    def _start(
+        self,
+        channel: TrioChannel,
+        requests: list[InferenceRequest],
+        on_done: Callable[[ExecuteResult | None, float], None] | None = None,
+    ) -> tuple[Call, dict | None]:
+        """Post a call on the lane; the socket message to send instead if it
+        cannot go there."""
         entries, keys = [], []
         for request in requests:
             key = next(self._ids)
             entry, blocks = request_message(key, request, channel.endpoint, self._output_names)
             entries.append(entry)
             keys.append(key)
-            self._open[key] = _Open(request, blocks, cancel_sent=request.cancelled)
+            self._open[key] = Open(request, blocks, cancel_sent=request.cancelled)
             request.on_cancel(functools.partial(self._forward_cancel, key))
         call_id = next(self._ids)
-        call = _Call(requests, keys)
+        call = Call(requests, keys, on_done=on_done)
         self._calls[call_id] = call
-        if not self._post(channel, call_id, entries):
-            try:
-                await channel.send({"op": "execute", "id": call_id, "requests": entries})
-            except _GONE:
-                pass  # the stub is gone; the reader fails this call
+        if self._post(channel, call_id, entries):
+            return call, None
+        call.socket = True
+        return call, {"op": "execute", "id": call_id, "requests": entries}
+
+    def _post_ahead(self, channel: TrioChannel, ahead: Ahead) -> None:
+        """Post the next batch behind the one the stub runs (python_backend's
+        message queue holds more than one): the stub takes it as soon as it is
+        done, without sleeping on its doorbell or waiting for the server."""
+        taken = ahead()
+        if taken is not None:
+            call, message = self._start(channel, *taken)
+            call.started, call.behind = trio.current_time(), True
+            if message is not None:
+                self._send_soon(channel, message)
+
+    async def _await_timed(self, channel: TrioChannel, call: Call, ahead: Ahead | None) -> None:
+        """Wait for ``call``'s reply, killing a stub that takes longer than
+        ``execute-timeout-seconds`` over it."""
         timeout = self._settings.execute_timeout
         if timeout <= 0:
-            await self._await_call(channel, call)
-            return call.results
+            await self._await_call(channel, call, ahead)
+            return
         with trio.move_on_after(timeout) as scope:
-            await self._await_call(channel, call)
+            await self._await_call(channel, call, ahead)
         if scope.cancelled_caught and self._stub is not None:
             self._hang = (
                 f"did not return from execute within {timeout:g}s "
@@ -345,7 +361,6 @@ class PythonInstance:
             )
             self._stub.kill()
             await call.done.wait()
-        return call.results
 
     # -- the lane ----------------------------------------------------------------------
 
@@ -353,15 +368,20 @@ class PythonInstance:
         """Send an execute on the lane: False when it must go on the socket (an
         input in a segment the stub has not been told of, or too large)."""
         endpoint = channel.endpoint
-        if endpoint.arena.has_announcements():
+        calls = self._calls
+        if endpoint.arena.has_announcements() or len(calls) > SLOTS:
             return False
+        if len(calls) > 1 and any(call.socket for call in calls.values()):
+            return False  # it would overtake an execute sent on the socket
         freed = endpoint.take_released()
-        if channel.lane.post(call_id, encode((call_id, endpoint.sent, freed, entries))):
+        if channel.lane.post(encode((call_id, endpoint.sent, freed, entries))):
             return True
         endpoint.release(freed)  # they go with the socket message instead
         return False
 
-    async def _await_call(self, channel: TrioChannel, call: _Call) -> None:
+    async def _await_call(
+        self, channel: TrioChannel, call: Call, ahead: Ahead | None = None
+    ) -> None:
         """Wait for the stub's reply to ``call``, reading the lane from this task
         (as python_be.cc's instance thread waits on the stub's queue itself), or
         for the task already reading it."""
@@ -371,7 +391,7 @@ class PythonInstance:
         self._pumping = True
         handed_on = False
         try:
-            await self._pump(channel, call.done.is_set)
+            await self._pump(channel, call.done.is_set, ahead)
         except BaseException:
             # Cancelled while the stub still has calls: a task of the instance
             # reads their replies, so that their blocks and requests are let go.
@@ -393,22 +413,28 @@ class PythonInstance:
             self._pumping = False
             self._settled()
 
-    async def _pump(self, channel: TrioChannel, until: Callable[[], bool]) -> None:
+    async def _pump(
+        self, channel: TrioChannel, until: Callable[[], bool], ahead: Ahead | None = None
+    ) -> None:
         """Handle the stub's replies on the lane until ``until()``, or until the
-        stub is gone. A reply is handled only after the messages the stub sent
-        on the socket before it (responses from senders, segments)."""
+        stub is gone, posting a batch from ``ahead`` behind a lone call the stub
+        runs (at once, so that the stub finds it when it is done). A reply is
+        handled only after the messages the stub sent on the socket before it
+        (responses from senders, segments)."""
         lane = channel.lane
         calls = self._calls
         while not until():
             if self._channel is not channel:
                 return
-            sequence = lane.sequence()
-            reply = lane.take(sequence) if sequence in calls else None
+            if ahead is not None and 0 < len(calls) < SLOTS:
+                self._post_ahead(channel, ahead)
+            reply = self._held_reply or lane.take()
             if reply is None:
                 # Woken by the stub, or by _stop_pump (ringing this side's bell).
                 await lane.wait()
                 continue
             if channel.handed < reply[1]:
+                self._held_reply = reply  # taken from the lane: kept until handled
                 event = trio.Event()
                 self._handed_wait = (reply[1], event)
                 scope = self._pump_scope = trio.CancelScope()
@@ -419,6 +445,7 @@ class PythonInstance:
                     self._handed_wait = self._pump_scope = None
                 if scope.cancelled_caught:
                     continue
+                self._held_reply = None
             call_id, _, freed, error, rescheduled, responses = reply
             if freed:
                 channel.endpoint.arena.free(freed)
@@ -444,30 +471,8 @@ class PythonInstance:
         stub, channel = self._stub, self._channel
         if stub is None or channel is None or stub.process.poll() is not None:
             raise InternalError(f"Stub process '{name}' is not healthy.")
-        if not stub.has_is_ready:
-            return
-        check = self._readiness
-        if check is None:
-            check = self._readiness = _ReadinessCheck(next(self._ids))
-            try:
-                await channel.send({"op": "is_ready", "id": check.id})
-            except _GONE:
-                pass  # the stub is gone; _serve ends the check
-        with trio.move_on_after(READINESS_TIMEOUT_SECONDS):
-            await check.done.wait()
-        if not check.done.is_set():
-            raise Unavailable("Timed out waiting for user-defined is_ready() response")
-        if check.error is not None:
-            raise InternalError(check.error)
-        if not check.ready:
-            raise Unavailable(f"Model '{name}' is not ready (user-defined check failed).")
-
-    def _ready_state(self, message: dict) -> None:
-        check = self._readiness
-        if check is not None and check.id == message["id"]:
-            self._readiness = None
-            check.ready, check.error = message["ready"], message["error"]
-            check.done.set()
+        if stub.has_is_ready:
+            await self._readiness.ask(name, channel, next(self._ids), _GONE)
 
     # -- the stub's messages -------------------------------------------------------------
 
@@ -495,7 +500,7 @@ class PythonInstance:
             elif op == "log":
                 log_stub_line(self.label, message["level"], message["message"])
             elif op == "ready_state":
-                self._ready_state(message)
+                self._readiness.answered(message)
             elif op == "control":
                 assert self._nursery is not None
                 self._nursery.start_soon(self._control, channel, message)
@@ -576,6 +581,9 @@ class PythonInstance:
         assert stub is not None  # messages come from the stub being served
         self._failures = 0
         call = self._calls.pop(call_id, None)
+        following = next(iter(self._calls.values()), None)
+        if following is not None and following.behind:  # the stub starts it now
+            following.started, following.behind = trio.current_time(), False
         if call is None:
             for encoded in responses or ():
                 release_outputs(encoded, stub.endpoint)
@@ -618,7 +626,7 @@ class PythonInstance:
                     refused = self._reschedule(key, request)
                     if refused is not None:
                         request.fail(refused)
-        call.done.set()
+        call.finish()
 
     def _reschedule(self, key: int, request: InferenceRequest) -> TritonError | None:
         """The model released ``request`` with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:

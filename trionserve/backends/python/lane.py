@@ -1,27 +1,33 @@
-"""The per-call path between the server and a stub: a message slot each way in
-shared memory and an eventfd doorbell each way.
+"""The per-call path between the server and a stub: a few message slots each
+way in shared memory and an eventfd doorbell each way.
 
 Triton's python_backend moves an execute the same way: the model instance's
 thread pushes the request batch onto the stub's message queue in shared memory
 and waits for the stub's answer on the parent's queue itself, each queue woken
 by its semaphore (python_be.cc ModelInstanceState::ProcessRequests,
-message_queue.h); logs, response senders, BLS and the rest travel on queues of
-their own. Here the rest travels on the stub's Unix socket (:mod:`.wire`), which
-also carries start-up, the arenas' descriptors and liveness (a dead stub closes
-it); only the execute and its reply, one at a time per instance, take the lane:
+message_queue.h: a queue of ``shm-message-queue-size`` entries). Logs, response
+senders, BLS and the rest travel on queues of their own. Here the rest travels
+on the stub's Unix socket (:mod:`.wire`), which also carries start-up, the
+arenas' descriptors and liveness (a dead stub closes it); only the executes and
+their replies take the lane:
 
 - ``execute`` (server to stub) and ``executed`` (stub to server) are written into
-  the writer's slot as a fixed header (``sequence``, ``length``) and a body of
+  the writer's next slot as a fixed header (``number``, ``length``) and a body of
   positional tuples (:func:`encode`: marshal of tuples and scalars, no dicts);
+  ``number`` counts the writer's messages on the lane (1, 2, ...), so the reader
+  knows the next one by the number it expects in the slot it reads next;
 - the writer rings the reader's doorbell (an ``eventfd``): the stub's main thread
   blocks in ``read`` on its own, the server waits for its own in Trio;
-- a slot holds one message: the server writes the next execute only after it
-  has read the reply to the last one, so neither side overwrites a message the
-  other has not read. A message too large for its slot goes on the socket.
+- each direction has :data:`SLOTS` slots, used in turn: the server has at most
+  that many executes unanswered (its instance posts the next batch while the
+  stub still runs one, so that a busy stub finds it waiting instead of
+  sleeping), and the stub writes a reply only for an execute it took, so
+  neither side overwrites a message the other has not read. A message too
+  large for a slot goes on the socket.
 
-The header is written last (a sequence of 0 while the body is written), and a
-reader checks the sequence again after copying the body out, so a message is
-read whole or not at all.
+The header is written last (a number of 0 while the body is written), and a
+reader checks the number again after copying the body out, so a message is read
+whole or not at all.
 """
 
 from __future__ import annotations
@@ -33,11 +39,15 @@ import struct
 
 import trio
 
-# Bytes of each direction's slot: an execute of a dynamic batch of small
-# requests (tensors of up to 1 KiB ride inside it) fits many times over.
+# Bytes of each slot: an execute of a dynamic batch of small requests (tensors
+# of up to 1 KiB ride inside it) fits many times over.
 SLOT_SIZE = 256 * 1024
-_HEADER = struct.Struct("<QQ")  # sequence (0: being written), body length
-_TO_STUB, _TO_SERVER = 0, SLOT_SIZE
+# Slots each way: the execute the stub runs and the one posted behind it (pages
+# of a slot are only touched as far as its messages reach).
+SLOTS = 2
+_HEADER = struct.Struct("<QQ")  # message number (0: being written), body length
+_TO_STUB, _TO_SERVER = 0, SLOTS * SLOT_SIZE
+_SIZE = 2 * SLOTS * SLOT_SIZE
 _RING = (1).to_bytes(8, "little")
 
 
@@ -65,15 +75,17 @@ class Lane:
 
     def __init__(self, memory_fd: int, to_stub: int, to_server: int, server: bool) -> None:
         self._fds = (memory_fd, to_stub, to_server)
-        self._map = mmap.mmap(memory_fd, 2 * SLOT_SIZE)
+        self._map = mmap.mmap(memory_fd, _SIZE)
         self._out, self._in = (_TO_STUB, _TO_SERVER) if server else (_TO_SERVER, _TO_STUB)
         self._bell_out, self._bell_in = (to_stub, to_server) if server else (to_server, to_stub)
+        self._written = 0  # messages this side posted
+        self._read = 0  # messages of the peer this side took
         self._closed = False
 
     @classmethod
     def create(cls) -> Lane:
         memory = os.memfd_create("trionserve-python-stub-lane", os.MFD_CLOEXEC)
-        os.ftruncate(memory, 2 * SLOT_SIZE)
+        os.ftruncate(memory, _SIZE)
         to_stub = os.eventfd(0, os.EFD_CLOEXEC)
         to_server = os.eventfd(0, os.EFD_CLOEXEC)
         return cls(memory, to_stub, to_server, server=True)
@@ -92,21 +104,24 @@ class Lane:
 
     # -- writing -----------------------------------------------------------------
 
-    def post(self, sequence: int, body: bytes) -> bool:
-        """Write a message into this side's slot and ring the peer; False (and
-        nothing written) when it does not fit."""
+    def post(self, body: bytes) -> bool:
+        """Write a message into this side's next slot and ring the peer; False
+        (and nothing written) when it does not fit. The caller knows the slot is
+        free (see the module's docstring)."""
         if len(body) > SLOT_SIZE - _HEADER.size:
             return False
-        memory, at = self._map, self._out
+        number = self._written + 1
+        memory, at = self._map, self._out + (number % SLOTS) * SLOT_SIZE
         _HEADER.pack_into(memory, at, 0, len(body))
         start = at + _HEADER.size
         memory[start : start + len(body)] = body
-        _HEADER.pack_into(memory, at, sequence, len(body))
+        _HEADER.pack_into(memory, at, number, len(body))
+        self._written = number
         os.write(self._bell_out, _RING)
         return True
 
     def ring(self) -> None:
-        """Ring the peer's doorbell with nothing new in the slot (a message that
+        """Ring the peer's doorbell with nothing new in the slots (a message that
         went on the socket instead)."""
         os.write(self._bell_out, _RING)
 
@@ -118,21 +133,18 @@ class Lane:
 
     # -- reading -----------------------------------------------------------------
 
-    def sequence(self) -> int:
-        """The sequence of the message in the peer's slot (0: none yet, or
-        being written)."""
-        return _HEADER.unpack_from(self._map, self._in)[0]
-
-    def take(self, sequence: int) -> tuple | None:
-        """The message in the peer's slot if its sequence is ``sequence``."""
-        memory, at = self._map, self._in
+    def take(self) -> tuple | None:
+        """The peer's next message, if it is there whole (then it is taken)."""
+        number = self._read + 1
+        memory, at = self._map, self._in + (number % SLOTS) * SLOT_SIZE
         found, length = _HEADER.unpack_from(memory, at)
-        if found != sequence:
+        if found != number:
             return None
         start = at + _HEADER.size
         body = memory[start : start + length]
-        if _HEADER.unpack_from(memory, at)[0] != sequence:
-            return None  # overwritten while read: not the message asked for
+        if _HEADER.unpack_from(memory, at)[0] != number:
+            return None  # overwritten while read: not the message expected
+        self._read = number
         return decode(body)
 
     def wait_blocking(self) -> None:

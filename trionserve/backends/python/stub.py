@@ -7,9 +7,10 @@ first message says what to do: ``auto_complete`` (call the model class's static
 
 Threads while serving: the main thread runs the model's ``execute`` and
 ``finalize``, one call at a time. An execute and its reply travel on the lane
-(:mod:`.lane`: a slot in shared memory and a doorbell each way), so a request
-costs the main thread one ``read`` of its doorbell and no socket message; the
-main thread blocks on that doorbell between calls. A reader thread reads
+(:mod:`.lane`: slots in shared memory and a doorbell each way), so a request
+costs the main thread no socket message; the main thread takes the next execute
+from the lane as soon as it replied (the server posts one behind the one that
+runs) and blocks on its doorbell only when none is there. A reader thread reads
 everything else the server sends on the socket (cancellations, BLS responses,
 metric and control replies, finalize, and an execute too large for the lane,
 after which it rings the main thread's doorbell). A watcher thread
@@ -107,7 +108,6 @@ class StubRuntime(ModelRuntime):
     def __init__(self, channel: BlockingChannel, message: dict, lane: Lane) -> None:
         self.channel = channel
         self._lane = lane
-        self._last_sequence = 0  # of the last execute taken from the lane
         # Signalled by the reader thread after each message it handled, while the
         # main thread waits for it to catch up with an execute from the lane.
         self._arrived = threading.Condition()
@@ -194,12 +194,9 @@ class StubRuntime(ModelRuntime):
         blocks on the doorbell until one is there."""
         lane, jobs = self._lane, self._jobs
         while True:
-            sequence = lane.sequence()
-            if sequence != self._last_sequence and sequence != 0:
-                message = lane.take(sequence)
-                if message is not None:
-                    self._last_sequence = sequence
-                    return message
+            message = lane.take()
+            if message is not None:
+                return message
             if not jobs.empty():  # (no exception raised per call: c=1 waits each time)
                 return jobs.get_nowait()
             lane.wait_blocking()
@@ -294,7 +291,7 @@ class StubRuntime(ModelRuntime):
         if sent is not None:
             freed = endpoint.take_released()
             body = encode((call_id, sent, freed, error, rescheduled, responses))
-            if self._lane.post(call_id, body):
+            if self._lane.post(body):
                 return
             endpoint.release(freed)  # they go with the socket message instead
         self.channel.send(
