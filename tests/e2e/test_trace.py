@@ -495,7 +495,7 @@ async def test_opentelemetry_nests_child_traces_under_their_parents_model_span()
 
 
 async def test_opentelemetry_trace_context_is_the_model_spans(tmp_path):
-    """server src/tracer.cc:580-584, :710-730: at REQUEST_START Triton sets the
+    """server src/tracer.cc:568-585, :710-730: at REQUEST_START Triton sets the
     trace's context to its model span's W3C traceparent as JSON, which
     python_backend hands to the model (``request.trace().get_context()``,
     src/python_be.cc:292-303); a child's span hangs from that span. In mode

@@ -105,7 +105,7 @@ def _request(model: str) -> InferenceRequest:
 @pytest.mark.parametrize("mode", ["stub", "in_process"])
 async def test_a_python_model_is_handed_its_requests_trace_context(tmp_path, monkeypatch, mode):
     """python_backend src/python_be.cc:292-303 hands the model the context core's
-    tracer set at REQUEST_START (server src/tracer.cc:580-584): the W3C
+    tracer set at REQUEST_START (server src/tracer.cc:568-585): the W3C
     traceparent of the request's model span as JSON (qa/L0_trace
     trace_context.py: ``get_context()`` not None in mode opentelemetry). A BLS
     request given the request's trace (request_executor.cc:439-445) is its child:

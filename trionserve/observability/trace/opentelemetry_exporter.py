@@ -76,7 +76,7 @@ def otlp_endpoint(url: str) -> str:
 
 # The timestamps a frontend takes (:mod:`.frontend`): events of the root
 # InferRequest span, as Triton's Trace::CaptureTimestamp adds them (server
-# src/tracer.cc:370-377), never of the model span.
+# src/tracer.cc:378-407), never of the model span.
 _FRONTEND_EVENTS = frozenset(
     {
         "HTTP_RECV_START",
@@ -125,11 +125,11 @@ class OpenTelemetryExporter:
 
     A trace gets the ids of its spans as it starts (:meth:`begin`), as Triton's
     tracer starts its model span at REQUEST_START (server src/tracer.cc
-    Trace::StartSpan :556-586): the model is handed their trace context, and a
+    Trace::StartSpan :538-588): the model is handed their trace context, and a
     child trace (an ensemble's step, a BLS request given the request's trace)
     knows its parent span. The model span and its compute and custom spans are
     ended at REQUEST_END (:meth:`end_request`), the root span once the frontend too
-    is done (:meth:`end_root`; Triton: ``Trace::~Trace``, :348-358), so the batch
+    is done (:meth:`end_root`; Triton: ``Trace::~Trace``, :362-375), so the batch
     processor sees them end as Triton's does, not a whole tree at once.
     Needs ``opentelemetry-sdk`` and ``opentelemetry-exporter-otlp-proto-http``
     (or a span processor given for tests).
@@ -186,10 +186,10 @@ class OpenTelemetryExporter:
         """REQUEST_START: the ids of the trace's spans and its trace context.
 
         A child trace's model span is a span of its parent's model span in the
-        parent's trace (server src/tracer.cc:556-571: a child's REQUEST_START span
+        parent's trace (server src/tracer.cc:549-566: a child's REQUEST_START span
         takes its parent trace's span as parent); any other trace has its own
         root InferRequest span, in the client's trace if the client sent a
-        ``traceparent`` (src/tracer.cc SampleTrace :340-350), else a new one.
+        ``traceparent`` (src/tracer.cc SampleTrace :343-352), else a new one.
         The context is the model span's, as Triton's PrepareTraceContext writes
         it (src/tracer.cc:710-730): ``{"traceparent":"00-<trace>-<span>-01"}``
         (every span is sampled: the SDK's default sampler is always on), with

@@ -120,7 +120,7 @@ class Trace:
         # The trace context Triton's tracer sets at REQUEST_START in mode
         # opentelemetry, handed to Python models (``request.trace().get_context()``):
         # ``{"traceparent":"00-<trace id>-<model span id>-01"}`` (server
-        # src/tracer.cc:580-584, :710-730); None in mode triton. ``otel``: the ids
+        # src/tracer.cc:568-585, :710-730); None in mode triton. ``otel``: the ids
         # of its spans, (trace id, model span id, the model span's parent span id,
         # the root InferRequest span id or 0 for a child trace, the client's
         # tracestate header or "").
