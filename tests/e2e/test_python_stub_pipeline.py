@@ -6,8 +6,11 @@ batches in flight fails both and is restarted."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -160,4 +163,61 @@ async def test_a_stub_killed_with_a_batch_behind_the_running_one_fails_both(repo
         with trio.fail_after(30):
             response = await server.dataplane.infer(request(7))  # a new stub
         assert response.outputs[0].data.tolist() == [7]
+        server.shutdown()
+
+
+PID_CONFIG = """
+name: "pids"
+backend: "python"
+max_batch_size: 0
+instance_group [ { count: 2 kind: KIND_CPU } ]
+input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
+"""
+
+# Answers with its stub's pid once the other instance has executed too (or after
+# 10 s): a batch posted behind another on one stub while the other stub idles
+# would wait here the whole 10 s.
+PID_MODEL = """
+import os
+import tempfile
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        directory = os.path.join(tempfile.gettempdir(), "pids-" + str(os.getppid()))
+        os.makedirs(directory, exist_ok=True)
+        open(os.path.join(directory, str(os.getpid())), "w").close()
+        deadline = time.monotonic() + 10
+        while len(os.listdir(directory)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        pid = np.array([os.getpid()], np.int32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("N", pid)]) for _ in requests]
+"""
+
+
+async def test_queued_requests_reach_both_instances(tmp_path, in_flight):
+    (tmp_path / "models" / "pids" / "1").mkdir(parents=True)
+    (tmp_path / "models" / "pids" / "config.pbtxt").write_text(PID_CONFIG)
+    (tmp_path / "models" / "pids" / "1" / "model.py").write_text(textwrap.dedent(PID_MODEL))
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, tmp_path)
+        pids: list[int] = []
+
+        async def infer() -> None:
+            data = np.array([0], np.int32)
+            req = InferenceRequest("pids", inputs={"N": Tensor("N", "INT32", data)})
+            pids.append(int((await server.dataplane.infer(req)).outputs[0].data[0]))
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as clients:
+                for _ in range(8):
+                    clients.start_soon(infer)
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"pids-{os.getpid()}")
+        stubs = {e.instance.pid for e in server.registry.route("pids", None)._executors}
+        assert len(stubs) == 2 and set(pids) == stubs
         server.shutdown()
