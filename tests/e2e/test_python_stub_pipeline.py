@@ -175,9 +175,10 @@ input [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
 output [ { name: "N" data_type: TYPE_INT32 dims: [ 1 ] } ]
 """
 
-# Answers with its stub's pid once the other instance has executed too (or after
-# 10 s): a batch posted behind another on one stub while the other stub idles
-# would wait here the whole 10 s.
+# Answers with its stub's pid once the other instance has executed too, or with
+# minus its pid after 10 s without: instances that do not run at once (a batch
+# kept behind another on one stub while the other idles, or the instances
+# serialised in the server) answer a negative pid.
 PID_MODEL = """
 import os
 import tempfile
@@ -195,7 +196,8 @@ class TritonPythonModel:
         deadline = time.monotonic() + 10
         while len(os.listdir(directory)) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
-        pid = np.array([os.getpid()], np.int32)
+        seen = len(os.listdir(directory)) >= 2
+        pid = np.array([os.getpid() if seen else -os.getpid()], np.int32)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("N", pid)]) for _ in requests]
 """
 
@@ -219,5 +221,5 @@ async def test_queued_requests_reach_both_instances(tmp_path, in_flight):
                     clients.start_soon(infer)
         shutil.rmtree(Path(tempfile.gettempdir()) / f"pids-{os.getpid()}")
         stubs = {e.instance.pid for e in server.registry.route("pids", None)._executors}
-        assert len(stubs) == 2 and set(pids) == stubs
+        assert len(stubs) == 2 and set(pids) == stubs  # (all positive: both ran at once)
         server.shutdown()
