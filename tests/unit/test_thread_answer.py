@@ -164,6 +164,26 @@ async def test_a_wait_whose_answer_the_thread_wrote_goes_on_until_the_client_or_
             assert answer.settle() == WRITTEN
 
 
+async def test_a_socket_closing_during_the_wait_is_not_taken_for_the_outcome():
+    # The outcome ends the wait through notify_closing; a socket that is really
+    # closing (another task closes the stream) ends it with the error.
+    server_sock, client_sock, answer, request, _ = connection(256)
+    with server_sock, client_sock:
+        errors: list[BaseException] = []
+
+        async def wait() -> None:
+            try:
+                await answer.wait()
+            except trio.ClosedResourceError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            trio.lowlevel.notify_closing(server_sock)
+        assert len(errors) == 1 and answer.state == DISARMED and not answer.waiting
+
+
 async def test_a_watched_socket_is_left_to_its_watcher():
     # A request slow to reach its wait (its model loaded on demand) may find the
     # slow-request watcher on the socket: the wait leaves it alone and the loop

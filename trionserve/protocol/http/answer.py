@@ -88,7 +88,8 @@ class ConnectionAnswer:
         "_lingers",
         "_lock",
         "_request",
-        "_scope",
+        "_ended",
+        "_waiting",
         "_socket",
         "_watched",
         "kept",
@@ -119,7 +120,8 @@ class ConnectionAnswer:
         self._request: InferenceRequest | None = None
         self._encode: Encode | None = None
         self._binary_output = False
-        self._scope: trio.CancelScope | None = None
+        self._waiting = False  # the connection's task waits on the socket
+        self._ended = False  # ... and the outcome ended that wait (_end)
         # Waiting on with its outcome delivered (see finalized).
         self._lingers = False
 
@@ -172,19 +174,26 @@ class ConnectionAnswer:
             if state != DISARMED:  # the thread took it first: its job is deferred
                 sweep_deferred()
             return
-        scope = self._scope = trio.CancelScope()
+        # The outcome ends the wait with notify_closing (_end), not a cancel
+        # scope: entering and leaving one costs more than the rest of the wait
+        # (py-spy, issue 39's fifth round), and most waits end readable.
+        self._waiting = True
+        self._ended = False
         try:
-            with scope:
-                await trio.lowlevel.wait_readable(self._socket)
+            await trio.lowlevel.wait_readable(self._socket)
+        except trio.ClosedResourceError:
+            if not self._ended:  # (the socket is closing: not the outcome)
+                self._disarm()
+                raise
         except BaseException:
             self._disarm()
             raise
         finally:
-            self._scope = None
+            self._waiting = False
             if self._lingers:
                 self._lingers = False
                 lingering().discard(self)
-        if scope.cancelled_caught:
+        if self._ended:
             return  # the outcome came
         self.readable = True
         self._disarm()
@@ -193,7 +202,14 @@ class ConnectionAnswer:
     @property
     def waiting(self) -> bool:
         """Whether the connection's task waits on the socket (no other task may)."""
-        return self._scope is not None
+        return self._waiting
+
+    def _end(self) -> None:
+        """End the wait (the outcome came): its socket's waiters are woken with
+        ClosedResourceError, the socket itself untouched (the next wait on it
+        registers it again)."""
+        self._ended = True
+        trio.lowlevel.notify_closing(self._socket)
 
     def finalized(self) -> None:
         """The request's final outcome was delivered: the wait ends, unless the
@@ -203,14 +219,13 @@ class ConnectionAnswer:
         another for the next request); the HTTP server's tick ends the waits
         left so (:func:`end_lingering`: a drain, an unload, a client that sends
         nothing more)."""
-        scope = self._scope
-        if scope is None:
+        if not self._waiting or self._ended:
             return
         if self.state == WRITTEN and not self._draining():
             self._lingers = True
             lingering().add(self)
             return
-        scope.cancel()
+        self._end()
 
     async def finish(self, stream: trio.abc.SendStream) -> bool:
         """After the handler returned ANSWERED, in the connection's task: whether
@@ -315,9 +330,8 @@ def sweep() -> None:
         return
     for answer in waits:
         answer._lingers = False
-        scope = answer._scope
-        if scope is not None:
-            scope.cancel()
+        if answer._waiting and not answer._ended:
+            answer._end()
     waits.clear()
 
 
