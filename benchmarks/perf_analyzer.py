@@ -172,7 +172,10 @@ def _inference_count(http_url: str, model: str) -> int:
     finally:
         connection.close()
     if response.status != 200:
-        raise RuntimeError(f"statistics of {model}: HTTP {response.status}")
+        raise RuntimeError(
+            f"statistics of {model}: HTTP {response.status} {body[:300]!r} "
+            f"(headers {dict(response.getheaders())})"
+        )
     return sum(m["inference_count"] for m in json.loads(body)["model_stats"])
 
 
