@@ -71,6 +71,8 @@ async def test_a_call_held_by_a_delay_is_cancelled_by_the_clients_reset(monkeypa
     states: list[tuple[str, str, int, str]] = []
     cancellations: list[tuple[str, int]] = []
     monkeypatch.setattr(connection_module, "log_grpc_state", lambda *a: states.append(a))
+    # The state lines are Triton's at verbose 2 (not asked for at all below it).
+    monkeypatch.setattr(connection_module.LOGGING, "log_verbose_level", 2)
     monkeypatch.setattr(call_module, "log_grpc_cancellation", lambda *a: cancellations.append(a))
     handled: list[bytes] = []
 
@@ -95,11 +97,13 @@ async def test_a_call_held_by_a_delay_is_cancelled_by_the_clients_reset(monkeypa
         assert states == [("StateNew", INFER, held), ("StateRelease", INFER, held, True)]
         # The connection goes on; without delays a call is answered at once.
         methods[INFER] = unary_method(None, handle)
+    monkeypatch.setattr(connection_module.LOGGING, "log_verbose_level", 1)
     async with serving(methods) as port, RawClient.connect(port) as client:
         answered = await client.call(INFER, frame(b"y"))
         await client.until(lambda c: c.ended(answered))
         assert client.data[answered] == frame(b"answer:y")
         assert client.of(h2.events.StreamReset) == []
+    assert len(states) == 2  # below verbose 2, no state line is even asked for
 
 
 def test_state_lines_only_for_infer_handlers_at_verbose_2(capsys):

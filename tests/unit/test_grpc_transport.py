@@ -31,6 +31,7 @@ from trionserve.protocol.grpc.transport import (
     Status,
     TransportOptions,
 )
+from trionserve.protocol.sockets import send_pieces_now
 
 
 class Handlers:
@@ -1001,3 +1002,69 @@ async def test_large_messages_flow_in_the_advertised_windows(options, window):
             await client.until(lambda c: c.ended(stream))
             assert client.status(stream) == (Status.OK.value, "")
             assert client.data[stream] == message
+
+
+class Large(Handlers):
+    """Echo, and Large: a small request answered with 4 MiB, past any socket buffer."""
+
+    answer = bytes(range(256)) * 16384
+
+    async def large(self, call: GrpcCall) -> None:
+        await call.receive()
+        await call.send(self.answer)
+
+    def methods(self) -> dict[str, Method]:
+        return {**super().methods(), "/t.T/Large": Method(self.large)}
+
+
+async def test_an_answer_the_socket_takes_in_part_is_written_whole_and_in_order(monkeypatch):
+    """The reader writes an answer straight to the socket when it can
+    (Connection._write_at_once); what the socket does not take follows through
+    the writing task, before anything queued after it: a 4 MiB answer to a
+    client that reads only once it has asked comes whole, and the calls in the
+    same read after it come after it, whole."""
+    from trionserve.protocol.grpc import connection
+
+    left: list[int] = []
+
+    def spy(socket, pieces):
+        rest = send_pieces_now(socket, pieces)
+        left.append(sum(view.nbytes for view in rest))
+        return rest
+
+    monkeypatch.setattr(connection, "send_pieces_now", spy)
+    async with serving(Large()) as (port, _):
+        async with RawClient.connect(port) as client:
+            client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})
+            client.h2.increment_flow_control_window(2**31 - 1 - 65535)
+            await client.flush()
+            await client.until(lambda c: c.of(h2.events.SettingsAcknowledged))
+            # One read: the large call, then two echoes, answered in the reader.
+            large = client.h2.get_next_available_stream_id()
+            ids = [large, large + 2, large + 4]
+            for stream_id, path, body in zip(
+                ids, ["/t.T/Large", "/t.T/Echo", "/t.T/Echo"], [b"", b"one", b"two"], strict=True
+            ):
+                client.h2.send_headers(
+                    stream_id,
+                    [
+                        (b":method", b"POST"),
+                        (b":scheme", b"http"),
+                        (b":authority", b"test"),
+                        (b":path", path.encode()),
+                        (b"content-type", b"application/grpc"),
+                        (b"te", b"trailers"),
+                    ],
+                )
+                client.h2.send_data(stream_id, frame(body), end_stream=True)
+            await client.flush()
+            await client.until(lambda c: all(c.ended(s) for s in ids))
+            assert any(left), left  # the socket took the reader's write in part
+            assert client.data[large] == frame(Large.answer)
+            assert [client.data[s] for s in ids[1:]] == [frame(b"one"), frame(b"two")]
+            assert all(client.status(s) == (Status.OK.value, "") for s in ids)
+            ended = [e.stream_id for e in client.of(h2.events.StreamEnded)]
+            assert ended == ids
+            after = await client.call("/t.T/Echo", frame(b"after"))
+            await client.until(lambda c: c.ended(after))
+            assert client.data[after] == frame(b"after")

@@ -21,6 +21,7 @@ from trionserve.protocol.sockets import (
     receive_now,
     send_all,
     send_pieces,
+    send_pieces_now,
 )
 
 
@@ -174,6 +175,28 @@ async def test_pieces_past_the_socket_buffer_follow_in_order():
         nursery.start_soon(read)
         await send_pieces(server, pieces)
     assert received == [b"head" + tensor.tobytes() + b"tail"]
+
+
+async def test_pieces_written_now_leave_what_the_socket_did_not_take_in_order():
+    server, client = _stream_pair()
+    small = [b"h", memoryview(b"ead|")] * 700  # past writev's 1024 pieces, all taken
+    with trio.testing.assert_no_checkpoints():
+        assert send_pieces_now(server.socket, small) == []
+    assert await _read(client, 3500) == b"head|" * 700
+    tensor = np.arange(1_000_000, dtype=np.float32)  # 4 MB: past the socket's buffer
+    pieces = [b"head", memoryview(tensor), b"", b"tail"]
+    with trio.testing.assert_no_checkpoints():
+        rest = send_pieces_now(server.socket, pieces)
+    whole = b"head" + tensor.tobytes() + b"tail"
+    left = b"".join(bytes(view) for view in rest)
+    assert 0 < len(left) < len(whole) and whole.endswith(left)
+    assert await _read(client, len(whole) - len(left)) == whole[: -len(left)]
+    await client.aclose()
+    with pytest.raises(trio.BrokenResourceError):
+        send_pieces_now(server.socket, [b"x" * 1_000_000, b"y"])
+    await server.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        send_pieces_now(server.socket, [b"head"])
 
 
 async def test_pieces_to_a_closed_or_abandoned_socket_raise_as_send_all_does():

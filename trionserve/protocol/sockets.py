@@ -42,6 +42,7 @@ __all__ = [
     "receive_into",
     "send_all",
     "send_pieces",
+    "send_pieces_now",
     "write_now",
 ]
 
@@ -182,24 +183,44 @@ async def send_pieces(
             await stream.send_all(piece)
         return
     views = [_byte_view(piece) for piece in pieces if len(piece)]
+    while views := _write_views(socket, views):
+        await trio.lowlevel.wait_writable(socket)
+
+
+def send_pieces_now(
+    socket: trio.socket.SocketType, pieces: Sequence[bytes | bytearray | memoryview]
+) -> list[memoryview]:
+    """Write what of ``pieces`` the socket takes now, gathered, without waiting
+    or yielding (a gRPC answer written from the reader's task, as an HTTP/1.1
+    connection's task writes its own): the views of the rest, in order, empty
+    when it took everything. Raises as :func:`send_pieces` does. The caller
+    must be the only one writing to the socket (see the module docstring)."""
+    return _write_views(socket, [_byte_view(piece) for piece in pieces if len(piece)])
+
+
+def _write_views(socket: trio.socket.SocketType, views: list[memoryview]) -> list[memoryview]:
+    """One ``writev`` after another while the socket takes whole batches: the
+    views left (the first one cut where the socket stopped), empty when none."""
     while views:
         if socket.fileno() < 0:
             raise trio.ClosedResourceError("the stream was closed")
         try:
             written = os.writev(socket.fileno(), views[:_IOV_MAX])
         except BlockingIOError:
-            written = 0
+            return views
         except OSError as exc:
             raise trio.BrokenResourceError(exc) from exc
         taken = 0
         while taken < len(views) and written >= views[taken].nbytes:
             written -= views[taken].nbytes
             taken += 1
+        batch = min(len(views), _IOV_MAX)
         del views[:taken]
         if written:
             views[0] = views[0][written:]
-        if views:
-            await trio.lowlevel.wait_writable(socket)
+        if taken < batch:  # the socket took part of the batch: it is full
+            return views
+    return views
 
 
 def _byte_view(piece: bytes | bytearray | memoryview) -> memoryview:

@@ -219,7 +219,7 @@ def decode_infer_request(
         _apply_request_parameters(request, message.parameters)
     request.inputs = _decode_inputs(message, raws, shared_memory)
     if message.outputs:
-        request.requested_outputs = _decode_outputs(message.outputs, shared_memory)
+        request.requested_outputs = _decode_outputs(message.outputs[:], shared_memory)
     return request
 
 
@@ -310,7 +310,7 @@ def _decode_inputs(
     model = message.model_name
     tensors: dict[str, Tensor] = {}
     used = 0  # raw_input_contents are taken in order by inputs not in shared memory
-    for spec in message.inputs:
+    for spec in message.inputs[:]:  # a list: iterated, upb's field ends in an IndexError
         name = spec.name
         if name in tensors:
             raise InvalidArgument(f"input '{name}' already exists in request")

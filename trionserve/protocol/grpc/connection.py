@@ -27,6 +27,7 @@ import h2.settings
 import structlog
 import trio
 
+from trionserve.observability.logging import SETTINGS as LOGGING
 from trionserve.observability.logging import log_grpc_state
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import inline, lifetime, upstream
@@ -48,7 +49,7 @@ from trionserve.protocol.grpc.state import (
     ResponseEvent,
 )
 from trionserve.protocol.grpc.status import GRPCError, Status
-from trionserve.protocol.sockets import peer_name, send_pieces
+from trionserve.protocol.sockets import peer_name, send_pieces, send_pieces_now
 
 __all__ = ["Connection", "GrpcCall", "Method", "TransportOptions"]
 
@@ -118,6 +119,7 @@ class Connection:
         self.buffer = ConnectionBuffer(o.max_connection_buffer, o.window_size, o.budget)
         self._room = trio.lowlevel.ParkingLot()
         self.peer = peer_name(stream)
+        self._socket = getattr(stream, "socket", None)  # None under TLS (_write_at_once)
         self._dirty = trio.Event()
         self._writing = False  # a task is in _write_pending
         # Set when that task leaves it; made only for a task that waits for that.
@@ -137,7 +139,7 @@ class Connection:
         # call moves no deadline and wakes no task.
         self.idle_scope: trio.CancelScope | None = None
         self.idle_since: float | None = None  # set with the first call's end
-        self._quiet = False  # closed while idle: no linger
+        self.quiet = False  # closed while idle: no linger
         self.idle_timeout = math.inf if options.idle_timeout is None else options.idle_timeout
 
     # -- the actor ---------------------------------------------------------------
@@ -159,7 +161,7 @@ class Connection:
             self._idle.pop(self, None)
             self.buffer.let_go()
             with trio.CancelScope(shield=True):
-                await self._close_socket()
+                await lifetime.close_socket(self)
 
     def _start_h2(self) -> None:
         o = self.options
@@ -445,7 +447,7 @@ class Connection:
                 break
         else:
             rest = []
-            resume = inline.step(self._write_now(at_once=True))
+            resume = self._write_at_once()
             if resume is None:  # all written
                 return False
         # This task stays with what would wait (a call, or the rest of the write).
@@ -464,7 +466,8 @@ class Connection:
     async def _run_call(
         self, call: GrpcCall, handler: Handler, kept: trio.CancelScope | None = None
     ) -> None:
-        log_grpc_state("StateNew", call.method, call.stream_id)
+        if LOGGING.log_verbose_level >= 2:  # (Triton's verbose lines: nothing else)
+            log_grpc_state("StateNew", call.method, call.stream_id)
         try:
             outcome = await self._outcome(call, handler, kept)
             if outcome is not None:
@@ -476,7 +479,8 @@ class Connection:
                 await self._cut(call)
             raise
         finally:
-            log_grpc_state("StateRelease", call.method, call.stream_id, call.state.reset)
+            if LOGGING.log_verbose_level >= 2:
+                log_grpc_state("StateRelease", call.method, call.stream_id, call.state.reset)
             self.calls.pop(call.stream_id, None)
             if not self.calls and not self.state.closing:  # idle
                 self._idle[self] = None
@@ -602,28 +606,51 @@ class Connection:
                 self.cancel()
                 return
 
-    async def _write_now(self, at_once: bool | None = None) -> None:
+    def _write_at_once(self) -> inline.Resume | None:
+        """Write h2's output from the reader's task after its calls ended, as an
+        HTTP/1.1 task writes its answer: straight to the socket, no coroutine, no
+        checkpoint. The rest (all of it under TLS) goes on as _write_now, a Resume
+        for the reader to await (None: all written)."""
+        if self._writing or self._socket is None:  # (another task writes it, or TLS)
+            return inline.step(self._write_now(at_once=True))
+        buffers = self.h2.buffers_to_send()
+        if self.extra_frames:
+            buffers.extend(self.extra_frames)
+            self.extra_frames.clear()
+        try:
+            if rest := send_pieces_now(self._socket, buffers):
+                return inline.step(self._write_now(at_once=True, first=rest))
+        except _CLOSED:
+            self.cancel()
+            return None
+        if self.state.closing:
+            self._dirty.set()  # the writer ends the connection
+        return None
+
+    async def _write_now(self, at_once: bool | None = None, first: list | None = None) -> None:
         """Write what h2 has queued from the calling task, unless another task is
         writing (it writes this too): no wakeup of the writer. ``at_once`` by
         default for the last call in flight; with others in flight, send_all's
-        checkpoint lets their answers join this write."""
+        checkpoint lets their answers join this write; ``first`` before h2's output."""
         if self._writing:
             return
         try:
-            await self._write_pending(at_once=not self.calls if at_once is None else at_once)
+            await self._write_pending(not self.calls if at_once is None else at_once, first)
         except _CLOSED:
             self.cancel()
             return
         if self.state.closing:
             self._dirty.set()  # the writer ends the connection
 
-    async def _write_pending(self, at_once: bool = False) -> None:
+    async def _write_pending(self, at_once: bool = False, first: list | None = None) -> None:
         """Write everything queued, until nothing is left; ``at_once``: what the
         socket takes at once without a checkpoint (sockets.send_pieces)."""
         self._writing = True
         try:
             while True:
                 buffers = self.h2.buffers_to_send()
+                if first:
+                    buffers[:0], first = first, None
                 if self.extra_frames:
                     buffers.extend(self.extra_frames)
                     self.extra_frames.clear()
@@ -644,7 +671,7 @@ class Connection:
         """Close the connection, which has no call in flight: GOAWAY, then the
         socket, without waiting for the client to close its side."""
         self._idle.pop(self, None)
-        self._quiet = True
+        self.quiet = True
         self.close()
 
     def cancel(self) -> None:
@@ -671,18 +698,3 @@ class Connection:
                 scope.deadline, trio.current_time() + self.options.keepalive_timeout
             )
         self._dirty.set()  # even with nothing queued: the writer ends the connection
-
-    async def _close_socket(self) -> None:
-        # Half-close and wait a moment for the client to close too, so that
-        # unread bytes do not turn our close into a reset that loses the answers.
-        if self.state.closing and not self._quiet:
-            with trio.move_on_after(self.options.linger):
-                try:
-                    # A TLS stream cannot half-close: the client closes on the GOAWAY.
-                    if isinstance(self.stream, trio.abc.HalfCloseableStream):
-                        await self.stream.send_eof()
-                    while await self.stream.receive_some(65536):
-                        pass
-                except (*_CLOSED, trio.BusyResourceError):
-                    pass
-        await self.stream.aclose()

@@ -1,5 +1,5 @@
 """How long a gRPC connection lives: its first-call and idle deadlines, its
-keepalive pings and the server's drain.
+keepalive pings, the server's drain, and the socket's close at its end.
 
 Each is a task in the connection's nursery (:class:`~.connection.Connection`
 starts them), watching one thing and ending the connection, or telling it to
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
 
 __all__ = [
     "MAX_STREAM_ID",
+    "close_socket",
     "drain_when",
     "first_call_deadline",
     "idle_deadline",
@@ -38,6 +39,24 @@ log = structlog.get_logger(__name__)
 MAX_STREAM_ID = 2**31 - 1
 _DRAIN_PING = b"drainGA\x00"
 _KEEPALIVE_PING = b"keepaliv"
+
+
+async def close_socket(conn: Connection) -> None:
+    """Close the connection's socket as it ends: after a GOAWAY (unless closed
+    while idle), half-close and wait a moment for the client to close too, so
+    that unread bytes do not turn our close into a reset that loses the answers."""
+    stream = conn.stream
+    if conn.state.closing and not conn.quiet:
+        with trio.move_on_after(conn.options.linger):
+            try:
+                # A TLS stream cannot half-close: the client closes on the GOAWAY.
+                if isinstance(stream, trio.abc.HalfCloseableStream):
+                    await stream.send_eof()
+                while await stream.receive_some(65536):
+                    pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+                pass
+    await stream.aclose()
 
 
 async def first_call_deadline(conn: Connection) -> None:
