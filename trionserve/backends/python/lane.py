@@ -25,9 +25,19 @@ their replies take the lane:
   neither side overwrites a message the other has not read. A message too
   large for a slot goes on the socket.
 
-The header is written last (a number of 0 while the body is written), and a
-reader checks the number again after copying the body out, so a message is read
-whole or not at all.
+A slot is a message number and a body length (8 bytes each), then the body.
+The writer stores a number of 0, then the length and the body, and the number
+last; a reader that finds the number it expects reads the
+length and the body, and checks the number again after copying the body out,
+so a message is read whole or not at all. The number is the one field whose
+store publishes a message: it is never stored together with the length, since
+a store of several bytes may be seen half done (CPython's ``struct.pack_into``
+zero-fills its whole range before it writes the fields, so a header of number
+and length packed in one call showed the number with a length of 0 for an
+instant: a reader polling the slot then read an empty or cut body, and the
+undecodable reply failed the model). A number read half stored is
+never the one expected: it only goes from 0 to the message's number, and a
+value with some of that number's non-zero bytes still 0 is smaller.
 """
 
 from __future__ import annotations
@@ -35,7 +45,6 @@ from __future__ import annotations
 import marshal
 import mmap
 import os
-import struct
 
 import trio
 
@@ -45,7 +54,9 @@ SLOT_SIZE = 256 * 1024
 # Slots each way: the execute the stub runs and the one posted behind it (pages
 # of a slot are only touched as far as its messages reach).
 SLOTS = 2
-_HEADER = struct.Struct("<QQ")  # message number (0: being written), body length
+# A slot's fields: the message number (0: being written), then the body's length.
+_NUMBER, _LENGTH, _BODY = 0, 8, 16
+_UNWRITTEN = bytes(8)
 _TO_STUB, _TO_SERVER = 0, SLOTS * SLOT_SIZE
 _SIZE = 2 * SLOTS * SLOT_SIZE
 _RING = (1).to_bytes(8, "little")
@@ -108,14 +119,16 @@ class Lane:
         """Write a message into this side's next slot and ring the peer; False
         (and nothing written) when it does not fit. The caller knows the slot is
         free (see the module's docstring)."""
-        if len(body) > SLOT_SIZE - _HEADER.size:
+        length = len(body)
+        if length > SLOT_SIZE - _BODY:
             return False
         number = self._written + 1
         memory, at = self._map, self._out + (number % SLOTS) * SLOT_SIZE
-        _HEADER.pack_into(memory, at, 0, len(body))
-        start = at + _HEADER.size
-        memory[start : start + len(body)] = body
-        _HEADER.pack_into(memory, at, number, len(body))
+        memory[at : at + 8] = _UNWRITTEN
+        memory[at + _LENGTH : at + _BODY] = length.to_bytes(8, "little")
+        memory[at + _BODY : at + _BODY + length] = body
+        # Last and alone: the message is there once its number is (the docstring).
+        memory[at : at + 8] = number.to_bytes(8, "little")
         self._written = number
         os.write(self._bell_out, _RING)
         return True
@@ -137,12 +150,11 @@ class Lane:
         """The peer's next message, if it is there whole (then it is taken)."""
         number = self._read + 1
         memory, at = self._map, self._in + (number % SLOTS) * SLOT_SIZE
-        found, length = _HEADER.unpack_from(memory, at)
-        if found != number:
+        if int.from_bytes(memory[at : at + 8], "little") != number:
             return None
-        start = at + _HEADER.size
-        body = memory[start : start + length]
-        if _HEADER.unpack_from(memory, at)[0] != number:
+        length = int.from_bytes(memory[at + _LENGTH : at + _BODY], "little")
+        body = memory[at + _BODY : at + _BODY + length]
+        if int.from_bytes(memory[at : at + 8], "little") != number:
             return None  # overwritten while read: not the message expected
         self._read = number
         return decode(body)
