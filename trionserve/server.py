@@ -58,6 +58,7 @@ from trionserve.observability.trace.settings import TraceConfig
 from trionserve.options_table import options_rows
 from trionserve.protocol.grpc.service import GrpcOptions, serve_grpc
 from trionserve.protocol.http.frontend import HttpOptions, serve_http
+from trionserve.protocol.http.sagemaker import SagemakerOptions, serve_sagemaker
 from trionserve.protocol.metrics import serve_metrics
 from trionserve.protocol.openai.frontend import OpenAIOptions, error_body, serve_openai
 from trionserve.repository.repository import ModelRepository
@@ -67,7 +68,7 @@ log = structlog.get_logger(__name__)
 # When the drain ends late (or the exit timeout cut it short), the frontends still
 # get this long to send their last answers, GOAWAYs and closes.
 CLOSE_GRACE_SECS = 1.0
-_START_ORDER = {"GRPC": 0, "HTTP": 1, "Metrics": 2, "OpenAI": 3}
+_START_ORDER = {"GRPC": 0, "HTTP": 1, "Metrics": 2, "SageMaker": 3, "OpenAI": 4}
 
 
 @dataclass
@@ -113,6 +114,7 @@ class ServerOptions:
     openai_port: int | None = None
     openai_address: str | None = None
     openai: OpenAIOptions = field(default_factory=OpenAIOptions)
+    sagemaker: SagemakerOptions | None = None  # --allow-sagemaker (None: not served)
     trace: TraceConfig = field(default_factory=TraceConfig)
     model_load_thread_count: int = 4
     # --model-load-on-demand, --model-memory-limit, --model-idle-unload-secs
@@ -404,6 +406,7 @@ class Server:
                     "GRPC": self.attach_grpc,
                     "Metrics": self.attach_metrics,
                     "OpenAI": self.attach_openai,
+                    "SageMaker": self.attach_sagemaker,
                 }
                 for service, address, port, flag, _ in ports:
                     try:
@@ -466,6 +469,10 @@ class Server:
                     "--grpc-port",
                     options.grpc.reuse_port,
                 )
+            )
+        if (sagemaker := options.sagemaker) is not None:
+            ports.append(
+                ("SageMaker", sagemaker.address, sagemaker.port, "--sagemaker-port", False)
             )
         if options.openai_port is not None:
             ports.append(
@@ -580,6 +587,15 @@ class Server:
             self.options.metrics,
         )
         log.debug("OpenAI service started", listening=binds)
+        return binds
+
+    async def attach_sagemaker(self, address: str, port: int) -> list[tuple[str, int]]:
+        """SageMaker's port, with the HTTP port's limits; log line: sagemaker_server.cc:291."""
+        options, sagemaker = self.options, self.options.sagemaker or SagemakerOptions()
+        args = (self.dataplane, address, port, self._close_frontends, options.exit_timeout_secs)
+        more = (options.log_verbose > 0, options.http, sagemaker)
+        binds = await self._frontend_nursery("SageMaker").start(serve_sagemaker, *args, *more)
+        log.info("Started Sagemaker HTTPService at " + ", ".join(_address(*b) for b in binds))
         return binds
 
     async def attach_metrics(

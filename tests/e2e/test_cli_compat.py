@@ -129,7 +129,7 @@ EVERY_FLAG = [
 REFUSED = [
     ("--rate-limit=sometimes", "--rate-limit"),
     ("--rate-limit-resource=R1", "--rate-limit-resource option format"),
-    ("--allow-sagemaker=true", "--allow-sagemaker"),
+    ("--sagemaker-safe-port-range=80", "--sagemaker-safe-port-range"),
     ("--allow-vertex-ai=1", "--allow-vertex-ai"),
     ("--http-restricted-api=model-reposit:k1=v1", "unknown restricted api 'model-reposit'"),
     ("--grpc-restricted-protocol=health:k1", "--grpc-restricted-protocol option format"),

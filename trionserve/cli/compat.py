@@ -4,10 +4,10 @@ A script written for ``tritonserver`` must start ``trionserve`` unchanged, so ev
 flag of tritonserver's command line parses here. The ones in this module configure
 parts of Triton that trionserve has no counterpart for (pinned and CUDA memory
 pools, shared-library directories, thread pools of Triton's HTTP and gRPC servers,
-SageMaker and Vertex AI endpoints, ...). Each given one costs a log line at start
-saying it has no effect. A setting that would change what the user relies on if
-it were ignored (a SageMaker or Vertex AI
-endpoint) is refused with an error naming the flag.
+a Vertex AI endpoint, ...). Each given one costs a log line at start saying it has
+no effect. A setting that would change what the user relies on if it were ignored
+(a Vertex AI endpoint) is refused with an error naming the flag. (SageMaker's
+endpoints are served: protocol/http/sagemaker.py.)
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ _NO_EFFECT = {
     "--cache-directory": "the response cache is built in (--cache-config local,...)",
     "--model-load-retry-count": "a model that fails to load is not retried",
     "--enable-peer-access": "CUDA peer access is left to the frameworks",
-    "--sagemaker-port": "there is no SageMaker endpoint",
-    "--sagemaker-safe-port-range": "there is no SageMaker endpoint",
-    "--sagemaker-thread-count": "there is no SageMaker endpoint",
+    "--sagemaker-thread-count": "SageMaker requests are served by Trio tasks",
     "--vertex-ai-port": "there is no Vertex AI endpoint",
     "--vertex-ai-thread-count": "there is no Vertex AI endpoint",
     "--vertex-ai-default-model": "there is no Vertex AI endpoint",
@@ -96,8 +94,6 @@ def add_compat_flags(add: AddFlag, boolean: Callable[[str], bool]) -> None:
         "--model-load-gpu-limit": _pair(r"\d+:[0-9.]+", "<device id>:<fraction>"),
         "--model-load-retry-count": _int_range(0, None),
         "--enable-peer-access": boolean,
-        "--sagemaker-port": _int_range(0, 65535),
-        "--sagemaker-safe-port-range": _pair(r"\d+-\d+", "<low>-<high>"),
         "--sagemaker-thread-count": _int_range(1, None),
         "--vertex-ai-port": _int_range(0, 65535),
         "--vertex-ai-thread-count": _int_range(1, None),
@@ -113,14 +109,6 @@ def add_compat_flags(add: AddFlag, boolean: Callable[[str], bool]) -> None:
             **repeat,
         )
     add(
-        "--allow-sagemaker",
-        dest="compat_allow_sagemaker",
-        type=boolean,
-        default=False,
-        metavar="BOOL",
-        help="false (default); true is refused: there is no SageMaker endpoint",
-    )
-    add(
         "--allow-vertex-ai",
         dest="compat_allow_vertex_ai",
         type=boolean,
@@ -133,12 +121,11 @@ def add_compat_flags(add: AddFlag, boolean: Callable[[str], bool]) -> None:
 def compat_notes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """Refuse (``parser.error``) what cannot be honoured; return one note for each
     given flag that has no effect, to be logged once logging is set up."""
-    for flag, name in (("--allow-sagemaker", "SageMaker"), ("--allow-vertex-ai", "Vertex AI")):
-        if getattr(args, _dest(flag)):
-            parser.error(
-                f"{flag}=true is not supported by trionserve: there is no "
-                f"{name} endpoint; use the KServe v2 HTTP/gRPC endpoints"
-            )
+    if args.compat_allow_vertex_ai:
+        parser.error(
+            "--allow-vertex-ai=true is not supported by trionserve: there is no "
+            "Vertex AI endpoint; use the KServe v2 HTTP/gRPC endpoints"
+        )
     notes = []
     for flag, reason in _NO_EFFECT.items():
         value = getattr(args, _dest(flag))

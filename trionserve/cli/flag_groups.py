@@ -1,4 +1,4 @@
-"""tritonserver's flags, by group: gRPC, gRPC SSL, metrics, OpenAI frontend and trace.
+"""tritonserver's flags, by group: gRPC, gRPC SSL, metrics, SageMaker, OpenAI, trace.
 
 Triton's ``TritonParser`` (server/src/command_line_parser.cc) declares these in
 groups of its own; :func:`trionserve.cli.parser.build_parser` adds each group
@@ -19,6 +19,7 @@ from trionserve.cli.values import (
     non_negative_float,
     non_negative_int,
     port_number,
+    port_range,
     positive_float,
     positive_int,
 )
@@ -230,6 +231,33 @@ def add_metrics_flags(add: AddFlag) -> None:
         "summary_latencies=<bool> (nv_inference_*_summary_us, default false), "
         "summary_quantiles=<q>:<error>[,...] (default "
         "0.5:0.05,0.9:0.01,0.95:0.001,0.99:0.001,0.999:0.001)",
+    )
+
+
+def add_sagemaker_flags(add: AddFlag) -> None:
+    """SageMaker's port (Triton's command_line_parser.cc:670-686, "Sagemaker" group)."""
+    add(
+        "--allow-sagemaker",
+        type=boolean,
+        default=False,
+        metavar="BOOL",
+        help="serve Amazon SageMaker's endpoints (GET /ping, POST /invocations on "
+        "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME) on --sagemaker-port (default false)",
+    )
+    add(
+        "--sagemaker-port",
+        type=port_number,
+        default=8080,
+        metavar="PORT",
+        help="port of the SageMaker endpoints, on 0.0.0.0 (default 8080)",
+    )
+    add(
+        "--sagemaker-safe-port-range",
+        type=port_range,
+        default=None,
+        metavar="LOW-HIGH",
+        help="with --allow-sagemaker: every other endpoint's port on the same address "
+        "must lie in [LOW, HIGH]",
     )
 
 

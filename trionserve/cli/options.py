@@ -28,6 +28,7 @@ from trionserve.observability.metrics import MetricsOptions, parse_metrics_confi
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
 from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
 from trionserve.protocol.http.frontend import HttpOptions
+from trionserve.protocol.http.sagemaker import SagemakerOptions
 from trionserve.protocol.openai.chat import ChatTemplates
 from trionserve.protocol.openai.frontend import OpenAIOptions, parse_restricted_apis
 from trionserve.protocol.restricted import (
@@ -64,6 +65,38 @@ def grpc_ssl(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GrpcS
         root_cert=args.grpc_root_cert or None,
         mutual=args.grpc_use_ssl_mutual,
     )
+
+
+def sagemaker_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> SagemakerOptions | None:
+    """--allow-sagemaker's port (None: not served), with --sagemaker-safe-port-range
+    checked as Triton's CheckPortCollision does (command_line_parser.cc:990-1020):
+    every other endpoint on the SageMaker address within the range."""
+    if not args.allow_sagemaker:
+        return None
+    if args.workers > 1:
+        parser.error("--allow-sagemaker cannot be combined with --workers yet")
+    try:
+        options = SagemakerOptions(port=args.sagemaker_port)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.sagemaker_safe_port_range is not None:
+        low, high = args.sagemaker_safe_port_range
+        metrics_address = args.metrics_address or (
+            args.http_address if args.allow_http else "0.0.0.0"
+        )
+        for name, address, port, allowed in (
+            ("HTTP", args.http_address, args.http_port, args.allow_http),
+            ("GRPC", args.grpc_address, args.grpc_port, args.allow_grpc),
+            ("metrics", metrics_address, args.metrics_port, args.allow_metrics),
+        ):
+            if allowed and address == options.address and not low <= port <= high:
+                parser.error(
+                    f"The server cannot listen to {name} requests at port {port}, "
+                    f"allowed port range is [{low}, {high}]"
+                )
+    return options
 
 
 def openai_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> OpenAIOptions:
@@ -312,6 +345,7 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
         openai_port=args.openai_port,
         openai_address=args.openai_address,
         openai=openai_options(parser, args),
+        sagemaker=sagemaker_options(parser, args),
         trace=trace,
         model_load_thread_count=args.model_load_thread_count,
         residency=ResidencyOptions(

@@ -22,6 +22,7 @@ from trionserve.cli.flag_groups import (
     add_grpc_ssl_flags,
     add_metrics_flags,
     add_openai_flags,
+    add_sagemaker_flags,
     add_trace_flags,
 )
 from trionserve.cli.values import (
@@ -287,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_grpc_flags(add)
     add_grpc_ssl_flags(add)
     add_metrics_flags(add)
+    add_sagemaker_flags(add)
     add_openai_flags(add)
     add_trace_flags(add)
     add(

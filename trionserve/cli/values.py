@@ -52,6 +52,17 @@ def port_number(text: str) -> int:
     return port
 
 
+def port_range(text: str) -> tuple[int, int]:
+    """``<low>-<high>`` (Triton's ParsePairOption<int, int>(optarg, "-"))."""
+    low, sep, high = text.partition("-")
+    try:
+        if not sep:
+            raise ValueError
+        return int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected <integer>-<integer>, got {text!r}") from None
+
+
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer no smaller than ``minimum``."""
 

@@ -9,6 +9,7 @@ import gzip
 import re
 import time
 import zlib
+from collections.abc import Callable
 
 import structlog
 import trio
@@ -171,8 +172,12 @@ class InferHandler:
         verbose: bool = False,
         forward_headers: str | None = None,
         max_input_size: int | None = None,
+        *,
+        encode: Callable[..., Response] | None = None,
     ) -> None:
         self.dataplane = dataplane
+        # The answer's encoder (SageMaker's port puts its own headers on it).
+        self._encode: Callable[..., Response] = encode or encode_response
         self._tracing = dataplane.tracing
         # (nv_inference_first_response_histogram_ms is timed on the loop.)
         self._first_response = getattr(dataplane, "_first_response", False)
@@ -254,13 +259,13 @@ class InferHandler:
             if answer is not None and self._answerable(
                 infer_request, shared_memory, accept_encoding
             ):
-                answer.arm(infer_request, encode_response, binary_output)
+                answer.arm(infer_request, self._encode, binary_output)
             else:
                 answer = None
             response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
             if answer is not None and answer.settle() != DISARMED:
                 return ANSWERED  # the instance's thread wrote it (or began to)
-            return encode_response(
+            return self._encode(
                 response, infer_request, binary_output, shared_memory, accept_encoding
             )
         except TritonError as error:
