@@ -232,3 +232,26 @@ def test_flags_and_environment(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         options_from_args([repository, "--allow-sagemaker=true"])
     assert "invalid SAGEMAKER_TRITON_INFERENCE_TYPE 'predict'" in capsys.readouterr().err
+
+
+def test_inference_type_generate(tmp_path):
+    """SAGEMAKER_TRITON_INFERENCE_TYPE=generate: /invocations is the default model's
+    generate endpoint (sagemaker_server.cc:165), answered as the HTTP port does."""
+    shutil.copytree(EXAMPLES / "identity_bytes", tmp_path / "identity_bytes")
+    env = {
+        "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME": "identity_bytes",
+        "SAGEMAKER_TRITON_INFERENCE_TYPE": "generate",
+    }
+    server = _start([tmp_path], env)
+    try:
+        body = json.dumps({"id": "7", "INPUT0": "héllo"}).encode()
+        status, _, answer = server.request("POST", "/invocations", body)
+        assert status == 200, answer
+        assert json.loads(answer)["OUTPUT0"] == "héllo"
+        http_answer = server.request(
+            "POST", "/v2/models/identity_bytes/generate", body, port=server.proc.http_port
+        )[2]
+        assert json.loads(answer) == json.loads(http_answer)
+        assert server.proc.stop() == 0
+    finally:
+        server.proc.close()
