@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from tests.serverproc import free_port
+from trionserve.backends.python import lane
 from trionserve.backends.python.instance import PythonInstance
 from trionserve.backends.python.lane import SLOTS
 from trionserve.core.errors import TritonError
@@ -163,6 +164,40 @@ async def test_a_stub_killed_with_a_batch_behind_the_running_one_fails_both(repo
         with trio.fail_after(30):
             response = await server.dataplane.infer(request(7))  # a new stub
         assert response.outputs[0].data.tolist() == [7]
+        server.shutdown()
+
+
+async def test_a_reply_that_cannot_be_read_fails_its_stub_not_the_model(repository, monkeypatch):
+    """A reply taken from the lane that does not decode (as a torn slot header
+    gave, lane.py) fails its request and restarts the stub: the model keeps
+    serving (it failed, and answered 503 'has no available versions')."""
+    decode = lane.decode
+    broken: list[bytes] = []
+
+    def decode_once_broken(body: bytes) -> tuple:
+        if not broken:  # the server's first reply (the stub decodes in its own process)
+            broken.append(body)
+            raise EOFError("EOF read where object expected")
+        return decode(body)
+
+    monkeypatch.setattr(lane, "decode", decode_once_broken)
+    async with trio.open_nursery() as nursery:
+        server = await start(nursery, repository)
+        instance = server.registry.route("slow", None)._executors[0].instance
+        first = instance.pid
+        with trio.fail_after(30), pytest.raises(TritonError) as failed:
+            await server.dataplane.infer(request(3))
+        assert broken
+        assert (
+            f"Stub process 'slow_0' is not healthy: the stub process sent a reply that "
+            f"could not be read (message 1 on the lane ({len(broken[0])} bytes): "
+            "EOF read where object expected) and was killed"
+        ) in failed.value.message
+        with trio.fail_after(30):
+            response = await server.dataplane.infer(request(4))  # a new stub
+        assert response.outputs[0].data.tolist() == [4]
+        assert instance.pid not in (None, first)
+        assert server.registry.route("slow", None)._executors[0].instance is instance
         server.shutdown()
 
 

@@ -20,7 +20,7 @@ from trionserve.backends.base import Ahead, ExecuteResult, InstanceSpec, ModelCo
 from trionserve.backends.python.bls import serve_stub_bls
 from trionserve.backends.python.calls import Call, Open, Readiness
 from trionserve.backends.python.delivery import deliver, deliver_sent
-from trionserve.backends.python.lane import SLOTS, encode
+from trionserve.backends.python.lane import SLOTS, Unreadable, encode
 from trionserve.backends.python.messages import (
     EncodedResponse,
     read_response,
@@ -30,12 +30,7 @@ from trionserve.backends.python.messages import (
 from trionserve.backends.python.process import StubProcess, TrioChannel, log_stub_line
 from trionserve.backends.python.settings import StubSettings
 from trionserve.core.client_budget import ClientBudget
-from trionserve.core.errors import (
-    InternalError,
-    InvalidArgument,
-    TritonError,
-    Unavailable,
-)
+from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 
 log = structlog.get_logger(__name__)
@@ -355,12 +350,14 @@ class PythonInstance:
         with trio.move_on_after(timeout) as scope:
             await self._await_call(channel, call, ahead)
         if scope.cancelled_caught and self._stub is not None:
-            self._hang = (
-                f"did not return from execute within {timeout:g}s "
-                "(execute-timeout-seconds) and was killed"
-            )
-            self._stub.kill()
+            self._kill(f"did not return from execute within {timeout:g}s (execute-timeout-seconds)")
             await call.done.wait()
+
+    def _kill(self, why: str) -> None:
+        """Kill the stub; its calls fail with ``why`` (see _serve) and it restarts."""
+        if self._stub is not None:
+            self._hang = f"{why} and was killed"
+            self._stub.kill()
 
     # -- the lane ----------------------------------------------------------------------
 
@@ -428,7 +425,11 @@ class PythonInstance:
                 return
             if ahead is not None and 0 < len(calls) < SLOTS:
                 self._post_ahead(channel, ahead)
-            reply = self._held_reply or lane.take()
+            try:
+                reply = self._held_reply or lane.take()
+            except Unreadable as exc:  # the stub's failure (restarted), not the model's
+                self._kill(f"sent a reply that could not be read ({exc})")
+                continue  # woken once the stub is gone (_stop_pump)
             if reply is None:
                 # Woken by the stub, or by _stop_pump (ringing this side's bell).
                 await lane.wait()

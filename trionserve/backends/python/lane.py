@@ -76,6 +76,11 @@ def decode(body: bytes) -> tuple:
     return marshal.loads(body)
 
 
+class Unreadable(Exception):
+    """A message taken from the lane did not decode: the lane to that stub
+    cannot be trusted any more (its server kills the stub, see PythonInstance)."""
+
+
 class Lane:
     """One side of a stub's lane: its slots' mapping and the two doorbells.
 
@@ -147,7 +152,8 @@ class Lane:
     # -- reading -----------------------------------------------------------------
 
     def take(self) -> tuple | None:
-        """The peer's next message, if it is there whole (then it is taken)."""
+        """The peer's next message, if it is there whole (then it is taken);
+        Unreadable (and taken) if it does not decode."""
         number = self._read + 1
         memory, at = self._map, self._in + (number % SLOTS) * SLOT_SIZE
         if int.from_bytes(memory[at : at + 8], "little") != number:
@@ -157,7 +163,10 @@ class Lane:
         if int.from_bytes(memory[at : at + 8], "little") != number:
             return None  # overwritten while read: not the message expected
         self._read = number
-        return decode(body)
+        try:
+            return decode(body)
+        except (EOFError, ValueError, TypeError) as exc:
+            raise Unreadable(f"message {number} on the lane ({length} bytes): {exc}") from None
 
     def wait_blocking(self) -> None:
         """Block until this side's doorbell rings (the stub's main thread)."""
