@@ -19,6 +19,7 @@ from tests.blocking_backend import BACKENDS, GATE, wait_entered
 from tests.e2e.test_grpc_cancellation import Probe, in_thread
 from tests.repository import echo_model
 from tests.serverproc import free_port
+from trionserve.actors import executor
 from trionserve.protocol.http import transport
 from trionserve.protocol.http.answer import ConnectionAnswer
 from trionserve.protocol.http.frontend import HttpOptions
@@ -235,8 +236,10 @@ async def test_a_client_gone_mid_request_cancels_it(repository, writes):
 
 
 async def test_with_requests_waiting_the_thread_answers_while_the_next_batch_runs(
-    repository, writes
+    repository, writes, monkeypatch
 ):
+    # (Off by default: executor.FREE_EARLY; the mechanism, switched on.)
+    monkeypatch.setattr(executor, "FREE_EARLY", True)
     # c>1: "b" and "c" wait at the batcher while "a" executes. As "a" ends the
     # thread tells the loop the instance is free (the next batch, "b" and "c",
     # is handed over) and writes "a"'s answer itself; its report waits for a

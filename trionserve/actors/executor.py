@@ -45,6 +45,9 @@ log = structlog.get_logger(__name__)
 
 # Batches with more input bytes than this always run in the instance's thread.
 INLINE_MAX_INPUT_BYTES = 64 * 1024
+# Off: with requests waiting, the thread writing a batch's answers before its next
+# batch cost 9-12% of throughput at c=8 on two cores (benchmarks/README.md, fifth round).
+FREE_EARLY = False
 
 
 class InstanceExecutor:
@@ -157,7 +160,7 @@ class InstanceExecutor:
         self._inline_handover = False
         # Whether a batch handed over may free the instance before its report
         # (_handed_free; not with ordered outcomes), and those freed, unreported.
-        self._frees = self._hands_over and not getattr(outlet, "ordered", True)
+        self._frees = FREE_EARLY and self._hands_over and not getattr(outlet, "ordered", True)
         self._freed: set[Job] = set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
