@@ -27,12 +27,14 @@ def test_a_message_crosses_each_way_under_its_number(ends):
     assert stub.take() is None  # nothing posted yet
     execute = (7, 3, [], [(1, "id", 0, 0, "{}", [], ["OUTPUT0"], False)])
     assert server.post(encode(execute))
+    assert stub.take() is None  # not before its ring was taken (the ordering)
     stub.wait_blocking()  # the server rang
     assert stub.take() == execute
     assert stub.take() is None  # taken once
     reply = (7, 0, [], None, [], [([], None, "{}")])
     assert stub.post(encode(reply))
-    # Each side reads the other's slots only: the server's own execute is not a reply.
+    # Each side reads the other's slots only: the server's own execute is not a
+    # reply. The server takes the ring itself (its doorbell does not block).
     assert server.take() == reply
     assert server.take() is None
 
@@ -43,6 +45,7 @@ def test_messages_posted_ahead_are_taken_in_order_from_the_slots_in_turn(ends):
         numbers = [round_ * SLOTS + n for n in range(SLOTS)]
         for n in numbers:  # the server posts a batch behind the one running
             assert server.post(encode((n,)))
+        stub.wait_blocking()  # both rings at once
         assert [stub.take() for _ in numbers] == [(n,) for n in numbers]
         assert stub.take() is None
         for n in numbers:
@@ -54,6 +57,7 @@ def test_messages_posted_ahead_are_taken_in_order_from_the_slots_in_turn(ends):
 def test_a_message_being_written_is_not_read(ends):
     server, stub = ends
     server.post(encode((3,)))
+    stub.wait_blocking()
     at = (1 % SLOTS) * SLOT_SIZE  # the server's first message's slot
     server._map[at : at + 8] = (0).to_bytes(8, "little")  # its header while it writes
     assert stub.take() is None
@@ -69,6 +73,8 @@ def test_a_message_too_large_for_the_slot_is_refused_and_nothing_changes(ends):
     with pytest.raises(BlockingIOError):
         stub.wait_blocking()
     assert server.post(encode((1, "small")))
+    os.set_blocking(stub._bell_in, True)
+    stub.wait_blocking()
     assert stub.take() == (1, "small")
 
 
@@ -92,6 +98,29 @@ def test_ringing_its_own_doorbell_wakes_the_stub(ends):
     stub.ring_self()  # the reader thread queued an execute that came on the socket
     stub.wait_blocking()
     assert stub.take() is None  # nothing on the lane
+
+
+def test_a_ring_for_no_message_does_not_count_as_a_message_ring(ends):
+    """Rings that carry no message (the stub's reply went on the socket; a wake
+    of one's own waiter) never let a reader trust a slot whose ring it has not
+    taken."""
+    server, stub = ends
+    stub.ring()  # a reply sent on the socket
+    server.ring_self()  # the instance wakes its own waiter
+    at = SLOTS * SLOT_SIZE + (1 % SLOTS) * SLOT_SIZE  # the stub's first reply's slot
+    server._map[at : at + 8] = (1).to_bytes(8, "little")  # its number seen early
+    assert server.take() is None  # both rings taken: neither was this message's
+    server._map[at : at + 8] = bytes(8)
+    assert stub.post(encode(("whole",)))
+    assert server.take() == ("whole",)
+
+
+def _delivered(reader: Lane) -> tuple | None:
+    """What ``reader`` takes once the writer has rung, as each side does: the
+    stub blocks on its doorbell first, the server takes the ring in ``take``."""
+    if not reader._polls_bell:
+        reader.wait_blocking()
+    return reader.take()
 
 
 class TornMemory:
@@ -140,6 +169,65 @@ def test_a_message_is_never_seen_before_its_length_and_body_are_whole(ends, dire
         messages = [(n, "x" * (40 * n % 97), [1.5, None]) for n in range(1, 2 * SLOTS + 2)]
         for message in messages:
             assert writer.post(encode(message))
-        assert seen == messages
+            assert seen == [], "read while it was written"
+            assert _delivered(reader) == message
+    finally:
+        server._map, stub._map = real
+
+
+class ReorderedMemory:
+    """A lane's memory as a weakly ordered CPU (ARM, POWER) may show it to the
+    reader: the writer's store of a slot's number is seen at once, its other
+    stores (the length, the body) only when the writer's doorbell syscall
+    orders them (``publish``, called by the writer's ring). Until then the
+    reader sees what the slot held before: a message taken long ago, or zeros."""
+
+    def __init__(self, real):
+        self.data = bytearray(real[:])
+        self.pending: list[tuple[slice, bytes]] = []
+
+    def __getitem__(self, key):
+        return bytes(self.data[key])
+
+    def __setitem__(self, key, value):
+        if (key.start % SLOT_SIZE, key.stop - key.start) == (0, 8):
+            self.data[key] = value  # a slot's number: overtakes the stores before it
+        else:
+            self.pending.append((key, bytes(value)))
+
+    def publish(self):
+        for key, value in self.pending:
+            self.data[key] = value
+        self.pending.clear()
+
+
+@pytest.mark.parametrize("direction", ["execute", "reply"])
+def test_a_message_is_not_read_before_its_ring_orders_it(ends, direction):
+    """On a CPU that lets the reader see a slot's number before its body, a
+    reader that polls the slot between the writer's stores and its ring gets
+    nothing (not the slot's previous message, nor a cut body); once the ring
+    is taken it gets the message whole."""
+    server, stub = ends
+    writer, reader = (server, stub) if direction == "execute" else (stub, server)
+    memory = ReorderedMemory(writer._map)
+    real = server._map, stub._map
+    polled: list[tuple | None] = []
+
+    def ring(fd: int, counter: bytes) -> int:
+        polled.append(reader.take())  # the number is there, the body is not
+        memory.publish()  # the syscall orders the writer's stores (a release)
+        return os.write(fd, counter)
+
+    writer._map = reader._map = memory
+    writer._ring = ring
+    try:
+        # Round the slots three times: each later message is written over one
+        # taken before, with longer and shorter bodies.
+        messages = [(n, "y" * (53 * n % 89), {"k": n}) for n in range(1, 3 * SLOTS + 2)]
+        for message in messages:
+            assert writer.post(encode(message))
+            assert polled[-1] is None, f"read {polled[-1]!r} before its ring"
+            assert _delivered(reader) == message
+        assert len(polled) == len(messages)
     finally:
         server._map, stub._map = real

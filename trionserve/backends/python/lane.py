@@ -16,8 +16,9 @@ their replies take the lane:
   positional tuples (:func:`encode`: marshal of tuples and scalars, no dicts);
   ``number`` counts the writer's messages on the lane (1, 2, ...), so the reader
   knows the next one by the number it expects in the slot it reads next;
-- the writer rings the reader's doorbell (an ``eventfd``): the stub's main thread
-  blocks in ``read`` on its own, the server waits for its own in Trio;
+- the writer rings the reader's doorbell (an ``eventfd``) after each message:
+  the stub's main thread blocks in ``read`` on its own, the server waits for its
+  own in Trio;
 - each direction has :data:`SLOTS` slots, used in turn: the server has at most
   that many executes unanswered (its instance posts the next batch while the
   stub still runs one, so that a busy stub finds it waiting instead of
@@ -25,19 +26,32 @@ their replies take the lane:
   neither side overwrites a message the other has not read. A message too
   large for a slot goes on the socket.
 
-A slot is a message number and a body length (8 bytes each), then the body.
-The writer stores a number of 0, then the length and the body, and the number
-last; a reader that finds the number it expects reads the
-length and the body, and checks the number again after copying the body out,
-so a message is read whole or not at all. The number is the one field whose
-store publishes a message: it is never stored together with the length, since
-a store of several bytes may be seen half done (CPython's ``struct.pack_into``
-zero-fills its whole range before it writes the fields, so a header of number
-and length packed in one call showed the number with a length of 0 for an
-instant: a reader polling the slot then read an empty or cut body, and the
-undecodable reply failed the model). A number read half stored is
-never the one expected: it only goes from 0 to the message's number, and a
-value with some of that number's non-zero bytes still 0 is smaller.
+**Ordering.** Python has no memory fences, and a CPU may make another CPU see
+one process's stores in another order than they were made: x86 keeps stores in
+order, ARM (Graviton, Grace) and POWER do not, so there a reader could see a
+slot's number before its body. A message is therefore read only once the
+reader has taken its doorbell's ring: the writer stores the slot, then rings
+(``write`` on the eventfd: the kernel adds to the counter under its lock,
+whose release orders every store the writer made before it); the reader's
+``read`` takes that lock (an acquire) before it returns the counter, so every
+store made before the ring is visible to the loads that follow it, on any CPU.
+This is the order Triton's queues get from their semaphores: ``Push`` posts
+``sem_full`` after the message is in place and ``Pop`` waits on it before it
+reads (python_backend message_queue.h:105-137, :192-212; boost's
+interprocess semaphores are atomics with acquire and release). A posted
+message rings with 1 and every other ring (:meth:`Lane.ring`,
+:meth:`Lane.ring_self`) with ``1 << 32``, so the counter the reader takes says
+how many messages' rings it took (never more than :data:`SLOTS` at a time:
+the low half never carries). A reader that finds the number it expects in the
+slot before it took that many rings (it polled: the server between its own
+work, the stub when it replied) takes the ring first: the server with a
+non-blocking ``read`` of its doorbell (the ring is almost always there: the
+writer stores the number and rings right after), the stub by its usual
+blocking wait, which then returns at once. Neither side makes more syscalls
+than it did: the ring a polling reader used to leave in the counter woke it
+for nothing later. The number in the slot is only the cheap check that a
+message may be there; a number seen early or half stored costs a look at the
+doorbell, never a message read before its body.
 """
 
 from __future__ import annotations
@@ -45,6 +59,7 @@ from __future__ import annotations
 import marshal
 import mmap
 import os
+import sys
 
 import trio
 
@@ -54,12 +69,15 @@ SLOT_SIZE = 256 * 1024
 # Slots each way: the execute the stub runs and the one posted behind it (pages
 # of a slot are only touched as far as its messages reach).
 SLOTS = 2
-# A slot's fields: the message number (0: being written), then the body's length.
+# A slot's fields: the message number, then the body's length.
 _NUMBER, _LENGTH, _BODY = 0, 8, 16
-_UNWRITTEN = bytes(8)
 _TO_STUB, _TO_SERVER = 0, SLOTS * SLOT_SIZE
 _SIZE = 2 * SLOTS * SLOT_SIZE
-_RING = (1).to_bytes(8, "little")
+# An eventfd's counter is a native-endian u64: a posted message adds 1 to it,
+# any other ring 1 << 32 (the module's docstring, "Ordering").
+_POSTED = (1).to_bytes(8, sys.byteorder)
+_NUDGE = (1 << 32).to_bytes(8, sys.byteorder)
+_POSTS = (1 << 32) - 1
 
 
 # marshal's format 2: no back-references (format 3 and later look every object
@@ -94,8 +112,14 @@ class Lane:
         self._map = mmap.mmap(memory_fd, _SIZE)
         self._out, self._in = (_TO_STUB, _TO_SERVER) if server else (_TO_SERVER, _TO_STUB)
         self._bell_out, self._bell_in = (to_stub, to_server) if server else (to_server, to_stub)
+        # The server's doorbell is non-blocking (its waits are Trio's): a poll
+        # that found a message takes its ring without blocking; the stub's main
+        # thread blocks on its own.
+        self._polls_bell = server
+        self._ring = os.write  # the doorbell's syscall (a test orders stores around it)
         self._written = 0  # messages this side posted
         self._read = 0  # messages of the peer this side took
+        self._rung = 0  # rings of the peer's messages this side took from its doorbell
         self._closed = False
 
     @classmethod
@@ -103,7 +127,7 @@ class Lane:
         memory = os.memfd_create("trionserve-python-stub-lane", os.MFD_CLOEXEC)
         os.ftruncate(memory, _SIZE)
         to_stub = os.eventfd(0, os.EFD_CLOEXEC)
-        to_server = os.eventfd(0, os.EFD_CLOEXEC)
+        to_server = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         return cls(memory, to_stub, to_server, server=True)
 
     @classmethod
@@ -129,54 +153,71 @@ class Lane:
             return False
         number = self._written + 1
         memory, at = self._map, self._out + (number % SLOTS) * SLOT_SIZE
-        memory[at : at + 8] = _UNWRITTEN
         memory[at + _LENGTH : at + _BODY] = length.to_bytes(8, "little")
         memory[at + _BODY : at + _BODY + length] = body
-        # Last and alone: the message is there once its number is (the docstring).
+        # Last: on a CPU that keeps stores in order a polling reader then rarely
+        # finds the number before the ring (the ring, not this, publishes it).
         memory[at : at + 8] = number.to_bytes(8, "little")
         self._written = number
-        os.write(self._bell_out, _RING)
+        self._ring(self._bell_out, _POSTED)
         return True
 
     def ring(self) -> None:
         """Ring the peer's doorbell with nothing new in the slots (a message that
         went on the socket instead)."""
-        os.write(self._bell_out, _RING)
+        self._ring(self._bell_out, _NUDGE)
 
     def ring_self(self) -> None:
         """Ring this side's own doorbell (another thread has queued work, or the
         server's waiter must look again); nothing once closed."""
         if not self._closed:
-            os.write(self._bell_in, _RING)
+            self._ring(self._bell_in, _NUDGE)
 
     # -- reading -----------------------------------------------------------------
 
     def take(self) -> tuple | None:
-        """The peer's next message, if it is there whole (then it is taken);
-        Unreadable (and taken) if it does not decode."""
+        """The peer's next message, if it is there and its ring was taken (then
+        it is taken); Unreadable (and taken) if it does not decode."""
         number = self._read + 1
         memory, at = self._map, self._in + (number % SLOTS) * SLOT_SIZE
         if int.from_bytes(memory[at : at + 8], "little") != number:
             return None
+        if self._rung < number and not self._heard_now():
+            return None  # not ordered yet: the caller waits on the doorbell
         length = int.from_bytes(memory[at + _LENGTH : at + _BODY], "little")
         body = memory[at + _BODY : at + _BODY + length]
-        if int.from_bytes(memory[at : at + 8], "little") != number:
-            return None  # overwritten while read: not the message expected
         self._read = number
         try:
             return decode(body)
         except (EOFError, ValueError, TypeError) as exc:
             raise Unreadable(f"message {number} on the lane ({length} bytes): {exc}") from None
 
+    def _heard_now(self) -> bool:
+        """Take the doorbell's rings without blocking (the server's side); whether
+        the next message's ring was among them."""
+        if not self._polls_bell:
+            return False
+        try:
+            self._heard(os.read(self._bell_in, 8))
+        except BlockingIOError:
+            return False
+        return self._rung > self._read
+
+    def _heard(self, counter: bytes) -> None:
+        self._rung += int.from_bytes(counter, sys.byteorder) & _POSTS
+
     def wait_blocking(self) -> None:
         """Block until this side's doorbell rings (the stub's main thread)."""
-        os.read(self._bell_in, 8)
+        self._heard(os.read(self._bell_in, 8))
 
     async def wait(self) -> None:
         """Wait in Trio until this side's doorbell rings (the server). Only the
         task that reads replies waits here, one at a time."""
         await trio.lowlevel.wait_readable(self._bell_in)
-        os.read(self._bell_in, 8)
+        try:
+            self._heard(os.read(self._bell_in, 8))
+        except BlockingIOError:
+            pass  # taken meanwhile by a poll (take): the caller looks again
 
     def close(self) -> None:
         if self._closed:
