@@ -183,23 +183,16 @@ def test_no_default_model_is_the_unknown_models_error(unready):
     assert (status, json.loads(answer)) == (http_status, json.loads(http_answer))
 
 
-def test_other_paths_and_the_multi_model_endpoint(sagemaker):
+def test_other_paths(sagemaker):
     assert sagemaker.request("GET", "/v2/health/ready")[::2] == (400, b"")
     assert sagemaker.request("GET", "/nothing")[::2] == (400, b"")
     assert sagemaker.request("PUT", "/models")[::2] == (400, b"")
     status, _, answer = sagemaker.request("GET", "/invocations")
     assert status == 405 and json.loads(answer) == {"error": "Method Not Allowed"}
-    load = json.dumps({"model_name": "m", "url": "/opt/ml/models/123/model"}).encode()
-    for method, path, body in (
-        ("POST", "/models", load),
-        ("GET", "/models", b""),
-        ("GET", "/models/m", b""),
-        ("DELETE", "/models/m", b""),
-        ("POST", "/models/m/invoke", b"{}"),
-    ):
-        status, _, answer = sagemaker.request(method, path, body)
-        assert status == 501, (method, path)
-        assert "multi-model endpoint" in json.loads(answer)["error"]
+    # The multi-model endpoint is off without SAGEMAKER_MULTI_MODEL=true
+    # (tests/e2e/test_sagemaker_mme.py).
+    status, _, answer = sagemaker.request("GET", "/models")
+    assert status == 404 and "SAGEMAKER_MULTI_MODEL=true" in json.loads(answer)["error"]
 
 
 # -- the flags (Triton's command_line_parser.cc:670-686, 976-1020) -----------------

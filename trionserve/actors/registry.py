@@ -496,7 +496,7 @@ class ModelRegistry:
                 config_json = override_json
             snapshot = await trio.to_thread.run_sync(snapshot_model, model_dir)
             prepared = await trio.to_thread.run_sync(
-                prepare_model,
+                partial(prepare_model, name=name),  # mapped: ModelRepository.register
                 model_dir,
                 self.autocomplete,
                 config_json,

@@ -112,22 +112,28 @@ def prepare_model(
     override_json: str | None,
     config_name: str | None = None,
     backends: BackendManager | None = None,
+    name: str | None = None,
 ) -> PreparedModel:
     """Read, complete and validate a model's config; blocking, run in a thread.
 
     ``config_name``: --model-config-name (read ``configs/<name>.pbtxt`` if present).
     ``backends``: the server's BackendManager, which makes the model's backend
-    (None: one with no settings, for tools and tests).
+    (None: one with no settings, for tools and tests). ``name``: the model's
+    name; a model found in a directory of another name is a mapped one
+    (ModelRepository.register), whose config takes that name (core
+    model_repository_manager.cc:1693-1696).
     """
     config, max_batch_size_set = read_model_config(
         model_dir, override_json, config_name, check_name=False
     )
+    if name is not None and name != model_dir.name:
+        config.name = name
     infer_platform(config, model_dir)
     if verbose():
         # core model_config_utils.cc:756 GetNormalizedModelConfig, after the
         # server-side autofill of platform / backend, before the backend's own.
         log.debug("Server side auto-completed config: " + text_format.MessageToString(config))
-    if config.name != model_dir.name:
+    if config.name != (name or model_dir.name):
         # Triton polls a model by normalizing and validating its config, then
         # checks its name (core model_repository_manager.cc:1680-1711,
         # InitializeModelInfo): an invalid config's error comes first.

@@ -259,6 +259,14 @@ def add_sagemaker_flags(add: AddFlag) -> None:
         help="with --allow-sagemaker: every other endpoint's port on the same address "
         "must lie in [LOW, HIGH]",
     )
+    add(
+        "--sagemaker-multi-model-root",
+        default="/opt/ml/models",
+        metavar="DIR",
+        help="with --allow-sagemaker and SAGEMAKER_MULTI_MODEL=true: the multi-model "
+        "endpoint (POST /models) loads only <DIR>/<hash>/model[/<subdir>] directories "
+        "that resolve inside DIR (default /opt/ml/models, SageMaker's)",
+    )
 
 
 def add_openai_flags(add: AddFlag) -> None:

@@ -78,7 +78,10 @@ def sagemaker_options(
     if args.workers > 1:
         parser.error("--allow-sagemaker cannot be combined with --workers yet")
     try:
-        options = SagemakerOptions(port=args.sagemaker_port)
+        options = SagemakerOptions(
+            port=args.sagemaker_port,
+            multi_model_root=os.path.abspath(args.sagemaker_multi_model_root),
+        )
     except ValueError as exc:
         parser.error(str(exc))
     if args.sagemaker_safe_port_range is not None:

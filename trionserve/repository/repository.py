@@ -18,10 +18,17 @@ subdir)``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from trionserve.core.errors import InternalError, InvalidArgument, NotFound, Unavailable
+from trionserve.core.errors import (
+    AlreadyExists,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from trionserve.repository.object_store import open_mirrors
 
 
@@ -141,6 +148,55 @@ class ModelRepository:
                 )
             if not path.is_dir():
                 raise InvalidArgument(f"model repository path '{path}' is not a directory")
+        # Run-time registrations (the Trio thread) against lookups (worker
+        # threads): paths, namespaces and mappings change under this lock and
+        # are read as one snapshot (_state).
+        self._lock = threading.Lock()
+        # Mapped model name -> (registered repository, its subdirectory).
+        self._mappings: dict[str, tuple[Path, str]] = {}
+
+    def _state(self) -> tuple[list[tuple[Path, str]], dict[str, tuple[Path, str]]]:
+        with self._lock:
+            return list(zip(self.paths, self.namespaces)), dict(self._mappings)
+
+    def register(self, path: Path, mapping: Mapping[str, str]) -> None:
+        """Add the local directory ``path`` as a model repository at run time,
+        each ``mapping`` item (model name -> subdirectory) naming one of its
+        models; its other subdirectories are models of their own names.
+
+        Triton's ``RegisterModelRepository`` (core
+        ``model_repository_manager.cc:1716-1768``) in its words: InvalidArgument
+        when ``path`` is no directory, AlreadyExists when it is a repository
+        already or a name is mapped already. The caller decides which paths may
+        be registered (nothing here confines them).
+        """
+        if not path.is_dir():
+            raise InvalidArgument(f"failed to register '{path}', repository not found")
+        with self._lock:
+            if path in self.paths:
+                raise AlreadyExists(f"model repository '{path}' has already been registered")
+            for name in mapping:
+                if name in self._mappings:
+                    raise AlreadyExists(
+                        f"failed to register '{name}', there is a conflicting mapping for '{name}'"
+                    )
+            self.paths = [*self.paths, path]
+            self.namespaces = [*self.namespaces, str(path) if self.namespacing else ""]
+            for name, subdir in mapping.items():
+                self._mappings[name] = (path, subdir)
+
+    def unregister(self, path: Path) -> None:
+        """Remove a repository :meth:`register` added, and its mappings
+        (``UnregisterModelRepository``, core ``model_repository_manager.cc:1770-1800``).
+        Models loaded from it stay loaded."""
+        with self._lock:
+            if path not in self.paths:
+                raise InvalidArgument(f"failed to unregister '{path}', repository not found")
+            index = self.paths.index(path)
+            self.paths = self.paths[:index] + self.paths[index + 1 :]
+            self.namespaces = self.namespaces[:index] + self.namespaces[index + 1 :]
+            for name in [n for n, (repo, _) in self._mappings.items() if repo == path]:
+                del self._mappings[name]
 
     def refresh(self) -> None:
         """Bring the local copies of object-storage repositories up to date."""
@@ -150,7 +206,11 @@ class ModelRepository:
     def scan(self) -> RepositoryScan:
         """Every model in every repository; see :class:`RepositoryScan` for duplicates."""
         found: dict[ModelId, list[Path]] = {}
-        for repo, namespace in zip(self.paths, self.namespaces):
+        roots, mappings = self._state()
+        for repo, namespace in roots:
+            # Mapped subdirectories are listed by their mapped names (core
+            # model_repository_manager.cc:1209-1225, RepositoryIndex).
+            renamed = {subdir: name for name, (where, subdir) in mappings.items() if where == repo}
             try:
                 with os.scandir(repo) as entries:
                     names = [e.name for e in entries if _is_model_name(e.name) and e.is_dir()]
@@ -159,7 +219,8 @@ class ModelRepository:
                     f"failed to read model repository '{repo}': {exc.strerror or exc}"
                 ) from None
             for name in names:
-                found.setdefault(ModelId(namespace, name), []).append(repo / name)
+                model_id = ModelId(namespace, renamed.get(name, name))
+                found.setdefault(model_id, []).append(repo / name)
         ordered = sorted(found.items(), key=lambda item: item[0].order())
         models = {m: dirs[0] for m, dirs in ordered if len(dirs) == 1}
         duplicates = {m.name: dirs for m, dirs in ordered if len(dirs) > 1}
@@ -180,10 +241,20 @@ class ModelRepository:
         if self.refresh_on_find:  # EXPLICIT mode: a load fetches the model's latest files
             for mirror in self.mirrors:
                 mirror.sync(name)
+        roots, mappings = self._state()
+        namespaces = dict(roots)
+        if name in mappings:
+            # A mapped name is its mapped directory, and only that (core
+            # model_repository_manager.cc:1386-1411, Poll).
+            repo, subdir = mappings[name]
+            if not (repo / subdir).is_dir():
+                raise NotFound(f"mapped path '{repo / subdir}' does not exist for model '{name}'")
+            return {ModelId(namespaces.get(repo, ""), name): repo / subdir}
+        mapped = {repo / subdir for repo, subdir in mappings.values()}
         found = [
             (ModelId(namespace, name), repo / name)
-            for repo, namespace in zip(self.paths, self.namespaces)
-            if (repo / name).is_dir()
+            for repo, namespace in roots
+            if (repo / name).is_dir() and repo / name not in mapped  # (:1429-1440)
         ]
         if not found:
             raise not_found

@@ -20,9 +20,10 @@ StartSagemakerService "reuse[s] HTTP server settings").
   overrides GetInferenceHeaderLength and SetResponseHeader). Bodies are never
   compressed (sagemaker_server.h: both compression types are IDENTITY).
 - ``/models``, ``/models/<name>``, ``/models/<name>/invoke`` (the multi-model
-  endpoint: load a model from a path under ``/opt/ml/models``, list, invoke,
-  unload): not supported; each answers 501 with a JSON error saying so, after the
-  restricted-API check Triton makes; a method other than GET, POST or DELETE 400.
+  endpoint: load a model from a directory, list, describe, invoke, unload):
+  :mod:`~trionserve.protocol.http.sagemaker_mme`, served only with
+  ``SAGEMAKER_MULTI_MODEL=true`` and from directories under
+  ``--sagemaker-multi-model-root``; a method other than GET, POST or DELETE 400.
 - Any other path: 400 with no body (sagemaker_server.cc:269-273).
 """
 
@@ -48,6 +49,7 @@ from trionserve.protocol.http.frontend import (
     refuse_large_body,
 )
 from trionserve.protocol.http.infer import encode_response, error_response
+from trionserve.protocol.http.sagemaker_mme import DEFAULT_ROOT, MultiModelEndpoint, mme_disabled
 from trionserve.protocol.http.transport import Handler, Headers, HttpServer, RequestBody, Response
 from trionserve.protocol.restricted import RestrictedCategory
 
@@ -58,11 +60,6 @@ _MODELS_PATH = re.compile(r"/models(?:/)?([^/]+)?(/invoke)?")  # sagemaker_serve
 _BAD_REQUEST: Response = (400, [(b"content-length", b"0")], ())
 INFERENCE_TYPES = ("infer", "generate", "generate_stream")
 _DROPPED = (b"inference-header-content-length", b"content-encoding", b"accept-encoding")
-MME_UNSUPPORTED = (
-    "the SageMaker multi-model endpoint ({what}) is not supported by trionserve: it "
-    "cannot add a model repository path at run time; serve one model with "
-    "SAGEMAKER_TRITON_DEFAULT_MODEL_NAME and POST /invocations"
-)
 
 
 def _env(name: str, default: str) -> str:
@@ -87,6 +84,13 @@ class SagemakerOptions:
     inference_type: str = field(
         default_factory=partial(_env, "SAGEMAKER_TRITON_INFERENCE_TYPE", "infer")
     )
+    # The multi-model endpoint: on with SAGEMAKER_MULTI_MODEL=true (what SageMaker
+    # sets and Triton's docker/sagemaker/serve reads), loading only from
+    # directories under the root (--sagemaker-multi-model-root).
+    multi_model: bool = field(
+        default_factory=lambda: os.environ.get("SAGEMAKER_MULTI_MODEL") == "true"
+    )
+    multi_model_root: str = DEFAULT_ROOT
 
     def __post_init__(self) -> None:
         if self.inference_type not in INFERENCE_TYPES:
@@ -154,7 +158,13 @@ class SagemakerFrontend:
             http.dataplane, infer.verbose, None, infer.max_input_size, encode=encode_invocation
         )
         # The default model as the infer path's match (name, no version).
-        self._model = re.fullmatch(r"(?P<name>.*)(?P<version>)", options.model_name, re.S)
+        self._model = _model_match(options.model_name)
+        self.mme: MultiModelEndpoint | None = None
+        if options.multi_model:
+            self.mme = MultiModelEndpoint(
+                http.dataplane, options.multi_model_root, self.infer_on, http._checked
+            )
+        self._mme_off = mme_disabled(options.multi_model_root)
 
     def route(self, method: bytes, path: str) -> Handler:
         checked = self.http._checked
@@ -172,14 +182,11 @@ class SagemakerFrontend:
         if match is None or method not in (b"GET", b"POST", b"DELETE"):
             return partial(_answer, _BAD_REQUEST)
         name, invoke = match.groups()
+        if self.mme is not None:
+            return self.mme.route(method, name or "", bool(invoke))
         if method == b"POST" and invoke:
-            return _refusal(501, MME_UNSUPPORTED.format(what="POST /models/<name>/invoke"))
-        if invoke:
-            return partial(_answer, _BAD_REQUEST)
-        label = f"{method.decode()} /models" + ("/<name>" if name else "")
-        return checked(
-            RestrictedCategory.MODEL_REPOSITORY, _refusal(501, MME_UNSUPPORTED.format(what=label))
-        )
+            return self._mme_off
+        return checked(RestrictedCategory.MODEL_REPOSITORY, self._mme_off)
 
     async def ping(self, headers: Headers, body: RequestBody) -> Response:
         if self.options.ping_mode == "live":
@@ -190,11 +197,20 @@ class SagemakerFrontend:
         """The default model's infer (or generate) request: the content type's JSON
         size as the infer handler's Inference-Header-Content-Length, compression
         and the client's own header length ignored (as Triton's SageMaker server)."""
-        assert self._model is not None
         kind = self.options.inference_type
         if kind != "infer":
             handler = HttpFrontend.generate if kind == "generate" else HttpFrontend.generate_stream
             return await self.http._guarded(handler, self._model, headers, body)
+        return await self.infer_on(self._model, headers, body)
+
+    async def infer_on(
+        self, model: re.Match[str] | str, headers: Headers, body: RequestBody
+    ) -> Response:
+        """An infer request on ``model`` with SageMaker's headers: the content
+        type's JSON size as the infer handler's Inference-Header-Content-Length;
+        compression and the client's own header length ignored."""
+        if isinstance(model, str):
+            model = _model_match(model)
         try:
             length = header_length(headers, len(body))
         except InvalidArgument as error:
@@ -202,7 +218,14 @@ class SagemakerFrontend:
         kept = [(key, value) for key, value in headers if key not in _DROPPED]
         if length is not None:
             kept.append((b"inference-header-content-length", b"%d" % length))
-        return await self.infer.handle(self._model, kept, body)
+        return await self.infer.handle(model, kept, body)
+
+
+def _model_match(name: str) -> re.Match[str]:
+    """A model name as the infer path's match (name, no version)."""
+    match = re.fullmatch(r"(?P<name>.*)(?P<version>)", name, re.S)
+    assert match is not None
+    return match
 
 
 def _refusal(status: int, message: str) -> Handler:
