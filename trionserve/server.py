@@ -48,7 +48,7 @@ from trionserve.backends.registry import BackendFactory
 from trionserve.core.client_budget import DEFAULT_STALL_SECS, ClientBudget
 from trionserve.core.errors import InternalError, TritonError, Unavailable
 from trionserve.core.inference import DEFAULT_UNDELIVERED_RESPONSE_BYTES
-from trionserve.core.memory import fix_mmap_threshold
+from trionserve.core.memory import fix_mmap_threshold, settle_heap
 from trionserve.core.redis_cache import RedisResponseCache, RedisSettings
 from trionserve.core.response_cache import ResponseCache
 from trionserve.dataplane import DataPlane
@@ -398,6 +398,7 @@ class Server:
                     + "; ".join(f"{name}: {reason}" for name, reason in failed),
                     summary="failed to load all models: " + ", ".join(name for name, _ in failed),
                 )
+            settle_heap(options.exit_process)  # (before the first request comes)
             async with trio.open_nursery() as frontends:
                 self._frontends = frontends
                 endpoints = []
