@@ -174,7 +174,7 @@ async def test_a_drain_does_not_wait_for_the_clients_next_request(repository, wr
     GATE.release.set()
     server = make_server(repository)
     port = server.options.http_port
-    with trio.fail_after(10):  # the tick sweeps every 50 ms
+    with trio.fail_after(10):  # the tick sweeps every 0.25 s
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             sock = await in_thread(socket.create_connection, ("127.0.0.1", port))

@@ -349,7 +349,7 @@ async def test_a_client_gone_during_a_slow_request_cancels_it(connect, autojump_
     await peer.send(post("/slow", b""))
     await app.entered.wait()
     await peer.stream.send_eof()
-    with trio.fail_after(1):  # virtual: the watcher starts after 0.05 s
+    with trio.fail_after(1):  # virtual: the watcher starts after 0.25-0.5 s
         await app.cancelled.wait()
     assert await peer.closed()
 
@@ -361,7 +361,7 @@ async def test_a_request_pipelined_during_a_slow_one_waits_its_turn(connect, aut
     _, peer = connect(app)
     await peer.send(post("/slow", b""))
     await app.entered.wait()
-    await trio.sleep(0.2)  # the watcher is on the socket
+    await trio.sleep(0.6)  # the watcher is on the socket
     await peer.send(post("/echo", b"second"))
     await trio.testing.wait_all_tasks_blocked()
     app.release.set()

@@ -29,7 +29,7 @@ finished while nothing else waits for the instance (its scheduler ``quiet``: no
 request queued, no job given to the thread), is answered from this thread, and its
 report does not wake the event loop: the job waits in the run's
 :class:`~trionserve.core.deferred.Deferred` reports until the loop next sweeps them
-(as the client's next request arrives, or at the HTTP server's 50 ms tick), which
+(as the client's next request arrives, or at the HTTP server's 0.25 s tick), which
 delivers it as the report would have (outcomes, statistics, in-flight counts). At
 c=1 that is one wake-up of the loop per request instead of two
 (benchmarks/README.md, issue 39's fourth round).

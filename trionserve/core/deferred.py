@@ -8,7 +8,7 @@ request, which saves the loop a wake-up from its sleep per request (about 0.2 ms
 cold caches at c=1 on a small machine; benchmarks/README.md, issue 39's fourth
 round). Such a report goes into the run's :class:`Deferred`; the loop delivers
 every one there when it sweeps: a connection woken by its client, a statistics or
-metrics read, the HTTP server's 50 ms tick (so a drain never waits on a client).
+metrics read, the HTTP server's 0.25 s tick (so a drain never waits on a client).
 
 A thread appends its job before it writes any of the job's answers, so a consumer
 that sees its answer written finds the job here; when an answer could not be

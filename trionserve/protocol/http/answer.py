@@ -30,7 +30,7 @@ What holds:
   encoding that raised: the loop encodes it again and answers its error).
 - The request gets its one final outcome from the executor's report either way
   (deferred or not), and is counted in flight until then: the HTTP server's
-  50 ms tick sweeps, so a drain never waits for a client's next request.
+  tick (every 0.25 s) sweeps, so a drain never waits for a client's next request.
 """
 
 from __future__ import annotations
