@@ -16,6 +16,13 @@ def test_a_flag_shortened_to_a_prefix_of_one_flag_is_that_flag(tmp_path):
     assert options.model_repositories == [tmp_path] and options.log_verbose == 2
 
 
+@pytest.mark.parametrize("value, level", [("true", 1), ("FALSE", 0), ("3", 3)])
+def test_log_verbose_takes_an_integer_or_a_boolean(tmp_path, value, level):
+    # Triton's ParseIntBoolOption; docker/sagemaker/serve passes --log-verbose=true.
+    options, _ = parse_options([f"--model-repository={tmp_path}", f"--log-verbose={value}"])
+    assert options.log_verbose == level
+
+
 def test_a_prefix_of_several_flags_is_refused_naming_them(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         parse_options([f"--model-repository={tmp_path}", "--log-"])

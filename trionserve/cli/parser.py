@@ -32,6 +32,7 @@ from trionserve.cli.values import (
     config_name,
     header_pattern,
     int_at_least,
+    int_bool,
     memory_limit,
     non_negative_float,
     non_negative_int,
@@ -377,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--log-verbose",
-        type=int,
+        type=int_bool,
         default=0,
         metavar="LEVEL",
         help="verbose logging level; > 0 logs every request",

@@ -34,6 +34,21 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def int_bool(text: str) -> int:
+    """``--log-verbose``: an integer, or true (1) / false (0) in any case, as
+    Triton's ParseIntBoolOption (command_line_parser.cc:198-213); its
+    docker/sagemaker/serve passes ``--log-verbose=true``."""
+    value = text.strip().lower()
+    if value in ("true", "false"):
+        return int(value == "true")
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer, true or false, got {text!r}"
+        ) from None
+
+
 def memory_limit(text: str) -> MemoryLimit:
     """``--model-memory-limit``: ``host:<bytes>`` or ``gpu:<index>:<bytes or fraction>``."""
     try:
