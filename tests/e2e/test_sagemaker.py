@@ -181,6 +181,11 @@ def test_no_default_model_is_the_unknown_models_error(unready):
         "POST", f"/v2/models/{name}/infer", body, port=unready.proc.http_port
     )
     assert (status, json.loads(answer)) == (http_status, json.loads(http_answer))
+    # The model is looked up before the body is read (L0_sagemaker posts 'dummy').
+    status, _, answer = unready.request("POST", "/invocations", b"dummy")
+    assert status == 404, answer
+    expected = f"Request for unknown model: '{name}' is not found"
+    assert json.loads(answer)["error"] == expected
 
 
 def test_other_paths(sagemaker):

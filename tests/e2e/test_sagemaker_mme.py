@@ -216,7 +216,9 @@ def test_a_url_outside_the_root_is_refused(mme, layout, url, message):
 @pytest.mark.parametrize(
     "body, message",
     [
-        (b"{not json", "failed to parse the request JSON"),
+        (b"{not json", "JSON buffer: Missing a name for object member. at 1"),
+        (b"", "JSON buffer: The document is empty. at 0"),
+        (b"[1]", "must be a JSON object"),
         (b'{"model_name": "m"}', '"url"'),
         (b'{"url": "/x", "model_name": 5}', '"model_name"'),
         (b'{"url": "/x", "model_name": ".."}', "path traversal"),
@@ -252,6 +254,12 @@ def test_off_without_sagemaker_multi_model(tmp_path):
             assert status == 404, (method, path)
             assert "SAGEMAKER_MULTI_MODEL=true" in json.loads(answer)["error"]
         assert "m" not in _index(server)
+        # A load's body is read first, as Triton's ParseSageMakerRequest does: a
+        # malformed one is its 400, in RapidJSON's words (L0_sagemaker's chunked test).
+        status, _, answer = server.request("POST", "/models", b"A" * 100)
+        assert status == 400
+        expected = "failed to parse the request JSON buffer: Invalid value. at 0"
+        assert json.loads(answer)["error"] == expected
         assert server.proc.stop() == 0
     finally:
         server.proc.close()

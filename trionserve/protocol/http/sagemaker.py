@@ -36,7 +36,7 @@ from functools import partial
 
 import trio
 
-from trionserve.core.errors import InvalidArgument
+from trionserve.core.errors import InvalidArgument, TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.core.shared_memory import RequestRegions
 from trionserve.dataplane import DataPlane
@@ -165,6 +165,7 @@ class SagemakerFrontend:
                 http.dataplane, options.multi_model_root, self.infer_on, http._checked
             )
         self._mme_off = mme_disabled(options.multi_model_root)
+        self._mme_load_off = mme_disabled(options.multi_model_root, load=True)
 
     def route(self, method: bytes, path: str) -> Handler:
         checked = self.http._checked
@@ -186,7 +187,8 @@ class SagemakerFrontend:
             return self.mme.route(method, name or "", bool(invoke))
         if method == b"POST" and invoke:
             return self._mme_off
-        return checked(RestrictedCategory.MODEL_REPOSITORY, self._mme_off)
+        off = self._mme_load_off if method == b"POST" else self._mme_off
+        return checked(RestrictedCategory.MODEL_REPOSITORY, off)
 
     async def ping(self, headers: Headers, body: RequestBody) -> Response:
         if self.options.ping_mode == "live":
@@ -211,9 +213,16 @@ class SagemakerFrontend:
         compression and the client's own header length ignored."""
         if isinstance(model, str):
             model = _model_match(model)
+        dataplane = self.http.dataplane
         try:
+            # The model first, then the body: Triton asks for the model's
+            # transaction properties before reading it (sagemaker_server.cc:446-460,
+            # http_server.cc HandleInfer), so an unknown model is the answer to
+            # any body. (Not where models load on demand: the infer loads them.)
+            if dataplane.registry.residency is None:
+                dataplane.model(model.group("name"), None)
             length = header_length(headers, len(body))
-        except InvalidArgument as error:
+        except TritonError as error:
             return error_response(error)
         kept = [(key, value) for key, value in headers if key not in _DROPPED]
         if length is not None:

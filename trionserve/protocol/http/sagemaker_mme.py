@@ -45,6 +45,7 @@ registration (model_repository_manager.cc:1721-1726).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Awaitable, Callable
@@ -58,7 +59,7 @@ import trio
 from trionserve.actors.watcher import ControlMode
 from trionserve.core.errors import AlreadyExists, InvalidArgument, TritonError
 from trionserve.dataplane import DataPlane
-from trionserve.protocol.http.frontend import _header, _json, json_body
+from trionserve.protocol.http.frontend import _header, _json
 from trionserve.protocol.http.transport import Handler, Headers, RequestBody, Response
 from trionserve.protocol.restricted import RestrictedCategory
 from trionserve.repository.repository import check_model_name
@@ -320,9 +321,48 @@ class MultiModelEndpoint:
         return _OK
 
 
+# Python's json errors in RapidJSON's words (its GetParseError_En), which Triton's
+# EVRequestToJson reports: "failed to parse the request JSON buffer: <text> at <offset>".
+_RAPIDJSON_ERRORS = (
+    ("Expecting value", "Invalid value."),
+    ("Extra data", "The document root must not be followed by other values."),
+    ("Expecting property name", "Missing a name for object member."),
+    ("Expecting ':' delimiter", "Missing a colon after a name of object member."),
+    ("Expecting ',' delimiter", "Missing a comma or '}' after an object member."),
+    ("Unterminated string", "Missing a closing quotation mark in string."),
+    ("Invalid control character", "Invalid encoding in string."),
+    ("Invalid \\escape", "Invalid escape character in string."),
+)
+
+
+def parse_json(body: RequestBody) -> object:
+    """A load's JSON body, or InvalidArgument in Triton's words (http_server.cc
+    EVRequestToJson, with RapidJSON's messages where Python's parser has a match)."""
+    data = bytes(body)
+    if not data.strip():
+        raise InvalidArgument(
+            "failed to parse the request JSON buffer: The document is empty. at 0"
+        )
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise InvalidArgument("failed to parse the request JSON: nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        text = next(
+            (words for start, words in _RAPIDJSON_ERRORS if exc.msg.startswith(start)), exc.msg
+        )
+        raise InvalidArgument(
+            f"failed to parse the request JSON buffer: {text} at {exc.pos}"
+        ) from None
+    except ValueError as exc:  # not UTF-8
+        raise InvalidArgument(f"failed to parse the request JSON buffer: {exc}") from None
+
+
 def _load_request(body: RequestBody) -> tuple[str, str]:
     """``model_name`` and ``url`` of a load's JSON body (ParseSageMakerRequest)."""
-    doc = json_body(body)
+    doc = parse_json(body)
+    if not isinstance(doc, dict):
+        raise InvalidArgument("the request body must be a JSON object")
     values = []
     for key in ("model_name", "url"):
         value = doc.get(key)
@@ -332,8 +372,10 @@ def _load_request(body: RequestBody) -> tuple[str, str]:
     return values[0], values[1]
 
 
-def mme_disabled(root: str) -> Handler:
-    """Every MME route's answer while it is off: 404 saying how it is turned on."""
+def mme_disabled(root: str, load: bool = False) -> Handler:
+    """An MME route's answer while it is off: 404 saying how it is turned on; a
+    load's malformed body is first its 400, as Triton parses it first
+    (sagemaker_server.cc:241, :305-306)."""
     message = (
         "the SageMaker multi-model endpoint is off: it loads models from directories "
         "named in requests, so it is served only with SAGEMAKER_MULTI_MODEL=true in the "
@@ -342,6 +384,11 @@ def mme_disabled(root: str) -> Handler:
     response = _json({"error": message}, 404)
 
     async def answer(headers: Headers, body: RequestBody) -> Response:
+        if load:
+            try:
+                parse_json(body)
+            except InvalidArgument as error:
+                return _json({"error": error.message}, 400)
         return response
 
     return answer
