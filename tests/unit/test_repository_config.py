@@ -1114,6 +1114,21 @@ def test_integer_errors_in_protobufs_cpp_words(tmp_path, value, words):
     assert info.value.message.endswith(words)
 
 
+def test_parse_error_writes_protobufs_own_unescaped_line(tmp_path, capfd):
+    # Triton's process prints the C++ parser's error through protobuf's logger on
+    # stderr, quotes as they are, beside its own escaped record (Triton 2.51:
+    # "[libprotobuf ERROR .../text_format.cc:337] Error parsing text-format
+    # inference.ModelConfig: 6:24: ..."); qa/L0_simple_ensemble greps it.
+    text = 'ensemble_scheduling {\n  max_inflight_requests: "invalid_value"\n}\n'
+    with pytest.raises(InvalidArgument):
+        read_model_config(write_model(tmp_path, "m", text))
+    err = capfd.readouterr().err
+    assert err == (
+        "[libprotobuf ERROR google/protobuf/text_format.cc:337] Error parsing text-format "
+        'inference.ModelConfig: 2:26: Expected integer, got: "invalid_value"\n'
+    )
+
+
 def test_unknown_field_is_a_parse_error(tmp_path):
     with pytest.raises(InvalidArgument, match=r"line 1, column 1: .*no_such_field"):
         read_model_config(write_model(tmp_path, "m", "no_such_field: 1\n"))

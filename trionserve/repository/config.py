@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -146,8 +147,36 @@ def _parse_text(text: str, context: str) -> ModelConfig:
         if line is not None:
             # str(exc) starts with "line:column : "; say it in words instead.
             detail = detail.split(" : ", 1)[-1]
+            # Python's parser quotes the line before some messages; C++'s does not.
+            lines = text.splitlines()
+            echo = f"'{lines[line - 1]}': " if 0 < line <= len(lines) else ""
+            _protobuf_error_line(f"{line}:{column}: {detail.removeprefix(echo)}")
             raise InvalidArgument(f"{context}: line {line}, column {column}: {detail}") from None
+        _protobuf_error_line(detail)
         raise InvalidArgument(f"{context}: {detail}") from None
+
+
+def _protobuf_error_line(detail: str) -> None:
+    """The line protobuf's C++ text parser writes to stderr on a parse error.
+
+    Triton reads config.pbtxt with ``TextFormat::ParseFromString`` (core
+    src/filesystem/api.cc:599, ReadTextProto), whose default error collector logs
+    the parser's own words through protobuf's logger, outside Triton's and so not
+    escaped (protobuf src/google/protobuf/text_format.cc:337, as Triton 2.51 prints
+    it: ``[libprotobuf ERROR .../text_format.cc:337] Error parsing text-format
+    inference.ModelConfig: 6:24: ...``); Triton's own line then says only "failed
+    to read text proto from <path>". Scripts grep the parser's words with their
+    quotes (qa/L0_simple_ensemble: ``Expected integer, got: "invalid_value"``),
+    which the escaped records of Triton's log format would not match.
+    """
+    stream = sys.stderr
+    if stream is None:  # no stderr at all (a detached interpreter)
+        return
+    stream.write(
+        "[libprotobuf ERROR google/protobuf/text_format.cc:337] Error parsing "
+        f"text-format {ModelConfig.DESCRIPTOR.full_name}: {detail}\n"
+    )
+    stream.flush()
 
 
 def _cpp_wording(detail: str) -> str:
