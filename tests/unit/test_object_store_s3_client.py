@@ -83,10 +83,26 @@ def test_a_bucket_head_refused_names_the_credentials(stand_in, tmp_path):
     endpoint, handler = stand_in
     handler.head_status = 403
     mirror = ObjectStoreMirror(f"s3://{endpoint}/locked/models", tmp_path / "cache")
+    # Triton's words exactly (its AWS C++ SDK names a body-less error '' / 'No
+    # response body.'; qa/L0_storage_S3_local greps them), then the status.
     expected = (
-        "'s3://.*/locked/models': Unable to create S3 filesystem client. Check account "
-        "credentials. Exception: '403' Message: 'Forbidden'"
+        "'s3://127.0.0.1:[0-9]+/locked/models': Unable to create S3 filesystem client. "
+        "Check account credentials. Exception: '' Message: 'No response body.' "
+        r"\(HTTP 403: access denied"
     )
     with pytest.raises(Unavailable, match=expected):
         mirror.sync()
+    assert [method for method, _, _ in handler.seen] == ["HEAD"]
+
+
+def test_a_bucket_head_not_found_in_tritons_words_then_the_reason(stand_in, tmp_path):
+    endpoint, handler = stand_in
+    handler.head_status = 404
+    mirror = ObjectStoreMirror(f"s3://{endpoint}/gone/models", tmp_path / "cache")
+    with pytest.raises(Unavailable) as info:
+        mirror.sync()
+    assert info.value.message.endswith(
+        "Unable to create S3 filesystem client. Check account credentials. Exception: '' "
+        "Message: 'No response body.' (HTTP 404: NoSuchBucket, the bucket does not exist)"
+    )
     assert [method for method, _, _ in handler.seen] == ["HEAD"]

@@ -158,17 +158,28 @@ class S3Store:
         does when it is created (core src/filesystem/implementations/s3.h:337-353,
         CheckClient: a HeadBucket request; when it fails, "Unable to create S3
         filesystem client. Check account credentials. Exception: '<name>'
-        Message: '<message>'", here with the error code and message boto3 gives)."""
+        Message: '<message>'").
+
+        A HEAD answer has no body, and the AWS C++ SDK Triton links names an
+        error without a body ``''`` / ``No response body.`` whatever its status
+        (aws-cpp-sdk-core AWSXmlClient::BuildAWSError), so a refused or missing
+        bucket reads exactly as in Triton's log (qa/L0_storage_S3_local and
+        L0_storage_S3 grep it); the status follows, as a reason to act on. A
+        store that could not be reached at all gives the client's own reason.
+        """
         try:
             self.client.head_bucket(Bucket=self.location.bucket)
         except Exception as exc:
-            code, _, message = _reason(exc).partition(": ")
-            if code == "404":  # a HEAD answer has no body to name it
-                code, message = "NoSuchBucket", "The specified bucket does not exist"
+            status = _http_status(exc)
+            if status is None:
+                code, _, message = _reason(exc).partition(": ")
+                words = f"Exception: '{code}' Message: '{message}'"
+            else:
+                meaning = _HEAD_STATUS.get(status, "")
+                words = f"Exception: '' Message: 'No response body.' (HTTP {status}{meaning})"
             raise Unavailable(
                 f"failed to open model repository '{self.location.url}': Unable to create "
-                f"S3 filesystem client. Check account credentials. Exception: '{code}' "
-                f"Message: '{message}'"
+                f"S3 filesystem client. Check account credentials. {words}"
             ) from None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
@@ -480,6 +491,22 @@ def _size(path: Path) -> int | None:
         return path.stat().st_size if path.is_file() else None
     except OSError:
         return None
+
+
+# What a HeadBucket status means, after Triton's words for it (see _check_bucket).
+_HEAD_STATUS = {
+    403: ": access denied, the credentials were refused or lack the right",
+    404: ": NoSuchBucket, the bucket does not exist",
+}
+
+
+def _http_status(exc: Exception) -> int | None:
+    """The HTTP status of a botocore ClientError, None for any other failure."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else None
 
 
 def _reason(exc: Exception) -> str:
