@@ -423,6 +423,7 @@ class DataPlane:
             trace = self.tracing.start(model, request, cast("FrontendStamps", context))
         run.trace = request.trace = trace
         self.drain.request_began(model, request)
+        request.queued = queued
         try:
             await model.infer(request)
         except BaseException as exc:

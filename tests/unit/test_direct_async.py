@@ -319,3 +319,28 @@ async def test_queued_requests_are_taken_in_order_sixteen_without_a_task_switch(
         taken.append((await outlet.receive_direct_async(run_direct))[0].id)
     assert taken == [str(i) for i in range(EAGER_BATCHES + 2)]
     assert scheduler.pending == 0
+
+
+async def test_a_run_in_the_submitting_task_counts_as_held_before_it_ends():
+    """The data plane's ``queued`` (what an ensemble's next step run and a gRPC
+    stream's next request wait for) is set as the run begins, not once the model
+    answered: an ensemble whose decoupled step feeds a stub model held its
+    producer's final flag behind the whole run, so the last answer went out
+    without the flag and the flag alone after it, which a gRPC client does not
+    get (qa/L0_simple_ensemble EnsembleStepMaxQueueSizeTest waited 60 s)."""
+    scheduler = DefaultScheduler()
+    instance = _StubLike()
+    executor = _executor(scheduler, instance)
+    request = _request("a")
+    request.queued = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(executor.run)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(scheduler.submit, request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert instance.busy == 1  # running, in the submitting task
+        assert request.queued.is_set()
+        instance.gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert instance.executed == ["a"]
+        executor.stop()

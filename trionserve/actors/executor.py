@@ -586,6 +586,8 @@ class InstanceExecutor:
             self._outlet.complete(live, ())
             return True
         running = self._direct_running = trio.Event()
+        for request in live:
+            request.held()  # its caller goes on while the model runs it
         start = trio.current_time()
         settling = False
         try:

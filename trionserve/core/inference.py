@@ -160,6 +160,7 @@ class InferenceRequest:
         "_in_hand",
         "answer",
         "_on_final",
+        "queued",
     )
 
     def __init__(
@@ -234,6 +235,11 @@ class InferenceRequest:
         self.answer: ThreadAnswer | None = None
         # Called once with the final outcome (see on_final).
         self._on_final: Callable[[], None] | None = None
+        # Set by the data plane: what its caller waits on until the model holds
+        # the request (an ensemble's next step run, a stream's next request). A
+        # batch run in the submitting task sets it as the run begins (``held``,
+        # InstanceExecutor._run_direct_awaited), not once the model has answered.
+        self.queued: trio.Event | None = None
 
     @property
     def cancelled(self) -> bool:
@@ -258,6 +264,12 @@ class InferenceRequest:
             callback()
             return
         self._on_cancel = callback
+
+    def held(self) -> None:
+        """The model holds the request now (it is running it): its caller's
+        ``queued`` wait ends, as it would once the request was queued."""
+        if self.queued is not None:
+            self.queued.set()
 
     def on_final(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on the Trio thread, once) when the request gets its
