@@ -19,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
 from tests.serverproc import free_port
-from trionserve.protocol.grpc.service import GrpcOptions
+from trionserve.protocol.grpc.options import GrpcOptions
 from trionserve.server import Server, ServerOptions
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trionserve.cli.options import options_from_args
-from trionserve.protocol.grpc.service import GrpcOptions
+from trionserve.protocol.grpc.options import GrpcOptions
 
 
 def grpc_options(*flags: str) -> GrpcOptions:

@@ -37,7 +37,7 @@ from trionserve.api._trio import (
     sole_exception,
 )
 from trionserve.core.errors import as_triton_error
-from trionserve.protocol.grpc.service import GrpcOptions
+from trionserve.protocol.grpc.options import GrpcOptions
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.protocol.openai.frontend import OpenAIOptions
 from trionserve.server import Server as Core

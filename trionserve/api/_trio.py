@@ -43,7 +43,7 @@ from trionserve.observability.gpu_metrics import GpuMetricsCollector
 from trionserve.observability.logging import configure_logging
 from trionserve.observability.metrics import CpuMetricsCollector, build_metrics_registry
 from trionserve.observability.statistics import statistics_json
-from trionserve.protocol.grpc.service import GrpcOptions
+from trionserve.protocol.grpc.options import GrpcOptions
 from trionserve.protocol.http.frontend import HttpFrontend, HttpOptions
 from trionserve.protocol.http.infer import body_too_large
 from trionserve.protocol.openai.frontend import OpenAIOptions

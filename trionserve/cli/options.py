@@ -26,7 +26,7 @@ from trionserve.core.redis_cache import RedisSettings
 from trionserve.core.response_cache import parse_cache_config, redis_settings
 from trionserve.observability.metrics import MetricsOptions, parse_metrics_config
 from trionserve.observability.trace.settings import TraceConfig, parse_trace_config
-from trionserve.protocol.grpc.service import GrpcOptions, GrpcSsl
+from trionserve.protocol.grpc.options import GrpcOptions, GrpcSsl
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.protocol.http.sagemaker import SagemakerOptions
 from trionserve.protocol.openai.chat import ChatTemplates
