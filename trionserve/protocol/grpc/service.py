@@ -36,6 +36,7 @@ from trionserve.observability.trace.frontend import (
 from trionserve.observability.trace.settings import settings_to_grpc
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import framing as grpc_framing
+from trionserve.protocol.grpc import infercache as grpc_infercache
 from trionserve.protocol.grpc.options import GrpcOptions
 from trionserve.protocol.grpc.streams import STREAM_PENDING_LIMIT, StreamBudget, Turn
 from trionserve.protocol.grpc.transport import (
@@ -320,35 +321,44 @@ class GrpcService:
     # -- inference -------------------------------------------------------------------
 
     async def model_infer(self, data: grpc_framing.Message, call: GrpcCall) -> list:
+        # The common request (infercache): it names no shared memory, so no
+        # regions are held for it; any other goes through protobuf (codec).
+        request = grpc_infercache.decode_request(data)
+        if request is not None:
+            return await self._model_infer(request, call, None)
         shared_memory = self.dataplane.request_regions()
         try:
-            return await self._model_infer(data, call, shared_memory)
+            message, raws = grpc_codec.parse_infer_request(data)
+            try:
+                request = grpc_codec.decode_infer_request(message, shared_memory, raws)
+            except TritonError as error:  # Triton's Execute logs it (infer_handler.cc:987)
+                log_infer_failed(message.id, error.message)
+                raise
+            return await self._model_infer(request, call, shared_memory)
         finally:
             if shared_memory is not None:
                 shared_memory.release()
 
     async def _model_infer(
-        self, data: grpc_framing.Message, call: GrpcCall, shared_memory: RequestRegions | None
+        self, request: InferenceRequest, call: GrpcCall, shared_memory: RequestRegions | None
     ) -> list:
-        message, raws = grpc_codec.parse_infer_request(data)
-        try:
-            request = grpc_codec.decode_infer_request(message, shared_memory, raws)
-        except TritonError as error:  # Triton's Execute logs it too (infer_handler.cc:987)
-            log_infer_failed(message.id, error.message)
-            raise
         self._forward_headers(call, request)
         if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
             request.trace_context = getattr(call, "stamps", None)
         if not (self.verbose or verbose_logging()):
             response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
-            return grpc_codec.encode_infer_response(response, request, None, shared_memory)
+            return grpc_infercache.encode_response(
+                response, request
+            ) or grpc_codec.encode_infer_response(response, request, None, shared_memory)
         log.debug("infer request", protocol="GRPC", model=request.model_name, id=request.id)
         # Verbose: an access-log line once answered (protocol, model, status, latency).
         started = time.perf_counter()
         status = "CANCELLED"  # unless it ends otherwise
         try:
             response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
-            encoded = grpc_codec.encode_infer_response(response, request, None, shared_memory)
+            encoded = grpc_infercache.encode_response(
+                response, request
+            ) or grpc_codec.encode_infer_response(response, request, None, shared_memory)
             status = "OK"
             return encoded
         except TritonError as error:

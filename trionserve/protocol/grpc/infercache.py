@@ -1,0 +1,292 @@
+"""ModelInfer's common messages without protobuf objects: what repeats is cached.
+
+A client sends the same ``ModelInferRequest`` call after call but for its tensors'
+bytes (tritonclient and perf_analyzer: the model's name, the inputs' names, types
+and shapes, then the ``raw_input_contents``), and a model answers with the same
+``ModelInferResponse`` but for its outputs' bytes. As the HTTP codec parses a
+repeated JSON header once (``protocol/http/codec.py`` ``_parse_header``) and
+keeps the JSON header of a response per outputs' description
+(``_described_response_header``):
+
+- :func:`decode_request`: the message's wire bytes before its
+  ``raw_input_contents`` (its head) are parsed by protobuf and checked once per
+  distinct head, into a plan; a call with a head seen before only cuts the raw
+  contents out of the bytes (views of them, no copy) and checks their count and
+  sizes against the plan.
+- :func:`encode_response`: the serialized response without its
+  ``raw_output_contents`` is made by protobuf once per model, version, id and
+  outputs' names, types and shapes; a call appends its outputs' bytes.
+
+Only the common form is taken: for anything else (fields out of protobuf's order,
+an unknown field, request parameters a plan cannot copy, an input's parameters
+or typed contents, shared memory, a count or size that does not match, response
+parameters) these functions return None and :mod:`codec` does the work with
+protobuf messages, naming any fault. :mod:`codec` stays the reference:
+tests/unit/test_grpc_infercache.py checks that both give the same request and
+the same bytes, for random messages and every way of cutting and changing them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from trionserve._generated import grpc_service_pb2 as pb
+from trionserve.core.bytes_tensor import deserialize_bytes_tensor
+from trionserve.core.datatypes import BY_WIRE, WIRE_DTYPE, DataType
+from trionserve.core.errors import TritonError
+from trionserve.core.inference import (
+    InferenceRequest,
+    InferenceResponse,
+    RequestedOutput,
+    Tensor,
+)
+from trionserve.core.outputs import output_bytes
+from trionserve.core.validation import check_shape_size, parse_model_version
+from trionserve.protocol.grpc.codec import (
+    Chunks,
+    Wire,
+    _apply_request_parameters,
+    _decode_outputs,
+    _fmt_shape,
+    _varint,
+)
+
+__all__ = ["decode_request", "encode_response"]
+
+# ModelInferRequest's fields 1-6 (model_name, model_version, id, parameters,
+# inputs, outputs; grpc_service.proto), each length-delimited: their tags. Field
+# 7, raw_input_contents, comes after them in protobuf's order (how every
+# protobuf library serializes a message).
+_HEAD_TAGS = frozenset(number << 3 | 2 for number in range(1, 7))
+_RAW_INPUT_TAG = 7 << 3 | 2
+# Heads up to this size are planned, at most this many kept (least recently
+# used dropped): a client cannot make the cache hold more than about 1 MiB.
+_HEAD_LIMIT = 4096
+_PLANS = 256
+# A response's id up to this length is cached with its outputs' description.
+_ID_LIMIT = 128
+# The request attributes a request's parameters set (codec._apply_request_parameters).
+_PARAMETER_ATTRIBUTES = ("priority", "timeout_us", "sequence_id", "sequence_start", "sequence_end")
+
+
+def _split(data: memoryview) -> tuple[bytes, list[memoryview]] | None:
+    """The message's head (its fields before the raw_input_contents, as bytes)
+    and the raw contents (views of ``data``), or None unless the message is
+    fields 1-6 then only field 7, every length within the message."""
+    end = len(data)
+    offset = 0
+    try:
+        while offset < end:
+            if data[offset] not in _HEAD_TAGS:
+                break
+            length = data[offset + 1]
+            offset += 2
+            if length > 0x7F:
+                length, offset = _read_varint(data, offset - 1)
+            offset += length
+        if offset > end or offset > _HEAD_LIMIT:
+            return None
+        head_end = offset
+        raws: list[memoryview] = []
+        while offset < end:
+            if data[offset] != _RAW_INPUT_TAG:
+                return None
+            length = data[offset + 1]
+            offset += 2
+            if length > 0x7F:
+                length, offset = _read_varint(data, offset - 1)
+            stop = offset + length
+            if stop > end:
+                return None
+            raws.append(data[offset:stop])
+            offset = stop
+    except (IndexError, ValueError):
+        return None
+    return data[:head_end].tobytes(), raws
+
+
+def _read_varint(data: memoryview, offset: int) -> tuple[int, int]:
+    """The varint at ``offset`` and the offset after it (IndexError past the end,
+    ValueError past 10 bytes)."""
+    value = shift = 0
+    while True:
+        byte = data[offset]
+        offset += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, offset
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+# An input as a plan takes it: name, datatype, numpy dtype on the wire, shape,
+# element count, and byte size (None for BYTES, which its data sizes).
+_Input = tuple[str, DataType, np.dtype, list[int], int, int | None]
+
+
+class RequestPlan:
+    """What a request head says, checked: the request each call builds from it."""
+
+    __slots__ = ("model", "version", "id", "inputs", "outputs", "parameters", "attributes")
+
+    def __init__(
+        self,
+        model: str,
+        version: int | None,
+        request_id: str,
+        inputs: list[_Input],
+        outputs: list[tuple[str, dict[str, Any]]] | None,
+        template: InferenceRequest | None,
+    ) -> None:
+        self.model = model
+        self.version = version
+        self.id = request_id
+        self.inputs = inputs
+        self.outputs = outputs
+        # What the request's parameters set, copied into each call's request.
+        self.parameters = template.parameters if template is not None else None
+        self.attributes = (
+            [(name, getattr(template, name)) for name in _PARAMETER_ATTRIBUTES]
+            if template is not None
+            else None
+        )
+
+    def request(self, raws: list[memoryview]) -> InferenceRequest | None:
+        """The request with these raw contents, or None when they do not fit."""
+        inputs = self.inputs
+        if len(raws) != len(inputs):
+            return None
+        tensors: dict[str, Tensor] = {}
+        for (name, dt, dtype, shape, count, size), raw in zip(inputs, raws, strict=True):
+            if size is None:  # BYTES
+                try:
+                    what = f"input '{name}' with shape {_fmt_shape(shape)}"
+                    data = deserialize_bytes_tensor(raw, count, what).reshape(shape)
+                except TritonError:
+                    return None  # codec names the fault
+            elif len(raw) != size:
+                return None
+            elif count:
+                data = np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+            else:
+                data = np.empty(shape, dtype=dt.numpy)
+            tensors[name] = Tensor(name, dt.wire, data)
+        request = InferenceRequest(self.model, self.version, id=self.id)
+        request.inputs = tensors
+        if self.outputs is not None:
+            request.requested_outputs = [
+                RequestedOutput(name, dict(params)) for name, params in self.outputs
+            ]
+        if self.attributes is not None:
+            assert self.parameters is not None
+            request.parameters = dict(self.parameters)
+            for name, value in self.attributes:
+                setattr(request, name, value)
+        return request
+
+
+@functools.lru_cache(maxsize=_PLANS)
+def _plan(head: bytes) -> RequestPlan | None:
+    """The plan of a request head, or None when it is not in the common form (or
+    not valid: the codec then says why)."""
+    try:
+        message = pb.ModelInferRequest.FromString(head)
+    except DecodeError:
+        return None
+    try:
+        version = parse_model_version(message.model_version)
+        template = None
+        if message.parameters:
+            template = InferenceRequest(message.model_name, version, id=message.id)
+            _apply_request_parameters(template, message.parameters)
+        inputs: list[_Input] = []
+        seen: set[str] = set()
+        for spec in message.inputs[:]:
+            name = spec.name
+            dt = BY_WIRE.get(spec.datatype)
+            if name in seen or dt is None or spec.parameters or spec.HasField("contents"):
+                return None
+            seen.add(name)
+            shape = spec.shape[:]
+            if shape and min(shape) < 0:
+                return None
+            check_shape_size(name, shape, dt.itemsize)
+            count = math.prod(shape)
+            size = None if dt.itemsize == 0 else count * dt.itemsize
+            inputs.append((name, dt, WIRE_DTYPE.get(dt.wire, dt.numpy), shape, count, size))
+        outputs = None
+        if message.outputs:
+            # Shared memory (no regions given here) raises: the codec's case.
+            requested = _decode_outputs(message.outputs[:], None)
+            outputs = [(o.name, o.parameters) for o in requested]
+    except TritonError:
+        return None
+    return RequestPlan(message.model_name, version, message.id, inputs, outputs, template)
+
+
+def decode_request(data: Wire) -> InferenceRequest | None:
+    """The request of a serialized ModelInferRequest in the common form (its input
+    tensors views of ``data``, writable when ``data`` is), or None: then decode it
+    with :func:`codec.decode_infer_request`. Never raises."""
+    split = _split(memoryview(data).cast("B"))
+    if split is None:
+        return None
+    plan = _plan(split[0])
+    if plan is None:
+        return None
+    return plan.request(split[1])
+
+
+# ------------------------------------------------------------------------ response
+
+# ModelInferResponse.raw_output_contents (field 6), length-delimited.
+_RAW_OUTPUT_TAG = b"\x32"
+
+
+@functools.lru_cache(maxsize=_PLANS)
+def _response_head(
+    model: str, version: str, response_id: str, outputs: tuple[tuple[str, str, Any], ...]
+) -> bytes:
+    """The serialized ModelInferResponse without its raw_output_contents."""
+    message = pb.ModelInferResponse(model_name=model, model_version=version, id=response_id)
+    add = message.outputs.add
+    for name, datatype, shape in outputs:
+        add(name=name, datatype=datatype, shape=shape)
+    return message.SerializeToString()
+
+
+@functools.lru_cache(maxsize=_PLANS)
+def _raw_head(size: int) -> bytes:
+    return _RAW_OUTPUT_TAG + _varint(size)
+
+
+def encode_response(response: InferenceResponse, request: InferenceRequest) -> Chunks | None:
+    """The serialized ModelInferResponse as chunks to write in order, as
+    :func:`codec.encode_infer_response` writes it; None when the response has
+    parameters, a long id or an output requested into shared memory (then encode
+    it with :func:`codec.encode_infer_response`)."""
+    if response.parameters:
+        return None
+    requested = request.requested_outputs
+    if requested and any("shared_memory_region" in o.parameters for o in requested):
+        return None
+    response_id = response.id or request.id
+    if len(response_id) > _ID_LIMIT:
+        return None
+    outputs = response.outputs
+    description = tuple([(t.name, t.datatype, t.data.shape) for t in outputs])
+    chunks: Chunks = [
+        _response_head(response.model_name, response.model_version, response_id, description)
+    ]
+    for tensor in outputs:
+        raw = output_bytes(tensor.datatype, tensor.data)
+        chunks.append(_raw_head(len(raw)))
+        if len(raw):
+            chunks.append(raw)
+    return chunks
