@@ -356,33 +356,73 @@ async def test_ensemble_loads_its_composing_models_and_unload_dependents(repo):
         server.shutdown()
 
 
-async def test_poll_acts_only_on_a_settled_change(repo, events):
-    """Triton #356: POLL loaded partially copied models. Two polls must agree."""
+async def test_poll_acts_on_a_change_in_the_poll_that_sees_it_once_a_second_look_agrees(repo):
+    """Triton acts on the poll that first sees a change (core
+    model_repository_manager.cc PollAndUpdateInternal): so does this watcher,
+    once a second look ``settle`` later finds the same files."""
     fake_model(repo, "m")
     server = make_server(repo, mode=ControlMode.POLL)
+    looks = []
+
+    async def second_look():
+        looks.append(controls("copied").loads)
+
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
-        target = repo / "copied"
-        # Copy a model file by file, polling between every step, like a slow `cp -r`.
-        steps = [
-            lambda: (target / "1").mkdir(parents=True),
-            lambda: (target / "config.pbtxt").write_text('name: "copied"\n'),
-            lambda: (target / "config.pbtxt").write_text(
-                (repo / "m" / "config.pbtxt").read_text().replace('"m"', '"copied"')
-            ),
-            lambda: (target / "1" / "model.txt").write_text("4"),
-            lambda: (target / "1" / "model.txt").write_text("4.0\n"),
-        ]
-        for step in steps:
-            step()
+        server.watcher.settle = 1.0
+        server.watcher._wait_settle = second_look
+        copied = repo / "copied"
+        (copied / "1").mkdir(parents=True)
+        (copied / "config.pbtxt").write_text(
+            (repo / "m" / "config.pbtxt").read_text().replace('"m"', '"copied"')
+        )
+        (copied / "1" / "model.txt").write_text("4.0\n")
+        await server.watcher.poll_once()
+        assert looks == [0]  # looked twice, then loaded
+        assert await infer(server, "copied") == 4.0
+        await server.watcher.poll_once()  # nothing changed: no second look
+        assert looks == [0] and controls("copied").loads == 1
+        server.shutdown()
+
+
+async def test_poll_never_loads_a_copy_that_goes_on_between_its_two_looks(repo, events):
+    """Triton #356: POLL loaded partially copied models. A copy still writing
+    when the poll looks again is left until two looks agree."""
+    fake_model(repo, "m")
+    server = make_server(repo, mode=ControlMode.POLL)
+    target = repo / "copied"
+    # Copy a model file by file, like a slow `cp -r` that never pauses a poll
+    # interval: one step between two polls, the next between a poll's two looks.
+    steps = [
+        lambda: (target / "config.pbtxt").write_text('name: "copied"\n'),
+        lambda: (target / "config.pbtxt").write_text(
+            (repo / "m" / "config.pbtxt").read_text().replace('"m"', '"copied"')
+        ),
+        lambda: (target / "1" / "model.txt").write_text("4"),
+        lambda: (target / "1" / "model.txt").write_text("4.0\n"),
+    ]
+
+    async def copy_goes_on():
+        if steps:
+            steps.pop(0)()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        server.watcher.settle = 1.0
+        server.watcher._wait_settle = copy_goes_on
+        (target / "1").mkdir(parents=True)
+        while steps:
+            steps.pop(0)()
             await server.watcher.poll_once()
             assert controls("copied").loads == 0
             assert "copied" not in server.registry.entries()
-        await server.watcher.poll_once()  # second poll agreeing: now it loads
+        # The last step was seen by one look only; the next poll agrees with it.
+        await server.watcher.poll_once()
         assert await infer(server, "copied") == 4.0
         assert controls("copied").loads == 1
         pending = [f for e, f in events if e.startswith("model change pending")]
         assert pending and pending[0]["model"] == "copied"
+        assert [e for e, _ in events if e.startswith("model load failed")] == []
         server.shutdown()
 
 

@@ -22,6 +22,9 @@ log = structlog.get_logger(__name__)
 
 # A model still changing after this many polls is reported again.
 PENDING_REPORT_EVERY = 10
+# A change a poll sees is looked at again this long after (at most the poll
+# interval) and acted on in that poll when both looks agree.
+SETTLE_SECS = 1.0
 
 
 class ControlMode(enum.Enum):
@@ -38,9 +41,15 @@ class RepositoryWatcher:
     loaded. POLL: load every model at start, then every ``poll_interval`` seconds
     snapshot each model directory and act on what changed: a new model loads, a
     removed one unloads (its in-flight requests finish), a changed one reloads
-    only what its change needs. A change is acted on once two consecutive polls
-    agree on it, so a model still being copied is never loaded half-written; one
-    that keeps changing is logged as pending.
+    only what its change needs. Triton acts on the poll that first sees a change
+    (core model_repository_manager.cc:664-705 PollAndUpdateInternal, polled every
+    --repository-poll-secs by server main.cc:540-556) and documents that it may
+    load a model still being copied (model_management.md, "no synchronization");
+    here that poll looks again ``settle`` seconds later (1 s, or the poll
+    interval if shorter) and acts when both looks agree, so a copy that writes
+    at least once a second is never loaded half-written. A change whose files
+    differ between the two looks waits for a later look that agrees with the one
+    before it; one that keeps changing is logged as pending.
 
     ``run`` reports started once the startup loads have finished, successful or
     not; their failures are kept in ``startup_errors``. Children: one task per
@@ -54,6 +63,7 @@ class RepositoryWatcher:
         mode: ControlMode,
         startup_models: list[str] | None = None,
         poll_interval: float = 15.0,
+        settle: float | None = None,
     ) -> None:
         self.registry = registry
         self.mode = mode
@@ -63,6 +73,7 @@ class RepositoryWatcher:
                 "wildcard model name '*' must be the only startup model if given at all"
             )
         self.poll_interval = poll_interval
+        self.settle = min(SETTLE_SECS, poll_interval) if settle is None else settle
         self.startup_errors: dict[str, str] = {}
         # POLL state: the snapshot acted on last, the previous poll's, and the
         # number of consecutive polls a change has been seen unsettled.
@@ -114,11 +125,14 @@ class RepositoryWatcher:
             await self.poll(actions)
 
     async def poll(self, actions: trio.Nursery) -> None:
-        """Take one snapshot of the repository and start the actions it settles."""
+        """Snapshot the repository (twice, ``settle`` apart, when it changed) and
+        start the actions whose snapshots agree."""
         try:
-            # Object-storage repositories: fetch what changed into the local copy first.
-            await trio.to_thread.run_sync(self.registry.repository.refresh)
-            current = await trio.to_thread.run_sync(snapshot_repository, self.registry.repository)
+            current = await self._snapshot()
+            if self.settle > 0 and self._unconfirmed(current):
+                self._previous = current
+                await self._wait_settle()
+                current = await self._snapshot()
         except TritonError as exc:
             log.error("model repository poll failed", reason=exc.message)
             return
@@ -141,6 +155,23 @@ class RepositoryWatcher:
             self._busy.add(name)
             actions.start_soon(partial(self._act, name, snapshot))
         self._previous = current
+
+    async def _snapshot(self) -> dict[ModelId, ModelSnapshot | Duplicate]:
+        # Object-storage repositories: fetch what changed into the local copy first.
+        await trio.to_thread.run_sync(self.registry.repository.refresh)
+        return await trio.to_thread.run_sync(snapshot_repository, self.registry.repository)
+
+    async def _wait_settle(self) -> None:
+        await trio.sleep(self.settle)
+
+    def _unconfirmed(self, current: dict[ModelId, ModelSnapshot | Duplicate]) -> bool:
+        """Whether a model changed since it was acted on and no earlier look agrees."""
+        return any(
+            current.get(name) != self._applied.get(name)
+            and current.get(name) != self._previous.get(name)
+            and name not in self._busy
+            for name in set(current) | set(self._applied)
+        )
 
     def _settled(self, name: str) -> None:
         if self._pending.pop(name, 0) >= 2:
