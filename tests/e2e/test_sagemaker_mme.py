@@ -291,3 +291,35 @@ def test_the_root_flag(monkeypatch):
     options = options_from_args([*args, "--sagemaker-multi-model-root=rel"]).sagemaker
     assert options is not None
     assert (options.multi_model, options.multi_model_root) == (True, os.path.abspath("rel"))
+
+
+def test_the_model_repository_restriction_comes_first(tmp_path):
+    """--http-restricted-api=model-repository guards load, list, get and unload
+    before anything else (sagemaker_server.cc:194-253), invoke is not in it."""
+    root = tmp_path / "models"
+    url = _model(root, "1", "simple")
+    server = _start(
+        [EXAMPLES],
+        {"SAGEMAKER_MULTI_MODEL": "true"},
+        "--model-control-mode=explicit",
+        f"--sagemaker-multi-model-root={root}",
+        "--http-restricted-api=model-repository:X-SM=s",
+    )
+    try:
+        key = {"X-SM": "s"}
+        load = json.dumps({"model_name": "m", "url": str(url)}).encode()
+        for method, path, body in (
+            ("POST", "/models", load),
+            ("GET", "/models", b""),
+            ("GET", "/models/m", b""),
+            ("DELETE", "/models/m", b""),
+        ):
+            status, _, answer = server.request(method, path, body)
+            assert status == 403 and "This API is restricted" in json.loads(answer)["error"]
+        assert server.request("POST", "/models", load, key)[0] == 200
+        assert json.loads(server.request("GET", "/models/m", b"", key)[2])["modelName"] == "m"
+        assert _invoke(server, "m")[0] == 200
+        assert server.request("DELETE", "/models/m", b"", key)[0] == 200
+        assert server.proc.stop() == 0
+    finally:
+        server.proc.close()
