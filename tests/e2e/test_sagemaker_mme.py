@@ -57,6 +57,11 @@ def layout(tmp_path_factory) -> dict[str, Path]:
     # Links inside the root are fine.
     (root / "555").symlink_to(root / "111")
     paths["link_in"] = root / "555" / "model"
+    # A link to a model just under the root: its repository would be the root.
+    shutil.copytree(EXAMPLES / "simple", root / "flat")
+    (root / "888").mkdir()
+    (root / "888" / "model").symlink_to(root / "flat")
+    paths["link_to_root_child"] = root / "888" / "model"
     broken = root / "666" / "model"
     (broken / "1").mkdir(parents=True)
     (broken / "config.pbtxt").write_text('backend: "no_such_backend"\n')
@@ -200,6 +205,7 @@ def test_an_ensemble_inside_a_repository(mme, layout):
         ("{root}/111/model/1/x/y", "expected a path of the form"),
         ("{link_out}", "outside the multi-model root"),
         ("{file_link_out}", "is a symbolic link to"),
+        ("{link_to_root_child}", "would be the multi-model root"),
         ("{root}/999/model", "repository not found"),
         ("/proc/self/model", "cannot start with /dev/, /proc/, or /sys/"),
     ],

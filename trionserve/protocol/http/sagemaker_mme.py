@@ -144,11 +144,17 @@ def place_model(root: str, url: str) -> Placement:
     if not os.path.isdir(real):
         raise InvalidArgument(f"failed to register '{absolute}', repository not found")
     if os.path.isfile(os.path.join(real, "config.pbtxt")):
-        parent, subdir = os.path.split(real)
-        _check_links(parent, real_root, url)
-        return Placement(Path(parent), subdir, os.path.dirname(absolute))
-    _check_links(real, real_root, url)  # before any config is read
-    return Placement(Path(real), _model_subdir(real, url), absolute)
+        repository, subdir = os.path.split(real)
+        model_url = os.path.dirname(absolute)
+    else:
+        repository, subdir, model_url = real, "", absolute
+    if repository == real_root:  # (a link to a directory just under the root)
+        raise InvalidArgument(
+            f"\"url\" '{url}' resolves to '{real}': its repository would be the "
+            f"multi-model root '{root}' itself"
+        )
+    _check_links(repository, real_root, url)  # before any config is read
+    return Placement(Path(repository), subdir or _model_subdir(real, url), model_url)
 
 
 def _model_subdir(repository: str, url: str) -> str:
