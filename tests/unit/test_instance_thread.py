@@ -3,11 +3,14 @@ and the doorbell that wakes it survives a ring that comes after it closed."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
+from functools import partial
 
 import trio
 
-from trionserve.backends.instance_thread import InstanceThread, _Doorbell
+from trionserve.backends.instance_thread import InstanceThread, Job, _Doorbell
 
 
 class _Instance:
@@ -60,3 +63,29 @@ async def test_the_thread_carries_its_name_where_the_os_shows_it():
     assert await trio.to_thread.run_sync(thread.call, comm) == "instance model_"
     thread.stop()
     assert await trio.to_thread.run_sync(thread.join, 10)
+
+
+class _Request:
+    """A request (only its life is looked at)."""
+
+
+async def test_a_finished_job_lets_go_of_its_callbacks_and_is_freed_without_the_collector():
+    """An executor's callbacks are partials of their job (a cycle): once the job
+    is finished they are dropped, so its requests go with their last reference,
+    not at the collector's next run."""
+    delivered: list[int] = []
+    request = _Request()
+    gone = weakref.ref(request)
+    job = Job([request])
+    del request
+    job.on_free = partial(lambda job: None, job)
+    job.on_done = partial(lambda job: delivered.append(len(job.requests)), job)
+    gc.disable()
+    try:
+        job.finished()
+        assert delivered == [1]
+        assert job.on_done is None and job.on_free is None
+        del job
+        assert gone() is None
+    finally:
+        gc.enable()
