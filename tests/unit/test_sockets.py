@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 from trionserve.protocol.sockets import (
+    EagerReceiver,
     receive_after_wait,
     receive_into,
     receive_now,
@@ -239,3 +240,65 @@ async def test_a_read_after_a_wait_tries_no_read_before_the_bytes_come(monkeypat
     await server.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await receive_after_wait(server, 1024)
+
+
+async def test_an_eager_receiver_reads_what_is_there_without_a_checkpoint_a_few_times():
+    """Bytes already there: read at once, no checkpoint, at most eager_reads
+    times in a row; the next read is a checkpoint (then eager again)."""
+    server, client = _stream_pair()
+    receiver = EagerReceiver(server, eager_reads=2)
+    for _ in range(2):
+        for part in (b"a", b"b"):
+            await client.send_all(part)
+            with trio.testing.assert_no_checkpoints():
+                assert await receiver.receive_some(16) == part
+        await client.send_all(b"c")
+        with trio.testing.assert_checkpoints():
+            assert await receiver.receive_some(16) == b"c"
+    # Not eager (calls in flight): a checkpoint before every read.
+    await client.send_all(b"d")
+    with trio.testing.assert_checkpoints():
+        assert await receiver.receive_some(16, eager=False) == b"d"
+
+
+async def test_an_eager_receiver_waits_when_nothing_is_there_and_ends_as_receive_some():
+    """No bytes: one failed read, then a wait (a checkpoint) until they come;
+    the peer's end is b"", a closed stream ClosedResourceError."""
+    server, client = _stream_pair()
+    receiver = EagerReceiver(server)
+    async with trio.open_nursery() as nursery:
+        got: list[bytes] = []
+
+        async def read() -> None:
+            got.append(await receiver.receive_some(1024))
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []
+        await client.send_all(b"frame")
+    assert got == [b"frame"]
+    await client.send_eof()
+    assert await receiver.receive_some(1024) == b""
+    await server.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await receiver.receive_some(1024)
+
+
+async def test_an_eager_receiver_sees_a_cancellation_though_bytes_keep_coming():
+    server, client = _stream_pair()
+    receiver = EagerReceiver(server, eager_reads=3)
+    await client.send_all(b"x" * 10)
+    reads = 0
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        while True:
+            await receiver.receive_some(1)
+            reads += 1
+    assert scope.cancelled_caught and reads == 3
+
+
+async def test_an_eager_receiver_of_a_stream_without_a_socket_uses_its_receive_some():
+    left, right = trio.testing.memory_stream_pair()
+    receiver = EagerReceiver(right)
+    await left.send_all(b"tls")
+    assert await receiver.receive_some(16) == b"tls"

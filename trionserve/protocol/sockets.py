@@ -36,6 +36,7 @@ from collections.abc import Sequence
 import trio
 
 __all__ = [
+    "EagerReceiver",
     "HeldWrite",
     "peer_name",
     "receive_after_wait",
@@ -142,6 +143,64 @@ async def receive_after_wait(
             if socket.fileno() < 0:
                 raise trio.ClosedResourceError("the stream was closed") from exc
             raise trio.BrokenResourceError(exc) from exc
+
+
+class EagerReceiver:
+    """``stream.receive_some`` for a read loop that acts on each read before it
+    reads again (the gRPC connection's): bytes the socket holds now are returned
+    at once, without Trio's checkpoint (a pass of the run loop per read that
+    finds bytes: at c=1 the client's WINDOW_UPDATE after each answer, or its
+    next request, found by the read that follows the answer); a read that finds
+    none waits for the socket to be readable (a checkpoint) and reads. At most
+    ``eager_reads`` reads in a row return without one: a client that keeps the
+    socket full cannot keep its task from yielding to the others, nor from
+    seeing a cancellation, for longer. A stream without a socket of its own
+    (TLS, memory streams in tests) reads through its ``receive_some``. Raises
+    BrokenResourceError for a failed read and ClosedResourceError for a closed
+    socket, as ``receive_some`` does. One task reads at a time (this bypasses
+    the stream's check for concurrent readers)."""
+
+    __slots__ = ("_stream", "_socket", "_eager", "_eager_reads")
+
+    def __init__(self, stream: trio.abc.ReceiveStream, eager_reads: int = 4) -> None:
+        self._stream = stream
+        self._socket: trio.socket.SocketType | None = getattr(stream, "socket", None)
+        self._eager = self._eager_reads = eager_reads
+
+    async def receive_some(self, max_bytes: int, eager: bool = True) -> bytes | bytearray:
+        """``eager=False``: a checkpoint before the read, as Trio's (a gRPC
+        connection with calls in flight lets their tasks run first)."""
+        socket = self._socket
+        if socket is None:
+            return await self._stream.receive_some(max_bytes)
+        if eager and self._eager:
+            self._eager -= 1
+        else:
+            await trio.lowlevel.checkpoint()
+            self._eager = self._eager_reads
+        data = _read_some(socket, max_bytes)
+        if data is not None:
+            return data
+        self._eager = self._eager_reads
+        while True:
+            await trio.lowlevel.wait_readable(socket)
+            data = _read_some(socket, max_bytes)
+            if data is not None:
+                return data
+
+
+def _read_some(socket: trio.socket.SocketType, max_bytes: int) -> bytes | bytearray | None:
+    """What the socket holds now, up to ``max_bytes`` (b"": the peer ended its
+    side); None when it holds nothing."""
+    fd = socket.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the stream was closed")
+    try:
+        return os.read(fd, max_bytes)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        raise trio.BrokenResourceError(exc) from exc
 
 
 def receive_now(stream: trio.abc.ReceiveStream, buffer: memoryview) -> int | None:

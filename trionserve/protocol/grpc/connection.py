@@ -49,7 +49,7 @@ from trionserve.protocol.grpc.state import (
     ResponseEvent,
 )
 from trionserve.protocol.grpc.status import GRPCError, Status
-from trionserve.protocol.sockets import peer_name, send_pieces, send_pieces_now
+from trionserve.protocol.sockets import EagerReceiver, peer_name, send_pieces, send_pieces_now
 
 __all__ = ["Connection", "GrpcCall", "Method", "TransportOptions"]
 
@@ -206,10 +206,10 @@ class Connection:
         they are read and dropped, so that nothing the client sends can end the
         connection before the writer has written the last answers and the GOAWAY.
         """
-        receive = self.stream.receive_some
+        receive = EagerReceiver(self.stream).receive_some
         while True:
             try:
-                data = await receive(256 * 1024)
+                data = await receive(256 * 1024, not self.calls)  # (eager when idle)
             except _CLOSED:
                 return False
             if not data:
