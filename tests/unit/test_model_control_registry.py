@@ -477,6 +477,27 @@ async def test_poll_ignores_bytecode_and_editor_files(repo):
         server.shutdown()
 
 
+async def test_index_rows_leave_an_empty_reason_out_as_triton(repo):
+    """Triton's index has a ``reason`` only when there is one (core
+    src/tritonserver.cc:3176-3179); qa/L0_storage_S3_local matches the row
+    ``{"name":...,"version":"4","state":"READY"}`` as text."""
+    model = fake_model(repo, "m", {1: 1.0})
+    server = make_server(repo, mode=ControlMode.POLL)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        (model / "2").mkdir()
+        (model / "2" / "model.txt").write_text("2.0\n")
+        await server.watcher.poll_once()
+        await server.watcher.poll_once()
+        await settle(server, "m")
+        index = [r for r in server.dataplane.repository_index() if r["name"] == "m"]
+        assert index == [
+            {"name": "m", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"},
+            {"name": "m", "version": "2", "state": "READY"},
+        ]
+        server.shutdown()
+
+
 async def test_poll_follows_versions_removals_and_duplicates(repo, tmp_path):
     model = fake_model(repo, "m", {1: 1.0})
     second = tmp_path / "second"

@@ -310,7 +310,13 @@ class ModelEntry:
 
 
 def _row(name: str, version: int | str, state: str, reason: str) -> dict[str, str]:
-    return {"name": name, "version": str(version), "state": state, "reason": reason}
+    """One index row; ``reason`` only when there is one, as Triton's index leaves
+    an empty reason out (core src/tritonserver.cc:3176-3179, ServerModelIndex):
+    an HTTP client reads ``{"name":..,"version":"4","state":"READY"}``."""
+    row = {"name": name, "version": str(version), "state": state}
+    if reason:
+        row["reason"] = reason
+    return row
 
 
 def load_error(name: str, errors: dict[int, TritonError]) -> TritonError:
