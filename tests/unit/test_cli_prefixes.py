@@ -28,3 +28,15 @@ def test_a_prefix_of_several_flags_is_refused_naming_them(tmp_path, capsys):
         parse_options([f"--model-repository={tmp_path}", "--log-"])
     assert info.value.code == 1
     assert "ambiguous option: --log-" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "-1024"])
+def test_http_max_input_size_not_above_zero_is_refused_in_tritons_words(tmp_path, capsys, value):
+    # tritonserver's ParseException text alone (command_line_parser.cc:1411-1417,
+    # main.cc:475-480); qa/L0_http counts exactly one such line in the log.
+    with pytest.raises(SystemExit) as info:
+        parse_options([f"--model-repository={tmp_path}", f"--http-max-input-size={value}"])
+    assert info.value.code == 1
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "Error: --http-max-input-size must be greater than 0."
+    assert sum("must be greater than 0" in line for line in lines) == 1

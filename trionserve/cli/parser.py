@@ -31,6 +31,7 @@ from trionserve.cli.values import (
     byte_size,
     config_name,
     header_pattern,
+    http_max_input_size,
     int_at_least,
     int_bool,
     memory_limit,
@@ -52,7 +53,11 @@ class _Parser(argparse.ArgumentParser):
     of the whole usage, one error line and where the help is."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(1, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+        # A check worded as tritonserver's ParseException ("Error: ...") is
+        # printed as it prints one: the exception's text alone (main.cc:475-480).
+        _, triton, words = message.partition(": Error: ")
+        line = f"Error: {words}" if triton else f"{self.prog}: error: {message}"
+        self.exit(1, f"{line}\nsee {self.prog} --help\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -206,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--http-max-input-size",
-        type=positive_int,
+        type=http_max_input_size,
         default=64 * 1024 * 1024,
         metavar="BYTES",
         help="largest HTTP request body accepted, after decompression too; 413 beyond "

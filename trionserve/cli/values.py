@@ -97,6 +97,15 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def http_max_input_size(text: str) -> int:
+    """--http-max-input-size: a byte count above 0, refused in tritonserver's words
+    (src/command_line_parser.cc:1411-1417; qa/L0_http greps them)."""
+    value = int_at_least(-(2**63))(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("Error: --http-max-input-size must be greater than 0.")
+    return value
+
+
 def byte_size(minimum: int) -> Callable[[str], int]:
     """An argparse type: a number of bytes no smaller than ``minimum``, as an
     integer or with a suffix (:func:`~trionserve.core.sizes.parse_byte_size`:
