@@ -194,10 +194,10 @@ def test_other_paths(sagemaker):
     assert sagemaker.request("PUT", "/models")[::2] == (400, b"")
     status, _, answer = sagemaker.request("GET", "/invocations")
     assert status == 405 and json.loads(answer) == {"error": "Method Not Allowed"}
-    # The multi-model endpoint is off without SAGEMAKER_MULTI_MODEL=true
-    # (tests/e2e/test_sagemaker_mme.py).
+    # The multi-model endpoint is served with the port, as by Triton's binary, with
+    # no environment variable (tests/e2e/test_sagemaker_mme.py): nothing loaded.
     status, _, answer = sagemaker.request("GET", "/models")
-    assert status == 404 and "SAGEMAKER_MULTI_MODEL=true" in json.loads(answer)["error"]
+    assert status == 200 and json.loads(answer) == {"models": []}, answer
 
 
 # -- the flags (Triton's command_line_parser.cc:670-686, 976-1020) -----------------

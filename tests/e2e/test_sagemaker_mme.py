@@ -1,4 +1,4 @@
-"""SageMaker's multi-model endpoint (``SAGEMAKER_MULTI_MODEL=true``): a real server,
+"""SageMaker's multi-model endpoint (served with the SageMaker port): a real server,
 its SageMaker port, real models copied under a multi-model root, each answer as
 Triton's src/sagemaker_server.cc gives it, and the directories a request may name
 confined to the root."""
@@ -88,7 +88,7 @@ def mme(layout) -> Iterator[SageMaker]:
     EXPLICIT mode, namespacing; the inference API restricted."""
     server = _start(
         [layout["empty"]],
-        {"SAGEMAKER_MULTI_MODEL": "true"},
+        {},
         "--model-control-mode=explicit",
         "--model-namespacing=true",
         f"--sagemaker-multi-model-root={layout['root']}",
@@ -244,8 +244,14 @@ def test_a_failed_load_is_undone_and_memory_is_507(mme, layout):
     assert json.loads(mme.request("GET", "/models")[2]) == {"models": []}
 
 
-def test_off_without_sagemaker_multi_model(tmp_path):
-    server = _start([EXAMPLES], {}, "--model-control-mode=explicit", "--load-model=simple")
+def test_off_with_an_empty_root(tmp_path):
+    server = _start(
+        [EXAMPLES],
+        {"SAGEMAKER_MULTI_MODEL": "true"},  # not consulted, as by Triton's binary
+        "--model-control-mode=explicit",
+        "--load-model=simple",
+        "--sagemaker-multi-model-root=",
+    )
     try:
         url = tmp_path / "1" / "model"
         shutil.copytree(EXAMPLES / "simple", url)
@@ -258,7 +264,7 @@ def test_off_without_sagemaker_multi_model(tmp_path):
         ):
             status, _, answer = server.request(method, path, body)
             assert status == 404, (method, path)
-            assert "SAGEMAKER_MULTI_MODEL=true" in json.loads(answer)["error"]
+            assert "--sagemaker-multi-model-root is empty" in json.loads(answer)["error"]
         assert "m" not in _index(server)
         # A load's body is read first, as Triton's ParseSageMakerRequest does: a
         # malformed one is its 400, in RapidJSON's words (L0_sagemaker's chunked test).
@@ -274,8 +280,7 @@ def test_off_without_sagemaker_multi_model(tmp_path):
 def test_a_registration_needs_explicit_mode(tmp_path):
     root = tmp_path / "models"
     url = _model(root, "1", "simple")
-    env = {"SAGEMAKER_MULTI_MODEL": "true"}
-    server = _start([EXAMPLES], env, f"--sagemaker-multi-model-root={root}")
+    server = _start([EXAMPLES], {}, f"--sagemaker-multi-model-root={root}")
     try:
         status, _, answer = _load(server, "m", url)
         assert status == 400
@@ -292,11 +297,14 @@ def test_the_root_flag(monkeypatch):
     monkeypatch.delenv("SAGEMAKER_MULTI_MODEL", raising=False)
     options = options_from_args(args).sagemaker
     assert options is not None
-    assert (options.multi_model, options.multi_model_root) == (False, "/opt/ml/models")
-    monkeypatch.setenv("SAGEMAKER_MULTI_MODEL", "true")
+    assert (options.multi_model, options.multi_model_root) == (True, "/opt/ml/models")
     options = options_from_args([*args, "--sagemaker-multi-model-root=rel"]).sagemaker
     assert options is not None
     assert (options.multi_model, options.multi_model_root) == (True, os.path.abspath("rel"))
+    monkeypatch.setenv("SAGEMAKER_MULTI_MODEL", "false")  # the binary does not read it
+    assert options_from_args(args).sagemaker.multi_model  # type: ignore[union-attr]
+    options = options_from_args([*args, "--sagemaker-multi-model-root="]).sagemaker
+    assert options is not None and not options.multi_model
 
 
 def test_the_model_repository_restriction_comes_first(tmp_path):
@@ -306,7 +314,7 @@ def test_the_model_repository_restriction_comes_first(tmp_path):
     url = _model(root, "1", "simple")
     server = _start(
         [EXAMPLES],
-        {"SAGEMAKER_MULTI_MODEL": "true"},
+        {},
         "--model-control-mode=explicit",
         f"--sagemaker-multi-model-root={root}",
         "--http-restricted-api=model-repository:X-SM=s",

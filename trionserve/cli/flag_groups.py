@@ -263,9 +263,9 @@ def add_sagemaker_flags(add: AddFlag) -> None:
         "--sagemaker-multi-model-root",
         default="/opt/ml/models",
         metavar="DIR",
-        help="with --allow-sagemaker and SAGEMAKER_MULTI_MODEL=true: the multi-model "
-        "endpoint (POST /models) loads only <DIR>/<hash>/model[/<subdir>] directories "
-        "that resolve inside DIR (default /opt/ml/models, SageMaker's)",
+        help="with --allow-sagemaker: the multi-model endpoint (POST /models) loads "
+        "only <DIR>/<hash>/model[/<subdir>] directories that resolve inside DIR "
+        "(default /opt/ml/models, SageMaker's); empty: the endpoint is off",
     )
 
 

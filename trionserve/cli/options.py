@@ -80,7 +80,8 @@ def sagemaker_options(
     try:
         options = SagemakerOptions(
             port=args.sagemaker_port,
-            multi_model_root=os.path.abspath(args.sagemaker_multi_model_root),
+            multi_model=bool(args.sagemaker_multi_model_root),
+            multi_model_root=os.path.abspath(args.sagemaker_multi_model_root or "."),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -21,9 +21,10 @@ StartSagemakerService "reuse[s] HTTP server settings").
   compressed (sagemaker_server.h: both compression types are IDENTITY).
 - ``/models``, ``/models/<name>``, ``/models/<name>/invoke`` (the multi-model
   endpoint: load a model from a directory, list, describe, invoke, unload):
-  :mod:`~trionserve.protocol.http.sagemaker_mme`, served only with
-  ``SAGEMAKER_MULTI_MODEL=true`` and from directories under
-  ``--sagemaker-multi-model-root``; a method other than GET, POST or DELETE 400.
+  :mod:`~trionserve.protocol.http.sagemaker_mme`, served as Triton's binary serves
+  it (whenever the SageMaker port is on), from directories under
+  ``--sagemaker-multi-model-root`` only (an empty root turns it off); a method
+  other than GET, POST or DELETE 400.
 - Any other path: 400 with no body (sagemaker_server.cc:269-273).
 """
 
@@ -84,12 +85,11 @@ class SagemakerOptions:
     inference_type: str = field(
         default_factory=partial(_env, "SAGEMAKER_TRITON_INFERENCE_TYPE", "infer")
     )
-    # The multi-model endpoint: on with SAGEMAKER_MULTI_MODEL=true (what SageMaker
-    # sets and Triton's docker/sagemaker/serve reads), loading only from
-    # directories under the root (--sagemaker-multi-model-root).
-    multi_model: bool = field(
-        default_factory=lambda: os.environ.get("SAGEMAKER_MULTI_MODEL") == "true"
-    )
+    # The multi-model endpoint: on, as Triton's binary serves it with the SageMaker
+    # port (sagemaker_server.cc:185-266 routes /models whatever the environment),
+    # loading only from directories under the root (--sagemaker-multi-model-root;
+    # the command line turns it off with an empty root).
+    multi_model: bool = True
     multi_model_root: str = DEFAULT_ROOT
 
     def __post_init__(self) -> None:
@@ -164,8 +164,8 @@ class SagemakerFrontend:
             self.mme = MultiModelEndpoint(
                 http.dataplane, options.multi_model_root, self.infer_on, http._checked
             )
-        self._mme_off = mme_disabled(options.multi_model_root)
-        self._mme_load_off = mme_disabled(options.multi_model_root, load=True)
+        self._mme_off = mme_disabled()
+        self._mme_load_off = mme_disabled(load=True)
 
     def route(self, method: bytes, path: str) -> Handler:
         checked = self.http._checked

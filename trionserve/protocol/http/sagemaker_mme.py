@@ -27,19 +27,19 @@ SageMakerMMEUnloadModel, :808-883 get and list, :885-943 the out-of-memory check
 - ``DELETE /models/<name>``: 404 unless loaded; unloads the target model and
   the models loaded only as its steps, then unregisters its repository; 200.
 
-Where it differs from Triton, deliberately: a request must not make the server
-read a directory the operator did not give it. Triton's binary serves these
-routes whenever ``--allow-sagemaker`` is on and confines ``url`` only by its
-shape (``/opt/ml/models/<hash>/model[/<subdir>]``, sagemaker_server.cc:86-87,
-:1047-1058, after refusing ``/dev/``, ``/proc/``, ``/sys/``); its ``serve``
-script turns MME on with ``SAGEMAKER_MULTI_MODEL=true`` (docker/sagemaker/serve).
-Here the endpoint is served only with ``SAGEMAKER_MULTI_MODEL=true`` in the
-server's environment (every route answers 404 naming why otherwise), ``url``
-must have that shape under ``--sagemaker-multi-model-root`` (default
-``/opt/ml/models``, where SageMaker puts a multi-model endpoint's models), must
-not contain ``..``, and neither it nor any symbolic link inside the registered
-directory may resolve outside the root (the root itself may be a link). The
-model control mode must be EXPLICIT, as Triton's core requires for a
+Served, as Triton's binary serves these routes, whenever ``--allow-sagemaker`` is
+on (the environment's ``SAGEMAKER_MULTI_MODEL``, which Triton's
+docker/sagemaker/serve script reads to pick EXPLICIT mode, is not consulted by
+the binary, nor here). Triton confines ``url`` by its shape
+(``/opt/ml/models/<hash>/model[/<subdir>]``, sagemaker_server.cc:86-87,
+:1047-1058, after refusing ``/dev/``, ``/proc/``, ``/sys/``); here, more strictly,
+so that a request never makes the server read a directory the operator did not
+give it: ``url`` must have that shape under ``--sagemaker-multi-model-root``
+(default ``/opt/ml/models``, where SageMaker puts a multi-model endpoint's
+models; an empty root turns the endpoint off, every route answering 404 naming
+why), must not contain ``..``, and neither it nor any symbolic link inside the
+registered directory may resolve outside the root (the root itself may be a
+link). The model control mode must be EXPLICIT, as Triton's core requires for a
 registration (model_repository_manager.cc:1721-1726).
 """
 
@@ -378,14 +378,13 @@ def _load_request(body: RequestBody) -> tuple[str, str]:
     return values[0], values[1]
 
 
-def mme_disabled(root: str, load: bool = False) -> Handler:
+def mme_disabled(load: bool = False) -> Handler:
     """An MME route's answer while it is off: 404 saying how it is turned on; a
     load's malformed body is first its 400, as Triton parses it first
     (sagemaker_server.cc:241, :305-306)."""
     message = (
-        "the SageMaker multi-model endpoint is off: it loads models from directories "
-        "named in requests, so it is served only with SAGEMAKER_MULTI_MODEL=true in the "
-        f"server's environment, from directories under {root} (--sagemaker-multi-model-root)"
+        "the SageMaker multi-model endpoint is off: --sagemaker-multi-model-root is "
+        "empty (it names the directory under which requests may load models)"
     )
     response = _json({"error": message}, 404)
 
