@@ -57,3 +57,22 @@ def test_a_mapped_directory_that_went_away_is_not_found(tmp_path):
     (extra / "model").rmdir()
     with pytest.raises(NotFound, match="does not exist for model 'target'"):
         repository.find_all("target")
+
+
+def test_a_multi_model_url_the_server_cannot_read_is_a_400(tmp_path, monkeypatch):
+    """An OSError while the load's directory is read (a directory the server may
+    not list) is the load's InvalidArgument (400) naming the url, not an error of
+    the transport (500)."""
+    import os
+
+    from trionserve.protocol.http import sagemaker_mme
+
+    url = tmp_path / "abc" / "model"
+    (url / "simple").mkdir(parents=True)
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "scandir", refused)
+    with pytest.raises(InvalidArgument, match="cannot be read: .*Permission denied"):
+        sagemaker_mme.place_model(str(tmp_path), str(url))

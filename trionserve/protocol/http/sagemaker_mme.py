@@ -10,7 +10,10 @@ SageMakerMMEUnloadModel, :808-883 get and list, :885-943 the out-of-memory check
   ``TRITONSERVER_ServerRegisterModelRepository``: ``ModelRepository.register``)
   and loads the model by the name ``X-Amzn-SageMaker-Target-Model`` gives (else
   ``model_name``). A ``url`` holding ``config.pbtxt`` is the model itself: its
-  parent is registered, the url's directory mapped. Otherwise the url is a
+  parent is registered, the url's directory mapped (for a
+  ``<hash>/model/<subdir>`` url, Triton registers ``<hash>`` and maps ``model``,
+  :1046-1073, a directory without the config: here ``<subdir>`` is the model, as
+  the url says). Otherwise the url is a
   repository of several models: its ensemble (a subdirectory whose config.pbtxt
   says ``platform: "ensemble"``) is mapped, else its (last) subdirectory; the
   others load as the ensemble's steps. 200 with no body; 409 when the
@@ -118,7 +121,16 @@ def _inside(path: str, root: str) -> bool:
 
 def place_model(root: str, url: str) -> Placement:
     """The repository and mapped subdirectory a load's ``url`` names, confined to
-    ``root``; InvalidArgument naming why not. Blocking (it reads the disk)."""
+    ``root``; InvalidArgument naming why not, a directory the server cannot read
+    included (Triton's registration fails as a 400 too). Blocking (it reads the
+    disk)."""
+    try:
+        return _place_model(root, url)
+    except OSError as exc:
+        raise InvalidArgument(f"\"url\" '{url}' cannot be read: {exc}") from None
+
+
+def _place_model(root: str, url: str) -> Placement:
     if "\0" in url:
         raise InvalidArgument('"url" must not contain NUL')
     if ".." in url.split("/"):
