@@ -131,7 +131,8 @@ def parse_message(message_type: type[M], data: Wire) -> M:
 
 
 def _read_varint(data: memoryview, offset: int) -> tuple[int, int]:
-    """The varint at ``offset`` and the offset after it (IndexError past the end)."""
+    """The varint at ``offset`` and the offset after it (IndexError past the end,
+    ValueError past 10 bytes)."""
     value = shift = 0
     while True:
         byte = data[offset]

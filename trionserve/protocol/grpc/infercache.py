@@ -53,6 +53,7 @@ from trionserve.protocol.grpc.codec import (
     _apply_request_parameters,
     _decode_outputs,
     _fmt_shape,
+    _read_varint,
     _varint,
 )
 
@@ -108,21 +109,6 @@ def _split(data: memoryview) -> tuple[bytes, list[memoryview]] | None:
     except (IndexError, ValueError):
         return None
     return data[:head_end].tobytes(), raws
-
-
-def _read_varint(data: memoryview, offset: int) -> tuple[int, int]:
-    """The varint at ``offset`` and the offset after it (IndexError past the end,
-    ValueError past 10 bytes)."""
-    value = shift = 0
-    while True:
-        byte = data[offset]
-        offset += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, offset
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
 
 
 # An input as a plan takes it: name, datatype, numpy dtype on the wire, shape,
