@@ -233,6 +233,39 @@ def test_a_large_head_is_not_cached() -> None:
     assert not isinstance(reference(wire), TritonError)
 
 
+def test_calls_that_differ_only_by_id_share_one_plan_and_one_response_head() -> None:
+    """Clients commonly give each call an id of its own: the id is cut out of the
+    cached head, so such calls make one plan (not one each, which would also empty
+    the cache for every other client), and each request and response carries its
+    own id, as the codec's."""
+    infercache._plan.cache_clear()
+    infercache._response_head.cache_clear()
+    output = Tensor("OUT", "INT32", INT32)
+    for n in range(20):
+        request_id = f"call-{n}" + "ü" * (n % 2)
+        wire = client_wire([client_input("INPUT0", INT32, "INT32")], request_id=request_id)
+        fast = infercache.decode_request(bytearray(wire))
+        assert fast is not None and fast.id == request_id
+        assert fields(fast) == fields(reference(wire))  # type: ignore[arg-type]
+        response = InferenceResponse("simple", "1", outputs=[output])
+        encoded, ref = encode_both(response, fast)
+        assert encoded is not None and b"".join(map(bytes, encoded)) == ref
+    assert infercache._plan.cache_info().currsize == 1
+    assert infercache._response_head.cache_info().currsize == 1
+
+
+def test_an_id_protobuf_would_refuse_or_read_twice_is_left_to_the_codec() -> None:
+    wire = client_wire([client_input("INPUT0", INT32, "INT32")], model_version="1")
+    # Not UTF-8 (protobuf refuses a proto3 string that is not).
+    bad = b"\x1a\x02\xff\xfe" + wire
+    assert infercache.decode_request(bytearray(bad)) is None
+    assert isinstance(reference(bad), TritonError)
+    # Twice (protobuf keeps the last): not the common form.
+    twice = b"\x1a\x01a\x1a\x01b" + wire
+    assert infercache.decode_request(bytearray(twice)) is None
+    assert reference(twice).id == "b"  # type: ignore[union-attr]
+
+
 # ------------------------------------------------------------------ random messages
 
 DATATYPES = ["INT32", "FP32", "UINT8", "INT64", "BOOL", "FP16", "BYTES", "BF16"] * 3 + ["INT33"]
@@ -406,8 +439,8 @@ def test_responses_it_leaves_to_the_codec() -> None:
         infercache.encode_response(InferenceResponse("simple", "1", outputs=[output]), request)
         is None
     )
+    # A long id is no longer the codec's (the id is not part of what is cached):
+    # it encodes as the codec encodes it.
     long_id = InferenceRequest("simple", None, id="i" * 200)
-    assert (
-        infercache.encode_response(InferenceResponse("simple", "1", outputs=[output]), long_id)
-        is None
-    )
+    fast, ref = encode_both(InferenceResponse("simple", "1", outputs=[output]), long_id)
+    assert fast is not None and b"".join(map(bytes, fast)) == ref

@@ -9,13 +9,18 @@ keeps the JSON header of a response per outputs' description
 (``_described_response_header``):
 
 - :func:`decode_request`: the message's wire bytes before its
-  ``raw_input_contents`` (its head) are parsed by protobuf and checked once per
-  distinct head, into a plan; a call with a head seen before only cuts the raw
-  contents out of the bytes (views of them, no copy) and checks their count and
-  sizes against the plan.
-- :func:`encode_response`: the serialized response without its
-  ``raw_output_contents`` is made by protobuf once per model, version, id and
-  outputs' names, types and shapes; a call appends its outputs' bytes.
+  ``raw_input_contents`` but for its ``id`` (its head) are parsed by protobuf and
+  checked once per distinct head, into a plan; a call with a head seen before
+  only cuts the id and the raw contents out of the bytes (views of them, no
+  copy) and checks their count and sizes against the plan. The id is left out of
+  the head because clients commonly give each call an id of its own: in the head
+  it would make every call a new plan, and such a client would empty the cache
+  for every other.
+- :func:`encode_response`: the serialized response without its ``id`` and
+  ``raw_output_contents`` is made by protobuf once per model, version and
+  outputs' names, types and shapes; a call puts its id in (protobuf writes
+  fields in their numbers' order: the id, field 3, between the version and the
+  outputs) and appends its outputs' bytes.
 
 Only the common form is taken: for anything else (fields out of protobuf's order,
 an unknown field, request parameters a plan cannot copy, an input's parameters
@@ -64,31 +69,38 @@ __all__ = ["decode_request", "encode_response"]
 # 7, raw_input_contents, comes after them in protobuf's order (how every
 # protobuf library serializes a message).
 _HEAD_TAGS = frozenset(number << 3 | 2 for number in range(1, 7))
+_ID_TAG = 3 << 3 | 2
 _RAW_INPUT_TAG = 7 << 3 | 2
 # Heads up to this size are planned, at most this many kept (least recently
 # used dropped): a client cannot make the cache hold more than about 1 MiB.
 _HEAD_LIMIT = 4096
 _PLANS = 256
-# A response's id up to this length is cached with its outputs' description.
-_ID_LIMIT = 128
 # The request attributes a request's parameters set (codec._apply_request_parameters).
 _PARAMETER_ATTRIBUTES = ("priority", "timeout_us", "sequence_id", "sequence_start", "sequence_end")
 
 
-def _split(data: memoryview) -> tuple[bytes, list[memoryview]] | None:
-    """The message's head (its fields before the raw_input_contents, as bytes)
-    and the raw contents (views of ``data``), or None unless the message is
-    fields 1-6 then only field 7, every length within the message."""
+def _split(data: memoryview) -> tuple[bytes, memoryview | None, list[memoryview]] | None:
+    """The message's head (its fields before the raw_input_contents but for the
+    id, as bytes), the id's value and the raw contents (views of ``data``), or
+    None unless the message is fields 1-6 (the id at most once) then only field
+    7, every length within the message."""
     end = len(data)
     offset = 0
+    id_field: tuple[int, int, int] | None = None  # (tag's offset, value's, end)
     try:
         while offset < end:
-            if data[offset] not in _HEAD_TAGS:
+            tag = data[offset]
+            if tag not in _HEAD_TAGS:
                 break
+            start = offset
             length = data[offset + 1]
             offset += 2
             if length > 0x7F:
                 length, offset = _read_varint(data, offset - 1)
+            if tag == _ID_TAG:
+                if id_field is not None:
+                    return None  # the last would win: the codec's case
+                id_field = (start, offset, offset + length)
             offset += length
         if offset > end or offset > _HEAD_LIMIT:
             return None
@@ -108,7 +120,11 @@ def _split(data: memoryview) -> tuple[bytes, list[memoryview]] | None:
             offset = stop
     except (IndexError, ValueError):
         return None
-    return data[:head_end].tobytes(), raws
+    if id_field is None:
+        return data[:head_end].tobytes(), None, raws
+    start, value, stop = id_field
+    head = data[:start].tobytes() + data[stop:head_end].tobytes()
+    return head, data[value:stop], raws
 
 
 # An input as a plan takes it: name, datatype, numpy dtype on the wire, shape,
@@ -119,20 +135,18 @@ _Input = tuple[str, DataType, np.dtype, list[int], int, int | None]
 class RequestPlan:
     """What a request head says, checked: the request each call builds from it."""
 
-    __slots__ = ("model", "version", "id", "inputs", "outputs", "parameters", "attributes")
+    __slots__ = ("model", "version", "inputs", "outputs", "parameters", "attributes")
 
     def __init__(
         self,
         model: str,
         version: int | None,
-        request_id: str,
         inputs: list[_Input],
         outputs: list[tuple[str, dict[str, Any]]] | None,
         template: InferenceRequest | None,
     ) -> None:
         self.model = model
         self.version = version
-        self.id = request_id
         self.inputs = inputs
         self.outputs = outputs
         # What the request's parameters set, copied into each call's request.
@@ -143,8 +157,8 @@ class RequestPlan:
             else None
         )
 
-    def request(self, raws: list[memoryview]) -> InferenceRequest | None:
-        """The request with these raw contents, or None when they do not fit."""
+    def request(self, request_id: str, raws: list[memoryview]) -> InferenceRequest | None:
+        """The request with this id and raw contents, or None when they do not fit."""
         inputs = self.inputs
         if len(raws) != len(inputs):
             return None
@@ -163,7 +177,7 @@ class RequestPlan:
             else:
                 data = np.empty(shape, dtype=dt.numpy)
             tensors[name] = Tensor(name, dt.wire, data)
-        request = InferenceRequest(self.model, self.version, id=self.id)
+        request = InferenceRequest(self.model, self.version, id=request_id)
         request.inputs = tensors
         if self.outputs is not None:
             request.requested_outputs = [
@@ -189,7 +203,7 @@ def _plan(head: bytes) -> RequestPlan | None:
         version = parse_model_version(message.model_version)
         template = None
         if message.parameters:
-            template = InferenceRequest(message.model_name, version, id=message.id)
+            template = InferenceRequest(message.model_name, version)
             _apply_request_parameters(template, message.parameters)
         inputs: list[_Input] = []
         seen: set[str] = set()
@@ -213,7 +227,7 @@ def _plan(head: bytes) -> RequestPlan | None:
             outputs = [(o.name, o.parameters) for o in requested]
     except TritonError:
         return None
-    return RequestPlan(message.model_name, version, message.id, inputs, outputs, template)
+    return RequestPlan(message.model_name, version, inputs, outputs, template)
 
 
 def decode_request(data: Wire) -> InferenceRequest | None:
@@ -223,28 +237,40 @@ def decode_request(data: Wire) -> InferenceRequest | None:
     split = _split(memoryview(data).cast("B"))
     if split is None:
         return None
-    plan = _plan(split[0])
+    head, id_value, raws = split
+    plan = _plan(head)
     if plan is None:
         return None
-    return plan.request(split[1])
+    request_id = ""
+    if id_value is not None:
+        try:
+            request_id = str(id_value, "utf-8")
+        except UnicodeDecodeError:
+            return None  # protobuf refuses it: the codec names it
+    return plan.request(request_id, raws)
 
 
 # ------------------------------------------------------------------------ response
 
-# ModelInferResponse.raw_output_contents (field 6), length-delimited.
+# ModelInferResponse.id (field 3) and raw_output_contents (field 6), length-delimited.
+_RESPONSE_ID_TAG = b"\x1a"
 _RAW_OUTPUT_TAG = b"\x32"
 
 
 @functools.lru_cache(maxsize=_PLANS)
 def _response_head(
-    model: str, version: str, response_id: str, outputs: tuple[tuple[str, str, Any], ...]
-) -> bytes:
-    """The serialized ModelInferResponse without its raw_output_contents."""
-    message = pb.ModelInferResponse(model_name=model, model_version=version, id=response_id)
-    add = message.outputs.add
+    model: str, version: str, outputs: tuple[tuple[str, str, Any], ...]
+) -> tuple[bytes, bytes, bytes]:
+    """The serialized ModelInferResponse without its id and raw_output_contents:
+    the fields before the id (model_name, model_version), after it (outputs), and
+    both together (a response without an id)."""
+    before = pb.ModelInferResponse(model_name=model, model_version=version)
+    after = pb.ModelInferResponse()
+    add = after.outputs.add
     for name, datatype, shape in outputs:
         add(name=name, datatype=datatype, shape=shape)
-    return message.SerializeToString()
+    head, tail = before.SerializeToString(), after.SerializeToString()
+    return head, tail, head + tail
 
 
 @functools.lru_cache(maxsize=_PLANS)
@@ -255,21 +281,21 @@ def _raw_head(size: int) -> bytes:
 def encode_response(response: InferenceResponse, request: InferenceRequest) -> Chunks | None:
     """The serialized ModelInferResponse as chunks to write in order, as
     :func:`codec.encode_infer_response` writes it; None when the response has
-    parameters, a long id or an output requested into shared memory (then encode
-    it with :func:`codec.encode_infer_response`)."""
+    parameters or an output requested into shared memory (then encode it with
+    :func:`codec.encode_infer_response`)."""
     if response.parameters:
         return None
     requested = request.requested_outputs
     if requested and any("shared_memory_region" in o.parameters for o in requested):
         return None
-    response_id = response.id or request.id
-    if len(response_id) > _ID_LIMIT:
-        return None
     outputs = response.outputs
     description = tuple([(t.name, t.datatype, t.data.shape) for t in outputs])
-    chunks: Chunks = [
-        _response_head(response.model_name, response.model_version, response_id, description)
-    ]
+    head, tail, whole = _response_head(response.model_name, response.model_version, description)
+    response_id = response.id or request.id
+    if response_id:
+        value = response_id.encode()
+        whole = b"".join((head, _RESPONSE_ID_TAG, _varint(len(value)), value, tail))
+    chunks: Chunks = [whole]
     for tensor in outputs:
         raw = output_bytes(tensor.datatype, tensor.data)
         chunks.append(_raw_head(len(raw)))
