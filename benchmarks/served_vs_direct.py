@@ -276,6 +276,9 @@ def build_repository(
         try:
             write(directory / "1" / spec.file)
         except ImportError as exc:
+            # Leave no version folder without its model file: the server would
+            # refuse the whole repository over it.
+            shutil.rmtree(directory)
             log(f"{spec.name}: skipped ({exc})")
             return
         (directory / "config.pbtxt").write_text(_config(spec, delay_us))

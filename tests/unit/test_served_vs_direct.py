@@ -107,6 +107,24 @@ def test_repository_variants_at_other_delays_and_session_parameters(tmp_path):
     assert (tmp_path / "cnn_onnx_spin" / "1" / "model.onnx").exists()
 
 
+def test_a_model_whose_framework_is_missing_leaves_no_folder(tmp_path, monkeypatch):
+    """A host without torch serves the ONNX model alone: the TorchScript model's
+    folder is gone, not left without its file (the server refuses a repository
+    holding a model it cannot name the backend of)."""
+    pytest.importorskip("onnx")
+    import benchmarks.served_vs_direct as svd
+
+    def no_torch(path):
+        raise ImportError("No module named 'torch'")
+
+    monkeypatch.setattr(svd, "write_cnn_torchscript", no_torch)
+    logged: list[str] = []
+    specs = build_repository(tmp_path, ["cnn_onnx", "cnn_torch"], False, logged.append)
+    assert [spec.name for spec in specs] == ["cnn_onnx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn_onnx"]
+    assert logged == ["cnn_torch: skipped (No module named 'torch')"]
+
+
 def test_the_graphs_variant_asks_for_cuda_graphs():
     spec = ModelSpec("resnet50_torch", "torch", "model.pt", "INPUT__0", "OUTPUT__0", gpu=True)
     plain = _config(spec, 100)
