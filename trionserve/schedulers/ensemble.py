@@ -33,6 +33,7 @@ from trionserve.core.errors import (
 from trionserve.core.inference import InferenceRequest, InferenceResponse, RequestedOutput, Tensor
 from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.schedulers.ensemble_order import ResponseOrder, StepRequest
 from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet
 
 # A step's sequence settings: (sequence_id, sequence_start, sequence_end).
@@ -218,6 +219,9 @@ class EnsembleRun:
         self.response: InferenceResponse | None = None
         self._nursery: trio.Nursery | None = None
         self._inflight = 0  # step runs started or about to start, not yet final
+        # The steps' responses in the order their models sent them: each is passed
+        # on in its turn (see ensemble_order).
+        self._order = ResponseOrder()
 
     async def run(self, started: trio.Event | None = None) -> bool:
         """Run the steps and answer the request; True when it succeeded.
@@ -331,20 +335,26 @@ class EnsembleRun:
         # their models in the order they were made, as Triton enqueues them from
         # one thread (a stream's requests to a FIFO model are answered in order).
         queued = trio.Event()
-        self._nursery.start_soon(self._run_step, step, step_request, limiter, queued)
+        # The slot is given back once the model sent its final response, before
+        # it is passed on (its turn may come after a response that needs the slot).
+        step_request.on_end = limiter.release
+        self._nursery.start_soon(self._run_step, step, step_request, queued)
         await queued.wait()
 
-    async def _run_step(
-        self, step: Step, request: InferenceRequest, limiter: trio.Semaphore, queued: trio.Event
-    ) -> None:
+    async def _run_step(self, step: Step, request: StepRequest, queued: trio.Event) -> None:
         ended = False
+        order = self._order
 
         async def deliver(response: InferenceResponse | None, final: bool) -> None:
             nonlocal ended
-            if final and not ended:
-                ended = True
-                self._inflight -= 1
-            await self._deliver(step, request, response)
+            await order.turn(request)
+            try:
+                if final and not ended:
+                    ended = True
+                    self._inflight -= 1
+                await self._deliver(step, request, response)
+            finally:
+                order.passed_on(request)
 
         try:
             await self.service.infer_stream(request, deliver, queued=queued)
@@ -359,9 +369,10 @@ class EnsembleRun:
             queued.set()  # a request its model never took
             if not ended:
                 self._inflight -= 1
-            limiter.release()
+            order.forget(request)
+            request.ended()  # the slot, if the request never had its final outcome
 
-    def _step_request(self, step: Step, iteration: int) -> InferenceRequest:
+    def _step_request(self, step: Step, iteration: int) -> StepRequest:
         """The request of one step run: its inputs at ``iteration``, reshaped where
         a tensor crosses between a batching and a non-batching model, and the
         sequence settings its inputs carry (the ensemble request's by default)."""
@@ -380,9 +391,10 @@ class EnsembleRun:
             )
             inputs[model_input] = Tensor(model_input, entry.tensor.datatype, data)
         sequence_id, start, end = carried or sequence
-        step_request = InferenceRequest(
+        step_request = StepRequest(
             step.model_name,
             step.model_version,
+            order=self._order,
             model_namespace=step.model_namespace,
             id=request.id,
             inputs=inputs,
