@@ -481,6 +481,10 @@ class ImageWorkload:
         return _shm_call(self, client, module, tensor, data)
 
 
+# The set-up of a worker's CUDA shared memory regions, one thread at a time (_shm_call).
+_CUDA_SHM_SETUP = threading.Lock()
+
+
 def _shm_call(workload: ImageWorkload, client, module, tensor, data: np.ndarray):
     """Input and output in shared memory regions of this thread (system or CUDA)."""
     tag = f"svd_{os.getpid()}_{threading.get_ident()}"
@@ -512,11 +516,17 @@ def _shm_call(workload: ImageWorkload, client, module, tensor, data: np.ndarray)
     else:
         import tritonclient.utils.cuda_shared_memory as shm
 
-        regions = [
-            shm.create_shared_memory_region(f"{tag}_in", in_size, 0),
-            shm.create_shared_memory_region(f"{tag}_out", out_size, 0),
-        ]
-        shm.set_shared_memory_region(regions[0], [data])
+        # One worker thread at a time: tritonclient creates its per-device CUDA
+        # stream on first use without a lock (_get_or_create_global_cuda_stream),
+        # so two threads' first copies each create one, and the stream that loses
+        # the race is destroyed by its __del__ while the other thread copies on it
+        # (a segmentation fault at c=16). Once made, the stream is only read.
+        with _CUDA_SHM_SETUP:
+            regions = [
+                shm.create_shared_memory_region(f"{tag}_in", in_size, 0),
+                shm.create_shared_memory_region(f"{tag}_out", out_size, 0),
+            ]
+            shm.set_shared_memory_region(regions[0], [data])
         client.register_cuda_shared_memory(f"{tag}_in", shm.get_raw_handle(regions[0]), 0, in_size)
         client.register_cuda_shared_memory(
             f"{tag}_out", shm.get_raw_handle(regions[1]), 0, out_size

@@ -3,6 +3,7 @@ same model, and the statistics it reads are turned into per-request phases."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -123,6 +124,50 @@ def test_a_model_whose_framework_is_missing_leaves_no_folder(tmp_path, monkeypat
     assert [spec.name for spec in specs] == ["cnn_onnx"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cnn_onnx"]
     assert logged == ["cnn_torch: skipped (No module named 'torch')"]
+
+
+def test_cuda_shm_regions_are_made_and_filled_under_one_lock(monkeypatch):
+    """tritonclient makes its per-device CUDA stream on first use without a lock,
+    and the stream that loses a race between two threads is destroyed under the
+    other (a segmentation fault at c=16 on a GPU): each worker thread of a client
+    process makes and fills its regions holding the process's one lock."""
+    import types
+
+    import benchmarks.served_vs_direct as svd
+
+    held: list[tuple[str, bool]] = []
+    fake = types.ModuleType("tritonclient.utils.cuda_shared_memory")
+
+    def create_shared_memory_region(name, size, device):
+        held.append(("create", svd._CUDA_SHM_SETUP.locked()))
+        return types.SimpleNamespace(name=name)
+
+    def set_shared_memory_region(region, values):
+        held.append(("set", svd._CUDA_SHM_SETUP.locked()))
+
+    fake.create_shared_memory_region = create_shared_memory_region
+    fake.set_shared_memory_region = set_shared_memory_region
+    fake.get_raw_handle = lambda region: b"handle"
+    utils = pytest.importorskip("tritonclient.utils")
+    monkeypatch.setitem(sys.modules, "tritonclient.utils.cuda_shared_memory", fake)
+    monkeypatch.setattr(utils, "cuda_shared_memory", fake, raising=False)
+
+    class Settable:
+        def __init__(self, *args, **kwargs) -> None:
+            self.regions: list[tuple[str, int]] = []
+
+        def set_shared_memory(self, name, size) -> None:
+            self.regions.append((name, size))
+
+    client = types.SimpleNamespace(register_cuda_shared_memory=lambda *args: None)
+    module = types.SimpleNamespace(InferRequestedOutput=Settable)
+    workload = svd.ImageWorkload("cuda_shm", "cuda_shm", "m", "INPUT__0", "OUTPUT__0")
+    data = np.zeros((1, *IMAGE), np.float32)
+    tensor = Settable()
+    svd._shm_call(workload, client, module, tensor, data)
+    assert held == [("create", True), ("create", True), ("set", True)]
+    assert not svd._CUDA_SHM_SETUP.locked()
+    assert tensor.regions == [(tensor.regions[0][0], data.nbytes)]
 
 
 def test_the_graphs_variant_asks_for_cuda_graphs():
