@@ -669,6 +669,13 @@ class Row:
         return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
+def new_row(spec: ModelSpec, concurrency: int, path: str) -> Row:
+    """The row of one (model, concurrency, path) point. ``direct`` at a concurrency
+    above the model's max batch runs (and says it runs) the max batch."""
+    batch = min(concurrency, spec.max_batch) if path == "direct" else 0
+    return Row(spec.name, concurrency, path, direct_batch=batch if batch != concurrency else 0)
+
+
 def _mean(values: list[float]) -> float:
     known = [v for v in values if v == v]
     return sum(known) / len(known) if known else float("nan")
@@ -820,7 +827,7 @@ def main() -> None:
                     shift = round_index % len(order)
                     for path in order[shift:] + order[:shift]:
                         row = rows.setdefault(
-                            (spec.name, concurrency, path), Row(spec.name, concurrency, path)
+                            (spec.name, concurrency, path), new_row(spec, concurrency, path)
                         )
                         _point(
                             row, spec, path, runner, target, pool, inproc_pool, inproc_port,

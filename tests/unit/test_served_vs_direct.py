@@ -18,6 +18,7 @@ from benchmarks.served_vs_direct import (
     build_repository,
     direct_runner,
     format_table,
+    new_row,
     stats_delta,
     write_cnn_onnx,
     write_cnn_torchscript,
@@ -106,6 +107,21 @@ def test_repository_variants_at_other_delays_and_session_parameters(tmp_path):
     assert 'key: "session.intra_op.allow_spinning" value: { string_value: "1" }' in spin
     assert "max_queue_delay_microseconds: 500 " in spin
     assert (tmp_path / "cnn_onnx_spin" / "1" / "model.onnx").exists()
+
+
+def test_direct_above_the_max_batch_is_the_max_batch_and_served_rows_compare_with_it():
+    """At c=32 on a model of max batch 16, direct runs batch 16: its row says so,
+    and a served row that formed batches of 16 is compared with it."""
+    spec = ModelSpec("resnet50_torch", "torch", "model.pt", "INPUT__0", "OUTPUT__0", gpu=True)
+    assert new_row(spec, 32, "direct").direct_batch == 16
+    assert new_row(spec, 16, "direct").direct_batch == 0  # its concurrency
+    assert new_row(spec, 32, "http").direct_batch == 0
+    direct = replace(new_row(spec, 32, "direct"), requests=4000, seconds=1.0)
+    http = replace(new_row(spec, 32, "http"), requests=3600, seconds=1.0, batches=[15.8])
+    lines = format_table([direct, http]).splitlines()
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
+    assert cells[0][8] == "16.0"
+    assert cells[1][4:6] == ["0.90x", "0.90x"]
 
 
 def test_a_model_whose_framework_is_missing_leaves_no_folder(tmp_path, monkeypatch):
