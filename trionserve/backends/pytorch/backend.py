@@ -27,8 +27,9 @@ loaded module's batch execution in :mod:`.instance`.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -38,6 +39,7 @@ from trionserve.backends.cuda.graphs import cuda_graph_shapes
 from trionserve.backends.pytorch.device import instance_device, require_torch
 from trionserve.backends.pytorch.instance import TorchScriptInstance
 from trionserve.backends.pytorch.naming import bind_outputs, check_data_types
+from trionserve.backends.pytorch.parameters import TorchParameters, set_thread_counts
 from trionserve.core.errors import InvalidArgument, Unavailable
 
 if TYPE_CHECKING:
@@ -99,6 +101,8 @@ class PyTorchBackend(Backend):
                 [_StateEntry(s.input_name, s) for s in config.sequence_batching.state],
                 strings=True,
             )
+        # A value Triton cannot parse fails the load (its ModelState::Create).
+        parameters = TorchParameters.from_config(config, context.name)
         if config.platform == PT2_PLATFORM:
             from trionserve.backends.pytorch.torch_aoti import (
                 Pt2Model,
@@ -124,7 +128,9 @@ class PyTorchBackend(Backend):
                 [o.name for o in config.output],
                 [s.output_name for s in config.sequence_batching.state],
             )
-        return TorchScriptModel(context, path)
+        parameters.announce(context.name)
+        set_thread_counts(require_torch(), parameters, context.name)
+        return TorchScriptModel(context, path, parameters)
 
 
 class _StateEntry:
@@ -141,15 +147,19 @@ class _StateEntry:
 
 
 class TorchScriptModel:
-    """A TorchScript file and its config; each instance loads its own module."""
+    """A TorchScript file and its config; each instance loads its own module, or
+    with ENABLE_WEIGHT_SHARING the instances on one device share one (Triton's
+    ModelState::LoadModel keeps one module per device, keyed by whether it is a
+    GPU and its index: a KIND_MODEL instance shares the CPU's)."""
 
-    def __init__(self, context: ModelContext, path: Path) -> None:
+    def __init__(self, context: ModelContext, path: Path, parameters: TorchParameters) -> None:
         self.context = context
         self.path = path
+        self.parameters = parameters
+        self._shared: dict[tuple[bool, int], Any] = {}
+        self._lock = threading.Lock()
 
-    def create_instance(self, spec: InstanceSpec) -> TorchScriptInstance:
-        torch = require_torch()
-        device = instance_device(spec, self.context.name)
+    def _load(self, torch: Any, device: Any) -> Any:
         try:
             module = torch.jit.load(str(self.path), map_location=device)
         except Exception as exc:  # torch raises RuntimeError and friends
@@ -157,7 +167,25 @@ class TorchScriptModel:
                 f"failed to load TorchScript model '{self.context.name}' from "
                 f"{self.context.version_dir.name}/{self.path.name}: {exc}"
             ) from None
-        module.eval()
+        return module.eval()
+
+    def module_for(self, torch: Any, spec: InstanceSpec, device: Any) -> Any:
+        """The module an instance runs: its own, or the device's shared one."""
+        if not self.parameters.weight_sharing:
+            return self._load(torch, device)
+        on_gpu = device is not None and device.type == "cuda"
+        key = (on_gpu, device.index if on_gpu else -1)
+        with self._lock:  # one load per device, however many instances start at once
+            if key in self._shared:
+                log.info(f"Reusing TorchScript model for instance '{self.context.name}'")
+                return self._shared[key]
+            module = self._shared[key] = self._load(torch, device)
+            return module
+
+    def create_instance(self, spec: InstanceSpec) -> TorchScriptInstance:
+        torch = require_torch()
+        device = instance_device(spec, self.context.name)
+        module = self.module_for(torch, spec, device)
         instance = TorchScriptInstance(self.context, spec, torch, module, device)
         shapes = cuda_graph_shapes(self.context.config)
         if shapes is not None:
@@ -172,4 +200,5 @@ class TorchScriptModel:
         return instance
 
     def unload(self) -> None:
-        pass
+        with self._lock:
+            self._shared.clear()

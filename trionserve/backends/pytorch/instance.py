@@ -40,6 +40,7 @@ from trionserve.backends.pytorch.naming import (
     bind_outputs,
     config_type_name,
 )
+from trionserve.backends.pytorch.parameters import TorchParameters
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError
 from trionserve.core.inference import InferenceRequest
@@ -48,18 +49,10 @@ from trionserve.observability.statistics import ComputeTimes
 if TYPE_CHECKING:
     import torch
 
-    from trionserve._generated.model_config_pb2 import ModelConfig
-
     # What forward() is given for one input: a tensor, or a List[str] (TYPE_STRING).
     TorchInput: TypeAlias = torch.Tensor | list[str]
 
 log = structlog.get_logger(__name__)
-
-
-def _parameter(config: ModelConfig, key: str, default: bool) -> bool:
-    if key not in config.parameters:
-        return default
-    return config.parameters[key].string_value.strip().lower() in ("1", "true", "yes", "on")
 
 
 class _TorchBatch:
@@ -187,14 +180,20 @@ class TorchScriptInstance:
         self._batch_tensors = BatchTensors(context.name, config)
         self._bind(context, module)
         self._batched = config.max_batch_size > 0
-        self._inference_mode = _parameter(config, "INFERENCE_MODE", True)
-        self._optimized = not _parameter(config, "DISABLE_OPTIMIZED_EXECUTION", False)
+        # The model's parameters (checked when it loaded: TorchScriptModel).
+        self._parameters = TorchParameters.from_config(config, context.name)
+        self._inference_mode = self._parameters.inference_mode
+        self._optimized = self._parameters.optimized_execution
         # Set after each batch; the executor reads it for the statistics.
         self.compute_times: ComputeTimes | None = None
         # On a GPU: the instance's own streams, one computing and one copying
         # inputs in, and pinned host buffers to stage inputs in: the next batch
         # is gathered and copied while the device computes the current one.
         on_gpu = self._device.type == "cuda"
+        # Triton's ClearCache: the CUDA caching allocator emptied after each
+        # execute (ENABLE_CACHE_CLEANING) and when the instance closes, for a GPU
+        # instance or a KIND_MODEL one on a host with GPUs.
+        self._uses_cuda = on_gpu or (spec.kind == "KIND_MODEL" and bool(torch.cuda.is_available()))
         self._stream = torch.cuda.Stream(self._device) if on_gpu else None
         self._copy_stream = torch.cuda.Stream(self._device) if on_gpu else None
         self.overlaps = on_gpu
@@ -237,7 +236,10 @@ class TorchScriptInstance:
         )
 
     def _execution(self) -> AbstractContextManager[object]:
-        """The context forward() runs in (TorchScript's optimized execution flag)."""
+        """The context forward() runs in: TorchScript's optimized execution flag
+        (thread-local), after the process-wide flags Triton's Execute sets before
+        each forward (cuDNN; the JIT's where the model names them)."""
+        self._parameters.set_process_flags(self._torch, jit=True)
         return self._torch.jit.optimized_execution(self._optimized)
 
     def execute(self, requests: list[InferenceRequest]) -> list:
@@ -338,7 +340,16 @@ class TorchScriptInstance:
 
     def finish(self, requests: list[InferenceRequest], batch: _TorchBatch) -> list:
         """Wait for the device, then one response per request; ``compute_times``
-        for the batch (compute_infer runs from forward() to the outputs on the host)."""
+        for the batch (compute_infer runs from forward() to the outputs on the host).
+        ENABLE_CACHE_CLEANING empties the CUDA cache after each batch, as Triton's
+        TRITONBACKEND_ModelInstanceExecute does after every execute."""
+        try:
+            return self._finish(requests, batch)
+        finally:
+            if self._parameters.cache_cleaning and self._uses_cuda:
+                self._torch.cuda.empty_cache()
+
+    def _finish(self, requests: list[InferenceRequest], batch: _TorchBatch) -> list:
         self.compute_times = None
         try:
             if batch.done is not None:
@@ -596,3 +607,5 @@ class TorchScriptInstance:
         self._graphs = []
         self._buffers = (HostBuffers(), HostBuffers())
         self._slot_copied = [None, None]
+        if self._uses_cuda:  # Triton's ~ModelInstanceState: ClearCache, always
+            self._torch.cuda.empty_cache()

@@ -299,7 +299,10 @@ class Pt2Instance(TorchScriptInstance):
         )
 
     def _execution(self) -> AbstractContextManager[object]:
-        return nullcontext()  # optimized execution is a TorchScript flag
+        # cuDNN as for TorchScript; optimized execution and the JIT's flags are
+        # TorchScript's.
+        self._parameters.set_process_flags(self._torch, jit=False)
+        return nullcontext()
 
     def _forward(self, tensors: dict[str, TorchInput]) -> object:
         import torch.utils._pytree as pytree
