@@ -479,6 +479,7 @@ class DataPlane:
         model = self._admit(request, internal, None if internal else endpoint)
         cache = self.response_cache
         if cache is not None and model.config.response_cache.enable:
+            request.answer = None  # stored before it is answered (Triton's DelegateResponse)
             return await self._infer_cached(cache, model, request, queued)
         return await self._infer_admitted(model, request, queued)
 

@@ -263,17 +263,102 @@ async def test_with_requests_waiting_the_thread_answers_while_the_next_batch_run
         assert server.dataplane.model("blocking", None)._scheduler.pending == 2
         GATE.release.set()
         await writes.counted(3)
-        assert all(name.startswith("instance ") for name, _ in writes), writes
         # "a"'s, written while "b" and "c" waited. (One of theirs may be taken
-        # back by a sweep that "a"'s client brings as it closes: the loop
-        # writes it then.)
-        assert writes[0][1], writes
+        # back by a sweep that "a"'s client brings as it closes, before the
+        # thread writes it: the loop writes it then, as it delivers the outcome.)
+        assert writes[0] == ("instance blocking_0", True), writes
+        assert len([name for name, whole in writes if whole]) == 3, writes
         stats = await in_thread(stats_get, port)
         assert stats["success"]["count"] == 3
         assert sorted(answers) == ["a", "b", "c"]
         assert all(answers[n][0][1]["id"] == n for n in answers)
         model = server.dataplane.model("blocking", None)
         assert model.inflight == 0
+        server.shutdown()
+
+
+async def test_with_requests_waiting_the_loop_answers_as_it_delivers_the_outcome(
+    repository, writes, monkeypatch
+):
+    # "a" executes while "b" and "c" wait behind it, each connection's task
+    # waiting on its socket. Without a dynamic batcher (nothing tells the thread
+    # that no request waits) every report goes to the loop, which writes each
+    # answer as it delivers the outcome: the waits are not ended (no
+    # notify_closing, no epoll churn) and go on until each client sends again
+    # or closes. Every request one outcome, the counts exact.
+    monkeypatch.setattr(transport, "SLOW_REQUEST_SECS", 3600.0)  # no tick sweeps
+    echo_model(repository, "blocking", "test_blocking")  # (without dynamic_batching)
+    ended: list[ConnectionAnswer] = []
+    real_end = ConnectionAnswer._end
+
+    def end(self: ConnectionAnswer) -> None:
+        ended.append(self)
+        real_end(self)
+
+    monkeypatch.setattr(ConnectionAnswer, "_end", end)
+    server = make_server(repository)
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        probe = Probe(server.dataplane)
+        answers: dict[str, list] = {}
+
+        async def client(name: str) -> None:
+            answers[name] = await in_thread(exchange, port, [infer_bytes(name, 1.0)])
+
+        nursery.start_soon(client, "a")
+        await wait_entered()  # "a" executes
+        nursery.start_soon(client, "b")
+        nursery.start_soon(client, "c")
+        await probe.arrived("b", "c")
+        await trio.testing.wait_all_tasks_blocked()  # both queued behind "a"
+        assert server.dataplane.model("blocking", None)._scheduler.pending == 2
+        GATE.release.set()
+        await writes.counted(3)
+        assert writes == [(threading.current_thread().name, True)] * 3  # the loop's
+        assert ended == []
+        stats = await in_thread(stats_get, port)
+        assert stats["success"]["count"] == 3
+        assert sorted(answers) == ["a", "b", "c"]
+        assert all(answers[n][0][1]["id"] == n for n in answers)
+        await trio.testing.wait_all_tasks_blocked()
+        assert server.dataplane.model("blocking", None).inflight == 0
+        server.shutdown()
+
+
+async def test_a_cached_models_answer_is_stored_before_it_is_written(repository, writes):
+    # Triton inserts a response in the cache before it sends it (core
+    # src/dynamic_batch_scheduler.cc, DelegateResponse): the client that has
+    # its answer finds it cached, on any connection. Neither the thread nor
+    # the loop at the delivery writes it: the connection's task does, once stored.
+    echo_model(repository, "blocking", "test_blocking", "response_cache { enable: true }")
+    server = Server(
+        ServerOptions(
+            model_repositories=[repository],
+            http_address="127.0.0.1",
+            http_port=free_port(),
+            http=HttpOptions(),
+            allow_grpc=False,
+            allow_metrics=False,
+            response_cache_bytes=1 << 20,
+        ),
+        backends=BACKENDS,
+    )
+    port = server.options.http_port
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        first = await in_thread(socket.create_connection, ("127.0.0.1", port))
+        await in_thread(first.sendall, infer_bytes("a", 1.0))
+        await wait_entered()  # its connection's task waits for the outcome
+        GATE.release.set()
+        _, body = await in_thread(read_answer, first, bytearray())  # (kept open)
+        assert body["id"] == "a"
+        answers = await in_thread(exchange, port, [infer_bytes("b", 1.0)])
+        assert answers[0][1]["id"] == "b"
+        stats = await in_thread(stats_get, port)
+        assert (stats["cache_hit"]["count"], stats["cache_miss"]["count"]) == (1, 1)
+        assert writes == []
+        first.close()
         server.shutdown()
 
 

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from trionserve.core.deferred import deferred_jobs, sweep_deferred
+from trionserve.core.errors import InternalError
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import select_statistics
 from trionserve.protocol.http.answer import (
@@ -28,14 +29,14 @@ from trionserve.protocol.http.h1 import H1Connection
 REQUEST = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n"
 
 
-def connection(body_size: int, raises: bool = False):
+def connection(body_size: int, raises: bool = False, draining: bool = False):
     """A server socket, its client, the answer, the request armed, and the
     answer's expected bytes (an encoder answering ``body_size`` bytes)."""
     server_sock, client_sock = trio.socket.socketpair()
     h1 = H1Connection()
     h1.receive_data(REQUEST)
     assert h1.next_request() is not None
-    answer = ConnectionAnswer.of(h1, trio.SocketStream(server_sock), lambda: False)
+    answer = ConnectionAnswer.of(h1, trio.SocketStream(server_sock), lambda: draining)
     assert answer is not None
     body = bytes(range(256)) * (body_size // 256)
 
@@ -124,20 +125,75 @@ def _nothing_sent(sock) -> bool:
     return False
 
 
-async def test_the_wait_ends_with_the_outcome_or_the_socket():
-    server_sock, client_sock, answer, request, _ = connection(256)
+class _Closings(list):
+    """trio.lowlevel.notify_closing, counted: each call ends a wait on a socket
+    with an exception and costs the next wait on it two more ``epoll_ctl``."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        real = trio.lowlevel.notify_closing
+
+        def counted(fd) -> None:
+            self.append(fd)
+            real(fd)
+
+        monkeypatch.setattr(trio.lowlevel, "notify_closing", counted)
+
+
+async def test_an_outcome_the_loop_delivers_is_answered_there_and_the_wait_goes_on(monkeypatch):
+    # A request queued behind a busy instance (or answered by a stub) has its
+    # outcome delivered by the loop while its connection's task waits on the
+    # socket: the answer is written there, and the wait goes on until the
+    # client's next request, with no notify_closing (no epoll churn) between.
+    closings = _Closings(monkeypatch)
+    server_sock, client_sock, answer, request, expected = connection(256)
     with server_sock, client_sock:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(answer.wait)
             await trio.testing.wait_all_tasks_blocked()
             assert answer.waiting
-            request.respond(RESPONSE)  # the loop delivered it: the wait ends
-        assert not answer.waiting and answer.state == ARMED
+            request.respond(RESPONSE)  # the loop delivered it
+            await trio.testing.wait_all_tasks_blocked()
+            assert answer.waiting and answer in lingering() and answer.state == WRITTEN
+            assert await read_exactly(client_sock, len(expected)) == expected
+            await client_sock.send(b"POST")  # its next request ends the wait
+        assert closings == []
+        assert not answer.waiting and answer not in lingering() and answer.readable
+        assert await request.wait() is RESPONSE
+        assert answer.settle() == WRITTEN and answer.kept
+
+
+async def test_the_wait_ends_with_an_outcome_the_loop_answers_or_the_socket(monkeypatch):
+    # An error, an answer the loop must write (over the size written there) or
+    # a draining server end the wait (notify_closing): the connection's task
+    # answers. Bytes before the answer (pipelined, or the client's end) take
+    # it back.
+    closings = _Closings(monkeypatch)
+    cases = (
+        (256, lambda request: request.fail(InternalError("the model failed")), False),
+        (THREAD_ANSWER_MAX_BYTES + 256, lambda request: request.respond(RESPONSE), False),
+        (256, lambda request: request.respond(RESPONSE), True),
+    )
+    for size, deliver, draining in cases:
+        server_sock, client_sock, answer, request, _ = connection(size, draining=draining)
+        with server_sock, client_sock:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer.wait)
+                await trio.testing.wait_all_tasks_blocked()
+                assert answer.waiting
+                deliver(request)
+            assert not answer.waiting and answer.settle() == DISARMED
+            assert _nothing_sent(client_sock)
+    assert len(closings) == len(cases)
+    server_sock, client_sock, answer, request, _ = connection(256)
+    with server_sock, client_sock:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(answer.wait)
             await trio.testing.wait_all_tasks_blocked()
             await client_sock.send(b"GET")  # bytes before the answer: taken back
         assert answer.state == DISARMED
+        request.respond(RESPONSE)  # delivered after: nothing written
+        assert _nothing_sent(client_sock)
 
 
 async def test_a_wait_whose_answer_the_thread_wrote_goes_on_until_the_client_or_the_tick():

@@ -49,7 +49,8 @@ class ThreadAnswer(Protocol):
     event loop answers as usual, once the executor's report reaches it).
     ``wait`` is the consumer's wait for the outcome (on the Trio thread) while
     the answer is armed, and ``finalized`` is called on the Trio thread when the
-    request's final outcome is delivered, to end that wait."""
+    request's final outcome is delivered: it writes the answer there, still
+    armed, or ends that wait."""
 
     @property
     def armed(self) -> bool: ...
@@ -289,6 +290,14 @@ class InferenceRequest:
     def done(self) -> bool:
         """True once the final outcome was delivered."""
         return self._final
+
+    @property
+    def lone_response(self) -> InferenceResponse | None:
+        """The request's one response, when its final outcome is that response
+        alone and nobody took it yet; None otherwise (an error, none, several)."""
+        if self._final and self._error is None and len(self._responses) == 1:
+            return self._responses[0][0]
+        return None
 
     @property
     def ready(self) -> bool:

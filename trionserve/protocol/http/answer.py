@@ -28,6 +28,13 @@ What holds:
   gone) leaves the rest (:attr:`ConnectionAnswer.rest`) to the loop, which the
   thread wakes at once; so does an answer the thread declines (over 64 KB, or an
   encoding that raised: the loop encodes it again and answers its error).
+- An outcome the loop delivers while the connection's task waits (the thread
+  declined: requests waiting for the instance, a model without a dynamic
+  batcher, a Python stub's reply) is answered by the loop the same way, as it
+  delivers it (:meth:`ConnectionAnswer.finalized`), and the wait goes on until
+  the client's next request: ending it with ``notify_closing`` for the
+  connection's task to answer cost a wake-up, two exceptions and three
+  ``epoll_ctl`` (the registration dropped, then made again for the next read).
 - The request gets its one final outcome from the executor's report either way
   (deferred or not), and is counted in flight until then: the HTTP server's
   tick (every 0.25 s) sweeps, so a drain never waits for a client's next request.
@@ -212,16 +219,30 @@ class ConnectionAnswer:
         trio.lowlevel.notify_closing(self._socket)
 
     def finalized(self) -> None:
-        """The request's final outcome was delivered: the wait ends, unless the
-        thread wrote the answer whole. Then the client's next request (or its
-        end) ends it, as it would end the wait for that request that follows:
-        the connection's task wakes once, not twice (its wait cancelled, then
-        another for the next request); the HTTP server's tick ends the waits
-        left so (:func:`end_lingering`: a drain, an unload, a client that sends
-        nothing more)."""
+        """The request's final outcome was delivered (on the Trio thread, by
+        the executor's report or the stub's reply) while the connection's task
+        waits on its socket: an answer still armed is written here, as the
+        instance's thread would have (:meth:`write`), if the outcome is one
+        response. Written whole (here or by the thread), the wait goes on: the
+        client's next request (or its end) ends it, as it would end the wait
+        for that request that follows: the connection's task wakes once, not
+        twice (its wait ended by ``notify_closing``, then another registered
+        for the next request: two or three ``epoll_ctl`` and two exceptions);
+        the HTTP server's tick ends the waits left so (:func:`sweep`: a
+        drain, an unload, a client that sends nothing more). Otherwise (an
+        error, an answer declined or begun, the server draining) the wait
+        ends and the connection's task answers."""
         if not self._waiting or self._ended:
             return
-        if self.state == WRITTEN and not self._draining():
+        if self._draining():
+            self._end()
+            return
+        request = self._request
+        if self.state == ARMED and request is not None:
+            response = request.lone_response
+            if response is not None:
+                self.write(request, response)
+        if self.state == WRITTEN:
             self._lingers = True
             lingering().add(self)
             return
