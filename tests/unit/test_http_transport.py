@@ -8,6 +8,8 @@ import errno
 import resource
 import socket
 import struct
+import sys
+import tracemalloc
 from functools import partial
 
 import h11
@@ -514,25 +516,92 @@ async def test_a_body_already_there_is_read_without_arming_its_deadline(nursery,
     request); one that is still coming keeps it."""
     app = App()
     port = await _serve_large(nursery, app, 1 << 20)
-    armed: list[float] = []
-    move_on_after = trio.move_on_after
+    armed: list[float] = []  # the deadlines of the body reads' cancel scopes
+    move_on_at = trio.move_on_at
 
-    def counted(seconds: float, *args, **kwargs):
-        armed.append(seconds)
-        return move_on_after(seconds, *args, **kwargs)
+    def counted(deadline: float, *args, **kwargs):
+        if sys._getframe(1).f_code.co_name == "_read_body":
+            armed.append(deadline)
+        return move_on_at(deadline, *args, **kwargs)
 
-    monkeypatch.setattr(trio, "move_on_after", counted)
+    monkeypatch.setattr(trio, "move_on_at", counted)
     client = await Client.connect(port)
     body = bytes(range(256)) * 400  # 102,400 bytes: past the first 16 KB read
-    timeout = HttpServerOptions().header_timeout
     for _ in range(3):  # (the first ones may find the connection's window small)
-        before = armed.count(timeout)
+        before = len(armed)
         await client.send_raw(post("/echo", body))
         assert await client.response() == (200, {"content-length": str(len(body))}, body)
-    assert armed.count(timeout) == before  # the last one: all there, not armed
+    assert len(armed) == before  # the last one: all there, not armed
     request = post("/echo", body)
     await client.send_raw(request[: len(request) - 1000])
     await trio.testing.wait_all_tasks_blocked()
     await client.send_raw(request[len(request) - 1000 :])
     assert (await client.response())[2] == body
-    assert armed.count(timeout) == before + 1  # still coming: armed
+    assert len(armed) == before + 1  # still coming: armed
+
+
+def _deadline_heap_size() -> int:
+    """Entries in the Trio run's heap of deadlines (stale ones included: Trio drops
+    them when they come first or when they outnumber the live ones by 1,000)."""
+    return len(trio._core._run.GLOBAL_RUN_CONTEXT.runner.deadlines._heap)
+
+
+async def test_a_bodys_reads_do_not_each_move_its_deadline(nursery, mock_clock):
+    """The deadline of a body still coming is moved on when it passes, not at each
+    read: each move of a Trio deadline pushes an entry onto the run's heap, kept
+    (with its cancel scope) until it comes due, so 300 reads of a chunked body
+    added 300 entries. The timeout keeps its meaning: a body may take longer than
+    --http-header-timeout in all, not a pause that long (408)."""
+    app = App()
+    server = HttpServer(app.route, HttpServerOptions(max_request_body=1 << 20, header_timeout=10))
+    [(_, port)] = await nursery.start(server.serve, "127.0.0.1", 0, trio.Event(), 1.0)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    client = await Client.connect(port)
+    await client.send_raw(head + b"1\r\nA\r\n")
+    await trio.testing.wait_all_tasks_blocked()
+    before = _deadline_heap_size()
+    for _ in range(300):
+        mock_clock.jump(0.01)
+        await client.send_raw(b"1\r\nA\r\n")
+        await trio.testing.wait_all_tasks_blocked()
+    assert _deadline_heap_size() < before + 10
+    mock_clock.jump(9)
+    await trio.testing.wait_all_tasks_blocked()
+    await client.send_raw(b"1\r\nB\r\n")
+    await trio.testing.wait_all_tasks_blocked()
+    mock_clock.jump(9)  # 21 s since the body began, 9 since its last byte
+    await trio.testing.wait_all_tasks_blocked()
+    await client.send_raw(b"0\r\n\r\n")
+    assert (await client.response())[::2] == (200, b"A" * 301 + b"B")
+
+    client = await Client.connect(port)
+    await client.send_raw(head + b"1\r\nA\r\n")
+    await trio.testing.wait_all_tasks_blocked()
+    mock_clock.jump(10)
+    status, _, answer = await client.response()
+    assert status == 408 and b"--http-header-timeout" in answer
+
+
+async def test_a_chunked_body_is_read_without_a_bytes_object_per_read(nursery):
+    """A chunked body is read into the server's one read buffer, not into a bytes
+    object per read (a recv allocates the whole size asked, then shrinks it, and
+    those allocations fragment the heap): while 20,000 one-byte chunks come in 64 KB
+    writes the server allocates far less than one read's size (4 MiB here)."""
+    app = App()
+    options = HttpServerOptions(max_request_body=1 << 20, receive_size=4 << 20)
+    server = HttpServer(app.route, options)
+    [(_, port)] = await nursery.start(server.serve, "127.0.0.1", 0, trio.Event(), 1.0)
+    head = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    request = head + b"1\r\nA\r\n" * 20_000 + b"0\r\n\r\n"
+    client = await Client.connect(port)
+    tracemalloc.start()
+    try:
+        for start in range(0, len(request), 65536):
+            await client.send_raw(request[start : start + 65536])
+            await trio.testing.wait_all_tasks_blocked()
+        status, _, body = await client.response()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (status, body) == (200, b"A" * 20_000)
+    assert peak < 1 << 20, f"{peak} bytes allocated at the peak"

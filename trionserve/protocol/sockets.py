@@ -109,6 +109,13 @@ async def receive_into(
             _set_lowat(socket, 1)
 
 
+async def receive_view(stream: trio.abc.ReceiveStream, buffer: memoryview) -> memoryview:
+    """The bytes of one read into ``buffer`` (:func:`receive_into`), as a view of it
+    (empty: the peer ended its side): valid until the next read into ``buffer``. No
+    bytes object per read (a ``recv`` allocates its whole size and shrinks it)."""
+    return buffer[: await receive_into(stream, buffer)]
+
+
 async def receive_after_wait(
     stream: trio.abc.ReceiveStream, max_bytes: int, ready: bool = False
 ) -> bytes | bytearray:

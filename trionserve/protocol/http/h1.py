@@ -404,7 +404,7 @@ class H1Connection:
 
     # -- receiving -----------------------------------------------------------
 
-    def receive_data(self, data: bytes | bytearray) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Parse received bytes; b"": the client closed its side. What is refused
         moves the client side to REFUSED (nothing after it is parsed) and is kept
         in ``refusal``, raised once the requests before it are served."""

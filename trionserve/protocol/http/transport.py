@@ -96,6 +96,7 @@ from trionserve.protocol.sockets import (
     receive_after_wait,
     receive_into,
     receive_now,
+    receive_view,
     send_all,
     send_pieces,
 )
@@ -125,9 +126,6 @@ SLOW_REQUEST_SECS = 0.25
 # How long an error answer may take to write before the connection closes anyway.
 _ERROR_WRITE_SECS = 1.0
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
-# Where the bytes a closing connection still receives are read and dropped: one
-# buffer for every connection (nothing reads it), so lingering allocates nothing.
-_DISCARD = memoryview(bytearray(64 * 1024))
 
 
 class HttpServer:
@@ -152,6 +150,8 @@ class HttpServer:
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
         self.heads = HeadCache()
+        # Read into by every connection (chunked bodies, a closing one's last bytes) between awaits.
+        self.receive_buffer = memoryview(bytearray(self.options.receive_size))
         self.acceptor = Acceptor(
             "HTTP",
             self.serve_connection,
@@ -422,19 +422,18 @@ class _Connection:
                 h1.body_received(request, received)
                 if request.complete:
                     return h1.body(request)
-        options = self.server.options
-        timeout = options.header_timeout
-        # A body that stops arriving times out: each read must bring a byte within
-        # header_timeout (the deadline moves on with every read). A declared body
-        # is read into its buffer (receive_into) waiting for all it still lacks:
+        timeout = self.server.options.header_timeout
+        # A body that stops arriving times out: no byte of it for header_timeout (the deadline
+        # moves on only when it passes: each move is an entry in Trio's deadline heap). A
+        # declared body is read into its buffer (receive_into) waiting for all it still lacks:
         # when the deadline passes, what came meanwhile counts as a read.
-        unyielded = 0
+        unyielded, last = 0, trio.current_time()  # last: when a read last brought bytes
         while not request.complete:
-            with trio.move_on_after(timeout) as scope:
+            with trio.move_on_at(last + timeout) as scope:
                 while not request.complete:
                     empty = h1.body_pending(request)
                     if empty is None:
-                        h1.receive_data(await stream.receive_some(options.receive_size))
+                        h1.receive_data(await receive_view(stream, self.server.receive_buffer))
                     else:
                         received = await receive_into(stream, empty, fill=True)
                         h1.body_received(request, received)
@@ -442,8 +441,8 @@ class _Connection:
                         if unyielded > _YIELD_BYTES:  # a read that never waits
                             unyielded = 0  # lets the other connections in now and then
                             await trio.lowlevel.checkpoint()
-                    scope.deadline = trio.current_time() + timeout
-            if scope.cancelled_caught:
+                    last = trio.current_time()
+            if scope.cancelled_caught and trio.current_time() >= last + timeout:
                 empty = h1.body_pending(request)
                 late = None if empty is None else receive_now(stream, empty)
                 if not late:
@@ -453,6 +452,7 @@ class _Connection:
                         "(--http-header-timeout)",
                     )
                 h1.body_received(request, late)
+                last = trio.current_time()
         return h1.body(request)
 
     # -- serving ---------------------------------------------------------------
@@ -692,7 +692,7 @@ class _Connection:
                 with trio.move_on_after(self.server.options.linger):
                     try:
                         await stream.send_eof()
-                        while await receive_into(stream, _DISCARD):
+                        while await receive_into(stream, self.server.receive_buffer):
                             pass
                     except _GONE:
                         pass
