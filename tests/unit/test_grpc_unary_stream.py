@@ -175,6 +175,7 @@ class Pair:
     def __init__(self) -> None:
         self.reference, self.unary = _server(False), _server(True)
         self.fast = _server(True)
+        self.pieces: bytes | None = None  # a DATA frame's payload so far (whole)
         self.taken = 0  # frames the frame loop took itself, all steps together
         self.encoder = hpack.Encoder()
         self.ids: list[int] = []
@@ -197,13 +198,32 @@ class Pair:
 
         def fast() -> list:
             received.extend(self.fast.receive(data))
-            return _as_h2_events(received)
+            return _as_h2_events(self.whole(received))
 
         assert _outcome(fast) == a
         self.taken += sum(type(item) is tuple for item in received)
         self.compare()
         if a[0] == "raised":
             self.dead = True
+
+    def whole(self, items: list) -> list:
+        """The frame loop's tuples with a DATA frame taken in pieces (its
+        ``partial``) as one, given with the read that completes it, as h2 gives
+        it: its first pieces are held here until then."""
+        out = []
+        for index, item in enumerate(items):
+            if type(item) is tuple and item[0] == upstream.DATA:
+                if self.pieces is not None and index == 0:  # the frame's rest
+                    item = (*item[:2], self.pieces + bytes(item[2]), item[3])
+                    self.pieces = None
+                if index == len(items) - 1 and self.fast.partial is not None:
+                    assert not item[3]  # (no END_STREAM before the frame's end)
+                    self.pieces = bytes(item[2])  # not whole yet
+                    continue
+            out.append(item)
+        if not items and self.fast.partial is not None and self.pieces is None:
+            self.pieces = b""  # a DATA frame's header alone
+        return out
 
     def act(self, name: str, *args) -> None:
         if self.dead:
@@ -218,6 +238,10 @@ class Pair:
         out_a = b"".join(bytes(b) for b in self.reference.buffers_to_send())
         for server in (self.unary, self.fast):
             assert b"".join(bytes(b) for b in server.buffers_to_send()) == out_a
+            if server.partial is not None:
+                # A DATA frame not whole yet: its windows are taken already.
+                assert server is self.fast
+                continue
             reference, unary = _normalize_states(
                 _state(self.reference, self.ids), _state(server, self.ids)
             )
@@ -309,6 +333,35 @@ def test_a_whole_unary_call_is_held_apart_and_goes_as_h2s_would():
     # HEADERS, DATA and the connection's WINDOW_UPDATE give a tuple each, the
     # closed stream's WINDOW_UPDATE nothing.
     assert pair.taken == 1 + 4 * 3
+
+
+@pytest.mark.parametrize(
+    "cuts", [(9,), (10,), (9, 10), (20, 500, 501), (100, 200, 300, 908), (909,)]
+)
+def test_a_data_frame_cut_across_reads_is_taken_in_pieces_as_h2_takes_it_whole(cuts):
+    # A large message's DATA frame comes in several reads: the frame loop takes
+    # each piece as it comes (no buffering in h2, no frame object), taking the
+    # frame's windows on its header; once whole, everything is as h2's.
+    pair = Pair()
+    pair.feed(pair.headers(1, UNARY, True))  # the connection opens (h2's SERVER_OPEN)
+    frame = hf.DataFrame(3, data=bytes(range(256)) * 3 + bytes(132))
+    frame.flags.add("END_STREAM")
+    head = pair.headers(3, UNARY, False)
+    data = head + frame.serialize() + _window(0, 7) + pair.headers(5, UNARY, True)
+    taken, pieces = pair.taken, 0
+    for start, stop in zip((0, *cuts), (*cuts, len(data) - len(head))):
+        before = pair.fast.partial
+        pair.feed(data[len(head) + start if start else 0 : len(head) + stop])
+        pieces += before is not None or pair.fast.partial is not None
+        assert 3 in pair.fast.unary
+    inside = [cut for cut in cuts if cut < 909]  # (909: the frame ends there, whole)
+    assert pair.fast.partial is None and pieces == (len(inside) + 1 if inside else 0)
+    # headers, the frame (as many tuples as reads that held some of its payload,
+    # none for its header alone), the window update, the next call's headers
+    payload_reads = sum(stop > max(start, 9) for start, stop in zip((0, *cuts), (*cuts, 909)))
+    assert pair.taken - taken == 1 + payload_reads + 2
+    pair.act("acknowledge_received_data", 900, 3)
+    _answer(pair, 3)
 
 
 def test_window_updates_of_many_calls_go_out_as_h2s():

@@ -324,7 +324,7 @@ class Connection:
         self._starting.append((call, method.handler))
 
     def _on_data(
-        self, stream_id: int, data: bytes | bytearray, flow: int, ended: bool = False
+        self, stream_id: int, data: bytes | bytearray | memoryview, flow: int, ended: bool = False
     ) -> None:
         """A DATA frame's payload (``ended``: with END_STREAM, as _on_end)."""
         call = self.calls.get(stream_id)

@@ -147,6 +147,9 @@ class H2Connection(h2.connection.H2Connection):
         unary_paths: Iterable[bytes] = (),
     ) -> None:
         self.unary: dict[int, UnaryStream] = {}
+        # A held stream's DATA frame that ``receive`` takes in pieces as its
+        # bytes come: (stream id, bytes still to come, its END_STREAM).
+        self.partial: tuple[int, int, bool] | None = None
         self.unary_paths = frozenset(unary_paths)
         super().__init__(config)
         self.encoder = self._caching_encoder = CachingEncoder(constant_headers)
@@ -270,20 +273,35 @@ class H2Connection(h2.connection.H2Connection):
         request.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
         return [request, ended]
 
-    def receive(self, data: bytes | bytearray) -> list:
+    def receive(self, data: bytes | bytearray | memoryview) -> list:
         """``receive_data``, with the frames of unary calls going the common way
         taken here from their bytes, without h2's frame and event objects.
 
         Each frame taken gives a tuple: ``(REQUEST, stream_id, headers, ended)``
         for a new unary call's HEADERS, ``(DATA, stream_id, payload, ended)`` for
-        its DATA (unpadded: the payload is all the flow-controlled bytes),
+        its DATA (unpadded: the payload is all the flow-controlled bytes, a
+        view of ``data``; a frame not whole in ``data`` is given in pieces as its
+        bytes come, ``ended`` with the last, its windows taken on its header:
+        ``partial`` holds what is still to come),
         ``(WINDOW, stream_id, increment)`` for a WINDOW_UPDATE of the connection
         or of a held stream (none for a closed stream's); the state moves as h2's
         ``receive_data`` moves it (tests/unit/test_grpc_unary_stream.py). The first
         frame that is anything else (another type, flags, a stream of h2's, a
-        window past its bounds, a frame past SETTINGS_MAX_FRAME_SIZE or not
-        whole) and every byte after it are h2's, its events after the tuples.
+        window past its bounds, a frame past SETTINGS_MAX_FRAME_SIZE, a frame
+        other than DATA not whole) and every byte after it are h2's, its events
+        after the tuples.
         """
+        out: list = []
+        if self.partial is not None:  # the rest of a DATA frame taken in pieces first
+            stream_id, left, ended = self.partial
+            take = min(left, len(data))
+            left -= take
+            self.partial = None if not left else (stream_id, left, ended)
+            if take:
+                out.append((DATA, stream_id, memoryview(data)[:take], ended and not left))
+            if take == len(data):
+                return out
+            data = memoryview(data)[take:]
         buffer: Any = self.incoming_buffer
         if (
             buffer._data
@@ -291,8 +309,8 @@ class H2Connection(h2.connection.H2Connection):
             or buffer._preamble_len
             or self.state_machine.state is not _SERVER_OPEN
         ):
-            return self.receive_data(data)
-        out: list = []
+            out.extend(self.receive_data(bytes(data)))
+            return out
         size, pos = len(data), 0
         held = self.unary
         limit = self._max_inbound_frame_size
@@ -300,7 +318,7 @@ class H2Connection(h2.connection.H2Connection):
             high, low, kind, flags, stream_id = _FRAME_HEADER.unpack_from(data, pos)
             length = (high << 8) + low
             start, end = pos + 9, pos + 9 + length
-            if length > limit or end > size:
+            if length > limit or (end > size and kind != _DATA_FRAME):
                 break
             stream_id &= 0x7FFFFFFF
             if kind == _DATA_FRAME:
@@ -314,13 +332,18 @@ class H2Connection(h2.connection.H2Connection):
                 connection.current_window_size -= length
                 stream.current_window_size -= length
                 ended = unary.remote_ended = bool(flags & _END_STREAM)
-                out.append((DATA, stream_id, data[start:end], ended))
+                if end > size:  # the rest comes in the next reads (self.partial)
+                    self.partial = (stream_id, end - size, ended)
+                    if size > start:
+                        out.append((DATA, stream_id, memoryview(data)[start:], False))
+                    return out
+                out.append((DATA, stream_id, memoryview(data)[start:end], ended))
             elif kind == _HEADERS_FRAME:
                 if flags & (_PADDED | _PRIORITY) or not flags & _END_HEADERS:
                     break
                 ended = bool(flags & _END_STREAM)
                 try:
-                    headers = self._unary_open(stream_id, ended, data[start:end])
+                    headers = self._unary_open(stream_id, ended, bytes(data[start:end]))
                 except h2.exceptions.ProtocolError as exc:  # as h2's receive_data
                     self._terminate_connection(exc.error_code)
                     raise
@@ -351,7 +374,7 @@ class H2Connection(h2.connection.H2Connection):
                 break
             pos = end
         if pos < size:
-            out.extend(self.receive_data(data[pos:] if pos else data))
+            out.extend(self.receive_data(bytes(data[pos:])))
         return out
 
     def _unary_data(
