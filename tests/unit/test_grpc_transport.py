@@ -22,6 +22,7 @@ import pytest
 import trio
 import trio.testing
 
+from trionserve.protocol.grpc import upstream
 from trionserve.protocol.grpc.status import decode_grpc_message
 from trionserve.protocol.grpc.transport import (
     GrpcCall,
@@ -1068,3 +1069,42 @@ async def test_an_answer_the_socket_takes_in_part_is_written_whole_and_in_order(
             after = await client.call("/t.T/Echo", frame(b"after"))
             await client.until(lambda c: c.ended(after))
             assert client.data[after] == frame(b"after")
+
+
+async def test_the_rest_of_a_large_message_is_read_straight_into_its_buffer(monkeypatch):
+    """A large message's DATA frame that comes in part: the rest of it is read
+    from the socket into the message's own buffer (one wait for all of it),
+    never through the frame loop, and the message comes back whole; a frame
+    after it is read as usual."""
+    through_frames = []
+    receive = upstream.H2Connection.receive
+    first_part_read = trio.Event()
+
+    def counted(self, data):
+        through_frames.append(len(data))
+        taken = receive(self, data)
+        if self.partial is not None:  # the DATA frame came in part
+            first_part_read.set()
+        return taken
+
+    monkeypatch.setattr(upstream.H2Connection, "receive", counted)
+    message = frame(bytes(range(256)) * 2048)  # 512 KiB + 5
+    first, second = message[:400_000], message[400_000:]
+    async with serving(Handlers()) as (port, _):
+        async with RawClient.connect(port) as client:
+            await client.until(lambda c: c.h2.remote_settings.max_frame_size == 1024 * 1024)
+            # a first call opens the connection (its HEADERS are h2's: SERVER_OPEN)
+            opening = await client.call("/t.T/Echo", frame(b"hi"))
+            await client.until(lambda c: c.ended(opening))
+            stream = await client.call("/t.T/Echo", None, end=False)
+            header = struct.pack(">HBBBL", len(first) >> 8, len(first) & 0xFF, 0, 0, stream)
+            await client.stream.send_all(header + first[:100_000])
+            await first_part_read.wait()  # the server has read the frame's first bytes
+            end = struct.pack(">HBBBL", len(second) >> 8, len(second) & 0xFF, 0, 1, stream)
+            await client.stream.send_all(first[100_000:] + end + second)
+            await client.until(lambda c: c.ended(stream))
+            assert client.status(stream) == (Status.OK.value, "")
+            assert client.data[stream] == message
+    # the first frame's first 100 kB and the second frame went through the frame
+    # loop; the first frame's other 300 kB did not
+    assert sum(through_frames) < len(message) - 250_000

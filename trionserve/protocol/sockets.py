@@ -195,6 +195,27 @@ class EagerReceiver:
             if data is not None:
                 return data
 
+    async def receive_into(self, buffer: memoryview) -> int:
+        """Bytes read into ``buffer`` (0: the peer ended its side): what the
+        socket holds now, as ``receive_some`` (the same count of reads in a row
+        without a checkpoint), else waiting until it holds ``len(buffer)``
+        bytes, the peer ends or fails (``receive_into`` with ``fill``)."""
+        socket = self._socket
+        if socket is None:
+            return await receive_into(self._stream, buffer, fill=True)
+        if not self._eager:
+            await trio.lowlevel.checkpoint()
+            self._eager = self._eager_reads
+            return await receive_into(self._stream, buffer, fill=True)
+        self._eager -= 1
+        if socket.fileno() < 0:
+            raise trio.ClosedResourceError("the stream was closed")
+        received = _read_now(socket, buffer)
+        if received is not None:
+            return received
+        self._eager = self._eager_reads
+        return await receive_into(self._stream, buffer, fill=True)
+
 
 def _read_some(socket: trio.socket.SocketType, max_bytes: int) -> bytes | bytearray | None:
     """What the socket holds now, up to ``max_bytes`` (b"": the peer ended its

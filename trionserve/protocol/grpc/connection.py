@@ -63,6 +63,9 @@ _CUT_MESSAGE = (
     "(--exit-timeout-secs)"
 )
 _CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError)
+# The rest of a message in a DATA frame that came in part is read straight into
+# the message's buffer when it is at least this large (_message_room).
+DIRECT_READ = 64 * 1024
 Handler = Callable[[GrpcCall], Awaitable[None]]
 
 
@@ -207,8 +210,20 @@ class Connection(BufferWindows):
         they are read and dropped, so that nothing the client sends can end the
         connection before the writer has written the last answers and the GOAWAY.
         """
-        receive = EagerReceiver(self.stream).receive_some
+        receiver = EagerReceiver(self.stream)
+        receive = receiver.receive_some
         while True:
+            if self.h2.partial is not None and (room := self._message_room()) is not None:
+                try:
+                    received = await receiver.receive_into(room)
+                except _CLOSED:
+                    return False
+                if not received:
+                    return False
+                stream_id, ended = self.h2.took(received)
+                self._on_data(stream_id, None, received, ended)
+                self.flush()
+                continue
             try:
                 data = await receive(256 * 1024, not self.calls)  # (eager when idle)
             except _CLOSED:
@@ -324,10 +339,31 @@ class Connection(BufferWindows):
             self._idle.pop(self, None)
         self._starting.append((call, method.handler))
 
+    def _message_room(self) -> memoryview | None:
+        """Where the rest of a large message in the DATA frame that came in part
+        (``h2.partial``) is read straight from the socket, with one wait for all
+        of it: its buffer, as much of it as the frame still holds (None when
+        that is less than DIRECT_READ, or the frame is not a message's)."""
+        assert self.h2.partial is not None
+        stream_id, left, _ = self.h2.partial
+        call = self.calls.get(stream_id)
+        if call is None or call.error is not None or self.state.closing:
+            return None
+        room = call.reader.room()
+        if room is None or min(left, len(room)) < DIRECT_READ:
+            return None
+        return room[:left]
+
     def _on_data(
-        self, stream_id: int, data: bytes | bytearray | memoryview, flow: int, ended: bool = False
+        self,
+        stream_id: int,
+        data: bytes | bytearray | memoryview | None,
+        flow: int,
+        ended: bool = False,
     ) -> None:
-        """A DATA frame's payload (``ended``: with END_STREAM, as _on_end)."""
+        """A DATA frame's payload (``ended``: with END_STREAM, as _on_end);
+        ``data`` None: ``flow`` bytes of it were read into the call's message
+        (_message_room)."""
         call = self.calls.get(stream_id)
         if call is None or call.error is not None:
             # Data for a call that is over: give the window back and drop it.
@@ -337,7 +373,7 @@ class Connection(BufferWindows):
             return
         reader = call.reader
         try:
-            messages = reader.feed(data)
+            messages = reader.filled(flow) if data is None else reader.feed(data)
         except GRPCError as error:
             call.error = error
             call.state.request_event(RequestEvent.REFUSE)

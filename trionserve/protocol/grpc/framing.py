@@ -140,6 +140,25 @@ class MessageReader:
             break
         return messages
 
+    def room(self) -> memoryview | None:
+        """The part of an unfinished message's buffer still to be received (for
+        its bytes to be read straight into it, then ``filled``); None between
+        messages."""
+        message = self._message
+        return None if message is None else message[self._filled :]
+
+    def filled(self, size: int) -> list[Message]:
+        """``size`` more bytes of the unfinished message were written into its
+        ``room``: the message when that completes it."""
+        message = self._message
+        assert message is not None and self._filled + size <= len(message)
+        self._filled += size
+        if self._filled < len(message):
+            return []
+        self._message = None
+        self._filled = 0
+        return [self._finish(self._flag, message)]
+
     def _read_prefix(self, prefix: bytes | bytearray | memoryview) -> tuple[int, int]:
         """(compressed flag, size) of a message's prefix, checked."""
         size = int.from_bytes(prefix[1:5], "big")

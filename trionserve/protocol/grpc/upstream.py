@@ -377,6 +377,16 @@ class H2Connection(h2.connection.H2Connection):
             out.extend(self.receive_data(bytes(data[pos:])))
         return out
 
+    def took(self, size: int) -> tuple[int, bool]:
+        """``size`` bytes of the ``partial`` DATA frame's payload were taken
+        straight from the socket (as ``receive`` would give them): its stream
+        id, and whether they end the stream."""
+        assert self.partial is not None and 0 < size <= self.partial[1]
+        stream_id, left, ended = self.partial
+        left -= size
+        self.partial = (stream_id, left, ended) if left else None
+        return stream_id, ended and not left
+
     def _unary_data(
         self, stream_id: int, unary: UnaryStream, frame: hyperframe_frame.DataFrame
     ) -> list[h2.events.Event]:
