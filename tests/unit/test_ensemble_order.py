@@ -102,3 +102,46 @@ async def test_a_response_waiting_for_its_turn_does_not_hold_a_slot_back(autojum
             values = [r.outputs[0].data.tolist() async for r, _ in request.stream() if r]
             nursery.cancel_scope.cancel()
     assert values == [[10.0], [20.0], [30.0]]
+
+
+async def test_a_steps_answer_does_not_wait_for_an_earlier_steps_values(autojump_clock):
+    """Each step's responses keep their order, not all steps' together: with
+    max_inflight_requests: 1 on the second step, its first answer goes out while
+    the burst's later values wait for the step's slot, held by its second run
+    (Triton passes a response on from the thread of the model that sent it, core
+    ensemble_scheduler.cc ResponseComplete; qa/L0_simple_ensemble's
+    test_request_cancellation_under_backpressure waits 5 s for the first answer)."""
+    first_run, other_runs = trio.Event(), trio.Event()
+    runs: list[InferenceRequest] = []
+
+    async def held(request: InferenceRequest) -> None:
+        runs.append(request)
+        await (first_run if len(runs) == 1 else other_runs).wait()
+        request.respond(respond("held", request.inputs["IN"].data * 10))
+
+    service = Answered({"burst": burst, "held": held}, decoupled=("burst",))
+    config = ensemble_config([("burst", "INPUT", "b"), ("held", "b", "OUTPUT")])
+    config.ensemble_scheduling.max_inflight_requests = 1
+    plan = plan_ensemble(config, 1, service.model)
+    scheduler = EnsembleScheduler(plan, service)
+    request = request_for(np.ones(1, np.float32))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        await scheduler.submit(request)
+        answers = request.stream().__aiter__()
+        await trio.testing.wait_all_tasks_blocked()
+        first_run.set()
+        with trio.fail_after(5):
+            first, _ = await answers.__anext__()
+        assert first is not None and first.outputs[0].data.tolist() == [10.0]
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(runs) == 2  # the second run holds the slot
+        values = [[10.0]]
+        other_runs.set()
+        with trio.fail_after(5):
+            while len(values) < 3:
+                response, _ = await answers.__anext__()
+                if response is not None:
+                    values.append(response.outputs[0].data.tolist())
+        nursery.cancel_scope.cancel()
+    assert values == [[10.0], [20.0], [30.0]]

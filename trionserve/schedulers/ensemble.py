@@ -219,9 +219,9 @@ class EnsembleRun:
         self.response: InferenceResponse | None = None
         self._nursery: trio.Nursery | None = None
         self._inflight = 0  # step runs started or about to start, not yet final
-        # The steps' responses in the order their models sent them: each is passed
-        # on in its turn (see ensemble_order).
-        self._order = ResponseOrder()
+        # Each step's responses in the order its model sent them, by step index: each
+        # is passed on in its turn (see ensemble_order).
+        self._orders: dict[int, ResponseOrder] = {}
 
     async def run(self, started: trio.Event | None = None) -> bool:
         """Run the steps and answer the request; True when it succeeded.
@@ -343,7 +343,7 @@ class EnsembleRun:
 
     async def _run_step(self, step: Step, request: StepRequest, queued: trio.Event) -> None:
         ended = False
-        order = self._order
+        order = request.order
 
         async def deliver(response: InferenceResponse | None, final: bool) -> None:
             nonlocal ended
@@ -394,7 +394,7 @@ class EnsembleRun:
         step_request = StepRequest(
             step.model_name,
             step.model_version,
-            order=self._order,
+            order=self._orders.setdefault(step.index, ResponseOrder()),
             model_namespace=step.model_namespace,
             id=request.id,
             inputs=inputs,

@@ -11,10 +11,13 @@ choosing, so without more a stream's later value could overtake an earlier one
 Triton hands a step's responses on in the order its models sent them: each
 response's callback runs the ensemble's next steps where it was sent (core
 src/ensemble_scheduler/ensemble_scheduler.cc, ``ResponseComplete`` ->
-``ProcessAndSetResponses`` -> ``ScheduleSteps``). Here a :class:`StepRequest`
-notes each response (and a final flag sent alone) in a :class:`ResponseOrder`
-at the moment its model sends it, and a run passes a response on only when it is
-the oldest not passed on yet. A run's slot of ``max_inflight_requests`` is given
+``ProcessAndSetResponses`` -> ``ScheduleSteps``), on the thread of the model that
+sent it, so one step's responses keep their order and another step's do not wait
+for them. Here a :class:`StepRequest` notes each response (and a final flag sent
+alone) in its step's :class:`ResponseOrder` at the moment its model sends it, and
+a run passes a response on only when it is its step's oldest not passed on yet (a
+decoupled step's values waiting for the next step's ``max_inflight_requests``
+slot hold back no answer of that next step). A run's slot of ``max_inflight_requests`` is given
 back when its model sends the final response, not when that response was passed
 on, so a response waiting for its turn never holds back the one before it.
 """
