@@ -67,7 +67,7 @@ def writes(monkeypatch):
     return calls
 
 
-def make_server(repository) -> Server:
+def make_server(repository, **options) -> Server:
     return Server(
         ServerOptions(
             model_repositories=[repository],
@@ -77,9 +77,30 @@ def make_server(repository) -> Server:
             allow_grpc=False,
             allow_metrics=False,
             exit_timeout_secs=20.0,
+            **options,
         ),
         backends=BACKENDS,
     )
+
+
+async def queue_behind_a(server: Server, nursery: trio.Nursery) -> dict[str, list]:
+    """Clients "a", "b" and "c", each on its own connection: "a" executes, "b" and
+    "c" wait behind it. Their answers fill the dict returned as they come."""
+    port = server.options.http_port
+    probe = Probe(server.dataplane)
+    answers: dict[str, list] = {}
+
+    async def client(name: str) -> None:
+        answers[name] = await in_thread(exchange, port, [infer_bytes(name, 1.0)])
+
+    nursery.start_soon(client, "a")
+    await wait_entered()  # "a" executes
+    nursery.start_soon(client, "b")
+    nursery.start_soon(client, "c")
+    await probe.arrived("b", "c")
+    await trio.testing.wait_all_tasks_blocked()  # both queued behind "a"
+    assert server.dataplane.model("blocking", None)._scheduler.pending == 2
+    return answers
 
 
 def infer_bytes(request_id: str, value: float) -> bytes:
@@ -248,19 +269,7 @@ async def test_with_requests_waiting_the_thread_answers_while_the_next_batch_run
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
-        probe = Probe(server.dataplane)
-        answers: dict[str, list] = {}
-
-        async def client(name: str) -> None:
-            answers[name] = await in_thread(exchange, port, [infer_bytes(name, 1.0)])
-
-        nursery.start_soon(client, "a")
-        await wait_entered()  # "a" executes
-        nursery.start_soon(client, "b")
-        nursery.start_soon(client, "c")
-        await probe.arrived("b", "c")
-        await trio.testing.wait_all_tasks_blocked()  # both queued behind "a"
-        assert server.dataplane.model("blocking", None)._scheduler.pending == 2
+        answers = await queue_behind_a(server, nursery)
         GATE.release.set()
         await writes.counted(3)
         # "a"'s, written while "b" and "c" waited. (One of theirs may be taken
@@ -300,19 +309,7 @@ async def test_with_requests_waiting_the_loop_answers_as_it_delivers_the_outcome
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
-        probe = Probe(server.dataplane)
-        answers: dict[str, list] = {}
-
-        async def client(name: str) -> None:
-            answers[name] = await in_thread(exchange, port, [infer_bytes(name, 1.0)])
-
-        nursery.start_soon(client, "a")
-        await wait_entered()  # "a" executes
-        nursery.start_soon(client, "b")
-        nursery.start_soon(client, "c")
-        await probe.arrived("b", "c")
-        await trio.testing.wait_all_tasks_blocked()  # both queued behind "a"
-        assert server.dataplane.model("blocking", None)._scheduler.pending == 2
+        answers = await queue_behind_a(server, nursery)
         GATE.release.set()
         await writes.counted(3)
         assert writes == [(threading.current_thread().name, True)] * 3  # the loop's
@@ -332,18 +329,7 @@ async def test_a_cached_models_answer_is_stored_before_it_is_written(repository,
     # its answer finds it cached, on any connection. Neither the thread nor
     # the loop at the delivery writes it: the connection's task does, once stored.
     echo_model(repository, "blocking", "test_blocking", "response_cache { enable: true }")
-    server = Server(
-        ServerOptions(
-            model_repositories=[repository],
-            http_address="127.0.0.1",
-            http_port=free_port(),
-            http=HttpOptions(),
-            allow_grpc=False,
-            allow_metrics=False,
-            response_cache_bytes=1 << 20,
-        ),
-        backends=BACKENDS,
-    )
+    server = make_server(repository, response_cache_bytes=1 << 20)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)

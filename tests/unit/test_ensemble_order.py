@@ -55,6 +55,16 @@ def squares_in_one_turn(waiting: list[InferenceRequest], gate: trio.Event):
     return square
 
 
+def burst_into_one_slot(name: str, behaviour) -> tuple[EnsembleScheduler, InferenceRequest]:
+    """An ensemble of ``burst`` feeding model ``name`` (played by ``behaviour``)
+    with max_inflight_requests: 1, and a request for it."""
+    service = Answered({"burst": burst, name: behaviour}, decoupled=("burst",))
+    config = ensemble_config([("burst", "INPUT", "b"), (name, "b", "OUTPUT")])
+    config.ensemble_scheduling.max_inflight_requests = 1
+    plan = plan_ensemble(config, 1, service.model)
+    return EnsembleScheduler(plan, service), request_for(np.ones(1, np.float32))
+
+
 async def test_answers_of_one_turn_are_passed_on_in_the_order_they_were_sent(autojump_clock):
     # Trio may run a batch of woken tasks reversed; twenty rounds in a row in order
     # happen by chance once in a million without the ordering.
@@ -86,12 +96,7 @@ async def test_a_response_waiting_for_its_turn_does_not_hold_a_slot_back(autojum
             await release.wait()
         request.respond(respond("slow", request.inputs["IN"].data * 10))
 
-    service = Answered({"burst": burst, "slow": slow}, decoupled=("burst",))
-    config = ensemble_config([("burst", "INPUT", "b"), ("slow", "b", "OUTPUT")])
-    config.ensemble_scheduling.max_inflight_requests = 1
-    plan = plan_ensemble(config, 1, service.model)
-    scheduler = EnsembleScheduler(plan, service)
-    request = request_for(np.ones(1, np.float32))
+    scheduler, request = burst_into_one_slot("slow", slow)
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
             await nursery.start(scheduler.run)
@@ -119,12 +124,7 @@ async def test_a_steps_answer_does_not_wait_for_an_earlier_steps_values(autojump
         await (first_run if len(runs) == 1 else other_runs).wait()
         request.respond(respond("held", request.inputs["IN"].data * 10))
 
-    service = Answered({"burst": burst, "held": held}, decoupled=("burst",))
-    config = ensemble_config([("burst", "INPUT", "b"), ("held", "b", "OUTPUT")])
-    config.ensemble_scheduling.max_inflight_requests = 1
-    plan = plan_ensemble(config, 1, service.model)
-    scheduler = EnsembleScheduler(plan, service)
-    request = request_for(np.ones(1, np.float32))
+    scheduler, request = burst_into_one_slot("held", held)
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         await scheduler.submit(request)
