@@ -372,6 +372,12 @@ class EnsembleRun:
             order.forget(request)
             request.ended()  # the slot, if the request never had its final outcome
 
+    def _order_of(self, step: Step) -> ResponseOrder:
+        order = self._orders.get(step.index)
+        if order is None:
+            order = self._orders[step.index] = ResponseOrder()
+        return order
+
     def _step_request(self, step: Step, iteration: int) -> StepRequest:
         """The request of one step run: its inputs at ``iteration``, reshaped where
         a tensor crosses between a batching and a non-batching model, and the
@@ -394,7 +400,7 @@ class EnsembleRun:
         step_request = StepRequest(
             step.model_name,
             step.model_version,
-            order=self._orders.setdefault(step.index, ResponseOrder()),
+            order=self._order_of(step),
             model_namespace=step.model_namespace,
             id=request.id,
             inputs=inputs,

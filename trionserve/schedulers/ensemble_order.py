@@ -17,9 +17,10 @@ for them. Here a :class:`StepRequest` notes each response (and a final flag sent
 alone) in its step's :class:`ResponseOrder` at the moment its model sends it, and
 a run passes a response on only when it is its step's oldest not passed on yet (a
 decoupled step's values waiting for the next step's ``max_inflight_requests``
-slot hold back no answer of that next step). A run's slot of ``max_inflight_requests`` is given
-back when its model sends the final response, not when that response was passed
-on, so a response waiting for its turn never holds back the one before it.
+slot hold back no answer of that next step). A run's slot of
+``max_inflight_requests`` is given back when its model sends the final response,
+not when that response was passed on, so a response waiting for its turn never
+holds back the one before it.
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ class TorchScriptModel:
             ) from None
         return module.eval()
 
-    def module_for(self, torch: Any, spec: InstanceSpec, device: Any) -> Any:
+    def module_for(self, torch: Any, device: Any) -> Any:
         """The module an instance runs: its own, or the device's shared one."""
         if not self.parameters.weight_sharing:
             return self._load(torch, device)
@@ -185,7 +185,7 @@ class TorchScriptModel:
     def create_instance(self, spec: InstanceSpec) -> TorchScriptInstance:
         torch = require_torch()
         device = instance_device(spec, self.context.name)
-        module = self.module_for(torch, spec, device)
+        module = self.module_for(torch, device)
         instance = TorchScriptInstance(self.context, spec, torch, module, device)
         shapes = cuda_graph_shapes(self.context.config)
         if shapes is not None:
