@@ -1020,11 +1020,11 @@ class Large(Handlers):
 
 async def test_an_answer_the_socket_takes_in_part_is_written_whole_and_in_order(monkeypatch):
     """The reader writes an answer straight to the socket when it can
-    (Connection._write_at_once); what the socket does not take follows through
+    (writing.SocketWriter._write_at_once); what the socket does not take follows through
     the writing task, before anything queued after it: a 4 MiB answer to a
     client that reads only once it has asked comes whole, and the calls in the
     same read after it come after it, whole."""
-    from trionserve.protocol.grpc import connection
+    from trionserve.protocol.grpc import writing
 
     left: list[int] = []
 
@@ -1033,7 +1033,7 @@ async def test_an_answer_the_socket_takes_in_part_is_written_whole_and_in_order(
         left.append(sum(view.nbytes for view in rest))
         return rest
 
-    monkeypatch.setattr(connection, "send_pieces_now", spy)
+    monkeypatch.setattr(writing, "send_pieces_now", spy)
     async with serving(Large()) as (port, _):
         async with RawClient.connect(port) as client:
             client.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 2**31 - 1})

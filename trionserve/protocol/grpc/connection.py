@@ -38,7 +38,6 @@ from trionserve.protocol.grpc.framing import (
     ACCEPT_ENCODING,
     CONSTANT_HEADERS,
     CONTENT_TYPE,
-    coalesce,
     status_headers,
 )
 from trionserve.protocol.grpc.options import TransportOptions
@@ -50,7 +49,8 @@ from trionserve.protocol.grpc.state import (
     ResponseEvent,
 )
 from trionserve.protocol.grpc.status import GRPCError, Status
-from trionserve.protocol.sockets import EagerReceiver, peer_name, send_pieces, send_pieces_now
+from trionserve.protocol.grpc.writing import CLOSED, SocketWriter
+from trionserve.protocol.sockets import EagerReceiver, peer_name
 
 __all__ = ["Connection", "GrpcCall", "Method", "TransportOptions"]
 
@@ -62,14 +62,13 @@ _CUT_MESSAGE = (
     "the server is shutting down: the request was still running at the exit timeout "
     "(--exit-timeout-secs)"
 )
-_CLOSED = (trio.BrokenResourceError, trio.ClosedResourceError)
 # The rest of a message in a DATA frame that came in part is read straight into
 # the message's buffer when it is at least this large (_message_room).
 DIRECT_READ = 64 * 1024
 Handler = Callable[[GrpcCall], Awaitable[None]]
 
 
-class Connection(BufferWindows):
+class Connection(SocketWriter, BufferWindows):
     """One client connection: owns the h2 state machine and every call on it.
 
     Its nursery holds the writer, the keepalive and drain watchers, and the
@@ -216,7 +215,7 @@ class Connection(BufferWindows):
             if self.h2.partial is not None and (room := self._message_room()) is not None:
                 try:
                     received = await receiver.receive_into(room)
-                except _CLOSED:
+                except CLOSED:
                     return False
                 if not received:
                     return False
@@ -226,7 +225,7 @@ class Connection(BufferWindows):
                 continue
             try:
                 data = await receive(256 * 1024, not self.calls)  # (eager when idle)
-            except _CLOSED:
+            except CLOSED:
                 return False
             if not data:
                 return False
@@ -544,7 +543,7 @@ class Connection(BufferWindows):
                 await self._written.wait()
             try:
                 await self._write_pending()
-            except (*_CLOSED, OSError):
+            except (*CLOSED, OSError):
                 pass
 
     def _trailers_only(self, stream_id: int, status: Status, message: str | None) -> None:
@@ -563,89 +562,6 @@ class Connection(BufferWindows):
         except h2.exceptions.ProtocolError:
             return
         self.flush()
-
-    # -- writing -----------------------------------------------------------------
-
-    def flush(self) -> None:
-        """Ask the writer to send whatever h2 has queued, if anything."""
-        if self.h2.has_output() or self.extra_frames:
-            self._dirty.set()
-
-    async def _writer(self) -> None:
-        while True:
-            await self._dirty.wait()
-            self._dirty = trio.Event()
-            if not self._writing:  # else the task writing now writes this too
-                try:
-                    await self._write_pending()
-                except _CLOSED:
-                    self.cancel()
-                    return
-            if self.state.closing and not self._writing:
-                # Everything up to the final GOAWAY is written.
-                self.cancel()
-                return
-
-    def _write_at_once(self) -> inline.Resume | None:
-        """Write h2's output from the reader's task after its calls ended, as an
-        HTTP/1.1 task writes its answer: straight to the socket, no coroutine, no
-        checkpoint. The rest (all of it under TLS) goes on as _write_now, a Resume
-        for the reader to await (None: all written)."""
-        if self._writing or self._socket is None:  # (another task writes it, or TLS)
-            return inline.step(self._write_now(at_once=True))
-        buffers = self.h2.buffers_to_send()
-        if self.extra_frames:
-            buffers.extend(self.extra_frames)
-            self.extra_frames.clear()
-        try:
-            if rest := send_pieces_now(self._socket, buffers):
-                return inline.step(self._write_now(at_once=True, first=rest))
-        except _CLOSED:
-            self.cancel()
-            return None
-        if self.state.closing:
-            self._dirty.set()  # the writer ends the connection
-        return None
-
-    async def _write_now(self, at_once: bool | None = None, first: list | None = None) -> None:
-        """Write what h2 has queued from the calling task, unless another task is
-        writing (it writes this too): no wakeup of the writer. ``at_once`` by
-        default for the last call in flight; with others in flight, send_all's
-        checkpoint lets their answers join this write; ``first`` before h2's output."""
-        if self._writing:
-            return
-        try:
-            await self._write_pending(not self.calls if at_once is None else at_once, first)
-        except _CLOSED:
-            self.cancel()
-            return
-        if self.state.closing:
-            self._dirty.set()  # the writer ends the connection
-
-    async def _write_pending(self, at_once: bool = False, first: list | None = None) -> None:
-        """Write everything queued, until nothing is left; ``at_once``: what the
-        socket takes at once without a checkpoint (sockets.send_pieces)."""
-        self._writing = True
-        try:
-            while True:
-                buffers = self.h2.buffers_to_send()
-                if first:
-                    buffers[:0], first = first, None
-                if self.extra_frames:
-                    buffers.extend(self.extra_frames)
-                    self.extra_frames.clear()
-                if not buffers:
-                    return
-                if at_once:
-                    await send_pieces(self.stream, buffers)
-                    continue
-                for data in coalesce(buffers):
-                    await self.stream.send_all(data)
-        finally:
-            self._writing = False
-            if self._written is not None:
-                self._written.set()
-                self._written = None
 
     def close_idle(self) -> None:
         """Close the connection, which has no call in flight: GOAWAY, then the
