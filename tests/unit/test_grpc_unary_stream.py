@@ -722,3 +722,47 @@ def test_a_window_change_of_ours_applies_once_the_client_acknowledges_it():
     pair.feed(hf.SettingsFrame(0, flags=["ACK"]).serialize())
     pair.feed(pair.headers(5, UNARY, False) + _data(5, 400, False) + _data(3, 100, True))
     pair.feed(_data(5, 200, True))  # past the new window
+
+
+@pytest.mark.parametrize("unary", [False, True])
+def test_a_connection_remembers_only_its_latest_closed_streams(unary):
+    """How each closed stream closed is kept for the last MAX_CLOSED_STREAMS
+    streams only (h2 keeps 2**16 per connection, about 10 MB once a client has
+    made that many calls on it), on h2's streams and on held ones alike; the
+    forgotten ones are the oldest."""
+    limit = 1024  # upstream.H2Connection.MAX_CLOSED_STREAMS
+    server = _server(unary)
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    client.initiate_connection()
+    server.receive(client.data_to_send() + hf.SettingsFrame(0, flags=["ACK"]).serialize())
+    encoder = hpack.Encoder()
+    message = b"\x00\x00\x00\x00\x00"
+    calls = limit + 100
+    for n in range(calls):
+        stream_id = 1 + 2 * n
+        block = encoder.encode(
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", UNARY),
+                (b":authority", b"localhost"),
+                (b"te", b"trailers"),
+                (b"content-type", b"application/grpc"),
+            ]
+        )
+        headers = hf.HeadersFrame(stream_id, data=block)
+        headers.flags.add("END_HEADERS")
+        server.receive(headers.serialize() + _data(stream_id, len(message), True))
+        if not server.send_unary(stream_id, RESPONSE_HEADERS, message):
+            server.send_headers(stream_id, RESPONSE_HEADERS)
+            if not server.send_whole(stream_id, message):
+                server.send_data(stream_id, message)
+        server.send_headers(stream_id, OK_TRAILERS, end_stream=True)
+        server.buffers_to_send()
+    # h2 files its closed streams as it counts the open ones
+    assert server.open_inbound_streams == 0 and not server.unary
+    closed = list(server._closed_streams)
+    assert len(closed) == limit
+    assert closed == [1 + 2 * n for n in range(calls - limit, calls)]

@@ -140,6 +140,17 @@ class H2Connection(h2.connection.H2Connection):
     tests/unit/test_grpc_unary_stream.py holds it to h2's, frame for frame.
     """
 
+    # h2 records how each closed stream closed, in one ordered dict per connection
+    # of up to 2**16 entries: about 10 MB of malloc'd memory per connection that
+    # has made that many calls, freed only when it closes (qa/L0_response_cache's
+    # massif step saw each perf_analyzer run's connection swing the heap by it).
+    # The record only changes the answer to a HEADERS frame on a closed stream (a
+    # stream error after a reset, else a connection error): grpc core's chttp2,
+    # which Triton serves on, records nothing and skips such frames (parsing.cc
+    # init_header_frame_parser). One entry per stream the default
+    # SETTINGS_MAX_CONCURRENT_STREAMS allows is kept.
+    MAX_CLOSED_STREAMS = 1024
+
     def __init__(
         self,
         constant_headers: Sequence[Sequence[tuple[bytes, bytes]]],
