@@ -95,7 +95,23 @@ async def test_a_call_held_by_a_delay_is_cancelled_by_the_clients_reset(monkeypa
         assert held not in client.data  # nothing was sent for it
         assert cancellations == [(INFER, held)]
         assert states == [("StateNew", INFER, held), ("StateRelease", INFER, held, True)]
-        # The connection goes on; without delays a call is answered at once.
+        # The same connection takes the next call (Triton's
+        # test_grpc_async_infer_cancellation_at_step_start: a call cancelled at
+        # START must not cost the server its next one; infer_handler.cc Process
+        # replaces the handler in its cancellation branch too).
+        then = await client.call(INFER, frame(b"z"))
+        with trio.fail_after(10):
+            while len(states) < 3:
+                await trio.sleep(0.01)
+        assert states[2] == ("StateNew", INFER, then)
+        client.h2.reset_stream(then, h2.errors.ErrorCodes.CANCEL)
+        await client.flush()
+        with trio.fail_after(10):
+            while len(states) < 4:
+                await trio.sleep(0.01)
+        assert states[3] == ("StateRelease", INFER, then, True)
+        assert cancellations == [(INFER, held), (INFER, then)]
+        # Without delays a call is answered at once.
         methods[INFER] = unary_method(None, handle)
     monkeypatch.setattr(connection_module.LOGGING, "log_verbose_level", 1)
     async with serving(methods) as port, RawClient.connect(port) as client:
@@ -103,7 +119,7 @@ async def test_a_call_held_by_a_delay_is_cancelled_by_the_clients_reset(monkeypa
         await client.until(lambda c: c.ended(answered))
         assert client.data[answered] == frame(b"answer:y")
         assert client.of(h2.events.StreamReset) == []
-    assert len(states) == 2  # below verbose 2, no state line is even asked for
+    assert len(states) == 4  # below verbose 2, no state line is even asked for
 
 
 def test_state_lines_only_for_infer_handlers_at_verbose_2(capsys):
