@@ -14,6 +14,7 @@ import math
 import statistics
 import time
 
+import pytest
 import trio
 
 from tests.unit import test_batcher, test_sequence
@@ -92,7 +93,9 @@ def test_the_batchers_own_deadline_is_a_fallback_behind_the_wake_up(monkeypatch)
     can wake the batcher, and a cancellation (Cancelled raised through the
     batcher's task) costs the event loop far more than the wake-up: so each wait
     for a delay is bounded by Trio only ``FALLBACK_SLACK`` after the delay, and the
-    delays are still kept (the timer ends them)."""
+    delays are still kept (the timer ends them). (Requests with a queue timeout
+    wake the batcher's task, which then waits for the delay itself; see the
+    next test for the batches the timer's task hands over alone.)"""
     margins: list[float] = []
     move_on_at = trio.move_on_at
 
@@ -101,7 +104,10 @@ def test_the_batchers_own_deadline_is_a_fallback_behind_the_wake_up(monkeypatch)
         return move_on_at(deadline)
 
     monkeypatch.setattr(dynamic_batch.trio, "move_on_at", recorded)
-    config = test_batcher.make_config(f"max_queue_delay_microseconds: {DELAY_US}")
+    config = test_batcher.make_config(
+        f"max_queue_delay_microseconds: {DELAY_US} "
+        "default_queue_policy { default_timeout_microseconds: 60000000 }"
+    )
 
     async def main() -> list[float]:
         scheduler = DynamicBatchScheduler(config)
@@ -124,3 +130,76 @@ def test_the_batchers_own_deadline_is_a_fallback_behind_the_wake_up(monkeypatch)
     assert len(timed) >= TRIALS // 2, timed
     # (wake time - now) + FALLBACK_SLACK; the wake time may have just passed.
     assert min(timed) > timer.FALLBACK_SLACK / 2, timed
+
+
+class _BatcherSteps(trio.abc.Instrument):
+    """Counts the task steps of the batcher's own task."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def after_task_step(self, task) -> None:
+        if task.name.endswith("DynamicBatchScheduler.run"):
+            self.steps += 1
+
+
+def test_a_delayed_batch_goes_from_the_timers_task_without_the_batchers():
+    """On the real clock the delay's end is armed by whoever queued the request
+    (a submit that finds an idle executor taking hand-overs, an executor asking
+    for work) and the timer's task forms and hands over the batch when it fires:
+    the batcher's own task takes no step (two passes of the run loop fewer per
+    delayed batch). Requests that come during the delay join the batch, and the
+    delay is kept in full."""
+
+    async def main() -> tuple[list[list[str]], list[float], int, list[float]]:
+        scheduler = DynamicBatchScheduler(
+            test_batcher.make_config(f"max_queue_delay_microseconds: {DELAY_US}")
+        )
+        steps = _BatcherSteps()
+        handed: list[list[str]] = []
+        waits: list[float] = []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            outlet = scheduler.outlet()
+            handed_one = trio.Event()
+
+            def handover(batch) -> bool:
+                handed.append([r.id for r in batch])
+                handed_one.set()
+                return True
+
+            async def idle() -> None:
+                with pytest.raises((trio.EndOfChannel, trio.ClosedResourceError)):
+                    await outlet.receive_direct(lambda batch: False, handover)
+
+            nursery.start_soon(idle)
+            await trio.testing.wait_all_tasks_blocked()
+            trio.lowlevel.add_instrument(steps)
+            try:
+                for trial in range(3):
+                    started = time.perf_counter()
+                    await scheduler.submit(test_batcher.request(f"{trial}a"))
+                    await scheduler.submit(test_batcher.request(f"{trial}b"))
+                    with trio.fail_after(10):  # (a hang fails)
+                        await handed_one.wait()
+                    waits.append((time.perf_counter() - started) * 1e6)
+                    handed_one = trio.Event()
+                    outlet.complete([], [])
+                    outlet.offer_again()
+                # An executor asking for work with a request queued arms it too.
+                outlet.close()
+                plain = scheduler.outlet()
+                with trio.fail_after(10):
+                    received = await _measure(
+                        scheduler, plain, lambda i: test_batcher.request(f"plain{i}")
+                    )
+            finally:
+                trio.lowlevel.remove_instrument(steps)
+            nursery.cancel_scope.cancel()
+        return handed, waits, steps.steps, received
+
+    handed, waits, steps, received = trio.run(main)
+    assert handed == [["0a", "0b"], ["1a", "1b"], ["2a", "2b"]]
+    assert min(waits) >= DELAY_US, waits
+    assert min(received) >= DELAY_US, received
+    assert steps == 0

@@ -204,13 +204,15 @@ class DynamicBatchScheduler:
         self._next_ticket = 0
         self._next_delivery = 0
         self._held: dict[int, tuple[Sequence[InferenceRequest], Sequence[Outcome]]] = {}
+        # The real-clock wake-up of the delay's end (made by run).
+        self._timer: PreciseWakeup | None = None
 
     # -- the actor ---------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         # Trio's timers round up to whole milliseconds; the wake-up keeps
         # microsecond delays on the real clock (see schedulers/timer.py).
-        timer = PreciseWakeup(self._wake)
+        timer = self._timer = PreciseWakeup(self._timer_fired)
         if verbose():
             # Triton's line (core dynamic_batch_scheduler.cc BatcherThread).
             log.debug(f"Starting dynamic-batcher thread for {self.model_name} at nice 0...")
@@ -226,8 +228,33 @@ class DynamicBatchScheduler:
                     await self._wakeup.wait()
             nursery.cancel_scope.cancel()
 
-    def _wake(self) -> None:
-        self._wakeup.set()
+    def _timer_fired(self) -> None:
+        """The real-clock timer reached the deadline last armed: the batches that
+        can go now are formed and handed over in the timer's task, which arms
+        the timer again for the next look (:meth:`_look_again`), so the
+        batcher's own task takes no step (at c=1 with a delay that is two passes
+        of the run loop and two task steps fewer per batch, benchmarks/README.md
+        issue 39's eighth round). Once closed, the batcher's task looks."""
+        if self._closed:
+            self._wakeup.set()
+            return
+        self._look_again(self._dispatch_ready(trio.current_time()))
+
+    def _timed(self) -> bool:
+        """Whether the real-clock timer runs (not on a virtual clock) and the
+        batcher takes new work: then whoever changes the queue arms it itself
+        instead of waking the batcher's task to (:meth:`_look_again`)."""
+        timer = self._timer
+        return timer is not None and timer.live and not self._closed
+
+    def _look_again(self, wake_at: float) -> None:
+        """Arm the real-clock timer for the next look: ``wake_at`` (what
+        :meth:`_dispatch_ready` returned) or the next queue timeout, whichever
+        first (what the batcher's task would arm, see :meth:`_step`). The
+        task's own fallback deadline stays as it was: a stale one only makes it
+        look again."""
+        assert self._timer is not None
+        self._timer.arm(min(wake_at, self._next_deadline()))
 
     def _step(self, now: float) -> float | None:
         """Expire, dispatch what can go; return when to look again (None: done)."""
@@ -306,12 +333,17 @@ class DynamicBatchScheduler:
             # thread only with a payload slot free (core
             # src/dynamic_batch_scheduler.cc, PayloadSlotAvailable).
             return
-        elif not self._delay and self._ready[0]._handover is not None:
+        elif self._ready[0]._handover is not None and (not self._delay or self._timed()):
             # An idle instance that takes batches straight: without a delay the
             # batch goes now, from this task, with no pass of the run loop on
-            # the way (what arrives while it runs gathers for the next batch).
-            self._dispatch_ready(now)
+            # the way (what arrives while it runs gathers for the next batch);
+            # with one, on the real clock, the timer is armed from here for the
+            # delay's end, when the timer's task hands the batch over.
+            wake_at = self._dispatch_ready(now)
             if not self._queued:
+                return
+            if self._timed():
+                self._look_again(wake_at)
                 return
         self._wakeup.set()
 
@@ -518,7 +550,10 @@ class DynamicBatchScheduler:
         with nothing queued it has nothing to look at (a submit wakes it)."""
         self._ready.append(outlet)
         if self._queued and not self._closed:
-            self._dispatch_ready(trio.current_time())
+            wake_at = self._dispatch_ready(trio.current_time())
+            if self._queued and self._timed():
+                self._look_again(wake_at)  # (the delay's end, on the real clock)
+                return
         if self._queued:
             self._wakeup.set()
 

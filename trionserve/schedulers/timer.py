@@ -114,6 +114,12 @@ class PreciseWakeup:
             trio.lowlevel.notify_closing(fd)
             os.close(fd)
 
+    @property
+    def live(self) -> bool:
+        """Whether this wake-up runs (its ``timerfd`` is open): not on a virtual
+        clock, nor where there is none, nor before ``run`` or after it."""
+        return self._fd >= 0
+
     def arm(self, deadline: float) -> float:
         """Wake at ``deadline`` (Trio's clock); ``math.inf`` disarms. Returns the
         deadline for the caller's own ``trio.move_on_at`` around its wait:
