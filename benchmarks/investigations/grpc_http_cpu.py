@@ -3,7 +3,7 @@
 Usage:
     python -m benchmarks.investigations.grpc_http_cpu [--tree LABEL=PATH ...]
         [--rounds 10] [--calls 300] [--model simple] [--repository DIR] [--flags "..."]
-        [--callgrind]
+        [--callgrind] [--cnn]
 
 Each server (this checkout, or each ``--tree LABEL=PATH``: another source tree,
 e.g. ``git archive`` of an older commit unpacked outside the repository) serves
@@ -18,6 +18,12 @@ the model inline) and all the others (instance threads, worker threads, and any
 child process such as a Python stub). The medians over rounds of µs per call
 are printed, with the median of the per-round gRPC/HTTP ratios. CPU time, not
 wall time: on a shared machine it moves much less with the load than infer/s.
+
+With ``--cnn`` the servers serve benchmarks.served_vs_direct's ``cnn_onnx``
+(written into a temporary repository) and each call sends one 602 KB FP32
+image [1,3,224,224] (issue 39's large request): the model runs on its
+instance's thread ("others"), the event loop's column is the transport's and
+the data plane's work per large call.
 
 With ``--callgrind`` each server runs under ``valgrind --tool=callgrind
 --instr-atstart=no --separate-threads=yes`` instead, and the figure is
@@ -49,6 +55,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from benchmarks.matrix import EXAMPLES
+from benchmarks.served_vs_direct import IMAGE, build_repository
 from trionserve.testing import TrionServe
 
 PROTOCOLS = ("http", "grpc")
@@ -178,7 +185,15 @@ def _callgrind(servers: list, clients: list, labels: list[str], args, directory:
         )
 
 
-def _inputs(module):
+def _inputs(module, cnn: bool = False):
+    if cnn:  # one 602 KB image, as benchmarks.served_vs_direct sends it
+        image = np.random.default_rng(0).random((1, *IMAGE), dtype=np.float32)
+        tensor = module.InferInput("INPUT0", list(image.shape), "FP32")
+        if module is httpclient:
+            tensor.set_data_from_numpy(image, binary_data=True)
+        else:
+            tensor.set_data_from_numpy(image)
+        return [tensor]
     data = np.arange(16, dtype=np.int32).reshape(1, 16)
     inputs = [
         module.InferInput("INPUT0", [1, 16], "INT32"),
@@ -207,9 +222,18 @@ def main() -> None:
     parser.add_argument(
         "--callgrind", action="store_true", help="instructions per call under callgrind"
     )
+    parser.add_argument(
+        "--cnn",
+        action="store_true",
+        help="serve benchmarks.served_vs_direct's cnn_onnx and send it 602 KB images",
+    )
     args = parser.parse_args()
     scratch = tempfile.TemporaryDirectory(prefix="grpc-http-callgrind-")
     directory = Path(scratch.name)
+    if args.cnn:
+        args.model = "cnn_onnx"
+        args.repository = directory / "models"
+        build_repository(args.repository, [args.model], False, print)
     python = _callgrind_python(directory) if args.callgrind else None
     trees: list[tuple[str, Path | None]] = [("this", None)]
     trees += [(label, Path(path)) for label, path in (t.split("=", 1) for t in args.tree)]
@@ -222,8 +246,14 @@ def main() -> None:
             server.wait_http(server.http_url, f"/v2/models/{args.model}/ready", 900)
         clients = [
             {
-                "http": (httpclient.InferenceServerClient(s.http_url), _inputs(httpclient)),
-                "grpc": (grpcclient.InferenceServerClient(s.grpc_url), _inputs(grpcclient)),
+                "http": (
+                    httpclient.InferenceServerClient(s.http_url),
+                    _inputs(httpclient, args.cnn),
+                ),
+                "grpc": (
+                    grpcclient.InferenceServerClient(s.grpc_url),
+                    _inputs(grpcclient, args.cnn),
+                ),
             }
             for s in servers
         ]
