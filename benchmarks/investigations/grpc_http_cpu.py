@@ -16,7 +16,9 @@ protocols and servers swapped every round. Per round, the server's CPU time
 event loop (the main thread, which runs Trio, the transports and, for `simple`,
 the model inline) and all the others (instance threads, worker threads, and any
 child process such as a Python stub). The medians over rounds of µs per call
-are printed, with the median of the per-round gRPC/HTTP ratios. CPU time, not
+are printed, with the median of the per-round gRPC/HTTP ratios, and this
+checkout's event loop against each other tree's, as the median of per-round
+ratios (the trees run in turn within a round, so the machine's drift cancels). CPU time, not
 wall time: on a shared machine it moves much less with the load than infer/s.
 
 With ``--cnn`` the servers serve benchmarks.served_vs_direct's ``cnn_onnx``
@@ -304,6 +306,17 @@ def main() -> None:
         ratios = [g / h for g, h in zip(totals["grpc"], totals["http"], strict=True)]
         ratio = statistics.median(ratios)
         print(f"{label:<10} gRPC/HTTP: {ratio:.2f}x (median of per-round ratios)")
+    # Each other tree's event loop against this checkout's, round by round (the
+    # servers run in turn within a round: the machine's drift cancels).
+    for label, _ in trees[1:]:
+        for protocol in PROTOCOLS:
+            pairs = zip(rounds[("this", protocol)], rounds[(label, protocol)], strict=True)
+            paired = [this[0] / other[0] for this, other in pairs]
+            lower = sum(r < 1 for r in paired)
+            print(
+                f"this / {label} event loop, {protocol}: {statistics.median(paired):.3f} "
+                f"(median of per-round ratios; lower in {lower}/{len(paired)} rounds)"
+            )
 
 
 if __name__ == "__main__":
