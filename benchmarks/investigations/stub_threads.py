@@ -111,10 +111,11 @@ def _run(command: list[str], server, point: str, seconds: float) -> dict:
         if "Throughput:" in line:
             rate = float(line.split("Throughput:")[1].split()[0])
     by: dict[str, list[float]] = {}
-    for pid in pids:
+    for number, pid in enumerate(pids):
         for key, now in _threads(pid).items():
             _, tid, name = key.split("/", 2)
-            side = "server" if pid == server.pid else "stub"
+            # Each stub on lines of its own: whether a second instance's stub runs.
+            side = "server" if pid == server.pid else f"stub {number}"
             label = f"{side} {'main' if tid == str(pid) else name}"
             then = before[pid].get(key, (0.0, 0.0, 0.0, 0, 0))
             sums = by.setdefault(label, [0.0] * 5)
