@@ -305,6 +305,10 @@ def read_perf_script(text: str, interpreted: bool) -> Profile:
 
 # ------------------------------------------------------------------ py-spy: Python frames
 
+# The per-call path's modules, used by the server and the stub alike.
+_LANE = "lane"
+_STUB_FRAME = re.compile(r"python/stub\.py")
+
 # (pattern on "function (file)", component): the innermost frame that matches decides.
 FRAMES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"\((gc|<gc>)\)|gc_collect|collect_generation|\bgc_collect_main"), GC),
@@ -332,6 +336,9 @@ FRAMES: list[tuple[re.Pattern[str], str]] = [
         ),
         IPC_SERVER,
     ),
+    # The lane's code runs on both sides: the stub's when a stub's frame is
+    # below it (see _frame_component).
+    (re.compile(r"backends/python/(lane|lane_calls|calls)\.py"), _LANE),
     (
         re.compile(
             r"backends/python/inprocess\.py|backends/(base|manager)\.py|workers/|"
@@ -372,13 +379,17 @@ def _calls_protobuf(frame: str) -> bool:
 def _frame_component(frames: list[str]) -> str:
     """The component of the innermost frame that names one, the event loop's only
     where nothing else is named; protobuf's where the innermost frame is a line
-    that parses or serializes a message."""
+    that parses or serializes a message; the lane's (:mod:`.lane`, the calls on
+    it) the stub's IPC in a stub's stack, the server's otherwise."""
     if frames and _calls_protobuf(frames[-1]):
         return PROTOBUF
     loop = False
     for frame in reversed(frames):
         for pattern, component in FRAMES:
             if pattern.search(frame):
+                if component == _LANE:
+                    stub = any(_STUB_FRAME.search(outer) for outer in frames)
+                    return IPC_STUB if stub else IPC_SERVER
                 if component != LOOP:
                     return component
                 loop = True

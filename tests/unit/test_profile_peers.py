@@ -12,6 +12,7 @@ from benchmarks.investigations.profile_peers import (
     HTTP,
     INTERPRETER,
     IPC_SERVER,
+    IPC_STUB,
     KERNEL_FUTEX,
     KERNEL_NET,
     KERNEL_OTHER,
@@ -134,6 +135,19 @@ def test_py_spy_frames_go_to_the_innermost_named_component_trio_only_outside_tas
     profile = read_pyspy_raw("\n".join(stacks))
     assert profile.samples == {HTTP: 3, LOOP: 2, MODEL: 1}
     assert profile.total == 6
+
+
+def test_the_lanes_frames_are_the_stubs_ipc_in_a_stub_and_the_servers_otherwise():
+    post = _frame("Lane.post", "trionserve/backends/python/lane.py", 163)
+    pump = _frame("LaneCalls._pump", "trionserve/backends/python/lane_calls.py", 170)
+    stub = _frame("StubRuntime._reply", "trionserve/backends/python/stub.py", 294)
+    # The server's loop posting an execute and reading replies, under the data
+    # plane (whose frame would make it the core's), and the stub replying.
+    core = _frame("DataPlane.infer", "trionserve/dataplane.py", 484)
+    stacks = [";".join([core, pump, post]) + " 3", ";".join([core, pump]) + " 2",
+              ";".join([stub, post]) + " 4"]  # fmt: skip
+    profile = read_pyspy_raw("\n".join(stacks))
+    assert profile.samples == {IPC_SERVER: 5, IPC_STUB: 4}
 
 
 def test_a_line_that_parses_a_protobuf_message_is_protobuf_s():
