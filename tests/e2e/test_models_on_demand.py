@@ -277,6 +277,7 @@ def test_an_ensemble_loads_its_steps(server):
 
 def test_a_bls_target_loads_when_first_called(server):
     http = httpclient.InferenceServerClient(server.http_url)
+    check_simple(http.infer("bls_target", simple_inputs()))  # loaded, whatever ran before
     http.unload_model("bls_target")
     wait_for(lambda: state(http, "bls_target")[0] == "UNAVAILABLE", "bls_target unloaded")
     check_simple(http.infer("bls_caller", simple_inputs()))
