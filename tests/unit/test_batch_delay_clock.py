@@ -132,17 +132,6 @@ def test_the_batchers_own_deadline_is_a_fallback_behind_the_wake_up(monkeypatch)
     assert min(timed) > timer.FALLBACK_SLACK / 2, timed
 
 
-class _BatcherSteps(trio.abc.Instrument):
-    """Counts the task steps of the batcher's own task."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def after_task_step(self, task) -> None:
-        if task.name.endswith("DynamicBatchScheduler.run"):
-            self.steps += 1
-
-
 def test_a_delayed_batch_goes_from_the_timers_task_without_the_batchers():
     """On the real clock the delay's end is armed by whoever queued the request
     (a submit that finds an idle executor taking hand-overs, an executor asking
@@ -155,7 +144,7 @@ def test_a_delayed_batch_goes_from_the_timers_task_without_the_batchers():
         scheduler = DynamicBatchScheduler(
             test_batcher.make_config(f"max_queue_delay_microseconds: {DELAY_US}")
         )
-        steps = _BatcherSteps()
+        steps = test_batcher.BatcherSteps()
         handed: list[list[str]] = []
         waits: list[float] = []
         async with trio.open_nursery() as nursery:

@@ -621,7 +621,7 @@ async def test_delay_scheduler_holds_batching_until_that_many_are_queued(
         nursery.cancel_scope.cancel()
 
 
-class _BatcherSteps(trio.abc.Instrument):
+class BatcherSteps(trio.abc.Instrument):
     """Counts the task steps of the batcher's own task."""
 
     def __init__(self) -> None:
@@ -653,7 +653,7 @@ async def test_an_idle_executor_taking_hand_overs_gets_the_request_from_submit(a
 
         nursery.start_soon(wait)
         await trio.testing.wait_all_tasks_blocked()
-        steps = _BatcherSteps()
+        steps = BatcherSteps()
         trio.lowlevel.add_instrument(steps)
         try:
             await batcher.submit(request("one"))
@@ -704,7 +704,7 @@ async def test_a_submit_with_every_executor_busy_does_not_wake_the_batcher(autoj
         batcher, fake = await start(nursery, config, hold=None)
         await batcher.submit(request("first"))
         await fake.next_batch()
-        steps = _BatcherSteps()
+        steps = BatcherSteps()
         trio.lowlevel.add_instrument(steps)
         try:
             for i in range(4):

@@ -248,15 +248,7 @@ class Pair:
             assert reference == unary
 
     def headers(self, stream_id: int, path: bytes, end: bool, **extra) -> bytes:
-        headers = [
-            (b":method", b"POST"),
-            (b":scheme", b"http"),
-            (b":path", path),
-            (b":authority", b"localhost"),
-            (b"te", b"trailers"),
-            (b"content-type", b"application/grpc"),
-            *extra.get("more", []),
-        ]
+        headers = [*_request_headers(path), *extra.get("more", [])]
         if stream_id not in self.ids:
             self.ids.append(stream_id)
         frame = hf.HeadersFrame(stream_id, data=self.encoder.encode(headers))
@@ -264,6 +256,17 @@ class Pair:
         if end:
             frame.flags.add("END_STREAM")
         return frame.serialize()
+
+
+def _request_headers(path: bytes) -> list[tuple[bytes, bytes]]:
+    return [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", path),
+        (b":authority", b"localhost"),
+        (b"te", b"trailers"),
+        (b"content-type", b"application/grpc"),
+    ]
 
 
 def _data(stream_id: int, size: int, end: bool, pad: int = 0) -> bytes:
@@ -742,16 +745,7 @@ def test_a_connection_remembers_only_its_latest_closed_streams(unary):
     calls = limit + 100
     for n in range(calls):
         stream_id = 1 + 2 * n
-        block = encoder.encode(
-            [
-                (b":method", b"POST"),
-                (b":scheme", b"http"),
-                (b":path", UNARY),
-                (b":authority", b"localhost"),
-                (b"te", b"trailers"),
-                (b"content-type", b"application/grpc"),
-            ]
-        )
+        block = encoder.encode(_request_headers(UNARY))
         headers = hf.HeadersFrame(stream_id, data=block)
         headers.flags.add("END_HEADERS")
         server.receive(headers.serialize() + _data(stream_id, len(message), True))
