@@ -75,6 +75,94 @@ def _parse_header(header: bytes) -> Any:
     return json.loads(header)
 
 
+# An input of a plan: name, wire datatype, numpy dtype, shape, bytes.
+_PlannedInput = tuple[str, str, np.dtype, tuple[int, ...], int]
+
+
+class _Plan:
+    """A request header decoded once (a client repeats it with every request of the
+    same shape): its id, its parameters as parsed, its requested outputs, and where
+    each of its inputs, all binary, lies after the header. A request with the same
+    header and a body of ``binary_size`` bytes after it is decoded from its plan
+    without checking the header again: only its binary tensors' views are made, its
+    parameters applied as for any request and its outputs made anew (each request
+    has its own); outputs into shared memory are decoded again (their regions are
+    checked each time)."""
+
+    __slots__ = ("binary_size", "inputs", "outputs", "params", "request_id")
+
+    def __init__(
+        self,
+        request_id: str,
+        params: Any,
+        inputs: tuple[_PlannedInput, ...],
+        outputs: tuple[tuple[str, dict], ...] | list | None,
+    ) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.inputs = inputs
+        # (name, parameters) of each requested output, or the outputs as parsed
+        # where one is in shared memory, or None.
+        self.outputs = outputs
+        self.binary_size = sum(planned[4] for planned in inputs)
+
+
+# Plans by header (bounded: emptied when full, as the HTTP head cache).
+_PLANS: dict[bytes, _Plan] = {}
+_PLANS_SIZE = 64
+
+
+def _plan(key: bytes, doc: dict, request: InferenceRequest) -> None:
+    """Keep the plan of a header that decoded without error, when every input of
+    it is binary data after the header (none in JSON or shared memory, none empty
+    or of BYTES)."""
+    planned: list[_PlannedInput] = []
+    for spec in doc["inputs"]:
+        params = spec.get("parameters")
+        if "data" in spec or not params or "shared_memory_region" in params:
+            return
+        nbytes = params.get("binary_data_size")
+        tensor = request.inputs[spec["name"]]
+        data = tensor.data
+        if nbytes is None or not data.size or tensor.datatype == "BYTES":
+            return
+        planned.append((tensor.name, tensor.datatype, data.dtype, data.shape, nbytes))
+    requested = request.requested_outputs
+    outputs: tuple[tuple[str, dict], ...] | list | None = None
+    if requested is not None and any("shared_memory_region" in o.parameters for o in requested):
+        outputs = doc["outputs"]
+    elif requested is not None:  # (copied: the request's own may change)
+        outputs = tuple((o.name, dict(o.parameters)) for o in requested)
+    if len(_PLANS) >= _PLANS_SIZE:
+        _PLANS.clear()
+    _PLANS[key] = _Plan(request.id, doc.get("parameters"), tuple(planned), outputs)
+
+
+def _from_plan(
+    plan: _Plan,
+    body: bytes | bytearray | memoryview,
+    offset: int,
+    model_name: str,
+    model_version: int | None,
+    shared_memory: SharedMemory | None,
+) -> tuple[InferenceRequest, bool]:
+    """A request decoded from its header's plan (its body's size checked by the caller)."""
+    request = InferenceRequest(model_name, model_version, id=plan.request_id)
+    params = plan.params
+    binary_output = False if params is None else _apply_request_parameters(request, params)
+    inputs = request.inputs
+    for name, wire, dtype, shape, nbytes in plan.inputs:
+        # (np.ndarray over the buffer: one call, where frombuffer and reshape are two)
+        inputs[name] = Tensor(name, wire, np.ndarray(shape, dtype, body, offset))
+        offset += nbytes
+    outputs = plan.outputs
+    if type(outputs) is tuple:
+        request.requested_outputs = [RequestedOutput(n, dict(p)) for n, p in outputs]
+    elif outputs is not None:
+        request.requested_outputs = _decode_outputs(outputs, shared_memory)
+    return request, binary_output
+
+
 # ------------------------------------------------------------------------- request
 
 
@@ -115,9 +203,15 @@ def decode_infer_request(
         header = body if header_length == size else body[:header_length]
         header_end = header_length
 
+    key: bytes | None = None
+    if len(header) <= _CACHED_HEADER_BYTES:
+        key = bytes(header)  # a key: bytes, never a buffer
+        plan = _PLANS.get(key) if header_length is not None else None
+        if plan is not None and header_end + plan.binary_size == size:
+            return _from_plan(plan, body, header_end, model_name, model_version, shared_memory)
     try:
-        if len(header) <= _CACHED_HEADER_BYTES:
-            doc = _parse_header(bytes(header))  # a key: bytes, never a buffer
+        if key is not None:
+            doc = _parse_header(key)
         else:
             doc = json.loads(header if isinstance(header, (bytes, bytearray)) else bytes(header))
     except (ValueError, UnicodeDecodeError) as exc:
@@ -156,6 +250,8 @@ def decode_infer_request(
     outputs = doc.get("outputs")
     if outputs is not None:
         request.requested_outputs = _decode_outputs(outputs, shared_memory)
+    if key is not None and header_length is not None and request.inputs:
+        _plan(key, doc, request)
     return request, binary_output
 
 
