@@ -14,6 +14,10 @@ from trionserve.core.inference import InferenceRequest
 
 __all__ = ["output_bytes", "shared_memory_outputs"]
 
+# The wire dtypes as numpy's own instances, which arrays made with numpy's types
+# share (WIRE_DTYPE's are equal copies): the identity test of the fast path below.
+_BUILTIN = {wire: np.dtype(dtype.str) for wire, dtype in WIRE_DTYPE.items()}
+
 
 def output_bytes(wire: str, data: np.ndarray) -> bytes | memoryview:
     """An output tensor's raw bytes as both protocols carry them: row-major,
@@ -21,6 +25,9 @@ def output_bytes(wire: str, data: np.ndarray) -> bytes | memoryview:
     dtype is not copied (the result is a memoryview of it)."""
     if wire == "BYTES":
         return serialize_bytes_tensor(data)
+    if data.dtype is _BUILTIN.get(wire) and data.size and data.flags.c_contiguous:
+        # The common case, without making arrays: a byte view of the tensor.
+        return data.data.cast("B")
     dtype = WIRE_DTYPE.get(wire)
     if dtype is None:
         raise InvalidArgument(f"invalid datatype '{wire}' for an output")
