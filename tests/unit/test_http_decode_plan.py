@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
+from trionserve.core import validation
 from trionserve.core.errors import InvalidArgument
+from trionserve.core.validation import ModelSignature, TensorSpec, validate_request
 from trionserve.protocol.http import codec
 from trionserve.protocol.http.codec import decode_infer_request
 
@@ -18,8 +20,10 @@ from trionserve.protocol.http.codec import decode_infer_request
 @pytest.fixture(autouse=True)
 def no_plans():
     codec._PLANS.clear()
+    validation._PASSED.clear()
     yield
     codec._PLANS.clear()
+    validation._PASSED.clear()
 
 
 def body_of(a: np.ndarray, b: np.ndarray, **kwargs) -> tuple[bytearray, int]:
@@ -37,7 +41,7 @@ def body_of(a: np.ndarray, b: np.ndarray, **kwargs) -> tuple[bytearray, int]:
 
 def arrays(seed: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return rng.random((2, 3), dtype=np.float32), rng.integers(0, 99, (4,), dtype=np.int64)
+    return rng.random((2, 3), dtype=np.float32), rng.integers(0, 99, (2, 2), dtype=np.int64)
 
 
 def fields(request) -> tuple:
@@ -101,3 +105,35 @@ def test_headers_with_json_data_or_errors_are_not_planned():
     with pytest.raises(InvalidArgument):
         decode_infer_request(body + b"x", header_length, "m", None)  # bytes left over
     assert not codec._PLANS
+
+
+def signature(dims_a: tuple[int, ...]) -> ModelSignature:
+    return ModelSignature(
+        "m",
+        8,
+        {"A": TensorSpec("A", "FP32", dims_a), "B": TensorSpec("B", "INT64", (-1,))},
+        {"OUT": TensorSpec("OUT", "FP32", (-1,))},
+    )
+
+
+def test_requests_of_one_plan_are_validated_once_per_signature(monkeypatch):
+    body, header_length = body_of(*arrays(1))
+    first, _ = decode_infer_request(body, header_length, "m", None)  # makes the plan
+    assert first.shape_key is None
+    model = signature((3,))
+    planned = [decode_infer_request(body, header_length, "m", None)[0] for _ in range(3)]
+    assert planned[0].shape_key is planned[1].shape_key is not None
+    validate_request(planned[0], model)
+    assert planned[0].batch_size == 2
+
+    checks = []
+    full = validation._validate
+    monkeypatch.setattr(validation, "_validate", lambda *args: checks.append(args) or full(*args))
+    validate_request(planned[1], model)  # passed before: not checked again
+    assert planned[1].batch_size == 2 and not checks
+    # Another model's signature is checked in full, with its own verdict.
+    with pytest.raises(InvalidArgument, match="unexpected shape for input 'A'"):
+        validate_request(planned[2], signature((4,)))
+    with pytest.raises(InvalidArgument, match="unexpected shape for input 'A'"):
+        validate_request(planned[2], signature((4,)))
+    assert len(checks) == 2

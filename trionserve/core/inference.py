@@ -162,6 +162,7 @@ class InferenceRequest:
         "answer",
         "_on_final",
         "queued",
+        "shape_key",
     )
 
     def __init__(
@@ -241,6 +242,11 @@ class InferenceRequest:
         # batch run in the submitting task sets it as the run begins (``held``,
         # InstanceExecutor._run_direct_awaited), not once the model has answered.
         self.queued: trio.Event | None = None
+        # Set by a frontend that decoded the request from a form it keeps (the HTTP
+        # codec's plan of a repeated header): requests with the same key have the
+        # same inputs' names, types and shapes and the same requested outputs, so
+        # validation against a model is done once per key (core/validation.py).
+        self.shape_key: object | None = None
 
     @property
     def cancelled(self) -> bool:

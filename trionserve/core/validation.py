@@ -84,11 +84,34 @@ def _names(names: Iterable[str]) -> str:
     return "[" + ",".join(f"'{name}'" for name in names) + "]"
 
 
+# The last signature each decoded shape (``InferenceRequest.shape_key``) passed
+# against, and the batch size it gave (bounded: emptied when full).
+_PASSED: dict[object, tuple[ModelSignature, int]] = {}
+_PASSED_SIZE = 64
+
+
 def validate_request(request: InferenceRequest, signature: ModelSignature) -> None:
     """Check inputs and requested outputs; set ``request.batch_size``.
 
-    Raises InvalidArgument naming the first problem found.
+    Raises InvalidArgument naming the first problem found. A request whose
+    ``shape_key`` passed against this signature before (its inputs' names,
+    types and shapes and its requested outputs are those of the request that
+    passed) is not checked again.
     """
+    key = request.shape_key
+    if key is not None:
+        passed = _PASSED.get(key)
+        if passed is not None and passed[0] is signature:
+            request.batch_size = passed[1]
+            return
+    _validate(request, signature)
+    if key is not None:
+        if len(_PASSED) >= _PASSED_SIZE:
+            _PASSED.clear()
+        _PASSED[key] = (signature, request.batch_size)
+
+
+def _validate(request: InferenceRequest, signature: ModelSignature) -> None:
     model = signature.name
     inputs = request.inputs
     specs = signature.inputs

@@ -148,6 +148,7 @@ def _from_plan(
 ) -> tuple[InferenceRequest, bool]:
     """A request decoded from its header's plan (its body's size checked by the caller)."""
     request = InferenceRequest(model_name, model_version, id=plan.request_id)
+    request.shape_key = plan  # (validated once per model: core/validation.py)
     params = plan.params
     binary_output = False if params is None else _apply_request_parameters(request, params)
     inputs = request.inputs
