@@ -231,7 +231,9 @@ class InferenceRequest:
         # The final outcome came as a flag after the last response, not with it.
         self._empty_final = False
         self._error: TritonError | None = None
-        self._wakeup = trio.Event()
+        # What a consumer waiting for a response waits on: made by its first wait
+        # (most outcomes come before one, or during the HTTP answer's wait).
+        self._wakeup: trio.Event | None = None
         # Set by a frontend whose client's answer the instance's thread may write
         # (see ThreadAnswer); told of the final outcome, and waited on, by ``wait``.
         self.answer: ThreadAnswer | None = None
@@ -336,7 +338,8 @@ class InferenceRequest:
         elif final:
             self._empty_final = True
         self._final = final
-        self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
         if final:
             if self.answer is not None:
                 self.answer.finalized()
@@ -399,7 +402,8 @@ class InferenceRequest:
         )
         self._final = True
         self._empty_final = False
-        self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
         if self.answer is not None:
             self.answer.finalized()
         if self._on_final is not None:
@@ -416,7 +420,8 @@ class InferenceRequest:
         # send() with nothing held: a lone final response is not counted.
         self._responses.append((response, 0))
         self._final = True
-        self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
         if self.answer is not None:
             self.answer.finalized()
         if self._on_final is not None:
@@ -429,7 +434,8 @@ class InferenceRequest:
             return False
         self._error = error
         self._final = True
-        self._wakeup.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
         if self.answer is not None:
             self.answer.finalized()
         if self._on_final is not None:
@@ -441,9 +447,10 @@ class InferenceRequest:
         if self.answer is not None and not self._final:
             await self.answer.wait()
         while not self._final:
-            await self._wakeup.wait()
-            if not self._final:
-                self._wakeup = trio.Event()
+            wakeup = self._wakeup
+            if wakeup is None or wakeup.is_set():  # (set by a response before this wait)
+                wakeup = self._wakeup = trio.Event()
+            await wakeup.wait()
         if self._error is not None:
             raise self._error
         if len(self._responses) != 1:
@@ -467,8 +474,11 @@ class InferenceRequest:
             if self._in_hand:
                 self._put_down()  # the consumer asks for the next: done with it
             while not self._responses and not self._final:
-                await self._wakeup.wait()
-                self._wakeup = trio.Event()
+                wakeup = self._wakeup
+                if wakeup is None:
+                    wakeup = self._wakeup = trio.Event()
+                await wakeup.wait()
+                self._wakeup = None
             if self._responses:
                 response, size = self._responses.popleft()
                 if size:
