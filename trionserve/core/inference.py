@@ -44,7 +44,8 @@ def response_nbytes(response: InferenceResponse) -> int:
 class ThreadAnswer(Protocol):
     """Where a request's one response may be written by the thread that computed
     it, without the event loop (an HTTP/1.1 connection's, see
-    :mod:`trionserve.protocol.http.answer`). ``armed`` and ``write`` are read and
+    :mod:`trionserve.protocol.http.answer`; a unary gRPC call's,
+    :mod:`trionserve.protocol.grpc.answer`). ``armed`` and ``write`` are read and
     called on that thread: ``write`` answers the client, or declines (False: the
     event loop answers as usual, once the executor's report reaches it).
     ``wait`` is the consumer's wait for the outcome (on the Trio thread) while

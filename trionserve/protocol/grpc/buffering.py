@@ -15,6 +15,7 @@ import trio
 from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
 
 if TYPE_CHECKING:
+    from trionserve.protocol.grpc.answer import CallAnswer
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.grpc.upstream import H2Connection
 
@@ -30,6 +31,7 @@ class BufferWindows:
     calls: dict[int, GrpcCall]
     buffer: ConnectionBuffer
     _room: trio.lowlevel.ParkingLot
+    answer: CallAnswer | None
 
     def flush(self) -> None:
         raise NotImplementedError
@@ -38,6 +40,15 @@ class BufferWindows:
         """Give the client the flow-control windows the buffer let go."""
         if not windows:
             return
+        answer = self.answer
+        if answer is None:
+            self._give_now(windows)
+        else:  # h2 is the instance thread's while it writes the answer (answer.py)
+            with answer.lock:
+                self._give_now(windows)
+        self.flush()
+
+    def _give_now(self, windows: list[Window]) -> None:
         h2conn = self.h2
         for window in windows:
             try:
@@ -52,7 +63,6 @@ class BufferWindows:
                     h2conn.increment_flow_control_window(window.stream, window.stream_id)
             except h2.exceptions.ProtocolError:  # the stream closed meanwhile
                 pass
-        self.flush()
 
     def taken(self, call: GrpcCall, size: int) -> None:
         """A handler took a message: it stays held, as work not answered yet;

@@ -21,6 +21,7 @@ import trio
 
 from trionserve.observability.logging import log_grpc_cancellation
 from trionserve.protocol.grpc import framing as grpc_framing
+from trionserve.protocol.grpc.answer import ANSWERED
 from trionserve.protocol.grpc.flow import Account
 from trionserve.protocol.grpc.framing import (
     CONTENT_TYPE,
@@ -145,6 +146,10 @@ class GrpcCall:
         return self._metadata
 
     @property
+    def connection(self) -> Connection:
+        return self._conn
+
+    @property
     def draining(self) -> bool:
         """True once the server began shutting down."""
         return self._conn.state.draining
@@ -195,6 +200,9 @@ class GrpcCall:
 
     async def send(self, message: bytes | Sequence[bytes | memoryview]) -> None:
         chunks: Sequence[bytes | memoryview]
+        if message is ANSWERED:  # written by the instance's thread (answer.py)
+            self._conn.answered_all(self)
+            return
         if isinstance(message, (bytes, bytearray, memoryview)):
             chunks = [message]
         else:

@@ -6,7 +6,9 @@ state machine), applies the flow-control windows its buffer decides
 (:mod:`~trionserve.protocol.grpc.flow`), runs the calls and writes what h2
 queues: a unary call whose request came whole runs in the reader's task until
 it would wait (:mod:`~trionserve.protocol.grpc.inline`), any other in a task of
-its own. What a handler sees of a call is :mod:`~trionserve.protocol.grpc.call`'s;
+its own; a ModelInfer call's answer may be written by the instance's thread
+(:mod:`~trionserve.protocol.grpc.answer`, taken back before the loop touches
+h2). What a handler sees of a call is :mod:`~trionserve.protocol.grpc.call`'s;
 framing of messages and statuses is :mod:`~trionserve.protocol.grpc.framing`'s;
 the connection's deadlines, keepalive pings and drain are
 :mod:`~trionserve.protocol.grpc.lifetime`'s tasks; listening, and telling
@@ -27,10 +29,12 @@ import h2.settings
 import structlog
 import trio
 
+from trionserve.core.deferred import sweep_deferred
 from trionserve.observability.logging import SETTINGS as LOGGING
 from trionserve.observability.logging import log_grpc_state
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import inline, lifetime, upstream
+from trionserve.protocol.grpc.answer import DISARMED, CallAnswer
 from trionserve.protocol.grpc.buffering import BufferWindows
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.flow import ConnectionBuffer
@@ -122,12 +126,14 @@ class Connection(SocketWriter, BufferWindows):
         self.buffer = ConnectionBuffer(o.max_connection_buffer, o.window_size, o.budget)
         self._room = trio.lowlevel.ParkingLot()
         self.peer = peer_name(stream)
-        self._socket = getattr(stream, "socket", None)  # None under TLS (_write_at_once)
+        self.socket = getattr(stream, "socket", None)  # None under TLS (_write_at_once)
         self._dirty = trio.Event()
-        self._writing = False  # a task is in _write_pending
+        self.writing = False  # a task is in _write_pending
         # Set when that task leaves it; made only for a task that waits for that.
         self._written: trio.Event | None = None
         self.extra_frames: list[bytes] = []  # raw frames to write after h2's own output
+        self.answer: CallAnswer | None = None  # see answer.py and SocketWriter
+        self.unsent: list[memoryview] = []
         self.last_stream_id = _MAX_WINDOW
         self.ping_acks: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
@@ -161,6 +167,7 @@ class Connection(SocketWriter, BufferWindows):
                     nursery.start_soon(lifetime.idle_deadline, self)
                 await self._read()
         finally:
+            self.take_answer()  # (the socket closes: the thread writes no more)
             self._idle.pop(self, None)
             self.buffer.let_go()
             with trio.CancelScope(shield=True):
@@ -219,6 +226,8 @@ class Connection(SocketWriter, BufferWindows):
                     return False
                 if not received:
                     return False
+                if self.answer is not None:
+                    self.take_answer()
                 stream_id, ended = self.h2.took(received)
                 self._on_data(stream_id, None, received, ended)
                 self.flush()
@@ -229,6 +238,8 @@ class Connection(SocketWriter, BufferWindows):
                 return False
             if not data:
                 return False
+            if self.answer is not None:  # before h2 sees what the client sent
+                self.take_answer()
             if self.state.closing:
                 continue
             try:
@@ -256,6 +267,13 @@ class Connection(SocketWriter, BufferWindows):
                 self.flush()
             elif await self._start_calls():
                 return True
+
+    def take_answer(self) -> None:
+        """Before the loop touches h2 or the socket: the armed answer is the
+        loop's (answer.py); one the thread wrote has its report swept now."""
+        answer = self.answer
+        if answer is not None and answer.take() != DISARMED:
+            sweep_deferred()
 
     def _handle(self, event: h2.events.Event) -> bool:
         """Act on one h2 event; True when the connection is over."""
@@ -537,7 +555,7 @@ class Connection(SocketWriter, BufferWindows):
             call.finish(Status.UNAVAILABLE, _CUT_MESSAGE)
             # The task writing now may be one being cancelled, which would leave
             # these trailers unwritten: wait for it, then write them from here.
-            while self._writing:
+            while self.writing:
                 if self._written is None:
                     self._written = trio.Event()
                 await self._written.wait()
@@ -583,6 +601,7 @@ class Connection(SocketWriter, BufferWindows):
         """
         if self.state.closing:
             return
+        self.take_answer()
         self.state.event(ConnEvent.CLOSE)
         try:
             self.h2.close_connection(error_code=code)

@@ -137,6 +137,7 @@ async def keepalive(conn: Connection) -> None:
 def send_goaway(conn: Connection, last_stream_id: int) -> None:
     # h2's close_connection() would also close its state machine and break the
     # calls still in flight, so the GOAWAY frame is written beside it.
+    conn.take_answer()
     frame = GoAwayFrame(stream_id=0, last_stream_id=last_stream_id, error_code=0)
     conn.extra_frames.append(frame.serialize())
     conn.flush()
@@ -145,6 +146,7 @@ def send_goaway(conn: Connection, last_stream_id: int) -> None:
 def ping(conn: Connection, opaque: bytes) -> trio.Event:
     """Send a PING; the event is set when its ack comes."""
     ack = conn.ping_acks[opaque] = trio.Event()
+    conn.take_answer()
     conn.h2.ping(opaque)
     conn.flush()
     return ack

@@ -34,6 +34,7 @@ from trionserve.observability.trace.frontend import (
     now_ns,
 )
 from trionserve.observability.trace.settings import settings_to_grpc
+from trionserve.protocol.grpc import answer as grpc_answer
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import infercache as grpc_infercache
@@ -71,6 +72,8 @@ class GrpcService:
         self.delays = DebugDelays.from_environment()  # Triton's debugging delays
         pattern = self.options.header_forward_pattern
         self._forward = re.compile(pattern) if pattern else None
+        # (nv_inference_first_response_histogram_ms is timed on the loop.)
+        self._first_response = getattr(dataplane, "_first_response", False)
 
     def methods(self) -> dict[str, Method]:
         unary = common_method(self.delays)
@@ -346,7 +349,17 @@ class GrpcService:
         if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
             request.trace_context = getattr(call, "stamps", None)
         if not (self.verbose or verbose_logging()):
-            response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
+            answer = grpc_answer.arm(call, request) if self._answerable(request) else None
+            if answer is None:
+                response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
+            else:
+                try:
+                    response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
+                finally:
+                    # (failed or cancelled after the thread's answer: the client has it)
+                    taken = answer.take()
+                if taken != grpc_answer.DISARMED:
+                    return grpc_answer.ANSWERED
             return grpc_infercache.encode_response(
                 response, request
             ) or grpc_codec.encode_infer_response(response, request, None, shared_memory)
@@ -374,6 +387,21 @@ class GrpcService:
                 status=status,
                 latency_ms=round((time.perf_counter() - started) * 1000, 3),
             )
+
+    def _answerable(self, request: InferenceRequest) -> bool:
+        """Whether the instance's thread may write this call's answer (see
+        :mod:`~trionserve.protocol.grpc.answer`): nothing but the encoding
+        between the backend's response and the client (no trace, first-response
+        time, classification, debug delay), no output into shared memory; as
+        over HTTP (``InferHandler._answerable``). Verbose logging is checked by
+        the caller; compression and the connection's state by ``answer.arm``."""
+        if self.dataplane.tracing.active or self.delays.before_answer or self._first_response:
+            return False
+        outputs = request.requested_outputs
+        return outputs is None or not any(
+            o.parameters.get("classification") or "shared_memory_region" in o.parameters
+            for o in outputs
+        )
 
     async def model_stream_infer(self, call: GrpcCall) -> None:
         """Serve every request of the stream concurrently; answer each in turn.

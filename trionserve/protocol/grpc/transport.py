@@ -48,6 +48,7 @@ from collections.abc import Mapping
 import structlog
 import trio
 
+from trionserve.core.deferred import sweep_deferred
 from trionserve.core.memory import release_free_memory
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.connection import Connection
@@ -130,9 +131,19 @@ class GrpcTransport:
         listeners = await open_tcp_listeners(
             port, host=address or None, backlog=1024, reuse_port=self._options.reuse_port
         )
-        await self.acceptor.serve_until(
-            listeners, shutdown, graceful_timeout, self._draining.set, task_status=task_status
-        )
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_sweep_reports)
+                await self.acceptor.serve_until(
+                    listeners,
+                    shutdown,
+                    graceful_timeout,
+                    self._draining.set,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()
+        finally:
+            sweep_deferred()  # the reports of the answers written last (answer.py)
 
     def _close_oldest_idle(self) -> bool:
         """Close the connection idle the longest (to make room at the cap); False
@@ -175,3 +186,17 @@ class GrpcTransport:
         if connection.buffer.peak >= RELEASE_MEMORY_AFTER:
             # What it held is free now: give it back to the system.
             await trio.to_thread.run_sync(release_free_memory)
+
+
+# How often the reports of answers the instances' threads wrote (answer.py) are
+# delivered when no client's next call comes first (as the HTTP server's tick).
+SWEEP_SECS = 0.25
+
+
+async def _sweep_reports() -> None:
+    """Deliver the deferred reports every ``SWEEP_SECS``: a call the thread
+    answered ends (its in-flight count, statistics) when its client sends
+    nothing more, and a drain does not wait for one."""
+    while True:
+        await trio.sleep(SWEEP_SECS)
+        sweep_deferred()

@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 import trio
 
 from trionserve.protocol.grpc import inline
+from trionserve.protocol.grpc.answer import ARMED, DISARMED
 from trionserve.protocol.grpc.framing import coalesce
 from trionserve.protocol.sockets import send_pieces, send_pieces_now
 
 if TYPE_CHECKING:
+    from trionserve.protocol.grpc.answer import CallAnswer
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.grpc.state import ConnectionState
     from trionserve.protocol.grpc.upstream import H2Connection
@@ -35,9 +37,13 @@ class SocketWriter:
     state: ConnectionState
     calls: dict[int, GrpcCall]
     extra_frames: list[bytes]
-    _socket: trio.socket.SocketType | None
+    # The armed answer of the call the instance's thread may answer (answer.py),
+    # and what of an answer it began the socket did not take, written first.
+    answer: CallAnswer | None
+    unsent: list[memoryview]
+    socket: trio.socket.SocketType | None
     _dirty: trio.Event
-    _writing: bool
+    writing: bool
     _written: trio.Event | None
 
     def cancel(self) -> None:
@@ -45,20 +51,20 @@ class SocketWriter:
 
     def flush(self) -> None:
         """Ask the writer to send whatever h2 has queued, if anything."""
-        if self.h2.has_output() or self.extra_frames:
+        if self.h2.has_output() or self.extra_frames or self.unsent:
             self._dirty.set()
 
     async def _writer(self) -> None:
         while True:
             await self._dirty.wait()
             self._dirty = trio.Event()
-            if not self._writing:  # else the task writing now writes this too
+            if not self.writing:  # else the task writing now writes this too
                 try:
                     await self._write_pending()
                 except CLOSED:
                     self.cancel()
                     return
-            if self.state.closing and not self._writing:
+            if self.state.closing and not self.writing:
                 # Everything up to the final GOAWAY is written.
                 self.cancel()
                 return
@@ -68,14 +74,13 @@ class SocketWriter:
         HTTP/1.1 task writes its answer: straight to the socket, no coroutine, no
         checkpoint. The rest (all of it under TLS) goes on as _write_now, a Resume
         for the reader to await (None: all written)."""
-        if self._writing or self._socket is None:  # (another task writes it, or TLS)
+        if self.answer is not None:
+            self.answer.take()
+        if self.writing or self.socket is None:  # (another task writes it, or TLS)
             return inline.step(self._write_now(at_once=True))
-        buffers = self.h2.buffers_to_send()
-        if self.extra_frames:
-            buffers.extend(self.extra_frames)
-            self.extra_frames.clear()
+        buffers = self._pending()
         try:
-            if rest := send_pieces_now(self._socket, buffers):
+            if rest := send_pieces_now(self.socket, buffers):
                 return inline.step(self._write_now(at_once=True, first=rest))
         except CLOSED:
             self.cancel()
@@ -89,7 +94,7 @@ class SocketWriter:
         writing (it writes this too): no wakeup of the writer. ``at_once`` by
         default for the last call in flight; with others in flight, send_all's
         checkpoint lets their answers join this write; ``first`` before h2's output."""
-        if self._writing:
+        if self.writing:
             return
         try:
             await self._write_pending(not self.calls if at_once is None else at_once, first)
@@ -102,15 +107,14 @@ class SocketWriter:
     async def _write_pending(self, at_once: bool = False, first: list | None = None) -> None:
         """Write everything queued, until nothing is left; ``at_once``: what the
         socket takes at once without a checkpoint (sockets.send_pieces)."""
-        self._writing = True
+        if self.answer is not None and not first and self._write_armed(self.answer):
+            return
+        self.writing = True
         try:
             while True:
-                buffers = self.h2.buffers_to_send()
+                buffers = self._pending()
                 if first:
                     buffers[:0], first = first, None
-                if self.extra_frames:
-                    buffers.extend(self.extra_frames)
-                    self.extra_frames.clear()
                 if not buffers:
                     return
                 if at_once:
@@ -119,7 +123,40 @@ class SocketWriter:
                 for data in coalesce(buffers):
                     await self.stream.send_all(data)
         finally:
-            self._writing = False
+            self.writing = False
             if self._written is not None:
                 self._written.set()
                 self._written = None
+
+    def _pending(self) -> list:
+        """Everything queued to write, in order, taken: the rest of an answer
+        the instance's thread began, h2's output, the raw frames."""
+        buffers = self.h2.buffers_to_send()
+        if self.unsent:
+            buffers[:0] = self.unsent
+            self.unsent = []
+        if self.extra_frames:
+            buffers.extend(self.extra_frames)
+            self.extra_frames.clear()
+        return buffers
+
+    def _write_armed(self, answer: CallAnswer) -> bool:
+        """With a call's answer armed for the instance's thread (answer.py): what
+        is queued, written under the answer's lock without waiting, the answer
+        left armed; True when the socket took all of it. Else (the socket full,
+        the answer not armed any more) the answer is taken: the loop writes."""
+        socket = self.socket
+        with answer.lock:
+            if answer.state == ARMED and not self.writing and socket is not None:
+                buffers = self._pending()
+                try:
+                    rest = send_pieces_now(socket, buffers)
+                except BaseException:
+                    answer.state = DISARMED
+                    raise
+                if not rest:
+                    return True
+                self.unsent[:0] = rest
+                answer.state = DISARMED
+        answer.take()
+        return False

@@ -1,0 +1,208 @@
+"""A unary ModelInfer call's answer written by the instance's thread that computed it.
+
+Over HTTP/1.1 the instance's thread writes the answer itself
+(:mod:`trionserve.protocol.http.answer`), so the event loop wakes once per request
+(for the client's next one) instead of twice; a gRPC call's answer was always
+written by the loop, woken by the thread's report: about 270 us of loop CPU per
+602 KB call (benchmarks/README.md, issue 39's eighth and ninth rounds). A
+:class:`CallAnswer` lets the thread write it on a plain-socket connection.
+
+The call *arms* it (:func:`arm`) when nothing else must happen between the
+backend's response and its encoding (no trace, access log, compression,
+shared memory, classification, debug delay: ``GrpcService._answerable``) and it
+is the only call on its connection that may still answer. The instance's thread
+(:meth:`CallAnswer.write`), holding the answer's lock and still armed, encodes
+the response as the loop would (infercache, else the codec) and gives h2 what
+the loop's ``GrpcCall.send`` and ``finish`` give it: the response headers and
+the whole message as one DATA frame (``send_unary``: a constant HPACK block,
+within both send windows and the peer's frame size; otherwise it declines,
+nothing done), then the OK trailers (a constant block); it writes h2's output
+(what was queued before, then these frames) with one non-blocking ``writev``.
+The frames and h2's state are what the loop's own calls make
+(tests/unit/test_grpc_thread_answer.py holds the two side by side).
+
+What holds:
+
+- The loop never touches the connection's h2 state or socket while the thread
+  may: the reader *takes* the answer (:meth:`CallAnswer.take`: disarmed under
+  the lock, waiting for a write in progress) before it hands h2 any byte the
+  client sent (a WINDOW_UPDATE, a PING, a RST_STREAM, the next call); so do
+  ``close``, a keepalive PING, a GOAWAY and the connection's end before its
+  socket closes. Two touches keep it armed, under the lock: the windows the
+  connection's buffer gives (``BufferWindows._give``), and a write of what h2
+  queued (``SocketWriter._write_armed``: without waiting; what the socket does
+  not take whole leaves the answer to the loop). The thread writes only with
+  nothing being written and nothing beside h2's output queued.
+- Taken once the thread wrote it (WRITTEN), the call's state moves as the loop's
+  send and finish move it (answered: its task sends nothing more); the rest of a
+  write the socket did not take whole (PARTIAL) is written first by the loop
+  (``SocketWriter.unsent``), which the thread wakes at once, as it does for an
+  answer it declined (DISARMED: the loop encodes and writes it as always).
+- The call keeps exactly one final outcome: its task, woken by the report (the
+  loop's next sweep: the client's next call, or the transport's 0.25 s tick),
+  finds the answer taken and ends without a status of its own; cancelled or
+  failed after the thread's answer, it sends nothing either (the client has it).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import h2.exceptions as h2_exceptions
+
+from trionserve.core.deferred import sweep_deferred
+from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.protocol.grpc import codec as grpc_codec
+from trionserve.protocol.grpc import infercache as grpc_infercache
+from trionserve.protocol.grpc.framing import JOIN_LIMIT, OK_TRAILERS, RESPONSE_HEADERS, prefix
+from trionserve.protocol.grpc.state import Request, Response, ResponseEvent
+from trionserve.protocol.sockets import send_pieces_now
+
+if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
+    from trionserve.protocol.grpc.call import GrpcCall
+    from trionserve.protocol.grpc.connection import Connection
+
+__all__ = ["ANSWERED", "ARMED", "DISARMED", "PARTIAL", "WRITTEN", "CallAnswer", "arm"]
+
+# States of an answer.
+ARMED = 1  # the instance's thread may write it
+WRITTEN = 2  # the thread wrote it whole
+PARTIAL = 3  # the thread began it: the loop writes ``rest``
+DISARMED = 4  # the loop answers
+WRITING = 5  # the thread writes it (holding the lock)
+
+# What ModelInfer's handler returns for an answer the thread wrote (or began):
+# GrpcCall.send sends nothing.
+ANSWERED: list = []
+
+
+def arm(call: GrpcCall, request: InferenceRequest) -> CallAnswer | None:
+    """Arm ``call``'s answer for the thread that computes ``request`` (before it
+    is submitted), if the connection allows: a plain socket, open, no answer
+    armed, no other call that may still answer (so nothing else writes to the
+    stream's connection meanwhile), the call's request whole, not compressed."""
+    conn = call.connection
+    state = call.state
+    if (
+        conn.answer is not None
+        or conn.socket is None
+        or conn.state.draining
+        or call.compress
+        or state.request is not Request.ENDED
+        or state.response is not Response.IDLE
+    ):
+        return None
+    for other in conn.calls.values():
+        if other is not call and other.state.answerable:
+            return None
+    answer = conn.answer = request.answer = CallAnswer(conn, call, request)
+    return answer
+
+
+class CallAnswer:
+    """One unary call's answer, which the instance's thread may write (see the
+    module docstring); the :class:`~trionserve.core.inference.ThreadAnswer` of
+    its request."""
+
+    __slots__ = ("_call", "_conn", "_request", "lock", "rest", "state")
+
+    def __init__(self, conn: Connection, call: GrpcCall, request: InferenceRequest) -> None:
+        self._conn = conn
+        self._call = call
+        self._request: InferenceRequest | None = request
+        self.lock = threading.Lock()
+        self.state = ARMED
+        self.rest: list[memoryview] | None = None
+
+    # -- on the Trio thread --------------------------------------------------------
+
+    @property
+    def armed(self) -> bool:
+        return self.state == ARMED
+
+    async def wait(self) -> None:
+        """Before the request's wait for its outcome: an answer the thread
+        wrote already has its report deferred: swept now, not left for later."""
+        if self.state == WRITTEN or self.state == PARTIAL:
+            sweep_deferred()
+
+    def finalized(self) -> None:
+        """The outcome was delivered on the loop: the answer is taken (a
+        declined one is the loop's: the call's task, woken, writes it)."""
+        self.take()
+
+    def take(self) -> int:
+        """Disarm the answer (waiting for a write in progress) and, the first
+        time, move the call's state (and the connection's output) as the
+        thread's write moved the wire: WRITTEN, PARTIAL or DISARMED."""
+        state = self.state
+        if state == ARMED or state == WRITING:
+            with self.lock:
+                state = self.state
+                if state == ARMED:
+                    state = self.state = DISARMED
+        conn = self._conn
+        if conn.answer is self:
+            conn.answer = None
+            request, self._request = self._request, None
+            if request is not None and request.answer is self:
+                request.answer = None
+            if state != DISARMED:
+                call_state = self._call.state
+                if call_state.response is Response.IDLE:
+                    call_state.response_event(ResponseEvent.HEADERS)
+                if call_state.response is Response.SENDING:
+                    call_state.response_event(ResponseEvent.FINISH)
+                rest, self.rest = self.rest, None
+                if rest:  # written first, before anything h2 queues after it
+                    conn.unsent[:0] = rest
+                    conn.flush()
+        return state
+
+    # -- on the instance's thread ------------------------------------------------------
+
+    def write(self, request: InferenceRequest, response: InferenceResponse) -> bool:
+        """Encode and write ``request``'s answer, if still armed for it: True
+        when the socket took it whole; False leaves it (or its ``rest``) to the
+        loop, which the caller wakes."""
+        with self.lock:
+            if self.state != ARMED or self._request is not request:
+                return False
+            conn = self._conn
+            call = self._call
+            h2 = conn.h2
+            socket = conn.socket
+            if conn.writing or conn.unsent or conn.extra_frames or socket is None:
+                self.state = DISARMED
+                return False
+            try:
+                chunks = grpc_infercache.encode_response(
+                    response, request
+                ) or grpc_codec.encode_infer_response(response, request, None, None)
+                size = sum(map(len, chunks))
+                # GrpcCall.send's and finish's calls, as the loop makes them.
+                if size + 5 > JOIN_LIMIT or not h2.send_unary(
+                    call.stream_id, RESPONSE_HEADERS, b"".join([prefix(size), *chunks])
+                ):
+                    self.state = DISARMED
+                    return False
+            except Exception:
+                self.state = DISARMED  # the loop encodes it again, and answers its error
+                return False
+            try:  # GrpcCall.finish's
+                h2.send_headers(call.stream_id, OK_TRAILERS, end_stream=True)
+            except h2_exceptions.ProtocolError:  # (none: the stream is held and open)
+                pass
+            buffers = h2.buffers_to_send()
+            self.state = WRITING
+            try:
+                rest = send_pieces_now(socket, buffers)
+            except Exception:  # the loop's write raises what it means (a reset)
+                rest = [memoryview(piece) for piece in buffers]
+            if not rest:
+                self.state = WRITTEN
+                return True
+            self.rest = rest
+            self.state = PARTIAL
+            return False
