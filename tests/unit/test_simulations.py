@@ -30,6 +30,7 @@ from simulations.scenario import SCENARIOS
 from simulations.scenarios import client_budget, on_demand
 from simulations.sweep import SweepTotals, failure_report, scenarios_named, sweep
 from trionserve.actors import executor as executor_module
+from trionserve.actors import executor_async as executor_async_module
 from trionserve.actors import residency as residency_module
 from trionserve.actors import residency_budget as residency_budget_module
 from trionserve.actors.model_lifecycle import ModelLifeCycle
@@ -191,9 +192,8 @@ def test_loading_a_half_written_model_is_caught(monkeypatch):
 
 
 def test_statistics_that_miss_failures_are_caught(monkeypatch):
-    monkeypatch.setattr(
-        executor_module, "record_failures", lambda statistics, requests, reason: None
-    )
+    for module in (executor_module, executor_async_module):
+        monkeypatch.setattr(module, "record_failures", lambda statistics, requests, reason: None)
     found = violations_of(SCENARIOS["backend_exception"], invariants.STATISTICS)
     assert any("BACKEND: counted" in v.detail for v in found), found
 
