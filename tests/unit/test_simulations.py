@@ -38,6 +38,7 @@ from trionserve.actors.residency import ResidencyManager
 from trionserve.actors.watcher import ControlMode, RepositoryWatcher
 from trionserve.core.client_budget import ClientBudget
 from trionserve.repository.snapshot import snapshot_repository
+from trionserve.schedulers import batch_queue
 from trionserve.schedulers import default as default_module
 from trionserve.schedulers import dynamic_batch as batcher_module
 
@@ -149,13 +150,13 @@ def test_a_task_left_behind_after_shutdown_is_caught(monkeypatch):
 
 
 def test_a_queue_past_its_bound_is_caught(monkeypatch):
-    level_init = batcher_module._Level.__init__
+    level_init = batch_queue.Level.__init__
 
     def unbounded(self, number, policy):
         level_init(self, number, policy)
         self.max_queue_size = 0  # the batcher forgets max_queue_size
 
-    monkeypatch.setattr(batcher_module._Level, "__init__", unbounded)
+    monkeypatch.setattr(batch_queue.Level, "__init__", unbounded)
     found = violations_of(SCENARIOS["queue_overflow"], QUEUE_BOUNDS)
     assert any("its bound is" in v.detail for v in found), found
 

@@ -32,7 +32,7 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -43,6 +43,7 @@ from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
+from trionserve.schedulers.batch_queue import DELAYED, GONE, QUEUED, Entry, Level
 from trionserve.schedulers.batcher_outlet import BatcherOutlet
 from trionserve.schedulers.scheduler import (
     QUEUE_CAPACITY,
@@ -54,84 +55,9 @@ from trionserve.schedulers.testing_hooks import count_from_environment
 from trionserve.schedulers.timer import PreciseWakeup
 
 if TYPE_CHECKING:
-    from trionserve._generated.model_config_pb2 import ModelConfig, ModelQueuePolicy
+    from trionserve._generated.model_config_pb2 import ModelConfig
 
 log = structlog.get_logger(__name__)
-
-# Entry states. An entry leaves its deque lazily (when it reaches the front or the
-# deque is compacted); its state says whether it still counts.
-_QUEUED = 0
-_DELAYED = 1
-_GONE = 2
-
-_DELAY_ACTION = 1  # ModelQueuePolicy.TimeoutAction.DELAY
-
-
-class _Entry:
-    __slots__ = ("request", "level", "size", "state")
-
-    def __init__(self, request: InferenceRequest, level: int, size: int) -> None:
-        self.request = request
-        self.level = level
-        self.size = size
-        self.state = _QUEUED
-
-
-class _Level:
-    """One priority level's queue policy and its two queues."""
-
-    __slots__ = (
-        "number",
-        "delay_on_timeout",
-        "timeout_us",
-        "allow_override",
-        "max_queue_size",
-        "queue",
-        "delayed",
-        "count",
-    )
-
-    def __init__(self, number: int, policy: ModelQueuePolicy) -> None:
-        self.number = number
-        self.delay_on_timeout = policy.timeout_action == _DELAY_ACTION
-        self.timeout_us = policy.default_timeout_microseconds
-        self.allow_override = policy.allow_timeout_override
-        self.max_queue_size = policy.max_queue_size
-        self.queue: deque[_Entry] = deque()  # state _QUEUED entries, oldest first
-        self.delayed: deque[_Entry] = deque()  # state _DELAYED entries
-        self.count = 0  # entries still queued or delayed
-
-    def timeout_for(self, request: InferenceRequest) -> int:
-        """The request's queue timeout in microseconds (0: none).
-
-        A request may shorten the default timeout when the policy allows overrides
-        (and, with no default timeout, set one), never lengthen it.
-        """
-        timeout = self.timeout_us
-        override = request.timeout_us
-        if self.allow_override and override and (timeout == 0 or override < timeout):
-            timeout = override
-        return timeout
-
-    def trim(self) -> None:
-        """Drop entries that left the queues from the fronts; compact if needed."""
-        queue, delayed = self.queue, self.delayed
-        while queue and queue[0].state != _QUEUED:
-            queue.popleft()
-        while delayed and delayed[0].state != _DELAYED:
-            delayed.popleft()
-        if len(queue) + len(delayed) > 2 * self.count + 64:
-            self.queue = deque(e for e in queue if e.state == _QUEUED)
-            self.delayed = deque(e for e in delayed if e.state == _DELAYED)
-
-    def entries(self) -> Iterator[_Entry]:
-        """Live entries in the order they are batched."""
-        for entry in self.queue:
-            if entry.state == _QUEUED:
-                yield entry
-        for entry in self.delayed:
-            if entry.state == _DELAYED:
-                yield entry
 
 
 class DynamicBatchScheduler:
@@ -185,14 +111,14 @@ class DynamicBatchScheduler:
         self._has_optional = any(i.optional for i in config.input)
         self._check_shapes = bool(self._equal_shape or self._equal_value or self._has_optional)
 
-        self._levels: dict[int, _Level] = {}
+        self._levels: dict[int, Level] = {}
         self._order: list[int] = []  # level numbers, highest priority first
         self._queued = 0
         # Triton's testing hook (core dynamic_batch_scheduler.cc BatcherThread):
         # with TRITONSERVER_DELAY_SCHEDULER=N in the environment no batch forms
         # until N requests are queued; once they are, batching never holds again.
         self._hold = count_from_environment("TRITONSERVER_DELAY_SCHEDULER")
-        self._deadlines: list[tuple[float, int, _Entry]] = []
+        self._deadlines: list[tuple[float, int, Entry]] = []
         self._sequence = itertools.count()
         self._ready: deque[BatcherOutlet] = deque()
         self._outlets: set[BatcherOutlet] = set()
@@ -313,7 +239,7 @@ class DynamicBatchScheduler:
             if self._closed:
                 raise trio.ClosedResourceError
             now = trio.current_time()
-        entry = _Entry(request, level.number, request.batch_size or 1)
+        entry = Entry(request, level.number, request.batch_size or 1)
         level.queue.append(entry)
         level.count += 1
         self._queued += 1
@@ -347,7 +273,7 @@ class DynamicBatchScheduler:
                 return
         self._wakeup.set()
 
-    def _level_for(self, priority: int) -> _Level:
+    def _level_for(self, priority: int) -> Level:
         """Triton's rule: priority 0 or beyond the levels means the default level."""
         levels = self._priority_levels
         if not levels:
@@ -359,7 +285,7 @@ class DynamicBatchScheduler:
         level = self._levels.get(number)
         if level is None:
             policy = self._policies.get(number, self._default_policy)
-            level = self._levels[number] = _Level(number, policy)
+            level = self._levels[number] = Level(number, policy)
             bisect.insort(self._order, number)
         return level
 
@@ -375,11 +301,11 @@ class DynamicBatchScheduler:
         rejected = False
         while heap and heap[0][0] <= now:
             entry = heapq.heappop(heap)[2]
-            if entry.state != _QUEUED:
+            if entry.state != QUEUED:
                 continue
             level = self._levels[entry.level]
             if level.delay_on_timeout:
-                entry.state = _DELAYED
+                entry.state = DELAYED
                 level.delayed.append(entry)
             else:
                 self._remove(entry, level)
@@ -392,18 +318,18 @@ class DynamicBatchScheduler:
                 rejected = True
             level.trim()
         if len(heap) > 2 * self._queued + 64:
-            self._deadlines = [item for item in heap if item[2].state == _QUEUED]
+            self._deadlines = [item for item in heap if item[2].state == QUEUED]
             heapq.heapify(self._deadlines)
         if rejected:
             self._signal_space()
 
     def _next_deadline(self) -> float:
         heap = self._deadlines
-        while heap and heap[0][2].state != _QUEUED:
+        while heap and heap[0][2].state != QUEUED:
             heapq.heappop(heap)
         return heap[0][0] if heap else math.inf
 
-    def _purge_cancelled(self, level: _Level) -> None:
+    def _purge_cancelled(self, level: Level) -> None:
         """Answer and drop the level's requests whose clients went away."""
         now = None
         for entry in list(level.entries()):
@@ -413,7 +339,7 @@ class DynamicBatchScheduler:
         if now is not None:
             level.trim()
 
-    def _drop_cancelled(self, entry: _Entry, level: _Level, now: float) -> None:
+    def _drop_cancelled(self, entry: Entry, level: Level, now: float) -> None:
         self._remove(entry, level)
         request = entry.request
         request.fail(
@@ -423,21 +349,21 @@ class DynamicBatchScheduler:
         )
         self._record_failure(request, now, FailureReason.CANCELED)
 
-    def _remove(self, entry: _Entry, level: _Level) -> None:
-        entry.state = _GONE
+    def _remove(self, entry: Entry, level: Level) -> None:
+        entry.state = GONE
         level.count -= 1
         self._queued -= 1
 
     # -- batch formation -------------------------------------------------------------
 
-    def _form(self, now: float) -> tuple[list[_Entry] | None, float]:
+    def _form(self, now: float) -> tuple[list[Entry] | None, float]:
         """The batch to send now, or None and the time to look again."""
-        pending: list[_Entry] = []
+        pending: list[Entry] = []
         size = 0
         best: int | None = None  # number of entries in the best candidate
         send_now = False
         key = None
-        dropped: list[_Level] = []
+        dropped: list[Level] = []
         max_batch, max_preferred, preferred = self._max_batch, self._max_preferred, self._preferred
         for number in self._order:
             level = self._levels[number]
@@ -501,7 +427,7 @@ class DynamicBatchScheduler:
             key.append(None if tensor is None else tensor.data.tobytes())
         return tuple(key)
 
-    def _dispatch(self, outlet: BatcherOutlet, entries: list[_Entry]) -> None:
+    def _dispatch(self, outlet: BatcherOutlet, entries: list[Entry]) -> None:
         requests = []
         levels = set()
         for entry in entries:
@@ -572,7 +498,7 @@ class DynamicBatchScheduler:
         """Requeue a batch an executor never took, at the front of its levels."""
         for request in reversed(requests):
             level = self._level_for(request.priority)
-            entry = _Entry(request, level.number, request.batch_size or 1)
+            entry = Entry(request, level.number, request.batch_size or 1)
             level.queue.appendleft(entry)
             level.count += 1
             self._queued += 1
