@@ -77,9 +77,19 @@ class _ProbedOutlet:
     async def receive(self):
         return self._taken(await self._outlet.receive())
 
-    async def receive_direct(self, run, handover=None):
+    async def receive_direct(self, run, handover=None, delayed=None):
         noted = None if handover is None else self._noting(handover)
-        return self._taken(await self._outlet.receive_direct(self._noting(run), noted))
+        held = None if delayed is None else self._noting_held(delayed)
+        return self._taken(await self._outlet.receive_direct(self._noting(run), noted, held))
+
+    def _noting_held(self, delayed):
+        def noted(batch, start_at):
+            held = delayed(batch, start_at)  # (never on the simulations' virtual clock)
+            if held is not None:
+                self._taken(batch)
+            return held
+
+        return noted
 
     def _noting(self, run):
         def noted(batch):

@@ -54,7 +54,7 @@ class Outlet:
         self._changed()
         return batch
 
-    async def receive_direct(self, run, handover=None):
+    async def receive_direct(self, run, handover=None, delayed=None):
         return await self.receive()  # no request is handed straight over
 
     def offer_again(self) -> None:

@@ -33,7 +33,7 @@ from trionserve.backends.base import (
     TimedBackendInstance,
 )
 from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, StagedBackendInstance
-from trionserve.backends.instance_thread import Abandoned, InstanceThread, Job
+from trionserve.backends.instance_thread import Abandoned, HeldJob, InstanceThread, Job
 from trionserve.core.deferred import sweep_deferred
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import InferenceRequest
@@ -220,7 +220,9 @@ class InstanceExecutor(AsyncInstanceServing):
                 await slots.acquire()
             try:
                 if direct and slots.value == self._depth - 1:
-                    batch = await self._outlet.receive_direct(self._run_direct, self._handover)
+                    batch = await self._outlet.receive_direct(
+                        self._run_direct, self._handover, self._handover_held
+                    )
                 else:
                     batch = await self._outlet.receive()
             except (trio.EndOfChannel, trio.ClosedResourceError):
@@ -356,18 +358,9 @@ class InstanceExecutor(AsyncInstanceServing):
         task nor of the submitter's wake-up. One formed while such a run
         delivers (from ``offer_again``) goes through the queue to the feeder:
         runs never nest."""
-        thread = self._thread
-        if (
-            not self._hands_over
-            or self._stopped
-            or thread is None
-            or self._handed is not None
-            or self._undelivered
-        ):
+        thread = self._idle_thread(batch)
+        if thread is None:
             return False
-        for request in batch:
-            if request.cancelled or request.done:
-                return False  # the feeder answers those
         if self._runs_inline(batch):
             if self._inline_handover:
                 return False  # the feeder runs it (no nested run)
@@ -378,12 +371,44 @@ class InstanceExecutor(AsyncInstanceServing):
             finally:
                 self._inline_handover = False
             return True
+        thread.submit(self._handed_job(batch))
+        return True
+
+    def _handover_held(self, batch: list[InferenceRequest], start_at: float) -> HeldJob | None:
+        """``_handover`` for a batch that waits for the batching delay until
+        ``start_at``: the thread holds it until then (requests that come
+        meanwhile may join it, see HeldJob), so the loop need not wake at the
+        delay's end. None (the batch waits at the scheduler) when the
+        executor would not take it straight, or would run it inline."""
+        thread = self._idle_thread(batch)
+        if thread is None or self._runs_inline(batch):
+            return None
+        return thread.submit_held(self._handed_job(batch), start_at)
+
+    def _idle_thread(self, batch: list[InferenceRequest]) -> InstanceThread | None:
+        """The instance's thread, if a batch may be handed to it straight: the
+        executor waits with nothing in flight, and every request still waits."""
+        thread = self._thread
+        if (
+            not self._hands_over
+            or self._stopped
+            or thread is None
+            or self._handed is not None
+            or self._undelivered
+        ):
+            return None
+        for request in batch:
+            if request.cancelled or request.done:
+                return None  # the feeder answers those
+        return thread
+
+    def _handed_job(self, batch: list[InferenceRequest]) -> Job:
+        """The job of a batch handed over, delivered as the thread reports it."""
         job = self._handed = Job(batch)
         job.on_done = partial(self._handed_over, job)
         if self._frees:
             job.on_free = partial(self._handed_free, job)
-        thread.submit(job)
-        return True
+        return job
 
     def _handed_free(self, job: Job) -> None:
         """The instance's thread is done computing the batch handed over and

@@ -34,6 +34,14 @@ delivers it as the report would have (outcomes, statistics, in-flight counts). A
 c=1 that is one wake-up of the loop per request instead of two
 (benchmarks/README.md, issue 39's fourth round).
 
+A batch the dynamic batcher would hold for its batching delay while the instance
+is idle comes before the delay ends, as a :class:`HeldJob`: the thread sleeps out
+the rest of the delay (a timed wait, the GIL released) and starts it then, or
+when the batcher releases it (the batch is full, the batcher closes); requests
+submitted meanwhile join it. At c=1 the event loop thus does not wake at the
+delay's end (one wake-up per request, not two; benchmarks/README.md, issue 39's
+ninth round).
+
 An instance whose own code must run on one thread from start to end (an
 in-process Python model: ``initialize``, every ``execute``, ``finalize``) also
 hands the thread plain calls with :meth:`InstanceThread.call`, from a worker
@@ -57,7 +65,7 @@ import trio
 from trionserve.backends.base import BackendInstance, TimedBackendInstance
 from trionserve.backends.cuda.pipeline import Pipeline, StagedBackendInstance
 from trionserve.core.deferred import Deferred, deferred_jobs
-from trionserve.core.inference import InferenceResponse
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import ComputeTimes
 
 
@@ -82,6 +90,7 @@ class Job:
         "done",
         "on_done",
         "on_free",
+        "held",
     )
 
     def __init__(self, requests: list, on_done: Callable[[], None] | None = None) -> None:
@@ -104,6 +113,9 @@ class Job:
         # by the instance's thread, see InstanceThread._answered): the instance
         # may take its next batch. None: the job's report is never split so.
         self.on_free: Callable[[], None] | None = None
+        # Set for a batch given before its batching delay ended: the thread
+        # starts it at the delay's end (see HeldJob).
+        self.held: HeldJob | None = None
 
     def finished(self) -> None:
         """The job is done (on the Trio thread): ``done`` set, ``on_done`` called.
@@ -127,6 +139,50 @@ class Job:
         if any(request.cancelled for request in self.requests):
             self.cancelled = [request for request in self.requests if request.cancelled]
             self.requests = [request for request in self.requests if not request.cancelled]
+
+
+class HeldJob:
+    """A job given to the thread before its batching delay ended (the dynamic
+    batcher's :class:`~trionserve.schedulers.scheduler.HeldBatch`): the thread
+    sleeps out the rest of the delay itself, with the GIL released, then starts
+    it, so the event loop does not wake at the delay's end. Until the thread
+    starts it, ``join`` (on the Trio thread) adds a request to it; ``release``
+    lets it start at once. The condition's lock makes the two sides agree on
+    whether a request joined: one that comes after the start is refused (it
+    goes to a later batch), never lost nor run twice."""
+
+    __slots__ = ("_job", "_until", "_cond", "_released")
+
+    def __init__(self, job: Job, until: float) -> None:
+        self._job: Job | None = job
+        self._until = until  # time.perf_counter() at the delay's end
+        self._cond = threading.Condition(threading.Lock())
+        self._released = False
+
+    def join(self, request: InferenceRequest) -> bool:
+        with self._cond:
+            if self._job is None:
+                return False
+            self._job.requests.append(request)
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self._job is not None and not self._released:
+                self._released = True
+                self._cond.notify()
+
+    def wait_out(self) -> None:
+        """On the instance's thread: wait until the delay's end or ``release``,
+        then close the batch to ``join``."""
+        cond = self._cond
+        with cond:
+            while not self._released:
+                remaining = self._until - time.perf_counter()
+                if remaining <= 0:
+                    break
+                cond.wait(remaining)
+            self._job = None  # closed (and no cycle with the job: see Job.finished)
 
 
 _STOP = None
@@ -184,6 +240,19 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def wait_to_the_microsecond() -> None:
+    """Let the calling thread's timed waits (a :class:`HeldJob`'s delay) end to
+    the microsecond: Linux lets them run up to the thread's timer slack late,
+    50 µs by default, where a batching delay of 100 µs must take 100 µs (as the
+    batcher's ``timerfd`` keeps it, schedulers/timer.py). Nothing elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in ns
+    except (OSError, AttributeError):
+        pass
+
+
 class Abandoned(RuntimeError):
     """A job the thread skipped: the executor stopped before the batch ran."""
 
@@ -221,6 +290,7 @@ class InstanceThread:
         # thread writes then defers its report (see Deferred).
         self.quiet: Callable[[], bool] | None = None
         self._deferred: Deferred | None = None
+        self._held: HeldJob | None = None  # the last job given held
 
     def start(self, token: trio.lowlevel.TrioToken | None = None) -> None:
         """Start the thread; on the Trio thread, or anywhere given the run's ``token``."""
@@ -257,11 +327,22 @@ class InstanceThread:
     def submit(self, job: Job) -> None:
         self._put(job)
 
+    def submit_held(self, job: Job, start_at: float) -> HeldJob:
+        """Give the thread a job to start at ``start_at`` (Trio's clock), or
+        when released (see :class:`HeldJob`)."""
+        held = job.held = self._held = HeldJob(
+            job, time.perf_counter() + (start_at - trio.current_time())
+        )
+        self._put(job)
+        return held
+
     async def wait(self, job: Job) -> None:
         await job.done.wait()
 
     def abandon(self) -> None:
         self._abandoned = True
+        if self._held is not None:
+            self._held.release()  # skipped at once, not at its delay's end
 
     def stop(self) -> None:
         self._put(_STOP)
@@ -296,6 +377,7 @@ class InstanceThread:
 
     def _work(self) -> None:
         name_os_thread(f"instance {self._name}")
+        wait_to_the_microsecond()
         launched: Job | None = None  # computing on the device, not finished
         while True:
             if launched is not None and not (self._overlaps and self._jobs):
@@ -311,6 +393,9 @@ class InstanceThread:
             if not isinstance(job, Job):
                 job()  # a call (see call): after the batches before it
                 continue
+            if job.held is not None:
+                job.held.wait_out()
+                job.held = None
             self._stage(job)  # overlaps the launched batch's compute, if any
             if launched is not None:
                 self._finish(launched)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from trionserve.core.inference import InferenceRequest
-from trionserve.schedulers.scheduler import DirectRun, DirectRunAsync, Outcome
+from trionserve.schedulers.scheduler import DelayedRun, DirectRun, DirectRunAsync, Outcome
 
 if TYPE_CHECKING:
     from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
@@ -35,11 +35,14 @@ class BatcherOutlet:
     ``offer_again`` as its last batch finished, the batcher's task after a
     delay), so the batch reaches the instance's thread without a pass of the
     run loop; the executor says when it waits with nothing in flight again
-    (``offer_again``).
+    (``offer_again``). With ``delayed`` too, a batch that waits for the
+    batching delay goes to the thread at once, which holds it until the delay's
+    end (see DynamicBatchScheduler._hold_in_thread).
     """
 
     __slots__ = (
         "_batcher",
+        "_delayed",
         "_eager",
         "_handover",
         "_send",
@@ -59,6 +62,8 @@ class BatcherOutlet:
         self._eager = 0  # batches taken in a row without a checkpoint
         # The executor's hand-over while it waits in receive_direct.
         self._handover: DirectRun | None = None
+        # ... and its hand-over of a batch that waits for the batching delay.
+        self._delayed: DelayedRun | None = None
         self.closed = False
 
     async def receive(self) -> list[InferenceRequest]:
@@ -82,13 +87,15 @@ class BatcherOutlet:
         return requests
 
     async def receive_direct(
-        self, run: DirectRun, handover: DirectRun | None = None
+        self, run: DirectRun, handover: DirectRun | None = None, delayed: DelayedRun | None = None
     ) -> list[InferenceRequest]:
         self._handover = handover
+        self._delayed = delayed
         try:
             return await self.receive()
         finally:
             self._handover = None
+            self._delayed = None
 
     def offer_again(self) -> None:
         """The executor took a batch through its hand-over and waits with nothing

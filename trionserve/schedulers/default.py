@@ -10,6 +10,7 @@ from trionserve.observability.statistics import FailureReason, ModelStatistics, 
 from trionserve.schedulers.scheduler import (
     QUEUE_CAPACITY,
     BatchOutlet,
+    DelayedRun,
     DirectRun,
     DirectRunAsync,
     deliver_outcomes,
@@ -71,7 +72,7 @@ class _ChannelOutlet:
             return None
 
     async def receive_direct(
-        self, run: DirectRun, handover: DirectRun | None = None
+        self, run: DirectRun, handover: DirectRun | None = None, delayed: DelayedRun | None = None
     ) -> list[InferenceRequest]:
         """``receive``, offering ``run`` meanwhile: while this executor waits here
         with nothing queued, ``submit`` may hand a request straight to it (the

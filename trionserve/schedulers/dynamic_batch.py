@@ -18,7 +18,10 @@ batcher forms the best batch the queue allows, with the rules of Triton's
   no candidate the batch is sent when it can grow no more, when the delay has
   passed, or at once when the delay is 0; otherwise the batcher waits for more
   requests until the delay passes. The delay is kept to the microsecond on the
-  real clock (:mod:`trionserve.schedulers.timer`), not to Trio's millisecond.
+  real clock (:mod:`trionserve.schedulers.timer`), not to Trio's millisecond;
+  a batch that waits for it with an idle instance taking hand-overs waits in
+  that instance's thread instead, where the requests that come meanwhile join
+  it (``_hold_in_thread``), so the event loop does not wake at its end.
 
 Batches are formed only when an executor asks for one, so under load requests
 accumulate while every instance is busy even with a delay of 0, exactly as in
@@ -48,6 +51,7 @@ from trionserve.schedulers.batcher_outlet import BatcherOutlet
 from trionserve.schedulers.scheduler import (
     QUEUE_CAPACITY,
     BatchOutlet,
+    HeldBatch,
     Outcome,
     deliver_outcomes,
 )
@@ -58,6 +62,20 @@ if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
 
 log = structlog.get_logger(__name__)
+
+
+class _Open:
+    """The batch an instance's thread holds until its delay ends (see
+    :meth:`DynamicBatchScheduler._hold_in_thread`): what a request must match
+    to join it."""
+
+    __slots__ = ("batch", "outlet", "size", "key")
+
+    def __init__(self, batch: HeldBatch, outlet: BatcherOutlet, size: int, key: tuple | None):
+        self.batch = batch
+        self.outlet = outlet
+        self.size = size  # its total batch size
+        self.key = key  # its shapes (see _shape_key), when they must match
 
 
 class DynamicBatchScheduler:
@@ -132,6 +150,20 @@ class DynamicBatchScheduler:
         self._held: dict[int, tuple[Sequence[InferenceRequest], Sequence[Outcome]]] = {}
         # The real-clock wake-up of the delay's end (made by run).
         self._timer: PreciseWakeup | None = None
+        # Whether a batch waiting for the delay may wait in the thread of the
+        # instance it goes to (see _hold_in_thread): only where that cannot
+        # change which requests it takes, nor when, nor what is refused
+        # meanwhile: one priority level, no queue timeouts and no queue size
+        # bound (a request held there is no longer queued here).
+        policy = self._policies.get(0, self._default_policy)
+        self._holds = bool(
+            self._delay
+            and not self._priority_levels
+            and not policy.default_timeout_microseconds
+            and not policy.allow_timeout_override
+            and not policy.max_queue_size
+        )
+        self._open: _Open | None = None  # the batch so held, until it starts
 
     # -- the actor ---------------------------------------------------------------
 
@@ -205,9 +237,14 @@ class DynamicBatchScheduler:
             self._hold = 0
         ready = self._ready
         while ready and self._queued:
-            entries, wait_until = self._form(now)
+            entries, go_at = self._form(now)
             if entries is None:
-                return wait_until
+                return go_at
+            if go_at > now:  # it waits for the delay
+                if self._hold_in_thread(ready[0], entries, go_at):
+                    ready.popleft()
+                    continue
+                return go_at
             self._dispatch(ready.popleft(), entries)
         return math.inf
 
@@ -239,6 +276,8 @@ class DynamicBatchScheduler:
             if self._closed:
                 raise trio.ClosedResourceError
             now = trio.current_time()
+        if self._open is not None and self._join(request):
+            return
         entry = Entry(request, level.number, request.batch_size or 1)
         level.queue.append(entry)
         level.count += 1
@@ -357,7 +396,8 @@ class DynamicBatchScheduler:
     # -- batch formation -------------------------------------------------------------
 
     def _form(self, now: float) -> tuple[list[Entry] | None, float]:
-        """The batch to send now, or None and the time to look again."""
+        """The batch to send and when it goes: ``now``, or later (the delay's
+        end) if nothing comes meanwhile; or None and ``math.inf``: none."""
         pending: list[Entry] = []
         size = 0
         best: int | None = None  # number of entries in the best candidate
@@ -413,7 +453,7 @@ class DynamicBatchScheduler:
         # Once closed (unloading) nothing more will come, so waiting is pointless.
         if send_now or size >= max_preferred or delay_exceeded or delay == 0 or self._closed:
             return pending, now
-        return None, oldest + delay
+        return pending, oldest + delay
 
     def _shape_key(self, request: InferenceRequest) -> tuple:
         inputs = request.inputs
@@ -428,19 +468,8 @@ class DynamicBatchScheduler:
         return tuple(key)
 
     def _dispatch(self, outlet: BatcherOutlet, entries: list[Entry]) -> None:
-        requests = []
-        levels = set()
-        for entry in entries:
-            level = self._levels[entry.level]
-            self._remove(entry, level)
-            levels.add(level)
-            requests.append(entry.request)
-        for level in levels:
-            level.trim()
-        ticket = None
-        if self._preserve_ordering:
-            ticket = self._next_ticket
-            self._next_ticket += 1
+        requests = self._take(entries)
+        ticket = self._ticket()
         handover = outlet._handover
         if handover is not None:
             # Straight to the instance's thread, in this task; ordered delivery
@@ -452,6 +481,89 @@ class DynamicBatchScheduler:
         else:
             outlet.put(requests, ticket)
         self._signal_space()
+
+    def _take(self, entries: list[Entry]) -> list[InferenceRequest]:
+        """Take a batch's entries out of the queues: its requests."""
+        requests = []
+        levels = set()
+        for entry in entries:
+            level = self._levels[entry.level]
+            self._remove(entry, level)
+            levels.add(level)
+            requests.append(entry.request)
+        for level in levels:
+            level.trim()
+        return requests
+
+    def _ticket(self) -> int | None:
+        """The next batch's place in the delivery order (None: any order)."""
+        if not self._preserve_ordering:
+            return None
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        return ticket
+
+    # -- a batch held by the instance's thread for its delay --------------------------
+
+    def _hold_in_thread(self, outlet: BatcherOutlet, entries: list[Entry], go_at: float) -> bool:
+        """Give a batch that waits for the delay (until ``go_at``) to the idle
+        instance's thread now, which sleeps out the rest of the delay itself:
+        no pass of the event loop at the delay's end (at c=1 one wake-up of
+        the loop per request instead of two; benchmarks/README.md, issue 39's
+        ninth round). Requests that come meanwhile join it (:meth:`_join`) by
+        the rules :meth:`_form` would apply at the delay's end, so the batch
+        and its start are those Triton's batcher forms (core
+        src/dynamic_batch_scheduler.cc, GetDynamicBatch), its queue time
+        including the delay. Only on the real clock (a virtual one keeps its
+        exact times), one batch held at a time, where ``_holds`` says nothing
+        else could differ; False: the batch waits here as before."""
+        delayed = outlet._delayed
+        if delayed is None or not self._holds or self._open or not self._timed():
+            return False
+        requests = [entry.request for entry in entries]
+        ticket = self._ticket()
+        outlet._tickets.append(ticket)
+        held = delayed(requests, go_at)
+        if held is None:
+            outlet._tickets.pop()
+            if ticket is not None:
+                self._next_ticket -= 1
+            return False
+        self._take(entries)
+        key = self._shape_key(requests[0]) if self._check_shapes else None
+        self._open = _Open(held, outlet, sum(entry.size for entry in entries), key)
+        self._signal_space()
+        return True
+
+    def _join(self, request: InferenceRequest) -> bool:
+        """Add a submitted request to the batch held for its delay where the
+        batch formed at the delay's end would take it (:meth:`_form`: it fits
+        and its shapes match); reaching a preferred size or the largest starts
+        the batch now. False: the request is queued as usual; one that would
+        take the batch past the largest preferred size or the maximum, or
+        whose shapes differ, starts the batch now without it (:meth:`_form`
+        sends it at once then)."""
+        held = self._open
+        assert held is not None
+        size = held.size + (request.batch_size or 1)
+        if size > self._max_preferred or (
+            self._check_shapes and self._shape_key(request) != held.key
+        ):
+            self._release_held()
+            return False
+        if not held.batch.join(request):
+            self._open = None  # its thread started it: this goes to the next batch
+            return False
+        held.size = size
+        if size in self._preferred or size >= self._max_preferred:
+            self._release_held()
+        return True
+
+    def _release_held(self) -> None:
+        """The batch held for its delay starts now (if it has not)."""
+        held, self._open = self._open, None
+        if held is not None:
+            held.batch.release()
 
     def _signal_space(self) -> None:
         if self._queued < self._capacity or self._closed:
@@ -474,6 +586,8 @@ class DynamicBatchScheduler:
         just finished, woken in the same pass: batches back to back). The
         actor is woken for what is left, to look again when the delay ends;
         with nothing queued it has nothing to look at (a submit wakes it)."""
+        if self._open is not None and self._open.outlet is outlet:
+            self._open = None  # (its batch ended)
         self._ready.append(outlet)
         if self._queued and not self._closed:
             wake_at = self._dispatch_ready(trio.current_time())
@@ -487,6 +601,8 @@ class DynamicBatchScheduler:
         self, outlet: BatcherOutlet, untaken: tuple[list[InferenceRequest], int | None] | None
     ) -> None:
         self._outlets.discard(outlet)
+        if self._open is not None and self._open.outlet is outlet:
+            self._release_held()  # its executor stops: the batch goes now
         try:
             self._ready.remove(outlet)
         except ValueError:
@@ -531,6 +647,7 @@ class DynamicBatchScheduler:
 
     def close(self) -> None:
         self._closed = True
+        self._release_held()  # nothing more will come: it goes now
         self._wakeup.set()
         self._signal_space()
 

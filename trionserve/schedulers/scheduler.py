@@ -32,22 +32,43 @@ DirectRun = Callable[[list[InferenceRequest]], bool]
 DirectRunAsync = Callable[[list[InferenceRequest]], Awaitable[bool]]
 
 
+class HeldBatch(Protocol):
+    """A batch given to an instance's thread before its batching delay ended:
+    the thread starts it at the delay's end (see ``DelayedRun``). On the Trio
+    thread, ``join`` adds a request to it unless the thread has started it
+    (False: the request goes to a later batch); ``release`` lets the thread
+    start it now (the batch is full, or the batcher closes)."""
+
+    def join(self, request: InferenceRequest) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+# Gives a batch to the instance's thread to start at a time on Trio's clock (the
+# batching delay's end), the thread sleeping out the rest itself; None when it
+# cannot (the batch then waits in the scheduler's queue as usual).
+DelayedRun = Callable[[list[InferenceRequest], float], HeldBatch | None]
+
+
 class BatchOutlet(Protocol):
     """One executor's end of its scheduler.
 
     ``receive`` waits for the next batch (raises EndOfChannel or
     ClosedResourceError when the scheduler has no more work for this executor);
-    ``receive_direct(run, handover)`` is ``receive`` for an executor that waits
+    ``receive_direct(run, handover, delayed)`` is ``receive`` for an executor that waits
     with nothing in flight: a scheduler that can may meanwhile give a batch
     straight to one of them, in the task that formed it, instead of queueing it
     for the executor's task (no channel hop, no task switch): the default one
     hands a submitted request to ``run`` (which runs it inline), the dynamic
     batcher each batch it forms to ``handover`` (which gives it to the
     instance's thread, or runs it inline as ``run`` does); either returns
-    False to leave the batch to ``receive``. An executor that took a batch
-    through ``handover`` calls ``offer_again`` once it waits with nothing in
-    flight again (its task still waits in ``receive_direct``), so that the
-    scheduler gives it the next batch (the others ignore it).
+    False to leave the batch to ``receive``. The dynamic batcher gives a batch
+    that waits for its delay to ``delayed``, if offered, with the delay's end
+    (the requests that come meanwhile join it while the thread holds it). An
+    executor that took a batch through ``handover`` (or ``delayed``) calls
+    ``offer_again`` once it waits with nothing in flight again (its task still
+    waits in ``receive_direct``), so that the scheduler gives it the next batch
+    (the others ignore it).
     ``receive_direct_async`` is the same for an executor whose instance
     computes elsewhere (a stub process): the submitting task runs the batch
     and waits for it itself, as Triton's model instance thread waits on its
@@ -59,7 +80,7 @@ class BatchOutlet(Protocol):
     async def receive(self) -> list[InferenceRequest]: ...
 
     async def receive_direct(
-        self, run: DirectRun, handover: DirectRun | None = None
+        self, run: DirectRun, handover: DirectRun | None = None, delayed: DelayedRun | None = None
     ) -> list[InferenceRequest]: ...
 
     def offer_again(self) -> None: ...

@@ -19,7 +19,7 @@ import trio
 from trionserve.core.inference import InferenceRequest, RequestedOutput, Tensor
 
 if TYPE_CHECKING:
-    from trionserve.schedulers.scheduler import DirectRun, DirectRunAsync, Outcome
+    from trionserve.schedulers.scheduler import DelayedRun, DirectRun, DirectRunAsync, Outcome
     from trionserve.schedulers.sequence_state import Sequence
 
 
@@ -94,7 +94,7 @@ class Outlet:
         return batch
 
     async def receive_direct(
-        self, run: DirectRun, handover: DirectRun | None = None
+        self, run: DirectRun, handover: DirectRun | None = None, delayed: DelayedRun | None = None
     ) -> list[InferenceRequest]:
         return await self.receive()  # the scheduler forms every batch
 
