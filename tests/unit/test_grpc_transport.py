@@ -22,7 +22,7 @@ import pytest
 import trio
 import trio.testing
 
-from trionserve.protocol.grpc import upstream
+from trionserve.protocol.grpc import upstream, writing
 from trionserve.protocol.grpc.status import decode_grpc_message
 from trionserve.protocol.grpc.transport import (
     GrpcCall,
@@ -838,6 +838,51 @@ async def test_a_unary_call_that_waits_keeps_the_reader_task_and_another_reads_o
             assert client.data[after] == frame(b"after")
 
 
+class Entering(Handlers):
+    """``all_entered`` is set once ``count`` calls of Wait are in."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.left = count
+        self.all_entered = trio.Event()
+
+    async def wait(self, call: GrpcCall) -> None:
+        self.left -= 1
+        if not self.left:
+            self.all_entered.set()
+        await super().wait(call)
+
+
+async def test_the_answers_of_calls_ended_in_one_pass_go_out_in_one_write(monkeypatch):
+    """Calls that end in the same pass of the run loop (a batch's, here four
+    released at once): their answers go out in one gathered write, not the
+    first alone (a ``send_all`` and its checkpoint) and the others after."""
+    writes: list[int] = []
+    gathered = writing.send_pieces
+
+    async def counted(stream, pieces):
+        writes.append(len(pieces))
+        await gathered(stream, pieces)
+
+    def joined(buffers):
+        raise AssertionError("an answer written with send_all")
+
+    monkeypatch.setattr(writing, "send_pieces", counted)
+    monkeypatch.setattr(writing, "coalesce", joined)
+    handlers = Entering(4)
+    async with serving(handlers) as (port, _):
+        async with RawClient.connect(port) as client:
+            calls = [await client.call("/t.T/Wait", frame(b"")) for _ in range(4)]
+            with trio.fail_after(10):
+                await handlers.all_entered.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            writes.clear()
+            handlers.release.set()
+            await client.until(lambda c: all(c.ended(s) for s in calls))
+            assert all(client.data[s] == frame(b"released") for s in calls)
+            assert len(writes) == 1, writes
+
+
 async def test_unary_calls_of_one_read_run_in_order_in_the_reader_until_one_waits():
     """Unary calls whose requests came whole in one read run one after another in
     the reader's task, each answered at once, all written in one step (as on a
@@ -923,10 +968,12 @@ async def test_a_window_update_for_one_stream_wakes_only_that_streams_sender():
                 await trio.testing.wait_all_tasks_blocked()
             finally:
                 trio.lowlevel.remove_instrument(counter)
-            # The reader, and the task that holds that call (each waiting call
-            # kept the task it ran in: a task per call either way).
+            # The reader, the task that holds that call (each waiting call kept
+            # the task it ran in: a task per call either way), and the writer
+            # (with other calls in flight, it writes the answers: writing.py).
             server = [t for t in counter.tasks if t.name.startswith("trionserve.")]
-            assert len(server) == 2, [t.name for t in counter.tasks]
+            assert len(server) == 3, [t.name for t in counter.tasks]
+            assert any(t.name.endswith("SocketWriter._writer") for t in server)
             assert client.data[streams[0]] == frame(b"x" * 10)
             assert not any(client.ended(s) for s in streams[1:])
             for stream in streams[1:]:

@@ -60,7 +60,8 @@ class SocketWriter:
             self._dirty = trio.Event()
             if not self.writing:  # else the task writing now writes this too
                 try:
-                    await self._write_pending()
+                    # (gathered straight to a plain socket; joined for TLS's records)
+                    await self._write_pending(self.socket is not None)
                 except CLOSED:
                     self.cancel()
                     return
@@ -91,13 +92,18 @@ class SocketWriter:
 
     async def _write_now(self, at_once: bool | None = None, first: list | None = None) -> None:
         """Write what h2 has queued from the calling task, unless another task is
-        writing (it writes this too): no wakeup of the writer. ``at_once`` by
-        default for the last call in flight; with others in flight, send_all's
-        checkpoint lets their answers join this write; ``first`` before h2's output."""
+        writing (it writes this too): no wakeup of the writer, for the last call
+        in flight; with others in flight, the writer writes it (their answers of
+        the same batch join it); ``first`` before h2's output."""
         if self.writing:
             return
+        if at_once is None and self.calls:
+            # Others in flight: the answers their tasks queue in this pass of
+            # the run loop (a batch's) go out in one write, the writer's.
+            self.flush()
+            return
         try:
-            await self._write_pending(not self.calls if at_once is None else at_once, first)
+            await self._write_pending(True if at_once is None else at_once, first)
         except CLOSED:
             self.cancel()
             return
