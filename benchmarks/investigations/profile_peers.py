@@ -132,8 +132,8 @@ def thread_times(pids: Iterable[int]) -> dict[tuple[int, int], tuple[str, str, i
     return times
 
 
-def inference_count(http_url: str) -> int:
-    return perf_analyzer._inference_count(http_url, "simple")
+def inference_count(http_url: str, model: str = "simple") -> int:
+    return perf_analyzer._inference_count(http_url, model)
 
 
 def load_average() -> float:
@@ -245,6 +245,22 @@ def _native_component(sym: str, dso: str) -> str | None:
     return None
 
 
+def _stub_calls_numpy(user: list[tuple[str, str]]) -> bool:
+    """Whether numpy's C code (or libc's under it) was called by Triton's stub
+    binary itself, not by model.py through the interpreter: pb_utils' own work,
+    such as ``as_numpy`` copying a tensor out of shared memory
+    (``pybind11::array``'s constructor). Needs a whole chain (``--call-graph
+    dwarf``)."""
+    seen_numpy = False
+    for _, dso in user:
+        base = os.path.basename(dso)
+        if "_multiarray" in base or "numpy" in dso:
+            seen_numpy = True
+        elif not base.startswith(LIBC_DSOS):
+            return seen_numpy and "triton_python_backend_stub" in base
+    return False
+
+
 @dataclass
 class Profile:
     """Samples by component (perf: all; py-spy: the interpreter's), with the top symbols."""
@@ -292,6 +308,8 @@ def read_perf_script(text: str, interpreted: bool) -> Profile:
             component = GC  # the collector's C frames: exact here, invisible to py-spy
         elif interpreted:
             component = MODEL if "onnxruntime" in dso else INTERPRETER
+        elif _stub_calls_numpy(user):
+            component = IPC_STUB
         else:
             found = (_native_component(s, d) for s, d in user)
             component = next((c for c in found if c is not None), None) or (
@@ -450,7 +468,7 @@ class Measured:
         result = cls(**{name: raw[name] for name in cls.RAW})
         perf_text = folder / f"{result.stem}.perf.txt"
         if perf_text.exists():
-            interpreted = result.server != "triton"
+            interpreted = not result.server.startswith("triton")
             result.perf = read_perf_script(perf_text.read_text(), interpreted)
         pyspy_raw = folder / f"{result.stem}.pyspy.txt"
         if pyspy_raw.exists():
@@ -481,10 +499,12 @@ class Measured:
 class Loader:
     """perf_analyzer at one point, run until stopped."""
 
-    def __init__(self, command: list[str], url: str, protocol: str, concurrency: int) -> None:
+    def __init__(
+        self, command: list[str], url: str, protocol: str, concurrency: int, model: str = "simple"
+    ) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="profile-pa-", suffix=".log")
         argv = [
-            *command, "-m", "simple", "-i", protocol, "-u", url,
+            *command, "-m", model, "-i", protocol, "-u", url,
             "--concurrency-range", f"{concurrency}:{concurrency}",
             "--measurement-interval", "600000", "--max-trials", "1",
         ]  # fmt: skip
@@ -514,14 +534,17 @@ def measure(
     keep: Path | None,
     point: str,
     call_graph: str = "fp",
+    model: str = "simple",
 ) -> Measured:
+    """One server under load: the clean window, then perf's, then py-spy's (the
+    label of a Triton starts with "triton": its samples are all native)."""
     result = Measured(label, point)
     pids = tree_pids(pid)
     result.load.append(load_average())
-    before, count = thread_times(pids), inference_count(http_url)
+    before, count = thread_times(pids), inference_count(http_url, model)
     started = time.monotonic()
     time.sleep(seconds)
-    after, counted = thread_times(tree_pids(pid)), inference_count(http_url)
+    after, counted = thread_times(tree_pids(pid)), inference_count(http_url, model)
     result.seconds = time.monotonic() - started
     result.inferences = counted - count
     for key, (process, thread, user, system) in after.items():
@@ -539,7 +562,7 @@ def measure(
         if perf:
             data = folder / f"{stem}.perf.data"
             pids = tree_pids(pid)
-            count = inference_count(http_url)
+            count = inference_count(http_url, model)
             cpu0 = sum(u + s for *_, u, s in thread_times(pids).values())
             subprocess.run(
                 [perf, "record", "-q", "--call-graph", call_graph, "-F", "997", "-o", str(data),
@@ -547,7 +570,7 @@ def measure(
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
             )  # fmt: skip
             cpu1 = sum(u + s for *_, u, s in thread_times(pids).values())
-            counted = inference_count(http_url) - count
+            counted = inference_count(http_url, model) - count
             if counted:
                 result.profiled_us = 1e6 * (cpu1 - cpu0) / _TICKS / counted
             script = subprocess.run(
@@ -556,7 +579,9 @@ def measure(
             )  # fmt: skip
             if keep:
                 (folder / f"{stem}.perf.txt").write_text(script.stdout)
-            result.perf = read_perf_script(script.stdout, interpreted=label != "triton")
+            result.perf = read_perf_script(
+                script.stdout, interpreted=not label.startswith("triton")
+            )
         if py_spy:
             raw = folder / f"{stem}.pyspy.txt"
             subprocess.run(
@@ -606,7 +631,12 @@ def start_servers(names: list[str], cache: Path, tmp: Path, log: Callable[[str],
     return servers
 
 
-def format_tables(results: list[Measured], servers: list[str]) -> str:
+def format_tables(
+    results: list[Measured], servers: list[str], labels: dict[str, str] | None = None
+) -> str:
+    """One table per point: components by server (``labels``: each server's column
+    head, SERVERS' by default), then the threads."""
+    labels = labels or SERVERS
     out = []
     points = list(dict.fromkeys(r.point for r in results))
     for point in points:
@@ -617,7 +647,7 @@ def format_tables(results: list[Measured], servers: list[str]) -> str:
             f"\n#### {point.replace(':', ' c=')} (µs of CPU per inference; load average "
             f"{min(loads):.1f}-{max(loads):.1f})\n"
         )
-        out.append("| component | " + " | ".join(SERVERS[s] for s in present) + " |")
+        out.append("| component | " + " | ".join(labels[s] for s in present) + " |")
         out.append("|---|" + "---:|" * len(present))
         parts = {s: row[s].components() for s in present}
         for component in COMPONENTS:
@@ -647,7 +677,7 @@ def format_tables(results: list[Measured], servers: list[str]) -> str:
         )
         out.append("\nBy thread (µs per inference, clean window; what perf saw it do):\n")
         for s in present:
-            out.append(f"- {SERVERS[s]}: {_threads(row[s])}")
+            out.append(f"- {labels[s]}: {_threads(row[s])}")
     return "\n".join(out)
 
 
@@ -659,7 +689,8 @@ def _threads(r: Measured) -> str:
         us = 1e6 * cpu / max(r.inferences, 1)
         if us < 2:
             continue
-        role, thread, tid = name.rsplit(" ", 2)
+        role, rest = name.split(" ", 1)  # the thread's name may hold spaces
+        thread, tid = rest.rsplit(" ", 1)
         mine = {c: n for (t, c), n in r.perf.by_tid.items() if t == int(tid)}
         total = sum(mine.values())
         parts = ", ".join(

@@ -178,3 +178,27 @@ def test_components_split_the_clean_cpu_by_perf_then_the_interpreter_by_py_spy()
     assert parts[HTTP] == pytest.approx(75)  # 200 x 0.5 x 3/4
     assert parts[LOOP] == pytest.approx(25)
     assert sum(parts.values()) == pytest.approx(200)
+
+
+def test_numpy_called_by_triton_s_stub_itself_is_pb_utils_work_not_the_model_s():
+    numpy_so = "/venv/numpy/core/_multiarray_umath.cpython-311-x86_64-linux-gnu.so"
+    stub_binary = "/opt/tritonserver/backends/python/triton_python_backend_stub"
+    text = _perf(
+        # as_numpy: pybind11's array constructor copies the input out of shared memory.
+        _sample(
+            "triton_python_b", 12,
+            ("__memmove_avx512_unaligned_erms", LIBC_SO),
+            ("_contig_to_contig", numpy_so),
+            ("PyArray_NewCopy", numpy_so),
+            ("pybind11::array::array", stub_binary),
+        ),
+        # model.py calling numpy through the interpreter stays the model's.
+        _sample(
+            "triton_python_b", 12,
+            ("_contig_to_contig", numpy_so),
+            ("_PyEval_EvalFrameDefault", LIBPYTHON),
+            ("pybind11::cpp_function::dispatcher", stub_binary),
+        ),
+    )  # fmt: skip
+    profile = read_perf_script(text, interpreted=False)
+    assert profile.samples == {IPC_STUB: 1, MODEL: 1}
