@@ -4,7 +4,7 @@ inference, the instance's, infer/s, p50 and the statistics' queue time.
 Usage:
     python -m benchmarks.investigations.http_cnn_trees --tree before=PATH [--tree ...]
         [--rounds 6] [--duration 4] [--warmup 1]
-        [--points cnn_onnx_d0:1,cnn_onnx:8,cnn_onnx:1]
+        [--points cnn_onnx_d0:1,cnn_onnx:8,cnn_onnx:1] [--this-last]
 
 Serves the repository of benchmarks.served_vs_direct (``cnn_onnx``: FP32
 [1,3,224,224] in, 602 KB a request, one instance, dynamic batching with a 500 us
@@ -16,7 +16,10 @@ benchmarks.loadgen). Per point (MODEL:CONCURRENCY) and round the trees take turn
 their order rotated each round, so that a machine whose load changes shares it
 between them. Per run: infer/s, p50, the loop thread's and the instance threads'
 CPU ms per inference (user + system, /proc) and the model's mean queue time (us,
-the statistics extension); then each point's figures per tree, in run order.
+the statistics extension); then each point's figures per tree, in run order. The
+servers start in the order given (this checkout first, or last with
+``--this-last``): on a loaded two-core host the server started first measured
+slower, the same tree against itself included, so run it both ways.
 """
 
 from __future__ import annotations
@@ -42,10 +45,15 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per run")
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--points", default="cnn_onnx_d0:1,cnn_onnx:8,cnn_onnx:1")
+    parser.add_argument(
+        "--this-last",
+        action="store_true",
+        help="start this checkout's server last, not first (on a loaded two-core host the "
+        "server started first measured slower: run both ways)",
+    )
     args = parser.parse_args()
-    trees = [("this", THIS)] + [
-        (label, Path(path)) for label, _, path in (t.partition("=") for t in args.tree)
-    ]
+    others = [(label, Path(path)) for label, _, path in (t.partition("=") for t in args.tree)]
+    trees = [*others, ("this", THIS)] if args.this_last else [("this", THIS), *others]
     points = [(model, int(c)) for model, _, c in (p.partition(":") for p in args.points.split(","))]
     results: dict[tuple[str, int, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp, ClientPool() as pool:
