@@ -56,7 +56,10 @@ both the server and its calling threads; for ``direct`` this process) and, for
 the served paths, how much of it ran on the event loop (the server's main
 thread) and on the instance's thread (which calls the framework, as ``direct``
 does; the rest is the framework's own threads and worker threads; for
-``direct``, ``instance`` is the thread that calls the framework), the load
+``direct``, ``instance`` is the thread that calls the framework), what is left
+(``other``: the framework's own threads, worker threads, child processes), issue
+39's ratio of CPU per inference (``direct / served CPU``: direct at the batch the
+server formed over the served row's), the load
 generator's CPU time per inference (its client processes: what tritonclient
 costs on the same cores; none for ``direct`` and ``inproc``) and the GPU's mean
 utilisation over the window (NVML) when one is present.
@@ -685,14 +688,19 @@ def format_table(rows: list[Row]) -> str:
     head = (
         "| model | c | path | infer/s | x direct | x formed | p50 ms | p99 ms | batch | queue us "
         "| input us | infer us | output us | CPU ms/inf | loop ms/inf | instance ms/inf "
-        "| client CPU ms/inf | GPU % |"
+        "| other ms/inf | direct / served CPU | client CPU ms/inf | GPU % |"
     )
-    lines = [head, "|" + " --- |" * 3 + " ---: |" * 15]
+    lines = [head, "|" + " --- |" * 3 + " ---: |" * 17]
     direct = {(r.model, r.concurrency): r.rate for r in rows if r.path == "direct"}
     direct_at = {
         (r.model, r.concurrency, r.direct_batch or r.concurrency): r.rate
         for r in rows
         if r.path.startswith("direct")
+    }
+    direct_cpu_at = {
+        (r.model, r.concurrency, r.direct_batch or r.concurrency): r.cpu / r.requests * 1000
+        for r in rows
+        if r.path.startswith("direct") and r.requests
     }
     for r in rows:
         is_direct = r.path.startswith("direct")
@@ -714,6 +722,21 @@ def format_table(rows: list[Row]) -> str:
         if not is_direct and batch == batch:
             formed = direct_at.get((r.model, r.concurrency, max(1, round(batch))), 0.0)
         ratio_formed = f"{r.rate / formed:.2f}x" if formed else ""
+        # Issue 39's figure: the framework's CPU per inference called directly at
+        # the batch the server formed, over the served CPU per inference.
+        direct_cpu = (
+            direct_cpu_at.get((r.model, r.concurrency, max(1, round(batch))), 0.0)
+            if not is_direct and batch == batch
+            else 0.0
+        )
+        cpu_ratio = f"{direct_cpu / cpu:.2f}" if direct_cpu and cpu == cpu and cpu else "-"
+        # What neither the loop nor the instance's thread ran (for direct: the
+        # framework's own threads beside the calling one).
+        other = (
+            f"{(r.cpu - (r.loop_cpu or 0.0) - r.instance_cpu) / r.requests * 1000:.2f}"
+            if r.instance_cpu is not None and r.requests
+            else "-"
+        )
 
         def fmt(value: float, spec: str = ".0f") -> str:
             return "-" if value != value else format(value, spec)
@@ -723,7 +746,7 @@ def format_table(rows: list[Row]) -> str:
             f"| {r.model} | {r.concurrency} | {r.path} | {r.rate:,.0f} | {ratio} | {ratio_formed} "
             f"| {r.percentile(50):.2f} | {r.percentile(99):.2f} | {fmt(batch, '.1f')} "
             + " ".join(f"| {fmt(phases[p])}" for p in PHASES)
-            + f" | {cpu:.2f} | {loop} | {instance} | {client} | {gpu} |"
+            + f" | {cpu:.2f} | {loop} | {instance} | {other} | {cpu_ratio} | {client} | {gpu} |"
         )
         if r.errors:
             lines.append(f"|   errors: {r.errors}, first: {r.first_error[:150]} |")

@@ -90,6 +90,43 @@ def test_served_rows_are_compared_with_direct_at_the_batch_the_server_formed():
     assert [row[loop] for row in cells] == ["-", "-", "-"]
 
 
+def test_served_cpu_is_split_by_thread_and_compared_with_direct_at_the_formed_batch():
+    """Issue 39's ratio: direct's CPU per inference at the batch the server formed
+    over the served row's; ``other`` is what neither the loop nor the instance ran."""
+    direct = Row("cnn_onnx", 8, "direct", requests=800, seconds=8.0, cpu=4.0, instance_cpu=3.2)
+    direct_b4 = Row(
+        "cnn_onnx",
+        8,
+        "direct b4",
+        requests=1000,
+        seconds=8.0,
+        direct_batch=4,
+        cpu=3.6,
+        instance_cpu=3.6,
+    )
+    http = Row(
+        "cnn_onnx",
+        8,
+        "http",
+        requests=1000,
+        seconds=8.0,
+        batches=[3.9, 4.2],
+        cpu=4.5,
+        loop_cpu=0.4,
+        instance_cpu=3.8,
+    )
+    no_threads = Row("cnn_onnx", 8, "grpc", requests=1000, seconds=8.0, batches=[4.0], cpu=4.0)
+    lines = format_table([direct, direct_b4, http, no_threads]).splitlines()
+    header = [cell.strip() for cell in lines[0].split("|")[1:-1]]
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:]]
+    assert all(len(row) == len(header) for row in cells)
+    other, ratio = header.index("other ms/inf"), header.index("direct / served CPU")
+    # direct: 4.0 s of process CPU, 3.2 of it the calling thread, over 800.
+    assert [row[other] for row in cells] == ["1.00", "0.00", "0.30", "-"]
+    # 3.6 ms (direct at batch 4) over 4.5 and 4.0 ms; direct rows have none.
+    assert [row[ratio] for row in cells] == ["-", "-", "0.80", "0.90"]
+
+
 def test_repository_variants_at_other_delays_and_session_parameters(tmp_path):
     pytest.importorskip("onnx")
     specs = build_repository(
