@@ -719,6 +719,25 @@ def format_symbols(results: list[Measured], top: int) -> str:
     return "\n".join(out)
 
 
+def points_and_tools(args: argparse.Namespace) -> tuple[list[str], str | None, list[str]]:
+    """``--points`` checked, py-spy (None with ``--no-py-spy``) and perf_analyzer's
+    command, or SystemExit saying what is missing (this module's and
+    profile_peers_cnn's command lines)."""
+    points = [p.strip() for p in args.points.split(",") if p.strip()]
+    if not all(re.fullmatch(r"(http|grpc):\d+", p) for p in points):
+        raise SystemExit("--points: protocol:concurrency, e.g. http:1,grpc:16")
+    py_spy = None
+    if not args.no_py_spy:
+        py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        if not Path(py_spy).exists():
+            raise SystemExit("py-spy is not installed (pip install py-spy), or --no-py-spy")
+    try:
+        command = perf_analyzer.resolve(args.perf_analyzer, args.cache)
+    except perf_analyzer.Unavailable as exc:
+        raise SystemExit(f"perf_analyzer cannot run here: {exc}") from None
+    return points, py_spy, command
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -759,18 +778,7 @@ def main() -> None:
     unknown = [s for s in names if s not in SERVERS]
     if unknown:
         raise SystemExit(f"unknown servers {unknown}; known: {', '.join(SERVERS)}")
-    points = [p.strip() for p in args.points.split(",") if p.strip()]
-    if not all(re.fullmatch(r"(http|grpc):\d+", p) for p in points):
-        raise SystemExit("--points: protocol:concurrency, e.g. http:1,grpc:16")
-    py_spy = None
-    if not args.no_py_spy:
-        py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        if not Path(py_spy).exists():
-            raise SystemExit("py-spy is not installed (pip install py-spy), or --no-py-spy")
-    try:
-        command = perf_analyzer.resolve(args.perf_analyzer, args.cache)
-    except perf_analyzer.Unavailable as exc:
-        raise SystemExit(f"perf_analyzer cannot run here: {exc}") from None
+    points, py_spy, command = points_and_tools(args)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
 

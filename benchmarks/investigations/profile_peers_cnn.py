@@ -73,7 +73,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import perf_analyzer
 from benchmarks.investigations import profile_peers as pp
 from benchmarks.matrix import default_cache, start_trionserve
 from benchmarks.peers.common import PeerUnavailable
@@ -641,18 +640,7 @@ def main() -> None:
     for pair in wanted:
         if len(pair) != 2 or pair[0] not in SERVERS:
             raise SystemExit(f"--rows: server:model with a server of {SERVERS}, not {pair}")
-    points = [p.strip() for p in args.points.split(",") if p.strip()]
-    if not all(re.fullmatch(r"(http|grpc):\d+", p) for p in points):
-        raise SystemExit("--points: protocol:concurrency, e.g. http:1,grpc:8")
-    py_spy = None
-    if not args.no_py_spy:
-        py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-        if not Path(py_spy).exists():
-            raise SystemExit("py-spy is not installed (pip install py-spy), or --no-py-spy")
-    try:
-        command = perf_analyzer.resolve(args.perf_analyzer, args.cache)
-    except perf_analyzer.Unavailable as exc:
-        raise SystemExit(f"perf_analyzer cannot run here: {exc}") from None
+    points, py_spy, command = pp.points_and_tools(args)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="profile-peers-cnn-") as tmp:
         # The profiles are kept (in ``tmp`` without --out): py-spy's are read
