@@ -41,7 +41,7 @@ from urllib.parse import unquote
 import httptools
 
 from trionserve.core.client_budget import ClientBudget
-from trionserve.protocol.http.h1_request import Request, body_buffer
+from trionserve.protocol.http.h1_request import LastHead, Request, body_buffer
 from trionserve.protocol.http.state import (
     Client,
     ClientEvent,
@@ -52,7 +52,7 @@ from trionserve.protocol.http.state import (
 )
 
 # The states and events of the hot path, as module names (see state.py).
-_BODY, _HEAD, _REFUSED = Client.BODY, Client.HEAD, Client.REFUSED
+_BODY, _HEAD, _IDLE, _REFUSED = Client.BODY, Client.HEAD, Client.IDLE, Client.REFUSED
 _BEGIN, _HEAD_DONE, _MESSAGE_DONE = (
     ClientEvent.BEGIN,
     ClientEvent.HEAD_DONE,
@@ -233,6 +233,7 @@ class H1Connection:
         "_head_bytes",
         "_heads",
         "_keep_alive",
+        "_last_head",
         "_tracing",
         "current",
         "max_header_size",
@@ -266,6 +267,7 @@ class H1Connection:
         self.current: Request | None = None
         self._keep_alive = False
         self.served = 0  # requests answered
+        self._last_head: LastHead | None = None  # the last head parsed, if kept
 
     # -- the parser's callbacks ----------------------------------------------
 
@@ -370,8 +372,13 @@ class H1Connection:
             return
         if state.client is _REFUSED:
             return
+        fresh = state.client is _IDLE and not self._head_bytes  # a head begins here
+        if fresh and (last := self._last_head) is not None and data[: len(last.raw)] == last.raw:
+            self._again(last, data)
+            return
         if state.client is not _BODY:
             self._head_bytes += len(data)
+        first = len(self.requests)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -390,6 +397,43 @@ class H1Connection:
             return
         if state.client is _HEAD and self._head_bytes > self.max_header_size:
             self._refuse(self._head_too_large())
+        elif fresh and len(self.requests) > first and self.refusal is None:
+            # (one that may not be kept leaves the last one: a health check
+            # between a client's infer requests does not end their cache)
+            self._last_head = LastHead.of(data, self.requests[first]) or self._last_head
+
+    def _again(self, last: LastHead, data: bytes | bytearray | memoryview) -> None:
+        """A request whose head is ``last``'s bytes: made as the parser's
+        callbacks make it (on_message_begin, on_headers_complete, on_body), from
+        what the parser made of those bytes; the rest of ``data`` is its body,
+        then (once it is whole) the next request's bytes, parsed as usual."""
+        state = self.state
+        state.client_event(_BEGIN)
+        request = Request()
+        if self._tracing.active:
+            request.began = self._tracing.now_ns()
+        self.requests.append(request)
+        request.target = last.target
+        request.headers = list(last.headers)
+        request.head_size = last.head_size
+        state.client_event(_HEAD_DONE)
+        request.method = last.method
+        request.version = "1.1"
+        request.keep_alive = True
+        request.expects_continue = False
+        request.length = length = last.length
+        request.head_done = True
+        request.buffer = buffer = body_buffer(length, last.tensors_at)
+        start = len(last.raw)
+        body = data[start : start + length]
+        if body:
+            buffer[: len(body)] = body
+            request.size = len(body)
+        if request.size == length:
+            state.client_event(_MESSAGE_DONE)
+            request.complete = True
+            if len(data) > start + length:
+                self.receive_data(data[start + length :])
 
     def _refuse(self, error: ProtocolError) -> None:
         """Refuse what came (client side -> REFUSED); a callback that refuses then

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["TENSOR_ALIGNMENT", "Request", "body_buffer"]
+__all__ = ["TENSOR_ALIGNMENT", "LastHead", "Request", "body_buffer"]
 
 
 class Request:
@@ -72,3 +72,67 @@ def body_buffer(length: int, tensors_at: int) -> memoryview:
     block = np.empty(length + TENSOR_ALIGNMENT - 1, np.uint8)
     skip = -(block.ctypes.data + tensors_at) % TENSOR_ALIGNMENT
     return block[skip : skip + length].data
+
+
+# The longest request head kept as a connection's last (LastHead).
+LAST_HEAD_MAX_BYTES = 4096
+
+
+class LastHead:
+    """The bytes of the last request head a connection's parser read whole, and
+    what the parser made of them. A client repeats its head with every request
+    of one shape (tritonclient, perf_analyzer: the same target, headers and
+    Content-Length), and the same bytes parse the same way, so the connection
+    makes the next such request from this without the parser (issue 39:
+    "nothing per request that a cache of the last header can answer").
+
+    Kept (:meth:`of`) only for a head the fast path makes exactly: HTTP/1.1 kept
+    alive, a body of declared length within the limit (so no Transfer-Encoding),
+    no ``Expect``, at most LAST_HEAD_MAX_BYTES, and its bytes exactly its lines
+    as parsed: the request line, one line per header, every line ending in CRLF
+    (no bare CR or LF, no folded line), so that the first empty line ends it."""
+
+    __slots__ = ("headers", "head_size", "length", "method", "raw", "target", "tensors_at")
+
+    def __init__(self, raw: bytes, request: Request, tensors_at: int) -> None:
+        self.raw = raw
+        self.method = request.method
+        self.target = request.target
+        self.headers = tuple(request.headers)
+        self.head_size = request.head_size
+        self.length = request.length
+        self.tensors_at = tensors_at
+
+    @classmethod
+    def of(cls, data: bytes | bytearray | memoryview, request: Request) -> LastHead | None:
+        """The head ``request`` was parsed from, at the start of ``data``, if it
+        may be kept (see the class)."""
+        if not (
+            request.head_done
+            and request.version == "1.1"
+            and request.keep_alive
+            and not request.expects_continue
+            and request.length > 0
+            and request.buffer is not None
+        ):
+            return None
+        start = bytes(data[:LAST_HEAD_MAX_BYTES])
+        end = start.find(b"\r\n\r\n")
+        if end < 0:
+            return None
+        raw = start[: end + 4]
+        lines = raw.count(b"\r\n")
+        if (
+            lines != len(request.headers) + 2
+            or raw.count(b"\n") != lines
+            or raw.count(b"\r") != lines
+            or not raw.startswith(b"%s %s HTTP/1.1\r\n" % (request.method, request.target))
+        ):
+            return None
+        tensors_at = 0
+        for name, value in request.headers:
+            if name == b"expect":
+                return None
+            if name == b"inference-header-content-length" and value.isdigit():
+                tensors_at = int(value)
+        return cls(raw, request, tensors_at)

@@ -1,0 +1,150 @@
+"""A connection's last request head (h1_request.LastHead): a request whose head
+is the same bytes as the last one the parser read whole is made without the
+parser, exactly as the parser makes it; anything else is parsed as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from trionserve.protocol.http.h1 import H1Connection, HttpServerOptions, Request
+from trionserve.protocol.http.state import Client
+
+HEAD = (
+    b"POST /v2/models/cnn/infer HTTP/1.1\r\nHost: localhost:8000\r\n"
+    b"User-Agent: python-requests/2.31\r\nAccept-Encoding: identity\r\n"
+    b"Inference-Header-Content-Length: 11\r\nContent-Type: application/octet-stream\r\n"
+    b"Content-Length: 19\r\n\r\n"
+)
+
+
+def body(n: int) -> bytes:
+    return b'{"inputs":}' + bytes([n]) * 8
+
+
+class NoParser:
+    """Stands for the parser where none may be used."""
+
+    def feed_data(self, data) -> None:
+        raise AssertionError("parsed, not made from the last head")
+
+
+def connection() -> H1Connection:
+    return H1Connection(HttpServerOptions(max_request_body=1 << 20))
+
+
+def served(h1: H1Connection) -> Request:
+    request = h1.next_request()
+    assert request is not None and request.complete
+    h1.start_response(200, [(b"content-length", b"0")], False, streamed=False)
+    assert h1.end_response()
+    return request
+
+
+def fields(h1: H1Connection, request: Request) -> tuple:
+    return (
+        request.method,
+        request.target,
+        request.version,
+        list(request.headers),
+        request.head_size,
+        request.length,
+        request.keep_alive,
+        request.expects_continue,
+        request.head_done,
+        request.complete,
+        h1.path(request),
+    )
+
+
+def test_a_repeated_head_is_made_without_the_parser_as_the_parser_makes_it():
+    parsed = connection()
+    parsed.receive_data(HEAD + body(1))
+    first = served(parsed)
+    assert parsed._last_head is not None and parsed._last_head.raw == HEAD
+
+    parsed.parser = NoParser()  # the same bytes again: no parser
+    parsed.receive_data(HEAD + body(2))
+    assert parsed.state.client is Client.IDLE
+    again = served(parsed)
+    assert fields(parsed, again) == fields(parsed, first)
+    assert bytes(parsed.body(again)) == body(2) and not parsed.body(again).readonly
+    assert again.headers is not first.headers  # a list of its own
+
+    # ... and as a connection that parses everything makes it.
+    fresh = connection()
+    fresh.receive_data(HEAD + body(2))
+    assert fields(fresh, served(fresh)) == fields(parsed, again)
+
+
+def test_a_repeated_head_whose_body_comes_later_is_received_into_its_buffer():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    parser = h1.parser = NoParser()
+    h1.receive_data(HEAD + body(3)[:5])
+    request = h1.requests[0]
+    assert h1.state.client is Client.BODY and not request.complete
+    empty = h1.body_pending(request)
+    assert empty is not None and len(empty) == 14
+    empty[:] = body(3)[5:]
+    h1.body_received(request, 14)
+    assert request.complete and h1.parser is not parser  # a fresh one, as always
+    assert bytes(h1.body(served(h1))) == body(3)
+
+
+def test_pipelined_requests_after_a_repeated_head_are_parsed_in_turn():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    other = b"POST /v2/models/cnn/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nok"
+    h1.receive_data(HEAD + body(4) + HEAD + body(5) + other + HEAD[:10])
+    assert [bytes(h1.body(served(h1))) for _ in range(3)] == [body(4), body(5), b"ok"]
+    assert h1.state.client is Client.HEAD  # the fourth's head has begun
+    h1.receive_data(HEAD[10:] + body(6))
+    assert bytes(h1.body(served(h1))) == body(6)
+
+
+def test_a_head_one_byte_apart_is_parsed():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    longer = HEAD.replace(b"Content-Length: 19", b"Content-Length: 20")
+    h1.receive_data(longer + body(7) + b"!")
+    request = served(h1)
+    assert request.length == 20 and bytes(h1.body(request)) == body(7) + b"!"
+    assert h1._last_head is not None and h1._last_head.raw == longer
+
+
+@pytest.mark.parametrize(
+    "head, refused",
+    [
+        (HEAD.replace(b"\r\n", b"\n"), True),  # bare LF: llhttp refuses it
+        (HEAD.replace(b"Host: localhost:8000\r\n", b"Host: x\r\n\tfolded\r\n"), True),
+        (HEAD.replace(b"Host:", b"Expect: 100-continue\r\nHost:"), False),
+        (HEAD.replace(b"Host:", b"Expect: something\r\nHost:"), False),
+        (HEAD.replace(b"Host:", b"Connection: close\r\nHost:"), False),
+        (HEAD.replace(b"HTTP/1.1", b"HTTP/1.0"), False),
+        (b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n", False),
+        (b"POST /a HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n13\r\n" + body(1), False),
+    ],
+    ids=["bare-lf", "folded", "expect", "expect-other", "close", "http-1.0", "no-body", "chunked"],
+)
+def test_heads_the_fast_path_would_not_make_exactly_are_not_kept(head, refused):
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    h1.receive_data(head if b"chunked" in head or b"GET" in head else head + body(1))
+    assert (h1.refusal is not None) is refused
+    if not refused:
+        assert h1.requests[0].head_done
+    assert h1._last_head is not None and h1._last_head.raw == HEAD  # the last kept stays
+
+
+def test_bytes_that_go_on_a_head_begun_are_parsed_even_when_they_repeat_the_last_head():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    h1.receive_data(b"POST /b HTTP/1.1\r\nX-Note: ")  # a head begun ...
+    h1.receive_data(HEAD + body(8))  # ... goes on with these bytes: its X-Note's value
+    request = served(h1)
+    assert h1.path(request) == "/b" and (b"x-note", HEAD.split(b"\r\n")[0]) in request.headers
