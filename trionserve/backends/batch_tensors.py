@@ -134,6 +134,13 @@ def build_responses(
 ) -> list[InferenceResponse]:
     """One response per request from a batch's outputs, sliced back to each request
     (batch outputs scattered: :func:`split_outputs`)."""
+    if len(requests) == 1 and (batch_tensors is None or not batch_tensors.outputs):
+        # The outputs are the one request's as they are.
+        return [
+            build_response(
+                requests[0], model_name, model_version, outputs, output_datatypes, output_reshape
+            )
+        ]
     return [
         build_response(
             request, model_name, model_version, per_request, output_datatypes, output_reshape

@@ -15,9 +15,10 @@ graphs, is inside ``launch`` (:mod:`trionserve.backends.cuda.graphs`).
 Triton's counterpart is spread over core (src/rate_limiter.cc: two payloads per
 instance) and each backend's instance (pytorch_backend, tensorrt_backend: inputs
 collected into pinned buffers, copied on the instance's stream, outputs read back
-when the stream's events say so). The PyTorch and TensorRT instances are staged
-on a GPU; ONNX Runtime's instance is staged on the CPU (its steps then run back to
-back: only the reusable host buffers are gained).
+when the stream's events say so). The PyTorch and TensorRT instances are staged;
+ONNX Runtime's instance is not (its ``run`` returns when the batch is done, so
+there is nothing to overlap: it gathers into its :class:`HostBuffers` within one
+``execute``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from trionserve.backends.batch_tensors import (
 )
 from trionserve.backends.cuda.pipeline import HostBuffers
 from trionserve.backends.onnxruntime.providers import CUDA, TENSORRT, execution_providers
+from trionserve.backends.onnxruntime.session_run import SessionRun
 from trionserve.backends.onnxruntime.validation import validate_session
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
@@ -257,45 +258,15 @@ class OnnxModel:
         log.info("TRITONBACKEND_ModelFinalize: delete model state")
 
 
-class _OrtBatch:
-    """One batch between the steps of :class:`OnnxInstance`."""
-
-    __slots__ = (
-        "refused",
-        "kept",
-        "feeds",
-        "names",
-        "results",
-        "error",
-        "started",
-        "staged",
-        "inferred",
-    )
-
-    def __init__(
-        self,
-        refused: list[TritonError | None],
-        kept: list[InferenceRequest],
-        feeds: dict[str, np.ndarray],
-        names: list[str],
-        started: int,
-        staged: int,
-    ) -> None:
-        self.refused: list[TritonError | None] = refused
-        self.kept: list[InferenceRequest] = kept
-        self.feeds: dict[str, np.ndarray] = feeds
-        self.names: list[str] = names
-        self.results: list = []
-        self.error: TritonError | None = None
-        self.started, self.staged, self.inferred = started, staged, staged
-
-
 class OnnxInstance:
     """One InferenceSession; executes one batch at a time (its executor guarantees it).
 
-    Its batches run in three steps (``stage``, ``launch``, ``finish``: a
-    :class:`~trionserve.backends.cuda.pipeline.StagedBackendInstance`) whose times are
-    Triton's compute_input, compute_infer and compute_output.
+    A batch runs in one call (``run`` returns when it is done: there is nothing to
+    overlap, so the instance is not staged in steps): its inputs gathered into the
+    instance's reusable host buffers (none for a batch of one: onnxruntime reads a
+    read-only request body as it is), the session run, the outputs sliced back to
+    each request; the three times are Triton's compute_input, compute_infer and
+    compute_output.
     """
 
     def __init__(
@@ -306,6 +277,7 @@ class OnnxInstance:
         self.model_name = context.name
         self.model_version = str(context.version)
         self._session = session
+        self._run = SessionRun(session)
         self._string_inputs = {i.name for i in session.get_inputs() if i.type == "tensor(string)"}
         graph_outputs = {o.name for o in session.get_outputs()}
         self._output_datatypes = {
@@ -323,6 +295,7 @@ class OnnxInstance:
                 f"model '{context.name}' config lists output(s) {missing} that the ONNX "
                 f"graph does not produce; it produces {sorted(graph_outputs)}"
             )
+        self._outputs = list(self._output_datatypes)
         self._input_reshape = {
             i.name: tuple(i.reshape.shape) for i in config.input if i.HasField("reshape")
         }
@@ -339,81 +312,53 @@ class OnnxInstance:
         # GPU sessions always go to a worker thread.
         on_cpu = session.get_providers()[:1] == ["CPUExecutionProvider"]
         self.inline_budget_ns = INLINE_BUDGET_NS if on_cpu else 0
-        # run() returns when the batch is done: nothing to overlap with staging.
-        self.overlaps = False
-        # Two sets of input buffers: a batch staged while the previous one runs
-        # must not overwrite its inputs.
-        self._buffers = (HostBuffers(), HostBuffers())
-        self._slot = 0
+        # Where a batch of several requests is gathered; reused by the next batch,
+        # which starts after this one's outputs are out of it (see execute).
+        self._buffers = HostBuffers()
 
     def execute(self, requests: list[InferenceRequest]) -> list:
-        """Run one batch (the three steps below in a row)."""
-        return self.finish(requests, self.launch(requests, self.stage(requests)))
-
-    def stage(self, requests: list[InferenceRequest]) -> _OrtBatch:
-        """Gather the inputs into this instance's next host buffers (no copy for a
-        batch of one: onnxruntime reads a read-only request body as it is). A
+        """One response or error per request; ``compute_times`` for the batch. A
         request with a string input that is not UTF-8 is refused on its own (see
         :meth:`_non_text_input`); the others run."""
         started = time.perf_counter_ns()
+        self.compute_times = None
         if verbose():  # onnxruntime.cc:3178 ModelInstanceExecute, at verbose 1
             log.debug(
                 f"model {self.model_name}, instance {self.spec.name}, "
                 f"executing {len(requests)} requests"
             )
-        refused = [self._non_text_input(request) for request in requests]
-        kept = (
-            requests
-            if not any(refused)
-            else [request for request, error in zip(requests, refused) if error is None]
-        )
-        self._slot ^= 1
-        feeds: dict[str, np.ndarray] = {}
-        error: TritonError | None = None
+        refused: list[TritonError | None] | None = None
+        kept = requests
+        if self._string_inputs:
+            refused = [self._non_text_input(request) for request in requests]
+            if any(refused):
+                kept = [request for request, error in zip(requests, refused) if error is None]
+        outputs: dict[str, np.ndarray] = {}
+        staged = inferred = started
         if kept:
-            feeds = gather_inputs(
-                kept, self._input_reshape, self._ragged, buffers=self._buffers[self._slot]
-            )
-            for name in self._string_inputs.intersection(feeds):
-                feeds[name] = _to_str_array(feeds[name])
-            if self._batch_tensors.inputs:
-                try:
-                    feeds.update(self._batch_tensors.input_tensors(kept))
-                except TritonError as exc:
-                    error = exc
-        names = wanted_outputs(kept, list(self._output_datatypes)) if kept else []
-        batch = _OrtBatch(refused, kept, feeds, names, started, time.perf_counter_ns())
-        batch.error = error
-        return batch
-
-    def launch(self, requests: list[InferenceRequest], batch: _OrtBatch) -> _OrtBatch:
-        """Run the session (synchronously: onnxruntime's ``run`` returns when done)."""
-        if batch.kept and batch.error is None:
             try:
-                batch.results = self._session.run(batch.names, batch.feeds)
+                names, feeds = self._feeds(kept)
+            except TritonError as error:
+                return [error] * len(requests)
+            staged = time.perf_counter_ns()
+            try:
+                results = self._run(names, feeds)
             except Exception as exc:  # onnxruntime raises its own exception types
-                batch.error = InternalError(
+                failure = InternalError(
                     f"onnxruntime execute failure for model '{self.model_name}': {exc}"
                 )
-        batch.feeds = {}
-        batch.inferred = time.perf_counter_ns()
-        return batch
-
-    def finish(self, requests: list[InferenceRequest], batch: _OrtBatch) -> list:
-        """One response or error per request; ``compute_times`` for the batch."""
-        self.compute_times = None
-        if batch.error is not None:
-            return [batch.error] * len(requests)
-        buffers = self._buffers[0], self._buffers[1]
-        outputs = {}
-        for name, array in zip(batch.names, batch.results):
-            # An output must outlive the input buffer the next batches reuse.
-            if any(b.holds(array) for b in buffers):
-                array = array.copy()
-            outputs[name] = array
+                return [failure] * len(requests)
+            del feeds
+            inferred = time.perf_counter_ns()
+            gathered = len(kept) > 1
+            for name, array in zip(names, results):
+                # An output must outlive the input buffer the next batches reuse.
+                if gathered and self._buffers.holds(array):
+                    array = array.copy()
+                outputs[name] = array
         try:
             responses = build_responses(
-                batch.kept,
+                kept,
                 self.model_name,
                 self.model_version,
                 outputs,
@@ -424,14 +369,24 @@ class OnnxInstance:
         except TritonError as error:
             return [error] * len(requests)
         self.compute_times = ComputeTimes(
-            batch.staged - batch.started,
-            batch.inferred - batch.staged,
-            time.perf_counter_ns() - batch.inferred,
+            staged - started, inferred - staged, time.perf_counter_ns() - inferred
         )
-        if batch.kept is requests:
+        if refused is None or kept is requests:
             return responses
-        results = iter(responses)
-        return [next(results) if error is None else error for error in batch.refused]
+        answers = iter(responses)
+        return [next(answers) if error is None else error for error in refused]
+
+    def _feeds(self, requests: list[InferenceRequest]) -> tuple[list[str], dict[str, np.ndarray]]:
+        """The outputs the batch asks for and the session's inputs: the requests'
+        tensors gathered (into the host buffers for several), strings as text, the
+        batch inputs added."""
+        feeds = gather_inputs(requests, self._input_reshape, self._ragged, buffers=self._buffers)
+        if self._string_inputs:
+            for name in self._string_inputs.intersection(feeds):
+                feeds[name] = _to_str_array(feeds[name])
+        if self._batch_tensors.inputs:
+            feeds.update(self._batch_tensors.input_tensors(requests))
+        return wanted_outputs(requests, self._outputs), feeds
 
     def _non_text_input(self, request: InferenceRequest) -> TritonError | None:
         """Why ``request`` cannot run, if a string input holds bytes that are not UTF-8.

@@ -1,0 +1,206 @@
+"""The ONNX Runtime backend's call of a session (backends/onnxruntime/session_run.py):
+the C session called without the Python wrapper's per-call checks gives what the
+wrapper gives, results and errors, and the wrapper still does what that module
+assumes of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnxruntime.capi import onnxruntime_pybind11_state
+
+from trionserve.backends.onnxruntime.session_run import SessionRun
+
+SIMPLE = (
+    Path(__file__).resolve().parents[2] / "examples" / "model_repository" / "simple" / "1"
+) / "model.onnx"
+
+
+@pytest.fixture(scope="module")
+def session() -> ort.InferenceSession:
+    return ort.InferenceSession(str(SIMPLE), providers=["CPUExecutionProvider"])
+
+
+def _feeds(rows: int = 2) -> dict[str, np.ndarray]:
+    a = np.arange(rows * 16, dtype=np.int32).reshape(rows, 16)
+    return {"INPUT0": a, "INPUT1": np.ones_like(a)}
+
+
+def _names(code) -> set[str]:
+    return set(code.co_names)
+
+
+def test_the_wrappers_run_makes_the_checks_session_run_makes_once_or_hands_back():
+    """If onnxruntime changes what ``InferenceSession.run`` does before or around
+    its C session's ``run``, SessionRun's shortcut must be looked at again: this
+    fails then."""
+    assert _names(ort.InferenceSession.run.__code__) == {
+        "C",
+        "EPFail",
+        "_enable_fallback",
+        "_fallback_providers",
+        "_outputs_meta",
+        "_providers",
+        "_sess",
+        "_validate_graph_capture_run_api",
+        "_validate_input",
+        "_validate_ortvalue_ownership",
+        "disable_fallback",
+        "keys",
+        "list",
+        "print",
+        "run",
+        "set_providers",
+        "values",
+    }
+    assert _names(ort.InferenceSession._validate_input.__code__) == {
+        "_inputs_meta",
+        "name",
+        "type",
+        "startswith",
+        "append",
+        "ValueError",
+    }
+    assert _names(ort.InferenceSession._validate_graph_capture_run_api.__code__) == {
+        "_sess",
+        "is_webgpu_graph_capture_enabled",
+        "_graph_annotation_id",
+        "_GRAPH_ANNOTATION_SKIP",
+        "ValueError",
+        "_GPU_GRAPH_ID_RUN_CONFIG_KEY",
+    }
+    assert onnxruntime_pybind11_state.EPFail is ort.capi.onnxruntime_inference_collection.C.EPFail
+
+
+def test_results_are_the_wrappers(session):
+    run = SessionRun(session)
+    feeds = _feeds()
+    for names in (["OUTPUT0", "OUTPUT1"], ["OUTPUT1"], []):
+        ours, theirs = run(names, feeds), session.run(names, feeds)
+        assert len(ours) == len(theirs)
+        for mine, expected in zip(ours, theirs):
+            np.testing.assert_array_equal(mine, expected)
+
+
+def test_the_c_session_is_called_without_the_wrapper(session, monkeypatch):
+    def wrapper(*args, **kwargs):
+        raise AssertionError("the wrapper was called")
+
+    monkeypatch.setattr(session, "run", wrapper)
+    (out,) = SessionRun(session)(["OUTPUT0"], _feeds(1))
+    np.testing.assert_array_equal(out, np.arange(16, dtype=np.int32).reshape(1, 16) + 1)
+
+
+def _error(call) -> tuple[type, str]:
+    with pytest.raises(Exception) as caught:
+        call()
+    return type(caught.value), str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "names, feeds",
+    [
+        (["OUTPUT0"], {"INPUT0": _feeds()["INPUT0"]}),  # a required input missing
+        (["OUTPUT0"], {"INPUT0": _feeds()["INPUT0"], "INPUT1": np.ones((2, 16), np.float32)}),
+        (["OUTPUT0"], {"INPUT0": np.ones((2, 15), np.int32), "INPUT1": np.ones((2, 15), np.int32)}),
+        (["OUTPUT0"], {**_feeds(), "EXTRA": np.ones(1, np.int32)}),  # an input it does not have
+        (["NOPE"], _feeds()),  # an output it does not have
+    ],
+    ids=["missing", "dtype", "shape", "extra input", "unknown output"],
+)
+def test_errors_are_the_wrappers(session, names, feeds):
+    ours = _error(lambda: SessionRun(session)(names, feeds))
+    theirs = _error(lambda: session.run(names, feeds))
+    assert ours == theirs
+
+
+def test_a_provider_failure_is_run_again_by_the_wrapper(session, monkeypatch):
+    """The wrapper's fallback to other providers is kept: on EPFail the call goes
+    to the wrapper (here stubbed: it answers)."""
+
+    class Failing:
+        def run(self, *args):
+            raise onnxruntime_pybind11_state.EPFail("provider failed")
+
+    run = SessionRun(session)
+    answered = [np.zeros(1)]
+    monkeypatch.setattr(session, "_sess", Failing())
+    monkeypatch.setattr(session, "run", lambda names, feeds: answered)
+    assert run(["OUTPUT0"], _feeds()) is answered
+
+
+def test_graph_capture_on_sends_every_call_to_the_wrapper(session, monkeypatch):
+    class Capturing:
+        def is_webgpu_graph_capture_enabled(self):
+            return True
+
+    monkeypatch.setattr(session, "_sess", Capturing())
+    run = SessionRun(session)
+    answered = [np.zeros(1)]
+    monkeypatch.setattr(session, "run", lambda names, feeds: answered)
+    assert run(["OUTPUT0"], _feeds()) is answered
+
+
+def _request(name: str, rows: np.ndarray, other: np.ndarray | None = None):
+    from trionserve.core.inference import InferenceRequest, Tensor
+
+    inputs = {"INPUT0": Tensor("INPUT0", "INT32", rows)}
+    if other is not None:
+        inputs["INPUT1"] = Tensor("INPUT1", "INT32", other)
+    request = InferenceRequest(name, 1, inputs=inputs)
+    request.batch_size = rows.shape[0]
+    return request
+
+
+def _load(directory: Path, name: str):
+    from trionserve.actors import registry_entries
+    from trionserve.backends.base import InstanceSpec, ModelContext
+    from trionserve.backends.onnxruntime.backend import OnnxRuntimeBackend
+
+    config = registry_entries.prepare_model(directory, autocomplete=True, override_json=None).config
+    context = ModelContext(name, 1, config, directory, directory / "1")
+    model = OnnxRuntimeBackend().load(context)
+    return model.create_instance(InstanceSpec(f"{name}_0_0", f"{name}_0", "KIND_CPU", 0))
+
+
+def test_an_instance_runs_a_batch_through_session_run_and_times_it():
+    instance = _load(SIMPLE.parents[1], "simple")
+    a = np.arange(32, dtype=np.int32).reshape(2, 16)
+    requests = [_request("simple", a[:1], np.ones((1, 16), np.int32))]
+    requests.append(_request("simple", a[1:], np.ones((1, 16), np.int32)))
+    first, second = instance.execute(requests)
+    np.testing.assert_array_equal(first.outputs[0].data, a[:1] + 1)
+    np.testing.assert_array_equal(second.outputs[1].data, a[1:] - 1)
+    assert [t.name for t in first.outputs] == ["OUTPUT0", "OUTPUT1"]
+    assert instance.compute_times is not None and min(instance.compute_times) >= 0
+
+
+def test_an_output_in_the_gathered_input_buffer_outlives_the_next_batch(tmp_path):
+    """An identity model's output may be its input: one gathered into the
+    instance's reused buffer is copied out before the next batch overwrites it."""
+    from onnx import TensorProto, helper, save
+
+    directory = tmp_path / "identity"
+    (directory / "1").mkdir(parents=True)
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["INPUT0"], ["OUTPUT0"])],
+        "identity",
+        [helper.make_tensor_value_info("INPUT0", TensorProto.INT32, ["N", 4])],
+        [helper.make_tensor_value_info("OUTPUT0", TensorProto.INT32, ["N", 4])],
+    )
+    save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]),
+        directory / "1" / "model.onnx",
+    )
+    (directory / "config.pbtxt").write_text(
+        'name: "identity"\nbackend: "onnxruntime"\nmax_batch_size: 8\n'
+    )
+    instance = _load(directory, "identity")
+    batch = [_request("identity", np.full((1, 4), i, np.int32)) for i in range(2)]
+    answers = instance.execute(batch)
+    instance.execute([_request("identity", np.full((1, 4), 7, np.int32)) for _ in range(2)])
+    for i, answer in enumerate(answers):
+        np.testing.assert_array_equal(answer.outputs[0].data, np.full((1, 4), i, np.int32))
