@@ -101,7 +101,7 @@ class Client:
         if data:
             await self.sock.send_all(data)
 
-    async def call(self, body: bytes = b"\x00" * 64) -> int:
+    async def call(self, body: bytes = b"\x00" * 64, timeout: bytes | None = None) -> int:
         stream_id = self.h2.get_next_available_stream_id()
         headers = [
             (b":method", b"POST"),
@@ -111,6 +111,8 @@ class Client:
             (b"content-type", b"application/grpc"),
             (b"te", b"trailers"),
         ]
+        if timeout is not None:
+            headers.append((b"grpc-timeout", timeout))
         self.h2.send_headers(stream_id, headers)
         self.h2.send_data(stream_id, struct.pack(">BI", 0, len(body)) + body, end_stream=True)
         await self.flush()
@@ -179,10 +181,12 @@ async def serving(infer: Infer, **options):
             client_sock.close()
 
 
-async def armed_call(infer: Infer, client: Client, body: bytes = b"\x00" * 64):
+async def armed_call(
+    infer: Infer, client: Client, body: bytes = b"\x00" * 64, timeout: bytes | None = None
+):
     """Send a call and wait until its handler waits for its outcome, armed."""
     infer.armed = trio.Event()
-    stream_id = await client.call(body)
+    stream_id = await client.call(body, timeout)
     await infer.armed.wait()
     await trio.testing.wait_all_tasks_blocked()
     call, request, answer = infer.calls[-1]
@@ -388,7 +392,8 @@ async def test_a_call_cancelled_after_the_threads_answer_sends_nothing_more():
     infer = Infer()
     async with serving(infer) as (conn, client):
         outcome = response()
-        stream_id, request, answer = await armed_call(infer, client)
+        # (with a deadline: the call waits in the reader's task, in its scope)
+        stream_id, request, answer = await armed_call(infer, client, timeout=b"100S")
         assert await thread_write(request, answer, outcome)
         await client.until(lambda: client.ended(stream_id))
         call = infer.calls[-1][0]

@@ -38,10 +38,12 @@ What holds:
   write the socket did not take whole (PARTIAL) is written first by the loop
   (``SocketWriter.unsent``), which the thread wakes at once, as it does for an
   answer it declined (DISARMED: the loop encodes and writes it as always).
-- The call keeps exactly one final outcome: its task, woken by the report (the
-  loop's next sweep: the client's next call, or the transport's 0.25 s tick),
-  finds the answer taken and ends without a status of its own; cancelled or
-  failed after the thread's answer, it sends nothing either (the client has it).
+- The call keeps exactly one final outcome: carried on by the report (the
+  loop's next sweep: the client's next call, or the transport's 0.25 s tick;
+  parked in no task meanwhile, :mod:`~trionserve.protocol.grpc.parking`, or its
+  task woken), it finds the answer taken and ends without a status of its own;
+  cancelled or failed after the thread's answer, it sends nothing either (the
+  client has it).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from trionserve.core.deferred import sweep_deferred
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import infercache as grpc_infercache
+from trionserve.protocol.grpc import inline
 from trionserve.protocol.grpc.framing import JOIN_LIMIT, OK_TRAILERS, RESPONSE_HEADERS, prefix
 from trionserve.protocol.grpc.state import Request, Response, ResponseEvent
 from trionserve.protocol.sockets import send_pieces_now
@@ -123,9 +126,22 @@ class CallAnswer:
 
     async def wait(self) -> None:
         """Before the request's wait for its outcome: an answer the thread
-        wrote already has its report deferred: swept now, not left for later."""
-        if self.state == WRITTEN or self.state == PARTIAL:
+        wrote already has its report deferred: swept now, not left for later.
+        A call run in its connection's reader parks instead, if the connection
+        lets it (``Connection.park``): no task waits for the outcome, which
+        carries the call on (the reader's next sweep, or a task of its own)."""
+        state = self.state
+        if state == WRITTEN or state == PARTIAL:
             sweep_deferred()
+            return
+        request = self._request
+        if (
+            state != DISARMED
+            and request is not None
+            and not request.done
+            and self._conn.park(self._call, request)
+        ):
+            await inline.PARK
 
     def finalized(self) -> None:
         """The outcome was delivered on the loop: the answer is taken (a

@@ -5,8 +5,9 @@ events (:mod:`~trionserve.protocol.grpc.state`: each call's and the connection's
 state machine), applies the flow-control windows its buffer decides
 (:mod:`~trionserve.protocol.grpc.flow`), runs the calls and writes what h2
 queues: a unary call whose request came whole runs in the reader's task until
-it would wait (:mod:`~trionserve.protocol.grpc.inline`), any other in a task of
-its own; a ModelInfer call's answer may be written by the instance's thread
+it would wait (:mod:`~trionserve.protocol.grpc.inline`), or parks in no task
+while its request runs (:mod:`~trionserve.protocol.grpc.parking`), any other in
+a task of its own; a ModelInfer call's answer may be written by the instance's thread
 (:mod:`~trionserve.protocol.grpc.answer`, taken back before the loop touches
 h2). What a handler sees of a call is :mod:`~trionserve.protocol.grpc.call`'s;
 framing of messages and statuses is :mod:`~trionserve.protocol.grpc.framing`'s;
@@ -18,7 +19,7 @@ connections to drain, is :mod:`~trionserve.protocol.grpc.transport`'s.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import h2.config
@@ -45,6 +46,7 @@ from trionserve.protocol.grpc.framing import (
     status_headers,
 )
 from trionserve.protocol.grpc.options import TransportOptions
+from trionserve.protocol.grpc.parking import Handler, ParkedCalls
 from trionserve.protocol.grpc.request import HttpRefusal, read_request_head
 from trionserve.protocol.grpc.state import (
     ConnectionState,
@@ -69,10 +71,9 @@ _CUT_MESSAGE = (
 # The rest of a message in a DATA frame that came in part is read straight into
 # the message's buffer when it is at least this large (_message_room).
 DIRECT_READ = 64 * 1024
-Handler = Callable[[GrpcCall], Awaitable[None]]
 
 
-class Connection(SocketWriter, BufferWindows):
+class Connection(SocketWriter, BufferWindows, ParkedCalls):
     """One client connection: owns the h2 state machine and every call on it.
 
     Its nursery holds the writer, the keepalive and drain watchers, and the
@@ -116,8 +117,14 @@ class Connection(SocketWriter, BufferWindows):
         # Calls whose HEADERS came in the read being handled, started after it,
         # and the call running in the reader's task now (it leaves its answer
         # to the reader's write after the read), and the reader's cancel scope.
-        self._starting: list[tuple[GrpcCall, Handler]] = []
+        # An entry's second item is a parked call's Resume (below) when its
+        # request got its outcome in the reader's sweep: carried on there.
+        self._starting: list[tuple[GrpcCall, Handler | inline.Resume]] = []
         self._inline: GrpcCall | None = None
+        # Calls waiting in no task (parking.py).
+        self._awaiting: dict[int, tuple[GrpcCall, Handler]] = {}
+        self._parked: dict[GrpcCall, inline.Resume] = {}
+        self._sweeping = False  # the reader sweeps the reports (take_answer)
         self._reader_scope: trio.CancelScope | None = None  # the reading task's (_read)
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
@@ -199,12 +206,18 @@ class Connection(SocketWriter, BufferWindows):
         writer ends it once everything up to the final GOAWAY is written, see
         close), unless this task stayed with a call and another reads on: then
         the task's cancel scope is that call's (_start_calls)."""
-        with trio.CancelScope() as scope:
-            self._reader_scope = scope
-            if await self._read_loop():
-                return
-        if not self.state.closing:
-            self.cancel()
+        kept = False
+        try:
+            with trio.CancelScope() as scope:
+                self._reader_scope = scope
+                kept = await self._read_loop()
+                if kept:
+                    return
+            if not self.state.closing:
+                self.cancel()
+        finally:
+            if not kept:  # nothing reads on: the waiting calls get tasks, as calls do
+                self._let_go_waiting()
 
     async def _read_loop(self) -> bool:
         """Feed what the client sends to h2 and act on the events, until the client
@@ -226,20 +239,25 @@ class Connection(SocketWriter, BufferWindows):
                     return False
                 if not received:
                     return False
-                if self.answer is not None:
-                    self.take_answer()
+                if self.answer is not None or self._parked:
+                    self._sweep()
                 stream_id, ended = self.h2.took(received)
                 self._on_data(stream_id, None, received, ended)
-                self.flush()
+                if not self._starting:
+                    self.flush()
+                elif await self._start_calls():
+                    return True
                 continue
             try:
-                data = await receive(256 * 1024, not self.calls)  # (eager when idle)
+                # (eager when no call is in a task of its own: none to let run)
+                eager = len(self.calls) == len(self._parked) + len(self._awaiting)
+                data = await receive(256 * 1024, eager)
             except CLOSED:
                 return False
             if not data:
                 return False
-            if self.answer is not None:  # before h2 sees what the client sent
-                self.take_answer()
+            if self.answer is not None or self._parked:  # before h2 sees what came
+                self._sweep()
             if self.state.closing:
                 continue
             try:
@@ -261,12 +279,26 @@ class Connection(SocketWriter, BufferWindows):
                         self._on_window(stream_id)
                 elif self._handle(event):
                     for call, handler in self._starting:
-                        self._spawn(call, handler)
+                        if isinstance(handler, inline.Resume):
+                            self._adopt(call, handler)
+                        else:
+                            self._spawn(call, handler)
+                    self._starting = []
                     return False
             if not self._starting:
                 self.flush()
             elif await self._start_calls():
                 return True
+
+    def _sweep(self) -> None:
+        """take_answer, in the reader: the calls parked for the requests whose
+        outcomes the sweep delivers are carried on after the read (_start_calls)."""
+        self._sweeping = True
+        try:
+            self.take_answer()
+            sweep_deferred()  # (an answer taken elsewhere left its report)
+        finally:
+            self._sweeping = False
 
     def take_answer(self) -> None:
         """Before the loop touches h2 or the socket: the armed answer is the
@@ -291,6 +323,7 @@ class Connection(SocketWriter, BufferWindows):
             call = self.calls.get(e.stream_id)
             if call is not None:
                 call.reset_by_client()
+                self._release(call)
         elif kind is h2.events.WindowUpdated:
             self._on_window(e.stream_id)
         elif kind is h2.events.RemoteSettingsChanged:  # the initial window may have grown
@@ -321,6 +354,8 @@ class Connection(SocketWriter, BufferWindows):
         if call is not None:
             call.state.request_event(RequestEvent.END_STREAM)
             call.wake()
+            if self._awaiting:
+                self._release(call)
 
     def _on_request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
         if self.idle_since is None:  # else it is set
@@ -395,6 +430,8 @@ class Connection(SocketWriter, BufferWindows):
             call.error = error
             call.state.request_event(RequestEvent.REFUSE)
             call.messages.clear()
+            if self._awaiting:
+                self._release(call)
             if windows := self.buffer.refused(call.account):
                 self._give(windows)
             self.h2.acknowledge_received_data(flow, stream_id)
@@ -405,6 +442,8 @@ class Connection(SocketWriter, BufferWindows):
                 self._give(windows)
         if ended:
             call.state.request_event(RequestEvent.END_STREAM)
+            if self._awaiting:
+                self._release(call)
         call.wake()
 
     # -- calls ---------------------------------------------------------------------
@@ -428,14 +467,25 @@ class Connection(SocketWriter, BufferWindows):
         already runs in a scope of its own, cancelled at once."""
         starting, self._starting = self._starting, []
         for index, (call, handler) in enumerate(starting):
-            if call.client_streaming or not call.state.client_done:
-                self._spawn(call, handler)
-                continue
             self._inline = call
-            kept = None if call.state.reset else self._reader_scope
-            resume = inline.step(self._run_call(call, handler, kept))
+            if isinstance(handler, inline.Resume):  # parked: its request has its outcome
+                kept: trio.CancelScope | None = self._reader_scope
+                resume = handler.proceed()
+            elif call.client_streaming or not call.state.client_done:
+                self._inline = None
+                if call.client_streaming or call.deadline is not None or call.state.reset:
+                    self._spawn(call, handler)
+                else:  # started here once its request is whole (_release)
+                    self._awaiting[call.stream_id] = (call, handler)
+                continue
+            else:
+                kept = None if call.state.reset else self._reader_scope
+                resume = inline.step(self._run_call(call, handler, kept))
             self._inline = None
             if resume is not None:
+                if resume.parked:  # waits for its request's outcome, in no task
+                    self._parked[call] = resume
+                    continue
                 if kept is not None:  # the call keeps this task, and its scope
                     call.scope = kept
                     if call.deadline is not None:
@@ -449,7 +499,10 @@ class Connection(SocketWriter, BufferWindows):
                 return False
         # This task stays with what would wait (a call, or the rest of the write).
         for call, handler in rest:
-            self._spawn(call, handler)
+            if isinstance(handler, inline.Resume):
+                self._adopt(call, handler)
+            else:
+                self._spawn(call, handler)
         self.flush()
         assert self._nursery is not None
         self._nursery.start_soon(self._read)
@@ -495,7 +548,7 @@ class Connection(SocketWriter, BufferWindows):
                 self.close()
         if self._inline is call:  # the reader writes it after the read
             return
-        if kept is not None and kept.cancel_called:
+        if kept is not None and call.scope is not None and call.scope.cancel_called:
             self.flush()  # this task is cancelled: the writer writes it
         else:
             await self._write_now()
@@ -511,7 +564,8 @@ class Connection(SocketWriter, BufferWindows):
             try:
                 status, message = await self._status(call, handler)
             except trio.Cancelled:
-                if not kept.cancel_called:  # the connection's
+                # (the scope it took: the task's it kept, or its own, _carry_on)
+                if call.scope is None or not call.scope.cancel_called:  # the connection's
                     raise
                 cancelled = True
             else:

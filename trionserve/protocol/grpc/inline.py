@@ -16,6 +16,14 @@ Trio steps a task's coroutine with ``send`` only, the value an ``Outcome`` that
 the waiting primitive unwraps (trio/_core/_run.py ``unrolled_run``, the
 "We used to unwrap the Outcome object here" note), so a coroutine stepped here
 and carried on by :class:`Resume` sees exactly what it would see awaited.
+
+A coroutine may also *park* (``await PARK``, only while it runs in :func:`step`
+or :meth:`Resume.proceed`: Trio would refuse the value): it stops without telling
+Trio that any task waits, so no task is held. Its :class:`Resume` (``parked``)
+is kept by whoever stepped it and carried on later by any task with
+:meth:`Resume.proceed` (in that task, until it ends or would wait), then awaited
+by that task if it would wait. Nothing that belongs to a task (a cancel scope, a
+nursery, a lock) may be open in the coroutine where it parks.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Coroutine, Generator
 from typing import Any
 
-__all__ = ["Resume", "step"]
+__all__ = ["PARK", "Resume", "step"]
 
 
 def step(coroutine: Coroutine[Any, Any, None]) -> Resume | None:
@@ -37,6 +45,18 @@ def step(coroutine: Coroutine[Any, Any, None]) -> Resume | None:
     return Resume(coroutine, message)
 
 
+class _Park:
+    """What a coroutine awaits to park (see the module docstring)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        yield self  # (what comes back when it is carried on is nothing)
+
+
+PARK = _Park()
+
+
 class Resume:
     """A coroutine stopped at its first wait, carried on when awaited: what it
     yielded is passed up to Trio and what Trio sends back is passed down, until
@@ -47,6 +67,25 @@ class Resume:
     def __init__(self, coroutine: Coroutine[Any, Any, None], message: object) -> None:
         self._coroutine = coroutine
         self._message = message
+
+    @property
+    def parked(self) -> bool:
+        """Stopped at ``await PARK``: no task waits; carry it on with proceed."""
+        return self._message is PARK
+
+    def proceed(self) -> Resume | None:
+        """Carry a parked coroutine on in the calling task until it ends (None)
+        or would wait (this Resume, to be awaited next by the calling task, or
+        kept again if it parked again). Exceptions it raises propagate."""
+        try:
+            self._message = self._coroutine.send(None)
+        except StopIteration:
+            return None
+        return self
+
+    def close(self) -> None:
+        """Drop a parked coroutine that will never be carried on."""
+        self._coroutine.close()
 
     def __await__(self) -> Generator[Any, Any, None]:
         coroutine, message = self._coroutine, self._message

@@ -75,8 +75,10 @@ class SocketWriter:
         HTTP/1.1 task writes its answer: straight to the socket, no coroutine, no
         checkpoint. The rest (all of it under TLS) goes on as _write_now, a Resume
         for the reader to await (None: all written)."""
-        if self.answer is not None:
-            self.answer.take()
+        answer = self.answer
+        # (armed for a call parked in no task: written without disarming it)
+        if answer is not None and not self.writing and self._write_armed(answer):
+            return None
         if self.writing or self.socket is None:  # (another task writes it, or TLS)
             return inline.step(self._write_now(at_once=True))
         buffers = self._pending()

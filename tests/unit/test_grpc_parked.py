@@ -1,0 +1,178 @@
+"""A unary call parked while its request runs (connection.Connection.park,
+answer.CallAnswer.wait, inline.PARK): a call whose request is not whole in one
+read starts in the reader's task once it is, and with its answer armed waits
+for its outcome in no task; the outcome carries it on (the reader's next sweep,
+or a task of its own), a reset or the connection's end in a task whose scope is
+cancelled. A real Connection on a socket pair, the handler ModelInfer's way
+(tests/unit/test_grpc_thread_answer.py), Trio's tasks counted by an instrument;
+events, never sleeps."""
+
+from __future__ import annotations
+
+import struct
+
+import trio
+import trio.testing
+
+from tests.unit.test_grpc_thread_answer import (
+    Infer,
+    armed_call,
+    message,
+    response,
+    serving,
+    thread_write,
+)
+from trionserve.core.deferred import deferred_jobs
+from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.protocol.grpc.answer import DISARMED, WRITTEN
+
+
+class Report:
+    """An executor's report left for the loop's sweep: it delivers the outcome."""
+
+    def __init__(self, request: InferenceRequest, outcome: InferenceResponse) -> None:
+        self.request = request
+        self.outcome = outcome
+
+    def finished(self) -> None:
+        self.request.respond(self.outcome)
+
+
+class Tasks(trio.abc.Instrument):
+    """Counts the tasks spawned."""
+
+    def __init__(self) -> None:
+        self.spawned = 0
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.spawned += 1
+
+
+async def counted() -> Tasks:
+    tasks = Tasks()
+    trio.lowlevel.add_instrument(tasks)
+    return tasks
+
+
+async def test_an_armed_call_parks_and_the_next_calls_read_carries_it_on():
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        tasks = await counted()
+        outcome = response()
+        first, request, answer = await armed_call(infer, client)
+        assert list(conn._parked) == [infer.calls[-1][0]] and infer.calls[-1][0].scope is None
+        assert await thread_write(request, answer, outcome)
+        await client.until(lambda: client.ended(first))
+        # The report waits for the loop's sweep: the next call's read delivers
+        # it, and the first call ends in the reader's task before the second.
+        deferred_jobs().append(Report(request, outcome))
+        second, request2, answer2 = await armed_call(infer, client)
+        assert infer.ended == [(first, "thread")] and first not in conn.calls
+        assert answer2 is not None and answer2.armed
+        assert await thread_write(request2, answer2, outcome)
+        await client.until(lambda: client.ended(second))
+        request2.respond(outcome)  # outside the reader's sweep: a task carries it on
+        await trio.testing.wait_all_tasks_blocked()
+        assert infer.ended == [(first, "thread"), (second, "thread")]
+        assert conn.calls == {} and conn._parked == {}
+        assert tasks.spawned == 1  # the second's, carried on by a task; none for the first
+        assert client.answer(first) == client.answer(second) == message(outcome)
+
+
+async def test_a_request_in_two_reads_starts_in_the_reader_once_whole():
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        tasks = await counted()
+        body = bytes(range(256)) * 128  # 32 KB
+        stream_id = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(
+            stream_id,
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":authority", b"test"),
+                (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            ],
+        )
+        payload = struct.pack(">BI", 0, len(body)) + body
+        client.h2.send_data(stream_id, payload[:1000])
+        await client.flush()
+        await trio.testing.wait_all_tasks_blocked()
+        assert stream_id in conn._awaiting and infer.calls == []
+        infer.armed = trio.Event()
+        client.h2.send_data(stream_id, payload[1000:], end_stream=True)
+        await client.flush()
+        await infer.armed.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn._awaiting == {} and infer.calls[-1][0] in conn._parked
+        _, request, answer = infer.calls[-1]
+        outcome = response()
+        assert await thread_write(request, answer, outcome)
+        await client.until(lambda: client.ended(stream_id))
+        assert tasks.spawned == 0
+        request.respond(outcome)
+        await trio.testing.wait_all_tasks_blocked()
+        assert infer.ended == [(stream_id, "thread")] and conn.calls == {}
+
+
+async def test_a_call_reset_before_its_request_is_whole_ends_once():
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        stream_id = client.h2.get_next_available_stream_id()
+        client.h2.send_headers(
+            stream_id,
+            [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":authority", b"test"),
+                (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
+                (b"content-type", b"application/grpc"),
+                (b"te", b"trailers"),
+            ],
+        )
+        client.h2.send_data(stream_id, struct.pack(">BI", 0, 100) + b"\x00" * 10)
+        await client.flush()
+        await trio.testing.wait_all_tasks_blocked()
+        assert stream_id in conn._awaiting
+        client.h2.reset_stream(stream_id)
+        client.h2.ping(b"12345678")
+        await client.flush()
+        await client.until(lambda: client.pings() == 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn._awaiting == {} and conn.calls == {} and infer.calls == []
+        # The connection goes on.
+        second, request, answer = await armed_call(infer, client)
+        assert await thread_write(request, answer, response())
+        await client.until(lambda: client.ended(second))
+
+
+async def test_the_connections_end_cancels_a_parked_call_in_a_task():
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        stream_id, request, answer = await armed_call(infer, client)
+        call = infer.calls[-1][0]
+        assert call in conn._parked
+        await client.sock.aclose()  # the client goes away
+        await trio.testing.wait_all_tasks_blocked()
+        assert infer.ended == [(stream_id, "cancelled")]
+        assert answer.state == DISARMED
+        assert conn._parked == {}
+        assert not await thread_write(request, answer, response())
+
+
+async def test_an_outcome_delivered_before_the_thread_writes_is_the_loops():
+    # The thread declined (or the outcome came another way): the loop answers
+    # the parked call from a task of its own, once.
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        stream_id, request, answer = await armed_call(infer, client)
+        outcome = response()
+        request.respond(outcome)
+        await client.until(lambda: client.ended(stream_id))
+        await trio.testing.wait_all_tasks_blocked()
+        assert infer.ended == [(stream_id, "loop")]
+        assert client.answer(stream_id) == message(outcome)
+        assert answer.state == DISARMED and conn.calls == {}
+        assert answer.state != WRITTEN
