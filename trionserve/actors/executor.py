@@ -361,7 +361,7 @@ class InstanceExecutor(AsyncInstanceServing):
         thread = self._idle_thread(batch)
         if thread is None:
             return False
-        if self._runs_inline(batch):
+        if self._last_ns <= self._inline_budget and self._runs_inline(batch):
             if self._inline_handover:
                 return False  # the feeder runs it (no nested run)
             self._inline_handover = True
@@ -381,7 +381,7 @@ class InstanceExecutor(AsyncInstanceServing):
         delay's end. None (the batch waits at the scheduler) when the
         executor would not take it straight, or would run it inline."""
         thread = self._idle_thread(batch)
-        if thread is None or self._runs_inline(batch):
+        if thread is None or (self._last_ns <= self._inline_budget and self._runs_inline(batch)):
             return None
         return thread.submit_held(self._handed_job(batch), start_at)
 

@@ -153,10 +153,13 @@ class HeldJob:
 
     __slots__ = ("_job", "_until", "_cond", "_released")
 
-    def __init__(self, job: Job, until: float) -> None:
+    def __init__(self, job: Job, until: float, cond: threading.Condition) -> None:
         self._job: Job | None = job
         self._until = until  # time.perf_counter() at the delay's end
-        self._cond = threading.Condition(threading.Lock())
+        # The thread's one condition, shared by the jobs it holds one after
+        # the other (a wait rechecks its own job's state: a stale notify only
+        # wakes it early to wait again): none made per request.
+        self._cond = cond
         self._released = False
 
     def join(self, request: InferenceRequest) -> bool:
@@ -291,6 +294,10 @@ class InstanceThread:
         self.quiet: Callable[[], bool] | None = None
         self._deferred: Deferred | None = None
         self._held: HeldJob | None = None  # the last job given held
+        self._hold = threading.Condition(threading.Lock())  # its wait (see HeldJob)
+        # time.perf_counter() less Trio's clock (its SystemClock's offset):
+        # set by the first held job, on the Trio thread.
+        self._offset: float | None = None
 
     def start(self, token: trio.lowlevel.TrioToken | None = None) -> None:
         """Start the thread; on the Trio thread, or anywhere given the run's ``token``."""
@@ -324,15 +331,13 @@ class InstanceThread:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def submit(self, job: Job) -> None:
-        self._put(job)
-
     def submit_held(self, job: Job, start_at: float) -> HeldJob:
         """Give the thread a job to start at ``start_at`` (Trio's clock), or
         when released (see :class:`HeldJob`)."""
-        held = job.held = self._held = HeldJob(
-            job, time.perf_counter() + (start_at - trio.current_time())
-        )
+        offset = self._offset
+        if offset is None:
+            offset = self._offset = time.perf_counter() - trio.current_time()
+        held = job.held = self._held = HeldJob(job, start_at + offset, self._hold)
         self._put(job)
         return held
 
@@ -355,6 +360,8 @@ class InstanceThread:
         if self._sleeping:
             self._sleeping = False
             self._wake.ring()
+
+    submit = _put  # a job (one call: on every request's way)
 
     def _next(self) -> Job | Callable[[], None] | None:
         """The next job, sleeping until there is one."""

@@ -1,7 +1,8 @@
 """The dynamic batcher's queues (:mod:`trionserve.schedulers.dynamic_batch`): a
 queued request's entry and one priority level's policy with its two queues (the
 requests in arrival order, and those delayed by a DELAY queue timeout), as
-Triton core's ``PriorityQueue`` keeps them (src/scheduler_utils.cc)."""
+Triton core's ``PriorityQueue`` keeps them (src/scheduler_utils.cc); and the
+batch an instance's thread holds for its delay, which requests may still join."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from trionserve.core.inference import InferenceRequest
 
 if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelQueuePolicy
+    from trionserve.schedulers.batcher_outlet import BatcherOutlet
+    from trionserve.schedulers.scheduler import HeldBatch
 
 # Entry states. An entry leaves its deque lazily (when it reaches the front or the
 # deque is compacted); its state says whether it still counts.
@@ -88,3 +91,17 @@ class Level:
         for entry in self.delayed:
             if entry.state == DELAYED:
                 yield entry
+
+
+class OpenBatch:
+    """The batch an instance's thread holds until its delay ends (see
+    :meth:`~trionserve.schedulers.dynamic_batch.DynamicBatchScheduler._hold_in_thread`):
+    what a request must match to join it."""
+
+    __slots__ = ("batch", "outlet", "size", "key")
+
+    def __init__(self, batch: HeldBatch, outlet: BatcherOutlet, size: int, key: tuple | None):
+        self.batch = batch
+        self.outlet = outlet
+        self.size = size  # its total batch size
+        self.key = key  # its shapes (see _shape_key), when they must match

@@ -46,15 +46,9 @@ from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
 from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import FailureReason, ModelStatistics, to_ns
-from trionserve.schedulers.batch_queue import DELAYED, GONE, QUEUED, Entry, Level
+from trionserve.schedulers.batch_queue import DELAYED, GONE, QUEUED, Entry, Level, OpenBatch
 from trionserve.schedulers.batcher_outlet import BatcherOutlet
-from trionserve.schedulers.scheduler import (
-    QUEUE_CAPACITY,
-    BatchOutlet,
-    HeldBatch,
-    Outcome,
-    deliver_outcomes,
-)
+from trionserve.schedulers.scheduler import QUEUE_CAPACITY, BatchOutlet, Outcome, deliver_outcomes
 from trionserve.schedulers.testing_hooks import count_from_environment
 from trionserve.schedulers.timer import PreciseWakeup
 
@@ -62,20 +56,6 @@ if TYPE_CHECKING:
     from trionserve._generated.model_config_pb2 import ModelConfig
 
 log = structlog.get_logger(__name__)
-
-
-class _Open:
-    """The batch an instance's thread holds until its delay ends (see
-    :meth:`DynamicBatchScheduler._hold_in_thread`): what a request must match
-    to join it."""
-
-    __slots__ = ("batch", "outlet", "size", "key")
-
-    def __init__(self, batch: HeldBatch, outlet: BatcherOutlet, size: int, key: tuple | None):
-        self.batch = batch
-        self.outlet = outlet
-        self.size = size  # its total batch size
-        self.key = key  # its shapes (see _shape_key), when they must match
 
 
 class DynamicBatchScheduler:
@@ -163,7 +143,7 @@ class DynamicBatchScheduler:
             and not policy.allow_timeout_override
             and not policy.max_queue_size
         )
-        self._open: _Open | None = None  # the batch so held, until it starts
+        self._open: OpenBatch | None = None  # the batch so held, until it starts
 
     # -- the actor ---------------------------------------------------------------
 
@@ -255,6 +235,9 @@ class DynamicBatchScheduler:
             raise trio.ClosedResourceError
         now = trio.current_time()
         request.arrival_time = now
+        if not self._queued and self._ready and self._open is None and not self._hold:
+            if self._straight(request, now):
+                return
         level = self._level_for(request.priority)
         if level.max_queue_size and level.count >= level.max_queue_size:
             self._purge_cancelled(level)
@@ -311,6 +294,27 @@ class DynamicBatchScheduler:
                 self._look_again(wake_at)
                 return
         self._wakeup.set()
+
+    def _straight(self, request: InferenceRequest, now: float) -> bool:
+        """Nothing queued, an executor ready: the batch :meth:`_form` would make
+        of ``request`` alone, given straight to the first ready executor that
+        takes hand-overs, without the queues (at c=1 half the calls of the
+        way through them; benchmarks/README.md, issue 39's tenth round): now,
+        or held by its thread for the delay. False: queued as usual."""
+        outlet = self._ready[0]
+        if outlet._handover is None:
+            return False
+        size = request.batch_size or 1
+        delay = self._delay
+        if delay and size < self._max_preferred and size not in self._preferred:
+            held = self._hold_with(outlet, [request], size, now + delay)
+            if held:
+                self._ready.popleft()
+            return held
+        if delay and not self._timed():
+            return False  # (the batcher's task sends it, as before)
+        self._send(self._ready.popleft(), [request])
+        return True
 
     def _level_for(self, priority: int) -> Level:
         """Triton's rule: priority 0 or beyond the levels means the default level."""
@@ -468,8 +472,11 @@ class DynamicBatchScheduler:
         return tuple(key)
 
     def _dispatch(self, outlet: BatcherOutlet, entries: list[Entry]) -> None:
-        requests = self._take(entries)
-        ticket = self._ticket()
+        self._send(outlet, self._take(entries))
+        self._signal_space()
+
+    def _send(self, outlet: BatcherOutlet, requests: list[InferenceRequest]) -> None:
+        ticket = self._ticket() if self._preserve_ordering else None
         handover = outlet._handover
         if handover is not None:
             # Straight to the instance's thread, in this task; ordered delivery
@@ -480,7 +487,6 @@ class DynamicBatchScheduler:
                 outlet.put(requests, ticket)
         else:
             outlet.put(requests, ticket)
-        self._signal_space()
 
     def _take(self, entries: list[Entry]) -> list[InferenceRequest]:
         """Take a batch's entries out of the queues: its requests."""
@@ -508,20 +514,29 @@ class DynamicBatchScheduler:
     def _hold_in_thread(self, outlet: BatcherOutlet, entries: list[Entry], go_at: float) -> bool:
         """Give a batch that waits for the delay (until ``go_at``) to the idle
         instance's thread now, which sleeps out the rest of the delay itself:
-        no pass of the event loop at the delay's end (at c=1 one wake-up of
-        the loop per request instead of two; benchmarks/README.md, issue 39's
-        ninth round). Requests that come meanwhile join it (:meth:`_join`) by
-        the rules :meth:`_form` would apply at the delay's end, so the batch
-        and its start are those Triton's batcher forms (core
+        no pass of the event loop at the delay's end (issue 39's ninth round).
+        Requests that come meanwhile join it (:meth:`_join`) by the rules
+        :meth:`_form` would apply at the delay's end, so the batch and its
+        start are those Triton's batcher forms (core
         src/dynamic_batch_scheduler.cc, GetDynamicBatch), its queue time
-        including the delay. Only on the real clock (a virtual one keeps its
-        exact times), one batch held at a time, where ``_holds`` says nothing
-        else could differ; False: the batch waits here as before."""
+        including the delay. Only on the real clock, one batch held at a
+        time, where ``_holds`` says nothing else could differ; False: the
+        batch waits here as before."""
+        requests = [entry.request for entry in entries]
+        if not self._hold_with(outlet, requests, sum(entry.size for entry in entries), go_at):
+            return False
+        self._take(entries)
+        self._signal_space()
+        return True
+
+    def _hold_with(
+        self, outlet: BatcherOutlet, requests: list[InferenceRequest], size: int, go_at: float
+    ) -> bool:
+        """:meth:`_hold_in_thread` for ``requests`` (of total batch size ``size``)."""
         delayed = outlet._delayed
         if delayed is None or not self._holds or self._open or not self._timed():
             return False
-        requests = [entry.request for entry in entries]
-        ticket = self._ticket()
+        ticket = self._ticket() if self._preserve_ordering else None
         outlet._tickets.append(ticket)
         held = delayed(requests, go_at)
         if held is None:
@@ -529,10 +544,8 @@ class DynamicBatchScheduler:
             if ticket is not None:
                 self._next_ticket -= 1
             return False
-        self._take(entries)
         key = self._shape_key(requests[0]) if self._check_shapes else None
-        self._open = _Open(held, outlet, sum(entry.size for entry in entries), key)
-        self._signal_space()
+        self._open = OpenBatch(held, outlet, size, key)
         return True
 
     def _join(self, request: InferenceRequest) -> bool:

@@ -87,6 +87,10 @@ class PreciseWakeup:
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake
         self._fd = -1
+        # Whether this wake-up runs (its ``timerfd`` is open): not on a virtual
+        # clock, nor where there is none, nor before ``run`` or after it. (An
+        # attribute: read on every request's way.)
+        self.live = False
         self._armed = math.inf
         self._spec = _Itimerspec()
 
@@ -99,6 +103,7 @@ class PreciseWakeup:
             task_status.started()
             return
         self._fd = fd
+        self.live = True
         try:
             task_status.started()
             while True:
@@ -111,14 +116,9 @@ class PreciseWakeup:
                 self._wake()
         finally:
             self._fd = -1
+            self.live = False
             trio.lowlevel.notify_closing(fd)
             os.close(fd)
-
-    @property
-    def live(self) -> bool:
-        """Whether this wake-up runs (its ``timerfd`` is open): not on a virtual
-        clock, nor where there is none, nor before ``run`` or after it."""
-        return self._fd >= 0
 
     def arm(self, deadline: float) -> float:
         """Wake at ``deadline`` (Trio's clock); ``math.inf`` disarms. Returns the
