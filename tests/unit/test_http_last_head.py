@@ -88,8 +88,33 @@ def test_a_repeated_head_whose_body_comes_later_is_received_into_its_buffer():
     assert empty is not None and len(empty) == 14
     empty[:] = body(3)[5:]
     h1.body_received(request, 14)
-    assert request.complete and h1.parser is not parser  # a fresh one, as always
+    assert request.complete and h1.parser is parser  # it saw nothing of it: kept
     assert bytes(h1.body(served(h1))) == body(3)
+
+
+def test_the_parser_is_replaced_after_a_body_it_saw_the_start_of_and_kept_otherwise():
+    h1 = connection()
+    first = h1.parser
+    h1.receive_data(HEAD + body(1)[:5])  # parsed: the parser saw the body's start
+    request = h1.requests[0]
+    empty = h1.body_pending(request)
+    assert empty is not None
+    empty[:] = body(1)[5:]
+    h1.body_received(request, 14)
+    assert h1.parser is not first  # a fresh one: the next byte starts a request
+    served(h1)
+    kept = h1.parser
+    h1.receive_data(HEAD + body(2)[:5])  # made from the last head: the parser saw none
+    request = h1.requests[0]
+    empty = h1.body_pending(request)
+    assert empty is not None
+    empty[:] = body(2)[5:]
+    h1.body_received(request, 14)
+    assert h1.parser is kept
+    assert bytes(h1.body(served(h1))) == body(2)
+    # ... and it parses the next request, a different one, from its start.
+    h1.receive_data(b"POST /v2/models/cnn/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nok")
+    assert bytes(h1.body(served(h1))) == b"ok"
 
 
 def test_pipelined_requests_after_a_repeated_head_are_parsed_in_turn():

@@ -131,9 +131,9 @@ async def receive_after_wait(
     socket = getattr(stream, "socket", None)
     if socket is None:
         return await stream.receive_some(max_bytes)
-    if ready and socket.fileno() >= 0:
+    if ready and (fd := socket.fileno()) >= 0:
         try:
-            return os.read(socket.fileno(), max_bytes)
+            return os.read(fd, max_bytes)
         except BlockingIOError:
             pass  # (read meanwhile: wait as usual)
         except OSError as exc:
@@ -235,7 +235,14 @@ def receive_now(stream: trio.abc.ReceiveStream, buffer: memoryview) -> int | Non
     """Bytes the stream's socket holds now, read into ``buffer`` without waiting;
     None when it holds none (or the stream has no socket of its own)."""
     socket = getattr(stream, "socket", None)
-    return None if socket is None else _read_now(socket, buffer)
+    if socket is None:
+        return None
+    try:
+        return os.readv(socket.fileno(), (buffer,))
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        raise trio.BrokenResourceError(exc) from exc
 
 
 def _read_now(socket: trio.socket.SocketType, buffer: memoryview) -> int | None:

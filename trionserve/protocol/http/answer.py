@@ -262,10 +262,12 @@ class ConnectionAnswer:
         ``rest``) or DISARMED (the loop answers); the
         request lets go of the answer."""
         state = self.state
+        if state == IDLE:  # settled already (the thread never leaves IDLE)
+            return DISARMED
         if state != WRITTEN:  # (written whole: the thread is done with it)
             with self._lock:  # waits for a write in progress on the thread
                 state = self.state
-                if state == ARMED or state == IDLE:  # (IDLE: settled already)
+                if state == ARMED:
                     state = DISARMED
         self.state = IDLE
         request, self._request, self._encode = self._request, None, None
@@ -360,12 +362,3 @@ def waits(answer: ConnectionAnswer | None) -> bool:
     """Whether a connection's task waits on its socket for its answer (then no
     other task may wait on that socket: the slow-request watcher does not)."""
     return answer is not None and answer.waiting
-
-
-def seen_readable(answer: ConnectionAnswer | None) -> bool:
-    """Whether the connection's socket was seen readable as its answer's wait
-    ended (and nothing read it since): its next read need not wait (once)."""
-    if answer is None or not answer.readable:
-        return False
-    answer.readable = False
-    return True

@@ -62,6 +62,8 @@ from trionserve.repository.overrides import FILE_PREFIX
 
 log = structlog.get_logger(__name__)
 
+# Infer paths whose handlers are kept (HttpFrontend.route); kept anew once full.
+_INFER_ROUTES = 64
 _INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]*))?/infer$")
 _JSON_TYPE = JSON
 
@@ -182,18 +184,28 @@ class HttpFrontend:
         self.dataplane = dataplane
         self.infer = InferHandler(dataplane, verbose, forward_headers, max_input_size)
         self._restricted = restricted_apis or RestrictedFeatures()
+        # The handlers of the infer paths routed last, by path: a client sends
+        # one path over and over (no pattern match, no partial per request).
+        self._infer_routes: dict[str, Handler] = {}
 
     def route(self, method: bytes, path: str) -> Handler:
         """The handler of a request: infer first (the hot path), then the table;
         a path the table knows with another method gets 405, any other 404."""
         if LOG_SETTINGS.log_verbose_level:
             log_http_request(method, path)
-        if method == b"POST" and path.endswith("/infer"):
-            match = _INFER_PATH.match(path)
+        if method == b"POST":
+            infer = self._infer_routes.get(path)
+            if infer is not None:
+                return infer
+            match = _INFER_PATH.match(path) if path.endswith("/infer") else None
             if match is not None:
-                return self._checked(
+                infer = self._checked(
                     RestrictedCategory.INFERENCE, partial(self.infer.handle, match)
                 )
+                if len(self._infer_routes) >= _INFER_ROUTES:
+                    self._infer_routes.clear()
+                self._infer_routes[path] = infer
+                return infer
         if method == b"HEAD":
             method = b"GET"
         # Inference is POST only: another method on its path is 405, as in Triton

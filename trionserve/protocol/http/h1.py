@@ -410,6 +410,7 @@ class H1Connection:
         state = self.state
         state.client_event(_BEGIN)
         request = Request()
+        request.parsed = False
         if self._tracing.active:
             request.began = self._tracing.now_ns()
         self.requests.append(request)
@@ -503,7 +504,8 @@ class H1Connection:
     def body_received(self, request: Request, size: int) -> None:
         """``size`` bytes received into the buffer's empty part (0: end of stream).
         The body whole, the parser, which saw only its beginning, is replaced: the
-        next byte on the connection starts a request."""
+        next byte on the connection starts a request (a request made without the
+        parser, by :meth:`_again`, left it at a request's start)."""
         if not size:
             self.state.client_event(ClientEvent.EOF)
             raise PeerGone
@@ -511,7 +513,8 @@ class H1Connection:
         if request.buffer is not None and request.size >= len(request.buffer):
             self.state.client_event(_MESSAGE_DONE)
             request.complete = True
-            self.parser = self._new_parser()
+            if request.parsed:
+                self.parser = self._new_parser()
 
     def body(self, request: Request) -> RequestBody:
         """The whole body of ``request``."""

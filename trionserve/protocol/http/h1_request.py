@@ -4,6 +4,8 @@ protocol for its size."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 __all__ = ["TENSOR_ALIGNMENT", "LastHead", "Request", "body_buffer"]
@@ -26,6 +28,7 @@ class Request:
         "keep_alive",
         "length",
         "method",
+        "parsed",
         "size",
         "target",
         "version",
@@ -52,11 +55,16 @@ class Request:
         self.size = 0
         self.complete = False
         self.began = 0  # when its first byte was parsed, in ns, if tracing was on
+        # The parser saw its head (False: made from the connection's last head, LastHead).
+        self.parsed = True
 
 
 # The alignment of a body's binary tensors (the first one's, and each one after
 # a tensor of a multiple of it), for a framework that takes them as they are.
 TENSOR_ALIGNMENT = 64
+# A buffer's address: that of a ctypes view of its first byte.
+_address = ctypes.addressof
+_byte_at = ctypes.c_char.from_buffer
 
 
 def body_buffer(length: int, tensors_at: int) -> memoryview:
@@ -66,11 +74,13 @@ def body_buffer(length: int, tensors_at: int) -> memoryview:
     64-byte boundary, so the views the codec makes of them are aligned for a
     framework (a cache line; what vectorised kernels and DMA prefer) without a
     copy. np.empty: allocated, not written, so the memory a connection holds grows
-    with the bytes it has sent, as it did with a list of chunks."""
+    with the bytes it has sent, as it did with a list of chunks. Its address is
+    read through a ctypes view of it (``block.ctypes.data`` makes a Python
+    object per call: 2.9 of this function's 5.8 us, warm)."""
     if tensors_at > length:  # (refused by the infer handler, in its words)
         tensors_at = 0
     block = np.empty(length + TENSOR_ALIGNMENT - 1, np.uint8)
-    skip = -(block.ctypes.data + tensors_at) % TENSOR_ALIGNMENT
+    skip = -(_address(_byte_at(block.data)) + tensors_at) % TENSOR_ALIGNMENT
     return block[skip : skip + length].data
 
 

@@ -20,7 +20,7 @@ from trionserve.core.parameters import check_forwarded_header
 from trionserve.core.shared_memory import RequestRegions
 from trionserve.dataplane import DataPlane
 from trionserve.drain import ShuttingDown
-from trionserve.observability.logging import log_infer_failed, verbose
+from trionserve.observability.logging import SETTINGS, log_infer_failed, verbose
 from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http.answer import (
@@ -188,27 +188,18 @@ class InferHandler:
         self._forward = re.compile(forward_headers) if forward_headers else None
 
     async def handle(
-        self, match: re.Match[str], request_headers: Headers, body: RequestBody
+        self,
+        match: re.Match[str],
+        request_headers: Headers,
+        body: RequestBody,
+        logged: bool = False,
     ) -> Response:
         """The response to one infer request: (status, headers, body chunks); with
         verbose logging, an access-log line once it is answered (protocol, model,
         HTTP status, latency)."""
-        if not (self.verbose or verbose()):
-            return await self._handle(match, request_headers, body)
-        started = time.perf_counter()
-        response = await self._handle(match, request_headers, body)
-        log.debug(
-            "infer response",
-            protocol="HTTP",
-            model=match.group(1),
-            status=response[0],
-            latency_ms=round((time.perf_counter() - started) * 1000, 3),
-        )
-        return response
-
-    async def _handle(
-        self, match: re.Match[str], request_headers: Headers, body: RequestBody
-    ) -> Response:
+        chatty = self.verbose or SETTINGS.log_verbose_level > 0
+        if chatty and not logged:
+            return await self._logged(match, request_headers, body)
         header_field: bytes | None = None
         header_length: int | None = None
         content_encoding = None
@@ -251,13 +242,15 @@ class InferHandler:
                 )
             if self._forward is not None:
                 self._forward_headers(self._forward, request_headers, infer_request)
-            if verbose():
+            if chatty and verbose():
                 log.debug("infer request", model=infer_request.model_name, id=infer_request.id)
             if self._tracing.active:  # the transport's HTTP_RECV_START ... (trace.frontend)
                 infer_request.trace_context = HTTP_STAMPS.get()
             answer = CONNECTION_ANSWER.get()
-            if answer is not None and self._answerable(
-                infer_request, shared_memory, accept_encoding
+            if (
+                answer is not None
+                and not chatty
+                and self._answerable(infer_request, shared_memory, accept_encoding)
             ):
                 answer.arm(infer_request, self._encode, binary_output)
             else:
@@ -284,6 +277,21 @@ class InferHandler:
             if shared_memory is not None:
                 shared_memory.release()
 
+    async def _logged(
+        self, match: re.Match[str], request_headers: Headers, body: RequestBody
+    ) -> Response:
+        """:meth:`handle` with its access-log line."""
+        started = time.perf_counter()
+        response = await self.handle(match, request_headers, body, logged=True)
+        log.debug(
+            "infer response",
+            protocol="HTTP",
+            model=match.group(1),
+            status=response[0],
+            latency_ms=round((time.perf_counter() - started) * 1000, 3),
+        )
+        return response
+
     def _answerable(
         self,
         request: InferenceRequest,
@@ -293,8 +301,9 @@ class InferHandler:
         """Whether the instance's thread may write this request's answer (see
         :mod:`~trionserve.protocol.http.answer`): nothing but the encoding
         between the backend's response and the client (no trace, access log,
-        first-response time, classification, compression), no shared memory."""
-        if self._tracing.active or self.verbose or verbose() or self._first_response:
+        first-response time, classification, compression), no shared memory;
+        the caller checked the access log."""
+        if self._tracing.active or self._first_response:
             return False
         if accept_encoding and accept_encoding.strip() != "identity":
             return False

@@ -270,6 +270,7 @@ class _Connection:
     __slots__ = (
         "_handling",
         "_idle_scope",
+        "_now",
         "answer",
         "_quiet",
         "_scope",
@@ -299,6 +300,8 @@ class _Connection:
         # Whether a request is being handled, and the watcher of a slow one's socket.
         self._handling = False
         self.watch: tuple[trio.CancelScope, trio.Event] | None = None
+        # trio.current_time of the run's clock, without its two wrappers' calls.
+        self._now = trio.lowlevel.current_clock().current_time
 
     async def run(self) -> None:
         h1 = self.h1
@@ -334,19 +337,28 @@ class _Connection:
         ``header_timeout`` of the connection opening (first request) or of its
         first byte (later ones): 408 otherwise. Raises what the protocol refused."""
         h1 = self.h1
-        timeout = self.server.options.header_timeout
-        deadline = None if h1.served else trio.current_time() + timeout
+        server = self.server
+        timeout = server.options.header_timeout
+        deadline = None if h1.served else self._now() + timeout
         while True:
-            request = h1.next_request()
-            if request is not None:
-                return request
+            if h1.requests:  # (none waiting: nothing to take, the common case)
+                request = h1.next_request()
+                if request is not None:
+                    return request
+            elif h1.refusal is not None:
+                raise h1.refusal
             if h1.state.client is Client.CLOSED:
                 return None
             if deadline is None and h1.head_begun:
-                deadline = trio.current_time() + timeout
-            data = await self._receive_idle(deadline)
+                deadline = self._now() + timeout
+            if server.draining:
+                data = None
+            elif deadline is None:  # answered, nothing of the next request yet
+                data = await self._receive_keep_alive()
+            else:
+                data = await self._receive_head(deadline)
             if data is None:
-                if deadline is not None and trio.current_time() >= deadline:
+                if deadline is not None and self._now() >= deadline:
                     raise ProtocolError(
                         408,
                         f"the request head did not arrive within {timeout:g} s "
@@ -355,31 +367,19 @@ class _Connection:
                 return None
             h1.receive_data(data)
 
-    async def _receive_idle(self, deadline: float | None = None) -> bytes | bytearray | None:
-        """Bytes between requests; None on draining, the keep-alive timeout or
-        ``deadline``."""
+    async def _receive_head(self, deadline: float) -> bytes | bytearray | None:
+        """Bytes of a request head yet to be whole (or a connection's first); None
+        when ``deadline`` or the keep-alive timeout passes, or the drain begins."""
         server = self.server
-        if server.draining:
-            return None
-        if deadline is None:
-            return await self._receive_keep_alive()
-        until = trio.current_time() + server.options.keep_alive_timeout
-        if deadline is not None:
-            until = min(until, deadline)
-        # Answered and nothing of the next request yet: keep-alive idle.
-        keep_alive = self.h1.served and deadline is None
+        until = min(self._now() + server.options.keep_alive_timeout, deadline)
         with trio.move_on_at(until) as scope:
             self._idle_scope = scope
             server._idle.add(self)
-            if keep_alive:
-                server._keep_alive[self] = trio.current_time()
             try:
                 return await self.stream.receive_some(server.options.head_receive_size)
             finally:
                 server._idle.discard(self)
-                server._keep_alive.pop(self, None)
                 self._idle_scope = None
-        self._quiet = bool(keep_alive)
         return None
 
     async def _receive_keep_alive(self) -> bytes | bytearray | None:
@@ -392,10 +392,14 @@ class _Connection:
         scope = self._scope
         self._idle_scope = scope
         server._idle.add(self)
-        server._keep_alive[self] = trio.current_time()
+        server._keep_alive[self] = self._now()
         try:
-            # The client sends it once it has read the answer: wait, then read.
-            ready = answers.seen_readable(self.answer)  # no wait for what is there
+            # The client sends it once it has read the answer: wait, then read
+            # (at once when its answer's wait saw the socket readable).
+            answer = self.answer
+            ready = answer is not None and answer.readable
+            if answer is not None and ready:
+                answer.readable = False  # (seen once)
             data = await receive_after_wait(self.stream, server.options.head_receive_size, ready)
         finally:
             self._idle_scope = None
@@ -405,12 +409,11 @@ class _Connection:
         return None if self._quiet else data
 
     async def _read_body(self, request: Request) -> RequestBody:
-        """The whole request body; raises what the protocol refuses (413, 400),
-        PeerGone, and 408 when no byte of it comes for ``header_timeout``."""
+        """The whole body of a request whose body did not come whole with its head;
+        raises what the protocol refuses (413, 400), PeerGone, and 408 when no byte
+        of it comes for ``header_timeout``."""
         h1 = self.h1
-        if request.complete:  # it came with its head: no deadline to keep
-            return h1.body(request)
-        if h1.continue_needed(request):
+        if request.expects_continue and h1.continue_needed(request):
             await self.stream.send_all(CONTINUE)
         stream = self.stream
         # A body already there (sent with its head, as clients send it) is read
@@ -459,87 +462,84 @@ class _Connection:
 
     async def _serve(self, request: Request) -> bool:
         """Answer one request (taken by the protocol); whether the connection is
-        kept for the next."""
-        path = self.h1.path(request)
-        handler = self.server.router(request.method, path)
+        kept for the next. The handler runs here (no frame of its own to enter,
+        and to resume at each wait). A client that hangs up meanwhile cancels it,
+        so its request leaves the queue (or its result is dropped), as DESIGN §3
+        says: requests running after ``SLOW_REQUEST_SECS`` get a watcher on their
+        socket (:meth:`HttpServer.watch_slow_requests`); fast ones pay nothing."""
+        h1 = self.h1
+        server = self.server
+        path = h1.path(request)
+        handler = server.router(request.method, path)
         if handler is None:
             await self._send_error(404, f"Not Found: {request.method.decode()} {path}")
             return False
         # A large body counts in the budget of bytes held for clients from its
         # head to its answer (a small one pays one comparison).
         counted = request.length if request.length > _JOIN_LIMIT else 0
-        budget = self.server.options.budget if counted else None
+        budget = server.options.budget if counted else None
         if budget is not None:
             if not budget.has_room(counted):
                 raise ProtocolError(503, budget.refusal("a request body", counted))
             budget.reserve(counted)
+        stamps: FrontendStamps | None = None
         try:
-            body = await self._read_body(request)
+            # (a body that came with its head has no deadline to keep)
+            body = h1.body(request) if request.complete else await self._read_body(request)
             if request.began:  # tracing is on: timed as Triton's HTTP frontend times it
-                return await self._serve_traced(handler, request, body)
+                stamps = self._stamps(request)
+            self._handling = True
+            server._handling[self] = self._now()
             try:
-                status, headers, chunks = await self._run_handler(handler, request.headers, body)
+                try:
+                    status, headers, chunks = await handler(request.headers, body)
+                except Exception:  # a handler bug: this request fails, the server goes on
+                    log.exception("http handler failed")
+                    status, headers, chunks = INTERNAL_ERROR
+                finally:
+                    del server._handling[self]
+                    self._handling = False
+                    if self.watch is not None:
+                        await self._unwatch()
             except trio.Cancelled:
                 if not self._scope.cancel_called:  # the client hung up: nobody to answer
                     await self._cut()
                 raise
-            if chunks is answers.ANSWERED_BODY and self.answer is not None:  # the thread wrote it
-                return await self.answer.finish(self.stream)
-            return await self.respond(status, headers, chunks)
-        finally:
-            if budget is not None:
-                budget.release(counted)
-
-    async def _serve_traced(self, handler: Handler, request: Request, body: RequestBody) -> bool:
-        """:meth:`_serve` for a request that came while tracing was on: its
-        HTTP_RECV_START / HTTP_RECV_END / HTTP_SEND_START / HTTP_SEND_END go with
-        its trace, if its handler's inference request is sampled (see
-        :mod:`trionserve.observability.trace.frontend`)."""
-        stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
-        received = dict(request.headers)
-        stamps.take_context(received.get(b"traceparent"), received.get(b"tracestate"))
-        token = HTTP_STAMPS.set(stamps)
-        try:
-            try:
-                status, headers, chunks = await self._run_handler(handler, request.headers, body)
-            except trio.Cancelled:
-                if not self._scope.cancel_called:
-                    await self._cut()
-                raise
-            if isinstance(chunks, AsyncIterator):  # a pair per chunk (_stream)
+            answer = self.answer
+            if chunks is answers.ANSWERED_BODY and answer is not None:  # the thread wrote it
+                return answer.kept if answer.rest is None else await answer.finish(self.stream)
+            if stamps is None or isinstance(chunks, AsyncIterator):  # (a pair per chunk: _stream)
                 return await self.respond(status, headers, chunks)
             stamps.stamp("HTTP_SEND_START")
             kept = await self.respond(status, headers, chunks)
             stamps.stamp("HTTP_SEND_END")
             return kept
         finally:
-            HTTP_STAMPS.reset(token)
-            stamps.release()
+            if stamps is not None:
+                HTTP_STAMPS.set(None)
+                stamps.release()
+            if budget is not None:
+                budget.release(counted)
 
-    async def _run_handler(self, handler: Handler, headers: Headers, body: RequestBody) -> Response:
-        """The handler's answer. A client that hangs up meanwhile cancels it, so
-        its request leaves the queue (or its result is dropped), as DESIGN §3
-        says: requests still running after ``SLOW_REQUEST_SECS`` get a watcher on
-        their socket (see :meth:`HttpServer.watch_slow_requests`); fast ones pay
-        nothing for it."""
-        server = self.server
-        self._handling = True
-        server._handling[self] = trio.current_time()
-        try:
-            answer = await handler(headers, body)
-        except Exception:  # a handler bug: this request fails, the server goes on
-            log.exception("http handler failed")
-            answer = INTERNAL_ERROR
-        finally:
-            del server._handling[self]
-            self._handling = False
-            watch, self.watch = self.watch, None
-            if watch is not None:
-                scope, done = watch
-                scope.cancel()
-                with trio.CancelScope(shield=True):
-                    await done.wait()  # the socket is ours again
-        return answer
+    def _stamps(self, request: Request) -> FrontendStamps:
+        """The HTTP_RECV_START / HTTP_RECV_END / HTTP_SEND_START / HTTP_SEND_END
+        of a request that came while tracing was on, set for its handler: they
+        go with its trace, if its handler's inference request is sampled (see
+        :mod:`trionserve.observability.trace.frontend`)."""
+        stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
+        received = dict(request.headers)
+        stamps.take_context(received.get(b"traceparent"), received.get(b"tracestate"))
+        HTTP_STAMPS.set(stamps)
+        return stamps
+
+    async def _unwatch(self) -> None:
+        """End the watcher of a slow request's socket: the socket is ours again."""
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            scope, done = watch
+            scope.cancel()
+            with trio.CancelScope(shield=True):
+                await done.wait()
 
     def watch_peer(self, nursery: trio.Nursery) -> None:
         """Start watching the socket while a slow request is handled."""
