@@ -137,3 +137,50 @@ def test_requests_of_one_plan_are_validated_once_per_signature(monkeypatch):
     with pytest.raises(InvalidArgument, match="unexpected shape for input 'A'"):
         validate_request(planned[2], signature((4,)))
     assert len(checks) == 2
+
+
+def test_a_planned_header_sets_what_its_parameters_set_as_a_full_decode_does():
+    a, b = arrays(3)
+    params = {
+        "sequence_id": "s-1",
+        "sequence_start": True,
+        "sequence_end": False,
+        "priority": 2,
+        "timeout": 500,
+        "binary_data_output": True,
+        "custom": 1.5,
+    }
+    header = json.dumps(
+        {
+            "id": "9",
+            "parameters": params,
+            "inputs": [
+                {
+                    "name": name,
+                    "datatype": datatype,
+                    "shape": list(array.shape),
+                    "parameters": {"binary_data_size": array.nbytes},
+                }
+                for name, array, datatype in (("A", a, "FP32"), ("B", b, "INT64"))
+            ],
+        }
+    ).encode()
+
+    def decoded(request, binary) -> tuple:
+        return (
+            request.sequence_id,
+            request.sequence_start,
+            request.sequence_end,
+            request.priority,
+            request.timeout_us,
+            dict(request.parameters),
+            binary,
+        )
+
+    body = bytearray(header + a.tobytes() + b.tobytes())
+    full = decoded(*decode_infer_request(body, len(header), "m", None))
+    assert bytes(header) in codec._PLANS
+    planned, binary = decode_infer_request(body, len(header), "m", None)
+    assert decoded(planned, binary) == full == ("s-1", True, False, 2, 500, {"custom": 1.5}, True)
+    again, _ = decode_infer_request(body, len(header), "m", None)
+    assert again.parameters is not planned.parameters

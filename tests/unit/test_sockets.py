@@ -20,6 +20,7 @@ from trionserve.protocol.sockets import (
     receive_after_wait,
     receive_into,
     receive_now,
+    receive_some_now,
     send_all,
     send_pieces,
     send_pieces_now,
@@ -240,6 +241,21 @@ async def test_a_read_after_a_wait_tries_no_read_before_the_bytes_come(monkeypat
     await server.aclose()
     with pytest.raises(trio.ClosedResourceError):
         await receive_after_wait(server, 1024)
+
+
+async def test_receive_some_now_reads_what_is_there_and_never_waits():
+    server, client = _stream_pair()
+    assert receive_some_now(server, 1024) is None  # nothing there: no wait
+    await client.send_all(b"GET / HTTP/1.1\r\n\r\n")
+    assert receive_some_now(server, 4) == b"GET "
+    assert receive_some_now(server, 1024) == b"/ HTTP/1.1\r\n\r\n"
+    await client.send_eof()
+    assert receive_some_now(server, 1024) == b""  # the peer ended its side
+    memory_server, _ = trio.testing.memory_stream_pair()
+    assert receive_some_now(memory_server, 1024) is None  # no socket of its own
+    await server.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        receive_some_now(server, 1024)
 
 
 async def test_an_eager_receiver_reads_what_is_there_without_a_checkpoint_a_few_times():

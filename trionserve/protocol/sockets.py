@@ -41,6 +41,7 @@ __all__ = [
     "peer_name",
     "receive_after_wait",
     "receive_into",
+    "receive_some_now",
     "send_all",
     "send_pieces",
     "send_pieces_now",
@@ -116,28 +117,18 @@ async def receive_view(stream: trio.abc.ReceiveStream, buffer: memoryview) -> me
     return buffer[: await receive_into(stream, buffer)]
 
 
-async def receive_after_wait(
-    stream: trio.abc.ReceiveStream, max_bytes: int, ready: bool = False
-) -> bytes | bytearray:
+async def receive_after_wait(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | bytearray:
     """``stream.receive_some(max_bytes)`` for a read that expects to wait (the
     next request of a keep-alive connection, which a client sends only after
     it has read the answer): it waits for the socket to be readable first, then
     reads, where Trio's reads first and waits on EAGAIN (a failed ``recv`` and
     its exception on every request). A checkpoint either way, as
     ``receive_some``. Raises BrokenResourceError for a failed read and
-    ClosedResourceError for a closed socket. ``ready``: the socket was just seen
-    readable (by the task waiting for its answer, see http/answer.py): read at
-    once, without a checkpoint when bytes are there."""
+    ClosedResourceError for a closed socket. (Bytes just seen to come, by the
+    task waiting for its answer, see http/answer.py: :func:`receive_some_now`.)"""
     socket = getattr(stream, "socket", None)
     if socket is None:
         return await stream.receive_some(max_bytes)
-    if ready and (fd := socket.fileno()) >= 0:
-        try:
-            return os.read(fd, max_bytes)
-        except BlockingIOError:
-            pass  # (read meanwhile: wait as usual)
-        except OSError as exc:
-            raise trio.BrokenResourceError(exc) from exc
     while True:
         if socket.fileno() < 0:
             raise trio.ClosedResourceError("the stream was closed")
@@ -215,6 +206,14 @@ class EagerReceiver:
             return received
         self._eager = self._eager_reads
         return await receive_into(self._stream, buffer, fill=True)
+
+
+def receive_some_now(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | bytearray | None:
+    """What the stream's socket holds now, up to ``max_bytes``, read without
+    waiting or a checkpoint (b"": the peer ended its side); None when it holds
+    none, or the stream has no socket of its own. Raises as ``receive_some``."""
+    socket = getattr(stream, "socket", None)
+    return None if socket is None else _read_some(socket, max_bytes)
 
 
 def _read_some(socket: trio.socket.SocketType, max_bytes: int) -> bytes | bytearray | None:

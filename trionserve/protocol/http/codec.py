@@ -84,12 +84,20 @@ class _Plan:
     same shape): its id, its parameters as parsed, its requested outputs, and where
     each of its inputs, all binary, lies after the header. A request with the same
     header and a body of ``binary_size`` bytes after it is decoded from its plan
-    without checking the header again: only its binary tensors' views are made, its
-    parameters applied as for any request and its outputs made anew (each request
-    has its own); outputs into shared memory are decoded again (their regions are
-    checked each time)."""
+    without checking the header again: only its binary tensors' views are made, the
+    fields its parameters set (checked once) set again and its outputs made anew
+    (each request has its own); outputs into shared memory are decoded again
+    (their regions are checked each time)."""
 
-    __slots__ = ("binary_size", "inputs", "outputs", "params", "request_id")
+    __slots__ = (
+        "binary_output",
+        "binary_size",
+        "custom",
+        "fields",
+        "inputs",
+        "outputs",
+        "request_id",
+    )
 
     def __init__(
         self,
@@ -99,13 +107,28 @@ class _Plan:
         outputs: tuple[tuple[str, dict], ...] | list | None,
     ) -> None:
         self.request_id = request_id
-        self.params = params
+        # What its parameters (which decoded without error) set: binary_data_output,
+        # the request's own fields by name, the custom parameters (None: none).
+        params = params or {}
+        self.binary_output: bool = params.get("binary_data_output", False)
+        self.fields = tuple((_FIELDS[k], v) for k, v in params.items() if k in _FIELDS)
+        custom = {k: v for k, v in params.items() if k not in _FIELDS and k != "binary_data_output"}
+        self.custom = custom or None
         self.inputs = inputs
         # (name, parameters) of each requested output, or the outputs as parsed
         # where one is in shared memory, or None.
         self.outputs = outputs
         self.binary_size = sum(planned[4] for planned in inputs)
 
+
+# The request parameters that set the request's own fields, and those fields.
+_FIELDS = {
+    "sequence_id": "sequence_id",
+    "sequence_start": "sequence_start",
+    "sequence_end": "sequence_end",
+    "priority": "priority",
+    "timeout": "timeout_us",
+}
 
 # Plans by header (bounded: emptied when full, as the HTTP head cache).
 _PLANS: dict[bytes, _Plan] = {}
@@ -149,8 +172,10 @@ def _from_plan(
     """A request decoded from its header's plan (its body's size checked by the caller)."""
     request = InferenceRequest(model_name, model_version, id=plan.request_id)
     request.shape_key = plan  # (validated once per model: core/validation.py)
-    params = plan.params
-    binary_output = False if params is None else _apply_request_parameters(request, params)
+    for field, value in plan.fields:
+        setattr(request, field, value)
+    if plan.custom is not None:
+        request.parameters.update(plan.custom)
     inputs = request.inputs
     for name, wire, dtype, shape, nbytes in plan.inputs:
         # (np.ndarray over the buffer: one call, where frombuffer and reshape are two)
@@ -161,7 +186,7 @@ def _from_plan(
         request.requested_outputs = [RequestedOutput(n, dict(p)) for n, p in outputs]
     elif outputs is not None:
         request.requested_outputs = _decode_outputs(outputs, shared_memory)
-    return request, binary_output
+    return request, plan.binary_output
 
 
 # ------------------------------------------------------------------------- request

@@ -96,6 +96,7 @@ from trionserve.protocol.sockets import (
     receive_after_wait,
     receive_into,
     receive_now,
+    receive_some_now,
     receive_view,
     send_all,
     send_pieces,
@@ -287,11 +288,10 @@ class _Connection:
         # Written by the instance's thread where it can (a plain socket, see answer.py).
         watched = lambda: self.watch is not None  # noqa: E731
         self.answer = answers.ConnectionAnswer.of(self.h1, stream, lambda: server.draining, watched)
-        # The connection's scope, for its whole life: cancelled to end it, by its
-        # deadline (the keep-alive timeout, set only while it waits for the next
-        # request), by the drain or the connection cap while it waits (through
-        # _idle_scope), or by a slow request's watcher when the client hangs up.
-        # No scope per request.
+        # The connection's scope, for its whole life: cancelled to end it, by the
+        # keep-alive timeout, the drain or the connection cap while it waits for the
+        # next request (through _idle_scope), or by a slow request's watcher when
+        # the client hangs up. No scope per request.
         self._scope = trio.CancelScope()
         # The scope to cancel to stop waiting for the next request (while waiting).
         self._idle_scope: trio.CancelScope | None = None
@@ -324,8 +324,7 @@ class _Connection:
             h1.closed()
             await self._close()
 
-    def stop_waiting(self) -> None:
-        """Stop waiting for the next request (the server is draining)."""
+    def stop_waiting(self) -> None:  # (between requests: the drain, the cap, the timeout)
         if self._idle_scope is not None:
             self._idle_scope.cancel()
 
@@ -383,24 +382,26 @@ class _Connection:
         return None
 
     async def _receive_keep_alive(self) -> bytes | bytearray | None:
-        """The next request's first bytes on a connection that answered one,
-        waited for under the connection's own scope. The keep-alive timeout (the
-        server's watcher, see watch_slow_requests), the drain or the connection
-        cap cancels that scope and so ends the connection, quietly (nothing is
-        unread; bytes that came in the same instant go unread with it: None)."""
+        """The next request's first bytes on a connection that answered one: read
+        at once when its answer's wait saw them come (no wait: no idle
+        bookkeeping), else waited for under the connection's own scope, which the
+        keep-alive timeout (watch_slow_requests), the drain or the connection cap
+        cancels, ending the connection quietly (bytes that came in the same
+        instant go unread with it: None)."""
         server = self.server
         scope = self._scope
+        answer = self.answer
+        if answer is not None and answer.readable and not scope.cancel_called:
+            answer.readable = False  # (seen once)
+            data = receive_some_now(self.stream, server.options.head_receive_size)
+            if data is not None:
+                return data
         self._idle_scope = scope
         server._idle.add(self)
         server._keep_alive[self] = self._now()
         try:
-            # The client sends it once it has read the answer: wait, then read
-            # (at once when its answer's wait saw the socket readable).
-            answer = self.answer
-            ready = answer is not None and answer.readable
-            if answer is not None and ready:
-                answer.readable = False  # (seen once)
-            data = await receive_after_wait(self.stream, server.options.head_receive_size, ready)
+            # The client sends it once it has read the answer: wait, then read.
+            data = await receive_after_wait(self.stream, server.options.head_receive_size)
         finally:
             self._idle_scope = None
             server._idle.discard(self)
@@ -522,10 +523,9 @@ class _Connection:
                 budget.release(counted)
 
     def _stamps(self, request: Request) -> FrontendStamps:
-        """The HTTP_RECV_START / HTTP_RECV_END / HTTP_SEND_START / HTTP_SEND_END
-        of a request that came while tracing was on, set for its handler: they
-        go with its trace, if its handler's inference request is sampled (see
-        :mod:`trionserve.observability.trace.frontend`)."""
+        """The HTTP_RECV_* / HTTP_SEND_* stamps of a request that came while tracing
+        was on, set for its handler: they go with its trace, if its inference
+        request is sampled (:mod:`trionserve.observability.trace.frontend`)."""
         stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
         received = dict(request.headers)
         stamps.take_context(received.get(b"traceparent"), received.get(b"tracestate"))
