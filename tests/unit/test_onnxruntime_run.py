@@ -204,3 +204,26 @@ def test_an_output_in_the_gathered_input_buffer_outlives_the_next_batch(tmp_path
     instance.execute([_request("identity", np.full((1, 4), 7, np.int32)) for _ in range(2)])
     for i, answer in enumerate(answers):
         np.testing.assert_array_equal(answer.outputs[0].data, np.full((1, 4), i, np.int32))
+
+
+def test_a_lone_request_gets_every_output_in_the_models_order_or_those_it_asked_for():
+    from trionserve.core.inference import RequestedOutput
+
+    instance = _load(SIMPLE.parents[1], "simple")
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    (every,) = instance.execute([_request("simple", a, np.ones_like(a))])
+    assert [(t.name, t.datatype) for t in every.outputs] == [
+        ("OUTPUT0", "INT32"),
+        ("OUTPUT1", "INT32"),
+    ]
+    np.testing.assert_array_equal(every.outputs[1].data, a - 1)
+    asking = _request("simple", a, np.ones_like(a))
+    asking.id = "asked"
+    asking.requested_outputs = [RequestedOutput("OUTPUT1"), RequestedOutput("OUTPUT0")]
+    (asked,) = instance.execute([asking])
+    assert asked.id == "asked"
+    assert [t.name for t in asked.outputs] == ["OUTPUT1", "OUTPUT0"]
+    np.testing.assert_array_equal(asked.outputs[0].data, a - 1)
+    asking.requested_outputs = [RequestedOutput("OUTPUT1")]
+    (one,) = instance.execute([asking])
+    assert [t.name for t in one.outputs] == ["OUTPUT1"]

@@ -136,9 +136,13 @@ class Job:
 
     def drop_cancelled(self) -> None:
         """Take the requests cancelled so far out of the batch, before it runs."""
-        if any(request.cancelled for request in self.requests):
-            self.cancelled = [request for request in self.requests if request.cancelled]
-            self.requests = [request for request in self.requests if not request.cancelled]
+        for request in self.requests:  # a loop, not any(): no generator per batch
+            if request.cancelled:
+                break
+        else:
+            return
+        self.cancelled = [request for request in self.requests if request.cancelled]
+        self.requests = [request for request in self.requests if not request.cancelled]
 
 
 class HeldJob:

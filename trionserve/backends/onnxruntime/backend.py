@@ -31,7 +31,7 @@ from trionserve.backends.onnxruntime.session_run import SessionRun
 from trionserve.backends.onnxruntime.validation import validate_session
 from trionserve.core import datatypes
 from trionserve.core.errors import InternalError, InvalidArgument, TritonError, Unavailable
-from trionserve.core.inference import InferenceRequest
+from trionserve.core.inference import InferenceRequest, InferenceResponse, Tensor
 from trionserve.observability.logging import verbose
 from trionserve.observability.statistics import ComputeTimes
 
@@ -315,6 +315,16 @@ class OnnxInstance:
         # Where a batch of several requests is gathered; reused by the next batch,
         # which starts after this one's outputs are out of it (see execute).
         self._buffers = HostBuffers()
+        # Inputs fed as they come and outputs answered as they are (no strings,
+        # reshapes, ragged inputs or batch tensors): a lone request's tensors go
+        # to the session and back without the batch's gather and split.
+        self._plain = not (
+            self._string_inputs
+            or self._input_reshape
+            or self._output_reshape
+            or self._ragged
+            or self._batch_tensors
+        )
 
     def execute(self, requests: list[InferenceRequest]) -> list:
         """One response or error per request; ``compute_times`` for the batch. A
@@ -356,18 +366,26 @@ class OnnxInstance:
                 if gathered and self._buffers.holds(array):
                     array = array.copy()
                 outputs[name] = array
-        try:
-            responses = build_responses(
-                kept,
-                self.model_name,
-                self.model_version,
-                outputs,
-                self._output_datatypes,
-                self._output_reshape,
-                self._batch_tensors,
-            )
-        except TritonError as error:
-            return [error] * len(requests)
+        if self._plain and len(kept) == 1 and kept[0].requested_outputs is None:
+            # Every output, in the model's order (the order ``outputs`` has).
+            types = self._output_datatypes
+            tensors = [Tensor(name, types[name], array) for name, array in outputs.items()]
+            responses = [
+                InferenceResponse(self.model_name, self.model_version, kept[0].id, tensors)
+            ]
+        else:
+            try:
+                responses = build_responses(
+                    kept,
+                    self.model_name,
+                    self.model_version,
+                    outputs,
+                    self._output_datatypes,
+                    self._output_reshape,
+                    self._batch_tensors,
+                )
+            except TritonError as error:
+                return [error] * len(requests)
         self.compute_times = ComputeTimes(
             staged - started, inferred - staged, time.perf_counter_ns() - inferred
         )
@@ -380,6 +398,12 @@ class OnnxInstance:
         """The outputs the batch asks for and the session's inputs: the requests'
         tensors gathered (into the host buffers for several), strings as text, the
         batch inputs added."""
+        if self._plain and len(requests) == 1:
+            (request,) = requests
+            feeds = {name: tensor.data for name, tensor in request.inputs.items()}
+            if request.requested_outputs is None:
+                return self._outputs, feeds
+            return wanted_outputs(requests, self._outputs), feeds
         feeds = gather_inputs(requests, self._input_reshape, self._ragged, buffers=self._buffers)
         if self._string_inputs:
             for name in self._string_inputs.intersection(feeds):
