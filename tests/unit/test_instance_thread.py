@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 import weakref
 from functools import partial
 
 import trio
+import trio.testing
 
 from trionserve.backends.instance_thread import InstanceThread, Job, _Doorbell
 
@@ -89,3 +91,73 @@ async def test_a_finished_job_lets_go_of_its_callbacks_and_is_freed_without_the_
         assert gone() is None
     finally:
         gc.enable()
+
+
+async def test_a_job_nobody_waits_for_makes_no_event_and_a_waiter_is_woken():
+    """A job delivered by its callback alone is finished without a trio.Event
+    made or set (most jobs); a task that waits for a job gets one, woken as
+    the job finishes, and one made after the job finished is set already."""
+    delivered: list[bool] = []
+    job = Job([_Request()], lambda: delivered.append(True))
+    job.finished()
+    assert job.over and delivered == [True]
+    assert job._done is None  # no event made
+    assert job.done.is_set()  # ... until asked for: made set
+
+    waited = Job([_Request()])
+    woken: list[bool] = []
+
+    async def waiter() -> None:
+        await waited.done.wait()
+        woken.append(waited.over)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not woken
+        waited.finished()
+    assert woken == [True]
+
+
+async def test_a_jobs_span_is_the_threads_readings_on_trios_clock():
+    """On Trio's own clock (perf_counter() plus a constant) a job's span is its
+    thread's readings moved by that constant, read once as the thread starts:
+    what reading Trio's clock and perf_counter() per batch gave, within a few
+    microseconds (no clock read on the loop per batch)."""
+    thread = InstanceThread("m_0", _Instance())  # type: ignore[arg-type]
+    thread.start()
+    try:
+        assert thread._offset is not None
+        job = Job([_Request()])
+        job.started = time.perf_counter() - 0.003
+        job.ended = time.perf_counter() - 0.001
+        start, end = thread.span(job)
+        now = trio.current_time()
+        by_now = now - (time.perf_counter() - job.ended)
+        assert abs(end - by_now) < 5e-6
+        assert abs((end - start) - (job.ended - job.started)) < 1e-9
+    finally:
+        thread.stop()
+        assert await trio.to_thread.run_sync(thread.join, 10)
+
+
+def test_on_a_mock_clock_a_jobs_span_is_read_from_it_per_batch():
+    """A MockClock's virtual time is no constant away from perf_counter(): the
+    span is then read from Trio's clock as the job is delivered."""
+
+    async def main() -> tuple[float | None, float, float, float]:
+        thread = InstanceThread("m_0", _Instance())  # type: ignore[arg-type]
+        thread.start()
+        await trio.sleep(100)  # virtual: jumps
+        job = Job([_Request()])
+        job.ended = time.perf_counter()
+        job.started = job.ended - 0.002
+        start, end = thread.span(job)
+        thread.stop()
+        await trio.to_thread.run_sync(thread.join, 10)
+        return thread._offset, start, end, trio.current_time()
+
+    offset, start, end, now = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert offset is None
+    assert now - 1 < end <= now
+    assert abs((end - start) - 0.002) < 1e-9

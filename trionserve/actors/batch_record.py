@@ -12,6 +12,7 @@ import trio
 from trionserve.core.errors import Cancelled, InternalError, TritonError
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import (
+    NS_PER_S,
     ComputeTimes,
     FailureReason,
     ModelStatistics,
@@ -31,12 +32,13 @@ def record_batch(
 ) -> None:
     """Record one executed batch that ran from ``start`` to ``end`` (Trio's
     clock); ``outcomes`` None: every request succeeded."""
-    total_ns = to_ns(end - start)
     if times is not None:
         input_ns, infer_ns, output_ns = times
     else:
         input_ns = output_ns = 0
-        infer_ns = total_ns
+        infer_ns = int((end - start) * NS_PER_S)  # (to_ns, written out)
+        if infer_ns < 0:
+            infer_ns = 0
     if statistics.traces:
         record_compute(statistics.traces, requests, start, end, input_ns, output_ns)
     statistics.record_batch(requests, outcomes, start, end, input_ns, infer_ns, output_ns)

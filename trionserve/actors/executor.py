@@ -9,6 +9,7 @@ served by the base class, :mod:`trionserve.actors.executor_async`."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
 
 import structlog
@@ -36,9 +37,9 @@ from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, StagedBackendInsta
 from trionserve.backends.instance_thread import Abandoned, HeldJob, InstanceThread, Job
 from trionserve.core.deferred import sweep_deferred
 from trionserve.core.errors import InternalError, Unavailable
-from trionserve.core.inference import InferenceRequest
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import FailureReason, ModelStatistics
-from trionserve.schedulers.scheduler import BatchOutlet
+from trionserve.schedulers.scheduler import BatchOutlet, Outcome
 
 log = structlog.get_logger(__name__)
 
@@ -264,7 +265,7 @@ class InstanceExecutor(AsyncInstanceServing):
                 except trio.EndOfChannel:
                     await self._handed_delivered()
                     return
-                if not job.done.is_set():  # (Event.wait checkpoints even when set)
+                if not job.over:  # (Event.wait checkpoints even when set)
                     await thread.wait(job)
                 done, job = job, None
                 if done.requests or done.cancelled:
@@ -322,7 +323,11 @@ class InstanceExecutor(AsyncInstanceServing):
                 return
 
     def _complete(self, job: Job, thread: InstanceThread) -> None:
-        drop_finished(self._statistics, job.cancelled)  # cancelled while waiting for the thread
+        """Deliver a job the thread ran: its statistics, then its outcomes.
+        Written out for the common batch (every result a response: statistics
+        told so, no per-request check), as it runs once per batch on the loop."""
+        if job.cancelled:  # cancelled while waiting for the thread
+            drop_finished(self._statistics, job.cancelled)
         live = job.requests
         if not live:
             self._outlet.complete(live, ())
@@ -330,13 +335,23 @@ class InstanceExecutor(AsyncInstanceServing):
         if job.error is not None:
             self._fail(live, job.error)
             return
-        start, end = thread.span(job)
+        times = job.times
         if self._inline_budget:
-            times = job.times
-            self._last_ns = sum(times) if times is not None else self._inline_budget + 1
-        outcomes = checked_outcomes(self.spec.name, live, job.results)
+            self._last_ns = (
+                times[0] + times[1] + times[2] if times is not None else self._inline_budget + 1
+            )
+        outcomes: Sequence[Outcome] = job.results  # type: ignore[assignment]  # checked:
+        every = type(outcomes) is list and len(outcomes) == len(live)  # a response each?
+        if every:
+            for result in outcomes:
+                if not isinstance(result, InferenceResponse):
+                    every = False
+                    break
+        if not every:
+            outcomes = checked_outcomes(self.spec.name, live, outcomes)
         if self._statistics is not None:
-            record_batch(self._statistics, live, outcomes, start, end, job.times)
+            start, end = thread.span(job)
+            record_batch(self._statistics, live, None if every else outcomes, start, end, times)
         self._outlet.complete(live, outcomes)
 
     def _wake_delivery(self) -> None:
@@ -437,7 +452,7 @@ class InstanceExecutor(AsyncInstanceServing):
                     self._outlet.offer_again()
             else:  # freed before (_handed_free): offered then
                 self._freed.discard(job)
-            if isinstance(job.error, Abandoned):  # skipped: the executor is stopping
+            if job.error is not None and isinstance(job.error, Abandoned):  # stopping
                 drop_finished(self._statistics, job.cancelled)
                 stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
                 record_failures(self._statistics, job.requests, FailureReason.OTHER)

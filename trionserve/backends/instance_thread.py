@@ -3,8 +3,8 @@
 A blocking backend instance gets one thread of its own for its lifetime, instead of
 a ``trio.to_thread`` hop (a thread taken from Trio's cache and handed back) per
 batch. Its executor hands it :class:`Job` objects in the order the scheduler formed
-the batches; the thread runs them one after the other, in that order, and sets each
-job's ``done`` event on the Trio thread when its results are in. Only this thread
+the batches; the thread runs them one after the other, in that order, and finishes
+each job on the Trio thread when its results are in. Only this thread
 ever calls the instance while it runs.
 
 An instance that implements
@@ -61,6 +61,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import trio
+import trio.testing
 
 from trionserve.backends.base import BackendInstance, TimedBackendInstance
 from trionserve.backends.cuda.pipeline import Pipeline, StagedBackendInstance
@@ -73,9 +74,10 @@ class Job:
     """One batch on its way through an instance's thread.
 
     ``results`` (one response or error per request) or ``error`` (the exception
-    the backend raised) is set once ``done`` is; ``started`` and ``ended`` are
-    ``time.perf_counter()`` readings of the thread; ``times`` is how the backend
-    split the batch's time, if it says.
+    the backend raised) is set once ``over`` is (and ``done``, the event to
+    wait for it); ``started`` and ``ended`` are ``time.perf_counter()``
+    readings of the thread; ``times`` is how the backend split the batch's
+    time, if it says.
     """
 
     __slots__ = (
@@ -87,7 +89,8 @@ class Job:
         "ended",
         "times",
         "staged",
-        "done",
+        "over",
+        "_done",
         "on_done",
         "on_free",
         "held",
@@ -104,8 +107,12 @@ class Job:
         self.ended = 0.0
         self.times: ComputeTimes | None = None
         self.staged: object = None  # the instance's handle between its steps
-        self.done = trio.Event()
-        # Called on the Trio thread as ``done`` is set (the executor's delivery
+        # Set on the Trio thread as the job is finished; ``done`` is made only
+        # for a task that waits for it (most jobs are delivered by ``on_done``,
+        # waited on by nobody: no event made and set per batch).
+        self.over = False
+        self._done: trio.Event | None = None
+        # Called on the Trio thread as the job is finished (the executor's delivery
         # task waits for any job to finish, not for each to be given).
         self.on_done = on_done
         # Called on the Trio thread when the instance is done computing the job
@@ -117,13 +124,26 @@ class Job:
         # starts it at the delay's end (see HeldJob).
         self.held: HeldJob | None = None
 
+    @property
+    def done(self) -> trio.Event:
+        """Set once the job is finished (on the Trio thread; made on demand)."""
+        done = self._done
+        if done is None:
+            done = self._done = trio.Event()
+            if self.over:
+                done.set()
+        return done
+
     def finished(self) -> None:
-        """The job is done (on the Trio thread): ``done`` set, ``on_done`` called.
-        Both callbacks are let go first: an executor's hold the job (a
-        ``partial`` of it), a cycle that kept the batch's requests, tensors and
-        responses alive until the collector's next run, about 20 objects a
-        request that made it run every 30 requests (issue 39, sixth round)."""
-        self.done.set()
+        """The job is done (on the Trio thread): ``over`` (and ``done``) set,
+        ``on_done`` called. Both callbacks are let go first: an executor's hold
+        the job (a ``partial`` of it), a cycle that kept the batch's requests,
+        tensors and responses alive until the collector's next run, about 20
+        objects a request that made it run every 30 requests (issue 39, sixth
+        round)."""
+        self.over = True
+        if self._done is not None:
+            self._done.set()
         on_done, self.on_done, self.on_free = self.on_done, None, None
         if on_done is not None:
             on_done()
@@ -260,6 +280,21 @@ def wait_to_the_microsecond() -> None:
         pass
 
 
+def clock_offset() -> float | None:
+    """Trio's clock less ``time.perf_counter()`` (on the Trio thread), where
+    that is a constant: Trio's own clock (``perf_counter()`` plus an offset,
+    as schedulers/timer.py relies on too), not a ``MockClock``'s virtual
+    time (None). The thread's readings then go to Trio's clock with an
+    addition, not two clock readings per batch on the loop (``span``);
+    read between two readings of ``perf_counter()``: within tens of ns."""
+    clock = trio.lowlevel.current_clock()
+    if isinstance(clock, trio.testing.MockClock):
+        return None
+    before = time.perf_counter()
+    now = clock.current_time()
+    return now - (before + time.perf_counter()) / 2
+
+
 class Abandoned(RuntimeError):
     """A job the thread skipped: the executor stopped before the batch ran."""
 
@@ -299,8 +334,7 @@ class InstanceThread:
         self._deferred: Deferred | None = None
         self._held: HeldJob | None = None  # the last job given held
         self._hold = threading.Condition(threading.Lock())  # its wait (see HeldJob)
-        # time.perf_counter() less Trio's clock (its SystemClock's offset):
-        # set by the first held job, on the Trio thread.
+        # Trio's clock less perf_counter(), where that is a constant (see span).
         self._offset: float | None = None
 
     def start(self, token: trio.lowlevel.TrioToken | None = None) -> None:
@@ -308,6 +342,7 @@ class InstanceThread:
         self._token = token or trio.lowlevel.current_trio_token()
         if token is None:
             self._deferred = deferred_jobs()
+            self._offset = clock_offset()
         self._thread = threading.Thread(
             target=self._work, name=f"instance {self._name}", daemon=True
         )
@@ -339,9 +374,9 @@ class InstanceThread:
         """Give the thread a job to start at ``start_at`` (Trio's clock), or
         when released (see :class:`HeldJob`)."""
         offset = self._offset
-        if offset is None:
-            offset = self._offset = time.perf_counter() - trio.current_time()
-        held = job.held = self._held = HeldJob(job, start_at + offset, self._hold)
+        if offset is None:  # (a MockClock's virtual time: read now)
+            offset = trio.current_time() - time.perf_counter()
+        held = job.held = self._held = HeldJob(job, start_at - offset, self._hold)
         self._put(job)
         return held
 
@@ -381,6 +416,9 @@ class InstanceThread:
 
     def span(self, job: Job) -> tuple[float, float]:
         """The job's start and end on Trio's clock (the thread reads perf_counter)."""
+        offset = self._offset
+        if offset is not None:
+            return job.started + offset, job.ended + offset
         end = trio.current_time() - (time.perf_counter() - job.ended)
         return end - (job.ended - job.started), end
 

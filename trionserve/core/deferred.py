@@ -95,7 +95,7 @@ def sweep_deferred() -> None:
         deferred = _DEFERRED.get(_NO_DEFERRED)
     except RuntimeError:  # not in a Trio run
         return
-    if deferred:
+    if deferred._jobs:
         deferred.sweep()
 
 

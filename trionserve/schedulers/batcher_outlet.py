@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trionserve.core.inference import InferenceRequest
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.schedulers.scheduler import DelayedRun, DirectRun, DirectRunAsync, Outcome
 
 if TYPE_CHECKING:
@@ -107,7 +107,16 @@ class BatcherOutlet:
         return await self.receive()  # the batcher forms every batch
 
     def complete(self, requests: Sequence[InferenceRequest], outcomes: Sequence[Outcome]) -> None:
-        self._batcher._complete(self._tickets.popleft(), requests, outcomes)
+        ticket = self._tickets.popleft()
+        if ticket is not None:  # delivered in the order the batches were formed
+            self._batcher._complete(ticket, requests, outcomes)
+            return
+        # deliver_outcomes, written out (once per batch on the event loop).
+        for request, outcome in zip(requests, outcomes):
+            if isinstance(outcome, InferenceResponse):
+                request.respond(outcome)
+            else:
+                request.fail(outcome)
 
     def close(self) -> None:
         if self.closed:
