@@ -300,6 +300,38 @@ async def test_an_eager_receiver_waits_when_nothing_is_there_and_ends_as_receive
         await receiver.receive_some(1024)
 
 
+async def test_an_eager_receiver_expecting_a_wait_reads_only_once_readable(monkeypatch):
+    """expect_wait: no read before the socket is readable (none that finds
+    nothing), a checkpoint even when bytes are there; then eager again."""
+    server, client = _stream_pair()
+    receiver = EagerReceiver(server, eager_reads=2)
+    reads: list[int] = []
+    real_read = os.read
+
+    def counted(fd: int, size: int) -> bytes:
+        reads.append(size)
+        return real_read(fd, size)
+
+    monkeypatch.setattr(os, "read", counted)
+    async with trio.open_nursery() as nursery:
+        got: list[bytes] = []
+
+        async def read() -> None:
+            got.append(await receiver.receive_some(1024, expect_wait=True))
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [] and reads == []
+        await client.send_all(b"frame")
+    assert got == [b"frame"] and reads == [1024]
+    await client.send_all(b"more")
+    with trio.testing.assert_checkpoints():
+        assert await receiver.receive_some(16, expect_wait=True) == b"more"
+    await client.send_all(b"eager")
+    with trio.testing.assert_no_checkpoints():
+        assert await receiver.receive_some(16) == b"eager"
+
+
 async def test_an_eager_receiver_sees_a_cancellation_though_bytes_keep_coming():
     server, client = _stream_pair()
     receiver = EagerReceiver(server, eager_reads=3)

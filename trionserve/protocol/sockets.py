@@ -165,12 +165,25 @@ class EagerReceiver:
         self._socket: trio.socket.SocketType | None = getattr(stream, "socket", None)
         self._eager = self._eager_reads = eager_reads
 
-    async def receive_some(self, max_bytes: int, eager: bool = True) -> bytes | bytearray:
+    async def receive_some(
+        self, max_bytes: int, eager: bool = True, expect_wait: bool = False
+    ) -> bytes | bytearray:
         """``eager=False``: a checkpoint before the read, as Trio's (a gRPC
-        connection with calls in flight lets their tasks run first)."""
+        connection with calls in flight lets their tasks run first);
+        ``expect_wait``: the peer is expected to send nothing before it hears
+        from us (a gRPC connection whose calls all wait for their outcomes):
+        wait for the socket to be readable first, then read, without the read
+        that would find nothing (``EAGAIN``, an exception)."""
         socket = self._socket
         if socket is None:
             return await self._stream.receive_some(max_bytes)
+        if expect_wait:
+            self._eager = self._eager_reads
+            while True:
+                await trio.lowlevel.wait_readable(socket)
+                data = _read_some(socket, max_bytes)
+                if data is not None:
+                    return data
         if eager and self._eager:
             self._eager -= 1
         else:

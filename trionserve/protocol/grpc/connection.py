@@ -249,9 +249,11 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
                     return True
                 continue
             try:
-                # (eager when no call is in a task of its own: none to let run)
-                eager = len(self.calls) == len(self._parked) + len(self._awaiting)
-                data = await receive(256 * 1024, eager)
+                # (eager when no call is in a task of its own: none to let run;
+                # with every call parked the client waits for an answer first)
+                parked = len(self._parked)
+                eager = len(self.calls) == parked + len(self._awaiting)
+                data = await receive(256 * 1024, eager, eager and 0 < parked == len(self.calls))
             except CLOSED:
                 return False
             if not data:
