@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnxruntime.capi import onnxruntime_pybind11_state
 
-from trionserve.backends.onnxruntime.session_run import SessionRun
+from trionserve.backends.onnxruntime.session_run import KNOWN_WRAPPER, SessionRun, known_wrapper
 
 SIMPLE = (
     Path(__file__).resolve().parents[2] / "examples" / "model_repository" / "simple" / "1"
@@ -29,50 +29,29 @@ def _feeds(rows: int = 2) -> dict[str, np.ndarray]:
     return {"INPUT0": a, "INPUT1": np.ones_like(a)}
 
 
-def _names(code) -> set[str]:
-    return set(code.co_names)
-
-
-def test_the_wrappers_run_makes_the_checks_session_run_makes_once_or_hands_back():
+def test_the_installed_wrapper_is_the_one_session_run_knows(session):
     """If onnxruntime changes what ``InferenceSession.run`` does before or around
-    its C session's ``run``, SessionRun's shortcut must be looked at again: this
-    fails then."""
-    assert _names(ort.InferenceSession.run.__code__) == {
-        "C",
-        "EPFail",
-        "_enable_fallback",
-        "_fallback_providers",
-        "_outputs_meta",
-        "_providers",
-        "_sess",
-        "_validate_graph_capture_run_api",
-        "_validate_input",
-        "_validate_ortvalue_ownership",
-        "disable_fallback",
-        "keys",
-        "list",
-        "print",
-        "run",
-        "set_providers",
-        "values",
-    }
-    assert _names(ort.InferenceSession._validate_input.__code__) == {
-        "_inputs_meta",
-        "name",
-        "type",
-        "startswith",
-        "append",
-        "ValueError",
-    }
-    assert _names(ort.InferenceSession._validate_graph_capture_run_api.__code__) == {
-        "_sess",
-        "is_webgpu_graph_capture_enabled",
-        "_graph_annotation_id",
-        "_GRAPH_ANNOTATION_SKIP",
-        "ValueError",
-        "_GPU_GRAPH_ID_RUN_CONFIG_KEY",
-    }
+    its C session's ``run``, SessionRun calls the wrapper as it is (correct, and
+    slower): this fails then, so that its shortcut is looked at again."""
+    for name, names in KNOWN_WRAPPER.items():
+        assert set(getattr(ort.InferenceSession, name).__code__.co_names) == names, name
     assert onnxruntime_pybind11_state.EPFail is ort.capi.onnxruntime_inference_collection.C.EPFail
+    assert SessionRun(session)._direct
+
+
+def test_a_wrapper_it_does_not_know_is_called_as_it_is(session, monkeypatch):
+    class Changed(ort.InferenceSession):
+        def run(self, output_names, input_feed, run_options=None):
+            self._validate_something_new(input_feed)
+            return super().run(output_names, input_feed, run_options)
+
+    monkeypatch.setattr(session, "__class__", Changed)
+    monkeypatch.setattr(Changed, "_validate_something_new", lambda self, feed: None, raising=False)
+    assert not known_wrapper(session)
+    calls = []
+    monkeypatch.setattr(session, "run", lambda names, feeds: calls.append(names) or [])
+    SessionRun(session)(["OUTPUT0"], _feeds())
+    assert calls == [["OUTPUT0"]]
 
 
 def test_results_are_the_wrappers(session):

@@ -16,8 +16,10 @@ set compared with the feed's keys) and calls the C session itself; WebGPU graph
 capture is looked at once, the feeds are numpy arrays (no ``OrtValue``), and any
 call it cannot make so (a missing input, no output named, capture on, a provider
 failure) goes to the wrapper, whose errors and fallback are thus unchanged. The
-wrapper's internals are read here only; ``tests/unit/test_onnxruntime_run.py``
-fails when onnxruntime changes what its ``run`` does.
+wrapper's internals are read here only, and only where its ``run`` is the one
+this was written against (the names its code reads, :data:`KNOWN_WRAPPER`, as in
+onnxruntime 1.32): another version's wrapper is called as it is, and
+``tests/unit/test_onnxruntime_run.py`` fails on it so that this is looked at again.
 """
 
 from __future__ import annotations
@@ -30,6 +32,54 @@ if TYPE_CHECKING:
     from onnxruntime import InferenceSession
 
 __all__ = ["SessionRun"]
+
+
+# What the wrapper's steps read (their code's names), as this module knows them.
+KNOWN_WRAPPER = {
+    "run": frozenset(
+        {
+            "C",
+            "EPFail",
+            "_enable_fallback",
+            "_fallback_providers",
+            "_outputs_meta",
+            "_providers",
+            "_sess",
+            "_validate_graph_capture_run_api",
+            "_validate_input",
+            "_validate_ortvalue_ownership",
+            "disable_fallback",
+            "keys",
+            "list",
+            "print",
+            "run",
+            "set_providers",
+            "values",
+        }
+    ),
+    "_validate_input": frozenset(
+        {"_inputs_meta", "name", "type", "startswith", "append", "ValueError"}
+    ),
+    "_validate_graph_capture_run_api": frozenset(
+        {
+            "_sess",
+            "is_webgpu_graph_capture_enabled",
+            "_graph_annotation_id",
+            "_GRAPH_ANNOTATION_SKIP",
+            "ValueError",
+            "_GPU_GRAPH_ID_RUN_CONFIG_KEY",
+        }
+    ),
+}
+
+
+def known_wrapper(session: object) -> bool:
+    """Whether ``session``'s wrapper steps read what :data:`KNOWN_WRAPPER` says."""
+    for name, names in KNOWN_WRAPPER.items():
+        code = getattr(getattr(type(session), name, None), "__code__", None)
+        if code is None or frozenset(code.co_names) != names:
+            return False
+    return True
 
 
 def _provider_failure() -> type[Exception]:
@@ -51,7 +101,9 @@ class SessionRun:
         )
         inner: Any = getattr(session, "_sess", None)
         capture = getattr(inner, "is_webgpu_graph_capture_enabled", None)
-        self._direct = inner is not None and not (capture is not None and capture())
+        self._direct = (
+            inner is not None and capture is not None and not capture() and known_wrapper(session)
+        )
         self._failure = _provider_failure()
 
     def __call__(self, names: list[str], feeds: dict[str, np.ndarray]) -> list:
