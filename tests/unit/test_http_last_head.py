@@ -173,3 +173,78 @@ def test_bytes_that_go_on_a_head_begun_are_parsed_even_when_they_repeat_the_last
     h1.receive_data(HEAD + body(8))  # ... goes on with these bytes: its X-Note's value
     request = served(h1)
     assert h1.path(request) == "/b" and (b"x-note", HEAD.split(b"\r\n")[0]) in request.headers
+
+
+def read_again(h1: H1Connection, data: bytes) -> None:
+    """What the transport does with bytes there: one readv into again_buffers."""
+    buffers = h1.again_buffers()
+    assert buffers is not None
+    head, body = buffers
+    assert len(head) == len(HEAD) and len(body) == 19
+    size = min(len(data), len(head) + len(body))
+    head[: min(size, len(head))] = data[: len(head)][:size]
+    if size > len(head):
+        body[: size - len(head)] = data[len(head) : size]
+    h1.received_again(size, head, body)
+
+
+def test_no_buffers_to_read_again_into_without_a_kept_head_or_with_bytes_pending():
+    h1 = connection()
+    assert h1.again_buffers() is None  # no head kept
+    h1.receive_data(HEAD + body(1))
+    assert h1.again_buffers() is None  # a request waits
+    served(h1)
+    assert h1.again_buffers() is not None
+    h1.receive_data(HEAD[:10])
+    assert h1.again_buffers() is None  # a head has begun
+
+
+def test_a_repeated_head_read_with_its_body_in_one_read_is_made_without_the_parser():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    first = served(h1)
+    parser = h1.parser = NoParser()
+    read_again(h1, HEAD + body(2))
+    request = h1.requests[0]
+    assert request.complete and h1.parser is parser
+    again = served(h1)
+    assert fields(h1, again) == fields(h1, first)
+    assert bytes(h1.body(again)) == body(2) and not h1.body(again).readonly
+
+    read_again(h1, HEAD + body(3)[:4])  # the rest of the body comes later
+    request = h1.requests[0]
+    assert not request.complete and h1.state.client is Client.BODY
+    empty = h1.body_pending(request)
+    assert empty is not None and len(empty) == 15
+    empty[:] = body(3)[4:]
+    h1.body_received(request, 15)
+    assert bytes(h1.body(served(h1))) == body(3) and h1.parser is parser
+
+
+@pytest.mark.parametrize("cut", [0, 5, len(HEAD), len(HEAD) + 19])
+def test_other_bytes_read_where_a_repeated_head_was_expected_are_parsed(cut):
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    other = HEAD.replace(b"localhost:8000", b"localhost:8001")
+    assert len(other) == len(HEAD)
+    read_again(h1, (other + body(4))[:cut] if cut else other + body(4))
+    if cut and cut < len(other) + 19:  # the rest comes later, parsed as usual
+        h1.receive_data((other + body(4))[cut:])
+    request = served(h1)
+    assert bytes(h1.body(request)) == body(4)
+    assert (b"host", b"localhost:8001") in request.headers
+    assert h1._last_head is not None
+
+
+def test_a_repeated_head_read_short_is_parsed_and_the_end_of_stream_closes():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    read_again(h1, HEAD[:20])
+    h1.receive_data(HEAD[20:] + body(5))
+    assert bytes(h1.body(served(h1))) == body(5)
+    buffers = h1.again_buffers()
+    assert buffers is not None
+    h1.received_again(0, *buffers)
+    assert h1.state.client is Client.CLOSED and h1.next_request() is None

@@ -243,14 +243,15 @@ def _read_some(socket: trio.socket.SocketType, max_bytes: int) -> bytes | bytear
         raise trio.BrokenResourceError(exc) from exc
 
 
-def receive_now(stream: trio.abc.ReceiveStream, buffer: memoryview) -> int | None:
-    """Bytes the stream's socket holds now, read into ``buffer`` without waiting;
-    None when it holds none (or the stream has no socket of its own)."""
+def receive_now(stream: trio.abc.ReceiveStream, *buffers: memoryview) -> int | None:
+    """Bytes the stream's socket holds now, read into ``buffers`` in turn (one
+    ``readv``) without waiting; None when it holds none (or the stream has no
+    socket of its own)."""
     socket = getattr(stream, "socket", None)
     if socket is None:
         return None
     try:
-        return os.readv(socket.fileno(), (buffer,))
+        return os.readv(socket.fileno(), buffers)
     except BlockingIOError:
         return None
     except OSError as exc:

@@ -374,7 +374,7 @@ class H1Connection:
             return
         fresh = state.client is _IDLE and not self._head_bytes  # a head begins here
         if fresh and (last := self._last_head) is not None and data[: len(last.raw)] == last.raw:
-            self._again(last, data)
+            self._again_in(last, data)
             return
         if state.client is not _BODY:
             self._head_bytes += len(data)
@@ -402,11 +402,51 @@ class H1Connection:
             # between a client's infer requests does not end their cache)
             self._last_head = LastHead.of(data, self.requests[first]) or self._last_head
 
-    def _again(self, last: LastHead, data: bytes | bytearray | memoryview) -> None:
-        """A request whose head is ``last``'s bytes: made as the parser's
+    def again_buffers(self) -> tuple[memoryview, memoryview] | None:
+        """Where to read the next request in one read, expecting it to repeat the
+        last head kept (a client's next infer request of one shape): a buffer of
+        that head's length, then a body buffer of its length (then
+        :meth:`received_again`); None when no head is kept, or bytes of a request
+        have come."""
+        last = self._last_head
+        if last is None or self.state.client is not _IDLE or self._head_bytes or self.requests:
+            return None
+        return last.scratch, body_buffer(last.length, last.tensors_at)
+
+    def received_again(self, size: int, head: memoryview, body: memoryview) -> None:
+        """``size`` bytes read into :meth:`again_buffers`' ``head`` and ``body`` in
+        turn (0: the client's end): the request whose head is the last one's, when
+        those are its bytes (its body's start in its own buffer); other bytes
+        are received as any (:meth:`receive_data`)."""
+        last = self._last_head
+        assert last is not None
+        start = len(last.raw)
+        if size >= start and head == last.raw:
+            self._again(last, body, size - start)
+        elif size <= start:
+            self.receive_data(bytes(head[:size]))
+        else:
+            self.receive_data(bytes(head) + bytes(body[: size - start]))
+
+    def _again_in(self, last: LastHead, data: bytes | bytearray | memoryview) -> None:
+        """A request whose head is ``last``'s bytes, at the start of ``data``: the
+        rest is its body, then (once it is whole) the next request's bytes,
+        parsed as usual."""
+        start = len(last.raw)
+        length = last.length
+        buffer = body_buffer(length, last.tensors_at)
+        body = data[start : start + length]
+        if body:
+            buffer[: len(body)] = body
+        self._again(last, buffer, len(body))
+        if len(data) > start + length:
+            self.receive_data(data[start + length :])
+
+    def _again(self, last: LastHead, buffer: memoryview, size: int) -> None:
+        """The request whose head is ``last``'s bytes and whose body's first
+        ``size`` bytes are in ``buffer`` (of its length): made as the parser's
         callbacks make it (on_message_begin, on_headers_complete, on_body), from
-        what the parser made of those bytes; the rest of ``data`` is its body,
-        then (once it is whole) the next request's bytes, parsed as usual."""
+        what the parser made of those bytes."""
         state = self.state
         state.client_event(_BEGIN)
         request = Request()
@@ -422,19 +462,13 @@ class H1Connection:
         request.version = "1.1"
         request.keep_alive = True
         request.expects_continue = False
-        request.length = length = last.length
+        request.length = last.length
         request.head_done = True
-        request.buffer = buffer = body_buffer(length, last.tensors_at)
-        start = len(last.raw)
-        body = data[start : start + length]
-        if body:
-            buffer[: len(body)] = body
-            request.size = len(body)
-        if request.size == length:
+        request.buffer = buffer
+        request.size = size
+        if size == last.length:
             state.client_event(_MESSAGE_DONE)
             request.complete = True
-            if len(data) > start + length:
-                self.receive_data(data[start + length :])
 
     def _refuse(self, error: ProtocolError) -> None:
         """Refuse what came (client side -> REFUSED); a callback that refuses then

@@ -102,10 +102,21 @@ class LastHead:
     as parsed: the request line, one line per header, every line ending in CRLF
     (no bare CR or LF, no folded line), so that the first empty line ends it."""
 
-    __slots__ = ("headers", "head_size", "length", "method", "raw", "target", "tensors_at")
+    __slots__ = (
+        "headers",
+        "head_size",
+        "length",
+        "method",
+        "raw",
+        "scratch",
+        "target",
+        "tensors_at",
+    )
 
     def __init__(self, raw: bytes, request: Request, tensors_at: int) -> None:
         self.raw = raw
+        # Read into where the next head is expected to be these bytes (H1Connection.again_buffers).
+        self.scratch = memoryview(bytearray(len(raw)))
         self.method = request.method
         self.target = request.target
         self.headers = tuple(request.headers)

@@ -1,59 +1,53 @@
 """HTTP/1.1 on Trio streams: the connection loop of the HTTP frontend.
 
-The protocol is :class:`~trionserve.protocol.http.h1.H1Connection` (sans-I/O:
-httptools parses, each side's state moves by a table); this module only moves
-bytes between it and the socket, keeps the deadlines and runs the handlers.
-Every request goes to the handler that the router (``router(method, path)``)
-picks: the whole body is read, the handler gets the headers and the body and
-returns ``(status, headers, body)``, and the answer is written with as few
-writes as possible. The body is a sequence of chunks (the headers carry its
-content-length), or an async iterator of chunks, written as they come with
-chunked transfer encoding (server-sent events). A router that returns None gets
-a 404 with a JSON error.
+The protocol is :class:`~trionserve.protocol.http.h1.H1Connection` (sans-I/O: httptools parses,
+each side's state moves by a table); this module only moves bytes between it and the socket, keeps
+the deadlines and runs the handlers. Every request goes to the handler that the router
+(``router(method, path)``) picks: the whole body is read, the handler gets the headers and the body
+and returns ``(status, headers, body)``, and the answer is written with as few writes as possible.
+The body is a sequence of chunks (the headers carry its content-length), or an async iterator of
+chunks, written as they come with chunked transfer encoding (server-sent events). A router that
+returns None gets a 404 with a JSON error.
 
-A request starts with a read of ``head_receive_size`` (16 KB); the rest of a body
-of declared length is read from the socket straight into the buffer the protocol
-allocated for it (``readv``, never past its end: a pipelined request after it
-stays in the socket), with one wake-up for all of it where the kernel allows
-(``SO_RCVLOWAT``, see :mod:`trionserve.protocol.sockets`); the handler gets a
-writable memoryview of it, so binary tensors are numpy views that no backend
-needs to copy. A large answer is written gathered from its pieces' own buffers
-(``writev`` of the head and the tensors' views).
+A request starts with a read of ``head_receive_size`` (16 KB); the rest of a body of declared
+length is read from the socket straight into the buffer the protocol allocated for it (``readv``,
+never past its end: a pipelined request after it stays in the socket), with one wake-up for all of
+it where the kernel allows (``SO_RCVLOWAT``, see :mod:`trionserve.protocol.sockets`); the handler
+gets a writable memoryview of it, so binary tensors are numpy views that no backend needs to copy.
+A keep-alive request whose bytes came as its answer was written (by the instance's thread) is read
+at once, and one that repeats the connection's last head (``LastHead``) in one ``readv`` with its
+body, straight into the body's buffer. A large answer is written gathered from its pieces' own
+buffers (``writev`` of the head and the tensors' views).
 
 What it guarantees:
 
-- One task per connection; requests on a connection are served one after
-  another (pipelined requests wait, parsed, until their turn).
-- No client holds connections it does not use: a request head must be whole
-  within ``header_timeout``, and a body must not pause for longer (408); an idle
-  keep-alive connection closes after ``keep_alive_timeout``, and at
-  ``max_connections`` the one idle the longest is closed to make room for a new
-  connection (503 only when none is idle).
-- ``Expect: 100-continue`` is answered when the body is about to be read; a body
-  larger than ``max_request_body`` (no limit by default) is answered with 413 (or
-  ``body_refusal``'s answer: the KServe port's are Triton's) and the connection
-  closed; what the protocol refuses is answered with its JSON error
-  and the connection closed (see :mod:`~trionserve.protocol.http.h1`); a handler
-  that raises gets a JSON 500 (and its connection closed), logged.
-- A client that resets or drops its connection ends that connection only: Trio
-  raises resets inside nurseries as ExceptionGroups, hence ``except*``. A client
-  that hangs up while its request is handled for longer than
-  ``SLOW_REQUEST_SECS`` cancels it.
-- Large bodies count in the server's budget of bytes held for clients
-  (``options.budget``, :mod:`~trionserve.core.client_budget`): a request body of
-  declared length over 64 KB from its head until its answer is written (a body
-  that would take the budget past its limit is answered 503 naming
-  ``--client-buffer-limit`` before it is read, and the connection closed), an
-  answer over 64 KB and each stream chunk over 64 KB while it is written. A
-  write waiting for its client is one of the budget's holders: the pressure
-  policy ends the connection of one stalled past ``--client-buffer-stall-secs``.
+- One task per connection; requests on a connection are served one after another (pipelined
+  requests wait, parsed, until their turn).
+- No client holds connections it does not use: a request head must be whole within
+  ``header_timeout``, and a body must not pause for longer (408); an idle keep-alive connection
+  closes after ``keep_alive_timeout``, and at ``max_connections`` the one idle the longest is
+  closed to make room for a new connection (503 only when none is idle).
+- ``Expect: 100-continue`` is answered when the body is about to be read; a body larger than
+  ``max_request_body`` (no limit by default) is answered with 413 (or ``body_refusal``'s answer:
+  the KServe port's are Triton's) and the connection closed; what the protocol refuses is answered
+  with its JSON error and the connection closed (see :mod:`~trionserve.protocol.http.h1`); a
+  handler that raises gets a JSON 500 (and its connection closed), logged.
+- A client that resets or drops its connection ends that connection only: Trio raises resets inside
+  nurseries as ExceptionGroups, hence ``except*``. A client that hangs up while its request is
+  handled for longer than ``SLOW_REQUEST_SECS`` cancels it.
+- Large bodies count in the server's budget of bytes held for clients (``options.budget``,
+  :mod:`~trionserve.core.client_budget`): a request body of declared length over 64 KB from its
+  head until its answer is written (a body that would take the budget past its limit is answered
+  503 naming ``--client-buffer-limit`` before it is read, and the connection closed), an answer
+  over 64 KB and each stream chunk over 64 KB while it is written. A write waiting for its client
+  is one of the budget's holders: the pressure policy ends the connection of one stalled past
+  ``--client-buffer-stall-secs``.
 - Shutdown (``shutdown`` set: the server sets it once its drain is over, see
-  :class:`~trionserve.dataplane.DataPlane`; until then this server serves as
-  usual): the listeners close at once (new connections are refused), idle
-  keep-alive connections close, requests in flight finish and are answered with
-  ``Connection: close``; after ``graceful_timeout`` whatever is left is cancelled,
-  and a request cut while its handler runs is answered 503 (``Connection: close``)
-  if its socket takes the answer within a second.
+  :class:`~trionserve.dataplane.DataPlane`; until then this server serves as usual): the listeners
+  close at once (new connections are refused), idle keep-alive connections close, requests in
+  flight finish and are answered with ``Connection: close``; after ``graceful_timeout`` whatever is
+  left is cancelled, and a request cut while its handler runs is answered 503
+  (``Connection: close``) if its socket takes the answer within a second.
 """
 
 from __future__ import annotations
@@ -115,14 +109,14 @@ __all__ = [
     "Router",
 ]
 
-# Responses up to this size are joined with their head and written at once;
-# larger bodies are written from their buffers, gathered (writev), without joining.
+# Responses up to this size are joined with their head and written at once; larger bodies are
+# written from their buffers, gathered (writev), without joining.
 _JOIN_LIMIT = 64 * 1024
-# A body read without waiting (its bytes already there) yields to the other
-# tasks after this many bytes, so that a fast client cannot hold the loop.
+# A body read without waiting (its bytes already there) yields to the other tasks after this many
+# bytes, so that a fast client cannot hold the loop.
 _YIELD_BYTES = 4 * 1024 * 1024
-# The server's tick, and a request handled this long gets a watcher on its socket so
-# that a client hanging up cancels it (each tick wakes the loop cold: ~0.27 ms, README).
+# The server's tick, and a request handled this long gets a watcher on its socket so that a client
+# hanging up cancels it (each tick wakes the loop cold: ~0.27 ms, README).
 SLOW_REQUEST_SECS = 0.25
 # How long an error answer may take to write before the connection closes anyway.
 _ERROR_WRITE_SECS = 1.0
@@ -144,9 +138,9 @@ class HttpServer:
         self.draining = False
         # Connections waiting for their next request: closed when draining starts.
         self._idle: set[_Connection] = set()
-        # Of those, the ones answered and sent nothing since (keep-alive idle),
-        # oldest first, and since when: closed to make room at the connection
-        # cap, and by watch_slow_requests once idle for keep_alive_timeout.
+        # Of those, the ones answered and sent nothing since (keep-alive idle), oldest first, and
+        # since when: closed to make room at the connection cap, and by watch_slow_requests once
+        # idle for keep_alive_timeout.
         self._keep_alive: dict[_Connection, float] = {}
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
@@ -188,12 +182,11 @@ class HttpServer:
             answers.sweep()  # the reports of the answers written last (answer.py)
 
     async def watch_slow_requests(self, nursery: trio.Nursery) -> None:
-        """Every ``SLOW_REQUEST_SECS``, give each request handled for longer a
-        watcher on its socket, so a client that hangs up cancels it; and close
-        each keep-alive connection idle for ``keep_alive_timeout``, at that
-        time. One timer per server instead of one watcher or deadline per
-        request keeps fast requests cheap (a deadline moved in and out of Trio's
-        heap twice a request costs about half a pass of its run loop)."""
+        """Every ``SLOW_REQUEST_SECS``, give each request handled for longer a watcher on its
+        socket, so a client that hangs up cancels it; and close each keep-alive connection idle for
+        ``keep_alive_timeout``, at that time. One timer per server instead of one watcher or
+        deadline per request keeps fast requests cheap (a deadline moved in and out of Trio's heap
+        twice a request costs about half a pass of its run loop)."""
         timeout = self.options.keep_alive_timeout
         next_check = trio.current_time() + SLOW_REQUEST_SECS
         while True:
@@ -220,8 +213,8 @@ class HttpServer:
                     connection.watch_peer(nursery)
 
     def _close_oldest_idle(self) -> bool:
-        """Close the connection idle the longest between requests (to make room
-        at the cap); False when none is."""
+        """Close the connection idle the longest between requests (to make room at the cap); False
+        when none is."""
         for connection in self._keep_alive:
             del self._keep_alive[connection]
             connection.stop_waiting()
@@ -229,16 +222,16 @@ class HttpServer:
         return False
 
     def drain(self) -> None:
-        """Serve no more requests: idle connections close, requests in flight are
-        answered with ``Connection: close``."""
+        """Serve no more requests: idle connections close, requests in flight are answered with
+        ``Connection: close``."""
         self.draining = True
         answers.sweep()  # (the waits of answers the threads wrote end: answer.py)
         for connection in list(self._idle):
             connection.stop_waiting()
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
-        """Answer 503 on a connection past the cap and close it, without reading it
-        (bounded: a client that does not read cannot hold the accept loop)."""
+        """Answer 503 on a connection past the cap and close it, without reading it (bounded: a
+        client that does not read cannot hold the accept loop)."""
         cap = self.options.max_connections
         answer = json_error(
             503,
@@ -288,10 +281,9 @@ class _Connection:
         # Written by the instance's thread where it can (a plain socket, see answer.py).
         watched = lambda: self.watch is not None  # noqa: E731
         self.answer = answers.ConnectionAnswer.of(self.h1, stream, lambda: server.draining, watched)
-        # The connection's scope, for its whole life: cancelled to end it, by the
-        # keep-alive timeout, the drain or the connection cap while it waits for the
-        # next request (through _idle_scope), or by a slow request's watcher when
-        # the client hangs up. No scope per request.
+        # The connection's scope, for its whole life (no scope per request): cancelled to end it,
+        # by the keep-alive timeout, the drain or the connection cap while it waits for the next
+        # request (through _idle_scope), or by a slow request's watcher when the client hangs up.
         self._scope = trio.CancelScope()
         # The scope to cancel to stop waiting for the next request (while waiting).
         self._idle_scope: trio.CancelScope | None = None
@@ -331,10 +323,10 @@ class _Connection:
     # -- reading -------------------------------------------------------------
 
     async def _next_request(self) -> Request | None:
-        """The next request whose head is whole, or None on the client closing,
-        draining or the keep-alive timeout. The head must be whole within
-        ``header_timeout`` of the connection opening (first request) or of its
-        first byte (later ones): 408 otherwise. Raises what the protocol refused."""
+        """The next request whose head is whole, or None on the client closing, draining or the
+        keep-alive timeout. The head must be whole within ``header_timeout`` of the connection
+        opening (first request) or of its first byte (later ones): 408 otherwise. Raises what the
+        protocol refused."""
         h1 = self.h1
         server = self.server
         timeout = server.options.header_timeout
@@ -353,22 +345,21 @@ class _Connection:
             if server.draining:
                 data = None
             elif deadline is None:  # answered, nothing of the next request yet
+                if self._receive_ready():
+                    continue
                 data = await self._receive_keep_alive()
             else:
                 data = await self._receive_head(deadline)
             if data is None:
                 if deadline is not None and self._now() >= deadline:
-                    raise ProtocolError(
-                        408,
-                        f"the request head did not arrive within {timeout:g} s "
-                        "(--http-header-timeout)",
-                    )
+                    late = f"the request head did not arrive within {timeout:g} s"
+                    raise ProtocolError(408, late + " (--http-header-timeout)")
                 return None
             h1.receive_data(data)
 
     async def _receive_head(self, deadline: float) -> bytes | bytearray | None:
-        """Bytes of a request head yet to be whole (or a connection's first); None
-        when ``deadline`` or the keep-alive timeout passes, or the drain begins."""
+        """Bytes of a request head yet to be whole (or a connection's first); None when ``deadline``
+        or the keep-alive timeout passes, or the drain begins."""
         server = self.server
         until = min(self._now() + server.options.keep_alive_timeout, deadline)
         with trio.move_on_at(until) as scope:
@@ -381,21 +372,33 @@ class _Connection:
                 self._idle_scope = None
         return None
 
+    def _receive_ready(self) -> bool:
+        """Whether the next request's bytes that its answer's wait saw come were read, at once (no
+        wait: no idle bookkeeping). One that repeats the last head is read with its body, into that
+        body's buffer, in one read."""
+        answer = self.answer
+        if answer is None or not answer.readable or self._scope.cancel_called:
+            return False
+        answer.readable = False  # (seen once)
+        h1 = self.h1
+        buffers = h1.again_buffers()
+        if buffers is not None:
+            received = receive_now(self.stream, *buffers)
+            if received is not None:
+                h1.received_again(received, *buffers)
+            return received is not None
+        data = receive_some_now(self.stream, self.server.options.head_receive_size)
+        if data is not None:
+            h1.receive_data(data)
+        return data is not None
+
     async def _receive_keep_alive(self) -> bytes | bytearray | None:
-        """The next request's first bytes on a connection that answered one: read
-        at once when its answer's wait saw them come (no wait: no idle
-        bookkeeping), else waited for under the connection's own scope, which the
-        keep-alive timeout (watch_slow_requests), the drain or the connection cap
-        cancels, ending the connection quietly (bytes that came in the same
-        instant go unread with it: None)."""
+        """The next request's first bytes on a connection that answered one, waited for under the
+        connection's own scope, which the keep-alive timeout (watch_slow_requests), the drain or the
+        connection cap cancels, ending the connection quietly (bytes that came in the same instant
+        go unread with it: None)."""
         server = self.server
         scope = self._scope
-        answer = self.answer
-        if answer is not None and answer.readable and not scope.cancel_called:
-            answer.readable = False  # (seen once)
-            data = receive_some_now(self.stream, server.options.head_receive_size)
-            if data is not None:
-                return data
         self._idle_scope = scope
         server._idle.add(self)
         server._keep_alive[self] = self._now()
@@ -410,15 +413,15 @@ class _Connection:
         return None if self._quiet else data
 
     async def _read_body(self, request: Request) -> RequestBody:
-        """The whole body of a request whose body did not come whole with its head;
-        raises what the protocol refuses (413, 400), PeerGone, and 408 when no byte
-        of it comes for ``header_timeout``."""
+        """The whole body of a request whose body did not come whole with its head; raises what the
+        protocol refuses (413, 400), PeerGone, and 408 when no byte of it comes for
+        ``header_timeout``."""
         h1 = self.h1
         if request.expects_continue and h1.continue_needed(request):
             await self.stream.send_all(CONTINUE)
         stream = self.stream
-        # A body already there (sent with its head, as clients send it) is read
-        # without the deadline's cancel scope, a few microseconds a request.
+        # A body already there (sent with its head, as clients send it) is read without the
+        # deadline's cancel scope, a few microseconds a request.
         empty = h1.body_pending(request)
         if empty is not None:
             received = receive_now(stream, empty)
@@ -427,10 +430,10 @@ class _Connection:
                 if request.complete:
                     return h1.body(request)
         timeout = self.server.options.header_timeout
-        # A body that stops arriving times out: no byte of it for header_timeout (the deadline
-        # moves on only when it passes: each move is an entry in Trio's deadline heap). A
-        # declared body is read into its buffer (receive_into) waiting for all it still lacks:
-        # when the deadline passes, what came meanwhile counts as a read.
+        # A body that stops arriving times out: no byte of it for header_timeout (the deadline moves
+        # on only when it passes: each move is an entry in Trio's deadline heap). A declared body is
+        # read into its buffer (receive_into) waiting for all it still lacks: when the deadline
+        # passes, what came meanwhile counts as a read.
         unyielded, last = 0, trio.current_time()  # last: when a read last brought bytes
         while not request.complete:
             with trio.move_on_at(last + timeout) as scope:
@@ -462,12 +465,11 @@ class _Connection:
     # -- serving ---------------------------------------------------------------
 
     async def _serve(self, request: Request) -> bool:
-        """Answer one request (taken by the protocol); whether the connection is
-        kept for the next. The handler runs here (no frame of its own to enter,
-        and to resume at each wait). A client that hangs up meanwhile cancels it,
-        so its request leaves the queue (or its result is dropped), as DESIGN §3
-        says: requests running after ``SLOW_REQUEST_SECS`` get a watcher on their
-        socket (:meth:`HttpServer.watch_slow_requests`); fast ones pay nothing."""
+        """Answer one request (taken by the protocol); whether the connection is kept for the next.
+        The handler runs here (no frame of its own to enter, and to resume at each wait). A client
+        that hangs up meanwhile cancels it, so its request leaves the queue (or its result is
+        dropped), as DESIGN §3 says: requests running after ``SLOW_REQUEST_SECS`` get a watcher on
+        their socket (:meth:`HttpServer.watch_slow_requests`); fast ones pay nothing."""
         h1 = self.h1
         server = self.server
         path = h1.path(request)
@@ -475,8 +477,8 @@ class _Connection:
         if handler is None:
             await self._send_error(404, f"Not Found: {request.method.decode()} {path}")
             return False
-        # A large body counts in the budget of bytes held for clients from its
-        # head to its answer (a small one pays one comparison).
+        # A large body counts in the budget of bytes held for clients from its head to its answer (a
+        # small one pays one comparison).
         counted = request.length if request.length > _JOIN_LIMIT else 0
         budget = server.options.budget if counted else None
         if budget is not None:
@@ -523,9 +525,8 @@ class _Connection:
                 budget.release(counted)
 
     def _stamps(self, request: Request) -> FrontendStamps:
-        """The HTTP_RECV_* / HTTP_SEND_* stamps of a request that came while tracing
-        was on, set for its handler: they go with its trace, if its inference
-        request is sampled (:mod:`trionserve.observability.trace.frontend`)."""
+        """The request's HTTP_RECV_* / HTTP_SEND_* stamps (tracing was on), set for its handler:
+        they go with its trace if sampled (:mod:`trionserve.observability.trace.frontend`)."""
         stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
         received = dict(request.headers)
         stamps.take_context(received.get(b"traceparent"), received.get(b"tracestate"))
@@ -548,8 +549,8 @@ class _Connection:
         nursery.start_soon(self._watch_peer, *watch)
 
     async def _watch_peer(self, scope: trio.CancelScope, done: trio.Event) -> None:
-        """End of stream (or a reset) cancels the handling; pipelined bytes are
-        parsed (their requests wait their turn) and end the watch."""
+        """End of stream (or a reset) cancels the handling; pipelined bytes are parsed (their
+        requests wait their turn) and end the watch."""
         try:
             with scope:
                 try:
@@ -563,16 +564,15 @@ class _Connection:
             done.set()
 
     async def respond(self, status: int, headers: list[tuple[bytes, bytes]], chunks: Body) -> bool:
-        """Write one whole response (headers must carry its content-length), or
-        stream one whose body is an async iterator; whether the connection is kept
-        for the next request."""
+        """Write one whole response (headers must carry its content-length), or stream one whose
+        body is an async iterator; whether the connection is kept for the next request."""
         h1 = self.h1
         if isinstance(chunks, AsyncIterator):
             await self._stream(status, headers, chunks)
             return h1.end_response()
         head = h1.start_response(status, headers, self.server.draining, streamed=False)
-        # A small answer is written without a checkpoint when the socket takes it
-        # at once: reading the next request is the connection's next one.
+        # A small answer is written without a checkpoint when the socket takes it at once: reading
+        # the next request is the connection's next one.
         if h1.head_only:
             await send_all(self.stream, head)
         else:
@@ -588,12 +588,11 @@ class _Connection:
     async def _stream(
         self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]
     ) -> None:
-        """Write the head, then each chunk as the iterator yields it (chunked
-        transfer encoding; to an HTTP/1.0 client as is, ending with the close);
-        the iterator is closed however this ends (a client gone mid-stream
-        included). The head is written with the first chunk, the end of the body
-        with a :class:`LastChunk`, and a chunk the socket takes at once without
-        a checkpoint (the iterator's wait for its next chunk is one)."""
+        """Write the head, then each chunk as the iterator yields it (chunked transfer encoding; to
+        an HTTP/1.0 client as is, ending with the close); the iterator is closed however this ends
+        (a client gone mid-stream included). The head is written with the first chunk, the end of
+        the body with a :class:`LastChunk`, and a chunk the socket takes at once without a
+        checkpoint (the iterator's wait for its next chunk is one)."""
         h1 = self.h1
         stream = self.stream
         stamps = HTTP_STAMPS.get()
@@ -603,9 +602,9 @@ class _Connection:
                 await send_all(stream, head)
                 return
             chunked = h1.chunked_response
-            # The head goes out with the first chunk: one write, not two, for the
-            # first event (a streamed answer's body is made once its first
-            # response is there, so its first chunk is not waited for).
+            # The head goes out with the first chunk: one write, not two, for the first event (a
+            # streamed answer's body is made once its first response is there, so its first chunk is
+            # not waited for).
             waiting: bytes = head
             async for chunk in chunks:
                 if chunk:
@@ -613,8 +612,8 @@ class _Connection:
                 if type(chunk) is LastChunk:
                     break  # the end of the body goes with it
                 if chunk:
-                    # Written from ``waiting``: the chunk itself is let go, not
-                    # held twice while a slow client takes it.
+                    # Written from ``waiting``: the chunk itself is let go, not held twice while a
+                    # slow client takes it.
                     chunk = b""
                     await self._send_chunk(waiting, stamps)
                     waiting = b""
@@ -630,10 +629,9 @@ class _Connection:
                     await aclose()
 
     async def _send_chunk(self, data: bytes, stamps: FrontendStamps | None = None) -> None:
-        """A streamed chunk: over 64 KB, counted in the budget while written. A
-        traced request's chunk has an HTTP_SEND_START / HTTP_SEND_END pair, as
-        Triton's generate_stream writes one per response (server
-        src/http_server.cc GenerateRequestClass::SendChunkResponse)."""
+        """A streamed chunk: over 64 KB, counted in the budget while written. A traced request's
+        chunk has an HTTP_SEND_START / HTTP_SEND_END pair, as Triton's generate_stream writes one
+        per response (server src/http_server.cc GenerateRequestClass::SendChunkResponse)."""
         start = now_ns() if stamps is not None else 0
         if len(data) <= _JOIN_LIMIT:
             await send_all(self.stream, data)
@@ -643,8 +641,8 @@ class _Connection:
             stamps.sent_chunk(start, now_ns())
 
     async def _held(self, size: int, write: Awaitable[None]) -> None:
-        """Run ``write`` of ``size`` bytes counted in the budget as held for the
-        client, the write one of the budget's holders meanwhile."""
+        """Run ``write`` of ``size`` bytes counted in the budget as held for the client, the write
+        one of the budget's holders meanwhile."""
         budget = self.server.options.budget
         if budget is None:
             await write
@@ -659,8 +657,8 @@ class _Connection:
             budget.release(size)
 
     async def _cut(self) -> None:
-        """The server cut this request (its drain ended at the exit timeout): answer
-        503 and close, if the socket takes it within a second."""
+        """The server cut this request (its drain ended at the exit timeout): answer 503 and close,
+        if the socket takes it within a second."""
         with trio.CancelScope(shield=True):
             await self._send_error(
                 503,
@@ -669,8 +667,8 @@ class _Connection:
             )
 
     async def _send_error(self, status: int, message: str) -> None:
-        """Answer with a JSON error that closes the connection, if nothing was
-        answered yet; a client that does not take it within a second is left."""
+        """Answer with a JSON error that closes the connection, if nothing was answered yet; a
+        client that does not take it within a second is left."""
         if not self.h1.answerable:
             return
         answer = self.h1.error_response(status, message)
@@ -687,8 +685,8 @@ class _Connection:
         stream = self.stream
         try:
             if self.h1.state.client is not Client.CLOSED and not self._quiet:
-                # Half-close and give the client a moment to close its side, so that
-                # request bytes we did not read do not turn our close into a reset.
+                # Half-close and give the client a moment to close its side, so that request bytes
+                # we did not read do not turn our close into a reset.
                 with trio.move_on_after(self.server.options.linger):
                     try:
                         await stream.send_eof()
