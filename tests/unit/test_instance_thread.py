@@ -13,6 +13,9 @@ import trio
 import trio.testing
 
 from trionserve.backends.instance_thread import InstanceThread, Job, _Doorbell
+from trionserve.core.deferred import deferred_jobs
+from trionserve.core.errors import InternalError
+from trionserve.core.inference import InferenceResponse
 
 
 class _Instance:
@@ -161,3 +164,65 @@ def test_on_a_mock_clock_a_jobs_span_is_read_from_it_per_batch():
     assert offset is None
     assert now - 1 < end <= now
     assert abs((end - start) - 0.002) < 1e-9
+
+
+class _Answer:
+    """A request's answer the thread may write (always takes it whole)."""
+
+    armed = True
+
+    def __init__(self) -> None:
+        self.written: list[object] = []
+
+    def write(self, request: object, response: object) -> bool:
+        self.written.append(response)
+        return True
+
+
+class _Answered:
+    """A request whose answer the thread writes."""
+
+    def __init__(self) -> None:
+        self.answer = _Answer()
+        self.cancelled = False
+
+
+class _Echo:
+    """A backend instance answering each request with a response, or an error
+    for a request named in ``failing``."""
+
+    def __init__(self, failing: object = None) -> None:
+        self.failing = failing
+
+    def execute(self, requests):
+        return [
+            InternalError("no") if r is self.failing else InferenceResponse("m", "1")
+            for r in requests
+        ]
+
+
+async def test_a_job_whose_answers_the_thread_wrote_is_known_to_be_responses():
+    """The thread checked one response per request as it wrote their answers:
+    the job says so (``responses``), so the loop does not look again; a job
+    with an error among its results is reported as before, unmarked."""
+    deferred = deferred_jobs()
+    for failing in (False, True):
+        request = _Answered()
+        thread = InstanceThread("m_0", _Echo(request if failing else None))  # type: ignore[arg-type]
+        thread.quiet = lambda: True
+        thread.start()
+        reported = trio.Event()
+        job = Job([request], reported.set)
+        thread.submit(job)
+        with trio.fail_after(10):
+            if failing:
+                await reported.wait()  # reported to the loop
+            else:
+                while not deferred:
+                    await trio.sleep(0.001)
+        assert job.responses is not failing
+        assert len(request.answer.written) == (0 if failing else 1)
+        deferred.sweep()
+        assert job.over
+        thread.stop()
+        assert await trio.to_thread.run_sync(thread.join, 10)

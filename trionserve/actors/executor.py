@@ -341,17 +341,22 @@ class InstanceExecutor(AsyncInstanceServing):
                 times[0] + times[1] + times[2] if times is not None else self._inline_budget + 1
             )
         outcomes: Sequence[Outcome] = job.results  # type: ignore[assignment]  # checked:
-        every = type(outcomes) is list and len(outcomes) == len(live)  # a response each?
-        if every:
+        # A response each? (Known when the thread wrote their answers.)
+        every = job.responses or (type(outcomes) is list and len(outcomes) == len(live))
+        if every and not job.responses:
             for result in outcomes:
                 if not isinstance(result, InferenceResponse):
                     every = False
                     break
         if not every:
             outcomes = checked_outcomes(self.spec.name, live, outcomes)
-        if self._statistics is not None:
+        statistics = self._statistics
+        if statistics is not None:
             start, end = thread.span(job)
-            record_batch(self._statistics, live, None if every else outcomes, start, end, times)
+            if times is not None and not statistics.traces:  # (record_batch's work: none)
+                statistics.record_batch(live, None if every else outcomes, start, end, *times)
+            else:
+                record_batch(statistics, live, None if every else outcomes, start, end, times)
         self._outlet.complete(live, outcomes)
 
     def _wake_delivery(self) -> None:

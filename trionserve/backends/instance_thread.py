@@ -94,6 +94,7 @@ class Job:
         "on_done",
         "on_free",
         "held",
+        "responses",
     )
 
     def __init__(self, requests: list, on_done: Callable[[], None] | None = None) -> None:
@@ -123,6 +124,9 @@ class Job:
         # Set for a batch given before its batching delay ended: the thread
         # starts it at the delay's end (see HeldJob).
         self.held: HeldJob | None = None
+        # Set by the thread that found ``results`` one response per request
+        # (as it wrote their answers): the loop need not look again.
+        self.responses = False
 
     @property
     def done(self) -> trio.Event:
@@ -528,6 +532,7 @@ class InstanceThread:
             if answer is None or not answer.armed or not isinstance(result, InferenceResponse):
                 return False
             answers.append(answer)
+        job.responses = True  # (one response per request: checked above)
         deferred.append(job, idle=not busy)  # before any answer is written (see Deferred)
         # A request submitted as the job was deferred saw no idle job, or this
         # sees it queued (the GIL orders the two): then the loop is told now.

@@ -49,7 +49,7 @@ from contextvars import ContextVar
 
 import trio
 
-from trionserve.core.deferred import sweep_deferred
+from trionserve.core.deferred import Deferred, deferred_jobs, sweep_deferred
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.protocol.http.h1 import H1Connection, Response
 from trionserve.protocol.sockets import send_all
@@ -89,6 +89,7 @@ class ConnectionAnswer:
 
     __slots__ = (
         "_binary_output",
+        "_deferred",
         "_draining",
         "_encode",
         "_h1",
@@ -131,6 +132,8 @@ class ConnectionAnswer:
         self._ended = False  # ... and the outcome ended that wait (_end)
         # Waiting on with its outcome delivered (see finalized).
         self._lingers = False
+        # The run's deferred reports, which the wait sweeps (found by the first arm).
+        self._deferred: Deferred | None = None
 
     @classmethod
     def of(
@@ -157,6 +160,8 @@ class ConnectionAnswer:
         self.rest = None
         self.state = ARMED
         request.answer = self
+        if self._deferred is None:
+            self._deferred = deferred_jobs()
 
     @property
     def armed(self) -> bool:
@@ -179,7 +184,9 @@ class ConnectionAnswer:
             state = self.state
         if state != ARMED:
             if state != DISARMED:  # the thread took it first: its job is deferred
-                sweep_deferred()
+                deferred = self._deferred  # (sweep_deferred: the run's, found as armed)
+                assert deferred is not None
+                deferred.sweep()
             return
         # The outcome ends the wait with notify_closing (_end), not a cancel
         # scope: entering and leaving one costs more than the rest of the wait
@@ -204,7 +211,9 @@ class ConnectionAnswer:
             return  # the outcome came
         self.readable = True
         self._disarm()
-        sweep_deferred()
+        deferred = self._deferred  # (sweep_deferred: the run's, found as armed)
+        assert deferred is not None
+        deferred.sweep()
 
     @property
     def waiting(self) -> bool:
