@@ -249,10 +249,9 @@ async def test_a_watched_socket_is_left_to_its_watcher():
         h1 = H1Connection()
         h1.receive_data(REQUEST)
         assert h1.next_request() is not None
-        answer = ConnectionAnswer.of(
-            h1, trio.SocketStream(server_sock), lambda: False, lambda: True
-        )
+        answer = ConnectionAnswer.of(h1, trio.SocketStream(server_sock), lambda: False)
         assert answer is not None
+        answer.watched = True  # (the transport's watch_peer sets it)
         answer.arm(request, lambda *_: (200, [], [b""]), False)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.lowlevel.wait_readable, server_sock)  # the watcher

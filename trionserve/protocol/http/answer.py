@@ -99,11 +99,11 @@ class ConnectionAnswer:
         "_ended",
         "_waiting",
         "_socket",
-        "_watched",
         "kept",
         "readable",
         "rest",
         "state",
+        "watched",
     )
 
     def __init__(
@@ -111,14 +111,13 @@ class ConnectionAnswer:
         h1: H1Connection,
         socket: trio.socket.SocketType,
         draining: Callable[[], bool],
-        watched: Callable[[], bool] = lambda: False,
     ) -> None:
         self._h1 = h1
         self._socket = socket
         self._draining = draining
-        # Whether the slow-request watcher holds the socket (transport.py's
+        # Whether the slow-request watcher holds the socket (set by transport.py's
         # watch_peer): then the wait may not wait on it too.
-        self._watched = watched
+        self.watched = False
         self._lock = threading.Lock()
         self.state = IDLE
         self.kept = False
@@ -141,12 +140,11 @@ class ConnectionAnswer:
         h1: H1Connection,
         stream: trio.abc.Stream,
         draining: Callable[[], bool],
-        watched: Callable[[], bool] = lambda: False,
     ) -> ConnectionAnswer | None:
         """The answer of a connection on a plain socket (None under TLS or on a
         stream without a socket of its own: the loop answers there)."""
         if isinstance(stream, trio.SocketStream):
-            return cls(h1, stream.socket, draining, watched)
+            return cls(h1, stream.socket, draining)
         return None
 
     # -- on the Trio thread --------------------------------------------------------
@@ -179,7 +177,7 @@ class ConnectionAnswer:
         watcher on the socket already: disarmed, the loop answers (one task
         waits on a socket at a time)."""
         state = self.state
-        if state == ARMED and self._watched():
+        if state == ARMED and self.watched:
             self._disarm()
             state = self.state
         if state != ARMED:

@@ -256,8 +256,10 @@ class InferHandler:
             else:
                 answer = None
             response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
-            if answer is not None and answer.settle() != DISARMED:
-                return ANSWERED  # the instance's thread wrote it (or began to)
+            if answer is not None:
+                settled, answer = answer.settle(), None  # (settled: not again below)
+                if settled != DISARMED:
+                    return ANSWERED  # the instance's thread wrote it (or began to)
             return self._encode(
                 response, infer_request, binary_output, shared_memory, accept_encoding
             )

@@ -279,8 +279,7 @@ class _Connection:
         self.stream = stream
         self.h1 = H1Connection(server.options, server.heads)
         # Written by the instance's thread where it can (a plain socket, see answer.py).
-        watched = lambda: self.watch is not None  # noqa: E731
-        self.answer = answers.ConnectionAnswer.of(self.h1, stream, lambda: server.draining, watched)
+        self.answer = answers.ConnectionAnswer.of(self.h1, stream, lambda: server.draining)
         # The connection's scope, for its whole life (no scope per request): cancelled to end it,
         # by the keep-alive timeout, the drain or the connection cap while it waits for the next
         # request (through _idle_scope), or by a slow request's watcher when the client hangs up.
@@ -373,9 +372,8 @@ class _Connection:
         return None
 
     def _receive_ready(self) -> bool:
-        """Whether the next request's bytes that its answer's wait saw come were read, at once (no
-        wait: no idle bookkeeping). One that repeats the last head is read with its body, into that
-        body's buffer, in one read."""
+        """Whether the bytes its answer's wait saw come were read, at once (no wait: no idle
+        bookkeeping); a request that repeats the last head with its body, in one read."""
         answer = self.answer
         if answer is None or not answer.readable or self._scope.cancel_called:
             return False
@@ -536,6 +534,8 @@ class _Connection:
     async def _unwatch(self) -> None:
         """End the watcher of a slow request's socket: the socket is ours again."""
         watch, self.watch = self.watch, None
+        if self.answer is not None:
+            self.answer.watched = False
         if watch is not None:
             scope, done = watch
             scope.cancel()
@@ -546,6 +546,8 @@ class _Connection:
         """Start watching the socket while a slow request is handled."""
         watch = (trio.CancelScope(), trio.Event())
         self.watch = watch
+        if self.answer is not None:
+            self.answer.watched = True  # (its wait leaves the socket to the watcher)
         nursery.start_soon(self._watch_peer, *watch)
 
     async def _watch_peer(self, scope: trio.CancelScope, done: trio.Event) -> None:
