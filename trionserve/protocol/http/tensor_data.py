@@ -33,7 +33,14 @@ _INT_WIRES = frozenset(
     d.wire for d in BY_WIRE.values() if d.numpy.kind in "iu" and d.wire != "BF16"
 )
 _FLOAT_WIRES = frozenset(("FP16", "FP32", "FP64"))
-_IINFO = {w: np.iinfo(BY_WIRE[w].numpy) for w in _INT_WIRES}
+
+
+def _bounds(wire: str) -> tuple[int, int]:
+    info = np.iinfo(BY_WIRE[wire].numpy)
+    return int(info.min), int(info.max)
+
+
+_BOUNDS = {w: _bounds(w) for w in _INT_WIRES}
 
 
 def fmt_shape(shape: Any) -> str:
@@ -115,6 +122,12 @@ def json_to_array(name: str, dt: DataType, shape: list[int], count: int, data: A
             _bad_element(name, wire, "numbers", flat, _NUMBER_TYPES)
     elif not types <= _INT_TYPES:
         _bad_element(name, wire, "integers", flat, _INT_TYPES)
+    elif flat:
+        # Checked here, not left to numpy: numpy 2 raises OverflowError for an
+        # integer its type cannot hold, numpy 1.26 (supported) wraps it around.
+        lo, hi = _BOUNDS[wire]
+        if min(flat) < lo or max(flat) > hi:
+            _out_of_range(name, wire, flat)
     try:
         return np.array(flat, dtype=dt.numpy).reshape(shape)
     except OverflowError:
@@ -133,8 +146,7 @@ def _out_of_range(name: str, wire: str, flat: list) -> None:
                     f"too large for {wire}"
                 ) from None
         return
-    info = _IINFO[wire]
-    lo, hi = int(info.min), int(info.max)
+    lo, hi = _BOUNDS[wire]
     for i, item in enumerate(flat):
         if not lo <= item <= hi:
             raise InvalidArgument(
