@@ -180,6 +180,51 @@ def test_a_message_within_the_window_gets_its_window_back_at_once():
     assert buffer.held == 50 and call.queued == 50
 
 
+def test_a_message_s_window_comes_back_once_with_its_end():
+    # The reads of an unfinished message give no window; its end gives it all,
+    # stream and connection, in one (a WINDOW_UPDATE pair per message, not per read).
+    buffer = ConnectionBuffer(limit=1000, window=1000)
+    call = buffer.open(1)
+    assert buffer.received(call, 100, 100, []) == []
+    assert buffer.received(call, 100, 200, []) == []
+    assert (buffer.held, buffer.unacked, call.unacked) == (200, 200, 200)
+    assert buffer.received(call, 50, 0, [250]) == [Window(1, ack=250)]
+    assert (buffer.held, buffer.unacked, call.unacked) == (250, 0, 0)
+
+
+def test_unacknowledged_bytes_stay_below_a_quarter_of_the_connection_window():
+    # All calls together: the client always has window left to reach the next
+    # acknowledgement (no call waits on another's unfinished message).
+    buffer = ConnectionBuffer(limit=400, window=1000)  # the connection's window: 400
+    first, second = buffer.open(1), buffer.open(3)
+    assert buffer.received(first, 60, 60, []) == []
+    assert buffer.received(second, 30, 30, []) == []
+    assert buffer.received(second, 20, 50, []) == [Window(3, ack=50)]  # 110 >= 100
+    assert buffer.received(first, 39, 99, []) == []
+    assert buffer.unacked == first.unacked == 99
+    assert buffer.received(first, 1, 100, []) == [Window(1, ack=100)]
+    assert buffer.unacked == 0
+
+
+def test_unacknowledged_bytes_of_a_refused_or_ended_call_are_given_back():
+    buffer = ConnectionBuffer(limit=1000, window=1000)
+    refused, ended = buffer.open(1), buffer.open(3)
+    buffer.received(refused, 40, 40, [])
+    buffer.received(ended, 30, 30, [])
+    assert buffer.refused(refused) == [Window(1, ack=40)]
+    assert buffer.close(ended) == [Window(3, connection=30)]  # the stream is over
+    assert (buffer.held, buffer.unacked) == (0, 0)
+
+
+def test_unacknowledged_bytes_held_back_with_the_frame_past_the_window():
+    buffer = ConnectionBuffer(limit=1000, window=100)
+    call = buffer.open(1)
+    buffer.received(call, 20, 20, [])
+    buffer.received(call, 100, 0, [120])  # 120 queued > window 100: held back
+    assert (call.deferred_ack, call.unacked, buffer.unacked) == (120, 0, 0)
+    assert buffer.taken(call, 120) == [Window(1, ack=120)]
+
+
 def test_a_stream_past_its_window_is_held_back_until_its_handler_takes_messages():
     buffer = ConnectionBuffer(limit=1000, window=100)
     call = buffer.open(1)

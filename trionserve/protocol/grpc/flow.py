@@ -19,6 +19,11 @@ The rules:
   completes and no call waits on another: when nothing held drains by itself (no
   work taken and unanswered, no response waiting), the connection window is given
   back for it, and the stream windows of the others stay held.
+- Within those bounds, an unfinished message's window comes back with its end,
+  stream and connection in one (not once per read): the bytes not acknowledged
+  yet, all calls together, stay below a quarter of the connection's window, so
+  the client can always send on to the next acknowledgement; a refused or ended
+  call's are given back.
 - A handler takes a message only while the work not answered and the responses
   waiting leave room for it (one is always taken when the connection holds
   neither: :meth:`ConnectionBuffer.has_room`).
@@ -60,6 +65,7 @@ class Account:
         "taken",
         "deferred_ack",
         "deferred_stream",
+        "unacked",
     )
 
     def __init__(self, stream_id: int) -> None:
@@ -70,6 +76,7 @@ class Account:
         self.taken: deque[int] = deque()  # their sizes, oldest first
         self.deferred_ack = 0  # received bytes whose stream and connection window is held back
         self.deferred_stream = 0  # received bytes whose stream window only is held back
+        self.unacked = 0  # of its unfinished message, received bytes acknowledged later
 
 
 class ConnectionBuffer:
@@ -83,6 +90,8 @@ class ConnectionBuffer:
         "working",
         "peak",
         "budget",
+        "unacked",
+        "_ack_at",
         "_accounts",
         "_held_back",
     )
@@ -95,6 +104,11 @@ class ConnectionBuffer:
         self.unsent = 0  # of those, responses waiting for the client's window
         self.working = 0  # and messages handlers took and have not answered
         self.peak = 0  # the most held at once
+        # Received bytes of unfinished messages, all calls together, whose window
+        # is given back with their message's end (or once they reach _ack_at):
+        # a message's window in one WINDOW_UPDATE instead of one per read.
+        self.unacked = 0
+        self._ack_at = max(1, min(window, limit) // 4)  # below the connection's window
         self._accounts: dict[int, Account] = {}
         self._held_back: dict[Account, None] = {}  # insertion-ordered
 
@@ -110,6 +124,10 @@ class ConnectionBuffer:
         account.partial = partial
         account.queued += sum(sizes)
         windows = self.hold(added)
+        if account.unacked and (account.queued > self.window or self.held > self.limit):
+            flow += account.unacked  # (held back with this frame's)
+            self.unacked -= account.unacked
+            account.unacked = 0
         if account.queued > self.window:
             account.deferred_ack += flow
             self._held_back[account] = None
@@ -124,6 +142,14 @@ class ConnectionBuffer:
                     windows.append(Window(account.stream_id, connection=flow))
                 self._held_back[account] = None
         elif flow:
+            if partial and not sizes and self.unacked + flow < self._ack_at:
+                account.unacked += flow  # with the message's end
+                self.unacked += flow
+                return windows
+            if account.unacked:
+                flow += account.unacked
+                self.unacked -= account.unacked
+                account.unacked = 0
             windows.append(Window(account.stream_id, ack=flow))
         return windows
 
@@ -131,7 +157,12 @@ class ConnectionBuffer:
         """A message of the call was refused: what it queued is dropped."""
         dropped = account.queued + account.partial
         account.queued = account.partial = 0
-        return self.hold(-dropped)
+        windows = self.hold(-dropped)
+        if account.unacked:
+            windows.append(Window(account.stream_id, ack=account.unacked))
+            self.unacked -= account.unacked
+            account.unacked = 0
+        return windows
 
     def taken(self, account: Account, size: int) -> list[Window]:
         """The handler took a message: it stays held, as work not answered."""
@@ -179,7 +210,12 @@ class ConnectionBuffer:
         self.working -= account.working
         left = account.queued + account.partial + account.working
         account.queued = account.partial = account.working = 0
-        return self.hold(-left) if left else []
+        windows = self.hold(-left) if left else []
+        if account.unacked:  # the stream is over: only the connection's window matters
+            windows.append(Window(account.stream_id, connection=account.unacked))
+            self.unacked -= account.unacked
+            account.unacked = 0
+        return windows
 
     def let_go(self) -> None:
         """The connection ended: whatever it still counts in the budget is released."""
