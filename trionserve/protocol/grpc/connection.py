@@ -30,7 +30,7 @@ import h2.settings
 import structlog
 import trio
 
-from trionserve.core.deferred import sweep_deferred
+from trionserve.core.deferred import Deferred, deferred_jobs, sweep_deferred
 from trionserve.observability.logging import SETTINGS as LOGGING
 from trionserve.observability.logging import log_grpc_state
 from trionserve.protocol.grpc import framing as grpc_framing
@@ -125,6 +125,8 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         self._awaiting: dict[int, tuple[GrpcCall, Handler]] = {}
         self._parked: dict[GrpcCall, inline.Resume] = {}
         self._sweeping = False  # the reader sweeps the reports (take_answer)
+        # The run's deferred reports, which the reader sweeps (found by its first sweep).
+        self._deferred: Deferred | None = None
         self._reader_scope: trio.CancelScope | None = None  # the reading task's (_read)
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
@@ -297,8 +299,15 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         outcomes the sweep delivers are carried on after the read (_start_calls)."""
         self._sweeping = True
         try:
-            self.take_answer()
-            sweep_deferred()  # (an answer taken elsewhere left its report)
+            answer = self.answer
+            if answer is not None:
+                answer.take()  # (take_answer; its report is swept here)
+            # sweep_deferred, once (an answer taken elsewhere left its report
+            # too), with the run's reports found once per connection.
+            deferred = self._deferred
+            if deferred is None:
+                deferred = self._deferred = deferred_jobs()
+            deferred.sweep()
         finally:
             self._sweeping = False
 
