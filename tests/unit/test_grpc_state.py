@@ -383,6 +383,36 @@ async def test_a_unary_call_over_memory_streams():
         assert connection.calls == {} and connection.buffer.held == 0
 
 
+async def test_a_repeated_request_head_is_not_read_again(monkeypatch):
+    import trionserve.protocol.grpc.connection as connection_module
+
+    read = []
+
+    def counting(headers, methods, options):
+        read.append(dict(headers).get(b":path"))
+        return read_request_head(headers, methods, options)
+
+    monkeypatch.setattr(connection_module, "read_request_head", counting)
+    async with connected(Handlers()) as (client, connection, _):
+        calls = [
+            ("/t.T/Echo", ()),
+            ("/t.T/Echo", ()),  # the same headers: the last head
+            ("/t.T/Nope", ()),  # refused: read, not kept
+            ("/t.T/Nope", ()),
+            ("/t.T/Echo", ((b"grpc-timeout", b"5S"),)),  # other headers: read
+            ("/t.T/Echo", ((b"grpc-timeout", b"5S"),)),
+        ]
+        for path, headers in calls:
+            stream_id = await client.call(path, frame(b"hi"), headers)
+            await client.until(lambda c, s=stream_id: c.ended(s))
+            if path == "/t.T/Echo":
+                assert client.data[stream_id] == frame(b"hi")
+                assert client.status(stream_id) == (0, "")
+            else:
+                assert client.status(stream_id)[0] == Status.UNIMPLEMENTED.value
+        assert read == [b"/t.T/Echo", b"/t.T/Nope", b"/t.T/Nope", b"/t.T/Echo"]
+
+
 @pytest.mark.timeout(20)
 async def test_a_stream_reset_before_its_task_started_ends_the_call():
     # f104c84: HEADERS, the message and RST_STREAM in one read. The call's task

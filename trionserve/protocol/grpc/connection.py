@@ -47,7 +47,7 @@ from trionserve.protocol.grpc.framing import (
 )
 from trionserve.protocol.grpc.options import TransportOptions
 from trionserve.protocol.grpc.parking import Handler, ParkedCalls
-from trionserve.protocol.grpc.request import HttpRefusal, read_request_head
+from trionserve.protocol.grpc.request import HttpRefusal, RequestHead, read_request_head
 from trionserve.protocol.grpc.state import (
     ConnectionState,
     ConnEvent,
@@ -95,6 +95,9 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         self.stream = stream
         self.methods = methods
         self.options = options
+        # The last call's request headers and what they ask for: the same
+        # headers (at c=1 the client repeats them) are not read again.
+        self._last_head: tuple[list[tuple[bytes, bytes]], RequestHead] | None = None
         self.state = ConnectionState()
         self._server_draining = draining
         self.h2 = upstream.H2Connection(
@@ -374,7 +377,13 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         if stream_id > self.last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
-        head = read_request_head(headers, self.methods, self.options)
+        last = self._last_head
+        if last is not None and last[0] == headers:
+            head: RequestHead | HttpRefusal | GRPCError = last[1]
+        else:
+            head = read_request_head(headers, self.methods, self.options)
+            if type(head) is RequestHead:
+                self._last_head = (headers[:], head)
         if isinstance(head, HttpRefusal):
             self.h2.send_headers(stream_id, [(b":status", head.status)], end_stream=True)
             self.flush()
