@@ -83,15 +83,26 @@ def make_server(repository, **options) -> Server:
     )
 
 
-async def queue_behind_a(server: Server, nursery: trio.Nursery) -> dict[str, list]:
+class Answers(dict[str, list]):
+    """The clients' answers by name, as they come; ``complete`` once all three
+    are here (a server's write is not yet its client's read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.complete = trio.Event()
+
+
+async def queue_behind_a(server: Server, nursery: trio.Nursery) -> Answers:
     """Clients "a", "b" and "c", each on its own connection: "a" executes, "b" and
     "c" wait behind it. Their answers fill the dict returned as they come."""
     port = server.options.http_port
     probe = Probe(server.dataplane)
-    answers: dict[str, list] = {}
+    answers = Answers()
 
     async def client(name: str) -> None:
         answers[name] = await in_thread(exchange, port, [infer_bytes(name, 1.0)])
+        if len(answers) == 3:
+            answers.complete.set()
 
     nursery.start_soon(client, "a")
     await wait_entered()  # "a" executes
@@ -279,6 +290,7 @@ async def test_with_requests_waiting_the_thread_answers_while_the_next_batch_run
         assert len([name for name, whole in writes if whole]) == 3, writes
         stats = await in_thread(stats_get, port)
         assert stats["success"]["count"] == 3
+        await answers.complete.wait()
         assert sorted(answers) == ["a", "b", "c"]
         assert all(answers[n][0][1]["id"] == n for n in answers)
         model = server.dataplane.model("blocking", None)
@@ -316,6 +328,7 @@ async def test_with_requests_waiting_the_loop_answers_as_it_delivers_the_outcome
         assert ended == []
         stats = await in_thread(stats_get, port)
         assert stats["success"]["count"] == 3
+        await answers.complete.wait()
         assert sorted(answers) == ["a", "b", "c"]
         assert all(answers[n][0][1]["id"] == n for n in answers)
         await trio.testing.wait_all_tasks_blocked()
