@@ -84,18 +84,7 @@ async def test_a_request_in_two_reads_starts_in_the_reader_once_whole():
     async with serving(infer) as (conn, client):
         tasks = await counted()
         body = bytes(range(256)) * 128  # 32 KB
-        stream_id = client.h2.get_next_available_stream_id()
-        client.h2.send_headers(
-            stream_id,
-            [
-                (b":method", b"POST"),
-                (b":scheme", b"http"),
-                (b":authority", b"test"),
-                (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
-                (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"),
-            ],
-        )
+        stream_id = client.open()
         payload = struct.pack(">BI", 0, len(body)) + body
         client.h2.send_data(stream_id, payload[:1000])
         await client.flush()
@@ -120,18 +109,7 @@ async def test_a_request_in_two_reads_starts_in_the_reader_once_whole():
 async def test_a_call_reset_before_its_request_is_whole_ends_once():
     infer = Infer()
     async with serving(infer) as (conn, client):
-        stream_id = client.h2.get_next_available_stream_id()
-        client.h2.send_headers(
-            stream_id,
-            [
-                (b":method", b"POST"),
-                (b":scheme", b"http"),
-                (b":authority", b"test"),
-                (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
-                (b"content-type", b"application/grpc"),
-                (b"te", b"trailers"),
-            ],
-        )
+        stream_id = client.open()
         client.h2.send_data(stream_id, struct.pack(">BI", 0, 100) + b"\x00" * 10)
         await client.flush()
         await trio.testing.wait_all_tasks_blocked()

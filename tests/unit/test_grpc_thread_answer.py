@@ -102,6 +102,13 @@ class Client:
             await self.sock.send_all(data)
 
     async def call(self, body: bytes = b"\x00" * 64, timeout: bytes | None = None) -> int:
+        stream_id = self.open(timeout)
+        self.h2.send_data(stream_id, struct.pack(">BI", 0, len(body)) + body, end_stream=True)
+        await self.flush()
+        return stream_id
+
+    def open(self, timeout: bytes | None = None) -> int:
+        """A ModelInfer call's HEADERS, queued with h2 (not sent): its stream id."""
         stream_id = self.h2.get_next_available_stream_id()
         headers = [
             (b":method", b"POST"),
@@ -114,8 +121,6 @@ class Client:
         if timeout is not None:
             headers.append((b"grpc-timeout", timeout))
         self.h2.send_headers(stream_id, headers)
-        self.h2.send_data(stream_id, struct.pack(">BI", 0, len(body)) + body, end_stream=True)
-        await self.flush()
         return stream_id
 
     async def until(self, done) -> None:

@@ -179,20 +179,16 @@ class EagerReceiver:
             return await self._stream.receive_some(max_bytes)
         if expect_wait:
             self._eager = self._eager_reads
-            while True:
-                await trio.lowlevel.wait_readable(socket)
-                data = _read_some(socket, max_bytes)
-                if data is not None:
-                    return data
-        if eager and self._eager:
-            self._eager -= 1
         else:
-            await trio.lowlevel.checkpoint()
+            if eager and self._eager:
+                self._eager -= 1
+            else:
+                await trio.lowlevel.checkpoint()
+                self._eager = self._eager_reads
+            data = _read_some(socket, max_bytes)
+            if data is not None:
+                return data
             self._eager = self._eager_reads
-        data = _read_some(socket, max_bytes)
-        if data is not None:
-            return data
-        self._eager = self._eager_reads
         while True:
             await trio.lowlevel.wait_readable(socket)
             data = _read_some(socket, max_bytes)
