@@ -15,8 +15,8 @@ do them:
   request, ``infer`` returning, ``as_numpy``;
 - the server (a trionserve started with the wrappers installed): httptools'
   message-begin and headers-complete callbacks, the end of the body read, the data
-  plane's ``infer``, the ONNX Runtime instance's ``stage`` / ``launch``
-  (``Session.run``) / ``finish`` in its thread, the response written.
+  plane's ``infer``, the ONNX Runtime instance's ``execute`` and its session's
+  run (``SessionRun``) in its thread, the response written.
 
 Printed: the median and mean of each step in us, the same model's direct
 ``Session.run`` for reference, and the event loop's passes (``epoll_wait``) and
@@ -49,6 +49,7 @@ import atexit, functools, json, os, sys, time
 import trio
 from trionserve import dataplane
 from trionserve.backends.onnxruntime import backend as ort_backend
+from trionserve.backends.onnxruntime import session_run
 from trionserve.protocol.http import answer, h1, transport
 
 now = time.monotonic_ns
@@ -98,9 +99,11 @@ class Steps(trio.abc.Instrument):
 stamp(h1.H1Connection, "on_message_begin", "s_first_byte", begin=True)
 stamp(h1.H1Connection, "on_headers_complete", "s_head")
 stamp_async(transport._Connection, "_read_body", after="s_body")
-stamp(ort_backend.OnnxInstance, "stage", "s_stage")
-stamp(ort_backend.OnnxInstance, "launch", "s_run", "s_run_end")
-stamp(ort_backend.OnnxInstance, "finish", after="s_finish")
+# A request whose head repeats the connection's last one is made without the
+# parser's callbacks (h1_request.LastHead): its first byte and head are stamped there.
+stamp(h1.H1Connection, "_again", "s_first_byte", "s_head", begin=True)
+stamp(ort_backend.OnnxInstance, "execute", "s_stage", after="s_finish")
+stamp(session_run.SessionRun, "__call__", "s_run", "s_run_end")
 stamp_async(transport._Connection, "respond", "s_respond", "s_sent", done=True)
 # An answer the instance's thread encodes and writes itself (protocol/http/answer.py)
 # never reaches the connection's respond: stamped where the thread wrote it whole.
@@ -145,7 +148,7 @@ STEPS = [
     ("server: rest of the body received", "s_head", "s_body"),
     ("server: decode, admission, to the data plane", "s_body", "s_decoded"),
     ("queue: data plane -> batcher -> executor -> instance thread", "s_decoded", "s_stage"),
-    ("instance thread: stage", "s_stage", "s_run"),
+    ("instance thread: inputs fed", "s_stage", "s_run"),
     ("instance thread: Session.run", "s_run", "s_run_end"),
     ("instance thread: responses built", "s_run_end", "s_finish"),
     ("back to the event loop, data plane returns", "s_finish", "s_inferred"),
