@@ -10,8 +10,14 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.schedulers.scheduler import DelayedRun, DirectRun, DirectRunAsync, Outcome
+from trionserve.core.inference import InferenceRequest
+from trionserve.schedulers.scheduler import (
+    DelayedRun,
+    DirectRun,
+    DirectRunAsync,
+    Outcome,
+    deliver_outcomes,
+)
 
 if TYPE_CHECKING:
     from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
@@ -110,13 +116,8 @@ class BatcherOutlet:
         ticket = self._tickets.popleft()
         if ticket is not None:  # delivered in the order the batches were formed
             self._batcher._complete(ticket, requests, outcomes)
-            return
-        # deliver_outcomes, written out (once per batch on the event loop).
-        for request, outcome in zip(requests, outcomes):
-            if isinstance(outcome, InferenceResponse):
-                request.respond(outcome)
-            else:
-                request.fail(outcome)
+        else:
+            deliver_outcomes(requests, outcomes)
 
     def close(self) -> None:
         if self.closed:

@@ -286,10 +286,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
                         self._on_window(stream_id)
                 elif self._handle(event):
                     for call, handler in self._starting:
-                        if isinstance(handler, inline.Resume):
-                            self._adopt(call, handler)
-                        else:
-                            self._spawn(call, handler)
+                        self._go_on(call, handler)
                     self._starting = []
                     return False
             if not self._starting:
@@ -519,10 +516,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
                 return False
         # This task stays with what would wait (a call, or the rest of the write).
         for call, handler in rest:
-            if isinstance(handler, inline.Resume):
-                self._adopt(call, handler)
-            else:
-                self._spawn(call, handler)
+            self._go_on(call, handler)
         self.flush()
         assert self._nursery is not None
         self._nursery.start_soon(self._read)

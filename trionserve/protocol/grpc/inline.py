@@ -83,10 +83,6 @@ class Resume:
             return None
         return self
 
-    def close(self) -> None:
-        """Drop a parked coroutine that will never be carried on."""
-        self._coroutine.close()
-
     def __await__(self) -> Generator[Any, Any, None]:
         coroutine, message = self._coroutine, self._message
         try:

@@ -104,6 +104,14 @@ class ParkedCalls:
         for call, resume in parked.items():
             self._adopt(call, resume)
 
+    def _go_on(self, call: GrpcCall, handler: Handler | inline.Resume) -> None:
+        """A call of ``_starting`` not run in the reader: a task of its own,
+        started (a handler) or carrying it on (a parked call's Resume)."""
+        if isinstance(handler, inline.Resume):
+            self._adopt(call, handler)
+        else:
+            self._spawn(call, handler)
+
     def _adopt(self, call: GrpcCall, resume: inline.Resume) -> None:
         assert self._nursery is not None
         self._nursery.start_soon(self._carry_on, call, resume)
