@@ -101,7 +101,18 @@ stamp(h1.H1Connection, "on_headers_complete", "s_head")
 stamp_async(transport._Connection, "_read_body", after="s_body")
 # A request whose head repeats the connection's last one is made without the
 # parser's callbacks (h1_request.LastHead): its first byte and head are stamped there.
-stamp(h1.H1Connection, "_again", "s_first_byte", "s_head", begin=True)
+again = h1.H1Connection._again
+@functools.wraps(again)
+def again_stamped(self, last, buffer, size):
+    current.clear()
+    current["s_first_byte"] = now()
+    try:
+        return again(self, last, buffer, size)
+    finally:
+        current["s_head"] = now()
+        if size == last.length:  # its body came whole with it: no _read_body
+            current["s_body"] = current["s_head"]
+h1.H1Connection._again = again_stamped
 stamp(ort_backend.OnnxInstance, "execute", "s_stage", after="s_finish")
 stamp(session_run.SessionRun, "__call__", "s_run", "s_run_end")
 stamp_async(transport._Connection, "respond", "s_respond", "s_sent", done=True)
