@@ -46,7 +46,7 @@ def message(answer: InferenceResponse) -> bytes:
 
 
 class Infer:
-    """ModelInfer's way with its answer (service._model_infer), on a request the
+    """ModelInfer's way with its answer (service.model_infer), on a request the
     test delivers: arm, wait for the outcome, take, encode unless taken."""
 
     def __init__(self, arming: bool = True) -> None:

@@ -166,9 +166,8 @@ class CallAnswer:
                 request.answer = None
             if state != DISARMED:
                 call_state = self._call.state
-                if call_state.response is Response.IDLE:
-                    call_state.response_event(ResponseEvent.HEADERS)
-                if call_state.response is Response.SENDING:
+                # (the headers and the trailers: answered, as FINISH moves IDLE too)
+                if call_state.answerable:
                     call_state.response_event(ResponseEvent.FINISH)
                 rest, self.rest = self.rest, None
                 if rest:  # written first, before anything h2 queues after it

@@ -83,13 +83,13 @@ class GrpcCall:
         "account",
         "error",
         "scope",
-        "_conn",
+        "connection",
         "stream_id",
         "compress",
-        "_reader",
+        "reader",
         "messages",
         "_wakeup",
-        "_window",
+        "window_waiter",
         "_send_lock",
         # Set only on a ModelInfer call that came while tracing was on: its
         # FrontendStamps (service._unary); unset otherwise (read with getattr).
@@ -121,16 +121,16 @@ class GrpcCall:
         self.error: GRPCError | None = None  # why a message was refused (Request.FAILED)
         # The cancel scope its handler runs in, once its task started.
         self.scope: trio.CancelScope | None = None
-        self._conn = conn
+        self.connection = conn
         self.stream_id = account.stream_id
         self.compress = compress
-        self._reader = reader
+        self.reader = reader
         self.messages: deque[grpc_framing.Message] = deque()  # received, not taken
         # Made as a task waits (most calls never wait): receive and send check
         # what they wait for right before, with no checkpoint between, so a
         # wake-up that comes before there is anything to set is not needed.
         self._wakeup: trio.Event | None = None
-        self._window: trio.Event | None = None
+        self.window_waiter: trio.Event | None = None
         # Streaming calls' responses come from several tasks at once; a unary
         # call has one sender (its handler) and needs no lock.
         self._send_lock = trio.Lock() if client_streaming else None
@@ -146,17 +146,9 @@ class GrpcCall:
         return self._metadata
 
     @property
-    def connection(self) -> Connection:
-        return self._conn
-
-    @property
     def draining(self) -> bool:
         """True once the server began shutting down."""
-        return self._conn.state.draining
-
-    @property
-    def reader(self) -> grpc_framing.MessageReader:
-        return self._reader
+        return self.connection.state.draining
 
     async def receive(self) -> grpc_framing.Message | None:
         state = self.state
@@ -165,16 +157,16 @@ class GrpcCall:
                 raise self.error
             if state.reset:
                 raise trio.BrokenResourceError("the client reset the stream")
-            if self.client_streaming and self._conn.state.draining:
+            if self.client_streaming and self.connection.state.draining:
                 return None
             if self.messages:
                 # Work not answered yet and responses the client does not take
-                # hold new requests back.
-                await self._conn.wait_for_room(len(self.messages[0]))  # no checkpoint with room
+                # hold new requests back (no checkpoint with room).
+                await self.connection.wait_for_room(len(self.messages[0]))
                 if state.request is Request.RESET or self.error is not None:
                     continue  # raised above
                 message = self.messages.popleft()
-                self._conn.taken(self, len(message))
+                self.connection.taken(self, len(message))
                 if type(message) is grpc_framing.Compressed:
                     message = await self._decompress(message)
                 return message
@@ -189,25 +181,25 @@ class GrpcCall:
         # Inflating can take many times the compressed size: large ones run in a
         # worker thread, so the event loop goes on serving everyone else.
         if len(message) <= _INLINE_DECOMPRESS:
-            return self._reader.decompress(message)
-        return await trio.to_thread.run_sync(self._reader.decompress, message)
+            return self.reader.decompress(message)
+        return await trio.to_thread.run_sync(self.reader.decompress, message)
 
     def answered(self) -> None:
         """The handler answered one of the messages it took (a request of a
         client-streaming call): its bytes (as received, the oldest taken's) no
         longer count against the connection's buffer."""
-        self._conn.answered(self)
+        self.connection.answered(self)
 
     async def send(self, message: bytes | Sequence[bytes | memoryview]) -> None:
         chunks: Sequence[bytes | memoryview]
         if message is ANSWERED:  # written by the instance's thread (answer.py)
-            self._conn.answered_all(self)
+            self.connection.answered_all(self)
             return
         if isinstance(message, (bytes, bytearray, memoryview)):
             chunks = [message]
         else:
             chunks = message
-        conn = self._conn
+        conn = self.connection
         compressed = self.compress
         if self._send_lock is None:
             # A unary call's answer: its request's bytes are now its response's.
@@ -252,7 +244,7 @@ class GrpcCall:
             if self.state.response is Response.IDLE:
                 headers = GZIP_RESPONSE_HEADERS if self.compress else RESPONSE_HEADERS
                 self.state.response_event(ResponseEvent.HEADERS)
-                self._conn.h2.send_headers(self.stream_id, headers)
+                self.connection.h2.send_headers(self.stream_id, headers)
             if size + 5 <= JOIN_LIMIT:
                 await self._send_data([b"".join([head, *chunks])])
             else:
@@ -262,7 +254,7 @@ class GrpcCall:
             raise trio.BrokenResourceError(str(exc)) from exc
 
     async def _send_data(self, chunks: Sequence[bytes | memoryview]) -> None:
-        h2conn = self._conn.h2
+        h2conn = self.connection.h2
         stream_id = self.stream_id
         for chunk in chunks:
             if type(chunk) is bytes and h2conn.send_whole(stream_id, chunk):
@@ -272,7 +264,7 @@ class GrpcCall:
             while len(view):
                 window = h2conn.local_flow_control_window(stream_id)
                 if window <= 0:
-                    self._conn.flush()
+                    self.connection.flush()
                     await self.wait_for_window()
                     if self.state.reset:
                         raise trio.BrokenResourceError("the client reset the stream")
@@ -295,7 +287,7 @@ class GrpcCall:
         else:  # "trailers only": one HEADERS frame carries the status
             headers = [(b":status", b"200"), CONTENT_TYPE, *status_headers(status, message)]
         self.state.response_event(ResponseEvent.FINISH)
-        h2conn = self._conn.h2
+        h2conn = self.connection.h2
         try:
             h2conn.send_headers(self.stream_id, headers, end_stream=True)
             if self.state.request is not Request.ENDED:
@@ -306,15 +298,15 @@ class GrpcCall:
 
     async def wait_for_window(self) -> None:
         """Wait until the client may have given more window (or reset the stream)."""
-        window = self._window
+        window = self.window_waiter
         if window is None or window.is_set():
-            window = self._window = trio.Event()
+            window = self.window_waiter = trio.Event()
         await window.wait()
 
     def reset_by_client(self) -> None:
         """The client reset the stream (cancelled the call): the handler's scope is
         cancelled; a call whose task has not started yet finds its state reset and
-        runs under a cancelled scope (the connection's ``_outcome``)."""
+        runs under a cancelled scope (the connection's ``_run_call``)."""
         if self.state.response in (Response.IDLE, Response.SENDING):
             log_grpc_cancellation(self.method, self.stream_id)
         self.state.request_event(RequestEvent.RESET)
@@ -332,5 +324,5 @@ class GrpcCall:
 
     def wake_sender(self) -> None:
         """The client's window may have grown, or the stream is gone."""
-        if self._window is not None:
-            self._window.set()
+        if self.window_waiter is not None:
+            self.window_waiter.set()

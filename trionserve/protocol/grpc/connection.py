@@ -352,13 +352,15 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
     # -- requests --------------------------------------------------------------
 
     def _on_window(self, stream_id: int) -> None:
+        # (a sender that waits for window has its event: most never wait)
         if stream_id:  # one stream's window
             call = self.calls.get(stream_id)
-            if call is not None:
+            if call is not None and call.window_waiter is not None:
                 call.wake_sender()
         else:  # the connection's: every sender may go on
             for call in self.calls.values():
-                call.wake_sender()
+                if call.window_waiter is not None:
+                    call.wake_sender()
 
     def _on_end(self, stream_id: int) -> None:
         call = self.calls.get(stream_id)
@@ -381,12 +383,12 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
             head = read_request_head(headers, self.methods, self.options)
             if type(head) is RequestHead:
                 self._last_head = (headers[:], head)
-        if isinstance(head, HttpRefusal):
-            self.h2.send_headers(stream_id, [(b":status", head.status)], end_stream=True)
-            self.flush()
-            return
-        if isinstance(head, GRPCError):
-            self._trailers_only(stream_id, head.status, head.message)
+        if type(head) is not RequestHead:  # (one check on the common way)
+            if isinstance(head, HttpRefusal):
+                self.h2.send_headers(stream_id, [(b":status", head.status)], end_stream=True)
+                self.flush()
+            else:
+                self._trailers_only(stream_id, head.status, head.message)
             return
         method = head.method
         call = GrpcCall(
@@ -485,7 +487,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         starting, self._starting = self._starting, []
         for index, (call, handler) in enumerate(starting):
             self._inline = call
-            if isinstance(handler, inline.Resume):  # parked: its request has its outcome
+            if type(handler) is inline.Resume:  # parked: its request has its outcome
                 kept: trio.CancelScope | None = self._reader_scope
                 resume = handler.proceed()
             elif call.client_streaming or not call.state.client_done:
@@ -530,12 +532,39 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
     async def _run_call(
         self, call: GrpcCall, handler: Handler, kept: trio.CancelScope | None = None
     ) -> None:
+        """Run the handler under the call's deadline and end the call with its
+        status (none when there is nobody left to answer). ``kept``: the scope
+        the call takes as its own if it keeps the reader's task (_start_calls),
+        its cancellation caught here; else the handler runs in a scope of its
+        own. (All in this coroutine: each frame more would be one call more
+        each time a parked call is carried on.)"""
         if LOGGING.log_verbose_level >= 2:  # (Triton's verbose lines: nothing else)
             log_grpc_state("StateNew", call.method, call.stream_id)
         try:
-            outcome = await self._outcome(call, handler, kept)
-            if outcome is not None:
-                call.finish(*outcome)
+            if kept is not None:
+                try:
+                    status, message = await self._status(call, handler)
+                except trio.Cancelled:
+                    # (the scope it took: the task's it kept, or its own, _carry_on)
+                    if call.scope is None or not call.scope.cancel_called:  # the connection's
+                        raise
+                    cancelled = True
+                else:
+                    cancelled = False
+            else:
+                with trio.CancelScope() as scope:
+                    call.scope = scope
+                    if call.state.reset:  # reset before this task started: nobody to answer
+                        scope.cancel()
+                    if call.deadline is not None:
+                        scope.deadline = call.deadline
+                    status, message = await self._status(call, handler)
+                cancelled = scope.cancelled_caught
+            if call.state.answerable:
+                if cancelled:
+                    call.finish(Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                else:
+                    call.finish(status, message)
         except BaseException:
             # Cancelled (alone or grouped by the handler's nursery): when the server
             # is draining, that is the exit timeout cutting the call.
@@ -549,9 +578,9 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
             if not self.calls and not self.state.closing:  # idle
                 self._idle[self] = None
                 self.idle_since = now = trio.current_time()
-                scope = self.idle_scope
-                if scope is not None and scope.deadline == math.inf:
-                    scope.deadline = now + self.idle_timeout
+                idle = self.idle_scope
+                if idle is not None and idle.deadline == math.inf:
+                    idle.deadline = now + self.idle_timeout
             working = call.account.working
             if windows := self.buffer.close(call.account):
                 self._give(windows)
@@ -566,38 +595,6 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
             self.flush()  # this task is cancelled: the writer writes it
         else:
             await self._write_now()
-
-    async def _outcome(
-        self, call: GrpcCall, handler: Handler, kept: trio.CancelScope | None
-    ) -> tuple[Status, str | None] | None:
-        """Run the handler under the call's deadline: the status to end the call
-        with, or None when there is nobody left to answer. ``kept``: the scope
-        the call takes as its own if it keeps the reader's task (_start_calls),
-        its cancellation caught here; else the handler runs in a scope of its own."""
-        if kept is not None:
-            try:
-                status, message = await self._status(call, handler)
-            except trio.Cancelled:
-                # (the scope it took: the task's it kept, or its own, _carry_on)
-                if call.scope is None or not call.scope.cancel_called:  # the connection's
-                    raise
-                cancelled = True
-            else:
-                cancelled = False
-        else:
-            with trio.CancelScope() as scope:
-                call.scope = scope
-                if call.state.reset:  # reset before this task started: nobody to answer
-                    scope.cancel()
-                if call.deadline is not None:
-                    scope.deadline = call.deadline
-                status, message = await self._status(call, handler)
-            cancelled = scope.cancelled_caught
-        if not call.state.answerable:
-            return None
-        if cancelled:
-            return Status.DEADLINE_EXCEEDED, "Deadline Exceeded"
-        return status, message
 
     @staticmethod
     async def _status(call: GrpcCall, handler: Handler) -> tuple[Status, str | None]:

@@ -29,7 +29,7 @@ nursery, a lock) may be open in the coroutine where it parks.
 from __future__ import annotations
 
 from collections.abc import Coroutine, Generator
-from typing import Any
+from typing import Any, final
 
 __all__ = ["PARK", "Resume", "step"]
 
@@ -57,30 +57,29 @@ class _Park:
 PARK = _Park()
 
 
+@final
 class Resume:
     """A coroutine stopped at its first wait, carried on when awaited: what it
     yielded is passed up to Trio and what Trio sends back is passed down, until
     it returns. Closed with its awaiter."""
 
-    __slots__ = ("_coroutine", "_message")
+    __slots__ = ("_coroutine", "_message", "parked")
 
     def __init__(self, coroutine: Coroutine[Any, Any, None], message: object) -> None:
         self._coroutine = coroutine
         self._message = message
-
-    @property
-    def parked(self) -> bool:
-        """Stopped at ``await PARK``: no task waits; carry it on with proceed."""
-        return self._message is PARK
+        # Stopped at ``await PARK``: no task waits; carry it on with proceed.
+        self.parked = message is PARK
 
     def proceed(self) -> Resume | None:
         """Carry a parked coroutine on in the calling task until it ends (None)
         or would wait (this Resume, to be awaited next by the calling task, or
         kept again if it parked again). Exceptions it raises propagate."""
         try:
-            self._message = self._coroutine.send(None)
+            message = self._message = self._coroutine.send(None)
         except StopIteration:
             return None
+        self.parked = message is PARK
         return self
 
     def __await__(self) -> Generator[Any, Any, None]:

@@ -33,6 +33,7 @@ at the exit timeout (``Connection._run_call``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -70,7 +71,7 @@ class ParkedCalls:
         (_unpark)."""
         if self._inline is not call or call.deadline is not None or call.state.reset:
             return False
-        request.on_final(lambda: self._unpark(call))
+        request.on_final(partial(self._unpark, call))  # (no frame of its own, as a lambda has)
         return True
 
     def _unpark(self, call: GrpcCall) -> None:
@@ -120,7 +121,7 @@ class ParkedCalls:
     async def _carry_on(call: GrpcCall, resume: inline.Resume) -> None:
         """A parked call goes on in this task, in a scope of its own (cancelled
         at once if the client reset the stream), as a call run in the reader's
-        task that would wait takes that task's (Connection._outcome)."""
+        task that would wait takes that task's (Connection._run_call)."""
         with trio.CancelScope() as scope:
             call.scope = scope
             if call.state.reset:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import final
 
 from trionserve.protocol.grpc.call import Method
 from trionserve.protocol.grpc.framing import ENCODINGS
@@ -21,6 +22,7 @@ from trionserve.protocol.grpc.status import GRPCError, Status, decode_timeout
 __all__ = ["HttpRefusal", "RequestHead", "read_request_head"]
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class RequestHead:
     """A call to serve."""

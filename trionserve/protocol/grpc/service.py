@@ -327,28 +327,25 @@ class GrpcService:
         # The common request (infercache): it names no shared memory, so no
         # regions are held for it; any other goes through protobuf (codec).
         request = grpc_infercache.decode_request(data)
-        if request is not None:
-            return await self._model_infer(request, call, None)
-        shared_memory = self.dataplane.request_regions()
+        shared_memory = None
+        if request is None:
+            shared_memory = self.dataplane.request_regions()
         try:
-            message, raws = grpc_codec.parse_infer_request(data)
-            try:
-                request = grpc_codec.decode_infer_request(message, shared_memory, raws)
-            except TritonError as error:  # Triton's Execute logs it (infer_handler.cc:987)
-                log_infer_failed(message.id, error.message)
-                raise
-            return await self._model_infer(request, call, shared_memory)
-        finally:
-            if shared_memory is not None:
-                shared_memory.release()
-
-    async def _model_infer(
-        self, request: InferenceRequest, call: GrpcCall, shared_memory: RequestRegions | None
-    ) -> list:
-        self._forward_headers(call, request)
-        if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
-            request.trace_context = getattr(call, "stamps", None)
-        if not (self.verbose or verbose_logging()):
+            if request is None:
+                message, raws = grpc_codec.parse_infer_request(data)
+                try:
+                    request = grpc_codec.decode_infer_request(message, shared_memory, raws)
+                except TritonError as error:  # Triton's Execute logs it (infer_handler.cc:987)
+                    log_infer_failed(message.id, error.message)
+                    raise
+            if self._forward is not None:
+                self._forward_headers(call, request)
+            if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
+                request.trace_context = getattr(call, "stamps", None)
+            if self.verbose or LOG_SETTINGS.log_verbose_level > 0:  # (verbose_logging())
+                return await self._logged_infer(request, shared_memory)
+            # (here, not in a coroutine of its own: a parked call is carried on
+            # through each of its frames)
             answer = grpc_answer.arm(call, request) if self._answerable(request) else None
             if answer is None:
                 response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
@@ -363,8 +360,16 @@ class GrpcService:
             return grpc_infercache.encode_response(
                 response, request
             ) or grpc_codec.encode_infer_response(response, request, None, shared_memory)
+        finally:
+            if shared_memory is not None:
+                shared_memory.release()
+
+    async def _logged_infer(
+        self, request: InferenceRequest, shared_memory: RequestRegions | None
+    ) -> list:
+        """ModelInfer's request served with verbose logging: an access-log line
+        once answered (protocol, model, status, latency)."""
         log.debug("infer request", protocol="GRPC", model=request.model_name, id=request.id)
-        # Verbose: an access-log line once answered (protocol, model, status, latency).
         started = time.perf_counter()
         status = "CANCELLED"  # unless it ends otherwise
         try:

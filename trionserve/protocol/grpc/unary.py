@@ -143,7 +143,12 @@ def unary_method(
             stamps.take_context(metadata.get("traceparent"), metadata.get("tracestate"))
         try:
             data = await call.receive()
-            if data is None or await call.receive() is not None:
+            state = call.state
+            # (no second receive when it would return None: the request is whole)
+            if data is None or (
+                (call.messages or not state.client_done or state.reset or call.error)
+                and await call.receive() is not None
+            ):
                 raise GRPCError(
                     Status.INTERNAL, f"{call.method} expects exactly one request message"
                 )
