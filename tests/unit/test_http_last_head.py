@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from trionserve.protocol.http.h1 import H1Connection, HttpServerOptions, Request
-from trionserve.protocol.http.state import Client
+from trionserve.protocol.http.state import Client, Server
 
 HEAD = (
     b"POST /v2/models/cnn/infer HTTP/1.1\r\nHost: localhost:8000\r\n"
@@ -248,3 +248,71 @@ def test_a_repeated_head_read_short_is_parsed_and_the_end_of_stream_closes():
     assert buffers is not None
     h1.received_again(0, *buffers)
     assert h1.state.client is Client.CLOSED and h1.next_request() is None
+
+
+def take_again(h1: H1Connection, data: bytes) -> Request | None:
+    """:meth:`H1Connection.take_again` of ``data`` read into its buffers."""
+    buffers = h1.again_buffers()
+    assert buffers is not None
+    head, body = buffers
+    size = len(data)
+    head[: min(size, len(head))] = data[: len(head)][:size]
+    if size > len(head):
+        body[: size - len(head)] = data[len(head) : size]
+    return h1.take_again(size, head, body)
+
+
+def test_the_moves_of_a_request_taken_at_once_are_the_state_tables_moves():
+    from trionserve.protocol.http.h1 import _AGAIN_MOVES
+    from trionserve.protocol.http.state import CLIENT_TRANSITIONS, SERVER_TRANSITIONS
+
+    for (start, events, end), table in zip(
+        _AGAIN_MOVES, (CLIENT_TRANSITIONS, SERVER_TRANSITIONS), strict=True
+    ):
+        state = start
+        for event in events:
+            state = table[state][event]  # type: ignore[index]
+        assert state is end
+
+
+def test_a_whole_repeated_request_is_taken_in_one_step_as_the_parser_and_next_request_take_it():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    first = served(h1)
+    parser = h1.parser = NoParser()
+    again = take_again(h1, HEAD + body(2))
+    assert again is not None and h1.parser is parser
+    assert h1.current is again and list(h1.requests) == [again]
+    assert h1.state.client is Client.IDLE and h1.state.server is Server.HANDLING
+    h1.start_response(200, [(b"content-length", b"0")], False, streamed=False)
+    assert h1.end_response() and h1.state.server is Server.IDLE and not h1.requests
+    assert fields(h1, again) == fields(h1, first)
+    assert bytes(h1.body(again)) == body(2) and not h1.body(again).readonly
+
+
+@pytest.mark.parametrize("cut", [5, len(HEAD), len(HEAD) + 4])
+def test_a_repeated_request_not_whole_in_the_read_is_received_as_any_and_not_taken(cut):
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    assert take_again(h1, (HEAD + body(3))[:cut]) is None
+    assert h1.state.server is Server.IDLE and h1.current is None
+    if cut < len(HEAD):
+        h1.receive_data((HEAD + body(3))[cut:])
+    else:  # the request made from the last head, its body's rest read into its buffer
+        request = h1.requests[0]
+        empty = h1.body_pending(request)
+        assert empty is not None and len(empty) == len(HEAD) + 19 - cut
+        empty[:] = (HEAD + body(3))[cut:]
+        h1.body_received(request, len(empty))
+    assert bytes(h1.body(served(h1))) == body(3)
+
+
+def test_other_bytes_read_where_a_repeated_request_was_expected_are_parsed_and_not_taken():
+    h1 = connection()
+    h1.receive_data(HEAD + body(1))
+    served(h1)
+    other = HEAD.replace(b"localhost:8000", b"localhost:8001")
+    assert take_again(h1, other + body(4)) is None
+    request = served(h1)
+    assert (b"host", b"localhost:8001") in request.headers and bytes(h1.body(request)) == body(4)

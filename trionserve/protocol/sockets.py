@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import socket as _socket
 from collections.abc import Sequence
+from typing import Protocol
 
 import trio
 
@@ -343,6 +344,12 @@ def peer_name(stream: trio.abc.Stream) -> str:
     return f"{host}:{port}"
 
 
+class Cancellable(Protocol):
+    """What a held write ends: a cancel scope, or what cancels one."""
+
+    def cancel(self) -> None: ...
+
+
 class HeldWrite:
     """A large write waiting for its client: what the client budget's pressure
     policy sees of it (its bytes, since when), and ends (``scope``: the
@@ -350,7 +357,7 @@ class HeldWrite:
 
     __slots__ = ("held_bytes", "last_read", "_scope")
 
-    def __init__(self, size: int, scope: trio.CancelScope) -> None:
+    def __init__(self, size: int, scope: Cancellable) -> None:
         self.held_bytes = size
         self.last_read = trio.current_time()
         self._scope = scope

@@ -33,14 +33,12 @@ from __future__ import annotations
 import json
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Protocol
 from urllib.parse import unquote
 
 import httptools
 
-from trionserve.core.client_budget import ClientBudget
+from trionserve.protocol.http.h1_options import NO_TRACING, HttpServerOptions
 from trionserve.protocol.http.h1_request import LastHead, Request, body_buffer
 from trionserve.protocol.http.state import (
     Client,
@@ -60,6 +58,13 @@ _BEGIN, _HEAD_DONE, _MESSAGE_DONE = (
 )
 _REQUEST, _RESPONSE, _END = ServerEvent.REQUEST, ServerEvent.RESPONSE, ServerEvent.END
 _ANSWERABLE = (Server.IDLE, Server.HANDLING)
+_SERVER_IDLE, _HANDLING = Server.IDLE, Server.HANDLING
+# What a whole request taken at once moves each side through (H1Connection.take_again):
+# the client from IDLE back to IDLE, the server from IDLE to HANDLING.
+_AGAIN_MOVES = (
+    (_IDLE, (_BEGIN, _HEAD_DONE, _MESSAGE_DONE), _IDLE),
+    (_SERVER_IDLE, (_REQUEST,), _HANDLING),
+)
 
 __all__ = [
     "MAX_CHUNKED_CHUNKS",
@@ -130,80 +135,6 @@ class _Stop(Exception):
     """Raised by a parser callback that refused what came: stops the parser."""
 
 
-@dataclass(frozen=True, slots=True)
-class HttpServerOptions:
-    """Settings of the HTTP/1.1 protocol and of the transport that serves it."""
-
-    # Largest request body accepted, in bytes; None: no limit.
-    max_request_body: int | None = None
-    # The flag that sets max_request_body, named in the 413 answer.
-    max_request_body_flag: str = "--http-max-input-size"
-    # The refusal of a body over max_request_body, from the request's head, the
-    # body's size (None: a chunked body, past the limit and still coming) and the
-    # limit; None: 413 naming max_request_body_flag. The refusal comes before
-    # the body is read (or, chunked, read past the limit) whatever it says.
-    body_refusal: Callable[[Request, int | None, int], ProtocolError] | None = None
-    # Connections served at once; a connection past it is answered 503 and
-    # closed. None: no cap.
-    max_connections: int | None = None
-    # A connection must deliver a whole request head within this many seconds of
-    # opening, or of the first byte of a later request (slowloris): 408 and closed.
-    # A request body must keep arriving too: no byte of it for this long is a 408.
-    header_timeout: float = 30.0
-    # Largest request head (request line and headers) buffered: 431 past it.
-    max_header_size: int = 1024 * 1024
-    # An idle keep-alive connection (answered, nothing sent since) is closed after
-    # this many seconds; at the connection cap the oldest idle ones are closed
-    # first to make room for new connections.
-    keep_alive_timeout: float = 60.0
-    # Bytes asked of the socket per read (a chunked body, bytes after a request).
-    receive_size: int = 256 * 1024
-    # Bytes asked of the socket for the start of a request: its head and what of its
-    # body came along, which the parser copies into the body's buffer twice over
-    # (httptools hands each piece over as bytes); the rest of a declared body is
-    # read straight into its buffer (one more read, without a wait, when it is
-    # there). A request this small or smaller (a small tensor, a 4 KB one with its
-    # JSON header and head) still comes in one read; of a 602 KB body, 16 KB go
-    # through the parser instead of 64 KB: the two copies of the other 48 KB
-    # were 95K of the event loop's 727K instructions per request (callgrind,
-    # benchmarks/README.md; 256 KB -> 64 KB before: the transport's CPU per body
-    # 138-144 -> 93-117 us, benchmarks.investigations.body_receive).
-    head_receive_size: int = 16 * 1024
-    backlog: int = 1024
-    # Bind with SO_REUSEPORT: worker processes share the port (--workers).
-    reuse_port: bool = False
-    # How long a closing connection waits for the client to close its side, so
-    # that unread request bytes do not turn our close into a reset.
-    linger: float = 1.0
-    # The body of the transport's own error answers (413, 408, ...) from status and
-    # message; None: {"error": message}. The OpenAI frontend gives OpenAI's shape.
-    error_body: Callable[[int, str], bytes] | None = None
-    # The server's budget of bytes held for clients (--client-buffer-limit), which
-    # large bodies, received and answered, count in; None: not counted.
-    budget: ClientBudget | None = None
-    # The server's tracing: while it is active, each request's start is timed
-    # (Request.began, Triton's HTTP_RECV_START); None: never.
-    tracing: TraceClock | None = None
-
-
-class TraceClock(Protocol):
-    """What the protocol asks of the server's tracing (TraceManager)."""
-
-    active: bool
-
-    def now_ns(self) -> int: ...
-
-
-class _NoTracing:
-    active = False
-
-    def now_ns(self) -> int:
-        return 0
-
-
-_NO_TRACING = _NoTracing()
-
-
 class HeadCache:
     """Response heads (status line and headers) as bytes. Most answers repeat an
     earlier one's head (one model's answers have the same types and lengths):
@@ -252,7 +183,7 @@ class H1Connection:
         self.options = options = options or HttpServerOptions()
         self.max_request_body = options.max_request_body
         self.max_header_size = options.max_header_size
-        self._tracing = options.tracing or _NO_TRACING
+        self._tracing = options.tracing or NO_TRACING
         self._heads = heads or HeadCache()
         self.state = ConnectionState()
         self.parser = self._new_parser()
@@ -427,6 +358,46 @@ class H1Connection:
             self.receive_data(bytes(head[:size]))
         else:
             self.receive_data(bytes(head) + bytes(body[: size - start]))
+
+    def take_again(self, size: int, head: memoryview, body: memoryview) -> Request | None:
+        """:meth:`received_again`, in one step where the bytes are the whole
+        request the last head makes (the server idle, as :meth:`again_buffers`
+        left the client): that request, made as :meth:`_again` makes it and
+        taken as :meth:`next_request` takes it, without the states' tables (client
+        IDLE -> HEAD -> BODY -> IDLE, server IDLE -> HANDLING: ``_AGAIN_MOVES``).
+        None: the bytes were received as any (:meth:`received_again`)."""
+        last = self._last_head
+        assert last is not None
+        length = last.length
+        if (
+            size != len(last.raw) + length
+            or head != last.raw
+            or self.state.server is not _SERVER_IDLE
+            or last.head_size > self.max_header_size
+        ):
+            self.received_again(size, head, body)
+            return None
+        request = Request()
+        request.parsed = False
+        if self._tracing.active:
+            request.began = self._tracing.now_ns()
+        request.target = last.target
+        request.headers = list(last.headers)
+        request.head_size = last.head_size
+        request.method = last.method
+        request.version = "1.1"
+        request.keep_alive = True
+        request.expects_continue = False
+        request.length = length
+        request.head_done = True
+        request.buffer = body
+        request.size = length
+        request.complete = True
+        self.requests.append(request)
+        self.state.server = _HANDLING  # (the client side is IDLE again)
+        self.current = request
+        self._keep_alive = True
+        return request
 
     def _again_in(self, last: LastHead, data: bytes | bytearray | memoryview) -> None:
         """A request whose head is ``last``'s bytes, at the start of ``data``: the

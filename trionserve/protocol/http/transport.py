@@ -66,24 +66,22 @@ from trionserve.protocol.http import answer as answers
 from trionserve.protocol.http.h1 import (
     CONTINUE,
     INTERNAL_ERROR,
-    LAST_CHUNK,
     Body,
     H1Connection,
     Handler,
     HeadCache,
     Headers,
     HttpServerOptions,
-    LastChunk,
     PeerGone,
     ProtocolError,
     Request,
     RequestBody,
     Response,
     Router,
-    frame_chunk,
     json_error,
 )
 from trionserve.protocol.http.state import Client
+from trionserve.protocol.http.streamed import JOIN_LIMIT, send_streamed
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
 from trionserve.protocol.sockets import (
     HeldWrite,
@@ -109,9 +107,6 @@ __all__ = [
     "Router",
 ]
 
-# Responses up to this size are joined with their head and written at once; larger bodies are
-# written from their buffers, gathered (writev), without joining.
-_JOIN_LIMIT = 64 * 1024
 # A body read without waiting (its bytes already there) yields to the other tasks after this many
 # bytes, so that a fast client cannot hold the loop.
 _YIELD_BYTES = 4 * 1024 * 1024
@@ -246,15 +241,10 @@ class HttpServer:
                 pass
         await stream.aclose()
 
-    async def serve_connection(self, stream: trio.abc.HalfCloseableStream) -> None:
-        """Serve one connection until it closes; closes ``stream``."""
-        connection = _Connection(self, stream)
-        try:
-            await connection.run()
-        except* _GONE as group:
-            log.debug("http connection lost", error=repr(group))
-        except* Exception:
-            log.exception("http connection failed")
+    def serve_connection(self, stream: trio.abc.HalfCloseableStream) -> Awaitable[None]:
+        """Serve one connection until it closes; closes ``stream`` (the connection's own
+        coroutine: no frame of this one to resume at each of its waits)."""
+        return _Connection(self, stream).serve()
 
 
 class _Connection:
@@ -262,6 +252,7 @@ class _Connection:
     (``h1``), writes what it answers, keeps the deadlines, runs the handlers."""
 
     __slots__ = (
+        "_ended",
         "_handling",
         "_idle_scope",
         "_now",
@@ -284,6 +275,8 @@ class _Connection:
         # by the keep-alive timeout, the drain or the connection cap while it waits for the next
         # request (through _idle_scope), or by a slow request's watcher when the client hangs up.
         self._scope = trio.CancelScope()
+        # Whether _scope was cancelled (a plain flag: the scope's cancel_called is 4 calls).
+        self._ended = False
         # The scope to cancel to stop waiting for the next request (while waiting).
         self._idle_scope: trio.CancelScope | None = None
         # Ended while keep-alive idle: nothing unread, closed without linger.
@@ -294,30 +287,45 @@ class _Connection:
         # trio.current_time of the run's clock, without its two wrappers' calls.
         self._now = trio.lowlevel.current_clock().current_time
 
-    async def run(self) -> None:
+    async def serve(self) -> None:
+        """Serve the connection until it closes; a client gone is logged, not raised (one
+        frame: each frame on the stack is resumed at every wait)."""
         h1 = self.h1
         answers.CONNECTION_ANSWER.set(self.answer)  # this task's (the infer handler arms it)
         try:
-            with self._scope:
-                while True:
-                    request = await self._next_request()
-                    if request is None:
-                        return  # closed by the client, idle timeout, or draining
-                    if not await self._serve(request) or self.server.draining:
-                        return
-        except ProtocolError as exc:
-            if exc.status and h1.answerable:
-                log.debug("http protocol error", error=exc.message)
-                await self._send_error(exc.status, exc.message)
-        except PeerGone:
-            pass
-        finally:
-            h1.closed()
-            await self._close()
+            try:
+                with self._scope:
+                    while True:
+                        request = self._ready() or await self._next_request()
+                        if request is None:
+                            return  # closed by the client, idle timeout, or draining
+                        if not await self._serve(request) or self.server.draining:
+                            return
+            except ProtocolError as exc:
+                if exc.status and h1.answerable:
+                    log.debug("http protocol error", error=exc.message)
+                    await self._send_error(exc.status, exc.message)
+            except PeerGone:
+                pass
+            finally:
+                h1.closed()
+                await self._close()
+        except* _GONE as group:
+            log.debug("http connection lost", error=repr(group))
+        except* Exception:
+            log.exception("http connection failed")
 
     def stop_waiting(self) -> None:  # (between requests: the drain, the cap, the timeout)
-        if self._idle_scope is not None:
-            self._idle_scope.cancel()
+        scope = self._idle_scope
+        if scope is not None:
+            if scope is self._scope:
+                self._ended = True
+            scope.cancel()
+
+    def cancel(self) -> None:
+        """End the connection (a slow request's client gone, a stalled write evicted)."""
+        self._ended = True
+        self._scope.cancel()
 
     # -- reading -------------------------------------------------------------
 
@@ -371,23 +379,32 @@ class _Connection:
                 self._idle_scope = None
         return None
 
-    def _receive_ready(self) -> bool:
-        """Whether the bytes its answer's wait saw come were read, at once (no wait: no idle
-        bookkeeping); a request that repeats the last head with its body, in one read."""
+    def _ready(self) -> Request | None:
+        """The next request, taken, when the bytes its answer's wait saw come are the whole
+        request the connection's last head makes (one ``readv``, no parser, one step:
+        :meth:`H1Connection.take_again`); None: :meth:`_next_request` (it reads what this read,
+        or, if nothing, the bytes the wait saw)."""
         answer = self.answer
-        if answer is None or not answer.readable or self._scope.cancel_called:
-            return False
-        answer.readable = False  # (seen once)
+        if answer is None or not answer.readable or self._ended or self.server.draining:
+            return None
         h1 = self.h1
         buffers = h1.again_buffers()
-        if buffers is not None:
-            received = receive_now(self.stream, *buffers)
-            if received is not None:
-                h1.received_again(received, *buffers)
-            return received is not None
+        if buffers is None:
+            return None
+        answer.readable = False  # (seen once)
+        received = receive_now(self.stream, *buffers)
+        return None if received is None else h1.take_again(received, *buffers)
+
+    def _receive_ready(self) -> bool:
+        """Whether the bytes its answer's wait saw come were read, at once (no wait: no idle
+        bookkeeping; a request that repeats the last head was read by :meth:`_ready`)."""
+        answer = self.answer
+        if answer is None or not answer.readable or self._ended:
+            return False
+        answer.readable = False  # (seen once)
         data = receive_some_now(self.stream, self.server.options.head_receive_size)
         if data is not None:
-            h1.receive_data(data)
+            self.h1.receive_data(data)
         return data is not None
 
     async def _receive_keep_alive(self) -> bytes | bytearray | None:
@@ -477,7 +494,7 @@ class _Connection:
             return False
         # A large body counts in the budget of bytes held for clients from its head to its answer (a
         # small one pays one comparison).
-        counted = request.length if request.length > _JOIN_LIMIT else 0
+        counted = request.length if request.length > JOIN_LIMIT else 0
         budget = server.options.budget if counted else None
         if budget is not None:
             if not budget.has_room(counted):
@@ -561,7 +578,7 @@ class _Connection:
                     data = b""
                 self.h1.receive_data(data)
                 if not data and self._handling:
-                    self._scope.cancel()  # the connection ends with the request
+                    self.cancel()  # the connection ends with the request
         finally:
             done.set()
 
@@ -570,7 +587,9 @@ class _Connection:
         body is an async iterator; whether the connection is kept for the next request."""
         h1 = self.h1
         if isinstance(chunks, AsyncIterator):
-            await self._stream(status, headers, chunks)
+            await send_streamed(
+                h1, self.stream, self.server.draining, self._held, status, headers, chunks
+            )
             return h1.end_response()
         head = h1.start_response(status, headers, self.server.draining, streamed=False)
         # A small answer is written without a checkpoint when the socket takes it at once: reading
@@ -581,66 +600,11 @@ class _Connection:
             size = 0
             for chunk in chunks:
                 size += len(chunk)
-            if size <= _JOIN_LIMIT:
+            if size <= JOIN_LIMIT:
                 await send_all(self.stream, head + b"".join(chunks) if size else head)
             else:  # gathered from the tensors' own buffers, without a join
                 await self._held(size, send_pieces(self.stream, [head, *chunks]))
         return h1.end_response()
-
-    async def _stream(
-        self, status: int, headers: list[tuple[bytes, bytes]], chunks: AsyncIterator[bytes]
-    ) -> None:
-        """Write the head, then each chunk as the iterator yields it (chunked transfer encoding; to
-        an HTTP/1.0 client as is, ending with the close); the iterator is closed however this ends
-        (a client gone mid-stream included). The head is written with the first chunk, the end of
-        the body with a :class:`LastChunk`, and a chunk the socket takes at once without a
-        checkpoint (the iterator's wait for its next chunk is one)."""
-        h1 = self.h1
-        stream = self.stream
-        stamps = HTTP_STAMPS.get()
-        try:
-            head = h1.start_response(status, headers, self.server.draining, streamed=True)
-            if h1.head_only:
-                await send_all(stream, head)
-                return
-            chunked = h1.chunked_response
-            # The head goes out with the first chunk: one write, not two, for the first event (a
-            # streamed answer's body is made once its first response is there, so its first chunk is
-            # not waited for).
-            waiting: bytes = head
-            async for chunk in chunks:
-                if chunk:
-                    waiting += frame_chunk(chunk) if chunked else chunk
-                if type(chunk) is LastChunk:
-                    break  # the end of the body goes with it
-                if chunk:
-                    # Written from ``waiting``: the chunk itself is let go, not held twice while a
-                    # slow client takes it.
-                    chunk = b""
-                    await self._send_chunk(waiting, stamps)
-                    waiting = b""
-            last = waiting  # the last chunk's data, if any, goes with the end
-            if chunked:
-                waiting += LAST_CHUNK
-            if waiting:
-                await self._send_chunk(waiting, stamps if last else None)
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if aclose is not None:
-                with trio.CancelScope(shield=True):
-                    await aclose()
-
-    async def _send_chunk(self, data: bytes, stamps: FrontendStamps | None = None) -> None:
-        """A streamed chunk: over 64 KB, counted in the budget while written. A traced request's
-        chunk has an HTTP_SEND_START / HTTP_SEND_END pair, as Triton's generate_stream writes one
-        per response (server src/http_server.cc GenerateRequestClass::SendChunkResponse)."""
-        start = now_ns() if stamps is not None else 0
-        if len(data) <= _JOIN_LIMIT:
-            await send_all(self.stream, data)
-        else:
-            await self._held(len(data), send_all(self.stream, data))
-        if stamps is not None:
-            stamps.sent_chunk(start, now_ns())
 
     async def _held(self, size: int, write: Awaitable[None]) -> None:
         """Run ``write`` of ``size`` bytes counted in the budget as held for the client, the write
@@ -649,7 +613,7 @@ class _Connection:
         if budget is None:
             await write
             return
-        holder = HeldWrite(size, self._scope)
+        holder = HeldWrite(size, self)
         budget.reserve(size)
         budget.hold(holder)
         try:
