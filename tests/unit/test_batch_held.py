@@ -391,3 +391,82 @@ def test_a_join_after_the_thread_started_the_batch_is_refused():
         return joined, late, instance.batches
 
     assert trio.run(main) == (True, False, [["a", "b"]])
+
+
+def _counted_waits(thread: InstanceThread) -> tuple[list[float], list[float], threading.Event]:
+    """The times the thread began and ended each wait on its doorbell, and an
+    event set as each begins."""
+    began: list[float] = []
+    ended: list[float] = []
+    waiting = threading.Event()
+    bell = thread._wake
+    wait = bell.wait
+
+    def counted() -> None:
+        began.append(time.perf_counter())
+        waiting.set()
+        wait()
+        ended.append(time.perf_counter())
+
+    bell.wait = counted  # type: ignore[method-assign]
+    return began, ended, waiting
+
+
+def test_a_held_job_wakes_a_sleeping_thread_once_at_its_delays_end():
+    """Given to a thread asleep on its doorbell, a held job sets the doorbell to
+    ring at the delay's end: the thread wakes then, once (no wake-up for the
+    job's coming, no second wait for the delay), and starts it not before."""
+
+    async def main() -> tuple[list[float], list[float], float, list[float]]:
+        instance = _Instance()
+        thread = InstanceThread("m_0", instance)  # type: ignore[arg-type]
+        began, ended, waiting = _counted_waits(thread)
+        thread.start()
+        await trio.to_thread.run_sync(waiting.wait, 10)  # asleep, no job
+        job = Job([test_batcher.request("a")])
+        held = thread.submit_held(job, trio.current_time() + 0.02)
+        with trio.fail_after(10):
+            await job.done.wait()
+        until = held._until
+        thread.stop()
+        await trio.to_thread.run_sync(thread.join, 10)
+        return began, ended, until, instance.started
+
+    began, ended, until, started = trio.run(main)
+    assert ended[0] >= until  # the first sleep's one wake-up: at the delay's end
+    assert [t for t in began if t < started[0]] == began[:1]  # and no other wait
+    assert started[0] >= until
+
+
+@pytest.mark.parametrize("timer", [True, False], ids=["timerfd", "eventfd"])
+def test_either_doorbell_keeps_the_delay_and_a_release_starts_the_job_at_once(timer):
+    """The doorbell with a timer and the one without (a timed select where
+    Linux has no timerfd): the delay is waited out whole, whether the job came
+    to a sleeping thread or to a busy one, and a release ends it at once."""
+    from trionserve.backends.instance_thread import _Doorbell
+
+    async def main() -> tuple[list[float], list[float], list[list[str]]]:
+        instance = _Instance()
+        thread = InstanceThread("m_0", instance)  # type: ignore[arg-type]
+        thread._wake.close()
+        thread._wake = _Doorbell(timer=timer)
+        thread.start()
+        untils = []
+        for name in ("sleeping", "busy"):
+            job = Job([test_batcher.request(name)])
+            if name == "busy":  # taken by the thread after a job before it
+                thread.submit(Job([test_batcher.request("before")]))
+            untils.append(thread.submit_held(job, trio.current_time() + 0.02)._until)
+            with trio.fail_after(10):
+                await job.done.wait()
+        job = Job([test_batcher.request("released")])
+        thread.submit_held(job, trio.current_time() + 60).release()
+        with trio.fail_after(10):  # not a minute
+            await job.done.wait()
+        thread.stop()
+        await trio.to_thread.run_sync(thread.join, 10)
+        return untils, instance.started, instance.batches
+
+    untils, started, batches = trio.run(main)
+    assert batches == [["sleeping"], ["before"], ["busy"], ["released"]]
+    assert started[0] >= untils[0] and started[2] >= untils[1]
