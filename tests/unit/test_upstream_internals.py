@@ -77,6 +77,63 @@ def test_kept_header_lists_follow_the_dynamic_table():
     assert decoder.decode(indexed, raw=True) == [(b"x-b", b"2")]
 
 
+def test_the_repeated_block_is_forgotten_whenever_the_table_may_change():
+    encoder, decoder = hpack.Encoder(), upstream.CachingDecoder()
+    decoder.decode(encoder.encode([(b"x-a", b"1")]), raw=True)  # inserted at index 62
+    assert decoder.repeated is None  # (a literal: the table changed)
+    indexed = encoder.encode([(b"x-a", b"1")])
+    assert decoder.decode(indexed, raw=True) == [(b"x-a", b"1")]
+    assert decoder.repeated == (indexed, ((b"x-a", b"1"),), decoder.max_header_list_size)
+    decoder.decode(indexed, raw=True)  # kept: still the one
+    assert decoder.repeated is not None and decoder.repeated[0] == indexed
+    # Any other block forgets it, even one that fails half-way.
+    with pytest.raises(hpack.HPACKDecodingError):
+        decoder.decode(b"\xff\xff\xff\xff", raw=True)
+    assert decoder.repeated is None
+    decoder.decode(indexed, raw=False)  # (not raw: never the repeated one)
+    assert decoder.repeated is None
+    decoder.decode(indexed, raw=True)
+    decoder.header_table_size = 0  # evicts: the block means nothing any more
+    assert decoder.repeated is None
+    assert decoder.header_table_size == 0  # (hpack's getter kept)
+
+
+def test_a_repeated_request_block_opens_its_stream_without_decoding():
+    config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+    server = upstream.H2Connection([HEADERS], config, [b"/m"])
+    server.initiate_connection()
+    client = h2.connection.H2Connection(h2.config.H2Configuration(header_encoding=None))
+    client.initiate_connection()
+    server.receive_data(client.data_to_send())
+    request = [
+        (b":method", b"POST"),
+        (b":scheme", b"http"),
+        (b":path", b"/m"),
+        (b":authority", b"a"),
+        (b"content-type", b"application/grpc"),
+    ]
+    decoded: list[bytes] = []
+    decode = server.decoder.decode
+    server.decoder.decode = lambda data, raw=False: decoded.append(data) or decode(data, raw)
+
+    def opened(stream_id: int, headers: list[tuple[bytes, bytes]]) -> list:
+        client.send_headers(stream_id, headers, end_stream=True)
+        events = server.receive(client.data_to_send())
+        return [
+            event[2] if type(event) is tuple else event.headers
+            for event in events
+            if type(event) is tuple or type(event) is h2.events.RequestReceived
+        ]
+
+    assert [opened(stream_id, request) for stream_id in (1, 3, 5, 7)] == [[request]] * 4
+    # The literals, then the indexes once: the next ones are not decoded.
+    assert len(decoded) == 2
+    # A new entry moves the indexes: the same block is decoded again.
+    assert opened(9, [*request, (b"x-b", b"2")]) == [[*request, (b"x-b", b"2")]]
+    assert opened(11, request) == [request]
+    assert len(decoded) == 4
+
+
 def test_only_small_header_lists_are_kept():
     encoder, decoder = hpack.Encoder(), upstream.CachingDecoder()
     big = [(b"x-a", b"a" * 2000), (b"x-b", b"b" * 2000)]

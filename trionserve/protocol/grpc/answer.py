@@ -48,7 +48,6 @@ What holds:
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
 import h2.exceptions as h2_exceptions
@@ -114,7 +113,9 @@ class CallAnswer:
         self._conn = conn
         self._call = call
         self._request: InferenceRequest | None = request
-        self.lock = threading.Lock()
+        # The connection's (one answer armed at a time; an answer taken is never
+        # armed again): made once per connection, not per call.
+        self.lock = conn.answer_lock
         self.state = ARMED
         self.rest: list[memoryview] | None = None
 

@@ -19,6 +19,7 @@ connections to drain, is :mod:`~trionserve.protocol.grpc.transport`'s.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -145,6 +146,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         self._written: trio.Event | None = None
         self.extra_frames: list[bytes] = []  # raw frames to write after h2's own output
         self.answer: CallAnswer | None = None  # see answer.py and SocketWriter
+        self.answer_lock = threading.Lock()  # every answer's lock (answer.py)
         self.unsent: list[memoryview] = []
         self.last_stream_id = _MAX_WINDOW
         self.ping_acks: dict[bytes, trio.Event] = {}
@@ -166,6 +168,9 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
     # -- the actor ---------------------------------------------------------------
 
     async def run(self) -> None:
+        # trio.current_time()'s clock, read at each call's end without its two
+        # calls around it.
+        self._clock = trio.lowlevel.current_clock()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -577,7 +582,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
             self.calls.pop(call.stream_id, None)
             if not self.calls and not self.state.closing:  # idle
                 self._idle[self] = None
-                self.idle_since = now = trio.current_time()
+                self.idle_since = now = self._clock.current_time()
                 idle = self.idle_scope
                 if idle is not None and idle.deadline == math.inf:
                     idle.deadline = now + self.idle_timeout

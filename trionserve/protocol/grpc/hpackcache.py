@@ -85,11 +85,23 @@ class CachingDecoder(hpack.Decoder):
     _LIST_BYTES = 4096
 
     def __init__(self) -> None:
+        # The last block decoded (raw) that left the table as it was, its
+        # headers and the header list limit it was decoded under: the same
+        # block decodes to them while nothing changed the table (any other
+        # block decoded, or the table's size set, forgets it). A caller checks
+        # it before decoding (H2Connection._unary_open: a client's repeated
+        # request headers), with no call.
+        self.repeated: tuple[bytes, tuple, int] | None = None
         super().__init__()
         self._kept: dict[tuple[bytes, bool], tuple] = {}
         # A block already decoded, and its headers: what h2 gets when it decodes
         # that block next (H2Connection hands it a HEADERS frame it has read).
         self.predecoded: tuple[object, Iterable] | None = None
+
+    @hpack.Decoder.header_table_size.setter  # type: ignore[attr-defined]
+    def header_table_size(self, value: int) -> None:
+        self.repeated = None  # (evictions)
+        hpack.Decoder.header_table_size.fset(self, value)  # type: ignore[attr-defined]
 
     def decode(self, data: bytes, raw: bool = False) -> Iterable[HeaderTuple]:
         predecoded = self.predecoded
@@ -97,6 +109,7 @@ class CachingDecoder(hpack.Decoder):
             self.predecoded = None
             if predecoded[0] is data or predecoded[0] == data:
                 return predecoded[1]
+        self.repeated = None  # (set again below for a block that changes nothing)
         table = self.header_table
         entries = table.dynamic_entries
         state = (
@@ -110,6 +123,8 @@ class CachingDecoder(hpack.Decoder):
         kept = self._kept.get(key)
         # The newest entry by identity: the kept state holds it, so it stays alive.
         if kept is not None and kept[0][0] is state[0] and kept[0][1:] == state[1:]:
+            if raw:
+                self.repeated = (key[0], kept[1], self.max_header_list_size)
             return list(kept[1])
         headers = super().decode(data, raw)
         # Single-byte indexed fields only (0x80 | index, index 1..126): no literal,
@@ -118,5 +133,7 @@ class CachingDecoder(hpack.Decoder):
             if sum(len(name) + len(value) for name, value in headers) <= self._LIST_BYTES:
                 if len(self._kept) >= self._BLOCKS:
                     self._kept.clear()
-                self._kept[key] = (state, tuple(headers))
+                kept = self._kept[key] = (state, tuple(headers))
+                if raw:
+                    self.repeated = (key[0], kept[1], self.max_header_list_size)
         return headers

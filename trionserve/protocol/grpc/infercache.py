@@ -172,8 +172,8 @@ class RequestPlan:
                     return None  # codec names the fault
             elif len(raw) != size:
                 return None
-            elif count:
-                data = np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
+            elif count:  # (its view in one step, as frombuffer(...).reshape(shape) in two)
+                data = np.ndarray(shape, dtype, raw)
             else:
                 data = np.empty(shape, dtype=dt.numpy)
             tensors[name] = Tensor(name, dt.wire, data)
@@ -234,7 +234,10 @@ def decode_request(data: Wire) -> InferenceRequest | None:
     """The request of a serialized ModelInferRequest in the common form (its input
     tensors views of ``data``, writable when ``data`` is), or None: then decode it
     with :func:`codec.decode_infer_request`. Never raises."""
-    split = _split(memoryview(data).cast("B"))
+    view = memoryview(data)
+    if view.format != "B" or view.ndim != 1 or not view.c_contiguous:  # (a message is)
+        view = view.cast("B")
+    split = _split(view)
     if split is None:
         return None
     head, id_value, raws = split

@@ -29,6 +29,7 @@ nursery, a lock) may be open in the coroutine where it parks.
 from __future__ import annotations
 
 from collections.abc import Coroutine, Generator
+from functools import partial
 from typing import Any, final
 
 __all__ = ["PARK", "Resume", "step"]
@@ -45,13 +46,19 @@ def step(coroutine: Coroutine[Any, Any, None]) -> Resume | None:
     return Resume(coroutine, message)
 
 
+# What a parked coroutine yields up to the task that stepped it.
+_PARKED = object()
+
+
 class _Park:
-    """What a coroutine awaits to park (see the module docstring)."""
+    """What a coroutine awaits to park (see the module docstring). Its await
+    yields ``_PARKED`` once and returns None when carried on: an iterator of a
+    one-item tuple, so neither the await nor the carrying on runs a Python
+    frame of its own (a generator's ``__await__`` ran one each time)."""
 
     __slots__ = ()
 
-    def __await__(self) -> Generator[Any, Any, None]:
-        yield self  # (what comes back when it is carried on is nothing)
+    __await__ = staticmethod(partial(iter, (_PARKED,)))
 
 
 PARK = _Park()
@@ -69,7 +76,7 @@ class Resume:
         self._coroutine = coroutine
         self._message = message
         # Stopped at ``await PARK``: no task waits; carry it on with proceed.
-        self.parked = message is PARK
+        self.parked = message is _PARKED
 
     def proceed(self) -> Resume | None:
         """Carry a parked coroutine on in the calling task until it ends (None)
@@ -79,7 +86,7 @@ class Resume:
             message = self._message = self._coroutine.send(None)
         except StopIteration:
             return None
-        self.parked = message is PARK
+        self.parked = message is _PARKED
         return self
 
     def __await__(self) -> Generator[Any, Any, None]:

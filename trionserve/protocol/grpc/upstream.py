@@ -247,7 +247,12 @@ class H2Connection(h2.connection.H2Connection):
             >= local[_MAX_CONCURRENT_STREAMS][0]
         ):
             return None
-        headers = h2.connection._decode_headers(self.decoder, block)  # type: ignore[arg-type]
+        decoder = self._caching_decoder
+        repeated = decoder.repeated  # (the client's last block again: not decoded)
+        if repeated and repeated[0] == block and repeated[2] == decoder.max_header_list_size:
+            headers: Iterable = list(repeated[1])
+        else:
+            headers = h2.connection._decode_headers(self.decoder, block)  # type: ignore[arg-type]
         path = None
         for name, value in headers:
             if name == b":path":
