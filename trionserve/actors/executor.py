@@ -34,7 +34,13 @@ from trionserve.backends.base import (
     TimedBackendInstance,
 )
 from trionserve.backends.cuda.pipeline import PIPELINE_DEPTH, StagedBackendInstance
-from trionserve.backends.instance_thread import Abandoned, HeldJob, InstanceThread, Job
+from trionserve.backends.instance_thread import (
+    Abandoned,
+    HeldJob,
+    InstanceThread,
+    Job,
+    clock_offset,
+)
 from trionserve.core.deferred import sweep_deferred
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse
@@ -162,6 +168,12 @@ class InstanceExecutor(AsyncInstanceServing):
         # (_handed_free; not with ordered outcomes), and those freed, unreported.
         self._frees = FREE_EARLY and self._hands_over and not getattr(outlet, "ordered", True)
         self._freed: set[Job] = set()
+        # The outlet's ``complete`` for outcomes known to be responses, where it
+        # has one (the dynamic batcher's: HandedJob.finished's written-out way).
+        self._respond = getattr(outlet, "respond", None)
+        # Trio's clock less the thread's perf_counter() (see clock_offset);
+        # None: a MockClock's, read per batch (InstanceThread.span).
+        self._offset: float | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -194,6 +206,7 @@ class InstanceExecutor(AsyncInstanceServing):
             # thread write a finished batch's answers and defer the report.
             thread.quiet = getattr(self._outlet, "quiet", None)
         thread.start()
+        self._offset = clock_offset()
         # Jobs given to the thread, in order, for _deliver; slots bound how many.
         send, receive = trio.open_memory_channel[Job](math.inf)
         slots = trio.Semaphore(self._depth)
@@ -282,7 +295,7 @@ class InstanceExecutor(AsyncInstanceServing):
             # Cancelled (unload deadline or shutdown): the thread finishes the
             # batch it is running and skips the others, so the instance is idle
             # before it is closed; their requests are answered here (a batch
-            # handed over as it finishes, see _handed_over).
+            # handed over as it finishes, see HandedJob).
             self._stopped = True
             thread.abandon()  # (a job it defers from now on wakes the loop)
             sweep_deferred()  # a job whose answers the thread wrote, delivered
@@ -368,7 +381,7 @@ class InstanceExecutor(AsyncInstanceServing):
         for one with nothing in flight: no pass of the run loop between the
         batch and the thread, none for the feeder. False (the scheduler queues
         it for the feeder) when stopped, busy, or a request of it is finished.
-        The batch is delivered by _handed_over as the thread reports it.
+        The batch is delivered as the thread reports it (HandedJob.finished).
 
         A batch that would run inline (cheaper on the loop than the thread) is
         run here, in the task that formed it, as ``_run_direct`` runs a request
@@ -424,8 +437,8 @@ class InstanceExecutor(AsyncInstanceServing):
 
     def _handed_job(self, batch: list[InferenceRequest]) -> Job:
         """The job of a batch handed over, delivered as the thread reports it."""
-        job = self._handed = Job(batch)
-        job.on_done = partial(self._handed_over, job)
+        job = self._handed = HandedJob(batch)
+        job.executor = self
         if self._frees:
             job.on_free = partial(self._handed_free, job)
         return job
@@ -444,31 +457,25 @@ class InstanceExecutor(AsyncInstanceServing):
         else:
             self._outlet.offer_again()
 
-    def _handed_over(self, job: Job) -> None:
-        """The batch handed over finished (on the Trio thread, in the thread's
-        report): the scheduler is offered this executor again first, so the
-        next batch reaches the thread before this one's waiters run (batches
-        back to back), then its outcomes are delivered."""
+    def _deliver_handed(self, job: Job) -> None:
+        """The outcomes of a batch handed over (its instance offered again: see
+        HandedJob.finished, which writes out the commonest batch's way)."""
         assert self._thread is not None
-        try:
-            if self._handed is job:
-                self._handed = None
-                if not self._stopped:
-                    self._outlet.offer_again()
-            else:  # freed before (_handed_free): offered then
-                self._freed.discard(job)
-            if job.error is not None and isinstance(job.error, Abandoned):  # stopping
-                drop_finished(self._statistics, job.cancelled)
-                stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
-                record_failures(self._statistics, job.requests, FailureReason.OTHER)
-                self._outlet.complete(job.requests, [stopped] * len(job.requests))
-            else:
-                self._complete(job, self._thread)
-        except Exception as exc:  # a bug: this batch fails, not the event loop
-            log.exception("delivering a batch failed", instance=self.spec.name)
-            error = InternalError(f"instance '{self.spec.name}' failed to deliver: {exc!r}")
-            for request in job.requests:
-                request.fail(error)
+        if job.error is not None and isinstance(job.error, Abandoned):  # stopping
+            drop_finished(self._statistics, job.cancelled)
+            stopped = Unavailable(f"model instance '{self.spec.name}' was stopped")
+            record_failures(self._statistics, job.requests, FailureReason.OTHER)
+            self._outlet.complete(job.requests, [stopped] * len(job.requests))
+        else:
+            self._complete(job, self._thread)
+
+    def _undeliverable(self, job: Job, exc: Exception) -> None:
+        """Delivering a batch handed over raised (a bug): this batch fails, not
+        the event loop."""
+        log.exception("delivering a batch failed", instance=self.spec.name)
+        error = InternalError(f"instance '{self.spec.name}' failed to deliver: {exc!r}")
+        for request in job.requests:
+            request.fail(error)
 
     def _run_direct(self, batch: list[InferenceRequest]) -> bool:
         """Run a batch handed straight over by the scheduler while this executor
@@ -508,3 +515,61 @@ class InstanceExecutor(AsyncInstanceServing):
             for tensor in request.inputs.values():
                 size += tensor.data.nbytes
         return size <= INLINE_MAX_INPUT_BYTES
+
+
+class HandedJob(Job):
+    """The job of a batch handed straight over to the instance's thread
+    (``InstanceExecutor._handover``), whose report is its delivery.
+
+    ``finished`` (on the Trio thread: the run's Deferred sweep, or the thread's
+    wake-up) is ``Job.finished`` and the executor's delivery in one function.
+    The scheduler is offered the executor again first, so the next batch
+    reaches the thread before this one's waiters run (batches back to back);
+    then the outcomes are delivered. The commonest batch (every result a
+    response the thread checked as it wrote the answers, the backend's compute
+    times, no trace) is written out: its statistics in one call, each request
+    answered through the outlet (issue 39, eleventh round).
+    """
+
+    __slots__ = ("executor",)
+
+    executor: InstanceExecutor | None
+
+    def finished(self) -> None:
+        self.over = True
+        if self._done is not None:
+            self._done.set()
+        executor = self.executor
+        if executor is None:
+            return  # (delivered already)
+        self.executor = self.on_free = None  # (no cycle with its executor)
+        try:
+            if executor._handed is self:
+                executor._handed = None
+                if not executor._stopped:
+                    executor._outlet.offer_again()
+            else:  # freed before (_handed_free): offered then
+                executor._freed.discard(self)
+            times = self.times
+            statistics = executor._statistics
+            offset = executor._offset
+            respond = executor._respond
+            if (
+                self.responses  # (no error, none cancelled: see InstanceThread._answered)
+                and times is not None
+                and statistics is not None
+                and not statistics.traces
+                and offset is not None
+                and respond is not None
+            ):
+                if executor._inline_budget:
+                    executor._last_ns = times[0] + times[1] + times[2]
+                requests = self.requests
+                statistics.record_batch(
+                    requests, None, self.started + offset, self.ended + offset, *times
+                )
+                respond(requests, self.results)
+            else:
+                executor._deliver_handed(self)
+        except Exception as exc:  # a bug: this batch fails, not the event loop
+            executor._undeliverable(self, exc)

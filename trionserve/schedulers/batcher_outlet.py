@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trionserve.core.inference import InferenceRequest
+from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.schedulers.scheduler import (
     DelayedRun,
     DirectRun,
@@ -118,6 +118,18 @@ class BatcherOutlet:
             self._batcher._complete(ticket, requests, outcomes)
         else:
             deliver_outcomes(requests, outcomes)
+
+    def respond(
+        self, requests: Sequence[InferenceRequest], responses: Sequence[InferenceResponse]
+    ) -> None:
+        """``complete`` for outcomes known to be one response per request (the
+        instance's thread checked them): no look at each."""
+        ticket = self._tickets.popleft()
+        if ticket is not None:
+            self._batcher._complete(ticket, requests, responses)
+        else:
+            for request, response in zip(requests, responses):
+                request.respond(response)
 
     def close(self) -> None:
         if self.closed:
