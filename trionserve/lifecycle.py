@@ -22,7 +22,16 @@ Classifier = Callable[["ModelVersion", InferenceRequest, InferenceResponse], Awa
 class Lifecycle:
     """One admitted request as ``DataPlane._lifecycle`` runs it."""
 
-    __slots__ = ("_classifier", "_classify", "_first", "model", "request", "trace", "traced")
+    __slots__ = (
+        "_classifier",
+        "_classify",
+        "_first",
+        "model",
+        "plain",
+        "request",
+        "trace",
+        "traced",
+    )
 
     def __init__(
         self,
@@ -45,6 +54,9 @@ class Lifecycle:
         self._classify = outputs is not None and any(
             o.parameters.get("classification") for o in outputs
         )
+        # Whether a response of it, untraced, is deliverable as it comes (no
+        # first response timed, nothing classified): not awaited then.
+        self.plain = not first_response and not self._classify
 
     async def deliverable(self, response: InferenceResponse | None) -> None:
         """Make a response ready to hand on: a traced request's outputs are kept

@@ -130,6 +130,9 @@ class DynamicBatchScheduler:
         self._held: dict[int, tuple[Sequence[InferenceRequest], Sequence[Outcome]]] = {}
         # The real-clock wake-up of the delay's end (made by run).
         self._timer: PreciseWakeup | None = None
+        # The run's clock, read by each submit (trio.current_time() less its
+        # two calls on the way); set as the batcher starts.
+        self._clock: trio.abc.Clock | None = None
         # Whether a batch waiting for the delay may wait in the thread of the
         # instance it goes to (see _hold_in_thread): only where that cannot
         # change which requests it takes, nor when, nor what is refused
@@ -151,6 +154,7 @@ class DynamicBatchScheduler:
         # Trio's timers round up to whole milliseconds; the wake-up keeps
         # microsecond delays on the real clock (see schedulers/timer.py).
         timer = self._timer = PreciseWakeup(self._timer_fired)
+        self._clock = trio.lowlevel.current_clock()
         if verbose():
             # Triton's line (core dynamic_batch_scheduler.cc BatcherThread).
             log.debug(f"Starting dynamic-batcher thread for {self.model_name} at nice 0...")
@@ -233,7 +237,8 @@ class DynamicBatchScheduler:
     async def submit(self, request: InferenceRequest) -> None:
         if self._closed:
             raise trio.ClosedResourceError
-        now = trio.current_time()
+        clock = self._clock
+        now = clock.current_time() if clock is not None else trio.current_time()
         request.arrival_time = now
         if not self._queued and self._ready and self._open is None and not self._hold:
             if self._straight(request, now):
