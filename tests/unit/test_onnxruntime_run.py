@@ -206,3 +206,23 @@ def test_a_lone_request_gets_every_output_in_the_models_order_or_those_it_asked_
     asking.requested_outputs = [RequestedOutput("OUTPUT1")]
     (one,) = instance.execute([asking])
     assert [t.name for t in one.outputs] == ["OUTPUT1"]
+
+
+def test_a_lone_request_is_timed_and_a_failed_run_answers_it_with_the_backends_error():
+    from trionserve.core.errors import InternalError
+
+    instance = _load(SIMPLE.parents[1], "simple")
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    request = _request("simple", a, np.ones_like(a))
+    request.id = "lone"
+    (response,) = instance.execute([request])
+    assert response.id == "lone" and response.model_name == "simple"
+    assert instance.compute_times is not None and min(instance.compute_times) >= 0
+
+    def fails(names, feeds):
+        raise RuntimeError("no memory")
+
+    instance._run = fails
+    (error,) = instance.execute([request])
+    assert isinstance(error, InternalError)
+    assert error.message == "onnxruntime execute failure for model 'simple': no memory"
