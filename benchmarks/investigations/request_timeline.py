@@ -113,6 +113,18 @@ def again_stamped(self, last, buffer, size):
         if size == last.length:  # its body came whole with it: no _read_body
             current["s_body"] = current["s_head"]
 h1.H1Connection._again = again_stamped
+# ... or, when that one read is the whole request, made and taken in one step (take_again).
+take_again = h1.H1Connection.take_again
+@functools.wraps(take_again)
+def take_again_stamped(self, size, head, body):
+    started = now()
+    request = take_again(self, size, head, body)
+    if request is not None:  # (else received as any: stamped above)
+        current.clear()
+        current["s_first_byte"] = started
+        current["s_head"] = current["s_body"] = now()
+    return request
+h1.H1Connection.take_again = take_again_stamped
 stamp(ort_backend.OnnxInstance, "execute", "s_stage", after="s_finish")
 stamp(session_run.SessionRun, "__call__", "s_run", "s_run_end")
 stamp_async(transport._Connection, "respond", "s_respond", "s_sent", done=True)

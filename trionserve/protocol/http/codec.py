@@ -76,10 +76,10 @@ def _parse_header(header: bytes) -> Any:
 
 
 # An input of a plan: name, wire datatype, numpy dtype, shape, bytes.
-_PlannedInput = tuple[str, str, np.dtype, tuple[int, ...], int]
+PlannedInput = tuple[str, str, np.dtype, tuple[int, ...], int]
 
 
-class _Plan:
+class Plan:
     """A request header decoded once (a client repeats it with every request of the
     same shape): its id, its parameters as parsed, its requested outputs, and where
     each of its inputs, all binary, lies after the header. A request with the same
@@ -103,7 +103,7 @@ class _Plan:
         self,
         request_id: str,
         params: Any,
-        inputs: tuple[_PlannedInput, ...],
+        inputs: tuple[PlannedInput, ...],
         outputs: tuple[tuple[str, dict], ...] | list | None,
     ) -> None:
         self.request_id = request_id
@@ -131,7 +131,7 @@ _FIELDS = {
 }
 
 # Plans by header (bounded: emptied when full, as the HTTP head cache).
-_PLANS: dict[bytes, _Plan] = {}
+_PLANS: dict[bytes, Plan] = {}
 _PLANS_SIZE = 64
 
 
@@ -139,7 +139,7 @@ def _plan(key: bytes, doc: dict, request: InferenceRequest) -> None:
     """Keep the plan of a header that decoded without error, when every input of
     it is binary data after the header (none in JSON or shared memory, none empty
     or of BYTES)."""
-    planned: list[_PlannedInput] = []
+    planned: list[PlannedInput] = []
     for spec in doc["inputs"]:
         params = spec.get("parameters")
         if "data" in spec or not params or "shared_memory_region" in params:
@@ -158,18 +158,29 @@ def _plan(key: bytes, doc: dict, request: InferenceRequest) -> None:
         outputs = tuple((o.name, dict(o.parameters)) for o in requested)
     if len(_PLANS) >= _PLANS_SIZE:
         _PLANS.clear()
-    _PLANS[key] = _Plan(request.id, doc.get("parameters"), tuple(planned), outputs)
+    _PLANS[key] = Plan(request.id, doc.get("parameters"), tuple(planned), outputs)
 
 
-def _from_plan(
-    plan: _Plan,
+def planned(header: bytes, size: int) -> Plan | None:
+    """The plan of a JSON header for a body of ``size`` bytes (the header's own included),
+    if one was kept for it and the body is what it plans: every input binary, no output in
+    shared memory (what :func:`decode_planned` decodes without a region); else None."""
+    plan = _PLANS.get(header)
+    if plan is None or len(header) + plan.binary_size != size or type(plan.outputs) is list:
+        return None
+    return plan
+
+
+def decode_planned(
+    plan: Plan,
     body: bytes | bytearray | memoryview,
     offset: int,
     model_name: str,
     model_version: int | None,
     shared_memory: SharedMemory | None,
 ) -> tuple[InferenceRequest, bool]:
-    """A request decoded from its header's plan (its body's size checked by the caller)."""
+    """A request decoded from its header's plan (its body's size checked by the caller), its
+    header ``offset`` bytes long."""
     request = InferenceRequest(model_name, model_version, id=plan.request_id)
     request.shape_key = plan  # (validated once per model: core/validation.py)
     for field, value in plan.fields:
@@ -234,7 +245,7 @@ def decode_infer_request(
         key = bytes(header)  # a key: bytes, never a buffer
         plan = _PLANS.get(key) if header_length is not None else None
         if plan is not None and header_end + plan.binary_size == size:
-            return _from_plan(plan, body, header_end, model_name, model_version, shared_memory)
+            return decode_planned(plan, body, header_end, model_name, model_version, shared_memory)
     try:
         if key is not None:
             doc = _parse_header(key)

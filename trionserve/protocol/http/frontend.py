@@ -40,7 +40,7 @@ from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.observability.trace.settings import settings_from_json
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http import generate as generate_codec
-from trionserve.protocol.http.h1 import JSON, ProtocolError, Request
+from trionserve.protocol.http.h1 import JSON, ProtocolError, Request, keepable
 
 # The infer handler and the error mapping, importable from here as before.
 from trionserve.protocol.http.infer import HTTP_STATUS as HTTP_STATUS
@@ -199,8 +199,8 @@ class HttpFrontend:
                 return infer
             match = _INFER_PATH.match(path) if path.endswith("/infer") else None
             if match is not None:
-                infer = self._checked(
-                    RestrictedCategory.INFERENCE, partial(self.infer.handle, match)
+                infer = keepable(
+                    self._checked(RestrictedCategory.INFERENCE, partial(self.infer.handle, match))
                 )
                 if len(self._infer_routes) >= _INFER_ROUTES:
                     self._infer_routes.clear()

@@ -74,6 +74,7 @@ __all__ = [
     "HeadCache",
     "Headers",
     "HttpServerOptions",
+    "LastHead",
     "PeerGone",
     "ProtocolError",
     "Request",
@@ -81,6 +82,7 @@ __all__ = [
     "Response",
     "Router",
     "json_error",
+    "keepable",
 ]
 
 Headers = Sequence[tuple[bytes, bytes]]
@@ -378,7 +380,7 @@ class H1Connection:
             self.received_again(size, head, body)
             return None
         request = Request()
-        request.parsed = False
+        request.last = last
         if self._tracing.active:
             request.began = self._tracing.now_ns()
         request.target = last.target
@@ -421,7 +423,7 @@ class H1Connection:
         state = self.state
         state.client_event(_BEGIN)
         request = Request()
-        request.parsed = False
+        request.last = last
         if self._tracing.active:
             request.began = self._tracing.now_ns()
         self.requests.append(request)
@@ -518,7 +520,7 @@ class H1Connection:
         if request.buffer is not None and request.size >= len(request.buffer):
             self.state.client_event(_MESSAGE_DONE)
             request.complete = True
-            if request.parsed:
+            if request.last is None:
                 self.parser = self._new_parser()
 
     def body(self, request: Request) -> RequestBody:
@@ -618,6 +620,14 @@ class LastChunk(bytes):
     it (one write, not two) and takes nothing more from the body."""
 
     __slots__ = ()
+
+
+def keepable(handler: Handler) -> Handler:
+    """``handler`` marked as the one its router returns for every request of its method and
+    target while the verbose log is off: a connection keeps it for the requests it makes from
+    its last head (:class:`LastHead`), without asking the router again."""
+    handler.keepable = True  # type: ignore[attr-defined]
+    return handler
 
 
 def frame_chunk(chunk: bytes) -> bytes:

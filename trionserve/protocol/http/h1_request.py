@@ -26,9 +26,9 @@ class Request:
         "headers",
         "in_chunk",
         "keep_alive",
+        "last",
         "length",
         "method",
-        "parsed",
         "size",
         "target",
         "version",
@@ -55,8 +55,8 @@ class Request:
         self.size = 0
         self.complete = False
         self.began = 0  # when its first byte was parsed, in ns, if tracing was on
-        # The parser saw its head (False: made from the connection's last head, LastHead).
-        self.parsed = True
+        # The connection's last head it was made from (LastHead), None: the parser saw its head.
+        self.last: LastHead | None = None
 
 
 # The alignment of a body's binary tensors (the first one's, and each one after

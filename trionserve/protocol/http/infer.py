@@ -158,6 +158,50 @@ def _compress(body: bytes, accept_encoding: str) -> tuple[bytes, bytes | None]:
     return body, None
 
 
+class _Again:
+    """What a request's path, headers and JSON header said, for a request that repeats them
+    (:meth:`InferHandler.handle`): its model's name and version, its body's size, the plan of
+    its JSON header, its Accept-Encoding, and whether its answer may be written by the
+    instance's thread (all but tracing, which is asked each time: see
+    :meth:`InferHandler._answerable`)."""
+
+    __slots__ = (
+        "accept_encoding",
+        "answerable",
+        "header",
+        "header_length",
+        "headers",
+        "match",
+        "name",
+        "plan",
+        "size",
+        "version",
+    )
+
+    def __init__(
+        self,
+        match: re.Match[str],
+        headers: Headers,
+        size: int,
+        header: bytes,
+        plan: http_codec.Plan,
+        name: str,
+        version: int | None,
+        accept_encoding: str | None,
+        answerable: bool,
+    ) -> None:
+        self.match = match
+        self.headers = headers
+        self.size = size
+        self.header = header
+        self.header_length = len(header)
+        self.plan = plan
+        self.name = name
+        self.version = version
+        self.accept_encoding = accept_encoding
+        self.answerable = answerable
+
+
 class InferHandler:
     """``POST /v2/models/{name}[/versions/{v}]/infer``: decode, infer, encode.
 
@@ -186,6 +230,9 @@ class InferHandler:
         self.max_input_size = max_input_size
         # --http-header-forward-pattern: matching headers become request parameters.
         self._forward = re.compile(forward_headers) if forward_headers else None
+        # What the last request decoded from a plan said (a single slot: clients of one
+        # shape share it).
+        self._again: _Again | None = None
 
     async def handle(
         self,
@@ -200,6 +247,47 @@ class InferHandler:
         chatty = self.verbose or SETTINGS.log_verbose_level > 0
         if chatty and not logged:
             return await self._logged(match, request_headers, body)
+        shared_memory: RequestRegions | None = None
+        infer_request: InferenceRequest | None = None
+        answer: ConnectionAnswer | None = None
+        # A request that repeats the last one's path, headers and JSON header (a client
+        # repeating its request) is decoded from what they said, once found valid.
+        again = self._again
+        if (
+            again is not None
+            and not chatty
+            and again.match is match
+            and again.headers == request_headers
+            and len(body) == again.size
+            and body[: again.header_length] == again.header
+        ):
+            try:
+                infer_request, binary_output = http_codec.decode_planned(
+                    again.plan, body, again.header_length, again.name, again.version, None
+                )
+                if self._forward is not None:
+                    self._forward_headers(self._forward, request_headers, infer_request)
+                answer = CONNECTION_ANSWER.get()
+                if self._tracing.active:  # the transport's HTTP_RECV_START ... (trace.frontend)
+                    infer_request.trace_context = HTTP_STAMPS.get()
+                    answer = None
+                elif answer is not None and again.answerable:
+                    answer.arm(infer_request, self._encode, binary_output)
+                else:
+                    answer = None
+                response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
+                if answer is not None:
+                    settled, answer = answer.settle(), None  # (settled: not again below)
+                    if settled != DISARMED:
+                        return ANSWERED  # the instance's thread wrote it (or began to)
+                return self._encode(
+                    response, infer_request, binary_output, None, again.accept_encoding
+                )
+            except Exception as exc:
+                return self._failed(exc, answer, infer_request)
+            finally:
+                if answer is not None:
+                    answer.settle()  # (cancelled: the thread writes nothing after this)
         header_field: bytes | None = None
         header_length: int | None = None
         content_encoding = None
@@ -211,9 +299,6 @@ class InferHandler:
                 content_encoding = value.decode("latin-1").strip().lower()
             elif key == b"accept-encoding":
                 accept_encoding = value.decode("latin-1")
-        shared_memory: RequestRegions | None = None
-        infer_request: InferenceRequest | None = None
-        answer: ConnectionAnswer | None = None
         try:
             if content_encoding and content_encoding != "identity":
                 limit = self.max_input_size
@@ -255,6 +340,10 @@ class InferHandler:
                 answer.arm(infer_request, self._encode, binary_output)
             else:
                 answer = None
+            if not chatty and content_encoding is None and header_length:
+                self._again = self._keep(
+                    match, request_headers, body, header_length, infer_request, accept_encoding
+                )
             response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
             if answer is not None:
                 settled, answer = answer.settle(), None  # (settled: not again below)
@@ -263,21 +352,62 @@ class InferHandler:
             return self._encode(
                 response, infer_request, binary_output, shared_memory, accept_encoding
             )
-        except TritonError as error:
-            if answer is not None and answer.settle() != DISARMED:
-                return ANSWERED  # the thread's answer is on the wire: the client has it
-            log_infer_failed(infer_request.id if infer_request else None, error.message)
-            return error_response(error)
-        except Exception as exc:  # a bug must not take the connection task down
-            if answer is not None and answer.settle() != DISARMED:
-                return ANSWERED
-            log.exception("infer handler failed")
-            return error_response(as_triton_error(exc, "internal error"))
+        except Exception as exc:
+            return self._failed(exc, answer, infer_request)
         finally:
             if answer is not None:
                 answer.settle()  # (cancelled: the thread writes nothing after this)
             if shared_memory is not None:
                 shared_memory.release()
+
+    def _keep(
+        self,
+        match: re.Match[str],
+        request_headers: Headers,
+        body: RequestBody,
+        header_length: int,
+        request: InferenceRequest,
+        accept_encoding: str | None,
+    ) -> _Again | None:
+        """What a request that repeats this one (its path, headers and JSON header) is decoded
+        from, if it was decoded from a plan (every input binary, no shared memory); None."""
+        header = bytes(body[:header_length])
+        plan = http_codec.planned(header, len(body))
+        if plan is None:
+            return None
+        outputs = request.requested_outputs
+        answerable = (
+            not self._first_response
+            and (not accept_encoding or accept_encoding.strip() == "identity")
+            and (outputs is None or not any(o.parameters.get("classification") for o in outputs))
+        )
+        return _Again(
+            match,
+            list(request_headers),  # (a copy: the handler's caller owns the list)
+            len(body),
+            header,
+            plan,
+            request.model_name,
+            request.model_version,
+            accept_encoding,
+            answerable,
+        )
+
+    def _failed(
+        self,
+        exc: Exception,
+        answer: ConnectionAnswer | None,
+        infer_request: InferenceRequest | None,
+    ) -> Response:
+        """The answer to a request that failed: none where the thread's answer is on the wire
+        (the client has it), else its error's (a bug's: 500, logged)."""
+        if answer is not None and answer.settle() != DISARMED:
+            return ANSWERED
+        if isinstance(exc, TritonError):
+            log_infer_failed(infer_request.id if infer_request else None, exc.message)
+            return error_response(exc)
+        log.exception("infer handler failed")  # (a bug must not take the connection task down)
+        return error_response(as_triton_error(exc, "internal error"))
 
     async def _logged(
         self, match: re.Match[str], request_headers: Headers, body: RequestBody

@@ -57,6 +57,7 @@ from collections.abc import AsyncIterator, Awaitable
 import structlog
 import trio
 
+from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.trace.frontend import (
     HTTP_STAMPS,
     FrontendStamps,
@@ -72,6 +73,7 @@ from trionserve.protocol.http.h1 import (
     HeadCache,
     Headers,
     HttpServerOptions,
+    LastHead,
     PeerGone,
     ProtocolError,
     Request,
@@ -258,6 +260,7 @@ class _Connection:
         "_now",
         "answer",
         "_quiet",
+        "_route",
         "_scope",
         "h1",
         "server",
@@ -275,6 +278,8 @@ class _Connection:
         # by the keep-alive timeout, the drain or the connection cap while it waits for the next
         # request (through _idle_scope), or by a slow request's watcher when the client hangs up.
         self._scope = trio.CancelScope()
+        # The handler the router gave for the requests made from a last head (h1.keepable).
+        self._route: tuple[LastHead, Handler] | None = None
         # Whether _scope was cancelled (a plain flag: the scope's cancel_called is 4 calls).
         self._ended = False
         # The scope to cancel to stop waiting for the next request (while waiting).
@@ -487,11 +492,18 @@ class _Connection:
         their socket (:meth:`HttpServer.watch_slow_requests`); fast ones pay nothing."""
         h1 = self.h1
         server = self.server
-        path = h1.path(request)
-        handler = server.router(request.method, path)
-        if handler is None:
-            await self._send_error(404, f"Not Found: {request.method.decode()} {path}")
-            return False
+        route = self._route
+        if route is not None and request.last is route[0] and not LOG_SETTINGS.log_verbose_level:
+            handler = route[1]  # (the request's head is the one its route was kept for)
+        else:
+            path = h1.path(request)
+            routed = server.router(request.method, path)
+            if routed is None:
+                await self._send_error(404, f"Not Found: {request.method.decode()} {path}")
+                return False
+            handler = routed
+            if request.last is not None and getattr(handler, "keepable", False):
+                self._route = (request.last, handler)
         # A large body counts in the budget of bytes held for clients from its head to its answer (a
         # small one pays one comparison).
         counted = request.length if request.length > JOIN_LIMIT else 0
