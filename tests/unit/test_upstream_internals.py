@@ -545,3 +545,42 @@ def test_processed_moves_a_window_as_h2s_process_bytes(largest, steps):
             ours.window_consumed(received)
         assert upstream._processed(ours, processed) == (theirs.process_bytes(processed) or 0)
         assert vars(ours) == vars(theirs)
+
+
+def test_where_the_reading_stands_follows_h2s_buffer_and_windows():
+    """h2frames.between_frames and receive_window (inflow.py's direct reads)
+    read h2's frame buffer and the held stream's and connection's windows."""
+    source = inspect.getsource(h2.frame_buffer.FrameBuffer)
+    for name in ("self._data", "self._headers_buffer", "self._preamble_len"):
+        assert name in source
+    config = h2.config.H2Configuration(client_side=False, header_encoding=None)
+    server = upstream.H2Connection((HEADERS,), config, [b"/x"])
+    client = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding=None)
+    )
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(b"".join(bytes(b) for b in server.buffers_to_send()))
+    server.receive_data(client.data_to_send())
+    client.send_headers(
+        1, [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/x"), (b":authority", b"a")]
+    )
+    server.receive(client.data_to_send())
+    assert 1 in server.unary and h2frames.between_frames(server)
+    window = h2frames.receive_window(server, 1)
+    assert window == min(
+        server.unary[1].inbound.current_window_size,
+        server._inbound_flow_control_window_manager.current_window_size,
+    )
+    client.send_data(1, b"x" * 100)
+    data = client.data_to_send()
+    server.receive(data[:50])  # a DATA frame in part
+    assert not h2frames.between_frames(server)
+    server.receive(data[50:])
+    assert h2frames.between_frames(server)
+    assert h2frames.receive_window(server, 1) == window - 100
+    client.ping(b"12345678")
+    server.receive(client.data_to_send()[:5])  # a header in part: h2's buffer holds it
+    assert not h2frames.between_frames(server)
+    assert h2frames.receive_window(server, 3) == 0  # not a held stream

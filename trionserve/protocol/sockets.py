@@ -196,26 +196,54 @@ class EagerReceiver:
             if data is not None:
                 return data
 
-    async def receive_into(self, buffer: memoryview) -> int:
-        """Bytes read into ``buffer`` (0: the peer ended its side): what the
-        socket holds now, as ``receive_some`` (the same count of reads in a row
-        without a checkpoint), else waiting until it holds ``len(buffer)``
-        bytes, the peer ends or fails (``receive_into`` with ``fill``)."""
+    async def receive_into(self, buffers: Sequence[memoryview], least: int) -> int:
+        """Bytes read into ``buffers`` in turn (one ``readv``; 0: the peer ended
+        its side): what the socket holds now, as ``receive_some`` (the same count
+        of reads in a row without a checkpoint), else, after one wait until it
+        holds ``least`` bytes (``SO_RCVLOWAT``), the peer ends or fails, what it
+        holds then. ``least`` must be bytes the peer sends without waiting for
+        us (a message's rest within the windows it has)."""
         socket = self._socket
         if socket is None:
-            return await receive_into(self._stream, buffer, fill=True)
-        if not self._eager:
+            return await _receive_some_into(self._stream, buffers)
+        if self._eager:
+            self._eager -= 1
+        else:
             await trio.lowlevel.checkpoint()
             self._eager = self._eager_reads
-            return await receive_into(self._stream, buffer, fill=True)
-        self._eager -= 1
-        if socket.fileno() < 0:
+        fd = socket.fileno()
+        if fd < 0:
             raise trio.ClosedResourceError("the stream was closed")
-        received = _read_now(socket, buffer)
-        if received is not None:
-            return received
+        try:
+            return os.readv(fd, buffers)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            raise trio.BrokenResourceError(exc) from exc
         self._eager = self._eager_reads
-        return await receive_into(self._stream, buffer, fill=True)
+        lowered = _LOWAT is not None and least > 1
+        if lowered:
+            _set_lowat(socket, least)
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(socket)
+                received = _readv_now(socket, buffers)
+                if received is not None:
+                    return received
+        finally:
+            if lowered:
+                _set_lowat(socket, 1)
+
+
+async def _receive_some_into(stream: trio.abc.ReceiveStream, buffers: Sequence[memoryview]) -> int:
+    """One ``receive_some`` into ``buffers`` in turn (a stream without a socket)."""
+    data = await stream.receive_some(sum(map(len, buffers)))
+    offset = 0
+    for buffer in buffers:
+        take = min(len(buffer), len(data) - offset)
+        buffer[:take] = memoryview(data)[offset : offset + take]
+        offset += take
+    return len(data)
 
 
 def receive_some_now(stream: trio.abc.ReceiveStream, max_bytes: int) -> bytes | bytearray | None:
@@ -256,8 +284,12 @@ def receive_now(stream: trio.abc.ReceiveStream, *buffers: memoryview) -> int | N
 
 
 def _read_now(socket: trio.socket.SocketType, buffer: memoryview) -> int | None:
+    return _readv_now(socket, (buffer,))
+
+
+def _readv_now(socket: trio.socket.SocketType, buffers: Sequence[memoryview]) -> int | None:
     try:
-        return os.readv(socket.fileno(), (buffer,))
+        return os.readv(socket.fileno(), buffers)
     except BlockingIOError:
         return None
     except OSError as exc:

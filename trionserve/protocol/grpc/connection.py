@@ -35,7 +35,7 @@ from trionserve.core.deferred import Deferred, deferred_jobs, sweep_deferred
 from trionserve.observability.logging import SETTINGS as LOGGING
 from trionserve.observability.logging import log_grpc_state
 from trionserve.protocol.grpc import framing as grpc_framing
-from trionserve.protocol.grpc import inline, lifetime, upstream
+from trionserve.protocol.grpc import inflow, inline, lifetime, upstream
 from trionserve.protocol.grpc.answer import DISARMED, CallAnswer
 from trionserve.protocol.grpc.buffering import BufferWindows
 from trionserve.protocol.grpc.call import GrpcCall, Method
@@ -46,6 +46,7 @@ from trionserve.protocol.grpc.framing import (
     CONTENT_TYPE,
     status_headers,
 )
+from trionserve.protocol.grpc.inflow import MessageReads
 from trionserve.protocol.grpc.options import TransportOptions
 from trionserve.protocol.grpc.parking import Handler, ParkedCalls
 from trionserve.protocol.grpc.request import HttpRefusal, RequestHead, read_request_head
@@ -69,12 +70,12 @@ _CUT_MESSAGE = (
     "the server is shutting down: the request was still running at the exit timeout "
     "(--exit-timeout-secs)"
 )
-# The rest of a message in a DATA frame that came in part is read straight into
-# the message's buffer when it is at least this large (_message_room).
-DIRECT_READ = 64 * 1024
+# The first read of a call when every call waits (the client's next call): a
+# large message's rest is then read straight into its buffer (inflow.py).
+HEAD_READ = 64 * 1024
 
 
-class Connection(SocketWriter, BufferWindows, ParkedCalls):
+class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
     """One client connection: owns the h2 state machine and every call on it.
 
     Its nursery holds the writer, the keepalive and drain watchers, and the
@@ -132,6 +133,8 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         # The run's deferred reports, which the reader sweeps (found by its first sweep).
         self._deferred: Deferred | None = None
         self._reader_scope: trio.CancelScope | None = None  # the reading task's (_read)
+        self._slot = memoryview(bytearray(inflow.SLOT))  # (inflow.MessageReads)
+        self._gap, self._skipped, self._reading, self._kept = 9, 0, 0, 0
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
         # responses waiting go down: there may be room for a message again.
@@ -242,32 +245,24 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
         receiver = EagerReceiver(self.stream)
         receive = receiver.receive_some
         while True:
-            if self.h2.partial is not None and (room := self._message_room()) is not None:
-                try:
-                    received = await receiver.receive_into(room)
-                except CLOSED:
-                    return False
-                if not received:
-                    return False
-                if self.answer is not None or self._parked:
-                    self._sweep()
-                stream_id, ended = self.h2.took(received)
-                self._on_data(stream_id, None, received, ended)
-                if not self._starting:
-                    self.flush()
-                elif await self._start_calls():
-                    return True
+            if (self.h2.partial or self._reading) and (plan := self._message_views()) is not None:
+                over = await self._read_message(receiver, *plan)
+                if over is not None:
+                    return over
                 continue
             try:
                 # (eager when no call is in a task of its own: none to let run;
                 # with every call parked the client waits for an answer first)
                 parked = len(self._parked)
                 eager = len(self.calls) == parked + len(self._awaiting)
-                data = await receive(256 * 1024, eager, eager and 0 < parked == len(self.calls))
+                expect = eager and 0 < parked == len(self.calls)
+                data = await receive(HEAD_READ if expect else 256 * 1024, eager, expect)
             except CLOSED:
                 return False
             if not data:
                 return False
+            if self._kept:  # the start of a frame header, read before (inflow.py)
+                data = self.with_kept(data)
             if self.answer is not None or self._parked:  # before h2 sees what came
                 self._sweep()
             if self.state.closing:
@@ -278,26 +273,33 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
                 log.debug("grpc protocol error", peer=self.peer, error=str(exc))
                 self.close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
                 continue
-            for event in events:
-                if type(event) is tuple:  # a frame upstream.H2Connection.receive took
-                    kind, stream_id = event[0], event[1]
-                    if kind == upstream.DATA:
-                        self._on_data(stream_id, event[2], len(event[2]), event[3])
-                    elif kind == upstream.REQUEST:
-                        self._on_request(stream_id, event[2])
-                        if event[3]:
-                            self._on_end(stream_id)
-                    else:
-                        self._on_window(stream_id)
-                elif self._handle(event):
-                    for call, handler in self._starting:
-                        self._go_on(call, handler)
-                    self._starting = []
-                    return False
+            if self._act(events):
+                return False
             if not self._starting:
                 self.flush()
             elif await self._start_calls():
                 return True
+
+    def _act(self, events: list) -> bool:
+        """Act on the events of a read (upstream.H2Connection.receive); True
+        when the connection is over (the calls starting then go on in tasks)."""
+        for event in events:
+            if type(event) is tuple:  # a frame upstream.H2Connection.receive took
+                kind, stream_id = event[0], event[1]
+                if kind == upstream.DATA:
+                    self._on_data(stream_id, event[2], len(event[2]), event[3])
+                elif kind == upstream.REQUEST:
+                    self._on_request(stream_id, event[2])
+                    if event[3]:
+                        self._on_end(stream_id)
+                else:
+                    self._on_window(stream_id)
+            elif self._handle(event):
+                for call, handler in self._starting:
+                    self._go_on(call, handler)
+                self._starting = []
+                return True
+        return False
 
     def _sweep(self) -> None:
         """take_answer, in the reader: the calls parked for the requests whose
@@ -415,21 +417,6 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
             self._idle.pop(self, None)
         self._starting.append((call, method.handler))
 
-    def _message_room(self) -> memoryview | None:
-        """Where the rest of a large message in the DATA frame that came in part
-        (``h2.partial``) is read straight from the socket, with one wait for all
-        of it: its buffer, as much of it as the frame still holds (None when
-        that is less than DIRECT_READ, or the frame is not a message's)."""
-        assert self.h2.partial is not None
-        stream_id, left, _ = self.h2.partial
-        call = self.calls.get(stream_id)
-        if call is None or call.error is not None or self.state.closing:
-            return None
-        room = call.reader.room()
-        if room is None or min(left, len(room)) < DIRECT_READ:
-            return None
-        return room[:left]
-
     def _on_data(
         self,
         stream_id: int,
@@ -439,7 +426,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls):
     ) -> None:
         """A DATA frame's payload (``ended``: with END_STREAM, as _on_end);
         ``data`` None: ``flow`` bytes of it were read into the call's message
-        (_message_room)."""
+        (inflow.py)."""
         call = self.calls.get(stream_id)
         if call is None or call.error is not None:
             # Data for a call that is over: give the window back and drop it.

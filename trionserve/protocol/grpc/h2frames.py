@@ -5,20 +5,26 @@ private parts of h2, hpack and hyperframe), apart for its size: hyperframe's
 ``Frame.__repr__`` replaced; ``FrameBuffer.__next__`` overridden, reading its
 ``_data``, ``max_frame_size``, ``_validate_frame_length`` and
 ``_update_header_buffer``; hyperframe's frames made from their header without
-their ``__init__`` (``frame_header``). Each is checked by
-``tests/unit/test_upstream_internals.py``.
+their ``__init__`` (``frame_header``); where the connection's reading stands
+(``between_frames``, ``receive_window``: h2's frame buffer and window
+managers). Each is checked by ``tests/unit/test_upstream_internals.py``.
 """
 
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING, Any
 
+import h2.connection
 import h2.exceptions
 import h2.frame_buffer
 from hyperframe import frame as hyperframe_frame
 from hyperframe.flags import Flags
 
-__all__ = ["FrameBuffer", "frame_header"]
+if TYPE_CHECKING:
+    from trionserve.protocol.grpc.upstream import H2Connection
+
+__all__ = ["FrameBuffer", "between_frames", "frame_header", "receive_window"]
 
 _FRAME_HEADER = struct.Struct(">HBBBL")
 _HEADER_BLOCKS = (hyperframe_frame.HeadersFrame, hyperframe_frame.PushPromiseFrame)
@@ -136,3 +142,30 @@ class FrameBuffer(h2.frame_buffer.FrameBuffer):
             if complete is not None:
                 return complete
         raise StopIteration
+
+
+_SERVER_OPEN = h2.connection.ConnectionState.SERVER_OPEN
+
+
+def between_frames(connection: H2Connection) -> bool:
+    """Whether the next byte ``connection`` receives starts a frame its
+    ``receive`` takes itself: no frame taken in part, none buffered in part."""
+    buffer: Any = connection.incoming_buffer
+    return not (
+        connection.partial is not None
+        or buffer._data
+        or buffer._headers_buffer
+        or buffer._preamble_len
+        or connection.state_machine.state is not _SERVER_OPEN
+    )
+
+
+def receive_window(connection: H2Connection, stream_id: int) -> int:
+    """The DATA bytes the client may send on ``connection``'s held stream
+    ``stream_id`` now, within its window and the connection's (0 for a stream
+    not held)."""
+    unary = connection.unary.get(stream_id)
+    if unary is None:
+        return 0
+    window = connection._inbound_flow_control_window_manager.current_window_size
+    return min(unary.inbound.current_window_size, window)

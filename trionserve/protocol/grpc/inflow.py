@@ -1,0 +1,297 @@
+"""The rest of a large request message read straight from the socket into its
+buffer, across its DATA frames. A part of
+:class:`~trionserve.protocol.grpc.connection.Connection`, apart for its size.
+
+A large message comes in several DATA frames: grpc-core writes in write cycles
+of an adaptive target size (its ``Chttp2WriteSizePolicy``: 128 KiB, growing by
+half after two fast writes of at least 70% of it), so at c=1 a 602 KB message
+comes as a 442,338-byte frame, then, in the next cycle, the client's
+WINDOW_UPDATE for the last answer and a 159,817-byte frame with END_STREAM
+(that second write, under 70% of the target, stops the target's growth: the
+split is the client's, whatever our settings). Once a read has taken the head
+of such a frame (``h2.partial``), the rest of the message is read with one
+``readv``: the rest of the frame into the message's buffer, the bytes up to
+the next frame's payload into a slot (the next frame's 9-byte header after
+the frames that came between the last message's frames: a WINDOW_UPDATE at
+c=1), and the rest of the message into its buffer again. The slot's frames go
+through the frame loop (``H2Connection.receive``) as any read's; when they end
+with a DATA frame header of the message's stream, the bytes after it are that
+frame's payload, in place, taken as the frame loop takes a frame in part
+(``h2.took``). Any other layout (a frame between that did not come last time,
+a frame that ends before the message) gives what landed past the slot to the
+frame loop as bytes, copied out first: the same events in the same order, one
+copy more. A read that ends between two frames, or inside the next frame's
+header (kept in the slot, not given to h2), goes on the same way with the next.
+
+A read that finds nothing waits (``SO_RCVLOWAT``) for the rest of the frame and
+one frame header more: whatever the client sends next is at least a header (a
+client that resets the stream sends 13 bytes), so the wait always ends. Only
+when both windows (the stream's and the connection's) hold the rest of the
+message, so the client sends it without hearing from us; else the rest of the
+frame alone is read so, as before.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+import h2.exceptions
+import structlog
+from h2.errors import ErrorCodes
+
+from trionserve.protocol.grpc import h2frames, upstream
+from trionserve.protocol.grpc.writing import CLOSED
+
+if TYPE_CHECKING:
+    from trionserve.protocol.grpc import inline
+    from trionserve.protocol.grpc.answer import CallAnswer
+    from trionserve.protocol.grpc.call import GrpcCall
+    from trionserve.protocol.grpc.parking import Handler
+    from trionserve.protocol.grpc.state import ConnectionState
+    from trionserve.protocol.sockets import EagerReceiver
+
+__all__ = ["DIRECT_READ", "SLOT", "MessageReads"]
+
+log = structlog.get_logger(__name__)
+
+# The rest of a message in a DATA frame that came in part is read straight into
+# the message's buffer when it is at least this large (MessageReads._message_views).
+DIRECT_READ = 64 * 1024
+# The most bytes read into the slot between two DATA frames of a message.
+SLOT = 64
+_FRAME_HEADER = struct.Struct(">HBBBL")
+_DATA_FRAME, _PADDED = 0x0, 0x8
+
+
+class MessageReads:
+    """The connection's direct reads of a large message (a base of
+    :class:`~trionserve.protocol.grpc.connection.Connection`, which sets the
+    attributes below)."""
+
+    h2: upstream.H2Connection
+    calls: dict[int, GrpcCall]
+    state: ConnectionState
+    _starting: list[tuple[GrpcCall, Handler | inline.Resume]]
+    _parked: dict[GrpcCall, inline.Resume]
+    answer: CallAnswer | None
+    # The slot for the bytes between a message's DATA frames, and how many the
+    # last message had there (its next frame's header and the frames before
+    # it); of those, how many came already (whole frames read after the
+    # frame's end, given to h2); the stream whose message is read so, 0 for none.
+    _slot: memoryview
+    _gap: int
+    _skipped: int
+    _reading: int
+    # The start of a frame read into the slot, not given to h2 yet (its header
+    # in part, or a small frame in part; the next read's bytes follow it:
+    # ``with_kept``).
+    _kept: int
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def _sweep(self) -> None:
+        raise NotImplementedError
+
+    def _on_data(
+        self,
+        stream_id: int,
+        data: bytes | bytearray | memoryview | None,
+        flow: int,
+        ended: bool = False,
+    ) -> None:
+        raise NotImplementedError
+
+    def _act(self, events: list) -> bool:
+        raise NotImplementedError
+
+    def _on_window(self, stream_id: int) -> None:
+        raise NotImplementedError
+
+    async def _start_calls(self) -> bool:
+        raise NotImplementedError
+
+    def close(self, code: ErrorCodes = ErrorCodes.NO_ERROR) -> None:
+        raise NotImplementedError
+
+    def _message_views(self) -> tuple[int, tuple[memoryview, ...], int] | None:
+        """Where the rest of a large message is read straight from the socket,
+        and how many bytes to wait for: its stream id; the rest of the DATA
+        frame that came in part (``h2.partial``), then, when the message goes
+        on past it within the client's windows, the slot and the rest of the
+        message; the rest of the frame and one frame header more (whatever
+        the client sends next is at least a frame header: the wait ends).
+        After a read that ended at a frame's end (``_reading``), the slot and
+        the rest of the message. None when the message has less than
+        DIRECT_READ to come (and none of it was read so), or no message is
+        being read so."""
+        h2conn = self.h2
+        partial = h2conn.partial
+        if partial is not None:
+            stream_id, left, ended = partial
+        elif self._reading and h2frames.between_frames(h2conn):
+            stream_id, left, ended = self._reading, 0, False
+        else:
+            self._reading = 0
+            return None
+        call = self.calls.get(stream_id)
+        room = None if call is None or call.error is not None else call.reader.room()
+        if (
+            room is None
+            or (len(room) < DIRECT_READ and stream_id != self._reading)
+            or self.state.closing
+        ):
+            self._reading = 0
+            return None
+        more = len(room) - left
+        if more <= 0:  # the frame holds the rest of the message
+            self._reading = stream_id
+            return stream_id, (room,), len(room)
+        if ended or more > h2frames.receive_window(h2conn, stream_id):
+            self._reading = 0  # the rest of this frame only (the client waits for a window)
+            return None if left < DIRECT_READ else (stream_id, (room[:left],), left)
+        self._reading = stream_id
+        kept = self._kept
+        if kept < 9:
+            size = self._gap - self._skipped
+            size, least = size if size > 9 else 9, left + 9 - kept
+        else:  # a small frame in part: its rest and a frame header
+            size, least = _frame_size(self._slot) + 9, 1
+        return stream_id, (room[:left], self._slot[kept:size], room[left:]), least
+
+    def with_kept(self, data: bytes | bytearray) -> bytes:
+        """``data`` read as usual after the start of a frame was kept
+        (``_kept``): the two together, for h2."""
+        kept, self._kept = self._kept, 0
+        return bytes(self._slot[:kept]) + data
+
+    async def _read_message(
+        self, receiver: EagerReceiver, stream_id: int, views: tuple[memoryview, ...], least: int
+    ) -> bool | None:
+        """Read the rest of the message into ``views`` (_message_views) and act
+        on it: None to read on, else what the read loop returns (False: the
+        client went away or said goodbye; True: a call keeps this task)."""
+        try:
+            received = await receiver.receive_into(views, least)
+        except CLOSED:
+            return False
+        if not received:
+            return False
+        if self.answer is not None or self._parked:
+            self._sweep()
+        left = len(views[0])
+        if received <= left:
+            ended = self.h2.took(received)[1]
+            self._on_data(stream_id, None, received, ended)
+        else:
+            if left:
+                self.h2.took(left)
+            if self._next_frames(stream_id, left, views, received - left):
+                return False
+        if not self._starting:
+            self.flush()
+        elif await self._start_calls():
+            return True
+        return None
+
+    def _next_frames(
+        self, stream_id: int, left: int, views: tuple[memoryview, ...], more: int
+    ) -> bool:
+        """The message's frame ended after ``left`` bytes, and ``more`` bytes
+        came after it: into the slot (``views[1]``), then into the message's
+        buffer (``views[2]``). Act on them; True when the connection is over."""
+        slot, rest = views[1], views[2]
+        got = more if more < len(slot) else len(slot)
+        beyond = more - got
+        head = bytes(self._slot[: self._kept + got])  # (views[1] follows what was kept)
+        self._kept = 0
+        at, whole = _layout(head, stream_id)
+        if beyond and at != len(head):  # not the layout read for: all through the frames
+            head += bytes(rest[:beyond])
+            beyond = 0
+            at, whole = _layout(head, stream_id)
+        if at:  # the bytes between two frames of a message, for the next one
+            self._gap = min(SLOT, self._skipped + at)
+            self._skipped = 0
+        else:
+            self._skipped += whole
+            part = len(head) - whole
+            if part and (part < 9 or _frame_size(head, whole) + 9 <= SLOT):
+                # A frame header, or a small frame, in part: kept for the next read.
+                self._kept = part
+                self._slot[:part] = head[whole:]
+                head = head[:whole]
+        h2conn = self.h2
+        try:
+            events = h2conn.receive(head)
+            partial = h2conn.partial
+            if beyond and (partial is None or partial[0] != stream_id):
+                events += h2conn.receive(bytes(rest[:beyond]))  # h2 took the header
+                beyond = 0
+        except h2.exceptions.ProtocolError as exc:
+            log.debug("grpc protocol error", error=str(exc))
+            if left:
+                self._on_data(stream_id, None, left)
+            self.close(ErrorCodes.PROTOCOL_ERROR)
+            return False
+        if not beyond:
+            if left:
+                self._on_data(stream_id, None, left)
+            return self._act(events)
+        # The next frame's payload, in place in the message's buffer; what came
+        # after that frame (it ended before the message) is copied out first.
+        assert partial is not None
+        take = beyond if beyond < partial[1] else partial[1]
+        ended = h2conn.took(take)[1]
+        after = bytes(rest[take:beyond]) if beyond > take else None
+        if take == len(rest):  # the message is whole
+            self._reading = 0
+        between = False  # frames other than windows came between the two
+        for event in events:
+            if type(event) is not tuple or event[0] != upstream.WINDOW:
+                between = True
+                break
+        if between:
+            if left:
+                self._on_data(stream_id, None, left)
+            over = self._act(events)
+            if not over:
+                self._on_data(stream_id, None, take, ended)
+        else:  # only windows: their order and the payload's is free
+            for event in events:
+                self._on_window(event[1])
+            over = False
+            self._on_data(stream_id, None, left + take, ended)
+        if over or after is None:
+            return over
+        try:
+            events = h2conn.receive(after)
+        except h2.exceptions.ProtocolError as exc:
+            log.debug("grpc protocol error", error=str(exc))
+            self.close(ErrorCodes.PROTOCOL_ERROR)
+            return False
+        return self._act(events)
+
+
+def _frame_size(data: bytes | memoryview, at: int = 0) -> int:
+    """The size of the frame whose header is at ``at`` in ``data``, header included."""
+    high, low = _FRAME_HEADER.unpack_from(data, at)[:2]
+    return 9 + (high << 8) + low
+
+
+def _layout(data: bytes, stream_id: int) -> tuple[int, int]:
+    """Where in ``data`` the payload of a DATA frame of ``stream_id`` starts
+    after whole frames of other kinds (0: it does not so), and how many bytes
+    its whole frames take (the rest: a frame in part)."""
+    pos, size, at = 0, len(data), -1
+    while size - pos >= 9:
+        high, low, kind, flags, stream = _FRAME_HEADER.unpack_from(data, pos)
+        if kind == _DATA_FRAME and at < 0:
+            ours = stream & 0x7FFFFFFF == stream_id and not flags & _PADDED
+            at = pos + 9 if ours else 0
+        end = pos + 9 + (high << 8) + low
+        if end > size:
+            break
+        pos = end
+    return (at if at > 0 else 0), pos
