@@ -43,6 +43,7 @@ __all__ = [
     "receive_after_wait",
     "receive_into",
     "receive_some_now",
+    "readv_now",
     "send_all",
     "send_pieces",
     "send_pieces_now",
@@ -275,6 +276,17 @@ def receive_now(stream: trio.abc.ReceiveStream, *buffers: memoryview) -> int | N
     socket = getattr(stream, "socket", None)
     if socket is None:
         return None
+    try:
+        return os.readv(socket.fileno(), buffers)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        raise trio.BrokenResourceError(exc) from exc
+
+
+def readv_now(socket: trio.socket.SocketType, buffers: Sequence[memoryview]) -> int | None:
+    """:func:`receive_now` of a socket: the bytes it holds now, read into ``buffers`` in turn
+    (one ``readv``) without waiting; None when it holds none."""
     try:
         return os.readv(socket.fileno(), buffers)
     except BlockingIOError:

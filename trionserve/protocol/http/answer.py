@@ -98,10 +98,10 @@ class ConnectionAnswer:
         "_request",
         "_ended",
         "_waiting",
-        "_socket",
         "kept",
         "readable",
         "rest",
+        "socket",
         "state",
         "watched",
     )
@@ -113,7 +113,7 @@ class ConnectionAnswer:
         draining: Callable[[], bool],
     ) -> None:
         self._h1 = h1
-        self._socket = socket
+        self.socket = socket
         self._draining = draining
         # Whether the slow-request watcher holds the socket (set by transport.py's
         # watch_peer): then the wait may not wait on it too.
@@ -192,7 +192,7 @@ class ConnectionAnswer:
         self._waiting = True
         self._ended = False
         try:
-            await trio.lowlevel.wait_readable(self._socket)
+            await trio.lowlevel.wait_readable(self.socket)
         except trio.ClosedResourceError:
             if not self._ended:  # (the socket is closing: not the outcome)
                 self._disarm()
@@ -208,7 +208,8 @@ class ConnectionAnswer:
         if self._ended:
             return  # the outcome came
         self.readable = True
-        self._disarm()
+        if self.state == ARMED:  # (the thread did not take it: the loop answers)
+            self._disarm()
         deferred = self._deferred  # (sweep_deferred: the run's, found as armed)
         assert deferred is not None
         deferred.sweep()
@@ -223,7 +224,7 @@ class ConnectionAnswer:
         ClosedResourceError, the socket itself untouched (the next wait on it
         registers it again)."""
         self._ended = True
-        trio.lowlevel.notify_closing(self._socket)
+        trio.lowlevel.notify_closing(self.socket)
 
     def finalized(self) -> None:
         """The request's final outcome was delivered (on the Trio thread, by
@@ -321,7 +322,7 @@ class ConnectionAnswer:
             self.kept = h1.end_response()
             self.state = WRITING
             try:
-                written = os.write(self._socket.fileno(), data)
+                written = os.write(self.socket.fileno(), data)
             except OSError:
                 written = 0  # the loop's write raises what it means (a reset)
             if written == len(data):

@@ -87,6 +87,7 @@ from trionserve.protocol.http.streamed import JOIN_LIMIT, send_streamed
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
 from trionserve.protocol.sockets import (
     HeldWrite,
+    readv_now,
     receive_after_wait,
     receive_into,
     receive_now,
@@ -397,7 +398,7 @@ class _Connection:
         if buffers is None:
             return None
         answer.readable = False  # (seen once)
-        received = receive_now(self.stream, *buffers)
+        received = readv_now(answer.socket, buffers)  # (a socket of its own: it has an answer)
         return None if received is None else h1.take_again(received, *buffers)
 
     def _receive_ready(self) -> bool:
@@ -509,13 +510,18 @@ class _Connection:
         counted = request.length if request.length > JOIN_LIMIT else 0
         budget = server.options.budget if counted else None
         if budget is not None:
-            if not budget.has_room(counted):
+            if budget.held + counted > budget.limit:  # (budget.has_room: counted is over 1)
                 raise ProtocolError(503, budget.refusal("a request body", counted))
             budget.reserve(counted)
         stamps: FrontendStamps | None = None
         try:
             # (a body that came with its head has no deadline to keep)
-            body = h1.body(request) if request.complete else await self._read_body(request)
+            if not request.complete:
+                body = await self._read_body(request)
+            elif request.buffer is not None:  # (h1.body's first case)
+                body = request.buffer
+            else:
+                body = h1.body(request)
             if request.began:  # tracing is on: timed as Triton's HTTP frontend times it
                 stamps = self._stamps(request)
             self._handling = True
