@@ -162,7 +162,9 @@ class GrpcCall:
             if self.messages:
                 # Work not answered yet and responses the client does not take
                 # hold new requests back (no checkpoint with room).
-                await self.connection.wait_for_room(len(self.messages[0]))
+                size = len(self.messages[0])
+                if not self.connection.buffer.has_room(size):
+                    await self.connection.wait_for_room(size)
                 if state.request is Request.RESET or self.error is not None:
                     continue  # raised above
                 message = self.messages.popleft()

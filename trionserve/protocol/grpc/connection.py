@@ -412,9 +412,9 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         )
         # An END_STREAM on the headers comes next (_on_end); the
         # call starts once the read's events are all handled (_start_calls).
-        self.calls[stream_id] = call
-        if len(self.calls) == 1:  # busy again (the idle deadline stays: lifetime.idle_deadline)
+        if not self.calls:  # busy again (the idle deadline stays: lifetime.idle_deadline)
             self._idle.pop(self, None)
+        self.calls[stream_id] = call
         self._starting.append((call, method.handler))
 
     def _on_data(
@@ -533,16 +533,19 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         if LOGGING.log_verbose_level >= 2:  # (Triton's verbose lines: nothing else)
             log_grpc_state("StateNew", call.method, call.stream_id)
         try:
-            if kept is not None:
+            if kept is not None:  # (the handler awaited here: no _status frame)
+                cancelled = False
                 try:
-                    status, message = await self._status(call, handler)
+                    await handler(call)
                 except trio.Cancelled:
                     # (the scope it took: the task's it kept, or its own, _carry_on)
                     if call.scope is None or not call.scope.cancel_called:  # the connection's
                         raise
                     cancelled = True
+                except Exception as exc:
+                    status, message = self._failed(call, exc)
                 else:
-                    cancelled = False
+                    status, message = Status.OK, None
             else:
                 with trio.CancelScope() as scope:
                     call.scope = scope
@@ -594,15 +597,21 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         is gone is abandoned: nobody to answer)."""
         try:
             await handler(call)
-        except GRPCError as error:
-            return error.status, error.message
-        except trio.BrokenResourceError:
-            # The stream is gone: nobody to answer.
-            call.state.response_event(ResponseEvent.ABANDON)
         except Exception as exc:
-            log.exception("grpc handler failed", method=call.method)
-            return Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+            return Connection._failed(call, exc)
         return Status.OK, None
+
+    @staticmethod
+    def _failed(call: GrpcCall, exc: Exception) -> tuple[Status, str | None]:
+        """The status a call whose handler raised ``exc`` ends with (called
+        where it is caught)."""
+        if isinstance(exc, GRPCError):
+            return exc.status, exc.message
+        if isinstance(exc, trio.BrokenResourceError):  # the stream is gone: nobody to answer
+            call.state.response_event(ResponseEvent.ABANDON)
+            return Status.OK, None
+        log.exception("grpc handler failed", method=call.method)
+        return Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
     async def _cut(self, call: GrpcCall) -> None:
         """The server cut this call (its drain ended at the exit timeout): end it

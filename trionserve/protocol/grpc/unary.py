@@ -181,7 +181,7 @@ def unary_method(
             except Exception as exc:
                 log.exception("grpc method failed", method=call.method)
                 raise grpc_error(as_triton_error(exc, "internal error")) from None
-            if isinstance(response, Message):
+            if type(response) is not list and isinstance(response, Message):  # (ModelInfer's)
                 response = response.SerializeToString()
             if stamps is not None:
                 stamps.stamp("GRPC_SEND_START")
