@@ -18,10 +18,10 @@ finishes the current one, so the next batch's gather and copy overlap the curren
 batch's compute. An executor gives such a thread at most two batches at once (one
 computing, one being staged), so the overlap is bounded.
 
-Jobs reach the thread through a deque and a "doorbell" (a timerfd, see
-:class:`_Doorbell`) rung only when the thread sleeps: ringing and sleeping release
-the GIL during their system call, so the Trio thread never holds the GIL while
-the kernel wakes the instance's thread (which would then wait for it).
+Jobs reach the thread through a deque and an eventfd "doorbell" rung only when
+the thread sleeps: ringing and sleeping release the GIL during their system call,
+so the Trio thread never holds the GIL while the kernel wakes the instance's
+thread (which would then wait for it).
 
 A batch whose every request's answer the thread may write itself (an HTTP/1.1
 client waiting on a plain socket, see :mod:`trionserve.protocol.http.answer`),
@@ -40,9 +40,7 @@ the rest of the delay (a timed wait, the GIL released) and starts it then, or
 when the batcher releases it (the batch is full, the batcher closes); requests
 submitted meanwhile join it. At c=1 the event loop thus does not wake at the
 delay's end (one wake-up per request, not two; benchmarks/README.md, issue 39's
-ninth round), and neither does the thread at the job's coming: its doorbell is
-set to ring at the delay's end, the thread's one wake-up per request (issue 39's
-eleventh round).
+ninth round).
 
 An instance whose own code must run on one thread from start to end (an
 in-process Python model: ``initialize``, every ``execute``, ``finalize``) also
@@ -53,10 +51,7 @@ thread, between its jobs.
 from __future__ import annotations
 
 import ctypes
-import errno
-import math
 import os
-import select
 import sys
 import threading
 import time
@@ -72,7 +67,6 @@ from trionserve.backends.base import BackendInstance, TimedBackendInstance
 from trionserve.backends.cuda.pipeline import Pipeline, StagedBackendInstance
 from trionserve.core.deferred import Deferred, deferred_jobs
 from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.core.timerfd import CLOCK_MONOTONIC, TFD_TIMER_ABSTIME, TIMERFD, Itimerspec
 from trionserve.observability.statistics import ComputeTimes
 
 
@@ -181,95 +175,62 @@ class HeldJob:
     sleeps out the rest of the delay itself, with the GIL released, then starts
     it, so the event loop does not wake at the delay's end. Until the thread
     starts it, ``join`` (on the Trio thread) adds a request to it; ``release``
-    lets it start at once. The lock makes the two sides agree on whether a
-    request joined: one that comes after the start is refused (it goes to a
-    later batch), never lost nor run twice.
+    lets it start at once. The condition's lock makes the two sides agree on
+    whether a request joined: one that comes after the start is refused (it
+    goes to a later batch), never lost nor run twice."""
 
-    The thread's sleep for the delay is its doorbell's (see :class:`_Doorbell`):
-    given to a sleeping thread, the job sets the doorbell to ring at the delay's
-    end, so the thread wakes once, at the delay's end, not twice (for the job,
-    then for the delay: each wake-up ~50 µs of the thread's CPU at c=1)."""
+    __slots__ = ("_job", "_until", "_cond", "_released")
 
-    __slots__ = ("_job", "_until", "_lock", "_bell", "_released")
-
-    def __init__(self, job: Job, until: float, lock: threading.Lock, bell: _Doorbell) -> None:
+    def __init__(self, job: Job, until: float, cond: threading.Condition) -> None:
         self._job: Job | None = job
         self._until = until  # time.perf_counter() at the delay's end
-        # The thread's one lock, shared by the jobs it holds one after the
-        # other: none made per request.
-        self._lock = lock
-        self._bell = bell
+        # The thread's one condition, shared by the jobs it holds one after
+        # the other (a wait rechecks its own job's state: a stale notify only
+        # wakes it early to wait again): none made per request.
+        self._cond = cond
         self._released = False
 
     def join(self, request: InferenceRequest) -> bool:
-        with self._lock:
+        with self._cond:
             if self._job is None:
                 return False
             self._job.requests.append(request)
             return True
 
     def release(self) -> None:
-        with self._lock:  # (rung after any alarm the thread set: see wait_out)
+        with self._cond:
             if self._job is not None and not self._released:
                 self._released = True
-                self._bell.ring()
+                self._cond.notify()
 
     def wait_out(self) -> None:
         """On the instance's thread: wait until the delay's end or ``release``,
-        then close the batch to ``join``. The alarm is set under the lock that
-        ``release`` rings under, so a release's ring is never replaced by it."""
-        lock, bell = self._lock, self._bell
-        while True:
-            with lock:
-                if self._released or time.perf_counter() >= self._until:
-                    self._job = None  # closed (and no cycle with the job: see Job.finished)
-                    return
-                bell.alarm(self._until)
-            bell.wait()  # the alarm, a release, or a stale ring: looked at again
+        then close the batch to ``join``."""
+        cond = self._cond
+        with cond:
+            while not self._released:
+                remaining = self._until - time.perf_counter()
+                if remaining <= 0:
+                    break
+                cond.wait(remaining)
+            self._job = None  # closed (and no cycle with the job: see Job.finished)
 
 
 _STOP = None
 
 
 class _Doorbell:
-    """One thread sleeps until another rings, or until a time it was told,
-    neither holding the GIL meanwhile. Where Linux has a ``timerfd`` it is one
-    descriptor: ``ring`` sets it to an instant already past (it fires at once),
-    ``ring_at`` and ``alarm`` to a time to come, and ``wait`` reads it (the
-    expiration count; setting the timer again clears a count not read). A ring
-    at the delay's end is thus the thread's only wake-up for a held job, and
-    the ringing thread pays a timer's setting, not a thread's wake-up (the
-    kernel's timer wakes it). Elsewhere an eventfd (a pipe where there is none)
-    and a timed ``select``: ``ring_at`` rings at once. A ring after ``close``
-    does nothing: a producer that saw the thread asleep may ring just after the
-    thread woke for its last job and closed the bell (the descriptor's number
-    may by then belong to another file).
+    """One thread sleeps until another rings, neither holding the GIL meanwhile
+    (an eventfd; a pipe where there is none). A ring after ``close`` does
+    nothing: a producer that saw the thread asleep may ring just after the thread
+    woke for its last job and closed the bell (the descriptor's number may by then
+    belong to another file)."""
 
-    Every setting of the timer replaces the one before: the last one made
-    decides when the thread wakes. The instance's thread sets its own alarm
-    only under the held job's lock, which a release rings under (HeldJob);
-    the other rings come only for a sleeping thread (InstanceThread._put), and
-    one that an alarm replaces was rung for a job the thread has taken."""
-
-    def __init__(self, timer: bool = True) -> None:
-        self._settime = None
-        fd = -1
-        if timer and TIMERFD is not None:
-            fd = TIMERFD[0](CLOCK_MONOTONIC, os.O_CLOEXEC)
-        if fd >= 0:
-            self._read = self._write = fd
-            self._settime = TIMERFD[1] if TIMERFD is not None else None
-            now = Itimerspec()
-            now.it_value.tv_nsec = 1  # 1 ns after the clock's start: past, fires at once
-            self._now = ctypes.byref(now)
-            self._spec = Itimerspec()
-            self._at = self._spec.it_value
-            self._spec_ref = ctypes.byref(self._spec)
-        elif hasattr(os, "eventfd"):
+    def __init__(self) -> None:
+        if hasattr(os, "eventfd"):
             self._read = self._write = os.eventfd(0)
         else:  # pragma: no cover - not Linux
             self._read, self._write = os.pipe()
-        self._alarm = math.inf  # without a timer: the next wait's end (alarm)
         self._lock = threading.Lock()  # ring against close; only taken to ring
         self._closed = False
 
@@ -277,50 +238,12 @@ class _Doorbell:
         with self._lock:
             if self._closed:
                 return
-            if self._settime is not None:
-                self._arm(self._now)
-            elif self._read == self._write:
+            if self._read == self._write:
                 os.eventfd_write(self._write, 1)
             else:  # pragma: no cover - not Linux
                 os.write(self._write, b"\0")
 
-    def ring_at(self, until: float) -> None:
-        """Ring at ``until`` (``time.perf_counter()``), or now without a timer."""
-        if self._settime is None:
-            self.ring()
-            return
-        with self._lock:
-            if not self._closed:
-                self._set(until)
-
-    def alarm(self, until: float) -> None:
-        """On the waiting thread: its next ``wait`` ends by ``until`` at the latest."""
-        if self._settime is None:
-            self._alarm = until
-        else:
-            self._set(until)
-
-    def _set(self, until: float) -> None:
-        at = self._at
-        # Rounded up: the thread wakes with perf_counter() >= until.
-        at.tv_sec, at.tv_nsec = divmod(math.ceil(until * 1e9), 1_000_000_000)
-        self._arm(self._spec_ref)
-
-    def _arm(self, spec: Any) -> None:
-        assert self._settime is not None
-        if self._settime(self._read, TFD_TIMER_ABSTIME, spec, None) != 0:
-            error = ctypes.get_errno() or errno.EINVAL
-            raise OSError(error, f"timerfd_settime: {os.strerror(error)}")
-
     def wait(self) -> None:
-        if self._settime is not None:
-            os.read(self._read, 8)
-            return
-        alarm, self._alarm = self._alarm, math.inf
-        if alarm != math.inf:
-            timeout = alarm - time.perf_counter()
-            if timeout <= 0 or not select.select([self._read], [], [], timeout)[0]:
-                return  # the alarm's time came (a ring stays for the next wait)
         if self._read == self._write:
             os.eventfd_read(self._read)
         else:  # pragma: no cover - not Linux
@@ -397,9 +320,9 @@ class InstanceThread:
         self._overlaps = bool(self._pipeline is not None and self._pipeline.overlaps)
         self._timed = instance if isinstance(instance, TimedBackendInstance) else None
         self._jobs: deque[Job | Callable[[], None] | None] = deque()
-        # The thread sleeps in a read of its doorbell when it has nothing to do,
-        # and ``_put`` rings it. Both release the GIL during the system call: a
-        # wake-up through a lock (queue.SimpleQueue) holds the GIL on the
+        # The thread sleeps in a read of an eventfd when it has nothing to do, and
+        # ``_put`` wakes it with a write. Both release the GIL during the system
+        # call: a wake-up through a lock (queue.SimpleQueue) holds the GIL on the
         # Trio thread while the kernel wakes the other thread, which then waits
         # for that GIL (most of an in-process Python model's hand-off, measured
         # with py-spy --gil).
@@ -414,7 +337,7 @@ class InstanceThread:
         self.quiet: Callable[[], bool] | None = None
         self._deferred: Deferred | None = None
         self._held: HeldJob | None = None  # the last job given held
-        self._hold = threading.Lock()  # join against the thread's start (see HeldJob)
+        self._hold = threading.Condition(threading.Lock())  # its wait (see HeldJob)
         # Trio's clock less perf_counter(), where that is a constant (see span).
         self._offset: float | None = None
 
@@ -457,11 +380,8 @@ class InstanceThread:
         offset = self._offset
         if offset is None:  # (a MockClock's virtual time: read now)
             offset = trio.current_time() - time.perf_counter()
-        held = job.held = self._held = HeldJob(job, start_at - offset, self._hold, self._wake)
-        self._jobs.append(job)
-        if self._sleeping:  # (see _put) it sleeps on until the delay's end: one wake-up
-            self._sleeping = False
-            self._wake.ring_at(start_at - offset)
+        held = job.held = self._held = HeldJob(job, start_at - offset, self._hold)
+        self._put(job)
         return held
 
     async def wait(self, job: Job) -> None:

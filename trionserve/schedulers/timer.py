@@ -27,22 +27,54 @@ the batcher looks at the clock again and goes back to waiting.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import math
 import os
+import sys
 from collections.abc import Callable
+from typing import Any
 
 import trio
 import trio.testing
 
-from trionserve.core.timerfd import CLOCK_MONOTONIC as _CLOCK_MONOTONIC
-from trionserve.core.timerfd import TIMERFD as _TIMERFD
-from trionserve.core.timerfd import Itimerspec as _Itimerspec
-
+_CLOCK_MONOTONIC = 1
 # How much later than the timerfd Trio's own deadline for the same wait falls.
 FALLBACK_SLACK = 0.05
 _TFD_NONBLOCK = os.O_NONBLOCK
 _TFD_CLOEXEC = os.O_CLOEXEC
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("it_interval", _Timespec), ("it_value", _Timespec)]
+
+
+def _load_timerfd() -> tuple[Any, Any] | None:
+    """libc's timerfd_create and timerfd_settime, or None where there are none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        create, settime = libc.timerfd_create, libc.timerfd_settime
+    except (OSError, AttributeError):
+        return None
+    create.argtypes = [ctypes.c_int, ctypes.c_int]
+    create.restype = ctypes.c_int
+    settime.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(_Itimerspec),
+        ctypes.POINTER(_Itimerspec),
+    ]
+    settime.restype = ctypes.c_int
+    return create, settime
+
+
+_TIMERFD = _load_timerfd()
 
 
 class PreciseWakeup:
