@@ -70,8 +70,9 @@ _CUT_MESSAGE = (
     "the server is shutting down: the request was still running at the exit timeout "
     "(--exit-timeout-secs)"
 )
-# The first read of a call when every call waits (the client's next call): a
-# large message's rest is then read straight into its buffer (inflow.py).
+# The read when no call is in flight or every call waits (the next bytes are
+# likely a new call's): a large message's rest is then read straight into its
+# buffer (inflow.py).
 HEAD_READ = 64 * 1024
 
 
@@ -256,7 +257,8 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
                 parked = len(self._parked)
                 eager = len(self.calls) == parked + len(self._awaiting)
                 expect = eager and 0 < parked == len(self.calls)
-                data = await receive(HEAD_READ if expect else 256 * 1024, eager, expect)
+                size = HEAD_READ if parked == len(self.calls) else 256 * 1024
+                data = await receive(size, eager, expect)
             except CLOSED:
                 return False
             if not data:

@@ -155,7 +155,9 @@ class MessageReads:
         kept = self._kept
         if kept < 9:
             size = self._gap - self._skipped
-            size, least = size if size > 9 else 9, left + 9 - kept
+            # (between frames, no SO_RCVLOWAT: a header's first byte wakes
+            # the reader as well as its ninth, without two setsockopt calls)
+            size, least = size if size > 9 else 9, left + 9 - kept if left else 1
         else:  # a small frame in part: its rest and a frame header
             size, least = _frame_size(self._slot) + 9, 1
         return stream_id, (room[:left], self._slot[kept:size], room[left:]), least
