@@ -9,7 +9,7 @@ encodes the :class:`InferenceResponse`.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -58,7 +58,7 @@ class ThreadAnswer(Protocol):
 
     def write(self, request: InferenceRequest, response: InferenceResponse) -> bool: ...
 
-    async def wait(self) -> None: ...
+    def wait(self) -> Awaitable[None]: ...
 
     def finalized(self) -> None: ...
 

@@ -48,6 +48,7 @@ What holds:
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import h2.exceptions as h2_exceptions
@@ -125,16 +126,18 @@ class CallAnswer:
     def armed(self) -> bool:
         return self.state == ARMED
 
-    async def wait(self) -> None:
+    def wait(self) -> Awaitable[None]:
         """Before the request's wait for its outcome: an answer the thread
         wrote already has its report deferred: swept now, not left for later.
         A call run in its connection's reader parks instead, if the connection
         lets it (``Connection.park``): no task waits for the outcome, which
-        carries the call on (the reader's next sweep, or a task of its own)."""
+        carries the call on (the reader's next sweep, or a task of its own).
+        (What is awaited is ``inline.PARK`` or ``inline.READY``, not a
+        coroutine: carrying a parked call on runs no frame of this.)"""
         state = self.state
         if state == WRITTEN or state == PARTIAL:
             sweep_deferred()
-            return
+            return inline.READY
         request = self._request
         if (
             state != DISARMED
@@ -142,7 +145,8 @@ class CallAnswer:
             and not request.done
             and self._conn.park(self._call, request)
         ):
-            await inline.PARK
+            return inline.PARK
+        return inline.READY
 
     def finalized(self) -> None:
         """The outcome was delivered on the loop: the answer is taken (a

@@ -32,7 +32,7 @@ from collections.abc import Coroutine, Generator
 from functools import partial
 from typing import Any, final
 
-__all__ = ["PARK", "Resume", "step"]
+__all__ = ["PARK", "READY", "Resume", "step"]
 
 
 def step(coroutine: Coroutine[Any, Any, None]) -> Resume | None:
@@ -62,6 +62,19 @@ class _Park:
 
 
 PARK = _Park()
+
+
+class _Ready:
+    """What awaits nothing: its await returns None at once (an empty tuple's
+    iterator, no Python frame), for a function that returns an awaitable
+    instead of being a coroutine (``answer.CallAnswer.wait``)."""
+
+    __slots__ = ()
+
+    __await__ = staticmethod(partial(iter, ()))
+
+
+READY = _Ready()
 
 
 @final
