@@ -350,3 +350,36 @@ async def test_an_eager_receiver_of_a_stream_without_a_socket_uses_its_receive_s
     receiver = EagerReceiver(right)
     await left.send_all(b"tls")
     assert await receiver.receive_some(16) == b"tls"
+
+
+async def test_an_eager_receiver_reads_into_several_buffers_in_turn():
+    """receive_into: one readv into the buffers in turn, what the socket holds
+    now; with nothing there, one wait with SO_RCVLOWAT at ``least`` (the
+    reader wakes once the socket holds that much); a stream without a socket
+    of its own reads through receive_some into them the same way."""
+    server, client = await _tcp_pair()
+    receiver = EagerReceiver(server)
+    buffers = [memoryview(bytearray(3)), memoryview(bytearray(2)), memoryview(bytearray(4))]
+    await client.send_all(b"abcdef")
+    assert await receiver.receive_into(buffers, 9) == 6
+    assert [bytes(b) for b in buffers] == [b"abc", b"de", b"f\0\0\0"]
+    async with trio.open_nursery() as nursery:
+        got: list[int] = []
+
+        async def read() -> None:
+            got.append(await receiver.receive_into(buffers, 9))
+
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send_all(b"1234")
+        assert _queued(server) == 4
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # 4 of 9 bytes: still waiting
+        await client.send_all(b"56789")
+    assert got == [9] and b"".join(bytes(b) for b in buffers) == b"123456789"
+    memory_server, memory_client = trio.testing.memory_stream_pair()
+    await memory_client.send_all(b"xyzw")
+    assert await EagerReceiver(memory_server).receive_into(buffers, 9) == 4
+    assert [bytes(b) for b in buffers] == [b"xyz", b"w5", b"6789"]
+    for stream in (server, client):
+        await stream.aclose()
