@@ -7,12 +7,18 @@ between two frames does not leave the reader waiting."""
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import trio
 
+from tests.unit.test_grpc_parked import Report
+from tests.unit.test_grpc_thread_answer import Infer, armed_call, response, thread_write
+from tests.unit.test_grpc_thread_answer import serving as parked_serving
 from tests.unit.test_grpc_transport import Handlers, RawClient, frame, serving
+from trionserve.core.deferred import deferred_jobs
 from trionserve.protocol.grpc import inflow, upstream
+from trionserve.protocol.grpc.call import GrpcCall
 from trionserve.protocol.grpc.status import Status
 
 _HEADER = struct.Struct(">HBBBL")
@@ -193,3 +199,40 @@ async def test_a_read_ending_in_the_next_frames_header(monkeypatch):
             assert client.status(stream) == (Status.OK.value, "")
             assert client.data[stream] == message
     assert through.bytes < 51_000
+
+
+async def test_a_call_like_the_last_is_read_in_one_read_into_its_buffer(monkeypatch):
+    """With every call parked (ModelInfer's way, at c=1), a call whose head and
+    message come as the last one's did is read into a buffer of its size in
+    one read: only its head goes through the frame loop; a call of another
+    size goes through it, and every message arrives whole."""
+    through = _ThroughFrames(monkeypatch)
+    digests: list[bytes] = []
+    receive = GrpcCall.receive
+
+    async def received(self):
+        data = await receive(self)
+        if data is not None:
+            digests.append(hashlib.sha256(data).digest())
+        return data
+
+    monkeypatch.setattr(GrpcCall, "receive", received)
+    body = bytes(range(256)) * 2048
+    bodies = [body] * 4 + [body[:-1000], body]
+    infer = Infer()
+    seen = []
+    async with parked_serving(infer) as (_, client):
+        await client.until(lambda: client.h2.remote_settings.max_frame_size == 1024 * 1024)
+        outcome = response()
+        for sent in bodies:
+            through.reset()
+            stream, request, answer = await armed_call(infer, client, sent)
+            seen.append(through.bytes)
+            assert await thread_write(request, answer, outcome)
+            await client.until(lambda s=stream: client.ended(s))
+            deferred_jobs().append(Report(request, outcome))  # swept by the next read
+    assert digests == [hashlib.sha256(sent).digest() for sent in bodies]
+    # (the first call's HEADERS block is longer, HPACK indexes its headers: the
+    # second is not as predicted, the third teaches the fourth)
+    assert seen[3] < 200  # its head: HEADERS, the DATA header and the prefix
+    assert seen[4] > 200  # another size: through the frame loop

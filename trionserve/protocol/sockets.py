@@ -197,31 +197,37 @@ class EagerReceiver:
             if data is not None:
                 return data
 
-    async def receive_into(self, buffers: Sequence[memoryview], least: int) -> int:
+    async def receive_into(
+        self, buffers: Sequence[memoryview], least: int, expect_wait: bool = False
+    ) -> int:
         """Bytes read into ``buffers`` in turn (one ``readv``; 0: the peer ended
         its side): what the socket holds now, as ``receive_some`` (the same count
         of reads in a row without a checkpoint), else, after one wait until it
         holds ``least`` bytes (``SO_RCVLOWAT``), the peer ends or fails, what it
         holds then. ``least`` must be bytes the peer sends without waiting for
-        us (a message's rest within the windows it has)."""
+        us (a message's rest within the windows it has). ``expect_wait``: as
+        ``receive_some``'s, the wait first."""
         socket = self._socket
         if socket is None:
             return await _receive_some_into(self._stream, buffers)
-        if self._eager:
+        if expect_wait:
+            self._eager = self._eager_reads
+        elif self._eager:
             self._eager -= 1
         else:
             await trio.lowlevel.checkpoint()
             self._eager = self._eager_reads
-        fd = socket.fileno()
-        if fd < 0:
-            raise trio.ClosedResourceError("the stream was closed")
-        try:
-            return os.readv(fd, buffers)
-        except BlockingIOError:
-            pass
-        except OSError as exc:
-            raise trio.BrokenResourceError(exc) from exc
-        self._eager = self._eager_reads
+        if not expect_wait:
+            fd = socket.fileno()
+            if fd < 0:
+                raise trio.ClosedResourceError("the stream was closed")
+            try:
+                return os.readv(fd, buffers)
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                raise trio.BrokenResourceError(exc) from exc
+            self._eager = self._eager_reads
         lowered = _LOWAT is not None and least > 1
         if lowered:
             _set_lowat(socket, least)

@@ -136,6 +136,8 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         self._reader_scope: trio.CancelScope | None = None  # the reading task's (_read)
         self._slot = memoryview(bytearray(inflow.SLOT))  # (inflow.MessageReads)
         self._gap, self._skipped, self._reading, self._kept = 9, 0, 0, 0
+        self._head = memoryview(bytearray(inflow.HEAD_SLOT))
+        self._call, self._arrived, self._last_read = None, None, 0
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
         # responses waiting go down: there may be room for a message again.
@@ -257,25 +259,32 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
                 parked = len(self._parked)
                 eager = len(self.calls) == parked + len(self._awaiting)
                 expect = eager and 0 < parked == len(self.calls)
-                size = HEAD_READ if parked == len(self.calls) else 256 * 1024
-                data = await receive(size, eager, expect)
+                if parked != len(self.calls):
+                    data = await receive(256 * 1024, eager, expect)
+                elif not expect or self._call is None or self._kept or self.state.closing:
+                    data = await receive(HEAD_READ, eager, expect)
+                else:  # every call waits: the next is read as the last came (inflow.py)
+                    data = await self._read_call(receiver)
             except CLOSED:
                 return False
             if not data:
                 return False
+            self._last_read = len(data)
             if self._kept:  # the start of a frame header, read before (inflow.py)
                 data = self.with_kept(data)
             if self.answer is not None or self._parked:  # before h2 sees what came
                 self._sweep()
             if self.state.closing:
+                self._arrived = None
                 continue
             try:
                 events = self.h2.receive(data)
             except h2.exceptions.ProtocolError as exc:
                 log.debug("grpc protocol error", peer=self.peer, error=str(exc))
                 self.close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
+                self._arrived = None
                 continue
-            if self._act(events):
+            if self._act(events) or (self._arrived is not None and self._take_arrived()):
                 return False
             if not self._starting:
                 self.flush()
@@ -437,6 +446,8 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
                 self._on_end(stream_id)
             return
         reader = call.reader
+        if self._arrived is not None and self._arrived[0] == stream_id:
+            reader.offered = self._arrived[1]  # the call was read whole (inflow.py)
         try:
             messages = reader.filled(flow) if data is None else reader.feed(data)
         except GRPCError as error:

@@ -78,7 +78,16 @@ class MessageReader:
     and filled as the rest comes. Tensors viewing it are writable.
     """
 
-    __slots__ = ("_encoding", "_max_size", "_prefix", "_message", "_filled", "_flag", "_defer")
+    __slots__ = (
+        "_encoding",
+        "_max_size",
+        "_prefix",
+        "_message",
+        "_filled",
+        "_flag",
+        "_defer",
+        "offered",
+    )
 
     def __init__(
         self,
@@ -87,6 +96,10 @@ class MessageReader:
         defer_decompression: bool = False,
     ) -> None:
         self._defer = defer_decompression
+        # A buffer the next message's bytes were read into before its prefix
+        # was seen (the connection's read of a whole call, inflow.py): taken
+        # as that message's buffer when the sizes agree.
+        self.offered: memoryview | None = None
         self._encoding = encoding
         self._max_size = max_size or MAX_MESSAGE_SIZE
         self._prefix = bytearray()  # the next message's prefix, while incomplete
@@ -134,7 +147,10 @@ class MessageReader:
                 messages.append(self._finish(flag, bytearray(view[offset:stop])))
                 offset = stop
                 continue
-            message = np.empty(size, np.uint8).data
+            message = self.offered
+            self.offered = None
+            if message is None or len(message) != size:
+                message = np.empty(size, np.uint8).data
             message[: end - offset] = view[offset:end]
             self._message, self._filled, self._flag = message, end - offset, flag
             break
@@ -146,6 +162,17 @@ class MessageReader:
         messages."""
         message = self._message
         return None if message is None else message[self._filled :]
+
+    @property
+    def size(self) -> int:
+        """The unfinished message's size (0 between messages)."""
+        message = self._message
+        return 0 if message is None else len(message)
+
+    def holds(self, buffer: memoryview) -> bool:
+        """Whether ``buffer`` (``offered``) is the unfinished message's, none of
+        it received yet."""
+        return self._message is buffer and not self._filled
 
     def filled(self, size: int) -> list[Message]:
         """``size`` more bytes of the unfinished message were written into its

@@ -23,6 +23,18 @@ frame loop as bytes, copied out first: the same events in the same order, one
 copy more. A read that ends between two frames, or inside the next frame's
 header (kept in the slot, not given to h2), goes on the same way with the next.
 
+When every call waits for its outcome (the client's next call is expected),
+a call that comes as the connection's last one did (its head of the same
+frames and length, its message of the same size and first frame: at c=1
+grpc-core repeats a call so) is read whole in one ``readv`` (``_read_call``):
+its head into a slot, its message straight into a buffer of that size, split
+at its first frame's end by the slot for the frames between. The head is
+checked frame by frame (a new stream's HEADERS, that stream's DATA header for
+a frame of the predicted size, the prefix of a message of the predicted
+size) before the frame loop takes it; the message's bytes are then taken in
+place (``MessageReader.offered``), else every byte read goes to the frame loop,
+copied out, and the prediction is dropped until a call teaches it again.
+
 A read that finds nothing waits (``SO_RCVLOWAT``) for the rest of the frame and
 one frame header more: whatever the client sends next is at least a header (a
 client that resets the stream sends 13 bytes), so the wait always ends. Only
@@ -37,6 +49,7 @@ import struct
 from typing import TYPE_CHECKING
 
 import h2.exceptions
+import numpy as np
 import structlog
 from h2.errors import ErrorCodes
 
@@ -51,17 +64,23 @@ if TYPE_CHECKING:
     from trionserve.protocol.grpc.state import ConnectionState
     from trionserve.protocol.sockets import EagerReceiver
 
-__all__ = ["DIRECT_READ", "SLOT", "MessageReads"]
+__all__ = ["CALL_LIMIT", "DIRECT_READ", "HEAD_SLOT", "SLOT", "MessageReads"]
 
 log = structlog.get_logger(__name__)
 
 # The rest of a message in a DATA frame that came in part is read straight into
 # the message's buffer when it is at least this large (MessageReads._message_views).
 DIRECT_READ = 64 * 1024
-# The most bytes read into the slot between two DATA frames of a message.
+# The most bytes read into the slot between two DATA frames of a message, and
+# into the slot for a call's head (_read_call).
 SLOT = 64
+HEAD_SLOT = 1024
+# The largest message a call is read whole for (its buffer is made before the
+# call comes: its pages are committed only as its bytes come).
+CALL_LIMIT = 16 * 1024 * 1024
 _FRAME_HEADER = struct.Struct(">HBBBL")
-_DATA_FRAME, _PADDED = 0x0, 0x8
+_DATA_FRAME, _HEADERS_FRAME, _PADDED = 0x0, 0x1, 0x8
+_END_STREAM, _END_HEADERS = 0x1, 0x4
 
 
 class MessageReads:
@@ -87,6 +106,15 @@ class MessageReads:
     # in part, or a small frame in part; the next read's bytes follow it:
     # ``with_kept``).
     _kept: int
+    # The last call's layout when its message was read so: the bytes of its
+    # read up to the message's first byte (HEADERS, other frames, the DATA
+    # header and the message's prefix), the message's size and its first
+    # DATA frame's; the next call is read straight into a buffer of that size
+    # (_read_call). Then what landed past its head, for _take_arrived.
+    _call: tuple[int, int, int] | None
+    _head: memoryview
+    _last_read: int
+    _arrived: tuple[int, memoryview, tuple[memoryview, ...], int] | None
 
     def flush(self) -> None:
         raise NotImplementedError
@@ -144,6 +172,13 @@ class MessageReads:
         ):
             self._reading = 0
             return None
+        if stream_id != self._reading and partial is not None:  # learnt for the next call
+            assert call is not None
+            length = call.reader.size
+            filled = length - len(room)  # (of the last read, when its frame began there)
+            head = self._last_read - filled
+            if 0 < head <= len(self._head) and length <= CALL_LIMIT:
+                self._call = (head, length, left + 5 + filled)
         more = len(room) - left
         if more <= 0:  # the frame holds the rest of the message
             self._reading = stream_id
@@ -167,6 +202,83 @@ class MessageReads:
         (``_kept``): the two together, for h2."""
         kept, self._kept = self._kept, 0
         return bytes(self._slot[:kept]) + data
+
+    async def _read_call(self, receiver: EagerReceiver) -> bytes | bytearray:
+        """Read the next call as the last one came (``_call``): its head into a
+        slot, its message straight into a buffer of the last one's size, past
+        its first frame the slot for the frames between and the rest. The
+        bytes for the frame loop: the head when it is as predicted (what
+        landed past it is taken after it, _take_arrived), else all of them."""
+        assert self._call is not None
+        size, length, first = self._call
+        head = self._head[:size]
+        message = np.empty(length, np.uint8).data
+        first -= 5
+        if first < length:
+            gap = self._gap
+            views: tuple[memoryview, ...] = (
+                head,
+                message[:first],
+                self._slot[: gap if gap > 9 else 9],
+                message[first:],
+            )
+        else:
+            views = (head, message)
+        received = await receiver.receive_into(views, 1, expect_wait=True)
+        if received <= size:
+            return bytes(head[:received])
+        stream_id = _call_head(bytes(head), length, first + 5)
+        if not stream_id:  # not as predicted: every byte through the frame loop
+            self._call = None
+            data, left = bytearray(), received
+            for view in views:
+                data += view[:left]
+                left -= len(view)
+                if left <= 0:
+                    break
+            return data
+        self._arrived = (stream_id, message, views[1:], received - size)
+        return bytes(head)
+
+    def _take_arrived(self) -> bool:
+        """After the frame loop took a call's head (_read_call): its message's
+        bytes that landed in place, taken as the frame loop takes a frame in
+        part; True when the connection is over."""
+        assert self._arrived is not None
+        stream_id, message, views, more = self._arrived
+        self._arrived = None
+        h2conn = self.h2
+        partial = h2conn.partial
+        call = self.calls.get(stream_id)
+        first = len(views[0])
+        if (
+            call is None
+            or call.error is not None
+            or partial is None
+            or partial[0] != stream_id
+            or partial[1] != first
+            or not call.reader.holds(message)
+        ):
+            data, left = bytearray(), more
+            for view in views:
+                data += view[:left]
+                left -= len(view)
+                if left <= 0:
+                    break
+            try:
+                events = h2conn.receive(data)
+            except h2.exceptions.ProtocolError as exc:
+                log.debug("grpc protocol error", error=str(exc))
+                self.close(ErrorCodes.PROTOCOL_ERROR)
+                return False
+            return self._act(events)
+        self._reading = stream_id  # (the layout stays as predicted)
+        if more <= first:
+            ended = h2conn.took(more)[1]
+            self._on_data(stream_id, None, more, ended)
+            return False
+        h2conn.took(first)
+        return self._next_frames(stream_id, first, views, more - first)
 
     async def _read_message(
         self, receiver: EagerReceiver, stream_id: int, views: tuple[memoryview, ...], least: int
@@ -274,6 +386,35 @@ class MessageReads:
             self.close(ErrorCodes.PROTOCOL_ERROR)
             return False
         return self._act(events)
+
+
+def _call_head(data: bytes, length: int, first: int) -> int:
+    """The stream of the call whose head ``data`` is when it is whole frames:
+    a new stream's HEADERS, any frames but DATA, that stream's DATA header for
+    a frame of ``first`` bytes (the stream's end only with the message's) and
+    the prefix of an uncompressed message of ``length`` bytes; else 0."""
+    pos, size, opened = 0, len(data) - 5, 0
+    while size - pos >= 9:
+        high, low, kind, flags, stream = _FRAME_HEADER.unpack_from(data, pos)
+        stream &= 0x7FFFFFFF
+        end = pos + 9 + (high << 8) + low
+        if kind == _DATA_FRAME:
+            if (
+                stream != opened
+                or end - pos - 9 != first
+                or flags & _PADDED
+                or (flags & _END_STREAM and first != length + 5)  # (it ends with the message)
+                or pos + 9 != size
+                or data[size:] != b"\0" + length.to_bytes(4, "big")
+            ):
+                return 0
+            return stream
+        if kind == _HEADERS_FRAME and not opened and flags & _END_HEADERS:
+            opened = stream
+        if end > size:
+            return 0
+        pos = end
+    return 0
 
 
 def _frame_size(data: bytes | memoryview, at: int = 0) -> int:
