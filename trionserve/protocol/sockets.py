@@ -98,18 +98,7 @@ async def receive_into(
     received = _read_now(socket, buffer)
     if received is not None:
         return received
-    lowered = fill and _LOWAT is not None and len(buffer) > 1
-    if lowered:
-        _set_lowat(socket, len(buffer))
-    try:
-        while True:
-            await trio.lowlevel.wait_readable(socket)
-            received = _read_now(socket, buffer)
-            if received is not None:
-                return received
-    finally:
-        if lowered:
-            _set_lowat(socket, 1)
+    return await _wait_and_readv(socket, (buffer,), len(buffer) if fill else 1)
 
 
 async def receive_view(stream: trio.abc.ReceiveStream, buffer: memoryview) -> memoryview:
@@ -228,18 +217,7 @@ class EagerReceiver:
             except OSError as exc:
                 raise trio.BrokenResourceError(exc) from exc
             self._eager = self._eager_reads
-        lowered = _LOWAT is not None and least > 1
-        if lowered:
-            _set_lowat(socket, least)
-        try:
-            while True:
-                await trio.lowlevel.wait_readable(socket)
-                received = _readv_now(socket, buffers)
-                if received is not None:
-                    return received
-        finally:
-            if lowered:
-                _set_lowat(socket, 1)
+        return await _wait_and_readv(socket, buffers, least)
 
 
 async def _receive_some_into(stream: trio.abc.ReceiveStream, buffers: Sequence[memoryview]) -> int:
@@ -299,6 +277,26 @@ def readv_now(socket: trio.socket.SocketType, buffers: Sequence[memoryview]) -> 
         return None
     except OSError as exc:
         raise trio.BrokenResourceError(exc) from exc
+
+
+async def _wait_and_readv(
+    socket: trio.socket.SocketType, buffers: Sequence[memoryview], least: int
+) -> int:
+    """Bytes read into ``buffers`` in turn after waiting until the socket holds
+    ``least`` bytes (``SO_RCVLOWAT``, set for the wait only), the peer ends or
+    the read fails."""
+    lowered = _LOWAT is not None and least > 1
+    if lowered:
+        _set_lowat(socket, least)
+    try:
+        while True:
+            await trio.lowlevel.wait_readable(socket)
+            received = _readv_now(socket, buffers)
+            if received is not None:
+                return received
+    finally:
+        if lowered:
+            _set_lowat(socket, 1)
 
 
 def _read_now(socket: trio.socket.SocketType, buffer: memoryview) -> int | None:
