@@ -230,13 +230,7 @@ class MessageReads:
         stream_id = _call_head(bytes(head), length, first + 5)
         if not stream_id:  # not as predicted: every byte through the frame loop
             self._call = None
-            data, left = bytearray(), received
-            for view in views:
-                data += view[:left]
-                left -= len(view)
-                if left <= 0:
-                    break
-            return data
+            return _joined(views, received)
         self._arrived = (stream_id, message, views[1:], received - size)
         return bytes(head)
 
@@ -259,19 +253,7 @@ class MessageReads:
             or partial[1] != first
             or not call.reader.holds(message)
         ):
-            data, left = bytearray(), more
-            for view in views:
-                data += view[:left]
-                left -= len(view)
-                if left <= 0:
-                    break
-            try:
-                events = h2conn.receive(data)
-            except h2.exceptions.ProtocolError as exc:
-                log.debug("grpc protocol error", error=str(exc))
-                self.close(ErrorCodes.PROTOCOL_ERROR)
-                return False
-            return self._act(events)
+            return self._receive_and_act(_joined(views, more))
         self._reading = stream_id  # (the layout stays as predicted)
         if more <= first:
             ended = h2conn.took(more)[1]
@@ -379,13 +361,29 @@ class MessageReads:
             self._on_data(stream_id, None, left + take, ended)
         if over or after is None:
             return over
+        return self._receive_and_act(after)
+
+    def _receive_and_act(self, data: bytes | bytearray) -> bool:
+        """``data`` through the frame loop and acted on (_act); True when the
+        connection is over. A protocol error closes the connection."""
         try:
-            events = h2conn.receive(after)
+            events = self.h2.receive(data)
         except h2.exceptions.ProtocolError as exc:
             log.debug("grpc protocol error", error=str(exc))
             self.close(ErrorCodes.PROTOCOL_ERROR)
             return False
         return self._act(events)
+
+
+def _joined(views: tuple[memoryview, ...], size: int) -> bytearray:
+    """The first ``size`` bytes of ``views`` in turn, copied out into one buffer."""
+    data, left = bytearray(), size
+    for view in views:
+        data += view[:left]
+        left -= len(view)
+        if left <= 0:
+            break
+    return data
 
 
 def _call_head(data: bytes, length: int, first: int) -> int:
