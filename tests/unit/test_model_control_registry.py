@@ -141,8 +141,19 @@ async def test_loads_are_bounded_by_the_load_thread_count(repo):
             with trio.fail_after(10):  # every load has started: each shows LOADING
                 while not all(rows(server, n).get("1", ("",))[0] == "LOADING" for n in names):
                     await trio.sleep(0.01)
+            # Two loads enter the backend in their worker threads; a thread starts after
+            # the row shows LOADING, so wait for the entries themselves (each releases its
+            # model's ``loading`` once), not for Trio's tasks to block.
+            inside: set[str] = set()
+            with trio.fail_after(10):
+                while len(inside) < 2:
+                    inside |= {
+                        n for n in names if n not in inside and controls(n).loading.acquire(False)
+                    }
+                    await trio.sleep(0.01)
             await trio.testing.wait_all_tasks_blocked()
             assert CONCURRENCY["now"] == 2  # two in the backend, three waiting their turn
+            assert not any(controls(n).loading.acquire(False) for n in names if n not in inside)
             for name in names:
                 controls(name).load_gate.set()
         assert CONCURRENCY["max"] == 2
