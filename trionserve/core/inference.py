@@ -281,11 +281,13 @@ class InferenceRequest:
         if self.queued is not None:
             self.queued.set()
 
-    def on_final(self, callback: Callable[[], None]) -> None:
+    def on_final(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` (on the Trio thread, once) when the request gets its
-        final outcome: at once if it has it. The data plane uses it to end the
-        trace of a request its caller gave up on while the model still runs it."""
-        if self._final:
+        final outcome: at once if it has it; ``None`` removes it. The data plane
+        uses it to end the trace of a request its caller gave up on while the
+        model still runs it; a caller that began a request (``DataPlane.begin``)
+        to be carried on by its outcome."""
+        if callback is not None and self._final:
             callback()
         else:
             self._on_final = callback
@@ -452,6 +454,11 @@ class InferenceRequest:
             if wakeup is None or wakeup.is_set():  # (set by a response before this wait)
                 wakeup = self._wakeup = trio.Event()
             await wakeup.wait()
+        return self.result()
+
+    def result(self) -> InferenceResponse:
+        """The outcome of a request that has exactly one response, once final
+        (``done``): the response, taken, or the error raised."""
         if self._error is not None:
             raise self._error
         if len(self._responses) != 1:

@@ -1,0 +1,116 @@
+"""The data plane's begin / end pair (trionserve/inference_path.py): a request admitted and
+queued without a coroutine awaiting its outcome, carried on by the outcome's callback, and
+ended with exactly one of end, finish or drop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+
+from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
+from trionserve.core.errors import NotFound, TritonError
+from trionserve.core.inference import InferenceRequest, Tensor
+from trionserve.lifecycle import Lifecycle
+from trionserve.server import Server, ServerOptions
+
+
+@pytest.fixture
+def repository(tmp_path):
+    GATE.reset()
+    make_model(tmp_path, "blocking")
+    yield tmp_path
+    GATE.release.set()  # never leave a worker thread blocked
+
+
+def request(value: float, model: str = "blocking") -> InferenceRequest:
+    data = np.full((1, 4), value, dtype=np.float32)
+    return InferenceRequest(model, inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+
+
+async def served(repository, body) -> None:
+    options = ServerOptions(
+        model_repositories=[repository], allow_http=False, allow_grpc=False, allow_metrics=False
+    )
+    server = Server(options, backends=BACKENDS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        try:
+            await body(server)
+        finally:
+            GATE.release.set()
+            server.shutdown()
+
+
+def counted(server: Server) -> int:
+    """Requests of the model counted in flight."""
+    return server.registry.route("blocking", None).inflight
+
+
+async def test_begin_then_end_on_the_outcome_callback(repository):
+    async def body(server: Server) -> None:
+        dataplane = server.dataplane
+        req = request(3.0)
+        run = await dataplane.begin(req, endpoint="test")
+        assert type(run) is Lifecycle and run.request is req
+        outcome = trio.Event()
+        req.on_final(outcome.set)  # called once, on the Trio thread, by the outcome
+        await wait_entered()
+        assert not req.done and counted(server) == 1
+        GATE.release.set()
+        await outcome.wait()
+        response = dataplane.end(run)
+        np.testing.assert_array_equal(response.outputs[0].data, np.full((1, 4), 3.0, np.float32))
+        assert counted(server) == 0
+
+    await served(repository, body)
+
+
+async def test_end_raises_the_model_error_and_counts_out(repository):
+    async def body(server: Server) -> None:
+        GATE.fail_next = True
+        GATE.release.set()
+        req = request(1.0)
+        run = await server.dataplane.begin(req)
+        assert type(run) is Lifecycle
+        outcome = trio.Event()
+        req.on_final(outcome.set)
+        await outcome.wait()
+        with pytest.raises(TritonError, match="injected backend failure"):
+            server.dataplane.end(run)
+        assert counted(server) == 0
+
+    await served(repository, body)
+
+
+async def test_drop_flags_cancelled_and_forgets_the_callback(repository):
+    async def body(server: Server) -> None:
+        req = request(2.0)
+        run = await server.dataplane.begin(req)
+        assert type(run) is Lifecycle
+        called: list[int] = []
+        req.on_final(lambda: called.append(1))
+        await wait_entered()  # its model runs it
+        server.dataplane.drop(run)
+        assert req.cancelled and counted(server) == 0
+        GATE.release.set()
+        # The outcome still comes (its model ran it: delivered before the next request's,
+        # which the one instance runs after it) and nobody is told of it.
+        await server.dataplane.infer(request(4.0))
+        assert req.done and called == []
+
+    await served(repository, body)
+
+
+async def test_begin_refused_leaves_nothing_to_end(repository):
+    async def body(server: Server) -> None:
+        with pytest.raises(NotFound):
+            await server.dataplane.begin(request(1.0, model="missing"))
+        assert counted(server) == 0
+        GATE.release.set()
+        # infer is begin then finish: the same request awaited whole.
+        response = await server.dataplane.infer(request(5.0))
+        np.testing.assert_array_equal(response.outputs[0].data, np.full((1, 4), 5.0, np.float32))
+        assert counted(server) == 0
+
+    await served(repository, body)
