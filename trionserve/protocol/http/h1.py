@@ -65,6 +65,8 @@ _AGAIN_MOVES = (
     (_IDLE, (_BEGIN, _HEAD_DONE, _MESSAGE_DONE), _IDLE),
     (_SERVER_IDLE, (_REQUEST,), _HANDLING),
 )
+# What a whole answer on a kept connection moves the server through (answer_kept).
+_KEPT_MOVES = (_HANDLING, (_RESPONSE, _END), _SERVER_IDLE)
 
 __all__ = [
     "MAX_CHUNKED_CHUNKS",
@@ -576,6 +578,27 @@ class H1Connection:
             return True
         self.state.server_event(ServerEvent.END_CLOSE)
         return False
+
+    def answer_kept(self) -> bool:
+        """:meth:`start_response` then :meth:`end_response` in one step, for a
+        whole answer whose head (made before by :meth:`start_response`) keeps
+        the connection (server HANDLING -> IDLE: ``_KEPT_MOVES``); False, nothing
+        moved, where that head would not do: the connection closes after this
+        answer, or the request is a HEAD one or not whole."""
+        request = self.current
+        if (
+            request is None
+            or self.state.server is not _HANDLING
+            or not self._keep_alive
+            or not request.complete
+            or request.method == b"HEAD"
+        ):
+            return False
+        self.requests.popleft()
+        self.current = None
+        self.served += 1
+        self.state.server = _SERVER_IDLE
+        return True
 
     def error_response(self, status: int, message: str) -> bytes:
         """A whole JSON error answer that closes the connection (server IDLE or
