@@ -306,17 +306,19 @@ def main() -> None:
         ratios = [g / h for g, h in zip(totals["grpc"], totals["http"], strict=True)]
         ratio = statistics.median(ratios)
         print(f"{label:<10} gRPC/HTTP: {ratio:.2f}x (median of per-round ratios)")
-    # Each other tree's event loop against this checkout's, round by round (the
-    # servers run in turn within a round: the machine's drift cancels).
+    # Each other tree's event loop and other threads (the instance's) against
+    # this checkout's, round by round (the servers run in turn within a round:
+    # the machine's drift cancels).
     for label, _ in trees[1:]:
         for protocol in PROTOCOLS:
-            pairs = zip(rounds[("this", protocol)], rounds[(label, protocol)], strict=True)
-            paired = [this[0] / other[0] for this, other in pairs]
-            lower = sum(r < 1 for r in paired)
-            print(
-                f"this / {label} event loop, {protocol}: {statistics.median(paired):.3f} "
-                f"(median of per-round ratios; lower in {lower}/{len(paired)} rounds)"
-            )
+            for column, thread in enumerate(("event loop", "others")):
+                pairs = zip(rounds[("this", protocol)], rounds[(label, protocol)], strict=True)
+                paired = [this[column] / other[column] for this, other in pairs]
+                lower = sum(r < 1 for r in paired)
+                print(
+                    f"this / {label} {thread}, {protocol}: {statistics.median(paired):.3f} "
+                    f"(median of per-round ratios; lower in {lower}/{len(paired)} rounds)"
+                )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the_loops_frame_for_frame``), and every call one outcome."""
 from __future__ import annotations
 
 import struct
+import threading
 from contextlib import asynccontextmanager
 
 import h2.config
@@ -340,6 +341,7 @@ async def test_what_the_socket_does_not_take_the_loop_writes_first(monkeypatch):
         return [memoryview(whole)[20:]]
 
     monkeypatch.setattr(grpc_answer, "send_pieces_now", part)
+    monkeypatch.setattr(grpc_answer, "_write_now", lambda sock, data: part(sock, [data]))
     infer = Infer()
     async with serving(infer) as (conn, client):
         outcome = response(1000)
@@ -465,3 +467,29 @@ async def test_the_next_call_is_armed_while_the_last_ones_report_waits():
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(infer.ended) == [(first, "thread"), (second, "thread")]
         assert conn.calls == {}
+
+
+async def test_an_answer_described_as_the_last_one_is_written_from_its_bytes(monkeypatch):
+    encoded: list[InferenceResponse] = []
+    encode = infercache.encode_response
+
+    def counted(outcome, request):
+        if threading.current_thread() is not threading.main_thread():  # the "thread"'s
+            encoded.append(outcome)
+        return encode(outcome, request)
+
+    monkeypatch.setattr(infercache, "encode_response", counted)
+    infer = Infer()
+    other_id = InferenceResponse("m", "1", "other", response().outputs)
+    outcomes = [response(), response(), response(32), response(32), other_id, response()]
+    outcomes[1].outputs[0].data += 1  # other values, the same description
+    async with serving(infer) as (conn, client):
+        for outcome in outcomes:
+            stream_id, request, answer = await armed_call(infer, client)
+            assert await thread_write(request, answer, outcome)
+            await client.until(lambda sid=stream_id: client.ended(sid))
+            assert client.status(stream_id) == b"0"
+            assert client.answer(stream_id) == message(outcome)
+            request.respond(outcome)
+            await trio.testing.wait_all_tasks_blocked()
+    assert [[o is e for o in outcomes].index(True) for e in encoded] == [0, 2, 4, 5]

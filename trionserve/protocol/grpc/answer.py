@@ -12,7 +12,9 @@ backend's response and its encoding (no trace, access log, compression,
 shared memory, classification, debug delay: ``GrpcService._answerable``) and it
 is the only call on its connection that may still answer. The instance's thread
 (:meth:`CallAnswer.write`), holding the answer's lock and still armed, encodes
-the response as the loop would (infercache, else the codec) and gives h2 what
+the response as the loop would (infercache, else the codec; a response described
+as the connection's last one is that one's bytes around the outputs' arrays,
+:class:`~trionserve.core.outputs.Described`, kept as ``Connection.repeat``) and gives h2 what
 the loop's ``GrpcCall.send`` and ``finish`` give it: the response headers and
 the whole message as one DATA frame (``send_unary``: a constant HPACK block,
 within both send windows and the peer's frame size; otherwise it declines,
@@ -48,13 +50,16 @@ What holds:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import h2.exceptions as h2_exceptions
+import trio
 
 from trionserve.core.deferred import sweep_deferred
 from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.core.outputs import Described
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import infercache as grpc_infercache
 from trionserve.protocol.grpc import inline
@@ -197,13 +202,19 @@ class CallAnswer:
                 self.state = DISARMED
                 return False
             try:
-                chunks = grpc_infercache.encode_response(
-                    response, request
-                ) or grpc_codec.encode_infer_response(response, request, None, None)
-                size = sum(map(len, chunks))
+                repeat = conn.repeat
+                pieces = repeat.pieces(request, response) if repeat is not None else None
+                if pieces is None:
+                    chunks = grpc_infercache.encode_response(
+                        response, request
+                    ) or grpc_codec.encode_infer_response(response, request, None, None)
+                    head = prefix(sum(map(len, chunks)))
+                    pieces = [head, *chunks]
+                    conn.repeat = Described.of(request, response, [head], chunks)
+                data = b"".join(pieces)
                 # GrpcCall.send's and finish's calls, as the loop makes them.
-                if size + 5 > JOIN_LIMIT or not h2.send_unary(
-                    call.stream_id, RESPONSE_HEADERS, b"".join([prefix(size), *chunks])
+                if len(data) > JOIN_LIMIT or not h2.send_unary(
+                    call.stream_id, RESPONSE_HEADERS, data
                 ):
                     self.state = DISARMED
                     return False
@@ -217,7 +228,10 @@ class CallAnswer:
             buffers = h2.buffers_to_send()
             self.state = WRITING
             try:
-                rest = send_pieces_now(socket, buffers)
+                if len(buffers) == 1:  # (h2's output, this answer last: one write)
+                    rest = _write_now(socket, buffers[0])
+                else:
+                    rest = send_pieces_now(socket, buffers)
             except Exception:  # the loop's write raises what it means (a reset)
                 rest = [memoryview(piece) for piece in buffers]
             if not rest:
@@ -226,3 +240,15 @@ class CallAnswer:
             self.rest = rest
             self.state = PARTIAL
             return False
+
+
+def _write_now(socket: trio.socket.SocketType, data: bytes | bytearray) -> list[memoryview]:
+    """``send_pieces_now(socket, [data])`` for one buffer: the rest's view, if any."""
+    fd = socket.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the stream was closed")
+    try:
+        written = os.write(fd, data)
+    except BlockingIOError:
+        written = 0
+    return [memoryview(data)[written:]] if written < len(data) else []

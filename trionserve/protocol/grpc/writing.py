@@ -17,6 +17,7 @@ from trionserve.protocol.grpc.framing import coalesce
 from trionserve.protocol.sockets import send_pieces, send_pieces_now
 
 if TYPE_CHECKING:
+    from trionserve.core.outputs import Described
     from trionserve.protocol.grpc.answer import CallAnswer
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.grpc.state import ConnectionState
@@ -41,6 +42,9 @@ class SocketWriter:
     # and what of an answer it began the socket did not take, written first.
     answer: CallAnswer | None
     unsent: list[memoryview]
+    # The last answer the instance's thread wrote, to write one described the
+    # same without encoding it (answer.py; read and set under the answer's lock).
+    repeat: Described | None = None
     socket: trio.socket.SocketType | None
     _dirty: trio.Event
     writing: bool

@@ -47,11 +47,11 @@ import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 
-import numpy as np
 import trio
 
 from trionserve.core.deferred import Deferred, deferred_jobs, sweep_deferred
 from trionserve.core.inference import InferenceRequest, InferenceResponse
+from trionserve.core.outputs import Described
 from trionserve.protocol.http.h1 import H1Connection, Response
 from trionserve.protocol.sockets import send_all
 
@@ -299,16 +299,20 @@ class ConnectionAnswer:
         """Encode and write ``request``'s answer, if still armed for it: True
         when the socket took it whole; False leaves it (or its ``rest``) to the
         loop. An answer described as the connection's last one (:class:`Repeat`)
-        is its head and the tensors' buffers in one ``writev``, the protocol
-        moved in one step, no encoder called."""
+        is that one's head and the outputs' arrays in one ``writev``, the
+        protocol moved in one step, no encoder called."""
         with self._lock:
             # (The loop may have answered it and armed the next request's.)
             if self.state != ARMED or self._request is not request:
                 return False
             repeat = self._repeat
-            if repeat is not None:
+            if (
+                repeat is not None
+                and repeat.encode is self._encode
+                and repeat.binary_output == self._binary_output
+            ):
                 try:
-                    pieces = repeat.pieces(self, request, response)
+                    pieces = repeat.pieces(request, response)
                 except Exception:  # (not arrays: encoded as any)
                     pieces = None
                 if pieces is not None and not self._draining() and self._h1.answer_kept():
@@ -336,10 +340,20 @@ class ConnectionAnswer:
             # (the loop, woken by the client's next request, waits for it).
             self.kept = h1.end_response()
             if self.kept and status == 200 and not head_only:
-                self._repeat = Repeat.of(self, request, response, head, chunks)
+                self._remember(request, response, head, chunks)
             if head_only or not size:
                 return self._send([head], len(head))
             return self._send([head, *chunks], len(head) + size)
+
+    def _remember(
+        self, request: InferenceRequest, response: InferenceResponse, head: bytes, chunks: list
+    ) -> None:
+        """Keep the answer just made (``head``, then the encoder's ``chunks``) to
+        write the next one described the same (:class:`Repeat`), if it is one."""
+        repeat = self._repeat = Repeat.of(request, response, [head], chunks)
+        if repeat is not None:
+            repeat.encode = self._encode
+            repeat.binary_output = self._binary_output
 
     def _send(self, pieces: list, size: int) -> bool:
         """Write the answer's ``pieces`` (``size`` bytes) with one ``writev``:
@@ -357,111 +371,25 @@ class ConnectionAnswer:
         return False
 
 
-class Repeat:
-    """What the instance's thread last answered on a connection, whole and
-    keeping it: an answer to a request and a response described the same
-    (model, version, id, each output's name, datatype, shape and array layout;
-    no requested outputs, no parameters; the same encoder and binary default)
-    is the same head (status line, headers, JSON header) before the same
-    tensors' bytes, so it is written as that head and the outputs' arrays, not
-    encoded again: the Python right after the model's run runs with its caches
-    evicted, ~1 µs a step (issue 39's twelfth round). Made only from an answer
-    whose encoder gave the JSON header then each output's own bytes (an
-    encoder is a function of the response and the request's id, requested
-    outputs and binary default: ``Encode``)."""
+class Repeat(Described):
+    """The connection's last answer written whole that kept it (see
+    :class:`~trionserve.core.outputs.Described`), with its encoder and the
+    request's binary default (an encoder is a function of the response and the
+    request's id, requested outputs and binary default, ``Encode``): the same
+    head (status line, headers, JSON header) before the same tensors' bytes."""
 
-    __slots__ = ("binary_output", "encode", "head", "id", "model", "outputs", "size", "version")
+    __slots__ = ("binary_output", "encode")
 
     def __init__(
         self,
-        encode: Encode,
-        binary_output: bool,
-        response: InferenceResponse,
-        response_id: str,
-        head: bytes,
-        size: int,
-    ) -> None:
-        self.encode = encode
-        self.binary_output = binary_output
-        self.model = response.model_name
-        self.version = response.model_version
-        self.id = response_id
-        self.outputs = [
-            (t.name, t.datatype, t.data.shape, t.data.dtype, t.data.strides)
-            for t in response.outputs
-        ]
-        self.head = head
-        self.size = size
-
-    @classmethod
-    def of(
-        cls,
-        answer: ConnectionAnswer,
         request: InferenceRequest,
         response: InferenceResponse,
-        head: bytes,
-        chunks: list,
-    ) -> Repeat | None:
-        """The repeat of an answer written whole (``head``, then ``chunks``),
-        if it is one: else None."""
-        outputs = response.outputs
-        if (
-            request.requested_outputs is not None
-            or response.parameters
-            or len(chunks) != len(outputs) + 1
-            or not isinstance(chunks[0], bytes)
-        ):
-            return None
-        for tensor, chunk in zip(outputs, chunks[1:]):
-            data = tensor.data
-            if (
-                not isinstance(data, np.ndarray)
-                or not isinstance(chunk, memoryview)
-                or chunk.obj is not data
-                or chunk.nbytes != data.nbytes
-            ):
-                return None
-        assert answer._encode is not None
-        head = head + chunks[0]
-        return cls(
-            answer._encode,
-            answer._binary_output,
-            response,
-            response.id or request.id,
-            head,
-            len(head) + sum(chunk.nbytes for chunk in chunks[1:]),
-        )
-
-    def pieces(
-        self, answer: ConnectionAnswer, request: InferenceRequest, response: InferenceResponse
-    ) -> list | None:
-        """The answer to ``request`` as the head and the outputs' arrays, if
-        ``response`` is described as the last one; else None."""
-        outputs = response.outputs
-        if (
-            answer._encode is not self.encode
-            or answer._binary_output != self.binary_output
-            or request.requested_outputs is not None
-            or response.parameters
-            or response.model_name != self.model
-            or response.model_version != self.version
-            or (response.id or request.id) != self.id
-            or len(outputs) != len(self.outputs)
-        ):
-            return None
-        pieces: list = [self.head]
-        for tensor, (name, datatype, shape, dtype, strides) in zip(outputs, self.outputs):
-            data = tensor.data
-            if (
-                tensor.name != name
-                or tensor.datatype != datatype
-                or data.shape != shape
-                or data.dtype is not dtype
-                or data.strides != strides
-            ):
-                return None
-            pieces.append(data)
-        return pieces
+        heads: list,
+        size: int,
+    ) -> None:
+        super().__init__(request, response, heads, size)
+        self.encode: Encode | None = None
+        self.binary_output = False
 
 
 # The answers whose waits go on with their outcomes delivered (see finalized),
