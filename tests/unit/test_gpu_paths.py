@@ -354,3 +354,28 @@ def test_gpu_metrics_cover_the_gpus_cuda_sees(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     collector = GpuMetricsCollector.create()
     assert collector is not None and collector._handles == ["handle0", "handle1"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GPU device nodes are Linux's")
+def test_no_gpu_drivers_device_node_means_no_gpu_and_no_cuda_library_asked(monkeypatch, tmp_path):
+    """Where /dev holds no node of a GPU driver, no device is counted and neither
+    cupy nor torch is asked (importing torch at each start-up costs seconds of CPU);
+    with one (nvidiactl here), the CUDA library counts them."""
+    from trionserve.backends.cuda import devices
+
+    asked = []
+
+    def count() -> int:
+        asked.append("cupy")
+        return 3
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=count))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(devices, "DEV", str(tmp_path))
+    for name in ("null", "tty", "shm"):
+        (tmp_path / name).touch()
+    assert devices.gpu_count.__wrapped__() == 0 and asked == []
+    (tmp_path / "nvidiactl").touch()
+    assert devices.gpu_count.__wrapped__() == 3 and asked == ["cupy"]
