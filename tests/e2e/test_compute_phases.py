@@ -16,7 +16,7 @@ from tests.repository import write_model
 from tests.serverproc import ServerProcess
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
-WIDTH = 128
+WIDTH = 512  # a forward of milliseconds: far above a phase stretched by a busy host
 LAYERS = 24
 
 BATCHING = "dynamic_batching { max_queue_delay_microseconds: 20000 }"
