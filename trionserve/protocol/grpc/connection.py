@@ -137,7 +137,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         self._slot = memoryview(bytearray(inflow.SLOT))  # (inflow.MessageReads)
         self._gap, self._skipped, self._reading, self._kept = 9, 0, 0, 0
         self._head = memoryview(bytearray(inflow.HEAD_SLOT))
-        self._call, self._arrived, self._last_read = None, None, 0
+        self._call, self._arrived, self._whole, self._last_read = None, None, None, 0
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
         # responses waiting go down: there may be room for a message again.
@@ -275,16 +275,12 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
             if self.answer is not None or self._parked:  # before h2 sees what came
                 self._sweep()
             if self.state.closing:
-                self._arrived = None
+                self._arrived = self._whole = None
                 continue
-            try:
-                events = self.h2.receive(data)
-            except h2.exceptions.ProtocolError as exc:
-                log.debug("grpc protocol error", peer=self.peer, error=str(exc))
-                self.close(h2.errors.ErrorCodes.PROTOCOL_ERROR)
-                self._arrived = None
+            over = self._take_read(data)
+            if over is None:  # a protocol error: closing
                 continue
-            if self._act(events) or (self._arrived is not None and self._take_arrived()):
+            if over:
                 return False
             if not self._starting:
                 self.flush()

@@ -7,7 +7,9 @@ private parts of h2, hpack and hyperframe), apart for its size: hyperframe's
 ``_update_header_buffer``; hyperframe's frames made from their header without
 their ``__init__`` (``frame_header``); where the connection's reading stands
 (``between_frames``, ``receive_window``: h2's frame buffer and window
-managers). Each is checked by ``tests/unit/test_upstream_internals.py``.
+managers); a new unary call received whole moved at once (``open_whole``:
+the window managers, ``local_settings._settings``, and the stream opened by
+``H2Connection._unary_open``). Each is checked by ``tests/unit/test_upstream_internals.py``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ from typing import TYPE_CHECKING, Any
 import h2.connection
 import h2.exceptions
 import h2.frame_buffer
+import h2.settings
 from hyperframe import frame as hyperframe_frame
 from hyperframe.flags import Flags
 
 if TYPE_CHECKING:
     from trionserve.protocol.grpc.upstream import H2Connection
 
-__all__ = ["FrameBuffer", "between_frames", "frame_header", "receive_window"]
+__all__ = [
+    "FrameBuffer",
+    "between_frames",
+    "frame_header",
+    "open_whole",
+    "receive_window",
+]
 
 _FRAME_HEADER = struct.Struct(">HBBBL")
 _HEADER_BLOCKS = (hyperframe_frame.HeadersFrame, hyperframe_frame.PushPromiseFrame)
@@ -169,3 +178,72 @@ def receive_window(connection: H2Connection, stream_id: int) -> int:
         return 0
     window = connection._inbound_flow_control_window_manager.current_window_size
     return min(unary.inbound.current_window_size, window)
+
+
+_MAX_WINDOW = 2**31 - 1
+_INITIAL_WINDOW_SIZE = h2.settings.SettingCodes.INITIAL_WINDOW_SIZE
+
+
+def open_whole(
+    connection: H2Connection,
+    stream_id: int,
+    block: bytes,
+    size: int,
+    windows: list[tuple[int, int]],
+    largest: int,
+) -> list | None:
+    """A new unary call received whole, moved at once as ``connection.receive``
+    moves h2 for its frames one by one: its HEADERS (``block``, END_HEADERS
+    alone, the client's last block again: ``CachingDecoder.repeated``), its
+    message's DATA frames (``size`` flow-controlled bytes in all, unpadded,
+    END_STREAM on the last, none over ``largest`` bytes, the HEADERS frame
+    included) and, after its HEADERS, the client's WINDOW_UPDATE frames
+    (``windows``: stream and increment, each the connection's, the new
+    stream's or a closed stream's). Its headers (``receive``'s REQUEST), or
+    None where ``receive`` would not take those frames so: then nothing moved,
+    for ``receive`` to take them. Held to ``receive`` by
+    tests/unit/test_grpc_whole_call.py."""
+    c: Any = connection
+    if largest > c._max_inbound_frame_size or not between_frames(connection):
+        return None
+    inbound = c._inbound_flow_control_window_manager
+    if (
+        size > inbound.current_window_size
+        or size > connection.local_settings._settings[_INITIAL_WINDOW_SIZE][0]
+    ):
+        return None  # (receive breaks: h2 raises FLOW_CONTROL_ERROR)
+    outbound = connection.outbound_flow_control_window
+    own = connection.remote_settings._settings[_INITIAL_WINDOW_SIZE][0]  # the new stream's
+    for window_stream, increment in windows:
+        if not 0 < increment <= _MAX_WINDOW:
+            return None
+        if not window_stream:
+            outbound += increment
+            if outbound > _MAX_WINDOW:
+                return None
+        elif window_stream == stream_id:
+            own += increment
+            if own > _MAX_WINDOW:
+                return None
+        elif not (
+            window_stream % 2
+            and window_stream < stream_id
+            and window_stream <= connection.highest_inbound_stream_id
+            and window_stream not in connection.streams
+            and window_stream not in connection.unary
+        ):
+            return None
+    decoder = c._caching_decoder  # (a block to decode is the frame loop's)
+    repeated = decoder.repeated
+    if repeated is None or repeated[0] != block or repeated[2] != decoder.max_header_list_size:
+        return None
+    headers = c._unary_open(stream_id, False, block)  # (None: nothing moved)
+    if headers is None:
+        return None
+    connection.outbound_flow_control_window = outbound
+    inbound.current_window_size -= size
+    unary = connection.unary[stream_id]
+    unary.inbound.current_window_size -= size
+    unary.outbound = own
+    unary.remote_ended = True
+    return headers

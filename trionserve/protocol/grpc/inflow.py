@@ -54,12 +54,15 @@ import structlog
 from h2.errors import ErrorCodes
 
 from trionserve.protocol.grpc import h2frames, upstream
+from trionserve.protocol.grpc.state import RequestEvent
 from trionserve.protocol.grpc.writing import CLOSED
 
 if TYPE_CHECKING:
     from trionserve.protocol.grpc import inline
     from trionserve.protocol.grpc.answer import CallAnswer
     from trionserve.protocol.grpc.call import GrpcCall
+    from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
+    from trionserve.protocol.grpc.options import TransportOptions
     from trionserve.protocol.grpc.parking import Handler
     from trionserve.protocol.grpc.state import ConnectionState
     from trionserve.protocol.sockets import EagerReceiver
@@ -79,7 +82,8 @@ HEAD_SLOT = 1024
 # call comes: its pages are committed only as its bytes come).
 CALL_LIMIT = 16 * 1024 * 1024
 _FRAME_HEADER = struct.Struct(">HBBBL")
-_DATA_FRAME, _HEADERS_FRAME, _PADDED = 0x0, 0x1, 0x8
+_INCREMENT = struct.Struct(">L")
+_DATA_FRAME, _HEADERS_FRAME, _WINDOW_UPDATE_FRAME, _PADDED = 0x0, 0x1, 0x8, 0x8
 _END_STREAM, _END_HEADERS = 0x1, 0x4
 
 
@@ -91,6 +95,7 @@ class MessageReads:
     h2: upstream.H2Connection
     calls: dict[int, GrpcCall]
     state: ConnectionState
+    buffer: ConnectionBuffer
     _starting: list[tuple[GrpcCall, Handler | inline.Resume]]
     _parked: dict[GrpcCall, inline.Resume]
     answer: CallAnswer | None
@@ -115,6 +120,10 @@ class MessageReads:
     _head: memoryview
     _last_read: int
     _arrived: tuple[int, memoryview, tuple[memoryview, ...], int] | None
+    # Of a call read whole as predicted, what _take_whole takes (_whole_call).
+    _whole: tuple[bytes, list[tuple[int, int]], int] | None
+    options: TransportOptions
+    peer: str
 
     def flush(self) -> None:
         raise NotImplementedError
@@ -135,6 +144,12 @@ class MessageReads:
         raise NotImplementedError
 
     def _on_window(self, stream_id: int) -> None:
+        raise NotImplementedError
+
+    def _on_request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+        raise NotImplementedError
+
+    def _give(self, windows: list[Window]) -> None:
         raise NotImplementedError
 
     async def _start_calls(self) -> bool:
@@ -227,12 +242,69 @@ class MessageReads:
         received = await receiver.receive_into(views, 1, expect_wait=True)
         if received <= size:
             return bytes(head[:received])
-        stream_id = _call_head(bytes(head), length, first + 5)
+        data = bytes(head)
+        stream_id = _call_head(data, length, first + 5)
         if not stream_id:  # not as predicted: every byte through the frame loop
             self._call = None
             return _joined(views, received)
+        slot = views[2] if len(views) == 4 else None
+        total = size + length + (len(slot) if slot is not None else 0)
         self._arrived = (stream_id, message, views[1:], received - size)
-        return bytes(head)
+        if received == total:
+            self._whole = _whole_call(data, slot, stream_id, length - first)
+        return data
+
+    def _take_read(self, data: bytes | bytearray) -> bool | None:
+        """A read's bytes through the frame loop and acted on: True when the
+        connection is over, None after a protocol error (it closes). A call
+        read whole as predicted (``_whole``) is taken in one step, without
+        the frame loop, when h2 would take its frames the common way."""
+        whole = self._whole
+        if whole is not None:
+            self._whole = None
+            if self._take_whole(*whole):
+                return False
+        try:
+            events = self.h2.receive(data)
+        except h2.exceptions.ProtocolError as exc:
+            log.debug("grpc protocol error", peer=self.peer, error=str(exc))
+            self.close(ErrorCodes.PROTOCOL_ERROR)
+            self._arrived = None
+            return None
+        return self._act(events) or (self._arrived is not None and self._take_arrived())
+
+    def _take_whole(self, block: bytes, windows: list[tuple[int, int]], largest: int) -> bool:
+        """A call read whole as predicted (_read_call: its HEADERS ``block``,
+        its message in its buffer, the client's window updates ``windows``
+        between its DATA frames): h2 moved at once (``h2frames.open_whole``),
+        then what the frame loop's events would do (``_on_window``,
+        ``_on_request``, ``_on_data`` with the message whole and the stream's
+        end); False when h2 would not take it so (nothing done)."""
+        assert self._arrived is not None
+        stream_id, message = self._arrived[0], self._arrived[1]
+        length = len(message)
+        size = length + 5
+        limit = self.options.max_message_size
+        if limit is not None and length > limit:  # (the reader refuses it)
+            return False
+        headers = h2frames.open_whole(self.h2, stream_id, block, size, windows, largest)
+        if headers is None:
+            return False
+        self._arrived = None
+        self._skipped = self._reading = 0
+        for window_stream, _ in windows:
+            if not window_stream:  # (a closed stream's is dropped, the new one's waits nothing)
+                self._on_window(0)
+        self._on_request(stream_id, headers)
+        call = self.calls.get(stream_id)
+        if call is None:  # refused: the message's window back, as for a call that is over
+            self._on_data(stream_id, None, size, True)
+            return True
+        call.messages.append(message)
+        if buffered := self.buffer.received(call.account, size, 0, [length]):
+            self._give(buffered)
+        call.state.request_event(RequestEvent.END_STREAM)
+        return True
 
     def _take_arrived(self) -> bool:
         """After the frame loop took a call's head (_read_call): its message's
@@ -413,6 +485,56 @@ def _call_head(data: bytes, length: int, first: int) -> int:
             return 0
         pos = end
     return 0
+
+
+def _whole_call(
+    head: bytes, slot: memoryview | None, stream_id: int, rest: int
+) -> tuple[bytes, list[tuple[int, int]], int] | None:
+    """A call of ``stream_id`` read whole (_call_head checked its ``head``)
+    that ``h2frames.open_whole`` may take: its HEADERS frame first, with
+    END_HEADERS its only flag, then only WINDOW_UPDATE frames before its
+    message's first DATA frame; that frame with END_STREAM, or ``slot`` (the
+    bytes between its two DATA frames) WINDOW_UPDATE frames, then the header
+    of the last DATA frame, of ``rest`` bytes, with END_STREAM its only flag.
+    Its HEADERS block, the window updates' (stream, increment) and its
+    largest frame's size; else None."""
+    high, low, kind, flags = _FRAME_HEADER.unpack_from(head)[:4]
+    block = 9 + (high << 8) + low
+    if kind != _HEADERS_FRAME or flags != _END_HEADERS:
+        return None
+    windows: list[tuple[int, int]] = []
+    data = _windows(head, block, len(head) - 14, windows)
+    if data < 0:
+        return None
+    high, low, _, flags = _FRAME_HEADER.unpack_from(head, data)[:4]
+    largest = max(block - 9, (high << 8) + low, rest)
+    if slot is None:
+        return (head[9:block], windows, largest) if flags & _END_STREAM else None
+    end = _windows(slot, 0, len(slot) - 9, windows)
+    if end < 0:
+        return None
+    high, low, kind, flags, stream = _FRAME_HEADER.unpack_from(slot, end)
+    if (
+        kind != _DATA_FRAME
+        or flags != _END_STREAM
+        or (high << 8) + low != rest
+        or stream & 0x7FFFFFFF != stream_id
+    ):
+        return None
+    return head[9:block], windows, largest
+
+
+def _windows(data: bytes | memoryview, pos: int, end: int, windows: list[tuple[int, int]]) -> int:
+    """The WINDOW_UPDATE frames from ``pos`` to ``end`` in ``data``, their
+    (stream, increment) added to ``windows``: ``end``, or -1 when other bytes
+    are there."""
+    while pos < end:
+        high, low, kind, _, stream = _FRAME_HEADER.unpack_from(data, pos)
+        if kind != _WINDOW_UPDATE_FRAME or high or low != 4 or pos + 13 > end:
+            return -1
+        windows.append((stream & 0x7FFFFFFF, _INCREMENT.unpack_from(data, pos + 9)[0]))
+        pos += 13
+    return end if pos == end else -1
 
 
 def _frame_size(data: bytes | memoryview, at: int = 0) -> int:

@@ -1,0 +1,222 @@
+"""A call read whole as predicted, taken in one step (inflow.py's _take_whole,
+h2frames.open_whole): h2 is moved as its frame loop (H2Connection.receive)
+moves it for the same frames, and anything that loop would not take so is left
+to it, with nothing moved; on a connection, a call that comes as the last one
+did is taken without the frame loop, any other goes through it, and every
+message and answer is the same."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+import trio
+
+from tests.unit.test_grpc_inflow import _ThroughFrames
+from tests.unit.test_grpc_parked import Report
+from tests.unit.test_grpc_thread_answer import Infer, response, thread_write
+from tests.unit.test_grpc_thread_answer import serving as parked_serving
+from tests.unit.test_grpc_unary_stream import (
+    STREAMING,
+    UNARY,
+    Pair,
+    _answer_at_once,
+    _data,
+    _state,
+    _window,
+)
+from trionserve.core.deferred import deferred_jobs
+from trionserve.protocol.grpc import h2frames
+from trionserve.protocol.grpc.call import GrpcCall
+
+_HEADER = struct.Struct(">HBBBL")
+_IDS = [1, 3, 5, 7]
+
+
+def _opened() -> Pair:
+    """Servers past two calls, answered and closed: the client's HEADERS
+    block is now the one it repeats (all indexed)."""
+    pair = Pair()
+    for stream_id in (1, 3):
+        pair.feed(pair.headers(stream_id, UNARY, False) + _data(stream_id, 100, True))
+        pair.act("acknowledge_received_data", 100, stream_id)
+        _answer_at_once(pair, stream_id)
+    return pair
+
+
+def _block(frame: bytes) -> bytes:
+    high, low = _HEADER.unpack_from(frame)[:2]
+    return frame[9 : 9 + (high << 8) + low]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "windows"),
+    [
+        ((500,), []),
+        # grpc-core's: the stream's window after HEADERS, the connection's
+        # between the two DATA frames
+        ((300, 200), [(0, 5, 700), (1, 0, 900)]),
+        ((300, 200), [(1, 0, 10), (1, 0, 20), (1, 3, 5)]),  # and a closed stream's
+        ((1, 1), [(0, 5, 2**31 - 1 - 65535)]),  # the stream's send window to its largest
+    ],
+)
+def test_a_whole_call_moves_h2_as_its_frame_loop_does(sizes, windows):
+    pair = _opened()
+    headers = pair.headers(5, UNARY, False)
+    data, given = headers, []
+    for index, size in enumerate(sizes):
+        for after, window_stream, increment in windows:
+            if after == index:
+                data += _window(window_stream, increment)
+                given.append((window_stream, increment))
+        data += _data(5, size, index == len(sizes) - 1)
+    pair.reference.receive_data(data)
+    events = pair.fast.receive(data)
+    largest = max(len(_block(headers)), *sizes)
+    taken = h2frames.open_whole(pair.unary, 5, _block(headers), sum(sizes), given, largest)
+    assert taken is not None and taken == events[0][2]
+    pair.compare()  # the same state as h2's own and as the frame loop's
+    # What follows goes the same on every server: the window given back, the
+    # answer at once, the client's window updates and the next call.
+    pair.act("acknowledge_received_data", sum(sizes), 5)
+    assert _answer_at_once(pair, 5) == 2
+    pair.feed(_window(0, 100) + _window(5, 100))
+    pair.feed(pair.headers(7, UNARY, False) + _data(7, 300, True))
+    pair.act("acknowledge_received_data", 300, 7)
+    assert _answer_at_once(pair, 7) == 2
+
+
+_DECLINED = [
+    "past the connection's window",
+    "past the stream's window",
+    "a frame past the frame size",
+    "a stream id not above the last",
+    "an even stream id",
+    "a window update of an open stream",
+    "a window update of a stream to come",
+    "a window update of zero",
+    "the connection's send window past its largest",
+    "the stream's send window past its largest",
+    "another block",
+    "a streaming path",
+    "a frame in part",
+]
+
+
+@pytest.mark.parametrize("case", _DECLINED)
+def test_what_the_frame_loop_would_not_take_so_is_left_to_it(case):
+    pair = _opened()
+    stream_id, sizes, windows, path, largest = 5, (300, 200), [], UNARY, 300
+    if case == "past the connection's window":
+        pair.unary._inbound_flow_control_window_manager.current_window_size = 499
+    elif case == "past the stream's window":
+        sizes = (600, 401)  # (its initial window: 1000)
+    elif case == "a frame past the frame size":
+        largest = pair.unary.max_inbound_frame_size + 1
+    elif case == "a stream id not above the last":
+        stream_id = 3
+    elif case == "an even stream id":
+        stream_id = 6
+    elif case == "a window update of an open stream":
+        pair.feed(pair.headers(5, UNARY, False))
+        stream_id, windows = 7, [(5, 10)]
+    elif case == "a window update of a stream to come":
+        windows = [(9, 10)]
+    elif case == "a window update of zero":
+        windows = [(0, 0)]
+    elif case == "the connection's send window past its largest":
+        windows = [(0, 2**31 - 1)]
+    elif case == "the stream's send window past its largest":
+        windows = [(5, 2**31 - 1)]
+    elif case == "another block":
+        path = b"/inference.GRPCInferenceService/Other"
+    elif case == "a streaming path":  # (its block repeated, as a unary path's would be)
+        for repeat in (5, 7):
+            pair.feed(pair.headers(repeat, STREAMING, False))
+            pair.act("reset_stream", repeat)
+        stream_id, path = 9, STREAMING
+    elif case == "a frame in part":
+        pair.feed(pair.headers(5, UNARY, False) + _data(5, 300, True)[:100])
+        stream_id = 7
+    block = _block(pair.headers(stream_id, path, False))
+    before = _state(pair.unary, [*_IDS, stream_id])
+    output = bytes(pair.unary.data_to_send())
+    assert h2frames.open_whole(pair.unary, stream_id, block, sum(sizes), windows, largest) is None
+    assert _state(pair.unary, [*_IDS, stream_id]) == before
+    assert bytes(pair.unary.data_to_send()) == output == b""
+
+
+def _send(client, infer: Infer, body: bytes, cut: int, ping: bool = False):
+    """A call as grpc-core sends one: HEADERS, the stream's WINDOW_UPDATE, a
+    DATA frame of ``cut`` bytes of the message, the connection's
+    WINDOW_UPDATE (``ping``: and a PING) and the last DATA frame."""
+    h2conn = client.h2
+    stream_id = client.open()
+    h2conn.increment_flow_control_window(1000, stream_id)
+    message = struct.pack(">BI", 0, len(body)) + body
+    h2conn.send_data(stream_id, message[:cut])
+    h2conn.increment_flow_control_window(1000)
+    if ping:
+        h2conn.ping(b"12345678")
+    h2conn.send_data(stream_id, message[cut:], end_stream=True)
+    return stream_id, h2conn.data_to_send()
+
+
+async def test_a_call_as_the_last_is_taken_whole_any_other_through_the_frame_loop(monkeypatch):
+    through = _ThroughFrames(monkeypatch)
+    digests: list[bytes] = []
+    receive = GrpcCall.receive
+
+    async def received(self):
+        data = await receive(self)
+        if data is not None:
+            digests.append(hashlib.sha256(data).digest())
+        return data
+
+    monkeypatch.setattr(GrpcCall, "receive", received)
+    opened = []
+    open_whole = h2frames.open_whole
+
+    def counted(*args):
+        headers = open_whole(*args)
+        opened.append(headers is not None)
+        return headers
+
+    monkeypatch.setattr(h2frames, "open_whole", counted)
+    body = bytes(range(256)) * 400  # (100 KiB: the socket holds a call whole)
+    # The first call opens the connection (h2's own), the next two teach the
+    # layout (sent in two writes: the first DATA frame read in part), the
+    # next ones come whole: as the last, with a PING between the DATA frames,
+    # of another size; the next teaches the layout again, the last comes whole.
+    sends = [(body, False, False)] * 4 + [(body, True, False), (body[:-7], False, False)]
+    sends += [(body, False, False)] * 2
+    infer = Infer()
+    seen = []
+    async with parked_serving(infer) as (_, client):
+        await client.until(lambda: client.h2.remote_settings.max_frame_size == 1024 * 1024)
+        outcome = response()
+        for index, (sent, ping, _) in enumerate(sends):
+            through.reset()
+            opened.clear()
+            infer.armed = trio.Event()
+            stream_id, data = _send(client, infer, sent, 70_000, ping)
+            if index in (1, 2, 6):
+                await client.sock.send_all(data[:10_000])
+                await through.in_part.wait()
+                data = data[10_000:]
+            await client.sock.send_all(data)
+            await infer.armed.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            _, request, answer = infer.calls[-1]
+            seen.append((through.bytes, opened[:]))
+            assert await thread_write(request, answer, outcome)
+            await client.until(lambda s=stream_id: client.ended(s))
+            deferred_jobs().append(Report(request, outcome))  # swept by the next read
+    assert digests == [hashlib.sha256(sent).digest() for sent, _, _ in sends]
+    # (the second call's block is the first all indexed: the frame loop
+    # decodes it, the third is taken whole)
+    assert seen[3] == (0, [True])
+    assert seen[4][0] > 20 and True not in seen[4][1]  # a PING between: the frame loop
+    assert seen[5][0] > 20 and not seen[5][1]  # another size: not as predicted
+    assert seen[7] == (0, [True])
