@@ -24,21 +24,24 @@ from trionserve.server import Server, ServerOptions
 
 
 class Probe:
-    """Wraps a DataPlane's infer calls to record requests and their cancellation."""
+    """Wraps a DataPlane's infer calls to record requests and their cancellation
+    (ModelInfer with its answer armed queues with ``begin`` and awaits the
+    outcome with ``finish``, given the run)."""
 
     def __init__(self, dataplane) -> None:
         self.requests: dict[str, object] = {}
         self.cancelled: list[str] = []
         self._changed = trio.Event()
-        for name in ("infer", "infer_stream"):
+        for name in ("infer", "infer_stream", "begin", "finish"):
             setattr(dataplane, name, self._wrap(getattr(dataplane, name)))
 
     def _wrap(self, inner):
         async def call(request, *args, **kwargs):
+            run, request = request, getattr(request, "request", request)
             self.requests[request.id] = request
             self._notify()
             try:
-                return await inner(request, *args, **kwargs)
+                return await inner(run, *args, **kwargs)
             except trio.Cancelled:
                 self.cancelled.append(request.id)
                 self._notify()

@@ -1,5 +1,5 @@
 """A unary call parked while its request runs (connection.Connection.park,
-answer.CallAnswer.wait, inline.PARK): a call whose request is not whole in one
+parkedinfer.ParkedInfer): a call whose request is not whole in one
 read starts in the reader's task once it is, and with its answer armed waits
 for its outcome in no task; the outcome carries it on (the reader's next sweep,
 or a task of its own), a reset or the connection's end in a task whose scope is
@@ -77,6 +77,27 @@ async def test_an_armed_call_parks_and_the_next_calls_read_carries_it_on():
         assert conn.calls == {} and conn._parked == {}
         assert tasks.spawned == 1  # the second's, carried on by a task; none for the first
         assert client.answer(first) == client.answer(second) == message(outcome)
+
+
+async def test_a_parked_call_the_thread_answered_ends_in_the_reader_with_no_coroutine():
+    # Its handler returned as it parked; the next call's read delivers the
+    # outcome, and the call ends there with the data plane's end (once), its
+    # bytes answered, before the next call starts: no coroutine awaits it.
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        tasks = await counted()
+        outcome = response()
+        first, request, answer = await armed_call(infer, client)
+        call = infer.calls[-1][0]
+        assert call in conn._parked and call.scope is None
+        assert await thread_write(request, answer, outcome)
+        await client.until(lambda: client.ended(first))
+        deferred_jobs().append(Report(request, outcome))
+        second, request2, answer2 = await armed_call(infer, client)
+        assert infer.ended == [(first, "thread")] and infer.awaited == []
+        assert first not in conn.calls and request.done and not request._responses
+        assert tasks.spawned == 0
+        assert answer2 is not None and answer2.armed and list(conn._parked) == [infer.calls[-1][0]]
 
 
 async def test_a_request_in_two_reads_starts_in_the_reader_once_whole():

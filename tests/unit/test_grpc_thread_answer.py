@@ -27,6 +27,8 @@ from trionserve.protocol.grpc.answer import DISARMED, PARTIAL, WRITTEN
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.connection import Connection
 from trionserve.protocol.grpc.options import TransportOptions
+from trionserve.protocol.grpc.parkedinfer import ParkedInfer
+from trionserve.protocol.grpc.parking import PARKED
 from trionserve.protocol.grpc.state import Response
 from trionserve.protocol.sockets import send_pieces_now
 
@@ -46,39 +48,63 @@ def message(answer: InferenceResponse) -> bytes:
     return b"".join(bytes(chunk) for chunk in chunks)
 
 
+class Run:
+    """What ``ParkedInfer`` reads of the data plane's run of a request."""
+
+    def __init__(self, stream_id: int, request: InferenceRequest, answer) -> None:
+        self.stream_id = stream_id
+        self.request = request
+        self.answer = answer
+        self.trace = None
+        self.plain = True
+
+
 class Infer:
     """ModelInfer's way with its answer (service.model_infer), on a request the
-    test delivers: arm, wait for the outcome, take, encode unless taken."""
+    test delivers: arm, park (parkedinfer.ParkedInfer) or wait for the outcome,
+    take, encode unless taken. It is its own data plane's ``end`` and
+    ``finish``, which record how each call ended."""
 
     def __init__(self, arming: bool = True) -> None:
         self.arming = arming
         self.calls: list[tuple[GrpcCall, InferenceRequest, grpc_answer.CallAnswer | None]] = []
         self.armed = trio.Event()
         self.ended: list[tuple[int, str]] = []
+        self.awaited: list[int] = []  # the calls whose outcome a coroutine awaited
 
-    async def handler(self, call: GrpcCall) -> None:
+    async def handler(self, call: GrpcCall) -> object:
         data = await call.receive()
         assert data is not None and await call.receive() is None
         request = InferenceRequest("m")
         answer = grpc_answer.arm(call, request) if self.arming else None
         self.calls.append((call, request, answer))
         self.armed.set()
-        try:
-            try:
-                outcome = await request.wait()
-            finally:
-                taken = answer.take() if answer is not None else DISARMED
-            if taken != DISARMED:
-                await call.send(grpc_answer.ANSWERED)
-                self.ended.append((call.stream_id, "thread"))
-                return
+        if answer is None:
+            outcome = await self.finish(Run(call.stream_id, request, None))
             chunks = infercache.encode_response(outcome, request)
             assert chunks is not None
             await call.send(chunks)
-            self.ended.append((call.stream_id, "loop"))
+            return None
+        carried = ParkedInfer(self, call, Run(call.stream_id, request, answer), answer)  # type: ignore[arg-type]
+        if answer.state == grpc_answer.ARMED and call.connection.park(call, request, carried):
+            return PARKED
+        return await carried.rest(call)
+
+    def end(self, run: Run) -> InferenceResponse:
+        self.ended.append((run.stream_id, "thread"))
+        return run.request.result()
+
+    async def finish(self, run: Run) -> InferenceResponse:
+        self.awaited.append(run.stream_id)
+        try:
+            outcome = await run.request.wait()
         except BaseException:
-            self.ended.append((call.stream_id, "cancelled"))
+            self.ended.append((run.stream_id, "cancelled"))
             raise
+        answer = run.answer
+        thread = answer is not None and answer.state in (WRITTEN, PARTIAL)
+        self.ended.append((run.stream_id, "thread" if thread else "loop"))
+        return outcome
 
     def methods(self) -> dict[bytes, Method]:
         return {PATH.encode(): Method(self.handler)}

@@ -42,8 +42,8 @@ What holds:
   answer it declined (DISARMED: the loop encodes and writes it as always).
 - The call keeps exactly one final outcome: carried on by the report (the
   loop's next sweep: the client's next call, or the transport's 0.25 s tick;
-  parked in no task meanwhile, :mod:`~trionserve.protocol.grpc.parking`, or its
-  task woken), it finds the answer taken and ends without a status of its own;
+  parked in no task meanwhile, :mod:`~trionserve.protocol.grpc.parking`, or
+  its task woken), it finds the answer taken and ends without a status of its own;
   cancelled or failed after the thread's answer, it sends nothing either (the
   client has it).
 """
@@ -134,23 +134,10 @@ class CallAnswer:
     def wait(self) -> Awaitable[None]:
         """Before the request's wait for its outcome: an answer the thread
         wrote already has its report deferred: swept now, not left for later.
-        A call run in its connection's reader parks instead, if the connection
-        lets it (``Connection.park``): no task waits for the outcome, which
-        carries the call on (the reader's next sweep, or a task of its own).
-        (What is awaited is ``inline.PARK`` or ``inline.READY``, not a
-        coroutine: carrying a parked call on runs no frame of this.)"""
+        (What is awaited is ``inline.READY``, not a coroutine.)"""
         state = self.state
         if state == WRITTEN or state == PARTIAL:
             sweep_deferred()
-            return inline.READY
-        request = self._request
-        if (
-            state != DISARMED
-            and request is not None
-            and not request.done
-            and self._conn.park(self._call, request)
-        ):
-            return inline.PARK
         return inline.READY
 
     def finalized(self) -> None:

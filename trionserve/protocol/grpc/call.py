@@ -54,7 +54,7 @@ _INLINE_DECOMPRESS = 16 * 1024
 class Method:
     """A handler and whether its client sends a stream of messages."""
 
-    handler: Callable[[GrpcCall], Awaitable[None]]
+    handler: Callable[[GrpcCall], Awaitable[object]]
     client_streaming: bool = False
 
 

@@ -48,7 +48,7 @@ from trionserve.protocol.grpc.framing import (
 )
 from trionserve.protocol.grpc.inflow import MessageReads
 from trionserve.protocol.grpc.options import TransportOptions
-from trionserve.protocol.grpc.parking import Handler, ParkedCalls
+from trionserve.protocol.grpc.parking import PARKED, Handler, Parked, ParkedCalls
 from trionserve.protocol.grpc.request import HttpRefusal, RequestHead, read_request_head
 from trionserve.protocol.grpc.state import (
     ConnectionState,
@@ -123,13 +123,13 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         # Calls whose HEADERS came in the read being handled, started after it,
         # and the call running in the reader's task now (it leaves its answer
         # to the reader's write after the read), and the reader's cancel scope.
-        # An entry's second item is a parked call's Resume (below) when its
+        # An entry's second item is a parked call's Parked (below) when its
         # request got its outcome in the reader's sweep: carried on there.
-        self._starting: list[tuple[GrpcCall, Handler | inline.Resume]] = []
+        self._starting: list[tuple[GrpcCall, Handler | Parked]] = []
         self._inline: GrpcCall | None = None
         # Calls waiting in no task (parking.py).
         self._awaiting: dict[int, tuple[GrpcCall, Handler]] = {}
-        self._parked: dict[GrpcCall, inline.Resume] = {}
+        self._parked: dict[GrpcCall, Parked] = {}
         self._sweeping = False  # the reader sweeps the reports (take_answer)
         # The run's deferred reports, which the reader sweeps (found by its first sweep).
         self._deferred: Deferred | None = None
@@ -484,28 +484,27 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         waiting (nothing can cancel it then: neither a reset nor its deadline,
         which take a pass of the run loop); one that keeps the task takes the
         task's scope (_read) as its own, its deadline with it. A call reset
-        already runs in a scope of its own, cancelled at once."""
+        already runs in a scope of its own, cancelled at once. A parked call
+        with its outcome ends here if it can (``Parked.ended``), else its
+        handler's rest runs as a handler (parking.py)."""
         starting, self._starting = self._starting, []
         for index, (call, handler) in enumerate(starting):
-            self._inline = call
-            if type(handler) is inline.Resume:  # parked: its request has its outcome
-                kept: trio.CancelScope | None = self._reader_scope
-                resume = handler.proceed()
-            elif call.client_streaming or not call.state.client_done:
-                self._inline = None
+            if isinstance(handler, Parked):  # parked: its request has its outcome
+                if not call.state.reset and handler.ended():
+                    self._ended(call)
+                    continue
+                handler = handler.rest
+            if call.client_streaming or not call.state.client_done:
                 if call.client_streaming or call.deadline is not None or call.state.reset:
                     self._spawn(call, handler)
                 else:  # started here once its request is whole (_release)
                     self._awaiting[call.stream_id] = (call, handler)
                 continue
-            else:
-                kept = None if call.state.reset else self._reader_scope
-                resume = inline.step(self._run_call(call, handler, kept))
+            self._inline = call
+            kept = None if call.state.reset else self._reader_scope
+            resume = inline.step(self._run_call(call, handler, kept))
             self._inline = None
             if resume is not None:
-                if resume.parked:  # waits for its request's outcome, in no task
-                    self._parked[call] = resume
-                    continue
                 if kept is not None:  # the call keeps this task, and its scope
                     call.scope = kept
                     if call.deadline is not None:
@@ -538,16 +537,18 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         the call takes as its own if it keeps the reader's task (_start_calls),
         its cancellation caught here; else the handler runs in a scope of its
         own. (All in this coroutine: each frame more would be one call more
-        each time a parked call is carried on.)"""
+        each time the call waits and is carried on.) A call its handler parked
+        (PARKED) goes on without this coroutine (parking.py)."""
         if LOGGING.log_verbose_level >= 2:  # (Triton's verbose lines: nothing else)
             log_grpc_state("StateNew", call.method, call.stream_id)
+        parked = False
         try:
             if kept is not None:  # (the handler awaited here: no _status frame)
                 cancelled = False
                 try:
-                    await handler(call)
+                    parked = await handler(call) is PARKED
                 except trio.Cancelled:
-                    # (the scope it took: the task's it kept, or its own, _carry_on)
+                    # (the scope it took: the task's it kept)
                     if call.scope is None or not call.scope.cancel_called:  # the connection's
                         raise
                     cancelled = True
@@ -564,7 +565,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
                         scope.deadline = call.deadline
                     status, message = await self._status(call, handler)
                 cancelled = scope.cancelled_caught
-            if call.state.answerable:
+            if call.state.answerable and not parked:
                 if cancelled:
                     call.finish(Status.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 else:
@@ -576,29 +577,34 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
                 await self._cut(call)
             raise
         finally:
-            if LOGGING.log_verbose_level >= 2:
-                log_grpc_state("StateRelease", call.method, call.stream_id, call.state.reset)
-            self.calls.pop(call.stream_id, None)
-            if not self.calls and not self.state.closing:  # idle
-                self._idle[self] = None
-                self.idle_since = now = self._clock.current_time()
-                idle = self.idle_scope
-                if idle is not None and idle.deadline == math.inf:
-                    idle.deadline = now + self.idle_timeout
-            working = call.account.working
-            if windows := self.buffer.close(call.account):
-                self._give(windows)
-            if working:
-                if self._room:  # receivers wait for room: there may be some
-                    self._room.unpark_all()
-            if self.state.draining and not self.calls:
-                self.close()
+            if not parked:
+                self._ended(call)
         if self._inline is call:  # the reader writes it after the read
             return
         if kept is not None and call.scope is not None and call.scope.cancel_called:
             self.flush()  # this task is cancelled: the writer writes it
         else:
             await self._write_now()
+
+    def _ended(self, call: GrpcCall) -> None:
+        """The call is over (_run_call; _start_calls: parked): it leaves."""
+        if LOGGING.log_verbose_level >= 2:
+            log_grpc_state("StateRelease", call.method, call.stream_id, call.state.reset)
+        self.calls.pop(call.stream_id, None)
+        if not self.calls and not self.state.closing:  # idle
+            self._idle[self] = None
+            self.idle_since = now = self._clock.current_time()
+            idle = self.idle_scope
+            if idle is not None and idle.deadline == math.inf:
+                idle.deadline = now + self.idle_timeout
+        working = call.account.working
+        if windows := self.buffer.close(call.account):
+            self._give(windows)
+        if working:
+            if self._room:  # receivers wait for room: there may be some
+                self._room.unpark_all()
+        if self.state.draining and not self.calls:
+            self.close()
 
     @staticmethod
     async def _status(call: GrpcCall, handler: Handler) -> tuple[Status, str | None]:

@@ -58,12 +58,11 @@ from trionserve.protocol.grpc.state import RequestEvent
 from trionserve.protocol.grpc.writing import CLOSED
 
 if TYPE_CHECKING:
-    from trionserve.protocol.grpc import inline
     from trionserve.protocol.grpc.answer import CallAnswer
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
     from trionserve.protocol.grpc.options import TransportOptions
-    from trionserve.protocol.grpc.parking import Handler
+    from trionserve.protocol.grpc.parking import Handler, Parked
     from trionserve.protocol.grpc.state import ConnectionState
     from trionserve.protocol.sockets import EagerReceiver
 
@@ -96,8 +95,8 @@ class MessageReads:
     calls: dict[int, GrpcCall]
     state: ConnectionState
     buffer: ConnectionBuffer
-    _starting: list[tuple[GrpcCall, Handler | inline.Resume]]
-    _parked: dict[GrpcCall, inline.Resume]
+    _starting: list[tuple[GrpcCall, Handler | Parked]]
+    _parked: dict[GrpcCall, Parked]
     answer: CallAnswer | None
     # The slot for the bytes between a message's DATA frames, and how many the
     # last message had there (its next frame's header and the frames before

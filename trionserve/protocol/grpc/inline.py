@@ -17,13 +17,9 @@ the waiting primitive unwraps (trio/_core/_run.py ``unrolled_run``, the
 "We used to unwrap the Outcome object here" note), so a coroutine stepped here
 and carried on by :class:`Resume` sees exactly what it would see awaited.
 
-A coroutine may also *park* (``await PARK``, only while it runs in :func:`step`
-or :meth:`Resume.proceed`: Trio would refuse the value): it stops without telling
-Trio that any task waits, so no task is held. Its :class:`Resume` (``parked``)
-is kept by whoever stepped it and carried on later by any task with
-:meth:`Resume.proceed` (in that task, until it ends or would wait), then awaited
-by that task if it would wait. Nothing that belongs to a task (a cancel scope, a
-nursery, a lock) may be open in the coroutine where it parks.
+(A call that waits for its request's outcome in no task does not stop its
+coroutine: its handler returns, and the outcome carries the call on,
+:mod:`~trionserve.protocol.grpc.parking`.)
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from collections.abc import Coroutine, Generator
 from functools import partial
 from typing import Any, final
 
-__all__ = ["PARK", "READY", "Resume", "step"]
+__all__ = ["READY", "Resume", "step"]
 
 
 def step(coroutine: Coroutine[Any, Any, None]) -> Resume | None:
@@ -44,24 +40,6 @@ def step(coroutine: Coroutine[Any, Any, None]) -> Resume | None:
     except StopIteration:
         return None
     return Resume(coroutine, message)
-
-
-# What a parked coroutine yields up to the task that stepped it.
-_PARKED = object()
-
-
-class _Park:
-    """What a coroutine awaits to park (see the module docstring). Its await
-    yields ``_PARKED`` once and returns None when carried on: an iterator of a
-    one-item tuple, so neither the await nor the carrying on runs a Python
-    frame of its own (a generator's ``__await__`` ran one each time)."""
-
-    __slots__ = ()
-
-    __await__ = staticmethod(partial(iter, (_PARKED,)))
-
-
-PARK = _Park()
 
 
 class _Ready:
@@ -83,24 +61,11 @@ class Resume:
     yielded is passed up to Trio and what Trio sends back is passed down, until
     it returns. Closed with its awaiter."""
 
-    __slots__ = ("_coroutine", "_message", "parked")
+    __slots__ = ("_coroutine", "_message")
 
     def __init__(self, coroutine: Coroutine[Any, Any, None], message: object) -> None:
         self._coroutine = coroutine
         self._message = message
-        # Stopped at ``await PARK``: no task waits; carry it on with proceed.
-        self.parked = message is _PARKED
-
-    def proceed(self) -> Resume | None:
-        """Carry a parked coroutine on in the calling task until it ends (None)
-        or would wait (this Resume, to be awaited next by the calling task, or
-        kept again if it parked again). Exceptions it raises propagate."""
-        try:
-            message = self._message = self._coroutine.send(None)
-        except StopIteration:
-            return None
-        self.parked = message is _PARKED
-        return self
 
     def __await__(self) -> Generator[Any, Any, None]:
         coroutine, message = self._coroutine, self._message

@@ -13,17 +13,19 @@ for its message and for its outcome, and a pass of Trio's run loop each
   (:meth:`ParkedCalls._release`), as a call whose request came whole does
   (``Connection._start_calls``).
 - A call run there whose answer is armed for the instance's thread
-  (:mod:`~trionserve.protocol.grpc.answer`) *parks* where it would wait for its
-  outcome (``CallAnswer.wait``: :data:`~trionserve.protocol.grpc.inline.PARK`,
-  allowed by :meth:`ParkedCalls.park`: no deadline, not reset): no task waits
-  for it. The outcome carries it on (``request.on_final``,
-  :meth:`ParkedCalls._unpark`): in the reader's task after the read whose sweep
-  delivered it (at c=1 the client's next call: the call ends there, its answer
-  taken, with no task and no pass of its own), else in a task of its own
-  (:meth:`ParkedCalls._carry_on`), as does a call the client resets (its scope
-  cancelled: the request is cancelled as in any call's task) and every waiting
-  call when the reader ends (the connection's end: they run under its
-  cancellation, as the calls' tasks do).
+  (:mod:`~trionserve.protocol.grpc.answer`) *parks* once its request is queued
+  (:meth:`ParkedCalls.park`: no deadline, not reset, no outcome yet): its
+  handler returns :data:`PARKED` at once and leaves a
+  :class:`Parked`, how the call goes on; no task and no coroutine wait for it.
+  The outcome carries it on (``request.on_final``, :meth:`ParkedCalls._unpark`):
+  in the reader's task after the read whose sweep delivered it (at c=1 the
+  client's next call), where :meth:`Parked.ended` ends a call the thread
+  answered with no coroutine at all (``Connection._ended``); else, and for any
+  other outcome, :meth:`Parked.rest` (the handler's remainder) runs as a call
+  does, in the reader's task or in a task of its own; so does a call the
+  client resets (its scope cancelled: the request is cancelled as in any
+  call's task) and every waiting call when the reader ends (the connection's
+  end: they run under its cancellation, as the calls' tasks do).
 
 A call carried on goes the way it would have gone awaited: exactly one
 outcome, the same status and trailers, its cancellation and the server's cut
@@ -38,15 +40,35 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from trionserve.protocol.grpc import inline
-
 if TYPE_CHECKING:
     from trionserve.core.inference import InferenceRequest
     from trionserve.protocol.grpc.call import GrpcCall
 
-__all__ = ["Handler", "ParkedCalls"]
+__all__ = ["PARKED", "Handler", "Parked", "ParkedCalls"]
 
-Handler = Callable[["GrpcCall"], Awaitable[None]]
+Handler = Callable[["GrpcCall"], Awaitable[object]]
+
+# What a handler (and ModelInfer's ``handle``) returns for a call it parked:
+# the call is not over (Connection._run_call leaves it as it is).
+PARKED: list = []
+
+
+class Parked:
+    """How a parked call goes on once its request has its outcome (a base:
+    ModelInfer's is ``service.ParkedInfer``)."""
+
+    __slots__ = ()
+
+    def ended(self) -> bool:
+        """In the reader, on the outcome: end the call here if it needs no
+        wait and no write of its own (its answer written by the thread):
+        True; False leaves everything to :meth:`rest`."""
+        return False
+
+    async def rest(self, call: GrpcCall) -> object:
+        """The handler's remainder, awaited as a handler is (its status and
+        trailers, cancellation, the exit timeout's cut: ``Connection._run_call``)."""
+        raise NotImplementedError
 
 
 class ParkedCalls:
@@ -55,8 +77,8 @@ class ParkedCalls:
     attributes below)."""
 
     _awaiting: dict[int, tuple[GrpcCall, Handler]]  # by stream id
-    _parked: dict[GrpcCall, inline.Resume]
-    _starting: list[tuple[GrpcCall, Handler | inline.Resume]]
+    _parked: dict[GrpcCall, Parked]
+    _starting: list[tuple[GrpcCall, Handler | Parked]]
     _inline: GrpcCall | None
     _sweeping: bool  # the reader's sweep (Connection._sweep) runs
     _nursery: trio.Nursery | None
@@ -64,26 +86,32 @@ class ParkedCalls:
     def _spawn(self, call: GrpcCall, handler: Handler) -> None:
         raise NotImplementedError
 
-    def park(self, call: GrpcCall, request: InferenceRequest) -> bool:
-        """Whether ``call``, running in the reader's task with its answer armed,
-        may park until ``request`` has its outcome (answer.py's
-        ``CallAnswer.wait``): no deadline, not reset; the outcome carries it on
-        (_unpark)."""
-        if self._inline is not call or call.deadline is not None or call.state.reset:
+    def park(self, call: GrpcCall, request: InferenceRequest, parked: Parked) -> bool:
+        """Whether ``call``, running in the reader's task with its answer armed
+        (answer.py), parks until ``request``, queued, has its outcome: no
+        deadline, not reset, no outcome yet; the outcome carries it on as
+        ``parked`` says (_unpark)."""
+        if (
+            self._inline is not call
+            or call.deadline is not None
+            or call.state.reset
+            or request.done
+        ):
             return False
+        self._parked[call] = parked
         request.on_final(partial(self._unpark, call))  # (no frame of its own, as a lambda has)
         return True
 
     def _unpark(self, call: GrpcCall) -> None:
         """A parked call's request has its outcome: carried on after the read
         when the reader's sweep delivered it, else in a task of its own."""
-        resume = self._parked.pop(call, None)
-        if resume is None:  # (gone on in a task already)
+        parked = self._parked.pop(call, None)
+        if parked is None:  # (gone on in a task already)
             return
         if self._sweeping:
-            self._starting.append((call, resume))
+            self._starting.append((call, parked))
         else:
-            self._adopt(call, resume)
+            self._spawn(call, parked.rest)
 
     def _release(self, call: GrpcCall) -> None:
         """The call's request is whole, refused or reset: an awaiting call
@@ -92,8 +120,8 @@ class ParkedCalls:
         entry = self._awaiting.pop(call.stream_id, None)
         if entry is not None:
             self._starting.append(entry)
-        elif call.state.reset and (resume := self._parked.pop(call, None)) is not None:
-            self._adopt(call, resume)
+        elif call.state.reset and (parked := self._parked.pop(call, None)) is not None:
+            self._spawn(call, parked.rest)
 
     def _let_go_waiting(self) -> None:
         """Nothing reads on (the reader ended): every call waiting in no task
@@ -102,29 +130,10 @@ class ParkedCalls:
         for call, handler in awaiting.values():
             self._spawn(call, handler)
         parked, self._parked = self._parked, {}
-        for call, resume in parked.items():
-            self._adopt(call, resume)
+        for call, carried in parked.items():
+            self._spawn(call, carried.rest)
 
-    def _go_on(self, call: GrpcCall, handler: Handler | inline.Resume) -> None:
+    def _go_on(self, call: GrpcCall, handler: Handler | Parked) -> None:
         """A call of ``_starting`` not run in the reader: a task of its own,
-        started (a handler) or carrying it on (a parked call's Resume)."""
-        if isinstance(handler, inline.Resume):
-            self._adopt(call, handler)
-        else:
-            self._spawn(call, handler)
-
-    def _adopt(self, call: GrpcCall, resume: inline.Resume) -> None:
-        assert self._nursery is not None
-        self._nursery.start_soon(self._carry_on, call, resume)
-
-    @staticmethod
-    async def _carry_on(call: GrpcCall, resume: inline.Resume) -> None:
-        """A parked call goes on in this task, in a scope of its own (cancelled
-        at once if the client reset the stream), as a call run in the reader's
-        task that would wait takes that task's (Connection._run_call)."""
-        with trio.CancelScope() as scope:
-            call.scope = scope
-            if call.state.reset:
-                scope.cancel()
-            if resume.proceed() is not None:
-                await resume
+        started (a handler) or carrying it on (a parked call's rest)."""
+        self._spawn(call, handler.rest if isinstance(handler, Parked) else handler)

@@ -39,6 +39,8 @@ from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import infercache as grpc_infercache
 from trionserve.protocol.grpc.options import GrpcOptions
+from trionserve.protocol.grpc.parkedinfer import ParkedInfer
+from trionserve.protocol.grpc.parking import PARKED
 from trionserve.protocol.grpc.streams import STREAM_PENDING_LIMIT, StreamBudget, Turn
 from trionserve.protocol.grpc.transport import (
     GrpcCall,
@@ -350,11 +352,26 @@ class GrpcService:
             if answer is None:
                 response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
             else:
+                parked = False
                 try:
-                    response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
+                    run = await self.dataplane.begin(request, endpoint="ModelInfer RPC")
+                    if isinstance(run, InferenceResponse):  # (the response cache's)
+                        response = run
+                    elif (
+                        answer.state == grpc_answer.ARMED  # (else: written, swept as it waits)
+                        and shared_memory is None
+                        and call.connection.park(
+                            call, request, ParkedInfer(self.dataplane, call, run, answer)
+                        )
+                    ):  # the outcome carries the call on (parking.py): it returns now
+                        parked = True
+                        return PARKED
+                    else:
+                        response = await self.dataplane.finish(run)
                 finally:
                     # (failed or cancelled after the thread's answer: the client has it)
-                    taken = answer.take()
+                    if not parked:
+                        taken = answer.take()
                 if taken != grpc_answer.DISARMED:
                     return grpc_answer.ANSWERED
             return grpc_infercache.encode_response(
@@ -621,15 +638,15 @@ _METHOD_GROUPS = {
 
 
 def _restricted(
-    restriction: Restriction, handler: Callable[[GrpcCall], Awaitable[None]]
-) -> Callable[[GrpcCall], Awaitable[None]]:
-    async def checked(call: GrpcCall) -> None:
+    restriction: Restriction, handler: Callable[[GrpcCall], Awaitable[object]]
+) -> Callable[[GrpcCall], Awaitable[object]]:
+    async def checked(call: GrpcCall) -> object:
         if not restriction.admits_grpc(call.metadata):
             raise GRPCError(
                 Status.UNAVAILABLE,
                 f"This protocol is restricted, expecting header '{restriction.header}'",
             )
-        await handler(call)
+        return await handler(call)  # (PARKED, if it parked the call)
 
     return checked
 

@@ -19,6 +19,7 @@ from trionserve.observability.logging import verbose
 from trionserve.observability.trace.frontend import FrontendStamps
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc.call import GrpcCall, Method
+from trionserve.protocol.grpc.parking import PARKED
 from trionserve.protocol.grpc.status import GRPCError, Status
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def unary_method(
     """
     delays = delays or DebugDelays()
 
-    async def handler(call: GrpcCall) -> None:
+    async def handler(call: GrpcCall) -> object:
         stamps = None
         if traced is not None and traced.tracing.active:
             stamps = call.stamps = FrontendStamps(deferred=True)
@@ -161,6 +162,8 @@ def unary_method(
                 if delays.before_infer:  # (no coroutine per call without delays)
                     await delays.wait(delays.before_infer, "the Process execution")
                 response = await handle(request, call)
+                if response is PARKED:  # the call goes on without this coroutine
+                    return PARKED
                 if delays.before_answer or delays.common_answer:
                     await delays.before_write()
             except TritonError as error:
@@ -188,6 +191,7 @@ def unary_method(
             await call.send(response)
             if stamps is not None:
                 stamps.stamp("GRPC_SEND_END")
+            return None
         finally:
             if stamps is not None:
                 stamps.release()
