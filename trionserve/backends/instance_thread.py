@@ -175,44 +175,46 @@ class HeldJob:
     sleeps out the rest of the delay itself, with the GIL released, then starts
     it, so the event loop does not wake at the delay's end. Until the thread
     starts it, ``join`` (on the Trio thread) adds a request to it; ``release``
-    lets it start at once. The condition's lock makes the two sides agree on
+    lets it start at once. The thread's lock makes the two sides agree on
     whether a request joined: one that comes after the start is refused (it
-    goes to a later batch), never lost nor run twice."""
+    goes to a later batch), never lost nor run twice. The thread sleeps in a
+    timed acquire of the job's gate, a lock held until ``release`` (no
+    ``threading.Condition``: its wait is about ten Python calls, issue 39's
+    twelfth round)."""
 
-    __slots__ = ("_job", "_until", "_cond", "_released")
+    __slots__ = ("_job", "_until", "_lock", "_gate", "_released")
 
-    def __init__(self, job: Job, until: float, cond: threading.Condition) -> None:
+    def __init__(self, job: Job, until: float, lock: threading.Lock) -> None:
         self._job: Job | None = job
         self._until = until  # time.perf_counter() at the delay's end
-        # The thread's one condition, shared by the jobs it holds one after
-        # the other (a wait rechecks its own job's state: a stale notify only
-        # wakes it early to wait again): none made per request.
-        self._cond = cond
+        # The thread's lock, shared by the jobs it holds one after the other.
+        self._lock = lock
+        self._gate = threading.Lock()
+        self._gate.acquire()  # (released by release: the thread's wait ends)
         self._released = False
 
     def join(self, request: InferenceRequest) -> bool:
-        with self._cond:
+        with self._lock:
             if self._job is None:
                 return False
             self._job.requests.append(request)
             return True
 
     def release(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._job is not None and not self._released:
                 self._released = True
-                self._cond.notify()
+                self._gate.release()
 
     def wait_out(self) -> None:
         """On the instance's thread: wait until the delay's end or ``release``,
         then close the batch to ``join``."""
-        cond = self._cond
-        with cond:
-            while not self._released:
-                remaining = self._until - time.perf_counter()
-                if remaining <= 0:
-                    break
-                cond.wait(remaining)
+        remaining = self._until - time.perf_counter()
+        if remaining > 0:
+            # (True: released; False: the delay's end. A wait the kernel ends
+            # early, EINTR, is resumed for what is left by the lock itself.)
+            self._gate.acquire(timeout=remaining)
+        with self._lock:
             self._job = None  # closed (and no cycle with the job: see Job.finished)
 
 
@@ -337,7 +339,7 @@ class InstanceThread:
         self.quiet: Callable[[], bool] | None = None
         self._deferred: Deferred | None = None
         self._held: HeldJob | None = None  # the last job given held
-        self._hold = threading.Condition(threading.Lock())  # its wait (see HeldJob)
+        self._hold = threading.Lock()  # its join against its start (see HeldJob)
         # Trio's clock less perf_counter(), where that is a constant (see span).
         self._offset: float | None = None
 
