@@ -150,7 +150,7 @@ class InferenceRequest:
         "_cancelled",
         "_on_cancel",
         "_responses",
-        "_final",
+        "done",
         "_empty_final",
         "_error",
         "_wakeup",
@@ -228,7 +228,8 @@ class InferenceRequest:
         # The counted bytes of the response a stream consumer took last: still in
         # its hands (being encoded and written) until it asks for the next one.
         self._in_hand = 0
-        self._final = False
+        # True once the final outcome was delivered (read anywhere, set here only).
+        self.done = False
         # The final outcome came as a flag after the last response, not with it.
         self._empty_final = False
         self._error: TritonError | None = None
@@ -287,7 +288,7 @@ class InferenceRequest:
         uses it to end the trace of a request its caller gave up on while the
         model still runs it; a caller that began a request (``DataPlane.begin``)
         to be carried on by its outcome."""
-        if callback is not None and self._final:
+        if callback is not None and self.done:
             callback()
         else:
             self._on_final = callback
@@ -298,15 +299,10 @@ class InferenceRequest:
             callback()
 
     @property
-    def done(self) -> bool:
-        """True once the final outcome was delivered."""
-        return self._final
-
-    @property
     def lone_response(self) -> InferenceResponse | None:
         """The request's one response, when its final outcome is that response
         alone and nobody took it yet; None otherwise (an error, none, several)."""
-        if self._final and self._error is None and len(self._responses) == 1:
+        if self.done and self._error is None and len(self._responses) == 1:
             return self._responses[0][0]
         return None
 
@@ -315,11 +311,11 @@ class InferenceRequest:
         """True when :meth:`stream` has its next pair (a response, the end or the
         error) now, without waiting: a consumer may take it to write several
         responses at once."""
-        return bool(self._responses) or self._final
+        return bool(self._responses) or self.done
 
     def send(self, response: InferenceResponse | None, *, final: bool) -> bool:
         """Deliver a response (or, with ``final``, possibly none: just the end)."""
-        if self._final:
+        if self.done:
             return False
         if response is not None:
             held = self._undelivered
@@ -340,7 +336,7 @@ class InferenceRequest:
             self._responses.append((response, size))
         elif final:
             self._empty_final = True
-        self._final = final
+        self.done = final
         if self._wakeup is not None:
             self._wakeup.set()
         if final:
@@ -403,7 +399,7 @@ class InferenceRequest:
             f"request '{self.id}' for model '{self.model_name}': {message}; the "
             "request was cancelled"
         )
-        self._final = True
+        self.done = True
         self._empty_final = False
         if self._wakeup is not None:
             self._wakeup.set()
@@ -415,14 +411,14 @@ class InferenceRequest:
 
     def respond(self, response: InferenceResponse) -> bool:
         """Deliver the one final response of a non-decoupled request."""
-        if self._final:
+        if self.done:
             return False
         if self._undelivered:
             # This class's send (a subclass that tracks deliveries sees one: this).
             return InferenceRequest.send(self, response, final=True)
         # send() with nothing held: a lone final response is not counted.
         self._responses.append((response, 0))
-        self._final = True
+        self.done = True
         if self._wakeup is not None:
             self._wakeup.set()
         if self.answer is not None:
@@ -433,10 +429,10 @@ class InferenceRequest:
 
     def fail(self, error: TritonError) -> bool:
         """Deliver the final error; responses already sent stay delivered."""
-        if self._final:
+        if self.done:
             return False
         self._error = error
-        self._final = True
+        self.done = True
         if self._wakeup is not None:
             self._wakeup.set()
         if self.answer is not None:
@@ -447,9 +443,9 @@ class InferenceRequest:
 
     async def wait(self) -> InferenceResponse:
         """Wait for the outcome of a request that has exactly one response."""
-        if self.answer is not None and not self._final:
+        if self.answer is not None and not self.done:
             await self.answer.wait()
-        while not self._final:
+        while not self.done:
             wakeup = self._wakeup
             if wakeup is None or wakeup.is_set():  # (set by a response before this wait)
                 wakeup = self._wakeup = trio.Event()
@@ -481,7 +477,7 @@ class InferenceRequest:
         while True:
             if self._in_hand:
                 self._put_down()  # the consumer asks for the next: done with it
-            while not self._responses and not self._final:
+            while not self._responses and not self.done:
                 wakeup = self._wakeup
                 if wakeup is None:
                     wakeup = self._wakeup = trio.Event()
@@ -500,7 +496,7 @@ class InferenceRequest:
                         else:
                             budget.let_go(self)
                 last = (
-                    self._final
+                    self.done
                     and not self._responses
                     and self._error is None
                     and not self._empty_final

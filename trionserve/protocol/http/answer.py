@@ -46,6 +46,7 @@ import os
 import threading
 from collections.abc import Callable
 from contextvars import ContextVar
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -54,6 +55,9 @@ from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.core.outputs import Described
 from trionserve.protocol.http.h1 import H1Connection, Response
 from trionserve.protocol.sockets import send_all
+
+if TYPE_CHECKING:
+    from trionserve.lifecycle import Lifecycle
 
 # States of a connection's answer.
 IDLE = 0  # no request armed
@@ -78,8 +82,37 @@ CONNECTION_ANSWER: ContextVar[ConnectionAnswer | None] = ContextVar(
 ANSWERED_BODY: list[bytes] = []
 ANSWERED: Response = (200, [], ANSWERED_BODY)
 
+# What the infer handler returns for a request it armed and began, not waited for
+# (``DataPlane.begin``; the answer's ``carrier`` and ``run`` set): the connection's
+# task waits for it in its own frame, then carries the handler on (:class:`Carrier`).
+BEGUN_BODY: list[bytes] = []
+BEGUN: Response = (200, [], BEGUN_BODY)
+
 # Encodes an infer request's response: (status, headers, body chunks).
 Encode = Callable[[InferenceResponse, InferenceRequest, bool], Response]
+
+
+class Carrier(Protocol):
+    """The handler that armed and began a request (``run``, its data plane's
+    lifecycle) and returned BEGUN instead of waiting for its outcome: the
+    connection's task waits on the answer (:meth:`ConnectionAnswer.wait`, while
+    the request is not ``done``), then carries the handler on with exactly one of
+    :meth:`carry_on` (the outcome is in), :meth:`finish` (it is not: awaited),
+    :meth:`failed` (the wait raised an Exception) or :meth:`drop` (cancelled). Each
+    ends the request at the data plane and settles the answer. At c=1 the
+    connection's task so resumes two frames of its own at the client's next
+    request, not six."""
+
+    def carry_on(self, answer: ConnectionAnswer, run: Lifecycle, binary_output: bool) -> Response:
+        """The answer (ANSWERED: the thread wrote it), the request ``done``."""
+
+    async def finish(
+        self, answer: ConnectionAnswer, run: Lifecycle, binary_output: bool
+    ) -> Response: ...
+
+    def failed(self, answer: ConnectionAnswer, run: Lifecycle, exc: Exception) -> Response: ...
+
+    def drop(self, answer: ConnectionAnswer, run: Lifecycle) -> None: ...
 
 
 class ConnectionAnswer:
@@ -91,6 +124,9 @@ class ConnectionAnswer:
     __slots__ = (
         "_binary_output",
         "_deferred",
+        "carrier",
+        "run",
+        "run_binary_output",
         "_draining",
         "_encode",
         "_h1",
@@ -137,6 +173,11 @@ class ConnectionAnswer:
         self._deferred: Deferred | None = None
         # The last answer the thread wrote whole, to write one described the same.
         self._repeat: Repeat | None = None
+        # A request its handler began and returned BEGUN for, and the handler (the
+        # transport takes them: see Carrier).
+        self.carrier: Carrier | None = None
+        self.run: Lifecycle | None = None
+        self.run_binary_output = False
 
     @classmethod
     def of(

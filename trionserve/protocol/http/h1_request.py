@@ -8,7 +8,9 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["TENSOR_ALIGNMENT", "LastHead", "Request", "body_buffer"]
+from trionserve.observability.trace.frontend import HTTP_STAMPS, FrontendStamps, now_ns
+
+__all__ = ["TENSOR_ALIGNMENT", "LastHead", "Request", "body_buffer", "request_stamps"]
 
 
 class Request:
@@ -157,3 +159,13 @@ class LastHead:
             if name == b"inference-header-content-length" and value.isdigit():
                 tensors_at = int(value)
         return cls(raw, request, tensors_at)
+
+
+def request_stamps(request: Request) -> FrontendStamps:
+    """The request's HTTP_RECV_* / HTTP_SEND_* stamps (tracing was on), set for its handler:
+    they go with its trace if sampled (:mod:`trionserve.observability.trace.frontend`)."""
+    stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
+    received = dict(request.headers)
+    stamps.take_context(received.get(b"traceparent"), received.get(b"tracestate"))
+    HTTP_STAMPS.set(stamps)
+    return stamps

@@ -10,6 +10,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable
+from typing import cast
 
 import structlog
 import trio
@@ -20,11 +21,13 @@ from trionserve.core.parameters import check_forwarded_header
 from trionserve.core.shared_memory import RequestRegions
 from trionserve.dataplane import DataPlane
 from trionserve.drain import ShuttingDown
+from trionserve.lifecycle import Lifecycle
 from trionserve.observability.logging import SETTINGS, log_infer_failed, verbose
 from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.protocol.http import codec as http_codec
 from trionserve.protocol.http.answer import (
     ANSWERED,
+    BEGUN,
     CONNECTION_ANSWER,
     DISARMED,
     ConnectionAnswer,
@@ -273,10 +276,18 @@ class InferHandler:
                     answer = None
                 elif answer is not None and again.answerable:
                     answer.arm(infer_request, self._encode, binary_output)
+                    run = await self.dataplane.begin(infer_request, endpoint="HTTP end point")
+                    if type(run) is Lifecycle:  # waited for by the connection's task (Carrier)
+                        answer.carrier, answer.run = self, run
+                        answer.run_binary_output = binary_output
+                        answer = None  # (settled as it is carried on)
+                        return BEGUN
+                    response = cast("InferenceResponse", run)  # (the response cache's)
                 else:
                     answer = None
-                response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
-                if answer is not None:
+                if answer is None:
+                    response = await self.dataplane.infer(infer_request, endpoint="HTTP end point")
+                else:
                     settled, answer = answer.settle(), None  # (settled: not again below)
                     if settled != DISARMED:
                         return ANSWERED  # the instance's thread wrote it (or began to)
@@ -392,6 +403,47 @@ class InferHandler:
             accept_encoding,
             answerable,
         )
+
+    # -- carried on by the connection's task (answer.Carrier) ---------------------------
+
+    def carry_on(self, answer: ConnectionAnswer, run: Lifecycle, binary_output: bool) -> Response:
+        """The answer of a request this handler began, its outcome in: ANSWERED
+        where the instance's thread wrote it."""
+        request = run.request
+        try:
+            response = self.dataplane.end(run)
+            if answer.settle() != DISARMED:
+                return ANSWERED  # the instance's thread wrote it (or began to)
+            return self._encode(response, request, binary_output)
+        except Exception as exc:
+            return self._failed(exc, answer, request)
+
+    async def finish(
+        self, answer: ConnectionAnswer, run: Lifecycle, binary_output: bool
+    ) -> Response:
+        """:meth:`carry_on` for a request whose outcome is not in yet (the wait ended
+        on the socket first: pipelined bytes, the client's end): awaited."""
+        request = run.request
+        try:
+            response = await self.dataplane.finish(run)
+            if answer.settle() != DISARMED:
+                return ANSWERED
+            return self._encode(response, request, binary_output)
+        except Exception as exc:
+            return self._failed(exc, answer, request)
+        except BaseException:
+            answer.settle()  # (cancelled: the thread writes nothing after this)
+            raise
+
+    def failed(self, answer: ConnectionAnswer, run: Lifecycle, exc: Exception) -> Response:
+        """The answer's wait raised: the request dropped, its error answered."""
+        self.dataplane.drop(run)
+        return self._failed(exc, answer, run.request)
+
+    def drop(self, answer: ConnectionAnswer, run: Lifecycle) -> None:
+        """The connection's task is cancelled: the request dropped, the answer settled."""
+        self.dataplane.drop(run)
+        answer.settle()  # (the thread writes nothing after this)
 
     def _failed(
         self,

@@ -58,11 +58,7 @@ import structlog
 import trio
 
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
-from trionserve.observability.trace.frontend import (
-    HTTP_STAMPS,
-    FrontendStamps,
-    now_ns,
-)
+from trionserve.observability.trace.frontend import HTTP_STAMPS, FrontendStamps
 from trionserve.protocol.http import answer as answers
 from trionserve.protocol.http.h1 import (
     CONTINUE,
@@ -82,6 +78,7 @@ from trionserve.protocol.http.h1 import (
     Router,
     json_error,
 )
+from trionserve.protocol.http.h1_request import request_stamps
 from trionserve.protocol.http.state import Client
 from trionserve.protocol.http.streamed import JOIN_LIMIT, send_streamed
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
@@ -523,12 +520,36 @@ class _Connection:
             else:
                 body = h1.body(request)
             if request.began:  # tracing is on: timed as Triton's HTTP frontend times it
-                stamps = self._stamps(request)
+                stamps = request_stamps(request)
             self._handling = True
             server._handling[self] = self._now()
             try:
                 try:
                     status, headers, chunks = await handler(request.headers, body)
+                    answer = self.answer
+                    if chunks is answers.BEGUN_BODY and answer is not None:  # (answers.Carrier)
+                        carrier, run, answer.carrier, answer.run = (
+                            answer.carrier,
+                            answer.run,
+                            None,
+                            None,
+                        )
+                        assert carrier is not None and run is not None
+                        try:
+                            if not run.request.done:
+                                await answer.wait()  # (in this frame: the handler's ended)
+                        except Exception as exc:
+                            status, headers, chunks = carrier.failed(answer, run, exc)
+                        except BaseException:
+                            carrier.drop(answer, run)
+                            raise
+                        else:
+                            binary = answer.run_binary_output
+                            status, headers, chunks = (
+                                carrier.carry_on(answer, run, binary)
+                                if run.request.done
+                                else await carrier.finish(answer, run, binary)
+                            )
                 except Exception:  # a handler bug: this request fails, the server goes on
                     log.exception("http handler failed")
                     status, headers, chunks = INTERNAL_ERROR
@@ -541,7 +562,6 @@ class _Connection:
                 if not self._scope.cancel_called:  # the client hung up: nobody to answer
                     await self._cut()
                 raise
-            answer = self.answer
             if chunks is answers.ANSWERED_BODY and answer is not None:  # the thread wrote it
                 return answer.kept if answer.rest is None else await answer.finish(self.stream)
             if stamps is None or isinstance(chunks, AsyncIterator):  # (a pair per chunk: _stream)
@@ -556,15 +576,6 @@ class _Connection:
                 stamps.release()
             if budget is not None:
                 budget.release(counted)
-
-    def _stamps(self, request: Request) -> FrontendStamps:
-        """The request's HTTP_RECV_* / HTTP_SEND_* stamps (tracing was on), set for its handler:
-        they go with its trace if sampled (:mod:`trionserve.observability.trace.frontend`)."""
-        stamps = FrontendStamps([("HTTP_RECV_START", request.began), ("HTTP_RECV_END", now_ns())])
-        received = dict(request.headers)
-        stamps.take_context(received.get(b"traceparent"), received.get(b"tracestate"))
-        HTTP_STAMPS.set(stamps)
-        return stamps
 
     async def _unwatch(self) -> None:
         """End the watcher of a slow request's socket: the socket is ours again."""
