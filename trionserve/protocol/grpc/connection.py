@@ -188,7 +188,9 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
                 nursery.start_soon(lifetime.first_call_deadline, self)
                 if self.options.idle_timeout is not None:
                     nursery.start_soon(lifetime.idle_deadline, self)
-                await self._read()
+                # A task of its own, as the readers after a call kept one: each
+                # wake resumes its two frames, not this task's six (the acceptor's).
+                nursery.start_soon(self._read)
         finally:
             self.take_answer()  # (the socket closes: the thread writes no more)
             self._idle.pop(self, None)
