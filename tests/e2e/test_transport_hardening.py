@@ -306,11 +306,14 @@ def inference_count(proc: ServerProcess) -> int:
     return sum(int(model["inference_count"]) for model in stats)
 
 
-def flood_without_reading(port: int, streams: int, request: bytes, seconds: float):
+def flood_without_reading(
+    port: int, streams: int, request: bytes, seconds: float, held: float = 1.0
+):
     """Open ``streams`` ModelStreamInfer streams on one connection and send
-    ``request`` on each as fast as the server's windows allow, for ``seconds``,
-    granting no window for the responses (they can never be sent). Returns the
-    open socket (the client stays) and the requests sent."""
+    ``request`` on each as fast as the server's windows allow, for ``seconds``
+    or until the server holds the client back (no window left and none granted
+    for ``held`` seconds), granting no window for the responses (they can never
+    be sent). Returns the open socket (the client stays) and the requests sent."""
     import h2.config
     import h2.connection
     import h2.settings
@@ -337,13 +340,15 @@ def flood_without_reading(port: int, streams: int, request: bytes, seconds: floa
     pending = {stream_id: memoryview(request) for stream_id in ids}
     sent = 0
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    moved = time.monotonic()  # the last send or window granted
+    while time.monotonic() < deadline and time.monotonic() - moved < held:
         for stream_id in ids:
             view = pending[stream_id]
             room = min(
                 conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size, len(view)
             )
             if room > 0:
+                moved = time.monotonic()
                 conn.send_data(stream_id, bytes(view[:room]))
                 view = view[room:]
                 if not len(view):
@@ -358,6 +363,7 @@ def flood_without_reading(port: int, streams: int, request: bytes, seconds: floa
             continue
         if not received:
             break
+        moved = time.monotonic()
         conn.receive_data(received)  # window updates and settings; no DATA comes
         send(sock, conn.data_to_send())
     return sock, sent
