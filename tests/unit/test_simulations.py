@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from simulations import invariants
+from simulations import invariants, probes
 from simulations.__main__ import main as cli
 from simulations.backend import SERVING, AsyncSimInstance
 from simulations.harness import COMPLETES, run_seed
@@ -232,12 +232,18 @@ def test_a_livelock_ends_the_run_with_a_violation(monkeypatch):
             await trio.lowlevel.checkpoint()
 
     monkeypatch.setattr(AsyncSimInstance, "execute_async", spin)
+    # A tenth of the steps the sweeps allow at one instant: the spin is caught at
+    # the same instant and task either way, in a tenth of the time.
+    monkeypatch.setattr(probes, "LIVELOCK_STEPS", 20_000)
     scenario = variant(
         "backend_exception",
         lambda s: setattr(s, "models", [m.evolve(kind="async") for m in s.models]),
     )
     found = violations_of(scenario, COMPLETES, seeds=range(1))
-    assert any("livelock" in v.detail for v in found), found
+    assert any(
+        "livelock: 20000 task steps" in v.detail and "InstanceExecutor.run" in v.detail
+        for v in found
+    ), found
 
 
 def test_a_failing_scenario_prints_its_seed_and_replay_command(monkeypatch, capsys):
