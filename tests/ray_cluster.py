@@ -23,6 +23,8 @@ from typing import Self
 from tests.serverproc import free_port
 
 RAY = Path(sys.executable).with_name("ray")
+# What ``ray start`` prints once its node is up.
+STARTED = "Ray runtime started."
 
 
 def _node_ports() -> list[str]:
@@ -116,7 +118,9 @@ class RayCluster:
                 *_node_ports(),
             ],
         )
-        self._wait_for_nodes(1, began)
+        # The worker nodes start once the head's is up (a worker started beside a
+        # starting head on a loaded host timed out registering with it).
+        self._wait_for_log("head", began)
         for index in range(1, self.nodes):
             self._spawn(f"worker{index}", [f"--address={self.address}", *common, *_node_ports()])
         self._wait_for_nodes(self.nodes, began)
@@ -137,39 +141,58 @@ class RayCluster:
             )
         self.processes.append(process)
 
+    def _check(self, began: float, waiting_for: str) -> float:
+        """The seconds left to wait; raises when a node's ``ray start`` exited or
+        the time is up."""
+        for process in self.processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"ray start exited with {process.returncode}:\n{self.logs()}")
+        left = self.timeout - (time.monotonic() - began)
+        if left <= 0:
+            raise TimeoutError(f"{waiting_for} not in {self.timeout} s:\n{self.logs()}")
+        return left
+
+    def _wait_for_log(self, name: str, began: float) -> None:
+        """Until node ``name``'s ``ray start`` says its node is up (what it prints
+        once its node has registered with the GCS: no process connects to ask)."""
+        log = Path(self._directory) / f"{name}.log"
+        while True:
+            self._check(began, f"Ray node {name} up")
+            if STARTED in log.read_text(errors="replace"):
+                return
+            time.sleep(0.05)
+
     def _wait_for_nodes(self, count: int, began: float) -> None:
-        """Until ``count`` nodes are alive, asked of the GCS by a short
-        subprocess (the test process itself connects later, once)."""
+        """Until ``count`` nodes are alive, asked of the GCS by one short
+        subprocess that connects once and asks again every 50 ms (the test process
+        itself connects later, once); started again if it fails to connect."""
         probe = (
-            "import ray, sys\n"
+            "import ray, sys, time\n"
             "ray.init(address=sys.argv[1], _node_ip_address='127.0.0.1',"
             " logging_level='ERROR', log_to_driver=False)\n"
-            "print(sum(1 for n in ray.nodes() if n['Alive']))\n"
+            "while sum(1 for n in ray.nodes() if n['Alive']) < int(sys.argv[2]):\n"
+            "    time.sleep(0.05)\n"
+            "print('alive')\n"
         )
         while True:
-            for process in self.processes:
-                if process.poll() is not None:
-                    raise RuntimeError(
-                        f"ray start exited with {process.returncode}:\n{self.logs()}"
-                    )
-            left = self.timeout - (time.monotonic() - began)
-            if left <= 0:
-                raise TimeoutError(
-                    f"{count} Ray nodes not alive in {self.timeout} s:\n{self.logs()}"
-                )
-            try:
-                result = subprocess.run(
-                    [sys.executable, "-c", probe, self.address],
-                    capture_output=True,
-                    text=True,
-                    timeout=max(left, 1.0),
-                    check=False,
-                )
-            except subprocess.TimeoutExpired:
-                continue
-            lines = result.stdout.strip().splitlines()
-            if result.returncode == 0 and lines and int(lines[-1]) >= count:
+            left = self._check(began, f"{count} Ray nodes alive")
+            with subprocess.Popen(
+                [sys.executable, "-c", probe, self.address, str(count)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            ) as asking:
+                try:
+                    while asking.poll() is None:
+                        self._check(began, f"{count} Ray nodes alive")
+                        time.sleep(0.05)
+                finally:
+                    if asking.poll() is None:
+                        asking.kill()
+                out = asking.stdout.read() if asking.stdout else ""
+            if asking.returncode == 0 and out.strip().endswith("alive"):
                 return
+            time.sleep(min(left, 0.5))
 
     def logs(self) -> str:
         texts = []

@@ -7,6 +7,7 @@ pointed at it. Skipped only where Ray Serve is not installed
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections import Counter
 from pathlib import Path
@@ -73,10 +74,21 @@ def cluster():
             ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def simple_only(tmp_path_factory) -> str:
+    """A repository of the example ``simple`` alone, for the tests that call only
+    it: each replica they start (and restart, and add) loads one ONNX model, not
+    the six of the example repository and their Python stubs."""
+    repository = tmp_path_factory.mktemp("simple_only")
+    shutil.copytree(Path(REPOSITORY) / "simple", repository / "simple")
+    return str(repository)
+
+
 @pytest.fixture
 def deploy(cluster):
-    """``deploy(**deployment_options)``: the example repository as the Serve
-    application, replacing the one before; deleted after the test."""
+    """``deploy(repository, **deployment_options)``: the repository (the example
+    one unless given) as the Serve application, replacing the one before; deleted
+    after the test."""
 
     def run(repository=REPOSITORY, **options):
         serve.run(app(repository, **options), name=APP, route_prefix="/")
@@ -226,13 +238,13 @@ def test_example_config_serves_tritonclient_from_two_replicas_on_two_nodes(clust
         client.close()
 
 
-def test_replica_killed_under_load_loses_no_request(cluster, deploy):
+def test_replica_killed_under_load_loses_no_request(cluster, deploy, simple_only):
     """A replica's actor killed while four callers keep sending: every request
     is answered (no hang, no broken connection) and the only failures are
     answers a client can retry: 5xx, or the proxy's 408 for a call that went
     to the dying replica and whose end Ray reported late; Serve restarts the
     replica."""
-    url = deploy(num_replicas=2, **ONE_PER_NODE)
+    url = deploy(simple_only, num_replicas=2, **ONE_PER_NODE)
     victim = min(replicas())
     with Load(url, threads=4) as load:
         wait_for(lambda: load.snapshot()["ok"] >= 40, "40 answers before the kill", 60)
@@ -249,12 +261,13 @@ def test_replica_killed_under_load_loses_no_request(cluster, deploy):
     assert sum(failed.values()) <= 4, (failed, load.errors[:5])
 
 
-def test_autoscaling_one_to_two_replicas_and_back_without_errors(cluster, deploy):
+def test_autoscaling_one_to_two_replicas_and_back_without_errors(cluster, deploy, simple_only):
     """Ray's autoscaling config, honoured: load past the target adds the second
     replica, the end of the load takes it away, and the replica stopping drains
     (Serve's wait for its ongoing requests, then the core's) so that no request
     fails on the way up or down."""
     url = deploy(
+        simple_only,
         autoscaling_config={
             "min_replicas": 1,
             "max_replicas": 2,
