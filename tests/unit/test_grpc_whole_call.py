@@ -27,7 +27,7 @@ from tests.unit.test_grpc_unary_stream import (
     _window,
 )
 from trionserve.core.deferred import deferred_jobs
-from trionserve.protocol.grpc import h2frames
+from trionserve.protocol.grpc import h2frames, inflow
 from trionserve.protocol.grpc.call import GrpcCall
 
 _HEADER = struct.Struct(">HBBBL")
@@ -59,6 +59,7 @@ def _block(frame: bytes) -> bytes:
         ((300, 200), [(0, 5, 700), (1, 0, 900)]),
         ((300, 200), [(1, 0, 10), (1, 0, 20), (1, 3, 5)]),  # and a closed stream's
         ((1, 1), [(0, 5, 2**31 - 1 - 65535)]),  # the stream's send window to its largest
+        ((1, 1), [(0, 5, 2**31 - 1 - 65535 - 7), (1, 5, 7)]),
     ],
 )
 def test_a_whole_call_moves_h2_as_its_frame_loop_does(sizes, windows):
@@ -69,7 +70,8 @@ def test_a_whole_call_moves_h2_as_its_frame_loop_does(sizes, windows):
         for after, window_stream, increment in windows:
             if after == index:
                 data += _window(window_stream, increment)
-                given.append((window_stream, increment))
+                own = h2frames.NEW_STREAM if window_stream == 5 else window_stream
+                given.append((own, increment))
         data += _data(5, size, index == len(sizes) - 1)
     pair.reference.receive_data(data)
     events = pair.fast.receive(data)
@@ -128,7 +130,7 @@ def test_what_the_frame_loop_would_not_take_so_is_left_to_it(case):
     elif case == "the connection's send window past its largest":
         windows = [(0, 2**31 - 1)]
     elif case == "the stream's send window past its largest":
-        windows = [(5, 2**31 - 1)]
+        windows = [(h2frames.NEW_STREAM, 2**31 - 1 - 65535), (h2frames.NEW_STREAM, 1)]
     elif case == "another block":
         path = b"/inference.GRPCInferenceService/Other"
     elif case == "a streaming path":  # (its block repeated, as a unary path's would be)
@@ -184,39 +186,58 @@ async def test_a_call_as_the_last_is_taken_whole_any_other_through_the_frame_loo
         return headers
 
     monkeypatch.setattr(h2frames, "open_whole", counted)
+    parsed = []  # the calls whose frames were parsed (not as the last taken whole)
+    whole_call = inflow._whole_call
+
+    def parsing(*args):
+        parsed.append(True)
+        return whole_call(*args)
+
+    monkeypatch.setattr(inflow, "_whole_call", parsing)
     body = bytes(range(256)) * 400  # (100 KiB: the socket holds a call whole)
-    # The first call opens the connection (h2's own), the next two teach the
-    # layout (sent in two writes: the first DATA frame read in part), the
-    # next ones come whole: as the last, with a PING between the DATA frames,
-    # of another size; the next teaches the layout again, the last comes whole.
-    sends = [(body, False, False)] * 4 + [(body, True, False), (body[:-7], False, False)]
-    sends += [(body, False, False)] * 2
+    # The first call opens the connection (h2's own), the next teaches the
+    # layout (sent in two writes: the first DATA frame read in part); then
+    # calls as the last, sent in two writes (the rest read before any of it
+    # is taken), in one, in two as grpc-core sends them at c=1 (the last DATA
+    # frame apart); one with a PING between its DATA frames, one of another
+    # size (both through the frame loop); one teaches the layout again, and
+    # the last comes whole.
+    sends = [(body, False, None), (body, False, "in part"), (body, False, "head")]
+    sends += [(body, False, None), (body, False, "grpc-core"), (body, True, None)]
+    sends += [(body[:-7], False, None), (body, False, "in part"), (body, False, None)]
     infer = Infer()
     seen = []
     async with parked_serving(infer) as (_, client):
         await client.until(lambda: client.h2.remote_settings.max_frame_size == 1024 * 1024)
         outcome = response()
-        for index, (sent, ping, _) in enumerate(sends):
+        for sent, ping, split in sends:
             through.reset()
             opened.clear()
+            parsed.clear()
             infer.armed = trio.Event()
             stream_id, data = _send(client, infer, sent, 70_000, ping)
-            if index in (1, 2, 6):
-                await client.sock.send_all(data[:10_000])
-                await through.in_part.wait()
-                data = data[10_000:]
+            if split is not None:
+                cut = len(data) - (9 + len(sent) + 5 - 70_000) if split == "grpc-core" else 10_000
+                await client.sock.send_all(data[:cut])
+                if split == "in part":
+                    await through.in_part.wait()
+                else:
+                    await trio.testing.wait_all_tasks_blocked()
+                data = data[cut:]
             await client.sock.send_all(data)
             await infer.armed.wait()
             await trio.testing.wait_all_tasks_blocked()
             _, request, answer = infer.calls[-1]
-            seen.append((through.bytes, opened[:]))
+            seen.append((through.bytes, opened[:], len(parsed)))
             assert await thread_write(request, answer, outcome)
             await client.until(lambda s=stream_id: client.ended(s))
             deferred_jobs().append(Report(request, outcome))  # swept by the next read
     assert digests == [hashlib.sha256(sent).digest() for sent, _, _ in sends]
     # (the second call's block is the first all indexed: the frame loop
-    # decodes it, the third is taken whole)
-    assert seen[3] == (0, [True])
-    assert seen[4][0] > 20 and True not in seen[4][1]  # a PING between: the frame loop
-    assert seen[5][0] > 20 and not seen[5][1]  # another size: not as predicted
-    assert seen[7] == (0, [True])
+    # decodes it, the third is taken whole, its frames parsed; the next ones'
+    # checked against its)
+    assert seen[2] == (0, [True], 1)
+    assert seen[3] == seen[4] == (0, [True], 0)
+    assert seen[5][0] > 20 and True not in seen[5][1]  # a PING between: the frame loop
+    assert seen[6][0] > 20 and not seen[6][1]  # another size: not as predicted
+    assert seen[8] == (0, [True], 0)

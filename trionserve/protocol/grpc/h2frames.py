@@ -28,9 +28,11 @@ if TYPE_CHECKING:
     from trionserve.protocol.grpc.upstream import H2Connection
 
 __all__ = [
+    "NEW_STREAM",
     "FrameBuffer",
     "between_frames",
     "frame_header",
+    "new_call_window",
     "open_whole",
     "receive_window",
 ]
@@ -181,7 +183,17 @@ def receive_window(connection: H2Connection, stream_id: int) -> int:
 
 
 _MAX_WINDOW = 2**31 - 1
+# In open_whole's window updates: the new stream's own.
+NEW_STREAM = -1
 _INITIAL_WINDOW_SIZE = h2.settings.SettingCodes.INITIAL_WINDOW_SIZE
+
+
+def new_call_window(connection: H2Connection) -> int:
+    """The DATA bytes the client may send on a new stream of ``connection``
+    now, within its initial window and the connection's."""
+    c: Any = connection
+    window = c._inbound_flow_control_window_manager.current_window_size
+    return min(connection.local_settings._settings[_INITIAL_WINDOW_SIZE][0], window)
 
 
 def open_whole(
@@ -199,7 +211,7 @@ def open_whole(
     END_STREAM on the last, none over ``largest`` bytes, the HEADERS frame
     included) and, after its HEADERS, the client's WINDOW_UPDATE frames
     (``windows``: stream and increment, each the connection's, the new
-    stream's or a closed stream's). Its headers (``receive``'s REQUEST), or
+    stream's, NEW_STREAM, or a closed stream's). Its headers (``receive``'s REQUEST), or
     None where ``receive`` would not take those frames so: then nothing moved,
     for ``receive`` to take them. Held to ``receive`` by
     tests/unit/test_grpc_whole_call.py."""
@@ -221,7 +233,7 @@ def open_whole(
             outbound += increment
             if outbound > _MAX_WINDOW:
                 return None
-        elif window_stream == stream_id:
+        elif window_stream == NEW_STREAM:
             own += increment
             if own > _MAX_WINDOW:
                 return None

@@ -33,7 +33,18 @@ checked frame by frame (a new stream's HEADERS, that stream's DATA header for
 a frame of the predicted size, the prefix of a message of the predicted
 size) before the frame loop takes it; the message's bytes are then taken in
 place (``MessageReader.offered``), else every byte read goes to the frame loop,
-copied out, and the prediction is dropped until a call teaches it again.
+copied out, and the prediction is dropped until a call teaches it again. A
+read that holds the head but not the whole call is followed by one more
+before anything is taken (the rest of the first DATA frame and a frame header
+waited for, all of it once the frames between are in). A call so read whole
+whose frames the frame loop would take the common way (its HEADERS the
+client's last block, only WINDOW_UPDATEs among its frames, its message ending
+the stream within both windows: ``_whole_call``) is taken in one step
+(``_take_whole``): h2 moved for all its frames at once
+(``h2frames.open_whole``), the call opened with its message whole, no event
+per frame. The next call's head and the bytes between its DATA frames are
+checked in slices against the last one's so taken, but for its stream id
+(``_whole_as``): no frame parsed.
 
 A read that finds nothing waits (``SO_RCVLOWAT``) for the rest of the frame and
 one frame header more: whatever the client sends next is at least a header (a
@@ -119,8 +130,12 @@ class MessageReads:
     _head: memoryview
     _last_read: int
     _arrived: tuple[int, memoryview, tuple[memoryview, ...], int] | None
-    # Of a call read whole as predicted, what _take_whole takes (_whole_call).
+    # Of a call read whole as predicted, what _take_whole takes (_whole_call);
+    # the last such call's layout, for the next one's bytes to be checked
+    # against (_whole_as: the _call it was read as, _pieces of its head and
+    # of the bytes between its DATA frames, what _whole_call made of them).
     _whole: tuple[bytes, list[tuple[int, int]], int] | None
+    _template: tuple | None
     options: TransportOptions
     peer: str
 
@@ -242,16 +257,53 @@ class MessageReads:
         if received <= size:
             return bytes(head[:received])
         data = bytes(head)
-        stream_id = _call_head(data, length, first + 5)
-        if not stream_id:  # not as predicted: every byte through the frame loop
-            self._call = None
-            return _joined(views, received)
+        # (a head as the last one taken whole, but for its stream id: checked
+        # in slices, its frames as they were)
+        template, sid = self._template, data[5:9]
+        if template is not None and template[0] == self._call and _as(template[1], data, sid):
+            stream_id = int.from_bytes(sid, "big") & 0x7FFFFFFF
+        else:
+            template = None
+            stream_id = _call_head(data, length, first + 5)
+            if not stream_id:  # not as predicted: every byte through the frame loop
+                self._call = None
+                return _joined(views, received)
         slot = views[2] if len(views) == 4 else None
         total = size + length + (len(slot) if slot is not None else 0)
+        if received < total and (slot is None or length + 5 <= h2frames.new_call_window(self.h2)):
+            # The rest of the call, read before any of it is taken, after a
+            # wait for the bytes the client sends without hearing from us (its
+            # windows hold the message): the rest of its first DATA frame and
+            # the next frame's header; all of it once the frames between are in.
+            got = received - size
+            if slot is None or (got >= first + len(slot) and self._whole_as(data, slot, template)):
+                least = total - received
+            else:
+                least = first - got + 9 if got < first else 1
+            received += await receiver.receive_into(_past(views[1:], got), least, True)
         self._arrived = (stream_id, message, views[1:], received - size)
         if received == total:
-            self._whole = _whole_call(data, slot, stream_id, length - first)
+            self._whole = self._whole_as(data, slot, template)
         return data
+
+    def _whole_as(
+        self, data: bytes, slot: memoryview | None, template: tuple | None
+    ) -> tuple[bytes, list[tuple[int, int]], int] | None:
+        """What _whole_call makes of a call read whole (``data`` its head,
+        ``slot`` the bytes between its DATA frames): the ``template``'s when
+        the head was checked against it and the slot is as its too (its
+        frames as they were), else _whole_call's, then kept as the template."""
+        sid = data[5:9]
+        if template is not None and (slot is None or _as(template[2], slot, sid)):
+            return template[3]
+        assert self._call is not None
+        stream_id = int.from_bytes(sid, "big") & 0x7FFFFFFF
+        size, length, first = self._call
+        whole = _whole_call(data, slot, stream_id, length - first + 5)
+        if whole is not None:
+            kept = bytes(slot) if slot is not None else b""
+            self._template = (self._call, _pieces(data, sid), _pieces(kept, sid), whole)
+        return whole
 
     def _take_read(self, data: bytes | bytearray) -> bool | None:
         """A read's bytes through the frame loop and acted on: True when the
@@ -457,6 +509,47 @@ def _joined(views: tuple[memoryview, ...], size: int) -> bytearray:
     return data
 
 
+def _pieces(data: bytes, sid: bytes) -> tuple[tuple[tuple[int, int, bytes], ...], tuple[int, ...]]:
+    """``data`` (whole frames, and the head of one) as a template: its slices
+    around each frame header's stream id that is ``sid`` (start, stop and
+    bytes), and where those stream ids are."""
+    pieces, owns, start, pos = [], [], 0, 0
+    while pos + 9 <= len(data):
+        high, low = _FRAME_HEADER.unpack_from(data, pos)[:2]
+        if data[pos + 5 : pos + 9] == sid:
+            pieces.append((start, pos + 5, data[start : pos + 5]))
+            owns.append(pos + 5)
+            start = pos + 9
+        pos += 9 + (high << 8) + low
+    pieces.append((start, len(data), data[start:]))
+    return tuple(pieces), tuple(owns)
+
+
+def _as(
+    template: tuple[tuple[tuple[int, int, bytes], ...], tuple[int, ...]],
+    data: bytes | memoryview,
+    sid: bytes,
+) -> bool:
+    """Whether ``data`` is as the ``template`` (_pieces) with ``sid`` for its stream id."""
+    pieces, owns = template
+    for start, stop, piece in pieces:
+        if data[start:stop] != piece:
+            return False
+    for at in owns:
+        if data[at : at + 4] != sid:
+            return False
+    return True
+
+
+def _past(views: tuple[memoryview, ...], size: int) -> tuple[memoryview, ...]:
+    """``views`` in turn past their first ``size`` bytes."""
+    for index, view in enumerate(views):
+        if size < len(view):
+            return (view[size:], *views[index + 1 :])
+        size -= len(view)
+    return ()
+
+
 def _call_head(data: bytes, length: int, first: int) -> int:
     """The stream of the call whose head ``data`` is when it is whole frames:
     a new stream's HEADERS, any frames but DATA, that stream's DATA header for
@@ -502,14 +595,14 @@ def _whole_call(
     if kind != _HEADERS_FRAME or flags != _END_HEADERS:
         return None
     windows: list[tuple[int, int]] = []
-    data = _windows(head, block, len(head) - 14, windows)
+    data = _windows(head, block, len(head) - 14, stream_id, windows)
     if data < 0:
         return None
     high, low, _, flags = _FRAME_HEADER.unpack_from(head, data)[:4]
     largest = max(block - 9, (high << 8) + low, rest)
     if slot is None:
         return (head[9:block], windows, largest) if flags & _END_STREAM else None
-    end = _windows(slot, 0, len(slot) - 9, windows)
+    end = _windows(slot, 0, len(slot) - 9, stream_id, windows)
     if end < 0:
         return None
     high, low, kind, flags, stream = _FRAME_HEADER.unpack_from(slot, end)
@@ -523,15 +616,19 @@ def _whole_call(
     return head[9:block], windows, largest
 
 
-def _windows(data: bytes | memoryview, pos: int, end: int, windows: list[tuple[int, int]]) -> int:
+def _windows(
+    data: bytes | memoryview, pos: int, end: int, stream_id: int, windows: list[tuple[int, int]]
+) -> int:
     """The WINDOW_UPDATE frames from ``pos`` to ``end`` in ``data``, their
-    (stream, increment) added to ``windows``: ``end``, or -1 when other bytes
-    are there."""
+    (stream, increment) added to ``windows`` (``stream_id``'s as
+    h2frames.NEW_STREAM): ``end``, or -1 when other bytes are there."""
     while pos < end:
         high, low, kind, _, stream = _FRAME_HEADER.unpack_from(data, pos)
         if kind != _WINDOW_UPDATE_FRAME or high or low != 4 or pos + 13 > end:
             return -1
-        windows.append((stream & 0x7FFFFFFF, _INCREMENT.unpack_from(data, pos + 9)[0]))
+        stream &= 0x7FFFFFFF
+        increment = _INCREMENT.unpack_from(data, pos + 9)[0]
+        windows.append((h2frames.NEW_STREAM if stream == stream_id else stream, increment))
         pos += 13
     return end if pos == end else -1
 
