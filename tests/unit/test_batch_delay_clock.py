@@ -192,3 +192,34 @@ def test_a_delayed_batch_goes_from_the_timers_task_without_the_batchers():
     assert min(waits) >= DELAY_US, waits
     assert min(received) >= DELAY_US, received
     assert steps == 0
+
+
+def test_the_clock_is_told_virtual_without_the_server_importing_trio_testing():
+    """core/clocks.py: a MockClock is virtual and Trio's own clock is not, and no
+    module the server imports at start-up imports trio.testing (which imports
+    pytest where it is installed: a tenth of a second of CPU at every start-up)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import trio.testing
+
+    from trionserve.core.clocks import virtual_clock
+
+    async def current_is_virtual() -> bool:
+        return virtual_clock(trio.lowlevel.current_clock())
+
+    assert trio.run(current_is_virtual) is False
+    assert trio.run(current_is_virtual, clock=trio.testing.MockClock()) is True
+    code = (
+        "import sys, trionserve.cli, trionserve.server; "
+        "print(sorted({'pytest', 'trio.testing'} & set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.split() == ["[]"], out

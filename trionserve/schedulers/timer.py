@@ -36,7 +36,8 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-import trio.testing
+
+from trionserve.core.clocks import virtual_clock
 
 _CLOCK_MONOTONIC = 1
 # How much later than the timerfd Trio's own deadline for the same wait falls.
@@ -95,7 +96,7 @@ class PreciseWakeup:
         self._spec = _Itimerspec()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        if _TIMERFD is None or isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock):
+        if _TIMERFD is None or virtual_clock(trio.lowlevel.current_clock()):
             task_status.started()
             return
         fd = _TIMERFD[0](_CLOCK_MONOTONIC, _TFD_NONBLOCK | _TFD_CLOEXEC)
