@@ -161,6 +161,24 @@ async def test_the_connections_end_cancels_a_parked_call_in_a_task():
         assert not await thread_write(request, answer, response())
 
 
+async def test_a_parked_call_carried_on_by_a_closing_connections_sweep_ends_once():
+    # The connection closes (its answer taken back: the loop's), then a read's
+    # sweep delivers the outcome: a closing connection's reads start no call,
+    # so the call goes on as the reader ends (the writer ends the connection
+    # after the GOAWAY), its request counted out, once.
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        stream_id, request, answer = await armed_call(infer, client)
+        conn.close()
+        assert answer.state == DISARMED and conn.state.closing
+        deferred_jobs().append(Report(request, response()))
+        conn._sweep()  # (the reader's, after a read)
+        assert [call.stream_id for call, _ in conn._starting] == [stream_id]
+        await trio.testing.wait_all_tasks_blocked()
+        assert infer.ended == [(stream_id, "loop")] and infer.awaited == [stream_id]
+        assert conn.calls == {} and conn._starting == [] and conn._parked == {}
+
+
 async def test_an_outcome_delivered_before_the_thread_writes_is_the_loops():
     # The thread declined (or the outcome came another way): the loop answers
     # the parked call from a task of its own, once.

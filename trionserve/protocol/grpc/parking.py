@@ -125,7 +125,13 @@ class ParkedCalls:
 
     def _let_go_waiting(self) -> None:
         """Nothing reads on (the reader ended): every call waiting in no task
-        gets one, as the calls in tasks of their own go on."""
+        gets one, as the calls in tasks of their own go on; so does every call
+        left to start after a read (a closing connection's reads start none:
+        a parked call its sweep carried on would end never, its request never
+        counted out)."""
+        starting, self._starting = self._starting, []
+        for call, handler in starting:
+            self._go_on(call, handler)
         awaiting, self._awaiting = self._awaiting, {}
         for call, handler in awaiting.values():
             self._spawn(call, handler)
