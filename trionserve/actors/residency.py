@@ -447,9 +447,9 @@ class ResidencyManager:
         nested = outer is not None and outer.active
         if not nested:
             # A load measured now may be the one that asked for this (a model
-            # whose initialize loads another: an in-process model's call reaches
-            # here without the context that says so): past a while, it is taken
-            # as such rather than waited for forever.
+            # whose initialize loads another, from a thread that did not carry
+            # the load's context: a stub's and an in-process model's calls do):
+            # past a while, it is taken as such rather than waited for forever.
             limit = NESTED_WAIT_SECS if self._reserved is not None else math.inf
             with trio.move_on_after(limit) as waited:
                 await self._measuring.acquire()

@@ -48,6 +48,7 @@ timeout or restart (a thread cannot be killed).
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import inspect
 import time
@@ -136,8 +137,14 @@ class InProcessInstance:
         self._thread = InstanceThread(spec.name, self._runtime)
         self._thread.start(self.token)
         args = initialize_args(context, spec, config_json)
+        # initialize runs in the load's context (contextvars), as a stub's calls
+        # are served: a model it loads (pb_utils.load_model) is then known as part
+        # of this load (a budget's measured load), not waited for behind it.
+        load_context = contextvars.copy_context()
         try:
-            self._has_is_ready = self._thread.call(lambda: self._runtime.load(args))
+            self._has_is_ready = self._thread.call(
+                lambda: load_context.run(self._runtime.load, args)
+            )
         except BaseException as exc:
             self._stop_thread()
             if isinstance(exc, Exception):
