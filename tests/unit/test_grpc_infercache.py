@@ -444,3 +444,29 @@ def test_responses_it_leaves_to_the_codec() -> None:
     long_id = InferenceRequest("simple", None, id="i" * 200)
     fast, ref = encode_both(InferenceResponse("simple", "1", outputs=[output]), long_id)
     assert fast is not None and b"".join(map(bytes, fast)) == ref
+
+
+def test_requests_of_one_plan_are_validated_once_per_signature(monkeypatch) -> None:
+    """Calls of one head share its plan as their shape key, so a model validates
+    them once (core/validation.py), as HTTP's planned requests; a request the
+    plan does not fit (left to the codec) has none and is validated in full."""
+    from trionserve.core import validation
+    from trionserve.core.validation import ModelSignature, TensorSpec
+
+    infercache._plan.cache_clear()
+    wire = client_wire([client_input("INPUT0", INT32, "INT32")])
+    first, second = (infercache.decode_request(bytearray(wire)) for _ in range(2))
+    assert first is not None and second is not None
+    assert first.shape_key is second.shape_key is not None
+    checks: list = []
+    full = validation._validate
+    monkeypatch.setattr(validation, "_validate", lambda *args: checks.append(args) or full(*args))
+    spec = TensorSpec("INPUT0", "INT32", (-1,))
+    signature = ModelSignature("simple", 8, {"INPUT0": spec}, {})
+    validation.validate_request(first, signature)
+    validation.validate_request(second, signature)  # passed before: not checked again
+    assert len(checks) == 1 and first.batch_size == second.batch_size == INT32.shape[0]
+    other = ModelSignature("simple", 8, {"INPUT1": spec}, {})  # another signature: in full
+    with pytest.raises(TritonError, match="unexpected inference input 'INPUT0'"):
+        validation.validate_request(second, other)
+    assert len(checks) == 2

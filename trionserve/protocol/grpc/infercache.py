@@ -178,6 +178,7 @@ class RequestPlan:
                 data = np.empty(shape, dtype=dt.numpy)
             tensors[name] = Tensor(name, dt.wire, data)
         request = InferenceRequest(self.model, self.version, id=request_id)
+        request.shape_key = self  # (validated once per model: core/validation.py)
         request.inputs = tensors
         if self.outputs is not None:
             request.requested_outputs = [
