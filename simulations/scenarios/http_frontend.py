@@ -26,6 +26,7 @@ from simulations.scenarios.common import two_models
 from simulations.world import RequestRecord, TrackedRequest
 from trionserve.core.errors import TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
+from trionserve.lifecycle import Lifecycle
 from trionserve.protocol.http.frontend import HttpOptions, serve_http
 
 WIRE = "every answered request gets exactly one outcome on the wire"
@@ -55,38 +56,93 @@ def frontend_setup(world) -> Setup:
 
 def track_frontend_requests(world) -> None:
     """Make the requests the frontend decodes tracked requests with their client's
-    record (found by the request id the client sent)."""
+    record (found by the request id the client sent), on both of the DataPlane's
+    ways in: ``infer``, and ``begin`` with the one of ``finish``, ``end`` or ``drop``
+    that ends the begun request (the frontends' answered-by-the-thread path)."""
     dataplane = world.dataplane
-    infer = dataplane.infer
+    infer, begin, finish, end, drop = (
+        dataplane.infer,
+        dataplane.begin,
+        dataplane.finish,
+        dataplane.end,
+        dataplane.drop,
+    )
 
-    async def tracked_infer(request: InferenceRequest, **options):
+    def tracked(request: InferenceRequest) -> InferenceRequest:
         number = request.id[1:]
         record = world.records[int(number)] if number.isdigit() else None
         if record is None:
-            return await infer(request, **options)
-        tracked = TrackedRequest.__new__(TrackedRequest)
+            return request
+        copy = TrackedRequest.__new__(TrackedRequest)
         for slot in InferenceRequest.__slots__:
             if hasattr(request, slot):
-                setattr(tracked, slot, getattr(request, slot))
-        tracked.record = record
-        # What the frontend got is the request's caller's view, unless its client
-        # hung up first (then it stays "cancelled", as a DataPlane client's would).
-        try:
-            response = await infer(tracked, **options)
-        except TritonError as exc:
-            if record.client is None:
-                record.client, record.client_value = "error", exc
-            raise
-        except trio.Cancelled:
-            if record.client is None:
-                record.client = "cancelled"
-                record.cancel_phase = phase_of(record)
-            raise
-        if record.client is None:
+                setattr(copy, slot, getattr(request, slot))
+        copy.record = record
+        return copy
+
+    # What the frontend got is the request's caller's view, unless its client hung
+    # up first (then it stays "cancelled", as a DataPlane client's would).
+    def answered(request: InferenceRequest, response) -> None:
+        record = world.record_for(request)
+        if record is not None and record.client is None:
             record.client, record.client_value = "response", response
+
+    def failed(request: InferenceRequest, exc: BaseException) -> None:
+        record = world.record_for(request)
+        if record is None or record.client is not None:
+            return
+        if isinstance(exc, TritonError):
+            record.client, record.client_value = "error", exc
+        elif isinstance(exc, trio.Cancelled):
+            record.client, record.cancel_phase = "cancelled", phase_of(record)
+
+    async def tracked_infer(request: InferenceRequest, **options):
+        request = tracked(request)
+        try:
+            response = await infer(request, **options)
+        except (TritonError, trio.Cancelled) as exc:
+            failed(request, exc)
+            raise
+        answered(request, response)
         return response
 
-    dataplane.infer = tracked_infer
+    async def tracked_begin(request: InferenceRequest, **options):
+        request = tracked(request)
+        try:
+            run = await begin(request, **options)
+        except (TritonError, trio.Cancelled) as exc:
+            failed(request, exc)
+            raise
+        if not isinstance(run, Lifecycle):  # (the response cache's answer)
+            answered(request, run)
+        return run
+
+    async def tracked_finish(run: Lifecycle):
+        try:
+            response = await finish(run)
+        except (TritonError, trio.Cancelled) as exc:
+            failed(run.request, exc)
+            raise
+        answered(run.request, response)
+        return response
+
+    def tracked_end(run: Lifecycle):
+        try:
+            response = end(run)
+        except TritonError as exc:
+            failed(run.request, exc)
+            raise
+        answered(run.request, response)
+        return response
+
+    def tracked_drop(run: Lifecycle) -> None:
+        record = world.record_for(run.request)
+        if record is not None and record.client is None:
+            record.client, record.cancel_phase = "cancelled", phase_of(record)
+        drop(run)
+
+    dataplane.infer, dataplane.begin = tracked_infer, tracked_begin
+    dataplane.finish, dataplane.end, dataplane.drop = tracked_finish, tracked_end, tracked_drop
 
 
 def _body(record: RequestRecord) -> bytes:

@@ -361,7 +361,7 @@ class GrpcService:
                         answer.state == grpc_answer.ARMED  # (else: written, swept as it waits)
                         and shared_memory is None
                         and call.connection.park(
-                            call, request, ParkedInfer(self.dataplane, call, run, answer)
+                            call, run.request, ParkedInfer(self.dataplane, call, run, answer)
                         )
                     ):  # the outcome carries the call on (parking.py): it returns now
                         parked = True
