@@ -56,17 +56,12 @@ def frontend_setup(world) -> Setup:
 
 def track_frontend_requests(world) -> None:
     """Make the requests the frontend decodes tracked requests with their client's
-    record (found by the request id the client sent), on both of the DataPlane's
-    ways in: ``infer``, and ``begin`` with the one of ``finish``, ``end`` or ``drop``
-    that ends the begun request (the frontends' answered-by-the-thread path)."""
+    record (found by the request id the client sent): at ``begin``, and its outcome
+    at the one of ``finish``, ``end`` or ``drop`` that ends the begun request.
+    ``infer`` is ``self.begin`` then ``self.finish``: these, set on the DataPlane,
+    track it too (a request no wrapper saw fails the run's checks as unanswered)."""
     dataplane = world.dataplane
-    infer, begin, finish, end, drop = (
-        dataplane.infer,
-        dataplane.begin,
-        dataplane.finish,
-        dataplane.end,
-        dataplane.drop,
-    )
+    begin, finish, end, drop = dataplane.begin, dataplane.finish, dataplane.end, dataplane.drop
 
     def tracked(request: InferenceRequest) -> InferenceRequest:
         number = request.id[1:]
@@ -95,16 +90,6 @@ def track_frontend_requests(world) -> None:
             record.client, record.client_value = "error", exc
         elif isinstance(exc, trio.Cancelled):
             record.client, record.cancel_phase = "cancelled", phase_of(record)
-
-    async def tracked_infer(request: InferenceRequest, **options):
-        request = tracked(request)
-        try:
-            response = await infer(request, **options)
-        except (TritonError, trio.Cancelled) as exc:
-            failed(request, exc)
-            raise
-        answered(request, response)
-        return response
 
     async def tracked_begin(request: InferenceRequest, **options):
         request = tracked(request)
@@ -141,8 +126,8 @@ def track_frontend_requests(world) -> None:
             record.client, record.cancel_phase = "cancelled", phase_of(record)
         drop(run)
 
-    dataplane.infer, dataplane.begin = tracked_infer, tracked_begin
-    dataplane.finish, dataplane.end, dataplane.drop = tracked_finish, tracked_end, tracked_drop
+    dataplane.begin, dataplane.finish = tracked_begin, tracked_finish
+    dataplane.end, dataplane.drop = tracked_end, tracked_drop
 
 
 def _body(record: RequestRecord) -> bytes:
