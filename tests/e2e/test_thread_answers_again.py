@@ -15,7 +15,12 @@ import trio.testing
 
 from tests.blocking_backend import GATE, wait_entered
 from tests.e2e.test_grpc_cancellation import in_thread
-from tests.e2e.test_thread_answers import make_server, repository, writes  # noqa: F401
+from tests.e2e.test_thread_answers import (  # noqa: F401
+    make_server,
+    read_answer,
+    repository,
+    writes,
+)
 from trionserve.protocol.http.infer import InferHandler
 
 _HEADER = json.dumps(
@@ -33,27 +38,6 @@ def binary_bytes(value: float) -> bytes:
         b"Inference-Header-Content-Length: %d\r\nContent-Length: %d\r\n\r\n%s"
         % (len(_HEADER), len(body), body)
     )
-
-
-def read_answer(sock: socket.socket, buffered: bytearray) -> tuple[bytes, dict]:
-    """One answer (a JSON body: the output asked for as JSON)."""
-    sock.settimeout(60)
-    while b"\r\n\r\n" not in buffered:
-        chunk = sock.recv(65536)
-        assert chunk, f"the server closed the connection; read {bytes(buffered)!r}"
-        buffered += chunk
-    head, _, _ = bytes(buffered).partition(b"\r\n\r\n")
-    del buffered[: len(head) + 4]
-    length = next(
-        int(line.split(b":")[1])
-        for line in head.split(b"\r\n")
-        if b"content-length" in line.lower()
-    )
-    while len(buffered) < length:
-        buffered += sock.recv(65536)
-    body = bytes(buffered[:length])
-    del buffered[:length]
-    return head, json.loads(body)
 
 
 class Ways(list):
