@@ -2,12 +2,18 @@
 
 A server given ``BACKENDS`` serves it as ``backend: "test_blocking"``; it echoes INPUT0 to OUTPUT0. Tests use
 its threading events to know, without sleeping, that a request is executing.
+A test module's ``repository`` fixture is ``repository_fixture()``: a repository
+holding the model "blocking", the gate reset before and released after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.fake_backend import echo_responses, instance_backend
 from tests.repository import echo_model
@@ -62,8 +68,35 @@ class _Instance:
         pass
 
 
-def make_model(repository: Path, name: str) -> Path:
-    return echo_model(repository, name, BACKEND)
+def make_model(repository: Path, name: str, config: str = "") -> Path:
+    return echo_model(repository, name, BACKEND, config=config)
+
+
+@contextlib.contextmanager
+def gated_repository(path: Path, config: str = "", released: bool = False) -> Iterator[Path]:
+    """``path`` holding the model "blocking" (``config`` appended to its configuration)
+    with the gate reset; ``released``: every execution goes straight through. The
+    gate is released at the end, so that no worker thread is left blocked."""
+    GATE.reset()
+    if released:
+        GATE.release.set()
+    make_model(path, "blocking", config)
+    try:
+        yield path
+    finally:
+        GATE.release.set()
+
+
+def repository_fixture(config: str = "", released: bool = False):
+    """A ``repository`` fixture for a test module (``repository = repository_fixture()``):
+    a temporary directory made a :func:`gated_repository` with these arguments."""
+
+    @pytest.fixture
+    def repository(tmp_path: Path) -> Iterator[Path]:
+        with gated_repository(tmp_path, config, released) as path:
+            yield path
+
+    return repository
 
 
 # For Server(options, backends=BACKENDS).

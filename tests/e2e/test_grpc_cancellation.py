@@ -17,7 +17,7 @@ import trio.testing
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
 from tests.serverproc import free_port
 from trionserve.protocol.grpc.options import GrpcOptions
 from trionserve.server import Server, ServerOptions
@@ -65,12 +65,7 @@ class Probe:
         await self.wait_for(lambda: set(ids) <= set(self.cancelled))
 
 
-@pytest.fixture
-def repository(tmp_path):
-    GATE.reset()
-    make_model(tmp_path, "blocking")
-    yield tmp_path
-    GATE.release.set()  # never leave a worker thread blocked
+repository = repository_fixture()
 
 
 def make_server(repository, **grpc) -> Server:

@@ -16,10 +16,9 @@ import trio
 import trio.testing
 import tritonclient.grpc as grpcclient
 
-from tests.blocking_backend import BACKENDS, GATE, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
 from tests.e2e.test_grpc_cancellation import in_thread
 from tests.e2e.test_thread_answers import Writes
-from tests.repository import echo_model
 from tests.serverproc import free_port
 from tests.unit.test_grpc_thread_answer import Client
 from trionserve._generated import grpc_service_pb2 as pb
@@ -27,14 +26,9 @@ from trionserve.protocol.grpc.answer import CallAnswer
 from trionserve.protocol.grpc.options import GrpcOptions
 from trionserve.server import Server, ServerOptions
 
-
-@pytest.fixture
-def repository(tmp_path):
-    GATE.reset()
-    GATE.release.set()  # every execution goes straight through
-    # The dynamic batcher can tell its instance's thread that nothing waits.
-    echo_model(tmp_path, "blocking", "test_blocking", config="dynamic_batching { }")
-    yield tmp_path
+# Every execution goes straight through; the dynamic batcher can tell its instance's
+# thread that nothing waits.
+repository = repository_fixture(config="dynamic_batching { }", released=True)
 
 
 @pytest.fixture

@@ -8,11 +8,10 @@ import json
 import socket
 
 import numpy as np
-import pytest
 import trio
 import tritonclient.http as httpclient
 
-from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
 from tests.e2e.test_grpc_cancellation import Probe, executions_since, in_thread
 from tests.serverproc import free_port
 from trionserve.protocol.http.frontend import HttpOptions
@@ -26,12 +25,7 @@ BODY = json.dumps(
 )
 
 
-@pytest.fixture
-def repository(tmp_path):
-    GATE.reset()
-    make_model(tmp_path, "blocking")
-    yield tmp_path
-    GATE.release.set()  # never leave a worker thread blocked
+repository = repository_fixture()
 
 
 def make_server(repository) -> Server:

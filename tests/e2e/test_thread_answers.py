@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.blocking_backend import BACKENDS, GATE, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
 from tests.e2e.test_grpc_cancellation import Probe, in_thread
 from tests.repository import echo_model
 from tests.serverproc import free_port
@@ -25,14 +25,8 @@ from trionserve.protocol.http.answer import ConnectionAnswer
 from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.server import Server, ServerOptions
 
-
-@pytest.fixture
-def repository(tmp_path):
-    GATE.reset()
-    # The dynamic batcher can tell its instance's thread that nothing waits.
-    echo_model(tmp_path, "blocking", "test_blocking", config="dynamic_batching { }")
-    yield tmp_path
-    GATE.release.set()  # never leave a worker thread blocked
+# The dynamic batcher can tell its instance's thread that nothing waits.
+repository = repository_fixture(config="dynamic_batching { }")
 
 
 class Writes(list):

@@ -8,19 +8,13 @@ import numpy as np
 import pytest
 import trio
 
-from tests.blocking_backend import BACKENDS, GATE, make_model, wait_entered
+from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
 from trionserve.core.errors import NotFound, TritonError
 from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.lifecycle import Lifecycle
 from trionserve.server import Server, ServerOptions
 
-
-@pytest.fixture
-def repository(tmp_path):
-    GATE.reset()
-    make_model(tmp_path, "blocking")
-    yield tmp_path
-    GATE.release.set()  # never leave a worker thread blocked
+repository = repository_fixture()
 
 
 def request(value: float, model: str = "blocking") -> InferenceRequest:
