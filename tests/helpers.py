@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -34,6 +35,46 @@ def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+class _Accepted(Exception):
+    """The command line parsed: :func:`cli_usage` stops the run before it would serve."""
+
+
+def cli_usage(*args: str) -> subprocess.CompletedProcess:
+    """``trionserve ARGS`` for a command line the server refuses, run in this process
+    as ``python -m trionserve`` runs it (``trionserve.__main__.run``, ``sys.argv``
+    set) with its exit code and output as :func:`run_cli` returns them, without a
+    new interpreter importing the whole server first (about a second each; usage
+    errors are found before the server is made). A command line that parses stops
+    at the logging set-up that follows, before anything is configured or served,
+    with exit code 0. ``run_cli`` is the real process: the tests of what the
+    interpreter adds (one line, the exit status) run it."""
+    from unittest import mock
+
+    import trionserve.cli
+    from trionserve.__main__ import run
+
+    def accepted(*_args: Any, **_kwargs: Any) -> None:
+        raise _Accepted
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.object(sys, "argv", ["trionserve", *args]),
+        mock.patch.object(trionserve.cli, "configure_logging", accepted),
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
+        try:
+            code = run()
+        except SystemExit as exit_:  # as the interpreter ends on it
+            code = 0 if exit_.code is None else exit_.code
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        except _Accepted:
+            code = 0
+    return subprocess.CompletedProcess(args, code, stdout.getvalue(), stderr.getvalue())
 
 
 def wait_for(

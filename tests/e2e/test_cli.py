@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import tritonclient.http as httpclient
 
-from tests.helpers import run_cli
+from tests.helpers import cli_usage, run_cli
 from tests.serverproc import EXAMPLES, ServerProcess
 
 
@@ -32,7 +32,7 @@ from tests.serverproc import EXAMPLES, ServerProcess
     ],
 )
 def test_usage_errors(args, fragment):
-    result = run_cli(*args)
+    result = cli_usage(*args)
     assert result.returncode == 1  # tritonserver main.cc: exit(1)
     assert fragment in result.stderr
     assert "Traceback" not in result.stderr

@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import run_cli, simple_inputs
+from tests.helpers import cli_usage, simple_inputs
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve._generated import model_config_pb2 as mc
 from trionserve.backends.backend_config import parse_backend_config
@@ -210,7 +210,7 @@ def test_header_pattern_is_case_insensitive_unless_asked():
 
 @pytest.mark.parametrize("arg, fragment", REFUSED)
 def test_refused_flags_name_themselves(arg, fragment):
-    result = run_cli(f"--model-repository={EXAMPLES}", arg)
+    result = cli_usage(f"--model-repository={EXAMPLES}", arg)
     assert result.returncode == 1, result.stderr
     assert fragment in result.stderr
     assert "Traceback" not in result.stderr

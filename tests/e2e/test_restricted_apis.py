@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import expect_error, run_cli, simple_inputs, wait_for
+from tests.helpers import cli_usage, expect_error, simple_inputs, wait_for
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.actors.registry import ModelRegistry
 from trionserve.actors.watcher import ControlMode
@@ -215,7 +215,7 @@ async def test_groups_not_named_stay_open(tmp_path):
 )
 def test_flag_errors_are_tritons(flag, kind):
     # qa/L0_http and qa/L0_grpc test.sh look for these messages in the log.
-    twice = run_cli(
+    twice = cli_usage(
         f"--model-repository={EXAMPLES}",
         f"{flag}=model-repository,health:k1=v1",
         f"{flag}=metadata,health:k2=v2",
@@ -223,6 +223,6 @@ def test_flag_errors_are_tritons(flag, kind):
     assert twice.returncode != 0
     expected = f"restricted {kind} 'health' can not be specified in multiple config groups"
     assert twice.stderr.count(expected) == 1, twice.stderr
-    unknown = run_cli(f"--model-repository={EXAMPLES}", f"{flag}=model-reposit,health:k1=v1")
+    unknown = cli_usage(f"--model-repository={EXAMPLES}", f"{flag}=model-reposit,health:k1=v1")
     assert unknown.returncode != 0
     assert f"unknown restricted {kind} 'model-reposit'" in unknown.stderr
