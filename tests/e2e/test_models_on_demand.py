@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tests.helpers import expect_error, metric_samples, run_cli, simple_inputs, wait_for
+from tests.helpers import cli_usage, expect_error, metric_samples, run_cli, simple_inputs, wait_for
 from tests.repository import python_model
 from tests.serverproc import EXAMPLES, ServerProcess
 
@@ -327,11 +327,13 @@ def _start_error(repository: Path, *flags: str) -> tuple[int, str]:
 
 
 def test_a_budget_that_does_not_parse_is_refused_at_start(repository):
-    code, stderr = _start_error(repository, "--model-memory-limit=host:lots")
-    assert code == 1
-    assert "--model-memory-limit" in stderr and "'lots'" in stderr
-    code, stderr = _start_error(repository, "--model-load-on-demand=true")
-    assert code == 1 and "--model-control-mode=explicit" in stderr
+    # Usage errors, found as the command line is read (tests.helpers.cli_usage); the GPU
+    # that is not there is found as the server starts.
+    refused = cli_usage(f"--model-repository={repository}", "--model-memory-limit=host:lots")
+    assert refused.returncode == 1
+    assert "--model-memory-limit" in refused.stderr and "'lots'" in refused.stderr
+    refused = cli_usage(f"--model-repository={repository}", "--model-load-on-demand=true")
+    assert refused.returncode == 1 and "--model-control-mode=explicit" in refused.stderr
     code, stderr = _start_error(
         repository,
         "--model-memory-limit=gpu:99:1GiB",

@@ -21,7 +21,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import metric_samples, run_cli, simple_inputs, tcp_sockets
+from tests.helpers import cli_usage, metric_samples, simple_inputs, tcp_sockets
 from tests.serverproc import EXAMPLES, ServerProcess
 from trionserve.observability.aggregate import merge_expositions
 from trionserve.observability.exposition import exposition_text
@@ -229,7 +229,7 @@ def test_a_killed_worker_is_restarted_and_serving_resumes(repository):
     ],
 )
 def test_settings_that_cannot_be_shared_are_refused(repository, flags, named):
-    result = run_cli(f"--model-repository={repository}", "--workers=2", *flags, timeout=120)
+    result = cli_usage(f"--model-repository={repository}", "--workers=2", *flags)
     assert result.returncode == 1  # tritonserver main.cc: exit(1)
     assert named in result.stderr and "--workers > 1" in result.stderr, result.stderr
 
