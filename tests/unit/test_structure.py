@@ -6,6 +6,7 @@ up). Each check names what breaks it."""
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,10 +32,34 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(path: Path, module: str, *, run_time_only: bool) -> Iterator[str]:
+def _statements(node: ast.AST) -> Iterator[ast.AST]:
+    """Every statement under ``node``, at any depth, as ``ast.walk`` finds them:
+    expressions, which hold no statement (an import is one), are not entered."""
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, ast.expr):
+            yield child
+            yield from _statements(child)
+
+
+def _imports(path: Path, module: str, *, run_time_only: bool) -> tuple[str, ...]:
     """The modules ``module`` names in its imports (with ``from m import n``, also
     ``m.n``): at import time only (top level, outside ``if TYPE_CHECKING``), or
     anywhere (in functions and for the type checker too)."""
+    return _both_imports(path, module)[0 if run_time_only else 1]
+
+
+@functools.cache
+def _both_imports(path: Path, module: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """:func:`_imports` at import time and anywhere, from one parse of the module
+    (the tree is not kept: the checks need only the names)."""
+    tree = ast.parse(path.read_text())
+    return (
+        tuple(_imported(tree, path, module, run_time_only=True)),
+        tuple(_imported(tree, path, module, run_time_only=False)),
+    )
+
+
+def _imported(tree: ast.Module, path: Path, module: str, *, run_time_only: bool) -> Iterator[str]:
     package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
 
     def names(node: ast.Import | ast.ImportFrom) -> Iterator[str]:
@@ -48,9 +73,8 @@ def _imports(path: Path, module: str, *, run_time_only: bool) -> Iterator[str]:
         yield base
         yield from (f"{base}.{alias.name}" for alias in node.names)
 
-    tree = ast.parse(path.read_text())
     if not run_time_only:
-        for node in ast.walk(tree):
+        for node in _statements(tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 yield from names(node)
         return
