@@ -98,6 +98,11 @@ async def test_a_parked_call_the_thread_answered_ends_in_the_reader_with_no_coro
         assert first not in conn.calls and request.done and not request._responses
         assert tasks.spawned == 0
         assert answer2 is not None and answer2.armed and list(conn._parked) == [infer.calls[-1][0]]
+        # The first call's bytes were let go as it ended (Connection._ended,
+        # the buffer's close): only the second's message is held, as work.
+        held = infer.calls[-1][0].account
+        assert call.account.working == 0 and not call.account.taken
+        assert conn.buffer.working == conn.buffer.held == held.working > 0
 
 
 async def test_a_request_in_two_reads_starts_in_the_reader_once_whole():

@@ -5,10 +5,11 @@ A ModelInfer call whose answer is armed for the instance's thread
 (``service.model_infer``: the data plane's ``begin``): its handler returns, and
 no coroutine waits for the outcome. At c=1 the client's next call brings the
 sweep that delivers the outcome; then :meth:`ParkedInfer.ended` ends the call
-in the reader with plain calls (``dataplane.end``, the request's bytes
-answered), instead of resuming the six coroutine frames that awaited it. Any
-other outcome goes the awaited way, :meth:`ParkedInfer.rest`: the rest of
-``model_infer`` and of the unary handler (``unary.unary_method``).
+in the reader with plain calls (``dataplane.end``, then the connection's
+``_ended``, which lets the request's bytes go), instead of resuming the six
+coroutine frames that awaited it. Any other outcome goes the awaited way,
+:meth:`ParkedInfer.rest`: the rest of ``model_infer`` and of the unary handler
+(``unary.unary_method``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ class ParkedInfer(Parked):
         """The outcome came with the thread's answer written (taken as the
         outcome came: ``CallAnswer.finalized``) and nothing to await for it:
         the request ends (its error, if it failed after the answer, is
-        dropped: the client has the answer, as ``model_infer`` drops it) and
-        the call's bytes are answered, as ``GrpcCall.send(ANSWERED)``."""
+        dropped: the client has the answer, as ``model_infer`` drops it). The
+        call's bytes are let go with the call (``Connection._ended``, next:
+        the buffer's ``close`` releases the work ``answered_all`` would, and
+        wakes receivers waiting for room as it does)."""
         run = self._run
         state = self._answer.state
         if (state != WRITTEN and state != PARTIAL) or run.trace is not None or not run.plain:
@@ -65,8 +68,6 @@ class ParkedInfer(Parked):
             pass
         except Exception:
             log.exception("grpc method failed", method=self._call.method)
-        call = self._call
-        call.connection.answered_all(call)
         return True
 
     async def rest(self, call: GrpcCall) -> object:

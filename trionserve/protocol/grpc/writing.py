@@ -79,13 +79,14 @@ class SocketWriter:
         HTTP/1.1 task writes its answer: straight to the socket, no coroutine, no
         checkpoint. The rest (all of it under TLS) goes on as _write_now, a Resume
         for the reader to await (None: all written)."""
-        answer = self.answer
-        # (armed for a call parked in no task: written without disarming it)
-        if answer is not None and not self.writing and self._write_armed(answer):
-            return None
+        # (nothing queued, the usual case once a call parked: no lock, no write)
         if not (self.h2.has_output() or self.unsent or self.extra_frames):
             if self.state.closing:  # (nothing queued: a read that made no answer)
                 self._dirty.set()  # the writer ends the connection
+            return None
+        answer = self.answer
+        # (armed for a call parked in no task: written without disarming it)
+        if answer is not None and not self.writing and self._write_armed(answer):
             return None
         if self.writing or self.socket is None:  # (another task writes it, or TLS)
             return inline.step(self._write_now(at_once=True))
