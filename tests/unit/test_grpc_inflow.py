@@ -236,3 +236,93 @@ async def test_a_call_like_the_last_is_read_in_one_read_into_its_buffer(monkeypa
     # second is not as predicted, the third teaches the fourth)
     assert seen[3] < 200  # its head: HEADERS, the DATA header and the prefix
     assert seen[4] > 200  # another size: through the frame loop
+
+
+async def _layout_call(client, body: bytes, between: str, split: int | None) -> int:
+    """Send a ModelInfer call of ``body`` in two DATA frames, ``between`` them
+    a WINDOW_UPDATE ("window"), a WINDOW_UPDATE and a PING ("ping") or
+    nothing (""); ``split``: the bytes written first, the rest once the
+    server waits (its reads end in the first frame), else all in one write."""
+    stream = client.open()
+    message = struct.pack(">BI", 0, len(body)) + body
+    client.h2.send_data(stream, message[:60_000])
+    if between:
+        client.h2.increment_flow_control_window(4096)
+    if between == "ping":
+        client.h2.ping(b"8 bytes!")
+    client.h2.send_data(stream, message[60_000:], end_stream=True)
+    data = client.h2.data_to_send()
+    if split is not None:
+        await client.sock.send_all(data[:split])
+        await trio.testing.wait_all_tasks_blocked()
+        data = data[split:]
+    await client.sock.send_all(data)
+    return stream
+
+
+async def _answered(infer, client, body: bytes, between: str, split: int | None) -> None:
+    """One call at c=1 as the thread answers it (the report swept by the next read)."""
+    infer.armed = trio.Event()
+    stream = await _layout_call(client, body, between, split)
+    with trio.fail_after(5):  # (a call the reader waits on never arms)
+        await infer.armed.wait()
+    await trio.testing.wait_all_tasks_blocked()
+    call, request, answer = infer.calls[-1]
+    assert call.stream_id == stream
+    outcome = response()
+    assert await thread_write(request, answer, outcome)
+    await client.until(lambda: client.ended(stream))
+    deferred_jobs().append(Report(request, outcome))
+
+
+async def _taught(infer, conn, client, body: bytes) -> None:
+    """Calls of the usual layout until the next one is read whole as predicted."""
+    await client.until(lambda: client.h2.remote_settings.max_frame_size == 1024 * 1024)
+    for _ in range(4):
+        await _answered(infer, client, body, "window", 30_000)
+    assert conn._template is not None and conn._gap == 13 + 9
+
+
+def _digests(monkeypatch) -> list[bytes]:
+    """The digest of every request message a call receives, in turn."""
+    digests: list[bytes] = []
+    receive = GrpcCall.receive
+
+    async def received(self):
+        data = await receive(self)
+        if data is not None:
+            digests.append(hashlib.sha256(data).digest())
+        return data
+
+    monkeypatch.setattr(GrpcCall, "receive", received)
+    return digests
+
+
+async def test_a_call_read_whole_with_more_bytes_between_frames_than_it_has(monkeypatch):
+    """The bytes between a predicted call's frames were learnt longer (a PING
+    came there once) than the next call's (its WINDOW_UPDATE alone): a call
+    that came whole before the reader woke is taken, not waited on for bytes
+    the client never sends (its template matched the longer slot's start)."""
+    digests = _digests(monkeypatch)
+    infer = Infer()
+    body = bytes(range(256)) * 400  # 102,400 bytes
+    async with parked_serving(infer) as (conn, client):
+        await _taught(infer, conn, client, body)
+        await _answered(infer, client, body, "ping", 30_000)
+        assert conn._gap == 13 + 17 + 9
+        await _answered(infer, client, body, "window", None)
+        await _answered(infer, client, body, "window", None)
+    assert digests == [hashlib.sha256(body).digest()] * 7
+
+
+async def test_a_call_read_whole_with_fewer_bytes_between_frames_than_predicted(monkeypatch):
+    """A predicted call without the WINDOW_UPDATE between its frames, come
+    whole before the reader woke: taken, not waited on for one byte more."""
+    digests = _digests(monkeypatch)
+    infer = Infer()
+    body = bytes(range(256)) * 400
+    async with parked_serving(infer) as (conn, client):
+        await _taught(infer, conn, client, body)
+        await _answered(infer, client, body, "", None)
+        await _answered(infer, client, body, "window", None)
+    assert digests == [hashlib.sha256(body).digest()] * 6

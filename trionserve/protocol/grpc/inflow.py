@@ -36,7 +36,11 @@ place (``MessageReader.offered``), else every byte read goes to the frame loop,
 copied out, and the prediction is dropped until a call teaches it again. A
 read that holds the head but not the whole call is followed by one more
 before anything is taken (the rest of the first DATA frame and a frame header
-waited for, all of it once the frames between are in). A call so read whole
+waited for, all of it once the frames between are in as predicted, else any
+byte while too few came for the whole call: one whose frames between are
+fewer bytes than the last one's may be whole already, and a wait for more
+would last until the client sends its next call, which it sends only once
+this one is answered). A call so read whole
 whose frames the frame loop would take the common way (its HEADERS the
 client's last block, only WINDOW_UPDATEs among its frames, its message ending
 the stream within both windows: ``_whole_call``) is taken in one step
@@ -274,13 +278,19 @@ class MessageReads:
             # The rest of the call, read before any of it is taken, after a
             # wait for the bytes the client sends without hearing from us (its
             # windows hold the message): the rest of its first DATA frame and
-            # the next frame's header; all of it once the frames between are in.
+            # the next frame's header; all of it once the frames between are
+            # in as predicted; else a byte, only while the bytes past the head
+            # are too few for the whole call (the message and a DATA header:
+            # a call with fewer bytes between its frames may be whole).
             got = received - size
             if slot is None or (got >= first + len(slot) and self._whole_as(data, slot, template)):
                 least = total - received
+            elif got < first:
+                least = first - got + 9
             else:
-                least = first - got + 9 if got < first else 1
-            received += await receiver.receive_into(_past(views[1:], got), least, True)
+                least = 1 if got < length + 9 else 0
+            if least:
+                received += await receiver.receive_into(_past(views[1:], got), least, True)
         self._arrived = (stream_id, message, views[1:], received - size)
         if received == total:
             self._whole = self._whole_as(data, slot, template)
@@ -530,8 +540,11 @@ def _as(
     data: bytes | memoryview,
     sid: bytes,
 ) -> bool:
-    """Whether ``data`` is as the ``template`` (_pieces) with ``sid`` for its stream id."""
+    """Whether ``data`` is as the ``template`` (_pieces) with ``sid`` for its stream id,
+    of its length."""
     pieces, owns = template
+    if len(data) != pieces[-1][1]:
+        return False
     for start, stop, piece in pieces:
         if data[start:stop] != piece:
             return False
