@@ -3,14 +3,16 @@
 Usage:
     python -m benchmarks.device_sim [--duration 5] [--rounds 1] [--concurrency 32]
         [--protocols http,grpc] [--servers stub,inproc,triton]
-        [--base-ms 4] [--per-item-ms 0.25] [--perf-analyzer PATH] [--cache DIR]
+        [--base-ms 4] [--per-item-ms 0.25] [--elements 1000] [--server-flags "..."]
+        [--perf-analyzer PATH] [--cache DIR]
 
 The model is the benchmark's own (``benchmarks/models/device_sim``): a
 Python-backend ``model.py`` whose ``execute`` reads every request's ``INPUT0``,
 sleeps ``base + per_item x items`` seconds with the GIL released (a device's
 forward: 4 ms + 0.25 ms per item by default, a GPU's order of magnitude) and
 answers each request with its input as ``OUTPUT0``; FP32 ``[1000]`` in and out
-(4 KB), ``max_batch_size: 16``, ``dynamic_batching { max_queue_delay_microseconds:
+(4 KB; ``--elements 150528``: a 602 KB input, the CNN's image, answered with its first
+1000), ``max_batch_size: 16``, ``dynamic_batching { max_queue_delay_microseconds:
 200 }``, one ``KIND_CPU`` instance. The servers, side by side in one run:
 
 - ``stub``: trionserve, the model in a stub process (Triton's way);
@@ -67,17 +69,30 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def write_model(
-    repository: Path, name: str, base_s: float, per_item_s: float, extra: str = ""
+    repository: Path,
+    name: str,
+    base_s: float,
+    per_item_s: float,
+    extra: str = "",
+    elements: int = 1000,
 ) -> None:
     """The device model into ``repository`` as ``name``, with its timings and any
-    ``extra`` config lines (trionserve's execution mode)."""
+    ``extra`` config lines (trionserve's execution mode); ``elements``: FP32 elements
+    of INPUT0 (other than 1000: OUTPUT0 is its first 1000, a classifier's answer)."""
     directory = repository / name
     (directory / "1").mkdir(parents=True)
     shutil.copy(MODEL / "1" / "model.py", directory / "1" / "model.py")
     config = (MODEL / "config.pbtxt").read_text().replace('"device_sim"', f'"{name}"')
+    parameters = [("BASE_SECONDS", base_s), ("PER_ITEM_SECONDS", per_item_s)]
+    if elements != 1000:
+        config = config.replace(
+            'name: "INPUT0" data_type: TYPE_FP32 dims: [ 1000 ]',
+            f'name: "INPUT0" data_type: TYPE_FP32 dims: [ {elements} ]',
+        )
+        parameters.append(("OUTPUT_ELEMENTS", 1000))
     timings = "".join(
         f'parameters {{ key: "{key}" value: {{ string_value: "{value!r}" }} }}\n'
-        for key, value in (("BASE_SECONDS", base_s), ("PER_ITEM_SECONDS", per_item_s))
+        for key, value in parameters
     )
     (directory / "config.pbtxt").write_text(config + timings + extra)
 
@@ -90,10 +105,11 @@ class _TritonWithDevice(Triton):
 
     base_s = 0.004
     per_item_s = 0.00025
+    elements = 1000
 
     def write_models(self, workdir: Path) -> Path:
         repository = super().write_models(workdir)
-        write_model(repository, "device_sim", self.base_s, self.per_item_s)
+        write_model(repository, "device_sim", self.base_s, self.per_item_s, elements=self.elements)
         return repository
 
 
@@ -224,6 +240,14 @@ def main() -> None:
     parser.add_argument("--servers", default="stub,inproc,triton")
     parser.add_argument("--base-ms", type=float, default=4.0)
     parser.add_argument("--per-item-ms", type=float, default=0.25)
+    parser.add_argument(
+        "--elements",
+        type=int,
+        default=1000,
+        help="FP32 elements of a request's input (150528: the CNN's 602 KB image; the "
+        "answer is then its first 1000)",
+    )
+    parser.add_argument("--server-flags", default="", help="more trionserve flags")
     parser.add_argument("--perf-analyzer", help="the perf_analyzer binary (default: PyPI's)")
     parser.add_argument("--cache", type=Path, default=default_cache())
     args = parser.parse_args()
@@ -244,14 +268,23 @@ def main() -> None:
             if {"stub", "inproc"} & set(servers):
                 repository = root / "trionserve"
                 repository.mkdir()
-                write_model(repository, "device_sim", *timings)
-                write_model(repository, "device_sim_inproc", *timings, extra=IN_PROCESS)
-                process, target = start_trionserve("trionserve", repository, ready_timeout=300)
+                write_model(repository, "device_sim", *timings, elements=args.elements)
+                write_model(
+                    repository,
+                    "device_sim_inproc",
+                    *timings,
+                    extra=IN_PROCESS,
+                    elements=args.elements,
+                )
+                process, target = start_trionserve(
+                    "trionserve", repository, shlex.split(args.server_flags), ready_timeout=300
+                )
                 running.append(process)
                 targets["stub"] = (target, "device_sim")
                 targets["inproc"] = (target, "device_sim_inproc")
             if "triton" in servers:
                 _TritonWithDevice.base_s, _TritonWithDevice.per_item_s = timings
+                _TritonWithDevice.elements = args.elements
                 triton = _TritonWithDevice(args.cache / "peers", install_timeout=1800)
                 try:
                     triton.install()

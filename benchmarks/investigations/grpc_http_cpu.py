@@ -2,6 +2,7 @@
 
 Usage:
     python -m benchmarks.investigations.grpc_http_cpu [--tree LABEL=PATH ...]
+        [--variant 'LABEL=FLAGS' ...]
         [--rounds 10] [--calls 300] [--model simple] [--repository DIR] [--flags "..."]
         [--callgrind] [--cnn]
 
@@ -214,6 +215,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar='LABEL="FLAGS"',
+        help="this checkout's server again with more flags, compared as a --tree",
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--model", default="simple")
@@ -239,10 +247,14 @@ def main() -> None:
     python = _callgrind_python(directory) if args.callgrind else None
     trees: list[tuple[str, Path | None]] = [("this", None)]
     trees += [(label, Path(path)) for label, path in (t.split("=", 1) for t in args.tree)]
+    # A variant: this checkout with more flags of its own (compared as a tree is).
+    variants = dict(v.split("=", 1) for v in args.variant)
+    trees += [(label, None) for label in variants]
     servers = []
     try:
         for label, tree in trees:
             flags = ["--allow-metrics=false", *args.flags.split()]
+            flags += variants.get(label, "").split()
             server = TrionServe(args.repository, args=flags, label=label, tree=tree, python=python)
             servers.append(server)
             server.wait_http(server.http_url, f"/v2/models/{args.model}/ready", 900)
