@@ -24,6 +24,7 @@ import trio.lowlevel
 import trio.testing
 
 from tests.unit.test_grpc_transport import GoAway, Handlers, RawClient, frame
+from trionserve.core.client_budget import ClientBudget
 from trionserve.protocol.grpc.call import Method
 from trionserve.protocol.grpc.connection import Connection
 from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
@@ -178,6 +179,48 @@ def test_a_message_within_the_window_gets_its_window_back_at_once():
     call = buffer.open(1)
     assert buffer.received(call, 50, 0, [50]) == [Window(1, ack=50)]
     assert buffer.held == 50 and call.queued == 50
+
+
+def _buffer_in(state: str) -> ConnectionBuffer:
+    """A buffer of a connection with another call in ``state``."""
+    buffer = ConnectionBuffer(limit=800, window=700, budget=ClientBudget(10_000))
+    other = buffer.open(1)
+    if state == "held back":  # its queue past its window
+        buffer.received(other, 750, 0, [750])
+    elif state == "working":
+        buffer.received(other, 200, 0, [200])
+        buffer.taken(other, 200)
+    elif state == "in part":
+        buffer.received(other, 100, 100, [])
+    return buffer
+
+
+def _counted(buffer: ConnectionBuffer) -> tuple:
+    accounts = [
+        (a.queued, a.partial, a.working, a.unacked, a.deferred_ack, a.deferred_stream)
+        for a in buffer._accounts.values()
+    ]
+    budget = buffer.budget
+    assert budget is not None
+    held_back = [a.stream_id for a in buffer._held_back]
+    return buffer.held, buffer.peak, buffer.unacked, held_back, accounts, budget.held
+
+
+@pytest.mark.parametrize("state", ["new", "held back", "working", "in part"])
+@pytest.mark.parametrize("length", [1, 250, 600, 650, 700, 701, 900])
+def test_a_whole_message_counted_at_once_as_received_counts_it(state, length):
+    """ConnectionBuffer.whole (a call taken whole, inflow._take_whole) counts
+    what ``received`` counts for the call's one DATA frame when ``received``
+    gives its whole window back at once, else counts nothing."""
+    by_frame, at_once = _buffer_in(state), _buffer_in(state)
+    windows = by_frame.received(by_frame.open(3), length + 5, 0, [length])
+    account = at_once.open(3)
+    if at_once.whole(account, length):
+        assert windows == [Window(3, ack=length + 5)]
+    else:
+        assert _counted(at_once)[0] == _counted(_buffer_in(state))[0]
+        assert at_once.received(account, length + 5, 0, [length]) == windows
+    assert _counted(at_once) == _counted(by_frame)
 
 
 def test_a_message_s_window_comes_back_once_with_its_end():

@@ -153,6 +153,23 @@ class ConnectionBuffer:
             windows.append(Window(account.stream_id, ack=flow))
         return windows
 
+    def whole(self, account: Account, length: int) -> bool:
+        """A new call's message of ``length`` bytes came whole, with its stream's
+        end: counted as ``received`` counts it (its DATA frames' ``length + 5``
+        flow-controlled bytes) when it gives their window back at once and
+        nothing else: nothing held back, the message within the stream's window
+        and the connection's limit. False: nothing counted (``received``'s)."""
+        held = self.held + length
+        if self._held_back or length > self.window or held > self.limit:
+            return False
+        account.queued = length
+        self.held = held
+        if held > self.peak:
+            self.peak = held
+        if self.budget is not None and length:
+            self.budget.reserve(length)
+        return True
+
     def refused(self, account: Account) -> list[Window]:
         """A message of the call was refused: what it queued is dropped."""
         dropped = account.queued + account.partial
