@@ -68,8 +68,6 @@ import struct
 import sys
 import zlib
 
-import trio
-
 # Bytes of each slot: an execute of a dynamic batch of small requests (tensors
 # of up to 1 KiB ride inside it) fits many times over.
 SLOT_SIZE = 256 * 1024
@@ -200,6 +198,10 @@ class Lane:
     async def wait(self) -> None:
         """Wait in Trio until this side's doorbell rings (the server). Only the
         task that reads replies waits here, one at a time."""
+        # Imported here: the stub, which imports this module, never runs Trio, and
+        # importing it costs each stub process's start about 0.2 s of CPU.
+        import trio
+
         await trio.lowlevel.wait_readable(self._bell_in)
         os.read(self._bell_in, 8)
 
