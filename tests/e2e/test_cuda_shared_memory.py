@@ -162,23 +162,19 @@ def test_http_register_rejects_a_malformed_handle(http_client):
         http_client.register_cuda_shared_memory("r", base64.b64encode(b"short").decode(), 0, 64)
 
 
-def test_cuda_shm_needs_allow_client_shm():
-    server = ServerProcess()
-    try:
-        server.wait_ready()
-        client = httpclient.InferenceServerClient(server.http_url)
-        assert client.get_cuda_shared_memory_status() == []
-        with pytest.raises(InferenceServerException, match="--allow-client-shm"):
-            client.register_cuda_shared_memory("r", HANDLE_B64, 0, 64)
-        client.close()
-        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-        assert grpc.get_cuda_shared_memory_status().regions == {}
-        with pytest.raises(InferenceServerException, match="--allow-client-shm"):
-            grpc.register_cuda_shared_memory("r", HANDLE_B64.encode(), 0, 64)
-        grpc.close()
-        assert server.stop() == 0
-    finally:
-        server.close()
+def test_cuda_shm_needs_allow_client_shm(server):
+    # The session's server (tests/conftest.py): started without --allow-client-shm,
+    # so no test can have registered a region there; it must stop cleanly at the end.
+    client = httpclient.InferenceServerClient(server.http_url)
+    assert client.get_cuda_shared_memory_status() == []
+    with pytest.raises(InferenceServerException, match="--allow-client-shm"):
+        client.register_cuda_shared_memory("r", HANDLE_B64, 0, 64)
+    client.close()
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+    assert grpc.get_cuda_shared_memory_status().regions == {}
+    with pytest.raises(InferenceServerException, match="--allow-client-shm"):
+        grpc.register_cuda_shared_memory("r", HANDLE_B64.encode(), 0, 64)
+    grpc.close()
 
 
 # -- the real thing ------------------------------------------------------------------

@@ -667,12 +667,12 @@ def test_gpu_metrics_can_be_turned_off():
 
 
 @pytest.mark.skipif(GPUS > 0 and has("pynvml"), reason="this host has GPU metrics")
-def test_without_nvml_or_a_gpu_the_log_says_why():
-    with serving(EXAMPLES) as proc:
-        families = scrape_metrics(proc)
-        log = proc.output()
+def test_without_nvml_or_a_gpu_the_log_says_why(server):
+    # The session's server (tests/conftest.py): the example repository, default
+    # flags; it must stop cleanly at the end.
+    families = scrape_metrics(server)
     assert not [name for name in families if name.startswith("nv_gpu_")]
-    assert "GPU metrics off" in log
+    assert "GPU metrics off" in server.output()
 
 
 # -- the pipelined GPU executor under load (races show here, if anywhere) --------------
