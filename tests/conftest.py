@@ -1,4 +1,5 @@
-"""Shared fixtures: a real trionserve serving the example repository."""
+"""Shared fixtures: a real trionserve serving the example repository, one for the
+session and, with client shared memory allowed, one for each module that asks."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def http_client(server):
     client = httpclient.InferenceServerClient(server.http_url)
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def shm_server():
+    """A server of the example repository with --allow-client-shm=true, for one module."""
+    server = ServerProcess(args=["--allow-client-shm=true"])
+    try:
+        server.wait_ready()
+        yield server
+        assert server.stop() == 0
+    finally:
+        server.close()

@@ -10,7 +10,6 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import ServerProcess
 from trionserve.core.cuda_shared_memory import (
     CUDA_IPC_HANDLE_SIZE,
     CudaSharedMemory,
@@ -89,17 +88,6 @@ def test_resolver_sends_unknown_names_to_system_shared_memory():
 
 
 # -- over the wire, on a host without cupy or a GPU --------------------------------
-
-
-@pytest.fixture(scope="module")
-def shm_server():
-    server = ServerProcess(args=["--allow-client-shm=true"])
-    try:
-        server.wait_ready()
-        yield server
-        assert server.stop() == 0
-    finally:
-        server.close()
 
 
 @pytest.fixture

@@ -11,19 +11,6 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from tests.serverproc import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def shm_server():
-    server = ServerProcess(args=["--allow-client-shm=true"])
-    try:
-        server.wait_ready()
-        yield server
-        assert server.stop() == 0
-    finally:
-        server.close()
-
 
 @pytest.fixture
 def regions():
