@@ -16,7 +16,10 @@ takes the answer as a view. Two ways of putting the request in: ``copy`` (the bo
 received into the front end's buffer, copied into the slot: a front end as today plus a copy)
 and ``direct`` (the slot is the receive buffer: a front end whose socket reads straight into
 shared memory; here a socketpair stands for the client, so the kernel's copy is counted as
-the loop's receive is today).
+the loop's receive is today), and ``trio``: ``direct`` with the front end waiting for the
+answer's ``eventfd`` under Trio (``wait_readable``: a pass of its run loop per call, what a
+front end pays if its loop must hear of each answer; the blocking modes read the ``eventfd``
+in place). Each front end's round runs inside ``trio.run``.
 
 Printed per mode, medians over rounds: CPU µs per call on each side (``time.thread_time`` of
 the thread doing the work: the front end's, the model process's) and the round trip's wall
@@ -37,6 +40,7 @@ import time
 from multiprocessing import shared_memory
 
 import numpy as np
+import trio
 
 _ANSWER_AT = 1 << 20  # the answer's offset in a slot (past the largest request)
 
@@ -62,7 +66,8 @@ def _model_process(name: str, to_model: int, to_front: int, size: int, answer: i
 
 def _rounds(mode: str, calls: int, rounds: int, size: int, answer: int) -> dict[str, list]:
     memory = shared_memory.SharedMemory(create=True, size=_ANSWER_AT + answer)
-    to_model, to_front = os.eventfd(0), os.eventfd(0)
+    to_model = os.eventfd(0)
+    to_front = os.eventfd(0, os.EFD_NONBLOCK if mode == "trio" else 0)
     process = multiprocessing.get_context("fork").Process(
         target=_model_process, args=(memory.name, to_model, to_front, size, answer)
     )
@@ -89,11 +94,10 @@ def _rounds(mode: str, calls: int, rounds: int, size: int, answer: int) -> dict[
     try:
         for _ in range(rounds + 1):  # (the first is a warm-up)
             model_before = _process_cpu(pid)
-            front_cpu = 0.0
-            wall = 0.0
-            for _ in range(calls):
+
+            async def call() -> tuple[float, float]:
                 go.release()
-                view = memoryview(slot if mode == "direct" else received)
+                view = memoryview(slot if mode != "copy" else received)
                 got = 0
                 while got < size:
                     got += server.recv_into(view[got:], size - got, socket.MSG_WAITALL)
@@ -103,12 +107,22 @@ def _rounds(mode: str, calls: int, rounds: int, size: int, answer: int) -> dict[
                     slot[:] = received
                 # the hand-off, there and back
                 os.eventfd_write(to_model, 1)
+                if mode == "trio":  # the front end's event loop waits: one pass of Trio's
+                    await trio.lowlevel.wait_readable(to_front)
                 os.eventfd_read(to_front)
                 answer_view = np.ndarray((answer // 4,), np.float32, memory.buf, _ANSWER_AT)
                 float(answer_view[0])
                 del answer_view
-                front_cpu += time.thread_time() - started_cpu
-                wall += time.perf_counter() - started
+                return time.thread_time() - started_cpu, time.perf_counter() - started
+
+            async def calls_in_turn() -> tuple[float, float]:
+                cpu = elapsed = 0.0
+                for _ in range(calls):
+                    spent, took = await call()
+                    cpu, elapsed = cpu + spent, elapsed + took
+                return cpu, elapsed
+
+            front_cpu, wall = trio.run(calls_in_turn)
             model = _process_cpu(pid) - model_before
             figures["front"].append(front_cpu / calls * 1e6)
             figures["model"].append(model / calls * 1e6)
@@ -150,7 +164,7 @@ def main() -> None:
         f"between two processes, medians of {args.rounds} rounds of {args.calls} calls"
     )
     print(f"{'mode':<8} {'front CPU us':>12} {'model CPU us':>12} {'wall us':>8}")
-    for mode in ("direct", "copy"):
+    for mode in ("direct", "copy", "trio"):
         figures = _rounds(mode, args.calls, args.rounds, args.size, args.answer)
         front, model, wall = (statistics.median(figures[k]) for k in ("front", "model", "wall"))
         print(f"{mode:<8} {front:>12.1f} {model:>12.1f} {wall:>8.1f}")
