@@ -130,3 +130,25 @@ async def test_a_connection_cancelled_while_the_thread_holds_its_body(nursery):
     assert server.receiver.active == 0
     assert await client.closed()
     assert app.bodies == []
+
+
+async def test_a_thread_that_fails_gives_back_what_it_holds_and_the_loop_reads_on(
+    nursery, monkeypatch
+):
+    """A bug in the thread ends the body it holds as a failed read (its connection only) and
+    leaves the next bodies to the loop: no connection waits for a thread that is gone."""
+
+    def broken(job, now):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ReceiveThread, "_read", staticmethod(broken))
+    app = App()
+    server, port, _, _ = await _serve(nursery, app)
+    client = await Client.connect(port)
+    await client.send_raw(post("/echo", _BODY))
+    assert await client.closed()
+    assert server.receiver is not None and server.receiver.failed
+    other = await Client.connect(port)
+    await other.send_raw(post("/echo", _BODY))
+    assert (await other.response())[2] == _BODY
+    assert server.receiver.bodies == 1 and server.receiver.active == 0

@@ -15,7 +15,9 @@ What it keeps:
 - Exactly one outcome: each job is given back once (:meth:`ReceiveThread._finish`), whole or
   with what came and why it stopped. A task cancelled while it waits tells the thread to let go
   and waits for that (shielded: the thread answers at once) before the cancellation goes on, so
-  no thread reads into a buffer, or polls a descriptor, that its connection let go.
+  no thread reads into a buffer, or polls a descriptor, that its connection let go. A thread
+  that fails (a bug) gives back what it holds as failed reads, and the loop reads every body
+  after it.
 - Bounded: at most ``max_jobs`` bodies at once (a body past it is read by the loop as before);
   the bodies' bytes count in the server's client budget from their heads, as before.
 - The body's timeout: no byte of it for ``timeout`` seconds ends it (the caller answers 408).
@@ -31,9 +33,9 @@ import select
 import socket as _socket
 import threading
 import time
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
+import structlog
 import trio
 
 from trionserve.protocol.http.h1 import ProtocolError
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from trionserve.protocol.http.h1_request import Request
 
 __all__ = ["ReceiveThread", "Received", "body_end"]
+
+log = structlog.get_logger(__name__)
 
 _LOWAT = getattr(_socket, "SO_RCVLOWAT", None)
 _POLLIN = select.POLLIN | select.POLLERR | select.POLLHUP
@@ -89,10 +93,12 @@ class ReceiveThread:
         self.max_jobs = max_jobs
         self.active = 0  # jobs handed over and not given back (the loop's count)
         self.bodies = 0  # jobs handed over in all
-        self._new: deque[Received] = deque()  # handed over, not yet taken by the thread
+        self._new: list[Received] = []  # handed over, not yet taken by the thread
         self._wake = os.eventfd(0, _EFD)
         self._free: list[int] = []  # eventfds a job's end is told by, kept for the next
         self._stopping = False
+        self._lock = threading.Lock()  # the hand-over of new jobs, and the thread's failure
+        self.failed = False  # the thread failed: the loop reads every body
 
     def takes(self, rest: memoryview | None, stream: object) -> bool:
         """Whether a body's empty ``rest`` (None: not a declared body's) read from ``stream``
@@ -101,6 +107,7 @@ class ReceiveThread:
             rest is not None
             and len(rest) >= self.min_bytes
             and self.active < self.max_jobs
+            and not self.failed
             and getattr(stream, "socket", None) is not None
         )
 
@@ -126,7 +133,12 @@ class ReceiveThread:
         self.active += 1
         self.bodies += 1
         job.back = self._free.pop() if self._free else os.eventfd(0, _EFD)
-        self._new.append(job)
+        with self._lock:
+            if self.failed:  # (takes said no since; one that came between fails as a read)
+                job.error = OSError("the receive thread failed")
+                os.eventfd_write(job.back, 1)
+            else:
+                self._new.append(job)
         os.eventfd_write(self._wake, 1)
         try:
             await trio.lowlevel.wait_readable(job.back)
@@ -138,16 +150,33 @@ class ReceiveThread:
             raise
         finally:
             self.active -= 1
-            os.eventfd_read(job.back)
-            self._free.append(job.back)
+            try:
+                os.eventfd_read(job.back)
+            except BlockingIOError:
+                pass  # (interrupted before it was given back: the thread may still tell it)
+            else:
+                self._free.append(job.back)
         return job
 
     # -- the thread -----------------------------------------------------------
 
     def _loop(self) -> None:
+        jobs: dict[int, Received] = {}
+        try:
+            self._serve(jobs)
+        except BaseException:  # a bug: every body it holds fails (the loop reads the next ones)
+            log.exception("the receive thread failed")
+            with self._lock:
+                self.failed = True
+                held = [*jobs.values(), *self._new]
+                self._new.clear()
+            for job in held:
+                job.error = OSError("the receive thread failed")
+                os.eventfd_write(job.back, 1)
+
+    def _serve(self, jobs: dict[int, Received]) -> None:
         poller = select.poll()
         poller.register(self._wake, select.POLLIN)
-        jobs: dict[int, Received] = {}
         while not self._stopping:
             wait = None
             if jobs:
@@ -158,8 +187,10 @@ class ReceiveThread:
             for fd, _ in events:
                 if fd == self._wake:
                     os.eventfd_read(self._wake)
-                    while self._new:
-                        job = self._new.popleft()
+                    with self._lock:
+                        new = [*self._new]
+                        self._new.clear()
+                    for job in new:
                         job.deadline = now + job.timeout
                         jobs[job.fd] = job
                         self._read(job, now)  # (bytes there: no wait)
