@@ -50,10 +50,8 @@ What holds:
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import h2.exceptions as h2_exceptions
@@ -231,49 +229,13 @@ class CallAnswer:
             return False
 
 
-def _held_write() -> Callable[..., int] | None:
-    """libc's ``write`` called with the GIL held (``ctypes.PyDLL``), or None."""
-    try:
-        write = ctypes.PyDLL(None, use_errno=True).write
-    except (OSError, AttributeError):
-        return None
-    write.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t)
-    write.restype = ctypes.c_ssize_t
-    return write
-
-
-# The thread's write of an answer keeps the GIL through the system call. With
-# ``os.write`` (which lets the GIL go), the client often had the answer, sent
-# its next call and woken the loop before the thread had the GIL back to mark
-# the answer written and let its lock go: the loop's take then waited for the
-# lock, then for the GIL, with two switches of thread (in 13-28% of calls under
-# a shared machine's load; 0.2% holding the GIL, benchmarks/README.md, issue
-# 39's thirteenth round). A non-blocking write of at most JOIN_LIMIT and its
-# frames holds the GIL for microseconds.
-_HELD_WRITE = _held_write()
-_RETRY = (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR)
-
-
 def _write_now(socket: trio.socket.SocketType, data: bytes | bytearray) -> list[memoryview]:
-    """``send_pieces_now(socket, [data])`` for one buffer, the GIL held through
-    the write (above): the rest's view, if any."""
+    """``send_pieces_now(socket, [data])`` for one buffer: the rest's view, if any."""
     fd = socket.fileno()
     if fd < 0:
         raise trio.ClosedResourceError("the stream was closed")
-    write, kind = _HELD_WRITE, type(data)
-    if write is None or not data or (kind is not bytes and kind is not bytearray):
-        try:
-            written = os.write(fd, data)
-        except BlockingIOError:
-            written = 0
-    else:
-        size = len(data)
-        written = write(
-            fd, data if kind is bytes else ctypes.byref(ctypes.c_char.from_buffer(data)), size
-        )
-        if written < 0:
-            code = ctypes.get_errno()
-            if code not in _RETRY:
-                raise OSError(code, os.strerror(code))
-            written = 0
+    try:
+        written = os.write(fd, data)
+    except BlockingIOError:
+        written = 0
     return [memoryview(data)[written:]] if written < len(data) else []
