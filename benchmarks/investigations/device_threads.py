@@ -2,13 +2,15 @@
 
 Usage:
     python -m benchmarks.investigations.device_threads [--concurrency 32] [--calls 25]
-        [--rounds 6] [--elements 150528] [--flags "--http-receive-thread-bytes=65536"]
+        [--rounds 6] [--elements 150528] --flags "FLAGS"
 
 benchmarks.device_sim's device (a Python model, in process, that sleeps 4 ms + 0.25 ms per item
 with the GIL released, max batch 16) with an input of ``--elements`` FP32 (150528: the CNN's
 602 KB image) answered with its first 1,000, served twice: ``off`` (this checkout as it is) and
-``on`` (with ``--flags``). Each window, ``--concurrency`` tritonclient HTTP threads (each its own
-connection, opened before the window) send ``--calls`` calls each; the windows alternate between
+``on`` (with ``--flags``, trionserve flags to compare: the thirteenth round compared
+``--http-receive-thread-bytes=65536``, an option since taken out). Each window,
+``--concurrency`` tritonclient HTTP threads (each its own connection, opened before the window)
+send ``--calls`` calls each; the windows alternate between
 the servers, the order swapped every round. Printed per window and as medians: infer/s, the mean
 batch (statistics extension), the device's busy share ``infer/s x (base + per_item x b) / b``,
 and the server's CPU per inference on its event loop and in all (``/proc``, 10 ms ticks).
@@ -99,7 +101,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=25, help="calls per thread and window")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--elements", type=int, default=150528)
-    parser.add_argument("--flags", default="--http-receive-thread-bytes=65536")
+    parser.add_argument("--flags", required=True, help="the flags of the 'on' server")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="device-threads-") as scratch:
         repository = Path(scratch)

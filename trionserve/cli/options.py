@@ -332,7 +332,6 @@ def parse_options(argv: list[str] | None) -> tuple[ServerOptions, argparse.Names
             max_connections=args.http_max_connections,
             header_timeout=args.http_header_timeout,
             keep_alive_timeout=args.http_keep_alive_timeout,
-            receive_thread_bytes=args.http_receive_thread_bytes,
             reuse_port=reuse_port or args.reuse_http_port,
             header_forward_pattern=args.http_header_forward_pattern,
             restricted_apis=restricted_features(

@@ -243,15 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
         "(default 60; not in Triton, whose HTTP server keeps idle connections open)",
     )
     add(
-        "--http-receive-thread-bytes",
-        type=non_negative_int,
-        default=0,
-        metavar="BYTES",
-        help="a request body of declared length whose rest is this many bytes or more is "
-        "received by a thread of the listener, off the event loop (default 0: by the event "
-        "loop; see benchmarks/README.md for when it pays)",
-    )
-    add(
         "--reuse-http-port",
         type=boolean,
         default=False,

@@ -623,9 +623,6 @@ class HttpOptions:
     # Bind with SO_REUSEPORT: worker processes share the port (--workers,
     # --reuse-http-port).
     reuse_port: bool = False
-    # A declared body's rest this large or larger is read by a thread of the listener
-    # (--http-receive-thread-bytes); 0: by the event loop.
-    receive_thread_bytes: int = 0
     # Headers of infer requests whose name matches this regular expression reach
     # the model as request parameters (--http-header-forward-pattern).
     header_forward_pattern: str | None = None
@@ -642,7 +639,6 @@ class HttpOptions:
             header_timeout=self.header_timeout,
             keep_alive_timeout=self.keep_alive_timeout,
             reuse_port=self.reuse_port if reuse_port is None else reuse_port,
-            receive_thread_bytes=self.receive_thread_bytes,
         )
 
 

@@ -56,9 +56,6 @@ class HttpServerOptions:
     # 138-144 -> 93-117 us, benchmarks.investigations.body_receive).
     head_receive_size: int = 16 * 1024
     backlog: int = 1024
-    # A declared body whose rest is this many bytes or more is read by a thread of the
-    # listener, off the event loop (protocol/receive_thread.py); 0: by the loop, always.
-    receive_thread_bytes: int = 0
     # Bind with SO_REUSEPORT: worker processes share the port (--workers).
     reuse_port: bool = False
     # How long a closing connection waits for the client to close its side, so

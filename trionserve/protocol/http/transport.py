@@ -82,7 +82,6 @@ from trionserve.protocol.http.h1_request import request_stamps
 from trionserve.protocol.http.state import Client
 from trionserve.protocol.http.streamed import JOIN_LIMIT, send_streamed
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
-from trionserve.protocol.receive_thread import ReceiveThread, body_end
 from trionserve.protocol.sockets import (
     HeldWrite,
     readv_now,
@@ -108,7 +107,8 @@ __all__ = [
     "Router",
 ]
 
-# A body read without waiting yields to the other tasks after this many bytes (a fast client).
+# A body read without waiting (its bytes already there) yields to the other tasks after this many
+# bytes, so that a fast client cannot hold the loop.
 _YIELD_BYTES = 4 * 1024 * 1024
 # The server's tick, and a request handled this long gets a watcher on its socket so that a client
 # hanging up cancels it (each tick wakes the loop cold: ~0.27 ms, README).
@@ -140,8 +140,6 @@ class HttpServer:
         # Connections handling a request, and when it started.
         self._handling: dict[_Connection, float] = {}
         self.heads = HeadCache()
-        # Large bodies' rests read by a thread of the listener (--http-receive-thread-bytes).
-        self.receiver = ReceiveThread(size) if (size := self.options.receive_thread_bytes) else None
         # Read into by every connection (chunked bodies, a closing one's last bytes) between awaits.
         self.receive_buffer = memoryview(bytearray(self.options.receive_size))
         self.acceptor = Acceptor(
@@ -171,8 +169,6 @@ class HttpServer:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self.watch_slow_requests, nursery)
-                if self.receiver is not None:
-                    nursery.start_soon(self.receiver.run)
                 await self.acceptor.serve_until(
                     listeners, shutdown, graceful_timeout, self.drain, task_status=task_status
                 )
@@ -394,14 +390,13 @@ class _Connection:
         answer = self.answer
         if answer is None or not answer.readable or self._ended or self.server.draining:
             return None
-        if (buffers := self.h1.again_buffers()) is None:
+        h1 = self.h1
+        buffers = h1.again_buffers()
+        if buffers is None:
             return None
-        head, body = buffers
-        if (receiver := self.server.receiver) and receiver.takes(body, self.stream):
-            buffers = head, body[:0]  # (the body: the receive thread's, in _read_body)
         answer.readable = False  # (seen once)
         received = readv_now(answer.socket, buffers)  # (a socket of its own: it has an answer)
-        return None if received is None else self.h1.take_again(received, head, body)
+        return None if received is None else h1.take_again(received, *buffers)
 
     def _receive_ready(self) -> bool:
         """Whether the bytes its answer's wait saw come were read, at once (no wait: no idle
@@ -443,18 +438,16 @@ class _Connection:
         if request.expects_continue and h1.continue_needed(request):
             await self.stream.send_all(CONTINUE)
         stream = self.stream
-        empty = h1.body_pending(request)
-        timeout = self.server.options.header_timeout
-        if (receiver := self.server.receiver) and receiver.takes(empty, stream):
-            return body_end(h1, request, await receiver.receive(stream, empty, timeout))
         # A body already there (sent with its head, as clients send it) is read without the
         # deadline's cancel scope, a few microseconds a request.
+        empty = h1.body_pending(request)
         if empty is not None:
             received = receive_now(stream, empty)
             if received is not None:
                 h1.body_received(request, received)
                 if request.complete:
                     return h1.body(request)
+        timeout = self.server.options.header_timeout
         # A body that stops arriving times out: no byte of it for header_timeout (the deadline moves
         # on only when it passes: each move is an entry in Trio's deadline heap). A declared body is
         # read into its buffer (receive_into) waiting for all it still lacks: when the deadline
