@@ -6,9 +6,11 @@ import gzip
 import resource
 import zlib
 
+import numpy as np
 import pytest
 
 from trionserve.protocol.grpc.framing import (
+    CallBuffers,
     Compressed,
     MessageReader,
     prefix,
@@ -148,3 +150,24 @@ def test_an_announced_message_costs_only_what_arrived():
         assert reader.buffered == 15
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert grown_kib < 64 * 1024, f"peak RSS grew by {grown_kib} KiB"
+
+
+def test_call_buffers_reused_only_once_nothing_views_them():
+    """A repeated call's message buffer is taken again only when no message,
+    tensor or answer views it: two in turn at c=1, a new one while both are
+    viewed, the ones of another size let go."""
+    buffers = CallBuffers()
+    first = buffers.take(1000)
+    first_address = np.frombuffer(first, np.uint8).ctypes.data
+    tensor = np.frombuffer(first[8:], np.float32)  # a tensor of the message, parked
+    second = buffers.take(1000)
+    assert np.frombuffer(second, np.uint8).ctypes.data != first_address
+    del first
+    third = buffers.take(1000)  # the tensor still views the first: a new buffer
+    addresses = {np.frombuffer(b, np.uint8).ctypes.data for b in (second, third)}
+    assert first_address not in addresses and len(addresses) == 2
+    del tensor, third
+    again = buffers.take(1000)  # the last two kept: the third's, free again
+    assert np.frombuffer(again, np.uint8).ctypes.data in addresses
+    other = buffers.take(2000)  # another size: a new one, those of 1000 let go
+    assert len(other) == 2000 and len(buffers._arrays) == 1

@@ -138,7 +138,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
         self._gap, self._skipped, self._reading, self._kept = 9, 0, 0, 0
         self._head = memoryview(bytearray(inflow.HEAD_SLOT))
         self._call, self._arrived, self._whole, self._last_read = None, None, None, 0
-        self._template = None
+        self._template, self._buffers = None, grpc_framing.CallBuffers()
         # Bytes held for the calls (see TransportOptions.max_connection_buffer),
         # and the receivers waiting for room, woken when work in hand or
         # responses waiting go down: there may be room for a message again.

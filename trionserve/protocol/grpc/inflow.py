@@ -64,7 +64,6 @@ import struct
 from typing import TYPE_CHECKING
 
 import h2.exceptions
-import numpy as np
 import structlog
 from h2.errors import ErrorCodes
 
@@ -76,6 +75,7 @@ if TYPE_CHECKING:
     from trionserve.protocol.grpc.answer import CallAnswer
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
+    from trionserve.protocol.grpc.framing import CallBuffers
     from trionserve.protocol.grpc.options import TransportOptions
     from trionserve.protocol.grpc.parking import Handler, Parked
     from trionserve.protocol.grpc.state import ConnectionState
@@ -132,6 +132,7 @@ class MessageReads:
     # (_read_call). Then what landed past its head, for _take_arrived.
     _call: tuple[int, int, int] | None
     _head: memoryview
+    _buffers: CallBuffers  # the messages' buffers, reused
     _last_read: int
     _arrived: tuple[int, memoryview, tuple[memoryview, ...], int] | None
     # Of a call read whole as predicted, what _take_whole takes (_whole_call);
@@ -245,7 +246,7 @@ class MessageReads:
         assert self._call is not None
         size, length, first = self._call
         head = self._head[:size]
-        message = np.empty(length, np.uint8).data
+        message = self._buffers.take(length)
         first -= 5
         if first < length:
             gap = self._gap
