@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from trionserve.protocol.grpc.framing import (
+    KEPT_BYTES,
     CallBuffers,
     Compressed,
     MessageReader,
@@ -152,22 +153,37 @@ def test_an_announced_message_costs_only_what_arrived():
     assert grown_kib < 64 * 1024, f"peak RSS grew by {grown_kib} KiB"
 
 
+def address(buffer: memoryview) -> int:
+    return np.frombuffer(buffer, np.uint8).ctypes.data
+
+
 def test_call_buffers_reused_only_once_nothing_views_them():
     """A repeated call's message buffer is taken again only when no message,
-    tensor or answer views it: two in turn at c=1, a new one while both are
-    viewed, the ones of another size let go."""
+    tensor or answer views it; the last three of the size are kept (at c=1: the
+    call read, the call running, the last call's message still held a while)."""
     buffers = CallBuffers()
     first = buffers.take(1000)
-    first_address = np.frombuffer(first, np.uint8).ctypes.data
     tensor = np.frombuffer(first[8:], np.float32)  # a tensor of the message, parked
-    second = buffers.take(1000)
-    assert np.frombuffer(second, np.uint8).ctypes.data != first_address
     del first
-    third = buffers.take(1000)  # the tensor still views the first: a new buffer
-    addresses = {np.frombuffer(b, np.uint8).ctypes.data for b in (second, third)}
-    assert first_address not in addresses and len(addresses) == 2
-    del tensor, third
-    again = buffers.take(1000)  # the last two kept: the third's, free again
-    assert np.frombuffer(again, np.uint8).ctypes.data in addresses
-    other = buffers.take(2000)  # another size: a new one, those of 1000 let go
-    assert len(other) == 2000 and len(buffers._arrays) == 1
+    held = [buffers.take(1000) for _ in range(3)]  # all viewed: new ones
+    addresses = [tensor.ctypes.data - 8] + [address(b) for b in held]
+    assert len(set(addresses)) == 4
+    del tensor  # the first is no longer kept (the last three are)
+    again = buffers.take(1000)
+    assert address(again) not in addresses[1:]
+    del held[1]
+    assert address(buffers.take(1000)) == addresses[2]  # free again: taken
+    assert len(buffers.take(2000)) == 2000  # another size: those of 1000 let go
+    assert len(buffers._arrays) == 1
+
+
+def test_call_buffers_keep_fewer_large_ones():
+    """Past a third of KEPT_BYTES a connection keeps fewer of them."""
+    buffers = CallBuffers()
+    large = KEPT_BYTES // 2
+    held = [buffers.take(large) for _ in range(3)]
+    assert len({address(b) for b in held}) == 3 and len(buffers._arrays) == 2
+    held.clear()
+    buffers.take(KEPT_BYTES + 1)
+    buffers.take(KEPT_BYTES + 1)
+    assert len(buffers._arrays) == 1

@@ -28,6 +28,9 @@ ACCEPT_ENCODING = (b"grpc-accept-encoding", b"identity,deflate,gzip")
 # Messages up to this size go out as one joined DATA payload; larger ones are
 # written chunk by chunk from memoryviews, without joining.
 JOIN_LIMIT = 64 * 1024
+# The most bytes of buffers a connection keeps for its repeated calls'
+# messages (CallBuffers): three of a message up to a third of it, else fewer.
+KEPT_BYTES = 8 * 1024 * 1024
 
 
 def prefix(size: int, compressed: bool = False) -> bytes:
@@ -234,9 +237,11 @@ class CallBuffers:
     its pages faulted in again as its bytes land (~25 faults and a brk per 602
     KB call on the loop). A buffer is taken again only once nothing views it
     (a message, a tensor of a parked or answered call, an answer: each holds
-    its array through a view), read from its reference count. The last two of
-    the call's size are kept: at c=1 one is read into while the other's call
-    runs; the connection holds them (committed) while it lives."""
+    its array through a view), read from its reference count. The last three of
+    the call's size are kept (fewer past KEPT_BYTES): at c=1 one is read into
+    while the next one's call runs and the one before is still held a while
+    (its report not swept yet); the connection holds them (committed) while it
+    lives."""
 
     __slots__ = ("_arrays",)
 
@@ -251,7 +256,9 @@ class CallBuffers:
             if sys.getrefcount(array) == 3 and len(array) == length:
                 return array.data
         array = np.empty(length, np.uint8)
-        self._arrays = [*(a for a in arrays if len(a) == length)][-1:] + [array]
+        keep = min(3, KEPT_BYTES // length) - 1
+        self._arrays = [*(a for a in arrays if len(a) == length)][-keep:] if keep > 0 else []
+        self._arrays.append(array)
         return array.data
 
 
