@@ -11,6 +11,7 @@ import pytest
 
 from trionserve.protocol.grpc.framing import (
     KEPT_BYTES,
+    KEPT_TOTAL,
     CallBuffers,
     Compressed,
     MessageReader,
@@ -186,4 +187,25 @@ def test_call_buffers_keep_fewer_large_ones():
     held.clear()
     buffers.take(KEPT_BYTES + 1)
     buffers.take(KEPT_BYTES + 1)
-    assert len(buffers._arrays) == 1
+    assert not buffers._arrays  # (past KEPT_BYTES: none)
+    buffers.let_go()
+
+
+def test_call_buffers_of_all_connections_bounded_together():
+    """The buffers kept by every connection count together, up to KEPT_TOTAL:
+    past it a connection keeps none (each is as before: a new buffer per call),
+    and a connection that ends lets its kept bytes go."""
+    before = CallBuffers.kept
+    size = KEPT_BYTES // 3
+    connections = [CallBuffers() for _ in range(KEPT_TOTAL // KEPT_BYTES + 2)]
+    for buffers in connections:
+        for _ in range(3):
+            buffers.take(size)  # nothing holds them: one kept per connection
+    assert CallBuffers.kept - before <= KEPT_TOTAL
+    held = [buffers.take(size) for buffers in connections for _ in range(3)]
+    assert CallBuffers.kept - before <= KEPT_TOTAL
+    assert any(not buffers._arrays for buffers in connections)  # the cap was met
+    for buffers in connections:
+        buffers.let_go()
+    assert CallBuffers.kept == before
+    del held

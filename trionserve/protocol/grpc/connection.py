@@ -196,6 +196,7 @@ class Connection(SocketWriter, BufferWindows, ParkedCalls, MessageReads):
             self.take_answer()  # (the socket closes: the thread writes no more)
             self._idle.pop(self, None)
             self.buffer.let_go()
+            self._buffers.let_go()
             with trio.CancelScope(shield=True):
                 await lifetime.close_socket(self)
 

@@ -29,8 +29,11 @@ ACCEPT_ENCODING = (b"grpc-accept-encoding", b"identity,deflate,gzip")
 # written chunk by chunk from memoryviews, without joining.
 JOIN_LIMIT = 64 * 1024
 # The most bytes of buffers a connection keeps for its repeated calls'
-# messages (CallBuffers): three of a message up to a third of it, else fewer.
+# messages (CallBuffers): three of a message up to a third of it, else fewer,
+# none past it; and all connections of the process together (kept for no
+# request, they count in no client budget: this bounds their sum).
 KEPT_BYTES = 8 * 1024 * 1024
+KEPT_TOTAL = 64 * 1024 * 1024
 
 
 def prefix(size: int, compressed: bool = False) -> bytes:
@@ -240,13 +243,16 @@ class CallBuffers:
     its array through a view), read from its reference count. The last three of
     the call's size are kept (fewer past KEPT_BYTES): at c=1 one is read into
     while the next one's call runs and the one before is still held a while
-    (its report not swept yet); the connection holds them (committed) while it
-    lives."""
+    (its report not swept yet); the connection holds them (committed) until it
+    ends (:meth:`let_go`), within KEPT_TOTAL for all connections together."""
 
-    __slots__ = ("_arrays",)
+    __slots__ = ("_arrays", "_bytes")
+    # What every connection's CallBuffers keep together (on the loop only).
+    kept = 0
 
     def __init__(self) -> None:
         self._arrays: list[np.ndarray] = []
+        self._bytes = 0
 
     def take(self, length: int) -> memoryview:
         """A buffer of ``length`` bytes that nothing else views."""
@@ -256,10 +262,24 @@ class CallBuffers:
             if sys.getrefcount(array) == 3 and len(array) == length:
                 return array.data
         array = np.empty(length, np.uint8)
-        keep = min(3, KEPT_BYTES // length) - 1
-        self._arrays = [*(a for a in arrays if len(a) == length)][-keep:] if keep > 0 else []
-        self._arrays.append(array)
+        count = min(3, KEPT_BYTES // length)  # kept of this size, the new one with them
+        kept = [a for a in arrays if len(a) == length][1 - count :] if count > 1 else []
+        if count and CallBuffers.kept - self._bytes + (len(kept) + 1) * length <= KEPT_TOTAL:
+            kept.append(array)
+        else:  # (all connections keep their most: this one keeps none)
+            kept = []
+        self._arrays = kept
+        self._keep(len(kept) * length)
         return array.data
+
+    def let_go(self) -> None:
+        """The connection ended: its buffers are no longer kept."""
+        self._arrays = []
+        self._keep(0)
+
+    def _keep(self, size: int) -> None:
+        CallBuffers.kept += size - self._bytes
+        self._bytes = size
 
 
 def coalesce(buffers: list) -> list:
