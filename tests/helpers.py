@@ -37,6 +37,14 @@ def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     )
 
 
+def printed_by_new_interpreter(code: str) -> str:
+    """What ``python -c CODE`` prints, run to its end from the repository's root in
+    a new interpreter (what importing a module pulls in, with nothing loaded yet)."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+
+
 class _Accepted(Exception):
     """The command line parsed: :func:`cli_usage` stops the run before it would serve."""
 

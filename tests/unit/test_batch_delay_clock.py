@@ -17,6 +17,7 @@ import time
 import pytest
 import trio
 
+from tests.helpers import printed_by_new_interpreter
 from tests.unit import test_batcher, test_sequence
 from trionserve.schedulers import dynamic_batch, timer
 from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
@@ -198,9 +199,6 @@ def test_the_clock_is_told_virtual_without_the_server_importing_trio_testing():
     """core/clocks.py: a MockClock is virtual and Trio's own clock is not, and no
     module the server imports at start-up imports trio.testing (which imports
     pytest where it is installed: a tenth of a second of CPU at every start-up)."""
-    import subprocess
-    import sys
-    from pathlib import Path
 
     import trio.testing
 
@@ -215,11 +213,5 @@ def test_the_clock_is_told_virtual_without_the_server_importing_trio_testing():
         "import sys, trionserve.cli, trionserve.server; "
         "print(sorted({'pytest', 'trio.testing'} & set(sys.modules)))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = printed_by_new_interpreter(code)
     assert out.split() == ["[]"], out

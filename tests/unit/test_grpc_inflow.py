@@ -207,16 +207,7 @@ async def test_a_call_like_the_last_is_read_in_one_read_into_its_buffer(monkeypa
     one read: only its head goes through the frame loop; a call of another
     size goes through it, and every message arrives whole."""
     through = _ThroughFrames(monkeypatch)
-    digests: list[bytes] = []
-    receive = GrpcCall.receive
-
-    async def received(self):
-        data = await receive(self)
-        if data is not None:
-            digests.append(hashlib.sha256(data).digest())
-        return data
-
-    monkeypatch.setattr(GrpcCall, "receive", received)
+    digests = _digests(monkeypatch)
     body = bytes(range(256)) * 2048
     bodies = [body] * 4 + [body[:-1000], body]
     infer = Infer()

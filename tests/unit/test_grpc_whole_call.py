@@ -13,7 +13,7 @@ import struct
 import pytest
 import trio
 
-from tests.unit.test_grpc_inflow import _ThroughFrames
+from tests.unit.test_grpc_inflow import _digests, _ThroughFrames
 from tests.unit.test_grpc_parked import Report
 from tests.unit.test_grpc_thread_answer import Infer, response, thread_write
 from tests.unit.test_grpc_thread_answer import serving as parked_serving
@@ -28,7 +28,6 @@ from tests.unit.test_grpc_unary_stream import (
 )
 from trionserve.core.deferred import deferred_jobs
 from trionserve.protocol.grpc import h2frames, inflow
-from trionserve.protocol.grpc.call import GrpcCall
 
 _HEADER = struct.Struct(">HBBBL")
 _IDS = [1, 3, 5, 7]
@@ -167,16 +166,7 @@ def _send(client, infer: Infer, body: bytes, cut: int, ping: bool = False):
 
 async def test_a_call_as_the_last_is_taken_whole_any_other_through_the_frame_loop(monkeypatch):
     through = _ThroughFrames(monkeypatch)
-    digests: list[bytes] = []
-    receive = GrpcCall.receive
-
-    async def received(self):
-        data = await receive(self)
-        if data is not None:
-            digests.append(hashlib.sha256(data).digest())
-        return data
-
-    monkeypatch.setattr(GrpcCall, "receive", received)
+    digests = _digests(monkeypatch)
     opened = []
     open_whole = h2frames.open_whole
 

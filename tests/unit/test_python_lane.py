@@ -4,14 +4,12 @@ memory and their doorbells, between two ends in one process."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import trio
 
+from tests.helpers import printed_by_new_interpreter
 from trionserve.backends.python.lane import SLOT_SIZE, SLOTS, Lane, encode
 
 
@@ -228,11 +226,5 @@ def test_a_stub_process_imports_no_trio():
     """The stub's modules (this one among them) leave Trio to the server: importing it
     would cost every stub process's start about 0.2 s of CPU."""
     code = "import sys, trionserve.backends.python.stub; print('trio' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = printed_by_new_interpreter(code)
     assert out.split() == ["False"], out
