@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from trionserve.protocol.grpc.framing import (
+    _ALONE,
     KEPT_BYTES,
     KEPT_TOTAL,
     CallBuffers,
     Compressed,
     MessageReader,
+    _counts,
     prefix,
     status_headers,
 )
@@ -176,6 +178,22 @@ def test_call_buffers_reused_only_once_nothing_views_them():
     assert address(buffers.take(1000)) == addresses[2]  # free again: taken
     assert len(buffers.take(2000)) == 2000  # another size: those of 1000 let go
     assert len(buffers._arrays) == 1
+
+
+def test_a_buffer_is_alone_only_when_nothing_views_it():
+    """The count a kept buffer is reused at is the interpreter's own (read by the
+    same function): one view of it, a slice's, or a tensor over a slice counts."""
+    array = np.empty(64, np.uint8)
+    arrays = [array]
+    del array
+    assert _counts(arrays) == [_ALONE]
+    view = arrays[0].data
+    assert _counts(arrays)[0] > _ALONE
+    tensor = np.frombuffer(view[8:], np.float32)
+    del view
+    assert _counts(arrays)[0] > _ALONE
+    del tensor
+    assert _counts(arrays) == [_ALONE]
 
 
 def test_call_buffers_keep_fewer_large_ones():

@@ -231,6 +231,18 @@ class MessageReader:
         return out
 
 
+def _counts(arrays: list[np.ndarray]) -> list[int]:
+    """Each array's reference count as read here, where the list holds it and
+    the interpreter's own references are added (the comprehension's, the
+    argument's: how many depends on the interpreter, which borrows more of them
+    from Python 3.14). Compared with _ALONE, read by this same function."""
+    return [sys.getrefcount(array) for array in arrays]
+
+
+# What _counts reads of an array that only its list holds (nothing views it).
+_ALONE = _counts([np.empty(1, np.uint8)])[0]
+
+
 class CallBuffers:
     """A connection's buffers for the messages of its repeated calls (the
     message read whole before its call comes, inflow.py), reused: a new one
@@ -257,9 +269,8 @@ class CallBuffers:
     def take(self, length: int) -> memoryview:
         """A buffer of ``length`` bytes that nothing else views."""
         arrays = self._arrays
-        for array in arrays:
-            # (held by the list, the loop and getrefcount's argument only)
-            if sys.getrefcount(array) == 3 and len(array) == length:
+        for array, count in zip(arrays, _counts(arrays), strict=True):
+            if count == _ALONE and len(array) == length:
                 return array.data
         array = np.empty(length, np.uint8)
         count = min(3, KEPT_BYTES // length)  # kept of this size, the new one with them
