@@ -153,22 +153,18 @@ class ConnectionBuffer:
             windows.append(Window(account.stream_id, ack=flow))
         return windows
 
-    def whole(self, account: Account, length: int) -> bool:
+    def whole(self, account: Account, length: int) -> list[Window] | None:
         """A new call's message of ``length`` bytes came whole, with its stream's
         end: counted as ``received`` counts it (its DATA frames' ``length + 5``
         flow-controlled bytes) when it gives their window back at once and
-        nothing else: nothing held back, the message within the stream's window
-        and the connection's limit. False: nothing counted (``received``'s)."""
-        held = self.held + length
-        if self._held_back or length > self.window or held > self.limit:
-            return False
+        nothing else, and that window: nothing held back, the message within the
+        stream's window and the connection's limit. None: nothing counted
+        (``received``'s)."""
+        if self._held_back or length > self.window or self.held + length > self.limit:
+            return None
         account.queued = length
-        self.held = held
-        if held > self.peak:
-            self.peak = held
-        if self.budget is not None and length:
-            self.budget.reserve(length)
-        return True
+        self.hold(length)  # (nothing held back: it gives no window)
+        return [Window(account.stream_id, ack=length + 5)]
 
     def refused(self, account: Account) -> list[Window]:
         """A message of the call was refused: what it queued is dropped."""

@@ -363,16 +363,10 @@ class MessageReads:
             self._on_data(stream_id, None, size, True)
             return True
         call.messages.append(message)
-        if self.buffer.whole(call.account, length):  # its window back now: _give's ack
-            answer = self.answer
-            if answer is None:
-                self.h2.acknowledge_received_data(size, stream_id)
-            else:  # (h2 is the instance thread's while it writes an answer)
-                with answer.lock:
-                    self.h2.acknowledge_received_data(size, stream_id)
-            self.flush()
-        elif buffered := self.buffer.received(call.account, size, 0, [length]):
-            self._give(buffered)
+        given = self.buffer.whole(call.account, length)  # (its window back at once)
+        if given is None:
+            given = self.buffer.received(call.account, size, 0, [length])
+        self._give(given)
         call.state.request_event(RequestEvent.END_STREAM)
         return True
 
