@@ -16,7 +16,7 @@ import trio.testing
 
 from tests.unit.test_grpc_transport import RawClient, frame
 from trionserve.protocol.grpc import call as call_module
-from trionserve.protocol.grpc import connection as connection_module
+from trionserve.protocol.grpc import running as running_module
 from trionserve.protocol.grpc import unary as unary_module
 from trionserve.protocol.grpc.transport import GrpcTransport, Method, TransportOptions
 from trionserve.protocol.grpc.unary import DebugDelays, common_method, unary_method
@@ -70,9 +70,9 @@ async def serving(methods: dict[str, Method]):
 async def test_a_call_held_by_a_delay_is_cancelled_by_the_clients_reset(monkeypatch, step):
     states: list[tuple[str, str, int, str]] = []
     cancellations: list[tuple[str, int]] = []
-    monkeypatch.setattr(connection_module, "log_grpc_state", lambda *a: states.append(a))
+    monkeypatch.setattr(running_module, "log_grpc_state", lambda *a: states.append(a))
     # The state lines are Triton's at verbose 2 (not asked for at all below it).
-    monkeypatch.setattr(connection_module.LOGGING, "log_verbose_level", 2)
+    monkeypatch.setattr(running_module.LOGGING, "log_verbose_level", 2)
     monkeypatch.setattr(call_module, "log_grpc_cancellation", lambda *a: cancellations.append(a))
     handled: list[bytes] = []
 
@@ -113,7 +113,7 @@ async def test_a_call_held_by_a_delay_is_cancelled_by_the_clients_reset(monkeypa
         assert cancellations == [(INFER, held), (INFER, then)]
         # Without delays a call is answered at once.
         methods[INFER] = unary_method(None, handle)
-    monkeypatch.setattr(connection_module.LOGGING, "log_verbose_level", 1)
+    monkeypatch.setattr(running_module.LOGGING, "log_verbose_level", 1)
     async with serving(methods) as port, RawClient.connect(port) as client:
         answered = await client.call(INFER, frame(b"y"))
         await client.until(lambda c: c.ended(answered))
