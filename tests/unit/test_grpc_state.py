@@ -224,6 +224,25 @@ def test_a_whole_message_counted_at_once_as_received_counts_it(state, length):
     assert _counted(at_once) == _counted(by_frame)
 
 
+@pytest.mark.parametrize("state", ["new", "held back", "working", "in part"])
+@pytest.mark.parametrize("length", [1, 250, 600, 650, 700, 701, 900])
+def test_a_message_taken_at_once_as_has_room_then_taken(state, length):
+    """ConnectionBuffer.take (a unary call's one message, GrpcCall.take_whole)
+    is ``has_room`` then ``taken``: None and nothing counted without room,
+    else ``taken``'s windows and counts."""
+    apart, at_once = _buffer_in(state), _buffer_in(state)
+    for buffer in (apart, at_once):
+        buffer.received(buffer.open(3), length + 5, 0, [length])
+    before = _counted(at_once)
+    taken = at_once.take(at_once._accounts[3], length)
+    if not apart.has_room(length):
+        assert taken is None and _counted(at_once) == before
+    else:
+        assert taken == apart.taken(apart._accounts[3], length)
+        assert _counted(at_once) == _counted(apart)
+        assert list(at_once._accounts[3].taken) == [length]
+
+
 def test_a_message_s_window_comes_back_once_with_its_end():
     # The reads of an unfinished message give no window; its end gives it all,
     # stream and connection, in one (a WINDOW_UPDATE pair per message, not per read).

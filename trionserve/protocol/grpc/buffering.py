@@ -31,6 +31,7 @@ class BufferWindows:
     calls: dict[int, GrpcCall]
     buffer: ConnectionBuffer
     _room: trio.lowlevel.ParkingLot
+    _room_waiters: int  # the receivers parked in _room
     answer: CallAnswer | None
 
     def flush(self) -> None:
@@ -74,7 +75,7 @@ class BufferWindows:
         """The oldest message ``call`` took is answered."""
         if windows := self.buffer.answered(call.account):
             self._give(windows)
-        if self._room:  # receivers wait for room: there may be some
+        if self._room_waiters:  # receivers wait for room: there may be some
             self._room.unpark_all()
 
     def answered_all(self, call: GrpcCall) -> None:
@@ -82,7 +83,7 @@ class BufferWindows:
         if call.account.taken:
             if windows := self.buffer.answered_all(call.account):
                 self._give(windows)
-            if self._room:  # receivers wait for room: there may be some
+            if self._room_waiters:  # receivers wait for room: there may be some
                 self._room.unpark_all()
 
     def sending(self, size: int) -> None:
@@ -91,10 +92,14 @@ class BufferWindows:
         if windows := self.buffer.sending(size):
             self._give(windows)
         if size < 0:
-            if self._room:  # receivers wait for room: there may be some
+            if self._room_waiters:  # receivers wait for room: there may be some
                 self._room.unpark_all()
 
     async def wait_for_room(self, size: int) -> None:
         """Wait until a message of ``size`` bytes may be taken (ConnectionBuffer.has_room)."""
         while not self.buffer.has_room(size):
-            await self._room.park()
+            self._room_waiters += 1
+            try:
+                await self._room.park()
+            finally:
+                self._room_waiters -= 1

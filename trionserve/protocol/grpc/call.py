@@ -86,6 +86,8 @@ class GrpcCall:
         "connection",
         "stream_id",
         "compress",
+        "_encoding",
+        # Made on first use (__getattr__): a call taken whole never feeds one.
         "reader",
         "messages",
         "_wakeup",
@@ -106,7 +108,7 @@ class GrpcCall:
         headers: list[tuple[bytes, bytes]],
         deadline: float | None,
         client_streaming: bool,
-        reader: grpc_framing.MessageReader,
+        encoding: bytes,
         compress: bool,
         ended: bool = False,
     ) -> None:
@@ -124,7 +126,7 @@ class GrpcCall:
         self.connection = conn
         self.stream_id = account.stream_id
         self.compress = compress
-        self.reader = reader
+        self._encoding = encoding
         self.messages: deque[grpc_framing.Message] = deque()  # received, not taken
         # Made as a task waits (most calls never wait): receive and send check
         # what they wait for right before, with no checkpoint between, so a
@@ -134,6 +136,18 @@ class GrpcCall:
         # Streaming calls' responses come from several tasks at once; a unary
         # call has one sender (its handler) and needs no lock.
         self._send_lock = trio.Lock() if client_streaming else None
+
+    reader: grpc_framing.MessageReader
+
+    def __getattr__(self, name: str) -> grpc_framing.MessageReader:
+        """The call's message reader, made as it is first read (an unset slot
+        comes here); no other attribute is made so."""
+        if name != "reader":
+            raise AttributeError(name)
+        reader = self.reader = grpc_framing.MessageReader(
+            self._encoding, self.connection.options.max_message_size, defer_decompression=True
+        )
+        return reader
 
     @property
     def metadata(self) -> list[tuple[str, str | bytes]]:
@@ -178,6 +192,28 @@ class GrpcCall:
             if wakeup is None or wakeup.is_set():
                 wakeup = self._wakeup = trio.Event()
             await wakeup.wait()
+
+    def take_whole(self) -> grpc_framing.Message | None:
+        """``receive``'s message without a wait, for a unary call whose request
+        is whole: its one message, when the client sent exactly one and ended,
+        nothing refused or reset, not compressed, and the buffer has room for
+        it; else None (nothing taken: ``receive`` as ever)."""
+        state = self.state
+        messages = self.messages
+        if not state.client_done or state.reset or self.error is not None or not messages:
+            return None
+        message = messages.popleft()
+        if messages or type(message) is grpc_framing.Compressed:  # (receive's)
+            messages.appendleft(message)
+            return None
+        conn = self.connection
+        windows = conn.buffer.take(self.account, len(message))
+        if windows is None:  # no room: receive waits for it
+            messages.appendleft(message)
+            return None
+        if windows:
+            conn._give(windows)
+        return message
 
     async def _decompress(self, message: grpc_framing.Message) -> bytes:
         # Inflating can take many times the compressed size: large ones run in a

@@ -139,6 +139,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         o = options
         self.buffer = ConnectionBuffer(o.max_connection_buffer, o.window_size, o.budget)
         self._room = trio.lowlevel.ParkingLot()
+        self._room_waiters = 0  # parked in it (counted: no call to ask the lot)
         self.peer = peer_name(stream)
         self.socket = getattr(stream, "socket", None)  # None under TLS (_write_at_once)
         self._dirty = trio.Event()
@@ -254,10 +255,12 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             try:
                 # (eager when no call is in a task of its own: none to let run;
                 # with every call parked the client waits for an answer first)
-                parked = len(self._parked)
-                eager = len(self.calls) == parked + len(self._awaiting)
-                expect = eager and 0 < parked == len(self.calls)
-                if parked != len(self.calls):
+                # (len only of what is not empty: most reads find nothing awaiting)
+                calls = len(self.calls) if self.calls else 0
+                parked = len(self._parked) if self._parked else 0
+                eager = calls == parked + (len(self._awaiting) if self._awaiting else 0)
+                expect = eager and 0 < parked == calls
+                if parked != calls:
                     data = await receive(256 * 1024, eager, expect)
                 elif not expect or self._call is None or self._kept or self.state.closing:
                     data = await receive(HEAD_READ, eager, expect)
@@ -410,9 +413,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             headers,
             None if head.timeout is None else trio.current_time() + head.timeout,
             method.client_streaming,
-            grpc_framing.MessageReader(
-                head.encoding, self.options.max_message_size, defer_decompression=True
-            ),
+            head.encoding,
             head.compress,
         )
         # An END_STREAM on the headers comes next (_on_end); the

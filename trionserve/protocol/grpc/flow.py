@@ -186,6 +186,19 @@ class ConnectionBuffer:
         # Held the same: only windows held back for the call's queue may go now.
         return self.hold(0) if self._held_back else []
 
+    def take(self, account: Account, size: int) -> list[Window] | None:
+        """:meth:`has_room` and :meth:`taken` in one step, their rules as they
+        are there (a unary call's one message, taken without waiting): None,
+        and nothing taken, when there is no room for it."""
+        in_hand = self.working + self.unsent
+        if in_hand and in_hand + size > self.limit:
+            return None
+        account.queued -= size
+        account.working += size
+        account.taken.append(size)
+        self.working += size
+        return self.hold(0) if self._held_back else []
+
     def answered(self, account: Account) -> list[Window]:
         """The oldest message the handler took is answered."""
         if not account.taken:
@@ -218,7 +231,8 @@ class ConnectionBuffer:
     def close(self, account: Account) -> list[Window]:
         """The call ended: everything it held is let go."""
         self._accounts.pop(account.stream_id, None)
-        self._held_back.pop(account, None)
+        if self._held_back:
+            self._held_back.pop(account, None)
         account.taken.clear()
         self.working -= account.working
         left = account.queued + account.partial + account.working

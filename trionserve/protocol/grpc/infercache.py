@@ -84,7 +84,7 @@ def _split(data: memoryview) -> tuple[bytes, memoryview | None, list[memoryview]
     id, as bytes), the id's value and the raw contents (views of ``data``), or
     None unless the message is fields 1-6 (the id at most once) then only field
     7, every length within the message."""
-    end = len(data)
+    end = data.nbytes  # (a view of bytes: its length, without a call)
     offset = 0
     id_field: tuple[int, int, int] | None = None  # (tag's offset, value's, end)
     try:
@@ -135,7 +135,7 @@ _Input = tuple[str, DataType, np.dtype, list[int], int, int | None]
 class RequestPlan:
     """What a request head says, checked: the request each call builds from it."""
 
-    __slots__ = ("model", "version", "inputs", "outputs", "parameters", "attributes")
+    __slots__ = ("model", "version", "inputs", "count", "outputs", "parameters", "attributes")
 
     def __init__(
         self,
@@ -148,6 +148,7 @@ class RequestPlan:
         self.model = model
         self.version = version
         self.inputs = inputs
+        self.count = len(inputs)
         self.outputs = outputs
         # What the request's parameters set, copied into each call's request.
         self.parameters = template.parameters if template is not None else None
@@ -160,7 +161,7 @@ class RequestPlan:
     def request(self, request_id: str, raws: list[memoryview]) -> InferenceRequest | None:
         """The request with this id and raw contents, or None when they do not fit."""
         inputs = self.inputs
-        if len(raws) != len(inputs):
+        if len(raws) != self.count:
             return None
         tensors: dict[str, Tensor] = {}
         for (name, dt, dtype, shape, count, size), raw in zip(inputs, raws, strict=True):
@@ -170,7 +171,7 @@ class RequestPlan:
                     data = deserialize_bytes_tensor(raw, count, what).reshape(shape)
                 except TritonError:
                     return None  # codec names the fault
-            elif len(raw) != size:
+            elif raw.nbytes != size:  # (a view of bytes: its length, without a call)
                 return None
             elif count:  # (its view in one step, as frombuffer(...).reshape(shape) in two)
                 data = np.ndarray(shape, dtype, raw)

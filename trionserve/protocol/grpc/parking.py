@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from trionserve.core.inference import InferenceRequest
     from trionserve.protocol.grpc.call import GrpcCall
 
-__all__ = ["PARKED", "Handler", "Parked", "ParkedCalls"]
+__all__ = ["PARKED", "PARKED_KINDS", "Handler", "Parked", "ParkedCalls"]
 
 Handler = Callable[["GrpcCall"], Awaitable[object]]
 
@@ -53,11 +53,20 @@ Handler = Callable[["GrpcCall"], Awaitable[object]]
 PARKED: list = []
 
 
+# Parked and its subclasses: ``type(entry) in PARKED_KINDS`` tells a carried-on
+# entry of ``_starting`` from a handler without an isinstance call.
+PARKED_KINDS: set[type] = set()
+
+
 class Parked:
     """How a parked call goes on once its request has its outcome (a base:
     ModelInfer's is ``service.ParkedInfer``)."""
 
     __slots__ = ()
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        PARKED_KINDS.add(cls)
 
     def ended(self) -> bool:
         """In the reader, on the outcome: end the call here if it needs no
@@ -69,6 +78,9 @@ class Parked:
         """The handler's remainder, awaited as a handler is (its status and
         trailers, cancellation, the exit timeout's cut: ``Connection._run_call``)."""
         raise NotImplementedError
+
+
+PARKED_KINDS.add(Parked)
 
 
 class ParkedCalls:

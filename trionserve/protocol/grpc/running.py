@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -17,7 +17,7 @@ import trio
 from trionserve.observability.logging import SETTINGS as LOGGING
 from trionserve.observability.logging import log_grpc_state
 from trionserve.protocol.grpc import inline
-from trionserve.protocol.grpc.parking import PARKED, Handler, Parked
+from trionserve.protocol.grpc.parking import PARKED, PARKED_KINDS, Handler, Parked
 from trionserve.protocol.grpc.state import ResponseEvent
 from trionserve.protocol.grpc.status import GRPCError, Status
 from trionserve.protocol.grpc.writing import CLOSED
@@ -59,6 +59,7 @@ class CallRunner:
     idle_since: float | None
     idle_timeout: float
     _room: trio.lowlevel.ParkingLot
+    _room_waiters: int
     # (ParkedCalls', a base after this one)
     _go_on: Callable[[GrpcCall, Handler | Parked], None]
 
@@ -103,12 +104,16 @@ class CallRunner:
         with its outcome ends here if it can (``Parked.ended``), else its
         handler's rest runs as a handler (parking.py)."""
         starting, self._starting = self._starting, []
-        for index, (call, handler) in enumerate(starting):
-            if isinstance(handler, Parked):  # parked: its request has its outcome
-                if not call.state.reset and handler.ended():
+        for index, (call, entry) in enumerate(starting):
+            # A handler, or a parked call's Parked (typed Any: told apart by its
+            # type, without an isinstance call).
+            carried: Any = entry
+            if type(carried) in PARKED_KINDS:  # parked: its request has its outcome
+                if not call.state.reset and carried.ended():
                     self._ended(call)
                     continue
-                handler = handler.rest
+                carried = carried.rest
+            handler: Handler = carried
             if call.client_streaming or not call.state.client_done:
                 if call.client_streaming or call.deadline is not None or call.state.reset:
                     self._spawn(call, handler)
@@ -132,8 +137,8 @@ class CallRunner:
             if resume is None:  # all written
                 return False
         # This task stays with what would wait (a call, or the rest of the write).
-        for call, handler in rest:
-            self._go_on(call, handler)
+        for call, entry in rest:
+            self._go_on(call, entry)
         self.flush()
         assert self._nursery is not None
         self._nursery.start_soon(self._read)
@@ -215,9 +220,8 @@ class CallRunner:
         working = call.account.working
         if windows := self.buffer.close(call.account):
             self._give(windows)
-        if working:
-            if self._room:  # receivers wait for room: there may be some
-                self._room.unpark_all()
+        if working and self._room_waiters:  # receivers wait for room: there may be some
+            self._room.unpark_all()
         if self.state.draining and not self.calls:
             self.close()
 

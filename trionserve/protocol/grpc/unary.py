@@ -143,16 +143,20 @@ def unary_method(
             metadata = dict(call.metadata)
             stamps.take_context(metadata.get("traceparent"), metadata.get("tracestate"))
         try:
-            data = await call.receive()
-            state = call.state
-            # (no second receive when it would return None: the request is whole)
-            if data is None or (
-                (call.messages or not state.client_done or state.reset or call.error)
-                and await call.receive() is not None
-            ):
-                raise GRPCError(
-                    Status.INTERNAL, f"{call.method} expects exactly one request message"
-                )
+            # (the request whole: its message taken without a receive, no second
+            # receive to find it is the only one)
+            data = call.take_whole()
+            if data is None:
+                data = await call.receive()
+                state = call.state
+                # (no second receive when it would return None: the request is whole)
+                if data is None or (
+                    (call.messages or not state.client_done or state.reset or call.error)
+                    and await call.receive() is not None
+                ):
+                    raise GRPCError(
+                        Status.INTERNAL, f"{call.method} expects exactly one request message"
+                    )
             if stamps is not None:
                 stamps.stamp("GRPC_WAITREAD_END")
             try:
