@@ -8,7 +8,7 @@ their own; each ended with its status, and let go. A part of
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -122,7 +122,26 @@ class CallRunner:
                 continue
             self._inline = call
             kept = None if call.state.reset else self._reader_scope
-            resume = inline.step(self._run_call(call, handler, kept))
+            if kept is None or LOGGING.log_verbose_level >= 2:  # (StateNew logged first)
+                resume = inline.step(self._run_call(call, handler, kept))
+            else:
+                # The handler's first step taken here, not under _run_call: a
+                # call it parks needs nothing more of _run_call (two Python
+                # calls fewer); any other goes on through _run_call from where
+                # the handler stands, as if _run_call had taken the step.
+                coroutine: Any = handler(call)  # (a handler is a coroutine function)
+                first: Awaitable[object] | None
+                try:
+                    message = coroutine.send(None)
+                except StopIteration as stop:
+                    first = None if stop.value is PARKED else inline.Done(stop.value)
+                except BaseException as exc:
+                    first = inline.Failed(exc)
+                else:
+                    first = inline.Resume(coroutine, message)
+                resume = None
+                if first is not None:
+                    resume = inline.step(self._run_call(call, handler, kept, first))
             self._inline = None
             if resume is not None:
                 if kept is not None:  # the call keeps this task, and its scope
@@ -150,14 +169,20 @@ class CallRunner:
         self._nursery.start_soon(self._run_call, call, handler)
 
     async def _run_call(
-        self, call: GrpcCall, handler: Handler, kept: trio.CancelScope | None = None
+        self,
+        call: GrpcCall,
+        handler: Handler,
+        kept: trio.CancelScope | None = None,
+        first: Awaitable[object] | None = None,
     ) -> None:
         """Run the handler under the call's deadline and end the call with its
         status (none when there is nobody left to answer). ``kept``: the scope
         the call takes as its own if it keeps the reader's task (_start_calls),
         its cancellation caught here; else the handler runs in a scope of its
-        own. (All in this coroutine: each frame more would be one call more
-        each time the call waits and is carried on.) A call its handler parked
+        own. ``first`` (with ``kept``): the handler after its first step,
+        taken by _start_calls, awaited instead of the handler. (All in this
+        coroutine: each frame more would be one call more each time the call
+        waits and is carried on.) A call its handler parked
         (PARKED) goes on without this coroutine (parking.py)."""
         if LOGGING.log_verbose_level >= 2:  # (Triton's verbose lines: nothing else)
             log_grpc_state("StateNew", call.method, call.stream_id)
@@ -166,7 +191,7 @@ class CallRunner:
             if kept is not None:  # (the handler awaited here: no _status frame)
                 cancelled = False
                 try:
-                    parked = await handler(call) is PARKED
+                    parked = await (handler(call) if first is None else first) is PARKED
                 except trio.Cancelled:
                     # (the scope it took: the task's it kept)
                     if call.scope is None or not call.scope.cancel_called:  # the connection's
