@@ -38,6 +38,20 @@ What holds:
 - The request gets its one final outcome from the executor's report either way
   (deferred or not), and is counted in flight until then: the HTTP server's
   tick (every 0.25 s) sweeps, so a drain never waits for a client's next request.
+- The loop settles an answer the thread is still writing (WRITING: its bytes
+  made, the protocol's state moved, the connection kept) without waiting for
+  that write, when the client's bytes ended the wait (:meth:`ConnectionAnswer.settle`):
+  at c=1 the client's next request wakes the loop before the thread has the GIL
+  back to mark its write done, and waiting for it on the answer's lock cost the
+  loop two switches (39% of settles under load). Only the socket stays the
+  thread's until its write returns (the thread holds the lock through it): the
+  connection's task collects it (:meth:`ConnectionAnswer.collect`: the rest a
+  full socket left written first) before it writes anything itself or waits
+  for more of the client's bytes, and waits for it before the socket closes
+  (:meth:`ConnectionAnswer.release`); the thread's next write declines while
+  such a rest waits. Who settles a write in progress is decided once, by
+  whichever of the two first takes that write's ``_claim`` (a non-blocking
+  acquire, atomic); the loop that took it makes the next write a new one.
 """
 
 from __future__ import annotations
@@ -123,6 +137,7 @@ class ConnectionAnswer:
 
     __slots__ = (
         "_binary_output",
+        "_claim",
         "_deferred",
         "carrier",
         "run",
@@ -132,15 +147,19 @@ class ConnectionAnswer:
         "_h1",
         "_lingers",
         "_lock",
+        "_owed",
+        "_stolen",
         "_repeat",
         "_request",
         "_ended",
         "_waiting",
         "kept",
+        "owing",
         "readable",
         "rest",
         "socket",
         "state",
+        "unsent",
         "watched",
     )
 
@@ -156,7 +175,19 @@ class ConnectionAnswer:
         # Whether the slow-request watcher holds the socket (set by transport.py's
         # watch_peer): then the wait may not wait on it too.
         self.watched = False
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the thread holds it through its write
+        # Taken by whichever of the loop and the thread first settles a write in
+        # progress (see the module docstring).
+        self._claim = threading.Lock()
+        # On the Trio thread: the loop settled the thread's write in progress
+        # (stolen: the socket is the thread's until it returns) ...
+        self._stolen = False
+        # ... and what that write left (its thread's: ``(rest or None,)``) ...
+        self._owed: tuple[memoryview | None] | None = None
+        # ... is the loop's to write first (unsent), before anything of its own:
+        # ``owing`` while either is to be seen to (:meth:`collect`).
+        self.unsent: memoryview | None = None
+        self.owing = False
         self.state = IDLE
         self.kept = False
         # The wait ended on the socket readable: the next read need not wait.
@@ -313,10 +344,24 @@ class ConnectionAnswer:
     def settle(self) -> int:
         """Once the request's outcome is in: WRITTEN, PARTIAL (the loop writes
         ``rest``) or DISARMED (the loop answers); the
-        request lets go of the answer."""
+        request lets go of the answer. A write the thread has in progress, the
+        client's bytes having ended the wait, is WRITTEN here without waiting
+        for it (``owing``: see :meth:`collect`)."""
         state = self.state
         if state == IDLE:  # settled already (the thread never leaves IDLE)
             return DISARMED
+        if self._stolen:  # (the last request's: its wait let the thread end it)
+            self._resolve()
+        if state == WRITING and self.readable and self.kept and not self._draining():
+            claim = self._claim
+            if claim.acquire(False):
+                if self.state == WRITING:  # (taken first: the thread leaves the state alone)
+                    self._claim = threading.Lock()  # (the next write's)
+                    self._stolen = self.owing = True
+                    state = WRITTEN
+                else:  # (the thread ended its write between the two reads)
+                    claim.release()
+                    state = self.state
         if state != WRITTEN:  # (written whole: the thread is done with it)
             with self._lock:  # waits for a write in progress on the thread
                 state = self.state
@@ -327,6 +372,41 @@ class ConnectionAnswer:
         if request is not None:
             request.answer = None
         return state
+
+    async def collect(self, stream: trio.abc.SendStream) -> None:
+        """Before the connection's task writes anything itself or waits for the
+        client's bytes (``owing``): the write the loop settled in progress has
+        returned, and what the socket did not take of it is written now, first.
+        At c=1 the next request's settle sees to it (its wait let the thread end
+        that write long before); a pipelined request whose answer the thread
+        declined for it has that rest written before its own."""
+        if self._stolen:
+            self._resolve()
+        self.owing = False
+        unsent, self.unsent = self.unsent, None
+        if unsent is not None:
+            await send_all(stream, unsent)
+
+    def release(self) -> None:
+        """:meth:`collect` without the writing: before the socket closes,
+        whatever happens, a write the loop settled in progress has returned."""
+        if self._stolen:
+            self._resolve()
+        self.owing = False
+        self.unsent = None
+
+    def _resolve(self) -> None:
+        """The write the loop settled in progress has returned (waited for, if
+        not yet: the thread holds the lock through it); what it left is
+        ``unsent``."""
+        self._stolen = False
+        owed = self._owed
+        if owed is None:
+            with self._lock:
+                owed = self._owed
+        self._owed = None
+        self.unsent = None if owed is None else owed[0]  # (None: the write raised)
+        self.owing = self.unsent is not None
 
     def _disarm(self) -> None:
         if self.state == ARMED:  # (once the thread took it, never armed again)
@@ -345,6 +425,10 @@ class ConnectionAnswer:
         with self._lock:
             # (The loop may have answered it and armed the next request's.)
             if self.state != ARMED or self._request is not request:
+                return False
+            owed = self._owed
+            if self.unsent is not None or (owed is not None and owed[0] is not None):
+                self.state = DISARMED  # (an earlier write's rest: the loop's to write first)
                 return False
             repeat = self._repeat
             if (
@@ -399,17 +483,24 @@ class ConnectionAnswer:
     def _send(self, pieces: list, size: int) -> bool:
         """Write the answer's ``pieces`` (``size`` bytes) with one ``writev``:
         WRITTEN, or PARTIAL with the ``rest`` left to the loop."""
+        claim = self._claim  # (this write's: see settle)
         self.state = WRITING
         try:
             written = os.writev(self.socket.fileno(), pieces)
         except OSError:
             written = 0  # the loop's write raises what it means (a reset)
-        if written == size:
+        whole = written == size
+        rest = None if whole else memoryview(b"".join(pieces))[written:]
+        if not claim.acquire(False):  # the loop settled it meanwhile (see _resolve)
+            self._owed = (rest,)
+            return whole
+        if whole:
             self.state = WRITTEN
-            return True
-        self.rest = memoryview(b"".join(pieces))[written:]
-        self.state = PARTIAL
-        return False
+        else:
+            self.rest = rest
+            self.state = PARTIAL
+        claim.release()  # (after the state: a settle that takes it then reads that)
+        return whole
 
 
 class Repeat(Described):
@@ -464,6 +555,18 @@ def sweep() -> None:
         if answer._waiting and not answer._ended:
             answer._end()
     waits.clear()
+
+
+async def collect(answer: ConnectionAnswer | None, stream: trio.abc.SendStream) -> None:
+    """:meth:`ConnectionAnswer.collect` of a connection's answer, if it has one."""
+    if answer is not None and answer.owing:
+        await answer.collect(stream)
+
+
+def release(answer: ConnectionAnswer | None) -> None:
+    """:meth:`ConnectionAnswer.release` of a connection's answer, if it has one."""
+    if answer is not None and answer.owing:
+        answer.release()
 
 
 def waits(answer: ConnectionAnswer | None) -> bool:

@@ -339,6 +339,7 @@ class _Connection:
         protocol refused."""
         h1 = self.h1
         server = self.server
+        await answers.collect(self.answer, self.stream)  # (a thread's write settled in progress)
         timeout = server.options.header_timeout
         deadline = None if h1.served else self._now() + timeout
         while True:
@@ -564,6 +565,8 @@ class _Connection:
                 raise
             if chunks is answers.ANSWERED_BODY and answer is not None:  # the thread wrote it
                 return answer.kept if answer.rest is None else await answer.finish(self.stream)
+            if self.answer is not None and self.answer.owing:  # (answer.py: an earlier thread's
+                await self.answer.collect(self.stream)  # write settled in progress)
             if stamps is None or isinstance(chunks, AsyncIterator):  # (a pair per chunk: _stream)
                 return await self.respond(status, headers, chunks)
             stamps.stamp("HTTP_SEND_START")
@@ -666,6 +669,7 @@ class _Connection:
         client that does not take it within a second is left."""
         if not self.h1.answerable:
             return
+        await answers.collect(self.answer, self.stream)  # (a thread's write settled in progress)
         answer = self.h1.error_response(status, message)
         with trio.move_on_after(_ERROR_WRITE_SECS):
             try:
@@ -690,4 +694,5 @@ class _Connection:
                     except _GONE:
                         pass
         finally:
+            answers.release(self.answer)  # (a thread's write in progress has returned)
             await stream.aclose()
