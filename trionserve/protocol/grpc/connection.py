@@ -217,26 +217,12 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         self.flush()
 
     async def _read(self) -> None:
-        """Read until the client goes away, then end the connection (closing: the
-        writer ends it once everything up to the final GOAWAY is written, see
-        close), unless this task stayed with a call and another reads on: then
-        the task's cancel scope is that call's (_start_calls)."""
-        kept = False
-        try:
-            with trio.CancelScope() as scope:
-                self._reader_scope = scope
-                kept = await self._read_loop()
-                if kept:
-                    return
-            if not self.state.closing:
-                self.cancel()
-        finally:
-            if not kept:  # nothing reads on: the waiting calls get tasks, as calls do
-                self._let_go_waiting()
-
-    async def _read_loop(self) -> bool:
         """Feed what the client sends to h2 and act on the events, until the client
-        goes away or says goodbye (False), or a call keeps this task (True).
+        goes away or says goodbye, then end the connection (closing: the writer
+        ends it once everything up to the final GOAWAY is written, see close);
+        unless a call keeps this task and another reads on: then the task's
+        cancel scope is that call's (_start_calls). (One coroutine: each frame
+        more would be one call more at each of its wake-ups.)
 
         Once the connection is closing (the final GOAWAY is queued), h2's state
         machine is CLOSED and would call any frame a protocol error, yet the client
@@ -244,49 +230,65 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         they are read and dropped, so that nothing the client sends can end the
         connection before the writer has written the last answers and the GOAWAY.
         """
+        kept = False  # a call keeps this task
         receiver = EagerReceiver(self.stream)
         receive = receiver.receive_some
-        while True:
-            if (self.h2.partial or self._reading) and (plan := self._message_views()) is not None:
-                over = await self._read_message(receiver, *plan)
-                if over is not None:
-                    return over
-                continue
-            try:
-                # (eager when no call is in a task of its own: none to let run;
-                # with every call parked the client waits for an answer first)
-                # (len only of what is not empty: most reads find nothing awaiting)
-                calls = len(self.calls) if self.calls else 0
-                parked = len(self._parked) if self._parked else 0
-                eager = calls == parked + (len(self._awaiting) if self._awaiting else 0)
-                expect = eager and 0 < parked == calls
-                if parked != calls:
-                    data = await receive(256 * 1024, eager, expect)
-                elif not expect or self._call is None or self._kept or self.state.closing:
-                    data = await receive(HEAD_READ, eager, expect)
-                else:  # every call waits: the next is read as the last came (inflow.py)
-                    data = await self._read_call(receiver)
-            except CLOSED:
-                return False
-            if not data:
-                return False
-            self._last_read = len(data)
-            if self._kept:  # the start of a frame header, read before (inflow.py)
-                data = self.with_kept(data)
-            if self.answer is not None or self._parked:  # before h2 sees what came
-                self._sweep()
-            if self.state.closing:
-                self._arrived = self._whole = None
-                continue
-            over = self._take_read(data)
-            if over is None:  # a protocol error: closing
-                continue
-            if over:
-                return False
-            if not self._starting:
-                self.flush()
-            elif await self._start_calls():
-                return True
+        try:
+            with trio.CancelScope() as scope:
+                self._reader_scope = scope
+                while True:
+                    if (self.h2.partial or self._reading) and (
+                        plan := self._message_views()
+                    ) is not None:
+                        over = await self._read_message(receiver, *plan)
+                        if over is None:
+                            continue
+                        if over:
+                            kept = True
+                            return
+                        break
+                    try:
+                        # (eager when no call is in a task of its own: none to let
+                        # run; with every call parked the client waits for an
+                        # answer first; len only of what is not empty: most reads
+                        # find nothing awaiting)
+                        calls = len(self.calls) if self.calls else 0
+                        parked = len(self._parked) if self._parked else 0
+                        eager = calls == parked + (len(self._awaiting) if self._awaiting else 0)
+                        expect = eager and 0 < parked == calls
+                        if parked != calls:
+                            data = await receive(256 * 1024, eager, expect)
+                        elif not expect or self._call is None or self._kept or self.state.closing:
+                            data = await receive(HEAD_READ, eager, expect)
+                        else:  # every call waits: the next is read as the last came (inflow.py)
+                            data = await self._read_call(receiver)
+                    except CLOSED:
+                        break
+                    if not data:
+                        break
+                    self._last_read = len(data)
+                    if self._kept:  # the start of a frame header, read before (inflow.py)
+                        data = self.with_kept(data)
+                    if self.answer is not None or self._parked:  # before h2 sees what came
+                        self._sweep()
+                    if self.state.closing:
+                        self._arrived = self._whole = None
+                        continue
+                    over = self._take_read(data)
+                    if over is None:  # a protocol error: closing
+                        continue
+                    if over:
+                        break
+                    if not self._starting:
+                        self.flush()
+                    elif await self._start_calls():
+                        kept = True
+                        return
+            if not self.state.closing:
+                self.cancel()
+        finally:
+            if not kept:  # nothing reads on: the waiting calls get tasks, as calls do
+                self._let_go_waiting()
 
     def _act(self, events: list) -> bool:
         """Act on the events of a read (upstream.H2Connection.receive); True
@@ -373,7 +375,9 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             if call is not None and call.window_waiter is not None:
                 call.wake_sender()
         else:  # the connection's: every sender may go on
-            for call in self.calls.values():
+            calls = self.calls
+            for each in calls:  # (by key: no values() call per update)
+                call = calls[each]
                 if call.window_waiter is not None:
                     call.wake_sender()
 
