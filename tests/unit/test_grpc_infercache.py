@@ -470,3 +470,43 @@ def test_requests_of_one_plan_are_validated_once_per_signature(monkeypatch) -> N
     with pytest.raises(TritonError, match="unexpected inference input 'INPUT0'"):
         validation.validate_request(second, other)
     assert len(checks) == 2
+
+
+def test_a_repeated_call_is_cut_as_the_last_without_split(monkeypatch) -> None:
+    """A message of the last one's length whose bytes are the same but in its
+    raw contents and its id's value (of the same length) is cut as that one was
+    (infercache._Layout), with its own tensors and id, as the codec decodes it;
+    any other byte changed is split again; the layout keeps no view of the
+    message (its buffer stays free to be reused)."""
+    two = [client_input("INPUT0", INT32, "INT32"), client_input("INPUT1", INT32 * 2, "INT32")]
+    first = client_wire(two, request_id="id-1")
+    assert check_same(first) is not None
+    split = infercache._split
+    splits: list[int] = []
+
+    def counted(data):
+        splits.append(1)
+        return split(data)
+
+    monkeypatch.setattr(infercache, "_split", counted)
+    other = [client_input("INPUT0", INT32 + 5, "INT32"), client_input("INPUT1", INT32 * 3, "INT32")]
+    again = client_wire(other, request_id="id-2")
+    assert len(again) == len(first)
+    request = check_same(again)
+    assert request is not None and request.id == "id-2" and splits == []
+    assert request.inputs["INPUT1"].data.tolist() == (INT32 * 3).tolist()
+    # A head byte changed (another model of a name as long): split, its own plan.
+    renamed = client_wire(other, request_id="id-2", model_name="simplf")
+    assert len(renamed) == len(first)
+    renamed_request = check_same(renamed)
+    assert renamed_request is not None and renamed_request.model_name == "simplf"
+    assert splits == [1]
+    # An id's value protobuf refuses: left to the codec, as when split.
+    bad = bytearray(renamed)
+    bad[bad.index(b"id-2") + 3] = 0xFF
+    assert infercache.decode_request(bad) is None and splits == [1]
+    # No view of the message is kept once its request is gone: its buffer can
+    # be resized (a bytearray refuses while a view of it exists).
+    buffer = bytearray(renamed)
+    assert infercache.decode_request(buffer) is not None
+    buffer.append(0)

@@ -15,7 +15,9 @@ keeps the JSON header of a response per outputs' description
   copy) and checks their count and sizes against the plan. The id is left out of
   the head because clients commonly give each call an id of its own: in the head
   it would make every call a new plan, and such a client would empty the cache
-  for every other.
+  for every other. A message of the last one's length whose bytes are the same
+  but for its raw contents and its id's value is cut where the last one was
+  (:class:`_Layout`), without walking its fields again.
 - :func:`encode_response`: the serialized response without its ``id`` and
   ``raw_output_contents`` is made by protobuf once per model, version and
   outputs' names, types and shapes; a call puts its id in (protobuf writes
@@ -79,11 +81,13 @@ _PLANS = 256
 _PARAMETER_ATTRIBUTES = ("priority", "timeout_us", "sequence_id", "sequence_start", "sequence_end")
 
 
-def _split(data: memoryview) -> tuple[bytes, memoryview | None, list[memoryview]] | None:
+def _split(
+    data: memoryview,
+) -> tuple[bytes, tuple[int, int] | None, list[tuple[int, int]]] | None:
     """The message's head (its fields before the raw_input_contents but for the
-    id, as bytes), the id's value and the raw contents (views of ``data``), or
-    None unless the message is fields 1-6 (the id at most once) then only field
-    7, every length within the message."""
+    id, as bytes), where the id's value lies and where the raw contents lie in
+    ``data``, or None unless the message is fields 1-6 (the id at most once)
+    then only field 7, every length within the message."""
     end = data.nbytes  # (a view of bytes: its length, without a call)
     offset = 0
     id_field: tuple[int, int, int] | None = None  # (tag's offset, value's, end)
@@ -105,7 +109,7 @@ def _split(data: memoryview) -> tuple[bytes, memoryview | None, list[memoryview]
         if offset > end or offset > _HEAD_LIMIT:
             return None
         head_end = offset
-        raws: list[memoryview] = []
+        raws: list[tuple[int, int]] = []
         while offset < end:
             if data[offset] != _RAW_INPUT_TAG:
                 return None
@@ -116,7 +120,7 @@ def _split(data: memoryview) -> tuple[bytes, memoryview | None, list[memoryview]
             stop = offset + length
             if stop > end:
                 return None
-            raws.append(data[offset:stop])
+            raws.append((offset, stop))
             offset = stop
     except (IndexError, ValueError):
         return None
@@ -124,7 +128,7 @@ def _split(data: memoryview) -> tuple[bytes, memoryview | None, list[memoryview]
         return data[:head_end].tobytes(), None, raws
     start, value, stop = id_field
     head = data[:start].tobytes() + data[stop:head_end].tobytes()
-    return head, data[value:stop], raws
+    return head, (value, stop), raws
 
 
 # An input as a plan takes it: name, datatype, numpy dtype on the wire, shape,
@@ -232,27 +236,86 @@ def _plan(head: bytes) -> RequestPlan | None:
     return RequestPlan(message.model_name, version, inputs, outputs, template)
 
 
+class _Layout:
+    """Where the last message decoded put its bytes: a message of the same
+    length whose bytes are the same but in its id's value (of the same length)
+    and its raw contents is cut as that one was, without _split (a client
+    repeats its call but for those)."""
+
+    __slots__ = ("end", "fixed", "id_span", "spans", "one", "request_id", "plan")
+
+    def __init__(
+        self,
+        view: memoryview,
+        id_span: tuple[int, int] | None,
+        spans: list[tuple[int, int]],
+        request_id: str,
+        plan: RequestPlan,
+    ) -> None:
+        self.end = end = view.nbytes
+        # The bytes between the id's value and the raw contents, and around
+        # them: (start, stop, bytes).
+        self.fixed: list[tuple[int, int, bytes]] = []
+        at = 0
+        for start, stop in spans if id_span is None else [id_span, *spans]:
+            if start > at:
+                self.fixed.append((at, start, view[at:start].tobytes()))
+            at = stop
+        if at < end:  # (no raw contents: the head's end)
+            self.fixed.append((at, end, view[at:end].tobytes()))
+        self.id_span = id_span
+        self.spans = spans
+        self.one = spans[0] if len(spans) == 1 else None  # (one input's, the common case)
+        self.request_id = request_id  # (the id's value decoded again when it has one)
+        self.plan = plan
+
+
+# The loop's last message's layout (decode_request runs on the loop only).
+_last: _Layout | None = None
+
+
 def decode_request(data: Wire) -> InferenceRequest | None:
     """The request of a serialized ModelInferRequest in the common form (its input
     tensors views of ``data``, writable when ``data`` is), or None: then decode it
     with :func:`codec.decode_infer_request`. Never raises."""
+    global _last
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1 or not view.c_contiguous:  # (a message is)
         view = view.cast("B")
+    layout = _last
+    if layout is not None and view.nbytes == layout.end:
+        for start, stop, known in layout.fixed:
+            if view[start:stop] != known:
+                break
+        else:  # cut as the last one
+            request_id, id_span, one = layout.request_id, layout.id_span, layout.one
+            if id_span is not None:
+                try:
+                    request_id = str(view[id_span[0] : id_span[1]], "utf-8")
+                except UnicodeDecodeError:
+                    return None  # protobuf refuses it: the codec names it
+            if one is not None:  # (its view without a comprehension's frame)
+                raws = [view[one[0] : one[1]]]
+            else:
+                raws = [view[start:stop] for start, stop in layout.spans]
+            return layout.plan.request(request_id, raws)
     split = _split(view)
     if split is None:
         return None
-    head, id_value, raws = split
+    head, id_span, spans = split
     plan = _plan(head)
     if plan is None:
         return None
     request_id = ""
-    if id_value is not None:
+    if id_span is not None:
         try:
-            request_id = str(id_value, "utf-8")
+            request_id = str(view[id_span[0] : id_span[1]], "utf-8")
         except UnicodeDecodeError:
             return None  # protobuf refuses it: the codec names it
-    return plan.request(request_id, raws)
+    request = plan.request(request_id, [view[start:stop] for start, stop in spans])
+    if request is not None:
+        _last = _Layout(view, id_span, spans, request_id, plan)
+    return request
 
 
 # ------------------------------------------------------------------------ response
