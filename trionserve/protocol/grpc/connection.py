@@ -34,7 +34,7 @@ import trio
 from trionserve.core.deferred import Deferred, deferred_jobs, sweep_deferred
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import inflow, lifetime, upstream
-from trionserve.protocol.grpc.answer import DISARMED, CallAnswer
+from trionserve.protocol.grpc.answer import DISARMED, CallAnswer, resolve
 from trionserve.protocol.grpc.buffering import BufferWindows
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.flow import ConnectionBuffer
@@ -149,6 +149,8 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         self.extra_frames: list[bytes] = []  # raw frames to write after h2's own output
         self.answer: CallAnswer | None = None  # see answer.py and SocketWriter
         self.answer_lock = threading.Lock()  # every answer's lock (answer.py)
+        self.answer_claim = threading.Lock()  # the thread's write's (answer.py)
+        self.stolen: CallAnswer | None = None  # its write taken in progress (answer.py)
         self.unsent: list[memoryview] = []
         self.last_stream_id = _MAX_WINDOW
         self.ping_acks: dict[bytes, trio.Event] = {}
@@ -334,6 +336,8 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         answer = self.answer
         if answer is not None and answer.take() != DISARMED:
             sweep_deferred()
+        if self.stolen is not None:  # (a write taken in progress has returned: answer.py)
+            resolve(self)
 
     def _handle(self, event: h2.events.Event) -> bool:
         """Act on one h2 event; True when the connection is over."""

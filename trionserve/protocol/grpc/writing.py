@@ -7,12 +7,13 @@ coroutine and no checkpoint when the socket takes it all). A part of
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 import trio
 
 from trionserve.protocol.grpc import inline
-from trionserve.protocol.grpc.answer import ARMED, DISARMED
+from trionserve.protocol.grpc.answer import ARMED, DISARMED, resolve
 from trionserve.protocol.grpc.framing import coalesce
 from trionserve.protocol.sockets import send_pieces, send_pieces_now
 
@@ -42,6 +43,10 @@ class SocketWriter:
     # and what of an answer it began the socket did not take, written first.
     answer: CallAnswer | None
     unsent: list[memoryview]
+    # The answer whose write the loop took while the thread's write was in
+    # progress, and the claim of the thread's next write (answer.py).
+    stolen: CallAnswer | None
+    answer_claim: threading.Lock
     # The last answer the instance's thread wrote, to write one described the
     # same without encoding it (answer.py; read and set under the answer's lock).
     repeat: Described | None = None
@@ -149,6 +154,8 @@ class SocketWriter:
         """Everything queued to write, in order, taken: the rest of an answer
         the instance's thread began, h2's output, the raw frames."""
         buffers = self.h2.buffers_to_send()
+        if self.stolen is not None and (buffers or self.extra_frames):
+            resolve(self)  # (a thread's write taken in progress: answer.py)
         if self.unsent:
             buffers[:0] = self.unsent
             self.unsent = []
