@@ -98,7 +98,7 @@ class Steps(trio.abc.Instrument):
 
 stamp(h1.H1Connection, "on_message_begin", "s_first_byte", begin=True)
 stamp(h1.H1Connection, "on_headers_complete", "s_head")
-stamp_async(transport._Connection, "_read_body", after="s_body")
+stamp_async(transport, "read_body", after="s_body")  # (transport.py reads it by this name)
 # A request whose head repeats the connection's last one is made without the
 # parser's callbacks (h1_request.LastHead): its first byte and head are stamped there.
 again = h1.H1Connection._again
@@ -110,7 +110,7 @@ def again_stamped(self, last, buffer, size):
         return again(self, last, buffer, size)
     finally:
         current["s_head"] = now()
-        if size == last.length:  # its body came whole with it: no _read_body
+        if size == last.length:  # its body came whole with it: no read_body
             current["s_body"] = current["s_head"]
 h1.H1Connection._again = again_stamped
 # ... or, when that one read is the whole request, made and taken in one step (take_again).

@@ -520,7 +520,7 @@ async def test_a_body_already_there_is_read_without_arming_its_deadline(nursery,
     move_on_at = trio.move_on_at
 
     def counted(deadline: float, *args, **kwargs):
-        if sys._getframe(1).f_code.co_name == "_read_body":
+        if sys._getframe(1).f_code.co_name == "read_body":
             armed.append(deadline)
         return move_on_at(deadline, *args, **kwargs)
 

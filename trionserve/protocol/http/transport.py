@@ -60,8 +60,8 @@ import trio
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.trace.frontend import HTTP_STAMPS, FrontendStamps
 from trionserve.protocol.http import answer as answers
+from trionserve.protocol.http.body import read_body
 from trionserve.protocol.http.h1 import (
-    CONTINUE,
     INTERNAL_ERROR,
     Body,
     H1Connection,
@@ -87,9 +87,7 @@ from trionserve.protocol.sockets import (
     readv_now,
     receive_after_wait,
     receive_into,
-    receive_now,
     receive_some_now,
-    receive_view,
     send_all,
     send_pieces,
 )
@@ -107,9 +105,6 @@ __all__ = [
     "Router",
 ]
 
-# A body read without waiting (its bytes already there) yields to the other tasks after this many
-# bytes, so that a fast client cannot hold the loop.
-_YIELD_BYTES = 4 * 1024 * 1024
 # The server's tick, and a request handled this long gets a watcher on its socket so that a client
 # hanging up cancels it (each tick wakes the loop cold: ~0.27 ms, README).
 SLOW_REQUEST_SECS = 0.25
@@ -431,56 +426,6 @@ class _Connection:
             self._quiet = scope.cancel_called
         return None if self._quiet else data
 
-    async def _read_body(self, request: Request) -> RequestBody:
-        """The whole body of a request whose body did not come whole with its head; raises what the
-        protocol refuses (413, 400), PeerGone, and 408 when no byte of it comes for
-        ``header_timeout``."""
-        h1 = self.h1
-        if request.expects_continue and h1.continue_needed(request):
-            await self.stream.send_all(CONTINUE)
-        stream = self.stream
-        # A body already there (sent with its head, as clients send it) is read without the
-        # deadline's cancel scope, a few microseconds a request.
-        empty = h1.body_pending(request)
-        if empty is not None:
-            received = receive_now(stream, empty)
-            if received is not None:
-                h1.body_received(request, received)
-                if request.complete:
-                    return h1.body(request)
-        timeout = self.server.options.header_timeout
-        # A body that stops arriving times out: no byte of it for header_timeout (the deadline moves
-        # on only when it passes: each move is an entry in Trio's deadline heap). A declared body is
-        # read into its buffer (receive_into) waiting for all it still lacks: when the deadline
-        # passes, what came meanwhile counts as a read.
-        unyielded, last = 0, trio.current_time()  # last: when a read last brought bytes
-        while not request.complete:
-            with trio.move_on_at(last + timeout) as scope:
-                while not request.complete:
-                    empty = h1.body_pending(request)
-                    if empty is None:
-                        h1.receive_data(await receive_view(stream, self.server.receive_buffer))
-                    else:
-                        received = await receive_into(stream, empty, fill=True)
-                        h1.body_received(request, received)
-                        unyielded += received
-                        if unyielded > _YIELD_BYTES:  # a read that never waits
-                            unyielded = 0  # lets the other connections in now and then
-                            await trio.lowlevel.checkpoint()
-                    last = trio.current_time()
-            if scope.cancelled_caught and trio.current_time() >= last + timeout:
-                empty = h1.body_pending(request)
-                late = None if empty is None else receive_now(stream, empty)
-                if not late:
-                    raise ProtocolError(
-                        408,
-                        f"the request body stopped arriving: no byte of it for {timeout:g} s "
-                        "(--http-header-timeout)",
-                    )
-                h1.body_received(request, late)
-                last = trio.current_time()
-        return h1.body(request)
-
     # -- serving ---------------------------------------------------------------
 
     async def _serve(self, request: Request) -> bool:
@@ -515,7 +460,9 @@ class _Connection:
         try:
             # (a body that came with its head has no deadline to keep)
             if not request.complete:
-                body = await self._read_body(request)
+                body = await read_body(
+                    self.stream, h1, request, server.options.header_timeout, server.receive_buffer
+                )
             elif request.buffer is not None:  # (h1.body's first case)
                 body = request.buffer
             else:
