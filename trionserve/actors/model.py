@@ -429,6 +429,11 @@ class ModelVersion:
         return [executor.spec for executor in self._executors]
 
     @property
+    def executors(self) -> list[InstanceExecutor]:
+        """The executors of the instances serving now (read, not changed, by a frontend)."""
+        return self._executors
+
+    @property
     def sequences(self) -> SequenceStateManager | None:
         """The open sequences of a model with ``sequence_batching``; None otherwise."""
         scheduler = self._scheduler

@@ -66,6 +66,7 @@ from trionserve.backends.base import BackendInstance, TimedBackendInstance
 from trionserve.backends.cuda.pipeline import Pipeline, StagedBackendInstance
 from trionserve.core.clocks import virtual_clock
 from trionserve.core.deferred import Deferred, deferred_jobs
+from trionserve.core.errors import InvalidArgument
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.observability.statistics import ComputeTimes
 
@@ -95,6 +96,7 @@ class Job:
         "on_free",
         "held",
         "responses",
+        "unread",
     )
 
     def __init__(self, requests: list, on_done: Callable[[], None] | None = None) -> None:
@@ -127,6 +129,9 @@ class Job:
         # Set by the thread that found ``results`` one response per request
         # (as it wrote their answers): the loop need not look again.
         self.responses = False
+        # Requests whose body the thread failed to read (see _take_bodies), with
+        # their errors: out of the batch, given back with them as it ends.
+        self.unread: list[tuple[InferenceRequest, InvalidArgument]] | None = None
 
     @property
     def done(self) -> trio.Event:
@@ -462,8 +467,31 @@ class InstanceThread:
             job.error = Abandoned("the executor stopped before the batch ran")
             return
         job.drop_cancelled()
+        for request in job.requests:  # (no generator per batch)
+            answer = request.answer
+            if answer is not None and getattr(answer, "later", None) is not None:
+                self._take_bodies(job)
+                break
         if self._pipeline is not None and job.requests:
             self._pipeline.stage(job)
+
+    @staticmethod
+    def _take_bodies(job: Job) -> None:
+        """Read the binary tensors its connection left in the socket for this thread
+        (:mod:`trionserve.protocol.http.later`), for each request of the batch that has
+        some, before the backend reads them; a request whose read fails leaves the batch
+        and fails alone (``Job.unread``, given back by :meth:`_report`)."""
+        unread = None
+        for request in job.requests:
+            later = getattr(request.answer, "later", None)
+            if later is not None and later.pending and not later.take():
+                if unread is None:
+                    unread = []
+                unread.append((request, InvalidArgument(later.broken)))
+        if unread is not None:
+            job.unread = unread
+            failed = {id(request) for request, _ in unread}
+            job.requests = [request for request in job.requests if id(request) not in failed]
 
     def _launch(self, job: Job) -> Job | None:
         """Start the job; the job if it still has to be finished, else None."""
@@ -489,6 +517,11 @@ class InstanceThread:
 
     def _report(self, job: Job) -> None:
         job.ended = time.perf_counter()
+        if job.unread is not None:  # (after the rest of the batch ran: back in, failed)
+            job.requests = job.requests + [request for request, _ in job.unread]
+            if job.results is not None:
+                job.results = list(job.results) + [error for _, error in job.unread]
+            job.unread = None
         job.staged = None
         if self._timed is not None and job.error is None:
             job.times = self._timed.compute_times

@@ -68,6 +68,7 @@ from trionserve.core.deferred import Deferred, deferred_jobs, sweep_deferred
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.core.outputs import Described
 from trionserve.protocol.http.h1 import H1Connection, Response
+from trionserve.protocol.http.later import LaterBody
 from trionserve.protocol.sockets import send_all
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ class ConnectionAnswer:
         "_ended",
         "_waiting",
         "kept",
+        "later",
         "owing",
         "readable",
         "rest",
@@ -193,6 +195,8 @@ class ConnectionAnswer:
         # The wait ended on the socket readable: the next read need not wait.
         self.readable = False
         self.rest: memoryview | None = None
+        # The request's binary tensors left in the socket for the instance's thread (later.py).
+        self.later = LaterBody(socket)
         self._request: InferenceRequest | None = None
         self._encode: Encode | None = None
         self._binary_output = False

@@ -202,6 +202,7 @@ class HttpFrontend:
                 infer = keepable(
                     self._checked(RestrictedCategory.INFERENCE, partial(self.infer.handle, match))
                 )
+                infer.later = True  # type: ignore[attr-defined]  # (its tensors: http/later.py)
                 if len(self._infer_routes) >= _INFER_ROUTES:
                     self._infer_routes.clear()
                 self._infer_routes[path] = infer

@@ -25,6 +25,7 @@ from trionserve.lifecycle import Lifecycle
 from trionserve.observability.logging import SETTINGS, log_infer_failed, verbose
 from trionserve.observability.trace.frontend import HTTP_STAMPS
 from trionserve.protocol.http import codec as http_codec
+from trionserve.protocol.http import later
 from trionserve.protocol.http.answer import (
     ANSWERED,
     BEGUN,
@@ -175,7 +176,9 @@ class _Again:
         "header_length",
         "headers",
         "match",
+        "model",
         "name",
+        "on_thread",
         "plan",
         "size",
         "version",
@@ -203,6 +206,9 @@ class _Again:
         self.version = version
         self.accept_encoding = accept_encoding
         self.answerable = answerable
+        # The model version last routed to, and whether its inputs are read on its threads only.
+        self.model: object = None
+        self.on_thread = False
 
 
 class InferHandler:
@@ -271,6 +277,11 @@ class InferHandler:
                 if self._forward is not None:
                     self._forward_headers(self._forward, request_headers, infer_request)
                 answer = CONNECTION_ANSWER.get()
+                if answer is not None and answer.later.view is not None:  # (in the socket)
+                    if again.answerable and not self._tracing.active and self._on_thread(again):
+                        answer.later.defer()  # read by the instance's thread (later.py)
+                    else:
+                        answer.later.now()
                 if self._tracing.active:  # the transport's HTTP_RECV_START ... (trace.frontend)
                     infer_request.trace_context = HTTP_STAMPS.get()
                     answer = None
@@ -311,6 +322,9 @@ class InferHandler:
             elif key == b"accept-encoding":
                 accept_encoding = value.decode("latin-1")
         try:
+            connection = CONNECTION_ANSWER.get()
+            if connection is not None and connection.later.view is not None:
+                connection.later.now()  # (binary tensors left in the socket: read before use)
             if content_encoding and content_encoding != "identity":
                 limit = self.max_input_size
                 if len(body) > INFLATE_IN_THREAD_BYTES:
@@ -403,6 +417,17 @@ class InferHandler:
             accept_encoding,
             answerable,
         )
+
+    def _on_thread(self, again: _Again) -> bool:
+        """Whether nothing reads the inputs of ``again``'s model before its instance's thread
+        (:func:`~trionserve.protocol.http.later.on_thread`; kept for the version routed to)."""
+        try:
+            model = self.dataplane.model(again.name, again.version)
+        except TritonError:
+            return False  # (begin says why, or loads it)
+        if again.model is not model:
+            again.model, again.on_thread = model, later.on_thread(model)
+        return again.on_thread
 
     # -- carried on by the connection's task (answer.Carrier) ---------------------------
 

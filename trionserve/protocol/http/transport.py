@@ -60,8 +60,10 @@ import trio
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.trace.frontend import HTTP_STAMPS, FrontendStamps
 from trionserve.protocol.http import answer as answers
+from trionserve.protocol.http import later
 from trionserve.protocol.http.body import read_body
 from trionserve.protocol.http.h1 import (
+    CLOSE,
     INTERNAL_ERROR,
     Body,
     H1Connection,
@@ -272,7 +274,8 @@ class _Connection:
         # request (through _idle_scope), or by a slow request's watcher when the client hangs up.
         self._scope = trio.CancelScope()
         # The handler the router gave for the requests made from a last head (h1.keepable).
-        self._route: tuple[LastHead, Handler] | None = None
+        # (and whether it may leave a body's binary tensors to the instance's thread: later.py).
+        self._route: tuple[LastHead, Handler, bool] | None = None
         # Whether _scope was cancelled (a plain flag: the scope's cancel_called is 4 calls).
         self._ended = False
         # The scope to cancel to stop waiting for the next request (while waiting).
@@ -391,7 +394,12 @@ class _Connection:
         if buffers is None:
             return None
         answer.readable = False  # (seen once)
-        received = readv_now(answer.socket, buffers)  # (a socket of its own: it has an answer)
+        route = self._route
+        if route is not None and route[2] and route[0].scratch is buffers[0]:
+            # (an infer request's binary tensors may be left to the instance's thread: later.py)
+            received = later.read_again(answer.later, h1, route[0], *buffers)
+        else:
+            received = readv_now(answer.socket, buffers)  # (a socket of its own: an answer)
         return None if received is None else h1.take_again(received, *buffers)
 
     def _receive_ready(self) -> bool:
@@ -447,7 +455,8 @@ class _Connection:
                 return False
             handler = routed
             if request.last is not None and getattr(handler, "keepable", False):
-                self._route = (request.last, handler)
+                leaves = getattr(handler, "later", False) and later.deferrable(request.last)
+                self._route = (request.last, handler, leaves)
         # A large body counts in the budget of bytes held for clients from its head to its answer (a
         # small one pays one comparison).
         counted = request.length if request.length > JOIN_LIMIT else 0
@@ -510,6 +519,12 @@ class _Connection:
                 if not self._scope.cancel_called:  # the client hung up: nobody to answer
                     await self._cut()
                 raise
+            rest = self.answer.later if self.answer is not None else None
+            if rest is not None:  # (binary tensors left to the thread: later.py)
+                if rest.view is not None:
+                    rest.settle()  # not read by the thread: read now (none left unread)
+                if rest.broken is not None:  # a read failed: the request's error, then the close
+                    headers = [*headers, CLOSE]
             if chunks is answers.ANSWERED_BODY and answer is not None:  # the thread wrote it
                 return answer.kept if answer.rest is None else await answer.finish(self.stream)
             if self.answer is not None and self.answer.owing:  # (answer.py: an earlier thread's
@@ -521,6 +536,8 @@ class _Connection:
             stamps.stamp("HTTP_SEND_END")
             return kept
         finally:
+            if self.answer is not None and self.answer.later.view is not None:
+                self.answer.later.settle()  # (cancelled: read before the socket is read or closed)
             if stamps is not None:
                 HTTP_STAMPS.set(None)
                 stamps.release()
@@ -551,6 +568,13 @@ class _Connection:
         requests wait their turn) and end the watch."""
         try:
             with scope:
+                body = self.answer.later if self.answer is not None else None
+                if body is not None and body.pending:  # (its tensors unread: they stay there)
+                    await trio.lowlevel.wait_readable(body.socket)  # (the rest does not wake it)
+                    if body.pending:  # the client's end, or bytes after the rest (left there)
+                        if self._handling and later.hung_up(body.socket):
+                            self.cancel()
+                        return
                 try:
                     data = await self.stream.receive_some(self.server.options.receive_size)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
