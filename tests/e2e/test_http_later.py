@@ -183,3 +183,35 @@ async def test_the_instance_thread_reads_the_tensors_the_loop_left_in_the_socket
         # The fourth's tensors (at least) were read by the instance's thread.
         assert any(name.startswith("instance ") for name in reads), reads
         server.shutdown()
+
+
+async def test_tensors_the_thread_did_not_take_are_read_by_the_loop_as_the_request_settles(
+    repository, reads, monkeypatch
+):
+    # The thread takes nothing (as for a request that never ran: rejected, failed, cancelled
+    # before its batch): the loop reads the rest as the request settles, and the request after it
+    # is read as its own (its answer right).
+    from trionserve.backends.instance_thread import InstanceThread
+
+    monkeypatch.setattr(InstanceThread, "_take_bodies", staticmethod(lambda job: None))
+    server = Server(
+        ServerOptions(
+            model_repositories=[repository],
+            http_address="127.0.0.1",
+            http_port=free_port(),
+            http=HttpOptions(),
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=20.0,
+        ),
+        backends=BACKENDS,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        answers = await in_thread(exchange, server.options.http_port)
+        # Each answered 200 in turn: every request after one whose tensors the loop read at its
+        # settle was parsed as its own (those that ran on untaken tensors answered what their
+        # buffers held then: the thread is what this test takes away).
+        assert len(answers) == 5 and answers[:2] == [1.0 * SIZE, 2.0 * SIZE]
+        assert reads and not any(name.startswith("instance ") for name in reads), reads
+        server.shutdown()
