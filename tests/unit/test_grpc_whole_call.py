@@ -27,7 +27,7 @@ from tests.unit.test_grpc_unary_stream import (
     _window,
 )
 from trionserve.core.deferred import deferred_jobs
-from trionserve.protocol.grpc import h2frames, inflow
+from trionserve.protocol.grpc import callhead, h2frames
 
 _HEADER = struct.Struct(">HBBBL")
 _IDS = [1, 3, 5, 7]
@@ -177,13 +177,13 @@ async def test_a_call_as_the_last_is_taken_whole_any_other_through_the_frame_loo
 
     monkeypatch.setattr(h2frames, "open_whole", counted)
     parsed = []  # the calls whose frames were parsed (not as the last taken whole)
-    whole_call = inflow._whole_call
+    whole_call = callhead.whole_call
 
     def parsing(*args):
         parsed.append(True)
         return whole_call(*args)
 
-    monkeypatch.setattr(inflow, "_whole_call", parsing)
+    monkeypatch.setattr(callhead, "whole_call", parsing)
     body = bytes(range(256)) * 400  # (100 KiB: the socket holds a call whole)
     # The first call opens the connection (h2's own), the next teaches the
     # layout (sent in two writes: the first DATA frame read in part); then

@@ -43,7 +43,7 @@ would last until the client sends its next call, which it sends only once
 this one is answered). A call so read whole
 whose frames the frame loop would take the common way (its HEADERS the
 client's last block, only WINDOW_UPDATEs among its frames, its message ending
-the stream within both windows: ``_whole_call``) is taken in one step
+the stream within both windows: ``callhead.whole_call``) is taken in one step
 (``_take_whole``): h2 moved for all its frames at once
 (``h2frames.open_whole``), the call opened with its message whole, no event
 per frame. The next call's head and the bytes between its DATA frames are
@@ -67,7 +67,7 @@ import h2.exceptions
 import structlog
 from h2.errors import ErrorCodes
 
-from trionserve.protocol.grpc import h2frames, upstream
+from trionserve.protocol.grpc import callhead, h2frames, upstream
 from trionserve.protocol.grpc.state import RequestEvent
 from trionserve.protocol.grpc.writing import CLOSED
 
@@ -96,9 +96,7 @@ HEAD_SLOT = 1024
 # call comes: its pages are committed only as its bytes come).
 CALL_LIMIT = 16 * 1024 * 1024
 _FRAME_HEADER = struct.Struct(">HBBBL")
-_INCREMENT = struct.Struct(">L")
-_DATA_FRAME, _HEADERS_FRAME, _WINDOW_UPDATE_FRAME, _PADDED = 0x0, 0x1, 0x8, 0x8
-_END_STREAM, _END_HEADERS = 0x1, 0x4
+_DATA_FRAME, _PADDED = 0x0, 0x8
 
 
 class MessageReads:
@@ -135,10 +133,10 @@ class MessageReads:
     _buffers: CallBuffers  # the messages' buffers, reused
     _last_read: int
     _arrived: tuple[int, memoryview, tuple[memoryview, ...], int] | None
-    # Of a call read whole as predicted, what _take_whole takes (_whole_call);
+    # Of a call read whole as predicted, what _take_whole takes (callhead.whole_call);
     # the last such call's layout, for the next one's bytes to be checked
-    # against (_whole_as: the _call it was read as, _pieces of its head and
-    # of the bytes between its DATA frames, what _whole_call made of them).
+    # against (_whole_as: the _call it was read as, callhead.pieces of its head and
+    # of the bytes between its DATA frames, what whole_call made of them).
     _whole: tuple[bytes, list[tuple[int, int]], int] | None
     _template: tuple | None
     options: TransportOptions
@@ -265,11 +263,15 @@ class MessageReads:
         # (a head as the last one taken whole, but for its stream id: checked
         # in slices, its frames as they were)
         template, sid = self._template, data[5:9]
-        if template is not None and template[0] == self._call and _as(template[1], data, sid):
+        if (
+            template is not None
+            and template[0] == self._call
+            and callhead.same_as(template[1], data, sid)
+        ):
             stream_id = int.from_bytes(sid, "big") & 0x7FFFFFFF
         else:
             template = None
-            stream_id = _call_head(data, length, first + 5)
+            stream_id = callhead.call_head(data, length, first + 5)
             if not stream_id:  # not as predicted: every byte through the frame loop
                 self._call = None
                 return _joined(views, received)
@@ -300,20 +302,25 @@ class MessageReads:
     def _whole_as(
         self, data: bytes, slot: memoryview | None, template: tuple | None
     ) -> tuple[bytes, list[tuple[int, int]], int] | None:
-        """What _whole_call makes of a call read whole (``data`` its head,
+        """What callhead.whole_call makes of a call read whole (``data`` its head,
         ``slot`` the bytes between its DATA frames): the ``template``'s when
         the head was checked against it and the slot is as its too (its
-        frames as they were), else _whole_call's, then kept as the template."""
+        frames as they were), else whole_call's, then kept as the template."""
         sid = data[5:9]
-        if template is not None and (slot is None or _as(template[2], slot, sid)):
+        if template is not None and (slot is None or callhead.same_as(template[2], slot, sid)):
             return template[3]
         assert self._call is not None
         stream_id = int.from_bytes(sid, "big") & 0x7FFFFFFF
         size, length, first = self._call
-        whole = _whole_call(data, slot, stream_id, length - first + 5)
+        whole = callhead.whole_call(data, slot, stream_id, length - first + 5)
         if whole is not None:
             kept = bytes(slot) if slot is not None else b""
-            self._template = (self._call, _pieces(data, sid), _pieces(kept, sid), whole)
+            self._template = (
+                self._call,
+                callhead.pieces(data, sid),
+                callhead.pieces(kept, sid),
+                whole,
+            )
         return whole
 
     def _take_read(self, data: bytes | bytearray) -> bool | None:
@@ -522,41 +529,6 @@ def _joined(views: tuple[memoryview, ...], size: int) -> bytearray:
     return data
 
 
-def _pieces(data: bytes, sid: bytes) -> tuple[tuple[tuple[int, int, bytes], ...], tuple[int, ...]]:
-    """``data`` (whole frames, and the head of one) as a template: its slices
-    around each frame header's stream id that is ``sid`` (start, stop and
-    bytes), and where those stream ids are."""
-    pieces, owns, start, pos = [], [], 0, 0
-    while pos + 9 <= len(data):
-        high, low = _FRAME_HEADER.unpack_from(data, pos)[:2]
-        if data[pos + 5 : pos + 9] == sid:
-            pieces.append((start, pos + 5, data[start : pos + 5]))
-            owns.append(pos + 5)
-            start = pos + 9
-        pos += 9 + (high << 8) + low
-    pieces.append((start, len(data), data[start:]))
-    return tuple(pieces), tuple(owns)
-
-
-def _as(
-    template: tuple[tuple[tuple[int, int, bytes], ...], tuple[int, ...]],
-    data: bytes | memoryview,
-    sid: bytes,
-) -> bool:
-    """Whether ``data`` is as the ``template`` (_pieces) with ``sid`` for its stream id,
-    of its length."""
-    pieces, owns = template
-    if len(data) != pieces[-1][1]:
-        return False
-    for start, stop, piece in pieces:
-        if data[start:stop] != piece:
-            return False
-    for at in owns:
-        if data[at : at + 4] != sid:
-            return False
-    return True
-
-
 def _past(views: tuple[memoryview, ...], size: int) -> tuple[memoryview, ...]:
     """``views`` in turn past their first ``size`` bytes."""
     for index, view in enumerate(views):
@@ -564,89 +536,6 @@ def _past(views: tuple[memoryview, ...], size: int) -> tuple[memoryview, ...]:
             return (view[size:], *views[index + 1 :])
         size -= len(view)
     return ()
-
-
-def _call_head(data: bytes, length: int, first: int) -> int:
-    """The stream of the call whose head ``data`` is when it is whole frames:
-    a new stream's HEADERS, any frames but DATA, that stream's DATA header for
-    a frame of ``first`` bytes (the stream's end only with the message's) and
-    the prefix of an uncompressed message of ``length`` bytes; else 0."""
-    pos, size, opened = 0, len(data) - 5, 0
-    while size - pos >= 9:
-        high, low, kind, flags, stream = _FRAME_HEADER.unpack_from(data, pos)
-        stream &= 0x7FFFFFFF
-        end = pos + 9 + (high << 8) + low
-        if kind == _DATA_FRAME:
-            if (
-                stream != opened
-                or end - pos - 9 != first
-                or flags & _PADDED
-                or (flags & _END_STREAM and first != length + 5)  # (it ends with the message)
-                or pos + 9 != size
-                or data[size:] != b"\0" + length.to_bytes(4, "big")
-            ):
-                return 0
-            return stream
-        if kind == _HEADERS_FRAME and not opened and flags & _END_HEADERS:
-            opened = stream
-        if end > size:
-            return 0
-        pos = end
-    return 0
-
-
-def _whole_call(
-    head: bytes, slot: memoryview | None, stream_id: int, rest: int
-) -> tuple[bytes, list[tuple[int, int]], int] | None:
-    """A call of ``stream_id`` read whole (_call_head checked its ``head``)
-    that ``h2frames.open_whole`` may take: its HEADERS frame first, with
-    END_HEADERS its only flag, then only WINDOW_UPDATE frames before its
-    message's first DATA frame; that frame with END_STREAM, or ``slot`` (the
-    bytes between its two DATA frames) WINDOW_UPDATE frames, then the header
-    of the last DATA frame, of ``rest`` bytes, with END_STREAM its only flag.
-    Its HEADERS block, the window updates' (stream, increment) and its
-    largest frame's size; else None."""
-    high, low, kind, flags = _FRAME_HEADER.unpack_from(head)[:4]
-    block = 9 + (high << 8) + low
-    if kind != _HEADERS_FRAME or flags != _END_HEADERS:
-        return None
-    windows: list[tuple[int, int]] = []
-    data = _windows(head, block, len(head) - 14, stream_id, windows)
-    if data < 0:
-        return None
-    high, low, _, flags = _FRAME_HEADER.unpack_from(head, data)[:4]
-    largest = max(block - 9, (high << 8) + low, rest)
-    if slot is None:
-        return (head[9:block], windows, largest) if flags & _END_STREAM else None
-    end = _windows(slot, 0, len(slot) - 9, stream_id, windows)
-    if end < 0:
-        return None
-    high, low, kind, flags, stream = _FRAME_HEADER.unpack_from(slot, end)
-    if (
-        kind != _DATA_FRAME
-        or flags != _END_STREAM
-        or (high << 8) + low != rest
-        or stream & 0x7FFFFFFF != stream_id
-    ):
-        return None
-    return head[9:block], windows, largest
-
-
-def _windows(
-    data: bytes | memoryview, pos: int, end: int, stream_id: int, windows: list[tuple[int, int]]
-) -> int:
-    """The WINDOW_UPDATE frames from ``pos`` to ``end`` in ``data``, their
-    (stream, increment) added to ``windows`` (``stream_id``'s as
-    h2frames.NEW_STREAM): ``end``, or -1 when other bytes are there."""
-    while pos < end:
-        high, low, kind, _, stream = _FRAME_HEADER.unpack_from(data, pos)
-        if kind != _WINDOW_UPDATE_FRAME or high or low != 4 or pos + 13 > end:
-            return -1
-        stream &= 0x7FFFFFFF
-        increment = _INCREMENT.unpack_from(data, pos + 9)[0]
-        windows.append((h2frames.NEW_STREAM if stream == stream_id else stream, increment))
-        pos += 13
-    return end if pos == end else -1
 
 
 def _frame_size(data: bytes | memoryview, at: int = 0) -> int:
