@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from contextlib import asynccontextmanager
 
+import h2.events
 import pytest
 import trio
+import trio.testing
 
 from tests.unit.test_grpc_inflow import _digests, _ThroughFrames
 from tests.unit.test_grpc_parked import Report
-from tests.unit.test_grpc_thread_answer import Infer, response, thread_write
+from tests.unit.test_grpc_thread_answer import Client, Infer, response, thread_write
 from tests.unit.test_grpc_thread_answer import serving as parked_serving
 from tests.unit.test_grpc_unary_stream import (
     STREAMING,
@@ -27,7 +30,10 @@ from tests.unit.test_grpc_unary_stream import (
     _window,
 )
 from trionserve.core.deferred import deferred_jobs
+from trionserve.protocol import sockets
 from trionserve.protocol.grpc import callhead, h2frames
+from trionserve.protocol.grpc.connection import Connection
+from trionserve.protocol.grpc.options import TransportOptions
 
 _HEADER = struct.Struct(">HBBBL")
 _IDS = [1, 3, 5, 7]
@@ -231,3 +237,78 @@ async def test_a_call_as_the_last_is_taken_whole_any_other_through_the_frame_loo
     assert seen[5][0] > 20 and True not in seen[5][1]  # a PING between: the frame loop
     assert seen[6][0] > 20 and not seen[6][1]  # another size: not as predicted
     assert seen[8] == (0, [True], 0)
+
+
+async def test_a_repeated_call_is_waited_for_once_and_a_smaller_one_is_not_left_waiting(
+    monkeypatch,
+):
+    """Once a call was taken whole as predicted, the next one's read waits once,
+    for the whole call (SO_RCVLOWAT: grpc-core's first write does not wake the
+    reader); a smaller call (the client then waits for its answer) waits for
+    the watch's next look and is read and answered as any other; the waits so
+    woken are counted, and past one in WHOLE_MISSES of the calls read whole
+    the read waits for any byte again. The watch is looked at by the test."""
+    watch = sockets._Watch()
+    monkeypatch.setattr(sockets._Watch, "current", classmethod(lambda cls: watch))
+    digests = _digests(monkeypatch)
+    body = bytes(range(256)) * 400
+    # opens, teaches the layout, taken whole, then waited for whole; smaller;
+    # teaches and is taken whole again, then the same size waited for whole
+    sends = [body, body, body, body, body[:1000], body, body, body]
+    infer = Infer()
+    waited = []
+    async with _tcp_serving(infer) as (conn, client):
+        await client.until(lambda: client.h2.remote_settings.max_frame_size == 1024 * 1024)
+        outcome = response()
+        for index, sent in enumerate(sends):
+            infer.armed = trio.Event()
+            stream_id, data = _send(client, infer, sent, 70_000)
+            # grpc-core's two writes; a first DATA frame read in part teaches the layout
+            cut = len(data) - (9 + len(sent) + 5 - 70_000) if index not in (1, 5) else 10_000
+            await trio.testing.wait_all_tasks_blocked()
+            whole = bool(watch.waiting)  # the reader waits for the whole call
+            await client.sock.send_all(data[:cut])
+            await trio.testing.wait_all_tasks_blocked()
+            assert bool(watch.waiting) == whole and not infer.armed.is_set()
+            await client.sock.send_all(data[cut:] if index != 4 else b"")
+            if index == 4:  # (the smaller call came whole in its first write)
+                await client.sock.send_all(data[cut:])
+                await trio.testing.wait_all_tasks_blocked()
+                assert bool(watch.waiting) and not infer.armed.is_set()
+                watch.look()
+            await infer.armed.wait()
+            waited.append(whole)
+            _, request, answer = infer.calls[-1]
+            assert await thread_write(request, answer, outcome)
+            await client.until(lambda s=stream_id: client.ended(s))
+            deferred_jobs().append(Report(request, outcome))  # swept by the next read
+    assert digests == [hashlib.sha256(sent).digest() for sent in sends]
+    # (after the smaller call, one woken short of its bytes against 2 read
+    # whole: the read waits for any byte until 16 are)
+    assert waited == [False, False, False, True, True, False, False, False]
+    assert (conn._missed, conn._wholes) == (1, 4)
+
+
+@asynccontextmanager
+async def _tcp_serving(infer: Infer):
+    """test_grpc_thread_answer.serving over loopback TCP (SO_RCVLOWAT is TCP's:
+    a socket pair's reader wakes for any byte)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    client_stream = await trio.open_tcp_stream("127.0.0.1", port)
+    server_stream = await listeners[0].accept()
+    await listeners[0].aclose()
+    conn = Connection(server_stream, infer.methods(), TransportOptions(), trio.Event())
+    client = Client(client_stream.socket)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.run)
+        client.h2.initiate_connection()
+        await client.flush()
+        await client.until(
+            lambda: any(isinstance(e, h2.events.SettingsAcknowledged) for e in client.events)
+        )
+        try:
+            yield conn, client
+        finally:
+            nursery.cancel_scope.cancel()
+            client_stream.socket.close()

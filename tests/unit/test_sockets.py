@@ -9,12 +9,15 @@ import fcntl
 import os
 import struct
 import termios
+import threading
+import time
 
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
+from trionserve.protocol import sockets
 from trionserve.protocol.sockets import (
     EagerReceiver,
     receive_after_wait,
@@ -383,3 +386,119 @@ async def test_an_eager_receiver_reads_into_several_buffers_in_turn():
     assert [bytes(b) for b in buffers] == [b"xyz", b"w5", b"6789"]
     for stream in (server, client):
         await stream.aclose()
+
+
+def _lowat(stream: trio.SocketStream) -> int:
+    return stream.socket.getsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVLOWAT)
+
+
+@pytest.mark.skipif(not sockets._WHOLE, reason="Linux: a lowered SO_RCVLOWAT signals at once")
+async def test_a_whole_message_is_waited_for_once_and_a_shorter_one_is_woken_by_the_watch():
+    """receive_whole: the wait ends once the socket holds the whole message (a
+    message sent in two writes: no wake-up for the first), SO_RCVLOWAT left at
+    its size for the next; a message shorter than predicted is not left
+    waiting: the watch's next look wakes it for what the socket holds
+    (``woken``: "held"), and one that held nothing for WATCH_IDLE looks is woken
+    for any byte ("idle"). The watch here is looked at by the test, not by its
+    thread."""
+    server, client = await _tcp_pair()
+    receiver = EagerReceiver(server)
+    watch = receiver._watch = sockets._Watch()
+    buffers = [memoryview(bytearray(10)), memoryview(bytearray(90_000))]
+    got: list[int] = []
+
+    async def read(size: int) -> None:
+        got.append(await receiver.receive_whole(buffers, size))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, 90_010)
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send_all(b"h" * 10 + b"a" * 50_000)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [] and list(watch.waiting) == [receiver]
+        await client.send_all(b"b" * 40_000)
+    assert got == [90_010] and receiver.woken is None and not watch.waiting
+    assert bytes(buffers[1][-3:]) == b"bbb" and _lowat(server) == 90_010
+    # Smaller than predicted: held until the watch looks, then read as it is.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, 90_010)
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send_all(b"h" * 10 + b"c" * 1_000)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == [90_010]
+        watch.look()
+    assert got[1:] == [1_010] and receiver.woken == "held" and _lowat(server) == 1
+    # Nothing for WATCH_IDLE looks: any byte ends the wait.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, 90_010)
+        await trio.testing.wait_all_tasks_blocked()
+        for _ in range(sockets.WATCH_IDLE - 1):
+            watch.look()
+        assert list(watch.waiting) == [receiver] and _lowat(server) == 90_010
+        watch.look()
+        assert not watch.waiting and _lowat(server) == 1
+        await client.send_all(b"x")
+    assert got[2:] == [1] and receiver.woken == "idle"
+    # lower(): the connection needs the peer's next bytes (hear), the same.
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, 90_010)
+        await trio.testing.wait_all_tasks_blocked()
+        await client.send_all(b"y" * 5)
+        await trio.testing.wait_all_tasks_blocked()
+        receiver.lower()
+    assert got[3:] == [5] and receiver.woken is None
+    # Another wait on the socket sets its own SO_RCVLOWAT first.
+    await client.send_all(b"z")
+    assert await receiver.receive_into(buffers, 1) == 1
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, 90_010)
+        await trio.testing.wait_all_tasks_blocked()
+        assert _lowat(server) == 90_010
+        nursery.cancel_scope.cancel()
+    assert not watch.waiting  # (a cancelled wait leaves the watch)
+
+    async def some() -> None:
+        got.append(len(await receiver.receive_some(16)))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(some)
+        await trio.testing.wait_all_tasks_blocked()
+        assert _lowat(server) == 1
+        await client.send_all(b"q")
+    assert got[-1] == 1
+    for stream in (server, client):
+        await stream.aclose()
+
+
+def test_the_watch_thread_sleeps_while_nothing_waits_and_wakes_for_a_wait():
+    """The watch's thread: idle after WATCH_IDLE looks with no wait (no look
+    until one is added), looking again once a wait wakes it."""
+    watch = sockets._Watch()
+    watch.looks = sockets.WATCH_IDLE  # (as many looks found no wait)
+    thread = threading.Thread(target=watch._run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not watch.idle:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    looks = watch.looks
+    time.sleep(3 * sockets.WATCH_SECS)
+    assert watch.looks == looks  # asleep
+    waiter = _Waiter()
+    watch.waiting[waiter] = watch.looks  # type: ignore[index]
+    watch.wake()
+    while not waiter.lowered:  # (it holds bytes: woken at the next look)
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert watch.looks > looks and not watch.waiting
+
+
+class _Waiter:
+    woken = None
+    lowered = False
+
+    def holds(self) -> bool:
+        return True
+
+    def lower(self) -> None:
+        self.lowered = True

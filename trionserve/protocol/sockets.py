@@ -29,8 +29,13 @@ wake-up per piece.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket as _socket
+import sys
+import termios
+import threading
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -55,6 +60,13 @@ __all__ = [
 _LOWAT = getattr(_socket, "SO_RCVLOWAT", None)
 # writev's limit on the pieces of one call (IOV_MAX on Linux).
 _IOV_MAX = 1024
+# A wait for a whole message (EagerReceiver.receive_whole) where lowering
+# SO_RCVLOWAT signals the bytes the socket holds at once (Linux since 4.18).
+_WHOLE = _LOWAT is not None and sys.platform.startswith("linux")
+# How often the watch looks at the sockets waiting for a whole message, and
+# after how many looks one that held nothing is woken for any byte.
+WATCH_SECS = 0.02
+WATCH_IDLE = 25
 
 
 def write_now(stream: trio.abc.SendStream, data: bytes | bytearray | memoryview) -> int:
@@ -149,12 +161,20 @@ class EagerReceiver:
     socket, as ``receive_some`` does. One task reads at a time (this bypasses
     the stream's check for concurrent readers)."""
 
-    __slots__ = ("_stream", "_socket", "_eager", "_eager_reads")
+    __slots__ = ("_stream", "_socket", "_eager", "_eager_reads", "_lowat", "_watch", "woken")
 
     def __init__(self, stream: trio.abc.ReceiveStream, eager_reads: int = 4) -> None:
         self._stream = stream
         self._socket: trio.socket.SocketType | None = getattr(stream, "socket", None)
         self._eager = self._eager_reads = eager_reads
+        # The socket's SO_RCVLOWAT as this receiver set it, 0 before it did (a
+        # wait sets its own and leaves it for the next, which may want the
+        # same; another receiver of the socket may have left any), the run's
+        # watch (receive_whole) and why it last woke a wait short of its
+        # bytes (_Watch.look).
+        self._lowat = 0
+        self._watch: _Watch | None = None
+        self.woken: str | None = None
 
     async def receive_some(
         self, max_bytes: int, eager: bool = True, expect_wait: bool = False
@@ -180,6 +200,8 @@ class EagerReceiver:
             if data is not None:
                 return data
             self._eager = self._eager_reads
+        if self._lowat != 1:
+            self.lower()
         while True:
             await trio.lowlevel.wait_readable(socket)
             data = _read_some(socket, max_bytes)
@@ -217,7 +239,134 @@ class EagerReceiver:
             except OSError as exc:
                 raise trio.BrokenResourceError(exc) from exc
             self._eager = self._eager_reads
-        return await _wait_and_readv(socket, buffers, least)
+        if least != self._lowat and _LOWAT is not None:
+            self._lowat = least
+            _set_lowat(socket, least)
+        while True:
+            await trio.lowlevel.wait_readable(socket)
+            received = _readv_now(socket, buffers)
+            if received is not None:
+                return received
+
+    async def receive_whole(self, buffers: Sequence[memoryview], size: int) -> int:
+        """Bytes read into ``buffers`` in turn (one ``readv``; 0: the peer ended
+        its side) after one wait until the socket holds ``size`` bytes: a
+        message the peer is predicted to send whole without hearing from us,
+        which it may not (see the module docstring: ``SO_RCVLOWAT`` stays at
+        ``size`` for the next wait, and the run's watch wakes a wait short of
+        its bytes within ``WATCH_SECS``, ``woken`` saying why). The wait first,
+        as ``receive_into``'s ``expect_wait``. Where the kernel does not signal
+        bytes held when ``SO_RCVLOWAT`` is lowered (not Linux), a wait for any
+        byte."""
+        socket = self._socket
+        if socket is None or not _WHOLE:
+            return await self.receive_into(buffers, 1, True)
+        self._eager = self._eager_reads
+        self.woken = None
+        if self._lowat != size:
+            self._lowat = size
+            _set_lowat(socket, size)
+        watch = self._watch
+        if watch is None:
+            watch = self._watch = _Watch.current()
+        waiting = watch.waiting
+        waiting[self] = watch.looks
+        if watch.idle:
+            watch.wake()
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(socket)
+                received = _readv_now(socket, buffers)
+                if received is not None:
+                    return received
+        finally:
+            waiting.pop(self, None)
+
+    def lower(self) -> None:
+        """Any byte ends a wait now (``SO_RCVLOWAT`` 1): what the socket holds
+        is signalled at once (a wait for a whole message short of its bytes,
+        or one the connection needs the peer's next bytes for)."""
+        if self._lowat != 1 and self._socket is not None:
+            self._lowat = 1
+            _set_lowat(self._socket, 1)
+
+    def holds(self) -> bool:
+        """Whether the socket holds bytes not read yet (True when it cannot be
+        asked: ``lower`` of a closed socket does nothing)."""
+        assert self._socket is not None
+        try:
+            held = fcntl.ioctl(self._socket.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return True
+        return held != b"\0\0\0\0"
+
+
+class _Watch:
+    """The sockets waiting for a whole message (EagerReceiver.receive_whole),
+    by the look they began at, looked at every ``WATCH_SECS`` by one daemon
+    thread per process while any waits (asleep after ``WATCH_IDLE`` looks
+    with none): a wait whose socket holds bytes (fewer than it waits for: its
+    peer sent less, or waits for us), or held none for ``WATCH_IDLE`` looks
+    (a peer that sends seldom), is woken for what it holds (``lower``). A
+    thread, not a task: a look costs the event loop nothing, not even a
+    wake-up, unless it wakes a wait. It acts through the socket object, whose
+    descriptor reads -1 once the loop closed it (never a number another socket
+    took since); the loop's side is one dict item set and popped per wait."""
+
+    __slots__ = ("waiting", "looks", "idle", "_seen", "_resume")
+
+    _current: _Watch | None = None
+    _starting = threading.Lock()
+
+    def __init__(self) -> None:
+        self.waiting: dict[EagerReceiver, int] = {}
+        self.looks = 0
+        self._seen = 0  # the last look that found a wait
+        self.idle = False  # the thread waits for _resume
+        self._resume = threading.Event()
+
+    @classmethod
+    def current(cls) -> _Watch:
+        """The process's watch, its thread started on first use."""
+        with cls._starting:
+            watch = cls._current
+            if watch is None:
+                watch = cls._current = cls()
+                threading.Thread(target=watch._run, name="trionserve-lowat", daemon=True).start()
+            return watch
+
+    def wake(self) -> None:
+        """A wait began while the thread waits for one (``idle``)."""
+        self._resume.set()
+
+    def _run(self) -> None:
+        while True:
+            if self.looks - self._seen >= WATCH_IDLE:
+                self.idle = True
+                if not self.waiting:  # (a wait added after this sets _resume)
+                    self._resume.wait()
+                self._resume.clear()
+                self.idle = False
+                self._seen = self.looks
+            time.sleep(WATCH_SECS)
+            self.look()
+
+    def look(self) -> None:
+        """One look: the waits short of their bytes woken (see the class)."""
+        self.looks += 1
+        if not self.waiting:
+            return
+        self._seen = looks = self.looks
+        for receiver, since in list(self.waiting.items()):
+            if receiver.holds():
+                woken = "held"
+            elif looks - since >= WATCH_IDLE:
+                woken = "idle"
+            else:
+                continue
+            if self.waiting.pop(receiver, None) is not None:  # (still waiting)
+                receiver.woken = woken
+                receiver.lower()
 
 
 async def _receive_some_into(stream: trio.abc.ReceiveStream, buffers: Sequence[memoryview]) -> int:

@@ -303,6 +303,7 @@ class GrpcCall:
                 window = h2conn.local_flow_control_window(stream_id)
                 if window <= 0:
                     self.connection.flush()
+                    self.connection.hear()  # (a wait for a whole call ends)
                     await self.wait_for_window()
                     if self.state.reset:
                         raise trio.BrokenResourceError("the client reset the stream")
