@@ -23,7 +23,7 @@ import trio.testing
 from tests.unit import test_batcher
 from trionserve.actors.executor import InstanceExecutor
 from trionserve.backends.base import InstanceSpec
-from trionserve.backends.instance_thread import InstanceThread, Job
+from trionserve.backends.instance_thread import HeldJob, InstanceThread, Job
 from trionserve.core.errors import Cancelled, Unavailable
 from trionserve.core.inference import InferenceResponse
 from trionserve.schedulers.dynamic_batch import DynamicBatchScheduler
@@ -391,3 +391,65 @@ def test_a_join_after_the_thread_started_the_batch_is_refused():
         return joined, late, instance.batches
 
     assert trio.run(main) == (True, False, [["a", "b"]])
+
+
+@pytest.mark.parametrize("release", ["before", "after", "never"])
+def test_a_held_job_closed_holds_its_gate_again_for_the_next(release):
+    """One HeldJob holds a thread's jobs one after the other (re-armed, not
+    made per batch): however its last wait ended (released before the delay's
+    end, released after it, the delay's end alone), its gate is held again
+    once it is closed, so the next job waits for its own delay or release."""
+    lock = threading.Lock()
+    held = HeldJob(Job([test_batcher.request("a")]), time.perf_counter(), lock)
+    if release == "before":
+        held.release()
+    held.wait_out()  # (the delay's end has passed: no wait)
+    if release == "after":
+        held.release()  # a release that comes after the delay's end: too late
+    assert held._gate.locked()
+    assert held.join(test_batcher.request("late")) is False  # closed
+    assert held.rearm(Job([test_batcher.request("b")]), time.perf_counter() + 60)
+    assert held.rearm(Job([test_batcher.request("c")]), time.perf_counter()) is False
+    assert held.join(test_batcher.request("b2")) is True
+    waited = threading.Event()
+
+    def wait() -> None:
+        held.wait_out()
+        waited.set()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    assert not waited.wait(0.05)  # its delay is a minute: it waits
+    held.release()
+    assert waited.wait(10)
+    thread.join(10)
+    assert held._gate.locked()
+
+
+def test_a_thread_holds_its_jobs_one_after_the_other_through_one_held_job():
+    """submit_held re-arms the thread's HeldJob for the next job once the last
+    one started: each job keeps its own delay (the second waits for its
+    release), requests join the job held now, and no lock is made per job."""
+
+    async def main() -> tuple[bool, bool, list[list[str]]]:
+        instance = _Instance()
+        thread = InstanceThread("m_0", instance)  # type: ignore[arg-type]
+        thread.start()
+        first = Job([test_batcher.request("a")])
+        held = thread.submit_held(first, trio.current_time())  # its delay is over
+        with trio.fail_after(10):
+            await first.done.wait()
+        second = Job([test_batcher.request("b")])
+        again = thread.submit_held(second, trio.current_time() + 60)
+        assert again.join(test_batcher.request("c"))
+        with trio.move_on_after(0.05):
+            await second.done.wait()
+        waited = not second.over
+        again.release()
+        with trio.fail_after(10):
+            await second.done.wait()
+        thread.stop()
+        await trio.to_thread.run_sync(thread.join, 10)
+        return again is held, waited, instance.batches
+
+    assert trio.run(main) == (True, True, [["a"], ["b", "c"]])

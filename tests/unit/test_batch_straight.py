@@ -1,6 +1,6 @@
 """A request submitted with nothing queued and an executor ready: the batch the
 batcher would form of it alone goes straight to that executor, without the
-queues (``DynamicBatchScheduler._straight``), as the same batch formed through
+queues (``DynamicBatchScheduler.submit``'s straight way), as the same batch formed through
 them would have. Sequenced by events; the delays that must not pass are a minute.
 """
 

@@ -39,8 +39,8 @@ from trionserve.backends.instance_thread import (
     HeldJob,
     InstanceThread,
     Job,
-    clock_offset,
 )
+from trionserve.core.clocks import clock_offset
 from trionserve.core.deferred import sweep_deferred
 from trionserve.core.errors import InternalError, Unavailable
 from trionserve.core.inference import InferenceRequest, InferenceResponse

@@ -64,7 +64,7 @@ import trio
 
 from trionserve.backends.base import BackendInstance, TimedBackendInstance
 from trionserve.backends.cuda.pipeline import Pipeline, StagedBackendInstance
-from trionserve.core.clocks import virtual_clock
+from trionserve.core.clocks import clock_offset
 from trionserve.core.deferred import Deferred, deferred_jobs
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.inference import InferenceRequest, InferenceResponse
@@ -185,7 +185,13 @@ class HeldJob:
     goes to a later batch), never lost nor run twice. The thread sleeps in a
     timed acquire of the job's gate, a lock held until ``release`` (no
     ``threading.Condition``: its wait is about ten Python calls, issue 39's
-    twelfth round)."""
+    twelfth round).
+
+    A thread holds its jobs one after the other, through one HeldJob re-armed
+    for each (:meth:`InstanceThread.submit_held`, once the last one's
+    ``wait_out`` closed it): no object and no lock made per batch. Its gate is
+    held whenever it is not released for the job it holds: ``wait_out``
+    takes it back where a ``release`` came after the delay's end."""
 
     __slots__ = ("_job", "_until", "_lock", "_gate", "_released")
 
@@ -197,6 +203,18 @@ class HeldJob:
         self._gate = threading.Lock()
         self._gate.acquire()  # (released by release: the thread's wait ends)
         self._released = False
+
+    def rearm(self, job: Job, until: float) -> bool:
+        """Hold ``job`` until ``until`` as :meth:`__init__` would, on the Trio
+        thread, if the last job held is closed (False: a new HeldJob is needed).
+        No lock: once closed, the thread does not look at it again until the
+        job's ``_put`` (``wait_out`` closes it last, its gate held again)."""
+        if self._job is not None:
+            return False
+        self._job = job
+        self._until = until
+        self._released = False
+        return True
 
     def join(self, request: InferenceRequest) -> bool:
         with self._lock:
@@ -215,11 +233,16 @@ class HeldJob:
         """On the instance's thread: wait until the delay's end or ``release``,
         then close the batch to ``join``."""
         remaining = self._until - time.perf_counter()
+        taken = False
         if remaining > 0:
             # (True: released; False: the delay's end. A wait the kernel ends
             # early, EINTR, is resumed for what is left by the lock itself.)
-            self._gate.acquire(timeout=remaining)
+            taken = self._gate.acquire(timeout=remaining)
         with self._lock:
+            if self._released and not taken:
+                # Released after the delay's end: the gate is held again for the
+                # next job (it is free now, nothing else takes it).
+                self._gate.acquire()
             self._job = None  # closed (and no cycle with the job: see Job.finished)
 
 
@@ -289,21 +312,6 @@ def wait_to_the_microsecond() -> None:
         ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in ns
     except (OSError, AttributeError):
         pass
-
-
-def clock_offset() -> float | None:
-    """Trio's clock less ``time.perf_counter()`` (on the Trio thread), where
-    that is a constant: Trio's own clock (``perf_counter()`` plus an offset,
-    as schedulers/timer.py relies on too), not a ``MockClock``'s virtual
-    time (None). The thread's readings then go to Trio's clock with an
-    addition, not two clock readings per batch on the loop (``span``);
-    read between two readings of ``perf_counter()``: within tens of ns."""
-    clock = trio.lowlevel.current_clock()
-    if virtual_clock(clock):
-        return None
-    before = time.perf_counter()
-    now = clock.current_time()
-    return now - (before + time.perf_counter()) / 2
 
 
 class Abandoned(RuntimeError):
@@ -387,8 +395,15 @@ class InstanceThread:
         offset = self._offset
         if offset is None:  # (a MockClock's virtual time: read now)
             offset = trio.current_time() - time.perf_counter()
-        held = job.held = self._held = HeldJob(job, start_at - offset, self._hold)
-        self._put(job)
+        held = self._held
+        if held is None or not held.rearm(job, start_at - offset):
+            held = self._held = HeldJob(job, start_at - offset, self._hold)
+        job.held = held
+        # _put, written out (once per request at c=1 with a batching delay).
+        self._jobs.append(job)
+        if self._sleeping:
+            self._sleeping = False
+            self._wake.ring()
         return held
 
     async def wait(self, job: Job) -> None:

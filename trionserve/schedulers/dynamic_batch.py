@@ -36,11 +36,13 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
+from time import perf_counter
 from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
+from trionserve.core.clocks import clock_offset
 from trionserve.core.deferred import sweep_idle
 from trionserve.core.errors import Cancelled, TritonError, Unavailable
 from trionserve.core.inference import InferenceRequest
@@ -130,8 +132,11 @@ class DynamicBatchScheduler:
         self._held: dict[int, tuple[Sequence[InferenceRequest], Sequence[Outcome]]] = {}
         # The real-clock wake-up of the delay's end (made by run).
         self._timer: PreciseWakeup | None = None
-        # The run's clock, read by each submit (trio.current_time() less its
-        # two calls on the way); set as the batcher starts.
+        # The run's clock as each submit reads it: Trio's own is
+        # ``perf_counter()`` plus this (clock_offset: no call of the clock's
+        # method per request); None on a virtual clock, read through
+        # ``_clock`` then. Set as the batcher starts.
+        self._offset: float | None = None
         self._clock: trio.abc.Clock | None = None
         # Whether a batch waiting for the delay may wait in the thread of the
         # instance it goes to (see _hold_in_thread): only where that cannot
@@ -155,6 +160,7 @@ class DynamicBatchScheduler:
         # microsecond delays on the real clock (see schedulers/timer.py).
         timer = self._timer = PreciseWakeup(self._timer_fired)
         self._clock = trio.lowlevel.current_clock()
+        self._offset = clock_offset()
         if verbose():
             # Triton's line (core dynamic_batch_scheduler.cc BatcherThread).
             log.debug(f"Starting dynamic-batcher thread for {self.model_name} at nice 0...")
@@ -237,12 +243,31 @@ class DynamicBatchScheduler:
     async def submit(self, request: InferenceRequest) -> None:
         if self._closed:
             raise trio.ClosedResourceError
-        clock = self._clock
-        now = clock.current_time() if clock is not None else trio.current_time()
+        offset = self._offset
+        if offset is not None:
+            now = perf_counter() + offset
+        else:
+            clock = self._clock
+            now = clock.current_time() if clock is not None else trio.current_time()
         request.arrival_time = now
-        if not self._queued and self._ready and self._open is None and not self._hold:
-            if self._straight(request, now):
-                return
+        ready = self._ready
+        if ready and not self._queued and self._open is None and not self._hold:
+            # Straight: nothing queued, an executor ready: the batch _form would
+            # make of ``request`` alone, given to the first ready executor that
+            # takes hand-overs without the queues (at c=1 half the calls of the
+            # way through them; benchmarks/README.md, issue 39's tenth round):
+            # now, or held by its thread for the delay. Else queued as usual.
+            outlet = ready[0]
+            if outlet._handover is not None:
+                size = request.batch_size or 1
+                delay = self._delay
+                if delay and size < self._max_preferred and size not in self._preferred:
+                    if self._hold_with(outlet, [request], size, now + delay):
+                        ready.popleft()
+                        return
+                elif not delay or self._timed():  # (else the batcher's task sends it)
+                    self._send(ready.popleft(), [request])
+                    return
         level = self._level_for(request.priority)
         if level.max_queue_size and level.count >= level.max_queue_size:
             self._purge_cancelled(level)
@@ -299,27 +324,6 @@ class DynamicBatchScheduler:
                 self._look_again(wake_at)
                 return
         self._wakeup.set()
-
-    def _straight(self, request: InferenceRequest, now: float) -> bool:
-        """Nothing queued, an executor ready: the batch :meth:`_form` would make
-        of ``request`` alone, given straight to the first ready executor that
-        takes hand-overs, without the queues (at c=1 half the calls of the
-        way through them; benchmarks/README.md, issue 39's tenth round): now,
-        or held by its thread for the delay. False: queued as usual."""
-        outlet = self._ready[0]
-        if outlet._handover is None:
-            return False
-        size = request.batch_size or 1
-        delay = self._delay
-        if delay and size < self._max_preferred and size not in self._preferred:
-            held = self._hold_with(outlet, [request], size, now + delay)
-            if held:
-                self._ready.popleft()
-            return held
-        if delay and not self._timed():
-            return False  # (the batcher's task sends it, as before)
-        self._send(self._ready.popleft(), [request])
-        return True
 
     def _level_for(self, priority: int) -> Level:
         """Triton's rule: priority 0 or beyond the levels means the default level."""
@@ -539,7 +543,10 @@ class DynamicBatchScheduler:
     ) -> bool:
         """:meth:`_hold_in_thread` for ``requests`` (of total batch size ``size``)."""
         delayed = outlet._delayed
-        if delayed is None or not self._holds or self._open or not self._timed():
+        timer = self._timer  # (_timed, written out: once per request at c=1)
+        if delayed is None or not self._holds or self._open or self._closed:
+            return False
+        if timer is None or not timer.live:
             return False
         ticket = self._ticket() if self._preserve_ordering else None
         outlet._tickets.append(ticket)
