@@ -135,8 +135,11 @@ class Drain:
         )
 
     def request_began(self, model: ModelVersion, request: InferenceRequest) -> None:
-        """An admitted request is queued at its model: counted there and here."""
-        model.begin_request()
+        """An admitted request is queued at its model: counted there (its
+        ``inflight``, its ``idle`` event made anew by the next wait) and here."""
+        if model._inflight == 0:
+            model._idle = None
+        model._inflight += 1
         if self._inflight == 0:
             self._settled = None
         self._inflight += 1
@@ -144,8 +147,11 @@ class Drain:
             self._sequence_models.add(model)
 
     def request_ended(self, model: ModelVersion) -> None:
-        """An admitted request had its last response (or failed)."""
-        model.end_request()
+        """An admitted request had its last response (or failed): counted out
+        at its model (its ``idle`` set as its last one ends) and here."""
+        model._inflight -= 1
+        if model._inflight == 0 and model._idle is not None:
+            model._idle.set()
         self._inflight -= 1
         if self._inflight == 0 and self._settled is not None:
             self._settled.set()

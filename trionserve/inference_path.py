@@ -247,12 +247,15 @@ class InferencePath:
         error raised; the request is counted out either way."""
         assert run.request.done and run.plain and run.trace is None
         try:
-            return run.request.result()
+            response = run.request.result()
         except BaseException as exc:
             self._failed(run, exc)
-            raise
-        finally:
             self._end(run)
+            raise
+        # _end, for a request whose one response was just taken: nothing of it
+        # is held (its discard finds nothing), no trace to finish.
+        self.drain.request_ended(run.model)
+        return response
 
     def drop(self, run: Lifecycle) -> None:
         """The caller gives up on a begun request (its client went away) instead of

@@ -173,9 +173,11 @@ class ModelVersion:
         self._instances: list[Instance] = []  # backend instances created and not yet closed
         self._nursery: trio.Nursery | None = None
         self._unload_requested = trio.Event()
+        # Requests in flight here, counted by the data plane's Drain as it
+        # counts them for the server (Drain.request_began, request_ended).
         self._inflight = 0
         # Made when asked for (``idle``): a request that comes and goes with
-        # nobody waiting builds no event.
+        # nobody waiting builds no event; set by the Drain as the count ends.
         self._idle: trio.Event | None = None
         # The reason the index shows once it has unloaded (an eviction names its own).
         self.unloaded_reason = "unloaded"
@@ -480,16 +482,6 @@ class ModelVersion:
     def inflight(self) -> int:
         """Requests admitted to this version and not yet finished (queued included)."""
         return self._inflight
-
-    def begin_request(self) -> None:
-        if self._inflight == 0:
-            self._idle = None
-        self._inflight += 1
-
-    def end_request(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0 and self._idle is not None:
-            self._idle.set()
 
     async def set_instance_groups(self, config: ModelConfig) -> None:
         """Match the running instances to ``config``'s instance groups, without a reload.

@@ -423,8 +423,10 @@ class InferenceRequest:
             self._wakeup.set()
         if self.answer is not None:
             self.answer.finalized()
-        if self._on_final is not None:
-            self._finalized()
+        callback = self._on_final
+        if callback is not None:  # (_finalized, written out: a parked gRPC call's)
+            self._on_final = None
+            callback()
         return True
 
     def fail(self, error: TritonError) -> bool:
