@@ -640,10 +640,10 @@ class _Connection:
         client that does not take it within a second is left."""
         if not self.h1.answerable:
             return
-        await answers.collect(self.answer, self.stream)  # (a thread's write settled in progress)
         answer = self.h1.error_response(status, message)
         with trio.move_on_after(_ERROR_WRITE_SECS):
             try:
+                await answers.collect(self.answer, self.stream)  # (a thread's write: answer.py)
                 await self.stream.send_all(answer)
             except _GONE:
                 pass
