@@ -502,3 +502,17 @@ class _Waiter:
 
     def lower(self) -> None:
         self.lowered = True
+
+
+def test_a_forked_child_starts_its_own_watch(monkeypatch):
+    """After a fork the child has no watch thread: the next wait starts one
+    (os.register_at_fork runs _forget in the child). A kernel before 4.18 (no
+    signal when SO_RCVLOWAT is lowered) is told apart."""
+    monkeypatch.setattr(sockets._Watch, "_current", sockets._Watch())
+    lock = sockets._Watch._starting
+    monkeypatch.setattr(sockets._Watch, "_starting", lock)
+    sockets._Watch._forget()
+    assert sockets._Watch._current is None and sockets._Watch._starting is not lock
+    for release, newer in (("4.17.3", False), ("4.18.0-1", True), ("6.1.0", True), ("x", False)):
+        monkeypatch.setattr(os, "uname", lambda r=release: os.uname_result(("", "", r, "", "")))
+        assert sockets._kernel_at_least(4, 18) is newer

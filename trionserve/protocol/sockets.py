@@ -60,9 +60,20 @@ __all__ = [
 _LOWAT = getattr(_socket, "SO_RCVLOWAT", None)
 # writev's limit on the pieces of one call (IOV_MAX on Linux).
 _IOV_MAX = 1024
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        release = [int(part) for part in os.uname().release.split(".")[:2]]
+    except (AttributeError, ValueError):
+        return False
+    return release >= [major, minor]
+
+
 # A wait for a whole message (EagerReceiver.receive_whole) where lowering
-# SO_RCVLOWAT signals the bytes the socket holds at once (Linux since 4.18).
-_WHOLE = _LOWAT is not None and sys.platform.startswith("linux")
+# SO_RCVLOWAT signals the bytes the socket holds at once (Linux since 4.18:
+# tcp_set_rcvlowat); elsewhere such a wait is a wait for any byte.
+_WHOLE = _LOWAT is not None and sys.platform.startswith("linux") and _kernel_at_least(4, 18)
 # How often the watch looks at the sockets waiting for a whole message, and
 # after how many looks one that held nothing is woken for any byte.
 WATCH_SECS = 0.02
@@ -339,6 +350,12 @@ class _Watch:
         """A wait began while the thread waits for one (``idle``)."""
         self._resume.set()
 
+    @classmethod
+    def _forget(cls) -> None:
+        """In a forked child: no thread watches; the next use starts one."""
+        cls._current = None
+        cls._starting = threading.Lock()
+
     def _run(self) -> None:
         while True:
             if self.looks - self._seen >= WATCH_IDLE:
@@ -561,3 +578,7 @@ class HeldWrite:
 
     def evict(self, message: str) -> None:
         self._scope.cancel()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_Watch._forget)
