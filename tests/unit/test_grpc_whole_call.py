@@ -31,7 +31,7 @@ from tests.unit.test_grpc_unary_stream import (
 )
 from trionserve.core.deferred import deferred_jobs
 from trionserve.protocol import sockets
-from trionserve.protocol.grpc import callhead, h2frames
+from trionserve.protocol.grpc import callhead, h2frames, inflow
 from trionserve.protocol.grpc.connection import Connection
 from trionserve.protocol.grpc.options import TransportOptions
 
@@ -245,16 +245,20 @@ async def test_a_repeated_call_is_waited_for_once_and_a_smaller_one_is_not_left_
     """Once a call was taken whole as predicted, the next one's read waits once,
     for the whole call (SO_RCVLOWAT: grpc-core's first write does not wake the
     reader); a smaller call (the client then waits for its answer) waits for
-    the watch's next look and is read and answered as any other; the waits so
-    woken are counted, and past one in WHOLE_MISSES of the calls read whole
-    the read waits for any byte again. The watch is looked at by the test."""
+    the watch's next look and is read and answered as any other, and the
+    connection then needs twice as many calls in a row read whole as predicted
+    before it waits whole again (a client whose sizes vary pays the look on at
+    most one call in that streak). The watch is looked at by the test, and the
+    streak needed at first is one (WHOLE_STREAK's place)."""
+    monkeypatch.setattr(inflow.MessageReads, "_needed", 1)
     watch = sockets._Watch()
     monkeypatch.setattr(sockets._Watch, "current", classmethod(lambda cls: watch))
     digests = _digests(monkeypatch)
     body = bytes(range(256)) * 400
-    # opens, teaches the layout, taken whole, then waited for whole; smaller;
-    # teaches and is taken whole again, then the same size waited for whole
-    sends = [body, body, body, body, body[:1000], body, body, body]
+    # opens, teaches the layout, taken whole (a streak of one), then waited for
+    # whole; smaller (a miss: two needed now); teaches, taken whole twice (not
+    # waited for whole: a streak of one), then waited for whole again
+    sends = [body, body, body, body, body[:1000], body, body, body, body]
     infer = Infer()
     waited = []
     async with _tcp_serving(infer) as (conn, client):
@@ -283,10 +287,8 @@ async def test_a_repeated_call_is_waited_for_once_and_a_smaller_one_is_not_left_
             await client.until(lambda s=stream_id: client.ended(s))
             deferred_jobs().append(Report(request, outcome))  # swept by the next read
     assert digests == [hashlib.sha256(sent).digest() for sent in sends]
-    # (after the smaller call, one woken short of its bytes against 2 read
-    # whole: the read waits for any byte until 16 are)
-    assert waited == [False, False, False, True, True, False, False, False]
-    assert (conn._missed, conn._wholes) == (1, 4)
+    assert waited == [False, False, False, True, True, False, False, False, True]
+    assert (conn._streak, conn._needed) == (3, 2)
 
 
 @asynccontextmanager
