@@ -267,3 +267,56 @@ async def test_the_instance_thread_reads_each_body_before_its_batch_and_fails_a_
         assert "could not be read" in job.results[1].message
         assert not bodies[0].pending and bodies[0].broken is None
         assert bodies[1].broken is not None
+
+
+def test_the_kept_decision_for_a_model_is_made_again_when_the_routes_change(monkeypatch):
+    """InferHandler._on_thread decides once per routed version and keeps it while the routes'
+    generation stands: a switch (a load, an unload, a reload's new version) or an eviction makes
+    it route again, so a reloaded model whose inputs are read on the loop is never left a
+    deferred body."""
+    from types import SimpleNamespace
+
+    from trionserve.actors.model_lifecycle import ModelLifeCycle
+    from trionserve.core.errors import NotFound
+    from trionserve.protocol.http.infer import InferHandler, _Again
+    from trionserve.repository.repository import ModelId
+
+    lifecycle = ModelLifeCycle({})
+    serving: list[object] = []
+    looked_up: list[object] = []
+
+    def model(name: str, version: int | None) -> object:
+        if not serving:
+            raise NotFound("unloaded")
+        looked_up.append(serving[0])
+        return serving[0]
+
+    plane = SimpleNamespace(
+        registry=SimpleNamespace(lifecycle=lifecycle),
+        model=model,
+        tracing=SimpleNamespace(active=False),
+    )
+    monkeypatch.setattr(later_module, "on_thread", lambda version: version.blocking)
+    handler = InferHandler(plane)  # type: ignore[arg-type]
+    again = _Again(None, [], 0, b"", None, "m", None, None, True)  # type: ignore[arg-type]
+    first = SimpleNamespace(blocking=True)
+    serving.append(first)
+    assert handler._on_thread(again) and handler._on_thread(again)
+    assert looked_up == [first]  # (kept: routed once)
+    # Reloaded as a model whose inputs the loop reads (a Python model): routed again.
+    serving[0] = SimpleNamespace(blocking=False)
+    lifecycle.switch(ModelId("", "m"))
+    assert not handler._on_thread(again) and not handler._on_thread(again)
+    assert len(looked_up) == 2
+    # Unloaded: nothing to defer to (begin says why); loaded again: routed again.
+    serving.clear()
+    lifecycle.switch(ModelId("", "m"))
+    assert not handler._on_thread(again)
+    serving.append(first)
+    lifecycle.switch(ModelId("", "m"))
+    assert handler._on_thread(again) and handler._on_thread(again)
+    assert len(looked_up) == 3
+    generation = lifecycle.generation
+    lifecycle.unroute(ModelId("", "m"))  # evicted
+    assert lifecycle.generation == generation + 1
+    assert handler._on_thread(again) and len(looked_up) == 4

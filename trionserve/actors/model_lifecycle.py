@@ -70,6 +70,10 @@ class ModelLifeCycle:
         self._drain_timeout = drain_timeout
         # id -> (READY versions by number, default version)
         self.routes: dict[str, tuple[dict[int, ModelVersion], ModelVersion]] = {}
+        # Counted up at each change of the routes or of what a name means: a version found by
+        # route() is the one it would find again while this is the same (a frontend keeps what
+        # it decided of a model's version until this changes).
+        self.generation = 0
         self._transition = TransitionLog()
         # The registry's nursery, set while it runs: versions are its children.
         self.nursery: trio.Nursery | None = None
@@ -336,3 +340,9 @@ class ModelLifeCycle:
             self.routes[model_id] = (dict(serving), serving[max(serving)])
         else:
             self.routes.pop(model_id, None)
+        self.generation += 1
+
+    def unroute(self, model_id: ModelId) -> None:
+        """Route no request to the model now (evicted: its versions are still serving)."""
+        self.routes.pop(model_id, None)
+        self.generation += 1

@@ -402,6 +402,7 @@ class ModelRegistry:
             self.global_map.add(entry.model_id)
         else:
             self.global_map.discard(entry.model_id)
+        self.lifecycle.generation += 1  # (what a name means may change with namespacing)
         if self._namespacing and not self._stopping:
             self._rebind_affected(entry.name)
 

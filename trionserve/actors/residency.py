@@ -620,7 +620,7 @@ class ResidencyManager:
         model_id = resident.model_id
         resident.evicting = True
         # Stop routing in the same step as the decision: no request reaches it now.
-        self.registry.lifecycle.routes.pop(model_id, None)
+        self.registry.lifecycle.unroute(model_id)
         entry = self.registry.entries().get(model_id)
         for version in entry.serving.values() if entry is not None else ():
             version.unloaded_reason = reason

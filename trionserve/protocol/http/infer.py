@@ -10,7 +10,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import structlog
 import trio
@@ -34,6 +34,9 @@ from trionserve.protocol.http.answer import (
     ConnectionAnswer,
 )
 from trionserve.protocol.http.h1 import CLOSE, JSON, Headers, RequestBody, Response
+
+if TYPE_CHECKING:
+    from trionserve.actors.model_lifecycle import ModelLifeCycle
 
 log = structlog.get_logger(__name__)
 
@@ -180,6 +183,7 @@ class _Again:
         "name",
         "on_thread",
         "plan",
+        "routed",
         "size",
         "version",
     )
@@ -206,9 +210,11 @@ class _Again:
         self.version = version
         self.accept_encoding = accept_encoding
         self.answerable = answerable
-        # The model version last routed to, and whether its inputs are read on its threads only.
+        # The model version last routed to, whether its inputs are read on its threads only, and
+        # the routes' generation that found it (-1: none; ModelLifeCycle.generation).
         self.model: object = None
         self.on_thread = False
+        self.routed = -1
 
 
 class InferHandler:
@@ -242,6 +248,9 @@ class InferHandler:
         # What the last request decoded from a plan said (a single slot: clients of one
         # shape share it).
         self._again: _Again | None = None
+        # The registry's routes (their generation says when a kept routing is no longer the one
+        # route() would find): set by the first _on_thread.
+        self._routes: ModelLifeCycle | None = None
 
     async def handle(
         self,
@@ -420,13 +429,20 @@ class InferHandler:
 
     def _on_thread(self, again: _Again) -> bool:
         """Whether nothing reads the inputs of ``again``'s model before its instance's thread
-        (:func:`~trionserve.protocol.http.later.on_thread`; kept for the version routed to)."""
+        (:func:`~trionserve.protocol.http.later.on_thread`), decided once for the version routed
+        to and kept until the routes change (a load, unload, eviction, or a name's meaning)."""
+        routes = self._routes
+        if routes is not None and again.routed == routes.generation:
+            return again.on_thread
+        routes = self._routes = self.dataplane.registry.lifecycle
+        generation = routes.generation
         try:
             model = self.dataplane.model(again.name, again.version)
         except TritonError:
             return False  # (begin says why, or loads it)
         if again.model is not model:
             again.model, again.on_thread = model, later.on_thread(model)
+        again.routed = generation
         return again.on_thread
 
     # -- carried on by the connection's task (answer.Carrier) ---------------------------
