@@ -81,10 +81,13 @@ class LaterBody:
     :meth:`defer`\\ s it to the instance's thread or reads it :meth:`now`; the thread
     :meth:`take`\\ s it; the loop :meth:`settle`\\ s it as the request's answer is made."""
 
-    __slots__ = ("_lock", "broken", "pending", "socket", "view")
+    __slots__ = ("_lock", "broken", "fd", "pending", "socket", "view")
 
     def __init__(self, socket: trio.socket.SocketType) -> None:
         self.socket = socket
+        # Its descriptor, for the loop's reads while the connection's task serves it (closed only
+        # as that task ends: Trio's fileno() is two Python calls a request).
+        self.fd = socket.fileno()
         self._lock = threading.Lock()
         # The part of the body's buffer still to read, from offer to the read.
         self.view: memoryview | None = None
@@ -168,7 +171,7 @@ def read_again(
     where the socket holds all of them: the bytes read, the rest counted as read and offered to
     ``later``; else what one ``readv`` read, as that method's caller reads it (None: nothing)."""
     at = last.tensors_at
-    fd = later.socket.fileno()
+    fd = later.fd
     try:
         received = os.readv(fd, (head, body[:at]))
     except BlockingIOError:
