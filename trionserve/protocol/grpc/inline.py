@@ -28,7 +28,7 @@ from collections.abc import Coroutine, Generator
 from functools import partial
 from typing import Any, final
 
-__all__ = ["READY", "Done", "Failed", "Resume", "step"]
+__all__ = ["READY", "Failed", "Resume", "step"]
 
 
 def step(coroutine: Coroutine[Any, Any, None]) -> Resume | None:
@@ -87,21 +87,6 @@ class Resume:
                     return
         finally:
             coroutine.close()  # a no-op once it returned
-
-
-@final
-class Done:
-    """A coroutine that returned ``value`` at its first step, taken by the
-    caller: awaited, it returns ``value`` at once, as the coroutine would have."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: object) -> None:
-        self._value = value
-
-    def __await__(self) -> Generator[Any, Any, object]:
-        return self._value
-        yield  # (a generator that never yields)
 
 
 @final

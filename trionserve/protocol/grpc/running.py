@@ -127,14 +127,21 @@ class CallRunner:
             else:
                 # The handler's first step taken here, not under _run_call: a
                 # call it parks needs nothing more of _run_call (two Python
-                # calls fewer); any other goes on through _run_call from where
-                # the handler stands, as if _run_call had taken the step.
+                # calls fewer), one it ended is ended here as _run_call ends
+                # it (OK: its trailers, then _ended); any other goes on through
+                # _run_call from where the handler stands, as if _run_call had
+                # taken the step.
                 coroutine: Any = handler(call)  # (a handler is a coroutine function)
-                first: Awaitable[object] | None
+                first: Awaitable[object] | None = None
                 try:
                     message = coroutine.send(None)
                 except StopIteration as stop:
-                    first = None if stop.value is PARKED else inline.Done(stop.value)
+                    if stop.value is not PARKED:
+                        try:
+                            if call.state.answerable:
+                                call.finish(Status.OK, None)
+                        finally:
+                            self._ended(call)
                 except BaseException as exc:
                     first = inline.Failed(exc)
                 else:
