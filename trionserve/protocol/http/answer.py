@@ -272,7 +272,7 @@ class ConnectionAnswer:
         self._waiting = True
         self._ended = False
         try:
-            await trio.lowlevel.wait_readable(self.socket)
+            await trio.lowlevel.wait_readable(self.later.fd)  # (the socket's: no fileno() call)
         except trio.ClosedResourceError:
             if not self._ended:  # (the socket is closing: not the outcome)
                 self._disarm()
