@@ -209,13 +209,14 @@ def test_call_buffers_keep_fewer_large_ones():
     buffers.let_go()
 
 
-def test_call_buffers_of_all_connections_bounded_together():
+def test_call_buffers_of_all_connections_bounded_together(monkeypatch):
     """The buffers kept by every connection count together, up to KEPT_TOTAL:
     past it a connection keeps none (each is as before: a new buffer per call),
     and a connection that ends lets its kept bytes go."""
+    monkeypatch.setattr(CallBuffers, "kept", 0)  # (connections of other tests not ended)
     before = CallBuffers.kept
     size = KEPT_BYTES // 3
-    connections = [CallBuffers() for _ in range(KEPT_TOTAL // KEPT_BYTES + 2)]
+    connections = [CallBuffers() for _ in range(KEPT_TOTAL // size + 2)]  # (past the cap)
     for buffers in connections:
         for _ in range(3):
             buffers.take(size)  # nothing holds them: one kept per connection
