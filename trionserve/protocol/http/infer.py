@@ -287,7 +287,16 @@ class InferHandler:
                     self._forward_headers(self._forward, request_headers, infer_request)
                 answer = CONNECTION_ANSWER.get()
                 if answer is not None and answer.later.view is not None:  # (in the socket)
-                    if again.answerable and not self._tracing.active and self._on_thread(again):
+                    routes = self._routes  # (_on_thread's kept answer, read here: no call)
+                    if (
+                        again.answerable
+                        and not self._tracing.active
+                        and (
+                            again.on_thread
+                            if routes is not None and again.routed == routes.generation
+                            else self._on_thread(again)
+                        )
+                    ):
                         answer.later.defer()  # read by the instance's thread (later.py)
                     else:
                         answer.later.now()
