@@ -12,12 +12,16 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.fake_backend import echo_responses, instance_backend
 from tests.repository import echo_model
 from trionserve.backends.base import ModelContext
+
+if TYPE_CHECKING:
+    from trionserve.server import Server
 
 BACKEND = "test_blocking"
 
@@ -101,3 +105,25 @@ def repository_fixture(config: str = "", released: bool = False):
 
 # For Server(options, backends=BACKENDS).
 BACKENDS = instance_backend(BACKEND, lambda context, spec: _Instance(context))
+
+
+def http_server(repository: Path, backends=BACKENDS, **options) -> Server:
+    """An in-process server of ``repository`` over HTTP only, on a free loopback
+    port, with ``backends`` (this module's gated one unless given)."""
+    from tests.serverproc import free_port
+    from trionserve.protocol.http.frontend import HttpOptions
+    from trionserve.server import Server, ServerOptions
+
+    return Server(
+        ServerOptions(
+            model_repositories=[repository],
+            http_address="127.0.0.1",
+            http_port=free_port(),
+            http=HttpOptions(),
+            allow_grpc=False,
+            allow_metrics=False,
+            exit_timeout_secs=20.0,
+            **options,
+        ),
+        backends=backends,
+    )

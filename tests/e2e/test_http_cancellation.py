@@ -11,11 +11,8 @@ import numpy as np
 import trio
 import tritonclient.http as httpclient
 
-from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
+from tests.blocking_backend import GATE, http_server, repository_fixture, wait_entered
 from tests.e2e.test_grpc_cancellation import Probe, executions_since, in_thread
-from tests.serverproc import free_port
-from trionserve.protocol.http.frontend import HttpOptions
-from trionserve.server import Server, ServerOptions
 
 BODY = json.dumps(
     {
@@ -26,21 +23,6 @@ BODY = json.dumps(
 
 
 repository = repository_fixture()
-
-
-def make_server(repository) -> Server:
-    return Server(
-        ServerOptions(
-            model_repositories=[repository],
-            http_address="127.0.0.1",
-            http_port=free_port(),
-            http=HttpOptions(),
-            allow_grpc=False,
-            allow_metrics=False,
-            exit_timeout_secs=20.0,
-        ),
-        backends=BACKENDS,
-    )
 
 
 def send_infer(port: int, request_id: str) -> socket.socket:
@@ -56,7 +38,7 @@ def send_infer(port: int, request_id: str) -> socket.socket:
 
 
 async def test_hanging_up_cancels_queued_and_running_requests(repository):
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -99,7 +81,7 @@ def read_answer(sock: socket.socket) -> bytes:
 async def test_a_request_cut_at_the_exit_timeout_gets_503_before_the_close(repository):
     """Issue 18 item 8: a request still running when --exit-timeout-secs expires is
     answered 503 (JSON, Connection: close) before its connection closes."""
-    server = make_server(repository)
+    server = http_server(repository)
     server.options.exit_timeout_secs = 0.5
     port = server.options.http_port
     async with trio.open_nursery() as nursery:

@@ -17,14 +17,12 @@ import numpy as np
 import pytest
 import trio
 
+from tests.blocking_backend import http_server
 from tests.e2e.test_grpc_cancellation import in_thread
 from tests.fake_backend import instance_backend
 from tests.repository import write_model
-from tests.serverproc import free_port
 from trionserve.backends.batch_tensors import build_responses
-from trionserve.protocol.http.frontend import HttpOptions
 from trionserve.protocol.http.later import LaterBody
-from trionserve.server import Server, ServerOptions
 
 SIZE = 100_000  # FP32 values a request: 400 KB of binary tensors
 ENTERED = threading.Semaphore(0)
@@ -164,18 +162,7 @@ def exchange(port: int) -> list[float]:
 
 
 async def test_the_instance_thread_reads_the_tensors_the_loop_left_in_the_socket(repository, reads):
-    server = Server(
-        ServerOptions(
-            model_repositories=[repository],
-            http_address="127.0.0.1",
-            http_port=free_port(),
-            http=HttpOptions(),
-            allow_grpc=False,
-            allow_metrics=False,
-            exit_timeout_secs=20.0,
-        ),
-        backends=BACKENDS,
-    )
+    server = http_server(repository, BACKENDS)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         answers = await in_thread(exchange, server.options.http_port)
@@ -194,18 +181,7 @@ async def test_tensors_the_thread_did_not_take_are_read_by_the_loop_as_the_reque
     from trionserve.backends.instance_thread import InstanceThread
 
     monkeypatch.setattr(InstanceThread, "_take_bodies", staticmethod(lambda job: None))
-    server = Server(
-        ServerOptions(
-            model_repositories=[repository],
-            http_address="127.0.0.1",
-            http_port=free_port(),
-            http=HttpOptions(),
-            allow_grpc=False,
-            allow_metrics=False,
-            exit_timeout_secs=20.0,
-        ),
-        backends=BACKENDS,
-    )
+    server = http_server(repository, BACKENDS)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         answers = await in_thread(exchange, server.options.http_port)

@@ -15,15 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
+from tests.blocking_backend import GATE, http_server, repository_fixture, wait_entered
 from tests.e2e.test_grpc_cancellation import Probe, in_thread
 from tests.repository import echo_model
-from tests.serverproc import free_port
 from trionserve.actors import executor
 from trionserve.protocol.http import transport
 from trionserve.protocol.http.answer import ConnectionAnswer
-from trionserve.protocol.http.frontend import HttpOptions
-from trionserve.server import Server, ServerOptions
+from trionserve.server import Server
 
 # The dynamic batcher can tell its instance's thread that nothing waits.
 repository = repository_fixture(config="dynamic_batching { }")
@@ -59,22 +57,6 @@ def writes(monkeypatch):
 
     monkeypatch.setattr(ConnectionAnswer, "write", write)
     return calls
-
-
-def make_server(repository, **options) -> Server:
-    return Server(
-        ServerOptions(
-            model_repositories=[repository],
-            http_address="127.0.0.1",
-            http_port=free_port(),
-            http=HttpOptions(),
-            allow_grpc=False,
-            allow_metrics=False,
-            exit_timeout_secs=20.0,
-            **options,
-        ),
-        backends=BACKENDS,
-    )
 
 
 class Answers(dict[str, list]):
@@ -173,7 +155,7 @@ def stats_get(port: int) -> dict:
 
 async def test_keep_alive_answers_come_from_the_instance_thread(repository, writes):
     GATE.release.set()
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -198,7 +180,7 @@ async def test_a_drain_does_not_wait_for_the_clients_next_request(repository, wr
     # The last answer's report waits for a sweep that no request brings: the
     # server's tick makes it, so the drain (in-flight count to 0) ends.
     GATE.release.set()
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     with trio.fail_after(10):  # the tick sweeps every 0.25 s
         async with trio.open_nursery() as nursery:
@@ -216,7 +198,7 @@ async def test_a_drain_does_not_wait_for_the_clients_next_request(repository, wr
 
 
 async def test_pipelined_requests_are_answered_in_order(repository, writes):
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -239,7 +221,7 @@ async def test_pipelined_requests_are_answered_in_order(repository, writes):
 
 
 async def test_a_client_gone_mid_request_cancels_it(repository, writes):
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -270,7 +252,7 @@ async def test_with_requests_waiting_the_thread_answers_while_the_next_batch_run
     # thread tells the loop the instance is free (the next batch, "b" and "c",
     # is handed over) and writes "a"'s answer itself; its report waits for a
     # sweep. Every answer comes from the thread, the counts stay exact.
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -311,7 +293,7 @@ async def test_with_requests_waiting_the_loop_answers_as_it_delivers_the_outcome
         real_end(self)
 
     monkeypatch.setattr(ConnectionAnswer, "_end", end)
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -336,7 +318,7 @@ async def test_a_cached_models_answer_is_stored_before_it_is_written(repository,
     # its answer finds it cached, on any connection. Neither the thread nor
     # the loop at the delivery writes it: the connection's task does, once stored.
     echo_model(repository, "blocking", "test_blocking", "response_cache { enable: true }")
-    server = make_server(repository, response_cache_bytes=1 << 20)
+    server = http_server(repository, response_cache_bytes=1 << 20)
     port = server.options.http_port
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
@@ -364,7 +346,7 @@ async def test_a_request_for_an_instance_whose_report_waits_does_not_wait_for_th
     # tick of the server (here never: the tick is pushed out of the test).
     monkeypatch.setattr(transport, "SLOW_REQUEST_SECS", 3600.0)
     GATE.release.set()
-    server = make_server(repository)
+    server = http_server(repository)
     port = server.options.http_port
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
