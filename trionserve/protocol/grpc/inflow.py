@@ -53,14 +53,13 @@ checked in slices against the last one's so taken, but for its stream id
 the window updates among them, which may not come), where it would wake for
 grpc-core's first write and again for its second: only while the client's
 windows hold its message (it sends the call without hearing from us), and
-once ``WHOLE_STREAK`` calls in a row were read whole as predicted. A call that
+once ``WHOLE_STREAK`` calls came as predicted since the last miss. A call that
 is not (a smaller call, a reset or a ping alone) waits for the run's watch to
 look, at most ``sockets.WATCH_SECS``, and doubles the streak the connection
 needs before it waits whole again (up to ``WHOLE_STREAK_MAX``): a client
-whose calls vary in size pays that wait on at most one call in the streak it
-needs, and on none once its sizes vary more often than that (a mix of 602
-and 301 KB calls, one in ten small, waited for the look on most small calls
-under a rule of one miss in 16 whole calls: p99 20 against 12 ms). A call
+whose calls vary in size pays that wait on about log2 of its calls (a mix of
+602 and 301 KB calls, one in ten small, waited for the look on most small
+calls under a rule of one miss in 16 whole calls: p99 20 against 12 ms). A call
 that needs the client's next bytes meanwhile (its answer waits for a window)
 ends that wait at once (``hear``).
 
@@ -109,8 +108,9 @@ HEAD_SLOT = 1024
 # The largest message a call is read whole for (its buffer is made before the
 # call comes: its pages are committed only as its bytes come).
 CALL_LIMIT = 16 * 1024 * 1024
-# Calls read whole as predicted in a row before the next is waited for whole,
-# doubled by each call so waited for that was not as predicted, up to the max.
+# Calls as predicted (their heads, their messages' lengths) since the last call
+# waited for whole that was not, before the next is waited for whole; doubled
+# by each such miss (a connection pays the watch's look on log2 of its calls).
 WHOLE_STREAK = 16
 WHOLE_STREAK_MAX = 1 << 16
 _FRAME_HEADER = struct.Struct(">HBBBL")
@@ -158,7 +158,7 @@ class MessageReads:
     _whole: tuple[bytes, list[tuple[int, int]], int] | None
     _template: tuple | None
     # A call waited for whole (_read_call: sockets.EagerReceiver.receive_whole)
-    # once ``_streak`` calls in a row were read whole as predicted, at least
+    # once ``_streak`` calls came as predicted since the last miss, at least
     # ``_needed`` (WHOLE_STREAK, doubled by each miss); the receiver, for hear.
     _streak: int = 0
     _needed: int = WHOLE_STREAK
@@ -301,7 +301,8 @@ class MessageReads:
             received = await receiver.receive_into(views, 1, expect_wait=True)
             short = False
         if received <= size:
-            self._missed(short)
+            if short and not _window_updates(head[:received]):
+                self._missed(True)  # (the last call's window updates alone: no call waited)
             return bytes(head[:received])
         data = bytes(head)
         # (a head as the last one taken whole, but for its stream id: checked
@@ -320,6 +321,9 @@ class MessageReads:
                 self._call = None
                 self._missed(short)
                 return _joined(views, received)
+        # (its head as predicted, its message the last one's length: a wait for
+        # the whole call was right, whatever comes between its frames)
+        self._streak += 1
         slot = views[2] if gap else None
         if received < total and (slot is None or length + 5 <= h2frames.new_call_window(self.h2)):
             # The rest of the call, read before any of it is taken, after a
@@ -340,18 +344,17 @@ class MessageReads:
                 received += await receiver.receive_into(_past(views[1:], got), least, True)
         self._arrived = (stream_id, message, views[1:], received - size)
         if received == total:
-            self._streak += 1
             self._whole = self._whole_as(data, slot, template)
-        else:
-            self._missed(short)
         return data
 
     def _missed(self, waited: bool) -> None:
-        """A call not read whole as predicted: the streak begins again, and
-        the next one needed is twice as long when this call was waited for
-        whole (``waited``: it waited for the watch's look)."""
-        self._streak = 0
+        """A call not as predicted (its head, or its message's length): when it
+        was waited for whole (``waited``: it waited for the watch's look), the
+        streak begins again and the one needed is twice as long. (One not so
+        waited for cost nothing: the streak goes on, a client's other calls on
+        the connection, its window updates read alone, do not end it.)"""
         if waited:
+            self._streak = 0
             self._needed = min(self._needed * 2, WHOLE_STREAK_MAX)
 
     def hear(self) -> None:
@@ -577,6 +580,17 @@ class MessageReads:
             self.close(ErrorCodes.PROTOCOL_ERROR)
             return False
         return self._act(events)
+
+
+def _window_updates(data: memoryview) -> bool:
+    """Whether ``data`` is whole WINDOW_UPDATE frames only (a call's, read
+    after it: the watch found them held, no call waited for its look)."""
+    size = len(data)
+    return (
+        size > 0
+        and not size % 13
+        and all(data[at : at + 4] == b"\x00\x00\x04\x08" for at in range(0, size, 13))
+    )
 
 
 def _joined(views: tuple[memoryview, ...], size: int) -> bytearray:
