@@ -325,7 +325,9 @@ def main() -> None:
         for protocol in PROTOCOLS:
             for column, thread in enumerate(("event loop", "others")):
                 pairs = zip(rounds[("this", protocol)], rounds[(label, protocol)], strict=True)
-                paired = [this[column] / other[column] for this, other in pairs]
+                paired = [this[column] / other[column] for this, other in pairs if other[column]]
+                if not paired:  # (none on that thread: a model run inline on the loop)
+                    continue
                 lower = sum(r < 1 for r in paired)
                 print(
                     f"this / {label} {thread}, {protocol}: {statistics.median(paired):.3f} "
