@@ -13,10 +13,9 @@ import pytest
 import trio
 import trio.testing
 
-from tests.blocking_backend import GATE, wait_entered
+from tests.blocking_backend import GATE, http_server, wait_entered
 from tests.e2e.test_grpc_cancellation import in_thread
 from tests.e2e.test_thread_answers import (  # noqa: F401
-    make_server,
     read_answer,
     repository,
     writes,
@@ -85,7 +84,7 @@ async def test_repeated_requests_are_carried_on_by_the_connections_task(
     carried,
 ):
     GATE.release.set()
-    server = make_server(repository)
+    server = http_server(repository)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         sock = await in_thread(socket.create_connection, ("127.0.0.1", server.options.http_port))
@@ -114,7 +113,7 @@ async def test_a_begun_request_whose_wait_ends_on_pipelined_bytes_is_awaited(
     carried,
 ):
     GATE.release.set()
-    server = make_server(repository)
+    server = http_server(repository)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         sock = await in_thread(socket.create_connection, ("127.0.0.1", server.options.http_port))
@@ -148,7 +147,7 @@ async def test_a_client_gone_while_its_begun_request_runs_cancels_it(
     carried,
 ):
     GATE.release.set()
-    server = make_server(repository)
+    server = http_server(repository)
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         begun: list = []
