@@ -314,3 +314,18 @@ async def _tcp_serving(infer: Infer):
         finally:
             nursery.cancel_scope.cancel()
             client_stream.socket.close()
+
+
+def test_only_whole_window_updates_read_alone_are_not_a_miss():
+    """The whole-call wait's miss rule (inflow._window_updates): bytes that are
+    whole WINDOW_UPDATE frames only (the last call's, read after it) are not a
+    call that waited for the watch's look; anything else is."""
+    update = struct.pack(">HBBBL", 0, 4, 0x8, 0, 0) + (1000).to_bytes(4, "big")
+    ping = struct.pack(">HBBBL", 0, 8, 0x6, 0, 0) + bytes(8)
+    assert inflow._window_updates(memoryview(update))
+    assert inflow._window_updates(memoryview(update * 2))
+    assert not inflow._window_updates(memoryview(b""))
+    assert not inflow._window_updates(memoryview(update[:12]))
+    assert not inflow._window_updates(memoryview(update + update[:5]))
+    assert not inflow._window_updates(memoryview(ping[:13]))
+    assert not inflow._window_updates(memoryview(update + ping[:13]))
