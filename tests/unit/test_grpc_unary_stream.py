@@ -338,6 +338,46 @@ def test_a_whole_unary_call_is_held_apart_and_goes_as_h2s_would():
     assert pair.taken == 1 + 4 * 3
 
 
+def test_a_closed_held_stream_is_rearmed_for_the_next_call_as_h2s_new_one():
+    """A held stream closed by its trailers is kept (``spare``) and re-armed for
+    the next call: its windows as a new one's, compared with h2's own stream
+    after the call's DATA and its window given back."""
+    pair = Pair()
+    for stream_id in (1, 3, 5):
+        pair.feed(pair.headers(stream_id, UNARY, False))
+        for server in (pair.unary, pair.fast):
+            assert not server.spare  # the closed one re-armed for this call
+        pair.feed(_data(stream_id, 700, True))
+        pair.act("acknowledge_received_data", 700, stream_id)
+        held = pair.fast.unary[stream_id]
+        _answer(pair, stream_id)
+        assert pair.fast.spare == [held]
+    # a stream made h2's is not kept: h2 holds its window
+    pair.feed(pair.headers(7, UNARY, False) + _data(7, 10, False))
+    pair.act("increment_flow_control_window", 500, 7)
+    assert 7 in pair.fast.streams and not pair.fast.spare
+    pair.feed(pair.headers(9, UNARY, False) + _data(9, 10, True))
+    assert 9 in pair.fast.unary
+
+
+def test_a_repeated_header_list_is_checked_once_and_only_a_unary_calls():
+    """The check of a new stream's headers (a unary path, none left to h2) is
+    kept for the client's repeated list; a repeated list that fails it is
+    checked again each time (its streams stay h2's)."""
+    pair = Pair()
+    for stream_id in (1, 3, 5):  # the same block again: the repeated list
+        pair.feed(pair.headers(stream_id, b"/nope", True))
+        assert stream_id in pair.fast.streams and pair.fast._unary_checked is None
+        pair.act("send_headers", stream_id, [(b":status", b"415")], True)
+    for stream_id in (7, 9, 11):
+        pair.feed(pair.headers(stream_id, UNARY, False) + _data(stream_id, 10, True))
+        assert stream_id in pair.fast.unary
+        _answer(pair, stream_id)
+    assert pair.fast._unary_checked is pair.fast._caching_decoder.repeated[1]
+    pair.feed(pair.headers(13, UNARY, False, more=[(b"cookie", b"a")]))
+    assert 13 in pair.fast.streams  # another list: checked, h2's
+
+
 @pytest.mark.parametrize(
     "cuts", [(9,), (10,), (9, 10), (20, 500, 501), (100, 200, 300, 908), (909,)]
 )

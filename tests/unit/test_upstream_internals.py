@@ -547,6 +547,19 @@ def test_processed_moves_a_window_as_h2s_process_bytes(largest, steps):
         assert vars(ours) == vars(theirs)
 
 
+def test_a_window_manager_is_its_three_attributes():
+    """H2Connection._unary_open re-arms a closed held stream's WindowManager by
+    setting the attributes its __init__ sets: those are all it has."""
+    fresh = h2.windows.WindowManager(65535)
+    assert set(vars(fresh)) == {"max_window_size", "current_window_size", "_bytes_processed"}
+    used = h2.windows.WindowManager(10)
+    used.window_consumed(7)
+    used.process_bytes(3)
+    used.max_window_size = used.current_window_size = 65535
+    used._bytes_processed = 0
+    assert vars(used) == vars(fresh)
+
+
 def test_where_the_reading_stands_follows_h2s_buffer_and_windows():
     """h2frames.between_frames and receive_window (inflow.py's direct reads)
     read h2's frame buffer and the held stream's and connection's windows."""

@@ -34,6 +34,7 @@ __all__ = [
     "frame_header",
     "new_call_window",
     "open_whole",
+    "processed",
     "receive_window",
 ]
 
@@ -259,3 +260,19 @@ def open_whole(
     unary.outbound = own
     unary.remote_ended = True
     return headers
+
+
+def processed(window: Any, size: int) -> int:
+    """h2's ``WindowManager.process_bytes(size)`` (with its _maybe_update_window)
+    in one call: the window increment to send now, 0 for none."""
+    processed = window._bytes_processed + size
+    current, largest = window.current_window_size, window.max_window_size
+    if processed and (
+        (current == 0 and processed > min(1024, largest // 4)) or processed >= largest // 2
+    ):
+        increment = min(processed, largest - current)
+        window._bytes_processed = 0
+        window.current_window_size = current + increment
+        return increment
+    window._bytes_processed = processed
+    return 0

@@ -9,13 +9,31 @@ What it keeps is what h2's stream would keep that matters on that way.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from h2.windows import WindowManager
 
-__all__ = ["LEFT_TO_H2", "UnaryStream"]
+__all__ = ["LEFT_TO_H2", "SPARE_STREAMS", "UnaryStream", "unary_call"]
 
 # Request headers that h2 itself acts on (cookies joined, a content length
 # tracked, an informational response): their streams stay h2's.
 LEFT_TO_H2 = frozenset((b"cookie", b"content-length", b":status"))
+
+# The closed streams a connection keeps to re-arm for new ones (H2Connection.spare):
+# one at c=1, a few for the calls that end together.
+SPARE_STREAMS = 8
+
+
+def unary_call(headers: Iterable[tuple[bytes, bytes]], unary_paths: frozenset[bytes]) -> bool:
+    """Whether a new stream's ``headers`` are a call to one of ``unary_paths``
+    that goes the common way: none of them is one that h2 acts on."""
+    path = None
+    for name, value in headers:
+        if name == b":path":
+            path = value
+        elif name in LEFT_TO_H2:
+            return False
+    return path in unary_paths
 
 
 class UnaryStream:

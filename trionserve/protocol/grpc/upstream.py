@@ -21,7 +21,9 @@ libraries below their next minor release until that test passes on it.
 - h2: ``Settings._settings`` read (per code, the current value first) for the
   initial window and the stream limit; a ``WindowManager``'s
   ``current_window_size``, ``max_window_size`` and ``_bytes_processed`` moved
-  as its ``process_bytes`` moves them (``_processed``).
+  as its ``process_bytes`` moves them (``_processed``, in h2frames), and set
+  as its ``__init__`` sets them for a closed held stream's re-armed
+  (``_unary_open``).
 - h2: ``H2Connection._prepare_for_sending`` overridden and ``_data_to_send`` read
   (large DATA payloads written from their own buffers); ``_data_to_send``
   appended to, ``streams`` read, and the connection's and a stream's
@@ -61,8 +63,9 @@ from hpack.struct import HeaderWeaklyTyped
 from hyperframe import frame as hyperframe_frame
 
 from trionserve.protocol.grpc.h2frames import FrameBuffer, frame_header
+from trionserve.protocol.grpc.h2frames import processed as _processed
 from trionserve.protocol.grpc.hpackcache import CachingDecoder, CachingEncoder
-from trionserve.protocol.grpc.unarystream import LEFT_TO_H2, UnaryStream
+from trionserve.protocol.grpc.unarystream import SPARE_STREAMS, UnaryStream, unary_call
 
 __all__ = [
     "CachingDecoder",
@@ -99,22 +102,6 @@ _MAX_CONCURRENT_STREAMS = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
 
 # What H2Connection.receive gives for a frame it took from its bytes.
 REQUEST, DATA, WINDOW = 0, 1, 2
-
-
-def _processed(window: h2.windows.WindowManager, size: int) -> int:
-    """h2's ``WindowManager.process_bytes(size)`` (with its _maybe_update_window)
-    in one call: the window increment to send now, 0 for none."""
-    processed = window._bytes_processed + size
-    current, largest = window.current_window_size, window.max_window_size
-    if processed and (
-        (current == 0 and processed > min(1024, largest // 4)) or processed >= largest // 2
-    ):
-        increment = min(processed, largest - current)
-        window._bytes_processed = 0
-        window.current_window_size = current + increment
-        return increment
-    window._bytes_processed = processed
-    return 0
 
 
 class H2Connection(h2.connection.H2Connection):
@@ -158,6 +145,10 @@ class H2Connection(h2.connection.H2Connection):
         unary_paths: Iterable[bytes] = (),
     ) -> None:
         self.unary: dict[int, UnaryStream] = {}
+        # Closed held streams, re-armed for new ones (_unary_open); the last
+        # header list _unary_open found a unary call's (checked once).
+        self.spare: list[UnaryStream] = []
+        self._unary_checked: tuple | None = None
         # A held stream's DATA frame that ``receive`` takes in pieces as its
         # bytes come: (stream id, bytes still to come, its END_STREAM).
         self.partial: tuple[int, int, bool] | None = None
@@ -250,28 +241,30 @@ class H2Connection(h2.connection.H2Connection):
         decoder = self._caching_decoder
         repeated = decoder.repeated  # (the client's last block again: not decoded)
         if repeated and repeated[0] == block and repeated[2] == decoder.max_header_list_size:
-            headers: Iterable = list(repeated[1])
+            headers: Any = repeated[1]
         else:
             headers = h2.connection._decode_headers(self.decoder, block)  # type: ignore[arg-type]
-        path = None
-        for name, value in headers:
-            if name == b":path":
-                path = value
-            elif name in LEFT_TO_H2:
-                break
+        if headers is not self._unary_checked and not unary_call(headers, self.unary_paths):
+            decoder.predecoded = (block, list(headers))
+            return None
+        if repeated and headers is repeated[1]:  # (a repeated list is checked once)
+            self._unary_checked = headers
+        if self.state_machine.state is not _SERVER_OPEN:
+            self.state_machine.process_input(_RECV_HEADERS)
+        self.highest_inbound_stream_id = stream_id
+        inbound = local[_INITIAL_WINDOW_SIZE][0]
+        outbound = self.remote_settings._settings[_INITIAL_WINDOW_SIZE][0]
+        spare = self.spare  # (a closed one's, re-armed: no UnaryStream and WindowManager made)
+        if spare:
+            unary = spare.pop()
+            window = unary.inbound
+            window.max_window_size = window.current_window_size = inbound
+            window._bytes_processed = 0
+            unary.outbound, unary.remote_ended, unary.sending = outbound, end, False
         else:
-            if path in self.unary_paths:
-                if self.state_machine.state is not _SERVER_OPEN:
-                    self.state_machine.process_input(_RECV_HEADERS)
-                self.highest_inbound_stream_id = stream_id
-                self.unary[stream_id] = UnaryStream(
-                    local[_INITIAL_WINDOW_SIZE][0],
-                    self.remote_settings._settings[_INITIAL_WINDOW_SIZE][0],
-                    end,
-                )
-                return list(headers)
-        self._caching_decoder.predecoded = (block, headers)
-        return None
+            unary = UnaryStream(inbound, outbound, end)
+        self.unary[stream_id] = unary
+        return list(headers)
 
     def _unary_headers(self, frame: hyperframe_frame.HeadersFrame) -> list[h2.events.Event] | None:
         """h2's events for a new stream's HEADERS frame held apart (_unary_open)."""
@@ -511,7 +504,11 @@ class H2Connection(h2.connection.H2Connection):
                 )
                 self._data_to_send += block
                 if end:  # closed: as h2 records a stream it cleans up
-                    del self.unary[stream_id]
+                    spare = self.spare
+                    if len(spare) < SPARE_STREAMS:  # (nothing else holds it: re-armed)
+                        spare.append(self.unary.pop(stream_id))
+                    else:
+                        del self.unary[stream_id]
                     self._closed_streams[stream_id] = h2.stream.StreamClosedBy.SEND_END_STREAM
                 else:
                     unary.sending = True
