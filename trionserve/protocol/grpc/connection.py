@@ -393,12 +393,16 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             if self._awaiting:
                 self._release(call)
 
-    def _on_request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def _on_request(
+        self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool = False
+    ) -> GrpcCall | None:
+        """A new stream's headers (``ended``: with its END_STREAM, the call's
+        state ENDED from the start): the call, or None when it is refused."""
         if self.idle_since is None:  # else it is set
             self.first_call.set()
         if stream_id > self.last_stream_id:
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
-            return
+            return None
         last = self._last_head
         if last is not None and last[0] == headers:
             head: RequestHead | HttpRefusal | GRPCError = last[1]
@@ -412,7 +416,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
                 self.flush()
             else:
                 self._trailers_only(stream_id, head.status, head.message)
-            return
+            return None
         method = head.method
         call = GrpcCall(
             self,
@@ -423,6 +427,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             method.client_streaming,
             head.encoding,
             head.compress,
+            ended,
         )
         # An END_STREAM on the headers comes next (_on_end); the
         # call starts once the read's events are all handled (_start_calls).
@@ -430,6 +435,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             self._idle.pop(self, None)
         self.calls[stream_id] = call
         self._starting.append((call, method.handler))
+        return call
 
     def _on_data(
         self,

@@ -153,18 +153,19 @@ class ConnectionBuffer:
             windows.append(Window(account.stream_id, ack=flow))
         return windows
 
-    def whole(self, account: Account, length: int) -> list[Window] | None:
+    def whole(self, account: Account, length: int) -> bool:
         """A new call's message of ``length`` bytes came whole, with its stream's
         end: counted as ``received`` counts it (its DATA frames' ``length + 5``
         flow-controlled bytes) when it gives their window back at once and
-        nothing else, and that window: nothing held back, the message within the
-        stream's window and the connection's limit. None: nothing counted
+        nothing else (True: the caller acknowledges them, as ``Window(stream_id,
+        ack=length + 5)``): nothing held back, the message within the stream's
+        window and the connection's limit. False: nothing counted
         (``received``'s)."""
         if self._held_back or length > self.window or self.held + length > self.limit:
-            return None
+            return False
         account.queued = length
         self.hold(length)  # (nothing held back: it gives no window)
-        return [Window(account.stream_id, ack=length + 5)]
+        return True
 
     def refused(self, account: Account) -> list[Window]:
         """A message of the call was refused: what it queued is dropped."""

@@ -81,7 +81,6 @@ import structlog
 from h2.errors import ErrorCodes
 
 from trionserve.protocol.grpc import callhead, h2frames, upstream
-from trionserve.protocol.grpc.state import RequestEvent
 from trionserve.protocol.grpc.writing import CLOSED
 
 if TYPE_CHECKING:
@@ -187,7 +186,9 @@ class MessageReads:
     def _on_window(self, stream_id: int) -> None:
         raise NotImplementedError
 
-    def _on_request(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> None:
+    def _on_request(
+        self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool = False
+    ) -> GrpcCall | None:
         raise NotImplementedError
 
     def _give(self, windows: list[Window]) -> None:
@@ -428,17 +429,21 @@ class MessageReads:
         for window_stream, _ in windows:
             if not window_stream:  # (a closed stream's is dropped, the new one's waits nothing)
                 self._on_window(0)
-        self._on_request(stream_id, headers)
-        call = self.calls.get(stream_id)
+        call = self._on_request(stream_id, headers, True)  # (its state ENDED at once)
         if call is None:  # refused: the message's window back, as for a call that is over
             self._on_data(stream_id, None, size, True)
             return True
         call.messages.append(message)
-        given = self.buffer.whole(call.account, length)  # (its window back at once)
-        if given is None:
-            given = self.buffer.received(call.account, size, 0, [length])
-        self._give(given)
-        call.state.request_event(RequestEvent.END_STREAM)
+        if self.buffer.whole(call.account, length):  # its window back at once (_give's)
+            answer = self.answer
+            if answer is None:
+                self.h2.acknowledge_received_data(size, stream_id)
+            else:  # h2 is the instance thread's while it writes the answer (answer.py)
+                with answer.lock:
+                    self.h2.acknowledge_received_data(size, stream_id)
+            self.flush()
+        else:
+            self._give(self.buffer.received(call.account, size, 0, [length]))
         return True
 
     def _take_arrived(self) -> bool:
