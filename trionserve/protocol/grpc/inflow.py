@@ -427,21 +427,24 @@ class MessageReads:
         self._arrived = None
         self._skipped = self._reading = 0
         for window_stream, _ in windows:
-            if not window_stream:  # (a closed stream's is dropped, the new one's waits nothing)
+            # (a closed stream's is dropped, the new one's waits nothing; the
+            # connection's wakes no sender when no call is in flight)
+            if not window_stream and self.calls:
                 self._on_window(0)
         call = self._on_request(stream_id, headers, True)  # (its state ENDED at once)
         if call is None:  # refused: the message's window back, as for a call that is over
             self._on_data(stream_id, None, size, True)
             return True
         call.messages.append(message)
-        if self.buffer.whole(call.account, length):  # its window back at once (_give's)
+        # Its window back at once, as _give gives it; written with the read's
+        # output (_read: _start_calls writes it, the call has started).
+        if self.buffer.whole(call.account, length):
             answer = self.answer
             if answer is None:
                 self.h2.acknowledge_received_data(size, stream_id)
             else:  # h2 is the instance thread's while it writes the answer (answer.py)
                 with answer.lock:
                     self.h2.acknowledge_received_data(size, stream_id)
-            self.flush()
         else:
             self._give(self.buffer.received(call.account, size, 0, [length]))
         return True
