@@ -120,7 +120,7 @@ def test_a_repeated_request_block_opens_its_stream_without_decoding():
         client.send_headers(stream_id, headers, end_stream=True)
         events = server.receive(client.data_to_send())
         return [
-            event[2] if type(event) is tuple else event.headers
+            list(event[2]) if type(event) is tuple else event.headers
             for event in events
             if type(event) is tuple or type(event) is h2.events.RequestReceived
         ]

@@ -105,7 +105,7 @@ class GrpcCall:
         conn: Connection,
         account: Account,
         method: str,
-        headers: list[tuple[bytes, bytes]],
+        headers: Sequence[tuple[bytes, bytes]],
         deadline: float | None,
         client_streaming: bool,
         encoding: bytes,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import h2.config
@@ -94,7 +94,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         self.options = options
         # The last call's request headers and what they ask for: the same
         # headers (at c=1 the client repeats them) are not read again.
-        self._last_head: tuple[list[tuple[bytes, bytes]], RequestHead] | None = None
+        self._last_head: tuple[Sequence[tuple[bytes, bytes]], RequestHead] | None = None
         self.state = ConnectionState()
         self._server_draining = draining
         self.h2 = upstream.H2Connection(
@@ -394,7 +394,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
                 self._release(call)
 
     def _on_request(
-        self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool = False
+        self, stream_id: int, headers: Sequence[tuple[bytes, bytes]], ended: bool = False
     ) -> GrpcCall | None:
         """A new stream's headers (``ended``: with its END_STREAM, the call's
         state ENDED from the start): the call, or None when it is refused."""
@@ -404,7 +404,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             self._reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return None
         last = self._last_head
-        if last is not None and last[0] == headers:
+        if last is not None and (last[0] is headers or last[0] == headers):  # (a repeated list)
             head: RequestHead | HttpRefusal | GRPCError = last[1]
         else:
             head = read_request_head(headers, self.methods, self.options)

@@ -15,6 +15,7 @@ the window managers, ``local_settings._settings``, and the stream opened by
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import h2.connection
@@ -204,7 +205,7 @@ def open_whole(
     size: int,
     windows: list[tuple[int, int]],
     largest: int,
-) -> list | None:
+) -> Sequence | None:
     """A new unary call received whole, moved at once as ``connection.receive``
     moves h2 for its frames one by one: its HEADERS (``block``, END_HEADERS
     alone, the client's last block again: ``CachingDecoder.repeated``), its

@@ -84,6 +84,8 @@ from trionserve.protocol.grpc import callhead, h2frames, upstream
 from trionserve.protocol.grpc.writing import CLOSED
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from trionserve.protocol.grpc.answer import CallAnswer
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.grpc.flow import ConnectionBuffer, Window
@@ -187,7 +189,7 @@ class MessageReads:
         raise NotImplementedError
 
     def _on_request(
-        self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool = False
+        self, stream_id: int, headers: Sequence[tuple[bytes, bytes]], ended: bool = False
     ) -> GrpcCall | None:
         raise NotImplementedError
 

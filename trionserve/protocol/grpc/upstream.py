@@ -222,7 +222,7 @@ class H2Connection(h2.connection.H2Connection):
                 self._caching_decoder.predecoded = None
         return super()._receive_frame(frame)
 
-    def _unary_open(self, stream_id: int, end: bool, block: object) -> list | None:
+    def _unary_open(self, stream_id: int, end: bool, block: object) -> Sequence | None:
         """A new stream's HEADERS (without a priority): its headers when the call
         is to a unary path and goes the common way (the stream is then held
         apart, moved as h2 would move it), else None (h2 takes the frame, and
@@ -264,7 +264,7 @@ class H2Connection(h2.connection.H2Connection):
         else:
             unary = UnaryStream(inbound, outbound, end)
         self.unary[stream_id] = unary
-        return list(headers)
+        return headers  # (the repeated list itself: _on_request knows it by identity)
 
     def _unary_headers(self, frame: hyperframe_frame.HeadersFrame) -> list[h2.events.Event] | None:
         """h2's events for a new stream's HEADERS frame held apart (_unary_open)."""
@@ -276,7 +276,7 @@ class H2Connection(h2.connection.H2Connection):
         headers = self._unary_open(stream_id, end, frame.data)
         if headers is None:
             return None
-        request = h2.events.RequestReceived(stream_id=stream_id, headers=headers)
+        request = h2.events.RequestReceived(stream_id=stream_id, headers=list(headers))
         if not end:
             return [request]
         request.stream_ended = ended = h2.events.StreamEnded(stream_id=stream_id)
