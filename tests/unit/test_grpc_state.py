@@ -371,6 +371,26 @@ def test_a_refused_message_and_an_ended_call_let_everything_go():
     assert (buffer.held, buffer.working, buffer.peak) == (0, 0, 300)
 
 
+def test_an_ended_call_releases_its_bytes_in_the_budget_and_the_windows_held_back():
+    # close's two ways: nothing held back (its hold written out: no window comes
+    # of it) and others held back (below the limit again, their windows come back).
+    budget = ClientBudget(limit=10_000)
+    buffer = ConnectionBuffer(limit=1000, window=1000, budget=budget)
+    alone = buffer.open(1)
+    buffer.whole(alone, 600)
+    buffer.take(alone, 600)
+    assert (budget.held, buffer.held, buffer.working) == (600, 600, 600)
+    assert buffer.close(alone) == []
+    assert (budget.held, buffer.held, buffer.working, alone.working) == (0, 0, 0, 0)
+    first, second = buffer.open(3), buffer.open(5)
+    buffer.received(first, 800, 0, [800])
+    buffer.taken(first, 800)
+    assert buffer.received(second, 300, 0, [300]) == []  # over the limit: held back
+    assert budget.held == 1100
+    assert buffer.close(first) == [Window(5, ack=300)]
+    assert (budget.held, buffer.held, buffer.working) == (300, 300, 0)
+
+
 # -- the request head -------------------------------------------------------------------
 
 METHODS = {b"/t.T/Echo": Method(Handlers().echo)}

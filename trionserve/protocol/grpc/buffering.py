@@ -38,32 +38,35 @@ class BufferWindows:
         raise NotImplementedError
 
     def _give(self, windows: list[Window]) -> None:
-        """Give the client the flow-control windows the buffer let go."""
+        """Give the client the flow-control windows the buffer let go (under
+        the armed answer's lock: h2 is the instance thread's while it writes
+        the answer, answer.py), then have them written."""
         if not windows:
             return
         answer = self.answer
-        if answer is None:
-            self._give_now(windows)
-        else:  # h2 is the instance thread's while it writes the answer (answer.py)
-            with answer.lock:
-                self._give_now(windows)
+        lock = answer.lock if answer is not None else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            h2conn = self.h2
+            calls = self.calls
+            for window in windows:
+                try:
+                    if window.connection:
+                        h2conn.increment_flow_control_window(window.connection)
+                    call = calls.get(window.stream_id)
+                    if call is None or call.state.reset:
+                        continue  # the stream is over: its window no longer matters
+                    if window.ack:
+                        h2conn.acknowledge_received_data(window.ack, window.stream_id)
+                    if window.stream:
+                        h2conn.increment_flow_control_window(window.stream, window.stream_id)
+                except h2.exceptions.ProtocolError:  # the stream closed meanwhile
+                    pass
+        finally:
+            if lock is not None:
+                lock.release()
         self.flush()
-
-    def _give_now(self, windows: list[Window]) -> None:
-        h2conn = self.h2
-        for window in windows:
-            try:
-                if window.connection:
-                    h2conn.increment_flow_control_window(window.connection)
-                call = self.calls.get(window.stream_id)
-                if call is None or call.state.reset:
-                    continue  # the stream is over: its window no longer matters
-                if window.ack:
-                    h2conn.acknowledge_received_data(window.ack, window.stream_id)
-                if window.stream:
-                    h2conn.increment_flow_control_window(window.stream, window.stream_id)
-            except h2.exceptions.ProtocolError:  # the stream closed meanwhile
-                pass
 
     def taken(self, call: GrpcCall, size: int) -> None:
         """A handler took a message: it stays held, as work not answered yet;

@@ -232,13 +232,22 @@ class ConnectionBuffer:
     def close(self, account: Account) -> list[Window]:
         """The call ended: everything it held is let go."""
         self._accounts.pop(account.stream_id, None)
-        if self._held_back:
-            self._held_back.pop(account, None)
+        held_back = self._held_back
+        if held_back:
+            held_back.pop(account, None)
         account.taken.clear()
-        self.working -= account.working
-        left = account.queued + account.partial + account.working
+        working = account.working
+        self.working -= working
+        left = account.queued + account.partial + working
         account.queued = account.partial = account.working = 0
-        windows = self.hold(-left) if left else []
+        windows: list[Window] = []
+        if left:
+            if held_back:
+                windows = self.hold(-left)
+            else:  # (hold(-left) written out: with nothing held back it gives no window)
+                self.held -= left
+                if self.budget is not None:
+                    self.budget.release(left)
         if account.unacked:  # the stream is over: only the connection's window matters
             windows.append(Window(account.stream_id, connection=account.unacked))
             self.unacked -= account.unacked
