@@ -22,9 +22,10 @@ from tests.unit.test_grpc_thread_answer import (
     serving,
     thread_write,
 )
+from tests.unit.test_grpc_thread_answer_take import PausedWrite
 from trionserve.core.deferred import deferred_jobs
 from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.protocol.grpc.answer import DISARMED, WRITTEN
+from trionserve.protocol.grpc.answer import DISARMED, WRITING, WRITTEN
 
 
 class Report:
@@ -103,6 +104,53 @@ async def test_a_parked_call_the_thread_answered_ends_in_the_reader_with_no_coro
         held = infer.calls[-1][0].account
         assert call.account.working == 0 and not call.account.taken
         assert conn.buffer.working == conn.buffer.held == held.working > 0
+        # Nothing refers to the first's answer any more: it is the second's,
+        # armed again (answer.arm), for the second's request alone.
+        assert answer2 is answer and conn.spare is None and conn.answer is answer
+        assert request2.answer is answer and request.answer is None
+        assert answer.run is not None and answer.run.request is request2
+        assert not await thread_write(request, answer, outcome)  # (the first's: stale)
+        assert answer.armed and not client.ended(second)
+        assert await thread_write(request2, answer, outcome)
+        await client.until(lambda: client.ended(second))
+        assert client.answer(second) == message(outcome)
+
+
+async def test_an_answer_whose_write_the_reader_took_in_progress_is_not_armed_again(monkeypatch):
+    # The connection's spare (answer.arm) is an answer nothing refers to any
+    # more: the thread whose write the next call's read took in progress may
+    # still hand it what the socket did not take (answer.resolve), so the
+    # next call gets a new one, and both answers reach the client whole.
+    paused = PausedWrite(monkeypatch)
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        outcome = response()
+        first, request, answer = await armed_call(infer, client)
+        results: list[bool] = []
+
+        async def write() -> None:
+            results.append(await thread_write(request, answer, outcome))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write)
+            await trio.to_thread.run_sync(paused.entered.wait)
+            assert answer.state == WRITING
+            deferred_jobs().append(Report(request, outcome))
+            infer.armed = trio.Event()
+            second = await client.call()
+            await infer.armed.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert infer.ended == [(first, "thread")] and first not in conn.calls
+            assert answer.state == WRITTEN and conn.stolen is answer
+            answer2 = infer.calls[-1][2]
+            assert answer2 is not None and answer2 is not answer and answer2.armed
+            assert conn.spare is None
+            paused.go.set()
+        assert results == [True] and not paused.late
+        await client.until(lambda: client.ended(first))
+        assert await thread_write(infer.calls[-1][1], answer2, outcome)
+        await client.until(lambda: client.ended(second))
+        assert client.answer(first) == client.answer(second) == message(outcome)
 
 
 async def test_a_request_in_two_reads_starts_in_the_reader_once_whole():

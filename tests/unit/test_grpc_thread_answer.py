@@ -76,7 +76,7 @@ class Infer:
         data = await call.receive()
         assert data is not None and await call.receive() is None
         request = InferenceRequest("m")
-        answer = grpc_answer.arm(call, request) if self.arming else None
+        answer = grpc_answer.arm(call, request, ParkedInfer) if self.arming else None
         self.calls.append((call, request, answer))
         self.armed.set()
         if answer is None:
@@ -85,10 +85,11 @@ class Infer:
             assert chunks is not None
             await call.send(chunks)
             return None
-        carried = ParkedInfer(self, call, Run(call.stream_id, request, answer), answer)  # type: ignore[arg-type]
-        if answer.state == grpc_answer.ARMED and call.connection.park(call, request, carried):
+        answer.dataplane = self  # type: ignore[assignment]
+        answer.run = Run(call.stream_id, request, answer)  # type: ignore[assignment]
+        if answer.state == grpc_answer.ARMED and call.connection.park(call, request, answer):
             return PARKED
-        return await carried.rest(call)
+        return await answer.rest(call)
 
     def end(self, run: Run) -> InferenceResponse:
         self.ended.append((run.stream_id, "thread"))

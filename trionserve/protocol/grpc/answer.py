@@ -65,7 +65,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import h2.exceptions as h2_exceptions
 import trio
@@ -90,7 +90,7 @@ __all__ = ["ANSWERED", "ARMED", "DISARMED", "PARTIAL", "WRITTEN", "CallAnswer", 
 # States of an answer.
 ARMED = 1  # the instance's thread may write it
 WRITTEN = 2  # the thread wrote it whole
-PARTIAL = 3  # the thread began it: the loop writes ``rest``
+PARTIAL = 3  # the thread began it: the loop writes ``unwritten``
 DISARMED = 4  # the loop answers
 WRITING = 5  # the thread writes it (holding the lock)
 
@@ -99,11 +99,17 @@ WRITING = 5  # the thread writes it (holding the lock)
 ANSWERED: list = []
 
 
-def arm(call: GrpcCall, request: InferenceRequest) -> CallAnswer | None:
-    """Arm ``call``'s answer for the thread that computes ``request`` (before it
-    is submitted), if the connection allows: a plain socket, open, no answer
-    armed, no other call that may still answer (so nothing else writes to the
-    stream's connection meanwhile), the call's request whole, not compressed."""
+A = TypeVar("A", bound="CallAnswer")
+
+
+def arm(call: GrpcCall, request: InferenceRequest, kind: type[A]) -> A | None:
+    """Arm ``call``'s answer (a ``kind``) for the thread that computes
+    ``request`` (before it is submitted), if the connection allows: a plain
+    socket, open, no answer armed, no other call that may still answer (so
+    nothing else writes to the stream's connection meanwhile), the call's
+    request whole, not compressed. The connection's spare answer of that kind
+    (``SocketWriter.spare``: one nothing refers to any more) is armed again,
+    not a new one made."""
     conn = call.connection
     state = call.state
     if (
@@ -118,8 +124,18 @@ def arm(call: GrpcCall, request: InferenceRequest) -> CallAnswer | None:
     for other in conn.calls.values():
         if other is not call and other.state.answerable:
             return None
-    answer = conn.answer = request.answer = CallAnswer(conn, call, request)
-    return answer
+    answer: Any = conn.spare
+    if answer is not None and type(answer) is kind:
+        conn.spare = None
+        # (__init__'s per-call fields, set again: the lock is the connection's)
+        answer._call = call
+        answer._request = request
+        answer.state = ARMED
+        answer.unwritten = answer.owed = answer._token = None
+    else:
+        answer = kind(conn, call, request)
+    conn.answer = request.answer = answer
+    return answer  # (typed Any: no cast() call)
 
 
 class CallAnswer:
@@ -127,7 +143,7 @@ class CallAnswer:
     module docstring); the :class:`~trionserve.core.inference.ThreadAnswer` of
     its request."""
 
-    __slots__ = ("_call", "_conn", "_request", "_token", "lock", "owed", "rest", "state")
+    __slots__ = ("_call", "_conn", "_request", "_token", "lock", "owed", "state", "unwritten")
 
     def __init__(self, conn: Connection, call: GrpcCall, request: InferenceRequest) -> None:
         self._conn = conn
@@ -137,7 +153,7 @@ class CallAnswer:
         # armed again): made once per connection, not per call.
         self.lock = conn.answer_lock
         self.state = ARMED
-        self.rest: list[memoryview] | None = None
+        self.unwritten: list[memoryview] | None = None
         # Set by the thread whose write the loop took in progress: what of it
         # the socket did not take, ``(rest,)`` (see resolve).
         self.owed: tuple[list[memoryview]] | None = None
@@ -200,7 +216,7 @@ class CallAnswer:
                 # (the headers and the trailers: answered, as FINISH moves IDLE too)
                 if call_state.answerable:
                     call_state.response_event(ResponseEvent.FINISH)
-                rest, self.rest = self.rest, None
+                rest, self.unwritten = self.unwritten, None
                 if rest:  # written first, before anything h2 queues after it
                     conn.unsent[:0] = rest
                     conn.flush()
@@ -210,7 +226,7 @@ class CallAnswer:
 
     def write(self, request: InferenceRequest, response: InferenceResponse) -> bool:
         """Encode and write ``request``'s answer, if still armed for it: True
-        when the socket took it whole; False leaves it (or its ``rest``) to the
+        when the socket took it whole; False leaves it (or its ``unwritten`` rest) to the
         loop, which the caller wakes."""
         with self.lock:
             if self.state != ARMED or self._request is not request:
@@ -272,7 +288,7 @@ class CallAnswer:
                         pass
                 return not rest
             if rest:
-                self.rest = rest
+                self.unwritten = rest
                 self.state = PARTIAL
             else:
                 self.state = WRITTEN

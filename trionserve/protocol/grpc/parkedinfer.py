@@ -10,6 +10,15 @@ in the reader with plain calls (``dataplane.end``, then the connection's
 coroutine frames that awaited it. Any other outcome goes the awaited way,
 :meth:`ParkedInfer.rest`: the rest of ``model_infer`` and of the unary handler
 (``unary.unary_method``).
+
+The call's armed answer and how it goes on are one object, a
+:class:`~trionserve.protocol.grpc.answer.CallAnswer` that is a ``Parked``; a
+call that ends the common way (:meth:`ParkedInfer.ended`) leaves it to its
+connection, which arms it again for the next call (``answer.arm``): nothing
+refers to it any more then (taken: not the connection's nor the request's
+answer; the handler returned as it parked; the outcome's callback spent), unless
+the loop took its thread's write in progress (the thread may still hand it the
+write's rest), which keeps it from being armed again.
 """
 
 from __future__ import annotations
@@ -26,29 +35,31 @@ from trionserve.protocol.grpc.parking import Parked
 from trionserve.protocol.grpc.unary import grpc_error
 
 if TYPE_CHECKING:
+    from trionserve.core.inference import InferenceRequest
     from trionserve.dataplane import DataPlane
     from trionserve.lifecycle import Lifecycle
     from trionserve.protocol.grpc.call import GrpcCall
+    from trionserve.protocol.grpc.connection import Connection
 
 __all__ = ["ParkedInfer"]
 
 log = structlog.get_logger(__name__)
 
 
-class ParkedInfer(Parked):
-    """A ModelInfer call parked with its answer armed, its request ``run``
-    queued (``dataplane.begin``): exactly one of :meth:`ended` (True) and
-    :meth:`rest` ends it."""
+class ParkedInfer(CallAnswer, Parked):
+    """A ModelInfer call's armed answer, which is also how the call goes on
+    once parked, its request ``run`` queued (``dataplane.begin``; ``dataplane``
+    and ``run`` set by the caller before it parks): exactly one of
+    :meth:`ended` (True) and :meth:`rest` ends it. One object per call, not
+    two; one per connection while calls end the common way (the connection's
+    ``spare``, armed again: ``answer.arm``)."""
 
-    __slots__ = ("_answer", "_call", "_dataplane", "_run")
+    __slots__ = ("dataplane", "run")
 
-    def __init__(
-        self, dataplane: DataPlane, call: GrpcCall, run: Lifecycle, answer: CallAnswer
-    ) -> None:
-        self._dataplane = dataplane
-        self._call = call
-        self._run = run
-        self._answer = answer
+    def __init__(self, conn: Connection, call: GrpcCall, request: InferenceRequest) -> None:
+        super().__init__(conn, call, request)
+        self.dataplane: DataPlane | None = None
+        self.run: Lifecycle | None = None
 
     def ended(self) -> bool:
         """The outcome came with the thread's answer written (taken as the
@@ -57,30 +68,39 @@ class ParkedInfer(Parked):
         dropped: the client has the answer, as ``model_infer`` drops it). The
         call's bytes are let go with the call (``Connection._ended``, next:
         the buffer's ``close`` releases the work ``answered_all`` would, and
-        wakes receivers waiting for room as it does)."""
-        run = self._run
-        state = self._answer.state
+        wakes receivers waiting for room as it does). Nothing refers to this
+        answer any more unless the loop took the thread's write in progress
+        (``_token`` set: the thread may still report it): else it is the
+        connection's spare, armed again for its next call."""
+        run = self.run
+        state = self.state
+        assert run is not None and self.dataplane is not None
         if (state != WRITTEN and state != PARTIAL) or run.trace is not None or not run.plain:
             return False
         try:
-            self._dataplane.end(run)
+            self.dataplane.end(run)
         except TritonError:
             pass
         except Exception:
             log.exception("grpc method failed", method=self._call.method)
+        self.run = None
+        conn = self._conn
+        if self._token is None and conn.answer is not self:
+            conn.spare = self
         return True
 
     async def rest(self, call: GrpcCall) -> object:
         """``model_infer`` and the unary handler from the wait for the outcome
         on: the answer taken, or the response encoded and sent; a failure as
         the handler answers it."""
-        run = self._run
+        run = self.run
+        assert run is not None and self.dataplane is not None
         try:
             try:
-                response = await self._dataplane.finish(run)
+                response = await self.dataplane.finish(run)
             finally:
                 # (failed or cancelled after the thread's answer: the client has it)
-                taken = self._answer.take()
+                taken = self.take()
             if taken != DISARMED:
                 message = ANSWERED
             else:

@@ -348,7 +348,9 @@ class GrpcService:
                 return await self._logged_infer(request, shared_memory)
             # (here, not in a coroutine of its own: a parked call is carried on
             # through each of its frames)
-            answer = grpc_answer.arm(call, request) if self._answerable(request) else None
+            answer = (
+                grpc_answer.arm(call, request, ParkedInfer) if self._answerable(request) else None
+            )
             if answer is None:
                 response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
             else:
@@ -357,16 +359,16 @@ class GrpcService:
                     run = await self.dataplane.begin(request, endpoint="ModelInfer RPC")
                     if isinstance(run, InferenceResponse):  # (the response cache's)
                         response = run
-                    elif (
-                        answer.state == grpc_answer.ARMED  # (else: written, swept as it waits)
-                        and shared_memory is None
-                        and call.connection.park(
-                            call, run.request, ParkedInfer(self.dataplane, call, run, answer)
-                        )
-                    ):  # the outcome carries the call on (parking.py): it returns now
-                        parked = True
-                        return PARKED
                     else:
+                        # (how the call goes on if it parks: the answer is its Parked)
+                        answer.dataplane, answer.run = self.dataplane, run
+                        if (
+                            answer.state == grpc_answer.ARMED  # (else: written, swept as it waits)
+                            and shared_memory is None
+                            and call.connection.park(call, run.request, answer)
+                        ):  # the outcome carries the call on (parking.py): it returns now
+                            parked = True
+                            return PARKED
                         response = await self.dataplane.finish(run)
                 finally:
                     # (failed or cancelled after the thread's answer: the client has it)

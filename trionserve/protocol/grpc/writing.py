@@ -50,6 +50,9 @@ class SocketWriter:
     # The last answer the instance's thread wrote, to write one described the
     # same without encoding it (answer.py; read and set under the answer's lock).
     repeat: Described | None = None
+    # A taken answer nothing refers to any more, armed again for the next call
+    # (answer.arm; left by a parked call that ended the common way, parkedinfer.py).
+    spare: CallAnswer | None = None
     socket: trio.socket.SocketType | None
     _dirty: trio.Event
     writing: bool
