@@ -316,16 +316,79 @@ async def _tcp_serving(infer: Infer):
             client_stream.socket.close()
 
 
-def test_only_whole_window_updates_read_alone_are_not_a_miss():
-    """The whole-call wait's miss rule (inflow._window_updates): bytes that are
-    whole WINDOW_UPDATE frames only (the last call's, read after it) are not a
+def test_only_whole_window_updates_and_pings_read_alone_are_not_a_miss():
+    """The whole-call wait's miss rule (inflow._no_call): bytes that are whole
+    WINDOW_UPDATE and PING frames only (the last call's window updates,
+    grpc-core's bandwidth probe: frames a client sends on its own) are not a
     call that waited for the watch's look; anything else is."""
     update = struct.pack(">HBBBL", 0, 4, 0x8, 0, 0) + (1000).to_bytes(4, "big")
     ping = struct.pack(">HBBBL", 0, 8, 0x6, 0, 0) + bytes(8)
-    assert inflow._window_updates(memoryview(update))
-    assert inflow._window_updates(memoryview(update * 2))
-    assert not inflow._window_updates(memoryview(b""))
-    assert not inflow._window_updates(memoryview(update[:12]))
-    assert not inflow._window_updates(memoryview(update + update[:5]))
-    assert not inflow._window_updates(memoryview(ping[:13]))
-    assert not inflow._window_updates(memoryview(update + ping[:13]))
+    ack = struct.pack(">HBBBL", 0, 8, 0x6, 0x1, 0) + bytes(8)
+    reset = struct.pack(">HBBBL", 0, 4, 0x3, 0, 5) + (8).to_bytes(4, "big")
+    assert inflow._no_call(memoryview(update))
+    assert inflow._no_call(memoryview(update * 2))
+    assert inflow._no_call(memoryview(ping))
+    assert inflow._no_call(memoryview(ack))
+    assert inflow._no_call(memoryview(update + ping + update))
+    assert not inflow._no_call(memoryview(b""))
+    assert not inflow._no_call(memoryview(update[:12]))
+    assert not inflow._no_call(memoryview(update + update[:5]))
+    assert not inflow._no_call(memoryview(ping[:13]))
+    assert not inflow._no_call(memoryview(update + ping[:13]))
+    assert not inflow._no_call(memoryview(ping + ping[:16]))
+    assert not inflow._no_call(memoryview(reset))
+    assert not inflow._no_call(memoryview(ping + reset))
+
+
+async def test_a_ping_alone_in_a_whole_wait_is_answered_at_the_look_and_ends_no_streak(
+    monkeypatch,
+):
+    """A PING read alone while the reader waits for a whole call (grpc-core's
+    bandwidth probe after an answer's data) is answered once the watch looks,
+    and is no miss: the streak goes on and the streak needed stays, so that
+    once a call is in flight again the next is waited for whole. (The PING's
+    read swept the last call's outcome: with no call waiting, the call after
+    it is read as any.)"""
+    monkeypatch.setattr(inflow.MessageReads, "_needed", 1)
+    watch = sockets._Watch()
+    monkeypatch.setattr(sockets._Watch, "current", classmethod(lambda cls: watch))
+    digests = _digests(monkeypatch)
+    body = bytes(range(256)) * 400
+    sends = [body] * 6
+    infer = Infer()
+    waited = []
+    async with _tcp_serving(infer) as (conn, client):
+        await client.until(lambda: client.h2.remote_settings.max_frame_size == 1024 * 1024)
+        outcome = response()
+        for index, sent in enumerate(sends):
+            if index == 4:  # the whole wait holds a PING alone: the look wakes it
+                assert watch.waiting
+                client.h2.ping(b"probe-01")
+                await client.flush()
+                await trio.testing.wait_all_tasks_blocked()
+                assert watch.waiting  # (below SO_RCVLOWAT: not signalled)
+                watch.look()
+                await client.until(
+                    lambda: any(isinstance(e, h2.events.PingAckReceived) for e in client.events)
+                )
+                await trio.testing.wait_all_tasks_blocked()
+                assert (conn._streak, conn._needed) == (2, 1)
+            infer.armed = trio.Event()
+            stream_id, data = _send(client, infer, sent, 70_000)
+            cut = len(data) - (9 + len(sent) + 5 - 70_000) if index != 1 else 10_000
+            await trio.testing.wait_all_tasks_blocked()
+            waited.append(bool(watch.waiting))
+            await client.sock.send_all(data[:cut])
+            await trio.testing.wait_all_tasks_blocked()
+            assert not infer.armed.is_set()
+            await client.sock.send_all(data[cut:])
+            await infer.armed.wait()
+            _, request, answer = infer.calls[-1]
+            assert await thread_write(request, answer, outcome)
+            await client.until(lambda s=stream_id: client.ended(s))
+            deferred_jobs().append(Report(request, outcome))  # swept by the next read
+    assert digests == [hashlib.sha256(sent).digest() for sent in sends]
+    # (opens, teaches the layout, taken whole: a streak of one, waited for
+    # whole; the PING; read as any with no call in flight; waited for whole)
+    assert waited == [False, False, False, True, False, True]
+    assert (conn._streak, conn._needed) == (3, 1)
