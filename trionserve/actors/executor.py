@@ -174,6 +174,9 @@ class InstanceExecutor(AsyncInstanceServing):
         # Trio's clock less the thread's perf_counter() (see clock_offset);
         # None: a MockClock's, read per batch (InstanceThread.span).
         self._offset: float | None = None
+        # The statistics a batch handed over may be counted in by the thread
+        # that writes its answers (Job.statistics), once the thread started.
+        self._records: ModelStatistics | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -207,6 +210,10 @@ class InstanceExecutor(AsyncInstanceServing):
             thread.quiet = getattr(self._outlet, "quiet", None)
         thread.start()
         self._offset = clock_offset()
+        if self._respond is not None and self._statistics is not None and self._offset is not None:
+            # A batch handed over whose answers the thread writes is counted
+            # there too (Job.statistics; HandedJob.finished's common way).
+            self._records = self._statistics
         # Jobs given to the thread, in order, for _deliver; slots bound how many.
         send, receive = trio.open_memory_channel[Job](math.inf)
         slots = trio.Semaphore(self._depth)
@@ -413,10 +420,28 @@ class InstanceExecutor(AsyncInstanceServing):
         meanwhile may join it, see HeldJob), so the loop need not wake at the
         delay's end. None (the batch waits at the scheduler) when the
         executor would not take it straight, or would run it inline."""
-        thread = self._idle_thread(batch)
-        if thread is None or (self._last_ns <= self._inline_budget and self._runs_inline(batch)):
+        # _idle_thread and _handed_job, written out (once per request at c=1
+        # with a batching delay).
+        thread = self._thread
+        if (
+            not self._hands_over
+            or self._stopped
+            or thread is None
+            or self._handed is not None
+            or self._undelivered
+        ):
             return None
-        return thread.submit_held(self._handed_job(batch), start_at)
+        for request in batch:
+            if request.done or request.cancelled:
+                return None  # the feeder answers those
+        if self._last_ns <= self._inline_budget and self._runs_inline(batch):
+            return None
+        job = self._handed = HandedJob(batch)
+        job.executor = self
+        job.statistics = self._records
+        if self._frees:
+            job.on_free = partial(self._handed_free, job)
+        return thread.submit_held(job, start_at)
 
     def _idle_thread(self, batch: list[InferenceRequest]) -> InstanceThread | None:
         """The instance's thread, if a batch may be handed to it straight: the
@@ -439,6 +464,7 @@ class InstanceExecutor(AsyncInstanceServing):
         """The job of a batch handed over, delivered as the thread reports it."""
         job = self._handed = HandedJob(batch)
         job.executor = self
+        job.statistics = self._records
         if self._frees:
             job.on_free = partial(self._handed_free, job)
         return job
@@ -528,7 +554,10 @@ class HandedJob(Job):
     then the outcomes are delivered. The commonest batch (every result a
     response the thread checked as it wrote the answers, the backend's compute
     times, no trace) is written out: its statistics in one call, each request
-    answered through the outlet (issue 39, eleventh round).
+    answered through the outlet (issue 39, eleventh round). Where the thread
+    counted it already (``recorded``, see ``Job.statistics``), the outlet is
+    offered the executor again and answers the requests in one call
+    (fifteenth round).
     """
 
     __slots__ = ("executor",)
@@ -544,16 +573,26 @@ class HandedJob(Job):
             return  # (delivered already)
         self.executor = self.on_free = None  # (no cycle with its executor)
         try:
+            again = False
             if executor._handed is self:
                 executor._handed = None
-                if not executor._stopped:
-                    executor._outlet.offer_again()
+                again = not executor._stopped
             else:  # freed before (_handed_free): offered then
                 executor._freed.discard(self)
             times = self.times
+            respond = executor._respond
+            if self.recorded:
+                # Counted by the thread as it wrote the answers: one response
+                # each, the compute times known (InstanceThread._answered).
+                assert times is not None and respond is not None
+                if executor._inline_budget:
+                    executor._last_ns = times[0] + times[1] + times[2]
+                respond(self.requests, self.results, again)
+                return
+            if again:
+                executor._outlet.offer_again()
             statistics = executor._statistics
             offset = executor._offset
-            respond = executor._respond
             if (
                 self.responses  # (no error, none cancelled: see InstanceThread._answered)
                 and times is not None

@@ -68,7 +68,7 @@ from trionserve.core.clocks import clock_offset
 from trionserve.core.deferred import Deferred, deferred_jobs
 from trionserve.core.errors import InvalidArgument
 from trionserve.core.inference import InferenceRequest, InferenceResponse
-from trionserve.observability.statistics import ComputeTimes
+from trionserve.observability.statistics import ComputeTimes, ModelStatistics
 
 
 class Job:
@@ -97,6 +97,8 @@ class Job:
         "held",
         "responses",
         "unread",
+        "statistics",
+        "recorded",
     )
 
     def __init__(self, requests: list, on_done: Callable[[], None] | None = None) -> None:
@@ -132,6 +134,11 @@ class Job:
         # Requests whose body the thread failed to read (see _take_bodies), with
         # their errors: out of the batch, given back with them as it ends.
         self.unread: list[tuple[InferenceRequest, InvalidArgument]] | None = None
+        # Where the thread that writes the batch's answers counts it (set by an
+        # executor that delivers such a batch without counting it again when
+        # ``recorded``; None: counted on the Trio thread as it is delivered).
+        self.statistics: ModelStatistics | None = None
+        self.recorded = False
 
     @property
     def done(self) -> trio.Event:
@@ -399,11 +406,17 @@ class InstanceThread:
         if held is None or not held.rearm(job, start_at - offset):
             held = self._held = HeldJob(job, start_at - offset, self._hold)
         job.held = held
-        # _put, written out (once per request at c=1 with a batching delay).
+        # _put and the doorbell's ring, written out.
         self._jobs.append(job)
         if self._sleeping:
             self._sleeping = False
-            self._wake.ring()
+            wake = self._wake
+            if wake._read == wake._write:
+                with wake._lock:
+                    if not wake._closed:
+                        os.eventfd_write(wake._write, 1)
+            else:  # pragma: no cover - not Linux
+                wake.ring()
         return held
 
     async def wait(self, job: Job) -> None:
@@ -583,6 +596,20 @@ class InstanceThread:
                 return False
             answers.append(answer)
         job.responses = True  # (one response per request: checked above)
+        statistics, times, offset = job.statistics, job.times, self._offset
+        if (
+            statistics is not None
+            and times is not None
+            and offset is not None
+            and statistics.summaries is None  # (they read Trio's clock)
+            and not statistics.traces
+        ):
+            # Counted here, before a client can see its answer (and before the
+            # report a statistics read sweeps first is deferred), not on the loop.
+            statistics.record_batch(
+                requests, None, job.started + offset, job.ended + offset, *times
+            )
+            job.recorded = True
         deferred.append(job, idle=not busy)  # before any answer is written (see Deferred)
         # A request submitted as the job was deferred saw no idle job, or this
         # sees it queued (the GIL orders the two): then the loop is told now.

@@ -17,6 +17,7 @@ that prometheus-client would add (see :mod:`trionserve.observability.exposition`
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -299,8 +300,10 @@ def _summary_families(versions: Sequence[ObservedVersion]) -> Iterable[Metric]:
 class ModelMetricsCollector:
     """Triton's per-model metrics, read from the loaded versions at scrape time.
 
-    Runs in the scraping task, on the Trio thread that owns the statistics, so
-    the values of one scrape are consistent with each other.
+    Runs in the scraping task, on the Trio thread, holding every version's
+    statistics lock (an instance's thread may count a batch meanwhile, see
+    observability/statistics.py), so the values of one scrape are consistent
+    with each other.
     """
 
     def __init__(self, registry: ObservedRegistry, options: MetricsOptions) -> None:
@@ -319,6 +322,12 @@ class ModelMetricsCollector:
 
     def collect(self) -> Iterable[Metric]:
         versions = self._versions()
+        with contextlib.ExitStack() as locks:
+            for version in versions:  # (in the one order _versions gives)
+                locks.enter_context(version.statistics.lock)
+            return list(self._collect(versions))  # (all read before the locks go)
+
+    def _collect(self, versions: list[ObservedVersion]) -> Iterable[Metric]:
         for name, documentation, value in _COUNTERS:
             yield _family(name, documentation, value, versions)
         failure = TritonCounter(

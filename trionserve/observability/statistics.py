@@ -5,15 +5,20 @@ One :class:`ModelStatistics` per loaded model version (Triton core's
 requests and batches. The runtime records into it (the executor after each batch,
 the schedulers when they reject, time out or drop a request); readers take the
 plain counters: the statistics endpoints through :meth:`ModelStatistics.as_json`,
-and Prometheus collectors, which read the same attributes at scrape time. Every
-write happens on the Trio thread, so no lock is needed; every duration comes from
-Trio's clock, so simulations on a virtual clock record virtual durations.
+and Prometheus collectors, which read the same attributes at scrape time. Writes
+happen on the Trio thread, except a batch's, which the instance's thread that
+wrote its answers may count itself (see ``InstanceThread._answered``): every
+write and every reader that reads more than one counter holds the version's
+``lock``, so a reader sees each batch counted whole or not at all. Every
+duration comes from Trio's clock (the instance's thread maps its own readings
+onto it), so simulations on a virtual clock record virtual durations.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -138,6 +143,7 @@ class ModelStatistics:
         "summaries",
         "_last_execution",
         "_wall_offset",
+        "lock",
     )
 
     def __init__(self, name: str, version: int) -> None:
@@ -168,6 +174,9 @@ class ModelStatistics:
         # Trio's clock has an arbitrary origin; this maps it to the wall clock once,
         # so recording never reads the wall clock.
         self._wall_offset = time.time() - trio.current_time()
+        # Held by every write and by readers of more than one counter (see the
+        # module docstring): an instance's thread may count a batch.
+        self.lock = threading.Lock()
 
     def enable_summaries(self, targets: Sequence[Target], cache_enabled: bool) -> None:
         """Keep Triton's latency summaries with these quantiles from now on. A model
@@ -195,14 +204,15 @@ class ModelStatistics:
         self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int, end: float
     ) -> None:
         """One batch executed by the backend; ``end`` is Trio's clock at its end."""
-        self.execution_count += 1
-        self._last_execution = end
-        stats = self.batch_stats.get(batch_size)
-        if stats is None:
-            stats = self.batch_stats[batch_size] = BatchStatistics(batch_size)
-        stats.compute_input.add(input_ns)
-        stats.compute_infer.add(infer_ns)
-        stats.compute_output.add(output_ns)
+        with self.lock:
+            self.execution_count += 1
+            self._last_execution = end
+            stats = self.batch_stats.get(batch_size)
+            if stats is None:
+                stats = self.batch_stats[batch_size] = BatchStatistics(batch_size)
+            stats.compute_input.add(input_ns)
+            stats.compute_infer.add(infer_ns)
+            stats.compute_output.add(output_ns)
 
     def record_success(
         self,
@@ -214,6 +224,19 @@ class ModelStatistics:
         output_ns: int,
     ) -> None:
         """One request answered with a response."""
+        with self.lock:
+            self._record_success(batch_size, request_ns, queue_ns, input_ns, infer_ns, output_ns)
+
+    def _record_success(
+        self,
+        batch_size: int,
+        request_ns: int,
+        queue_ns: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+    ) -> None:
+        """:meth:`record_success`, the lock held."""
         self.inference_count += batch_size
         self.success.add(request_ns)
         self.queue.add(queue_ns)
@@ -245,85 +268,91 @@ class ModelStatistics:
         in one place: each request's success (``record_success``) or failure (an
         outcome that is a ``TritonError``; ``outcomes`` None: all succeeded), then
         the execution if any request succeeded (``record_execution``). Written
-        out, as it runs once per batch on the event loop."""
-        batch_size = 0
-        succeeded = False
-        summaries = self.summaries
-        for index, request in enumerate(requests):
-            size = request.batch_size or 1
-            batch_size += size
-            if not request.collect_stats:
-                continue  # a sequence batcher's null request: in the batch size only
-            arrival = request.arrival_time
-            request_ns = int((end - arrival) * NS_PER_S)
-            if request_ns < 0:
-                request_ns = 0
-            if outcomes is not None and isinstance(outcomes[index], TritonError):
-                self.record_failure(request_ns, FailureReason.BACKEND)
-                continue
-            if summaries is not None:
-                self.record_success(
-                    size,
-                    request_ns,
-                    max(0, int((start - arrival) * NS_PER_S)),
-                    input_ns,
-                    infer_ns,
-                    output_ns,
-                )
-            else:
-                queue_ns = int((start - arrival) * NS_PER_S)
-                self.inference_count += size
-                duration = self.success
-                duration.count += 1
-                duration.ns += request_ns
-                duration = self.queue
-                duration.count += 1
-                duration.ns += queue_ns if queue_ns > 0 else 0
-                duration = self.compute_input
-                duration.count += 1
-                duration.ns += input_ns
-                duration = self.compute_infer
-                duration.count += 1
-                duration.ns += infer_ns
-                duration = self.compute_output
-                duration.count += 1
-                duration.ns += output_ns
-            succeeded = True
-        if not succeeded:
-            return
-        # record_execution, written out.
-        self.execution_count += 1
-        self._last_execution = end
-        stats = self.batch_stats.get(batch_size)
-        if stats is None:
-            stats = self.batch_stats[batch_size] = BatchStatistics(batch_size)
-        duration = stats.compute_input
-        duration.count += 1
-        duration.ns += input_ns
-        duration = stats.compute_infer
-        duration.count += 1
-        duration.ns += infer_ns
-        duration = stats.compute_output
-        duration.count += 1
-        duration.ns += output_ns
+        out, as it runs once per batch (on the event loop, or the thread of an
+        instance that wrote the batch's answers: Trio's clock is not read here)."""
+        with self.lock:
+            batch_size = 0
+            succeeded = False
+            summaries = self.summaries
+            for index, request in enumerate(requests):
+                size = request.batch_size or 1
+                batch_size += size
+                if not request.collect_stats:
+                    continue  # a sequence batcher's null request: in the batch size only
+                arrival = request.arrival_time
+                request_ns = int((end - arrival) * NS_PER_S)
+                if request_ns < 0:
+                    request_ns = 0
+                if outcomes is not None and isinstance(outcomes[index], TritonError):
+                    self.fail.add(request_ns)  # (record_failure: the lock is held)
+                    self.failures[FailureReason.BACKEND] += 1
+                    continue
+                if summaries is not None:
+                    self._record_success(
+                        size,
+                        request_ns,
+                        max(0, int((start - arrival) * NS_PER_S)),
+                        input_ns,
+                        infer_ns,
+                        output_ns,
+                    )
+                else:
+                    queue_ns = int((start - arrival) * NS_PER_S)
+                    self.inference_count += size
+                    duration = self.success
+                    duration.count += 1
+                    duration.ns += request_ns
+                    duration = self.queue
+                    duration.count += 1
+                    duration.ns += queue_ns if queue_ns > 0 else 0
+                    duration = self.compute_input
+                    duration.count += 1
+                    duration.ns += input_ns
+                    duration = self.compute_infer
+                    duration.count += 1
+                    duration.ns += infer_ns
+                    duration = self.compute_output
+                    duration.count += 1
+                    duration.ns += output_ns
+                succeeded = True
+            if not succeeded:
+                return
+            # record_execution, written out.
+            self.execution_count += 1
+            self._last_execution = end
+            stats = self.batch_stats.get(batch_size)
+            if stats is None:
+                stats = self.batch_stats[batch_size] = BatchStatistics(batch_size)
+            duration = stats.compute_input
+            duration.count += 1
+            duration.ns += input_ns
+            duration = stats.compute_infer
+            duration.count += 1
+            duration.ns += infer_ns
+            duration = stats.compute_output
+            duration.count += 1
+            duration.ns += output_ns
 
     def record_cache_hit(self, request_ns: int, lookup_ns: int) -> None:
         """A request answered from the response cache: a success, not an inference."""
-        self.success.add(request_ns)
-        self.cache_hit.add(lookup_ns)
+        with self.lock:
+            self.success.add(request_ns)
+            self.cache_hit.add(lookup_ns)
         if self.summaries is not None:
             self._observe((("cache_hit_duration", lookup_ns),))
 
     def record_cache_miss(self, lookup_ns: int) -> None:
         """A cache lookup that missed; ``lookup_ns`` covers the lookup and the insert."""
-        self.cache_miss.add(lookup_ns)
+        with self.lock:
+            self.cache_miss.add(lookup_ns)
         if self.summaries is not None:
             self._observe((("cache_miss_duration", lookup_ns),))
 
     def record_failure(self, request_ns: int, reason: FailureReason) -> None:
         """One request answered with an error."""
-        self.fail.add(request_ns)
-        self.failures[reason] += 1
+        with self.lock:
+            self.fail.add(request_ns)
+            self.failures[reason] += 1
 
     # -- reading (frontends, metrics) ---------------------------------------------
 
@@ -336,6 +365,10 @@ class ModelStatistics:
 
     def as_json(self) -> dict:
         """This version's entry of Triton's ``model_stats`` list (HTTP JSON shape)."""
+        with self.lock:
+            return self._as_json()
+
+    def _as_json(self) -> dict:
         return {
             "name": self.name,
             "version": str(self.version),

@@ -120,10 +120,18 @@ class BatcherOutlet:
             deliver_outcomes(requests, outcomes)
 
     def respond(
-        self, requests: Sequence[InferenceRequest], responses: Sequence[InferenceResponse]
+        self,
+        requests: Sequence[InferenceRequest],
+        responses: Sequence[InferenceResponse],
+        again: bool = False,
     ) -> None:
         """``complete`` for outcomes known to be one response per request (the
-        instance's thread checked them): no look at each."""
+        instance's thread checked them): no look at each. ``again``: the
+        executor waits with nothing in flight again (``offer_again``, written
+        out first: the next batch reaches the instance before these requests'
+        waiters run)."""
+        if again and self._posted and not self.closed:
+            self._batcher._outlet_ready(self)
         ticket = self._tickets.popleft()
         if ticket is not None:
             self._batcher._complete(ticket, requests, responses)
