@@ -371,6 +371,16 @@ def test_a_refused_message_and_an_ended_call_let_everything_go():
     assert (buffer.held, buffer.working, buffer.peak) == (0, 0, 300)
 
 
+def test_finish_from_either_answerable_state_leaves_the_call_unanswerable():
+    # CallAnswer.take moves a call the thread answered by the table's FINISH
+    # row written out (answer.py), answerable no more, as response_event does.
+    for answerable in (Response.IDLE, Response.SENDING):
+        state = CallState(ended=True)
+        state.response = answerable
+        state.response_event(ResponseEvent.FINISH)
+        assert state.response is Response.ANSWERED and not state.answerable
+
+
 def test_an_ended_call_releases_its_bytes_in_the_budget_and_the_windows_held_back():
     # close's two ways: nothing held back (its hold written out: no window comes
     # of it) and others held back (below the limit again, their windows come back).

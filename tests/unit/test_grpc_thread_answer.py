@@ -482,6 +482,7 @@ async def test_the_next_call_is_armed_while_the_last_ones_report_waits():
         updates = len(client.of(h2.events.WindowUpdated))
         second, request2, answer2 = await armed_call(infer, client, b"\x01" * 40000)
         assert answer.state == WRITTEN and infer.calls[0][0].state.response is Response.ANSWERED
+        assert not infer.calls[0][0].state.answerable
         assert first in conn.calls and infer.ended == []  # its report waits
         assert answer2 is not None and answer2.armed and conn.answer is answer2
         await client.until(lambda: len(client.of(h2.events.WindowUpdated)) > updates)

@@ -77,7 +77,7 @@ from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import infercache as grpc_infercache
 from trionserve.protocol.grpc import inline
 from trionserve.protocol.grpc.framing import JOIN_LIMIT, OK_TRAILERS, RESPONSE_HEADERS, prefix
-from trionserve.protocol.grpc.state import Request, Response, ResponseEvent
+from trionserve.protocol.grpc.state import RESPONSE_TRANSITIONS, Request, Response, ResponseEvent
 from trionserve.protocol.sockets import send_pieces_now
 
 if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
@@ -93,6 +93,8 @@ WRITTEN = 2  # the thread wrote it whole
 PARTIAL = 3  # the thread began it: the loop writes ``unwritten``
 DISARMED = 4  # the loop answers
 WRITING = 5  # the thread writes it (holding the lock)
+
+_FINISH = ResponseEvent.FINISH  # (read once, not per take)
 
 # What ModelInfer's handler returns for an answer the thread wrote (or began):
 # GrpcCall.send sends nothing.
@@ -213,9 +215,12 @@ class CallAnswer:
                 request.answer = None
             if state != DISARMED:
                 call_state = self._call.state
-                # (the headers and the trailers: answered, as FINISH moves IDLE too)
+                # (the headers and the trailers: answered, as FINISH moves IDLE
+                # too; response_event written out: its table's move from either
+                # answerable state, to one that is not)
                 if call_state.answerable:
-                    call_state.response_event(ResponseEvent.FINISH)
+                    call_state.response = RESPONSE_TRANSITIONS[call_state.response][_FINISH]
+                    call_state.answerable = False
                 rest, self.unwritten = self.unwritten, None
                 if rest:  # written first, before anything h2 queues after it
                     conn.unsent[:0] = rest
