@@ -37,9 +37,12 @@ import termios
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
+
+if TYPE_CHECKING:
+    from trionserve.protocol.later import LaterBody
 
 __all__ = [
     "EagerReceiver",
@@ -170,9 +173,24 @@ class EagerReceiver:
     (TLS, memory streams in tests) reads through its ``receive_some``. Raises
     BrokenResourceError for a failed read and ClosedResourceError for a closed
     socket, as ``receive_some`` does. One task reads at a time (this bypasses
-    the stream's check for concurrent readers)."""
+    the stream's check for concurrent readers).
 
-    __slots__ = ("_stream", "_socket", "_eager", "_eager_reads", "_lowat", "_watch", "woken")
+    A call's rest left in the socket for the instance's thread (``later``, see
+    :mod:`trionserve.protocol.later`) is read by nothing here: a read that
+    would find it settles it first (the loop reads it, under its lock), and
+    ``receive_whole``'s wait sets the mark past it (:meth:`LaterBody.mark`: every mark
+    set here goes through it once it is set)."""
+
+    __slots__ = (
+        "_stream",
+        "_socket",
+        "_eager",
+        "_eager_reads",
+        "_lowat",
+        "_watch",
+        "later",
+        "woken",
+    )
 
     def __init__(self, stream: trio.abc.ReceiveStream, eager_reads: int = 4) -> None:
         self._stream = stream
@@ -186,6 +204,7 @@ class EagerReceiver:
         self._lowat = 0
         self._watch: _Watch | None = None
         self.woken: str | None = None
+        self.later: LaterBody | None = None
 
     async def receive_some(
         self, max_bytes: int, eager: bool = True, expect_wait: bool = False
@@ -199,6 +218,8 @@ class EagerReceiver:
         socket = self._socket
         if socket is None:
             return await self._stream.receive_some(max_bytes)
+        if self.later is not None:
+            self._settle()
         if expect_wait:
             self._eager = self._eager_reads
         else:
@@ -232,6 +253,8 @@ class EagerReceiver:
         socket = self._socket
         if socket is None:
             return await _receive_some_into(self._stream, buffers)
+        if self.later is not None:
+            self._settle()
         if expect_wait:
             self._eager = self._eager_reads
         elif self._eager:
@@ -252,7 +275,7 @@ class EagerReceiver:
             self._eager = self._eager_reads
         if least != self._lowat and _LOWAT is not None:
             self._lowat = least
-            _set_lowat(socket, least)
+            self._mark(socket, least)
         while True:
             await trio.lowlevel.wait_readable(socket)
             received = _readv_now(socket, buffers)
@@ -274,9 +297,12 @@ class EagerReceiver:
             return await self.receive_into(buffers, 1, True)
         self._eager = self._eager_reads
         self.woken = None
+        later = self.later
+        if later is not None and not later.pending:
+            self._settle()  # (a rest not deferred: read now)
         if self._lowat != size:
             self._lowat = size
-            _set_lowat(socket, size)
+            self._mark(socket, size)
         watch = self._watch
         if watch is None:
             watch = self._watch = _Watch.current()
@@ -287,6 +313,8 @@ class EagerReceiver:
         try:
             while True:
                 await trio.lowlevel.wait_readable(socket)
+                if later is not None:  # (woken with the rest still there: read first)
+                    self._settle()
                 received = _readv_now(socket, buffers)
                 if received is not None:
                     return received
@@ -299,7 +327,7 @@ class EagerReceiver:
         or one the connection needs the peer's next bytes for)."""
         if self._lowat != 1 and self._socket is not None:
             self._lowat = 1
-            _set_lowat(self._socket, 1)
+            self._mark(self._socket, 1)
 
     def holds(self) -> bool:
         """Whether the socket holds bytes not read yet (True when it cannot be
@@ -309,7 +337,31 @@ class EagerReceiver:
             held = fcntl.ioctl(self._socket.fileno(), termios.FIONREAD, b"\0\0\0\0")
         except OSError:
             return True
+        later = self.later
+        if later is not None and later.pending:  # (the rest deferred is not the peer's news)
+            return int.from_bytes(held, sys.byteorder) > later.size
         return held != b"\0\0\0\0"
+
+    def attach(self, later: LaterBody) -> None:
+        """Set ``later``: from now on a read settles its rest first, and every
+        mark goes through it (what this receiver last set is the one wanted)."""
+        later.wanted = self._lowat or 1
+        self.later = later
+
+    def _settle(self) -> None:
+        """The rest left in the socket (``later``), if any, read now, before the socket is:
+        a read that fails ends the connection (what follows in the socket is out of step)."""
+        later = self.later
+        assert later is not None
+        if (later.view is not None or later.broken is not None) and not later.settle():
+            raise trio.BrokenResourceError(later.broken)
+
+    def _mark(self, socket: trio.socket.SocketType, size: int) -> None:
+        """``SO_RCVLOWAT`` at ``size``, past a rest deferred (``later``)."""
+        if self.later is not None:
+            self.later.mark(size)
+        else:
+            _set_lowat(socket, size)
 
 
 class _Watch:

@@ -84,6 +84,7 @@ if TYPE_CHECKING:  # the connection imports this module; no cycle at run time
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.grpc.connection import Connection
     from trionserve.protocol.grpc.writing import SocketWriter
+    from trionserve.protocol.later import LaterBody
 
 __all__ = ["ANSWERED", "ARMED", "DISARMED", "PARTIAL", "WRITTEN", "CallAnswer", "arm"]
 
@@ -163,6 +164,13 @@ class CallAnswer:
         self._token: trio.lowlevel.TrioToken | None = None
 
     # -- on the Trio thread --------------------------------------------------------
+
+    @property
+    def later(self) -> LaterBody | None:
+        """The rest of a message its connection left in the socket for the
+        instance's thread (protocol/later.py), which reads it before the batch
+        runs (``InstanceThread._take_bodies``)."""
+        return self._conn.later
 
     @property
     def armed(self) -> bool:

@@ -191,6 +191,8 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
                 nursery.start_soon(self._read)
         finally:
             self.take_answer()  # (the socket closes: the thread writes no more)
+            if self.later is not None:  # (nor reads: a rest left for it is read now)
+                self.later.settle()
             self._idle.pop(self, None)
             self.buffer.let_go()
             self._buffers.let_go()
@@ -234,6 +236,8 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         """
         kept = False  # a call keeps this task
         receiver = EagerReceiver(self.stream)
+        if self.later is not None:  # (a rest left in the socket: read by none of its reads)
+            receiver.attach(self.later)
         receive = receiver.receive_some
         try:
             with trio.CancelScope() as scope:

@@ -64,7 +64,7 @@ from trionserve.protocol.grpc.codec import (
     _varint,
 )
 
-__all__ = ["decode_request", "encode_response"]
+__all__ = ["cut_as_last", "decode_request", "encode_response", "raw_at"]
 
 # ModelInferRequest's fields 1-6 (model_name, model_version, id, parameters,
 # inputs, outputs; grpc_service.proto), each length-delimited: their tags. Field
@@ -139,7 +139,16 @@ _Input = tuple[str, DataType, np.dtype, list[int], int, int | None]
 class RequestPlan:
     """What a request head says, checked: the request each call builds from it."""
 
-    __slots__ = ("model", "version", "inputs", "count", "outputs", "parameters", "attributes")
+    __slots__ = (
+        "model",
+        "version",
+        "inputs",
+        "count",
+        "outputs",
+        "parameters",
+        "attributes",
+        "sized",
+    )
 
     def __init__(
         self,
@@ -153,6 +162,8 @@ class RequestPlan:
         self.version = version
         self.inputs = inputs
         self.count = len(inputs)
+        # Every input of a fixed size (no BYTES, whose contents are read as a request is made).
+        self.sized = all(input_[5] is not None for input_ in inputs)
         self.outputs = outputs
         # What the request's parameters set, copied into each call's request.
         self.parameters = template.parameters if template is not None else None
@@ -272,6 +283,30 @@ class _Layout:
 
 # The loop's last message's layout (decode_request runs on the loop only).
 _last: _Layout | None = None
+
+
+def raw_at(length: int) -> int:
+    """Where a message of ``length`` bytes decoded as the last one was has its last raw
+    contents (the bytes nothing on the loop reads: protocol/later.py), when they end it and
+    every input has a fixed size (no BYTES); else 0."""
+    layout = _last
+    if layout is None or layout.end != length or not layout.spans:
+        return 0
+    start, stop = layout.spans[-1]
+    return start if stop == length and layout.plan.sized else 0
+
+
+def cut_as_last(data: Wire, at: int) -> bool:
+    """Whether :func:`decode_request` cuts ``data`` as the last message, reading none of it
+    from ``at`` on (its last raw contents, :func:`raw_at`'s): the rest may be unread yet."""
+    layout = _last
+    view = memoryview(data)
+    if layout is None or view.nbytes != layout.end or not at or layout.spans[-1][0] != at:
+        return False
+    for start, stop, known in layout.fixed:
+        if view[start:stop] != known:
+            return False
+    return layout.plan.sized
 
 
 def decode_request(data: Wire) -> InferenceRequest | None:

@@ -85,6 +85,7 @@ import structlog
 from h2.errors import ErrorCodes
 
 from trionserve.protocol.grpc import callhead, h2frames, upstream
+from trionserve.protocol.grpc.laterread import LaterReads
 from trionserve.protocol.grpc.writing import CLOSED
 
 if TYPE_CHECKING:
@@ -122,7 +123,7 @@ _FRAME_HEADER = struct.Struct(">HBBBL")
 _DATA_FRAME, _PADDED = 0x0, 0x8
 
 
-class MessageReads:
+class MessageReads(LaterReads):
     """The connection's direct reads of a large message (a base of
     :class:`~trionserve.protocol.grpc.connection.Connection`, which sets the
     attributes below)."""
@@ -299,7 +300,13 @@ class MessageReads:
             # last one had, which may not come (see the module docstring).
             self._receiver = receiver
             least = total - 13 * len(template[3][1])
-            received = await receiver.receive_whole(views, least)
+            at = self._later_at(receiver, length, first) if gap else 0
+            if not at:
+                received = await receiver.receive_whole(views, least)
+            else:  # the message up to its last raw contents (see _defer)
+                received = await receiver.receive_whole((head, message[:at]), least)
+                if received == size + at:
+                    received = self._defer(at, views, total - received)
             # (the watch woke it short of the call, which waited for the look: a
             # miss unless the call proves as predicted, grpc-core's first write
             # found at a look; one woken idle waited for nothing)
@@ -325,6 +332,7 @@ class MessageReads:
             template = None
             stream_id = callhead.call_head(data, length, first + 5)
             if not stream_id:  # not as predicted: every byte through the frame loop
+                self._read_later()
                 self._call = None
                 self._missed(short)
                 return _joined(views, received)
@@ -352,6 +360,8 @@ class MessageReads:
         self._arrived = (stream_id, message, views[1:], received - size)
         if received == total:
             self._whole = self._whole_as(data, slot, template)
+            if self._whole is None:
+                self._read_later()  # (its frames between not as h2 takes them in one step)
         return data
 
     def _missed(self, waited: bool) -> None:
@@ -403,7 +413,12 @@ class MessageReads:
         if whole is not None:
             self._whole = None
             if self._take_whole(*whole):
-                return False
+                return not self._left_for_infer()
+            later = self.later  # (its rest left in the socket: read before the frame loop)
+            if later is not None and later.view is not None and not later.settle():
+                self.close(ErrorCodes.PROTOCOL_ERROR)
+                self._arrived = None
+                return True
         try:
             events = self.h2.receive(data)
         except h2.exceptions.ProtocolError as exc:

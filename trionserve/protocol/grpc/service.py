@@ -38,6 +38,7 @@ from trionserve.protocol.grpc import answer as grpc_answer
 from trionserve.protocol.grpc import codec as grpc_codec
 from trionserve.protocol.grpc import framing as grpc_framing
 from trionserve.protocol.grpc import infercache as grpc_infercache
+from trionserve.protocol.grpc import laterread as grpc_laterread
 from trionserve.protocol.grpc.options import GrpcOptions
 from trionserve.protocol.grpc.parkedinfer import ParkedInfer
 from trionserve.protocol.grpc.parking import PARKED
@@ -328,6 +329,8 @@ class GrpcService:
     async def model_infer(self, data: grpc_framing.Message, call: GrpcCall) -> list:
         # The common request (infercache): it names no shared memory, so no
         # regions are held for it; any other goes through protobuf (codec).
+        # (its last raw contents may still be in the socket: grpc/laterread.py)
+        later = grpc_laterread.rest_of(call, data)
         request = grpc_infercache.decode_request(data)
         shared_memory = None
         if request is None:
@@ -345,12 +348,16 @@ class GrpcService:
             if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
                 request.trace_context = getattr(call, "stamps", None)
             if self.verbose or LOG_SETTINGS.log_verbose_level > 0:  # (verbose_logging())
+                if later is not None:
+                    later.now()
                 return await self._logged_infer(request, shared_memory)
             # (here, not in a coroutine of its own: a parked call is carried on
             # through each of its frames)
             answer = (
                 grpc_answer.arm(call, request, ParkedInfer) if self._answerable(request) else None
             )
+            if later is not None:  # read by the instance's thread, or now
+                grpc_laterread.place(later, answer, self.dataplane, request)
             if answer is None:
                 response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
             else:

@@ -1,0 +1,155 @@
+"""A call's message rest left in the socket for the instance's thread (gRPC's side of
+:mod:`trionserve.protocol.later`).
+
+A call read whole as predicted (:mod:`~trionserve.protocol.grpc.inflow`, ``_read_call``'s one
+wait for the whole call) is read by the loop up to the start of its message's last raw contents
+(where infercache cut the last message: ``infercache.raw_at``), which nothing on the loop reads.
+When the socket holds the rest (``FIONREAD``) and the bytes between the message's two DATA frames
+are as the last call's (peeked at their offset, ``SO_PEEK_OFF`` with ``MSG_PEEK``: Linux 6.10,
+nothing read), the rest (the first frame's rest, those bytes, the second frame's payload) is
+offered to the connection's :class:`~trionserve.protocol.later.LaterBody` and the call taken as if
+read whole. ModelInfer (:func:`place`) leaves it to the instance's thread where the request's
+inputs are read by nothing before that thread (infercache cut the message as the last one, no
+trace, no verbose log, the answer armed for the thread, a blocking backend:
+``later.routed_on_thread``), else reads it at once; anything else that takes the call (the frame
+loop, a call not as predicted, a refused call) finds it read first (:meth:`LaterReads._read_later`,
+the receiver's reads: ``EagerReceiver.later``). Elsewhere (no ``SO_PEEK_OFF``, TLS, a smaller
+message) the loop reads the whole call as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import trio
+from h2.errors import ErrorCodes
+
+from trionserve.actors.executor import INLINE_MAX_INPUT_BYTES
+from trionserve.protocol import later as later_module
+from trionserve.protocol.grpc import infercache
+from trionserve.protocol.later import LaterBody
+
+if TYPE_CHECKING:
+    from trionserve.core.inference import InferenceRequest
+    from trionserve.dataplane import DataPlane
+    from trionserve.protocol.grpc.answer import CallAnswer
+    from trionserve.protocol.grpc.call import GrpcCall
+    from trionserve.protocol.sockets import EagerReceiver
+
+__all__ = ["LaterReads", "place", "rest_of"]
+
+# The slot the thread reads the bytes between the DATA frames into (inflow.SLOT's size).
+_SPARE = 64
+# The only method whose message's rest is left in the socket (service.model_infer takes it).
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class LaterReads:
+    """A base of :class:`~trionserve.protocol.grpc.inflow.MessageReads`: the rest of a call's
+    message left in the socket (``later``: made at the first call read so), where the message's
+    bytes left begin (``later_at``), and the slot the thread reads the bytes between its DATA
+    frames into (the loop checked them, peeked)."""
+
+    later: LaterBody | None = None
+    later_at: int = 0
+    _spare: memoryview
+    socket: trio.socket.SocketType | None
+    _starting: list
+
+    def close(self, code: ErrorCodes = ErrorCodes.NO_ERROR) -> None:
+        raise NotImplementedError
+
+    def _left_for_infer(self) -> bool:
+        """After a call read so was taken whole: its rest stays in the socket only for a
+        ModelInfer call (the last one starting), whose handler takes it (:func:`rest_of`); any
+        other's is read now. False when that read failed (the connection closes)."""
+        later = self.later
+        if later is None or later.view is None:
+            return True
+        starting = self._starting
+        if starting and starting[-1][0].method == MODEL_INFER:
+            return True
+        if later.settle():
+            return True
+        self.close(ErrorCodes.PROTOCOL_ERROR)
+        return False
+
+    def _later_at(self, receiver: EagerReceiver, length: int, first: int) -> int:
+        """Where a call of a message of ``length`` bytes, its first DATA frame
+        holding ``first`` of them, may leave its message's rest to the instance's
+        thread (protocol/later.py): the start of its last raw contents when the
+        last message decoded was cut so (infercache.raw_at), inside the first
+        frame, with more past it than a batch run on the loop may hold; 0: none."""
+        at = infercache.raw_at(length)
+        if not 0 < at < first or length - at <= INLINE_MAX_INPUT_BYTES:
+            return 0
+        later = self.later
+        if later is None:
+            socket = self.socket
+            if socket is None or later_module.PEEK_OFF is None:
+                return 0
+            later = self.later = LaterBody(socket)
+            self._spare = memoryview(bytearray(_SPARE))
+            receiver.attach(later)
+        return at
+
+    def _defer(self, at: int, views: tuple[memoryview, ...], rest: int) -> int:
+        """A call read up to its message's last raw contents (``at``; ``views``
+        as _read_call made them): when the socket holds its ``rest`` and the
+        bytes between its DATA frames, peeked into the slot (``SO_PEEK_OFF``),
+        the rest is left in the socket (``later``, offered once the call proves
+        as predicted, else read: _read_later); else what it holds of the rest
+        is read now. The bytes read of the call, as one readv would have."""
+        head, prefix, slot, tail = views
+        later = self.later
+        assert later is not None
+        fd = later.fd
+        size = len(head) + at
+        part = prefix[at:]
+        if later_module.queued_fd(fd) >= rest and later_module.peek(fd, len(part), slot):
+            later.offer(part, (self._spare[: len(slot)], tail))
+            self.later_at = at
+            return size + rest
+        try:
+            more = os.readv(fd, (part, slot, tail))
+        except BlockingIOError:
+            more = 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(exc) from exc
+        return size + more
+
+    def _read_later(self) -> None:
+        """A call whose rest was left in the socket (_defer) goes through the
+        frame loop, or is not taken whole: its rest read now (the slot's bytes
+        read again over those peeked, the same)."""
+        later = self.later
+        if later is not None and later.view is not None and not later.settle():
+            raise trio.BrokenResourceError(later.broken)
+
+
+def rest_of(call: GrpcCall, data: bytes | bytearray | memoryview) -> LaterBody | None:
+    """ModelInfer's first step: the connection's rest of ``data`` (this call's message) left in
+    the socket, if any, read now unless infercache cuts the message as the last one (reading none
+    of the rest)."""
+    conn = call.connection
+    later = conn.later
+    if later is None or later.view is None or later.view.obj is not getattr(data, "obj", None):
+        return None
+    if not infercache.cut_as_last(data, conn.later_at):
+        later.now()
+    return later
+
+
+def place(
+    later: LaterBody, answer: CallAnswer | None, dataplane: DataPlane, request: InferenceRequest
+) -> None:
+    """The rest (:func:`rest_of`) left to the instance's thread, where the request's inputs are
+    read by nothing before it (its answer armed for that thread, the model's instances blocking
+    ones); else read now."""
+    if later.view is None:
+        return
+    if answer is not None and later_module.routed_on_thread(dataplane, request):
+        later.defer()
+    else:
+        later.now()
