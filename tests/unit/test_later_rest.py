@@ -225,3 +225,28 @@ async def test_a_call_read_whole_leaves_its_rest_to_the_thread_unless_its_frames
     assert served.digests == [hashlib.sha256(sent).digest() for sent, _ in sends]
     left = [False] * 3 + [True] * 2 + [False] * 2 + [True] * 4 + [False]
     assert served.left == (left if infer else [False] * len(sends))
+
+
+async def test_an_answer_taken_before_the_thread_read_the_rest_reads_it_first(monkeypatch):
+    """The loop takes a call's answer (a keepalive PING, a close, the outcome on the loop)
+    before the thread staged its batch: the thread finds the rest only through the answer, so
+    the take reads it first, and the backend never runs on a message in part."""
+    server, client = pair()
+    with client:
+        send(client, server, REST)
+        _, later, buffer = _deferred(server)
+
+        class _Conn:
+            pass
+
+        conn = _Conn()
+        conn.later = later  # type: ignore[attr-defined]
+        conn.stolen = None  # type: ignore[attr-defined]
+        conn.answer = None  # type: ignore[attr-defined]
+        answer = object.__new__(grpc_answer.CallAnswer)
+        answer._conn = conn  # type: ignore[assignment]
+        answer.state = grpc_answer.DISARMED
+        assert answer.later is later and later.pending
+        assert answer.take() == grpc_answer.DISARMED
+        assert bytes(buffer) == REST and not later.pending and later.view is None
+        assert later.take()  # (the thread, staging after: nothing left to read)

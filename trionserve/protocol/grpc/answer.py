@@ -194,9 +194,15 @@ class CallAnswer:
         """Disarm the answer (waiting for a write in progress) and, the first
         time, move the call's state (and the connection's output) as the
         thread's write moved the wire: WRITTEN, PARTIAL or DISARMED. A write in
-        progress is WRITTEN without waiting for it (see the module docstring)."""
+        progress is WRITTEN without waiting for it (see the module docstring).
+        A message rest deferred to the thread (this call's: its answer is the
+        one armed) is read first: the thread finds it through this answer only
+        (``later``), which it no longer sees once taken."""
         state = self.state
         conn = self._conn
+        later = conn.later
+        if later is not None and later.pending:
+            later.settle()
         stolen = conn.stolen
         if stolen is not None and stolen is not self:  # (the last call's: ended since)
             resolve(conn)
