@@ -392,3 +392,55 @@ async def test_a_ping_alone_in_a_whole_wait_is_answered_at_the_look_and_ends_no_
     # whole; the PING; read as any with no call in flight; waited for whole)
     assert waited == [False, False, False, True, False, True]
     assert (conn._streak, conn._needed) == (3, 1)
+
+
+async def test_a_ping_in_front_of_a_call_keeps_the_prediction_for_the_next(monkeypatch):
+    """A PING that came in front of a call waited for whole (grpc-core's
+    bandwidth probe and its next call in one read) shifts the call's bytes:
+    that call goes through the frame loop, and the prediction stays, so that
+    the next call is read as predicted and taken whole, not taught again."""
+    monkeypatch.setattr(inflow.MessageReads, "_needed", 1)
+    watch = sockets._Watch()
+    monkeypatch.setattr(sockets._Watch, "current", classmethod(lambda cls: watch))
+    digests = _digests(monkeypatch)
+    opened: list[bool] = []
+    open_whole = h2frames.open_whole
+
+    def counted(*args):
+        headers = open_whole(*args)
+        opened.append(headers is not None)
+        return headers
+
+    monkeypatch.setattr(h2frames, "open_whole", counted)
+    body = bytes(range(256)) * 400
+    sends = [body] * 6
+    infer = Infer()
+    seen = []
+    async with _tcp_serving(infer) as (conn, client):
+        await client.until(lambda: client.h2.remote_settings.max_frame_size == 1024 * 1024)
+        outcome = response()
+        for index, sent in enumerate(sends):
+            opened.clear()
+            infer.armed = trio.Event()
+            if index == 4:  # a PING, then the call, in one write
+                client.h2.ping(b"probe-02")
+            stream_id, data = _send(client, infer, sent, 70_000)
+            cut = len(data) - (9 + len(sent) + 5 - 70_000) if index != 1 else 10_000
+            await trio.testing.wait_all_tasks_blocked()
+            waited = bool(watch.waiting)
+            await client.sock.send_all(data[:cut])
+            await trio.testing.wait_all_tasks_blocked()
+            await client.sock.send_all(data[cut:])
+            await infer.armed.wait()
+            _, request, answer = infer.calls[-1]
+            seen.append((waited, opened[:], conn._call is not None))
+            assert await thread_write(request, answer, outcome)
+            await client.until(lambda s=stream_id: client.ended(s))
+            deferred_jobs().append(Report(request, outcome))  # swept by the next read
+        assert any(isinstance(e, h2.events.PingAckReceived) for e in client.events)
+    assert digests == [hashlib.sha256(sent).digest() for sent in sends]
+    # (opens, teaches, taken whole, waited for whole and taken whole; the PING
+    # in front: the frame loop, the prediction kept; the next taken whole)
+    assert seen[3] == (True, [True], True)
+    assert seen[4] == (True, [], True)
+    assert seen[5] == (True, [True], True)

@@ -33,7 +33,9 @@ checked frame by frame (a new stream's HEADERS, that stream's DATA header for
 a frame of the predicted size, the prefix of a message of the predicted
 size) before the frame loop takes it; the message's bytes are then taken in
 place (``MessageReader.offered``), else every byte read goes to the frame loop,
-copied out, and the prediction is dropped until a call teaches it again. A
+copied out, and the prediction is dropped until a call teaches it again (kept
+when the bytes began with a PING: grpc-core's bandwidth probe, sent after an
+answer's data, lands in front of the next call's head now and then). A
 read that holds the head but not the whole call is followed by one more
 before anything is taken (the rest of the first DATA frame and a frame header
 waited for, all of it once the frames between are in as predicted, else any
@@ -120,6 +122,7 @@ CALL_LIMIT = 16 * 1024 * 1024
 WHOLE_STREAK = 16
 WHOLE_STREAK_MAX = 1 << 16
 _FRAME_HEADER = struct.Struct(">HBBBL")
+_PING = b"\x00\x00\x08\x06"  # (a PING frame's length and type)
 _DATA_FRAME, _PADDED = 0x0, 0x8
 
 
@@ -333,7 +336,8 @@ class MessageReads(LaterReads):
             stream_id = callhead.call_head(data, length, first + 5)
             if not stream_id:  # not as predicted: every byte through the frame loop
                 self._read_later()
-                self._call = None
+                if data[:4] != _PING:  # (a PING in front, the next may come as predicted)
+                    self._call = None
                 self._missed(short)
                 return _joined(views, received)
         # (its head as predicted, its message the last one's length: a wait for
@@ -620,7 +624,7 @@ def _no_call(data: memoryview) -> bool:
         kind = data[at : at + 4]
         if kind == b"\x00\x00\x04\x08":  # (a WINDOW_UPDATE's length and type)
             at += 13
-        elif kind == b"\x00\x00\x08\x06":  # (a PING's)
+        elif kind == _PING:
             at += 17
         else:
             return False
