@@ -130,6 +130,21 @@ class InferencePath:
         self, model: ModelVersion, request: InferenceRequest, queued: trio.Event | None
     ) -> Lifecycle:
         """:meth:`_lifecycle` up to the request queued at its model."""
+        run = self._began(model, request, queued)
+        try:
+            await model.infer(request)
+        except BaseException as exc:
+            self._failed(run, exc)
+            self._end(run, queued=False)
+            raise
+        if queued is not None:
+            queued.set()
+        return run
+
+    def _began(
+        self, model: ModelVersion, request: InferenceRequest, queued: trio.Event | None
+    ) -> Lifecycle:
+        """:meth:`_begin` up to the request given to its model: traced, counted."""
         run = Lifecycle(model, request, self._first_response, self._classify)
         context = request.trace_context
         trace: Trace | None = None
@@ -143,14 +158,6 @@ class InferencePath:
         run.trace = request.trace = trace
         self.drain.request_began(model, request)
         request.queued = queued
-        try:
-            await model.infer(request)
-        except BaseException as exc:
-            self._failed(run, exc)
-            self._end(run, queued=False)
-            raise
-        if queued is not None:
-            queued.set()
         return run
 
     def _failed(self, run: Lifecycle, exc: BaseException) -> None:
@@ -223,6 +230,37 @@ class InferencePath:
             request.answer = None  # stored before it is answered (Triton's DelegateResponse)
             return await self._infer_cached(cache, model, request, queued)
         return await self._begin(model, request, queued)
+
+    def begin_now(
+        self, request: InferenceRequest, endpoint: str
+    ) -> Lifecycle | Awaitable[Lifecycle | InferenceResponse]:
+        """:meth:`begin` (a frontend's request, no ``queued``) as plain calls where
+        nothing waits: its :class:`Lifecycle`, or else the awaitable that takes the
+        rest of the way (:meth:`begin`, not begun yet; or, once admitted, its queueing
+        at a model whose scheduler would wait or only queues by awaiting). The
+        caller awaits it at once. Raises as :meth:`begin` does."""
+        if (
+            self.registry.residency is not None  # (its wait_routable)
+            or self.response_cache is not None
+            or self.tracing.active
+            or request.trace_context is not None
+        ):
+            return self.begin(request, endpoint=endpoint)
+        model = self._admit(request, False, endpoint)
+        if model.submit_now is None:
+            return self._begin(model, request, None)
+        run = self._began(model, request, None)
+        try:
+            if model.infer_now(request):
+                return run
+        except BaseException as exc:
+            self._failed(run, exc)
+            self._end(run, queued=False)
+            raise
+        # It would wait: counted again by _begin, which queues it as begin does
+        # (untraced: an uncounted moment inside one step of the loop, unseen).
+        self.drain.request_ended(model)
+        return self._begin(model, request, None)
 
     async def finish(self, run: Lifecycle) -> InferenceResponse:
         """Await a begun request's one outcome: its response (made deliverable), or

@@ -152,16 +152,17 @@ async def data_plane_infer(self, *args, **kwargs):
     finally:
         current["s_inferred"] = now()
 dataplane.DataPlane.infer = data_plane_infer
-# A repeated request the instance's thread answers is begun (DataPlane.begin) and
-# its outcome taken without a wait (end): decoded as it is begun.
-begin = dataplane.DataPlane.begin
-async def data_plane_begin(self, *args, **kwargs):
+# A repeated request the instance's thread answers is begun (DataPlane.begin_now, as
+# plain calls, or the rest of begin) and its outcome taken without a wait (end):
+# decoded as it is begun.
+begin_now = dataplane.DataPlane.begin_now
+def data_plane_begin_now(self, *args, **kwargs):
     if not instrumented:
         trio.lowlevel.add_instrument(Steps())
         instrumented.append(True)
     current["s_decoded"] = now()
-    return await begin(self, *args, **kwargs)
-dataplane.DataPlane.begin = data_plane_begin
+    return begin_now(self, *args, **kwargs)
+dataplane.DataPlane.begin_now = data_plane_begin_now
 
 def write():
     with open(os.environ["TIMELINE_OUT"], "w") as f:

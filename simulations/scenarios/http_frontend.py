@@ -56,12 +56,13 @@ def frontend_setup(world) -> Setup:
 
 def track_frontend_requests(world) -> None:
     """Make the requests the frontend decodes tracked requests with their client's
-    record (found by the request id the client sent): at ``begin``, and its outcome
-    at the one of ``finish``, ``end`` or ``drop`` that ends the begun request.
+    record (found by the request id the client sent): at ``begin`` (or ``begin_now``),
+    and its outcome at the one of ``finish``, ``end`` or ``drop`` that ends the begun request.
     ``infer`` is ``self.begin`` then ``self.finish``: these, set on the DataPlane,
     track it too (a request no wrapper saw fails the run's checks as unanswered)."""
     dataplane = world.dataplane
     begin, finish, end, drop = dataplane.begin, dataplane.finish, dataplane.end, dataplane.drop
+    begin_now = dataplane.begin_now
 
     def tracked(request: InferenceRequest) -> InferenceRequest:
         number = request.id[1:]
@@ -102,6 +103,26 @@ def track_frontend_requests(world) -> None:
             answered(request, run)
         return run
 
+    def tracked_begin_now(request: InferenceRequest, endpoint: str):
+        # (the frontends' way in: begun as plain calls, or the rest of begin to await)
+        request = tracked(request)
+        try:
+            begun = begin_now(request, endpoint)
+        except TritonError as exc:
+            failed(request, exc)
+            raise
+        return begun if isinstance(begun, Lifecycle) else rest_of_begin(request, begun)
+
+    async def rest_of_begin(request: InferenceRequest, rest):
+        try:
+            run = await rest
+        except (TritonError, trio.Cancelled) as exc:
+            failed(request, exc)
+            raise
+        if not isinstance(run, Lifecycle):  # (the response cache's answer)
+            answered(request, run)
+        return run
+
     async def tracked_finish(run: Lifecycle):
         try:
             response = await finish(run)
@@ -127,6 +148,7 @@ def track_frontend_requests(world) -> None:
         drop(run)
 
     dataplane.begin, dataplane.finish = tracked_begin, tracked_finish
+    dataplane.begin_now = tracked_begin_now
     dataplane.end, dataplane.drop = tracked_end, tracked_drop
 
 

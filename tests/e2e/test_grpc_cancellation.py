@@ -34,6 +34,14 @@ class Probe:
         self._changed = trio.Event()
         for name in ("infer", "infer_stream", "begin", "finish"):
             setattr(dataplane, name, self._wrap(getattr(dataplane, name)))
+        begin_now = dataplane.begin_now
+
+        def arrive_now(request, *args):  # (ModelInfer's way in: plain calls)
+            self.requests[request.id] = request
+            self._notify()
+            return begin_now(request, *args)
+
+        dataplane.begin_now = arrive_now
 
     def _wrap(self, inner):
         async def call(request, *args, **kwargs):

@@ -151,13 +151,13 @@ async def test_a_client_gone_while_its_begun_request_runs_cancels_it(
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)
         begun: list = []
-        real_begin = server.dataplane.begin
+        real_begin_now = server.dataplane.begin_now
 
-        async def begin(request, **options):
+        def begin_now(request, endpoint):  # (the infer handler's way in)
             begun.append(request)
-            return await real_begin(request, **options)
+            return real_begin_now(request, endpoint)
 
-        server.dataplane.begin = begin
+        server.dataplane.begin_now = begin_now
         sock = await in_thread(socket.create_connection, ("127.0.0.1", server.options.http_port))
         await in_thread(sock.sendall, binary_bytes(1.0))
         await in_thread(read_answer, sock, bytearray())

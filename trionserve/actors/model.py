@@ -7,7 +7,7 @@ version's configuration, scheduler, instances and statistics.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -163,6 +163,8 @@ class ModelVersion:
         if summary_quantiles is not None:  # --metrics-config summary_latencies=true
             self.statistics.enable_summaries(summary_quantiles, config.response_cache.enable)
         self._scheduler: Scheduler | None = None
+        # Its scheduler's submit as a plain call (infer_now), if it has one.
+        self.submit_now: Callable[[InferenceRequest], bool] | None = None
         self._sequence_states: list = []  # implicit states, read at load
         self._warmup: list[WarmupSample] = []  # model_warmup samples, read at load
         self._executors: list[InstanceExecutor] = []
@@ -216,6 +218,7 @@ class ModelVersion:
                 states=self._sequence_states,
             )
             self._scheduler = scheduler
+            self.submit_now = getattr(scheduler, "submit_now", None)  # (the dynamic batcher's)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(scheduler.run)
@@ -458,15 +461,29 @@ class ModelVersion:
     async def infer(self, request: InferenceRequest) -> None:
         """Queue a validated request; its outcome arrives on the request itself."""
         if self.state is not ModelState.READY or self._scheduler is None:
-            reason = f": {self.reason}" if self.reason else ""
-            raise Unavailable(
-                f"model '{self.name}' version {self.version} is not ready "
-                f"({self.state.value}{reason})"
-            )
+            raise self._not_ready()
         try:
             await self._scheduler.submit(request)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise Unavailable(f"model '{self.name}' version {self.version} is unloading") from None
+
+    def infer_now(self, request: InferenceRequest) -> bool:
+        """:meth:`infer` as a plain call, for a scheduler with ``submit_now``: False,
+        the request not queued, where it would wait (its queue full)."""
+        submit_now = self.submit_now
+        if self.state is not ModelState.READY or self._scheduler is None:
+            raise self._not_ready()
+        assert submit_now is not None
+        try:
+            return submit_now(request)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise Unavailable(f"model '{self.name}' version {self.version} is unloading") from None
+
+    def _not_ready(self) -> Unavailable:
+        reason = f": {self.reason}" if self.reason else ""
+        return Unavailable(
+            f"model '{self.name}' version {self.version} is not ready ({self.state.value}{reason})"
+        )
 
     @property
     def idle(self) -> trio.Event:

@@ -241,56 +241,62 @@ class DynamicBatchScheduler:
     # -- admission -------------------------------------------------------------------
 
     async def submit(self, request: InferenceRequest) -> None:
+        arrived = None
+        while not self.submit_now(request, arrived):  # the queue is full: wait for space
+            arrived = request.arrival_time
+            await self._space.wait()
+
+    def submit_now(self, request: InferenceRequest, arrived: float | None = None) -> bool:
+        """:meth:`submit` as a plain call: False, the request not queued, where it
+        would wait for the queue's space; ``arrived``: it waited, try again."""
         if self._closed:
             raise trio.ClosedResourceError
-        offset = self._offset
-        if offset is not None:
-            now = perf_counter() + offset
+        if arrived is not None:  # (no straight hand-over, no max_queue_size check again)
+            now = trio.current_time()
+            level = self._level_for(request.priority)
         else:
-            clock = self._clock
-            now = clock.current_time() if clock is not None else trio.current_time()
-        request.arrival_time = now
-        ready = self._ready
-        if ready and not self._queued and self._open is None and not self._hold:
-            # Straight: nothing queued, an executor ready: the batch _form would
-            # make of ``request`` alone, given to the first ready executor that
-            # takes hand-overs without the queues (at c=1 half the calls of the
-            # way through them; benchmarks/README.md, issue 39's tenth round):
-            # now, or held by its thread for the delay. Else queued as usual.
-            outlet = ready[0]
-            if outlet._handover is not None:
-                size = request.batch_size or 1
-                delay = self._delay
-                if delay and size < self._max_preferred and size not in self._preferred:
-                    if self._hold_with(outlet, [request], size, now + delay):
-                        ready.popleft()
-                        return
-                elif not delay or self._timed():  # (else the batcher's task sends it)
-                    self._send(ready.popleft(), [request])
-                    return
-        level = self._level_for(request.priority)
-        if level.max_queue_size and level.count >= level.max_queue_size:
-            self._purge_cancelled(level)
-            if level.count >= level.max_queue_size:
-                self._record_failure(request, now, FailureReason.REJECTED)
-                prefix = f"[request id: {request.id}] " if request.id else ""
-                raise Unavailable(
-                    f"{prefix}Exceeds maximum queue size: model '{self.model_name}' "
-                    f"already queues {level.count} requests"
-                    + (f" at priority level {level.number}" if level.number else "")
-                    + f" (max_queue_size {level.max_queue_size})"
-                )
-        while self._queued >= self._capacity:
+            offset = self._offset
+            if offset is not None:
+                now = perf_counter() + offset
+            else:
+                clock = self._clock
+                now = clock.current_time() if clock is not None else trio.current_time()
+            request.arrival_time = now
+            ready = self._ready
+            if ready and not self._queued and self._open is None and not self._hold:
+                # Straight: nothing queued, an executor ready: the batch _form would make
+                # of ``request`` alone, to the first ready executor that takes hand-overs
+                # (issue 39's tenth round): now, or held by its thread for the delay.
+                outlet = ready[0]
+                if outlet._handover is not None:
+                    size = request.batch_size or 1
+                    delay = self._delay
+                    if delay and size < self._max_preferred and size not in self._preferred:
+                        if self._hold_with(outlet, [request], size, now + delay):
+                            ready.popleft()
+                            return True
+                    elif not delay or self._timed():  # (else the batcher's task sends it)
+                        self._send(ready.popleft(), [request])
+                        return True
+            level = self._level_for(request.priority)
+            if level.max_queue_size and level.count >= level.max_queue_size:
+                self._purge_cancelled(level)
+                if level.count >= level.max_queue_size:
+                    self._record_failure(request, now, FailureReason.REJECTED)
+                    prefix = f"[request id: {request.id}] " if request.id else ""
+                    raise Unavailable(
+                        f"{prefix}Exceeds maximum queue size: model '{self.model_name}' "
+                        f"already queues {level.count} requests"
+                        + (f" at priority level {level.number}" if level.number else "")
+                        + f" (max_queue_size {level.max_queue_size})"
+                    )
+        if self._queued >= self._capacity:
             for other in self._levels.values():
                 self._purge_cancelled(other)
-            if self._queued < self._capacity:
-                break
-            await self._space.wait()
-            if self._closed:
-                raise trio.ClosedResourceError
-            now = trio.current_time()
+            if self._queued >= self._capacity:
+                return False
         if self._open is not None and self._join(request):
-            return
+            return True
         entry = Entry(request, level.number, request.batch_size or 1)
         level.queue.append(entry)
         level.count += 1
@@ -305,25 +311,22 @@ class DynamicBatchScheduler:
             deadline = now + timeout_us / 1e6
             heapq.heappush(self._deadlines, (deadline, next(self._sequence), entry))
         elif not self._ready:
-            # Every executor is busy: nothing can go before one asks (it forms
-            # its batch then, and wakes this actor for the delay), so this
-            # actor is not woken for it, as Triton's Enqueue wakes its batcher
-            # thread only with a payload slot free (core
-            # src/dynamic_batch_scheduler.cc, PayloadSlotAvailable).
-            return
+            # Every executor is busy: nothing goes before one asks (it forms its batch then),
+            # so this actor is not woken, as Triton's Enqueue wakes its batcher thread only
+            # with a payload slot free (core src/dynamic_batch_scheduler.cc).
+            return True
         elif self._ready[0]._handover is not None and (not self._delay or self._timed()):
-            # An idle instance that takes batches straight: without a delay the
-            # batch goes now, from this task, with no pass of the run loop on
-            # the way (what arrives while it runs gathers for the next batch);
-            # with one, on the real clock, the timer is armed from here for the
-            # delay's end, when the timer's task hands the batch over.
+            # An idle instance that takes batches straight: without a delay the batch goes
+            # now, from this task (what arrives while it runs gathers for the next batch);
+            # with one, on the real clock, the timer is armed for the delay's end.
             wake_at = self._dispatch_ready(now)
             if not self._queued:
-                return
+                return True
             if self._timed():
                 self._look_again(wake_at)
-                return
+                return True
         self._wakeup.set()
+        return True
 
     def _level_for(self, priority: int) -> Level:
         """Triton's rule: priority 0 or beyond the levels means the default level."""

@@ -25,6 +25,7 @@ from trionserve.core.parameters import check_forwarded_header
 from trionserve.core.shared_memory import RequestRegions
 from trionserve.core.validation import parse_model_version
 from trionserve.dataplane import DataPlane
+from trionserve.lifecycle import Lifecycle
 from trionserve.observability.logging import SETTINGS as LOG_SETTINGS
 from trionserve.observability.logging import log_infer_failed
 from trionserve.observability.logging import update_settings as update_log_settings
@@ -363,7 +364,8 @@ class GrpcService:
             else:
                 parked = False
                 try:
-                    run = await self.dataplane.begin(request, endpoint="ModelInfer RPC")
+                    begun = self.dataplane.begin_now(request, "ModelInfer RPC")
+                    run = begun if isinstance(begun, Lifecycle) else await begun
                     if isinstance(run, InferenceResponse):  # (the response cache's)
                         response = run
                     else:

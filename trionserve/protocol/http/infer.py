@@ -305,7 +305,8 @@ class InferHandler:
                     answer = None
                 elif answer is not None and again.answerable:
                     answer.arm(infer_request, self._encode, binary_output)
-                    run = await self.dataplane.begin(infer_request, endpoint="HTTP end point")
+                    begun = self.dataplane.begin_now(infer_request, "HTTP end point")
+                    run = begun if isinstance(begun, Lifecycle) else await begun
                     if type(run) is Lifecycle:  # waited for by the connection's task (Carrier)
                         answer.carrier, answer.run = self, run
                         answer.run_binary_output = binary_output
