@@ -515,4 +515,4 @@ def test_a_forked_child_starts_its_own_watch(monkeypatch):
     assert sockets._Watch._current is None and sockets._Watch._starting is not lock
     for release, newer in (("4.17.3", False), ("4.18.0-1", True), ("6.1.0", True), ("x", False)):
         monkeypatch.setattr(os, "uname", lambda r=release: os.uname_result(("", "", r, "", "")))
-        assert sockets._kernel_at_least(4, 18) is newer
+        assert sockets.kernel_at_least(4, 18) is newer

@@ -45,6 +45,7 @@ import trio
 
 from trionserve.backends.base import AsyncBackendInstance
 from trionserve.core.errors import InvalidArgument, TritonError
+from trionserve.protocol.sockets import kernel_at_least, past
 
 if TYPE_CHECKING:
     from trionserve.actors.model import ModelVersion
@@ -59,17 +60,9 @@ _FIONREAD, _INQ = termios.FIONREAD, bytes(4)
 _RDHUP = getattr(select, "POLLRDHUP", 0x2000)
 
 
-def _kernel_at_least(major: int, minor: int) -> bool:
-    try:
-        release = [int(part) for part in os.uname().release.split(".")[:2]]
-    except (AttributeError, ValueError):
-        return False
-    return release >= [major, minor]
-
-
 # SO_PEEK_OFF (Linux's value; Python has no name for it): MSG_PEEK at an offset, TCP's since
 # Linux 6.10. Elsewhere nothing is peeked (gRPC's message is read whole on the loop).
-PEEK_OFF = 42 if sys.platform.startswith("linux") and _kernel_at_least(6, 10) else None
+PEEK_OFF = 42 if sys.platform.startswith("linux") and kernel_at_least(6, 10) else None
 
 
 def queued(socket: trio.socket.SocketType) -> int:
@@ -282,16 +275,7 @@ class LaterBody:
                 received = os.readv(fd, views)
                 if not received:
                     raise ConnectionError("the client ended its side")
-                views = _past(views, received)
+                views = past(views, received)
         except OSError as exc:  # (BlockingIOError: less was there than its FIONREAD said)
             self.broken = f"the request's binary data could not be read from its connection: {exc}"
         self.view, self.more = None, ()
-
-
-def _past(views: tuple[memoryview, ...], size: int) -> tuple[memoryview, ...]:
-    """``views`` in turn past their first ``size`` bytes."""
-    for index, view in enumerate(views):
-        if size < len(view):
-            return (view[size:], *views[index + 1 :])
-        size -= len(view)
-    return ()

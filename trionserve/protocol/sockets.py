@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 __all__ = [
     "EagerReceiver",
     "HeldWrite",
+    "kernel_at_least",
+    "past",
     "peer_name",
     "receive_after_wait",
     "receive_into",
@@ -65,7 +67,8 @@ _LOWAT = getattr(_socket, "SO_RCVLOWAT", None)
 _IOV_MAX = 1024
 
 
-def _kernel_at_least(major: int, minor: int) -> bool:
+def kernel_at_least(major: int, minor: int) -> bool:
+    """Whether this runs on a Linux kernel of release ``major.minor`` or later."""
     try:
         release = [int(part) for part in os.uname().release.split(".")[:2]]
     except (AttributeError, ValueError):
@@ -73,10 +76,20 @@ def _kernel_at_least(major: int, minor: int) -> bool:
     return release >= [major, minor]
 
 
+def past(views: tuple[memoryview, ...], size: int) -> tuple[memoryview, ...]:
+    """``views`` in turn past their first ``size`` bytes (what a ``readv`` that read ``size``
+    of them left to fill)."""
+    for index, view in enumerate(views):
+        if size < len(view):
+            return (view[size:], *views[index + 1 :])
+        size -= len(view)
+    return ()
+
+
 # A wait for a whole message (EagerReceiver.receive_whole) where lowering
 # SO_RCVLOWAT signals the bytes the socket holds at once (Linux since 4.18:
 # tcp_set_rcvlowat); elsewhere such a wait is a wait for any byte.
-_WHOLE = _LOWAT is not None and sys.platform.startswith("linux") and _kernel_at_least(4, 18)
+_WHOLE = _LOWAT is not None and sys.platform.startswith("linux") and kernel_at_least(4, 18)
 # How often the watch looks at the sockets waiting for a whole message, and
 # after how many looks one that held nothing is woken for any byte.
 WATCH_SECS = 0.02

@@ -89,6 +89,7 @@ from h2.errors import ErrorCodes
 from trionserve.protocol.grpc import callhead, h2frames, upstream
 from trionserve.protocol.grpc.laterread import LaterReads
 from trionserve.protocol.grpc.writing import CLOSED
+from trionserve.protocol.sockets import past
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -360,7 +361,7 @@ class MessageReads(LaterReads):
             else:
                 least = 1 if got < length + 9 else 0
             if least:
-                received += await receiver.receive_into(_past(views[1:], got), least, True)
+                received += await receiver.receive_into(past(views[1:], got), least, True)
         self._arrived = (stream_id, message, views[1:], received - size)
         if received == total:
             self._whole = self._whole_as(data, slot, template)
@@ -640,15 +641,6 @@ def _joined(views: tuple[memoryview, ...], size: int) -> bytearray:
         if left <= 0:
             break
     return data
-
-
-def _past(views: tuple[memoryview, ...], size: int) -> tuple[memoryview, ...]:
-    """``views`` in turn past their first ``size`` bytes."""
-    for index, view in enumerate(views):
-        if size < len(view):
-            return (view[size:], *views[index + 1 :])
-        size -= len(view)
-    return ()
 
 
 def _frame_size(data: bytes | memoryview, at: int = 0) -> int:
