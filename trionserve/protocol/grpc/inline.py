@@ -67,7 +67,7 @@ class Resume:
         self._coroutine = coroutine
         self._message = message
 
-    def __await__(self) -> Generator[Any, Any, None]:
+    def __await__(self) -> Generator[Any, Any, object]:
         coroutine, message = self._coroutine, self._message
         try:
             while True:
@@ -78,13 +78,13 @@ class Resume:
                 except BaseException as exc:  # thrown in (Trio sends, but to be whole)
                     try:
                         message = coroutine.throw(exc)
-                    except StopIteration:
-                        return
+                    except StopIteration as stop:
+                        return stop.value
                     continue
                 try:
                     message = coroutine.send(sent)
-                except StopIteration:
-                    return
+                except StopIteration as stop:  # (what it returned: a handler's PARKED)
+                    return stop.value
         finally:
             coroutine.close()  # a no-op once it returned
 

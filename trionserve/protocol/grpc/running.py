@@ -131,10 +131,12 @@ class CallRunner:
                 # it (OK: its trailers, then _ended); any other goes on through
                 # _run_call from where the handler stands, as if _run_call had
                 # taken the step.
-                coroutine: Any = handler(call)  # (a handler is a coroutine function)
+                # (ModelInfer's handler steps its handle itself: unary._direct)
+                direct = getattr(handler, "direct", None)
                 first: Awaitable[object] | None = None
                 try:
-                    message = coroutine.send(None)
+                    coroutine: Any = handler(call) if direct is None else direct(call)
+                    message = None if coroutine is PARKED else coroutine.send(None)
                 except StopIteration as stop:
                     if stop.value is not PARKED:
                         try:
@@ -145,7 +147,8 @@ class CallRunner:
                 except BaseException as exc:
                     first = inline.Failed(exc)
                 else:
-                    first = inline.Resume(coroutine, message)
+                    if coroutine is not PARKED:  # (else parked by _direct's step)
+                        first = inline.Resume(coroutine, message)
                 resume = None
                 if first is not None:
                     resume = inline.step(self._run_call(call, handler, kept, first))

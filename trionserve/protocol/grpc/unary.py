@@ -18,6 +18,7 @@ from trionserve.core.errors import Cancelled, TritonError, as_triton_error
 from trionserve.observability.logging import verbose
 from trionserve.observability.trace.frontend import FrontendStamps
 from trionserve.protocol.grpc import codec as grpc_codec
+from trionserve.protocol.grpc import inline
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.parking import PARKED
 from trionserve.protocol.grpc.status import GRPCError, Status
@@ -200,4 +201,59 @@ def unary_method(
             if stamps is not None:
                 stamps.release()
 
+    if traced is not None and request_type is None:
+        handler.direct = partial(_direct, handler, handle, traced, delays)  # type: ignore[attr-defined]
     return Method(handler)
+
+
+def _direct(
+    handler: Callable[[GrpcCall], Awaitable[object]],
+    handle: Callable[..., Awaitable[Any]],
+    traced: DataPlane,
+    delays: DebugDelays,
+    call: GrpcCall,
+) -> object:
+    """ModelInfer's handler's first step with ``handle`` stepped here, not under the
+    handler's coroutine (a level fewer, run to its return on the loop's cold caches):
+    PARKED, or the coroutine to step for the rest. An untraced call taken whole with no
+    debug delay before it; any other is the handler's (``handler(call)``)."""
+    if traced.tracing.active or delays.before_infer:
+        return handler(call)
+    data = call.take_whole()
+    if data is None:
+        return handler(call)
+    coroutine: Any = handle(data, call)
+    try:
+        message = coroutine.send(None)
+    except StopIteration as stop:
+        if stop.value is PARKED:
+            return PARKED
+        return _answer(call, None, stop.value, delays)
+    except BaseException as exc:
+        return _answer(call, inline.Failed(exc), None, delays)
+    return _answer(call, inline.Resume(coroutine, message), None, delays)
+
+
+async def _answer(
+    call: GrpcCall, rest: Awaitable[object] | None, response: Any, delays: DebugDelays
+) -> object:
+    """The handler's rest after ``_direct``'s step (``rest`` to await, or the
+    ``response`` it returned): its errors as statuses, its answer sent."""
+    try:
+        if rest is not None:
+            response = await rest
+            if response is PARKED:
+                return PARKED
+        if delays.before_answer or delays.common_answer:
+            await delays.before_write()
+    except TritonError as error:
+        raise grpc_error(error) from None
+    except GRPCError:
+        raise
+    except Exception as exc:
+        log.exception("grpc method failed", method=call.method)
+        raise grpc_error(as_triton_error(exc, "internal error")) from None
+    if type(response) is not list and isinstance(response, Message):
+        response = response.SerializeToString()
+    await call.send(response)
+    return None
