@@ -94,14 +94,7 @@ def track_frontend_requests(world) -> None:
 
     async def tracked_begin(request: InferenceRequest, **options):
         request = tracked(request)
-        try:
-            run = await begin(request, **options)
-        except (TritonError, trio.Cancelled) as exc:
-            failed(request, exc)
-            raise
-        if not isinstance(run, Lifecycle):  # (the response cache's answer)
-            answered(request, run)
-        return run
+        return await rest_of_begin(request, begin(request, **options))
 
     def tracked_begin_now(request: InferenceRequest, endpoint: str):
         # (the frontends' way in: begun as plain calls, or the rest of begin to await)
