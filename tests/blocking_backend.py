@@ -21,6 +21,7 @@ from tests.repository import echo_model
 from trionserve.backends.base import ModelContext
 
 if TYPE_CHECKING:
+    from trionserve.core.inference import InferenceRequest
     from trionserve.server import Server
 
 BACKEND = "test_blocking"
@@ -127,3 +128,38 @@ def http_server(repository: Path, backends=BACKENDS, **options) -> Server:
         ),
         backends=backends,
     )
+
+
+def request(value: float, model: str = "blocking") -> InferenceRequest:
+    """An FP32 ``[1, 4]`` request of ``model`` filled with ``value``."""
+    import numpy as np
+
+    from trionserve.core.inference import InferenceRequest, Tensor
+
+    data = np.full((1, 4), value, dtype=np.float32)
+    return InferenceRequest(model, inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
+
+
+async def served(repository: Path, body) -> None:
+    """Runs ``body(server)`` against an in-process server of ``repository`` with no
+    listeners, the gate released and the server shut down after it."""
+    import trio
+
+    from trionserve.server import Server, ServerOptions
+
+    options = ServerOptions(
+        model_repositories=[repository], allow_http=False, allow_grpc=False, allow_metrics=False
+    )
+    server = Server(options, backends=BACKENDS)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        try:
+            await body(server)
+        finally:
+            GATE.release.set()
+            server.shutdown()
+
+
+def counted(server: Server) -> int:
+    """Requests of the model "blocking" counted in flight."""
+    return server.registry.route("blocking", None).inflight

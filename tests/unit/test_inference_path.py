@@ -8,37 +8,19 @@ import numpy as np
 import pytest
 import trio
 
-from tests.blocking_backend import BACKENDS, GATE, repository_fixture, wait_entered
+from tests.blocking_backend import (
+    GATE,
+    counted,
+    repository_fixture,
+    request,
+    served,
+    wait_entered,
+)
 from trionserve.core.errors import NotFound, TritonError
-from trionserve.core.inference import InferenceRequest, Tensor
 from trionserve.lifecycle import Lifecycle
-from trionserve.server import Server, ServerOptions
+from trionserve.server import Server
 
 repository = repository_fixture()
-
-
-def request(value: float, model: str = "blocking") -> InferenceRequest:
-    data = np.full((1, 4), value, dtype=np.float32)
-    return InferenceRequest(model, inputs={"INPUT0": Tensor("INPUT0", "FP32", data)})
-
-
-async def served(repository, body) -> None:
-    options = ServerOptions(
-        model_repositories=[repository], allow_http=False, allow_grpc=False, allow_metrics=False
-    )
-    server = Server(options, backends=BACKENDS)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(server.serve)
-        try:
-            await body(server)
-        finally:
-            GATE.release.set()
-            server.shutdown()
-
-
-def counted(server: Server) -> int:
-    """Requests of the model counted in flight."""
-    return server.registry.route("blocking", None).inflight
 
 
 async def test_begin_then_end_on_the_outcome_callback(repository):
