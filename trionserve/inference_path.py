@@ -295,6 +295,17 @@ class InferencePath:
         self.drain.request_ended(run.model)
         return response
 
+    def answered(self, run: Lifecycle) -> None:
+        """:meth:`end` for a caller that does not take the outcome (its answer
+        is written already: a gRPC call the instance's thread answered), once
+        final, untraced and ``run.plain``: counted out. The outcome stays with
+        the request, which is let go with it; what it holds for responses not
+        taken (none for a request with one response: ``send``) is let go now."""
+        request = run.request
+        if request.held_bytes:
+            request.discard()
+        self.drain.request_ended(run.model)
+
     def drop(self, run: Lifecycle) -> None:
         """The caller gives up on a begun request (its client went away) instead of
         taking its outcome: flagged cancelled if it has none yet (its scheduler

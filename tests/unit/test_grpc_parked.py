@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import struct
 
+import h2.events
 import trio
 import trio.testing
 
@@ -26,6 +27,8 @@ from tests.unit.test_grpc_thread_answer_take import PausedWrite
 from trionserve.core.deferred import deferred_jobs
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.protocol.grpc.answer import DISARMED, WRITING, WRITTEN
+from trionserve.protocol.grpc.connection import Connection
+from trionserve.protocol.grpc.state import ConnEvent
 
 
 class Report:
@@ -96,7 +99,7 @@ async def test_a_parked_call_the_thread_answered_ends_in_the_reader_with_no_coro
         deferred_jobs().append(Report(request, outcome))
         second, request2, answer2 = await armed_call(infer, client)
         assert infer.ended == [(first, "thread")] and infer.awaited == []
-        assert first not in conn.calls and request.done and not request._responses
+        assert first not in conn.calls and request.done
         assert tasks.spawned == 0
         assert answer2 is not None and answer2.armed and list(conn._parked) == [infer.calls[-1][0]]
         # The first call's bytes were let go as it ended (Connection._ended,
@@ -114,6 +117,76 @@ async def test_a_parked_call_the_thread_answered_ends_in_the_reader_with_no_coro
         assert await thread_write(request2, answer, outcome)
         await client.until(lambda: client.ended(second))
         assert client.answer(second) == message(outcome)
+
+
+async def test_a_call_the_thread_answered_ends_in_its_report_after_h2_saw_the_read(monkeypatch):
+    # The report the next call's read delivers ends the first call right in
+    # the outcome's callback (ParkedInfer.__call__), during the reader's sweep
+    # and after h2 saw that read: the next call is in ``calls`` already, so
+    # the connection is never idle between the two, and no entry for the
+    # first goes through the read's new calls (_starting).
+    infer = Infer()
+    seen: list[tuple[int, bool, list[int], list, bool]] = []
+    ended = Connection._ended
+
+    def spy(self: Connection, call) -> None:
+        starting = [entry[0].stream_id for entry in self._starting]
+        ended(self, call)
+        seen.append(
+            (call.stream_id, self._sweeping, sorted(self.calls), starting, self in self._idle)
+        )
+
+    monkeypatch.setattr(Connection, "_ended", spy)
+    async with serving(infer) as (conn, client):
+        outcome = response()
+        first, request, answer = await armed_call(infer, client)
+        assert await thread_write(request, answer, outcome)
+        await client.until(lambda: client.ended(first))
+        deferred_jobs().append(Report(request, outcome))
+        second, request2, answer2 = await armed_call(infer, client)
+        assert seen == [(first, True, [second], [second], False)]
+        assert infer.ended == [(first, "thread")] and conn._parked == {conn.calls[second]: answer}
+        assert answer2 is answer and answer.armed
+
+
+async def test_a_call_its_report_cannot_end_goes_on_before_the_reads_new_call():
+    # The thread never wrote the answer (taken back by the reader: the loop's):
+    # the report the next call's read delivers carries the first call on after
+    # that read, ahead of the read's new call, as delivered before h2 saw it:
+    # the first answers and ends, then the second starts and is armed (no
+    # other call may answer by then).
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        outcome = response()
+        first, request, answer = await armed_call(infer, client)
+        deferred_jobs().append(Report(request, outcome))
+        second, request2, answer2 = await armed_call(infer, client)
+        await client.until(lambda: client.ended(first))
+        assert infer.ended == [(first, "loop")] and client.answer(first) == message(outcome)
+        assert answer2 is not None and answer2.armed and conn.answer is answer2
+        assert list(conn.calls) == [second]
+
+
+async def test_a_draining_connection_closes_as_its_last_parked_call_ends_in_its_report():
+    # The server drains (the last GOAWAY sent) while the thread's answer
+    # waits for its report: a read (the client's PING) delivers it, the call
+    # ends in the outcome's callback, and the connection, with no call left,
+    # closes (its final GOAWAY), as a drained connection's last call's end
+    # closes it anywhere.
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        outcome = response()
+        first, request, answer = await armed_call(infer, client)
+        assert await thread_write(request, answer, outcome)
+        await client.until(lambda: client.ended(first))
+        conn.state.event(ConnEvent.DRAIN)
+        assert conn.state.draining and not conn.state.closing
+        deferred_jobs().append(Report(request, outcome))
+        client.h2.ping(b"drained!")
+        await client.flush()
+        await client.until(lambda: client.of(h2.events.ConnectionTerminated))
+        assert infer.ended == [(first, "thread")] and conn.state.closing
+        assert conn.calls == {} and conn._parked == {} and conn._starting == []
 
 
 async def test_an_answer_whose_write_the_reader_took_in_progress_is_not_armed_again(monkeypatch):

@@ -62,7 +62,7 @@ class Run:
 class Infer:
     """ModelInfer's way with its answer (service.model_infer), on a request the
     test delivers: arm, park (parkedinfer.ParkedInfer) or wait for the outcome,
-    take, encode unless taken. It is its own data plane's ``end`` and
+    take, encode unless taken. It is its own data plane's ``answered`` and
     ``finish``, which record how each call ended."""
 
     def __init__(self, arming: bool = True) -> None:
@@ -91,9 +91,8 @@ class Infer:
             return PARKED
         return await answer.rest(call)
 
-    def end(self, run: Run) -> InferenceResponse:
+    def answered(self, run: Run) -> None:
         self.ended.append((run.stream_id, "thread"))
-        return run.request.result()
 
     async def finish(self, run: Run) -> InferenceResponse:
         self.awaited.append(run.stream_id)

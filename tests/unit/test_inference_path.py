@@ -59,6 +59,27 @@ async def test_end_raises_the_model_error_and_counts_out(repository):
     await served(repository, body)
 
 
+async def test_answered_counts_out_and_lets_go_what_the_request_holds(repository):
+    # A caller whose answer is written already (a gRPC call the instance's
+    # thread answered) does not take the outcome: the request is counted out,
+    # and anything it holds for responses not taken is let go.
+    async def body(server: Server) -> None:
+        req = request(4.0)
+        run = await server.dataplane.begin(req)
+        assert type(run) is Lifecycle
+        outcome = trio.Event()
+        req.on_final(outcome.set)
+        await wait_entered()
+        GATE.release.set()
+        await outcome.wait()
+        assert counted(server) == 1 and req.held_bytes == 0
+        req._undelivered = 16  # (as a response not taken would hold)
+        server.dataplane.answered(run)
+        assert counted(server) == 0 and req.held_bytes == 0 and not req._responses
+
+    await served(repository, body)
+
+
 async def test_drop_flags_cancelled_and_forgets_the_callback(repository):
     async def body(server: Server) -> None:
         req = request(2.0)

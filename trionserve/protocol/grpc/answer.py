@@ -124,7 +124,9 @@ def arm(call: GrpcCall, request: InferenceRequest, kind: type[A]) -> A | None:
         or state.response is not Response.IDLE
     ):
         return None
-    for other in conn.calls.values():
+    calls = conn.calls
+    for each in calls:  # (by key: no values() call per arm)
+        other = calls[each]
         if other is not call and other.state.answerable:
             return None
     answer: Any = conn.spare

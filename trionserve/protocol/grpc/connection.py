@@ -125,6 +125,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         self._awaiting: dict[int, tuple[GrpcCall, Handler]] = {}
         self._parked: dict[GrpcCall, Parked] = {}
         self._sweeping = False  # the reader sweeps the reports (take_answer)
+        self._swept = 0  # the parked calls it carried on so far (ParkedCalls._carry)
         # The run's deferred reports, which the reader sweeps (found by its first sweep).
         self._deferred: Deferred | None = None
         self._reader_scope: trio.CancelScope | None = None  # the reading task's (_read)
@@ -275,13 +276,28 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
                     self._last_read = len(data)
                     if self._kept:  # the start of a frame header, read before (inflow.py)
                         data = self.with_kept(data)
-                    if self.answer is not None or self._parked:  # before h2 sees what came
-                        self._sweep()
+                    # The armed answer is taken before h2 sees what came (take_answer);
+                    # the reports the threads left are delivered after (_sweep's
+                    # second half), so that a parked call its report ends finds the
+                    # read's next call in ``calls`` (parkedinfer.py).
+                    swept = self._parked or self.answer is not None
+                    if swept and (answer := self.answer) is not None:
+                        answer.take()
                     if self.state.closing:
                         self._arrived = self._whole = None
-                        continue
-                    over = self._take_read(data)
-                    if over is None:  # a protocol error: closing
+                        over = None
+                    else:
+                        over = self._take_read(data)
+                    if swept:
+                        deferred = self._deferred
+                        if deferred is None:
+                            deferred = self._deferred = deferred_jobs()
+                        self._sweeping, self._swept = True, 0
+                        try:
+                            deferred.sweep()
+                        finally:
+                            self._sweeping = False
+                    if over is None:  # a protocol error, or closing
                         continue
                     if over:
                         break
@@ -318,9 +334,11 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         return False
 
     def _sweep(self) -> None:
-        """take_answer, in the reader: the calls parked for the requests whose
-        outcomes the sweep delivers are carried on after the read (_start_calls)."""
-        self._sweeping = True
+        """take_answer, in the reader, before h2 sees a read: the calls parked
+        for the requests whose outcomes the sweep delivers end there
+        (parkedinfer.py) or are carried on after the read (_start_calls).
+        (_read does the same, the reports delivered after h2 saw the read.)"""
+        self._sweeping, self._swept = True, 0
         try:
             answer = self.answer
             if answer is not None:

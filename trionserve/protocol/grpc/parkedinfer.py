@@ -4,16 +4,18 @@ A ModelInfer call whose answer is armed for the instance's thread
 (:mod:`~trionserve.protocol.grpc.answer`) parks once its request is queued
 (``service.model_infer``: the data plane's ``begin``): its handler returns, and
 no coroutine waits for the outcome. At c=1 the client's next call brings the
-sweep that delivers the outcome; then :meth:`ParkedInfer.ended` ends the call
-in the reader with plain calls (``dataplane.end``, then the connection's
-``_ended``, which lets the request's bytes go), instead of resuming the six
-coroutine frames that awaited it. Any other outcome goes the awaited way,
+sweep that delivers the outcome (after h2 saw that read: ``Connection._read``),
+and the outcome's callback, :meth:`ParkedInfer.__call__`, ends a call the
+thread answered right there with plain calls (``dataplane.answered``; then
+the connection's ``_ended``, which lets the request's bytes go), instead of
+resuming the six coroutine frames that awaited it or carrying it on after the
+read. Any other outcome goes the awaited way,
 :meth:`ParkedInfer.rest`: the rest of ``model_infer`` and of the unary handler
 (``unary.unary_method``).
 
 The call's armed answer and how it goes on are one object, a
 :class:`~trionserve.protocol.grpc.answer.CallAnswer` that is a ``Parked``; a
-call that ends the common way (:meth:`ParkedInfer.ended`) leaves it to its
+call that ends the common way (:meth:`ParkedInfer.__call__`) leaves it to its
 connection, which arms it again for the next call (``answer.arm``): nothing
 refers to it any more then (taken: not the connection's nor the request's
 answer; the handler returned as it parked; the outcome's callback spent), unless
@@ -50,7 +52,7 @@ class ParkedInfer(CallAnswer, Parked):
     """A ModelInfer call's armed answer, which is also how the call goes on
     once parked, its request ``run`` queued (``dataplane.begin``; ``dataplane``
     and ``run`` set by the caller before it parks): exactly one of
-    :meth:`ended` (True) and :meth:`rest` ends it. One object per call, not
+    :meth:`__call__` (the outcome's callback) and :meth:`rest` ends it. One object per call, not
     two; one per connection while calls end the common way (the connection's
     ``spare``, armed again: ``answer.arm``)."""
 
@@ -61,33 +63,46 @@ class ParkedInfer(CallAnswer, Parked):
         self.dataplane: DataPlane | None = None
         self.run: Lifecycle | None = None
 
-    def ended(self) -> bool:
-        """The outcome came with the thread's answer written (taken as the
-        outcome came: ``CallAnswer.finalized``) and nothing to await for it:
-        the request ends (its error, if it failed after the answer, is
-        dropped: the client has the answer, as ``model_infer`` drops it). The
-        call's bytes are let go with the call (``Connection._ended``, next:
-        the buffer's ``close`` releases the work ``answered_all`` would, and
-        wakes receivers waiting for room as it does). Nothing refers to this
-        answer any more unless the loop took the thread's write in progress
+    def __call__(self) -> None:
+        """The request's outcome (its ``on_final``, set as the call parked:
+        ``ParkedCalls.park``). Delivered by the reader's sweep with the
+        thread's answer written (taken as the outcome came:
+        ``CallAnswer.finalized``), the call not reset, and nothing to await
+        for it (untraced, ``run.plain``), the call ends here: the request
+        ends (``dataplane.answered``: its outcome not taken; an error after
+        the answer is dropped, the client has the answer, as ``model_infer``
+        drops it), then the call with its bytes (``Connection._ended``: the
+        buffer's ``close`` releases the work ``answered_all`` would, and wakes
+        receivers waiting for room as it does). Nothing refers to this answer
+        any more then unless the loop took the thread's write in progress
         (``_token`` set: the thread may still report it): else it is the
-        connection's spare, armed again for its next call."""
+        connection's spare, armed again for its next call. Any other call
+        goes on as ``ParkedCalls._carry`` says (its handler's :meth:`rest`;
+        ``Parked.ended`` is False for it)."""
+        conn = self._conn
+        call = self._call
+        if conn._parked.pop(call, None) is None:  # (gone on in a task already)
+            return
         run = self.run
         state = self.state
         assert run is not None and self.dataplane is not None
-        if (state != WRITTEN and state != PARTIAL) or run.trace is not None or not run.plain:
-            return False
+        if (
+            not conn._sweeping
+            or (state != WRITTEN and state != PARTIAL)
+            or call.state.reset
+            or run.trace is not None
+            or not run.plain
+        ):
+            conn._carry(call, self)
+            return
         try:
-            self.dataplane.end(run)
-        except TritonError:
-            pass
+            self.dataplane.answered(run)
         except Exception:
-            log.exception("grpc method failed", method=self._call.method)
+            log.exception("grpc method failed", method=call.method)
         self.run = None
-        conn = self._conn
         if self._token is None and conn.answer is not self:
             conn.spare = self
-        return True
+        conn._ended(call)
 
     async def rest(self, call: GrpcCall) -> object:
         """``model_infer`` and the unary handler from the wait for the outcome

@@ -17,12 +17,14 @@ for its message and for its outcome, and a pass of Trio's run loop each
   (:meth:`ParkedCalls.park`: no deadline, not reset, no outcome yet): its
   handler returns :data:`PARKED` at once and leaves a
   :class:`Parked`, how the call goes on; no task and no coroutine wait for it.
-  The outcome carries it on (``request.on_final``, :meth:`ParkedCalls._unpark`):
-  in the reader's task after the read whose sweep delivered it (at c=1 the
-  client's next call), where :meth:`Parked.ended` ends a call the thread
-  answered with no coroutine at all (``Connection._ended``); else, and for any
-  other outcome, :meth:`Parked.rest` (the handler's remainder) runs as a call
-  does, in the reader's task or in a task of its own; so does a call the
+  The outcome carries it on (the ``Parked`` is the request's ``on_final``
+  callback): delivered by the reader's sweep (at c=1 the client's next call), a
+  call the thread answered ends right there, with no coroutine at all
+  (``ParkedInfer.__call__``: the data plane's ``answered``, then
+  ``Connection._ended``); else (:meth:`ParkedCalls._carry`), and for any other
+  outcome,
+  :meth:`Parked.rest` (the handler's remainder) runs as a call does, in the
+  reader's task after the read or in a task of its own; so does a call the
   client resets (its scope cancelled: the request is cancelled as in any
   call's task) and every waiting call when the reader ends (the connection's
   end: they run under its cancellation, as the calls' tasks do).
@@ -35,7 +37,6 @@ at the exit timeout (``Connection._run_call``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -60,18 +61,27 @@ PARKED_KINDS: set[type] = set()
 
 class Parked:
     """How a parked call goes on once its request has its outcome (a base:
-    ModelInfer's is ``service.ParkedInfer``)."""
+    ModelInfer's is ``parkedinfer.ParkedInfer``), and the request's ``on_final``
+    callback (:meth:`__call__`)."""
 
     __slots__ = ()
+
+    def __call__(self) -> None:
+        """On the Trio thread: the request has its outcome. The call leaves
+        ``_parked`` (none: it went on in a task already) and ends here if
+        :meth:`ended` says so, else goes on as :meth:`ParkedCalls._carry`
+        says."""
+        raise NotImplementedError
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         PARKED_KINDS.add(cls)
 
     def ended(self) -> bool:
-        """In the reader, on the outcome: end the call here if it needs no
-        wait and no write of its own (its answer written by the thread):
-        True; False leaves everything to :meth:`rest`."""
+        """In the reader, after the read (``_start_calls``), a call carried
+        on: end it there if it needs no wait and no write of its own: True;
+        False leaves everything to :meth:`rest`. (ModelInfer's ends such a
+        call in :meth:`__call__` already.)"""
         return False
 
     async def rest(self, call: GrpcCall) -> object:
@@ -93,6 +103,7 @@ class ParkedCalls:
     _starting: list[tuple[GrpcCall, Handler | Parked]]
     _inline: GrpcCall | None
     _sweeping: bool  # the reader's sweep (Connection._sweep) runs
+    _swept: int  # the parked calls it carried on so far (_carry)
     _nursery: trio.Nursery | None
 
     def _spawn(self, call: GrpcCall, handler: Handler) -> None:
@@ -102,7 +113,8 @@ class ParkedCalls:
         """Whether ``call``, running in the reader's task with its answer armed
         (answer.py), parks until ``request``, queued, has its outcome: no
         deadline, not reset, no outcome yet; the outcome carries it on as
-        ``parked`` says (_unpark)."""
+        ``parked`` says (``Parked.__call__``, the request's ``on_final``: no
+        object made per call)."""
         if (
             self._inline is not call
             or call.deadline is not None
@@ -111,17 +123,17 @@ class ParkedCalls:
         ):
             return False
         self._parked[call] = parked
-        request.on_final(partial(self._unpark, call))  # (no frame of its own, as a lambda has)
+        request.on_final(parked)
         return True
 
-    def _unpark(self, call: GrpcCall) -> None:
-        """A parked call's request has its outcome: carried on after the read
-        when the reader's sweep delivered it, else in a task of its own."""
-        parked = self._parked.pop(call, None)
-        if parked is None:  # (gone on in a task already)
-            return
+    def _carry(self, call: GrpcCall, parked: Parked) -> None:
+        """A parked call's request has its outcome (``Parked.__call__``, the
+        call out of ``_parked``) and the call goes on: after the read when the
+        reader's sweep delivered it (before the read's new calls, in the order
+        delivered), else in a task of its own."""
         if self._sweeping:
-            self._starting.append((call, parked))
+            self._starting.insert(self._swept, (call, parked))
+            self._swept += 1
         else:
             self._spawn(call, parked.rest)
 
