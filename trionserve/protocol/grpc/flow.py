@@ -161,10 +161,16 @@ class ConnectionBuffer:
         ack=length + 5)``): nothing held back, the message within the stream's
         window and the connection's limit. False: nothing counted
         (``received``'s)."""
-        if self._held_back or length > self.window or self.held + length > self.limit:
+        held = self.held + length
+        if self._held_back or length > self.window or held > self.limit:
             return False
         account.queued = length
-        self.hold(length)  # (nothing held back: it gives no window)
+        # (hold(length) written out: with nothing held back it gives no window)
+        self.held = held
+        if held > self.peak:
+            self.peak = held
+        if length and self.budget is not None:
+            self.budget.reserve(length)
         return True
 
     def refused(self, account: Account) -> list[Window]:
