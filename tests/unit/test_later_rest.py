@@ -6,6 +6,7 @@ thread, or the loop when it must read on first), a read that fails, and a peek a
 from __future__ import annotations
 
 import hashlib
+import os
 import socket
 import threading
 
@@ -13,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.unit.test_grpc_infercache import INT32, client_input, client_wire
 from tests.unit.test_grpc_parked import Report
 from tests.unit.test_grpc_thread_answer import Infer, Run, response, thread_write
 from tests.unit.test_grpc_whole_call import _send, _tcp_serving
@@ -26,7 +28,7 @@ from trionserve.protocol.grpc import infercache, inflow, laterread
 from trionserve.protocol.grpc.call import GrpcCall
 from trionserve.protocol.grpc.parkedinfer import ParkedInfer
 from trionserve.protocol.grpc.parking import PARKED
-from trionserve.protocol.later import LaterBody, peek
+from trionserve.protocol.later import LaterBody
 from trionserve.protocol.sockets import EagerReceiver
 
 REST = bytes(range(256)) * 1000  # 256,000 bytes
@@ -124,27 +126,122 @@ async def test_a_failed_read_fails_the_request_and_ends_the_connection():
 
 
 def test_a_peek_at_an_offset_reads_nothing():
+    """One peek copies the bytes after the offered view and says whether the socket holds the
+    whole rest (TCP_INQ), reading none of them; a socket holding less than the rest, or fewer
+    bytes than the slot past the view, offers nothing; a plain read then reads from the
+    start."""
     server, client = pair()
     with client:
         send(client, server, REST)
-        slot = bytearray(22)
-        if later_module.PEEK_OFF is None:  # (before Linux 6.10: never peeked, never deferred)
-            assert not peek(server.fileno(), 1000, memoryview(slot))
-            return
-        assert peek(server.fileno(), 1000, memoryview(slot))
-        assert bytes(slot) == REST[1000:1022]
-        assert later_module.queued_fd(server.fileno()) == len(REST)
-        assert not peek(server.fileno(), len(REST) - 10, memoryview(slot))  # (fewer there)
-        assert server.recv  # (a plain read then reads from the start)
-        _, view, more = _rest_buffers()
+        slot = memoryview(bytearray(22))
+        buffer, view, more = _rest_buffers()
         body = LaterBody(server)
-        body.offer(view, more)
-        assert body.settle() and bytes(view.obj) == REST
+        if later_module.PEEK_OFF is None:  # (before Linux 6.10: never peeked, never deferred)
+            assert not body.offer_peeked(view, slot, more, len(REST))
+            assert body.view is None
+            return
+        assert not body.offer_peeked(view, slot, more, len(REST) + 1)  # (less than the rest)
+        assert body.view is None
+        beyond = memoryview(buffer)[: len(REST) - 10]  # (fewer bytes than the slot past it)
+        assert not body.offer_peeked(beyond, slot, more, 0) and body.view is None
+        assert body.offer_peeked(view, slot, more, len(REST))
+        assert bytes(slot) == REST[1000:1022] and body.view is view and body.size == len(REST)
+        assert later_module.queued(server) == len(REST)
+        assert body.settle() and bytes(buffer) == REST
+        peeker = body._peeker
+        del body, peeker  # (the peeks' socket object never closes the descriptor)
+        assert server.fileno() >= 0 and later_module.queued(server) == 0
+        send(client, server, NEXT)
+        assert os.read(server.fileno(), len(NEXT)) == NEXT
+
+
+class _Counted:
+    """A peeker's stand-in that counts its setsockopt calls."""
+
+    def __init__(self, peeker) -> None:
+        self.peeker, self.sets = peeker, 0
+
+    def setsockopt(self, *args):
+        self.sets += 1
+        return self.peeker.setsockopt(*args)
+
+    def recvmsg_into(self, *args):
+        return self.peeker.recvmsg_into(*args)
+
+
+async def test_the_rests_reader_sets_the_next_peek_offset_off_the_loop():
+    """The thread that reads a rest sets SO_PEEK_OFF where the next call's peek wants it; the
+    loop's whole-call read takes what it read off it (as the kernel does), so the next peek
+    finds the bytes after its view with no setsockopt on the loop; a read the loop does not
+    count (receive_some) makes the peek set it again, and it still finds the right bytes."""
+    if later_module.PEEK_OFF is None:
+        return
+    server, client = pair()
+    with client:
+        # The next call: NEXT and REST's first 300 bytes read by the loop, its view to REST's
+        # 1000th byte, then the 22 bytes peeked, then the rest.
+        head, at = len(NEXT) + 300, 1000
+        send(client, server, REST + NEXT + REST)
+        receiver = EagerReceiver(trio.SocketStream(server))
+        later = LaterBody(server)
+        receiver.attach(later)
+        slot = memoryview(bytearray(22))
+        buffer, view, more = _rest_buffers()
+        assert later.offer_peeked(view, slot, more, len(REST))
+        later.next_peek = len(NEXT) + at
+        later.defer()
+        thread = threading.Thread(target=later.take)
+        thread.start()
+        thread.join()
+        assert bytes(buffer) == REST and later.peek_at == len(NEXT) + at
+        peeker = later._peeker = _Counted(later._peeker)  # type: ignore[assignment]
+        into = bytearray(head)
+        assert await receiver.receive_whole((memoryview(into),), head) == head
+        assert later.peek_at == at - 300  # (SO_PEEK_OFF, back by what was read)
+        part = memoryview(bytearray(at - 300))
+        assert later.offer_peeked(part, slot, more, len(REST) - 300)
+        assert peeker.sets == 0 and bytes(slot) == REST[at : at + 22]
+        assert later.settle() and bytes(part) == REST[300:at] and bytes(buffer) == REST
+        send(client, server, NEXT)
+        assert await receiver.receive_some(1) == NEXT[:1] and later.peek_at == -1
+        assert later.offer_peeked(memoryview(bytearray(100)), slot, more, 0)
+        assert peeker.sets == 1 and bytes(slot) == NEXT[101:123]
+
+
+def test_a_message_whose_rest_is_unread_decodes_only_when_cut_as_the_last(monkeypatch):
+    """decode_request with ``at`` (laterread.decoded): a message cut as the last one, its last
+    raw contents from ``at`` on, decodes reading none of them (its tensor a view that the rest's
+    read fills); another ``at``, or a message not cut so, decodes nothing and splits nothing;
+    read whole, it decodes as before."""
+    first = client_wire([client_input("INPUT0", INT32, "INT32")], request_id="id-1")
+    assert infercache.decode_request(bytearray(first)) is not None
+    at = infercache.raw_at(len(first))
+    assert at == len(first) - INT32.nbytes
+    split = infercache._split
+    splits: list[int] = []
+
+    def counted(data):
+        splits.append(1)
+        return split(data)
+
+    monkeypatch.setattr(infercache, "_split", counted)
+    again = client_wire([client_input("INPUT0", INT32 + 7, "INT32")], request_id="id-2")
+    buffer = bytearray(len(again))
+    buffer[:at] = again[:at]  # (its rest still in the socket)
+    request = infercache.decode_request(buffer, at)
+    assert request is not None and request.id == "id-2" and splits == []
+    buffer[at:] = again[at:]  # (the rest read into the message's buffer)
+    assert request.inputs["INPUT0"].data.tolist() == (INT32 + 7).tolist()
+    assert infercache.decode_request(buffer, at - 4) is None and splits == []
+    renamed = bytearray(again.replace(b"simple", b"simplf"))
+    assert infercache.decode_request(renamed, at) is None and splits == []
+    request = infercache.decode_request(renamed)
+    assert request is not None and request.model_name == "simplf" and splits == [1]
 
 
 class _Deferring(Infer):
     """test_grpc_thread_answer's Infer, whose calls leave their message's rest to a thread as
-    ModelInfer does (grpc/laterread.py: rest_of, then defer; the thread takes it before the
+    ModelInfer does (grpc/laterread.py: decoded, then defer; the thread takes it before the
     message is read), and which keeps the digest of each message then."""
 
     def __init__(self) -> None:
@@ -155,9 +252,9 @@ class _Deferring(Infer):
     async def handler(self, call: GrpcCall) -> object:
         data = await call.receive()
         assert data is not None and await call.receive() is None
-        later = laterread.rest_of(call, data)
+        request, later = laterread.decoded(call, data)
         self.left.append(later is not None)
-        request = InferenceRequest("m")
+        assert request is not None
         answer = grpc_answer.arm(call, request, ParkedInfer)
         if later is not None:
             assert answer is not None
@@ -193,7 +290,13 @@ async def test_a_call_read_whole_leaves_its_rest_to_the_thread_unless_its_frames
     watch = sockets._Watch()
     monkeypatch.setattr(sockets._Watch, "current", classmethod(lambda cls: watch))
     monkeypatch.setattr(infercache, "raw_at", lambda length: 100)
-    monkeypatch.setattr(infercache, "cut_as_last", lambda data, at: at == 100)
+    # (a message whose rest is unread decodes as the last one's when it starts at the 100th
+    # byte, reading none of it; read whole, any decodes)
+    monkeypatch.setattr(
+        infercache,
+        "decode_request",
+        lambda data, at=0: InferenceRequest("m") if at in (0, 100) else None,
+    )
     body = bytes(range(256)) * 400
     other = bytes(range(200, 256)) * 2000  # (112,000 bytes)
     # opens, teaches the layout, taken whole (a streak of one), then waited for whole: left to

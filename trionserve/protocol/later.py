@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from trionserve.core.inference import InferenceRequest
     from trionserve.dataplane import DataPlane
 
-__all__ = ["LaterBody", "hung_up", "on_thread", "peek", "queued", "queued_fd", "routed_on_thread"]
+__all__ = ["LaterBody", "hung_up", "on_thread", "queued", "routed_on_thread"]
 
 _LOWAT = getattr(_socket, "SO_RCVLOWAT", None)
 _FIONREAD, _INQ = termios.FIONREAD, bytes(4)
@@ -63,16 +63,16 @@ _RDHUP = getattr(select, "POLLRDHUP", 0x2000)
 # SO_PEEK_OFF (Linux's value; Python has no name for it): MSG_PEEK at an offset, TCP's since
 # Linux 6.10. Elsewhere nothing is peeked (gRPC's message is read whole on the loop).
 PEEK_OFF = 42 if sys.platform.startswith("linux") and kernel_at_least(6, 10) else None
+# TCP_INQ (Linux's value, since 4.18; Python has no name for it): a recvmsg's ancillary data
+# says how many bytes the socket holds unread (FIONREAD's answer, without its ioctl).
+_TCP_INQ = 36
+_PEEK = PEEK_OFF if PEEK_OFF is not None else -1  # (an int for the peeks: made only with it)
+_INQ_SPACE = _socket.CMSG_SPACE(4)
 
 
 def queued(socket: trio.socket.SocketType) -> int:
     """The bytes the socket holds now, unread (``FIONREAD``)."""
     return int.from_bytes(fcntl.ioctl(socket.fileno(), _FIONREAD, _INQ), "little")
-
-
-def queued_fd(fd: int) -> int:
-    """The bytes the socket ``fd`` holds now, unread (``FIONREAD``)."""
-    return int.from_bytes(fcntl.ioctl(fd, _FIONREAD, _INQ), "little")
 
 
 def hung_up(socket: trio.socket.SocketType) -> bool:
@@ -82,23 +82,15 @@ def hung_up(socket: trio.socket.SocketType) -> bool:
     return bool(poller.poll(0))
 
 
-def peek(fd: int, offset: int, buffer: memoryview) -> bool:
-    """Whether the socket ``fd`` holds ``buffer``'s size of bytes ``offset`` bytes past what
-    is read of it, copied into ``buffer`` without reading them (``SO_PEEK_OFF``, then
-    ``MSG_PEEK``); False where it cannot tell (no ``PEEK_OFF``, fewer bytes, a failed call)."""
-    if PEEK_OFF is None:
-        return False
-    # A socket object over the descriptor for the two calls (Trio's socket has no
-    # non-blocking recv), detached after them: it never closes the descriptor.
-    sock = _raw_socket(_socket.AF_INET, _socket.SOCK_STREAM, 0, fd)
-    try:
-        sock.setsockopt(_socket.SOL_SOCKET, PEEK_OFF, offset)
-        size = len(buffer)
-        return sock.recv_into(buffer, size, _socket.MSG_PEEK) == size
-    except OSError:
-        return False
-    finally:
-        sock.detach()
+class _Peeker(_raw_socket):
+    """A socket object over a connection's descriptor, for its peeks (Trio's socket has no
+    non-blocking ``recvmsg``): made once per connection and used on the loop only while the
+    connection's task serves it; it never closes the descriptor (detached when dropped)."""
+
+    __slots__ = ()
+
+    def __del__(self) -> None:
+        self.detach()
 
 
 def on_thread(model: ModelVersion) -> bool:
@@ -155,11 +147,15 @@ class LaterBody:
 
     __slots__ = (
         "_lock",
+        "_peeker",
         "broken",
         "fd",
         "more",
+        "next_peek",
+        "peek_at",
         "pending",
         "raised",
+        "routed",
         "size",
         "socket",
         "view",
@@ -185,22 +181,71 @@ class LaterBody:
         self.size = 0
         self.wanted = 1
         self.raised = False
+        self._peeker: _Peeker | None = None
+        # The SO_PEEK_OFF the next call's peek wants (gRPC: where the bytes between its DATA
+        # frames are, counted from its first byte; 0: none), set by whoever reads the rest (the
+        # thread: off the loop); and the socket's SO_PEEK_OFF as known (the kernel takes each
+        # byte read off it: EagerReceiver.receive_whole does the same here, its other reads and a
+        # peek make it unknown, any value below 1).
+        self.next_peek = 0
+        self.peek_at = -1
+        # gRPC's last request's routing, its routes and their generation, and whether its
+        # rest may be left to the thread (grpc/laterread.py place: routed_on_thread's answer).
+        self.routed: tuple | None = None
 
     def offer(self, view: memoryview, more: tuple[memoryview, ...] = ()) -> None:
         """The loop read the request without ``view`` and ``more``, which the socket holds
         whole."""
         self.view = view
         self.more = more
+        self.size = view.nbytes + sum(part.nbytes for part in more)
         self.broken = None
+
+    def offer_peeked(
+        self,
+        view: memoryview,
+        slot: memoryview,
+        more: tuple[memoryview, ...],
+        size: int,
+    ) -> bool:
+        """:meth:`offer` ``view`` and ``more`` (``size`` bytes in all) when the socket holds them
+        whole, with the bytes after ``view`` (``len(slot)`` of them, what ``more[0]`` is read
+        from) copied into ``slot`` without reading them: one ``MSG_PEEK`` ``recvmsg`` at
+        ``SO_PEEK_OFF``, whose ``TCP_INQ`` says what the socket holds. False, nothing offered,
+        where it cannot tell (no ``PEEK_OFF``, fewer bytes, a failed call). No call sets
+        ``SO_PEEK_OFF`` when it is where the peek wants it (``peek_at``: the last rest's reader
+        set it at ``next_peek``, and it went back by each byte the loop read since)."""
+        peeker = self._peeker
+        if peeker is None:
+            if PEEK_OFF is None:
+                return False
+            peeker = self._peeker = _Peeker(_socket.AF_INET, _socket.SOCK_STREAM, 0, self.fd)
+            try:
+                peeker.setsockopt(_socket.IPPROTO_TCP, _TCP_INQ, 1)
+            except OSError:
+                pass  # (no TCP_INQ: no ancillary data, nothing is offered)
+        peeked, offset, known = more[0].nbytes, view.nbytes, self.peek_at
+        self.peek_at = -1  # (the peek moves it on)
+        try:
+            if known != offset:
+                peeker.setsockopt(_socket.SOL_SOCKET, _PEEK, offset)
+            got, ancillary, _, _ = peeker.recvmsg_into((slot,), _INQ_SPACE, _socket.MSG_PEEK)
+        except OSError:
+            return False
+        if got != peeked or not ancillary:
+            return False
+        inq = ancillary[0]
+        if inq[1] != _TCP_INQ or int.from_bytes(inq[2], sys.byteorder) < size:
+            return False
+        self.view, self.more, self.size, self.broken = view, more, size, None
+        return True
 
     def defer(self) -> None:
         """Leave the rest to the instance's thread (on the loop, before the request is submitted):
         the connection's waits wake for none of it (``SO_RCVLOWAT``)."""
         view = self.view
         assert view is not None
-        size = len(view)
-        for part in self.more:
-            size += len(part)
+        size = self.size if self.more else view.nbytes  # (offer's, else HTTP's view alone)
         with self._lock:
             self.size = size
             self.pending = True
@@ -278,4 +323,13 @@ class LaterBody:
                 views = past(views, received)
         except OSError as exc:  # (BlockingIOError: less was there than its FIONREAD said)
             self.broken = f"the request's binary data could not be read from its connection: {exc}"
+            self.peek_at = -1
+        else:
+            peek = self.next_peek
+            if peek:  # (the next call's peek offset, set here: off the loop when on the thread)
+                try:
+                    self.socket.setsockopt(_socket.SOL_SOCKET, _PEEK, peek)
+                    self.peek_at = peek
+                except OSError:
+                    self.peek_at = -1
         self.view, self.more = None, ()

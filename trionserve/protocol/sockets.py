@@ -233,6 +233,7 @@ class EagerReceiver:
             return await self._stream.receive_some(max_bytes)
         if self.later is not None:
             self._settle()
+            self.later.peek_at = -1  # (what it reads is not counted: see receive_whole)
         if expect_wait:
             self._eager = self._eager_reads
         else:
@@ -268,6 +269,7 @@ class EagerReceiver:
             return await _receive_some_into(self._stream, buffers)
         if self.later is not None:
             self._settle()
+            self.later.peek_at = -1  # (what it reads is not counted: see receive_whole)
         if expect_wait:
             self._eager = self._eager_reads
         elif self._eager:
@@ -330,6 +332,8 @@ class EagerReceiver:
                     self._settle()
                 received = _readv_now(socket, buffers)
                 if received is not None:
+                    if later is not None:  # (SO_PEEK_OFF goes back by what is read)
+                        later.peek_at -= received
                     return received
         finally:
             waiting.pop(self, None)

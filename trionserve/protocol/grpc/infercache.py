@@ -309,16 +309,27 @@ def cut_as_last(data: Wire, at: int) -> bool:
     return layout.plan.sized
 
 
-def decode_request(data: Wire) -> InferenceRequest | None:
+def decode_request(data: Wire, at: int = 0) -> InferenceRequest | None:
     """The request of a serialized ModelInferRequest in the common form (its input
     tensors views of ``data``, writable when ``data`` is), or None: then decode it
-    with :func:`codec.decode_infer_request`. Never raises."""
+    with :func:`codec.decode_infer_request`. Never raises.
+
+    With ``at``: ``data``'s bytes from ``at`` on may be unread yet (its last raw
+    contents, :func:`raw_at`'s, left in the socket: protocol/later.py); its request
+    only when it is cut as the last message with its last raw contents there (none
+    of those bytes read), else None without decoding it (read them, then decode it)."""
     global _last
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1 or not view.c_contiguous:  # (a message is)
         view = view.cast("B")
     layout = _last
-    if layout is not None and view.nbytes == layout.end:
+    if (
+        layout is not None
+        and view.nbytes == layout.end
+        and (
+            not at or (layout.spans and layout.spans[-1] == (at, layout.end) and layout.plan.sized)
+        )
+    ):
         for start, stop, known in layout.fixed:
             if view[start:stop] != known:
                 break
@@ -334,6 +345,8 @@ def decode_request(data: Wire) -> InferenceRequest | None:
             else:
                 raws = [view[start:stop] for start, stop in layout.spans]
             return layout.plan.request(request_id, raws)
+    if at:
+        return None  # (not cut so: nothing decoded before the rest is read)
     split = _split(view)
     if split is None:
         return None

@@ -86,7 +86,7 @@ import h2.exceptions
 import structlog
 from h2.errors import ErrorCodes
 
-from trionserve.protocol.grpc import callhead, h2frames, upstream
+from trionserve.protocol.grpc import callhead, h2frames, laterread, upstream
 from trionserve.protocol.grpc.laterread import LaterReads
 from trionserve.protocol.grpc.writing import CLOSED
 from trionserve.protocol.sockets import past
@@ -310,7 +310,7 @@ class MessageReads(LaterReads):
             else:  # the message up to its last raw contents (see _defer)
                 received = await receiver.receive_whole((head, message[:at]), least)
                 if received == size + at:
-                    received = self._defer(at, views, total - received)
+                    received = self._defer(at, first, views, received, total)
             # (the watch woke it short of the call, which waited for the look: a
             # miss unless the call proves as predicted, grpc-core's first write
             # found at a look; one woken idle waited for nothing)
@@ -418,6 +418,13 @@ class MessageReads(LaterReads):
         if whole is not None:
             self._whole = None
             if self._take_whole(*whole):
+                later, starting = self.later, self._starting
+                if (
+                    later is None
+                    or later.view is None
+                    or (starting and starting[-1][0].method == laterread.MODEL_INFER)
+                ):
+                    return False  # (no rest, or ModelInfer's, which its handler takes)
                 return not self._left_for_infer()
             later = self.later  # (its rest left in the socket: read before the frame loop)
             if later is not None and later.view is not None and not later.settle():

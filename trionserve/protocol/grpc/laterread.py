@@ -4,12 +4,15 @@
 A call read whole as predicted (:mod:`~trionserve.protocol.grpc.inflow`, ``_read_call``'s one
 wait for the whole call) is read by the loop up to the start of its message's last raw contents
 (where infercache cut the last message: ``infercache.raw_at``), which nothing on the loop reads.
-When the socket holds the rest (``FIONREAD``) and the bytes between the message's two DATA frames
-are as the last call's (peeked at their offset, ``SO_PEEK_OFF`` with ``MSG_PEEK``: Linux 6.10,
-nothing read), the rest (the first frame's rest, those bytes, the second frame's payload) is
-offered to the connection's :class:`~trionserve.protocol.later.LaterBody` and the call taken as if
-read whole. ModelInfer (:func:`place`) leaves it to the instance's thread where the request's
-inputs are read by nothing before that thread (infercache cut the message as the last one, no
+When the socket holds the rest and the bytes between the message's two DATA frames are as the
+last call's (peeked at their offset, nothing read: one ``MSG_PEEK`` ``recvmsg`` at
+``SO_PEEK_OFF``, Linux 6.10, whose ``TCP_INQ`` says what the socket holds:
+``LaterBody.offer_peeked``; the offset set by the last rest's reader, the thread, for the next
+call), the rest (the first frame's rest, those bytes, the second frame's payload) is offered to
+the connection's :class:`~trionserve.protocol.later.LaterBody` and the call taken as if read
+whole. ModelInfer (:func:`decoded`, then :func:`place`) leaves it to the instance's thread where
+the request's inputs are read by nothing before that thread (infercache cut the message as the
+last one, decoding none of the rest, no
 trace, no verbose log, the answer armed for the thread, a blocking backend:
 ``later.routed_on_thread``), else reads it at once; anything else that takes the call (the frame
 loop, a call not as predicted, a refused call) finds it read first (:meth:`LaterReads._read_later`,
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.sockets import EagerReceiver
 
-__all__ = ["LaterReads", "place", "rest_of"]
+__all__ = ["LaterReads", "decoded", "place", "rest_of"]
 
 # The slot the thread reads the bytes between the DATA frames into (inflow.SLOT's size).
 _SPARE = 64
@@ -61,16 +64,11 @@ class LaterReads:
         raise NotImplementedError
 
     def _left_for_infer(self) -> bool:
-        """After a call read so was taken whole: its rest stays in the socket only for a
-        ModelInfer call (the last one starting), whose handler takes it (:func:`rest_of`); any
-        other's is read now. False when that read failed (the connection closes)."""
+        """After a call read so was taken whole, not a ModelInfer one (whose handler takes its
+        rest: :func:`rest_of`; _take_read sees to that, and to a call with no rest left): its
+        rest read now. False when that read failed (the connection closes)."""
         later = self.later
-        if later is None or later.view is None:
-            return True
-        starting = self._starting
-        if starting and starting[-1][0].method == MODEL_INFER:
-            return True
-        if later.settle():
+        if later is None or later.settle():
             return True
         self.close(ErrorCodes.PROTOCOL_ERROR)
         return False
@@ -94,30 +92,31 @@ class LaterReads:
             receiver.attach(later)
         return at
 
-    def _defer(self, at: int, views: tuple[memoryview, ...], rest: int) -> int:
-        """A call read up to its message's last raw contents (``at``; ``views``
-        as _read_call made them): when the socket holds its ``rest`` and the
-        bytes between its DATA frames, peeked into the slot (``SO_PEEK_OFF``),
-        the rest is left in the socket (``later``, offered once the call proves
-        as predicted, else read: _read_later); else what it holds of the rest
-        is read now. The bytes read of the call, as one readv would have."""
-        head, prefix, slot, tail = views
+    def _defer(
+        self, at: int, first: int, views: tuple[memoryview, ...], received: int, total: int
+    ) -> int:
+        """A call read up to its message's last raw contents (``at``, inside its first DATA
+        frame's ``first`` bytes; ``views`` as _read_call made them, ``received`` of its ``total``
+        bytes read): when the socket holds its rest and the bytes between its DATA frames,
+        peeked into the slot (``SO_PEEK_OFF``), the rest is left in the socket (``later``,
+        offered once the call proves as predicted, else read: _read_later); else what it holds
+        of the rest is read now. The bytes read of the call, as one readv would have."""
+        _, prefix, slot, tail = views
         later = self.later
         assert later is not None
-        fd = later.fd
-        size = len(head) + at
-        part = prefix[at:]
-        if later_module.queued_fd(fd) >= rest and later_module.peek(fd, len(part), slot):
-            later.offer(part, (self._spare[: len(slot)], tail))
+        part = prefix[at:first]
+        spare = self._spare[: slot.nbytes]
+        later.next_peek = received - at + first  # (the next call's slot, as this one's)
+        if later.offer_peeked(part, slot, (spare, tail), total - received):
             self.later_at = at
-            return size + rest
+            return total
         try:
-            more = os.readv(fd, (part, slot, tail))
+            more = os.readv(later.fd, (part, slot, tail))
         except BlockingIOError:
             more = 0
         except OSError as exc:
             raise trio.BrokenResourceError(exc) from exc
-        return size + more
+        return received + more
 
     def _read_later(self) -> None:
         """A call whose rest was left in the socket (_defer) goes through the
@@ -141,15 +140,57 @@ def rest_of(call: GrpcCall, data: bytes | bytearray | memoryview) -> LaterBody |
     return later
 
 
+def decoded(
+    call: GrpcCall, data: bytes | bytearray | memoryview
+) -> tuple[InferenceRequest | None, LaterBody | None]:
+    """ModelInfer's first step: infercache's request of ``data``, this call's message (None:
+    the codec's case), and the connection's rest of it still in the socket, if any, for
+    :func:`place`. A message cut as the last one is decoded reading none of its rest (its last
+    raw contents, from ``later_at`` on); any other has its rest read first."""
+    conn = call.connection
+    later = conn.later
+    if later is None or later.view is None or later.view.obj is not getattr(data, "obj", None):
+        return infercache.decode_request(data), None
+    request = infercache.decode_request(data, conn.later_at)
+    if request is None:
+        later.now()
+        return infercache.decode_request(data), None
+    return request, later
+
+
 def place(
     later: LaterBody, answer: CallAnswer | None, dataplane: DataPlane, request: InferenceRequest
 ) -> None:
     """The rest (:func:`rest_of`) left to the instance's thread, where the request's inputs are
     read by nothing before it (its answer armed for that thread, the model's instances blocking
-    ones); else read now."""
+    ones: ``later.routed_on_thread``, kept on the rest for the next call of the same model while
+    the routes stand); else read now."""
     if later.view is None:
         return
-    if answer is not None and later_module.routed_on_thread(dataplane, request):
-        later.defer()
-    else:
-        later.now()
+    if answer is not None:
+        routes = dataplane.registry.lifecycle
+        known = later.routed
+        if (
+            known is not None
+            and known[0] is routes
+            and known[1] == routes.generation
+            and known[2] == request.model_name
+            and known[3] == request.model_version
+            and known[4] == request.model_namespace
+        ):
+            on_thread = known[5]
+        else:
+            generation = routes.generation
+            on_thread = later_module.routed_on_thread(dataplane, request)
+            later.routed = (
+                routes,
+                generation,
+                request.model_name,
+                request.model_version,
+                request.model_namespace,
+                on_thread,
+            )
+        if on_thread:
+            later.defer()
+            return
+    later.now()
