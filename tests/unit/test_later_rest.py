@@ -9,6 +9,7 @@ import hashlib
 import os
 import socket
 import threading
+import types
 
 import pytest
 import trio
@@ -239,6 +240,23 @@ def test_a_message_whose_rest_is_unread_decodes_only_when_cut_as_the_last(monkey
     assert request is not None and request.model_name == "simplf" and splits == [1]
 
 
+def test_a_message_not_cut_as_the_last_has_its_rest_read_first_and_its_layout_found_again():
+    """decoded: a call's message whose rest is in the socket but which is not cut as the last
+    one (another layout since) has its rest read on the loop before anything decodes it, and
+    the connection forgets where its layout's rest began (raw_at finds it for the next call)."""
+    server, client = pair()
+    with client:
+        send(client, server, REST)
+        later = LaterBody(server)
+        buffer, view, more = _rest_buffers()
+        later.offer(view, more)
+        conn = types.SimpleNamespace(later=later, later_at=1000, later_call=(1, 2, 3))
+        call = types.SimpleNamespace(connection=conn)
+        _, left = laterread.decoded(call, memoryview(buffer))  # type: ignore[arg-type]
+        assert left is None and later.view is None and bytes(buffer) == REST
+        assert conn.later_call is None
+
+
 class _Deferring(Infer):
     """test_grpc_thread_answer's Infer, whose calls leave their message's rest to a thread as
     ModelInfer does (grpc/laterread.py: decoded, then defer; the thread takes it before the
@@ -289,7 +307,8 @@ async def test_a_call_read_whole_leaves_its_rest_to_the_thread_unless_its_frames
     monkeypatch.setattr(inflow.MessageReads, "_needed", 1)
     watch = sockets._Watch()
     monkeypatch.setattr(sockets._Watch, "current", classmethod(lambda cls: watch))
-    monkeypatch.setattr(infercache, "raw_at", lambda length: 100)
+    found: list[int] = []  # (raw_at's calls: once per layout taught, not once per call)
+    monkeypatch.setattr(infercache, "raw_at", lambda length: found.append(length) or 100)
     # (a message whose rest is unread decodes as the last one's when it starts at the 100th
     # byte, reading none of it; read whole, any decodes)
     monkeypatch.setattr(
@@ -328,6 +347,7 @@ async def test_a_call_read_whole_leaves_its_rest_to_the_thread_unless_its_frames
     assert served.digests == [hashlib.sha256(sent).digest() for sent, _ in sends]
     left = [False] * 3 + [True] * 2 + [False] * 2 + [True] * 4 + [False]
     assert served.left == (left if infer else [False] * len(sends))
+    assert found == [len(body)] * 2  # (the layout taught twice: its calls reuse it)
 
 
 async def test_an_answer_taken_before_the_thread_read_the_rest_reads_it_first(monkeypatch):

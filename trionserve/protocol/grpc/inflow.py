@@ -304,7 +304,10 @@ class MessageReads(LaterReads):
             # last one had, which may not come (see the module docstring).
             self._receiver = receiver
             least = total - 13 * len(template[3][1])
-            at = self._later_at(receiver, length, first) if gap else 0
+            at = 0
+            if gap:  # (its last raw contents where the last call of its layout had them)
+                later_call = self.later_call is self._call
+                at = self.later_at if later_call else self._later_at(receiver, length, first)
             if not at:
                 received = await receiver.receive_whole(views, least)
             else:  # the message up to its last raw contents (see _defer)

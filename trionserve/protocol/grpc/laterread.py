@@ -56,6 +56,11 @@ class LaterReads:
 
     later: LaterBody | None = None
     later_at: int = 0
+    # The call layout (inflow's _call) later_at was found for: the next call of that layout
+    # reuses it, no raw_at (decoded checks the message against the last one's cut anyway, and
+    # forgets it when the message is not so cut).
+    later_call: tuple[int, int, int] | None = None
+    _call: tuple[int, int, int] | None
     _spare: memoryview
     socket: trio.socket.SocketType | None
     _starting: list
@@ -90,6 +95,7 @@ class LaterReads:
             later = self.later = LaterBody(socket)
             self._spare = memoryview(bytearray(_SPARE))
             receiver.attach(later)
+        self.later_at, self.later_call = at, self._call
         return at
 
     def _defer(
@@ -108,7 +114,6 @@ class LaterReads:
         spare = self._spare[: slot.nbytes]
         later.next_peek = received - at + first  # (the next call's slot, as this one's)
         if later.offer_peeked(part, slot, (spare, tail), total - received):
-            self.later_at = at
             return total
         try:
             more = os.readv(later.fd, (part, slot, tail))
@@ -153,6 +158,7 @@ def decoded(
         return infercache.decode_request(data), None
     request = infercache.decode_request(data, conn.later_at)
     if request is None:
+        conn.later_call = None  # (found again for the next call: raw_at)
         later.now()
         return infercache.decode_request(data), None
     return request, later
