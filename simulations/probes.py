@@ -1,10 +1,12 @@
 """Probes: what the simulation observes inside the real runtime, without changing it.
 
-``runtime_probes`` wraps three ModelVersion methods for the duration of a run:
+``runtime_probes`` wraps two ModelVersion methods for the duration of a run:
 ``run`` (to list every version and to tell the simulated backend which version
-it is loading, through a context variable that the version's tasks inherit),
-``infer`` and ``infer_now`` (to attribute each request to the version that accepted
-or refused it). :class:`Monitor` is a Trio instrument: it probes each scheduler's outlets
+it is loading, through a context variable that the version's tasks inherit) and
+``infer``, and the dynamic batcher's ``submit_now`` (the plain queueing a READY
+version names, ``ModelVersion.submit_now``, that the data plane's ``begin_now``
+calls): ``infer`` and ``submit_now`` attribute each request to the version that
+accepted or refused it. :class:`Monitor` is a Trio instrument: it probes each scheduler's outlets
 (to see when an executor takes a batch), checks queue lengths against their
 bounds after every task step, and tracks which tasks the server started.
 Probes read a few runtime internals (``ModelVersion._scheduler``, the queues'
@@ -36,7 +38,7 @@ LIVELOCK_STEPS = 200_000
 @contextlib.contextmanager
 def runtime_probes(world) -> Iterator[None]:
     original_run, original_infer = ModelVersion.run, ModelVersion.infer
-    original_infer_now = ModelVersion.infer_now
+    original_submit_now = DynamicBatchScheduler.submit_now
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED):
         CURRENT_VERSION.set(self)
@@ -60,12 +62,15 @@ def runtime_probes(world) -> Iterator[None]:
         if record is not None:
             record.accepted = True
 
-    def infer_now(self, request):  # (infer as a plain call: False, not queued, would wait)
+    def submit_now(self, request, arrived=None):  # (False: not queued, it would wait)
         record = world.record_for(request)
         if record is not None:
-            record.version = self
+            # The version whose batcher this is (the one begin_now queues at).
+            for version in world.live_versions:
+                if version._scheduler is self:
+                    record.version = version
         try:
-            accepted = original_infer_now(self, request)
+            accepted = original_submit_now(self, request, arrived)
         except BaseException as exc:
             if record is not None:
                 record.refusal = exc
@@ -75,12 +80,12 @@ def runtime_probes(world) -> Iterator[None]:
         return accepted
 
     ModelVersion.run, ModelVersion.infer = run, infer
-    ModelVersion.infer_now = infer_now
+    DynamicBatchScheduler.submit_now = submit_now
     try:
         yield
     finally:
         ModelVersion.run, ModelVersion.infer = original_run, original_infer
-        ModelVersion.infer_now = original_infer_now
+        DynamicBatchScheduler.submit_now = original_submit_now
 
 
 class _ProbedOutlet:

@@ -247,12 +247,20 @@ class InferencePath:
         ):
             return self.begin(request, endpoint=endpoint)
         model = self._admit(request, False, endpoint)
-        if model.submit_now is None:
+        submit_now = model.submit_now  # (set while the model is READY)
+        if submit_now is None:
             return self._begin(model, request, None)
-        run = self._began(model, request, None)
+        # _began for an untraced request (no trace, no ``queued``), written out.
+        run = Lifecycle(model, request, self._first_response, self._classify)
+        self.drain.request_began(model, request)
         try:
-            if model.infer_now(request):
+            if submit_now(request):
                 return run
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            error = model.unloading()
+            self._failed(run, error)
+            self._end(run, queued=False)
+            raise error from None
         except BaseException as exc:
             self._failed(run, exc)
             self._end(run, queued=False)

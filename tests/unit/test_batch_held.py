@@ -106,6 +106,7 @@ def test_a_delayed_batch_is_held_by_the_thread_and_requests_join_it():
                 await batcher.submit(first)
                 assert [h.ids for h in held] == [["a"]]
                 assert held[0].go_at == first.arrival_time + MINUTE_US / 1e6
+                opened = batcher._open  # (one OpenBatch, re-armed for each batch held)
                 for name in "bc":
                     await batcher.submit(test_batcher.request(name))
                 assert held[0].ids == ["a", "b", "c"] and held[0].released == 0
@@ -122,6 +123,7 @@ def test_a_delayed_batch_is_held_by_the_thread_and_requests_join_it():
             outlet.complete([], [])  # the first batch's outcomes went elsewhere
             outlet.offer_again()
             assert [h.ids for h in held] == [["a", "b", "c", "d"], ["e"]]
+            assert batcher._open is opened and opened.batch is held[1] and opened.size == 1
             held[1].started = True  # the thread started it: "f" waits
             await batcher.submit(test_batcher.request("f"))
             assert held[1].ids == ["e"] and batcher.pending == 1

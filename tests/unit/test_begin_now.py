@@ -20,7 +20,7 @@ from tests.blocking_backend import (
     served,
     wait_entered,
 )
-from trionserve.core.errors import NotFound
+from trionserve.core.errors import NotFound, Unavailable
 from trionserve.lifecycle import Lifecycle
 from trionserve.server import Server
 
@@ -106,3 +106,38 @@ async def test_begin_now_awaits_a_scheduler_without_a_plain_submit(unbatched):
         assert counted(server) == 0
 
     await served(unbatched, body)
+
+
+async def test_begin_now_on_a_version_no_longer_ready_says_why_and_counts_nothing(repository):
+    """A version leaving READY (unavailable, unloading) takes no request through its
+    batcher's plain submit (``ModelVersion.submit_now`` is None from then on, so that
+    begin_now looks at no state per request): the rest of begin is returned, whose
+    await says why the version is not ready; nothing stays counted."""
+
+    async def body(server: Server) -> None:
+        model = server.registry.route("blocking", None)
+        assert model.submit_now is not None  # READY
+        model._set_unavailable("taken down by the test")
+        assert model.submit_now is None
+        rest = server.dataplane.begin_now(request(1.0), "test")
+        assert type(rest) is not Lifecycle  # not queued at the batcher
+        with pytest.raises(Unavailable, match="taken down by the test"):
+            await rest
+        assert counted(server) == 0 and model._scheduler._queued == 0
+
+    await served(repository, body)
+
+
+async def test_begin_now_on_a_closed_batcher_answers_unloading(repository):
+    """A batcher closed under a READY version (its unload's first step) refuses the
+    plain submit: UNAVAILABLE "is unloading", as ``ModelVersion.infer`` says it, and
+    nothing stays counted."""
+
+    async def body(server: Server) -> None:
+        model = server.registry.route("blocking", None)
+        model._scheduler.close()
+        with pytest.raises(Unavailable, match="version 1 is unloading"):
+            server.dataplane.begin_now(request(1.0), "test")
+        assert counted(server) == 0
+
+    await served(repository, body)

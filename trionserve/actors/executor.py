@@ -432,7 +432,7 @@ class InstanceExecutor(AsyncInstanceServing):
         ):
             return None
         for request in batch:
-            if request.done or request.cancelled:
+            if request.done or request._cancelled:  # (the property's field: no call)
                 return None  # the feeder answers those
         if self._last_ns <= self._inline_budget and self._runs_inline(batch):
             return None
@@ -456,7 +456,7 @@ class InstanceExecutor(AsyncInstanceServing):
         ):
             return None
         for request in batch:
-            if request.cancelled or request.done:
+            if request._cancelled or request.done:  # (the property's field: no call)
                 return None  # the feeder answers those
         return thread
 

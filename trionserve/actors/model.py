@@ -163,7 +163,11 @@ class ModelVersion:
         if summary_quantiles is not None:  # --metrics-config summary_latencies=true
             self.statistics.enable_summaries(summary_quantiles, config.response_cache.enable)
         self._scheduler: Scheduler | None = None
-        # Its scheduler's submit as a plain call (infer_now), if it has one.
+        # Its scheduler's submit as a plain call, if it has one (the dynamic
+        # batcher's): False, the request not queued, where it would wait (its
+        # queue full). Set only while the version is READY, so that a caller
+        # (the data plane's begin_now) needs no look at the state per request;
+        # None otherwise (``infer`` then says why it is not ready).
         self.submit_now: Callable[[InferenceRequest], bool] | None = None
         self._sequence_states: list = []  # implicit states, read at load
         self._warmup: list[WarmupSample] = []  # model_warmup samples, read at load
@@ -218,7 +222,6 @@ class ModelVersion:
                 states=self._sequence_states,
             )
             self._scheduler = scheduler
-            self.submit_now = getattr(scheduler, "submit_now", None)  # (the dynamic batcher's)
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(scheduler.run)
@@ -226,6 +229,7 @@ class ModelVersion:
                     await self._start_executor(spec, instance)
                 await self._warm_up(instances)
                 self.state = ModelState.READY
+                self.submit_now = getattr(scheduler, "submit_now", None)
                 self._log_state(
                     "ready",
                     instances=len(instances),
@@ -349,6 +353,7 @@ class ModelVersion:
 
     async def _drain(self) -> None:
         self.state = ModelState.UNLOADING
+        self.submit_now = None
         self._log_state("unloading", inflight=self._inflight)
         assert self._scheduler is not None
         self._scheduler.close()
@@ -417,6 +422,7 @@ class ModelVersion:
 
     def _set_unavailable(self, reason: str) -> None:
         self.state = ModelState.UNAVAILABLE
+        self.submit_now = None
         self.reason = reason
         self._log_state("unavailable", reason=reason)
 
@@ -465,19 +471,11 @@ class ModelVersion:
         try:
             await self._scheduler.submit(request)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise Unavailable(f"model '{self.name}' version {self.version} is unloading") from None
+            raise self.unloading() from None
 
-    def infer_now(self, request: InferenceRequest) -> bool:
-        """:meth:`infer` as a plain call, for a scheduler with ``submit_now``: False,
-        the request not queued, where it would wait (its queue full)."""
-        submit_now = self.submit_now
-        if self.state is not ModelState.READY or self._scheduler is None:
-            raise self._not_ready()
-        assert submit_now is not None
-        try:
-            return submit_now(request)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise Unavailable(f"model '{self.name}' version {self.version} is unloading") from None
+    def unloading(self) -> Unavailable:
+        """The error for a request whose scheduler closed as it was queued."""
+        return Unavailable(f"model '{self.name}' version {self.version} is unloading")
 
     def _not_ready(self) -> Unavailable:
         reason = f": {self.reason}" if self.reason else ""

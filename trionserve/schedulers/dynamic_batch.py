@@ -153,6 +153,7 @@ class DynamicBatchScheduler(HeldBatches):
             and not policy.max_queue_size
         )
         self._open: OpenBatch | None = None  # the batch so held, until it starts
+        self._opened: OpenBatch | None = None  # (made once, re-armed: see _hold_with)
 
     # -- the actor ---------------------------------------------------------------
 

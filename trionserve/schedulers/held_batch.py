@@ -23,6 +23,7 @@ class HeldBatches:
 
     # The batcher's state this part reads and writes (set by its __init__).
     _open: OpenBatch | None
+    _opened: OpenBatch | None  # the one OpenBatch, re-armed for each batch held
     _holds: bool
     _closed: bool
     _timer: PreciseWakeup | None
@@ -76,7 +77,12 @@ class HeldBatches:
                 self._next_ticket -= 1
             return False
         key = self._shape_key(requests[0]) if self._check_shapes else None
-        self._open = OpenBatch(held, outlet, size, key)
+        opened = self._opened
+        if opened is None:
+            opened = self._opened = OpenBatch(held, outlet, size, key)
+        else:  # (re-armed: nothing refers to the last one once ``_open`` let it go)
+            opened.batch, opened.outlet, opened.size, opened.key = held, outlet, size, key
+        self._open = opened
         return True
 
     def _join(self, request: InferenceRequest) -> bool:
