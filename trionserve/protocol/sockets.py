@@ -325,16 +325,25 @@ class EagerReceiver:
         waiting[self] = watch.looks
         if watch.idle:
             watch.wake()
+        # The descriptor once, waited on and read as a number (no method of the
+        # socket per wake, which runs cold after the wait): closed meanwhile, the
+        # wait ends in ClosedResourceError (Trio's notify_closing), never a read
+        # of a number another socket took since.
+        fd = socket.fileno()
         try:
             while True:
-                await trio.lowlevel.wait_readable(socket)
+                await trio.lowlevel.wait_readable(fd)
                 if later is not None:  # (woken with the rest still there: read first)
                     self._settle()
-                received = _readv_now(socket, buffers)
-                if received is not None:
-                    if later is not None:  # (SO_PEEK_OFF goes back by what is read)
-                        later.peek_at -= received
-                    return received
+                try:
+                    received = os.readv(fd, buffers)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    raise trio.BrokenResourceError(exc) from exc
+                if later is not None:  # (SO_PEEK_OFF goes back by what is read)
+                    later.peek_at -= received
+                return received
         finally:
             waiting.pop(self, None)
 
