@@ -1,7 +1,8 @@
-"""ModelInfer's handler's first step with its handle stepped in place (unary._direct): a
-call its handle parks at once is PARKED with no handler coroutine; a traced call, one not
-taken whole or one with a debug delay is the handler's; the rest (a handle that waits, an
-error, an answer returned at once) is the handler's rest: statuses and the send kept."""
+"""ModelInfer's handler's first step as its plain first step (``now``, unary._direct): a
+call ``now`` parks is PARKED with no coroutine at all; a traced call, one not taken whole
+or one with a debug delay is the handler's; the rest (what ``now`` returns to await, an
+error it raises, an answer the rest returns at once) is the handler's rest: statuses and
+the send kept."""
 
 from __future__ import annotations
 
@@ -38,10 +39,10 @@ async def handler(call):  # the handler's own way: never taken when _direct step
     raise AssertionError("the handler ran")
 
 
-def test_a_call_parked_at_once_needs_no_coroutine_of_the_handler():
+def test_a_call_parked_at_once_needs_no_coroutine():
     seen: list = []
 
-    async def handle(data, call):
+    def handle(data, call):
         seen.append(data)
         return PARKED
 
@@ -55,7 +56,7 @@ def test_a_call_parked_at_once_needs_no_coroutine_of_the_handler():
     [(True, b"m", DebugDelays()), (False, None, DebugDelays()), (False, b"m", DebugDelays(5))],
 )
 def test_a_traced_call_one_not_whole_or_delayed_is_the_handlers(active, data, delays):
-    async def handle(data, call):
+    def handle(data, call):
         raise AssertionError("stepped in place")
 
     ran = []
@@ -70,27 +71,33 @@ def test_a_traced_call_one_not_whole_or_delayed_is_the_handlers(active, data, de
     assert len(ran) == 1
 
 
-async def test_a_handle_that_waits_is_answered_by_the_rest():
-    async def handle(data, call):
+async def test_a_rest_that_waits_is_answered():
+    async def waits():
         await trio.lowlevel.checkpoint()
         return [b"answer"]
+
+    def handle(data, call):
+        return waits()
 
     call = Call()
     rest = _direct(handler, handle, traced(), DebugDelays(), call)
     assert await rest is None and call.sent == [[b"answer"]]
 
 
-async def test_an_answer_returned_at_once_is_sent():
-    async def handle(data, call):
+async def test_an_answer_the_rest_returns_at_once_is_sent():
+    async def at_once():
         return [b"at once"]
+
+    def handle(data, call):
+        return at_once()
 
     call = Call()
     assert await _direct(handler, handle, traced(), DebugDelays(), call) is None
     assert call.sent == [[b"at once"]]
 
 
-async def test_a_handles_error_is_its_status():
-    async def handle(data, call):
+async def test_an_error_of_the_step_or_its_rest_is_its_status():
+    def handle(data, call):
         raise InvalidArgument("no such input")
 
     call = Call()
@@ -99,10 +106,24 @@ async def test_a_handles_error_is_its_status():
         await rest
     assert raised.value.status == Status.INVALID_ARGUMENT and call.sent == []
 
-    async def broken(data, call):
+    async def bug():
         await trio.lowlevel.checkpoint()
         raise ValueError("bug")
+
+    def broken(data, call):
+        return bug()
 
     with pytest.raises(GRPCError) as raised:
         await _direct(handler, broken, traced(), DebugDelays(), call)
     assert raised.value.status == Status.INTERNAL
+
+
+async def test_a_rest_that_parks_after_all_is_parked():
+    async def parks():
+        return PARKED
+
+    call = Call()
+    assert await _direct(handler, lambda data, call: parks(), traced(), DebugDelays(), call) is (
+        PARKED
+    )
+    assert call.sent == []

@@ -148,6 +148,7 @@ class RequestPlan:
         "parameters",
         "attributes",
         "sized",
+        "one",
     )
 
     def __init__(
@@ -164,6 +165,13 @@ class RequestPlan:
         self.count = len(inputs)
         # Every input of a fixed size (no BYTES, whose contents are read as a request is made).
         self.sized = all(input_[5] is not None for input_ in inputs)
+        # The common request's one input of a fixed size, not empty: its name, wire
+        # datatype, dtype, shape and size, its tensor made without the loop over inputs.
+        self.one: tuple[str, str, np.dtype, list[int], int] | None = None
+        if len(inputs) == 1 and inputs[0][5] and inputs[0][4]:
+            name, dt, dtype, shape, _, size = inputs[0]
+            assert size is not None
+            self.one = (name, dt.wire, dtype, shape, size)
         self.outputs = outputs
         # What the request's parameters set, copied into each call's request.
         self.parameters = template.parameters if template is not None else None
@@ -175,11 +183,38 @@ class RequestPlan:
 
     def request(self, request_id: str, raws: list[memoryview]) -> InferenceRequest | None:
         """The request with this id and raw contents, or None when they do not fit."""
-        inputs = self.inputs
         if len(raws) != self.count:
             return None
+        one = self.one
+        tensors: dict[str, Tensor] | None
+        if one is not None:
+            name, wire, dtype, shape, size = one
+            raw = raws[0]
+            if raw.nbytes != size:
+                return None
+            tensors = {name: Tensor(name, wire, np.ndarray(shape, dtype, raw))}
+        else:
+            tensors = self._tensors(raws)
+            if tensors is None:
+                return None
+        request = InferenceRequest(self.model, self.version, id=request_id, inputs=tensors)
+        request.shape_key = self  # (validated once per model: core/validation.py)
+        if self.outputs is not None:
+            request.requested_outputs = [
+                RequestedOutput(name, dict(params)) for name, params in self.outputs
+            ]
+        if self.attributes is not None:
+            assert self.parameters is not None
+            request.parameters = dict(self.parameters)
+            for name, value in self.attributes:
+                setattr(request, name, value)
+        return request
+
+    def _tensors(self, raws: list[memoryview]) -> dict[str, Tensor] | None:
+        """The inputs' tensors of these raw contents (one each, in order), or None when
+        they do not fit."""
         tensors: dict[str, Tensor] = {}
-        for (name, dt, dtype, shape, count, size), raw in zip(inputs, raws, strict=True):
+        for (name, dt, dtype, shape, count, size), raw in zip(self.inputs, raws, strict=True):
             if size is None:  # BYTES
                 try:
                     what = f"input '{name}' with shape {_fmt_shape(shape)}"
@@ -193,19 +228,7 @@ class RequestPlan:
             else:
                 data = np.empty(shape, dtype=dt.numpy)
             tensors[name] = Tensor(name, dt.wire, data)
-        request = InferenceRequest(self.model, self.version, id=request_id)
-        request.shape_key = self  # (validated once per model: core/validation.py)
-        request.inputs = tensors
-        if self.outputs is not None:
-            request.requested_outputs = [
-                RequestedOutput(name, dict(params)) for name, params in self.outputs
-            ]
-        if self.attributes is not None:
-            assert self.parameters is not None
-            request.parameters = dict(self.parameters)
-            for name, value in self.attributes:
-                setattr(request, name, value)
-        return request
+        return tensors
 
 
 @functools.lru_cache(maxsize=_PLANS)

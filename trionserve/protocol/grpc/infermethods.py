@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import trio
@@ -38,6 +39,9 @@ from trionserve.protocol.grpc.status import GRPCError, Status
 from trionserve.protocol.grpc.streams import STREAM_PENDING_LIMIT, StreamBudget, Turn
 from trionserve.protocol.grpc.unary import DebugDelays, grpc_error
 
+if TYPE_CHECKING:
+    from trionserve.protocol.later import LaterBody
+
 __all__ = ["InferMethods"]
 
 log = structlog.get_logger(__name__)
@@ -55,70 +59,130 @@ class InferMethods:
     _forward: re.Pattern[str] | None
     _first_response: bool
 
-    async def model_infer(self, data: grpc_framing.Message, call: GrpcCall) -> list:
-        # The common request (infercache): it names no shared memory, so no
-        # regions are held for it; any other goes through protobuf (codec).
-        # (its last raw contents may still be in the socket: grpc/laterread.py)
-        later = grpc_laterread.rest_of(call, data)
-        request = grpc_infercache.decode_request(data)
-        shared_memory = None
-        if request is None:
-            shared_memory = self.dataplane.request_regions()
-        try:
+    async def model_infer(self, data: grpc_framing.Message, call: GrpcCall) -> object:
+        """ModelInfer (the handler's way, :func:`~.unary.unary_method`): its answer's chunks,
+        ANSWERED (written by the instance's thread) or PARKED (its outcome carries the call
+        on: parking.py)."""
+        rest = self.model_infer_now(data, call)
+        return PARKED if rest is PARKED else await rest
+
+    def model_infer_now(
+        self,
+        data: grpc_framing.Message,
+        call: GrpcCall,
+        decoded: tuple[InferenceRequest, LaterBody | None, RequestRegions | None] | None = None,
+    ) -> Any:
+        """ModelInfer's first step as plain calls (``unary._direct`` takes it in place of a
+        coroutine stepped to its first wait): PARKED, or the awaitable that takes the rest
+        of the way (to the answer's chunks, ANSWERED or PARKED), awaited at once.
+        ``decoded``: the request protobuf decoded (:meth:`_decoded_infer`), the rest of its
+        message left in the socket and the regions it holds."""
+        if decoded is None:
+            # The common request (infercache): it names no shared memory, so no
+            # regions are held for it; any other goes through protobuf (codec).
+            # (its last raw contents may still be in the socket: grpc/laterread.py)
+            later = grpc_laterread.rest_of(call, data)
+            request = grpc_infercache.decode_request(data)
             if request is None:
-                message, raws = grpc_codec.parse_infer_request(data)
-                try:
-                    request = grpc_codec.decode_infer_request(message, shared_memory, raws)
-                except TritonError as error:  # Triton's Execute logs it (infer_handler.cc:987)
-                    log_infer_failed(message.id, error.message)
-                    raise
-            if self._forward is not None:
-                self._forward_headers(call, request)
-            if self.dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
-                request.trace_context = getattr(call, "stamps", None)
-            if self.verbose or LOG_SETTINGS.log_verbose_level > 0:  # (verbose_logging())
-                if later is not None:
-                    later.now()
-                return await self._logged_infer(request, shared_memory)
-            # (here, not in a coroutine of its own: a parked call is carried on
-            # through each of its frames)
-            answer = (
-                grpc_answer.arm(call, request, ParkedInfer) if self._answerable(request) else None
-            )
-            if later is not None:  # read by the instance's thread, or now
-                grpc_laterread.place(later, answer, self.dataplane, request)
-            if answer is None:
-                response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
-            else:
-                parked = False
-                try:
-                    begun = self.dataplane.begin_now(request, "ModelInfer RPC")
-                    run = begun if isinstance(begun, Lifecycle) else await begun
-                    if isinstance(run, InferenceResponse):  # (the response cache's)
-                        response = run
-                    else:
-                        # (how the call goes on if it parks: the answer is its Parked)
-                        answer.dataplane, answer.run = self.dataplane, run
-                        if (
-                            answer.state == grpc_answer.ARMED  # (else: written, swept as it waits)
-                            and shared_memory is None
-                            and call.connection.park(call, run.request, answer)
-                        ):  # the outcome carries the call on (parking.py): it returns now
-                            parked = True
-                            return PARKED
-                        response = await self.dataplane.finish(run)
-                finally:
-                    # (failed or cancelled after the thread's answer: the client has it)
-                    if not parked:
-                        taken = answer.take()
-                if taken != grpc_answer.DISARMED:
-                    return grpc_answer.ANSWERED
-            return grpc_infercache.encode_response(
-                response, request
-            ) or grpc_codec.encode_infer_response(response, request, None, shared_memory)
+                return self._decoded_infer(data, call, later)
+            shared_memory = None
+        else:
+            request, later, shared_memory = decoded
+        dataplane = self.dataplane
+        if self._forward is not None:
+            self._forward_headers(call, request)
+        if dataplane.tracing.active:  # GRPC_WAITREAD_START ... (unary.unary_method)
+            request.trace_context = getattr(call, "stamps", None)
+        if self.verbose or LOG_SETTINGS.log_verbose_level > 0:  # (verbose_logging())
+            if later is not None:
+                later.now()
+            return self._logged_infer(request, shared_memory)
+        answer = grpc_answer.arm(call, request, ParkedInfer) if self._answerable(request) else None
+        if later is not None:  # read by the instance's thread, or now
+            grpc_laterread.place(later, answer, dataplane, request)
+        if answer is None:
+            return self._infer(request, shared_memory)
+        try:
+            begun = dataplane.begin_now(request, "ModelInfer RPC")
+            if isinstance(begun, Lifecycle) and self._parked(begun, answer, call, shared_memory):
+                return PARKED
+        except BaseException:
+            answer.take()  # (failed after the thread's answer: the client has it)
+            raise
+        return self._answered_infer(begun, answer, request, call, shared_memory)
+
+    async def _decoded_infer(
+        self, data: grpc_framing.Message, call: GrpcCall, later: LaterBody | None
+    ) -> object:
+        """ModelInfer for a request infercache does not take: decoded by protobuf, the
+        regions its shared memory names held until it is answered."""
+        shared_memory = self.dataplane.request_regions()
+        try:
+            message, raws = grpc_codec.parse_infer_request(data)
+            try:
+                request = grpc_codec.decode_infer_request(message, shared_memory, raws)
+            except TritonError as error:  # Triton's Execute logs it (infer_handler.cc:987)
+                log_infer_failed(message.id, error.message)
+                raise
+            rest = self.model_infer_now(data, call, (request, later, shared_memory))
+            return PARKED if rest is PARKED else await rest
         finally:
             if shared_memory is not None:
                 shared_memory.release()
+
+    def _parked(
+        self,
+        run: Lifecycle,
+        answer: ParkedInfer,
+        call: GrpcCall,
+        shared_memory: RequestRegions | None,
+    ) -> bool:
+        """Whether the call parks until ``run``'s outcome carries it on (parking.py), its
+        answer (armed, not written yet: else swept as it waits) its Parked."""
+        answer.dataplane, answer.run = self.dataplane, run
+        return (
+            answer.state == grpc_answer.ARMED
+            and shared_memory is None
+            and call.connection.park(call, run.request, answer)
+        )
+
+    async def _answered_infer(
+        self,
+        begun: Lifecycle | Awaitable[Lifecycle | InferenceResponse],
+        answer: ParkedInfer,
+        request: InferenceRequest,
+        call: GrpcCall,
+        shared_memory: RequestRegions | None,
+    ) -> object:
+        """The rest of a call whose answer is armed for the instance's thread and that did
+        not park at once: ANSWERED once the thread wrote it, else the answer's chunks."""
+        parked = False
+        try:
+            if isinstance(begun, Lifecycle):  # (it did not park: model_infer_now)
+                run: Lifecycle | InferenceResponse = begun
+            else:
+                run = await begun
+                if not isinstance(run, InferenceResponse) and self._parked(
+                    run, answer, call, shared_memory
+                ):  # (begun without a wait after all)
+                    parked = True
+                    return PARKED
+            if isinstance(run, InferenceResponse):  # (the response cache's)
+                response = run
+            else:
+                response = await self.dataplane.finish(run)
+        finally:
+            # (failed or cancelled after the thread's answer: the client has it)
+            if not parked:
+                taken = answer.take()
+        if taken != grpc_answer.DISARMED:
+            return grpc_answer.ANSWERED
+        return _encoded(response, request, shared_memory)
+
+    async def _infer(self, request: InferenceRequest, shared_memory: RequestRegions | None) -> list:
+        """The rest of a call whose answer the loop writes: the answer's chunks."""
+        response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
+        return _encoded(response, request, shared_memory)
 
     async def _logged_infer(
         self, request: InferenceRequest, shared_memory: RequestRegions | None
@@ -130,9 +194,7 @@ class InferMethods:
         status = "CANCELLED"  # unless it ends otherwise
         try:
             response = await self.dataplane.infer(request, endpoint="ModelInfer RPC")
-            encoded = grpc_infercache.encode_response(
-                response, request
-            ) or grpc_codec.encode_infer_response(response, request, None, shared_memory)
+            encoded = _encoded(response, request, shared_memory)
             status = "OK"
             return encoded
         except TritonError as error:
@@ -347,3 +409,12 @@ class InferMethods:
             if isinstance(value, str) and self._forward.search(key):
                 check_forwarded_header(key)
                 request.parameters.setdefault(key, value)
+
+
+def _encoded(
+    response: InferenceResponse, request: InferenceRequest, shared_memory: RequestRegions | None
+) -> list:
+    """ModelInfer's answer as chunks to write (infercache's common form, else protobuf's)."""
+    return grpc_infercache.encode_response(response, request) or grpc_codec.encode_infer_response(
+        response, request, None, shared_memory
+    )

@@ -70,7 +70,9 @@ class GrpcService(InferMethods):
             "ServerMetadata": unary(pb.ServerMetadataRequest, self.server_metadata),
             "ModelMetadata": unary(pb.ModelMetadataRequest, self.model_metadata),
             "ModelConfig": unary(pb.ModelConfigRequest, self.model_config),
-            "ModelInfer": unary_method(None, self.model_infer, self.dataplane, self.delays.infer()),
+            "ModelInfer": unary_method(
+                None, self.model_infer, self.dataplane, self.delays.infer(), self.model_infer_now
+            ),
             "ModelStreamInfer": Method(self.model_stream_infer, client_streaming=True),
             "RepositoryIndex": unary(pb.RepositoryIndexRequest, self.repository_index),
             "RepositoryModelLoad": unary(pb.RepositoryModelLoadRequest, self.repository_load),

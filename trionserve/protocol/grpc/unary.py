@@ -124,6 +124,7 @@ def unary_method(
     handle: Callable[..., Awaitable[Any]],
     traced: DataPlane | None = None,
     delays: DebugDelays | None = None,
+    now: Callable[[Any, GrpcCall], Any] | None = None,
 ) -> Method:
     """A method taking one request message (parsed as ``request_type``; None: the
     raw message) and answering ``await handle(request, call)``.
@@ -133,6 +134,9 @@ def unary_method(
     GRPC_SEND_START / GRPC_SEND_END around its answer's send, handed to ``handle``
     as ``call.stamps`` (:mod:`trionserve.observability.trace.frontend`).
     ``delays``: Triton's debugging delays (:class:`DebugDelays`).
+    ``now`` (ModelInfer's, with ``traced``): ``handle``'s first step as plain calls
+    (PARKED, or what to await for the rest), taken in place of the handler's first
+    step for an untraced call taken whole (:func:`_direct`).
     """
     delays = delays or DebugDelays()
 
@@ -171,29 +175,12 @@ def unary_method(
                     return PARKED
                 if delays.before_answer or delays.common_answer:
                     await delays.before_write()
-            except TritonError as error:
-                if (
-                    stamps is not None
-                    and stamps.trace is not None
-                    and not isinstance(error, Cancelled)
-                ):
-                    # Triton answers a sampled request's error as any response
-                    # (src/grpc/infer_handler.cc InferResponseComplete: GRPC_SEND_START
-                    # before Finish, GRPC_SEND_END at COMPLETE); here its trailers are
-                    # queued with h2 in the same step as the handler ends.
-                    stamps.stamp("GRPC_SEND_START")
-                    stamps.stamp("GRPC_SEND_END")
-                raise grpc_error(error) from None
-            except GRPCError:
-                raise
             except Exception as exc:
-                log.exception("grpc method failed", method=call.method)
-                raise grpc_error(as_triton_error(exc, "internal error")) from None
-            if type(response) is not list and isinstance(response, Message):  # (ModelInfer's)
-                response = response.SerializeToString()
+                raise _status(call, exc, stamps) from None
+            message = _message(response)
             if stamps is not None:
                 stamps.stamp("GRPC_SEND_START")
-            await call.send(response)
+            await call.send(message)
             if stamps is not None:
                 stamps.stamp("GRPC_SEND_END")
             return None
@@ -201,59 +188,71 @@ def unary_method(
             if stamps is not None:
                 stamps.release()
 
-    if traced is not None and request_type is None:
-        handler.direct = partial(_direct, handler, handle, traced, delays)  # type: ignore[attr-defined]
+    if traced is not None and now is not None:
+        handler.direct = partial(_direct, handler, now, traced, delays)  # type: ignore[attr-defined]
     return Method(handler)
 
 
 def _direct(
     handler: Callable[[GrpcCall], Awaitable[object]],
-    handle: Callable[..., Awaitable[Any]],
+    now: Callable[[Any, GrpcCall], Any],
     traced: DataPlane,
     delays: DebugDelays,
     call: GrpcCall,
 ) -> object:
-    """ModelInfer's handler's first step with ``handle`` stepped here, not under the
-    handler's coroutine (a level fewer, run to its return on the loop's cold caches):
-    PARKED, or the coroutine to step for the rest. An untraced call taken whole with no
-    debug delay before it; any other is the handler's (``handler(call)``)."""
+    """ModelInfer's handler's first step as ``now``'s plain calls, not a coroutine stepped
+    (a level fewer, run to its return on the loop's cold caches): PARKED, or the coroutine
+    to step for the rest (:func:`_answer`). An untraced call taken whole with no debug delay
+    before it; any other is the handler's (``handler(call)``)."""
     if traced.tracing.active or delays.before_infer:
         return handler(call)
     data = call.take_whole()
     if data is None:
         return handler(call)
-    coroutine: Any = handle(data, call)
     try:
-        message = coroutine.send(None)
-    except StopIteration as stop:
-        if stop.value is PARKED:
-            return PARKED
-        return _answer(call, None, stop.value, delays)
+        rest = now(data, call)
     except BaseException as exc:
-        return _answer(call, inline.Failed(exc), None, delays)
-    return _answer(call, inline.Resume(coroutine, message), None, delays)
+        return _answer(call, inline.Failed(exc), delays)
+    return PARKED if rest is PARKED else _answer(call, rest, delays)
 
 
-async def _answer(
-    call: GrpcCall, rest: Awaitable[object] | None, response: Any, delays: DebugDelays
-) -> object:
-    """The handler's rest after ``_direct``'s step (``rest`` to await, or the
-    ``response`` it returned): its errors as statuses, its answer sent."""
+async def _answer(call: GrpcCall, rest: Awaitable[object], delays: DebugDelays) -> object:
+    """The handler's rest after ``_direct``'s step, as the handler's own ends an untraced
+    call: ``rest`` awaited, its errors as statuses, its answer sent."""
     try:
-        if rest is not None:
-            response = await rest
-            if response is PARKED:
-                return PARKED
+        response = await rest
+        if response is PARKED:
+            return PARKED
         if delays.before_answer or delays.common_answer:
             await delays.before_write()
-    except TritonError as error:
-        raise grpc_error(error) from None
-    except GRPCError:
-        raise
     except Exception as exc:
-        log.exception("grpc method failed", method=call.method)
-        raise grpc_error(as_triton_error(exc, "internal error")) from None
-    if type(response) is not list and isinstance(response, Message):
-        response = response.SerializeToString()
-    await call.send(response)
+        raise _status(call, exc, None) from None
+    await call.send(_message(response))
     return None
+
+
+def _status(call: GrpcCall, error: Exception, stamps: FrontendStamps | None) -> GRPCError:
+    """The status a unary call whose handling raised ``error`` ends with: a GRPCError's
+    own, a TritonError's (a sampled request's stamped as sent: ``stamps``), else INTERNAL
+    (logged). Called where it is caught."""
+    if isinstance(error, GRPCError):
+        return error
+    if isinstance(error, TritonError):
+        if stamps is not None and stamps.trace is not None and not isinstance(error, Cancelled):
+            # Triton answers a sampled request's error as any response
+            # (src/grpc/infer_handler.cc InferResponseComplete: GRPC_SEND_START
+            # before Finish, GRPC_SEND_END at COMPLETE); here its trailers are
+            # queued with h2 in the same step as the handler ends.
+            stamps.stamp("GRPC_SEND_START")
+            stamps.stamp("GRPC_SEND_END")
+        return grpc_error(error)
+    log.exception("grpc method failed", method=call.method)
+    return grpc_error(as_triton_error(error, "internal error"))
+
+
+def _message(response: Any) -> Any:
+    """A handler's answer as ``GrpcCall.send`` takes it (a protobuf message serialized;
+    ModelInfer's chunks as they are)."""
+    if type(response) is not list and isinstance(response, Message):
+        return response.SerializeToString()
+    return response
