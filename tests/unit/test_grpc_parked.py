@@ -28,7 +28,7 @@ from trionserve.core.deferred import deferred_jobs
 from trionserve.core.inference import InferenceRequest, InferenceResponse
 from trionserve.protocol.grpc.answer import DISARMED, WRITING, WRITTEN
 from trionserve.protocol.grpc.connection import Connection
-from trionserve.protocol.grpc.state import ConnEvent
+from trionserve.protocol.grpc.state import ConnEvent, Response
 
 
 class Report:
@@ -319,3 +319,81 @@ async def test_an_outcome_delivered_before_the_thread_writes_is_the_loops():
         assert client.answer(stream_id) == message(outcome)
         assert answer.state == DISARMED and conn.calls == {}
         assert answer.state != WRITTEN
+
+
+async def test_a_call_ended_the_common_way_is_re_armed_as_a_later_call():
+    # A call that ended in the reader with its answer the connection's spare
+    # (ParkedInfer.ended) is referred to by nothing else: the connection makes a
+    # later call from it (Connection._on_request: the next headers it reads),
+    # every per-call field as a new call's, its reader let go, instead of a new
+    # GrpcCall, CallState and Account.
+    infer = Infer()
+    async with serving(infer) as (conn, client):
+        outcome = response()
+        body = bytes(range(256)) * 128  # in two reads: the call's reader is made
+        first = client.open()
+        payload = struct.pack(">BI", 0, len(body)) + body
+        client.h2.send_data(first, payload[:1000])
+        await client.flush()
+        await trio.testing.wait_all_tasks_blocked()
+        infer.armed = trio.Event()
+        client.h2.send_data(first, payload[1000:], end_stream=True)
+        await client.flush()
+        await infer.armed.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        call, request, answer = infer.calls[-1]
+        account = call.account
+        assert call._reading and call.stream_id == first
+        reader = call.reader
+        assert await thread_write(request, answer, outcome)
+        await client.until(lambda: client.ended(first))
+        deferred_jobs().append(Report(request, outcome))
+        # The second's headers come in the read whose sweep ends the first:
+        # made new, the first kept for the next.
+        second, request2, answer2 = await armed_call(infer, client)
+        call2 = infer.calls[-1][0]
+        assert call2 is not call and conn.spare_call is call and first not in conn.calls
+        assert await thread_write(request2, answer2, outcome)
+        await client.until(lambda: client.ended(second))
+        deferred_jobs().append(Report(request2, outcome))
+        third, request3, answer3 = await armed_call(infer, client)
+        assert infer.calls[-1][0] is call and conn.spare_call is call2
+        assert conn.calls == {third: call} and call.stream_id == third
+        assert call.account is account and account.stream_id == third
+        assert conn.buffer._accounts == {third: account}
+        assert account.working == conn.buffer.working > 0 and not account.queued
+        assert call.reader is not reader  # (the third's own, made as it read)
+        assert not call.messages and call._metadata is None
+        assert call.error is None and call.scope is None and call.deadline is None
+        state = call.state
+        assert state.client_done and not state.reset and state.answerable
+        assert state.response is Response.IDLE
+        assert answer3 is answer and answer._call is call and request3.answer is answer
+        assert not await thread_write(request, answer, outcome)  # (the first's: stale)
+        assert await thread_write(request3, answer3, outcome)
+        await client.until(lambda: client.ended(third))
+        deferred_jobs().append(Report(request3, outcome))
+        fourth, request4, answer4 = await armed_call(infer, client)
+        assert infer.calls[-1][0] is call2  # (the second's, in turn)
+        assert infer.ended == [(first, "thread"), (second, "thread"), (third, "thread")]
+        assert client.answer(first) == client.answer(third) == message(outcome)
+        assert await thread_write(request4, answer4, outcome)
+        await client.until(lambda: client.ended(fourth))
+
+
+async def test_a_call_the_loop_answered_is_never_re_armed():
+    # Its answer not the thread's (not armed): the call ended through its
+    # handler's coroutine, whose frames may still refer to it; every call is new.
+    infer = Infer(arming=False)
+    async with serving(infer) as (conn, client):
+        outcome = response()
+        calls = []
+        for _ in range(3):
+            stream_id, request, answer = await armed_call(infer, client)
+            assert answer is None
+            calls.append(infer.calls[-1][0])
+            deferred_jobs().append(Report(request, outcome))
+            request.respond(outcome)
+            await client.until(lambda: client.ended(stream_id))  # noqa: B023
+            assert conn.spare_call is None
+        assert len({id(call) for call in calls}) == 3

@@ -89,6 +89,7 @@ class GrpcCall:
         "_encoding",
         # Made on first use (__getattr__): a call taken whole never feeds one.
         "reader",
+        "_reading",  # (whether it was made: let go as the call is re-armed)
         "messages",
         "_wakeup",
         "window_waiter",
@@ -128,6 +129,7 @@ class GrpcCall:
         self.compress = compress
         self._encoding = encoding
         self.messages: deque[grpc_framing.Message] = deque()  # received, not taken
+        self._reading = False
         # Made as a task waits (most calls never wait): receive and send check
         # what they wait for right before, with no checkpoint between, so a
         # wake-up that comes before there is anything to set is not needed.
@@ -136,6 +138,39 @@ class GrpcCall:
         # Streaming calls' responses come from several tasks at once; a unary
         # call has one sender (its handler) and needs no lock.
         self._send_lock = trio.Lock() if client_streaming else None
+
+    def again(
+        self,
+        account: Account,
+        method: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        deadline: float | None,
+        encoding: bytes,
+        compress: bool,
+        ended: bool,
+    ) -> None:
+        """This ended unary call made the connection's next one (not client
+        streaming: no send lock), ``__init__``'s per-call fields set again,
+        ``account`` its own re-armed: for a call that ended the common way, which
+        nothing refers to any more (``Connection.spare_call``). (Never traced:
+        ``stamps`` is never set on it.)"""
+        self.method = method
+        self._headers = headers
+        self._metadata = None
+        self.deadline = deadline
+        self.state.again(ended)
+        self.account = account
+        self.error = None
+        self.scope = None
+        self.stream_id = account.stream_id
+        self.compress = compress
+        self._encoding = encoding
+        if self.messages:  # (its one message taken: none)
+            self.messages.clear()
+        if self._reading:
+            del self.reader
+            self._reading = False
+        self._wakeup = self.window_waiter = None
 
     reader: grpc_framing.MessageReader
 
@@ -147,6 +182,7 @@ class GrpcCall:
         reader = self.reader = grpc_framing.MessageReader(
             self._encoding, self.connection.options.max_message_size, defer_decompression=True
         )
+        self._reading = True
         return reader
 
     @property

@@ -440,17 +440,24 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
                 self._trailers_only(stream_id, head.status, head.message)
             return None
         method = head.method
-        call = GrpcCall(
-            self,
-            self.buffer.open(stream_id),
-            head.path,
-            headers,
-            None if head.timeout is None else trio.current_time() + head.timeout,
-            method.client_streaming,
-            head.encoding,
-            head.compress,
-            ended,
-        )
+        deadline = None if head.timeout is None else trio.current_time() + head.timeout
+        call = self.spare_call
+        if call is None or method.client_streaming:
+            call = GrpcCall(
+                self,
+                self.buffer.open(stream_id),
+                head.path,
+                headers,
+                deadline,
+                method.client_streaming,
+                head.encoding,
+                head.compress,
+                ended,
+            )
+        else:  # the last call, ended the common way: re-armed, not made again
+            self.spare_call = None
+            account = self.buffer.open(stream_id, call.account)
+            call.again(account, head.path, headers, deadline, head.encoding, head.compress, ended)
         # An END_STREAM on the headers comes next (_on_end); the
         # call starts once the read's events are all handled (_start_calls).
         if not self.calls:  # busy again (the idle deadline stays: lifetime.idle_deadline)

@@ -112,8 +112,16 @@ class ConnectionBuffer:
         self._accounts: dict[int, Account] = {}
         self._held_back: dict[Account, None] = {}  # insertion-ordered
 
-    def open(self, stream_id: int) -> Account:
-        account = self._accounts[stream_id] = Account(stream_id)
+    def open(self, stream_id: int, spare: Account | None = None) -> Account:
+        """A new call's account; ``spare``: an ended call's, re-armed (its counts
+        zeroed by ``close``) instead of a new one made."""
+        if spare is None:
+            account = Account(stream_id)
+        else:
+            account = spare
+            account.stream_id = stream_id
+            account.deferred_ack = account.deferred_stream = 0
+        self._accounts[stream_id] = account
         return account
 
     def received(self, account: Account, flow: int, partial: int, sizes: list[int]) -> list[Window]:

@@ -76,7 +76,8 @@ class ParkedInfer(CallAnswer, Parked):
         receivers waiting for room as it does). Nothing refers to this answer
         any more then unless the loop took the thread's write in progress
         (``_token`` set: the thread may still report it): else it is the
-        connection's spare, armed again for its next call. Any other call
+        connection's spare, armed again for its next call, and the call its
+        ``spare_call``, made a later call (``GrpcCall.again``). Any other call
         goes on as ``ParkedCalls._carry`` says (its handler's :meth:`rest`;
         ``Parked.ended`` is False for it)."""
         conn = self._conn
@@ -102,6 +103,8 @@ class ParkedInfer(CallAnswer, Parked):
         self.run = None
         if self._token is None and conn.answer is not self:
             conn.spare = self
+            # Nor anything to the call: it makes a later call (Connection._on_request).
+            conn.spare_call = call
         conn._ended(call)
 
     async def rest(self, call: GrpcCall) -> object:

@@ -60,6 +60,9 @@ class CallRunner:
     idle_timeout: float
     _room: trio.lowlevel.ParkingLot
     _room_waiters: int
+    # A call ended the common way (its answer the connection's spare, which
+    # alone refers to it: ParkedInfer.__call__), made a later call (_on_request).
+    spare_call: GrpcCall | None = None
     # (ParkedCalls', a base after this one)
     _go_on: Callable[[GrpcCall, Handler | Parked], None]
 

@@ -144,6 +144,15 @@ class CallState:
         # The call may still end with a status: not answered, not abandoned.
         self.answerable = True
 
+    def again(self, ended: bool) -> None:
+        """Both sides back at their start, as ``__init__`` leaves them: the
+        state of a new call on a re-armed :class:`~.call.GrpcCall`."""
+        self.request = Request.ENDED if ended else Request.OPEN
+        self.response = Response.IDLE
+        self.reset = False
+        self.client_done = ended
+        self.answerable = True
+
     def request_event(self, event: RequestEvent) -> None:
         try:
             request = self.request = REQUEST_TRANSITIONS[self.request][event]
