@@ -64,7 +64,7 @@ from trionserve.protocol.grpc.codec import (
     _varint,
 )
 
-__all__ = ["cut_as_last", "decode_request", "encode_response", "raw_at"]
+__all__ = ["decode_request", "encode_response", "raw_at"]
 
 # ModelInferRequest's fields 1-6 (model_name, model_version, id, parameters,
 # inputs, outputs; grpc_service.proto), each length-delimited: their tags. Field
@@ -317,19 +317,6 @@ def raw_at(length: int) -> int:
         return 0
     start, stop = layout.spans[-1]
     return start if stop == length and layout.plan.sized else 0
-
-
-def cut_as_last(data: Wire, at: int) -> bool:
-    """Whether :func:`decode_request` cuts ``data`` as the last message, reading none of it
-    from ``at`` on (its last raw contents, :func:`raw_at`'s): the rest may be unread yet."""
-    layout = _last
-    view = memoryview(data)
-    if layout is None or view.nbytes != layout.end or not at or layout.spans[-1][0] != at:
-        return False
-    for start, stop, known in layout.fixed:
-        if view[start:stop] != known:
-            return False
-    return layout.plan.sized
 
 
 def decode_request(data: Wire, at: int = 0) -> InferenceRequest | None:

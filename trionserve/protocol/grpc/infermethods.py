@@ -81,8 +81,7 @@ class InferMethods:
             # The common request (infercache): it names no shared memory, so no
             # regions are held for it; any other goes through protobuf (codec).
             # (its last raw contents may still be in the socket: grpc/laterread.py)
-            later = grpc_laterread.rest_of(call, data)
-            request = grpc_infercache.decode_request(data)
+            request, later = grpc_laterread.decoded(call, data)
             if request is None:
                 return self._decoded_infer(data, call, later)
             shared_memory = None

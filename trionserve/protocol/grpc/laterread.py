@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from trionserve.protocol.grpc.call import GrpcCall
     from trionserve.protocol.sockets import EagerReceiver
 
-__all__ = ["LaterReads", "decoded", "place", "rest_of"]
+__all__ = ["LaterReads", "decoded", "place"]
 
 # The slot the thread reads the bytes between the DATA frames into (inflow.SLOT's size).
 _SPARE = 64
@@ -70,7 +70,7 @@ class LaterReads:
 
     def _left_for_infer(self) -> bool:
         """After a call read so was taken whole, not a ModelInfer one (whose handler takes its
-        rest: :func:`rest_of`; _take_read sees to that, and to a call with no rest left): its
+        rest: :func:`decoded`; _take_read sees to that, and to a call with no rest left): its
         rest read now. False when that read failed (the connection closes)."""
         later = self.later
         if later is None or later.settle():
@@ -132,19 +132,6 @@ class LaterReads:
             raise trio.BrokenResourceError(later.broken)
 
 
-def rest_of(call: GrpcCall, data: bytes | bytearray | memoryview) -> LaterBody | None:
-    """ModelInfer's first step: the connection's rest of ``data`` (this call's message) left in
-    the socket, if any, read now unless infercache cuts the message as the last one (reading none
-    of the rest)."""
-    conn = call.connection
-    later = conn.later
-    if later is None or later.view is None or later.view.obj is not getattr(data, "obj", None):
-        return None
-    if not infercache.cut_as_last(data, conn.later_at):
-        later.now()
-    return later
-
-
 def decoded(
     call: GrpcCall, data: bytes | bytearray | memoryview
 ) -> tuple[InferenceRequest | None, LaterBody | None]:
@@ -167,7 +154,7 @@ def decoded(
 def place(
     later: LaterBody, answer: CallAnswer | None, dataplane: DataPlane, request: InferenceRequest
 ) -> None:
-    """The rest (:func:`rest_of`) left to the instance's thread, where the request's inputs are
+    """The rest (:func:`decoded`) left to the instance's thread, where the request's inputs are
     read by nothing before it (its answer armed for that thread, the model's instances blocking
     ones: ``later.routed_on_thread``, kept on the rest for the next call of the same model while
     the routes stand); else read now."""
