@@ -410,8 +410,12 @@ def test_a_held_job_closed_holds_its_gate_again_for_the_next(release):
         held.release()  # a release that comes after the delay's end: too late
     assert held._gate.locked()
     assert held.join(test_batcher.request("late")) is False  # closed
-    assert held.rearm(Job([test_batcher.request("b")]), time.perf_counter() + 60)
-    assert held.rearm(Job([test_batcher.request("c")]), time.perf_counter()) is False
+    holder = InstanceThread("m_0", _Instance())  # type: ignore[arg-type]  # (not started)
+    holder._offset, holder._held = 0.0, held  # (its clock: perf_counter's)
+    assert holder.submit_held(Job([test_batcher.request("b")]), time.perf_counter() + 60) is held
+    # Not closed yet: the next job is held by a HeldJob of its own.
+    other = holder.submit_held(Job([test_batcher.request("c")]), time.perf_counter())
+    assert other is not held and holder._held is other
     assert held.join(test_batcher.request("b2")) is True
     waited = threading.Event()
 

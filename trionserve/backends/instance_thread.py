@@ -195,8 +195,8 @@ class HeldJob:
     twelfth round).
 
     A thread holds its jobs one after the other, through one HeldJob re-armed
-    for each (:meth:`InstanceThread.submit_held`, once the last one's
-    ``wait_out`` closed it): no object and no lock made per batch. Its gate is
+    for each by :meth:`InstanceThread.submit_held` once the last one's
+    ``wait_out`` closed it: no object and no lock made per batch. Its gate is
     held whenever it is not released for the job it holds: ``wait_out``
     takes it back where a ``release`` came after the delay's end."""
 
@@ -210,18 +210,6 @@ class HeldJob:
         self._gate = threading.Lock()
         self._gate.acquire()  # (released by release: the thread's wait ends)
         self._released = False
-
-    def rearm(self, job: Job, until: float) -> bool:
-        """Hold ``job`` until ``until`` as :meth:`__init__` would, on the Trio
-        thread, if the last job held is closed (False: a new HeldJob is needed).
-        No lock: once closed, the thread does not look at it again until the
-        job's ``_put`` (``wait_out`` closes it last, its gate held again)."""
-        if self._job is not None:
-            return False
-        self._job = job
-        self._until = until
-        self._released = False
-        return True
 
     def join(self, request: InferenceRequest) -> bool:
         with self._lock:
@@ -403,8 +391,15 @@ class InstanceThread:
         if offset is None:  # (a MockClock's virtual time: read now)
             offset = trio.current_time() - time.perf_counter()
         held = self._held
-        if held is None or not held.rearm(job, start_at - offset):
+        if held is None or held._job is not None:
             held = self._held = HeldJob(job, start_at - offset, self._hold)
+        else:
+            # The last one held is closed: re-armed as __init__ would arm it. No
+            # lock: once closed, the thread does not look at it again until the
+            # job's ring (``wait_out`` closes it last, its gate held again).
+            held._job = job
+            held._until = start_at - offset
+            held._released = False
         job.held = held
         # _put and the doorbell's ring, written out.
         self._jobs.append(job)
