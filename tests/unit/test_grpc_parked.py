@@ -397,3 +397,25 @@ async def test_a_call_the_loop_answered_is_never_re_armed():
             await client.until(lambda: client.ended(stream_id))  # noqa: B023
             assert conn.spare_call is None
         assert len({id(call) for call in calls}) == 3
+
+
+async def test_a_read_that_sweeps_the_threads_reports_puts_the_servers_tick_off():
+    """The connection tells the server's tick (reportsweep.py) of each read that
+    swept the reports the thread left: each next call's read, after the thread
+    wrote the last one's answer and left its report (none before the first)."""
+
+    class Tick:
+        swept_reads = 0
+
+        def swept(self) -> None:
+            self.swept_reads += 1
+
+    infer, tick = Infer(), Tick()
+    async with serving(infer, report_sweep=tick) as (conn, client):
+        outcome = response()
+        for index in range(3):
+            stream_id, request, answer = await armed_call(infer, client)
+            assert tick.swept_reads == index
+            assert answer is not None and await thread_write(request, answer, outcome)
+            await client.until(lambda sid=stream_id: client.ended(sid))
+            deferred_jobs().append(Report(request, outcome))  # swept by the next read

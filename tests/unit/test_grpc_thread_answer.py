@@ -192,10 +192,14 @@ class Client:
 
 
 @asynccontextmanager
-async def serving(infer: Infer, **options):
+async def serving(infer: Infer, report_sweep=None, **options):
     server_sock, client_sock = trio.socket.socketpair()
     conn = Connection(
-        trio.SocketStream(server_sock), infer.methods(), TransportOptions(**options), trio.Event()
+        trio.SocketStream(server_sock),
+        infer.methods(),
+        TransportOptions(**options),
+        trio.Event(),
+        report_sweep=report_sweep,
     )
     client = Client(client_sock)
     async with trio.open_nursery() as nursery:

@@ -47,6 +47,7 @@ from trionserve.protocol.grpc.framing import (
 from trionserve.protocol.grpc.inflow import MessageReads
 from trionserve.protocol.grpc.options import TransportOptions
 from trionserve.protocol.grpc.parking import Handler, Parked, ParkedCalls
+from trionserve.protocol.grpc.reportsweep import ReportSweep
 from trionserve.protocol.grpc.request import HttpRefusal, RequestHead, read_request_head
 from trionserve.protocol.grpc.running import CallRunner
 from trionserve.protocol.grpc.state import (
@@ -88,8 +89,12 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         options: TransportOptions,
         draining: trio.Event,
         idle: dict[Connection, None] | None = None,
+        report_sweep: ReportSweep | None = None,
     ) -> None:
         self.stream = stream
+        # The server's tick for the threads' reports, put off by this reader's
+        # sweeps (reportsweep.py).
+        self._report_sweep = report_sweep
         self.methods = methods
         self.options = options
         # The last call's request headers and what they ask for: the same
@@ -297,6 +302,8 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
                             deferred.sweep()
                         finally:
                             self._sweeping = False
+                        if self._report_sweep is not None:
+                            self._report_sweep.swept()
                     if over is None:  # a protocol error, or closing
                         continue
                     if over:
@@ -351,6 +358,8 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
             deferred.sweep()
         finally:
             self._sweeping = False
+        if self._report_sweep is not None:
+            self._report_sweep.swept()
 
     def take_answer(self) -> None:
         """Before the loop touches h2 or the socket: the armed answer is the

@@ -53,6 +53,7 @@ from trionserve.core.memory import release_free_memory
 from trionserve.protocol.grpc.call import GrpcCall, Method
 from trionserve.protocol.grpc.connection import Connection
 from trionserve.protocol.grpc.options import TransportOptions
+from trionserve.protocol.grpc.reportsweep import ReportSweep
 from trionserve.protocol.grpc.status import GRPCError, Status
 from trionserve.protocol.listeners import Acceptor, open_tcp_listeners
 
@@ -118,6 +119,8 @@ class GrpcTransport:
         self._idle: dict[Connection, None] = {}
         # Set when the server starts draining: connections send GOAWAY.
         self._draining = trio.Event()
+        # The tick for the reports the threads left, put off by the reads' sweeps.
+        self._report_sweep = ReportSweep()
 
     async def serve(
         self,
@@ -133,7 +136,7 @@ class GrpcTransport:
         )
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_sweep_reports)
+                nursery.start_soon(self._report_sweep.run)
                 await self.acceptor.serve_until(
                     listeners,
                     shutdown,
@@ -174,7 +177,9 @@ class GrpcTransport:
                 await trio.aclose_forcefully(socket_stream)
                 return
             stream = tls
-        connection = Connection(stream, self._methods, self._options, draining, self._idle)
+        connection = Connection(
+            stream, self._methods, self._options, draining, self._idle, self._report_sweep
+        )
         # Trio reports a peer's reset from inside the connection's nursery as an
         # ExceptionGroup, hence except*: one broken client must never stop the server.
         try:
@@ -186,17 +191,3 @@ class GrpcTransport:
         if connection.buffer.peak >= RELEASE_MEMORY_AFTER:
             # What it held is free now: give it back to the system.
             await trio.to_thread.run_sync(release_free_memory)
-
-
-# How often the reports of answers the instances' threads wrote (answer.py) are
-# delivered when no client's next call comes first (as the HTTP server's tick).
-SWEEP_SECS = 0.25
-
-
-async def _sweep_reports() -> None:
-    """Deliver the deferred reports every ``SWEEP_SECS``: a call the thread
-    answered ends (its in-flight count, statistics) when its client sends
-    nothing more, and a drain does not wait for one."""
-    while True:
-        await trio.sleep(SWEEP_SECS)
-        sweep_deferred()
