@@ -62,7 +62,7 @@ def runtime_probes(world) -> Iterator[None]:
         if record is not None:
             record.accepted = True
 
-    def submit_now(self, request, arrived=None):  # (False: not queued, it would wait)
+    def submit_now(self, request, waited=False):  # (False: not queued, it would wait)
         record = world.record_for(request)
         if record is not None:
             # The version whose batcher this is (the one begin_now queues at).
@@ -70,7 +70,7 @@ def runtime_probes(world) -> Iterator[None]:
                 if version._scheduler is self:
                     record.version = version
         try:
-            accepted = original_submit_now(self, request, arrived)
+            accepted = original_submit_now(self, request, waited)
         except BaseException as exc:
             if record is not None:
                 record.refusal = exc

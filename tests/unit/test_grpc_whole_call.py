@@ -50,6 +50,20 @@ def _opened() -> Pair:
     return pair
 
 
+def _opened_whole(monkeypatch) -> list[bool]:
+    """Whether each call h2frames.open_whole was asked to open was taken whole, in turn."""
+    opened: list[bool] = []
+    open_whole = h2frames.open_whole
+
+    def counted(*args):
+        headers = open_whole(*args)
+        opened.append(headers is not None)
+        return headers
+
+    monkeypatch.setattr(h2frames, "open_whole", counted)
+    return opened
+
+
 def _block(frame: bytes) -> bytes:
     high, low = _HEADER.unpack_from(frame)[:2]
     return frame[9 : 9 + (high << 8) + low]
@@ -173,15 +187,7 @@ def _send(client, infer: Infer, body: bytes, cut: int, ping: bool = False):
 async def test_a_call_as_the_last_is_taken_whole_any_other_through_the_frame_loop(monkeypatch):
     through = _ThroughFrames(monkeypatch)
     digests = _digests(monkeypatch)
-    opened = []
-    open_whole = h2frames.open_whole
-
-    def counted(*args):
-        headers = open_whole(*args)
-        opened.append(headers is not None)
-        return headers
-
-    monkeypatch.setattr(h2frames, "open_whole", counted)
+    opened = _opened_whole(monkeypatch)
     parsed = []  # the calls whose frames were parsed (not as the last taken whole)
     whole_call = callhead.whole_call
 
@@ -403,15 +409,7 @@ async def test_a_ping_in_front_of_a_call_keeps_the_prediction_for_the_next(monke
     watch = sockets._Watch()
     monkeypatch.setattr(sockets._Watch, "current", classmethod(lambda cls: watch))
     digests = _digests(monkeypatch)
-    opened: list[bool] = []
-    open_whole = h2frames.open_whole
-
-    def counted(*args):
-        headers = open_whole(*args)
-        opened.append(headers is not None)
-        return headers
-
-    monkeypatch.setattr(h2frames, "open_whole", counted)
+    opened = _opened_whole(monkeypatch)
     body = bytes(range(256)) * 400
     sends = [body] * 6
     infer = Infer()

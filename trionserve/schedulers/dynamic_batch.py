@@ -243,17 +243,17 @@ class DynamicBatchScheduler(HeldBatches):
     # -- admission -------------------------------------------------------------------
 
     async def submit(self, request: InferenceRequest) -> None:
-        arrived = None
-        while not self.submit_now(request, arrived):  # the queue is full: wait for space
-            arrived = request.arrival_time
+        waited = False
+        while not self.submit_now(request, waited):  # the queue is full: wait for space
+            waited = True
             await self._space.wait()
 
-    def submit_now(self, request: InferenceRequest, arrived: float | None = None) -> bool:
+    def submit_now(self, request: InferenceRequest, waited: bool = False) -> bool:
         """:meth:`submit` as a plain call: False, the request not queued, where it
-        would wait for the queue's space; ``arrived``: it waited, try again."""
+        would wait for the queue's space; ``waited``: it waited, try again."""
         if self._closed:
             raise trio.ClosedResourceError
-        if arrived is not None:  # (no straight hand-over, no max_queue_size check again)
+        if waited:  # (no straight hand-over, no max_queue_size check again)
             now = trio.current_time()
             level = self._level_for(request.priority)
         else:

@@ -294,16 +294,7 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
                     else:
                         over = self._take_read(data)
                     if swept:
-                        deferred = self._deferred
-                        if deferred is None:
-                            deferred = self._deferred = deferred_jobs()
-                        self._sweeping, self._swept = True, 0
-                        try:
-                            deferred.sweep()
-                        finally:
-                            self._sweeping = False
-                        if self._report_sweep is not None:
-                            self._report_sweep.swept()
+                        self._deliver_reports()
                     if over is None:  # a protocol error, or closing
                         continue
                     if over:
@@ -341,20 +332,26 @@ class Connection(SocketWriter, BufferWindows, CallRunner, ParkedCalls, MessageRe
         return False
 
     def _sweep(self) -> None:
-        """take_answer, in the reader, before h2 sees a read: the calls parked
-        for the requests whose outcomes the sweep delivers end there
-        (parkedinfer.py) or are carried on after the read (_start_calls).
-        (_read does the same, the reports delivered after h2 saw the read.)"""
+        """take_answer, in the reader, before h2 sees a read, then the reports
+        delivered (:meth:`_deliver_reports`). (_read takes the answer before h2
+        sees its read and delivers the reports after it.)"""
+        answer = self.answer
+        if answer is not None:
+            answer.take()  # (take_answer; its report is swept next)
+        self._deliver_reports()
+
+    def _deliver_reports(self) -> None:
+        """In the reader: the run's reports the threads left, delivered
+        (sweep_deferred, once: an answer taken elsewhere left its report too,
+        with the run's reports found once per connection). The calls parked for
+        the requests whose outcomes it delivers end there (parkedinfer.py) or
+        are carried on after the read (_start_calls); the server's tick is put
+        off (reportsweep.py)."""
+        deferred = self._deferred
+        if deferred is None:
+            deferred = self._deferred = deferred_jobs()
         self._sweeping, self._swept = True, 0
         try:
-            answer = self.answer
-            if answer is not None:
-                answer.take()  # (take_answer; its report is swept here)
-            # sweep_deferred, once (an answer taken elsewhere left its report
-            # too), with the run's reports found once per connection.
-            deferred = self._deferred
-            if deferred is None:
-                deferred = self._deferred = deferred_jobs()
             deferred.sweep()
         finally:
             self._sweeping = False
